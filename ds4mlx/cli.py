@@ -1,0 +1,50 @@
+"""`ds4mlx` command line: argument parsing only.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and
+`run(args) -> int`; only the chosen module is imported, so `ds4mlx eval
+--self-test-extractors` never pays for loading MLX.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "serve": ("ds4mlx.serve.cli", "OpenAI / Anthropic / Responses HTTP server"),
+    "generate": ("ds4mlx.generate", "generate text from a prompt"),
+    "chat": ("ds4mlx.generate", "interactive chat in the terminal"),
+    "eval": ("ds4mlx.eval.cli", "ds4-eval harness: core and hard suites"),
+    "bench": ("ds4mlx.bench", "frontier prefill/decode benchmark"),
+    "convert": ("ds4mlx.convert", "convert a Hugging Face folder to a ds4-style GGUF"),
+    "quantize": ("ds4mlx.quantize", "quantize a model's routed experts into a new GGUF"),
+    "demo-model": ("ds4mlx.demo", "write the random-weight demo model and print its path"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: ds4mlx COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<11} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "`ds4mlx COMMAND -h` shows the options of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"ds4mlx: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"ds4mlx {name}", description=SUBCOMMANDS[name][1])
+    module.add_arguments(parser) if name != "chat" else module.add_chat_arguments(parser)
+    args = parser.parse_args(rest)
+    args.command = name
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The one engine event stream.
+
+The engine turns sampled tokens into these events; every front end (OpenAI chat,
+legacy completions, Anthropic, Responses, the CLI, eval) only decides how to print
+them.  Events carry plain Python values, never MLX arrays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """`done` of `total` prompt tokens evaluated (cached tokens count as done)."""
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Started:
+    """Prefill finished; generation begins.  Token counts of the effective prompt."""
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A fragment of the OpenAI-style `arguments` JSON text of call `index`."""
+    index: int
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCallEnd:
+    index: int
+    id: str
+    name: str
+    arguments: str  # the complete arguments JSON text
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # reused prefix (live session or disk checkpoint)
+    written_tokens: int = 0  # prompt_tokens - cached_tokens
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Last event of every job.  reason: stop | length | tool_calls | error | cancelled.
+
+    `result` is the final parse of the whole output (content, reasoning, tool calls),
+    which non-streaming responses print; `raw_text` is everything generated."""
+    reason: str
+    usage: Usage = field(default_factory=Usage)
+    raw_text: str = ""
+    result: Optional[Any] = None
+    error: Optional[str] = None
+
+
+Event = PrefillProgress | Started | TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish
