@@ -1,0 +1,137 @@
+"""Logits -> token id, on MLX arrays.
+
+`Sampler.sample(logits, params)` returns a lazy scalar `mx.array`; the caller's
+`.item()` is the only host synchronisation per token.  Semantics follow ds4's
+sampler (dsml.md §5.1):
+
+* temperature <= 0 -> argmax;
+* top_k > 0 restricts to the top_k logits (capped at 1024), else the full
+  vocabulary;
+* probabilities = softmax(logits / temperature); tokens are kept in
+  descending order while p >= min_p * p_max and until the kept mass reaches
+  top_p (top_p outside (0, 1] means 1); the draw is proportional to the kept
+  probabilities.
+
+Extras: a seed (0 = time based) making draws reproducible, an optional
+repetition penalty over a window of recent tokens, and banned ids (used by
+`ignore_eos`, which bans the stop tokens under greedy decoding).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+TOP_K_CAP = 1024
+
+# ds4's fixed defaults (also what thinking mode forces).
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_TOP_K = 0
+DEFAULT_MIN_P = 0.05
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    top_k: int = DEFAULT_TOP_K
+    min_p: float = DEFAULT_MIN_P
+    seed: int = 0  # 0 = time based
+    repetition_penalty: float = 1.0  # 1 = off; >1 penalises recent tokens
+    repetition_window: int = 0  # how many recent generated tokens are penalised
+
+    @property
+    def greedy(self) -> bool:
+        return not (self.temperature > 0.0)  # NaN counts as greedy
+
+    def as_greedy(self) -> "SamplingParams":
+        return replace(self, temperature=0.0)
+
+
+GREEDY = SamplingParams(temperature=0.0)
+THINKING_DEFAULTS = SamplingParams()
+
+
+def _clean(p: SamplingParams) -> tuple[float, float, int, float]:
+    t = float(p.temperature) if math.isfinite(p.temperature) else 0.0
+    top_p = float(p.top_p)
+    if not (0.0 < top_p <= 1.0):  # also catches NaN
+        top_p = 1.0
+    top_k = int(p.top_k) if p.top_k and p.top_k > 0 else 0
+    min_p = float(p.min_p)
+    if not (min_p > 0.0):
+        min_p = 0.0
+    return t, top_p, min(top_k, TOP_K_CAP), min(min_p, 1.0)
+
+
+def _time_seed() -> int:
+    return (time.time_ns() ^ (os.getpid() << 16) ^ id(object())) & 0xFFFFFFFF
+
+
+class Sampler:
+    """One per generation job: holds the PRNG key so seeded jobs are reproducible."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = int(seed) & 0xFFFFFFFFFFFFFFFF if seed else _time_seed()
+        self._key = mx.random.key(self.seed)
+
+    def _next_key(self) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def sample(
+        self,
+        logits: mx.array,
+        params: SamplingParams,
+        recent: Optional[Sequence[int]] = None,
+        banned: Optional[Sequence[int]] = None,
+    ) -> mx.array:
+        """Lazy scalar token id (uint32/int32) for one row of logits."""
+        x = logits.reshape(-1).astype(mx.float32)
+        vocab = x.shape[0]
+        if banned:
+            ids = mx.array([b for b in banned if 0 <= b < vocab], dtype=mx.int32)
+            if ids.size:
+                x[ids] = -math.inf
+        if recent and params.repetition_penalty != 1.0 and params.repetition_window > 0:
+            window = [t for t in list(recent)[-params.repetition_window:] if 0 <= t < vocab]
+            if window:
+                ids = mx.array(sorted(set(window)), dtype=mx.int32)
+                sel = x[ids]
+                pen = float(params.repetition_penalty)
+                x[ids] = mx.where(sel > 0, sel / pen, sel * pen)
+        temperature, top_p, top_k, min_p = _clean(params)
+        if temperature <= 0.0:
+            return mx.argmax(x)
+        key = self._next_key()
+        idx: Optional[mx.array] = None
+        vals = x
+        if 0 < top_k < vocab:
+            idx = mx.argpartition(-x, kth=top_k - 1)[:top_k]
+            vals = x[idx]
+        sort = top_p < 1.0
+        if sort:
+            order = mx.argsort(-vals)
+            vals = vals[order]
+            idx = order if idx is None else idx[order]
+        scaled = vals / temperature
+        probs = mx.softmax(scaled)
+        keep = None
+        if min_p > 0.0:
+            keep = probs >= min_p * mx.max(probs)
+        if sort:
+            before = mx.cumsum(probs) - probs  # mass of strictly more likely tokens
+            in_mass = before < top_p
+            keep = in_mass if keep is None else (keep & in_mass)
+        if keep is not None:
+            scaled = mx.where(keep, scaled, -math.inf)
+        choice = mx.random.categorical(scaled, key=key)
+        return choice if idx is None else idx[choice]
+
+    def __call__(self, logits, params, recent=None, banned=None) -> int:
+        return int(self.sample(logits, params, recent, banned).item())
