@@ -1,0 +1,621 @@
+"""DeepSeek V4 (Flash) in MLX: the graph, its per-layer caches and the weight mapping.
+
+Reference: transformers' `deepseek_v4` (modeling_deepseek_v4.py).  One decoder layer:
+
+    x [B, T, hc, H] --attn_hc(pre)--> collapsed --input_layernorm--> attention --attn_hc(post)--> x
+                    --ffn_hc(pre)---> collapsed --post_attention_layernorm--> MoE --ffn_hc(post)--> x
+
+Attention is shared-KV MQA (one K=V head of `head_dim`) over
+  * the sliding window: the last `sliding_window` tokens (query included), and
+  * for "compressed_sparse_attention" (CSA) layers: compressed entries, one per
+    `m` tokens from overlapping 2m-token windows, of which a lightning indexer keeps
+    the top `index_topk` per query;
+  * for "heavily_compressed_attention" (HCA) layers: all compressed entries, one per
+    `m'` tokens from non-overlapping windows.
+Query t sees compressed entry w iff w < (t+1)//m.  Each head has a learned sink
+logit; the output's rope slice gets the inverse rotation at the query position;
+the output projection is grouped low-rank (o_a_proj per group, then o_b_proj).
+
+The MoE is either hash-routed (`tid2eid[token]`) or top-k on sqrtsoftplus scores
+plus `e_score_correction_bias`; weights are the chosen scores renormalised times
+`routed_scaling_factor`; a shared expert is always added; SwiGLU is clamped at
+`swiglu_limit`.
+
+Caches (`LayerCache`, one per layer) hold every piece of state: a ring of the
+last `sliding_window` K=V rows, and per compressor (attention, indexer) the
+projections of the incomplete window, the previous window's overlap half (CSA),
+and the emitted compressed rows.  All control flow depends only on the host-side
+position counter, so a decode step never synchronises with the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .layers import (
+    GLUMLP,
+    HyperConnection,
+    HyperHead,
+    RMSNorm,
+    RoPE,
+    SwitchGLU,
+    attention_factor_from_params,
+    hc_post,
+    inv_freq_from_params,
+    rms_norm,
+    route_weights,
+    score_fn,
+    topk_indices,
+)
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+@dataclass
+class ModelArgs:
+    """Hugging Face `DeepseekV4Config` fields (same names and defaults)."""
+
+    model_type: str = "deepseek_v4"
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    q_lora_rank: int = 1024
+    num_experts_per_tok: int = 6
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    layer_types: list | None = None
+    compress_rates: dict | None = None
+    compress_rope_theta: float = 160000.0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1.0e-6
+    mlp_layer_types: list | None = None
+    swiglu_limit: float = 10.0
+    sliding_window: int = 128
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    num_nextn_predict_layers: int = 1
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1.0e-6
+    bos_token_id: int | None = 0
+    eos_token_id: Any = 1
+    pad_token_id: int | None = None
+    tie_word_embeddings: bool = False
+    rope_parameters: dict | None = None
+    partial_rotary_factor: float | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    # legacy / hub-checkpoint spellings, folded in by __post_init__ (as transformers does)
+    compress_ratios: list | None = None
+    compress_rate_csa: int | None = None
+    compress_rate_hca: int | None = None
+    num_hash_layers: int | None = None
+    qk_rope_head_dim: int | None = None
+    rope_scaling: dict | None = None
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "ModelArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in names})
+
+    def __post_init__(self):
+        n = self.num_hidden_layers
+        rates = dict(self.compress_rates or {CSA: 4, HCA: 128})
+        if self.compress_rate_csa is not None:
+            rates[CSA] = self.compress_rate_csa
+        if self.compress_rate_hca is not None:
+            rates[HCA] = self.compress_rate_hca
+        self.compress_rates = rates
+        if self.layer_types is None and self.compress_ratios is not None:
+            self.layer_types = [_RATIO_TO_TYPE[r] for r in self.compress_ratios]
+        if self.layer_types is None:
+            inter = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+            self.layer_types = [HCA] * min(n, 2) + inter
+        self.layer_types = list(self.layer_types[:n])
+        if self.mlp_layer_types is None:
+            nh = self.num_hash_layers if self.num_hash_layers is not None else 3
+            self.mlp_layer_types = ["hash_moe"] * min(n, nh) + ["moe"] * max(0, n - nh)
+        self.mlp_layer_types = list(self.mlp_layer_types[:n])
+        for name, types, allowed in (
+            ("layer_types", self.layer_types, (SLIDING, CSA, HCA)),
+            ("mlp_layer_types", self.mlp_layer_types, ("hash_moe", "moe")),
+        ):
+            if len(types) != n or any(t not in allowed for t in types):
+                raise ValueError(f"bad {name}: {types}")
+        if self.partial_rotary_factor is None:
+            self.partial_rotary_factor = (
+                self.qk_rope_head_dim / self.head_dim if self.qk_rope_head_dim is not None else 64 / 512
+            )
+        self.qk_rope_head_dim = int(self.head_dim * self.partial_rotary_factor)
+        rp = self.rope_parameters or self.rope_scaling or {}
+        if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+            self.rope_parameters = {"main": dict(rp["main"]), "compress": dict(rp["compress"])}
+        else:
+            yarn = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+            if "type" in yarn and "rope_type" not in yarn:
+                yarn["rope_type"] = yarn.pop("type")
+            main = {"rope_type": "default", "rope_theta": self.rope_theta}
+            compress = {**yarn, "rope_theta": self.compress_rope_theta}
+            compress.setdefault("rope_type", "default")
+            if compress["rope_type"] == "yarn":
+                compress.setdefault("attention_factor", 1.0)  # V4 applies no YaRN mscale
+            self.rope_parameters = {"main": main, "compress": compress}
+        if self.num_attention_heads * self.head_dim % self.o_groups:
+            raise ValueError("num_attention_heads*head_dim must be divisible by o_groups")
+
+    def ratio(self, layer_type: str) -> int:
+        return 0 if layer_type == SLIDING else int(self.compress_rates[layer_type])
+
+
+# ----------------------------------------------------------------------------- caches
+
+
+class CompressorState:
+    """Rolling state of one compressor (the attention's or the indexer's) of one layer.
+
+    buf_kv / buf_gate  [1, m, c*D]  projections of the current, incomplete window
+                                    (the first `offset % m` rows are live)
+    ov_kv / ov_gate    [1, m, D]    CSA only: the previous window's "Ca" half (gate
+                                    includes position_bias); zeros / -inf before any
+    rows               [1, cap, D]  emitted compressed rows; the first `n` are live
+    """
+
+    GROW = 256
+
+    def __init__(self, ratio: int, dim: int, overlap: bool):
+        self.ratio, self.dim, self.overlap = ratio, dim, overlap
+        self.buf_kv = self.buf_gate = self.ov_kv = self.ov_gate = self.rows = None
+        self.n = 0
+
+    def init(self, dtype):
+        c = 2 if self.overlap else 1
+        m, d = self.ratio, self.dim
+        self.buf_kv = mx.zeros((1, m, c * d), dtype)
+        self.buf_gate = mx.zeros((1, m, c * d), dtype)
+        if self.overlap:
+            self.ov_kv = mx.zeros((1, m, d), dtype)
+            self.ov_gate = mx.full((1, m, d), -mx.inf, dtype)
+        self.rows = mx.zeros((1, 0, d), dtype)
+        self.n = 0
+
+    def append(self, new: mx.array) -> mx.array:
+        k = new.shape[1]
+        if self.n + k > self.rows.shape[1]:
+            cap = -(-(self.n + k) // self.GROW) * self.GROW
+            pad = mx.zeros((1, cap - self.rows.shape[1], self.dim), self.rows.dtype)
+            self.rows = mx.concatenate([self.rows, pad], axis=1)
+        self.rows[:, self.n : self.n + k] = new
+        self.n += k
+        return self.rows[:, : self.n]
+
+    def live_rows(self) -> mx.array:
+        return self.rows[:, : self.n]
+
+    def arrays(self, prefix: str) -> dict:
+        if self.rows is None:
+            return {}
+        out = {f"{prefix}buf_kv": self.buf_kv, f"{prefix}buf_gate": self.buf_gate, f"{prefix}rows": self.live_rows()}
+        if self.overlap:
+            out[f"{prefix}ov_kv"], out[f"{prefix}ov_gate"] = self.ov_kv, self.ov_gate
+        return out
+
+    def load(self, prefix: str, arrays: dict, n: int, cap: int):
+        if f"{prefix}rows" not in arrays:
+            self.buf_kv = self.buf_gate = self.ov_kv = self.ov_gate = self.rows = None
+            self.n = 0
+            return
+        self.buf_kv, self.buf_gate = arrays[f"{prefix}buf_kv"], arrays[f"{prefix}buf_gate"]
+        if self.overlap:
+            self.ov_kv, self.ov_gate = arrays[f"{prefix}ov_kv"], arrays[f"{prefix}ov_gate"]
+        rows = arrays[f"{prefix}rows"]
+        if rows.shape[1] != n or cap < n:
+            raise ValueError("compressed row count mismatch")
+        self.rows = mx.concatenate([rows, mx.zeros((1, cap - n, self.dim), rows.dtype)], axis=1)
+        self.n = n
+
+
+class LayerCache:
+    """All state of one DeepSeek V4 layer: sliding K=V ring + compressor states.
+
+    ring [1, 1, W, D]: slot j holds the K=V row of the latest position p with p % W == j.
+    """
+
+    def __init__(self, layer_type: str, window: int, head_dim: int, ratio: int, index_head_dim: int):
+        self.layer_type, self.window, self.head_dim = layer_type, window, head_dim
+        self.offset = 0
+        self.ring = None
+        self.comp = CompressorState(ratio, head_dim, layer_type == CSA) if ratio else None
+        self.index = CompressorState(ratio, index_head_dim, True) if layer_type == CSA else None
+
+    # -- sliding window ---------------------------------------------------------------
+    def sliding(self, kv: mx.array) -> tuple[mx.array, mx.array | None]:
+        """Store this chunk's K=V rows; return (keys [1,1,L,D], mask [C,L] bool or None)."""
+        W, s, C = self.window, self.offset, kv.shape[2]
+        if self.ring is None:
+            self.ring = mx.zeros((1, 1, W, kv.shape[-1]), kv.dtype)
+        if C == 1:
+            slot = s % W
+            self.ring[:, :, slot : slot + 1] = kv
+            mask = None if s >= W - 1 else (mx.arange(W) <= s)[None]
+            return self.ring, mask
+        keys = mx.concatenate([self.ring, kv], axis=2)
+        j = mx.arange(W)
+        ring_pos = (s - 1) - ((s - 1 - j) % W)  # position held by ring slot j (< 0: empty)
+        pos = mx.concatenate([ring_pos, s + mx.arange(C)])
+        t = (s + mx.arange(C))[:, None]
+        mask = (pos[None] <= t) & (pos[None] > t - W) & (pos[None] >= 0)
+        last = (s + C - 1) - ((s + C - 1 - j) % W)  # newest position per slot after the chunk
+        self.ring = mx.take(keys, mx.where(last >= s, W + last - s, j), axis=2)
+        return keys, mask
+
+    # -- snapshot support --------------------------------------------------------------
+    @property
+    def state(self) -> dict:
+        out = {} if self.ring is None else {"ring": self.ring}
+        if self.comp is not None:
+            out.update(self.comp.arrays("comp."))
+        if self.index is not None:
+            out.update(self.index.arrays("index."))
+        return out
+
+    @property
+    def meta_state(self) -> dict:
+        meta = {"type": self.layer_type, "offset": self.offset, "window": self.window}
+        for name, st in (("comp", self.comp), ("index", self.index)):
+            if st is not None:
+                meta[name] = {"n": st.n, "cap": 0 if st.rows is None else st.rows.shape[1], "ratio": st.ratio}
+        return meta
+
+    def load(self, meta: dict, arrays: dict):
+        if meta.get("type") != self.layer_type or meta.get("window") != self.window:
+            raise ValueError("layer cache layout mismatch")
+        self.offset = int(meta["offset"])
+        self.ring = arrays.get("ring")
+        for name, st in (("comp", self.comp), ("index", self.index)):
+            if st is not None:
+                m = meta[name]
+                if m["ratio"] != st.ratio:
+                    raise ValueError("compress ratio mismatch")
+                st.load(f"{name}.", arrays, int(m["n"]), int(m["cap"]))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state.values())
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection: group g of x [..., G, in] times weight[g] -> [..., G*out]."""
+
+    def __init__(self, in_per_group: int, out_total: int, groups: int):
+        super().__init__()
+        self.weight = mx.zeros((out_total, in_per_group))
+        self.groups = groups
+
+    def __call__(self, x: mx.array) -> mx.array:
+        G = self.groups
+        w = self.weight.reshape(G, -1, self.weight.shape[-1])  # [G, out, in]
+        lead = x.shape[:-2]
+        xg = x.reshape(-1, G, x.shape[-1]).swapaxes(0, 1)  # [G, N, in]
+        y = xg @ w.swapaxes(-1, -2)  # [G, N, out]
+        return y.swapaxes(0, 1).reshape(*lead, -1)
+
+
+class Compressor(nn.Module):
+    """Gated pooling of `m`-token windows into one row (HCA), or of overlapping
+    2m-token windows (`overlap=True`, CSA and its indexer): row w pools window w-1's
+    "Ca" half with window w's "Cb" half.  Rows are RMS-normed and roped (compress
+    rope) at position w*m.  Parameter names as transformers' compressors."""
+
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float, rope: RoPE):
+        super().__init__()
+        c = 2 if overlap else 1
+        self.kv_proj = nn.Linear(hidden, c * dim, bias=False)
+        self.gate_proj = nn.Linear(hidden, c * dim, bias=False)
+        self.position_bias = mx.zeros((ratio, c * dim))
+        self.kv_norm = RMSNorm(dim, eps)
+        self._ratio, self._dim, self._overlap, self._rope = ratio, dim, overlap, rope
+
+    def pool(self, x: mx.array, st: CompressorState, s: int) -> mx.array:
+        """Feed chunk x [1, C, H] at positions s..s+C-1; return all live rows [1, N, dim]."""
+        m, d, C = self._ratio, self._dim, x.shape[1]
+        if st.rows is None:
+            st.init(x.dtype)
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        b = s % m
+        if C == 1:
+            st.buf_kv[:, b : b + 1] = kv
+            st.buf_gate[:, b : b + 1] = gate
+            if b + 1 < m:
+                return st.live_rows()
+            win_kv, win_gate, n_w = st.buf_kv, st.buf_gate, 1
+        else:
+            if b:
+                kv = mx.concatenate([st.buf_kv[:, :b], kv], axis=1)
+                gate = mx.concatenate([st.buf_gate[:, :b], gate], axis=1)
+            n_w = (b + C) // m
+            usable, rest = n_w * m, (b + C) % m
+            if rest:
+                st.buf_kv[:, :rest] = kv[:, usable:]
+                st.buf_gate[:, :rest] = gate[:, usable:]
+            if n_w == 0:
+                return st.live_rows()
+            win_kv, win_gate = kv[:, :usable], gate[:, :usable]
+        w0 = (s - b) // m
+        win_kv = win_kv.reshape(1, n_w, m, -1)
+        win_gate = win_gate.reshape(1, n_w, m, -1) + self.position_bias.astype(win_gate.dtype)
+        if self._overlap:
+            ca_kv, cb_kv = win_kv[..., :d], win_kv[..., d:]
+            ca_g, cb_g = win_gate[..., :d], win_gate[..., d:]
+            prev_kv = mx.concatenate([st.ov_kv[:, None], ca_kv[:, :-1]], axis=1)
+            prev_g = mx.concatenate([st.ov_gate[:, None], ca_g[:, :-1]], axis=1)
+            st.ov_kv, st.ov_gate = ca_kv[:, -1], ca_g[:, -1]
+            win_kv = mx.concatenate([prev_kv, cb_kv], axis=2)
+            win_gate = mx.concatenate([prev_g, cb_g], axis=2)
+        w = mx.softmax(win_gate.astype(mx.float32), axis=2, precise=True).astype(win_kv.dtype)
+        rows = self.kv_norm((win_kv * w).sum(axis=2))  # [1, n_w, d]
+        rows = self._rope(rows, offset=w0, scale=float(m))
+        return st.append(rows)
+
+
+class IndexerScorer(nn.Module):
+    def __init__(self, hidden: int, n_heads: int):
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden, n_heads, bias=False)
+
+
+class Indexer(Compressor):
+    """Lightning indexer: its own overlapping compressor at index_head_dim; scores
+    sum_h w_h(x) * ReLU(q_h . k) / sqrt(d * n_heads) in float32."""
+
+    def __init__(self, args: ModelArgs, ratio: int, rope: RoPE):
+        d, nh = args.index_head_dim, args.index_n_heads
+        super().__init__(args.hidden_size, d, ratio, True, args.rms_norm_eps, rope)
+        self.q_b_proj = nn.Linear(args.q_lora_rank, nh * d, bias=False)
+        self.scorer = IndexerScorer(args.hidden_size, nh)
+        self._nh = nh
+
+    def __call__(self, x: mx.array, q_res: mx.array, st: CompressorState, s: int) -> mx.array | None:
+        """Index scores [1, C, N] over all live indexer rows (None when there are none)."""
+        keys = self.pool(x, st, s)
+        if keys.shape[1] == 0:
+            return None
+        B, C, _ = x.shape
+        q = self.q_b_proj(q_res).reshape(B, C, self._nh, self._dim).swapaxes(1, 2)
+        q = self._rope(q, offset=s).swapaxes(1, 2)  # [B, C, nh, d]
+        sc = mx.maximum(q.astype(mx.float32) @ keys.astype(mx.float32).swapaxes(-1, -2)[:, None], 0.0)
+        w = self.scorer.weights_proj(x).astype(mx.float32) * (self._nh**-0.5 * self._dim**-0.5)
+        return (w[:, :, None, :] @ sc).squeeze(2)  # [B, C, N]
+
+
+class CompressorBranch(Compressor):
+    """The compressed-attention branch of a CSA/HCA layer (transformers' `compressor`)."""
+
+    def __init__(self, args: ModelArgs, layer_type: str, rope: RoPE):
+        m, csa = args.ratio(layer_type), layer_type == CSA
+        super().__init__(args.hidden_size, args.head_dim, m, csa, args.rms_norm_eps, rope)
+        if csa:
+            self.indexer = Indexer(args, m, rope)
+        self._topk = args.index_topk
+
+    def __call__(self, x, q_res, cache: LayerCache, s: int):
+        """Return (rows [1, 1, K, D], mask [C, K] bool or None) for this chunk."""
+        rows = self.pool(x, cache.comp, s)
+        if self._overlap:
+            scores = self.indexer(x, q_res, cache.index, s)
+        N, C, m = rows.shape[1], x.shape[1], self._ratio
+        if N == 0:
+            return None, None
+        causal = None
+        if C > 1:
+            causal = mx.arange(N)[None] < ((s + mx.arange(C)) + 1)[:, None] // m  # [C, N]
+        if self._overlap and N > self._topk:
+            if C == 1:  # every row is causal for a decode step: gather the chosen rows
+                idx = topk_indices(scores[0, 0], self._topk)
+                return mx.take(rows, idx, axis=1)[:, None], None
+            masked = mx.where(causal[None], scores, -mx.inf)
+            idx = topk_indices(masked, self._topk)
+            chosen = mx.put_along_axis(mx.zeros(masked.shape, mx.bool_), idx, mx.array(True), axis=-1)
+            return rows[:, None], chosen[0] & causal
+        return rows[:, None], causal
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int, ropes: dict):
+        super().__init__()
+        self.layer_type = args.layer_types[layer_idx]
+        nh, D = args.num_attention_heads, args.head_dim
+        self.q_a_proj = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.q_b_proj = nn.Linear(args.q_lora_rank, nh * D, bias=False)
+        self.kv_proj = nn.Linear(args.hidden_size, D, bias=False)
+        self.kv_norm = RMSNorm(D, args.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(nh * D // args.o_groups, args.o_groups * args.o_lora_rank, args.o_groups)
+        self.o_b_proj = nn.Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
+        self.sinks = mx.zeros((nh,))
+        rope = ropes["main" if self.layer_type == SLIDING else "compress"]
+        if self.layer_type != SLIDING:
+            self.compressor = CompressorBranch(args, self.layer_type, rope)
+        self._nh, self._D, self._eps, self._rope = nh, D, args.rms_norm_eps, rope
+        self._groups = args.o_groups
+
+    def __call__(self, x: mx.array, cache: LayerCache) -> mx.array:
+        B, C, _ = x.shape
+        s = cache.offset
+        q_res = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_res).reshape(B, C, self._nh, self._D).swapaxes(1, 2)
+        q = self._rope(rms_norm(q, None, self._eps), offset=s)
+        kv = self._rope(self.kv_norm(self.kv_proj(x))[:, None], offset=s)  # [B, 1, C, D]
+        keys, mask = cache.sliding(kv)
+        if self.layer_type != SLIDING:
+            rows, cmask = self.compressor(x, q_res, cache, s)
+            if rows is not None:
+                if mask is not None or cmask is not None:
+                    Lk, Lc = keys.shape[2], rows.shape[2]
+                    mask = mx.ones((C, Lk), mx.bool_) if mask is None else mx.broadcast_to(mask, (C, Lk))
+                    cmask = mx.ones((C, Lc), mx.bool_) if cmask is None else cmask
+                    mask = mx.concatenate([mask, cmask], axis=1)
+                keys = mx.concatenate([keys, rows.astype(keys.dtype)], axis=2)
+        out = mx.fast.scaled_dot_product_attention(
+            q, keys, keys, scale=self._D**-0.5, mask=mask, sinks=self.sinks.astype(q.dtype)
+        )
+        out = self._rope(out, offset=s, scale=-1.0).swapaxes(1, 2)  # inverse rope, [B, C, nh, D]
+        out = self.o_a_proj(out.reshape(B, C, self._groups, -1))
+        return self.o_b_proj(out)
+
+
+class Router(nn.Module):
+    def __init__(self, args: ModelArgs, hashed: bool):
+        super().__init__()
+        self.weight = mx.zeros((args.n_routed_experts, args.hidden_size))
+        if hashed:
+            self.tid2eid = mx.zeros((args.vocab_size, args.num_experts_per_tok), mx.int32)
+        else:
+            self.e_score_correction_bias = mx.zeros((args.n_routed_experts,))
+        self._hashed = hashed
+        self._k, self._kind, self._scale = args.num_experts_per_tok, args.scoring_func, args.routed_scaling_factor
+
+    def __call__(self, x: mx.array, ids: mx.array) -> tuple[mx.array, mx.array]:
+        """(indices [..., k], weights [..., k] f32)."""
+        scores = score_fn(x @ self.weight.T.astype(x.dtype), self._kind)
+        if self._hashed:
+            idx = self.tid2eid[ids]
+        else:
+            idx = topk_indices(scores + self.e_score_correction_bias.astype(mx.float32), self._k)
+        # transformers always renormalises the chosen weights (norm_topk_prob is not read).
+        return idx, route_weights(scores, idx, True, self._scale)
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.gate = Router(args, args.mlp_layer_types[layer_idx] == "hash_moe")
+        self.experts = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.n_routed_experts, args.swiglu_limit)
+        self.shared_experts = GLUMLP(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
+
+    def __call__(self, x: mx.array, ids: mx.array) -> mx.array:
+        idx, w = self.gate(x, ids)
+        y = self.experts(x, idx)  # [..., k, H]
+        y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
+        return y + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int, ropes: dict):
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx, ropes)
+        self.mlp = MoE(args, layer_idx)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        hc = (args.hc_mult, args.hidden_size, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+    def __call__(self, x: mx.array, ids: mx.array, cache: LayerCache) -> mx.array:
+        post, comb, collapsed = self.attn_hc(x)
+        x = hc_post(x, self.self_attn(self.input_layernorm(collapsed), cache), post, comb)
+        post, comb, collapsed = self.ffn_hc(x)
+        return hc_post(x, self.mlp(self.post_attention_layernorm(collapsed), ids), post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        rd = args.qk_rope_head_dim
+        self._ropes = {
+            name: RoPE(
+                rd,
+                inv_freq_from_params(rd, args.rope_parameters[name], args.max_position_embeddings),
+                attention_factor_from_params(args.rope_parameters[name], args.max_position_embeddings),
+            )
+            for name in ("main", "compress")
+        }
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i, self._ropes) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.hc_head = HyperHead(args.hc_mult, args.hidden_size, args.hc_eps, args.rms_norm_eps)
+        self._hc = args.hc_mult
+
+    def __call__(self, ids: mx.array, cache: list[LayerCache]) -> mx.array:
+        h = self.embed_tokens(ids)
+        x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, ids, c)
+        for c in cache:
+            c.offset += ids.shape[1]
+        return self.norm(self.hc_head(x))
+
+
+class Model(nn.Module):
+    """DeepseekV4ForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = DeepseekV4Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, ids: mx.array, cache: list[LayerCache] | None = None, last_only: bool = False) -> mx.array:
+        """Forward `ids` [1, T] after the state in `cache` (a fresh one when None).
+
+        `last_only=True` returns only the last position's logits ([1, 1, V])."""
+        if ids.ndim == 1:
+            ids = ids[None]
+        if cache is None:
+            cache = self.make_cache()
+        h = self.model(ids, cache)
+        if last_only:
+            h = h[:, -1:]
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def make_cache(self) -> list[LayerCache]:
+        a = self.args
+        return [
+            LayerCache(t, a.sliding_window, a.head_dim, a.ratio(t), a.index_head_dim) for t in a.layer_types
+        ]
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def sanitize(self, weights: dict) -> dict:
+        """Map transformers' in-memory state-dict names onto this module's parameters."""
+        out = {}
+        for k, v in weights.items():
+            if k.startswith("mtp.") or ".mtp." in k or "rotary_emb" in k:
+                continue
+            if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
+                k = k + ".weight"
+            elif k.endswith("mlp.gate.tid2eid"):
+                v = v.astype(mx.int32) if isinstance(v, mx.array) else mx.array(v).astype(mx.int32)
+            out[k] = v
+        if self.args.tie_word_embeddings:
+            out.pop("lm_head.weight", None)
+        return out

@@ -1,0 +1,394 @@
+"""Building blocks shared by the model families (DeepSeek V4, GLM 5.x, Qwen3.8).
+
+Everything here is plain MLX and family-agnostic:
+
+* RMS norms (`rms_norm`, weighted or not) on top of `mx.fast.rms_norm`;
+* rotary embeddings: default and YaRN inverse frequencies (`default_inv_freq`,
+  `yarn_inv_freq`) and `RoPE`, an interleaved ("traditional") rope applied to the
+  *trailing* `dims` channels of each head via `mx.fast.rope`;
+* manifold-constrained hyper-connections (mHC): `sinkhorn`, `hc_pre`, `hc_post`,
+  `hc_head` as free functions with explicit parameters (a fused kernel replaces
+  them later) and a thin `HyperConnection` parameter holder;
+* mixture of experts: `SwitchLinear` / `QuantizedSwitchLinear` (`mx.gather_mm` /
+  `mx.gather_qmm`, quantizable with `nn.quantize`), `SwitchGLU` (fused gate/up,
+  clamped SwiGLU), `GLUMLP` (the dense/shared expert), router helpers.
+
+Dtype policy: matmuls run in the weights' dtype; softmax, Sinkhorn and router
+scores are computed in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# --------------------------------------------------------------------------- norms
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """RMSNorm over the last axis (`weight=None`: unweighted)."""
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.weight.astype(x.dtype), self.eps)
+
+
+# --------------------------------------------------------------------------- rope
+
+
+def default_inv_freq(dim: int, base: float) -> mx.array:
+    """1 / base^(2i/dim), i < dim/2 (float32, computed as transformers does)."""
+    exps = mx.arange(0, dim, 2, dtype=mx.float32) / dim
+    return 1.0 / (base**exps)
+
+
+def yarn_inv_freq(
+    dim: int,
+    base: float,
+    factor: float,
+    original_max_position_embeddings: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+) -> mx.array:
+    """YaRN ("NTK-by-parts") inverse frequencies, as transformers' `_compute_yarn_parameters`.
+
+    Only the frequencies: the attention factor (mscale) is the caller's business
+    (DeepSeek V4 forces it to 1.0).
+    """
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (mx.arange(0, dim, 2, dtype=mx.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    ramp = mx.clip((mx.arange(dim // 2, dtype=mx.float32) - low) / (high - low), 0.0, 1.0)
+    extra_factor = 1.0 - ramp
+    return interpolation * (1.0 - extra_factor) + extrapolation * extra_factor
+
+
+def inv_freq_from_params(dim: int, params: dict, max_position_embeddings: int) -> mx.array:
+    """Inverse frequencies from a transformers-style rope parameter dict."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    base = float(params["rope_theta"])
+    if rope_type == "default":
+        return default_inv_freq(dim, base)
+    if rope_type == "yarn":
+        factor = params.get("factor")
+        orig = params.get("original_max_position_embeddings", max_position_embeddings)
+        if factor is None:
+            factor = max_position_embeddings / orig
+        return yarn_inv_freq(
+            dim,
+            base,
+            float(factor),
+            int(orig),
+            float(params.get("beta_fast") or 32),
+            float(params.get("beta_slow") or 1),
+            # transformers reads `truncate` from the *top-level* rope dict, which for
+            # DeepSeek V4's nested {"main", "compress"} layout never has it: always True.
+            True,
+        )
+    raise ValueError(f"unsupported rope_type {rope_type!r}")
+
+
+def attention_factor_from_params(params: dict, max_position_embeddings: int) -> float:
+    """The cos/sin scale transformers applies (YaRN's mscale; 1.0 for default rope)."""
+    if params.get("rope_type", params.get("type", "default")) != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = params.get("factor") or max_position_embeddings / params["original_max_position_embeddings"]
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all))
+    return float(get_mscale(factor))
+
+
+class RoPE(nn.Module):
+    """Interleaved rope (pairs (2i, 2i+1)) on the trailing `dims` channels: `[nope | rope]`.
+
+    `__call__(x, offset, scale)` rotates row `j` of axis -2 by angle
+    `scale * (offset + j) * inv_freq`; `scale=-1` gives the inverse rotation at
+    positions `offset + j`, and `scale=m` positions `m*offset, m*(offset+1), ...`.
+    """
+
+    def __init__(self, dims: int, inv_freq: mx.array, attention_factor: float = 1.0):
+        super().__init__()
+        self.dims = dims
+        self._freqs = (1.0 / inv_freq).astype(mx.float32)  # mx.fast.rope wants periods
+        self._mscale = attention_factor  # transformers multiplies cos and sin by it
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0, scale: float = 1.0) -> mx.array:
+        if self.dims == 0:
+            return x
+        d = x.shape[-1]
+        rope = x if self.dims == d else x[..., d - self.dims :]
+        rope = mx.fast.rope(rope, self.dims, traditional=True, base=None, scale=scale, offset=offset, freqs=self._freqs)
+        if self._mscale != 1.0:
+            rope = rope * self._mscale
+        if self.dims == d:
+            return rope
+        return mx.concatenate([x[..., : d - self.dims], rope], axis=-1)
+
+
+# --------------------------------------------------------------------------- mHC
+
+
+def sinkhorn(logits: mx.array, iters: int, eps: float) -> mx.array:
+    """Doubly-stochastic projection of `[..., n, n]` (float32) as DeepSeek V4 does it.
+
+    `softmax(rows) + eps`, then column-normalise, then `iters-1` times
+    (row-normalise, column-normalise), each with `+eps` in the denominator.
+    """
+    comb = mx.softmax(logits, axis=-1, precise=True) + eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    return comb
+
+
+def hc_pre(
+    x: mx.array,
+    fn: mx.array,
+    base: mx.array,
+    scale: mx.array,
+    *,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Hyper-connection "pre" step (mHC) for one block.
+
+    x:     [..., n, d] residual streams (n = hc_mult)
+    fn:    [(2+n)*n, n*d] projection, base: [(2+n)*n], scale: [3]
+    returns (post [..., n] f32, comb [..., n, n] f32, collapsed [..., d] in x.dtype):
+      mix = rms(flatten(x)) @ fn.T (float32)
+      pre  = sigmoid(mix_pre  * scale0 + base_pre) + hc_eps
+      post = 2 * sigmoid(mix_post * scale1 + base_post)
+      comb = sinkhorn(mix_comb * scale2 + base_comb)
+      collapsed = sum_i pre_i * x_i
+    """
+    n = x.shape[-2]
+    flat = x.reshape(*x.shape[:-2], -1).astype(mx.float32)
+    mix = mx.fast.rms_norm(flat, None, norm_eps) @ fn.astype(mx.float32).T
+    base = base.astype(mx.float32)
+    scale = scale.astype(mx.float32)
+    pre = mx.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2.0 * mx.sigmoid(mix[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb_logits = mix[..., 2 * n :] * scale[2] + base[2 * n :]
+    comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], n, n), sinkhorn_iters, hc_eps)
+    collapsed = (pre[..., None] * x).sum(axis=-2).astype(x.dtype)
+    return post, comb, collapsed
+
+
+def hc_post(x: mx.array, out: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+    """Hyper-connection "post" step: new_k = post_k * out + sum_j comb[j, k] * x_j.
+
+    x: [..., n, d] streams entering the block, out: [..., d] block output.
+    """
+    dtype = x.dtype
+    mixed = mx.swapaxes(comb.astype(dtype), -1, -2) @ x
+    return post.astype(dtype)[..., None] * out[..., None, :] + mixed
+
+
+def hc_head(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, hc_eps: float, norm_eps: float) -> mx.array:
+    """Final collapse of the n streams: sum_i (sigmoid(mix_i*scale + base_i) + eps) * x_i."""
+    flat = x.reshape(*x.shape[:-2], -1).astype(mx.float32)
+    mix = mx.fast.rms_norm(flat, None, norm_eps) @ fn.astype(mx.float32).T
+    pre = mx.sigmoid(mix * scale.astype(mx.float32) + base.astype(mx.float32)) + hc_eps
+    return (pre[..., None] * x).sum(axis=-2).astype(x.dtype)
+
+
+class HyperConnection(nn.Module):
+    """Parameters of one mHC site (names as transformers: fn, base, scale)."""
+
+    def __init__(self, hc_mult: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        k = (2 + hc_mult) * hc_mult
+        self.fn = mx.zeros((k, hc_mult * hidden_size))
+        self.base = mx.zeros((k,))
+        self.scale = mx.ones((3,))
+        self._iters, self._hc_eps, self._norm_eps = sinkhorn_iters, hc_eps, norm_eps
+
+    def __call__(self, x: mx.array):
+        return hc_pre(
+            x, self.fn, self.base, self.scale, sinkhorn_iters=self._iters, hc_eps=self._hc_eps, norm_eps=self._norm_eps
+        )
+
+
+class HyperHead(nn.Module):
+    def __init__(self, hc_mult: int, hidden_size: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.hc_fn = mx.zeros((hc_mult, hc_mult * hidden_size))
+        self.hc_base = mx.zeros((hc_mult,))
+        self.hc_scale = mx.ones((1,))
+        self._hc_eps, self._norm_eps = hc_eps, norm_eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return hc_head(x, self.hc_fn, self.hc_base, self.hc_scale, hc_eps=self._hc_eps, norm_eps=self._norm_eps)
+
+
+# --------------------------------------------------------------------------- MoE
+
+
+def clamped_swiglu(gate: mx.array, up: mx.array, limit: float | None) -> mx.array:
+    """silu(min(gate, limit)) * clip(up, -limit, limit); no clamp when limit is None/0."""
+    if limit:
+        gate = mx.minimum(gate, limit)
+        up = mx.clip(up, -limit, limit)
+    return nn.silu(gate) * up
+
+
+class SwitchLinear(nn.Module):
+    """Per-expert linear, weight [E, out, in]; `x @ W[idx].T` through `mx.gather_mm`."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int):
+        super().__init__()
+        self.weight = mx.zeros((num_experts, output_dims, input_dims))
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_):
+        num_experts, output_dims, input_dims = self.weight.shape
+        q = QuantizedSwitchLinear(input_dims, output_dims, num_experts, group_size, bits, mode)
+        q.weight, q.scales, *biases = mx.quantize(self.weight, group_size, bits, mode=mode)
+        q.biases = biases[0] if biases else None
+        return q
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """Quantized `SwitchLinear` (`mx.gather_qmm`)."""
+
+    def __init__(self, input_dims, output_dims, num_experts, group_size=None, bits=None, mode="affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.weight, self.scales, *biases = mx.quantize(
+            mx.zeros((num_experts, output_dims, input_dims)), group_size, bits, mode=mode
+        )
+        self.biases = biases[0] if biases else None
+        self.freeze()
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return mx.gather_qmm(
+            x,
+            self.weight,
+            self.scales,
+            self.biases,
+            rhs_indices=indices,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=sorted_indices,
+        )
+
+
+def _gather_sort(x: mx.array, indices: mx.array):
+    """Sort the (token, slot) pairs by expert so gather_mm reads each expert once."""
+    *_, k = indices.shape
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    inv_order = mx.argsort(order)
+    return x.flatten(0, -3)[order // k], flat[order], inv_order
+
+
+def _scatter_unsort(x: mx.array, inv_order: mx.array, shape) -> mx.array:
+    return x[inv_order].reshape(*shape, *x.shape[1:])
+
+
+class SwitchGLU(nn.Module):
+    """Routed experts with a fused gate/up projection (gate rows first), as transformers' layout.
+
+    gate_up_proj: SwitchLinear [E, 2I, H], down_proj: SwitchLinear [E, H, I].
+    `__call__(x [..., H], indices [..., k]) -> [..., k, H]` (unweighted per-slot outputs).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, limit: float | None):
+        super().__init__()
+        self.gate_up_proj = SwitchLinear(hidden, 2 * intermediate, num_experts)
+        self.down_proj = SwitchLinear(intermediate, hidden, num_experts)
+        self._intermediate = intermediate
+        self._limit = limit
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]
+        do_sort = indices.size >= 64
+        idx, inv_order = indices, None
+        if do_sort:
+            x, idx, inv_order = _gather_sort(x, indices)
+        gu = self.gate_up_proj(x, idx, sorted_indices=do_sort)
+        h = clamped_swiglu(gu[..., : self._intermediate], gu[..., self._intermediate :], self._limit)
+        y = self.down_proj(h, idx, sorted_indices=do_sort)
+        if do_sort:
+            y = _scatter_unsort(y, inv_order, indices.shape)
+        return y.squeeze(-2)
+
+
+class GLUMLP(nn.Module):
+    """Dense SwiGLU MLP (gate_proj / up_proj / down_proj) with an optional clamp."""
+
+    def __init__(self, hidden: int, intermediate: int, limit: float | None = None, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self._limit = limit
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self._limit))
+
+
+def score_fn(logits: mx.array, kind: str) -> mx.array:
+    """Router scoring in float32: sqrtsoftplus (DeepSeek V4), sigmoid or softmax."""
+    logits = logits.astype(mx.float32)
+    if kind == "sqrtsoftplus":
+        return mx.sqrt(nn.softplus(logits))
+    if kind == "sigmoid":
+        return mx.sigmoid(logits)
+    if kind == "softmax":
+        return mx.softmax(logits, axis=-1, precise=True)
+    raise ValueError(f"unknown scoring_func {kind!r}")
+
+
+def topk_indices(scores: mx.array, k: int) -> mx.array:
+    """Indices of the k largest entries of the last axis (unsorted), via argpartition."""
+    if k >= scores.shape[-1]:
+        return mx.broadcast_to(mx.arange(scores.shape[-1]), scores.shape)
+    return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+
+
+def route_weights(scores: mx.array, indices: mx.array, normalize: bool, scaling: float) -> mx.array:
+    """Gather the chosen experts' scores, optionally renormalise (+1e-20), then scale."""
+    w = mx.take_along_axis(scores, indices, axis=-1)
+    if normalize:
+        w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
+    return w * scaling
