@@ -1,0 +1,307 @@
+"""Quantized MoE: selected-expert mat-vec / mat-mul straight from GGUF blocks.
+
+ds4's routed experts are GGUF IQ2_XXS (gate, up) and Q2_K (down), or Q4_K in the
+4-bit files; Q8_0 is supported as well.  An expert stack is an ``mx.array``
+uint8 ``[E, rows, bytes_per_row]`` (the GGUF tensor ``[E, rows, K]`` in its
+on-disk bytes; each row is K/256 (K/32 for Q8_0) consecutive blocks).
+
+Public API
+----------
+``gather_qmv(x, w_blocks, qtype, expert_ids)``    decode: one SIMD group per output value
+``gather_qmm(x, w_blocks, qtype, expert_ids)``    prefill: dequantize each used expert once
+                                                   (per chunk of experts) + ``mx.gather_mm``
+``gather_qmatmul(...)``                            picks one of the two by size
+``gather_dequantize(w_blocks, qtype, ids)``       ``[M, rows, K]`` weights of experts ``ids``
+``dequantize_mx(blocks, qtype, k)``                MLX-ops decoding of ``[..., row_bytes]`` rows
+
+``x`` is ``[n_tok, K]`` (every selected expert sees the token's vector: gate / up)
+or ``[n_tok, k, K]`` (one vector per selected expert: down); ``expert_ids`` is
+``[n_tok, k]``; the result is ``[n_tok, k, rows]`` in ``x.dtype``.
+
+Three faces (see `ds4mlx.kernels.dispatch`): the reference face decodes blocks
+with MLX ops (bit-identical to `ds4mlx.quant.dequantize`) and multiplies in
+float32; the Metal face (``metal/quant_moe.metal``) and its CUDA twin (below,
+sharing the file's ``common`` / ``qmv`` / ``dequant`` sections verbatim) decode
+with the same float operations and accumulate in float32 per lane, then reduce
+over the 32 lanes of a SIMD group / warp.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, backend as _backend, sections
+from ds4mlx.quant import QT, as_qtype, iq2xxs_grid, iq2xxs_grid_u64, iq2xxs_sign_table, row_bytes
+
+SUPPORTED = (QT.Q8_0, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS)
+SOURCE = METAL_DIR / "quant_moe.metal"
+QMV_ROWS = 4           # output rows (SIMD groups) per threadgroup in the qmv kernel
+MAX_PAIRS_QMV = 65535  # CUDA grid-z limit for the qmv launch
+QMV_MAX_PAIRS_AUTO = 64  # gather_qmatmul: above this many (token, expert) pairs, use qmm
+
+# The CUDA face: prelude and index computation.  Everything else is the shared text.
+CUDA_PRELUDE = r"""
+#include <cuda_fp16.h>
+#define DS4_FN __device__ __forceinline__
+#define DEV
+#define THR
+#define CONSTANT __constant__
+__device__ __forceinline__ float ds4_f16(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ float ds4_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ uint32_t ds4_popcount(uint32_t v) { return (uint32_t)__popc(v); }
+"""
+
+CUDA_INDEX_QMV = r"""
+const uint32_t lane = threadIdx.x;
+const uint32_t row = blockIdx.y * blockDim.y + threadIdx.y;
+const uint32_t pair = blockIdx.z * blockDim.z + threadIdx.z;
+"""
+
+CUDA_INDEX_DEQUANT = r"""
+const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
+const uint32_t row = blockIdx.y * blockDim.y + threadIdx.y;
+const uint32_t m = blockIdx.z * blockDim.z + threadIdx.z;
+"""
+
+
+def _grid_define() -> str:
+    vals = ", ".join(f"0x{int(v):016x}ull" for v in iq2xxs_grid_u64())
+    return f"#define DS4_IQ2XXS_GRID_VALUES {vals}\n"
+
+
+def kernel_sources(kind: str, qtype, face: str) -> tuple[str, str]:
+    """(header, body) of kernel `kind` ('qmv' or 'dequant') for `qtype` on `face`."""
+    qtype = as_qtype(qtype)
+    sec = sections(SOURCE)
+    prelude = sec["prelude_metal"] if face == "metal" else CUDA_PRELUDE
+    if face == "metal":
+        index = sec[f"index_{kind}_metal"]
+    else:
+        index = CUDA_INDEX_QMV if kind == "qmv" else CUDA_INDEX_DEQUANT
+    header = (prelude + _grid_define() + sec["common"]
+              + f"#define DS4_CHUNK ds4_chunk_{qtype.name.lower()}\n")
+    return header, index + sec[kind]
+
+
+@lru_cache(maxsize=None)
+def _kernel(kind: str, qtype: QT) -> Kernel:
+    name = f"ds4mlx_{kind}_{qtype.name.lower()}"
+    inputs = ["x", "w", "eids", "xids"] if kind == "qmv" else ["w", "eids"]
+    return Kernel(name, inputs, ["y"],
+                  metal=kernel_sources(kind, qtype, "metal"),
+                  cuda=kernel_sources(kind, qtype, "cuda"))
+
+
+# --------------------------------------------------------------------------- reference decoding
+
+def _check(w_blocks: mx.array, qtype) -> tuple[QT, int, int, int]:
+    qtype = as_qtype(qtype)
+    if qtype not in SUPPORTED:
+        raise ValueError(f"quantized MoE supports {[t.name for t in SUPPORTED]}, not {qtype.name}")
+    if w_blocks.ndim != 3 or w_blocks.dtype != mx.uint8:
+        raise ValueError("w_blocks must be a uint8 [E, rows, bytes_per_row] array")
+    e, rows, rb = w_blocks.shape
+    elems, nbytes = _block(qtype)
+    if rb % nbytes:
+        raise ValueError(f"{rb} bytes per row is not a whole number of {qtype.name} blocks")
+    return qtype, e, rows, rb // nbytes * elems
+
+
+def _block(qtype: QT) -> tuple[int, int]:
+    from gguf import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[qtype]
+
+
+def _f16(lo: mx.array, hi: mx.array) -> mx.array:
+    bits = lo.astype(mx.uint16) | (hi.astype(mx.uint16) << 8)
+    return bits.view(mx.float16).astype(mx.float32)
+
+
+def _u32(b: mx.array) -> mx.array:
+    b = b.astype(mx.uint32)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+@lru_cache(maxsize=None)
+def _tables():
+    return (mx.array(iq2xxs_grid().astype(np.float32)), mx.array(iq2xxs_sign_table()))
+
+
+def _q4k_scale_min(s: mx.array):
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = mx.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
+    m = mx.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def _decode_blocks(b: mx.array, qtype: QT) -> mx.array:
+    """[..., nb, block_bytes] uint8 -> [..., nb, block_elems] float32."""
+    lead = b.shape[:-1]
+    if qtype == QT.Q8_0:
+        d = _f16(b[..., 0], b[..., 1])[..., None]
+        return b[..., 2:].view(mx.int8).astype(mx.float32) * d
+    if qtype == QT.Q2_K:
+        sc = b[..., 0:16]
+        d = _f16(b[..., 80], b[..., 81])[..., None]
+        dmin = _f16(b[..., 82], b[..., 83])[..., None]
+        dl = (d * (sc & 15).astype(mx.float32))[..., None]
+        ml = (dmin * (sc >> 4).astype(mx.float32))[..., None]
+        qs = b[..., 16:80].reshape(*lead, 2, 1, 32)
+        q = (qs >> mx.array([0, 2, 4, 6], dtype=mx.uint8).reshape(4, 1)) & 3
+        q = q.reshape(*lead, 16, 16).astype(mx.float32)
+        return (dl * q - ml).reshape(*lead, 256)
+    if qtype == QT.Q4_K:
+        d = _f16(b[..., 0], b[..., 1])[..., None]
+        dmin = _f16(b[..., 2], b[..., 3])[..., None]
+        sc, m = _q4k_scale_min(b[..., 4:16])
+        dl = (d * sc.astype(mx.float32))[..., None]
+        ml = (dmin * m.astype(mx.float32))[..., None]
+        qs = b[..., 16:144].reshape(*lead, 4, 1, 32)
+        q = (qs >> mx.array([0, 4], dtype=mx.uint8).reshape(2, 1)) & 15
+        q = q.reshape(*lead, 8, 32).astype(mx.float32)
+        return (dl * q - ml).reshape(*lead, 256)
+    if qtype == QT.IQ2_XXS:
+        grid, signs = _tables()
+        d = _f16(b[..., 0], b[..., 1])[..., None]
+        qs = b[..., 2:66].reshape(*lead, 8, 8)
+        aux = _u32(qs[..., 4:8])                                            # [..., 8]
+        db = d * (0.5 + (aux >> 28).astype(mx.float32)) * 0.25
+        g = grid[qs[..., 0:4].astype(mx.uint32)]                            # [..., 8, 4, 8]
+        sidx = (aux[..., None] >> mx.array([0, 7, 14, 21], dtype=mx.uint32)) & 127
+        return (db[..., None, None] * g * signs[sidx]).reshape(*lead, 256)
+    raise AssertionError(qtype)
+
+
+def dequantize_mx(blocks: mx.array, qtype, k: int) -> mx.array:
+    """MLX-ops decoding: uint8 ``[..., row_bytes]`` rows of `k` values -> float32
+    ``[..., k]``, bit-identical to `ds4mlx.quant.dequantize`."""
+    qtype = as_qtype(qtype)
+    elems, nbytes = _block(qtype)
+    if blocks.shape[-1] != row_bytes(qtype, k):
+        raise ValueError(f"{blocks.shape[-1]} bytes do not hold {k} {qtype.name} values")
+    lead = blocks.shape[:-1]
+    out = _decode_blocks(blocks.reshape(*lead, k // elems, nbytes), qtype)
+    return out.reshape(*lead, k)
+
+
+# --------------------------------------------------------------------------- shared plumbing
+
+def _pairs(x: mx.array, expert_ids: mx.array, k_dim: int):
+    """Flatten to pairs: (x2 [NX, K], eids [P] int32, xids [P] int32, n_tok, k)."""
+    if expert_ids.ndim != 2:
+        raise ValueError("expert_ids must be [n_tok, k]")
+    n_tok, k = expert_ids.shape
+    eids = expert_ids.reshape(-1).astype(mx.int32)
+    if x.ndim == 2:
+        if x.shape != (n_tok, k_dim):
+            raise ValueError(f"x must be [{n_tok}, {k_dim}], got {x.shape}")
+        xids = mx.repeat(mx.arange(n_tok, dtype=mx.int32), k)
+        return x, eids, xids, n_tok, k
+    if x.ndim == 3:
+        if x.shape != (n_tok, k, k_dim):
+            raise ValueError(f"x must be [{n_tok}, {k}, {k_dim}], got {x.shape}")
+        return x.reshape(n_tok * k, k_dim), eids, mx.arange(n_tok * k, dtype=mx.int32), n_tok, k
+    raise ValueError("x must be [n_tok, K] or [n_tok, k, K]")
+
+
+def _face(backend: str | None) -> str:
+    return _backend() if backend is None else backend
+
+
+# --------------------------------------------------------------------------- gathered dequantization
+
+def gather_dequantize(w_blocks: mx.array, qtype, ids, dtype=mx.float32, *, backend=None) -> mx.array:
+    """Weights of experts `ids` ([M] ints): ``[M, rows, K]`` in `dtype`."""
+    qtype, _, rows, k_dim = _check(w_blocks, qtype)
+    ids = mx.array(ids).astype(mx.int32).reshape(-1)
+    face = _face(backend)
+    if face == "reference":
+        return dequantize_mx(w_blocks[ids], qtype, k_dim).astype(dtype)
+    m = ids.shape[0]
+    return _kernel("dequant", qtype)(
+        face,
+        inputs=[w_blocks, ids],
+        template=[("T", dtype), ("N_ROWS", rows), ("K_DIM", k_dim), ("ROW_BYTES", w_blocks.shape[2])],
+        grid=(k_dim // 32, rows, m),
+        threadgroup=(32, 4, 1),
+        output_shapes=[(m, rows, k_dim)],
+        output_dtypes=[dtype],
+    )[0]
+
+
+# --------------------------------------------------------------------------- decode: mat-vec
+
+def gather_qmv(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, backend=None) -> mx.array:
+    """``out[t, j, r] = sum_h W[expert_ids[t, j]][r, h] * x[t(, j), h]`` -> ``[n_tok, k, rows]``."""
+    qtype, _, rows, k_dim = _check(w_blocks, qtype)
+    x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
+    face = _face(backend)
+    if face == "reference":
+        w = dequantize_mx(w_blocks[eids], qtype, k_dim)                     # [P, rows, K]
+        xs = x2[xids].astype(mx.float32)[..., None]                        # [P, K, 1]
+        out = (w @ xs)[..., 0]
+    else:
+        p = eids.shape[0]
+        if p > MAX_PAIRS_QMV:
+            return gather_qmm(x, w_blocks, qtype, expert_ids, backend=face)
+        out = _kernel("qmv", qtype)(
+            face,
+            inputs=[x2, w_blocks, eids, xids],
+            template=[("T", x.dtype), ("N_ROWS", rows), ("K_DIM", k_dim),
+                      ("ROW_BYTES", w_blocks.shape[2])],
+            grid=(32, rows, p),
+            threadgroup=(32, QMV_ROWS, 1),
+            output_shapes=[(p, rows)],
+            output_dtypes=[x.dtype],
+        )[0]
+    return out.astype(x.dtype).reshape(n_tok, k, rows)
+
+
+# --------------------------------------------------------------------------- prefill: mat-mul
+
+def gather_qmm(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, backend=None,
+               max_dequant_bytes: int = 1 << 30) -> mx.array:
+    """Same result as `gather_qmv`, for many tokens: the (token, expert) pairs are
+    sorted by expert, each used expert is dequantized once (in chunks of at most
+    `max_dequant_bytes` of dequantized weights) and ``mx.gather_mm`` multiplies.
+
+    The weights are dequantized to float32 when x is float32, else to x.dtype.
+    Synchronises once (to find the used experts).
+    """
+    qtype, _, rows, k_dim = _check(w_blocks, qtype)
+    x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
+    face = _face(backend)
+    wdt = mx.float32 if x.dtype == mx.float32 else x.dtype
+    order = mx.argsort(eids)
+    sorted_e = eids[order]
+    xs = x2[xids[order]].astype(wdt)[:, None, :]                           # [P, 1, K]
+    se = np.array(sorted_e)
+    used, starts = np.unique(se, return_index=True)
+    bounds = list(starts) + [len(se)]
+    per_expert = rows * k_dim * (4 if wdt == mx.float32 else 2)
+    chunk = max(1, int(max_dequant_bytes // max(per_expert, 1)))
+    outs = []
+    for c0 in range(0, len(used), chunk):
+        ids = used[c0:c0 + chunk]
+        lo, hi = bounds[c0], bounds[min(c0 + chunk, len(used))]
+        w = gather_dequantize(w_blocks, qtype, mx.array(ids.astype(np.int32)), wdt, backend=face)
+        local = np.searchsorted(ids, se[lo:hi]).astype(np.int32)
+        outs.append(mx.gather_mm(xs[lo:hi], w.swapaxes(-1, -2),
+                                 rhs_indices=mx.array(local), sorted_indices=True))
+    out_sorted = mx.concatenate(outs, axis=0)[:, 0, :] if outs else mx.zeros((0, rows), wdt)
+    inv = mx.argsort(order)
+    return out_sorted[inv].astype(x.dtype).reshape(n_tok, k, rows)
+
+
+def gather_qmatmul(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, backend=None) -> mx.array:
+    """`gather_qmv` for few (token, expert) pairs (decode), `gather_qmm` for many (prefill)."""
+    pairs = expert_ids.shape[0] * expert_ids.shape[1]
+    if pairs <= QMV_MAX_PAIRS_AUTO:
+        return gather_qmv(x, w_blocks, qtype, expert_ids, backend=backend)
+    return gather_qmm(x, w_blocks, qtype, expert_ids, backend=backend)
