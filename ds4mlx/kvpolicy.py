@@ -5,7 +5,12 @@ The engine calls (see each function's docstring):
 
 * full miss, before the live session is replaced: `evict_save_len(pos, opt)`
   -> store(live key, pos, snapshot, "evict"); then `frontier.reset()`.
-* disk hit: `frontier.loaded(cp.n_tokens)`.
+* disk-text reuse (after the evict save): `cp = store.lookup(prompt_text)`;
+  `session.restore(cp.payload)` (if it fails or `len(session) != cp.n_tokens`:
+  `store.discard(cp)` and go cold); effective tokens = the session's tokens +
+  tokenize(`cp.suffix(prompt_text)`) (never slice the request's own token
+  list); if `cp.trailer`: load the KTM map into tool memory;
+  `frontier.loaded(cp.n_tokens)`.
 * cold prefill (no live / disk reuse): `cold_save_point(prompt_ids, opt, ...)`
   -> prefill exactly that many tokens, store "cold", continue prefilling
   (bracketed by `frontier.suppress` / `frontier.unsuppress`).

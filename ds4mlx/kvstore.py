@@ -402,10 +402,10 @@ class KVStore:
             foot = f.read(FOOTER_SIZE)
         if len(head) != FIXED_SIZE or len(foot) != FOOTER_SIZE:
             raise _Invalid("short read")
-        e = self._check_header(head, size, foot, path, sha)
-        return e
+        return self._check_header(head, size, foot, path, sha)
 
     def _check_header(self, head: bytes, size: int, foot: bytes, path: str, sha: str) -> Entry:
+        """Structural + compatibility checks on header and footer; raises _Invalid."""
         (magic, version, quant, reason, flags, _r7, tokens, _hits, ctx, tag, created,
          _last, payload) = HEADER.unpack_from(head)
         (key_len,) = KEYLEN.unpack_from(head, HEADER_SIZE)
