@@ -1,0 +1,238 @@
+"""`ds4mlx eval`: the ds4-eval harness.
+
+    ds4mlx eval [-m MODEL] [--suite core|hard|hard-smoke] [--case-id ID ...] [--trace FILE]
+    ds4mlx eval --endpoint http://127.0.0.1:8000 [--api-key KEY] [-m NAME]
+    ds4mlx eval --self-test-extractors | --regrade TRACE | --list-cases | --validate-cases
+
+Importing this module (and `--self-test-extractors`, `--regrade`, `--list-cases`,
+`--validate-cases`) never imports MLX.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Optional
+
+from .cases import SUITES, load_cases, select, unknown_ids, validate_cases
+
+CTX_CAP = 1_000_000
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("-m", "--model", default=None,
+                   help="GGUF file or Hugging Face folder (default: the demo model); with --endpoint, "
+                        "the model name sent to the server (default: the first of /v1/models)")
+    g.add_argument("--endpoint", metavar="URL", help="use an OpenAI-compatible server (streaming chat completions)")
+    g.add_argument("--api-key", default=os.environ.get("DS4MLX_EVAL_API_KEY"),
+                   help="bearer token for --endpoint (default: $DS4MLX_EVAL_API_KEY)")
+    g.add_argument("--backend", choices=("mlx", "endpoint", "fake"), default=None, help=argparse.SUPPRESS)
+    g.add_argument("--fake-script", metavar="JSON", help=argparse.SUPPRESS)
+
+    g = p.add_argument_group("cases")
+    g.add_argument("--suite", choices=SUITES, default="core", help="case suite (default core: the 92 ds4-eval cases)")
+    g.add_argument("--case-id", action="append", default=[], metavar="ID",
+                   help="run only this case (id or 1-based index; repeatable)")
+    g.add_argument("--domain", action="append", default=[], help="only cases of this domain (repeatable)")
+    g.add_argument("--source", action="append", default=[], help="only cases of this source (repeatable)")
+    g.add_argument("--questions", type=int, metavar="N", help="only the first N selected cases")
+    g.add_argument("--list-cases", action="store_true", help="list the selected cases and exit")
+    g.add_argument("--validate-cases", action="store_true", help="check the shipped case data and exit")
+
+    g = p.add_argument_group("generation")
+    g.add_argument("-n", "--tokens", type=int, default=None, metavar="N",
+                   help="generation budget per case (default: the case's own, 16000; Juliet 8000)")
+    g.add_argument("--think", dest="thinking", action="store_true", default=True, help="thinking on (default)")
+    g.add_argument("--nothink", dest="thinking", action="store_false", help="thinking off")
+    g.add_argument("--soft-limit-reply-budget", type=int, metavar="N",
+                   help="soft </think> close once this many tokens remain (default 1024)")
+    g.add_argument("--hard-limit-reply-budget", type=int, metavar="N",
+                   help="forced </think> once this many tokens remain (default 512)")
+    g.add_argument("--soft-limit-think-close-rank", type=int, default=3, metavar="N",
+                   help="soft close when </think> ranks in the top N (default 3)")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (default 0 = greedy)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--seed", type=int, default=None, help="sampler seed (default: time based)")
+    g.add_argument("--ctx", type=int, default=None, help="context size (default: largest prompt + budget)")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--trace", metavar="FILE", help="write a trace of every case")
+    g.add_argument("--retry-incomplete", action="store_true",
+                   help="with --trace FILE: keep its PASSED/FAILED cases, run only the others")
+    g.add_argument("--regrade", "--regrade-trace", dest="regrade", metavar="TRACE",
+                   help="grade a trace again with the current extractors (no model)")
+    g.add_argument("--self-test-extractors", action="store_true",
+                   help="run the built-in extractor vectors (no model) and exit")
+    g.add_argument("--plain", action="store_true", help="no TUI (also when stdout is not a terminal)")
+    g.add_argument("--pause-ms", type=int, default=350, help="TUI pause after each result (default 350)")
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"ds4-eval: {msg}", file=sys.stderr)
+    return code
+
+
+def _validate(a: argparse.Namespace) -> Optional[str]:
+    for name in ("tokens", "soft_limit_reply_budget", "hard_limit_reply_budget", "ctx", "questions", "seed"):
+        v = getattr(a, name)
+        if v is not None and v <= 0:
+            return f"invalid value for --{name.replace('_', '-')}: {v}"
+    if a.soft_limit_think_close_rank <= 0:
+        return f"invalid value for --soft-limit-think-close-rank: {a.soft_limit_think_close_rank}"
+    if a.pause_ms < 1:
+        return f"invalid value for --pause-ms: {a.pause_ms}"
+    if not (0 <= a.temp <= 100):
+        return f"invalid value for --temp: {a.temp}"
+    if not (0 <= a.top_p <= 1):
+        return f"invalid value for --top-p: {a.top_p}"
+    if not (0 <= a.min_p <= 1):
+        return f"invalid value for --min-p: {a.min_p}"
+    if a.tokens is not None and a.tokens > CTX_CAP:
+        return f"--tokens ({a.tokens}) exceeds the {CTX_CAP} token context cap"
+    if a.ctx is not None and a.ctx > CTX_CAP:
+        return f"--ctx ({a.ctx}) exceeds the {CTX_CAP} token context cap"
+    hard, soft = a.hard_limit_reply_budget, a.soft_limit_reply_budget
+    if hard is not None and a.tokens is not None and hard >= a.tokens:
+        return f"--hard-limit-reply-budget ({hard}) must be smaller than --tokens ({a.tokens})"
+    if soft is not None and soft < (hard if hard is not None else 512):
+        return f"--soft-limit-reply-budget ({soft}) must be >= --hard-limit-reply-budget ({hard or 512})"
+    if a.retry_incomplete and not a.trace:
+        return "--retry-incomplete needs --trace FILE"
+    return None
+
+
+def list_cases(cases: list[dict[str, Any]]) -> None:
+    print(f"{'#':>3} {'source':<14} {'kind':<16} {'answer':<14} {'domain':<28} id / title")
+    for c in cases:
+        print(f"{c['index']:>3} {c['source']:<14} {c['answer_kind']:<16} {str(c['answer'])[:14]:<14} "
+              f"{c['domain'][:28]:<28} {c['id']}  {c['title']}")
+    print(f"{len(cases)} cases")
+
+
+def _backend(a: argparse.Namespace):
+    from .backends import make_backend
+
+    kind = a.backend or ("endpoint" if a.endpoint else "mlx")
+    if kind == "fake":
+        script: dict[str, Any] = {}
+        if a.fake_script:
+            with open(a.fake_script, encoding="utf-8") as f:
+                script = json.load(f)
+        return make_backend("fake", script=script)
+    if kind == "endpoint":
+        if not a.endpoint:
+            raise SystemExit(_fail("--backend endpoint needs --endpoint URL"))
+        return make_backend("endpoint", url=a.endpoint, api_key=a.api_key, model_name=a.model,
+                            temperature=a.temp, top_p=a.top_p, min_p=a.min_p)
+    return make_backend("mlx", model=a.model, temperature=a.temp, top_p=a.top_p, min_p=a.min_p)
+
+
+def _carry_over(runner: Any, path: str) -> list[str]:
+    """--retry-incomplete: mark the cases whose latest record is PASSED/FAILED as done."""
+    from .trace import parse_trace
+
+    try:
+        with open(path, "rb") as f:
+            records = parse_trace(f.read())
+    except OSError:
+        return []
+    latest = {(r.source, r.id): r for r in records if r.source and r.id}
+    kept = []
+    for cr in runner.runs:
+        rec = latest.get((cr.case["source"], cr.case["id"]))
+        if rec is not None and rec.status in ("PASSED", "FAILED"):
+            cr.status, cr.picked = rec.status, rec.picked
+            cr.prompt_tokens = rec.int_field("prompt_tokens")
+            cr.generated = rec.int_field("generated_tokens")
+            cr.carried = rec.raw
+            kept.append(rec.raw if rec.raw.endswith("\n") else rec.raw + "\n")
+    return kept
+
+
+def run(a: argparse.Namespace) -> int:
+    if a.self_test_extractors:
+        from .selftest import run_self_test
+
+        return run_self_test(sys.stdout)
+    if a.regrade:
+        from .trace import regrade_file
+
+        return regrade_file(a.regrade, sys.stdout, sys.stderr)
+    if a.validate_cases:
+        errors = validate_cases()
+        for e in errors:
+            print(f"ds4-eval: {e}", file=sys.stderr)
+        if errors:
+            return 1
+        print(f"ds4-eval: case data valid ({len(load_cases('core'))} core, {len(load_cases('hard'))} hard, "
+              f"{len(load_cases('hard-smoke'))} hard-smoke)")
+        return 0
+    err = _validate(a)
+    if err:
+        return _fail(err)
+    cases = load_cases(a.suite)
+    missing = unknown_ids(cases, a.case_id)
+    if missing:
+        return _fail(f"unknown case id(s) in suite {a.suite}: {', '.join(missing)}")
+    cases = select(cases, a.case_id, a.domain, a.source)
+    if a.questions is not None:
+        if a.questions > len(cases):
+            return _fail(f"only {len(cases)} questions are selected")
+        cases = cases[:a.questions]
+    if not cases:
+        return _fail("no case matches the filters")
+    if a.list_cases:
+        list_cases(cases)
+        return 0
+    return _run_eval(a, cases)
+
+
+def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
+    from .runner import Options, PlainUI, Runner, default_seed, report
+    from .trace import TraceWriter
+
+    opts = Options(tokens=a.tokens, thinking=a.thinking, soft_budget=a.soft_limit_reply_budget,
+                   hard_budget=a.hard_limit_reply_budget, soft_rank=a.soft_limit_think_close_rank,
+                   temperature=a.temp, top_p=a.top_p, min_p=a.min_p, seed=a.seed or default_seed(),
+                   ctx=a.ctx, trace=a.trace, pause_ms=a.pause_ms, suite=a.suite)
+    backend = _backend(a)
+    runner = Runner(cases, backend, opts)
+    kept = _carry_over(runner, a.trace) if a.retry_incomplete else []
+    if a.trace:
+        try:
+            runner.trace = TraceWriter(a.trace)
+        except OSError as e:
+            return _fail(f"cannot open trace '{a.trace}': {e.strerror}")
+    try:
+        rc = runner.size_context()
+        if rc is not None:
+            return rc
+        backend.open(runner.ctx)
+    except Exception as e:  # noqa: BLE001
+        return _fail(f"cannot open the model: {type(e).__name__}: {e}", 1)
+    if runner.trace is not None:
+        runner.trace.header(**runner.header())
+        for text in kept:
+            runner.trace.raw(text + "\n")
+    use_tui = False
+    if not a.plain:
+        from .tui import usable
+
+        use_tui = usable(sys.stdout)
+    try:
+        if use_tui:
+            from .tui import TUI
+
+            rc = TUI(runner).run()
+        else:
+            runner.ui = PlainUI(sys.stdout)
+            rc = runner.run()
+    finally:
+        backend.close()
+        sys.stdout.write(report(runner))
+        sys.stdout.flush()
+        runner.finish_trace()
+    return rc

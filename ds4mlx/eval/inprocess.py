@@ -1,0 +1,159 @@
+"""In-process backend: the model runs in this process through `ds4mlx.load` and a
+`Session` (DEVELOPERS.md contracts: `model.new_session(ctx)`, `session.prefill(ids)`,
+`session.step(id)`, `session.truncate(n)`, `len(session)`; tokenizer `encode`,
+`token_bytes`, `eos_id`).
+
+Like ds4-eval it drives the session directly rather than through the engine's job
+queue, because the `</think>` budget controller must choose tokens step by step.
+One session of the auto-sized context is reused; each case is prefilled from
+scratch (ds4 never finds a reusable prefix between cases either).
+MLX is imported only when `open()` runs.
+"""
+from __future__ import annotations
+
+import codecs
+from typing import Any, Optional
+
+from .backends import Callback, Control, _noop
+from .prompts import Prompt
+from .thinkclose import GenResult, Interrupted, ThinkCloser, Xorshift64Star, run_token_loop
+
+PREFILL_CHUNK = 2048
+
+
+class InProcessBackend:
+    name = "mlx"
+
+    def __init__(self, model_path: Optional[str] = None, *, temperature: float = 0.0,
+                 top_p: float = 1.0, min_p: float = 0.05):
+        self.model_path = model_path
+        self.model = model_path or "demo"
+        self.temperature, self.top_p, self.min_p = temperature, top_p, min_p
+        self._model: Any = None
+        self._tok: Any = None
+        self._session: Any = None
+        self._rng: Optional[Xorshift64Star] = None
+        self.ctx = 0
+
+    # -- loading
+    def _load(self) -> None:
+        if self._model is None:
+            import ds4mlx
+
+            self._model, self._tok = ds4mlx.load(self.model_path)
+
+    def count_tokens(self, prompt: Prompt) -> int:
+        self._load()
+        return len(self._tok.encode(prompt.text))
+
+    def open(self, ctx: int) -> None:
+        self._load()
+        self.ctx = ctx
+        self._session = self._model.new_session(ctx)
+
+    def close(self) -> None:
+        self._session = None
+
+    def close_ids(self) -> list[int]:
+        """`</think>` tokenized as plain text (ds4 does not use the special id):
+        the pre-tokenizer splits it into `</`, `think`, `>`, so encoding the two
+        halves separately gives the plain tokenization without matching the
+        special string."""
+        return list(self._tok.encode("</")) + list(self._tok.encode("think>"))
+
+    # -- sampling
+    def _sampler(self, seed: int):
+        import mlx.core as mx
+        import numpy as np
+
+        if self.temperature <= 0:
+            return lambda logits: int(mx.argmax(logits).item())
+        if self._rng is None:
+            self._rng = Xorshift64Star(seed)
+        rng = self._rng
+
+        def sample(logits) -> int:
+            x = np.asarray(logits.astype(mx.float32)).reshape(-1) / self.temperature
+            p = np.exp(x - x.max())
+            p /= p.sum()
+            keep = np.nonzero(p >= self.min_p * p.max())[0]
+            order = keep[np.argsort(-p[keep], kind="stable")]
+            if self.top_p < 1.0:
+                cum = np.cumsum(p[order])
+                cut = int(np.searchsorted(cum, self.top_p * cum[-1])) + 1
+                order = order[:max(1, cut)]
+            probs = p[order] / p[order].sum()
+            r = rng.uniform()
+            idx = int(np.searchsorted(np.cumsum(probs), r, side="right"))
+            return int(order[min(idx, len(order) - 1)])
+
+        return sample
+
+    # -- generation
+    def generate(self, prompt: Prompt, max_tokens: int, *, seed: int, control: Control,
+                 on_prefill: Callback = _noop, on_started: Callback = _noop, on_text: Callback = _noop,
+                 soft_budget: int = 1024, hard_budget: int = 512, soft_rank: int = 3,
+                 case_id: str = "") -> GenResult:
+        import mlx.core as mx
+        import numpy as np
+
+        ids = list(self._tok.encode(prompt.text))
+        res = GenResult(prompt_tokens=len(ids))
+        if len(ids) >= self.ctx:
+            res.finish, res.error = "skipped", "prompt does not fit context"
+            return res
+        limit = min(max_tokens, self.ctx - len(ids))
+        if limit < 1:
+            res.finish, res.error = "skipped", "prompt leaves no generation room"
+            return res
+        try:
+            if len(self._session):
+                try:
+                    self._session.truncate(0)
+                except Exception:  # noqa: BLE001 - a session without truncate
+                    self._session = self._model.new_session(self.ctx)
+            s = self._session
+            logits = None
+            for i in range(0, len(ids), PREFILL_CHUNK):
+                control.wait_if_paused()
+                logits = s.prefill(ids[i:i + PREFILL_CHUNK])
+                on_prefill(min(i + PREFILL_CHUNK, len(ids)), len(ids))
+        except Exception as e:  # noqa: BLE001 - reported as ERROR, as ds4 does
+            res.finish, res.error = "error", f"prefill failed: {e}"
+            return res
+        try:
+            control.check()
+        except Interrupted as e:
+            res.finish = e.status.lower()
+            return res
+        on_started(len(ids))
+        state = {"logits": logits if isinstance(logits, mx.array) else mx.array(np.asarray(logits))}
+        sample = self._sampler(seed)
+        eos = self._tok.eos_id
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        closer = ThinkCloser(self.close_ids(), soft_budget=soft_budget, hard_budget=hard_budget,
+                             soft_rank=soft_rank, thinking=prompt.thinking)
+
+        def cur():
+            return state["logits"].reshape(-1)
+
+        def rank_of(tok: int) -> int:
+            x = cur()
+            v = x[tok]
+            return int((x > v).sum().item()) + int((x[:tok] == v).sum().item()) + 1
+
+        def advance(tok: int) -> str:
+            state["logits"] = s.step(tok)
+            return decoder.decode(self._tok.token_bytes(tok))
+
+        try:
+            run_token_loop(limit=limit, closer=closer, control=control, pick=lambda: sample(cur()),
+                           rank_of=rank_of, is_eos=lambda t: t == eos, advance=advance,
+                           on_text=on_text, result=res)
+        except Exception as e:  # noqa: BLE001
+            res.finish, res.error = "error", f"decode failed: {e}"
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            res.raw += tail
+            on_text(tail)
+        return res
