@@ -40,14 +40,16 @@ def gpu_backend() -> str | None:
 
 
 def backend(device=None) -> str:
-    """The face to run on `device` (default: MLX's default device)."""
+    """The face to run on `device` (an ``mx.Device`` or ``mx.cpu`` / ``mx.gpu``;
+    default: MLX's default device)."""
     forced = os.environ.get("DS4MLX_KERNELS", "").strip().lower()
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"DS4MLX_KERNELS must be one of {BACKENDS}, got {forced!r}")
         return forced
     device = mx.default_device() if device is None else device
-    if device.type != mx.DeviceType.gpu:
+    kind = device if isinstance(device, mx.DeviceType) else device.type
+    if kind != mx.DeviceType.gpu:
         return "reference"
     return gpu_backend() or "reference"
 

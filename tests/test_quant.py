@@ -1,0 +1,217 @@
+"""GGUF quant types: reference dequantization, exact MLX repacking, quantizers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import gguf.quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+from ds4mlx.quant import (
+    DS4_TYPES, MLX_EXACT_TYPES, NATIVE_TYPES, as_qtype, byte_shape, dequantize, ksigns_iq2xs,
+    pack_mlx, repack_for_mlx, row_bytes, unpack_mlx,
+)
+from ds4mlx.quantize import quantize
+
+# Offsets of the fp16 fields inside one block, per type.
+F16_FIELDS = {
+    QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2),
+    QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
+    QT.IQ2_XXS: (0,),
+}
+
+
+def random_blocks(qtype, shape, rng, scale=0.02):
+    """Random GGUF bytes for a tensor of `shape`; fp16 block scales kept finite."""
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    nblocks = int(np.prod(shape)) // elems
+    raw = rng.integers(0, 256, size=(nblocks, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS.get(qtype, ()):
+        v = (rng.standard_normal(nblocks) * scale).astype("<f2")
+        raw[:, off:off + 2] = v.view(np.uint8).reshape(nblocks, 2)
+    return raw.reshape(byte_shape(qtype, shape))
+
+
+def bits(a):
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+# ------------------------------------------------------------------ dequantize == gguf-py, bit for bit
+
+ALL_TYPES = sorted(set(NATIVE_TYPES) | {QT.Q3_K, QT.Q5_K, QT.Q6_K, QT.Q5_0, QT.Q5_1}, key=int)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dequantize_matches_gguf_bit_for_bit(qtype, seed):
+    rng = np.random.default_rng(seed)
+    shape = (3, 5, 512)
+    raw = random_blocks(qtype, shape, rng)
+    ours = dequantize(raw, qtype, shape)
+    assert ours.shape == shape and ours.dtype == np.float32
+    with np.errstate(all="ignore"):
+        ref = gguf.quants.dequantize(raw.reshape(15, -1), qtype).reshape(shape)
+    assert np.array_equal(bits(ours), bits(ref))
+
+
+def test_ds4_types_are_native():
+    # every type ds4's files use has its own vectorised implementation here
+    assert set(DS4_TYPES) <= set(NATIVE_TYPES)
+    assert {QT.F32, QT.F16, QT.Q8_0, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS} <= set(DS4_TYPES)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.IQ2_XXS, QT.Q4_K, QT.Q8_0], ids=lambda t: t.name)
+def test_dequantize_accepts_flat_and_byte_shaped_input(qtype):
+    rng = np.random.default_rng(3)
+    raw = random_blocks(qtype, (4, 256), rng)
+    a = dequantize(raw, qtype, (4, 256))
+    b = dequantize(raw.reshape(-1), qtype, (4, 256))
+    c = dequantize(raw.reshape(2, 2, -1), qtype.name.lower(), [2, 2, 256])
+    assert np.array_equal(bits(a), bits(b)) and np.array_equal(bits(a.reshape(2, 2, 256)), bits(c))
+    with pytest.raises(ValueError):
+        dequantize(raw[:, :-1], qtype, (4, 256))
+
+
+def test_qtype_names_and_sizes():
+    assert as_qtype("iq2_xxs") is QT.IQ2_XXS and as_qtype(12) is QT.Q4_K and as_qtype(QT.Q2_K) is QT.Q2_K
+    assert row_bytes(QT.Q2_K, 4096) == 16 * 84 and row_bytes("q4_k", 512) == 288
+    assert row_bytes(QT.IQ2_XXS, 2048) == 8 * 66
+    with pytest.raises(ValueError):
+        row_bytes(QT.Q4_K, 100)
+    with pytest.raises(ValueError):
+        as_qtype("q9_z")
+
+
+def test_ksigns_table_has_even_parity():
+    k = ksigns_iq2xs()
+    assert k.shape == (128,)
+    assert all(bin(int(v)).count("1") % 2 == 0 for v in k)
+    assert np.array_equal(k & 127, np.arange(128))
+
+
+# ------------------------------------------------------------------ exact MLX repacks
+
+@pytest.mark.parametrize("qtype", MLX_EXACT_TYPES, ids=lambda t: t.name)
+def test_repack_is_exact(qtype):
+    import mlx.core as mx
+
+    rng = np.random.default_rng(7)
+    shape = (2, 6, 512)
+    raw = random_blocks(qtype, shape, rng)
+    ref = dequantize(raw, qtype, shape)
+    w_q, scales, biases, gs, nbits = repack_for_mlx(raw, qtype, shape)
+    assert gs == 32 and w_q.dtype == mx.uint32 and scales.dtype == mx.float32
+    assert w_q.shape == (2, 6, 512 * nbits // 32) and scales.shape == biases.shape == (2, 6, 16)
+    got = np.array(mx.dequantize(w_q, scales, biases, group_size=gs, bits=nbits))
+    # Equal as floats everywhere; bit for bit except the sign of zero: with d < 0,
+    # Q8_0 / Q4_0 give -0.0 (d * 0) where MLX gives +0.0 (d*128 + -128*d).
+    assert np.array_equal(got, ref)
+    nonzero = ref != 0
+    assert np.array_equal(bits(got)[nonzero], bits(ref)[nonzero])
+    if qtype in (QT.Q4_1, QT.Q4_K):
+        assert np.array_equal(bits(got), bits(ref))
+
+
+def test_repack_q4k_quantized_matmul_matches_reference():
+    import mlx.core as mx
+
+    rng = np.random.default_rng(8)
+    raw = random_blocks(QT.Q4_K, (24, 512), rng)
+    ref = dequantize(raw, QT.Q4_K, (24, 512))
+    w_q, s, b, gs, nbits = repack_for_mlx(raw, QT.Q4_K, (24, 512))
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    got = np.array(mx.quantized_matmul(mx.array(x), w_q, s, b, transpose=True, group_size=gs, bits=nbits))
+    want = x @ ref.T
+    bound = 1e-5 * (np.abs(x) @ np.abs(ref).T) + 1e-6
+    assert np.all(np.abs(got - want) <= bound)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.IQ2_XXS, QT.Q6_K, QT.Q3_K, QT.F16], ids=lambda t: t.name)
+def test_repack_refuses_inexact_types(qtype):
+    rng = np.random.default_rng(9)
+    raw = random_blocks(qtype, (2, 256), rng)
+    assert repack_for_mlx(raw, qtype, (2, 256)) is None
+
+
+def test_repack_float16_only_when_parameters_are_exact():
+    import mlx.core as mx
+
+    rng = np.random.default_rng(10)
+    raw = random_blocks(QT.Q8_0, (4, 256), rng)
+    r = repack_for_mlx(raw, QT.Q8_0, (4, 256), dtype=mx.float16)
+    assert r is not None and r[1].dtype == mx.float16          # d and -128 d are fp16 values
+    # Q4_K's d * sc needs up to 17 significant bits: no exact float16 form
+    assert repack_for_mlx(random_blocks(QT.Q4_K, (4, 256), rng), QT.Q4_K, (4, 256), dtype=mx.float16) is None
+    # float16 parameters are exact, but MLX evaluates scale*q + bias in float16:
+    # each value is within two float16 roundings of the reference.
+    ref = dequantize(raw, QT.Q8_0, (4, 256))
+    got = np.array(mx.dequantize(r[0], r[1], r[2], group_size=32, bits=8).astype(mx.float32))
+    s = np.repeat(np.array(r[1].astype(mx.float32)), 32, axis=-1)
+    b = np.repeat(np.array(r[2].astype(mx.float32)), 32, axis=-1)
+    assert np.all(np.abs(got - ref) <= 2.0 ** -10 * (np.abs(ref - b) + np.abs(b)))
+    del s
+
+
+@pytest.mark.parametrize("nbits", [2, 4, 8])
+def test_pack_mlx_matches_mx_quantize_layout(nbits):
+    import mlx.core as mx
+
+    w = mx.random.normal((3, 128), key=mx.random.key(nbits))
+    w_q, s, b = mx.quantize(w, group_size=32, bits=nbits)
+    q = unpack_mlx(np.array(w_q), nbits)
+    assert np.array_equal(pack_mlx(q, nbits), np.array(w_q))
+    deq = np.repeat(np.array(s), 32, -1) * q + np.repeat(np.array(b), 32, -1)
+    assert np.allclose(deq, np.array(mx.dequantize(w_q, s, b, group_size=32, bits=nbits)), atol=1e-6)
+
+
+# ------------------------------------------------------------------ quantizers
+
+def test_q8_0_quantize_matches_gguf_bit_for_bit():
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((8, 512)) * rng.uniform(0.01, 3, (8, 1))).astype(np.float32)
+    x[0, :32] = 0  # an all-zero block
+    assert np.array_equal(quantize(x, QT.Q8_0), gguf.quants.quantize(x, QT.Q8_0))
+
+
+# relative RMS error on Gaussian weights (measured: Q8_0 .005, Q4_0 .087, Q4_1 .079,
+# Q4_K .072, Q2_K .30, IQ2_XXS .333); bounds leave a little room.
+QUALITY = {QT.Q8_0: 0.007, QT.Q4_0: 0.10, QT.Q4_1: 0.09, QT.Q4_K: 0.08, QT.Q2_K: 0.32, QT.IQ2_XXS: 0.35}
+
+
+@pytest.mark.parametrize("qtype", list(QUALITY), ids=lambda t: t.name)
+def test_quantize_roundtrip_quality(qtype):
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((16, 1024)).astype(np.float32) * 0.05
+    raw = quantize(x, qtype)
+    assert raw.dtype == np.uint8 and raw.shape == byte_shape(qtype, x.shape)
+    y = dequantize(raw, qtype, x.shape)
+    rel = np.sqrt(np.mean((y - x) ** 2) / np.mean(x ** 2))
+    assert rel < QUALITY[qtype], rel
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q2_K, QT.IQ2_XXS], ids=lambda t: t.name)
+def test_quantize_edge_blocks(qtype):
+    x = np.zeros((4, 256), dtype=np.float32)
+    x[1] = 1.0                                   # constant
+    x[2] = -np.linspace(0.1, 2, 256)             # all negative
+    x[3, ::17] = 5.0                             # sparse spikes
+    raw = quantize(x, qtype)
+    y = dequantize(raw, qtype, x.shape)
+    assert np.all(np.isfinite(y))
+    assert np.array_equal(y[0], np.zeros(256, np.float32))
+    for r in (1, 2, 3):
+        # IQ2_XXS has no zero level (magnitudes 1, 3.125, 5.375 x scale): the zeros
+        # between the spikes of row 3 cost it more
+        limit = 0.75 if (qtype == QT.IQ2_XXS and r == 3) else 0.5
+        assert np.sqrt(np.mean((y[r] - x[r]) ** 2)) <= limit * np.sqrt(np.mean(x[r] ** 2))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q2_K, QT.IQ2_XXS], ids=lambda t: t.name)
+def test_importance_lowers_weighted_error(qtype):
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((32, 512)).astype(np.float32)
+    imp = np.ones(512, np.float32)
+    imp[::4] = 30.0             # every 4th column matters more (it varies inside sub-blocks)
+    plain = dequantize(quantize(x, qtype), qtype, x.shape)
+    weighted = dequantize(quantize(x, qtype, importance=imp), qtype, x.shape)
+    err = lambda y: float(np.sum(imp * (y - x) ** 2))  # noqa: E731
+    assert err(weighted) < err(plain)

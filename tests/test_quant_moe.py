@@ -1,0 +1,237 @@
+"""Quantized MoE: gathered mat-vec / mat-mul on GGUF blocks.
+
+The reference face (MLX ops) is checked against the dense float32 computation
+(numpy dequantization, then a matmul); the GPU faces (``-m gpu``) against the
+reference on the same shapes.
+
+Bound: both sides form the same products of identical float32 weights (decoding is
+bit-exact) and differ only in summation order, so per output
+``|a - b| <= K * 2**-23 * sum_h |w_h x_h|`` (the classic worst-case bound for two
+orders of a K-term float32 sum, with the product roundings).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import mlx.core as mx
+from gguf import GGMLQuantizationType as QT
+
+from ds4mlx.kernels import dispatch, quant_moe as qm
+from ds4mlx.quant import dequantize
+from test_quant import random_blocks  # noqa: E402  (tests/ is on sys.path under pytest)
+
+TYPES = list(qm.SUPPORTED)
+
+
+def experts(qtype, e, rows, k, seed=0):
+    rng = np.random.default_rng(seed)
+    return random_blocks(qtype, (e, rows, k), rng, scale=0.01)
+
+
+def dense(raw, qtype, x, ids):
+    """float32 oracle: out[t, j, r] = W[ids[t, j]][r] . x[t(, j)]"""
+    e, rows, _ = raw.shape
+    k = x.shape[-1]
+    w = dequantize(raw, qtype, (e, rows, k))
+    wsel = w[ids]                                            # [T, k, rows, K]
+    xx = x[:, None, :] if x.ndim == 2 else x                 # [T, 1|k, K]
+    out = np.einsum("tjrh,tjh->tjr", wsel.astype(np.float64), np.broadcast_to(xx, (*ids.shape, k)).astype(np.float64))
+    mag = np.einsum("tjrh,tjh->tjr", np.abs(wsel).astype(np.float64), np.abs(np.broadcast_to(xx, (*ids.shape, k))))
+    return out, mag
+
+
+def check(got, want, mag, k):
+    got = np.asarray(got, dtype=np.float64)
+    bound = k * 2.0 ** -23 * mag + 1e-30
+    assert got.shape == want.shape
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+
+
+# ------------------------------------------------------------------ reference decoding
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_mx_bit_exact(qtype):
+    k = 768 if qtype != QT.Q8_0 else 96
+    raw = experts(qtype, 3, 5, k, seed=1)
+    want = dequantize(raw, qtype, raw.shape[:2] + (k,))
+    got = np.array(qm.dequantize_mx(mx.array(raw), qtype, k))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    got2 = np.array(qm.gather_dequantize(mx.array(raw), qtype, [2, 0, 2], backend="reference"))
+    assert np.array_equal(got2.view(np.uint32), want[[2, 0, 2]].view(np.uint32))
+
+
+# ------------------------------------------------------------------ reference == dense float32
+
+SHAPES = [
+    # (E, rows, K, n_tok, k)
+    (5, 7, 256, 3, 2),
+    (1, 13, 512, 5, 1),      # one expert
+    (4, 3, 768, 2, 4),       # all experts selected by every token, K = 3 blocks
+    (9, 1, 256, 1, 8),       # one row, k = 8
+    (8, 6, 512, 4, 6),
+]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "E{}_r{}_K{}_t{}_k{}".format(*s))
+def test_reference_qmv_matches_dense(qtype, shape):
+    e, rows, k, n_tok, top = shape
+    if qtype == QT.Q8_0:
+        k = k // 8 * 3          # odd number of 32-blocks
+    rng = np.random.default_rng(sum(shape))
+    raw = experts(qtype, e, rows, k, seed=e * rows)
+    if e == 4 and top == 4:
+        ids = np.stack([rng.permutation(4) for _ in range(n_tok)])
+    else:
+        ids = rng.integers(0, e, (n_tok, top))
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    want, mag = dense(raw, qtype, x, ids)
+    got = qm.gather_qmv(mx.array(x), mx.array(raw), qtype, mx.array(ids), backend="reference")
+    check(np.array(got), want, mag, k)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("top", range(1, 9))
+def test_reference_k_1_to_8_per_expert_inputs(qtype, top):
+    # the down projection: a different input vector per (token, selected expert)
+    e, rows, n_tok = 8, 5, 3
+    k = 256 if qtype != QT.Q8_0 else 64
+    rng = np.random.default_rng(100 + top)
+    raw = experts(qtype, e, rows, k, seed=top)
+    ids = np.stack([rng.choice(e, top, replace=False) for _ in range(n_tok)])
+    x = rng.standard_normal((n_tok, top, k)).astype(np.float32)
+    want, mag = dense(raw, qtype, x, ids)
+    got = qm.gather_qmv(mx.array(x), mx.array(raw), qtype, mx.array(ids), backend="reference")
+    check(np.array(got), want, mag, k)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("per_pair", [False, True])
+def test_reference_prefill_qmm_matches_dense(qtype, per_pair):
+    e, rows, n_tok, top = 7, 9, 33, 3
+    k = 512 if qtype != QT.Q8_0 else 160
+    rng = np.random.default_rng(7)
+    raw = experts(qtype, e, rows, k, seed=3)
+    ids = rng.integers(0, e - 1, (n_tok, top))          # expert e-1 unused
+    x = rng.standard_normal((n_tok, top, k) if per_pair else (n_tok, k)).astype(np.float32)
+    want, mag = dense(raw, qtype, x, ids)
+    # small dequant budget: experts are processed two at a time
+    got = qm.gather_qmm(mx.array(x), mx.array(raw), qtype, mx.array(ids), backend="reference",
+                        max_dequant_bytes=2 * rows * k * 4)
+    check(np.array(got), want, mag, k)
+    auto = qm.gather_qmatmul(mx.array(x), mx.array(raw), qtype, mx.array(ids), backend="reference")
+    check(np.array(auto), want, mag, k)
+
+
+def test_output_dtype_follows_x():
+    raw = experts(QT.Q4_K, 3, 4, 256)
+    x = mx.random.normal((2, 256)).astype(mx.bfloat16)
+    ids = mx.array([[0, 2], [1, 1]])
+    out = qm.gather_qmv(x, mx.array(raw), QT.Q4_K, ids, backend="reference")
+    assert out.dtype == mx.bfloat16 and out.shape == (2, 2, 4)
+    out = qm.gather_qmm(x, mx.array(raw), "q4_k", ids, backend="reference")
+    assert out.dtype == mx.bfloat16 and out.shape == (2, 2, 4)
+
+
+def test_argument_checks():
+    raw = mx.array(experts(QT.Q2_K, 2, 3, 256))
+    with pytest.raises(ValueError):
+        qm.gather_qmv(mx.zeros((2, 128)), raw, QT.Q2_K, mx.zeros((2, 1), mx.int32))
+    with pytest.raises(ValueError):
+        qm.gather_qmv(mx.zeros((2, 256)), raw, QT.Q6_K, mx.zeros((2, 1), mx.int32))
+    with pytest.raises(ValueError):
+        qm.gather_qmv(mx.zeros((2, 256)), raw.astype(mx.int8), QT.Q2_K, mx.zeros((2, 1), mx.int32))
+
+
+# ------------------------------------------------------------------ dispatch and the two GPU faces
+
+def test_backend_is_reference_on_cpu(monkeypatch):
+    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
+    assert dispatch.backend(mx.cpu) == "reference"
+    monkeypatch.setenv("DS4MLX_KERNELS", "reference")
+    assert dispatch.backend() == "reference"
+    monkeypatch.setenv("DS4MLX_KERNELS", "tpu")
+    with pytest.raises(ValueError):
+        dispatch.backend()
+
+
+@pytest.mark.parametrize("kind", ["qmv", "dequant"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_metal_and_cuda_share_one_description(kind, qtype):
+    sec = dispatch.sections(qm.SOURCE)
+    mh, mb = qm.kernel_sources(kind, qtype, "metal")
+    ch, cb = qm.kernel_sources(kind, qtype, "cuda")
+    # shared code appears verbatim in both faces; only prelude and indexing differ
+    for part in (sec["common"],):
+        assert part in mh and part in ch
+    assert mb.endswith(sec[kind]) and cb.endswith(sec[kind])
+    assert f"ds4_chunk_{qtype.name.lower()}" in mh and f"ds4_chunk_{qtype.name.lower()}" in ch
+    assert "thread_position_in_grid" in mb and "blockIdx" in cb
+    # CUDA spelling: no Metal-only words outside the Metal prelude
+    for word in ("device ", "threadgroup", "simd_sum", "as_type", " uint "):
+        assert word not in ch + cb, word
+    assert "0x" in mh and mh.count("ull") >= 256          # the IQ2_XXS lattice is inlined
+
+
+GPU_SHAPES = SHAPES + [(256, 64, 4096, 1, 6), (256, 4096, 2048, 2, 6)]
+
+
+def _gpu_face():
+    face = dispatch.gpu_backend()
+    if face is None:
+        pytest.skip("no MLX GPU backend")
+    return face
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "E{}_r{}_K{}_t{}_k{}".format(*s))
+def test_gpu_qmv_equals_reference(qtype, shape):
+    face = _gpu_face()
+    e, rows, k, n_tok, top = shape
+    rng = np.random.default_rng(sum(shape))
+    raw = mx.array(experts(qtype, e, rows, k, seed=5))
+    ids = mx.array(rng.integers(0, e, (n_tok, top)))
+    for x in (mx.array(rng.standard_normal((n_tok, k)).astype(np.float32)),
+              mx.array(rng.standard_normal((n_tok, top, k)).astype(np.float32))):
+        with mx.stream(mx.cpu):
+            ref = np.array(qm.gather_qmv(x, raw, qtype, ids, backend="reference"))
+            wabs = mx.abs(qm.dequantize_mx(raw, qtype, k))
+        got = np.array(qm.gather_qmv(x, raw, qtype, ids, backend=face))
+        xx = np.abs(np.array(x))
+        xx = xx[:, None, :] if xx.ndim == 2 else xx
+        mag = np.einsum("tjrh,tjh->tjr", np.array(wabs)[np.array(ids)], np.broadcast_to(xx, (n_tok, top, k)))
+        check(got, ref.astype(np.float64), mag, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_gpu_dequant_bit_exact_and_qmm(qtype):
+    face = _gpu_face()
+    e, rows, k = 6, 33, 512
+    raw = mx.array(experts(qtype, e, rows, k, seed=9))
+    want = dequantize(np.array(raw), qtype, (e, rows, k))
+    got = np.array(qm.gather_dequantize(raw, qtype, [5, 0, 3], backend=face))
+    assert np.array_equal(got.view(np.uint32), want[[5, 0, 3]].view(np.uint32))
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, e, (40, 4))
+    x = rng.standard_normal((40, k)).astype(np.float32)
+    ref, mag = dense(np.array(raw), qtype, x, ids)
+    out = qm.gather_qmm(mx.array(x), raw, qtype, mx.array(ids), backend=face)
+    check(np.array(out), ref, mag, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_gpu_bfloat16_activations(qtype):
+    face = _gpu_face()
+    e, rows, k = 8, 32, 1024
+    raw = mx.array(experts(qtype, e, rows, k, seed=4))
+    rng = np.random.default_rng(4)
+    ids = mx.array(rng.integers(0, e, (3, 6)))
+    x = mx.array(rng.standard_normal((3, k)).astype(np.float32)).astype(mx.bfloat16)
+    ref = qm.gather_qmv(x.astype(mx.float32), raw, qtype, ids, backend="reference")
+    got = qm.gather_qmv(x, raw, qtype, ids, backend=face)
+    assert got.dtype == mx.bfloat16
+    ref, got = np.array(ref), np.array(got.astype(mx.float32))
+    assert np.allclose(got, ref, rtol=2 ** -7, atol=2 ** -7 * np.abs(ref).max())
