@@ -1,0 +1,134 @@
+"""The built-in demo model: the real DeepSeek V4 Flash architecture and tokenizer,
+tiny and with RANDOM weights, so a newcomer can watch the whole pipeline (server,
+streaming, tools, cache) run without downloading anything.  Its text is gibberish."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+DEMO_NOTICE = "demo model: real DeepSeek V4 Flash architecture and tokenizer, RANDOM weights (output is gibberish)"
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+# Real V4 Flash ratios, window, rope and vocabulary; everything else scaled down.
+DEMO_CONFIG = {
+    "model_type": "deepseek_v4",
+    "vocab_size": 129280,
+    "hidden_size": 128,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "partial_rotary_factor": 0.25,
+    "q_lora_rank": 64,
+    "o_groups": 2,
+    "o_lora_rank": 32,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "layer_types": [SLIDING, CSA, HCA, CSA],
+    "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
+    "compress_rates": {CSA: 4, HCA: 128},
+    "sliding_window": 128,
+    "index_n_heads": 4,
+    "index_head_dim": 32,
+    "index_topk": 64,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                        "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1048576,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+    "demo_model": True,
+}
+DEMO_SEED = 20261130
+DEMO_VERSION = 1
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("DS4MLX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ds4mlx")
+    return Path(root)
+
+
+def _tag() -> str:
+    blob = json.dumps([DEMO_CONFIG, DEMO_SEED, DEMO_VERSION], sort_keys=True).encode()
+    return hashlib.sha1(blob).hexdigest()[:10]
+
+
+def demo_weights(config: dict = DEMO_CONFIG, seed: int = DEMO_SEED) -> dict[str, np.ndarray]:
+    """Deterministic random weights under transformers' in-memory names."""
+    from mlx.utils import tree_flatten
+
+    from .models.base import family_module
+
+    mod = family_module(config["model_type"])
+    args = mod.ModelArgs.from_dict(config)
+    shapes = {k: v.shape for k, v in tree_flatten(mod.Model(args).parameters())}
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        hf_name = name[: -len(".weight")] if name.endswith((".mlp.experts.gate_up_proj.weight", ".mlp.experts.down_proj.weight")) else name
+        if name.endswith("tid2eid"):
+            e, k = args.n_routed_experts, args.num_experts_per_tok
+            out[hf_name] = np.stack([rng.permutation(e)[:k] for _ in range(shape[0])]).astype(np.int64)
+        elif len(shape) >= 2:
+            std = 0.02 if "embed" in name else 1.0 / np.sqrt(shape[-1])
+            out[hf_name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+        elif "norm" in name:
+            out[hf_name] = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+        else:  # sinks, biases, hyper-connection base/scale
+            out[hf_name] = (0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+    return out
+
+
+def build_demo_model(path: Path) -> Path:
+    """Write the demo GGUF (F16 weights, real tokenizer) atomically to `path`."""
+    from .convert import write_gguf
+    from .tokenizer import Tokenizer
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        write_gguf(tmp, DEMO_CONFIG, demo_weights(), tokenizer=Tokenizer.default(), dtype="f16",
+                   name="ds4mlx demo (random weights)")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def demo_model_path(quiet: bool = False) -> str:
+    """The demo GGUF in the user cache dir, built on first use."""
+    path = _cache_dir() / f"demo-v4flash-{_tag()}.gguf"
+    if not path.exists():
+        if not quiet:
+            print(f"ds4mlx: building the {DEMO_NOTICE} at {path}", file=sys.stderr)
+        build_demo_model(path)
+    return str(path)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--force", action="store_true", help="rebuild even if the file exists")
+
+
+def run(args) -> int:
+    path = _cache_dir() / f"demo-v4flash-{_tag()}.gguf"
+    if args.force and path.exists():
+        path.unlink()
+    print(demo_model_path())
+    print(f"({DEMO_NOTICE})", file=sys.stderr)
+    return 0
