@@ -1,0 +1,177 @@
+"""`ds4mlx convert HF_DIR OUT.gguf`: Hugging Face DeepSeek V4 folder -> ds4-style GGUF.
+
+Tensor names and metadata keys are ds4's (see `ds4mlx.gguf_names`), the tokenizer
+is written as `tokenizer.ggml.*` (HF_DIR/tokenizer.json if present, else the
+default DeepSeek V4 tokenizer).
+
+`write_gguf(path, config, tensors, tokenizer, dtype="f32")` is the Python entry
+the demo model and the quantizer use.  Float dtypes: "f32", "f16", "bf16" apply to
+tensors of 2 or more dimensions; 1-D tensors (norms, sinks, hc base/scale, router
+bias) always stay F32 as in ds4's GGUFs (ds4.c `weights_validate_layout`), integer
+tensors (tid2eid) are I32.  `QuantizedTensor` values are written as they are
+(their bytes and ggml type).  Fused `gate_up_proj` is split into ds4's
+`ffn_gate_exps` / `ffn_up_exps`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from . import gguf_names as names
+from .weights import QuantizedTensor
+
+DTYPES = ("f32", "f16", "bf16")
+
+
+def _f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit pattern (round to nearest even, NaN kept)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    u = a.view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        rounded = np.where(nan, ((u >> 16) | np.uint32(0x40)).astype(np.uint16), rounded)
+    return rounded
+
+
+def _gguf_tensors(tensors: dict) -> list[tuple[str, object]]:
+    """HF in-memory name -> [(ds4 GGUF name, value)], splitting gate_up_proj."""
+    out = []
+    unknown = []
+    for name, val in tensors.items():
+        if name.endswith("." + names.FUSED_GATE_UP):
+            prefix = name[: -len(names.FUSED_GATE_UP)]
+            if isinstance(val, QuantizedTensor):
+                raise ValueError(f"{name}: a fused quantized gate_up_proj cannot be split; pass gate_proj/up_proj")
+            arr = np.asarray(val)
+            if arr.ndim != 3 or arr.shape[1] % 2:
+                raise ValueError(f"{name}: expected [E, 2I, H], got {arr.shape}")
+            half = arr.shape[1] // 2
+            for part, sl in zip(names.EXPERT_SPLIT, (slice(0, half), slice(half, None))):
+                out.append((names.hf_to_gguf(prefix + part), arr[:, sl]))
+            continue
+        g = names.hf_to_gguf(name)
+        if g is None:
+            unknown.append(name)
+            continue
+        out.append((g, val))
+    if unknown:
+        raise ValueError(f"tensors with no ds4 GGUF name: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
+    return out
+
+
+def _add_kv(writer, key: str, value, kind: str) -> None:
+    from gguf import GGUFValueType
+
+    if kind == "u32":
+        writer.add_uint32(key, int(value))
+    elif kind == "u64":
+        writer.add_uint64(key, int(value))
+    elif kind == "f32":
+        writer.add_float32(key, float(value))
+    elif kind == "bool":
+        writer.add_bool(key, bool(value))
+    elif kind == "str":
+        writer.add_string(key, str(value))
+    elif kind == "arr_i32":
+        writer.add_key_value(key, [int(v) for v in value], GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+    elif kind == "arr_f32":
+        writer.add_key_value(key, [float(v) for v in value], GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
+    else:  # pragma: no cover - table bug
+        raise ValueError(f"unknown metadata kind {kind}")
+
+
+def write_gguf(path, config: dict, tensors: dict, tokenizer=None, dtype: str = "f32", name: str | None = None) -> Path:
+    """Write a ds4-style GGUF.  `tensors` uses HF in-memory names (numpy arrays,
+    anything np.asarray accepts, or QuantizedTensor).  `tokenizer=None` writes the
+    default DeepSeek V4 tokenizer; pass `False` to write none."""
+    import gguf
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    path = Path(path)
+    if tokenizer is None:
+        from .tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.default()
+    items = _gguf_tensors(tensors)
+    kv = names.config_to_gguf_kv(config)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), names.ARCH)
+    try:
+        writer.add_name(name or "DeepSeek-V4 (ds4mlx convert)")
+        writer.add_file_type(
+            {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
+        )
+        for key, value, kind in kv:
+            if key == "general.architecture":
+                continue  # GGUFWriter writes it
+            _add_kv(writer, key, value, kind)
+        if tokenizer is not False:
+            tokenizer.write_gguf(writer)
+
+        for gname, val in items:
+            if isinstance(val, QuantizedTensor):
+                writer.add_tensor(gname, np.ascontiguousarray(val.raw), raw_dtype=val.qtype)
+                continue
+            arr = np.asarray(val)
+            if gname.endswith("ffn_gate_tid2eid.weight") or np.issubdtype(arr.dtype, np.integer):
+                writer.add_tensor(gname, np.ascontiguousarray(arr.astype(np.int32)))
+                continue
+            arr32 = np.ascontiguousarray(arr, dtype=np.float32)
+            if arr.ndim < 2 or dtype == "f32":
+                writer.add_tensor(gname, arr32)
+            elif dtype == "f16":
+                writer.add_tensor(gname, arr32.astype(np.float16))
+            else:
+                writer.add_tensor(gname, _f32_to_bf16_bits(arr32), raw_dtype=gguf.GGMLQuantizationType.BF16)
+
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    os.replace(tmp, path)
+    return path
+
+
+# ----------------------------------------------------------------------------- CLI
+def add_arguments(parser) -> None:
+    parser.add_argument("hf_dir", help="Hugging Face folder: config.json + *.safetensors (+ tokenizer.json)")
+    parser.add_argument("out", help="output .gguf path")
+    parser.add_argument("--dtype", choices=DTYPES, default="f32",
+                        help="storage type of 2-D+ float tensors (1-D stay f32; default f32)")
+    parser.add_argument("--name", default=None, help="general.name to record")
+    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+
+
+def run(args) -> int:
+    from .tokenizer import Tokenizer
+    from .weights import read_hf
+
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        print(f"ds4mlx convert: {out} exists (use --force to overwrite)", file=sys.stderr)
+        return 1
+    try:
+        config, tensors, tok = read_hf(args.hf_dir)
+        if tok is None:
+            tok = Tokenizer.default()
+        if tok.vocab_size < int(config["vocab_size"]):
+            print(f"ds4mlx convert: note: tokenizer has {tok.vocab_size} tokens, model vocab_size is "
+                  f"{config['vocab_size']}", file=sys.stderr)
+        write_gguf(out, config, tensors, tok, dtype=args.dtype, name=args.name)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"ds4mlx convert: error: {e}", file=sys.stderr)
+        return 1
+    n = len(tensors)
+    print(f"wrote {out} ({n} HF tensors, {out.stat().st_size / 1e6:.1f} MB, dtype {args.dtype})")
+    return 0
+
+
+__all__ = ["write_gguf", "add_arguments", "run", "DTYPES"]
