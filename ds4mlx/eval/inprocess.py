@@ -25,12 +25,13 @@ class InProcessBackend:
     name = "mlx"
 
     def __init__(self, model_path: Optional[str] = None, *, temperature: float = 0.0,
-                 top_p: float = 1.0, min_p: float = 0.05):
+                 top_p: float = 1.0, min_p: float = 0.05, loaded: Optional[tuple[Any, Any]] = None):
+        """`loaded=(model, tokenizer)` skips `ds4mlx.load` (tests, embedding)."""
         self.model_path = model_path
         self.model = model_path or "demo"
         self.temperature, self.top_p, self.min_p = temperature, top_p, min_p
-        self._model: Any = None
-        self._tok: Any = None
+        self._model: Any = loaded[0] if loaded else None
+        self._tok: Any = loaded[1] if loaded else None
         self._session: Any = None
         self._rng: Optional[Xorshift64Star] = None
         self.ctx = 0

@@ -10,7 +10,7 @@ passed=1 not_graded=2).
 from __future__ import annotations
 
 import sys
-from typing import Any, NamedTuple, TextIO
+from typing import Any, NamedTuple, Optional, TextIO
 
 from .extract import extract, matches
 
@@ -185,7 +185,8 @@ def _trace_self_tests() -> list[str]:
     return failures
 
 
-def run_self_test(out: TextIO = sys.stdout, verbose: bool = False) -> int:
+def run_self_test(out: Optional[TextIO] = None, verbose: bool = False) -> int:
+    out = out or sys.stdout
     failed = 0
     for v in VECTORS:
         ok, got, graded = check_vector(v)
