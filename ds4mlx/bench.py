@@ -1,0 +1,218 @@
+"""`ds4mlx bench`: prefill and decode speed at growing context frontiers (as ds4-bench).
+
+Load once; walk one fixed token sequence (the shipped CC0 text, cycled) to the
+frontiers ctx_start, ..., ctx_max.  Each row prefills only the interval added
+since the previous frontier, then snapshots the session, decodes a fixed greedy
+probe that never picks EOS, restores the snapshot and goes on.  One CSV row per
+frontier; `--compare` turns the run into a regression gate.
+"""
+from __future__ import annotations
+
+import csv
+import sys
+import time
+from pathlib import Path
+
+COLUMNS = ["ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes", "peak_memory_bytes"]
+GATED = ("prefill_tps", "gen_tps")  # higher is better
+
+
+def frontiers(start: int, stop: int, step_incr: int | None, step_mul: float | None) -> list[int]:
+    if start <= 0 or stop < start:
+        raise ValueError("need 0 < --ctx-start <= --ctx-max")
+    if step_incr is not None and step_incr <= 0 or step_mul is not None and step_mul <= 1:
+        raise ValueError("--step-incr must be > 0 and --step-mul > 1")
+    out, f = [], start
+    while f < stop:
+        out.append(f)
+        nxt = f + step_incr if step_incr else int(f * (step_mul or 2.0))
+        f = max(nxt, f + 1)
+    out.append(stop)
+    return out
+
+
+def bench_tokens(tokenizer, n: int, text_path: str | None = None) -> list[int]:
+    """The first n tokens of the benchmark text, cycled as often as needed."""
+    path = Path(text_path) if text_path else Path(__file__).parent / "data" / "bench_text.txt"
+    ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+    if not ids:
+        raise ValueError(f"{path} tokenizes to nothing")
+    reps = -(-n // len(ids))
+    return (ids * reps)[:n]
+
+
+def _greedy_probe(session, first_logits, n: int, eos_id: int | None, warmup: int = 2) -> float:
+    """Decode `warmup` untimed then n timed greedy tokens (EOS masked), one step of
+    lookahead so the host never waits for the device between steps; return seconds."""
+    import mlx.core as mx
+
+    def pick(logits):
+        if eos_id is not None:
+            logits = mx.where(mx.arange(logits.shape[-1]) == eos_id, -mx.inf, logits)
+        return mx.argmax(logits, axis=-1)
+
+    y = pick(mx.array(first_logits))
+    for _ in range(warmup):  # first-use kernel compilation stays out of the figure
+        y = pick(session.step(y))
+    mx.eval(y)
+    mx.synchronize()
+    t0 = time.perf_counter()
+    nxt = pick(session.step(y))
+    mx.async_eval(nxt)
+    for _ in range(n - 1):
+        cur = nxt
+        nxt = pick(session.step(cur))
+        mx.async_eval(nxt)
+        mx.eval(cur)
+    mx.eval(nxt)
+    mx.synchronize()
+    return time.perf_counter() - t0
+
+
+def run_bench(model, tokenizer, ctx_points: list[int], gen_tokens: int, chunk: int = 512,
+              text_path: str | None = None, log=None) -> list[dict]:
+    import mlx.core as mx
+
+    tokens = bench_tokens(tokenizer, ctx_points[-1], text_path)
+    session = model.new_session(ctx=ctx_points[-1] + gen_tokens + 1, chunk=chunk)
+    eos = getattr(tokenizer, "eos_id", None)
+    rows, done = [], 0
+    mx.reset_peak_memory()
+    for frontier in ctx_points:
+        part = tokens[done:frontier]
+        mx.synchronize()
+        t0 = time.perf_counter()
+        logits = session.prefill(part)
+        mx.synchronize()
+        pre_s = time.perf_counter() - t0
+        done = frontier
+        row = {"ctx_tokens": frontier, "prefill_tokens": len(part),
+               "prefill_tps": round(len(part) / pre_s, 2) if pre_s > 0 else 0.0,
+               "gen_tokens": gen_tokens, "gen_tps": 0.0, "kvcache_bytes": session.nbytes}
+        if gen_tokens > 0:
+            snap = session.snapshot()
+            gen_s = _greedy_probe(session, logits, gen_tokens, eos)
+            session.restore(snap)
+            row["gen_tps"] = round(gen_tokens / gen_s, 2)
+        row["peak_memory_bytes"] = int(mx.get_peak_memory())
+        rows.append(row)
+        if log:
+            log(row)
+    return rows
+
+
+def write_csv(rows: list[dict], path) -> None:
+    out = open(path, "w", newline="") if path and path != "-" else sys.stdout
+    try:
+        w = csv.DictWriter(out, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
+def read_csv(path) -> list[dict]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or "ctx_tokens" not in rows[0]:
+        raise ValueError(f"{path}: not a ds4mlx bench CSV")
+    return rows
+
+
+def compare(rows: list[dict], baseline: list[dict], max_regress_pct: float) -> list[str]:
+    """Regressions (one message each) of `rows` against `baseline`, matched by ctx_tokens."""
+    base = {int(r["ctx_tokens"]): r for r in baseline}
+    problems = []
+    for r in rows:
+        b = base.get(int(r["ctx_tokens"]))
+        if b is None:
+            continue
+        for col in GATED:
+            old, new = float(b[col]), float(r[col])
+            if old > 0 and new < old * (1 - max_regress_pct / 100.0):
+                problems.append(f"ctx {r['ctx_tokens']}: {col} {new:g} is {100 * (1 - new / old):.1f}% below "
+                                f"the baseline {old:g} (allowed {max_regress_pct:g}%)")
+    if not any(int(r["ctx_tokens"]) in base for r in rows):
+        problems.append("no frontier of this run appears in the baseline")
+    return problems
+
+
+def plot(rows: list[dict], path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctx = [int(r["ctx_tokens"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(ctx, [float(r["prefill_tps"]) for r in rows], "o-", label="prefill t/s")
+    ax.plot(ctx, [float(r["gen_tps"]) for r in rows], "s-", label="decode t/s")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("tokens / second")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("-m", "--model", help="GGUF file or HF folder (default: the demo model)")
+    p.add_argument("--synthetic", choices=["v4-flash"], help="random full-size weights built on the device, no file")
+    p.add_argument("--layers", type=int, default=None, help="--synthetic: number of layers (default 43)")
+    p.add_argument("--experts", type=int, default=None, help="--synthetic: routed experts (default 256)")
+    p.add_argument("--expert-bits", type=int, choices=[2, 4], default=2, help="--synthetic: routed expert bits")
+    p.add_argument("--other-bits", type=int, choices=[4, 8, 16], default=8, help="--synthetic: bits of the other linears (16 = bf16)")
+    p.add_argument("--ctx-start", type=int, default=2048)
+    p.add_argument("--ctx-max", type=int, default=8192)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--step-incr", type=int)
+    g.add_argument("--step-mul", type=float)
+    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
+    p.add_argument("--text", help="benchmark text file (default: the shipped CC0 text)")
+    p.add_argument("--csv", default="-", help="CSV output path ('-' = stdout)")
+    p.add_argument("--compare", metavar="BASELINE.csv", help="fail when a frontier regresses against this CSV")
+    p.add_argument("--max-regress", type=float, default=10.0, metavar="PCT")
+    p.add_argument("--plot", metavar="FILE.svg|png")
+
+
+def run(args) -> int:
+    try:
+        points = frontiers(args.ctx_start, args.ctx_max, args.step_incr, args.step_mul)
+        baseline = read_csv(args.compare) if args.compare else None
+    except (ValueError, OSError) as e:
+        print(f"ds4mlx bench: {e}", file=sys.stderr)
+        return 2
+    if args.synthetic:
+        from .synthetic import build_synthetic_v4_flash
+
+        model, tokenizer, info = build_synthetic_v4_flash(layers=args.layers, experts=args.experts,
+                                                          expert_bits=args.expert_bits, other_bits=args.other_bits)
+        label = f"synthetic V4 Flash ({info['layers']} layers, experts {args.expert_bits}-bit)"
+        print(f"ds4mlx bench: {label}: {info}", file=sys.stderr)
+    else:
+        from .loader import load
+
+        model, tokenizer = load(args.model)
+        label = Path(getattr(model, "path", args.model or "demo")).name
+    import mlx.core as mx
+
+    print(f"ds4mlx bench: {label} on {mx.default_device()}, frontiers {points}", file=sys.stderr)
+    rows = run_bench(model, tokenizer, points, args.gen_tokens, chunk=args.chunk, text_path=args.text,
+                     log=lambda r: print("  " + ", ".join(f"{k}={r[k]}" for k in COLUMNS), file=sys.stderr))
+    write_csv(rows, args.csv)
+    if args.plot:
+        plot(rows, args.plot, f"ds4mlx bench: {label} ({mx.default_device()})")
+    if baseline is not None:
+        problems = compare(rows, baseline, args.max_regress)
+        for msg in problems:
+            print(f"REGRESSION {msg}", file=sys.stderr)
+        if problems:
+            return 1
+        print(f"ds4mlx bench: no regression beyond {args.max_regress:g}% against {args.compare}", file=sys.stderr)
+    return 0
