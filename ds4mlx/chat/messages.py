@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -18,6 +19,21 @@ class Message:
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_ids: list[str] = field(default_factory=list)  # ids of tool results carried here
+    # Exact sampled DSML block replayed instead of the canonical rendering of
+    # `tool_calls` (set by ToolMemory.attach, dsml.md §9); "" = render canonically.
+    raw_dsml: str = ""
+
+
+@dataclass(frozen=True)
+class ToolAlias:
+    """How a DSML tool name maps back to the client's tool (dsml.md §6).
+
+    Responses namespaces render `namespace + name` in the prompt; the output
+    item reports the inner `name` and the `namespace`.  A hosted
+    `{"type":"tool_search"}` tool is reported as a `tool_search_call` item."""
+    name: str
+    namespace: Optional[str] = None
+    hosted_tool_search: bool = False
 
 
 @dataclass
@@ -26,3 +42,8 @@ class Conversation:
     tool_schemas: list[str] = field(default_factory=list)  # one rendered schema line per tool
     tools_active: bool = False  # schemas non-empty and tool_choice is not "none"
     thinking: str = "high"  # none | high | max
+    api: str = "openai"  # openai | anthropic | responses
+    model: str = "deepseek-v4-flash"  # echoed back verbatim
+    stop: list[str] = field(default_factory=list)  # stop / stop_sequences (http-api.md §2)
+    tool_aliases: dict[str, ToolAlias] = field(default_factory=dict)  # DSML name -> client tool
+    reasoning_summary: bool = False  # Responses reasoning.summary opted in (auto/concise/detailed)

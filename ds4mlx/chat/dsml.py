@@ -1,0 +1,855 @@
+"""DSML: canonical rendering of tool calls, the final parser, and the decode tracker.
+
+* Rendering (chat-template.md §6, §7): `render_calls`, `escape_tool_result`.
+* Final parse of a finished generation (dsml.md §2-4, §6): `parse_output`.
+* Forgiving structural recognizer for greedy sampling and stop-at-CLOSE
+  (dsml.md §5.1): `DecodeTracker`.
+
+Strings are Python `str`; positions are character indices.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from json.decoder import scanstring
+from typing import Iterable, Optional, Sequence
+
+from . import markers as M
+from .markers import DsmlSyntax
+
+__all__ = [
+    "ParsedCall", "ParsedOutput", "parse_output", "render_calls", "escape_tool_result",
+    "attr_escape", "param_text", "json_literal", "decode_entities", "json_escape",
+    "json_escape_fragment", "dumps_compact", "dumps_canonical", "json_text",
+    "parse_flat_object", "minify_json", "call_input", "DecodeTracker",
+    "OUTSIDE", "STRUCTURAL", "STRING_BODY", "JSON_STRUCTURAL", "JSON_STRING",
+]
+
+_C_SPACE = " \t\n\v\f\r"  # C isspace() in the "C" locale
+
+
+def _skip_ws(s: str, i: int) -> int:
+    n = len(s)
+    while i < n and s[i] in _C_SPACE:
+        i += 1
+    return i
+
+
+def _rstrip_ws(s: str) -> str:
+    return s.rstrip(_C_SPACE)
+
+
+# =============================================================================
+# JSON text helpers
+# =============================================================================
+
+# http-api.md §1.3: '"' '\\' LF CR TAB escaped, other bytes < 0x20 as \u00xx, the rest raw.
+_ESCAPE_TABLE = {c: "\\u%04x" % c for c in range(0x20)}
+_ESCAPE_TABLE.update({ord('"'): '\\"', ord("\\"): "\\\\", ord("\n"): "\\n",
+                      ord("\r"): "\\r", ord("\t"): "\\t"})
+
+
+def json_escape_fragment(s: str) -> str:
+    """ds4's string escaping, without the surrounding quotes."""
+    return s.translate(_ESCAPE_TABLE)
+
+
+def json_escape(s: str) -> str:
+    """ds4's JSON string literal (differs from Python's only for \\b and \\f)."""
+    return '"' + s.translate(_ESCAPE_TABLE) + '"'
+
+
+def dumps_compact(obj) -> str:
+    """Compact JSON, no spaces, UTF-8 kept raw, strings escaped like ds4."""
+    if isinstance(obj, str):
+        return json_escape(obj)
+    if isinstance(obj, dict):
+        return "{" + ",".join(json_escape(str(k)) + ":" + dumps_compact(v) for k, v in obj.items()) + "}"
+    if isinstance(obj, (list, tuple)):
+        return "[" + ",".join(dumps_compact(v) for v in obj) + "]"
+    return json.dumps(obj)  # numbers, booleans, null
+
+
+def dumps_canonical(obj) -> str:
+    """The issue's canonical schema text: key order kept, Python default separators, raw UTF-8."""
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def json_text(obj, style: str = "canonical") -> str:
+    """Serialize a parsed JSON value in one of the two prompt styles."""
+    if style == "canonical":
+        return dumps_canonical(obj)
+    if style == "compact":
+        return dumps_compact(obj)
+    raise ValueError(f"unknown JSON style {style!r}")
+
+
+_DECODER = json.JSONDecoder(strict=False)
+_STRING_OR_WS = re.compile(r'("(?:[^"\\]|\\.)*")|[ \t\n\r\f\v]+', re.S)
+
+
+def _minify_slice(raw: str) -> str:
+    return _STRING_OR_WS.sub(lambda m: m.group(1) or "", raw)
+
+
+def minify_json(text: str) -> Optional[str]:
+    """The first JSON value of `text` with whitespace outside strings removed.
+
+    Trailing bytes after that value are dropped (as ds4's minifier does); None if
+    no valid value starts there."""
+    i = _skip_ws(text, 0)
+    try:
+        _, end = _DECODER.raw_decode(text, i)
+    except (ValueError, RecursionError):
+        return None
+    return _minify_slice(text[i:end])
+
+
+def parse_flat_object(text: str) -> Optional[list[tuple[str, str, bool]]]:
+    """Parse a JSON object as a flat member list `(key, value, is_string)`.
+
+    String values are unescaped; other values keep their source text, minified.
+    Duplicate keys are kept in order.  Lenient like ds4's parser: commas between
+    members are optional, a trailing comma and bytes after `}` are accepted.
+    None if `text` is not an object."""
+    n = len(text)
+    i = _skip_ws(text, 0)
+    if i >= n or text[i] != "{":
+        return None
+    i = _skip_ws(text, i + 1)
+    members: list[tuple[str, str, bool]] = []
+    try:
+        while i < n and text[i] != "}":
+            if text[i] != '"':
+                return None
+            key, i = scanstring(text, i + 1, False)
+            i = _skip_ws(text, i)
+            if i >= n or text[i] != ":":
+                return None
+            i = _skip_ws(text, i + 1)
+            if i < n and text[i] == '"':
+                value, i = scanstring(text, i + 1, False)
+                members.append((key, value, True))
+            else:
+                _, end = _DECODER.raw_decode(text, i)
+                members.append((key, _minify_slice(text[i:end]), False))
+                i = end
+            i = _skip_ws(text, i)
+            if i < n and text[i] == ",":
+                i = _skip_ws(text, i + 1)
+    except (ValueError, RecursionError):
+        return None
+    if i >= n:
+        return None
+    return members
+
+
+def call_input(arguments_json: str) -> dict:
+    """The arguments of a parsed call as a JSON object (Anthropic `input`, dsml.md §6)."""
+    try:
+        obj = json.loads(arguments_json)
+    except ValueError:
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+# =============================================================================
+# Rendering (chat-template.md §6, §7)
+# =============================================================================
+
+_FULL = M.DSML_FULL
+
+
+def attr_escape(s: str) -> str:
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def param_text(s: str) -> str:
+    """Parameter text: verbatim except the leading `<` of its own closing tag."""
+    return s.replace(_FULL.param_close, M.PARAM_CLOSE_TEXT_ESCAPE + _FULL.param_close[1:])
+
+
+def json_literal(s: str) -> str:
+    """Minified JSON value text; the closing tag's `<` becomes \\u003c."""
+    return s.replace(_FULL.param_close, M.PARAM_CLOSE_JSON_ESCAPE + _FULL.param_close[1:])
+
+
+def escape_tool_result(s: str) -> str:
+    """Tool result text: verbatim except the leading `<` of `</tool_result>`."""
+    return s.replace(M.TOOL_RESULT_CLOSE, M.PARAM_CLOSE_TEXT_ESCAPE + M.TOOL_RESULT_CLOSE[1:])
+
+
+def _param_line(key: str, is_string: bool, body: str) -> str:
+    return (f'{_FULL.param} name="{attr_escape(key)}" string="{"true" if is_string else "false"}">'
+            f"{body}{_FULL.param_close}\n")
+
+
+def render_calls(calls: Sequence) -> str:
+    """Canonical DSML block for the tool calls of one assistant message ("" if none).
+
+    `calls` are objects with `.name` and `.arguments` (JSON text or free text)."""
+    if not calls:
+        return ""
+    out = [M.DSML_BLOCK_SEPARATOR, _FULL.open, "\n"]
+    for call in calls:
+        out.append(f'{_FULL.invoke} name="{attr_escape(call.name)}">\n')
+        members = parse_flat_object(call.arguments)
+        if members is None:
+            out.append(_param_line("arguments", True, param_text(call.arguments)))
+        else:
+            for key, value, is_string in members:
+                out.append(_param_line(key, is_string, param_text(value) if is_string else json_literal(value)))
+        out.append(_FULL.invoke_close + "\n")
+    out.append(_FULL.close)
+    return "".join(out)
+
+
+# =============================================================================
+# Entities and attributes
+# =============================================================================
+
+_ENTITY_MAP = dict(M.DSML_ENTITIES)
+_ENTITY_RE = re.compile("|".join(re.escape(e) for e, _ in M.DSML_ENTITIES))
+
+
+def decode_entities(s: str, mode: str = "all", syn: DsmlSyntax = _FULL) -> str:
+    """Decode DSML entities in a string value.
+
+    mode "all": the five XML entities, single left-to-right pass (ds4).
+    mode "close": only the escaped closing parameter tag (the one escape the
+    renderer writes), so literal `&amp;` etc. round-trip unchanged."""
+    if "&" not in s:
+        return s
+    if mode == "all":
+        return _ENTITY_RE.sub(lambda m: _ENTITY_MAP[m.group()], s)
+    if mode == "close":
+        return s.replace(M.PARAM_CLOSE_TEXT_ESCAPE + syn.param_close[1:], syn.param_close)
+    raise ValueError(f"unknown entity mode {mode!r}")
+
+
+def _entities(mode: str, syn: DsmlSyntax) -> tuple[str, ...]:
+    if mode == "all":
+        return tuple(e for e, _ in M.DSML_ENTITIES)
+    return (M.PARAM_CLOSE_TEXT_ESCAPE + syn.param_close[1:],)
+
+
+def attr(tag: str, name: str) -> Optional[str]:
+    """Attribute value found by substring search for `name="` (entity-decoded), or None."""
+    pat = name + '="'
+    i = tag.find(pat)
+    if i < 0:
+        return None
+    i += len(pat)
+    j = tag.find('"', i)
+    if j < 0:
+        return None
+    return decode_entities(tag[i:j], "all")
+
+
+# =============================================================================
+# Decode tracker (dsml.md §5.1)
+# =============================================================================
+
+OUTSIDE, STRUCTURAL, STRING_BODY, JSON_STRUCTURAL, JSON_STRING = (
+    "outside", "structural", "string_body", "json_structural", "json_string")
+
+_MAX_OPEN = max(len(s.open) for s in M.DSML_SYNTAXES)
+
+
+def earliest_open(text: str, start: int, end: Optional[int] = None) -> Optional[tuple[int, DsmlSyntax]]:
+    """Earliest block OPEN of any spelling starting in [start, end)."""
+    best: Optional[tuple[int, DsmlSyntax]] = None
+    for syn in M.DSML_SYNTAXES:
+        p = text.find(syn.open, start) if end is None else text.find(syn.open, start, end + len(syn.open) - 1)
+        if p >= 0 and (end is None or p < end) and (best is None or p < best[0]):
+            best = (p, syn)
+    return best
+
+
+def partial_open_at_tail(text: str, start: int) -> int:
+    """Index of a trailing proper prefix of some OPEN spelling (>= start), or -1."""
+    lt = text.rfind("<", max(start, len(text) - _MAX_OPEN + 1))
+    if lt < 0:
+        return -1
+    tail = text[lt:]
+    for syn in M.DSML_SYNTAXES:
+        if len(tail) < len(syn.open) and syn.open.startswith(tail):
+            return lt
+    return -1
+
+
+def _is_partial(tail: str, lits: Iterable[str]) -> bool:
+    return any(len(tail) < len(lit) and lit.startswith(tail) for lit in lits)
+
+
+class DecodeTracker:
+    """Incremental, forgiving recognizer of DSML structure in generated text.
+
+    Feed it the whole text so far with `update(raw)`; it resumes where it
+    stopped.  `mode` is one of: search (no block open), struct (between or
+    inside tags), string (inside a string="true" value), json (inside another
+    value), done (block CLOSE reached; `block_end` set), stuck (text that is
+    not DSML where a tag was expected; `stuck_at` set).  The caller decides what
+    to do after done/stuck (usually `restart`).  `state` is the dsml.md §5.1
+    decode state of the next token.
+
+    Differences from ds4's tracker (all make it follow the final parser more
+    closely): a partial parameter close of one byte (`<`) inside a JSON value is
+    not consumed; a value that starts with a parameter tag (loose nested
+    parameters) is tracked as structure, and a stray parameter close between
+    parameters is skipped; garbage is reported as `stuck` instead of staying
+    STRUCTURAL forever."""
+
+    def __init__(self, start: int = 0):
+        self.restart(start)
+
+    def restart(self, pos: int) -> None:
+        self.mode = "search"
+        self.pos = pos
+        self.syn: Optional[DsmlSyntax] = None
+        self.block_start = -1
+        self.block_end = -1
+        self.stuck_at = -1
+        self.state = OUTSIDE
+        self._value_start = 0
+        self._in_str = False
+        self._esc = False
+        self._fresh = False
+
+    @property
+    def in_block(self) -> bool:
+        return self.mode in ("struct", "string", "json")
+
+    def update(self, raw: str) -> None:
+        n = len(raw)
+        while True:
+            mode = self.mode
+            if mode in ("done", "stuck"):
+                self.state = OUTSIDE if mode == "done" else STRUCTURAL
+                return
+            if mode == "search":
+                found = earliest_open(raw, self.pos)
+                if found is None:
+                    self.pos = max(self.pos, n - _MAX_OPEN + 1)
+                    self.state = OUTSIDE
+                    return
+                self.block_start, self.syn = found
+                self.pos = found[0] + len(found[1].open)
+                self.mode = "struct"
+                continue
+            syn = self.syn
+            if mode == "struct":
+                p = _skip_ws(raw, self.pos)
+                self.pos = p
+                if p >= n:
+                    self.state = STRUCTURAL
+                    return
+                if raw.startswith(syn.close, p):
+                    self.mode = "done"
+                    self.block_end = p + len(syn.close)
+                    self.pos = self.block_end
+                    self.state = OUTSIDE
+                    return
+                if raw.startswith(syn.invoke_close, p):
+                    self.pos = p + len(syn.invoke_close)
+                    continue
+                if raw.startswith(syn.param_close, p):  # end of a loose nested parameter
+                    self.pos = p + len(syn.param_close)
+                    continue
+                is_param = raw.startswith(syn.param, p)
+                if is_param or raw.startswith(syn.invoke, p):
+                    gt = raw.find(">", p)
+                    if gt < 0:
+                        self.state = STRUCTURAL
+                        return
+                    self.pos = gt + 1
+                    if is_param:
+                        self._value_start = gt + 1
+                        if attr(raw[p:gt + 1], "string") == "true":
+                            self.mode = "string"
+                        else:
+                            self.mode = "json"
+                            self._in_str = self._esc = False
+                            self._fresh = True
+                    continue
+                if _is_partial(raw[p:], (syn.close, syn.invoke_close, syn.param_close, syn.invoke, syn.param)):
+                    self.state = STRUCTURAL
+                    return
+                self.mode = "stuck"
+                self.stuck_at = p
+                self.state = STRUCTURAL
+                return
+            close = syn.param_close
+            if mode == "string":
+                k = raw.find(close, self.pos)
+                if k >= 0:
+                    self.pos = k + len(close)
+                    self.mode = "struct"
+                    continue
+                self.pos = max(self.pos, n - len(close) + 1)
+                self.state = STRUCTURAL if self._partial_close(raw, 2) else STRING_BODY
+                return
+            # json value
+            if self._fresh:
+                p = _skip_ws(raw, self.pos)
+                if p >= n:
+                    self.state = JSON_STRUCTURAL
+                    return
+                if raw.startswith(syn.param, p):
+                    self.pos = p
+                    self.mode = "struct"
+                    continue
+                if _is_partial(raw[p:], (syn.param,)):
+                    self.state = STRUCTURAL
+                    return
+                self._fresh = False
+            pos = self.pos
+            while pos < n:
+                c = raw[pos]
+                if self._in_str:
+                    if self._esc:
+                        self._esc = False
+                    elif c == "\\":
+                        self._esc = True
+                    elif c == '"':
+                        self._in_str = False
+                elif c == "<":
+                    if raw.startswith(close, pos):
+                        break
+                    if _is_partial(raw[pos:], (close,)):
+                        self.pos = pos
+                        self.state = STRUCTURAL if n - pos >= 2 else JSON_STRUCTURAL
+                        return
+                elif c == '"':
+                    self._in_str = True
+                pos += 1
+            if pos < n:
+                self.pos = pos + len(close)
+                self.mode = "struct"
+                continue
+            self.pos = pos
+            self.state = JSON_STRING if self._in_str else JSON_STRUCTURAL
+            return
+
+    def _partial_close(self, raw: str, min_len: int) -> bool:
+        close = self.syn.param_close
+        n = len(raw)
+        for k in range(min_len, len(close)):
+            if n - k >= self._value_start and raw.endswith(close[:k]):
+                return True
+        return False
+
+
+def scan_block(text: str, open_pos: int) -> tuple[str, int]:
+    """Structure of the block whose OPEN starts at `open_pos`:
+    ("complete", end after CLOSE) | ("stuck", garbage position) | ("open", len(text))."""
+    tr = DecodeTracker(open_pos)
+    tr.update(text)
+    if tr.mode == "done":
+        return "complete", tr.block_end
+    if tr.mode == "stuck":
+        return "stuck", tr.stuck_at
+    return "open", len(text)
+
+
+# =============================================================================
+# Final parser (dsml.md §2-4, §6)
+# =============================================================================
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: str  # OpenAI-style compact JSON object text (dsml.md §6)
+    raw_dsml: str = ""  # the invoke's exact text
+    id: str = ""
+
+    @property
+    def arguments_json(self) -> str:
+        return self.arguments
+
+    def input(self) -> dict:
+        """Arguments as a JSON object (Anthropic `tool_use.input`)."""
+        return call_input(self.arguments)
+
+
+@dataclass
+class ParsedOutput:
+    content: str
+    reasoning: Optional[str] = None
+    calls: list[ParsedCall] = field(default_factory=list)
+    raw_dsml: Optional[str] = None  # the whole block as sampled (or as repaired); tool memory stores it
+    error: Optional[str] = None  # "invalid tool call" / "unterminated tool call" when recovered as text
+    finish: str = "stop"  # tool_calls | length | stop
+    repaired: bool = False  # truncated block closed by the repair rule
+    recovered: bool = False  # block inside an unclosed think block executed (forward recovery)
+
+
+class _Fail(Exception):
+    def __init__(self, unterminated: bool):
+        super().__init__("unterminated" if unterminated else "invalid")
+        self.unterminated = unterminated
+
+
+def _value_json(members: list) -> Optional[str]:
+    """dsml.md §6 re-serialization of parsed members; None if a JSON value is invalid."""
+    parts = []
+    for key, kind, value in members:
+        if kind == "string":
+            v = json_escape(value)
+        elif kind == "object":
+            v = _value_json(value)
+        else:
+            v = "null" if not value.strip(_C_SPACE) else minify_json(value)
+        if v is None:
+            return None
+        parts.append(json_escape(key) + ":" + v)
+    return "{" + ",".join(parts) + "}"
+
+
+def _leaf(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[tuple[str, str, object], int]:
+    gt = text.find(">", pos)
+    if gt < 0:
+        raise _Fail(True)
+    tag = text[pos:gt + 1]
+    name = attr(tag, "name")
+    kind = attr(tag, "string")
+    if name is None:
+        raise _Fail(False)
+    vstart = gt + 1
+    vend = text.find(syn.param_close, vstart)
+    if vend < 0:
+        raise _Fail(True)
+    raw = text[vstart:vend]
+    if (kind if kind is not None else "true") == "true":
+        member = (name, "string", decode_entities(raw, entities, syn))
+    else:
+        member = (name, "json", raw)
+    return member, vend + len(syn.param_close)
+
+
+def _parse_invoke(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[ParsedCall, int]:
+    """Parse one invoke starting at `pos` (at the invoke prefix)."""
+    n = len(text)
+    start = pos
+    gt = text.find(">", pos)
+    if gt < 0:
+        raise _Fail(True)
+    name = attr(text[pos:gt + 1], "name")
+    if name is None:
+        raise _Fail(False)
+    pos = gt + 1
+    members: list = []
+    while True:
+        pos = _skip_ws(text, pos)
+        if text.startswith(syn.invoke_close, pos):
+            pos += len(syn.invoke_close)
+            break
+        if not text.startswith(syn.param, pos):
+            raise _Fail(_is_partial(text[pos:], (syn.invoke_close, syn.param)) or pos >= n)
+        gt = text.find(">", pos)
+        if gt < 0:
+            raise _Fail(True)
+        tag = text[pos:gt + 1]
+        pname = attr(tag, "name")
+        pkind = attr(tag, "string")
+        if pname is None:
+            raise _Fail(False)
+        vstart = gt + 1
+        if pkind is None and text.startswith(syn.param, _skip_ws(text, vstart)):
+            nested = []
+            p = vstart
+            while True:
+                p = _skip_ws(text, p)
+                if not text.startswith(syn.param, p):
+                    break
+                member, p = _leaf(text, p, syn, entities)
+                nested.append(member)
+            members.append((pname, "object", nested))
+            p2 = _skip_ws(text, p)
+            pos = p2 + len(syn.param_close) if text.startswith(syn.param_close, p2) else p
+            continue
+        member, pos = _leaf(text, pos, syn, entities)
+        members.append((pname,) + member[1:])
+    args = _value_json(members)
+    return ParsedCall(name=name, arguments=args if args is not None else "{}", raw_dsml=text[start:pos]), pos
+
+
+def _parse_block(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[list[ParsedCall], int]:
+    """Parse invokes from `pos` (right after OPEN) through CLOSE; returns (calls, end)."""
+    n = len(text)
+    calls: list[ParsedCall] = []
+    while True:
+        pos = _skip_ws(text, pos)
+        if text.startswith(syn.close, pos):
+            return calls, pos + len(syn.close)
+        if not text.startswith(syn.invoke, pos):
+            raise _Fail(pos >= n or _is_partial(text[pos:], (syn.close, syn.invoke)))
+        call, pos = _parse_invoke(text, pos, syn, entities)
+        calls.append(call)
+
+
+# --- truncation repair (our extension, dsml.md §12 / the issue) ----------------
+
+def _close_json(value: str) -> str:
+    """Best-effort completion of a truncated JSON value: close the string, then brackets."""
+    stack = []
+    in_str = esc = False
+    for c in value:
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "[{":
+            stack.append("]" if c == "[" else "}")
+        elif c in "]}" and stack:
+            stack.pop()
+    out = value
+    if in_str:
+        if esc:
+            out = out[:-1]
+        out += '"'
+    else:
+        out = out.rstrip(_C_SPACE + ",")
+        if out.endswith(":"):
+            out += "null"
+    return out + "".join(reversed(stack))
+
+
+def _strip_partial(s: str, lit: str) -> str:
+    for k in range(len(lit) - 1, 1, -1):
+        if s.endswith(lit[:k]):
+            return s[:-k]
+    return s
+
+
+def repair_block(block: str, syn: DsmlSyntax) -> Optional[str]:
+    """Close a block truncated by the token limit: drop an incomplete trailing
+    tag, finish an open value (and its JSON), then close the open parameter /
+    invoke / block tags in reverse nesting order.  `block` starts with OPEN.
+    None when the text is not DSML-shaped enough to repair."""
+    n = len(block)
+    pos = len(syn.open)
+    stack: list[str] = []  # "invoke" | "outer" (loose nested parameter)
+
+    def closing() -> str:
+        tags = [syn.invoke_close if s == "invoke" else syn.param_close for s in reversed(stack)]
+        return "\n".join(tags + [syn.close])
+
+    while True:
+        pos = _skip_ws(block, pos)
+        if pos >= n:
+            return _rstrip_ws(block) + "\n" + closing()
+        if block.startswith(syn.close, pos):
+            return None  # not truncated
+        if block.startswith(syn.invoke_close, pos):
+            while stack and stack.pop() != "invoke":
+                pass
+            pos += len(syn.invoke_close)
+            continue
+        if block.startswith(syn.param_close, pos) and stack and stack[-1] == "outer":
+            stack.pop()
+            pos += len(syn.param_close)
+            continue
+        is_param = block.startswith(syn.param, pos)
+        if not is_param and not block.startswith(syn.invoke, pos):
+            if _is_partial(block[pos:], (syn.close, syn.invoke_close, syn.param_close, syn.invoke, syn.param)):
+                return _rstrip_ws(block[:pos]) + "\n" + closing()
+            return None
+        gt = block.find(">", pos)
+        if gt < 0:  # incomplete tag: drop it
+            return _rstrip_ws(block[:pos]) + "\n" + closing()
+        if not is_param:
+            stack.append("invoke")
+            pos = gt + 1
+            continue
+        kind = attr(block[pos:gt + 1], "string")
+        vstart = gt + 1
+        after = _skip_ws(block, vstart)
+        if kind is None and (block.startswith(syn.param, after) or
+                             (after < n and _is_partial(block[after:], (syn.param,)))):
+            stack.append("outer")
+            pos = vstart
+            continue
+        vend = block.find(syn.param_close, vstart)
+        if vend >= 0:
+            pos = vend + len(syn.param_close)
+            continue
+        value = _strip_partial(block[vstart:], syn.param_close)
+        if (kind if kind is not None else "true") != "true":
+            value = _close_json(value)
+        return block[:vstart] + value + syn.param_close + "\n" + closing()
+
+
+# --- block selection and the public entry point ----------------------------------
+
+def _candidates(text: str, start: int) -> list[tuple[int, int, DsmlSyntax]]:
+    """Block starts in ds4's search order (dsml.md §2): per spelling (full, short,
+    plain) first "\\n\\n"+OPEN then bare OPEN; (start incl. separator, open_pos, syn)."""
+    out: list[tuple[int, int, DsmlSyntax]] = []
+    seen: set[int] = set()
+    sep = M.DSML_BLOCK_SEPARATOR
+    for syn in M.DSML_SYNTAXES:
+        positions = []
+        p = text.find(syn.open, start)
+        while p >= 0:
+            positions.append(p)
+            p = text.find(syn.open, p + 1)
+        with_sep = [p for p in positions if p - len(sep) >= start and text.startswith(sep, p - len(sep))]
+        for p in with_sep:
+            seen.add(p)
+            out.append((p - len(sep), p, syn))
+        for p in positions:
+            if p not in seen:
+                seen.add(p)
+                out.append((p, p, syn))
+    return out
+
+
+def _choose_block(text: str, start: int, truncated: bool):
+    """The block the final parse reads: ds4's search order, skipping candidates
+    that are structurally not DSML (prose mentions of a tag)."""
+    cands = _candidates(text, start)
+    if not cands:
+        return None
+    first_open = None
+    for cand in cands:
+        status, _ = scan_block(text, cand[1])
+        if status == "complete":
+            return cand
+        if status == "open" and first_open is None:
+            first_open = cand
+    if truncated and first_open is not None:
+        return first_open
+    return cands[0]
+
+
+def reasoning_end(text: str, start: int) -> Optional[int]:
+    """Position of the `</think>` that ends the reasoning: the first one that is
+    not inside a DSML block written in the reasoning (None if there is none)."""
+    pos = start
+    close = M.THINK_CLOSE
+    while True:
+        t = text.find(close, pos)
+        if t < 0:
+            return None
+        o = earliest_open(text, pos, t)
+        if o is None:
+            return t
+        status, end = scan_block(text, o[0])
+        if status == "open":
+            return None
+        pos = end
+
+
+def _finish(truncated: bool) -> str:
+    return "length" if truncated else "stop"
+
+
+def _failed(text: str, truncated: bool, unterminated: bool) -> ParsedOutput:
+    return ParsedOutput(content=text, reasoning=None, calls=[], raw_dsml=None,
+                        error=M.PARSE_UNTERMINATED_TOOL_CALL if unterminated else M.PARSE_INVALID_TOOL_CALL,
+                        finish=_finish(truncated))
+
+
+def _parse_at(text: str, start: int, open_pos: int, syn: DsmlSyntax, truncated: bool, entities: str):
+    """Parse the block at open_pos; returns (calls, raw_dsml, repaired) or a failure ParsedOutput."""
+    try:
+        calls, end = _parse_block(text, open_pos + len(syn.open), syn, entities)
+        return calls, text[start:end], False
+    except _Fail as f:
+        if not (f.unterminated and truncated):
+            return _failed(text, truncated, f.unterminated)
+        fixed = repair_block(text[open_pos:], syn)
+        if fixed is None:
+            return _failed(text, truncated, True)
+        try:
+            calls, end = _parse_block(fixed, len(syn.open), syn, entities)
+        except _Fail:
+            return _failed(text, truncated, True)
+        return calls, text[start:open_pos] + fixed[:end], True
+
+
+def _plain(text: str, thinking: bool, truncated: bool) -> ParsedOutput:
+    """No DSML handling: only the reasoning split (thinking) or the raw text."""
+    if not thinking:
+        return ParsedOutput(content=text, finish=_finish(truncated))
+    body = len(M.THINK_OPEN) if text.startswith(M.THINK_OPEN) else 0
+    t = text.find(M.THINK_CLOSE, body)
+    if t < 0:
+        return ParsedOutput(content=text, finish=_finish(truncated))
+    return ParsedOutput(content=text[t + len(M.THINK_CLOSE):], reasoning=text[body:t], finish=_finish(truncated))
+
+
+def parse_output(text: str, *, thinking: bool, tools_active: bool = True, truncated: bool = False,
+                 think_recovery: bool = True, entities: str = "all") -> ParsedOutput:
+    """Final parse of a whole generation into content, reasoning and tool calls.
+
+    `thinking`: the prompt ended with `<think>` (reasoning comes first).
+    `tools_active`: the request had active tools; without them no DSML is
+    parsed (ds4 parses anyway; see the module report).  `truncated`: generation
+    hit the token limit (enables the repair of an unterminated block).
+    `think_recovery`: a complete block inside a never-closed think block is
+    executed as if `</think>` preceded it.  `entities`: "all" (ds4) or "close"
+    (decode only the escaped closing parameter tag in string values)."""
+    if not tools_active:
+        return _plain(text, thinking, truncated)
+    body = len(M.THINK_OPEN) if thinking and text.startswith(M.THINK_OPEN) else 0
+    rend = None
+    if thinking:
+        rend = reasoning_end(text, body)
+        if rend is None:
+            if think_recovery:
+                rec = _recover_in_think(text, body, truncated, entities)
+                if rec is not None:
+                    return rec
+            return ParsedOutput(content=text, reasoning=None, finish=_finish(truncated))
+        region = rend + len(M.THINK_CLOSE)
+    else:
+        region = 0
+    cand = _choose_block(text, region, truncated)
+    if cand is None:
+        if thinking:
+            return ParsedOutput(content=text[region:], reasoning=text[body:rend], finish=_finish(truncated))
+        return ParsedOutput(content=text, finish=_finish(truncated))
+    start, open_pos, syn = cand
+    got = _parse_at(text, start, open_pos, syn, truncated, entities)
+    if isinstance(got, ParsedOutput):
+        return got
+    calls, raw, repaired = got
+    content = _rstrip_ws(text[region:start])
+    return ParsedOutput(content=content, reasoning=text[body:rend] if thinking else None, calls=calls,
+                        raw_dsml=raw, finish="tool_calls" if calls else _finish(truncated), repaired=repaired)
+
+
+def _recover_in_think(text: str, body: int, truncated: bool, entities: str) -> Optional[ParsedOutput]:
+    """Forward recovery: the first complete block inside an unclosed think block
+    (or, when truncated, an unterminated one) is parsed as if `</think>` had been
+    written right before it."""
+    pos = body
+    sep = M.DSML_BLOCK_SEPARATOR
+    while True:
+        found = earliest_open(text, pos)
+        if found is None:
+            return None
+        open_pos, syn = found
+        status, end = scan_block(text, open_pos)
+        if status == "complete" or (status == "open" and truncated):
+            start = open_pos - len(sep) if open_pos - len(sep) >= body and text.startswith(sep, open_pos - len(sep)) \
+                else open_pos
+            got = _parse_at(text, start, open_pos, syn, truncated, entities)
+            if isinstance(got, ParsedOutput):
+                return None
+            calls, raw, repaired = got
+            if not calls:
+                return None
+            return ParsedOutput(content="", reasoning=_rstrip_ws(text[body:start]), calls=calls, raw_dsml=raw,
+                                finish="tool_calls", repaired=repaired, recovered=True)
+        if status == "open":
+            return None
+        pos = end
