@@ -311,7 +311,7 @@ def _affine_params(raw, qtype: QT, shape):
     raise AssertionError(qtype)
 
 
-def repack_for_mlx(raw: np.ndarray, qtype, shape: Sequence[int], dtype=None):
+def repack_for_mlx(raw: np.ndarray, qtype, shape: Sequence[int], dtype=None, narrow: bool = True):
     """Exact MLX affine form of a GGUF tensor, or None when there is none.
 
     Returns ``(w_q, scales, biases, group_size, bits)`` as MLX arrays shaped like
@@ -320,6 +320,9 @@ def repack_for_mlx(raw: np.ndarray, qtype, shape: Sequence[int], dtype=None):
     `dequantize(raw, qtype, shape)`.  `dtype` (default float32) is the dtype of
     scales and biases; a narrower dtype is accepted only when every scale and
     bias converts to it exactly (e.g. Q8_0 / Q4_0 / Q4_1 in float16), else None.
+    With `narrow`, a 4-bit tensor whose levels all fit in 2 bits (how
+    `ds4mlx quantize --experts mlx2` stores MLX 2-bit affine weights in a Q4_1
+    container) is packed as bits = 2; still exact.
     """
     import mlx.core as mx
 
@@ -345,5 +348,7 @@ def repack_for_mlx(raw: np.ndarray, qtype, shape: Sequence[int], dtype=None):
                       and np.array_equal(biases.astype(np_dt).astype(np.float32), biases))
         if not ok:
             return None
+    if narrow and bits == 4 and qtype in (QT.Q4_1, QT.Q4_K) and int(q.max(initial=0)) < 4:
+        bits = 2
     w_q = pack_mlx(q.reshape(*lead, k), bits)
     return (mx.array(w_q), mx.array(scales).astype(dtype), mx.array(biases).astype(dtype), 32, bits)

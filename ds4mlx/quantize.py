@@ -311,3 +311,204 @@ def quantize(array: np.ndarray, qtype, importance=None) -> np.ndarray:
     if qtype == QT.Q8_0:
         return fn(rows).reshape(out_shape)
     return fn(rows, importance).reshape(out_shape)
+
+
+# --------------------------------------------------------------------------- MLX affine
+
+
+def quantize_mlx(array: np.ndarray, bits: int, group_size: int = 32):
+    """MLX's own affine quantization (``mx.quantize`` of the float16 weights):
+    ``(w_q uint32 [..., K*bits/32], scales float16 [..., K/g], biases float16 [..., K/g])``
+    as numpy arrays; value = scale * q + bias."""
+    import mlx.core as mx
+
+    x = mx.array(np.asarray(array, dtype=np.float32)).astype(mx.float16)
+    w_q, scales, biases = mx.quantize(x, group_size=group_size, bits=bits)
+    return np.array(w_q), np.array(scales), np.array(biases)
+
+
+def affine_to_q4_1(w_q: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
+    """MLX affine weights of group 32 (bits 2 or 4, float16 scales / biases) -> the
+    same values as GGUF Q4_1 bytes (d = scale, m = bias, levels as nibbles): a
+    lossless container that `ds4mlx.quant.repack_for_mlx` turns back into exactly
+    these MLX arrays (2-bit levels are packed back as bits = 2)."""
+    from ds4mlx.quant import unpack_mlx
+
+    q = unpack_mlx(w_q, bits)                                        # [..., K]
+    lead, k = q.shape[:-1], q.shape[-1]
+    if scales.shape[-1] * 32 != k:
+        raise ValueError("the Q4_1 container needs group_size 32")
+    g = q.reshape(-1, k // 32, 2, 16)
+    qs = (g[:, :, 0, :] | (g[:, :, 1, :] << 4)).astype(np.uint8)    # byte l: value l | value l+16
+    d = _f16_bytes(np.asarray(scales, dtype=np.float16).reshape(-1, k // 32))
+    m = _f16_bytes(np.asarray(biases, dtype=np.float16).reshape(-1, k // 32))
+    blocks = np.concatenate([d, m, qs], axis=-1)                     # [rows, K/32, 20]
+    return blocks.reshape(*lead, k // 32 * 20)
+
+
+# --------------------------------------------------------------------------- model recipes
+
+# Routed-expert recipes: (gate, up, down) -> GGUF type, or ("mlx", bits).
+EXPERT_RECIPES = {
+    "iq2_xxs": (QT.IQ2_XXS, QT.IQ2_XXS, QT.Q2_K),   # ds4's published 2-bit files
+    "q2_k": (QT.Q2_K, QT.Q2_K, QT.Q2_K),
+    "q4_k": (QT.Q4_K, QT.Q4_K, QT.Q4_K),             # ds4's 4-bit files
+    "mlx2": (("mlx", 2),) * 3,
+    "mlx4": (("mlx", 4),) * 3,
+}
+# Dense projections ds4 keeps in Q8_0 (ds4.c weights_validate_layout): HF suffixes.
+DS4_Q8_0_SUFFIXES = (
+    "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_proj.weight",
+    "self_attn.o_a_proj.weight", "self_attn.o_b_proj.weight",
+    "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+    "mlp.shared_experts.down_proj.weight", "lm_head.weight",
+)
+
+
+def _as_float(val) -> np.ndarray:
+    from ds4mlx.weights import QuantizedTensor
+
+    if isinstance(val, QuantizedTensor):
+        return val.dequantize()
+    return np.asarray(val, dtype=np.float32)
+
+
+def _expert_slices(val):
+    """Yield float32 [rows, K] expert matrices of an [E, rows, K] tensor, one at a time."""
+    from ds4mlx.quant import dequantize
+    from ds4mlx.weights import QuantizedTensor
+
+    if isinstance(val, QuantizedTensor):
+        for e in range(val.shape[0]):
+            yield dequantize(val.raw[e], val.qtype, tuple(val.shape[1:]))
+    else:
+        arr = np.asarray(val)
+        for e in range(arr.shape[0]):
+            yield np.asarray(arr[e], dtype=np.float32)
+
+
+def quantize_expert_tensor(val, kind, importance: str = "none"):
+    """[E, rows, K] float (or QuantizedTensor) -> QuantizedTensor of `kind` (a GGUF
+    type, or ("mlx", bits) stored as Q4_1).  `importance` 'energy' uses ds4's
+    fallback column weights: sum over the expert's rows of w**2."""
+    from ds4mlx.quant import block_size
+    from ds4mlx.weights import QuantizedTensor
+
+    shape = tuple(int(s) for s in (val.shape if hasattr(val, "shape") else np.shape(val)))
+    if len(shape) != 3:
+        raise ValueError(f"expected an [E, rows, K] expert tensor, got shape {shape}")
+    qtype = QT.Q4_1 if isinstance(kind, tuple) else as_qtype(kind)
+    elems = block_size(qtype)[0]
+    if shape[-1] % elems:
+        raise ValueError(f"{qtype.name if not isinstance(kind, tuple) else 'mlx' + str(kind[1])} needs rows "
+                         f"that are a multiple of {elems} values; these rows have {shape[-1]}")
+    out = np.empty(byte_shape(qtype, shape), dtype=np.uint8)
+    for e, w in enumerate(_expert_slices(val)):
+        if isinstance(kind, tuple):
+            out[e] = affine_to_q4_1(*quantize_mlx(w, kind[1], 32), kind[1])
+        else:
+            imp = (w * w).sum(axis=0) if importance == "energy" else None
+            out[e] = quantize(w, qtype, importance=imp)
+    return QuantizedTensor(raw=out, qtype=qtype, shape=shape)
+
+
+def quantize_tensors(tensors: dict, experts: str, dense: str = "keep", importance: str = "none",
+                     down: str | None = None, log=None) -> dict:
+    """HF-named tensors -> new dict with the routed experts quantized by recipe
+    `experts` (fused gate_up_proj is split into gate_proj / up_proj) and, with
+    dense='q8_0', ds4's Q8_0 projections quantized; everything else as it was."""
+    from ds4mlx import gguf_names as names
+
+    if experts not in EXPERT_RECIPES:
+        raise ValueError(f"--experts must be one of {EXPERT_CHOICES}")
+    g_kind, u_kind, d_kind = EXPERT_RECIPES[experts]
+    if down is not None:
+        d_kind = as_qtype(down)
+    log = log or (lambda msg: None)
+    out: dict = {}
+    for name, val in tensors.items():
+        if name.endswith("." + names.FUSED_GATE_UP):
+            prefix = name[: -len(names.FUSED_GATE_UP)]
+            arr = _as_float(val)
+            half = arr.shape[1] // 2
+            for part, kind, sl in ((names.EXPERT_SPLIT[0], g_kind, slice(0, half)),
+                                   (names.EXPERT_SPLIT[1], u_kind, slice(half, None))):
+                out[prefix + part] = quantize_expert_tensor(arr[:, sl], kind, importance)
+                log(f"{prefix + part}: {out[prefix + part]!r}")
+            continue
+        kind = None
+        if name.endswith("." + names.EXPERT_SPLIT[0]):
+            kind = g_kind
+        elif name.endswith("." + names.EXPERT_SPLIT[1]):
+            kind = u_kind
+        elif name.endswith(".mlp.experts.down_proj"):
+            kind = d_kind
+        if kind is not None:
+            out[name] = quantize_expert_tensor(val, kind, importance)
+            log(f"{name}: {out[name]!r}")
+        elif (dense == "q8_0" and name.endswith(DS4_Q8_0_SUFFIXES) and len(_shape_of(val)) == 2
+              and _shape_of(val)[-1] % 32 == 0):
+            from ds4mlx.weights import QuantizedTensor
+
+            arr = _as_float(val)
+            out[name] = QuantizedTensor(raw=quantize(arr, QT.Q8_0), qtype=QT.Q8_0, shape=arr.shape)
+            log(f"{name}: {out[name]!r}")
+        else:
+            out[name] = val
+    return out
+
+
+def _shape_of(val) -> tuple:
+    return tuple(val.shape) if hasattr(val, "shape") else tuple(np.shape(val))
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", help="model: a ds4 GGUF file or a Hugging Face folder")
+    parser.add_argument("out", help="output .gguf path")
+    parser.add_argument("--experts", choices=EXPERT_CHOICES, required=True,
+                        help="routed experts: iq2_xxs (gate/up IQ2_XXS, down Q2_K: ds4's 2-bit recipe), "
+                             "q2_k, q4_k (ds4's 4-bit recipe), mlx2 / mlx4 (MLX affine, group 32, "
+                             "float16 scale+bias, stored losslessly as Q4_1)")
+    parser.add_argument("--down", choices=("q2_k", "q4_k", "iq2_xxs", "q8_0"), default=None,
+                        help="override the type of the routed down projections")
+    parser.add_argument("--dense", choices=("keep", "q8_0"), default="keep",
+                        help="q8_0: also quantize the projections ds4 stores as Q8_0 "
+                             "(attention q/kv/output, shared experts, output head)")
+    parser.add_argument("--importance", choices=("none", "energy"), default="none",
+                        help="energy: weight errors by each column's energy (ds4's fallback "
+                             "when it has no imatrix)")
+    parser.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f16",
+                        help="storage of the remaining float tensors of 2+ dims (1-D stay f32)")
+    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from ds4mlx.convert import write_gguf
+    from ds4mlx.weights import read_weights
+
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        print(f"ds4mlx quantize: {out} exists (use --force to overwrite)", file=sys.stderr)
+        return 1
+    log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
+    try:
+        config, tensors, tok = read_weights(args.input)
+        new = quantize_tensors(tensors, args.experts, dense=args.dense, importance=args.importance,
+                               down=args.down, log=log)
+        write_gguf(out, config, new, tok if tok is not None else None, dtype=args.dtype,
+                   name=f"DeepSeek-V4 (ds4mlx quantize --experts {args.experts})")
+    except (FileNotFoundError, ValueError) as e:
+        print(f"ds4mlx quantize: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, experts {args.experts})")
+    return 0
+
+
+__all__ = ["quantize", "quantize_mlx", "affine_to_q4_1", "quantize_expert_tensor", "quantize_tensors",
+           "EXPERT_RECIPES", "add_arguments", "run"]

@@ -215,3 +215,84 @@ def test_importance_lowers_weighted_error(qtype):
     weighted = dequantize(quantize(x, qtype, importance=imp), qtype, x.shape)
     err = lambda y: float(np.sum(imp * (y - x) ** 2))  # noqa: E731
     assert err(weighted) < err(plain)
+
+
+# ------------------------------------------------------------------ `ds4mlx quantize`
+
+def _tiny_model(path, hidden=256, inter=256, experts=4, seed=0):
+    from ds4mlx.convert import write_gguf
+
+    rng = np.random.default_rng(seed)
+    config = {"model_type": "deepseek_v4", "vocab_size": 512, "hidden_size": hidden,
+              "moe_intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 64, "q_lora_rank": 64, "o_groups": 1, "o_lora_rank": 32,
+              "n_routed_experts": experts, "num_experts_per_tok": 2, "n_shared_experts": 1}
+    tensors = {
+        "model.layers.0.mlp.experts.gate_up_proj": rng.standard_normal((experts, 2 * inter, hidden)).astype(np.float32) * 0.02,
+        "model.layers.0.mlp.experts.down_proj": rng.standard_normal((experts, hidden, inter)).astype(np.float32) * 0.02,
+        "model.layers.0.self_attn.q_a_proj.weight": rng.standard_normal((64, hidden)).astype(np.float32) * 0.02,
+        "model.layers.0.input_layernorm.weight": np.ones(hidden, np.float32),
+    }
+    write_gguf(path, config, tensors, tokenizer=False)
+    return tensors
+
+
+@pytest.mark.parametrize("experts,types,limit", [
+    ("iq2_xxs", (QT.IQ2_XXS, QT.IQ2_XXS, QT.Q2_K), 0.36),
+    ("q4_k", (QT.Q4_K,) * 3, 0.08),
+    ("mlx4", (QT.Q4_1,) * 3, 0.09),
+    ("mlx2", (QT.Q4_1,) * 3, 0.40),
+])
+def test_quantize_cli_roundtrip(tmp_path, experts, types, limit):
+    import mlx.core as mx
+
+    from ds4mlx.cli import main
+    from ds4mlx.weights import QuantizedTensor, read_weights
+
+    src, dst = tmp_path / "in.gguf", tmp_path / "out.gguf"
+    orig = _tiny_model(src)
+    extra = ["--dense", "q8_0"] if experts == "q4_k" else []
+    assert main(["quantize", str(src), str(dst), "--experts", experts, "-q", *extra]) == 0
+    config, tensors, _ = read_weights(dst)
+    assert config["hidden_size"] == 256 and config["n_routed_experts"] == 4
+    gu = orig["model.layers.0.mlp.experts.gate_up_proj"]
+    want = {"gate_proj": gu[:, :256], "up_proj": gu[:, 256:], "down_proj": orig["model.layers.0.mlp.experts.down_proj"]}
+    for (part, w), qt in zip(want.items(), types):
+        t = tensors[f"model.layers.0.mlp.experts.{part}"]
+        assert isinstance(t, QuantizedTensor) and t.qtype == qt and tuple(t.shape) == w.shape
+        y = t.dequantize()
+        assert np.sqrt(np.mean((y - w) ** 2) / np.mean(w ** 2)) < limit
+        if experts.startswith("mlx"):
+            r = repack_for_mlx(t.raw, t.qtype, t.shape, dtype=mx.float16)
+            assert r is not None and r[4] == int(experts[-1]) and r[3] == 32
+    qa = tensors["model.layers.0.self_attn.q_a_proj.weight"]
+    if experts == "q4_k":
+        assert isinstance(qa, QuantizedTensor) and qa.qtype == QT.Q8_0
+    else:
+        assert not isinstance(qa, QuantizedTensor)
+    assert np.array_equal(np.asarray(tensors["model.layers.0.input_layernorm.weight"]), np.ones(256, np.float32))
+
+
+def test_quantize_cli_requantizes_quantized_input(tmp_path):
+    from ds4mlx.cli import main
+    from ds4mlx.weights import read_weights
+
+    src, mid, dst = tmp_path / "in.gguf", tmp_path / "q4.gguf", tmp_path / "q2.gguf"
+    _tiny_model(src, seed=1)
+    assert main(["quantize", str(src), str(mid), "--experts", "q4_k", "-q"]) == 0
+    assert main(["quantize", str(mid), str(dst), "--experts", "q2_k", "--down", "q4_k", "-q"]) == 0
+    _, tensors, _ = read_weights(dst)
+    assert tensors["model.layers.0.mlp.experts.gate_proj"].qtype == QT.Q2_K
+    assert tensors["model.layers.0.mlp.experts.down_proj"].qtype == QT.Q4_K
+
+
+def test_quantize_cli_errors(tmp_path, capsys):
+    from ds4mlx.cli import main
+
+    src = tmp_path / "in.gguf"
+    _tiny_model(src, hidden=64, inter=64)
+    assert main(["quantize", str(src), str(tmp_path / "o.gguf"), "--experts", "q4_k", "-q"]) == 1
+    assert "multiple of 256" in capsys.readouterr().err
+    assert main(["quantize", str(tmp_path / "missing.gguf"), str(tmp_path / "o.gguf"), "--experts", "q4_k"]) == 1
+    (tmp_path / "exists.gguf").write_bytes(b"")
+    assert main(["quantize", str(src), str(tmp_path / "exists.gguf"), "--experts", "q4_k"]) == 1
