@@ -128,6 +128,7 @@ class Tokenizer:
         bos_id: int | None = None,
         eos_id: int | None = None,
         pad_id: int | None = None,
+        hf_json: dict | None = None,
     ):
         from tokenizers import Regex
         from tokenizers import Tokenizer as _HFTokenizer
@@ -141,13 +142,26 @@ class Tokenizer:
             # First id wins on a duplicate string (none in DeepSeek's vocab).
             self._token_to_id.setdefault(t, i)
 
-        bpe = models.BPE(vocab=dict(self._token_to_id), merges=list(self._merges), fuse_unk=False)
-        tk = _HFTokenizer(bpe)
-        tk.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(rx), behavior="isolated", invert=False) for rx in _PRETOK_REGEXES]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)]
-        )
-        tk.decoder = decoders.ByteLevel()
+        if hf_json is not None:
+            # A tokenizer.json: run exactly its normalizer / pre-tokenizer / BPE, minus
+            # its added-token matching (we split the seven specials ourselves) and
+            # post-processor.
+            d = dict(hf_json)
+            d["added_tokens"] = []
+            d["post_processor"] = None
+            d["truncation"] = None
+            d["padding"] = None
+            tk = _HFTokenizer.from_str(json.dumps(d))
+            self.gguf_pre = GGUF_PRE if _is_deepseek_pretokenizer(hf_json.get("pre_tokenizer")) else None
+        else:
+            bpe = models.BPE(vocab=dict(self._token_to_id), merges=list(self._merges), fuse_unk=False)
+            tk = _HFTokenizer(bpe)
+            tk.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(rx), behavior="isolated", invert=False) for rx in _PRETOK_REGEXES]
+                + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)]
+            )
+            tk.decoder = decoders.ByteLevel()
+            self.gguf_pre = GGUF_PRE
         self._tk = tk
 
         self.special_ids: dict[str, int] = {
@@ -206,7 +220,10 @@ class Tokenizer:
         pre = json.dumps(data.get("pre_tokenizer"))
         if "ByteLevel" not in pre:
             raise ValueError(f"{source}: not a byte-level BPE tokenizer (no ByteLevel pre-tokenizer)")
-        return cls(tokens, merges, added)
+        try:
+            return cls(tokens, merges, added, hf_json=data)
+        except Exception as e:  # tokenizers rejects the JSON
+            raise ValueError(f"{source}: cannot build the tokenizer ({e})") from None
 
     @classmethod
     def from_gguf_fields(cls, fields) -> "Tokenizer":
@@ -265,8 +282,13 @@ class Tokenizer:
         add_bos/add_eos false).  Same key set as llama.cpp's `_set_vocab_gpt2`,
         which is what ds4's GGUFs carry; ds4.c `vocab_load` reads
         tokenizer.ggml.tokens and tokenizer.ggml.merges."""
+        if self.gguf_pre is None:
+            raise ValueError(
+                "this tokenizer's pre-tokenizer is not DeepSeek's; only the DeepSeek (joyai-llm) "
+                "pre-tokenizer can be recorded in a ds4 GGUF"
+            )
         writer.add_tokenizer_model(GGUF_MODEL)
-        writer.add_tokenizer_pre(GGUF_PRE)
+        writer.add_tokenizer_pre(self.gguf_pre)
         writer.add_token_list(self._tokens)
         writer.add_token_types(self.gguf_token_types())
         writer.add_token_merges([f"{a} {b}" for a, b in self._merges])
@@ -368,6 +390,22 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, specials={len(self.special_ids)})"
+
+
+def _is_deepseek_pretokenizer(pre) -> bool:
+    """tokenizer.json pre_tokenizer == DeepSeek's three Splits + ByteLevel(use_regex=False)."""
+    if not isinstance(pre, dict) or pre.get("type") != "Sequence":
+        return False
+    seq = pre.get("pretokenizers") or []
+    if len(seq) != len(_PRETOK_REGEXES) + 1:
+        return False
+    for p, rx in zip(seq, _PRETOK_REGEXES):
+        if p.get("type") != "Split" or (p.get("pattern") or {}).get("Regex") != rx:
+            return False
+        if p.get("behavior") != "Isolated" or p.get("invert"):
+            return False
+    last = seq[-1]
+    return last.get("type") == "ByteLevel" and not last.get("use_regex", True) and not last.get("add_prefix_space")
 
 
 def _opt_int(v) -> int | None:

@@ -351,3 +351,41 @@ def test_from_file_folder(tmp_path, tok):
     t = Tokenizer.from_file(tmp_path)
     assert t.tokens == tok.tokens
     assert t.encode(CORPUS[0]) == tok.encode(CORPUS[0])
+
+
+def test_other_pretokenizer_json_is_honoured(tmp_path):
+    """A byte-level BPE tokenizer.json with another pre-tokenizer (GPT-2 style) runs
+    its own pre-tokenizer; it cannot be recorded as a ds4 GGUF tokenizer."""
+    import json
+
+    import gguf
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from ds4mlx.tokenizer import _BYTE_TO_CHAR
+
+    vocab = {_BYTE_TO_CHAR[b]: b for b in range(256)}
+    for t in ["he", "ll", "hell", "Ġw", "Ġwor"]:
+        vocab[t] = len(vocab)
+    data = {
+        "version": "1.0",
+        "added_tokens": [{"id": len(vocab), "content": THINK_START, "special": False, "normalized": True,
+                          "single_word": False, "lstrip": False, "rstrip": False}],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
+                  "merges": ["h e", "l l", "he ll", "Ġ w", "Ġw o", "Ġwo r"][:4]},
+    }
+    p = tmp_path / "tokenizer.json"
+    p.write_text(json.dumps(data))
+    t = Tokenizer.from_file(p)
+    ref = HFTokenizer.from_file(str(p))
+    for text in ["hello world", "hell  hell", "x"]:
+        assert t.encode(text) == ref.encode(text, add_special_tokens=False).ids
+    ids = t.encode("a<think>b")
+    assert ids.count(t.special_ids[THINK_START]) == 1 and t.decode(ids).endswith("<think> b")
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "deepseek4")
+    with pytest.raises(ValueError, match="pre-tokenizer"):
+        t.write_gguf(w)
