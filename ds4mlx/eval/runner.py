@@ -81,12 +81,12 @@ class NullUI:
 
 class Runner:
     def __init__(self, cases: list[dict[str, Any]], backend: Backend, opts: Options,
-                 ui: Any = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
+                 ui: Any = None, out: Optional[TextIO] = None, err: Optional[TextIO] = None,
                  control: Optional[Control] = None):
         self.backend = backend
         self.opts = opts
         self.ui = ui or NullUI()
-        self.out, self.err = out, err
+        self.out, self.err = out or sys.stdout, err or sys.stderr
         self.control = control or Control()
         self.runs = [CaseRun(i, c, build_prompt(c, opts.thinking), opts.tokens or int(c.get("max_tokens") or 16000))
                      for i, c in enumerate(cases)]
@@ -208,7 +208,10 @@ class Runner:
         cr.error = res.error
         self._record(cr, status, raw, res.close)
         if status == "ERROR":
-            what = "prefill" if res.error.startswith("prefill") or cr.status == "PREFILL" else "decode"
+            if res.error.startswith(("prefill failed", "decode failed")):
+                what = res.error.split(" ", 1)[0]
+            else:
+                what = "prefill" if cr.status == "PREFILL" else "decode"
             msg = res.error.split(": ", 1)[1] if res.error.startswith(("prefill failed", "decode failed")) else res.error
             print(f"ds4-eval: {what} failed for {cr.case['id']}: {msg}", file=self.err)
             self.error = True

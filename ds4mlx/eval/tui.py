@@ -247,8 +247,18 @@ class TUI(NullUI):
                     part = part[room:]
         return lines[-rows:] if rows > 0 else []
 
+    def _size(self) -> tuple[int, int]:
+        """The real terminal size (rich would trust $COLUMNS / $LINES)."""
+        try:
+            size = os.get_terminal_size(sys.stdout.fileno())
+            cols, rows = size.columns, size.lines
+            self.console.size = (cols, rows)
+            return cols, rows
+        except (OSError, ValueError):
+            return self.console.size
+
     def render(self) -> Group:
-        cols, rows = self.console.size
+        cols, rows = self._size()
         left_w = max(42, min(72, cols // 2))
         right_w = max(10, cols - left_w - 3 - 1)
         left = self._left(left_w, rows)
