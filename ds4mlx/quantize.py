@@ -501,7 +501,7 @@ def run(args) -> int:
         config, tensors, tok = read_weights(args.input)
         new = quantize_tensors(tensors, args.experts, dense=args.dense, importance=args.importance,
                                down=args.down, log=log)
-        write_gguf(out, config, new, tok if tok is not None else None, dtype=args.dtype,
+        write_gguf(out, config, new, tok if tok is not None else False, dtype=args.dtype,
                    name=f"DeepSeek-V4 (ds4mlx quantize --experts {args.experts})")
     except (FileNotFoundError, ValueError) as e:
         print(f"ds4mlx quantize: error: {e}", file=sys.stderr)
