@@ -348,7 +348,7 @@ def config_to_gguf_kv(cfg: dict) -> list[tuple[str, object, str]]:
     ]
     rates = {SWA: 0, **c["compress_rates"]}
     kv.append((f"{a}.attention.compress_ratios", [int(rates[t]) for t in c["layer_types"]], "arr_i32"))
-    kv.append((f"{a}.swiglu_clamp_exp", [float(c["swiglu_limit"])] * n, "arr_f32"))
+    kv.append((f"{a}.swiglu_clamp_exp", [float(c["swiglu_limit"] or 0.0)] * n, "arr_f32"))
     kv += [
         (f"{a}.rope.freq_base", float(c["rope_parameters"]["main"].get("rope_theta", c["rope_theta"])), "f32"),
         (f"{a}.attention.compress_rope_freq_base", float(c["compress_rope_theta"]), "f32"),
