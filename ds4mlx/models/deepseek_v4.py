@@ -301,7 +301,13 @@ class LayerCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state.values())
+        """Allocated bytes (compressed rows counted at their capacity)."""
+        total = 0 if self.ring is None else self.ring.nbytes
+        for st in (self.comp, self.index):
+            if st is not None and st.rows is not None:
+                arrays = (st.buf_kv, st.buf_gate, st.rows, st.ov_kv, st.ov_gate)
+                total += sum(a.nbytes for a in arrays if a is not None)
+        return total
 
 
 # ----------------------------------------------------------------------------- modules

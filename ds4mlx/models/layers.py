@@ -157,12 +157,33 @@ class RoPE(nn.Module):
 # --------------------------------------------------------------------------- mHC
 
 
+# Compile the Sinkhorn loop (shapeless) on GPUs, where its ~80 tiny ops are launch-bound.
+# On the CPU backend mx.compile JIT-compiles C++ (seconds per new graph) for a <2x gain.
+COMPILE_SINKHORN: bool | None = None  # None: only when the default device is a GPU
+_compiled_sinkhorn: dict = {}
+
+
 def sinkhorn(logits: mx.array, iters: int, eps: float) -> mx.array:
     """Doubly-stochastic projection of `[..., n, n]` (float32) as DeepSeek V4 does it.
 
     `softmax(rows) + eps`, then column-normalise, then `iters-1` times
     (row-normalise, column-normalise), each with `+eps` in the denominator.
     """
+    use = COMPILE_SINKHORN
+    if use is None:
+        use = mx.default_device().type == mx.DeviceType.gpu
+    if use:
+        fn = _compiled_sinkhorn.get((iters, eps))
+        if fn is None:
+            fn = _compiled_sinkhorn[(iters, eps)] = mx.compile(
+                lambda x: sinkhorn_reference(x, iters, eps), shapeless=True
+            )
+        return fn(logits)
+    return sinkhorn_reference(logits, iters, eps)
+
+
+def sinkhorn_reference(logits: mx.array, iters: int, eps: float) -> mx.array:
+    """The plain-op Sinkhorn (see `sinkhorn`)."""
     comb = mx.softmax(logits, axis=-1, precise=True) + eps
     comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
     for _ in range(iters - 1):
@@ -275,7 +296,12 @@ class SwitchLinear(nn.Module):
         return self.weight.shape[0]
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        w = self.weight.swapaxes(-1, -2)
+        if x.dtype != mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
+            # the CPU GatherMM kernel is float32-only
+            y = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices, sorted_indices=sorted_indices)
+            return y.astype(x.dtype)
+        return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_):
         num_experts, output_dims, input_dims = self.weight.shape

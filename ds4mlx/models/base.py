@@ -1,0 +1,72 @@
+"""The family-independent public face of a model.
+
+`LanguageModel` wraps a family's `Model` (models/<family>.py):
+
+* `logits(token_ids) -> np.ndarray [T, V] float32`: one full forward from an empty state;
+* `new_session(ctx, chunk) -> Session` (session.py) for prefill / decode / snapshot.
+
+`from_config(config, weights)` builds it from a Hugging Face config dict and tensors named
+as transformers' in-memory state dict (the family's `Model.sanitize` maps them);
+`load_hf_dir(path)` reads `config.json` + `*.safetensors` from a folder.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import json
+import os
+
+import mlx.core as mx
+import numpy as np
+
+from ..session import Session
+
+
+def family_module(model_type: str):
+    """The module `ds4mlx.models.<model_type>` that defines ModelArgs and Model."""
+    return importlib.import_module(f"ds4mlx.models.{model_type}")
+
+
+class LanguageModel:
+    def __init__(self, model, args=None):
+        self.model = model
+        self.args = args if args is not None else getattr(model, "args", None)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.args.vocab_size)
+
+    @classmethod
+    def from_config(cls, config: dict, weights: dict | None = None, dtype=None, strict: bool = True) -> "LanguageModel":
+        mod = family_module(config.get("model_type", "deepseek_v4"))
+        args = mod.ModelArgs.from_dict(config)
+        model = mod.Model(args)
+        if weights is not None:
+            weights = {k: v if isinstance(v, mx.array) else mx.array(v) for k, v in weights.items()}
+            weights = model.sanitize(weights)
+            if dtype is not None:
+                weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+            model.load_weights(list(weights.items()), strict=strict)
+        mx.eval(model.parameters())
+        model.eval()
+        return cls(model, args)
+
+    def logits(self, token_ids) -> np.ndarray:
+        """Logits [T, V] (float32) of a full forward of `token_ids` from an empty state."""
+        ids = mx.array([list(token_ids)], dtype=mx.int32)
+        out = self.model(ids)[0]
+        return np.array(out.astype(mx.float32))
+
+    def new_session(self, ctx: int = 4096, chunk: int = 512) -> Session:
+        return Session(self.model, ctx=ctx, chunk=chunk)
+
+
+def load_hf_dir(path: str, dtype=None) -> LanguageModel:
+    """Build from a folder holding `config.json` and `*.safetensors` (transformers in-memory names)."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    weights = {}
+    for fn in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        weights.update(mx.load(fn))
+    return LanguageModel.from_config(config, weights, dtype=dtype)

@@ -1,0 +1,80 @@
+"""Shared pytest fixtures.
+
+`oracle(script, config=None)` returns the folder of a transformers oracle built by
+`tests/oracle/<script> OUTDIR [--config NAME]` (config.json, model.safetensors,
+reference.npz, summary.json).  Each folder is built once, in a subprocess, into
+`$DS4MLX_TEST_CACHE/oracle/` (default `~/.cache/ds4mlx-tests/oracle/`) under a name keyed
+by a hash of the oracle scripts and the config name, so editing a script rebuilds it.
+Tests are skipped when torch/transformers are not installed and no cached build exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ORACLE_DIR = Path(__file__).parent / "oracle"
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("DS4MLX_TEST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ds4mlx-tests")
+    return Path(root) / "oracle"
+
+
+def _key(script: str, config: str | None) -> str:
+    h = hashlib.sha256()
+    for name in sorted(p.name for p in ORACLE_DIR.glob("*.py")):
+        if name == script or not name.startswith(("make_", "probe_", "xcheck_")):
+            h.update(name.encode())
+            h.update((ORACLE_DIR / name).read_bytes())
+    h.update(f"{script}:{config}".encode())
+    return h.hexdigest()[:12]
+
+
+def build_oracle(script: str, config: str | None = None) -> Path:
+    stem = Path(script).stem.removeprefix("make_tiny_")
+    out = _cache_root() / f"{stem}-{config or 'default'}-{_key(script, config)}"
+    if (out / "summary.json").exists():
+        return out
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        pytest.skip("torch/transformers not installed and no cached oracle build")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(ORACLE_DIR / script), str(tmp)] + (["--config", config] if config else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ORACLE_DIR, capture_output=True, text=True, env=env, timeout=900)
+    if proc.returncode != 0 or not (tmp / "summary.json").exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"oracle build failed: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def oracle():
+    built: dict = {}
+
+    def get(script: str, config: str | None = None) -> Path:
+        if (script, config) not in built:
+            built[(script, config)] = build_oracle(script, config)
+        return built[(script, config)]
+
+    return get
+
+
+def load_summary(folder: Path) -> dict:
+    return json.loads((folder / "summary.json").read_text())

@@ -1,0 +1,144 @@
+"""DeepSeek V4 MLX graph against transformers' reference (tiny random models, float32, CPU).
+
+Three oracle configurations (tests/oracle/make_tiny_deepseek_v4.py, default and
+`--config long|odd` from tests/oracle/deepseek_v4_configs.py) together cover sliding /
+CSA / HCA attention, hash and top-k MoE, YaRN and plain compress rope, binding SwiGLU
+clamps, hc_mult 2/3/4, and 40 / 100 / 150-token sequences that cross many compression
+blocks and the sliding window.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from ds4mlx.models.base import LanguageModel, load_hf_dir
+from ds4mlx.models.deepseek_v4 import CSA, HCA, SLIDING, ModelArgs
+
+CONFIGS = [None, "long", "odd"]
+TOL = 1e-4
+MIN_MARGIN = 3e-4
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: c or "default")
+def case(request, oracle):
+    folder = oracle("make_tiny_deepseek_v4.py", request.param)
+    ref = dict(np.load(folder / "reference.npz"))
+    summary = json.loads((folder / "summary.json").read_text())
+    lm = load_hf_dir(str(folder))
+    return folder, lm, ref, summary
+
+
+def _maxdiff(a, b) -> float:
+    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
+
+
+def test_oracle_has_no_topk_near_ties(case):
+    _, _, _, summary = case
+    margins = summary["min_topk_margin"]
+    assert len(margins) == 2, margins  # router and indexer call sites were both exercised
+    assert min(margins.values()) >= MIN_MARGIN, margins
+
+
+def test_configs_cover_every_layer_and_mlp_type(oracle):
+    layer_types, mlp_types = set(), set()
+    for name in CONFIGS:
+        cfg = json.loads((oracle("make_tiny_deepseek_v4.py", name) / "config.json").read_text())
+        layer_types |= set(cfg["layer_types"])
+        mlp_types |= set(cfg["mlp_layer_types"])
+    assert layer_types == {SLIDING, CSA, HCA}
+    assert mlp_types == {"hash_moe", "moe"}
+
+
+def test_full_forward_matches_transformers(case):
+    _, lm, ref, _ = case
+    ids = ref["input_ids"][0].tolist()
+    assert _maxdiff(lm.logits(ids), ref["logits_full"][0]) <= TOL
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 13])
+def test_chunked_forward_all_positions(case, chunk):
+    """Every position's logits from a cached, chunked forward equal the full forward."""
+    _, lm, ref, _ = case
+    ids = mx.array(ref["input_ids"].astype(np.int32))
+    cache = lm.model.make_cache()
+    outs = [np.array(lm.model(ids[:, i : i + chunk], cache)[0]) for i in range(0, ids.shape[1], chunk)]
+    assert _maxdiff(np.concatenate(outs), ref["logits_full"][0]) <= TOL
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 13])
+def test_session_prefill_then_decode(case, chunk):
+    """Chunked prefill of P tokens, then token-by-token decode: equal to the full forward and
+    to the oracle's own stepwise decode."""
+    _, lm, ref, _ = case
+    ids = ref["input_ids"][0].tolist()
+    P, full = int(ref["stepwise_start"]), ref["logits_full"][0]
+    s = lm.new_session(ctx=len(ids), chunk=chunk)
+    last = s.prefill(ids[:P])
+    assert _maxdiff(last, full[P - 1]) <= TOL
+    steps = np.stack([s.decode(t) for t in ids[P:]])
+    assert _maxdiff(steps, full[P:]) <= TOL
+    assert _maxdiff(steps, ref["logits_stepwise"][0]) <= TOL
+    assert s.tokens == ids and len(s) == len(ids)
+
+
+def test_incremental_last_token(case):
+    _, lm, ref, _ = case
+    ids = ref["input_ids"][0].tolist()
+    s = lm.new_session(ctx=len(ids))
+    s.prefill(ids[:-1])
+    assert _maxdiff(s.decode(ids[-1]), ref["logits_incremental_last"][0]) <= TOL
+
+
+def test_config_fields_match_transformers(case):
+    folder, _, _, _ = case
+    cfg = json.loads((folder / "config.json").read_text())
+    args = ModelArgs.from_dict(cfg)
+    for k in ("layer_types", "mlp_layer_types", "compress_rates", "qk_rope_head_dim", "rope_parameters"):
+        assert getattr(args, k) == cfg[k], k
+
+
+def test_legacy_config_keys_fold_like_transformers():
+    transformers = pytest.importorskip("transformers")
+    legacy = dict(
+        num_hidden_layers=5,
+        compress_ratios=[0, 0, 4, 128, 4],
+        num_hash_layers=2,
+        qk_rope_head_dim=64,
+        rope_parameters={"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1},
+    )
+    hf = transformers.DeepseekV4Config(**legacy)
+    args = ModelArgs.from_dict(legacy)
+    assert args.layer_types == hf.layer_types
+    assert args.mlp_layer_types == hf.mlp_layer_types
+    assert args.qk_rope_head_dim == hf.qk_rope_head_dim
+    for kind in ("main", "compress"):
+        for k, v in args.rope_parameters[kind].items():
+            assert hf.rope_parameters[kind][k] == v, (kind, k)
+
+
+def test_quantized_experts_match_dequantized_weights(oracle):
+    """nn.quantize turns the routed experts into gather_qmm layers; they compute what the
+    float graph computes with the dequantized weights."""
+    folder = oracle("make_tiny_deepseek_v4.py", None)
+    ids = np.load(folder / "reference.npz")["input_ids"][0].tolist()
+    quant, dequant = load_hf_dir(str(folder)), load_hf_dir(str(folder))
+
+    def is_expert(path, m):
+        return ".experts." in path and hasattr(m, "to_quantized")
+
+    nn.quantize(quant.model, group_size=32, bits=4, class_predicate=is_expert)
+    experts = quant.model.layers[0].mlp.experts
+    assert type(experts.gate_up_proj).__name__ == "QuantizedSwitchLinear"
+    for qlayer, flayer in zip(quant.model.layers, dequant.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            q = getattr(qlayer.mlp.experts, name)
+            getattr(flayer.mlp.experts, name).weight = mx.dequantize(q.weight, q.scales, q.biases, 32, 4)
+    a, b = quant.logits(ids), dequant.logits(ids)
+    assert _maxdiff(a, b) <= TOL
+    assert _maxdiff(a, LanguageModel(dequant.model).logits(ids)) <= TOL
