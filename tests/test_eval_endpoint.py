@@ -1,0 +1,167 @@
+"""`ds4mlx eval --endpoint URL` against a live OpenAI-compatible server on 127.0.0.1.
+
+`ds4mlx serve` is not available yet, so the server here is a small aiohttp stub that
+speaks the chat-completions SSE wire format of http-api.md §3 (role chunk,
+`reasoning_content` deltas, `content` deltas, finish chunk, usage chunk, [DONE]).
+TODO: switch `live_server` to the real `ds4mlx serve` on the demo model once it lands.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+
+import pytest
+from aiohttp import web
+
+from ds4mlx.cli import main
+from ds4mlx.eval import load_cases
+from ds4mlx.eval.backends import Control, EndpointBackend
+from ds4mlx.eval.prompts import SYSTEM_PROMPT, build_prompt, user_prompt
+from ds4mlx.eval.trace import parse_trace
+
+CORE = load_cases("core")
+
+
+class Stub:
+    """OpenAI-compatible chat server; answers B for the first GPQA case, C otherwise."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+        self.fail_status = 0
+        self.reasoning = ["Let me ", "think about ", "time dilation."]
+        self.delay = 0.0
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        if self.fail_status:
+            return web.json_response({"error": {"message": "prompt exceeds context"}}, status=self.fail_status)
+        assert body["stream"] is True
+        user = body["messages"][-1]["content"]
+        answer = "B" if "Magellanic" in user else "C"
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        def chunk(delta, finish=None):
+            return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+        events = [chunk({"role": "assistant"})]
+        thinking = body.get("think", True) is not False
+        if thinking:
+            events += [chunk({"reasoning_content": r}) for r in self.reasoning]
+        events += [chunk({"content": "\n\nAnswer: "}), chunk({"content": answer}), chunk({}, "stop")]
+        if body.get("stream_options", {}).get("include_usage"):
+            events.append({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0,
+                           "model": body["model"], "choices": [],
+                           "usage": {"prompt_tokens": 321, "completion_tokens": 9, "total_tokens": 330}})
+        wire = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+        for i in range(0, len(wire), 37):  # odd fragment sizes: lines split across writes
+            await resp.write(wire[i:i + 37])
+            await asyncio.sleep(self.delay)
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture
+def live_server():
+    stub = Stub()
+    app = web.Application()
+    app.router.add_get("/v1/models", stub.models)
+    app.router.add_post("/v1/chat/completions", stub.chat)
+    loop = asyncio.new_event_loop()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    runner = web.AppRunner(app)
+    ready = threading.Event()
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.SockSite(runner, sock).start())
+        ready.set()
+        loop.run_forever()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert ready.wait(10)
+    yield f"http://127.0.0.1:{port}", stub
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(10)
+
+
+def test_endpoint_eval_end_to_end(live_server, tmp_path, capsys):
+    url, stub = live_server
+    trace = tmp_path / "t.txt"
+    rc = main(["eval", "--endpoint", url, "--api-key", "sk-test", "--plain", "--case-id", "1", "--case-id", "2",
+               "--trace", str(trace), "--seed", "7"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    assert "ds4-eval: 2/2 passed" in out
+    assert "context sized by the server" in err
+    req = stub.requests[0]
+    assert req["model"] == "stub-model"  # first entry of /v1/models
+    assert req["messages"] == [{"role": "system", "content": SYSTEM_PROMPT},
+                               {"role": "user", "content": user_prompt(CORE[0])}]
+    assert req["max_tokens"] == 16000 and req["temperature"] == 0 and req["seed"] == 7
+    assert req["stream_options"] == {"include_usage": True} and "think" not in req
+    assert stub.headers[0]["Authorization"] == "Bearer sk-test"
+    recs = parse_trace(trace.read_bytes())
+    assert [r.status for r in recs] == ["PASSED", "PASSED"]
+    assert recs[0].output == "Let me think about time dilation.</think>\n\nAnswer: B"
+    assert recs[0].int_field("prompt_tokens") == 321 and recs[0].int_field("generated_tokens") == 9
+    assert recs[0].fields["think_close"] == "natural"
+    assert "  1 PASSED        321        9      330 B        B" in out
+    # plain mode streams the reasoning, </think> and the answer
+    assert "Let me think about time dilation.</think>\n\nAnswer: B\nPASSED got B expected B" in out
+
+
+def test_endpoint_model_name_nothink_and_tokens(live_server, tmp_path, capsys):
+    url, stub = live_server
+    rc = main(["eval", "--endpoint", url + "/v1", "-m", "deepseek-chat", "--plain", "--case-id", "1",
+               "--nothink", "--tokens", "64"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    req = stub.requests[0]
+    assert req["model"] == "deepseek-chat" and req["think"] is False and req["max_tokens"] == 64
+    assert "Authorization" not in stub.headers[0]
+    assert "PASSED got B expected B" in out
+
+
+def test_endpoint_http_error_is_an_error_record(live_server, tmp_path, capsys):
+    url, stub = live_server
+    stub.fail_status = 500
+    trace = tmp_path / "t.txt"
+    rc = main(["eval", "--endpoint", url, "-m", "x", "--plain", "--case-id", "1", "--case-id", "2",
+               "--trace", str(trace)])
+    _, err = capsys.readouterr()
+    assert rc == 1
+    assert "ds4-eval: prefill failed for recNu3MXkvWUzHZr9: HTTP 500" in err
+    assert [r.status for r in parse_trace(trace.read_bytes())] == ["ERROR"]
+
+
+def test_endpoint_stop_mid_stream(live_server):
+    url, stub = live_server
+    stub.reasoning = [f"word{i} " for i in range(50)]
+    stub.delay = 0.01
+    backend = EndpointBackend(url, model="m")
+    control = Control()
+    seen: list[str] = []
+
+    def on_text(t: str) -> None:
+        seen.append(t)
+        if len(seen) == 5:
+            control.request_quit()
+
+    res = backend.generate(build_prompt(CORE[0]), 100, seed=0, control=control, on_text=on_text)
+    assert res.finish == "stopped"
+    assert res.raw.startswith("word0 word1 word2 word3 word4") and "</think>" not in res.raw
