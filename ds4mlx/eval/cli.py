@@ -97,8 +97,12 @@ def _validate(a: argparse.Namespace) -> Optional[str]:
     hard, soft = a.hard_limit_reply_budget, a.soft_limit_reply_budget
     if hard is not None and a.tokens is not None and hard >= a.tokens:
         return f"--hard-limit-reply-budget ({hard}) must be smaller than --tokens ({a.tokens})"
-    if soft is not None and soft < (hard if hard is not None else 512):
-        return f"--soft-limit-reply-budget ({soft}) must be >= --hard-limit-reply-budget ({hard or 512})"
+    if soft is not None:
+        from .thinkclose import default_budgets
+
+        eff_hard = default_budgets(a.tokens or 16000, soft, hard)[1]
+        if soft < eff_hard:
+            return f"--soft-limit-reply-budget ({soft}) must be >= --hard-limit-reply-budget ({eff_hard})"
     if a.retry_incomplete and not a.trace:
         return "--retry-incomplete needs --trace FILE"
     return None
@@ -230,6 +234,9 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
         else:
             runner.ui = PlainUI(sys.stdout)
             rc = runner.run()
+    except KeyboardInterrupt:
+        runner.control.request_quit()
+        rc = 130
     finally:
         backend.close()
         sys.stdout.write(report(runner))
