@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from ds4mlx.cli import main
 from ds4mlx.eval import load_cases
-from ds4mlx.eval.backends import Control, FakeBackend
+from ds4mlx.eval.backends import FakeBackend
 from ds4mlx.eval.runner import Options, Runner, report
 from ds4mlx.eval.thinkclose import ThinkCloser
 from ds4mlx.eval.trace import TraceRecord, format_record, parse_trace
