@@ -373,7 +373,7 @@ class DecodeTracker:
                             self._in_str = self._esc = False
                             self._fresh = True
                     continue
-                if _is_partial(raw[p:], (syn.close, syn.invoke_close, syn.param_close, syn.invoke, syn.param)):
+                if _is_partial(raw[p:p + 64], (syn.close, syn.invoke_close, syn.param_close, syn.invoke, syn.param)):
                     self.state = STRUCTURAL
                     return
                 self.mode = "stuck"
@@ -400,7 +400,7 @@ class DecodeTracker:
                     self.pos = p
                     self.mode = "struct"
                     continue
-                if _is_partial(raw[p:], (syn.param,)):
+                if _is_partial(raw[p:p + 64], (syn.param,)):
                     self.state = STRUCTURAL
                     return
                 self._fresh = False
@@ -417,7 +417,7 @@ class DecodeTracker:
                 elif c == "<":
                     if raw.startswith(close, pos):
                         break
-                    if _is_partial(raw[pos:], (close,)):
+                    if _is_partial(raw[pos:pos + 64], (close,)):
                         self.pos = pos
                         self.state = STRUCTURAL if n - pos >= 2 else JSON_STRUCTURAL
                         return
@@ -828,9 +828,9 @@ def parse_output(text: str, *, thinking: bool, tools_active: bool = True, trunca
 
 
 def _recover_in_think(text: str, body: int, truncated: bool, entities: str) -> Optional[ParsedOutput]:
-    """Forward recovery: the first complete block inside an unclosed think block
-    (or, when truncated, an unterminated one) is parsed as if `</think>` had been
-    written right before it."""
+    """Forward recovery: the first complete block with calls inside an unclosed
+    think block (or, when truncated, an unterminated last one) is parsed as if
+    `</think>` had been written right before it."""
     pos = body
     sep = M.DSML_BLOCK_SEPARATOR
     while True:
@@ -839,15 +839,16 @@ def _recover_in_think(text: str, body: int, truncated: bool, entities: str) -> O
             return None
         open_pos, syn = found
         status, end = scan_block(text, open_pos)
-        if status == "complete" or (status == "open" and truncated):
-            start = open_pos - len(sep) if open_pos - len(sep) >= body and text.startswith(sep, open_pos - len(sep)) \
-                else open_pos
-            got = _parse_at(text, start, open_pos, syn, truncated, entities)
-            if isinstance(got, ParsedOutput):
-                return None
+        if status == "stuck":
+            pos = end
+            continue
+        if status == "open" and not truncated:
+            return None
+        start = open_pos - len(sep) if open_pos - len(sep) >= body and text.startswith(sep, open_pos - len(sep)) \
+            else open_pos
+        got = _parse_at(text, start, open_pos, syn, truncated, entities)
+        if not isinstance(got, ParsedOutput) and got[0]:
             calls, raw, repaired = got
-            if not calls:
-                return None
             return ParsedOutput(content="", reasoning=_rstrip_ws(text[body:start]), calls=calls, raw_dsml=raw,
                                 finish="tool_calls", repaired=repaired, recovered=True)
         if status == "open":

@@ -1,0 +1,460 @@
+"""Streaming projection of generated text into engine events (dsml.md §7, http-api.md §3).
+
+The engine's decode loop feeds every sampled piece of text to an
+`OutputParser` (after the `StopMatcher`, which cuts at stop sequences) and
+forwards the returned events.  The parser also tells the loop how to sample the
+next token (`structural`: greedy inside DSML structure, dsml.md §5.1) and when
+to stop (`stop_now`: right after the block CLOSE).  `finish()` runs the final
+parse (dsml.md §3), which stays authoritative, and emits whatever the stream
+still owes so that the concatenated events agree with it.
+"""
+from __future__ import annotations
+
+import codecs
+import os
+from typing import Callable, Optional, Union
+
+from . import markers as M
+from .dsml import (_C_SPACE, JSON_STRUCTURAL, STRUCTURAL, DecodeTracker, ParsedOutput, _Fail, _entities,
+                   _is_partial, _parse_block, _parse_invoke, _skip_ws, attr, decode_entities, json_escape,
+                   json_escape_fragment, parse_output, partial_open_at_tail)
+from ..events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+
+__all__ = ["OutputParser", "StopMatcher", "new_tool_id"]
+
+_THINK_HOLD = len(M.THINK_CLOSE) - 1  # ds4 holds the last 7 bytes of reasoning (a possible partial </think>)
+_TAIL = 64  # longer than any DSML tag
+
+
+def _rstrip_pos(raw: str, end: int, floor: int) -> int:
+    """`end` moved back over trailing C whitespace, not below `floor`."""
+    while end > floor and raw[end - 1] in _C_SPACE:
+        end -= 1
+    return max(end, floor)
+
+
+def new_tool_id(prefix: str = M.OPENAI_TOOL_ID_PREFIX, taken: Optional[Callable[[str], bool]] = None) -> str:
+    """`prefix` + 32 lowercase hex from os.urandom, retried while `taken(id)` (dsml.md §8)."""
+    while True:
+        tool_id = prefix + os.urandom(16).hex()
+        if taken is None or not taken(tool_id):
+            return tool_id
+
+
+class StopMatcher:
+    """Stop sequences on the raw generated text (http-api.md §2).
+
+    `feed(text) -> (safe_text, hit)`: text that can no longer start a match is
+    released; the last (longest stop - 1) characters are held.  On a hit the
+    output is cut at the earliest match and `hit` is True (finish `stop`).
+    `flush()` releases the held tail at the end of generation."""
+
+    def __init__(self, stops: Optional[list[str]] = None):
+        self.stops = [s for s in (stops or []) if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.buf = ""
+        self.hit = False
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if self.hit:
+            return "", True
+        if not self.stops:
+            return text, False
+        buf = self.buf + text
+        best = -1
+        for s in self.stops:
+            p = buf.find(s)
+            if p >= 0 and (best < 0 or p < best):
+                best = p
+        if best >= 0:
+            self.buf = ""
+            self.hit = True
+            return buf[:best], True
+        keep = min(self.hold, len(buf))
+        self.buf = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+class OutputParser:
+    """Incremental parser of one generation.
+
+    `thinking`: the prompt ended with `<think>` (output starts in reasoning).
+    `tools_active`: the request has active tools (DSML is tracked, projected and
+    parsed; without tools nothing of DSML is interpreted).  `id_prefix`:
+    `call_` (OpenAI chat, Responses) or `toolu_` (Anthropic).  `tool_memory`:
+    fresh ids are also unique against it.  `think_recovery`, `entities`: see
+    `dsml.parse_output`.
+
+    `feed(text)` accepts `str` or raw `bytes` (an incremental UTF-8 decoder
+    holds incomplete sequences) and returns events; `finish(truncated)` returns
+    (events, ParsedOutput)."""
+
+    def __init__(self, thinking: bool, tools_active: bool, id_prefix: str = M.OPENAI_TOOL_ID_PREFIX, *,
+                 tool_memory=None, think_recovery: bool = True, entities: str = "all"):
+        self.thinking = thinking
+        self.tools_active = tools_active
+        self.id_prefix = id_prefix
+        self.tool_memory = tool_memory
+        self.think_recovery = think_recovery
+        self.entities = entities
+        self.raw = ""
+        self.phase = "reasoning" if thinking else "text"  # reasoning | text | tool | done
+        self.stop_now = False
+        self.result: Optional[ParsedOutput] = None
+        self._decoder = None
+        self._think_checked = not thinking
+        self._r_emit = 0   # reasoning emitted up to (index into raw)
+        self._tscan = 0    # next position to search for </think>
+        self._c_emit = 0   # content emitted up to
+        self._tracker = DecodeTracker(0) if tools_active else None
+        self._proj: Optional[_Projection] = None
+        self._ids: dict[int, str] = {}
+        self._started: set[int] = set()
+        self._ended: set[int] = set()
+        self._finished = False
+
+    # --- public state ------------------------------------------------------------------
+    @property
+    def structural(self) -> bool:
+        """Sample the NEXT token greedily (inside DSML structure, dsml.md §5.1)."""
+        tr = self._tracker
+        return (tr is not None and not self.stop_now and not self._finished
+                and tr.state in (STRUCTURAL, JSON_STRUCTURAL))
+
+    @property
+    def decode_state(self) -> str:
+        """dsml.md §5.1 decode state of the next token (outside when tools are inactive)."""
+        tr = self._tracker
+        return tr.state if tr is not None and not self.stop_now else "outside"
+
+    # --- feeding ----------------------------------------------------------------------------
+    def feed(self, text: Union[str, bytes]) -> list:
+        if isinstance(text, (bytes, bytearray)):
+            if self._decoder is None:
+                self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            text = self._decoder.decode(bytes(text))
+        if self._finished:
+            raise RuntimeError("OutputParser.feed after finish")
+        self._append(text)
+        events: list = []
+        if text and self.phase != "done":
+            self._step(events)
+        return events
+
+    def finish(self, truncated: bool = False) -> tuple[list, ParsedOutput]:
+        """End of generation: the final parse, plus the events the stream still owes."""
+        events: list = []
+        if self._decoder is not None:
+            tail = self._decoder.decode(b"", final=True)
+            if tail:
+                self._append(tail)
+                if self.phase != "done":
+                    self._step(events)
+        self._finished = True
+        raw = self.raw
+        final = parse_output(raw, thinking=self.thinking, tools_active=self.tools_active, truncated=truncated,
+                             think_recovery=self.think_recovery, entities=self.entities)
+        if self.phase == "reasoning":
+            if final.recovered and final.reasoning is not None:
+                body = len(M.THINK_OPEN) if raw.startswith(M.THINK_OPEN) else 0
+                self._emit_reasoning(events, body + len(final.reasoning))
+            else:  # never closed: everything is reasoning (ds4 streams it so)
+                self._emit_reasoning(events, len(raw))
+        elif self.phase == "text":
+            if not final.calls:
+                self._emit_text(events, len(raw))
+        elif final.error is not None:
+            self._emit_text(events, len(raw))
+        for i, call in enumerate(final.calls):
+            call.id = self._id_for(i)
+            if i not in self._started:
+                events.append(ToolCallStart(index=i, id=call.id, name=call.name))
+                events.append(ToolCallDelta(index=i, arguments=call.arguments))
+                events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
+            elif i not in self._ended:
+                events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
+        self.result = final
+        return events, final
+
+    # --- internals ----------------------------------------------------------------------------
+    def _append(self, text: str) -> None:
+        raw = self.raw
+        self.raw = ""
+        raw += text  # sole reference: CPython appends in place instead of copying the whole text
+        self.raw = raw
+
+    def _id_for(self, index: int) -> str:
+        tool_id = self._ids.get(index)
+        if tool_id is None:
+            used = set(self._ids.values())
+            mem = self.tool_memory
+            tool_id = new_tool_id(self.id_prefix,
+                                  lambda i: i in used or (mem is not None and mem.has(i)))
+            self._ids[index] = tool_id
+        return tool_id
+
+    def _emit_reasoning(self, events: list, limit: int) -> None:
+        if limit > self._r_emit:
+            events.append(ReasoningDelta(self.raw[self._r_emit:limit]))
+            self._r_emit = limit
+
+    def _emit_text(self, events: list, limit: int) -> None:
+        if limit > self._c_emit:
+            events.append(TextDelta(self.raw[self._c_emit:limit]))
+            self._c_emit = limit
+
+    def _step(self, events: list) -> None:
+        if self.phase == "reasoning":
+            self._reasoning(events)
+        if self.phase in ("text", "tool"):
+            self._text(events)
+
+    def _end_reasoning(self, events: list, t: int) -> None:
+        self._emit_reasoning(events, t)
+        self._r_emit = t + len(M.THINK_CLOSE)
+        self._c_emit = t + len(M.THINK_CLOSE)
+        self.phase = "text"
+
+    def _reasoning(self, events: list) -> None:
+        raw = self.raw
+        n = len(raw)
+        if not self._think_checked:
+            if n < len(M.THINK_OPEN) and M.THINK_OPEN.startswith(raw):
+                return
+            if raw.startswith(M.THINK_OPEN):
+                self._r_emit = self._tscan = len(M.THINK_OPEN)
+            self._think_checked = True
+            if self._tracker is not None:
+                self._tracker.restart(self._r_emit)
+        tr = self._tracker
+        if tr is None:
+            t = raw.find(M.THINK_CLOSE, self._tscan)
+            if t >= 0:
+                self._end_reasoning(events, t)
+                return
+            self._tscan = max(self._tscan, n - _THINK_HOLD)
+            self._emit_reasoning(events, n - _THINK_HOLD)
+            return
+        while True:
+            tr.update(raw)
+            if tr.mode == "stuck":  # not DSML after all: it is reasoning text
+                self._tscan = max(self._tscan, tr.stuck_at)
+                tr.restart(tr.stuck_at)
+                continue
+            if tr.mode == "search":
+                t = raw.find(M.THINK_CLOSE, self._tscan)
+                if t >= 0:
+                    self._end_reasoning(events, t)
+                    tr.restart(self._c_emit)
+                    return
+                self._tscan = max(self._tscan, n - _THINK_HOLD)
+                limit = n - _THINK_HOLD
+                p = partial_open_at_tail(raw, self._r_emit)
+                if p >= 0:
+                    limit = min(limit, p)
+                self._emit_reasoning(events, _rstrip_pos(raw, limit, self._r_emit))
+                return
+            bs = tr.block_start
+            t = raw.find(M.THINK_CLOSE, self._tscan, bs + len(M.THINK_CLOSE) - 1)
+            if 0 <= t < bs:  # the block is in the answer region; the tracker keeps it
+                self._end_reasoning(events, t)
+                return
+            if tr.mode == "done":
+                if self.think_recovery and self._recover(events, bs, tr):
+                    return
+                self._tscan = max(self._tscan, tr.block_end)
+                tr.restart(tr.block_end)
+                continue
+            self._tscan = max(self._tscan, bs - _THINK_HOLD)
+            self._emit_reasoning(events, min(n - _THINK_HOLD, _rstrip_pos(raw, bs, self._r_emit)))
+            return
+
+    def _recover(self, events: list, bs: int, tr: DecodeTracker) -> bool:
+        """A complete block inside the unclosed think block: execute it as if
+        `</think>` had been written right before it, and stop generating.
+        False (nothing done) when the block has no parseable call."""
+        raw = self.raw
+        try:
+            calls, _ = _parse_block(raw, bs + len(tr.syn.open), tr.syn, self.entities)
+        except _Fail:
+            calls = []
+        if not calls:
+            return False
+        self._emit_reasoning(events, _rstrip_pos(raw, bs, self._r_emit))
+        for index, call in enumerate(calls):
+            tool_id = self._id_for(index)
+            events.append(ToolCallStart(index=index, id=tool_id, name=call.name))
+            events.append(ToolCallDelta(index=index, arguments=call.arguments))
+            events.append(ToolCallEnd(index=index, id=tool_id, name=call.name, arguments=call.arguments))
+            self._started.add(index)
+            self._ended.add(index)
+        self.phase = "done"
+        self.stop_now = True
+        return True
+
+    def _text(self, events: list) -> None:
+        raw = self.raw
+        n = len(raw)
+        tr = self._tracker
+        if tr is None:
+            self._emit_text(events, n)
+            return
+        while True:
+            tr.update(raw)
+            if tr.mode == "stuck":
+                proj = self._proj
+                if proj is not None and not proj.started_any:
+                    self._proj = None
+                    self.phase = "text"  # not a block after all: resume streaming it as text
+                elif proj is not None:
+                    proj.failed = True
+                tr.restart(tr.stuck_at)
+                continue
+            if tr.mode == "search":
+                if self.phase == "text":
+                    p = partial_open_at_tail(raw, self._c_emit)
+                    self._emit_text(events, _rstrip_pos(raw, p if p >= 0 else n, self._c_emit))
+                return
+            if self.phase == "text":
+                bs = tr.block_start
+                self._emit_text(events, _rstrip_pos(raw, bs, self._c_emit))
+                self.phase = "tool"
+                self._proj = _Projection(self, bs, tr.syn)
+            proj = self._proj
+            if proj is not None and not proj.failed:
+                proj.update(raw, events)
+            if tr.mode == "done":
+                self.phase = "done"
+                self.stop_now = True
+            return
+
+
+class _Projection:
+    """ds4's live tool-call projection (dsml.md §7): OpenAI-style argument
+    fragments emitted as the DSML arrives.  Any unexpected structure stops it
+    silently; the final parse then fills in what was not streamed."""
+
+    def __init__(self, owner: OutputParser, open_pos: int, syn):
+        self.o = owner
+        self.syn = syn
+        self.pos = open_pos + len(syn.open)
+        self.state = "invokes"
+        self.index = 0
+        self.failed = False
+        self.started_any = False
+        self.name = ""
+        self.invoke_pos = 0
+        self.first = True
+        self.is_string = False
+        self.entity_list = _entities(owner.entities, syn)
+        self.max_entity = max(len(e) for e in self.entity_list)
+
+    def _delta(self, events: list, text: str) -> None:
+        if text:
+            events.append(ToolCallDelta(index=self.index, arguments=text))
+
+    def _value(self, events: list, piece: str) -> None:
+        if not piece:
+            return
+        if self.is_string:
+            piece = json_escape_fragment(decode_entities(piece, self.o.entities, self.syn))
+        self._delta(events, piece)
+
+    def update(self, raw: str, events: list) -> None:
+        syn = self.syn
+        n = len(raw)
+        o = self.o
+        while not self.failed and self.state != "done":
+            if self.state == "value":
+                k = raw.find(syn.param_close, self.pos)
+                if k >= 0:
+                    self._value(events, raw[self.pos:k])
+                    if self.is_string:
+                        self._delta(events, '"')
+                    self.pos = k + len(syn.param_close)
+                    self.state = "params"
+                    continue
+                limit = n
+                lt = raw.rfind("<", max(self.pos, n - len(syn.param_close) + 1))
+                if lt >= 0 and syn.param_close.startswith(raw[lt:]):
+                    limit = lt
+                if self.is_string:
+                    amp = raw.rfind("&", max(self.pos, limit - self.max_entity + 1), limit)
+                    if amp >= 0 and any(len(e) > limit - amp and e.startswith(raw[amp:limit])
+                                        for e in self.entity_list):
+                        limit = amp
+                if limit > self.pos:
+                    self._value(events, raw[self.pos:limit])
+                    self.pos = limit
+                return
+            p = _skip_ws(raw, self.pos)
+            self.pos = p
+            if p >= n:
+                return
+            if self.state == "invokes":
+                if raw.startswith(syn.close, p):
+                    self.pos = p + len(syn.close)
+                    self.state = "done"
+                    return
+                if _is_partial(raw[p:p + _TAIL], (syn.close, syn.invoke)):
+                    return
+                if not raw.startswith(syn.invoke, p):
+                    self.failed = True
+                    return
+                gt = raw.find(">", p)
+                if gt < 0:
+                    return
+                name = attr(raw[p:gt + 1], "name")
+                if name is None:
+                    self.failed = True
+                    return
+                tool_id = o._id_for(self.index)
+                events.append(ToolCallStart(index=self.index, id=tool_id, name=name))
+                o._started.add(self.index)
+                self.started_any = True
+                self.name = name
+                self.invoke_pos = p
+                self.first = True
+                self._delta(events, "{")
+                self.pos = gt + 1
+                self.state = "params"
+                continue
+            # between parameters
+            if raw.startswith(syn.invoke_close, p):
+                end = p + len(syn.invoke_close)
+                self._delta(events, "}")
+                try:
+                    call, _ = _parse_invoke(raw, self.invoke_pos, syn, o.entities)
+                    args = call.arguments
+                except _Fail:
+                    args = "{}"
+                events.append(ToolCallEnd(index=self.index, id=o._id_for(self.index), name=self.name,
+                                          arguments=args))
+                o._ended.add(self.index)
+                self.index += 1
+                self.pos = end
+                self.state = "invokes"
+                continue
+            if _is_partial(raw[p:p + _TAIL], (syn.invoke_close, syn.param)):
+                return
+            if not raw.startswith(syn.param, p):
+                self.failed = True
+                return
+            gt = raw.find(">", p)
+            if gt < 0:
+                return
+            tag = raw[p:gt + 1]
+            pname = attr(tag, "name")
+            pstr = attr(tag, "string")
+            if pname is None or pstr is None:
+                self.failed = True
+                return
+            self.is_string = pstr == "true"
+            self._delta(events, ("" if self.first else ",") + json_escape(pname) + ":" + ('"' if self.is_string else ""))
+            self.first = False
+            self.pos = gt + 1
+            self.state = "value"
