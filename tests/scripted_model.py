@@ -147,9 +147,17 @@ class ScriptedSession:
         self.tokens: list[int] = []
         self._plan: list[tuple[int, bool]] = []
         self._gen = 0  # tokens decoded since the last prefill
+        self._last = None  # logits for the next token
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def reset(self) -> None:
+        self.tokens, self._plan, self._gen, self._last = [], [], 0, None
+
+    @property
+    def last_logits(self):
+        return self._last
 
     def _next_logits(self) -> np.ndarray:
         m = self.model
@@ -157,12 +165,15 @@ class ScriptedSession:
             target, soft = self._plan[self._gen]
         else:
             target, soft = m.eos_id, False
-        return m.logits_for(target, soft)
+        self._last = m.logits_for(target, soft)
+        return self._last
 
-    def prefill(self, ids, progress=None) -> np.ndarray:
+    def prefill(self, ids, progress=None, chunk=None) -> np.ndarray:
         ids = [int(i) for i in ids]
         if not ids:
-            raise ValueError("prefill needs at least one token")
+            if self._last is None:
+                raise ValueError("prefill of no tokens on an empty session")
+            return self._last
         if len(self.tokens) + len(ids) > self.ctx:
             raise ValueError("prompt exceeds context")
         m = self.model
@@ -183,6 +194,7 @@ class ScriptedSession:
         m = self.model
         if len(self.tokens) >= self.ctx:
             raise ValueError("context full")
+        token_id = int(token_id.item()) if isinstance(token_id, mx.array) else int(token_id)
         m.step_gate.wait()
         with m._lock:
             m.steps += 1
@@ -195,11 +207,15 @@ class ScriptedSession:
 
     def truncate(self, n: int) -> None:
         n = max(0, min(int(n), len(self.tokens)))
-        self.tokens = self.tokens[:n]
-        self._plan, self._gen = [], 0
+        if n == len(self.tokens):
+            return
+        keep = self.tokens[:n]
+        self.reset()
+        if keep:
+            self.prefill(keep)
 
     def snapshot(self) -> bytes:
-        return pickle.dumps((self.tokens, self._plan, self._gen))
+        return pickle.dumps((self.tokens, self._plan, self._gen, self._last))
 
     def restore(self, blob: bytes) -> None:
-        self.tokens, self._plan, self._gen = pickle.loads(blob)
+        self.tokens, self._plan, self._gen, self._last = pickle.loads(blob)

@@ -1,0 +1,593 @@
+"""The engine: one owner of the model and its live session, a FIFO of jobs and
+one worker thread that runs them (http-api.md §1.4, kv-cache.md §2).
+
+A front end builds a `Job` (rendered prompt, sampling, limits, protocol
+flags), calls `Engine.submit(job, emit)` and receives `ds4mlx.events` through
+`emit` (called on the worker thread), ending with one `Finish` — or with a
+`Failed` when the job could not start (HTTP status + message).
+`Engine.generate(job)` is the blocking iterator form for the CLI and tests.
+
+Per job the worker:
+1. picks the longest reusable live state (`_plan_reuse`, kv-cache.md §2
+   steps 1–7; no partial reuse: truncating a V4 session means recomputing
+   it) — the disk cache plugs in at `CacheHooks`;
+2. prefills only the new suffix, in chunks, emitting `PrefillProgress` and
+   checking for cancellation between chunks;
+3. decodes: sampler (greedy inside DSML structure) -> detokenizer -> stop
+   matcher -> output parser -> events; cancellation is checked per token;
+4. finishes: final parse, tool ids, tool memory, protocol bindings.
+
+Batching later: the scheduler only touches `_queue`/`_run`; a batched worker
+would pop several handles and interleave their decode steps.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .detok import Detokenizer, StopMatcher
+from .events import (
+    Finish,
+    PrefillProgress,
+    Started,
+    TextDelta,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from .sampling import GREEDY, Sampler, SamplingParams
+
+log = logging.getLogger("ds4mlx.engine")
+
+EOS_TEXT = "<｜end▁of▁sentence｜>"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+UNTERMINATED_TOOL_CALL = "unterminated tool call"  # chat.markers.PARSE_UNTERMINATED_TOOL_CALL
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Terminal event of a job that could not start generating.  The front end
+    answers HTTP `status` with `message` if it has not sent anything yet."""
+    status: int
+    message: str
+
+
+@dataclass
+class Job:
+    """One generation request, already rendered and validated."""
+    prompt_text: str
+    prompt_ids: Optional[list[int]] = None  # tokenization of prompt_text (if done for the ctx check)
+    api: str = "chat"  # chat | completions | anthropic | responses
+    raw: bool = False  # completions: the raw text is the output (no reasoning/DSML split)
+    thinking: str = "high"  # none | high | max
+    tools_active: bool = False
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: Optional[int] = None  # None = the engine default (--tokens)
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+    tool_id_prefix: str = "call_"
+    # Live tool-output continuation (Responses / Anthropic, kv-cache.md §2 steps 2–4):
+    # the rendered live tail (chat-template.md §4.5, starts with ⟨EOS⟩) and the id set
+    # of the trailing tool outputs; `requires_live` = the request cannot be served
+    # without that live state (its tool outputs answer calls it does not replay).
+    continuation_tail: Optional[str] = None
+    continuation_ids: frozenset = frozenset()
+    requires_live: bool = False
+    preserves_reasoning: bool = False  # the prompt renders old reasoning (tool context)
+    responses_summary: bool = False  # Responses reasoning.summary opted in
+    label: str = ""  # for logs / trace
+
+
+@dataclass
+class EngineStats:
+    """Counters for tests and logs (monotonic, whole process)."""
+    jobs: int = 0
+    prefill_tokens: int = 0  # prompt tokens evaluated by prefill (reused ones excluded)
+    decode_tokens: int = 0  # sampled tokens evaluated into the session
+    cancelled: int = 0
+    cancel_requests: int = 0
+    greedy_tokens: int = 0  # tokens sampled greedily because of DSML structure
+    last_cache_source: str = "none"
+
+
+class CacheHooks:
+    """Where the disk KV cache plugs in (kv-cache.md §2 steps 8–10, §5).  The
+    default does nothing."""
+
+    def on_miss(self, engine: "Engine") -> None:
+        """Before the live session is replaced (evict save)."""
+
+    def try_load(self, engine: "Engine", job: Job) -> Optional[tuple[list[int], int]]:
+        """Load a checkpoint into engine.session; return (effective tokens, cached)."""
+        return None
+
+    def after_prefill(self, engine: "Engine", job: Job) -> None:
+        """Cold / continued saves."""
+
+    def on_shutdown(self, engine: "Engine") -> None:
+        """Save the live session at exit."""
+
+
+@dataclass
+class _Binding:
+    live_tokens: int
+    visible_text: Optional[str] = None
+    call_ids: frozenset = frozenset()
+
+
+class JobHandle:
+    _ids = itertools.count(1)
+
+    def __init__(self, engine: "Engine", job: Job, emit: Callable[[Any], None]):
+        self.id = next(self._ids)
+        self.job = job
+        self._engine = engine
+        self._emit = emit
+        self._cancel = threading.Event()
+        self.done = threading.Event()
+        self.started = False  # prefill began
+        self.result: Optional[Finish] = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        """Stop at the next prefill-chunk / token boundary (or before starting)."""
+        if not self._cancel.is_set() and not self.done.is_set():
+            self._engine.stats.cancel_requests += 1
+        self._cancel.set()
+
+    def emit(self, ev) -> None:
+        try:
+            self._emit(ev)
+        except Exception:  # a dead consumer must never kill the worker
+            log.exception("event consumer failed")
+
+
+class _RawOutput:
+    """Completions: every released piece of raw text is content."""
+    structural = False
+    stop_now = False
+
+    def feed(self, text: str):
+        return [TextDelta(text)] if text else []
+
+    def finish(self, truncated: bool = False):
+        return [], None
+
+
+def default_parser_factory(job: Job, tool_memory=None):
+    if job.raw:
+        return _RawOutput()
+    from .chat.output import OutputParser
+
+    return OutputParser(thinking=job.thinking != "none", tools_active=job.tools_active,
+                        id_prefix=job.tool_id_prefix, tool_memory=tool_memory)
+
+
+def _calls_of(parsed) -> list:
+    if parsed is None:
+        return []
+    calls = getattr(parsed, "calls", None)
+    if calls is None:
+        calls = getattr(parsed, "tool_calls", None)
+    return list(calls or [])
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        ctx: int = 32768,
+        *,
+        default_max_tokens: int = 393216,
+        prefill_chunk: int = 512,
+        tool_memory=None,
+        cache: Optional[CacheHooks] = None,
+        parser_factory: Callable[..., Any] = default_parser_factory,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.ctx = int(ctx)
+        self.default_max_tokens = int(default_max_tokens)
+        self.prefill_chunk = max(1, int(prefill_chunk))
+        self.tool_memory = tool_memory
+        self.cache = cache or CacheHooks()
+        self.parser_factory = parser_factory
+        self.stats = EngineStats()
+        self.session = model.new_session(self.ctx)
+        self._bind_lock = threading.Lock()
+        self._responses: Optional[_Binding] = None
+        self._anthropic: Optional[_Binding] = None
+        self._thinking: Optional[_Binding] = None
+        self._queue: "queue.Queue[Optional[JobHandle]]" = queue.Queue()
+        self._running: Optional[JobHandle] = None
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="ds4mlx-engine", daemon=True)
+        self._worker.start()
+
+    # ---------------------------------------------------------------- public
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job, emit: Callable[[Any], None]) -> JobHandle:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        h = JobHandle(self, job, emit)
+        self._queue.put(h)
+        return h
+
+    def generate(self, job: Job) -> Iterator[Any]:
+        """Blocking iterator over the job's events (ends after Finish/Failed).
+        Closing the iterator early cancels the job."""
+        q: "queue.Queue" = queue.Queue()
+        h = self.submit(job, q.put)
+        try:
+            while True:
+                ev = q.get()
+                yield ev
+                if isinstance(ev, (Finish, Failed)):
+                    return
+        finally:
+            if not h.done.is_set():
+                h.cancel()
+
+    def live_call_ids(self, api: str) -> frozenset:
+        """Call ids of the remembered live tool turn for `api` (Responses/Anthropic)."""
+        with self._bind_lock:
+            b = self._responses if api == "responses" else self._anthropic if api == "anthropic" else None
+            return b.call_ids if b is not None and b.live_tokens == len(self.session) else frozenset()
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._running is not None:
+            self._running.cancel()
+        self._queue.put(None)
+        self._worker.join(timeout)
+        try:
+            self.cache.on_shutdown(self)
+        except Exception:
+            log.exception("cache shutdown hook failed")
+
+    # ---------------------------------------------------------------- worker
+    def _run(self) -> None:
+        while True:
+            h = self._queue.get()
+            if h is None:
+                break
+            self._running = h
+            try:
+                if h.cancelled or self._closed:
+                    self.stats.cancelled += 1
+                    h.result = Finish("cancelled", error="cancelled before start")
+                    h.emit(h.result)
+                else:
+                    self._generate(h)
+            except Exception as e:  # keep serving whatever happened
+                log.exception("job %d failed", h.id)
+                self._invalidate()
+                if h.started:
+                    h.result = Finish("error", error=str(e) or type(e).__name__)
+                    h.emit(h.result)
+                else:
+                    h.emit(Failed(500, str(e) or type(e).__name__))
+            finally:
+                self._running = None
+                h.done.set()
+        # drain: everything still queued ends cancelled
+        while True:
+            try:
+                h = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if h is not None:
+                h.emit(Finish("cancelled", error="shutdown"))
+                h.done.set()
+
+    def _reset_session(self) -> None:
+        reset = getattr(self.session, "reset", None)
+        if reset is not None:
+            reset()
+        else:
+            self.session = self.model.new_session(self.ctx)
+
+    def _invalidate(self) -> None:
+        """Forget the live state (stop-sequence hit, failures)."""
+        self._reset_session()
+        self._clear_bindings(keep=None)
+
+    def _clear_bindings(self, keep: Optional[str]) -> None:
+        with self._bind_lock:
+            if keep != "responses":
+                self._responses = None
+            if keep != "anthropic":
+                self._anthropic = None
+            if keep != "thinking":
+                self._thinking = None
+
+    # ---------------------------------------------------------------- reuse
+    def _live_text(self) -> str:
+        return self.tokenizer.decode(self.session.tokens)
+
+    def _plan_reuse(self, job: Job, ids: list[int]):
+        """-> (effective tokens, cached, source, binding kept) or Failed."""
+        tk = self.tokenizer
+        live = list(self.session.tokens)
+        pos = len(live)
+        prompt = job.prompt_text
+        with self._bind_lock:
+            resp, anth, think = self._responses, self._anthropic, self._thinking
+
+        def visible(b: Optional[_Binding]) -> Optional[int]:
+            if b is None or b.live_tokens != pos or pos == 0 or not b.visible_text:
+                return None
+            if len(b.visible_text) < len(prompt) and prompt.startswith(b.visible_text):
+                return len(b.visible_text)
+            return None
+
+        if pos > 0:
+            # 1. responses-visible
+            if job.api == "responses":
+                n = visible(resp)
+                if n is not None:
+                    return live + tk.encode(prompt[n:]), pos, "responses-visible", "responses"
+            # 2./3. tool-output continuation by call ids
+            for api, b in (("responses", resp), ("anthropic", anth)):
+                if (job.api == api and job.continuation_tail is not None and job.continuation_ids
+                        and b is not None and b.live_tokens == pos and b.call_ids == job.continuation_ids):
+                    return live + tk.encode(job.continuation_tail), pos, f"{api}-tool-output", api
+        # 4. the request cannot be served without the live state it refers to
+        if job.requires_live:
+            which = "Responses" if job.api == "responses" else "Anthropic"
+            hist = "input" if job.api == "responses" else "messages"
+            return Failed(409, f"{which} continuation state is not available; "
+                               f"retry by replaying the full {hist} history")
+        if pos > 0:
+            # 5. memory-token: the live tokens are a prefix of the request tokens
+            if len(ids) >= pos and ids[:pos] == live:
+                return ids, pos, "memory-token", None
+            # 6. thinking-visible (chat, Anthropic)
+            if job.api in ("chat", "anthropic") and not job.raw:
+                n = visible(think)
+                if n is not None:
+                    return live + tk.encode(prompt[n:]), pos, "thinking-visible", "thinking"
+            # 7. memory-text: decode(live) is a byte prefix of the prompt
+            live_text = self._live_text()
+            if prompt.startswith(live_text):
+                return live + tk.encode(prompt[len(live_text):]), pos, "memory-text", None
+            log.info("live kv cache miss live=%d prompt=%d common=0", pos, len(ids))
+        # 8.–10. disk cache, then cold
+        try:
+            self.cache.on_miss(self)
+            loaded = self.cache.try_load(self, job)
+        except Exception:
+            log.exception("disk cache lookup failed")
+            loaded = None
+        if loaded:
+            eff, cached = loaded
+            return list(eff), int(cached), "disk-text", None
+        return ids, 0, "none", None
+
+    def _sync(self, h: JobHandle, effective: list[int], cached: int):
+        """Bring the session to `effective`, evaluating only `effective[cached:]`.
+        Returns (logits for the next token, or None if cancelled; tokens reused)."""
+        s = self.session
+        if cached == 0 or cached != len(s) or list(s.tokens[:cached]) != effective[:cached]:
+            if len(s):
+                self._reset_session()
+            cached = 0
+        suffix = effective[cached:]
+        total = len(effective)
+        h.emit(PrefillProgress(cached, total))
+        if not suffix:
+            logits = getattr(s, "last_logits", None)
+            if logits is not None:
+                return logits, cached
+            # No logits kept for the last token: evaluate it again.
+            self._reset_session()
+            cached, suffix = 0, list(effective)
+        done = cached
+        t0 = time.monotonic()
+        logits = None
+        for i in range(0, len(suffix), self.prefill_chunk):
+            if h.cancelled:
+                return None, cached
+            chunk = suffix[i:i + self.prefill_chunk]
+            logits = s.prefill(chunk)
+            self.stats.prefill_tokens += len(chunk)
+            done += len(chunk)
+            h.emit(PrefillProgress(done, total))
+            dt = time.monotonic() - t0
+            log.info("%s prefill chunk %d/%d (%.1f%%) %.2f t/s %.3fs", job_kind(h.job), done - cached,
+                     total - cached, 100.0 * (done - cached) / max(total - cached, 1),
+                     (done - cached) / dt if dt > 0 else 0.0, dt)
+        return logits, cached
+
+    # ---------------------------------------------------------------- generate
+    def _generate(self, h: JobHandle) -> None:
+        job = h.job
+        tk = self.tokenizer
+        self.stats.jobs += 1
+        ids = job.prompt_ids if job.prompt_ids is not None else tk.encode(job.prompt_text)
+        plan = self._plan_reuse(job, ids)
+        if isinstance(plan, Failed):
+            h.emit(plan)
+            return
+        effective, cached, source, kept = plan
+        self.stats.last_cache_source = source
+        if len(effective) >= self.ctx:
+            h.emit(Failed(500, "prompt exceeds context"))
+            return
+        if cached:
+            log.info("%s live kv reuse source=%s cached=%d prompt=%d", job_kind(job), source, cached, len(effective))
+        logits, cached = self._sync(h, effective, cached)
+        prompt_tokens = len(effective)
+        if logits is None:  # cancelled during prefill; the session keeps the evaluated prefix
+            self._clear_bindings(keep=None)
+            self.stats.cancelled += 1
+            h.result = Finish("cancelled", Usage(prompt_tokens, 0, cached, prompt_tokens - cached),
+                              error="cancelled during prefill")
+            h.emit(h.result)
+            return
+        self._clear_bindings(keep=kept)
+        try:
+            self.cache.after_prefill(self, job)
+        except Exception:
+            log.exception("cache after_prefill hook failed")
+        h.started = True
+        h.emit(Started(prompt_tokens, cached))
+        self._decode(h, logits, prompt_tokens, cached)
+
+    def _decode(self, h: JobHandle, logits, prompt_tokens: int, cached: int) -> None:
+        job = h.job
+        tk = self.tokenizer
+        s = self.session
+        eos = tk.eos_id
+        room = self.ctx - len(s)
+        max_tokens = self.default_max_tokens if job.max_tokens is None else max(0, int(job.max_tokens))
+        max_tokens = min(max_tokens, room)
+        parser = self.parser_factory(job, self.tool_memory)
+        detok = Detokenizer(tk)
+        stops = StopMatcher(job.stop)
+        sampler = Sampler(job.params.seed)
+        banned = [eos] if job.ignore_eos else None
+        raw_parts: list[str] = []
+        generated: list[int] = []
+        finish = "length"
+        error = None
+        broken = False  # the session may hold a half-evaluated step
+        t0 = time.monotonic()
+
+        def push(text: str) -> None:
+            if not text:
+                return
+            raw_parts.append(text)
+            for ev in parser.feed(text):
+                h.emit(ev)
+
+        if not isinstance(logits, mx.array):
+            logits = mx.array(np.asarray(logits, dtype=np.float32))
+        while len(generated) < max_tokens:
+            if h.cancelled or self._closed:
+                finish, error = "cancelled", "cancelled"
+                break
+            structural = bool(job.tools_active and getattr(parser, "structural", False))
+            params = GREEDY if (structural or job.ignore_eos) else job.params
+            if structural and not job.params.greedy:
+                self.stats.greedy_tokens += 1
+            tok = int(sampler.sample(logits, params, generated, banned).item())
+            if tok == eos and not job.ignore_eos:
+                finish = "stop"
+                break
+            try:
+                logits = s.step(tok)
+            except Exception as e:
+                log.exception("decode step failed")
+                finish, error = "error", f"decode failed: {e}"
+                broken = True
+                break
+            mx.async_eval(logits)
+            generated.append(tok)
+            self.stats.decode_tokens += 1
+            push(stops.push(detok.feed(tok)))
+            if stops.hit is not None:
+                finish = "stop"
+                break
+            if getattr(parser, "stop_now", False):
+                finish = "tool_calls"
+                break
+        else:
+            finish = "length"
+        if finish != "stop" or stops.hit is None:
+            push(stops.push(detok.flush()))
+            push(stops.flush())
+        if stops.hit is not None:
+            finish = "stop"
+        truncated = finish == "length"  # lets the parser repair a block cut by max_tokens
+        tail_events, parsed = parser.finish(truncated)
+        for ev in tail_events:
+            h.emit(ev)
+        calls = _calls_of(parsed)
+        perror = getattr(parsed, "error", None)
+        if finish == "cancelled":
+            self.stats.cancelled += 1
+        elif finish == "error":
+            pass
+        elif perror == UNTERMINATED_TOOL_CALL:
+            # ds4: a block that started but never closed fails the turn (dsml.md §3.1).
+            finish, error = "error", perror
+        elif calls:
+            finish = "tool_calls"
+        elif finish == "tool_calls":
+            finish = "stop"  # the block closed but did not parse: recovered as text
+        if perror and finish != "error":
+            log.warning("%s %s returned as assistant text finish=%s", job_kind(job), perror, finish)
+        raw_text = "".join(raw_parts)
+        if stops.hit is not None or broken:
+            # ds4 invalidates the live session on a stop-sequence hit.
+            self._invalidate()
+        if calls and self.tool_memory is not None and finish == "tool_calls":
+            try:
+                self.tool_memory.remember([c.id for c in calls], getattr(parsed, "raw_dsml", None))
+            except Exception:
+                log.exception("tool memory remember failed")
+        if stops.hit is None and not job.raw:
+            self._remember_bindings(job, parsed, calls, finish, raw_text)
+        dt = time.monotonic() - t0
+        log.info("%s gen=%d finish=%s%s %.2f t/s", job_kind(job), len(generated), finish,
+                 f' error="{error}"' if error else "", len(generated) / dt if dt > 0 else 0.0)
+        usage = Usage(prompt_tokens, len(generated), cached, prompt_tokens - cached)
+        h.result = Finish(finish, usage, raw_text=raw_text, result=parsed, error=error)
+        h.emit(h.result)
+
+    # ---------------------------------------------------------------- bindings
+    def _remember_bindings(self, job: Job, parsed, calls, finish: str, raw_text: str) -> None:
+        pos = len(self.session)
+        ok = finish not in ("error", "length", "cancelled")
+        thinking = job.thinking != "none"
+        content = getattr(parsed, "content", "") or ""
+        reasoning = getattr(parsed, "reasoning", None)
+        raw_dsml = getattr(parsed, "raw_dsml", "") or ""
+        call_ids = frozenset(c.id for c in calls)
+        resp = anth = think = None
+        if job.api == "responses" and ok:
+            v = ""
+            if thinking:
+                if job.responses_summary and calls:
+                    v += reasoning or ""
+                v += THINK_CLOSE
+            v += content + (raw_dsml if calls else "") + EOS_TEXT
+            resp = _Binding(pos, job.prompt_text + v, call_ids)
+        if job.api == "anthropic" and ok and calls:
+            anth = _Binding(pos, None, call_ids)
+        if (not calls and ok and thinking and not job.tools_active and not job.preserves_reasoning
+                and job.prompt_text.endswith(THINK_OPEN) and not _inside_think(job.prompt_text + raw_text)):
+            think = _Binding(pos, job.prompt_text[:-len(THINK_OPEN)] + THINK_CLOSE + content + EOS_TEXT)
+        with self._bind_lock:
+            self._responses, self._anthropic, self._thinking = resp, anth, think
+
+
+def _inside_think(text: str) -> bool:
+    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
+
+
+def job_kind(job: Job) -> str:
+    return "completion" if job.raw else "chat"
