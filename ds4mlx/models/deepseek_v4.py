@@ -181,7 +181,7 @@ class CompressorState:
     rows               [1, cap, D]  emitted compressed rows; the first `n` are live
     """
 
-    GROW = 256
+    GROW = 256  # capacity grows by max(GROW, cap/4) rows, rounded up to GROW
 
     def __init__(self, ratio: int, dim: int, overlap: bool):
         self.ratio, self.dim, self.overlap = ratio, dim, overlap
@@ -202,7 +202,8 @@ class CompressorState:
     def append(self, new: mx.array) -> mx.array:
         k = new.shape[1]
         if self.n + k > self.rows.shape[1]:
-            cap = -(-(self.n + k) // self.GROW) * self.GROW
+            want = max(self.n + k, self.rows.shape[1] + self.rows.shape[1] // 4)
+            cap = -(-want // self.GROW) * self.GROW
             pad = mx.zeros((1, cap - self.rows.shape[1], self.dim), self.rows.dtype)
             self.rows = mx.concatenate([self.rows, pad], axis=1)
         self.rows[:, self.n : self.n + k] = new
@@ -314,7 +315,10 @@ class LayerCache:
 
 
 class GroupedLinear(nn.Module):
-    """Block-diagonal projection: group g of x [..., G, in] times weight[g] -> [..., G*out]."""
+    """Block-diagonal projection: group g of x [..., G, in] times weight[g] -> [..., G*out].
+
+    weight [G*out, in] as transformers' `o_a_proj.weight`; `nn.quantize` turns it into
+    `QuantizedGroupedLinear` (gather_qmm over the G groups)."""
 
     def __init__(self, in_per_group: int, out_total: int, groups: int):
         super().__init__()
@@ -328,6 +332,38 @@ class GroupedLinear(nn.Module):
         xg = x.reshape(-1, G, x.shape[-1]).swapaxes(0, 1)  # [G, N, in]
         y = xg @ w.swapaxes(-1, -2)  # [G, N, out]
         return y.swapaxes(0, 1).reshape(*lead, -1)
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_):
+        q = QuantizedGroupedLinear(self.groups, group_size, bits, mode)
+        w = self.weight.reshape(self.groups, -1, self.weight.shape[-1])
+        q.weight, q.scales, *biases = mx.quantize(w, group_size, bits, mode=mode)
+        q.biases = biases[0] if biases else None
+        q.freeze()
+        return q
+
+
+class QuantizedGroupedLinear(nn.Module):
+    def __init__(self, groups: int, group_size=None, bits=None, mode="affine"):
+        super().__init__()
+        self.groups, self.group_size, self.bits, self.mode = groups, group_size, bits, mode
+        self.weight = self.scales = self.biases = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        G = self.groups
+        lead = x.shape[:-2]
+        xg = x.reshape(-1, G, 1, x.shape[-1]).swapaxes(0, 1)  # [G, N, 1, in]
+        y = mx.gather_qmm(
+            xg,
+            self.weight,
+            self.scales,
+            self.biases,
+            rhs_indices=mx.arange(G).reshape(G, 1),
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )  # [G, N, 1, out]
+        return y.squeeze(2).swapaxes(0, 1).reshape(*lead, -1)
 
 
 class Compressor(nn.Module):
@@ -404,17 +440,25 @@ class Indexer(Compressor):
         self.scorer = IndexerScorer(args.hidden_size, nh)
         self._nh = nh
 
+    BLOCK_ELEMS = 1 << 26  # queries are scored in blocks of at most this many (query, head, row) floats
+
     def __call__(self, x: mx.array, q_res: mx.array, st: CompressorState, s: int) -> mx.array | None:
         """Index scores [1, C, N] over all live indexer rows (None when there are none)."""
         keys = self.pool(x, st, s)
-        if keys.shape[1] == 0:
+        N = keys.shape[1]
+        if N == 0:
             return None
         B, C, _ = x.shape
         q = self.q_b_proj(q_res).reshape(B, C, self._nh, self._dim).swapaxes(1, 2)
-        q = self._rope(q, offset=s).swapaxes(1, 2)  # [B, C, nh, d]
-        sc = mx.maximum(q.astype(mx.float32) @ keys.astype(mx.float32).swapaxes(-1, -2)[:, None], 0.0)
+        q = self._rope(q, offset=s).swapaxes(1, 2).astype(mx.float32)  # [B, C, nh, d]
+        kT = keys.astype(mx.float32).swapaxes(-1, -2)[:, None]  # [B, 1, d, N]
         w = self.scorer.weights_proj(x).astype(mx.float32) * (self._nh**-0.5 * self._dim**-0.5)
-        return (w[:, :, None, :] @ sc).squeeze(2)  # [B, C, N]
+        w = w[:, :, None, :]  # [B, C, 1, nh]
+        step = max(1, self.BLOCK_ELEMS // (self._nh * N))
+        out = [
+            (w[:, i : i + step] @ mx.maximum(q[:, i : i + step] @ kT, 0.0)).squeeze(2) for i in range(0, C, step)
+        ]
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=1)  # [B, C, N]
 
 
 class CompressorBranch(Compressor):
