@@ -235,3 +235,119 @@ def test_gpu_bfloat16_activations(qtype):
     assert got.dtype == mx.bfloat16
     ref, got = np.array(ref), np.array(got.astype(mx.float32))
     assert np.allclose(got, ref, rtol=2 ** -7, atol=2 ** -7 * np.abs(ref).max())
+
+
+# ------------------------------------------------------------------ the shared GPU code, compiled for the CPU
+#
+# The `common`, `qmv` and `dequant` sections are plain C++ apart from the prelude
+# names; with a CPU prelude (a warp emulated by 32 threads and a barrier) g++ runs
+# the very text both GPU faces compile, so its decoding and indexing are checked
+# here even without a GPU.
+
+CPU_PRELUDE = r"""
+#include <cstdint>
+#include <cstring>
+#include <cstdio>
+#include <cstdlib>
+#include <barrier>
+#include <thread>
+#include <vector>
+#define DS4_FN static inline
+#define DEV
+#define THR
+#define CONSTANT static const
+static inline float ds4_f16(uint16_t h) { _Float16 f; std::memcpy(&f, &h, 2); return (float)f; }
+static thread_local int tl_lane;
+static float g_vals[32];
+static std::barrier<>* g_bar;
+static inline float ds4_warp_sum(float v) {
+    g_vals[tl_lane] = v; g_bar->arrive_and_wait();
+    float s = 0.0f; for (int i = 0; i < 32; ++i) s += g_vals[i];
+    g_bar->arrive_and_wait(); return s;
+}
+static inline uint32_t ds4_popcount(uint32_t v) { return (uint32_t)__builtin_popcount(v); }
+"""
+
+CPU_MAIN = r"""
+using T = float;
+constexpr int N_ROWS = %(rows)d, K_DIM = %(k)d, ROW_BYTES = %(rb)d;
+static void qmv_lane(const T* x, const uint8_t* w, const int32_t* eids, const int32_t* xids, T* y,
+                     uint32_t lane_, uint32_t row_, uint32_t pair_) {
+    tl_lane = (int)lane_;
+    const uint32_t lane = lane_, row = row_, pair = pair_;
+%(qmv)s
+}
+static void dequant_one(const uint8_t* w, const int32_t* eids, T* y, uint32_t c_, uint32_t row_, uint32_t m_) {
+    const uint32_t c = c_, row = row_, m = m_;
+%(dequant)s
+}
+template <typename U> static std::vector<U> load(const char* path, size_t n) {
+    std::vector<U> v(n); FILE* f = std::fopen(path, "rb");
+    if (!f || std::fread(v.data(), sizeof(U), n, f) != n) std::abort();
+    std::fclose(f); return v;
+}
+int main(int argc, char** argv) {
+    const size_t E = %(e)d, P = %(p)d, NX = %(nx)d, M = %(m)d;
+    auto w = load<uint8_t>(argv[1], E * N_ROWS * ROW_BYTES);
+    auto x = load<float>(argv[2], NX * K_DIM);
+    auto eids = load<int32_t>(argv[3], P);
+    auto xids = load<int32_t>(argv[4], P);
+    auto mids = load<int32_t>(argv[5], M);
+    std::vector<float> y(P * N_ROWS, -1.0f), d(M * N_ROWS * K_DIM, -1.0f);
+    std::barrier<> bar(32);
+    g_bar = &bar;
+    for (uint32_t p = 0; p < P; ++p)
+        for (uint32_t r = 0; r < (uint32_t)N_ROWS; ++r) {
+            std::vector<std::thread> lanes;
+            for (uint32_t l = 0; l < 32; ++l)
+                lanes.emplace_back(qmv_lane, x.data(), w.data(), eids.data(), xids.data(), y.data(), l, r, p);
+            for (auto& t : lanes) t.join();
+        }
+    for (uint32_t mm = 0; mm < M; ++mm)
+        for (uint32_t r = 0; r < (uint32_t)N_ROWS; ++r)
+            for (uint32_t c = 0; c < (uint32_t)(K_DIM / 32) + 1; ++c)   // one past the end: must be a no-op
+                dequant_one(w.data(), mids.data(), d.data(), c, r, mm);
+    FILE* f = std::fopen(argv[6], "wb");
+    std::fwrite(y.data(), 4, y.size(), f); std::fwrite(d.data(), 4, d.size(), f); std::fclose(f);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_shared_gpu_code_compiled_for_cpu(qtype, tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    e, rows, n_tok, top = 3, 5, 2, 2
+    k = 512 if qtype != QT.Q8_0 else 96
+    rng = np.random.default_rng(21)
+    raw = experts(qtype, e, rows, k, seed=21)
+    ids = rng.integers(0, e, (n_tok, top)).astype(np.int32)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    mids = np.array([2, 0], np.int32)
+    header, _ = qm.kernel_sources("qmv", qtype, "cuda")
+    sec = dispatch.sections(qm.SOURCE)
+    header = header.replace(qm.CUDA_PRELUDE, CPU_PRELUDE)       # same common code, CPU prelude
+    src = header + CPU_MAIN % dict(rows=rows, k=k, rb=raw.shape[2], e=e, p=n_tok * top, nx=n_tok, m=2,
+                                   qmv=sec["qmv"], dequant=sec["dequant"])
+    (tmp_path / "k.cpp").write_text(src)
+    exe = tmp_path / "k"
+    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-o", str(exe), str(tmp_path / "k.cpp")],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    files = {}
+    for name, arr in (("w", raw), ("x", x), ("e", ids.reshape(-1)), ("xi", np.repeat(np.arange(n_tok, dtype=np.int32), top)),
+                      ("m", mids)):
+        files[name] = tmp_path / name
+        np.ascontiguousarray(arr).tofile(files[name])
+    out = tmp_path / "out"
+    subprocess.run([str(exe), *(str(files[n]) for n in ("w", "x", "e", "xi", "m")), str(out)], check=True)
+    res = np.fromfile(out, dtype=np.float32)
+    y, d = res[: n_tok * top * rows].reshape(n_tok, top, rows), res[n_tok * top * rows:].reshape(2, rows, k)
+    want_w = dequantize(raw, qtype, (e, rows, k))
+    assert np.array_equal(d.view(np.uint32), want_w[mids].view(np.uint32))      # decoding: bit-exact
+    want, mag = dense(raw, qtype, x, ids)
+    check(y, want, mag, k)
