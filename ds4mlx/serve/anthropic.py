@@ -1,0 +1,151 @@
+"""Anthropic messages: engine events -> wire shapes (http-api.md §5).
+
+Streaming block rules: a thinking block opens with the first reasoning text
+and closes (with a `signature_delta` carrying the message id) when content or
+a tool call starts, or at the end; a text block opens with the first content
+and closes when a tool block starts or at the end; tool blocks stream live.
+A stream that had thinking but no text and no tool call gets an empty text
+block before `message_delta`.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..events import Finish, ReasoningDelta, Started, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart, Usage
+from . import sse
+from .openai import RequestInfo, body_bytes, parsed_parts
+
+STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
+
+
+def usage_anthropic(u: Usage) -> dict:
+    return {"input_tokens": max(0, u.prompt_tokens - u.cached_tokens - u.written_tokens),
+            "output_tokens": u.completion_tokens,
+            "cache_read_input_tokens": u.cached_tokens,
+            "cache_creation_input_tokens": u.written_tokens}
+
+
+def stop_reason(fin: Finish) -> str:
+    return STOP_REASONS.get(fin.reason, "end_turn")
+
+
+def tool_input(arguments: str) -> dict:
+    from ..chat.dsml import call_input
+
+    return call_input(arguments)
+
+
+class AnthropicAdapter:
+    api = "anthropic"
+
+    def __init__(self, info: RequestInfo):
+        self.info = info
+        self.index = -1  # last block index used
+        self.open_kind: Optional[str] = None  # thinking | text | tool
+        self.had_thinking = self.had_text = self.had_tool = False
+        self.tool_blocks: dict[int, int] = {}  # call index -> block index
+        self.closed_tools: set[int] = set()
+
+    @staticmethod
+    def _ev(name: str, obj: dict) -> bytes:
+        return sse.event(name, obj)
+
+    def _open(self, kind: str, block: dict) -> bytes:
+        self.index += 1
+        self.open_kind = kind
+        return self._ev("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                "content_block": block})
+
+    def _delta(self, delta: dict, index: Optional[int] = None) -> bytes:
+        return self._ev("content_block_delta", {"type": "content_block_delta",
+                                                "index": self.index if index is None else index, "delta": delta})
+
+    def _stop(self, index: Optional[int] = None) -> bytes:
+        return self._ev("content_block_stop", {"type": "content_block_stop",
+                                               "index": self.index if index is None else index})
+
+    def _close_open(self) -> list[bytes]:
+        out = []
+        if self.open_kind == "thinking":
+            out += [self._delta({"type": "signature_delta", "signature": self.info.id}), self._stop()]
+        elif self.open_kind == "text":
+            out.append(self._stop())
+        self.open_kind = None
+        return out
+
+    # -- streaming ----------------------------------------------------------------
+    def start(self, started: Started) -> list[bytes]:
+        u = Usage(started.prompt_tokens, 0, started.cached_tokens, started.prompt_tokens - started.cached_tokens)
+        i = self.info
+        return [self._ev("message_start", {"type": "message_start", "message": {
+            "id": i.id, "type": "message", "role": "assistant", "model": i.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": usage_anthropic(u)}})]
+
+    def event(self, ev) -> list[bytes]:
+        out: list[bytes] = []
+        if isinstance(ev, ReasoningDelta):
+            if not ev.text:
+                return out
+            if self.open_kind != "thinking":
+                out += self._close_open()
+                out.append(self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""}))
+                self.had_thinking = True
+            out.append(self._delta({"type": "thinking_delta", "thinking": ev.text}))
+        elif isinstance(ev, TextDelta):
+            if not ev.text:
+                return out
+            if self.open_kind != "text":
+                out += self._close_open()
+                out.append(self._open("text", {"type": "text", "text": ""}))
+                self.had_text = True
+            out.append(self._delta({"type": "text_delta", "text": ev.text}))
+        elif isinstance(ev, ToolCallStart):
+            out += self._close_open()
+            out.append(self._open("tool", {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}}))
+            self.tool_blocks[ev.index] = self.index
+            self.had_tool = True
+        elif isinstance(ev, ToolCallDelta):
+            b = self.tool_blocks.get(ev.index)
+            if b is not None and ev.index not in self.closed_tools and ev.arguments:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": ev.arguments}, b))
+        elif isinstance(ev, ToolCallEnd):
+            b = self.tool_blocks.get(ev.index)
+            if b is not None and ev.index not in self.closed_tools:
+                self.closed_tools.add(ev.index)
+                out.append(self._stop(b))
+                if self.open_kind == "tool" and b == self.index:
+                    self.open_kind = None
+        return out
+
+    def finish(self, fin: Finish) -> list[bytes]:
+        out = self._close_open()
+        for ci, b in self.tool_blocks.items():  # a projection that never saw its invoke close
+            if ci not in self.closed_tools:
+                self.closed_tools.add(ci)
+                out.append(self._stop(b))
+        if self.had_thinking and not self.had_text and not self.had_tool:
+            out.append(self._open("text", {"type": "text", "text": ""}))
+            out.append(self._stop())
+            self.open_kind = None
+        out.append(self._ev("message_delta", {"type": "message_delta",
+                                              "delta": {"stop_reason": stop_reason(fin), "stop_sequence": None},
+                                              "usage": {"output_tokens": fin.usage.completion_tokens}}))
+        out.append(self._ev("message_stop", {"type": "message_stop"}))
+        return out
+
+    # -- non-streaming ----------------------------------------------------------------
+    def body(self, fin: Finish) -> bytes:
+        content, reasoning, calls = parsed_parts(fin)
+        blocks: list[dict[str, Any]] = []
+        if reasoning:
+            blocks.append({"type": "thinking", "thinking": reasoning, "signature": self.info.id})
+        if content:
+            blocks.append({"type": "text", "text": content})
+        for c in calls:
+            blocks.append({"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(c.arguments)})
+        if not blocks or all(b["type"] == "thinking" for b in blocks):
+            blocks.append({"type": "text", "text": ""})
+        i = self.info
+        return body_bytes({"id": i.id, "type": "message", "role": "assistant", "model": i.model, "content": blocks,
+                           "stop_reason": stop_reason(fin), "stop_sequence": None,
+                           "usage": usage_anthropic(fin.usage)})

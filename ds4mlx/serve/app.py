@@ -1,0 +1,320 @@
+"""The aiohttp application: routes, error shapes, CORS, streaming, trace.
+
+One engine (one worker thread, FIFO) serves any number of connections.  A
+generation handler validates and renders the request off the event loop,
+queues the job, then either collects the events (non-streaming) or prints
+them as SSE.  While a streamed prefill runs, `: prefill` comments go out every
+`keepalive_s` seconds.  A client that disconnects (the handler is cancelled,
+`handler_cancellation=True`) or whose stream write fails cancels its job at
+the next prefill-chunk / token boundary, queued jobs included.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from typing import Any, Optional
+
+from aiohttp import web
+
+from ..engine import Engine, Failed
+from ..events import Finish, PrefillProgress, Started
+from . import errors as E
+from . import sse
+from .anthropic import AnthropicAdapter
+from .build import ServeConfig, model_known, prepare
+from .completions import CompletionsAdapter
+from .jsonin import parse_body
+from .openai import ChatAdapter, RequestInfo, body_bytes
+from .responses import ResponsesAdapter
+
+log = logging.getLogger("ds4mlx.serve")
+
+ADAPTERS = {"chat": ChatAdapter, "completions": CompletionsAdapter, "anthropic": AnthropicAdapter,
+            "responses": ResponsesAdapter}
+ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "anthropic",
+          "/v1/responses": "responses"}
+CORS_HEADERS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": "*"}
+MODEL_CREATED = 1767225600
+SUPPORTED_PARAMETERS = ["tools", "tool_choice", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
+                        "seed", "stream", "reasoning_effort", "ignore_eos"]
+
+
+class ServerState:
+    def __init__(self, engine: Engine, cfg: ServeConfig, tool_memory=None):
+        self.engine = engine
+        self.cfg = cfg
+        self.tool_memory = tool_memory
+        self.seq = 0
+        self.stopping = False
+        self.requests = 0  # generation requests accepted into the queue
+        self._trace_lock = threading.Lock()
+        self._trace = open(cfg.trace, "a", encoding="utf-8") if cfg.trace else None
+
+    def next_id(self, api: str) -> str:
+        self.seq += 1
+        return f"{'cmpl' if api == 'completions' else 'chatcmpl'}-{self.seq}"
+
+    def trace(self, record: dict) -> None:
+        if self._trace is None:
+            return
+        line = json.dumps(record, ensure_ascii=False, default=str)
+        with self._trace_lock:
+            self._trace.write(line + "\n")
+            self._trace.flush()
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+
+
+STATE = web.AppKey("ds4mlx_state", ServerState)
+
+
+def _api_of(path: str) -> str:
+    return "anthropic" if path == "/v1/messages" else "openai"
+
+
+def _cors(state: ServerState) -> dict:
+    return dict(CORS_HEADERS) if state.cfg.cors else {}
+
+
+def json_response(state: ServerState, status: int, payload: bytes) -> web.Response:
+    return web.Response(status=status, body=payload, content_type="application/json", headers=_cors(state))
+
+
+def error_response(state: ServerState, api: str, e: E.APIError) -> web.Response:
+    return json_response(state, e.status, body_bytes(E.error_body(api, e)))
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler):
+    state = request.app[STATE]
+    api = _api_of(request.path)
+    try:
+        return await handler(request)
+    except E.APIError as e:
+        return error_response(state, api, e)
+    except web.HTTPException as e:
+        if e.status == 413:
+            msg = E.BODY_TOO_LARGE
+        elif e.status == 404:
+            msg = E.UNKNOWN_ENDPOINT
+        elif e.status == 405:
+            msg = E.METHOD_NOT_ALLOWED
+        else:
+            msg = E.BAD_HTTP
+        return error_response(state, api, E.APIError(e.status if e.status >= 400 else 400, msg))
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as e:  # a bug: answer 500 and keep serving
+        log.exception("request failed: %s %s", request.method, request.path)
+        return error_response(state, api, E.APIError(500, f"internal error: {type(e).__name__}"))
+
+
+# -- routes ---------------------------------------------------------------------------------
+def _model_object(cfg: ServeConfig) -> dict:
+    maxc = min(cfg.tokens, cfg.ctx)
+    return {"id": cfg.model_id, "object": "model", "created": MODEL_CREATED, "owned_by": "ds4.c",
+            "name": cfg.model_name, "context_length": cfg.ctx,
+            "top_provider": {"context_length": cfg.ctx, "max_completion_tokens": maxc, "is_moderated": False},
+            "supported_parameters": SUPPORTED_PARAMETERS}
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return json_response(state, 200, body_bytes({"object": "list", "data": [_model_object(state.cfg)]}))
+
+
+async def model_one(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    if not model_known(state.cfg, name):
+        raise E.APIError(404, E.unknown_model(name), param="model", code="model_not_found")
+    return json_response(state, 200, body_bytes(_model_object(state.cfg)))
+
+
+async def options(request: web.Request) -> web.Response:
+    return web.Response(status=204, headers=_cors(request.app[STATE]))
+
+
+async def unknown(request: web.Request) -> web.Response:
+    raise E.APIError(404, E.UNKNOWN_ENDPOINT)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    api = ROUTES[request.path]
+    if state.stopping:
+        raise E.APIError(503, E.SHUTTING_DOWN)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise E.APIError(413, E.BODY_TOO_LARGE) from None
+    body = parse_body(raw)
+    loop = asyncio.get_running_loop()
+    prep = await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory, api, body)
+    info = RequestInfo(id=state.next_id(api), model=prep.model, created=int(time.time()),
+                       include_usage=prep.include_usage, thinking=prep.thinking,
+                       reasoning_summary=prep.reasoning_summary, tool_aliases=prep.tool_aliases)
+    adapter = ADAPTERS[api](info)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def emit(ev: Any) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+    t0 = time.monotonic()
+    handle = state.engine.submit(prep.job, emit)
+    state.requests += 1
+    result: dict = {"finish": None}
+    try:
+        if prep.stream:
+            return await _stream(request, state, api, adapter, queue, handle, result)
+        return await _collect(state, api, adapter, queue, result)
+    finally:
+        if not handle.done.is_set():
+            handle.cancel()  # client gone (handler cancelled) or stream write failed
+        fin = result.get("finish")
+        state.trace({"id": info.id, "time": time.time(), "route": request.path, "request": body,
+                     "prompt": prep.job.prompt_text, "stream": prep.stream,
+                     "cache_source": state.engine.stats.last_cache_source,
+                     "finish": getattr(fin, "reason", None), "error": getattr(fin, "error", None),
+                     "usage": getattr(fin, "usage", None).__dict__ if fin is not None else None,
+                     "raw_text": getattr(fin, "raw_text", None), "response": result.get("body"),
+                     "seconds": round(time.monotonic() - t0, 3)})
+
+
+async def _collect(state, api, adapter, queue, result) -> web.Response:
+    while True:
+        ev = await queue.get()
+        if isinstance(ev, Failed):
+            result["finish"] = Finish("error", error=ev.message)
+            raise E.APIError(ev.status, ev.message)
+        if isinstance(ev, Finish):
+            result["finish"] = ev
+            payload = adapter.body(ev)
+            result["body"] = payload.decode("utf-8", "replace")
+            return json_response(state, 200, payload)
+
+
+async def _stream(request, state, api, adapter, queue, handle, result) -> web.StreamResponse:
+    out = sse.SSEStream(request, _cors(state))
+    in_prefill = False
+    keepalive = state.cfg.keepalive_s
+    while True:
+        try:
+            if in_prefill and out.started:
+                ev = await asyncio.wait_for(queue.get(), timeout=keepalive)
+            else:
+                ev = await queue.get()
+        except asyncio.TimeoutError:
+            if not await out.keepalive():
+                break
+            continue
+        if isinstance(ev, PrefillProgress):
+            if not out.started and not await out.start():
+                break
+            in_prefill = True
+            continue
+        if isinstance(ev, Failed):
+            result["finish"] = Finish("error", error=ev.message)
+            if not out.started:
+                raise E.APIError(ev.status, ev.message)
+            await out.write(sse.event("error", E.sse_error_payload(api, ev.message)))
+            break
+        if isinstance(ev, Started):
+            in_prefill = False
+            if not await out.write_all(adapter.start(ev)):
+                break
+            continue
+        if isinstance(ev, Finish):
+            result["finish"] = ev
+            await out.write_all(adapter.finish(ev))
+            break
+        if not await out.write_all(adapter.event(ev)):
+            break
+    if out.closed:
+        handle.cancel()
+    await out.end()
+    return out.response
+
+
+def make_app(engine: Engine, cfg: Optional[ServeConfig] = None, tool_memory=None) -> web.Application:
+    cfg = cfg or ServeConfig(ctx=engine.ctx, tokens=engine.default_max_tokens)
+    app = web.Application(middlewares=[_middleware], client_max_size=max(1, cfg.max_body_mb) * 1024 * 1024)
+    state = ServerState(engine, cfg, tool_memory)
+    app[STATE] = state
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model_one)
+    for path in ROUTES:
+        app.router.add_post(path, generate)
+    app.router.add_route("OPTIONS", "/{tail:.*}", options)
+    app.router.add_route("*", "/{tail:.*}", unknown)
+
+    async def on_shutdown(app: web.Application) -> None:
+        state.stopping = True
+
+    async def on_cleanup(app: web.Application) -> None:
+        state.close()
+
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+class BackgroundServer:
+    """Serve `app` on its own event loop in a daemon thread (tests, embedding).
+
+    `port=0` picks a free port; `url` is the base address once started."""
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
+        self.app, self.host, self.port = app, host, port
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self._runner: Optional[web.AppRunner] = None
+        self._ready = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._main, name="ds4mlx-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "BackgroundServer":
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _main(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        try:
+            self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+            self.loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, self.host, self.port)
+            self.loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self._runner.cleanup())
+        self.loop.close()
+
+    def stop(self) -> None:
+        if self.loop is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(30)
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

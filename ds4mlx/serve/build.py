@@ -1,0 +1,147 @@
+"""A parsed request body -> an engine `Job` (validated, rendered, tokenized).
+
+Runs off the event loop (tokenizing a long prompt takes a while).  Every
+refusal is an `APIError` (4xx) raised before the job is queued: request shape
+(chat/requests.py), model name, sampling controls, tool_choice, live
+tool-continuation ids, and the context check (http-api.md §1.6).
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..chat import markers as M
+from ..chat.requests import RequestError, parse_request, unreplayed_tool_result_ids
+from ..chat.template import live_tail, render, render_continuation_tail, uses_tool_context
+from ..engine import Job
+from . import errors as E
+from .params import parse_controls
+
+REQUEST_API = {"chat": "openai", "completions": "completions", "anthropic": "anthropic", "responses": "responses"}
+CONTEXT_PARAM = {"chat": "messages", "completions": "prompt", "anthropic": "messages", "responses": "input"}
+DEFAULT_MODEL_ID = "deepseek-v4-flash"
+MODEL_ALIASES = ("deepseek-chat", "deepseek-reasoner")
+
+
+@dataclass
+class ServeConfig:
+    ctx: int = 32768
+    tokens: int = 393216  # default max output tokens (--tokens)
+    model_id: str = DEFAULT_MODEL_ID
+    model_name: str = "DeepSeek V4 Flash"
+    aliases: tuple = ()  # extra accepted model names (fnmatch patterns)
+    cors: bool = False
+    keepalive_s: float = 5.0  # ": prefill" comment interval while a streamed prefill runs
+    max_body_mb: int = 64
+    replay: bool = True  # exact DSML tool replay (--disable-exact-dsml-tool-replay turns it off)
+    trace: Optional[str] = None
+    strict: bool = True  # 400 for empty messages / unknown roles (our issue; ds4 accepts them)
+
+
+@dataclass
+class Prepared:
+    api: str
+    job: Job
+    model: str
+    stream: bool
+    include_usage: bool
+    thinking: str
+    reasoning_summary: bool = False
+    tool_aliases: dict = field(default_factory=dict)
+    prompt_tokens: int = 0
+
+
+def model_known(cfg: ServeConfig, name: str) -> bool:
+    if name in (cfg.model_id, DEFAULT_MODEL_ID) or name in MODEL_ALIASES:
+        return True
+    return any(fnmatch.fnmatchcase(name, pat) for pat in cfg.aliases)
+
+
+def _tool_names(api: str, body: dict) -> set[str]:
+    names: set[str] = set()
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return names
+    for t in tools:
+        if not isinstance(t, dict):
+            continue
+        fn = t.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            names.add(fn["name"])
+        elif isinstance(t.get("name"), str):
+            names.add(t["name"])
+    return names
+
+
+def _check_tool_choice(api: str, body: dict) -> None:
+    """auto / none / required are accepted (ds4 renders the tools block for all
+    but none); a named tool must exist."""
+    tc = body.get("tool_choice")
+    if tc is None or api not in ("chat", "anthropic"):
+        return
+    name = None
+    if isinstance(tc, dict):
+        if api == "chat":
+            fn = tc.get("function")
+            if tc.get("type") == "function" and isinstance(fn, dict):
+                name = fn.get("name")
+                if not isinstance(name, str):
+                    raise E.APIError(400, E.INVALID_JSON, param="tool_choice")
+        elif tc.get("type") == "tool":
+            name = tc.get("name")
+            if not isinstance(name, str):
+                raise E.APIError(400, E.INVALID_JSON, param="tool_choice")
+    if name is not None and name not in _tool_names(api, body):
+        raise E.APIError(400, E.unknown_tool(name), param="tool_choice")
+
+
+def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prepared:
+    try:
+        req = parse_request(REQUEST_API[api], body, ctx=cfg.ctx, strict=cfg.strict)
+    except RequestError as e:
+        raise E.APIError(e.status, e.message, param=e.param) from None
+    model = req.model
+    if not model_known(cfg, model):
+        raise E.APIError(404, E.unknown_model(model), param="model", code="model_not_found")
+    ctl = parse_controls(api, body, req.thinking)
+    job = Job(prompt_text="", api=api, thinking=req.thinking, params=ctl.params, max_tokens=ctl.max_tokens,
+              stop=list(req.stop), ignore_eos=ctl.ignore_eos,
+              tool_id_prefix=M.ANTHROPIC_TOOL_ID_PREFIX if api == "anthropic" else M.OPENAI_TOOL_ID_PREFIX)
+    prep = Prepared(api, job, model, ctl.stream, ctl.include_usage, req.thinking)
+    if api == "completions":
+        job.raw = True
+        job.prompt_text = req.render()
+    else:
+        conv = req
+        _check_tool_choice(api, body)
+        memory = tool_memory if cfg.replay else None
+        if memory is not None:
+            memory.attach(conv)
+        job.prompt_text = render(conv, memory)
+        job.tools_active = bool(conv.tools_active and conv.tool_schemas)
+        job.preserves_reasoning = uses_tool_context(conv)
+        job.responses_summary = conv.reasoning_summary
+        prep.reasoning_summary = conv.reasoning_summary
+        prep.tool_aliases = dict(conv.tool_aliases)
+        if api in ("anthropic", "responses"):
+            tail = live_tail(conv, api)
+            if tail is not None:
+                start, ids = tail
+                job.continuation_tail = render_continuation_tail(conv, start, memory)
+                job.continuation_ids = frozenset(ids)
+            unreplayed = unreplayed_tool_result_ids(conv)
+            if unreplayed:
+                live = engine.live_call_ids(api)
+                for i in unreplayed:
+                    if i not in live:
+                        msg = E.responses_unknown_call(i) if api == "responses" else E.anthropic_unknown_tool_use(i)
+                        raise E.APIError(400, msg, param=CONTEXT_PARAM[api])
+                job.requires_live = True
+    ids = engine.tokenize(job.prompt_text)
+    if len(ids) >= cfg.ctx:
+        raise E.context_error(len(ids), cfg.ctx, CONTEXT_PARAM[api])
+    job.prompt_ids = ids
+    prep.prompt_tokens = len(ids)
+    return prep
+

@@ -1,0 +1,115 @@
+"""`ds4mlx serve`: the OpenAI / Anthropic / Responses HTTP server."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+DEFAULT_TOKENS = 393216
+
+
+def _positive(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v!r}")
+    return n
+
+
+def _port(v: str) -> int:
+    n = _positive(v)
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"port out of range: {v}")
+    return n
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None, help="GGUF file or Hugging Face folder (default: the demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
+    p.add_argument("-c", "--ctx", type=_positive, default=32768, help="context tokens (default 32768)")
+    p.add_argument("-n", "--tokens", type=_positive, default=DEFAULT_TOKENS,
+                   help=f"default max output tokens (default {DEFAULT_TOKENS})")
+    p.add_argument("--cors", action="store_true", help="add CORS headers to every response")
+    p.add_argument("--chdir", metavar="DIR", help="change directory before loading anything")
+    p.add_argument("--trace", metavar="FILE", help="append one JSON line per request/response")
+    p.add_argument("--max-body-mb", type=_positive, default=64, help="largest request body in MiB (default 64)")
+    p.add_argument("--tool-memory-max-ids", type=_positive, default=100000,
+                   help="exact DSML tool replay memory size (default 100000)")
+    p.add_argument("--disable-exact-dsml-tool-replay", action="store_true",
+                   help="render history tool calls canonically instead of replaying the sampled DSML")
+    p.add_argument("--alias", action="append", default=[], metavar="NAME",
+                   help="accept this model name too (fnmatch pattern, e.g. 'claude-*'); repeatable")
+    p.add_argument("--prefill-chunk", type=_positive, default=512, help="prefill chunk (cancellation granularity)")
+
+
+def build(args):
+    """(engine, app) for parsed arguments (the model is loaded here)."""
+    from .. import load
+    from ..chat.toolmemory import ToolMemory
+    from ..engine import Engine
+    from .app import make_app
+    from .build import ServeConfig
+
+    model, tokenizer = load(args.model)
+    if args.model is None:
+        from ..demo import DEMO_NOTICE
+
+        logging.getLogger("ds4mlx.serve").warning(DEMO_NOTICE)
+    replay = not args.disable_exact_dsml_tool_replay
+    memory = ToolMemory(max_ids=args.tool_memory_max_ids) if replay else None
+    engine = Engine(model, tokenizer, ctx=args.ctx, default_max_tokens=args.tokens, tool_memory=memory,
+                    prefill_chunk=args.prefill_chunk)
+    cfg = ServeConfig(ctx=args.ctx, tokens=args.tokens, cors=args.cors, trace=args.trace,
+                      max_body_mb=args.max_body_mb, replay=replay, aliases=tuple(args.alias))
+    return engine, make_app(engine, cfg, memory)
+
+
+async def _serve(app, host: str, port: int) -> None:
+    from aiohttp import web
+
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1" if host == "localhost" else host, port)
+    await site.start()
+    log = logging.getLogger("ds4mlx.serve")
+    log.info("listening on http://%s:%d", host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    hits = {"n": 0}
+
+    def on_signal() -> None:
+        hits["n"] += 1
+        if hits["n"] > 1:
+            os._exit(130)
+        log.info("shutting down")
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, on_signal)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await stop.wait()
+    await runner.cleanup()
+
+
+def run(args) -> int:
+    if args.chdir:
+        try:
+            os.chdir(args.chdir)
+        except OSError as e:
+            print(f"ds4mlx serve: --chdir {args.chdir}: {e}", file=sys.stderr)
+            return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    engine, app = build(args)
+    try:
+        asyncio.run(_serve(app, args.host, args.port))
+    finally:
+        engine.close()
+    return 0
