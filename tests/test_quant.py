@@ -35,6 +35,23 @@ def bits(a):
     return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu_test(request):
+    """MLX work in these tests runs on the CPU (the exactness claims are about
+    MLX's CPU kernels), except in `gpu` tests."""
+    import mlx.core as mx
+
+    if request.node.get_closest_marker("gpu") is not None:
+        yield
+        return
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(old)
+
+
 # ------------------------------------------------------------------ dequantize == gguf-py, bit for bit
 
 ALL_TYPES = sorted(set(NATIVE_TYPES) | {QT.Q3_K, QT.Q5_K, QT.Q6_K, QT.Q5_0, QT.Q5_1}, key=int)
@@ -109,6 +126,24 @@ def test_repack_is_exact(qtype):
     assert np.array_equal(bits(got)[nonzero], bits(ref)[nonzero])
     if qtype in (QT.Q4_1, QT.Q4_K):
         assert np.array_equal(bits(got), bits(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", MLX_EXACT_TYPES, ids=lambda t: t.name)
+def test_repack_is_exact_on_gpu(qtype):
+    import mlx.core as mx
+
+    from ds4mlx.kernels.dispatch import gpu_backend
+
+    if gpu_backend() is None:
+        pytest.skip("no MLX GPU backend")
+    rng = np.random.default_rng(7)
+    shape = (2, 6, 512)
+    raw = random_blocks(qtype, shape, rng)
+    ref = dequantize(raw, qtype, shape)
+    w_q, scales, biases, gs, nbits = repack_for_mlx(raw, qtype, shape)
+    got = np.array(mx.dequantize(w_q, scales, biases, group_size=gs, bits=nbits, stream=mx.gpu))
+    assert np.array_equal(got, ref)
 
 
 def test_repack_q4k_quantized_matmul_matches_reference():

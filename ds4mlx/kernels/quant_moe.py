@@ -9,7 +9,7 @@ Public API
 ----------
 ``gather_qmv(x, w_blocks, qtype, expert_ids)``    decode: one SIMD group per output value
 ``gather_qmm(x, w_blocks, qtype, expert_ids)``    prefill: dequantize each used expert once
-                                                   (per chunk of experts) + ``mx.gather_mm``
+                                                   (per chunk of experts), one matmul per expert
 ``gather_qmatmul(...)``                            picks one of the two by size
 ``gather_dequantize(w_blocks, qtype, ids)``       ``[M, rows, K]`` weights of experts ``ids``
 ``dequantize_mx(blocks, qtype, k)``                MLX-ops decoding of ``[..., row_bytes]`` rows
@@ -268,35 +268,39 @@ def gather_qmv(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, 
 def gather_qmm(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, backend=None,
                max_dequant_bytes: int = 1 << 30) -> mx.array:
     """Same result as `gather_qmv`, for many tokens: the (token, expert) pairs are
-    sorted by expert, each used expert is dequantized once (in chunks of at most
-    `max_dequant_bytes` of dequantized weights) and ``mx.gather_mm`` multiplies.
+    grouped by expert on the host, each used expert is dequantized once (in chunks
+    of at most `max_dequant_bytes` of dequantized weights, through
+    `gather_dequantize`) and each expert's rows are one plain matmul.
 
-    The weights are dequantized to float32 when x is float32, else to x.dtype.
-    Synchronises once (to find the used experts).
+    Weights are dequantized to float32 when x is float32, else to x.dtype.
+    Synchronises once (to group the pairs).  Plain matmuls rather than
+    ``mx.gather_mm(..., sorted_indices=True)``: on MLX 0.32.4's CUDA backend that
+    path returned wrong rows for offset (sliced) operands and then faulted with a
+    misaligned address (seen on an H200).
     """
     qtype, _, rows, k_dim = _check(w_blocks, qtype)
     x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
     face = _face(backend)
     wdt = mx.float32 if x.dtype == mx.float32 else x.dtype
-    order = mx.argsort(eids)
-    sorted_e = eids[order]
-    xs = x2[xids[order]].astype(wdt)[:, None, :]                           # [P, 1, K]
-    se = np.array(sorted_e)
-    used, starts = np.unique(se, return_index=True)
-    bounds = list(starts) + [len(se)]
+    eids_np, xids_np = np.array(eids), np.array(xids)
+    order = np.argsort(eids_np, kind="stable")
+    used, starts, counts = np.unique(eids_np[order], return_index=True, return_counts=True)
     per_expert = rows * k_dim * (4 if wdt == mx.float32 else 2)
     chunk = max(1, int(max_dequant_bytes // max(per_expert, 1)))
-    outs = []
+    segs = []
     for c0 in range(0, len(used), chunk):
         ids = used[c0:c0 + chunk]
-        lo, hi = bounds[c0], bounds[min(c0 + chunk, len(used))]
         w = gather_dequantize(w_blocks, qtype, mx.array(ids.astype(np.int32)), wdt, backend=face)
-        local = np.searchsorted(ids, se[lo:hi]).astype(np.int32)
-        outs.append(mx.gather_mm(xs[lo:hi], w.swapaxes(-1, -2),
-                                 rhs_indices=mx.array(local), sorted_indices=True))
-    out_sorted = mx.concatenate(outs, axis=0)[:, 0, :] if outs else mx.zeros((0, rows), wdt)
-    inv = mx.argsort(order)
-    return out_sorted[inv].astype(x.dtype).reshape(n_tok, k, rows)
+        for j in range(len(ids)):
+            sel = order[starts[c0 + j]:starts[c0 + j] + counts[c0 + j]]
+            xe = x2[mx.array(xids_np[sel].astype(np.int32))].astype(wdt)       # [n_e, K]
+            segs.append(xe @ w[j].T)                                          # [n_e, rows]
+    if not segs:
+        return mx.zeros((n_tok, k, rows), x.dtype)
+    inv = np.empty_like(order)
+    inv[order] = np.arange(order.size)
+    out = mx.concatenate(segs, axis=0)[mx.array(inv.astype(np.int32))]
+    return out.astype(x.dtype).reshape(n_tok, k, rows)
 
 
 def gather_qmatmul(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, backend=None) -> mx.array:
