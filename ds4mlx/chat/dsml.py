@@ -688,45 +688,53 @@ def repair_block(block: str, syn: DsmlSyntax) -> Optional[str]:
 
 # --- block selection and the public entry point ----------------------------------
 
-def _candidates(text: str, start: int) -> list[tuple[int, int, DsmlSyntax]]:
-    """Block starts in ds4's search order (dsml.md §2): per spelling (full, short,
-    plain) first "\\n\\n"+OPEN then bare OPEN; (start incl. separator, open_pos, syn)."""
-    out: list[tuple[int, int, DsmlSyntax]] = []
-    seen: set[int] = set()
-    sep = M.DSML_BLOCK_SEPARATOR
-    for syn in M.DSML_SYNTAXES:
-        positions = []
-        p = text.find(syn.open, start)
-        while p >= 0:
-            positions.append(p)
-            p = text.find(syn.open, p + 1)
-        with_sep = [p for p in positions if p - len(sep) >= start and text.startswith(sep, p - len(sep))]
-        for p in with_sep:
-            seen.add(p)
-            out.append((p - len(sep), p, syn))
-        for p in positions:
-            if p not in seen:
-                seen.add(p)
-                out.append((p, p, syn))
-    return out
+def _blocks(text: str, start: int) -> list[tuple[int, DsmlSyntax, str, int]]:
+    """The DSML blocks of text[start:] as the streaming tracker sees them, in
+    order: earliest OPEN, scanned structurally to its CLOSE (complete), to text
+    that is not DSML (stuck; scanning resumes there) or to the end (open).  An
+    OPEN inside another block's parameter value is therefore not a block."""
+    out = []
+    pos = start
+    while True:
+        found = earliest_open(text, pos)
+        if found is None:
+            return out
+        open_pos, syn = found
+        status, end = scan_block(text, open_pos)
+        out.append((open_pos, syn, status, end))
+        if status == "open":
+            return out
+        pos = end
+
+
+_SPELLING_RANK = {syn.name: i for i, syn in enumerate(M.DSML_SYNTAXES)}
 
 
 def _choose_block(text: str, start: int, truncated: bool):
-    """The block the final parse reads: ds4's search order, skipping candidates
-    that are structurally not DSML (prose mentions of a tag)."""
-    cands = _candidates(text, start)
-    if not cands:
+    """The block the final parse reads: among the complete blocks, ds4's search
+    order (dsml.md §2: full, short, plain spelling; per spelling "\n\n"+OPEN
+    before a bare OPEN; then position).  With none complete: the unterminated
+    last block when truncated (repair), else ds4's first candidate (which fails)."""
+    blocks = _blocks(text, start)
+    if not blocks:
         return None
-    first_open = None
-    for cand in cands:
-        status, _ = scan_block(text, cand[1])
-        if status == "complete":
-            return cand
-        if status == "open" and first_open is None:
-            first_open = cand
-    if truncated and first_open is not None:
-        return first_open
-    return cands[0]
+    sep = M.DSML_BLOCK_SEPARATOR
+
+    def with_sep(open_pos: int) -> bool:
+        return open_pos - len(sep) >= start and text.startswith(sep, open_pos - len(sep))
+
+    def order(b):
+        return _SPELLING_RANK[b[1].name], 0 if with_sep(b[0]) else 1, b[0]
+
+    complete = [b for b in blocks if b[2] == "complete"]
+    if complete:
+        pick = min(complete, key=order)
+    elif truncated and blocks[-1][2] == "open":
+        pick = blocks[-1]
+    else:
+        pick = min(blocks, key=order)
+    open_pos, syn = pick[0], pick[1]
+    return (open_pos - len(sep) if with_sep(open_pos) else open_pos), open_pos, syn
 
 
 def reasoning_end(text: str, start: int) -> Optional[int]:

@@ -110,14 +110,22 @@ class OutputParser:
         self._r_emit = 0   # reasoning emitted up to (index into raw)
         self._tscan = 0    # next position to search for </think>
         self._c_emit = 0   # content emitted up to
+        self._content_start = 0  # where the content region begins (after </think>)
         self._tracker = DecodeTracker(0) if tools_active else None
         self._proj: Optional[_Projection] = None
         self._ids: dict[int, str] = {}
         self._started: set[int] = set()
         self._ended: set[int] = set()
         self._finished = False
+        self._stop_at: Optional[int] = None
 
     # --- public state ------------------------------------------------------------------
+    @property
+    def text(self) -> str:
+        """The generation as the final parse reads it: cut right after the block
+        CLOSE that stopped it (bytes sampled past it in the same token are dropped)."""
+        return self.raw if self._stop_at is None else self.raw[:self._stop_at]
+
     @property
     def structural(self) -> bool:
         """Sample the NEXT token greedily (inside DSML structure, dsml.md §5.1)."""
@@ -155,7 +163,7 @@ class OutputParser:
                 if self.phase != "done":
                     self._step(events)
         self._finished = True
-        raw = self.raw
+        raw = self.text
         final = parse_output(raw, thinking=self.thinking, tools_active=self.tools_active, truncated=truncated,
                              think_recovery=self.think_recovery, entities=self.entities)
         if self.phase == "reasoning":
@@ -164,11 +172,11 @@ class OutputParser:
                 self._emit_reasoning(events, body + len(final.reasoning))
             else:  # never closed: everything is reasoning (ds4 streams it so)
                 self._emit_reasoning(events, len(raw))
-        elif self.phase == "text":
-            if not final.calls:
-                self._emit_text(events, len(raw))
-        elif final.error is not None:
+        elif final.error is not None:  # the block was not DSML after all: the unstreamed tail is text
             self._emit_text(events, len(raw))
+        elif final.reasoning is not None or not self.thinking:
+            # whatever of the final content is still held (whitespace, a possible tag start)
+            self._emit_text(events, self._content_start + len(final.content))
         for i, call in enumerate(final.calls):
             call.id = self._id_for(i)
             if i not in self._started:
@@ -216,7 +224,7 @@ class OutputParser:
     def _end_reasoning(self, events: list, t: int) -> None:
         self._emit_reasoning(events, t)
         self._r_emit = t + len(M.THINK_CLOSE)
-        self._c_emit = t + len(M.THINK_CLOSE)
+        self._c_emit = self._content_start = t + len(M.THINK_CLOSE)
         self.phase = "text"
 
     def _reasoning(self, events: list) -> None:
@@ -241,10 +249,6 @@ class OutputParser:
             return
         while True:
             tr.update(raw)
-            if tr.mode == "stuck":  # not DSML after all: it is reasoning text
-                self._tscan = max(self._tscan, tr.stuck_at)
-                tr.restart(tr.stuck_at)
-                continue
             if tr.mode == "search":
                 t = raw.find(M.THINK_CLOSE, self._tscan)
                 if t >= 0:
@@ -263,6 +267,10 @@ class OutputParser:
             if 0 <= t < bs:  # the block is in the answer region; the tracker keeps it
                 self._end_reasoning(events, t)
                 return
+            if tr.mode == "stuck":  # not DSML after all: it is reasoning text
+                self._tscan = max(self._tscan, tr.stuck_at)
+                tr.restart(tr.stuck_at)
+                continue
             if tr.mode == "done":
                 if self.think_recovery and self._recover(events, bs, tr):
                     return
@@ -294,6 +302,7 @@ class OutputParser:
             self._ended.add(index)
         self.phase = "done"
         self.stop_now = True
+        self._stop_at = tr.block_end
         return True
 
     def _text(self, events: list) -> None:
@@ -330,6 +339,7 @@ class OutputParser:
             if tr.mode == "done":
                 self.phase = "done"
                 self.stop_now = True
+                self._stop_at = tr.block_end
             return
 
 
