@@ -1,0 +1,106 @@
+"""Random full-size DeepSeek V4 Flash models built directly on the device (no file),
+MLX-quantized, to measure speed without real weights (`ds4mlx bench --synthetic`).
+
+Shapes follow the released V4 Flash config: 43 layers (2 sliding-window, then CSA
+ratio 4 and HCA ratio 128 alternating), hidden 4096, 64 heads x 512, 256 routed
+experts top-6 + 1 shared, vocab 129280 — the same shapes as the mlx-lm anchor in
+shared/perf/.  Routed experts are quantized to `expert_bits`, every other linear
+(and the embedding) to `other_bits` (16 = keep bfloat16).
+"""
+from __future__ import annotations
+
+import time
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def v4_flash_config(layers: int = 43, experts: int = 256) -> dict:
+    ratios = ([0, 0] + [4 if i % 2 == 0 else 128 for i in range(max(layers - 2, 0))])[:layers]
+    kinds = {0: SLIDING, 4: CSA, 128: HCA}
+    return {
+        "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": layers,
+        "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "partial_rotary_factor": 64 / 512,
+        "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "moe_intermediate_size": 2048,
+        "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": 6,
+        "layer_types": [kinds[r] for r in ratios],
+        "mlp_layer_types": ["hash_moe" if i < 3 else "moe" for i in range(layers)],
+        "compress_rates": {CSA: 4, HCA: 128}, "sliding_window": 128,
+        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+        "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                            "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "swiglu_limit": 10.0,
+        "routed_scaling_factor": 1.5, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+    }
+
+
+def _randomize(module, key, n_experts: int, k: int) -> None:
+    """Replace every parameter of `module` by deterministic random bf16 values (lazy)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    new = []
+    for i, (name, p) in enumerate(tree_flatten(module.parameters())):
+        sub = mx.random.split(key, i + 2)[i + 1]
+        if name.endswith("tid2eid"):
+            new.append((name, mx.argsort(mx.random.uniform(shape=(p.shape[0], n_experts), key=sub), axis=-1)[:, :k]
+                        .astype(p.dtype)))
+        elif p.ndim >= 2:
+            std = 0.02 if "embed" in name else p.shape[-1] ** -0.5
+            new.append((name, (mx.random.normal(p.shape, key=sub) * std).astype(mx.bfloat16)))
+        elif "norm" in name:
+            new.append((name, mx.ones(p.shape, mx.bfloat16)))
+        else:
+            new.append((name, (0.1 * mx.random.normal(p.shape, key=sub)).astype(mx.float32)))
+    module.update(tree_unflatten(new))
+
+
+def _quantize(module, expert_bits: int, other_bits: int) -> None:
+    import mlx.nn as nn
+
+    def pred(path, m):
+        if not hasattr(m, "to_quantized"):
+            return False
+        if "experts" in path and "shared" not in path:
+            return {"bits": expert_bits, "group_size": 64}
+        w = getattr(m, "weight", None)
+        if other_bits >= 16 or w is None or w.shape[-1] % 64:
+            return False
+        return {"bits": other_bits, "group_size": 64}
+
+    nn.quantize(module, class_predicate=pred)
+
+
+def build_synthetic_v4_flash(layers: int | None = None, experts: int | None = None, expert_bits: int = 2,
+                             other_bits: int = 8, seed: int = 0):
+    """-> (LanguageModel, Tokenizer, info dict with sizes and the HBM roofline)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from .models.base import LanguageModel, family_module
+    from .tokenizer import Tokenizer
+
+    cfg = v4_flash_config(layers or 43, experts or 256)
+    mod = family_module("deepseek_v4")
+    args = mod.ModelArgs.from_dict(cfg)
+    t0 = time.time()
+    model = mod.Model(args)
+    key = mx.random.key(seed)
+    parts = [model.model.embed_tokens, model.model.norm, model.model.hc_head, model.lm_head]
+    parts += list(model.model.layers)
+    for i, part in enumerate(parts):  # one piece at a time: never the whole float model at once
+        _randomize(part, mx.random.split(key, len(parts) + 1)[i], args.n_routed_experts, args.num_experts_per_tok)
+        _quantize(part, expert_bits, other_bits)
+        mx.eval(part.parameters())
+    model.eval()
+    params = tree_flatten(model.parameters())
+    total = sum(p.nbytes for _, p in params)
+    expert = sum(p.nbytes for n, p in params if ".mlp.experts." in n)
+    embed = sum(p.nbytes for n, p in params if "embed_tokens" in n)
+    active = (total - expert - embed) + expert * args.num_experts_per_tok / args.n_routed_experts \
+        + embed / args.vocab_size
+    info = {"layers": args.num_hidden_layers, "experts": args.n_routed_experts, "expert_bits": expert_bits,
+            "other_bits": other_bits, "build_s": round(time.time() - t0, 1), "weights_gb": round(total / 1e9, 2),
+            "active_gb_per_token": round(active / 1e9, 3),
+            "roofline_tps_at_4.8TBps": round(4.8e12 / active, 1)}
+    return LanguageModel(model, args), Tokenizer.default(), info
