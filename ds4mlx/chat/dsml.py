@@ -460,17 +460,18 @@ def scan_block(text: str, open_pos: int) -> tuple[str, int]:
 @dataclass
 class ParsedCall:
     name: str
-    arguments: str  # OpenAI-style compact JSON object text (dsml.md §6)
+    arguments_json: str  # OpenAI-style compact JSON object text (dsml.md §6)
     raw_dsml: str = ""  # the invoke's exact text
-    id: str = ""
+    id: str = ""  # call_/toolu_ + 32 hex, assigned by OutputParser.finish
 
     @property
-    def arguments_json(self) -> str:
-        return self.arguments
+    def arguments(self) -> str:
+        """Alias of `arguments_json` (the OpenAI `function.arguments` string)."""
+        return self.arguments_json
 
     def input(self) -> dict:
-        """Arguments as a JSON object (Anthropic `tool_use.input`)."""
-        return call_input(self.arguments)
+        """Arguments as a JSON object (Anthropic `tool_use.input`, Responses tool_search_call)."""
+        return call_input(self.arguments_json)
 
 
 @dataclass
@@ -572,7 +573,7 @@ def _parse_invoke(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[
         member, pos = _leaf(text, pos, syn, entities)
         members.append((pname,) + member[1:])
     args = _value_json(members)
-    return ParsedCall(name=name, arguments=args if args is not None else "{}", raw_dsml=text[start:pos]), pos
+    return ParsedCall(name=name, arguments_json=args if args is not None else "{}", raw_dsml=text[start:pos]), pos
 
 
 def _parse_block(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[list[ParsedCall], int]:

@@ -464,7 +464,8 @@ class _Projection:
                 self.failed = True
                 return
             self.is_string = pstr == "true"
-            self._delta(events, ("" if self.first else ",") + json_escape(pname) + ":" + ('"' if self.is_string else ""))
+            prefix = ("" if self.first else ",") + json_escape(pname) + ":"
+            self._delta(events, prefix + ('"' if self.is_string else ""))
             self.first = False
             self.pos = gt + 1
             self.state = "value"

@@ -527,7 +527,10 @@ def _responses_input(items: list, style: str, loaded: list[str], aliases: dict, 
             elif k in ("arguments", "input", "action"):
                 f[k] = v if isinstance(v, str) and k != "action" else dumps_compact(v)
             elif k == "output":
-                f[k] = _responses_content(v) if isinstance(v, list) else v if isinstance(v, str) else json_text(v, style)
+                if isinstance(v, list):
+                    f[k] = _responses_content(v)
+                else:
+                    f[k] = v if isinstance(v, str) else json_text(v, style)
             elif k == "result":
                 f[k] = v if isinstance(v, str) else json_text(v, style)
             elif k == "tools":
