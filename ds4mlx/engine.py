@@ -207,7 +207,7 @@ class Engine:
         self.cache = cache or CacheHooks()
         self.parser_factory = parser_factory
         self.stats = EngineStats()
-        self.session = model.new_session(self.ctx)
+        self.session = None
         self._bind_lock = threading.Lock()
         self._responses: Optional[_Binding] = None
         self._anthropic: Optional[_Binding] = None
@@ -215,8 +215,15 @@ class Engine:
         self._queue: "queue.Queue[Optional[JobHandle]]" = queue.Queue()
         self._running: Optional[JobHandle] = None
         self._closed = False
+        # Every MLX operation on the session happens on the worker thread: MLX
+        # streams are per thread, so the session's arrays are created there too.
+        self._ready = threading.Event()
+        self._init_error: Optional[BaseException] = None
         self._worker = threading.Thread(target=self._run, name="ds4mlx-engine", daemon=True)
         self._worker.start()
+        self._ready.wait()
+        if self._init_error is not None:
+            raise self._init_error
 
     # ---------------------------------------------------------------- public
     def tokenize(self, text: str) -> list[int]:
@@ -269,6 +276,13 @@ class Engine:
 
     # ---------------------------------------------------------------- worker
     def _run(self) -> None:
+        try:
+            self.session = self.model.new_session(self.ctx)
+        except BaseException as e:  # noqa: BLE001 - re-raised by __init__
+            self._init_error = e
+            self._ready.set()
+            return
+        self._ready.set()
         while True:
             h = self._queue.get()
             if h is None:

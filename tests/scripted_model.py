@@ -219,3 +219,63 @@ class ScriptedSession:
 
     def restore(self, blob: bytes) -> None:
         self.tokens, self._plan, self._gen, self._last = pickle.loads(blob)
+
+
+# ----------------------------------------------------------------------------- servers
+class _Served:
+    """A running server plus its engine and model (test helper)."""
+
+    def __init__(self, server, engine, model, memory):
+        self.server, self.engine, self.model, self.tool_memory = server, engine, model, memory
+        self.url = server.url
+
+    def wait(self, predicate, timeout: float = 30.0) -> bool:
+        """Poll `predicate()` until true (waiting for an event, not timing it)."""
+        import time
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if predicate():
+                return True
+            time.sleep(0.005)
+        return False
+
+    def idle(self) -> bool:
+        return self.engine._running is None and self.engine.queue_depth == 0
+
+
+def serve(tokenizer, model, *, ctx: int = 2048, tokens: int = 393216, prefill_chunk: int = 512,
+          replay: bool = True, **cfg):
+    """Start `ds4mlx.serve` for `model` on 127.0.0.1 (random free port).  Use as a
+    context manager; yields a `_Served`."""
+    from contextlib import contextmanager
+
+    from ds4mlx.chat.toolmemory import ToolMemory
+    from ds4mlx.engine import Engine
+    from ds4mlx.serve.app import BackgroundServer, make_app
+    from ds4mlx.serve.build import ServeConfig
+
+    @contextmanager
+    def _cm():
+        memory = ToolMemory() if replay else None
+        engine = Engine(model, tokenizer, ctx=ctx, default_max_tokens=tokens, tool_memory=memory,
+                        prefill_chunk=prefill_chunk)
+        app = make_app(engine, ServeConfig(ctx=ctx, tokens=tokens, replay=replay, **cfg), memory)
+        server = BackgroundServer(app).start()
+        try:
+            yield _Served(server, engine, model, memory)
+        finally:
+            server.stop()
+            engine.close()
+
+    return _cm()
+
+
+def last_user_text(prompt: str) -> str:
+    """The text of the last user turn of a rendered DeepSeek prompt."""
+    user, asst = "<｜User｜>", "<｜Assistant｜>"
+    i = prompt.rfind(user)
+    if i < 0:
+        return ""
+    j = prompt.find(asst, i)
+    return prompt[i + len(user): j if j >= 0 else len(prompt)]
