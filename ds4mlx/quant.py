@@ -24,7 +24,9 @@ Q4_K       32     4     d * sc_j  (6-bit sub-scale)  -dmin * m_j   (6-bit sub-mi
 
 Each product ``scale * q`` is exact in float32 (at most 11 + 6 + 8 significant
 bits), so MLX's ``scale * q + bias`` rounds once, exactly like the reference: with
-float32 scales/biases the MLX dequantization equals `dequantize` bit for bit.
+float32 scales/biases the MLX dequantization equals `dequantize` bit for bit
+(checked on MLX's CPU and CUDA backends), up to the sign of zero for Q8_0 / Q4_0
+blocks with d < 0 (reference d * 0 = -0.0, MLX d*128 - 128*d = +0.0).
 Q2_K (16-value sub-blocks: MLX's smallest group is 32), IQ2_XXS (a lattice
 codebook, not affine), Q3_K/Q6_K (16-value sub-blocks) are not representable and
 return None; they run through `ds4mlx.kernels.quant_moe` instead.

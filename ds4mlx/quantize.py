@@ -10,7 +10,7 @@ Quantization functions (numpy, vectorised over whole tensors, no per-block loops
     `importance` ([K], e.g. an imatrix column or ds4's fallback column energy)
     multiplies the per-value error weights.
 
-``quantize_mlx(array, bits, group_size=64) -> (w_q, scales, biases)``
+``quantize_mlx(array, bits, group_size=32) -> (w_q, scales, biases)``
     MLX's own affine quantization (``mx.quantize``), scales / biases float16.
 
 IQ2_XXS (a 2.06 bit lattice codebook) is quantized with a nearest-grid-point
@@ -20,10 +20,27 @@ scale (`IQ2_SCALE_STEPS` of them) every 8-value group takes the nearest of all
 256 grid points by weighted squared error (exhaustive, computed as one small
 matrix product); the best scale is refitted by least squares, the 4-bit
 sub-scales are quantized against the block maximum and the grid points are
-picked once more at the final scale.  Quality (relative RMS
-error on Gaussian weights, see tests/test_quant.py): Q8_0 ~0.004, Q4_K ~0.08,
-Q2_K ~0.33, IQ2_XXS ~0.38.  No imatrix search beyond the weighting: files made by
-ds4's own quantizer with a real imatrix are better.
+picked once more at the final scale.
+
+Quality, relative RMS error on Gaussian weights (tests/test_quant.py): Q8_0 0.005,
+Q4_0 0.087, Q4_1 0.079, Q4_K 0.072, Q2_K 0.30, IQ2_XXS 0.333 (it has no zero
+level), mlx4 0.08, mlx2 0.37.  No imatrix search beyond the weighting: ds4's own
+quantizer with a real imatrix does better on real activations.
+
+Speed (numpy, one core, measured here): Q8_0 ~25 M values/s, Q4_K ~3.6 M/s,
+Q2_K ~2.4 M/s, IQ2_XXS ~0.75 M/s.  A full DeepSeek V4 Flash (about 2.8e11 routed
+expert weights, two thirds of them IQ2_XXS in the 2-bit recipe) therefore takes
+days on a laptop CPU; the tool is meant for small models and for re-typing
+single tensors until the IQ2_XXS search moves to the GPU.
+
+mlx2 / mlx4 store MLX's own affine quantization (group 32, float16 scale and
+bias) in GGUF Q4_1 blocks: Q4_1 is exactly ``d * q + m`` per 32 values with
+float16 d and m, so the container is lossless, standard and readable by any GGUF
+tool; `ds4mlx.quant.repack_for_mlx(raw, Q4_1, shape, dtype=mx.float16)` gives back
+the very ``mx.quantize`` arrays (2-bit levels packed as bits = 2).  The price of
+the container is disk: 5 bits per weight for mlx2 (3 in memory after repacking).
+ds4 itself reads only Q2_K / Q4_K / IQ2_XXS experts, so mlx2 / mlx4 files are for
+ds4mlx.
 """
 from __future__ import annotations
 
@@ -33,9 +50,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ds4mlx.quant import (
-    QK_K, QT, as_qtype, byte_shape, iq2xxs_grid, pack_mlx, q4k_pack_scale_min,
-)
+from ds4mlx.quant import QK_K, QT, as_qtype, byte_shape, iq2xxs_grid, q4k_pack_scale_min, unpack_mlx
 
 QUANTIZE_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS)
 EXPERT_CHOICES = ("iq2_xxs", "q2_k", "q4_k", "mlx2", "mlx4")
@@ -332,8 +347,6 @@ def affine_to_q4_1(w_q: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits
     same values as GGUF Q4_1 bytes (d = scale, m = bias, levels as nibbles): a
     lossless container that `ds4mlx.quant.repack_for_mlx` turns back into exactly
     these MLX arrays (2-bit levels are packed back as bits = 2)."""
-    from ds4mlx.quant import unpack_mlx
-
     q = unpack_mlx(w_q, bits)                                        # [..., K]
     lead, k = q.shape[:-1], q.shape[-1]
     if scales.shape[-1] * 32 != k:

@@ -274,9 +274,10 @@ def gather_qmm(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, 
 
     Weights are dequantized to float32 when x is float32, else to x.dtype.
     Synchronises once (to group the pairs).  Plain matmuls rather than
-    ``mx.gather_mm(..., sorted_indices=True)``: on MLX 0.32.4's CUDA backend that
-    path returned wrong rows for offset (sliced) operands and then faulted with a
-    misaligned address (seen on an H200).
+    ``mx.gather_mm(..., sorted_indices=True)``: on MLX 0.32.4's CUDA backend (H200)
+    that path gave results far from the reference in the prefill test, and a
+    sliced operand made it fault with 'misaligned address'.  Note that MLX's CUDA
+    float32 matmuls run in TF32 (~1e-3 relative).
     """
     qtype, _, rows, k_dim = _check(w_blocks, qtype)
     x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
