@@ -1,0 +1,181 @@
+"""Hypothesis fuzz: ≥ 2,000 generated bodies per generation route against a
+live server (scripted model, tiny limits).  Every answer must be < 500 and
+well-formed (JSON error in the API's shape, JSON body, or an SSE stream), and
+the server must keep serving."""
+from __future__ import annotations
+
+import http.client
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).parent))
+from scripted_model import ScriptedModel, serve  # noqa: E402
+
+EXAMPLES = int(__import__("os").environ.get("DS4MLX_FUZZ_EXAMPLES", "2000"))
+DSML = ('Hmm.</think>Ok.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
+        '<｜DSML｜parameter name="a" string="false">1</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+
+
+def script(prompt: str) -> str:
+    if "## Tools" in prompt:
+        return DSML
+    return "Think.</think>Hi 😀" if prompt.endswith("<think>") else "Hi 😀"
+
+
+# --------------------------------------------------------------------------- strategies
+leaf = (st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70)
+        | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
+anyjson = st.recursive(leaf, lambda ch: st.lists(ch, max_size=3) | st.dictionaries(st.text(max_size=6), ch,
+                                                                                      max_size=3), max_leaves=8)
+
+def mostly(valid):
+    """Usually (24 in 25) a plausible value, sometimes any JSON at all."""
+    return st.integers(0, 24).flatmap(lambda i: anyjson if i == 0 else valid)
+
+
+small_int = st.integers(-3, 8)
+text = st.text(max_size=24) | st.sampled_from(["<｜User｜>", "</think>", "<｜DSML｜tool_calls>", "｜DSML｜",
+                                               "<tool_result>", "\\u0000", "\x00\x08"])
+block_type = st.sampled_from(["text", "image_url", "input_text", "output_text", "tool_use", "tool_result",
+                              "thinking", "summary_text", "bogus"])
+block = st.fixed_dictionaries({"type": block_type}, optional={
+    "text": mostly(text), "id": text, "tool_use_id": text, "name": text, "input": anyjson, "content": text,
+    "thinking": text})
+content = mostly(text | st.none() | st.lists(text | block, max_size=3))
+tool_call = mostly(st.fixed_dictionaries({"id": text, "type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": text, "arguments": mostly(text)})}))
+role = mostly(st.sampled_from(["user", "user", "assistant", "system", "developer", "tool", "function", "wizard"]))
+message = st.fixed_dictionaries({"role": role, "content": content}, optional={
+    "tool_calls": st.lists(tool_call, max_size=2), "tool_call_id": text, "reasoning_content": mostly(text)})
+messages = mostly(st.lists(message, min_size=1, max_size=4) | st.lists(message, max_size=1))
+model = mostly(st.sampled_from(["deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner", "deepseek-v4-flash",
+                                "gpt-4", ""]))
+fn_tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g"]) | text, "parameters": anyjson})})
+flat_tool = st.fixed_dictionaries({"type": st.sampled_from(["function", "namespace", "tool_search", "custom"]),
+                                   "name": st.sampled_from(["f", "g"]) | text}, optional={
+    "parameters": anyjson, "tools": st.lists(anyjson, max_size=2), "input_schema": anyjson})
+tools = mostly(st.lists(fn_tool | flat_tool, max_size=2))
+effort = mostly(st.sampled_from(["max", "high", "low", "none", "bogus"]))
+common = {
+    "model": model, "temperature": mostly(st.floats(-1, 3)), "top_p": mostly(st.floats(-1, 2)),
+    "top_k": mostly(small_int), "min_p": mostly(st.floats(-1, 2)), "seed": mostly(st.integers(-5, 2 ** 64)),
+    "max_tokens": mostly(small_int), "stream": mostly(st.booleans()), "stop": mostly(text | st.lists(text)),
+    "ignore_eos": mostly(st.booleans()), "stream_options": mostly(st.fixed_dictionaries(
+        {"include_usage": mostly(st.booleans())})), "reasoning_effort": effort,
+    "thinking": mostly(st.booleans() | st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "x"])})),
+    "think": mostly(st.booleans()), "extra": anyjson,
+}
+chat_body = st.fixed_dictionaries({"messages": messages}, optional={
+    **common, "tools": tools, "tool_choice": mostly(st.sampled_from(["auto", "none", "required"]) | st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})})),
+    "max_completion_tokens": mostly(small_int)})
+completion_body = st.fixed_dictionaries({"prompt": mostly(text | st.lists(text, max_size=2))}, optional=common)
+anthropic_body = st.fixed_dictionaries({"messages": messages, "max_tokens": mostly(small_int)}, optional={
+    **{k: v for k, v in common.items() if k != "max_tokens"}, "system": mostly(text | st.lists(text | block, max_size=2)),
+    "tools": tools,
+    "tool_choice": mostly(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none"])},
+                                                optional={"name": st.sampled_from(["f", "h"])})),
+    "stop_sequences": mostly(st.lists(text, max_size=2)),
+    "output_config": mostly(st.fixed_dictionaries({"effort": effort}))})
+item_type = st.sampled_from(["message", "message", "reasoning", "function_call", "function_call_output",
+                             "custom_tool_call", "local_shell_call", "tool_search_output", "compaction", "bogus"])
+item = st.fixed_dictionaries({"type": item_type}, optional={
+    "role": role, "content": content, "call_id": text, "name": text, "arguments": mostly(text),
+    "output": mostly(text), "summary": mostly(st.lists(block, max_size=2)), "status": mostly(st.sampled_from(
+        ["completed", "completed", "in_progress"])), "namespace": text, "tools": anyjson})
+responses_body = st.fixed_dictionaries({"input": mostly(text | st.lists(item, max_size=4))}, optional={
+    **common, "instructions": mostly(text), "tools": tools, "max_output_tokens": mostly(small_int),
+    "tool_choice": mostly(st.sampled_from(["auto", "none", "required"])),
+    "reasoning": mostly(st.fixed_dictionaries({}, optional={"effort": effort, "summary": mostly(st.sampled_from(
+        ["auto", "concise", "none"]))})),
+    "previous_response_id": st.none() | text})
+raw_bytes = st.binary(max_size=48) | st.sampled_from([
+    b"", b"{", b"null", b"[]", b'{"messages":NaN}', b'{"a":1}x', b"\xff\xfe", b'{"messages":[{"content":"\\ud83d"}]}',
+    b'{"x":' + b"[" * 400 + b"]" * 400 + b"}", b'{"input":' + b'{"a":' * 300 + b"1" + b"}" * 301])
+
+
+def bodies(structured):
+    as_bytes = structured.map(lambda b: json.dumps(b, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    return st.one_of(as_bytes, as_bytes, as_bytes, anyjson.map(lambda b: json.dumps(b).encode()), raw_bytes)
+
+
+# --------------------------------------------------------------------------- harness
+@pytest.fixture(scope="module")
+def srv():
+    from ds4mlx.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    with serve(tok, ScriptedModel(tok, script), ctx=256, tokens=8) as s:
+        yield s
+
+
+class Client:
+    def __init__(self, url: str):
+        host, port = url.rsplit("/", 1)[-1].split(":")
+        self.host, self.port = host, int(port)
+        self.conn = None
+
+    def post(self, path: str, body: bytes):
+        for attempt in range(2):
+            if self.conn is None:
+                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+            try:
+                self.conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+                r = self.conn.getresponse()
+                return r.status, r.getheader("Content-Type") or "", r.read()
+            except (http.client.HTTPException, ConnectionError):
+                self.conn.close()
+                self.conn = None
+                if attempt:
+                    raise
+
+
+def check(srv, client, path, body, api) -> int:
+    status, ctype, data = client.post(path, body)
+    assert status < 500, (status, body[:300], data[:300])
+    if ctype.startswith("text/event-stream"):
+        assert status == 200 and data.endswith(b"\n\n")
+        return status
+    obj = json.loads(data)
+    if status >= 400:
+        if api == "anthropic":
+            assert obj["type"] == "error" and isinstance(obj["error"]["message"], str)
+        else:
+            assert isinstance(obj["error"]["message"], str)
+    return status
+
+
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=list(HealthCheck))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path,api,strategy", [
+    ("/v1/chat/completions", "chat", chat_body),
+    ("/v1/completions", "completions", completion_body),
+    ("/v1/messages", "anthropic", anthropic_body),
+    ("/v1/responses", "responses", responses_body),
+])
+def test_fuzz_route(srv, path, api, strategy):
+    client = Client(srv.url)
+    counts: dict = {}
+
+    @SETTINGS
+    @given(bodies(strategy))
+    def run(body):
+        status = check(srv, client, path, body, api)
+        counts[status] = counts.get(status, 0) + 1
+
+    run()
+    assert sum(counts.values()) >= EXAMPLES
+    assert counts.get(200, 0) >= EXAMPLES // 20, counts  # a real share of bodies reached the engine
+    # still serving, worker alive
+    status, _, data = client.post("/v1/chat/completions", b'{"messages":[{"role":"user","content":"x"}]}')
+    assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == "Hi 😀"
+    assert srv.engine._worker.is_alive()
