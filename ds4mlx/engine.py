@@ -76,6 +76,9 @@ class Job:
     stop: Sequence[str] = ()
     ignore_eos: bool = False
     tool_id_prefix: str = "call_"
+    # tool_choice required / named: text forced at the start of the answer (after
+    # the reasoning), e.g. the DSML block open and invoke tag (build.force_text).
+    force_text: Optional[str] = None
     # Live tool-output continuation (Responses / Anthropic, kv-cache.md §2 steps 2–4):
     # the rendered live tail (chat-template.md §4.5, starts with ⟨EOS⟩) and the id set
     # of the trailing tool outputs; `requires_live` = the request cannot be served
@@ -499,15 +502,22 @@ class Engine:
 
         if not isinstance(logits, mx.array):
             logits = mx.array(np.asarray(logits, dtype=np.float32))
+        force = job.force_text if job.tools_active else None
+        forced: list[int] = []
         while len(generated) < max_tokens:
             if h.cancelled or self._closed:
                 finish, error = "cancelled", "cancelled"
                 break
-            structural = bool(job.tools_active and getattr(parser, "structural", False))
-            params = GREEDY if (structural or job.ignore_eos) else job.params
-            if structural and not job.params.greedy:
-                self.stats.greedy_tokens += 1
-            tok = int(sampler.sample(logits, params, generated, banned).item())
+            if force is not None and getattr(parser, "phase", "text") == "text":
+                forced, force = tk.encode(force), None  # the answer starts: open the tool call
+            if forced:
+                tok = forced.pop(0)
+            else:
+                structural = bool(job.tools_active and getattr(parser, "structural", False))
+                params = GREEDY if (structural or job.ignore_eos) else job.params
+                if structural and not job.params.greedy:
+                    self.stats.greedy_tokens += 1
+                tok = int(sampler.sample(logits, params, generated, banned).item())
             if tok == eos and not job.ignore_eos:
                 finish = "stop"
                 break

@@ -435,3 +435,30 @@ def test_generate_iterator_close_cancels(make):
     eng.submit(raw_job(), lambda ev: isinstance(ev, Finish) and done.set())
     assert done.wait(30)
     assert eng.stats.cancelled == 1
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_tool_choice_forces_the_block_open(make, tok, named):
+    """tool_choice required / named: the DSML open (and the invoke tag) are forced
+    right after the reasoning.  The script writes filler where the forced text
+    goes, so only the forced version parses as a call."""
+    from ds4mlx.serve.build import force_text
+
+    force = force_text("bash" if named else None)
+    rest = ('bash">\n' if not named else "") + ('<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
+                                                '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+    filler = tok.encode("x") * len(tok.encode(force))
+    script = tok.encode("Hmm.</think>") + filler + tok.encode(rest)
+    c = chat([{"role": "user", "content": "go"}], tools=TOOLS)
+    job = Job(prompt_text=render(c), api="chat", thinking=c.thinking, tools_active=True)
+    model, eng = make(lambda p: script)
+    fin = finish_of(run(eng, job))
+    assert fin.reason == "stop" and not fin.result.calls  # unforced: filler text, no call
+    job.force_text = force
+    model, eng = make(lambda p: script)
+    ev = run(eng, job)
+    fin = finish_of(ev)
+    assert fin.reason == "tool_calls" and fin.result.reasoning == "Hmm." and fin.result.content == ""
+    (call,) = fin.result.calls
+    assert call.name == "bash" and call.arguments == '{"command":"ls"}'
+    assert fin.usage.completion_tokens == len(script)  # forced tokens are generated output

@@ -396,3 +396,38 @@ def test_demo_model_ignore_eos_exact_length(demo):
     r = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
                                    temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason in ("length", "tool_calls")
+
+
+def test_tool_choice_named_and_required_force_a_call(tok):
+    """The scripted model writes filler where the forced DSML goes: only the
+    forced generation contains a parseable call."""
+    from ds4mlx.serve.build import force_text
+
+    rest = ('<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
+            '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+
+    def script(prompt):
+        return tok.encode("Hmm.</think>") + tok.encode("x") * len(tok.encode(force_text("bash"))) + tok.encode(rest)
+
+    with serve(tok, ScriptedModel(tok, script), ctx=4096) as s:
+        oc = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        ac = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "go"}]
+        r = oc.chat.completions.create(model=MODEL, messages=msgs, tools=OPENAI_TOOLS)
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+        r = oc.chat.completions.create(model=MODEL, messages=msgs, tools=OPENAI_TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "bash"}})
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert r.choices[0].message.tool_calls[0].function.arguments == '{"command":"ls"}'
+        m = ac.messages.create(model=MODEL, max_tokens=200, messages=msgs, tools=ANTHROPIC_TOOLS,
+                               tool_choice={"type": "tool", "name": "bash"})
+        assert m.stop_reason == "tool_use" and m.content[-1].input == {"command": "ls"}
+        # required / any: the block and invoke tag are forced, the model names the tool
+        long_filler = len(tok.encode(force_text(None)))
+        s.model.script = lambda p: (tok.encode("Hmm.</think>") + tok.encode("x") * long_filler
+                                    + tok.encode('bash">\n' + rest))
+        r = oc.chat.completions.create(model=MODEL, messages=msgs, tools=OPENAI_TOOLS, tool_choice="required")
+        assert r.choices[0].message.tool_calls[0].function.name == "bash"
+        m = ac.messages.create(model=MODEL, max_tokens=200, messages=msgs, tools=ANTHROPIC_TOOLS,
+                               tool_choice={"type": "any"})
+        assert m.stop_reason == "tool_use" and m.content[-1].name == "bash"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..chat import markers as M
+from ..chat.dsml import attr_escape
 from ..chat.requests import RequestError, parse_request, unreplayed_tool_result_ids
 from ..chat.template import live_tail, render, render_continuation_tail, uses_tool_context
 from ..engine import Job
@@ -74,13 +75,17 @@ def _tool_names(api: str, body: dict) -> set[str]:
     return names
 
 
-def _check_tool_choice(api: str, body: dict) -> None:
-    """auto / none / required are accepted (ds4 renders the tools block for all
-    but none); a named tool must exist."""
+def _check_tool_choice(api: str, body: dict) -> Optional[str]:
+    """Validate tool_choice and return the text to force at the start of the
+    answer: "required" / Anthropic "any" open a DSML block and an invoke tag
+    (the model picks the tool), a named tool also writes the name (it must be
+    declared, else 400).  auto / none force nothing (none disables tools)."""
     tc = body.get("tool_choice")
     if tc is None or api not in ("chat", "anthropic"):
-        return
+        return None
     name = None
+    required = (api == "chat" and tc == "required") or (
+        api == "anthropic" and isinstance(tc, dict) and tc.get("type") == "any")
     if isinstance(tc, dict):
         if api == "chat":
             fn = tc.get("function")
@@ -94,6 +99,16 @@ def _check_tool_choice(api: str, body: dict) -> None:
                 raise E.APIError(400, E.INVALID_JSON, param="tool_choice")
     if name is not None and name not in _tool_names(api, body):
         raise E.APIError(400, E.unknown_tool(name), param="tool_choice")
+    if name is not None:
+        return force_text(name)
+    return force_text(None) if required else None
+
+
+def force_text(name: Optional[str]) -> str:
+    """DSML forced by tool_choice required (name=None) or a named tool."""
+    syn = M.DSML_FULL
+    head = M.DSML_BLOCK_SEPARATOR + syn.open + "\n" + syn.invoke + ' name="'
+    return head if name is None else head + attr_escape(name) + '">\n'
 
 
 def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prepared:
@@ -114,12 +129,13 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
         job.prompt_text = req.render()
     else:
         conv = req
-        _check_tool_choice(api, body)
+        forced = _check_tool_choice(api, body)
         memory = tool_memory if cfg.replay else None
         if memory is not None:
             memory.attach(conv)
         job.prompt_text = render(conv, memory)
         job.tools_active = bool(conv.tools_active and conv.tool_schemas)
+        job.force_text = forced if job.tools_active else None
         job.preserves_reasoning = uses_tool_context(conv)
         job.responses_summary = conv.reasoning_summary
         prep.reasoning_summary = conv.reasoning_summary
