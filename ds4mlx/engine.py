@@ -104,21 +104,43 @@ class EngineStats:
 
 
 class CacheHooks:
-    """Where the disk KV cache plugs in (kv-cache.md §2 steps 8–10, §5).  The
-    default does nothing."""
+    """Where the disk KV cache plugs in (kv-cache.md §2 steps 8–10, §5; the
+    call points kvpolicy.py describes).  All run on the worker thread; the
+    default does nothing.  `engine.live_visible_text()` gives the visible key
+    of the live session for visible-keyed evict/shutdown saves."""
 
     def on_miss(self, engine: "Engine") -> None:
-        """Before the live session is replaced (evict save)."""
+        """Full live miss, before the live session is replaced (evict save)."""
 
     def try_load(self, engine: "Engine", job: Job) -> Optional[tuple[list[int], int]]:
-        """Load a checkpoint into engine.session; return (effective tokens, cached)."""
+        """disk-text reuse: restore a checkpoint into engine.session and return
+        (effective tokens, cached) — cached == len(engine.session)."""
         return None
 
+    def cold_save_point(self, engine: "Engine", job: Job, effective: list[int]) -> int:
+        """Cold prefill: a prefix length to checkpoint (0 = none).  The engine
+        prefills exactly that many tokens, calls `on_cold_prefix`, then goes on."""
+        return 0
+
+    def on_cold_prefix(self, engine: "Engine", job: Job, n_tokens: int) -> None:
+        """The session holds exactly the first n_tokens of the prompt (cold save)."""
+
+    def on_progress(self, engine: "Engine", job: Job) -> None:
+        """After each prefill chunk and each decoded token (continued saves)."""
+
     def after_prefill(self, engine: "Engine", job: Job) -> None:
-        """Cold / continued saves."""
+        """The prompt is synced; generation starts next."""
 
     def on_shutdown(self, engine: "Engine") -> None:
         """Save the live session at exit."""
+
+
+def _call_hook(fn, *args):
+    try:
+        return fn(*args)
+    except Exception:  # the cache must never break generation
+        log.exception("disk cache hook %s failed", getattr(fn, "__name__", fn))
+        return None
 
 
 @dataclass
@@ -264,6 +286,15 @@ class Engine:
             b = self._responses if api == "responses" else self._anthropic if api == "anthropic" else None
             return b.call_ids if b is not None and b.live_tokens == len(self.session) else frozenset()
 
+    def live_visible_text(self) -> Optional[str]:
+        """The visible transcript a Responses / thinking binding remembers for the
+        live session (Responses wins), or None: the key of visible-keyed saves."""
+        with self._bind_lock:
+            for b in (self._responses, self._thinking):
+                if b is not None and b.visible_text and b.live_tokens == len(self.session):
+                    return b.visible_text
+        return None
+
     def close(self, timeout: float = 10.0) -> None:
         if self._closed:
             return
@@ -272,10 +303,6 @@ class Engine:
             self._running.cancel()
         self._queue.put(None)
         self._worker.join(timeout)
-        try:
-            self.cache.on_shutdown(self)
-        except Exception:
-            log.exception("cache shutdown hook failed")
 
     # ---------------------------------------------------------------- worker
     def _run(self) -> None:
@@ -309,6 +336,7 @@ class Engine:
             finally:
                 self._running = None
                 h.done.set()
+        _call_hook(self.cache.on_shutdown, self)  # on the worker: the session's MLX stream lives here
         # drain: everything still queued ends cancelled
         while True:
             try:
@@ -390,14 +418,12 @@ class Engine:
             live_text = self._live_text()
             if prompt.startswith(live_text):
                 return live + tk.encode(prompt[len(live_text):]), pos, "memory-text", None
-            log.info("live kv cache miss live=%d prompt=%d common=0", pos, len(ids))
+            common = next((i for i, (a, b) in enumerate(zip(live, ids)) if a != b), min(pos, len(ids)))
+            log.info("live kv cache miss live=%d prompt=%d common=%d", pos, len(ids), common)
         # 8.–10. disk cache, then cold
-        try:
-            self.cache.on_miss(self)
-            loaded = self.cache.try_load(self, job)
-        except Exception:
-            log.exception("disk cache lookup failed")
-            loaded = None
+        if pos > 0:
+            _call_hook(self.cache.on_miss, self)
+        loaded = _call_hook(self.cache.try_load, self, job)
         if loaded:
             eff, cached = loaded
             return list(eff), int(cached), "disk-text", None
@@ -421,16 +447,28 @@ class Engine:
             # No logits kept for the last token: evaluate it again.
             self._reset_session()
             cached, suffix = 0, list(effective)
+        cold = 0
+        if cached == 0:
+            cold = int(_call_hook(self.cache.cold_save_point, self, h.job, effective) or 0)
+            cold = cold if 0 < cold <= len(effective) else 0
+        # chunk boundaries: every prefill_chunk tokens, plus the cold save point
+        bounds = sorted({*range(self.prefill_chunk, len(suffix), self.prefill_chunk), len(suffix),
+                         *([cold - cached] if cold else [])})
         done = cached
         t0 = time.monotonic()
         logits = None
-        for i in range(0, len(suffix), self.prefill_chunk):
+        start = 0
+        for end in bounds:
             if h.cancelled:
                 return None, cached
-            chunk = suffix[i:i + self.prefill_chunk]
+            chunk = suffix[start:end]
+            start = end
             logits = s.prefill(chunk)
             self.stats.prefill_tokens += len(chunk)
             done += len(chunk)
+            if cold and done == cold:
+                _call_hook(self.cache.on_cold_prefix, self, h.job, cold)
+            _call_hook(self.cache.on_progress, self, h.job)
             h.emit(PrefillProgress(done, total))
             dt = time.monotonic() - t0
             log.info("%s prefill chunk %d/%d (%.1f%%) %.2f t/s %.3fs", job_kind(h.job), done - cached,
@@ -465,10 +503,7 @@ class Engine:
             h.emit(h.result)
             return
         self._clear_bindings(keep=kept)
-        try:
-            self.cache.after_prefill(self, job)
-        except Exception:
-            log.exception("cache after_prefill hook failed")
+        _call_hook(self.cache.after_prefill, self, job)
         h.started = True
         h.emit(Started(prompt_tokens, cached))
         self._decode(h, logits, prompt_tokens, cached)
@@ -531,6 +566,7 @@ class Engine:
             mx.async_eval(logits)
             generated.append(tok)
             self.stats.decode_tokens += 1
+            _call_hook(self.cache.on_progress, self, job)
             push(stops.push(detok.feed(tok)))
             if stops.hit is not None:
                 finish = "stop"

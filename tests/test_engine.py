@@ -462,3 +462,39 @@ def test_tool_choice_forces_the_block_open(make, tok, named):
     (call,) = fin.result.calls
     assert call.name == "bash" and call.arguments == '{"command":"ls"}'
     assert fin.usage.completion_tokens == len(script)  # forced tokens are generated output
+
+
+def test_disk_cache_hooks_are_called_at_their_points(make, tok):
+    from ds4mlx.engine import CacheHooks
+
+    calls = []
+
+    class Rec(CacheHooks):
+        def on_miss(self, engine):
+            calls.append(("miss", len(engine.session)))
+
+        def try_load(self, engine, job):
+            calls.append(("load",))
+            return None
+
+        def cold_save_point(self, engine, job, effective):
+            return 5
+
+        def on_cold_prefix(self, engine, job, n):
+            calls.append(("cold", n, len(engine.session), engine.session.tokens == job.prompt_ids[:5]))
+
+        def on_progress(self, engine, job):
+            calls.append(("progress",))
+
+        def on_shutdown(self, engine):
+            calls.append(("shutdown", threading.current_thread().name))
+
+    model, eng = make("ok fine", cache=Rec(), prefill_chunk=4)
+    ids = tok.encode(RAW)
+    fin = finish_of(run(eng, raw_job(prompt_ids=ids)))
+    assert ("cold", 5, 5, True) in calls and calls[0] == ("load",)
+    assert calls.count(("progress",)) == len(range(0, len(ids), 4)) + (5 % 4 != 0) + fin.usage.completion_tokens
+    run(eng, raw_job(prompt_text=RAW.replace("hi", "bye")))  # full miss of a live session
+    assert ("miss", len(ids) + fin.usage.completion_tokens) in calls
+    eng.close()
+    assert calls[-1] == ("shutdown", "ds4mlx-engine")
