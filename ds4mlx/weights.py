@@ -6,7 +6,8 @@
   the HF field names, legacy fields folded in, defaults filled.
 * `tensors` maps Hugging Face *in-memory* names (the keys of the oracle's
   model.safetensors, e.g. `model.layers.0.mlp.experts.gate_up_proj`) to
-  - numpy arrays: F32 and F16 are zero-copy views of the memory-mapped file;
+  - numpy arrays: GGUF F32 and F16 are zero-copy views of the memory-mapped
+    file (safetensors tensors are copies made by the `safetensors` library);
     BF16 comes back as a float32 copy (numpy has no bfloat16; no ml_dtypes
     dependency); `mlp.gate.tid2eid` is int64 (GGUF stores I32: a small copy);
   - `QuantizedTensor(raw, qtype, shape)` for GGUF quantized types: `raw` is the
@@ -20,19 +21,21 @@
 * `tokenizer` is a `ds4mlx.tokenizer.Tokenizer` from the GGUF's tokenizer.ggml.*
   metadata or the folder's tokenizer.json, else None.
 
-Errors are ValueError / FileNotFoundError with a message naming the file.
+GGUF files are read with `gguf.GGUFReader` (a subclass that keeps its parse
+fast), safetensors with `safetensors.safe_open`.  Errors are ValueError /
+FileNotFoundError with a message naming the file.
 """
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import struct
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 from . import gguf_names as names
@@ -74,59 +77,104 @@ class QuantizedTensor:
 
 
 # ----------------------------------------------------------------------------- GGUF
-def _clean_value(v, vtype, subtype=None):
-    from gguf import GGUFValueType
+class _TruncatedGGUF(ValueError):
+    pass
 
-    if vtype == GGUFValueType.FLOAT32:
-        return names._f32(v)
-    if vtype == GGUFValueType.ARRAY and subtype == GGUFValueType.FLOAT32:
-        return [names._f32(x) for x in v]
-    if vtype == GGUFValueType.BOOL:
-        return bool(v)
-    return v
+
+class _GGUFReader(gguf.GGUFReader):
+    """`gguf.GGUFReader`, made fast enough for a 129k-token vocabulary.
+
+    The library parses the header through one small slice of its `np.memmap` per
+    value (~650k for DeepSeek's vocabulary and merges).  Two changes, the parsing
+    itself stays the library's:
+
+    * the mapping is stored as a plain ndarray view of the memmap (same buffer,
+      still zero-copy): every slice of a memmap runs `memmap.__array_finalize__`,
+      which dominated the read;
+    * `_get` (the library's slice-and-view helper) is re-stated with the dtype
+      lookup cached and the no-op byte-order view skipped (about half of what
+      remained), and with a bounds check, so a truncated file fails with a
+      clear "truncated" error rather than a numpy view/index error, and a
+      corrupt array length cannot run past the end of the file."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._mapped
+
+    @data.setter
+    def data(self, value) -> None:
+        self._mapped = value.view(np.ndarray)
+
+    _dtypes: dict = {}
+    _native = "<" if sys.byteorder == "little" else ">"
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        dt = self._dtypes.get(dtype)
+        if dt is None:
+            dt = self._dtypes[dtype] = np.dtype(dtype)
+        offset, count = int(offset), int(count)
+        end = offset + dt.itemsize * count
+        if end > self._mapped.shape[0]:
+            raise _TruncatedGGUF(f"needs bytes up to {end} but the file has {self._mapped.shape[0]}")
+        arr = self._mapped[offset:end].view(dt)
+        order = self.byte_order if override_order is None else override_order
+        if order == "I" or order == self._native:
+            return arr
+        return arr.view(arr.dtype.newbyteorder(order))
+
+
+def _field_value(field):
+    """A `gguf.ReaderField` as a python value: strings decoded, numeric arrays as
+    lists (one np.concatenate instead of one object per element), float32 values
+    rounded to their shortest decimal (1e-6 reads back as 1e-6)."""
+    V = gguf.GGUFValueType
+    main = field.types[0]
+    parts = field.parts
+    if main == V.STRING:
+        return parts[-1].tobytes().decode("utf-8", errors="surrogateescape")
+    if main != V.ARRAY:
+        v = parts[-1].tolist()[0]
+        return names._f32(v) if main == V.FLOAT32 else v
+    sub = field.types[-1] if len(field.types) > 1 else None
+    if sub is None or not field.data:
+        return []
+    if len(field.types) > 2:  # nested arrays: gguf flattens them
+        return field.contents()
+    if sub == V.STRING:
+        return [parts[i].tobytes().decode("utf-8", errors="surrogateescape") for i in field.data]
+    vals = np.concatenate([parts[i] for i in field.data]).tolist()
+    return [names._f32(v) for v in vals] if sub == V.FLOAT32 else vals
+
+
+def _fields_metadata(fields) -> dict:
+    return {k: _field_value(f) for k, f in fields.items() if not k.startswith("GGUF.") and f.types}
 
 
 def gguf_metadata(reader) -> dict:
     """GGUF metadata as {key: python value}: from a path, a `GGUFFile` or a
     `gguf.GGUFReader` (GGUF.* header fields skipped; float32 values rounded to
     their shortest decimal, so 1e-6 reads back as 1e-6)."""
-    from gguf import GGUFValueType
-
     if isinstance(reader, (str, os.PathLike)):
         return GGUFFile(reader).metadata
     if isinstance(getattr(reader, "metadata", None), dict):
         return reader.metadata
-
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        if not field.types:
-            continue
-        main = field.types[0]
-        sub = field.types[-1] if main == GGUFValueType.ARRAY else None
-        if main == GGUFValueType.ARRAY and sub not in (GGUFValueType.STRING, GGUFValueType.ARRAY):
-            # numeric arrays: one numpy part per element; concatenate quickly
-            parts = [field.parts[i] for i in field.data]
-            val = np.concatenate(parts).tolist() if parts else []
-        else:
-            val = field.contents()
-        out[key] = _clean_value(val, main, sub)
-    return out
-
-
-# GGUF value types (gguf.GGUFValueType): scalar struct formats
-_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-            7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
-_GGUF_STRING, _GGUF_ARRAY, _GGUF_F32 = 8, 9, 6
+    return _fields_metadata(reader.fields)
 
 
 class GGUFTensorInfo:
-    __slots__ = ("name", "ne", "ggml_type", "offset", "nbytes")
+    """One tensor of a `GGUFFile`: `ne` (ggml order), `shape` (numpy order),
+    `ggml_type`, absolute byte `offset`, `nbytes`, and `data` (the reader's
+    memory-mapped view: typed for float/int types, uint8 bytes otherwise)."""
 
-    def __init__(self, name, ne, ggml_type, offset, nbytes):
-        self.name, self.ne, self.ggml_type, self.offset, self.nbytes = name, ne, ggml_type, offset, nbytes
+    __slots__ = ("name", "ne", "ggml_type", "offset", "nbytes", "data")
+
+    def __init__(self, rt):
+        self.name = rt.name
+        self.ne = tuple(int(x) for x in rt.shape)
+        self.ggml_type = rt.tensor_type
+        self.offset = int(rt.data_offset)
+        self.nbytes = int(rt.n_bytes)
+        self.data = rt.data
 
     @property
     def shape(self) -> tuple:
@@ -134,139 +182,40 @@ class GGUFTensorInfo:
         return tuple(reversed(self.ne))
 
 
+_PLAIN_GGML = ("F32", "F16", "F64", "I8", "I16", "I32", "I64")
+
+
 class GGUFFile:
-    """Fast memory-mapped GGUF v2/v3 parser (metadata as python values, tensors as
-    numpy views of the mapping).  `gguf.GGUFReader` builds one numpy object per
-    token string and needs ~10 s for DeepSeek's 129k-token vocabulary; this takes
-    a fraction of a second."""
+    """A GGUF file read with `gguf.GGUFReader`: `.metadata` {key: python value},
+    `.tensors` {name: GGUFTensorInfo}, `.tensor(name)`; tensor data stays in the
+    memory mapping.  `.reader` is the underlying `gguf.GGUFReader`."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
-        size = self.path.stat().st_size
         with open(self.path, "rb") as f:
             magic = f.read(4)
-            if magic != GGUF_MAGIC:
-                raise ValueError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.size = size
+        if magic != GGUF_MAGIC:  # also the empty file, which np.memmap refuses
+            raise ValueError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
         try:
-            self._parse()
-        except (struct.error, IndexError, OverflowError, UnicodeDecodeError, MemoryError) as e:
-            raise ValueError(f"{self.path}: truncated or corrupt GGUF header ({type(e).__name__}: {e})") from None
+            self.reader = _GGUFReader(self.path)
+        except _TruncatedGGUF as e:
+            raise ValueError(f"{self.path}: truncated GGUF file ({e})") from None
+        except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, MemoryError) as e:
+            raise ValueError(f"{self.path}: corrupt or unsupported GGUF file ({type(e).__name__}: {e})") from None
+        self.metadata: dict = _fields_metadata(self.reader.fields)
+        self.tensors: dict[str, GGUFTensorInfo] = {t.name: GGUFTensorInfo(t) for t in self.reader.tensors}
 
-    # -- low level
-    def _u32(self):
-        (v,) = struct.unpack_from("<I", self._mm, self._pos)
-        self._pos += 4
-        return v
-
-    def _u64(self):
-        (v,) = struct.unpack_from("<Q", self._mm, self._pos)
-        self._pos += 8
-        return v
-
-    def _str(self):
-        n = self._u64()
-        if self._pos + n > self.size:
-            raise IndexError("string runs past the end of the file")
-        b = self._mm[self._pos : self._pos + n]
-        self._pos += n
-        return b.decode("utf-8", errors="surrogateescape")
-
-    def _value(self, vtype):
-        if vtype == _GGUF_STRING:
-            return self._str()
-        if vtype == _GGUF_ARRAY:
-            sub = self._u32()
-            n = self._u64()
-            if sub == _GGUF_STRING:
-                return [self._str() for _ in range(n)]
-            if sub == _GGUF_ARRAY:
-                return [self._value(_GGUF_ARRAY) for _ in range(n)]
-            if sub not in _GGUF_NP:
-                raise ValueError(f"unknown GGUF array type {sub}")
-            dt = np.dtype(_GGUF_NP[sub])
-            if self._pos + n * dt.itemsize > self.size:
-                raise IndexError("array runs past the end of the file")
-            arr = np.frombuffer(self._mm, dtype=dt, count=n, offset=self._pos)
-            self._pos += n * dt.itemsize
-            vals = arr.tolist()
-            return [names._f32(v) for v in vals] if sub == _GGUF_F32 else vals
-        fmt = _GGUF_SCALAR.get(vtype)
-        if fmt is None:
-            raise ValueError(f"unknown GGUF value type {vtype}")
-        (v,) = struct.unpack_from(fmt, self._mm, self._pos)
-        self._pos += struct.calcsize(fmt)
-        return names._f32(v) if vtype == _GGUF_F32 else v
-
-    def _parse(self):
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        self._pos = 4
-        self.version = self._u32()
-        if self.version not in (2, 3):
-            raise ValueError(f"{self.path}: unsupported GGUF version {self.version}")
-        n_tensors = self._u64()
-        n_kv = self._u64()
-        if n_tensors > 10_000_000 or n_kv > 10_000_000:
-            raise ValueError(f"{self.path}: corrupt GGUF header (tensor/kv counts {n_tensors}/{n_kv})")
-        self.metadata: dict = {}
-        for _ in range(n_kv):
-            key = self._str()
-            self.metadata[key] = self._value(self._u32())
-        infos = []
-        for _ in range(n_tensors):
-            name = self._str()
-            nd = self._u32()
-            if nd > 8:
-                raise ValueError(f"{self.path}: tensor {name!r} has {nd} dimensions")
-            ne = tuple(self._u64() for _ in range(nd))
-            t = self._u32()
-            off = self._u64()
-            try:
-                qt = GGMLQuantizationType(t)
-            except ValueError:
-                raise ValueError(f"{self.path}: tensor {name!r} has unknown ggml type {t}") from None
-            block, tsize = GGML_QUANT_SIZES[qt]
-            n = int(np.prod(ne, dtype=np.int64)) if ne else 1
-            if n % block:
-                raise ValueError(f"{self.path}: tensor {name!r} size {n} is not a multiple of its block {block}")
-            infos.append(GGUFTensorInfo(name, ne, qt, off, n // block * tsize))
-        align = int(self.metadata.get("general.alignment", 32) or 32)
-        self.data_start = (self._pos + align - 1) // align * align
-        self.tensors: dict[str, GGUFTensorInfo] = {}
-        for ti in infos:
-            ti.offset += self.data_start
-            if ti.name in self.tensors:
-                raise ValueError(f"{self.path}: duplicated tensor {ti.name!r}")
-            if ti.offset + ti.nbytes > self.size:
-                raise ValueError(
-                    f"{self.path}: truncated GGUF file: tensor {ti.name!r} needs bytes "
-                    f"{ti.offset}..{ti.offset + ti.nbytes} but the file has {self.size}"
-                )
-            self.tensors[ti.name] = ti
-
-    # -- tensors
     def tensor(self, name: str):
         """numpy view (float / int types), float32 array (BF16), or QuantizedTensor."""
-        from gguf.constants import GGMLQuantizationType as Q
-        from gguf.quants import quant_shape_to_byte_shape
-
         ti = self.tensors[name]
-        shape = ti.shape
-        plain = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64, Q.I8: np.int8,
-                 Q.I16: np.int16, Q.I32: np.int32, Q.I64: np.int64}
-        if ti.ggml_type in plain:
-            dt = np.dtype(plain[ti.ggml_type])
-            return np.frombuffer(self._mm, dtype=dt, count=ti.nbytes // dt.itemsize, offset=ti.offset).reshape(shape)
-        if ti.ggml_type == Q.BF16:
-            u16 = np.frombuffer(self._mm, dtype=np.uint16, count=ti.nbytes // 2, offset=ti.offset).reshape(shape)
-            return bf16_to_f32(u16)
-        raw = np.frombuffer(self._mm, dtype=np.uint8, count=ti.nbytes, offset=ti.offset)
-        raw = raw.reshape(quant_shape_to_byte_shape(shape, ti.ggml_type))
-        return QuantizedTensor(raw=raw, qtype=ti.ggml_type, shape=shape)
+        qt = ti.ggml_type
+        if qt.name in _PLAIN_GGML:
+            return ti.data  # typed and shaped by gguf
+        if qt == gguf.GGMLQuantizationType.BF16:
+            return bf16_to_f32(ti.data.view(np.uint16).reshape(ti.shape))
+        return QuantizedTensor(raw=ti.data, qtype=qt, shape=ti.shape)
 
 
 def read_gguf(path: str | os.PathLike, with_tokenizer: bool = True):
@@ -319,74 +268,74 @@ def _fuse_experts(tensors: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- safetensors
-_ST_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "U16": np.uint16,
-    "U32": np.uint32,
-    "U64": np.uint64,
-    "BOOL": np.bool_,
-    "BF16": np.uint16,  # converted to float32 on read
-    "F8_E4M3": np.uint8,  # raw; hub FP8 weights are dequantized with their .scale
-    "F8_E8M0": np.uint8,  # raw; UE8M0 scales
+# dtypes numpy has (read with safe_open(framework="numpy"))
+_ST_NUMPY = {"F64", "F32", "F16", "I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64", "BOOL"}
+# dtypes numpy lacks: read as raw bits (numpy dtype given) through mlx or safetensors.deserialize
+_ST_RAW = {
+    "BF16": "uint16",  # converted to float32 by get()
+    "F8_E4M3": "uint8",  # raw; hub FP8 weights are dequantized with their .scale
+    "F8_E8M0": "uint8",  # raw; UE8M0 scales
 }
 
 
 class SafetensorsFile:
-    """Minimal memory-mapped safetensors reader (numpy views, no torch)."""
+    """One .safetensors file, read with the `safetensors` library.
 
-    def __init__(self, path: Path):
+    `raw(name)`: numpy array (numpy dtypes via `safe_open(framework="numpy")`;
+    BF16 as uint16 bits and F8 as uint8 bytes via `mx.load`, which reads them
+    lazily, or `safetensors.deserialize` for a file mlx cannot load).
+    `get(name)`: the same with BF16 turned into float32."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import SafetensorError, safe_open
+
         self.path = Path(path)
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError(f"{self.path}: not a safetensors file (too short)")
-            (n,) = struct.unpack("<Q", head)
-            if n <= 0 or 8 + n > size or n > 100_000_000:
-                raise ValueError(f"{self.path}: not a safetensors file (bad header length {n})")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{self.path}: bad safetensors header ({e})") from None
-        self._start = 8 + n
-        self._size = size
-        header.pop("__metadata__", None)
-        self.header: dict = header
-        self._mm = None
-        for name, info in header.items():
-            a, b = info.get("data_offsets", (0, -1))
-            if self._start + b > size or b < a:
-                raise ValueError(f"{self.path}: truncated safetensors file (tensor {name!r})")
+        try:
+            self._f = safe_open(str(self.path), framework="numpy")
+        except SafetensorError as e:
+            raise ValueError(f"{self.path}: truncated or corrupt safetensors file ({e})") from None
+        self._dtypes = {k: self._f.get_slice(k).get_dtype() for k in self._f.keys()}
+        self._raw = None
 
     def keys(self):
-        return self.header.keys()
+        return self._dtypes.keys()
 
     def dtype(self, name: str) -> str:
-        return self.header[name]["dtype"]
+        return self._dtypes[name]
 
     def raw(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        dt = info["dtype"]
-        if dt not in _ST_DTYPES:
+        dt = self._dtypes[name]
+        if dt in _ST_NUMPY:
+            return self._f.get_tensor(name)
+        if dt not in _ST_RAW:
             raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {dt}")
-        if self._mm is None:
-            with open(self.path, "rb") as f:
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self._size else b""
-        a, b = info["data_offsets"]
-        arr = np.frombuffer(self._mm, dtype=_ST_DTYPES[dt], count=(b - a) // np.dtype(_ST_DTYPES[dt]).itemsize,
-                            offset=self._start + a)
-        return arr.reshape(info["shape"])
+        if self._raw is None:
+            self._raw = self._load_raw()
+        val = self._raw[name]
+        if isinstance(val, dict):  # safetensors.deserialize entry
+            return np.frombuffer(val["data"], dtype=_ST_RAW[dt]).reshape(val["shape"])
+        import mlx.core as mx
+
+        return np.array(val.view(getattr(mx, _ST_RAW[dt])), copy=True)
+
+    def _load_raw(self) -> dict:
+        """name -> lazily loaded mx.array (mx.load), or, when mlx cannot load the
+        file (it has no F64), -> `safetensors.deserialize` entry with raw bytes."""
+        import mlx.core as mx
+
+        try:
+            return mx.load(str(self.path), format="safetensors")
+        except (RuntimeError, ValueError):
+            from safetensors import SafetensorError, deserialize
+
+            try:
+                return {k: v for k, v in deserialize(self.path.read_bytes()) if v["dtype"] in _ST_RAW}
+            except SafetensorError as e:
+                raise ValueError(f"{self.path}: truncated or corrupt safetensors file ({e})") from None
 
     def get(self, name: str) -> np.ndarray:
         arr = self.raw(name)
-        if self.header[name]["dtype"] == "BF16":
+        if self._dtypes[name] == "BF16":
             return bf16_to_f32(arr)
         return arr
 

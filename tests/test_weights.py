@@ -372,6 +372,48 @@ def test_hub_checkpoint_naming_sharded(oracle_dir, oracle, tmp_path):
         _assert_same(v, tensors[k], k)
 
 
+@pytest.mark.parametrize("with_f64", [False, True])
+def test_hf_folder_bf16_fp8(oracle, tmp_path, with_f64):
+    """BF16 tensors come back as float32, an FP8 E4M3 weight with its UE8M0
+    `.scale` is dequantized (numpy has neither dtype: the bits are read through
+    mlx, or, when the file holds F64 that mlx cannot load, safetensors.deserialize)."""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "float8_e8m0fnu"):
+        pytest.skip("torch without float8_e8m0fnu")
+    from safetensors.torch import save_file
+
+    raw_cfg, sd = oracle
+    fp8 = "model.layers.1.self_attn.q_b_proj.weight"
+    out = {}
+    want = {}
+    for k, v in sd.items():
+        t = torch.from_numpy(np.ascontiguousarray(v))
+        if k == fp8:
+            q = t.to(torch.float8_e4m3fn)
+            rows, cols = -(-v.shape[0] // 128), -(-v.shape[1] // 128)
+            e = torch.arange(rows * cols, dtype=torch.uint8).reshape(rows, cols) + 125
+            out[k], out[k[: -len(".weight")] + ".scale"] = q, e.view(torch.float8_e8m0fnu)
+            s = np.repeat(np.repeat(2.0 ** (e.numpy().astype(np.float32) - 127), 128, 0), 128, 1)
+            want[k] = q.float().numpy() * s[: v.shape[0], : v.shape[1]]
+        elif v.dtype == np.float32 and v.ndim >= 2:
+            out[k] = t.to(torch.bfloat16)
+            want[k] = out[k].float().numpy()
+        else:
+            out[k], want[k] = t, v
+    if with_f64:
+        out["extra.unused"] = torch.zeros(3, dtype=torch.float64)
+    save_file(out, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(raw_cfg))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the extra F64 tensor is skipped with a warning
+        _, tensors, _ = read_weights(tmp_path)
+    assert set(tensors) == set(sd)
+    for k, v in want.items():
+        _assert_same(v, tensors[k], k)
+
+
 def test_fp8_fp4_dequant():
     torch = pytest.importorskip("torch")
     from ds4mlx.weights import dequant_fp4, dequant_fp8
