@@ -41,7 +41,10 @@ def bench_tokens(tokenizer, n: int, text_path: str | None = None) -> list[int]:
     return (ids * reps)[:n]
 
 
-def _greedy_probe(session, first_logits, n: int, eos_id: int | None, warmup: int = 2) -> float:
+PROBE_WARMUP = 2  # untimed decode steps before each probe
+
+
+def _greedy_probe(session, first_logits, n: int, eos_id: int | None, warmup: int = PROBE_WARMUP) -> float:
     """Decode `warmup` untimed then n timed greedy tokens (EOS masked), one step of
     lookahead so the host never waits for the device between steps; return seconds."""
     import mlx.core as mx
@@ -74,7 +77,7 @@ def run_bench(model, tokenizer, ctx_points: list[int], gen_tokens: int, chunk: i
     import mlx.core as mx
 
     tokens = bench_tokens(tokenizer, ctx_points[-1], text_path)
-    session = model.new_session(ctx=ctx_points[-1] + gen_tokens + 1, chunk=chunk)
+    session = model.new_session(ctx=ctx_points[-1] + gen_tokens + PROBE_WARMUP + 1, chunk=chunk)
     eos = getattr(tokenizer, "eos_id", None)
     rows, done = [], 0
     mx.reset_peak_memory()

@@ -17,9 +17,35 @@ def default_dtype():
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
+def materialize(module) -> None:
+    """Evaluate every array a model holds: parameters and cached constants (rope
+    tables, ...) alike.  MLX binds a lazy array to the stream of the thread that
+    made it, so the engine's worker thread could not evaluate one left lazy here."""
+    found, seen, todo = [], set(), [module]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, mx.array):
+            found.append(obj)
+        elif id(obj) in seen:
+            continue
+        elif isinstance(obj, dict):
+            seen.add(id(obj))
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            seen.add(id(obj))
+            todo.extend(obj)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("ds4mlx", "mlx")):
+            seen.add(id(obj))
+            todo.extend(vars(obj).values())
+            if isinstance(obj, dict):
+                todo.extend(obj.values())
+    mx.eval(found)
+
+
 def load(path=None, dtype="auto"):
     """Load a GGUF file or a Hugging Face folder; `None` is the built-in demo model."""
-    if path is None:
+    is_demo = path is None
+    if is_demo:
         from .demo import demo_model_path
 
         path = demo_model_path()
@@ -30,6 +56,8 @@ def load(path=None, dtype="auto"):
     model = LanguageModel.from_config(config, tensors, dtype=dtype)
     model.path = path
     model.config = config
+    model.is_demo = is_demo
+    materialize(model.model)
     if tokenizer is None:
         tokenizer = Tokenizer.default()
     return model, tokenizer
