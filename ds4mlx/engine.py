@@ -243,6 +243,7 @@ class Engine:
         # Every MLX operation on the session happens on the worker thread: MLX
         # streams are per thread, so the session's arrays are created there too.
         self._ready = threading.Event()
+        self._stopped = threading.Event()
         self._init_error: Optional[BaseException] = None
         self._worker = threading.Thread(target=self._run, name="ds4mlx-engine", daemon=True)
         self._worker.start()
@@ -302,7 +303,7 @@ class Engine:
         if self._running is not None:
             self._running.cancel()
         self._queue.put(None)
-        self._worker.join(timeout)
+        self._stopped.wait(timeout)
 
     # ---------------------------------------------------------------- worker
     def _run(self) -> None:
@@ -310,8 +311,9 @@ class Engine:
             self.session = self.model.new_session(self.ctx)
         except BaseException as e:  # noqa: BLE001 - re-raised by __init__
             self._init_error = e
+            self._stopped.set()
             self._ready.set()
-            return
+            threading.Event().wait()  # park (see the end of this method)
         self._ready.set()
         while True:
             h = self._queue.get()
@@ -346,6 +348,13 @@ class Engine:
             if h is not None:
                 h.emit(Finish("cancelled", error="shutdown"))
                 h.done.set()
+        self._stopped.set()
+        # Park instead of returning: when an MLX thread exits, its thread-local
+        # MLX state is torn down and may need the GIL; if that races with the
+        # interpreter's finalization the process aborts ("terminate called
+        # without an active exception").  A parked daemon thread just ends with
+        # the process.
+        threading.Event().wait()
 
     def _reset_session(self) -> None:
         reset = getattr(self.session, "reset", None)
