@@ -431,3 +431,46 @@ def test_tool_choice_named_and_required_force_a_call(tok):
         m = ac.messages.create(model=MODEL, max_tokens=200, messages=msgs, tools=ANTHROPIC_TOOLS,
                                tool_choice={"type": "any"})
         assert m.stop_reason == "tool_use" and m.content[-1].name == "bash"
+
+
+def test_responses_full_replay_continues_from_the_visible_transcript(oc, srv):
+    """Clients that resend the whole visible history (no reasoning) continue the
+    live session through the remembered visible transcript (kv-cache.md §2 step 1)."""
+    user = {"role": "user", "content": "List /tmp please"}
+    r1 = oc.responses.create(model=MODEL, input=[user], tools=RESPONSES_TOOLS)
+    msg = next(o for o in r1.output if o.type == "message")
+    call = next(o for o in r1.output if o.type == "function_call")
+    history = [user, {"type": "message", "role": "assistant", "content": [{"type": "output_text",
+                                                                           "text": msg.content[0].text}]},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "a.txt\nb.txt"}]
+    live = len(srv.engine.session)
+    before = srv.model.prefill_tokens
+    r2 = oc.responses.create(model=MODEL, input=history, tools=RESPONSES_TOOLS)
+    assert r2.output_text == "Two files: a.txt and b.txt."
+    assert srv.engine.stats.last_cache_source == "responses-visible"
+    d = r2.usage.input_tokens_details
+    assert d.cached_tokens == live and srv.model.prefill_tokens - before == fld(d, "cache_write_tokens")
+    live = len(srv.engine.session)
+    history += [{"type": "message", "role": "assistant", "content": [{"type": "output_text",
+                                                                      "text": r2.output_text}]},
+                {"role": "user", "content": "thanks"}]
+    r3 = oc.responses.create(model=MODEL, input=history, tools=RESPONSES_TOOLS)
+    assert srv.engine.stats.last_cache_source == "responses-visible"
+    assert r3.usage.input_tokens_details.cached_tokens == live
+
+
+def test_multi_turn_chat_reuses_the_live_session_with_hidden_reasoning(oc, ac, srv):
+    msgs = [{"role": "user", "content": "Good morning"}]
+    r1 = oc.chat.completions.create(model=MODEL, messages=msgs)
+    live = len(srv.engine.session)
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "And?"}]
+    r2 = oc.chat.completions.create(model=MODEL, messages=msgs)
+    assert srv.engine.stats.last_cache_source == "thinking-visible"
+    assert r2.usage.prompt_tokens_details.cached_tokens == live
+    live = len(srv.engine.session)
+    amsgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
+    amsgs += [{"role": "assistant", "content": r2.choices[0].message.content}, {"role": "user", "content": "Ok"}]
+    r3 = ac.messages.create(model=MODEL, max_tokens=100, messages=amsgs)
+    assert srv.engine.stats.last_cache_source == "thinking-visible"
+    assert r3.usage.cache_read_input_tokens == live and r3.content[-1].text == "Hello there!"
