@@ -160,7 +160,7 @@ class JobHandle:
         self._emit = emit
         self._cancel = threading.Event()
         self.done = threading.Event()
-        self.started = False  # prefill began
+        self.started = False  # Started was emitted (errors after it end as Finish("error"))
         self.result: Optional[Finish] = None
 
     @property
