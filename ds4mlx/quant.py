@@ -165,13 +165,6 @@ def q4k_pack_scale_min(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     return out
 
 
-def _q2k_levels(qs: np.ndarray) -> np.ndarray:
-    """Q2_K [..., 64] packed bytes -> [..., 256] uint8 levels 0..3 in element order."""
-    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)
-    q = (qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts) & 3
-    return q.reshape(*qs.shape[:-1], QK_K)
-
-
 def _nibbles_k(qs: np.ndarray) -> np.ndarray:
     """Q4_K [..., 128] bytes -> [..., 256] levels: byte 32c+l holds element 64c+l (low
     nibble) and 64c+32+l (high nibble)."""
@@ -187,65 +180,10 @@ def _nibbles_0(qs: np.ndarray) -> np.ndarray:
 
 # --------------------------------------------------------------------------- dequantize
 
-def _deq_q8_0(b):
-    return b[:, 2:].view(np.int8).astype(np.float32) * _f16(b[:, 0:2])[:, None]
-
-
-def _deq_q4_0(b):
-    q = _nibbles_0(b[:, 2:]).astype(np.int8) - np.int8(8)
-    return _f16(b[:, 0:2])[:, None] * q.astype(np.float32)
-
-
-def _deq_q4_1(b):
-    q = _nibbles_0(b[:, 4:]).astype(np.float32)
-    return (_f16(b[:, 0:2])[:, None] * q) + _f16(b[:, 2:4])[:, None]
-
-
-def _deq_q2_k(b):
-    n = b.shape[0]
-    sc = b[:, 0:16]
-    d, dmin = _f16(b[:, 80:82])[:, None], _f16(b[:, 82:84])[:, None]
-    dl = (d * (sc & 0x0F).astype(np.float32))[..., None]
-    ml = (dmin * (sc >> 4).astype(np.float32))[..., None]
-    q = _q2k_levels(b[:, 16:80]).reshape(n, 16, 16).astype(np.float32)
-    return (dl * q - ml).reshape(n, QK_K)
-
-
-def _deq_q4_k(b):
-    n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
-    sc, m = q4k_scale_min(b[:, 4:16])
-    dl = (d * sc.astype(np.float32))[..., None]
-    ml = (dmin * m.astype(np.float32))[..., None]
-    q = _nibbles_k(b[:, 16:144]).reshape(n, 8, 32).astype(np.float32)
-    return (dl * q - ml).reshape(n, QK_K)
-
-
-def _deq_iq2_xxs(b):
-    n = b.shape[0]
-    d = _f16(b[:, 0:2])[:, None]
-    qs = b[:, 2:66].reshape(n, 8, 8)
-    aux = _u32(qs[..., 4:8])                                     # [n, 8]
-    db = (d * (np.float32(0.5) + (aux >> 28).astype(np.float32)) * np.float32(0.25))
-    grid = iq2xxs_grid().astype(np.float32)[qs[..., 0:4]]        # [n, 8, 4, 8]
-    sidx = (aux[..., None] >> np.array([0, 7, 14, 21], dtype=np.uint32)) & 127
-    signs = iq2xxs_sign_table()[sidx]                            # [n, 8, 4, 8]
-    return (db[..., None, None] * grid * signs).reshape(n, QK_K)
-
-
-_DEQ = {
-    QT.Q8_0: _deq_q8_0,
-    QT.Q4_0: _deq_q4_0,
-    QT.Q4_1: _deq_q4_1,
-    QT.Q2_K: _deq_q2_k,
-    QT.Q4_K: _deq_q4_k,
-    QT.IQ2_XXS: _deq_iq2_xxs,
-}
-
-
 def dequantize(raw: np.ndarray, qtype, shape: Sequence[int]) -> np.ndarray:
     """Reference dequantization: GGUF bytes of a tensor of logical (numpy-order)
-    `shape` -> float32 array of that shape.  Bit for bit equal to gguf-py."""
+    `shape` -> float32 array of that shape, through `gguf.quants` (the oracle the
+    MLX / Metal / CUDA paths are tested against)."""
     qtype = as_qtype(qtype)
     shape = tuple(int(s) for s in shape)
     raw = np.asarray(raw)
@@ -258,14 +196,10 @@ def dequantize(raw: np.ndarray, qtype, shape: Sequence[int]) -> np.ndarray:
         return bits.view(np.float32).reshape(shape)
     if qtype not in GGML_QUANT_SIZES:
         raise ValueError(f"{qtype.name} has no block layout")
-    blocks = _blocks(raw, qtype, shape)
-    fn = _DEQ.get(qtype)
-    if fn is not None:
-        return fn(blocks).reshape(shape)
-    import gguf.quants
+    import gguf.quants  # the reference: ds4mlx does not re-implement ggml's block formats
 
-    elems, nbytes = GGML_QUANT_SIZES[qtype]
-    rows = blocks.reshape(-1, row_bytes(qtype, shape[-1]) if shape else nbytes)
+    blocks = _blocks(raw, qtype, shape)
+    rows = blocks.reshape(-1, row_bytes(qtype, shape[-1]) if shape else GGML_QUANT_SIZES[qtype][1])
     return gguf.quants.dequantize(rows, qtype).astype(np.float32, copy=False).reshape(shape)
 
 
