@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from ds4mlx.models.base import LanguageModel, load_hf_dir
+from ds4mlx.models.base import load_hf_dir
 from ds4mlx.models.deepseek_v4 import CSA, HCA, SLIDING, Indexer, ModelArgs
 
 CONFIGS = [None, "long", "odd"]

@@ -31,8 +31,7 @@ position counter, so a decode step never synchronises with the device.
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
