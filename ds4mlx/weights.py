@@ -426,9 +426,11 @@ def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
         raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
     if not isinstance(raw_cfg, dict):
         raise ValueError(f"{cfg_path}: expected a JSON object")
+    files = [SafetensorsFile(p) for p in _safetensors_files(folder)]
+    if raw_cfg.get("model_type", "deepseek_v4") not in DEEPSEEK_V4_TYPES:
+        return _read_hf_other(folder, raw_cfg, files, with_tokenizer)
     config = names.normalize_config(raw_cfg)
 
-    files = [SafetensorsFile(p) for p in _safetensors_files(folder)]
     where = {k: f for f in files for k in f.keys()}
     tensors: dict[str, Any] = {}
     experts: dict[tuple[str, int], dict[int, np.ndarray]] = {}
@@ -468,12 +470,27 @@ def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
     if not tensors:
         raise ValueError(f"{folder}: no DeepSeek V4 tensors found in the safetensors files")
 
-    tok = None
+    return config, tensors, _folder_tokenizer(folder, with_tokenizer)
+
+
+DEEPSEEK_V4_TYPES = ("deepseek_v4",)
+
+
+def _folder_tokenizer(folder: Path, with_tokenizer: bool):
     if with_tokenizer and (folder / "tokenizer.json").is_file():
         from .tokenizer import Tokenizer
 
-        tok = Tokenizer.from_file(folder / "tokenizer.json")
-    return config, tensors, tok
+        return Tokenizer.from_file(folder / "tokenizer.json")
+    return None
+
+
+def _read_hf_other(folder: Path, config: dict, files: list, with_tokenizer: bool):
+    """Other families: the config as written and the tensors under their own
+    (transformers in-memory) names; the family's `Model.sanitize` maps them."""
+    tensors = {k: f.get(k) for f in files for k in f.keys()}
+    if not tensors:
+        raise ValueError(f"{folder}: no tensors found in the safetensors files")
+    return config, tensors, _folder_tokenizer(folder, with_tokenizer)
 
 
 def _hub_weight(f: SafetensorsFile, where: dict, key: str) -> np.ndarray:
