@@ -62,18 +62,29 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _tag() -> str:
-    blob = json.dumps([DEMO_CONFIG, DEMO_SEED, DEMO_VERSION], sort_keys=True).encode()
-    return hashlib.sha1(blob).hexdigest()[:10]
+def demo_config(family: str = "deepseek_v4") -> dict:
+    """The demo config of a family: ours for V4, the family module's DEMO_CONFIG otherwise."""
+    if family == "deepseek_v4":
+        return DEMO_CONFIG
+    from .models.base import family_module
+
+    cfg = getattr(family_module(family), "DEMO_CONFIG", None)
+    if cfg is None:
+        raise ValueError(f"no demo model for family {family!r}")
+    return cfg
 
 
 def demo_weights(config: dict = DEMO_CONFIG, seed: int = DEMO_SEED) -> dict[str, np.ndarray]:
-    """Deterministic random weights under transformers' in-memory names."""
+    """Deterministic random weights under transformers' in-memory names.  A family
+    module may define `demo_weights(config, seed)` for tensors this generic recipe
+    cannot fill (integer tables, ...)."""
     from mlx.utils import tree_flatten
 
     from .models.base import family_module
 
     mod = family_module(config["model_type"])
+    if hasattr(mod, "demo_weights"):
+        return mod.demo_weights(config, seed)
     args = mod.ModelArgs.from_dict(config)
     shapes = {k: v.shape for k, v in tree_flatten(mod.Model(args).parameters())}
     rng = np.random.default_rng(seed)
@@ -94,6 +105,28 @@ def demo_weights(config: dict = DEMO_CONFIG, seed: int = DEMO_SEED) -> dict[str,
     return out
 
 
+def _build_hf_folder(path: Path, config: dict) -> Path:
+    """Other families: a Hugging Face folder (config.json, model.safetensors, the
+    DeepSeek tokenizer.json), written to a temp dir and renamed into place."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from .tokenizer import _default_tokenizer_json
+
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        save_file(demo_weights(config), str(tmp / "model.safetensors"))
+        shutil.copy(_default_tokenizer_json(), tmp / "tokenizer.json")
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
 def build_demo_model(path: Path) -> Path:
     """Write the demo GGUF (F16 weights, real tokenizer) atomically to `path`."""
     from .convert import write_gguf
@@ -111,24 +144,40 @@ def build_demo_model(path: Path) -> Path:
     return path
 
 
-def demo_model_path(quiet: bool = False) -> str:
-    """The demo GGUF in the user cache dir, built on first use."""
-    path = _cache_dir() / f"demo-v4flash-{_tag()}.gguf"
+def _tag(family: str = "deepseek_v4") -> str:
+    blob = json.dumps([demo_config(family), DEMO_SEED, DEMO_VERSION], sort_keys=True).encode()
+    return hashlib.sha1(blob).hexdigest()[:10]
+
+
+def demo_model_path(family: str = "deepseek_v4", quiet: bool = False) -> str:
+    """The demo model of a family in the user cache dir, built on first use
+    (a GGUF for DeepSeek V4, a Hugging Face folder for the other families)."""
+    if family == "deepseek_v4":
+        path = _cache_dir() / f"demo-v4flash-{_tag()}.gguf"
+    else:
+        path = _cache_dir() / f"demo-{family}-{_tag(family)}"
     if not path.exists():
         if not quiet:
-            print(f"ds4mlx: building the {DEMO_NOTICE} at {path}", file=sys.stderr)
-        build_demo_model(path)
+            print(f"ds4mlx: building the {family} {DEMO_NOTICE.split(': ', 1)[0]} at {path}", file=sys.stderr)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build_demo_model(path) if family == "deepseek_v4" else _build_hf_folder(path, demo_config(family))
     return str(path)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--force", action="store_true", help="rebuild even if the file exists")
+    parser.add_argument("--family", default="deepseek_v4", help="model family (default deepseek_v4)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if it exists")
 
 
 def run(args) -> int:
-    path = _cache_dir() / f"demo-v4flash-{_tag()}.gguf"
-    if args.force and path.exists():
-        path.unlink()
-    print(demo_model_path())
+    import shutil
+
+    path = Path(demo_model_path(args.family, quiet=True)) if not args.force else None
+    if args.force:
+        tag = _tag(args.family)
+        for p in (_cache_dir() / f"demo-v4flash-{tag}.gguf", _cache_dir() / f"demo-{args.family}-{tag}"):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        path = Path(demo_model_path(args.family))
+    print(path)
     print(f"({DEMO_NOTICE})", file=sys.stderr)
     return 0

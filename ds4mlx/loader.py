@@ -43,12 +43,13 @@ def materialize(module) -> None:
 
 
 def load(path=None, dtype="auto"):
-    """Load a GGUF file or a Hugging Face folder; `None` is the built-in demo model."""
-    is_demo = path is None
+    """Load a GGUF file or a Hugging Face folder; `None` (or "demo") is the built-in
+    demo model, "demo:<family>" the demo model of another family."""
+    is_demo = path is None or str(path) == "demo" or str(path).startswith("demo:")
     if is_demo:
         from .demo import demo_model_path
 
-        path = demo_model_path()
+        path = demo_model_path(str(path).split(":", 1)[1] if path and ":" in str(path) else "deepseek_v4")
     path = os.fspath(path)
     config, tensors, tokenizer = read_weights(path)
     if dtype == "auto":
