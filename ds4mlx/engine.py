@@ -125,8 +125,15 @@ class CacheHooks:
     def on_cold_prefix(self, engine: "Engine", job: Job, n_tokens: int) -> None:
         """The session holds exactly the first n_tokens of the prompt (cold save)."""
 
+    def prefill_stops(self, engine: "Engine", job: Job, start: int, end: int) -> Sequence[int]:
+        """Absolute positions in (start, end) where a prefill chunk must end
+        (continued-save frontiers), on top of the absolute multiples of the
+        prefill chunk."""
+        return ()
+
     def on_progress(self, engine: "Engine", job: Job) -> None:
-        """After each prefill chunk and each decoded token (continued saves)."""
+        """After each prefill chunk and each decoded token, except while a tool
+        call is being generated (continued saves)."""
 
     def after_prefill(self, engine: "Engine", job: Job) -> None:
         """The prompt is synced; generation starts next."""
@@ -290,10 +297,16 @@ class Engine:
     def live_visible_text(self) -> Optional[str]:
         """The visible transcript a Responses / thinking binding remembers for the
         live session (Responses wins), or None: the key of visible-keyed saves."""
+        key = self.live_visible_key()
+        return key[1] if key else None
+
+    def live_visible_key(self) -> Optional[tuple[str, str]]:
+        """(kind, visible transcript) of `live_visible_text`; kind is
+        "responses-visible" or "thinking-visible"."""
         with self._bind_lock:
-            for b in (self._responses, self._thinking):
+            for kind, b in (("responses-visible", self._responses), ("thinking-visible", self._thinking)):
                 if b is not None and b.visible_text and b.live_tokens == len(self.session):
-                    return b.visible_text
+                    return kind, b.visible_text
         return None
 
     def close(self, timeout: float = 10.0) -> None:
@@ -460,9 +473,13 @@ class Engine:
         if cached == 0:
             cold = int(_call_hook(self.cache.cold_save_point, self, h.job, effective) or 0)
             cold = cold if 0 < cold <= len(effective) else 0
-        # chunk boundaries: every prefill_chunk tokens, plus the cold save point
-        bounds = sorted({*range(self.prefill_chunk, len(suffix), self.prefill_chunk), len(suffix),
-                         *([cold - cached] if cold else [])})
+        # chunk boundaries, absolute positions: multiples of prefill_chunk (a resumed
+        # prefill realigns), the cold save point and the cache's continued frontiers
+        step = self.prefill_chunk
+        stops = {*range(cached - cached % step + step, total, step), total, *([cold] if cold else [])}
+        extra = _call_hook(self.cache.prefill_stops, self, h.job, cached, total) or ()
+        stops.update(p for p in extra if cached < p < total)
+        bounds = sorted(p - cached for p in stops)
         done = cached
         t0 = time.monotonic()
         logits = None
@@ -575,7 +592,6 @@ class Engine:
             mx.async_eval(logits)
             generated.append(tok)
             self.stats.decode_tokens += 1
-            _call_hook(self.cache.on_progress, self, job)
             push(stops.push(detok.feed(tok)))
             if stops.hit is not None:
                 finish = "stop"
@@ -583,6 +599,8 @@ class Engine:
             if getattr(parser, "stop_now", False):
                 finish = "tool_calls"
                 break
+            if not (job.tools_active and getattr(parser, "phase", "text") in ("tool", "done")):
+                _call_hook(self.cache.on_progress, self, job)  # not inside a tool call
         else:
             finish = "length"
         if finish != "stop" or stops.hit is None:

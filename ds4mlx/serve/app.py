@@ -138,6 +138,17 @@ async def model_one(request: web.Request) -> web.Response:
     return json_response(state, 200, body_bytes(_model_object(state.cfg)))
 
 
+async def debug_stats(request: web.Request) -> web.Response:
+    """GET /v1/ds4mlx/stats: engine counters (`prefill_tokens` = prompt tokens
+    actually evaluated since start) and the disk KV cache's, for tests and debugging."""
+    state = request.app[STATE]
+    eng = state.engine
+    cache_stats = getattr(eng.cache, "stats", None)
+    doc = {"engine": dict(vars(eng.stats)), "live_tokens": len(eng.session) if eng.session is not None else 0,
+           "kv_disk_cache": cache_stats() if callable(cache_stats) else None}
+    return json_response(state, 200, body_bytes(doc))
+
+
 async def options(request: web.Request) -> web.Response:
     return web.Response(status=204, headers=_cors(request.app[STATE]))
 
@@ -250,6 +261,7 @@ def make_app(engine: Engine, cfg: Optional[ServeConfig] = None, tool_memory=None
     app[STATE] = state
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model_one)
+    app.router.add_get("/v1/ds4mlx/stats", debug_stats)
     for path in ROUTES:
         app.router.add_post(path, generate)
     app.router.add_route("OPTIONS", "/{tail:.*}", options)

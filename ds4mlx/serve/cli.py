@@ -46,25 +46,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alias", action="append", default=[], metavar="NAME",
                    help="accept this model name too (fnmatch pattern, e.g. 'claude-*'); repeatable")
     p.add_argument("--prefill-chunk", type=_positive, default=512, help="prefill chunk (cancellation granularity)")
+    # --kv-disk-dir and friends (kv-cache.md §8); the two tool-memory flags above are kept
+    from ..kvpolicy import add_kv_arguments
+
+    add_kv_arguments(p)
 
 
-def build(args):
-    """(engine, app) for parsed arguments (the model is loaded here)."""
+def build(args, loaded=None):
+    """(engine, app) for parsed arguments.  The model is loaded here, unless
+    `loaded` = (model, tokenizer) is given (embedding, tests)."""
     from .. import load
     from ..chat.toolmemory import ToolMemory
     from ..engine import Engine
+    from ..kvpolicy import KVCacheOptions
     from .app import make_app
     from .build import ServeConfig
 
-    model, tokenizer = load(args.model)
-    if args.model is None:
-        from ..demo import DEMO_NOTICE
+    log = logging.getLogger("ds4mlx.serve")
+    kv = KVCacheOptions.from_args(args)
+    if loaded is not None:
+        model, tokenizer = loaded
+    else:
+        model, tokenizer = load(args.model)
+        if args.model is None:
+            from ..demo import DEMO_NOTICE
 
-        logging.getLogger("ds4mlx.serve").warning(DEMO_NOTICE)
+            log.warning(DEMO_NOTICE)
     replay = not args.disable_exact_dsml_tool_replay
     memory = ToolMemory(max_ids=args.tool_memory_max_ids) if replay else None
+    cache = None
+    if kv.enabled:
+        from ..kvcache import DiskKVCache
+
+        cache = DiskKVCache.open(kv, model, ctx=args.ctx)
+        log.info("%s", kv.describe())
+        cache.preload_tool_memory(memory)
     engine = Engine(model, tokenizer, ctx=args.ctx, default_max_tokens=args.tokens, tool_memory=memory,
-                    prefill_chunk=args.prefill_chunk)
+                    prefill_chunk=args.prefill_chunk, cache=cache)
     cfg = ServeConfig(ctx=args.ctx, tokens=args.tokens, cors=args.cors, trace=args.trace,
                       max_body_mb=args.max_body_mb, replay=replay, aliases=tuple(args.alias))
     return engine, make_app(engine, cfg, memory)
@@ -99,7 +117,17 @@ async def _serve(app, host: str, port: int) -> None:
     await runner.cleanup()
 
 
-def run(args) -> int:
+SHUTDOWN_TIMEOUT_S = 600.0  # the engine's close waits this long for the shutdown KV save
+
+
+def run(args, loaded=None) -> int:
+    from ..kvpolicy import KVCacheOptions
+
+    try:
+        KVCacheOptions.from_args(args)
+    except ValueError as e:
+        print(f"ds4mlx serve: {e}", file=sys.stderr)
+        return 2
     if args.chdir:
         try:
             os.chdir(args.chdir)
@@ -107,9 +135,11 @@ def run(args) -> int:
             print(f"ds4mlx serve: --chdir {args.chdir}: {e}", file=sys.stderr)
             return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    engine, app = build(args)
+    engine, app = build(args, loaded)
     try:
         asyncio.run(_serve(app, args.host, args.port))
     finally:
-        engine.close()
+        # SIGINT / SIGTERM end _serve; closing the engine runs the shutdown KV save
+        # (kv-cache.md §5.4) on its worker after the running job was cancelled.
+        engine.close(timeout=SHUTDOWN_TIMEOUT_S)
     return 0
