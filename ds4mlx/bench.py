@@ -182,6 +182,7 @@ def add_arguments(p) -> None:
     p.add_argument("--compare", metavar="BASELINE.csv", help="fail when a frontier regresses against this CSV")
     p.add_argument("--max-regress", type=float, default=10.0, metavar="PCT")
     p.add_argument("--plot", metavar="FILE.svg|png")
+    p.add_argument("--profile", action="store_true", help="also time one decode step by op family (at --ctx-start)")
 
 
 def run(args) -> int:
@@ -209,6 +210,10 @@ def run(args) -> int:
     rows = run_bench(model, tokenizer, points, args.gen_tokens, chunk=args.chunk, text_path=args.text,
                      log=lambda r: print("  " + ", ".join(f"{k}={r[k]}" for k in COLUMNS), file=sys.stderr))
     write_csv(rows, args.csv)
+    if args.profile:
+        from .decode_profile import format_profile, profile_decode
+
+        print(format_profile(profile_decode(model, ctx=args.ctx_start)), file=sys.stderr)
     if args.plot:
         plot(rows, args.plot, f"ds4mlx bench: {label} ({mx.default_device()})")
     if baseline is not None:

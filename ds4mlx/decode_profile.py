@@ -1,0 +1,138 @@
+"""Where the time of one decode step goes (`ds4mlx bench --profile`).
+
+Each op family is timed alone, on the model's own modules at a real context
+depth, and scaled by how often one decode step runs it (e.g. two hyper-connection
+calls per layer).  `host` is the Python time to build one step's lazy graph
+(`session.step` without evaluating it): whatever the device does, the host pays
+that per token.  The sum of the families is compared with a measured step.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+
+def _timeit(fn, n: int = 20, warmup: int = 3) -> float:
+    """Mean wall seconds of `mx.eval(fn())`, device synchronised."""
+    import mlx.core as mx
+
+    for _ in range(warmup):
+        mx.eval(fn())
+    mx.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        mx.eval(fn())
+    mx.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
+    """-> {"families_ms": {family: ms per token}, "step_ms": measured, "detail_us": {...}}"""
+    import mlx.core as mx
+
+    from .models.layers import hc_post
+    from .sampling import GREEDY, Sampler, SamplingParams
+
+    inner = model.model  # the family Model (LanguageModel.model)
+    args = inner.args
+    layers = inner.layers
+    H, n_hc = args.hidden_size, args.hc_mult
+    dtype = layers[0].input_layernorm.weight.dtype if hasattr(layers[0].input_layernorm, "weight") else mx.bfloat16
+    session = model.new_session(ctx=ctx + 64, chunk=512)
+    session.prefill([(7 * i + 11) % args.vocab_size for i in range(ctx)])
+    x = mx.random.normal((1, 1, n_hc, H)).astype(dtype)
+    h = mx.random.normal((1, 1, H)).astype(dtype)
+    ids = mx.array([[5]])
+    mx.eval(x, h, ids)
+
+    detail = {}
+    per_type = {}
+    for i, layer in enumerate(layers):
+        kind = args.layer_types[i]
+        if kind in per_type:
+            continue
+        cache = session._cache[i]
+
+        def attn(layer=layer, cache=cache):
+            off = cache.offset
+            out = layer.self_attn(h, cache)
+            cache.offset = off  # stay at the same depth: each timed call redoes the same step
+            return out
+
+        per_type[kind] = _timeit(attn, n)
+        detail[f"attention[{kind}]_us"] = per_type[kind] * 1e6
+        comp = getattr(layer.self_attn, "compressor", None)
+        if comp is not None and hasattr(comp, "indexer"):
+            q_res = layer.self_attn.q_a_norm(layer.self_attn.q_a_proj(h))
+            mx.eval(q_res)
+
+            def index(comp=comp, cache=cache, q_res=q_res):
+                return comp.indexer(h, q_res, cache.index, cache.offset)
+
+            detail["indexer_us"] = _timeit(index, n) * 1e6
+    moe = {}
+    for i, layer in enumerate(layers):
+        kind = args.mlp_layer_types[i]
+        if kind not in moe:
+            moe[kind] = _timeit(lambda layer=layer: layer.mlp(h, ids), n)
+            detail[f"moe[{kind}]_us"] = moe[kind] * 1e6
+    hc = layers[0].attn_hc
+    post, comb, col = hc(x)
+    mx.eval(post, comb, col)
+    detail["hc_pre_us"] = _timeit(lambda: hc(x), n) * 1e6
+    detail["hc_post_us"] = _timeit(lambda: hc_post(x, col, post, comb), n) * 1e6
+    norm = layers[0].input_layernorm
+    detail["rms_norm_us"] = _timeit(lambda: norm(h), n) * 1e6
+    detail["head_us"] = _timeit(lambda: inner.lm_head(inner.model.norm(inner.model.hc_head(x))), n) * 1e6
+    logits = mx.random.normal((args.vocab_size,))
+    mx.eval(logits)
+    sampler = Sampler()
+    detail["sample_greedy_us"] = _timeit(lambda: sampler.sample(logits, GREEDY), n) * 1e6
+    detail["sample_temp_us"] = _timeit(lambda: sampler.sample(logits, SamplingParams(temperature=0.8, top_p=0.95)),
+                                       n) * 1e6
+
+    # one whole step, and the host's share of it (graph construction only)
+    tok = mx.array(5)
+    snap = session.snapshot()
+    build, full = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = session.step(tok)
+        t1 = time.perf_counter()
+        mx.eval(out)
+        mx.synchronize()
+        full.append(time.perf_counter() - t0)
+        build.append(t1 - t0)
+    session.restore(snap)
+    step = sorted(full)[len(full) // 2]
+    host = sorted(build)[len(build) // 2]
+
+    fam = defaultdict(float)
+    for i in range(len(layers)):
+        fam["attention"] += per_type[args.layer_types[i]]
+        fam["moe"] += moe[args.mlp_layer_types[i]]
+    fam["indexer (inside attention)"] = detail.get("indexer_us", 0) / 1e6 * args.layer_types.count("compressed_sparse_attention")
+    fam["hyper-connections"] = len(layers) * 2 * (detail["hc_pre_us"] + detail["hc_post_us"]) / 1e6
+    fam["norms (2 per layer)"] = len(layers) * 2 * detail["rms_norm_us"] / 1e6
+    fam["head (hc_head + norm + lm_head)"] = detail["head_us"] / 1e6
+    fam["sampling (greedy)"] = detail["sample_greedy_us"] / 1e6
+    fam["host graph build"] = host
+    return {
+        "ctx": ctx,
+        "layers": len(layers),
+        "step_ms": step * 1e3,
+        "families_ms": {k: v * 1e3 for k, v in fam.items()},
+        "sum_ms_excl_indexer": sum(v for k, v in fam.items() if not k.startswith("indexer")) * 1e3,
+        "detail_us": {k: round(v, 1) for k, v in detail.items()},
+    }
+
+
+def format_profile(p: dict) -> str:
+    lines = [f"decode step at ctx {p['ctx']}, {p['layers']} layers: measured {p['step_ms']:.2f} ms/token",
+             "| op family | ms / token | share of step |", "|---|---:|---:|"]
+    for k, v in sorted(p["families_ms"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {k} | {v:.2f} | {100 * v / p['step_ms']:.0f} % |")
+    lines.append(f"(families summed, indexer counted inside attention: {p['sum_ms_excl_indexer']:.2f} ms; "
+                 "timed alone, each family pays its own launch latency)")
+    lines.append("detail (µs per call): " + ", ".join(f"{k}={v}" for k, v in p["detail_us"].items()))
+    return "\n".join(lines)
