@@ -192,7 +192,7 @@ def sinkhorn_reference(logits: mx.array, iters: int, eps: float) -> mx.array:
     return comb
 
 
-def hc_pre(
+def hc_mix(
     x: mx.array,
     fn: mx.array,
     base: mx.array,
@@ -202,16 +202,14 @@ def hc_pre(
     hc_eps: float,
     norm_eps: float,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """Hyper-connection "pre" step (mHC) for one block.
+    """The mHC mixing weights of one block, all float32: (pre [..., n], post [..., n], comb [..., n, n]).
 
     x:     [..., n, d] residual streams (n = hc_mult)
     fn:    [(2+n)*n, n*d] projection, base: [(2+n)*n], scale: [3]
-    returns (post [..., n] f32, comb [..., n, n] f32, collapsed [..., d] in x.dtype):
       mix = rms(flatten(x)) @ fn.T (float32)
       pre  = sigmoid(mix_pre  * scale0 + base_pre) + hc_eps
       post = 2 * sigmoid(mix_post * scale1 + base_post)
       comb = sinkhorn(mix_comb * scale2 + base_comb)
-      collapsed = sum_i pre_i * x_i
     """
     n = x.shape[-2]
     flat = x.reshape(*x.shape[:-2], -1).astype(mx.float32)
@@ -222,8 +220,33 @@ def hc_pre(
     post = 2.0 * mx.sigmoid(mix[..., n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = mix[..., 2 * n :] * scale[2] + base[2 * n :]
     comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], n, n), sinkhorn_iters, hc_eps)
-    collapsed = (pre[..., None] * x).sum(axis=-2).astype(x.dtype)
-    return post, comb, collapsed
+    return pre, post, comb
+
+
+def hc_collapse(x: mx.array, pre: mx.array) -> mx.array:
+    """sum_i pre_i * x_i over the streams of x [..., n, d] (pre [..., n] float32), in x.dtype."""
+    return (pre[..., None] * x).sum(axis=-2).astype(x.dtype)
+
+
+def hc_pre(
+    x: mx.array,
+    fn: mx.array,
+    base: mx.array,
+    scale: mx.array,
+    *,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Hyper-connection "pre" step (mHC) for one block: `hc_mix`, then collapse with its pre.
+
+    returns (post [..., n] f32, comb [..., n, n] f32, collapsed [..., d] in x.dtype),
+    collapsed = sum_i pre_i * x_i.
+    """
+    pre, post, comb = hc_mix(
+        x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps
+    )
+    return post, comb, hc_collapse(x, pre)
 
 
 def hc_post(x: mx.array, out: mx.array, post: mx.array, comb: mx.array) -> mx.array:
@@ -257,6 +280,12 @@ class HyperConnection(nn.Module):
 
     def __call__(self, x: mx.array):
         return hc_pre(
+            x, self.fn, self.base, self.scale, sinkhorn_iters=self._iters, hc_eps=self._hc_eps, norm_eps=self._norm_eps
+        )
+
+    def mix(self, x: mx.array):
+        """(pre, post, comb) without the collapse (see `hc_mix`)."""
+        return hc_mix(
             x, self.fn, self.base, self.scale, sinkhorn_iters=self._iters, hc_eps=self._hc_eps, norm_eps=self._norm_eps
         )
 
