@@ -34,24 +34,42 @@ def v4_flash_config(layers: int = 43, experts: int = 256) -> dict:
     }
 
 
-def _randomize(module, key, n_experts: int, k: int) -> None:
-    """Replace every parameter of `module` by deterministic random bf16 values (lazy)."""
+def named_normal(name: str, shape, std: float):
+    """Deterministic N(0, std²) bf16 values keyed by a tensor's name, so another
+    graph (mlx-lm's, in tools/mlxlm_side_by_side.py) can be given the same weights."""
+    import zlib
+
     import mlx.core as mx
+
+    key = mx.random.key(zlib.crc32(name.encode()))
+    return (mx.random.normal(tuple(shape), key=key) * std).astype(mx.bfloat16)
+
+
+def weight_std(name: str, shape) -> float:
+    return 0.02 if "embed" in name else shape[-1] ** -0.5
+
+
+def default_value(name: str, p, n_experts: int, k: int):
+    """The synthetic value of parameter `name` (full dotted name) shaped like `p`."""
+    import zlib
+
+    import mlx.core as mx
+
+    if name.endswith("tid2eid"):
+        key = mx.random.key(zlib.crc32(name.encode()))
+        return mx.argsort(mx.random.uniform(shape=(p.shape[0], n_experts), key=key), axis=-1)[:, :k].astype(p.dtype)
+    if p.ndim >= 2:
+        return named_normal(name, p.shape, weight_std(name, p.shape))
+    if "norm" in name:
+        return mx.ones(p.shape, mx.bfloat16)
+    return (0.1 * named_normal(name, p.shape, 1.0)).astype(mx.float32)
+
+
+def _randomize(module, prefix: str, n_experts: int, k: int, value=default_value) -> None:
+    """Replace every parameter of `module` by `value(full name, param, ...)` (lazy)."""
     from mlx.utils import tree_flatten, tree_unflatten
 
-    new = []
-    for i, (name, p) in enumerate(tree_flatten(module.parameters())):
-        sub = mx.random.split(key, i + 2)[i + 1]
-        if name.endswith("tid2eid"):
-            new.append((name, mx.argsort(mx.random.uniform(shape=(p.shape[0], n_experts), key=sub), axis=-1)[:, :k]
-                        .astype(p.dtype)))
-        elif p.ndim >= 2:
-            std = 0.02 if "embed" in name else p.shape[-1] ** -0.5
-            new.append((name, (mx.random.normal(p.shape, key=sub) * std).astype(mx.bfloat16)))
-        elif "norm" in name:
-            new.append((name, mx.ones(p.shape, mx.bfloat16)))
-        else:
-            new.append((name, (0.1 * mx.random.normal(p.shape, key=sub)).astype(mx.float32)))
+    new = [(name, value(prefix + name, p, n_experts, k)) for name, p in tree_flatten(module.parameters())]
     module.update(tree_unflatten(new))
 
 
@@ -72,8 +90,11 @@ def _quantize(module, expert_bits: int, other_bits: int) -> None:
 
 
 def build_synthetic_v4_flash(layers: int | None = None, experts: int | None = None, expert_bits: int = 2,
-                             other_bits: int = 8, seed: int = 0):
-    """-> (LanguageModel, Tokenizer, info dict with sizes and the HBM roofline)."""
+                             other_bits: int = 8, value=default_value, overrides: dict | None = None):
+    """-> (LanguageModel, Tokenizer, info dict with sizes and the HBM roofline).
+
+    `value(name, param, n_experts, k)` gives each parameter's values (default: keyed
+    by name); `overrides` shrinks shapes for CPU smoke tests."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -81,15 +102,16 @@ def build_synthetic_v4_flash(layers: int | None = None, experts: int | None = No
     from .tokenizer import Tokenizer
 
     cfg = v4_flash_config(layers or 43, experts or 256)
+    cfg.update(overrides or {})
     mod = family_module("deepseek_v4")
     args = mod.ModelArgs.from_dict(cfg)
     t0 = time.time()
     model = mod.Model(args)
-    key = mx.random.key(seed)
-    parts = [model.model.embed_tokens, model.model.norm, model.model.hc_head, model.lm_head]
-    parts += list(model.model.layers)
-    for i, part in enumerate(parts):  # one piece at a time: never the whole float model at once
-        _randomize(part, mx.random.split(key, len(parts) + 1)[i], args.n_routed_experts, args.num_experts_per_tok)
+    parts = [("model.embed_tokens.", model.model.embed_tokens), ("model.norm.", model.model.norm),
+             ("model.hc_head.", model.model.hc_head), ("lm_head.", model.lm_head)]
+    parts += [(f"model.layers.{i}.", layer) for i, layer in enumerate(model.model.layers)]
+    for prefix, part in parts:  # one piece at a time: never the whole float model at once
+        _randomize(part, prefix, args.n_routed_experts, args.num_experts_per_tok, value)
         _quantize(part, expert_bits, other_bits)
         mx.eval(part.parameters())
     model.eval()
