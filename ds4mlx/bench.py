@@ -73,7 +73,9 @@ def _greedy_probe(session, first_logits, n: int, eos_id: int | None, warmup: int
 
 
 def run_bench(model, tokenizer, ctx_points: list[int], gen_tokens: int, chunk: int = 512,
-              text_path: str | None = None, log=None) -> list[dict]:
+              text_path: str | None = None, log=None, time_budget: float | None = None) -> list[dict]:
+    """One row per frontier.  With `time_budget` (seconds) the walk stops before a
+    frontier whose prefill, extrapolated from the last row's speed, would overrun it."""
     import mlx.core as mx
 
     tokens = bench_tokens(tokenizer, ctx_points[-1], text_path)
@@ -81,8 +83,15 @@ def run_bench(model, tokenizer, ctx_points: list[int], gen_tokens: int, chunk: i
     eos = getattr(tokenizer, "eos_id", None)
     rows, done = [], 0
     mx.reset_peak_memory()
+    started = time.perf_counter()
     for frontier in ctx_points:
         part = tokens[done:frontier]
+        if time_budget is not None and rows and rows[-1]["prefill_tps"] > 0:
+            eta = len(part) / rows[-1]["prefill_tps"] + gen_tokens / max(rows[-1]["gen_tps"], 1e-3)
+            if time.perf_counter() - started + eta > time_budget:
+                if log:
+                    log({"stopped": f"time budget: frontier {frontier} would need ~{eta:.0f} s more"})
+                break
         mx.synchronize()
         t0 = time.perf_counter()
         logits = session.prefill(part)
@@ -182,6 +191,7 @@ def add_arguments(p) -> None:
     p.add_argument("--compare", metavar="BASELINE.csv", help="fail when a frontier regresses against this CSV")
     p.add_argument("--max-regress", type=float, default=10.0, metavar="PCT")
     p.add_argument("--plot", metavar="FILE.svg|png")
+    p.add_argument("--time-budget", type=float, help="stop before a frontier that would overrun this many seconds")
     p.add_argument("--profile", action="store_true", help="also time one decode step by op family (at --ctx-start)")
 
 
@@ -208,7 +218,8 @@ def run(args) -> int:
 
     print(f"ds4mlx bench: {label} on {mx.default_device()}, frontiers {points}", file=sys.stderr)
     rows = run_bench(model, tokenizer, points, args.gen_tokens, chunk=args.chunk, text_path=args.text,
-                     log=lambda r: print("  " + ", ".join(f"{k}={r[k]}" for k in COLUMNS), file=sys.stderr))
+                     log=lambda r: print("  " + ", ".join(f"{k}={v}" for k, v in r.items()), file=sys.stderr),
+                     time_budget=args.time_budget)
     write_csv(rows, args.csv)
     if args.profile:
         from .decode_profile import format_profile, profile_decode
