@@ -257,23 +257,28 @@ OUTSIDE, STRUCTURAL, STRING_BODY, JSON_STRUCTURAL, JSON_STRING = (
 _MAX_OPEN = max(len(s.open) for s in M.DSML_SYNTAXES)
 
 
-def earliest_open(text: str, start: int, end: Optional[int] = None) -> Optional[tuple[int, DsmlSyntax]]:
-    """Earliest block OPEN of any spelling starting in [start, end)."""
+def _max_open(syntaxes: Sequence[DsmlSyntax]) -> int:
+    return _MAX_OPEN if syntaxes is M.DSML_SYNTAXES else max(len(s.open) for s in syntaxes)
+
+
+def earliest_open(text: str, start: int, end: Optional[int] = None,
+                  syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES) -> Optional[tuple[int, DsmlSyntax]]:
+    """Earliest block OPEN of any spelling (of `syntaxes`) starting in [start, end)."""
     best: Optional[tuple[int, DsmlSyntax]] = None
-    for syn in M.DSML_SYNTAXES:
+    for syn in syntaxes:
         p = text.find(syn.open, start) if end is None else text.find(syn.open, start, end + len(syn.open) - 1)
         if p >= 0 and (end is None or p < end) and (best is None or p < best[0]):
             best = (p, syn)
     return best
 
 
-def partial_open_at_tail(text: str, start: int) -> int:
+def partial_open_at_tail(text: str, start: int, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES) -> int:
     """Index of a trailing proper prefix of some OPEN spelling (>= start), or -1."""
-    lt = text.rfind("<", max(start, len(text) - _MAX_OPEN + 1))
+    lt = text.rfind("<", max(start, len(text) - _max_open(syntaxes) + 1))
     if lt < 0:
         return -1
     tail = text[lt:]
-    for syn in M.DSML_SYNTAXES:
+    for syn in syntaxes:
         if len(tail) < len(syn.open) and syn.open.startswith(tail):
             return lt
     return -1
@@ -299,9 +304,11 @@ class DecodeTracker:
     not consumed; a value that starts with a parameter tag (loose nested
     parameters) is tracked as structure, and a stray parameter close between
     parameters is skipped; garbage is reported as `stuck` instead of staying
-    STRUCTURAL forever."""
+    STRUCTURAL forever.  `syntaxes`: the block spellings searched for (default:
+    the V4 spellings, dsml.md §1)."""
 
-    def __init__(self, start: int = 0):
+    def __init__(self, start: int = 0, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES):
+        self.syntaxes = syntaxes
         self.restart(start)
 
     def restart(self, pos: int) -> None:
@@ -329,9 +336,9 @@ class DecodeTracker:
                 self.state = OUTSIDE if mode == "done" else STRUCTURAL
                 return
             if mode == "search":
-                found = earliest_open(raw, self.pos)
+                found = earliest_open(raw, self.pos, syntaxes=self.syntaxes)
                 if found is None:
-                    self.pos = max(self.pos, n - _MAX_OPEN + 1)
+                    self.pos = max(self.pos, n - _max_open(self.syntaxes) + 1)
                     self.state = OUTSIDE
                     return
                 self.block_start, self.syn = found
@@ -441,10 +448,10 @@ class DecodeTracker:
         return False
 
 
-def scan_block(text: str, open_pos: int) -> tuple[str, int]:
+def scan_block(text: str, open_pos: int, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES) -> tuple[str, int]:
     """Structure of the block whose OPEN starts at `open_pos`:
     ("complete", end after CLOSE) | ("stuck", garbage position) | ("open", len(text))."""
-    tr = DecodeTracker(open_pos)
+    tr = DecodeTracker(open_pos, syntaxes)
     tr.update(text)
     if tr.mode == "done":
         return "complete", tr.block_end
@@ -689,7 +696,8 @@ def repair_block(block: str, syn: DsmlSyntax) -> Optional[str]:
 
 # --- block selection and the public entry point ----------------------------------
 
-def _blocks(text: str, start: int) -> list[tuple[int, DsmlSyntax, str, int]]:
+def _blocks(text: str, start: int,
+            syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES) -> list[tuple[int, DsmlSyntax, str, int]]:
     """The DSML blocks of text[start:] as the streaming tracker sees them, in
     order: earliest OPEN, scanned structurally to its CLOSE (complete), to text
     that is not DSML (stuck; scanning resumes there) or to the end (open).  An
@@ -697,11 +705,11 @@ def _blocks(text: str, start: int) -> list[tuple[int, DsmlSyntax, str, int]]:
     out = []
     pos = start
     while True:
-        found = earliest_open(text, pos)
+        found = earliest_open(text, pos, syntaxes=syntaxes)
         if found is None:
             return out
         open_pos, syn = found
-        status, end = scan_block(text, open_pos)
+        status, end = scan_block(text, open_pos, syntaxes)
         out.append((open_pos, syn, status, end))
         if status == "open":
             return out
@@ -711,12 +719,14 @@ def _blocks(text: str, start: int) -> list[tuple[int, DsmlSyntax, str, int]]:
 _SPELLING_RANK = {syn.name: i for i, syn in enumerate(M.DSML_SYNTAXES)}
 
 
-def _choose_block(text: str, start: int, truncated: bool):
+def _choose_block(text: str, start: int, truncated: bool, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES):
     """The block the final parse reads: among the complete blocks, ds4's search
     order (dsml.md §2: full, short, plain spelling; per spelling "\n\n"+OPEN
     before a bare OPEN; then position).  With none complete: the unterminated
-    last block when truncated (repair), else ds4's first candidate (which fails)."""
-    blocks = _blocks(text, start)
+    last block when truncated (repair), else ds4's first candidate (which fails).
+    With other `syntaxes` their order is the spelling rank."""
+    blocks = _blocks(text, start, syntaxes)
+    rank = _SPELLING_RANK if syntaxes is M.DSML_SYNTAXES else {syn.name: i for i, syn in enumerate(syntaxes)}
     if not blocks:
         return None
     sep = M.DSML_BLOCK_SEPARATOR
@@ -725,7 +735,7 @@ def _choose_block(text: str, start: int, truncated: bool):
         return open_pos - len(sep) >= start and text.startswith(sep, open_pos - len(sep))
 
     def order(b):
-        return _SPELLING_RANK[b[1].name], 0 if with_sep(b[0]) else 1, b[0]
+        return rank[b[1].name], 0 if with_sep(b[0]) else 1, b[0]
 
     complete = [b for b in blocks if b[2] == "complete"]
     if complete:
@@ -738,7 +748,7 @@ def _choose_block(text: str, start: int, truncated: bool):
     return (open_pos - len(sep) if with_sep(open_pos) else open_pos), open_pos, syn
 
 
-def reasoning_end(text: str, start: int) -> Optional[int]:
+def reasoning_end(text: str, start: int, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES) -> Optional[int]:
     """Position of the `</think>` that ends the reasoning: the first one that is
     not inside a DSML block written in the reasoning (None if there is none)."""
     pos = start
@@ -747,10 +757,10 @@ def reasoning_end(text: str, start: int) -> Optional[int]:
         t = text.find(close, pos)
         if t < 0:
             return None
-        o = earliest_open(text, pos, t)
+        o = earliest_open(text, pos, t, syntaxes)
         if o is None:
             return t
-        status, end = scan_block(text, o[0])
+        status, end = scan_block(text, o[0], syntaxes)
         if status == "open":
             return None
         pos = end
@@ -796,7 +806,8 @@ def _plain(text: str, thinking: bool, truncated: bool) -> ParsedOutput:
 
 
 def parse_output(text: str, *, thinking: bool, tools_active: bool = True, truncated: bool = False,
-                 think_recovery: bool = True, entities: str = "all") -> ParsedOutput:
+                 think_recovery: bool = True, entities: str = "all",
+                 syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES) -> ParsedOutput:
     """Final parse of a whole generation into content, reasoning and tool calls.
 
     `thinking`: the prompt ended with `<think>` (reasoning comes first).
@@ -805,23 +816,24 @@ def parse_output(text: str, *, thinking: bool, tools_active: bool = True, trunca
     hit the token limit (enables the repair of an unterminated block).
     `think_recovery`: a complete block inside a never-closed think block is
     executed as if `</think>` preceded it.  `entities`: "all" (ds4) or "close"
-    (decode only the escaped closing parameter tag in string values)."""
+    (decode only the escaped closing parameter tag in string values).
+    `syntaxes`: the block spellings, in search-priority order (default V4's)."""
     if not tools_active:
         return _plain(text, thinking, truncated)
     body = len(M.THINK_OPEN) if thinking and text.startswith(M.THINK_OPEN) else 0
     rend = None
     if thinking:
-        rend = reasoning_end(text, body)
+        rend = reasoning_end(text, body, syntaxes)
         if rend is None:
             if think_recovery:
-                rec = _recover_in_think(text, body, truncated, entities)
+                rec = _recover_in_think(text, body, truncated, entities, syntaxes)
                 if rec is not None:
                     return rec
             return ParsedOutput(content=text, reasoning=None, finish=_finish(truncated))
         region = rend + len(M.THINK_CLOSE)
     else:
         region = 0
-    cand = _choose_block(text, region, truncated)
+    cand = _choose_block(text, region, truncated, syntaxes)
     if cand is None:
         if thinking:
             return ParsedOutput(content=text[region:], reasoning=text[body:rend], finish=_finish(truncated))
@@ -836,18 +848,19 @@ def parse_output(text: str, *, thinking: bool, tools_active: bool = True, trunca
                         raw_dsml=raw, finish="tool_calls" if calls else _finish(truncated), repaired=repaired)
 
 
-def _recover_in_think(text: str, body: int, truncated: bool, entities: str) -> Optional[ParsedOutput]:
+def _recover_in_think(text: str, body: int, truncated: bool, entities: str,
+                      syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES) -> Optional[ParsedOutput]:
     """Forward recovery: the first complete block with calls inside an unclosed
     think block (or, when truncated, an unterminated last one) is parsed as if
     `</think>` had been written right before it."""
     pos = body
     sep = M.DSML_BLOCK_SEPARATOR
     while True:
-        found = earliest_open(text, pos)
+        found = earliest_open(text, pos, syntaxes=syntaxes)
         if found is None:
             return None
         open_pos, syn = found
-        status, end = scan_block(text, open_pos)
+        status, end = scan_block(text, open_pos, syntaxes)
         if status == "stuck":
             pos = end
             continue

@@ -93,6 +93,13 @@ DSML_PLAIN = DsmlSyntax("plain", "<tool_calls>", "</tool_calls>",
                         "<parameter", "</parameter>")
 # The final parser's search priority (dsml.md §2): full, then short, then plain.
 DSML_SYNTAXES = (DSML_FULL, DSML_SHORT, DSML_PLAIN)
+# DeepSeek V4.1's spelling: a space after the DSML token and `calls` for the block
+# (`<｜DSML｜ calls>`, `<｜DSML｜ invoke name=..>`, `</｜DSML｜ parameter>`).  V4.1
+# parsers search it first, then the V4 spellings.
+DSML_SPACED = DsmlSyntax("spaced", f"<{DSML} calls>", f"</{DSML} calls>",
+                         f"<{DSML} invoke", f"</{DSML} invoke>",
+                         f"<{DSML} parameter", f"</{DSML} parameter>")
+DSML_SYNTAXES_V41 = (DSML_SPACED,) + DSML_SYNTAXES
 DSML_BLOCK_SEPARATOR = "\n\n"
 
 # Attribute / string-value entities decoded by the parser (dsml.md §1).

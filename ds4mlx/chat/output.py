@@ -87,20 +87,23 @@ class OutputParser:
     parsed; without tools nothing of DSML is interpreted).  `id_prefix`:
     `call_` (OpenAI chat, Responses) or `toolu_` (Anthropic).  `tool_memory`:
     fresh ids are also unique against it.  `think_recovery`, `entities`: see
-    `dsml.parse_output`.
+    `dsml.parse_output`.  `syntaxes`: the DSML block spellings (default V4's;
+    DeepSeek V4.1 passes its spaced spelling first).
 
     `feed(text)` accepts `str` or raw `bytes` (an incremental UTF-8 decoder
     holds incomplete sequences) and returns events; `finish(truncated)` returns
     (events, ParsedOutput)."""
 
     def __init__(self, thinking: bool, tools_active: bool, id_prefix: str = M.OPENAI_TOOL_ID_PREFIX, *,
-                 tool_memory=None, think_recovery: bool = True, entities: str = "all"):
+                 tool_memory=None, think_recovery: bool = True, entities: str = "all",
+                 syntaxes=M.DSML_SYNTAXES):
         self.thinking = thinking
         self.tools_active = tools_active
         self.id_prefix = id_prefix
         self.tool_memory = tool_memory
         self.think_recovery = think_recovery
         self.entities = entities
+        self.syntaxes = syntaxes
         self.raw = ""
         self.phase = "reasoning" if thinking else "text"  # reasoning | text | tool | done
         self.stop_now = False
@@ -111,7 +114,7 @@ class OutputParser:
         self._tscan = 0    # next position to search for </think>
         self._c_emit = 0   # content emitted up to
         self._content_start = 0  # where the content region begins (after </think>)
-        self._tracker = DecodeTracker(0) if tools_active else None
+        self._tracker = DecodeTracker(0, syntaxes) if tools_active else None
         self._proj: Optional[_Projection] = None
         self._ids: dict[int, str] = {}
         self._started: set[int] = set()
@@ -165,7 +168,7 @@ class OutputParser:
         self._finished = True
         raw = self.text
         final = parse_output(raw, thinking=self.thinking, tools_active=self.tools_active, truncated=truncated,
-                             think_recovery=self.think_recovery, entities=self.entities)
+                             think_recovery=self.think_recovery, entities=self.entities, syntaxes=self.syntaxes)
         if self.phase == "reasoning":
             if final.recovered and final.reasoning is not None:
                 body = len(M.THINK_OPEN) if raw.startswith(M.THINK_OPEN) else 0
@@ -257,7 +260,7 @@ class OutputParser:
                     return
                 self._tscan = max(self._tscan, n - _THINK_HOLD)
                 limit = n - _THINK_HOLD
-                p = partial_open_at_tail(raw, self._r_emit)
+                p = partial_open_at_tail(raw, self._r_emit, self.syntaxes)
                 if p >= 0:
                     limit = min(limit, p)
                 self._emit_reasoning(events, _rstrip_pos(raw, limit, self._r_emit))
@@ -325,7 +328,7 @@ class OutputParser:
                 continue
             if tr.mode == "search":
                 if self.phase == "text":
-                    p = partial_open_at_tail(raw, self._c_emit)
+                    p = partial_open_at_tail(raw, self._c_emit, self.syntaxes)
                     self._emit_text(events, _rstrip_pos(raw, p if p >= 0 else n, self._c_emit))
                 return
             if self.phase == "text":

@@ -1,0 +1,179 @@
+"""Shared pieces of the non-V4 families: the request conversation as template
+turns, JSON the way Hugging Face's `tojson` writes it, tool-schema types.
+
+The shared request parser (chat/requests.py) normalizes every API for DeepSeek
+V4: Anthropic tool results become `<tool_result>` text inside a user message
+and the Anthropic system text a trailing system message.  `turns()` undoes
+that so that other templates see what the client sent: tool messages, and the
+system first.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from .. import markers as M
+from ..messages import Conversation, ToolCall
+
+_SYSTEM_ROLES = ("system", "developer")
+_TOOL_ROLES = ("tool", "function")
+_C_SPACE = " \t\n\v\f\r"
+
+
+def tojson(v: Any) -> str:
+    """transformers' chat-template `tojson` (ensure_ascii=False, default separators)."""
+    return json.dumps(v, ensure_ascii=False)
+
+
+@dataclass
+class Turn:
+    role: str  # system | user | assistant | tool
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list = field(default_factory=list)  # ToolCall
+    tool_id: str = ""  # tool: the call id it answers
+    replay: str = ""  # assistant: exact sampled tool-call text to replay ("" = render canonically)
+
+
+def _split_anthropic_results(m, out: list) -> None:
+    """A user message that carries Anthropic tool results: its `<tool_result>`
+    blocks become tool turns (ids in order), the text around them user turns."""
+    text = m.content
+    ids = list(m.tool_call_ids)
+    pos = 0
+    k = 0
+    close_escaped = M.PARAM_CLOSE_TEXT_ESCAPE + M.TOOL_RESULT_CLOSE[1:]
+    pending = ""
+    while True:
+        i = text.find(M.TOOL_RESULT_OPEN, pos)
+        if i < 0:
+            break
+        j = text.find(M.TOOL_RESULT_CLOSE, i + len(M.TOOL_RESULT_OPEN))
+        if j < 0:
+            break
+        pending += text[pos:i]
+        if pending:
+            out.append(Turn("user", pending))
+            pending = ""
+        body = text[i + len(M.TOOL_RESULT_OPEN):j].replace(close_escaped, M.TOOL_RESULT_CLOSE)
+        out.append(Turn("tool", body, tool_id=ids[k] if k < len(ids) else ""))
+        k += 1
+        pos = j + len(M.TOOL_RESULT_CLOSE)
+    pending += text[pos:]
+    if pending:
+        out.append(Turn("user", pending))
+
+
+def replay_text(m, tool_memory) -> str:
+    if not m.tool_calls:
+        return ""
+    if m.raw_dsml:
+        return m.raw_dsml
+    if tool_memory is not None:
+        return tool_memory.lookup_message([c.id for c in m.tool_calls]) or ""
+    return ""
+
+
+def turns(conv: Conversation, tool_memory=None) -> list[Turn]:
+    """The conversation as template turns.  developer -> system, function -> tool;
+    other roles are ignored (as ds4 does).  Anthropic: system messages move to
+    the front and tool results become tool turns."""
+    out: list[Turn] = []
+    msgs = conv.messages
+    if conv.api == "anthropic":
+        msgs = [m for m in msgs if m.role in _SYSTEM_ROLES] + [m for m in msgs if m.role not in _SYSTEM_ROLES]
+    for m in msgs:
+        role = m.role
+        if role in _SYSTEM_ROLES:
+            out.append(Turn("system", m.content))
+        elif role in _TOOL_ROLES:
+            out.append(Turn("tool", m.content, tool_id=m.tool_call_ids[0] if m.tool_call_ids else ""))
+        elif role == "user":
+            if m.tool_call_ids and M.TOOL_RESULT_OPEN in m.content:
+                _split_anthropic_results(m, out)
+            else:
+                out.append(Turn("user", m.content))
+        elif role == "assistant":
+            out.append(Turn("assistant", m.content, m.reasoning, list(m.tool_calls),
+                            replay=replay_text(m, tool_memory)))
+    return out
+
+
+def merge_leading_system(ts: list[Turn], joiner: str = "\n\n") -> tuple[Optional[str], list[Turn]]:
+    """(text of the leading system turns joined, the remaining turns); None when
+    the conversation does not start with a system turn."""
+    i = 0
+    parts = []
+    while i < len(ts) and ts[i].role == "system":
+        parts.append(ts[i].content)
+        i += 1
+    return (joiner.join(parts) if i else None), ts[i:]
+
+
+def active_schemas(conv: Conversation) -> list[str]:
+    return [s for s in conv.tool_schemas if s] if conv.tools_active else []
+
+
+def schema_objects(schemas: Sequence[str]) -> list[Any]:
+    """Schema lines parsed (key order kept); a line that is not JSON is skipped."""
+    out = []
+    for s in schemas:
+        try:
+            out.append(json.loads(s))
+        except ValueError:
+            continue
+    return out
+
+
+def call_arguments(call: ToolCall) -> Optional[dict]:
+    """The arguments of a history tool call as an ordered dict (None: not a JSON object)."""
+    try:
+        v = json.loads(call.arguments) if isinstance(call.arguments, str) else call.arguments
+    except ValueError:
+        return None
+    return v if isinstance(v, dict) else None
+
+
+def param_types(schemas: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """tool name -> parameter name -> declared JSON-schema type (str, list or None)."""
+    out: dict[str, dict[str, Any]] = {}
+    for obj in schema_objects(schemas):
+        if not isinstance(obj, dict):
+            continue
+        fn = obj.get("function") if isinstance(obj.get("function"), dict) else obj
+        name = fn.get("name")
+        params = fn.get("parameters", fn.get("input_schema"))
+        if not isinstance(name, str) or not isinstance(params, dict):
+            continue
+        props = params.get("properties")
+        if isinstance(props, dict):
+            out[name] = {k: (v.get("type") if isinstance(v, dict) else None) for k, v in props.items()}
+    return out
+
+
+def order_tool_results(ts: list[Turn]) -> list[Turn]:
+    """Each run of tool turns sorted into the call order of the assistant turn
+    before it (stable; ids it does not name keep their place at the front)."""
+    out = list(ts)
+    order: dict[str, int] = {}
+    i = 0
+    while i < len(out):
+        t = out[i]
+        if t.role == "assistant":
+            order = {c.id: k for k, c in enumerate(t.tool_calls) if c.id}
+            i += 1
+            continue
+        if t.role != "tool":
+            i += 1
+            continue
+        j = i
+        while j < len(out) and out[j].role == "tool":
+            j += 1
+        out[i:j] = sorted(out[i:j], key=lambda x: order.get(x.tool_id, 0))
+        i = j
+    return out
+
+
+def strip_ws(s: str) -> str:
+    return s.strip(_C_SPACE)

@@ -1,0 +1,494 @@
+"""Tag-based tool calls (GLM `<tool_call>name<arg_key>..`, Qwen
+`<tool_call><function=..><parameter=..>`): the element scanner, the final
+parse and the streaming parser with the `OutputParser` interface.
+
+A call element is scanned structurally from its `<tool_call>`: a parameter
+value ends only at the value's own closing tag, so literal `</tool_call>`,
+`</think>` or `<tool_call>` inside a value are data.  The renderer writes a
+value's own closing tag as `&lt;/...>` (ds4's only escape for tool text) and
+the parser decodes exactly that.
+
+Streaming (`XmlOutputParser`): reasoning and text are released as soon as no
+tag can start in them (a partial `</thi` at the end is held back until it is
+known not to be `</think>`); a call is projected as OpenAI argument fragments
+(`{`, one `"key":value` per finished parameter, `}`); `.structural` is true
+inside call structure (tags, names, between parameters) and false inside a
+parameter value; `.stop_now` is set when text that is not another call
+follows the last call.  `finish()` runs the final parse, which is
+authoritative, and emits what the stream still owes.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+from .. import markers as M
+from ..dsml import ParsedCall, ParsedOutput, json_escape, minify_json
+from ..output import new_tool_id
+from ...events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from ._common import param_types
+
+_WS = " \t\n\v\f\r"
+
+
+def skip_ws(s: str, i: int) -> int:
+    n = len(s)
+    while i < n and s[i] in _WS:
+        i += 1
+    return i
+
+
+def rstrip_pos(s: str, end: int, floor: int) -> int:
+    while end > floor and s[end - 1] in _WS:
+        end -= 1
+    return max(end, floor)
+
+
+def is_partial(tail: str, lits: Sequence[str]) -> bool:
+    """`tail` is a proper prefix of one of `lits`."""
+    return any(len(tail) < len(lit) and lit.startswith(tail) for lit in lits)
+
+
+def hold_partial(s: str, start: int, lits: Sequence[str]) -> int:
+    """Where a trailing proper prefix of one of `lits` begins (>= start), else len(s)."""
+    n = len(s)
+    longest = max(len(x) for x in lits)
+    lt = s.rfind("<", max(start, n - longest + 1))
+    while lt >= 0:
+        if is_partial(s[lt:], lits):
+            return lt
+        lt = s.rfind("<", max(start, n - longest + 1), lt)
+    return n
+
+
+@dataclass
+class Scan:
+    """Progress of one call element from its open tag."""
+    status: str  # complete | partial | invalid
+    end: int  # complete: after the close tag; else where scanning stopped
+    name: Optional[str] = None
+    params: list = field(default_factory=list)  # (key, value text)
+    in_value: bool = False
+    value_start: int = 0
+
+
+class CallSyntax:
+    """One tag-based call spelling.  Subclasses implement `scan` and `render_call`."""
+    open = "<tool_call>"
+    close = "</tool_call>"
+    value_close = ""
+
+    def scan(self, text: str, pos: int) -> Scan:
+        raise NotImplementedError
+
+    def render_call(self, name: str, args: Optional[dict], raw_arguments: str) -> str:
+        raise NotImplementedError
+
+    # the one escape of tool text: the value's own closing tag
+    def escape_value(self, v: str) -> str:
+        return v.replace(self.value_close, M.PARAM_CLOSE_TEXT_ESCAPE + self.value_close[1:])
+
+    def unescape_value(self, v: str) -> str:
+        return v.replace(M.PARAM_CLOSE_TEXT_ESCAPE + self.value_close[1:], self.value_close)
+
+
+# --- argument typing -------------------------------------------------------------------
+
+def _is_string_type(t: Any) -> Optional[bool]:
+    if isinstance(t, str):
+        return t == "string"
+    if isinstance(t, list) and t:
+        kinds = [x for x in t if x != "null"]
+        if kinds == ["string"]:
+            return True
+        return False if "string" not in kinds else None
+    return None
+
+
+def value_json(raw: str, declared: Any) -> str:
+    """JSON text of a parameter value: a declared string stays a string; a
+    declared other type is JSON when the text is valid JSON; undeclared text is
+    JSON when it parses as a non-string JSON value, else a string."""
+    is_str = _is_string_type(declared)
+    if is_str:
+        return json_escape(raw)
+    try:
+        v = json.loads(raw)
+    except (ValueError, RecursionError):
+        return json_escape(raw)
+    if is_str is None and isinstance(v, str):
+        return json_escape(raw)
+    out = minify_json(raw)
+    return out if out is not None else json_escape(raw)
+
+
+def arguments_json(name: str, params: Sequence[tuple[str, str]], types: dict) -> str:
+    decl = types.get(name, {})
+    return "{" + ",".join(json_escape(k) + ":" + value_json(v, decl.get(k)) for k, v in params) + "}"
+
+
+def _fragment(first: bool, name: str, key: str, value: str, types: dict) -> str:
+    return ("" if first else ",") + json_escape(key) + ":" + value_json(value, types.get(name, {}).get(key))
+
+
+# --- final parse -------------------------------------------------------------------------
+
+@dataclass
+class _Layout:
+    region: int = 0  # where the answer begins (after </think>)
+    content_hi: int = 0  # end of the content text (before the calls, whitespace excluded)
+
+
+@dataclass
+class ThinkStyle:
+    open: str = "<think>"
+    close: str = "</think>"
+    strip_reasoning: bool = False  # reasoning is stripped of surrounding whitespace (Qwen)
+    inline: bool = False  # an answer may open with its own <think>...</think> (Qwen)
+
+
+def _reasoning_bounds(text: str, thinking: bool, ts: ThinkStyle) -> tuple[bool, int]:
+    """(reasoning first, where its body starts)."""
+    if thinking:
+        s = skip_ws(text, 0)
+        return True, (s + len(ts.open) if text.startswith(ts.open, s) else 0)
+    if ts.inline:
+        s = skip_ws(text, 0)
+        if text.startswith(ts.open, s):
+            return True, s + len(ts.open)
+    return False, 0
+
+
+def parse_xml_output(text: str, *, thinking: bool, tools_active: bool, truncated: bool, syntax: CallSyntax,
+                     think: ThinkStyle, types: Optional[dict] = None) -> tuple[ParsedOutput, _Layout]:
+    finish = "length" if truncated else "stop"
+    types = types or {}
+    lay = _Layout()
+    reasoning = None
+    in_think, body = _reasoning_bounds(text, thinking, think)
+    if in_think:
+        t = text.find(think.close, body)
+        if t < 0:  # never closed (ds4: the whole text is the content of the final parse)
+            lay.content_hi = len(text)
+            return ParsedOutput(content=text, reasoning=None, finish=finish), lay
+        reasoning = text[body:t]
+        if think.strip_reasoning:
+            reasoning = reasoning.strip(_WS)
+        lay.region = t + len(think.close)
+    region = lay.region
+    lo = skip_ws(text, region)
+    if not tools_active:
+        lay.content_hi = rstrip_pos(text, len(text), lo)
+        return ParsedOutput(content=text[lo:lay.content_hi], reasoning=reasoning, finish=finish), lay
+    p = text.find(syntax.open, region)
+    skipped = False
+    while p >= 0:  # an open tag whose element is not a call is text
+        if syntax.scan(text, p).status != "invalid":
+            break
+        skipped = True
+        p = text.find(syntax.open, p + 1)
+    if p < 0:
+        lay.content_hi = rstrip_pos(text, len(text), lo)
+        err = M.PARSE_INVALID_TOOL_CALL if skipped else None
+        return ParsedOutput(content=text[lo:lay.content_hi], reasoning=reasoning, error=err, finish=finish), lay
+    calls: list[ParsedCall] = []
+    pos = p
+    last_end = p
+    failure = None
+    while True:
+        s = syntax.scan(text, pos)
+        if s.status == "complete":
+            raw = text[pos:s.end]
+            calls.append(ParsedCall(name=s.name or "", arguments_json=arguments_json(s.name or "", s.params, types),
+                                    raw_dsml=raw))
+            last_end = s.end
+            q = skip_ws(text, s.end)
+            if text.startswith(syntax.open, q):
+                pos = q
+                continue
+            break
+        if not calls:
+            failure = s.status
+        break
+    if failure is not None:
+        lay.content_hi = rstrip_pos(text, len(text), lo)
+        content = text[lo:lay.content_hi]
+        if failure == "partial" and truncated:  # cut by the token limit: plain text, no repair
+            return ParsedOutput(content=content, reasoning=reasoning, finish=finish), lay
+        err = M.PARSE_UNTERMINATED_TOOL_CALL
+        return ParsedOutput(content=content, reasoning=reasoning, error=err, finish=finish), lay
+    lay.content_hi = rstrip_pos(text, p, lo)
+    return ParsedOutput(content=text[lo:lay.content_hi], reasoning=reasoning, calls=calls,
+                        raw_dsml=text[p:last_end], finish="tool_calls"), lay
+
+
+# --- streaming -------------------------------------------------------------------------------
+
+class XmlOutputParser:
+    """The `OutputParser` interface for tag-based tool calls (see the module docstring)."""
+
+    def __init__(self, syntax: CallSyntax, think: ThinkStyle, thinking: bool, tools_active: bool,
+                 id_prefix: str = M.OPENAI_TOOL_ID_PREFIX, *, tool_memory=None, tool_schemas: Sequence[str] = ()):
+        self.syntax = syntax
+        self.think = think
+        self.thinking = thinking
+        self.tools_active = tools_active
+        self.id_prefix = id_prefix
+        self.tool_memory = tool_memory
+        self.types = param_types(tool_schemas) if tools_active else {}
+        self.raw = ""
+        self.phase = "reasoning" if thinking else "text"
+        self.stop_now = False
+        self.result: Optional[ParsedOutput] = None
+        self._decoder = None
+        self._finished = False
+        self._stop_at: Optional[int] = None
+        self._head_checked = False  # the start checked for a think open (thinking or inline)
+        self._body = 0
+        self._r_emit = 0
+        self._r_started = not think.strip_reasoning
+        self._region = 0
+        self._c_emit = 0
+        self._c_started = False
+        self._structural = False
+        # calls
+        self._call_pos = -1
+        self._index = 0
+        self._params_sent = 0
+        self._last_end = -1
+        self._failed = False
+        self._ids: dict[int, str] = {}
+        self._started: set[int] = set()
+        self._ended: set[int] = set()
+
+    # --- public state ---------------------------------------------------------------------
+    @property
+    def text(self) -> str:
+        return self.raw if self._stop_at is None else self.raw[:self._stop_at]
+
+    @property
+    def structural(self) -> bool:
+        return self._structural and not self.stop_now and not self._finished
+
+    def feed(self, text: Union[str, bytes]) -> list:
+        if isinstance(text, (bytes, bytearray)):
+            if self._decoder is None:
+                self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            text = self._decoder.decode(bytes(text))
+        if self._finished:
+            raise RuntimeError("feed after finish")
+        self.raw += text
+        events: list = []
+        if text and self.phase != "done":
+            self._step(events)
+        return events
+
+    def finish(self, truncated: bool = False) -> tuple[list, ParsedOutput]:
+        events: list = []
+        if self._decoder is not None:
+            tail = self._decoder.decode(b"", final=True)
+            if tail:
+                self.raw += tail
+                if self.phase != "done":
+                    self._step(events)
+        self._finished = True
+        raw = self.text
+        final, lay = parse_xml_output(raw, thinking=self.thinking, tools_active=self.tools_active,
+                                      truncated=truncated, syntax=self.syntax, think=self.think, types=self.types)
+        if self.phase == "reasoning" and final.reasoning is None:
+            self._emit_reasoning(events, len(raw))  # never closed: everything was reasoning
+        else:
+            if self.phase == "reasoning":  # closed in the tail
+                self._step(events)
+            self._emit_text(events, lay.content_hi)
+        for i, call in enumerate(final.calls):
+            call.id = self._id_for(i)
+            if i not in self._started:
+                events.append(ToolCallStart(index=i, id=call.id, name=call.name))
+                events.append(ToolCallDelta(index=i, arguments=call.arguments))
+                events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
+            elif i not in self._ended:
+                events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
+        self.result = final
+        return events, final
+
+    # --- internals --------------------------------------------------------------------------
+    def _id_for(self, index: int) -> str:
+        tool_id = self._ids.get(index)
+        if tool_id is None:
+            used = set(self._ids.values())
+            mem = self.tool_memory
+            tool_id = new_tool_id(self.id_prefix, lambda i: i in used or (mem is not None and mem.has(i)))
+            self._ids[index] = tool_id
+        return tool_id
+
+    def _emit_reasoning(self, events: list, limit: int) -> None:
+        if not self._r_started:  # stripped reasoning: its leading whitespace is never sent
+            self._r_emit = skip_ws(self.raw, self._r_emit)
+            if limit <= self._r_emit:
+                return
+            self._r_started = True
+        if limit > self._r_emit:
+            events.append(ReasoningDelta(self.raw[self._r_emit:limit]))
+            self._r_emit = limit
+
+    def _skip_content_ws(self) -> None:
+        if not self._c_started:
+            self._c_emit = skip_ws(self.raw, max(self._c_emit, self._region))
+
+    def _emit_text(self, events: list, limit: int) -> None:
+        self._skip_content_ws()
+        if limit > self._c_emit:
+            self._c_started = True
+            events.append(TextDelta(self.raw[self._c_emit:limit]))
+            self._c_emit = limit
+
+    def _step(self, events: list) -> None:
+        if self.phase == "reasoning":
+            self._reasoning(events)
+        if self.phase == "text":
+            self._text(events)
+        if self.phase == "tool":
+            self._tool(events)
+
+    def _head(self) -> Optional[bool]:
+        """Look for an opening <think> at the start: None = wait for more text."""
+        raw = self.raw
+        s = skip_ws(raw, 0)
+        if s >= len(raw):
+            return None
+        if is_partial(raw[s:], (self.think.open,)):
+            return None
+        self._head_checked = True
+        if raw.startswith(self.think.open, s):
+            self._body = self._r_emit = s + len(self.think.open)
+            return True
+        return False
+
+    def _reasoning(self, events: list) -> None:
+        raw = self.raw
+        if not self._head_checked:
+            if self._head() is None:
+                self._structural = False
+                return
+        ts = self.think
+        t = raw.find(ts.close, self._body)
+        if t >= 0:
+            end = rstrip_pos(raw, t, self._r_emit) if ts.strip_reasoning else t
+            self._emit_reasoning(events, end)
+            self._r_emit = t + len(ts.close)
+            self._region = self._c_emit = t + len(ts.close)
+            self.phase = "text"
+            return
+        limit = hold_partial(raw, self._r_emit, (ts.close,))
+        if ts.strip_reasoning:
+            limit = rstrip_pos(raw, limit, self._r_emit)
+        self._emit_reasoning(events, limit)
+        self._structural = False
+
+    def _text(self, events: list) -> None:
+        raw = self.raw
+        n = len(raw)
+        self._structural = False
+        if self.think.inline and not self.thinking and not self._head_checked:
+            got = self._head()
+            if got is None:
+                return
+            if got:
+                self.phase = "reasoning"
+                self._reasoning(events)
+                if self.phase != "text":
+                    return
+                raw = self.raw
+        self._head_checked = True
+        self._skip_content_ws()
+        if not self.tools_active:
+            self._emit_text(events, rstrip_pos(raw, n, self._c_emit))
+            return
+        p = raw.find(self.syntax.open, self._c_emit)
+        if p >= 0:
+            self._emit_text(events, rstrip_pos(raw, p, self._c_emit))
+            self.phase = "tool"
+            self._call_pos = p
+            self._params_sent = 0
+            return
+        limit = hold_partial(raw, self._c_emit, (self.syntax.open,))
+        self._emit_text(events, rstrip_pos(raw, limit, self._c_emit))
+
+    def _tool(self, events: list) -> None:
+        raw = self.raw
+        syn = self.syntax
+        while self.phase == "tool":
+            if self._call_pos < 0:  # between calls
+                q = skip_ws(raw, self._last_end)
+                self._structural = False
+                if q >= len(raw) or is_partial(raw[q:], (syn.open,)):
+                    return
+                if raw.startswith(syn.open, q):
+                    self._call_pos = q
+                    self._params_sent = 0
+                    continue
+                self._stop(self._last_end)  # text after the calls: the turn is over
+                return
+            s = syn.scan(raw, self._call_pos)
+            i = self._index
+            if s.name is not None and i not in self._started and not self._failed:
+                events.append(ToolCallStart(index=i, id=self._id_for(i), name=s.name))
+                events.append(ToolCallDelta(index=i, arguments="{"))
+                self._started.add(i)
+            if i in self._started and not self._failed:
+                while self._params_sent < len(s.params):
+                    k, v = s.params[self._params_sent]
+                    events.append(ToolCallDelta(index=i, arguments=_fragment(self._params_sent == 0, s.name, k, v,
+                                                                             self.types)))
+                    self._params_sent += 1
+            if s.status == "complete":
+                if i in self._started and not self._failed:
+                    events.append(ToolCallDelta(index=i, arguments="}"))
+                    events.append(ToolCallEnd(index=i, id=self._id_for(i), name=s.name,
+                                              arguments=arguments_json(s.name, s.params, self.types)))
+                    self._ended.add(i)
+                self._index += 1
+                self._last_end = s.end
+                self._call_pos = -1
+                continue
+            if s.status == "partial":
+                if s.in_value:
+                    close = syn.value_close
+                    tail = hold_partial(raw, s.value_start, (close,))
+                    self._structural = len(raw) - tail >= 2
+                else:
+                    self._structural = True
+                return
+            # invalid
+            if self._index == 0 and i not in self._started:
+                # not a call after all: it is text; look for the next open after it
+                self.phase = "text"
+                self._c_started = self._c_started or self._call_pos > self._c_emit
+                self._text_from(events, self._call_pos)
+                return
+            self._failed = True
+            self._stop(self._last_end if self._last_end >= 0 else len(raw))
+            return
+
+    def _text_from(self, events: list, p: int) -> None:
+        """The open tag at `p` was text: release up to past it and scan on."""
+        raw = self.raw
+        q = raw.find(self.syntax.open, p + 1)
+        if q >= 0:
+            self._emit_text(events, rstrip_pos(raw, q, self._c_emit))
+            self.phase = "tool"
+            self._call_pos = q
+            self._params_sent = 0
+            self._tool(events)
+            return
+        limit = hold_partial(raw, p + 1, (self.syntax.open,))
+        self._emit_text(events, rstrip_pos(raw, limit, self._c_emit))
+
+    def _stop(self, at: int) -> None:
+        self.phase = "done"
+        self.stop_now = True
+        self._stop_at = at
+        self._structural = False

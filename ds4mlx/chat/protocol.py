@@ -1,0 +1,311 @@
+"""Chat protocols: everything between a normalized request and prompt text, per
+model family.
+
+A `ChatProtocol` owns one family's conversation format: the model id and
+aliases /v1/models reports, the special strings, the prompt renderer (chat,
+legacy completion, live tool-continuation tail), the tool-call syntax (render,
+forced opening for tool_choice, final parse) and the streaming output parser
+(`make_parser`, the `OutputParser` interface: `feed`, `finish`, `.structural`,
+`.stop_now`, `.phase`), plus the family's thinking-mode resolution.
+
+Families (registry keys, the config `model_type` they serve):
+
+* `deepseek_v4`  DeepSeek V4 Flash: chat/template.py, dsml.py, output.py unchanged.
+* `deepseek_v41` DeepSeek V4.1 Flash: families/deepseek_v41.py.
+* `glm_moe_dsa`  GLM 5.2, `glm5_next` GLM 5.3 Flash: families/glm.py.
+* `qwen4_exp`    Qwen3.8 Flash Next: families/qwen.py.
+
+Thinking modes are strings: "none" disables thinking everywhere; otherwise
+the value is family-specific (V4: "high" | "max"; V4.1: a level "1".."100";
+GLM: "low" | "high" | "max"; Qwen: "low" | "medium" | "xhigh").  The shared
+request parser resolves none/high/max; `resolve_thinking` refines that with
+the client's raw effort value (`request_effort`) for the loaded family.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Optional, Sequence
+
+from . import markers as M
+from .messages import Conversation
+
+__all__ = ["ChatProtocol", "DeepSeekV4Protocol", "register", "get_protocol", "families", "family_of",
+           "protocol_for_model", "model_type_of", "request_effort", "EffortError", "DEFAULT_FAMILY"]
+
+DEFAULT_FAMILY = "deepseek_v4"
+
+# config `model_type` (or text_config.model_type) -> family key
+_MODEL_TYPES = {
+    "deepseek_v4": "deepseek_v4",
+    "deepseek_v41": "deepseek_v41",
+    "glm_moe_dsa": "glm_moe_dsa",
+    "glm5_next": "glm5_next",
+    "glm5_next_text": "glm5_next",
+    "qwen4_exp": "qwen4_exp",
+    "qwen4_exp_text": "qwen4_exp",
+}
+_FAMILY_MODULES = {
+    "deepseek_v41": "ds4mlx.chat.families.deepseek_v41",
+    "glm_moe_dsa": "ds4mlx.chat.families.glm",
+    "glm5_next": "ds4mlx.chat.families.glm",
+    "qwen4_exp": "ds4mlx.chat.families.qwen",
+}
+
+
+class EffortError(ValueError):
+    """A reasoning effort value the loaded family does not accept (HTTP 400)."""
+
+
+class ChatProtocol:
+    """One model family's chat protocol.  Subclasses set the attributes and
+    implement the methods; see the module docstring."""
+
+    family: str = ""
+    model_id: str = ""
+    model_name: str = ""
+    aliases: tuple = ()
+    # model names that, unless the request sets thinking explicitly, turn it off / on
+    chat_aliases: tuple = ()
+    reasoner_aliases: tuple = ()
+    bos: str = ""
+    eos: str = ""
+    think_open: str = "<think>"
+    think_close: str = "</think>"
+    # strings that end the assistant turn (their tokens stop generation like EOS)
+    stop_strings: tuple = ()
+    special_strings: tuple = ()
+    # text that closes an assistant turn in the prompt (right after a tool call
+    # it is what the live continuation tail starts with)
+    turn_end: str = ""
+    default_mode: str = "high"
+    numeric_effort: bool = False  # reasoning_effort may be a number (V4.1 levels)
+
+    # --- identity ------------------------------------------------------------------
+    @property
+    def model_names(self) -> tuple:
+        return (self.model_id,) + tuple(self.aliases)
+
+    def knows_model(self, name: str) -> bool:
+        return name in self.model_names
+
+    # --- thinking -------------------------------------------------------------------
+    def thinking_enabled(self, mode: str) -> bool:
+        return mode != "none"
+
+    def resolve_thinking(self, mode: str, effort: Any = None, *, explicit: bool = False,
+                         model: Optional[str] = None, ctx: int = 32768) -> str:
+        """The family's mode from the shared parser's none/high/max `mode`, the
+        raw client `effort` (None if absent) and the model name."""
+        raise NotImplementedError
+
+    def render_think_level(self, level: int) -> str:
+        """CLI `--think-level N` as a mode (only numeric-effort families)."""
+        raise EffortError(f"--think-level is not supported by {self.family}")
+
+    # --- prompts --------------------------------------------------------------------
+    def render(self, conv: Conversation, tool_memory=None) -> str:
+        raise NotImplementedError
+
+    def render_completion(self, prompt: str, thinking: str = "high") -> str:
+        raise NotImplementedError
+
+    def render_continuation_tail(self, conv: Conversation, start: int, tool_memory=None) -> Optional[str]:
+        """The text the live session (which ends right after the sampled tool
+        calls) needs to reach `render(conv)`: the turn end, then messages[start:]
+        and the generation prompt.  None when the live turn is not a prefix."""
+        head = Conversation(messages=list(conv.messages[:start]), tool_schemas=conv.tool_schemas,
+                            tools_active=conv.tools_active, thinking=conv.thinking, api=conv.api,
+                            model=conv.model, tool_aliases=conv.tool_aliases)
+        full = self.render(conv, tool_memory)
+        prefix = self.render_history(head, tool_memory)
+        if not prefix.endswith(self.turn_end) or not full.startswith(prefix):
+            return None
+        return self.turn_end + full[len(prefix):]
+
+    def render_history(self, conv: Conversation, tool_memory=None) -> str:
+        """`conv` rendered without a generation prompt (it ends with an assistant turn)."""
+        raise NotImplementedError
+
+    def uses_tool_context(self, conv: Conversation) -> bool:
+        """The prompt renders old reasoning because of tools (engine bindings)."""
+        return bool(conv.tools_active and conv.tool_schemas) or any(
+            (m.role == "assistant" and m.tool_calls) or m.role in ("tool", "function") for m in conv.messages)
+
+    # --- tool calls -------------------------------------------------------------------
+    def render_calls(self, calls: Sequence) -> str:
+        raise NotImplementedError
+
+    def force_text(self, name: Optional[str]) -> str:
+        """Text forced at the start of the answer by tool_choice required
+        (name None: the model picks the tool) or a named tool."""
+        raise NotImplementedError
+
+    def make_parser(self, thinking: bool, tools_active: bool, id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
+                    tool_memory=None, *, tool_schemas: Sequence[str] = ()):
+        raise NotImplementedError
+
+    def parse(self, text: str, *, thinking: bool, tools_active: bool = True, truncated: bool = False,
+              tool_schemas: Sequence[str] = ()):
+        """Final parse of a whole generation (a `dsml.ParsedOutput`)."""
+        raise NotImplementedError
+
+
+# =============================================================================
+# DeepSeek V4 Flash: the existing modules
+# =============================================================================
+
+class DeepSeekV4Protocol(ChatProtocol):
+    family = "deepseek_v4"
+    model_id = "deepseek-v4-flash"
+    model_name = "DeepSeek V4 Flash"
+    aliases = ("deepseek-chat", "deepseek-reasoner")
+    chat_aliases = ("deepseek-chat",)
+    reasoner_aliases = ("deepseek-reasoner",)
+    bos = M.BOS
+    eos = M.EOS
+    think_open = M.THINK_OPEN
+    think_close = M.THINK_CLOSE
+    stop_strings = ()
+    special_strings = M.SPECIAL_STRINGS
+    turn_end = M.EOS
+    default_mode = "high"
+
+    def thinking_enabled(self, mode: str) -> bool:
+        from .template import thinking_enabled
+        return thinking_enabled(mode)
+
+    def resolve_thinking(self, mode: str, effort: Any = None, *, explicit: bool = False,
+                         model: Optional[str] = None, ctx: int = 32768) -> str:
+        return mode  # chat/requests.py already resolved V4's none/high/max
+
+    def render(self, conv: Conversation, tool_memory=None) -> str:
+        from .template import render
+        return render(conv, tool_memory)
+
+    def render_completion(self, prompt: str, thinking: str = "high") -> str:
+        from .template import render_completion
+        return render_completion(prompt, thinking)
+
+    def render_continuation_tail(self, conv: Conversation, start: int, tool_memory=None) -> Optional[str]:
+        from .template import render_continuation_tail
+        return render_continuation_tail(conv, start, tool_memory)
+
+    def uses_tool_context(self, conv: Conversation) -> bool:
+        from .template import uses_tool_context
+        return uses_tool_context(conv)
+
+    def render_calls(self, calls: Sequence) -> str:
+        from .dsml import render_calls
+        return render_calls(calls)
+
+    def force_text(self, name: Optional[str]) -> str:
+        from .dsml import attr_escape
+        syn = M.DSML_FULL
+        head = M.DSML_BLOCK_SEPARATOR + syn.open + "\n" + syn.invoke + ' name="'
+        return head if name is None else head + attr_escape(name) + '">\n'
+
+    def make_parser(self, thinking: bool, tools_active: bool, id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
+                    tool_memory=None, *, tool_schemas: Sequence[str] = ()):
+        from .output import OutputParser
+        return OutputParser(thinking=thinking, tools_active=tools_active, id_prefix=id_prefix,
+                            tool_memory=tool_memory)
+
+    def parse(self, text: str, *, thinking: bool, tools_active: bool = True, truncated: bool = False,
+              tool_schemas: Sequence[str] = ()):
+        from .dsml import parse_output
+        return parse_output(text, thinking=thinking, tools_active=tools_active, truncated=truncated)
+
+
+# =============================================================================
+# Registry
+# =============================================================================
+
+_REGISTRY: dict[str, ChatProtocol] = {}
+
+
+def register(protocol: ChatProtocol) -> ChatProtocol:
+    _REGISTRY[protocol.family] = protocol
+    return protocol
+
+
+register(DeepSeekV4Protocol())
+
+
+def get_protocol(family: Optional[str] = None) -> ChatProtocol:
+    """The protocol of a family key or config model_type (None: DeepSeek V4)."""
+    family = _MODEL_TYPES.get(family or DEFAULT_FAMILY, family or DEFAULT_FAMILY)
+    proto = _REGISTRY.get(family)
+    if proto is None and family in _FAMILY_MODULES:
+        importlib.import_module(_FAMILY_MODULES[family])
+        proto = _REGISTRY.get(family)
+    if proto is None:
+        raise KeyError(f"no chat protocol for model family {family!r}")
+    return proto
+
+
+def families() -> tuple:
+    return tuple(sorted({DEFAULT_FAMILY, *_FAMILY_MODULES}))
+
+
+def family_of(model_type: Optional[str]) -> Optional[str]:
+    return _MODEL_TYPES.get(model_type) if model_type else None
+
+
+def model_type_of(model) -> Optional[str]:
+    """`model_type` of a loaded model: `model.args.model_type`, then the config
+    dict (`model_type`, else `text_config.model_type`); None if unknown."""
+    for obj in (model, getattr(model, "model", None)):
+        args = getattr(obj, "args", None)
+        mt = getattr(args, "model_type", None)
+        if isinstance(mt, str) and mt:
+            return mt
+    cfg = getattr(model, "config", None)
+    if isinstance(cfg, dict):
+        mt = cfg.get("model_type")
+        if not (isinstance(mt, str) and mt in _MODEL_TYPES) and isinstance(cfg.get("text_config"), dict):
+            mt = cfg["text_config"].get("model_type", mt)
+        if isinstance(mt, str) and mt:
+            return mt
+    return None
+
+
+def protocol_for_model(model) -> ChatProtocol:
+    """The protocol of a loaded model's family (DeepSeek V4 when it says nothing)."""
+    family = family_of(model_type_of(model))
+    return get_protocol(family or DEFAULT_FAMILY)
+
+
+# --- raw effort values of a request body ----------------------------------------------
+
+def _numeric(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int):
+        return True
+    return isinstance(v, str) and v.isdigit() and v.isascii()
+
+
+def request_effort(api: str, body: Any, numeric: bool = False) -> tuple[Any, Any]:
+    """(body for the shared request parser, raw effort value or None).
+
+    The effort is `reasoning_effort` (every API), Anthropic
+    `output_config.effort` or Responses `reasoning.effort`.  With `numeric`
+    (families with numeric levels) a numeric value — an integer or a string of
+    ASCII digits — is taken out of the body, since the shared parser only
+    knows named efforts; other values stay for the shared parser to validate."""
+    if not isinstance(body, dict):
+        return body, None
+    found: Any = None
+    out = body
+    if "reasoning_effort" in body and body["reasoning_effort"] is not None:
+        found = body["reasoning_effort"]
+        if numeric and _numeric(found):
+            out = {k: v for k, v in body.items() if k != "reasoning_effort"}
+    for key in ("output_config", "reasoning"):
+        sub = body.get(key)
+        if isinstance(sub, dict) and sub.get("effort") is not None:
+            found = sub["effort"]
+            if numeric and _numeric(found):
+                out = dict(out) if out is body else out
+                out[key] = {k: v for k, v in sub.items() if k != "effort"}
+    return out, found
