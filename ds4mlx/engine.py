@@ -89,6 +89,8 @@ class Job:
     preserves_reasoning: bool = False  # the prompt renders old reasoning (tool context)
     responses_summary: bool = False  # Responses reasoning.summary opted in
     label: str = ""  # for logs / trace
+    family: Optional[str] = None  # chat protocol family (chat/protocol.py); None = the engine's
+    tool_schemas: Sequence[str] = ()  # active tool schema lines (typed arguments for tag-based calls)
 
 
 @dataclass
@@ -202,10 +204,17 @@ class _RawOutput:
 def default_parser_factory(job: Job, tool_memory=None):
     if job.raw:
         return _RawOutput()
-    from .chat.output import OutputParser
+    from .chat.protocol import get_protocol
 
-    return OutputParser(thinking=job.thinking != "none", tools_active=job.tools_active,
-                        id_prefix=job.tool_id_prefix, tool_memory=tool_memory)
+    return get_protocol(job.family).make_parser(job.thinking != "none", job.tools_active, job.tool_id_prefix,
+                                                tool_memory, tool_schemas=job.tool_schemas)
+
+
+def _stop_ids(tokenizer, protocol) -> frozenset:
+    """Token ids of the protocol's end-of-turn strings (they stop like EOS)."""
+    lookup = getattr(tokenizer, "token_to_id", None)
+    ids = (lookup(s) for s in protocol.stop_strings) if lookup is not None else ()
+    return frozenset(i for i in ids if i is not None)
 
 
 def _calls_of(parsed) -> list:
@@ -229,8 +238,14 @@ class Engine:
         tool_memory=None,
         cache: Optional[CacheHooks] = None,
         parser_factory: Callable[..., Any] = default_parser_factory,
+        protocol=None,
     ):
+        from .chat.protocol import protocol_for_model
+
         self.model = model
+        # the chat protocol of the model's family (rendering and output parsing)
+        self.protocol = protocol if protocol is not None else protocol_for_model(model)
+        self.stop_ids = _stop_ids(tokenizer, self.protocol)
         self.tokenizer = tokenizer
         self.ctx = int(ctx)
         self.default_max_tokens = int(default_max_tokens)
@@ -542,11 +557,14 @@ class Engine:
         room = self.ctx - len(s)
         max_tokens = self.default_max_tokens if job.max_tokens is None else max(0, int(job.max_tokens))
         max_tokens = min(max_tokens, room)
+        if job.family is None:
+            job.family = self.protocol.family
         parser = self.parser_factory(job, self.tool_memory)
         detok = Detokenizer(tk)
         stops = StopMatcher(job.stop)
         sampler = Sampler(job.params.seed)
-        banned = [eos] if job.ignore_eos else None
+        ends = {eos, *self.stop_ids}
+        banned = sorted(e for e in ends if e is not None) if job.ignore_eos else None
         raw_parts: list[str] = []
         generated: list[int] = []
         finish = "length"
@@ -579,7 +597,7 @@ class Engine:
                 if structural and not job.params.greedy:
                     self.stats.greedy_tokens += 1
                 tok = int(sampler.sample(logits, params, generated, banned).item())
-            if tok == eos and not job.ignore_eos:
+            if tok in ends and not job.ignore_eos:
                 finish = "stop"
                 break
             try:

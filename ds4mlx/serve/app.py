@@ -24,7 +24,7 @@ from ..events import Finish, PrefillProgress, Started
 from . import errors as E
 from . import sse
 from .anthropic import AnthropicAdapter
-from .build import ServeConfig, model_known, prepare
+from .build import ServeConfig, model_known, prepare, protocol_of
 from .completions import CompletionsAdapter
 from .jsonin import parse_body
 from .openai import ChatAdapter, RequestInfo, body_bytes
@@ -119,8 +119,9 @@ async def _middleware(request: web.Request, handler):
 # -- routes ---------------------------------------------------------------------------------
 def _model_object(cfg: ServeConfig) -> dict:
     maxc = min(cfg.tokens, cfg.ctx)
-    return {"id": cfg.model_id, "object": "model", "created": MODEL_CREATED, "owned_by": "ds4.c",
-            "name": cfg.model_name, "context_length": cfg.ctx,
+    proto = protocol_of(cfg)  # the loaded model's family
+    return {"id": cfg.model_id or proto.model_id, "object": "model", "created": MODEL_CREATED, "owned_by": "ds4.c",
+            "name": cfg.model_name or proto.model_name, "aliases": list(proto.aliases), "context_length": cfg.ctx,
             "top_provider": {"context_length": cfg.ctx, "max_completion_tokens": maxc, "is_moderated": False},
             "supported_parameters": SUPPORTED_PARAMETERS}
 
@@ -256,6 +257,9 @@ async def _stream(request, state, api, adapter, queue, handle, result) -> web.St
 
 def make_app(engine: Engine, cfg: Optional[ServeConfig] = None, tool_memory=None) -> web.Application:
     cfg = cfg or ServeConfig(ctx=engine.ctx, tokens=engine.default_max_tokens)
+    if cfg.family is None:  # serve the loaded model's chat protocol
+        proto = getattr(engine, "protocol", None)
+        cfg.family = proto.family if proto is not None else None
     app = web.Application(middlewares=[_middleware], client_max_size=max(1, cfg.max_body_mb) * 1024 * 1024)
     state = ServerState(engine, cfg, tool_memory)
     app[STATE] = state

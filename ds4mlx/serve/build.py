@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..chat import markers as M
-from ..chat.dsml import attr_escape
+from ..chat.protocol import ChatProtocol, EffortError, get_protocol, request_effort
 from ..chat.requests import RequestError, parse_request, unreplayed_tool_result_ids
-from ..chat.template import live_tail, render, render_continuation_tail, uses_tool_context
+from ..chat.template import live_tail
 from ..engine import Job
 from . import errors as E
 from .params import parse_controls
@@ -29,9 +29,11 @@ MODEL_ALIASES = ("deepseek-chat", "deepseek-reasoner")
 class ServeConfig:
     ctx: int = 32768
     tokens: int = 393216  # default max output tokens (--tokens)
-    model_id: str = DEFAULT_MODEL_ID
-    model_name: str = "DeepSeek V4 Flash"
+    model_id: str = ""  # "" = the loaded family's id (chat/protocol.py)
+    model_name: str = ""  # "" = the loaded family's display name
     aliases: tuple = ()  # extra accepted model names (fnmatch patterns)
+    family: Optional[str] = None  # chat protocol family; None = the engine's (set by make_app)
+    think_level: Optional[int] = None  # default level 0..100 for numeric-effort families (--think-level)
     cors: bool = False
     keepalive_s: float = 5.0  # ": prefill" comment interval while a streamed prefill runs
     max_body_mb: int = 64
@@ -53,8 +55,13 @@ class Prepared:
     prompt_tokens: int = 0
 
 
+def protocol_of(cfg: ServeConfig) -> ChatProtocol:
+    return get_protocol(cfg.family)
+
+
 def model_known(cfg: ServeConfig, name: str) -> bool:
-    if name in (cfg.model_id, DEFAULT_MODEL_ID) or name in MODEL_ALIASES:
+    """The loaded family's id or aliases, `cfg.model_id`, or an --alias pattern."""
+    if name == cfg.model_id or protocol_of(cfg).knows_model(name):
         return True
     return any(fnmatch.fnmatchcase(name, pat) for pat in cfg.aliases)
 
@@ -75,7 +82,7 @@ def _tool_names(api: str, body: dict) -> set[str]:
     return names
 
 
-def _check_tool_choice(api: str, body: dict) -> Optional[str]:
+def _check_tool_choice(api: str, body: dict, proto: Optional[ChatProtocol] = None) -> Optional[str]:
     """Validate tool_choice and return the text to force at the start of the
     answer: "required" / Anthropic "any" open a DSML block and an invoke tag
     (the model picks the tool), a named tool also writes the name (it must be
@@ -99,44 +106,60 @@ def _check_tool_choice(api: str, body: dict) -> Optional[str]:
                 raise E.APIError(400, E.INVALID_JSON, param="tool_choice")
     if name is not None and name not in _tool_names(api, body):
         raise E.APIError(400, E.unknown_tool(name), param="tool_choice")
+    proto = proto or get_protocol()
     if name is not None:
-        return force_text(name)
-    return force_text(None) if required else None
+        return proto.force_text(name)
+    return proto.force_text(None) if required else None
 
 
-def force_text(name: Optional[str]) -> str:
-    """DSML forced by tool_choice required (name=None) or a named tool."""
-    syn = M.DSML_FULL
-    head = M.DSML_BLOCK_SEPARATOR + syn.open + "\n" + syn.invoke + ' name="'
-    return head if name is None else head + attr_escape(name) + '">\n'
+def force_text(name: Optional[str], proto: Optional[ChatProtocol] = None) -> str:
+    """The tool-call opening forced by tool_choice required (name=None) or a
+    named tool (DeepSeek V4 DSML unless another family's protocol is given)."""
+    return (proto or get_protocol()).force_text(name)
+
+
+def _thinking(cfg: ServeConfig, proto: ChatProtocol, body: dict, mode: str, effort, model: str) -> str:
+    """The family's thinking mode (chat/protocol.py) from the shared parser's mode."""
+    if effort is None and cfg.think_level is not None and proto.numeric_effort and mode != "none":
+        effort = cfg.think_level
+    explicit = isinstance(body, dict) and ("thinking" in body or "think" in body)
+    try:
+        return proto.resolve_thinking(mode, effort, explicit=explicit, model=model, ctx=cfg.ctx)
+    except EffortError as e:
+        raise E.APIError(400, str(e), param="reasoning_effort") from None
 
 
 def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prepared:
+    proto = protocol_of(cfg)
+    parser_body, effort = request_effort(api, body, numeric=proto.numeric_effort)
     try:
-        req = parse_request(REQUEST_API[api], body, ctx=cfg.ctx, strict=cfg.strict)
+        req = parse_request(REQUEST_API[api], parser_body, ctx=cfg.ctx, strict=cfg.strict)
     except RequestError as e:
         raise E.APIError(e.status, e.message, param=e.param) from None
     model = req.model
     if not model_known(cfg, model):
         raise E.APIError(404, E.unknown_model(model), param="model", code="model_not_found")
+    req.thinking = _thinking(cfg, proto, body, req.thinking, effort, model)
     ctl = parse_controls(api, body, req.thinking)
     job = Job(prompt_text="", api=api, thinking=req.thinking, params=ctl.params, max_tokens=ctl.max_tokens,
               stop=list(req.stop), ignore_eos=ctl.ignore_eos,
-              tool_id_prefix=M.ANTHROPIC_TOOL_ID_PREFIX if api == "anthropic" else M.OPENAI_TOOL_ID_PREFIX)
+              tool_id_prefix=M.ANTHROPIC_TOOL_ID_PREFIX if api == "anthropic" else M.OPENAI_TOOL_ID_PREFIX,
+              family=proto.family)
     prep = Prepared(api, job, model, ctl.stream, ctl.include_usage, req.thinking)
     if api == "completions":
         job.raw = True
-        job.prompt_text = req.render()
+        job.prompt_text = proto.render_completion(req.prompt, req.thinking)
     else:
         conv = req
-        forced = _check_tool_choice(api, body)
+        forced = _check_tool_choice(api, body, proto)
         memory = tool_memory if cfg.replay else None
         if memory is not None:
             memory.attach(conv)
-        job.prompt_text = render(conv, memory)
+        job.prompt_text = proto.render(conv, memory)
         job.tools_active = bool(conv.tools_active and conv.tool_schemas)
+        job.tool_schemas = tuple(conv.tool_schemas) if job.tools_active else ()
         job.force_text = forced if job.tools_active else None
-        job.preserves_reasoning = uses_tool_context(conv)
+        job.preserves_reasoning = proto.uses_tool_context(conv)
         job.responses_summary = conv.reasoning_summary
         prep.reasoning_summary = conv.reasoning_summary
         prep.tool_aliases = dict(conv.tool_aliases)
@@ -144,8 +167,9 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
             tail = live_tail(conv, api)
             if tail is not None:
                 start, ids = tail
-                job.continuation_tail = render_continuation_tail(conv, start, memory)
-                job.continuation_ids = frozenset(ids)
+                job.continuation_tail = proto.render_continuation_tail(conv, start, memory)
+                if job.continuation_tail is not None:
+                    job.continuation_ids = frozenset(ids)
             unreplayed = unreplayed_tool_result_ids(conv)
             if unreplayed:
                 live = engine.live_call_ids(api)

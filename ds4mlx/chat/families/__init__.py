@@ -1,0 +1,1 @@
+"""Chat protocols of the model families other than DeepSeek V4 (see chat/protocol.py)."""
