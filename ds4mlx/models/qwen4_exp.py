@@ -1,0 +1,646 @@
+"""Qwen3.8 Flash Next in MLX: transformers' `qwen4_exp` text model (Qwen4ExpForCausalLM).
+
+Reference: transformers' modeling_qwen4_exp.py (model_type `qwen4_exp_text`; the VLM
+config `qwen4_exp` nests it as `text_config`).  Text only: the 3D MRoPE position streams
+are all equal for text, so the rope is a plain rotate-half rope on the first
+`head_dim * partial_rotary_factor` channels.
+
+Hidden state: `hc_count` residual streams [B, T, hc, H], all equal to the token
+embedding at the start.  One decoder layer:
+
+    x += PLE(x, ids)                                   (PLE layers only, see qwen4_exp_ple)
+    mixed, inject = attn_hyper_connection(x);  x += inject_i * mixer(mixed)   per stream i
+    mixed, inject = mlp_hyper_connection(x);   x += inject_i * MoE(mixed)
+
+where a gated-residual hyper-connection (Qwen's low-rank variant, not DeepSeek's
+Sinkhorn mHC) is
+
+    n      = per-stream RMSNorm (1+w) of x                      [hc, H]
+    w_in   = sigmoid(up(silu(down(flat(n)) / hc)))              [hc, H]   (low rank)
+    mixed  = mean_i(w_in_i * n_i)                               [H]
+    inject = 2 * sigmoid(block_inject(flat(n)) / hc)            [hc]
+
+and the model ends with the same mixer (no inject) and `lm_head`; there is no final norm.
+
+Token mixers:
+  * "linear_attention": Gated DeltaNet (conv1d + SiLU over [q|k|v], l2-normalised q/k,
+    decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), the gated delta
+    rule through `mx.fast.gated_delta_update`, gated RMSNorm with silu(z), out_proj);
+  * "indexed_attention": gated GQA (q_proj gives query and a sigmoid output gate per
+    head, q/k RMSNorm (1+w), rope) restricted by the QSA indexer: the indexer keys are
+    mean-pooled in blocks of `indexer_compress_ratio`, normalised and roped at each
+    block's first position; query t keeps the top `indexer_budget / ratio` complete
+    blocks by sum_h ReLU(q_h . k_block) / sqrt(d), plus its incomplete tail block.
+MoE: softmax router, top-k (renormalised when norm_topk_prob), SwiGLU experts, plus a
+shared expert gated by sigmoid(shared_expert_gate(x)).
+
+Caches (`LinearCache` / `AttentionCache`, one per layer) hold all state: the GDN conv
+window and delta-rule state, the PLE conv window and n-gram id history, the K/V rows
+and the raw indexer keys.  Every shape decision depends only on the host-side offset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .gated_delta import causal_conv1d, gated_delta, l2_normalize
+from .layers import GLUMLP, SwitchGLU, default_inv_freq, route_weights, score_fn, topk_indices
+from .qwen4_exp_ple import DepthwiseConvWeight, GroupedNorm, PLELayer
+
+LINEAR = "linear_attention"
+INDEXED = "indexed_attention"
+
+# The random-weight demo model (`ds4mlx.load("demo:qwen4_exp")`): the real layer pattern
+# (3 Gated DeltaNet layers, then an indexed-attention layer), PLE, hyper-connections and
+# MoE, everything scaled down.  Qwen's own tokenizer is not available offline, so the
+# demo reuses the DeepSeek V4 tokenizer: hence its vocabulary (129280) and EOS id (1).
+DEMO_CONFIG = {
+    "model_type": "qwen4_exp_text",
+    "vocab_size": 129280,
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "layer_types": [LINEAR, LINEAR, LINEAR, INDEXED],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "hc_count": 4,
+    "hc_lowrank": 32,
+    "ple_layer_ids": [1, 3],
+    "ple_embed_dim": 128,
+    "ple_conv_kernel_size": 4,
+    "ngram_size": 3,
+    "heads_per_ngram": 2,
+    "ngram_vocab_size_base": 4096,
+    "indexer_n_heads": 4,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 32,
+    "indexer_budget": 64,
+    "indexer_compress_ratio": 4,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+    "demo_model": True,
+}
+_QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+
+
+@dataclass
+class ModelArgs:
+    """Hugging Face `Qwen4ExpTextConfig` fields (same names and defaults)."""
+
+    model_type: str = "qwen4_exp_text"
+    vocab_size: int = 248320
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    head_dim: int = 256
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    num_experts_per_tok: int = 10
+    num_experts: int = 512
+    layer_types: list | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: Any = None
+    hc_count: int = 4
+    hc_lowrank: int = 320
+    ple_layer_ids: list | None = None
+    ple_embed_dim: int | None = None
+    ple_conv_kernel_size: int = 4
+    ngram_size: int = 3
+    heads_per_ngram: int = 8
+    ngram_vocab_size_base: int = 20_000_000
+    make_ngram_vocab_size_divisible_by: int = 128
+    seed: int = 1234
+    split_ngram_parts: int = 512
+    indexer_n_heads: int | None = None
+    indexer_kv_heads: int | None = None
+    indexer_head_dim: int | None = None
+    indexer_budget: int | None = None
+    indexer_compress_ratio: int | None = None
+    norm_topk_prob: bool = True
+    output_gate_type: str | None = None
+    # legacy spellings folded in by __post_init__ (as transformers does)
+    full_attention_interval: int = 4
+    rope_theta: float | None = None
+    partial_rotary_factor: float | None = None
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "ModelArgs":
+        if isinstance(config.get("text_config"), dict):  # the VLM config (`qwen4_exp`)
+            config = {**config["text_config"], "model_type": "qwen4_exp_text"}
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in names})
+
+    def __post_init__(self):
+        n = self.num_hidden_layers
+        self.ple_layer_ids = sorted(set(self.ple_layer_ids or []))
+        if self.ple_embed_dim is None:
+            self.ple_embed_dim = self.hidden_size
+        if self.layer_types is None:
+            k = self.full_attention_interval
+            self.layer_types = [LINEAR if (i + 1) % k else INDEXED for i in range(n)]
+        self.layer_types = [INDEXED if t == "full_attention" else t for t in self.layer_types]
+        if len(self.layer_types) != n or set(self.layer_types) - {LINEAR, INDEXED}:
+            raise ValueError(f"bad layer_types: {self.layer_types}")
+        rp = dict(self.rope_parameters or {})
+        rp.setdefault("rope_type", "default")
+        rp.setdefault("rope_theta", self.rope_theta if self.rope_theta is not None else 10000.0)
+        if self.partial_rotary_factor is not None:
+            rp.setdefault("partial_rotary_factor", self.partial_rotary_factor)
+        if rp["rope_type"] != "default":
+            raise ValueError(f"unsupported rope_type {rp['rope_type']!r}")
+        self.rope_parameters = rp
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}")
+        if (self.output_gate_type or self.hidden_act) not in ("silu", "sigmoid"):
+            raise ValueError(f"unsupported output_gate_type {self.output_gate_type!r}")
+        if self.hc_count <= 1:
+            raise ValueError("hc_count must be > 1")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if INDEXED in self.layer_types:
+            missing = [f for f in _QSA_FIELDS if getattr(self, f) is None]
+            if missing:
+                raise ValueError(f"indexed_attention layers need {missing}")
+            if self.indexer_kv_heads != 1:
+                raise ValueError("QSA requires indexer_kv_heads == 1")
+            if self.indexer_budget % self.indexer_compress_ratio:
+                raise ValueError("indexer_budget must be divisible by indexer_compress_ratio")
+            if self.rotary_dim > self.indexer_head_dim:
+                raise ValueError("the rope dims must fit the indexer head")
+        if self.ple_layer_ids:
+            heads = (self.ngram_size - 1) * self.heads_per_ngram
+            if heads <= 0 or self.ple_embed_dim % heads:
+                raise ValueError("ple_embed_dim must be divisible by (ngram_size-1)*heads_per_ngram")
+            bad = [i for i in self.ple_layer_ids if not 1 <= i <= n or self.layer_types[i - 1] != LINEAR]
+            if bad:
+                raise ValueError(f"ple_layer_ids must name linear_attention layers (one-indexed): {bad}")
+            if self.eos_id is None:
+                raise ValueError("eos_token_id is required with PLE layers")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope_parameters.get("partial_rotary_factor", 1.0))
+
+    @property
+    def eos_id(self) -> int | None:
+        e = self.eos_token_id
+        if isinstance(e, (list, tuple)):
+            return int(e[0]) if e else None
+        return None if e is None else int(e)
+
+
+# ----------------------------------------------------------------------------- caches
+
+
+class _Rows:
+    """A growable [1, ..., cap, D] buffer along axis -2 (capacity in steps of GROW rows)."""
+
+    GROW = 256
+
+    def __init__(self):
+        self.buf = None
+        self.n = 0
+
+    def append(self, new: mx.array) -> mx.array:
+        k = new.shape[-2]
+        if self.buf is None or self.n + k > self.buf.shape[-2]:
+            cap0 = 0 if self.buf is None else self.buf.shape[-2]
+            want = max(self.n + k, cap0 + cap0 // 4)
+            cap = -(-want // self.GROW) * self.GROW
+            pad = mx.zeros((*new.shape[:-2], cap - cap0, new.shape[-1]), new.dtype)
+            self.buf = pad if self.buf is None else mx.concatenate([self.buf, pad], axis=-2)
+        self.buf[..., self.n : self.n + k, :] = new
+        self.n += k
+        return self.buf[..., : self.n, :]
+
+    def live(self) -> mx.array:
+        return self.buf[..., : self.n, :]
+
+    def load(self, rows: mx.array | None, cap: int):
+        if rows is None:
+            self.buf, self.n = None, 0
+            return
+        n = rows.shape[-2]
+        if cap < n:
+            raise ValueError("row capacity below row count")
+        pad = mx.zeros((*rows.shape[:-2], cap - n, rows.shape[-1]), rows.dtype)
+        self.buf, self.n = mx.concatenate([rows, pad], axis=-2), n
+
+    @property
+    def cap(self) -> int:
+        return 0 if self.buf is None else self.buf.shape[-2]
+
+
+class LinearCache:
+    """State of a Gated DeltaNet layer (and its PLE, if any).
+
+    conv [1, K-1, conv_dim]         the last K-1 inputs of the q/k/v conv
+    recurrent [1, Hv, Dv, Dk] f32   the delta-rule state
+    ple_conv [1, (Kp-1)*N, hc*H]    PLE only: the last inputs of the dilated conv
+    ngram [1, N-1] int32            PLE only: the last N-1 token ids
+    Each is None until the first token (zeros / EOS then).
+    """
+
+    NAMES = ("conv", "recurrent", "ple_conv", "ngram")
+
+    def __init__(self, ple: bool):
+        self.offset = 0
+        self.ple = ple
+        self.conv = self.recurrent = self.ple_conv = self.ngram = None
+
+    @property
+    def state(self) -> dict:
+        return {k: getattr(self, k) for k in self.NAMES if getattr(self, k) is not None}
+
+    @property
+    def meta_state(self) -> dict:
+        return {"type": LINEAR, "offset": self.offset, "ple": self.ple}
+
+    def load(self, meta: dict, arrays: dict):
+        if meta.get("type") != LINEAR or bool(meta.get("ple")) != self.ple:
+            raise ValueError("layer cache layout mismatch")
+        if set(arrays) - set(self.NAMES):
+            raise ValueError(f"unexpected cache arrays {sorted(arrays)}")
+        self.offset = int(meta["offset"])
+        for k in self.NAMES:
+            setattr(self, k, arrays.get(k))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state.values())
+
+
+class AttentionCache:
+    """State of an indexed-attention layer: K/V rows [1, Hkv, L, D] and the raw indexer
+    keys [1, L, d] (pooled and roped on the fly)."""
+
+    def __init__(self):
+        self.offset = 0
+        self.keys, self.values, self.index_keys = _Rows(), _Rows(), _Rows()
+
+    @property
+    def state(self) -> dict:
+        if self.keys.buf is None:
+            return {}
+        return {"keys": self.keys.live(), "values": self.values.live(), "index_keys": self.index_keys.live()}
+
+    @property
+    def meta_state(self) -> dict:
+        return {"type": INDEXED, "offset": self.offset, "cap": self.keys.cap}
+
+    def load(self, meta: dict, arrays: dict):
+        if meta.get("type") != INDEXED:
+            raise ValueError("layer cache layout mismatch")
+        if set(arrays) - {"keys", "values", "index_keys"}:
+            raise ValueError(f"unexpected cache arrays {sorted(arrays)}")
+        self.offset = int(meta["offset"])
+        cap = int(meta.get("cap", 0))
+        for name in ("keys", "values", "index_keys"):
+            rows = arrays.get(name)
+            if (rows is None) != (self.offset == 0) or (rows is not None and rows.shape[-2] != self.offset):
+                raise ValueError("attention cache row count mismatch")
+            getattr(self, name).load(rows, cap)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.buf.nbytes for r in (self.keys, self.values, self.index_keys) if r.buf is not None)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm with a (1 + w) weight, w initialised to 0 (Qwen3-Next style)."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mx.fast.rms_norm(x.astype(mx.float32), 1.0 + self.weight.astype(mx.float32), self.eps)
+        return y.astype(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """w * RMSNorm(x) * act(gate) (plain weight, initialised to 1)."""
+
+    def __init__(self, dims: int, eps: float, activation: str):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+        self._act = nn.silu if activation == "silu" else mx.sigmoid
+
+    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+        y = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps).astype(x.dtype) * self.weight
+        return (y * self._act(gate.astype(mx.float32))).astype(x.dtype)
+
+
+class HalfRoPE:
+    """Rotate-half rope on the first `dims` channels (default inverse frequencies)."""
+
+    def __init__(self, dims: int, theta: float):
+        self.dims = dims
+        self._periods = (1.0 / default_inv_freq(dims, theta)).astype(mx.float32)
+
+    def __call__(self, x: mx.array, offset: int = 0, scale: float = 1.0) -> mx.array:
+        """x [..., L, D]: row j gets the angle scale * (offset + j) * inv_freq."""
+        if self.dims == 0:
+            return x
+        return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=scale, offset=offset, freqs=self._periods)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        H = args.hidden_size
+        self.Hk, self.Hv = args.linear_num_key_heads, args.linear_num_value_heads
+        self.Dk, self.Dv = args.linear_key_head_dim, args.linear_value_head_dim
+        self.key_dim, self.value_dim = self.Hk * self.Dk, self.Hv * self.Dv
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(H, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(H, self.Hv, bias=False)
+        self.in_proj_a = nn.Linear(H, self.Hv, bias=False)
+        self.conv1d = DepthwiseConvWeight(conv_dim, args.linear_conv_kernel_dim)
+        self.dt_bias = mx.ones((self.Hv,))
+        self.A_log = mx.zeros((self.Hv,))
+        self.norm = GatedRMSNorm(self.Dv, args.rms_norm_eps, args.output_gate_type or args.hidden_act)
+        self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+
+    def __call__(self, x: mx.array, cache: LinearCache) -> mx.array:
+        B, T, _ = x.shape
+        qkv, cache.conv = causal_conv1d(self.in_proj_qkv(x), self.conv1d.taps, cache.conv)
+        qkv = nn.silu(qkv)
+        q = qkv[..., : self.key_dim].reshape(B, T, self.Hk, self.Dk)
+        k = qkv[..., self.key_dim : 2 * self.key_dim].reshape(B, T, self.Hk, self.Dk)
+        v = qkv[..., 2 * self.key_dim :].reshape(B, T, self.Hv, self.Dv)
+        q = l2_normalize(q) * (self.Dk**-0.5)
+        k = l2_normalize(k)
+        beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32))
+        a = self.in_proj_a(x).astype(mx.float32)
+        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias.astype(mx.float32))
+        out, cache.recurrent = gated_delta(q, k, v, g, beta, cache.recurrent)
+        z = self.in_proj_z(x).reshape(B, T, self.Hv, self.Dv)
+        out = self.norm(out.astype(x.dtype), z)
+        return self.out_proj(out.reshape(B, T, self.value_dim))
+
+
+class QSAIndexer(nn.Module):
+    """Picks, per query, the complete key blocks it attends to (plus its tail block)."""
+
+    def __init__(self, args: ModelArgs, rope: HalfRoPE):
+        super().__init__()
+        self.nh, self.d = args.indexer_n_heads, args.indexer_head_dim
+        self.ratio = args.indexer_compress_ratio
+        self.topk = args.indexer_budget // args.indexer_compress_ratio
+        self.index_qk_proj = nn.Linear(args.hidden_size, (self.nh + 1) * self.d, bias=False)
+        self.q_layernorm = OffsetRMSNorm(self.d, args.rms_norm_eps)
+        self.k_layernorm = OffsetRMSNorm(self.d, args.rms_norm_eps)
+        self._rope = rope
+
+    def __call__(self, x: mx.array, cache: AttentionCache, s: int) -> mx.array | None:
+        """Boolean mask [C, L] of the selected keys (causality included), or None when
+        every query sees all of its causal keys."""
+        B, C, _ = x.shape
+        r, L = self.ratio, s + C
+        qk = self.index_qk_proj(x)
+        q = self.q_layernorm(qk[..., : self.nh * self.d].reshape(B, C, self.nh, self.d))
+        q = self._rope(q.swapaxes(1, 2), offset=s)  # [B, nh, C, d]
+        raw = cache.index_keys.append(qk[..., self.nh * self.d :])  # [1, L, d]
+        nb = L // r
+        if nb <= self.topk:  # no query has more complete blocks than the budget
+            return None
+        pooled = raw[:, : nb * r].astype(mx.float32).reshape(B, nb, r, self.d).mean(axis=2).astype(raw.dtype)
+        blocks = self._rope(self.k_layernorm(pooled)[:, None], scale=float(r))  # [B, 1, nb, d] at j*r
+        scores = mx.maximum(q.astype(mx.float32) @ blocks.astype(mx.float32).swapaxes(-1, -2), 0.0)
+        scores = scores.sum(axis=1)[0] / math.sqrt(self.d)  # [C, nb]
+        t = s + mx.arange(C)[:, None]
+        complete = (t + 1) // r  # complete blocks per query
+        valid = mx.arange(nb)[None] < complete
+        masked = mx.where(valid, scores, -mx.inf)
+        idx = topk_indices(masked, self.topk)
+        chosen = mx.put_along_axis(mx.zeros((C, nb), mx.bool_), idx, mx.array(True), axis=-1) & valid
+        pos = mx.arange(L)[None]
+        nbl = -(-L // r)
+        chosen = mx.concatenate([chosen, mx.zeros((C, nbl - nb), mx.bool_)], axis=1) if nbl > nb else chosen
+        in_block = mx.take(chosen, mx.arange(L) // r, axis=1)
+        tail = (pos >= complete * r) & (pos <= t)
+        return in_block | tail
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, rope: HalfRoPE):
+        super().__init__()
+        H, D = args.hidden_size, args.head_dim
+        self.nh, self.nkv, self.D = args.num_attention_heads, args.num_key_value_heads, D
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(H, self.nh * D * 2, bias=bias)
+        self.k_proj = nn.Linear(H, self.nkv * D, bias=bias)
+        self.v_proj = nn.Linear(H, self.nkv * D, bias=bias)
+        self.o_proj = nn.Linear(self.nh * D, H, bias=bias)
+        self.q_norm = OffsetRMSNorm(D, args.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(D, args.rms_norm_eps)
+        self.indexer = QSAIndexer(args, rope)
+        self._rope = rope
+
+    def __call__(self, x: mx.array, cache: AttentionCache) -> mx.array:
+        B, C, _ = x.shape
+        s = cache.offset
+        mask = self.indexer(x, cache, s)
+        qg = self.q_proj(x).reshape(B, C, self.nh, 2 * self.D)
+        q, gate = qg[..., : self.D], qg[..., self.D :]
+        q = self._rope(self.q_norm(q).swapaxes(1, 2), offset=s)
+        k = self._rope(self.k_norm(self.k_proj(x).reshape(B, C, self.nkv, self.D)).swapaxes(1, 2), offset=s)
+        v = self.v_proj(x).reshape(B, C, self.nkv, self.D).swapaxes(1, 2)
+        keys, values = cache.keys.append(k), cache.values.append(v)
+        if mask is None and C > 1:
+            mask = "causal" if s == 0 else (mx.arange(s + C)[None] <= (s + mx.arange(C))[:, None])
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.D**-0.5, mask=mask)
+        out = out.swapaxes(1, 2).reshape(B, C, self.nh * self.D)
+        out = out * mx.sigmoid(gate.reshape(B, C, -1).astype(mx.float32)).astype(out.dtype)
+        return self.o_proj(out)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        H = args.hidden_size
+        self.gate = nn.Linear(H, args.num_experts, bias=False)
+        self.experts = SwitchGLU(H, args.moe_intermediate_size, args.num_experts, None)
+        self.shared_expert = GLUMLP(H, args.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+        self._k, self._norm = args.num_experts_per_tok, args.norm_topk_prob
+
+    def __call__(self, x: mx.array) -> mx.array:
+        probs = score_fn(self.gate(x), "softmax")
+        idx = topk_indices(probs, self._k)
+        w = route_weights(probs, idx, self._norm, 1.0)
+        y = (self.experts(x, idx) * w[..., None].astype(x.dtype)).sum(axis=-2)
+        shared = mx.sigmoid(self.shared_expert_gate(x).astype(mx.float32)).astype(x.dtype) * self.shared_expert(x)
+        return y + shared
+
+
+class GatedResidual(nn.Module):
+    """Qwen's low-rank gated-residual hyper-connection (see the module doc)."""
+
+    def __init__(self, args: ModelArgs, inject: bool = True):
+        super().__init__()
+        hc, H = args.hc_count, args.hidden_size
+        self.hc_norm = GroupedNorm(hc, H, args.rms_norm_eps)
+        self.input_mix_weight_down = nn.Linear(hc * H, args.hc_lowrank, bias=False)
+        self.input_mix_weight_up = nn.Linear(args.hc_lowrank, hc * H, bias=False)
+        if inject:
+            self.block_inject_weight = nn.Linear(hc * H, hc, bias=False)
+        self._hc, self._inject = hc, inject
+
+    def __call__(self, x: mx.array):
+        """x [B, T, hc, H] -> (mixed [B, T, H], inject [B, T, hc] or None)."""
+        hc, H = x.shape[-2:]
+        n = self.hc_norm(x)
+        flat = n.reshape(*n.shape[:-2], hc * H)
+        w = mx.sigmoid(self.input_mix_weight_up(nn.silu(self.input_mix_weight_down(flat) / hc)))
+        mixed = (w.reshape(n.shape) * n).mean(axis=-2)
+        if not self._inject:
+            return mixed, None
+        return mixed, 2.0 * mx.sigmoid(self.block_inject_weight(flat) / hc)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, idx: int, rope: HalfRoPE):
+        super().__init__()
+        self.layer_type = args.layer_types[idx]
+        if self.layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            self.self_attn = Attention(args, rope)
+        self.mlp = SparseMoE(args)
+        if idx + 1 in args.ple_layer_ids:
+            self.ple = PLELayer(args, args.ple_layer_ids.index(idx + 1))
+        self.attn_hyper_connection = GatedResidual(args)
+        self.mlp_hyper_connection = GatedResidual(args)
+        self.has_ple = idx + 1 in args.ple_layer_ids
+
+    def __call__(self, x: mx.array, ids: mx.array, cache) -> mx.array:
+        if self.has_ple:
+            x = x + self.ple(x, ids, cache)
+        mixed, inject = self.attn_hyper_connection(x)
+        out = self.linear_attn(mixed, cache) if self.layer_type == LINEAR else self.self_attn(mixed, cache)
+        x = x + out[..., None, :] * inject[..., None].astype(out.dtype)
+        mixed, inject = self.mlp_hyper_connection(x)
+        out = self.mlp(mixed)
+        return x + out[..., None, :] * inject[..., None].astype(out.dtype)
+
+
+class Qwen4ExpTextModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self._rope = HalfRoPE(args.rotary_dim, float(args.rope_parameters["rope_theta"]))
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i, self._rope) for i in range(args.num_hidden_layers)]
+        self.hyper_connection_mixer = GatedResidual(args, inject=False)
+        self._hc = args.hc_count
+
+    def __call__(self, ids: mx.array, cache: list) -> mx.array:
+        h = self.embed_tokens(ids)
+        x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, ids, c)
+        for c in cache:
+            c.offset += ids.shape[1]
+        return self.hyper_connection_mixer(x)[0]
+
+
+class Model(nn.Module):
+    """Qwen4ExpForCausalLM (text): `model(ids [1, T], cache) -> logits [1, T, V]`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Qwen4ExpTextModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
+        """Forward `ids` [1, T] after the state in `cache` (a fresh one when None).
+
+        `last_only=True` returns only the last position's logits ([1, 1, V])."""
+        if ids.ndim == 1:
+            ids = ids[None]
+        if cache is None:
+            cache = self.make_cache()
+        h = self.model(ids, cache)
+        if last_only:
+            h = h[:, -1:]
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def make_cache(self) -> list:
+        a = self.args
+        return [
+            LinearCache(i + 1 in a.ple_layer_ids) if t == LINEAR else AttentionCache()
+            for i, t in enumerate(a.layer_types)
+        ]
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def sanitize(self, weights: dict) -> dict:
+        """Map transformers' in-memory state-dict names (text model or VLM) onto this module.
+
+        The PLE int64 buffers are derived from the config; the checkpoint's copies must
+        agree with them and are dropped."""
+        out = {}
+        for k, v in weights.items():
+            if k.startswith(("mtp.", "model.visual.")) or ".mtp." in k or "rotary_emb" in k:
+                continue
+            if k.startswith("model.language_model."):
+                k = "model." + k[len("model.language_model.") :]
+            if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                k = k + ".weight"
+            elif ".ple.ple_embedding." in k and not k.endswith(".weight"):
+                layer = int(k.split(".")[2])
+                want = self.model.layers[layer].ple.ple_embedding.buffers()[k.rsplit(".", 1)[1]]
+                if [int(t) for t in v.tolist()] != want:
+                    raise ValueError(f"{k} does not match the config-derived PLE hash table")
+                continue
+            out[k] = v
+        if self.args.tie_word_embeddings:
+            out.pop("lm_head.weight", None)
+        return out
