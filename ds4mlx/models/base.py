@@ -6,7 +6,8 @@
 * `new_session(ctx, chunk) -> Session` (session.py) for prefill / decode / snapshot.
 
 `from_config(config, weights)` builds it from a Hugging Face config dict and tensors named
-as transformers' in-memory state dict (the family's `Model.sanitize` maps them);
+as transformers' in-memory state dict (the family's `Model.sanitize` maps them); GGUF
+quantized tensors (`weights.QuantizedTensor`) become quantized modules (models/quantized.py);
 `load_hf_dir(path)` reads `config.json` + `*.safetensors` from a folder.
 """
 
@@ -43,11 +44,17 @@ class LanguageModel:
         args = mod.ModelArgs.from_dict(config)
         model = mod.Model(args)
         if weights is not None:
-            weights = {k: v if isinstance(v, mx.array) else mx.array(v) for k, v in weights.items()}
+            from ..weights import QuantizedTensor
+            from .quantized import install_quantized, needs_install
+
+            weights = {k: v if isinstance(v, (mx.array, QuantizedTensor)) else mx.array(v) for k, v in weights.items()}
             weights = model.sanitize(weights)
+            owned = {}
+            if needs_install(weights):  # GGUF quantized tensors / split experts: models/quantized.py
+                weights, owned = install_quantized(model, weights, dtype)
             if dtype is not None:
                 weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-            model.load_weights(list(weights.items()), strict=strict)
+            model.load_weights(list(weights.items()) + list(owned.items()), strict=strict)
         mx.eval(model.parameters())
         model.eval()
         return cls(model, args)

@@ -1,0 +1,374 @@
+"""GGUF block-quantized tensors as MLX modules, without dequantizing the model.
+
+`weights.read_weights` hands a GGUF's quantized tensors out as `QuantizedTensor`
+(the file's bytes, a view of the memory mapping).  `install_quantized(model,
+weights)` runs after `Model.sanitize` and, per tensor, swaps the module that owns
+it for one that computes on the quantized form:
+
+=====================  ==========================================  ==========================
+tensor type            module (projection / embedding / experts)  memory
+=====================  ==========================================  ==========================
+Q8_0, Q4_0, Q4_1,      `nn.QuantizedLinear`, `QuantizedGroupedLinear`,  MLX affine arrays from
+Q4_K (exact repack)    `nn.QuantizedEmbedding`, `QuantizedSwitchLinear` `quant.repack_for_mlx`
+Q2_K, IQ2_XXS          `GGUFSwitchLinear` (routed experts only):  the file's blocks, uint8
+                       `kernels.quant_moe` mat-vec / mat-mul
+anything else          the float module, dequantized at load      float (logged as a warning)
+=====================  ==========================================  ==========================
+
+The repack is exact (see `ds4mlx.quant`): with float32 scales and biases the MLX
+dequantization equals the reference `quant.dequantize` bit for bit, so a model
+loaded this way computes what the float model built from the dequantized weights
+computes, up to float32 summation order.  In a 16-bit model (a GPU) scales and
+biases are stored in that 16-bit type (MLX's quantized kernels want one dtype),
+which rounds them (Q4_K: d * sc has 17 significant bits).
+
+Routed experts that ds4 stores split (`mlp.experts.gate_proj` / `up_proj`, each
+[E, I, H]) become the fused `gate_up_proj` the graph expects: concatenated when
+both sides repack to the same MLX layout (a copy of packed arrays), otherwise a
+`SplitSwitchLinear` that calls both and concatenates their outputs (gate first),
+so `SwitchGLU` runs unchanged.
+
+Memory: tensors are converted one at a time, in chunks of `REPACK_CHUNK_VALUES`
+values (repacking and the dequantizing fallback both work in chunks), so the
+peak beyond the loaded model is about one tensor's converted size; nothing holds
+the whole model dequantized.  A `GGUFSwitchLinear` costs exactly the file's bytes.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..kernels import quant_moe
+from ..quant import MLX_EXACT_TYPES, QT, as_qtype, repack_for_mlx
+from ..weights import QuantizedTensor
+from .layers import QuantizedSwitchLinear, SwitchLinear
+
+log = logging.getLogger("ds4mlx.quantized")
+
+# Types kept as GGUF blocks and computed by `kernels.quant_moe` (routed experts).
+# Q8_0 / Q4_K are supported there too, but their exact MLX repack runs through
+# MLX's own gather_qmm, so they are repacked.
+KERNEL_TYPES = (QT.Q2_K, QT.IQ2_XXS)
+REPACK_CHUNK_VALUES = 1 << 24  # values converted per step (bounds the load-time peak)
+
+_GATE, _UP = "mlp.experts.gate_proj", "mlp.experts.up_proj"
+_FUSED = "mlp.experts.gate_up_proj"
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class GGUFSwitchLinear(nn.Module):
+    """Per-expert linear over GGUF blocks: weight uint8 [E, out, row_bytes] (the
+    file's bytes), computed by `kernels.quant_moe.gather_qmatmul` (mat-vec for few
+    (token, expert) pairs, i.e. decode; per-expert dequantize + matmul for many,
+    i.e. prefill).  Called like `SwitchLinear`: x [..., 1, in], indices [...]
+    broadcasting against x's leading axes -> [..., 1, out] in x.dtype."""
+
+    def __init__(self, blocks: mx.array, qtype, input_dims: int):
+        super().__init__()
+        if blocks.dtype != mx.uint8 or blocks.ndim != 3:
+            raise ValueError("GGUFSwitchLinear wants uint8 [E, out, row_bytes] blocks")
+        self.weight = blocks
+        self.qtype = as_qtype(qtype)
+        self.input_dims = int(input_dims)
+        self.freeze()
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def output_dims(self) -> int:
+        return self.weight.shape[1]
+
+    def _extra_repr(self) -> str:
+        return (f"{self.qtype.name}, experts={self.num_experts}, input_dims={self.input_dims}, "
+                f"output_dims={self.output_dims}")
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        if x.shape[-2] != 1:
+            raise ValueError("GGUFSwitchLinear takes one row per (token, expert): x [..., 1, in]")
+        K = x.shape[-1]
+        xb = tuple(x.shape[:-2])
+        batch = tuple(np.broadcast_shapes(xb, tuple(indices.shape))) or (1,)
+        lead, k = batch[:-1], batch[-1]
+        n = int(np.prod(lead, dtype=np.int64)) if lead else 1
+        if len(xb) == len(batch) and xb[-1] == 1 and xb[:-1] == lead:
+            x2 = x.reshape(n, K)  # one vector per token, shared by its k experts
+        else:
+            x2 = mx.broadcast_to(x.reshape(*xb, K), (*batch, K)).reshape(n, k, K)
+        ids = mx.broadcast_to(indices, batch).reshape(n, k)
+        y = quant_moe.gather_qmatmul(x2, self.weight, self.qtype, ids)  # [n, k, out]
+        return y.reshape(*batch, 1, self.output_dims)
+
+
+class SplitSwitchLinear(nn.Module):
+    """Separate gate and up expert projections answering as the fused
+    `gate_up_proj`: the outputs concatenated, gate first."""
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module):
+        super().__init__()
+        self.gate_proj = gate_proj
+        self.up_proj = up_proj
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        g = self.gate_proj(x, indices, sorted_indices=sorted_indices)
+        u = self.up_proj(x, indices, sorted_indices=sorted_indices)
+        return mx.concatenate([g, u.astype(g.dtype)], axis=-1)
+
+
+# --------------------------------------------------------------------------- conversions
+
+
+def _chunks(n: int, per_row: int):
+    step = max(1, REPACK_CHUNK_VALUES // max(per_row, 1))
+    for a in range(0, n, step):
+        yield a, min(n, a + step)
+
+
+def repack(qt: QuantizedTensor, scale_dtype=mx.float32):
+    """Exact MLX affine form of `qt` (`quant.repack_for_mlx`, a chunk of the first
+    axis at a time): (w_q, scales, biases, group_size, bits), evaluated, or None
+    (a type with no exact form, or a 1-D tensor)."""
+    qtype, shape = as_qtype(qt.qtype), tuple(int(s) for s in qt.shape)
+    if qtype not in MLX_EXACT_TYPES or len(shape) < 2:
+        return None
+    raw = qt.raw.reshape(shape[0], -1)
+    per_row = int(np.prod(shape[1:], dtype=np.int64))
+
+    def run(narrow: bool):
+        parts = []
+        for a, b in _chunks(shape[0], per_row):
+            r = repack_for_mlx(raw[a:b], qtype, (b - a, *shape[1:]), narrow=narrow)
+            mx.eval(r[:3])
+            parts.append(r)
+        return parts
+
+    parts = run(True)
+    if len({p[4] for p in parts}) > 1:  # some chunks' levels happened to fit in 2 bits
+        parts = run(False)
+    gs, bits = parts[0][3], parts[0][4]
+    out = [parts[0][i] if len(parts) == 1 else mx.concatenate([p[i] for p in parts], axis=0) for i in range(3)]
+    del parts
+    if scale_dtype != mx.float32:
+        out[1:] = [a.astype(scale_dtype) for a in out[1:]]
+    mx.eval(out)
+    return (*out, gs, bits)
+
+
+def dequantize_chunked(qt: QuantizedTensor, dtype=mx.float32) -> mx.array:
+    """Reference dequantization of `qt` into an MLX array of `dtype`, a chunk of the
+    first axis at a time (no float32 copy of the whole tensor)."""
+    shape = tuple(int(s) for s in qt.shape)
+    if len(shape) < 2:
+        return mx.array(qt.dequantize()).astype(dtype)
+    per_row = int(np.prod(shape[1:], dtype=np.int64))
+    from ..quant import dequantize
+
+    parts = []
+    for a, b in _chunks(shape[0], per_row):
+        p = mx.array(dequantize(qt.raw[a:b], qt.qtype, (b - a, *shape[1:]))).astype(dtype)
+        mx.eval(p)
+        parts.append(p)
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    mx.eval(out)
+    return out
+
+
+def _bare(cls, **attrs):
+    """An instance of an MLX quantized layer with the given attributes, built without
+    its constructor (which would draw random placeholder weights)."""
+    m = cls.__new__(cls)
+    nn.Module.__init__(m)
+    for k, v in attrs.items():
+        setattr(m, k, v)
+    m.freeze()
+    return m
+
+
+def _affine_module(mod: nn.Module, rep):
+    """The quantized counterpart of float module `mod` holding the repacked arrays
+    `rep` = (w_q, scales, biases, group_size, bits); None when `mod` has none."""
+    w, s, b, gs, bits = rep
+    if type(mod) is nn.Linear:
+        q = _bare(nn.QuantizedLinear, group_size=gs, bits=bits, mode="affine", weight=w, scales=s, biases=b)
+        if "bias" in mod:
+            q.bias = mod.bias
+        return q
+    if type(mod) is nn.Embedding:
+        n, dims = mod.weight.shape
+        return _bare(nn.QuantizedEmbedding, group_size=gs, bits=bits, mode="affine", weight=w, scales=s,
+                     biases=b, num_embeddings=n, dims=dims)
+    if not hasattr(mod, "to_quantized"):
+        return None
+    # Family modules (SwitchLinear, GroupedLinear, ...): their own to_quantized gives
+    # the right class and array shapes (lazily, from zero placeholders that are
+    # never evaluated); the repacked arrays replace those placeholders.
+    q = mod.to_quantized(group_size=gs, bits=bits, mode="affine")
+    if getattr(q, "bits", bits) != bits or getattr(q, "group_size", gs) != gs:
+        return None
+    for name, arr in (("weight", w), ("scales", s), ("biases", b)):
+        have = q.get(name) if hasattr(q, "get") else None
+        if have is None or have.size != arr.size:
+            return None
+        setattr(q, name, arr.reshape(have.shape))
+    return q
+
+
+def _expert_module(val, scale_dtype, compute_dtype, name: str, stats: Counter) -> nn.Module:
+    """One [E, out, in] routed-expert projection as a module."""
+    if isinstance(val, QuantizedTensor):
+        E, out, K = (int(s) for s in val.shape)
+        qtype = as_qtype(val.qtype)
+        if qtype in MLX_EXACT_TYPES:
+            rep = repack(val, scale_dtype)
+            q = _affine_module(SwitchLinear(K, out, E), rep)
+            stats[f"{qtype.name}->mlx{rep[4]}"] += 1
+            return q
+        if qtype in KERNEL_TYPES:
+            stats[f"{qtype.name}->gguf"] += 1
+            return GGUFSwitchLinear(mx.array(val.raw), qtype, K)
+        log.warning("%s: %s routed experts have no MLX or kernel path: dequantized at load to %s",
+                    name, qtype.name, compute_dtype)
+        stats[f"{qtype.name}->dequantized"] += 1
+        arr = dequantize_chunked(val, compute_dtype)
+    else:
+        arr = val if isinstance(val, mx.array) else mx.array(val)
+        arr = arr.astype(compute_dtype) if mx.issubdtype(arr.dtype, mx.floating) else arr
+    E, out, K = arr.shape
+    m = SwitchLinear(K, out, E)
+    m.weight = arr
+    return m
+
+
+def _fuse_pair(gate: nn.Module, up: nn.Module) -> nn.Module:
+    """gate/up expert modules -> one `gate_up_proj` module."""
+    if type(gate) is SwitchLinear and type(up) is SwitchLinear:
+        m = SwitchLinear(gate.weight.shape[2], gate.weight.shape[1] + up.weight.shape[1], gate.weight.shape[0])
+        m.weight = mx.concatenate([gate.weight, up.weight.astype(gate.weight.dtype)], axis=1)
+        mx.eval(m.weight)
+        return m
+    if (type(gate) is QuantizedSwitchLinear and type(up) is QuantizedSwitchLinear
+            and (gate.bits, gate.group_size, gate.mode) == (up.bits, up.group_size, up.mode)
+            and gate.scales.dtype == up.scales.dtype):
+        m = _bare(QuantizedSwitchLinear, group_size=gate.group_size, bits=gate.bits, mode=gate.mode,
+                  weight=mx.concatenate([gate.weight, up.weight], axis=1),
+                  scales=mx.concatenate([gate.scales, up.scales], axis=1),
+                  biases=None if gate.biases is None else mx.concatenate([gate.biases, up.biases], axis=1))
+        mx.eval(m.parameters())
+        return m
+    return SplitSwitchLinear(gate, up)
+
+
+def _set_module(root: nn.Module, path: str, new: nn.Module) -> None:
+    obj = root
+    parts = path.split(".")
+    for p in parts[:-1]:
+        obj = obj[int(p)] if isinstance(obj, (list, tuple)) else obj[p]
+    last = parts[-1]
+    if isinstance(obj, list):
+        obj[int(last)] = new
+    else:
+        setattr(obj, last, new)
+
+
+def _module_params(prefix: str, mod: nn.Module) -> dict:
+    from mlx.utils import tree_flatten
+
+    return {f"{prefix}.{k}": v for k, v in tree_flatten(mod.parameters())}
+
+
+def _infer_compute_dtype(weights: dict):
+    """The dtype most of the file's float matrices have (the model's compute dtype
+    when the loader does not cast), float32 if none."""
+    counts = Counter(v.dtype for v in weights.values()
+                     if isinstance(v, mx.array) and v.ndim >= 2 and mx.issubdtype(v.dtype, mx.floating))
+    return counts.most_common(1)[0][0] if counts else mx.float32
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def needs_install(weights: dict) -> bool:
+    return any(isinstance(v, QuantizedTensor) or k.endswith((_GATE, _UP)) for k, v in weights.items())
+
+
+def install_quantized(model: nn.Module, weights: dict, dtype=None) -> tuple[dict, dict]:
+    """Swap `model`'s modules for the quantized forms of `weights`' QuantizedTensors.
+
+    `weights`: sanitized parameter names -> mx.array or QuantizedTensor (split
+    routed experts under `...mlp.experts.gate_proj` / `up_proj`).  `dtype`: the
+    model's compute dtype if the caller casts float weights to one (else inferred
+    from the float matrices).  Returns (float_weights, module_weights): the first
+    still to be cast to `dtype` by the caller, the second the installed modules'
+    arrays (packed weights, float32 or 16-bit scales), to be loaded as they are.
+    """
+    compute = dtype if dtype is not None else _infer_compute_dtype(weights)
+    scale_dtype = mx.float32 if compute == mx.float32 else compute
+    modules = dict(model.named_modules())
+    floats, owned, stats = {}, {}, Counter()
+    todo = dict(weights)
+
+    # split routed experts -> gate_up_proj
+    for key in [k for k in todo if k.endswith(_GATE)]:
+        prefix = key[: -len(_GATE)]
+        ukey = prefix + _UP
+        if ukey not in todo:
+            raise ValueError(f"{key} has no matching {ukey}")
+        gate = _expert_module(todo.pop(key), scale_dtype, compute, key, stats)
+        up = _expert_module(todo.pop(ukey), scale_dtype, compute, ukey, stats)
+        path = prefix + _FUSED
+        if path not in modules:
+            raise ValueError(f"the model has no module {path} for {key}")
+        mod = _fuse_pair(gate, up)
+        _set_module(model, path, mod)
+        owned.update(_module_params(path, mod))
+    stray = [k for k in todo if k.endswith(_UP)]
+    if stray:
+        raise ValueError(f"{stray[0]} has no matching {_GATE}")
+
+    for key, val in todo.items():
+        if not isinstance(val, QuantizedTensor):
+            floats[key] = val
+            continue
+        path, _, attr = key.rpartition(".")
+        mod = modules.get(path)
+        qtype = as_qtype(val.qtype)
+        new = None
+        if attr == "weight" and isinstance(mod, SwitchLinear) and len(val.shape) == 3:
+            new = _expert_module(val, scale_dtype, compute, key, stats)
+        elif attr == "weight" and mod is not None and qtype in MLX_EXACT_TYPES:
+            new = _affine_module(mod, repack(val, scale_dtype))
+            if new is not None:
+                stats[f"{qtype.name}->mlx{new.bits}"] += 1
+        if new is not None:
+            _set_module(model, path, new)
+            owned.update(_module_params(path, new))
+            continue
+        log.warning("%s: %s %s has no quantized module here: dequantized at load", key, qtype.name,
+                    tuple(val.shape))
+        stats[f"{qtype.name}->dequantized"] += 1
+        floats[key] = dequantize_chunked(val, compute if len(val.shape) >= 2 else mx.float32)
+    if stats:
+        log.info("quantized tensors: %s", ", ".join(f"{k} x{n}" for k, n in sorted(stats.items())))
+    return floats, owned
+
+
+def quantized_summary(model: nn.Module) -> dict:
+    """{module class name (+ qtype / bits): count} over the model's quantized modules."""
+    out = Counter()
+    for _, m in model.named_modules():
+        if isinstance(m, GGUFSwitchLinear):
+            out[f"GGUFSwitchLinear[{m.qtype.name}]"] += 1
+        elif type(m).__name__.startswith("Quantized"):
+            out[f"{type(m).__name__}[{m.bits}bit]"] += 1
+    return dict(out)
+
+
+__all__ = ["GGUFSwitchLinear", "SplitSwitchLinear", "install_quantized", "needs_install", "repack",
+           "dequantize_chunked", "quantized_summary", "KERNEL_TYPES"]
