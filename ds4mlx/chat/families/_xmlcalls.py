@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -86,12 +87,30 @@ class CallSyntax:
     def render_call(self, name: str, args: Optional[dict], raw_arguments: str) -> str:
         raise NotImplementedError
 
-    # the one escape of tool text: the value's own closing tag
+    # The one escape of tool text (ds4): the value's own closing tag is written
+    # `&lt;/...>`.  To stay reversible a value that already holds that entity
+    # form (`&lt;/...>`, `&amp;lt;/...>`, ...) gets one more `amp;`.
+    def _escape_re(self):
+        rx = self.__dict__.get("_rx")
+        if rx is None:
+            tail = re.escape(self.value_close[1:])
+            rx = (re.compile(re.escape(self.value_close) + "|&((?:amp;)*)lt;" + tail), re.compile("&((?:amp;)*)lt;" + tail))
+            self.__dict__["_rx"] = rx
+        return rx
+
     def escape_value(self, v: str) -> str:
-        return v.replace(self.value_close, M.PARAM_CLOSE_TEXT_ESCAPE + self.value_close[1:])
+        if self.value_close not in v and "lt;" + self.value_close[1:] not in v:
+            return v
+        tail = self.value_close[1:]
+        return self._escape_re()[0].sub(
+            lambda m: "&lt;" + tail if m.group(1) is None else "&amp;" + m.group(1) + "lt;" + tail, v)
 
     def unescape_value(self, v: str) -> str:
-        return v.replace(M.PARAM_CLOSE_TEXT_ESCAPE + self.value_close[1:], self.value_close)
+        if "lt;" + self.value_close[1:] not in v:
+            return v
+        tail = self.value_close[1:]
+        return self._escape_re()[1].sub(
+            lambda m: self.value_close if not m.group(1) else "&" + m.group(1)[4:] + "lt;" + tail, v)
 
 
 # --- argument typing -------------------------------------------------------------------

@@ -15,10 +15,12 @@ official chat template was found, see tests/data/chat_templates/SOURCES.md).
 
 (shown wrapped).  Thinking modes: "none" (chat mode: `</think>` after each
 `<｜Assistant｜>`, no effort line) or a level "1".."100" (`--think-level`;
-named efforts: low 50, medium 62, high 75 = default, max/xhigh 100).  Without
-tools, reasoning of assistant turns before the last user turn is dropped
-(`<｜Assistant｜></think>answer`); with tools every turn keeps it.  A later
-system message is a mid-conversation `<｜System｜>` turn.
+named efforts: low 50, medium 62, high 75 = default, max/xhigh 100).  In
+thinking mode every assistant turn keeps `<think>REASONING</think>` (ds4: the
+template shape stays constant so the KV prefix stays reusable; DeepSeek's
+encoder drops old reasoning when no tools are declared unless told not to --
+`drop_thinking` -- which ds4 and this renderer do not do).  A later system
+message is a mid-conversation `<｜System｜>` turn.
 """
 from __future__ import annotations
 
@@ -157,11 +159,6 @@ def _render(conv: Conversation, tool_memory, generation: bool) -> str:
     level = level_of(conv.thinking)
     thinking = level is not None
     msgs = _messages(conv, tool_memory)
-    drop = thinking and not C.active_schemas(conv)
-    last_user = -1
-    for i, m in enumerate(msgs):
-        if m.role == "user" or (m.role == "system" and i > 0):
-            last_user = i
     out = [M.BOS]
     effort = EFFORT_TEXT.format(level=level) if thinking else ""
     if effort or (msgs and msgs[0].role == "system"):
@@ -176,7 +173,7 @@ def _render(conv: Conversation, tool_memory, generation: bool) -> str:
             out.append(M.USER + "\n\n".join(m.parts))
         else:
             t = m.turn
-            if thinking and (not drop or i > last_user):
+            if thinking:
                 out.append(t.reasoning + M.THINK_CLOSE)
             out.append(t.content)
             if t.tool_calls:
@@ -189,8 +186,7 @@ def _render(conv: Conversation, tool_memory, generation: bool) -> str:
             continue
         if m.role == "user" or (m.role == "system" and i > 0):
             out.append(M.ASSISTANT)
-            keep = thinking and (not drop or i >= last_user)
-            out.append(M.THINK_OPEN if keep else M.THINK_CLOSE)
+            out.append(M.THINK_OPEN if thinking else M.THINK_CLOSE)
     return "".join(out)
 
 

@@ -61,6 +61,8 @@ class GlmCallSyntax(CallSyntax):
     def scan(self, text: str, pos: int) -> Scan:
         n = len(text)
         i = pos + len(TOOL_CALL_OPEN)
+        if i < n and text[i] in " \t":  # the name follows the tag directly (a newline at most)
+            return Scan("invalid", i)
         k = text.find("<", i)
         if k < 0:  # the name is still being written
             bad = any(c in text[i:].strip() for c in " \t\n\r\v\f>")
