@@ -131,7 +131,7 @@ def test_snapshot_restore_decode_bit_exact(case):
         a.prefill(ids[:P])
         blob = a.snapshot()
         names = {k for c in a._cache for k in c.state}
-        assert names == {"conv", "recurrent", "ple_conv", "ngram", "keys", "values", "index_keys"}
+        assert names == {"conv", "recurrent", "ple_conv", "ngram", "keys", "values", "index_blocks", "index_tail"}
         want = np.stack([a.decode(t) for t in ids[P:end]])
         b = lm.new_session(ctx=len(ids), chunk=7)
         b.prefill(ids[:3])  # some unrelated state to be replaced
@@ -286,3 +286,24 @@ def test_causal_conv_carries_state(kernel, dilation):
         y, state = causal_conv1d(x[:, a:b], w, state, dilation)
         outs.append(y)
     assert _maxdiff(mx.concatenate(outs, axis=1), full) <= 1e-6
+
+
+def test_demo_model_loads_and_decodes(tmp_path, monkeypatch):
+    """`ds4mlx.load("demo:qwen4_exp")`: the random-weight demo with the DeepSeek tokenizer
+    standing in for Qwen's (same EOS id); prefill, decode, snapshot/restore."""
+    import ds4mlx
+    from ds4mlx.models.qwen4_exp import DEMO_CONFIG
+
+    monkeypatch.setenv("DS4MLX_CACHE", str(tmp_path))
+    model, tok = ds4mlx.load("demo:qwen4_exp")
+    assert model.args.model_type == "qwen4_exp_text" and model.vocab_size == DEMO_CONFIG["vocab_size"]
+    assert tok.eos_id == DEMO_CONFIG["eos_token_id"] == model.args.eos_id
+    ids = tok.encode("The quick brown fox.") + [tok.eos_id] + tok.encode("Again")
+    s = model.new_session(ctx=64, chunk=4)
+    last = s.prefill(ids)
+    assert np.isfinite(last).all()
+    assert _maxdiff(last, model.logits(ids)[-1]) <= TOL
+    blob = s.snapshot()
+    a = s.decode(int(np.argmax(last)))
+    s.restore(blob)
+    assert np.array_equal(s.decode(int(np.argmax(last))), a)

@@ -35,8 +35,9 @@ MoE: softmax router, top-k (renormalised when norm_topk_prob), SwiGLU experts, p
 shared expert gated by sigmoid(shared_expert_gate(x)).
 
 Caches (`LinearCache` / `AttentionCache`, one per layer) hold all state: the GDN conv
-window and delta-rule state, the PLE conv window and n-gram id history, the K/V rows
-and the raw indexer keys.  Every shape decision depends only on the host-side offset.
+window and delta-rule state, the PLE conv window and n-gram id history, the K/V rows,
+the QSA block keys and the raw indexer keys of the incomplete block.  Every shape
+decision depends only on the host-side offset.
 """
 
 from __future__ import annotations
@@ -304,39 +305,58 @@ class LinearCache:
 
 
 class AttentionCache:
-    """State of an indexed-attention layer: K/V rows [1, Hkv, L, D] and the raw indexer
-    keys [1, L, d] (pooled and roped on the fly)."""
+    """State of an indexed-attention layer.
 
-    def __init__(self):
+    keys, values [1, Hkv, L, D]   every position's K/V rows
+    index_blocks [1, L // r, d]   the QSA block keys: mean-pooled indexer keys of each
+                                  complete block, normalised and roped at the block start
+    index_tail [1, L % r, d]      the raw indexer keys of the incomplete block
+    """
+
+    NAMES = ("keys", "values", "index_blocks", "index_tail")
+
+    def __init__(self, ratio: int):
         self.offset = 0
-        self.keys, self.values, self.index_keys = _Rows(), _Rows(), _Rows()
+        self.ratio = ratio
+        self.keys, self.values, self.index_blocks = _Rows(), _Rows(), _Rows()
+        self.index_tail = None
 
     @property
     def state(self) -> dict:
         if self.keys.buf is None:
             return {}
-        return {"keys": self.keys.live(), "values": self.values.live(), "index_keys": self.index_keys.live()}
+        out = {"keys": self.keys.live(), "values": self.values.live(), "index_tail": self.index_tail}
+        if self.index_blocks.buf is not None:
+            out["index_blocks"] = self.index_blocks.live()
+        return out
 
     @property
     def meta_state(self) -> dict:
-        return {"type": INDEXED, "offset": self.offset, "cap": self.keys.cap}
+        return {"type": INDEXED, "offset": self.offset, "ratio": self.ratio,
+                "cap": self.keys.cap, "block_cap": self.index_blocks.cap}
 
     def load(self, meta: dict, arrays: dict):
-        if meta.get("type") != INDEXED:
+        if meta.get("type") != INDEXED or meta.get("ratio") != self.ratio:
             raise ValueError("layer cache layout mismatch")
-        if set(arrays) - {"keys", "values", "index_keys"}:
+        if set(arrays) - set(self.NAMES):
             raise ValueError(f"unexpected cache arrays {sorted(arrays)}")
-        self.offset = int(meta["offset"])
-        cap = int(meta.get("cap", 0))
-        for name in ("keys", "values", "index_keys"):
-            rows = arrays.get(name)
-            if (rows is None) != (self.offset == 0) or (rows is not None and rows.shape[-2] != self.offset):
+        n = int(meta["offset"])
+        want = {"keys": n, "values": n, "index_blocks": n // self.ratio, "index_tail": n % self.ratio}
+        for name, rows in want.items():
+            a = arrays.get(name)
+            required = rows > 0 or (n > 0 and name != "index_blocks")
+            if (a is None and required) or (a is not None and a.shape[-2] != rows):
                 raise ValueError("attention cache row count mismatch")
-            getattr(self, name).load(rows, cap)
+        self.offset = n
+        self.keys.load(arrays.get("keys"), int(meta.get("cap", 0)))
+        self.values.load(arrays.get("values"), int(meta.get("cap", 0)))
+        self.index_blocks.load(arrays.get("index_blocks"), int(meta.get("block_cap", 0)))
+        self.index_tail = arrays.get("index_tail")
 
     @property
     def nbytes(self) -> int:
-        return sum(r.buf.nbytes for r in (self.keys, self.values, self.index_keys) if r.buf is not None)
+        total = sum(r.buf.nbytes for r in (self.keys, self.values, self.index_blocks) if r.buf is not None)
+        return total + (0 if self.index_tail is None else self.index_tail.nbytes)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -440,12 +460,18 @@ class QSAIndexer(nn.Module):
         qk = self.index_qk_proj(x)
         q = self.q_layernorm(qk[..., : self.nh * self.d].reshape(B, C, self.nh, self.d))
         q = self._rope(q.swapaxes(1, 2), offset=s)  # [B, nh, C, d]
-        raw = cache.index_keys.append(qk[..., self.nh * self.d :])  # [1, L, d]
-        nb = L // r
+        raw = qk[..., self.nh * self.d :]  # [B, C, d]: indexer keys from position (s // r) * r on
+        if cache.index_tail is not None:
+            raw = mx.concatenate([cache.index_tail.astype(raw.dtype), raw], axis=1)
+        done, nb = s // r, L // r
+        if nb > done:  # blocks completed by this chunk
+            fresh = raw[:, : (nb - done) * r].astype(mx.float32).reshape(B, nb - done, r, self.d)
+            fresh = self.k_layernorm(fresh.mean(axis=2).astype(raw.dtype))
+            cache.index_blocks.append(self._rope(fresh[:, None], offset=done, scale=float(r))[:, 0])
+        cache.index_tail = raw[:, (nb - done) * r :]
         if nb <= self.topk:  # no query has more complete blocks than the budget
             return None
-        pooled = raw[:, : nb * r].astype(mx.float32).reshape(B, nb, r, self.d).mean(axis=2).astype(raw.dtype)
-        blocks = self._rope(self.k_layernorm(pooled)[:, None], scale=float(r))  # [B, 1, nb, d] at j*r
+        blocks = cache.index_blocks.live()[:, None]  # [B, 1, nb, d], block j roped at position j*r
         scores = mx.maximum(q.astype(mx.float32) @ blocks.astype(mx.float32).swapaxes(-1, -2), 0.0)
         scores = scores.sum(axis=1)[0] / math.sqrt(self.d)  # [C, nb]
         t = s + mx.arange(C)[:, None]
@@ -613,7 +639,7 @@ class Model(nn.Module):
     def make_cache(self) -> list:
         a = self.args
         return [
-            LinearCache(i + 1 in a.ple_layer_ids) if t == LINEAR else AttentionCache()
+            LinearCache(i + 1 in a.ple_layer_ids) if t == LINEAR else AttentionCache(a.indexer_compress_ratio)
             for i, t in enumerate(a.layer_types)
         ]
 
