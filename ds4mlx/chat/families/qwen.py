@@ -181,6 +181,7 @@ class QwenProtocol(ChatProtocol):
 
     # --- prompts ------------------------------------------------------------------------
     def _system(self, system: Optional[str], schemas: Sequence[str], mode: str) -> str:
+        mode = _EFFORTS.get(mode, mode)  # a generic "high" / "max" mode means xhigh
         instr = EFFORT_XHIGH if mode == "xhigh" else EFFORT_LOW if mode == "low" else ""
         sys_text = _trim(system) if system is not None else ""
         if schemas:
