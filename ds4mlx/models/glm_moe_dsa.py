@@ -1,0 +1,273 @@
+"""GLM 5.2 (transformers `glm_moe_dsa`, GlmMoeDsaForCausalLM) in MLX.
+
+A plain pre-norm decoder:
+
+    x = x + self_attn(input_layernorm(x))           MLA + DSA (models/mla.py)
+    x = x + mlp(post_attention_layernorm(x))        dense SwiGLU or MoE (models/sigmoid_moe.py)
+
+Per layer `indexer_types[i]` is "full" (the layer runs its own token-level DSA indexer)
+or "shared" (it reuses the selection of the layer before it, which may itself be
+inherited).  Query t attends every causal key while t < index_topk, then the
+`index_topk` best ones.  Rope is interleaved on the trailing `qk_rope_head_dim` channels
+of the MLA heads and on the *leading* ones of the indexer heads.  Note transformers'
+quirks kept here: `q_a_layernorm` / `kv_a_layernorm` use eps 1e-6 whatever
+`rms_norm_eps` says, and the config's `head_dim` is the rope dim.
+
+Caches: one `mla.MLACache` per layer (latent, roped key slice, indexer keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .layers import GLUMLP, RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
+from .mla import DSAIndexer, MLAAttention, MLACache
+from .sigmoid_moe import MoE, sanitize_experts
+
+
+@dataclass
+class ModelArgs:
+    """Hugging Face `GlmMoeDsaConfig` fields (same names and defaults)."""
+
+    model_type: str = "glm_moe_dsa"
+    vocab_size: int = 154880
+    hidden_size: int = 6144
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 78
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 64
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int = 2048
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    qk_nope_head_dim: int = 192
+    n_group: int = 1
+    topk_group: int = 1
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = True
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 202752
+    rms_norm_eps: float = 1e-5
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 0
+    eos_token_id: Any = 1
+    tie_word_embeddings: bool = False
+    rope_parameters: dict | None = None
+    mlp_layer_types: list | None = None
+    attention_bias: bool = False
+    index_topk: int = 2048
+    index_head_dim: int = 128
+    index_n_heads: int = 32
+    mlp_bias: bool = False
+    head_dim: int = 64
+    first_k_dense_replace: int = 3
+    layer_types: list | None = None
+    indexer_types: list | None = None
+    # legacy / hub spellings folded in by __post_init__ (as transformers does)
+    index_topk_pattern: Any = None
+    index_topk_freq: int | None = None
+    index_skip_topk_offset: int | None = None
+    num_experts: int | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "ModelArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in names})
+
+    def __post_init__(self):
+        n = self.num_hidden_layers
+        if self.num_experts is not None:
+            self.n_routed_experts = self.num_experts
+        if self.indexer_types is None:
+            pattern = self.index_topk_pattern
+            if pattern is not None:
+                self.indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) \
+                    else list(pattern)
+            else:
+                freq = max(self.index_topk_freq or 1, 1)
+                off = 2 if self.index_skip_topk_offset is None else self.index_skip_topk_offset
+                self.indexer_types = ["full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(n)]
+        self.indexer_types = list(self.indexer_types)
+        if len(self.indexer_types) < n or any(t not in ("full", "shared") for t in self.indexer_types[:n]):
+            raise ValueError(f"bad indexer_types: {self.indexer_types}")
+        if self.indexer_types[0] != "full":
+            raise ValueError("layer 0 must run its own indexer (indexer_types[0] == 'full')")
+        self.head_dim = self.qk_rope_head_dim
+        if self.mlp_layer_types is None:
+            k = min(self.first_k_dense_replace, n)
+            self.mlp_layer_types = ["dense"] * k + ["sparse"] * (n - k)
+        self.mlp_layer_types = list(self.mlp_layer_types)
+        if len(self.mlp_layer_types) < n or any(t not in ("dense", "sparse") for t in self.mlp_layer_types[:n]):
+            raise ValueError(f"bad mlp_layer_types: {self.mlp_layer_types}")
+        if self.layer_types is None:
+            self.layer_types = ["indexed_attention"] * n
+        rp = dict(self.rope_parameters or self.rope_scaling or {})
+        if "type" in rp and "rope_type" not in rp:
+            rp["rope_type"] = rp.pop("type")
+        rp.setdefault("rope_type", "default")
+        rp.setdefault("rope_theta", self.rope_theta if self.rope_theta is not None else 10000.0)
+        self.rope_parameters = rp
+        if self.q_lora_rank is None:
+            raise ValueError("q_lora_rank is required")
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        rp = self.rope_parameters
+        if rp.get("rope_type", "default") != "default" and rp.get("mscale_all_dim"):
+            factor = rp["factor"]
+            m = 0.1 * rp["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+            scale = scale * m * m
+        return scale
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, i: int, rope: RoPE):
+        super().__init__()
+        indexer = None
+        if args.indexer_types[i] == "full":
+            indexer = DSAIndexer(args.hidden_size, args.q_lora_rank, args.index_n_heads, args.index_head_dim,
+                                 args.index_topk, rope, args.qk_rope_head_dim)
+        self.self_attn = MLAAttention(
+            hidden=args.hidden_size, n_heads=args.num_attention_heads, q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
+            qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim, bias=args.attention_bias,
+            q_norm_eps=1e-6, kv_norm_eps=1e-6, scale=args.softmax_scale, rope=rope, indexer=indexer,
+        )
+        if args.mlp_layer_types[i] == "sparse":
+            self.mlp = MoE(args.hidden_size, args.moe_intermediate_size, args.n_routed_experts, args.n_shared_experts,
+                           args.num_experts_per_tok, args.n_group, args.topk_group, args.norm_topk_prob,
+                           args.routed_scaling_factor, None)
+        else:
+            self.mlp = GLUMLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x, cache, prev):
+        h, sel = self.self_attn(self.input_layernorm(x), cache, prev)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), sel
+
+
+class GlmMoeDsaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        r = args.qk_rope_head_dim
+        rp = args.rope_parameters
+        self._rope = RoPE(r, inv_freq_from_params(r, rp, args.max_position_embeddings),
+                          attention_factor_from_params(rp, args.max_position_embeddings)) if r else None
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i, self._rope) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, ids: mx.array, cache: list) -> mx.array:
+        x = self.embed_tokens(ids)
+        sel = None
+        for layer, c in zip(self.layers, cache):
+            x, sel = layer(x, c, sel)
+        for c in cache:
+            c.offset += ids.shape[1]
+        return self.norm(x)
+
+
+class Model(nn.Module):
+    """GlmMoeDsaForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = GlmMoeDsaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
+        if ids.ndim == 1:
+            ids = ids[None]
+        if cache is None:
+            cache = self.make_cache()
+        h = self.model(ids, cache)
+        if last_only:
+            h = h[:, -1:]
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def make_cache(self) -> list[MLACache]:
+        a = self.args
+        return [
+            MLACache(a.kv_lora_rank, a.qk_rope_head_dim, "dsa" if a.indexer_types[i] == "full" else None,
+                     a.index_head_dim)
+            for i in range(a.num_hidden_layers)
+        ]
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def sanitize(self, weights: dict) -> dict:
+        """transformers' in-memory names (or per-expert hub names) -> this module's parameters;
+        MTP layers (index >= num_hidden_layers) and rotary buffers are dropped."""
+        n = self.args.num_hidden_layers
+        out = {}
+        for k, v in weights.items():
+            if "rotary_emb" in k:
+                continue
+            if k.startswith("model.layers."):
+                if int(k.split(".")[2]) >= n:
+                    continue
+            out[k] = v
+        out = sanitize_experts(out)
+        if self.args.tie_word_embeddings:
+            out.pop("lm_head.weight", None)
+        return out
+
+
+# The demo model (ds4mlx.load("demo:glm_moe_dsa")): GLM 5.2's architecture scaled down, random
+# weights.  GLM's own tokenizer is not available offline, so the demo reuses the DeepSeek
+# tokenizer; hence vocab_size 129280 and DeepSeek's bos/eos ids.
+DEMO_CONFIG = {
+    "model_type": "glm_moe_dsa",
+    "vocab_size": 129280,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "index_topk": 64,
+    "index_n_heads": 4,
+    "index_head_dim": 32,
+    "indexer_types": ["full", "shared", "full", "shared"],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "max_position_embeddings": 202752,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+    "demo_model": True,
+}
