@@ -24,8 +24,9 @@ def _common(p) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0, help="0 = time based")
-    p.add_argument("--think", choices=["none", "high", "max"], default="none",
-                   help="thinking mode (default none; max needs --ctx >= 393216)")
+    p.add_argument("--think", default="none",
+                   help="thinking mode: none (default), high, max (needs --ctx >= 393216), or the family's own "
+                        "levels (V4.1: 1..100; GLM: low/high/max; Qwen: low/medium/xhigh)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -48,8 +49,13 @@ def _sampling(args):
     return SamplingParams(temperature=temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
 
 
-def _thinking(args) -> str:
-    return "high" if args.think == "max" and args.ctx < 393216 else args.think
+def _thinking(args, protocol) -> str:
+    """The family's thinking mode for --think (numbers are V4.1 effort levels)."""
+    if args.think.isdigit():
+        return protocol.render_think_level(int(args.think))
+    if args.think in ("none", "high", "max"):
+        return protocol.resolve_thinking(args.think, None, explicit=True, ctx=args.ctx)
+    return protocol.resolve_thinking("high", args.think, explicit=True, ctx=args.ctx)
 
 
 def _load(args, console):
@@ -72,7 +78,6 @@ def stream_job(engine, job, console: Console, out=sys.stdout) -> Finish | None:
 
     t_start = time.perf_counter()
     t_gen = None
-    started = None
     finish = None
     progress = None
     task = None
@@ -89,7 +94,7 @@ def stream_job(engine, job, console: Console, out=sys.stdout) -> Finish | None:
         elif isinstance(ev, Started):
             if progress is not None:
                 progress.stop()
-            started, t_gen = ev, time.perf_counter()
+            t_gen = time.perf_counter()
         elif isinstance(ev, ReasoningDelta):
             if not in_reasoning:
                 console.print("[dim]<think>[/dim]", end="")
@@ -126,34 +131,38 @@ def stream_job(engine, job, console: Console, out=sys.stdout) -> Finish | None:
 
 def run(args) -> int:
     from .chat.messages import Conversation, Message
-    from .chat.template import render, render_completion  # noqa: F401
     from .engine import Job
 
     console = Console(stderr=True)
     engine, tok = _load(args, console)
+    protocol = engine.protocol  # the loaded family's template and output syntax
     try:
+        try:
+            thinking = _thinking(args, protocol)
+        except ValueError as e:
+            console.print(f"[red]error: {e}[/red]")
+            return 2
         if args.command == "chat":
-            return _chat_loop(args, engine, console)
-        thinking = _thinking(args)
+            return _chat_loop(args, engine, console, thinking)
         if args.raw:
             prompt = args.prompt
         else:
             msgs = ([Message("system", args.system)] if args.system else []) + [Message("user", args.prompt)]
-            prompt = render(Conversation(msgs, thinking=thinking))
+            prompt = protocol.render(Conversation(msgs, thinking=thinking))
         job = Job(prompt_text=prompt, api="completions" if args.raw else "chat", raw=args.raw, thinking=thinking,
-                  params=_sampling(args), max_tokens=args.max_tokens, stop=tuple(args.stop))
+                  params=_sampling(args), max_tokens=args.max_tokens, stop=tuple(args.stop),
+                  family=protocol.family)
         fin = stream_job(engine, job, console)
         return 0 if fin is not None and fin.reason != "error" else 1
     finally:
         engine.close()
 
 
-def _chat_loop(args, engine, console: Console) -> int:
+def _chat_loop(args, engine, console: Console, thinking: str) -> int:
     from .chat.messages import Conversation, Message
-    from .chat.template import render
     from .engine import Job
 
-    thinking = _thinking(args)
+    protocol = engine.protocol
     history = [Message("system", args.system)] if args.system else []
     console.print("[dim]ds4mlx chat: empty line or Ctrl-D quits, /reset clears the history[/dim]")
     while True:
@@ -168,8 +177,8 @@ def _chat_loop(args, engine, console: Console) -> int:
             history = history[:1] if args.system else []
             continue
         history.append(Message("user", line))
-        job = Job(prompt_text=render(Conversation(list(history), thinking=thinking)), thinking=thinking,
-                  params=_sampling(args), max_tokens=args.max_tokens, stop=tuple(args.stop))
+        job = Job(prompt_text=protocol.render(Conversation(list(history), thinking=thinking)), thinking=thinking,
+                  params=_sampling(args), max_tokens=args.max_tokens, stop=tuple(args.stop), family=protocol.family)
         fin = stream_job(engine, job, console)
         if fin is None:
             history.pop()

@@ -26,19 +26,17 @@ def materialize(module) -> None:
         obj = todo.pop()
         if isinstance(obj, mx.array):
             found.append(obj)
-        elif id(obj) in seen:
             continue
-        elif isinstance(obj, dict):
-            seen.add(id(obj))
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):  # nn.Module is a dict of parameters and submodules ...
             todo.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
-            seen.add(id(obj))
             todo.extend(obj)
-        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("ds4mlx", "mlx")):
-            seen.add(id(obj))
+        # ... and keeps its other attributes (rope tables, ...) in __dict__
+        if hasattr(obj, "__dict__") and type(obj).__module__.startswith(("ds4mlx", "mlx")):
             todo.extend(vars(obj).values())
-            if isinstance(obj, dict):
-                todo.extend(obj.values())
     mx.eval(found)
 
 
