@@ -14,8 +14,10 @@ Family-agnostic pieces of a KDA linear-attention layer (GLM 5.3 Flash, Kimi Line
 
   `kda_recurrent` runs it one token at a time (decode); `kda_chunked` runs the equivalent
   chunked ("WY") form used for prefill: inside a chunk of n tokens everything is dense
-  matrix algebra (an n x n intra-chunk system solved by a product of log2(n) doublings),
-  only the state is carried from chunk to chunk;
+  matrix algebra (the n x n unit-triangular intra-chunk system is solved by forward
+  substitution, batched over heads and chunks), only the state is carried from chunk to
+  chunk.  The per-channel decay makes the intra-chunk products [n, n, Dk] tensors;
+  chunks are processed in groups to bound that memory;
 * `LinearCache`: the per-layer session state (conv context + recurrent state).
 
 A scalar (per-head) gate, as in Gated DeltaNet, is the special case `g [B, T, H, 1]`.
@@ -76,53 +78,71 @@ def kda_recurrent(q, k, v, g, beta, state):
     return mx.stack(outs, axis=1), S
 
 
-def _unit_lower_inverse(N: mx.array) -> mx.array:
-    """(I - N)^-1 for strictly lower-triangular N [..., n, n]: the product
-    (I + N)(I + N^2)(I + N^4)... (N is nilpotent, N^n = 0)."""
-    n = N.shape[-1]
-    eye = mx.eye(n, dtype=N.dtype)
-    T = eye + N
-    P = N
-    span = 2
-    while span < n:
-        P = P @ P
-        T = T + T @ P
-        span *= 2
-    return T
+def _unit_lower_inverse(A: mx.array) -> mx.array:
+    """(I + A)^-1 for strictly lower-triangular A [..., n, n], by forward substitution one row
+    at a time (batched over the leading axes).  Stable where power series are not: with
+    strongly correlated keys the entries of A^m grow like binomial coefficients."""
+    n = A.shape[-1]
+    N = -A
+    T = N  # strictly lower; row i is final once updated (it only reads rows < i)
+    for i in range(1, n):
+        row = N[..., i : i + 1, :]
+        T[..., i : i + 1, :] = row + row @ T
+    return T + mx.eye(n, dtype=A.dtype)
+
+
+GROUP_ELEMS = 1 << 26  # chunks are solved in groups of at most this many decay-tensor floats
 
 
 def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
-    """The chunked form of `kda_recurrent` (same arguments and results)."""
+    """The chunked form of `kda_recurrent` (same arguments and results).
+
+    The sequence is cut into chunks of `chunk` tokens (zero-padded at the end: padded
+    tokens have beta = 0 and no decay, so they change nothing); the intra-chunk systems of
+    a group of chunks are solved together, then the state is carried chunk by chunk."""
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     S = mx.zeros((B, H, Dk, Dv), mx.float32) if state is None else state.astype(mx.float32)
-    # [B, H, T, D] layout, float32
-    q, k, v = (a.astype(mx.float32).swapaxes(1, 2) for a in (q, k, v))
-    g = mx.broadcast_to(g.astype(mx.float32), (B, T, H, g.shape[-1])).swapaxes(1, 2)
-    beta = beta.astype(mx.float32).swapaxes(1, 2)[..., None]  # [B, H, T, 1]
+    n = min(chunk, T)
+    pad = -T % n
+    Dg = g.shape[-1]
+
+    def prep(a, d):  # [B, T, H, d] -> [B, H, nc, n, d] float32, zero-padded
+        a = a.astype(mx.float32)
+        if pad:
+            a = mx.concatenate([a, mx.zeros((B, pad, H, d), mx.float32)], axis=1)
+        return a.swapaxes(1, 2).reshape(B, H, -1, n, d)
+
+    q, k, v, g = prep(q, Dk), prep(k, Dk), prep(v, Dv), prep(g, Dg)
+    beta = prep(beta[..., None], 1)
+    nc = q.shape[2]
+    i = mx.arange(n)
+    incl = i[:, None] >= i[None, :]  # j <= i
+    strict = i[:, None] > i[None, :]
+    step = max(1, GROUP_ELEMS // (B * H * n * n * max(Dk, Dg)))
     outs = []
-    for c0 in range(0, T, chunk):
-        n = min(chunk, T - c0)
-        qc, kc, vc, bc = q[:, :, c0 : c0 + n], k[:, :, c0 : c0 + n], v[:, :, c0 : c0 + n], beta[:, :, c0 : c0 + n]
-        G = mx.cumsum(g[:, :, c0 : c0 + n], axis=2)  # [B, H, n, Dk or 1]
-        i = mx.arange(n)
-        incl = i[:, None] >= i[None, :]  # j <= i
-        diff = mx.where(incl[:, :, None], G[:, :, :, None, :] - G[:, :, None, :, :], -mx.inf)
-        decay = mx.exp(diff)  # [B, H, n(i), n(j), Dk or 1]
+    for c0 in range(0, nc, step):
+        sl = slice(c0, min(nc, c0 + step))
+        qc, kc, vc, bc = q[:, :, sl], k[:, :, sl], v[:, :, sl], beta[:, :, sl]
+        G = mx.cumsum(g[:, :, sl], axis=3)  # [B, H, c, n, Dk or 1]
+        diff = mx.where(incl[:, :, None], G[..., :, None, :] - G[..., None, :, :], -mx.inf)
+        decay = mx.exp(diff)  # [B, H, c, n(i), n(j), Dk or 1]
         kbeta = kc * bc
-        A_kk = ((kbeta[:, :, :, None, :] * decay) * kc[:, :, None, :, :]).sum(axis=-1)
-        A_kk = mx.where(i[:, None] > i[None, :], A_kk, 0.0)  # strictly lower
-        Tm = _unit_lower_inverse(-A_kk)  # (I + A_kk)^-1
-        u = Tm @ (vc * bc)  # [B, H, n, Dv]
-        w = Tm @ (kbeta * mx.exp(G))  # [B, H, n, Dk]
-        A_qk = ((qc[:, :, :, None, :] * decay) * kc[:, :, None, :, :]).sum(axis=-1)
-        A_qk = mx.where(incl, A_qk, 0.0)
-        v_new = u - w @ S
-        outs.append((qc * mx.exp(G)) @ S + A_qk @ v_new)
-        G_last = G[:, :, n - 1 : n]  # [B, H, 1, Dk or 1]
-        S = S * mx.exp(G_last).swapaxes(-1, -2) + (kc * mx.exp(G_last - G)).swapaxes(-1, -2) @ v_new
-    o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-    return o.swapaxes(1, 2), S
+        A_kk = mx.where(strict, ((kbeta[..., :, None, :] * decay) * kc[..., None, :, :]).sum(axis=-1), 0.0)
+        Tm = _unit_lower_inverse(A_kk)
+        u = Tm @ (vc * bc)  # [B, H, c, n, Dv]
+        w = Tm @ (kbeta * mx.exp(G))  # [B, H, c, n, Dk]
+        A_qk = mx.where(incl, ((qc[..., :, None, :] * decay) * kc[..., None, :, :]).sum(axis=-1), 0.0)
+        q_decay = qc * mx.exp(G)
+        G_last = G[..., n - 1 :, :]  # [B, H, c, 1, Dk or 1]
+        k_decay = kc * mx.exp(G_last - G)
+        last = mx.exp(G_last).swapaxes(-1, -2)  # [B, H, c, Dk or 1, 1]
+        for j in range(qc.shape[2]):
+            v_new = u[:, :, j] - w[:, :, j] @ S
+            outs.append(q_decay[:, :, j] @ S + A_qk[:, :, j] @ v_new)
+            S = S * last[:, :, j] + k_decay[:, :, j].swapaxes(-1, -2) @ v_new
+    o = mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]  # [B, H, nc*n, Dv]
+    return o[:, :, :T].swapaxes(1, 2), S
 
 
 def kda(q, k, v, g, beta, state, chunk: int = CHUNK):
