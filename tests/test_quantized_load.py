@@ -331,3 +331,24 @@ def test_16bit_load_runs(oracle, tmp_path_factory, tmp_path):
     s.prefill(list(range(2, 38)))
     y = s.step(7)
     assert y.dtype == mx.bfloat16 and np.isfinite(np.array(y.astype(mx.float32))).all()
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "mlx2", "mlx4"])
+@pytest.mark.parametrize("chunk", [1 << 24, 300])
+def test_repack_equals_reference_bit_for_bit(kind, chunk, monkeypatch):
+    """`models.quantized.repack` (MLX ops, chunked) == `quant.repack_for_mlx` (numpy)."""
+    from ds4mlx.models import quantized
+    from ds4mlx.quant import repack_for_mlx
+    from ds4mlx.quantize import quantize, quantize_expert_tensor
+
+    monkeypatch.setattr(quantized, "REPACK_CHUNK_VALUES", chunk)  # 300: one row per step
+    w = np.random.default_rng(5).standard_normal((3, 40, 256)).astype(np.float32)
+    if kind.startswith("mlx"):
+        qt = quantize_expert_tensor(w, ("mlx", int(kind[-1])))
+    else:
+        qt = QuantizedTensor(raw=quantize(w, QT[kind]), qtype=QT[kind], shape=w.shape)
+    got, want = quantized.repack(qt), repack_for_mlx(qt.raw, qt.qtype, qt.shape)
+    assert got[3:] == want[3:] and got[4] == {"mlx2": 2, "Q8_0": 8}.get(kind, 4)
+    for a, b in zip(got[:3], want[:3]):
+        a, b = np.array(a), np.array(b)
+        assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))

@@ -5,22 +5,25 @@
 weights)` runs after `Model.sanitize` and, per tensor, swaps the module that owns
 it for one that computes on the quantized form:
 
-=====================  ==========================================  ==========================
-tensor type            module (projection / embedding / experts)  memory
-=====================  ==========================================  ==========================
-Q8_0, Q4_0, Q4_1,      `nn.QuantizedLinear`, `QuantizedGroupedLinear`,  MLX affine arrays from
-Q4_K (exact repack)    `nn.QuantizedEmbedding`, `QuantizedSwitchLinear` `quant.repack_for_mlx`
-Q2_K, IQ2_XXS          `GGUFSwitchLinear` (routed experts only):  the file's blocks, uint8
-                       `kernels.quant_moe` mat-vec / mat-mul
-anything else          the float module, dequantized at load      float (logged as a warning)
-=====================  ==========================================  ==========================
+* Q8_0, Q4_0, Q4_1, Q4_K (exact MLX affine repack, `repack`): `nn.QuantizedLinear`,
+  `QuantizedGroupedLinear` (o_a_proj), `nn.QuantizedEmbedding`,
+  `QuantizedSwitchLinear` (routed experts); group 32, 8 / 4 bits (2 bits for the
+  `ds4mlx quantize --experts mlx2` container), float32 scales and biases;
+* Q2_K, IQ2_XXS routed experts: `GGUFSwitchLinear`, the file's blocks as a uint8
+  `mx.array`, computed by `kernels.quant_moe` (mat-vec for decode, per-expert
+  dequantize + matmul for prefill);
+* anything else (Q2_K dense projections, a quantized router or hyper-connection
+  matrix, Q5_0 / Q6_K / ...): dequantized at load into the float module, one
+  tensor at a time, with a warning in the `ds4mlx.quantized` log.
 
 The repack is exact (see `ds4mlx.quant`): with float32 scales and biases the MLX
 dequantization equals the reference `quant.dequantize` bit for bit, so a model
 loaded this way computes what the float model built from the dequantized weights
-computes, up to float32 summation order.  In a 16-bit model (a GPU) scales and
-biases are stored in that 16-bit type (MLX's quantized kernels want one dtype),
-which rounds them (Q4_K: d * sc has 17 significant bits).
+computes, up to float32 summation order.  `repack` is `quant.repack_for_mlx` (the
+numpy reference, tested equal bit for bit) redone with MLX ops, so on a GPU it
+runs on the device.  In a 16-bit model (a GPU) scales and biases are stored in
+that 16-bit type (MLX's quantized kernels want one dtype), which rounds them
+(Q4_K: d * sc has 17 significant bits).
 
 Routed experts that ds4 stores split (`mlp.experts.gate_proj` / `up_proj`, each
 [E, I, H]) become the fused `gate_up_proj` the graph expects: concatenated when
@@ -28,10 +31,11 @@ both sides repack to the same MLX layout (a copy of packed arrays), otherwise a
 `SplitSwitchLinear` that calls both and concatenates their outputs (gate first),
 so `SwitchGLU` runs unchanged.
 
-Memory: tensors are converted one at a time, in chunks of `REPACK_CHUNK_VALUES`
-values (repacking and the dequantizing fallback both work in chunks), so the
-peak beyond the loaded model is about one tensor's converted size; nothing holds
-the whole model dequantized.  A `GGUFSwitchLinear` costs exactly the file's bytes.
+Memory: tensors are converted one at a time, `REPACK_CHUNK_VALUES` values per
+step, so the peak beyond the loaded model is about one tensor's converted size
+(twice, during the final concatenation); nothing holds the whole model
+dequantized.  A `GGUFSwitchLinear` costs exactly the file's bytes; a repacked
+tensor costs (bits + 2) bits per value (float32 scale and bias per 32 values).
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..kernels import quant_moe
-from ..quant import MLX_EXACT_TYPES, QT, as_qtype, repack_for_mlx
+from ..quant import MLX_EXACT_TYPES, QT, as_qtype
 from ..weights import QuantizedTensor
 from .layers import QuantizedSwitchLinear, SwitchLinear
 
@@ -131,34 +135,88 @@ def _chunks(n: int, per_row: int):
         yield a, min(n, a + step)
 
 
+def _f16(b: mx.array, i: int) -> mx.array:
+    """Little-endian float16 at bytes i, i+1 of the last axis -> float32."""
+    bits = b[..., i].astype(mx.uint16) | (b[..., i + 1].astype(mx.uint16) << 8)
+    return bits.view(mx.float16).astype(mx.float32)
+
+
+def _pack(levels: mx.array, bits: int) -> mx.array:
+    """[..., K] uint8 levels < 2**bits -> [..., K*bits/32] uint32, MLX's packing
+    (element j of a word at bits [j*bits, (j+1)*bits): little-endian bytes)."""
+    per = 8 // bits
+    lv = levels.reshape(*levels.shape[:-1], -1, per)
+    byte = lv[..., 0]
+    for j in range(1, per):
+        byte = byte | (lv[..., j] << (bits * j))
+    return byte.view(mx.uint32)
+
+
+def _affine_mx(b: mx.array, qtype: QT):
+    """GGUF blocks [R, nb, block_bytes] uint8 -> (levels [R, nb*elems] uint8,
+    scales, biases [R, nb*elems/32] float32, bits): `quant._affine_params` in MLX
+    ops (the same float32 operations, so the same bits)."""
+    R = b.shape[0]
+    if qtype == QT.Q8_0:
+        d = _f16(b, 0)
+        return (b[..., 2:] ^ 128).reshape(R, -1), d, d * -128.0, 8
+    if qtype in (QT.Q4_0, QT.Q4_1):
+        qs = b[..., -16:]
+        lv = mx.concatenate([qs & 15, qs >> 4], axis=-1).reshape(R, -1)
+        d = _f16(b, 0)
+        return lv, d, (d * -8.0 if qtype == QT.Q4_0 else _f16(b, 2)), 4
+    if qtype == QT.Q4_K:
+        d, dmin = _f16(b, 0)[..., None], _f16(b, 2)[..., None]
+        sc, m = quant_moe._q4k_scale_min(b[..., 4:16])
+        qs = b[..., 16:144].reshape(R, -1, 4, 1, 32)
+        lv = mx.concatenate([qs & 15, qs >> 4], axis=-2).reshape(R, -1)
+        return lv, (d * sc.astype(mx.float32)).reshape(R, -1), (-(dmin * m.astype(mx.float32))).reshape(R, -1), 4
+    raise AssertionError(qtype)
+
+
+def _narrow(w_q: mx.array) -> mx.array:
+    """4-bit packed words whose levels are all < 4 -> the same levels packed in 2 bits."""
+    by = w_q.view(mx.uint8)
+    lv = mx.stack([by & 3, (by >> 4) & 3], axis=-1).reshape(*by.shape[:-1], -1)
+    return _pack(lv, 2)
+
+
 def repack(qt: QuantizedTensor, scale_dtype=mx.float32):
-    """Exact MLX affine form of `qt` (`quant.repack_for_mlx`, a chunk of the first
-    axis at a time): (w_q, scales, biases, group_size, bits), evaluated, or None
-    (a type with no exact form, or a 1-D tensor)."""
+    """Exact MLX affine form of `qt`: (w_q, scales, biases, group_size=32, bits),
+    evaluated, or None (a type with no exact form).  What
+    `quant.repack_for_mlx(raw, qtype, shape)` returns (the reference, numpy),
+    computed with MLX ops on the default device, `REPACK_CHUNK_VALUES` values at
+    a time; a Q4_1 / Q4_K tensor whose levels all fit in 2 bits (the mlx2
+    container) comes back as bits = 2.  Scales and biases are float32 unless
+    `scale_dtype` says otherwise (then rounded)."""
+    from gguf import GGML_QUANT_SIZES
+
     qtype, shape = as_qtype(qt.qtype), tuple(int(s) for s in qt.shape)
-    if qtype not in MLX_EXACT_TYPES or len(shape) < 2:
+    if qtype not in MLX_EXACT_TYPES or len(shape) < 1:
         return None
-    raw = qt.raw.reshape(shape[0], -1)
-    per_row = int(np.prod(shape[1:], dtype=np.int64))
-
-    def run(narrow: bool):
-        parts = []
-        for a, b in _chunks(shape[0], per_row):
-            r = repack_for_mlx(raw[a:b], qtype, (b - a, *shape[1:]), narrow=narrow)
-            mx.eval(r[:3])
-            parts.append(r)
-        return parts
-
-    parts = run(True)
-    if len({p[4] for p in parts}) > 1:  # some chunks' levels happened to fit in 2 bits
-        parts = run(False)
-    gs, bits = parts[0][3], parts[0][4]
-    out = [parts[0][i] if len(parts) == 1 else mx.concatenate([p[i] for p in parts], axis=0) for i in range(3)]
+    K = shape[-1]
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    raw = np.asarray(qt.raw).reshape(-1, K // elems * nbytes)
+    parts, top = [], 0
+    for a, b in _chunks(raw.shape[0], K):
+        blocks = mx.array(raw[a:b]).reshape(b - a, K // elems, nbytes)
+        lv, s, z, bits = _affine_mx(blocks, qtype)
+        w = _pack(lv, bits)
+        hi = lv.max() if bits == 4 and qtype in (QT.Q4_1, QT.Q4_K) else mx.array(255, mx.uint8)
+        mx.eval(w, s, z, hi)
+        top = max(top, hi.item())
+        parts.append((w, s, z))
+    if top < 4:
+        parts = [(_narrow(w), s, z) for w, s, z in parts]
+        bits = 2
+    lead = shape[:-1]
+    out = [mx.concatenate([p[i] for p in parts], axis=0) if len(parts) > 1 else parts[0][i] for i in range(3)]
     del parts
+    out = [a.reshape(*lead, -1) for a in out]
     if scale_dtype != mx.float32:
         out[1:] = [a.astype(scale_dtype) for a in out[1:]]
     mx.eval(out)
-    return (*out, gs, bits)
+    return (*out, 32, bits)
 
 
 def dequantize_chunked(qt: QuantizedTensor, dtype=mx.float32) -> mx.array:
@@ -189,6 +247,10 @@ def _bare(cls, **attrs):
         setattr(m, k, v)
     m.freeze()
     return m
+
+
+def _quantizable(mod) -> bool:
+    return type(mod) in (nn.Linear, nn.Embedding) or (isinstance(mod, nn.Module) and hasattr(mod, "to_quantized"))
 
 
 def _affine_module(mod: nn.Module, rep):
@@ -342,7 +404,7 @@ def install_quantized(model: nn.Module, weights: dict, dtype=None) -> tuple[dict
         new = None
         if attr == "weight" and isinstance(mod, SwitchLinear) and len(val.shape) == 3:
             new = _expert_module(val, scale_dtype, compute, key, stats)
-        elif attr == "weight" and mod is not None and qtype in MLX_EXACT_TYPES:
+        elif attr == "weight" and _quantizable(mod) and qtype in MLX_EXACT_TYPES:
             new = _affine_module(mod, repack(val, scale_dtype))
             if new is not None:
                 stats[f"{qtype.name}->mlx{new.bits}"] += 1
