@@ -193,7 +193,7 @@ def test_per_expert_hub_names_load(oracle):
 
 
 def test_quantized_model_matches_dequantized_weights(oracle):
-    """nn.quantize'd projections (the absorbed MLA form dequantizes kv_b_proj) compute what the
+    """nn.quantize'd projections (the absorbed MLA form runs kv_b_proj as per-head quantized matmuls) compute what the
     float graph computes with the dequantized weights, in both MLA forms."""
     folder = oracle(SCRIPT, None)
     ids = np.load(folder / "reference.npz")["input_ids"][0].tolist()

@@ -307,12 +307,30 @@ class KPoolIndexer(nn.Module):
 # ----------------------------------------------------------------------------- attention
 
 
-def dense_weight(layer: nn.Module) -> mx.array:
-    """The float weight of a Linear or QuantizedLinear."""
+def absorbed_projections(layer: nn.Module, n_heads: int, nope: int):
+    """kv_b_proj split per head for the absorbed form: (embed_q, unembed_out) with
+    embed_q(x [.., nh, C, nope]) = x @ W_k[h]  -> [.., nh, C, lora] and
+    unembed_out(y [.., nh, C, lora]) = y @ W_v[h]^T -> [.., nh, C, v],
+    where kv_b_proj.weight = [W_k[h]; W_v[h]] per head.  A QuantizedLinear stays quantized
+    (its groups run along lora, the contracted axis of both products or the kept one)."""
     if hasattr(layer, "scales"):
-        return mx.dequantize(layer.weight, layer.scales, getattr(layer, "biases", None), layer.group_size,
-                             layer.bits, mode=getattr(layer, "mode", "affine"))
-    return layer.weight
+        kw = dict(group_size=layer.group_size, bits=layer.bits, mode=getattr(layer, "mode", "affine"))
+        w = layer.weight.reshape(n_heads, -1, layer.weight.shape[-1])
+        sc = layer.scales.reshape(n_heads, -1, layer.scales.shape[-1])
+        b = getattr(layer, "biases", None)
+        b = None if b is None else b.reshape(n_heads, -1, b.shape[-1])
+        part = (lambda a, lo, hi: None if a is None else a[:, lo:hi])
+        n = w.shape[1]
+
+        def embed_q(x):
+            return mx.quantized_matmul(x, w[:, :nope], sc[:, :nope], part(b, 0, nope), transpose=False, **kw)
+
+        def unembed_out(y):
+            return mx.quantized_matmul(y, w[:, nope:], sc[:, nope:], part(b, nope, n), transpose=True, **kw)
+
+        return embed_q, unembed_out
+    W = layer.weight.reshape(n_heads, -1, layer.weight.shape[-1])
+    return (lambda x: x @ W[:, :nope].astype(x.dtype)), (lambda y: y @ W[:, nope:].swapaxes(-1, -2).astype(y.dtype))
 
 
 class MLAAttention(nn.Module):
@@ -379,8 +397,7 @@ class MLAAttention(nn.Module):
         elif C > 1:
             mask = "causal" if s == 0 else causal_mask(s, C)
 
-        W = None if self._expanded(C) else dense_weight(self.kv_b_proj).reshape(nh, nope + self._v, self._lora)
-        if W is None:  # expanded
+        if self._expanded(C):
             L = latents.shape[1]
             kvb = self.kv_b_proj(latents).reshape(B, L, nh, nope + self._v).swapaxes(1, 2)
             keys, values = kvb[..., :nope], kvb[..., nope:]
@@ -389,13 +406,13 @@ class MLAAttention(nn.Module):
                 q_nope = mx.concatenate([q_nope, q_rope], axis=-1)
             out = mx.fast.scaled_dot_product_attention(q_nope, keys, values, scale=self._scale, mask=mask)
         else:  # absorbed: one shared latent head
-            W = W.astype(x.dtype)
-            queries = q_nope @ W[:, :nope]  # [B, nh, C, lora]
+            embed_q, unembed_out = absorbed_projections(self.kv_b_proj, nh, nope)
+            queries = embed_q(q_nope)  # [B, nh, C, lora]
             keys = latents[:, None]
             if r:
                 queries = mx.concatenate([queries, q_rope], axis=-1)
                 keys = mx.concatenate([keys, k_ropes[:, None]], axis=-1)
             out = mx.fast.scaled_dot_product_attention(queries, keys, latents[:, None], scale=self._scale, mask=mask)
-            out = out @ W[:, nope:].swapaxes(-1, -2)  # [B, nh, C, v]
+            out = unembed_out(out)  # [B, nh, C, v]
         out = out.swapaxes(1, 2).reshape(B, C, nh * self._v)
         return self.o_proj(out), sel
