@@ -108,3 +108,89 @@ class Kernel:
 
     def __call__(self, face: str, **kwargs) -> list[mx.array]:
         return self._build(face)(**kwargs)
+
+
+# --------------------------------------------------------------------------- shared preludes
+#
+# Kernels written as one text for both GPU faces (hyper_connection, sparse_attention)
+# use these names, defined per face below (and by a CPU prelude in the tests, which
+# compile the same text with g++, emulating a threadgroup with std::threads):
+#   DS4_FN                       helper-function qualifier
+#   DS4_DEV                      address space of kernel buffers (device / nothing)
+#   DS4_SHARED                   declares a threadgroup array in a kernel body
+#   DS4_SHARED_ATOMIC            declares a threadgroup array of atomic 32-bit counters
+#   ds4_atomic_add/load/store(p) relaxed operations on such a counter
+#   ds4_warp_sum(f)              sum over the 32 lanes of a SIMD group / warp
+#   ds4_warp_barrier()           SIMD-group barrier (with threadgroup memory ordering)
+#   ds4_tg_barrier()             threadgroup barrier
+#   ds4_exp, ds4_rsqrt, ds4_fmax, ds4_float_bits, DS4_NEG_INF
+# and, from the index section, the 1-D threadgroup coordinates
+#   tid (thread in threadgroup), lane = tid % 32, warp = tid / 32, tgx, tgy, tgz
+# (threadgroup position in the grid).  Grids are given in threads (Metal's
+# convention, which MLX's CUDA backend follows); threadgroups are (THREADS, 1, 1).
+
+PRELUDE = {
+    "metal": r"""
+#define DS4_FN inline
+#define DS4_DEV device
+#define DS4_SHARED threadgroup
+#define DS4_SHARED_ATOMIC threadgroup atomic_uint
+#define DS4_NEG_INF (-INFINITY)
+#define ds4_atomic_add(p, v) atomic_fetch_add_explicit((p), (v), memory_order_relaxed)
+#define ds4_atomic_load(p) atomic_load_explicit((p), memory_order_relaxed)
+#define ds4_atomic_store(p, v) atomic_store_explicit((p), (v), memory_order_relaxed)
+inline float ds4_warp_sum(float v) { return simd_sum(v); }
+inline void ds4_warp_barrier() { simdgroup_barrier(mem_flags::mem_threadgroup); }
+inline void ds4_tg_barrier() { threadgroup_barrier(mem_flags::mem_threadgroup); }
+inline float ds4_exp(float x) { return metal::precise::exp(x); }
+inline float ds4_rsqrt(float x) { return metal::precise::rsqrt(x); }
+inline float ds4_fmax(float a, float b) { return metal::fmax(a, b); }
+inline uint32_t ds4_float_bits(float f) { return as_type<uint32_t>(f); }
+""",
+    "cuda": r"""
+#define DS4_FN __device__ __forceinline__
+#define DS4_DEV
+#define DS4_SHARED __shared__
+#define DS4_SHARED_ATOMIC __shared__ unsigned int
+#define DS4_NEG_INF (__int_as_float(0xff800000))
+#define ds4_atomic_add(p, v) atomicAdd((p), (v))
+#define ds4_atomic_load(p) (*(volatile unsigned int*)(p))
+#define ds4_atomic_store(p, v) (*(p) = (v))
+__device__ __forceinline__ float ds4_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ void ds4_warp_barrier() { __syncwarp(); }
+__device__ __forceinline__ void ds4_tg_barrier() { __syncthreads(); }
+__device__ __forceinline__ float ds4_exp(float x) { return expf(x); }
+__device__ __forceinline__ float ds4_rsqrt(float x) { return rsqrtf(x); }
+__device__ __forceinline__ float ds4_fmax(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ uint32_t ds4_float_bits(float f) { return __float_as_uint(f); }
+""",
+}
+
+INDEX = {
+    "metal": r"""
+const uint32_t tid = thread_position_in_threadgroup.x;
+const uint32_t tgx = threadgroup_position_in_grid.x;
+const uint32_t tgy = threadgroup_position_in_grid.y;
+const uint32_t tgz = threadgroup_position_in_grid.z;
+const uint32_t lane = tid & 31u;
+const uint32_t warp = tid >> 5;
+""",
+    "cuda": r"""
+const uint32_t tid = threadIdx.x;
+const uint32_t tgx = blockIdx.x;
+const uint32_t tgy = blockIdx.y;
+const uint32_t tgz = blockIdx.z;
+const uint32_t lane = tid & 31u;
+const uint32_t warp = tid >> 5;
+""",
+}
+
+
+def shared_sources(path: str | Path, face: str, kernel: str, common: str = "common") -> tuple[str, str]:
+    """(header, body) for `kernel` of a shared-text source file on `face`: the face's
+    PRELUDE plus the file's `common` section, then INDEX plus the kernel's section."""
+    sec = sections(path)
+    return PRELUDE[face] + sec.get(common, ""), INDEX[face] + sec[kernel]

@@ -37,6 +37,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import sparse_attention as _sparse
+from ..kernels.hyper_connection import hc_post  # fused on a GPU, layers.hc_post on the CPU
 from .layers import (
     GLUMLP,
     HyperConnection,
@@ -45,7 +47,6 @@ from .layers import (
     RoPE,
     SwitchGLU,
     attention_factor_from_params,
-    hc_post,
     inv_freq_from_params,
     rms_norm,
     route_weights,
@@ -491,6 +492,28 @@ class CompressorBranch(Compressor):
             return rows[:, None], chosen[0] & causal
         return rows[:, None], causal
 
+    def select(self, x, q_res, cache: LayerCache, s: int, face: str):
+        """The fused path's half of `__call__`: pool both compressors; for CSA with more
+        rows than index_topk, score the indexer rows and pick each query's top-k
+        (kernels/sparse_attention.py).  Returns (n live rows, idx [C, k] | None, cnt [C] | None)."""
+        n = self.pool(x, cache.comp, s).shape[1]
+        if not self._overlap:
+            return n, None, None
+        ind = self.indexer
+        ind.pool(x, cache.index, s)
+        if n <= self._topk:
+            return n, None, None
+        B, C, _ = x.shape
+        q = ind.q_b_proj(q_res).reshape(B, C, ind._nh, ind._dim).swapaxes(1, 2)
+        q = ind._rope(q, offset=s)  # [1, nh, C, d]
+        w = ind.scorer.weights_proj(x)  # [1, C, nh]
+        scale = ind._nh**-0.5 * ind._dim**-0.5
+        scores = _sparse.index_scores(
+            q[0], w[0], cache.index.rows, n=n, s=s, ratio=self._ratio, scale=scale, backend=face
+        )
+        idx, cnt = _sparse.topk_select(scores, self._topk, s=s, ratio=self._ratio, backend=face)
+        return n, idx, cnt
+
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int, ropes: dict):
@@ -519,6 +542,15 @@ class Attention(nn.Module):
         q = self._rope(rms_norm(q, None, self._eps), offset=s)
         kv = self._rope(self.kv_norm(self.kv_proj(x))[:, None], offset=s)  # [B, 1, C, D]
         keys, mask = cache.sliding(kv)
+        face = _sparse.model_face() if self.layer_type != SLIDING and B == 1 else None
+        if face is not None:  # custom kernels: indexer, top-k and attention (kernels/sparse_attention.py)
+            n, idx, cnt = self.compressor.select(x, q_res, cache, s, face)
+            out = _sparse.sparse_attention(
+                q[0], keys[0, 0], cache.comp.rows, idx, cnt, self.sinks.astype(q.dtype), n=n, s=s,
+                ring_last=s if C == 1 else s - 1, window=cache.window, ratio=self.compressor._ratio,
+                scale=self._D**-0.5, backend=face,
+            )[None]
+            return self._output(out, s, B, C)
         if self.layer_type != SLIDING:
             rows, cmask = self.compressor(x, q_res, cache, s)
             if rows is not None:
@@ -531,6 +563,9 @@ class Attention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(
             q, keys, keys, scale=self._D**-0.5, mask=mask, sinks=self.sinks.astype(q.dtype)
         )
+        return self._output(out, s, B, C)
+
+    def _output(self, out: mx.array, s: int, B: int, C: int) -> mx.array:
         out = self._rope(out, offset=s, scale=-1.0).swapaxes(1, 2)  # inverse rope, [B, C, nh, D]
         out = self.o_a_proj(out.reshape(B, C, self._groups, -1))
         return self.o_b_proj(out)

@@ -1,0 +1,147 @@
+"""Fused manifold-constrained hyper-connections (mHC): hc_pre / hc_head / hc_post.
+
+The reference graph (`ds4mlx.models.layers.hc_pre`) spends ~80 tiny launches per
+call (RMS norm, the [(2+n)n, n*d] projection, sigmoids, 20 Sinkhorn iterations on
+an n x n matrix, the collapse); at decode they dominate the token time.  The
+kernel does the whole call in one launch: one threadgroup per token accumulates the
+sum of squares and the (2+n)n dot products of the flattened streams, normalises
+afterwards (``mix = (fn . x) * rsqrt(mean(x^2) + eps)``), applies the sigmoids,
+runs Sinkhorn on one SIMD group and writes the collapsed vector.  `hc_post` is one
+elementwise launch (instead of casts, a matmul, a product and a sum).
+
+Public API (all dispatch on ``backend`` / `ds4mlx.kernels.dispatch.backend()`)
+----------
+``hc_pre(x, fn, base, scale, *, sinkhorn_iters, hc_eps, norm_eps)`` -> (post, comb, collapsed)
+``hc_head(x, fn, base, scale, *, hc_eps, norm_eps)``                 -> collapsed
+``hc_post(x, out, post, comb)``                                     -> new streams
+with the shapes and dtypes of `ds4mlx.models.layers` (the reference face *is* those
+functions).
+
+Bounds (tests/test_kernel_hyper_connection.py): mix differs from the reference by
+at most ``(K + 8) * 2**-23 * sum_k |fn_k y_k|`` (K = n*d terms in another order,
+the norm applied after the sum); post / comb / collapsed follow through the
+sigmoids (slope <= 1/2 times |scale|) and the Sinkhorn loop (see the test for the
+stated tolerances); hc_post rounds like the reference graph (within 1 ulp of T).
+
+Verified: reference face against float64 math on CPU; the shared kernel text compiled
+with g++ (threadgroups emulated with std::threads).  The CUDA face is meant to be
+checked on the H200 with ``pytest -m gpu tests/test_kernel_hyper_connection.py``;
+the Metal face has not run (no Apple GPU here).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, backend as _backend, shared_sources
+
+SOURCE = METAL_DIR / "hyper_connection.metal"
+PRE_THREADS = 512    # threads per token in hc_pre (>= (2+n)n + 1)
+POST_THREADS = 256   # threads per threadgroup in hc_post
+MAX_HC = 5           # Sinkhorn runs on one SIMD group: n*n <= 32
+
+
+def kernel_sources(kind: str, face: str) -> tuple[str, str]:
+    """(header, body) of 'hc_pre' or 'hc_post' for `face` ('metal' or 'cuda')."""
+    return shared_sources(SOURCE, face, kind)
+
+
+@lru_cache(maxsize=None)
+def _kernel(kind: str) -> Kernel:
+    if kind == "hc_pre":
+        inputs, outputs = ["x", "fn", "base", "scale", "eps"], ["post", "comb", "y"]
+    else:
+        inputs, outputs = ["x", "o", "post", "comb"], ["y"]
+    return Kernel(f"ds4mlx_{kind}", inputs, outputs,
+                  metal=kernel_sources(kind, "metal"), cuda=kernel_sources(kind, "cuda"))
+
+
+@lru_cache(maxsize=None)
+def _eps(hc_eps: float, norm_eps: float) -> mx.array:
+    return mx.array([hc_eps, norm_eps], dtype=mx.float32)
+
+
+def _face(backend: str | None) -> str:
+    return _backend() if backend is None else backend
+
+
+def _layers():
+    from ds4mlx.models import layers  # the reference face (imported late: layers imports this module)
+
+    return layers
+
+
+def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, head: bool):
+    n, d = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
+    nt = 1
+    for v in lead:
+        nt *= v
+    m = n if head else (2 + n) * n
+    if fn.shape != (m, n * d):
+        raise ValueError(f"fn must be [{m}, {n * d}], got {fn.shape}")
+    out_shapes = [(1,), (1,), (nt, d)] if head else [(nt, n), (nt, n, n), (nt, d)]
+    post, comb, y = _kernel("hc_pre")(
+        face,
+        inputs=[x.reshape(nt, n, d), fn, base, scale, _eps(float(hc_eps), float(norm_eps))],
+        template=[("T", x.dtype), ("TW", fn.dtype), ("TB", base.dtype), ("TS", scale.dtype),
+                  ("HC", n), ("D", d), ("THREADS", PRE_THREADS), ("ITERS", int(iters)), ("HEAD", head)],
+        grid=(nt * PRE_THREADS, 1, 1),
+        threadgroup=(PRE_THREADS, 1, 1),
+        output_shapes=out_shapes,
+        output_dtypes=[mx.float32, mx.float32, x.dtype],
+    )
+    y = y.reshape(*lead, d)
+    if head:
+        return y
+    return post.reshape(*lead, n), comb.reshape(*lead, n, n), y
+
+
+def _fusable(x: mx.array) -> bool:
+    n = x.shape[-2]
+    return 1 <= n <= MAX_HC and x.size > 0
+
+
+def hc_pre(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkhorn_iters: int,
+           hc_eps: float, norm_eps: float, backend: str | None = None):
+    """`ds4mlx.models.layers.hc_pre` in one launch on a GPU (same arguments and results)."""
+    face = _face(backend)
+    if face == "reference" or not _fusable(x) or sinkhorn_iters < 1:
+        return _layers().hc_pre(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
+                                norm_eps=norm_eps)
+    return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, head=False)
+
+
+def hc_head(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, hc_eps: float, norm_eps: float,
+            backend: str | None = None) -> mx.array:
+    """`ds4mlx.models.layers.hc_head` in one launch on a GPU."""
+    face = _face(backend)
+    if face == "reference" or not _fusable(x):
+        return _layers().hc_head(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps)
+    return _pre_launch(face, x, fn, base, scale, 1, hc_eps, norm_eps, head=True)
+
+
+def hc_post(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, *, backend: str | None = None) -> mx.array:
+    """`ds4mlx.models.layers.hc_post` in one launch on a GPU."""
+    face = _face(backend)
+    if face == "reference" or out.dtype != x.dtype or x.size == 0:
+        return _layers().hc_post(x, out, post, comb)
+    n, d = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
+    nt = 1
+    for v in lead:
+        nt *= v
+    bx = -(-d // POST_THREADS)
+    y = _kernel("hc_post")(
+        face,
+        inputs=[x.reshape(nt, n, d), out.reshape(nt, d), post.reshape(nt, n), comb.reshape(nt, n, n)],
+        # every input dtype is a template argument: MLX caches compiled kernels by name + template
+        template=[("T", x.dtype), ("TP", post.dtype), ("TC", comb.dtype), ("HC", n), ("D", d),
+                  ("THREADS", POST_THREADS)],
+        grid=(bx * POST_THREADS, n, nt),
+        threadgroup=(POST_THREADS, 1, 1),
+        output_shapes=[(nt, n, d)],
+        output_dtypes=[x.dtype],
+    )[0]
+    return y.reshape(*lead, n, d)

@@ -1,0 +1,247 @@
+"""Sparse attention for DeepSeek V4 compressed layers: indexer scores, top-k, attention.
+
+The plain graph (`ds4mlx.models.deepseek_v4`) scores every indexer row with two
+matmuls, picks the top-k with `argpartition`, gathers the rows, concatenates them to
+the sliding window and runs SDPA; in prefill it attends *all* compressed rows through
+a [C, window + C + N] mask.  These three kernels do the same work in three launches
+per CSA layer (one for HCA layers), and a prefill query touches only its window and
+its own selected rows:
+
+``index_scores(q, w, keys, n=, s=, ratio=, scale=)``  -> scores [C, n] float32
+    ``scores[t, r] = sum_h (w[t, h] * scale) * relu(q[h, t] . keys[r])`` for rows
+    below query t's causal limit ``min(n, (s + t + 1) // ratio)``, -inf above it.
+``topk_select(scores, k, s=, ratio=)``                -> idx [C, k] int32, cnt [C] int32
+    the top-k rows of each query among its causal rows, in ascending row order
+    (all of them when there are at most k); entries past ``cnt`` are 0.
+``sparse_attention(q, keys, rows, idx, cnt, sinks, n=, s=, ring_last=, window=, ratio=, scale=)``
+    -> [NH, C, D]: softmax attention of each query over its sliding-window keys
+    (positions in (s+t-window, s+t]) and its compressed rows (``rows[idx[t, :cnt[t]]]``,
+    or every causal row when ``idx is None``), with the per-head sink logit in the
+    denominator; K = V.
+
+Shapes: q [NH, C, D] (the model's [1, NH, C, D] without the batch), keys [L, D] the
+window (W ring slots, then in prefill the chunk's own C rows: ``LayerCache.sliding``),
+rows [>= n, D] the compressed rows (a cache buffer may be passed whole: only the
+first n are read).  Ring slot j holds position ``ring_last - ((ring_last - j) mod W)``
+(``ring_last = s`` at decode, ``s - 1`` in prefill).
+
+Three faces (see `ds4mlx.kernels.dispatch`): the reference face is MLX ops in float32
+(an oracle, not the model's plain path, which stays in deepseek_v4.py); the Metal face
+(``metal/sparse_attention.metal``) and its CUDA twin compile the same text.
+
+Exactness: scores and attention differ from float64 by rounding only (bounds in
+tests/test_kernel_sparse_attention.py).  The top-k is exact on its input; rows whose
+scores tie (or nearly tie, across faces) at the k-th place may be chosen differently
+than `mx.argpartition` chooses them — test on inputs without near-ties.
+
+Verified: reference faces against float64 math and the model's plain path (CPU, the
+tiny transformers-oracle models); the shared kernel text compiled with g++ (emulated
+threadgroups).  The CUDA face is meant to be checked on the H200 with
+``pytest -m gpu tests/test_kernel_sparse_attention.py``; the Metal face has not run.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, backend as _backend, shared_sources
+
+SOURCE = METAL_DIR / "sparse_attention.metal"
+SCORE_THREADS = 128   # rows per threadgroup in index_score (one thread per row)
+SCORE_HEADS = 16      # query heads staged in threadgroup memory at a time
+TOPK_THREADS = 512    # threads of the one threadgroup per query in topk
+ATTN_THREADS = 256    # threads per (head, query) in attend
+ATTN_KEYS = 4         # keys per SIMD group per step in attend
+
+# Tests set this to run the model's fused path with a given face (e.g. "reference" on
+# the CPU); None: the fused path runs exactly when `dispatch.backend()` is a GPU face.
+FORCE_FACE: str | None = None
+
+_INPUTS = {
+    "index_score": (["q", "w", "keys", "prm", "meta"], ["scores"]),
+    "topk": (["scores", "meta"], ["idx", "cnt"]),
+    "attend": (["q", "keys", "rows", "idx", "cnt", "sinks", "prm", "meta"], ["o"]),
+}
+
+
+def kernel_sources(kind: str, face: str) -> tuple[str, str]:
+    """(header, body) of 'index_score', 'topk' or 'attend' for `face` ('metal' or 'cuda')."""
+    return shared_sources(SOURCE, face, kind)
+
+
+@lru_cache(maxsize=None)
+def _kernel(kind: str) -> Kernel:
+    inputs, outputs = _INPUTS[kind]
+    return Kernel(f"ds4mlx_{kind}", inputs, outputs,
+                  metal=kernel_sources(kind, "metal"), cuda=kernel_sources(kind, "cuda"))
+
+
+@lru_cache(maxsize=64)
+def _f32(v: float) -> mx.array:
+    return mx.array([v], dtype=mx.float32)
+
+
+def _meta(*vals) -> mx.array:
+    return mx.array([int(v) for v in vals], dtype=mx.int32)
+
+
+def _face(backend: str | None) -> str:
+    return _backend() if backend is None else backend
+
+
+def model_face() -> str | None:
+    """The face the model's fused attention path should use, or None for its plain path."""
+    if FORCE_FACE is not None:
+        return FORCE_FACE
+    face = _backend()
+    return None if face == "reference" else face
+
+
+def causal_limits(s: int, c: int, ratio: int, n: int) -> mx.array:
+    """[C] int32: how many compressed rows each query of the chunk may see."""
+    return mx.minimum((s + mx.arange(c, dtype=mx.int32) + 1) // ratio, n)
+
+
+def _rows2d(a: mx.array, d: int) -> mx.array:
+    return a.reshape(-1, d)
+
+
+# --------------------------------------------------------------------------- indexer scores
+
+def index_scores(q: mx.array, w: mx.array, keys: mx.array, *, n: int, s: int, ratio: int, scale: float,
+                 backend: str | None = None) -> mx.array:
+    """q [NH, C, DI], w [C, NH], keys [>= n, DI] -> scores [C, n] float32."""
+    nh, c, di = q.shape
+    keys = _rows2d(keys, di)
+    if w.shape != (c, nh) or keys.shape[0] < n:
+        raise ValueError(f"index_scores: q {q.shape}, w {w.shape}, keys {keys.shape}, n {n}")
+    face = _face(backend)
+    if face == "reference" or n == 0:
+        k = keys[:n].astype(mx.float32)
+        dots = mx.maximum(q.astype(mx.float32) @ k.T, 0.0)                # [NH, C, n]
+        ww = w.astype(mx.float32) * scale                                  # [C, NH]
+        sc = (ww[:, None, :] @ dots.swapaxes(0, 1)).squeeze(1)             # [C, n]
+        live = mx.arange(n)[None] < causal_limits(s, c, ratio, n)[:, None]
+        return mx.where(live, sc, -mx.inf)
+    hg = min(SCORE_HEADS, nh)
+    bx = -(-n // SCORE_THREADS)
+    return _kernel("index_score")(
+        face,
+        inputs=[q, w, keys, _f32(float(scale)), _meta(s, n, c)],
+        template=[("TQ", q.dtype), ("TW", w.dtype), ("TK", keys.dtype), ("NH", nh), ("DI", di), ("HG", hg),
+                  ("RATIO", int(ratio)), ("THREADS", SCORE_THREADS)],
+        grid=(bx * SCORE_THREADS, c, 1),
+        threadgroup=(SCORE_THREADS, 1, 1),
+        output_shapes=[(c, n)],
+        output_dtypes=[mx.float32],
+    )[0]
+
+
+# --------------------------------------------------------------------------- top-k
+
+def topk_select(scores: mx.array, k: int, *, s: int, ratio: int, backend: str | None = None):
+    """scores [C, N] float32 -> (idx [C, k] int32 ascending, cnt [C] int32)."""
+    c, n = scores.shape
+    face = _face(backend)
+    if face == "reference":
+        lim = causal_limits(s, c, ratio, n)
+        cnt = mx.minimum(lim, k).astype(mx.int32)
+        if n <= k:
+            idx = mx.broadcast_to(mx.arange(k, dtype=mx.int32), (c, k))
+        else:
+            masked = mx.where(mx.arange(n)[None] < lim[:, None], scores, -mx.inf)
+            idx = mx.sort(mx.argpartition(-masked, kth=k - 1, axis=-1)[:, :k], axis=-1).astype(mx.int32)
+        idx = mx.where(mx.arange(k)[None] < cnt[:, None], idx, 0)
+        return idx, cnt
+    idx, cnt = _kernel("topk")(
+        face,
+        inputs=[scores.astype(mx.float32), _meta(s, n, c)],
+        template=[("TOPK", int(k)), ("RATIO", int(ratio)), ("THREADS", TOPK_THREADS)],
+        grid=(TOPK_THREADS, c, 1),
+        threadgroup=(TOPK_THREADS, 1, 1),
+        output_shapes=[(c, k), (c,)],
+        output_dtypes=[mx.int32, mx.int32],
+    )
+    return idx, cnt
+
+
+# --------------------------------------------------------------------------- attention
+
+def window_positions(length: int, s: int, ring_last: int, window: int) -> mx.array:
+    """[L] int32: the position held by each window key (< 0: empty ring slot)."""
+    j = mx.arange(length, dtype=mx.int32)
+    mod = ((ring_last - j) % window + window) % window
+    return mx.where(j < window, ring_last - mod, s + (j - window))
+
+
+def sparse_attention(q: mx.array, keys: mx.array, rows: mx.array | None, idx: mx.array | None,
+                     cnt: mx.array | None, sinks: mx.array, *, n: int, s: int, ring_last: int, window: int,
+                     ratio: int, scale: float, backend: str | None = None) -> mx.array:
+    """Attention of q [NH, C, D] over the window keys and compressed rows -> [NH, C, D] in q.dtype."""
+    nh, c, d = q.shape
+    keys = _rows2d(keys, d)
+    length = keys.shape[0]
+    if length < min(window, length) or (rows is None and n):
+        raise ValueError("sparse_attention: bad keys / rows")
+    if rows is not None:
+        rows = _rows2d(rows, d)
+    selected = idx is not None
+    face = _face(backend)
+    if face == "reference":
+        return _attend_reference(q, keys, rows, idx, cnt, sinks, n, s, ring_last, window, ratio, scale)
+    if n == 0 or rows is None:
+        rows, n = mx.zeros((1, d), keys.dtype), 0
+    if rows.dtype != keys.dtype:
+        rows = rows.astype(keys.dtype)
+    if not selected:
+        idx, cnt = mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32)
+    topk = idx.shape[1]
+    return _kernel("attend")(
+        face,
+        inputs=[q, keys, rows, idx, cnt, sinks, _f32(float(scale)), _meta(s, ring_last, length, n, c)],
+        template=[("T", q.dtype), ("TK", keys.dtype), ("TS", sinks.dtype), ("D", d), ("W", int(window)),
+                  ("RATIO", int(ratio)), ("TOPK", topk), ("THREADS", ATTN_THREADS), ("KB", ATTN_KEYS),
+                  ("SELECTED", selected)],
+        grid=(nh * ATTN_THREADS, c, 1),
+        threadgroup=(ATTN_THREADS, 1, 1),
+        output_shapes=[(nh, c, d)],
+        output_dtypes=[q.dtype],
+    )[0]
+
+
+def _attend_reference(q, keys, rows, idx, cnt, sinks, n, s, ring_last, window, ratio, scale):
+    nh, c, d = q.shape
+    length = keys.shape[0]
+    qf, kf = q.astype(mx.float32), keys.astype(mx.float32)
+    pos = window_positions(length, s, ring_last, window)[None]            # [1, L]
+    tq = (s + mx.arange(c, dtype=mx.int32))[:, None]                      # [C, 1]
+    wmask = (pos >= 0) & (pos <= tq) & (pos > tq - window)                # [C, L]
+    logits = [(qf @ kf.T) * scale]                                        # [NH, C, L]
+    masks = [wmask]
+    vals = None
+    if n > 0 and idx is not None:
+        g = rows[idx].astype(mx.float32)                                  # [C, k, D]
+        logits.append((qf.swapaxes(0, 1) @ g.swapaxes(1, 2)).swapaxes(0, 1) * scale)
+        masks.append(mx.arange(idx.shape[1])[None] < cnt[:, None])
+        vals = ("gathered", g)
+    elif n > 0:
+        rf = rows[:n].astype(mx.float32)
+        logits.append((qf @ rf.T) * scale)
+        masks.append(mx.arange(n)[None] < causal_limits(s, c, ratio, n)[:, None])
+        vals = ("all", rf)
+    lg = mx.concatenate(logits, axis=-1)
+    mask = mx.concatenate(masks, axis=-1)[None]
+    lg = mx.where(mask, lg, -mx.inf)
+    sink = sinks.astype(mx.float32)[:, None, None]
+    m = mx.maximum(lg.max(axis=-1, keepdims=True), sink)
+    p = mx.where(mask, mx.exp(lg - m), 0.0)
+    z = p.sum(axis=-1, keepdims=True) + mx.exp(sink - m)
+    out = p[..., :length] @ kf
+    if vals is not None:
+        pc = p[..., length:]
+        if vals[0] == "gathered":
+            out = out + (pc.swapaxes(0, 1) @ vals[1]).swapaxes(0, 1)
+        else:
+            out = out + pc @ vals[1]
+    return (out / z).astype(q.dtype)

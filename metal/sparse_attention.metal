@@ -1,0 +1,354 @@
+// ds4mlx sparse attention kernels for DeepSeek V4 compressed layers (CSA / HCA):
+// lightning-indexer scoring, top-k selection, and attention over the sliding
+// window plus the selected (CSA) or all causal (HCA) compressed rows, with the
+// per-head sink.
+//
+// This file is a set of `// @@ name` sections assembled by
+// ds4mlx/kernels/sparse_attention.py into mx.fast.metal_kernel and
+// mx.fast.cuda_kernel sources: the same `common`, `index_score`, `topk` and
+// `attend` text for both faces, after the face's prelude and index block
+// (ds4mlx/kernels/dispatch.py PRELUDE / INDEX).
+//
+// Positions: the chunk's queries sit at positions s .. s+C-1.  Query t sees
+// compressed row w iff w < (s+t+1) / RATIO (the causal limit, at most N live rows).
+// Run-time values travel in a small int32 `meta` array (no recompilation per step).
+//
+// index_score  grid (ceil(N/THREADS)*THREADS, C, 1); one thread per (row, query):
+//   q [NH, C, DI] TQ, w [C, NH] TW, keys [>=N, DI] TK, prm [1] f32 = weight scale,
+//   meta [3] int32 = (s, N, C)  ->  scores [C, N] f32
+//   scores[t, r] = sum_h (w[t,h] * scale) * max(q[h,t] . keys[r], 0) for r below the
+//   causal limit, -inf above it.  q is staged per HG heads in threadgroup memory.
+//
+// topk  grid (THREADS, C, 1); one threadgroup per query:
+//   scores [C, N] f32, meta [3] = (s, N, C)  ->  idx [C, TOPK] int32, cnt [C] int32
+//   If the causal limit L <= TOPK: idx = 0..L-1, cnt = L.  Otherwise a radix select
+//   (4 passes of 8 bits over order-preserving uint32 keys, histogram in threadgroup
+//   atomics) finds the TOPK-th largest key, and a deterministic compaction (each
+//   thread a contiguous segment, exclusive scans of the counts) writes the chosen
+//   row indices in ascending order; ties at the threshold go to the lowest indices.
+//   Entries past cnt are 0.
+//
+// attend  grid (NH*THREADS, C, 1); one threadgroup per (head, query):
+//   q [NH, C, D] T, keys [L, D] TK (the window: W ring slots, then the chunk's own
+//   rows in prefill), rows [>=N, D] TK (compressed rows), idx [C, TOPK] int32,
+//   cnt [C] int32 (SELECTED; dummies otherwise), sinks [NH] TS, prm [1] f32 = softmax
+//   scale, meta [5] int32 = (s, ring_last, L, N, C)  ->  o [NH, C, D] T
+//   Ring slot j holds position ring_last - ((ring_last - j) mod W) (ring_last = s in
+//   decode, where the ring already holds the query's row; s-1 in prefill); chunk row
+//   W+c holds position s+c.  A window key is used iff its position p satisfies
+//   0 <= p <= s+t and p > s+t-W.  Compressed keys: rows[idx[t, 0..cnt[t])] (SELECTED)
+//   or rows[0 .. causal limit).  K = V (shared-KV MQA).
+//   Each SIMD group takes KB keys at a time (lane l holds dims l, l+32, ...), keeps an
+//   online softmax (max, sum, accumulator); the groups are merged through threadgroup
+//   memory together with the sink: o = sum_j e^(l_j - M) k_j / (sum_j e^(l_j - M) + e^(sink - M)).
+
+// @@ common
+DS4_FN uint32_t ds4_order_key(float f) {
+    const uint32_t u = ds4_float_bits(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// @@ index_score
+DS4_SHARED float qs[HG * DI];
+const int s0 = meta[0];
+const int n_rows = meta[1];
+const int n_q = meta[2];
+const uint32_t t = tgy;
+int limit = (s0 + int(t) + 1) / RATIO;
+if (limit > n_rows) {
+    limit = n_rows;
+}
+const uint32_t r = tgx * uint32_t(THREADS) + tid;
+const bool live = int(r) < limit;
+const bool any_live = int(tgx * uint32_t(THREADS)) < limit;
+const float wscale = prm[0];
+float score = 0.0f;
+if (any_live) {
+    for (int hg = 0; hg < NH; hg += HG) {
+        ds4_tg_barrier();
+        for (uint32_t e = tid; e < uint32_t(HG * DI); e += uint32_t(THREADS)) {
+            const int h = hg + int(e / uint32_t(DI));
+            const uint32_t c = e % uint32_t(DI);
+            qs[e] = h < NH ? static_cast<float>(q[(uint64_t(h) * uint64_t(n_q) + t) * uint64_t(DI) + c]) : 0.0f;
+        }
+        ds4_tg_barrier();
+        if (live) {
+            float acc[HG];
+            for (int h = 0; h < HG; ++h) {
+                acc[h] = 0.0f;
+            }
+            const DS4_DEV TK* kr = keys + uint64_t(r) * uint64_t(DI);
+            for (int c = 0; c < DI; ++c) {
+                const float kv = static_cast<float>(kr[c]);
+                for (int h = 0; h < HG; ++h) {
+                    acc[h] += qs[h * DI + c] * kv;
+                }
+            }
+            for (int h = 0; h < HG; ++h) {
+                if (hg + h < NH) {
+                    const float wh = static_cast<float>(w[uint64_t(t) * uint64_t(NH) + uint32_t(hg + h)]) * wscale;
+                    score += wh * ds4_fmax(acc[h], 0.0f);
+                }
+            }
+        }
+    }
+}
+if (int(r) < n_rows) {
+    scores[uint64_t(t) * uint64_t(n_rows) + r] = live ? score : DS4_NEG_INF;
+}
+
+// @@ topk
+constexpr int WARPS = THREADS / 32;
+DS4_SHARED_ATOMIC hist[256];
+DS4_SHARED uint32_t chunk_sum[32];
+DS4_SHARED uint32_t sel[2];
+DS4_SHARED uint32_t sc_a[THREADS];
+DS4_SHARED uint32_t sc_b[THREADS];
+DS4_SHARED uint32_t tot_a[WARPS];
+DS4_SHARED uint32_t tot_b[WARPS];
+const int s0 = meta[0];
+const int n_rows = meta[1];
+const uint32_t t = tgy;
+int limit = (s0 + int(t) + 1) / RATIO;
+if (limit > n_rows) {
+    limit = n_rows;
+}
+DS4_DEV int* out = idx + uint64_t(t) * uint64_t(TOPK);
+if (limit <= TOPK) {
+    for (uint32_t i = tid; i < uint32_t(TOPK); i += uint32_t(THREADS)) {
+        out[i] = int(i) < limit ? int(i) : 0;
+    }
+    if (tid == 0u) {
+        cnt[t] = limit;
+    }
+    return;
+}
+const DS4_DEV float* row = scores + uint64_t(t) * uint64_t(n_rows);
+const uint32_t n = uint32_t(limit);
+uint32_t prefix = 0u;
+uint32_t pmask = 0u;
+uint32_t want = uint32_t(TOPK);
+for (int pass = 0; pass < 4; ++pass) {
+    const uint32_t shift = uint32_t(24 - 8 * pass);
+    for (uint32_t b = tid; b < 256u; b += uint32_t(THREADS)) {
+        ds4_atomic_store(&hist[b], 0u);
+    }
+    ds4_tg_barrier();
+    if (tid == 0u) {  // (after the barrier: every thread has read the previous pass's sel)
+        sel[0] = 0u;
+        sel[1] = want;
+    }
+    for (uint32_t i = tid; i < n; i += uint32_t(THREADS)) {
+        const uint32_t key = ds4_order_key(row[i]);
+        if ((key & pmask) == prefix) {
+            ds4_atomic_add(&hist[(key >> shift) & 255u], 1u);
+        }
+    }
+    ds4_tg_barrier();
+    if (warp == 0u) {
+        // lane l owns bins 255-8l down to 248-8l; find the bin holding the want-th largest
+        uint32_t sum = 0u;
+        for (uint32_t q = 0; q < 8u; ++q) {
+            sum += ds4_atomic_load(&hist[255u - 8u * lane - q]);
+        }
+        chunk_sum[lane] = sum;
+        ds4_warp_barrier();
+        uint32_t above = 0u;
+        for (uint32_t q = 0; q < lane; ++q) {
+            above += chunk_sum[q];
+        }
+        if (above < want && want <= above + sum) {
+            uint32_t cum = above;
+            for (uint32_t q = 0; q < 8u; ++q) {
+                const uint32_t b = 255u - 8u * lane - q;
+                const uint32_t h = ds4_atomic_load(&hist[b]);
+                if (cum + h >= want) {
+                    sel[0] = b;
+                    sel[1] = want - cum;
+                    break;
+                }
+                cum += h;
+            }
+        }
+    }
+    ds4_tg_barrier();
+    prefix |= sel[0] << shift;
+    pmask |= 255u << shift;
+    want = sel[1];
+}
+// prefix is the TOPK-th largest key; take every larger key and the first `want` equal ones
+const uint32_t seg = (n + uint32_t(THREADS) - 1u) / uint32_t(THREADS);
+const uint32_t lo = tid * seg < n ? tid * seg : n;
+const uint32_t hi = lo + seg < n ? lo + seg : n;
+uint32_t n_gt = 0u;
+uint32_t n_eq = 0u;
+for (uint32_t i = lo; i < hi; ++i) {
+    const uint32_t key = ds4_order_key(row[i]);
+    n_gt += key > prefix ? 1u : 0u;
+    n_eq += key == prefix ? 1u : 0u;
+}
+sc_a[tid] = n_gt;
+sc_b[tid] = n_eq;
+ds4_tg_barrier();
+uint32_t gt_before = 0u;
+uint32_t eq_before = 0u;
+for (uint32_t q = 0; q < lane; ++q) {
+    gt_before += sc_a[warp * 32u + q];
+    eq_before += sc_b[warp * 32u + q];
+}
+if (lane == 31u) {
+    tot_a[warp] = gt_before + n_gt;
+    tot_b[warp] = eq_before + n_eq;
+}
+ds4_tg_barrier();
+for (uint32_t q = 0; q < warp; ++q) {
+    gt_before += tot_a[q];
+    eq_before += tot_b[q];
+}
+uint32_t pos = gt_before + (eq_before < want ? eq_before : want);
+for (uint32_t i = lo; i < hi; ++i) {
+    const uint32_t key = ds4_order_key(row[i]);
+    if (key > prefix) {
+        out[pos++] = int(i);
+    } else if (key == prefix) {
+        if (eq_before < want) {
+            out[pos++] = int(i);
+        }
+        eq_before += 1u;
+    }
+}
+if (tid == 0u) {
+    cnt[t] = TOPK;
+}
+
+// @@ attend
+constexpr int WARPS = THREADS / 32;
+constexpr int DPL = (D + 31) / 32;
+DS4_SHARED float sm_m[WARPS];
+DS4_SHARED float sm_l[WARPS];
+DS4_SHARED float sm_acc[WARPS * D];
+const int s0 = meta[0];
+const int ring_last = meta[1];
+const int n_keys = meta[2];
+const int n_rows = meta[3];
+const int n_q = meta[4];
+const uint32_t h = tgx;
+const uint32_t t = tgy;
+const int t_abs = s0 + int(t);
+const float scale = prm[0];
+
+float qv[DPL];
+const DS4_DEV T* qp = q + (uint64_t(h) * uint64_t(n_q) + t) * uint64_t(D);
+for (int i = 0; i < DPL; ++i) {
+    const uint32_t c = lane + 32u * uint32_t(i);
+    qv[i] = c < uint32_t(D) ? static_cast<float>(qp[c]) : 0.0f;
+}
+// candidate keys: W ring slots, the chunk rows c_lo .. c_hi-1, then n_comp compressed rows
+const int n_ring = n_keys < W ? n_keys : W;
+const int n_chunk = n_keys - n_ring;
+const int c_lo = int(t) - W + 1 > 0 ? int(t) - W + 1 : 0;
+const int c_hi = int(t) + 1 < n_chunk ? int(t) + 1 : n_chunk;
+const int n_win = n_ring + (c_hi > c_lo ? c_hi - c_lo : 0);
+int n_comp;
+if (SELECTED) {
+    n_comp = cnt[t];
+} else {
+    n_comp = (t_abs + 1) / RATIO;
+    if (n_comp > n_rows) {
+        n_comp = n_rows;
+    }
+}
+const int n_virt = n_win + n_comp;
+
+float m_run = DS4_NEG_INF;
+float l_run = 0.0f;
+float acc[DPL];
+for (int i = 0; i < DPL; ++i) {
+    acc[i] = 0.0f;
+}
+for (int base = int(warp) * KB; base < n_virt; base += WARPS * KB) {
+    float kv[KB][DPL];
+    float sc[KB];
+    bool ok[KB];
+    for (int u = 0; u < KB; ++u) {
+        const int v = base + u;
+        const DS4_DEV TK* kp = keys;
+        ok[u] = false;
+        if (v < n_ring) {
+            int mod = (ring_last - v) % W;
+            if (mod < 0) {
+                mod += W;
+            }
+            const int p = ring_last - mod;
+            ok[u] = p >= 0 && p <= t_abs && p > t_abs - W;
+            kp = keys + uint64_t(v) * uint64_t(D);
+        } else if (v < n_win) {
+            ok[u] = true;
+            kp = keys + uint64_t(n_ring + c_lo + (v - n_ring)) * uint64_t(D);
+        } else if (v < n_virt) {
+            const int j = v - n_win;
+            const int rr = SELECTED ? idx[uint64_t(t) * uint64_t(TOPK) + uint32_t(j)] : j;
+            ok[u] = true;
+            kp = rows + uint64_t(rr) * uint64_t(D);
+        }
+        float part = 0.0f;
+        for (int i = 0; i < DPL; ++i) {
+            const uint32_t c = lane + 32u * uint32_t(i);
+            kv[u][i] = (ok[u] && c < uint32_t(D)) ? static_cast<float>(kp[c]) : 0.0f;
+            part += qv[i] * kv[u][i];
+        }
+        sc[u] = part;
+    }
+    float m_new = m_run;
+    for (int u = 0; u < KB; ++u) {
+        sc[u] = ds4_warp_sum(sc[u]) * scale;
+        if (!ok[u]) {
+            sc[u] = DS4_NEG_INF;
+        }
+        m_new = ds4_fmax(m_new, sc[u]);
+    }
+    if (m_new > DS4_NEG_INF) {
+        const float corr = ds4_exp(m_run - m_new);
+        l_run *= corr;
+        for (int i = 0; i < DPL; ++i) {
+            acc[i] *= corr;
+        }
+        for (int u = 0; u < KB; ++u) {
+            const float pu = ds4_exp(sc[u] - m_new);
+            l_run += pu;
+            for (int i = 0; i < DPL; ++i) {
+                acc[i] += pu * kv[u][i];
+            }
+        }
+        m_run = m_new;
+    }
+}
+for (int i = 0; i < DPL; ++i) {
+    const uint32_t c = lane + 32u * uint32_t(i);
+    if (c < uint32_t(D)) {
+        sm_acc[warp * uint32_t(D) + c] = acc[i];
+    }
+}
+if (lane == 0u) {
+    sm_m[warp] = m_run;
+    sm_l[warp] = l_run;
+}
+ds4_tg_barrier();
+const float sink = static_cast<float>(sinks[h]);
+float m_all = sink;
+for (int w = 0; w < WARPS; ++w) {
+    m_all = ds4_fmax(m_all, sm_m[w]);
+}
+float z = ds4_exp(sink - m_all);
+for (int w = 0; w < WARPS; ++w) {
+    z += ds4_exp(sm_m[w] - m_all) * sm_l[w];
+}
+const float inv_z = 1.0f / z;
+DS4_DEV T* op = o + (uint64_t(h) * uint64_t(n_q) + t) * uint64_t(D);
+for (uint32_t c = tid; c < uint32_t(D); c += uint32_t(THREADS)) {
+    float a = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+        a += ds4_exp(sm_m[w] - m_all) * sm_acc[uint32_t(w) * uint32_t(D) + c];
+    }
+    op[c] = static_cast<T>(a * inv_z);
+}

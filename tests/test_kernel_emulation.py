@@ -1,0 +1,196 @@
+"""Run the shared GPU kernel text on the CPU: g++ with an emulated threadgroup.
+
+The kernels in ds4mlx/kernels/{hyper_connection,sparse_attention}.py are one text
+for both GPU faces, written against the names of `ds4mlx.kernels.dispatch.PRELUDE`
+and `INDEX`.  `run_on_cpu` compiles that very text with a CPU prelude in which a
+threadgroup is THREADS std::threads (a barrier for the threadgroup barrier,
+one per 32-thread "warp" for the SIMD-group barrier and the warp sum, threadgroup
+arrays as function statics, GCC atomics for the counters) and runs the grid one
+threadgroup at a time.  That checks the indexing, the barriers' placement and the
+arithmetic of the kernels without a GPU; it cannot catch GPU-only issues
+(compilation by NVRTC / Metal, races the emulation happens to order, speed).
+
+This module also tests the emulation itself on a small kernel.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+CPU_PRELUDE = r"""
+#include <cstdint>
+#include <cstring>
+#include <cstdio>
+#include <cstdlib>
+#include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+// a plain generation-counting barrier (libstdc++ 12's std::barrier hung here after a few
+// hundred phases with changing thread sets)
+struct Ds4Barrier {
+    explicit Ds4Barrier(int n) : n_(n) {}
+    void arrive_and_wait() {
+        std::unique_lock<std::mutex> lk(m_);
+        const unsigned long gen = gen_;
+        if (++count_ == n_) { count_ = 0; ++gen_; cv_.notify_all(); return; }
+        cv_.wait(lk, [&] { return gen_ != gen; });
+    }
+    int n_, count_ = 0;
+    unsigned long gen_ = 0;
+    std::mutex m_;
+    std::condition_variable cv_;
+};
+#define DS4_FN static inline
+#define DS4_DEV
+#define DS4_SHARED static
+#define DS4_SHARED_ATOMIC static uint32_t
+#define DS4_NEG_INF (-INFINITY)
+#define ds4_atomic_add(p, v) __atomic_fetch_add((p), (v), __ATOMIC_RELAXED)
+#define ds4_atomic_load(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define ds4_atomic_store(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
+struct Ds4Warp { Ds4Barrier* bar; float vals[32]; };
+static thread_local uint32_t ds4_tl_lane, ds4_tl_warp;
+static std::vector<Ds4Warp*> ds4_warps;
+static Ds4Barrier* ds4_tg_bar;
+static inline float ds4_warp_sum(float v) {
+    Ds4Warp* w = ds4_warps[ds4_tl_warp];
+    w->vals[ds4_tl_lane] = v;
+    w->bar->arrive_and_wait();
+    float s = 0.0f;
+    for (int i = 0; i < 32; ++i) s += w->vals[i];
+    w->bar->arrive_and_wait();
+    return s;
+}
+static inline void ds4_warp_barrier() { ds4_warps[ds4_tl_warp]->bar->arrive_and_wait(); }
+static inline void ds4_tg_barrier() { ds4_tg_bar->arrive_and_wait(); }
+static inline float ds4_exp(float x) { return std::exp(x); }
+static inline float ds4_rsqrt(float x) { return 1.0f / std::sqrt(x); }
+static inline float ds4_fmax(float a, float b) { return std::fmax(a, b); }
+static inline uint32_t ds4_float_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+"""
+
+_CTYPE = {np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t", np.dtype(np.uint32): "uint32_t"}
+
+
+def _const(name, value) -> str:
+    if isinstance(value, bool):
+        return f"constexpr bool {name} = {'true' if value else 'false'};\n"
+    if isinstance(value, (int, np.integer)):
+        return f"constexpr int {name} = {int(value)};\n"
+    return f"using {name} = {_CTYPE[np.dtype(value)]};\n"
+
+
+def run_on_cpu(tmp_path: Path, header: str, body: str, *, inputs: dict, outputs: dict, consts: dict,
+               groups: tuple, threads: int, fill: float = np.nan) -> dict:
+    """Compile `header` + `body` (a kernel's shared text, from its INDEX-free section) with
+    the CPU prelude and run `groups` = (gx, gy, gz) threadgroups of `threads` threads.
+
+    inputs: name -> array (float32 / int32 / uint32); outputs: name -> (shape, dtype);
+    consts: template constants (int, bool, or a numpy dtype for a type name).
+    Returns name -> output array (elements the kernel never wrote hold `fill`)."""
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    assert threads % 32 == 0
+    tmp_path = Path(tmp_path)
+    src = [CPU_PRELUDE, "".join(_const(k, v) for k, v in consts.items()), header]
+    params = []
+    for name, arr in inputs.items():
+        params.append(f"const {_CTYPE[np.asarray(arr).dtype]}* {name}")
+    for name, (_, dt) in outputs.items():
+        params.append(f"{_CTYPE[np.dtype(dt)]}* {name}")
+    src.append("static void ds4_body(" + ", ".join(params) +
+               ", uint32_t tid_, uint32_t tgx_, uint32_t tgy_, uint32_t tgz_) {\n"
+               "    ds4_tl_lane = tid_ & 31u; ds4_tl_warp = tid_ >> 5;\n"
+               "    const uint32_t tid = tid_, tgx = tgx_, tgy = tgy_, tgz = tgz_;\n"
+               "    const uint32_t lane = tid & 31u, warp = tid >> 5;\n"
+               "    (void)tid; (void)tgx; (void)tgy; (void)tgz; (void)lane; (void)warp;\n"
+               + body + "\n}\n")
+    main = ["template <typename U> static std::vector<U> ds4_load(const char* p, size_t n) {\n"
+            "    std::vector<U> v(n ? n : 1); FILE* f = std::fopen(p, \"rb\");\n"
+            "    if (!f || (n && std::fread(v.data(), sizeof(U), n, f) != n)) std::abort();\n"
+            "    std::fclose(f); return v; }\n",
+            "int main(int argc, char** argv) {\n    int a = 1;\n"]
+    args = []
+    for name, arr in inputs.items():
+        arr = np.asarray(arr)
+        main.append(f"    auto v_{name} = ds4_load<{_CTYPE[arr.dtype]}>(argv[a++], {arr.size});\n")
+        args.append(f"v_{name}.data()")
+    for name, (shape, dt) in outputs.items():
+        size = int(np.prod(shape))
+        main.append(f"    const int o_{name} = a; auto v_{name} = ds4_load<{_CTYPE[np.dtype(dt)]}>(argv[a++], {size});\n")
+        args.append(f"v_{name}.data()")
+    gx, gy, gz = groups
+    main.append(
+        f"    Ds4Barrier tg({threads}); ds4_tg_bar = &tg;\n"
+        f"    for (int w = 0; w < {threads // 32}; ++w) ds4_warps.push_back(new Ds4Warp{{new Ds4Barrier(32), {{}}}});\n"
+        f"    for (uint32_t z = 0; z < {gz}u; ++z) for (uint32_t y = 0; y < {gy}u; ++y) for (uint32_t x = 0; x < {gx}u; ++x) {{\n"
+        f"        std::vector<std::thread> th;\n"
+        f"        for (uint32_t t = 0; t < {threads}u; ++t) th.emplace_back(ds4_body, {', '.join(args)}, t, x, y, z);\n"
+        f"        for (auto& t : th) t.join();\n    }}\n")
+    for name, (shape, dt) in outputs.items():
+        size = int(np.prod(shape))
+        main.append(f"    {{ FILE* f = std::fopen(argv[o_{name}], \"wb\"); std::fwrite(v_{name}.data(), "
+                    f"sizeof(v_{name}[0]), {size}, f); std::fclose(f); }}\n")
+    main.append("    return 0;\n}\n")
+    cpp = tmp_path / "kernel.cpp"
+    cpp.write_text("".join(src) + "".join(main))
+    exe = tmp_path / "kernel"
+    # AddressSanitizer: an out-of-bounds read or write of any buffer or threadgroup array fails the run
+    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-fsanitize=address", "-Wno-unused-variable",
+                            "-o", str(exe), str(cpp)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    files = []
+    for name, arr in inputs.items():
+        f = tmp_path / f"in_{name}"
+        np.ascontiguousarray(arr).tofile(f)
+        files.append(str(f))
+    out_files = {}
+    for name, (shape, dt) in outputs.items():
+        f = tmp_path / f"out_{name}"
+        init = np.full(shape, fill, dtype=np.float64).astype(dt) if np.dtype(dt).kind == "f" \
+            else np.full(shape, -7, dtype=np.int64).astype(dt)
+        init.tofile(f)
+        files.append(str(f))
+        out_files[name] = (f, shape, dt)
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")
+    run = subprocess.run([str(exe), *files], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return {n: np.fromfile(f, dtype=dt).reshape(shape) for n, (f, shape, dt) in out_files.items()}
+
+
+# ------------------------------------------------------------------ the emulation itself
+
+_SELFTEST = r"""
+DS4_SHARED float part[THREADS / 32];
+DS4_SHARED_ATOMIC hist[4];
+if (tid < 4u) ds4_atomic_store(&hist[tid], 0u);
+ds4_tg_barrier();
+const float v = x[tgx * THREADS + tid];
+const float s = ds4_warp_sum(v);
+if (lane == 0u) part[warp] = s;
+ds4_atomic_add(&hist[tid & 3u], 1u);
+ds4_tg_barrier();
+if (tid == 0u) {
+    float tot = 0.0f;
+    for (int w = 0; w < THREADS / 32; ++w) tot += part[w];
+    y[tgx] = tot;
+    for (int b = 0; b < 4; ++b) counts[tgx * 4 + b] = ds4_atomic_load(&hist[b]);
+}
+"""
+
+
+def test_emulated_threadgroup(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.integers(-50, 50, (3, 96)).astype(np.float32)
+    out = run_on_cpu(tmp_path, "", _SELFTEST, inputs={"x": x},
+                     outputs={"y": ((3,), np.float32), "counts": ((3, 4), np.uint32)},
+                     consts={"THREADS": 96}, groups=(3, 1, 1), threads=96)
+    assert np.array_equal(out["y"], x.sum(axis=1))
+    assert np.array_equal(out["counts"], np.full((3, 4), 24))
