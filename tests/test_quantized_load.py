@@ -352,3 +352,18 @@ def test_repack_equals_reference_bit_for_bit(kind, chunk, monkeypatch):
     for a, b in zip(got[:3], want[:3]):
         a, b = np.array(a), np.array(b)
         assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_experts_as_blocks_option(oracle, tmp_path_factory, tmp_path, monkeypatch):
+    """DS4MLX_GGUF_EXPERTS=blocks keeps Q4_K experts in the file's blocks (quant_moe)
+    instead of repacking them; same logits."""
+    src = _source("wide", oracle, tmp_path_factory.getbasetemp())
+    out = tmp_path / "q4k.gguf"
+    assert main(["quantize", src, str(out), "--experts", "q4_k", "-q"]) == 0
+    monkeypatch.setenv("DS4MLX_GGUF_EXPERTS", "blocks")
+    lm, _ = load(out)
+    ex = lm.model.layers[2].mlp.experts
+    assert isinstance(ex.gate_up_proj, SplitSwitchLinear) and ex.gate_up_proj.gate_proj.qtype == QT.Q4_K
+    assert isinstance(ex.down_proj, GGUFSwitchLinear) and ex.down_proj.qtype == QT.Q4_K
+    ids = list(range(2, 42))
+    assert _maxdiff(lm.logits(ids), dequantized_float_model(out).logits(ids)) <= TOL

@@ -11,7 +11,8 @@ it for one that computes on the quantized form:
   `ds4mlx quantize --experts mlx2` container), float32 scales and biases;
 * Q2_K, IQ2_XXS routed experts: `GGUFSwitchLinear`, the file's blocks as a uint8
   `mx.array`, computed by `kernels.quant_moe` (mat-vec for decode, per-expert
-  dequantize + matmul for prefill);
+  dequantize + matmul for prefill); with DS4MLX_GGUF_EXPERTS=blocks every expert
+  type quant_moe supports (also Q8_0, Q4_K) is kept this way;
 * anything else (Q2_K dense projections, a quantized router or hyper-connection
   matrix, Q5_0 / Q6_K / ...): dequantized at load into the float module, one
   tensor at a time, with a warning in the `ds4mlx.quantized` log.
@@ -40,6 +41,7 @@ tensor costs (bits + 2) bits per value (float32 scale and bias per 32 values).
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 
 import mlx.core as mx
@@ -55,8 +57,19 @@ log = logging.getLogger("ds4mlx.quantized")
 
 # Types kept as GGUF blocks and computed by `kernels.quant_moe` (routed experts).
 # Q8_0 / Q4_K are supported there too, but their exact MLX repack runs through
-# MLX's own gather_qmm, so they are repacked.
+# MLX's own gather_qmm, so they are repacked, unless the environment says
+# DS4MLX_GGUF_EXPERTS=blocks: then every expert type quant_moe supports stays in
+# the file's blocks (Q4_K: 4.5 bits per value instead of 5 (16-bit scales) or 6).
 KERNEL_TYPES = (QT.Q2_K, QT.IQ2_XXS)
+
+
+def _kernel_types() -> tuple:
+    mode = os.environ.get("DS4MLX_GGUF_EXPERTS", "auto").lower()
+    if mode not in ("auto", "blocks"):
+        raise ValueError(f"DS4MLX_GGUF_EXPERTS must be 'auto' or 'blocks', not {mode!r}")
+    return tuple(quant_moe.SUPPORTED) if mode == "blocks" else KERNEL_TYPES
+
+
 REPACK_CHUNK_VALUES = 1 << 24  # values converted per step (bounds the load-time peak)
 
 _GATE, _UP = "mlp.experts.gate_proj", "mlp.experts.up_proj"
@@ -287,12 +300,12 @@ def _expert_module(val, scale_dtype, compute_dtype, name: str, stats: Counter) -
     if isinstance(val, QuantizedTensor):
         E, out, K = (int(s) for s in val.shape)
         qtype = as_qtype(val.qtype)
-        if qtype in MLX_EXACT_TYPES:
+        if qtype in MLX_EXACT_TYPES and qtype not in _kernel_types():
             rep = repack(val, scale_dtype)
             q = _affine_module(SwitchLinear(K, out, E), rep)
             stats[f"{qtype.name}->mlx{rep[4]}"] += 1
             return q
-        if qtype in KERNEL_TYPES:
+        if qtype in _kernel_types():
             stats[f"{qtype.name}->gguf"] += 1
             return GGUFSwitchLinear(mx.array(val.raw), qtype, K)
         log.warning("%s: %s routed experts have no MLX or kernel path: dequantized at load to %s",
