@@ -194,3 +194,17 @@ def test_checkpoint_of_another_model_config_is_rejected_and_deleted(demo, tmp_pa
     assert fin.usage.cached_tokens == 0 and eng.stats.last_cache_source == "none"
     assert forged.stats()["load_failures"] == 1 and not os.path.exists(path)
     eng.close()
+
+
+def test_quant_bits_of_routed_experts(demo):
+    """float32 experts report 32; MLX-quantized experts their bits."""
+    import mlx.nn as nn
+
+    from ds4mlx.demo import DEMO_CONFIG, demo_weights
+    from ds4mlx.models.base import LanguageModel
+
+    assert routed_expert_bits(demo[0]) == 32
+    m = LanguageModel.from_config(DEMO_CONFIG, demo_weights(DEMO_CONFIG))
+    nn.quantize(m.model, group_size=32, bits=4,
+                class_predicate=lambda path, mod: ".experts." in path and hasattr(mod, "to_quantized"))
+    assert routed_expert_bits(m) == 4

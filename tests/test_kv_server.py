@@ -65,9 +65,9 @@ class Server:
         wait_up(self.url, self.proc)
         return self
 
-    def stop(self) -> str:
-        """SIGINT (clean exit: the shutdown checkpoint is written); the log."""
-        self.proc.send_signal(signal.SIGINT)
+    def stop(self, sig: int = signal.SIGINT) -> str:
+        """SIGINT / SIGTERM (clean exit: the shutdown checkpoint is written); the log."""
+        self.proc.send_signal(sig)
         rc = self.proc.wait(timeout=300)
         self._log.close()
         out = self.log_path.read_text()
@@ -232,7 +232,7 @@ def test_tool_result_after_restart_hits_disk_with_exact_dsml_from_ktm(server, tm
     (call,) = c.message.tool_calls
     assert call.function.arguments == '{"xs":[1,2,3]}'  # JSON for the client; the model wrote "[1,  2, 3]"
     live = srv.stats()["live_tokens"]
-    assert f"stored tokens={live} reason=shutdown" in srv.stop()
+    assert f"stored tokens={live} reason=shutdown" in srv.stop(signal.SIGTERM)
 
     srv.start()  # tool memory is gone with the process; the checkpoint's KTM trailer remains
     st = srv.stats()
