@@ -129,8 +129,9 @@ def model_identity(model) -> str:
 
 
 def routed_expert_bits(model) -> int:
-    """Bits of the routed-expert weights: MLX quantization bits when quantized,
-    else 16 (float16 / bfloat16) or 32 (float32, and unknown models)."""
+    """Bits of the routed-expert weights: MLX quantization bits, or the GGUF
+    block type's bits (IQ2_XXS / Q2_K 2, Q4_K 4, Q8_0 8) when quantized, else 16
+    (float16 / bfloat16) or 32 (float32, and unknown models)."""
     inner = getattr(model, "model", model)
     named = getattr(inner, "named_modules", None)
     if named is None:
@@ -144,12 +145,20 @@ def routed_expert_bits(model) -> int:
             continue
         bits = getattr(mod, "bits", None)
         if isinstance(bits, int) and bits > 0:
-            return bits
+            return bits  # QuantizedSwitchLinear (MLX affine, repacked Q4_K / Q8_0, mlx2 / mlx4)
+        qtype = getattr(mod, "qtype", None)
+        if qtype is not None:  # GGUFSwitchLinear: the file's blocks (Q2_K, IQ2_XXS, ...)
+            name_q = getattr(qtype, "name", str(qtype)).upper()
+            return _QTYPE_BITS.get(name_q, next((int(c) for c in name_q if c.isdigit()), 32))
         w = getattr(mod, "weight", None)
         if w is not None:
             dt = str(w.dtype)
             return 16 if ("float16" in dt or "bfloat16" in dt) else 32
     return 32
+
+
+_QTYPE_BITS = {"IQ2_XXS": 2, "IQ2_XS": 2, "Q2_K": 2, "Q3_K": 3, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5,
+               "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
 
 
 # ---------------------------------------------------------------- the hooks
@@ -400,7 +409,8 @@ def bench(lengths: Sequence[int], model_path: Optional[str] = None, directory: O
             mx.eval(r._cache_arrays())  # the restored state is materialised
             restore_s = time.perf_counter() - t0
             exact = bool(np.array_equal(r.last_logits, s.last_logits)) and r.tokens == s.tokens
-            out.append({"tokens": n, "prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s, "snapshot_s": snap_s, "store_s": store_s,
+            out.append({"tokens": n, "prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s, "snapshot_s": snap_s,
+                        "store_s": store_s,
                         "lookup_s": lookup_s, "restore_s": restore_s, "file_mib": os.path.getsize(cp.path) / 2**20,
                         "exact": exact})
     return out

@@ -23,7 +23,8 @@ from ds4mlx.kvpolicy import KVCacheOptions
 from ds4mlx.kvstore import KVStore
 from ds4mlx.sampling import GREEDY
 
-BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
 TEXT = open(os.path.join(os.path.dirname(ds4mlx.__file__), "data", "bench_text.txt"), encoding="utf-8").read()
 
 
@@ -198,6 +199,7 @@ def test_checkpoint_of_another_model_config_is_rejected_and_deleted(demo, tmp_pa
 
 def test_quant_bits_of_routed_experts(demo):
     """float32 experts report 32; MLX-quantized experts their bits."""
+    import mlx.core as mx
     import mlx.nn as nn
 
     from ds4mlx.demo import DEMO_CONFIG, demo_weights
@@ -208,3 +210,15 @@ def test_quant_bits_of_routed_experts(demo):
     nn.quantize(m.model, group_size=32, bits=4,
                 class_predicate=lambda path, mod: ".experts." in path and hasattr(mod, "to_quantized"))
     assert routed_expert_bits(m) == 4
+
+    from ds4mlx.models.quantized import GGUFSwitchLinear
+    from ds4mlx.quant import QT
+
+    class Fake(nn.Module):  # GGUF blocks kept as such (ds4's 2-bit files)
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Module()]
+            self.layers[0].experts = nn.Module()
+            self.layers[0].experts.down_proj = GGUFSwitchLinear(mx.zeros((2, 4, 84), mx.uint8), QT.Q2_K, 256)
+
+    assert routed_expert_bits(Fake()) == 2
