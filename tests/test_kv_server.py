@@ -10,7 +10,8 @@ guessed:
   restart, turn 2 prefills only the suffix and reports the reuse as
   `cached_tokens` (OpenAI: the whole first turn, from the shutdown
   checkpoint) / `cache_read_input_tokens` (Anthropic, thinking on: the cold
-  checkpoint at the chat anchor);
+  checkpoint at the chat anchor); a shorter Responses exchange reports it in
+  `input_tokens_details.cached_tokens`;
 * a tool call (scripted model that samples non-canonical DSML), restart (tool
   memory gone), tool result: the KTM trailer brings the exact DSML back, the
   request hits the checkpoint and only the tool-result suffix is prefilled;
@@ -182,6 +183,30 @@ def test_anthropic_messages_resume_from_disk_after_restart(server):
     # checkpoint is not a prefix; the cold checkpoint at the chat anchor
     # (system prompt) serves, and only the rest is prefilled.
     assert want == anchor_of(t1["prompt"]) and t1["prompt"].endswith("<think>")
+    srv.stop()
+
+
+def test_responses_input_tokens_details_report_disk_hits(server):
+    srv = server("--ctx", "4096", "--kv-cache-min-tokens", "256").start()
+    r1 = srv.openai().responses.create(model=MODEL, instructions=TEXT, input="Who keeps the lighthouse?",
+                                       max_output_tokens=4, temperature=0)
+    assert r1.usage.input_tokens_details.cached_tokens == 0
+    live = srv.stats()["live_tokens"]
+    srv.stop()
+
+    srv.start()
+    history = [{"role": "user", "content": "Who keeps the lighthouse?"},
+               {"type": "message", "role": "assistant", "content": [{"type": "output_text",
+                                                                     "text": r1.output_text}]},
+               {"role": "user", "content": "Since when?"}]
+    r2 = srv.openai().responses.create(model=MODEL, instructions=TEXT, input=history, max_output_tokens=4,
+                                       temperature=0)
+    t1, t2 = srv.trace()
+    want = expected_reuse(t1, t2, live, anchor_of(t1["prompt"]))
+    st = srv.stats()
+    assert st["engine"]["last_cache_source"] == "disk-text"
+    assert r2.usage.input_tokens_details.cached_tokens == want > 256
+    assert st["engine"]["prefill_tokens"] == r2.usage.input_tokens - want
     srv.stop()
 
 
