@@ -65,3 +65,30 @@ def test_sdks_drive_every_route(family_server):
     resp = oc.responses.create(model=model, input="Hello", instructions="Be brief.", max_output_tokens=4)
     assert resp.id.startswith("resp_") and resp.status in ("completed", "incomplete")
     assert resp.usage.output_tokens <= 4
+
+
+def test_serve_think_level_flag_sets_the_v41_default_effort():
+    import argparse
+
+    import ds4mlx
+    from ds4mlx.serve import cli
+    from ds4mlx.serve.app import STATE
+    from ds4mlx.serve.build import prepare
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    loaded = ds4mlx.load("demo:deepseek_v41")
+    engine, app = cli.build(p.parse_args(["--think-level", "30"]), loaded=loaded)
+    try:
+        state = app[STATE]
+        body = {"messages": [{"role": "user", "content": "Hi"}]}
+        text = prepare(state.cfg, engine, None, "chat", body).job.prompt_text
+        assert "Reasoning Effort: 30" in text
+        explicit = prepare(state.cfg, engine, None, "chat", dict(body, reasoning_effort=70)).job.prompt_text
+        assert "Reasoning Effort: 70" in explicit  # a request's own effort wins
+    finally:
+        engine.close()
+    with pytest.raises(SystemExit):  # not a numeric-effort family
+        cli.build(p.parse_args(["--think-level", "30"]), loaded=ds4mlx.load(None))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--think-level", "101"])

@@ -136,6 +136,8 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
         req = parse_request(REQUEST_API[api], parser_body, ctx=cfg.ctx, strict=cfg.strict)
     except RequestError as e:
         raise E.APIError(e.status, e.message, param=e.param) from None
+    if not isinstance(body.get("model"), str):
+        req.model = cfg.model_id or proto.model_id  # no model named: the loaded one
     model = req.model
     if not model_known(cfg, model):
         raise E.APIError(404, E.unknown_model(model), param="model", code="model_not_found")

@@ -28,6 +28,16 @@ def _port(v: str) -> int:
     return n
 
 
+def _level(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer 0..100, got {v!r}") from None
+    if not 0 <= n <= 100:
+        raise argparse.ArgumentTypeError(f"expected an integer 0..100, got {v!r}")
+    return n
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF file or Hugging Face folder (default: the demo model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -46,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alias", action="append", default=[], metavar="NAME",
                    help="accept this model name too (fnmatch pattern, e.g. 'claude-*'); repeatable")
     p.add_argument("--prefill-chunk", type=_positive, default=512, help="prefill chunk (cancellation granularity)")
+    p.add_argument("--think-level", type=_level, default=None, metavar="0..100",
+                   help="default reasoning effort of numeric-effort families (DeepSeek V4.1); 0 = no thinking")
     # --kv-disk-dir and friends (kv-cache.md §8); the two tool-memory flags above are kept
     from ..kvpolicy import add_kv_arguments
 
@@ -83,8 +95,13 @@ def build(args, loaded=None):
         cache.preload_tool_memory(memory)
     engine = Engine(model, tokenizer, ctx=args.ctx, default_max_tokens=args.tokens, tool_memory=memory,
                     prefill_chunk=args.prefill_chunk, cache=cache)
+    if args.think_level is not None and not engine.protocol.numeric_effort:
+        engine.close()
+        raise SystemExit(f"ds4mlx serve: --think-level is only for numeric-effort families "
+                         f"(the loaded model is {engine.protocol.family})")
     cfg = ServeConfig(ctx=args.ctx, tokens=args.tokens, cors=args.cors, trace=args.trace,
-                      max_body_mb=args.max_body_mb, replay=replay, aliases=tuple(args.alias))
+                      max_body_mb=args.max_body_mb, replay=replay, aliases=tuple(args.alias),
+                      think_level=args.think_level)
     return engine, make_app(engine, cfg, memory)
 
 
