@@ -159,16 +159,8 @@ def main() -> None:
     results = {}
     ours = None
     if a.which in ("both", "ours"):
-        from ds4mlx.synthetic import build_synthetic_v4_flash
-
-        t0 = time.time()
-        ours, _, info = build_synthetic_v4_flash(a.layers, a.experts, a.expert_bits, a.other_bits, value=ours_value,
-                                                 overrides=over)
-        sess = ours.new_session(ctx=a.prompt + a.gen + 16, chunk=512)
-        r = run_protocol(lambda ids: _ours_chunk(sess, ids), lambda y: mx.argmax(sess.step(y)), prompt, a.gen)
-        r.update(info, build_s=round(time.time() - t0, 1), device=str(mx.default_device()))
-        results["ds4mlx"] = r
-        print(json.dumps({"ds4mlx": r}), flush=True)
+        ours, results["ds4mlx"] = _run_ours(a, over, prompt)
+        print(json.dumps({"ds4mlx": results["ds4mlx"]}), flush=True)
     if a.which in ("both", "mlxlm"):
         keep_ours = a.check and ours is not None
         if not keep_ours:
@@ -190,6 +182,20 @@ def main() -> None:
         o, t = results["ds4mlx"], results["mlx-lm deepseek_v41"]
         print(json.dumps({"ratio": {"prefill": round(o["prefill_tps"] / t["prefill_tps"], 2),
                                     "decode": round(o["decode_tps"] / t["decode_tps"], 2)}}), flush=True)
+
+
+def _run_ours(a, over, prompt):
+    """Build and measure ours; returns (model, result).  The session dies here, so
+    dropping the model frees its memory before mlx-lm's is built."""
+    from ds4mlx.synthetic import build_synthetic_v4_flash
+
+    t0 = time.time()
+    ours, _, info = build_synthetic_v4_flash(a.layers, a.experts, a.expert_bits, a.other_bits, value=ours_value,
+                                             overrides=over)
+    sess = ours.new_session(ctx=a.prompt + a.gen + 16, chunk=512)
+    r = run_protocol(lambda ids: _ours_chunk(sess, ids), lambda y: mx.argmax(sess.step(y)), prompt, a.gen)
+    r.update(info, build_s=round(time.time() - t0, 1), device=str(mx.default_device()))
+    return ours, r
 
 
 def _ours_chunk(sess, ids):
@@ -228,6 +234,8 @@ def check_shared(ours, theirs) -> dict:
     H = ours.args.hidden_size
     x = (mx.random.normal((1, 5, H), key=mx.random.key(1)) * 0.5).astype(mx.bfloat16)
     inner = theirs.model if hasattr(theirs, "model") else theirs.language_model
+    if "moe" not in ours.args.mlp_layer_types:
+        return out
     i = ours.args.mlp_layer_types.index("moe")
     ma = ours.model.layers[i].mlp(x, mx.array([[1, 2, 3, 4, 5]]))
     mb = inner.layers[i].mlp(x)
