@@ -50,9 +50,9 @@ def scores64(q, w, keys, n, s, ratio, scale):
     """q [NH, C, DI], w [C, NH], keys [>=n, DI] -> (scores [C, n], bound [C, n])."""
     nh, c, di = q.shape
     q64, k64, w64 = q.astype(np.float64), keys[:n].astype(np.float64), w.astype(np.float64) * scale
-    dots = np.einsum("htc,rc->htr", q64, k64)
-    sc = np.einsum("th,htr->tr", w64, np.maximum(dots, 0))
-    mag = np.einsum("th,htr->tr", np.abs(w64), np.einsum("htc,rc->htr", np.abs(q64), np.abs(k64)))
+    dots = q64 @ k64.T                                                    # [NH, C, n]
+    sc = (w64[:, None, :] @ np.maximum(dots, 0).transpose(1, 0, 2))[:, 0]  # [C, n]
+    mag = (np.abs(w64)[:, None, :] @ (np.abs(q64) @ np.abs(k64).T).transpose(1, 0, 2))[:, 0]
     live = np.arange(n)[None] < limits(s, c, ratio, n)[:, None]
     return np.where(live, sc, -np.inf), np.where(live, (di + nh + 4) * U * mag, 0.0)
 

@@ -182,8 +182,8 @@ def sparse_attention(q: mx.array, keys: mx.array, rows: mx.array | None, idx: mx
     nh, c, d = q.shape
     keys = _rows2d(keys, d)
     length = keys.shape[0]
-    if length < min(window, length) or (rows is None and n):
-        raise ValueError("sparse_attention: bad keys / rows")
+    if length < window or (rows is None and n):
+        raise ValueError(f"sparse_attention: {length} window keys for a window of {window}, or no rows for n={n}")
     if rows is not None:
         rows = _rows2d(rows, d)
     selected = idx is not None

@@ -1,0 +1,267 @@
+"""Micro-benchmark of the custom kernels against the plain MLX graph (run on a GPU).
+
+    python -m ds4mlx.kernels.bench_kernels [--layers 8] [--ctx 2560] [--gen 16] [--no-model]
+
+Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, indexer
+64 heads x 128, index_topk 512, window 128):
+
+* microseconds per call, plain graph vs kernel, for hc_pre / hc_post (decode and a
+  512-token chunk), indexer scores + top-k, and the CSA / HCA attention core; each
+  figure twice: ``sync`` (build, launch and wait, one call at a time: what a decode
+  step pays when nothing overlaps) and ``batched`` (16 independent calls per
+  ``mx.eval``: launch + GPU time, graph building amortised);
+* one CSA attention layer (random weights, 8-bit linears) decoding at --ctx, kernels
+  on vs off;
+* the synthetic V4 Flash model (``ds4mlx bench --synthetic v4-flash --layers N``)
+  prefill and decode tokens/s with the kernels on and with ``DS4MLX_KERNELS=reference``.
+
+Kernels on / off is the ``DS4MLX_KERNELS`` switch of `ds4mlx.kernels.dispatch`
+(read at every call), so one process measures both.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+from ds4mlx.kernels import dispatch, hyper_connection as hck, sparse_attention as sa
+
+BATCH = 16
+
+
+@contextmanager
+def kernels(on: bool):
+    old = os.environ.get("DS4MLX_KERNELS")
+    if on:
+        os.environ.pop("DS4MLX_KERNELS", None)
+    else:
+        os.environ["DS4MLX_KERNELS"] = "reference"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DS4MLX_KERNELS", None)
+        else:
+            os.environ["DS4MLX_KERNELS"] = old
+
+
+def timed(fn, iters: int) -> tuple[float, float]:
+    """(sync µs/call, batched µs/call) of fn() -> array(s)."""
+    for _ in range(3):
+        mx.eval(fn())
+    mx.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        mx.eval(fn())
+    mx.synchronize()
+    sync = (time.perf_counter() - t0) / iters * 1e6
+    reps = max(1, iters // BATCH)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mx.eval([fn() for _ in range(BATCH)])
+    mx.synchronize()
+    batched = (time.perf_counter() - t0) / (reps * BATCH) * 1e6
+    return sync, batched
+
+
+def row(name: str, plain, kern):
+    print(f"  {name:44s} plain {plain[0]:9.1f} / {plain[1]:9.1f} µs   kernel {kern[0]:8.1f} / {kern[1]:8.1f} µs"
+          f"   x{plain[0] / max(kern[0], 1e-9):6.1f}", flush=True)
+
+
+def bench_hc(iters: int):
+    from ds4mlx.models import layers
+
+    n, d = 4, 4096
+    k = (2 + n) * n
+    print("hyper-connections (sync / batched):")
+    for nt, wdt in ((1, mx.bfloat16), (1, mx.float32), (512, mx.bfloat16)):
+        x = (mx.random.normal((1, nt, n, d)) * 0.5).astype(mx.bfloat16)
+        fn = (mx.random.normal((k, n * d)) * (n * d) ** -0.5).astype(wdt)
+        base, scale = mx.random.normal((k,)) * 0.1, mx.array([0.5, 1.0, 2.0])
+        kw = dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+        mx.eval(x, fn, base, scale)
+        plain = timed(lambda: layers.hc_pre(x, fn, base, scale, **kw), iters)
+        kern = timed(lambda: hck.hc_pre(x, fn, base, scale, **kw, backend=dispatch.gpu_backend()), iters)
+        row(f"hc_pre  T={nt} fn {'bf16' if wdt == mx.bfloat16 else 'f32'}", plain, kern)
+        post, comb, coll = hck.hc_pre(x, fn, base, scale, **kw)
+        mx.eval(post, comb, coll)
+        plain = timed(lambda: layers.hc_post(x, coll, post, comb), iters)
+        kern = timed(lambda: hck.hc_post(x, coll, post, comb, backend=dispatch.gpu_backend()), iters)
+        row(f"hc_post T={nt}", plain, kern)
+
+
+def bench_sparse(iters: int):
+    from ds4mlx.models.layers import topk_indices
+
+    face = dispatch.gpu_backend()
+    nh, d, nhi, di, w, topk = 64, 512, 64, 128, 128, 512
+    print("CSA indexer + top-k, attention core (sync / batched):")
+    for n in (2048, 16384):
+        s = 4 * n + 3
+        q = mx.random.normal((nhi, 1, di)).astype(mx.bfloat16)
+        wt = mx.random.normal((1, nhi)).astype(mx.bfloat16)
+        keys = mx.random.normal((n, di)).astype(mx.bfloat16)
+        mx.eval(q, wt, keys)
+        scale = nhi ** -0.5 * di ** -0.5
+
+        def plain_index():
+            kT = keys.astype(mx.float32).T
+            sc = (wt.astype(mx.float32) * scale) @ mx.maximum(q.astype(mx.float32)[:, 0] @ kT, 0.0)
+            return topk_indices(sc[0], topk)
+
+        def kern_index():
+            sc = sa.index_scores(q, wt, keys, n=n, s=s, ratio=4, scale=scale, backend=face)
+            return sa.topk_select(sc, topk, s=s, ratio=4, backend=face)
+
+        row(f"indexer scores + top-{topk}, {n} rows", timed(plain_index, iters), timed(kern_index, iters))
+    for kind, n, sel in (("CSA", 4096, True), ("HCA", 128, False)):
+        s = 4 * n + 3 if sel else 128 * n + 3
+        q = mx.random.normal((1, nh, 1, d)).astype(mx.bfloat16)
+        ring = mx.random.normal((1, 1, w, d)).astype(mx.bfloat16)
+        rows = mx.random.normal((1, n, d)).astype(mx.bfloat16)
+        sinks = mx.random.normal((nh,)).astype(mx.bfloat16)
+        idx = mx.sort(mx.random.permutation(n)[:topk]).astype(mx.int32)[None] if sel else None
+        cnt = mx.array([topk], mx.int32) if sel else None
+        mx.eval(q, ring, rows, sinks, *(a for a in (idx, cnt) if a is not None))
+
+        def plain_attn():
+            chosen = mx.take(rows, idx[0], axis=1)[:, None] if sel else rows[:, None]
+            keys = mx.concatenate([ring, chosen], axis=2)
+            return mx.fast.scaled_dot_product_attention(q, keys, keys, scale=d ** -0.5, sinks=sinks)
+
+        def kern_attn():
+            return sa.sparse_attention(q[0], ring[0, 0], rows[0], idx, cnt, sinks, n=n, s=s, ring_last=s, window=w,
+                                       ratio=4 if sel else 128, scale=d ** -0.5, backend=face)
+
+        row(f"{kind} attention decode, {w}+{topk if sel else n} keys", timed(plain_attn, iters), timed(kern_attn, iters))
+    # prefill: one 512-token chunk at 8K context (plain: masked SDPA over window + chunk + all rows)
+    c, n = 512, 2048
+    s = 4 * n - c
+    q = mx.random.normal((1, nh, c, d)).astype(mx.bfloat16)
+    keys = mx.random.normal((1, 1, w + c, d)).astype(mx.bfloat16)
+    rows = mx.random.normal((1, n, d)).astype(mx.bfloat16)
+    sinks = mx.random.normal((nh,)).astype(mx.bfloat16)
+    sc = mx.random.normal((c, n))
+    mx.eval(q, keys, rows, sinks, sc)
+    idx, cnt = sa.topk_select(sc, topk, s=s, ratio=4, backend=face)
+    mask_sel = mx.put_along_axis(mx.zeros((c, n), mx.bool_), idx, mx.array(True), axis=-1)
+    mask = mx.concatenate([mx.ones((c, w + c), mx.bool_), mask_sel], axis=1)
+    mx.eval(idx, cnt, mask)
+
+    def plain_pre():
+        kk = mx.concatenate([keys, rows[:, None]], axis=2)
+        return mx.fast.scaled_dot_product_attention(q, kk, kk, scale=d ** -0.5, mask=mask, sinks=sinks)
+
+    def kern_pre():
+        return sa.sparse_attention(q[0], keys[0, 0], rows[0], idx, cnt, sinks, n=n, s=s, ring_last=s - 1, window=w,
+                                   ratio=4, scale=d ** -0.5, backend=face)
+
+    row(f"CSA attention prefill chunk {c}, {n} rows", timed(plain_pre, max(4, iters // 10)),
+        timed(kern_pre, max(4, iters // 10)))
+
+
+def _random_weights(module, seed: int = 1):
+    """bf16 N(0, 1/fan_in) matrices (8-bit quantized where MLX can), unit norms, small vectors."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    mx.random.seed(seed)
+    new = []
+    for name, p in tree_flatten(module.parameters()):
+        if p.ndim >= 2:
+            new.append((name, (mx.random.normal(p.shape) * p.shape[-1] ** -0.5).astype(mx.bfloat16)))
+        elif "norm" in name:
+            new.append((name, mx.ones(p.shape, mx.bfloat16)))
+        else:
+            new.append((name, (0.1 * mx.random.normal(p.shape)).astype(mx.float32)))
+    module.update(tree_unflatten(new))
+
+    def pred(_, m):
+        w = getattr(m, "weight", None)
+        return hasattr(m, "to_quantized") and w is not None and w.shape[-1] % 64 == 0
+
+    nn.quantize(module, group_size=64, bits=8, class_predicate=pred)
+
+
+def bench_csa_layer(ctx: int, iters: int):
+    """One CSA Attention module (random weights, 8-bit linears) decoding at `ctx`."""
+    from ds4mlx.models.deepseek_v4 import CSA, Attention, LayerCache, ModelArgs
+    from ds4mlx.models.layers import RoPE, attention_factor_from_params, inv_freq_from_params
+    from ds4mlx.synthetic import v4_flash_config
+
+    ctx -= ctx % 4  # decode at a position that emits no compressed row: repeated steps keep the shapes
+
+    args = ModelArgs.from_dict(v4_flash_config(layers=3))
+    li = args.layer_types.index(CSA)
+    rd, rp = args.qk_rope_head_dim, args.rope_parameters["compress"]
+    rope = RoPE(rd, inv_freq_from_params(rd, rp, args.max_position_embeddings),
+                attention_factor_from_params(rp, args.max_position_embeddings))
+    attn = Attention(args, li, {"main": rope, "compress": rope})
+    _random_weights(attn)
+    mx.eval(attn.parameters())
+    print(f"one CSA attention layer, decode at {ctx} tokens (sync ms/step):")
+    for on in (False, True):
+        with kernels(on):
+            cache = LayerCache(CSA, args.sliding_window, args.head_dim, args.ratio(CSA), args.index_head_dim)
+            for i in range(0, ctx, 512):
+                c = min(512, ctx - i)
+                x = (mx.random.normal((1, c, args.hidden_size)) * 0.5).astype(mx.bfloat16)
+                mx.eval(attn(x, cache))
+                cache.offset += c
+            x = (mx.random.normal((1, 1, args.hidden_size)) * 0.5).astype(mx.bfloat16)
+            for _ in range(3):
+                mx.eval(attn(x, cache))
+            mx.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                mx.eval(attn(x, cache))   # the same position again: the caches' shapes stay put
+            mx.synchronize()
+            print(f"  kernels {'on ' if on else 'off'}: {(time.perf_counter() - t0) / iters * 1e3:8.3f} ms", flush=True)
+
+
+def bench_model(layers: int, ctx: int, gen: int):
+    from ds4mlx.bench import run_bench
+    from ds4mlx.synthetic import build_synthetic_v4_flash
+
+    model, tok, info = build_synthetic_v4_flash(layers=layers)
+    print(f"synthetic V4 Flash, {layers} layers: {info}", flush=True)
+    for on in (False, True):
+        with kernels(on):
+            rows = run_bench(model, tok, [ctx], gen)
+        r = rows[-1]
+        print(f"  kernels {'on ' if on else 'off'}: prefill {r['prefill_tps']:8.2f} t/s   decode {r['gen_tps']:7.2f} t/s"
+              f"   ({1e3 / max(r['gen_tps'], 1e-9):7.2f} ms/token)", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--layers", type=int, default=8, help="synthetic model layers (43 = the full model)")
+    p.add_argument("--ctx", type=int, default=2560, help="synthetic model context (> 4*index_topk: CSA selects)")
+    p.add_argument("--layer-ctx", type=int, default=8192, help="context of the one-layer CSA decode figure")
+    p.add_argument("--gen", type=int, default=16)
+    p.add_argument("--no-micro", action="store_true")
+    p.add_argument("--no-layer", action="store_true")
+    p.add_argument("--no-model", action="store_true")
+    a = p.parse_args(argv)
+    face = dispatch.gpu_backend()
+    if face is None:
+        print("bench_kernels: no MLX GPU backend (the kernels only run on a GPU)")
+        return 2
+    print(f"bench_kernels on {mx.default_device()} ({face})", flush=True)
+    if not a.no_micro:
+        bench_hc(a.iters)
+        bench_sparse(a.iters)
+    if not a.no_layer:
+        bench_csa_layer(a.layer_ctx, max(10, a.iters // 4))
+    if not a.no_model:
+        bench_model(a.layers, a.ctx, a.gen)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
