@@ -1,8 +1,10 @@
-"""`ds4mlx convert HF_DIR OUT.gguf`: Hugging Face DeepSeek V4 folder -> ds4-style GGUF.
+"""`ds4mlx convert HF_DIR OUT.gguf`: Hugging Face model folder -> ds4-style GGUF.
 
-Tensor names and metadata keys are ds4's (see `ds4mlx.gguf_names`), the tokenizer
-is written as `tokenizer.ggml.*` (HF_DIR/tokenizer.json if present, else the
-default DeepSeek V4 tokenizer).
+DeepSeek V4 uses ds4's `deepseek4` tensor names and metadata keys (`ds4mlx.gguf_names`);
+DeepSeek V4.1, GLM 5.2, GLM 5.3 and Qwen3.8 use their family's scheme
+(`ds4mlx.gguf_families`), picked from the config's `model_type`.  The tokenizer is
+written as `tokenizer.ggml.*` (HF_DIR/tokenizer.json if present, else the default
+DeepSeek V4 tokenizer).
 
 `write_gguf(path, config, tensors, tokenizer, dtype="f32")` is the Python entry
 the demo model and the quantizer use.  Float dtypes: "f32", "f16", "bf16" apply to
@@ -10,7 +12,8 @@ tensors of 2 or more dimensions; 1-D tensors (norms, sinks, hc base/scale, route
 bias) always stay F32 as in ds4's GGUFs (ds4.c `weights_validate_layout`), integer
 tensors (tid2eid) are I32.  `QuantizedTensor` values are written as they are
 (their bytes and ggml type).  Fused `gate_up_proj` is split into ds4's
-`ffn_gate_exps` / `ffn_up_exps`.
+`ffn_gate_exps` / `ffn_up_exps`.  The other families also keep the tensors ds4
+stores as F32 (routers, conv kernels, ...: `Family.keep_f32`) in F32.
 """
 from __future__ import annotations
 
@@ -80,6 +83,12 @@ def _add_kv(writer, key: str, value, kind: str) -> None:
         writer.add_key_value(key, [int(v) for v in value], GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
     elif kind == "arr_f32":
         writer.add_key_value(key, [float(v) for v in value], GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
+    elif kind == "arr_u32":
+        writer.add_key_value(key, [int(v) for v in value], GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
+    elif kind == "arr_u64":
+        writer.add_key_value(key, [int(v) for v in value], GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT64)
+    elif kind == "arr_str":
+        writer.add_key_value(key, [str(v) for v in value], GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING)
     else:  # pragma: no cover - table bug
         raise ValueError(f"unknown metadata kind {kind}")
 
@@ -87,24 +96,34 @@ def _add_kv(writer, key: str, value, kind: str) -> None:
 def write_gguf(path, config: dict, tensors: dict, tokenizer=None, dtype: str = "f32", name: str | None = None) -> Path:
     """Write a ds4-style GGUF.  `tensors` uses HF in-memory names (numpy arrays,
     anything np.asarray accepts, or QuantizedTensor).  `tokenizer=None` writes the
-    default DeepSeek V4 tokenizer; pass `False` to write none."""
+    default DeepSeek V4 tokenizer; pass `False` to write none.  The scheme (tensor
+    names, metadata keys) follows `config["model_type"]`."""
     import gguf
+
+    from . import gguf_families
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     path = Path(path)
+    family = gguf_families.for_config(config)
     if tokenizer is None:
         from .tokenizer import Tokenizer
 
         tokenizer = Tokenizer.default()
-    items = _gguf_tensors(tensors)
-    kv = names.config_to_gguf_kv(config)
+    if family is None:
+        items = _gguf_tensors(tensors)
+        kv = names.config_to_gguf_kv(config)
+        arch, keep_f32, default_name = names.ARCH, (), "DeepSeek-V4 (ds4mlx convert)"
+    else:
+        items = family.to_gguf(config, tensors)
+        kv = family.config_to_kv(config)
+        arch, keep_f32, default_name = family.arch, family.keep_f32, f"{family.display} (ds4mlx convert)"
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), names.ARCH)
+    writer = gguf.GGUFWriter(str(tmp), arch)
     try:
-        writer.add_name(name or "DeepSeek-V4 (ds4mlx convert)")
+        writer.add_name(name or default_name)
         writer.add_file_type(
             {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
         )
@@ -124,7 +143,7 @@ def write_gguf(path, config: dict, tensors: dict, tokenizer=None, dtype: str = "
                 writer.add_tensor(gname, np.ascontiguousarray(arr.astype(np.int32)))
                 continue
             arr32 = np.ascontiguousarray(arr, dtype=np.float32)
-            if arr.ndim < 2 or dtype == "f32":
+            if arr.ndim < 2 or dtype == "f32" or gname.endswith(keep_f32):
                 writer.add_tensor(gname, arr32)
             elif dtype == "f16":
                 writer.add_tensor(gname, arr32.astype(np.float16))
@@ -162,9 +181,10 @@ def run(args) -> int:
         config, tensors, tok = read_hf(args.hf_dir)
         if tok is None:
             tok = Tokenizer.default()
-        if tok.vocab_size < int(config["vocab_size"]):
+        vocab = (config.get("text_config") if isinstance(config.get("text_config"), dict) else config).get("vocab_size")
+        if vocab is not None and tok.vocab_size < int(vocab):
             print(f"ds4mlx convert: note: tokenizer has {tok.vocab_size} tokens, model vocab_size is "
-                  f"{config['vocab_size']}", file=sys.stderr)
+                  f"{vocab}", file=sys.stderr)
         write_gguf(out, config, tensors, tok, dtype=args.dtype, name=args.name)
     except (FileNotFoundError, ValueError) as e:
         print(f"ds4mlx convert: error: {e}", file=sys.stderr)

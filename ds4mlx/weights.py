@@ -3,7 +3,9 @@
 `read_weights(path) -> (config, tensors, tokenizer)`:
 
 * `config` is the canonical DeepseekV4Config dict (`gguf_names.normalize_config`):
-  the HF field names, legacy fields folded in, defaults filled.
+  the HF field names, legacy fields folded in, defaults filled.  Other families
+  (`gguf_families`: DeepSeek V4.1, GLM 5.2 / 5.3, Qwen3.8) give their config as
+  written: the HF folder's config.json, or the config recorded in the GGUF.
 * `tensors` maps Hugging Face *in-memory* names (the keys of the oracle's
   model.safetensors, e.g. `model.layers.0.mlp.experts.gate_up_proj`) to
   - numpy arrays: GGUF F32 and F16 are zero-copy views of the memory-mapped
@@ -219,12 +221,19 @@ class GGUFFile:
 
 
 def read_gguf(path: str | os.PathLike, with_tokenizer: bool = True):
-    """ds4 GGUF -> (config, tensors, tokenizer).  Tensors are mmap views."""
+    """ds4 GGUF -> (config, tensors, tokenizer).  Tensors are mmap views (except the
+    few a family rebuilds from several GGUF tensors).  `general.architecture` picks
+    the scheme: `deepseek4` (gguf_names) or one of gguf_families."""
     g = GGUFFile(path)
     meta = g.metadata
     path = g.path
     if int(meta.get("split.count", 1) or 1) > 1:
         raise ValueError(f"{path}: split GGUF files (split.count={meta['split.count']}) are not supported")
+    from . import gguf_families
+
+    family = gguf_families.for_arch(meta.get("general.architecture", names.ARCH))
+    if family is not None:
+        return _read_family_gguf(g, family, with_tokenizer)
     try:
         config = names.config_from_gguf_kv(meta)
     except (KeyError, TypeError) as e:
@@ -247,6 +256,29 @@ def read_gguf(path: str | os.PathLike, with_tokenizer: bool = True):
         warnings.warn(f"{path}: {len(unknown)} GGUF tensors with no HF name were skipped: {unknown[:5]}")
     _fuse_experts(tensors)
 
+    tok = None
+    if with_tokenizer and "tokenizer.ggml.tokens" in meta:
+        from .tokenizer import Tokenizer
+
+        tok = Tokenizer.from_gguf_fields(meta)
+    return config, tensors, tok
+
+
+def _read_family_gguf(g: "GGUFFile", family, with_tokenizer: bool):
+    """A GGUF of another family (`gguf_families`) -> (config, tensors, tokenizer)."""
+    meta, path = g.metadata, g.path
+    try:
+        config = family.config_from_kv(meta, list(g.tensors))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: bad {family.arch} metadata ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    try:
+        tensors, unknown = family.from_gguf(config, list(g.tensors), g.tensor)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if unknown:
+        warnings.warn(f"{path}: {len(unknown)} GGUF tensors with no HF name were skipped: {unknown[:5]}")
     tok = None
     if with_tokenizer and "tokenizer.ggml.tokens" in meta:
         from .tokenizer import Tokenizer
