@@ -194,3 +194,47 @@ def test_emulated_threadgroup(tmp_path):
                      consts={"THREADS": 96}, groups=(3, 1, 1), threads=96)
     assert np.array_equal(out["y"], x.sum(axis=1))
     assert np.array_equal(out["counts"], np.full((3, 4), 24))
+
+
+# ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU needed)
+
+_CUDA_TYPE = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int32_t",
+              "uint32": "uint32_t"}
+
+
+def mlx_cuda_source(name: str, header: str, body: str, inputs: dict, outputs: dict, template: list) -> str:
+    """The translation unit MLX 0.32's mx.fast.cuda_kernel builds (mlx/backend/cuda/custom_kernel.cpp:
+    header, then `__global__ void` with `const T* input` / `T* output` parameters, the template
+    arguments as constexpr / using lines, then the body), with MLX's own device header
+    replaced by the CUDA headers it brings in.  inputs / outputs: name -> MLX dtype name."""
+    def ty(v):
+        return _CUDA_TYPE[v]
+
+    params = [f"    const {ty(dt)}* {n}" for n, dt in inputs.items()] + [f"    {ty(dt)}* {n}" for n, dt in outputs.items()]
+    consts = []
+    for n, v in template:
+        if isinstance(v, bool):
+            consts.append(f"  constexpr bool {n} = {'true' if v else 'false'};")
+        elif isinstance(v, int):
+            consts.append(f"  constexpr int {n} = {v};")
+        else:
+            consts.append(f"  using {n} = {ty(v)};")
+    return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cooperative_groups.h>\n"
+            "#include <cuda/std/cstdint>\n#include <cuda/std/limits>\n"
+            "using cuda::std::uint32_t; using cuda::std::uint64_t; using cuda::std::int32_t; using cuda::std::uint16_t;\n"
+            "#define inf cuda::std::numeric_limits<float>::infinity()\n"
+            + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            + f"__global__ void custom_kernel_{name}(\n" + ",\n".join(params) + ") {\n" + "\n".join(consts) + "\n\n"
+            + body + "\n}\n\n} // namespace mlx::core::cu\n")
+
+
+def nvcc_compile(tmp_path: Path, source: str, arch: str = "sm_90") -> None:
+    """Compile to PTX for `arch` (the H200 is sm_90); fails the test on any error or warning."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    cu = Path(tmp_path) / "kernel.cu"
+    cu.write_text(source)
+    res = subprocess.run([nvcc, "-std=c++17", f"-arch={arch}", "--ptx", "-Werror", "all-warnings", "-diag-suppress", "177,550",
+                          "-o", str(cu.with_suffix(".ptx")), str(cu)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]

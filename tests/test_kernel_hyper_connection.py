@@ -303,3 +303,25 @@ def test_gpu_hc_post_equals_reference(dtype, n, d, nt):
                          np.array(post.astype(dt).astype(mx.float32)), np.array(comb.astype(dt).astype(mx.float32)))
     p = 23 if dt == mx.float32 else 8
     check("hc_post", got, ref.astype(np.float64), 2 * 2.0 ** -p * (mag + np.abs(ref)))
+
+
+# ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind,head", [("hc_pre", False), ("hc_pre", True), ("hc_post", False)])
+def test_cuda_face_compiles_with_nvcc(kind, head, dtype, tmp_path):
+    """The exact CUDA translation unit mx.fast.cuda_kernel builds, compiled for sm_90 (H200)
+    by nvcc with warnings as errors (syntax and types; the g++ emulation checks the logic)."""
+    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+
+    f = "float32"
+    h, b = hck.kernel_sources(kind, "cuda")
+    if kind == "hc_pre":
+        ins = {"x": dtype, "fn": dtype, "base": f, "scale": f, "eps": f}
+        outs = {"post": f, "comb": f, "y": dtype}
+        tmpl = [("T", dtype), ("TW", dtype), ("TB", f), ("TS", f), ("HC", 4), ("D", 4096),
+                ("THREADS", hck.PRE_THREADS), ("ITERS", 20), ("HEAD", head)]
+    else:
+        ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f}, {"y": dtype}
+        tmpl = [("T", dtype), ("TP", f), ("TC", f), ("HC", 4), ("D", 4096), ("THREADS", hck.POST_THREADS)]
+    nvcc_compile(tmp_path, mlx_cuda_source(kind, h, b, ins, outs, tmpl))
