@@ -10,8 +10,9 @@
 // hc_pre (one threadgroup of THREADS threads per token, grid (NT*THREADS, 1, 1)):
 //   x [NT, HC, D] T, fn [M, HC*D] TW, base [M] TB, scale [3] (hc_head: [1]) TS,
 //   eps [2] float32 = (hc_eps, norm_eps)
-//   -> post [NT, HC] f32, comb [NT, HC, HC] f32, y [NT, D] T
-//   (hc_head: HEAD = true, M = HC, post / comb are 1-element dummies, not written)
+//   -> pre [NT, HC] f32, post [NT, HC] f32, comb [NT, HC, HC] f32, y [NT, D] T
+//   (hc_head: HEAD = true, M = HC, pre / post / comb are 1-element dummies, not written;
+//   hc_mix: COLLAPSE = false, y is a 1-element dummy, not written)
 //   1. every thread accumulates, over k = tid, tid+THREADS, ... < HC*D, the
 //      sum of squares of flat x and the M dot products fn[r] . x (float32);
 //      warp sums, then a threadgroup sum over the warps;
@@ -21,7 +22,7 @@
 //      warp 0 runs the Sinkhorn projection of the HC x HC comb logits, lane
 //      i*HC+j holding entry (i, j), rows / columns summed through threadgroup
 //      memory between SIMD-group barriers;
-//   4. y[c] = sum_i pre_i * x[i, c] (float32, rounded once to T).
+//   4. (COLLAPSE) y[c] = sum_i pre_i * x[i, c] (float32, rounded once to T).
 //
 // hc_post (grid (ceil(D/THREADS)*THREADS, HC, NT)): one thread per output
 //   y[t, k, c] = T(T(post[t,k]) * o[t,c]) + T(sum_j T(comb[t,j,k]) * x[t,j,c])
@@ -84,6 +85,7 @@ if (tid < uint32_t(HC)) {
     const float m0 = mix[tid] * rs;
     pre_sh[tid] = ds4_sigmoid(m0 * static_cast<float>(scale[0]) + static_cast<float>(base[tid])) + hc_eps;
     if (!HEAD) {
+        pre[uint64_t(t) * uint64_t(HC) + tid] = pre_sh[tid];
         const float m1 = mix[HC + tid] * rs;
         post[uint64_t(t) * uint64_t(HC) + tid] =
             2.0f * ds4_sigmoid(m1 * static_cast<float>(scale[1]) + static_cast<float>(base[HC + tid]));
@@ -136,7 +138,7 @@ if (!HEAD && warp == 0u) {
     }
 }
 ds4_tg_barrier();
-for (uint32_t c = tid; c < uint32_t(D); c += uint32_t(THREADS)) {
+for (uint32_t c = tid; COLLAPSE && c < uint32_t(D); c += uint32_t(THREADS)) {
     float a = 0.0f;
     for (int q = 0; q < HC; ++q) {
         a += pre_sh[q] * static_cast<float>(xt[uint32_t(q) * uint32_t(D) + c]);

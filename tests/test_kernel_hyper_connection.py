@@ -89,12 +89,13 @@ def oracle(x, fn, base, scale, iters, hc_eps, norm_eps, head=False):
     e_coll = (e_pre[..., None] * np.abs(x64)).sum(axis=-2) + (n + 2) * 2.0 ** -24 * (pre[..., None] * np.abs(x64)).sum(axis=-2)
     if head:
         return dict(collapsed=(coll, e_coll))
+    pre_pair = (pre, e_pre)
     post = 2.0 * sig(mix[..., n:2 * n] * s[1] + b[n:2 * n])
     e_post = abs(s[1]) * e[..., n:2 * n] / 2 + 2.0 ** -21
     logits = (mix[..., 2 * n:] * s[2] + b[2 * n:]).reshape(*lead, n, n)
     comb = sinkhorn64(logits, iters, hc_eps)
     e_comb = np.broadcast_to((4 * abs(s[2]) * e[..., 2 * n:].max(axis=-1) + 2.0 ** -17)[..., None, None], comb.shape)
-    return dict(post=(post, e_post), comb=(comb, e_comb), collapsed=(coll, e_coll))
+    return dict(pre=pre_pair, post=(post, e_post), comb=(comb, e_comb), collapsed=(coll, e_coll))
 
 
 def check(name, got, want, bound, extra=0.0):
@@ -132,6 +133,16 @@ def test_reference_hc_pre_matches_float64(case):
                                   hc_eps=HC_EPS, norm_eps=NORM_EPS, backend="reference")
     for name, got in (("post", post), ("comb", comb), ("collapsed", coll)):
         check(name, np.array(got), *want[name])
+
+
+def test_reference_hc_mix_matches_float64():
+    n, d, iters = 4, 48, 20
+    x, fn, base, scale = make_inputs(n, d, (1, 2), seed=9)
+    want = oracle(x, fn, base, scale, iters, HC_EPS, NORM_EPS)
+    got = hck.hc_mix(mx.array(x), mx.array(fn), mx.array(base), mx.array(scale), sinkhorn_iters=iters,
+                     hc_eps=HC_EPS, norm_eps=NORM_EPS, backend="reference")
+    for name, g in zip(("pre", "post", "comb"), got):
+        check(name, np.array(g), *want[name])
 
 
 def test_reference_hc_head_and_post_match_float64():
@@ -183,29 +194,34 @@ def test_metal_and_cuda_share_one_description(kind):
 
 # ------------------------------------------------------------------ the shared GPU text, compiled for the CPU
 
-EMU_CASES = [(4, 64, 2, 20, False), (3, 33, 3, 7, False), (2, 5, 1, 20, False), (4, 40, 2, 0, True)]
+EMU_CASES = [(4, 64, 2, 20, "pre"), (3, 33, 3, 7, "pre"), (2, 5, 1, 20, "pre"), (4, 40, 2, 0, "head"),
+             (3, 50, 2, 20, "mix")]
 
 
-@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: "n{}_d{}_t{}_it{}_{}".format(*c[:4], "head" if c[4] else "pre"))
+@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: "n{}_d{}_t{}_it{}_{}".format(*c))
 def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
-    n, d, nt, iters, head = case
+    n, d, nt, iters, mode = case
+    head = mode == "head"
     x, fn, base, scale = make_inputs(n, d, (nt,), seed=11 + n, head=head)
     sec = dispatch.sections(hck.SOURCE)
     threads = 64
-    outs = {"post": ((1,) if head else (nt, n), np.float32), "comb": ((1,) if head else (nt, n, n), np.float32),
-            "y": ((nt, d), np.float32)}
+    outs = {"pre": ((1,) if head else (nt, n), np.float32), "post": ((1,) if head else (nt, n), np.float32),
+            "comb": ((1,) if head else (nt, n, n), np.float32), "y": ((nt, d) if mode != "mix" else (1,), np.float32)}
     got = run_on_cpu(tmp_path, sec["common"], sec["hc_pre"],
                      inputs={"x": x, "fn": fn, "base": base, "scale": scale,
                              "eps": np.array([HC_EPS, NORM_EPS], np.float32)},
                      outputs=outs,
                      consts={"T": np.float32, "TW": np.float32, "TB": np.float32, "TS": np.float32, "HC": n, "D": d,
-                             "THREADS": threads, "ITERS": max(iters, 1), "HEAD": head},
+                             "THREADS": threads, "ITERS": max(iters, 1), "HEAD": head, "COLLAPSE": mode != "mix"},
                      groups=(nt, 1, 1), threads=threads)
     want = oracle(x, fn, base, scale, iters, HC_EPS, NORM_EPS, head=head)
-    check("collapsed", got["y"], *want["collapsed"])
+    if mode != "mix":
+        check("collapsed", got["y"], *want["collapsed"])
+    else:
+        assert np.isnan(got["y"]).all()          # the dummy is never written
     if not head:
-        check("post", got["post"], *want["post"])
-        check("comb", got["comb"], *want["comb"])
+        for name in ("pre", "post", "comb"):
+            check(name, got[name], *want[name])
 
 
 def test_shared_hc_post_text_compiled_for_cpu(tmp_path):
@@ -273,6 +289,18 @@ def test_gpu_hc_pre_equals_reference(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,d,nt", [(4, 4096, 1), (4, 4096, 512), (3, 100, 6)])
+def test_gpu_hc_mix_equals_reference(n, d, nt):
+    face = _gpu_face()
+    x, fn, base, scale = make_inputs(n, d, (1, nt), seed=8)
+    want = oracle(x, fn, base, scale, 20, HC_EPS, NORM_EPS)
+    got = hck.hc_mix(mx.array(x), mx.array(fn), mx.array(base), mx.array(scale), sinkhorn_iters=20, hc_eps=HC_EPS,
+                     norm_eps=NORM_EPS, backend=face)
+    for name, g in zip(("pre", "post", "comb"), got):
+        check(name, np.array(g), *want[name])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,d,nt", [(4, 4096, 1), (3, 100, 6)])
 def test_gpu_hc_head_equals_reference(n, d, nt):
     face = _gpu_face()
@@ -308,8 +336,8 @@ def test_gpu_hc_post_equals_reference(dtype, n, d, nt):
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind,head", [("hc_pre", False), ("hc_pre", True), ("hc_post", False)])
-def test_cuda_face_compiles_with_nvcc(kind, head, dtype, tmp_path):
+@pytest.mark.parametrize("kind,mode", [("hc_pre", "pre"), ("hc_pre", "head"), ("hc_pre", "mix"), ("hc_post", "")])
+def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
     """The exact CUDA translation unit mx.fast.cuda_kernel builds, compiled for sm_90 (H200)
     by nvcc with warnings as errors (syntax and types; the g++ emulation checks the logic)."""
     from test_kernel_emulation import mlx_cuda_source, nvcc_compile
@@ -318,9 +346,9 @@ def test_cuda_face_compiles_with_nvcc(kind, head, dtype, tmp_path):
     h, b = hck.kernel_sources(kind, "cuda")
     if kind == "hc_pre":
         ins = {"x": dtype, "fn": dtype, "base": f, "scale": f, "eps": f}
-        outs = {"post": f, "comb": f, "y": dtype}
+        outs = {"pre": f, "post": f, "comb": f, "y": dtype}
         tmpl = [("T", dtype), ("TW", dtype), ("TB", f), ("TS", f), ("HC", 4), ("D", 4096),
-                ("THREADS", hck.PRE_THREADS), ("ITERS", 20), ("HEAD", head)]
+                ("THREADS", hck.PRE_THREADS), ("ITERS", 20), ("HEAD", mode == "head"), ("COLLAPSE", mode != "mix")]
     else:
         ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f}, {"y": dtype}
         tmpl = [("T", dtype), ("TP", f), ("TC", f), ("HC", 4), ("D", 4096), ("THREADS", hck.POST_THREADS)]

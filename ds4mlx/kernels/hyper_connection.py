@@ -12,6 +12,7 @@ elementwise launch (instead of casts, a matmul, a product and a sum).
 Public API (all dispatch on ``backend`` / `ds4mlx.kernels.dispatch.backend()`)
 ----------
 ``hc_pre(x, fn, base, scale, *, sinkhorn_iters, hc_eps, norm_eps)`` -> (post, comb, collapsed)
+``hc_mix(x, fn, base, scale, *, sinkhorn_iters, hc_eps, norm_eps)`` -> (pre, post, comb)  (V4.1)
 ``hc_head(x, fn, base, scale, *, hc_eps, norm_eps)``                 -> collapsed
 ``hc_post(x, out, post, comb)``                                     -> new streams
 with the shapes and dtypes of `ds4mlx.models.layers` (the reference face *is* those
@@ -50,7 +51,7 @@ def kernel_sources(kind: str, face: str) -> tuple[str, str]:
 @lru_cache(maxsize=None)
 def _kernel(kind: str) -> Kernel:
     if kind == "hc_pre":
-        inputs, outputs = ["x", "fn", "base", "scale", "eps"], ["post", "comb", "y"]
+        inputs, outputs = ["x", "fn", "base", "scale", "eps"], ["pre", "post", "comb", "y"]
     else:
         inputs, outputs = ["x", "o", "post", "comb"], ["y"]
     return Kernel(f"ds4mlx_{kind}", inputs, outputs,
@@ -72,30 +73,35 @@ def _layers():
     return layers
 
 
-def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, head: bool):
+def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str):
+    """mode 'pre' -> (post, comb, collapsed); 'mix' -> (pre, post, comb); 'head' -> collapsed."""
     n, d = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
     nt = 1
     for v in lead:
         nt *= v
+    head = mode == "head"
     m = n if head else (2 + n) * n
     if fn.shape != (m, n * d):
         raise ValueError(f"fn must be [{m}, {n * d}], got {fn.shape}")
-    out_shapes = [(1,), (1,), (nt, d)] if head else [(nt, n), (nt, n, n), (nt, d)]
-    post, comb, y = _kernel("hc_pre")(
+    small = [(nt, n), (nt, n), (nt, n, n)] if not head else [(1,), (1,), (1,)]
+    pre, post, comb, y = _kernel("hc_pre")(
         face,
         inputs=[x.reshape(nt, n, d), fn, base, scale, _eps(float(hc_eps), float(norm_eps))],
         template=[("T", x.dtype), ("TW", fn.dtype), ("TB", base.dtype), ("TS", scale.dtype),
-                  ("HC", n), ("D", d), ("THREADS", PRE_THREADS), ("ITERS", int(iters)), ("HEAD", head)],
+                  ("HC", n), ("D", d), ("THREADS", PRE_THREADS), ("ITERS", int(iters)), ("HEAD", head),
+                  ("COLLAPSE", mode != "mix")],
         grid=(nt * PRE_THREADS, 1, 1),
         threadgroup=(PRE_THREADS, 1, 1),
-        output_shapes=out_shapes,
-        output_dtypes=[mx.float32, mx.float32, x.dtype],
+        output_shapes=small + [(nt, d) if mode != "mix" else (1,)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, x.dtype],
     )
-    y = y.reshape(*lead, d)
     if head:
-        return y
-    return post.reshape(*lead, n), comb.reshape(*lead, n, n), y
+        return y.reshape(*lead, d)
+    post, comb = post.reshape(*lead, n), comb.reshape(*lead, n, n)
+    if mode == "mix":
+        return pre.reshape(*lead, n), post, comb
+    return post, comb, y.reshape(*lead, d)
 
 
 def _fusable(x: mx.array) -> bool:
@@ -110,7 +116,17 @@ def hc_pre(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkho
     if face == "reference" or not _fusable(x) or sinkhorn_iters < 1:
         return _layers().hc_pre(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
                                 norm_eps=norm_eps)
-    return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, head=False)
+    return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre")
+
+
+def hc_mix(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkhorn_iters: int,
+           hc_eps: float, norm_eps: float, backend: str | None = None):
+    """`ds4mlx.models.layers.hc_mix` -> (pre, post, comb) in one launch on a GPU (no collapse)."""
+    face = _face(backend)
+    if face == "reference" or not _fusable(x) or sinkhorn_iters < 1:
+        return _layers().hc_mix(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
+                                norm_eps=norm_eps)
+    return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "mix")
 
 
 def hc_head(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, hc_eps: float, norm_eps: float,
@@ -119,7 +135,7 @@ def hc_head(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, hc_ep
     face = _face(backend)
     if face == "reference" or not _fusable(x):
         return _layers().hc_head(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps)
-    return _pre_launch(face, x, fn, base, scale, 1, hc_eps, norm_eps, head=True)
+    return _pre_launch(face, x, fn, base, scale, 1, hc_eps, norm_eps, "head")
 
 
 def hc_post(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, *, backend: str | None = None) -> mx.array:

@@ -287,8 +287,8 @@ class HyperConnection(nn.Module):
         )
 
     def mix(self, x: mx.array):
-        """(pre, post, comb) without the collapse (see `hc_mix`)."""
-        return hc_mix(
+        """(pre, post, comb) without the collapse (see `hc_mix`); one fused launch on a GPU."""
+        return _hc_kernels.hc_mix(
             x, self.fn, self.base, self.scale, sinkhorn_iters=self._iters, hc_eps=self._hc_eps, norm_eps=self._norm_eps
         )
 
