@@ -49,6 +49,18 @@ def weight_std(name: str, shape) -> float:
     return 0.02 if "embed" in name else shape[-1] ** -0.5
 
 
+EXPERT_CHUNK = 16  # experts generated per call: one [256, 4096, 4096] tensor overflows a CUDA launch
+
+
+def named_experts(name: str, shape, std: float):
+    """`named_normal` for an expert bank [E, ...], generated EXPERT_CHUNK experts at a time."""
+    import mlx.core as mx
+
+    e = shape[0]
+    return mx.concatenate([named_normal(f"{name}#{i}", (min(EXPERT_CHUNK, e - i), *shape[1:]), std)
+                           for i in range(0, e, EXPERT_CHUNK)])
+
+
 def default_value(name: str, p, n_experts: int, k: int):
     """The synthetic value of parameter `name` (full dotted name) shaped like `p`."""
     import zlib
@@ -58,6 +70,8 @@ def default_value(name: str, p, n_experts: int, k: int):
     if name.endswith("tid2eid"):
         key = mx.random.key(zlib.crc32(name.encode()))
         return mx.argsort(mx.random.uniform(shape=(p.shape[0], n_experts), key=key), axis=-1)[:, :k].astype(p.dtype)
+    if p.ndim == 3:
+        return named_experts(name, p.shape, weight_std(name, p.shape))
     if p.ndim >= 2:
         return named_normal(name, p.shape, weight_std(name, p.shape))
     if "norm" in name:
@@ -73,14 +87,37 @@ def _randomize(module, prefix: str, n_experts: int, k: int, value=default_value)
     module.update(tree_unflatten(new))
 
 
+def _quantize_experts(switch, bits: int):
+    """A routed-expert bank quantized EXPERT_CHUNK experts at a time (the whole
+    [256, 4096, 4096] bank in one mx.quantize call overflows a CUDA launch)."""
+    import mlx.core as mx
+
+    from .models.layers import QuantizedSwitchLinear
+
+    e, out_dims, in_dims = switch.weight.shape
+    parts = []
+    for i in range(0, e, EXPERT_CHUNK):
+        parts.append(mx.quantize(switch.weight[i:i + EXPERT_CHUNK], 64, bits))
+        mx.eval(parts[-1])
+    q = QuantizedSwitchLinear(in_dims, out_dims, 1, 64, bits)
+    q.weight, q.scales, q.biases = (mx.concatenate([p[j] for p in parts]) for j in range(3))
+    return q
+
+
 def _quantize(module, expert_bits: int, other_bits: int) -> None:
     import mlx.nn as nn
 
+    from .models.layers import SwitchLinear
+
+    experts = getattr(getattr(module, "mlp", None), "experts", None)
+    if experts is not None:
+        for name in ("gate_up_proj", "down_proj"):
+            if isinstance(getattr(experts, name, None), SwitchLinear):
+                setattr(experts, name, _quantize_experts(getattr(experts, name), expert_bits))
+
     def pred(path, m):
-        if not hasattr(m, "to_quantized"):
+        if not hasattr(m, "to_quantized") or isinstance(m, SwitchLinear):
             return False
-        if "experts" in path and "shared" not in path:
-            return {"bits": expert_bits, "group_size": 64}
         w = getattr(m, "weight", None)
         if other_bits >= 16 or w is None or w.shape[-1] % 64:
             return False
@@ -113,7 +150,8 @@ def build_synthetic_v4_flash(layers: int | None = None, experts: int | None = No
     for prefix, part in parts:  # one piece at a time: never the whole float model at once
         _randomize(part, prefix, args.n_routed_experts, args.num_experts_per_tok, value)
         _quantize(part, expert_bits, other_bits)
-        mx.eval(part.parameters())
+        for _, arr in tree_flatten(part.parameters()):  # one tensor per eval keeps launches small
+            mx.eval(arr)
     model.eval()
     params = tree_flatten(model.parameters())
     total = sum(p.nbytes for _, p in params)

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ds4mlx.synthetic import default_value, named_normal, v4_flash_config, weight_std
+from ds4mlx.synthetic import default_value, named_experts, named_normal, v4_flash_config, weight_std
 
 TINY = dict(hidden_size=256, num_attention_heads=4, head_dim=64, q_lora_rank=64, o_groups=2, o_lora_rank=64,
             moe_intermediate_size=64, index_n_heads=4, index_head_dim=64, index_topk=16, vocab_size=129280,
@@ -38,12 +38,12 @@ def ours_value(name, p, n_experts, k):
     if name.endswith(".mlp.experts.gate_up_proj.weight"):
         base = name.replace("experts.gate_up_proj.weight", "experts.switch_mlp.")
         e, two_i, h = p.shape
-        g = named_normal(base + "gate_proj.weight", (e, two_i // 2, h), h ** -0.5)
-        u = named_normal(base + "up_proj.weight", (e, two_i // 2, h), h ** -0.5)
+        g = named_experts(base + "gate_proj.weight", (e, two_i // 2, h), h ** -0.5)
+        u = named_experts(base + "up_proj.weight", (e, two_i // 2, h), h ** -0.5)
         return mx.concatenate([g, u], axis=1)
     if name.endswith(".mlp.experts.down_proj.weight"):
-        return named_normal(name.replace("experts.down_proj", "experts.switch_mlp.down_proj"), p.shape,
-                            p.shape[-1] ** -0.5)
+        return named_experts(name.replace("experts.down_proj", "experts.switch_mlp.down_proj"), p.shape,
+                             p.shape[-1] ** -0.5)
     if name.endswith("self_attn.o_a_proj.weight"):  # ours [G*O, I] == theirs [G, O, I] reshaped
         return named_normal(name, p.shape, p.shape[-1] ** -0.5)
     return default_value(name, p, n_experts, k)
@@ -53,6 +53,8 @@ def theirs_value(name, p, n_experts, k):
     if name.endswith("self_attn.o_a_proj.weight") and p.ndim == 3:
         g, o, i = p.shape
         return named_normal(name, (g * o, i), i ** -0.5).reshape(g, o, i)
+    if p.ndim == 3:
+        return named_experts(name, p.shape, weight_std(name, p.shape))
     if p.ndim >= 2:
         return named_normal(name, p.shape, weight_std(name, p.shape))
     return default_value(name, p, n_experts, k)

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import os
+
 import mlx.core as mx
 
 from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, backend as _backend, shared_sources
@@ -91,9 +93,15 @@ def _face(backend: str | None) -> str:
 
 
 def model_face() -> str | None:
-    """The face the model's fused attention path should use, or None for its plain path."""
+    """The face the model's fused attention path should use, or None for its plain path.
+
+    Opt-in (`DS4MLX_SPARSE_ATTENTION=1`): on the H200 (2026-11-30, BENCHMARKS.md) these
+    kernels were 0.2-0.6x the speed of the plain MLX graph (indexer + top-k and the
+    attention core), so the model keeps its plain path unless asked."""
     if FORCE_FACE is not None:
         return FORCE_FACE
+    if os.environ.get("DS4MLX_SPARSE_ATTENTION", "") not in ("1", "true", "yes"):
+        return None
     face = _backend()
     return None if face == "reference" else face
 
