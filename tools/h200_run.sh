@@ -15,7 +15,10 @@ log() { echo "== $(date -u +%FT%TZ) $*" | tee -a "$OUT/log.txt"; }
 log "device: $($py -c 'import mlx.core as mx; print(mx.__version__, mx.default_device())')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/log.txt" 2>&1
 
-if [ "${1:-A}" = A ]; then
+if [ "${1:-A}" = T ]; then  # the GPU tests alone
+  DS4MLX_TEST_CACHE=$PWD/.gpu/tc timeout 280 $py -m pytest -q -m gpu -p no:cacheprovider "${@:2}" > "$OUT/gpu_tests.txt" 2>&1
+  tail -15 "$OUT/gpu_tests.txt" | tee -a "$OUT/log.txt"
+elif [ "${1:-A}" = A ]; then
   log "gpu tests"
   # tiny oracle models travel in .gpu/tc (copied from ~/.cache/ds4mlx-tests) so the device builds none
   DS4MLX_TEST_CACHE=$PWD/.gpu/tc timeout 150 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_quant_moe.py \
@@ -27,6 +30,11 @@ if [ "${1:-A}" = A ]; then
   log "43-layer synthetic V4 Flash frontier bench"
   timeout 270 $py -m ds4mlx.cli bench --synthetic v4-flash --ctx-start 2048 --ctx-max 32768 --step-mul 4 \
       --gen-tokens 32 --time-budget 150 --profile --csv "$OUT/v4flash.csv" > "$OUT/v4flash.txt" 2>&1
+  tail -25 "$OUT/v4flash.txt" | tee -a "$OUT/log.txt"
+elif [ "$1" = F ]; then  # the full-model bench alone
+  log "43-layer synthetic V4 Flash frontier bench"
+  timeout 400 $py -m ds4mlx.cli bench --synthetic v4-flash --ctx-start 2048 --ctx-max 32768 --step-mul 4 \
+      --gen-tokens 32 --time-budget 220 --profile --csv "$OUT/v4flash.csv" > "$OUT/v4flash.txt" 2>&1
   tail -25 "$OUT/v4flash.txt" | tee -a "$OUT/log.txt"
 else
   log "ds4mlx vs mlx-lm deepseek_v41, 43 layers"
