@@ -68,8 +68,13 @@ def default_value(name: str, p, n_experts: int, k: int):
     import mlx.core as mx
 
     if name.endswith("tid2eid"):
+        # k distinct experts per token: start + j * odd stride (mod E).  (An argsort over
+        # [vocab, E] rows breaks MLX CUDA's launch grid: 129280 rows > 65535 blocks.)
         key = mx.random.key(zlib.crc32(name.encode()))
-        return mx.argsort(mx.random.uniform(shape=(p.shape[0], n_experts), key=key), axis=-1)[:, :k].astype(p.dtype)
+        k1, k2 = mx.random.split(key)
+        start = mx.random.randint(0, n_experts, (p.shape[0], 1), key=k1)
+        stride = 2 * mx.random.randint(0, max(n_experts // 2, 1), (p.shape[0], 1), key=k2) + 1
+        return ((start + stride * mx.arange(k)[None]) % n_experts).astype(p.dtype)
     if p.ndim == 3:
         return named_experts(name, p.shape, weight_std(name, p.shape))
     if p.ndim >= 2:
