@@ -72,6 +72,21 @@ def _greedy_probe(session, first_logits, n: int, eos_id: int | None, warmup: int
     return time.perf_counter() - t0
 
 
+def warm_up(model, tokens: list[int], chunk: int) -> None:
+    """An untimed prefill (a full chunk and a partial one) and a few decode steps on a
+    scratch session: MLX's GPU backends compile kernels on first use (seconds each on
+    CUDA), which would otherwise land in the first row."""
+    import mlx.core as mx
+
+    scratch = model.new_session(ctx=len(tokens) + 8, chunk=chunk)
+    logits = scratch.prefill(tokens[: chunk + chunk // 2])
+    y = mx.argmax(mx.array(logits))
+    for _ in range(3):
+        y = mx.argmax(scratch.step(y))
+    mx.eval(y)
+    mx.synchronize()
+
+
 def run_bench(model, tokenizer, ctx_points: list[int], gen_tokens: int, chunk: int = 512,
               text_path: str | None = None, log=None, time_budget: float | None = None) -> list[dict]:
     """One row per frontier.  With `time_budget` (seconds) the walk stops before a
@@ -81,6 +96,7 @@ def run_bench(model, tokenizer, ctx_points: list[int], gen_tokens: int, chunk: i
     tokens = bench_tokens(tokenizer, ctx_points[-1], text_path)
     session = model.new_session(ctx=ctx_points[-1] + gen_tokens + PROBE_WARMUP + 1, chunk=chunk)
     eos = getattr(tokenizer, "eos_id", None)
+    warm_up(model, tokens[:2 * chunk], chunk)  # first-use kernel compilation stays out of every row
     rows, done = [], 0
     mx.reset_peak_memory()
     started = time.perf_counter()
