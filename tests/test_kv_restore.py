@@ -222,3 +222,33 @@ def test_quant_bits_of_routed_experts(demo):
             self.layers[0].experts.down_proj = GGUFSwitchLinear(mx.zeros((2, 4, 84), mx.uint8), QT.Q2_K, 256)
 
     assert routed_expert_bits(Fake()) == 2
+
+
+@pytest.mark.parametrize("config", [None, "long"])
+def test_restore_then_continue_is_bit_exact_on_the_oracle_model(oracle, tmp_path, config):
+    """The same property on the tiny transformers-oracle DeepSeek V4 models (whose
+    logits match transformers' within 1e-4): a checkpoint stored mid-sequence, read
+    back through the store by a fresh store object, continues bit for bit like
+    the session that never stopped, on the oracle's own token sequence."""
+    from ds4mlx.models.base import load_hf_dir
+
+    folder = oracle("make_tiny_deepseek_v4.py", config)
+    model = load_hf_dir(str(folder))
+    ids = [int(t) for t in np.load(folder / "reference.npz")["input_ids"][0]]
+    n = len(ids) // 2 + 1  # odd: mid compression block
+    prefix, more = ids[:n], ids[n:]
+    store = KVStore(str(tmp_path), 1 << 30, "oracle-" + str(config), 32, 256, 8)
+    ref = model.new_session(256)
+    ref_logits = [ref.prefill(prefix)] + [ref.decode(t) for t in more]
+    a = model.new_session(256)
+    a.prefill(prefix)
+    key = "".join(f"<{t}>" for t in prefix)  # the oracle has no tokenizer: a text key per token
+    assert store.store(key, n, a.snapshot(), "cold") is not None
+    cp = KVStore(str(tmp_path), 1 << 30, "oracle-" + str(config), 32, 256, 8).lookup(
+        key + "".join(f"<{t}>" for t in more))
+    assert cp is not None and cp.n_tokens == n
+    b = model.new_session(256)
+    b.restore(cp.payload)
+    got = [b.last_logits] + [b.decode(t) for t in more]
+    for i, (x, y) in enumerate(zip(got, ref_logits)):
+        assert np.array_equal(x, y), f"logits differ at step {i}"
