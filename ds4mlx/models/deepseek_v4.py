@@ -30,7 +30,6 @@ position counter, so a decode step never synchronises with the device.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +38,7 @@ import mlx.nn as nn
 
 from ..kernels import sparse_attention as _sparse
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, layers.hc_post on the CPU
+from .causal_lm import BaseModelArgs
 from .layers import (
     GLUMLP,
     HyperConnection,
@@ -61,7 +61,7 @@ _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(BaseModelArgs):
     """Hugging Face `DeepseekV4Config` fields (same names and defaults)."""
 
     model_type: str = "deepseek_v4"
@@ -113,11 +113,6 @@ class ModelArgs:
     num_hash_layers: int | None = None
     qk_rope_head_dim: int | None = None
     rope_scaling: dict | None = None
-
-    @classmethod
-    def from_dict(cls, config: dict) -> "ModelArgs":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in config.items() if k in names})
 
     def __post_init__(self):
         n = self.num_hidden_layers

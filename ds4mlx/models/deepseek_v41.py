@@ -56,6 +56,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .causal_lm import BaseModelArgs
 from .deepseek_v4 import CompressorState, GroupedLinear
 from .deepseek_v4 import LayerCache as _V4LayerCache
 from .layers import (
@@ -75,7 +76,7 @@ from .layers import (
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(BaseModelArgs):
     """mlx-lm's / the hub config's DeepSeek V4.1 fields (same names and defaults)."""
 
     model_type: str = "deepseek_v41"
@@ -123,8 +124,7 @@ class ModelArgs:
     def from_dict(cls, config: dict) -> "ModelArgs":
         if "text_config" in config:  # the multimodal hub config nests the text model
             config = {**config["text_config"], "model_type": config.get("model_type", "deepseek_v41")}
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in config.items() if k in names})
+        return super().from_dict(config)
 
     def __post_init__(self):
         for name in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):

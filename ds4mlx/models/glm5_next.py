@@ -25,13 +25,13 @@ Caches: `kda.LinearCache` (conv context + recurrent state) or `mla.MLACache` per
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .causal_lm import BaseModelArgs
 from .kda import LinearCache, kda, l2norm, short_conv
 from .layers import GLUMLP, HyperConnection, RMSNorm, hc_post
 from .mla import KPoolIndexer, MLAAttention, MLACache
@@ -41,7 +41,7 @@ LINEAR, INDEXED = "linear_attention", "indexed_attention"
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(BaseModelArgs):
     """Hugging Face `Glm5NextTextConfig` fields (same names and defaults).  A full
     `Glm5NextConfig` (model_type "glm5_next") is read through its `text_config`."""
 
@@ -101,8 +101,7 @@ class ModelArgs:
         if isinstance(config.get("text_config"), dict):  # the VLM config: its text part
             outer = {k: config[k] for k in ("tie_word_embeddings",) if k in config}
             config = {**outer, **config["text_config"]}
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in config.items() if k in names})
+        return super().from_dict(config)
 
     def __post_init__(self):
         n = self.num_hidden_layers

@@ -18,7 +18,6 @@ Caches: one `mla.MLACache` per layer (latent, roped key slice, indexer keys).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -26,13 +25,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .causal_lm import BaseModelArgs
 from .layers import GLUMLP, RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
 from .mla import DSAIndexer, MLAAttention, MLACache
 from .sigmoid_moe import MoE, sanitize_experts
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(BaseModelArgs):
     """Hugging Face `GlmMoeDsaConfig` fields (same names and defaults)."""
 
     model_type: str = "glm_moe_dsa"
@@ -80,11 +80,6 @@ class ModelArgs:
     num_experts: int | None = None
     rope_theta: float | None = None
     rope_scaling: dict | None = None
-
-    @classmethod
-    def from_dict(cls, config: dict) -> "ModelArgs":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in config.items() if k in names})
 
     def __post_init__(self):
         n = self.num_hidden_layers

@@ -42,7 +42,6 @@ decision depends only on the host-side offset.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +49,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .causal_lm import BaseModelArgs
 from .gated_delta import causal_conv1d, gated_delta, l2_normalize
 from .layers import GLUMLP, SwitchGLU, default_inv_freq, route_weights, score_fn, topk_indices
 from .qwen4_exp_ple import DepthwiseConvWeight, GroupedNorm, PLELayer
@@ -105,7 +105,7 @@ _QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "index
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(BaseModelArgs):
     """Hugging Face `Qwen4ExpTextConfig` fields (same names and defaults)."""
 
     model_type: str = "qwen4_exp_text"
@@ -161,8 +161,7 @@ class ModelArgs:
     def from_dict(cls, config: dict) -> "ModelArgs":
         if isinstance(config.get("text_config"), dict):  # the VLM config (`qwen4_exp`)
             config = {**config["text_config"], "model_type": "qwen4_exp_text"}
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in config.items() if k in names})
+        return super().from_dict(config)
 
     def __post_init__(self):
         n = self.num_hidden_layers
