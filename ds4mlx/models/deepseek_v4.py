@@ -38,7 +38,7 @@ import mlx.nn as nn
 
 from ..kernels import sparse_attention as _sparse
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, layers.hc_post on the CPU
-from .causal_lm import BaseModelArgs
+from .causal_lm import BaseModelArgs, CausalLM
 from .layers import (
     GLUMLP,
     HyperConnection,
@@ -648,41 +648,17 @@ class DeepseekV4Model(nn.Module):
         return self.norm(self.hc_head(x))
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """DeepseekV4ForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = DeepseekV4Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, ids: mx.array, cache: list[LayerCache] | None = None, last_only: bool = False) -> mx.array:
-        """Forward `ids` [1, T] after the state in `cache` (a fresh one when None).
-
-        `last_only=True` returns only the last position's logits ([1, 1, V])."""
-        if ids.ndim == 1:
-            ids = ids[None]
-        if cache is None:
-            cache = self.make_cache()
-        h = self.model(ids, cache)
-        if last_only:
-            h = h[:, -1:]
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        super().__init__(args, DeepseekV4Model(args))
 
     def make_cache(self) -> list[LayerCache]:
         a = self.args
         return [
             LayerCache(t, a.sliding_window, a.head_dim, a.ratio(t), a.index_head_dim) for t in a.layer_types
         ]
-
-    @property
-    def layers(self):
-        return self.model.layers
 
     def sanitize(self, weights: dict) -> dict:
         """Map transformers' in-memory state-dict names onto this module's parameters."""
@@ -695,6 +671,4 @@ class Model(nn.Module):
             elif k.endswith("mlp.gate.tid2eid"):
                 v = v.astype(mx.int32) if isinstance(v, mx.array) else mx.array(v).astype(mx.int32)
             out[k] = v
-        if self.args.tie_word_embeddings:
-            out.pop("lm_head.weight", None)
-        return out
+        return self.drop_tied_head(out)

@@ -56,7 +56,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .causal_lm import BaseModelArgs
+from .causal_lm import BaseModelArgs, CausalLM
 from .deepseek_v4 import CompressorState, GroupedLinear
 from .deepseek_v4 import LayerCache as _V4LayerCache
 from .layers import (
@@ -509,26 +509,11 @@ class DeepseekV41Model(nn.Module):
         return self.norm(hc_collapse(x, pre))
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """DeepSeek V4.1 Flash: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = DeepseekV41Model(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, ids: mx.array, cache: list[LayerCache] | None = None, last_only: bool = False) -> mx.array:
-        """Forward `ids` [1, T] after the state in `cache` (a fresh one when None).
-
-        `last_only=True` returns only the last position's logits ([1, 1, V])."""
-        if ids.ndim == 1:
-            ids = ids[None]
-        if cache is None:
-            cache = self.make_cache()
-        h = self.model(ids, cache)
-        return self.lm_head(h[:, -1:] if last_only else h)
+        super().__init__(args, DeepseekV41Model(args))
 
     def make_cache(self) -> list[LayerCache]:
         a = self.args
@@ -540,10 +525,6 @@ class Model(nn.Module):
             role = "+".join(roles)
             caches.append(LayerCache(role, a.sliding_window, a.head_dim, r, a.index_head_dim))
         return caches
-
-    @property
-    def layers(self):
-        return self.model.layers
 
     def sanitize(self, weights: dict) -> dict:
         """mlx-lm's parameter names (as the oracle saves them) or the hub checkpoint's

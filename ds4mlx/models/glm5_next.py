@@ -31,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .causal_lm import BaseModelArgs
+from .causal_lm import BaseModelArgs, CausalLM
 from .kda import LinearCache, kda, l2norm, short_conv
 from .layers import GLUMLP, HyperConnection, RMSNorm, hc_post
 from .mla import KPoolIndexer, MLAAttention, MLACache
@@ -303,28 +303,11 @@ class Glm5NextTextModel(nn.Module):
         return self.norm(x.mean(axis=2))
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """Glm5NextTextModel + lm_head: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Glm5NextTextModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
-        if ids.ndim == 1:
-            ids = ids[None]
-        if cache is None:
-            cache = self.make_cache()
-        h = self.model(ids, cache)
-        if last_only:
-            h = h[:, -1:]
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        super().__init__(args, Glm5NextTextModel(args))
 
     def make_cache(self) -> list:
         a = self.args
@@ -337,10 +320,6 @@ class Model(nn.Module):
                 out.append(MLACache(a.kv_lora_rank, 0, "kpool" if full else None, a.index_head_dim,
                                     a.index_kpool if full else 0))
         return out
-
-    @property
-    def layers(self):
-        return self.model.layers
 
     def sanitize(self, weights: dict) -> dict:
         """transformers' in-memory names -> this module's parameters.
@@ -361,9 +340,7 @@ class Model(nn.Module):
                 continue
             out[k] = v
         out = sanitize_experts(out)
-        if self.args.tie_word_embeddings:
-            out.pop("lm_head.weight", None)
-        return out
+        return self.drop_tied_head(out)
 
 
 # The demo model (ds4mlx.load("demo:glm5_next")): GLM 5.3 Flash's architecture scaled down

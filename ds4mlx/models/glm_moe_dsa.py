@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .causal_lm import BaseModelArgs
+from .causal_lm import BaseModelArgs, CausalLM
 from .layers import GLUMLP, RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
 from .mla import DSAIndexer, MLAAttention, MLACache
 from .sigmoid_moe import MoE, sanitize_experts
@@ -177,28 +177,11 @@ class GlmMoeDsaModel(nn.Module):
         return self.norm(x)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """GlmMoeDsaForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = GlmMoeDsaModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
-        if ids.ndim == 1:
-            ids = ids[None]
-        if cache is None:
-            cache = self.make_cache()
-        h = self.model(ids, cache)
-        if last_only:
-            h = h[:, -1:]
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        super().__init__(args, GlmMoeDsaModel(args))
 
     def make_cache(self) -> list[MLACache]:
         a = self.args
@@ -207,10 +190,6 @@ class Model(nn.Module):
                      a.index_head_dim)
             for i in range(a.num_hidden_layers)
         ]
-
-    @property
-    def layers(self):
-        return self.model.layers
 
     def sanitize(self, weights: dict) -> dict:
         """transformers' in-memory names (or per-expert hub names) -> this module's parameters;
@@ -225,9 +204,7 @@ class Model(nn.Module):
                     continue
             out[k] = v
         out = sanitize_experts(out)
-        if self.args.tie_word_embeddings:
-            out.pop("lm_head.weight", None)
-        return out
+        return self.drop_tied_head(out)
 
 
 # The demo model (ds4mlx.load("demo:glm_moe_dsa")): GLM 5.2's architecture scaled down, random

@@ -49,7 +49,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .causal_lm import BaseModelArgs
+from .causal_lm import BaseModelArgs, CausalLM
 from .gated_delta import causal_conv1d, gated_delta, l2_normalize
 from .layers import GLUMLP, SwitchGLU, default_inv_freq, route_weights, score_fn, topk_indices
 from .qwen4_exp_ple import DepthwiseConvWeight, GroupedNorm, PLELayer
@@ -609,31 +609,11 @@ class Qwen4ExpTextModel(nn.Module):
         return self.hyper_connection_mixer(x)[0]
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """Qwen4ExpForCausalLM (text): `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Qwen4ExpTextModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
-        """Forward `ids` [1, T] after the state in `cache` (a fresh one when None).
-
-        `last_only=True` returns only the last position's logits ([1, 1, V])."""
-        if ids.ndim == 1:
-            ids = ids[None]
-        if cache is None:
-            cache = self.make_cache()
-        h = self.model(ids, cache)
-        if last_only:
-            h = h[:, -1:]
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        super().__init__(args, Qwen4ExpTextModel(args))
 
     def make_cache(self) -> list:
         a = self.args
@@ -641,10 +621,6 @@ class Model(nn.Module):
             LinearCache(i + 1 in a.ple_layer_ids) if t == LINEAR else AttentionCache(a.indexer_compress_ratio)
             for i, t in enumerate(a.layer_types)
         ]
-
-    @property
-    def layers(self):
-        return self.model.layers
 
     def sanitize(self, weights: dict) -> dict:
         """Map transformers' in-memory state-dict names (text model or VLM) onto this module.
@@ -666,6 +642,4 @@ class Model(nn.Module):
                     raise ValueError(f"{k} does not match the config-derived PLE hash table")
                 continue
             out[k] = v
-        if self.args.tie_word_embeddings:
-            out.pop("lm_head.weight", None)
-        return out
+        return self.drop_tied_head(out)
