@@ -17,7 +17,8 @@ Family-agnostic pieces of the linear-attention layers (Qwen3-Next / Qwen3.8 styl
   q and k are taken as given: normalise and scale them before the call;
 * `causal_conv1d(x, weight, state, dilation)`: depthwise causal convolution along time
   with a carried left context (the last `(K-1)*dilation` inputs), zero-initialised,
-  exactly what a cached conv layer needs for both prefill chunks and 1-token decode.
+  exactly what a cached conv layer needs for both prefill chunks and 1-token decode
+  (also KDA's short conv: `kda.short_conv`).
 """
 
 from __future__ import annotations
@@ -78,13 +79,14 @@ def gated_delta(
 
 
 def causal_conv1d(
-    x: mx.array, weight: mx.array, state: mx.array | None = None, dilation: int = 1
+    x: mx.array, weight: mx.array, state: mx.array | None = None, dilation: int = 1, dtype=None
 ) -> tuple[mx.array, mx.array]:
     """Depthwise causal conv along time with a carried left context.
 
     x [B, T, C], weight [C, K] (tap 0 is the oldest input), state [B, (K-1)*dilation, C]
-    (the previous inputs, zeros when None).  y_t = sum_j weight[:, j] * in[t - (K-1-j)*dilation].
-    Returns (y [B, T, C] in x's dtype, new state: the last (K-1)*dilation inputs).
+    (the previous inputs, zeros when None).  y_t = sum_j weight[:, j] * in[t - (K-1-j)*dilation],
+    computed in `dtype` (x's dtype when None).
+    Returns (y [B, T, C] in that dtype, new state: the last (K-1)*dilation inputs, x's dtype).
     """
     B, T, C = x.shape
     K = weight.shape[-1]
@@ -92,8 +94,10 @@ def causal_conv1d(
     if state is None:
         state = mx.zeros((B, S, C), x.dtype)
     full = mx.concatenate([state.astype(x.dtype), x], axis=1) if S else x
-    w = weight.astype(x.dtype)
-    y = full[:, 0:T] * w[:, 0]
+    dtype = x.dtype if dtype is None else dtype
+    inp = full if full.dtype == dtype else full.astype(dtype)
+    w = weight.astype(dtype)
+    y = inp[:, 0:T] * w[:, 0]
     for j in range(1, K):
-        y = y + full[:, j * dilation : j * dilation + T] * w[:, j]
+        y = y + inp[:, j * dilation : j * dilation + T] * w[:, j]
     return y, full[:, full.shape[1] - S :]

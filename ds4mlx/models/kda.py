@@ -4,7 +4,7 @@ Family-agnostic pieces of a KDA linear-attention layer (GLM 5.3 Flash, Kimi Line
 
 * `short_conv(x, weight, state)`: depthwise causal convolution along time with a carried
   left context of `K-1` inputs (zeros at the start) and SiLU, for prefill chunks and
-  1-token decode alike;
+  1-token decode alike (`gated_delta.causal_conv1d` computed in float32);
 * `l2norm(x, eps)`: `x / sqrt(sum(x^2) + eps)` (the FLA / transformers KDA convention);
 * the recurrence, per head, with `S` a [Dk, Dv] matrix and `g_t` a per-key-channel log decay:
 
@@ -29,6 +29,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .gated_delta import causal_conv1d
+
 CHUNK = 64  # tokens per chunk of the chunked form
 
 
@@ -39,21 +41,13 @@ def l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:
 
 
 def short_conv(x: mx.array, weight: mx.array, state: mx.array | None) -> tuple[mx.array, mx.array]:
-    """Depthwise causal conv + SiLU.
+    """Depthwise causal conv (computed in float32) + SiLU.
 
     x [B, C, Ch], weight [Ch, 1, K] (torch Conv1d layout), state [B, K-1, Ch] (the
     previous K-1 inputs, None = zeros).  Returns (silu(conv) [B, C, Ch] in x.dtype,
     the new state [B, K-1, Ch])."""
-    B, C, Ch = x.shape
-    K = weight.shape[-1]
-    if state is None:
-        state = mx.zeros((B, K - 1, Ch), x.dtype)
-    full = mx.concatenate([state.astype(x.dtype), x], axis=1)  # [B, K-1+C, Ch]
-    w = weight.reshape(Ch, K).astype(mx.float32)
-    out = full[:, 0:C].astype(mx.float32) * w[:, 0]
-    for j in range(1, K):
-        out = out + full[:, j : j + C].astype(mx.float32) * w[:, j]
-    new_state = full[:, full.shape[1] - (K - 1) :] if K > 1 else full[:, :0]
+    Ch, K = x.shape[-1], weight.shape[-1]
+    out, new_state = causal_conv1d(x, weight.reshape(Ch, K), state, dtype=mx.float32)
     return nn.silu(out).astype(x.dtype), new_state
 
 
