@@ -33,9 +33,9 @@ import mlx.nn as nn
 
 from .causal_lm import BaseModelArgs, CausalLM
 from .kda import LinearCache, kda, l2norm, short_conv
-from .layers import GLUMLP, HyperConnection, RMSNorm, hc_post
+from .layers import HyperConnection, RMSNorm, hc_post
 from .mla import KPoolIndexer, MLAAttention, MLACache
-from .sigmoid_moe import MoE, sanitize_experts
+from .sigmoid_moe import layer_mlp, sanitize_experts
 
 LINEAR, INDEXED = "linear_attention", "indexed_attention"
 
@@ -256,13 +256,7 @@ class DecoderLayer(nn.Module):
                 v_head_dim=args.v_head_dim, bias=args.attention_bias, q_norm_eps=args.rms_norm_eps,
                 kv_norm_eps=args.rms_norm_eps, scale=args.qk_nope_head_dim**-0.5, rope=None, indexer=indexer,
             )
-        limit = args.swiglu_limit
-        if args.mlp_layer_types[i] == "sparse":
-            self.mlp = MoE(args.hidden_size, args.moe_intermediate_size, args.n_routed_experts, args.n_shared_experts,
-                           args.num_experts_per_tok, args.n_group, args.topk_group, args.norm_topk_prob,
-                           args.routed_scaling_factor, limit)
-        else:
-            self.mlp = GLUMLP(args.hidden_size, args.intermediate_size, limit)
+        self.mlp = layer_mlp(args, i, args.swiglu_limit)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         hc = (args.hc_mult, args.hidden_size, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps)

@@ -26,9 +26,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .causal_lm import BaseModelArgs, CausalLM
-from .layers import GLUMLP, RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
+from .layers import RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
 from .mla import DSAIndexer, MLAAttention, MLACache
-from .sigmoid_moe import MoE, sanitize_experts
+from .sigmoid_moe import layer_mlp, sanitize_experts
 
 
 @dataclass
@@ -141,12 +141,7 @@ class DecoderLayer(nn.Module):
             qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim, bias=args.attention_bias,
             q_norm_eps=1e-6, kv_norm_eps=1e-6, scale=args.softmax_scale, rope=rope, indexer=indexer,
         )
-        if args.mlp_layer_types[i] == "sparse":
-            self.mlp = MoE(args.hidden_size, args.moe_intermediate_size, args.n_routed_experts, args.n_shared_experts,
-                           args.num_experts_per_tok, args.n_group, args.topk_group, args.norm_topk_prob,
-                           args.routed_scaling_factor, None)
-        else:
-            self.mlp = GLUMLP(args.hidden_size, args.intermediate_size)
+        self.mlp = layer_mlp(args, i)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 

@@ -70,6 +70,16 @@ class MoE(nn.Module):
         return y + self.shared_experts(x)
 
 
+
+def layer_mlp(args, i: int, limit: float | None = None) -> nn.Module:
+    """Layer `i`'s MLP from a GLM 5.x config: `MoE` where `mlp_layer_types[i]` is "sparse",
+    else a dense `GLUMLP` of `intermediate_size`; every SwiGLU clamped at `limit` if given."""
+    if args.mlp_layer_types[i] == "sparse":
+        return MoE(args.hidden_size, args.moe_intermediate_size, args.n_routed_experts, args.n_shared_experts,
+                   args.num_experts_per_tok, args.n_group, args.topk_group, args.norm_topk_prob,
+                   args.routed_scaling_factor, limit)
+    return GLUMLP(args.hidden_size, args.intermediate_size, limit)
+
 def sanitize_experts(weights: dict) -> dict:
     """transformers' fused experts (`...mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`
     [E, H, I]) -> SwitchGLU parameters; per-expert hub names
