@@ -17,6 +17,8 @@ argpartition site (router, indexer, candidate blocks) so float noise cannot flip
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -24,6 +26,9 @@ import pytest
 
 from ds4mlx.models import deepseek_v41 as v41
 from ds4mlx.models.base import LanguageModel, load_hf_dir
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_helpers import chunked_logits, load_case, maxdiff  # noqa: E402
 
 PROBE = "probe_mlx_deepseek_v41.py"
 CONFIGS = [None, "mixed"]
@@ -34,14 +39,7 @@ SITES = {None: {"router", "indexer", "candidate_blocks"}, "mixed": {"router", "i
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: c or "default")
 def case(request, oracle):
-    folder = oracle(PROBE, request.param)
-    ref = dict(np.load(folder / "reference.npz"))
-    summary = json.loads((folder / "summary.json").read_text())
-    return request.param, folder, load_hf_dir(str(folder)), ref, summary
-
-
-def _maxdiff(a, b) -> float:
-    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
+    return (request.param, *load_case(oracle, PROBE, request.param))
 
 
 def _reload(folder, **changes) -> LanguageModel:
@@ -66,7 +64,7 @@ def test_oracle_is_self_consistent_and_has_no_topk_near_ties(case):
 
 def test_full_forward_matches_mlx_lm(case):
     _, _, lm, ref, _ = case
-    assert _maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL
+    assert maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 5, 7, 13])
@@ -74,10 +72,7 @@ def test_chunked_forward_all_positions(case, chunk):
     """Every position's logits from a cached, chunked forward equal the oracle's full forward
     (chunk 1 is token-by-token decoding from an empty cache)."""
     _, _, lm, ref, _ = case
-    ids = mx.array(ref["input_ids"].astype(np.int32))
-    cache = lm.model.make_cache()
-    outs = [np.array(lm.model(ids[:, i : i + chunk], cache)[0]) for i in range(0, ids.shape[1], chunk)]
-    assert _maxdiff(np.concatenate(outs), ref["logits_full"][0]) <= TOL
+    assert maxdiff(chunked_logits(lm, ref["input_ids"][0].tolist(), chunk), ref["logits_full"][0]) <= TOL
 
 
 @pytest.mark.parametrize("chunk", [3, 7])
@@ -88,10 +83,10 @@ def test_session_prefill_then_decode(case, chunk):
     ids = ref["input_ids"][0].tolist()
     P, full = int(ref["stepwise_start"]), ref["logits_full"][0]
     s = lm.new_session(ctx=len(ids), chunk=chunk)
-    assert _maxdiff(s.prefill(ids[:P]), full[P - 1]) <= TOL
+    assert maxdiff(s.prefill(ids[:P]), full[P - 1]) <= TOL
     steps = np.stack([s.decode(t) for t in ids[P:]])
-    assert _maxdiff(steps, full[P:]) <= TOL
-    assert _maxdiff(steps, ref["logits_stepwise"][0]) <= TOL
+    assert maxdiff(steps, full[P:]) <= TOL
+    assert maxdiff(steps, ref["logits_stepwise"][0]) <= TOL
     assert s.tokens == ids
 
 
@@ -100,7 +95,7 @@ def test_incremental_last_token(case):
     ids = ref["input_ids"][0].tolist()
     s = lm.new_session(ctx=len(ids))
     s.prefill(ids[:-1])
-    assert _maxdiff(s.decode(ids[-1]), ref["logits_incremental_last"][0]) <= TOL
+    assert maxdiff(s.decode(ids[-1]), ref["logits_incremental_last"][0]) <= TOL
 
 
 # ----------------------------------------------------------------------------- session state
@@ -127,7 +122,7 @@ def test_snapshot_restore_rollback_bit_exact(case):
 
     s.restore(snap)  # roll back the session that went on
     assert np.array_equal(np.stack([s.decode(t) for t in ids[P:]]), first)
-    assert _maxdiff(first, ref["logits_full"][0][P:]) <= TOL
+    assert maxdiff(first, ref["logits_full"][0][P:]) <= TOL
 
 
 def test_restore_refuses_another_layout(case, oracle):
@@ -148,8 +143,8 @@ def test_truncate_then_continue(case):
     n = 17
     s.truncate(n)
     assert len(s) == n and s.tokens == ids[:n]
-    assert _maxdiff(s.last_logits, full[n - 1]) <= TOL
-    assert _maxdiff(np.stack([s.decode(t) for t in ids[n:]]), full[n:]) <= TOL
+    assert maxdiff(s.last_logits, full[n - 1]) <= TOL
+    assert maxdiff(np.stack([s.decode(t) for t in ids[n:]]), full[n:]) <= TOL
 
 
 # ----------------------------------------------------------------------------- the paths are live
@@ -160,15 +155,15 @@ def test_fake_quantization_is_live(case, fn, monkeypatch):
     """Without the FP8 / FP4 rounding the logits leave the tolerance: the oracle exercises it."""
     _, _, lm, ref, _ = case
     monkeypatch.setattr(v41, fn, lambda x, *a, **k: x)
-    assert _maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) > 100 * TOL
+    assert maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) > 100 * TOL
 
 
 def test_candidate_blocks_and_index_topk_are_live(oracle):
     folder = oracle(PROBE, None)
     ref = np.load(folder / "reference.npz")
     ids, full = ref["input_ids"][0].tolist(), ref["logits_full"][0]
-    assert _maxdiff(_reload(folder, candidate_topk_blocks=100).logits(ids), full) > 100 * TOL
-    assert _maxdiff(_reload(folder, index_topk=100).logits(ids), full) > 100 * TOL
+    assert maxdiff(_reload(folder, candidate_topk_blocks=100).logits(ids), full) > 100 * TOL
+    assert maxdiff(_reload(folder, index_topk=100).logits(ids), full) > 100 * TOL
 
 
 def test_longer_sequence_chunking_is_self_consistent(case):
@@ -178,8 +173,8 @@ def test_longer_sequence_chunking_is_self_consistent(case):
     full = lm.logits(ids)
     s = lm.new_session(ctx=len(ids), chunk=11)
     s.prefill(ids[:101])
-    assert _maxdiff(s.last_logits, full[100]) <= TOL
-    assert _maxdiff(np.stack([s.decode(t) for t in ids[101:]]), full[101:]) <= TOL
+    assert maxdiff(s.last_logits, full[100]) <= TOL
+    assert maxdiff(np.stack([s.decode(t) for t in ids[101:]]), full[101:]) <= TOL
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -286,4 +281,4 @@ def test_demo_model_runs():
     s = lm.new_session(ctx=64, chunk=9)
     s.prefill(ids[:30])
     steps = np.stack([s.decode(t) for t in ids[30:]])
-    assert np.isfinite(full).all() and _maxdiff(steps, full[30:]) <= TOL
+    assert np.isfinite(full).all() and maxdiff(steps, full[30:]) <= TOL

@@ -10,6 +10,8 @@ blocks and the sliding window.
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,6 +22,9 @@ from mlx.utils import tree_flatten
 from ds4mlx.models.base import load_hf_dir
 from ds4mlx.models.deepseek_v4 import CSA, HCA, SLIDING, Indexer, ModelArgs
 
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_helpers import chunked_logits, load_case, maxdiff  # noqa: E402
+
 CONFIGS = [None, "long", "odd"]
 TOL = 1e-4
 MIN_MARGIN = 3e-4
@@ -27,15 +32,7 @@ MIN_MARGIN = 3e-4
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: c or "default")
 def case(request, oracle):
-    folder = oracle("make_tiny_deepseek_v4.py", request.param)
-    ref = dict(np.load(folder / "reference.npz"))
-    summary = json.loads((folder / "summary.json").read_text())
-    lm = load_hf_dir(str(folder))
-    return folder, lm, ref, summary
-
-
-def _maxdiff(a, b) -> float:
-    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
+    return load_case(oracle, "make_tiny_deepseek_v4.py", request.param)
 
 
 def test_oracle_has_no_topk_near_ties(case):
@@ -58,7 +55,7 @@ def test_configs_cover_every_layer_and_mlp_type(oracle):
 def test_full_forward_matches_transformers(case):
     _, lm, ref, _ = case
     ids = ref["input_ids"][0].tolist()
-    assert _maxdiff(lm.logits(ids), ref["logits_full"][0]) <= TOL
+    assert maxdiff(lm.logits(ids), ref["logits_full"][0]) <= TOL
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 13])
@@ -66,10 +63,7 @@ def test_chunked_forward_all_positions(case, chunk):
     """Every position's logits from a cached, chunked forward equal the full forward
     (chunk 1 is token-by-token decoding from an empty cache)."""
     _, lm, ref, _ = case
-    ids = mx.array(ref["input_ids"].astype(np.int32))
-    cache = lm.model.make_cache()
-    outs = [np.array(lm.model(ids[:, i : i + chunk], cache)[0]) for i in range(0, ids.shape[1], chunk)]
-    assert _maxdiff(np.concatenate(outs), ref["logits_full"][0]) <= TOL
+    assert maxdiff(chunked_logits(lm, ref["input_ids"][0].tolist(), chunk), ref["logits_full"][0]) <= TOL
 
 
 @pytest.mark.parametrize("chunk", [3, 13])
@@ -81,10 +75,10 @@ def test_session_prefill_then_decode(case, chunk):
     P, full = int(ref["stepwise_start"]), ref["logits_full"][0]
     s = lm.new_session(ctx=len(ids), chunk=chunk)
     last = s.prefill(ids[:P])
-    assert _maxdiff(last, full[P - 1]) <= TOL
+    assert maxdiff(last, full[P - 1]) <= TOL
     steps = np.stack([s.decode(t) for t in ids[P:]])
-    assert _maxdiff(steps, full[P:]) <= TOL
-    assert _maxdiff(steps, ref["logits_stepwise"][0]) <= TOL
+    assert maxdiff(steps, full[P:]) <= TOL
+    assert maxdiff(steps, ref["logits_stepwise"][0]) <= TOL
     assert s.tokens == ids and len(s) == len(ids)
 
 
@@ -93,7 +87,7 @@ def test_incremental_last_token(case):
     ids = ref["input_ids"][0].tolist()
     s = lm.new_session(ctx=len(ids))
     s.prefill(ids[:-1])
-    assert _maxdiff(s.decode(ids[-1]), ref["logits_incremental_last"][0]) <= TOL
+    assert maxdiff(s.decode(ids[-1]), ref["logits_incremental_last"][0]) <= TOL
 
 
 def test_config_fields_match_transformers(case):
@@ -141,7 +135,7 @@ def test_quantized_model_matches_dequantized_weights(oracle):
         if type(m).__name__.startswith("Quantized")
     ]
     dequant.model.load_weights(updates, strict=False)
-    assert _maxdiff(quant.logits(ids), dequant.logits(ids)) <= TOL
+    assert maxdiff(quant.logits(ids), dequant.logits(ids)) <= TOL
 
 
 def test_indexer_query_blocking(oracle, monkeypatch):
@@ -150,4 +144,4 @@ def test_indexer_query_blocking(oracle, monkeypatch):
     ref = np.load(folder / "reference.npz")
     lm = load_hf_dir(str(folder))
     monkeypatch.setattr(Indexer, "BLOCK_ELEMS", 1000)
-    assert _maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL
+    assert maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL

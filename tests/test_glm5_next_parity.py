@@ -12,6 +12,8 @@ hc_mult 4 and 2, clamped SwiGLU dense and MoE layers, plain and group-limited ro
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -23,6 +25,9 @@ from ds4mlx.models.glm5_next import INDEXED, LINEAR, ModelArgs
 from ds4mlx.models.kda import LinearCache, kda_chunked, kda_recurrent, l2norm, short_conv
 from ds4mlx.models.mla import MLAAttention, MLACache
 
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_helpers import chunked_logits, load_case, maxdiff  # noqa: E402
+
 CONFIGS = [None, "long"]
 TOL = 1e-4
 MIN_MARGIN = 3e-4
@@ -31,21 +36,7 @@ SCRIPT = "make_tiny_glm5_next.py"
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: c or "default")
 def case(request, oracle):
-    folder = oracle(SCRIPT, request.param)
-    ref = dict(np.load(folder / "reference.npz"))
-    summary = json.loads((folder / "summary.json").read_text())
-    lm = load_hf_dir(str(folder))
-    return folder, lm, ref, summary
-
-
-def _maxdiff(a, b) -> float:
-    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
-
-
-def _chunked(lm, ids, chunk) -> np.ndarray:
-    cache = lm.model.make_cache()
-    arr = mx.array([ids], dtype=mx.int32)
-    return np.concatenate([np.array(lm.model(arr[:, i : i + chunk], cache)[0]) for i in range(0, len(ids), chunk)])
+    return load_case(oracle, SCRIPT, request.param)
 
 
 def test_oracle_has_no_topk_near_ties(case):
@@ -71,7 +62,7 @@ def test_configs_cover_both_mixers_and_several_chunks(oracle):
 
 def test_full_forward_matches_transformers(case):
     _, lm, ref, _ = case
-    assert _maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL
+    assert maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 13, 64])
@@ -79,7 +70,7 @@ def test_chunked_forward_all_positions(case, chunk):
     """Every position's logits from a cached, chunked forward equal the full forward
     (chunk 1 is token-by-token decoding with the recurrent KDA form from an empty cache)."""
     _, lm, ref, _ = case
-    assert _maxdiff(_chunked(lm, ref["input_ids"][0].tolist(), chunk), ref["logits_full"][0]) <= TOL
+    assert maxdiff(chunked_logits(lm, ref["input_ids"][0].tolist(), chunk), ref["logits_full"][0]) <= TOL
 
 
 @pytest.mark.parametrize("form", ["expanded", "absorbed"])
@@ -88,8 +79,8 @@ def test_both_mla_forms(case, monkeypatch, form, chunk):
     _, lm, ref, _ = case
     monkeypatch.setattr(MLAAttention, "EXPAND_MIN_QUERIES", 1 if form == "expanded" else 10**9)
     ids = ref["input_ids"][0].tolist()
-    assert _maxdiff(_chunked(lm, ids, chunk), ref["logits_full"][0]) <= TOL
-    assert _maxdiff(lm.logits(ids), ref["logits_full"][0]) <= TOL
+    assert maxdiff(chunked_logits(lm, ids, chunk), ref["logits_full"][0]) <= TOL
+    assert maxdiff(lm.logits(ids), ref["logits_full"][0]) <= TOL
 
 
 @pytest.mark.parametrize("chunk", [3, 13])
@@ -100,10 +91,10 @@ def test_session_prefill_then_decode(case, chunk):
     ids = ref["input_ids"][0].tolist()
     P, full = int(ref["stepwise_start"]), ref["logits_full"][0]
     s = lm.new_session(ctx=len(ids), chunk=chunk)
-    assert _maxdiff(s.prefill(ids[:P]), full[P - 1]) <= TOL
+    assert maxdiff(s.prefill(ids[:P]), full[P - 1]) <= TOL
     steps = np.stack([s.decode(t) for t in ids[P:]])
-    assert _maxdiff(steps, full[P:]) <= TOL
-    assert _maxdiff(steps, ref["logits_stepwise"][0]) <= TOL
+    assert maxdiff(steps, full[P:]) <= TOL
+    assert maxdiff(steps, ref["logits_stepwise"][0]) <= TOL
     assert s.tokens == ids
 
 
@@ -112,7 +103,7 @@ def test_incremental_last_token(case):
     ids = ref["input_ids"][0].tolist()
     s = lm.new_session(ctx=len(ids), chunk=7)
     s.prefill(ids[:-1])
-    assert _maxdiff(s.decode(ids[-1]), ref["logits_incremental_last"][0]) <= TOL
+    assert maxdiff(s.decode(ids[-1]), ref["logits_incremental_last"][0]) <= TOL
 
 
 def test_snapshot_restore_is_bit_exact(case):
@@ -142,7 +133,7 @@ def test_snapshot_restore_is_bit_exact(case):
     assert fresh.tokens == ids[:P]
     other = np.stack([fresh.decode(t) for t in ids[P:]])
     assert np.array_equal(first, again) and np.array_equal(first, other)
-    assert _maxdiff(first, ref["logits_full"][0][P:]) <= TOL
+    assert maxdiff(first, ref["logits_full"][0][P:]) <= TOL
 
 
 def test_snapshot_mid_chunk_then_prefill(case):
@@ -157,7 +148,7 @@ def test_snapshot_mid_chunk_then_prefill(case):
     t = lm.new_session(ctx=len(ids), chunk=5)
     t.restore(blob)
     assert np.array_equal(t.prefill(ids[11:]), want)
-    assert _maxdiff(want, ref["logits_full"][0][-1]) <= TOL
+    assert maxdiff(want, ref["logits_full"][0][-1]) <= TOL
 
 
 def test_truncate_then_decode(case):
@@ -167,8 +158,8 @@ def test_truncate_then_decode(case):
     s = lm.new_session(ctx=len(ids), chunk=11)
     s.prefill(ids)
     s.truncate(P)
-    assert len(s) == P and _maxdiff(s.last_logits, full[P - 1]) <= TOL
-    assert _maxdiff(np.stack([s.decode(t) for t in ids[P:]]), full[P:]) <= TOL
+    assert len(s) == P and maxdiff(s.last_logits, full[P - 1]) <= TOL
+    assert maxdiff(np.stack([s.decode(t) for t in ids[P:]]), full[P:]) <= TOL
 
 
 def test_config_fields_match_transformers(case):
@@ -228,9 +219,9 @@ def test_kda_chunked_matches_transformers_and_recurrent():
     mq, mk = l2norm(mx.array(q)) * D**-0.5, l2norm(mx.array(k))
     args = (mq, mk, mx.array(v), mx.array(g), mx.array(beta), mx.array(s0))
     o, s = kda_chunked(*args)
-    assert _maxdiff(o, want_o.numpy()) <= 1e-5 and _maxdiff(s, want_s.numpy()) <= 1e-5
+    assert maxdiff(o, want_o.numpy()) <= 1e-5 and maxdiff(s, want_s.numpy()) <= 1e-5
     o2, s2 = kda_recurrent(*args)
-    assert _maxdiff(o2, o) <= 1e-5 and _maxdiff(s2, s) <= 1e-5
+    assert maxdiff(o2, o) <= 1e-5 and maxdiff(s2, s) <= 1e-5
 
 
 @pytest.mark.parametrize("group_elems", [None, 1])
@@ -252,10 +243,10 @@ def test_kda_chunked_is_stable_with_correlated_keys(monkeypatch, group_elems):
     beta = mx.array(rng.uniform(0.5, 1.0, size=(B, T, H)).astype(np.float32))
     o, s = kda_recurrent(q, k, v, g, beta, None)
     o2, s2 = kda_chunked(q, k, v, g, beta, None)
-    assert _maxdiff(o2, o) <= 1e-5 and _maxdiff(s2, s) <= 1e-5
+    assert maxdiff(o2, o) <= 1e-5 and maxdiff(s2, s) <= 1e-5
     o3, s3 = kda_chunked(q[:, :70], k[:, :70], v[:, :70], g[:, :70], beta[:, :70], None)
     o4, s4 = kda_chunked(q[:, 70:], k[:, 70:], v[:, 70:], g[:, 70:], beta[:, 70:], s3, chunk=16)
-    assert _maxdiff(mx.concatenate([o3, o4], axis=1), o) <= 1e-5 and _maxdiff(s4, s) <= 1e-5
+    assert maxdiff(mx.concatenate([o3, o4], axis=1), o) <= 1e-5 and maxdiff(s4, s) <= 1e-5
 
 
 def test_short_conv_carries_context():
@@ -267,7 +258,7 @@ def test_short_conv_carries_context():
     for a, b in [(0, 1), (1, 6), (6, 7), (7, 17)]:
         y, state = short_conv(x[:, a:b], w, state)
         outs.append(y)
-    assert _maxdiff(mx.concatenate(outs, axis=1), full) <= 1e-6
+    assert maxdiff(mx.concatenate(outs, axis=1), full) <= 1e-6
 
 
 def test_demo_model_loads_and_decodes(tmp_path, monkeypatch):
@@ -282,7 +273,7 @@ def test_demo_model_loads_and_decodes(tmp_path, monkeypatch):
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 2)
     s = model.new_session(ctx=128, chunk=5)
     last = s.prefill(ids)
-    assert np.isfinite(last).all() and _maxdiff(last, model.logits(ids)[-1]) <= TOL
+    assert np.isfinite(last).all() and maxdiff(last, model.logits(ids)[-1]) <= TOL
     blob = s.snapshot()
     a = s.decode(int(np.argmax(last)))
     s.restore(blob)

@@ -11,6 +11,8 @@ MoE layers with group-limited sigmoid routing (2 groups keep 1, 4 groups keep 2)
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,6 +25,9 @@ from ds4mlx.models.base import LanguageModel, family_module, load_hf_dir
 from ds4mlx.models.glm_moe_dsa import ModelArgs
 from ds4mlx.models.mla import MLAAttention, MLACache
 
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_helpers import chunked_logits, load_case, maxdiff  # noqa: E402
+
 CONFIGS = [None, "alt"]
 TOL = 1e-4
 MIN_MARGIN = 3e-4
@@ -31,21 +36,7 @@ SCRIPT = "make_tiny_glm_moe_dsa.py"
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: c or "default")
 def case(request, oracle):
-    folder = oracle(SCRIPT, request.param)
-    ref = dict(np.load(folder / "reference.npz"))
-    summary = json.loads((folder / "summary.json").read_text())
-    lm = load_hf_dir(str(folder))
-    return folder, lm, ref, summary
-
-
-def _maxdiff(a, b) -> float:
-    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
-
-
-def _chunked(lm, ids, chunk) -> np.ndarray:
-    cache = lm.model.make_cache()
-    arr = mx.array([ids], dtype=mx.int32)
-    return np.concatenate([np.array(lm.model(arr[:, i : i + chunk], cache)[0]) for i in range(0, len(ids), chunk)])
+    return load_case(oracle, SCRIPT, request.param)
 
 
 def test_oracle_has_no_topk_near_ties(case):
@@ -66,7 +57,7 @@ def test_configs_cover_shared_indexers_and_sparsity(oracle):
 
 def test_full_forward_matches_transformers(case):
     _, lm, ref, _ = case
-    assert _maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL
+    assert maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 13])
@@ -74,7 +65,7 @@ def test_chunked_forward_all_positions(case, chunk):
     """Every position's logits from a cached, chunked forward equal the full forward
     (chunk 1 is token-by-token decoding from an empty cache)."""
     _, lm, ref, _ = case
-    assert _maxdiff(_chunked(lm, ref["input_ids"][0].tolist(), chunk), ref["logits_full"][0]) <= TOL
+    assert maxdiff(chunked_logits(lm, ref["input_ids"][0].tolist(), chunk), ref["logits_full"][0]) <= TOL
 
 
 @pytest.mark.parametrize("form", ["expanded", "absorbed"])
@@ -84,7 +75,7 @@ def test_both_mla_forms(case, monkeypatch, form, chunk):
     forms both match, for decode, short chunks and whole-sequence prefill."""
     _, lm, ref, _ = case
     monkeypatch.setattr(MLAAttention, "EXPAND_MIN_QUERIES", 1 if form == "expanded" else 10**9)
-    assert _maxdiff(_chunked(lm, ref["input_ids"][0].tolist(), chunk), ref["logits_full"][0]) <= TOL
+    assert maxdiff(chunked_logits(lm, ref["input_ids"][0].tolist(), chunk), ref["logits_full"][0]) <= TOL
 
 
 @pytest.mark.parametrize("chunk", [3, 13])
@@ -95,10 +86,10 @@ def test_session_prefill_then_decode(case, chunk):
     ids = ref["input_ids"][0].tolist()
     P, full = int(ref["stepwise_start"]), ref["logits_full"][0]
     s = lm.new_session(ctx=len(ids), chunk=chunk)
-    assert _maxdiff(s.prefill(ids[:P]), full[P - 1]) <= TOL
+    assert maxdiff(s.prefill(ids[:P]), full[P - 1]) <= TOL
     steps = np.stack([s.decode(t) for t in ids[P:]])
-    assert _maxdiff(steps, full[P:]) <= TOL
-    assert _maxdiff(steps, ref["logits_stepwise"][0]) <= TOL
+    assert maxdiff(steps, full[P:]) <= TOL
+    assert maxdiff(steps, ref["logits_stepwise"][0]) <= TOL
     assert s.tokens == ids
 
 
@@ -107,7 +98,7 @@ def test_incremental_last_token(case):
     ids = ref["input_ids"][0].tolist()
     s = lm.new_session(ctx=len(ids), chunk=7)
     s.prefill(ids[:-1])
-    assert _maxdiff(s.decode(ids[-1]), ref["logits_incremental_last"][0]) <= TOL
+    assert maxdiff(s.decode(ids[-1]), ref["logits_incremental_last"][0]) <= TOL
 
 
 def test_snapshot_restore_is_bit_exact(case):
@@ -131,7 +122,7 @@ def test_snapshot_restore_is_bit_exact(case):
     assert fresh.tokens == ids[:P]
     other = np.stack([fresh.decode(t) for t in ids[P:]])
     assert np.array_equal(first, again) and np.array_equal(first, other)
-    assert _maxdiff(first, ref["logits_full"][0][P:]) <= TOL
+    assert maxdiff(first, ref["logits_full"][0][P:]) <= TOL
 
 
 def test_truncate_then_decode(case):
@@ -141,8 +132,8 @@ def test_truncate_then_decode(case):
     s = lm.new_session(ctx=len(ids), chunk=11)
     s.prefill(ids)
     s.truncate(P)
-    assert len(s) == P and _maxdiff(s.last_logits, full[P - 1]) <= TOL
-    assert _maxdiff(np.stack([s.decode(t) for t in ids[P:]]), full[P:]) <= TOL
+    assert len(s) == P and maxdiff(s.last_logits, full[P - 1]) <= TOL
+    assert maxdiff(np.stack([s.decode(t) for t in ids[P:]]), full[P:]) <= TOL
 
 
 def test_config_fields_match_transformers(case):
@@ -207,8 +198,8 @@ def test_quantized_model_matches_dequantized_weights(oracle):
     ]
     assert any("kv_b_proj" in p for p, _ in updates)
     dequant.model.load_weights(updates, strict=False)
-    assert _maxdiff(_chunked(quant, ids, 5), dequant.logits(ids)) <= TOL
-    assert _maxdiff(quant.logits(ids), dequant.logits(ids)) <= TOL
+    assert maxdiff(chunked_logits(quant, ids, 5), dequant.logits(ids)) <= TOL
+    assert maxdiff(quant.logits(ids), dequant.logits(ids)) <= TOL
 
 
 def test_demo_model_loads_and_decodes(tmp_path, monkeypatch):
@@ -223,7 +214,7 @@ def test_demo_model_loads_and_decodes(tmp_path, monkeypatch):
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 2)
     s = model.new_session(ctx=128, chunk=5)
     last = s.prefill(ids)
-    assert np.isfinite(last).all() and _maxdiff(last, model.logits(ids)[-1]) <= TOL
+    assert np.isfinite(last).all() and maxdiff(last, model.logits(ids)[-1]) <= TOL
     blob = s.snapshot()
     a = s.decode(int(np.argmax(last)))
     s.restore(blob)

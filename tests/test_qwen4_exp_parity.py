@@ -13,15 +13,20 @@ un-normalised top-k MoE, attention biases and tied embeddings.
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from ds4mlx.models.base import LanguageModel, family_module, load_hf_dir
+from ds4mlx.models.base import LanguageModel, family_module
 from ds4mlx.models.gated_delta import causal_conv1d, gated_delta, gated_delta_reference
 from ds4mlx.models.qwen4_exp import INDEXED, LINEAR, ModelArgs, QSAIndexer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_helpers import chunked_logits, load_case, maxdiff, split_logits  # noqa: E402
 
 CONFIGS = [None, "long"]
 TOL = 1e-4
@@ -31,16 +36,8 @@ SCRIPT = "make_tiny_qwen4_exp.py"
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: c or "default")
 def case(request, oracle):
-    folder = oracle(SCRIPT, request.param)
-    ref = dict(np.load(folder / "reference.npz"))
-    summary = json.loads((folder / "summary.json").read_text())
-    cfg = json.loads((folder / "config.json").read_text())
-    lm = load_hf_dir(str(folder))
-    return folder, lm, ref, summary, cfg
-
-
-def _maxdiff(a, b) -> float:
-    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
+    folder, lm, ref, summary = load_case(oracle, SCRIPT, request.param)
+    return folder, lm, ref, summary, json.loads((folder / "config.json").read_text())
 
 
 def _eos_positions(ref, cfg) -> list[int]:
@@ -62,14 +59,7 @@ def test_oracle_exercises_eos_resets(case):
 
 def test_full_forward_matches_transformers(case):
     _, lm, ref, _, _ = case
-    assert _maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL
-
-
-def _chunked(lm, ids, bounds) -> np.ndarray:
-    cache = lm.model.make_cache()
-    arr = mx.array([ids], dtype=mx.int32)
-    edges = [0, *bounds, len(ids)]
-    return np.concatenate([np.array(lm.model(arr[:, a:b], cache)[0]) for a, b in zip(edges, edges[1:]) if b > a])
+    assert maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 12, 13, 64])
@@ -78,8 +68,8 @@ def test_chunked_forward_all_positions(case, chunk):
     (chunk 1 is token-by-token decoding from an empty cache)."""
     _, lm, ref, _, _ = case
     ids = ref["input_ids"][0].tolist()
-    out = _chunked(lm, ids, list(range(chunk, len(ids), chunk)))
-    assert _maxdiff(out, ref["logits_full"][0]) <= TOL
+    out = chunked_logits(lm, ids, chunk)
+    assert maxdiff(out, ref["logits_full"][0]) <= TOL
 
 
 @pytest.mark.parametrize("side", [0, 1, 2])
@@ -89,7 +79,7 @@ def test_chunk_boundaries_at_eos(case, side):
     _, lm, ref, _, cfg = case
     ids = ref["input_ids"][0].tolist()
     bounds = sorted({e + side for e in _eos_positions(ref, cfg) if 0 < e + side < len(ids)})
-    assert _maxdiff(_chunked(lm, ids, bounds), ref["logits_full"][0]) <= TOL
+    assert maxdiff(split_logits(lm, ids, bounds), ref["logits_full"][0]) <= TOL
 
 
 @pytest.mark.parametrize("chunk", [3, 13])
@@ -100,10 +90,10 @@ def test_session_prefill_then_decode(case, chunk):
     ids = ref["input_ids"][0].tolist()
     P, full = int(ref["stepwise_start"]), ref["logits_full"][0]
     s = lm.new_session(ctx=len(ids), chunk=chunk)
-    assert _maxdiff(s.prefill(ids[:P]), full[P - 1]) <= TOL
+    assert maxdiff(s.prefill(ids[:P]), full[P - 1]) <= TOL
     steps = np.stack([s.decode(t) for t in ids[P:]])
-    assert _maxdiff(steps, full[P:]) <= TOL
-    assert _maxdiff(steps, ref["logits_stepwise"][0]) <= TOL
+    assert maxdiff(steps, full[P:]) <= TOL
+    assert maxdiff(steps, ref["logits_stepwise"][0]) <= TOL
     assert s.tokens == ids and len(s) == len(ids)
 
 
@@ -112,7 +102,7 @@ def test_incremental_last_token(case):
     ids = ref["input_ids"][0].tolist()
     s = lm.new_session(ctx=len(ids))
     s.prefill(ids[:-1])
-    assert _maxdiff(s.decode(ids[-1]), ref["logits_incremental_last"][0]) <= TOL
+    assert maxdiff(s.decode(ids[-1]), ref["logits_incremental_last"][0]) <= TOL
 
 
 def _snapshot_points(ref, cfg) -> list[int]:
@@ -139,7 +129,7 @@ def test_snapshot_restore_decode_bit_exact(case):
         assert b.tokens == ids[:P]
         got = np.stack([b.decode(t) for t in ids[P:end]])
         assert np.array_equal(got, want), P
-        assert _maxdiff(got, ref["logits_full"][0][P:end]) <= TOL
+        assert maxdiff(got, ref["logits_full"][0][P:end]) <= TOL
         assert b.nbytes > 0
 
 
@@ -166,7 +156,7 @@ def test_truncate_then_decode(case, n):
     s.truncate(n)
     assert s.tokens == ids[:n]
     steps = np.stack([s.decode(t) for t in ids[n : n + 6]])
-    assert _maxdiff(steps, ref["logits_full"][0][n : n + 6]) <= TOL
+    assert maxdiff(steps, ref["logits_full"][0][n : n + 6]) <= TOL
 
 
 def test_indexer_selection_is_live(case):
@@ -180,7 +170,7 @@ def test_indexer_selection_is_live(case):
     try:
         for m in indexers:
             m.topk = 10**6
-        assert _maxdiff(lm.logits(ids), ref["logits_full"][0]) > 1e-2
+        assert maxdiff(lm.logits(ids), ref["logits_full"][0]) > 1e-2
     finally:
         for m, k in zip(indexers, saved):
             m.topk = k
@@ -220,7 +210,7 @@ def test_vlm_names_and_nested_config(oracle):
                for k, v in load_file(str(folder / "model.safetensors")).items()}
     weights["model.visual.patch_embed.weight"] = np.zeros((2, 2), np.float32)
     lm = LanguageModel.from_config({"model_type": "qwen4_exp", "text_config": cfg}, weights)
-    assert _maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL
+    assert maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL
 
 
 def test_legacy_config_keys_fold_like_transformers():
@@ -264,8 +254,8 @@ def test_gated_delta_fast_op_matches_reference(hk, hv):
     y_ref, s_ref = gated_delta_reference(q, k, v, g, beta)
     y1, s1 = gated_delta(q[:, :9], k[:, :9], v[:, :9], g[:, :9], beta[:, :9])
     y2, s2 = gated_delta(q[:, 9:], k[:, 9:], v[:, 9:], g[:, 9:], beta[:, 9:], s1)
-    assert _maxdiff(mx.concatenate([y1, y2], axis=1), y_ref) <= 1e-5
-    assert _maxdiff(s2, s_ref) <= 1e-5
+    assert maxdiff(mx.concatenate([y1, y2], axis=1), y_ref) <= 1e-5
+    assert maxdiff(s2, s_ref) <= 1e-5
 
 
 @pytest.mark.parametrize("kernel,dilation", [(4, 1), (3, 4)])
@@ -280,12 +270,12 @@ def test_causal_conv_carries_state(kernel, dilation):
             src = t - (kernel - 1 - j) * dilation
             if src >= 0:
                 want[t] += np.array(w)[:, j] * xs[src]
-    assert _maxdiff(full[0], want) <= 1e-5
+    assert maxdiff(full[0], want) <= 1e-5
     state, outs = None, []
     for a, b in [(0, 1), (1, 6), (6, 7), (7, 17)]:
         y, state = causal_conv1d(x[:, a:b], w, state, dilation)
         outs.append(y)
-    assert _maxdiff(mx.concatenate(outs, axis=1), full) <= 1e-6
+    assert maxdiff(mx.concatenate(outs, axis=1), full) <= 1e-6
 
 
 def test_demo_model_loads_and_decodes(tmp_path, monkeypatch):
@@ -302,7 +292,7 @@ def test_demo_model_loads_and_decodes(tmp_path, monkeypatch):
     s = model.new_session(ctx=64, chunk=4)
     last = s.prefill(ids)
     assert np.isfinite(last).all()
-    assert _maxdiff(last, model.logits(ids)[-1]) <= TOL
+    assert maxdiff(last, model.logits(ids)[-1]) <= TOL
     blob = s.snapshot()
     a = s.decode(int(np.argmax(last)))
     s.restore(blob)
