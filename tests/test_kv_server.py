@@ -162,7 +162,13 @@ def test_anthropic_messages_resume_from_disk_after_restart(server):
                                          extra_body=GREEDY)
     assert m1.usage.cache_read_input_tokens == 0 and m1.usage.cache_creation_input_tokens > 5000
     live = srv.stats()["live_tokens"]
-    assert f"stored tokens={live} reason=shutdown" in srv.stop()
+    log = srv.stop()
+    # The shutdown save holds the whole live session, unless its text ends inside a UTF-8
+    # character (a random-weight answer cut by max_tokens can): such a key could not be
+    # matched against prompt text, so the store skips it and says why.  The next turn is
+    # served from the cold checkpoint either way (below).
+    assert (f"stored tokens={live} reason=shutdown" in log
+            or f"skipped tokens={live} reason=shutdown: key ends inside a character" in log), log
 
     srv.start()
     msgs2 = msgs + [{"role": "assistant", "content": [b.model_dump() for b in m1.content]},
