@@ -1,7 +1,9 @@
 """The disk KV cache's file format: one checkpoint file.
 
 Layout and naming of a file, the header encoder, the key / reason / flag
-encodings, and the records a parsed file yields (`Entry`, `Checkpoint`).
+encodings, the records a parsed file yields (`Entry`, `Checkpoint`), and the
+parse / full verify / write of one file (`parse_file`, `check_header`,
+`read_file`, `write_file`).
 Pure Python, no MLX.  The directory of such files (listing, lookup, eviction,
 budget, sidecar metadata) is `kvstore.py`.
 
@@ -37,10 +39,12 @@ Deviations from ds4 in the format (the store's are listed in kvstore.py):
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import struct
+import zlib
 from dataclasses import dataclass
-from typing import Union
+from typing import Callable, Sequence, Union
 
 # ---------------------------------------------------------------- constants
 
@@ -206,3 +210,135 @@ class Checkpoint:
 
 class _Invalid(Exception):
     pass
+
+
+# ---------------------------------------------------------------- one file
+#
+# `want` is the reader's configuration: any object with `model_tag`,
+# `quant_bits`, `ctx` and `cross_quant` (a `KVStore`).  A file that fails a
+# structural or compatibility check raises `_Invalid`; the caller deletes it.
+# `hook(point)` is called at each step of the write protocol (crash tests).
+
+def parse_file(path: str, sha: str, want) -> Entry:
+    """Header and footer of one file, checked (the payload is not read)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < FIXED_SIZE + FOOTER_SIZE:
+            raise _Invalid(f"truncated ({size} bytes)")
+        head = f.read(FIXED_SIZE)
+        f.seek(size - FOOTER_SIZE)
+        foot = f.read(FOOTER_SIZE)
+    if len(head) != FIXED_SIZE or len(foot) != FOOTER_SIZE:
+        raise _Invalid("short read")
+    return check_header(head, size, foot, path, sha, want)
+
+
+def check_header(head: bytes, size: int, foot: bytes, path: str, sha: str, want) -> Entry:
+    """Structural + compatibility checks on header and footer; raises _Invalid."""
+    (magic, version, quant, reason, flags, _r7, tokens, _hits, ctx, tag, created,
+     _last, payload) = HEADER.unpack_from(head)
+    (key_len,) = KEYLEN.unpack_from(head, HEADER_SIZE)
+    if magic != MAGIC:
+        raise _Invalid("bad magic")
+    if version != VERSION:
+        raise _Invalid(f"version {version} != {VERSION}")
+    if not 1 <= quant <= 32:
+        raise _Invalid(f"bad quant bits {quant}")
+    if tokens == 0:
+        raise _Invalid("zero tokens")
+    if key_len == 0:
+        raise _Invalid("empty key")
+    if tag != want.model_tag:
+        raise _Invalid(f"model tag {tag:#010x} != {want.model_tag:#010x}")
+    if quant != want.quant_bits and not want.cross_quant:
+        raise _Invalid(f"quant {quant} != {want.quant_bits}")
+    if ctx > want.ctx:
+        raise _Invalid(f"ctx {ctx} > {want.ctx}")
+    if tokens >= ctx:
+        raise _Invalid(f"tokens {tokens} >= ctx {ctx}")
+    fmagic, trailer_len, trailer_crc, file_crc = FOOTER.unpack(foot)
+    if fmagic != FOOTER_MAGIC:
+        raise _Invalid("bad footer magic")
+    if size != file_size_for(key_len, payload, trailer_len):
+        raise _Invalid(f"size {size} != {file_size_for(key_len, payload, trailer_len)}")
+    if bool(flags & FLAG_TOOL_MAP) != (trailer_len > 0):
+        raise _Invalid("trailer flag / length mismatch")
+    return Entry(sha=sha, path=path, quant_bits=quant,
+                 reason_code=reason if reason < len(REASONS) else 0, flags=flags,
+                 tokens=tokens, ctx=ctx, model_tag=tag, created_at=created,
+                 payload_bytes=payload, key_bytes=key_len, trailer_bytes=trailer_len,
+                 trailer_crc=trailer_crc, file_crc=file_crc, file_size=size,
+                 hits=0, last_used=created)
+
+
+def read_file(e: Entry, prompt: bytes | None, want) -> Checkpoint:
+    """Read and fully verify one file; raises _Invalid."""
+    with open(e.path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < FIXED_SIZE + FOOTER_SIZE:
+            raise _Invalid("truncated")
+        head = f.read(FIXED_SIZE)
+        crc = zlib.crc32(head)
+        f.seek(size - FOOTER_SIZE)
+        foot = f.read(FOOTER_SIZE)
+        cur = check_header(head, size, foot, e.path, e.sha, want)
+        f.seek(FIXED_SIZE)
+        key = f.read(cur.key_bytes)
+        if len(key) != cur.key_bytes:
+            raise _Invalid("short key")
+        crc = zlib.crc32(key, crc)
+        if sha1_hex(key) != e.sha:
+            raise _Invalid("key does not hash to the file name")
+        if prompt is not None and not prompt.startswith(key):
+            raise _Invalid("key is not a prefix of the prompt")
+        payload = f.read(cur.payload_bytes)
+        if len(payload) != cur.payload_bytes:
+            raise _Invalid("short payload")
+        mv = memoryview(payload)
+        for i in range(0, len(mv), _CHUNK):
+            crc = zlib.crc32(mv[i:i + _CHUNK], crc)
+        trailer = f.read(cur.trailer_bytes)
+        if len(trailer) != cur.trailer_bytes:
+            raise _Invalid("short trailer")
+        crc = zlib.crc32(trailer, crc)
+        crc = zlib.crc32(foot[:16], crc)
+    if zlib.crc32(trailer) != cur.trailer_crc:
+        raise _Invalid("trailer checksum mismatch")
+    if crc != cur.file_crc:
+        raise _Invalid("checksum mismatch")
+    return Checkpoint(key_bytes=key, n_tokens=cur.tokens, payload=payload,
+                      trailer=trailer or None, reason=cur.reason, flags=cur.flags,
+                      quant_bits=cur.quant_bits, ctx=cur.ctx, hits=e.hits,
+                      created_at=cur.created_at, sha=e.sha, path=e.path)
+
+
+def write_file(tmp: str, header: bytes, key: bytes, parts: Sequence[memoryview],
+               trailer: bytes, size: int, hook: Callable[[str], None]) -> int:
+    """Write one whole file to `tmp` and fsync it; returns the file CRC."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            crc = 0
+            for piece in (header, KEYLEN.pack(len(key)), key):
+                f.write(piece)
+                crc = zlib.crc32(piece, crc)
+            hook("key-written")
+            for p in parts:
+                for i in range(0, p.nbytes, _CHUNK):
+                    c = p[i:i + _CHUNK]
+                    f.write(c)
+                    crc = zlib.crc32(c, crc)
+            hook("payload-written")
+            f.write(trailer)
+            crc = zlib.crc32(trailer, crc)
+            foot = FOOTER.pack(FOOTER_MAGIC, len(trailer), zlib.crc32(trailer), 0)[:16]
+            crc = zlib.crc32(foot, crc)
+            f.write(foot + struct.pack("<I", crc))
+            f.flush()
+            hook("before-fsync")
+            os.fsync(fd)
+            if os.fstat(fd).st_size != size:
+                raise OSError(f"temporary has {os.fstat(fd).st_size} bytes, want {size}")
+    finally:
+        os.close(fd)
+    return crc

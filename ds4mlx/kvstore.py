@@ -5,8 +5,10 @@ Pure Python, no MLX: the store moves opaque session payloads (whatever
 map) in and out of files; the engine does the snapshot / restore and decides
 *when* to save (see `kvpolicy.py`).
 
-File format, naming and the records of one file: `kvformat.py` (its names are
-re-exported here).  Files are immutable after the rename: hit counts and
+File format, naming, the records of one file and its parse / verify / write:
+`kvformat.py` (its names are re-exported here).  This module is the store: a
+directory of such files, lookup, eviction scoring against the budget, and the
+sidecar metadata.  Files are immutable after the rename: hit counts and
 last-use times live in the sidecar ``kvmeta.json`` (atomically replaced), bound
 to a file by (created, file CRC) so a rebuilt file never inherits stale hits.
 
@@ -30,19 +32,19 @@ import logging
 import math
 import os
 import re
-import struct
 import threading
 import time
 import zlib
 from dataclasses import replace
-from typing import Callable, Iterable, Iterator, Sequence, Union
+from typing import Callable, Iterable, Iterator, Union
 
 # The file format's names, re-exported so `kvstore.X` keeps working (the tests use several).
 from .kvformat import (FIXED_SIZE, FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE,  # noqa: F401
                        FLAG_TOOL_MAP, FOOTER, FOOTER_MAGIC, FOOTER_SIZE, HEADER, HEADER_SIZE,
                        KEY_KINDS, KEYLEN, MAGIC, REASON_CODES, REASONS, VERSION, Buffer, Checkpoint,
-                       Entry, Text, _CHUNK, _Invalid, _KV_NAME, file_size_for, model_tag,
-                       pack_header, reason_code, reason_name, sha1_hex, to_bytes)
+                       Entry, Text, _Invalid, _KV_NAME, check_header, file_size_for, model_tag,
+                       pack_header, parse_file, read_file, reason_code, reason_name, sha1_hex,
+                       to_bytes, write_file)
 
 log = logging.getLogger("ds4mlx.kvstore")
 
@@ -206,7 +208,7 @@ class KVStore:
             path = os.path.join(self.dir, name)
             sha = name[:40].lower()
             try:
-                e = self._parse(path, sha)
+                e = parse_file(path, sha, self)
             except _Invalid as why:
                 self._delete(path, sha, f"rejected: {why}")
                 continue
@@ -219,55 +221,6 @@ class KVStore:
                 del self._meta[sha]
         return out
 
-    def _parse(self, path: str, sha: str) -> Entry:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < FIXED_SIZE + FOOTER_SIZE:
-                raise _Invalid(f"truncated ({size} bytes)")
-            head = f.read(FIXED_SIZE)
-            f.seek(size - FOOTER_SIZE)
-            foot = f.read(FOOTER_SIZE)
-        if len(head) != FIXED_SIZE or len(foot) != FOOTER_SIZE:
-            raise _Invalid("short read")
-        return self._check_header(head, size, foot, path, sha)
-
-    def _check_header(self, head: bytes, size: int, foot: bytes, path: str, sha: str) -> Entry:
-        """Structural + compatibility checks on header and footer; raises _Invalid."""
-        (magic, version, quant, reason, flags, _r7, tokens, _hits, ctx, tag, created,
-         _last, payload) = HEADER.unpack_from(head)
-        (key_len,) = KEYLEN.unpack_from(head, HEADER_SIZE)
-        if magic != MAGIC:
-            raise _Invalid("bad magic")
-        if version != VERSION:
-            raise _Invalid(f"version {version} != {VERSION}")
-        if not 1 <= quant <= 32:
-            raise _Invalid(f"bad quant bits {quant}")
-        if tokens == 0:
-            raise _Invalid("zero tokens")
-        if key_len == 0:
-            raise _Invalid("empty key")
-        if tag != self.model_tag:
-            raise _Invalid(f"model tag {tag:#010x} != {self.model_tag:#010x}")
-        if quant != self.quant_bits and not self.cross_quant:
-            raise _Invalid(f"quant {quant} != {self.quant_bits}")
-        if ctx > self.ctx:
-            raise _Invalid(f"ctx {ctx} > {self.ctx}")
-        if tokens >= ctx:
-            raise _Invalid(f"tokens {tokens} >= ctx {ctx}")
-        fmagic, trailer_len, trailer_crc, file_crc = FOOTER.unpack(foot)
-        if fmagic != FOOTER_MAGIC:
-            raise _Invalid("bad footer magic")
-        if size != file_size_for(key_len, payload, trailer_len):
-            raise _Invalid(f"size {size} != {file_size_for(key_len, payload, trailer_len)}")
-        if bool(flags & FLAG_TOOL_MAP) != (trailer_len > 0):
-            raise _Invalid("trailer flag / length mismatch")
-        return Entry(sha=sha, path=path, quant_bits=quant,
-                     reason_code=reason if reason < len(REASONS) else 0, flags=flags,
-                     tokens=tokens, ctx=ctx, model_tag=tag, created_at=created,
-                     payload_bytes=payload, key_bytes=key_len, trailer_bytes=trailer_len,
-                     trailer_crc=trailer_crc, file_crc=file_crc, file_size=size,
-                     hits=0, last_used=created)
-
     def _with_meta(self, e: Entry) -> Entry:
         rec = self._meta.get(e.sha)
         if rec and rec.get("created") == e.created_at and rec.get("crc") == e.file_crc:
@@ -277,51 +230,11 @@ class KVStore:
 
     # ------------------------------------------------------------ reading
 
-    def _read(self, e: Entry, prompt: bytes | None) -> Checkpoint:
-        """Read and fully verify one file; raises _Invalid."""
-        with open(e.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < FIXED_SIZE + FOOTER_SIZE:
-                raise _Invalid("truncated")
-            head = f.read(FIXED_SIZE)
-            crc = zlib.crc32(head)
-            f.seek(size - FOOTER_SIZE)
-            foot = f.read(FOOTER_SIZE)
-            cur = self._check_header(head, size, foot, e.path, e.sha)
-            f.seek(FIXED_SIZE)
-            key = f.read(cur.key_bytes)
-            if len(key) != cur.key_bytes:
-                raise _Invalid("short key")
-            crc = zlib.crc32(key, crc)
-            if sha1_hex(key) != e.sha:
-                raise _Invalid("key does not hash to the file name")
-            if prompt is not None and not prompt.startswith(key):
-                raise _Invalid("key is not a prefix of the prompt")
-            payload = f.read(cur.payload_bytes)
-            if len(payload) != cur.payload_bytes:
-                raise _Invalid("short payload")
-            mv = memoryview(payload)
-            for i in range(0, len(mv), _CHUNK):
-                crc = zlib.crc32(mv[i:i + _CHUNK], crc)
-            trailer = f.read(cur.trailer_bytes)
-            if len(trailer) != cur.trailer_bytes:
-                raise _Invalid("short trailer")
-            crc = zlib.crc32(trailer, crc)
-            crc = zlib.crc32(foot[:16], crc)
-        if zlib.crc32(trailer) != cur.trailer_crc:
-            raise _Invalid("trailer checksum mismatch")
-        if crc != cur.file_crc:
-            raise _Invalid("checksum mismatch")
-        return Checkpoint(key_bytes=key, n_tokens=cur.tokens, payload=payload,
-                          trailer=trailer or None, reason=cur.reason, flags=cur.flags,
-                          quant_bits=cur.quant_bits, ctx=cur.ctx, hits=e.hits,
-                          created_at=cur.created_at, sha=e.sha, path=e.path)
-
     def verify(self, entry: Entry) -> bool:
         """Fully read and check one entry; a bad file is deleted."""
         with self._lock:
             try:
-                self._read(entry, None)
+                read_file(entry, None, self)
                 return True
             except _Invalid as why:
                 self._delete(entry.path, entry.sha, f"rejected: {why}")
@@ -373,7 +286,7 @@ class KVStore:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    cp = self._read(e, pb)
+                    cp = read_file(e, pb, self)
                 except _Invalid as why:
                     self._delete(e.path, e.sha, f"load failed: {why}")
                     continue
@@ -465,7 +378,7 @@ class KVStore:
                                  payload_bytes=plen)
             tmp = f"{path}.tmp.{os.getpid()}"
             try:
-                file_crc = self._write_tmp(tmp, header, key, parts, trailer, size)
+                file_crc = write_file(tmp, header, key, parts, trailer, size, self._hook)
                 self._hook("before-rename")
                 os.replace(tmp, path)
                 _fsync_dir(self.dir)
@@ -500,36 +413,6 @@ class KVStore:
                 return f.read(e.trailer_bytes) == trailer
         except OSError:
             return False
-
-    def _write_tmp(self, tmp: str, header: bytes, key: bytes, parts: Sequence[memoryview],
-                   trailer: bytes, size: int) -> int:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "wb", closefd=False) as f:
-                crc = 0
-                for piece in (header, KEYLEN.pack(len(key)), key):
-                    f.write(piece)
-                    crc = zlib.crc32(piece, crc)
-                self._hook("key-written")
-                for p in parts:
-                    for i in range(0, p.nbytes, _CHUNK):
-                        c = p[i:i + _CHUNK]
-                        f.write(c)
-                        crc = zlib.crc32(c, crc)
-                self._hook("payload-written")
-                f.write(trailer)
-                crc = zlib.crc32(trailer, crc)
-                foot = FOOTER.pack(FOOTER_MAGIC, len(trailer), zlib.crc32(trailer), 0)[:16]
-                crc = zlib.crc32(foot, crc)
-                f.write(foot + struct.pack("<I", crc))
-                f.flush()
-                self._hook("before-fsync")
-                os.fsync(fd)
-                if os.fstat(fd).st_size != size:
-                    raise OSError(f"temporary has {os.fstat(fd).st_size} bytes, want {size}")
-        finally:
-            os.close(fd)
-        return crc
 
     # ------------------------------------------------------------ eviction
 
