@@ -80,10 +80,10 @@ def build(args, loaded=None):
         model, tokenizer = loaded
     else:
         model, tokenizer = load(args.model)
-        if args.model is None:
+        if getattr(model, "is_demo", False):
             from ..demo import DEMO_NOTICE
 
-            log.warning(DEMO_NOTICE)
+            log.warning("%s%s", DEMO_NOTICE, f" [{args.model}]" if args.model else "")
     replay = not args.disable_exact_dsml_tool_replay
     memory = ToolMemory(max_ids=args.tool_memory_max_ids) if replay else None
     cache = None
