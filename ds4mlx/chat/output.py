@@ -41,6 +41,30 @@ def new_tool_id(prefix: str = M.OPENAI_TOOL_ID_PREFIX, taken: Optional[Callable[
             return tool_id
 
 
+def tool_id_for(ids: dict, index: int, prefix: str, tool_memory=None) -> str:
+    """The id of call `index` of one output: made once, unique within the output
+    and unknown to the tool memory (`ids` maps index -> id)."""
+    tool_id = ids.get(index)
+    if tool_id is None:
+        used = set(ids.values())
+        tool_id = new_tool_id(prefix, lambda i: i in used or (tool_memory is not None and tool_memory.has(i)))
+        ids[index] = tool_id
+    return tool_id
+
+
+def finish_call_events(events: list, calls, id_for, started, ended) -> None:
+    """At the end of an output: give every final call its id and emit what the stream
+    has not sent yet (whole calls never started, the end of calls still open)."""
+    for i, call in enumerate(calls):
+        call.id = id_for(i)
+        if i not in started:
+            events.append(ToolCallStart(index=i, id=call.id, name=call.name))
+            events.append(ToolCallDelta(index=i, arguments=call.arguments))
+            events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
+        elif i not in ended:
+            events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
+
+
 class StopMatcher:
     """Stop sequences on the raw generated text (http-api.md §2).
 
@@ -180,14 +204,7 @@ class OutputParser:
         elif final.reasoning is not None or not self.thinking:
             # whatever of the final content is still held (whitespace, a possible tag start)
             self._emit_text(events, self._content_start + len(final.content))
-        for i, call in enumerate(final.calls):
-            call.id = self._id_for(i)
-            if i not in self._started:
-                events.append(ToolCallStart(index=i, id=call.id, name=call.name))
-                events.append(ToolCallDelta(index=i, arguments=call.arguments))
-                events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
-            elif i not in self._ended:
-                events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
+        finish_call_events(events, final.calls, self._id_for, self._started, self._ended)
         self.result = final
         return events, final
 
@@ -199,14 +216,7 @@ class OutputParser:
         self.raw = raw
 
     def _id_for(self, index: int) -> str:
-        tool_id = self._ids.get(index)
-        if tool_id is None:
-            used = set(self._ids.values())
-            mem = self.tool_memory
-            tool_id = new_tool_id(self.id_prefix,
-                                  lambda i: i in used or (mem is not None and mem.has(i)))
-            self._ids[index] = tool_id
-        return tool_id
+        return tool_id_for(self._ids, index, self.id_prefix, self.tool_memory)
 
     def _emit_reasoning(self, events: list, limit: int) -> None:
         if limit > self._r_emit:

@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence, Union
 
 from .. import markers as M
 from ..dsml import ParsedCall, ParsedOutput, json_escape, minify_json
-from ..output import new_tool_id
+from ..output import finish_call_events, tool_id_for
 from ...events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from ._common import param_types
 
@@ -322,26 +322,13 @@ class XmlOutputParser:
             if self.phase == "reasoning":  # closed in the tail
                 self._step(events)
             self._emit_text(events, lay.content_hi)
-        for i, call in enumerate(final.calls):
-            call.id = self._id_for(i)
-            if i not in self._started:
-                events.append(ToolCallStart(index=i, id=call.id, name=call.name))
-                events.append(ToolCallDelta(index=i, arguments=call.arguments))
-                events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
-            elif i not in self._ended:
-                events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
+        finish_call_events(events, final.calls, self._id_for, self._started, self._ended)
         self.result = final
         return events, final
 
     # --- internals --------------------------------------------------------------------------
     def _id_for(self, index: int) -> str:
-        tool_id = self._ids.get(index)
-        if tool_id is None:
-            used = set(self._ids.values())
-            mem = self.tool_memory
-            tool_id = new_tool_id(self.id_prefix, lambda i: i in used or (mem is not None and mem.has(i)))
-            self._ids[index] = tool_id
-        return tool_id
+        return tool_id_for(self._ids, index, self.id_prefix, self.tool_memory)
 
     def _emit_reasoning(self, events: list, limit: int) -> None:
         if not self._r_started:  # stripped reasoning: its leading whitespace is never sent
