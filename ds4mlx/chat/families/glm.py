@@ -1,7 +1,7 @@
 """GLM 5.2 (`glm_moe_dsa`) and GLM 5.3 Flash (`glm5_next`): `[gMASK]<sop>` role
 tags, a `Reasoning Effort:` system line, `<tool_call>name<arg_key>k</arg_key>
 <arg_value>v</arg_value></tool_call>` calls (seed: ds4's `glm_tool_syntax`; the
-template is tests/data/chat_templates/glm5_next.jinja).
+templates are tests/data/chat_templates/glm5_next.jinja and glm_moe_dsa.jinja).
 
 Prompt (the template's output; no end-of-turn marker, the next role tag ends a turn):
 
@@ -11,13 +11,21 @@ Prompt (the template's output; no end-of-turn marker, the next role tag ends a t
     <tool_response>RESULT</tool_response><|assistant|><think>
 
 (shown wrapped; no newlines are written between the pieces).  System messages
-stay where they are; every assistant turn keeps its reasoning (`clear_thinking`
-defaults to false); content is stripped; a string argument is written
-verbatim, any other value as JSON; a run of tool results is ordered like the
-calls of the assistant turn before it when every id matches one call.
-Thinking off renders `<think></think>` after the last `<|assistant|>` (the
-template variants that take `enable_thinking`; the pinned 5.3 template always
-opens `<think>`).  GLM 5.2 and 5.3 share the syntax; they differ in model id.
+stay where they are; content is stripped; a string argument is written
+verbatim, any other value as JSON.  The two templates differ in four places:
+
+* GLM 5.3 Flash: effort Low / High / Max; every assistant turn keeps its
+  reasoning (`clear_thinking` defaults to false); a run of tool results is
+  ordered like the calls of the assistant turn before it when every id matches
+  one call.  Thinking off renders `<think></think>` after the last
+  `<|assistant|>` (the template variants that take `enable_thinking`; the pinned
+  5.3 template always opens `<think>`) and keeps the effort line.
+* GLM 5.2: effort High / Max only (a request below `high` gets High, the
+  lowest rung the template has); only assistant turns after the last user
+  message keep their reasoning, earlier ones render `<think></think>`
+  (`clear_thinking` undefined); tool results stay in the given order; thinking
+  off (`enable_thinking` false) drops the effort line and renders
+  `<think></think>` after the last `<|assistant|>`.
 """
 from __future__ import annotations
 
@@ -53,6 +61,10 @@ _SKIPPED_TOOL_KEYS = ("defer_loading", "strict")
 
 _EFFORTS = {"low": "low", "high": "high", "max": "max", "xhigh": "max", "medium": "max", "minimal": "max",
             "none": "none"}
+# GLM 5.2's template knows 'high' and 'max' only (anything else renders Max): the
+# requests below max take the lower rung, so a smaller effort never thinks more.
+_EFFORTS_52 = {"minimal": "high", "low": "high", "medium": "high", "high": "high", "max": "max", "xhigh": "max",
+               "none": "none"}
 
 
 class GlmCallSyntax(CallSyntax):
@@ -163,6 +175,11 @@ class GlmProtocol(ChatProtocol):
                        TOOL_CALL_OPEN, TOOL_CALL_CLOSE, ARG_KEY_OPEN, ARG_KEY_CLOSE, ARG_VALUE_OPEN, ARG_VALUE_CLOSE)
     turn_end = ""
     default_mode = "max"
+    efforts = _EFFORTS
+    effort_rungs = ("low", "high")  # rendered as given; any other mode renders Max
+    thinking_switch = False  # thinking off drops the effort line (5.2's enable_thinking)
+    clear_thinking = False  # reasoning only on assistant turns after the last user turn
+    sort_results = True  # tool results follow the order of the calls
 
     def __init__(self, family: Optional[str] = None, model_id: Optional[str] = None, model_name: Optional[str] = None):
         if family:
@@ -179,15 +196,17 @@ class GlmProtocol(ChatProtocol):
             return "none"
         if effort is None:
             return self.default_mode
-        if not isinstance(effort, str) or effort not in _EFFORTS:
+        if not isinstance(effort, str) or effort not in self.efforts:
             raise EffortError(f"reasoning effort {effort!r} is not supported by {self.model_id}")
-        return _EFFORTS[effort]
+        return self.efforts[effort]
 
     # --- prompts -----------------------------------------------------------------------
     def _head(self, conv: Conversation) -> str:
         mode = conv.thinking
-        level = mode if mode in ("low", "high") else "max"
-        out = [GMASK, SYSTEM, EFFORT_LINE, level.capitalize()]
+        level = mode if mode in self.effort_rungs else "max"
+        out = [GMASK]
+        if not (self.thinking_switch and mode == "none"):
+            out += [SYSTEM, EFFORT_LINE, level.capitalize()]
         schemas = C.active_schemas(conv)
         if schemas:
             out.append(SYSTEM + TOOLS_HEAD)
@@ -205,6 +224,7 @@ class GlmProtocol(ChatProtocol):
     def _body(self, conv: Conversation, tool_memory, generation: bool) -> str:
         ts = C.turns(conv, tool_memory)
         out = [self._head(conv)]
+        last_user = max((k for k, t in enumerate(ts) if t.role == "user"), default=-1)
         i = 0
         while i < len(ts):
             t = ts[i]
@@ -213,7 +233,8 @@ class GlmProtocol(ChatProtocol):
             elif t.role == "system":
                 out.append(SYSTEM + t.content)
             elif t.role == "assistant":
-                out.append(ASSISTANT + M.THINK_OPEN + t.reasoning + M.THINK_CLOSE + t.content.strip())
+                reasoning = t.reasoning if not self.clear_thinking or i > last_user else ""
+                out.append(ASSISTANT + M.THINK_OPEN + reasoning + M.THINK_CLOSE + t.content.strip())
                 out.append(self._calls(t))
             elif t.role == "tool":
                 j = i
@@ -221,7 +242,8 @@ class GlmProtocol(ChatProtocol):
                     j += 1
                 prev_calls = ts[i - 1].tool_calls if i > 0 and ts[i - 1].role == "assistant" else []
                 out.append(OBSERVATION)
-                for r in _ordered_results(ts[i:j], prev_calls):
+                run = _ordered_results(ts[i:j], prev_calls) if self.sort_results else ts[i:j]
+                for r in run:
                     out.append(TOOL_RESPONSE_OPEN + r.content + TOOL_RESPONSE_CLOSE)
                 i = j
                 continue
@@ -259,5 +281,15 @@ class GlmProtocol(ChatProtocol):
         return out
 
 
-GLM52 = register(GlmProtocol("glm_moe_dsa", "glm-5.2", "GLM 5.2"))
+class Glm52Protocol(GlmProtocol):
+    """GLM 5.2's template (tests/data/chat_templates/glm_moe_dsa.jinja): two effort
+    rungs, an `enable_thinking` switch, `clear_thinking` undefined, no result sort."""
+    efforts = _EFFORTS_52
+    effort_rungs = ("high",)
+    thinking_switch = True
+    clear_thinking = True
+    sort_results = False
+
+
+GLM52 = register(Glm52Protocol("glm_moe_dsa", "glm-5.2", "GLM 5.2"))
 GLM53 = register(GlmProtocol("glm5_next", "glm-5.3-flash", "GLM 5.3 Flash"))
