@@ -1,15 +1,19 @@
 """DeepSeek V4.1 Flash chat protocol (ds4mlx/chat/families/deepseek_v41.py).
 
-No copy of DeepSeek V4.1's own chat template (or of its `encoding/encoding.py`)
-could be found with the search tool, so these prompt tests check the format
-as the seed (§3g, the think-level paragraph) and third-party descriptions of
-the official encoder describe it -- NOT a real template.  The golden strings
-are spelled out here piece by piece; the two marked "deepseek-recipe" are
-expected outputs quoted from a third-party test suite of the V4.1 encoder.
+V4.1 has no jinja chat template: its reference is the `encoding.py` DeepSeek
+released with V4.1.  `test_golden_*` render every conversation of
+tests/data/chat_templates/deepseek_v41_golden.json -- prompts that encoder's
+vendored copy rendered (SOURCES.md: where it came from, the generator's
+arguments) -- the way a client sends it (OpenAI and Anthropic bodies through
+`parse_request`, the effort resolved as the server does) and compare byte for
+byte.  The deliberate differences are the named exceptions below.  The other
+tests spell prompts out piece by piece.
 """
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Optional
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -105,7 +109,9 @@ def test_effort_in_responses_and_anthropic_bodies():
 
 
 def test_deepseek_recipe_goldens():
-    """Expected outputs quoted from the third-party deepseek-recipe tests of the V4.1 encoder."""
+    """Bodies from the third-party deepseek-recipe tests.  The first expected string is
+    theirs; for the second they keep the old reasoning, DeepSeek's encoder (no tool
+    context: drop_thinking) and ds4 drop it -- the string here is the encoder's."""
     conv = parse_request("openai", {"model": "deepseek-v4.1-flash", "messages": [{"role": "user", "content": "hello"}]})
     conv.thinking = "none"
     assert V41.render(conv) == "<｜begin▁of▁sentence｜><｜User｜>hello<｜Assistant｜></think>"
@@ -114,8 +120,148 @@ def test_deepseek_recipe_goldens():
         {"role": "assistant", "content": "answer", "reasoning_content": "prior reasoning"},
         {"role": "system", "content": "new instruction"}]})
     assert got == ("<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 50 (range 1-100, the higher the value, the "
-                   "more thorough the reasoning)\n\n<｜User｜>first\n\nsecond<｜Assistant｜><think>prior reasoning"
-                   "</think>answer<｜end▁of▁sentence｜><｜System｜>new instruction<｜Assistant｜><think>")
+                   "more thorough the reasoning)\n\n<｜User｜>first\n\nsecond<｜Assistant｜></think>"
+                   "answer<｜end▁of▁sentence｜><｜System｜>new instruction<｜Assistant｜><think>")
+
+
+# --------------------------------------------------------------------------- golden prompts (reference encoder)
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "chat_templates" / "deepseek_v41_golden.json")
+                    .read_text(encoding="utf-8"))
+
+# Named exception: the named effort "high".  The vendored encoder maps it to 50
+# (its presets: low 25, high 50, xhigh 75, max 100).  ds4 -- DS4_THINK_HIGH,
+# `--think` = 75 (seed, think-level paragraph) -- and, per a third-party note,
+# DeepSeek's released encoder revision use high 75 (low 50, max 100); we keep 75.
+# The number is the only difference: the same case sent with the numeric level
+# the encoder used renders its bytes exactly (checked below).
+NAMED_EFFORT_EXCEPTIONS = {"high": (50, 75)}
+
+
+def _openai_body(case: dict) -> dict:
+    b = {"model": "deepseek-v4.1-flash", "messages": case["messages"]}
+    if case["tools"]:
+        b["tools"] = case["tools"]
+    # chat mode: effort 0 turns thinking off; otherwise the level or name as sent
+    b["reasoning_effort"] = 0 if case["thinking_mode"] == "chat" else case["reasoning_effort"]
+    return b
+
+
+def _golden_expected(case: dict) -> str:
+    exp = case["expected"]
+    if case["reasoning_effort"] in NAMED_EFFORT_EXCEPTIONS:
+        theirs, ours = NAMED_EFFORT_EXCEPTIONS[case["reasoning_effort"]]
+        assert exp.count(effort(theirs)) == 1
+        exp = exp.replace(effort(theirs), effort(ours))
+    return exp
+
+
+def test_golden_file_covers_the_acceptance_conversation():
+    names = {c["name"] for c in GOLDEN}
+    for level in (0, 1, 25, 50, "high", 75, 100, "max"):
+        assert f"acceptance/effort={level}" in names
+    acc = next(c for c in GOLDEN if c["name"] == "acceptance/effort=75")
+    roles = [m["role"] for m in acc["messages"]]
+    assert roles[0] == "system" and "tool" in roles and roles[-1] == "user" and acc["tools"]
+    assert any(m.get("reasoning_content") and m.get("tool_calls") for m in acc["messages"])
+    assert {c["thinking_mode"] for c in GOLDEN} == {"chat", "thinking"}
+    assert {c["drop_thinking"] for c in GOLDEN} == {True, False}
+
+
+@pytest.mark.parametrize("case", GOLDEN, ids=[c["name"] for c in GOLDEN])
+def test_golden_openai(case):
+    got, conv = render(_openai_body(case))
+    assert got == _golden_expected(case)
+    # the effort as a digit string, as the CLI think level and as the Anthropic field: same bytes
+    if case["thinking_mode"] == "thinking" and isinstance(case["reasoning_effort"], int):
+        n = case["reasoning_effort"]
+        assert render(dict(_openai_body(case), reasoning_effort=str(n)))[0] == case["expected"]
+        assert conv.thinking == V41.render_think_level(n) == V41.resolve_thinking("high", n)
+    if case["reasoning_effort"] in NAMED_EFFORT_EXCEPTIONS:
+        theirs, _ = NAMED_EFFORT_EXCEPTIONS[case["reasoning_effort"]]
+        assert render(dict(_openai_body(case), reasoning_effort=theirs))[0] == case["expected"]
+
+
+def _anthropic_tool(tool: dict) -> dict:
+    fn = tool["function"]
+    return {"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}
+
+
+def _anthropic_body(case: dict) -> Optional[dict]:
+    """The case as an Anthropic Messages body; None where that API cannot say it:
+    a system message after the first turn (Anthropic has one top-level system),
+    or an empty system prompt (ds4 skips empty system text, spec §2.2)."""
+    msgs = case["messages"]
+    system = None
+    if msgs and msgs[0]["role"] == "system":
+        system, msgs = msgs[0]["content"], msgs[1:]
+        if not system:
+            return None
+    if any(m["role"] == "system" for m in msgs):
+        return None
+    out: list = []
+    for m in msgs:
+        if m["role"] == "tool":
+            role = "user"
+            blocks = [{"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}]
+        else:
+            role = m["role"]
+            blocks = []
+            if m.get("reasoning_content"):
+                blocks.append({"type": "thinking", "thinking": m["reasoning_content"], "signature": ""})
+            if m.get("content"):
+                blocks.append({"type": "text", "text": m["content"]})
+            for c in m.get("tool_calls") or []:
+                blocks.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                               "input": json.loads(c["function"]["arguments"])})
+        if role == "user" and out and out[-1]["role"] == "user":
+            # adjacent text blocks are joined with nothing: write the turn boundary out
+            if blocks[0]["type"] == "text" and out[-1]["content"][-1]["type"] == "text":
+                out[-1]["content"].append({"type": "text", "text": "\n\n"})
+            out[-1]["content"].extend(blocks)
+        else:
+            out.append({"role": role, "content": blocks})
+    b = {"model": "deepseek-v4.1-flash", "max_tokens": 64, "messages": out}
+    if system is not None:
+        b["system"] = system
+    if case["tools"]:
+        b["tools"] = [_anthropic_tool(t) for t in case["tools"]]
+    if case["thinking_mode"] == "chat":
+        b["thinking"] = {"type": "disabled"}
+    else:
+        b["output_config"] = {"effort": case["reasoning_effort"]}
+    return b
+
+
+ANTHROPIC = [c for c in GOLDEN if _anthropic_body(c) is not None]
+
+# Known bug, not a choice: the shared Anthropic parser flattens tool_result blocks to
+# `<tool_result>` text and _common.turns() re-splits that text, so literal
+# `<tool_result>..</tool_result>` typed in a text block of the same user message is
+# taken for a result (ds4 keeps the spans it parsed: ds41_message_views).
+ANTHROPIC_KNOWN_BUGS = {"parallel_literal_result_text/effort=1", "parallel_literal_result_text/effort=100"}
+
+
+def test_golden_anthropic_covers_tools_results_and_thinking():
+    names = {c["name"] for c in ANTHROPIC}
+    assert {"acceptance/effort=0", "acceptance/effort=75", "parallel_calls_results_out_of_order/effort=75",
+            "nested_arguments/effort=100", "multi_turn_reasoning_dropped/effort=75"} <= names
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="literal <tool_result> text re-split as a result"))
+    if c["name"] in ANTHROPIC_KNOWN_BUGS else c for c in ANTHROPIC], ids=[c["name"] for c in ANTHROPIC])
+def test_golden_anthropic(case):
+    """Named exception: Anthropic tools reach the model as declared -- the schema
+    line is the `{name, description, input_schema}` object (spec §2.4), where the
+    encoder, which takes OpenAI tools, shows `{name, description, parameters}`."""
+    exp = _golden_expected(case)
+    for t in case["tools"] or []:
+        line = json.dumps(t["function"], ensure_ascii=False)
+        assert exp.count(line) == 1
+        exp = exp.replace(line, json.dumps(_anthropic_tool(t), ensure_ascii=False))
+    got, _ = render(_anthropic_body(case), "anthropic")
+    assert got == exp
 
 
 def test_parallel_tool_results_are_put_in_call_order_and_welded():

@@ -2,9 +2,10 @@
 holding the reasoning effort and the tools, user-side turns welded with
 "\\n\\n" (tool results are `<tool_result>` blocks of the user turn, in call
 order), the spaced DSML spelling, numeric reasoning effort 1..100 (seed §3g
-and the think-level paragraph; the format of DeepSeek's `encoding/encoding.py`
-for V4.1 as third-party reimplementations describe it -- no copy of the
-official chat template was found, see tests/data/chat_templates/SOURCES.md).
+and the think-level paragraph).  The bytes are those of DeepSeek's V4.1
+`encoding.py` (`encode_messages`) as ds4 drives it; tests/test_protocol_deepseek_v41.py
+checks them against golden prompts rendered by that encoder
+(tests/data/chat_templates/SOURCES.md).
 
     <｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value,
     the more thorough the reasoning)\\n\\nSYSTEM\\n\\n## Tools ... tool calls.\\n
@@ -15,12 +16,14 @@ official chat template was found, see tests/data/chat_templates/SOURCES.md).
 
 (shown wrapped).  Thinking modes: "none" (chat mode: `</think>` after each
 `<｜Assistant｜>`, no effort line) or a level "1".."100" (`--think-level`;
-named efforts: low 50, medium 62, high 75 = default, max/xhigh 100).  In
-thinking mode every assistant turn keeps `<think>REASONING</think>` (ds4: the
-template shape stays constant so the KV prefix stays reusable; DeepSeek's
-encoder drops old reasoning when no tools are declared unless told not to --
-`drop_thinking` -- which ds4 and this renderer do not do).  A later system
-message is a mid-conversation `<｜System｜>` turn.
+named efforts: low 50, medium 62, high 75 = default, max/xhigh 100; low, high
+and max are ds4's presets -- the encoder copy the tests use maps low 25, high 50,
+xhigh 75).  With tool context (tools, tool calls or results: the encoder's
+`drop_thinking=False`, as ds4 passes it) every assistant turn keeps
+`<think>REASONING</think>`.  Without it old reasoning is dropped: a turn
+before the last user (or later system) message renders `<｜Assistant｜></think>
+CONTENT` -- the shape the engine's thinking checkpoint rebinds to.  A later
+system message is a mid-conversation `<｜System｜>` turn.
 """
 from __future__ import annotations
 
@@ -117,17 +120,35 @@ def render_calls(calls: Sequence) -> str:
 
 class _Msg:
     """A turn in the encoder's shape: system | user (text and tool-result parts) | assistant."""
-    __slots__ = ("role", "parts", "turn")
+    __slots__ = ("role", "parts", "ids", "turn")
 
     def __init__(self, role: str, turn: Optional[C.Turn] = None):
         self.role = role
         self.parts: list[str] = []
+        self.ids: list[Optional[str]] = []  # user: the call id of each tool-result part, None for text
         self.turn = turn
 
 
+def _order_results(out: list[_Msg]) -> None:
+    """Put the tool results of each user turn in the call order of the last
+    assistant turn that made calls.  The encoder sorts them within the whole
+    merged user turn, so text parts between results keep their places and the
+    results move around them (stable; unknown ids rank as the first call)."""
+    order: dict[str, int] = {}
+    for m in out:
+        if m.role == "assistant" and m.turn.tool_calls:
+            order = {c.id: k for k, c in enumerate(m.turn.tool_calls) if c.id}
+        elif m.role == "user" and order:
+            slots = [k for k, i in enumerate(m.ids) if i is not None]
+            if len(slots) > 1:
+                ranked = sorted(slots, key=lambda k: order.get(m.ids[k], 0))
+                parts = [m.parts[k] for k in ranked]
+                for k, part in zip(slots, parts):
+                    m.parts[k] = part
+
+
 def _messages(conv: Conversation, tool_memory) -> list[_Msg]:
-    ts = C.order_tool_results(C.turns(conv, tool_memory))
-    system, rest = C.merge_leading_system(ts)
+    system, rest = C.merge_leading_system(C.turns(conv, tool_memory))
     schemas = C.active_schemas(conv)
     out: list[_Msg] = []
     if system is not None or schemas:
@@ -140,25 +161,29 @@ def _messages(conv: Conversation, tool_memory) -> list[_Msg]:
     for t in rest:
         if t.role in ("user", "tool"):
             piece = t.content if t.role == "user" else M.TOOL_RESULT_OPEN + t.content + M.TOOL_RESULT_CLOSE
-            if out and out[-1].role == "user":
-                out[-1].parts.append(piece)
-            else:
-                m = _Msg("user")
-                m.parts.append(piece)
-                out.append(m)
+            if not (out and out[-1].role == "user"):
+                out.append(_Msg("user"))
+            out[-1].parts.append(piece)
+            out[-1].ids.append(t.tool_id if t.role == "tool" else None)
         elif t.role == "system":
             m = _Msg("system")
             m.parts.append(t.content)
             out.append(m)
         else:
             out.append(_Msg("assistant", t))
+    _order_results(out)
     return out
 
 
-def _render(conv: Conversation, tool_memory, generation: bool) -> str:
+def _render(conv: Conversation, tool_memory, generation: bool, keep_reasoning: bool) -> str:
     level = level_of(conv.thinking)
     thinking = level is not None
     msgs = _messages(conv, tool_memory)
+    # Without tool context the encoder drops the reasoning of every turn before
+    # the last user message (a later system message counts as one): those
+    # turns render without <think>...</think>, their prompts end in </think>.
+    last_user = max((i for i, m in enumerate(msgs) if m.role == "user" or (m.role == "system" and i > 0)),
+                    default=-1)
     out = [M.BOS]
     effort = EFFORT_TEXT.format(level=level) if thinking else ""
     if effort or (msgs and msgs[0].role == "system"):
@@ -173,7 +198,7 @@ def _render(conv: Conversation, tool_memory, generation: bool) -> str:
             out.append(M.USER + "\n\n".join(m.parts))
         else:
             t = m.turn
-            if thinking:
+            if thinking and (keep_reasoning or i > last_user):
                 out.append(t.reasoning + M.THINK_CLOSE)
             out.append(t.content)
             if t.tool_calls:
@@ -186,7 +211,7 @@ def _render(conv: Conversation, tool_memory, generation: bool) -> str:
             continue
         if m.role == "user" or (m.role == "system" and i > 0):
             out.append(M.ASSISTANT)
-            out.append(M.THINK_OPEN if thinking else M.THINK_CLOSE)
+            out.append(M.THINK_OPEN if thinking and (keep_reasoning or i >= last_user) else M.THINK_CLOSE)
     return "".join(out)
 
 
@@ -223,10 +248,10 @@ class DeepSeekV41Protocol(ChatProtocol):
         return "none" if n == 0 else str(n)
 
     def render(self, conv: Conversation, tool_memory=None) -> str:
-        return _render(conv, tool_memory, True)
+        return _render(conv, tool_memory, True, self.uses_tool_context(conv))
 
     def render_history(self, conv: Conversation, tool_memory=None) -> str:
-        return _render(conv, tool_memory, False)
+        return _render(conv, tool_memory, False, self.uses_tool_context(conv))
 
     def render_completion(self, prompt: str, thinking: str = "75") -> str:
         conv = Conversation(messages=[Message(role="system", content=M.COMPLETION_SYSTEM),
