@@ -194,6 +194,8 @@ def add_arguments(p) -> None:
     p.add_argument("--layers", type=int, default=None, help="--synthetic: number of layers (default 43)")
     p.add_argument("--experts", type=int, default=None, help="--synthetic: routed experts (default 256)")
     p.add_argument("--expert-bits", type=int, choices=[2, 4], default=2, help="--synthetic: routed expert bits")
+    p.add_argument("--expert-format", choices=["mlx", "gguf"], default="mlx",
+                   help="--synthetic: routed experts MLX affine (--expert-bits) or ds4's GGUF IQ2_XXS/Q2_K blocks")
     p.add_argument("--other-bits", type=int, choices=[4, 8, 16], default=8, help="--synthetic: bits of the other linears (16 = bf16)")
     p.add_argument("--ctx-start", type=int, default=2048)
     p.add_argument("--ctx-max", type=int, default=8192)
@@ -222,8 +224,9 @@ def run(args) -> int:
         from .synthetic import build_synthetic_v4_flash
 
         model, tokenizer, info = build_synthetic_v4_flash(layers=args.layers, experts=args.experts,
-                                                          expert_bits=args.expert_bits, other_bits=args.other_bits)
-        label = f"synthetic V4 Flash ({info['layers']} layers, experts {args.expert_bits}-bit)"
+                                                          expert_bits=args.expert_bits, other_bits=args.other_bits,
+                                                          expert_format=args.expert_format)
+        label = f"synthetic V4 Flash ({info['layers']} layers, experts {info['expert_bits']})"
         print(f"ds4mlx bench: {label}: {info}", file=sys.stderr)
     else:
         from .loader import load

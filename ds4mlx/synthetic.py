@@ -61,6 +61,47 @@ def named_experts(name: str, shape, std: float):
                            for i in range(0, e, EXPERT_CHUNK)])
 
 
+# Byte offsets of the float16 scale fields inside one block of each type: random
+# bytes there could be inf / NaN; a fixed small scale keeps the outputs finite.
+_F16_FIELDS = {"IQ2_XXS": (0,), "Q2_K": (80, 82), "Q4_K": (0, 2), "Q8_0": (0,)}
+
+
+def random_gguf_blocks(qtype, experts: int, rows: int, k: int, seed: int = 0):
+    """uint8 [experts, rows, row_bytes] GGUF blocks: random quants, every f16 scale 1/16."""
+    import mlx.core as mx
+
+    from .quant import as_qtype, block_size, row_bytes
+
+    qt = as_qtype(qtype)
+    elems, nbytes = block_size(qt)
+    chunks = []
+    for e0 in range(0, experts, EXPERT_CHUNK):  # a whole bank in one launch overflows the grid
+        e = min(EXPERT_CHUNK, experts - e0)
+        b = mx.random.randint(0, 256, (e, rows, k // elems, nbytes), key=mx.random.key(seed + e0)).astype(mx.uint8)
+        for off in _F16_FIELDS[qt.name]:
+            b[..., off] = 0x00
+            b[..., off + 1] = 0x2C  # float16 0.0625
+        chunks.append(b.reshape(e, rows, row_bytes(qt, k)))
+        mx.eval(chunks[-1])
+    return mx.concatenate(chunks)
+
+
+def _gguf_experts(module, seed: int) -> None:
+    """Routed experts as ds4's 2-bit GGUF files store them: gate / up IQ2_XXS, down
+    Q2_K, computed on the blocks by `kernels.quant_moe` (no float bank is ever made)."""
+    from .models.quantized import GGUFSwitchLinear, SplitSwitchLinear
+
+    experts = getattr(getattr(module, "mlp", None), "experts", None)
+    if experts is None:
+        return
+    e, two_i, h = experts.gate_up_proj.weight.shape
+    i = two_i // 2
+    experts.gate_up_proj = SplitSwitchLinear(
+        GGUFSwitchLinear(random_gguf_blocks("IQ2_XXS", e, i, h, seed), "IQ2_XXS", h),
+        GGUFSwitchLinear(random_gguf_blocks("IQ2_XXS", e, i, h, seed + 1), "IQ2_XXS", h))
+    experts.down_proj = GGUFSwitchLinear(random_gguf_blocks("Q2_K", e, h, i, seed + 2), "Q2_K", i)
+
+
 def default_value(name: str, p, n_experts: int, k: int):
     """The synthetic value of parameter `name` (full dotted name) shaped like `p`."""
     import zlib
@@ -85,10 +126,13 @@ def default_value(name: str, p, n_experts: int, k: int):
 
 
 def _randomize(module, prefix: str, n_experts: int, k: int, value=default_value) -> None:
-    """Replace every parameter of `module` by `value(full name, param, ...)` (lazy)."""
+    """Replace every parameter of `module` by `value(full name, param, ...)` (lazy);
+    uint8 GGUF blocks (already random) are kept."""
+    import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
-    new = [(name, value(prefix + name, p, n_experts, k)) for name, p in tree_flatten(module.parameters())]
+    new = [(name, value(prefix + name, p, n_experts, k)) for name, p in tree_flatten(module.parameters())
+           if p.dtype != mx.uint8]
     module.update(tree_unflatten(new))
 
 
@@ -132,8 +176,12 @@ def _quantize(module, expert_bits: int, other_bits: int) -> None:
 
 
 def build_synthetic_v4_flash(layers: int | None = None, experts: int | None = None, expert_bits: int = 2,
-                             other_bits: int = 8, value=default_value, overrides: dict | None = None):
+                             other_bits: int = 8, value=default_value, overrides: dict | None = None,
+                             expert_format: str = "mlx"):
     """-> (LanguageModel, Tokenizer, info dict with sizes and the HBM roofline).
+
+    `expert_format` "mlx": routed experts MLX affine `expert_bits` (gather_qmm);
+    "gguf": ds4's 2-bit GGUF layout (IQ2_XXS gate / up, Q2_K down) on the blocks.
 
     `value(name, param, n_experts, k)` gives each parameter's values (default: keyed
     by name); `overrides` shrinks shapes for CPU smoke tests."""
@@ -152,7 +200,11 @@ def build_synthetic_v4_flash(layers: int | None = None, experts: int | None = No
     parts = [("model.embed_tokens.", model.model.embed_tokens), ("model.norm.", model.model.norm),
              ("model.hc_head.", model.model.hc_head), ("lm_head.", model.lm_head)]
     parts += [(f"model.layers.{i}.", layer) for i, layer in enumerate(model.model.layers)]
-    for prefix, part in parts:  # one piece at a time: never the whole float model at once
+    if expert_format not in ("mlx", "gguf"):
+        raise ValueError(f"expert_format must be 'mlx' or 'gguf', not {expert_format!r}")
+    for n, (prefix, part) in enumerate(parts):  # one piece at a time: never the whole float model at once
+        if expert_format == "gguf":
+            _gguf_experts(part, 1000 * n)
         _randomize(part, prefix, args.n_routed_experts, args.num_experts_per_tok, value)
         _quantize(part, expert_bits, other_bits)
         for _, arr in tree_flatten(part.parameters()):  # one tensor per eval keeps launches small
@@ -164,7 +216,8 @@ def build_synthetic_v4_flash(layers: int | None = None, experts: int | None = No
     embed = sum(p.nbytes for n, p in params if "embed_tokens" in n)
     active = (total - expert - embed) + expert * args.num_experts_per_tok / args.n_routed_experts \
         + embed / args.vocab_size
-    info = {"layers": args.num_hidden_layers, "experts": args.n_routed_experts, "expert_bits": expert_bits,
+    info = {"layers": args.num_hidden_layers, "experts": args.n_routed_experts,
+            "expert_bits": "iq2_xxs/q2_k" if expert_format == "gguf" else expert_bits,
             "other_bits": other_bits, "build_s": round(time.time() - t0, 1), "weights_gb": round(total / 1e9, 2),
             "active_gb_per_token": round(active / 1e9, 3),
             "roofline_tps_at_4.8TBps": round(4.8e12 / active, 1)}

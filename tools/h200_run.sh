@@ -4,6 +4,8 @@
 #   device call 1: mkdir -p /root/gpu && cp .gpu/a/part_aa /root/gpu/     (carry .gpu/a)
 #   device call 2: source .gpu/b/setup.sh && bash tools/h200_run.sh A     (carry .gpu/b .gpu/tc)
 #   device call 3: source .gpu/b/setup.sh && bash tools/h200_run.sh B     (carry .gpu/b)
+# Phase K: every GPU test + the quantized-MoE GB/s table; phase M: kernels on / off
+# on the 43-layer synthetic model with MLX and with GGUF (IQ2_XXS / Q2_K) experts.
 # Phase A: GPU kernel tests, kernel micro-benchmarks (kernels on/off on an 8-layer
 # synthetic model), the 43-layer synthetic V4 Flash frontier bench + decode profile.
 # Phase B: ds4mlx vs mlx-lm deepseek_v41 side by side (same shapes, bits, weights).
@@ -31,6 +33,21 @@ elif [ "${1:-A}" = A ]; then
   timeout 270 $py -m ds4mlx.cli bench --synthetic v4-flash --ctx-start 2048 --ctx-max 32768 --step-mul 4 \
       --gen-tokens 32 --time-budget 150 --profile --csv "$OUT/v4flash.csv" > "$OUT/v4flash.txt" 2>&1
   tail -25 "$OUT/v4flash.txt" | tee -a "$OUT/log.txt"
+elif [ "$1" = K ]; then  # every GPU test, then the quantized-MoE GB/s table
+  log "gpu tests"
+  DS4MLX_TEST_CACHE=$PWD/.gpu/tc timeout 230 $py -m pytest -q -m gpu -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+  tail -5 "$OUT/gpu_tests.txt" | tee -a "$OUT/log.txt"
+  log "quantized MoE GB/s"
+  timeout 300 $py -m ds4mlx.kernels.bench_kernels --qmoe --no-micro --no-layer --no-model --iters 200 \
+      > "$OUT/qmoe.txt" 2>&1
+  cat "$OUT/qmoe.txt" | tee -a "$OUT/log.txt"
+elif [ "$1" = M ]; then  # 43-layer model, kernels on vs off in one process: MLX experts, then GGUF experts
+  for fmt in mlx gguf; do
+    log "43-layer synthetic, experts $fmt, kernels off / on"
+    timeout 270 $py -m ds4mlx.kernels.bench_kernels --no-micro --no-layer --layers 43 --ctx ${CTX:-1024} \
+        --gen 16 --expert-format $fmt > "$OUT/model_$fmt.txt" 2>&1
+    tail -4 "$OUT/model_$fmt.txt" | tee -a "$OUT/log.txt"
+  done
 elif [ "$1" = F ]; then  # the full-model bench alone
   log "43-layer synthetic V4 Flash frontier bench"
   timeout 400 $py -m ds4mlx.cli bench --synthetic v4-flash --ctx-start 2048 --ctx-max 32768 --step-mul 4 \

@@ -1,6 +1,7 @@
 """Micro-benchmark of the custom kernels against the plain MLX graph (run on a GPU).
 
     python -m ds4mlx.kernels.bench_kernels [--layers 8] [--ctx 2560] [--gen 16] [--no-model]
+                                           [--qmoe] [--expert-format mlx|gguf]
 
 Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, indexer
 64 heads x 128, index_topk 512, window 128):
@@ -12,8 +13,11 @@ Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, ind
   ``mx.eval``: launch + GPU time, graph building amortised);
 * one CSA attention layer (random weights, 8-bit linears) decoding at --ctx, kernels
   on vs off;
+* with ``--qmoe``: GB/s of the quantized-MoE decode mat-vec per GGUF type (IQ2_XXS,
+  Q2_K, Q4_K, Q8_0) vs MLX's ``gather_qmm`` at the nearest affine bit width;
 * the synthetic V4 Flash model (``ds4mlx bench --synthetic v4-flash --layers N``)
-  prefill and decode tokens/s with the kernels on and with ``DS4MLX_KERNELS=reference``.
+  prefill and decode tokens/s with the kernels on and with ``DS4MLX_KERNELS=reference``;
+  ``--expert-format gguf`` gives it ds4's IQ2_XXS / Q2_K expert blocks.
 
 Kernels on / off is the ``DS4MLX_KERNELS`` switch of `ds4mlx.kernels.dispatch`
 (read at every call), so one process measures both.
@@ -164,6 +168,72 @@ def bench_sparse(iters: int):
         timed(kern_pre, max(4, iters // 10)))
 
 
+_MLX_BITS = {"IQ2_XXS": 2, "Q2_K": 2, "Q4_K": 4, "Q8_0": 8}
+
+
+def bench_qmoe(iters: int, experts: int = 256, hidden: int = 4096, inter: int = 2048, topk: int = 6,
+               face: str | None = None, types=("IQ2_XXS", "Q2_K", "Q4_K", "Q8_0")):
+    """Decode mat-vec over `topk` selected experts (V4 Flash shapes): GB/s of weights
+    read by `quant_moe.gather_qmv` per GGUF type vs MLX's gather_qmm on an affine
+    bank of the nearest bit width (group 64, bfloat16 scales and biases).
+
+    Each call picks a fresh random expert set (the bank is far larger than L2), and
+    16 calls go in one ``mx.eval`` (``batched``) — GPU time plus launch overhead;
+    ``sync`` is one call per eval, what an unfused decode step pays."""
+    from ds4mlx.kernels import quant_moe
+    from ds4mlx.quant import as_qtype, row_bytes
+    from ds4mlx.synthetic import random_gguf_blocks
+
+    face = face or dispatch.gpu_backend()
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    id_sets = [mx.array(rng.permutation(experts)[:topk].astype(np.int32))[None] for _ in range(64)]
+    mx.eval(id_sets)
+    print(f"quantized MoE decode, {experts} experts, top-{topk}, per call (sync / batched), weights read / time:")
+    results = []
+    for name, rows, kdim, per_expert_x in (("gate/up", inter, hidden, False), ("down", hidden, inter, True)):
+        x = (mx.random.normal((1, topk, kdim) if per_expert_x else (1, kdim)) * 0.5).astype(mx.bfloat16)
+        mx.eval(x)
+        for tname in types:
+            qt = as_qtype(tname)
+            blocks = random_gguf_blocks(qt, experts, rows, kdim)
+            gb = topk * rows * row_bytes(qt, kdim) / 1e9
+            it = iter(range(1 << 30))
+            ours = timed(lambda: quant_moe.gather_qmv(x, blocks, qt, id_sets[next(it) % 64], backend=face), iters)
+            blocks = None  # free the bank before the next one is built
+            bits = _MLX_BITS[tname]
+            w = (mx.random.normal((experts, rows, kdim), key=mx.random.key(3)) * kdim ** -0.5).astype(mx.bfloat16) \
+                if experts * rows * kdim < 2 ** 31 else None
+            parts = []
+            for e0 in range(0, experts, 16):
+                we = w[e0:e0 + 16] if w is not None else \
+                    (mx.random.normal((min(16, experts - e0), rows, kdim)) * kdim ** -0.5).astype(mx.bfloat16)
+                parts.append(mx.quantize(we, 64, bits))
+                mx.eval(parts[-1])
+            del w
+            wq, sc, bi = (mx.concatenate([p[j] for p in parts]) for j in range(3))
+            del parts
+            mx.eval(wq, sc, bi)
+            gb_mlx = topk * (wq[0].nbytes + sc[0].nbytes + bi[0].nbytes) / 1e9
+            xm = x.reshape(topk, 1, kdim) if per_expert_x else x.reshape(1, 1, kdim)
+            it2 = iter(range(1 << 30))
+            theirs = timed(lambda: mx.gather_qmm(xm, wq, sc, bi, rhs_indices=id_sets[next(it2) % 64][0],
+                                                 transpose=True, group_size=64, bits=bits), iters)
+            wq = sc = bi = None
+            mx.clear_cache()
+            r = {"proj": name, "type": tname, "bpw": round(gb * 8e9 / (topk * rows * kdim), 3),
+                 "ours_us": ours, "ours_gbs": tuple(gb / (t * 1e-6) for t in ours),
+                 "mlx_bits": bits, "mlx_bpw": round(gb_mlx * 8e9 / (topk * rows * kdim), 3),
+                 "mlx_us": theirs, "mlx_gbs": tuple(gb_mlx / (t * 1e-6) for t in theirs)}
+            results.append(r)
+            print(f"  {name:7s} {tname:8s} {r['bpw']:5.2f} bpw: ours {ours[0]:7.1f} / {ours[1]:7.1f} µs "
+                  f"= {r['ours_gbs'][0]:7.1f} / {r['ours_gbs'][1]:7.1f} GB/s ({r['ours_gbs'][1] / 4800 * 100:4.1f}% of 4.8 TB/s)"
+                  f" | gather_qmm {bits}-bit {r['mlx_bpw']:4.2f} bpw: {theirs[0]:7.1f} / {theirs[1]:7.1f} µs "
+                  f"= {r['mlx_gbs'][0]:7.1f} / {r['mlx_gbs'][1]:7.1f} GB/s", flush=True)
+    return results
+
+
 def _random_weights(module, seed: int = 1):
     """bf16 N(0, 1/fan_in) matrices (8-bit quantized where MLX can), unit norms, small vectors."""
     import mlx.nn as nn
@@ -223,11 +293,11 @@ def bench_csa_layer(ctx: int, iters: int):
             print(f"  kernels {'on ' if on else 'off'}: {(time.perf_counter() - t0) / iters * 1e3:8.3f} ms", flush=True)
 
 
-def bench_model(layers: int, ctx: int, gen: int):
+def bench_model(layers: int, ctx: int, gen: int, expert_format: str = "mlx"):
     from ds4mlx.bench import run_bench
     from ds4mlx.synthetic import build_synthetic_v4_flash
 
-    model, tok, info = build_synthetic_v4_flash(layers=layers)
+    model, tok, info = build_synthetic_v4_flash(layers=layers, expert_format=expert_format)
     print(f"synthetic V4 Flash, {layers} layers: {info}", flush=True)
     for on in (False, True):
         with kernels(on):
@@ -247,19 +317,24 @@ def main(argv=None) -> int:
     p.add_argument("--no-micro", action="store_true")
     p.add_argument("--no-layer", action="store_true")
     p.add_argument("--no-model", action="store_true")
+    p.add_argument("--qmoe", action="store_true", help="the quantized-MoE GB/s table")
+    p.add_argument("--expert-format", choices=["mlx", "gguf"], default="mlx",
+                   help="synthetic model's routed experts: MLX 2-bit affine, or ds4's IQ2_XXS / Q2_K blocks")
     a = p.parse_args(argv)
     face = dispatch.gpu_backend()
     if face is None:
         print("bench_kernels: no MLX GPU backend (the kernels only run on a GPU)")
         return 2
     print(f"bench_kernels on {mx.default_device()} ({face})", flush=True)
+    if a.qmoe:
+        bench_qmoe(a.iters)
     if not a.no_micro:
         bench_hc(a.iters)
         bench_sparse(a.iters)
     if not a.no_layer:
         bench_csa_layer(a.layer_ctx, max(10, a.iters // 4))
     if not a.no_model:
-        bench_model(a.layers, a.ctx, a.gen)
+        bench_model(a.layers, a.ctx, a.gen, a.expert_format)
     return 0
 
 
