@@ -17,6 +17,8 @@ Stated bounds (float32 math, u = 2**-23):
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import mlx.core as mx
@@ -391,11 +393,15 @@ def test_gpu_attention_equals_reference(case):
 
 @pytest.mark.gpu
 def test_gpu_tiny_models_kernels_on_vs_off(oracle_model, monkeypatch):
-    """Whole tiny models on the GPU: kernels (both modules) on vs DS4MLX_KERNELS=reference.
-    Other matmuls run in TF32 on MLX CUDA (~1e-3 relative), so both runs are compared to
-    the float32 oracle with the plain run's own error as the yardstick.  (A failure far
-    beyond that is worth checking for an indexer near-tie moved by TF32 noise.)"""
+    """Whole tiny models on the GPU, prefill chunks of 16 and decode (chunk 1): kernels
+    (hyper-connections and sparse attention) on, and DS4MLX_KERNELS=reference, both equal
+    the float32 oracle within the parity bound.  Needs full float32 matmuls
+    (MLX_ENABLE_TF32=0, which conftest sets): under TF32 (~1e-3 relative) an indexer
+    near-tie can flip a top-k selection and move logits by ~1 in either run (H200,
+    2026-11-30: plain 0.93, kernels 0.34 under TF32; both <= 4e-5 without)."""
     _gpu_face()
+    if os.environ.get("MLX_ENABLE_TF32") != "0":
+        pytest.skip("needs MLX_ENABLE_TF32=0 (TF32 noise flips indexer near-ties)")
     lm, ref = oracle_model
     ids = mx.array(ref["input_ids"].astype(np.int32))
 
@@ -405,12 +411,13 @@ def test_gpu_tiny_models_kernels_on_vs_off(oracle_model, monkeypatch):
                                for i in range(0, ids.shape[1], chunk)])
 
     want = ref["logits_full"][0]
+    monkeypatch.setenv("DS4MLX_SPARSE_ATTENTION", "1")  # both modules: hyper-connections and sparse attention
     for chunk in (1, 16):
         monkeypatch.setenv("DS4MLX_KERNELS", "reference")
         err_plain = float(np.abs(run(chunk) - want).max())
         monkeypatch.delenv("DS4MLX_KERNELS")
         err_kern = float(np.abs(run(chunk) - want).max())
-        assert err_kern <= max(2 * err_plain, 2e-3), (chunk, err_kern, err_plain)
+        assert err_kern <= 1e-4 and err_plain <= 1e-4, (chunk, err_kern, err_plain)
 
 
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
