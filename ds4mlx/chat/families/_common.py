@@ -152,28 +152,5 @@ def param_types(schemas: Sequence[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def order_tool_results(ts: list[Turn]) -> list[Turn]:
-    """Each run of tool turns sorted into the call order of the assistant turn
-    before it (stable; ids it does not name keep their place at the front)."""
-    out = list(ts)
-    order: dict[str, int] = {}
-    i = 0
-    while i < len(out):
-        t = out[i]
-        if t.role == "assistant":
-            order = {c.id: k for k, c in enumerate(t.tool_calls) if c.id}
-            i += 1
-            continue
-        if t.role != "tool":
-            i += 1
-            continue
-        j = i
-        while j < len(out) and out[j].role == "tool":
-            j += 1
-        out[i:j] = sorted(out[i:j], key=lambda x: order.get(x.tool_id, 0))
-        i = j
-    return out
-
-
 def strip_ws(s: str) -> str:
     return s.strip(_C_SPACE)
