@@ -235,11 +235,9 @@ def _anthropic_body(case: dict) -> Optional[dict]:
 
 ANTHROPIC = [c for c in GOLDEN if _anthropic_body(c) is not None]
 
-# Known bug, not a choice: the shared Anthropic parser flattens tool_result blocks to
-# `<tool_result>` text and _common.turns() re-splits that text, so literal
-# `<tool_result>..</tool_result>` typed in a text block of the same user message is
-# taken for a result (ds4 keeps the spans it parsed: ds41_message_views).
-ANTHROPIC_KNOWN_BUGS = {"parallel_literal_result_text/effort=1", "parallel_literal_result_text/effort=100"}
+# Literal `<tool_result>..</tool_result>` typed in a text block next to real tool_result
+# blocks stays text (the parser records the blocks' spans, as ds4's ds41_message_views
+# does): "parallel_literal_result_text" checks it.
 
 
 def test_golden_anthropic_covers_tools_results_and_thinking():
@@ -248,9 +246,7 @@ def test_golden_anthropic_covers_tools_results_and_thinking():
             "nested_arguments/effort=100", "multi_turn_reasoning_dropped/effort=75"} <= names
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="literal <tool_result> text re-split as a result"))
-    if c["name"] in ANTHROPIC_KNOWN_BUGS else c for c in ANTHROPIC], ids=[c["name"] for c in ANTHROPIC])
+@pytest.mark.parametrize("case", ANTHROPIC, ids=[c["name"] for c in ANTHROPIC])
 def test_golden_anthropic(case):
     """Named exception: Anthropic tools reach the model as declared -- the schema
     line is the `{name, description, input_schema}` object (spec §2.4), where the

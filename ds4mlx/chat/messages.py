@@ -19,6 +19,9 @@ class Message:
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_ids: list[str] = field(default_factory=list)  # ids of tool results carried here
+    # Anthropic: (start, end, tool_use_id) of each tool_result block's `<tool_result>...`
+    # text in `content`, so a literal `<tool_result>` typed in a text block stays text.
+    result_spans: list[tuple[int, int, str]] = field(default_factory=list)
     # Exact sampled DSML block replayed instead of the canonical rendering of
     # `tool_calls` (set by ToolMemory.attach, dsml.md §9); "" = render canonically.
     raw_dsml: str = ""

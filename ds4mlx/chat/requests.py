@@ -405,7 +405,9 @@ def _anthropic_block(b: dict, m: Message) -> None:
                                      arguments=dumps_compact(inp) if has_input else "{}"))
     elif typ == "tool_result":
         _add_id(m.tool_call_ids, bid)
+        start = len(m.content)
         m.content += M.TOOL_RESULT_OPEN + escape_tool_result(result or "") + M.TOOL_RESULT_CLOSE
+        m.result_spans.append((start, len(m.content), bid or ""))
     else:
         if text:
             m.content += text
@@ -421,7 +423,7 @@ def _anthropic_message(obj: Any) -> Message:
         if k == "role":
             m.role = _str(v)
         elif k == "content":
-            m.content, m.reasoning, m.tool_calls, m.tool_call_ids = "", "", [], []
+            m.content, m.reasoning, m.tool_calls, m.tool_call_ids, m.result_spans = "", "", [], [], []
             if isinstance(v, str):
                 m.content = v
             elif isinstance(v, list):

@@ -38,12 +38,25 @@ class Turn:
 
 def _split_anthropic_results(m, out: list) -> None:
     """A user message that carries Anthropic tool results: its `<tool_result>`
-    blocks become tool turns (ids in order), the text around them user turns."""
+    blocks become tool turns (ids in order), the text around them user turns.
+    Where the parser recorded the blocks' spans only those count, so literal
+    `<tool_result>` text in a text block stays user text."""
+    close_escaped = M.PARAM_CLOSE_TEXT_ESCAPE + M.TOOL_RESULT_CLOSE[1:]
+    if m.result_spans:
+        pos = 0
+        for start, end, tool_id in m.result_spans:
+            if m.content[pos:start]:
+                out.append(Turn("user", m.content[pos:start]))
+            body = m.content[start + len(M.TOOL_RESULT_OPEN):end - len(M.TOOL_RESULT_CLOSE)]
+            out.append(Turn("tool", body.replace(close_escaped, M.TOOL_RESULT_CLOSE), tool_id=tool_id))
+            pos = end
+        if m.content[pos:]:
+            out.append(Turn("user", m.content[pos:]))
+        return
     text = m.content
     ids = list(m.tool_call_ids)
     pos = 0
     k = 0
-    close_escaped = M.PARAM_CLOSE_TEXT_ESCAPE + M.TOOL_RESULT_CLOSE[1:]
     pending = ""
     while True:
         i = text.find(M.TOOL_RESULT_OPEN, pos)
