@@ -35,14 +35,14 @@ elif [ "${1:-A}" = A ]; then
   tail -25 "$OUT/v4flash.txt" | tee -a "$OUT/log.txt"
 elif [ "$1" = K ]; then  # every GPU test, then the quantized-MoE GB/s table
   log "gpu tests"
-  DS4MLX_TEST_CACHE=$PWD/.gpu/tc timeout 230 $py -m pytest -q -m gpu -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+  DS4MLX_TEST_CACHE=$PWD/.gpu/tc timeout 420 $py -m pytest -q -m gpu -p no:cacheprovider -rf > "$OUT/gpu_tests.txt" 2>&1
   tail -5 "$OUT/gpu_tests.txt" | tee -a "$OUT/log.txt"
   log "quantized MoE GB/s"
   timeout 300 $py -m ds4mlx.kernels.bench_kernels --qmoe --no-micro --no-layer --no-model --iters 200 \
       > "$OUT/qmoe.txt" 2>&1
   cat "$OUT/qmoe.txt" | tee -a "$OUT/log.txt"
 elif [ "$1" = M ]; then  # 43-layer model, kernels on vs off in one process: MLX experts, then GGUF experts
-  for fmt in mlx gguf; do
+  for fmt in ${FORMATS:-mlx gguf}; do
     log "43-layer synthetic, experts $fmt, kernels off / on"
     timeout 270 $py -m ds4mlx.kernels.bench_kernels --no-micro --no-layer --layers 43 --ctx ${CTX:-1024} \
         --gen 16 --expert-format $fmt > "$OUT/model_$fmt.txt" 2>&1
