@@ -185,7 +185,7 @@ def test_metal_and_cuda_share_one_description(kind, qtype):
         assert part in mh and part in ch
     assert mb.endswith(sec[kind]) and cb.endswith(sec[kind])
     assert f"ds4_chunk_{qtype.name.lower()}" in mh and f"ds4_chunk_{qtype.name.lower()}" in ch
-    assert "thread_position_in_grid" in mb and "blockIdx" in cb
+    assert ("thread_position_in_grid" in mb or "threadgroup_position_in_grid" in mb) and "blockIdx" in cb
     # CUDA spelling: no Metal-only words outside the Metal prelude
     for word in ("device ", "threadgroup", "simd_sum", "as_type", " uint "):
         assert word not in ch + cb, word
@@ -264,9 +264,31 @@ def test_gpu_bfloat16_activations(qtype):
 # ------------------------------------------------------------------ the shared GPU code, compiled for the CPU
 #
 # The `common`, `qmv` and `dequant` sections are plain C++ apart from the prelude
-# names; with a CPU prelude (a warp emulated by 32 threads and a barrier) g++ runs
-# the very text both GPU faces compile, so its decoding and indexing are checked
-# here even without a GPU.
+# names; with a CPU prelude g++ runs the very text both GPU faces compile, so its
+# decoding, indexing and (for qmv) its threadgroup staging and barrier are checked
+# here even without a GPU.  dequant: a warp emulated by 32 threads; qmv: whole
+# threadgroups through tests/test_kernel_emulation.run_on_cpu (AddressSanitizer on).
+
+# The quant_moe prelude names (see metal/quant_moe.metal) that the generic emulation
+# preludes lack.  The aligned loads abort on a misaligned address: the CPU would not.
+CPU_NAMES = r"""
+#define DEV
+#define THR
+#define SHR
+#define CONSTANT static const
+static inline float ds4_f16(uint16_t h) { _Float16 f; std::memcpy(&f, &h, 2); return (float)f; }
+static inline float ds4_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline uint32_t ds4_ld16(const uint8_t* p) {
+    if ((uintptr_t)p & 1u) { std::fprintf(stderr, "misaligned ds4_ld16\n"); std::abort(); }
+    uint16_t v; std::memcpy(&v, p, 2); return v;
+}
+static inline uint32_t ds4_ld32(const uint8_t* p) {
+    if ((uintptr_t)p & 3u) { std::fprintf(stderr, "misaligned ds4_ld32\n"); std::abort(); }
+    uint32_t v; std::memcpy(&v, p, 4); return v;
+}
+static inline uint32_t ds4_popcount(uint32_t v) { return (uint32_t)__builtin_popcount(v); }
+static inline uint32_t ds4_magic_byte(uint32_t v, uint32_t i) { return 0x4B000000u | ((v >> (8u * i)) & 255u); }
+"""
 
 CPU_PRELUDE = r"""
 #include <cstdint>
@@ -277,10 +299,6 @@ CPU_PRELUDE = r"""
 #include <thread>
 #include <vector>
 #define DS4_FN static inline
-#define DEV
-#define THR
-#define CONSTANT static const
-static inline float ds4_f16(uint16_t h) { _Float16 f; std::memcpy(&f, &h, 2); return (float)f; }
 static thread_local int tl_lane;
 static float g_vals[32];
 static std::barrier<>* g_bar;
@@ -289,18 +307,11 @@ static inline float ds4_warp_sum(float v) {
     float s = 0.0f; for (int i = 0; i < 32; ++i) s += g_vals[i];
     g_bar->arrive_and_wait(); return s;
 }
-static inline uint32_t ds4_popcount(uint32_t v) { return (uint32_t)__builtin_popcount(v); }
-"""
+""" + CPU_NAMES
 
 CPU_MAIN = r"""
 using T = float;
 constexpr int N_ROWS = %(rows)d, K_DIM = %(k)d, ROW_BYTES = %(rb)d;
-static void qmv_lane(const T* x, const uint8_t* w, const int32_t* eids, const int32_t* xids, T* y,
-                     uint32_t lane_, uint32_t row_, uint32_t pair_) {
-    tl_lane = (int)lane_;
-    const uint32_t lane = lane_, row = row_, pair = pair_;
-%(qmv)s
-}
 static void dequant_one(const uint8_t* w, const int32_t* eids, T* y, uint32_t c_, uint32_t row_, uint32_t m_) {
     const uint32_t c = c_, row = row_, m = m_;
 %(dequant)s
@@ -311,67 +322,130 @@ template <typename U> static std::vector<U> load(const char* path, size_t n) {
     std::fclose(f); return v;
 }
 int main(int argc, char** argv) {
-    const size_t E = %(e)d, P = %(p)d, NX = %(nx)d, M = %(m)d;
+    const size_t E = %(e)d, M = %(m)d;
     auto w = load<uint8_t>(argv[1], E * N_ROWS * ROW_BYTES);
-    auto x = load<float>(argv[2], NX * K_DIM);
-    auto eids = load<int32_t>(argv[3], P);
-    auto xids = load<int32_t>(argv[4], P);
-    auto mids = load<int32_t>(argv[5], M);
-    std::vector<float> y(P * N_ROWS, -1.0f), d(M * N_ROWS * K_DIM, -1.0f);
-    std::barrier<> bar(32);
-    g_bar = &bar;
-    for (uint32_t p = 0; p < P; ++p)
-        for (uint32_t r = 0; r < (uint32_t)N_ROWS; ++r) {
-            std::vector<std::thread> lanes;
-            for (uint32_t l = 0; l < 32; ++l)
-                lanes.emplace_back(qmv_lane, x.data(), w.data(), eids.data(), xids.data(), y.data(), l, r, p);
-            for (auto& t : lanes) t.join();
-        }
+    auto mids = load<int32_t>(argv[2], M);
+    std::vector<float> d(M * N_ROWS * K_DIM, -1.0f);
     for (uint32_t mm = 0; mm < M; ++mm)
         for (uint32_t r = 0; r < (uint32_t)N_ROWS; ++r)
             for (uint32_t c = 0; c < (uint32_t)(K_DIM / 32) + 1; ++c)   // one past the end: must be a no-op
                 dequant_one(w.data(), mids.data(), d.data(), c, r, mm);
-    FILE* f = std::fopen(argv[6], "wb");
-    std::fwrite(y.data(), 4, y.size(), f); std::fwrite(d.data(), 4, d.size(), f); std::fclose(f);
+    FILE* f = std::fopen(argv[3], "wb");
+    std::fwrite(d.data(), 4, d.size(), f); std::fclose(f);
     return 0;
 }
 """
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_shared_gpu_code_compiled_for_cpu(qtype, tmp_path):
+def test_shared_dequant_compiled_for_cpu(qtype, tmp_path):
     import shutil
     import subprocess
 
     if shutil.which("g++") is None:
         pytest.skip("no g++")
-    e, rows, n_tok, top = 3, 5, 2, 2
+    e, rows = 3, 5
     k = 512 if qtype != QT.Q8_0 else 96
-    rng = np.random.default_rng(21)
     raw = experts(qtype, e, rows, k, seed=21)
-    ids = rng.integers(0, e, (n_tok, top)).astype(np.int32)
-    x = rng.standard_normal((n_tok, k)).astype(np.float32)
     mids = np.array([2, 0], np.int32)
-    header, _ = qm.kernel_sources("qmv", qtype, "cuda")
+    header, _ = qm.kernel_sources("dequant", qtype, "cuda")
     sec = dispatch.sections(qm.SOURCE)
     header = header.replace(qm.CUDA_PRELUDE, CPU_PRELUDE)       # same common code, CPU prelude
-    src = header + CPU_MAIN % dict(rows=rows, k=k, rb=raw.shape[2], e=e, p=n_tok * top, nx=n_tok, m=2,
-                                   qmv=sec["qmv"], dequant=sec["dequant"])
+    src = header + CPU_MAIN % dict(rows=rows, k=k, rb=raw.shape[2], e=e, m=2, dequant=sec["dequant"])
     (tmp_path / "k.cpp").write_text(src)
     exe = tmp_path / "k"
     build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-o", str(exe), str(tmp_path / "k.cpp")],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
-    files = {}
-    for name, arr in (("w", raw), ("x", x), ("e", ids.reshape(-1)), ("xi", np.repeat(np.arange(n_tok, dtype=np.int32), top)),
-                      ("m", mids)):
-        files[name] = tmp_path / name
-        np.ascontiguousarray(arr).tofile(files[name])
-    out = tmp_path / "out"
-    subprocess.run([str(exe), *(str(files[n]) for n in ("w", "x", "e", "xi", "m")), str(out)], check=True)
-    res = np.fromfile(out, dtype=np.float32)
-    y, d = res[: n_tok * top * rows].reshape(n_tok, top, rows), res[n_tok * top * rows:].reshape(2, rows, k)
+    np.ascontiguousarray(raw).tofile(tmp_path / "w")
+    mids.tofile(tmp_path / "m")
+    subprocess.run([str(exe), str(tmp_path / "w"), str(tmp_path / "m"), str(tmp_path / "out")], check=True)
+    d = np.fromfile(tmp_path / "out", dtype=np.float32).reshape(2, rows, k)
     want_w = dequantize(raw, qtype, (e, rows, k))
     assert np.array_equal(d.view(np.uint32), want_w[mids].view(np.uint32))      # decoding: bit-exact
+
+
+def run_qmv_on_cpu(tmp_path, qtype, raw, x, eids, x_div, warps, rpw):
+    """The shared qmv text through `run_on_cpu`, launched as `gather_qmv` launches it
+    (grid (32*warps, ceil(rows / (warps*rpw)), P)); x float32 [NX, K] -> y [P, rows]."""
+    from test_kernel_emulation import run_on_cpu
+
+    e, rows, rb = raw.shape
+    k = x.shape[1]
+    header, _ = qm.kernel_sources("qmv", qtype, "cuda")
+    header = header.replace(qm.CUDA_PRELUDE, CPU_NAMES)
+    # run_on_cpu takes 32-bit buffers: the blocks travel as (zero-padded) words
+    flat = np.ascontiguousarray(raw).reshape(-1)
+    words = np.zeros(-(-flat.size // 4) * 4, np.uint8)
+    words[:flat.size] = flat
+    body = ("const uint32_t pair = tgz;\n"
+            "const uint8_t* w = reinterpret_cast<const uint8_t*>(w_words);\n"
+            + dispatch.sections(qm.SOURCE)["qmv"])
+    p = eids.size
+    out = run_on_cpu(tmp_path, header, body,
+                     inputs={"x": x.astype(np.float32), "w_words": words.view(np.uint32),
+                             "eids": eids.astype(np.int32).reshape(-1)},
+                     outputs={"y": ((p, rows), np.float32)},
+                     consts={"T": np.float32, "N_ROWS": rows, "K_DIM": k, "ROW_BYTES": rb,
+                             "WARPS": warps, "RPW": rpw, "X_DIV": x_div},
+                     groups=(1, -(-rows // (warps * rpw)), p), threads=32 * warps)
+    return out["y"]
+
+
+QMV_CPU_CASES = [
+    # (E, rows, K, n_tok, k, x per pair, WARPS, RPW)
+    (3, 5, 1024, 2, 2, False, 2, 2),             # 5 rows: last group half idle, a last warp row past the end; 2 steps
+    (2, 7, 256, 1, 1, True, 1, 3),               # P = 1, RPW 3 (7 = 3 + 3 + 1); half a step (lanes 16-31 idle)
+    (4, 3, 768, 3, 6, True, 2, 1),               # 18 pairs, 1.5 steps (IQ2_XXS rows only 2-byte aligned)
+    (5, 17, 256, 2, 3, False, qm.QMV_WARPS, qm.QMV_ROWS_PER_WARP),   # the launch gather_qmv uses
+]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("case", QMV_CPU_CASES, ids=lambda c: "E{}_r{}_K{}_t{}_k{}_pp{}_W{}_R{}".format(*c))
+def test_shared_qmv_compiled_for_cpu(qtype, case, tmp_path):
+    e, rows, k, n_tok, top, per_pair, warps, rpw = case
+    if qtype == QT.Q8_0:
+        k = 32 * (k // 64 + 1)       # an odd number of 32-blocks: a partial last step
+    rng = np.random.default_rng(rows * k + top)
+    raw = experts(qtype, e, rows, k, seed=rows + top)
+    ids = rng.integers(0, e, (n_tok, top))
+    x = rng.standard_normal((n_tok, top, k) if per_pair else (n_tok, k)).astype(np.float32)
+    got = run_qmv_on_cpu(tmp_path, qtype, raw, x.reshape(-1, k), ids, 1 if per_pair else top, warps, rpw)
     want, mag = dense(raw, qtype, x, ids)
-    check(y, want, mag, k)
+    check(got.reshape(n_tok, top, rows), want, mag, k)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_shared_qmv_decodes_bit_exact(qtype, tmp_path):
+    # one-hot x: pair p reads W[eids[p]][:, p], which must be the reference's weights exactly
+    e, rows = 2, 3
+    k = 256 if qtype != QT.Q8_0 else 96
+    raw = experts(qtype, e, rows, k, seed=8)
+    eids = np.arange(k, dtype=np.int32) % e
+    got = run_qmv_on_cpu(tmp_path, qtype, raw, np.eye(k, dtype=np.float32), eids, 1, 1, 2)
+    want = dequantize(raw, qtype, (e, rows, k))[eids, :, np.arange(k)]       # [P, rows]
+    assert np.array_equal(got, want)
+
+
+# ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
+
+@pytest.mark.parametrize("kind", ["qmv", "dequant"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_cuda_face_compiles_with_nvcc(kind, qtype, tmp_path):
+    """The CUDA translation unit mx.fast.cuda_kernel builds, compiled for sm_90 (H200) by
+    nvcc with warnings as errors (syntax and types; the g++ emulation checks the logic)."""
+    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+
+    h, b = qm.kernel_sources(kind, qtype, "cuda")
+    k, rb = 4096, qm.row_bytes(qtype, 4096)
+    tmpl = [("T", "bfloat16"), ("N_ROWS", 2048), ("K_DIM", k), ("ROW_BYTES", rb)]
+    if kind == "qmv":
+        ins = {"x": "bfloat16", "w": "uint32", "eids": "int32"}
+        tmpl += [("WARPS", qm.QMV_WARPS), ("RPW", qm.QMV_ROWS_PER_WARP), ("X_DIV", 6)]
+    else:
+        ins = {"w": "uint32", "eids": "int32"}
+    src = mlx_cuda_source(f"{kind}_{qtype.name.lower()}", h, b, ins, {"y": "bfloat16"}, tmpl)
+    # the helper knows no uint8 buffers: w is declared as MLX declares it
+    src = src.replace("const uint32_t* w,", "const uint8_t* w,")
+    nvcc_compile(tmp_path, src)

@@ -7,7 +7,7 @@ on-disk bytes; each row is K/256 (K/32 for Q8_0) consecutive blocks).
 
 Public API
 ----------
-``gather_qmv(x, w_blocks, qtype, expert_ids)``    decode: one SIMD group per output value
+``gather_qmv(x, w_blocks, qtype, expert_ids)``    decode: fused decode-and-dot, x staged in shared memory
 ``gather_qmm(x, w_blocks, qtype, expert_ids)``    prefill: dequantize each used expert once
                                                    (per chunk of experts), one matmul per expert
 ``gather_qmatmul(...)``                            picks one of the two by size
@@ -23,14 +23,20 @@ with MLX ops (bit-identical to `ds4mlx.quant.dequantize`) and multiplies in
 float32; the Metal face (``metal/quant_moe.metal``) and its CUDA twin (below,
 sharing the file's ``common`` / ``qmv`` / ``dequant`` sections verbatim) decode
 with the same float operations and accumulate in float32 per lane, then reduce
-over the 32 lanes of a SIMD group / warp.
+over the 32 lanes of a SIMD group / warp.  The qmv layout (16-value slices per
+lane, x transposed in shared memory, QMV_ROWS_PER_WARP rows per SIMD group)
+is explained at the top of the .metal file.
 
 Verified: the reference face on CPU (tests/test_quant_moe.py); the shared kernel
 text compiled with g++ (decoding bit-exact); the CUDA face on an H200 with MLX
 0.32.4 CUDA (``pytest -m gpu``: qmv within the float32 bound, dequant bit-exact,
 prefill, bfloat16).  The Metal face has not run yet (no Apple GPU here).
-Not tuned: one SIMD group per output value, no threadgroup caching of x;
-`QMV_MAX_PAIRS_AUTO` is a guess, not a measurement.
+The current qmv layout has so far been checked by the g++ emulation (decoding
+bit-exact, threadgroup staging under AddressSanitizer) and compiled by nvcc for
+sm_90, not yet run on a GPU.  It replaced a first version that was 2.4-2.7x
+slower than MLX's affine gather_qmm on an H200, for lack of coalesced loads (see
+the .metal file); its launch constants (QMV_WARPS, QMV_ROWS_PER_WARP) are
+reasoned, not measured, and so is `QMV_MAX_PAIRS_AUTO`.
 """
 from __future__ import annotations
 
@@ -44,7 +50,15 @@ from ds4mlx.quant import QT, as_qtype, iq2xxs_grid, iq2xxs_grid_u64, iq2xxs_sign
 
 SUPPORTED = (QT.Q8_0, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS)
 SOURCE = METAL_DIR / "quant_moe.metal"
-QMV_ROWS = 4           # output rows (SIMD groups) per threadgroup in the qmv kernel
+QMV_WARPS = 8          # SIMD groups per threadgroup in the qmv kernel (all on one pair)
+# Output rows per SIMD group: each x value read from shared memory serves this many
+# rows, and their weight loads are in flight together.  4 rather than 2: for the V4
+# Flash shapes nvcc (sm_90) then gives 48-64 registers, so the 3072 / 6144 SIMD groups
+# of a gate-up / down call fit in about one wave of 32-40 resident groups per SM.
+QMV_ROWS_PER_WARP = 4
+# qmv stages x as float32 in threadgroup memory, plus 2 KB of IQ2_XXS lattice:
+# (7680 + 512) * 4 bytes is Metal's 32 KB limit (CUDA's static limit is 48 KB).
+QMV_MAX_K = 7680
 MAX_PAIRS_QMV = 65535  # CUDA grid-z limit for the qmv launch
 QMV_MAX_PAIRS_AUTO = 64  # gather_qmatmul: above this many (token, expert) pairs, use qmm
 
@@ -54,19 +68,28 @@ CUDA_PRELUDE = r"""
 #define DS4_FN __device__ __forceinline__
 #define DEV
 #define THR
+#define SHR
 #define CONSTANT __constant__
+#define DS4_SHARED __shared__
 __device__ __forceinline__ float ds4_f16(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ float ds4_as_float(uint32_t u) { return __uint_as_float(u); }
+__device__ __forceinline__ uint32_t ds4_ld16(const uint8_t* p) { return (uint32_t)*(const uint16_t*)p; }
+__device__ __forceinline__ uint32_t ds4_ld32(const uint8_t* p) { return *(const uint32_t*)p; }
+__device__ __forceinline__ uint32_t ds4_magic_byte(uint32_t v, uint32_t i) { return __byte_perm(v, 0x4B000000u, 0x7650u | i); }
 __device__ __forceinline__ float ds4_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+__device__ __forceinline__ void ds4_tg_barrier() { __syncthreads(); }
 __device__ __forceinline__ uint32_t ds4_popcount(uint32_t v) { return (uint32_t)__popc(v); }
 """
 
 CUDA_INDEX_QMV = r"""
-const uint32_t lane = threadIdx.x;
-const uint32_t row = blockIdx.y * blockDim.y + threadIdx.y;
-const uint32_t pair = blockIdx.z * blockDim.z + threadIdx.z;
+const uint32_t tid = threadIdx.x;
+const uint32_t lane = tid & 31u;
+const uint32_t warp = tid >> 5;
+const uint32_t tgy = blockIdx.y;
+const uint32_t pair = blockIdx.z;
 """
 
 CUDA_INDEX_DEQUANT = r"""
@@ -90,15 +113,17 @@ def kernel_sources(kind: str, qtype, face: str) -> tuple[str, str]:
         index = sec[f"index_{kind}_metal"]
     else:
         index = CUDA_INDEX_QMV if kind == "qmv" else CUDA_INDEX_DEQUANT
+    name = qtype.name.lower()
     header = (prelude + _grid_define() + sec["common"]
-              + f"#define DS4_CHUNK ds4_chunk_{qtype.name.lower()}\n")
+              + f"#define DS4_CHUNK ds4_chunk_{name}\n#define DS4_DOT16 ds4_dot16_{name}\n"
+              + f"#define DS4_GRID_ROWS {256 if qtype == QT.IQ2_XXS else 1}\n")
     return header, index + sec[kind]
 
 
 @lru_cache(maxsize=None)
 def _kernel(kind: str, qtype: QT) -> Kernel:
     name = f"ds4mlx_{kind}_{qtype.name.lower()}"
-    inputs = ["x", "w", "eids", "xids"] if kind == "qmv" else ["w", "eids"]
+    inputs = ["x", "w", "eids"] if kind == "qmv" else ["w", "eids"]
     return Kernel(name, inputs, ["y"],
                   metal=kernel_sources(kind, qtype, "metal"),
                   cuda=kernel_sources(kind, qtype, "cuda"))
@@ -255,15 +280,20 @@ def gather_qmv(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, 
         out = (w @ xs)[..., 0]
     else:
         p = eids.shape[0]
-        if p > MAX_PAIRS_QMV:
+        if p > MAX_PAIRS_QMV or k_dim > QMV_MAX_K:
             return gather_qmm(x, w_blocks, qtype, expert_ids, backend=face)
+        rows_per_group = QMV_WARPS * QMV_ROWS_PER_WARP
+        # xids is not passed: pair p reads x row p // X_DIV (x2 has n_tok rows when
+        # 2-D, one per pair when 3-D), one gather op less per call
         out = _kernel("qmv", qtype)(
             face,
-            inputs=[x2, w_blocks, eids, xids],
+            inputs=[x2, w_blocks, eids],
             template=[("T", x.dtype), ("N_ROWS", rows), ("K_DIM", k_dim),
-                      ("ROW_BYTES", w_blocks.shape[2])],
-            grid=(32, rows, p),
-            threadgroup=(32, QMV_ROWS, 1),
+                      ("ROW_BYTES", w_blocks.shape[2]), ("WARPS", QMV_WARPS),
+                      ("RPW", QMV_ROWS_PER_WARP), ("X_DIV", k if x.ndim == 2 else 1)],
+            # whole threadgroups only: every thread of a group helps stage x
+            grid=(32 * QMV_WARPS, -(-rows // rows_per_group), p),
+            threadgroup=(32 * QMV_WARPS, 1, 1),
             output_shapes=[(p, rows)],
             output_dtypes=[x.dtype],
         )[0]
