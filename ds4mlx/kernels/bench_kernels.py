@@ -302,6 +302,7 @@ def bench_model(layers: int, ctx: int, gen: int, expert_format: str = "mlx"):
     for on in (False, True):
         with kernels(on):
             rows = run_bench(model, tok, [ctx], gen)
+        mx.clear_cache()  # the off run's dequantized temporaries must not crowd the on run
         r = rows[-1]
         print(f"  kernels {'on ' if on else 'off'}: prefill {r['prefill_tps']:8.2f} t/s   decode {r['gen_tps']:7.2f} t/s"
               f"   ({1e3 / max(r['gen_tps'], 1e-9):7.2f} ms/token)", flush=True)
