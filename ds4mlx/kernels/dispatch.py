@@ -9,9 +9,17 @@ hold the code shared by both GPU faces.
 
 ``DS4MLX_KERNELS=reference`` forces the reference face everywhere (debugging,
 bisecting a kernel); ``DS4MLX_KERNELS=metal|cuda`` insists on that face.
+
+`auto_face` is what the model paths use: `backend()`, except that a face this
+project has never run on real hardware (`UNVERIFIED_FACES`: Metal, no Apple GPU was
+available) must first pass a small self-test against the reference, once per
+kernel; a failure (a compile error or a wrong result) is logged and that kernel
+falls back to the reference face.  ``DS4MLX_KERNEL_SELFTEST=1`` tests every GPU
+face, ``0`` none.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from functools import lru_cache
@@ -21,6 +29,11 @@ import mlx.core as mx
 
 BACKENDS = ("reference", "metal", "cuda")
 METAL_DIR = Path(__file__).resolve().parents[2] / "metal"
+# GPU faces never run on real hardware here (the CUDA faces ran their tests on an H200)
+UNVERIFIED_FACES = ("metal",)
+
+log = logging.getLogger("ds4mlx.kernels")
+_self_tests: dict[tuple[str, str], bool] = {}
 
 
 def gpu_backend() -> str | None:
@@ -52,6 +65,43 @@ def backend(device=None) -> str:
     if kind != mx.DeviceType.gpu:
         return "reference"
     return gpu_backend() or "reference"
+
+
+def _wants_self_test(face: str) -> bool:
+    mode = os.environ.get("DS4MLX_KERNEL_SELFTEST", "").strip()
+    if mode in ("0", "1"):
+        return mode == "1"
+    return face in UNVERIFIED_FACES
+
+
+def auto_face(kernel: str, self_test) -> str:
+    """The face for an automatic (not caller-chosen) launch of `kernel`: `backend()`,
+    unless that face must pass `self_test(face) -> bool` (once per kernel and face;
+    it compares the face with the reference on a small input) and does not: then
+    'reference', with a warning.  A face forced by DS4MLX_KERNELS is not tested."""
+    face = backend()
+    if face == "reference" or os.environ.get("DS4MLX_KERNELS", "").strip() or not _wants_self_test(face):
+        return face
+    key = (kernel, face)
+    ok = _self_tests.get(key)
+    if ok is None:
+        try:
+            ok, why = bool(self_test(face)), "its result differs from the reference"
+        except Exception as e:  # a kernel that does not compile or launch
+            ok, why = False, f"{type(e).__name__}: {e}"
+        _self_tests[key] = ok
+        if ok:
+            log.info("kernel %s: the %s face passed its first-use self-test", kernel, face)
+        else:
+            log.warning("kernel %s: the %s face failed its first-use self-test (%s); "
+                        "using the MLX reference path for it", kernel, face, why)
+    return face if ok else "reference"
+
+
+def close_enough(got, want, rtol: float = 1e-3, atol: float = 1e-4) -> bool:
+    """Self-test comparison: finite and within tolerance (float32 sums in another order)."""
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    return bool(mx.all(mx.isfinite(got)).item()) and bool(mx.allclose(got, want, rtol=rtol, atol=atol).item())
 
 
 @lru_cache(maxsize=None)

@@ -35,7 +35,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, backend as _backend, shared_sources
+from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, shared_sources
 
 SOURCE = METAL_DIR / "hyper_connection.metal"
 PRE_THREADS = 512    # threads per token in hc_pre (>= (2+n)n + 1)
@@ -64,7 +64,33 @@ def _eps(hc_eps: float, norm_eps: float) -> mx.array:
 
 
 def _face(backend: str | None) -> str:
-    return _backend() if backend is None else backend
+    """The caller's face, or the automatic one (self-tested where unverified)."""
+    return auto_face("hyper_connection", _self_test) if backend is None else backend
+
+
+def _self_test(face: str) -> bool:
+    """hc_pre / hc_mix / hc_head / hc_post on `face` against the reference on tiny
+    inputs (4 streams of 64, 2 tokens), float32 and bfloat16 activations."""
+    ref = _layers()
+    n, d, iters = 4, 64, 20
+    key = mx.random.key(5)
+    fn = mx.random.normal(((2 + n) * n, n * d), key=key) * (n * d) ** -0.5
+    hfn = fn[:n]
+    base, scale = mx.random.normal(((2 + n) * n,), key=key) * 0.1, mx.array([0.5, 1.0, 2.0])
+    kw = dict(sinkhorn_iters=iters, hc_eps=1e-6, norm_eps=1e-6)
+    for dt, tol in ((mx.float32, 1e-3), (mx.bfloat16, 2e-2)):
+        x = (mx.random.normal((2, n, d), key=key) * 0.5).astype(dt)
+        out = (mx.random.normal((2, d), key=key) * 0.5).astype(dt)
+        pairs = [(hc_pre(x, fn, base, scale, **kw, backend=face), ref.hc_pre(x, fn, base, scale, **kw)),
+                 (hc_mix(x, fn, base, scale, **kw, backend=face), ref.hc_mix(x, fn, base, scale, **kw)),
+                 ((hc_head(x, hfn, base[:n], scale[:1], hc_eps=1e-6, norm_eps=1e-6, backend=face),),
+                  (ref.hc_head(x, hfn, base[:n], scale[:1], hc_eps=1e-6, norm_eps=1e-6),))]
+        post, comb, _ = pairs[0][1]
+        pairs.append(((hc_post(x, out, post, comb, backend=face),), (ref.hc_post(x, out, post, comb),)))
+        for got, want in pairs:
+            if not all(close_enough(g, w, rtol=tol, atol=tol) for g, w in zip(got, want)):
+                return False
+    return True
 
 
 def _layers():

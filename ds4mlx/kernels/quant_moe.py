@@ -44,7 +44,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, backend as _backend, sections
+from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, sections
 from ds4mlx.quant import QT, as_qtype, iq2xxs_grid, iq2xxs_grid_u64, iq2xxs_sign_table, row_bytes
 
 SUPPORTED = (QT.Q8_0, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS)
@@ -241,8 +241,27 @@ def _pairs(x: mx.array, expert_ids: mx.array, k_dim: int):
     raise ValueError("x must be [n_tok, K] or [n_tok, k, K]")
 
 
-def _face(backend: str | None) -> str:
-    return _backend() if backend is None else backend
+def _face(backend: str | None, qtype: QT) -> str:
+    """The caller's face, or the automatic one (self-tested where unverified)."""
+    if backend is not None:
+        return backend
+    return auto_face(f"quant_moe.{qtype.name}", lambda face: _self_test(face, qtype))
+
+
+def _self_test(face: str, qtype: QT) -> bool:
+    """Both kernels of `qtype` on `face` against the reference on a tiny expert bank:
+    decode mat-vec (shared and per-pair x, an odd row count) and dequantization (exact)."""
+    from ds4mlx.synthetic import random_gguf_blocks
+
+    blocks = random_gguf_blocks(qtype, 3, 5, 512, seed=11)
+    ids = mx.array([[0, 2], [1, 1]], dtype=mx.int32)
+    ok = True
+    for x in (mx.random.normal((2, 512), key=mx.random.key(1)),
+              mx.random.normal((2, 2, 512), key=mx.random.key(2))):
+        ok = ok and close_enough(gather_qmv(x, blocks, qtype, ids, backend=face),
+                                 gather_qmv(x, blocks, qtype, ids, backend="reference"))
+    want = gather_dequantize(blocks, qtype, [2, 0], backend="reference")
+    return ok and bool(mx.array_equal(gather_dequantize(blocks, qtype, [2, 0], backend=face), want).item())
 
 
 # --------------------------------------------------------------------------- gathered dequantization
@@ -251,7 +270,7 @@ def gather_dequantize(w_blocks: mx.array, qtype, ids, dtype=mx.float32, *, backe
     """Weights of experts `ids` ([M] ints): ``[M, rows, K]`` in `dtype`."""
     qtype, _, rows, k_dim = _check(w_blocks, qtype)
     ids = mx.array(ids).astype(mx.int32).reshape(-1)
-    face = _face(backend)
+    face = _face(backend, qtype)
     if face == "reference":
         return dequantize_mx(w_blocks[ids], qtype, k_dim).astype(dtype)
     m = ids.shape[0]
@@ -272,7 +291,7 @@ def gather_qmv(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, 
     """``out[t, j, r] = sum_h W[expert_ids[t, j]][r, h] * x[t(, j), h]`` -> ``[n_tok, k, rows]``."""
     qtype, _, rows, k_dim = _check(w_blocks, qtype)
     x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
-    face = _face(backend)
+    face = _face(backend, qtype)
     if face == "reference":
         w = dequantize_mx(w_blocks[eids], qtype, k_dim)                     # [P, rows, K]
         xs = x2[xids].astype(mx.float32)[..., None]                        # [P, K, 1]
@@ -317,7 +336,7 @@ def gather_qmm(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, 
     """
     qtype, _, rows, k_dim = _check(w_blocks, qtype)
     x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
-    face = _face(backend)
+    face = _face(backend, qtype)
     wdt = mx.float32 if x.dtype == mx.float32 else x.dtype
     eids_np, xids_np = np.array(eids), np.array(xids)
     order = np.argsort(eids_np, kind="stable")
