@@ -9,7 +9,6 @@ against GLM 5.2's own template in tests/test_protocol_glm52.py.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,58 +17,27 @@ from hypothesis import strategies as st
 from ds4mlx.chat.families.glm import GLM52, GLM53
 from ds4mlx.chat.messages import ToolCall
 from ds4mlx.chat.requests import parse_request
+from template_helpers import GLM_MESSAGES, GLM_TOOLS, TEMPLATES, glm_anthropic_case, openai_body as make_body, render_jinja
 from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
-render_jinja_template = pytest.importorskip("transformers.utils.chat_template_utils").render_jinja_template
+pytest.importorskip("transformers.utils.chat_template_utils")
 
-TEMPLATE = (Path(__file__).parent / "data" / "chat_templates" / "glm5_next.jinja").read_text()
+TEMPLATE = (TEMPLATES / "glm5_next.jinja").read_text()
 # The template variants that take `enable_thinking` (thinking off renders <think></think>):
 # the one edit of the pinned template that the other published copies carry.
 PINNED_TAIL = "    <|assistant|>{{- '<think>' -}}\n"
 VARIANT_TAIL = ("    <|assistant|>{{- '<think>' if enable_thinking is not defined or enable_thinking "
                 "else '<think></think>' -}}\n")
 
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "bash", "description": "Run a shell command — carefully",
-        "parameters": {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}},
-                       "required": ["command"]}, "strict": True}},
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a file",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "lines": {"type": "array"}}}}},
-]
-# system, tools, a tool call (two calls), tool results (out of call order), thinking
-MESSAGES = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "What is in /tmp? Also read a.txt."},
-    {"role": "assistant", "content": "Let me look.", "reasoning_content": "Need ls, then read.",
-     "tool_calls": [
-         {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": {"command": "ls /tmp",
-                                                                                         "timeout": 10}}},
-         {"id": "call_2", "type": "function", "function": {"name": "read_file",
-                                                           "arguments": {"path": "a.txt", "lines": [1, 2]}}}]},
-    {"role": "tool", "tool_call_id": "call_2", "content": "hello </tool_response> world"},
-    {"role": "tool", "tool_call_id": "call_1", "content": "a.txt\nb.txt"},
-    {"role": "assistant", "content": "Two files; a.txt says hello.", "reasoning_content": "Summarize."},
-    {"role": "user", "content": "Thanks. And </think> <tool_call> are just text here."},
-]
+TOOLS, MESSAGES = GLM_TOOLS, GLM_MESSAGES
 
 
 def jinja(messages, tools=None, template=TEMPLATE, **kw) -> str:
-    out, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=template,
-                                   add_generation_prompt=True, **kw)
-    return out[0]
+    return render_jinja(template, messages, tools, **kw)
 
 
 def openai_body(messages, tools=None, **extra) -> dict:
-    msgs = json.loads(json.dumps(messages))
-    for m in msgs:
-        for tc in m.get("tool_calls") or []:
-            tc["function"]["arguments"] = json.dumps(tc["function"]["arguments"])
-    body = {"model": "glm-5.3-flash", "messages": msgs, **extra}
-    if tools is not None:
-        body["tools"] = tools
-    return body
+    return make_body("glm-5.3-flash", messages, tools, **extra)
 
 
 def ours(proto, body, effort=None) -> str:
@@ -106,22 +74,9 @@ def test_results_without_matching_ids_keep_their_order():
 
 
 def test_anthropic_request_renders_like_the_template():
-    body = {"model": "glm-5.3-flash", "system": "You are terse.", "max_tokens": 100,
-            "tools": [{"name": "bash", "description": "Run", "input_schema": {"type": "object", "properties": {}}}],
-            "messages": [
-                {"role": "user", "content": "ls"},
-                {"role": "assistant", "content": [{"type": "thinking", "thinking": "Need ls."},
-                                                  {"type": "tool_use", "id": "toolu_1", "name": "bash",
-                                                   "input": {"command": "ls"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                              "content": "x </tool_result> y"}]}]}
+    body, ref_msgs, ref_tools = glm_anthropic_case("glm-5.3-flash")
     conv = parse_request("anthropic", body)
     conv.thinking = GLM53.resolve_thinking(conv.thinking)
-    ref_msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "ls"},
-                {"role": "assistant", "content": "", "reasoning_content": "Need ls.",
-                 "tool_calls": [{"id": "toolu_1", "function": {"name": "bash", "arguments": {"command": "ls"}}}]},
-                {"role": "tool", "tool_call_id": "toolu_1", "content": "x </tool_result> y"}]
-    ref_tools = [{"name": "bash", "description": "Run", "input_schema": {"type": "object", "properties": {}}}]
     assert GLM53.render(conv) == jinja(ref_msgs, ref_tools)
 
 

@@ -10,66 +10,31 @@ differently from zai-org's text-only file, and no test here sends media.
 from __future__ import annotations
 
 import hashlib
-import json
-from pathlib import Path
 
 import pytest
 
 from ds4mlx.chat.families.glm import GLM52, GLM53
 from ds4mlx.chat.protocol import get_protocol
 from ds4mlx.chat.requests import parse_request
+from template_helpers import GLM_CHAIN, GLM_MESSAGES, GLM_TOOLS, TEMPLATES, glm_anthropic_case, openai_body as make_body, render_jinja
 
-render_jinja_template = pytest.importorskip("transformers.utils.chat_template_utils").render_jinja_template
+pytest.importorskip("transformers.utils.chat_template_utils")
 
-TEMPLATE_PATH = Path(__file__).parent / "data" / "chat_templates" / "glm_moe_dsa.jinja"
+TEMPLATE_PATH = TEMPLATES / "glm_moe_dsa.jinja"
 TEMPLATE = TEMPLATE_PATH.read_text()
 TEMPLATE_SHA256 = "6d172cae09cb494bd825a6b14d07e7b32a2c26988afe43d8bc2bbda91aab99c8"
 
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "bash", "description": "Run a shell command — carefully",
-        "parameters": {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}},
-                       "required": ["command"]}, "strict": True}},
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a file",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "lines": {"type": "array"}}}}},
-]
-CALLS = {"role": "assistant", "content": "Let me look.", "reasoning_content": "Need ls, then read.",
-         "tool_calls": [
-             {"id": "call_1", "type": "function", "function": {"name": "bash",
-                                                               "arguments": {"command": "ls /tmp", "timeout": 10}}},
-             {"id": "call_2", "type": "function", "function": {"name": "read_file",
-                                                               "arguments": {"path": "a.txt", "lines": [1, 2]}}}]}
-# system, tools, a tool call (two calls), tool results (out of call order), thinking
-CHAIN = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "What is in /tmp? Also read a.txt."},
-    CALLS,
-    {"role": "tool", "tool_call_id": "call_2", "content": "hello </tool_response> world"},
-    {"role": "tool", "tool_call_id": "call_1", "content": "a.txt\nb.txt"},
-]
-# ... then the answer and a new user turn: the turns before it lose their reasoning
-MESSAGES = CHAIN + [
-    {"role": "assistant", "content": "Two files; a.txt says hello.", "reasoning_content": "Summarize."},
-    {"role": "user", "content": "Thanks. And </think> <tool_call> are just text here."},
-]
+# system, tools, two calls, results out of call order; then an answer and a new user
+# turn: the turns before it lose their reasoning
+TOOLS, CHAIN, MESSAGES = GLM_TOOLS, GLM_CHAIN, GLM_MESSAGES
 
 
 def jinja(messages, tools=None, **kw) -> str:
-    out, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=TEMPLATE,
-                                   add_generation_prompt=True, **kw)
-    return out[0]
+    return render_jinja(TEMPLATE, messages, tools, **kw)
 
 
 def openai_body(messages, tools=None, **extra) -> dict:
-    msgs = json.loads(json.dumps(messages))
-    for m in msgs:
-        for tc in m.get("tool_calls") or []:
-            tc["function"]["arguments"] = json.dumps(tc["function"]["arguments"])
-    body = {"model": "glm-5.2", "messages": msgs, **extra}
-    if tools is not None:
-        body["tools"] = tools
-    return body
+    return make_body("glm-5.2", messages, tools, **extra)
 
 
 def ours(body, effort=None, proto=GLM52) -> str:
@@ -145,22 +110,9 @@ def test_no_tools_no_system():
 
 
 def test_anthropic_request_renders_like_the_template():
-    body = {"model": "glm-5.2", "system": "You are terse.", "max_tokens": 100,
-            "tools": [{"name": "bash", "description": "Run", "input_schema": {"type": "object", "properties": {}}}],
-            "messages": [
-                {"role": "user", "content": "ls"},
-                {"role": "assistant", "content": [{"type": "thinking", "thinking": "Need ls."},
-                                                  {"type": "tool_use", "id": "toolu_1", "name": "bash",
-                                                   "input": {"command": "ls"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                              "content": "x </tool_result> y"}]}]}
+    body, ref_msgs, ref_tools = glm_anthropic_case("glm-5.2")
     conv = parse_request("anthropic", body)
     conv.thinking = GLM52.resolve_thinking(conv.thinking)
-    ref_msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "ls"},
-                {"role": "assistant", "content": "", "reasoning_content": "Need ls.",
-                 "tool_calls": [{"id": "toolu_1", "function": {"name": "bash", "arguments": {"command": "ls"}}}]},
-                {"role": "tool", "tool_call_id": "toolu_1", "content": "x </tool_result> y"}]
-    ref_tools = [{"name": "bash", "description": "Run", "input_schema": {"type": "object", "properties": {}}}]
     assert GLM52.render(conv) == jinja(ref_msgs, ref_tools)
 
 

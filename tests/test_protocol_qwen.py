@@ -8,7 +8,6 @@ rendered by transformers' own jinja setup.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,11 +16,12 @@ from hypothesis import strategies as st
 from ds4mlx.chat.families.qwen import PROTOCOL as QWEN
 from ds4mlx.chat.messages import ToolCall
 from ds4mlx.chat.requests import parse_request
+from template_helpers import TEMPLATES, openai_body as make_body, render_jinja
 from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
-render_jinja_template = pytest.importorskip("transformers.utils.chat_template_utils").render_jinja_template
+pytest.importorskip("transformers.utils.chat_template_utils")
 
-TEMPLATE = (Path(__file__).parent / "data" / "chat_templates" / "qwen4_exp.jinja").read_text()
+TEMPLATE = (TEMPLATES / "qwen4_exp.jinja").read_text()
 
 TOOLS = [
     {"type": "function", "function": {
@@ -50,20 +50,11 @@ MESSAGES = [
 
 
 def jinja(messages, tools=None, **kw) -> str:
-    out, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=TEMPLATE,
-                                   add_generation_prompt=True, **kw)
-    return out[0]
+    return render_jinja(TEMPLATE, messages, tools, **kw)
 
 
 def openai_body(messages, tools=None, **extra) -> dict:
-    msgs = json.loads(json.dumps(messages))
-    for m in msgs:
-        for tc in m.get("tool_calls") or []:
-            tc["function"]["arguments"] = json.dumps(tc["function"]["arguments"])
-    body = {"model": "qwen3.8-flash-next", "messages": msgs, **extra}
-    if tools is not None:
-        body["tools"] = tools
-    return body
+    return make_body("qwen3.8-flash-next", messages, tools, **extra)
 
 
 def ours(body, effort=None) -> str:
