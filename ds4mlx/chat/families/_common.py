@@ -37,45 +37,19 @@ class Turn:
 
 
 def _split_anthropic_results(m, out: list) -> None:
-    """A user message that carries Anthropic tool results: its `<tool_result>`
-    blocks become tool turns (ids in order), the text around them user turns.
-    Where the parser recorded the blocks' spans only those count, so literal
-    `<tool_result>` text in a text block stays user text."""
+    """A user message that carries Anthropic tool_result blocks: each block (the span
+    the request parser recorded) becomes a tool turn, the text around them user turns;
+    literal `<tool_result>` text in a text block stays user text."""
     close_escaped = M.PARAM_CLOSE_TEXT_ESCAPE + M.TOOL_RESULT_CLOSE[1:]
-    if m.result_spans:
-        pos = 0
-        for start, end, tool_id in m.result_spans:
-            if m.content[pos:start]:
-                out.append(Turn("user", m.content[pos:start]))
-            body = m.content[start + len(M.TOOL_RESULT_OPEN):end - len(M.TOOL_RESULT_CLOSE)]
-            out.append(Turn("tool", body.replace(close_escaped, M.TOOL_RESULT_CLOSE), tool_id=tool_id))
-            pos = end
-        if m.content[pos:]:
-            out.append(Turn("user", m.content[pos:]))
-        return
-    text = m.content
-    ids = list(m.tool_call_ids)
     pos = 0
-    k = 0
-    pending = ""
-    while True:
-        i = text.find(M.TOOL_RESULT_OPEN, pos)
-        if i < 0:
-            break
-        j = text.find(M.TOOL_RESULT_CLOSE, i + len(M.TOOL_RESULT_OPEN))
-        if j < 0:
-            break
-        pending += text[pos:i]
-        if pending:
-            out.append(Turn("user", pending))
-            pending = ""
-        body = text[i + len(M.TOOL_RESULT_OPEN):j].replace(close_escaped, M.TOOL_RESULT_CLOSE)
-        out.append(Turn("tool", body, tool_id=ids[k] if k < len(ids) else ""))
-        k += 1
-        pos = j + len(M.TOOL_RESULT_CLOSE)
-    pending += text[pos:]
-    if pending:
-        out.append(Turn("user", pending))
+    for start, end, tool_id in m.result_spans:
+        if m.content[pos:start]:
+            out.append(Turn("user", m.content[pos:start]))
+        body = m.content[start + len(M.TOOL_RESULT_OPEN):end - len(M.TOOL_RESULT_CLOSE)]
+        out.append(Turn("tool", body.replace(close_escaped, M.TOOL_RESULT_CLOSE), tool_id=tool_id))
+        pos = end
+    if m.content[pos:]:
+        out.append(Turn("user", m.content[pos:]))
 
 
 def replay_text(m, tool_memory) -> str:
@@ -103,7 +77,7 @@ def turns(conv: Conversation, tool_memory=None) -> list[Turn]:
         elif role in _TOOL_ROLES:
             out.append(Turn("tool", m.content, tool_id=m.tool_call_ids[0] if m.tool_call_ids else ""))
         elif role == "user":
-            if m.tool_call_ids and M.TOOL_RESULT_OPEN in m.content:
+            if m.result_spans:
                 _split_anthropic_results(m, out)
             else:
                 out.append(Turn("user", m.content))
