@@ -134,26 +134,33 @@ def _backend(a: argparse.Namespace):
     return make_backend("mlx", model=a.model, temperature=a.temp, top_p=a.top_p, min_p=a.min_p)
 
 
-def _carry_over(runner: Any, path: str) -> list[str]:
-    """--retry-incomplete: mark the cases whose latest record is PASSED/FAILED as done."""
-    from .trace import parse_trace
+def _carry_over(runner: Any, path: str) -> None:
+    """--retry-incomplete: mark the cases with a complete PASSED/FAILED record as done.
+    Only reads the trace; the run appends to it and never rewrites it."""
+    from .trace import completed_records, parse_trace
 
     try:
         with open(path, "rb") as f:
-            records = parse_trace(f.read())
-    except OSError:
-        return []
-    latest = {(r.source, r.id): r for r in records if r.source and r.id}
-    kept = []
+            done = completed_records(parse_trace(f.read()))
+    except FileNotFoundError:
+        return
     for cr in runner.runs:
-        rec = latest.get((cr.case["source"], cr.case["id"]))
-        if rec is not None and rec.status in ("PASSED", "FAILED"):
+        rec = done.get((cr.case["source"], cr.case["id"]))
+        if rec is not None:
             cr.status, cr.picked = rec.status, rec.picked
             cr.prompt_tokens = rec.int_field("prompt_tokens")
             cr.generated = rec.int_field("generated_tokens")
+            cr.elapsed = rec.float_field("elapsed_sec")
             cr.carried = rec.raw
-            kept.append(rec.raw if rec.raw.endswith("\n") else rec.raw + "\n")
-    return kept
+
+
+def _trace_writable(path: str, append: bool) -> Optional[str]:
+    """Checked before the model loads, without touching an existing trace."""
+    if append and os.path.exists(path):
+        ok = os.access(path, os.R_OK | os.W_OK)
+    else:
+        ok = os.access(os.path.dirname(os.path.abspath(path)), os.W_OK)
+    return None if ok else f"cannot write trace '{path}'"
 
 
 def run(a: argparse.Namespace) -> int:
@@ -202,25 +209,34 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
                    hard_budget=a.hard_limit_reply_budget, soft_rank=a.soft_limit_think_close_rank,
                    temperature=a.temp, top_p=a.top_p, min_p=a.min_p, seed=a.seed or default_seed(),
                    ctx=a.ctx, trace=a.trace, pause_ms=a.pause_ms, suite=a.suite)
+    if a.trace:
+        err = _trace_writable(a.trace, a.retry_incomplete)
+        if err:
+            return _fail(err)
     backend = _backend(a)
     runner = Runner(cases, backend, opts)
-    kept = _carry_over(runner, a.trace) if a.retry_incomplete else []
-    if a.trace:
+    if a.retry_incomplete:
         try:
-            runner.trace = TraceWriter(a.trace)
+            _carry_over(runner, a.trace)
         except OSError as e:
-            return _fail(f"cannot open trace '{a.trace}': {e.strerror}")
+            return _fail(f"cannot read trace '{a.trace}': {e.strerror}")
     try:
         rc = runner.size_context()
         if rc is not None:
             return rc
         backend.open(runner.ctx)
+    except KeyboardInterrupt:
+        return _fail("interrupted while loading the model", 130)
     except Exception as e:  # noqa: BLE001
         return _fail(f"cannot open the model: {type(e).__name__}: {e}", 1)
-    if runner.trace is not None:
-        runner.trace.header(**runner.header())
-        for text in kept:
-            runner.trace.raw(text + "\n")
+    # the trace is touched only now that the model is open: a failed load loses nothing
+    if a.trace:
+        try:
+            opener = TraceWriter.resume if a.retry_incomplete else TraceWriter.create
+            runner.trace = opener(a.trace, **runner.header())
+        except OSError as e:
+            backend.close()
+            return _fail(f"cannot open trace '{a.trace}': {e.strerror}")
     use_tui = False
     if not a.plain:
         from .tui import usable
