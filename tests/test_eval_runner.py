@@ -271,7 +271,8 @@ def test_error_aborts_with_exit_1(tmp_path, capsys):
     assert f"ds4-eval: decode failed for {C2['id']}: boom" in err
     assert [r.status for r in _trace(trace)] == ["PASSED", "ERROR"]
     assert "error: decode failed: boom" in trace.read_text()
-    assert "  2 PREFILL " in out and "  3 PENDING " in out
+    assert "  2 ERROR " in out and "  3 PENDING " in out
+    assert f"  2 ERROR SuperGPQA/{C2['id']}: decode failed: boom" in out  # the reason outlives a TUI
 
 
 def test_nothink_prompt_and_raw(tmp_path, capsys):

@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Protocol
 
+from .endpoint_wire import message_of, short_error, sse_data, usage_of
 from .prompts import Prompt
 from .thinkclose import (THINK_CLOSE, CloseEvent, GenResult, Interrupted, ThinkCloser,
                          run_token_loop)
@@ -244,23 +245,35 @@ class EndpointBackend:
                  case_id: str = "") -> GenResult:
         return asyncio.run(self._generate(prompt, max_tokens, seed, control, on_started, on_text))
 
+    @property
+    def chat_url(self) -> str:
+        return self.base + "/v1/chat/completions"
+
     async def _generate(self, prompt: Prompt, max_tokens: int, seed: int, control: Control,
                         on_started: Callback, on_text: Callback) -> GenResult:
+        """One request; streamed (SSE) or, for a server that ignores `stream`, one
+        JSON body.  A stream that ends without a finish_reason or [DONE] is an
+        ERROR (cut off), never a graded answer.  Every error names the URL."""
         import aiohttp
 
         res = GenResult()
         raw: list[str] = []
-        state = {"reasoning": False, "closed": not prompt.thinking, "chunks": 0, "started": False}
+        state = {"reasoning": False, "closed": not prompt.thinking, "chunks": 0, "started": False,
+                 "finished": False}
         t0 = time.monotonic()
         paused0 = control.paused_seconds
+        url = self.chat_url
 
         def emit(text: str) -> None:
             raw.append(text)
             on_text(text)
 
-        def delta_text(delta: dict[str, Any]) -> None:
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
-            content = delta.get("content") or ""
+        def started() -> None:
+            if not state["started"]:
+                state["started"] = True
+                on_started(res.prompt_tokens)
+
+        def delta_text(reasoning: str, content: str) -> None:
             if reasoning:
                 state["reasoning"] = True
                 emit(reasoning)
@@ -273,50 +286,70 @@ class EndpointBackend:
                 emit(content)
                 state["chunks"] += 1
 
+        def finish(reason: Optional[str]) -> None:
+            if reason:
+                state["finished"] = True
+                res.finish = "stop" if reason in ("stop", "tool_calls") else (
+                    "length" if reason == "length" else "error")
+                if res.finish == "error":
+                    res.error = f"POST {url}: server finish_reason {reason}"
+
+        def fail(msg: str) -> GenResult:
+            res.finish, res.error = "error", f"POST {url}: {msg}"
+            return res
+
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as s:
-                async with s.post(self.base + "/v1/chat/completions", headers=self._headers(),
-                                  json=self.body(prompt, max_tokens, seed)) as r:
+                async with s.post(url, headers=self._headers(), json=self.body(prompt, max_tokens, seed)) as r:
                     if r.status != 200:
-                        text = (await r.text())[:500]
-                        res.finish, res.error = "error", f"HTTP {r.status}: {text}"
+                        return fail(f"HTTP {r.status}: {short_error(await r.text(errors='replace'))}")
+                    if "text/event-stream" not in r.headers.get("Content-Type", ""):
+                        text = await r.text(errors="replace")
+                        try:
+                            body = json.loads(text)
+                        except ValueError:
+                            return fail(f"neither an event stream nor JSON: {short_error(text)}")
+                        msg = message_of(body)
+                        if msg is None:
+                            err = body.get("error") if isinstance(body, dict) else None
+                            return fail(short_error(text) if err else "JSON body without choices")
+                        res.prompt_tokens, res.generated_tokens = usage_of(body)
+                        started()
+                        delta_text(msg[0], msg[1])
+                        finish(msg[2] or "stop")
                         return res
-                    buf = b""
+                    buf = bytearray()
+                    done = False
                     async for piece in r.content.iter_any():
                         buf += piece
-                        while b"\n" in buf:
-                            line, buf = buf.split(b"\n", 1)
-                            line = line.strip()
-                            if not line.startswith(b"data:"):
-                                continue
-                            data = line[5:].strip()
+                        for data in sse_data(buf):
                             if data == b"[DONE]":
-                                buf = b""
+                                done = True
                                 break
                             chunk = json.loads(data)
                             if chunk.get("error"):
-                                res.finish, res.error = "error", str(chunk["error"])[:500]
-                                return res
-                            usage = chunk.get("usage")
-                            if usage:
-                                res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                                res.generated_tokens = int(usage.get("completion_tokens") or 0)
+                                return fail(short_error(json.dumps(chunk)))
+                            p_tok, g_tok = usage_of(chunk)
+                            if p_tok or g_tok:
+                                res.prompt_tokens, res.generated_tokens = p_tok, g_tok
                             for choice in chunk.get("choices") or []:
-                                if not state["started"]:
-                                    state["started"] = True
-                                    on_started(res.prompt_tokens)
-                                delta_text(choice.get("delta") or {})
-                                fr = choice.get("finish_reason")
-                                if fr:
-                                    res.finish = "stop" if fr in ("stop", "tool_calls") else (
-                                        "length" if fr == "length" else "error")
-                                    if res.finish == "error":
-                                        res.error = f"server finish_reason {fr}"
+                                started()
+                                delta = choice.get("delta") or {}
+                                delta_text(delta.get("reasoning_content") or delta.get("reasoning") or "",
+                                           delta.get("content") or "")
+                                finish(choice.get("finish_reason"))
                         control.check()
+                        if done:
+                            break
+                    if not (done or state["finished"]):
+                        return fail(f"stream ended before the answer finished (after {state['chunks']} chunks, "
+                                    "no finish_reason or [DONE])")
         except Interrupted as e:
             res.finish = e.status.lower()
-        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, OSError) as e:
-            res.finish, res.error = "error", f"endpoint: {type(e).__name__}: {e}"
+        except json.JSONDecodeError as e:
+            fail(f"bad JSON in the event stream: {e}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            fail(f"{type(e).__name__}: {e}")
         finally:
             res.raw = "".join(raw)
             if not res.generated_tokens:

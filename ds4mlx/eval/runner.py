@@ -17,7 +17,8 @@ from .trace import TraceRecord, TraceWriter
 
 CTX_CAP = 1_000_000
 LABELS = {"PENDING": "PEND", "PREFILL": "FILL", "RUNNING": "RUN", "SKIPPED": "SKIP",
-          "STOPPED": "STOP", "PASSED": "PASS", "FAILED": "FAIL"}
+          "STOPPED": "STOP", "PASSED": "PASS", "FAILED": "FAIL", "ERROR": "ERR"}
+_STAGE_PREFIXES = ("prefill failed: ", "decode failed: ")
 
 
 @dataclass
@@ -69,6 +70,14 @@ class CaseRun:
         self.status, self.picked, self.generated, self.raw = "PENDING", "", 0, []
         self.think_open, self.prefill, self.elapsed, self.error = True, (0, 0), 0.0, ""
         self.phase_tokens = 0
+
+
+def error_line(cr: CaseRun) -> str:
+    """`prefill failed for ID: why` (in-process stages) or `error in ID: why`."""
+    for prefix in _STAGE_PREFIXES:
+        if cr.error.startswith(prefix):
+            return f"{prefix.split(':')[0]} for {cr.case['id']}: {cr.error[len(prefix):]}"
+    return f"error in {cr.case['id']}: {cr.error}"
 
 
 class NullUI:
@@ -208,12 +217,8 @@ class Runner:
         cr.error = res.error
         self._record(cr, status, raw, res.close)
         if status == "ERROR":
-            if res.error.startswith(("prefill failed", "decode failed")):
-                what = res.error.split(" ", 1)[0]
-            else:
-                what = "prefill" if cr.status == "PREFILL" else "decode"
-            msg = res.error.split(": ", 1)[1] if res.error.startswith(("prefill failed", "decode failed")) else res.error
-            print(f"ds4-eval: {what} failed for {cr.case['id']}: {msg}", file=self.err)
+            cr.status = "ERROR"  # kept on screen and in the report: the reason must outlive the TUI
+            print(f"ds4-eval: {error_line(cr)}", file=self.err)
             self.error = True
         elif status == "SWITCHED":
             cr.reset()
@@ -322,6 +327,10 @@ def report(runner: Runner) -> str:
         sf = sum(c.status == "FAILED" for c in group)
         lines.append(f"{src:<16} {sp:>6} {sf:>6} {len(group) - sp - sf:>6} {len(group):>6}")
     lines.append(f"{'all':<16} {p:>6} {f:>6} {len(runs) - p - f:>6} {len(runs):>6}")
+    errors = [cr for cr in runs if cr.status == "ERROR"]
+    if errors:
+        lines.append("")
+        lines += [f"{cr.pos + 1:>3} ERROR {cr.key}: {cr.error}" for cr in errors]
     return "\n".join(lines) + "\n"
 
 
