@@ -126,3 +126,30 @@ def test_small_terminal_falls_back_to_plain(tmp_path, tmux):
                f"--case-id 1; echo EXIT=$?; sleep 300")
     screen = tmux.wait_for(lambda s: "EXIT=" in s)
     assert "PASSED got B expected B" in screen and "EXIT=0" in screen
+
+
+def test_ctrl_c_quits_cleanly_with_130(tmp_path, tmux):
+    """Ctrl-C in the TUI: report printed, exit 130, the worker joined (no abort, no traceback)."""
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"default": " ".join(f"w{i}" for i in range(400)) + "</think>\nAnswer: B",
+                                  "delay": 0.05}))
+    trace = tmp_path / "trace.txt"
+    for attempt in range(3):
+        if trace.exists():
+            trace.unlink()
+        cmd = (f"cd {REPO} && {sys.executable} -m ds4mlx.cli eval --backend fake --fake-script {script} "
+               f"--case-id 1 --case-id 2 --trace {trace} --pause-ms 1; echo EXIT=$?; sleep 300")
+        tmux.start(cmd)
+        tmux.wait_for(lambda s: " RUN " in _row(s, 1) and "w3" in s)
+        time.sleep(0.1 * attempt)  # a different point of the run each time
+        tmux.keys("C-c")
+        screen = tmux.wait_for(lambda s: "EXIT=" in s)
+        assert "EXIT=130" in screen, screen
+        assert "Traceback" not in screen and "terminate called" not in screen
+        assert "ds4-eval: 0/2 passed" in screen
+        rows = {int(line[:3]): line for line in screen.splitlines() if line[:3].strip().isdigit()}
+        assert rows[1].split()[1] == "STOPPED" and rows[2].split()[1] == "PENDING"
+        recs = parse_trace(trace.read_bytes())
+        assert [r.status for r in recs] == ["STOPPED"]  # written by the worker before the exit
+        assert trace.read_text().rstrip().endswith("total: 2")
+        tmux.kill()

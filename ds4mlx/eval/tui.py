@@ -295,6 +295,7 @@ class TUI(NullUI):
 
         keys = KeyReader(sys.stdin.fileno())
         old_handlers = {}
+        interrupted = threading.Event()
 
         def on_signal(signum: int, _frame: Any) -> None:
             keys.close()
@@ -303,8 +304,16 @@ class TUI(NullUI):
             signal.signal(signum, old_handlers.get(signum, signal.SIG_DFL))
             os.kill(os.getpid(), signum)
 
+        def on_interrupt(_signum: int, _frame: Any) -> None:
+            # Ctrl-C is a quit like `q`: the worker stops at its next step and is joined
+            # before the process exits (exiting under a thread still inside MLX aborted
+            # with "terminate called without an active exception", exit 134)
+            interrupted.set()
+            r.control.request_quit()
+
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             old_handlers[sig] = signal.signal(sig, on_signal)
+        old_int = signal.signal(signal.SIGINT, on_interrupt)
         worker = threading.Thread(target=work, name="ds4mlx-eval", daemon=True)
         try:
             with Live(self.render(), console=self.console, screen=True, auto_refresh=False,
@@ -318,14 +327,16 @@ class TUI(NullUI):
                         pass
                     live.update(self.render(), refresh=True)
                     worker.join(timeout=0.08)
-        except KeyboardInterrupt:
-            r.control.request_quit()
-            worker.join(timeout=5)
-            raise
         finally:
+            if worker.is_alive():  # an exception in the drawing loop: still never exit under the worker
+                r.control.request_quit()
+                worker.join()
             keys.close()
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
+            signal.signal(signal.SIGINT, old_int)
+        if interrupted.is_set():
+            return 130
         if "exc" in result:
             raise result["exc"]
         return int(result.get("rc", 1))
