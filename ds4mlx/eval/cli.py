@@ -66,6 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="grade a trace again with the current extractors (no model)")
     g.add_argument("--self-test-extractors", action="store_true",
                    help="run the built-in extractor vectors (no model) and exit")
+    g.add_argument("--report", metavar="FILE.json",
+                   help="write a JSON report: per case id, suite, source, domain, status, expected, "
+                        "extracted, tokens, seconds, t/s; totals and per-source counts")
+    g.add_argument("--baseline", metavar="FILE.json",
+                   help="compare with an earlier --report: exit 0 when the pass count dropped by at most "
+                        "--max-drop, 1 when it dropped more, 2 on a harness error (error, unfinished run)")
+    g.add_argument("--max-drop", type=int, default=0, metavar="N",
+                   help="with --baseline: passes allowed to be lost (default 0)")
     g.add_argument("--plain", action="store_true", help="no TUI (also when stdout is not a terminal)")
     g.add_argument("--pause-ms", type=int, default=350, help="TUI pause after each result (default 350)")
 
@@ -105,6 +113,10 @@ def _validate(a: argparse.Namespace) -> Optional[str]:
             return f"--soft-limit-reply-budget ({soft}) must be >= --hard-limit-reply-budget ({eff_hard})"
     if a.retry_incomplete and not a.trace:
         return "--retry-incomplete needs --trace FILE"
+    if a.max_drop < 0:
+        return f"invalid value for --max-drop: {a.max_drop}"
+    if a.max_drop and not a.baseline:
+        return "--max-drop needs --baseline FILE.json"
     return None
 
 
@@ -213,6 +225,18 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
         err = _trace_writable(a.trace, a.retry_incomplete)
         if err:
             return _fail(err)
+    baseline = None
+    if a.baseline:
+        from .report import read_baseline
+
+        baseline, err = read_baseline(a.baseline)
+        if baseline is None:
+            return _fail(err)
+    if a.report:
+        err = _trace_writable(a.report, False)
+        if err:
+            return _fail(err.replace("trace", "report"))
+    harness_rc = 2 if baseline is not None else 1  # with --baseline, 1 means only "passes dropped"
     backend = _backend(a)
     runner = Runner(cases, backend, opts)
     if a.retry_incomplete:
@@ -228,7 +252,7 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
     except KeyboardInterrupt:
         return _fail("interrupted while loading the model", 130)
     except Exception as e:  # noqa: BLE001
-        return _fail(f"cannot open the model: {type(e).__name__}: {e}", 1)
+        return _fail(f"cannot open the model: {type(e).__name__}: {e}", harness_rc)
     # the trace is touched only now that the model is open: a failed load loses nothing
     if a.trace:
         try:
@@ -236,7 +260,7 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
             runner.trace = opener(a.trace, **runner.header())
         except OSError as e:
             backend.close()
-            return _fail(f"cannot open trace '{a.trace}': {e.strerror}")
+            return _fail(f"cannot open trace '{a.trace}': {e.strerror}", harness_rc)
     use_tui = False
     if not a.plain:
         from .tui import usable
@@ -258,4 +282,22 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
         sys.stdout.write(report(runner))
         sys.stdout.flush()
         runner.finish_trace()
-    return rc
+    return _finish(a, runner, rc, baseline)
+
+
+def _finish(a: argparse.Namespace, runner: Any, rc: int, baseline: Optional[dict[str, Any]]) -> int:
+    """--report and --baseline after the run; the exit code."""
+    from .report import build_report, gate, write_json_atomic
+
+    data = build_report(runner)
+    if a.report:
+        try:
+            write_json_atomic(a.report, data)
+        except OSError as e:
+            return _fail(f"cannot write report '{a.report}': {e.strerror}")
+    if baseline is None or rc == 130:
+        return rc
+    code, lines = gate(data, baseline, a.max_drop)
+    for line in lines:
+        print(line)
+    return code

@@ -280,7 +280,14 @@ class Runner:
         return self.exit_code()
 
     def exit_code(self) -> int:
-        return 1 if self.error or any(cr.status == "FAILED" for cr in self.runs) else 0
+        """ds4-eval's: 1 on an error or a failed case; 2 when the run ended without
+        grading anything (every case skipped); else 0 (also after `q`)."""
+        if self.error or self.failed:
+            return 1
+        if not self.passed and not self.control.quit and all(cr.status == "SKIPPED" for cr in self.runs):
+            print(f"ds4-eval: no case was graded ({len(self.runs)} skipped)", file=self.err)
+            return 2
+        return 0
 
     def finish_trace(self) -> None:
         if self.trace is not None:
@@ -303,11 +310,26 @@ def hhmm(seconds: float) -> str:
     return f"{m // 60:02d}h:{m % 60:02d}m"
 
 
+def _cell(text: str, width: int) -> str:
+    """A report column: cut with `~` so long answers never shift the columns."""
+    return text if len(text) <= width else text[:width - 1] + "~"
+
+
+def speed_line(runner: Runner) -> str:
+    """Time and t/s of the cases generated (carried-over cases included)."""
+    ran = [cr for cr in runner.runs if cr.status != "PENDING" and cr.generated]
+    tokens = sum(cr.generated for cr in ran)
+    seconds = sum(cr.elapsed for cr in ran)
+    tps = tokens / seconds if seconds > 0 else 0.0
+    return f"{runner.runtime:.1f}s, {tokens} tokens generated in {seconds:.1f}s, {tps:.1f} t/s"
+
+
 def report(runner: Runner) -> str:
-    """The final report (§14) plus totals by source."""
+    """The final report (§14) plus totals by source, time and t/s."""
     runs = runner.runs
     p, f = runner.passed, runner.failed
-    lines = [f"ds4-eval: {p}/{len(runs)} passed{f', {f} failed' if f else ''}, runtime {hhmm(runner.runtime)}",
+    lines = [f"ds4-eval: {p}/{len(runs)} passed{f', {f} failed' if f else ''}, runtime {hhmm(runner.runtime)} "
+             f"({speed_line(runner)})",
              f"{'#':<3} {'state':<8} {'prompt':>8} {'gen':>8} {'total':>8} {'given':<8} {'correct':<8} test"]
     for cr in runs:
         state = cr.status
@@ -315,8 +337,8 @@ def report(runner: Runner) -> str:
         ran = state != "PENDING" or cr.carried is not None
         prompt = cr.prompt_tokens if ran else 0
         gen = cr.generated if ran else 0
-        lines.append(f"{cr.pos + 1:>3} {state:<8} {prompt:>8} {gen:>8} {prompt + gen:>8} {given:<8} "
-                     f"{cr.case['answer']:<8} {cr.case['source']}/{cr.case['id']}")
+        lines.append(f"{cr.pos + 1:>3} {state:<8} {prompt:>8} {gen:>8} {prompt + gen:>8} {_cell(given, 8):<8} "
+                     f"{_cell(str(cr.case['answer']), 8):<8} {cr.case['source']}/{cr.case['id']}")
     lines.append("")
     lines.append(f"{'source':<16} {'passed':>6} {'failed':>6} {'other':>6} {'total':>6}")
     sources: dict[str, list[CaseRun]] = {}
