@@ -46,10 +46,19 @@ class Control:
         self.switch_to: Optional[int] = None   # case position requested with Enter
         self.running: Optional[int] = None     # case position being generated
         self.paused_seconds = 0.0              # total time spent paused
+        self.pause_started = 0.0               # monotonic start of the current pause
 
     def toggle_pause(self) -> None:
         with self._lock:
             self.paused = not self.paused
+            if self.paused:
+                self.pause_started = time.monotonic()
+
+    def paused_total(self) -> float:
+        """Time spent paused, the pause in progress included (speed figures)."""
+        if self.paused and self.pause_started:
+            return self.paused_seconds + max(0.0, time.monotonic() - self.pause_started)
+        return self.paused_seconds
 
     def request_quit(self) -> None:
         with self._lock:

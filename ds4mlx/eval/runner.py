@@ -54,6 +54,7 @@ class CaseRun:
     prefill: tuple[int, int] = (0, 0)
     elapsed: float = 0.0
     t_phase: float = 0.0             # monotonic start of the current phase (speed)
+    phase_paused0: float = 0.0       # Control.paused_total() at that start
     phase_tokens: int = 0
     error: str = ""
     carried: Optional[str] = None    # trace record text kept by --retry-incomplete
@@ -163,7 +164,7 @@ class Runner:
             return self._skip(cr, "prompt does not fit context" if cr.prompt_tokens >= self.ctx
                               else "prompt leaves no generation room")
         cr.status = "PREFILL"
-        cr.t_phase = time.monotonic()
+        cr.t_phase, cr.phase_paused0 = time.monotonic(), self.control.paused_total()
         self.ui.case_started(cr)
         soft, hard = default_budgets(cr.limit, self.opts.soft_budget, self.opts.hard_budget)
 
@@ -176,6 +177,7 @@ class Runner:
                 cr.prompt_tokens = prompt_tokens
             cr.status = "RUNNING"
             cr.t_phase, cr.phase_tokens = time.monotonic(), 0
+            cr.phase_paused0 = self.control.paused_total()
 
         def on_text(delta: str) -> None:
             cr.raw.append(delta)
@@ -186,6 +188,7 @@ class Runner:
                 if THINK_CLOSE in tail:
                     cr.think_open = False
                     cr.t_phase, cr.phase_tokens = time.monotonic(), 0
+                    cr.phase_paused0 = self.control.paused_total()
             self.ui.text(cr, delta)
 
         t0 = self.case_t0 = time.monotonic()
@@ -311,8 +314,12 @@ def hhmm(seconds: float) -> str:
 
 
 def _cell(text: str, width: int) -> str:
-    """A report column: cut with `~` so long answers never shift the columns."""
-    return text if len(text) <= width else text[:width - 1] + "~"
+    """A report column padded to `width` terminal cells, cut with `~` so long or
+    double-width answers never shift the columns."""
+    from rich.cells import cell_len, set_cell_size
+
+    text = "".join(ch if ch.isprintable() else "?" for ch in text)
+    return set_cell_size(text, width) if cell_len(text) <= width else set_cell_size(text, width - 1) + "~"
 
 
 def speed_line(runner: Runner) -> str:
@@ -337,8 +344,8 @@ def report(runner: Runner) -> str:
         ran = state != "PENDING" or cr.carried is not None
         prompt = cr.prompt_tokens if ran else 0
         gen = cr.generated if ran else 0
-        lines.append(f"{cr.pos + 1:>3} {state:<8} {prompt:>8} {gen:>8} {prompt + gen:>8} {_cell(given, 8):<8} "
-                     f"{_cell(str(cr.case['answer']), 8):<8} {cr.case['source']}/{cr.case['id']}")
+        lines.append(f"{cr.pos + 1:>3} {state:<8} {prompt:>8} {gen:>8} {prompt + gen:>8} {_cell(given, 8)} "
+                     f"{_cell(str(cr.case['answer']), 8)} {cr.case['source']}/{cr.case['id']}")
     lines.append("")
     lines.append(f"{'source':<16} {'passed':>6} {'failed':>6} {'other':>6} {'total':>6}")
     sources: dict[str, list[CaseRun]] = {}
