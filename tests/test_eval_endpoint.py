@@ -48,7 +48,7 @@ class Stub:
         if self.fail_status:
             return web.json_response({"error": {"message": "prompt exceeds context"}}, status=self.fail_status)
         assert body["stream"] is True
-        user = body["messages"][-1]["content"]
+        user = next(m["content"] for m in reversed(body["messages"]) if m["role"] == "user")
         answer = "B" if "Magellanic" in user else "C"
         if self.mode == "json":  # a server that ignores stream: true
             return web.json_response({
@@ -66,6 +66,9 @@ class Stub:
 
         events = [chunk({"role": "assistant"})]
         thinking = body.get("think", True) is not False
+        last = body["messages"][-1]
+        if last["role"] == "assistant" and last.get("prefix"):  # a continuation: the answer only
+            thinking = False
         if thinking:
             events += [chunk({"reasoning_content": r}) for r in self.reasoning]
         events += [chunk({"content": "\n\nAnswer: "}), chunk({"content": answer}), chunk({}, "stop")]
@@ -246,3 +249,52 @@ def test_endpoint_stop_mid_stream(live_server):
     res = backend.generate(build_prompt(CORE[0]), 100, seed=0, control=control, on_text=on_text)
     assert res.finish == "stopped"
     assert res.raw.startswith("word0 word1 word2 word3 word4") and "</think>" not in res.raw
+
+
+def test_endpoint_forced_think_close_by_continuation(live_server, tmp_path, capsys):
+    url, stub = live_server
+    stub.reasoning = [f"w{i} " for i in range(300)]  # would think past the budget
+    trace = tmp_path / "t.txt"
+    rc = main(["eval", "--endpoint", url, "--plain", "--case-id", "1", "--tokens", "40",
+               "--endpoint-continuation", "prefix", "--trace", str(trace)])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    assert len(stub.requests) == 2
+    first, second = stub.requests
+    cap = 40 - 10  # hard budget 40 // 4
+    thought = "".join(f"w{i} " for i in range(cap))
+    assert second["messages"][:2] == first["messages"]
+    assert second["messages"][2] == {"role": "assistant", "content": "", "reasoning_content": thought,
+                                     "prefix": True}
+    assert second["max_tokens"] == 40 - cap
+    rec = parse_trace(trace.read_bytes())[0]
+    assert rec.output == thought + "</think>\n\nAnswer: B" and rec.status == "PASSED"
+    assert rec.fields["think_close"] == "hard_forced"
+    assert rec.fields["think_close_token_index"] == str(cap + 1)
+    assert rec.int_field("generated_tokens") == cap + 9  # the chunks kept + the continuation's usage
+    header = trace.read_text().split("=====", 1)[0]
+    assert "think_close_forcing: continuation request (prefix)" in header and "ctx: server" in header
+
+
+def test_endpoint_without_continuation_forces_nothing_and_says_so(live_server, tmp_path, capsys):
+    url, stub = live_server
+    stub.reasoning = [f"w{i} " for i in range(60)]
+    trace = tmp_path / "t.txt"
+    rc = main(["eval", "--endpoint", url, "--plain", "--case-id", "1", "--tokens", "40", "--trace", str(trace)])
+    capsys.readouterr()
+    assert rc == 0 and len(stub.requests) == 1
+    rec = parse_trace(trace.read_bytes())[0]
+    assert rec.fields["think_close"] == "natural"
+    assert "think_close_forcing: none (endpoint without continuation)" in trace.read_text()
+    help_text = _help()
+    assert "--endpoint-continuation" in help_text and "ctx: server" in help_text
+
+
+def _help() -> str:
+    import argparse
+
+    from ds4mlx.eval.cli import add_arguments
+
+    p = argparse.ArgumentParser(prog="ds4mlx eval")
+    add_arguments(p)
+    return " ".join(p.format_help().split())

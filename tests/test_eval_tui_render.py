@@ -81,3 +81,17 @@ def test_speed_excludes_paused_time_and_cursor_keeps_the_running_case():
     assert "RUN 0/" not in "\n".join(right)
     assert f"{CORE[0]['source']}/{CORE[0]['id'][:12]}" in right[0]  # the running case
     assert any(f"viewing 3 PEND {CORE[2]['source']}/{CORE[2]['id']}" in x for x in right)
+
+
+def test_endpoint_without_continuation_shows_no_think_cap():
+    from ds4mlx.eval.backends import EndpointBackend
+
+    runner = Runner(CORE[:1], EndpointBackend("http://127.0.0.1:9", model="m"), Options(tokens=64))
+    runner.size_context()
+    cr = runner.runs[0]
+    cr.status, runner.active, cr.generated, cr.raw = "RUNNING", 0, 7, ["w "] * 7
+    status = _right(_screen(TUI(runner)))[0]
+    assert "THINK 7 (no forced </think>)" in status and "7/" not in status
+    runner.backend.forces_think_close = True  # --endpoint-continuation prefix: the cap is real
+    status = _right(_screen(TUI(runner)))[0]
+    assert "THINK 7/48" in status

@@ -25,7 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("-m", "--model", default=None,
                    help="GGUF file or Hugging Face folder (default: the demo model); with --endpoint, "
                         "the model name sent to the server (default: the first of /v1/models)")
-    g.add_argument("--endpoint", metavar="URL", help="use an OpenAI-compatible server (streaming chat completions)")
+    g.add_argument("--endpoint", metavar="URL",
+                   help="use an OpenAI-compatible server (chat completions, streamed or not); the server "
+                        "sizes the context (the trace says ctx: server)")
+    g.add_argument("--endpoint-continuation", choices=("none", "prefix"), default="none",
+                   help="forced </think> at the think cap with --endpoint: 'prefix' cuts the reasoning there and "
+                        "asks for the answer by a second request (DeepSeek-style assistant prefix message); "
+                        "'none' (default; ds4mlx serve has no continuation) forces nothing: a reasoning may use "
+                        "the whole budget")
     g.add_argument("--api-key", default=os.environ.get("DS4MLX_EVAL_API_KEY"),
                    help="bearer token for --endpoint (default: $DS4MLX_EVAL_API_KEY)")
     g.add_argument("--backend", choices=("mlx", "endpoint", "fake"), default=None, help=argparse.SUPPRESS)
@@ -142,7 +149,8 @@ def _backend(a: argparse.Namespace):
         if not a.endpoint:
             raise SystemExit(_fail("--backend endpoint needs --endpoint URL"))
         return make_backend("endpoint", url=a.endpoint, api_key=a.api_key, model_name=a.model,
-                            temperature=a.temp, top_p=a.top_p, min_p=a.min_p)
+                            temperature=a.temp, top_p=a.top_p, min_p=a.min_p,
+                            continuation=a.endpoint_continuation)
     return make_backend("mlx", model=a.model, temperature=a.temp, top_p=a.top_p, min_p=a.min_p)
 
 

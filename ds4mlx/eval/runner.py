@@ -144,7 +144,7 @@ class Runner:
                                      self.opts.hard_budget)
         return {
             "started_unix": int(time.time()), "model": self.backend.model, "backend": self.backend.name,
-            "suite": self.opts.suite, "ctx": self.ctx,
+            "suite": self.opts.suite, "ctx": self.ctx or "server",
             "max_tokens": self.opts.tokens if self.opts.tokens else "per-case",
             "max_prompt_tokens": max(cr.prompt_tokens for cr in self.runs), "questions": len(self.runs),
             "temperature": float(self.opts.temperature), "top_p": float(self.opts.top_p),
@@ -152,7 +152,18 @@ class Runner:
             "think_mode_requested": "high" if self.opts.thinking else "none",
             "soft_limit_reply_budget": soft, "hard_limit_reply_budget": hard,
             "soft_limit_think_close_rank": self.opts.soft_rank,
+            "think_close_forcing": self.think_close_forcing(),
         }
+
+    def think_close_forcing(self) -> str:
+        """How a `</think>` can be forced: in the decode loop, by a continuation
+        request, or not at all (an endpoint without continuation)."""
+        if not self.opts.thinking:
+            return "none (thinking off)"
+        kind = getattr(self.backend, "continuation", None)
+        if kind is None:
+            return "decode loop (soft + hard)"
+        return f"continuation request ({kind})" if kind != "none" else "none (endpoint without continuation)"
 
     # ------------------------------------------------------------ one case
     def run_case(self, pos: int) -> str:
