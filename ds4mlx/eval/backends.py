@@ -115,7 +115,8 @@ class FakeBackend:
     """Scripted outputs, streamed token by token through the real decode loop.
 
     script: {"default": TEXT, "cases": {CASE_ID: TEXT}, "delay": SECONDS_PER_TOKEN,
-             "prefill_delay": SECONDS, "error": {CASE_ID: MESSAGE}}
+             "prefill_delay": SECONDS, "error": {CASE_ID: MESSAGE},
+             "open_delay": SECONDS, "open_error": MESSAGE}
     A text is split into word-sized tokens (`</think>` is one token); the three
     plain tokens `</`, `think`, `>` form the close sequence used by hard closes.
     """
@@ -132,6 +133,9 @@ class FakeBackend:
         return len(_TOKEN_RE.findall(prompt.text))
 
     def open(self, ctx: int) -> None:
+        time.sleep(float(self.script.get("open_delay", 0.0)))  # a slow model load
+        if self.script.get("open_error"):
+            raise RuntimeError(self.script["open_error"])
         self.ctx = ctx
 
     def _output_for(self, case_id: str) -> str:

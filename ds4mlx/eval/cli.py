@@ -54,9 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--think", dest="thinking", action="store_true", default=True, help="thinking on (default)")
     g.add_argument("--nothink", dest="thinking", action="store_false", help="thinking off")
     g.add_argument("--soft-limit-reply-budget", type=int, metavar="N",
-                   help="soft </think> close once this many tokens remain (default 1024)")
+                   help="soft </think> close once this many tokens remain (default 1024; below --tokens 2048 "
+                        "it is half the budget)")
     g.add_argument("--hard-limit-reply-budget", type=int, metavar="N",
-                   help="forced </think> once this many tokens remain (default 512)")
+                   help="forced </think> once this many tokens remain (default 512; below --tokens 2048 it is "
+                        "a quarter of the budget)")
     g.add_argument("--soft-limit-think-close-rank", type=int, default=3, metavar="N",
                    help="soft close when </think> ranks in the top N (default 3)")
     g.add_argument("--temp", type=float, default=0.0, help="temperature (default 0 = greedy)")
@@ -174,6 +176,18 @@ def _carry_over(runner: Any, path: str) -> None:
             cr.carried = rec.raw
 
 
+def _loading_notice(a: argparse.Namespace, backend: Any) -> None:
+    """Say what is loading (the screen stayed blank for the whole load) and that the
+    default demo model has random weights."""
+    if backend.name == "mlx" and (a.model in (None, "demo") or str(a.model or "").startswith("demo:")):
+        print("ds4-eval: no -m MODEL: using the demo model, which has RANDOM weights "
+              "(every answer is gibberish; this only exercises the harness)", file=sys.stderr)
+    if backend.name == "mlx":
+        print(f"ds4-eval: loading {a.model or 'the demo model'} ...", file=sys.stderr, flush=True)
+    elif backend.name == "endpoint":
+        print(f"ds4-eval: using {a.endpoint}", file=sys.stderr, flush=True)
+
+
 def _trace_writable(path: str, append: bool) -> Optional[str]:
     """Checked before the model loads, without touching an existing trace."""
     if append and os.path.exists(path):
@@ -252,6 +266,7 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
             _carry_over(runner, a.trace)
         except OSError as e:
             return _fail(f"cannot read trace '{a.trace}': {e.strerror}")
+    _loading_notice(a, backend)
     try:
         rc = runner.size_context()
         if rc is not None:
