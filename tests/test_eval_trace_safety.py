@@ -83,6 +83,9 @@ def test_torn_last_record_is_rerun_and_the_rest_kept(tmp_path, capsys):
     assert trace.read_text().startswith(before)
     assert [(r.id, r.status, r.output_ok) for r in recs] == [
         (CORE[0]["id"], "PASSED", True), (CORE[1]["id"], "PASSED", False), (CORE[1]["id"], "PASSED", True)]
+    assert main(["eval", "--regrade", str(trace)]) == 0  # the torn record is superseded, not a parse error
+    assert capsys.readouterr().out.strip().endswith("passed=2 failed=0 not_graded=0 changed=0 unknown=0 "
+                                                    "parse_errors=0 superseded=1")
 
 
 def _completed(trace: Path) -> dict:
@@ -91,10 +94,10 @@ def _completed(trace: Path) -> dict:
     return {k: (r.status, r.output) for k, r in completed_records(parse_trace(trace.read_bytes())).items()}
 
 
-def test_sigkill_at_random_points_then_retry_completes(tmp_path):
-    n = 12
+def test_sigkill_at_random_points_then_retry_completes(tmp_path, capsys):
+    n = 20
     script = _script(tmp_path, {"cases": {c["id"]: f"thinking about case {i} " * 3 + f"</think>Answer: {'BC'[i % 2]}"
-                                          for i, c in enumerate(CORE[:n])}, "delay": 0.004})
+                                          for i, c in enumerate(CORE[:n])}, "delay": 0.01})
     trace = tmp_path / "trace.txt"
     cmd = [sys.executable, "-m", "ds4mlx.cli", "eval", "--backend", "fake", "--fake-script", script, "--plain",
            "--questions", str(n), "--tokens", "40", "--trace", str(trace)]
@@ -104,8 +107,15 @@ def test_sigkill_at_random_points_then_retry_completes(tmp_path):
     progress: list[int] = []
     for k in range(20):
         extra = ["--retry-incomplete"] if k else []
+        size0 = trace.stat().st_size if trace.exists() else -1
         p = subprocess.Popen(cmd + extra, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.02, 0.5))
+        if rng.random() < 0.2:  # during start-up, before the trace is touched
+            time.sleep(rng.uniform(0.0, 0.1))
+        else:  # once the run has written its header: somewhere in the cases
+            deadline = time.monotonic() + 30
+            while (trace.stat().st_size if trace.exists() else -1) == size0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.25))
         p.send_signal(signal.SIGKILL)
         p.wait()
         now = _completed(trace)
@@ -124,3 +134,5 @@ def test_sigkill_at_random_points_then_retry_completes(tmp_path):
     graded = [(r.source, r.id) for r in recs if r.output_ok and r.status in ("PASSED", "FAILED")]
     assert len(graded) == n  # no completed case was run twice
     assert progress[-1] < n and max(progress) > 0  # the kills landed before the end and after some records
+    assert main(["eval", "--regrade", str(trace)]) in (0, 1)
+    assert "parse_errors=0" in capsys.readouterr().out  # a torn record was always run again

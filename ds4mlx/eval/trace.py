@@ -318,12 +318,14 @@ class RegradeSummary:
     changed: int = 0
     unknown: int = 0
     parse_errors: int = 0
+    superseded: int = 0     # torn records rerun later in the same trace
     messages: list[str] = field(default_factory=list)
 
     def line(self, path: str) -> str:
         return (f"ds4-eval: regraded {self.total} cases from {path}: passed={self.passed} "
                 f"failed={self.failed} not_graded={self.not_graded} changed={self.changed} "
-                f"unknown={self.unknown} parse_errors={self.parse_errors}")
+                f"unknown={self.unknown} parse_errors={self.parse_errors}"
+                + (f" superseded={self.superseded}" if self.superseded else ""))
 
     @property
     def rc(self) -> int:
@@ -347,6 +349,10 @@ def regrade_records(records: list[ParsedRecord],
         if case is None:
             s.unknown += 1
             s.messages.append(f"ds4-eval: trace case {k} not found in embedded cases: {rec.source}/{rec.id}")
+            continue
+        if not rec.output_ok and any(r.output_ok and (r.source, r.id) == (rec.source, rec.id)
+                                     for r in records[k:]):
+            s.superseded += 1  # torn by a kill, then run again by --retry-incomplete
             continue
         if not rec.output_ok:
             s.parse_errors += 1
