@@ -153,3 +153,23 @@ def test_ctrl_c_quits_cleanly_with_130(tmp_path, tmux):
         assert [r.status for r in recs] == ["STOPPED"]  # written by the worker before the exit
         assert trace.read_text().rstrip().endswith("total: 2")
         tmux.kill()
+
+
+def test_ctrl_c_with_the_in_process_model_exits_130_not_134(tmp_path, tmux):
+    """The MLX backend: Ctrl-C while its worker is inside MLX (prefill / first steps)
+    used to exit under that thread: 'terminate called without an active exception',
+    exit 134 (5 of 5 tries on the demo model before the fix)."""
+    pytest.importorskip("mlx.core")
+    err = tmp_path / "err.txt"
+    for attempt in range(2):
+        cmd = (f"cd {REPO} && {sys.executable} -m ds4mlx.cli eval --questions 3 --tokens 300 --pause-ms 1 "
+               f"2>{err}; echo EXIT=$?; sleep 300")
+        tmux.start(cmd)
+        tmux.wait_for(lambda s: "ds4-eval (p)ause" in s, timeout=120)
+        time.sleep(0.3 * attempt)
+        tmux.keys("C-c")
+        screen = tmux.wait_for(lambda s: "EXIT=" in s, timeout=120)
+        assert "EXIT=130" in screen and "terminate called" not in screen, screen
+        assert "ds4-eval: 0/3 passed" in screen
+        assert "Traceback" not in err.read_text()
+        tmux.kill()
