@@ -30,6 +30,9 @@ class Tmux:
                               timeout=30).stdout
 
     def start(self, command: str) -> None:
+        # a fresh server per start: reusing a socket right after kill-server races its shutdown
+        self.starts = getattr(self, "starts", 0) + 1
+        self.sock = f"ds4mlx-eval-test-{os.getpid()}-{self.name}-{self.starts}"
         subprocess.run(["tmux", "-L", self.sock, "-f", "/dev/null", "new-session", "-d", "-s", self.name,
                         "-x", str(self.cols), "-y", str(self.rows), command], check=True, timeout=30)
 
@@ -173,3 +176,17 @@ def test_ctrl_c_with_the_in_process_model_exits_130_not_134(tmp_path, tmux):
         assert "ds4-eval: 0/3 passed" in screen
         assert "Traceback" not in err.read_text()
         tmux.kill()
+
+
+def test_error_reason_outlives_the_tui(tmp_path, tmux):
+    """An ERROR case in the TUI: after the screen closes the report still says why."""
+    cases = load_cases("core")[:2]
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"default": "</think>Answer: B", "error": {cases[1]["id"]: "connection refused"}}))
+    tmux.start(f"cd {REPO} && {sys.executable} -m ds4mlx.cli eval --backend fake --fake-script {script} "
+               f"--questions 2 --pause-ms 1; echo EXIT=$?; sleep 300")
+    screen = tmux.wait_for(lambda s: "EXIT=" in s)
+    assert "EXIT=1" in screen
+    rows = {int(line[:3]): line for line in screen.splitlines() if line[:3].strip().isdigit()}
+    assert rows[2].split()[1] == "ERROR"
+    assert f"  2 ERROR SuperGPQA/{cases[1]['id']}: decode failed: connection refused" in screen
