@@ -24,7 +24,8 @@ def _eval(capsys, *argv):
 
 
 def _three(tmp_path, capsys, *extra, answers=("B", "C", "71")):
-    script = _script(tmp_path, {"cases": {c["id"]: f"hm hm.</think>\nAnswer: {a}" for c, a in zip((C1, C2, C3), answers)}})
+    outputs = {c["id"]: f"hm hm.</think>\nAnswer: {a}" for c, a in zip((C1, C2, C3), answers)}
+    script = _script(tmp_path, {"cases": outputs})
     return _eval(capsys, "--fake-script", script, "--questions", "3", "--tokens", "32", *extra)
 
 

@@ -64,13 +64,13 @@ def test_speed_excludes_paused_time_and_cursor_keeps_the_running_case():
     cr.phase_paused0 = 0.0
     runner.control.paused_seconds = 8.0  # ... of which 8 s paused: 20 tokens in 2 s
     status = _right(_screen(tui))[0]
-    assert status.startswith("Speed 10.0 t/s") or status.startswith("Speed 9.9 t/s"), status
+    assert status.startswith(("Speed 10.0 t/s", "Speed 9.9 t/s")), status
     # paused now: the open pause does not count either
     runner.control.paused_seconds = 0.0
     runner.control.toggle_pause()
     runner.control.pause_started = now - 8.0
     status = _right(_screen(tui))[0]
-    assert status.startswith("Speed 10.0 t/s") or status.startswith("Speed 9.9 t/s"), status
+    assert status.startswith(("Speed 10.0 t/s", "Speed 9.9 t/s")), status
     runner.control.toggle_pause()
     # the cursor on a pending case: the status line still shows the running case
     tui.handle("down")

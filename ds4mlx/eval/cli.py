@@ -188,13 +188,13 @@ def _loading_notice(a: argparse.Namespace, backend: Any) -> None:
         print(f"ds4-eval: using {a.endpoint}", file=sys.stderr, flush=True)
 
 
-def _trace_writable(path: str, append: bool) -> Optional[str]:
-    """Checked before the model loads, without touching an existing trace."""
+def _writable(path: str, append: bool, what: str) -> Optional[str]:
+    """Checked before the model loads, without touching an existing file."""
     if append and os.path.exists(path):
         ok = os.access(path, os.R_OK | os.W_OK)
     else:
         ok = os.access(os.path.dirname(os.path.abspath(path)), os.W_OK)
-    return None if ok else f"cannot write trace '{path}'"
+    return None if ok else f"cannot write {what} '{path}'"
 
 
 def run(a: argparse.Namespace) -> int:
@@ -244,7 +244,7 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
                    temperature=a.temp, top_p=a.top_p, min_p=a.min_p, seed=a.seed or default_seed(),
                    ctx=a.ctx, trace=a.trace, pause_ms=a.pause_ms, suite=a.suite)
     if a.trace:
-        err = _trace_writable(a.trace, a.retry_incomplete)
+        err = _writable(a.trace, a.retry_incomplete, "trace")
         if err:
             return _fail(err)
     baseline = None
@@ -255,9 +255,9 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
         if baseline is None:
             return _fail(err)
     if a.report:
-        err = _trace_writable(a.report, False)
+        err = _writable(a.report, False, "report")
         if err:
-            return _fail(err.replace("trace", "report"))
+            return _fail(err)
     harness_rc = 2 if baseline is not None else 1  # with --baseline, 1 means only "passes dropped"
     backend = _backend(a)
     runner = Runner(cases, backend, opts)

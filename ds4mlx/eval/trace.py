@@ -127,7 +127,9 @@ class TraceWriter:
 
     @classmethod
     def resume(cls, path: str, **header: Any) -> "TraceWriter":
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        if not os.path.exists(path) or os.path.getsize(path) == 0:
+            return cls.create(path, **header)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND)
         w = cls(path, fd)
         size = os.fstat(fd).st_size
         lead = ""
