@@ -136,3 +136,14 @@ def test_sigkill_at_random_points_then_retry_completes(tmp_path, capsys):
     assert progress[-1] < n and max(progress) > 0  # the kills landed before the end and after some records
     assert main(["eval", "--regrade", str(trace)]) in (0, 1)
     assert "parse_errors=0" in capsys.readouterr().out  # a torn record was always run again
+
+
+def test_fresh_run_keeps_the_trace_it_replaces(tmp_path, capsys):
+    trace, before = _trace_with(tmp_path)
+    script = _script(tmp_path, {"default": "</think>Answer: B"})
+    rc = main(["eval", "--backend", "fake", "--fake-script", script, "--plain", "--questions", "2",
+               "--trace", str(trace), "--tokens", "16"])
+    capsys.readouterr()
+    assert rc in (0, 1)
+    assert (tmp_path / "trace.txt.prev").read_text() == before
+    assert len(parse_trace(trace.read_bytes())) == 2

@@ -20,6 +20,7 @@ CASE_PREFIX = b"===== CASE "
 SUMMARY_LINE = b"===== SUMMARY ====="
 RESUMED_LINE = b"# ds4-eval trace resumed"   # a --retry-incomplete run appends from here
 HEADER_PREFIX = b"# ds4-eval trace"
+PREVIOUS_SUFFIX = ".prev"   # where a fresh run moves the trace it replaces
 
 
 @dataclass
@@ -98,7 +99,7 @@ class TraceWriter:
     """Writes a trace without ever losing a completed record (EVAL_BEHAVIOR.md §9).
 
     `create` replaces the file atomically (temporary file, fsync, rename) with the
-    header only; `resume` (--retry-incomplete) appends to the existing file and never
+    header only, keeping a non-empty old file as FILE.prev; `resume` (--retry-incomplete) appends to the existing file and never
     rewrites it.  Every record goes out in one `write` on an O_APPEND descriptor and
     is fsynced, so a kill at any point leaves at worst one torn record at the end,
     which the reader sees as incomplete (its MODEL_OUTPUT block does not close)."""
@@ -117,6 +118,8 @@ class TraceWriter:
                 f.write(_header_text("# ds4-eval trace\n", header).encode("utf-8", "surrogateescape"))
                 f.flush()
                 os.fsync(f.fileno())
+            if os.path.exists(path) and os.path.getsize(path):
+                os.replace(path, path + PREVIOUS_SUFFIX)  # a fresh run keeps the trace it replaces
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
