@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .chat.messages import Message
 
-__all__ = ["PrefixError", "parse", "load", "USER_MARK", "ASSISTANT_MARK"]
+__all__ = ["PrefixError", "parse", "load", "with_head", "USER_MARK", "ASSISTANT_MARK"]
 
 USER_MARK = "USER:"
 ASSISTANT_MARK = "ASSISTANT:"
@@ -95,3 +95,18 @@ def load(path: str) -> list[Message]:
         return parse(text)
     except PrefixError as e:
         raise PrefixError(f"{path}: {e}") from None
+
+
+_SYSTEM_ROLES = ("system", "developer")
+
+
+def with_head(messages: list, system: str, prefix) -> list:
+    """A request's messages with the server's defaults: `system` when the request
+    brings no system message, then the prefix turns after the leading system
+    messages (`ds4mlx serve -sys ... --prefix-file ...`)."""
+    lead = 0
+    while lead < len(messages) and messages[lead].role in _SYSTEM_ROLES:
+        lead += 1
+    has_system = any(m.role in _SYSTEM_ROLES for m in messages)
+    head = [] if has_system or not system else [Message("system", system)]
+    return head + list(messages[:lead]) + [Message(m.role, m.content) for m in prefix] + list(messages[lead:])

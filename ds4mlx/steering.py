@@ -36,7 +36,8 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["ATTN", "FFN", "FORMAT", "Steering", "SteeringError", "LayerSteer", "steer", "install", "identity",
-           "read_directions", "write_directions", "build_direction", "read_prompt_lines", "layers_of"]
+           "read_directions", "write_directions", "build_direction", "read_prompt_lines", "layers_of", "installed",
+           "check_scale", "load"]
 
 ATTN = "attn"
 FFN = "ffn"
@@ -121,7 +122,7 @@ def _hidden_size(model) -> int:
     raise SteeringError("the model's hidden size is unknown")
 
 
-def _check_scale(name: str, v: float) -> float:
+def check_scale(name: str, v: float) -> float:
     v = float(v)
     if not np.isfinite(v) or abs(v) > SCALE_LIMIT:
         raise SteeringError(f"invalid value for {name}: {v} (expected -{SCALE_LIMIT:g}..{SCALE_LIMIT:g})")
@@ -149,8 +150,8 @@ def load(model, path: str, ffn: Optional[float] = None, attn: Optional[float] = 
     given, attn 0)."""
     if ffn is None and attn is None:
         ffn = 1.0
-    ffn = _check_scale("--dir-steering-ffn", 0.0 if ffn is None else ffn)
-    attn = _check_scale("--dir-steering-attn", 0.0 if attn is None else attn)
+    ffn = check_scale("--dir-steering-ffn", 0.0 if ffn is None else ffn)
+    attn = check_scale("--dir-steering-attn", 0.0 if attn is None else attn)
     dirs = read_directions(path, len(layers_of(model)), _hidden_size(model))
     return Steering(dirs, ffn=ffn, attn=attn, path=path)
 
@@ -171,14 +172,24 @@ def install(model, steering: Optional[Steering]) -> None:
     mx.eval(rows)  # evaluated here: the engine's worker thread must not meet lazy arrays
     for layer, v in zip(layers, rows):
         layer.steering = LayerSteer(v, ffn=steering.ffn, attn=steering.attn)
-    _set_identity(model, steering.identity())
+    _set_identity(model, steering)
 
 
-def _set_identity(model, ident: Optional[str]) -> None:
+def _set_identity(model, steering: Optional[Steering]) -> None:
     # kept on both wrapper levels: sessions see the CausalLM, the disk cache the LanguageModel
     for obj in (model, getattr(model, "model", None)):
         if obj is not None:
-            obj._steering_identity = ident  # a str: a plain attribute on an nn.Module too
+            obj._steering_identity = steering.identity() if steering is not None else None  # a plain attribute
+            obj.__dict__["_steering"] = steering
+
+
+def installed(model) -> Optional[Steering]:
+    """The steering `install` put on `model` (None: unsteered)."""
+    for obj in (model, getattr(model, "model", None)):
+        s = getattr(obj, "__dict__", {}).get("_steering") if obj is not None else None
+        if s is not None:
+            return s
+    return None
 
 
 def identity(model) -> Optional[str]:
