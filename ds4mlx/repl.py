@@ -18,10 +18,14 @@ engine job (checked at each token, `JobHandle.cancel`): the partial answer stays
 in the conversation and the live session keeps what was evaluated, so the next
 prompt continues from it.  Ctrl+C at the prompt clears the line.
 
-The conversation is re-rendered with the family's template every turn; the
-engine reuses the live session for the common prefix.  Steering and /ctx
-changes drop the live session (`Engine.reset_live`): its state was computed
-under the old settings.
+Like ds4's REPL the conversation is a transcript: each turn's prompt is the
+previous prompt, the text sampled for it and the family's text up to the next
+generation prompt, so the engine always extends the live session (old
+reasoning stays in the context, as in ds4).  The first turn, and a turn whose
+thinking mode changes the start of the prompt (Think Max, a V4.1 level), are
+rendered whole with the family's template.  Steering and /ctx changes drop the
+live session (`Engine.reset_live`): its state was computed under the old
+settings.
 """
 from __future__ import annotations
 
@@ -105,7 +109,7 @@ class Repl:
         from .steering import installed
 
         self.steering = installed(engine.model)  # the last direction loaded: `/steer off`, then `/steer F`
-        self._interrupts = 0
+        self.transcript: Optional[tuple] = None  # (prompt + sampled text, head signature)
         self.last_ctx_used = 0
 
     # ------------------------------------------------------------------ thinking
@@ -116,7 +120,7 @@ class Repl:
         self.console.print(f"[cyan]{what}:[/cyan] {text}", highlight=False)
 
     def warn(self, text: str) -> None:
-        self.console.print(f"[red]{text}[/red]", highlight=False, markup=False)
+        self.console.print(text, style="red", highlight=False, markup=False)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
@@ -173,7 +177,7 @@ class Repl:
         elif name == "/steer":
             self._steer(arg)
         elif name == "/reset":
-            self.history = []
+            self.history, self.transcript = [], None
             self.notice("conversation", "cleared")
         else:
             self.warn(f"unknown command: {cmd}")
@@ -257,10 +261,10 @@ class Repl:
         self.notice("steering", new.describe() if new is not None and new.active else "off")
 
     # ------------------------------------------------------------------ turns
-    def _conversation(self, messages):
+    def _conversation(self, messages, thinking: Optional[str] = None):
         from .chat.messages import Conversation
 
-        return Conversation(list(messages), thinking=self.mode())
+        return Conversation(list(messages), thinking=self.mode() if thinking is None else thinking)
 
     def _prefill_head(self) -> None:
         """ds4 prefills --prefix-file at startup: the history form of the head."""
@@ -281,20 +285,51 @@ class Repl:
 
         args = self.args
         thinking = self.mode()
-        self.history.append(Message("user", text))
-        conv = self._conversation(self.head + self.history)
-        job = Job(prompt_text=self.protocol.render(conv), thinking=thinking, params=sampling_params(args),
+        user = Message("user", text)
+        prompt = self._continuation(user, thinking)
+        if prompt is None:  # first turn, or the thinking mode changed the prompt's head
+            prompt = self.protocol.render(self._conversation(self.head + self.history + [user]))
+        job = Job(prompt_text=prompt, thinking=thinking, params=sampling_params(args),
                   max_tokens=args.max_tokens, stop=tuple(args.stop), family=self.protocol.family)
         res = self._run_job(job, show=True)
         fin = res.finish
         if fin is None or fin.reason == "error" or (res.interrupted and res.generated == 0):
-            self.history.pop()  # ds4 rolls the transcript back when nothing was generated
-            return res
+            return res  # ds4 rolls the transcript back when nothing was generated
         parsed = fin.result
         content = getattr(parsed, "content", None)
-        self.history.append(Message("assistant", content if content is not None else fin.raw_text,
-                                    reasoning=getattr(parsed, "reasoning", None) or ""))
+        self.history += [user, Message("assistant", content if content is not None else fin.raw_text,
+                                       reasoning=getattr(parsed, "reasoning", None) or "")]
+        # ds4's transcript: the prompt and the sampled text stay as they are, so the
+        # next turn extends the live session even after Ctrl+C in the reasoning
+        self.transcript = (prompt + fin.raw_text, self._head_signature(thinking))
         return res
+
+    _SENTINEL = "\x01"
+
+    def _head_signature(self, thinking: str) -> str:
+        """The prompt text before the first user message for this thinking mode
+        (Think Max prefix, V4.1's effort line ...): a transcript made under
+        another one cannot be extended."""
+        from .chat.messages import Message
+
+        text = self.protocol.render(self._conversation(self.head + [Message("user", self._SENTINEL)], thinking))
+        return text.split(self._SENTINEL, 1)[0]
+
+    def _continuation(self, user, thinking: str):
+        """The transcript + the family's text from the end of an assistant answer
+        to the generation prompt of `user`; None when there is no transcript."""
+        from .chat.messages import Message
+
+        if self.transcript is None:
+            return None
+        text, sig = self.transcript
+        if sig != self._head_signature(thinking):
+            return None
+        probe = self.head + [Message("user", "a"), Message("assistant", self._SENTINEL), user]
+        full = self.protocol.render(self._conversation(probe, thinking))
+        if full.count(self._SENTINEL) != 1:
+            return None
+        return text + full.split(self._SENTINEL, 1)[1]
 
     def _run_job(self, job, show: bool) -> TurnResult:
         from .engine import Failed
