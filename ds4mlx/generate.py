@@ -10,6 +10,7 @@ prefilled, and a last line with token counts and speeds.  `chat` is the REPL
 """
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -73,7 +74,17 @@ def _load(args, console):
     steered = install_steering(args, model)  # before the engine makes its session (fingerprint)
     if steered:
         console.print(f"[dim]directional steering: {steered}[/dim]")
-    return Engine(model, tok, ctx=args.ctx, default_max_tokens=args.max_tokens), tok
+    # The worker thread (and the threads MLX starts from it) inherit a blocked SIGINT,
+    # so Ctrl+C always reaches the main thread: the REPL's line reader wakes up on it.
+    masked = hasattr(signal, "pthread_sigmask")
+    if masked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        engine = Engine(model, tok, ctx=args.ctx, default_max_tokens=args.max_tokens)
+    finally:
+        if masked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    return engine, tok
 
 
 def stream_job(engine, job, console: Console, out=sys.stdout) -> Finish | None:

@@ -44,6 +44,7 @@ from .events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta,
 from .think_flags import THINK_MAX_MIN_CONTEXT, ThinkError, describe, parse_level, resolve
 
 HELP = __doc__.split("\n\n")[1]
+ASSISTANT_MARK = "ds4mlx:"  # printed when the answer starts (ds4 prints its assistant prompt)
 HISTORY_ENV = "DS4MLX_HISTORY"
 HISTORY_LEN = 512  # linenoiseHistorySetMaxLen(512) in ds4
 _RL_START, _RL_END = "\001", "\002"  # readline: invisible prompt bytes
@@ -105,7 +106,9 @@ class Repl:
         self.think = args.think
         self.head = conversation_head(args.system, prefix)
         self.history: list = []
-        self.markdown = not getattr(args, "no_markdown", False) and self.out.is_terminal
+        # live Markdown needs cursor movement: a real terminal, not TERM=dumb
+        self.markdown = (not getattr(args, "no_markdown", False) and self.out.is_terminal
+                         and not self.out.is_dumb_terminal)
         from .steering import installed
 
         self.steering = installed(engine.model)  # the last direction loaded: `/steer off`, then `/steer F`
@@ -124,7 +127,7 @@ class Repl:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
-        reader = LineReader(self.out.is_terminal)
+        reader = LineReader(self.out.is_terminal and not self.out.no_color)
         if any(m.role != "system" for m in self.head):
             self._prefill_head()
         self.console.print("[dim]ds4mlx chat: /help lists the commands, Ctrl+C stops an answer, Ctrl+D quits[/dim]")
@@ -359,6 +362,8 @@ class Repl:
                 elif isinstance(ev, Started):
                     progress = self._progress(progress, None)
                     t_gen = time.perf_counter()
+                    if printer is not None:
+                        self.out.print(ASSISTANT_MARK, style="bold cyan", markup=False, highlight=False)
                 elif printer is not None and isinstance(ev, (ReasoningDelta, TextDelta, ToolCallEnd)):
                     printer.feed(ev)
                 elif isinstance(ev, Finish):
@@ -408,7 +413,7 @@ class Repl:
         self.console.print(
             f"[dim]ctx {used}/{self.engine.ctx} | prompt {u.prompt_tokens} ({u.cached_tokens} cached), "
             f"prefill {res.prefill_tps:.1f} t/s | generation {res.generated} tokens, {res.gen_tps:.1f} t/s"
-            f" | thinking {describe(self.think)}{stopped}[/dim]", highlight=False)
+            f" | thinking {describe(self.think)}{stopped}[/dim]", highlight=False, soft_wrap=True)
 
 
 class _AnswerPrinter:

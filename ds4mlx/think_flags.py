@@ -46,10 +46,22 @@ def add_think_arguments(p: argparse.ArgumentParser, *, level_dest: str = "think"
                    help=f"Think Max when --ctx is at least {THINK_MAX_MIN_CONTEXT} tokens; otherwise normal thinking")
     p.add_argument("--nothink", dest="think", action="store_const", const="none",
                    help="no thinking: assistant turns start with </think>")
-    p.add_argument("--think-level", dest=level_dest, type=parse_level, metavar="N",
-                   default=None if level_dest != "think" else argparse.SUPPRESS,
-                   help="DeepSeek V4.1 reasoning effort 0..100 (0 = no thinking)")
+    if level_dest == "think":
+        # no `type=`: argparse would run it on the string default "high" of the shared dest
+        p.add_argument("--think-level", dest="think", action=_LevelAction, metavar="N",
+                       help="DeepSeek V4.1 reasoning effort 0..100 (0 = no thinking)")
+    else:
+        p.add_argument("--think-level", dest=level_dest, type=parse_level, default=None, metavar="N",
+                       help="DeepSeek V4.1 reasoning effort 0..100 (0 = no thinking)")
     p.set_defaults(think="high")
+
+
+class _LevelAction(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            setattr(namespace, self.dest, parse_level(values))
+        except argparse.ArgumentTypeError as e:
+            parser.error(str(e))
 
 
 @dataclass(frozen=True)
