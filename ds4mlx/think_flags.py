@@ -92,10 +92,16 @@ def resolve(protocol, think: Think, ctx: int, *, flag: str = "--think-max") -> T
     if think == "max":
         if max_allowed(ctx):
             return ThinkChoice(protocol.resolve_thinking("max", "max", explicit=True, ctx=ctx))
-        return ThinkChoice(protocol.resolve_thinking("high", None, explicit=True, ctx=ctx), downgrade_notice(flag, ctx))
+        return ThinkChoice(_high(protocol, ctx), downgrade_notice(flag, ctx))
     if think != "high":
         raise ThinkError(f"unknown thinking mode {think!r}")
-    return ThinkChoice(protocol.resolve_thinking("high", None, explicit=True, ctx=ctx))
+    return ThinkChoice(_high(protocol, ctx))
+
+
+def _high(protocol, ctx: int) -> str:
+    # ds4's DS4_THINK_HIGH is the "high" effort of every family (GLM: "Reasoning
+    # Effort: High", ds4_glm_reasoning_effort_text), not the family's API default
+    return protocol.resolve_thinking("high", "high", explicit=True, ctx=ctx)
 
 
 def describe(think: Think) -> str:

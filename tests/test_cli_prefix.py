@@ -15,6 +15,7 @@ from ds4mlx.chat.protocol import get_protocol
 from ds4mlx.chat.requests import parse_request
 from ds4mlx.cli_options import conversation_head
 from ds4mlx.prefix_file import PrefixError, load, parse, with_head
+from ds4mlx.think_flags import THINK_MAX_MIN_CONTEXT, resolve
 
 
 def turns(text):
@@ -125,20 +126,24 @@ def _jinja(name: str, **kw) -> str:
     return render_jinja((TEMPLATES / name).read_text(), one_piece(name), **kw)
 
 
-def test_glm53_bytes_equal_its_template():
-    proto = get_protocol("glm5_next")
-    assert cli_render("glm5_next", proto.resolve_thinking("high", None, explicit=True)) == _jinja("glm5_next.jinja")
+def cli_mode(family: str, think="high") -> str:
+    """The mode `--think` / `--think-max` gives the family (think_flags.resolve)."""
+    return resolve(get_protocol(family), think, THINK_MAX_MIN_CONTEXT).mode
 
 
-def test_glm52_bytes_equal_its_template():
-    proto = get_protocol("glm_moe_dsa")
-    assert cli_render("glm_moe_dsa", proto.resolve_thinking("high", None, explicit=True)) == _jinja(
-        "glm_moe_dsa.jinja")
+@pytest.mark.parametrize("think,effort", [("high", "high"), ("max", "max")])
+def test_glm53_bytes_equal_its_template(think, effort):
+    assert cli_render("glm5_next", cli_mode("glm5_next", think)) == _jinja("glm5_next.jinja", reasoning_effort=effort)
+
+
+@pytest.mark.parametrize("think,effort", [("high", "high"), ("max", "max")])
+def test_glm52_bytes_equal_its_template(think, effort):
+    assert cli_render("glm_moe_dsa", cli_mode("glm_moe_dsa", think)) == _jinja("glm_moe_dsa.jinja",
+                                                                              reasoning_effort=effort)
 
 
 def test_qwen_bytes_equal_its_template():
-    proto = get_protocol("qwen4_exp")
-    assert cli_render("qwen4_exp", proto.resolve_thinking("high", None, explicit=True)) == _jinja("qwen4_exp.jinja")
+    assert cli_render("qwen4_exp", cli_mode("qwen4_exp")) == _jinja("qwen4_exp.jinja")
 
 
 @pytest.mark.parametrize("family", ["deepseek_v4", "deepseek_v41", "glm5_next", "glm_moe_dsa", "qwen4_exp"])
@@ -147,8 +152,10 @@ def test_prefix_plus_prompt_equals_the_conversation_in_one_piece(family):
     conversation in one Chat Completions request, and what `serve --prefix-file
     -sys` makes of a request carrying only the prompt."""
     proto = get_protocol(family)
-    conv = parse_request("openai", {"model": proto.model_id, "messages": one_piece(family)})
-    thinking = proto.resolve_thinking(conv.thinking, None)
+    conv = parse_request("openai", {"model": proto.model_id, "messages": one_piece(family),
+                                    "reasoning_effort": "high"})
+    thinking = proto.resolve_thinking(conv.thinking, None if family == "deepseek_v4" else "high")
+    assert thinking == cli_mode(family)  # what the client asked for is what --think gives
     conv.thinking = thinking
     whole = proto.render(conv)
     assert cli_render(family, thinking) == whole
