@@ -183,7 +183,11 @@ def run(args) -> int:
         job = Job(prompt_text=prompt, api="completions" if args.raw else "chat", raw=args.raw, thinking=thinking,
                   params=sampling_params(args), max_tokens=args.max_tokens, stop=tuple(args.stop),
                   family=protocol.family)
-        fin = stream_job(engine, job, console)
+        try:
+            fin = stream_job(engine, job, console)
+        except KeyboardInterrupt:  # Ctrl+C: closing the event stream cancels the job
+            console.print("\n[yellow]interrupted[/yellow]")
+            return 130
         return 0 if fin is not None and fin.reason != "error" else 1
     finally:
         engine.close()

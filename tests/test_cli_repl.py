@@ -131,3 +131,59 @@ def test_repl_steer_and_think_level_refusal(tmp_path):
     out = pexpect.run(f"{sys.executable} -m ds4mlx.cli chat --think-level 40", cwd=str(tmp_path), timeout=TIMEOUT,
                       env=dict(os.environ, PYTHONPATH=ROOT), withexitstatus=True, encoding="utf-8")
     assert out[1] == 2 and "--think-level requires a DeepSeek V4.1 model" in ANSI.sub("", out[0])
+
+
+def test_repl_prefills_the_prefix_file(tmp_path):
+    """ds4 prefills --prefix-file (after -sys) before the first prompt: the first
+    turn finds all of it in the live session."""
+    from ds4mlx.chat.messages import Conversation, Message
+    from ds4mlx.chat.protocol import get_protocol
+    from ds4mlx.tokenizer import Tokenizer
+
+    (tmp_path / "prefix.txt").write_text("USER: Remember 7.\nASSISTANT: Noted: 7.\n")
+    child = spawn(tmp_path, "--nothink", "-n", "100000", "-sys", "Be brief.", "--prefix-file", "prefix.txt")
+    try:
+        child.sendline("What number?")
+        child.expect("ds4mlx:")
+        child.expect(r"\S{3}")
+        child.sendintr()
+        used, total, prompt, cached = status(child)
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    proto = get_protocol("deepseek_v4")
+    tok = Tokenizer.default()
+    head = [Message("system", "Be brief."), Message("user", "Remember 7."), Message("assistant", "Noted: 7.")]
+    whole = proto.render(Conversation(head + [Message("user", "What number?")], thinking="none"))
+    assert prompt == len(tok.encode(whole))
+    assert cached == len(tok.encode(proto.render(Conversation(head, thinking="none"))))
+
+
+def test_answers_render_as_markdown():
+    """On a terminal the answer is rich Markdown (live while it streams); reasoning
+    is printed as is, dimmed; without a terminal the text stays plain."""
+    import io
+
+    from rich.console import Console
+
+    from ds4mlx.events import ReasoningDelta, TextDelta
+    from ds4mlx.repl import _AnswerPrinter
+
+    def show(markdown: bool) -> str:
+        buf = io.StringIO()
+        out = Console(file=buf, force_terminal=markdown, width=60, color_system=None)
+        p = _AnswerPrinter(out, markdown)
+        for ev in [ReasoningDelta("think **raw**"), TextDelta("# Title\n\nSome "), TextDelta("**bold** text.\n"),
+                   TextDelta("\n- one\n- two\n")]:
+            p.feed(ev)
+        p.close()
+        return ANSI.sub("", buf.getvalue())
+
+    md = show(True)
+    assert "think **raw**" in md  # reasoning is not Markdown
+    answer = md.split("</think>", 1)[1]
+    assert "Title" in answer and "Some bold text." in answer and "**" not in answer and "#" not in answer
+    assert "• one" in answer and "• two" in answer
+    plain = show(False)
+    assert "# Title\n\nSome **bold** text.\n\n- one\n- two\n" in plain

@@ -204,3 +204,43 @@ def test_steer_build_mean_difference(tmp_path):
         d /= np.linalg.norm(d)
         np.testing.assert_allclose(got[layer], d, atol=1e-4)
         assert abs(float(got[layer].astype(np.float64) @ base)) < 1e-4
+
+
+def test_cli_flags_install_steering(tmp_path):
+    """--dir-steering-* on generate / chat / serve: ds4's defaults, zero scales
+    install nothing, scales without a file are refused; `serve` installs it before
+    the disk KV cache takes the model's identity."""
+    import argparse
+
+    from ds4mlx import generate
+    from ds4mlx.cli_options import UsageError, install_steering
+    from ds4mlx.kvcache import model_identity
+
+    model, tok = ds4mlx.load(None)
+    path = tmp_path / "d.f32"
+    _dirs(model, 5).astype("<f4").tofile(path)
+    p = argparse.ArgumentParser()
+    generate.add_chat_arguments(p)
+    plain_id = model_identity(model)
+    try:
+        assert install_steering(p.parse_args(["--dir-steering-file", str(path)]), model) == "d.f32 ffn=1 attn=0"
+        assert steering.installed(model).ffn == 1.0 and model_identity(model) != plain_id
+        args = p.parse_args(["--dir-steering-file", str(path), "--dir-steering-ffn", "0", "--dir-steering-attn", "0"])
+        install_steering(args, model)
+        assert steering.installed(model) is None and model_identity(model) == plain_id
+        with pytest.raises(UsageError, match="needs --dir-steering-file"):
+            install_steering(p.parse_args(["--dir-steering-ffn", "2"]), model)
+        from ds4mlx.serve import cli
+
+        sp = argparse.ArgumentParser()
+        cli.add_arguments(sp)
+        engine, app = cli.build(sp.parse_args(["--dir-steering-file", str(path), "--dir-steering-attn", "0.5",
+                                               "--kv-disk-dir", str(tmp_path / "kv")]), loaded=(model, tok))
+        try:
+            s = steering.installed(model)
+            assert (s.ffn, s.attn) == (0.0, 0.5)
+            assert engine.cache.store.model_id == model_identity(model) != plain_id
+        finally:
+            engine.close()
+    finally:
+        steering.install(model, None)
