@@ -44,9 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("-n", "--tokens", type=int, default=None, metavar="N",
                    help="generation budget per case (default: the case's own, 16000; Juliet 8000)")
-    from ..think_flags import add_think_arguments  # ds4's --think / --think-max / --nothink / --think-level
+    from ..think_flags import add_think_arguments
 
-    add_think_arguments(g)
+    add_think_arguments(g)  # ds4's --think / --think-max / --nothink / --think-level
     g.add_argument("--soft-limit-reply-budget", type=int, metavar="N",
                    help="soft </think> close once this many tokens remain (default 1024)")
     g.add_argument("--hard-limit-reply-budget", type=int, metavar="N",

@@ -56,8 +56,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .causal_lm import BaseModelArgs, CausalLM
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from .causal_lm import BaseModelArgs, CausalLM
 from .deepseek_v4 import CompressorState, GroupedLinear
 from .deepseek_v4 import LayerCache as _V4LayerCache
 from .layers import (

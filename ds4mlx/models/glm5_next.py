@@ -31,8 +31,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .causal_lm import BaseModelArgs, CausalLM
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from .causal_lm import BaseModelArgs, CausalLM
 from .kda import LinearCache, kda, l2norm, short_conv
 from .layers import HyperConnection, RMSNorm, hc_post
 from .mla import KPoolIndexer, MLAAttention, MLACache

@@ -25,8 +25,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .causal_lm import BaseModelArgs, CausalLM
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from .causal_lm import BaseModelArgs, CausalLM
 from .layers import RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
 from .mla import DSAIndexer, MLAAttention, MLACache
 from .sigmoid_moe import layer_mlp, sanitize_experts

@@ -49,8 +49,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .causal_lm import BaseModelArgs, CausalLM
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from .causal_lm import BaseModelArgs, CausalLM
 from .gated_delta import causal_conv1d, gated_delta, l2_normalize
 from .layers import GLUMLP, SwitchGLU, default_inv_freq, route_weights, score_fn, topk_indices
 from .qwen4_exp_ple import DepthwiseConvWeight, GroupedNorm, PLELayer
