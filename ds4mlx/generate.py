@@ -48,6 +48,9 @@ def add_arguments(p) -> None:
 
 
 def add_chat_arguments(p) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="send this message first, then go on interactively")
+    src.add_argument("--prompt-file", metavar="FILE", help="send FILE's text first, then go on interactively")
     _common(p)
     p.add_argument("--no-markdown", action="store_true", help="print answers as plain text (no rich Markdown)")
 
@@ -152,11 +155,10 @@ def run(args) -> int:
     console = Console(stderr=True)
     try:
         prefix = load_prefix(args)
-        prompt_text = None
-        if args.command == "generate":
-            if args.raw and prefix:
-                raise UsageError("--prefix-file cannot be combined with --raw")
-            prompt_text = args.prompt if args.prompt is not None else read_text_file(args.prompt_file)
+        prompt_text = args.prompt if args.prompt is not None else (
+            read_text_file(args.prompt_file) if args.prompt_file else None)
+        if args.command == "generate" and args.raw and prefix:
+            raise UsageError("--prefix-file cannot be combined with --raw")
         engine, tok = _load(args, console)
     except UsageError as e:
         console.print(f"[red]error: {e}[/red]", markup=True, highlight=False)
@@ -173,7 +175,7 @@ def run(args) -> int:
         if args.command == "chat":
             from .repl import Repl
 
-            return Repl(engine, args, console, prefix).run()
+            return Repl(engine, args, console, prefix).run(first=prompt_text)
         thinking = choice.mode
         if args.raw:
             prompt = prompt_text

@@ -126,11 +126,14 @@ class Repl:
         self.console.print(text, style="red", highlight=False, markup=False)
 
     # ------------------------------------------------------------------ loop
-    def run(self) -> int:
+    def run(self, first: Optional[str] = None) -> int:
+        """The loop; `first` (-p / --prompt-file) is sent before the first read."""
         reader = LineReader(self.out.is_terminal and not self.out.no_color)
         if any(m.role != "system" for m in self.head):
             self._prefill_head()
         self.console.print("[dim]ds4mlx chat: /help lists the commands, Ctrl+C stops an answer, Ctrl+D quits[/dim]")
+        if first:
+            self.turn(first)
         while True:
             try:
                 line = reader.read()

@@ -21,14 +21,15 @@ PROMPT = "> "
 TIMEOUT = 120
 
 
-def spawn(tmp_path, *flags):
+def spawn(tmp_path, *flags, ready=PROMPT):
     env = dict(os.environ, PYTHONPATH=ROOT, DS4MLX_HISTORY=str(tmp_path / "history"), TERM="dumb",
                NO_COLOR="1", COLUMNS="160", PYTHONUNBUFFERED="1")
     child = pexpect.spawn(sys.executable, ["-m", "ds4mlx.cli", "chat", *flags], env=env, cwd=str(tmp_path),
                           encoding="utf-8", timeout=TIMEOUT, dimensions=(50, 160))
     child.logfile_read = open(tmp_path / "session.log", "w")  # kept for a failing run
     child.expect("Ctrl\\+D quits")
-    child.expect_exact(PROMPT)
+    if ready:
+        child.expect_exact(ready)
     return child
 
 
@@ -187,3 +188,23 @@ def test_answers_render_as_markdown():
     assert "• one" in answer and "• two" in answer
     plain = show(False)
     assert "# Title\n\nSome **bold** text.\n\n- one\n- two\n" in plain
+
+
+def test_repl_sends_the_prompt_file_first(tmp_path):
+    """`chat --prompt-file FILE`: FILE's text is the first message, then the REPL goes on."""
+    (tmp_path / "q.txt").write_text("First question, from a file.")
+    child = spawn(tmp_path, "--nothink", "-n", "3", "--temp", "0", "--prompt-file", "q.txt", ready=None)
+    try:
+        child.expect("ds4mlx:")
+        child.expect(r"ctx (\d+)/\d+ \| prompt (\d+) \(0 cached\)")
+        first_used = int(child.match.group(1))
+        child.expect_exact(PROMPT)
+        child.sendline("and a second one")
+        child.expect(r"ctx \d+/\d+ \| prompt \d+ \((\d+) cached\)")
+        assert int(child.match.group(1)) == first_used
+        child.expect_exact(PROMPT)
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
