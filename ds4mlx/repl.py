@@ -113,7 +113,6 @@ class Repl:
 
         self.steering = installed(engine.model)  # the last direction loaded: `/steer off`, then `/steer F`
         self.transcript: Optional[tuple] = None  # (prompt + sampled text, head signature)
-        self.last_ctx_used = 0
 
     # ------------------------------------------------------------------ thinking
     def mode(self) -> str:
@@ -221,11 +220,12 @@ class Repl:
         if not path:
             self.warn("/read needs a file path")
             return
+        from .cli_options import UsageError, read_text_file
+
         try:
-            with open(os.path.expanduser(path), encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            self.warn(f"failed to open prompt file: {path} ({getattr(e, 'strerror', None) or e})")
+            text = read_text_file(os.path.expanduser(path))
+        except UsageError as e:
+            self.warn(str(e))
             return
         self.turn(text)
 
@@ -411,7 +411,6 @@ class Repl:
         """ds4's timing line plus the context in use."""
         u = res.finish.usage
         used = u.prompt_tokens + u.completion_tokens
-        self.last_ctx_used = used
         stopped = " | interrupted" if res.interrupted else ""
         self.console.print(
             f"[dim]ctx {used}/{self.engine.ctx} | prompt {u.prompt_tokens} ({u.cached_tokens} cached), "
