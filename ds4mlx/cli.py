@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "convert": ("ds4mlx.convert", "convert a Hugging Face folder to a ds4-style GGUF"),
     "quantize": ("ds4mlx.quantize", "quantize a model's routed experts into a new GGUF"),
     "demo-model": ("ds4mlx.demo", "write the random-weight demo model and print its path"),
+    "steer": ("ds4mlx.steer_cli", "directional steering: `steer build` computes a direction file"),
 }
 
 

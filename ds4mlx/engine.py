@@ -189,6 +189,21 @@ class JobHandle:
             log.exception("event consumer failed")
 
 
+class _WorkerCall:
+    """A function queued to run on the worker between jobs (`Engine.reset_live`)."""
+
+    def __init__(self, fn: Callable[[], None], done: threading.Event):
+        self.fn, self.done = fn, done
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except Exception:
+            log.exception("worker call failed")
+        finally:
+            self.done.set()
+
+
 class _RawOutput:
     """Completions: every released piece of raw text is content."""
     structural = False
@@ -324,6 +339,14 @@ class Engine:
                     return kind, b.visible_text
         return None
 
+    def reset_live(self, ctx: Optional[int] = None, timeout: float = 60.0) -> None:
+        """Drop the live session for a fresh one (of `ctx` tokens if given), e.g.
+        after the model's steering changed; runs on the worker after the queued
+        jobs and returns when done."""
+        done = threading.Event()
+        self._queue.put(_WorkerCall(lambda: self._new_session(ctx), done))
+        done.wait(timeout)
+
     def close(self, timeout: float = 10.0) -> None:
         if self._closed:
             return
@@ -347,6 +370,9 @@ class Engine:
             h = self._queue.get()
             if h is None:
                 break
+            if isinstance(h, _WorkerCall):
+                h.run()
+                continue
             self._running = h
             try:
                 if h.cancelled or self._closed:
@@ -373,7 +399,9 @@ class Engine:
                 h = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if h is not None:
+            if isinstance(h, _WorkerCall):
+                h.done.set()
+            elif h is not None:
                 h.emit(Finish("cancelled", error="shutdown"))
                 h.done.set()
         self._stopped.set()
@@ -390,6 +418,12 @@ class Engine:
             reset()
         else:
             self.session = self.model.new_session(self.ctx)
+
+    def _new_session(self, ctx: Optional[int]) -> None:
+        if ctx is not None:
+            self.ctx = int(ctx)
+        self.session = self.model.new_session(self.ctx)
+        self._clear_bindings(keep=None)
 
     def _invalidate(self) -> None:
         """Forget the live state (stop-sequence hit, failures)."""

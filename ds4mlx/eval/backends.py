@@ -259,6 +259,10 @@ class EndpointBackend:
         }
         if seed:
             body["seed"] = seed
+        if prompt.thinking and prompt.think_level is not None:
+            body["reasoning_effort"] = prompt.think_level
+        elif prompt.thinking and prompt.think_max:
+            body["reasoning_effort"] = "max"
         if not prompt.thinking:
             body["think"] = False
             body["chat_template_kwargs"] = {"thinking": False, "enable_thinking": False}

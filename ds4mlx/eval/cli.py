@@ -51,8 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("-n", "--tokens", type=int, default=None, metavar="N",
                    help="generation budget per case (default: the case's own, 16000; Juliet 8000)")
-    g.add_argument("--think", dest="thinking", action="store_true", default=True, help="thinking on (default)")
-    g.add_argument("--nothink", dest="thinking", action="store_false", help="thinking off")
+    from ..think_flags import add_think_arguments
+
+    add_think_arguments(g)  # ds4's --think / --think-max / --nothink / --think-level
     g.add_argument("--soft-limit-reply-budget", type=int, metavar="N",
                    help="soft </think> close once this many tokens remain (default 1024; below --tokens 2048 "
                         "it is half the budget)")
@@ -126,6 +127,27 @@ def _validate(a: argparse.Namespace) -> Optional[str]:
         return f"invalid value for --max-drop: {a.max_drop}"
     if a.max_drop and not a.baseline:
         return "--max-drop needs --baseline FILE.json"
+    return None
+
+
+def _thinking(a: argparse.Namespace) -> Optional[str]:
+    """`a.thinking` / `a.think_max` from the ds4 thinking flags.  The in-process
+    backend renders DeepSeek V4 prompts, so numeric levels only go to an endpoint
+    (as reasoning_effort); Think Max needs --ctx >= 393216 (an auto-sized context is
+    the largest prompt + budget), else normal thinking with ds4's warning."""
+    from ..think_flags import THINK_MAX_MIN_CONTEXT, downgrade_notice
+
+    think = getattr(a, "think", "high")
+    a.think_level = None
+    if isinstance(think, int):
+        if not a.endpoint:
+            return "--think-level requires a DeepSeek V4.1 model (ds4-eval renders DeepSeek V4 prompts here; " \
+                   "use --endpoint with a V4.1 server)"
+        a.think_level = think
+    a.thinking = think not in ("none", 0)
+    a.think_max = think == "max" and a.ctx is not None and a.ctx >= THINK_MAX_MIN_CONTEXT
+    if think == "max" and not a.think_max:
+        print(f"ds4-eval: warning: {downgrade_notice('--think-max', a.ctx or 0)}", file=sys.stderr)
     return None
 
 
@@ -215,7 +237,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"ds4-eval: case data valid ({len(load_cases('core'))} core, {len(load_cases('hard'))} hard, "
               f"{len(load_cases('hard-smoke'))} hard-smoke)")
         return 0
-    err = _validate(a)
+    err = _validate(a) or _thinking(a)
     if err:
         return _fail(err)
     cases = load_cases(a.suite)
@@ -239,7 +261,8 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
     from .runner import Options, PlainUI, Runner, default_seed, report
     from .trace import TraceWriter
 
-    opts = Options(tokens=a.tokens, thinking=a.thinking, soft_budget=a.soft_limit_reply_budget,
+    opts = Options(tokens=a.tokens, thinking=a.thinking, think_max=a.think_max, think_level=a.think_level,
+                   soft_budget=a.soft_limit_reply_budget,
                    hard_budget=a.hard_limit_reply_budget, soft_rank=a.soft_limit_think_close_rank,
                    temperature=a.temp, top_p=a.top_p, min_p=a.min_p, seed=a.seed or default_seed(),
                    ctx=a.ctx, trace=a.trace, pause_ms=a.pause_ms, suite=a.suite)

@@ -25,6 +25,8 @@ _STAGE_PREFIXES = ("prefill failed: ", "decode failed: ")
 class Options:
     tokens: Optional[int] = None          # None: each case's own max_tokens
     thinking: bool = True
+    think_max: bool = False               # Think Max prefix (already gated by the context size)
+    think_level: Optional[int] = None     # V4.1 effort sent to an endpoint (--think-level)
     soft_budget: Optional[int] = None     # None: 1024, scaled down for small limits
     hard_budget: Optional[int] = None     # None: 512, scaled down for small limits
     soft_rank: int = 3
@@ -98,7 +100,7 @@ class Runner:
         self.ui = ui or NullUI()
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.control = control or Control()
-        self.runs = [CaseRun(i, c, build_prompt(c, opts.thinking), opts.tokens or int(c.get("max_tokens") or 16000))
+        self.runs = [CaseRun(i, c, build_prompt(c, opts.thinking, opts.think_max, opts.think_level), opts.tokens or int(c.get("max_tokens") or 16000))
                      for i, c in enumerate(cases)]
         self.ctx = 0
         self.active: Optional[int] = None
@@ -111,6 +113,13 @@ class Runner:
         self.case_p0 = 0.0
 
     # ------------------------------------------------------------ setup
+    def _think_mode(self) -> str:
+        if not self.opts.thinking:
+            return "none"
+        if self.opts.think_level is not None:
+            return str(self.opts.think_level)
+        return "max" if self.opts.think_max else "high"
+
     def size_context(self) -> Optional[int]:
         """Count prompts and pick the context (§4).  Returns an exit code on failure."""
         counts = [self.backend.count_tokens(cr.prompt) for cr in self.runs]
@@ -149,7 +158,7 @@ class Runner:
             "max_prompt_tokens": max(cr.prompt_tokens for cr in self.runs), "questions": len(self.runs),
             "temperature": float(self.opts.temperature), "top_p": float(self.opts.top_p),
             "min_p": float(self.opts.min_p), "seed": self.opts.seed,
-            "think_mode_requested": "high" if self.opts.thinking else "none",
+            "think_mode_requested": self._think_mode(),
             "soft_limit_reply_budget": soft, "hard_limit_reply_budget": hard,
             "soft_limit_think_close_rank": self.opts.soft_rank,
             "think_close_forcing": self.think_close_forcing(),
@@ -258,7 +267,7 @@ class Runner:
             cr.picked if status in ("PASSED", "FAILED") else "?", c["answer"],
             prompt_tokens=cr.prompt_tokens, generated_tokens=cr.generated, elapsed=cr.elapsed,
             temperature=self.opts.temperature, top_p=self.opts.top_p, min_p=self.opts.min_p,
-            think_mode="high" if self.opts.thinking else "none", think_close=close.kind,
+            think_mode=self._think_mode(), think_close=close.kind,
             think_close_index=close.token_index, think_close_remaining=close.remaining,
             think_close_rank=close.rank, error=cr.error, choices=c["choices"],
             answer_kind=c["answer_kind"], system=cr.prompt.system, question=cr.prompt.user, output=raw))

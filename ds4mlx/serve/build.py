@@ -34,6 +34,9 @@ class ServeConfig:
     aliases: tuple = ()  # extra accepted model names (fnmatch patterns)
     family: Optional[str] = None  # chat protocol family; None = the engine's (set by make_app)
     think_level: Optional[int] = None  # default level 0..100 for numeric-effort families (--think-level)
+    think: str = "high"  # --think / --think-max / --nothink: the mode of requests that set none
+    system: str = ""  # -sys: the system prompt of chat requests that bring none
+    prefix: tuple = ()  # --prefix-file turns (chat.messages.Message), after the system prompt
     cors: bool = False
     keepalive_s: float = 5.0  # ": prefill" comment interval while a streamed prefill runs
     max_body_mb: int = 64
@@ -123,6 +126,11 @@ def _thinking(cfg: ServeConfig, proto: ChatProtocol, body: dict, mode: str, effo
     if effort is None and cfg.think_level is not None and proto.numeric_effort and mode != "none":
         effort = cfg.think_level
     explicit = isinstance(body, dict) and ("thinking" in body or "think" in body)
+    if (cfg.think != "high" and not explicit and effort is None and mode == "high"
+            and model not in proto.chat_aliases + proto.reasoner_aliases):
+        from ..think_flags import resolve  # the server's --nothink / --think-max default
+
+        return resolve(proto, cfg.think, cfg.ctx).mode
     try:
         return proto.resolve_thinking(mode, effort, explicit=explicit, model=model, ctx=cfg.ctx)
     except EffortError as e:
@@ -153,6 +161,10 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
         job.prompt_text = proto.render_completion(req.prompt, req.thinking)
     else:
         conv = req
+        if cfg.system or cfg.prefix:
+            from ..prefix_file import with_head
+
+            conv.messages = with_head(conv.messages, cfg.system, cfg.prefix)
         forced = _check_tool_choice(api, body, proto)
         memory = tool_memory if cfg.replay else None
         if memory is not None:
