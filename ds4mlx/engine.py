@@ -277,6 +277,11 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    def min_tokens(self, text: str) -> int:
+        """A cheap lower bound on len(tokenize(text)) (0 if the tokenizer has none)."""
+        bound = getattr(self.tokenizer, "min_tokens", None)
+        return bound(text) if callable(bound) else 0
+
     @property
     def queue_depth(self) -> int:
         return self._queue.qsize()

@@ -357,16 +357,29 @@ class Tokenizer:
         if pos < len(text):
             spans.append(text[pos:])
             marks.append(None)
-        if len(spans) > 1:
-            encoded = iter(e.ids for e in self._tk.encode_batch(spans, add_special_tokens=False))
-        else:
-            encoded = iter(self._encode_text(s) for s in spans)
+        # encode_batch, even for one span: `tokenizers` releases the GIL only there,
+        # and a huge single-span prompt would otherwise freeze every other thread.
+        encoded = iter(e.ids for e in self._tk.encode_batch(spans, add_special_tokens=False)) if spans else iter(())
         for mark in marks:
             if mark is None:
                 out.extend(next(encoded))
             else:
                 out.append(mark)
         return out
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token can stand for (a normalizer may
+        shrink text before BPE, so leave it room)."""
+        longest = max((len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1)
+        has_normalizer = bool(getattr(self._tk, "normalizer", None))
+        return max(1, longest) * (4 if has_normalizer else 1)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(self.encode(text))`, without tokenizing: what a
+        prompt too large for the context is refused by before any BPE runs."""
+        n_bytes = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        return -(-n_bytes // self.max_token_bytes)
 
     def token_bytes(self, token_id: int) -> bytes:
         """Raw bytes of one token (added tokens: their UTF-8 content; others:

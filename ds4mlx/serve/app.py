@@ -88,7 +88,14 @@ def json_response(state: ServerState, status: int, payload: bytes) -> web.Respon
 
 
 def error_response(state: ServerState, api: str, e: E.APIError) -> web.Response:
-    return json_response(state, e.status, body_bytes(E.error_body(api, e)))
+    resp = json_response(state, e.status, body_bytes(E.error_body(api, e)))
+    if e.status == 413:
+        resp.force_close()  # the unread body is not drained: this connection ends here
+    return resp
+
+
+def _max_body(cfg: ServeConfig) -> int:
+    return max(1, cfg.max_body_mb) * 1024 * 1024
 
 
 @web.middleware
@@ -163,12 +170,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     api = ROUTES[request.path]
     if state.stopping:
         raise E.APIError(503, E.SHUTTING_DOWN)
+    if (request.content_length or 0) > _max_body(state.cfg):
+        raise E.APIError(413, E.BODY_TOO_LARGE)  # refused before a byte of the body is read
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise E.APIError(413, E.BODY_TOO_LARGE) from None
-    body = parse_body(raw)
     loop = asyncio.get_running_loop()
+    body = await loop.run_in_executor(None, parse_body, raw)  # a big body must not block the loop
     prep = await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory, api, body)
     info = RequestInfo(id=state.next_id(api), model=prep.model, created=int(time.time()),
                        include_usage=prep.include_usage, thinking=prep.thinking,
@@ -260,7 +269,7 @@ def make_app(engine: Engine, cfg: Optional[ServeConfig] = None, tool_memory=None
     if cfg.family is None:  # serve the loaded model's chat protocol
         proto = getattr(engine, "protocol", None)
         cfg.family = proto.family if proto is not None else None
-    app = web.Application(middlewares=[_middleware], client_max_size=max(1, cfg.max_body_mb) * 1024 * 1024)
+    app = web.Application(middlewares=[_middleware], client_max_size=_max_body(cfg))
     state = ServerState(engine, cfg, tool_memory)
     app[STATE] = state
     app.router.add_get("/v1/models", models)

@@ -180,6 +180,11 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
                         msg = E.responses_unknown_call(i) if api == "responses" else E.anthropic_unknown_tool_use(i)
                         raise E.APIError(400, msg, param=CONTEXT_PARAM[api])
                 job.requires_live = True
+    # Refuse what cannot fit before tokenizing: BPE over tens of MiB costs seconds
+    # and gigabytes for a request that is refused anyway.
+    floor = engine.min_tokens(job.prompt_text)
+    if floor >= cfg.ctx:
+        raise E.context_error(floor, cfg.ctx, CONTEXT_PARAM[api], at_least=True)
     ids = engine.tokenize(job.prompt_text)
     if len(ids) >= cfg.ctx:
         raise E.context_error(len(ids), cfg.ctx, CONTEXT_PARAM[api])

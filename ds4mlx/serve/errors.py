@@ -44,6 +44,10 @@ def context_exceeded(n_prompt: int, n_ctx: int) -> str:
     return f"Prompt has {n_prompt} tokens, but the configured context size is {n_ctx} tokens"
 
 
+def context_exceeded_at_least(n_prompt: int, n_ctx: int) -> str:
+    return f"Prompt has at least {n_prompt} tokens, but the configured context size is {n_ctx} tokens"
+
+
 def responses_tool_choice(value: str) -> str:
     return f"tool_choice={value} not supported"
 
@@ -108,8 +112,10 @@ def error_body(api: str, e: APIError) -> dict:
     return openai_body(e.status, e.message, e.param, e.code, e.extra)
 
 
-def context_error(n_prompt: int, n_ctx: int, param: str) -> APIError:
-    return APIError(400, context_exceeded(n_prompt, n_ctx), param=param, code="context_length_exceeded",
+def context_error(n_prompt: int, n_ctx: int, param: str, *, at_least: bool = False) -> APIError:
+    """`at_least`: n_prompt is a lower bound (the prompt was refused before tokenizing)."""
+    message = (context_exceeded_at_least if at_least else context_exceeded)(n_prompt, n_ctx)
+    return APIError(400, message, param=param, code="context_length_exceeded",
                     extra={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
 
 

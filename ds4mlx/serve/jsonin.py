@@ -87,6 +87,6 @@ def parse_body(raw: bytes, *, require_object: bool = True) -> Any:
         raise APIError(400, INVALID_JSON) from None
     if require_object and not isinstance(obj, dict):
         raise APIError(400, INVALID_JSON)
-    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(obj):
+    if b"\\u" in raw and _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(obj):
         raise APIError(400, INVALID_JSON)
     return obj
