@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any, Optional
 
+from ..modelfile import EXIT_CODE, ModelFileError
 from .cases import SUITES, load_cases, select, unknown_ids, validate_cases
 
 CTX_CAP = 1_000_000
@@ -215,6 +216,8 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
         if rc is not None:
             return rc
         backend.open(runner.ctx)
+    except ModelFileError as e:  # a broken model file: one line naming it, exit 2
+        return _fail(str(e), EXIT_CODE)
     except Exception as e:  # noqa: BLE001
         return _fail(f"cannot open the model: {type(e).__name__}: {e}", 1)
     if runner.trace is not None:
