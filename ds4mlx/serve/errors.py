@@ -28,6 +28,30 @@ EMPTY_MESSAGES = "messages must not be empty"
 METHOD_NOT_ALLOWED = "method not allowed"
 
 
+# A field of the wrong type or value (serve/validate.py); the same words on every API.
+def invalid_type(field: str, expected: str, got: str) -> str:
+    return f"Invalid type for '{field}': expected {expected}, but got {got} instead."
+
+
+def invalid_value(field: str, expected: str, got) -> str:
+    shown = repr(got)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return f"Invalid value for '{field}': expected {expected}, but got {shown} instead."
+
+
+def missing_field(field: str) -> str:
+    return f"Missing required parameter: '{field}'."
+
+
+def unsupported_part(field: str, kind: str) -> str:
+    return f"Invalid content part '{field}': {kind} input is not supported by this server."
+
+
+def invalid_field(field: str) -> str:
+    return f"Invalid value for '{field}'."
+
+
 def unknown_model(name: str) -> str:
     return f"The model `{name}` does not exist"
 

@@ -2,8 +2,8 @@
 
 `parse_body(raw)` returns the request object or raises `APIError(400,
 "invalid JSON request")` for anything a careful server should not accept:
-invalid UTF-8, malformed JSON, trailing garbage, NaN / Infinity, nesting
-deeper than 256 levels (checked before parsing, so a hostile body cannot
+invalid UTF-8, malformed JSON, trailing garbage, NaN / Infinity, a field
+nested deeper than 256 levels (the body object itself not counted; checked before parsing, so a hostile body cannot
 exhaust the parser's stack), lone UTF-16 surrogates in strings or keys, and a
 top-level value that is not an object.  Duplicate keys: the last one wins.
 (ds4's hand-written parser is more lenient, http-api.md §1.3; the issue asks
@@ -79,7 +79,7 @@ def parse_body(raw: bytes, *, require_object: bool = True) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise APIError(400, INVALID_JSON) from None
-    if nesting_depth(raw) > MAX_NESTING:
+    if nesting_depth(raw, MAX_NESTING + 1) > MAX_NESTING + 1:  # + the body object itself
         raise APIError(400, INVALID_JSON)
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
