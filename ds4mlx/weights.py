@@ -550,9 +550,15 @@ def _folder_tokenizer(folder: Path, with_tokenizer: bool):
 def _read_hf_other(folder: Path, config: dict, files: list, with_tokenizer: bool):
     """Other families: the config as written and the tensors under their own
     (transformers in-memory) names; the family's `Model.sanitize` maps them."""
+    from .checkpoint_names import to_memory_names
+
     tensors = {k: f.get(k) for f in files for k in f.keys()}
     if not tensors:
         raise ValueError(f"{folder}: no tensors found in the safetensors files")
+    try:  # a folder written by transformers' save_pretrained has its checkpoint names
+        tensors = to_memory_names(str(config.get("model_type", "")), tensors)
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None
     return config, tensors, _folder_tokenizer(folder, with_tokenizer)
 
 
