@@ -286,6 +286,15 @@ class Engine:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
+    def queue_position(self, handle: JobHandle) -> int:
+        """1 = the next job to run, 2 = one ahead of it, ...; 0 = not waiting
+        (running, finished or cancelled)."""
+        with self._queue.mutex:
+            for i, h in enumerate(self._queue.queue):
+                if h is handle:
+                    return i + 1
+        return 0
+
     def submit(self, job: Job, emit: Callable[[Any], None]) -> JobHandle:
         if self._closed:
             raise RuntimeError("engine is shut down")

@@ -72,10 +72,11 @@ def _latency_during(url: str, path: str, big: bytes) -> tuple[float, list[float]
 
 def _assert_not_stalled(baseline: float, during: list[float], big_s: float) -> None:
     """Another client is not frozen behind the big body (it waited for all of it,
-    26 s per 16 MiB, 400 x the baseline here): a typical request costs about the
-    baseline, and even the slowest one only a few parsing steps more."""
+    26 s per 16 MiB, 400 x the baseline or more here): a typical request costs
+    about the baseline, and even the slowest one only a parsing step more (up
+    to ~70 x the baseline on a loaded machine)."""
     assert statistics.median(during) < 10 * baseline, (baseline, during, big_s)
-    assert max(during) < 50 * baseline, (baseline, during, big_s)
+    assert max(during) < 150 * baseline, (baseline, during, big_s)
 
 
 def _big_chat(path: str, n_bytes: int, unit: str = "x") -> bytes:
@@ -132,3 +133,47 @@ def test_content_length_over_the_cap_is_413_before_the_body(tok):
             else:
                 assert obj["error"]["message"] == "request body too large"
         assert _post(s.url, "/v1/chat/completions", SMALL)[0] == 200
+
+
+# --------------------------------------------------------------------------- queued streams
+def test_queued_streams_get_headers_and_their_queue_position(tok):
+    """Streams waiting behind a long job get their headers and `: queued N`
+    comments at once, then the normal stream when their turn comes."""
+    import asyncio
+
+    import aiohttp
+
+    model = ScriptedModel(tok, lambda p: "fine")
+    with serve(tok, model, ctx=512, keepalive_s=0.01) as s:
+        model.prefill_gate.close()
+
+        async def go():
+            async with aiohttp.ClientSession() as cs:
+                first = asyncio.ensure_future(cs.post(s.url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "first"}]}))
+                assert await asyncio.to_thread(model.prefill_gate.wait_for_waiters, 1)
+                streams = []
+                for i, path in enumerate(("/v1/chat/completions", "/v1/messages")):
+                    r = await cs.post(s.url + path, json={"messages": [{"role": "user", "content": f"q{i}"}],
+                                                         "max_tokens": 4, "stream": True})
+                    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                    streams.append(r)
+                seen = [b"", b""]
+                for i, want in enumerate((b": queued 1\n\n", b": queued 2\n\n")):
+                    while want not in seen[i]:
+                        seen[i] += await streams[i].content.readany()
+                assert model.prefill_calls == 0  # nobody's job has run yet
+                model.prefill_gate.open()
+                for i, r in enumerate(streams):
+                    seen[i] += await r.content.read()
+                await (await first).read()
+                return [x.decode() for x in seen]
+
+        chat, messages = asyncio.run(go())
+    chunks = [json.loads(line[6:]) for line in chat.splitlines() if line.startswith("data: {")]
+    text = "".join(d.get("content") or d.get("reasoning_content") or "" for c in chunks
+                   for d in [c["choices"][0]["delta"]])
+    assert chat.rstrip().endswith("data: [DONE]") and text == "fine"
+    assert "event: message_stop" in messages
+    # queued comments come only before the stream's first event
+    assert ": queued" not in chat[chat.index("data: "):] and ": queued" not in messages[messages.index("event: "):]

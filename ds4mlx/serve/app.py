@@ -3,8 +3,9 @@
 One engine (one worker thread, FIFO) serves any number of connections.  A
 generation handler validates and renders the request off the event loop,
 queues the job, then either collects the events (non-streaming) or prints
-them as SSE.  While a streamed prefill runs, `: prefill` comments go out every
-`keepalive_s` seconds.  A client that disconnects (the handler is cancelled,
+them as SSE.  While a streamed job waits in the queue, the headers and
+`: queued N` comments (N = its queue position) go out every `keepalive_s`
+seconds; while its prefill runs, `: prefill` comments.  A client that disconnects (the handler is cancelled,
 `handler_cancellation=True`) or whose stream write fails cancels its job at
 the next prefill-chunk / token boundary, queued jobs included.
 """
@@ -225,17 +226,26 @@ async def _collect(state, api, adapter, queue, result) -> web.Response:
 async def _stream(request, state, api, adapter, queue, handle, result) -> web.StreamResponse:
     out = sse.SSEStream(request, _cors(state))
     in_prefill = False
+    started = False  # the job left the queue (its first event came)
     keepalive = state.cfg.keepalive_s
     while True:
         try:
-            if in_prefill and out.started:
+            if (in_prefill and out.started) or not started:
                 ev = await asyncio.wait_for(queue.get(), timeout=keepalive)
             else:
                 ev = await queue.get()
         except asyncio.TimeoutError:
-            if not await out.keepalive():
+            if in_prefill and out.started:
+                if not await out.keepalive():
+                    break
+                continue
+            # still queued: headers now and a comment with the queue position, so a
+            # client's first-byte timeout does not run out while others are served
+            position = state.engine.queue_position(handle)
+            if position and not await out.keepalive(sse.queued_comment(position)):
                 break
             continue
+        started = True
         if isinstance(ev, PrefillProgress):
             if not out.started and not await out.start():
                 break
