@@ -30,6 +30,7 @@ from .completions import CompletionsAdapter
 from .jsonin import parse_body
 from .openai import ChatAdapter, RequestInfo, body_bytes
 from .responses import ResponsesAdapter
+from .transport import make_runner
 
 log = logging.getLogger("ds4mlx.serve")
 
@@ -77,7 +78,7 @@ STATE = web.AppKey("ds4mlx_state", ServerState)
 
 
 def _api_of(path: str) -> str:
-    return "anthropic" if path == "/v1/messages" else "openai"
+    return E.api_for_path(path)
 
 
 def _cors(state: ServerState) -> dict:
@@ -121,7 +122,7 @@ async def _middleware(request: web.Request, handler):
         raise
     except Exception as e:  # a bug: answer 500 and keep serving
         log.exception("request failed: %s %s", request.method, request.path)
-        return error_response(state, api, E.APIError(500, f"internal error: {type(e).__name__}"))
+        return error_response(state, api, E.APIError(500, E.internal_error(type(e).__name__)))
 
 
 # -- routes ---------------------------------------------------------------------------------
@@ -329,7 +330,7 @@ class BackgroundServer:
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         try:
-            self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+            self._runner = make_runner(self.app)
             self.loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, self.host, self.port)
             self.loop.run_until_complete(site.start())

@@ -52,6 +52,15 @@ def invalid_field(field: str) -> str:
     return f"Invalid value for '{field}'."
 
 
+def internal_error(kind: str) -> str:
+    return f"internal error: {kind}"
+
+
+def api_for_path(path: str) -> str:
+    """Whose error shape a path gets: /v1/messages Anthropic's, every other OpenAI's."""
+    return "anthropic" if path == "/v1/messages" else "openai"
+
+
 def unknown_model(name: str) -> str:
     return f"The model `{name}` does not exist"
 
