@@ -277,6 +277,11 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    def tokenize_prefix(self, text: str, limit: int) -> tuple[list[int], bool]:
+        """(ids, complete): the tokenizer may stop once more than `limit` ids are certain."""
+        bounded = getattr(self.tokenizer, "encode_prefix", None)
+        return bounded(text, limit) if callable(bounded) else (self.tokenize(text), True)
+
     def min_tokens(self, text: str) -> int:
         """A cheap lower bound on len(tokenize(text)) (0 if the tokenizer has none)."""
         bound = getattr(self.tokenizer, "min_tokens", None)

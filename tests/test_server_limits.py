@@ -177,3 +177,38 @@ def test_queued_streams_get_headers_and_their_queue_position(tok):
     assert "event: message_stop" in messages
     # queued comments come only before the stream's first event
     assert ": queued" not in chat[chat.index("data: "):] and ": queued" not in messages[messages.index("event: "):]
+
+
+# --------------------------------------------------------------------------- bounded tokenization
+PIECES = ["hello world", "\n", "\n\n", "  \n", "x = 12345;\n", "中文字符", "<｜User｜>", "</think>", "  indented\n",
+          "\tTab", "!!!\n", "\r\n", "😀", " ", "abc.def", "\n ", "\nA", "'s", "1\n2"]
+
+
+def test_encode_prefix_is_exact_and_stops_early(tok):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=60, deadline=None, derandomize=True, database=None)
+    @given(st.lists(st.sampled_from(PIECES) | st.text(max_size=6), min_size=1, max_size=400), st.integers(4, 64))
+    def check(parts, chunk):
+        text = "".join(parts)
+        full = tok.encode(text)
+        assert tok.encode_prefix(text, 10 ** 9, chunk_chars=chunk) == (full, True)
+        ids, complete = tok.encode_prefix(text, 20, chunk_chars=chunk)
+        assert ids == full[:len(ids)] and (complete or len(ids) > 20)
+
+    check()
+
+
+def test_a_long_prompt_is_refused_after_tokenizing_about_what_fits(tok, monkeypatch):
+    """ctx 1M: 30 MiB of text passes the byte bound, and is cut off after about
+    one context's worth of tokens instead of tokenized whole."""
+    encoded = []
+    real_encode = type(tok).encode
+    monkeypatch.setattr(type(tok), "encode", lambda self, text: encoded.append(len(text)) or real_encode(self, text))
+    big = _big_chat("/v1/chat/completions", 30 << 20, unit="a line of text\n")
+    with serve(tok, ScriptedModel(tok, lambda p: "ok"), ctx=1 << 20, tokens=4) as s:
+        status, data = _post(s.url, "/v1/chat/completions", big)
+    err = json.loads(data)["error"]
+    assert status == 400 and err["message"].startswith("Prompt has at least ") and err["n_prompt_tokens"] > 1 << 20
+    assert sum(encoded) < 12 << 20  # about one context's text (5 tokens / 15 bytes), not all 30 MiB

@@ -190,9 +190,9 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
     floor = engine.min_tokens(job.prompt_text)
     if floor >= cfg.ctx:
         raise E.context_error(floor, cfg.ctx, CONTEXT_PARAM[api], at_least=True)
-    ids = engine.tokenize(job.prompt_text)
+    ids, complete = engine.tokenize_prefix(job.prompt_text, cfg.ctx)
     if len(ids) >= cfg.ctx:
-        raise E.context_error(len(ids), cfg.ctx, CONTEXT_PARAM[api])
+        raise E.context_error(len(ids), cfg.ctx, CONTEXT_PARAM[api], at_least=not complete)
     job.prompt_ids = ids
     prep.prompt_tokens = len(ids)
     return prep
