@@ -72,6 +72,15 @@ def test_half_closed_client_gets_its_answer(srv):
     assert status == 200 and json.loads(body)["object"] == "chat.completion"
     status, _, body = exchange(srv, post("/v1/messages", CHAT), half_close=True)
     assert status == 200 and json.loads(body)["type"] == "message"
+    raw = post("/v1/chat/completions", CHAT).replace(b"HTTP/1.1", b"HTTP/1.0", 1)
+    host, port = srv.url.rsplit("/", 1)[-1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:  # HTTP/1.0: no 1xx probes
+        sock.sendall(raw)
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.0 200") and b"chat.completion" in data
 
 
 BAD_CHUNKED = b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"

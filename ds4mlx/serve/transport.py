@@ -20,7 +20,7 @@ import logging
 import re
 from typing import Optional
 
-from aiohttp import hdrs, web
+from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.web_protocol import RequestHandler
 
 from . import errors as E
@@ -71,8 +71,8 @@ class _Connection(RequestHandler):
         if transport is None or transport.is_closing():
             return
         req = self._current_request
-        if req is not None and req.writer.output_size > 0:
-            return  # the answer is being written: its own writes find a gone peer
+        if req is not None and (req.writer.output_size > 0 or req.version < HttpVersion11):
+            return  # the answer is being written (its own writes find a gone peer), or no 1xx for HTTP/1.0
         if req is not None:
             transport.write(CONTINUE)
         self._loop.call_later(PROBE_INTERVAL_S, self._probe)
