@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: install test test-gpu bench lint serve
+.PHONY: install test test-gpu test-fuzz bench lint serve
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -13,6 +13,10 @@ install: $(BIN)/python
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# the full request fuzz: 2,500 bodies per generation route, 10,000 in all (CI runs 250 per route)
+test-fuzz: install
+	DS4MLX_FUZZ_EXAMPLES=2500 $(BIN)/python -m pytest -q tests/test_server_fuzz.py
 
 test-gpu:
 	$(PY) -m pytest -q -m gpu tests

@@ -292,9 +292,28 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    def tokenize_prefix(self, text: str, limit: int) -> tuple[list[int], bool]:
+        """(ids, complete): the tokenizer may stop once more than `limit` ids are certain."""
+        bounded = getattr(self.tokenizer, "encode_prefix", None)
+        return bounded(text, limit) if callable(bounded) else (self.tokenize(text), True)
+
+    def min_tokens(self, text: str) -> int:
+        """A cheap lower bound on len(tokenize(text)) (0 if the tokenizer has none)."""
+        bound = getattr(self.tokenizer, "min_tokens", None)
+        return bound(text) if callable(bound) else 0
+
     @property
     def queue_depth(self) -> int:
         return self._queue.qsize()
+
+    def queue_position(self, handle: JobHandle) -> int:
+        """1 = the next job to run, 2 = one ahead of it, ...; 0 = not waiting
+        (running, finished or cancelled)."""
+        with self._queue.mutex:
+            for i, h in enumerate(self._queue.queue):
+                if h is handle:
+                    return i + 1
+        return 0
 
     def submit(self, job: Job, emit: Callable[[Any], None]) -> JobHandle:
         if self._closed:

@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any, Optional
 
+from ..modelfile import EXIT_CODE, ModelFileError
 from .cases import SUITES, load_cases, select, unknown_ids, validate_cases
 
 CTX_CAP = 1_000_000
@@ -297,6 +298,8 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
         backend.open(runner.ctx)
     except KeyboardInterrupt:
         return _fail("interrupted while loading the model", 130)
+    except ModelFileError as e:  # a broken model file: one line naming it, exit 2
+        return _fail(str(e), EXIT_CODE)
     except Exception as e:  # noqa: BLE001
         return _fail(f"cannot open the model: {type(e).__name__}: {e}", harness_rc)
     # the trace is touched only now that the model is open: a failed load loses nothing

@@ -18,6 +18,7 @@ from ..chat.template import live_tail
 from ..engine import Job
 from . import errors as E
 from .params import parse_controls
+from .validate import validate_body
 
 REQUEST_API = {"chat": "openai", "completions": "completions", "anthropic": "anthropic", "responses": "responses"}
 CONTEXT_PARAM = {"chat": "messages", "completions": "prompt", "anthropic": "messages", "responses": "input"}
@@ -138,11 +139,15 @@ def _thinking(cfg: ServeConfig, proto: ChatProtocol, body: dict, mode: str, effo
 
 
 def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prepared:
+    validate_body(api, body)  # every known field of the wrong type: a 400 naming it
     proto = protocol_of(cfg)
     parser_body, effort = request_effort(api, body, numeric=proto.numeric_effort)
     try:
         req = parse_request(REQUEST_API[api], parser_body, ctx=cfg.ctx, strict=cfg.strict)
     except RequestError as e:
+        if e.message == E.INVALID_JSON:  # the JSON was valid: name the field the parser refused
+            field = e.param or CONTEXT_PARAM[api]
+            raise E.APIError(e.status, E.invalid_field(field), param=field, code="invalid_value") from None
         raise E.APIError(e.status, e.message, param=e.param) from None
     if not isinstance(body.get("model"), str):
         req.model = cfg.model_id or proto.model_id  # no model named: the loaded one
@@ -192,9 +197,14 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
                         msg = E.responses_unknown_call(i) if api == "responses" else E.anthropic_unknown_tool_use(i)
                         raise E.APIError(400, msg, param=CONTEXT_PARAM[api])
                 job.requires_live = True
-    ids = engine.tokenize(job.prompt_text)
+    # Refuse what cannot fit before tokenizing: BPE over tens of MiB costs seconds
+    # and gigabytes for a request that is refused anyway.
+    floor = engine.min_tokens(job.prompt_text)
+    if floor >= cfg.ctx:
+        raise E.context_error(floor, cfg.ctx, CONTEXT_PARAM[api], at_least=True)
+    ids, complete = engine.tokenize_prefix(job.prompt_text, cfg.ctx)
     if len(ids) >= cfg.ctx:
-        raise E.context_error(len(ids), cfg.ctx, CONTEXT_PARAM[api])
+        raise E.context_error(len(ids), cfg.ctx, CONTEXT_PARAM[api], at_least=not complete)
     job.prompt_ids = ids
     prep.prompt_tokens = len(ids)
     return prep

@@ -125,7 +125,9 @@ def build(args, loaded=None):
 async def _serve(app, host: str, port: int) -> None:
     from aiohttp import web
 
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    from .transport import make_runner
+
+    runner = make_runner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1" if host == "localhost" else host, port)
     await site.start()
