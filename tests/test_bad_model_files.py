@@ -47,7 +47,8 @@ def assert_one_line(proc: subprocess.CompletedProcess, path: Path) -> None:
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    lines = [ln for ln in err if " error: " in ln or ln.startswith("ds4-eval: ")]
+    # eval's "loading PATH ..." progress notice comes before the load: it is not an error line
+    lines = [ln for ln in err if " error: " in ln or (ln.startswith("ds4-eval: ") and not ln.startswith("ds4-eval: loading "))]
     assert len(lines) == 1 and str(path) in lines[0], err
 
 
