@@ -430,7 +430,7 @@ def quantize_tensors(tensors: dict, experts: str, dense: str = "keep", importanc
     """HF-named tensors -> new dict with the routed experts quantized by recipe
     `experts` (fused gate_up_proj is split into gate_proj / up_proj) and, with
     dense='q8_0', ds4's Q8_0 projections quantized; everything else as it was."""
-    from ds4mlx import gguf_names as names
+    from ds4mlx.gguf_families import deepseek_v4 as names
 
     if experts not in EXPERT_RECIPES:
         raise ValueError(f"--experts must be one of {EXPERT_CHOICES}")

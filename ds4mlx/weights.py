@@ -2,7 +2,7 @@
 
 `read_weights(path) -> (config, tensors, tokenizer)`:
 
-* `config` is the canonical DeepseekV4Config dict (`gguf_names.normalize_config`):
+* `config` is the canonical DeepseekV4Config dict (`gguf_families.deepseek_v4.normalize_config`):
   the HF field names, legacy fields folded in, defaults filled.  Other families
   (`gguf_families`: DeepSeek V4.1, GLM 5.2 / 5.3, Qwen3.8) give their config as
   written: the HF folder's config.json, or the config recorded in the GGUF.
@@ -40,7 +40,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from . import gguf_names as names
+from .gguf_families import deepseek_v4 as names
 
 GGUF_MAGIC = b"GGUF"
 
@@ -223,7 +223,7 @@ class GGUFFile:
 def read_gguf(path: str | os.PathLike, with_tokenizer: bool = True):
     """ds4 GGUF -> (config, tensors, tokenizer).  Tensors are mmap views (except the
     few a family rebuilds from several GGUF tensors).  `general.architecture` picks
-    the scheme: `deepseek4` (gguf_names) or one of gguf_families."""
+    the scheme: `deepseek4` (gguf_families.deepseek_v4) or one of gguf_families."""
     g = GGUFFile(path)
     meta = g.metadata
     path = g.path

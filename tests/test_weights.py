@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4mlx import gguf_names as names
+from ds4mlx.gguf_families import deepseek_v4 as names
 from ds4mlx.convert import write_gguf
 from ds4mlx.weights import GGUFFile, QuantizedTensor, SafetensorsFile, read_weights
 

@@ -1,6 +1,6 @@
 """GGUF tensor names and metadata keys of the families other than DeepSeek V4.
 
-DeepSeek V4 lives in `gguf_names` (ds4's `deepseek4` GGUFs).  This package holds one
+DeepSeek V4 lives in `deepseek_v4` (ds4's `deepseek4` GGUFs).  This package holds one
 table per other family, each written the way ds4 writes that family's GGUFs where
 ds4's own converter or loader could be read, and says so where it could not:
 
@@ -88,7 +88,7 @@ _BY_ARCH = {f.arch: f for f in FAMILIES}
 
 
 def for_config(config: dict) -> Family | None:
-    """The family of a HF config (None: DeepSeek V4, handled by gguf_names)."""
+    """The family of a HF config (None: DeepSeek V4, handled by gguf_families.deepseek_v4)."""
     mt = config.get("model_type", "deepseek_v4")
     if mt == "deepseek_v4":
         return None
