@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import ScriptedModel, Segment  # noqa: E402
 
 from ds4mlx.chat.requests import parse_anthropic, parse_chat, parse_responses  # noqa: E402
-from ds4mlx.chat.template import live_tail, render, render_continuation_tail, uses_tool_context  # noqa: E402
+from ds4mlx.chat.families.deepseek_v4.template import live_tail, render, render_continuation_tail, uses_tool_context  # noqa: E402
 from ds4mlx.chat.toolmemory import ToolMemory  # noqa: E402
 from ds4mlx.engine import Engine, Failed, Job  # noqa: E402
 from ds4mlx.events import (Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallDelta,  # noqa: E402

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from ds4mlx.chat.dsml import render_calls
+from ds4mlx.chat.families.deepseek_v4.dsml import render_calls
 from ds4mlx.chat.messages import ToolCall
-from ds4mlx.chat.output import OutputParser, StopMatcher, new_tool_id
+from ds4mlx.chat.families.deepseek_v4.output import OutputParser, StopMatcher, new_tool_id
 from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 P = "<｜DSML｜parameter"

@@ -19,7 +19,7 @@ anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
 from ds4mlx.chat.requests import parse_anthropic, parse_chat, parse_completion, parse_responses  # noqa: E402
-from ds4mlx.chat.template import render  # noqa: E402
+from ds4mlx.chat.families.deepseek_v4.template import render  # noqa: E402
 
 MODEL = "deepseek-v4-flash"
 BASH_DSML = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'

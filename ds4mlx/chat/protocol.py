@@ -10,7 +10,7 @@ forced opening for tool_choice, final parse) and the streaming output parser
 
 Families (registry keys, the config `model_type` they serve):
 
-* `deepseek_v4`  DeepSeek V4 Flash: chat/template.py, dsml.py, output.py unchanged.
+* `deepseek_v4`  DeepSeek V4 Flash: chat/families/deepseek_v4/ (template, dsml, output).
 * `deepseek_v41` DeepSeek V4.1 Flash: families/deepseek_v41.py.
 * `glm_moe_dsa`  GLM 5.2, `glm5_next` GLM 5.3 Flash: families/glm.py.
 * `qwen4_exp`    Qwen3.8 Flash Next: families/qwen.py.
@@ -171,7 +171,7 @@ class DeepSeekV4Protocol(ChatProtocol):
     default_mode = "high"
 
     def thinking_enabled(self, mode: str) -> bool:
-        from .template import thinking_enabled
+        from .families.deepseek_v4.template import thinking_enabled
         return thinking_enabled(mode)
 
     def resolve_thinking(self, mode: str, effort: Any = None, *, explicit: bool = False,
@@ -179,40 +179,40 @@ class DeepSeekV4Protocol(ChatProtocol):
         return mode  # chat/requests.py already resolved V4's none/high/max
 
     def render(self, conv: Conversation, tool_memory=None) -> str:
-        from .template import render
+        from .families.deepseek_v4.template import render
         return render(conv, tool_memory)
 
     def render_completion(self, prompt: str, thinking: str = "high") -> str:
-        from .template import render_completion
+        from .families.deepseek_v4.template import render_completion
         return render_completion(prompt, thinking)
 
     def render_continuation_tail(self, conv: Conversation, start: int, tool_memory=None) -> Optional[str]:
-        from .template import render_continuation_tail
+        from .families.deepseek_v4.template import render_continuation_tail
         return render_continuation_tail(conv, start, tool_memory)
 
     def uses_tool_context(self, conv: Conversation) -> bool:
-        from .template import uses_tool_context
+        from .families.deepseek_v4.template import uses_tool_context
         return uses_tool_context(conv)
 
     def render_calls(self, calls: Sequence) -> str:
-        from .dsml import render_calls
+        from .families.deepseek_v4.dsml import render_calls
         return render_calls(calls)
 
     def force_text(self, name: Optional[str]) -> str:
-        from .dsml import attr_escape
+        from .families.deepseek_v4.dsml import attr_escape
         syn = M.DSML_FULL
         head = M.DSML_BLOCK_SEPARATOR + syn.open + "\n" + syn.invoke + ' name="'
         return head if name is None else head + attr_escape(name) + '">\n'
 
     def make_parser(self, thinking: bool, tools_active: bool, id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
                     tool_memory=None, *, tool_schemas: Sequence[str] = ()):
-        from .output import OutputParser
+        from .families.deepseek_v4.output import OutputParser
         return OutputParser(thinking=thinking, tools_active=tools_active, id_prefix=id_prefix,
                             tool_memory=tool_memory)
 
     def parse(self, text: str, *, thinking: bool, tools_active: bool = True, truncated: bool = False,
               tool_schemas: Sequence[str] = ()):
-        from .dsml import parse_output
+        from .families.deepseek_v4.dsml import parse_output
         return parse_output(text, thinking=thinking, tools_active=tools_active, truncated=truncated)
 
 

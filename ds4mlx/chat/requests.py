@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from . import markers as M
-from .dsml import dumps_compact, escape_tool_result, json_text
+from .families.deepseek_v4.dsml import dumps_compact, escape_tool_result, json_text
 from .messages import Conversation, Message, ToolAlias, ToolCall
-from .template import render_completion
+from .families.deepseek_v4.template import render_completion
 
 __all__ = ["RequestError", "parse_chat", "parse_anthropic", "parse_responses", "parse_completion",
            "parse_request", "CompletionRequest", "parse_stop", "resolve_thinking", "flatten_content",

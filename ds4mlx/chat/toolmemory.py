@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from . import markers as M
-from .dsml import earliest_open, scan_block
+from .families.deepseek_v4.dsml import earliest_open, scan_block
 from .messages import Conversation
 
 __all__ = ["ToolMemory", "ReplayStats", "serialize_ktm", "parse_ktm", "RAM", "DISK",

@@ -30,7 +30,7 @@ def stop_reason(fin: Finish) -> str:
 
 
 def tool_input(arguments: str) -> dict:
-    from ..chat.dsml import call_input
+    from ..chat.families.deepseek_v4.dsml import call_input
 
     return call_input(arguments)
 

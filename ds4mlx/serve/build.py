@@ -14,7 +14,7 @@ from typing import Optional
 from ..chat import markers as M
 from ..chat.protocol import ChatProtocol, EffortError, get_protocol, request_effort
 from ..chat.requests import RequestError, parse_request, unreplayed_tool_result_ids
-from ..chat.template import live_tail
+from ..chat.families.deepseek_v4.template import live_tail
 from ..engine import Job
 from . import errors as E
 from .params import parse_controls

@@ -74,7 +74,7 @@ class ResponsesAdapter:
             alias = self.info.tool_aliases.get(c.name)
             fc_id = _hex_id("fc_")
             if alias is not None and alias.hosted_tool_search:
-                from ..chat.dsml import call_input
+                from ..chat.families.deepseek_v4.dsml import call_input
 
                 items.append({"id": fc_id, "type": "tool_search_call", "status": status, "call_id": c.id,
                               "execution": "client", "arguments": call_input(c.arguments)})

@@ -30,9 +30,9 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from .. import markers as M
-from ..dsml import parse_output
+from .deepseek_v4.dsml import parse_output
 from ..messages import Conversation, Message
-from ..output import OutputParser
+from .deepseek_v4.output import OutputParser
 from ..protocol import ChatProtocol, EffortError, register
 from . import _common as C
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from . import markers as M
+from ... import markers as M
 from .dsml import escape_tool_result, render_calls
-from .messages import Conversation, Message
+from ...messages import Conversation, Message
 
 __all__ = ["render", "render_completion", "render_continuation_tail", "tools_block",
            "uses_tool_context", "live_tail", "thinking_enabled"]

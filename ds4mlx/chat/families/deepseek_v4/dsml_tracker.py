@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
 
-from . import markers as M
+from ... import markers as M
 from .dsml_lex import _skip_ws, attr
-from .markers import DsmlSyntax
+from ...markers import DsmlSyntax
 
 OUTSIDE, STRUCTURAL, STRING_BODY, JSON_STRUCTURAL, JSON_STRING = (
     "outside", "structural", "string_body", "json_structural", "json_string")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from . import markers as M
-from .markers import DsmlSyntax
+from ... import markers as M
+from ...markers import DsmlSyntax
 
 _FULL = M.DSML_FULL
 

@@ -14,11 +14,11 @@ import codecs
 import os
 from typing import Callable, Optional, Union
 
-from . import markers as M
+from ... import markers as M
 from .dsml import (_C_SPACE, JSON_STRUCTURAL, STRUCTURAL, DecodeTracker, ParsedOutput, _Fail, _entities,
                    _is_partial, _parse_block, _parse_invoke, _skip_ws, attr, decode_entities, json_escape,
                    json_escape_fragment, parse_output, partial_open_at_tail)
-from ..events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from ....events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 __all__ = ["OutputParser", "StopMatcher", "new_tool_id"]
 

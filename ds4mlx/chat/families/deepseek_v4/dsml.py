@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from json.decoder import scanstring
 from typing import Optional, Sequence
 
-from . import markers as M
+from ... import markers as M
 # The lexical primitives and the tracker are re-exported: output.py, toolmemory.py
 # and the tests import them from here.
 from .dsml_lex import _C_SPACE, _entities, _rstrip_ws, _skip_ws, attr, decode_entities  # noqa: F401
 from .dsml_tracker import (JSON_STRING, JSON_STRUCTURAL, OUTSIDE, STRING_BODY, STRUCTURAL,  # noqa: F401
                            DecodeTracker, _is_partial, earliest_open, partial_open_at_tail, scan_block)
-from .markers import DsmlSyntax
+from ...markers import DsmlSyntax
 
 __all__ = [
     "ParsedCall", "ParsedOutput", "parse_output", "render_calls", "escape_tool_result",
