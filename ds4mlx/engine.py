@@ -107,7 +107,7 @@ class EngineStats:
 
 class CacheHooks:
     """Where the disk KV cache plugs in (kv-cache.md §2 steps 8–10, §5; the
-    call points kvpolicy.py describes).  All run on the worker thread; the
+    call points kv/policy.py describes).  All run on the worker thread; the
     default does nothing.  `engine.live_visible_text()` gives the visible key
     of the live session for visible-keyed evict/shutdown saves."""
 

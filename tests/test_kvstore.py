@@ -11,9 +11,9 @@ import struct
 
 import pytest
 
-from ds4mlx import kvpolicy as kp
-from ds4mlx import kvstore as ks
-from ds4mlx.kvstore import KVStore
+from ds4mlx.kv import policy as kp
+from ds4mlx.kv import store as ks
+from ds4mlx.kv.store import KVStore
 
 MODEL = "deepseek-v4-flash-test"
 HALF_LIFE = ks.HIT_HALF_LIFE_SECONDS

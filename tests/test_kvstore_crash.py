@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ds4mlx import kvstore as ks
+from ds4mlx.kv import store as ks
 
 BUDGET = 24 * 1024
 MODEL = "crash-test-model"

@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think-level", type=_level, default=None, metavar="0..100",
                    help="default reasoning effort of numeric-effort families (DeepSeek V4.1); 0 = no thinking")
     # --kv-disk-dir and friends (kv-cache.md §8); the two tool-memory flags above are kept
-    from ..kvpolicy import add_kv_arguments
+    from ..kv.policy import add_kv_arguments
 
     add_kv_arguments(p)
 
@@ -70,7 +70,7 @@ def build(args, loaded=None):
     from .. import load
     from ..chat.toolmemory import ToolMemory
     from ..engine import Engine
-    from ..kvpolicy import KVCacheOptions
+    from ..kv.policy import KVCacheOptions
     from .app import make_app
     from .build import ServeConfig
 
@@ -88,7 +88,7 @@ def build(args, loaded=None):
     memory = ToolMemory(max_ids=args.tool_memory_max_ids) if replay else None
     cache = None
     if kv.enabled:
-        from ..kvcache import DiskKVCache
+        from ..kv.cache import DiskKVCache
 
         cache = DiskKVCache.open(kv, model, ctx=args.ctx)
         log.info("%s", kv.describe())
@@ -138,7 +138,7 @@ SHUTDOWN_TIMEOUT_S = 600.0  # the engine's close waits this long for the shutdow
 
 
 def run(args, loaded=None) -> int:
-    from ..kvpolicy import KVCacheOptions
+    from ..kv.policy import KVCacheOptions
 
     try:
         KVCacheOptions.from_args(args)

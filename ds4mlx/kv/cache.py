@@ -1,7 +1,7 @@
 """The disk KV cache wired into the engine (kv-cache.md §2 steps 8–10, §5, §6).
 
-`DiskKVCache` implements the engine's `CacheHooks` with `kvstore.KVStore`
-(files) and `kvpolicy` (when to save).  Every hook runs on the engine's worker
+`DiskKVCache` implements the engine's `CacheHooks` with `kv.store.KVStore`
+(files) and `kv.policy` (when to save).  Every hook runs on the engine's worker
 thread, where the session's MLX stream lives, so `snapshot()` / `restore()`
 are safe there.  The engine reuses the live in-memory session first
 (steps 1–7); the disk is consulted only on a full live miss.
@@ -61,10 +61,10 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from .engine import CacheHooks
-from .kvpolicy import (ContinuedFrontier, KVCacheOptions, cold_save_point, evict_save_len, open_store,
+from ..engine import CacheHooks
+from .policy import (ContinuedFrontier, KVCacheOptions, cold_save_point, evict_save_len, open_store,
                        shutdown_save_len)
-from .kvstore import KVStore
+from .store import KVStore
 
 log = logging.getLogger("ds4mlx.kvcache")
 
@@ -120,7 +120,7 @@ def _first_float_dtype(model) -> Optional[str]:
 def model_identity(model) -> str:
     """A stable id of this model configuration: config (or args) + weights file
     identity + loaded float type + the session snapshot format."""
-    from . import session as _session
+    from .. import session as _session
 
     blob = json.dumps({"config": _config_blob(model), "weights": _weights_identity(getattr(model, "path", None)),
                        "dtype": _first_float_dtype(model), "snapshot": [_session.MAGIC.hex(), _session.VERSION]},
@@ -378,7 +378,7 @@ def bench(lengths: Sequence[int], model_path: Optional[str] = None, directory: O
     import mlx.core as mx
     import numpy as np
 
-    from . import load
+    from .. import load
 
     model, tok = load(model_path)
     text = open(os.path.join(os.path.dirname(__file__), "data", "bench_text.txt"), encoding="utf-8").read()

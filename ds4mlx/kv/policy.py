@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .kvstore import (DEFAULT_BOUNDARY_ALIGN_TOKENS, DEFAULT_BOUNDARY_TRIM_TOKENS,
+from .store import (DEFAULT_BOUNDARY_ALIGN_TOKENS, DEFAULT_BOUNDARY_TRIM_TOKENS,
                       DEFAULT_BUDGET_MB, DEFAULT_COLD_MAX_TOKENS,
                       DEFAULT_CONTINUED_INTERVAL_TOKENS, DEFAULT_MIN_TOKENS,
                       HIT_HALF_LIFE_SECONDS, KVStore)

@@ -5,7 +5,7 @@ encodings, the records a parsed file yields (`Entry`, `Checkpoint`), and the
 parse / full verify / write of one file (`parse_file`, `check_header`,
 `read_file`, `write_file`).
 Pure Python, no MLX.  The directory of such files (listing, lookup, eviction,
-budget, sidecar metadata) is `kvstore.py`.
+budget, sidecar metadata) is `kv/store.py`.
 
 File format (all integers little-endian)::
 
@@ -28,7 +28,7 @@ File format (all integers little-endian)::
 File name: ``<sha1(key bytes) lower hex>.kv``; temporaries are
 ``<name>.tmp.<pid>``.
 
-Deviations from ds4 in the format (the store's are listed in kvstore.py):
+Deviations from ds4 in the format (the store's are listed in kv/store.py):
 
 * bytes 20..24 carry a model tag (first 4 bytes of SHA-1 of the model id,
   little-endian); ds4 leaves them 0.  With tag 0 the header is byte-identical

@@ -3,10 +3,10 @@
 Pure Python, no MLX: the store moves opaque session payloads (whatever
 `Session.snapshot()` produced) and optional opaque trailers (the KTM tool-id
 map) in and out of files; the engine does the snapshot / restore and decides
-*when* to save (see `kvpolicy.py`).
+*when* to save (see `kv/policy.py`).
 
 File format, naming, the records of one file and its parse / verify / write:
-`kvformat.py` (its names are re-exported here).  This module is the store: a
+`kv/fileformat.py` (its names are re-exported here).  This module is the store: a
 directory of such files, lookup, eviction scoring against the budget, and the
 sidecar metadata.  Files are immutable after the rename: hit counts and
 last-use times live in the sidecar ``kvmeta.json`` (atomically replaced), bound
@@ -39,7 +39,7 @@ from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Union
 
 # The file format's names, re-exported so `kvstore.X` keeps working (the tests use several).
-from .kvformat import (FIXED_SIZE, FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE,  # noqa: F401
+from .fileformat import (FIXED_SIZE, FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE,  # noqa: F401
                        FLAG_TOOL_MAP, FOOTER, FOOTER_MAGIC, FOOTER_SIZE, HEADER, HEADER_SIZE,
                        KEY_KINDS, KEYLEN, MAGIC, REASON_CODES, REASONS, VERSION, Buffer, Checkpoint,
                        Entry, Text, _Invalid, _KV_NAME, check_header, file_size_for, model_tag,
