@@ -15,7 +15,7 @@ import pytest
 
 from ds4mlx.kernels import dispatch, hyper_connection as hck, quant_moe
 from ds4mlx.models import layers
-from ds4mlx.synthetic import random_gguf_blocks
+from ds4mlx.bench.synthetic import random_gguf_blocks
 
 
 @pytest.fixture

@@ -251,7 +251,7 @@ def _face(backend: str | None, qtype: QT) -> str:
 def _self_test(face: str, qtype: QT) -> bool:
     """Both kernels of `qtype` on `face` against the reference on a tiny expert bank:
     decode mat-vec (shared and per-pair x, an odd row count) and dequantization (exact)."""
-    from ds4mlx.synthetic import random_gguf_blocks
+    from ds4mlx.bench.synthetic import random_gguf_blocks
 
     blocks = random_gguf_blocks(qtype, 3, 5, 512, seed=11)
     ids = mx.array([[0, 2], [1, 1]], dtype=mx.int32)

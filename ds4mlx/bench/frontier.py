@@ -229,7 +229,7 @@ def run(args) -> int:
         label = f"synthetic V4 Flash ({info['layers']} layers, experts {info['expert_bits']})"
         print(f"ds4mlx bench: {label}: {info}", file=sys.stderr)
     else:
-        from .loader import load
+        from ..loader import load
 
         model, tokenizer = load(args.model)
         label = Path(getattr(model, "path", args.model or "demo")).name

@@ -70,7 +70,7 @@ def random_gguf_blocks(qtype, experts: int, rows: int, k: int, seed: int = 0):
     """uint8 [experts, rows, row_bytes] GGUF blocks: random quants, every f16 scale 1/16."""
     import mlx.core as mx
 
-    from .quant import as_qtype, block_size, row_bytes
+    from ..quant import as_qtype, block_size, row_bytes
 
     qt = as_qtype(qtype)
     elems, nbytes = block_size(qt)
@@ -89,7 +89,7 @@ def random_gguf_blocks(qtype, experts: int, rows: int, k: int, seed: int = 0):
 def _gguf_experts(module, seed: int) -> None:
     """Routed experts as ds4's 2-bit GGUF files store them: gate / up IQ2_XXS, down
     Q2_K, computed on the blocks by `kernels.quant_moe` (no float bank is ever made)."""
-    from .models.quantized import GGUFSwitchLinear, SplitSwitchLinear
+    from ..models.quantized import GGUFSwitchLinear, SplitSwitchLinear
 
     experts = getattr(getattr(module, "mlp", None), "experts", None)
     if experts is None:
@@ -141,7 +141,7 @@ def _quantize_experts(switch, bits: int):
     [256, 4096, 4096] bank in one mx.quantize call overflows a CUDA launch)."""
     import mlx.core as mx
 
-    from .models.layers import QuantizedSwitchLinear
+    from ..models.layers import QuantizedSwitchLinear
 
     e, out_dims, in_dims = switch.weight.shape
     parts = []
@@ -156,7 +156,7 @@ def _quantize_experts(switch, bits: int):
 def _quantize(module, expert_bits: int, other_bits: int) -> None:
     import mlx.nn as nn
 
-    from .models.layers import SwitchLinear
+    from ..models.layers import SwitchLinear
 
     experts = getattr(getattr(module, "mlp", None), "experts", None)
     if experts is not None:
@@ -188,8 +188,8 @@ def build_synthetic_v4_flash(layers: int | None = None, experts: int | None = No
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from .models.base import LanguageModel, family_module
-    from .tokenizer import Tokenizer
+    from ..models.base import LanguageModel, family_module
+    from ..tokenizer import Tokenizer
 
     cfg = v4_flash_config(layers or 43, experts or 256)
     cfg.update(overrides or {})

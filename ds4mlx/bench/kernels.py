@@ -1,6 +1,6 @@
 """Micro-benchmark of the custom kernels against the plain MLX graph (run on a GPU).
 
-    python -m ds4mlx.kernels.bench_kernels [--layers 8] [--ctx 2560] [--gen 16] [--no-model]
+    python -m ds4mlx.bench.kernels [--layers 8] [--ctx 2560] [--gen 16] [--no-model]
                                            [--qmoe] [--expert-format mlx|gguf]
 
 Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, indexer
@@ -182,7 +182,7 @@ def bench_qmoe(iters: int, experts: int = 256, hidden: int = 4096, inter: int = 
     ``sync`` is one call per eval, what an unfused decode step pays."""
     from ds4mlx.kernels import quant_moe
     from ds4mlx.quant import as_qtype, row_bytes
-    from ds4mlx.synthetic import random_gguf_blocks
+    from ds4mlx.bench.synthetic import random_gguf_blocks
 
     face = face or dispatch.gpu_backend()
     import numpy as np
@@ -261,7 +261,7 @@ def bench_csa_layer(ctx: int, iters: int):
     """One CSA Attention module (random weights, 8-bit linears) decoding at `ctx`."""
     from ds4mlx.models.deepseek_v4 import CSA, Attention, LayerCache, ModelArgs
     from ds4mlx.models.layers import RoPE, attention_factor_from_params, inv_freq_from_params
-    from ds4mlx.synthetic import v4_flash_config
+    from ds4mlx.bench.synthetic import v4_flash_config
 
     ctx -= ctx % 4  # decode at a position that emits no compressed row: repeated steps keep the shapes
 
@@ -294,8 +294,8 @@ def bench_csa_layer(ctx: int, iters: int):
 
 
 def bench_model(layers: int, ctx: int, gen: int, expert_format: str = "mlx"):
-    from ds4mlx.bench import run_bench
-    from ds4mlx.synthetic import build_synthetic_v4_flash
+    from ds4mlx.bench.frontier import run_bench
+    from ds4mlx.bench.synthetic import build_synthetic_v4_flash
 
     model, tok, info = build_synthetic_v4_flash(layers=layers, expert_format=expert_format)
     print(f"synthetic V4 Flash, {layers} layers: {info}", flush=True)
