@@ -442,7 +442,7 @@ def test_tool_choice_forces_the_block_open(make, tok, named):
     """tool_choice required / named: the DSML open (and the invoke tag) are forced
     right after the reasoning.  The script writes filler where the forced text
     goes, so only the forced version parses as a call."""
-    from ds4mlx.serve.build import force_text
+    from ds4mlx.serve.prepare import force_text
 
     force = force_text("bash" if named else None)
     rest = ('bash">\n' if not named else "") + ('<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'

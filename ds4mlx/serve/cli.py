@@ -72,7 +72,7 @@ def build(args, loaded=None):
     from ..engine import Engine
     from ..kv.policy import KVCacheOptions
     from .app import make_app
-    from .build import ServeConfig
+    from .prepare import ServeConfig
 
     log = logging.getLogger("ds4mlx.serve")
     kv = KVCacheOptions.from_args(args)
