@@ -4,7 +4,7 @@ Every custom kernel in `ds4mlx.kernels` has the same three implementations with 
 same grid, tiling, inputs and outputs.  `backend()` names the one to use for a
 device; `Kernel` builds (once, lazily) and launches the Metal or CUDA face through
 ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``; `sections()` reads the
-``// @@ name`` sections of a kernel source file under ``metal/`` so one file can
+``// @@ name`` sections of a kernel source file under ``kernels/metal/`` so one file can
 hold the code shared by both GPU faces.
 
 ``DS4MLX_KERNELS=reference`` forces the reference face everywhere (debugging,
@@ -28,7 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 
 BACKENDS = ("reference", "metal", "cuda")
-METAL_DIR = Path(__file__).resolve().parents[2] / "metal"
+METAL_DIR = Path(__file__).resolve().parent / "metal"  # package data: ships in the wheel
 # GPU faces never run on real hardware here (the CUDA faces ran their tests on an H200)
 UNVERIFIED_FACES = ("metal",)
 

@@ -20,7 +20,7 @@ or ``[n_tok, k, K]`` (one vector per selected expert: down); ``expert_ids`` is
 
 Three faces (see `ds4mlx.kernels.dispatch`): the reference face decodes blocks
 with MLX ops (bit-identical to `ds4mlx.quant.dequantize`) and multiplies in
-float32; the Metal face (``metal/quant_moe.metal``) and its CUDA twin (below,
+float32; the Metal face (``kernels/metal/quant_moe.metal``) and its CUDA twin (below,
 sharing the file's ``common`` / ``qmv`` / ``dequant`` sections verbatim) decode
 with the same float operations and accumulate in float32 per lane, then reduce
 over the 32 lanes of a SIMD group / warp.  The qmv layout (16-value slices per

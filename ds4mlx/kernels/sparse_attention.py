@@ -27,7 +27,7 @@ first n are read).  Ring slot j holds position ``ring_last - ((ring_last - j) mo
 
 Three faces (see `ds4mlx.kernels.dispatch`): the reference face is MLX ops in float32
 (an oracle, not the model's plain path, which stays in deepseek_v4.py); the Metal face
-(``metal/sparse_attention.metal``) and its CUDA twin compile the same text.
+(``kernels/metal/sparse_attention.metal``) and its CUDA twin compile the same text.
 
 Exactness: scores and attention differ from float64 by rounding only (bounds in
 tests/test_kernel_sparse_attention.py).  The top-k is exact on its input; rows whose
