@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .gguf_families import deepseek_v4 as names
-from .weights import QuantizedTensor
+from .quant import QuantizedTensor
 
 DTYPES = ("f32", "f16", "bf16")
 

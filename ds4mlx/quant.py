@@ -33,8 +33,9 @@ return None; they run through `ds4mlx.kernels.quant_moe` instead.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
@@ -83,6 +84,36 @@ def byte_shape(qtype, shape: Sequence[int]) -> tuple[int, ...]:
     """Shape of the uint8 array holding a tensor of logical `shape`."""
     shape = tuple(int(s) for s in shape)
     return (*shape[:-1], row_bytes(qtype, shape[-1]))
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A GGUF block-quantized tensor, still in its file bytes.
+
+    raw:   np.ndarray uint8, shape [..., bytes_per_row] (a view of the mmap)
+    qtype: gguf.GGMLQuantizationType
+    shape: logical shape in numpy order (ggml `ne` reversed), e.g. [E, I, H]
+    """
+
+    raw: np.ndarray
+    qtype: Any
+    shape: tuple
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 array of `shape` (`dequantize`)."""
+        return dequantize(self.raw, self.qtype, tuple(self.shape))
+
+    def __repr__(self) -> str:
+        name = getattr(self.qtype, "name", self.qtype)
+        return f"QuantizedTensor({name}, shape={tuple(self.shape)}, {self.nbytes} bytes)"
 
 
 # --------------------------------------------------------------------------- tables

@@ -379,7 +379,7 @@ DS4_Q8_0_SUFFIXES = (
 
 
 def _as_float(val) -> np.ndarray:
-    from ds4mlx.weights import QuantizedTensor
+    from ds4mlx.quant import QuantizedTensor
 
     if isinstance(val, QuantizedTensor):
         return val.dequantize()
@@ -389,7 +389,7 @@ def _as_float(val) -> np.ndarray:
 def _expert_slices(val):
     """Yield float32 [rows, K] expert matrices of an [E, rows, K] tensor, one at a time."""
     from ds4mlx.quant import dequantize
-    from ds4mlx.weights import QuantizedTensor
+    from ds4mlx.quant import QuantizedTensor
 
     if isinstance(val, QuantizedTensor):
         for e in range(val.shape[0]):
@@ -405,7 +405,7 @@ def quantize_expert_tensor(val, kind, importance: str = "none"):
     type, or ("mlx", bits) stored as Q4_1).  `importance` 'energy' uses ds4's
     fallback column weights: sum over the expert's rows of w**2."""
     from ds4mlx.quant import block_size
-    from ds4mlx.weights import QuantizedTensor
+    from ds4mlx.quant import QuantizedTensor
 
     shape = tuple(int(s) for s in (val.shape if hasattr(val, "shape") else np.shape(val)))
     if len(shape) != 3:
@@ -461,7 +461,7 @@ def quantize_tensors(tensors: dict, experts: str, dense: str = "keep", importanc
             log(f"{name}: {out[name]!r}")
         elif (dense == "q8_0" and name.endswith(DS4_Q8_0_SUFFIXES) and len(_shape_of(val)) == 2
               and _shape_of(val)[-1] % 32 == 0):
-            from ds4mlx.weights import QuantizedTensor
+            from ds4mlx.quant import QuantizedTensor
 
             arr = _as_float(val)
             out[name] = QuantizedTensor(raw=quantize(arr, QT.Q8_0), qtype=QT.Q8_0, shape=arr.shape)

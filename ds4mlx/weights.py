@@ -33,7 +33,6 @@ import json
 import os
 import sys
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,41 +40,9 @@ import gguf
 import numpy as np
 
 from .gguf_families import deepseek_v4 as names
+from .quant import QuantizedTensor
 
 GGUF_MAGIC = b"GGUF"
-
-
-# ----------------------------------------------------------------------------- types
-@dataclass(frozen=True)
-class QuantizedTensor:
-    """A GGUF block-quantized tensor, still in its file bytes.
-
-    raw:   np.ndarray uint8, shape [..., bytes_per_row] (a view of the mmap)
-    qtype: gguf.GGMLQuantizationType
-    shape: logical shape in numpy order (ggml `ne` reversed), e.g. [E, I, H]
-    """
-
-    raw: np.ndarray
-    qtype: Any
-    shape: tuple
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.raw.nbytes)
-
-    def dequantize(self) -> np.ndarray:
-        """float32 array of `shape` (via ds4mlx.quant)."""
-        from . import quant  # imported lazily: quant.py is another module's job
-
-        return quant.dequantize(self.raw, self.qtype, tuple(self.shape))
-
-    def __repr__(self) -> str:
-        name = getattr(self.qtype, "name", self.qtype)
-        return f"QuantizedTensor({name}, shape={tuple(self.shape)}, {self.nbytes} bytes)"
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -561,7 +528,6 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 
 __all__ = [
-    "QuantizedTensor",
     "read_weights",
     "read_gguf",
     "read_hf",

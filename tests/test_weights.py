@@ -18,7 +18,8 @@ import pytest
 
 from ds4mlx.gguf_families import deepseek_v4 as names
 from ds4mlx.convert import write_gguf
-from ds4mlx.weights import GGUFFile, QuantizedTensor, SafetensorsFile, read_weights
+from ds4mlx.quant import QuantizedTensor
+from ds4mlx.weights import GGUFFile, SafetensorsFile, read_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 

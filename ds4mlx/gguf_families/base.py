@@ -278,7 +278,7 @@ class Family:
         """The names a HF folder may use -> the names of this table: VLM prefix dropped,
         vision / MTP / rotary buffers and config-derived buffers skipped, per-expert hub
         tensors stacked, fused gate_up_proj split."""
-        from ..weights import QuantizedTensor
+        from ..quant import QuantizedTensor
 
         n = int(_text(config).get("num_hidden_layers", 1 << 30))
         out, per_expert = {}, {}
@@ -319,7 +319,7 @@ class Family:
 
     def to_gguf(self, config: dict, tensors: dict) -> list:
         """HF-named tensors -> [(GGUF name, value)] (values: numpy arrays or QuantizedTensor)."""
-        from ..weights import QuantizedTensor
+        from ..quant import QuantizedTensor
 
         args = self.args(config)
         items, unknown = [], []
@@ -347,7 +347,7 @@ class Family:
 
     def from_gguf(self, config: dict, names, get) -> tuple[dict, list]:
         """GGUF tensor names + `get(name) -> value` -> ({HF name: value}, [unknown names])."""
-        from ..weights import QuantizedTensor
+        from ..quant import QuantizedTensor
 
         args = None
         tensors, groups, unknown = {}, {}, []

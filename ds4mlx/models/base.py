@@ -44,7 +44,7 @@ class LanguageModel:
         args = mod.ModelArgs.from_dict(config)
         model = mod.Model(args)
         if weights is not None:
-            from ..weights import QuantizedTensor
+            from ..quant import QuantizedTensor
             from .quantized import install_quantized, needs_install
 
             weights = {k: v if isinstance(v, (mx.array, QuantizedTensor)) else mx.array(v) for k, v in weights.items()}

@@ -49,8 +49,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..kernels import quant_moe
-from ..quant import MLX_EXACT_TYPES, QT, as_qtype
-from ..weights import QuantizedTensor
+from ..quant import MLX_EXACT_TYPES, QT, QuantizedTensor, as_qtype
 from .layers import QuantizedSwitchLinear, SwitchLinear
 
 log = logging.getLogger("ds4mlx.quantized")
