@@ -1,5 +1,5 @@
 """The engine: one owner of the model and its live session, a FIFO of jobs and
-one worker thread that runs them (http-api.md §1.4, kv-cache.md §2).
+one worker thread that runs them (docs/http-api.md §1.4, docs/kv-cache.md §2).
 
 A front end builds a `Job` (rendered prompt, sampling, limits, protocol
 flags), calls `Engine.submit(job, emit)` and receives `ds4mlx.events` through
@@ -8,7 +8,7 @@ flags), calls `Engine.submit(job, emit)` and receives `ds4mlx.events` through
 `Engine.generate(job)` is the blocking iterator form for the CLI and tests.
 
 Per job the worker:
-1. picks the longest reusable live state (`_plan_reuse`, kv-cache.md §2
+1. picks the longest reusable live state (`_plan_reuse`, docs/kv-cache.md §2
    steps 1–7; no partial reuse: truncating a V4 session means recomputing
    it) — the disk cache plugs in at `CacheHooks`;
 2. prefills only the new suffix, in chunks, emitting `PrefillProgress` and
@@ -79,8 +79,8 @@ class Job:
     # tool_choice required / named: text forced at the start of the answer (after
     # the reasoning), e.g. the DSML block open and invoke tag (build.force_text).
     force_text: Optional[str] = None
-    # Live tool-output continuation (Responses / Anthropic, kv-cache.md §2 steps 2–4):
-    # the rendered live tail (chat-template.md §4.5, starts with ⟨EOS⟩) and the id set
+    # Live tool-output continuation (Responses / Anthropic, docs/kv-cache.md §2 steps 2–4):
+    # the rendered live tail (docs/chat-template.md §4.5, starts with ⟨EOS⟩) and the id set
     # of the trailing tool outputs; `requires_live` = the request cannot be served
     # without that live state (its tool outputs answer calls it does not replay).
     continuation_tail: Optional[str] = None
@@ -106,7 +106,7 @@ class EngineStats:
 
 
 class CacheHooks:
-    """Where the disk KV cache plugs in (kv-cache.md §2 steps 8–10, §5; the
+    """Where the disk KV cache plugs in (docs/kv-cache.md §2 steps 8–10, §5; the
     call points kv/policy.py describes).  All run on the worker thread; the
     default does nothing.  `engine.live_visible_text()` gives the visible key
     of the live session for visible-keyed evict/shutdown saves."""
@@ -637,7 +637,7 @@ class Engine:
         elif finish == "error":
             pass
         elif perror == UNTERMINATED_TOOL_CALL:
-            # ds4: a block that started but never closed fails the turn (dsml.md §3.1).
+            # ds4: a block that started but never closed fails the turn (docs/dsml.md §3.1).
             finish, error = "error", perror
         elif calls:
             finish = "tool_calls"

@@ -2,7 +2,7 @@
 
 `Sampler.sample(logits, params)` returns a lazy scalar `mx.array`; the caller's
 `.item()` is the only host synchronisation per token.  Semantics follow ds4's
-sampler (dsml.md §5.1):
+sampler (docs/dsml.md §5.1):
 
 * temperature <= 0 -> argmax;
 * top_k > 0 restricts to the top_k logits (capped at 1024), else the full

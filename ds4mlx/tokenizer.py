@@ -1,6 +1,6 @@
 """DeepSeek V4 tokenizer: `tokenizers` byte-level BPE plus the seven special strings.
 
-Behaviour (chat-template.md §1, ds4.c `tokenize_rendered_chat_vocab`):
+Behaviour (docs/chat-template.md §1, ds4.c `tokenize_rendered_chat_vocab`):
 
 * Exactly seven strings are special: BOS, EOS, `<｜User｜>`, `<｜Assistant｜>`,
   `<think>`, `</think>`, `｜DSML｜`.  The text is scanned left to right; wherever
@@ -15,7 +15,7 @@ Behaviour (chat-template.md §1, ds4.c `tokenize_rendered_chat_vocab`):
 * The spans between specials use DeepSeek's own pre-tokenizer (the three regex
   `Split`s of tokenizer.json, what ds4 calls "joyai-llm") and BPE, run by the
   `tokenizers` library.  ds4.c hand-codes an approximation of that regex; we use the
-  exact regex (chat-template.md §1: "a Python port must reproduce it exactly").
+  exact regex (docs/chat-template.md §1: "a Python port must reproduce it exactly").
 * No BOS is added implicitly; the prompt renderer writes ⟨BOS⟩ itself.
 * Decoding: a special / added token yields its exact UTF-8 string; every other
   token is GPT-2 byte-level decoded.  `decode` joins the bytes and decodes UTF-8

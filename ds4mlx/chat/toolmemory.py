@@ -1,4 +1,4 @@
-"""Exact tool replay memory (dsml.md §9) and its KTM disk trailer (dsml.md §10).
+"""Exact tool replay memory (docs/dsml.md §9) and its KTM disk trailer (docs/dsml.md §10).
 
 Clients send tool calls back as JSON; re-rendering them canonically may differ
 from the DSML the model sampled, which breaks KV prefix reuse.  The memory maps
@@ -213,7 +213,7 @@ class ToolMemory:
         while self._entries and (len(self._entries) > self.max_ids or self.bytes > self.max_bytes):
             self._remove(next(iter(self._entries)))
 
-    # --- KTM trailer (dsml.md §10) ----------------------------------------------------
+    # --- KTM trailer (docs/dsml.md §10) ----------------------------------------------------
     def trailer_entries(self, text: str) -> list[tuple[str, str]]:
         """(id, block) pairs for every DSML block of `text` that is remembered verbatim,
         each block once (its ids newest first, as ds4 writes them)."""

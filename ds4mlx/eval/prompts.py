@@ -1,4 +1,4 @@
-"""Prompt rendering for eval cases (EVAL_BEHAVIOR.md §2).
+"""Prompt rendering for eval cases (docs/eval.md §2).
 
 Only `question` and `choices` reach the model: a case's id, title and domain never
 do (Juliet ids and titles name the CWE).
@@ -28,7 +28,7 @@ INSTRUCTIONS = {
     "exact_string": "\nSolve the problem. " + _FINAL + "Answer: <your answer, as a short phrase>",
 }
 
-# DeepSeek V4 chat markers (chat-template.md §1); eval renders system + one user turn.
+# DeepSeek V4 chat markers (docs/chat-template.md §1); eval renders system + one user turn.
 BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
 USER = "<\uff5cUser\uff5c>"
 ASSISTANT = "<\uff5cAssistant\uff5c>"

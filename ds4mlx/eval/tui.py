@@ -1,4 +1,4 @@
-"""Split-screen TUI (EVAL_BEHAVIOR.md §12), drawn with rich.
+"""Split-screen TUI (docs/eval.md §12), drawn with rich.
 
 Left: title and keys, the score, the case list with live status.  Right: status
 line, question preview, live tail of the selected (or running) case's output.

@@ -1,4 +1,4 @@
-"""The disk KV cache wired into the engine (kv-cache.md §2 steps 8–10, §5, §6).
+"""The disk KV cache wired into the engine (docs/kv-cache.md §2 steps 8–10, §5, §6).
 
 `DiskKVCache` implements the engine's `CacheHooks` with `kv.store.KVStore`
 (files) and `kv.policy` (when to save).  Every hook runs on the engine's worker

@@ -32,7 +32,7 @@ Deviations from ds4 in the format (the store's are listed in kv/store.py):
 
 * bytes 20..24 carry a model tag (first 4 bytes of SHA-1 of the model id,
   little-endian); ds4 leaves them 0.  With tag 0 the header is byte-identical
-  to ds4's (spec §3.1 capture, tested).
+  to ds4's (docs/kv-cache.md §3.1 capture, tested).
 * a 20-byte footer with CRC-32s: a flipped bit anywhere, a truncation or an
   append is detected; the file size must be exactly 52+K+P+T+20.
 """

@@ -1,4 +1,4 @@
-"""On-disk KV checkpoints: the disk KV cache (spec kv-cache.md §3, §4, §6, §7).
+"""On-disk KV checkpoints: the disk KV cache (docs/kv-cache.md §3, §4, §6, §7).
 
 Pure Python, no MLX: the store moves opaque session payloads (whatever
 `Session.snapshot()` produced) and optional opaque trailers (the KTM tool-id

@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=_positive, default=512, help="prefill chunk (cancellation granularity)")
     p.add_argument("--think-level", type=_level, default=None, metavar="0..100",
                    help="default reasoning effort of numeric-effort families (DeepSeek V4.1); 0 = no thinking")
-    # --kv-disk-dir and friends (kv-cache.md §8); the two tool-memory flags above are kept
+    # --kv-disk-dir and friends (docs/kv-cache.md §8); the two tool-memory flags above are kept
     from ..kv.policy import add_kv_arguments
 
     add_kv_arguments(p)
@@ -157,6 +157,6 @@ def run(args, loaded=None) -> int:
         asyncio.run(_serve(app, args.host, args.port))
     finally:
         # SIGINT / SIGTERM end _serve; closing the engine runs the shutdown KV save
-        # (kv-cache.md §5.4) on its worker after the running job was cancelled.
+        # (docs/kv-cache.md §5.4) on its worker after the running job was cancelled.
         engine.close(timeout=SHUTDOWN_TIMEOUT_S)
     return 0

@@ -3,7 +3,7 @@
 Runs off the event loop (tokenizing a long prompt takes a while).  Every
 refusal is an `APIError` (4xx) raised before the job is queued: request shape
 (chat/requests.py), model name, sampling controls, tool_choice, live
-tool-continuation ids, and the context check (http-api.md §1.6).
+tool-continuation ids, and the context check (docs/http-api.md §1.6).
 """
 from __future__ import annotations
 

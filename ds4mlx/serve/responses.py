@@ -1,4 +1,4 @@
-"""OpenAI Responses: engine events -> wire shapes (http-api.md §6).
+"""OpenAI Responses: engine events -> wire shapes (docs/http-api.md §6).
 
 Streaming: reasoning (only with `reasoning.summary` opted in) and message text
 stream live; tool calls are sent whole after generation; every event carries

@@ -1,7 +1,7 @@
 """DeepSeek V4.1 Flash (`deepseek_v41`): one merged `<｜System｜>` after BOS
 holding the reasoning effort and the tools, user-side turns welded with
 "\\n\\n" (tool results are `<tool_result>` blocks of the user turn, in call
-order), the spaced DSML spelling, numeric reasoning effort 1..100 (seed §3g
+order), the spaced DSML spelling, numeric reasoning effort 1..100 (docs/chat-families.md §2
 and the think-level paragraph).  The bytes are those of DeepSeek's V4.1
 `encoding.py` (`encode_messages`) as ds4 drives it; tests/test_protocol_deepseek_v41.py
 checks them against golden prompts rendered by that encoder

@@ -1,5 +1,5 @@
 """Qwen3.8 Flash Next (`qwen4_exp`): ChatML turns, XML-style tool calls, inline
-`<think>` (seed §3h; the template is tests/data/chat_templates/qwen4_exp.jinja).
+`<think>` (docs/chat-families.md §4; the template is tests/data/chat_templates/qwen4_exp.jinja).
 
 Prompt (the official template's output):
 

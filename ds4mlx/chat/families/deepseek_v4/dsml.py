@@ -1,9 +1,9 @@
 """DSML: JSON text helpers, canonical rendering of tool calls, and the final parser.
 
-* Rendering (chat-template.md §6, §7): `render_calls`, `escape_tool_result`.
-* Final parse of a finished generation (dsml.md §2-4, §6): `parse_output`.
+* Rendering (docs/chat-template.md §6, §7): `render_calls`, `escape_tool_result`.
+* Final parse of a finished generation (docs/dsml.md §2-4, §6): `parse_output`.
 * Forgiving structural recognizer for greedy sampling and stop-at-CLOSE
-  (dsml.md §5.1): `DecodeTracker`, which lives in dsml_tracker.py (whitespace,
+  (docs/dsml.md §5.1): `DecodeTracker`, which lives in dsml_tracker.py (whitespace,
   entities and attributes in dsml_lex.py) and is re-exported here.
 
 Strings are Python `str`; positions are character indices.
@@ -36,7 +36,7 @@ __all__ = [
 # JSON text helpers
 # =============================================================================
 
-# http-api.md §1.3: '"' '\\' LF CR TAB escaped, other bytes < 0x20 as \u00xx, the rest raw.
+# docs/http-api.md §1.3: '"' '\\' LF CR TAB escaped, other bytes < 0x20 as \u00xx, the rest raw.
 _ESCAPE_TABLE = {c: "\\u%04x" % c for c in range(0x20)}
 _ESCAPE_TABLE.update({ord('"'): '\\"', ord("\\"): "\\\\", ord("\n"): "\\n",
                       ord("\r"): "\\r", ord("\t"): "\\t"})
@@ -138,7 +138,7 @@ def parse_flat_object(text: str) -> Optional[list[tuple[str, str, bool]]]:
 
 
 def call_input(arguments_json: str) -> dict:
-    """The arguments of a parsed call as a JSON object (Anthropic `input`, dsml.md §6)."""
+    """The arguments of a parsed call as a JSON object (Anthropic `input`, docs/dsml.md §6)."""
     try:
         obj = json.loads(arguments_json)
     except ValueError:
@@ -147,7 +147,7 @@ def call_input(arguments_json: str) -> dict:
 
 
 # =============================================================================
-# Rendering (chat-template.md §6, §7)
+# Rendering (docs/chat-template.md §6, §7)
 # =============================================================================
 
 _FULL = M.DSML_FULL
@@ -198,13 +198,13 @@ def render_calls(calls: Sequence) -> str:
 
 
 # =============================================================================
-# Final parser (dsml.md §2-4, §6)
+# Final parser (docs/dsml.md §2-4, §6)
 # =============================================================================
 
 @dataclass
 class ParsedCall:
     name: str
-    arguments_json: str  # OpenAI-style compact JSON object text (dsml.md §6)
+    arguments_json: str  # OpenAI-style compact JSON object text (docs/dsml.md §6)
     raw_dsml: str = ""  # the invoke's exact text
     id: str = ""  # call_/toolu_ + 32 hex, assigned by OutputParser.finish
 
@@ -237,7 +237,7 @@ class _Fail(Exception):
 
 
 def _value_json(members: list) -> Optional[str]:
-    """dsml.md §6 re-serialization of parsed members; None if a JSON value is invalid."""
+    """docs/dsml.md §6 re-serialization of parsed members; None if a JSON value is invalid."""
     parts = []
     for key, kind, value in members:
         if kind == "string":
@@ -334,7 +334,7 @@ def _parse_block(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[l
         calls.append(call)
 
 
-# --- truncation repair (our extension, dsml.md §12 / the issue) ----------------
+# --- truncation repair (our extension, docs/dsml.md §12 / the issue) ----------------
 
 def _close_json(value: str) -> str:
     """Best-effort completion of a truncated JSON value: close the string, then brackets."""
@@ -458,7 +458,7 @@ _SPELLING_RANK = {syn.name: i for i, syn in enumerate(M.DSML_SYNTAXES)}
 
 def _choose_block(text: str, start: int, truncated: bool, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES):
     """The block the final parse reads: among the complete blocks, ds4's search
-    order (dsml.md §2: full, short, plain spelling; per spelling "\n\n"+OPEN
+    order (docs/dsml.md §2: full, short, plain spelling; per spelling "\n\n"+OPEN
     before a bare OPEN; then position).  With none complete: the unterminated
     last block when truncated (repair), else ds4's first candidate (which fails).
     With other `syntaxes` their order is the spelling rank."""

@@ -1,7 +1,7 @@
 """DSML decode tracker: the streaming recognizer of tool-call block structure.
 
 Forgiving structural recognizer for greedy sampling and stop-at-CLOSE
-(dsml.md §5.1): `DecodeTracker` and its decode states, `scan_block`, and the
+(docs/dsml.md §5.1): `DecodeTracker` and its decode states, `scan_block`, and the
 block-OPEN searches (`earliest_open`, `partial_open_at_tail`) that the final
 parser (dsml.py) and the streaming output parser (output.py) share.
 
@@ -60,7 +60,7 @@ class DecodeTracker:
     inside tags), string (inside a string="true" value), json (inside another
     value), done (block CLOSE reached; `block_end` set), stuck (text that is
     not DSML where a tag was expected; `stuck_at` set).  The caller decides what
-    to do after done/stuck (usually `restart`).  `state` is the dsml.md §5.1
+    to do after done/stuck (usually `restart`).  `state` is the docs/dsml.md §5.1
     decode state of the next token.
 
     Differences from ds4's tracker (all make it follow the final parser more
@@ -69,7 +69,7 @@ class DecodeTracker:
     parameters) is tracked as structure, and a stray parameter close between
     parameters is skipped; garbage is reported as `stuck` instead of staying
     STRUCTURAL forever.  `syntaxes`: the block spellings searched for (default:
-    the V4 spellings, dsml.md §1)."""
+    the V4 spellings, docs/dsml.md §1)."""
 
     def __init__(self, start: int = 0, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES):
         self.syntaxes = syntaxes

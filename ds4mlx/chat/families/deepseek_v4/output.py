@@ -1,11 +1,11 @@
-"""Streaming projection of generated text into engine events (dsml.md §7, http-api.md §3).
+"""Streaming projection of generated text into engine events (docs/dsml.md §7, docs/http-api.md §3).
 
 The engine's decode loop feeds every sampled piece of text to an
 `OutputParser` (after the `StopMatcher`, which cuts at stop sequences) and
 forwards the returned events.  The parser also tells the loop how to sample the
-next token (`structural`: greedy inside DSML structure, dsml.md §5.1) and when
+next token (`structural`: greedy inside DSML structure, docs/dsml.md §5.1) and when
 to stop (`stop_now`: right after the block CLOSE).  `finish()` runs the final
-parse (dsml.md §3), which stays authoritative, and emits whatever the stream
+parse (docs/dsml.md §3), which stays authoritative, and emits whatever the stream
 still owes so that the concatenated events agree with it.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _rstrip_pos(raw: str, end: int, floor: int) -> int:
 
 
 def new_tool_id(prefix: str = M.OPENAI_TOOL_ID_PREFIX, taken: Optional[Callable[[str], bool]] = None) -> str:
-    """`prefix` + 32 lowercase hex from os.urandom, retried while `taken(id)` (dsml.md §8)."""
+    """`prefix` + 32 lowercase hex from os.urandom, retried while `taken(id)` (docs/dsml.md §8)."""
     while True:
         tool_id = prefix + os.urandom(16).hex()
         if taken is None or not taken(tool_id):
@@ -66,7 +66,7 @@ def finish_call_events(events: list, calls, id_for, started, ended) -> None:
 
 
 class StopMatcher:
-    """Stop sequences on the raw generated text (http-api.md §2).
+    """Stop sequences on the raw generated text (docs/http-api.md §2).
 
     `feed(text) -> (safe_text, hit)`: text that can no longer start a match is
     released; the last (longest stop - 1) characters are held.  On a hit the
@@ -155,14 +155,14 @@ class OutputParser:
 
     @property
     def structural(self) -> bool:
-        """Sample the NEXT token greedily (inside DSML structure, dsml.md §5.1)."""
+        """Sample the NEXT token greedily (inside DSML structure, docs/dsml.md §5.1)."""
         tr = self._tracker
         return (tr is not None and not self.stop_now and not self._finished
                 and tr.state in (STRUCTURAL, JSON_STRUCTURAL))
 
     @property
     def decode_state(self) -> str:
-        """dsml.md §5.1 decode state of the next token (outside when tools are inactive)."""
+        """docs/dsml.md §5.1 decode state of the next token (outside when tools are inactive)."""
         tr = self._tracker
         return tr.state if tr is not None and not self.stop_now else "outside"
 
@@ -357,7 +357,7 @@ class OutputParser:
 
 
 class _Projection:
-    """ds4's live tool-call projection (dsml.md §7): OpenAI-style argument
+    """ds4's live tool-call projection (docs/dsml.md §7): OpenAI-style argument
     fragments emitted as the DSML arrives.  Any unexpected structure stops it
     silently; the final parse then fills in what was not streamed."""
 
