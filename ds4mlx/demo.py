@@ -112,7 +112,7 @@ def _build_hf_folder(path: Path, config: dict) -> Path:
 
     from safetensors.numpy import save_file
 
-    from .tokenizer import _default_tokenizer_json
+    from .tokenizer import default_tokenizer_json
 
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -120,7 +120,7 @@ def _build_hf_folder(path: Path, config: dict) -> Path:
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         save_file(demo_weights(config), str(tmp / "model.safetensors"))
-        shutil.copy(_default_tokenizer_json(), tmp / "tokenizer.json")
+        shutil.copy(default_tokenizer_json(), tmp / "tokenizer.json")
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -384,7 +384,9 @@ class Engine:
         # the process.
         threading.Event().wait()
 
-    def _reset_session(self) -> None:
+    def reset_session(self) -> None:
+        """Empty the live session (worker thread only: the disk cache calls it when a
+        restore fails half-way)."""
         reset = getattr(self.session, "reset", None)
         if reset is not None:
             reset()
@@ -393,7 +395,7 @@ class Engine:
 
     def _invalidate(self) -> None:
         """Forget the live state (stop-sequence hit, failures)."""
-        self._reset_session()
+        self.reset_session()
         self._clear_bindings(keep=None)
 
     def _clear_bindings(self, keep: Optional[str]) -> None:
@@ -472,7 +474,7 @@ class Engine:
         s = self.session
         if cached == 0 or cached != len(s) or list(s.tokens[:cached]) != effective[:cached]:
             if len(s):
-                self._reset_session()
+                self.reset_session()
             cached = 0
         suffix = effective[cached:]
         total = len(effective)
@@ -482,7 +484,7 @@ class Engine:
             if logits is not None:
                 return logits, cached
             # No logits kept for the last token: evaluate it again.
-            self._reset_session()
+            self.reset_session()
             cached, suffix = 0, list(effective)
         cold = 0
         if cached == 0:

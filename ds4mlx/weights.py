@@ -103,7 +103,7 @@ def _field_value(field):
         return parts[-1].tobytes().decode("utf-8", errors="surrogateescape")
     if main != V.ARRAY:
         v = parts[-1].tolist()[0]
-        return names._f32(v) if main == V.FLOAT32 else v
+        return names.to_f32(v) if main == V.FLOAT32 else v
     sub = field.types[-1] if len(field.types) > 1 else None
     if sub is None or not field.data:
         return []
@@ -112,7 +112,7 @@ def _field_value(field):
     if sub == V.STRING:
         return [parts[i].tobytes().decode("utf-8", errors="surrogateescape") for i in field.data]
     vals = np.concatenate([parts[i] for i in field.data]).tolist()
-    return [names._f32(v) for v in vals] if sub == V.FLOAT32 else vals
+    return [names.to_f32(v) for v in vals] if sub == V.FLOAT32 else vals
 
 
 def _fields_metadata(fields) -> dict:

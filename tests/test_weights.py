@@ -259,7 +259,7 @@ def test_flash_config_metadata_values_match_ds4_constants():
     assert kv["deepseek4.swiglu_clamp_exp"] == [10.0] * 43
     assert names.OVERRIDES_KEY not in kv  # everything fits ds4's own keys
     # and back
-    meta = {k: (names._f32(v) if isinstance(v, float) else v) for k, v in kv.items()}
+    meta = {k: (names.to_f32(v) if isinstance(v, float) else v) for k, v in kv.items()}
     assert names.config_from_gguf_kv(meta) == names.normalize_config(flash)
 
 

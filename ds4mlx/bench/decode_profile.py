@@ -51,7 +51,7 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
         kind = args.layer_types[i]
         if kind in per_type:
             continue
-        cache = session._cache[i]
+        cache = session.caches[i]
 
         def attn(layer=layer, cache=cache):
             off = cache.offset

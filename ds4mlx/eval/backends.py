@@ -92,7 +92,7 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def _noop(*_a: Any, **_k: Any) -> None:
+def noop(*_a: Any, **_k: Any) -> None:
     return None
 
 
@@ -128,7 +128,7 @@ class FakeBackend:
         return self.script.get("cases", {}).get(case_id, self.script.get("default", "I think.</think>\nAnswer: A"))
 
     def generate(self, prompt: Prompt, max_tokens: int, *, seed: int, control: Control,
-                 on_prefill: Callback = _noop, on_started: Callback = _noop, on_text: Callback = _noop,
+                 on_prefill: Callback = noop, on_started: Callback = noop, on_text: Callback = noop,
                  soft_budget: int = 1024, hard_budget: int = 512, soft_rank: int = 3,
                  case_id: str = "") -> GenResult:
         self.calls.append({"prompt": prompt, "max_tokens": max_tokens, "seed": seed, "case_id": case_id})
@@ -239,7 +239,7 @@ class EndpointBackend:
         return body
 
     def generate(self, prompt: Prompt, max_tokens: int, *, seed: int, control: Control,
-                 on_prefill: Callback = _noop, on_started: Callback = _noop, on_text: Callback = _noop,
+                 on_prefill: Callback = noop, on_started: Callback = noop, on_text: Callback = noop,
                  soft_budget: int = 1024, hard_budget: int = 512, soft_rank: int = 3,
                  case_id: str = "") -> GenResult:
         return asyncio.run(self._generate(prompt, max_tokens, seed, control, on_started, on_text))

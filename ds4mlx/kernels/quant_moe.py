@@ -164,7 +164,7 @@ def _tables():
     return (mx.array(iq2xxs_grid().astype(np.float32)), mx.array(iq2xxs_sign_table()))
 
 
-def _q4k_scale_min(s: mx.array):
+def q4k_scale_min(s: mx.array):
     lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = mx.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
     m = mx.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
@@ -190,7 +190,7 @@ def _decode_blocks(b: mx.array, qtype: QT) -> mx.array:
     if qtype == QT.Q4_K:
         d = _f16(b[..., 0], b[..., 1])[..., None]
         dmin = _f16(b[..., 2], b[..., 3])[..., None]
-        sc, m = _q4k_scale_min(b[..., 4:16])
+        sc, m = q4k_scale_min(b[..., 4:16])
         dl = (d * sc.astype(mx.float32))[..., None]
         ml = (dmin * m.astype(mx.float32))[..., None]
         qs = b[..., 16:144].reshape(*lead, 4, 1, 32)

@@ -297,7 +297,7 @@ class DiskKVCache(CacheHooks):
         if not ok:
             log.warning("kv cache load failed %s: %s", cp.path, why)
             self.store.discard(cp)
-            engine._reset_session()
+            engine.reset_session()
             with self._lock:
                 self._stats.load_failures += 1
             return None
@@ -406,7 +406,7 @@ def bench(lengths: Sequence[int], model_path: Optional[str] = None, directory: O
             lookup_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             r.restore(cp.payload)
-            mx.eval(r._cache_arrays())  # the restored state is materialised
+            mx.eval(r.cache_arrays())  # the restored state is materialised
             restore_s = time.perf_counter() - t0
             exact = bool(np.array_equal(r.last_logits, s.last_logits)) and r.tokens == s.tokens
             out.append({"tokens": n, "prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s, "snapshot_s": snap_s,

@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Iterator, Union
 from .fileformat import (FIXED_SIZE, FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE,  # noqa: F401
                        FLAG_TOOL_MAP, FOOTER, FOOTER_MAGIC, FOOTER_SIZE, HEADER, HEADER_SIZE,
                        KEY_KINDS, KEYLEN, MAGIC, REASON_CODES, REASONS, VERSION, Buffer, Checkpoint,
-                       Entry, Text, _Invalid, _KV_NAME, check_header, file_size_for, model_tag,
+                       Entry, Text, InvalidCheckpoint, KV_FILE_NAME, check_header, file_size_for, model_tag,
                        pack_header, parse_file, read_file, reason_code, reason_name, sha1_hex,
                        to_bytes, write_file)
 
@@ -203,13 +203,13 @@ class KVStore:
             names = []
         seen = set()
         for name in names:
-            if not _KV_NAME.match(name):
+            if not KV_FILE_NAME.match(name):
                 continue
             path = os.path.join(self.dir, name)
             sha = name[:40].lower()
             try:
                 e = parse_file(path, sha, self)
-            except _Invalid as why:
+            except InvalidCheckpoint as why:
                 self._delete(path, sha, f"rejected: {why}")
                 continue
             except OSError:
@@ -236,7 +236,7 @@ class KVStore:
             try:
                 read_file(entry, None, self)
                 return True
-            except _Invalid as why:
+            except InvalidCheckpoint as why:
                 self._delete(entry.path, entry.sha, f"rejected: {why}")
                 return False
             except OSError:
@@ -287,7 +287,7 @@ class KVStore:
                 t0 = time.perf_counter()
                 try:
                     cp = read_file(e, pb, self)
-                except _Invalid as why:
+                except InvalidCheckpoint as why:
                     self._delete(e.path, e.sha, f"load failed: {why}")
                     continue
                 except OSError as exc:

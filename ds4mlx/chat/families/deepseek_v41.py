@@ -34,7 +34,7 @@ from .deepseek_v4.dsml import parse_output
 from ..messages import Conversation, Message
 from .deepseek_v4.output import OutputParser
 from ..protocol import ChatProtocol, EffortError, register
-from . import _common as C
+from . import common as C
 
 SYSTEM = "<｜System｜>"
 SYN = M.DSML_SPACED

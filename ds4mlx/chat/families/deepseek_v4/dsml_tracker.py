@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Iterable, Optional, Sequence
 
 from ... import markers as M
-from .dsml_lex import _skip_ws, attr
+from .dsml_lex import skip_ws, attr
 from ...markers import DsmlSyntax
 
 OUTSIDE, STRUCTURAL, STRING_BODY, JSON_STRUCTURAL, JSON_STRING = (
@@ -48,7 +48,7 @@ def partial_open_at_tail(text: str, start: int, syntaxes: Sequence[DsmlSyntax] =
     return -1
 
 
-def _is_partial(tail: str, lits: Iterable[str]) -> bool:
+def is_partial_marker(tail: str, lits: Iterable[str]) -> bool:
     return any(len(tail) < len(lit) and lit.startswith(tail) for lit in lits)
 
 
@@ -111,7 +111,7 @@ class DecodeTracker:
                 continue
             syn = self.syn
             if mode == "struct":
-                p = _skip_ws(raw, self.pos)
+                p = skip_ws(raw, self.pos)
                 self.pos = p
                 if p >= n:
                     self.state = STRUCTURAL
@@ -144,7 +144,7 @@ class DecodeTracker:
                             self._in_str = self._esc = False
                             self._fresh = True
                     continue
-                if _is_partial(raw[p:p + 64], (syn.close, syn.invoke_close, syn.param_close, syn.invoke, syn.param)):
+                if is_partial_marker(raw[p:p + 64], (syn.close, syn.invoke_close, syn.param_close, syn.invoke, syn.param)):
                     self.state = STRUCTURAL
                     return
                 self.mode = "stuck"
@@ -163,7 +163,7 @@ class DecodeTracker:
                 return
             # json value
             if self._fresh:
-                p = _skip_ws(raw, self.pos)
+                p = skip_ws(raw, self.pos)
                 if p >= n:
                     self.state = JSON_STRUCTURAL
                     return
@@ -171,7 +171,7 @@ class DecodeTracker:
                     self.pos = p
                     self.mode = "struct"
                     continue
-                if _is_partial(raw[p:p + 64], (syn.param,)):
+                if is_partial_marker(raw[p:p + 64], (syn.param,)):
                     self.state = STRUCTURAL
                     return
                 self._fresh = False
@@ -188,7 +188,7 @@ class DecodeTracker:
                 elif c == "<":
                     if raw.startswith(close, pos):
                         break
-                    if _is_partial(raw[pos:pos + 64], (close,)):
+                    if is_partial_marker(raw[pos:pos + 64], (close,)):
                         self.pos = pos
                         self.state = STRUCTURAL if n - pos >= 2 else JSON_STRUCTURAL
                         return

@@ -15,8 +15,8 @@ import os
 from typing import Callable, Optional, Union
 
 from ... import markers as M
-from .dsml import (_C_SPACE, JSON_STRUCTURAL, STRUCTURAL, DecodeTracker, ParsedOutput, _Fail, _entities,
-                   _is_partial, _parse_block, _parse_invoke, _skip_ws, attr, decode_entities, json_escape,
+from .dsml import (C_SPACE, JSON_STRUCTURAL, STRUCTURAL, DecodeTracker, ParsedOutput, ParseFail, entity_modes,
+                   is_partial_marker, parse_block, parse_invoke, skip_ws, attr, decode_entities, json_escape,
                    json_escape_fragment, parse_output, partial_open_at_tail)
 from ....events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
@@ -28,7 +28,7 @@ _TAIL = 64  # longer than any DSML tag
 
 def _rstrip_pos(raw: str, end: int, floor: int) -> int:
     """`end` moved back over trailing C whitespace, not below `floor`."""
-    while end > floor and raw[end - 1] in _C_SPACE:
+    while end > floor and raw[end - 1] in C_SPACE:
         end -= 1
     return max(end, floor)
 
@@ -300,8 +300,8 @@ class OutputParser:
         False (nothing done) when the block has no parseable call."""
         raw = self.raw
         try:
-            calls, _ = _parse_block(raw, bs + len(tr.syn.open), tr.syn, self.entities)
-        except _Fail:
+            calls, _ = parse_block(raw, bs + len(tr.syn.open), tr.syn, self.entities)
+        except ParseFail:
             calls = []
         if not calls:
             return False
@@ -373,7 +373,7 @@ class _Projection:
         self.invoke_pos = 0
         self.first = True
         self.is_string = False
-        self.entity_list = _entities(owner.entities, syn)
+        self.entity_list = entity_modes(owner.entities, syn)
         self.max_entity = max(len(e) for e in self.entity_list)
 
     def _delta(self, events: list, text: str) -> None:
@@ -414,7 +414,7 @@ class _Projection:
                     self._value(events, raw[self.pos:limit])
                     self.pos = limit
                 return
-            p = _skip_ws(raw, self.pos)
+            p = skip_ws(raw, self.pos)
             self.pos = p
             if p >= n:
                 return
@@ -423,7 +423,7 @@ class _Projection:
                     self.pos = p + len(syn.close)
                     self.state = "done"
                     return
-                if _is_partial(raw[p:p + _TAIL], (syn.close, syn.invoke)):
+                if is_partial_marker(raw[p:p + _TAIL], (syn.close, syn.invoke)):
                     return
                 if not raw.startswith(syn.invoke, p):
                     self.failed = True
@@ -451,9 +451,9 @@ class _Projection:
                 end = p + len(syn.invoke_close)
                 self._delta(events, "}")
                 try:
-                    call, _ = _parse_invoke(raw, self.invoke_pos, syn, o.entities)
+                    call, _ = parse_invoke(raw, self.invoke_pos, syn, o.entities)
                     args = call.arguments
-                except _Fail:
+                except ParseFail:
                     args = "{}"
                 events.append(ToolCallEnd(index=self.index, id=o._id_for(self.index), name=self.name,
                                           arguments=args))
@@ -462,7 +462,7 @@ class _Projection:
                 self.pos = end
                 self.state = "invokes"
                 continue
-            if _is_partial(raw[p:p + _TAIL], (syn.invoke_close, syn.param)):
+            if is_partial_marker(raw[p:p + _TAIL], (syn.invoke_close, syn.param)):
                 return
             if not raw.startswith(syn.param, p):
                 self.failed = True
