@@ -48,9 +48,6 @@ from .sampling import GREEDY, Sampler, SamplingParams
 
 log = logging.getLogger("ds4mlx.engine")
 
-EOS_TEXT = "<｜end▁of▁sentence｜>"
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 UNTERMINATED_TOOL_CALL = "unterminated tool call"  # chat.markers.PARSE_UNTERMINATED_TOOL_CALL
 
 
@@ -675,25 +672,29 @@ class Engine:
         raw_dsml = getattr(parsed, "raw_dsml", "") or ""
         call_ids = frozenset(c.id for c in calls)
         resp = anth = think = None
+        # the family's own strings: its thinking markers and the text that closes an assistant turn
+        proto = self.protocol
+        think_open, think_close, turn_end = proto.think_open, proto.think_close, proto.turn_end
         if job.api == "responses" and ok:
             v = ""
             if thinking:
                 if job.responses_summary and calls:
                     v += reasoning or ""
-                v += THINK_CLOSE
-            v += content + (raw_dsml if calls else "") + EOS_TEXT
+                v += think_close
+            v += content + (raw_dsml if calls else "") + turn_end
             resp = _Binding(pos, job.prompt_text + v, call_ids)
         if job.api == "anthropic" and ok and calls:
             anth = _Binding(pos, None, call_ids)
         if (not calls and ok and thinking and not job.tools_active and not job.preserves_reasoning
-                and job.prompt_text.endswith(THINK_OPEN) and not _inside_think(job.prompt_text + raw_text)):
-            think = _Binding(pos, job.prompt_text[:-len(THINK_OPEN)] + THINK_CLOSE + content + EOS_TEXT)
+                and job.prompt_text.endswith(think_open)
+                and not _inside_think(job.prompt_text + raw_text, think_open, think_close)):
+            think = _Binding(pos, job.prompt_text[:-len(think_open)] + think_close + content + turn_end)
         with self._bind_lock:
             self._responses, self._anthropic, self._thinking = resp, anth, think
 
 
-def _inside_think(text: str) -> bool:
-    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
+def _inside_think(text: str, think_open: str, think_close: str) -> bool:
+    return text.rfind(think_open) > text.rfind(think_close)
 
 
 def job_kind(job: Job) -> str:

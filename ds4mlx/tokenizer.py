@@ -32,15 +32,10 @@ import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
-# The seven special strings, in the order of ds4.c `special_token_at`.
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-DSML = "｜DSML｜"
-SPECIAL_STRINGS: tuple[str, ...] = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, DSML)
+from .chat.markers import ASSISTANT, BOS, DSML, EOS, SPECIAL_STRINGS, USER  # noqa: F401
+from .chat.markers import THINK_CLOSE as THINK_END, THINK_OPEN as THINK_START  # noqa: F401
+
+# The seven special strings (chat/markers.py), in the order of ds4.c `special_token_at`.
 
 # GGUF tokenizer.ggml.pre of ds4's DeepSeek V4 Flash GGUFs (ds4.c, comment above
 # `bpe_tokenize_text`: 'DeepSeek V4 Flash declares tokenizer.ggml.pre = "joyai-llm"').

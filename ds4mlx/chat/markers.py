@@ -18,6 +18,11 @@ THINK_CLOSE = "</think>"
 DSML = "｜DSML｜"
 SPECIAL_STRINGS = (BOS, EOS, USER, ASSISTANT, THINK_OPEN, THINK_CLOSE, DSML)
 
+# --- model ids /v1/models reports, and the aliases that set thinking off / on (docs/http-api.md §1.2)
+DEEPSEEK_V4_MODEL_ID = "deepseek-v4-flash"
+DEEPSEEK_V4_CHAT_ALIAS = "deepseek-chat"
+DEEPSEEK_V4_REASONER_ALIAS = "deepseek-reasoner"
+
 # --- tool results (docs/chat-template.md §7) --------------------------------------
 TOOL_RESULT_OPEN = "<tool_result>"
 TOOL_RESULT_CLOSE = "</tool_result>"

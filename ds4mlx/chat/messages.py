@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from . import markers as M
+
 
 @dataclass
 class ToolCall:
@@ -46,7 +48,7 @@ class Conversation:
     tools_active: bool = False  # schemas non-empty and tool_choice is not "none"
     thinking: str = "high"  # none | high | max
     api: str = "openai"  # openai | anthropic | responses
-    model: str = "deepseek-v4-flash"  # echoed back verbatim
+    model: str = M.DEEPSEEK_V4_MODEL_ID  # echoed back verbatim
     stop: list[str] = field(default_factory=list)  # stop / stop_sequences (docs/http-api.md §2)
     tool_aliases: dict[str, ToolAlias] = field(default_factory=dict)  # DSML name -> client tool
     reasoning_summary: bool = False  # Responses reasoning.summary opted in (auto/concise/detailed)

@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Protocol
 
+from ..chat.markers import DEEPSEEK_V4_MODEL_ID
 from .prompts import Prompt
 from .thinkclose import (THINK_CLOSE, CloseEvent, GenResult, Interrupted, ThinkCloser,
                          run_token_loop)
@@ -204,7 +205,7 @@ class EndpointBackend:
 
     def open(self, ctx: int) -> None:
         if not self.model:
-            self.model = asyncio.run(self._first_model()) or "deepseek-v4-flash"
+            self.model = asyncio.run(self._first_model()) or DEEPSEEK_V4_MODEL_ID
 
     async def _first_model(self) -> Optional[str]:
         import aiohttp
@@ -222,7 +223,7 @@ class EndpointBackend:
 
     def body(self, prompt: Prompt, max_tokens: int, seed: int) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model or "deepseek-v4-flash",
+            "model": self.model or DEEPSEEK_V4_MODEL_ID,
             "messages": prompt.messages,
             "stream": True,
             "stream_options": {"include_usage": True},

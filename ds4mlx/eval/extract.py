@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable
 
-THINK_CLOSE = "</think>"
+from ..chat.markers import THINK_CLOSE
 VARIANTS = ("a", "b", "c")
 DEFAULT_VARIANT = "c"
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..chat.markers import ASSISTANT, BOS, THINK_CLOSE, THINK_OPEN, USER  # noqa: F401 (the prompt's markers)
+
 SYSTEM_PROMPT = (
     "You are solving a hard benchmark question. Reason carefully. "
     "The final answer must follow the requested format exactly."
@@ -28,12 +30,8 @@ INSTRUCTIONS = {
     "exact_string": "\nSolve the problem. " + _FINAL + "Answer: <your answer, as a short phrase>",
 }
 
-# DeepSeek V4 chat markers (docs/chat-template.md §1); eval renders system + one user turn.
-BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
-USER = "<\uff5cUser\uff5c>"
-ASSISTANT = "<\uff5cAssistant\uff5c>"
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
+# The DeepSeek V4 chat markers come from chat/markers.py (docs/chat-template.md §1); eval renders
+# system + one user turn.
 
 
 def choice_letter(i: int) -> str:

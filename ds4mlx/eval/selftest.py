@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any, NamedTuple, Optional, TextIO
 
+from ..chat.markers import THINK_CLOSE
 from .extract import extract, matches
 
 
@@ -42,7 +43,7 @@ def make_case(kind: str, key: str) -> dict[str, Any]:
     return {**base, "answer_kind": kinds[kind], "answer": answer, "aliases": aliases}
 
 
-T = "</think>"
+T = THINK_CLOSE
 V = Vector
 VECTORS: list[Vector] = [
     # ---- docs/eval.md §7.1: the ds4 built-in self-tests (PR #185)

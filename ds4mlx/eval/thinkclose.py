@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional, Sequence
 
-THINK_CLOSE = "</think>"
+from ..chat.markers import THINK_CLOSE
 
 
 @dataclass

@@ -24,6 +24,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from ..chat.markers import THINK_OPEN
 from .runner import CaseRun, NullUI, Runner
 from .thinkclose import THINK_CLOSE
 
@@ -234,7 +235,7 @@ class TUI(NullUI):
             segments = [(think, "grey50")]
         lines = [Text()]
         for text, style in segments:
-            for part in re.split(r"(\n)", text.replace("<think>", "").replace("\t", " ")):
+            for part in re.split(r"(\n)", text.replace(THINK_OPEN, "").replace("\t", " ")):
                 if part == "\n":
                     lines.append(Text())
                     continue

@@ -61,6 +61,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
+from ..chat import markers as M
 from ..engine import CacheHooks
 from .policy import (ContinuedFrontier, KVCacheOptions, cold_save_point, evict_save_len, open_store,
                        shutdown_save_len)
@@ -68,8 +69,6 @@ from .store import KVStore
 
 log = logging.getLogger("ds4mlx.kvcache")
 
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
 _COLD_BACKOFF = 16  # tokens a cold cut may move back to end on a UTF-8 character boundary
 
 
@@ -323,7 +322,7 @@ class DiskKVCache(CacheHooks):
         self._cold = None
         tk = engine.tokenizer
         ids = getattr(tk, "special_ids", {}) or {}
-        cs = cold_save_point(effective, self.opt, user_id=ids.get(USER), assistant_id=ids.get(ASSISTANT))
+        cs = cold_save_point(effective, self.opt, user_id=ids.get(M.USER), assistant_id=ids.get(M.ASSISTANT))
         if cs is None:
             return 0
         n = cs.n_tokens
