@@ -380,7 +380,7 @@ def bench(lengths: Sequence[int], model_path: Optional[str] = None, directory: O
     from .. import load
 
     model, tok = load(model_path)
-    text = open(os.path.join(os.path.dirname(__file__), "data", "bench_text.txt"), encoding="utf-8").read()
+    text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "bench_text.txt"), encoding="utf-8").read()
     base = tok.encode(text)
     out = []
     for n in lengths:
