@@ -30,7 +30,7 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
     """-> {"families_ms": {family: ms per token}, "step_ms": measured, "detail_us": {...}}"""
     import mlx.core as mx
 
-    from ..models.layers import hc_post
+    from ..kernels.hyper_connection import hc_post
     from ..sampling import GREEDY, Sampler, SamplingParams
 
     inner = model.model  # the family Model (LanguageModel.model)

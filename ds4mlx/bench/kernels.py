@@ -77,7 +77,7 @@ def row(name: str, plain, kern):
 
 
 def bench_hc(iters: int):
-    from ds4mlx.models import layers
+    from ds4mlx.kernels import hyper_connection_reference as reference
 
     n, d = 4, 4096
     k = (2 + n) * n
@@ -88,12 +88,12 @@ def bench_hc(iters: int):
         base, scale = mx.random.normal((k,)) * 0.1, mx.array([0.5, 1.0, 2.0])
         kw = dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
         mx.eval(x, fn, base, scale)
-        plain = timed(lambda: layers.hc_pre(x, fn, base, scale, **kw), iters)
+        plain = timed(lambda: reference.hc_pre(x, fn, base, scale, **kw), iters)
         kern = timed(lambda: hck.hc_pre(x, fn, base, scale, **kw, backend=dispatch.gpu_backend()), iters)
         row(f"hc_pre  T={nt} fn {'bf16' if wdt == mx.bfloat16 else 'f32'}", plain, kern)
         post, comb, coll = hck.hc_pre(x, fn, base, scale, **kw)
         mx.eval(post, comb, coll)
-        plain = timed(lambda: layers.hc_post(x, coll, post, comb), iters)
+        plain = timed(lambda: reference.hc_post(x, coll, post, comb), iters)
         kern = timed(lambda: hck.hc_post(x, coll, post, comb, backend=dispatch.gpu_backend()), iters)
         row(f"hc_post T={nt}", plain, kern)
 
@@ -182,7 +182,7 @@ def bench_qmoe(iters: int, experts: int = 256, hidden: int = 4096, inter: int = 
     ``sync`` is one call per eval, what an unfused decode step pays."""
     from ds4mlx.kernels import quant_moe
     from ds4mlx.quant import as_qtype, row_bytes
-    from ds4mlx.bench.synthetic import random_gguf_blocks
+    from ds4mlx.quant import random_gguf_blocks
 
     face = face or dispatch.gpu_backend()
     import numpy as np
