@@ -234,6 +234,31 @@ def dequantize(raw: np.ndarray, qtype, shape: Sequence[int]) -> np.ndarray:
     return gguf.quants.dequantize(rows, qtype).astype(np.float32, copy=False).reshape(shape)
 
 
+# --------------------------------------------------------------------------- random blocks
+# Byte offsets of the float16 scale fields inside one block of each type: random
+# bytes there could be inf / NaN; a fixed small scale keeps the outputs finite.
+RANDOM_BLOCKS_CHUNK = 16  # experts per launch (one [256, 4096, ...] bank overflows a CUDA grid)
+_F16_FIELDS = {"IQ2_XXS": (0,), "Q2_K": (80, 82), "Q4_K": (0, 2), "Q8_0": (0,)}
+
+
+def random_gguf_blocks(qtype, experts: int, rows: int, k: int, seed: int = 0):
+    """uint8 [experts, rows, row_bytes] GGUF blocks: random quants, every f16 scale 1/16."""
+    import mlx.core as mx  # imported here: the rest of this module is numpy only
+
+    qt = as_qtype(qtype)
+    elems, nbytes = block_size(qt)
+    chunks = []
+    for e0 in range(0, experts, RANDOM_BLOCKS_CHUNK):  # a whole bank in one launch overflows the grid
+        e = min(RANDOM_BLOCKS_CHUNK, experts - e0)
+        b = mx.random.randint(0, 256, (e, rows, k // elems, nbytes), key=mx.random.key(seed + e0)).astype(mx.uint8)
+        for off in _F16_FIELDS[qt.name]:
+            b[..., off] = 0x00
+            b[..., off + 1] = 0x2C  # float16 0.0625
+        chunks.append(b.reshape(e, rows, row_bytes(qt, k)))
+        mx.eval(chunks[-1])
+    return mx.concatenate(chunks)
+
+
 # --------------------------------------------------------------------------- MLX repacking
 
 def pack_mlx(q: np.ndarray, bits: int) -> np.ndarray:

@@ -225,14 +225,16 @@ class Tokenizer:
         """Build from GGUF `tokenizer.ggml.*` metadata.
 
         `fields` is either a `gguf.GGUFReader` or a mapping key -> value (python
-        values, as `ds4mlx.weights.gguf_metadata` returns them).  Required:
+        values, as `ds4mlx.weights.gguf_metadata` returns them; a `weights.GGUFFile` too).  Required:
         tokenizer.ggml.model == "gpt2", tokenizer.ggml.tokens, tokenizer.ggml.merges;
         optional: token_type (CONTROL/USER_DEFINED/UNUSED tokens are added tokens,
         decoded literally), bos/eos/padding token ids, pre (must be a DeepSeek
         pre-tokenizer name: joyai-llm / deepseek-v3)."""
-        from .weights import gguf_metadata  # local import: weights imports us too
+        from .gguf_families.metadata import fields_metadata  # here: the gguf package is only needed for GGUFs
 
-        meta = gguf_metadata(fields) if not isinstance(fields, dict) else fields
+        meta = fields if isinstance(fields, dict) else getattr(fields, "metadata", None)
+        if not isinstance(meta, dict):  # a gguf.GGUFReader
+            meta = fields_metadata(fields.fields)
         model = meta.get("tokenizer.ggml.model")
         if model is None or "tokenizer.ggml.tokens" not in meta:
             raise ValueError("GGUF has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")

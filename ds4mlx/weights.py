@@ -40,6 +40,7 @@ import gguf
 import numpy as np
 
 from .gguf_families import deepseek_v4 as names
+from .gguf_families.metadata import fields_metadata
 from .quant import QuantizedTensor
 
 GGUF_MAGIC = b"GGUF"
@@ -92,33 +93,6 @@ class _GGUFReader(gguf.GGUFReader):
         return arr.view(arr.dtype.newbyteorder(order))
 
 
-def _field_value(field):
-    """A `gguf.ReaderField` as a python value: strings decoded, numeric arrays as
-    lists (one np.concatenate instead of one object per element), float32 values
-    rounded to their shortest decimal (1e-6 reads back as 1e-6)."""
-    V = gguf.GGUFValueType
-    main = field.types[0]
-    parts = field.parts
-    if main == V.STRING:
-        return parts[-1].tobytes().decode("utf-8", errors="surrogateescape")
-    if main != V.ARRAY:
-        v = parts[-1].tolist()[0]
-        return names.to_f32(v) if main == V.FLOAT32 else v
-    sub = field.types[-1] if len(field.types) > 1 else None
-    if sub is None or not field.data:
-        return []
-    if len(field.types) > 2:  # nested arrays: gguf flattens them
-        return field.contents()
-    if sub == V.STRING:
-        return [parts[i].tobytes().decode("utf-8", errors="surrogateescape") for i in field.data]
-    vals = np.concatenate([parts[i] for i in field.data]).tolist()
-    return [names.to_f32(v) for v in vals] if sub == V.FLOAT32 else vals
-
-
-def _fields_metadata(fields) -> dict:
-    return {k: _field_value(f) for k, f in fields.items() if not k.startswith("GGUF.") and f.types}
-
-
 def gguf_metadata(reader) -> dict:
     """GGUF metadata as {key: python value}: from a path, a `GGUFFile` or a
     `gguf.GGUFReader` (GGUF.* header fields skipped; float32 values rounded to
@@ -127,7 +101,7 @@ def gguf_metadata(reader) -> dict:
         return GGUFFile(reader).metadata
     if isinstance(getattr(reader, "metadata", None), dict):
         return reader.metadata
-    return _fields_metadata(reader.fields)
+    return fields_metadata(reader.fields)
 
 
 class GGUFTensorInfo:
@@ -173,7 +147,7 @@ class GGUFFile:
             raise ValueError(f"{self.path}: truncated GGUF file ({e})") from None
         except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, MemoryError) as e:
             raise ValueError(f"{self.path}: corrupt or unsupported GGUF file ({type(e).__name__}: {e})") from None
-        self.metadata: dict = _fields_metadata(self.reader.fields)
+        self.metadata: dict = fields_metadata(self.reader.fields)
         self.tensors: dict[str, GGUFTensorInfo] = {t.name: GGUFTensorInfo(t) for t in self.reader.tensors}
 
     def tensor(self, name: str):

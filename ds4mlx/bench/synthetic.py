@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+from ..quant import random_gguf_blocks
+
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 
@@ -59,31 +61,6 @@ def named_experts(name: str, shape, std: float):
     e = shape[0]
     return mx.concatenate([named_normal(f"{name}#{i}", (min(EXPERT_CHUNK, e - i), *shape[1:]), std)
                            for i in range(0, e, EXPERT_CHUNK)])
-
-
-# Byte offsets of the float16 scale fields inside one block of each type: random
-# bytes there could be inf / NaN; a fixed small scale keeps the outputs finite.
-_F16_FIELDS = {"IQ2_XXS": (0,), "Q2_K": (80, 82), "Q4_K": (0, 2), "Q8_0": (0,)}
-
-
-def random_gguf_blocks(qtype, experts: int, rows: int, k: int, seed: int = 0):
-    """uint8 [experts, rows, row_bytes] GGUF blocks: random quants, every f16 scale 1/16."""
-    import mlx.core as mx
-
-    from ..quant import as_qtype, block_size, row_bytes
-
-    qt = as_qtype(qtype)
-    elems, nbytes = block_size(qt)
-    chunks = []
-    for e0 in range(0, experts, EXPERT_CHUNK):  # a whole bank in one launch overflows the grid
-        e = min(EXPERT_CHUNK, experts - e0)
-        b = mx.random.randint(0, 256, (e, rows, k // elems, nbytes), key=mx.random.key(seed + e0)).astype(mx.uint8)
-        for off in _F16_FIELDS[qt.name]:
-            b[..., off] = 0x00
-            b[..., off + 1] = 0x2C  # float16 0.0625
-        chunks.append(b.reshape(e, rows, row_bytes(qt, k)))
-        mx.eval(chunks[-1])
-    return mx.concatenate(chunks)
 
 
 def _gguf_experts(module, seed: int) -> None:

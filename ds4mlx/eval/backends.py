@@ -327,15 +327,3 @@ class EndpointBackend:
 
     def close(self) -> None:
         pass
-
-
-def make_backend(kind: str, **kw: Any) -> Backend:
-    if kind == "fake":
-        return FakeBackend(kw.get("script"))
-    if kind == "endpoint":
-        return EndpointBackend(kw["url"], kw.get("api_key"), kw.get("model_name"),
-                               kw.get("temperature", 0.0), kw.get("top_p", 1.0), kw.get("min_p", 0.05))
-    from .inprocess import InProcessBackend
-
-    return InProcessBackend(kw.get("model"), temperature=kw.get("temperature", 0.0),
-                            top_p=kw.get("top_p", 1.0), min_p=kw.get("min_p", 0.05))

@@ -45,7 +45,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, sections
-from ds4mlx.quant import QT, as_qtype, iq2xxs_grid, iq2xxs_grid_u64, iq2xxs_sign_table, row_bytes
+from ds4mlx.quant import QT, as_qtype, iq2xxs_grid, iq2xxs_grid_u64, iq2xxs_sign_table, random_gguf_blocks, row_bytes
 
 SUPPORTED = (QT.Q8_0, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS)
 SOURCE = METAL_DIR / "quant_moe.metal"
@@ -251,8 +251,6 @@ def _face(backend: str | None, qtype: QT) -> str:
 def _self_test(face: str, qtype: QT) -> bool:
     """Both kernels of `qtype` on `face` against the reference on a tiny expert bank:
     decode mat-vec (shared and per-pair x, an odd row count) and dequantization (exact)."""
-    from ds4mlx.bench.synthetic import random_gguf_blocks
-
     blocks = random_gguf_blocks(qtype, 3, 5, 512, seed=11)
     ids = mx.array([[0, 2], [1, 1]], dtype=mx.int32)
     ok = True
