@@ -39,9 +39,6 @@ from .events import (
     PrefillProgress,
     Started,
     TextDelta,
-    ToolCallDelta,
-    ToolCallEnd,
-    ToolCallStart,
     Usage,
 )
 from .sampling import GREEDY, Sampler, SamplingParams
