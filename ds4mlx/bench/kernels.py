@@ -25,9 +25,7 @@ Kernels on / off is the ``DS4MLX_KERNELS`` switch of `ds4mlx.kernels.dispatch`
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from contextlib import contextmanager
 
 import mlx.core as mx
 
@@ -36,20 +34,10 @@ from ds4mlx.kernels import dispatch, hyper_connection as hck, sparse_attention a
 BATCH = 16
 
 
-@contextmanager
 def kernels(on: bool):
-    old = os.environ.get("DS4MLX_KERNELS")
-    if on:
-        os.environ.pop("DS4MLX_KERNELS", None)
-    else:
-        os.environ["DS4MLX_KERNELS"] = "reference"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("DS4MLX_KERNELS", None)
-        else:
-            os.environ["DS4MLX_KERNELS"] = old
+    """Kernels on (each launch picks its face by device, as the models do) or off (the
+    pure-MLX reference) for a block; DS4MLX_KERNELS is ignored inside."""
+    return dispatch.use_face(None if on else "reference")
 
 
 def timed(fn, iters: int) -> tuple[float, float]:
