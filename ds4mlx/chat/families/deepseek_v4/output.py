@@ -1,7 +1,7 @@
 """Streaming projection of generated text into engine events (docs/dsml.md §7, docs/http-api.md §3).
 
 The engine's decode loop feeds every sampled piece of text to an
-`OutputParser` (after the `StopMatcher`, which cuts at stop sequences) and
+`OutputParser` (after detok.StopMatcher, which cuts at stop sequences) and
 forwards the returned events.  The parser also tells the loop how to sample the
 next token (`structural`: greedy inside DSML structure, docs/dsml.md §5.1) and when
 to stop (`stop_now`: right after the block CLOSE).  `finish()` runs the final
@@ -20,7 +20,7 @@ from .dsml import (C_SPACE, JSON_STRUCTURAL, STRUCTURAL, DecodeTracker, ParsedOu
                    json_escape_fragment, parse_output, partial_open_at_tail)
 from ....events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
-__all__ = ["OutputParser", "StopMatcher", "new_tool_id"]
+__all__ = ["OutputParser", "new_tool_id"]
 
 _THINK_HOLD = len(M.THINK_CLOSE) - 1  # ds4 holds the last 7 bytes of reasoning (a possible partial </think>)
 _TAIL = 64  # longer than any DSML tag
@@ -63,44 +63,6 @@ def finish_call_events(events: list, calls, id_for, started, ended) -> None:
             events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
         elif i not in ended:
             events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
-
-
-class StopMatcher:
-    """Stop sequences on the raw generated text (docs/http-api.md §2).
-
-    `feed(text) -> (safe_text, hit)`: text that can no longer start a match is
-    released; the last (longest stop - 1) characters are held.  On a hit the
-    output is cut at the earliest match and `hit` is True (finish `stop`).
-    `flush()` releases the held tail at the end of generation."""
-
-    def __init__(self, stops: Optional[list[str]] = None):
-        self.stops = [s for s in (stops or []) if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.buf = ""
-        self.hit = False
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        if self.hit:
-            return "", True
-        if not self.stops:
-            return text, False
-        buf = self.buf + text
-        best = -1
-        for s in self.stops:
-            p = buf.find(s)
-            if p >= 0 and (best < 0 or p < best):
-                best = p
-        if best >= 0:
-            self.buf = ""
-            self.hit = True
-            return buf[:best], True
-        keep = min(self.hold, len(buf))
-        self.buf = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep], False
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
 
 
 class OutputParser:
