@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -48,9 +48,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return not (self.temperature > 0.0)  # NaN counts as greedy
-
-    def as_greedy(self) -> "SamplingParams":
-        return replace(self, temperature=0.0)
 
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -32,20 +32,12 @@ def unknown_model(name: str) -> str:
     return f"The model `{name}` does not exist"
 
 
-def unknown_role(role: str) -> str:
-    return f"unknown role: {role}"
-
-
 def unknown_tool(name: str) -> str:
     return f"tool_choice names an unknown tool: {name}"
 
 
 def context_exceeded(n_prompt: int, n_ctx: int) -> str:
     return f"Prompt has {n_prompt} tokens, but the configured context size is {n_ctx} tokens"
-
-
-def responses_tool_choice(value: str) -> str:
-    return f"tool_choice={value} not supported"
 
 
 RESPONSES_FORCED_TOOL_CHOICE = "forced tool_choice not supported"
