@@ -7,6 +7,7 @@ import os
 import mlx.core as mx
 
 from .models.base import LanguageModel
+from .registry import DEFAULT_FAMILY
 from .tokenizer import Tokenizer
 from .weights import read_weights
 
@@ -47,7 +48,7 @@ def load(path=None, dtype="auto"):
     if is_demo:
         from .demo import demo_model_path
 
-        path = demo_model_path(str(path).split(":", 1)[1] if path and ":" in str(path) else "deepseek_v4")
+        path = demo_model_path(str(path).split(":", 1)[1] if path and ":" in str(path) else DEFAULT_FAMILY)
     path = os.fspath(path)
     config, tensors, tokenizer = read_weights(path)
     if dtype == "auto":

@@ -26,31 +26,19 @@ from __future__ import annotations
 import importlib
 from typing import Any, Optional, Sequence
 
+from .. import registry
 from . import markers as M
 from .messages import Conversation
 
 __all__ = ["ChatProtocol", "register", "get_protocol", "families", "family_of",
            "protocol_for_model", "model_type_of", "request_effort", "EffortError", "DEFAULT_FAMILY"]
 
-DEFAULT_FAMILY = "deepseek_v4"
+DEFAULT_FAMILY = registry.DEFAULT_FAMILY
 
-# config `model_type` (or text_config.model_type) -> family key
-_MODEL_TYPES = {
-    "deepseek_v4": "deepseek_v4",
-    "deepseek_v41": "deepseek_v41",
-    "glm_moe_dsa": "glm_moe_dsa",
-    "glm5_next": "glm5_next",
-    "glm5_next_text": "glm5_next",
-    "qwen4_exp": "qwen4_exp",
-    "qwen4_exp_text": "qwen4_exp",
-}
-_FAMILY_MODULES = {
-    "deepseek_v4": "ds4mlx.chat.families.deepseek_v4.protocol",
-    "deepseek_v41": "ds4mlx.chat.families.deepseek_v41",
-    "glm_moe_dsa": "ds4mlx.chat.families.glm",
-    "glm5_next": "ds4mlx.chat.families.glm",
-    "qwen4_exp": "ds4mlx.chat.families.qwen",
-}
+# config `model_type` (or text_config.model_type) -> family key, family key -> the module
+# that registers its protocol: both from the family registry (ds4mlx/registry.py)
+_MODEL_TYPES = {t: f.key for t, f in registry.BY_MODEL_TYPE.items()}
+_FAMILY_MODULES = {f.key: f.chat_module for f in registry.FAMILIES}
 
 
 class EffortError(ValueError):
