@@ -1,4 +1,4 @@
-"""Disk KV checkpoint store (ds4mlx.kvstore) and save-point policy (ds4mlx.kvpolicy).
+"""Disk KV checkpoint store (ds4mlx.kv.store) and save-point policy (ds4mlx.kv.policy).
 
 Spec: kv-cache.md §3-§9, with the issue's deviations (model tag, CRC footer,
 pre-store eviction, anchor factor, strict-prefix penalty)."""

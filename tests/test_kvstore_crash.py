@@ -23,7 +23,7 @@ MODEL = "crash-test-model"
 CHILD = r'''
 import hashlib, os, signal, sys
 
-from ds4mlx.kvstore import KVStore
+from ds4mlx.kv.store import KVStore
 
 BUDGET = %(budget)d
 MODEL = %(model)r
