@@ -31,9 +31,8 @@ Verified: the reference face on CPU (tests/test_quant_moe.py); the shared kernel
 text compiled with g++ (decoding bit-exact); the CUDA face on an H200 with MLX
 0.32.4 CUDA (``pytest -m gpu``: qmv within the float32 bound, dequant bit-exact,
 prefill, bfloat16).  The Metal face has not run yet (no Apple GPU here).
-The current qmv layout (H200, 2026-11-30: the 40 GPU tests pass) takes 42-73 µs
-per V4 Flash decode call, on par with MLX's affine gather_qmm at equal bits; the
-first version (one warp per row, uncoalesced x) took 143-170 µs (BENCHMARKS.md).
+Measured speeds of this qmv layout and of the first one, beside MLX's affine
+gather_qmm: BENCHMARKS.md, "Quantized-MoE decode kernel".
 Its launch constants (QMV_WARPS, QMV_ROWS_PER_WARP) were reasoned, not swept,
 and so is `QMV_MAX_PAIRS_AUTO`.
 """
