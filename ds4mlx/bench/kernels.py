@@ -312,9 +312,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     face = dispatch.gpu_backend()
     if face is None:
-        print("bench_kernels: no MLX GPU backend (the kernels only run on a GPU)")
+        print("ds4mlx.bench.kernels: no MLX GPU backend (the kernels only run on a GPU)")
         return 2
-    print(f"bench_kernels on {mx.default_device()} ({face})", flush=True)
+    print(f"ds4mlx.bench.kernels on {mx.default_device()} ({face})", flush=True)
     if a.qmoe:
         bench_qmoe(a.iters)
     if not a.no_micro:

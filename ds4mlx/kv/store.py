@@ -38,7 +38,7 @@ import zlib
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Union
 
-# The file format's names, re-exported so `kvstore.X` keeps working (the tests use several).
+# The file format's names, re-exported so `kv.store.X` works (the tests use several).
 from .fileformat import (FIXED_SIZE, FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE,  # noqa: F401
                        FLAG_TOOL_MAP, FOOTER, FOOTER_MAGIC, FOOTER_SIZE, HEADER, HEADER_SIZE,
                        KEY_KINDS, KEYLEN, MAGIC, REASON_CODES, REASONS, VERSION, Buffer, Checkpoint,
