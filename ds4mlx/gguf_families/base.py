@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..quant import QuantizedTensor
+
 CONFIG_KEY = "ds4mlx.hf_config"
 GGML_MAX_NAME = 64  # bytes, NUL included
 FUSED_GATE_UP = "mlp.experts.gate_up_proj"
@@ -278,8 +280,6 @@ class Family:
         """The names a HF folder may use -> the names of this table: VLM prefix dropped,
         vision / MTP / rotary buffers and config-derived buffers skipped, per-expert hub
         tensors stacked, fused gate_up_proj split."""
-        from ..quant import QuantizedTensor
-
         n = int(text_part(config).get("num_hidden_layers", 1 << 30))
         out, per_expert = {}, {}
         for k, v in tensors.items():
@@ -319,8 +319,6 @@ class Family:
 
     def to_gguf(self, config: dict, tensors: dict) -> list:
         """HF-named tensors -> [(GGUF name, value)] (values: numpy arrays or QuantizedTensor)."""
-        from ..quant import QuantizedTensor
-
         args = self.args(config)
         items, unknown = [], []
         for name, val in self.canonical(config, tensors).items():
@@ -347,8 +345,6 @@ class Family:
 
     def from_gguf(self, config: dict, names, get) -> tuple[dict, list]:
         """GGUF tensor names + `get(name) -> value` -> ({HF name: value}, [unknown names])."""
-        from ..quant import QuantizedTensor
-
         args = None
         tensors, groups, unknown = {}, {}, []
         for gname in names:

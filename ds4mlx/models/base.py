@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import registry
+from ..quant import QuantizedTensor
 from ..session import Session
 
 
@@ -49,7 +50,6 @@ class LanguageModel:
         args = mod.ModelArgs.from_dict(config)
         model = mod.Model(args)
         if weights is not None:
-            from ..quant import QuantizedTensor
             from .quantized import install_quantized, needs_install
 
             weights = {k: v if isinstance(v, (mx.array, QuantizedTensor)) else mx.array(v) for k, v in weights.items()}
