@@ -106,7 +106,7 @@ def test_generation_to_memory_to_next_prompt_round_trip():
     p.feed(sampled_text)
     _, final = p.finish()
     m = ToolMemory()
-    m.remember_output(final)
+    m.remember([c.id for c in final.calls], final.raw_dsml)  # as the engine does
     tool_id = final.calls[0].id
     assert m.lookup(tool_id) == SAMPLED
     body = {"messages": [

@@ -169,11 +169,6 @@ class ToolMemory:
         for i in ids:
             self.put(i, raw_dsml, RAM)
 
-    def remember_output(self, parsed) -> None:
-        """`remember` for a `ParsedOutput` whose calls carry their final ids."""
-        if parsed is not None and parsed.calls:
-            self.remember([c.id for c in parsed.calls], parsed.raw_dsml)
-
     def attach(self, conv: Conversation) -> ReplayStats:
         """Set `raw_dsml` on every history assistant message whose call ids all map to
         the same remembered block; returns the replay statistics."""
