@@ -15,7 +15,7 @@ SUBCOMMANDS = {
     "generate": ("ds4mlx.generate", "generate text from a prompt"),
     "chat": ("ds4mlx.generate", "interactive chat in the terminal"),
     "eval": ("ds4mlx.eval.cli", "ds4-eval harness: core and hard suites"),
-    "bench": ("ds4mlx.bench", "frontier prefill/decode benchmark"),
+    "bench": ("ds4mlx.bench.frontier", "frontier prefill/decode benchmark"),
     "convert": ("ds4mlx.convert", "convert a Hugging Face folder to a ds4-style GGUF"),
     "quantize": ("ds4mlx.quantize", "quantize a model's routed experts into a new GGUF"),
     "inspect": ("ds4mlx.inspect_cmd", "what a model file or folder holds (no model is built)"),

@@ -1,6 +1,6 @@
 """`ds4mlx convert HF_DIR OUT.gguf`: Hugging Face model folder -> ds4-style GGUF.
 
-DeepSeek V4 uses ds4's `deepseek4` tensor names and metadata keys (`ds4mlx.gguf_names`);
+DeepSeek V4 uses ds4's `deepseek4` tensor names and metadata keys (`ds4mlx.gguf_families.deepseek_v4`);
 DeepSeek V4.1, GLM 5.2, GLM 5.3 and Qwen3.8 use their family's scheme
 (`ds4mlx.gguf_families`), picked from the config's `model_type`.  The tokenizer is
 written as `tokenizer.ggml.*` (HF_DIR/tokenizer.json if present, else the default
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import gguf_names as names
-from .weights import QuantizedTensor
+from .gguf_families import deepseek_v4 as names
+from .quant import QuantizedTensor
 
 DTYPES = ("f32", "f16", "bf16")
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import registry
+
 DEMO_NOTICE = "demo model: real DeepSeek V4 Flash architecture and tokenizer, RANDOM weights (output is gibberish)"
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -62,9 +64,10 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def demo_config(family: str = "deepseek_v4") -> dict:
-    """The demo config of a family: ours for V4, the family module's DEMO_CONFIG otherwise."""
-    if family == "deepseek_v4":
+def demo_config(family: str = registry.DEFAULT_FAMILY) -> dict:
+    """The demo config of a family: ours for the GGUF demo (V4), the family module's
+    DEMO_CONFIG otherwise."""
+    if registry.family(family).demo_format == "gguf":
         return DEMO_CONFIG
     from .models.base import family_module
 
@@ -112,7 +115,7 @@ def _build_hf_folder(path: Path, config: dict) -> Path:
 
     from safetensors.numpy import save_file
 
-    from .tokenizer import _default_tokenizer_json
+    from .tokenizer import default_tokenizer_json
 
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -120,7 +123,7 @@ def _build_hf_folder(path: Path, config: dict) -> Path:
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         save_file(demo_weights(config), str(tmp / "model.safetensors"))
-        shutil.copy(_default_tokenizer_json(), tmp / "tokenizer.json")
+        shutil.copy(default_tokenizer_json(), tmp / "tokenizer.json")
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -144,15 +147,16 @@ def build_demo_model(path: Path) -> Path:
     return path
 
 
-def _tag(family: str = "deepseek_v4") -> str:
+def _tag(family: str = registry.DEFAULT_FAMILY) -> str:
     blob = json.dumps([demo_config(family), DEMO_SEED, DEMO_VERSION], sort_keys=True).encode()
     return hashlib.sha1(blob).hexdigest()[:10]
 
 
-def demo_model_path(family: str = "deepseek_v4", quiet: bool = False) -> str:
+def demo_model_path(family: str = registry.DEFAULT_FAMILY, quiet: bool = False) -> str:
     """The demo model of a family in the user cache dir, built on first use
     (a GGUF for DeepSeek V4, a Hugging Face folder for the other families)."""
-    if family == "deepseek_v4":
+    gguf = registry.family(family).demo_format == "gguf"
+    if gguf:
         path = _cache_dir() / f"demo-v4flash-{_tag()}.gguf"
     else:
         path = _cache_dir() / f"demo-{family}-{_tag(family)}"
@@ -160,12 +164,13 @@ def demo_model_path(family: str = "deepseek_v4", quiet: bool = False) -> str:
         if not quiet:
             print(f"ds4mlx: building the {family} {DEMO_NOTICE.split(': ', 1)[0]} at {path}", file=sys.stderr)
         path.parent.mkdir(parents=True, exist_ok=True)
-        build_demo_model(path) if family == "deepseek_v4" else _build_hf_folder(path, demo_config(family))
+        build_demo_model(path) if gguf else _build_hf_folder(path, demo_config(family))
     return str(path)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--family", default="deepseek_v4", help="model family (default deepseek_v4)")
+    parser.add_argument("--family", default=registry.DEFAULT_FAMILY, choices=tuple(registry.BY_KEY),
+                        help=f"model family (default {registry.DEFAULT_FAMILY})")
     parser.add_argument("--force", action="store_true", help="rebuild even if it exists")
 
 

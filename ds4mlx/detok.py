@@ -4,7 +4,7 @@
 character: bytes of an incomplete character stay buffered until the token
 that completes it arrives (a byte-level BPE token can end mid-character).
 
-`StopMatcher` implements ds4's stop-sequence rule (http-api.md §2): matches
+`StopMatcher` implements ds4's stop-sequence rule (docs/http-api.md §2): matches
 are searched in the raw generated text (reasoning included) after every
 token; on a match the text is cut at the earliest match position.  Until a
 suffix can no longer start a match it is held back, so a stream never shows

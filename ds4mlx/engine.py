@@ -1,5 +1,5 @@
 """The engine: one owner of the model and its live session, a FIFO of jobs and
-one worker thread that runs them (http-api.md §1.4, kv-cache.md §2).
+one worker thread that runs them (docs/http-api.md §1.4, docs/kv-cache.md §2).
 
 A front end builds a `Job` (rendered prompt, sampling, limits, protocol
 flags), calls `Engine.submit(job, emit)` and receives `ds4mlx.events` through
@@ -8,7 +8,7 @@ flags), calls `Engine.submit(job, emit)` and receives `ds4mlx.events` through
 `Engine.generate(job)` is the blocking iterator form for the CLI and tests.
 
 Per job the worker:
-1. picks the longest reusable live state (`_plan_reuse`, kv-cache.md §2
+1. picks the longest reusable live state (`_plan_reuse`, docs/kv-cache.md §2
    steps 1–7; no partial reuse: truncating a V4 session means recomputing
    it) — the disk cache plugs in at `CacheHooks`;
 2. prefills only the new suffix, in chunks, emitting `PrefillProgress` and
@@ -39,18 +39,12 @@ from .events import (
     PrefillProgress,
     Started,
     TextDelta,
-    ToolCallDelta,
-    ToolCallEnd,
-    ToolCallStart,
     Usage,
 )
 from .sampling import GREEDY, Sampler, SamplingParams
 
 log = logging.getLogger("ds4mlx.engine")
 
-EOS_TEXT = "<｜end▁of▁sentence｜>"
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 UNTERMINATED_TOOL_CALL = "unterminated tool call"  # chat.markers.PARSE_UNTERMINATED_TOOL_CALL
 
 
@@ -79,8 +73,8 @@ class Job:
     # tool_choice required / named: text forced at the start of the answer (after
     # the reasoning), e.g. the DSML block open and invoke tag (build.force_text).
     force_text: Optional[str] = None
-    # Live tool-output continuation (Responses / Anthropic, kv-cache.md §2 steps 2–4):
-    # the rendered live tail (chat-template.md §4.5, starts with ⟨EOS⟩) and the id set
+    # Live tool-output continuation (Responses / Anthropic, docs/kv-cache.md §2 steps 2–4):
+    # the rendered live tail (docs/chat-template.md §4.5, starts with ⟨EOS⟩) and the id set
     # of the trailing tool outputs; `requires_live` = the request cannot be served
     # without that live state (its tool outputs answer calls it does not replay).
     continuation_tail: Optional[str] = None
@@ -106,8 +100,8 @@ class EngineStats:
 
 
 class CacheHooks:
-    """Where the disk KV cache plugs in (kv-cache.md §2 steps 8–10, §5; the
-    call points kvpolicy.py describes).  All run on the worker thread; the
+    """Where the disk KV cache plugs in (docs/kv-cache.md §2 steps 8–10, §5; the
+    call points kv/policy.py describes).  All run on the worker thread; the
     default does nothing.  `engine.live_visible_text()` gives the visible key
     of the live session for visible-keyed evict/shutdown saves."""
 
@@ -431,7 +425,9 @@ class Engine:
         # the process.
         threading.Event().wait()
 
-    def _reset_session(self) -> None:
+    def reset_session(self) -> None:
+        """Empty the live session (worker thread only: the disk cache calls it when a
+        restore fails half-way)."""
         reset = getattr(self.session, "reset", None)
         if reset is not None:
             reset()
@@ -446,7 +442,7 @@ class Engine:
 
     def _invalidate(self) -> None:
         """Forget the live state (stop-sequence hit, failures)."""
-        self._reset_session()
+        self.reset_session()
         self._clear_bindings(keep=None)
 
     def _clear_bindings(self, keep: Optional[str]) -> None:
@@ -525,7 +521,7 @@ class Engine:
         s = self.session
         if cached == 0 or cached != len(s) or list(s.tokens[:cached]) != effective[:cached]:
             if len(s):
-                self._reset_session()
+                self.reset_session()
             cached = 0
         suffix = effective[cached:]
         total = len(effective)
@@ -535,7 +531,7 @@ class Engine:
             if logits is not None:
                 return logits, cached
             # No logits kept for the last token: evaluate it again.
-            self._reset_session()
+            self.reset_session()
             cached, suffix = 0, list(effective)
         cold = 0
         if cached == 0:
@@ -690,7 +686,7 @@ class Engine:
         elif finish == "error":
             pass
         elif perror == UNTERMINATED_TOOL_CALL:
-            # ds4: a block that started but never closed fails the turn (dsml.md §3.1).
+            # ds4: a block that started but never closed fails the turn (docs/dsml.md §3.1).
             finish, error = "error", perror
         elif calls:
             finish = "tool_calls"
@@ -726,25 +722,29 @@ class Engine:
         raw_dsml = getattr(parsed, "raw_dsml", "") or ""
         call_ids = frozenset(c.id for c in calls)
         resp = anth = think = None
+        # the family's own strings: its thinking markers and the text that closes an assistant turn
+        proto = self.protocol
+        think_open, think_close, turn_end = proto.think_open, proto.think_close, proto.turn_end
         if job.api == "responses" and ok:
             v = ""
             if thinking:
                 if job.responses_summary and calls:
                     v += reasoning or ""
-                v += THINK_CLOSE
-            v += content + (raw_dsml if calls else "") + EOS_TEXT
+                v += think_close
+            v += content + (raw_dsml if calls else "") + turn_end
             resp = _Binding(pos, job.prompt_text + v, call_ids)
         if job.api == "anthropic" and ok and calls:
             anth = _Binding(pos, None, call_ids)
         if (not calls and ok and thinking and not job.tools_active and not job.preserves_reasoning
-                and job.prompt_text.endswith(THINK_OPEN) and not _inside_think(job.prompt_text + raw_text)):
-            think = _Binding(pos, job.prompt_text[:-len(THINK_OPEN)] + THINK_CLOSE + content + EOS_TEXT)
+                and job.prompt_text.endswith(think_open)
+                and not _inside_think(job.prompt_text + raw_text, think_open, think_close)):
+            think = _Binding(pos, job.prompt_text[:-len(think_open)] + think_close + content + turn_end)
         with self._bind_lock:
             self._responses, self._anthropic, self._thinking = resp, anth, think
 
 
-def _inside_think(text: str) -> bool:
-    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
+def _inside_think(text: str, think_open: str, think_close: str) -> bool:
+    return text.rfind(think_open) > text.rfind(think_close)
 
 
 def job_kind(job: Job) -> str:

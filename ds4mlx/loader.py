@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from .modelfile import reading
 from .models.base import LanguageModel
+from .registry import DEFAULT_FAMILY
 from .tokenizer import Tokenizer
 from .weights import read_weights
 
@@ -48,7 +49,7 @@ def load(path=None, dtype="auto"):
     if is_demo:
         from .demo import demo_model_path
 
-        path = demo_model_path(str(path).split(":", 1)[1] if path and ":" in str(path) else "deepseek_v4")
+        path = demo_model_path(str(path).split(":", 1)[1] if path and ":" in str(path) else DEFAULT_FAMILY)
     path = os.fspath(path)
     with reading(path):  # a broken file is one ModelFileError line, not a traceback
         config, tensors, tokenizer = read_weights(path)

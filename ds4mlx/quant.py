@@ -33,8 +33,9 @@ return None; they run through `ds4mlx.kernels.quant_moe` instead.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
@@ -83,6 +84,36 @@ def byte_shape(qtype, shape: Sequence[int]) -> tuple[int, ...]:
     """Shape of the uint8 array holding a tensor of logical `shape`."""
     shape = tuple(int(s) for s in shape)
     return (*shape[:-1], row_bytes(qtype, shape[-1]))
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A GGUF block-quantized tensor, still in its file bytes.
+
+    raw:   np.ndarray uint8, shape [..., bytes_per_row] (a view of the mmap)
+    qtype: gguf.GGMLQuantizationType
+    shape: logical shape in numpy order (ggml `ne` reversed), e.g. [E, I, H]
+    """
+
+    raw: np.ndarray
+    qtype: Any
+    shape: tuple
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 array of `shape` (`dequantize`)."""
+        return dequantize(self.raw, self.qtype, tuple(self.shape))
+
+    def __repr__(self) -> str:
+        name = getattr(self.qtype, "name", self.qtype)
+        return f"QuantizedTensor({name}, shape={tuple(self.shape)}, {self.nbytes} bytes)"
 
 
 # --------------------------------------------------------------------------- tables
@@ -201,6 +232,31 @@ def dequantize(raw: np.ndarray, qtype, shape: Sequence[int]) -> np.ndarray:
     blocks = _blocks(raw, qtype, shape)
     rows = blocks.reshape(-1, row_bytes(qtype, shape[-1]) if shape else GGML_QUANT_SIZES[qtype][1])
     return gguf.quants.dequantize(rows, qtype).astype(np.float32, copy=False).reshape(shape)
+
+
+# --------------------------------------------------------------------------- random blocks
+# Byte offsets of the float16 scale fields inside one block of each type: random
+# bytes there could be inf / NaN; a fixed small scale keeps the outputs finite.
+RANDOM_BLOCKS_CHUNK = 16  # experts per launch (one [256, 4096, ...] bank overflows a CUDA grid)
+_F16_FIELDS = {"IQ2_XXS": (0,), "Q2_K": (80, 82), "Q4_K": (0, 2), "Q8_0": (0,)}
+
+
+def random_gguf_blocks(qtype, experts: int, rows: int, k: int, seed: int = 0):
+    """uint8 [experts, rows, row_bytes] GGUF blocks: random quants, every f16 scale 1/16."""
+    import mlx.core as mx  # imported here: the rest of this module is numpy only
+
+    qt = as_qtype(qtype)
+    elems, nbytes = block_size(qt)
+    chunks = []
+    for e0 in range(0, experts, RANDOM_BLOCKS_CHUNK):  # a whole bank in one launch overflows the grid
+        e = min(RANDOM_BLOCKS_CHUNK, experts - e0)
+        b = mx.random.randint(0, 256, (e, rows, k // elems, nbytes), key=mx.random.key(seed + e0)).astype(mx.uint8)
+        for off in _F16_FIELDS[qt.name]:
+            b[..., off] = 0x00
+            b[..., off + 1] = 0x2C  # float16 0.0625
+        chunks.append(b.reshape(e, rows, row_bytes(qt, k)))
+        mx.eval(chunks[-1])
+    return mx.concatenate(chunks)
 
 
 # --------------------------------------------------------------------------- MLX repacking

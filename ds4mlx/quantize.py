@@ -50,7 +50,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from ds4mlx.quant import QK_K, QT, as_qtype, byte_shape, iq2xxs_grid, q4k_pack_scale_min, unpack_mlx
+from ds4mlx.quant import (QK_K, QT, QuantizedTensor, as_qtype, block_size, byte_shape, dequantize, iq2xxs_grid,
+                         q4k_pack_scale_min, unpack_mlx)
 
 QUANTIZE_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS)
 EXPERT_CHOICES = ("iq2_xxs", "q2_k", "q4_k", "mlx2", "mlx4")
@@ -379,8 +380,6 @@ DS4_Q8_0_SUFFIXES = (
 
 
 def _as_float(val) -> np.ndarray:
-    from ds4mlx.weights import QuantizedTensor
-
     if isinstance(val, QuantizedTensor):
         return val.dequantize()
     return np.asarray(val, dtype=np.float32)
@@ -388,9 +387,6 @@ def _as_float(val) -> np.ndarray:
 
 def _expert_slices(val):
     """Yield float32 [rows, K] expert matrices of an [E, rows, K] tensor, one at a time."""
-    from ds4mlx.quant import dequantize
-    from ds4mlx.weights import QuantizedTensor
-
     if isinstance(val, QuantizedTensor):
         for e in range(val.shape[0]):
             yield dequantize(val.raw[e], val.qtype, tuple(val.shape[1:]))
@@ -404,9 +400,6 @@ def quantize_expert_tensor(val, kind, importance: str = "none"):
     """[E, rows, K] float (or QuantizedTensor) -> QuantizedTensor of `kind` (a GGUF
     type, or ("mlx", bits) stored as Q4_1).  `importance` 'energy' uses ds4's
     fallback column weights: sum over the expert's rows of w**2."""
-    from ds4mlx.quant import block_size
-    from ds4mlx.weights import QuantizedTensor
-
     shape = tuple(int(s) for s in (val.shape if hasattr(val, "shape") else np.shape(val)))
     if len(shape) != 3:
         raise ValueError(f"expected an [E, rows, K] expert tensor, got shape {shape}")
@@ -430,7 +423,7 @@ def quantize_tensors(tensors: dict, experts: str, dense: str = "keep", importanc
     """HF-named tensors -> new dict with the routed experts quantized by recipe
     `experts` (fused gate_up_proj is split into gate_proj / up_proj) and, with
     dense='q8_0', ds4's Q8_0 projections quantized; everything else as it was."""
-    from ds4mlx import gguf_names as names
+    from ds4mlx.gguf_families import deepseek_v4 as names
 
     if experts not in EXPERT_RECIPES:
         raise ValueError(f"--experts must be one of {EXPERT_CHOICES}")
@@ -461,8 +454,6 @@ def quantize_tensors(tensors: dict, experts: str, dense: str = "keep", importanc
             log(f"{name}: {out[name]!r}")
         elif (dense == "q8_0" and name.endswith(DS4_Q8_0_SUFFIXES) and len(_shape_of(val)) == 2
               and _shape_of(val)[-1] % 32 == 0):
-            from ds4mlx.weights import QuantizedTensor
-
             arr = _as_float(val)
             out[name] = QuantizedTensor(raw=quantize(arr, QT.Q8_0), qtype=QT.Q8_0, shape=arr.shape)
             log(f"{name}: {out[name]!r}")

@@ -2,7 +2,7 @@
 
 `Sampler.sample(logits, params)` returns a lazy scalar `mx.array`; the caller's
 `.item()` is the only host synchronisation per token.  Semantics follow ds4's
-sampler (dsml.md §5.1):
+sampler (docs/dsml.md §5.1):
 
 * temperature <= 0 -> argmax;
 * top_k > 0 restricts to the top_k logits (capped at 1024), else the full
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -48,9 +48,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return not (self.temperature > 0.0)  # NaN counts as greedy
-
-    def as_greedy(self) -> "SamplingParams":
-        return replace(self, temperature=0.0)
 
 
 GREEDY = SamplingParams(temperature=0.0)

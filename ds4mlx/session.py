@@ -131,7 +131,13 @@ class Session:
         if len(self._tokens) + n > self.ctx:
             raise ValueError(f"context full: {len(self._tokens)} + {n} tokens > ctx {self.ctx}")
 
-    def _cache_arrays(self) -> list:
+    @property
+    def caches(self) -> list:
+        """The model's per-layer cache objects (read them; the session owns them)."""
+        return self._cache
+
+    def cache_arrays(self) -> list:
+        """Every array of every layer cache (to `mx.eval` a restored state)."""
         return [a for c in self._cache for a in c.state.values()]
 
     # -- evaluation ------------------------------------------------------------------
@@ -153,7 +159,7 @@ class Session:
         for i in range(0, total, chunk):
             part = ids[i : i + chunk]
             logits = self.model(mx.array([part], dtype=mx.int32), self._cache, last_only=True)[0, -1]
-            mx.eval(logits, *self._cache_arrays())
+            mx.eval(logits, *self.cache_arrays())
             self._tokens.extend(part)
             self._logits = logits
             if progress is not None:

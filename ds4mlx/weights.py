@@ -2,7 +2,7 @@
 
 `read_weights(path) -> (config, tensors, tokenizer)`:
 
-* `config` is the canonical DeepseekV4Config dict (`gguf_names.normalize_config`):
+* `config` is the canonical DeepseekV4Config dict (`gguf_families.deepseek_v4.normalize_config`):
   the HF field names, legacy fields folded in, defaults filled.  Other families
   (`gguf_families`: DeepSeek V4.1, GLM 5.2 / 5.3, Qwen3.8) give their config as
   written: the HF folder's config.json, or the config recorded in the GGUF.
@@ -34,49 +34,17 @@ import os
 import struct
 import sys
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 
-from . import gguf_names as names
+from .gguf_families import deepseek_v4 as names
+from .gguf_families.metadata import fields_metadata
+from .quant import QuantizedTensor
 
 GGUF_MAGIC = b"GGUF"
-
-
-# ----------------------------------------------------------------------------- types
-@dataclass(frozen=True)
-class QuantizedTensor:
-    """A GGUF block-quantized tensor, still in its file bytes.
-
-    raw:   np.ndarray uint8, shape [..., bytes_per_row] (a view of the mmap)
-    qtype: gguf.GGMLQuantizationType
-    shape: logical shape in numpy order (ggml `ne` reversed), e.g. [E, I, H]
-    """
-
-    raw: np.ndarray
-    qtype: Any
-    shape: tuple
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.raw.nbytes)
-
-    def dequantize(self) -> np.ndarray:
-        """float32 array of `shape` (via ds4mlx.quant)."""
-        from . import quant  # imported lazily: quant.py is another module's job
-
-        return quant.dequantize(self.raw, self.qtype, tuple(self.shape))
-
-    def __repr__(self) -> str:
-        name = getattr(self.qtype, "name", self.qtype)
-        return f"QuantizedTensor({name}, shape={tuple(self.shape)}, {self.nbytes} bytes)"
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -126,33 +94,6 @@ class _GGUFReader(gguf.GGUFReader):
         return arr.view(arr.dtype.newbyteorder(order))
 
 
-def _field_value(field):
-    """A `gguf.ReaderField` as a python value: strings decoded, numeric arrays as
-    lists (one np.concatenate instead of one object per element), float32 values
-    rounded to their shortest decimal (1e-6 reads back as 1e-6)."""
-    V = gguf.GGUFValueType
-    main = field.types[0]
-    parts = field.parts
-    if main == V.STRING:
-        return parts[-1].tobytes().decode("utf-8", errors="surrogateescape")
-    if main != V.ARRAY:
-        v = parts[-1].tolist()[0]
-        return names._f32(v) if main == V.FLOAT32 else v
-    sub = field.types[-1] if len(field.types) > 1 else None
-    if sub is None or not field.data:
-        return []
-    if len(field.types) > 2:  # nested arrays: gguf flattens them
-        return field.contents()
-    if sub == V.STRING:
-        return [parts[i].tobytes().decode("utf-8", errors="surrogateescape") for i in field.data]
-    vals = np.concatenate([parts[i] for i in field.data]).tolist()
-    return [names._f32(v) for v in vals] if sub == V.FLOAT32 else vals
-
-
-def _fields_metadata(fields) -> dict:
-    return {k: _field_value(f) for k, f in fields.items() if not k.startswith("GGUF.") and f.types}
-
-
 def gguf_metadata(reader) -> dict:
     """GGUF metadata as {key: python value}: from a path, a `GGUFFile` or a
     `gguf.GGUFReader` (GGUF.* header fields skipped; float32 values rounded to
@@ -161,7 +102,7 @@ def gguf_metadata(reader) -> dict:
         return GGUFFile(reader).metadata
     if isinstance(getattr(reader, "metadata", None), dict):
         return reader.metadata
-    return _fields_metadata(reader.fields)
+    return fields_metadata(reader.fields)
 
 
 class GGUFTensorInfo:
@@ -230,7 +171,7 @@ class GGUFFile:
             raise ValueError(f"{self.path}: truncated GGUF file ({e})") from None
         except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, MemoryError) as e:
             raise ValueError(f"{self.path}: corrupt or unsupported GGUF file ({type(e).__name__}: {e})") from None
-        self.metadata: dict = _fields_metadata(self.reader.fields)
+        self.metadata: dict = fields_metadata(self.reader.fields)
         self.tensors: dict[str, GGUFTensorInfo] = {t.name: GGUFTensorInfo(t) for t in self.reader.tensors}
 
     def tensor(self, name: str):
@@ -247,7 +188,7 @@ class GGUFFile:
 def read_gguf(path: str | os.PathLike, with_tokenizer: bool = True):
     """ds4 GGUF -> (config, tensors, tokenizer).  Tensors are mmap views (except the
     few a family rebuilds from several GGUF tensors).  `general.architecture` picks
-    the scheme: `deepseek4` (gguf_names) or one of gguf_families."""
+    the scheme: `deepseek4` (gguf_families.deepseek_v4) or one of gguf_families."""
     g = GGUFFile(path)
     meta = g.metadata
     path = g.path
@@ -598,7 +539,6 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 
 __all__ = [
-    "QuantizedTensor",
     "read_weights",
     "read_gguf",
     "read_hf",

@@ -253,7 +253,7 @@ def serve(tokenizer, model, *, ctx: int = 2048, tokens: int = 393216, prefill_ch
     from ds4mlx.chat.toolmemory import ToolMemory
     from ds4mlx.engine import Engine
     from ds4mlx.serve.app import BackgroundServer, make_app
-    from ds4mlx.serve.build import ServeConfig
+    from ds4mlx.serve.prepare import ServeConfig
 
     @contextmanager
     def _cm():

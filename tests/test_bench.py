@@ -3,7 +3,7 @@ import csv
 
 import pytest
 
-from ds4mlx import bench
+from ds4mlx.bench import frontier as bench
 from ds4mlx.cli import main
 
 

@@ -16,7 +16,7 @@ from ds4mlx.chat.messages import Conversation, Message, ToolCall
 from ds4mlx.chat.requests import (RequestError, flatten_content, parse_anthropic, parse_chat, parse_completion,
                                   parse_request, parse_responses, parse_stop, parse_tools, resolve_thinking,
                                   unreplayed_tool_result_ids)
-from ds4mlx.chat.template import (live_tail, render, render_completion, render_continuation_tail, tools_block,
+from ds4mlx.chat.families.deepseek_v4.template import (live_tail, render, render_completion, render_continuation_tail, tools_block,
                                   uses_tool_context)
 
 # --- chat-template.md §9, verbatim -------------------------------------------------------

@@ -102,7 +102,7 @@ def test_nonzero_direction_changes_logits_as_projection(demo, ffn, attn):
 
 def test_identity_enters_fingerprints(demo):
     family, model, tok = demo
-    from ds4mlx.kvcache import model_identity
+    from ds4mlx.kv.cache import model_identity
     from ds4mlx.session import model_fingerprint
 
     plain_fp, plain_id = model_fingerprint(model.model), model_identity(model)
@@ -214,7 +214,7 @@ def test_cli_flags_install_steering(tmp_path):
 
     from ds4mlx import generate
     from ds4mlx.cli_options import UsageError, install_steering
-    from ds4mlx.kvcache import model_identity
+    from ds4mlx.kv.cache import model_identity
 
     model, tok = ds4mlx.load(None)
     path = tmp_path / "d.f32"

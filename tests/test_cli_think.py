@@ -135,7 +135,7 @@ def _serve(args, loaded):
 
 
 def test_serve_thinking_defaults(v4_demo, caplog):
-    from ds4mlx.serve.build import prepare
+    from ds4mlx.serve.prepare import prepare
 
     body = {"messages": [{"role": "user", "content": "Hi"}]}
     engine, cfg = _serve(["--nothink"], v4_demo)

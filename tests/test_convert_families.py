@@ -25,8 +25,8 @@ from ds4mlx import gguf_families
 from ds4mlx.cli import main
 from ds4mlx.convert import write_gguf
 from ds4mlx.demo import demo_model_path
-from ds4mlx.gguf_families.base import (_deinterleave_join, _deinterleave_split, _kv_b_join, _kv_b_split,
-                                       _plus_one_join, _plus_one_split, _rows)
+from ds4mlx.gguf_families.base import (deinterleave_join, deinterleave_split, kv_b_join, kv_b_split,
+                                       plus_one_join, plus_one_split, row_parts)
 from ds4mlx.weights import GGUFFile, read_weights
 
 ARCH = {"deepseek_v41": "deepseek41", "glm_moe_dsa": "glm-dsa", "glm5_next": "glm5-next", "qwen4_exp": "qwen38-next"}
@@ -293,22 +293,22 @@ def test_rearrangements_are_exact():
     rng = np.random.default_rng(0)
     a = SimpleNamespace(num_attention_heads=3, qk_nope_head_dim=5, v_head_dim=4, head_dim=6)
     kv_b = rng.standard_normal((3 * 9, 7)).astype(np.float32)
-    k_b, v_b = _kv_b_split(kv_b, a)
+    k_b, v_b = kv_b_split(kv_b, a)
     assert k_b.shape == (3, 7, 5) and v_b.shape == (3, 4, 7)
-    assert np.array_equal(_kv_b_join([k_b, v_b], a), kv_b)
+    assert np.array_equal(kv_b_join([k_b, v_b], a), kv_b)
     for q in (rng.standard_normal((3 * 12, 5)).astype(np.float32), rng.standard_normal(3 * 12).astype(np.float32)):
-        parts = _deinterleave_split(q, a)
+        parts = deinterleave_split(q, a)
         assert np.array_equal(parts[0], q.reshape(3, 2, 6, *q.shape[1:])[:, 0].reshape(18, *q.shape[1:]))
-        assert np.array_equal(_deinterleave_join(parts, a), q)
-    split, join = _rows(lambda args: (2, 2, 3))
+        assert np.array_equal(deinterleave_join(parts, a), q)
+    split, join = row_parts(lambda args: (2, 2, 3))
     x = rng.standard_normal((7, 1, 4)).astype(np.float32)
     assert [p.shape[0] for p in split(x, a)] == [2, 2, 3] and np.array_equal(join(split(x, a), a), x)
     # ds4 stores Qwen's (1 + w) norm weights as 1 + w; read back as (1 + w) - 1, the
     # model's own 1 + w' is the same float32 for any w (random bit patterns, all ranges)
     w = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32)
     w = np.concatenate([w[np.isfinite(w) & (np.abs(w) < 1e30)], np.float32([0, -0.5, -1, -2, 1e-30, 3e7])])
-    s = _plus_one_split(w, a)[0]
-    assert np.array_equal(_plus_one_join([s], a) + np.float32(1), s)
+    s = plus_one_split(w, a)[0]
+    assert np.array_equal(plus_one_join([s], a) + np.float32(1), s)
 
 
 def test_cli_convert_unknown_family(tmp_path, capsys):

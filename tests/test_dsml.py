@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ds4mlx.chat import markers as M
-from ds4mlx.chat.dsml import (DecodeTracker, attr_escape, call_input, decode_entities, dumps_compact,
+from ds4mlx.chat.families.deepseek_v4.dsml import (DecodeTracker, attr_escape, call_input, decode_entities, dumps_compact,
                               escape_tool_result, json_escape, json_literal, minify_json, param_text,
                               parse_flat_object, parse_output, render_calls, repair_block, scan_block)
 from ds4mlx.chat.messages import ToolCall

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import ScriptedModel, Segment  # noqa: E402
 
 from ds4mlx.chat.requests import parse_anthropic, parse_chat, parse_responses  # noqa: E402
-from ds4mlx.chat.template import live_tail, render, render_continuation_tail, uses_tool_context  # noqa: E402
+from ds4mlx.chat.families.deepseek_v4.template import live_tail, render, render_continuation_tail, uses_tool_context  # noqa: E402
 from ds4mlx.chat.toolmemory import ToolMemory  # noqa: E402
 from ds4mlx.engine import Engine, Failed, Job  # noqa: E402
 from ds4mlx.events import (Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallDelta,  # noqa: E402
@@ -442,7 +442,7 @@ def test_tool_choice_forces_the_block_open(make, tok, named):
     """tool_choice required / named: the DSML open (and the invoke tag) are forced
     right after the reasoning.  The script writes filler where the forced text
     goes, so only the forced version parses as a call."""
-    from ds4mlx.serve.build import force_text
+    from ds4mlx.serve.prepare import force_text
 
     force = force_text("bash" if named else None)
     rest = ('bash">\n' if not named else "") + ('<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'

@@ -49,7 +49,7 @@ def test_plain_run_three_cases_writes_trace(tmp_path, capsys):
     assert "PASSED got B expected B" in out and "FAIL got 71 expected 70" in out
     assert "ds4-eval: 2/3 passed, 1 failed, runtime 00h:00m" in out
     assert "#   state      prompt      gen    total given    correct  test" in out
-    assert f"  3 FAILED " in out and f"AIME2025/{C3['id']}" in out
+    assert "  3 FAILED " in out and f"AIME2025/{C3['id']}" in out
     assert "AIME2025              0      1      0      1" in out  # totals by source
     assert "context auto-sized to" in err
     text = trace.read_text()

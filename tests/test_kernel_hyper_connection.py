@@ -1,6 +1,6 @@
 """Fused hyper-connection kernels (ds4mlx/kernels/hyper_connection.py).
 
-CPU: the reference face (`ds4mlx.models.layers.hc_pre` / `hc_head` / `hc_post`)
+CPU: the reference face (`ds4mlx.kernels.hyper_connection_reference.hc_pre` / `hc_head` / `hc_post`)
 against float64 math, and the shared GPU kernel text compiled with g++ (threadgroups
 emulated, see test_kernel_emulation.py) against the same float64 math.
 GPU (``-m gpu``): the CUDA / Metal face against the reference face run on the CPU.
@@ -26,7 +26,7 @@ import pytest
 import mlx.core as mx
 
 from ds4mlx.kernels import dispatch, hyper_connection as hck
-from ds4mlx.models import layers
+from ds4mlx.kernels import hyper_connection_reference as reference
 from test_kernel_emulation import run_on_cpu  # noqa: E402  (tests/ is on sys.path under pytest)
 
 U = 2.0 ** -23
@@ -175,7 +175,7 @@ def test_backend_reference_on_cpu_returns_layers_functions(monkeypatch):
     assert dispatch.backend(mx.cpu) == "reference"
     x, fn, base, scale = (mx.array(a) for a in make_inputs(2, 16, (1, 2), seed=1))
     a = hck.hc_pre(x, fn, base, scale, sinkhorn_iters=3, hc_eps=HC_EPS, norm_eps=NORM_EPS)
-    b = layers.hc_pre(x, fn, base, scale, sinkhorn_iters=3, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    b = reference.hc_pre(x, fn, base, scale, sinkhorn_iters=3, hc_eps=HC_EPS, norm_eps=NORM_EPS)
     for u, v in zip(a, b):
         assert np.array_equal(np.array(u), np.array(v))
 

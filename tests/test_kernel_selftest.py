@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from ds4mlx.kernels import dispatch, hyper_connection as hck, quant_moe
-from ds4mlx.models import layers
-from ds4mlx.synthetic import random_gguf_blocks
+from ds4mlx.kernels import hyper_connection_reference as reference
+from ds4mlx.quant import random_gguf_blocks
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ def test_hyper_connection_bad_face_falls_back_to_reference(fake_gpu, behaviour, 
     kw = dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
     with caplog.at_level(logging.WARNING, logger="ds4mlx.kernels"):
         got = hck.hc_pre(x, fn, base, scale, **kw)
-    want = layers.hc_pre(x, fn, base, scale, **kw)
+    want = reference.hc_pre(x, fn, base, scale, **kw)
     for g, w in zip(got, want):
         assert np.array_equal(np.array(g), np.array(w))
     assert "hyper_connection" in caplog.text and "failed its first-use self-test" in caplog.text

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ds4mlx import kvstore as ks
-from ds4mlx.kvstore import KVStore
+from ds4mlx.kv import store as ks
+from ds4mlx.kv.store import KVStore
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_server_cli import free_port, wait_up  # noqa: E402

@@ -18,9 +18,9 @@ import pytest
 
 import ds4mlx
 from ds4mlx.engine import Engine, Job
-from ds4mlx.kvcache import DiskKVCache, model_identity, routed_expert_bits
-from ds4mlx.kvpolicy import KVCacheOptions
-from ds4mlx.kvstore import KVStore
+from ds4mlx.kv.cache import DiskKVCache, model_identity, routed_expert_bits
+from ds4mlx.kv.policy import KVCacheOptions
+from ds4mlx.kv.store import KVStore
 from ds4mlx.sampling import GREEDY
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"

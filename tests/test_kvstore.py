@@ -1,4 +1,4 @@
-"""Disk KV checkpoint store (ds4mlx.kvstore) and save-point policy (ds4mlx.kvpolicy).
+"""Disk KV checkpoint store (ds4mlx.kv.store) and save-point policy (ds4mlx.kv.policy).
 
 Spec: kv-cache.md §3-§9, with the issue's deviations (model tag, CRC footer,
 pre-store eviction, anchor factor, strict-prefix penalty)."""
@@ -11,9 +11,9 @@ import struct
 
 import pytest
 
-from ds4mlx import kvpolicy as kp
-from ds4mlx import kvstore as ks
-from ds4mlx.kvstore import KVStore
+from ds4mlx.kv import policy as kp
+from ds4mlx.kv import store as ks
+from ds4mlx.kv.store import KVStore
 
 MODEL = "deepseek-v4-flash-test"
 HALF_LIFE = ks.HIT_HALF_LIFE_SECONDS

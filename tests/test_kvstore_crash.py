@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ds4mlx import kvstore as ks
+from ds4mlx.kv import store as ks
 
 BUDGET = 24 * 1024
 MODEL = "crash-test-model"
@@ -23,7 +23,7 @@ MODEL = "crash-test-model"
 CHILD = r'''
 import hashlib, os, signal, sys
 
-from ds4mlx.kvstore import KVStore
+from ds4mlx.kv.store import KVStore
 
 BUDGET = %(budget)d
 MODEL = %(model)r

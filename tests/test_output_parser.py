@@ -8,9 +8,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from ds4mlx.chat.dsml import render_calls
+from ds4mlx.chat.families.deepseek_v4.dsml import render_calls
 from ds4mlx.chat.messages import ToolCall
-from ds4mlx.chat.output import OutputParser, StopMatcher, new_tool_id
+from ds4mlx.chat.families.deepseek_v4.output import OutputParser, new_tool_id
+from ds4mlx.detok import StopMatcher
 from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 P = "<｜DSML｜parameter"
@@ -299,26 +300,25 @@ def test_feed_after_finish_is_an_error():
 # --- stop sequences -------------------------------------------------------------------------------
 
 def test_stop_matcher():
+    """The engine's matcher (detok.StopMatcher): only a tail that could start a stop is held."""
     m = StopMatcher(["END", "\n\n"])
-    assert m.feed("abcE") == ("ab", False)                         # holds longest stop - 1 characters
-    assert m.feed("N") == ("c", False)
-    assert m.feed("Dzzz") == ("", True)
-    assert m.feed("more") == ("", True) and m.hit
+    assert m.push("abcE") == "abc" and m.hit is None               # "E" may start END: held
+    assert m.push("N") == ""
+    assert m.push("Dzzz") == "" and m.hit == "END"
+    assert m.push("more") == "" and m.hit == "END"                 # nothing after a hit
     m = StopMatcher(["END"])
     out = []
-    hit = False
     for ch in "hello ENxEND tail":
-        o, hit = m.feed(ch)
-        out.append(o)
-        if hit:
+        out.append(m.push(ch))
+        if m.hit:
             break
-    assert "".join(out) == "hello ENx" and hit
+    assert "".join(out) == "hello ENx" and m.hit == "END"
     m = StopMatcher(["xyz"])
-    assert m.feed("abxy") == ("ab", False) and m.flush() == "xy"
+    assert m.push("abxy") == "ab" and m.flush() == "xy"
     m = StopMatcher([])
-    assert m.feed("abc") == ("abc", False)
+    assert m.push("abc") == "abc" and not m.active
     m = StopMatcher(["b", "abc"])
-    assert m.feed("zabc") == ("z", True)                             # earliest match wins
+    assert m.push("zabc") == "z" and m.hit == "abc"                # earliest match wins
 
 
 # --- property tests: chunking never changes the result ---------------------------------------------

@@ -16,11 +16,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import ScriptedModel, serve  # noqa: E402
 
-from ds4mlx.chat import template  # noqa: E402
-from ds4mlx.chat.dsml import parse_output  # noqa: E402
-from ds4mlx.chat.output import OutputParser  # noqa: E402
-from ds4mlx.chat.protocol import (DeepSeekV4Protocol, families, get_protocol, model_type_of,  # noqa: E402
-                                  protocol_for_model)
+from ds4mlx.chat.families.deepseek_v4 import template  # noqa: E402
+from ds4mlx.chat.families.deepseek_v4.dsml import parse_output  # noqa: E402
+from ds4mlx.chat.families.deepseek_v4.output import OutputParser  # noqa: E402
+from ds4mlx.chat.families.deepseek_v4.protocol import DeepSeekV4Protocol  # noqa: E402
+from ds4mlx.chat.protocol import families, get_protocol, model_type_of, protocol_for_model  # noqa: E402
 from ds4mlx.chat.requests import parse_request  # noqa: E402
 
 V4 = get_protocol("deepseek_v4")

@@ -282,7 +282,8 @@ def test_quantize_cli_roundtrip(tmp_path, experts, types, limit):
     import mlx.core as mx
 
     from ds4mlx.cli import main
-    from ds4mlx.weights import QuantizedTensor, read_weights
+    from ds4mlx.quant import QuantizedTensor
+    from ds4mlx.weights import read_weights
 
     src, dst = tmp_path / "in.gguf", tmp_path / "out.gguf"
     orig = _tiny_model(src)

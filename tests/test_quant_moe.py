@@ -269,7 +269,7 @@ def test_gpu_bfloat16_activations(qtype):
 # here even without a GPU.  dequant: a warp emulated by 32 threads; qmv: whole
 # threadgroups through tests/test_kernel_emulation.run_on_cpu (AddressSanitizer on).
 
-# The quant_moe prelude names (see metal/quant_moe.metal) that the generic emulation
+# The quant_moe prelude names (see ds4mlx/kernels/metal/quant_moe.metal) that the generic emulation
 # preludes lack.  The aligned loads abort on a misaligned address: the CPU would not.
 CPU_NAMES = r"""
 #define DEV

@@ -39,7 +39,8 @@ from ds4mlx.models.base import LanguageModel
 from ds4mlx.models.layers import QuantizedSwitchLinear, SwitchLinear
 from ds4mlx.models.quantized import GGUFSwitchLinear, SplitSwitchLinear
 from ds4mlx.quant import QT
-from ds4mlx.weights import QuantizedTensor, read_weights
+from ds4mlx.quant import QuantizedTensor
+from ds4mlx.weights import read_weights
 
 TOL = 1e-4
 WIDE = dict(hidden_size=256, moe_intermediate_size=256)

@@ -73,7 +73,7 @@ def test_serve_think_level_flag_sets_the_v41_default_effort():
     import ds4mlx
     from ds4mlx.serve import cli
     from ds4mlx.serve.app import STATE
-    from ds4mlx.serve.build import prepare
+    from ds4mlx.serve.prepare import prepare
 
     p = argparse.ArgumentParser()
     cli.add_arguments(p)

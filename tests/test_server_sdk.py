@@ -19,7 +19,7 @@ anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
 from ds4mlx.chat.requests import parse_anthropic, parse_chat, parse_completion, parse_responses  # noqa: E402
-from ds4mlx.chat.template import render  # noqa: E402
+from ds4mlx.chat.families.deepseek_v4.template import render  # noqa: E402
 
 MODEL = "deepseek-v4-flash"
 BASH_DSML = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
@@ -401,7 +401,7 @@ def test_demo_model_ignore_eos_exact_length(demo):
 def test_tool_choice_named_and_required_force_a_call(tok):
     """The scripted model writes filler where the forced DSML goes: only the
     forced generation contains a parseable call."""
-    from ds4mlx.serve.build import force_text
+    from ds4mlx.serve.prepare import force_text
 
     rest = ('<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
             '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')

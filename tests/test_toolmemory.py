@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 import struct
 
-from ds4mlx.chat.dsml import parse_output
+from ds4mlx.chat.families.deepseek_v4.dsml import parse_output
 from ds4mlx.chat.messages import Conversation, Message, ToolCall
-from ds4mlx.chat.output import OutputParser
+from ds4mlx.chat.families.deepseek_v4.output import OutputParser
 from ds4mlx.chat.requests import parse_anthropic, parse_chat
-from ds4mlx.chat.template import render
+from ds4mlx.chat.families.deepseek_v4.template import render
 from ds4mlx.chat.toolmemory import DISK, RAM, ReplayStats, ToolMemory, parse_ktm, serialize_ktm
 
 BLOCK = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
@@ -106,7 +106,7 @@ def test_generation_to_memory_to_next_prompt_round_trip():
     p.feed(sampled_text)
     _, final = p.finish()
     m = ToolMemory()
-    m.remember_output(final)
+    m.remember([c.id for c in final.calls], final.raw_dsml)  # as the engine does
     tool_id = final.calls[0].id
     assert m.lookup(tool_id) == SAMPLED
     body = {"messages": [

@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4mlx import gguf_names as names
+from ds4mlx.gguf_families import deepseek_v4 as names
 from ds4mlx.convert import write_gguf
-from ds4mlx.weights import GGUFFile, QuantizedTensor, SafetensorsFile, read_weights
+from ds4mlx.quant import QuantizedTensor
+from ds4mlx.weights import GGUFFile, SafetensorsFile, read_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -258,7 +259,7 @@ def test_flash_config_metadata_values_match_ds4_constants():
     assert kv["deepseek4.swiglu_clamp_exp"] == [10.0] * 43
     assert names.OVERRIDES_KEY not in kv  # everything fits ds4's own keys
     # and back
-    meta = {k: (names._f32(v) if isinstance(v, float) else v) for k, v in kv.items()}
+    meta = {k: (names.to_f32(v) if isinstance(v, float) else v) for k, v in kv.items()}
     assert names.config_from_gguf_kv(meta) == names.normalize_config(flash)
 
 

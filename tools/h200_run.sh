@@ -27,7 +27,7 @@ elif [ "${1:-A}" = A ]; then
       tests/test_kernel_hyper_connection.py tests/test_kernel_sparse_attention.py > "$OUT/gpu_tests.txt" 2>&1
   tail -3 "$OUT/gpu_tests.txt" | tee -a "$OUT/log.txt"
   log "kernel micro-benchmarks + 8-layer kernels on/off"
-  timeout 130 $py -m ds4mlx.kernels.bench_kernels --iters 100 --layers 8 > "$OUT/kernels.txt" 2>&1
+  timeout 130 $py -m ds4mlx.bench.kernels --iters 100 --layers 8 > "$OUT/kernels.txt" 2>&1
   tail -4 "$OUT/kernels.txt" | tee -a "$OUT/log.txt"
   log "43-layer synthetic V4 Flash frontier bench"
   timeout 270 $py -m ds4mlx.cli bench --synthetic v4-flash --ctx-start 2048 --ctx-max 32768 --step-mul 4 \
@@ -38,13 +38,13 @@ elif [ "$1" = K ]; then  # every GPU test, then the quantized-MoE GB/s table
   DS4MLX_TEST_CACHE=$PWD/.gpu/tc timeout 420 $py -m pytest -q -m gpu -p no:cacheprovider -rf > "$OUT/gpu_tests.txt" 2>&1
   tail -5 "$OUT/gpu_tests.txt" | tee -a "$OUT/log.txt"
   log "quantized MoE GB/s"
-  timeout 300 $py -m ds4mlx.kernels.bench_kernels --qmoe --no-micro --no-layer --no-model --iters 200 \
+  timeout 300 $py -m ds4mlx.bench.kernels --qmoe --no-micro --no-layer --no-model --iters 200 \
       > "$OUT/qmoe.txt" 2>&1
   cat "$OUT/qmoe.txt" | tee -a "$OUT/log.txt"
 elif [ "$1" = M ]; then  # 43-layer model, kernels on vs off in one process: MLX experts, then GGUF experts
   for fmt in ${FORMATS:-mlx gguf}; do
     log "43-layer synthetic, experts $fmt, kernels off / on"
-    timeout 270 $py -m ds4mlx.kernels.bench_kernels --no-micro --no-layer --layers 43 --ctx ${CTX:-1024} \
+    timeout 270 $py -m ds4mlx.bench.kernels --no-micro --no-layer --layers 43 --ctx ${CTX:-1024} \
         --gen 16 --expert-format $fmt > "$OUT/model_$fmt.txt" 2>&1
     tail -4 "$OUT/model_$fmt.txt" | tee -a "$OUT/log.txt"
   done

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ds4mlx.synthetic import default_value, named_experts, named_normal, v4_flash_config, weight_std
+from ds4mlx.bench.synthetic import default_value, named_experts, named_normal, v4_flash_config, weight_std
 
 TINY = dict(hidden_size=256, num_attention_heads=4, head_dim=64, q_lora_rank=64, o_groups=2, o_lora_rank=64,
             moe_intermediate_size=64, index_n_heads=4, index_head_dim=64, index_topk=16, vocab_size=129280,
@@ -189,7 +189,7 @@ def main() -> None:
 def _run_ours(a, over, prompt):
     """Build and measure ours; returns (model, result).  The session dies here, so
     dropping the model frees its memory before mlx-lm's is built."""
-    from ds4mlx.synthetic import build_synthetic_v4_flash
+    from ds4mlx.bench.synthetic import build_synthetic_v4_flash
 
     t0 = time.time()
     ours, _, info = build_synthetic_v4_flash(a.layers, a.experts, a.expert_bits, a.other_bits, value=ours_value,

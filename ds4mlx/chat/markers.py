@@ -1,14 +1,14 @@
 """Every exact protocol string of the chat layer, in one place.
 
-Prompt special strings and the Think-Max prefix: chat-template.md §1, §3.
-Tools block: chat-template.md §5.  DSML spellings: dsml.md §1.  These are
+Prompt special strings and the Think-Max prefix: docs/chat-template.md §1, §3.
+Tools block: docs/chat-template.md §5.  DSML spellings: docs/dsml.md §1.  These are
 protocol data: they must match ds4 byte for byte.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# --- special tokens (chat-template.md §1) -----------------------------------
+# --- special tokens (docs/chat-template.md §1) -----------------------------------
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
@@ -18,14 +18,19 @@ THINK_CLOSE = "</think>"
 DSML = "｜DSML｜"
 SPECIAL_STRINGS = (BOS, EOS, USER, ASSISTANT, THINK_OPEN, THINK_CLOSE, DSML)
 
-# --- tool results (chat-template.md §7) --------------------------------------
+# --- model ids /v1/models reports, and the aliases that set thinking off / on (docs/http-api.md §1.2)
+DEEPSEEK_V4_MODEL_ID = "deepseek-v4-flash"
+DEEPSEEK_V4_CHAT_ALIAS = "deepseek-chat"
+DEEPSEEK_V4_REASONER_ALIAS = "deepseek-reasoner"
+
+# --- tool results (docs/chat-template.md §7) --------------------------------------
 TOOL_RESULT_OPEN = "<tool_result>"
 TOOL_RESULT_CLOSE = "</tool_result>"
 
-# --- legacy /v1/completions system line (chat-template.md §4.3) --------------
+# --- legacy /v1/completions system line (docs/chat-template.md §4.3) --------------
 COMPLETION_SYSTEM = "You are a helpful assistant"
 
-# --- Think Max (chat-template.md §3) ------------------------------------------
+# --- Think Max (docs/chat-template.md §3) ------------------------------------------
 THINK_MAX_MIN_CONTEXT = 393216
 THINK_MAX_PREFIX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
@@ -37,7 +42,7 @@ THINK_MAX_PREFIX = (
     "assumption is left unchecked.\n\n"
 )
 
-# --- tools block (chat-template.md §5) ----------------------------------------
+# --- tools block (docs/chat-template.md §5) ----------------------------------------
 TOOLS_BLOCK_HEAD = (
     "## Tools\n\n"
     "You have access to a set of tools to help answer the user question. "
@@ -69,7 +74,7 @@ TOOLS_BLOCK_TAIL = (
 )
 
 
-# --- DSML spellings (dsml.md §1) ----------------------------------------------
+# --- DSML spellings (docs/dsml.md §1) ----------------------------------------------
 @dataclass(frozen=True)
 class DsmlSyntax:
     """One spelling of the DSML grammar; a block uses one spelling throughout."""
@@ -91,7 +96,7 @@ DSML_SHORT = DsmlSyntax("short", "<DSML｜tool_calls>", "</DSML｜tool_calls>",
 DSML_PLAIN = DsmlSyntax("plain", "<tool_calls>", "</tool_calls>",
                         "<invoke", "</invoke>",
                         "<parameter", "</parameter>")
-# The final parser's search priority (dsml.md §2): full, then short, then plain.
+# The final parser's search priority (docs/dsml.md §2): full, then short, then plain.
 DSML_SYNTAXES = (DSML_FULL, DSML_SHORT, DSML_PLAIN)
 # DeepSeek V4.1's spelling: a space after the DSML token and `calls` for the block
 # (`<｜DSML｜ calls>`, `<｜DSML｜ invoke name=..>`, `</｜DSML｜ parameter>`).  V4.1
@@ -102,17 +107,17 @@ DSML_SPACED = DsmlSyntax("spaced", f"<{DSML} calls>", f"</{DSML} calls>",
 DSML_SYNTAXES_V41 = (DSML_SPACED,) + DSML_SYNTAXES
 DSML_BLOCK_SEPARATOR = "\n\n"
 
-# Attribute / string-value entities decoded by the parser (dsml.md §1).
+# Attribute / string-value entities decoded by the parser (docs/dsml.md §1).
 DSML_ENTITIES = (("&amp;", "&"), ("&lt;", "<"), ("&gt;", ">"), ("&quot;", '"'), ("&apos;", "'"))
-# The one escape the renderer writes inside parameter text / JSON literals (chat-template.md §6).
+# The one escape the renderer writes inside parameter text / JSON literals (docs/chat-template.md §6).
 PARAM_CLOSE_TEXT_ESCAPE = "&lt;"
 PARAM_CLOSE_JSON_ESCAPE = "\\u003c"
 
-# --- tool call ids (dsml.md §8) -------------------------------------------------
+# --- tool call ids (docs/dsml.md §8) -------------------------------------------------
 OPENAI_TOOL_ID_PREFIX = "call_"
 ANTHROPIC_TOOL_ID_PREFIX = "toolu_"
 
-# --- request errors raised by chat/requests.py (http-api.md §1.6 + our issue) ----
+# --- request errors raised by chat/requests.py (docs/http-api.md §1.6 + our issue) ----
 ERR_INVALID_JSON = "invalid JSON request"
 ERR_MISSING_MESSAGES = "missing messages"
 ERR_MISSING_INPUT = "missing input"

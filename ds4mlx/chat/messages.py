@@ -1,8 +1,10 @@
-"""The normalized chat request every API is turned into (chat-template spec §2)."""
+"""The normalized chat request every API is turned into (docs/chat-template.md §2)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+from . import markers as M
 
 
 @dataclass
@@ -23,13 +25,13 @@ class Message:
     # text in `content`, so a literal `<tool_result>` typed in a text block stays text.
     result_spans: list[tuple[int, int, str]] = field(default_factory=list)
     # Exact sampled DSML block replayed instead of the canonical rendering of
-    # `tool_calls` (set by ToolMemory.attach, dsml.md §9); "" = render canonically.
+    # `tool_calls` (set by ToolMemory.attach, docs/dsml.md §9); "" = render canonically.
     raw_dsml: str = ""
 
 
 @dataclass(frozen=True)
 class ToolAlias:
-    """How a DSML tool name maps back to the client's tool (dsml.md §6).
+    """How a DSML tool name maps back to the client's tool (docs/dsml.md §6).
 
     Responses namespaces render `namespace + name` in the prompt; the output
     item reports the inner `name` and the `namespace`.  A hosted
@@ -46,7 +48,7 @@ class Conversation:
     tools_active: bool = False  # schemas non-empty and tool_choice is not "none"
     thinking: str = "high"  # none | high | max
     api: str = "openai"  # openai | anthropic | responses
-    model: str = "deepseek-v4-flash"  # echoed back verbatim
-    stop: list[str] = field(default_factory=list)  # stop / stop_sequences (http-api.md §2)
+    model: str = M.DEEPSEEK_V4_MODEL_ID  # echoed back verbatim
+    stop: list[str] = field(default_factory=list)  # stop / stop_sequences (docs/http-api.md §2)
     tool_aliases: dict[str, ToolAlias] = field(default_factory=dict)  # DSML name -> client tool
     reasoning_summary: bool = False  # Responses reasoning.summary opted in (auto/concise/detailed)

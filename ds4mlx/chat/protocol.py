@@ -10,7 +10,7 @@ forced opening for tool_choice, final parse) and the streaming output parser
 
 Families (registry keys, the config `model_type` they serve):
 
-* `deepseek_v4`  DeepSeek V4 Flash: chat/template.py, dsml.py, output.py unchanged.
+* `deepseek_v4`  DeepSeek V4 Flash: chat/families/deepseek_v4/ (template, dsml, output).
 * `deepseek_v41` DeepSeek V4.1 Flash: families/deepseek_v41.py.
 * `glm_moe_dsa`  GLM 5.2, `glm5_next` GLM 5.3 Flash: families/glm.py.
 * `qwen4_exp`    Qwen3.8 Flash Next: families/qwen.py.
@@ -26,30 +26,19 @@ from __future__ import annotations
 import importlib
 from typing import Any, Optional, Sequence
 
+from .. import registry
 from . import markers as M
 from .messages import Conversation
 
-__all__ = ["ChatProtocol", "DeepSeekV4Protocol", "register", "get_protocol", "families", "family_of",
+__all__ = ["ChatProtocol", "register", "get_protocol", "families", "family_of",
            "protocol_for_model", "model_type_of", "request_effort", "EffortError", "DEFAULT_FAMILY"]
 
-DEFAULT_FAMILY = "deepseek_v4"
+DEFAULT_FAMILY = registry.DEFAULT_FAMILY
 
-# config `model_type` (or text_config.model_type) -> family key
-_MODEL_TYPES = {
-    "deepseek_v4": "deepseek_v4",
-    "deepseek_v41": "deepseek_v41",
-    "glm_moe_dsa": "glm_moe_dsa",
-    "glm5_next": "glm5_next",
-    "glm5_next_text": "glm5_next",
-    "qwen4_exp": "qwen4_exp",
-    "qwen4_exp_text": "qwen4_exp",
-}
-_FAMILY_MODULES = {
-    "deepseek_v41": "ds4mlx.chat.families.deepseek_v41",
-    "glm_moe_dsa": "ds4mlx.chat.families.glm",
-    "glm5_next": "ds4mlx.chat.families.glm",
-    "qwen4_exp": "ds4mlx.chat.families.qwen",
-}
+# config `model_type` (or text_config.model_type) -> family key, family key -> the module
+# that registers its protocol: both from the family registry (ds4mlx/registry.py)
+_MODEL_TYPES = {t: f.key for t, f in registry.BY_MODEL_TYPE.items()}
+_FAMILY_MODULES = {f.key: f.chat_module for f in registry.FAMILIES}
 
 
 class EffortError(ValueError):
@@ -69,8 +58,8 @@ class ChatProtocol:
     reasoner_aliases: tuple = ()
     bos: str = ""
     eos: str = ""
-    think_open: str = "<think>"
-    think_close: str = "</think>"
+    think_open: str = M.THINK_OPEN
+    think_close: str = M.THINK_CLOSE
     # strings that end the assistant turn (their tokens stop generation like EOS)
     stop_strings: tuple = ()
     special_strings: tuple = ()
@@ -151,72 +140,6 @@ class ChatProtocol:
 
 
 # =============================================================================
-# DeepSeek V4 Flash: the existing modules
-# =============================================================================
-
-class DeepSeekV4Protocol(ChatProtocol):
-    family = "deepseek_v4"
-    model_id = "deepseek-v4-flash"
-    model_name = "DeepSeek V4 Flash"
-    aliases = ("deepseek-chat", "deepseek-reasoner")
-    chat_aliases = ("deepseek-chat",)
-    reasoner_aliases = ("deepseek-reasoner",)
-    bos = M.BOS
-    eos = M.EOS
-    think_open = M.THINK_OPEN
-    think_close = M.THINK_CLOSE
-    stop_strings = ()
-    special_strings = M.SPECIAL_STRINGS
-    turn_end = M.EOS
-    default_mode = "high"
-
-    def thinking_enabled(self, mode: str) -> bool:
-        from .template import thinking_enabled
-        return thinking_enabled(mode)
-
-    def resolve_thinking(self, mode: str, effort: Any = None, *, explicit: bool = False,
-                         model: Optional[str] = None, ctx: int = 32768) -> str:
-        return mode  # chat/requests.py already resolved V4's none/high/max
-
-    def render(self, conv: Conversation, tool_memory=None) -> str:
-        from .template import render
-        return render(conv, tool_memory)
-
-    def render_completion(self, prompt: str, thinking: str = "high") -> str:
-        from .template import render_completion
-        return render_completion(prompt, thinking)
-
-    def render_continuation_tail(self, conv: Conversation, start: int, tool_memory=None) -> Optional[str]:
-        from .template import render_continuation_tail
-        return render_continuation_tail(conv, start, tool_memory)
-
-    def uses_tool_context(self, conv: Conversation) -> bool:
-        from .template import uses_tool_context
-        return uses_tool_context(conv)
-
-    def render_calls(self, calls: Sequence) -> str:
-        from .dsml import render_calls
-        return render_calls(calls)
-
-    def force_text(self, name: Optional[str]) -> str:
-        from .dsml import attr_escape
-        syn = M.DSML_FULL
-        head = M.DSML_BLOCK_SEPARATOR + syn.open + "\n" + syn.invoke + ' name="'
-        return head if name is None else head + attr_escape(name) + '">\n'
-
-    def make_parser(self, thinking: bool, tools_active: bool, id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
-                    tool_memory=None, *, tool_schemas: Sequence[str] = ()):
-        from .output import OutputParser
-        return OutputParser(thinking=thinking, tools_active=tools_active, id_prefix=id_prefix,
-                            tool_memory=tool_memory)
-
-    def parse(self, text: str, *, thinking: bool, tools_active: bool = True, truncated: bool = False,
-              tool_schemas: Sequence[str] = ()):
-        from .dsml import parse_output
-        return parse_output(text, thinking=thinking, tools_active=tools_active, truncated=truncated)
-
-
-# =============================================================================
 # Registry
 # =============================================================================
 
@@ -226,9 +149,6 @@ _REGISTRY: dict[str, ChatProtocol] = {}
 def register(protocol: ChatProtocol) -> ChatProtocol:
     _REGISTRY[protocol.family] = protocol
     return protocol
-
-
-register(DeepSeekV4Protocol())
 
 
 def get_protocol(family: Optional[str] = None) -> ChatProtocol:
@@ -244,7 +164,7 @@ def get_protocol(family: Optional[str] = None) -> ChatProtocol:
 
 
 def families() -> tuple:
-    return tuple(sorted({DEFAULT_FAMILY, *_FAMILY_MODULES}))
+    return tuple(sorted(_FAMILY_MODULES))
 
 
 def family_of(model_type: Optional[str]) -> Optional[str]:

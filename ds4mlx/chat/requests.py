@@ -1,4 +1,4 @@
-"""API request bodies -> `Conversation` (chat-template.md §2, §3, §4.3).
+"""API request bodies -> `Conversation` (docs/chat-template.md §2, §3, §4.3).
 
 Input is the already-parsed JSON body (a dict).  Every invalid shape raises
 `RequestError(message, status=400, param=None)` with ds4's message; the HTTP
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from . import markers as M
-from .dsml import dumps_compact, escape_tool_result, json_text
+from .families.deepseek_v4.dsml import dumps_compact, escape_tool_result, json_text
 from .messages import Conversation, Message, ToolAlias, ToolCall
-from .template import render_completion
+from .families.deepseek_v4.template import render_completion
 
 __all__ = ["RequestError", "parse_chat", "parse_anthropic", "parse_responses", "parse_completion",
            "parse_request", "CompletionRequest", "parse_stop", "resolve_thinking", "flatten_content",
@@ -71,7 +71,7 @@ def _check_role(role: str) -> str:
 # --- content ---------------------------------------------------------------------
 
 def flatten_content(v: Any) -> str:
-    """chat-template.md §2.1: string; null -> ""; array -> strings and every
+    """docs/chat-template.md §2.1: string; null -> ""; array -> strings and every
     object's "text" (must be a string) concatenated; any other value -> ""."""
     if isinstance(v, str):
         return v
@@ -87,7 +87,7 @@ def flatten_content(v: Any) -> str:
 
 
 def _responses_content(v: Any) -> str:
-    """Strict Responses content (chat-template.md §2.3)."""
+    """Strict Responses content (docs/chat-template.md §2.3)."""
     if isinstance(v, str):
         return v
     if v is None:
@@ -111,7 +111,7 @@ def _responses_content(v: Any) -> str:
     return "".join(parts)
 
 
-# --- thinking (chat-template.md §3) ----------------------------------------------------
+# --- thinking (docs/chat-template.md §3) ----------------------------------------------------
 
 @dataclass
 class _Thinking:
@@ -152,7 +152,7 @@ class _Thinking:
 
 def resolve_thinking(enabled: bool = True, effort: str = "high", *, explicit: bool = False,
                      model: Optional[str] = None, ctx: int = 32768) -> str:
-    """Final mode none | high | max (chat-template.md §3 steps 4-5)."""
+    """Final mode none | high | max (docs/chat-template.md §3 steps 4-5)."""
     if not explicit:
         if model == "deepseek-chat":
             enabled = False
@@ -177,7 +177,7 @@ def parse_stop(v: Any) -> list[str]:
     return []
 
 
-# --- tools (chat-template.md §2.4) --------------------------------------------------------
+# --- tools (docs/chat-template.md §2.4) --------------------------------------------------------
 
 def _opt_str(d: dict, key: str) -> Optional[str]:
     """Member as string; None if absent; raises _Skip if present but not a string."""
@@ -261,7 +261,7 @@ def parse_tools(v: Any, style: str = "canonical") -> tuple[list[str], dict[str, 
     return [s for s in schemas if s], aliases
 
 
-# --- OpenAI chat (chat-template.md §2.1) -------------------------------------------------
+# --- OpenAI chat (docs/chat-template.md §2.1) -------------------------------------------------
 
 def _chat_tool_calls(v: Any) -> list[ToolCall]:
     if v is None:
@@ -379,7 +379,7 @@ def parse_chat(body: Any, *, ctx: int = 32768, json_style: str = "canonical", st
     return _finish(conv, model, th, ctx)
 
 
-# --- Anthropic (chat-template.md §2.2) ---------------------------------------------------
+# --- Anthropic (docs/chat-template.md §2.2) ---------------------------------------------------
 
 def _anthropic_block(b: dict, m: Message) -> None:
     typ = text = thinking = bid = name = result = None
@@ -497,7 +497,7 @@ def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical
     return _finish(conv, model, th, ctx)
 
 
-# --- Responses (chat-template.md §2.3) ---------------------------------------------------
+# --- Responses (docs/chat-template.md §2.3) ---------------------------------------------------
 
 def _assistant_for_call(msgs: list[Message], pending: list[str]) -> Message:
     last = msgs[-1] if msgs else None
@@ -656,7 +656,7 @@ def parse_responses(body: Any, *, ctx: int = 32768, json_style: str = "canonical
     return _finish(conv, model, th, ctx)
 
 
-# --- legacy completions (chat-template.md §4.3) -------------------------------------------
+# --- legacy completions (docs/chat-template.md §4.3) -------------------------------------------
 
 @dataclass
 class CompletionRequest:
@@ -712,7 +712,7 @@ def parse_request(api: str, body: Any, *, ctx: int = 32768, json_style: str = "c
     raise ValueError(f"unknown api {api!r}")
 
 
-# --- continuation validation helpers (http-api.md §1.6) ------------------------------------
+# --- continuation validation helpers (docs/http-api.md §1.6) ------------------------------------
 
 def unreplayed_tool_result_ids(conv: Conversation) -> list[str]:
     """Tool-result ids with no earlier assistant call of that id in the request.

@@ -1,4 +1,4 @@
-"""Exact tool replay memory (dsml.md §9) and its KTM disk trailer (dsml.md §10).
+"""Exact tool replay memory (docs/dsml.md §9) and its KTM disk trailer (docs/dsml.md §10).
 
 Clients send tool calls back as JSON; re-rendering them canonically may differ
 from the DSML the model sampled, which breaks KV prefix reuse.  The memory maps
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from . import markers as M
-from .dsml import earliest_open, scan_block
+from .families.deepseek_v4.dsml import earliest_open, scan_block
 from .messages import Conversation
 
 __all__ = ["ToolMemory", "ReplayStats", "serialize_ktm", "parse_ktm", "RAM", "DISK",
@@ -169,11 +169,6 @@ class ToolMemory:
         for i in ids:
             self.put(i, raw_dsml, RAM)
 
-    def remember_output(self, parsed) -> None:
-        """`remember` for a `ParsedOutput` whose calls carry their final ids."""
-        if parsed is not None and parsed.calls:
-            self.remember([c.id for c in parsed.calls], parsed.raw_dsml)
-
     def attach(self, conv: Conversation) -> ReplayStats:
         """Set `raw_dsml` on every history assistant message whose call ids all map to
         the same remembered block; returns the replay statistics."""
@@ -213,7 +208,7 @@ class ToolMemory:
         while self._entries and (len(self._entries) > self.max_ids or self.bytes > self.max_bytes):
             self._remove(next(iter(self._entries)))
 
-    # --- KTM trailer (dsml.md §10) ----------------------------------------------------
+    # --- KTM trailer (docs/dsml.md §10) ----------------------------------------------------
     def trailer_entries(self, text: str) -> list[tuple[str, str]]:
         """(id, block) pairs for every DSML block of `text` that is remembered verbatim,
         each block once (its ids newest first, as ds4 writes them)."""

@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Protocol
 
+from ..chat.markers import DEEPSEEK_V4_MODEL_ID
 from .endpoint_wire import message_of, short_error, sse_data, usage_of
 from .prompts import Prompt
 from .thinkclose import (THINK_CLOSE, CloseEvent, GenResult, Interrupted, ThinkCloser,
@@ -102,7 +103,7 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def _noop(*_a: Any, **_k: Any) -> None:
+def noop(*_a: Any, **_k: Any) -> None:
     return None
 
 
@@ -142,7 +143,7 @@ class FakeBackend:
         return self.script.get("cases", {}).get(case_id, self.script.get("default", "I think.</think>\nAnswer: A"))
 
     def generate(self, prompt: Prompt, max_tokens: int, *, seed: int, control: Control,
-                 on_prefill: Callback = _noop, on_started: Callback = _noop, on_text: Callback = _noop,
+                 on_prefill: Callback = noop, on_started: Callback = noop, on_text: Callback = noop,
                  soft_budget: int = 1024, hard_budget: int = 512, soft_rank: int = 3,
                  case_id: str = "") -> GenResult:
         self.calls.append({"prompt": prompt, "max_tokens": max_tokens, "seed": seed, "case_id": case_id})
@@ -230,7 +231,7 @@ class EndpointBackend:
 
     def open(self, ctx: int) -> None:
         if not self.model:
-            self.model = asyncio.run(self._first_model()) or "deepseek-v4-flash"
+            self.model = asyncio.run(self._first_model()) or DEEPSEEK_V4_MODEL_ID
 
     async def _first_model(self) -> Optional[str]:
         import aiohttp
@@ -248,7 +249,7 @@ class EndpointBackend:
 
     def body(self, prompt: Prompt, max_tokens: int, seed: int) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model or "deepseek-v4-flash",
+            "model": self.model or DEEPSEEK_V4_MODEL_ID,
             "messages": prompt.messages,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -269,7 +270,7 @@ class EndpointBackend:
         return body
 
     def generate(self, prompt: Prompt, max_tokens: int, *, seed: int, control: Control,
-                 on_prefill: Callback = _noop, on_started: Callback = _noop, on_text: Callback = _noop,
+                 on_prefill: Callback = noop, on_started: Callback = noop, on_text: Callback = noop,
                  soft_budget: int = 1024, hard_budget: int = 512, soft_rank: int = 3,
                  case_id: str = "") -> GenResult:
         think_cap = max_tokens - hard_budget if (prompt.thinking and self.forces_think_close) else 0
@@ -435,16 +436,3 @@ class EndpointBackend:
 
     def close(self) -> None:
         pass
-
-
-def make_backend(kind: str, **kw: Any) -> Backend:
-    if kind == "fake":
-        return FakeBackend(kw.get("script"))
-    if kind == "endpoint":
-        return EndpointBackend(kw["url"], kw.get("api_key"), kw.get("model_name"),
-                               kw.get("temperature", 0.0), kw.get("top_p", 1.0), kw.get("min_p", 0.05),
-                               continuation=kw.get("continuation", "none"))
-    from .inprocess import InProcessBackend
-
-    return InProcessBackend(kw.get("model"), temperature=kw.get("temperature", 0.0),
-                            top_p=kw.get("top_p", 1.0), min_p=kw.get("min_p", 0.05))

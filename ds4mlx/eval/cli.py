@@ -160,9 +160,24 @@ def list_cases(cases: list[dict[str, Any]]) -> None:
     print(f"{len(cases)} cases")
 
 
-def _backend(a: argparse.Namespace):
-    from .backends import make_backend
+def make_backend(kind: str, **kw: Any):
+    """The eval backend `kind` (fake | endpoint | mlx); imported on demand, so only the
+    mlx backend loads MLX."""
+    from .backends import EndpointBackend, FakeBackend
 
+    if kind == "fake":
+        return FakeBackend(kw.get("script"))
+    if kind == "endpoint":
+        return EndpointBackend(kw["url"], kw.get("api_key"), kw.get("model_name"),
+                               kw.get("temperature", 0.0), kw.get("top_p", 1.0), kw.get("min_p", 0.05),
+                               continuation=kw.get("continuation", "none"))
+    from .inprocess import InProcessBackend
+
+    return InProcessBackend(kw.get("model"), temperature=kw.get("temperature", 0.0),
+                            top_p=kw.get("top_p", 1.0), min_p=kw.get("min_p", 0.05))
+
+
+def _backend(a: argparse.Namespace):
     kind = a.backend or ("endpoint" if a.endpoint else "mlx")
     if kind == "fake":
         script: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """Answer extraction and grading: the one place where model text becomes a verdict.
 
-The rules follow ds4-eval (EVAL_BEHAVIOR.md §5-§7).  Three rule sets exist:
+The rules follow ds4-eval (docs/eval.md §5-§7).  Three rule sets exist:
 
 * ``"a"``: the ds4 snapshot (first ``answer`` substring, no filters, the
   ``13 15 -> 13,5`` scanner quirk).  Kept only to explain old traces.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable
 
-THINK_CLOSE = "</think>"
+from ..chat.markers import THINK_CLOSE
 VARIANTS = ("a", "b", "c")
 DEFAULT_VARIANT = "c"
 

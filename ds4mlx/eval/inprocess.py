@@ -14,7 +14,7 @@ from __future__ import annotations
 import codecs
 from typing import Any, Optional
 
-from .backends import Callback, Control, _noop
+from .backends import Callback, Control, noop
 from .prompts import Prompt
 from .thinkclose import GenResult, Interrupted, ThinkCloser, Xorshift64Star, run_token_loop
 
@@ -92,7 +92,7 @@ class InProcessBackend:
 
     # -- generation
     def generate(self, prompt: Prompt, max_tokens: int, *, seed: int, control: Control,
-                 on_prefill: Callback = _noop, on_started: Callback = _noop, on_text: Callback = _noop,
+                 on_prefill: Callback = noop, on_started: Callback = noop, on_text: Callback = noop,
                  soft_budget: int = 1024, hard_budget: int = 512, soft_rank: int = 3,
                  case_id: str = "") -> GenResult:
         import mlx.core as mx

@@ -1,4 +1,4 @@
-"""Prompt rendering for eval cases (EVAL_BEHAVIOR.md §2).
+"""Prompt rendering for eval cases (docs/eval.md §2).
 
 Only `question` and `choices` reach the model: a case's id, title and domain never
 do (Juliet ids and titles name the CWE).
@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..chat.markers import THINK_MAX_PREFIX
+
+from ..chat.markers import ASSISTANT, BOS, THINK_CLOSE, THINK_OPEN, USER  # noqa: F401 (the prompt's markers)
 
 SYSTEM_PROMPT = (
     "You are solving a hard benchmark question. Reason carefully. "
@@ -30,12 +32,8 @@ INSTRUCTIONS = {
     "exact_string": "\nSolve the problem. " + _FINAL + "Answer: <your answer, as a short phrase>",
 }
 
-# DeepSeek V4 chat markers (chat-template.md §1); eval renders system + one user turn.
-BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
-USER = "<\uff5cUser\uff5c>"
-ASSISTANT = "<\uff5cAssistant\uff5c>"
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
+# The DeepSeek V4 chat markers come from chat/markers.py (docs/chat-template.md §1); eval renders
+# system + one user turn.
 
 
 def choice_letter(i: int) -> str:

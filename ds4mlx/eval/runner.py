@@ -1,5 +1,5 @@
 """The eval run: context sizing, scheduling, grading, trace records, the report
-(EVAL_BEHAVIOR.md §3, §4, §8, §11, §13, §14).  UI-agnostic: a UI object gets
+(docs/eval.md §3, §4, §8, §11, §13, §14).  UI-agnostic: a UI object gets
 callbacks (plain mode prints, the TUI renders the shared state)."""
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ class Runner:
         return "max" if self.opts.think_max else "high"
 
     def size_context(self) -> Optional[int]:
-        """Count prompts and pick the context (§4).  Returns an exit code on failure."""
+        """Count prompts and pick the context (docs/eval.md §4).  Returns an exit code on failure."""
         counts = [self.backend.count_tokens(cr.prompt) for cr in self.runs]
         if any(n is None for n in counts):
             for cr in self.runs:
@@ -352,7 +352,7 @@ def speed_line(runner: Runner) -> str:
 
 
 def report(runner: Runner) -> str:
-    """The final report (§14) plus totals by source, time and t/s."""
+    """The final report (docs/eval.md §14) plus totals by source, time and t/s."""
     runs = runner.runs
     p, f = runner.passed, runner.failed
     lines = [f"ds4-eval: {p}/{len(runs)} passed{f', {f} failed' if f else ''}, runtime {hhmm(runner.runtime)} "
@@ -386,7 +386,7 @@ def report(runner: Runner) -> str:
 # ---------------------------------------------------------------- plain mode
 
 class PlainUI(NullUI):
-    """§13: per case a header, the streamed raw text (thinking dim), the result."""
+    """docs/eval.md §13: per case a header, the streamed raw text (thinking dim), the result."""
 
     def __init__(self, out: TextIO = sys.stdout, color: Optional[bool] = None):
         self.out = out

@@ -1,10 +1,10 @@
 """`ds4mlx eval --self-test-extractors`: every built-in extractor vector, no model.
 
 A vector passes when the extraction equals `expect` and the grade against `key`
-equals `passes`.  The vectors cover EVAL_BEHAVIOR.md §7.1 and §7.2 (with the
+equals `passes`.  The vectors cover docs/eval.md §7.1 and §7.2 (with the
 variant-C result, fixes included), the seed's false-negative fixes, and the
 answer kinds of the hard suite.  Two structural checks follow: the trace splitter
-(§7.1's trace-parsing test) and the regrade status rule (1 PASSED + 2 STOPPED ->
+(docs/eval.md §7.1's trace-parsing test) and the regrade status rule (1 PASSED + 2 STOPPED ->
 passed=1 not_graded=2).
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any, NamedTuple, Optional, TextIO
 
+from ..chat.markers import THINK_CLOSE
 from .extract import extract, matches
 
 
@@ -42,10 +43,10 @@ def make_case(kind: str, key: str) -> dict[str, Any]:
     return {**base, "answer_kind": kinds[kind], "answer": answer, "aliases": aliases}
 
 
-T = "</think>"
+T = THINK_CLOSE
 V = Vector
 VECTORS: list[Vector] = [
-    # ---- §7.1: the ds4 built-in self-tests (PR #185)
+    # ---- docs/eval.md §7.1: the ds4 built-in self-tests (PR #185)
     V("multiple-choice prefers final answer marker", "mc/10", "F",
       "</think>So answer is 0.716 H+/O2. That corresponds to option F.\nThus final answer: F.</think>"
       "The visible explanation repeats the calculation.\nAnswer: F", "F", True),
@@ -60,7 +61,7 @@ VECTORS: list[Vector] = [
     V("COMPSEC prefers final answer marker", "compsec", "9-10",
       "</think>I think the answer should be line 10, because CWE-122 may apply.\n**Answer:** 10</think>"
       "The primary write is at line 10.\nAnswer: 10", "10", True),
-    # ---- §7.2: multiple choice
+    # ---- docs/eval.md §7.2: multiple choice
     V("mc basic", "mc/4", "B", "thinking...</think>\nThe correct option is B.\n\nAnswer: B", "B", True),
     V("mc no think close", "mc/4", "C", "Let me think. Answer: C", "C", True),
     V("mc lowercase", "mc/4", "B", "</think>answer: (b)", "B", True),
@@ -75,7 +76,7 @@ VECTORS: list[Vector] = [
     V("mc apostrophe", "mc/10", "C", "</think>Answer: I'm sure it's C", "C", True),
     V("mc 'answers' substring", "mc/4", "A", "</think>All answers are close. Final: A", "A", True),
     V("mc earlier loose answer", "mc/4", "C", "</think>The answer might be B.\nAnswer: C", "C", True),
-    # ---- §7.2: integers
+    # ---- docs/eval.md §7.2: integers
     V("int basic", "int", "70", "</think>So the sum is 21+49 = 70.\n\nAnswer: 70", "70", True),
     V("int leading zero", "int", "70", "</think>Answer: 070", "70", True),
     V("int all zeros", "int", "0", "</think>Answer: 000", "0", True),
@@ -88,7 +89,7 @@ VECTORS: list[Vector] = [
     V("int thousands separator", "int", "1000", "</think>Answer: 1,000", "1000", True),
     V("int earlier loose answer", "int", "588", "</think>The answer was 80 before correction.\nAnswer: 588", "588", True),
     V("int no digits", "int", "1", "</think>no digits here", "?", False),
-    # ---- §7.2: COMPSEC line specs
+    # ---- docs/eval.md §7.2: COMPSEC line specs
     V("compsec single", "compsec", "11", "</think>Answer: 11", "11", True),
     V("compsec 'line N'", "compsec", "9-10", "</think>Answer: line 9", "9", True),
     V("compsec 'and'", "compsec", "3,13-15", "</think>Answer: 3 and 15", "3,15", True),

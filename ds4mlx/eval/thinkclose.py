@@ -1,4 +1,4 @@
-"""The `</think>` budget controller of ds4-eval (EVAL_BEHAVIOR.md §3) and the
+"""The `</think>` budget controller of ds4-eval (docs/eval.md §3) and the
 token-level generation loop shared by the in-process and the fake backends.
 
 While thinking is open, with `remaining = limit - generated` before each step:
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional, Sequence
 
-THINK_CLOSE = "</think>"
+from ..chat.markers import THINK_CLOSE
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The trace file (EVAL_BEHAVIOR.md §9) and `--regrade TRACE` (§10, with the
+"""The trace file (docs/eval.md §9) and `--regrade TRACE` (§10, with the
 seed's fix: only PASSED/FAILED records are graded, the rest count as not_graded).
 
 Payloads (system prompt, question, model output) are written as counted blocks

@@ -1,4 +1,4 @@
-"""Split-screen TUI (EVAL_BEHAVIOR.md §12), drawn with rich.
+"""Split-screen TUI (docs/eval.md §12), drawn with rich.
 
 Left: title and keys, the score, the case list with live status.  Right: status
 line, question preview, live tail of the selected (or running) case's output.
@@ -25,6 +25,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from ..chat.markers import THINK_OPEN
 from .runner import CaseRun, NullUI, Runner
 from .thinkclose import THINK_CLOSE
 
@@ -256,7 +257,7 @@ class TUI(NullUI):
             segments = [(think, "grey50")]
         lines = [Text()]
         for text, style in segments:
-            for part in re.split(r"(\n)", text.replace("<think>", "").replace("\t", " ")):
+            for part in re.split(r"(\n)", text.replace(THINK_OPEN, "").replace("\t", " ")):
                 if part == "\n":
                     lines.append(Text())
                     continue

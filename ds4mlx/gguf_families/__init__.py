@@ -1,6 +1,6 @@
 """GGUF tensor names and metadata keys of the families other than DeepSeek V4.
 
-DeepSeek V4 lives in `gguf_names` (ds4's `deepseek4` GGUFs).  This package holds one
+DeepSeek V4 lives in `deepseek_v4` (ds4's `deepseek4` GGUFs).  This package holds one
 table per other family, each written the way ds4 writes that family's GGUFs where
 ds4's own converter or loader could be read, and says so where it could not:
 
@@ -76,6 +76,7 @@ name here does, and `to_gguf` checks.
 """
 from __future__ import annotations
 
+from .. import registry
 from .base import CONFIG_KEY, GGML_MAX_NAME, Family, Rule
 from .deepseek_v41 import DEEPSEEK_V41
 from .glm import GLM5_NEXT, GLM_MOE_DSA
@@ -83,19 +84,19 @@ from .qwen import QWEN4_EXP
 
 # ----------------------------------------------------------------------------- dispatch
 FAMILIES = (DEEPSEEK_V41, GLM_MOE_DSA, GLM5_NEXT, QWEN4_EXP)
-_BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+# registry key (ds4mlx/registry.py) -> table; DeepSeek V4's names are the module deepseek_v4.py
+_BY_KEY = {f.model_types[0]: f for f in FAMILIES}
 _BY_ARCH = {f.arch: f for f in FAMILIES}
 
 
 def for_config(config: dict) -> Family | None:
-    """The family of a HF config (None: DeepSeek V4, handled by gguf_names)."""
-    mt = config.get("model_type", "deepseek_v4")
-    if mt == "deepseek_v4":
-        return None
-    fam = _BY_TYPE.get(mt)
-    if fam is None:
-        raise ValueError(f"no GGUF scheme for model_type {mt!r} (known: deepseek_v4, {', '.join(sorted(_BY_TYPE))})")
-    return fam
+    """The family table of a HF config (None: DeepSeek V4, handled by gguf_families.deepseek_v4)."""
+    mt = config.get("model_type", registry.DEFAULT_FAMILY)
+    fam = registry.family_of(mt)
+    table = _BY_KEY.get(fam.key) if fam is not None else None
+    if table is None and (fam is None or fam.key != registry.DEFAULT_FAMILY):
+        raise ValueError(f"no GGUF scheme for model_type {mt!r} (known: {', '.join(sorted(registry.BY_MODEL_TYPE))})")
+    return table
 
 
 def for_arch(arch: str) -> Family | None:

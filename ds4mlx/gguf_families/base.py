@@ -11,12 +11,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..quant import QuantizedTensor
+
 CONFIG_KEY = "ds4mlx.hf_config"
 GGML_MAX_NAME = 64  # bytes, NUL included
 FUSED_GATE_UP = "mlp.experts.gate_up_proj"
 EXPERT_SPLIT = ("mlp.experts.gate_proj", "mlp.experts.up_proj")
 
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _ATTN_BIAS_RE = re.compile(r"^blk\.\d+\.attn_(q|q_a|k|v|kv_a_mqa|output)\.bias$")
 _PER_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -38,11 +40,11 @@ class Rule:
     join: Callable | None = None
 
 
-def _r(hf: str, *gguf: str, split=None, join=None) -> Rule:
+def make_rule(hf: str, *gguf: str, split=None, join=None) -> Rule:
     return Rule(hf, tuple(gguf), split, join)
 
 
-def _mat(hf_stem: str, gguf_stem: str, split=None, join=None, bias: bool = True) -> list[Rule]:
+def matrix_rules(hf_stem: str, gguf_stem: str, split=None, join=None, bias: bool = True) -> list[Rule]:
     """`X.weight` -> `Y.weight` (and `X.bias` -> `Y.bias`); a split applies to both (axis 0)."""
     out = [Rule(f"{hf_stem}.weight", (f"{gguf_stem}.weight",) if isinstance(gguf_stem, str)
                 else tuple(f"{g}.weight" for g in gguf_stem), split, join)]
@@ -52,12 +54,12 @@ def _mat(hf_stem: str, gguf_stem: str, split=None, join=None, bias: bool = True)
     return out
 
 
-def _f32(x: float) -> float:
+def to_f32(x: float) -> float:
     return float(np.format_float_positional(np.float32(x), unique=True, trim="0"))
 
 
 # --- rearrangements (all exact) ------------------------------------------------------
-def _rows(sizes: Callable):
+def row_parts(sizes: Callable):
     """Split along axis 0 into `sizes(args)` rows; join concatenates."""
 
     def split(a, args):
@@ -76,7 +78,7 @@ def _kv_b(args):
     return args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim
 
 
-def _kv_b_split(w, args):
+def kv_b_split(w, args):
     """kv_b_proj [H*(nope+v), r] -> attn_k_b [H, r, nope], attn_v_b [H, v, r]."""
     h, nope, v = _kv_b(args)
     if w.ndim != 2 or w.shape[0] != h * (nope + v):
@@ -85,12 +87,12 @@ def _kv_b_split(w, args):
     return [np.ascontiguousarray(per[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(per[:, nope:])]
 
 
-def _kv_b_join(parts, args):
+def kv_b_join(parts, args):
     k_b, v_b = parts
     return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
 
 
-def _deinterleave_split(a, args):
+def deinterleave_split(a, args):
     """q_proj rows, per head [query (D) | gate (D)] -> query rows, gate rows."""
     nh, d = args.num_attention_heads, args.head_dim
     x = a.reshape(nh, 2, d, *a.shape[1:])
@@ -98,38 +100,38 @@ def _deinterleave_split(a, args):
             np.ascontiguousarray(x[:, 1].reshape(nh * d, *a.shape[1:]))]
 
 
-def _deinterleave_join(parts, args):
+def deinterleave_join(parts, args):
     q, g = parts
     nh, d = args.num_attention_heads, args.head_dim
     rest = q.shape[1:]
     return np.stack([q.reshape(nh, d, *rest), g.reshape(nh, d, *rest)], axis=1).reshape(2 * nh * d, *rest)
 
 
-def _plus_one_split(w, args):
+def plus_one_split(w, args):
     """(1 + w) RMSNorm weight -> 1 + w (float32, ds4's `norm_plus_one`).  Read back as
     (1 + w) - 1, the model's 1 + that is 1 + w again bit for bit: fl(s - 1) is exact for
     s >= 0.5 (Sterbenz), and for s < 0.5 the sum 1 + w was itself exact."""
     return [np.asarray(w, dtype=np.float32) + np.float32(1.0)]
 
 
-def _plus_one_join(parts, args):
+def plus_one_join(parts, args):
     return np.asarray(parts[0], dtype=np.float32) - np.float32(1.0)
 
 
-def _squeeze_split(a, args):
+def squeeze_split(a, args):
     return [np.ascontiguousarray(a.reshape(-1))]
 
 
-def _unsqueeze_join(parts, args):
+def unsqueeze_join(parts, args):
     return parts[0].reshape(1, -1)
 
 
-def _flatten_groups_split(a, args):
+def flatten_groups_split(a, args):
     """mlx-lm o_a_proj [G, out, in] -> ds4 attn_output_a [G*out, in] (2-D passes)."""
     return [np.ascontiguousarray(a.reshape(-1, a.shape[-1]))]
 
 
-def _identity_join(parts, args):
+def identity_join(parts, args):
     return parts[0]
 
 
@@ -138,17 +140,17 @@ def _identity_join(parts, args):
 # u32 u64 f32 bool str arr_u32 arr_u64 arr_i32 arr_f32 arr_str.
 
 
-def _num_kind(v) -> str:
+def num_kind(v) -> str:
     return "u32" if float(v).is_integer() and 0 <= float(v) < 2**32 else "f32"
 
 
-def _text(config: dict) -> dict:
+def text_part(config: dict) -> dict:
     """The text-model part of a config (VLM configs nest it as `text_config`)."""
     tc = config.get("text_config")
     return tc if isinstance(tc, dict) else config
 
 
-def _tok_ids(meta: dict) -> dict:
+def tok_ids(meta: dict) -> dict:
     out = {}
     if meta.get("tokenizer.ggml.bos_token_id") is not None:
         out["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
@@ -157,7 +159,7 @@ def _tok_ids(meta: dict) -> dict:
     return out
 
 
-class _Meta:
+class GGUFMeta:
     """`meta[f"{arch}.{key}"]` with a clear error for a missing key."""
 
     def __init__(self, meta: dict, arch: str):
@@ -210,7 +212,7 @@ class Family:
         m = self._index()
         if name in m["hf_top"]:
             return m["hf_top"][name], None
-        x = _HF_LAYER_RE.match(name)
+        x = HF_LAYER_RE.match(name)
         if x and x.group(2) in m["hf_layer"]:
             return m["hf_layer"][x.group(2)], int(x.group(1))
         return None
@@ -278,9 +280,7 @@ class Family:
         """The names a HF folder may use -> the names of this table: VLM prefix dropped,
         vision / MTP / rotary buffers and config-derived buffers skipped, per-expert hub
         tensors stacked, fused gate_up_proj split."""
-        from ..weights import QuantizedTensor
-
-        n = int(_text(config).get("num_hidden_layers", 1 << 30))
+        n = int(text_part(config).get("num_hidden_layers", 1 << 30))
         out, per_expert = {}, {}
         for k, v in tensors.items():
             if k.startswith("model.language_model."):
@@ -288,7 +288,7 @@ class Family:
             if k.startswith(("model.visual.", "visual.", "model.vision", "mtp.", "model.mtp.")) \
                     or "rotary_emb" in k or k.endswith(self.drop):
                 continue
-            x = _HF_LAYER_RE.match(k)
+            x = HF_LAYER_RE.match(k)
             if x and int(x.group(1)) >= n:  # MTP layers appended after the trunk
                 continue
             e = _PER_EXPERT_RE.match(k)
@@ -319,8 +319,6 @@ class Family:
 
     def to_gguf(self, config: dict, tensors: dict) -> list:
         """HF-named tensors -> [(GGUF name, value)] (values: numpy arrays or QuantizedTensor)."""
-        from ..weights import QuantizedTensor
-
         args = self.args(config)
         items, unknown = [], []
         for name, val in self.canonical(config, tensors).items():
@@ -347,8 +345,6 @@ class Family:
 
     def from_gguf(self, config: dict, names, get) -> tuple[dict, list]:
         """GGUF tensor names + `get(name) -> value` -> ({HF name: value}, [unknown names])."""
-        from ..weights import QuantizedTensor
-
         args = None
         tensors, groups, unknown = {}, {}, []
         for gname in names:

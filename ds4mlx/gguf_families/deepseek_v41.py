@@ -1,40 +1,40 @@
 """DeepSeek V4.1 Flash: ds4's `deepseek41` GGUFs (see the package docstring)."""
 from __future__ import annotations
 
-from .base import Family, _flatten_groups_split, _identity_join, _num_kind, _r, _text, _tok_ids
+from .base import Family, flatten_groups_split, identity_join, num_kind, make_rule, text_part, tok_ids
 
 
 # ============================================================================= DeepSeek V4.1
 # Tensor names: antirez/ds4 gguf-tools/deepseek41_quantize.py build_plan().  HF side:
 # mlx-lm's deepseek_v41 names (what models/deepseek_v41.py and its demo use).
 _V41_TOP = [
-    _r("model.embed_tokens.weight", "token_embd.weight"),
-    _r("model.norm.weight", "output_norm.weight"),
-    _r("lm_head.weight", "output.weight"),
+    make_rule("model.embed_tokens.weight", "token_embd.weight"),
+    make_rule("model.norm.weight", "output_norm.weight"),
+    make_rule("lm_head.weight", "output.weight"),
 ]
 _V41_LAYER = [
-    *[_r(f"{s}_hc.{p}", f"hc_{s}_{p}.weight") for s in ("attn", "ffn") for p in ("fn", "base", "scale")],
-    _r("input_layernorm.weight", "attn_norm.weight"),
-    _r("post_attention_layernorm.weight", "ffn_norm.weight"),
-    _r("self_attn.sinks", "attn_sinks.weight"),
-    _r("self_attn.q_a_proj.weight", "attn_q_a.weight"),
-    _r("self_attn.q_b_proj.weight", "attn_q_b.weight"),
-    _r("self_attn.q_a_norm.weight", "attn_q_a_norm.weight"),
-    _r("self_attn.kv_proj.weight", "attn_kv.weight"),
-    _r("self_attn.kv_norm.weight", "attn_kv_a_norm.weight"),
-    _r("self_attn.o_a_proj.weight", "attn_output_a.weight", split=_flatten_groups_split, join=_identity_join),
-    _r("self_attn.o_b_proj.weight", "attn_output_b.weight"),
-    _r("self_attn.compressor.kv_proj.weight", "attn_compressor_kv.weight"),
-    _r("self_attn.compressor.kv_norm.weight", "attn_compressor_norm.weight"),
-    _r("self_attn.compressor.gate_proj.weight", "attn_compressor_gate.weight"),
-    _r("self_attn.indexer.k_proj.weight", "indexer.attn_k.weight"),
-    _r("self_attn.indexer.k_norm.weight", "indexer.k_norm.weight"),
-    _r("self_attn.indexer.q_b_proj.weight", "indexer.attn_q_b.weight"),
-    _r("self_attn.indexer.weights_proj.weight", "indexer.proj.weight"),
-    _r("mlp.gate.weight", "ffn_gate_inp.weight"),
-    _r("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
-    *[_r(f"mlp.shared_experts.{p}_proj.weight", f"ffn_{p}_shexp.weight") for p in ("gate", "up", "down")],
-    *[_r(f"mlp.experts.switch_mlp.{p}_proj.weight", f"ffn_{p}_exps.weight") for p in ("gate", "up", "down")],
+    *[make_rule(f"{s}_hc.{p}", f"hc_{s}_{p}.weight") for s in ("attn", "ffn") for p in ("fn", "base", "scale")],
+    make_rule("input_layernorm.weight", "attn_norm.weight"),
+    make_rule("post_attention_layernorm.weight", "ffn_norm.weight"),
+    make_rule("self_attn.sinks", "attn_sinks.weight"),
+    make_rule("self_attn.q_a_proj.weight", "attn_q_a.weight"),
+    make_rule("self_attn.q_b_proj.weight", "attn_q_b.weight"),
+    make_rule("self_attn.q_a_norm.weight", "attn_q_a_norm.weight"),
+    make_rule("self_attn.kv_proj.weight", "attn_kv.weight"),
+    make_rule("self_attn.kv_norm.weight", "attn_kv_a_norm.weight"),
+    make_rule("self_attn.o_a_proj.weight", "attn_output_a.weight", split=flatten_groups_split, join=identity_join),
+    make_rule("self_attn.o_b_proj.weight", "attn_output_b.weight"),
+    make_rule("self_attn.compressor.kv_proj.weight", "attn_compressor_kv.weight"),
+    make_rule("self_attn.compressor.kv_norm.weight", "attn_compressor_norm.weight"),
+    make_rule("self_attn.compressor.gate_proj.weight", "attn_compressor_gate.weight"),
+    make_rule("self_attn.indexer.k_proj.weight", "indexer.attn_k.weight"),
+    make_rule("self_attn.indexer.k_norm.weight", "indexer.k_norm.weight"),
+    make_rule("self_attn.indexer.q_b_proj.weight", "indexer.attn_q_b.weight"),
+    make_rule("self_attn.indexer.weights_proj.weight", "indexer.proj.weight"),
+    make_rule("mlp.gate.weight", "ffn_gate_inp.weight"),
+    make_rule("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
+    *[make_rule(f"mlp.shared_experts.{p}_proj.weight", f"ffn_{p}_shexp.weight") for p in ("gate", "up", "down")],
+    *[make_rule(f"mlp.experts.switch_mlp.{p}_proj.weight", f"ffn_{p}_exps.weight") for p in ("gate", "up", "down")],
 ]
 
 # deepseek41_metadata.py metadata(): per-field keys (u32 / f32 / str / bool / u32 arrays).
@@ -51,7 +51,7 @@ _V41_ROPE = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddin
 
 
 def _v41_kv(config: dict, args) -> list:
-    a, t = "deepseek41", _text(config)
+    a, t = "deepseek41", text_part(config)
 
     def val(k):
         return t.get(k, getattr(args, k, None))
@@ -60,7 +60,7 @@ def _v41_kv(config: dict, args) -> list:
     for k in _V41_U32:
         v = val(k)
         if v is not None and not (isinstance(v, int) and v < 0):
-            kv.append((f"{a}.{k}", v, _num_kind(v)))
+            kv.append((f"{a}.{k}", v, num_kind(v)))
     kv += [(f"{a}.{k}", float(val(k)), "f32") for k in _V41_F32 if val(k) is not None]
     kv += [(f"{a}.{k}", str(val(k)), "str") for k in _V41_STR if val(k) is not None]
     if val("norm_topk_prob") is not None:
@@ -90,7 +90,7 @@ def _v41_derive(meta: dict) -> dict:
         if "original_max_position_embeddings" in rs:
             rs["original_max_position_embeddings"] = int(rs["original_max_position_embeddings"])
         c["rope_scaling"] = {"type": "yarn", **rs}
-    c.update(_tok_ids(meta))
+    c.update(tok_ids(meta))
     return c
 
 

@@ -3,47 +3,47 @@ from __future__ import annotations
 
 import re
 
-from .base import (_HF_LAYER_RE, Family, _f32, _kv_b_join, _kv_b_split, _mat, _Meta, _r, _rows,
-                   _tok_ids)
+from .base import (HF_LAYER_RE, Family, to_f32, kv_b_join, kv_b_split, matrix_rules, GGUFMeta, make_rule, row_parts,
+                   tok_ids)
 
 
 # ============================================================================= GLM DSA (GLM 5.2 / 5.3 attention)
 def _glm_dsa_attention(with_pool: bool) -> list:
     """DSA MLA + indexer names shared by glm-dsa (llama.cpp / ds4 glm-dsa) and ds4's GLM 5.3."""
-    kv_b = _r("self_attn.kv_b_proj.weight", "attn_k_b.weight", "attn_v_b.weight", split=_kv_b_split, join=_kv_b_join)
+    kv_b = make_rule("self_attn.kv_b_proj.weight", "attn_k_b.weight", "attn_v_b.weight", split=kv_b_split, join=kv_b_join)
     rules = [
-        *_mat("self_attn.q_a_proj", "attn_q_a"),
-        _r("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"),
-        *_mat("self_attn.q_b_proj", "attn_q_b"),
-        *_mat("self_attn.kv_a_proj_with_mqa", "attn_kv_a_mqa"),
-        _r("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"),
+        *matrix_rules("self_attn.q_a_proj", "attn_q_a"),
+        make_rule("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"),
+        *matrix_rules("self_attn.q_b_proj", "attn_q_b"),
+        *matrix_rules("self_attn.kv_a_proj_with_mqa", "attn_kv_a_mqa"),
+        make_rule("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"),
         kv_b,
-        *_mat("self_attn.o_proj", "attn_output"),
-        _r("self_attn.indexer.wq_b.weight", "indexer.attn_q_b.weight"),
-        _r("self_attn.indexer.wk.weight", "indexer.attn_k.weight"),
-        _r("self_attn.indexer.k_norm.weight", "indexer.k_norm.weight"),
-        _r("self_attn.indexer.k_norm.bias", "indexer.k_norm.bias"),
-        _r("self_attn.indexer.weights_proj.weight", "indexer.proj.weight"),
+        *matrix_rules("self_attn.o_proj", "attn_output"),
+        make_rule("self_attn.indexer.wq_b.weight", "indexer.attn_q_b.weight"),
+        make_rule("self_attn.indexer.wk.weight", "indexer.attn_k.weight"),
+        make_rule("self_attn.indexer.k_norm.weight", "indexer.k_norm.weight"),
+        make_rule("self_attn.indexer.k_norm.bias", "indexer.k_norm.bias"),
+        make_rule("self_attn.indexer.weights_proj.weight", "indexer.proj.weight"),
     ]
     if with_pool:  # glm53_quantize.py add_dsa_attention: indexer.pool_ape / pool_gate
-        rules += [_r("self_attn.indexer.index_kpool_compress_ape", "indexer.pool_ape.weight"),
-                  _r("self_attn.indexer.index_kpool_compress_gate", "indexer.pool_gate.weight")]
+        rules += [make_rule("self_attn.indexer.index_kpool_compress_ape", "indexer.pool_ape.weight"),
+                  make_rule("self_attn.indexer.index_kpool_compress_gate", "indexer.pool_gate.weight")]
     return rules
 
 
 _GLM_FFN = [
-    _r("input_layernorm.weight", "attn_norm.weight"),
-    _r("post_attention_layernorm.weight", "ffn_norm.weight"),
-    *[_r(f"mlp.{p}_proj.weight", f"ffn_{p}.weight") for p in ("gate", "up", "down")],
-    _r("mlp.gate.weight", "ffn_gate_inp.weight"),
-    _r("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
-    *[_r(f"mlp.shared_experts.{p}_proj.weight", f"ffn_{p}_shexp.weight") for p in ("gate", "up", "down")],
-    *[_r(f"mlp.experts.{p}_proj", f"ffn_{p}_exps.weight") for p in ("gate", "up", "down")],
+    make_rule("input_layernorm.weight", "attn_norm.weight"),
+    make_rule("post_attention_layernorm.weight", "ffn_norm.weight"),
+    *[make_rule(f"mlp.{p}_proj.weight", f"ffn_{p}.weight") for p in ("gate", "up", "down")],
+    make_rule("mlp.gate.weight", "ffn_gate_inp.weight"),
+    make_rule("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
+    *[make_rule(f"mlp.shared_experts.{p}_proj.weight", f"ffn_{p}_shexp.weight") for p in ("gate", "up", "down")],
+    *[make_rule(f"mlp.experts.{p}_proj", f"ffn_{p}_exps.weight") for p in ("gate", "up", "down")],
 ]
 _GLM_TOP = [
-    _r("model.embed_tokens.weight", "token_embd.weight"),
-    _r("model.norm.weight", "output_norm.weight"),
-    _r("lm_head.weight", "output.weight"),
+    make_rule("model.embed_tokens.weight", "token_embd.weight"),
+    make_rule("model.norm.weight", "output_norm.weight"),
+    make_rule("lm_head.weight", "output.weight"),
 ]
 
 
@@ -115,7 +115,7 @@ _ROPE_SCALING = (
 )
 
 
-def _rope_from_kv(g: "_Meta") -> dict:
+def _rope_from_kv(g: "GGUFMeta") -> dict:
     rope = {"rope_type": "default", "rope_theta": float(g("rope.freq_base", 10000.0))}
     kind = g("rope.scaling.type", None)
     if kind and kind not in ("none", "default"):
@@ -125,14 +125,14 @@ def _rope_from_kv(g: "_Meta") -> dict:
             if v is not None:
                 rope[field_] = int(v) if k == "u32" else float(v)
         if "mscale_all_dim" not in rope and g("rope.scaling.yarn_log_multiplier", None) is not None:
-            rope["mscale_all_dim"] = _f32(float(g("rope.scaling.yarn_log_multiplier")) / 0.1)
+            rope["mscale_all_dim"] = to_f32(float(g("rope.scaling.yarn_log_multiplier")) / 0.1)
     return rope
 
 
 def _glm_dsa_derive(meta: dict) -> dict:
     """glm-dsa keys -> GlmMoeDsaConfig fields (every layer runs its own indexer unless
     the indexer.types extension says otherwise, as in llama.cpp's GGUFs)."""
-    g = _Meta(meta, "glm-dsa")
+    g = GGUFMeta(meta, "glm-dsa")
     n = int(g("block_count")) - int(g("nextn_predict_layers", 0))
     rope = int(g("rope.dimension_count", 64))
     c = {
@@ -166,7 +166,7 @@ def _glm_dsa_derive(meta: dict) -> dict:
         "max_position_embeddings": int(g("context_length", 202752)),
         "tie_word_embeddings": False,
     }
-    c.update(_tok_ids(meta))
+    c.update(tok_ids(meta))
     return c
 
 
@@ -184,22 +184,22 @@ def _kda_channels(args):
     return (c, c, c)
 
 
-_kda_conv_split, _kda_conv_join = _rows(_kda_channels)
+_kda_conv_split, _kda_conv_join = row_parts(_kda_channels)
 _GLM53_LAYER = [
-    *[_r(f"{s}_hc.{p}", f"hc_{s}_{p}.weight") for s in ("attn", "ffn") for p in ("fn", "base", "scale")],
-    *_mat("self_attn.q_proj", "kda_q"),
-    *_mat("self_attn.k_proj", "kda_k"),
-    *_mat("self_attn.v_proj", "kda_v"),
-    _r("self_attn.conv1d.weight", "kda_q_conv.weight", "kda_k_conv.weight", "kda_v_conv.weight",
+    *[make_rule(f"{s}_hc.{p}", f"hc_{s}_{p}.weight") for s in ("attn", "ffn") for p in ("fn", "base", "scale")],
+    *matrix_rules("self_attn.q_proj", "kda_q"),
+    *matrix_rules("self_attn.k_proj", "kda_k"),
+    *matrix_rules("self_attn.v_proj", "kda_v"),
+    make_rule("self_attn.conv1d.weight", "kda_q_conv.weight", "kda_k_conv.weight", "kda_v_conv.weight",
        split=_kda_conv_split, join=_kda_conv_join),
-    _r("self_attn.forget_gate.f_a_proj.weight", "kda_f_a.weight"),
-    _r("self_attn.forget_gate.f_b_proj.weight", "kda_f_b.weight"),
-    _r("self_attn.forget_gate.dt_bias", "kda_dt_bias.weight"),
-    _r("self_attn.forget_gate.A_log", "kda_a_log.weight"),
-    _r("self_attn.b_proj.weight", "kda_beta.weight"),
-    _r("self_attn.g_a_proj.weight", "kda_g_a.weight"),
-    _r("self_attn.g_b_proj.weight", "kda_g_b.weight"),
-    _r("self_attn.o_norm.weight", "kda_o_norm.weight"),
+    make_rule("self_attn.forget_gate.f_a_proj.weight", "kda_f_a.weight"),
+    make_rule("self_attn.forget_gate.f_b_proj.weight", "kda_f_b.weight"),
+    make_rule("self_attn.forget_gate.dt_bias", "kda_dt_bias.weight"),
+    make_rule("self_attn.forget_gate.A_log", "kda_a_log.weight"),
+    make_rule("self_attn.b_proj.weight", "kda_beta.weight"),
+    make_rule("self_attn.g_a_proj.weight", "kda_g_a.weight"),
+    make_rule("self_attn.g_b_proj.weight", "kda_g_b.weight"),
+    make_rule("self_attn.o_norm.weight", "kda_o_norm.weight"),
     *_glm_dsa_attention(with_pool=True),
     *_GLM_FFN,
 ]
@@ -207,7 +207,7 @@ _GLM53_LAYER = [
 # (add_linear_attention / add_dsa_attention): `_Glm53Family` renames it to one of these
 # two layer-type-specific stand-ins before the lookup (and back after reading).
 _GLM53_LAYER = [r for r in _GLM53_LAYER if not r.hf.startswith("self_attn.o_proj.")]
-_GLM53_LAYER += [_r(f"{tag}.{leaf}", f"{g}.{leaf}") for tag, g in (("kda_o", "kda_output"), ("dsa_o", "attn_output"))
+_GLM53_LAYER += [make_rule(f"{tag}.{leaf}", f"{g}.{leaf}") for tag, g in (("kda_o", "kda_output"), ("dsa_o", "attn_output"))
                  for leaf in ("weight", "bias")]
 
 
@@ -258,7 +258,7 @@ def _glm5_next_kv(config: dict, args) -> list:
 
 
 def _glm5_next_derive(meta: dict) -> dict:
-    g = _Meta(meta, "glm5-next")
+    g = GGUFMeta(meta, "glm5-next")
     n = int(g("trunk_block_count", int(g("block_count")) - int(g("nextn_predict_layers", 0))))
     rope = int(g("attention.rope_dimension_count", 0))
     lt = [int(t) for t in g("layer_types")][:n]
@@ -303,7 +303,7 @@ def _glm5_next_derive(meta: dict) -> dict:
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         "tie_word_embeddings": False,
     }
-    c.update(_tok_ids(meta))
+    c.update(tok_ids(meta))
     return c
 
 
@@ -315,7 +315,7 @@ class _Glm53Family(Family):
         args = self.args(config)
         res = {}
         for k, v in out.items():
-            x = _HF_LAYER_RE.match(k)
+            x = HF_LAYER_RE.match(k)
             if x and x.group(2) in ("self_attn.o_proj.weight", "self_attn.o_proj.bias"):
                 i = int(x.group(1))
                 tag = "kda_o" if args.layer_types[i] == "linear_attention" else "dsa_o"

@@ -1,8 +1,8 @@
 """Qwen3.8 Flash Next: ds4's `qwen38-next` GGUFs (see the package docstring)."""
 from __future__ import annotations
 
-from .base import (CONFIG_KEY, Family, _deinterleave_join, _deinterleave_split, _mat, _Meta,
-                   _plus_one_join, _plus_one_split, _r, _rows, _squeeze_split, _tok_ids, _unsqueeze_join)
+from .base import (CONFIG_KEY, Family, deinterleave_join, deinterleave_split, matrix_rules, GGUFMeta,
+                   plus_one_join, plus_one_split, make_rule, row_parts, squeeze_split, tok_ids, unsqueeze_join)
 
 
 # ============================================================================= Qwen3.8 Flash Next
@@ -16,65 +16,65 @@ def _qsa_index_sizes(args):
     return (args.indexer_n_heads * args.indexer_head_dim, args.indexer_head_dim)
 
 
-_gdn_split, _gdn_join = _rows(_gdn_sizes)
-_idx_split, _idx_join = _rows(_qsa_index_sizes)
-_PLUS1 = {"split": _plus_one_split, "join": _plus_one_join}
+_gdn_split, _gdn_join = row_parts(_gdn_sizes)
+_idx_split, _idx_join = row_parts(_qsa_index_sizes)
+_PLUS1 = {"split": plus_one_split, "join": plus_one_join}
 
 
 def _qwen_hc(hf_prefix: str, g_prefix: str, inject: bool) -> list:
     rules = [
-        _r(f"{hf_prefix}.input_mix_weight_down.weight", f"{g_prefix}_down.weight"),
-        _r(f"{hf_prefix}.input_mix_weight_up.weight", f"{g_prefix}_up.weight"),
-        _r(f"{hf_prefix}.hc_norm.weight", f"{g_prefix}_norm.weight", **_PLUS1),
+        make_rule(f"{hf_prefix}.input_mix_weight_down.weight", f"{g_prefix}_down.weight"),
+        make_rule(f"{hf_prefix}.input_mix_weight_up.weight", f"{g_prefix}_up.weight"),
+        make_rule(f"{hf_prefix}.hc_norm.weight", f"{g_prefix}_norm.weight", **_PLUS1),
     ]
     if inject:
-        rules.append(_r(f"{hf_prefix}.block_inject_weight.weight", f"{g_prefix}_inject.weight"))
+        rules.append(make_rule(f"{hf_prefix}.block_inject_weight.weight", f"{g_prefix}_inject.weight"))
     return rules
 
 
 _QWEN_TOP = [
-    _r("model.embed_tokens.weight", "token_embd.weight"),
-    _r("lm_head.weight", "output.weight"),
+    make_rule("model.embed_tokens.weight", "token_embd.weight"),
+    make_rule("lm_head.weight", "output.weight"),
     *_qwen_hc("model.hyper_connection_mixer", "output_hc", inject=False),
 ]
 _QWEN_LAYER = [
     *_qwen_hc("attn_hyper_connection", "hc_attn", inject=True),
     *_qwen_hc("mlp_hyper_connection", "hc_ffn", inject=True),
     # Gated DeltaNet (add_gdn)
-    *_mat("linear_attn.in_proj_qkv", ("kda_q", "kda_k", "kda_v"), split=_gdn_split, join=_gdn_join),
-    _r("linear_attn.conv1d.weight", "kda_q_conv.weight", "kda_k_conv.weight", "kda_v_conv.weight",
+    *matrix_rules("linear_attn.in_proj_qkv", ("kda_q", "kda_k", "kda_v"), split=_gdn_split, join=_gdn_join),
+    make_rule("linear_attn.conv1d.weight", "kda_q_conv.weight", "kda_k_conv.weight", "kda_v_conv.weight",
        split=_gdn_split, join=_gdn_join),
-    *_mat("linear_attn.in_proj_z", "kda_gate"),
-    *_mat("linear_attn.in_proj_a", "kda_alpha"),
-    *_mat("linear_attn.in_proj_b", "kda_beta"),
-    _r("linear_attn.A_log", "kda_a_log.weight"),
-    _r("linear_attn.dt_bias", "kda_dt_bias.weight"),
-    _r("linear_attn.norm.weight", "kda_o_norm.weight"),
-    *_mat("linear_attn.out_proj", "kda_output"),
+    *matrix_rules("linear_attn.in_proj_z", "kda_gate"),
+    *matrix_rules("linear_attn.in_proj_a", "kda_alpha"),
+    *matrix_rules("linear_attn.in_proj_b", "kda_beta"),
+    make_rule("linear_attn.A_log", "kda_a_log.weight"),
+    make_rule("linear_attn.dt_bias", "kda_dt_bias.weight"),
+    make_rule("linear_attn.norm.weight", "kda_o_norm.weight"),
+    *matrix_rules("linear_attn.out_proj", "kda_output"),
     # QSA attention (add_qsa)
-    *_mat("self_attn.q_proj", ("attn_q", "attn_gate"), split=_deinterleave_split, join=_deinterleave_join),
-    *_mat("self_attn.k_proj", "attn_k"),
-    *_mat("self_attn.v_proj", "attn_v"),
-    _r("self_attn.q_norm.weight", "attn_q_norm.weight", **_PLUS1),
-    _r("self_attn.k_norm.weight", "attn_k_norm.weight", **_PLUS1),
-    *_mat("self_attn.o_proj", "attn_output"),
-    _r("self_attn.indexer.index_qk_proj.weight", "indexer.q_proj.weight", "indexer.k_proj.weight",
+    *matrix_rules("self_attn.q_proj", ("attn_q", "attn_gate"), split=deinterleave_split, join=deinterleave_join),
+    *matrix_rules("self_attn.k_proj", "attn_k"),
+    *matrix_rules("self_attn.v_proj", "attn_v"),
+    make_rule("self_attn.q_norm.weight", "attn_q_norm.weight", **_PLUS1),
+    make_rule("self_attn.k_norm.weight", "attn_k_norm.weight", **_PLUS1),
+    *matrix_rules("self_attn.o_proj", "attn_output"),
+    make_rule("self_attn.indexer.index_qk_proj.weight", "indexer.q_proj.weight", "indexer.k_proj.weight",
        split=_idx_split, join=_idx_join),
-    _r("self_attn.indexer.q_layernorm.weight", "indexer.q_norm.weight", **_PLUS1),
-    _r("self_attn.indexer.k_layernorm.weight", "indexer.k_norm.weight", **_PLUS1),
+    make_rule("self_attn.indexer.q_layernorm.weight", "indexer.q_norm.weight", **_PLUS1),
+    make_rule("self_attn.indexer.k_layernorm.weight", "indexer.k_norm.weight", **_PLUS1),
     # MoE (add_ffn)
-    _r("mlp.gate.weight", "ffn_gate_inp.weight"),
-    _r("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight", split=_squeeze_split, join=_unsqueeze_join),
-    *[_r(f"mlp.experts.{p}_proj", f"ffn_{p}_exps.weight") for p in ("gate", "up", "down")],
-    *[_r(f"mlp.shared_expert.{p}_proj.weight", f"ffn_{p}_shexp.weight") for p in ("gate", "up", "down")],
+    make_rule("mlp.gate.weight", "ffn_gate_inp.weight"),
+    make_rule("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight", split=squeeze_split, join=unsqueeze_join),
+    *[make_rule(f"mlp.experts.{p}_proj", f"ffn_{p}_exps.weight") for p in ("gate", "up", "down")],
+    *[make_rule(f"mlp.shared_expert.{p}_proj.weight", f"ffn_{p}_shexp.weight") for p in ("gate", "up", "down")],
     # PLE (add_ple_projections; the n-gram table is ds4's sidecar per_layer_token_embd)
-    _r("ple.conv1d.weight", "ple_conv1d.weight"),
-    _r("ple.key_proj.weight", "ple_key.weight"),
-    _r("ple.value_proj.weight", "ple_value.weight"),
-    _r("ple.norm_conv.weight", "ple_norm_conv.weight", **_PLUS1),
-    _r("ple.norm_key.weight", "ple_norm_key.weight", **_PLUS1),
-    _r("ple.norm_query.weight", "ple_norm_query.weight", **_PLUS1),
-    _r("ple.ple_embedding.ngram_embedding.weight", "ple_token_embd.weight"),  # extension
+    make_rule("ple.conv1d.weight", "ple_conv1d.weight"),
+    make_rule("ple.key_proj.weight", "ple_key.weight"),
+    make_rule("ple.value_proj.weight", "ple_value.weight"),
+    make_rule("ple.norm_conv.weight", "ple_norm_conv.weight", **_PLUS1),
+    make_rule("ple.norm_key.weight", "ple_norm_key.weight", **_PLUS1),
+    make_rule("ple.norm_query.weight", "ple_norm_query.weight", **_PLUS1),
+    make_rule("ple.ple_embedding.ngram_embedding.weight", "ple_token_embd.weight"),  # extension
 ]
 _QWEN_PLE_BUFFERS = (".ple.ple_embedding.layer_multipliers", ".ple.ple_embedding.ngram_heads_offsets",
                      ".ple.ple_embedding.ngram_heads_vocab_sizes")
@@ -150,7 +150,7 @@ def _qwen_derive(meta: dict) -> dict:
     vocabulary base); a mismatch is an error rather than a silently different model."""
     from ..models.qwen4_exp_ple import head_tables, layer_multipliers
 
-    q = _Meta(meta, "qwen38-next")
+    q = GGUFMeta(meta, "qwen38-next")
     n = int(q("trunk_block_count", q("block_count")))
     lt = [int(t) for t in q("layer_types")][:n]
     head_dim = int(q("attention.key_length"))
@@ -190,7 +190,7 @@ def _qwen_derive(meta: dict) -> dict:
             "indexer_budget": int(q("attention.indexer.top_k")),
             "indexer_compress_ratio": int(q("attention.indexer.pool_size")),
         })
-    c.update(_tok_ids(meta))
+    c.update(tok_ids(meta))
     if q("ple.layer", None) is not None:
         layers = [int(x) for x in q("ple.layers", [q("ple.layer")])]
         ngram, hpn = int(q("ple.ngram_size")), int(q("ple.heads_per_ngram"))

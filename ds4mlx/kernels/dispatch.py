@@ -4,7 +4,7 @@ Every custom kernel in `ds4mlx.kernels` has the same three implementations with 
 same grid, tiling, inputs and outputs.  `backend()` names the one to use for a
 device; `Kernel` builds (once, lazily) and launches the Metal or CUDA face through
 ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``; `sections()` reads the
-``// @@ name`` sections of a kernel source file under ``metal/`` so one file can
+``// @@ name`` sections of a kernel source file under ``kernels/metal/`` so one file can
 hold the code shared by both GPU faces.
 
 ``DS4MLX_KERNELS=reference`` forces the reference face everywhere (debugging,
@@ -22,18 +22,41 @@ from __future__ import annotations
 import logging
 import os
 import re
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
 
 BACKENDS = ("reference", "metal", "cuda")
-METAL_DIR = Path(__file__).resolve().parents[2] / "metal"
+METAL_DIR = Path(__file__).resolve().parent / "metal"  # package data: ships in the wheel
 # GPU faces never run on real hardware here (the CUDA faces ran their tests on an H200)
 UNVERIFIED_FACES = ("metal",)
 
 log = logging.getLogger("ds4mlx.kernels")
 _self_tests: dict[tuple[str, str], bool] = {}
+_chosen: list[str] = []  # faces chosen by `use_face` (innermost last)
+
+
+@contextmanager
+def use_face(face: str | None):
+    """Run the block with every automatic launch on `face` (None: the device's face),
+    like ``DS4MLX_KERNELS`` but scoped and without touching the environment; the
+    kernel bench compares the faces of a whole model this way."""
+    if face is not None and face not in BACKENDS:
+        raise ValueError(f"face must be one of {BACKENDS}, got {face!r}")
+    _chosen.append(face or "")
+    try:
+        yield
+    finally:
+        _chosen.pop()
+
+
+def _forced_face() -> str:
+    """The face `use_face` or ``DS4MLX_KERNELS`` insists on ('' when none)."""
+    if _chosen:
+        return _chosen[-1]
+    return os.environ.get("DS4MLX_KERNELS", "").strip().lower()
 
 
 def gpu_backend() -> str | None:
@@ -55,7 +78,7 @@ def gpu_backend() -> str | None:
 def backend(device=None) -> str:
     """The face to run on `device` (an ``mx.Device`` or ``mx.cpu`` / ``mx.gpu``;
     default: MLX's default device)."""
-    forced = os.environ.get("DS4MLX_KERNELS", "").strip().lower()
+    forced = _forced_face()
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"DS4MLX_KERNELS must be one of {BACKENDS}, got {forced!r}")
@@ -80,7 +103,7 @@ def auto_face(kernel: str, self_test) -> str:
     it compares the face with the reference on a small input) and does not: then
     'reference', with a warning.  A face forced by DS4MLX_KERNELS is not tested."""
     face = backend()
-    if face == "reference" or os.environ.get("DS4MLX_KERNELS", "").strip() or not _wants_self_test(face):
+    if face == "reference" or _forced_face() or not _wants_self_test(face):
         return face
     key = (kernel, face)
     ok = _self_tests.get(key)

@@ -1,6 +1,6 @@
 """Fused manifold-constrained hyper-connections (mHC): hc_pre / hc_head / hc_post.
 
-The reference graph (`ds4mlx.models.layers.hc_pre`) spends ~80 tiny launches per
+The reference graph (`ds4mlx.kernels.hyper_connection_reference.hc_pre`) spends ~80 tiny launches per
 call (RMS norm, the [(2+n)n, n*d] projection, sigmoids, 20 Sinkhorn iterations on
 an n x n matrix, the collapse); at decode they dominate the token time.  The
 kernel does the whole call in one launch: one threadgroup per token accumulates the
@@ -15,8 +15,8 @@ Public API (all dispatch on ``backend`` / `ds4mlx.kernels.dispatch.backend()`)
 ``hc_mix(x, fn, base, scale, *, sinkhorn_iters, hc_eps, norm_eps)`` -> (pre, post, comb)  (V4.1)
 ``hc_head(x, fn, base, scale, *, hc_eps, norm_eps)``                 -> collapsed
 ``hc_post(x, out, post, comb)``                                     -> new streams
-with the shapes and dtypes of `ds4mlx.models.layers` (the reference face *is* those
-functions).
+with the shapes and dtypes of `ds4mlx.kernels.hyper_connection_reference` (the reference
+face *is* those functions; ``hc_collapse`` has no kernel and is re-exported from there).
 
 Bounds (tests/test_kernel_hyper_connection.py): mix differs from the reference by
 at most ``(K + 8) * 2**-23 * sum_k |fn_k y_k|`` (K = n*d terms in another order,
@@ -35,6 +35,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from ds4mlx.kernels import hyper_connection_reference as reference
+from ds4mlx.kernels.hyper_connection_reference import hc_collapse  # noqa: F401 (no kernel: the reference)
 from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, shared_sources
 
 SOURCE = METAL_DIR / "hyper_connection.metal"
@@ -94,9 +96,7 @@ def _self_test(face: str) -> bool:
 
 
 def _layers():
-    from ds4mlx.models import layers  # the reference face (imported late: layers imports this module)
-
-    return layers
+    return reference  # the reference face
 
 
 def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str):
@@ -137,7 +137,7 @@ def _fusable(x: mx.array) -> bool:
 
 def hc_pre(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkhorn_iters: int,
            hc_eps: float, norm_eps: float, backend: str | None = None):
-    """`ds4mlx.models.layers.hc_pre` in one launch on a GPU (same arguments and results)."""
+    """`ds4mlx.kernels.hyper_connection_reference.hc_pre` in one launch on a GPU (same arguments and results)."""
     face = _face(backend)
     if face == "reference" or not _fusable(x) or sinkhorn_iters < 1:
         return _layers().hc_pre(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
@@ -147,7 +147,7 @@ def hc_pre(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkho
 
 def hc_mix(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkhorn_iters: int,
            hc_eps: float, norm_eps: float, backend: str | None = None):
-    """`ds4mlx.models.layers.hc_mix` -> (pre, post, comb) in one launch on a GPU (no collapse)."""
+    """`ds4mlx.kernels.hyper_connection_reference.hc_mix` -> (pre, post, comb) in one launch on a GPU (no collapse)."""
     face = _face(backend)
     if face == "reference" or not _fusable(x) or sinkhorn_iters < 1:
         return _layers().hc_mix(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
@@ -157,7 +157,7 @@ def hc_mix(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkho
 
 def hc_head(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, hc_eps: float, norm_eps: float,
             backend: str | None = None) -> mx.array:
-    """`ds4mlx.models.layers.hc_head` in one launch on a GPU."""
+    """`ds4mlx.kernels.hyper_connection_reference.hc_head` in one launch on a GPU."""
     face = _face(backend)
     if face == "reference" or not _fusable(x):
         return _layers().hc_head(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps)
@@ -165,7 +165,7 @@ def hc_head(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, hc_ep
 
 
 def hc_post(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, *, backend: str | None = None) -> mx.array:
-    """`ds4mlx.models.layers.hc_post` in one launch on a GPU."""
+    """`ds4mlx.kernels.hyper_connection_reference.hc_post` in one launch on a GPU."""
     face = _face(backend)
     if face == "reference" or out.dtype != x.dtype or x.size == 0:
         return _layers().hc_post(x, out, post, comb)

@@ -20,7 +20,7 @@ or ``[n_tok, k, K]`` (one vector per selected expert: down); ``expert_ids`` is
 
 Three faces (see `ds4mlx.kernels.dispatch`): the reference face decodes blocks
 with MLX ops (bit-identical to `ds4mlx.quant.dequantize`) and multiplies in
-float32; the Metal face (``metal/quant_moe.metal``) and its CUDA twin (below,
+float32; the Metal face (``kernels/metal/quant_moe.metal``) and its CUDA twin (below,
 sharing the file's ``common`` / ``qmv`` / ``dequant`` sections verbatim) decode
 with the same float operations and accumulate in float32 per lane, then reduce
 over the 32 lanes of a SIMD group / warp.  The qmv layout (16-value slices per
@@ -31,9 +31,8 @@ Verified: the reference face on CPU (tests/test_quant_moe.py); the shared kernel
 text compiled with g++ (decoding bit-exact); the CUDA face on an H200 with MLX
 0.32.4 CUDA (``pytest -m gpu``: qmv within the float32 bound, dequant bit-exact,
 prefill, bfloat16).  The Metal face has not run yet (no Apple GPU here).
-The current qmv layout (H200, 2026-11-30: the 40 GPU tests pass) takes 42-73 µs
-per V4 Flash decode call, on par with MLX's affine gather_qmm at equal bits; the
-first version (one warp per row, uncoalesced x) took 143-170 µs (BENCHMARKS.md).
+Measured speeds of this qmv layout and of the first one, beside MLX's affine
+gather_qmm: BENCHMARKS.md, "Quantized-MoE decode kernel".
 Its launch constants (QMV_WARPS, QMV_ROWS_PER_WARP) were reasoned, not swept,
 and so is `QMV_MAX_PAIRS_AUTO`.
 """
@@ -45,7 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, sections
-from ds4mlx.quant import QT, as_qtype, iq2xxs_grid, iq2xxs_grid_u64, iq2xxs_sign_table, row_bytes
+from ds4mlx.quant import QT, as_qtype, iq2xxs_grid, iq2xxs_grid_u64, iq2xxs_sign_table, random_gguf_blocks, row_bytes
 
 SUPPORTED = (QT.Q8_0, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS)
 SOURCE = METAL_DIR / "quant_moe.metal"
@@ -164,7 +163,7 @@ def _tables():
     return (mx.array(iq2xxs_grid().astype(np.float32)), mx.array(iq2xxs_sign_table()))
 
 
-def _q4k_scale_min(s: mx.array):
+def q4k_scale_min(s: mx.array):
     lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = mx.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
     m = mx.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
@@ -190,7 +189,7 @@ def _decode_blocks(b: mx.array, qtype: QT) -> mx.array:
     if qtype == QT.Q4_K:
         d = _f16(b[..., 0], b[..., 1])[..., None]
         dmin = _f16(b[..., 2], b[..., 3])[..., None]
-        sc, m = _q4k_scale_min(b[..., 4:16])
+        sc, m = q4k_scale_min(b[..., 4:16])
         dl = (d * sc.astype(mx.float32))[..., None]
         ml = (dmin * m.astype(mx.float32))[..., None]
         qs = b[..., 16:144].reshape(*lead, 4, 1, 32)
@@ -251,8 +250,6 @@ def _face(backend: str | None, qtype: QT) -> str:
 def _self_test(face: str, qtype: QT) -> bool:
     """Both kernels of `qtype` on `face` against the reference on a tiny expert bank:
     decode mat-vec (shared and per-pair x, an odd row count) and dequantization (exact)."""
-    from ds4mlx.synthetic import random_gguf_blocks
-
     blocks = random_gguf_blocks(qtype, 3, 5, 512, seed=11)
     ids = mx.array([[0, 2], [1, 1]], dtype=mx.int32)
     ok = True

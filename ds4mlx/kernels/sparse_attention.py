@@ -27,7 +27,7 @@ first n are read).  Ring slot j holds position ``ring_last - ((ring_last - j) mo
 
 Three faces (see `ds4mlx.kernels.dispatch`): the reference face is MLX ops in float32
 (an oracle, not the model's plain path, which stays in deepseek_v4.py); the Metal face
-(``metal/sparse_attention.metal``) and its CUDA twin compile the same text.
+(``kernels/metal/sparse_attention.metal``) and its CUDA twin compile the same text.
 
 Exactness: scores and attention differ from float64 by rounding only (bounds in
 tests/test_kernel_sparse_attention.py).  The top-k is exact on its input; rows whose
@@ -95,9 +95,9 @@ def _face(backend: str | None) -> str:
 def model_face() -> str | None:
     """The face the model's fused attention path should use, or None for its plain path.
 
-    Opt-in (`DS4MLX_SPARSE_ATTENTION=1`): on the H200 (2026-11-30, BENCHMARKS.md) these
-    kernels were 0.2-0.6x the speed of the plain MLX graph (indexer + top-k and the
-    attention core), so the model keeps its plain path unless asked."""
+    Opt-in (`DS4MLX_SPARSE_ATTENTION=1`): measured slower than the plain MLX graph
+    (indexer + top-k and the attention core; BENCHMARKS.md, "Kernels"), so the model
+    keeps its plain path unless asked."""
     if FORCE_FACE is not None:
         return FORCE_FACE
     if os.environ.get("DS4MLX_SPARSE_ATTENTION", "") not in ("1", "true", "yes"):

@@ -21,12 +21,18 @@ import os
 import mlx.core as mx
 import numpy as np
 
+from .. import registry
+from ..quant import QuantizedTensor
 from ..session import Session
 
 
 def family_module(model_type: str):
-    """The module `ds4mlx.models.<model_type>` that defines ModelArgs and Model."""
-    return importlib.import_module(f"ds4mlx.models.{model_type}")
+    """The module `ds4mlx.models.<model_type>` that defines ModelArgs and Model, for a
+    `model_type` of the family registry (ValueError naming the known ones otherwise)."""
+    fam = registry.family_of(model_type)
+    if fam is None:
+        raise ValueError(f"unknown model_type {model_type!r} (known: {', '.join(registry.BY_MODEL_TYPE)})")
+    return importlib.import_module(fam.model_module(model_type))
 
 
 class LanguageModel:
@@ -40,11 +46,10 @@ class LanguageModel:
 
     @classmethod
     def from_config(cls, config: dict, weights: dict | None = None, dtype=None, strict: bool = True) -> "LanguageModel":
-        mod = family_module(config.get("model_type", "deepseek_v4"))
+        mod = family_module(config.get("model_type", registry.DEFAULT_FAMILY))
         args = mod.ModelArgs.from_dict(config)
         model = mod.Model(args)
         if weights is not None:
-            from ..weights import QuantizedTensor
             from .quantized import install_quantized, needs_install
 
             weights = {k: v if isinstance(v, (mx.array, QuantizedTensor)) else mx.array(v) for k, v in weights.items()}

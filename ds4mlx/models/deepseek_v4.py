@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import sparse_attention as _sparse
-from ..kernels.hyper_connection import hc_post  # fused on a GPU, layers.hc_post on the CPU
+from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .causal_lm import BaseModelArgs, CausalLM
 from .layers import (

@@ -56,6 +56,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels.hyper_connection import hc_collapse, hc_post  # hc_post fused on a GPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .causal_lm import BaseModelArgs, CausalLM
 from .deepseek_v4 import CompressorState, GroupedLinear
@@ -67,8 +68,6 @@ from .layers import (
     RoPE,
     SwitchGLU,
     default_inv_freq,
-    hc_collapse,
-    hc_post,
     route_weights,
     score_fn,
     topk_indices,

@@ -49,8 +49,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..kernels import quant_moe
-from ..quant import MLX_EXACT_TYPES, QT, as_qtype
-from ..weights import QuantizedTensor
+from ..quant import MLX_EXACT_TYPES, QT, QuantizedTensor, as_qtype
 from .layers import QuantizedSwitchLinear, SwitchLinear
 
 log = logging.getLogger("ds4mlx.quantized")
@@ -180,7 +179,7 @@ def _affine_mx(b: mx.array, qtype: QT):
         return lv, d, (d * -8.0 if qtype == QT.Q4_0 else _f16(b, 2)), 4
     if qtype == QT.Q4_K:
         d, dmin = _f16(b, 0)[..., None], _f16(b, 2)[..., None]
-        sc, m = quant_moe._q4k_scale_min(b[..., 4:16])
+        sc, m = quant_moe.q4k_scale_min(b[..., 4:16])
         qs = b[..., 16:144].reshape(R, -1, 4, 1, 32)
         lv = mx.concatenate([qs & 15, qs >> 4], axis=-2).reshape(R, -1)
         return lv, (d * sc.astype(mx.float32)).reshape(R, -1), (-(dmin * m.astype(mx.float32))).reshape(R, -1), 4

@@ -1,4 +1,4 @@
-"""Anthropic messages: engine events -> wire shapes (http-api.md §5).
+"""Anthropic messages: engine events -> wire shapes (docs/http-api.md §5).
 
 Streaming block rules: a thinking block opens with the first reasoning text
 and closes (with a `signature_delta` carrying the message id) when content or
@@ -30,7 +30,7 @@ def stop_reason(fin: Finish) -> str:
 
 
 def tool_input(arguments: str) -> dict:
-    from ..chat.dsml import call_input
+    from ..chat.families.deepseek_v4.dsml import call_input
 
     return call_input(arguments)
 

@@ -25,7 +25,7 @@ from ..events import Finish, PrefillProgress, Started
 from . import errors as E
 from . import sse
 from .anthropic import AnthropicAdapter
-from .build import ServeConfig, model_known, prepare, protocol_of
+from .prepare import ServeConfig, model_known, prepare, protocol_of
 from .completions import CompletionsAdapter
 from .jsonin import parse_body
 from .openai import ChatAdapter, RequestInfo, body_bytes

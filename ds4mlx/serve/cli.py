@@ -55,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_prefix_argument(p)
     add_steering_arguments(p)
-    # --kv-disk-dir and friends (kv-cache.md §8); the two tool-memory flags above are kept
-    from ..kvpolicy import add_kv_arguments
+    # --kv-disk-dir and friends (docs/kv-cache.md §8); the two tool-memory flags above are kept
+    from ..kv.policy import add_kv_arguments
 
     add_kv_arguments(p)
 
@@ -67,9 +67,9 @@ def build(args, loaded=None):
     from .. import load
     from ..chat.toolmemory import ToolMemory
     from ..engine import Engine
-    from ..kvpolicy import KVCacheOptions
+    from ..kv.policy import KVCacheOptions
     from .app import make_app
-    from .build import ServeConfig
+    from .prepare import ServeConfig
 
     log = logging.getLogger("ds4mlx.serve")
     kv = KVCacheOptions.from_args(args)
@@ -94,7 +94,7 @@ def build(args, loaded=None):
     memory = ToolMemory(max_ids=args.tool_memory_max_ids) if replay else None
     cache = None
     if kv.enabled:
-        from ..kvcache import DiskKVCache
+        from ..kv.cache import DiskKVCache
 
         cache = DiskKVCache.open(kv, model, ctx=args.ctx)
         log.info("%s", kv.describe())
@@ -157,7 +157,7 @@ SHUTDOWN_TIMEOUT_S = 600.0  # the engine's close waits this long for the shutdow
 
 
 def run(args, loaded=None) -> int:
-    from ..kvpolicy import KVCacheOptions
+    from ..kv.policy import KVCacheOptions
 
     try:
         KVCacheOptions.from_args(args)
@@ -176,6 +176,6 @@ def run(args, loaded=None) -> int:
         asyncio.run(_serve(app, args.host, args.port))
     finally:
         # SIGINT / SIGTERM end _serve; closing the engine runs the shutdown KV save
-        # (kv-cache.md §5.4) on its worker after the running job was cancelled.
+        # (docs/kv-cache.md §5.4) on its worker after the running job was cancelled.
         engine.close(timeout=SHUTDOWN_TIMEOUT_S)
     return 0

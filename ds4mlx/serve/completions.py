@@ -1,4 +1,4 @@
-"""OpenAI legacy completions: raw generated text (http-api.md §4)."""
+"""OpenAI legacy completions: raw generated text (docs/http-api.md §4)."""
 from __future__ import annotations
 
 from typing import Optional

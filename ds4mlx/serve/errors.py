@@ -4,7 +4,7 @@ OpenAI (chat, completions, Responses, models, unknown routes):
     {"error":{"message":MSG,"type":TYPE[,"param":P][,"code":C][,extra...]}}
 Anthropic (/v1/messages):
     {"type":"error","error":{"type":TYPE,"message":MSG[,extra...]}}
-(http-api.md §1.6; ds4 answers Anthropic requests in the OpenAI shape for most
+(docs/http-api.md §1.6; ds4 answers Anthropic requests in the OpenAI shape for most
 errors — our issue asks for the API's own shape, so /v1/messages errors use
 Anthropic's.)
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-# Exact protocol strings (http-api.md §1.6).
+# Exact protocol strings (docs/http-api.md §1.6).
 BAD_HTTP = "bad HTTP request"
 INVALID_JSON = "invalid JSON request"
 MISSING_MESSAGES = "missing messages"
@@ -65,10 +65,6 @@ def unknown_model(name: str) -> str:
     return f"The model `{name}` does not exist"
 
 
-def unknown_role(role: str) -> str:
-    return f"unknown role: {role}"
-
-
 def unknown_tool(name: str) -> str:
     return f"tool_choice names an unknown tool: {name}"
 
@@ -79,10 +75,6 @@ def context_exceeded(n_prompt: int, n_ctx: int) -> str:
 
 def context_exceeded_at_least(n_prompt: int, n_ctx: int) -> str:
     return f"Prompt has at least {n_prompt} tokens, but the configured context size is {n_ctx} tokens"
-
-
-def responses_tool_choice(value: str) -> str:
-    return f"tool_choice={value} not supported"
 
 
 RESPONSES_FORCED_TOOL_CHOICE = "forced tool_choice not supported"
@@ -152,7 +144,7 @@ def context_error(n_prompt: int, n_ctx: int, param: str, *, at_least: bool = Fal
                     extra={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
 
 
-# SSE error events after the stream started (http-api.md §1.6).
+# SSE error events after the stream started (docs/http-api.md §1.6).
 def sse_error_payload(api: str, message: str) -> dict:
     if api == "anthropic":
         return {"type": "error", "error": {"type": "api_error", "message": message}}

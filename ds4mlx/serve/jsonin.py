@@ -6,7 +6,7 @@ invalid UTF-8, malformed JSON, trailing garbage, NaN / Infinity, a field
 nested deeper than 256 levels (the body object itself not counted; checked before parsing, so a hostile body cannot
 exhaust the parser's stack), lone UTF-16 surrogates in strings or keys, and a
 top-level value that is not an object.  Duplicate keys: the last one wins.
-(ds4's hand-written parser is more lenient, http-api.md §1.3; the issue asks
+(ds4's hand-written parser is more lenient, docs/http-api.md §1.3; the issue asks
 for 4xx on these inputs.)
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""OpenAI chat completions: engine events -> wire shapes (http-api.md §3).
+"""OpenAI chat completions: engine events -> wire shapes (docs/http-api.md §3).
 
 Adapters share one interface (see app.py): `start(started)`, `event(ev)` and
 `finish(fin)` return SSE chunks for a stream; `body(fin)` returns the

@@ -1,6 +1,6 @@
 """Generation controls of a request body: sampling, limits, streaming flags.
 
-Which fields each API reads (http-api.md §3–6):
+Which fields each API reads (docs/http-api.md §3–6):
 
 | field                         | chat | completions | anthropic | responses |
 |-------------------------------|------|-------------|-----------|-----------|

@@ -1,4 +1,4 @@
-"""OpenAI Responses: engine events -> wire shapes (http-api.md §6).
+"""OpenAI Responses: engine events -> wire shapes (docs/http-api.md §6).
 
 Streaming: reasoning (only with `reasoning.summary` opted in) and message text
 stream live; tool calls are sent whole after generation; every event carries
@@ -74,7 +74,7 @@ class ResponsesAdapter:
             alias = self.info.tool_aliases.get(c.name)
             fc_id = _hex_id("fc_")
             if alias is not None and alias.hosted_tool_search:
-                from ..chat.dsml import call_input
+                from ..chat.families.deepseek_v4.dsml import call_input
 
                 items.append({"id": fc_id, "type": "tool_search_call", "status": status, "call_id": c.id,
                               "execution": "client", "arguments": call_input(c.arguments)})

@@ -1,4 +1,4 @@
-"""JSON output and Server-Sent Events framing (http-api.md §1.1, §1.3).
+"""JSON output and Server-Sent Events framing (docs/http-api.md §1.1, §1.3).
 
 `dumps` writes compact JSON with raw UTF-8 and ds4's escapes (`\\b`/`\\f` as
 `\\u0008`/`\\u000c`).  `SSEStream` owns one streaming response: it sends the

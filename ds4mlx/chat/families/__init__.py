@@ -1,1 +1,1 @@
-"""Chat protocols of the model families other than DeepSeek V4 (see chat/protocol.py)."""
+"""Chat protocols of each model family (see chat/protocol.py)."""

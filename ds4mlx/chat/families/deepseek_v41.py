@@ -1,7 +1,7 @@
 """DeepSeek V4.1 Flash (`deepseek_v41`): one merged `<｜System｜>` after BOS
 holding the reasoning effort and the tools, user-side turns welded with
 "\\n\\n" (tool results are `<tool_result>` blocks of the user turn, in call
-order), the spaced DSML spelling, numeric reasoning effort 1..100 (seed §3g
+order), the spaced DSML spelling, numeric reasoning effort 1..100 (docs/chat-families.md §2
 and the think-level paragraph).  The bytes are those of DeepSeek's V4.1
 `encoding.py` (`encode_messages`) as ds4 drives it; tests/test_protocol_deepseek_v41.py
 checks them against golden prompts rendered by that encoder
@@ -30,11 +30,11 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from .. import markers as M
-from ..dsml import parse_output
+from .deepseek_v4.dsml import parse_output
 from ..messages import Conversation, Message
-from ..output import OutputParser
+from .deepseek_v4.output import OutputParser
 from ..protocol import ChatProtocol, EffortError, register
-from . import _common as C
+from . import common as C
 
 SYSTEM = "<｜System｜>"
 SYN = M.DSML_SPACED

@@ -34,8 +34,8 @@ from typing import Any, Optional, Sequence
 from .. import markers as M
 from ..messages import Conversation
 from ..protocol import ChatProtocol, EffortError, register
-from . import _common as C
-from ._xmlcalls import CallSyntax, Scan, ThinkStyle, XmlOutputParser, is_partial, parse_xml_output, skip_ws
+from . import common as C
+from .xmlcalls import CallSyntax, Scan, ThinkStyle, XmlOutputParser, is_partial, parse_xml_output, skip_ws
 
 GMASK = "[gMASK]<sop>"
 SYSTEM = "<|system|>"

@@ -1,5 +1,5 @@
 """Qwen3.8 Flash Next (`qwen4_exp`): ChatML turns, XML-style tool calls, inline
-`<think>` (seed §3h; the template is tests/data/chat_templates/qwen4_exp.jinja).
+`<think>` (docs/chat-families.md §4; the template is tests/data/chat_templates/qwen4_exp.jinja).
 
 Prompt (the official template's output):
 
@@ -29,8 +29,8 @@ from typing import Any, Optional, Sequence
 from .. import markers as M
 from ..messages import Conversation
 from ..protocol import ChatProtocol, EffortError, register
-from . import _common as C
-from ._xmlcalls import CallSyntax, Scan, ThinkStyle, XmlOutputParser, is_partial, parse_xml_output, skip_ws
+from . import common as C
+from .xmlcalls import CallSyntax, Scan, ThinkStyle, XmlOutputParser, is_partial, parse_xml_output, skip_ws
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -267,7 +267,7 @@ class QwenProtocol(ChatProtocol):
 
     def parse(self, text: str, *, thinking: bool, tools_active: bool = True, truncated: bool = False,
               tool_schemas: Sequence[str] = ()):
-        from ._common import param_types
+        from .common import param_types
         out, _ = parse_xml_output(text, thinking=thinking, tools_active=tools_active, truncated=truncated,
                                   syntax=SYNTAX, think=THINK, types=param_types(tool_schemas))
         return out

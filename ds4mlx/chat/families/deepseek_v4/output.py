@@ -1,11 +1,11 @@
-"""Streaming projection of generated text into engine events (dsml.md §7, http-api.md §3).
+"""Streaming projection of generated text into engine events (docs/dsml.md §7, docs/http-api.md §3).
 
 The engine's decode loop feeds every sampled piece of text to an
-`OutputParser` (after the `StopMatcher`, which cuts at stop sequences) and
+`OutputParser` (after detok.StopMatcher, which cuts at stop sequences) and
 forwards the returned events.  The parser also tells the loop how to sample the
-next token (`structural`: greedy inside DSML structure, dsml.md §5.1) and when
+next token (`structural`: greedy inside DSML structure, docs/dsml.md §5.1) and when
 to stop (`stop_now`: right after the block CLOSE).  `finish()` runs the final
-parse (dsml.md §3), which stays authoritative, and emits whatever the stream
+parse (docs/dsml.md §3), which stays authoritative, and emits whatever the stream
 still owes so that the concatenated events agree with it.
 """
 from __future__ import annotations
@@ -14,13 +14,13 @@ import codecs
 import os
 from typing import Callable, Optional, Union
 
-from . import markers as M
-from .dsml import (_C_SPACE, JSON_STRUCTURAL, STRUCTURAL, DecodeTracker, ParsedOutput, _Fail, _entities,
-                   _is_partial, _parse_block, _parse_invoke, _skip_ws, attr, decode_entities, json_escape,
+from ... import markers as M
+from .dsml import (C_SPACE, JSON_STRUCTURAL, STRUCTURAL, DecodeTracker, ParsedOutput, ParseFail, entity_modes,
+                   is_partial_marker, parse_block, parse_invoke, skip_ws, attr, decode_entities, json_escape,
                    json_escape_fragment, parse_output, partial_open_at_tail)
-from ..events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from ....events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
-__all__ = ["OutputParser", "StopMatcher", "new_tool_id"]
+__all__ = ["OutputParser", "new_tool_id"]
 
 _THINK_HOLD = len(M.THINK_CLOSE) - 1  # ds4 holds the last 7 bytes of reasoning (a possible partial </think>)
 _TAIL = 64  # longer than any DSML tag
@@ -28,13 +28,13 @@ _TAIL = 64  # longer than any DSML tag
 
 def _rstrip_pos(raw: str, end: int, floor: int) -> int:
     """`end` moved back over trailing C whitespace, not below `floor`."""
-    while end > floor and raw[end - 1] in _C_SPACE:
+    while end > floor and raw[end - 1] in C_SPACE:
         end -= 1
     return max(end, floor)
 
 
 def new_tool_id(prefix: str = M.OPENAI_TOOL_ID_PREFIX, taken: Optional[Callable[[str], bool]] = None) -> str:
-    """`prefix` + 32 lowercase hex from os.urandom, retried while `taken(id)` (dsml.md §8)."""
+    """`prefix` + 32 lowercase hex from os.urandom, retried while `taken(id)` (docs/dsml.md §8)."""
     while True:
         tool_id = prefix + os.urandom(16).hex()
         if taken is None or not taken(tool_id):
@@ -63,44 +63,6 @@ def finish_call_events(events: list, calls, id_for, started, ended) -> None:
             events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
         elif i not in ended:
             events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
-
-
-class StopMatcher:
-    """Stop sequences on the raw generated text (http-api.md §2).
-
-    `feed(text) -> (safe_text, hit)`: text that can no longer start a match is
-    released; the last (longest stop - 1) characters are held.  On a hit the
-    output is cut at the earliest match and `hit` is True (finish `stop`).
-    `flush()` releases the held tail at the end of generation."""
-
-    def __init__(self, stops: Optional[list[str]] = None):
-        self.stops = [s for s in (stops or []) if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.buf = ""
-        self.hit = False
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        if self.hit:
-            return "", True
-        if not self.stops:
-            return text, False
-        buf = self.buf + text
-        best = -1
-        for s in self.stops:
-            p = buf.find(s)
-            if p >= 0 and (best < 0 or p < best):
-                best = p
-        if best >= 0:
-            self.buf = ""
-            self.hit = True
-            return buf[:best], True
-        keep = min(self.hold, len(buf))
-        self.buf = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep], False
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
 
 
 class OutputParser:
@@ -155,14 +117,14 @@ class OutputParser:
 
     @property
     def structural(self) -> bool:
-        """Sample the NEXT token greedily (inside DSML structure, dsml.md §5.1)."""
+        """Sample the NEXT token greedily (inside DSML structure, docs/dsml.md §5.1)."""
         tr = self._tracker
         return (tr is not None and not self.stop_now and not self._finished
                 and tr.state in (STRUCTURAL, JSON_STRUCTURAL))
 
     @property
     def decode_state(self) -> str:
-        """dsml.md §5.1 decode state of the next token (outside when tools are inactive)."""
+        """docs/dsml.md §5.1 decode state of the next token (outside when tools are inactive)."""
         tr = self._tracker
         return tr.state if tr is not None and not self.stop_now else "outside"
 
@@ -300,8 +262,8 @@ class OutputParser:
         False (nothing done) when the block has no parseable call."""
         raw = self.raw
         try:
-            calls, _ = _parse_block(raw, bs + len(tr.syn.open), tr.syn, self.entities)
-        except _Fail:
+            calls, _ = parse_block(raw, bs + len(tr.syn.open), tr.syn, self.entities)
+        except ParseFail:
             calls = []
         if not calls:
             return False
@@ -357,7 +319,7 @@ class OutputParser:
 
 
 class _Projection:
-    """ds4's live tool-call projection (dsml.md §7): OpenAI-style argument
+    """ds4's live tool-call projection (docs/dsml.md §7): OpenAI-style argument
     fragments emitted as the DSML arrives.  Any unexpected structure stops it
     silently; the final parse then fills in what was not streamed."""
 
@@ -373,7 +335,7 @@ class _Projection:
         self.invoke_pos = 0
         self.first = True
         self.is_string = False
-        self.entity_list = _entities(owner.entities, syn)
+        self.entity_list = entity_modes(owner.entities, syn)
         self.max_entity = max(len(e) for e in self.entity_list)
 
     def _delta(self, events: list, text: str) -> None:
@@ -414,7 +376,7 @@ class _Projection:
                     self._value(events, raw[self.pos:limit])
                     self.pos = limit
                 return
-            p = _skip_ws(raw, self.pos)
+            p = skip_ws(raw, self.pos)
             self.pos = p
             if p >= n:
                 return
@@ -423,7 +385,7 @@ class _Projection:
                     self.pos = p + len(syn.close)
                     self.state = "done"
                     return
-                if _is_partial(raw[p:p + _TAIL], (syn.close, syn.invoke)):
+                if is_partial_marker(raw[p:p + _TAIL], (syn.close, syn.invoke)):
                     return
                 if not raw.startswith(syn.invoke, p):
                     self.failed = True
@@ -451,9 +413,9 @@ class _Projection:
                 end = p + len(syn.invoke_close)
                 self._delta(events, "}")
                 try:
-                    call, _ = _parse_invoke(raw, self.invoke_pos, syn, o.entities)
+                    call, _ = parse_invoke(raw, self.invoke_pos, syn, o.entities)
                     args = call.arguments
-                except _Fail:
+                except ParseFail:
                     args = "{}"
                 events.append(ToolCallEnd(index=self.index, id=o._id_for(self.index), name=self.name,
                                           arguments=args))
@@ -462,7 +424,7 @@ class _Projection:
                 self.pos = end
                 self.state = "invokes"
                 continue
-            if _is_partial(raw[p:p + _TAIL], (syn.invoke_close, syn.param)):
+            if is_partial_marker(raw[p:p + _TAIL], (syn.invoke_close, syn.param)):
                 return
             if not raw.startswith(syn.param, p):
                 self.failed = True

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+from ..quant import random_gguf_blocks
+
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 
@@ -61,35 +63,10 @@ def named_experts(name: str, shape, std: float):
                            for i in range(0, e, EXPERT_CHUNK)])
 
 
-# Byte offsets of the float16 scale fields inside one block of each type: random
-# bytes there could be inf / NaN; a fixed small scale keeps the outputs finite.
-_F16_FIELDS = {"IQ2_XXS": (0,), "Q2_K": (80, 82), "Q4_K": (0, 2), "Q8_0": (0,)}
-
-
-def random_gguf_blocks(qtype, experts: int, rows: int, k: int, seed: int = 0):
-    """uint8 [experts, rows, row_bytes] GGUF blocks: random quants, every f16 scale 1/16."""
-    import mlx.core as mx
-
-    from .quant import as_qtype, block_size, row_bytes
-
-    qt = as_qtype(qtype)
-    elems, nbytes = block_size(qt)
-    chunks = []
-    for e0 in range(0, experts, EXPERT_CHUNK):  # a whole bank in one launch overflows the grid
-        e = min(EXPERT_CHUNK, experts - e0)
-        b = mx.random.randint(0, 256, (e, rows, k // elems, nbytes), key=mx.random.key(seed + e0)).astype(mx.uint8)
-        for off in _F16_FIELDS[qt.name]:
-            b[..., off] = 0x00
-            b[..., off + 1] = 0x2C  # float16 0.0625
-        chunks.append(b.reshape(e, rows, row_bytes(qt, k)))
-        mx.eval(chunks[-1])
-    return mx.concatenate(chunks)
-
-
 def _gguf_experts(module, seed: int) -> None:
     """Routed experts as ds4's 2-bit GGUF files store them: gate / up IQ2_XXS, down
     Q2_K, computed on the blocks by `kernels.quant_moe` (no float bank is ever made)."""
-    from .models.quantized import GGUFSwitchLinear, SplitSwitchLinear
+    from ..models.quantized import GGUFSwitchLinear, SplitSwitchLinear
 
     experts = getattr(getattr(module, "mlp", None), "experts", None)
     if experts is None:
@@ -141,7 +118,7 @@ def _quantize_experts(switch, bits: int):
     [256, 4096, 4096] bank in one mx.quantize call overflows a CUDA launch)."""
     import mlx.core as mx
 
-    from .models.layers import QuantizedSwitchLinear
+    from ..models.layers import QuantizedSwitchLinear
 
     e, out_dims, in_dims = switch.weight.shape
     parts = []
@@ -156,7 +133,7 @@ def _quantize_experts(switch, bits: int):
 def _quantize(module, expert_bits: int, other_bits: int) -> None:
     import mlx.nn as nn
 
-    from .models.layers import SwitchLinear
+    from ..models.layers import SwitchLinear
 
     experts = getattr(getattr(module, "mlp", None), "experts", None)
     if experts is not None:
@@ -188,8 +165,8 @@ def build_synthetic_v4_flash(layers: int | None = None, experts: int | None = No
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from .models.base import LanguageModel, family_module
-    from .tokenizer import Tokenizer
+    from ..models.base import LanguageModel, family_module
+    from ..tokenizer import Tokenizer
 
     cfg = v4_flash_config(layers or 43, experts or 256)
     cfg.update(overrides or {})

@@ -5,7 +5,7 @@ encodings, the records a parsed file yields (`Entry`, `Checkpoint`), and the
 parse / full verify / write of one file (`parse_file`, `check_header`,
 `read_file`, `write_file`).
 Pure Python, no MLX.  The directory of such files (listing, lookup, eviction,
-budget, sidecar metadata) is `kvstore.py`.
+budget, sidecar metadata) is `kv/store.py`.
 
 File format (all integers little-endian)::
 
@@ -28,11 +28,11 @@ File format (all integers little-endian)::
 File name: ``<sha1(key bytes) lower hex>.kv``; temporaries are
 ``<name>.tmp.<pid>``.
 
-Deviations from ds4 in the format (the store's are listed in kvstore.py):
+Deviations from ds4 in the format (the store's are listed in kv/store.py):
 
 * bytes 20..24 carry a model tag (first 4 bytes of SHA-1 of the model id,
   little-endian); ds4 leaves them 0.  With tag 0 the header is byte-identical
-  to ds4's (spec §3.1 capture, tested).
+  to ds4's (docs/kv-cache.md §3.1 capture, tested).
 * a 20-byte footer with CRC-32s: a flipped bit anywhere, a truncation or an
   append is detected; the file size must be exactly 52+K+P+T+20.
 """
@@ -68,7 +68,7 @@ FLAG_THINKING_VISIBLE = 1 << 2
 KEY_KINDS = {"token-text": 0, "responses-visible": FLAG_RESPONSES_VISIBLE,
              "thinking-visible": FLAG_THINKING_VISIBLE}
 
-_KV_NAME = re.compile(r"^[0-9a-fA-F]{40}\.kv$")
+KV_FILE_NAME = re.compile(r"^[0-9a-fA-F]{40}\.kv$")
 _CHUNK = 16 << 20
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -208,7 +208,7 @@ class Checkpoint:
         return pb[len(self.key_bytes):]
 
 
-class _Invalid(Exception):
+class InvalidCheckpoint(Exception):
     pass
 
 
@@ -255,12 +255,12 @@ def parse_file(path: str, sha: str, want) -> Entry:
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size < FIXED_SIZE + FOOTER_SIZE:
-            raise _Invalid(f"truncated ({size} bytes)")
+            raise InvalidCheckpoint(f"truncated ({size} bytes)")
         head = f.read(FIXED_SIZE)
         f.seek(size - FOOTER_SIZE)
         foot = f.read(FOOTER_SIZE)
     if len(head) != FIXED_SIZE or len(foot) != FOOTER_SIZE:
-        raise _Invalid("short read")
+        raise InvalidCheckpoint("short read")
     return check_header(head, size, foot, path, sha, want)
 
 
@@ -270,30 +270,30 @@ def check_header(head: bytes, size: int, foot: bytes, path: str, sha: str, want)
      _last, payload) = HEADER.unpack_from(head)
     (key_len,) = KEYLEN.unpack_from(head, HEADER_SIZE)
     if magic != MAGIC:
-        raise _Invalid("bad magic")
+        raise InvalidCheckpoint("bad magic")
     if version != VERSION:
-        raise _Invalid(f"version {version} != {VERSION}")
+        raise InvalidCheckpoint(f"version {version} != {VERSION}")
     if not 1 <= quant <= 32:
-        raise _Invalid(f"bad quant bits {quant}")
+        raise InvalidCheckpoint(f"bad quant bits {quant}")
     if tokens == 0:
-        raise _Invalid("zero tokens")
+        raise InvalidCheckpoint("zero tokens")
     if key_len == 0:
-        raise _Invalid("empty key")
+        raise InvalidCheckpoint("empty key")
     if tag != want.model_tag:
-        raise _Invalid(f"model tag {tag:#010x} != {want.model_tag:#010x}")
+        raise InvalidCheckpoint(f"model tag {tag:#010x} != {want.model_tag:#010x}")
     if quant != want.quant_bits and not want.cross_quant:
-        raise _Invalid(f"quant {quant} != {want.quant_bits}")
+        raise InvalidCheckpoint(f"quant {quant} != {want.quant_bits}")
     if ctx > want.ctx:
-        raise _Invalid(f"ctx {ctx} > {want.ctx}")
+        raise InvalidCheckpoint(f"ctx {ctx} > {want.ctx}")
     if tokens >= ctx:
-        raise _Invalid(f"tokens {tokens} >= ctx {ctx}")
+        raise InvalidCheckpoint(f"tokens {tokens} >= ctx {ctx}")
     fmagic, trailer_len, trailer_crc, file_crc = FOOTER.unpack(foot)
     if fmagic != FOOTER_MAGIC:
-        raise _Invalid("bad footer magic")
+        raise InvalidCheckpoint("bad footer magic")
     if size != file_size_for(key_len, payload, trailer_len):
-        raise _Invalid(f"size {size} != {file_size_for(key_len, payload, trailer_len)}")
+        raise InvalidCheckpoint(f"size {size} != {file_size_for(key_len, payload, trailer_len)}")
     if bool(flags & FLAG_TOOL_MAP) != (trailer_len > 0):
-        raise _Invalid("trailer flag / length mismatch")
+        raise InvalidCheckpoint("trailer flag / length mismatch")
     return Entry(sha=sha, path=path, quant_bits=quant,
                  reason_code=reason if reason < len(REASONS) else 0, flags=flags,
                  tokens=tokens, ctx=ctx, model_tag=tag, created_at=created,
@@ -307,7 +307,7 @@ def read_file(e: Entry, prompt: bytes | None, want) -> Checkpoint:
     with open_regular(e.path) as f:
         size = os.fstat(f.fileno()).st_size
         if size < FIXED_SIZE + FOOTER_SIZE:
-            raise _Invalid("truncated")
+            raise InvalidCheckpoint("truncated")
         head = f.read(FIXED_SIZE)
         crc = zlib.crc32(head)
         f.seek(size - FOOTER_SIZE)
@@ -316,27 +316,27 @@ def read_file(e: Entry, prompt: bytes | None, want) -> Checkpoint:
         f.seek(FIXED_SIZE)
         key = f.read(cur.key_bytes)
         if len(key) != cur.key_bytes:
-            raise _Invalid("short key")
+            raise InvalidCheckpoint("short key")
         crc = zlib.crc32(key, crc)
         if sha1_hex(key) != e.sha:
-            raise _Invalid("key does not hash to the file name")
+            raise InvalidCheckpoint("key does not hash to the file name")
         if prompt is not None and not prompt.startswith(key):
-            raise _Invalid("key is not a prefix of the prompt")
+            raise InvalidCheckpoint("key is not a prefix of the prompt")
         payload = f.read(cur.payload_bytes)
         if len(payload) != cur.payload_bytes:
-            raise _Invalid("short payload")
+            raise InvalidCheckpoint("short payload")
         mv = memoryview(payload)
         for i in range(0, len(mv), _CHUNK):
             crc = zlib.crc32(mv[i:i + _CHUNK], crc)
         trailer = f.read(cur.trailer_bytes)
         if len(trailer) != cur.trailer_bytes:
-            raise _Invalid("short trailer")
+            raise InvalidCheckpoint("short trailer")
         crc = zlib.crc32(trailer, crc)
         crc = zlib.crc32(foot[:16], crc)
     if zlib.crc32(trailer) != cur.trailer_crc:
-        raise _Invalid("trailer checksum mismatch")
+        raise InvalidCheckpoint("trailer checksum mismatch")
     if crc != cur.file_crc:
-        raise _Invalid("checksum mismatch")
+        raise InvalidCheckpoint("checksum mismatch")
     return Checkpoint(key_bytes=key, n_tokens=cur.tokens, payload=payload,
                       trailer=trailer or None, reason=cur.reason, flags=cur.flags,
                       quant_bits=cur.quant_bits, ctx=cur.ctx, hits=e.hits,

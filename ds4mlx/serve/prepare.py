@@ -3,7 +3,7 @@
 Runs off the event loop (tokenizing a long prompt takes a while).  Every
 refusal is an `APIError` (4xx) raised before the job is queued: request shape
 (chat/requests.py), model name, sampling controls, tool_choice, live
-tool-continuation ids, and the context check (http-api.md §1.6).
+tool-continuation ids, and the context check (docs/http-api.md §1.6).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Optional
 from ..chat import markers as M
 from ..chat.protocol import ChatProtocol, EffortError, get_protocol, request_effort
 from ..chat.requests import RequestError, parse_request, unreplayed_tool_result_ids
-from ..chat.template import live_tail
+from ..chat.families.deepseek_v4.template import live_tail
 from ..engine import Job
 from . import errors as E
 from .params import parse_controls

@@ -1,16 +1,16 @@
-"""DeepSeek V4 Flash prompt rendering (chat-template.md §4, §5).
+"""DeepSeek V4 Flash prompt rendering (docs/chat-template.md §4, §5).
 
 `render(conv)` is the one chat prompt renderer for every API; the legacy
 completions prompt and the live tool-continuation tail have their own entry
-points.  Contents are inserted verbatim except the two escapes of §6/§7.
+points.  Contents are inserted verbatim except the two escapes of docs/chat-template.md §6/§7.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from . import markers as M
+from ... import markers as M
 from .dsml import escape_tool_result, render_calls
-from .messages import Conversation, Message
+from ...messages import Conversation, Message
 
 __all__ = ["render", "render_completion", "render_continuation_tail", "tools_block",
            "uses_tool_context", "live_tail", "thinking_enabled"]
@@ -25,7 +25,7 @@ def thinking_enabled(mode: str) -> bool:
 
 
 def tools_block(schemas: Sequence[str]) -> str:
-    """The `## Tools` system text for the schema lines (chat-template.md §5); "" if none."""
+    """The `## Tools` system text for the schema lines (docs/chat-template.md §5); "" if none."""
     text = "\n".join(s for s in schemas if s)
     if not text:
         return ""
@@ -95,7 +95,7 @@ def _render_turns(out: list[str], messages: Sequence[Message], think: bool, keep
 
 
 def render(conv: Conversation, tool_memory=None) -> str:
-    """The full prompt for a chat request (chat-template.md §4.1, §4.2).
+    """The full prompt for a chat request (docs/chat-template.md §4.1, §4.2).
 
     `tool_memory` (a `ToolMemory`) enables exact replay of remembered DSML
     blocks for assistant tool calls that have no `raw_dsml` attached yet."""
@@ -122,14 +122,14 @@ def render(conv: Conversation, tool_memory=None) -> str:
 
 
 def render_completion(prompt: str, thinking: str = "high") -> str:
-    """Legacy /v1/completions prompt (chat-template.md §4.3)."""
+    """Legacy /v1/completions prompt (docs/chat-template.md §4.3)."""
     return (M.BOS + (M.THINK_MAX_PREFIX if thinking == "max" else "") + M.COMPLETION_SYSTEM
             + M.USER + prompt + M.ASSISTANT + (M.THINK_OPEN if thinking_enabled(thinking) else M.THINK_CLOSE))
 
 
 def render_continuation_tail(conv: Conversation, start: int, tool_memory=None) -> str:
-    """The live tool-continuation suffix (chat-template.md §4.5): EOS closing the
-    live tool-call turn, then messages[start:] rendered as in §4.2, with every
+    """The live tool-continuation suffix (docs/chat-template.md §4.5): EOS closing the
+    live tool-call turn, then messages[start:] rendered as in docs/chat-template.md §4.2, with every
     assistant message in the tail keeping `<think>reasoning</think>`."""
     out = [M.EOS]
     _render_turns(out, conv.messages[start:], thinking_enabled(conv.thinking), lambda i: True, tool_memory)

@@ -1,6 +1,6 @@
 """Micro-benchmark of the custom kernels against the plain MLX graph (run on a GPU).
 
-    python -m ds4mlx.kernels.bench_kernels [--layers 8] [--ctx 2560] [--gen 16] [--no-model]
+    python -m ds4mlx.bench.kernels [--layers 8] [--ctx 2560] [--gen 16] [--no-model]
                                            [--qmoe] [--expert-format mlx|gguf]
 
 Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, indexer
@@ -25,9 +25,7 @@ Kernels on / off is the ``DS4MLX_KERNELS`` switch of `ds4mlx.kernels.dispatch`
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from contextlib import contextmanager
 
 import mlx.core as mx
 
@@ -36,20 +34,10 @@ from ds4mlx.kernels import dispatch, hyper_connection as hck, sparse_attention a
 BATCH = 16
 
 
-@contextmanager
 def kernels(on: bool):
-    old = os.environ.get("DS4MLX_KERNELS")
-    if on:
-        os.environ.pop("DS4MLX_KERNELS", None)
-    else:
-        os.environ["DS4MLX_KERNELS"] = "reference"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("DS4MLX_KERNELS", None)
-        else:
-            os.environ["DS4MLX_KERNELS"] = old
+    """Kernels on (each launch picks its face by device, as the models do) or off (the
+    pure-MLX reference) for a block; DS4MLX_KERNELS is ignored inside."""
+    return dispatch.use_face(None if on else "reference")
 
 
 def timed(fn, iters: int) -> tuple[float, float]:
@@ -77,7 +65,7 @@ def row(name: str, plain, kern):
 
 
 def bench_hc(iters: int):
-    from ds4mlx.models import layers
+    from ds4mlx.kernels import hyper_connection_reference as reference
 
     n, d = 4, 4096
     k = (2 + n) * n
@@ -88,12 +76,12 @@ def bench_hc(iters: int):
         base, scale = mx.random.normal((k,)) * 0.1, mx.array([0.5, 1.0, 2.0])
         kw = dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
         mx.eval(x, fn, base, scale)
-        plain = timed(lambda: layers.hc_pre(x, fn, base, scale, **kw), iters)
+        plain = timed(lambda: reference.hc_pre(x, fn, base, scale, **kw), iters)
         kern = timed(lambda: hck.hc_pre(x, fn, base, scale, **kw, backend=dispatch.gpu_backend()), iters)
         row(f"hc_pre  T={nt} fn {'bf16' if wdt == mx.bfloat16 else 'f32'}", plain, kern)
         post, comb, coll = hck.hc_pre(x, fn, base, scale, **kw)
         mx.eval(post, comb, coll)
-        plain = timed(lambda: layers.hc_post(x, coll, post, comb), iters)
+        plain = timed(lambda: reference.hc_post(x, coll, post, comb), iters)
         kern = timed(lambda: hck.hc_post(x, coll, post, comb, backend=dispatch.gpu_backend()), iters)
         row(f"hc_post T={nt}", plain, kern)
 
@@ -182,7 +170,7 @@ def bench_qmoe(iters: int, experts: int = 256, hidden: int = 4096, inter: int = 
     ``sync`` is one call per eval, what an unfused decode step pays."""
     from ds4mlx.kernels import quant_moe
     from ds4mlx.quant import as_qtype, row_bytes
-    from ds4mlx.synthetic import random_gguf_blocks
+    from ds4mlx.quant import random_gguf_blocks
 
     face = face or dispatch.gpu_backend()
     import numpy as np
@@ -261,7 +249,7 @@ def bench_csa_layer(ctx: int, iters: int):
     """One CSA Attention module (random weights, 8-bit linears) decoding at `ctx`."""
     from ds4mlx.models.deepseek_v4 import CSA, Attention, LayerCache, ModelArgs
     from ds4mlx.models.layers import RoPE, attention_factor_from_params, inv_freq_from_params
-    from ds4mlx.synthetic import v4_flash_config
+    from ds4mlx.bench.synthetic import v4_flash_config
 
     ctx -= ctx % 4  # decode at a position that emits no compressed row: repeated steps keep the shapes
 
@@ -294,8 +282,8 @@ def bench_csa_layer(ctx: int, iters: int):
 
 
 def bench_model(layers: int, ctx: int, gen: int, expert_format: str = "mlx"):
-    from ds4mlx.bench import run_bench
-    from ds4mlx.synthetic import build_synthetic_v4_flash
+    from ds4mlx.bench.frontier import run_bench
+    from ds4mlx.bench.synthetic import build_synthetic_v4_flash
 
     model, tok, info = build_synthetic_v4_flash(layers=layers, expert_format=expert_format)
     print(f"synthetic V4 Flash, {layers} layers: {info}", flush=True)
@@ -324,9 +312,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     face = dispatch.gpu_backend()
     if face is None:
-        print("bench_kernels: no MLX GPU backend (the kernels only run on a GPU)")
+        print("ds4mlx.bench.kernels: no MLX GPU backend (the kernels only run on a GPU)")
         return 2
-    print(f"bench_kernels on {mx.default_device()} ({face})", flush=True)
+    print(f"ds4mlx.bench.kernels on {mx.default_device()} ({face})", flush=True)
     if a.qmoe:
         bench_qmoe(a.iters)
     if not a.no_micro:

@@ -1,7 +1,7 @@
 """DSML decode tracker: the streaming recognizer of tool-call block structure.
 
 Forgiving structural recognizer for greedy sampling and stop-at-CLOSE
-(dsml.md §5.1): `DecodeTracker` and its decode states, `scan_block`, and the
+(docs/dsml.md §5.1): `DecodeTracker` and its decode states, `scan_block`, and the
 block-OPEN searches (`earliest_open`, `partial_open_at_tail`) that the final
 parser (dsml.py) and the streaming output parser (output.py) share.
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
 
-from . import markers as M
-from .dsml_lex import _skip_ws, attr
-from .markers import DsmlSyntax
+from ... import markers as M
+from .dsml_lex import skip_ws, attr
+from ...markers import DsmlSyntax
 
 OUTSIDE, STRUCTURAL, STRING_BODY, JSON_STRUCTURAL, JSON_STRING = (
     "outside", "structural", "string_body", "json_structural", "json_string")
@@ -48,7 +48,7 @@ def partial_open_at_tail(text: str, start: int, syntaxes: Sequence[DsmlSyntax] =
     return -1
 
 
-def _is_partial(tail: str, lits: Iterable[str]) -> bool:
+def is_partial_marker(tail: str, lits: Iterable[str]) -> bool:
     return any(len(tail) < len(lit) and lit.startswith(tail) for lit in lits)
 
 
@@ -60,7 +60,7 @@ class DecodeTracker:
     inside tags), string (inside a string="true" value), json (inside another
     value), done (block CLOSE reached; `block_end` set), stuck (text that is
     not DSML where a tag was expected; `stuck_at` set).  The caller decides what
-    to do after done/stuck (usually `restart`).  `state` is the dsml.md §5.1
+    to do after done/stuck (usually `restart`).  `state` is the docs/dsml.md §5.1
     decode state of the next token.
 
     Differences from ds4's tracker (all make it follow the final parser more
@@ -69,7 +69,7 @@ class DecodeTracker:
     parameters) is tracked as structure, and a stray parameter close between
     parameters is skipped; garbage is reported as `stuck` instead of staying
     STRUCTURAL forever.  `syntaxes`: the block spellings searched for (default:
-    the V4 spellings, dsml.md §1)."""
+    the V4 spellings, docs/dsml.md §1)."""
 
     def __init__(self, start: int = 0, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES):
         self.syntaxes = syntaxes
@@ -111,7 +111,7 @@ class DecodeTracker:
                 continue
             syn = self.syn
             if mode == "struct":
-                p = _skip_ws(raw, self.pos)
+                p = skip_ws(raw, self.pos)
                 self.pos = p
                 if p >= n:
                     self.state = STRUCTURAL
@@ -144,7 +144,7 @@ class DecodeTracker:
                             self._in_str = self._esc = False
                             self._fresh = True
                     continue
-                if _is_partial(raw[p:p + 64], (syn.close, syn.invoke_close, syn.param_close, syn.invoke, syn.param)):
+                if is_partial_marker(raw[p:p + 64], (syn.close, syn.invoke_close, syn.param_close, syn.invoke, syn.param)):
                     self.state = STRUCTURAL
                     return
                 self.mode = "stuck"
@@ -163,7 +163,7 @@ class DecodeTracker:
                 return
             # json value
             if self._fresh:
-                p = _skip_ws(raw, self.pos)
+                p = skip_ws(raw, self.pos)
                 if p >= n:
                     self.state = JSON_STRUCTURAL
                     return
@@ -171,7 +171,7 @@ class DecodeTracker:
                     self.pos = p
                     self.mode = "struct"
                     continue
-                if _is_partial(raw[p:p + 64], (syn.param,)):
+                if is_partial_marker(raw[p:p + 64], (syn.param,)):
                     self.state = STRUCTURAL
                     return
                 self._fresh = False
@@ -188,7 +188,7 @@ class DecodeTracker:
                 elif c == "<":
                     if raw.startswith(close, pos):
                         break
-                    if _is_partial(raw[pos:pos + 64], (close,)):
+                    if is_partial_marker(raw[pos:pos + 64], (close,)):
                         self.pos = pos
                         self.state = STRUCTURAL if n - pos >= 2 else JSON_STRUCTURAL
                         return

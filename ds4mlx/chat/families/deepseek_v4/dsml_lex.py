@@ -8,23 +8,23 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from . import markers as M
-from .markers import DsmlSyntax
+from ... import markers as M
+from ...markers import DsmlSyntax
 
 _FULL = M.DSML_FULL
 
-_C_SPACE = " \t\n\v\f\r"  # C isspace() in the "C" locale
+C_SPACE = " \t\n\v\f\r"  # C isspace() in the "C" locale
 
 
-def _skip_ws(s: str, i: int) -> int:
+def skip_ws(s: str, i: int) -> int:
     n = len(s)
-    while i < n and s[i] in _C_SPACE:
+    while i < n and s[i] in C_SPACE:
         i += 1
     return i
 
 
-def _rstrip_ws(s: str) -> str:
-    return s.rstrip(_C_SPACE)
+def rstrip_ws(s: str) -> str:
+    return s.rstrip(C_SPACE)
 
 
 # =============================================================================
@@ -50,7 +50,7 @@ def decode_entities(s: str, mode: str = "all", syn: DsmlSyntax = _FULL) -> str:
     raise ValueError(f"unknown entity mode {mode!r}")
 
 
-def _entities(mode: str, syn: DsmlSyntax) -> tuple[str, ...]:
+def entity_modes(mode: str, syn: DsmlSyntax) -> tuple[str, ...]:
     if mode == "all":
         return tuple(e for e, _ in M.DSML_ENTITIES)
     return (M.PARAM_CLOSE_TEXT_ESCAPE + syn.param_close[1:],)

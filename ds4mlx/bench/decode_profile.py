@@ -30,8 +30,8 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
     """-> {"families_ms": {family: ms per token}, "step_ms": measured, "detail_us": {...}}"""
     import mlx.core as mx
 
-    from .models.layers import hc_post
-    from .sampling import GREEDY, Sampler, SamplingParams
+    from ..kernels.hyper_connection import hc_post
+    from ..sampling import GREEDY, Sampler, SamplingParams
 
     inner = model.model  # the family Model (LanguageModel.model)
     args = inner.args
@@ -51,7 +51,7 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
         kind = args.layer_types[i]
         if kind in per_type:
             continue
-        cache = session._cache[i]
+        cache = session.caches[i]
 
         def attn(layer=layer, cache=cache):
             off = cache.offset

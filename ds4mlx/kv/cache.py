@@ -1,7 +1,7 @@
-"""The disk KV cache wired into the engine (kv-cache.md §2 steps 8–10, §5, §6).
+"""The disk KV cache wired into the engine (docs/kv-cache.md §2 steps 8–10, §5, §6).
 
-`DiskKVCache` implements the engine's `CacheHooks` with `kvstore.KVStore`
-(files) and `kvpolicy` (when to save).  Every hook runs on the engine's worker
+`DiskKVCache` implements the engine's `CacheHooks` with `kv.store.KVStore`
+(files) and `kv.policy` (when to save).  Every hook runs on the engine's worker
 thread, where the session's MLX stream lives, so `snapshot()` / `restore()`
 are safe there.  The engine reuses the live in-memory session first
 (steps 1–7); the disk is consulted only on a full live miss.
@@ -46,7 +46,7 @@ Debugging: `stats()` (hits, misses, stores per reason, times) is served by
 `ds4mlx serve` at `GET /v1/ds4mlx/stats` next to the engine counters
 (`prefill_tokens`: prompt tokens actually evaluated).
 
-`python -m ds4mlx.kvcache bench` measures snapshot / store / lookup + restore
+`python -m ds4mlx.bench.kv bench` measures snapshot / store / lookup + restore
 against a re-prefill (BENCHMARKS.md).
 """
 from __future__ import annotations
@@ -61,15 +61,14 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from .engine import CacheHooks
-from .kvpolicy import (ContinuedFrontier, KVCacheOptions, cold_save_point, evict_save_len, open_store,
+from ..chat import markers as M
+from ..engine import CacheHooks
+from .policy import (ContinuedFrontier, KVCacheOptions, cold_save_point, evict_save_len, open_store,
                        shutdown_save_len)
-from .kvstore import KVStore
+from .store import KVStore
 
 log = logging.getLogger("ds4mlx.kvcache")
 
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
 _COLD_BACKOFF = 16  # tokens a cold cut may move back to end on a UTF-8 character boundary
 
 
@@ -121,8 +120,8 @@ def model_identity(model) -> str:
     """A stable id of this model configuration: config (or args) + weights file
     identity + loaded float type + the session snapshot format (+ the directional
     steering, when one is installed)."""
-    from . import session as _session
-    from .steering import identity as steering_identity
+    from .. import session as _session
+    from ..steering import identity as steering_identity
 
     fields = {"config": _config_blob(model), "weights": _weights_identity(getattr(model, "path", None)),
               "dtype": _first_float_dtype(model), "snapshot": [_session.MAGIC.hex(), _session.VERSION]}
@@ -302,7 +301,7 @@ class DiskKVCache(CacheHooks):
         if not ok:
             log.warning("kv cache load failed %s: %s", cp.path, why)
             self.store.discard(cp)
-            engine._reset_session()
+            engine.reset_session()
             with self._lock:
                 self._stats.load_failures += 1
             return None
@@ -328,7 +327,7 @@ class DiskKVCache(CacheHooks):
         self._cold = None
         tk = engine.tokenizer
         ids = getattr(tk, "special_ids", {}) or {}
-        cs = cold_save_point(effective, self.opt, user_id=ids.get(USER), assistant_id=ids.get(ASSISTANT))
+        cs = cold_save_point(effective, self.opt, user_id=ids.get(M.USER), assistant_id=ids.get(M.ASSISTANT))
         if cs is None:
             return 0
         n = cs.n_tokens
@@ -369,80 +368,3 @@ class DiskKVCache(CacheHooks):
     def on_shutdown(self, engine) -> None:
         if shutdown_save_len(len(engine.session), self.opt) is not None:
             self._save(engine, "shutdown", visible=True)
-
-
-# ---------------------------------------------------------------- benchmark
-
-def bench(lengths: Sequence[int], model_path: Optional[str] = None, directory: Optional[str] = None,
-          chunk: int = 512) -> list[dict]:
-    """Per prompt length: cold prefill time vs snapshot + store and lookup +
-    restore time (fresh session), plus the checkpoint size.  Uses the demo model
-    when `model_path` is None."""
-    import tempfile
-
-    import mlx.core as mx
-    import numpy as np
-
-    from . import load
-
-    model, tok = load(model_path)
-    text = open(os.path.join(os.path.dirname(__file__), "data", "bench_text.txt"), encoding="utf-8").read()
-    base = tok.encode(text)
-    out = []
-    for n in lengths:
-        ids = (base * (n // max(1, len(base)) + 1))[:n]
-        ctx = n + 1024
-        with tempfile.TemporaryDirectory(dir=directory) as d:
-            store = KVStore(d, 1 << 40, model_identity(model), routed_expert_bits(model), ctx, 1)
-            s = model.new_session(ctx, chunk=chunk)
-            t0, c0 = time.perf_counter(), time.process_time()
-            s.prefill(ids)
-            prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-            key = tok.decode_bytes(ids)
-            t0 = time.perf_counter()
-            payload = s.snapshot()
-            snap_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            store.store(key, n, payload, "cold")
-            store_s = time.perf_counter() - t0
-            r = model.new_session(ctx, chunk=chunk)
-            t0 = time.perf_counter()
-            cp = store.lookup(key + b" more")
-            lookup_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            r.restore(cp.payload)
-            mx.eval(r._cache_arrays())  # the restored state is materialised
-            restore_s = time.perf_counter() - t0
-            exact = bool(np.array_equal(r.last_logits, s.last_logits)) and r.tokens == s.tokens
-            out.append({"tokens": n, "prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s, "snapshot_s": snap_s,
-                        "store_s": store_s,
-                        "lookup_s": lookup_s, "restore_s": restore_s, "file_mib": os.path.getsize(cp.path) / 2**20,
-                        "exact": exact})
-    return out
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m ds4mlx.kvcache", description="disk KV cache tools")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", help="restore time vs re-prefill time")
-    b.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
-    b.add_argument("-m", "--model", default=None, help="model (default: the demo model)")
-    b.add_argument("--dir", default=None, help="where to put the temporary store")
-    b.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512, as ds4mlx serve)")
-    args = p.parse_args(argv)
-    print("| prompt tokens | re-prefill s (CPU s) | snapshot s | store s | lookup s | restore s | lookup+restore s "
-          "| speed-up | file MiB | exact |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
-    for r in bench(args.tokens, args.model, args.dir, args.chunk):
-        load_s = r["lookup_s"] + r["restore_s"]
-        print(f"| {r['tokens']:,} | {r['prefill_s']:.2f} ({r['prefill_cpu_s']:.1f}) | {r['snapshot_s']:.3f} | "
-              f"{r['store_s']:.3f} | "
-              f"{r['lookup_s']:.3f} | {r['restore_s']:.3f} | {load_s:.3f} | {r['prefill_s'] / load_s:.0f}x | "
-              f"{r['file_mib']:.1f} | {'yes' if r['exact'] else 'NO'} |", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -301,7 +301,7 @@ def normalize_config(raw: dict) -> dict:
     return c
 
 
-def _f32(x: float) -> float:
+def to_f32(x: float) -> float:
     """Shortest decimal that round-trips through float32 (GGUF float keys are f32)."""
     import numpy as np
 
@@ -369,7 +369,7 @@ def config_to_gguf_kv(cfg: dict) -> list[tuple[str, object, str]]:
             (f"{a}.rope.scaling.yarn_beta_slow", float(comp.get("beta_slow", 1.0)), "f32"),
         ]
     # Fields the ds4 keys cannot carry exactly go into one JSON override.
-    derived = config_from_gguf_kv({k: (_f32(v) if t == "f32" else ([_f32(x) for x in v] if t == "arr_f32" else v))
+    derived = config_from_gguf_kv({k: (to_f32(v) if t == "f32" else ([to_f32(x) for x in v] if t == "arr_f32" else v))
                                    for k, v, t in kv}, apply_overrides=False)
     overrides = {k: c[k] for k in CONFIG_FIELDS if k in c and derived.get(k) != c[k]}
     if overrides:

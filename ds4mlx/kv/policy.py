@@ -1,4 +1,4 @@
-"""When to write disk KV checkpoints (spec kv-cache.md §5, §8): pure functions
+"""When to write disk KV checkpoints (docs/kv-cache.md §5, §8): pure functions
 and one small frontier tracker; no MLX, no I/O (except `open_store`).
 
 The engine calls (see each function's docstring):
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .kvstore import (DEFAULT_BOUNDARY_ALIGN_TOKENS, DEFAULT_BOUNDARY_TRIM_TOKENS,
+from .store import (DEFAULT_BOUNDARY_ALIGN_TOKENS, DEFAULT_BOUNDARY_TRIM_TOKENS,
                       DEFAULT_BUDGET_MB, DEFAULT_COLD_MAX_TOKENS,
                       DEFAULT_CONTINUED_INTERVAL_TOKENS, DEFAULT_MIN_TOKENS,
                       HIT_HALF_LIFE_SECONDS, KVStore)
@@ -83,7 +83,7 @@ class KVCacheOptions:
                                                DEFAULT_TOOL_MEMORY_MAX_IDS))
 
     def describe(self) -> str:
-        """ds4's startup line (spec §8)."""
+        """ds4's startup line (docs/kv-cache.md §8)."""
         return (f"KV disk cache {self.disk_dir} (budget={self.budget_bytes >> 20} MiB, "
                 f"cross-quant={'accept' if self.cross_quant else 'reject'}, "
                 f"min={self.min_tokens}, cold_max={self.cold_max_tokens}, "
@@ -96,7 +96,7 @@ def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
 
 
 def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
-    """The disk KV cache flags (spec §8; `--kv-cache-budget-mb` per the issue,
+    """The disk KV cache flags (docs/kv-cache.md §8; `--kv-cache-budget-mb` per the issue,
     ds4's `--kv-disk-space-mb` kept as an alias).  The tool-memory flags
     `--disable-exact-dsml-tool-replay` / `--tool-memory-max-ids` are added
     only when the parser does not already have them."""

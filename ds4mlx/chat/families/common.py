@@ -18,7 +18,6 @@ from ..messages import Conversation, ToolCall
 
 _SYSTEM_ROLES = ("system", "developer")
 _TOOL_ROLES = ("tool", "function")
-_C_SPACE = " \t\n\v\f\r"
 
 
 def tojson(v: Any) -> str:
@@ -138,6 +137,3 @@ def param_types(schemas: Sequence[str]) -> dict[str, dict[str, Any]]:
             out[name] = {k: (v.get("type") if isinstance(v, dict) else None) for k, v in props.items()}
     return out
 
-
-def strip_ws(s: str) -> str:
-    return s.strip(_C_SPACE)

@@ -1,12 +1,12 @@
-"""On-disk KV checkpoints: the disk KV cache (spec kv-cache.md §3, §4, §6, §7).
+"""On-disk KV checkpoints: the disk KV cache (docs/kv-cache.md §3, §4, §6, §7).
 
 Pure Python, no MLX: the store moves opaque session payloads (whatever
 `Session.snapshot()` produced) and optional opaque trailers (the KTM tool-id
 map) in and out of files; the engine does the snapshot / restore and decides
-*when* to save (see `kvpolicy.py`).
+*when* to save (see `kv/policy.py`).
 
 File format, naming, the records of one file and its parse / verify / write:
-`kvformat.py` (its names are re-exported here).  This module is the store: a
+`kv/fileformat.py` (its names are re-exported here).  This module is the store: a
 directory of such files, lookup, eviction scoring against the budget, and the
 sidecar metadata.  Files are immutable after the rename: hit counts and
 last-use times live in the sidecar ``kvmeta.json`` (atomically replaced), bound
@@ -38,11 +38,12 @@ import zlib
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Union
 
-# The file format's names, re-exported so `kvstore.X` keeps working (the tests use several).
-from .kvformat import (FIXED_SIZE, FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE,  # noqa: F401
+# The file format's names, re-exported so `kv.store.X` works (the tests use several).
+from .fileformat import (FIXED_SIZE, FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE,  # noqa: F401
                        FLAG_TOOL_MAP, FOOTER, FOOTER_MAGIC, FOOTER_SIZE, HEADER, HEADER_SIZE,
                        KEY_KINDS, KEYLEN, MAGIC, REASON_CODES, REASONS, VERSION, Buffer, Checkpoint,
-                       Entry, Text, _Invalid, _KV_NAME, check_header, file_size_for, model_tag, open_regular,
+                       Entry, Text, InvalidCheckpoint, KV_FILE_NAME, check_header, file_size_for, model_tag,
+                       open_regular,
                        pack_header, parse_file, read_file, reason_code, reason_name, sha1_hex,
                        to_bytes, write_file)
 
@@ -204,7 +205,7 @@ class KVStore:
             names = []
         seen = set()
         for name in names:
-            if not _KV_NAME.match(name):
+            if not KV_FILE_NAME.match(name):
                 if name != META_NAME and not _TMP_NAME.match(name):
                     self._skip_once(name, "not a checkpoint name")
                 continue
@@ -212,7 +213,7 @@ class KVStore:
             sha = name[:40].lower()
             try:
                 e = parse_file(path, sha, self)
-            except _Invalid as why:
+            except InvalidCheckpoint as why:
                 self._delete(path, sha, f"rejected: {why}")
                 continue
             except FileNotFoundError:
@@ -248,7 +249,7 @@ class KVStore:
             try:
                 read_file(entry, None, self)
                 return True
-            except _Invalid as why:
+            except InvalidCheckpoint as why:
                 self._delete(entry.path, entry.sha, f"rejected: {why}")
                 return False
             except OSError:
@@ -299,7 +300,7 @@ class KVStore:
                 t0 = time.perf_counter()
                 try:
                     cp = read_file(e, pb, self)
-                except _Invalid as why:
+                except InvalidCheckpoint as why:
                     self._delete(e.path, e.sha, f"load failed: {why}")
                     continue
                 except OSError as exc:

@@ -33,7 +33,7 @@ def frontiers(start: int, stop: int, step_incr: int | None, step_mul: float | No
 
 def bench_tokens(tokenizer, n: int, text_path: str | None = None) -> list[int]:
     """The first n tokens of the benchmark text, cycled as often as needed."""
-    path = Path(text_path) if text_path else Path(__file__).parent / "data" / "bench_text.txt"
+    path = Path(text_path) if text_path else Path(__file__).resolve().parents[1] / "data" / "bench_text.txt"
     ids = tokenizer.encode(path.read_text(encoding="utf-8"))
     if not ids:
         raise ValueError(f"{path} tokenizes to nothing")
@@ -229,7 +229,7 @@ def run(args) -> int:
         label = f"synthetic V4 Flash ({info['layers']} layers, experts {info['expert_bits']})"
         print(f"ds4mlx bench: {label}: {info}", file=sys.stderr)
     else:
-        from .loader import load
+        from ..loader import load
 
         model, tokenizer = load(args.model)
         label = Path(getattr(model, "path", args.model or "demo")).name

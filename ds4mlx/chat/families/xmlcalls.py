@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 from .. import markers as M
-from ..dsml import ParsedCall, ParsedOutput, json_escape, minify_json
-from ..output import finish_call_events, tool_id_for
+from .deepseek_v4.dsml import ParsedCall, ParsedOutput, json_escape, minify_json
+from .deepseek_v4.output import finish_call_events, tool_id_for
 from ...events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
-from ._common import param_types
+from .common import param_types
 
 _WS = " \t\n\v\f\r"
 

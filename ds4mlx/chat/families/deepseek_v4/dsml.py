@@ -1,9 +1,9 @@
 """DSML: JSON text helpers, canonical rendering of tool calls, and the final parser.
 
-* Rendering (chat-template.md §6, §7): `render_calls`, `escape_tool_result`.
-* Final parse of a finished generation (dsml.md §2-4, §6): `parse_output`.
+* Rendering (docs/chat-template.md §6, §7): `render_calls`, `escape_tool_result`.
+* Final parse of a finished generation (docs/dsml.md §2-4, §6): `parse_output`.
 * Forgiving structural recognizer for greedy sampling and stop-at-CLOSE
-  (dsml.md §5.1): `DecodeTracker`, which lives in dsml_tracker.py (whitespace,
+  (docs/dsml.md §5.1): `DecodeTracker`, which lives in dsml_tracker.py (whitespace,
   entities and attributes in dsml_lex.py) and is re-exported here.
 
 Strings are Python `str`; positions are character indices.
@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from json.decoder import scanstring
 from typing import Optional, Sequence
 
-from . import markers as M
+from ... import markers as M
 # The lexical primitives and the tracker are re-exported: output.py, toolmemory.py
 # and the tests import them from here.
-from .dsml_lex import _C_SPACE, _entities, _rstrip_ws, _skip_ws, attr, decode_entities  # noqa: F401
+from .dsml_lex import C_SPACE, entity_modes, rstrip_ws, skip_ws, attr, decode_entities  # noqa: F401
 from .dsml_tracker import (JSON_STRING, JSON_STRUCTURAL, OUTSIDE, STRING_BODY, STRUCTURAL,  # noqa: F401
-                           DecodeTracker, _is_partial, earliest_open, partial_open_at_tail, scan_block)
-from .markers import DsmlSyntax
+                           DecodeTracker, is_partial_marker, earliest_open, partial_open_at_tail, scan_block)
+from ...markers import DsmlSyntax
 
 __all__ = [
     "ParsedCall", "ParsedOutput", "parse_output", "render_calls", "escape_tool_result",
@@ -36,7 +36,7 @@ __all__ = [
 # JSON text helpers
 # =============================================================================
 
-# http-api.md §1.3: '"' '\\' LF CR TAB escaped, other bytes < 0x20 as \u00xx, the rest raw.
+# docs/http-api.md §1.3: '"' '\\' LF CR TAB escaped, other bytes < 0x20 as \u00xx, the rest raw.
 _ESCAPE_TABLE = {c: "\\u%04x" % c for c in range(0x20)}
 _ESCAPE_TABLE.update({ord('"'): '\\"', ord("\\"): "\\\\", ord("\n"): "\\n",
                       ord("\r"): "\\r", ord("\t"): "\\t"})
@@ -90,7 +90,7 @@ def minify_json(text: str) -> Optional[str]:
 
     Trailing bytes after that value are dropped (as ds4's minifier does); None if
     no valid value starts there."""
-    i = _skip_ws(text, 0)
+    i = skip_ws(text, 0)
     try:
         _, end = _DECODER.raw_decode(text, i)
     except (ValueError, RecursionError):
@@ -106,20 +106,20 @@ def parse_flat_object(text: str) -> Optional[list[tuple[str, str, bool]]]:
     members are optional, a trailing comma and bytes after `}` are accepted.
     None if `text` is not an object."""
     n = len(text)
-    i = _skip_ws(text, 0)
+    i = skip_ws(text, 0)
     if i >= n or text[i] != "{":
         return None
-    i = _skip_ws(text, i + 1)
+    i = skip_ws(text, i + 1)
     members: list[tuple[str, str, bool]] = []
     try:
         while i < n and text[i] != "}":
             if text[i] != '"':
                 return None
             key, i = scanstring(text, i + 1, False)
-            i = _skip_ws(text, i)
+            i = skip_ws(text, i)
             if i >= n or text[i] != ":":
                 return None
-            i = _skip_ws(text, i + 1)
+            i = skip_ws(text, i + 1)
             if i < n and text[i] == '"':
                 value, i = scanstring(text, i + 1, False)
                 members.append((key, value, True))
@@ -127,9 +127,9 @@ def parse_flat_object(text: str) -> Optional[list[tuple[str, str, bool]]]:
                 _, end = _DECODER.raw_decode(text, i)
                 members.append((key, _minify_slice(text[i:end]), False))
                 i = end
-            i = _skip_ws(text, i)
+            i = skip_ws(text, i)
             if i < n and text[i] == ",":
-                i = _skip_ws(text, i + 1)
+                i = skip_ws(text, i + 1)
     except (ValueError, RecursionError):
         return None
     if i >= n:
@@ -138,7 +138,7 @@ def parse_flat_object(text: str) -> Optional[list[tuple[str, str, bool]]]:
 
 
 def call_input(arguments_json: str) -> dict:
-    """The arguments of a parsed call as a JSON object (Anthropic `input`, dsml.md §6)."""
+    """The arguments of a parsed call as a JSON object (Anthropic `input`, docs/dsml.md §6)."""
     try:
         obj = json.loads(arguments_json)
     except ValueError:
@@ -147,7 +147,7 @@ def call_input(arguments_json: str) -> dict:
 
 
 # =============================================================================
-# Rendering (chat-template.md §6, §7)
+# Rendering (docs/chat-template.md §6, §7)
 # =============================================================================
 
 _FULL = M.DSML_FULL
@@ -198,13 +198,13 @@ def render_calls(calls: Sequence) -> str:
 
 
 # =============================================================================
-# Final parser (dsml.md §2-4, §6)
+# Final parser (docs/dsml.md §2-4, §6)
 # =============================================================================
 
 @dataclass
 class ParsedCall:
     name: str
-    arguments_json: str  # OpenAI-style compact JSON object text (dsml.md §6)
+    arguments_json: str  # OpenAI-style compact JSON object text (docs/dsml.md §6)
     raw_dsml: str = ""  # the invoke's exact text
     id: str = ""  # call_/toolu_ + 32 hex, assigned by OutputParser.finish
 
@@ -230,14 +230,14 @@ class ParsedOutput:
     recovered: bool = False  # block inside an unclosed think block executed (forward recovery)
 
 
-class _Fail(Exception):
+class ParseFail(Exception):
     def __init__(self, unterminated: bool):
         super().__init__("unterminated" if unterminated else "invalid")
         self.unterminated = unterminated
 
 
 def _value_json(members: list) -> Optional[str]:
-    """dsml.md §6 re-serialization of parsed members; None if a JSON value is invalid."""
+    """docs/dsml.md §6 re-serialization of parsed members; None if a JSON value is invalid."""
     parts = []
     for key, kind, value in members:
         if kind == "string":
@@ -245,7 +245,7 @@ def _value_json(members: list) -> Optional[str]:
         elif kind == "object":
             v = _value_json(value)
         else:
-            v = "null" if not value.strip(_C_SPACE) else minify_json(value)
+            v = "null" if not value.strip(C_SPACE) else minify_json(value)
         if v is None:
             return None
         parts.append(json_escape(key) + ":" + v)
@@ -255,16 +255,16 @@ def _value_json(members: list) -> Optional[str]:
 def _leaf(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[tuple[str, str, object], int]:
     gt = text.find(">", pos)
     if gt < 0:
-        raise _Fail(True)
+        raise ParseFail(True)
     tag = text[pos:gt + 1]
     name = attr(tag, "name")
     kind = attr(tag, "string")
     if name is None:
-        raise _Fail(False)
+        raise ParseFail(False)
     vstart = gt + 1
     vend = text.find(syn.param_close, vstart)
     if vend < 0:
-        raise _Fail(True)
+        raise ParseFail(True)
     raw = text[vstart:vend]
     if (kind if kind is not None else "true") == "true":
         member = (name, "string", decode_entities(raw, entities, syn))
@@ -273,45 +273,45 @@ def _leaf(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[tuple[st
     return member, vend + len(syn.param_close)
 
 
-def _parse_invoke(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[ParsedCall, int]:
+def parse_invoke(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[ParsedCall, int]:
     """Parse one invoke starting at `pos` (at the invoke prefix)."""
     n = len(text)
     start = pos
     gt = text.find(">", pos)
     if gt < 0:
-        raise _Fail(True)
+        raise ParseFail(True)
     name = attr(text[pos:gt + 1], "name")
     if name is None:
-        raise _Fail(False)
+        raise ParseFail(False)
     pos = gt + 1
     members: list = []
     while True:
-        pos = _skip_ws(text, pos)
+        pos = skip_ws(text, pos)
         if text.startswith(syn.invoke_close, pos):
             pos += len(syn.invoke_close)
             break
         if not text.startswith(syn.param, pos):
-            raise _Fail(_is_partial(text[pos:], (syn.invoke_close, syn.param)) or pos >= n)
+            raise ParseFail(is_partial_marker(text[pos:], (syn.invoke_close, syn.param)) or pos >= n)
         gt = text.find(">", pos)
         if gt < 0:
-            raise _Fail(True)
+            raise ParseFail(True)
         tag = text[pos:gt + 1]
         pname = attr(tag, "name")
         pkind = attr(tag, "string")
         if pname is None:
-            raise _Fail(False)
+            raise ParseFail(False)
         vstart = gt + 1
-        if pkind is None and text.startswith(syn.param, _skip_ws(text, vstart)):
+        if pkind is None and text.startswith(syn.param, skip_ws(text, vstart)):
             nested = []
             p = vstart
             while True:
-                p = _skip_ws(text, p)
+                p = skip_ws(text, p)
                 if not text.startswith(syn.param, p):
                     break
                 member, p = _leaf(text, p, syn, entities)
                 nested.append(member)
             members.append((pname, "object", nested))
-            p2 = _skip_ws(text, p)
+            p2 = skip_ws(text, p)
             pos = p2 + len(syn.param_close) if text.startswith(syn.param_close, p2) else p
             continue
         member, pos = _leaf(text, pos, syn, entities)
@@ -320,21 +320,21 @@ def _parse_invoke(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[
     return ParsedCall(name=name, arguments_json=args if args is not None else "{}", raw_dsml=text[start:pos]), pos
 
 
-def _parse_block(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[list[ParsedCall], int]:
+def parse_block(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[list[ParsedCall], int]:
     """Parse invokes from `pos` (right after OPEN) through CLOSE; returns (calls, end)."""
     n = len(text)
     calls: list[ParsedCall] = []
     while True:
-        pos = _skip_ws(text, pos)
+        pos = skip_ws(text, pos)
         if text.startswith(syn.close, pos):
             return calls, pos + len(syn.close)
         if not text.startswith(syn.invoke, pos):
-            raise _Fail(pos >= n or _is_partial(text[pos:], (syn.close, syn.invoke)))
-        call, pos = _parse_invoke(text, pos, syn, entities)
+            raise ParseFail(pos >= n or is_partial_marker(text[pos:], (syn.close, syn.invoke)))
+        call, pos = parse_invoke(text, pos, syn, entities)
         calls.append(call)
 
 
-# --- truncation repair (our extension, dsml.md §12 / the issue) ----------------
+# --- truncation repair (our extension, docs/dsml.md §12 / the issue) ----------------
 
 def _close_json(value: str) -> str:
     """Best-effort completion of a truncated JSON value: close the string, then brackets."""
@@ -360,7 +360,7 @@ def _close_json(value: str) -> str:
             out = out[:-1]
         out += '"'
     else:
-        out = out.rstrip(_C_SPACE + ",")
+        out = out.rstrip(C_SPACE + ",")
         if out.endswith(":"):
             out += "null"
     return out + "".join(reversed(stack))
@@ -387,9 +387,9 @@ def repair_block(block: str, syn: DsmlSyntax) -> Optional[str]:
         return "\n".join(tags + [syn.close])
 
     while True:
-        pos = _skip_ws(block, pos)
+        pos = skip_ws(block, pos)
         if pos >= n:
-            return _rstrip_ws(block) + "\n" + closing()
+            return rstrip_ws(block) + "\n" + closing()
         if block.startswith(syn.close, pos):
             return None  # not truncated
         if block.startswith(syn.invoke_close, pos):
@@ -403,21 +403,21 @@ def repair_block(block: str, syn: DsmlSyntax) -> Optional[str]:
             continue
         is_param = block.startswith(syn.param, pos)
         if not is_param and not block.startswith(syn.invoke, pos):
-            if _is_partial(block[pos:], (syn.close, syn.invoke_close, syn.param_close, syn.invoke, syn.param)):
-                return _rstrip_ws(block[:pos]) + "\n" + closing()
+            if is_partial_marker(block[pos:], (syn.close, syn.invoke_close, syn.param_close, syn.invoke, syn.param)):
+                return rstrip_ws(block[:pos]) + "\n" + closing()
             return None
         gt = block.find(">", pos)
         if gt < 0:  # incomplete tag: drop it
-            return _rstrip_ws(block[:pos]) + "\n" + closing()
+            return rstrip_ws(block[:pos]) + "\n" + closing()
         if not is_param:
             stack.append("invoke")
             pos = gt + 1
             continue
         kind = attr(block[pos:gt + 1], "string")
         vstart = gt + 1
-        after = _skip_ws(block, vstart)
+        after = skip_ws(block, vstart)
         if kind is None and (block.startswith(syn.param, after) or
-                             (after < n and _is_partial(block[after:], (syn.param,)))):
+                             (after < n and is_partial_marker(block[after:], (syn.param,)))):
             stack.append("outer")
             pos = vstart
             continue
@@ -458,7 +458,7 @@ _SPELLING_RANK = {syn.name: i for i, syn in enumerate(M.DSML_SYNTAXES)}
 
 def _choose_block(text: str, start: int, truncated: bool, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES):
     """The block the final parse reads: among the complete blocks, ds4's search
-    order (dsml.md §2: full, short, plain spelling; per spelling "\n\n"+OPEN
+    order (docs/dsml.md §2: full, short, plain spelling; per spelling "\n\n"+OPEN
     before a bare OPEN; then position).  With none complete: the unterminated
     last block when truncated (repair), else ds4's first candidate (which fails).
     With other `syntaxes` their order is the spelling rank."""
@@ -516,17 +516,17 @@ def _failed(text: str, truncated: bool, unterminated: bool) -> ParsedOutput:
 def _parse_at(text: str, start: int, open_pos: int, syn: DsmlSyntax, truncated: bool, entities: str):
     """Parse the block at open_pos; returns (calls, raw_dsml, repaired) or a failure ParsedOutput."""
     try:
-        calls, end = _parse_block(text, open_pos + len(syn.open), syn, entities)
+        calls, end = parse_block(text, open_pos + len(syn.open), syn, entities)
         return calls, text[start:end], False
-    except _Fail as f:
+    except ParseFail as f:
         if not (f.unterminated and truncated):
             return _failed(text, truncated, f.unterminated)
         fixed = repair_block(text[open_pos:], syn)
         if fixed is None:
             return _failed(text, truncated, True)
         try:
-            calls, end = _parse_block(fixed, len(syn.open), syn, entities)
-        except _Fail:
+            calls, end = parse_block(fixed, len(syn.open), syn, entities)
+        except ParseFail:
             return _failed(text, truncated, True)
         return calls, text[start:open_pos] + fixed[:end], True
 
@@ -580,7 +580,7 @@ def parse_output(text: str, *, thinking: bool, tools_active: bool = True, trunca
     if isinstance(got, ParsedOutput):
         return got
     calls, raw, repaired = got
-    content = _rstrip_ws(text[region:start])
+    content = rstrip_ws(text[region:start])
     return ParsedOutput(content=content, reasoning=text[body:rend] if thinking else None, calls=calls,
                         raw_dsml=raw, finish="tool_calls" if calls else _finish(truncated), repaired=repaired)
 
@@ -608,7 +608,7 @@ def _recover_in_think(text: str, body: int, truncated: bool, entities: str,
         got = _parse_at(text, start, open_pos, syn, truncated, entities)
         if not isinstance(got, ParsedOutput) and got[0]:
             calls, raw, repaired = got
-            return ParsedOutput(content="", reasoning=_rstrip_ws(text[body:start]), calls=calls, raw_dsml=raw,
+            return ParsedOutput(content="", reasoning=rstrip_ws(text[body:start]), calls=calls, raw_dsml=raw,
                                 finish="tool_calls", repaired=repaired, recovered=True)
         if status == "open":
             return None

@@ -1,0 +1,54 @@
+"""The model families ds4mlx serves, in one table that every stage picking by family reads:
+the model graph (models/base.py), the chat protocol (chat/protocol.py), the GGUF names
+(gguf_families/: one `Family` table per family keyed like this one; DeepSeek V4's names are
+the module gguf_families/deepseek_v4.py) and the demo models (demo.py).
+
+Modules are named, not imported: this table imports nothing of ds4mlx, so any stage can read
+it without pulling in the others.  A new family is one row here plus its modules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    key: str
+    # config `model_type` values this family serves (the first is its own; `*_text` is the
+    # text model of a multimodal config, built by models/<model_type>.py too)
+    model_types: tuple[str, ...]
+    # the module that registers the family's ChatProtocol
+    chat_module: str
+    # the demo model's format: "gguf" (written with ds4's names) or "hf" (a Hugging Face folder
+    # built from the model module's DEMO_CONFIG)
+    demo_format: str
+
+    def model_module(self, model_type: str | None = None) -> str:
+        """The module of `model_type` (default: the family's own) that defines ModelArgs and Model."""
+        return f"ds4mlx.models.{model_type or self.model_types[0]}"
+
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily("deepseek_v4", ("deepseek_v4",), "ds4mlx.chat.families.deepseek_v4.protocol", "gguf"),
+    ModelFamily("deepseek_v41", ("deepseek_v41",), "ds4mlx.chat.families.deepseek_v41", "hf"),
+    ModelFamily("glm_moe_dsa", ("glm_moe_dsa",), "ds4mlx.chat.families.glm", "hf"),
+    ModelFamily("glm5_next", ("glm5_next", "glm5_next_text"), "ds4mlx.chat.families.glm", "hf"),
+    ModelFamily("qwen4_exp", ("qwen4_exp", "qwen4_exp_text"), "ds4mlx.chat.families.qwen", "hf"),
+)
+DEFAULT_FAMILY = "deepseek_v4"
+
+BY_KEY = {f.key: f for f in FAMILIES}
+BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+
+
+def family(key: str) -> ModelFamily:
+    """The family of a registry key (ValueError naming the known ones otherwise)."""
+    fam = BY_KEY.get(key)
+    if fam is None:
+        raise ValueError(f"unknown model family {key!r} (known: {', '.join(BY_KEY)})")
+    return fam
+
+
+def family_of(model_type: str | None) -> ModelFamily | None:
+    """The family serving a config `model_type` (None: not one of ours)."""
+    return BY_MODEL_TYPE.get(model_type) if model_type else None
