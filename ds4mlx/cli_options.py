@@ -73,3 +73,11 @@ def conversation_head(system: str, prefix: list) -> list:
     from .chat.messages import Message
 
     return ([Message("system", system)] if system else []) + list(prefix)
+
+
+def sampling_params(args):
+    """The sampler settings of the flags."""
+    from .sampling import SamplingParams
+
+    temp = 1.0 if args.temp is None else args.temp
+    return SamplingParams(temperature=temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)

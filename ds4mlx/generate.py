@@ -17,7 +17,7 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .cli_options import (UsageError, add_prefix_argument, add_steering_arguments, conversation_head,
+from .cli_options import (UsageError, sampling_params, add_prefix_argument, add_steering_arguments, conversation_head,
                           install_steering, load_prefix, read_text_file)
 from .events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd
 from .think_flags import add_think_arguments
@@ -53,14 +53,6 @@ def add_chat_arguments(p) -> None:
     src.add_argument("--prompt-file", metavar="FILE", help="send FILE's text first, then go on interactively")
     _common(p)
     p.add_argument("--no-markdown", action="store_true", help="print answers as plain text (no rich Markdown)")
-
-
-def sampling_params(args):
-    """The sampler settings of the flags."""
-    from .sampling import SamplingParams
-
-    temp = 1.0 if args.temp is None else args.temp
-    return SamplingParams(temperature=temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
 
 
 def _load(args, console):

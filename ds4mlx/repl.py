@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.markdown import Markdown
 
+from .chat.markers import THINK_CLOSE, THINK_OPEN
 from .events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd
 from .think_flags import THINK_MAX_MIN_CONTEXT, ThinkError, describe, parse_level, resolve
 
@@ -287,7 +288,7 @@ class Repl:
     def turn(self, text: str) -> TurnResult:
         from .chat.messages import Message
         from .engine import Job
-        from .generate import sampling_params
+        from .cli_options import sampling_params
 
         args = self.args
         thinking = self.mode()
@@ -432,7 +433,7 @@ class _AnswerPrinter:
     def feed(self, ev) -> None:
         if isinstance(ev, ReasoningDelta):
             if not self.in_reasoning:
-                self.out.print("<think>", style="dim", end="", markup=False, highlight=False)
+                self.out.print(THINK_OPEN, style="dim", end="", markup=False, highlight=False)
                 self.in_reasoning = True
             self.out.print(ev.text, style="dim", end="", markup=False, highlight=False)
             return
@@ -456,7 +457,7 @@ class _AnswerPrinter:
 
     def _end_reasoning(self) -> None:
         if self.in_reasoning:
-            self.out.print("</think>", style="dim", markup=False, highlight=False)
+            self.out.print(THINK_CLOSE, style="dim", markup=False, highlight=False)
             self.in_reasoning = False
 
     def _flush_live(self) -> None:

@@ -1,5 +1,5 @@
 """Directional steering: a runtime edit of each decoder layer's attention and FFN
-outputs along one direction per layer (antirez/ds4 dir-steering/README.md,
+outputs along one direction per layer (the dir-steering README of antirez/ds4,
 ds4.c `cpu_directional_steering_project_rows`):
 
     y = y - scale * v[layer] * dot(v[layer], y)

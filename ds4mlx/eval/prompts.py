@@ -56,7 +56,7 @@ class Prompt:
     system: str
     user: str
     thinking: bool = True
-    think_max: bool = False  # the Think Max prefix after BOS (chat-template.md §3)
+    think_max: bool = False  # the Think Max prefix after BOS (docs/chat-template.md §3)
     think_level: Optional[int] = None  # a V4.1 effort level, sent to an endpoint as reasoning_effort
 
     @property

@@ -96,7 +96,7 @@ def format_record(r: TraceRecord, case: Optional[dict[str, Any]] = None) -> str:
 
 
 class TraceWriter:
-    """Writes a trace without ever losing a completed record (EVAL_BEHAVIOR.md §9).
+    """Writes a trace without ever losing a completed record (docs/eval.md §9).
 
     `create` replaces the file atomically (temporary file, fsync, rename) with the
     header only, keeping a non-empty old file as FILE.prev; `resume` (--retry-incomplete) appends to the existing file and never
