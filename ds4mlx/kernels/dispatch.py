@@ -173,7 +173,7 @@ class Kernel:
 #   ds4_warp_sum(f)              sum over the 32 lanes of a SIMD group / warp
 #   ds4_warp_barrier()           SIMD-group barrier (with threadgroup memory ordering)
 #   ds4_tg_barrier()             threadgroup barrier
-#   ds4_exp, ds4_rsqrt, ds4_fmax, ds4_float_bits, DS4_NEG_INF
+#   ds4_exp, ds4_rsqrt, ds4_fmax, ds4_float_bits, ds4_as_float (bits -> float), DS4_NEG_INF
 # and, from the index section, the 1-D threadgroup coordinates
 #   tid (thread in threadgroup), lane = tid % 32, warp = tid / 32, tgx, tgy, tgz
 # (threadgroup position in the grid).  Grids are given in threads (Metal's
@@ -196,6 +196,7 @@ inline float ds4_exp(float x) { return metal::precise::exp(x); }
 inline float ds4_rsqrt(float x) { return metal::precise::rsqrt(x); }
 inline float ds4_fmax(float a, float b) { return metal::fmax(a, b); }
 inline uint32_t ds4_float_bits(float f) { return as_type<uint32_t>(f); }
+inline float ds4_as_float(uint32_t u) { return as_type<float>(u); }
 """,
     "cuda": r"""
 #define DS4_FN __device__ __forceinline__
@@ -216,6 +217,7 @@ __device__ __forceinline__ float ds4_exp(float x) { return expf(x); }
 __device__ __forceinline__ float ds4_rsqrt(float x) { return rsqrtf(x); }
 __device__ __forceinline__ float ds4_fmax(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ uint32_t ds4_float_bits(float f) { return __float_as_uint(f); }
+__device__ __forceinline__ float ds4_as_float(uint32_t u) { return __uint_as_float(u); }
 """,
 }
 
