@@ -78,6 +78,7 @@ const uint32_t nthreads = uint32_t(WARPS) * 32u;
 
 float acc[RPW];
 uint32_t prow[RPW];
+#pragma unroll
 for (int i = 0; i < RPW; ++i) {
     acc[i] = 0.0f;
     uint32_t o = orow0 + uint32_t(MODE == 1 ? (i % OPW) : i);
@@ -110,6 +111,7 @@ for (int j = 0; j < NJ; ++j) {
     ds4_tg_barrier();
 
     const uint64_t ebase = uint64_t(e) * uint64_t(N_ROWS);
+    #pragma unroll
     for (int it = 0; it < NIT; ++it) {
         const uint32_t c = uint32_t(it) * uint32_t(LANES) + kl;
         if (c >= uint32_t(CHUNKS)) {
@@ -118,6 +120,7 @@ for (int j = 0; j < NJ; ++j) {
         uint32_t wv[RPW][4];
         float sc[RPW][NSEG];
         float bi[RPW][NSEG];
+        #pragma unroll
         for (int i = 0; i < RPW; ++i) {
             const uint64_t r = ebase + uint64_t(prow[i]);
             const uint4 v = ((const DS4_DEV uint4*)(w + r * uint64_t(WPR)))[c];
@@ -125,6 +128,7 @@ for (int j = 0; j < NJ; ++j) {
             wv[i][1] = v.y;
             wv[i][2] = v.z;
             wv[i][3] = v.w;
+            #pragma unroll
             for (int s = 0; s < NSEG; ++s) {
                 const uint64_t g = r * uint64_t(GPR) + uint64_t((c * uint32_t(VPL) + uint32_t(s * SEG)) / uint32_t(GS));
                 sc[i][s] = static_cast<float>(scales[g]);
@@ -132,16 +136,20 @@ for (int j = 0; j < NJ; ++j) {
             }
         }
         const uint32_t xbase = uint32_t(it) * uint32_t(VPL / 4) * uint32_t(LANES) + kl;
+        #pragma unroll
         for (int s = 0; s < NSEG; ++s) {
             float tsum[RPW];
+            #pragma unroll
             for (int i = 0; i < RPW; ++i) {
                 tsum[i] = 0.0f;
             }
             float sxp = 0.0f;   // sum of x' over the segment
             float sx = 0.0f;    // sum of x
+            #pragma unroll
             for (int ww = 0; ww < WPS; ++ww) {
                 const int wi = s * WPS + ww;      // word of the chunk
                 float xv[VPW];
+                #pragma unroll
                 for (int q = 0; q < VPW / 4; ++q) {
                     const float4 a = xs[xbase + uint32_t(wi * (VPW / 4) + q) * uint32_t(LANES)];
                     xv[4 * q + 0] = a.x;
@@ -149,16 +157,20 @@ for (int j = 0; j < NJ; ++j) {
                     xv[4 * q + 2] = a.z;
                     xv[4 * q + 3] = a.w;
                 }
+                #pragma unroll
                 for (int v = 0; v < VPW; ++v) {
                     sxp += xv[v];
                     sx += xv[v] * (1.0f / float(1 << (SW - (v % LPS) * BITS)));
                 }
+                #pragma unroll
                 for (int i = 0; i < RPW; ++i) {
                     const uint32_t word = wv[i][wi];
+                    #pragma unroll
                     for (int b = 0; b < SPW; ++b) {
                         // slab b (bits b*SW .. b*SW+SW-1) to bits 23-SW .. 22
                         const int sh = (23 - SW) - b * SW;
                         const uint32_t slab = sh >= 0 ? (word << uint32_t(sh)) : (word >> uint32_t(-sh));
+                        #pragma unroll
                         for (int f = 0; f < LPS; ++f) {
                             const uint32_t bits = 0x3F800000u | (slab & (LMASK << uint32_t(23 - SW + f * BITS)));
                             tsum[i] += ds4_as_float(bits) * xv[b * LPS + f];
@@ -166,6 +178,7 @@ for (int j = 0; j < NJ; ++j) {
                     }
                 }
             }
+            #pragma unroll
             for (int i = 0; i < RPW; ++i) {
                 acc[i] += wj * (sc[i][s] * (tsum[i] - sxp) + bi[i][s] * sx);
             }
@@ -174,6 +187,7 @@ for (int j = 0; j < NJ; ++j) {
 }
 
 // reduce: lanes, then the KSPLIT warps of a warp row
+#pragma unroll
 for (int i = 0; i < RPW; ++i) {
     const float v = ds4_warp_sum(acc[i]);
     if (lane == 0u) {
@@ -187,6 +201,7 @@ if (tid < uint32_t(WROWS * OPW)) {
     const uint32_t orow = (tgy * uint32_t(WROWS) + wr) * uint32_t(OPW) + i;
     float a = 0.0f;
     float u = 0.0f;
+    #pragma unroll
     for (int ks = 0; ks < KSPLIT; ++ks) {
         const uint32_t wsrc = wr * uint32_t(KSPLIT) + uint32_t(ks);
         a += red[wsrc * uint32_t(RPW) + i];

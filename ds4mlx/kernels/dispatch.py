@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -34,6 +35,21 @@ UNVERIFIED_FACES = ("metal",)
 
 log = logging.getLogger("ds4mlx.kernels")
 _self_tests: dict[tuple[str, str], bool] = {}
+_forced: list[str] = []   # `forced_face` stack: wins over DS4MLX_KERNELS
+
+
+@contextmanager
+def forced_face(face: str):
+    """Within the block every automatic launch uses `face` (no self-test), e.g.
+    'reference' to time the plain graph in the same process (bench_kernels): a
+    process-wide switch, not an environment variable."""
+    if face not in BACKENDS:
+        raise ValueError(f"face must be one of {BACKENDS}, got {face!r}")
+    _forced.append(face)
+    try:
+        yield
+    finally:
+        _forced.pop()
 
 
 def gpu_backend() -> str | None:
@@ -55,6 +71,8 @@ def gpu_backend() -> str | None:
 def backend(device=None) -> str:
     """The face to run on `device` (an ``mx.Device`` or ``mx.cpu`` / ``mx.gpu``;
     default: MLX's default device)."""
+    if _forced:
+        return _forced[-1]
     forced = os.environ.get("DS4MLX_KERNELS", "").strip().lower()
     if forced:
         if forced not in BACKENDS:
@@ -80,7 +98,7 @@ def auto_face(kernel: str, self_test) -> str:
     it compares the face with the reference on a small input) and does not: then
     'reference', with a warning.  A face forced by DS4MLX_KERNELS is not tested."""
     face = backend()
-    if face == "reference" or os.environ.get("DS4MLX_KERNELS", "").strip() or not _wants_self_test(face):
+    if face == "reference" or _forced or os.environ.get("DS4MLX_KERNELS", "").strip() or not _wants_self_test(face):
         return face
     key = (kernel, face)
     ok = _self_tests.get(key)
