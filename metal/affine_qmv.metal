@@ -92,6 +92,32 @@ for (int j = 0; j < NJ; ++j) {
     const uint32_t e = uint32_t(eids[pj]);
     const float wj = MODE == 2 ? wts[pj] : 1.0f;
     const DS4_DEV T* xp = x + uint64_t(xrow) * uint64_t(K_DIM);
+    // this thread's weights, scales and biases first: their loads are in flight
+    // while the threadgroup stages x
+    const uint64_t ebase = uint64_t(e) * uint64_t(N_ROWS);
+    uint32_t wv[NIT][RPW][4];
+    float sc[NIT][RPW][NSEG];
+    float bi[NIT][RPW][NSEG];
+    #pragma unroll
+    for (int it = 0; it < NIT; ++it) {
+        const uint32_t c = uint32_t(it) * uint32_t(LANES) + kl;
+        const uint32_t cc = c < uint32_t(CHUNKS) ? c : uint32_t(CHUNKS - 1);   // past the row: a real chunk, unused
+        #pragma unroll
+        for (int i = 0; i < RPW; ++i) {
+            const uint64_t r = ebase + uint64_t(prow[i]);
+            const uint4 v = ((const DS4_DEV uint4*)(w + r * uint64_t(WPR)))[cc];
+            wv[it][i][0] = v.x;
+            wv[it][i][1] = v.y;
+            wv[it][i][2] = v.z;
+            wv[it][i][3] = v.w;
+            #pragma unroll
+            for (int s = 0; s < NSEG; ++s) {
+                const uint64_t g = r * uint64_t(GPR) + uint64_t((cc * uint32_t(VPL) + uint32_t(s * SEG)) / uint32_t(GS));
+                sc[it][i][s] = static_cast<float>(scales[g]);
+                bi[it][i][s] = static_cast<float>(biases[g]);
+            }
+        }
+    }
     if (j > 0) {
         ds4_tg_barrier();   // every thread is done with the previous expert's x
     }
@@ -110,30 +136,11 @@ for (int j = 0; j < NJ; ++j) {
     }
     ds4_tg_barrier();
 
-    const uint64_t ebase = uint64_t(e) * uint64_t(N_ROWS);
     #pragma unroll
     for (int it = 0; it < NIT; ++it) {
         const uint32_t c = uint32_t(it) * uint32_t(LANES) + kl;
         if (c >= uint32_t(CHUNKS)) {
             break;
-        }
-        uint32_t wv[RPW][4];
-        float sc[RPW][NSEG];
-        float bi[RPW][NSEG];
-        #pragma unroll
-        for (int i = 0; i < RPW; ++i) {
-            const uint64_t r = ebase + uint64_t(prow[i]);
-            const uint4 v = ((const DS4_DEV uint4*)(w + r * uint64_t(WPR)))[c];
-            wv[i][0] = v.x;
-            wv[i][1] = v.y;
-            wv[i][2] = v.z;
-            wv[i][3] = v.w;
-            #pragma unroll
-            for (int s = 0; s < NSEG; ++s) {
-                const uint64_t g = r * uint64_t(GPR) + uint64_t((c * uint32_t(VPL) + uint32_t(s * SEG)) / uint32_t(GS));
-                sc[i][s] = static_cast<float>(scales[g]);
-                bi[i][s] = static_cast<float>(biases[g]);
-            }
         }
         const uint32_t xbase = uint32_t(it) * uint32_t(VPL / 4) * uint32_t(LANES) + kl;
         #pragma unroll
@@ -164,7 +171,7 @@ for (int j = 0; j < NJ; ++j) {
                 }
                 #pragma unroll
                 for (int i = 0; i < RPW; ++i) {
-                    const uint32_t word = wv[i][wi];
+                    const uint32_t word = wv[it][i][wi];
                     #pragma unroll
                     for (int b = 0; b < SPW; ++b) {
                         // slab b (bits b*SW .. b*SW+SW-1) to bits 23-SW .. 22
@@ -180,7 +187,7 @@ for (int j = 0; j < NJ; ++j) {
             }
             #pragma unroll
             for (int i = 0; i < RPW; ++i) {
-                acc[i] += wj * (sc[i][s] * (tsum[i] - sxp) + bi[i][s] * sx);
+                acc[i] += wj * (sc[it][i][s] * (tsum[i] - sxp) + bi[it][i][s] * sx);
             }
         }
     }

@@ -39,6 +39,7 @@ BITS = (2, 4, 8)
 GROUP_SIZES = (32, 64, 128)
 WARPS = 8            # SIMD groups per threadgroup
 RPW = 4              # weight rows per warp (MODE 1: 2 gate + 2 up rows)
+KSPLIT_MAX = 8       # at most this many warps share a row set along K
 MAX_ROWS = 8         # dense: x rows (tokens) up to this many use the kernel, more use mx.quantized_matmul
 MAX_PAIRS = 64       # gathered: (token, expert) pairs up to this many use the kernel
 SHARED_BYTES = {"metal": 32768, "cuda": 49152}
@@ -60,7 +61,7 @@ def launch_shape(k_dim: int, bits: int) -> tuple[int, int, int]:
     vpl = 128 // bits
     chunks = k_dim // vpl
     ksplit = 1
-    while ksplit < WARPS and 32 * ksplit < chunks:
+    while ksplit < min(WARPS, KSPLIT_MAX) and 32 * ksplit < chunks:
         ksplit *= 2
     lanes = 32 * ksplit
     nit = -(-chunks // lanes)
