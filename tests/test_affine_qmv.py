@@ -260,3 +260,101 @@ def _close(got, want, dt):
     rel = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)
     # float32: summation order + the level trick (~1e-5); bfloat16: one rounding of the output
     assert rel < (2e-5 if dt == mx.float32 else 8e-3), rel
+
+
+# ------------------------------------------------------------------ the modules that use it
+
+def _switch_glu(bits=2, hidden=256, inter=128, experts=8, limit=7.0):
+    from ds4mlx.models.layers import SwitchGLU
+
+    glu = SwitchGLU(hidden, inter, experts, limit)
+    glu.gate_up_proj.weight = mx.random.normal(glu.gate_up_proj.weight.shape, key=mx.random.key(1)) * 0.05
+    glu.down_proj.weight = mx.random.normal(glu.down_proj.weight.shape, key=mx.random.key(2)) * 0.05
+    glu.gate_up_proj = glu.gate_up_proj.to_quantized(64, bits)
+    glu.down_proj = glu.down_proj.to_quantized(64, bits)
+    return glu
+
+
+def test_qmv_linear_is_quantized_linear_on_cpu():
+    import mlx.nn as nn
+
+    from ds4mlx.models.qmv_linear import QMVLinear, use_fast_qmv
+
+    model = nn.Sequential(nn.Linear(256, 64), nn.Linear(64, 32, bias=False))
+    nn.quantize(model, group_size=32, bits=4)
+    x = mx.random.normal((3, 256), key=mx.random.key(3))
+    want = model(x)
+    names = sorted(k for k, _ in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(model.parameters()))
+    assert use_fast_qmv(model) == 2
+    assert all(type(m) is QMVLinear for m in model.layers)
+    assert sorted(k for k, _ in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(model.parameters())) == names
+    assert mx.array_equal(model(x), want).item()
+
+
+def test_moe_fused_path_wiring(monkeypatch):
+    """The fused decode path (forced on, here run by the reference faces) computes what
+    the unfused SwitchGLU + weighted sum computes, for [B, T, H] inputs."""
+    glu = _switch_glu()
+    x = mx.random.normal((1, 2, 256), key=mx.random.key(4))
+    idx = mx.array([[[0, 3, 5], [7, 7, 1]]], dtype=mx.int32)
+    w = mx.softmax(mx.random.normal((1, 2, 3), key=mx.random.key(5)), axis=-1)
+    assert glu.fused_weighted(x, idx, w) is None            # CPU: no GPU face, the caller's own path
+    want = (glu(x, idx) * w[..., None]).sum(axis=-2)
+    monkeypatch.setattr(aq, "kernel_face", lambda *a: "forced")
+    got = glu.fused_weighted(x, idx, w)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+    # the per-expert projection alone (QuantizedSwitchLinear's decode path)
+    gu = glu.gate_up_proj(mx.expand_dims(x, (-2, -3)), idx)
+    monkeypatch.setattr(aq, "kernel_face", lambda *a: None)
+    assert mx.allclose(gu, glu.gate_up_proj(mx.expand_dims(x, (-2, -3)), idx), rtol=1e-5, atol=1e-6).item()
+
+
+def test_grouped_linear_fused_path_wiring(monkeypatch):
+    from ds4mlx.models.deepseek_v4 import GroupedLinear
+
+    g = GroupedLinear(128, 8 * 32, 8)
+    g.weight = mx.random.normal(g.weight.shape, key=mx.random.key(6)) * 0.05
+    q = g.to_quantized(64, 8)
+    x = mx.random.normal((1, 2, 8, 128), key=mx.random.key(7))
+    want = q(x)
+    monkeypatch.setattr(aq, "kernel_face", lambda *a: "forced")
+    got = q(x)
+    assert got.shape == want.shape == (1, 2, 256)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 4])
+def test_gpu_modules_kernels_on_equal_off(bits):
+    """SwitchGLU's fused path, QMVLinear and the grouped linear on the GPU face against
+    the same modules with every kernel on its reference face."""
+    import mlx.nn as nn
+
+    from ds4mlx.models.deepseek_v4 import GroupedLinear
+    from ds4mlx.models.qmv_linear import use_fast_qmv
+
+    _gpu_face()
+    glu = _switch_glu(bits, hidden=1024, inter=512, experts=16)
+    x = mx.random.normal((1, 1, 1024), key=mx.random.key(8))
+    idx = mx.array([[[0, 3, 5, 9, 15, 2]]], dtype=mx.int32)
+    w = mx.softmax(mx.random.normal((1, 1, 6), key=mx.random.key(9)), axis=-1)
+    got = glu.fused_weighted(x, idx, w)
+    assert got is not None
+    with dispatch.forced_face("reference"):
+        assert glu.fused_weighted(x, idx, w) is None
+        want = (glu(x, idx) * w[..., None]).sum(axis=-2)
+    _close(got, want, mx.float32)
+    lin = nn.Sequential(nn.Linear(1024, 512))
+    nn.quantize(lin, group_size=64, bits=bits)
+    with dispatch.forced_face("reference"):
+        want = lin(x)
+    use_fast_qmv(lin)
+    _close(lin(x), want, mx.float32)
+    g = GroupedLinear(512, 8 * 64, 8)
+    g.weight = mx.random.normal(g.weight.shape, key=mx.random.key(10)) * 0.05
+    q = g.to_quantized(64, bits)
+    xg = mx.random.normal((1, 1, 8, 512), key=mx.random.key(11))
+    with dispatch.forced_face("reference"):
+        want = q(xg)
+    _close(q(xg), want, mx.float32)

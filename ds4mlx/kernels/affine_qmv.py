@@ -88,6 +88,13 @@ def _face(backend: str | None) -> str:
     return auto_face("affine_qmv", _self_test) if backend is None else backend
 
 
+def kernel_face(k_dim: int, group_size: int, bits: int) -> str | None:
+    """The GPU face an automatic call would run for this shape, or None (the reference
+    face, i.e. MLX's own op, runs): lets a module pick its fused path."""
+    face = _face(None)
+    return face if face != "reference" and supported(k_dim, group_size, bits, face) else None
+
+
 def _launch(face, mode, x2, w, scales, biases, eids, wts, lim, *, p, n_rows, k_dim, group_size, bits,
             x_div=1, ke=1):
     ksplit, _, _ = launch_shape(k_dim, bits)
