@@ -180,7 +180,7 @@ def test_backend_reference_on_cpu_returns_layers_functions(monkeypatch):
         assert np.array_equal(np.array(u), np.array(v))
 
 
-@pytest.mark.parametrize("kind", ["hc_pre", "hc_post"])
+@pytest.mark.parametrize("kind", ["hc_pre", "hc_dots", "hc_post"])
 def test_metal_and_cuda_share_one_description(kind):
     sec = dispatch.sections(hck.SOURCE)
     mh, mb = hck.kernel_sources(kind, "metal")
@@ -194,25 +194,44 @@ def test_metal_and_cuda_share_one_description(kind):
 
 # ------------------------------------------------------------------ the shared GPU text, compiled for the CPU
 
-EMU_CASES = [(4, 64, 2, 20, "pre"), (3, 33, 3, 7, "pre"), (2, 5, 1, 20, "pre"), (4, 40, 2, 0, "head"),
-             (3, 50, 2, 20, "mix")]
+EMU_CASES = [(4, 64, 2, 20, "pre", False), (3, 33, 3, 7, "pre", False), (2, 5, 1, 20, "pre", False),
+             (4, 40, 2, 0, "head", False), (3, 50, 2, 20, "mix", False),
+             # the decode split: hc_dots over threadgroups, then hc_pre adds the partial sums
+             (4, 96, 2, 20, "pre", True), (3, 33, 3, 7, "pre", True), (4, 40, 2, 0, "head", True),
+             (3, 50, 1, 20, "mix", True)]
 
 
-@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: "n{}_d{}_t{}_it{}_{}".format(*c))
+def run_dots_on_cpu(tmp_path, x, fn, n, d, nt, head, threads=32, per=2):
+    """hc_dots through the emulation, launched as hyper_connection._pre_launch launches it."""
+    sec = dispatch.sections(hck.SOURCE)
+    m = n if head else (2 + n) * n
+    parts = -(-(n * d) // (threads * per))
+    (tmp_path / "dots").mkdir()
+    got = run_on_cpu(tmp_path / "dots", sec["common"], sec["hc_dots"], inputs={"x": x, "fn": fn},
+                     outputs={"part": ((nt, parts, m + 1), np.float32)},
+                     consts={"T": np.float32, "TW": np.float32, "HC": n, "D": d, "THREADS": threads, "PER": per,
+                             "PARTS": parts, "HEAD": head},
+                     groups=(parts, nt, 1), threads=threads)
+    return got["part"], parts
+
+
+@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: "n{}_d{}_t{}_it{}_{}_split{}".format(*c))
 def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
-    n, d, nt, iters, mode = case
+    n, d, nt, iters, mode, split = case
     head = mode == "head"
     x, fn, base, scale = make_inputs(n, d, (nt,), seed=11 + n, head=head)
     sec = dispatch.sections(hck.SOURCE)
     threads = 64
+    part, parts = run_dots_on_cpu(tmp_path, x, fn, n, d, nt, head) if split else (np.zeros(1, np.float32), 0)
     outs = {"pre": ((1,) if head else (nt, n), np.float32), "post": ((1,) if head else (nt, n), np.float32),
             "comb": ((1,) if head else (nt, n, n), np.float32), "y": ((nt, d) if mode != "mix" else (1,), np.float32)}
     got = run_on_cpu(tmp_path, sec["common"], sec["hc_pre"],
                      inputs={"x": x, "fn": fn, "base": base, "scale": scale,
-                             "eps": np.array([HC_EPS, NORM_EPS], np.float32)},
+                             "eps": np.array([HC_EPS, NORM_EPS], np.float32), "part": part},
                      outputs=outs,
                      consts={"T": np.float32, "TW": np.float32, "TB": np.float32, "TS": np.float32, "HC": n, "D": d,
-                             "THREADS": threads, "ITERS": max(iters, 1), "HEAD": head, "COLLAPSE": mode != "mix"},
+                             "THREADS": threads, "ITERS": max(iters, 1), "HEAD": head, "COLLAPSE": mode != "mix",
+                             "PARTS": parts},
                      groups=(nt, 1, 1), threads=threads)
     want = oracle(x, fn, base, scale, iters, HC_EPS, NORM_EPS, head=head)
     if mode != "mix":
@@ -336,7 +355,8 @@ def test_gpu_hc_post_equals_reference(dtype, n, d, nt):
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind,mode", [("hc_pre", "pre"), ("hc_pre", "head"), ("hc_pre", "mix"), ("hc_post", "")])
+@pytest.mark.parametrize("kind,mode", [("hc_pre", "pre"), ("hc_pre", "head"), ("hc_pre", "mix"), ("hc_post", ""),
+                                       ("hc_dots", "pre"), ("hc_dots", "head")])
 def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
     """The exact CUDA translation unit mx.fast.cuda_kernel builds, compiled for sm_90 (H200)
     by nvcc with warnings as errors (syntax and types; the g++ emulation checks the logic)."""
@@ -345,10 +365,15 @@ def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
     f = "float32"
     h, b = hck.kernel_sources(kind, "cuda")
     if kind == "hc_pre":
-        ins = {"x": dtype, "fn": dtype, "base": f, "scale": f, "eps": f}
+        ins = {"x": dtype, "fn": dtype, "base": f, "scale": f, "eps": f, "part": f}
         outs = {"pre": f, "post": f, "comb": f, "y": dtype}
         tmpl = [("T", dtype), ("TW", dtype), ("TB", f), ("TS", f), ("HC", 4), ("D", 4096),
-                ("THREADS", hck.PRE_THREADS), ("ITERS", 20), ("HEAD", mode == "head"), ("COLLAPSE", mode != "mix")]
+                ("THREADS", hck.PRE_THREADS), ("ITERS", 20), ("HEAD", mode == "head"), ("COLLAPSE", mode != "mix"),
+                ("PARTS", 32 if mode == "pre" else 0)]
+    elif kind == "hc_dots":
+        ins, outs = {"x": dtype, "fn": dtype}, {"part": f}
+        tmpl = [("T", dtype), ("TW", dtype), ("HC", 4), ("D", 4096), ("THREADS", hck.DOTS_THREADS),
+                ("PER", hck.DOTS_PER), ("PARTS", 32), ("HEAD", mode == "head")]
     else:
         ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f}, {"y": dtype}
         tmpl = [("T", dtype), ("TP", f), ("TC", f), ("HC", 4), ("D", 4096), ("THREADS", hck.POST_THREADS)]

@@ -41,17 +41,22 @@ SOURCE = METAL_DIR / "hyper_connection.metal"
 PRE_THREADS = 512    # threads per token in hc_pre (>= (2+n)n + 1)
 POST_THREADS = 256   # threads per threadgroup in hc_post
 MAX_HC = 5           # Sinkhorn runs on one SIMD group: n*n <= 32
+SPLIT_TOKENS = 16    # up to this many tokens, the projection is split across threadgroups (hc_dots)
+DOTS_THREADS = 256   # threads per hc_dots threadgroup
+DOTS_PER = 2         # flat elements per hc_dots thread (a threadgroup takes DOTS_THREADS*DOTS_PER)
 
 
 def kernel_sources(kind: str, face: str) -> tuple[str, str]:
-    """(header, body) of 'hc_pre' or 'hc_post' for `face` ('metal' or 'cuda')."""
+    """(header, body) of 'hc_pre', 'hc_dots' or 'hc_post' for `face` ('metal' or 'cuda')."""
     return shared_sources(SOURCE, face, kind)
 
 
 @lru_cache(maxsize=None)
 def _kernel(kind: str) -> Kernel:
     if kind == "hc_pre":
-        inputs, outputs = ["x", "fn", "base", "scale", "eps"], ["pre", "post", "comb", "y"]
+        inputs, outputs = ["x", "fn", "base", "scale", "eps", "part"], ["pre", "post", "comb", "y"]
+    elif kind == "hc_dots":
+        inputs, outputs = ["x", "fn"], ["part"]
     else:
         inputs, outputs = ["x", "o", "post", "comb"], ["y"]
     return Kernel(f"ds4mlx_{kind}", inputs, outputs,
@@ -111,12 +116,26 @@ def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str):
     if fn.shape != (m, n * d):
         raise ValueError(f"fn must be [{m}, {n * d}], got {fn.shape}")
     small = [(nt, n), (nt, n), (nt, n, n)] if not head else [(1,), (1,), (1,)]
+    x3 = x.reshape(nt, n, d)
+    parts, part = 0, _eps(0.0, 0.0)   # a dummy when hc_pre projects by itself
+    if nt <= SPLIT_TOKENS:
+        parts = -(-(n * d) // (DOTS_THREADS * DOTS_PER))
+        part = _kernel("hc_dots")(
+            face,
+            inputs=[x3, fn],
+            template=[("T", x.dtype), ("TW", fn.dtype), ("HC", n), ("D", d), ("THREADS", DOTS_THREADS),
+                      ("PER", DOTS_PER), ("PARTS", parts), ("HEAD", head)],
+            grid=(parts * DOTS_THREADS, nt, 1),
+            threadgroup=(DOTS_THREADS, 1, 1),
+            output_shapes=[(nt, parts, m + 1)],
+            output_dtypes=[mx.float32],
+        )[0]
     pre, post, comb, y = _kernel("hc_pre")(
         face,
-        inputs=[x.reshape(nt, n, d), fn, base, scale, _eps(float(hc_eps), float(norm_eps))],
+        inputs=[x3, fn, base, scale, _eps(float(hc_eps), float(norm_eps)), part],
         template=[("T", x.dtype), ("TW", fn.dtype), ("TB", base.dtype), ("TS", scale.dtype),
                   ("HC", n), ("D", d), ("THREADS", PRE_THREADS), ("ITERS", int(iters)), ("HEAD", head),
-                  ("COLLAPSE", mode != "mix")],
+                  ("COLLAPSE", mode != "mix"), ("PARTS", parts)],
         grid=(nt * PRE_THREADS, 1, 1),
         threadgroup=(PRE_THREADS, 1, 1),
         output_shapes=small + [(nt, d) if mode != "mix" else (1,)],
