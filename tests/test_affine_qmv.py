@@ -200,8 +200,9 @@ def _gpu_face():
     return face
 
 
-GPU_SHAPES = [(2, 64, 4096, 4096), (4, 64, 4096, 4096), (8, 64, 4096, 4096), (2, 32, 2048, 4096),
-              (4, 128, 1024, 7168), (8, 32, 129, 512)]
+# each distinct launch is one NVRTC compile on the device (seconds): few shapes, each a different
+# bit width, group size, row count and K (a partial last step at 7168 4-bit)
+GPU_SHAPES = [(2, 64, 4096, 4096), (4, 128, 1024, 7168), (8, 32, 129, 512)]
 
 
 @pytest.mark.gpu
@@ -226,8 +227,7 @@ def test_gpu_dense_and_gather_equal_reference(shape, dt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dt", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits,dt", [(2, mx.bfloat16), (4, mx.float32)], ids=["2bit_bf16", "4bit_f32"])
 def test_gpu_moe_swiglu_and_down_sum_equal_reference(bits, dt):
     face = _gpu_face()
     key = mx.random.key(bits)
@@ -247,11 +247,6 @@ def test_gpu_moe_swiglu_and_down_sum_equal_reference(bits, dt):
     y_ref = aq.gather_down_sum(h_ref, dq, dsc.astype(dt), dbi.astype(dt), ids, wts, group_size=64, bits=bits,
                                backend="reference")
     _close(y, y_ref, dt)
-
-
-@pytest.mark.gpu
-def test_gpu_self_test_passes():
-    assert aq._self_test(_gpu_face())
 
 
 def _close(got, want, dt):
@@ -325,7 +320,7 @@ def test_grouped_linear_fused_path_wiring(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2])
 def test_gpu_modules_kernels_on_equal_off(bits):
     """SwitchGLU's fused path, QMVLinear and the grouped linear on the GPU face against
     the same modules with every kernel on its reference face."""

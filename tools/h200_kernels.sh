@@ -19,7 +19,7 @@ for ph in ${@:-T Q}; do
            ${TESTS:-tests/test_affine_qmv.py} > "$OUT/gpu_tests.txt" 2>&1
        tail -8 "$OUT/gpu_tests.txt" | tee -a "$OUT/log.txt" ;;
     Q) log "dependent-chain mat-vec GB/s"
-       timeout ${Q_LIMIT:-240} $py -m ds4mlx.kernels.bench_kernels --qmv --no-micro --no-layer --no-model \
+       timeout ${Q_LIMIT:-240} $py -m ds4mlx.kernels.bench_kernels --qmv ${SWEEP:+--qmv-sweep} --no-micro --no-layer --no-model \
            --json "$OUT/qmv.json" > "$OUT/qmv.txt" 2>&1
        cat "$OUT/qmv.txt" | tee -a "$OUT/log.txt" ;;
     H) log "hyper-connection per call"

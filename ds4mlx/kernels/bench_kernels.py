@@ -331,6 +331,39 @@ def bench_qmv(calls: int = 64, face: str | None = None, out: list | None = None)
     return out
 
 
+def bench_qmv_sweep(face: str | None = None, variants=((2, 8), (4, 8), (8, 8), (4, 2))):
+    """The 32-expert call of `bench_qmv` for launch variants (RPW, KSPLIT_MAX) of affine_qmv."""
+    import numpy as np
+
+    from ds4mlx.kernels import affine_qmv as aq
+
+    face = face or dispatch.gpu_backend()
+    saved = aq.RPW, aq.KSPLIT_MAX
+    rng = np.random.default_rng(1)
+    ids = [mx.array(rng.permutation(64)[:32].astype(np.int32))[None] for _ in range(8)]
+    x0 = mx.random.normal((1, 4096)).astype(mx.bfloat16)
+    mx.eval(ids, x0)
+    print("affine_qmv launch variants, 32 experts of 4096x4096 per call (RPW, KSPLIT_MAX):")
+    try:
+        for bits in (2, 4, 8):
+            wq, sc, bi = _affine_bank(64, 4096, 4096, bits)
+            one = 32 * (wq[0].nbytes + sc[0].nbytes + bi[0].nbytes)
+            cells = []
+            for rpw, kmax in variants:
+                aq.RPW, aq.KSPLIT_MAX = rpw, kmax
+
+                def ours(i, x):
+                    return aq.gather_qmv(x0 if x is None else x, wq, sc, bi, ids[i % 8], group_size=64, bits=bits,
+                                         backend=face)[0, :1]
+                t = _chain(ours, 16)
+                cells.append(f"({rpw},{kmax}) {t:6.1f} µs {one / (t * 1e-6) / 1e9:6.0f} GB/s")
+            print(f"  {bits}-bit: " + " | ".join(cells), flush=True)
+            wq = sc = bi = None
+            mx.clear_cache()
+    finally:
+        aq.RPW, aq.KSPLIT_MAX = saved
+
+
 def bench_moe_call(calls: int = 32, face: str | None = None, out: list | None = None, experts: int = 256,
                    hidden: int = 4096, inter: int = 2048, topk: int = 6, gguf=("IQ2_XXS", "Q2_K"),
                    dense_dim: int = 4096):
@@ -506,6 +539,7 @@ def main(argv=None) -> int:
     p.add_argument("--qmv", action="store_true",
                    help="the dependent-chain mat-vec GB/s table (affine 2/4/8, the MoE call, GGUF types)")
     p.add_argument("--json", help="write the --qmv rows to this file")
+    p.add_argument("--qmv-sweep", action="store_true", help="affine_qmv launch variants (RPW, KSPLIT_MAX)")
     p.add_argument("--expert-format", choices=["mlx", "gguf"], default="mlx",
                    help="synthetic model's routed experts: MLX 2-bit affine, or ds4's IQ2_XXS / Q2_K blocks")
     a = p.parse_args(argv)
@@ -514,6 +548,8 @@ def main(argv=None) -> int:
         print("bench_kernels: no MLX GPU backend (the kernels only run on a GPU)")
         return 2
     print(f"bench_kernels on {mx.default_device()} ({face})", flush=True)
+    if a.qmv_sweep:
+        bench_qmv_sweep()
     if a.qmv:
         rows = bench_qmv()
         bench_moe_call(out=rows)
