@@ -353,3 +353,19 @@ def test_gpu_modules_kernels_on_equal_off(bits):
     with dispatch.forced_face("reference"):
         want = q(xg)
     _close(q(xg), want, mx.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rpw,kmax", [(2, 8), (8, 8), (4, 2)])
+def test_gpu_launch_variants_equal_reference(rpw, kmax, monkeypatch):
+    """The launch variants bench_kernels --qmv-sweep times compute the same."""
+    face = _gpu_face()
+    monkeypatch.setattr(aq, "RPW", rpw)
+    monkeypatch.setattr(aq, "KSPLIT_MAX", kmax)
+    for bits in (2, 8):
+        wq, sc, bi = mx.quantize(mx.random.normal((3, 1024, 4096), key=mx.random.key(bits)) * 0.02, 64, bits)
+        sc, bi = sc.astype(mx.bfloat16), bi.astype(mx.bfloat16)
+        ids = mx.array([[2, 0, 1]], dtype=mx.int32)
+        x = mx.random.normal((1, 4096), key=mx.random.key(3)).astype(mx.bfloat16)
+        _close(aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend=face),
+               aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend="reference"), mx.bfloat16)
