@@ -295,13 +295,13 @@ def test_moe_fused_path_wiring(monkeypatch):
     w = mx.softmax(mx.random.normal((1, 2, 3), key=mx.random.key(5)), axis=-1)
     assert glu.fused_weighted(x, idx, w) is None            # CPU: no GPU face, the caller's own path
     want = (glu(x, idx) * w[..., None]).sum(axis=-2)
-    monkeypatch.setattr(aq, "kernel_face", lambda *a: "forced")
+    monkeypatch.setattr(aq, "kernel_face", lambda *a, **k: "forced")
     got = glu.fused_weighted(x, idx, w)
     assert got.shape == want.shape
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
     # the per-expert projection alone (QuantizedSwitchLinear's decode path)
     gu = glu.gate_up_proj(mx.expand_dims(x, (-2, -3)), idx)
-    monkeypatch.setattr(aq, "kernel_face", lambda *a: None)
+    monkeypatch.setattr(aq, "kernel_face", lambda *a, **k: None)
     assert mx.allclose(gu, glu.gate_up_proj(mx.expand_dims(x, (-2, -3)), idx), rtol=1e-5, atol=1e-6).item()
 
 
@@ -313,7 +313,7 @@ def test_grouped_linear_fused_path_wiring(monkeypatch):
     q = g.to_quantized(64, 8)
     x = mx.random.normal((1, 2, 8, 128), key=mx.random.key(7))
     want = q(x)
-    monkeypatch.setattr(aq, "kernel_face", lambda *a: "forced")
+    monkeypatch.setattr(aq, "kernel_face", lambda *a, **k: "forced")
     got = q(x)
     assert got.shape == want.shape == (1, 2, 256)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
@@ -369,3 +369,53 @@ def test_gpu_launch_variants_equal_reference(rpw, kmax, monkeypatch):
         x = mx.random.normal((1, 4096), key=mx.random.key(3)).astype(mx.bfloat16)
         _close(aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend=face),
                aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend="reference"), mx.bfloat16)
+
+
+# ------------------------------------------------------------------ kernels not yet GPU-verified: self-tested on CUDA too
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """dispatch.backend() -> 'cuda' (a verified face); self-test cache cleared."""
+    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
+    monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device=None: "cuda")
+    monkeypatch.setattr(dispatch, "_self_tests", {})
+    return monkeypatch
+
+
+def _garbage_kernel(calls):
+    def fake_kernel(*names):
+        def launch(face, *, output_shapes, output_dtypes, **kw):
+            calls.append(names[0] if names else "kernel")
+            return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
+        return launch
+    return fake_kernel
+
+
+def test_unverified_moe_modes_self_test_on_cuda(fake_cuda):
+    calls = []
+    fake_cuda.setattr(aq, "_kernel", _garbage_kernel(calls))
+    glu = _switch_glu()
+    x = mx.random.normal((1, 1, 256), key=mx.random.key(4))
+    idx = mx.array([[[0, 3, 5]]], dtype=mx.int32)
+    w = mx.softmax(mx.random.normal((1, 1, 3), key=mx.random.key(5)), axis=-1)
+    assert "affine_qmv.moe" in dispatch.UNVERIFIED_KERNELS
+    assert glu.fused_weighted(x, idx, w) is None            # the MoE self-test failed: the caller's own path
+    assert dispatch._self_tests[("affine_qmv.moe", "cuda")] is False
+    assert ("affine_qmv", "cuda") not in dispatch._self_tests    # the plain mode ran its GPU tests: not self-tested
+
+
+def test_unverified_hc_split_self_test_on_cuda(fake_cuda):
+    from ds4mlx.kernels import hyper_connection as hck
+
+    calls = []
+    fake_cuda.setattr(hck, "_kernel", _garbage_kernel(calls))
+    n, d = 4, 64
+    x = mx.random.normal((1, 1, n, d), key=mx.random.key(1))
+    fn = mx.random.normal(((2 + n) * n, n * d), key=mx.random.key(2)) * 0.05
+    base, scale = mx.zeros(((2 + n) * n,)), mx.array([0.5, 1.0, 2.0])
+    hck.hc_pre(x, fn, base, scale, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    assert dispatch._self_tests[("hyper_connection.split", "cuda")] is False
+    calls.clear()
+    hck.hc_pre(x, fn, base, scale, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    assert calls == ["hc_pre"]                               # the one-launch path, no hc_dots

@@ -88,10 +88,22 @@ def _face(backend: str | None) -> str:
     return auto_face("affine_qmv", _self_test) if backend is None else backend
 
 
-def kernel_face(k_dim: int, group_size: int, bits: int) -> str | None:
-    """The GPU face an automatic call would run for this shape, or None (the reference
-    face, i.e. MLX's own op, runs): lets a module pick its fused path."""
+def _moe_face(backend: str | None) -> str:
+    """The fused MoE modes (gate_up + SwiGLU, down + weighted sum) have their own
+    self-test: until their GPU test has run, dispatch.UNVERIFIED_KERNELS lists them."""
+    if backend is not None:
+        return backend
     face = _face(None)
+    if face == "reference":
+        return face
+    return auto_face("affine_qmv.moe", _moe_self_test)
+
+
+def kernel_face(k_dim: int, group_size: int, bits: int, moe: bool = False) -> str | None:
+    """The GPU face an automatic call would run for this shape (`moe`: the fused MoE
+    modes), or None (the reference face, i.e. MLX's own op, runs): lets a module pick
+    its fused path."""
+    face = _moe_face(None) if moe else _face(None)
     return face if face != "reference" and supported(k_dim, group_size, bits, face) else None
 
 
@@ -179,7 +191,7 @@ def gather_swiglu(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, 
                   limit: float | None, group_size: int, bits: int, backend: str | None = None) -> mx.array:
     """Fused gate_up experts (w [E, 2I, K/..], gate rows first): ``silu(min(g, limit)) *
     clip(u, -limit, limit)`` of ``w[e] @ x`` -> [n, k, I] (no clamp for limit None / 0)."""
-    face = _face(backend)
+    face = _moe_face(backend)
     k_dim = x.shape[-1]
     n, k = expert_ids.shape
     two_i = w.shape[1]
@@ -200,7 +212,7 @@ def gather_down_sum(h: mx.array, w: mx.array, scales: mx.array, biases: mx.array
     """``sum_j weights[t, j] * dequantize(w[expert_ids[t, j]]) @ h[t, j]`` -> [n, N] in h.dtype
     (weights multiply the float32 per-expert sums; the reference rounds each expert's
     output to h.dtype first, as the unfused graph does)."""
-    face = _face(backend)
+    face = _moe_face(backend)
     k_dim = h.shape[-1]
     n, k = expert_ids.shape
     if n * k > MAX_PAIRS or not _usable(face, k_dim, group_size, bits, biases):
@@ -214,25 +226,38 @@ def gather_down_sum(h: mx.array, w: mx.array, scales: mx.array, biases: mx.array
 
 # --------------------------------------------------------------------------- first-use self-test
 
+def _inputs(bits, gs, key):
+    k_dim, rows, e = 512, 6, 3
+    wq, sc, bi = mx.quantize(mx.random.normal((e, rows, k_dim), key=key) * 0.05, gs, bits)
+    ids = mx.array([[0, 2], [1, 1]], dtype=mx.int32)
+    x = mx.random.normal((2, k_dim), key=key)
+    h = mx.random.normal((2, 2, k_dim), key=key)
+    return wq, sc, bi, ids, x, h
+
+
 def _self_test(face: str) -> bool:
-    """Every mode at 2, 4 and 8 bits on tiny shapes (odd row counts, two steps along K)
-    against the reference face."""
+    """The plain mode (dense and gathered) at 2, 4 and 8 bits on tiny shapes (odd row
+    counts, two steps along K) against the reference face."""
     key = mx.random.key(7)
     ok = True
     for bits, gs in ((2, 32), (4, 64), (8, 128)):
-        k_dim, rows, e = 512, 6, 3
-        wf = mx.random.normal((e, rows, k_dim), key=key) * 0.05
-        wq, sc, bi = mx.quantize(wf, gs, bits)
-        ids = mx.array([[0, 2], [1, 1]], dtype=mx.int32)
-        x = mx.random.normal((2, k_dim), key=key)
-        h = mx.random.normal((2, 2, k_dim), key=key)
-        wts = mx.array([[0.25, 0.75], [0.5, 0.5]])
+        wq, sc, bi, ids, x, h = _inputs(bits, gs, key)
         d = (wq[0], sc[0], bi[0])
         ok = ok and close_enough(qmv(x[:1], *d, group_size=gs, bits=bits, backend=face),
                                  qmv(x[:1], *d, group_size=gs, bits=bits, backend="reference"))
         for xx in (x, h):
             ok = ok and close_enough(gather_qmv(xx, wq, sc, bi, ids, group_size=gs, bits=bits, backend=face),
                                      gather_qmv(xx, wq, sc, bi, ids, group_size=gs, bits=bits, backend="reference"))
+    return ok
+
+
+def _moe_self_test(face: str) -> bool:
+    """The fused MoE modes at 2 and 4 bits (the expert formats) against the reference."""
+    key = mx.random.key(8)
+    ok = True
+    wts = mx.array([[0.25, 0.75], [0.5, 0.5]])
+    for bits, gs in ((2, 64), (4, 32)):
+        wq, sc, bi, ids, x, h = _inputs(bits, gs, key)
         ok = ok and close_enough(
             gather_swiglu(x, wq, sc, bi, ids, limit=1.0, group_size=gs, bits=bits, backend=face),
             gather_swiglu(x, wq, sc, bi, ids, limit=1.0, group_size=gs, bits=bits, backend="reference"))

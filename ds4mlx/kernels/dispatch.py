@@ -32,6 +32,9 @@ BACKENDS = ("reference", "metal", "cuda")
 METAL_DIR = Path(__file__).resolve().parents[2] / "metal"
 # GPU faces never run on real hardware here (the CUDA faces ran their tests on an H200)
 UNVERIFIED_FACES = ("metal",)
+# kernels (auto_face names) whose every GPU face is self-tested at first use: their CUDA
+# face has passed the g++ emulation and nvcc but not yet its `pytest -m gpu` run
+UNVERIFIED_KERNELS = {"affine_qmv.moe", "hyper_connection.split"}
 
 log = logging.getLogger("ds4mlx.kernels")
 _self_tests: dict[tuple[str, str], bool] = {}
@@ -85,11 +88,11 @@ def backend(device=None) -> str:
     return gpu_backend() or "reference"
 
 
-def _wants_self_test(face: str) -> bool:
+def _wants_self_test(face: str, kernel: str = "") -> bool:
     mode = os.environ.get("DS4MLX_KERNEL_SELFTEST", "").strip()
     if mode in ("0", "1"):
         return mode == "1"
-    return face in UNVERIFIED_FACES
+    return face in UNVERIFIED_FACES or kernel in UNVERIFIED_KERNELS
 
 
 def auto_face(kernel: str, self_test) -> str:
@@ -98,7 +101,8 @@ def auto_face(kernel: str, self_test) -> str:
     it compares the face with the reference on a small input) and does not: then
     'reference', with a warning.  A face forced by DS4MLX_KERNELS is not tested."""
     face = backend()
-    if face == "reference" or _forced or os.environ.get("DS4MLX_KERNELS", "").strip() or not _wants_self_test(face):
+    if face == "reference" or _forced or os.environ.get("DS4MLX_KERNELS", "").strip() \
+            or not _wants_self_test(face, kernel):
         return face
     key = (kernel, face)
     ok = _self_tests.get(key)

@@ -104,7 +104,13 @@ def _layers():
     return layers
 
 
-def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str):
+def _split(face: str, chosen: bool) -> bool:
+    """Whether the decode split (hc_dots + hc_pre) runs: always for a caller-chosen face,
+    for an automatic one once its self-test passed (dispatch.UNVERIFIED_KERNELS)."""
+    return chosen or auto_face("hyper_connection.split", _self_test) == face
+
+
+def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str, chosen: bool = True):
     """mode 'pre' -> (post, comb, collapsed); 'mix' -> (pre, post, comb); 'head' -> collapsed."""
     n, d = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
@@ -118,7 +124,7 @@ def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str):
     small = [(nt, n), (nt, n), (nt, n, n)] if not head else [(1,), (1,), (1,)]
     x3 = x.reshape(nt, n, d)
     parts, part = 0, _eps(0.0, 0.0)   # a dummy when hc_pre projects by itself
-    if nt <= SPLIT_TOKENS:
+    if nt <= SPLIT_TOKENS and _split(face, chosen):
         parts = -(-(n * d) // (DOTS_THREADS * DOTS_PER))
         part = _kernel("hc_dots")(
             face,
@@ -161,7 +167,7 @@ def hc_pre(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkho
     if face == "reference" or not _fusable(x) or sinkhorn_iters < 1:
         return _layers().hc_pre(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
                                 norm_eps=norm_eps)
-    return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre")
+    return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", backend is not None)
 
 
 def hc_mix(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkhorn_iters: int,
@@ -171,7 +177,7 @@ def hc_mix(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkho
     if face == "reference" or not _fusable(x) or sinkhorn_iters < 1:
         return _layers().hc_mix(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
                                 norm_eps=norm_eps)
-    return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "mix")
+    return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "mix", backend is not None)
 
 
 def hc_head(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, hc_eps: float, norm_eps: float,
@@ -180,7 +186,7 @@ def hc_head(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, hc_ep
     face = _face(backend)
     if face == "reference" or not _fusable(x):
         return _layers().hc_head(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps)
-    return _pre_launch(face, x, fn, base, scale, 1, hc_eps, norm_eps, "head")
+    return _pre_launch(face, x, fn, base, scale, 1, hc_eps, norm_eps, "head", backend is not None)
 
 
 def hc_post(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, *, backend: str | None = None) -> mx.array:

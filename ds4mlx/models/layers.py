@@ -454,8 +454,8 @@ class SwitchGLU(nn.Module):
         n = indices.size // k
         if n * k > affine_qmv.MAX_PAIRS or x.shape[-1] != gu.weight.shape[-1] * 32 // gu.bits:
             return None
-        if affine_qmv.kernel_face(x.shape[-1], gu.group_size, gu.bits) is None or \
-                affine_qmv.kernel_face(self._intermediate, dn.group_size, dn.bits) is None:
+        if affine_qmv.kernel_face(x.shape[-1], gu.group_size, gu.bits, moe=True) is None or \
+                affine_qmv.kernel_face(self._intermediate, dn.group_size, dn.bits, moe=True) is None:
             return None
         ids = indices.reshape(n, k).astype(mx.int32)
         h = affine_qmv.gather_swiglu(x.reshape(n, -1), gu.weight, gu.scales, gu.biases, ids, limit=self._limit,
