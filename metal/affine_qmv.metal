@@ -93,7 +93,7 @@ for (int j = 0; j < NJ; ++j) {
     const float wj = MODE == 2 ? wts[pj] : 1.0f;
     const DS4_DEV T* xp = x + uint64_t(xrow) * uint64_t(K_DIM);
     // this thread's weights, scales and biases first: their loads are in flight
-    // while the threadgroup stages x
+    // while the block stages x
     const uint64_t ebase = uint64_t(e) * uint64_t(N_ROWS);
     uint32_t wv[NIT][RPW][4];
     float sc[NIT][RPW][NSEG];

@@ -419,3 +419,16 @@ def test_unverified_hc_split_self_test_on_cuda(fake_cuda):
     calls.clear()
     hck.hc_pre(x, fn, base, scale, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
     assert calls == ["hc_pre"]                               # the one-launch path, no hc_dots
+
+
+def test_metal_and_cuda_share_one_text():
+    sec = dispatch.sections(aq.SOURCE)
+    mh, mb = aq.kernel_sources("metal")
+    ch, cb = aq.kernel_sources("cuda")
+    assert mh.endswith(sec["common"]) and ch.endswith(sec["common"])
+    assert mb.endswith(sec["qmv"]) and cb.endswith(sec["qmv"])
+    assert "thread_position_in_threadgroup" in mb and "threadIdx" in cb
+    for word in ("device ", "threadgroup ", "simd_sum", "as_type", "metal::"):
+        assert word not in ch + cb, word
+    for word in ("__shfl", "__syncthreads", "__uint_as_float", "threadIdx"):
+        assert word not in mh + mb, word
