@@ -286,6 +286,21 @@ def test_qmv_linear_is_quantized_linear_on_cpu():
     assert mx.array_equal(model(x), want).item()
 
 
+def test_qmv_embedding_as_linear_on_cpu():
+    import mlx.nn as nn
+
+    from ds4mlx.models.qmv_linear import QMVEmbedding, use_fast_qmv
+
+    model = nn.Sequential(nn.Embedding(64, 256))
+    nn.quantize(model, group_size=64, bits=2)
+    h = mx.random.normal((1, 2, 256), key=mx.random.key(3))
+    ids = mx.array([[1, 5]])
+    want_l, want_e = model.layers[0].as_linear(h), model.layers[0](ids)
+    assert use_fast_qmv(model) == 1 and type(model.layers[0]) is QMVEmbedding
+    assert mx.array_equal(model.layers[0].as_linear(h), want_l).item()
+    assert mx.array_equal(model.layers[0](ids), want_e).item()
+
+
 def test_moe_fused_path_wiring(monkeypatch):
     """The fused decode path (forced on, here run by the reference faces) computes what
     the unfused SwitchGLU + weighted sum computes, for [B, T, H] inputs."""

@@ -300,7 +300,7 @@ def test_mixed_types_and_fallbacks(oracle, tmp_path_factory, tmp_path, caplog):
     for name in ("q_a_proj", "mlp.gate.weight", "experts.down_proj"):
         assert name in warned
     m = lm.model
-    assert type(m.model.embed_tokens) is nn.QuantizedEmbedding and m.model.embed_tokens.bits == 8
+    assert isinstance(m.model.embed_tokens, nn.QuantizedEmbedding) and m.model.embed_tokens.bits == 8
     assert type(m.layers[0].self_attn.o_a_proj).__name__ == "QuantizedGroupedLinear"
     assert m.layers[0].self_attn.o_a_proj.bits == 4
     assert type(m.layers[0].self_attn.q_a_proj) is nn.Linear
