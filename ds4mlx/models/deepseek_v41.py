@@ -57,6 +57,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .causal_lm import BaseModelArgs, CausalLM
+from ..kernels.hyper_connection import hc_post  # fused on a GPU, layers.hc_post on the CPU
 from .deepseek_v4 import CompressorState, GroupedLinear
 from .deepseek_v4 import LayerCache as _V4LayerCache
 from .layers import (
@@ -67,7 +68,6 @@ from .layers import (
     SwitchGLU,
     default_inv_freq,
     hc_collapse,
-    hc_post,
     route_weights,
     score_fn,
     topk_indices,

@@ -31,9 +31,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels.hyper_connection import hc_post  # fused on a GPU, layers.hc_post on the CPU
 from .causal_lm import BaseModelArgs, CausalLM
 from .kda import LinearCache, kda, l2norm, short_conv
-from .layers import HyperConnection, RMSNorm, hc_post
+from .layers import HyperConnection, RMSNorm
 from .mla import KPoolIndexer, MLAAttention, MLACache
 from .sigmoid_moe import layer_mlp, sanitize_experts
 
