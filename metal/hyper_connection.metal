@@ -206,6 +206,64 @@ if (tid < uint32_t(M + 1)) {
     part[(uint64_t(t) * uint64_t(PARTS) + uint64_t(q)) * uint64_t(M + 1) + tid] = v;
 }
 
+// @@ hc_post_dots
+// hc_post, then hc_dots on its result, in one launch (grid (PARTS*THREADS, NT, 1)):
+// each thread forms its flat elements k = i*D + c of the new streams exactly as
+// hc_post does (same roundings), writes them to y and feeds the rounded value to
+// the next hc_pre's dot products and sum of squares (part, as hc_dots).
+constexpr int K = HC * D;
+constexpr int M = (2 + HC) * HC;
+constexpr int WARPS = THREADS / 32;
+DS4_SHARED float red[WARPS * (M + 1)];
+
+const uint32_t t = tgy;
+const uint32_t q = tgx;
+const DS4_DEV T* xt = x + uint64_t(t) * uint64_t(K);
+float acc[M];
+for (int r = 0; r < M; ++r) {
+    acc[r] = 0.0f;
+}
+float ss = 0.0f;
+for (int e = 0; e < PER; ++e) {
+    const uint32_t k = (q * uint32_t(PER) + uint32_t(e)) * uint32_t(THREADS) + tid;
+    if (k < uint32_t(K)) {
+        const uint32_t i = k / uint32_t(D);
+        const uint32_t c = k % uint32_t(D);
+        float m = 0.0f;
+        for (int j = 0; j < HC; ++j) {
+            const float cj = static_cast<float>(static_cast<T>(comb[(uint64_t(t) * uint64_t(HC) + uint32_t(j)) * uint64_t(HC) + i]));
+            m += cj * static_cast<float>(xt[uint32_t(j) * uint32_t(D) + c]);
+        }
+        const float pk = static_cast<float>(static_cast<T>(post[uint64_t(t) * uint64_t(HC) + i]));
+        const float p = static_cast<float>(static_cast<T>(pk * static_cast<float>(o[uint64_t(t) * uint64_t(D) + c])));
+        const T yv = static_cast<T>(p + static_cast<float>(static_cast<T>(m)));
+        y[uint64_t(t) * uint64_t(K) + k] = yv;
+        const float xv = static_cast<float>(yv);
+        ss += xv * xv;
+        for (int r = 0; r < M; ++r) {
+            acc[r] += static_cast<float>(fn[uint64_t(r) * uint64_t(K) + k]) * xv;
+        }
+    }
+}
+for (int r = 0; r < M; ++r) {
+    const float v = ds4_warp_sum(acc[r]);
+    if (lane == 0u) {
+        red[warp * uint32_t(M + 1) + uint32_t(r)] = v;
+    }
+}
+ss = ds4_warp_sum(ss);
+if (lane == 0u) {
+    red[warp * uint32_t(M + 1) + uint32_t(M)] = ss;
+}
+ds4_tg_barrier();
+if (tid < uint32_t(M + 1)) {
+    float v = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+        v += red[uint32_t(w) * uint32_t(M + 1) + tid];
+    }
+    part[(uint64_t(t) * uint64_t(PARTS) + uint64_t(q)) * uint64_t(M + 1) + tid] = v;
+}
+
 // @@ hc_post
 const uint32_t c = tgx * uint32_t(THREADS) + tid;
 const uint32_t k = tgy;

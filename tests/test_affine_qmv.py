@@ -447,3 +447,22 @@ def test_metal_and_cuda_share_one_text():
         assert word not in ch + cb, word
     for word in ("__shfl", "__syncthreads", "__uint_as_float", "threadIdx"):
         assert word not in mh + mb, word
+
+
+def test_unverified_hc_post_pre_self_test_on_cuda(fake_cuda):
+    from ds4mlx.kernels import hyper_connection as hck
+
+    calls = []
+    fake_cuda.setattr(hck, "_kernel", _garbage_kernel(calls))
+    n, d = 4, 64
+    x = mx.random.normal((1, 1, n, d), key=mx.random.key(1))
+    out = mx.random.normal((1, 1, d), key=mx.random.key(3))
+    fn = mx.random.normal(((2 + n) * n, n * d), key=mx.random.key(2)) * 0.05
+    base, scale = mx.zeros(((2 + n) * n,)), mx.array([0.5, 1.0, 2.0])
+    post, comb = mx.ones((1, 1, n)), mx.ones((1, 1, n, n)) / n
+    kw = dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw)
+    assert dispatch._self_tests[("hyper_connection.post_pre", "cuda")] is False
+    calls.clear()
+    hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw)
+    assert "hc_post_dots" not in calls and calls[0] == "hc_post"     # hc_post, then hc_pre (no split either)

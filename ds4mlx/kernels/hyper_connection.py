@@ -15,6 +15,7 @@ Public API (all dispatch on ``backend`` / `ds4mlx.kernels.dispatch.backend()`)
 ``hc_mix(x, fn, base, scale, *, sinkhorn_iters, hc_eps, norm_eps)`` -> (pre, post, comb)  (V4.1)
 ``hc_head(x, fn, base, scale, *, hc_eps, norm_eps)``                 -> collapsed
 ``hc_post(x, out, post, comb)``                                     -> new streams
+``hc_post_pre(x, out, post, comb, fn, base, scale, ...)``             -> (new streams, post', comb', collapsed')
 with the shapes and dtypes of `ds4mlx.models.layers` (the reference face *is* those
 functions).
 
@@ -57,6 +58,8 @@ def _kernel(kind: str) -> Kernel:
         inputs, outputs = ["x", "fn", "base", "scale", "eps", "part"], ["pre", "post", "comb", "y"]
     elif kind == "hc_dots":
         inputs, outputs = ["x", "fn"], ["part"]
+    elif kind == "hc_post_dots":
+        inputs, outputs = ["x", "o", "post", "comb", "fn"], ["y", "part"]
     else:
         inputs, outputs = ["x", "o", "post", "comb"], ["y"]
     return Kernel(f"ds4mlx_{kind}", inputs, outputs,
@@ -110,7 +113,7 @@ def _split(face: str, chosen: bool) -> bool:
     return chosen or auto_face("hyper_connection.split", _self_test) == face
 
 
-def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str, chosen: bool = True):
+def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str, chosen: bool = True, part=None):
     """mode 'pre' -> (post, comb, collapsed); 'mix' -> (pre, post, comb); 'head' -> collapsed."""
     n, d = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
@@ -123,8 +126,10 @@ def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str, ch
         raise ValueError(f"fn must be [{m}, {n * d}], got {fn.shape}")
     small = [(nt, n), (nt, n), (nt, n, n)] if not head else [(1,), (1,), (1,)]
     x3 = x.reshape(nt, n, d)
-    parts, part = 0, _eps(0.0, 0.0)   # a dummy when hc_pre projects by itself
-    if nt <= SPLIT_TOKENS and _split(face, chosen):
+    parts = 0 if part is None else part.shape[1]
+    if part is None:
+        part = _eps(0.0, 0.0)   # a dummy when hc_pre projects by itself
+    if parts == 0 and nt <= SPLIT_TOKENS and _split(face, chosen):
         parts = -(-(n * d) // (DOTS_THREADS * DOTS_PER))
         part = _kernel("hc_dots")(
             face,
@@ -187,6 +192,62 @@ def hc_head(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, hc_ep
     if face == "reference" or not _fusable(x):
         return _layers().hc_head(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps)
     return _pre_launch(face, x, fn, base, scale, 1, hc_eps, norm_eps, "head", backend is not None)
+
+
+def hc_post_pre(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, fn: mx.array, base: mx.array,
+                scale: mx.array, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float, backend: str | None = None):
+    """``y = hc_post(x, out, post, comb)`` then ``hc_pre(y, fn, base, scale, ...)``:
+    (y, post', comb', collapsed') -- the end of one mHC site and the start of the
+    next.  At decode on a GPU, two launches instead of three: the new streams are
+    formed and projected in the same pass (hc_post_dots), then hc_pre adds the
+    partial sums (`dispatch.UNVERIFIED_KERNELS` until its GPU test has run)."""
+    face = _face(backend)
+    n, d = x.shape[-2], x.shape[-1]
+    nt = x.size // max(n * d, 1)
+    ok = (face != "reference" and out.dtype == x.dtype and _fusable(x) and sinkhorn_iters >= 1
+          and nt <= SPLIT_TOKENS and fn.shape == ((2 + n) * n, n * d))
+    if ok and backend is None:
+        ok = auto_face("hyper_connection.post_pre", _post_pre_self_test) == face
+    if not ok:
+        y = hc_post(x, out, post, comb, backend=backend)
+        return (y, *hc_pre(y, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                           backend=backend))
+    lead = x.shape[:-2]
+    m = (2 + n) * n
+    parts = -(-(n * d) // (DOTS_THREADS * DOTS_PER))
+    y, part = _kernel("hc_post_dots")(
+        face,
+        inputs=[x.reshape(nt, n, d), out.reshape(nt, d), post.reshape(nt, n), comb.reshape(nt, n, n), fn],
+        template=[("T", x.dtype), ("TP", post.dtype), ("TC", comb.dtype), ("TW", fn.dtype), ("HC", n), ("D", d),
+                  ("THREADS", DOTS_THREADS), ("PER", DOTS_PER), ("PARTS", parts)],
+        grid=(parts * DOTS_THREADS, nt, 1),
+        threadgroup=(DOTS_THREADS, 1, 1),
+        output_shapes=[(nt, n, d), (nt, parts, m + 1)],
+        output_dtypes=[x.dtype, mx.float32],
+    )
+    y = y.reshape(*lead, n, d)
+    return (y, *_pre_launch(face, y, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", part=part))
+
+
+def _post_pre_self_test(face: str) -> bool:
+    """hc_post_pre on `face` against hc_post + hc_pre of the reference (4 streams of 64,
+    2 tokens, float32 and bfloat16)."""
+    ref = _layers()
+    n, d, iters = 4, 64, 20
+    key = mx.random.key(6)
+    fn = mx.random.normal(((2 + n) * n, n * d), key=key) * (n * d) ** -0.5
+    base, scale = mx.random.normal(((2 + n) * n,), key=key) * 0.1, mx.array([0.5, 1.0, 2.0])
+    kw = dict(sinkhorn_iters=iters, hc_eps=1e-6, norm_eps=1e-6)
+    for dt, tol in ((mx.float32, 1e-3), (mx.bfloat16, 2e-2)):
+        x = (mx.random.normal((2, n, d), key=key) * 0.5).astype(dt)
+        out = (mx.random.normal((2, d), key=key) * 0.5).astype(dt)
+        post, comb, _ = ref.hc_pre(x, fn, base, scale, **kw)
+        y = ref.hc_post(x, out, post, comb)
+        want = (y, *ref.hc_pre(y, fn, base, scale, **kw))
+        got = hc_post_pre(x, out, post, comb, fn, base, scale, **kw, backend=face)
+        if not all(close_enough(g, w, rtol=tol, atol=tol) for g, w in zip(got, want)):
+            return False
+    return True
 
 
 def hc_post(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, *, backend: str | None = None) -> mx.array:

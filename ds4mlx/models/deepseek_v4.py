@@ -626,8 +626,8 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: mx.array, ids: mx.array, cache: LayerCache) -> mx.array:
         post, comb, collapsed = self.attn_hc(x)
-        x = hc_post(x, self.self_attn(self.input_layernorm(collapsed), cache), post, comb)
-        post, comb, collapsed = self.ffn_hc(x)
+        x, post, comb, collapsed = self.ffn_hc.after_post(x, self.self_attn(self.input_layernorm(collapsed), cache),
+                                                          post, comb)
         return hc_post(x, self.mlp(self.post_attention_layernorm(collapsed), ids), post, comb)
 
 

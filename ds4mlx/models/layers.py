@@ -288,6 +288,15 @@ class HyperConnection(nn.Module):
             x, self.fn, self.base, self.scale, sinkhorn_iters=self._iters, hc_eps=self._hc_eps, norm_eps=self._norm_eps
         )
 
+    def after_post(self, x: mx.array, out: mx.array, post: mx.array, comb: mx.array):
+        """``hc_post(x, out, post, comb)`` of the previous site, then this site on the
+        result: (new streams, post, comb, collapsed); at decode on a GPU two launches
+        instead of three (`kernels.hyper_connection.hc_post_pre`)."""
+        return _hc_kernels.hc_post_pre(
+            x, out, post, comb, self.fn, self.base, self.scale, sinkhorn_iters=self._iters, hc_eps=self._hc_eps,
+            norm_eps=self._norm_eps,
+        )
+
     def mix(self, x: mx.array):
         """(pre, post, comb) without the collapse (see `hc_mix`); one fused launch on a GPU."""
         return _hc_kernels.hc_mix(
