@@ -180,7 +180,7 @@ def test_backend_reference_on_cpu_returns_layers_functions(monkeypatch):
         assert np.array_equal(np.array(u), np.array(v))
 
 
-@pytest.mark.parametrize("kind", ["hc_pre", "hc_post"])
+@pytest.mark.parametrize("kind", ["hc_pre", "hc_dots", "hc_post_dots", "hc_post"])
 def test_metal_and_cuda_share_one_description(kind):
     sec = dispatch.sections(hck.SOURCE)
     mh, mb = hck.kernel_sources(kind, "metal")
@@ -194,25 +194,44 @@ def test_metal_and_cuda_share_one_description(kind):
 
 # ------------------------------------------------------------------ the shared GPU text, compiled for the CPU
 
-EMU_CASES = [(4, 64, 2, 20, "pre"), (3, 33, 3, 7, "pre"), (2, 5, 1, 20, "pre"), (4, 40, 2, 0, "head"),
-             (3, 50, 2, 20, "mix")]
+EMU_CASES = [(4, 64, 2, 20, "pre", False), (3, 33, 3, 7, "pre", False), (2, 5, 1, 20, "pre", False),
+             (4, 40, 2, 0, "head", False), (3, 50, 2, 20, "mix", False),
+             # the decode split: hc_dots over threadgroups, then hc_pre adds the partial sums
+             (4, 96, 2, 20, "pre", True), (3, 33, 3, 7, "pre", True), (4, 40, 2, 0, "head", True),
+             (3, 50, 1, 20, "mix", True)]
 
 
-@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: "n{}_d{}_t{}_it{}_{}".format(*c))
+def run_dots_on_cpu(tmp_path, x, fn, n, d, nt, head, threads=32, per=2):
+    """hc_dots through the emulation, launched as hyper_connection._pre_launch launches it."""
+    sec = dispatch.sections(hck.SOURCE)
+    m = n if head else (2 + n) * n
+    parts = -(-(n * d) // (threads * per))
+    (tmp_path / "dots").mkdir()
+    got = run_on_cpu(tmp_path / "dots", sec["common"], sec["hc_dots"], inputs={"x": x, "fn": fn},
+                     outputs={"part": ((nt, parts, m + 1), np.float32)},
+                     consts={"T": np.float32, "TW": np.float32, "HC": n, "D": d, "THREADS": threads, "PER": per,
+                             "PARTS": parts, "HEAD": head},
+                     groups=(parts, nt, 1), threads=threads)
+    return got["part"], parts
+
+
+@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: "n{}_d{}_t{}_it{}_{}_split{}".format(*c))
 def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
-    n, d, nt, iters, mode = case
+    n, d, nt, iters, mode, split = case
     head = mode == "head"
     x, fn, base, scale = make_inputs(n, d, (nt,), seed=11 + n, head=head)
     sec = dispatch.sections(hck.SOURCE)
     threads = 64
+    part, parts = run_dots_on_cpu(tmp_path, x, fn, n, d, nt, head) if split else (np.zeros(1, np.float32), 0)
     outs = {"pre": ((1,) if head else (nt, n), np.float32), "post": ((1,) if head else (nt, n), np.float32),
             "comb": ((1,) if head else (nt, n, n), np.float32), "y": ((nt, d) if mode != "mix" else (1,), np.float32)}
     got = run_on_cpu(tmp_path, sec["common"], sec["hc_pre"],
                      inputs={"x": x, "fn": fn, "base": base, "scale": scale,
-                             "eps": np.array([HC_EPS, NORM_EPS], np.float32)},
+                             "eps": np.array([HC_EPS, NORM_EPS], np.float32), "part": part},
                      outputs=outs,
                      consts={"T": np.float32, "TW": np.float32, "TB": np.float32, "TS": np.float32, "HC": n, "D": d,
-                             "THREADS": threads, "ITERS": max(iters, 1), "HEAD": head, "COLLAPSE": mode != "mix"},
+                             "THREADS": threads, "ITERS": max(iters, 1), "HEAD": head, "COLLAPSE": mode != "mix",
+                             "PARTS": parts},
                      groups=(nt, 1, 1), threads=threads)
     want = oracle(x, fn, base, scale, iters, HC_EPS, NORM_EPS, head=head)
     if mode != "mix":
@@ -222,6 +241,54 @@ def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
     if not head:
         for name in ("pre", "post", "comb"):
             check(name, got[name], *want[name])
+
+
+@pytest.mark.parametrize("n,d,nt", [(4, 48, 2), (3, 50, 1)])
+def test_shared_hc_post_dots_then_pre_compiled_for_cpu(n, d, nt, tmp_path):
+    """hc_post_dots (the new streams and their partial projection in one pass) then hc_pre
+    on its partial sums: hc_post's rounding and hc_pre's results of those streams."""
+    rng = np.random.default_rng(n * d)
+    x, fn, base, scale = make_inputs(n, d, (nt,), seed=3 + n)
+    out = rng.standard_normal((nt, d)).astype(np.float32)
+    post = (rng.random((nt, n)) * 2).astype(np.float32)
+    comb = rng.random((nt, n, n)).astype(np.float32)
+    sec = dispatch.sections(hck.SOURCE)
+    threads, per = 32, 2
+    m = (2 + n) * n
+    parts = -(-(n * d) // (threads * per))
+    (tmp_path / "pd").mkdir()
+    got = run_on_cpu(tmp_path / "pd", sec["common"], sec["hc_post_dots"],
+                     inputs={"x": x, "o": out, "post": post, "comb": comb, "fn": fn},
+                     outputs={"y": ((nt, n, d), np.float32), "part": ((nt, parts, m + 1), np.float32)},
+                     consts={"T": np.float32, "TP": np.float32, "TC": np.float32, "TW": np.float32, "HC": n, "D": d,
+                             "THREADS": threads, "PER": per, "PARTS": parts},
+                     groups=(parts, nt, 1), threads=threads)
+    want_y, mag = post_oracle(x, out, post, comb)
+    check("hc_post_dots y", got["y"], want_y, 2 * U * mag)
+    y = got["y"]
+    (tmp_path / "pre").mkdir()
+    pre = run_on_cpu(tmp_path / "pre", sec["common"], sec["hc_pre"],
+                     inputs={"x": y, "fn": fn, "base": base, "scale": scale,
+                             "eps": np.array([HC_EPS, NORM_EPS], np.float32), "part": got["part"]},
+                     outputs={"pre": ((nt, n), np.float32), "post": ((nt, n), np.float32),
+                              "comb": ((nt, n, n), np.float32), "y": ((nt, d), np.float32)},
+                     consts={"T": np.float32, "TW": np.float32, "TB": np.float32, "TS": np.float32, "HC": n, "D": d,
+                             "THREADS": 64, "ITERS": 20, "HEAD": False, "COLLAPSE": True, "PARTS": parts},
+                     groups=(nt, 1, 1), threads=64)
+    want = oracle(y, fn, base, scale, 20, HC_EPS, NORM_EPS)
+    check("collapsed", pre["y"], *want["collapsed"])
+    for name in ("pre", "post", "comb"):
+        check(name, pre[name], *want[name])
+
+
+def test_reference_hc_post_pre_is_post_then_pre():
+    x, fn, base, scale = (mx.array(a) for a in make_inputs(4, 16, (1, 2), seed=4))
+    out = mx.random.normal((1, 2, 16), key=mx.random.key(1))
+    post, comb, _ = hck.hc_pre(x, fn, base, scale, sinkhorn_iters=20, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    got = hck.hc_post_pre(x, out, post, comb, fn, base, scale, sinkhorn_iters=20, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    y = hck.hc_post(x, out, post, comb)
+    want = (y, *hck.hc_pre(y, fn, base, scale, sinkhorn_iters=20, hc_eps=HC_EPS, norm_eps=NORM_EPS))
+    assert all(mx.array_equal(g, w).item() for g, w in zip(got, want))
 
 
 def test_shared_hc_post_text_compiled_for_cpu(tmp_path):
@@ -333,10 +400,31 @@ def test_gpu_hc_post_equals_reference(dtype, n, d, nt):
     check("hc_post", got, ref.astype(np.float64), 2 * 2.0 ** -p * (mag + np.abs(ref)))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_hc_post_pre_equals_reference(dtype):
+    face = _gpu_face()
+    dt = getattr(mx, dtype)
+    assert hck._post_pre_self_test(face)
+    x, fn, base, scale = (mx.array(a) for a in make_inputs(4, 4096, (1, 1), seed=9))
+    x, out = x.astype(dt), mx.random.normal((1, 1, 4096), key=mx.random.key(2)).astype(dt)
+    post, comb, _ = hck.hc_pre(x, fn, base, scale, sinkhorn_iters=20, hc_eps=HC_EPS, norm_eps=NORM_EPS,
+                               backend="reference")
+    kw = dict(sinkhorn_iters=20, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    got = hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw, backend=face)
+    y = hck.hc_post(x, out, post, comb, backend="reference")
+    want = (y, *hck.hc_pre(y, fn, base, scale, **kw, backend="reference"))
+    tol = 1e-4 if dt == mx.float32 else 2e-2
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert mx.allclose(g.astype(mx.float32), w.astype(mx.float32), rtol=tol, atol=tol).item()
+
+
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind,mode", [("hc_pre", "pre"), ("hc_pre", "head"), ("hc_pre", "mix"), ("hc_post", "")])
+@pytest.mark.parametrize("kind,mode", [("hc_pre", "pre"), ("hc_pre", "head"), ("hc_pre", "mix"), ("hc_post", ""),
+                                       ("hc_dots", "pre"), ("hc_dots", "head"), ("hc_post_dots", "")])
 def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
     """The exact CUDA translation unit mx.fast.cuda_kernel builds, compiled for sm_90 (H200)
     by nvcc with warnings as errors (syntax and types; the g++ emulation checks the logic)."""
@@ -345,10 +433,19 @@ def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
     f = "float32"
     h, b = hck.kernel_sources(kind, "cuda")
     if kind == "hc_pre":
-        ins = {"x": dtype, "fn": dtype, "base": f, "scale": f, "eps": f}
+        ins = {"x": dtype, "fn": dtype, "base": f, "scale": f, "eps": f, "part": f}
         outs = {"pre": f, "post": f, "comb": f, "y": dtype}
         tmpl = [("T", dtype), ("TW", dtype), ("TB", f), ("TS", f), ("HC", 4), ("D", 4096),
-                ("THREADS", hck.PRE_THREADS), ("ITERS", 20), ("HEAD", mode == "head"), ("COLLAPSE", mode != "mix")]
+                ("THREADS", hck.PRE_THREADS), ("ITERS", 20), ("HEAD", mode == "head"), ("COLLAPSE", mode != "mix"),
+                ("PARTS", 32 if mode == "pre" else 0)]
+    elif kind == "hc_post_dots":
+        ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f, "fn": dtype}, {"y": dtype, "part": f}
+        tmpl = [("T", dtype), ("TP", f), ("TC", f), ("TW", dtype), ("HC", 4), ("D", 4096),
+                ("THREADS", hck.DOTS_THREADS), ("PER", hck.DOTS_PER), ("PARTS", 32)]
+    elif kind == "hc_dots":
+        ins, outs = {"x": dtype, "fn": dtype}, {"part": f}
+        tmpl = [("T", dtype), ("TW", dtype), ("HC", 4), ("D", 4096), ("THREADS", hck.DOTS_THREADS),
+                ("PER", hck.DOTS_PER), ("PARTS", 32), ("HEAD", mode == "head")]
     else:
         ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f}, {"y": dtype}
         tmpl = [("T", dtype), ("TP", f), ("TC", f), ("HC", 4), ("D", 4096), ("THREADS", hck.POST_THREADS)]

@@ -197,11 +197,11 @@ def test_no_full_dequantization(case):
             mod = layer
             for part in sub.split("."):
                 mod = getattr(mod, part)
-            assert (type(mod) is nn.QuantizedLinear and mod.bits == 8) if case["dense"] else type(mod) is nn.Linear
+            assert (isinstance(mod, nn.QuantizedLinear) and mod.bits == 8) if case["dense"] else type(mod) is nn.Linear
         o_a = type(layer.self_attn.o_a_proj).__name__
         assert o_a == ("QuantizedGroupedLinear" if case["dense"] else "GroupedLinear")
     if not args.tie_word_embeddings:
-        assert (type(lm.model.lm_head) is nn.QuantizedLinear) == case["dense"]
+        assert isinstance(lm.model.lm_head, nn.QuantizedLinear) == case["dense"]
     # no float array as large as one expert bank anywhere in the model
     bank = args.n_routed_experts * args.moe_intermediate_size * args.hidden_size
     floats = [k for k, v in tree_flatten(lm.model.parameters())
@@ -301,7 +301,7 @@ def test_mixed_types_and_fallbacks(oracle, tmp_path_factory, tmp_path, caplog):
     for name in ("q_a_proj", "mlp.gate.weight", "experts.down_proj"):
         assert name in warned
     m = lm.model
-    assert type(m.model.embed_tokens) is nn.QuantizedEmbedding and m.model.embed_tokens.bits == 8
+    assert isinstance(m.model.embed_tokens, nn.QuantizedEmbedding) and m.model.embed_tokens.bits == 8
     assert type(m.layers[0].self_attn.o_a_proj).__name__ == "QuantizedGroupedLinear"
     assert m.layers[0].self_attn.o_a_proj.bits == 4
     assert type(m.layers[0].self_attn.q_a_proj) is nn.Linear

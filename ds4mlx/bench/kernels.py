@@ -19,8 +19,16 @@ Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, ind
   prefill and decode tokens/s with the kernels on and with ``DS4MLX_KERNELS=reference``;
   ``--expert-format gguf`` gives it ds4's IQ2_XXS / Q2_K expert blocks.
 
-Kernels on / off is the ``DS4MLX_KERNELS`` switch of `ds4mlx.kernels.dispatch`
-(read at every call), so one process measures both.
+* with ``--qmv``: a dependent chain of mat-vecs (each call's output is the next
+  call's input, weights rotated through a set larger than L2): GB/s for MLX affine
+  2 / 4 / 8-bit, ours (`affine_qmv`) vs ``mx.quantized_matmul``, at 4096x4096 and
+  8192x8192, 32 experts of 4096x4096 in one launch, the V4 Flash routed-MoE call
+  (6 of 256 experts, gate_up + SwiGLU, down + weighted sum) ours vs the
+  gather_qmm graph, and the GGUF types (quant_moe) as a dense 4096x4096 chain and
+  as the MoE call.
+
+Kernels on / off is `ds4mlx.kernels.dispatch.use_face` ('reference' for off), so
+one process measures both; the micro-benchmarks pass the face explicitly.
 """
 from __future__ import annotations
 
@@ -222,6 +230,222 @@ def bench_qmoe(iters: int, experts: int = 256, hidden: int = 4096, inter: int = 
     return results
 
 
+# --------------------------------------------------------------------------- dependent-chain mat-vec GB/s
+
+L2_BYTES = 60 << 20   # H200
+
+
+def _chain(step, calls: int, reps: int = 5) -> float:
+    """µs per call of `calls` dependent calls ``x = step(i, x)`` in one eval (median of reps)."""
+    times = []
+    for r in range(reps + 1):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        x = None
+        for i in range(calls):
+            x = step(i, x)
+        mx.eval(x)
+        mx.synchronize()
+        if r:   # the first round compiles and warms up
+            times.append((time.perf_counter() - t0) / calls * 1e6)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _affine_bank(n: int, rows: int, k_dim: int, bits: int, gs: int = 64, dtype=mx.bfloat16):
+    """n random MLX-affine matrices [n, rows, K] (packed words, bf16 scales and biases)
+    whose products keep a unit-scale x at unit scale."""
+    shape = (n, rows, k_dim * bits // 32)
+    # two 16-bit halves: randint over the whole 32-bit range leaves the low bits zero
+    wq = mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32) | (mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32) << 16)
+    s = (12.0 / k_dim) ** 0.5 / (1 << bits)
+    sc = (mx.random.uniform(0.5, 1.5, (n, rows, k_dim // gs)) * s).astype(dtype)
+    bi = (-sc.astype(mx.float32) * ((1 << bits) - 1) / 2).astype(dtype)
+    mx.eval(wq, sc, bi)
+    return wq, sc, bi
+
+
+def _gbs(nbytes: float, us: float) -> str:
+    return f"{nbytes / (us * 1e-6) / 1e9:8.1f} GB/s ({nbytes / (us * 1e-6) / 4.8e12 * 100:5.1f}%)"
+
+
+def bench_qmv(calls: int = 64, face: str | None = None, out: list | None = None):
+    """Dependent-chain GB/s of the affine mat-vec, ours vs mx.quantized_matmul."""
+    from ds4mlx.kernels import affine_qmv as aq
+
+    face = face or dispatch.gpu_backend()
+    out = [] if out is None else out
+    print(f"affine quantized mat-vec, dependent chain of {calls} calls per eval, bf16 x and scales, group 64"
+          " (µs per call, weights + scales + biases read per call):")
+    for n_dim in (4096, 8192):
+        for bits in (2, 4, 8):
+            one = n_dim * n_dim * bits // 8 + 2 * 2 * n_dim * n_dim // 64
+            n = max(2, -(-3 * L2_BYTES // one))
+            wq, sc, bi = _affine_bank(n, n_dim, n_dim, bits)
+            x0 = mx.random.normal((1, n_dim)).astype(mx.bfloat16)
+            mx.eval(x0)
+
+            def ours(i, x):
+                j = i % n
+                return aq.qmv(x0 if x is None else x, wq[j], sc[j], bi[j], group_size=64, bits=bits, backend=face)
+
+            def theirs(i, x):
+                j = i % n
+                return mx.quantized_matmul(x0 if x is None else x, wq[j], sc[j], bi[j], transpose=True,
+                                           group_size=64, bits=bits)
+            t_o, t_m = _chain(ours, calls), _chain(theirs, calls)
+            print(f"  {n_dim}x{n_dim} {bits}-bit: ours {t_o:7.2f} µs = {_gbs(one, t_o)}   "
+                  f"mx.quantized_matmul {t_m:7.2f} µs = {_gbs(one, t_m)}", flush=True)
+            out.append({"what": f"{n_dim}x{n_dim}", "bits": bits, "ours_us": t_o, "mlx_us": t_m, "bytes": one})
+            wq = sc = bi = None
+            mx.clear_cache()
+    # one launch over 32 experts of 4096x4096: the kernel's own bandwidth, launch cost amortised
+    for bits in (2, 4, 8):
+        e, k = 64, 32
+        wq, sc, bi = _affine_bank(e, 4096, 4096, bits)
+        one = k * (wq[0].nbytes + sc[0].nbytes + bi[0].nbytes)
+        rng = __import__("numpy").random.default_rng(1)
+        ids = [mx.array(rng.permutation(e)[:k].astype("int32"))[None] for _ in range(8)]
+        x0 = mx.random.normal((1, 4096)).astype(mx.bfloat16)
+        mx.eval(ids, x0)
+
+        def ours(i, x):
+            y = aq.gather_qmv(x0 if x is None else x, wq, sc, bi, ids[i % 8], group_size=64, bits=bits, backend=face)
+            return y[0, :1]
+
+        def theirs(i, x):
+            xx = (x0 if x is None else x)[:, None, None, :]
+            y = mx.gather_qmm(xx, wq, sc, bi, rhs_indices=ids[i % 8], transpose=True, group_size=64, bits=bits)
+            return y[0, :1, 0]
+        t_o, t_m = _chain(ours, calls // 4), _chain(theirs, calls // 4)
+        print(f"  32 experts of 4096x4096 {bits}-bit in one call: ours {t_o:7.2f} µs = {_gbs(one, t_o)}   "
+              f"gather_qmm {t_m:7.2f} µs = {_gbs(one, t_m)}", flush=True)
+        out.append({"what": "32x4096x4096", "bits": bits, "ours_us": t_o, "mlx_us": t_m, "bytes": one})
+        wq = sc = bi = None
+        mx.clear_cache()
+    return out
+
+
+def bench_qmv_sweep(face: str | None = None, variants=((2, 8), (4, 8), (8, 8), (4, 2))):
+    """The 32-expert call of `bench_qmv` for launch variants (RPW, KSPLIT_MAX) of affine_qmv."""
+    import numpy as np
+
+    from ds4mlx.kernels import affine_qmv as aq
+
+    face = face or dispatch.gpu_backend()
+    saved = aq.RPW, aq.KSPLIT_MAX
+    rng = np.random.default_rng(1)
+    ids = [mx.array(rng.permutation(64)[:32].astype(np.int32))[None] for _ in range(8)]
+    x0 = mx.random.normal((1, 4096)).astype(mx.bfloat16)
+    mx.eval(ids, x0)
+    print("affine_qmv launch variants, 32 experts of 4096x4096 per call (RPW, KSPLIT_MAX):")
+    try:
+        for bits in (2, 4, 8):
+            wq, sc, bi = _affine_bank(64, 4096, 4096, bits)
+            one = 32 * (wq[0].nbytes + sc[0].nbytes + bi[0].nbytes)
+            cells = []
+            for rpw, kmax in variants:
+                aq.RPW, aq.KSPLIT_MAX = rpw, kmax
+
+                def ours(i, x):
+                    return aq.gather_qmv(x0 if x is None else x, wq, sc, bi, ids[i % 8], group_size=64, bits=bits,
+                                         backend=face)[0, :1]
+                t = _chain(ours, 16)
+                cells.append(f"({rpw},{kmax}) {t:6.1f} µs {one / (t * 1e-6) / 1e9:6.0f} GB/s")
+            print(f"  {bits}-bit: " + " | ".join(cells), flush=True)
+            wq = sc = bi = None
+            mx.clear_cache()
+    finally:
+        aq.RPW, aq.KSPLIT_MAX = saved
+
+
+def bench_moe_call(calls: int = 32, face: str | None = None, out: list | None = None, experts: int = 256,
+                   hidden: int = 4096, inter: int = 2048, topk: int = 6, gguf=("IQ2_XXS", "Q2_K"),
+                   dense_dim: int = 4096):
+    """The V4 Flash routed-MoE decode call as a dependent chain: x -> gate_up + SwiGLU ->
+    down + weighted sum -> x.  MLX 2-bit affine: ours (2 launches) vs the gather_qmm
+    graph the model runs today; GGUF gate/up `gguf[0]`, down `gguf[1]` (quant_moe)."""
+    import numpy as np
+
+    from ds4mlx.kernels import affine_qmv as aq
+    from ds4mlx.kernels import quant_moe
+    from ds4mlx.models.layers import clamped_swiglu
+    from ds4mlx.quant import as_qtype, row_bytes
+    from ds4mlx.synthetic import random_gguf_blocks
+
+    face = face or dispatch.gpu_backend()
+    out = [] if out is None else out
+    rng = np.random.default_rng(5)
+    ids = [mx.array(rng.permutation(experts)[:topk].astype(np.int32))[None] for _ in range(64)]
+    wts = [mx.softmax(mx.random.normal((1, topk)), axis=-1) for _ in range(64)]
+    x0 = mx.random.normal((1, hidden)).astype(mx.bfloat16)
+    mx.eval(ids, wts, x0)
+    print(f"routed MoE decode call, {experts} experts, top-{topk}, hidden {hidden}, intermediate {inter}, "
+          f"dependent chain of {calls} calls:")
+    for bits in (2, 4):
+        gu = _affine_bank(experts, 2 * inter, hidden, bits)
+        dn = _affine_bank(experts, hidden, inter, bits)
+        nbytes = topk * sum(a[0].nbytes for a in gu + dn)
+
+        def ours(i, x):
+            x = x0 if x is None else x
+            h = aq.gather_swiglu(x, *gu, ids[i % 64], limit=10.0, group_size=64, bits=bits, backend=face)
+            return aq.gather_down_sum(h, *dn, ids[i % 64], wts[i % 64], group_size=64, bits=bits, backend=face)
+
+        def theirs(i, x):
+            x = (x0 if x is None else x)[:, None, None, :]
+            g = mx.gather_qmm(x, *gu, rhs_indices=ids[i % 64], transpose=True, group_size=64, bits=bits)
+            h = clamped_swiglu(g[..., :inter], g[..., inter:], 10.0)
+            y = mx.gather_qmm(h, *dn, rhs_indices=ids[i % 64], transpose=True, group_size=64, bits=bits)[..., 0, :]
+            return (y * wts[i % 64][..., None].astype(y.dtype)).sum(axis=-2)
+        t_o, t_m = _chain(ours, calls), _chain(theirs, calls)
+        print(f"  MLX {bits}-bit: ours {t_o:7.2f} µs = {_gbs(nbytes, t_o)}   gather_qmm graph {t_m:7.2f} µs = "
+              f"{_gbs(nbytes, t_m)}", flush=True)
+        out.append({"what": "moe_call", "bits": bits, "ours_us": t_o, "mlx_us": t_m, "bytes": nbytes})
+        gu = dn = None
+        mx.clear_cache()
+    qg, qd = as_qtype(gguf[0]), as_qtype(gguf[1])
+    gate = random_gguf_blocks(qg, experts, inter, hidden)
+    up = random_gguf_blocks(qg, experts, inter, hidden, seed=2)
+    down = random_gguf_blocks(qd, experts, hidden, inter, seed=3)
+    nbytes = topk * (2 * inter * row_bytes(qg, hidden) + hidden * row_bytes(qd, inter))
+
+    def gguf_call(i, x):
+        x = x0 if x is None else x
+        g = quant_moe.gather_qmv(x, gate, qg, ids[i % 64], backend=face)
+        u = quant_moe.gather_qmv(x, up, qg, ids[i % 64], backend=face)
+        h = clamped_swiglu(g, u, 10.0)
+        y = quant_moe.gather_qmv(h, down, qd, ids[i % 64], backend=face)
+        return (y * wts[i % 64][..., None].astype(y.dtype)).sum(axis=-2)
+    t_g = _chain(gguf_call, calls)
+    print(f"  GGUF {qg.name} gate/up, {qd.name} down (quant_moe, 3 launches + graph): {t_g:7.2f} µs = "
+          f"{_gbs(nbytes, t_g)}", flush=True)
+    out.append({"what": "moe_call_gguf", "bits": f"{qg.name}/{qd.name}", "ours_us": t_g, "mlx_us": None,
+                "bytes": nbytes})
+    gate = up = down = None
+    mx.clear_cache()
+    # GGUF dense 4096x4096 (one expert): the non-expert linears' formats
+    dd = dense_dim
+    x0 = mx.random.normal((1, dd)).astype(mx.bfloat16)
+    zero = mx.zeros((1, 1), mx.int32)
+    for tname in ("Q8_0", "Q4_K", "Q2_K", "IQ2_XXS"):
+        qt = as_qtype(tname)
+        one = dd * row_bytes(qt, dd)
+        n = max(2, -(-3 * L2_BYTES // one))
+        bank = random_gguf_blocks(qt, n, dd, dd)
+        mx.eval(bank, x0)
+
+        def dense(i, x, bank=bank, qt=qt, n=n):
+            x = x0 if x is None else x
+            return quant_moe.gather_qmv(x, bank[i % n:i % n + 1], qt, zero, backend=face)[:, 0]
+        t_d = _chain(dense, calls * 2)
+        print(f"  GGUF {tname} {dd}x{dd} mat-vec chain: {t_d:7.2f} µs = {_gbs(one, t_d)}", flush=True)
+        out.append({"what": f"{dd}x{dd}_gguf", "bits": tname, "ours_us": t_d, "mlx_us": None, "bytes": one})
+        bank = None
+        mx.clear_cache()
+    return out
+
+
 def _random_weights(module, seed: int = 1):
     """bf16 N(0, 1/fan_in) matrices (8-bit quantized where MLX can), unit norms, small vectors."""
     import mlx.nn as nn
@@ -307,6 +531,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-layer", action="store_true")
     p.add_argument("--no-model", action="store_true")
     p.add_argument("--qmoe", action="store_true", help="the quantized-MoE GB/s table")
+    p.add_argument("--qmv", action="store_true",
+                   help="the dependent-chain mat-vec GB/s table (affine 2/4/8, the MoE call, GGUF types)")
+    p.add_argument("--json", help="write the --qmv rows to this file")
+    p.add_argument("--qmv-sweep", action="store_true", help="affine_qmv launch variants (RPW, KSPLIT_MAX)")
     p.add_argument("--expert-format", choices=["mlx", "gguf"], default="mlx",
                    help="synthetic model's routed experts: MLX 2-bit affine, or ds4's IQ2_XXS / Q2_K blocks")
     a = p.parse_args(argv)
@@ -315,6 +543,16 @@ def main(argv=None) -> int:
         print("ds4mlx.bench.kernels: no MLX GPU backend (the kernels only run on a GPU)")
         return 2
     print(f"ds4mlx.bench.kernels on {mx.default_device()} ({face})", flush=True)
+    if a.qmv_sweep:
+        bench_qmv_sweep()
+    if a.qmv:
+        rows = bench_qmv()
+        bench_moe_call(out=rows)
+        if a.json:
+            import json
+
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=1)
     if a.qmoe:
         bench_qmoe(a.iters)
     if not a.no_micro:

@@ -15,6 +15,7 @@ Public API (all dispatch on ``backend`` / `ds4mlx.kernels.dispatch.backend()`)
 ``hc_mix(x, fn, base, scale, *, sinkhorn_iters, hc_eps, norm_eps)`` -> (pre, post, comb)  (V4.1)
 ``hc_head(x, fn, base, scale, *, hc_eps, norm_eps)``                 -> collapsed
 ``hc_post(x, out, post, comb)``                                     -> new streams
+``hc_post_pre(x, out, post, comb, fn, base, scale, ...)``             -> (new streams, post', comb', collapsed')
 with the shapes and dtypes of `ds4mlx.kernels.hyper_connection_reference` (the reference
 face *is* those functions; ``hc_collapse`` has no kernel and is re-exported from there).
 
@@ -43,17 +44,24 @@ SOURCE = METAL_DIR / "hyper_connection.metal"
 PRE_THREADS = 512    # threads per token in hc_pre (>= (2+n)n + 1)
 POST_THREADS = 256   # threads per threadgroup in hc_post
 MAX_HC = 5           # Sinkhorn runs on one SIMD group: n*n <= 32
+SPLIT_TOKENS = 16    # up to this many tokens, the projection is split across threadgroups (hc_dots)
+DOTS_THREADS = 256   # threads per hc_dots threadgroup
+DOTS_PER = 2         # flat elements per hc_dots thread (a threadgroup takes DOTS_THREADS*DOTS_PER)
 
 
 def kernel_sources(kind: str, face: str) -> tuple[str, str]:
-    """(header, body) of 'hc_pre' or 'hc_post' for `face` ('metal' or 'cuda')."""
+    """(header, body) of 'hc_pre', 'hc_dots' or 'hc_post' for `face` ('metal' or 'cuda')."""
     return shared_sources(SOURCE, face, kind)
 
 
 @lru_cache(maxsize=None)
 def _kernel(kind: str) -> Kernel:
     if kind == "hc_pre":
-        inputs, outputs = ["x", "fn", "base", "scale", "eps"], ["pre", "post", "comb", "y"]
+        inputs, outputs = ["x", "fn", "base", "scale", "eps", "part"], ["pre", "post", "comb", "y"]
+    elif kind == "hc_dots":
+        inputs, outputs = ["x", "fn"], ["part"]
+    elif kind == "hc_post_dots":
+        inputs, outputs = ["x", "o", "post", "comb", "fn"], ["y", "part"]
     else:
         inputs, outputs = ["x", "o", "post", "comb"], ["y"]
     return Kernel(f"ds4mlx_{kind}", inputs, outputs,
@@ -99,7 +107,13 @@ def _layers():
     return reference  # the reference face
 
 
-def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str):
+def _split(face: str, chosen: bool) -> bool:
+    """Whether the decode split (hc_dots + hc_pre) runs: always for a caller-chosen face,
+    for an automatic one once its self-test passed (dispatch.UNVERIFIED_KERNELS)."""
+    return chosen or auto_face("hyper_connection.split", _self_test) == face
+
+
+def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str, chosen: bool = True, part=None):
     """mode 'pre' -> (post, comb, collapsed); 'mix' -> (pre, post, comb); 'head' -> collapsed."""
     n, d = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
@@ -111,12 +125,28 @@ def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str):
     if fn.shape != (m, n * d):
         raise ValueError(f"fn must be [{m}, {n * d}], got {fn.shape}")
     small = [(nt, n), (nt, n), (nt, n, n)] if not head else [(1,), (1,), (1,)]
+    x3 = x.reshape(nt, n, d)
+    parts = 0 if part is None else part.shape[1]
+    if part is None:
+        part = _eps(0.0, 0.0)   # a dummy when hc_pre projects by itself
+    if parts == 0 and nt <= SPLIT_TOKENS and _split(face, chosen):
+        parts = -(-(n * d) // (DOTS_THREADS * DOTS_PER))
+        part = _kernel("hc_dots")(
+            face,
+            inputs=[x3, fn],
+            template=[("T", x.dtype), ("TW", fn.dtype), ("HC", n), ("D", d), ("THREADS", DOTS_THREADS),
+                      ("PER", DOTS_PER), ("PARTS", parts), ("HEAD", head)],
+            grid=(parts * DOTS_THREADS, nt, 1),
+            threadgroup=(DOTS_THREADS, 1, 1),
+            output_shapes=[(nt, parts, m + 1)],
+            output_dtypes=[mx.float32],
+        )[0]
     pre, post, comb, y = _kernel("hc_pre")(
         face,
-        inputs=[x.reshape(nt, n, d), fn, base, scale, _eps(float(hc_eps), float(norm_eps))],
+        inputs=[x3, fn, base, scale, _eps(float(hc_eps), float(norm_eps)), part],
         template=[("T", x.dtype), ("TW", fn.dtype), ("TB", base.dtype), ("TS", scale.dtype),
                   ("HC", n), ("D", d), ("THREADS", PRE_THREADS), ("ITERS", int(iters)), ("HEAD", head),
-                  ("COLLAPSE", mode != "mix")],
+                  ("COLLAPSE", mode != "mix"), ("PARTS", parts)],
         grid=(nt * PRE_THREADS, 1, 1),
         threadgroup=(PRE_THREADS, 1, 1),
         output_shapes=small + [(nt, d) if mode != "mix" else (1,)],
@@ -142,7 +172,7 @@ def hc_pre(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkho
     if face == "reference" or not _fusable(x) or sinkhorn_iters < 1:
         return _layers().hc_pre(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
                                 norm_eps=norm_eps)
-    return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre")
+    return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", backend is not None)
 
 
 def hc_mix(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkhorn_iters: int,
@@ -152,7 +182,7 @@ def hc_mix(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkho
     if face == "reference" or not _fusable(x) or sinkhorn_iters < 1:
         return _layers().hc_mix(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
                                 norm_eps=norm_eps)
-    return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "mix")
+    return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "mix", backend is not None)
 
 
 def hc_head(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, hc_eps: float, norm_eps: float,
@@ -161,7 +191,63 @@ def hc_head(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, hc_ep
     face = _face(backend)
     if face == "reference" or not _fusable(x):
         return _layers().hc_head(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps)
-    return _pre_launch(face, x, fn, base, scale, 1, hc_eps, norm_eps, "head")
+    return _pre_launch(face, x, fn, base, scale, 1, hc_eps, norm_eps, "head", backend is not None)
+
+
+def hc_post_pre(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, fn: mx.array, base: mx.array,
+                scale: mx.array, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float, backend: str | None = None):
+    """``y = hc_post(x, out, post, comb)`` then ``hc_pre(y, fn, base, scale, ...)``:
+    (y, post', comb', collapsed') -- the end of one mHC site and the start of the
+    next.  At decode on a GPU, two launches instead of three: the new streams are
+    formed and projected in the same pass (hc_post_dots), then hc_pre adds the
+    partial sums (`dispatch.UNVERIFIED_KERNELS` until its GPU test has run)."""
+    face = _face(backend)
+    n, d = x.shape[-2], x.shape[-1]
+    nt = x.size // max(n * d, 1)
+    ok = (face != "reference" and out.dtype == x.dtype and _fusable(x) and sinkhorn_iters >= 1
+          and nt <= SPLIT_TOKENS and fn.shape == ((2 + n) * n, n * d))
+    if ok and backend is None:
+        ok = auto_face("hyper_connection.post_pre", _post_pre_self_test) == face
+    if not ok:
+        y = hc_post(x, out, post, comb, backend=backend)
+        return (y, *hc_pre(y, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                           backend=backend))
+    lead = x.shape[:-2]
+    m = (2 + n) * n
+    parts = -(-(n * d) // (DOTS_THREADS * DOTS_PER))
+    y, part = _kernel("hc_post_dots")(
+        face,
+        inputs=[x.reshape(nt, n, d), out.reshape(nt, d), post.reshape(nt, n), comb.reshape(nt, n, n), fn],
+        template=[("T", x.dtype), ("TP", post.dtype), ("TC", comb.dtype), ("TW", fn.dtype), ("HC", n), ("D", d),
+                  ("THREADS", DOTS_THREADS), ("PER", DOTS_PER), ("PARTS", parts)],
+        grid=(parts * DOTS_THREADS, nt, 1),
+        threadgroup=(DOTS_THREADS, 1, 1),
+        output_shapes=[(nt, n, d), (nt, parts, m + 1)],
+        output_dtypes=[x.dtype, mx.float32],
+    )
+    y = y.reshape(*lead, n, d)
+    return (y, *_pre_launch(face, y, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", part=part))
+
+
+def _post_pre_self_test(face: str) -> bool:
+    """hc_post_pre on `face` against hc_post + hc_pre of the reference (4 streams of 64,
+    2 tokens, float32 and bfloat16)."""
+    ref = _layers()
+    n, d, iters = 4, 64, 20
+    key = mx.random.key(6)
+    fn = mx.random.normal(((2 + n) * n, n * d), key=key) * (n * d) ** -0.5
+    base, scale = mx.random.normal(((2 + n) * n,), key=key) * 0.1, mx.array([0.5, 1.0, 2.0])
+    kw = dict(sinkhorn_iters=iters, hc_eps=1e-6, norm_eps=1e-6)
+    for dt, tol in ((mx.float32, 1e-3), (mx.bfloat16, 2e-2)):
+        x = (mx.random.normal((2, n, d), key=key) * 0.5).astype(dt)
+        out = (mx.random.normal((2, d), key=key) * 0.5).astype(dt)
+        post, comb, _ = ref.hc_pre(x, fn, base, scale, **kw)
+        y = ref.hc_post(x, out, post, comb)
+        want = (y, *ref.hc_pre(y, fn, base, scale, **kw))
+        got = hc_post_pre(x, out, post, comb, fn, base, scale, **kw, backend=face)
+        if not all(close_enough(g, w, rtol=tol, atol=tol) for g, w in zip(got, want)):
+            return False
+    return True
 
 
 def hc_post(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, *, backend: str | None = None) -> mx.array:

@@ -60,6 +60,9 @@ class LanguageModel:
             if dtype is not None:
                 weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
             model.load_weights(list(weights.items()) + list(owned.items()), strict=strict)
+        from .qmv_linear import use_fast_qmv
+
+        use_fast_qmv(model)  # decode-sized quantized linears: our mat-vec on a GPU
         mx.eval(model.parameters())
         model.eval()
         return cls(model, args)

@@ -36,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import affine_qmv
 from ..kernels import sparse_attention as _sparse
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
@@ -347,6 +348,14 @@ class QuantizedGroupedLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         G = self.groups
         lead = x.shape[:-2]
+        n = x.size // (G * x.shape[-1])
+        if (self.mode == "affine" and self.biases is not None and n * G <= affine_qmv.MAX_PAIRS
+                and affine_qmv.kernel_face(x.shape[-1], self.group_size, self.bits) is not None):
+            # decode on a GPU: group g is "expert" g of every token, one launch
+            ids = mx.broadcast_to(mx.arange(G, dtype=mx.int32), (n, G))
+            y = affine_qmv.gather_qmv(x.reshape(n, G, x.shape[-1]), self.weight, self.scales, self.biases, ids,
+                                      group_size=self.group_size, bits=self.bits)   # [n, G, out]
+            return y.reshape(*lead, -1)
         xg = x.reshape(-1, G, 1, x.shape[-1]).swapaxes(0, 1)  # [G, N, 1, in]
         y = mx.gather_qmm(
             xg,
@@ -598,8 +607,10 @@ class MoE(nn.Module):
 
     def __call__(self, x: mx.array, ids: mx.array) -> mx.array:
         idx, w = self.gate(x, ids)
-        y = self.experts(x, idx)  # [..., k, H]
-        y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
+        y = self.experts.fused_weighted(x, idx, w)  # GPU decode: two launches
+        if y is None:
+            y = self.experts(x, idx)  # [..., k, H]
+            y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
         return y + self.shared_experts(x)
 
 
@@ -616,8 +627,8 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: mx.array, ids: mx.array, cache: LayerCache) -> mx.array:
         post, comb, collapsed = self.attn_hc(x)
-        x = hc_post(x, steer(self, ATTN, self.self_attn(self.input_layernorm(collapsed), cache)), post, comb)
-        post, comb, collapsed = self.ffn_hc(x)
+        x, post, comb, collapsed = self.ffn_hc.after_post(
+            x, steer(self, ATTN, self.self_attn(self.input_layernorm(collapsed), cache)), post, comb)
         return hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(collapsed), ids)), post, comb)
 
 

@@ -443,7 +443,8 @@ class MoE(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         idx, w = self.gate(x)
-        y = (self.experts(x, idx).astype(mx.float32) * w[..., None]).sum(axis=-2)
+        y = self.experts.fused_weighted(x, idx, w)  # GPU decode: two launches
+        y = (self.experts(x, idx).astype(mx.float32) * w[..., None]).sum(axis=-2) if y is None else y.astype(mx.float32)
         return (y + self.shared_experts(x).astype(mx.float32)).astype(x.dtype)
 
 

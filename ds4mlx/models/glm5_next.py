@@ -274,8 +274,7 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cache)
         else:
             h, sel = self.self_attn(h, cache, prev)
-        x = hc_post(x, steer(self, ATTN, h), post, comb)
-        post, comb, collapsed = self.ffn_hc(x)
+        x, post, comb, collapsed = self.ffn_hc.after_post(x, steer(self, ATTN, h), post, comb)
         x = hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(collapsed))), post, comb)
         return x, sel if self._hands_on else None
 

@@ -24,7 +24,9 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from ..kernels import affine_qmv
 from ..kernels import hyper_connection as hc_kernels
 
 # --------------------------------------------------------------------------- norms
@@ -177,6 +179,15 @@ class HyperConnection(nn.Module):
             x, self.fn, self.base, self.scale, sinkhorn_iters=self._iters, hc_eps=self._hc_eps, norm_eps=self._norm_eps
         )
 
+    def after_post(self, x: mx.array, out: mx.array, post: mx.array, comb: mx.array):
+        """``hc_post(x, out, post, comb)`` of the previous site, then this site on the
+        result: (new streams, post, comb, collapsed); at decode on a GPU two launches
+        instead of three (`kernels.hyper_connection.hc_post_pre`)."""
+        return hc_kernels.hc_post_pre(
+            x, out, post, comb, self.fn, self.base, self.scale, sinkhorn_iters=self._iters, hc_eps=self._hc_eps,
+            norm_eps=self._norm_eps,
+        )
+
     def mix(self, x: mx.array):
         """(pre, post, comb) without the collapse (see `hc_mix`); one fused launch on a GPU."""
         return hc_kernels.hc_mix(
@@ -249,6 +260,9 @@ class QuantizedSwitchLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        fast = self._decode(x, indices)
+        if fast is not None:
+            return fast
         return mx.gather_qmm(
             x,
             self.weight,
@@ -261,6 +275,29 @@ class QuantizedSwitchLinear(nn.Module):
             mode=self.mode,
             sorted_indices=sorted_indices,
         )
+
+    def _decode(self, x: mx.array, indices: mx.array) -> mx.array | None:
+        """`kernels.affine_qmv.gather_qmv` for one row per (token, expert) at decode size
+        on a GPU face (x [..., 1, K], indices broadcasting against x's leading axes); None
+        where MLX's gather_qmm runs."""
+        if self.mode != "affine" or self.biases is None or x.shape[-2] != 1:
+            return None
+        if affine_qmv.kernel_face(x.shape[-1], self.group_size, self.bits) is None:
+            return None
+        xb = tuple(x.shape[:-2])
+        batch = tuple(np.broadcast_shapes(xb, tuple(indices.shape))) or (1,)
+        lead, k = batch[:-1], batch[-1]
+        n = int(np.prod(lead, dtype=np.int64)) if lead else 1
+        if n * k > affine_qmv.MAX_PAIRS:
+            return None
+        if len(xb) == len(batch) and xb[-1] == 1 and xb[:-1] == lead:
+            x2 = x.reshape(n, x.shape[-1])          # one vector per token, shared by its k experts
+        else:
+            x2 = mx.broadcast_to(x.reshape(*xb, x.shape[-1]), (*batch, x.shape[-1])).reshape(n, k, x.shape[-1])
+        ids = mx.broadcast_to(indices, batch).reshape(n, k).astype(mx.int32)
+        y = affine_qmv.gather_qmv(x2, self.weight, self.scales, self.biases, ids, group_size=self.group_size,
+                                  bits=self.bits)
+        return y.reshape(*batch, 1, y.shape[-1])
 
 
 def _gather_sort(x: mx.array, indices: mx.array):
@@ -302,6 +339,30 @@ class SwitchGLU(nn.Module):
         if do_sort:
             y = _scatter_unsort(y, inv_order, indices.shape)
         return y.squeeze(-2)
+
+    def fused_weighted(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array | None:
+        """``sum_j weights[..., j] * expert_j(x)`` -> [..., H] in x.dtype, in two kernel
+        launches (gate_up + SwiGLU, down + weighted sum: `kernels.affine_qmv`) when
+        both projections are MLX-affine quantized and a GPU face runs them at this
+        size (decode); else None, and the caller runs its own unfused expression."""
+        gu, dn = self.gate_up_proj, self.down_proj
+        if not (isinstance(gu, QuantizedSwitchLinear) and isinstance(dn, QuantizedSwitchLinear)):
+            return None
+        if gu.mode != "affine" or dn.mode != "affine" or gu.biases is None or dn.biases is None:
+            return None
+        k = indices.shape[-1]
+        n = indices.size // k
+        if n * k > affine_qmv.MAX_PAIRS or x.shape[-1] != gu.weight.shape[-1] * 32 // gu.bits:
+            return None
+        if affine_qmv.kernel_face(x.shape[-1], gu.group_size, gu.bits, moe=True) is None or \
+                affine_qmv.kernel_face(self._intermediate, dn.group_size, dn.bits, moe=True) is None:
+            return None
+        ids = indices.reshape(n, k).astype(mx.int32)
+        h = affine_qmv.gather_swiglu(x.reshape(n, -1), gu.weight, gu.scales, gu.biases, ids, limit=self._limit,
+                                     group_size=gu.group_size, bits=gu.bits)
+        y = affine_qmv.gather_down_sum(h, dn.weight, dn.scales, dn.biases, ids, weights.reshape(n, k),
+                                       group_size=dn.group_size, bits=dn.bits)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class GLUMLP(nn.Module):

@@ -535,7 +535,9 @@ class SparseMoE(nn.Module):
         probs = score_fn(self.gate(x), "softmax")
         idx = topk_indices(probs, self._k)
         w = route_weights(probs, idx, self._norm, 1.0)
-        y = (self.experts(x, idx) * w[..., None].astype(x.dtype)).sum(axis=-2)
+        y = self.experts.fused_weighted(x, idx, w)  # GPU decode: two launches
+        if y is None:
+            y = (self.experts(x, idx) * w[..., None].astype(x.dtype)).sum(axis=-2)
         shared = mx.sigmoid(self.shared_expert_gate(x).astype(mx.float32)).astype(x.dtype) * self.shared_expert(x)
         return y + shared
 

@@ -65,8 +65,10 @@ class MoE(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         idx, w = self.gate(x)
-        y = self.experts(x, idx)  # [..., k, H]
-        y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
+        y = self.experts.fused_weighted(x, idx, w)  # GPU decode: two launches
+        if y is None:
+            y = self.experts(x, idx)  # [..., k, H]
+            y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
         return y + self.shared_experts(x)
 
 

@@ -24,6 +24,14 @@
 //      memory between SIMD-group barriers;
 //   4. (COLLAPSE) y[c] = sum_i pre_i * x[i, c] (float32, rounded once to T).
 //
+//   With PARTS > 0 (decode: few tokens), step 1 ran in hc_dots instead and hc_pre
+//   adds its PARTS partial sums: one threadgroup alone reading the whole
+//   [M, HC*D] projection was most of a decode call's time.
+//
+// hc_dots (grid (PARTS*THREADS, NT, 1)): threadgroup q of token t takes the flat
+//   indices k = (q*PER + e)*THREADS + tid, e < PER, and writes its M dot products
+//   and its sum of squares to part [NT, PARTS, M+1] float32.
+//
 // hc_post (grid (ceil(D/THREADS)*THREADS, HC, NT)): one thread per output
 //   y[t, k, c] = T(T(post[t,k]) * o[t,c]) + T(sum_j T(comb[t,j,k]) * x[t,j,c])
 //   with the roundings of the reference graph (post and comb cast to T first,
@@ -48,33 +56,42 @@ const DS4_DEV T* xt = x + uint64_t(t) * uint64_t(K);
 const float hc_eps = eps[0];
 const float norm_eps = eps[1];
 
-float acc[M];
-for (int r = 0; r < M; ++r) {
-    acc[r] = 0.0f;
-}
-float ss = 0.0f;
-for (uint32_t k = tid; k < uint32_t(K); k += uint32_t(THREADS)) {
-    const float xv = static_cast<float>(xt[k]);
-    ss += xv * xv;
+if (PARTS == 0) {
+    float acc[M];
     for (int r = 0; r < M; ++r) {
-        acc[r] += static_cast<float>(fn[uint64_t(r) * uint64_t(K) + k]) * xv;
+        acc[r] = 0.0f;
     }
-}
-for (int r = 0; r < M; ++r) {
-    const float v = ds4_warp_sum(acc[r]);
+    float ss = 0.0f;
+    for (uint32_t k = tid; k < uint32_t(K); k += uint32_t(THREADS)) {
+        const float xv = static_cast<float>(xt[k]);
+        ss += xv * xv;
+        for (int r = 0; r < M; ++r) {
+            acc[r] += static_cast<float>(fn[uint64_t(r) * uint64_t(K) + k]) * xv;
+        }
+    }
+    for (int r = 0; r < M; ++r) {
+        const float v = ds4_warp_sum(acc[r]);
+        if (lane == 0u) {
+            red[warp * uint32_t(M + 1) + uint32_t(r)] = v;
+        }
+    }
+    ss = ds4_warp_sum(ss);
     if (lane == 0u) {
-        red[warp * uint32_t(M + 1) + uint32_t(r)] = v;
+        red[warp * uint32_t(M + 1) + uint32_t(M)] = ss;
     }
-}
-ss = ds4_warp_sum(ss);
-if (lane == 0u) {
-    red[warp * uint32_t(M + 1) + uint32_t(M)] = ss;
 }
 ds4_tg_barrier();
 if (tid < uint32_t(M + 1)) {
     float v = 0.0f;
-    for (int w = 0; w < WARPS; ++w) {
-        v += red[uint32_t(w) * uint32_t(M + 1) + tid];
+    if (PARTS == 0) {
+        for (int w = 0; w < WARPS; ++w) {
+            v += red[uint32_t(w) * uint32_t(M + 1) + tid];
+        }
+    } else {
+        // the projection was split across PARTS threadgroups (hc_dots): add their sums
+        for (int q = 0; q < PARTS; ++q) {
+            v += part[(uint64_t(t) * uint64_t(PARTS) + uint64_t(q)) * uint64_t(M + 1) + tid];
+        }
     }
     mix[tid] = v;
 }
@@ -144,6 +161,107 @@ for (uint32_t c = tid; COLLAPSE && c < uint32_t(D); c += uint32_t(THREADS)) {
         a += pre_sh[q] * static_cast<float>(xt[uint32_t(q) * uint32_t(D) + c]);
     }
     y[uint64_t(t) * uint64_t(D) + c] = static_cast<T>(a);
+}
+
+// @@ hc_dots
+constexpr int K = HC * D;
+constexpr int M = HEAD ? HC : (2 + HC) * HC;
+constexpr int WARPS = THREADS / 32;
+DS4_SHARED float red[WARPS * (M + 1)];
+
+const uint32_t t = tgy;
+const uint32_t q = tgx;
+const DS4_DEV T* xt = x + uint64_t(t) * uint64_t(K);
+float acc[M];
+for (int r = 0; r < M; ++r) {
+    acc[r] = 0.0f;
+}
+float ss = 0.0f;
+for (int e = 0; e < PER; ++e) {
+    const uint32_t k = (q * uint32_t(PER) + uint32_t(e)) * uint32_t(THREADS) + tid;
+    if (k < uint32_t(K)) {
+        const float xv = static_cast<float>(xt[k]);
+        ss += xv * xv;
+        for (int r = 0; r < M; ++r) {
+            acc[r] += static_cast<float>(fn[uint64_t(r) * uint64_t(K) + k]) * xv;
+        }
+    }
+}
+for (int r = 0; r < M; ++r) {
+    const float v = ds4_warp_sum(acc[r]);
+    if (lane == 0u) {
+        red[warp * uint32_t(M + 1) + uint32_t(r)] = v;
+    }
+}
+ss = ds4_warp_sum(ss);
+if (lane == 0u) {
+    red[warp * uint32_t(M + 1) + uint32_t(M)] = ss;
+}
+ds4_tg_barrier();
+if (tid < uint32_t(M + 1)) {
+    float v = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+        v += red[uint32_t(w) * uint32_t(M + 1) + tid];
+    }
+    part[(uint64_t(t) * uint64_t(PARTS) + uint64_t(q)) * uint64_t(M + 1) + tid] = v;
+}
+
+// @@ hc_post_dots
+// hc_post, then hc_dots on its result, in one launch (grid (PARTS*THREADS, NT, 1)):
+// each thread forms its flat elements k = i*D + c of the new streams exactly as
+// hc_post does (same roundings), writes them to y and feeds the rounded value to
+// the next hc_pre's dot products and sum of squares (part, as hc_dots).
+constexpr int K = HC * D;
+constexpr int M = (2 + HC) * HC;
+constexpr int WARPS = THREADS / 32;
+DS4_SHARED float red[WARPS * (M + 1)];
+
+const uint32_t t = tgy;
+const uint32_t q = tgx;
+const DS4_DEV T* xt = x + uint64_t(t) * uint64_t(K);
+float acc[M];
+for (int r = 0; r < M; ++r) {
+    acc[r] = 0.0f;
+}
+float ss = 0.0f;
+for (int e = 0; e < PER; ++e) {
+    const uint32_t k = (q * uint32_t(PER) + uint32_t(e)) * uint32_t(THREADS) + tid;
+    if (k < uint32_t(K)) {
+        const uint32_t i = k / uint32_t(D);
+        const uint32_t c = k % uint32_t(D);
+        float m = 0.0f;
+        for (int j = 0; j < HC; ++j) {
+            const float cj = static_cast<float>(static_cast<T>(comb[(uint64_t(t) * uint64_t(HC) + uint32_t(j)) * uint64_t(HC) + i]));
+            m += cj * static_cast<float>(xt[uint32_t(j) * uint32_t(D) + c]);
+        }
+        const float pk = static_cast<float>(static_cast<T>(post[uint64_t(t) * uint64_t(HC) + i]));
+        const float p = static_cast<float>(static_cast<T>(pk * static_cast<float>(o[uint64_t(t) * uint64_t(D) + c])));
+        const T yv = static_cast<T>(p + static_cast<float>(static_cast<T>(m)));
+        y[uint64_t(t) * uint64_t(K) + k] = yv;
+        const float xv = static_cast<float>(yv);
+        ss += xv * xv;
+        for (int r = 0; r < M; ++r) {
+            acc[r] += static_cast<float>(fn[uint64_t(r) * uint64_t(K) + k]) * xv;
+        }
+    }
+}
+for (int r = 0; r < M; ++r) {
+    const float v = ds4_warp_sum(acc[r]);
+    if (lane == 0u) {
+        red[warp * uint32_t(M + 1) + uint32_t(r)] = v;
+    }
+}
+ss = ds4_warp_sum(ss);
+if (lane == 0u) {
+    red[warp * uint32_t(M + 1) + uint32_t(M)] = ss;
+}
+ds4_tg_barrier();
+if (tid < uint32_t(M + 1)) {
+    float v = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+        v += red[uint32_t(w) * uint32_t(M + 1) + tid];
+    }
+    part[(uint64_t(t) * uint64_t(PARTS) + uint64_t(q)) * uint64_t(M + 1) + tid] = v;
 }
 
 // @@ hc_post

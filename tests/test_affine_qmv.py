@@ -1,0 +1,468 @@
+"""Affine quantized mat-vec (ds4mlx.kernels.affine_qmv): the reference face against
+numpy on the CPU, the shared GPU kernel text through the g++ threadgroup emulation
+(every mode, bit width and group size, ragged shapes), the CUDA translation unit
+through nvcc, and (``-m gpu``) the CUDA face against the reference on the H200."""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4mlx.kernels import affine_qmv as aq
+from ds4mlx.kernels import dispatch
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu_test(request):
+    if request.node.get_closest_marker("gpu") is not None:
+        yield
+        return
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(old)
+
+
+def quantized(rng, e, rows, k, gs, bits):
+    """(w, scales, biases) as mx.quantize packs them, as numpy arrays, plus the float64 weights."""
+    wf = mx.array((rng.standard_normal((e, rows, k)) * 0.05).astype(np.float32))
+    wq, sc, bi = mx.quantize(wf, gs, bits)
+    wq, sc, bi = np.array(wq), np.array(sc), np.array(bi)
+    return wq, sc, bi, dequant(wq, sc, bi, gs, bits)
+
+
+def dequant(wq, sc, bi, gs, bits):
+    per = 32 // bits
+    shifts = (np.arange(per, dtype=np.uint32) * bits).astype(np.uint32)
+    q = (wq[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    q = q.reshape(*wq.shape[:-1], -1).astype(np.float64)
+    s = np.repeat(sc.astype(np.float64), gs, axis=-1)
+    b = np.repeat(bi.astype(np.float64), gs, axis=-1)
+    return s * q + b
+
+
+def bound(w, x, sc, gs, bits):
+    """The stated error of the kernel text for one output row set: float32 sums of |w x|
+    terms, plus (SEG + 8) * 2^-23 * 2^SW * |scale| |x| per value for the level trick."""
+    seg = min(128 // bits, gs)
+    sw = 8 if bits == 8 else 4
+    s = np.repeat(np.abs(sc.astype(np.float64)), gs, axis=-1)
+    x = np.abs(x.astype(np.float64))
+    return (w.shape[-1] + 8) * 2.0 ** -23 * (np.abs(w) @ x) + (seg + 8) * 2.0 ** -23 * 2.0 ** sw * (s @ x)
+
+
+# ------------------------------------------------------------------ reference face (CPU)
+
+@pytest.mark.parametrize("bits,gs", [(2, 32), (4, 64), (8, 128)])
+def test_reference_matches_numpy(bits, gs):
+    rng = np.random.default_rng(bits)
+    wq, sc, bi, wd = quantized(rng, 3, 6, 256, gs, bits)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    h = rng.standard_normal((2, 2, 256)).astype(np.float32)
+    ids = np.array([[0, 2], [1, 1]], np.int32)
+    wts = np.array([[0.3, 0.7], [0.5, 0.5]], np.float32)
+    A = lambda a: mx.array(a)  # noqa: E731
+    y = aq.qmv(A(x), A(wq[0]), A(sc[0]), A(bi[0]), group_size=gs, bits=bits)
+    np.testing.assert_allclose(np.array(y), x @ wd[0].T, rtol=1e-4, atol=1e-4)
+    g = aq.gather_qmv(A(x), A(wq), A(sc), A(bi), A(ids), group_size=gs, bits=bits)
+    np.testing.assert_allclose(np.array(g), np.einsum("tjrk,tk->tjr", wd[ids], x), rtol=1e-4, atol=1e-4)
+    s = aq.gather_swiglu(A(x), A(wq), A(sc), A(bi), A(ids), limit=0.5, group_size=gs, bits=bits)
+    gu = np.einsum("tjrk,tk->tjr", wd[ids], x)
+    gt, up = np.minimum(gu[..., :3], 0.5), np.clip(gu[..., 3:6], -0.5, 0.5)
+    np.testing.assert_allclose(np.array(s), gt / (1 + np.exp(-gt)) * up, rtol=1e-4, atol=1e-5)
+    d = aq.gather_down_sum(A(h), A(wq), A(sc), A(bi), A(ids), A(wts), group_size=gs, bits=bits)
+    want = np.einsum("tj,tjrk,tjk->tr", wts, wd[ids], h)
+    np.testing.assert_allclose(np.array(d), want, rtol=1e-4, atol=1e-4)
+
+
+def test_backend_is_reference_on_cpu():
+    assert dispatch.backend() == "reference"
+
+
+def test_supported_shapes():
+    assert aq.supported(4096, 64, 2) and aq.supported(4096, 32, 4) and aq.supported(2048, 128, 8)
+    assert not aq.supported(4096, 64, 3)          # 3-bit: not a 16-byte chunk of whole words
+    assert not aq.supported(100, 32, 4)           # K not a multiple of the group
+    assert not aq.supported(1 << 15, 64, 8, "metal")   # x does not fit the 32 KB of threadgroup memory
+
+
+# ------------------------------------------------------------------ the shared text on the CPU (g++)
+
+def run_text_on_cpu(tmp_path, mode, x, wq, sc, bi, eids, wts, lim, *, gs, bits, warps, rpw, x_div=1, ke=1):
+    from test_kernel_emulation import run_on_cpu
+
+    e, n_rows, _ = wq.shape
+    k_dim = x.shape[-1]
+    ksplit = 1
+    while ksplit < warps and 32 * ksplit < k_dim // (128 // bits):
+        ksplit *= 2
+    out_rows = n_rows // 2 if mode == 1 else n_rows
+    opw = rpw // 2 if mode == 1 else rpw
+    blocks = -(-out_rows // ((warps // ksplit) * opw))
+    p = eids.size // ke
+    sec = dispatch.sections(aq.SOURCE)
+    out = run_on_cpu(tmp_path, sec["common"], sec["qmv"],
+                     inputs={"x": x.astype(np.float32), "w": wq.reshape(-1).astype(np.uint32),
+                             "scales": sc.reshape(-1).astype(np.float32), "biases": bi.reshape(-1).astype(np.float32),
+                             "eids": eids.reshape(-1).astype(np.int32), "wts": wts.reshape(-1).astype(np.float32),
+                             "lim": np.array([lim], np.float32)},
+                     outputs={"y": ((p, out_rows), np.float32)},
+                     consts={"T": np.float32, "TS": np.float32, "N_ROWS": n_rows, "K_DIM": k_dim, "BITS": bits,
+                             "GS": gs, "WARPS": warps, "KSPLIT": ksplit, "RPW": rpw, "X_DIV": x_div,
+                             "MODE": mode, "KE": ke},
+                     groups=(1, blocks, p), threads=32 * warps)
+    return out["y"]
+
+
+CPU_CASES = [
+    # (bits, gs, E, rows, K, warps, rpw): ragged rows, 1..3 steps along K, KSPLIT 1..4
+    (2, 32, 3, 5, 512, 2, 2),
+    (2, 64, 2, 9, 2048, 2, 4),      # KSPLIT 2, one full step
+    (2, 128, 2, 4, 4608, 2, 2),     # KSPLIT 2, 2.25 steps (a partial last step)
+    (4, 32, 3, 7, 384, 1, 4),
+    (4, 64, 2, 6, 1024, 4, 2),      # KSPLIT 1 (a 1024-value 4-bit row is 32 chunks)
+    (4, 128, 2, 3, 3072, 4, 2),     # KSPLIT 4 is too many: 96 chunks -> KSPLIT 4, 1 step, lanes idle
+    (8, 32, 2, 5, 256, 2, 2),
+    (8, 64, 2, 3, 1024, 4, 4),      # KSPLIT 2
+    (8, 128, 2, 4, 896, 2, 2),
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "b{}_g{}_E{}_r{}_K{}_W{}_R{}".format(*c))
+def test_shared_text_plain_on_cpu(case, tmp_path):
+    bits, gs, e, rows, k_dim, warps, rpw = case
+    rng = np.random.default_rng(rows * k_dim + bits)
+    wq, sc, bi, wd = quantized(rng, e, rows, k_dim, gs, bits)
+    ids = rng.integers(0, e, (2, 2)).astype(np.int32)
+    x = rng.standard_normal((2, k_dim)).astype(np.float32) * 3.0
+    got = run_text_on_cpu(tmp_path, 0, x, wq, sc, bi, ids, np.ones(1), 0.0, gs=gs, bits=bits, warps=warps,
+                          rpw=rpw, x_div=2).reshape(2, 2, rows)
+    for t in range(2):
+        for j in range(2):
+            w = wd[ids[t, j]]
+            want = w @ x[t].astype(np.float64)
+            assert np.all(np.abs(got[t, j] - want) <= bound(w, x[t], sc[ids[t, j]], gs, bits)), (t, j)
+
+
+@pytest.mark.parametrize("bits,gs", [(2, 64), (4, 32), (8, 64)])
+def test_shared_text_swiglu_and_down_sum_on_cpu(bits, gs, tmp_path):
+    rng = np.random.default_rng(bits * gs)
+    k_dim, inter, e = 512, 6, 4
+    wq, sc, bi, wd = quantized(rng, e, 2 * inter, k_dim, gs, bits)
+    ids = np.array([[3, 1, 0]], np.int32)
+    x = rng.standard_normal((1, k_dim)).astype(np.float32) * 4.0
+    lim = 0.6
+    (tmp_path / "s").mkdir()
+    got = run_text_on_cpu(tmp_path / "s", 1, x, wq, sc, bi, ids, np.ones(1), lim, gs=gs, bits=bits, warps=2,
+                          rpw=4, x_div=3).reshape(3, inter)
+    for j in range(3):
+        gu = wd[ids[0, j]] @ x[0].astype(np.float64)
+        g, u = np.minimum(gu[:inter], lim), np.clip(gu[inter:], -lim, lim)
+        np.testing.assert_allclose(got[j], g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
+    # down: 2 tokens x 3 experts, per-pair vectors, weighted sum in the kernel
+    wq, sc, bi, wd = quantized(rng, e, 5, k_dim, gs, bits)
+    ids = np.array([[3, 1, 0], [2, 2, 1]], np.int32)
+    h = rng.standard_normal((6, k_dim)).astype(np.float32)
+    wts = rng.random((2, 3)).astype(np.float32)
+    (tmp_path / "d").mkdir()
+    got = run_text_on_cpu(tmp_path / "d", 2, h, wq, sc, bi, ids, wts, 0.0, gs=gs, bits=bits, warps=2,
+                          rpw=2, ke=3)
+    for t in range(2):
+        want = sum(wts[t, j] * (wd[ids[t, j]] @ h[3 * t + j].astype(np.float64)) for j in range(3))
+        tol = sum(bound(wd[ids[t, j]], h[3 * t + j], sc[ids[t, j]], gs, bits) for j in range(3))
+        assert np.all(np.abs(got[t] - want) <= tol), t
+
+
+# ------------------------------------------------------------------ the CUDA face, compiled by nvcc
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+@pytest.mark.parametrize("bits,gs,mode", [(2, 64, 1), (4, 32, 0), (8, 128, 2)])
+def test_cuda_face_compiles_with_nvcc(dt, bits, gs, mode, tmp_path):
+    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+
+    header, body = aq.kernel_sources("cuda")
+    ksplit, _, _ = aq.launch_shape(4096, bits)
+    src = mlx_cuda_source("affine_qmv", header, body,
+                          {"x": dt, "w": "uint32", "scales": dt, "biases": dt, "eids": "int32", "wts": "float32",
+                           "lim": "float32"}, {"y": dt},
+                          [("T", dt), ("TS", dt), ("N_ROWS", 4096), ("K_DIM", 4096), ("BITS", bits), ("GS", gs),
+                           ("WARPS", aq.WARPS), ("KSPLIT", ksplit), ("RPW", aq.RPW), ("X_DIV", 1), ("MODE", mode),
+                           ("KE", 6)])
+    nvcc_compile(tmp_path, src)
+
+
+# ------------------------------------------------------------------ the GPU face against the reference (H200)
+
+def _gpu_face():
+    face = dispatch.gpu_backend()
+    if face is None:
+        pytest.skip("no GPU")
+    return face
+
+
+# each distinct launch is one NVRTC compile on the device (seconds): few shapes, each a different
+# bit width, group size, row count and K (a partial last step at 7168 4-bit)
+GPU_SHAPES = [(2, 64, 4096, 4096), (4, 128, 1024, 7168), (8, 32, 129, 512)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "b{}_g{}_{}x{}".format(*s))
+def test_gpu_dense_and_gather_equal_reference(shape, dt):
+    face = _gpu_face()
+    bits, gs, rows, k_dim = shape
+    key = mx.random.key(rows + k_dim + bits)
+    wf = mx.random.normal((4, rows, k_dim), key=key) * 0.02
+    wq, sc, bi = mx.quantize(wf, gs, bits)
+    sc, bi = sc.astype(dt), bi.astype(dt)
+    for m in (1, 3, 8):
+        x = mx.random.normal((m, k_dim), key=mx.random.key(m)).astype(dt)
+        got = aq.qmv(x, wq[1], sc[1], bi[1], group_size=gs, bits=bits, backend=face)
+        want = aq.qmv(x, wq[1], sc[1], bi[1], group_size=gs, bits=bits, backend="reference")
+        _close(got, want, dt)
+    ids = mx.array([[3, 0, 1, 1, 2, 0]], dtype=mx.int32)
+    x = mx.random.normal((1, k_dim), key=key).astype(dt)
+    _close(aq.gather_qmv(x, wq, sc, bi, ids, group_size=gs, bits=bits, backend=face),
+           aq.gather_qmv(x, wq, sc, bi, ids, group_size=gs, bits=bits, backend="reference"), dt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,dt", [(2, mx.bfloat16), (4, mx.float32)], ids=["2bit_bf16", "4bit_f32"])
+def test_gpu_moe_swiglu_and_down_sum_equal_reference(bits, dt):
+    face = _gpu_face()
+    key = mx.random.key(bits)
+    e, hid, inter = 16, 4096, 2048
+    wq, sc, bi = mx.quantize(mx.random.normal((e, 2 * inter, hid), key=key) * 0.02, 64, bits)
+    dq, dsc, dbi = mx.quantize(mx.random.normal((e, hid, inter), key=key) * 0.02, 64, bits)
+    ids = mx.array([[5, 0, 15, 7, 2, 9], [1, 1, 3, 4, 8, 12]], dtype=mx.int32)
+    x = mx.random.normal((2, hid), key=key).astype(dt)
+    wts = mx.softmax(mx.random.normal((2, 6), key=key), axis=-1)
+    h = aq.gather_swiglu(x, wq, sc.astype(dt), bi.astype(dt), ids, limit=10.0, group_size=64, bits=bits,
+                         backend=face)
+    h_ref = aq.gather_swiglu(x, wq, sc.astype(dt), bi.astype(dt), ids, limit=10.0, group_size=64, bits=bits,
+                             backend="reference")
+    _close(h, h_ref, dt)
+    y = aq.gather_down_sum(h_ref, dq, dsc.astype(dt), dbi.astype(dt), ids, wts, group_size=64, bits=bits,
+                           backend=face)
+    y_ref = aq.gather_down_sum(h_ref, dq, dsc.astype(dt), dbi.astype(dt), ids, wts, group_size=64, bits=bits,
+                               backend="reference")
+    _close(y, y_ref, dt)
+
+
+def _close(got, want, dt):
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    assert np.all(np.isfinite(g))
+    rel = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)
+    # float32: summation order + the level trick (~1e-5); bfloat16: one rounding of the output
+    assert rel < (2e-5 if dt == mx.float32 else 8e-3), rel
+
+
+# ------------------------------------------------------------------ the modules that use it
+
+def _switch_glu(bits=2, hidden=256, inter=128, experts=8, limit=7.0):
+    from ds4mlx.models.layers import SwitchGLU
+
+    glu = SwitchGLU(hidden, inter, experts, limit)
+    glu.gate_up_proj.weight = mx.random.normal(glu.gate_up_proj.weight.shape, key=mx.random.key(1)) * 0.05
+    glu.down_proj.weight = mx.random.normal(glu.down_proj.weight.shape, key=mx.random.key(2)) * 0.05
+    glu.gate_up_proj = glu.gate_up_proj.to_quantized(64, bits)
+    glu.down_proj = glu.down_proj.to_quantized(64, bits)
+    return glu
+
+
+def test_qmv_linear_is_quantized_linear_on_cpu():
+    import mlx.nn as nn
+
+    from ds4mlx.models.qmv_linear import QMVLinear, use_fast_qmv
+
+    model = nn.Sequential(nn.Linear(256, 64), nn.Linear(64, 32, bias=False))
+    nn.quantize(model, group_size=32, bits=4)
+    x = mx.random.normal((3, 256), key=mx.random.key(3))
+    want = model(x)
+    names = sorted(k for k, _ in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(model.parameters()))
+    assert use_fast_qmv(model) == 2
+    assert all(type(m) is QMVLinear for m in model.layers)
+    assert sorted(k for k, _ in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(model.parameters())) == names
+    assert mx.array_equal(model(x), want).item()
+
+
+def test_qmv_embedding_as_linear_on_cpu():
+    import mlx.nn as nn
+
+    from ds4mlx.models.qmv_linear import QMVEmbedding, use_fast_qmv
+
+    model = nn.Sequential(nn.Embedding(64, 256))
+    nn.quantize(model, group_size=64, bits=2)
+    h = mx.random.normal((1, 2, 256), key=mx.random.key(3))
+    ids = mx.array([[1, 5]])
+    want_l, want_e = model.layers[0].as_linear(h), model.layers[0](ids)
+    assert use_fast_qmv(model) == 1 and type(model.layers[0]) is QMVEmbedding
+    assert mx.array_equal(model.layers[0].as_linear(h), want_l).item()
+    assert mx.array_equal(model.layers[0](ids), want_e).item()
+
+
+def test_moe_fused_path_wiring(monkeypatch):
+    """The fused decode path (forced on, here run by the reference faces) computes what
+    the unfused SwitchGLU + weighted sum computes, for [B, T, H] inputs."""
+    glu = _switch_glu()
+    x = mx.random.normal((1, 2, 256), key=mx.random.key(4))
+    idx = mx.array([[[0, 3, 5], [7, 7, 1]]], dtype=mx.int32)
+    w = mx.softmax(mx.random.normal((1, 2, 3), key=mx.random.key(5)), axis=-1)
+    assert glu.fused_weighted(x, idx, w) is None            # CPU: no GPU face, the caller's own path
+    want = (glu(x, idx) * w[..., None]).sum(axis=-2)
+    monkeypatch.setattr(aq, "kernel_face", lambda *a, **k: "forced")
+    got = glu.fused_weighted(x, idx, w)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+    # the per-expert projection alone (QuantizedSwitchLinear's decode path)
+    gu = glu.gate_up_proj(mx.expand_dims(x, (-2, -3)), idx)
+    monkeypatch.setattr(aq, "kernel_face", lambda *a, **k: None)
+    assert mx.allclose(gu, glu.gate_up_proj(mx.expand_dims(x, (-2, -3)), idx), rtol=1e-5, atol=1e-6).item()
+
+
+def test_grouped_linear_fused_path_wiring(monkeypatch):
+    from ds4mlx.models.deepseek_v4 import GroupedLinear
+
+    g = GroupedLinear(128, 8 * 32, 8)
+    g.weight = mx.random.normal(g.weight.shape, key=mx.random.key(6)) * 0.05
+    q = g.to_quantized(64, 8)
+    x = mx.random.normal((1, 2, 8, 128), key=mx.random.key(7))
+    want = q(x)
+    monkeypatch.setattr(aq, "kernel_face", lambda *a, **k: "forced")
+    got = q(x)
+    assert got.shape == want.shape == (1, 2, 256)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2])
+def test_gpu_modules_kernels_on_equal_off(bits):
+    """SwitchGLU's fused path, QMVLinear and the grouped linear on the GPU face against
+    the same modules with every kernel on its reference face."""
+    import mlx.nn as nn
+
+    from ds4mlx.models.deepseek_v4 import GroupedLinear
+    from ds4mlx.models.qmv_linear import use_fast_qmv
+
+    _gpu_face()
+    glu = _switch_glu(bits, hidden=1024, inter=512, experts=16)
+    x = mx.random.normal((1, 1, 1024), key=mx.random.key(8))
+    idx = mx.array([[[0, 3, 5, 9, 15, 2]]], dtype=mx.int32)
+    w = mx.softmax(mx.random.normal((1, 1, 6), key=mx.random.key(9)), axis=-1)
+    got = glu.fused_weighted(x, idx, w)
+    assert got is not None
+    with dispatch.use_face("reference"):
+        assert glu.fused_weighted(x, idx, w) is None
+        want = (glu(x, idx) * w[..., None]).sum(axis=-2)
+    _close(got, want, mx.float32)
+    lin = nn.Sequential(nn.Linear(1024, 512))
+    nn.quantize(lin, group_size=64, bits=bits)
+    with dispatch.use_face("reference"):
+        want = lin(x)
+    use_fast_qmv(lin)
+    _close(lin(x), want, mx.float32)
+    g = GroupedLinear(512, 8 * 64, 8)
+    g.weight = mx.random.normal(g.weight.shape, key=mx.random.key(10)) * 0.05
+    q = g.to_quantized(64, bits)
+    xg = mx.random.normal((1, 1, 8, 512), key=mx.random.key(11))
+    with dispatch.use_face("reference"):
+        want = q(xg)
+    _close(q(xg), want, mx.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rpw,kmax", [(2, 8), (8, 8), (4, 2)])
+def test_gpu_launch_variants_equal_reference(rpw, kmax, monkeypatch):
+    """The launch variants bench_kernels --qmv-sweep times compute the same."""
+    face = _gpu_face()
+    monkeypatch.setattr(aq, "RPW", rpw)
+    monkeypatch.setattr(aq, "KSPLIT_MAX", kmax)
+    for bits in (2, 8):
+        wq, sc, bi = mx.quantize(mx.random.normal((3, 1024, 4096), key=mx.random.key(bits)) * 0.02, 64, bits)
+        sc, bi = sc.astype(mx.bfloat16), bi.astype(mx.bfloat16)
+        ids = mx.array([[2, 0, 1]], dtype=mx.int32)
+        x = mx.random.normal((1, 4096), key=mx.random.key(3)).astype(mx.bfloat16)
+        _close(aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend=face),
+               aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend="reference"), mx.bfloat16)
+
+
+# ------------------------------------------------------------------ kernels not yet GPU-verified: self-tested on CUDA too
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """dispatch.backend() -> 'cuda' (a verified face); self-test cache cleared."""
+    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
+    monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device=None: "cuda")
+    monkeypatch.setattr(dispatch, "_self_tests", {})
+    return monkeypatch
+
+
+def _garbage_kernel(calls):
+    def fake_kernel(*names):
+        def launch(face, *, output_shapes, output_dtypes, **kw):
+            calls.append(names[0] if names else "kernel")
+            return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
+        return launch
+    return fake_kernel
+
+
+def test_unverified_moe_modes_self_test_on_cuda(fake_cuda):
+    calls = []
+    fake_cuda.setattr(aq, "_kernel", _garbage_kernel(calls))
+    glu = _switch_glu()
+    x = mx.random.normal((1, 1, 256), key=mx.random.key(4))
+    idx = mx.array([[[0, 3, 5]]], dtype=mx.int32)
+    w = mx.softmax(mx.random.normal((1, 1, 3), key=mx.random.key(5)), axis=-1)
+    assert "affine_qmv.moe" in dispatch.UNVERIFIED_KERNELS
+    assert glu.fused_weighted(x, idx, w) is None            # the MoE self-test failed: the caller's own path
+    assert dispatch._self_tests[("affine_qmv.moe", "cuda")] is False
+    assert ("affine_qmv", "cuda") not in dispatch._self_tests    # the plain mode ran its GPU tests: not self-tested
+
+
+def test_unverified_hc_split_self_test_on_cuda(fake_cuda):
+    from ds4mlx.kernels import hyper_connection as hck
+
+    calls = []
+    fake_cuda.setattr(hck, "_kernel", _garbage_kernel(calls))
+    n, d = 4, 64
+    x = mx.random.normal((1, 1, n, d), key=mx.random.key(1))
+    fn = mx.random.normal(((2 + n) * n, n * d), key=mx.random.key(2)) * 0.05
+    base, scale = mx.zeros(((2 + n) * n,)), mx.array([0.5, 1.0, 2.0])
+    hck.hc_pre(x, fn, base, scale, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    assert dispatch._self_tests[("hyper_connection.split", "cuda")] is False
+    calls.clear()
+    hck.hc_pre(x, fn, base, scale, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    assert calls == ["hc_pre"]                               # the one-launch path, no hc_dots
+
+
+def test_metal_and_cuda_share_one_text():
+    sec = dispatch.sections(aq.SOURCE)
+    mh, mb = aq.kernel_sources("metal")
+    ch, cb = aq.kernel_sources("cuda")
+    assert mh.endswith(sec["common"]) and ch.endswith(sec["common"])
+    assert mb.endswith(sec["qmv"]) and cb.endswith(sec["qmv"])
+    assert "thread_position_in_threadgroup" in mb and "threadIdx" in cb
+    for word in ("device ", "threadgroup ", "simd_sum", "as_type", "metal::"):
+        assert word not in ch + cb, word
+    for word in ("__shfl", "__syncthreads", "__uint_as_float", "threadIdx"):
+        assert word not in mh + mb, word
+
+
+def test_unverified_hc_post_pre_self_test_on_cuda(fake_cuda):
+    from ds4mlx.kernels import hyper_connection as hck
+
+    calls = []
+    fake_cuda.setattr(hck, "_kernel", _garbage_kernel(calls))
+    n, d = 4, 64
+    x = mx.random.normal((1, 1, n, d), key=mx.random.key(1))
+    out = mx.random.normal((1, 1, d), key=mx.random.key(3))
+    fn = mx.random.normal(((2 + n) * n, n * d), key=mx.random.key(2)) * 0.05
+    base, scale = mx.zeros(((2 + n) * n,)), mx.array([0.5, 1.0, 2.0])
+    post, comb = mx.ones((1, 1, n)), mx.ones((1, 1, n, n)) / n
+    kw = dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw)
+    assert dispatch._self_tests[("hyper_connection.post_pre", "cuda")] is False
+    calls.clear()
+    hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw)
+    assert "hc_post_dots" not in calls and calls[0] == "hc_post"     # hc_post, then hc_pre (no split either)
