@@ -32,6 +32,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from ds4mlx.kernels.activations import clamped_swiglu
 from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, shared_sources
 
 SOURCE = METAL_DIR / "affine_qmv.metal"
@@ -196,8 +197,6 @@ def gather_swiglu(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, 
     n, k = expert_ids.shape
     two_i = w.shape[1]
     if n * k > MAX_PAIRS or two_i % 2 or not _usable(face, k_dim, group_size, bits, biases):
-        from ds4mlx.models.layers import clamped_swiglu  # the reference (layers imports kernels)
-
         gu = _gather_ref(x, w, scales, biases, expert_ids, group_size, bits)
         return clamped_swiglu(gu[..., : two_i // 2], gu[..., two_i // 2:], limit)
     x2, x_div = _pairs(x, expert_ids)

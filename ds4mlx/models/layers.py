@@ -27,6 +27,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..kernels import affine_qmv
+from ..kernels.activations import clamped_swiglu  # re-exported: the families import it from here
 from ..kernels import hyper_connection as hc_kernels
 
 # --------------------------------------------------------------------------- norms
@@ -210,14 +211,6 @@ class HyperHead(nn.Module):
 
 
 # --------------------------------------------------------------------------- MoE
-
-
-def clamped_swiglu(gate: mx.array, up: mx.array, limit: float | None) -> mx.array:
-    """silu(min(gate, limit)) * clip(up, -limit, limit); no clamp when limit is None/0."""
-    if limit:
-        gate = mx.minimum(gate, limit)
-        up = mx.clip(up, -limit, limit)
-    return nn.silu(gate) * up
 
 
 class SwitchLinear(nn.Module):

@@ -1,0 +1,14 @@
+"""Activation references shared by the model graphs and the fused kernels' reference faces
+(kernels import nothing from models/, so the SwiGLU both need lives here)."""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def clamped_swiglu(gate: mx.array, up: mx.array, limit: float | None) -> mx.array:
+    """silu(min(gate, limit)) * clip(up, -limit, limit); no clamp when limit is None/0."""
+    if limit:
+        gate = mx.minimum(gate, limit)
+        up = mx.clip(up, -limit, limit)
+    return nn.silu(gate) * up
