@@ -33,6 +33,8 @@ from typing import Callable, Iterable
 import mlx.core as mx
 import numpy as np
 
+from . import stepper
+
 MAGIC = b"DS4MLXS\x00"
 VERSION = 1
 
@@ -157,7 +159,7 @@ class Session:
         No host synchronisation happens here: the caller evaluates the result."""
         self._room(1)
         t = token.reshape(1, 1).astype(mx.int32) if isinstance(token, mx.array) else mx.array([[int(token)]], mx.int32)
-        logits = self.model(t, self._cache, last_only=True)[0, -1]
+        logits = stepper.step(self.model, self._cache, t, len(self._tokens))
         self._tokens.append(token if isinstance(token, mx.array) else int(token))
         self._logits = logits
         return logits

@@ -38,6 +38,7 @@ import mlx.nn as nn
 
 from ..kernels import sparse_attention as _sparse
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, layers.hc_post on the CPU
+from .cache import grow_rows
 from .causal_lm import BaseModelArgs, CausalLM
 from .layers import (
     GLUMLP,
@@ -176,7 +177,8 @@ class CompressorState:
     rows               [1, cap, D]  emitted compressed rows; the first `n` are live
     """
 
-    GROW = 256  # capacity grows by max(GROW, cap/4) rows, rounded up to GROW
+    # capacity grows in power-of-two buckets (models/cache.py): the compiled decode
+    # step is traced once per bucket
 
     def __init__(self, ratio: int, dim: int, overlap: bool):
         self.ratio, self.dim, self.overlap = ratio, dim, overlap
@@ -194,13 +196,13 @@ class CompressorState:
         self.rows = mx.zeros((1, 0, d), dtype)
         self.n = 0
 
+    def reserve(self, want: int) -> None:
+        """Make room for `want` rows (the next bucket, live rows copied)."""
+        self.rows = grow_rows(self.rows, self.n, want)
+
     def append(self, new: mx.array) -> mx.array:
         k = new.shape[1]
-        if self.n + k > self.rows.shape[1]:
-            want = max(self.n + k, self.rows.shape[1] + self.rows.shape[1] // 4)
-            cap = -(-want // self.GROW) * self.GROW
-            pad = mx.zeros((1, cap - self.rows.shape[1], self.dim), self.rows.dtype)
-            self.rows = mx.concatenate([self.rows, pad], axis=1)
+        self.reserve(self.n + k)
         self.rows[:, self.n : self.n + k] = new
         self.n += k
         return self.rows[:, : self.n]
@@ -215,6 +217,18 @@ class CompressorState:
         if self.overlap:
             out[f"{prefix}ov_kv"], out[f"{prefix}ov_gate"] = self.ov_kv, self.ov_gate
         return out
+
+    def static_arrays(self) -> list[mx.array]:
+        """buf_kv, buf_gate, [ov_kv, ov_gate,] rows: this compressor's part of the step state."""
+        ov = [self.ov_kv, self.ov_gate] if self.overlap else []
+        return [self.buf_kv, self.buf_gate, *ov, self.rows]
+
+    def take_static(self, arrays) -> None:
+        """The inverse of `static_arrays`, from an iterator over a step's new state."""
+        self.buf_kv, self.buf_gate = next(arrays), next(arrays)
+        if self.overlap:
+            self.ov_kv, self.ov_gate = next(arrays), next(arrays)
+        self.rows = next(arrays)
 
     def load(self, prefix: str, arrays: dict, n: int, cap: int):
         if f"{prefix}rows" not in arrays:
@@ -264,6 +278,32 @@ class LayerCache:
         last = (s + C - 1) - ((s + C - 1 - j) % W)  # newest position per slot after the chunk
         self.ring = mx.take(keys, mx.where(last >= s, W + last - s, j), axis=2)
         return keys, mask
+
+    # -- static decode layout (the compiled step, ds4mlx/stepper.py) ---------------------
+    def static_state(self, dtype) -> list[mx.array]:
+        """Every array of this layer for one decode step at position `offset`, in a fixed
+        order (ring, then per compressor `CompressorState.static_arrays`).  Missing
+        buffers are created and the row buffers grown so that the step's row
+        (offset // ratio) fits: the step writes it unconditionally."""
+        if self.ring is None:
+            self.ring = mx.zeros((1, 1, self.window, self.head_dim), dtype)
+        out = [self.ring]
+        for st in (self.comp, self.index):
+            if st is not None:
+                if st.rows is None:
+                    st.init(dtype)
+                st.reserve(self.offset // st.ratio + 1)
+                out += st.static_arrays()
+        return out
+
+    def commit_static(self, arrays) -> None:
+        """Take a step's new state (an iterator, same order) and advance one position."""
+        self.ring = next(arrays)
+        self.offset += 1
+        for st in (self.comp, self.index):
+            if st is not None:
+                st.take_static(arrays)
+                st.n = self.offset // st.ratio
 
     # -- snapshot support --------------------------------------------------------------
     @property
@@ -418,6 +458,40 @@ class Compressor(nn.Module):
         return st.append(rows)
 
 
+    def pool_step(self, x: mx.array, pos: mx.array, state) -> tuple[list, mx.array, mx.array]:
+        """`pool` for one token at position `pos` (an int32 array), branch-free.
+
+        `state` iterates over `CompressorState.static_arrays()`.  The pooled row of the
+        window holding `pos` is written at row pos // m whether or not the window is
+        complete (an incomplete one lands on a row that is not live yet and is rewritten
+        when it completes).  Returns (new state arrays, rows [1, cap, d], valid [cap])."""
+        m, d = self._ratio, self._dim
+        buf_kv, buf_gate = next(state), next(state)
+        ov_kv, ov_gate = (next(state), next(state)) if self._overlap else (None, None)
+        rows = next(state)
+        kv, gate = self.kv_proj(x), self.gate_proj(x)  # [1, 1, c*d]
+        b = (pos % m).reshape(1)
+        buf_kv = mx.slice_update(buf_kv, kv.astype(buf_kv.dtype), b, axes=(1,))
+        buf_gate = mx.slice_update(buf_gate, gate.astype(buf_gate.dtype), b, axes=(1,))
+        w0 = pos // m
+        win_kv = buf_kv[:, None]  # [1, 1, m, c*d]
+        win_gate = buf_gate[:, None] + self.position_bias.astype(buf_gate.dtype)
+        new = [buf_kv, buf_gate]
+        if self._overlap:
+            complete = (pos % m) == (m - 1)
+            ca_kv, cb_kv = win_kv[..., :d], win_kv[..., d:]
+            ca_g, cb_g = win_gate[..., :d], win_gate[..., d:]
+            win_kv = mx.concatenate([ov_kv[:, None], cb_kv], axis=2)
+            win_gate = mx.concatenate([ov_gate[:, None], cb_g], axis=2)
+            new += [mx.where(complete, ca_kv[:, 0], ov_kv), mx.where(complete, ca_g[:, 0], ov_gate)]
+        w = mx.softmax(win_gate.astype(mx.float32), axis=2, precise=True).astype(win_kv.dtype)
+        row = self.kv_norm((win_kv * w).sum(axis=2))  # [1, 1, d]
+        row = self._rope(row, offset=w0, scale=float(m))
+        rows = mx.slice_update(rows, row.astype(rows.dtype), w0.reshape(1), axes=(1,))
+        valid = mx.arange(rows.shape[1]) < (pos + 1) // m
+        return new + [rows], rows, valid
+
+
 class IndexerScorer(nn.Module):
     def __init__(self, hidden: int, n_heads: int):
         super().__init__()
@@ -456,6 +530,15 @@ class Indexer(Compressor):
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=1)  # [B, C, N]
 
 
+    def scores_step(self, x: mx.array, q_res: mx.array, pos: mx.array, keys: mx.array) -> mx.array:
+        """Index scores [cap] of one query at `pos` over every row of `keys` [1, cap, d]."""
+        q = self.q_b_proj(q_res).reshape(1, 1, self._nh, self._dim).swapaxes(1, 2)
+        q = self._rope(q, offset=pos).swapaxes(1, 2).astype(mx.float32)  # [1, 1, nh, d]
+        kT = keys.astype(mx.float32).swapaxes(-1, -2)[:, None]  # [1, 1, d, cap]
+        w = self.scorer.weights_proj(x).astype(mx.float32) * (self._nh**-0.5 * self._dim**-0.5)
+        return (w[:, :, None, :] @ mx.maximum(q @ kT, 0.0)).reshape(-1)
+
+
 class CompressorBranch(Compressor):
     """The compressed-attention branch of a CSA/HCA layer (transformers' `compressor`)."""
 
@@ -486,6 +569,26 @@ class CompressorBranch(Compressor):
             chosen = mx.put_along_axis(mx.zeros(masked.shape, mx.bool_), idx, mx.array(True), axis=-1)
             return rows[:, None], chosen[0] & causal
         return rows[:, None], causal
+
+    def step(self, x, q_res, pos: mx.array, state, new: list) -> tuple[mx.array, mx.array]:
+        """The static-layout decode step of `__call__`: (rows [1, K, D], valid [K]).
+
+        HCA (and CSA while the capacity is at most index_topk): every capacity row,
+        masked to the live ones.  CSA above it: the top index_topk rows by index score,
+        scores of rows that are not live set to -inf, so while fewer than index_topk
+        rows are live all of them are picked (and the padding picked with them is
+        masked): the same rows the dynamic path attends."""
+        st, rows, valid = self.pool_step(x, pos, state)
+        new += st
+        if not self._overlap:
+            return rows, valid
+        ist, keys, _ = self.indexer.pool_step(x, pos, state)
+        new += ist
+        if rows.shape[1] <= self._topk:
+            return rows, valid
+        scores = mx.where(valid, self.indexer.scores_step(x, q_res, pos, keys), -mx.inf)
+        idx = topk_indices(scores, self._topk)
+        return mx.take(rows, idx, axis=1), mx.take(valid, idx)
 
     def select(self, x, q_res, cache: LayerCache, s: int, face: str):
         """The fused path's half of `__call__`: pool both compressors; for CSA with more
@@ -560,6 +663,28 @@ class Attention(nn.Module):
         )
         return self._output(out, s, B, C)
 
+    def step(self, x: mx.array, pos: mx.array, state, new: list) -> mx.array:
+        """`__call__` for one token (x [1, 1, H]) at position `pos` (int32 array) over
+        the static layout (`LayerCache.static_state`), branch-free; the layer's new
+        state arrays are appended to `new`."""
+        q_res = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_res).reshape(1, 1, self._nh, self._D).swapaxes(1, 2)
+        q = self._rope(rms_norm(q, None, self._eps), offset=pos)
+        kv = self._rope(self.kv_norm(self.kv_proj(x))[:, None], offset=pos)  # [1, 1, 1, D]
+        ring = next(state)
+        W = ring.shape[2]
+        ring = mx.slice_update(ring, kv.astype(ring.dtype), (pos % W).reshape(1), axes=(2,))
+        new.append(ring)
+        keys, mask = ring, mx.arange(W) <= pos  # slots not written yet are masked
+        if self.layer_type != SLIDING:
+            rows, valid = self.compressor.step(x, q_res, pos, state, new)
+            keys = mx.concatenate([keys, rows[:, None].astype(keys.dtype)], axis=2)
+            mask = mx.concatenate([mask, valid])
+        out = mx.fast.scaled_dot_product_attention(
+            q, keys, keys, scale=self._D**-0.5, mask=mask[None], sinks=self.sinks.astype(q.dtype)
+        )
+        return self._output(out, pos, 1, 1)
+
     def _output(self, out: mx.array, s: int, B: int, C: int) -> mx.array:
         out = self._rope(out, offset=s, scale=-1.0).swapaxes(1, 2)  # inverse rope, [B, C, nh, D]
         out = self.o_a_proj(out.reshape(B, C, self._groups, -1))
@@ -620,6 +745,13 @@ class DecoderLayer(nn.Module):
         return hc_post(x, self.mlp(self.post_attention_layernorm(collapsed), ids), post, comb)
 
 
+    def step(self, x: mx.array, ids: mx.array, pos: mx.array, state, new: list) -> mx.array:
+        post, comb, collapsed = self.attn_hc(x)
+        x = hc_post(x, self.self_attn.step(self.input_layernorm(collapsed), pos, state, new), post, comb)
+        post, comb, collapsed = self.ffn_hc(x)
+        return hc_post(x, self.mlp(self.post_attention_layernorm(collapsed), ids), post, comb)
+
+
 class DeepseekV4Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -647,6 +779,15 @@ class DeepseekV4Model(nn.Module):
             c.offset += ids.shape[1]
         return self.norm(self.hc_head(x))
 
+    def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+        """One token ids [1, 1] at position pos over the static layout -> (hidden [1, 1, H], new state)."""
+        h = self.embed_tokens(ids)
+        x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
+        it, new = iter(state), []
+        for layer in self.layers:
+            x = layer.step(x, ids, pos, it, new)
+        return self.norm(self.hc_head(x)), new
+
 
 class Model(CausalLM):
     """DeepseekV4ForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
@@ -659,6 +800,22 @@ class Model(CausalLM):
         return [
             LayerCache(t, a.sliding_window, a.head_dim, a.ratio(t), a.index_head_dim) for t in a.layer_types
         ]
+
+    # -- the static decode step (ds4mlx/stepper.py drives it) ---------------------------
+    def static_state(self, cache: list[LayerCache]) -> list[mx.array]:
+        """The flat step state of `cache` for its next position (buffers grown to fit)."""
+        dtype = self.model.norm.weight.dtype
+        return [a for c in cache for a in c.static_state(dtype)]
+
+    def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+        """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
+        h, new = self.model.step(ids, pos, state)
+        return self.head(h)[0, 0], new
+
+    def commit_static(self, cache: list[LayerCache], state: list) -> None:
+        it = iter(state)
+        for c in cache:
+            c.commit_static(it)
 
     def sanitize(self, weights: dict) -> dict:
         """Map transformers' in-memory state-dict names onto this module's parameters."""

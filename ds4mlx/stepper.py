@@ -1,0 +1,74 @@
+"""One decode step of a model over a session's caches: the compiled static step, or not.
+
+A family that supports the static decode layout gives its `Model`
+
+* `static_state(cache) -> list[mx.array]`: the caches' arrays for the next position,
+  buffers created or grown into their bucket (models/cache.py) first;
+* `static_step(ids [1, 1], pos, state) -> (logits [V], new state)`: a pure function of
+  arrays, `pos` an int32 scalar array, no branch on a position;
+* `commit_static(cache, new_state)`: the new arrays back into the caches, counters
+  advanced one position.
+
+`step(model, cache, ids, pos)` runs one token.  How is chosen by `DS4MLX_DECODE`:
+
+* `compiled` (default): `static_step` traced once per input-shape signature (a bucket)
+  by `mx.compile` and replayed: no per-layer Python per token;
+* `eager`: the same static step without `mx.compile` (debugging; same numbers);
+* `legacy`: the model's dynamic forward (per-layer Python, host-side positions), the
+  path before the static step: for before/after measurements.
+
+A family without `static_step` always takes the legacy path.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import mlx.core as mx
+
+MODE_ENV = "DS4MLX_DECODE"
+MODES = ("compiled", "eager", "legacy")
+
+_compiled: dict[int, object] = {}  # id(model) -> its compiled step (traces are per function)
+
+
+def mode() -> str:
+    m = os.environ.get(MODE_ENV, "").strip().lower() or "compiled"
+    if m not in MODES:
+        raise ValueError(f"{MODE_ENV}={m!r}: expected one of {', '.join(MODES)}")
+    return m
+
+
+def supports_static(model) -> bool:
+    return callable(getattr(model, "static_step", None))
+
+
+def _pure(model):
+    def run(ids, pos, *state):
+        logits, new = model.static_step(ids, pos, list(state))
+        return (logits, *new)
+
+    return run
+
+
+def compiled_step(model):
+    """The model's `static_step` under `mx.compile` (one per model, shared by its sessions)."""
+    key = id(model)
+    fn = _compiled.get(key)
+    if fn is None:
+        fn = _compiled[key] = mx.compile(_pure(model))
+        weakref.finalize(model, _compiled.pop, key, None)
+    return fn
+
+
+def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None) -> mx.array:
+    """Lazy logits [V] of token ids [1, 1] (int32) at position `pos`; advances `cache`."""
+    how = how or mode()
+    if how == "legacy" or not supports_static(model):
+        return model(ids, cache, last_only=True)[0, -1]
+    state = model.static_state(cache)
+    fn = compiled_step(model) if how == "compiled" else _pure(model)
+    out = fn(ids, mx.array(pos, mx.int32), *state)
+    model.commit_static(cache, out[1:])
+    return out[0]
