@@ -1,0 +1,139 @@
+"""The compiled static decode step (ds4mlx/stepper.py) against the dynamic reference path.
+
+On the tiny DeepSeek V4 oracle models (CPU, float32): logits of the compiled step within
+1e-4 of the legacy per-layer forward and of the full forward over >= 64 decode steps that
+cross the sliding window, compression boundaries and compressed-row bucket resizes
+(models/cache.MIN_BUCKET lowered to 4 rows); greedy generations identical; snapshot /
+restore mid-decode bit-exact; a family without a static step runs the legacy path.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4mlx import stepper
+from ds4mlx.models import cache as row_cache
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_helpers import load_case, maxdiff  # noqa: E402
+
+TOL = 1e-4
+PREFILL = 5  # decode starts early: every later position is a compiled step
+
+
+@pytest.fixture(autouse=True)
+def small_buckets(monkeypatch):
+    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+
+
+@pytest.fixture(scope="module", params=["long", "odd"])
+def case(request, oracle):
+    return load_case(oracle, "make_tiny_deepseek_v4.py", request.param)
+
+
+def _decode(lm, ids, how, monkeypatch, prefill=PREFILL):
+    monkeypatch.setenv(stepper.MODE_ENV, how)
+    s = lm.new_session(ctx=len(ids) + 80, chunk=7)
+    s.prefill(ids[:prefill])
+    caps = set()
+    out = []
+    for t in ids[prefill:]:
+        out.append(s.decode(t))
+        caps.add(tuple(c.comp.rows.shape[1] for c in s._cache if c.comp is not None))
+    return s, np.stack(out), caps
+
+
+def test_compiled_step_matches_reference(case, monkeypatch):
+    _, lm, ref, _ = case
+    ids = ref["input_ids"][0].tolist()
+    args = lm.model.args
+    assert len(ids) - PREFILL >= 64 and len(ids) > args.sliding_window + PREFILL
+    _, legacy, _ = _decode(lm, ids, "legacy", monkeypatch)
+    s, compiled, caps = _decode(lm, ids, "compiled", monkeypatch)
+    assert len(caps) >= 3  # the row buffers moved through several buckets
+    assert maxdiff(compiled, legacy) <= TOL
+    assert maxdiff(compiled, ref["logits_full"][0][PREFILL:]) <= TOL
+    assert s.tokens == ids and all(c.offset == len(ids) for c in s._cache)
+    for c in s._cache:  # host counters follow the positions
+        for st in (c.comp, c.index):
+            if st is not None:
+                assert st.n == len(ids) // st.ratio
+
+
+def test_eager_static_step_equals_compiled(case, monkeypatch):
+    _, lm, ref, _ = case
+    ids = ref["input_ids"][0].tolist()[:40]
+    _, eager, _ = _decode(lm, ids, "eager", monkeypatch)
+    _, compiled, _ = _decode(lm, ids, "compiled", monkeypatch)
+    assert maxdiff(eager, compiled) <= 1e-5
+
+
+def _greedy(lm, prompt, n, how, monkeypatch):
+    monkeypatch.setenv(stepper.MODE_ENV, how)
+    s = lm.new_session(ctx=len(prompt) + n + 1, chunk=4)
+    logits = s.prefill(prompt)
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = s.decode(out[-1])
+    return out
+
+
+def test_greedy_generation_identical(case, monkeypatch):
+    _, lm, ref, _ = case
+    prompt = ref["input_ids"][0].tolist()[:9]
+    assert _greedy(lm, prompt, 70, "compiled", monkeypatch) == _greedy(lm, prompt, 70, "legacy", monkeypatch)
+
+
+def test_snapshot_restore_mid_decode_bit_exact(case, monkeypatch):
+    _, lm, ref, _ = case
+    ids = ref["input_ids"][0].tolist()
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    s = lm.new_session(ctx=len(ids), chunk=7)
+    s.prefill(ids[:PREFILL])
+    for t in ids[PREFILL:30]:
+        s.decode(t)
+    snap = s.snapshot()
+    first = np.stack([s.decode(t) for t in ids[30:60]])
+    s.restore(snap)
+    again = np.stack([s.decode(t) for t in ids[30:60]])
+    fresh = lm.new_session(ctx=len(ids), chunk=7)
+    fresh.restore(snap)
+    other = np.stack([fresh.decode(t) for t in ids[30:60]])
+    assert np.array_equal(first, again) and np.array_equal(first, other)
+
+
+def test_lazy_token_feeds_the_next_step(case, monkeypatch):
+    """The sampled token stays on the device: step t+1 takes step t's argmax unevaluated."""
+    _, lm, ref, _ = case
+    prompt = ref["input_ids"][0].tolist()[:9]
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    s = lm.new_session(ctx=40)
+    y = mx.argmax(mx.array(s.prefill(prompt)))
+    toks = []
+    for _ in range(20):
+        toks.append(y)
+        y = mx.argmax(s.step(y))
+    assert [int(t.item()) for t in toks] == _greedy(lm, prompt, 20, "legacy", monkeypatch)
+
+
+def test_family_without_static_step_uses_the_legacy_path(oracle, monkeypatch):
+    _, lm, ref, _ = load_case(oracle, "make_tiny_qwen4_exp.py", "long")
+    assert not stepper.supports_static(lm.model)
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    ids = ref["input_ids"][0].tolist()[:12]
+    s = lm.new_session(ctx=len(ids))
+    s.prefill(ids[:6])
+    steps = np.stack([s.decode(t) for t in ids[6:]])
+    assert maxdiff(steps, ref["logits_full"][0][6:12]) <= TOL
+
+
+def test_unknown_mode_is_refused(monkeypatch):
+    monkeypatch.setenv(stepper.MODE_ENV, "fast")
+    with pytest.raises(ValueError, match=stepper.MODE_ENV):
+        stepper.mode()
