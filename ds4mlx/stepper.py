@@ -7,7 +7,7 @@ A family that supports the static decode layout gives its `Model`
 * `static_step(ids [1, 1], pos, state) -> (logits [V], new state)`: a pure function of
   arrays, `pos` an int32 scalar array, no branch on a position;
 * `commit_static(cache, new_state)`: the new arrays back into the caches, counters
-  advanced one position.
+  advanced one position; `rewind_static(cache, old_state)` its inverse (undo).
 
 `step(model, cache, ids, pos)` runs one token.  How is chosen by `DS4MLX_DECODE`:
 
@@ -62,13 +62,26 @@ def compiled_step(model):
     return fn
 
 
-def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None) -> mx.array:
-    """Lazy logits [V] of token ids [1, 1] (int32) at position `pos`; advances `cache`."""
+def can_undo(model) -> bool:
+    """Whether `step(..., undoable=True)` can give an undo (static layout only)."""
+    return supports_static(model) and mode() != "legacy"
+
+
+def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, undoable: bool = False):
+    """Lazy logits [V] of token ids [1, 1] (int32) at position `pos`; advances `cache`.
+
+    With `undoable` (see `can_undo`) returns (logits, undo): calling `undo()` puts the
+    caches back where they were before this step (the old arrays are kept alive for it,
+    so the step cannot update them in place)."""
     how = how or mode()
     if how == "legacy" or not supports_static(model):
+        if undoable:
+            raise ValueError("the legacy decode path cannot undo a step")
         return model(ids, cache, last_only=True)[0, -1]
     state = model.static_state(cache)
     fn = compiled_step(model) if how == "compiled" else _pure(model)
     out = fn(ids, mx.array(pos, mx.int32), *state)
     model.commit_static(cache, out[1:])
+    if undoable:
+        return out[0], lambda: model.rewind_static(cache, state)
     return out[0]

@@ -296,10 +296,11 @@ class LayerCache:
                 out += st.static_arrays()
         return out
 
-    def commit_static(self, arrays) -> None:
-        """Take a step's new state (an iterator, same order) and advance one position."""
+    def commit_static(self, arrays, advance: int = 1) -> None:
+        """Take a step's new state (an iterator, same order) and move `advance` positions
+        (-1: put back the state from before a step)."""
         self.ring = next(arrays)
-        self.offset += 1
+        self.offset += advance
         for st in (self.comp, self.index):
             if st is not None:
                 st.take_static(arrays)
@@ -812,10 +813,13 @@ class Model(CausalLM):
         h, new = self.model.step(ids, pos, state)
         return self.head(h)[0, 0], new
 
-    def commit_static(self, cache: list[LayerCache], state: list) -> None:
+    def commit_static(self, cache: list[LayerCache], state: list, advance: int = 1) -> None:
         it = iter(state)
         for c in cache:
-            c.commit_static(it)
+            c.commit_static(it, advance)
+
+    def rewind_static(self, cache: list[LayerCache], old_state: list) -> None:
+        self.commit_static(cache, old_state, -1)
 
     def sanitize(self, weights: dict) -> dict:
         """Map transformers' in-memory state-dict names onto this module's parameters."""
