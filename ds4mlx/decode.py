@@ -38,7 +38,7 @@ class DecodeLoop:
         self.sample = sample
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         # a stop id read one step late needs its step undone: the static layout only
-        self.lookahead = bool(lookahead) and (not self.stop_ids or session.can_undo)
+        self.lookahead = bool(lookahead) and (not self.stop_ids or getattr(session, "can_undo", False))
         self.limit = limit
         self.stopped_by: int | None = None
 
@@ -66,8 +66,8 @@ class DecodeLoop:
         tok = self.sample(self.logits)
         mx.async_eval(tok)
         while self._room(n):
-            undo = bool(self.stop_ids)
-            self.logits = s.step(tok, undoable=undo)  # step t, fed with the lazy token t
+            # step t, fed with the lazy token t
+            self.logits = s.step(tok, undoable=True) if self.stop_ids else s.step(tok)
             nxt = self.sample(self.logits)  # token t+1, still on the device
             mx.async_eval(nxt)
             t = int(tok.item())  # waits for step t-1 only: step t is already queued behind it

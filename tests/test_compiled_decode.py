@@ -137,3 +137,59 @@ def test_unknown_mode_is_refused(monkeypatch):
     monkeypatch.setenv(stepper.MODE_ENV, "fast")
     with pytest.raises(ValueError, match=stepper.MODE_ENV):
         stepper.mode()
+
+
+# ----------------------------------------------------------------------------- the decode loop
+
+def test_device_sampler_draws_what_the_host_sampler_draws():
+    from ds4mlx.sampling import DeviceSampler, Sampler, SamplingParams
+
+    rng = np.random.default_rng(0)
+    rows = [mx.array(rng.normal(size=50).astype(np.float32) * 3) for _ in range(40)]
+    for params in (SamplingParams(temperature=0.0, repetition_penalty=1.5, repetition_window=4),
+                   SamplingParams(temperature=0.9, top_p=0.9, top_k=20, min_p=0.02, seed=11,
+                                  repetition_penalty=1.3, repetition_window=3),
+                   SamplingParams(temperature=1.2, seed=5)):
+        host, dev = Sampler(params.seed), DeviceSampler(params, 50, banned=[7, 9])
+        hist, got = [], []
+        for x in rows:
+            hist.append(int(host.sample(x, params, hist, [7, 9]).item()))
+            got.append(int(dev(x).item()))
+        assert got == hist and not {7, 9} & set(got)
+
+
+def _loop_tokens(lm, prompt, n, monkeypatch, how="compiled", **kw):
+    from ds4mlx.decode import decode_tokens, greedy
+
+    monkeypatch.setenv(stepper.MODE_ENV, how)
+    s = lm.new_session(ctx=len(prompt) + n + 2)
+    logits = mx.array(s.prefill(prompt))
+    loop = decode_tokens(s, logits, greedy(logits.shape[-1]), limit=n, **kw)
+    return s, loop, list(loop)
+
+
+def test_lookahead_loop_equals_synchronous_and_undoes_a_stop_token(case, monkeypatch):
+    _, lm, ref, _ = case
+    prompt = ref["input_ids"][0].tolist()[:9]
+    _, _, sync = _loop_tokens(lm, prompt, 30, monkeypatch, lookahead=False)
+    _, _, ahead = _loop_tokens(lm, prompt, 30, monkeypatch)
+    assert ahead == sync == _greedy(lm, prompt, 30, "legacy", monkeypatch)
+    stop = ahead[12]
+    first = ahead.index(stop)
+    for lookahead in (True, False):
+        s, loop, toks = _loop_tokens(lm, prompt, 30, monkeypatch, stop_ids=[stop], lookahead=lookahead)
+        assert toks == ahead[:first] and loop.stopped_by == stop and loop.lookahead == lookahead
+        assert s.tokens == prompt + toks  # the stop token's step was taken back
+        ref_s = lm.new_session(ctx=len(prompt) + 40)
+        ref_s.prefill(prompt + toks)
+        assert maxdiff(s.last_logits, ref_s.last_logits) <= TOL
+        assert maxdiff(s.decode(stop), ref_s.decode(stop)) <= TOL  # the caches are back too
+
+
+def test_legacy_family_runs_the_loop_synchronously_with_stop_ids(oracle, monkeypatch):
+    _, lm, ref, _ = load_case(oracle, "make_tiny_qwen4_exp.py", "long")
+    prompt = ref["input_ids"][0].tolist()[:6]
+    _, loop, toks = _loop_tokens(lm, prompt, 8, monkeypatch)
+    assert loop.lookahead and len(toks) == 8  # no stop ids: lookahead without undo
+    _, loop, toks2 = _loop_tokens(lm, prompt, 8, monkeypatch, stop_ids=[toks[3]])
+    assert not loop.lookahead and toks2 == toks[: toks.index(toks[3])] and loop.stopped_by == toks[3]
