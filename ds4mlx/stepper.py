@@ -17,11 +17,13 @@ A family that supports the static decode layout gives its `Model`
 * `legacy`: the model's dynamic forward (per-layer Python, host-side positions), the
   path before the static step: for before/after measurements.
 
-A family without `static_step` always takes the legacy path.
+A family without `static_step` always takes the legacy path, and so does a model whose
+first static step raised (an op its backend lacks: logged once, then legacy).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 
@@ -31,6 +33,9 @@ MODE_ENV = "DS4MLX_DECODE"
 MODES = ("compiled", "eager", "legacy")
 
 _compiled: dict[int, object] = {}  # id(model) -> its compiled step (traces are per function)
+_checked: set[int] = set()  # models whose static step has run once
+_refused: set[int] = set()  # models whose static step failed: legacy from then on
+log = logging.getLogger(__name__)
 
 
 def mode() -> str:
@@ -62,9 +67,16 @@ def compiled_step(model):
     return fn
 
 
+def forget(model) -> None:
+    """Drop what is remembered about `model` (its compiled step, its first-step check)."""
+    for memo in (_checked, _refused):
+        memo.discard(id(model))
+    _compiled.pop(id(model), None)
+
+
 def can_undo(model) -> bool:
     """Whether `step(..., undoable=True)` can give an undo (static layout only)."""
-    return supports_static(model) and mode() != "legacy"
+    return supports_static(model) and mode() != "legacy" and id(model) not in _refused
 
 
 def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, undoable: bool = False):
@@ -78,9 +90,22 @@ def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, un
         if undoable:
             raise ValueError("the legacy decode path cannot undo a step")
         return model(ids, cache, last_only=True)[0, -1]
+    if id(model) in _refused:
+        return step(model, cache, ids, pos, "legacy", undoable)  # undoable: ValueError
     state = model.static_state(cache)
     fn = compiled_step(model) if how == "compiled" else _pure(model)
-    out = fn(ids, mx.array(pos, mx.int32), *state)
+    try:
+        out = fn(ids, mx.array(pos, mx.int32), *state)
+        if id(model) not in _checked:  # once per model: a backend without one of the step's ops
+            mx.eval(out)
+            _checked.add(id(model))
+    except Exception:
+        log.warning("the static decode step failed on %s; this model decodes on the legacy path",
+                    mx.default_device(), exc_info=True)
+        _refused.add(id(model))
+        if undoable:  # the caller planned on an undo (engine lookahead): this one request fails
+            raise
+        return step(model, cache, ids, pos, "legacy")
     model.commit_static(cache, out[1:])
     if undoable:
         return out[0], lambda: model.rewind_static(cache, state)

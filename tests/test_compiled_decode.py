@@ -193,3 +193,24 @@ def test_legacy_family_runs_the_loop_synchronously_with_stop_ids(oracle, monkeyp
     assert loop.lookahead and len(toks) == 8  # no stop ids: lookahead without undo
     _, loop, toks2 = _loop_tokens(lm, prompt, 8, monkeypatch, stop_ids=[toks[3]])
     assert not loop.lookahead and toks2 == toks[: toks.index(toks[3])] and loop.stopped_by == toks[3]
+
+
+def test_a_failing_static_step_falls_back_to_legacy(case, monkeypatch):
+    """A backend lacking one of the step's ops: logged once, then the legacy path, same logits."""
+    _, lm, ref, _ = case
+    ids = ref["input_ids"][0].tolist()[:20]
+    model = lm.model
+
+    def broken(*a, **k):
+        raise RuntimeError("DynamicSliceUpdate has no GPU implementation.")
+
+    monkeypatch.setenv(stepper.MODE_ENV, "eager")
+    monkeypatch.setattr(model, "static_step", broken, raising=False)
+    try:
+        s = lm.new_session(ctx=len(ids))
+        s.prefill(ids[:5])
+        steps = np.stack([s.decode(t) for t in ids[5:]])
+        assert not s.can_undo
+    finally:
+        stepper.forget(model)
+    assert maxdiff(steps, ref["logits_full"][0][5:20]) <= TOL
