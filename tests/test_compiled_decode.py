@@ -214,3 +214,35 @@ def test_a_failing_static_step_falls_back_to_legacy(case, monkeypatch):
     finally:
         stepper.forget(model)
     assert maxdiff(steps, ref["logits_full"][0][5:20]) <= TOL
+
+
+def test_engine_lookahead_equals_legacy_on_the_demo_model(monkeypatch):
+    """The engine's decode (device sampling one token ahead, stop-token step undone) gives
+    the legacy synchronous loop's tokens, finish and session length."""
+    import ds4mlx
+    from ds4mlx.engine import Engine, Job
+    from ds4mlx.events import Finish
+    from ds4mlx.sampling import SamplingParams
+
+    model, tok = ds4mlx.load(None)
+
+    def run(how, stop_ids=None, params=SamplingParams(temperature=0.0)):
+        monkeypatch.setenv(stepper.MODE_ENV, how)
+        eng = Engine(model, tok, ctx=256, default_max_tokens=24)
+        try:
+            if stop_ids is not None:
+                eng.stop_ids = set(stop_ids)
+            job = Job(prompt_text="The quick brown fox", api="completions", raw=True, params=params)
+            fin = [e for e in eng.generate(job) if isinstance(e, Finish)][-1]
+            return fin.raw_text, fin.reason, fin.usage.completion_tokens, len(eng.session)
+        finally:
+            eng.close()
+
+    base = run("legacy")
+    assert run("compiled") == base and base[1] == "length"
+    ids = tok.encode(base[0])
+    stop = ids[len(ids) // 2]
+    cut = run("legacy", [stop])
+    assert cut[1] == "stop" and run("compiled", [stop]) == cut
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.2, repetition_window=8)
+    assert run("compiled", params=seeded) == run("legacy", params=seeded)
