@@ -68,10 +68,18 @@ def compiled_step(model):
 
 
 def forget(model) -> None:
-    """Drop what is remembered about `model` (its compiled step, its first-step check)."""
+    """Drop what is remembered about `model`: its compiled step (whose traces hold the
+    weights as constants: call this after changing them), its first-step check, the
+    fused projections its modules built for the static step."""
     for memo in (_checked, _refused):
         memo.discard(id(model))
     _compiled.pop(id(model), None)
+    for _, m in model.named_modules():
+        for name in FUSED_ATTRS:
+            m.__dict__.pop(name, None)
+
+
+FUSED_ATTRS = ("_step_proj", "_step_q_b", "_step_shared")  # per-module caches of the static step
 
 
 def can_undo(model) -> bool:

@@ -40,6 +40,7 @@ from ..kernels import sparse_attention as _sparse
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, layers.hc_post on the CPU
 from .cache import grow_rows
 from .causal_lm import BaseModelArgs, CausalLM
+from .fused import fused_or_each
 from .layers import (
     GLUMLP,
     HyperConnection,
@@ -48,6 +49,7 @@ from .layers import (
     RoPE,
     SwitchGLU,
     attention_factor_from_params,
+    clamped_swiglu,
     inv_freq_from_params,
     rms_norm,
     route_weights,
@@ -459,10 +461,11 @@ class Compressor(nn.Module):
         return st.append(rows)
 
 
-    def pool_step(self, x: mx.array, pos: mx.array, state) -> tuple[list, mx.array, mx.array]:
+    def pool_step(self, kv: mx.array, gate: mx.array, pos: mx.array, state) -> tuple[list, mx.array, mx.array]:
         """`pool` for one token at position `pos` (an int32 array), branch-free.
 
-        `state` iterates over `CompressorState.static_arrays()`.  The pooled row of the
+        kv / gate [1, 1, c*d] are this token's `kv_proj` / `gate_proj` outputs; `state`
+        iterates over `CompressorState.static_arrays()`.  The pooled row of the
         window holding `pos` is written at row pos // m whether or not the window is
         complete (an incomplete one lands on a row that is not live yet and is rewritten
         when it completes).  Returns (new state arrays, rows [1, cap, d], valid [cap])."""
@@ -470,7 +473,6 @@ class Compressor(nn.Module):
         buf_kv, buf_gate = next(state), next(state)
         ov_kv, ov_gate = (next(state), next(state)) if self._overlap else (None, None)
         rows = next(state)
-        kv, gate = self.kv_proj(x), self.gate_proj(x)  # [1, 1, c*d]
         b = (pos % m).reshape(1)
         buf_kv = mx.slice_update(buf_kv, kv.astype(buf_kv.dtype), b, axes=(1,))
         buf_gate = mx.slice_update(buf_gate, gate.astype(buf_gate.dtype), b, axes=(1,))
@@ -531,12 +533,13 @@ class Indexer(Compressor):
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=1)  # [B, C, N]
 
 
-    def scores_step(self, x: mx.array, q_res: mx.array, pos: mx.array, keys: mx.array) -> mx.array:
-        """Index scores [cap] of one query at `pos` over every row of `keys` [1, cap, d]."""
-        q = self.q_b_proj(q_res).reshape(1, 1, self._nh, self._dim).swapaxes(1, 2)
+    def scores_step(self, q: mx.array, w: mx.array, pos: mx.array, keys: mx.array) -> mx.array:
+        """Index scores [cap] of one query at `pos` over every row of `keys` [1, cap, d];
+        q = q_b_proj(q_res) [1, 1, nh*d], w = scorer.weights_proj(x) [1, 1, nh]."""
+        q = q.reshape(1, 1, self._nh, self._dim).swapaxes(1, 2)
         q = self._rope(q, offset=pos).swapaxes(1, 2).astype(mx.float32)  # [1, 1, nh, d]
         kT = keys.astype(mx.float32).swapaxes(-1, -2)[:, None]  # [1, 1, d, cap]
-        w = self.scorer.weights_proj(x).astype(mx.float32) * (self._nh**-0.5 * self._dim**-0.5)
+        w = w.astype(mx.float32) * (self._nh**-0.5 * self._dim**-0.5)
         return (w[:, :, None, :] @ mx.maximum(q @ kT, 0.0)).reshape(-1)
 
 
@@ -571,23 +574,34 @@ class CompressorBranch(Compressor):
             return rows[:, None], chosen[0] & causal
         return rows[:, None], causal
 
-    def step(self, x, q_res, pos: mx.array, state, new: list) -> tuple[mx.array, mx.array]:
+    def input_layers(self) -> list[nn.Module]:
+        """The projections of the layer input this branch runs per token (in `step`'s order)."""
+        out = [self.kv_proj, self.gate_proj]
+        if self._overlap:
+            ind = self.indexer
+            out += [ind.kv_proj, ind.gate_proj, ind.scorer.weights_proj]
+        return out
+
+    def step(self, proj: list, q_b, pos: mx.array, state, new: list) -> tuple[mx.array, mx.array]:
         """The static-layout decode step of `__call__`: (rows [1, K, D], valid [K]).
+
+        `proj` holds this token's outputs of `input_layers()`, `q_b` the indexer's
+        q_b_proj output of q_res.
 
         HCA (and CSA while the capacity is at most index_topk): every capacity row,
         masked to the live ones.  CSA above it: the top index_topk rows by index score,
         scores of rows that are not live set to -inf, so while fewer than index_topk
         rows are live all of them are picked (and the padding picked with them is
         masked): the same rows the dynamic path attends."""
-        st, rows, valid = self.pool_step(x, pos, state)
+        st, rows, valid = self.pool_step(proj[0], proj[1], pos, state)
         new += st
         if not self._overlap:
             return rows, valid
-        ist, keys, _ = self.indexer.pool_step(x, pos, state)
+        ist, keys, _ = self.indexer.pool_step(proj[2], proj[3], pos, state)
         new += ist
         if rows.shape[1] <= self._topk:
             return rows, valid
-        scores = mx.where(valid, self.indexer.scores_step(x, q_res, pos, keys), -mx.inf)
+        scores = mx.where(valid, self.indexer.scores_step(q_b, proj[4], pos, keys), -mx.inf)
         idx = topk_indices(scores, self._topk)
         return mx.take(rows, idx, axis=1), mx.take(valid, idx)
 
@@ -667,18 +681,29 @@ class Attention(nn.Module):
     def step(self, x: mx.array, pos: mx.array, state, new: list) -> mx.array:
         """`__call__` for one token (x [1, 1, H]) at position `pos` (int32 array) over
         the static layout (`LayerCache.static_state`), branch-free; the layer's new
-        state arrays are appended to `new`."""
-        q_res = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_res).reshape(1, 1, self._nh, self._D).swapaxes(1, 2)
+        state arrays are appended to `new`.  The projections that read the same input
+        run as one mat-vec where their formats allow (models/fused.py)."""
+        comp = self.compressor if self.layer_type != SLIDING else None
+        if getattr(self, "_step_proj", None) is None:  # built once, outside the module tree
+            more = [] if comp is None else comp.input_layers()
+            self._step_proj = fused_or_each([self.q_a_proj, self.kv_proj, *more])
+            self._step_q_b = fused_or_each([self.q_b_proj, comp.indexer.q_b_proj]) if comp and comp._overlap else None
+        q_a, kv, *more = self._step_proj(x)
+        q_res = self.q_a_norm(q_a)
+        if self._step_q_b is not None:  # CSA: the indexer's query too (used above index_topk rows)
+            q_b, index_q_b = self._step_q_b(q_res)
+        else:
+            q_b, index_q_b = self.q_b_proj(q_res), None
+        q = q_b.reshape(1, 1, self._nh, self._D).swapaxes(1, 2)
         q = self._rope(rms_norm(q, None, self._eps), offset=pos)
-        kv = self._rope(self.kv_norm(self.kv_proj(x))[:, None], offset=pos)  # [1, 1, 1, D]
+        kv = self._rope(self.kv_norm(kv)[:, None], offset=pos)  # [1, 1, 1, D]
         ring = next(state)
         W = ring.shape[2]
         ring = mx.slice_update(ring, kv.astype(ring.dtype), (pos % W).reshape(1), axes=(2,))
         new.append(ring)
         keys, mask = ring, mx.arange(W) <= pos  # slots not written yet are masked
-        if self.layer_type != SLIDING:
-            rows, valid = self.compressor.step(x, q_res, pos, state, new)
+        if comp is not None:
+            rows, valid = comp.step(more, index_q_b, pos, state, new)
             keys = mx.concatenate([keys, rows[:, None].astype(keys.dtype)], axis=2)
             mask = mx.concatenate([mask, valid])
         out = mx.fast.scaled_dot_product_attention(
@@ -727,6 +752,18 @@ class MoE(nn.Module):
         y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
         return y + self.shared_experts(x)
 
+    def step(self, x: mx.array, ids: mx.array) -> mx.array:
+        """`__call__` for the static decode step: the shared expert's gate and up
+        projections as one mat-vec where their formats allow (models/fused.py)."""
+        se = self.shared_experts
+        if getattr(self, "_step_shared", None) is None:  # built once, outside the module tree
+            self._step_shared = fused_or_each([se.gate_proj, se.up_proj])
+        idx, w = self.gate(x, ids)
+        y = self.experts(x, idx)  # [..., k, H]
+        y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
+        g, u = self._step_shared(x)
+        return y + se.down_proj(clamped_swiglu(g, u, se._limit))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int, ropes: dict):
@@ -750,7 +787,7 @@ class DecoderLayer(nn.Module):
         post, comb, collapsed = self.attn_hc(x)
         x = hc_post(x, self.self_attn.step(self.input_layernorm(collapsed), pos, state, new), post, comb)
         post, comb, collapsed = self.ffn_hc(x)
-        return hc_post(x, self.mlp(self.post_attention_layernorm(collapsed), ids), post, comb)
+        return hc_post(x, self.mlp.step(self.post_attention_layernorm(collapsed), ids), post, comb)
 
 
 class DeepseekV4Model(nn.Module):
