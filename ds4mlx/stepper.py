@@ -35,6 +35,7 @@ MODES = ("compiled", "eager", "legacy")
 _compiled: dict[int, object] = {}  # id(model) -> its compiled step (traces are per function)
 _checked: set[int] = set()  # models whose static step has run once
 _refused: set[int] = set()  # models whose static step failed: legacy from then on
+_watched: set[int] = set()  # models with a finalizer that drops their entries
 log = logging.getLogger(__name__)
 
 
@@ -50,8 +51,10 @@ def supports_static(model) -> bool:
 
 
 def _pure(model):
+    ref = weakref.ref(model)  # the compiled step is kept per model: it must not keep the model alive
+
     def run(ids, pos, *state):
-        logits, new = model.static_step(ids, pos, list(state))
+        logits, new = ref().static_step(ids, pos, list(state))
         return (logits, *new)
 
     return run
@@ -62,9 +65,22 @@ def compiled_step(model):
     key = id(model)
     fn = _compiled.get(key)
     if fn is None:
+        _watch(model)
         fn = _compiled[key] = mx.compile(_pure(model))
-        weakref.finalize(model, _compiled.pop, key, None)
     return fn
+
+
+def _watch(model) -> None:
+    """Forget a model's entries when it dies (its id may be reused by the next one)."""
+    if id(model) not in _watched:
+        _watched.add(id(model))
+        weakref.finalize(model, _drop, id(model))
+
+
+def _drop(key: int) -> None:
+    for memo in (_checked, _refused, _watched):
+        memo.discard(key)
+    _compiled.pop(key, None)
 
 
 def forget(model) -> None:
@@ -106,10 +122,12 @@ def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, un
         out = fn(ids, mx.array(pos, mx.int32), *state)
         if id(model) not in _checked:  # once per model: a backend without one of the step's ops
             mx.eval(out)
+            _watch(model)
             _checked.add(id(model))
     except Exception:
         log.warning("the static decode step failed on %s; this model decodes on the legacy path",
                     mx.default_device(), exc_info=True)
+        _watch(model)
         _refused.add(id(model))
         if undoable:  # the caller planned on an undo (engine lookahead): this one request fails
             raise
