@@ -38,7 +38,7 @@ import mlx.nn as nn
 
 from ..kernels import sparse_attention as _sparse
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, layers.hc_post on the CPU
-from .cache import grow_rows
+from .cache import StaticDecode, grow_rows
 from .causal_lm import BaseModelArgs, CausalLM
 from .fused import fused_or_each
 from .layers import (
@@ -827,7 +827,7 @@ class DeepseekV4Model(nn.Module):
         return self.norm(self.hc_head(x)), new
 
 
-class Model(CausalLM):
+class Model(StaticDecode, CausalLM):
     """DeepseekV4ForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
@@ -839,24 +839,11 @@ class Model(CausalLM):
             LayerCache(t, a.sliding_window, a.head_dim, a.ratio(t), a.index_head_dim) for t in a.layer_types
         ]
 
-    # -- the static decode step (ds4mlx/stepper.py drives it) ---------------------------
-    def static_state(self, cache: list[LayerCache]) -> list[mx.array]:
-        """The flat step state of `cache` for its next position (buffers grown to fit)."""
-        dtype = self.model.norm.weight.dtype
-        return [a for c in cache for a in c.static_state(dtype)]
-
+    # -- the static decode step (ds4mlx/stepper.py drives it; models/cache.StaticDecode) --
     def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
         """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
         h, new = self.model.step(ids, pos, state)
         return self.head(h)[0, 0], new
-
-    def commit_static(self, cache: list[LayerCache], state: list, advance: int = 1) -> None:
-        it = iter(state)
-        for c in cache:
-            c.commit_static(it, advance)
-
-    def rewind_static(self, cache: list[LayerCache], old_state: list) -> None:
-        self.commit_static(cache, old_state, -1)
 
     def sanitize(self, weights: dict) -> dict:
         """Map transformers' in-memory state-dict names onto this module's parameters."""
