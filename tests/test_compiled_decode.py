@@ -44,7 +44,7 @@ def _decode(lm, ids, how, monkeypatch, prefill=PREFILL):
     out = []
     for t in ids[prefill:]:
         out.append(s.decode(t))
-        caps.add(tuple(c.comp.rows.shape[1] for c in s._cache if c.comp is not None))
+        caps.add(tuple(a.shape for a in lm.model.static_state(s._cache)) if stepper.supports_static(lm.model) else ())
     return s, np.stack(out), caps
 
 
@@ -275,6 +275,39 @@ def test_v41_compiled_step_matches_reference(v41_case, monkeypatch):
 
 def test_v41_snapshot_restore_mid_decode_bit_exact(v41_case, monkeypatch):
     _, lm, ref, _ = v41_case
+    ids = ref["input_ids"][0].tolist()
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    s = lm.new_session(ctx=len(ids), chunk=5)
+    s.prefill(ids[:4])
+    for t in ids[4:20]:
+        s.decode(t)
+    snap = s.snapshot()
+    first = np.stack([s.decode(t) for t in ids[20:]])
+    fresh = lm.new_session(ctx=len(ids), chunk=5)
+    fresh.restore(snap)
+    assert np.array_equal(first, np.stack([fresh.decode(t) for t in ids[20:]]))
+
+
+# ----------------------------------------------------------------------------- GLM 5.2 (MLA + DSA)
+
+@pytest.fixture(scope="module")
+def glm52_case(oracle):
+    return load_case(oracle, "make_tiny_glm_moe_dsa.py", "alt")
+
+
+def test_glm52_compiled_step_matches_reference(glm52_case, monkeypatch):
+    _, lm, ref, _ = glm52_case
+    ids = ref["input_ids"][0].tolist()
+    assert stepper.supports_static(lm.model) and len(ids) > lm.model.args.index_topk + 3
+    _, legacy, _ = _decode(lm, ids, "legacy", monkeypatch, prefill=3)
+    _, compiled, caps = _decode(lm, ids, "compiled", monkeypatch, prefill=3)
+    assert maxdiff(compiled, legacy) <= TOL and maxdiff(compiled, ref["logits_full"][0][3:]) <= TOL
+    prompt = ids[:6]
+    assert _greedy(lm, prompt, 70, "compiled", monkeypatch) == _greedy(lm, prompt, 70, "legacy", monkeypatch)
+
+
+def test_glm52_snapshot_restore_mid_decode_bit_exact(glm52_case, monkeypatch):
+    _, lm, ref, _ = glm52_case
     ids = ref["input_ids"][0].tolist()
     monkeypatch.setenv(stepper.MODE_ENV, "compiled")
     s = lm.new_session(ctx=len(ids), chunk=5)
