@@ -319,3 +319,37 @@ def test_glm52_snapshot_restore_mid_decode_bit_exact(glm52_case, monkeypatch):
     fresh = lm.new_session(ctx=len(ids), chunk=5)
     fresh.restore(snap)
     assert np.array_equal(first, np.stack([fresh.decode(t) for t in ids[20:]]))
+
+
+# ----------------------------------------------------------------------------- GLM 5.3 (k-pool MLA + KDA)
+
+@pytest.fixture(scope="module")
+def glm53_case(oracle):
+    return load_case(oracle, "make_tiny_glm5_next.py", "long")
+
+
+def test_glm53_compiled_step_matches_reference(glm53_case, monkeypatch):
+    _, lm, ref, _ = glm53_case
+    ids = ref["input_ids"][0].tolist()
+    assert stepper.supports_static(lm.model) and len(ids) - 3 >= 64
+    _, legacy, _ = _decode(lm, ids, "legacy", monkeypatch, prefill=3)
+    _, compiled, caps = _decode(lm, ids, "compiled", monkeypatch, prefill=3)
+    assert len(caps) >= 3
+    assert maxdiff(compiled, legacy) <= TOL and maxdiff(compiled, ref["logits_full"][0][3:]) <= TOL
+    prompt = ids[:6]
+    assert _greedy(lm, prompt, 40, "compiled", monkeypatch) == _greedy(lm, prompt, 40, "legacy", monkeypatch)
+
+
+def test_glm53_snapshot_restore_mid_decode_bit_exact(glm53_case, monkeypatch):
+    _, lm, ref, _ = glm53_case
+    ids = ref["input_ids"][0].tolist()[:60]
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    s = lm.new_session(ctx=len(ids), chunk=5)
+    s.prefill(ids[:4])
+    for t in ids[4:25]:
+        s.decode(t)
+    snap = s.snapshot()
+    first = np.stack([s.decode(t) for t in ids[25:]])
+    fresh = lm.new_session(ctx=len(ids), chunk=5)
+    fresh.restore(snap)
+    assert np.array_equal(first, np.stack([fresh.decode(t) for t in ids[25:]]))

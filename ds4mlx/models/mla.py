@@ -131,21 +131,30 @@ class MLACache:
         self.pool_k = self.pool_gate = None
 
     # -- static decode layout (the compiled step, ds4mlx/stepper.py) ---------------------
+    def _rows_at(self, name: str, offset: int) -> int:
+        """Live rows of buffer `name` after `offset` tokens (k-pool pools: complete pools)."""
+        return offset // self.kpool if name == "pools" else offset
+
     def static_state(self, dtype) -> list[mx.array]:
-        """The row buffers (latent, k_rope, index_k: `rows` order), grown so the step's
-        row (offset) fits.  Only the token-level layouts: a k-pool indexer has none."""
-        if self.indexer == "kpool":
-            raise ValueError("the k-pool indexer has no static decode layout")
+        """The row buffers (latent, k_rope, index_k or pools: `rows` order), grown so the
+        step's row fits, then for a k-pool indexer the open pool's pool_k, pool_gate."""
         out = []
-        for r in self.rows.values():
-            r.reserve(self.offset + 1, dtype)
+        for name, r in self.rows.items():
+            r.reserve(self._rows_at(name, self.offset) + 1, dtype)
             out.append(r.buf)
+        if self.indexer == "kpool":
+            if self.pool_k is None:
+                self.pool_k = mx.zeros((1, self.kpool, self.rows["pools"].dim), dtype)
+                self.pool_gate = mx.zeros((1, self.kpool, self.rows["pools"].dim), dtype)
+            out += [self.pool_k, self.pool_gate]
         return out
 
     def commit_static(self, arrays, advance: int = 1) -> None:
         self.offset += advance
-        for r in self.rows.values():
-            r.buf, r.n = next(arrays), self.offset
+        for name, r in self.rows.items():
+            r.buf, r.n = next(arrays), self._rows_at(name, self.offset)
+        if self.indexer == "kpool":
+            self.pool_k, self.pool_gate = next(arrays), next(arrays)
 
     @property
     def state(self) -> dict:
@@ -313,6 +322,37 @@ class KPoolIndexer(nn.Module):
         logits = logits + self.index_kpool_compress_ape.astype(mx.float32)
         p = mx.softmax(logits, axis=2, precise=True).astype(wk.dtype)
         return pools.append((p * wk).sum(axis=2))
+
+    def step(self, x: mx.array, q_res: mx.array, pos: mx.array, state, new: list, valid: mx.array):
+        """`__call__` for one query at `pos` (array): (None, token mask [cap]) over the
+        latent capacity rows: the chosen pools' tokens plus the open pool's (the tail).
+        The open pool's row is written at pos // kpool whether complete or not."""
+        kp = self._kp
+        k = self.k_norm(self.wk(x))
+        gate = x @ self.index_kpool_compress_gate.T.astype(x.dtype)
+        pools, pool_k, pool_gate = next(state), next(state), next(state)
+        b = (pos % kp).reshape(1)
+        pool_k = mx.slice_update(pool_k, k.astype(pool_k.dtype), b, axes=(1,))
+        pool_gate = mx.slice_update(pool_gate, gate.astype(pool_gate.dtype), b, axes=(1,))
+        logits = pool_gate[:, None].astype(mx.float32) + self.index_kpool_compress_ape.astype(mx.float32)
+        p = mx.softmax(logits, axis=2, precise=True).astype(pool_k.dtype)
+        row = (p * pool_k[:, None]).sum(axis=2)  # [1, 1, D]
+        pools = mx.slice_update(pools, row.astype(pools.dtype), (pos // kp).reshape(1), axes=(1,))
+        new += [pools, pool_k, pool_gate]
+        P = pools.shape[1]
+        if P <= self._select:
+            return None, valid
+        q = self.wq_b(q_res).reshape(1, 1, self._H, self._D).astype(mx.float32)
+        w = self.weights_proj(x).astype(mx.float32) * self._H**-0.5
+        visible = mx.arange(P) < (pos + 1) // kp  # complete pools
+        scores = mx.where(visible, index_scores(q, pools, w, self._D**-0.5)[0, 0], -mx.inf)
+        idx = topk_indices(scores, self._select)
+        chosen = mx.put_along_axis(mx.zeros((P,), mx.bool_), idx, mx.take(visible, idx), axis=-1)
+        tok = mx.arange(valid.shape[0])
+        pool_of = tok // kp
+        in_chosen = mx.take(chosen, mx.minimum(pool_of, P - 1)) & (pool_of < P)
+        tail = tok >= ((pos + 1) // kp) * kp
+        return None, (in_chosen | tail) & valid
 
     def __call__(self, x: mx.array, q_res: mx.array, cache: MLACache, s: int) -> Selection:
         B, C, _ = x.shape
