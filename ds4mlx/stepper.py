@@ -7,7 +7,9 @@ A family that supports the static decode layout gives its `Model`
 * `static_step(ids [1, 1], pos, state) -> (logits [V], new state)`: a pure function of
   arrays, `pos` an int32 scalar array, no branch on a position;
 * `commit_static(cache, new_state)`: the new arrays back into the caches, counters
-  advanced one position; `rewind_static(cache, old_state)` its inverse (undo).
+  advanced one position; `rewind_static(cache, old_state)` its inverse (undo);
+* optionally `static_ready(cache) -> bool`: False while the caches lack state the step
+  needs (Qwen3.8: before the first token); that step takes the legacy path.
 
 `step(model, cache, ids, pos)` runs one token.  How is chosen by `DS4MLX_DECODE`:
 
@@ -114,7 +116,8 @@ def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, un
         if undoable:
             raise ValueError("the legacy decode path cannot undo a step")
         return model(ids, cache, last_only=True)[0, -1]
-    if id(model) in _refused:
+    ready = getattr(model, "static_ready", None)
+    if id(model) in _refused or (ready is not None and not ready(cache)):
         return step(model, cache, ids, pos, "legacy", undoable)  # undoable: ValueError
     state = model.static_state(cache)
     fn = compiled_step(model) if how == "compiled" else _pure(model)

@@ -1,10 +1,11 @@
 """The compiled static decode step (ds4mlx/stepper.py) against the dynamic reference path.
 
-On the tiny DeepSeek V4 oracle models (CPU, float32): logits of the compiled step within
-1e-4 of the legacy per-layer forward and of the full forward over >= 64 decode steps that
-cross the sliding window, compression boundaries and compressed-row bucket resizes
-(models/cache.MIN_BUCKET lowered to 4 rows); greedy generations identical; snapshot /
-restore mid-decode bit-exact; a family without a static step runs the legacy path.
+On the tiny oracle models of all five families (CPU, float32; DeepSeek V4, V4.1, GLM 5.2,
+GLM 5.3, Qwen3.8): logits of the compiled step within 1e-4 of the legacy per-layer forward
+and of the full forward over >= 64 decode steps that cross the sliding window, compression
+boundaries and row-bucket resizes (models/cache.MIN_BUCKET lowered to 4 rows); greedy
+generations identical; snapshot / restore mid-decode bit-exact; a family without a static
+step runs the legacy path; the decode loop and the device sampler.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def test_lazy_token_feeds_the_next_step(case, monkeypatch):
 
 def test_family_without_static_step_uses_the_legacy_path(oracle, monkeypatch):
     _, lm, ref, _ = load_case(oracle, "make_tiny_qwen4_exp.py", "long")
+    monkeypatch.setattr(lm.model, "static_step", None, raising=False)  # a family not converted
     assert not stepper.supports_static(lm.model)
     monkeypatch.setenv(stepper.MODE_ENV, "compiled")
     ids = ref["input_ids"][0].tolist()[:12]
@@ -188,6 +190,7 @@ def test_lookahead_loop_equals_synchronous_and_undoes_a_stop_token(case, monkeyp
 
 def test_legacy_family_runs_the_loop_synchronously_with_stop_ids(oracle, monkeypatch):
     _, lm, ref, _ = load_case(oracle, "make_tiny_qwen4_exp.py", "long")
+    monkeypatch.setattr(lm.model, "static_step", None, raising=False)  # a family not converted
     prompt = ref["input_ids"][0].tolist()[:6]
     _, loop, toks = _loop_tokens(lm, prompt, 8, monkeypatch)
     assert loop.lookahead and len(toks) == 8  # no stop ids: lookahead without undo
@@ -353,3 +356,45 @@ def test_glm53_snapshot_restore_mid_decode_bit_exact(glm53_case, monkeypatch):
     fresh = lm.new_session(ctx=len(ids), chunk=5)
     fresh.restore(snap)
     assert np.array_equal(first, np.stack([fresh.decode(t) for t in ids[25:]]))
+
+
+# ----------------------------------------------------------------------------- Qwen3.8 (QSA + Gated DeltaNet + PLE)
+
+@pytest.fixture(scope="module")
+def qwen_case(oracle):
+    return load_case(oracle, "make_tiny_qwen4_exp.py", "long")
+
+
+def test_qwen_compiled_step_matches_reference(qwen_case, monkeypatch):
+    _, lm, ref, _ = qwen_case
+    ids = ref["input_ids"][0].tolist()
+    assert stepper.supports_static(lm.model) and len(ids) - 3 >= 64
+    _, legacy, _ = _decode(lm, ids, "legacy", monkeypatch, prefill=3)
+    _, compiled, caps = _decode(lm, ids, "compiled", monkeypatch, prefill=3)
+    assert len(caps) >= 3
+    assert maxdiff(compiled, legacy) <= TOL and maxdiff(compiled, ref["logits_full"][0][3:]) <= TOL
+    prompt = ids[:6]
+    assert _greedy(lm, prompt, 40, "compiled", monkeypatch) == _greedy(lm, prompt, 40, "legacy", monkeypatch)
+
+
+def test_qwen_snapshot_restore_mid_decode_bit_exact(qwen_case, monkeypatch):
+    _, lm, ref, _ = qwen_case
+    ids = ref["input_ids"][0].tolist()[:60]
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    s = lm.new_session(ctx=len(ids), chunk=5)
+    s.prefill(ids[:4])
+    for t in ids[4:25]:
+        s.decode(t)
+    snap = s.snapshot()
+    first = np.stack([s.decode(t) for t in ids[25:]])
+    fresh = lm.new_session(ctx=len(ids), chunk=5)
+    fresh.restore(snap)
+    assert np.array_equal(first, np.stack([fresh.decode(t) for t in ids[25:]]))
+
+
+def test_qwen_first_token_of_an_empty_session_takes_the_legacy_step(qwen_case, monkeypatch):
+    _, lm, ref, _ = qwen_case
+    ids = ref["input_ids"][0].tolist()[:12]
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    s = lm.new_session(ctx=len(ids))
+    assert maxdiff(np.stack([s.decode(t) for t in ids]), ref["logits_full"][0][:12]) <= TOL
