@@ -54,7 +54,7 @@ elif [ "$1" = M ]; then  # 43-layer model, kernels on vs off in one process: MLX
 elif [ "$1" = D ]; then  # decode before / after the compiled static step (DS4MLX_DECODE legacy vs compiled)
   for fmt in ${FORMATS:-mlx gguf}; do
     log "43-layer synthetic, experts $fmt, decode legacy vs compiled at ${CTXS:-2048 32768}"
-    timeout ${DTIME:-280} $py tools/decode_before_after.py --expert-format $fmt --ctx ${CTXS:-2048 32768} --gen 32 \
+    timeout ${DTIME:-560} $py tools/decode_before_after.py --expert-format $fmt --ctx ${CTXS:-2048 32768} --gen 32 \
         --profile > "$OUT/decode_$fmt.txt" 2>&1
     grep -v '^#' "$OUT/decode_$fmt.txt" | tail -30 | tee -a "$OUT/log.txt"
   done
