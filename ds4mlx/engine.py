@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .decode import decode_tokens
 from .detok import Detokenizer, StopMatcher
 from .events import (
     Finish,
@@ -41,7 +42,7 @@ from .events import (
     TextDelta,
     Usage,
 )
-from .sampling import GREEDY, Sampler, SamplingParams
+from .sampling import GREEDY, DeviceSampler, Sampler, SamplingParams
 
 log = logging.getLogger("ds4mlx.engine")
 
@@ -632,31 +633,46 @@ class Engine:
             logits = mx.array(np.asarray(logits, dtype=np.float32))
         force = job.force_text if job.tools_active else None
         forced: list[int] = []
-        while len(generated) < max_tokens:
-            if h.cancelled or self._closed:
-                finish, error = "cancelled", "cancelled"
-                break
+
+        def pick(logits) -> int:
+            # synchronous: this token's choice depends on the host's reading of the last one
+            nonlocal force, forced
             if force is not None and getattr(parser, "phase", "text") == "text":
                 forced, force = tk.encode(force), None  # the answer starts: open the tool call
             if forced:
-                tok = forced.pop(0)
-            else:
-                structural = bool(job.tools_active and getattr(parser, "structural", False))
-                params = GREEDY if (structural or job.ignore_eos) else job.params
-                if structural and not job.params.greedy:
-                    self.stats.greedy_tokens += 1
-                tok = int(sampler.sample(logits, params, generated, banned).item())
-            if tok in ends and not job.ignore_eos:
-                finish = "stop"
+                return forced.pop(0)
+            structural = bool(job.tools_active and getattr(parser, "structural", False))
+            params = GREEDY if (structural or job.ignore_eos) else job.params
+            if structural and not job.params.greedy:
+                self.stats.greedy_tokens += 1
+            return int(sampler.sample(logits, params, generated, banned).item())
+
+        # Forced tool text and greedy-inside-a-tool-call for sampled jobs are host decisions
+        # per token: those jobs run the loop synchronously; every other job samples on the
+        # device, one token ahead of the host (decode.py).
+        host_chooses = force is not None or (job.tools_active and not job.params.greedy and not job.ignore_eos)
+        if host_chooses:
+            sample = pick
+        else:
+            params = GREEDY if job.ignore_eos else job.params
+            sample = DeviceSampler(params, int(logits.shape[-1]), banned, seed=sampler.seed)
+        loop = decode_tokens(s, logits, sample, stop_ids=() if job.ignore_eos else [e for e in ends if e is not None],
+                             lookahead=not host_chooses, limit=max_tokens)
+        tokens = iter(loop)
+        while True:
+            if h.cancelled or self._closed:
+                finish, error = "cancelled", "cancelled"
                 break
             try:
-                logits = s.step(tok)
+                tok = next(tokens)
+            except StopIteration:
+                finish = "stop" if loop.stopped_by is not None else "length"
+                break
             except Exception as e:
                 log.exception("decode step failed")
                 finish, error = "error", f"decode failed: {e}"
                 broken = True
                 break
-            mx.async_eval(logits)
             generated.append(tok)
             self.stats.decode_tokens += 1
             push(stops.push(detok.feed(tok)))
@@ -668,8 +684,6 @@ class Engine:
                 break
             if not (job.tools_active and getattr(parser, "phase", "text") in ("tool", "done")):
                 _call_hook(self.cache.on_progress, self, job)  # not inside a tool call
-        else:
-            finish = "length"
         if finish != "stop" or stops.hit is None:
             push(stops.push(detok.flush()))
             push(stops.flush())

@@ -102,6 +102,11 @@ class Sampler:
                 sel = x[ids]
                 pen = float(params.repetition_penalty)
                 x[ids] = mx.where(sel > 0, sel / pen, sel * pen)
+        return self.draw(x, params)
+
+    def draw(self, x: mx.array, params: SamplingParams) -> mx.array:
+        """The token of float32 logits [V] after bans and penalties (argmax when greedy)."""
+        vocab = x.shape[0]
         temperature, top_p, top_k, min_p = _clean(params)
         if temperature <= 0.0:
             return mx.argmax(x)
@@ -132,3 +137,41 @@ class Sampler:
 
     def __call__(self, logits, params, recent=None, banned=None) -> int:
         return int(self.sample(logits, params, recent, banned).item())
+
+
+class DeviceSampler:
+    """`Sampler.sample` with no host value per token, for the lookahead decode loop.
+
+    The banned ids are a mask and the repetition window a ring of the last
+    `params.repetition_window` sampled tokens, both on the device, so token t+1 can be
+    drawn from lazy logits before the host has read token t.  The parameters are fixed
+    for the job (they pick the graph, not per-token values).  Same draws as `Sampler`
+    with the same seed, `recent` = the tokens this sampler drew.
+    """
+
+    def __init__(self, params: SamplingParams, vocab: int, banned: Optional[Sequence[int]] = None,
+                 seed: Optional[int] = None):
+        self.params, self.vocab = params, int(vocab)
+        self._sampler = Sampler(params.seed if seed is None else seed)
+        ban = [b for b in (banned or ()) if 0 <= b < vocab]
+        self._ban = None
+        if ban:
+            self._ban = mx.zeros((vocab,), mx.bool_)
+            self._ban[mx.array(ban, dtype=mx.int32)] = True
+        window = params.repetition_window if params.repetition_penalty != 1.0 else 0
+        self._recent = mx.full((window,), vocab, mx.int32) if window > 0 else None  # vocab = empty slot
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        """Lazy int32 scalar token of logits [V]."""
+        x = logits.reshape(-1).astype(mx.float32)
+        if self._ban is not None:
+            x = mx.where(self._ban, -math.inf, x)
+        if self._recent is not None:
+            seen = mx.zeros((self.vocab + 1,), mx.bool_)
+            seen[self._recent] = True
+            pen = float(self.params.repetition_penalty)
+            x = mx.where(seen[: self.vocab], mx.where(x > 0, x / pen, x * pen), x)
+        tok = self._sampler.draw(x, self.params).astype(mx.int32)
+        if self._recent is not None:
+            self._recent = mx.concatenate([self._recent[1:], tok.reshape(1)])
+        return tok

@@ -33,6 +33,8 @@ from typing import Callable, Iterable
 import mlx.core as mx
 import numpy as np
 
+from . import stepper
+
 MAGIC = b"DS4MLXS\x00"
 VERSION = 1
 
@@ -108,6 +110,7 @@ class Session:
         self._cache = self.model.make_cache()
         self._tokens: list = []
         self._logits: mx.array | None = None
+        self._undo = None
 
     @property
     def tokens(self) -> list[int]:
@@ -166,16 +169,35 @@ class Session:
                 progress(i + len(part), total)
         return self.last_logits
 
-    def step(self, token) -> mx.array:
+    @property
+    def can_undo(self) -> bool:
+        """Whether `step(..., undoable=True)` works (the model's static decode step)."""
+        return stepper.can_undo(self.model)
+
+    def step(self, token, undoable: bool = False) -> mx.array:
         """Feed one token (int or scalar mx.array, possibly lazy); return lazy logits [V].
 
-        No host synchronisation happens here: the caller evaluates the result."""
+        No host synchronisation happens here: the caller evaluates the result.  With
+        `undoable`, `undo_step()` can take this step back until the next step."""
         self._room(1)
         t = token.reshape(1, 1).astype(mx.int32) if isinstance(token, mx.array) else mx.array([[int(token)]], mx.int32)
-        logits = self.model(t, self._cache, last_only=True)[0, -1]
+        prev = self._logits
+        out = stepper.step(self.model, self._cache, t, len(self._tokens), undoable=undoable)
+        logits, undo = out if undoable else (out, None)
+        self._undo = None if undo is None else (undo, prev)
         self._tokens.append(token if isinstance(token, mx.array) else int(token))
         self._logits = logits
         return logits
+
+    def undo_step(self) -> None:
+        """Take back the last `step(..., undoable=True)`: caches, tokens and logits."""
+        if getattr(self, "_undo", None) is None:
+            raise ValueError("no undoable step to take back")
+        undo, prev = self._undo
+        self._undo = None
+        undo()
+        self._tokens.pop()
+        self._logits = prev
 
     def decode(self, token) -> np.ndarray:
         """Feed one token; return its logits (float32 numpy [V])."""
@@ -271,4 +293,4 @@ class Session:
         logits = arrays.get("logits")
         if (logits is None) != (len(tokens) == 0):
             raise ValueError("snapshot logits missing")
-        self._cache, self._tokens, self._logits = cache, tokens, logits
+        self._cache, self._tokens, self._logits, self._undo = cache, tokens, logits, None

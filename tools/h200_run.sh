@@ -9,6 +9,9 @@
 # Phase A: GPU kernel tests, kernel micro-benchmarks (kernels on/off on an 8-layer
 # synthetic model), the 43-layer synthetic V4 Flash frontier bench + decode profile.
 # Phase B: ds4mlx vs mlx-lm deepseek_v41 side by side (same shapes, bits, weights).
+# Phase D: decode t/s with DS4MLX_DECODE=legacy vs compiled (the static step) in one
+# process per expert format, with the compiled step's launches / host µs per token.
+# Phase S: `serve` (streamed /v1/completions) vs `bench` decode t/s at the same context.
 set -u
 OUT=${OUT:-out/h200}
 mkdir -p "$OUT"
@@ -47,6 +50,20 @@ elif [ "$1" = M ]; then  # 43-layer model, kernels on vs off in one process: MLX
     timeout 270 $py -m ds4mlx.bench.kernels --no-micro --no-layer --layers 43 --ctx ${CTX:-1024} \
         --gen 16 --expert-format $fmt > "$OUT/model_$fmt.txt" 2>&1
     tail -4 "$OUT/model_$fmt.txt" | tee -a "$OUT/log.txt"
+  done
+elif [ "$1" = D ]; then  # decode before / after the compiled static step (DS4MLX_DECODE legacy vs compiled)
+  for fmt in ${FORMATS:-mlx gguf}; do
+    log "43-layer synthetic, experts $fmt, decode legacy vs compiled at ${CTXS:-2048 32768}"
+    timeout ${DTIME:-560} $py tools/decode_before_after.py --expert-format $fmt --ctx ${CTXS:-2048 32768} --gen 32 \
+        --profile > "$OUT/decode_$fmt.txt" 2>&1
+    grep -v '^#' "$OUT/decode_$fmt.txt" | tail -30 | tee -a "$OUT/log.txt"
+  done
+elif [ "$1" = S ]; then  # serve (streaming client) vs bench decode at the same context
+  for fmt in ${FORMATS:-mlx}; do
+    log "43-layer synthetic, experts $fmt, serve vs bench at ${CTX:-2048}"
+    timeout ${STIME:-280} $py tools/serve_vs_bench.py --expert-format $fmt --ctx ${CTX:-2048} --gen 64 \
+        > "$OUT/serve_$fmt.txt" 2>&1
+    grep -v '^#' "$OUT/serve_$fmt.txt" | tail -5 | tee -a "$OUT/log.txt"
   done
 elif [ "$1" = F ]; then  # the full-model bench alone
   log "43-layer synthetic V4 Flash frontier bench"

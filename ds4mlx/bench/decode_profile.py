@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+from . import stepper
+
 
 def _timeit(fn, n: int = 20, warmup: int = 3) -> float:
     """Mean wall seconds of `mx.eval(fn())`, device synchronised."""
@@ -106,6 +108,7 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
     session.restore(snap)
     step = sorted(full)[len(full) // 2]
     host = sorted(build)[len(build) // 2]
+    launches = count_launches(session, tok)
 
     fam = defaultdict(float)
     for i in range(len(layers)):
@@ -124,7 +127,45 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
         "families_ms": {k: v * 1e3 for k, v in fam.items()},
         "sum_ms_excl_indexer": sum(v for k, v in fam.items() if not k.startswith("indexer")) * 1e3,
         "detail_us": {k: round(v, 1) for k, v in detail.items()},
+        "decode_mode": stepper.mode() if stepper.supports_static(inner) else "legacy",
+        "host_us_per_token": host * 1e6,
+        "launches_per_token": launches["total"],
+        "launches_per_layer": launches["total"] / len(layers),
+        "launch_kinds": launches["kinds"],
     }
+
+
+# Primitives that are views or metadata changes: they launch no kernel.
+NO_LAUNCH = frozenset({"Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose", "Broadcast", "Flatten",
+                       "Unflatten", "StopGradient", "AsStrided", "Depends", "Split", "View"})
+
+
+def count_launches(session, token) -> dict:
+    """Kernel launches of one decode step, counted on the graph the step hands to MLX.
+
+    The step's lazy outputs (logits and new caches, as `session.step` builds them:
+    the compiled step's fused tape, or the legacy per-layer graph) are written with
+    `mx.export_to_dot`; every primitive node that is not a view (NO_LAUNCH) counts as
+    one launch.  An approximation both ways: a few primitives launch more than one
+    kernel (sorts, split-k matmuls) and a contiguous copy may be elided.  The step is
+    taken back afterwards (a snapshot round trip), so the session is unchanged."""
+    import io
+    import re
+    from collections import Counter
+
+    import mlx.core as mx
+
+    snap = session.snapshot()
+    mx.eval(session.step(token))  # the first step of a model may evaluate itself (stepper's check)
+    session.restore(snap)
+    logits = session.step(token)
+    outs = [logits] + [a for c in session._cache for a in c.state.values()]
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *outs)
+    session.restore(snap)
+    kinds = Counter(lbl.split()[0] for lbl in re.findall(r'label ?= ?"([^"]*)"', buf.getvalue()))
+    kinds = {k: v for k, v in kinds.items() if k not in NO_LAUNCH}
+    return {"total": sum(kinds.values()), "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
 
 
 def format_profile(p: dict) -> str:
@@ -135,4 +176,10 @@ def format_profile(p: dict) -> str:
     lines.append(f"(families summed, indexer counted inside attention: {p['sum_ms_excl_indexer']:.2f} ms; "
                  "timed alone, each family pays its own launch latency)")
     lines.append("detail (µs per call): " + ", ".join(f"{k}={v}" for k, v in p["detail_us"].items()))
+    if "launches_per_token" in p:
+        lines.append(f"decode path {p['decode_mode']} ({stepper.MODE_ENV}): {p['launches_per_token']} kernel launches"
+                     f" per token ({p['launches_per_layer']:.1f} per layer; graph primitives that are not views),"
+                     f" host {p['host_us_per_token']:.0f} µs per token to enqueue one step")
+        top = list(p["launch_kinds"].items())[:12]
+        lines.append("launches by primitive: " + ", ".join(f"{k}={v}" for k, v in top))
     return "\n".join(lines)

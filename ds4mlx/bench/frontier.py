@@ -45,29 +45,20 @@ PROBE_WARMUP = 2  # untimed decode steps before each probe
 
 
 def _greedy_probe(session, first_logits, n: int, eos_id: int | None, warmup: int = PROBE_WARMUP) -> float:
-    """Decode `warmup` untimed then n timed greedy tokens (EOS masked), one step of
-    lookahead so the host never waits for the device between steps; return seconds."""
+    """Decode `warmup` untimed then n timed greedy tokens (EOS masked) through the decode
+    loop (decode.py: sampled on the device, read one step behind); return seconds."""
     import mlx.core as mx
 
-    def pick(logits):
-        if eos_id is not None:
-            logits = mx.where(mx.arange(logits.shape[-1]) == eos_id, -mx.inf, logits)
-        return mx.argmax(logits, axis=-1)
+    from .decode import decode_tokens, greedy
 
-    y = pick(mx.array(first_logits))
-    for _ in range(warmup):  # first-use kernel compilation stays out of the figure
-        y = pick(session.step(y))
-    mx.eval(y)
+    first = mx.array(first_logits)
+    loop = iter(decode_tokens(session, first, greedy(first.shape[-1], [] if eos_id is None else [eos_id])))
+    for _ in range(warmup):  # first-use kernel compilation and the bucket's trace stay out of the figure
+        next(loop)
     mx.synchronize()
     t0 = time.perf_counter()
-    nxt = pick(session.step(y))
-    mx.async_eval(nxt)
-    for _ in range(n - 1):
-        cur = nxt
-        nxt = pick(session.step(cur))
-        mx.async_eval(nxt)
-        mx.eval(cur)
-    mx.eval(nxt)
+    for _ in range(n):
+        next(loop)
     mx.synchronize()
     return time.perf_counter() - t0
 
@@ -78,12 +69,13 @@ def warm_up(model, tokens: list[int], chunk: int) -> None:
     CUDA), which would otherwise land in the first row."""
     import mlx.core as mx
 
+    from .decode import decode_tokens, greedy
+
     scratch = model.new_session(ctx=len(tokens) + 8, chunk=chunk)
-    logits = scratch.prefill(tokens[: chunk + chunk // 2])
-    y = mx.argmax(mx.array(logits))
+    logits = mx.array(scratch.prefill(tokens[: chunk + chunk // 2]))
+    loop = iter(decode_tokens(scratch, logits, greedy(logits.shape[-1])))
     for _ in range(3):
-        y = mx.argmax(scratch.step(y))
-    mx.eval(y)
+        next(loop)
     mx.synchronize()
 
 

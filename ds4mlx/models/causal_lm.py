@@ -49,6 +49,10 @@ class CausalLM(nn.Module):
         h = self.model(ids, cache)
         if last_only:
             h = h[:, -1:]
+        return self.head(h)
+
+    def head(self, h: mx.array) -> mx.array:
+        """Final hidden states -> logits (lm_head, or the tied embedding)."""
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)

@@ -40,7 +40,9 @@ from ..kernels import affine_qmv
 from ..kernels import sparse_attention as _sparse
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from .cache import StaticDecode, grow_rows
 from .causal_lm import BaseModelArgs, CausalLM
+from .fused import fused_or_each
 from .layers import (
     GLUMLP,
     HyperConnection,
@@ -49,6 +51,7 @@ from .layers import (
     RoPE,
     SwitchGLU,
     attention_factor_from_params,
+    clamped_swiglu,
     inv_freq_from_params,
     rms_norm,
     route_weights,
@@ -178,7 +181,8 @@ class CompressorState:
     rows               [1, cap, D]  emitted compressed rows; the first `n` are live
     """
 
-    GROW = 256  # capacity grows by max(GROW, cap/4) rows, rounded up to GROW
+    # capacity grows in power-of-two buckets (models/cache.py): the compiled decode
+    # step is traced once per bucket
 
     def __init__(self, ratio: int, dim: int, overlap: bool):
         self.ratio, self.dim, self.overlap = ratio, dim, overlap
@@ -196,13 +200,13 @@ class CompressorState:
         self.rows = mx.zeros((1, 0, d), dtype)
         self.n = 0
 
+    def reserve(self, want: int) -> None:
+        """Make room for `want` rows (the next bucket, live rows copied)."""
+        self.rows = grow_rows(self.rows, self.n, want)
+
     def append(self, new: mx.array) -> mx.array:
         k = new.shape[1]
-        if self.n + k > self.rows.shape[1]:
-            want = max(self.n + k, self.rows.shape[1] + self.rows.shape[1] // 4)
-            cap = -(-want // self.GROW) * self.GROW
-            pad = mx.zeros((1, cap - self.rows.shape[1], self.dim), self.rows.dtype)
-            self.rows = mx.concatenate([self.rows, pad], axis=1)
+        self.reserve(self.n + k)
         self.rows[:, self.n : self.n + k] = new
         self.n += k
         return self.rows[:, : self.n]
@@ -217,6 +221,18 @@ class CompressorState:
         if self.overlap:
             out[f"{prefix}ov_kv"], out[f"{prefix}ov_gate"] = self.ov_kv, self.ov_gate
         return out
+
+    def static_arrays(self) -> list[mx.array]:
+        """buf_kv, buf_gate, [ov_kv, ov_gate,] rows: this compressor's part of the step state."""
+        ov = [self.ov_kv, self.ov_gate] if self.overlap else []
+        return [self.buf_kv, self.buf_gate, *ov, self.rows]
+
+    def take_static(self, arrays) -> None:
+        """The inverse of `static_arrays`, from an iterator over a step's new state."""
+        self.buf_kv, self.buf_gate = next(arrays), next(arrays)
+        if self.overlap:
+            self.ov_kv, self.ov_gate = next(arrays), next(arrays)
+        self.rows = next(arrays)
 
     def load(self, prefix: str, arrays: dict, n: int, cap: int):
         if f"{prefix}rows" not in arrays:
@@ -266,6 +282,33 @@ class LayerCache:
         last = (s + C - 1) - ((s + C - 1 - j) % W)  # newest position per slot after the chunk
         self.ring = mx.take(keys, mx.where(last >= s, W + last - s, j), axis=2)
         return keys, mask
+
+    # -- static decode layout (the compiled step, ds4mlx/stepper.py) ---------------------
+    def static_state(self, dtype) -> list[mx.array]:
+        """Every array of this layer for one decode step at position `offset`, in a fixed
+        order (ring, then per compressor `CompressorState.static_arrays`).  Missing
+        buffers are created and the row buffers grown so that the step's row
+        (offset // ratio) fits: the step writes it unconditionally."""
+        if self.ring is None:
+            self.ring = mx.zeros((1, 1, self.window, self.head_dim), dtype)
+        out = [self.ring]
+        for st in (self.comp, self.index):
+            if st is not None:
+                if st.rows is None:
+                    st.init(dtype)
+                st.reserve(self.offset // st.ratio + 1)
+                out += st.static_arrays()
+        return out
+
+    def commit_static(self, arrays, advance: int = 1) -> None:
+        """Take a step's new state (an iterator, same order) and move `advance` positions
+        (-1: put back the state from before a step)."""
+        self.ring = next(arrays)
+        self.offset += advance
+        for st in (self.comp, self.index):
+            if st is not None:
+                st.take_static(arrays)
+                st.n = self.offset // st.ratio
 
     # -- snapshot support --------------------------------------------------------------
     @property
@@ -428,6 +471,40 @@ class Compressor(nn.Module):
         return st.append(rows)
 
 
+    def pool_step(self, kv: mx.array, gate: mx.array, pos: mx.array, state) -> tuple[list, mx.array, mx.array]:
+        """`pool` for one token at position `pos` (an int32 array), branch-free.
+
+        kv / gate [1, 1, c*d] are this token's `kv_proj` / `gate_proj` outputs; `state`
+        iterates over `CompressorState.static_arrays()`.  The pooled row of the
+        window holding `pos` is written at row pos // m whether or not the window is
+        complete (an incomplete one lands on a row that is not live yet and is rewritten
+        when it completes).  Returns (new state arrays, rows [1, cap, d], valid [cap])."""
+        m, d = self._ratio, self._dim
+        buf_kv, buf_gate = next(state), next(state)
+        ov_kv, ov_gate = (next(state), next(state)) if self._overlap else (None, None)
+        rows = next(state)
+        b = (pos % m).reshape(1)
+        buf_kv = mx.slice_update(buf_kv, kv.astype(buf_kv.dtype), b, axes=(1,))
+        buf_gate = mx.slice_update(buf_gate, gate.astype(buf_gate.dtype), b, axes=(1,))
+        w0 = pos // m
+        win_kv = buf_kv[:, None]  # [1, 1, m, c*d]
+        win_gate = buf_gate[:, None] + self.position_bias.astype(buf_gate.dtype)
+        new = [buf_kv, buf_gate]
+        if self._overlap:
+            complete = (pos % m) == (m - 1)
+            ca_kv, cb_kv = win_kv[..., :d], win_kv[..., d:]
+            ca_g, cb_g = win_gate[..., :d], win_gate[..., d:]
+            win_kv = mx.concatenate([ov_kv[:, None], cb_kv], axis=2)
+            win_gate = mx.concatenate([ov_gate[:, None], cb_g], axis=2)
+            new += [mx.where(complete, ca_kv[:, 0], ov_kv), mx.where(complete, ca_g[:, 0], ov_gate)]
+        w = mx.softmax(win_gate.astype(mx.float32), axis=2, precise=True).astype(win_kv.dtype)
+        row = self.kv_norm((win_kv * w).sum(axis=2))  # [1, 1, d]
+        row = self._rope(row, offset=w0, scale=float(m))
+        rows = mx.slice_update(rows, row.astype(rows.dtype), w0.reshape(1), axes=(1,))
+        valid = mx.arange(rows.shape[1]) < (pos + 1) // m
+        return new + [rows], rows, valid
+
+
 class IndexerScorer(nn.Module):
     def __init__(self, hidden: int, n_heads: int):
         super().__init__()
@@ -466,6 +543,16 @@ class Indexer(Compressor):
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=1)  # [B, C, N]
 
 
+    def scores_step(self, q: mx.array, w: mx.array, pos: mx.array, keys: mx.array) -> mx.array:
+        """Index scores [cap] of one query at `pos` over every row of `keys` [1, cap, d];
+        q = q_b_proj(q_res) [1, 1, nh*d], w = scorer.weights_proj(x) [1, 1, nh]."""
+        q = q.reshape(1, 1, self._nh, self._dim).swapaxes(1, 2)
+        q = self._rope(q, offset=pos).swapaxes(1, 2).astype(mx.float32)  # [1, 1, nh, d]
+        kT = keys.astype(mx.float32).swapaxes(-1, -2)[:, None]  # [1, 1, d, cap]
+        w = w.astype(mx.float32) * (self._nh**-0.5 * self._dim**-0.5)
+        return (w[:, :, None, :] @ mx.maximum(q @ kT, 0.0)).reshape(-1)
+
+
 class CompressorBranch(Compressor):
     """The compressed-attention branch of a CSA/HCA layer (transformers' `compressor`)."""
 
@@ -496,6 +583,37 @@ class CompressorBranch(Compressor):
             chosen = mx.put_along_axis(mx.zeros(masked.shape, mx.bool_), idx, mx.array(True), axis=-1)
             return rows[:, None], chosen[0] & causal
         return rows[:, None], causal
+
+    def input_layers(self) -> list[nn.Module]:
+        """The projections of the layer input this branch runs per token (in `step`'s order)."""
+        out = [self.kv_proj, self.gate_proj]
+        if self._overlap:
+            ind = self.indexer
+            out += [ind.kv_proj, ind.gate_proj, ind.scorer.weights_proj]
+        return out
+
+    def step(self, proj: list, q_b, pos: mx.array, state, new: list) -> tuple[mx.array, mx.array]:
+        """The static-layout decode step of `__call__`: (rows [1, K, D], valid [K]).
+
+        `proj` holds this token's outputs of `input_layers()`, `q_b` the indexer's
+        q_b_proj output of q_res.
+
+        HCA (and CSA while the capacity is at most index_topk): every capacity row,
+        masked to the live ones.  CSA above it: the top index_topk rows by index score,
+        scores of rows that are not live set to -inf, so while fewer than index_topk
+        rows are live all of them are picked (and the padding picked with them is
+        masked): the same rows the dynamic path attends."""
+        st, rows, valid = self.pool_step(proj[0], proj[1], pos, state)
+        new += st
+        if not self._overlap:
+            return rows, valid
+        ist, keys, _ = self.indexer.pool_step(proj[2], proj[3], pos, state)
+        new += ist
+        if rows.shape[1] <= self._topk:
+            return rows, valid
+        scores = mx.where(valid, self.indexer.scores_step(q_b, proj[4], pos, keys), -mx.inf)
+        idx = topk_indices(scores, self._topk)
+        return mx.take(rows, idx, axis=1), mx.take(valid, idx)
 
     def select(self, x, q_res, cache: LayerCache, s: int, face: str):
         """The fused path's half of `__call__`: pool both compressors; for CSA with more
@@ -570,6 +688,39 @@ class Attention(nn.Module):
         )
         return self._output(out, s, B, C)
 
+    def step(self, x: mx.array, pos: mx.array, state, new: list) -> mx.array:
+        """`__call__` for one token (x [1, 1, H]) at position `pos` (int32 array) over
+        the static layout (`LayerCache.static_state`), branch-free; the layer's new
+        state arrays are appended to `new`.  The projections that read the same input
+        run as one mat-vec where their formats allow (models/fused.py)."""
+        comp = self.compressor if self.layer_type != SLIDING else None
+        if getattr(self, "_step_proj", None) is None:  # built once, outside the module tree
+            more = [] if comp is None else comp.input_layers()
+            self._step_proj = fused_or_each([self.q_a_proj, self.kv_proj, *more])
+            self._step_q_b = fused_or_each([self.q_b_proj, comp.indexer.q_b_proj]) if comp and comp._overlap else None
+        q_a, kv, *more = self._step_proj(x)
+        q_res = self.q_a_norm(q_a)
+        if self._step_q_b is not None:  # CSA: the indexer's query too (used above index_topk rows)
+            q_b, index_q_b = self._step_q_b(q_res)
+        else:
+            q_b, index_q_b = self.q_b_proj(q_res), None
+        q = q_b.reshape(1, 1, self._nh, self._D).swapaxes(1, 2)
+        q = self._rope(rms_norm(q, None, self._eps), offset=pos)
+        kv = self._rope(self.kv_norm(kv)[:, None], offset=pos)  # [1, 1, 1, D]
+        ring = next(state)
+        W = ring.shape[2]
+        ring = mx.slice_update(ring, kv.astype(ring.dtype), (pos % W).reshape(1), axes=(2,))
+        new.append(ring)
+        keys, mask = ring, mx.arange(W) <= pos  # slots not written yet are masked
+        if comp is not None:
+            rows, valid = comp.step(more, index_q_b, pos, state, new)
+            keys = mx.concatenate([keys, rows[:, None].astype(keys.dtype)], axis=2)
+            mask = mx.concatenate([mask, valid])
+        out = mx.fast.scaled_dot_product_attention(
+            q, keys, keys, scale=self._D**-0.5, mask=mask[None], sinks=self.sinks.astype(q.dtype)
+        )
+        return self._output(out, pos, 1, 1)
+
     def _output(self, out: mx.array, s: int, B: int, C: int) -> mx.array:
         out = self._rope(out, offset=s, scale=-1.0).swapaxes(1, 2)  # inverse rope, [B, C, nh, D]
         out = self.o_a_proj(out.reshape(B, C, self._groups, -1))
@@ -613,6 +764,20 @@ class MoE(nn.Module):
             y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
         return y + self.shared_experts(x)
 
+    def step(self, x: mx.array, ids: mx.array) -> mx.array:
+        """`__call__` for the static decode step: the shared expert's gate and up
+        projections as one mat-vec where their formats allow (models/fused.py)."""
+        se = self.shared_experts
+        if getattr(self, "_step_shared", None) is None:  # built once, outside the module tree
+            self._step_shared = fused_or_each([se.gate_proj, se.up_proj])
+        idx, w = self.gate(x, ids)
+        y = self.experts.fused_weighted(x, idx, w)  # GPU decode: two launches
+        if y is None:
+            y = self.experts(x, idx)  # [..., k, H]
+            y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
+        g, u = self._step_shared(x)
+        return y + se.down_proj(clamped_swiglu(g, u, se._limit))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int, ropes: dict):
@@ -630,6 +795,12 @@ class DecoderLayer(nn.Module):
         x, post, comb, collapsed = self.ffn_hc.after_post(
             x, steer(self, ATTN, self.self_attn(self.input_layernorm(collapsed), cache)), post, comb)
         return hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(collapsed), ids)), post, comb)
+
+    def step(self, x: mx.array, ids: mx.array, pos: mx.array, state, new: list) -> mx.array:
+        post, comb, collapsed = self.attn_hc(x)
+        x, post, comb, collapsed = self.ffn_hc.after_post(
+            x, self.self_attn.step(self.input_layernorm(collapsed), pos, state, new), post, comb)
+        return hc_post(x, self.mlp.step(self.post_attention_layernorm(collapsed), ids), post, comb)
 
 
 class DeepseekV4Model(nn.Module):
@@ -659,8 +830,17 @@ class DeepseekV4Model(nn.Module):
             c.offset += ids.shape[1]
         return self.norm(self.hc_head(x))
 
+    def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+        """One token ids [1, 1] at position pos over the static layout -> (hidden [1, 1, H], new state)."""
+        h = self.embed_tokens(ids)
+        x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
+        it, new = iter(state), []
+        for layer in self.layers:
+            x = layer.step(x, ids, pos, it, new)
+        return self.norm(self.hc_head(x)), new
 
-class Model(CausalLM):
+
+class Model(StaticDecode, CausalLM):
     """DeepseekV4ForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
@@ -671,6 +851,12 @@ class Model(CausalLM):
         return [
             LayerCache(t, a.sliding_window, a.head_dim, a.ratio(t), a.index_head_dim) for t in a.layer_types
         ]
+
+    # -- the static decode step (ds4mlx/stepper.py drives it; models/cache.StaticDecode) --
+    def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+        """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
+        h, new = self.model.step(ids, pos, state)
+        return self.head(h)[0, 0], new
 
     def sanitize(self, weights: dict) -> dict:
         """Map transformers' in-memory state-dict names onto this module's parameters."""

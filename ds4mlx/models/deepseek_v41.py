@@ -58,6 +58,7 @@ import mlx.nn as nn
 
 from ..kernels.hyper_connection import hc_collapse, hc_post  # hc_post fused on a GPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from .cache import StaticDecode
 from .causal_lm import BaseModelArgs, CausalLM
 from .deepseek_v4 import CompressorState, GroupedLinear
 from .deepseek_v4 import LayerCache as _V4LayerCache
@@ -221,6 +222,12 @@ class LayerCache(_V4LayerCache):
             if "index" in role.split("+"):
                 self.index = CompressorState(ratio, index_head_dim, False)
 
+    def static_state(self, dtype) -> list[mx.array]:
+        for st in (self.comp, self.index):
+            if st is not None:
+                _start(st, dtype)  # float32 open-group buffers, as the dynamic path makes them
+        return super().static_state(dtype)
+
 
 def _start(st: CompressorState, dtype) -> None:
     """Lazily allocate a compressor state: float32 open-group buffers, rows in `dtype`."""
@@ -265,6 +272,20 @@ class Compressor(nn.Module):
         gate = gate[:, : n * m].reshape(1, n, m, -1)
         latent = (kv * mx.softmax(gate, axis=2, precise=True)).sum(axis=2)
         return self.kv_norm(latent.astype(x.dtype)), (s - b) // m
+
+
+    def step(self, x: mx.array, pos: mx.array, buf_kv: mx.array, buf_gate: mx.array):
+        """`__call__` for one token at `pos` (array), branch-free: (latent [1, 1, D] of
+        the group holding pos, complete or not, its group index, new buffers)."""
+        m = self._ratio
+        if m == 1:
+            return self.kv_norm(self.kv_proj(x)), pos, buf_kv, buf_gate
+        h = x.astype(mx.float32)
+        b = (pos % m).reshape(1)
+        buf_kv = mx.slice_update(buf_kv, self.kv_proj(h).astype(buf_kv.dtype), b, axes=(1,))
+        buf_gate = mx.slice_update(buf_gate, self.gate_proj(h).astype(buf_gate.dtype), b, axes=(1,))
+        latent = (buf_kv[:, None] * mx.softmax(buf_gate[:, None], axis=2, precise=True)).sum(axis=2)
+        return self.kv_norm(latent.astype(x.dtype)), pos // m, buf_kv, buf_gate
 
 
 class Indexer(nn.Module):
@@ -319,6 +340,21 @@ class Indexer(nn.Module):
         idx = topk_indices(scores, k).astype(mx.int32)
         picked = mx.take_along_axis(scores, idx, axis=-1) > -mx.inf
         return mx.where(picked, idx, -1), candidates
+
+    def step(self, x, q_res, keys, kvalid, candidates, pos: mx.array, rope: RoPE):
+        """`__call__` for one query at `pos` over every capacity row of `keys` [1, cap, d]
+        (kvalid [cap]: the live ones): ((picks [k], picked [k] bool), candidate mask)."""
+        N = keys.shape[1]
+        scores = self.scores(x, q_res, keys, pos, rope)  # [1, 1, N]
+        visible_n = ((pos + 1) // self._ratio).reshape(1, 1)
+        scores = mx.where((mx.arange(N)[None] < visible_n) & kvalid, scores, -mx.inf)
+        if self._cand:
+            candidates = self._candidate_blocks(scores, visible_n)
+        elif candidates is not None:
+            scores = mx.where(candidates, scores, -mx.inf)
+        idx = topk_indices(scores, min(self._topk, N)).astype(mx.int32)
+        picked = mx.take_along_axis(scores, idx, axis=-1) > -mx.inf
+        return (idx.reshape(-1), picked.reshape(-1)), candidates
 
     def _candidate_blocks(self, scores: mx.array, visible_n: mx.array) -> mx.array:
         """[B, C, N] bool: keys in the query's best blocks (block score = max key score);
@@ -386,6 +422,64 @@ class Attention(nn.Module):
         ).astype(q.dtype)
         out = self._rope(out, offset=s, scale=-1.0).swapaxes(1, 2)  # inverse rope, [B, C, nh, D]
         return self.o_b_proj(self.o_a_proj(out.reshape(B, C, self._groups, -1)))
+
+    def step(self, x: mx.array, pos: mx.array, state, new: list, shared: dict) -> mx.array:
+        """`__call__` for one token at `pos` (array) over the static layout
+        (`LayerCache.static_state`), branch-free; new state arrays appended to `new`.
+        `shared` carries (rows, valid) pairs and the picks between layers."""
+        q_res = self.q_a_norm(self.q_a_proj(x))
+        q = self._rope(self.q_b_proj(q_res).reshape(1, 1, self._nh, self._D).swapaxes(1, 2), offset=pos)
+        kv = fake_fp8(self._rope(self.kv_norm(self.kv_proj(x))[:, None], offset=pos), 32)  # [1, 1, 1, D]
+        ring = next(state)
+        W = ring.shape[2]
+        ring = mx.slice_update(ring, kv.astype(ring.dtype), (pos % W).reshape(1), axes=(2,))
+        new.append(ring)
+        keys, mask = ring, mx.arange(W) <= pos
+        if self._ratio:
+            if self._kv_source:
+                self._compress_step(x, pos, state, new, shared)
+            if self._index_source and "index_keys" in shared:
+                ik, ivalid = shared["index_keys"]
+                shared["topk"], cands = self.indexer.step(x, q_res, ik, ivalid, shared.get("candidates"), pos,
+                                                          self._rope)
+                if self.indexer._cand:
+                    shared["candidates"] = cands
+            if "kv_rows" in shared and "topk" in shared:
+                (rows, rvalid), (idx, picked) = shared["kv_rows"], shared["topk"]
+                cap = rows.shape[1]
+                safe = mx.minimum(idx, cap - 1)
+                valid = picked & (idx < cap) & mx.take(rvalid, safe)  # picks past the KV are dropped
+                chosen = mx.take(rows, mx.where(valid, safe, 0), axis=1)[:, None]  # [1, 1, k, D]
+                keys = mx.concatenate([keys, chosen.astype(keys.dtype)], axis=2)
+                mask = mx.concatenate([mask, valid])
+        out = mx.fast.scaled_dot_product_attention(
+            q.astype(mx.float32),
+            keys.astype(mx.float32),
+            keys.astype(mx.float32),
+            scale=self._D**-0.5,
+            mask=mask[None],
+            sinks=self.sinks.astype(mx.float32),
+        ).astype(q.dtype)
+        out = self._rope(out, offset=pos, scale=-1.0).swapaxes(1, 2)
+        return self.o_b_proj(self.o_a_proj(out.reshape(1, 1, self._groups, -1)))
+
+    def _compress_step(self, x, pos: mx.array, state, new: list, shared: dict) -> None:
+        """`_compress` for one token: the open group's row written at its index whether
+        or not the group is complete (a row that is not live yet is masked)."""
+        buf_kv, buf_gate, rows = next(state), next(state), next(state)
+        latent, first, buf_kv, buf_gate = self.compressor.step(x, pos, buf_kv, buf_gate)
+        at = first.reshape(1)
+        row = fake_fp4(self._rope(latent, offset=first, scale=float(self._ratio)), 16, e4m3_scale=True)
+        rows = mx.slice_update(rows, row.astype(rows.dtype), at, axes=(1,))
+        new += [buf_kv, buf_gate, rows]
+        valid = mx.arange(rows.shape[1]) < (pos + 1) // self._ratio
+        shared["kv_rows"] = (rows.astype(x.dtype), valid)
+        if self._index_source:
+            ibuf_kv, ibuf_gate, keys = next(state), next(state), next(state)
+            k = self.indexer.make_keys(latent, first, self._rope)
+            keys = mx.slice_update(keys, k.astype(keys.dtype), at, axes=(1,))
+            new += [ibuf_kv, ibuf_gate, keys]
+            shared["index_keys"] = (keys, valid)
 
     def _compress(self, x: mx.array, cache: LayerCache, s: int, shared: dict) -> None:
         """Append the rows of the groups this chunk closes; publish the KV (and index keys)."""
@@ -469,6 +563,15 @@ class DecoderLayer(nn.Module):
         return x, ffn_pre
 
 
+    def step(self, x: mx.array, pre: mx.array, ids, pos: mx.array, state, new: list, shared: dict):
+        attn_pre, post, comb = self.attn_hc.mix(x)
+        out = self.self_attn.step(self.input_layernorm(hc_collapse(x, pre)), pos, state, new, shared)
+        x = hc_post(x, out, post, comb)
+        ffn_pre, post, comb = self.ffn_hc.mix(x)
+        x = hc_post(x, self.mlp(self.post_attention_layernorm(hc_collapse(x, attn_pre))), post, comb)
+        return x, ffn_pre
+
+
 def _ropes(args: ModelArgs) -> dict:
     """Window-only layers: plain rope at rope_theta.  Compressing layers: compress_rope_theta
     with the YaRN frequencies of rope_scaling, attention factor 1 (V4.1 applies no mscale)."""
@@ -510,12 +613,27 @@ class DeepseekV41Model(nn.Module):
             c.offset += C
         return self.norm(hc_collapse(x, pre))
 
+    def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+        """One token ids [1, 1] at position pos over the static layout -> (hidden, new state)."""
+        h = self.embed_tokens(ids)
+        x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
+        pre = mx.broadcast_to((mx.arange(self._hc) == 0).astype(mx.float32), (1, 1, self._hc))
+        it, new, shared = iter(state), [], {}
+        for layer in self.layers:
+            x, pre = layer.step(x, pre, ids, pos, it, new, shared)
+        return self.norm(hc_collapse(x, pre)), new
 
-class Model(CausalLM):
+
+class Model(StaticDecode, CausalLM):
     """DeepSeek V4.1 Flash: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, DeepseekV41Model(args))
+
+    def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+        """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
+        h, new = self.model.step(ids, pos, state)
+        return self.head(h)[0, 0], new
 
     def make_cache(self) -> list[LayerCache]:
         a = self.args

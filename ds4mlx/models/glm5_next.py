@@ -33,6 +33,7 @@ import mlx.nn as nn
 
 from ..kernels.hyper_connection import hc_post  # fused on a GPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from .cache import StaticDecode
 from .causal_lm import BaseModelArgs, CausalLM
 from .kda import LinearCache, kda, l2norm, short_conv
 from .layers import HyperConnection, RMSNorm
@@ -266,6 +267,22 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(*hc)
         self._hands_on = args.hands_on_selection(i)
 
+    def step(self, x: mx.array, pos: mx.array, state, new: list, prev):
+        """`__call__` for one token at `pos` (array) over the static layout."""
+        post, comb, collapsed = self.attn_hc(x)
+        h = self.input_layernorm(collapsed)
+        sel = None
+        if self.block_type == LINEAR:
+            view = _LinearState(next(state), next(state))
+            h = self.self_attn(h, view)  # fixed-size state, no position: the dynamic call as is
+            new += [view.conv, view.recurrent]
+        else:
+            h, sel = self.self_attn.step(h, pos, state, new, prev)
+        x = hc_post(x, h, post, comb)
+        post, comb, collapsed = self.ffn_hc(x)
+        x = hc_post(x, self.mlp(self.post_attention_layernorm(collapsed)), post, comb)
+        return x, sel if self._hands_on else None
+
     def __call__(self, x: mx.array, cache, prev):
         post, comb, collapsed = self.attn_hc(x)
         h = self.input_layernorm(collapsed)
@@ -297,12 +314,42 @@ class Glm5NextTextModel(nn.Module):
             c.offset += ids.shape[1]
         return self.norm(x.mean(axis=2))
 
+    def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+        """One token ids [1, 1] at position pos over the static layout -> (hidden, new state)."""
+        h = self.embed_tokens(ids)
+        x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
+        it, new, sel = iter(state), [], None
+        for layer in self.layers:
+            x, sel = layer.step(x, pos, it, new, sel)
+        return self.norm(x.mean(axis=2)), new
 
-class Model(CausalLM):
+
+class _LinearState:
+    """The two arrays `LinearAttention.__call__` reads and replaces, outside a LinearCache."""
+
+    def __init__(self, conv: mx.array, recurrent: mx.array):
+        self.conv, self.recurrent = conv, recurrent
+
+
+class Model(StaticDecode, CausalLM):
     """Glm5NextTextModel + lm_head: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, Glm5NextTextModel(args))
+
+    def static_state(self, cache: list) -> list:
+        a = self.args
+        H, D = a.linear_num_heads, a.linear_head_dim
+        for c in cache:  # the linear layers' zero state (what None means) before their first step
+            if isinstance(c, LinearCache) and c.conv is None:
+                c.conv = mx.zeros((1, a.linear_conv_kernel_dim - 1, 3 * H * D), self.static_dtype())
+                c.recurrent = mx.zeros((1, H, D, D), mx.float32)
+        return super().static_state(cache)
+
+    def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+        """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
+        h, new = self.model.step(ids, pos, state)
+        return self.head(h)[0, 0], new
 
     def make_cache(self) -> list:
         a = self.args

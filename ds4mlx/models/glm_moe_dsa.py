@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from .cache import StaticDecode
 from .causal_lm import BaseModelArgs, CausalLM
 from .layers import RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
 from .mla import DSAIndexer, MLAAttention, MLACache
@@ -151,6 +152,11 @@ class DecoderLayer(nn.Module):
         x = x + steer(self, ATTN, h)
         return x + steer(self, FFN, self.mlp(self.post_attention_layernorm(x))), sel
 
+    def step(self, x, pos, state, new: list, prev):
+        h, sel = self.self_attn.step(self.input_layernorm(x), pos, state, new, prev)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), sel
+
 
 class GlmMoeDsaModel(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -172,12 +178,25 @@ class GlmMoeDsaModel(nn.Module):
             c.offset += ids.shape[1]
         return self.norm(x)
 
+    def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+        """One token ids [1, 1] at position pos over the static layout -> (hidden, new state)."""
+        x = self.embed_tokens(ids)
+        it, new, sel = iter(state), [], None
+        for layer in self.layers:
+            x, sel = layer.step(x, pos, it, new, sel)
+        return self.norm(x), new
 
-class Model(CausalLM):
+
+class Model(StaticDecode, CausalLM):
     """GlmMoeDsaForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, GlmMoeDsaModel(args))
+
+    def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+        """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
+        h, new = self.model.step(ids, pos, state)
+        return self.head(h)[0, 0], new
 
     def make_cache(self) -> list[MLACache]:
         a = self.args

@@ -160,6 +160,18 @@ class LinearCache:
         self.conv = None
         self.recurrent = None
 
+    # -- static decode layout (the compiled step, ds4mlx/stepper.py) ---------------------
+    def static_state(self, dtype) -> list[mx.array]:
+        """[conv, recurrent]: fixed-size already; the family creates them (zeros, what
+        None means) before the first step."""
+        if self.conv is None:
+            raise ValueError("linear-attention state not created yet")
+        return [self.conv, self.recurrent]
+
+    def commit_static(self, arrays, advance: int = 1) -> None:
+        self.conv, self.recurrent = next(arrays), next(arrays)
+        self.offset += advance
+
     @property
     def state(self) -> dict:
         if self.conv is None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from .cache import grow_rows
 from .layers import RMSNorm, RoPE, topk_indices
 
 
@@ -66,7 +67,8 @@ def causal_mask(s: int, C: int) -> mx.array:
 class Rows:
     """A growable [1, cap, dim] row buffer; the first `n` rows are live."""
 
-    GROW = 256  # capacity grows by max(GROW, cap/4) rows, rounded up to GROW
+    # capacity grows in power-of-two buckets (models/cache.py): the compiled decode step
+    # is traced once per bucket
 
     def __init__(self, dim: int):
         self.dim, self.buf, self.n = dim, None, 0
@@ -75,14 +77,14 @@ class Rows:
     def cap(self) -> int:
         return 0 if self.buf is None else self.buf.shape[1]
 
+    def reserve(self, want: int, dtype) -> None:
+        if self.buf is None:
+            self.buf = mx.zeros((1, 0, self.dim), dtype)
+        self.buf = grow_rows(self.buf, self.n, want)
+
     def append(self, new: mx.array) -> mx.array:
         k = new.shape[1]
-        if self.buf is None:
-            self.buf = mx.zeros((1, 0, self.dim), new.dtype)
-        if self.n + k > self.cap:
-            want = max(self.n + k, self.cap + self.cap // 4)
-            cap = -(-want // self.GROW) * self.GROW
-            self.buf = mx.concatenate([self.buf, mx.zeros((1, cap - self.cap, self.dim), self.buf.dtype)], axis=1)
+        self.reserve(self.n + k, new.dtype)
         self.buf[:, self.n : self.n + k] = new.astype(self.buf.dtype)
         self.n += k
         return self.buf[:, : self.n]
@@ -127,6 +129,32 @@ class MLACache:
         elif indexer == "kpool":
             self.rows["pools"] = Rows(index_head_dim)
         self.pool_k = self.pool_gate = None
+
+    # -- static decode layout (the compiled step, ds4mlx/stepper.py) ---------------------
+    def _rows_at(self, name: str, offset: int) -> int:
+        """Live rows of buffer `name` after `offset` tokens (k-pool pools: complete pools)."""
+        return offset // self.kpool if name == "pools" else offset
+
+    def static_state(self, dtype) -> list[mx.array]:
+        """The row buffers (latent, k_rope, index_k or pools: `rows` order), grown so the
+        step's row fits, then for a k-pool indexer the open pool's pool_k, pool_gate."""
+        out = []
+        for name, r in self.rows.items():
+            r.reserve(self._rows_at(name, self.offset) + 1, dtype)
+            out.append(r.buf)
+        if self.indexer == "kpool":
+            if self.pool_k is None:
+                self.pool_k = mx.zeros((1, self.kpool, self.rows["pools"].dim), dtype)
+                self.pool_gate = mx.zeros((1, self.kpool, self.rows["pools"].dim), dtype)
+            out += [self.pool_k, self.pool_gate]
+        return out
+
+    def commit_static(self, arrays, advance: int = 1) -> None:
+        self.offset += advance
+        for name, r in self.rows.items():
+            r.buf, r.n = next(arrays), self._rows_at(name, self.offset)
+        if self.indexer == "kpool":
+            self.pool_k, self.pool_gate = next(arrays), next(arrays)
 
     @property
     def state(self) -> dict:
@@ -236,6 +264,25 @@ class DSAIndexer(nn.Module):
         return Selection(mask=chosen & causal)
 
 
+    def step(self, x: mx.array, q_res: mx.array, pos: mx.array, state, new: list, valid: mx.array):
+        """`__call__` for one query at `pos` (array) over the capacity rows: (index [k] or
+        None for all rows, valid [k or cap]).  Above index_topk capacity, the top-k of the
+        scores with rows that are not live at -inf (so below index_topk live rows every
+        live row is picked, as DENSE)."""
+        k = self._rotate(self.k_norm(self.wk(x))[:, None], pos)[:, 0]  # [1, 1, D]
+        keys = next(state)
+        keys = mx.slice_update(keys, k.astype(keys.dtype), pos.reshape(1), axes=(1,))
+        new.append(keys)
+        if keys.shape[1] <= self._topk:
+            return None, valid
+        q = self.wq_b(q_res).reshape(1, 1, self._H, self._D).swapaxes(1, 2)
+        q = self._rotate(q, pos).swapaxes(1, 2).astype(mx.float32)  # [1, 1, H, D]
+        w = self.weights_proj(x).astype(mx.float32) * self._H**-0.5
+        scores = mx.where(valid, index_scores(q, keys, w, self._D**-0.5)[0, 0], -mx.inf)
+        idx = topk_indices(scores, self._topk)
+        return idx, mx.take(valid, idx)
+
+
 class KPoolIndexer(nn.Module):
     """GLM 5.3 Flash's k-pool DSA indexer (transformers' `Glm5NextTextIndexer`), NoPE."""
 
@@ -275,6 +322,37 @@ class KPoolIndexer(nn.Module):
         logits = logits + self.index_kpool_compress_ape.astype(mx.float32)
         p = mx.softmax(logits, axis=2, precise=True).astype(wk.dtype)
         return pools.append((p * wk).sum(axis=2))
+
+    def step(self, x: mx.array, q_res: mx.array, pos: mx.array, state, new: list, valid: mx.array):
+        """`__call__` for one query at `pos` (array): (None, token mask [cap]) over the
+        latent capacity rows: the chosen pools' tokens plus the open pool's (the tail).
+        The open pool's row is written at pos // kpool whether complete or not."""
+        kp = self._kp
+        k = self.k_norm(self.wk(x))
+        gate = x @ self.index_kpool_compress_gate.T.astype(x.dtype)
+        pools, pool_k, pool_gate = next(state), next(state), next(state)
+        b = (pos % kp).reshape(1)
+        pool_k = mx.slice_update(pool_k, k.astype(pool_k.dtype), b, axes=(1,))
+        pool_gate = mx.slice_update(pool_gate, gate.astype(pool_gate.dtype), b, axes=(1,))
+        logits = pool_gate[:, None].astype(mx.float32) + self.index_kpool_compress_ape.astype(mx.float32)
+        p = mx.softmax(logits, axis=2, precise=True).astype(pool_k.dtype)
+        row = (p * pool_k[:, None]).sum(axis=2)  # [1, 1, D]
+        pools = mx.slice_update(pools, row.astype(pools.dtype), (pos // kp).reshape(1), axes=(1,))
+        new += [pools, pool_k, pool_gate]
+        P = pools.shape[1]
+        if P <= self._select:
+            return None, valid
+        q = self.wq_b(q_res).reshape(1, 1, self._H, self._D).astype(mx.float32)
+        w = self.weights_proj(x).astype(mx.float32) * self._H**-0.5
+        visible = mx.arange(P) < (pos + 1) // kp  # complete pools
+        scores = mx.where(visible, index_scores(q, pools, w, self._D**-0.5)[0, 0], -mx.inf)
+        idx = topk_indices(scores, self._select)
+        chosen = mx.put_along_axis(mx.zeros((P,), mx.bool_), idx, mx.take(visible, idx), axis=-1)
+        tok = mx.arange(valid.shape[0])
+        pool_of = tok // kp
+        in_chosen = mx.take(chosen, mx.minimum(pool_of, P - 1)) & (pool_of < P)
+        tail = tok >= ((pos + 1) // kp) * kp
+        return None, (in_chosen | tail) & valid
 
     def __call__(self, x: mx.array, q_res: mx.array, cache: MLACache, s: int) -> Selection:
         B, C, _ = x.shape
@@ -366,6 +444,58 @@ class MLAAttention(nn.Module):
         nv, lora = self._nope + self._v, self._lora
         # per (query, key): absorbed ~ 2*lora + r, expanded ~ nope + r + v, plus nv*lora per key
         return C * max(1, 2 * lora - nv) > nv * lora
+
+    def step(self, x: mx.array, pos: mx.array, state, new: list, prev: tuple | None):
+        """`__call__` for one token at `pos` (array) over `MLACache.static_state`,
+        branch-free: (out, selection (index [k] | None, valid)) for the next layer."""
+        nh, nope, r = self._nh, self._nope, self._r
+        at = pos.reshape(1)
+        q_res = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_res).reshape(1, 1, nh, nope + r).swapaxes(1, 2)  # [1, nh, 1, nope+r]
+        kv = self.kv_a_proj_with_mqa(x)
+        latents = next(state)
+        latents = mx.slice_update(latents, self.kv_a_layernorm(kv[..., : self._lora]).astype(latents.dtype), at,
+                                  axes=(1,))
+        new.append(latents)
+        q_nope = q[..., :nope]
+        q_rope = k_ropes = None
+        if r:
+            q_rope = self._rope(q[..., nope:], offset=pos)
+            k_ropes = next(state)
+            k_new = self._rope(kv[..., self._lora :][:, None], offset=pos)[:, 0]
+            k_ropes = mx.slice_update(k_ropes, k_new.astype(k_ropes.dtype), at, axes=(1,))
+            new.append(k_ropes)
+        valid = mx.arange(latents.shape[1]) <= pos
+        if self._has_indexer:
+            sel = self.indexer.step(x, q_res, pos, state, new, valid)
+        elif prev is None:
+            raise ValueError("a shared DSA layer needs the previous layer's selection")
+        else:
+            sel = prev
+        index, mask = sel
+        if index is not None:
+            latents = mx.take(latents, index, axis=1)
+            if r:
+                k_ropes = mx.take(k_ropes, index, axis=1)
+        mask = mask[None]
+        if self._expanded(1):
+            L = latents.shape[1]
+            kvb = self.kv_b_proj(latents).reshape(1, L, nh, nope + self._v).swapaxes(1, 2)
+            keys, values = kvb[..., :nope], kvb[..., nope:]
+            if r:
+                keys = mx.concatenate([keys, mx.broadcast_to(k_ropes[:, None], (1, nh, L, r))], axis=-1)
+                q_nope = mx.concatenate([q_nope, q_rope], axis=-1)
+            out = mx.fast.scaled_dot_product_attention(q_nope, keys, values, scale=self._scale, mask=mask)
+        else:
+            embed_q, unembed_out = absorbed_projections(self.kv_b_proj, nh, nope)
+            queries = embed_q(q_nope)
+            keys = latents[:, None]
+            if r:
+                queries = mx.concatenate([queries, q_rope], axis=-1)
+                keys = mx.concatenate([keys, k_ropes[:, None]], axis=-1)
+            out = mx.fast.scaled_dot_product_attention(queries, keys, latents[:, None], scale=self._scale, mask=mask)
+            out = unembed_out(out)
+        return self.o_proj(out.swapaxes(1, 2).reshape(1, 1, nh * self._v)), sel
 
     def __call__(self, x: mx.array, cache: MLACache, prev: Selection | None):
         B, C, _ = x.shape

@@ -50,6 +50,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from .cache import StaticDecode, grow_rows
 from .causal_lm import BaseModelArgs, CausalLM
 from .gated_delta import causal_conv1d, gated_delta, l2_normalize
 from .layers import GLUMLP, SwitchGLU, default_inv_freq, route_weights, score_fn, topk_indices
@@ -227,22 +228,21 @@ class ModelArgs(BaseModelArgs):
 
 
 class _Rows:
-    """A growable [1, ..., cap, D] buffer along axis -2 (capacity in steps of GROW rows)."""
-
-    GROW = 256
+    """A growable [1, ..., cap, D] buffer along axis -2 (capacity in power-of-two buckets,
+    models/cache.py: the compiled decode step is traced once per bucket)."""
 
     def __init__(self):
         self.buf = None
         self.n = 0
 
+    def reserve(self, want: int) -> None:
+        self.buf = grow_rows(self.buf, self.n, want, axis=-2)
+
     def append(self, new: mx.array) -> mx.array:
         k = new.shape[-2]
-        if self.buf is None or self.n + k > self.buf.shape[-2]:
-            cap0 = 0 if self.buf is None else self.buf.shape[-2]
-            want = max(self.n + k, cap0 + cap0 // 4)
-            cap = -(-want // self.GROW) * self.GROW
-            pad = mx.zeros((*new.shape[:-2], cap - cap0, new.shape[-1]), new.dtype)
-            self.buf = pad if self.buf is None else mx.concatenate([self.buf, pad], axis=-2)
+        if self.buf is None:
+            self.buf = mx.zeros((*new.shape[:-2], 0, new.shape[-1]), new.dtype)
+        self.reserve(self.n + k)
         self.buf[..., self.n : self.n + k, :] = new
         self.n += k
         return self.buf[..., : self.n, :]
@@ -282,6 +282,15 @@ class LinearCache:
         self.ple = ple
         self.conv = self.recurrent = self.ple_conv = self.ngram = None
 
+    # -- static decode layout: fixed-size already (present from the first token on)
+    def static_state(self, dtype) -> list[mx.array]:
+        return [getattr(self, k) for k in self.NAMES[: 4 if self.ple else 2]]
+
+    def commit_static(self, arrays, advance: int = 1) -> None:
+        for k in self.NAMES[: 4 if self.ple else 2]:
+            setattr(self, k, next(arrays))
+        self.offset += advance
+
     @property
     def state(self) -> dict:
         return {k: getattr(self, k) for k in self.NAMES if getattr(self, k) is not None}
@@ -320,6 +329,26 @@ class AttentionCache:
         self.ratio = ratio
         self.keys, self.values, self.index_blocks = _Rows(), _Rows(), _Rows()
         self.index_tail = None
+
+    # -- static decode layout (present from the first token on)
+    def static_state(self, dtype) -> list[mx.array]:
+        """keys, values (grown to hold row offset), index blocks (row offset // r), and the
+        open block's raw keys padded to r rows (the first offset % r live)."""
+        r, tail = self.ratio, self.index_tail
+        self.keys.reserve(self.offset + 1)
+        self.values.reserve(self.offset + 1)
+        if self.index_blocks.buf is None:
+            self.index_blocks.buf = mx.zeros((1, 0, tail.shape[-1]), tail.dtype)
+        self.index_blocks.reserve(self.offset // r + 1)
+        pad = mx.zeros((1, r - tail.shape[1], tail.shape[-1]), tail.dtype)
+        return [self.keys.buf, self.values.buf, self.index_blocks.buf, mx.concatenate([tail, pad], axis=1)]
+
+    def commit_static(self, arrays, advance: int = 1) -> None:
+        self.offset += advance
+        self.keys.buf, self.values.buf, self.index_blocks.buf = next(arrays), next(arrays), next(arrays)
+        self.keys.n = self.values.n = self.offset
+        self.index_blocks.n = self.offset // self.ratio
+        self.index_tail = next(arrays)[:, : self.offset % self.ratio]
 
     @property
     def state(self) -> dict:
@@ -488,6 +517,32 @@ class QSAIndexer(nn.Module):
         return in_block | tail
 
 
+    def step(self, x: mx.array, pos: mx.array, blocks: mx.array, tail: mx.array, valid: mx.array):
+        """`__call__` for one query at `pos` (array) over the capacity rows: (new blocks,
+        new tail, token mask [cap]).  The open block is pooled and written at pos // r
+        whether complete or not (a block that is not complete is masked)."""
+        r = self.ratio
+        qk = self.index_qk_proj(x)
+        q = self.q_layernorm(qk[..., : self.nh * self.d].reshape(1, 1, self.nh, self.d))
+        q = self._rope(q.swapaxes(1, 2), offset=pos)  # [1, nh, 1, d]
+        raw = qk[..., self.nh * self.d :]  # [1, 1, d]
+        tail = mx.slice_update(tail, raw.astype(tail.dtype), (pos % r).reshape(1), axes=(1,))
+        block = self.k_layernorm(tail.astype(mx.float32).mean(axis=1, keepdims=True).astype(raw.dtype))
+        block = self._rope(block[:, None], offset=pos // r, scale=float(r))[:, 0]
+        blocks = mx.slice_update(blocks, block.astype(blocks.dtype), (pos // r).reshape(1), axes=(1,))
+        nb = blocks.shape[1]
+        if nb <= self.topk:
+            return blocks, tail, valid
+        scores = mx.maximum(q.astype(mx.float32) @ blocks[:, None].astype(mx.float32).swapaxes(-1, -2), 0.0)
+        scores = scores.sum(axis=1)[0, 0] / math.sqrt(self.d)  # [nb]
+        complete = mx.arange(nb) < (pos + 1) // r
+        idx = topk_indices(mx.where(complete, scores, -mx.inf), self.topk)
+        chosen = mx.put_along_axis(mx.zeros((nb,), mx.bool_), idx, mx.take(complete, idx), axis=-1)
+        tok = mx.arange(valid.shape[0])
+        in_block = mx.take(chosen, mx.minimum(tok // r, nb - 1)) & (tok // r < nb)
+        return blocks, tail, (in_block | (tok >= ((pos + 1) // r) * r)) & valid
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, rope: HalfRoPE):
         super().__init__()
@@ -502,6 +557,25 @@ class Attention(nn.Module):
         self.k_norm = OffsetRMSNorm(D, args.rms_norm_eps)
         self.indexer = QSAIndexer(args, rope)
         self._rope = rope
+
+    def step(self, x: mx.array, pos: mx.array, state, new: list) -> mx.array:
+        """`__call__` for one token at `pos` (array) over `AttentionCache.static_state`."""
+        keys, values, blocks, tail = next(state), next(state), next(state), next(state)
+        valid = mx.arange(keys.shape[-2]) <= pos
+        blocks, tail, mask = self.indexer.step(x, pos, blocks, tail, valid)
+        qg = self.q_proj(x).reshape(1, 1, self.nh, 2 * self.D)
+        q, gate = qg[..., : self.D], qg[..., self.D :]
+        q = self._rope(self.q_norm(q).swapaxes(1, 2), offset=pos)
+        k = self._rope(self.k_norm(self.k_proj(x).reshape(1, 1, self.nkv, self.D)).swapaxes(1, 2), offset=pos)
+        v = self.v_proj(x).reshape(1, 1, self.nkv, self.D).swapaxes(1, 2)
+        at = pos.reshape(1)
+        keys = mx.slice_update(keys, k.astype(keys.dtype), at, axes=(2,))
+        values = mx.slice_update(values, v.astype(values.dtype), at, axes=(2,))
+        new += [keys, values, blocks, tail]
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.D**-0.5, mask=mask[None])
+        out = out.swapaxes(1, 2).reshape(1, 1, self.nh * self.D)
+        out = out * mx.sigmoid(gate.reshape(1, 1, -1).astype(mx.float32)).astype(out.dtype)
+        return self.o_proj(out)
 
     def __call__(self, x: mx.array, cache: AttentionCache) -> mx.array:
         B, C, _ = x.shape
@@ -582,6 +656,23 @@ class DecoderLayer(nn.Module):
         self.mlp_hyper_connection = GatedResidual(args)
         self.has_ple = idx + 1 in args.ple_layer_ids
 
+    def step(self, x: mx.array, ids: mx.array, pos: mx.array, state, new: list) -> mx.array:
+        """`__call__` for one token at `pos` over the static layout: the linear layer's
+        (and PLE's) fixed-size state goes through the dynamic modules as is."""
+        view = None
+        if self.layer_type == LINEAR:
+            view = _FixedState(next(state), next(state), *((next(state), next(state)) if self.has_ple else ()))
+        if self.has_ple:
+            x = x + self.ple(x, ids, view)
+        mixed, inject = self.attn_hyper_connection(x)
+        out = self.linear_attn(mixed, view) if view is not None else self.self_attn.step(mixed, pos, state, new)
+        if view is not None:
+            new += [view.conv, view.recurrent] + ([view.ple_conv, view.ngram] if self.has_ple else [])
+        x = x + out[..., None, :] * inject[..., None].astype(out.dtype)
+        mixed, inject = self.mlp_hyper_connection(x)
+        out = self.mlp(mixed)
+        return x + out[..., None, :] * inject[..., None].astype(out.dtype)
+
     def __call__(self, x: mx.array, ids: mx.array, cache) -> mx.array:
         if self.has_ple:
             x = x + self.ple(x, ids, cache)
@@ -612,12 +703,40 @@ class Qwen4ExpTextModel(nn.Module):
             c.offset += ids.shape[1]
         return self.hyper_connection_mixer(x)[0]
 
+    def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+        """One token ids [1, 1] at position pos over the static layout -> (hidden, new state)."""
+        h = self.embed_tokens(ids)
+        x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
+        it, new = iter(state), []
+        for layer in self.layers:
+            x = layer.step(x, ids, pos, it, new)
+        return self.hyper_connection_mixer(x)[0], new
 
-class Model(CausalLM):
+
+class _FixedState:
+    """The arrays the linear and PLE modules read and replace, outside a LinearCache."""
+
+    def __init__(self, conv, recurrent, ple_conv=None, ngram=None):
+        self.conv, self.recurrent, self.ple_conv, self.ngram = conv, recurrent, ple_conv, ngram
+
+
+class Model(StaticDecode, CausalLM):
     """Qwen4ExpForCausalLM (text): `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, Qwen4ExpTextModel(args))
+
+    def static_dtype(self):
+        return None  # every buffer exists before the first static step (static_ready)
+
+    def static_ready(self, cache: list) -> bool:
+        """The static step needs the state every layer makes at its first token."""
+        return all(c.offset > 0 for c in cache)
+
+    def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+        """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
+        h, new = self.model.step(ids, pos, state)
+        return self.head(h)[0, 0], new
 
     def make_cache(self) -> list:
         a = self.args

@@ -1,0 +1,60 @@
+"""Row buffers in the static decode layout: capacity grows in power-of-two buckets.
+
+The compiled decode step (ds4mlx/stepper.py) is traced once per combination of input
+shapes.  A growing buffer (compressed rows, KV rows) therefore keeps its capacity in a
+few buckets, MIN_BUCKET rows doubling, so a decode run retraces only when a buffer
+crosses into the next bucket; the rows past the live count are padding that the step
+masks out.  Every family's row buffers use these helpers.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+MIN_BUCKET = 256  # rows; tests lower it to cross a bucket boundary with tiny models
+
+
+def bucket(n: int) -> int:
+    """The capacity (MIN_BUCKET * 2**k rows) that holds n rows."""
+    cap = MIN_BUCKET
+    while cap < n:
+        cap *= 2
+    return cap
+
+
+def grow_rows(rows: mx.array, n_live: int, want: int, axis: int = 1) -> mx.array:
+    """`rows` with capacity bucket(want) along `axis`: the live rows kept, zeros after.
+
+    Returns `rows` itself when it is already large enough."""
+    cap = rows.shape[axis]
+    if cap >= want:
+        return rows
+    new = bucket(want)
+    shape = list(rows.shape)
+    shape[axis] = new - n_live
+    live = rows if n_live == cap else mx.take(rows, mx.arange(n_live), axis=axis)
+    return mx.concatenate([live, mx.zeros(shape, rows.dtype)], axis=axis)
+
+
+class StaticDecode:
+    """Mixin for a family `Model` whose per-layer caches have `static_state(dtype) ->
+    list` and `commit_static(iterator, advance)`: the stepper's (ds4mlx/stepper.py)
+    `static_state` / `commit_static` / `rewind_static` over the whole cache list.  The
+    family defines `static_step(ids, pos, state) -> (logits, new state)`."""
+
+    def static_dtype(self):
+        """The dtype buffers are created in (the final norm's weights: the model's float type)."""
+        return self.model.norm.weight.dtype
+
+    def static_state(self, cache: list) -> list:
+        """The flat step state of `cache` for its next position (buffers grown to fit)."""
+        dtype = self.static_dtype()
+        return [a for c in cache for a in c.static_state(dtype)]
+
+    def commit_static(self, cache: list, state: list, advance: int = 1) -> None:
+        it = iter(state)
+        for c in cache:
+            c.commit_static(it, advance)
+
+    def rewind_static(self, cache: list, old_state: list) -> None:
+        self.commit_static(cache, old_state, -1)

@@ -1,0 +1,151 @@
+"""One decode step of a model over a session's caches: the compiled static step, or not.
+
+A family that supports the static decode layout gives its `Model`
+
+* `static_state(cache) -> list[mx.array]`: the caches' arrays for the next position,
+  buffers created or grown into their bucket (models/cache.py) first;
+* `static_step(ids [1, 1], pos, state) -> (logits [V], new state)`: a pure function of
+  arrays, `pos` an int32 scalar array, no branch on a position;
+* `commit_static(cache, new_state)`: the new arrays back into the caches, counters
+  advanced one position; `rewind_static(cache, old_state)` its inverse (undo);
+* optionally `static_ready(cache) -> bool`: False while the caches lack state the step
+  needs (Qwen3.8: before the first token); that step takes the legacy path.
+
+`step(model, cache, ids, pos)` runs one token.  How is chosen by `DS4MLX_DECODE`:
+
+* `compiled` (default): `static_step` traced once per input-shape signature (a bucket)
+  by `mx.compile` and replayed: no per-layer Python per token;
+* `eager`: the same static step without `mx.compile` (debugging; same numbers);
+* `legacy`: the model's dynamic forward (per-layer Python, host-side positions), the
+  path before the static step: for before/after measurements.
+
+A family without `static_step` always takes the legacy path, and so does a model whose
+first static step raised (an op its backend lacks: logged once, then legacy).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+
+import mlx.core as mx
+
+from . import steering
+
+MODE_ENV = "DS4MLX_DECODE"
+MODES = ("compiled", "eager", "legacy")
+
+_compiled: dict[int, object] = {}  # id(model) -> its compiled step (traces are per function)
+_checked: set[int] = set()  # models whose static step has run once
+_refused: set[int] = set()  # models whose static step failed: legacy from then on
+_watched: set[int] = set()  # models with a finalizer that drops their entries
+log = logging.getLogger(__name__)
+
+
+def mode() -> str:
+    m = os.environ.get(MODE_ENV, "").strip().lower() or "compiled"
+    if m not in MODES:
+        raise ValueError(f"{MODE_ENV}={m!r}: expected one of {', '.join(MODES)}")
+    return m
+
+
+def supports_static(model) -> bool:
+    return callable(getattr(model, "static_step", None))
+
+
+def _pure(model):
+    ref = weakref.ref(model)  # the compiled step is kept per model: it must not keep the model alive
+
+    def run(ids, pos, *state):
+        logits, new = ref().static_step(ids, pos, list(state))
+        return (logits, *new)
+
+    return run
+
+
+def compiled_step(model):
+    """The model's `static_step` under `mx.compile` (one per model, shared by its sessions)."""
+    key = id(model)
+    fn = _compiled.get(key)
+    if fn is None:
+        _watch(model)
+        fn = _compiled[key] = mx.compile(_pure(model))
+    return fn
+
+
+def _watch(model) -> None:
+    """Forget a model's entries when it dies (its id may be reused by the next one)."""
+    if id(model) not in _watched:
+        _watched.add(id(model))
+        weakref.finalize(model, _drop, id(model))
+
+
+def _drop(key: int) -> None:
+    for memo in (_checked, _refused, _watched):
+        memo.discard(key)
+    _compiled.pop(key, None)
+
+
+def forget(model) -> None:
+    """Drop what is remembered about `model`: its compiled step (whose traces hold the
+    weights as constants: call this after changing them), its first-step check, the
+    fused projections its modules built for the static step."""
+    for memo in (_checked, _refused):
+        memo.discard(id(model))
+    _compiled.pop(id(model), None)
+    for _, m in model.named_modules():
+        for name in FUSED_ATTRS:
+            m.__dict__.pop(name, None)
+
+
+FUSED_ATTRS = ("_step_proj", "_step_q_b", "_step_shared")  # per-module caches of the static step
+
+
+def can_undo(model) -> bool:
+    """Whether `step(..., undoable=True)` can give an undo (static layout only)."""
+    return (supports_static(model) and mode() != "legacy" and id(model) not in _refused
+            and steering.identity(model) is None)
+
+
+def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, undoable: bool = False):
+    """Lazy logits [V] of token ids [1, 1] (int32) at position `pos`; advances `cache`.
+
+    With `undoable` (see `can_undo`) returns (logits, undo): calling `undo()` puts the
+    caches back where they were before this step (the old arrays are kept alive for it,
+    so the step cannot update them in place)."""
+    how = how or mode()
+    # directional steering edits each layer's outputs in the dynamic forward only: a steered
+    # model decodes on the legacy path (correct, not compiled)
+    if how == "legacy" or not supports_static(model) or steering.identity(model) is not None:
+        if undoable:
+            raise ValueError("the legacy decode path cannot undo a step")
+        return model(ids, cache, last_only=True)[0, -1]
+    ready = getattr(model, "static_ready", None)
+    if id(model) in _refused or (ready is not None and not ready(cache)):
+        return step(model, cache, ids, pos, "legacy", undoable)  # undoable: ValueError
+    state = model.static_state(cache)
+    fn = compiled_step(model) if how == "compiled" else _pure(model)
+    try:
+        if how == "compiled" and id(model) not in _checked:
+            # once per model, eagerly first: kernels self-test (and evaluate) at their first
+            # use, which MLX refuses inside an mx.compile trace; the step is pure, so this
+            # run's result is simply dropped
+            mx.eval(_pure(model)(ids, mx.array(pos, mx.int32), *state))
+        out = fn(ids, mx.array(pos, mx.int32), *state)
+        if id(model) not in _checked:  # once per model: a backend without one of the step's ops
+            mx.eval(out)
+            _watch(model)
+            _checked.add(id(model))
+    except Exception:
+        log.warning("the static decode step failed on %s; this model decodes on the legacy path",
+                    mx.default_device(), exc_info=True)
+        _watch(model)
+        _refused.add(id(model))
+        if undoable:  # the caller planned on an undo (engine lookahead): this one request fails
+            raise
+        return step(model, cache, ids, pos, "legacy")
+    model.commit_static(cache, out[1:])
+    if undoable:
+        return out[0], lambda: model.rewind_static(cache, state)
+    return out[0]
