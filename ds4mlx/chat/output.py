@@ -349,15 +349,19 @@ class OutputParser:
             tr.update(raw)
             if tr.mode == "stuck":
                 proj = self._proj
+                if proj is None and self.phase == "text":  # the block arrived at once: project it up to the garbage
+                    self._emit_text(events, _rstrip_pos(raw, tr.block_start, self._c_emit))
+                    proj = _Projection(self, tr.block_start, tr.syn)
+                if proj is not None and proj.cut_calls is None and not proj.failed:
+                    proj.update(raw[:tr.stuck_at], events)  # however the text was split into tokens
                 if proj is not None and proj.started_any:  # garbage after an announced call: cut there
+                    self._proj = proj
+                    self.phase = "tool"
                     if proj.cut_calls is None:
-                        proj.update(raw[:tr.stuck_at], events)
-                        if proj.cut_calls is None:
-                            proj.cut(events, tr.stuck_at)
+                        proj.cut(events, tr.stuck_at)
                     return
-                if proj is not None:
-                    self._proj = None
-                    self.phase = "text"  # not a block after all: resume streaming it as text
+                self._proj = None
+                self.phase = "text"  # not a block after all: resume streaming it as text
                 tr.restart(tr.stuck_at)
                 continue
             if tr.mode == "search":
