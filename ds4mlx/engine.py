@@ -593,7 +593,7 @@ class Engine:
                 tok = forced.pop(0)
             else:
                 structural = bool(job.tools_active and getattr(parser, "structural", False))
-                params = GREEDY if (structural or job.ignore_eos) else job.params
+                params = GREEDY if structural else job.params
                 if structural and not job.params.greedy:
                     self.stats.greedy_tokens += 1
                 tok = int(sampler.sample(logits, params, generated, banned).item())
@@ -659,9 +659,19 @@ class Engine:
         dt = time.monotonic() - t0
         log.info("%s gen=%d finish=%s%s %.2f t/s", job_kind(job), len(generated), finish,
                  f' error="{error}"' if error else "", len(generated) / dt if dt > 0 else 0.0)
-        usage = Usage(prompt_tokens, len(generated), cached, prompt_tokens - cached)
-        h.result = Finish(finish, usage, raw_text=raw_text, result=parsed, error=error)
+        usage = Usage(prompt_tokens, len(generated), cached, prompt_tokens - cached,
+                      reasoning_tokens=self._reasoning_tokens(parsed, len(generated)))
+        h.result = Finish(finish, usage, raw_text=raw_text, result=parsed, error=error, stop_sequence=stops.hit)
         h.emit(h.result)
+
+    def _reasoning_tokens(self, parsed, generated: int) -> int:
+        """How many of the generated tokens were reasoning (its text re-tokenized, with
+        the think close; at most all of them)."""
+        reasoning = getattr(parsed, "reasoning", None)
+        if not reasoning:
+            return 0
+        closed = getattr(parsed, "content", "") or getattr(parsed, "calls", None)
+        return min(generated, len(self.tokenizer.encode(reasoning)) + (1 if closed else 0))
 
     # ---------------------------------------------------------------- bindings
     def _remember_bindings(self, job: Job, parsed, calls, finish: str, raw_text: str) -> None:

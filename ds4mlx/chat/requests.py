@@ -31,8 +31,9 @@ __all__ = ["RequestError", "parse_chat", "parse_anthropic", "parse_responses", "
 
 DEFAULT_MODEL = "deepseek-v4-flash"
 VALID_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# "minimal" is OpenAI's way of saying (almost) no reasoning: off (#17)
 _EFFORTS = {"max": "max", "xhigh": "high", "high": "high", "medium": "high", "low": "high",
-            "minimal": "high", "none": "none"}
+            "minimal": "none", "none": "none"}
 _DEFAULT_PARAMETERS = {"type": "object", "properties": {}}
 _SUMMARY_OPT_IN = ("auto", "concise", "detailed")
 _RESPONSES_TEXT_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -126,10 +127,13 @@ class _Thinking:
             self.enabled = v
         elif isinstance(v, dict) and "type" in v:
             typ = _str(v["type"])
-            if typ == "enabled":
+            if typ in ("enabled", "adaptive"):
                 self.enabled = True
             elif typ == "disabled":
                 self.enabled = False
+            budget = v.get("budget_tokens")
+            if isinstance(budget, int) and not isinstance(budget, bool) and budget <= 0:
+                self.enabled = False  # a thinking budget of 0 is off
 
     def think(self, v: Any) -> None:
         if not isinstance(v, bool):
@@ -458,9 +462,10 @@ def _anthropic_system(v: Any) -> str:
 
 def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical",
                     strict: bool = True) -> Conversation:
-    """POST /v1/messages body -> Conversation (the system text becomes a trailing system message)."""
+    """POST /v1/messages body -> Conversation (the system text becomes a trailing system message).
+    Thinking is on only when `thinking` turns it on (Anthropic's default is off; #17)."""
     body = _object(body)
-    th = _Thinking()
+    th = _Thinking(enabled=False)
     msgs = None
     system = ""
     schemas: list[str] = []

@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from typing import Any, Optional
 
 from aiohttp import web
@@ -55,8 +56,10 @@ class ServerState:
         self._trace = open(cfg.trace, "a", encoding="utf-8") if cfg.trace else None
 
     def next_id(self, api: str) -> str:
+        """A response id unique across restarts: each API's own prefix + random hex."""
         self.seq += 1
-        return f"{'cmpl' if api == 'completions' else 'chatcmpl'}-{self.seq}"
+        prefix = {"completions": "cmpl-", "anthropic": "msg_", "responses": "resp_"}.get(api, "chatcmpl-")
+        return prefix + uuid.uuid4().hex
 
     def trace(self, record: dict) -> None:
         if self._trace is None:
@@ -150,6 +153,34 @@ async def debug_stats(request: web.Request) -> web.Response:
     return json_response(state, 200, body_bytes(doc))
 
 
+async def health(request: web.Request) -> web.Response:
+    """GET /health (guidellm's backend check, load balancers) and GET/HEAD /."""
+    state = request.app[STATE]
+    if state.stopping:
+        raise E.APIError(503, E.SHUTTING_DOWN)
+    return json_response(state, 200, body_bytes({"status": "ok"}))
+
+
+COUNT_ROUTES = {"/v1/messages/count_tokens": "anthropic", "/v1/responses/input_tokens": "responses"}
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt tokens a generation request would have, without generating
+    (Anthropic count_tokens, Responses input_tokens)."""
+    state = request.app[STATE]
+    api = COUNT_ROUTES[request.path]
+    body = parse_body(await request.read())
+    if api == "anthropic" and isinstance(body, dict) and "max_tokens" not in body:
+        body = {**body, "max_tokens": 1}  # count_tokens bodies carry none
+    loop = asyncio.get_running_loop()
+    prep = await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory, api, body)
+    if api == "anthropic":
+        doc = {"input_tokens": prep.prompt_tokens}
+    else:
+        doc = {"object": "response.input_tokens", "input_tokens": prep.prompt_tokens}
+    return json_response(state, 200, body_bytes(doc))
+
+
 async def options(request: web.Request) -> web.Response:
     return web.Response(status=204, headers=_cors(request.app[STATE]))
 
@@ -217,20 +248,28 @@ async def _stream(request, state, api, adapter, queue, handle, result) -> web.St
     out = sse.SSEStream(request, _cors(state))
     in_prefill = False
     keepalive = state.cfg.keepalive_s
+    next_ping = 0.0  # while prefilling: a `: prefill` comment every keepalive_s, progress events or not
     while True:
         try:
             if in_prefill and out.started:
-                ev = await asyncio.wait_for(queue.get(), timeout=keepalive)
+                ev = await asyncio.wait_for(queue.get(), timeout=max(0.0, next_ping - time.monotonic()))
             else:
                 ev = await queue.get()
         except asyncio.TimeoutError:
             if not await out.keepalive():
                 break
+            next_ping = time.monotonic() + keepalive
             continue
         if isinstance(ev, PrefillProgress):
             if not out.started and not await out.start():
                 break
+            if not in_prefill:
+                next_ping = time.monotonic() + keepalive
             in_prefill = True
+            if time.monotonic() >= next_ping:
+                if not await out.keepalive():
+                    break
+                next_ping = time.monotonic() + keepalive
             continue
         if isinstance(ev, Failed):
             result["finish"] = Finish("error", error=ev.message)
@@ -266,8 +305,12 @@ def make_app(engine: Engine, cfg: Optional[ServeConfig] = None, tool_memory=None
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model_one)
     app.router.add_get("/v1/ds4mlx/stats", debug_stats)
+    app.router.add_get("/health", health)
+    app.router.add_get("/", health)  # HEAD / too
     for path in ROUTES:
         app.router.add_post(path, generate)
+    for path in COUNT_ROUTES:
+        app.router.add_post(path, count_tokens)
     app.router.add_route("OPTIONS", "/{tail:.*}", options)
     app.router.add_route("*", "/{tail:.*}", unknown)
 

@@ -40,6 +40,9 @@ class ServeConfig:
     replay: bool = True  # exact DSML tool replay (--disable-exact-dsml-tool-replay turns it off)
     trace: Optional[str] = None
     strict: bool = True  # 400 for empty messages / unknown roles (our issue; ds4 accepts them)
+    # 404 for a model name that is not the loaded model's (--strict-model); by default any
+    # name is served by the loaded model, as ds4 does (clients left on their default id)
+    strict_model: bool = False
 
 
 @dataclass
@@ -60,8 +63,9 @@ def protocol_of(cfg: ServeConfig) -> ChatProtocol:
 
 
 def model_known(cfg: ServeConfig, name: str) -> bool:
-    """The loaded family's id or aliases, `cfg.model_id`, or an --alias pattern."""
-    if name == cfg.model_id or protocol_of(cfg).knows_model(name):
+    """Any name, unless `strict_model`: then the loaded family's id or aliases,
+    `cfg.model_id`, or an --alias pattern."""
+    if not cfg.strict_model or name == cfg.model_id or protocol_of(cfg).knows_model(name):
         return True
     return any(fnmatch.fnmatchcase(name, pat) for pat in cfg.aliases)
 

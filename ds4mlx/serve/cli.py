@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="render history tool calls canonically instead of replaying the sampled DSML")
     p.add_argument("--alias", action="append", default=[], metavar="NAME",
                    help="accept this model name too (fnmatch pattern, e.g. 'claude-*'); repeatable")
+    p.add_argument("--strict-model", action="store_true",
+                   help="answer 404 for a model name that is not the loaded model's id, alias or --alias "
+                        "(default: any name is served by the loaded model)")
     p.add_argument("--prefill-chunk", type=_positive, default=512, help="prefill chunk (cancellation granularity)")
     p.add_argument("--think-level", type=_level, default=None, metavar="0..100",
                    help="default reasoning effort of numeric-effort families (DeepSeek V4.1); 0 = no thinking")
@@ -101,7 +104,7 @@ def build(args, loaded=None):
                          f"(the loaded model is {engine.protocol.family})")
     cfg = ServeConfig(ctx=args.ctx, tokens=args.tokens, cors=args.cors, trace=args.trace,
                       max_body_mb=args.max_body_mb, replay=replay, aliases=tuple(args.alias),
-                      think_level=args.think_level)
+                      think_level=args.think_level, strict_model=getattr(args, "strict_model", False))
     return engine, make_app(engine, cfg, memory)
 
 
