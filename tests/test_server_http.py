@@ -327,7 +327,7 @@ def test_models_routes(srv):
     assert st == 200 and listing["object"] == "list" and listing["data"] == [one]
     assert st1 == 200 and one["id"] == "deepseek-v4-flash" and one["object"] == "model"
     assert one["context_length"] == 512 and one["top_provider"]["max_completion_tokens"] == 64
-    assert missing == 404
+    assert missing == 200  # any name is served by the loaded model unless --strict-model (#17)
 
 
 def test_cors_only_when_enabled(tok, srv):
