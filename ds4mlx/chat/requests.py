@@ -463,9 +463,11 @@ def _anthropic_system(v: Any) -> str:
 def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical",
                     strict: bool = True) -> Conversation:
     """POST /v1/messages body -> Conversation (the system text becomes a trailing system message).
-    Thinking is on only when `thinking` turns it on (Anthropic's default is off; #17)."""
+    Thinking is off unless `thinking` turns it on or an effort is named (Anthropic's
+    default is off; Claude Code with MAX_THINKING_TOKENS=0 sends neither; #17)."""
     body = _object(body)
     th = _Thinking(enabled=False)
+    effort_named = False
     msgs = None
     system = ""
     schemas: list[str] = []
@@ -489,11 +491,13 @@ def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical
             th.control(v)
         elif k == "output_config":
             if isinstance(v, dict) and "effort" in v:
-                th.set_effort(v["effort"])
+                effort_named = th.set_effort(v["effort"]) or effort_named
         elif k == "reasoning_effort":
-            th.set_effort(v)
+            effort_named = th.set_effort(v) or effort_named
         elif k == "stop_sequences":
             stop = parse_stop(v)
+    if effort_named and "thinking" not in body:
+        th.enabled = True
     msgs = _require_messages(msgs, strict)
     if system:
         msgs.append(Message(role="system", content=system))
