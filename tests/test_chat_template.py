@@ -223,11 +223,14 @@ def test_other_tool_choices_are_auto_except_responses_limits():
     assert parse_chat(body).tools_active
     body["tool_choice"] = {"type": "function", "function": {"name": "f"}}
     assert parse_chat(body).tools_active
+    tools = [{"type": "function", "name": "f"}]
+    assert parse_responses({"input": "x", "tools": tools, "tool_choice": "required"}).tools_active  # forced (#17)
+    assert parse_responses({"input": "x", "tools": tools, "tool_choice": {"type": "function", "name": "f"}}).tools_active
     with pytest.raises(RequestError) as e:
-        parse_responses({"input": "x", "tool_choice": "required"})
-    assert e.value.message == "tool_choice=required not supported"
+        parse_responses({"input": "x", "tool_choice": "sometimes"})
+    assert e.value.message == "tool_choice=sometimes not supported"
     with pytest.raises(RequestError) as e:
-        parse_responses({"input": "x", "tool_choice": {"type": "function", "name": "f"}})
+        parse_responses({"input": "x", "tool_choice": {"type": "mcp", "server_label": "f"}})
     assert e.value.message == "forced tool_choice not supported"
     assert parse_responses({"input": "x", "tool_choice": "auto"}).tools_active is False  # no schemas
 

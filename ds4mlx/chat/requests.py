@@ -36,6 +36,7 @@ _EFFORTS = {"max": "max", "xhigh": "high", "high": "high", "medium": "high", "lo
             "minimal": "none", "none": "none"}
 _DEFAULT_PARAMETERS = {"type": "object", "properties": {}}
 _SUMMARY_OPT_IN = ("auto", "concise", "detailed")
+_ITEM_STATUSES = ("completed", "incomplete")  # what the server emits
 _RESPONSES_TEXT_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 _HOSTED_CALLS = {"local_shell_call": "local_shell", "web_search_call": "web_search_call",
                  "tool_search_call": "tool_search", "image_generation_call": "image_generation_call"}
@@ -548,7 +549,7 @@ def _responses_input(items: list, style: str, loaded: list[str], aliases: dict, 
                 f[k] = v
         t = f.get("type", "message")
         status = f.get("status")
-        if status and status != "completed":
+        if status and status not in _ITEM_STATUSES:  # the server's own items replay as they were emitted
             raise _bad()
         consumes = ((t == "message" and f.get("role") == "assistant") or t in ("function_call", "custom_tool_call")
                     or t in _HOSTED_CALLS)
@@ -634,9 +635,9 @@ def parse_responses(body: Any, *, ctx: int = 32768, json_style: str = "canonical
             if isinstance(v, str):
                 if v == "none":
                     tool_choice_none = True
-                elif v != "auto":
+                elif v not in ("auto", "required"):  # required: serve/build.py forces the call
                     raise RequestError(M.ERR_TOOL_CHOICE.format(value=v), param="tool_choice")
-            elif isinstance(v, dict):
+            elif isinstance(v, dict) and v.get("type") != "function":
                 raise RequestError(M.ERR_FORCED_TOOL_CHOICE, param="tool_choice")
         elif k == "model":
             model = _str(v)

@@ -92,13 +92,17 @@ def _check_tool_choice(api: str, body: dict, proto: Optional[ChatProtocol] = Non
     (the model picks the tool), a named tool also writes the name (it must be
     declared, else 400).  auto / none force nothing (none disables tools)."""
     tc = body.get("tool_choice")
-    if tc is None or api not in ("chat", "anthropic"):
+    if tc is None or api not in ("chat", "anthropic", "responses"):
         return None
     name = None
-    required = (api == "chat" and tc == "required") or (
+    required = (api in ("chat", "responses") and tc == "required") or (
         api == "anthropic" and isinstance(tc, dict) and tc.get("type") == "any")
     if isinstance(tc, dict):
-        if api == "chat":
+        if api == "responses":  # {"type": "function", "name": X}
+            name = tc.get("name")
+            if not isinstance(name, str):
+                raise E.APIError(400, E.INVALID_JSON, param="tool_choice")
+        elif api == "chat":
             fn = tc.get("function")
             if tc.get("type") == "function" and isinstance(fn, dict):
                 name = fn.get("name")

@@ -53,7 +53,7 @@ class ResponsesAdapter:
         obj = {"type": typ, "sequence_number": self.seq}
         obj.update(fields)
         self.seq += 1
-        return sse.data(obj)
+        return sse.event(typ, obj)  # Responses streams name every event (`event:` lines)
 
     def _response(self, status: str, output: list, reason: Optional[str], usage: Optional[Usage]) -> dict:
         i = self.info
