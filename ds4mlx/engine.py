@@ -583,7 +583,8 @@ class Engine:
             logits = mx.array(np.asarray(logits, dtype=np.float32))
         force = job.force_text if job.tools_active else None
         forced: list[int] = []
-        while len(generated) < max_tokens:
+        n_forced = 0  # forced tool-call header tokens: they do not count against max_tokens (#17)
+        while len(generated) - n_forced < max_tokens and len(generated) < room:
             if h.cancelled or self._closed:
                 finish, error = "cancelled", "cancelled"
                 break
@@ -591,6 +592,7 @@ class Engine:
                 forced, force = tk.encode(force), None  # the answer starts: open the tool call
             if forced:
                 tok = forced.pop(0)
+                n_forced += 1
             else:
                 structural = bool(job.tools_active and getattr(parser, "structural", False))
                 params = GREEDY if structural else job.params

@@ -26,7 +26,7 @@ from . import errors as E
 from . import sse
 from .anthropic import AnthropicAdapter
 from .build import ServeConfig, model_known, prepare, protocol_of
-from .completions import CompletionsAdapter
+from .completions import CompletionsAdapter, prompt_list, total_usage
 from .jsonin import parse_body
 from .openai import ChatAdapter, RequestInfo, body_bytes
 from .responses import ResponsesAdapter
@@ -199,6 +199,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except web.HTTPRequestEntityTooLarge:
         raise E.APIError(413, E.BODY_TOO_LARGE) from None
     body = parse_body(raw)
+    prompts = prompt_list(body) if api == "completions" else None
+    if prompts is not None:
+        return await _completions_batch(request, state, body, prompts)
     loop = asyncio.get_running_loop()
     prep = await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory, api, body)
     info = RequestInfo(id=state.next_id(api), model=prep.model, created=int(time.time()),
@@ -229,6 +232,48 @@ async def generate(request: web.Request) -> web.StreamResponse:
                      "usage": getattr(fin, "usage", None).__dict__ if fin is not None else None,
                      "raw_text": getattr(fin, "raw_text", None), "response": result.get("body"),
                      "seconds": round(time.monotonic() - t0, 3)})
+
+
+async def _completions_batch(request, state, body: dict, prompts: list) -> web.StreamResponse:
+    """/v1/completions with a list of prompts: one choice per prompt, generated in
+    turn (the engine serves one job at a time anyway)."""
+    loop = asyncio.get_running_loop()
+    preps = []
+    for p in prompts:  # every prompt is validated before anything is queued
+        preps.append(await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory,
+                                                "completions", {**body, "prompt": p}))
+    info = RequestInfo(id=state.next_id("completions"), model=preps[0].model, created=int(time.time()),
+                       include_usage=preps[0].include_usage)
+    out = sse.SSEStream(request, _cors(state)) if preps[0].stream else None
+    fins: list = []
+    for k, prep in enumerate(preps):
+        adapter = CompletionsAdapter(info, index=k, last=k == len(preps) - 1)
+        queue: asyncio.Queue = asyncio.Queue()
+        handle = state.engine.submit(prep.job, lambda ev, q=queue: loop.call_soon_threadsafe(q.put_nowait, ev))
+        state.requests += 1
+        try:
+            while True:
+                ev = await queue.get()
+                if isinstance(ev, Failed):
+                    if out is None or not out.started:
+                        raise E.APIError(ev.status, ev.message)
+                    await out.write(sse.event("error", E.sse_error_payload("openai", ev.message)))
+                    await out.end()
+                    return out.response
+                if isinstance(ev, Finish):
+                    fins.append(ev)
+                    if out is not None:
+                        await out.write_all(adapter.finish(ev, total_usage(fins)))
+                    break
+                if out is not None and not await out.write_all(adapter.event(ev)):
+                    return out.response
+        finally:
+            if not handle.done.is_set():
+                handle.cancel()
+    if out is None:
+        return json_response(state, 200, CompletionsAdapter(info).batch_body(fins))
+    await out.end()
+    return out.response
 
 
 async def _collect(state, api, adapter, queue, result) -> web.Response:
