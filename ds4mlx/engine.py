@@ -44,6 +44,7 @@ from .events import (
     ToolCallStart,
     Usage,
 )
+from .memcheckpoints import MemoryCheckpoints
 from .sampling import GREEDY, Sampler, SamplingParams
 
 log = logging.getLogger("ds4mlx.engine")
@@ -239,6 +240,7 @@ class Engine:
         cache: Optional[CacheHooks] = None,
         parser_factory: Callable[..., Any] = default_parser_factory,
         protocol=None,
+        checkpoints: Optional[MemoryCheckpoints] = None,
     ):
         from .chat.protocol import protocol_for_model
 
@@ -253,6 +255,7 @@ class Engine:
         self.tool_memory = tool_memory
         self.cache = cache or CacheHooks()
         self.parser_factory = parser_factory
+        self.checkpoints = checkpoints if checkpoints is not None else MemoryCheckpoints()
         self.stats = EngineStats()
         self.session = None
         self._bind_lock = threading.Lock()
@@ -457,6 +460,12 @@ class Engine:
                 return live + tk.encode(prompt[len(live_text):]), pos, "memory-text", None
             common = next((i for i, (a, b) in enumerate(zip(live, ids)) if a != b), min(pos, len(ids)))
             log.info("live kv cache miss live=%d prompt=%d common=%d", pos, len(ids), common)
+        # 7b. an in-memory checkpoint at the end of an earlier prompt (the live session cannot rewind)
+        cp = self.checkpoints.best(ids)
+        if cp is not None and self._restore_checkpoint(cp):
+            if pos > 0:
+                _call_hook(self.cache.on_miss, self)
+            return ids, len(cp.tokens), "memory-checkpoint", None
         # 8.–10. disk cache, then cold
         if pos > 0:
             _call_hook(self.cache.on_miss, self)
@@ -465,6 +474,25 @@ class Engine:
             eff, cached = loaded
             return list(eff), int(cached), "disk-text", None
         return ids, 0, "none", None
+
+    def _restore_checkpoint(self, cp) -> bool:
+        """Replace the live session by a checkpoint (False if it does not restore)."""
+        try:
+            self.session.restore(cp.blob)
+        except ValueError:
+            log.exception("memory checkpoint restore failed")
+            self._reset_session()
+            return False
+        self.checkpoints.restored += 1
+        return True
+
+    def _checkpoint(self, effective: list[int], cached: int) -> None:
+        """Keep the session at the end of this prompt for a later request that shares it."""
+        if self.checkpoints.wants(len(effective), len(effective) - cached):
+            try:
+                self.checkpoints.save(effective, self.session)
+            except Exception:  # a session without snapshots: no checkpoints, nothing lost
+                log.exception("memory checkpoint failed")
 
     def _sync(self, h: JobHandle, effective: list[int], cached: int):
         """Bring the session to `effective`, evaluating only `effective[cached:]`.
@@ -544,6 +572,7 @@ class Engine:
             h.emit(h.result)
             return
         self._clear_bindings(keep=kept)
+        self._checkpoint(effective, cached)
         _call_hook(self.cache.after_prefill, self, job)
         h.started = True
         h.emit(Started(prompt_tokens, cached))

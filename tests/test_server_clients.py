@@ -269,3 +269,21 @@ def test_keepalive_goes_out_while_progress_events_arrive(tok, monkeypatch):
                              {"messages": user("word " * 60), "stream": True, "max_tokens": 2})
     assert st == 200 and raw.count(": prefill\n\n") >= 2
     assert raw.index(": prefill") < raw.index("data: ")  # during the prefill, before the answer
+
+
+# --------------------------------------------------------------------------- item 5
+def test_retry_after_a_long_generation_restores_the_prompt_checkpoint(tok):
+    from ds4mlx.memcheckpoints import MemoryCheckpoints
+
+    with serve(tok, ScriptedModel(tok, script), ctx=4096, tokens=200) as s:
+        s.engine.checkpoints = MemoryCheckpoints(budget_bytes=1 << 20, min_tokens=8)
+        oc = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        body = dict(model=MODEL, messages=user("long " + "context " * 30), max_tokens=20, reasoning_effort="none")
+        first = oc.chat.completions.create(**body)
+        assert first.choices[0].finish_reason == "length"  # the live session now holds prompt + 20 tokens
+        evaluated = s.engine.stats.prefill_tokens
+        again = oc.chat.completions.create(**body)  # a retry: a shorter prefix than the live session
+        assert s.engine.stats.prefill_tokens == evaluated  # nothing prefilled again
+        assert s.engine.stats.last_cache_source == "memory-checkpoint"
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens == first.usage.prompt_tokens
+        assert again.choices[0].message.content == first.choices[0].message.content
