@@ -287,3 +287,17 @@ def test_retry_after_a_long_generation_restores_the_prompt_checkpoint(tok):
         assert s.engine.stats.last_cache_source == "memory-checkpoint"
         assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens == first.usage.prompt_tokens
         assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def test_forced_parameterless_tool_is_written_whole(ac, oc):
+    """Nothing for the model to choose: the whole call is forced (the real-client
+    suite drives Claude Code's TaskList / Codex's and pi's loops this way)."""
+    tools = [{"name": "TaskList", "description": "List tasks", "input_schema": {"type": "object", "properties": {}}}]
+    m = ac.messages.create(model=MODEL, max_tokens=5, messages=user("anything"), tools=tools,
+                           tool_choice={"type": "tool", "name": "TaskList"})
+    assert m.stop_reason == "tool_use" and [(b.type, b.name, b.input) for b in m.content] == [
+        ("tool_use", "TaskList", {})]
+    r = oc.chat.completions.create(model=MODEL, messages=user("anything"), max_tokens=5, tools=[
+        {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}],
+        tool_choice={"type": "function", "function": {"name": "now"}}, reasoning_effort="none")
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.arguments == "{}"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..chat import markers as M
+from ..chat.messages import ToolCall
 from ..chat.protocol import ChatProtocol, EffortError, get_protocol, request_effort
 from ..chat.requests import RequestError, parse_request, unreplayed_tool_result_ids
 from ..chat.template import live_tail
@@ -116,8 +117,31 @@ def _check_tool_choice(api: str, body: dict, proto: Optional[ChatProtocol] = Non
         raise E.APIError(400, E.unknown_tool(name), param="tool_choice")
     proto = proto or get_protocol()
     if name is not None:
+        if not _has_parameters(api, body, name):  # nothing for the model to choose: force the whole call
+            whole = proto.render_calls([ToolCall("", name, "{}")])
+            head = proto.force_text(name)
+            if whole.startswith(head):
+                return whole
         return proto.force_text(name)
     return proto.force_text(None) if required else None
+
+
+def _has_parameters(api: str, body: dict, name: str) -> bool:
+    """The named tool declares at least one parameter (an unreadable schema counts as yes)."""
+    for t in body.get("tools") or []:
+        if not isinstance(t, dict):
+            continue
+        fn = t.get("function") if isinstance(t.get("function"), dict) else t
+        if fn.get("name") != name:
+            continue
+        schema = fn.get("input_schema" if api == "anthropic" else "parameters")
+        if schema is None:
+            return False
+        if not isinstance(schema, dict):
+            return True
+        props = schema.get("properties")
+        return not (props is None or props == {}) or bool(schema.get("required"))
+    return True
 
 
 def force_text(name: Optional[str], proto: Optional[ChatProtocol] = None) -> str:
