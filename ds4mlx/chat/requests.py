@@ -618,6 +618,7 @@ def parse_responses(body: Any, *, ctx: int = 32768, json_style: str = "canonical
     tool_choice_none = False
     model = DEFAULT_MODEL
     summary = False
+    stop: list[str] = []
     for k, v in body.items():
         if k == "input":
             loaded, loaded_aliases = [], {}
@@ -639,6 +640,8 @@ def parse_responses(body: Any, *, ctx: int = 32768, json_style: str = "canonical
                     raise RequestError(M.ERR_TOOL_CHOICE.format(value=v), param="tool_choice")
             elif isinstance(v, dict) and v.get("type") != "function":
                 raise RequestError(M.ERR_FORCED_TOOL_CHOICE, param="tool_choice")
+        elif k == "stop":  # not an OpenAI Responses field: a ds4mlx extension, as on chat
+            stop = parse_stop(v)
         elif k == "model":
             model = _str(v)
         elif k == "reasoning":
@@ -662,7 +665,7 @@ def parse_responses(body: Any, *, ctx: int = 32768, json_style: str = "canonical
     all_aliases = dict(aliases)
     all_aliases.update(loaded_aliases)
     conv = Conversation(messages=msgs, tool_schemas=schemas + loaded, tools_active=not tool_choice_none,
-                        api="responses", tool_aliases=all_aliases, reasoning_summary=summary)
+                        api="responses", tool_aliases=all_aliases, reasoning_summary=summary, stop=stop)
     return _finish(conv, model, th, ctx)
 
 
