@@ -100,6 +100,7 @@ def test_history_without_system_and_empty_content_call():
 
 def test_anthropic_request_renders_like_the_template():
     body = {"model": "qwen3.8-flash-next", "system": "Be terse.", "max_tokens": 64,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},  # Anthropic's default is off (#17)
             "tools": [{"name": "bash", "description": "Run", "input_schema": {"type": "object", "properties": {}}}],
             "messages": [
                 {"role": "user", "content": "ls"},
