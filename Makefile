@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: install test test-gpu test-clients bench lint serve
+.PHONY: install test test-gpu test-fuzz test-clients bench lint serve
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,10 @@ test-clients: install
 	command -v claude >/dev/null && command -v codex >/dev/null && command -v pi >/dev/null || \
 		npm install -g @anthropic-ai/claude-code @openai/codex @mariozechner/pi-coding-agent
 	$(BIN)/python -m pytest -q -s -m clients tests/test_real_clients.py
+
+# the full request fuzz: 2,500 bodies per generation route, 10,000 in all (CI runs 250 per route)
+test-fuzz: install
+	DS4MLX_FUZZ_EXAMPLES=2500 $(BIN)/python -m pytest -q tests/test_server_fuzz.py
 
 test-gpu:
 	$(PY) -m pytest -q -m gpu tests

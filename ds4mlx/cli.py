@@ -18,7 +18,9 @@ SUBCOMMANDS = {
     "bench": ("ds4mlx.bench", "frontier prefill/decode benchmark"),
     "convert": ("ds4mlx.convert", "convert a Hugging Face folder to a ds4-style GGUF"),
     "quantize": ("ds4mlx.quantize", "quantize a model's routed experts into a new GGUF"),
+    "inspect": ("ds4mlx.inspect_cmd", "what a model file or folder holds (no model is built)"),
     "demo-model": ("ds4mlx.demo", "write the random-weight demo model and print its path"),
+    "steer": ("ds4mlx.steer_cli", "directional steering: `steer build` computes a direction file"),
 }
 
 
@@ -43,7 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(parser) if name != "chat" else module.add_chat_arguments(parser)
     args = parser.parse_args(rest)
     args.command = name
-    return int(module.run(args) or 0)
+    from .modelfile import EXIT_CODE, ModelFileError
+
+    try:
+        return int(module.run(args) or 0)
+    except ModelFileError as e:  # one line naming the file, not a traceback
+        print(f"ds4mlx {name}: error: {e}", file=sys.stderr)
+        return EXIT_CODE
 
 
 if __name__ == "__main__":

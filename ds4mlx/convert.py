@@ -170,6 +170,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from .modelfile import ModelFileError, reading
     from .tokenizer import Tokenizer
     from .weights import read_hf
 
@@ -178,7 +179,8 @@ def run(args) -> int:
         print(f"ds4mlx convert: {out} exists (use --force to overwrite)", file=sys.stderr)
         return 1
     try:
-        config, tensors, tok = read_hf(args.hf_dir)
+        with reading(args.hf_dir):
+            config, tensors, tok = read_hf(args.hf_dir)
         if tok is None:
             tok = Tokenizer.default()
         vocab = (config.get("text_config") if isinstance(config.get("text_config"), dict) else config).get("vocab_size")
@@ -186,6 +188,8 @@ def run(args) -> int:
             print(f"ds4mlx convert: note: tokenizer has {tok.vocab_size} tokens, model vocab_size is "
                   f"{vocab}", file=sys.stderr)
         write_gguf(out, config, tensors, tok, dtype=args.dtype, name=args.name)
+    except ModelFileError:
+        raise  # the input is broken: one line, exit 2 (cli.py)
     except (FileNotFoundError, ValueError) as e:
         print(f"ds4mlx convert: error: {e}", file=sys.stderr)
         return 1

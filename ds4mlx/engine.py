@@ -190,6 +190,21 @@ class JobHandle:
             log.exception("event consumer failed")
 
 
+class _WorkerCall:
+    """A function queued to run on the worker between jobs (`Engine.reset_live`)."""
+
+    def __init__(self, fn: Callable[[], None], done: threading.Event):
+        self.fn, self.done = fn, done
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except Exception:
+            log.exception("worker call failed")
+        finally:
+            self.done.set()
+
+
 class _RawOutput:
     """Completions: every released piece of raw text is content."""
     structural = False
@@ -280,9 +295,28 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    def tokenize_prefix(self, text: str, limit: int) -> tuple[list[int], bool]:
+        """(ids, complete): the tokenizer may stop once more than `limit` ids are certain."""
+        bounded = getattr(self.tokenizer, "encode_prefix", None)
+        return bounded(text, limit) if callable(bounded) else (self.tokenize(text), True)
+
+    def min_tokens(self, text: str) -> int:
+        """A cheap lower bound on len(tokenize(text)) (0 if the tokenizer has none)."""
+        bound = getattr(self.tokenizer, "min_tokens", None)
+        return bound(text) if callable(bound) else 0
+
     @property
     def queue_depth(self) -> int:
         return self._queue.qsize()
+
+    def queue_position(self, handle: JobHandle) -> int:
+        """1 = the next job to run, 2 = one ahead of it, ...; 0 = not waiting
+        (running, finished or cancelled)."""
+        with self._queue.mutex:
+            for i, h in enumerate(self._queue.queue):
+                if h is handle:
+                    return i + 1
+        return 0
 
     def submit(self, job: Job, emit: Callable[[Any], None]) -> JobHandle:
         if self._closed:
@@ -327,6 +361,14 @@ class Engine:
                     return kind, b.visible_text
         return None
 
+    def reset_live(self, ctx: Optional[int] = None, timeout: float = 60.0) -> None:
+        """Drop the live session for a fresh one (of `ctx` tokens if given), e.g.
+        after the model's steering changed; runs on the worker after the queued
+        jobs and returns when done."""
+        done = threading.Event()
+        self._queue.put(_WorkerCall(lambda: self._new_session(ctx), done))
+        done.wait(timeout)
+
     def close(self, timeout: float = 10.0) -> None:
         if self._closed:
             return
@@ -350,6 +392,9 @@ class Engine:
             h = self._queue.get()
             if h is None:
                 break
+            if isinstance(h, _WorkerCall):
+                h.run()
+                continue
             self._running = h
             try:
                 if h.cancelled or self._closed:
@@ -376,7 +421,9 @@ class Engine:
                 h = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if h is not None:
+            if isinstance(h, _WorkerCall):
+                h.done.set()
+            elif h is not None:
                 h.emit(Finish("cancelled", error="shutdown"))
                 h.done.set()
         self._stopped.set()
@@ -393,6 +440,12 @@ class Engine:
             reset()
         else:
             self.session = self.model.new_session(self.ctx)
+
+    def _new_session(self, ctx: Optional[int]) -> None:
+        if ctx is not None:
+            self.ctx = int(ctx)
+        self.session = self.model.new_session(self.ctx)
+        self._clear_bindings(keep=None)
 
     def _invalidate(self) -> None:
         """Forget the live state (stop-sequence hit, failures)."""

@@ -1,61 +1,66 @@
 """`ds4mlx generate` and `ds4mlx chat`: the engine from the terminal.
 
-Both build engine `Job`s and print the engine's event stream (the same stream the
-server turns into SSE): reasoning dimmed, the answer plain, a rich progress bar
-while the prompt is prefilled, and a last line with token counts and speeds.
+The flags are ds4's (ds4_cli.c): `-p` / `--prompt-file`, `-sys`, `--prefix-file`,
+`--think` / `--think-max` / `--nothink` / `--think-level N` (think_flags.py), the
+`--dir-steering-*` trio (steering.py).  `generate` builds one engine `Job` and
+prints the engine's event stream (the same stream the server turns into SSE):
+reasoning dimmed, the answer plain, a rich progress bar while the prompt is
+prefilled, and a last line with token counts and speeds.  `chat` is the REPL
+(repl.py).
 """
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from .cli_options import (UsageError, add_prefix_argument, add_steering_arguments, conversation_head,
+                          install_steering, load_prefix, read_text_file)
 from .events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd
+from .think_flags import add_think_arguments
 
 
 def _common(p) -> None:
     p.add_argument("-m", "--model", help="GGUF file or HF folder (default: the random-weight demo model)")
-    p.add_argument("--ctx", type=int, default=32768, help="context size in tokens")
-    p.add_argument("-n", "--max-tokens", type=int, default=256)
+    p.add_argument("-c", "--ctx", type=int, default=32768, help="context size in tokens")
+    p.add_argument("-n", "--max-tokens", "--tokens", dest="max_tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=None, help="temperature (default 1.0; 0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0, help="0 = time based")
-    p.add_argument("--think", default="none",
-                   help="thinking mode: none (default), high, max (needs --ctx >= 393216), or the family's own "
-                        "levels (V4.1: 1..100; GLM: low/high/max; Qwen: low/medium/xhigh)")
+    add_think_arguments(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("-s", "-sys", "--system", default="", help="system prompt")
+    add_prefix_argument(p)
+    add_steering_arguments(p)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("-p", "--prompt", required=True, help="the user message (or raw text with --raw)")
-    p.add_argument("-s", "--system", default="", help="system prompt")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="the user message (or raw text with --raw)")
+    src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE, as written")
     p.add_argument("--raw", action="store_true", help="feed the prompt text as is, no chat template")
     _common(p)
 
 
 def add_chat_arguments(p) -> None:
-    p.add_argument("-s", "--system", default="", help="system prompt")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="send this message first, then go on interactively")
+    src.add_argument("--prompt-file", metavar="FILE", help="send FILE's text first, then go on interactively")
     _common(p)
+    p.add_argument("--no-markdown", action="store_true", help="print answers as plain text (no rich Markdown)")
 
 
-def _sampling(args):
+def sampling_params(args):
+    """The sampler settings of the flags."""
     from .sampling import SamplingParams
 
     temp = 1.0 if args.temp is None else args.temp
     return SamplingParams(temperature=temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
-
-
-def _thinking(args, protocol) -> str:
-    """The family's thinking mode for --think (numbers are V4.1 effort levels)."""
-    if args.think.isdigit():
-        return protocol.render_think_level(int(args.think))
-    if args.think in ("none", "high", "max"):
-        return protocol.resolve_thinking(args.think, None, explicit=True, ctx=args.ctx)
-    return protocol.resolve_thinking("high", args.think, explicit=True, ctx=args.ctx)
 
 
 def _load(args, console):
@@ -69,7 +74,20 @@ def _load(args, console):
 
         console.print(f"[yellow]{DEMO_NOTICE}[/yellow]")
     console.print(f"[dim]loaded {getattr(model, 'path', args.model)} in {time.perf_counter() - t0:.1f} s[/dim]")
-    return Engine(model, tok, ctx=args.ctx, default_max_tokens=args.max_tokens), tok
+    steered = install_steering(args, model)  # before the engine makes its session (fingerprint)
+    if steered:
+        console.print(f"[dim]directional steering: {steered}[/dim]")
+    # The worker thread (and the threads MLX starts from it) inherit a blocked SIGINT,
+    # so Ctrl+C always reaches the main thread: the REPL's line reader wakes up on it.
+    masked = hasattr(signal, "pthread_sigmask")
+    if masked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        engine = Engine(model, tok, ctx=args.ctx, default_max_tokens=args.max_tokens)
+    finally:
+        if masked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    return engine, tok
 
 
 def stream_job(engine, job, console: Console, out=sys.stdout) -> Finish | None:
@@ -132,57 +150,46 @@ def stream_job(engine, job, console: Console, out=sys.stdout) -> Finish | None:
 def run(args) -> int:
     from .chat.messages import Conversation, Message
     from .engine import Job
+    from .think_flags import ThinkError, resolve
 
     console = Console(stderr=True)
-    engine, tok = _load(args, console)
+    try:
+        prefix = load_prefix(args)
+        prompt_text = args.prompt if args.prompt is not None else (
+            read_text_file(args.prompt_file) if args.prompt_file else None)
+        if args.command == "generate" and args.raw and prefix:
+            raise UsageError("--prefix-file cannot be combined with --raw")
+        engine, tok = _load(args, console)
+    except UsageError as e:
+        console.print(f"[red]error: {e}[/red]", markup=True, highlight=False)
+        return 2
     protocol = engine.protocol  # the loaded family's template and output syntax
     try:
         try:
-            thinking = _thinking(args, protocol)
-        except ValueError as e:
+            choice = resolve(protocol, args.think, args.ctx)
+        except ThinkError as e:
             console.print(f"[red]error: {e}[/red]")
             return 2
+        if choice.notice:
+            console.print(f"[yellow]warning: {choice.notice}[/yellow]")
         if args.command == "chat":
-            return _chat_loop(args, engine, console, thinking)
+            from .repl import Repl
+
+            return Repl(engine, args, console, prefix).run(first=prompt_text)
+        thinking = choice.mode
         if args.raw:
-            prompt = args.prompt
+            prompt = prompt_text
         else:
-            msgs = ([Message("system", args.system)] if args.system else []) + [Message("user", args.prompt)]
+            msgs = conversation_head(args.system, prefix) + [Message("user", prompt_text)]
             prompt = protocol.render(Conversation(msgs, thinking=thinking))
         job = Job(prompt_text=prompt, api="completions" if args.raw else "chat", raw=args.raw, thinking=thinking,
-                  params=_sampling(args), max_tokens=args.max_tokens, stop=tuple(args.stop),
+                  params=sampling_params(args), max_tokens=args.max_tokens, stop=tuple(args.stop),
                   family=protocol.family)
-        fin = stream_job(engine, job, console)
+        try:
+            fin = stream_job(engine, job, console)
+        except KeyboardInterrupt:  # Ctrl+C: closing the event stream cancels the job
+            console.print("\n[yellow]interrupted[/yellow]")
+            return 130
         return 0 if fin is not None and fin.reason != "error" else 1
     finally:
         engine.close()
-
-
-def _chat_loop(args, engine, console: Console, thinking: str) -> int:
-    from .chat.messages import Conversation, Message
-    from .engine import Job
-
-    protocol = engine.protocol
-    history = [Message("system", args.system)] if args.system else []
-    console.print("[dim]ds4mlx chat: empty line or Ctrl-D quits, /reset clears the history[/dim]")
-    while True:
-        try:
-            line = console.input("[bold green]> [/bold green]")
-        except (EOFError, KeyboardInterrupt):
-            console.print()
-            return 0
-        if not line.strip():
-            return 0
-        if line.strip() == "/reset":
-            history = history[:1] if args.system else []
-            continue
-        history.append(Message("user", line))
-        job = Job(prompt_text=protocol.render(Conversation(list(history), thinking=thinking)), thinking=thinking,
-                  params=_sampling(args), max_tokens=args.max_tokens, stop=tuple(args.stop), family=protocol.family)
-        fin = stream_job(engine, job, console)
-        if fin is None:
-            history.pop()
-            continue
-        parsed = fin.result
-        history.append(Message("assistant", getattr(parsed, "content", None) or fin.raw_text,
-                               reasoning=getattr(parsed, "reasoning", None) or ""))

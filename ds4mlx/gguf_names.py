@@ -122,6 +122,9 @@ _TOP_HUB2HF = {c: h for h, _, c in TOP_LEVEL}
 _LAYER_HF2G = {h: g for h, g, _ in LAYER}
 _LAYER_G2HF = {g: h for h, g, _ in LAYER}
 _LAYER_HUB2HF = {c: h for h, _, c in LAYER if c is not None}
+# what transformers' save_pretrained writes for the same tensor (its conversion
+# renames `.norm.` -> `.kv_norm.`, and writes it back reversed)
+_LAYER_HUB2HF["attn.norm.weight"] = "self_attn.kv_norm.weight"
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _HUB_LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")

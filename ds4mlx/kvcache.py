@@ -119,12 +119,17 @@ def _first_float_dtype(model) -> Optional[str]:
 
 def model_identity(model) -> str:
     """A stable id of this model configuration: config (or args) + weights file
-    identity + loaded float type + the session snapshot format."""
+    identity + loaded float type + the session snapshot format (+ the directional
+    steering, when one is installed)."""
     from . import session as _session
+    from .steering import identity as steering_identity
 
-    blob = json.dumps({"config": _config_blob(model), "weights": _weights_identity(getattr(model, "path", None)),
-                       "dtype": _first_float_dtype(model), "snapshot": [_session.MAGIC.hex(), _session.VERSION]},
-                      sort_keys=True, default=str)
+    fields = {"config": _config_blob(model), "weights": _weights_identity(getattr(model, "path", None)),
+              "dtype": _first_float_dtype(model), "snapshot": [_session.MAGIC.hex(), _session.VERSION]}
+    steering = steering_identity(model)
+    if steering:  # only when steered, so unsteered ids stay what they were
+        fields["steering"] = steering
+    blob = json.dumps(fields, sort_keys=True, default=str)
     return "ds4mlx-" + hashlib.sha1(blob.encode()).hexdigest()[:20]
 
 

@@ -219,9 +219,40 @@ class _Invalid(Exception):
 # structural or compatibility check raises `_Invalid`; the caller deletes it.
 # `hook(point)` is called at each step of the write protocol (crash tests).
 
+class NotRegularFile(OSError):
+    """A cache-directory entry that is not a plain file (FIFO, directory, device, link)."""
+
+
+def open_regular(path: str):
+    """Open `path` for reading only if it is a regular file, never blocking: a
+    FIFO named like a checkpoint would block a plain open() forever, and a
+    symlink could point anywhere.  Raises NotRegularFile (an OSError)."""
+    import stat
+
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if os.path.islink(path):
+            raise NotRegularFile("a symbolic link, not a regular file") from None
+        raise e
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+                    else "a socket" if stat.S_ISSOCK(mode) else "a device")
+            raise NotRegularFile(f"{kind}, not a regular file")
+        if flags & getattr(os, "O_NONBLOCK", 0):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def parse_file(path: str, sha: str, want) -> Entry:
     """Header and footer of one file, checked (the payload is not read)."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size < FIXED_SIZE + FOOTER_SIZE:
             raise _Invalid(f"truncated ({size} bytes)")
@@ -273,7 +304,7 @@ def check_header(head: bytes, size: int, foot: bytes, path: str, sha: str, want)
 
 def read_file(e: Entry, prompt: bytes | None, want) -> Checkpoint:
     """Read and fully verify one file; raises _Invalid."""
-    with open(e.path, "rb") as f:
+    with open_regular(e.path) as f:
         size = os.fstat(f.fileno()).st_size
         if size < FIXED_SIZE + FOOTER_SIZE:
             raise _Invalid("truncated")

@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Iterator, Union
 from .kvformat import (FIXED_SIZE, FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE,  # noqa: F401
                        FLAG_TOOL_MAP, FOOTER, FOOTER_MAGIC, FOOTER_SIZE, HEADER, HEADER_SIZE,
                        KEY_KINDS, KEYLEN, MAGIC, REASON_CODES, REASONS, VERSION, Buffer, Checkpoint,
-                       Entry, Text, _Invalid, _KV_NAME, check_header, file_size_for, model_tag,
+                       Entry, Text, _Invalid, _KV_NAME, check_header, file_size_for, model_tag, open_regular,
                        pack_header, parse_file, read_file, reason_code, reason_name, sha1_hex,
                        to_bytes, write_file)
 
@@ -158,6 +158,7 @@ class KVStore:
         self.clock = clock
         self._lock = threading.RLock()
         self._meta: dict[str, dict] = {}
+        self._skipped: set[tuple[str, str]] = set()
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         with self._lock:
             self._clean_temporaries()
@@ -204,6 +205,8 @@ class KVStore:
         seen = set()
         for name in names:
             if not _KV_NAME.match(name):
+                if name != META_NAME and not _TMP_NAME.match(name):
+                    self._skip_once(name, "not a checkpoint name")
                 continue
             path = os.path.join(self.dir, name)
             sha = name[:40].lower()
@@ -212,14 +215,23 @@ class KVStore:
             except _Invalid as why:
                 self._delete(path, sha, f"rejected: {why}")
                 continue
-            except OSError:
-                continue  # vanished or unreadable right now: not listed
+            except FileNotFoundError:
+                continue  # vanished since the listing
+            except OSError as exc:  # not a regular file, or unreadable: left alone, not listed
+                self._skip_once(name, exc.strerror or str(exc))
+                continue
             out.append(self._with_meta(e))
             seen.add(sha)
         for sha in list(self._meta):
             if sha not in seen:
                 del self._meta[sha]
         return out
+
+    def _skip_once(self, name: str, why: str) -> None:
+        """One log line per odd directory entry, however often the directory is scanned."""
+        if (name, why) not in self._skipped:
+            self._skipped.add((name, why))
+            log.warning("kv cache skipping %s: %s", os.path.join(self.dir, name), why)
 
     def _with_meta(self, e: Entry) -> Entry:
         rec = self._meta.get(e.sha)
@@ -255,7 +267,7 @@ class KVStore:
             entries = [e for e in self._scan() if e.trailer_bytes]
         for e in entries:
             try:
-                with open(e.path, "rb") as f:
+                with open_regular(e.path) as f:
                     f.seek(e.file_size - FOOTER_SIZE - e.trailer_bytes)
                     data = f.read(e.trailer_bytes)
             except OSError:
@@ -408,7 +420,7 @@ class KVStore:
         if e.trailer_bytes != len(trailer) or e.trailer_crc != zlib.crc32(trailer):
             return False
         try:
-            with open(e.path, "rb") as f:
+            with open_regular(e.path) as f:
                 f.seek(e.file_size - FOOTER_SIZE - e.trailer_bytes)
                 return f.read(e.trailer_bytes) == trailer
         except OSError:
@@ -520,7 +532,7 @@ class KVStore:
 
     def _load_meta(self) -> dict[str, dict]:
         try:
-            with open(os.path.join(self.dir, META_NAME), "rb") as f:
+            with open_regular(os.path.join(self.dir, META_NAME)) as f:
                 doc = json.loads(f.read())
             entries = doc["entries"]
             if doc.get("version") != 1 or not isinstance(entries, dict):

@@ -6,6 +6,7 @@ import os
 
 import mlx.core as mx
 
+from .modelfile import reading
 from .models.base import LanguageModel
 from .tokenizer import Tokenizer
 from .weights import read_weights
@@ -49,10 +50,11 @@ def load(path=None, dtype="auto"):
 
         path = demo_model_path(str(path).split(":", 1)[1] if path and ":" in str(path) else "deepseek_v4")
     path = os.fspath(path)
-    config, tensors, tokenizer = read_weights(path)
-    if dtype == "auto":
-        dtype = default_dtype()
-    model = LanguageModel.from_config(config, tensors, dtype=dtype)
+    with reading(path):  # a broken file is one ModelFileError line, not a traceback
+        config, tensors, tokenizer = read_weights(path)
+        if dtype == "auto":
+            dtype = default_dtype()
+        model = LanguageModel.from_config(config, tensors, dtype=dtype)
     model.path = path
     model.config = config
     model.is_demo = is_demo

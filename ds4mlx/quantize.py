@@ -503,6 +503,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from ds4mlx.convert import write_gguf
+    from ds4mlx.modelfile import ModelFileError, reading
     from ds4mlx.weights import read_weights
 
     out = Path(args.out)
@@ -511,11 +512,14 @@ def run(args) -> int:
         return 1
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
     try:
-        config, tensors, tok = read_weights(args.input)
+        with reading(args.input):
+            config, tensors, tok = read_weights(args.input)
         new = quantize_tensors(tensors, args.experts, dense=args.dense, importance=args.importance,
                                down=args.down, log=log)
         write_gguf(out, config, new, tok if tok is not None else False, dtype=args.dtype,
                    name=f"DeepSeek-V4 (ds4mlx quantize --experts {args.experts})")
+    except ModelFileError:
+        raise  # the input is broken: one line, exit 2 (cli.py)
     except (FileNotFoundError, ValueError) as e:
         print(f"ds4mlx quantize: error: {e}", file=sys.stderr)
         return 1

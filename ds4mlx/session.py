@@ -75,7 +75,16 @@ def model_fingerprint(model) -> str:
         blob = json.dumps(dataclasses.asdict(args), sort_keys=True, default=str)
     else:
         blob = type(model).__name__
+    steering = _steering_identity(model)  # a steered model's state is another model's
+    if steering:
+        blob += "|" + steering
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def _steering_identity(model):
+    from .steering import identity
+
+    return identity(model)
 
 
 class Session:

@@ -60,6 +60,8 @@ _PRETOK_REGEXES = (
     "|\\s+",
 )
 _KNOWN_PRE = {"joyai-llm", "deepseek-v3", "deepseek-v4"}
+# a pre-token boundary of the regexes above: after a newline, before a non-space character
+_SAFE_CUT = re.compile(r"\n(?=\S)")
 
 # GGUF token types (llama.cpp / gguf.TokenType).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -153,6 +155,7 @@ class Tokenizer:
             d["padding"] = None
             tk = _HFTokenizer.from_str(json.dumps(d))
             self.gguf_pre = GGUF_PRE if _is_deepseek_pretokenizer(hf_json.get("pre_tokenizer")) else None
+            self._normalizes = _has_normalizer(hf_json.get("normalizer"))
         else:
             bpe = models.BPE(vocab=dict(self._token_to_id), merges=list(self._merges), fuse_unk=False)
             tk = _HFTokenizer(bpe)
@@ -162,6 +165,7 @@ class Tokenizer:
             )
             tk.decoder = decoders.ByteLevel()
             self.gguf_pre = GGUF_PRE
+            self._normalizes = False
         self._tk = tk
 
         self.special_ids: dict[str, int] = {
@@ -357,16 +361,49 @@ class Tokenizer:
         if pos < len(text):
             spans.append(text[pos:])
             marks.append(None)
-        if len(spans) > 1:
-            encoded = iter(e.ids for e in self._tk.encode_batch(spans, add_special_tokens=False))
-        else:
-            encoded = iter(self._encode_text(s) for s in spans)
+        # encode_batch, even for one span: `tokenizers` releases the GIL only there,
+        # and a huge single-span prompt would otherwise freeze every other thread.
+        encoded = iter(e.ids for e in self._tk.encode_batch(spans, add_special_tokens=False)) if spans else iter(())
         for mark in marks:
             if mark is None:
                 out.extend(next(encoded))
             else:
                 out.append(mark)
         return out
+
+    def encode_prefix(self, text: str, limit: int, chunk_chars: int = 1 << 20) -> tuple[list[int], bool]:
+        """(ids, complete): `encode(text)`, or, once more than `limit` ids are
+        certain, only a prefix of it (complete=False), so a prompt too long for
+        the context is refused after tokenizing about what fits, in bounded time
+        and memory.  A long text is cut into ~chunk_chars pieces only where
+        DeepSeek's pre-tokenizer splits anyway (after a newline that a
+        non-space character follows: no pre-token and no special string spans
+        it), so the pieces' ids joined are exactly the whole text's."""
+        if len(text) <= 2 * chunk_chars or self.gguf_pre != GGUF_PRE or self._normalizes:
+            return self.encode(text), True
+        out: list[int] = []
+        pos = 0
+        while pos < len(text):
+            cut = _SAFE_CUT.search(text, pos + chunk_chars)
+            end = cut.end() if cut is not None else len(text)
+            out.extend(self.encode(text[pos:end]))
+            pos = end
+            if len(out) > limit and pos < len(text):
+                return out, False
+        return out, True
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token can stand for (a normalizer may
+        shrink text before BPE, so leave it room)."""
+        longest = max((len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1)
+        return max(1, longest) * (4 if self._normalizes else 1)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(self.encode(text))`, without tokenizing: what a
+        prompt too large for the context is refused by before any BPE runs."""
+        n_bytes = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        return -(-n_bytes // self.max_token_bytes)
 
     def token_bytes(self, token_id: int) -> bytes:
         """Raw bytes of one token (added tokens: their UTF-8 content; others:
@@ -390,6 +427,15 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, specials={len(self.special_ids)})"
+
+
+def _has_normalizer(spec) -> bool:
+    """Whether a tokenizer.json normalizer changes text (an empty Sequence does not)."""
+    if not spec:
+        return False
+    if spec.get("type") == "Sequence":
+        return any(_has_normalizer(n) for n in spec.get("normalizers") or [])
+    return True
 
 
 def _is_deepseek_pretokenizer(pre) -> bool:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import sys
 import warnings
 from dataclasses import dataclass
@@ -184,6 +185,26 @@ class GGUFTensorInfo:
         return tuple(reversed(self.ne))
 
 
+# The fewest bytes one metadata entry (key length, value type, a 1-byte value) and one
+# tensor description (name length, n_dims, type, offset) take in a GGUF header.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_BYTES = 8 + 4 + 4 + 8
+
+
+def _check_gguf_counts(path: Path, head: bytes, size: int) -> None:
+    """Refuse counts the file cannot hold before the reader loops over them."""
+    if len(head) < 24:
+        raise ValueError(f"{path}: truncated GGUF file (header needs 24 bytes, the file has {size})")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", head, 4)
+    if version & 0xFFFF == 0:  # a big-endian GGUF (gguf reads those too)
+        version, n_tensors, n_kv = struct.unpack_from(">IQQ", head, 4)
+    if version not in (2, 3):
+        raise ValueError(f"{path}: unsupported GGUF version {version} (expected 2 or 3)")
+    if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_BYTES > size - 24:
+        raise ValueError(f"{path}: corrupt GGUF header (claims {n_tensors} tensors and {n_kv} metadata entries, "
+                         f"more than a file of {size} bytes can hold)")
+
+
 _PLAIN_GGML = ("F32", "F16", "F64", "I8", "I16", "I32", "I64")
 
 
@@ -197,9 +218,12 @@ class GGUFFile:
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
         with open(self.path, "rb") as f:
-            magic = f.read(4)
+            head = f.read(24)
+            size = os.fstat(f.fileno()).st_size
+        magic = head[:4]
         if magic != GGUF_MAGIC:  # also the empty file, which np.memmap refuses
             raise ValueError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+        _check_gguf_counts(self.path, head, size)
         try:
             self.reader = _GGUFReader(self.path)
         except _TruncatedGGUF as e:
@@ -419,7 +443,8 @@ def dequant_fp4(w: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return (out.reshape(out.shape[0], -1, 32) * s[:, :, None]).reshape(out.shape)
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
+def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's safetensors shards (the index's, else every *.safetensors)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -437,16 +462,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
-    """HF folder (config.json + *.safetensors) -> (config, tensors, tokenizer).
-
-    Accepts transformers' in-memory names (the oracle), and the hub-checkpoint
-    names of deepseek-ai/DeepSeek-V4-Flash (`layers.N.attn.wq_a.weight`, per-expert
-    `ffn.experts.X.w1/w2/w3`): those are renamed, experts stacked and fused, and
-    FP8 / FP4 weights dequantized to float32 with their `.scale` (eagerly: fine for
-    small checkpoints and conversion, far too big for the full 284B model).
-    MTP (`mtp.*`) tensors are skipped."""
-    folder = Path(folder)
+def read_hf_config(folder: Path) -> dict:
+    """A Hugging Face folder's config.json, checked to be a JSON object."""
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder not found: {folder}")
     cfg_path = folder / "config.json"
@@ -458,7 +475,21 @@ def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
         raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
     if not isinstance(raw_cfg, dict):
         raise ValueError(f"{cfg_path}: expected a JSON object")
-    files = [SafetensorsFile(p) for p in _safetensors_files(folder)]
+    return raw_cfg
+
+
+def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
+    """HF folder (config.json + *.safetensors) -> (config, tensors, tokenizer).
+
+    Accepts transformers' in-memory names (the oracle), and the hub-checkpoint
+    names of deepseek-ai/DeepSeek-V4-Flash (`layers.N.attn.wq_a.weight`, per-expert
+    `ffn.experts.X.w1/w2/w3`): those are renamed, experts stacked and fused, and
+    FP8 / FP4 weights dequantized to float32 with their `.scale` (eagerly: fine for
+    small checkpoints and conversion, far too big for the full 284B model).
+    MTP (`mtp.*`) tensors are skipped."""
+    folder = Path(folder)
+    raw_cfg = read_hf_config(folder)
+    files = [SafetensorsFile(p) for p in safetensors_files(folder)]
     if raw_cfg.get("model_type", "deepseek_v4") not in DEEPSEEK_V4_TYPES:
         return _read_hf_other(folder, raw_cfg, files, with_tokenizer)
     config = names.normalize_config(raw_cfg)
@@ -519,9 +550,15 @@ def _folder_tokenizer(folder: Path, with_tokenizer: bool):
 def _read_hf_other(folder: Path, config: dict, files: list, with_tokenizer: bool):
     """Other families: the config as written and the tensors under their own
     (transformers in-memory) names; the family's `Model.sanitize` maps them."""
+    from .checkpoint_names import to_memory_names
+
     tensors = {k: f.get(k) for f in files for k in f.keys()}
     if not tensors:
         raise ValueError(f"{folder}: no tensors found in the safetensors files")
+    try:  # a folder written by transformers' save_pretrained has its checkpoint names
+        tensors = to_memory_names(str(config.get("model_type", "")), tensors)
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None
     return config, tensors, _folder_tokenizer(folder, with_tokenizer)
 
 

@@ -38,7 +38,7 @@ def _run(tok, script, cases, tmp_path, **opts):
     model = ScriptedModel(tok, script)
     backend = InProcessBackend(loaded=(model, tok), temperature=opts.pop("temperature", 0.0))
     runner = Runner(cases, backend, Options(**opts))
-    runner.trace = TraceWriter(str(tmp_path / "t.txt"))
+    runner.trace = TraceWriter.create(str(tmp_path / "t.txt"))
     assert runner.size_context() is None
     backend.open(runner.ctx)
     rc = runner.run()

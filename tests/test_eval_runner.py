@@ -138,7 +138,10 @@ def test_retry_incomplete_runs_only_unfinished_cases(tmp_path, capsys):
                         "--trace", str(trace), "--retry-incomplete", "--tokens", "32"], capsys)
     assert "[1/3]" not in out and "[2/3]" in out and "[3/3]" in out
     recs = _trace(trace)
-    assert [(r.id, r.status) for r in recs] == [(C1["id"], "PASSED"), (C2["id"], "PASSED"), (C4["id"], "PASSED")]
+    # append-only: the old records stay as they were, the reruns follow
+    assert [(r.id, r.status) for r in recs] == [(C1["id"], "PASSED"), (C2["id"], "STOPPED"), (C2["id"], "PASSED"),
+                                                (C4["id"], "PASSED")]
+    assert trace.read_text().startswith(old)
     assert "  1 PASSED " in out and rc == 0
 
 
@@ -236,7 +239,7 @@ def test_enter_switches_and_switched_case_runs_again(tmp_path):
     cases = CORE[:4]
     backend = Steering({"default": "</think>Answer: B"}, cases[1]["id"], lambda ctl: ctl.request(3))
     runner = Runner(cases, backend, Options(tokens=32))
-    runner.trace = TraceWriter(str(tmp_path / "t.txt"))
+    runner.trace = TraceWriter.create(str(tmp_path / "t.txt"))
     runner.size_context()
     runner.run()
     runner.finish_trace()
@@ -268,7 +271,8 @@ def test_error_aborts_with_exit_1(tmp_path, capsys):
     assert f"ds4-eval: decode failed for {C2['id']}: boom" in err
     assert [r.status for r in _trace(trace)] == ["PASSED", "ERROR"]
     assert "error: decode failed: boom" in trace.read_text()
-    assert "  2 PREFILL " in out and "  3 PENDING " in out
+    assert "  2 ERROR " in out and "  3 PENDING " in out
+    assert f"  2 ERROR SuperGPQA/{C2['id']}: decode failed: boom" in out  # the reason outlives a TUI
 
 
 def test_nothink_prompt_and_raw(tmp_path, capsys):

@@ -37,3 +37,30 @@ def test_eval_endpoint_against_ds4mlx_serve(demo_server, tmp_path, capsys):
         assert r.int_field("prompt_tokens") > 100  # the eval prompt, tokenized by the server
         assert 0 < r.int_field("generated_tokens") <= 24
     assert "context sized by the server" in err and "GPQA Diamond" in out and "SuperGPQA" in out
+
+
+def test_hard_smoke_report_and_better_baseline_against_ds4mlx_serve(demo_server, tmp_path, capsys):
+    """The issue's acceptance run (short budget: random weights, 2 CPU cores): a valid
+    report, and a crafted better baseline makes the run exit 1."""
+    import json
+
+    from ds4mlx.eval import load_cases
+
+    cases = load_cases("hard-smoke")
+    better = {"format": "ds4mlx-eval-report/1", "totals": {"passed": len(cases)},
+              "cases": [{"source": c["source"], "id": c["id"], "status": "PASSED"} for c in cases]}
+    (tmp_path / "better.json").write_text(json.dumps(better))
+    report = tmp_path / "r.json"
+    rc = main(["eval", "--endpoint", demo_server.url, "--suite", "hard-smoke", "--plain", "--tokens", "4",
+               "--seed", "3", "--report", str(report), "--baseline", str(tmp_path / "better.json")])
+    out, err = capsys.readouterr()
+    assert rc == 1, out + err
+    r = json.loads(report.read_text())
+    assert r["complete"] and r["suite"] == "hard-smoke" and r["backend"] == "endpoint"
+    assert [(c["source"], c["id"]) for c in r["cases"]] == [(c["source"], c["id"]) for c in cases]
+    assert all(c["status"] in ("PASSED", "FAILED") and 0 < c["tokens"] <= 4 and c["prompt_tokens"] > 50
+               for c in r["cases"])
+    t = r["totals"]
+    assert t["passed"] + t["failed"] == t["total"] == len(cases) and t["errors"] == 0
+    assert sum(s["total"] for s in r["sources"].values()) == len(cases)
+    assert f"ds4-eval: baseline {len(cases)} passed, this run {t['passed']}: drop" in out and "dropped" in out

@@ -1,7 +1,12 @@
-"""Hypothesis fuzz: ≥ 2,000 generated bodies per generation route against a
-live server (scripted model, tiny limits).  Every answer must be < 500 and
-well-formed (JSON error in the API's shape, JSON body, or an SSE stream), and
-the server must keep serving."""
+"""Hypothesis fuzz: generated bodies per generation route against a live server
+(scripted model, tiny limits).  Every answer must be < 500 and well-formed
+(JSON error in the API's shape, JSON body, or an SSE stream), none may hang
+(a 60 s client timeout fails the test), and the server must keep serving.
+The bodies include image / audio / file parts (a clear 400 today) and tool
+histories (calls followed by their results, ids matching or not).
+
+`DS4MLX_FUZZ_EXAMPLES` bodies per route: 250 by default (1,000 in all, the CI
+size); `make test-fuzz` runs 2,500 per route, 10,000 in all."""
 from __future__ import annotations
 
 import http.client
@@ -16,7 +21,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import ScriptedModel, serve  # noqa: E402
 
-EXAMPLES = int(__import__("os").environ.get("DS4MLX_FUZZ_EXAMPLES", "2000"))
+EXAMPLES = int(__import__("os").environ.get("DS4MLX_FUZZ_EXAMPLES", "250"))
 DSML = ('Hmm.</think>Ok.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
         '<｜DSML｜parameter name="a" string="false">1</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
 
@@ -46,13 +51,44 @@ block_type = st.sampled_from(["text", "image_url", "input_text", "output_text", 
 block = st.fixed_dictionaries({"type": block_type}, optional={
     "text": mostly(text), "id": text, "tool_use_id": text, "name": text, "input": anyjson, "content": text,
     "thinking": text})
-content = mostly(text | st.none() | st.lists(text | block, max_size=3))
+call_id = st.sampled_from(["call_1", "call_2", "toolu_1", "fc_1"]) | text
+media = st.one_of(  # every API's media parts: refused with a 400 naming the part
+    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": mostly(st.fixed_dictionaries(
+        {"url": st.sampled_from(["https://example.com/a.png", "data:image/png;base64,iVBORw0KGgo=",
+                                 "file:///etc/passwd"])}))}),
+    st.fixed_dictionaries({"type": st.just("image"), "source": mostly(st.fixed_dictionaries(
+        {"type": st.sampled_from(["base64", "url"]), "media_type": st.just("image/png"),
+         "data": st.just("iVBORw0KGgo=")}))}),
+    st.fixed_dictionaries({"type": st.just("input_image"), "image_url": mostly(text)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["input_audio", "file", "input_file", "document"])},
+                          optional={"input_audio": anyjson, "file": anyjson, "source": anyjson}))
+content = mostly(text | st.none() | st.lists(text | block | media, max_size=3))
 tool_call = mostly(st.fixed_dictionaries({"id": text, "type": st.just("function"), "function": st.fixed_dictionaries(
     {"name": text, "arguments": mostly(text)})}))
 role = mostly(st.sampled_from(["user", "user", "assistant", "system", "developer", "tool", "function", "wizard"]))
 message = st.fixed_dictionaries({"role": role, "content": content}, optional={
     "tool_calls": st.lists(tool_call, max_size=2), "tool_call_id": text, "reasoning_content": mostly(text)})
-messages = mostly(st.lists(message, min_size=1, max_size=4) | st.lists(message, max_size=1))
+# tool histories: a user turn, an assistant call, its result (id matching or not), the user again
+chat_call = st.fixed_dictionaries({"id": call_id, "type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g"]), "arguments": mostly(st.sampled_from(['{"a": 1}', "{}", "not json"]))})})
+chat_history = st.tuples(
+    st.just({"role": "user", "content": "use the tool"}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": mostly(st.just("") | text),
+                           "tool_calls": st.lists(chat_call, min_size=1, max_size=2)}),
+    st.fixed_dictionaries({"role": st.just("tool"), "tool_call_id": call_id, "content": mostly(text)}),
+    st.lists(message, max_size=1)).map(lambda t: [t[0], t[1], t[2], *t[3]])
+messages = mostly(st.lists(message, min_size=1, max_size=4) | st.lists(message, max_size=1) | chat_history)
+anthropic_history = st.tuples(
+    st.just({"role": "user", "content": "use the tool"}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.lists(st.one_of(
+        st.fixed_dictionaries({"type": st.just("tool_use"), "id": call_id, "name": st.sampled_from(["f", "g"]),
+                               "input": mostly(st.just({"a": 1}))}),
+        st.fixed_dictionaries({"type": st.just("thinking"), "thinking": text})), min_size=1, max_size=2)}),
+    st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": call_id, "content": mostly(text | st.lists(block | media,
+                                                                                                    max_size=2))}),
+        min_size=1, max_size=2)})).map(list)
+anthropic_messages = mostly(st.lists(message, min_size=1, max_size=4) | anthropic_history)
 model = mostly(st.sampled_from(["deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner", "deepseek-v4-flash",
                                 "gpt-4", ""]))
 fn_tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
@@ -76,7 +112,7 @@ chat_body = st.fixed_dictionaries({"messages": messages}, optional={
         {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})})),
     "max_completion_tokens": mostly(small_int)})
 completion_body = st.fixed_dictionaries({"prompt": mostly(text | st.lists(text, max_size=2))}, optional=common)
-anthropic_body = st.fixed_dictionaries({"messages": messages, "max_tokens": mostly(small_int)}, optional={
+anthropic_body = st.fixed_dictionaries({"messages": anthropic_messages, "max_tokens": mostly(small_int)}, optional={
     **{k: v for k, v in common.items() if k != "max_tokens"}, "system": mostly(text | st.lists(text | block, max_size=2)),
     "tools": tools,
     "tool_choice": mostly(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none"])},
@@ -89,7 +125,17 @@ item = st.fixed_dictionaries({"type": item_type}, optional={
     "role": role, "content": content, "call_id": text, "name": text, "arguments": mostly(text),
     "output": mostly(text), "summary": mostly(st.lists(block, max_size=2)), "status": mostly(st.sampled_from(
         ["completed", "completed", "in_progress"])), "namespace": text, "tools": anyjson})
-responses_body = st.fixed_dictionaries({"input": mostly(text | st.lists(item, max_size=4))}, optional={
+responses_history = st.tuples(
+    st.just({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "use the tool"}]}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "custom_tool_call"]), "call_id": call_id,
+                           "name": st.sampled_from(["f", "g"]), "arguments": mostly(st.just('{"a":1}'))}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call_output", "custom_tool_call_output"]),
+                           "call_id": call_id, "output": mostly(text)}),
+    st.lists(item, max_size=1)).map(lambda t: [t[0], t[1], t[2], *t[3]])
+responses_media = st.fixed_dictionaries({"type": st.just("message"), "role": st.just("user"),
+                                         "content": st.lists(media | block, min_size=1, max_size=2)})
+responses_body = st.fixed_dictionaries({"input": mostly(text | st.lists(item | responses_media, max_size=4)
+                                                        | responses_history)}, optional={
     **common, "instructions": mostly(text), "tools": tools, "max_output_tokens": mostly(small_int),
     "tool_choice": mostly(st.sampled_from(["auto", "none", "required"])),
     "reasoning": mostly(st.fixed_dictionaries({}, optional={"effort": effort, "summary": mostly(st.sampled_from(
@@ -173,6 +219,7 @@ def test_fuzz_route(srv, path, api, strategy):
         counts[status] = counts.get(status, 0) + 1
 
     run()
+    print(f"{path}: {sum(counts.values())} bodies, statuses {dict(sorted(counts.items()))}")
     assert sum(counts.values()) >= EXAMPLES
     assert counts.get(200, 0) >= EXAMPLES // 20, counts  # a real share of bodies reached the engine
     # still serving, worker alive

@@ -226,13 +226,17 @@ BAD_BODIES = [
     (b'{"messages":[], "x":' + b"[" * 300 + b"]" * 300 + b"}", 400, "invalid JSON request"),
     (b"[1,2]", 400, "invalid JSON request"),
     (b'{"messages":"hi"}', 400, None),
-    (b'{"messages":[{"role":"user","content":"x"}],"temperature":"hot"}', 400, "invalid JSON request"),
-    (b'{"messages":[{"role":"user","content":"x"}],"max_tokens":"5"}', 400, "invalid JSON request"),
-    (b'{"messages":[{"role":"user","content":"x"}],"stream":1}', 400, "invalid JSON request"),
+    (b'{"messages":[{"role":"user","content":"x"}],"temperature":"hot"}', 400,
+     "Invalid type for 'temperature': expected a number or null, but got a string instead."),
+    (b'{"messages":[{"role":"user","content":"x"}],"max_tokens":"5"}', 400,
+     "Invalid type for 'max_tokens': expected a number or null, but got a string instead."),
+    (b'{"messages":[{"role":"user","content":"x"}],"stream":1}', 400,
+     "Invalid type for 'stream': expected a boolean or null, but got a number instead."),
     (b'{"messages":[]}', 400, "messages must not be empty"),
     (b'{"messages":[{"role":"wizard","content":"x"}]}', 400, "unknown role: wizard"),
     (b'{"model":"deepseek-v4-flash"}', 400, "missing messages"),
-    (b'{"messages":[{"role":"user","content":"x"}],"reasoning_effort":"extreme"}', 400, "invalid JSON request"),
+    (b'{"messages":[{"role":"user","content":"x"}],"reasoning_effort":"extreme"}', 400,
+     "Invalid value for 'reasoning_effort'."),
 ]
 
 

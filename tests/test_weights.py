@@ -499,7 +499,7 @@ def test_truncated_safetensors(oracle_dir, tmp_path):
 def test_cli_convert_errors(tmp_path, capsys):
     from ds4mlx.cli import main
 
-    assert main(["convert", str(tmp_path), str(tmp_path / "o.gguf")]) == 1
+    assert main(["convert", str(tmp_path), str(tmp_path / "o.gguf")]) == 2  # a broken input: exit 2 (#28)
     err = capsys.readouterr().err
     assert "no config.json" in err
     assert not (tmp_path / "o.gguf").exists()

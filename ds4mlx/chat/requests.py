@@ -142,12 +142,12 @@ class _Thinking:
         self.explicit = True
         self.enabled = v
 
-    def set_effort(self, v: Any) -> bool:
+    def set_effort(self, v: Any, field: str = "reasoning_effort") -> bool:
         """reasoning_effort-style value; returns True if it carried a value."""
         if v is None:
             return False
         if not isinstance(v, str) or v not in _EFFORTS:
-            raise _bad()
+            raise RequestError(M.ERR_INVALID_JSON, param=field)
         self.effort = _EFFORTS[v]
         return True
 
@@ -492,7 +492,7 @@ def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical
             th.control(v)
         elif k == "output_config":
             if isinstance(v, dict) and "effort" in v:
-                effort_named = th.set_effort(v["effort"]) or effort_named
+                effort_named = th.set_effort(v["effort"], "output_config.effort") or effort_named
         elif k == "reasoning_effort":
             effort_named = th.set_effort(v) or effort_named
         elif k == "stop_sequences":
@@ -648,7 +648,7 @@ def parse_responses(body: Any, *, ctx: int = 32768, json_style: str = "canonical
             if isinstance(v, dict):
                 for rk, rv in v.items():
                     if rk == "effort":
-                        if th.set_effort(rv):
+                        if th.set_effort(rv, "reasoning.effort"):
                             th.explicit = True
                             if th.effort == "none":
                                 th.enabled = False

@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Protocol
 
+from .endpoint_wire import message_of, short_error, sse_data, usage_of
 from .prompts import Prompt
 from .thinkclose import (THINK_CLOSE, CloseEvent, GenResult, Interrupted, ThinkCloser,
                          run_token_loop)
@@ -45,10 +46,19 @@ class Control:
         self.switch_to: Optional[int] = None   # case position requested with Enter
         self.running: Optional[int] = None     # case position being generated
         self.paused_seconds = 0.0              # total time spent paused
+        self.pause_started = 0.0               # monotonic start of the current pause
 
     def toggle_pause(self) -> None:
         with self._lock:
             self.paused = not self.paused
+            if self.paused:
+                self.pause_started = time.monotonic()
+
+    def paused_total(self) -> float:
+        """Time spent paused, the pause in progress included (speed figures)."""
+        if self.paused and self.pause_started:
+            return self.paused_seconds + max(0.0, time.monotonic() - self.pause_started)
+        return self.paused_seconds
 
     def request_quit(self) -> None:
         with self._lock:
@@ -105,7 +115,8 @@ class FakeBackend:
     """Scripted outputs, streamed token by token through the real decode loop.
 
     script: {"default": TEXT, "cases": {CASE_ID: TEXT}, "delay": SECONDS_PER_TOKEN,
-             "prefill_delay": SECONDS, "error": {CASE_ID: MESSAGE}}
+             "prefill_delay": SECONDS, "error": {CASE_ID: MESSAGE},
+             "open_delay": SECONDS, "open_error": MESSAGE}
     A text is split into word-sized tokens (`</think>` is one token); the three
     plain tokens `</`, `think`, `>` form the close sequence used by hard closes.
     """
@@ -122,6 +133,9 @@ class FakeBackend:
         return len(_TOKEN_RE.findall(prompt.text))
 
     def open(self, ctx: int) -> None:
+        time.sleep(float(self.script.get("open_delay", 0.0)))  # a slow model load
+        if self.script.get("open_error"):
+            raise RuntimeError(self.script["open_error"])
         self.ctx = ctx
 
     def _output_for(self, case_id: str) -> str:
@@ -170,19 +184,31 @@ class FakeBackend:
 
 # ---------------------------------------------------------------- OpenAI-compatible endpoint
 
+CONTINUATIONS = ("none", "prefix")
+
+
 class EndpointBackend:
     """Streams `POST {url}/v1/chat/completions` (SSE) from any OpenAI-compatible
     server: ds4mlx serve, ds4-server, llama.cpp, vLLM.  Reasoning arrives as
     `reasoning_content` (or `reasoning`) deltas and is written to the raw output
     followed by `</think>` once the answer starts.  The server owns tokenization,
-    so there is no context sizing and no forced `</think>` (think_close is
-    `natural` or `none`)."""
+    so there is no context sizing.  A forced `</think>` needs a server that can
+    continue an assistant message: with `continuation="prefix"` a reasoning that
+    reaches the think cap (budget - hard budget, counted in chunks) is cut there and
+    a second request sends it back as a DeepSeek-style prefix message
+    (`{"role": "assistant", "reasoning_content": ..., "prefix": true}`); with
+    "none" (the default, what ds4mlx serve supports) nothing is forced and the
+    trace / TUI say so (think_close `natural` or `none`)."""
 
     name = "endpoint"
 
     def __init__(self, url: str, api_key: Optional[str] = None, model: Optional[str] = None,
                  temperature: float = 0.0, top_p: float = 1.0, min_p: float = 0.05,
-                 timeout: float = 3600.0):
+                 timeout: float = 3600.0, continuation: str = "none"):
+        if continuation not in CONTINUATIONS:
+            raise ValueError(f"unknown continuation {continuation!r}")
+        self.continuation = continuation
+        self.forces_think_close = continuation != "none"
         url = url.rstrip("/")
         for suffix in ("/chat/completions", "/v1"):
             if url.endswith(suffix):
@@ -233,6 +259,10 @@ class EndpointBackend:
         }
         if seed:
             body["seed"] = seed
+        if prompt.thinking and prompt.think_level is not None:
+            body["reasoning_effort"] = prompt.think_level
+        elif prompt.thinking and prompt.think_max:
+            body["reasoning_effort"] = "max"
         if not prompt.thinking:
             body["think"] = False
             body["chat_template_kwargs"] = {"thinking": False, "enable_thinking": False}
@@ -242,29 +272,56 @@ class EndpointBackend:
                  on_prefill: Callback = _noop, on_started: Callback = _noop, on_text: Callback = _noop,
                  soft_budget: int = 1024, hard_budget: int = 512, soft_rank: int = 3,
                  case_id: str = "") -> GenResult:
-        return asyncio.run(self._generate(prompt, max_tokens, seed, control, on_started, on_text))
+        think_cap = max_tokens - hard_budget if (prompt.thinking and self.forces_think_close) else 0
+        return asyncio.run(self._generate(prompt, max_tokens, seed, control, on_started, on_text, think_cap))
+
+    @property
+    def chat_url(self) -> str:
+        return self.base + "/v1/chat/completions"
+
+    def continuation_body(self, prompt: Prompt, reasoning: str, max_tokens: int, seed: int) -> dict[str, Any]:
+        """The second request of a forced `</think>`: the reasoning so far as a
+        DeepSeek-style prefix assistant message (`prefix: true`), answer next."""
+        body = self.body(prompt, max_tokens, seed)
+        body["messages"] = list(body["messages"]) + [
+            {"role": "assistant", "content": "", "reasoning_content": reasoning, "prefix": True}]
+        return body
 
     async def _generate(self, prompt: Prompt, max_tokens: int, seed: int, control: Control,
-                        on_started: Callback, on_text: Callback) -> GenResult:
+                        on_started: Callback, on_text: Callback, think_cap: int = 0) -> GenResult:
+        """One request, streamed (SSE) or, for a server that ignores `stream`, one
+        JSON body; with `think_cap` a reasoning that reaches it is cut there and a
+        second request continues after a forced `</think>`.  A stream that ends
+        without a finish_reason or [DONE] is an ERROR (cut off), never a graded
+        answer.  Every error names the URL."""
         import aiohttp
 
         res = GenResult()
         raw: list[str] = []
-        state = {"reasoning": False, "closed": not prompt.thinking, "chunks": 0, "started": False}
+        reasoning: list[str] = []
+        state = {"reasoning": False, "closed": not prompt.thinking, "chunks": 0, "started": False,
+                 "finished": False, "forced": False}
         t0 = time.monotonic()
         paused0 = control.paused_seconds
+        url = self.chat_url
 
         def emit(text: str) -> None:
             raw.append(text)
             on_text(text)
 
-        def delta_text(delta: dict[str, Any]) -> None:
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
-            content = delta.get("content") or ""
-            if reasoning:
+        def started() -> None:
+            if not state["started"]:
+                state["started"] = True
+                on_started(res.prompt_tokens)
+
+        def delta_text(think: str, content: str) -> None:
+            if think and not state["closed"]:
                 state["reasoning"] = True
-                emit(reasoning)
+                reasoning.append(think)
+                emit(think)
                 state["chunks"] += 1
+            elif think:  # reasoning after a forced close: part of the answer now
+                content = think + content
             if content:
                 if state["reasoning"] and not state["closed"]:
                     state["closed"] = True
@@ -273,50 +330,102 @@ class EndpointBackend:
                 emit(content)
                 state["chunks"] += 1
 
+        def finish(reason: Optional[str]) -> None:
+            if reason:
+                state["finished"] = True
+                res.finish = "stop" if reason in ("stop", "tool_calls") else (
+                    "length" if reason == "length" else "error")
+                if res.finish == "error":
+                    res.error = f"POST {url}: server finish_reason {reason}"
+
+        def fail(msg: str) -> GenResult:
+            res.finish, res.error = "error", f"POST {url}: {msg}"
+            return res
+
+        def at_cap() -> bool:
+            return bool(think_cap) and not state["closed"] and state["chunks"] >= think_cap
+
+        async def request(s: Any, body: dict[str, Any]) -> Optional[str]:
+            """Read one response into the state; an error text, or None.  Sets
+            state["tokens"]: the response's completion_tokens, else its chunk count."""
+            c0, usage = state["chunks"], 0
+            state["tokens"] = 0
+            async with s.post(url, headers=self._headers(), json=body) as r:
+                if r.status != 200:
+                    return f"HTTP {r.status}: {short_error(await r.text(errors='replace'))}"
+                if "text/event-stream" not in r.headers.get("Content-Type", ""):
+                    text = await r.text(errors="replace")
+                    try:
+                        data = json.loads(text)
+                    except ValueError:
+                        return f"neither an event stream nor JSON: {short_error(text)}"
+                    msg = message_of(data)
+                    if msg is None:
+                        err = data.get("error") if isinstance(data, dict) else None
+                        return short_error(text) if err else "JSON body without choices"
+                    p_tok, usage = usage_of(data)
+                    res.prompt_tokens = res.prompt_tokens or p_tok
+                    started()
+                    delta_text(msg[0], msg[1])
+                    finish(msg[2] or "stop")
+                    state["tokens"] = usage or state["chunks"] - c0
+                    return None
+                buf = bytearray()
+                done = False
+                async for piece in r.content.iter_any():
+                    buf += piece
+                    for data in sse_data(buf):
+                        if data == b"[DONE]":
+                            done = True
+                            break
+                        chunk = json.loads(data)
+                        if chunk.get("error"):
+                            return short_error(json.dumps(chunk))
+                        p_tok, g_tok = usage_of(chunk)
+                        if p_tok or g_tok:
+                            res.prompt_tokens = res.prompt_tokens or p_tok
+                            usage = g_tok
+                        for choice in chunk.get("choices") or []:
+                            started()
+                            delta = choice.get("delta") or {}
+                            delta_text(delta.get("reasoning_content") or delta.get("reasoning") or "",
+                                       delta.get("content") or "")
+                            finish(choice.get("finish_reason"))
+                        if at_cap():
+                            state["tokens"] = state["chunks"] - c0
+                            return None  # leaving the block drops the connection: the server stops
+                    control.check()
+                    if done:
+                        break
+                state["tokens"] = usage or state["chunks"] - c0
+                if not (done or state["finished"]):
+                    return (f"stream ended before the answer finished (after {state['chunks']} chunks, "
+                            "no finish_reason or [DONE])")
+                return None
+
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as s:
-                async with s.post(self.base + "/v1/chat/completions", headers=self._headers(),
-                                  json=self.body(prompt, max_tokens, seed)) as r:
-                    if r.status != 200:
-                        text = (await r.text())[:500]
-                        res.finish, res.error = "error", f"HTTP {r.status}: {text}"
-                        return res
-                    buf = b""
-                    async for piece in r.content.iter_any():
-                        buf += piece
-                        while b"\n" in buf:
-                            line, buf = buf.split(b"\n", 1)
-                            line = line.strip()
-                            if not line.startswith(b"data:"):
-                                continue
-                            data = line[5:].strip()
-                            if data == b"[DONE]":
-                                buf = b""
-                                break
-                            chunk = json.loads(data)
-                            if chunk.get("error"):
-                                res.finish, res.error = "error", str(chunk["error"])[:500]
-                                return res
-                            usage = chunk.get("usage")
-                            if usage:
-                                res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                                res.generated_tokens = int(usage.get("completion_tokens") or 0)
-                            for choice in chunk.get("choices") or []:
-                                if not state["started"]:
-                                    state["started"] = True
-                                    on_started(res.prompt_tokens)
-                                delta_text(choice.get("delta") or {})
-                                fr = choice.get("finish_reason")
-                                if fr:
-                                    res.finish = "stop" if fr in ("stop", "tool_calls") else (
-                                        "length" if fr == "length" else "error")
-                                    if res.finish == "error":
-                                        res.error = f"server finish_reason {fr}"
-                        control.check()
+                err = await request(s, self.body(prompt, max_tokens, seed))
+                res.generated_tokens = state["tokens"]
+                if err is None and at_cap() and not state["finished"]:
+                    # forced </think>: the reasoning so far, then the answer by a second request
+                    used = state["chunks"]
+                    state["closed"] = state["forced"] = True
+                    emit(THINK_CLOSE)
+                    res.close = CloseEvent("hard_forced", used + 1, max_tokens - used, 0)
+                    body = self.continuation_body(prompt, "".join(reasoning), max_tokens - used, seed)
+                    err = await request(s, body)
+                    res.generated_tokens = used + state["tokens"]
+                    if err:
+                        err = f"continuation after the forced </think> ({self.continuation}): {err}"
+                if err:
+                    fail(err)
         except Interrupted as e:
             res.finish = e.status.lower()
-        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, OSError) as e:
-            res.finish, res.error = "error", f"endpoint: {type(e).__name__}: {e}"
+        except json.JSONDecodeError as e:
+            fail(f"bad JSON in the event stream: {e}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            fail(f"{type(e).__name__}: {e}")
         finally:
             res.raw = "".join(raw)
             if not res.generated_tokens:
@@ -333,7 +442,8 @@ def make_backend(kind: str, **kw: Any) -> Backend:
         return FakeBackend(kw.get("script"))
     if kind == "endpoint":
         return EndpointBackend(kw["url"], kw.get("api_key"), kw.get("model_name"),
-                               kw.get("temperature", 0.0), kw.get("top_p", 1.0), kw.get("min_p", 0.05))
+                               kw.get("temperature", 0.0), kw.get("top_p", 1.0), kw.get("min_p", 0.05),
+                               continuation=kw.get("continuation", "none"))
     from .inprocess import InProcessBackend
 
     return InProcessBackend(kw.get("model"), temperature=kw.get("temperature", 0.0),

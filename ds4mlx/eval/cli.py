@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any, Optional
 
+from ..modelfile import EXIT_CODE, ModelFileError
 from .cases import SUITES, load_cases, select, unknown_ids, validate_cases
 
 CTX_CAP = 1_000_000
@@ -25,7 +26,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("-m", "--model", default=None,
                    help="GGUF file or Hugging Face folder (default: the demo model); with --endpoint, "
                         "the model name sent to the server (default: the first of /v1/models)")
-    g.add_argument("--endpoint", metavar="URL", help="use an OpenAI-compatible server (streaming chat completions)")
+    g.add_argument("--endpoint", metavar="URL",
+                   help="use an OpenAI-compatible server (chat completions, streamed or not); the server "
+                        "sizes the context (the trace says ctx: server)")
+    g.add_argument("--endpoint-continuation", choices=("none", "prefix"), default="none",
+                   help="forced </think> at the think cap with --endpoint: 'prefix' cuts the reasoning there and "
+                        "asks for the answer by a second request (DeepSeek-style assistant prefix message); "
+                        "'none' (default; ds4mlx serve has no continuation) forces nothing: a reasoning may use "
+                        "the whole budget")
     g.add_argument("--api-key", default=os.environ.get("DS4MLX_EVAL_API_KEY"),
                    help="bearer token for --endpoint (default: $DS4MLX_EVAL_API_KEY)")
     g.add_argument("--backend", choices=("mlx", "endpoint", "fake"), default=None, help=argparse.SUPPRESS)
@@ -44,12 +52,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("-n", "--tokens", type=int, default=None, metavar="N",
                    help="generation budget per case (default: the case's own, 16000; Juliet 8000)")
-    g.add_argument("--think", dest="thinking", action="store_true", default=True, help="thinking on (default)")
-    g.add_argument("--nothink", dest="thinking", action="store_false", help="thinking off")
+    from ..think_flags import add_think_arguments
+
+    add_think_arguments(g)  # ds4's --think / --think-max / --nothink / --think-level
     g.add_argument("--soft-limit-reply-budget", type=int, metavar="N",
-                   help="soft </think> close once this many tokens remain (default 1024)")
+                   help="soft </think> close once this many tokens remain (default 1024; below --tokens 2048 "
+                        "it is half the budget)")
     g.add_argument("--hard-limit-reply-budget", type=int, metavar="N",
-                   help="forced </think> once this many tokens remain (default 512)")
+                   help="forced </think> once this many tokens remain (default 512; below --tokens 2048 it is "
+                        "a quarter of the budget)")
     g.add_argument("--soft-limit-think-close-rank", type=int, default=3, metavar="N",
                    help="soft close when </think> ranks in the top N (default 3)")
     g.add_argument("--temp", type=float, default=0.0, help="temperature (default 0 = greedy)")
@@ -66,6 +77,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="grade a trace again with the current extractors (no model)")
     g.add_argument("--self-test-extractors", action="store_true",
                    help="run the built-in extractor vectors (no model) and exit")
+    g.add_argument("--report", metavar="FILE.json",
+                   help="write a JSON report: per case id, suite, source, domain, status, expected, "
+                        "extracted, tokens, seconds, t/s; totals and per-source counts")
+    g.add_argument("--baseline", metavar="FILE.json",
+                   help="compare with an earlier --report: exit 0 when the pass count dropped by at most "
+                        "--max-drop, 1 when it dropped more, 2 on a harness error (error, unfinished run)")
+    g.add_argument("--max-drop", type=int, default=0, metavar="N",
+                   help="with --baseline: passes allowed to be lost (default 0)")
     g.add_argument("--plain", action="store_true", help="no TUI (also when stdout is not a terminal)")
     g.add_argument("--pause-ms", type=int, default=350, help="TUI pause after each result (default 350)")
 
@@ -105,6 +124,31 @@ def _validate(a: argparse.Namespace) -> Optional[str]:
             return f"--soft-limit-reply-budget ({soft}) must be >= --hard-limit-reply-budget ({eff_hard})"
     if a.retry_incomplete and not a.trace:
         return "--retry-incomplete needs --trace FILE"
+    if a.max_drop < 0:
+        return f"invalid value for --max-drop: {a.max_drop}"
+    if a.max_drop and not a.baseline:
+        return "--max-drop needs --baseline FILE.json"
+    return None
+
+
+def _thinking(a: argparse.Namespace) -> Optional[str]:
+    """`a.thinking` / `a.think_max` from the ds4 thinking flags.  The in-process
+    backend renders DeepSeek V4 prompts, so numeric levels only go to an endpoint
+    (as reasoning_effort); Think Max needs --ctx >= 393216 (an auto-sized context is
+    the largest prompt + budget), else normal thinking with ds4's warning."""
+    from ..think_flags import THINK_MAX_MIN_CONTEXT, downgrade_notice
+
+    think = getattr(a, "think", "high")
+    a.think_level = None
+    if isinstance(think, int):
+        if not a.endpoint:
+            return "--think-level requires a DeepSeek V4.1 model (ds4-eval renders DeepSeek V4 prompts here; " \
+                   "use --endpoint with a V4.1 server)"
+        a.think_level = think
+    a.thinking = think not in ("none", 0)
+    a.think_max = think == "max" and a.ctx is not None and a.ctx >= THINK_MAX_MIN_CONTEXT
+    if think == "max" and not a.think_max:
+        print(f"ds4-eval: warning: {downgrade_notice('--think-max', a.ctx or 0)}", file=sys.stderr)
     return None
 
 
@@ -130,30 +174,50 @@ def _backend(a: argparse.Namespace):
         if not a.endpoint:
             raise SystemExit(_fail("--backend endpoint needs --endpoint URL"))
         return make_backend("endpoint", url=a.endpoint, api_key=a.api_key, model_name=a.model,
-                            temperature=a.temp, top_p=a.top_p, min_p=a.min_p)
+                            temperature=a.temp, top_p=a.top_p, min_p=a.min_p,
+                            continuation=a.endpoint_continuation)
     return make_backend("mlx", model=a.model, temperature=a.temp, top_p=a.top_p, min_p=a.min_p)
 
 
-def _carry_over(runner: Any, path: str) -> list[str]:
-    """--retry-incomplete: mark the cases whose latest record is PASSED/FAILED as done."""
-    from .trace import parse_trace
+def _carry_over(runner: Any, path: str) -> None:
+    """--retry-incomplete: mark the cases with a complete PASSED/FAILED record as done.
+    Only reads the trace; the run appends to it and never rewrites it."""
+    from .trace import completed_records, parse_trace
 
     try:
         with open(path, "rb") as f:
-            records = parse_trace(f.read())
-    except OSError:
-        return []
-    latest = {(r.source, r.id): r for r in records if r.source and r.id}
-    kept = []
+            done = completed_records(parse_trace(f.read()))
+    except FileNotFoundError:
+        return
     for cr in runner.runs:
-        rec = latest.get((cr.case["source"], cr.case["id"]))
-        if rec is not None and rec.status in ("PASSED", "FAILED"):
+        rec = done.get((cr.case["source"], cr.case["id"]))
+        if rec is not None:
             cr.status, cr.picked = rec.status, rec.picked
             cr.prompt_tokens = rec.int_field("prompt_tokens")
             cr.generated = rec.int_field("generated_tokens")
+            cr.elapsed = rec.float_field("elapsed_sec")
             cr.carried = rec.raw
-            kept.append(rec.raw if rec.raw.endswith("\n") else rec.raw + "\n")
-    return kept
+
+
+def _loading_notice(a: argparse.Namespace, backend: Any) -> None:
+    """Say what is loading (the screen stayed blank for the whole load) and that the
+    default demo model has random weights."""
+    if backend.name == "mlx" and (a.model in (None, "demo") or str(a.model or "").startswith("demo:")):
+        print("ds4-eval: no -m MODEL: using the demo model, which has RANDOM weights "
+              "(every answer is gibberish; this only exercises the harness)", file=sys.stderr)
+    if backend.name == "mlx":
+        print(f"ds4-eval: loading {a.model or 'the demo model'} ...", file=sys.stderr, flush=True)
+    elif backend.name == "endpoint":
+        print(f"ds4-eval: using {a.endpoint}", file=sys.stderr, flush=True)
+
+
+def _writable(path: str, append: bool, what: str) -> Optional[str]:
+    """Checked before the model loads, without touching an existing file."""
+    if append and os.path.exists(path):
+        ok = os.access(path, os.R_OK | os.W_OK)
+    else:
+        ok = os.access(os.path.dirname(os.path.abspath(path)), os.W_OK)
+    return None if ok else f"cannot write {what} '{path}'"
 
 
 def run(a: argparse.Namespace) -> int:
@@ -174,7 +238,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"ds4-eval: case data valid ({len(load_cases('core'))} core, {len(load_cases('hard'))} hard, "
               f"{len(load_cases('hard-smoke'))} hard-smoke)")
         return 0
-    err = _validate(a)
+    err = _validate(a) or _thinking(a)
     if err:
         return _fail(err)
     cases = load_cases(a.suite)
@@ -198,29 +262,54 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
     from .runner import Options, PlainUI, Runner, default_seed, report
     from .trace import TraceWriter
 
-    opts = Options(tokens=a.tokens, thinking=a.thinking, soft_budget=a.soft_limit_reply_budget,
+    opts = Options(tokens=a.tokens, thinking=a.thinking, think_max=a.think_max, think_level=a.think_level,
+                   soft_budget=a.soft_limit_reply_budget,
                    hard_budget=a.hard_limit_reply_budget, soft_rank=a.soft_limit_think_close_rank,
                    temperature=a.temp, top_p=a.top_p, min_p=a.min_p, seed=a.seed or default_seed(),
                    ctx=a.ctx, trace=a.trace, pause_ms=a.pause_ms, suite=a.suite)
+    if a.trace:
+        err = _writable(a.trace, a.retry_incomplete, "trace")
+        if err:
+            return _fail(err)
+    baseline = None
+    if a.baseline:
+        from .report import read_baseline
+
+        baseline, err = read_baseline(a.baseline)
+        if baseline is None:
+            return _fail(err)
+    if a.report:
+        err = _writable(a.report, False, "report")
+        if err:
+            return _fail(err)
+    harness_rc = 2 if baseline is not None else 1  # with --baseline, 1 means only "passes dropped"
     backend = _backend(a)
     runner = Runner(cases, backend, opts)
-    kept = _carry_over(runner, a.trace) if a.retry_incomplete else []
-    if a.trace:
+    if a.retry_incomplete:
         try:
-            runner.trace = TraceWriter(a.trace)
+            _carry_over(runner, a.trace)
         except OSError as e:
-            return _fail(f"cannot open trace '{a.trace}': {e.strerror}")
+            return _fail(f"cannot read trace '{a.trace}': {e.strerror}")
+    _loading_notice(a, backend)
     try:
         rc = runner.size_context()
         if rc is not None:
             return rc
         backend.open(runner.ctx)
+    except KeyboardInterrupt:
+        return _fail("interrupted while loading the model", 130)
+    except ModelFileError as e:  # a broken model file: one line naming it, exit 2
+        return _fail(str(e), EXIT_CODE)
     except Exception as e:  # noqa: BLE001
-        return _fail(f"cannot open the model: {type(e).__name__}: {e}", 1)
-    if runner.trace is not None:
-        runner.trace.header(**runner.header())
-        for text in kept:
-            runner.trace.raw(text + "\n")
+        return _fail(f"cannot open the model: {type(e).__name__}: {e}", harness_rc)
+    # the trace is touched only now that the model is open: a failed load loses nothing
+    if a.trace:
+        try:
+            opener = TraceWriter.resume if a.retry_incomplete else TraceWriter.create
+            runner.trace = opener(a.trace, **runner.header())
+        except OSError as e:
+            backend.close()
+            return _fail(f"cannot open trace '{a.trace}': {e.strerror}", harness_rc)
     use_tui = False
     if not a.plain:
         from .tui import usable
@@ -242,4 +331,22 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
         sys.stdout.write(report(runner))
         sys.stdout.flush()
         runner.finish_trace()
-    return rc
+    return _finish(a, runner, rc, baseline)
+
+
+def _finish(a: argparse.Namespace, runner: Any, rc: int, baseline: Optional[dict[str, Any]]) -> int:
+    """--report and --baseline after the run; the exit code."""
+    from .report import build_report, gate, write_json_atomic
+
+    data = build_report(runner)
+    if a.report:
+        try:
+            write_json_atomic(a.report, data)
+        except OSError as e:
+            return _fail(f"cannot write report '{a.report}': {e.strerror}")
+    if baseline is None or rc == 130:
+        return rc
+    code, lines = gate(data, baseline, a.max_drop)
+    for line in lines:
+        print(line)
+    return code

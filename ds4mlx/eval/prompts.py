@@ -6,7 +6,9 @@ do (Juliet ids and titles name the CWE).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
+
+from ..chat.markers import THINK_MAX_PREFIX
 
 SYSTEM_PROMPT = (
     "You are solving a hard benchmark question. Reason carefully. "
@@ -56,6 +58,8 @@ class Prompt:
     system: str
     user: str
     thinking: bool = True
+    think_max: bool = False  # the Think Max prefix after BOS (chat-template.md §3)
+    think_level: Optional[int] = None  # a V4.1 effort level, sent to an endpoint as reasoning_effort
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -64,9 +68,10 @@ class Prompt:
     @property
     def text(self) -> str:
         """The DeepSeek V4 template rendering (BOS + system + User + prompt + Assistant + think)."""
-        return (BOS + self.system + USER + self.user + ASSISTANT
+        return (BOS + (THINK_MAX_PREFIX if self.think_max else "") + self.system + USER + self.user + ASSISTANT
                 + (THINK_OPEN if self.thinking else THINK_CLOSE))
 
 
-def build_prompt(case: dict[str, Any], thinking: bool = True) -> Prompt:
-    return Prompt(SYSTEM_PROMPT, user_prompt(case), thinking)
+def build_prompt(case: dict[str, Any], thinking: bool = True, think_max: bool = False,
+                 think_level: Optional[int] = None) -> Prompt:
+    return Prompt(SYSTEM_PROMPT, user_prompt(case), thinking, think_max and thinking, think_level)

@@ -17,13 +17,16 @@ from .trace import TraceRecord, TraceWriter
 
 CTX_CAP = 1_000_000
 LABELS = {"PENDING": "PEND", "PREFILL": "FILL", "RUNNING": "RUN", "SKIPPED": "SKIP",
-          "STOPPED": "STOP", "PASSED": "PASS", "FAILED": "FAIL"}
+          "STOPPED": "STOP", "PASSED": "PASS", "FAILED": "FAIL", "ERROR": "ERR"}
+_STAGE_PREFIXES = ("prefill failed: ", "decode failed: ")
 
 
 @dataclass
 class Options:
     tokens: Optional[int] = None          # None: each case's own max_tokens
     thinking: bool = True
+    think_max: bool = False               # Think Max prefix (already gated by the context size)
+    think_level: Optional[int] = None     # V4.1 effort sent to an endpoint (--think-level)
     soft_budget: Optional[int] = None     # None: 1024, scaled down for small limits
     hard_budget: Optional[int] = None     # None: 512, scaled down for small limits
     soft_rank: int = 3
@@ -53,6 +56,7 @@ class CaseRun:
     prefill: tuple[int, int] = (0, 0)
     elapsed: float = 0.0
     t_phase: float = 0.0             # monotonic start of the current phase (speed)
+    phase_paused0: float = 0.0       # Control.paused_total() at that start
     phase_tokens: int = 0
     error: str = ""
     carried: Optional[str] = None    # trace record text kept by --retry-incomplete
@@ -69,6 +73,14 @@ class CaseRun:
         self.status, self.picked, self.generated, self.raw = "PENDING", "", 0, []
         self.think_open, self.prefill, self.elapsed, self.error = True, (0, 0), 0.0, ""
         self.phase_tokens = 0
+
+
+def error_line(cr: CaseRun) -> str:
+    """`prefill failed for ID: why` (in-process stages) or `error in ID: why`."""
+    for prefix in _STAGE_PREFIXES:
+        if cr.error.startswith(prefix):
+            return f"{prefix.split(':')[0]} for {cr.case['id']}: {cr.error[len(prefix):]}"
+    return f"error in {cr.case['id']}: {cr.error}"
 
 
 class NullUI:
@@ -88,7 +100,7 @@ class Runner:
         self.ui = ui or NullUI()
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.control = control or Control()
-        self.runs = [CaseRun(i, c, build_prompt(c, opts.thinking), opts.tokens or int(c.get("max_tokens") or 16000))
+        self.runs = [CaseRun(i, c, build_prompt(c, opts.thinking, opts.think_max, opts.think_level), opts.tokens or int(c.get("max_tokens") or 16000))
                      for i, c in enumerate(cases)]
         self.ctx = 0
         self.active: Optional[int] = None
@@ -101,6 +113,13 @@ class Runner:
         self.case_p0 = 0.0
 
     # ------------------------------------------------------------ setup
+    def _think_mode(self) -> str:
+        if not self.opts.thinking:
+            return "none"
+        if self.opts.think_level is not None:
+            return str(self.opts.think_level)
+        return "max" if self.opts.think_max else "high"
+
     def size_context(self) -> Optional[int]:
         """Count prompts and pick the context (§4).  Returns an exit code on failure."""
         counts = [self.backend.count_tokens(cr.prompt) for cr in self.runs]
@@ -134,15 +153,26 @@ class Runner:
                                      self.opts.hard_budget)
         return {
             "started_unix": int(time.time()), "model": self.backend.model, "backend": self.backend.name,
-            "suite": self.opts.suite, "ctx": self.ctx,
+            "suite": self.opts.suite, "ctx": self.ctx or "server",
             "max_tokens": self.opts.tokens if self.opts.tokens else "per-case",
             "max_prompt_tokens": max(cr.prompt_tokens for cr in self.runs), "questions": len(self.runs),
             "temperature": float(self.opts.temperature), "top_p": float(self.opts.top_p),
             "min_p": float(self.opts.min_p), "seed": self.opts.seed,
-            "think_mode_requested": "high" if self.opts.thinking else "none",
+            "think_mode_requested": self._think_mode(),
             "soft_limit_reply_budget": soft, "hard_limit_reply_budget": hard,
             "soft_limit_think_close_rank": self.opts.soft_rank,
+            "think_close_forcing": self.think_close_forcing(),
         }
+
+    def think_close_forcing(self) -> str:
+        """How a `</think>` can be forced: in the decode loop, by a continuation
+        request, or not at all (an endpoint without continuation)."""
+        if not self.opts.thinking:
+            return "none (thinking off)"
+        kind = getattr(self.backend, "continuation", None)
+        if kind is None:
+            return "decode loop (soft + hard)"
+        return f"continuation request ({kind})" if kind != "none" else "none (endpoint without continuation)"
 
     # ------------------------------------------------------------ one case
     def run_case(self, pos: int) -> str:
@@ -154,7 +184,7 @@ class Runner:
             return self._skip(cr, "prompt does not fit context" if cr.prompt_tokens >= self.ctx
                               else "prompt leaves no generation room")
         cr.status = "PREFILL"
-        cr.t_phase = time.monotonic()
+        cr.t_phase, cr.phase_paused0 = time.monotonic(), self.control.paused_total()
         self.ui.case_started(cr)
         soft, hard = default_budgets(cr.limit, self.opts.soft_budget, self.opts.hard_budget)
 
@@ -167,6 +197,7 @@ class Runner:
                 cr.prompt_tokens = prompt_tokens
             cr.status = "RUNNING"
             cr.t_phase, cr.phase_tokens = time.monotonic(), 0
+            cr.phase_paused0 = self.control.paused_total()
 
         def on_text(delta: str) -> None:
             cr.raw.append(delta)
@@ -177,6 +208,7 @@ class Runner:
                 if THINK_CLOSE in tail:
                     cr.think_open = False
                     cr.t_phase, cr.phase_tokens = time.monotonic(), 0
+                    cr.phase_paused0 = self.control.paused_total()
             self.ui.text(cr, delta)
 
         t0 = self.case_t0 = time.monotonic()
@@ -208,12 +240,8 @@ class Runner:
         cr.error = res.error
         self._record(cr, status, raw, res.close)
         if status == "ERROR":
-            if res.error.startswith(("prefill failed", "decode failed")):
-                what = res.error.split(" ", 1)[0]
-            else:
-                what = "prefill" if cr.status == "PREFILL" else "decode"
-            msg = res.error.split(": ", 1)[1] if res.error.startswith(("prefill failed", "decode failed")) else res.error
-            print(f"ds4-eval: {what} failed for {cr.case['id']}: {msg}", file=self.err)
+            cr.status = "ERROR"  # kept on screen and in the report: the reason must outlive the TUI
+            print(f"ds4-eval: {error_line(cr)}", file=self.err)
             self.error = True
         elif status == "SWITCHED":
             cr.reset()
@@ -239,7 +267,7 @@ class Runner:
             cr.picked if status in ("PASSED", "FAILED") else "?", c["answer"],
             prompt_tokens=cr.prompt_tokens, generated_tokens=cr.generated, elapsed=cr.elapsed,
             temperature=self.opts.temperature, top_p=self.opts.top_p, min_p=self.opts.min_p,
-            think_mode="high" if self.opts.thinking else "none", think_close=close.kind,
+            think_mode=self._think_mode(), think_close=close.kind,
             think_close_index=close.token_index, think_close_remaining=close.remaining,
             think_close_rank=close.rank, error=cr.error, choices=c["choices"],
             answer_kind=c["answer_kind"], system=cr.prompt.system, question=cr.prompt.user, output=raw))
@@ -275,7 +303,14 @@ class Runner:
         return self.exit_code()
 
     def exit_code(self) -> int:
-        return 1 if self.error or any(cr.status == "FAILED" for cr in self.runs) else 0
+        """ds4-eval's: 1 on an error or a failed case; 2 when the run ended without
+        grading anything (every case skipped); else 0 (also after `q`)."""
+        if self.error or self.failed:
+            return 1
+        if not self.passed and not self.control.quit and all(cr.status == "SKIPPED" for cr in self.runs):
+            print(f"ds4-eval: no case was graded ({len(self.runs)} skipped)", file=self.err)
+            return 2
+        return 0
 
     def finish_trace(self) -> None:
         if self.trace is not None:
@@ -298,11 +333,30 @@ def hhmm(seconds: float) -> str:
     return f"{m // 60:02d}h:{m % 60:02d}m"
 
 
+def _cell(text: str, width: int) -> str:
+    """A report column padded to `width` terminal cells, cut with `~` so long or
+    double-width answers never shift the columns."""
+    from rich.cells import cell_len, set_cell_size
+
+    text = "".join(ch if ch.isprintable() else "?" for ch in text)
+    return set_cell_size(text, width) if cell_len(text) <= width else set_cell_size(text, width - 1) + "~"
+
+
+def speed_line(runner: Runner) -> str:
+    """Time and t/s of the cases generated (carried-over cases included)."""
+    ran = [cr for cr in runner.runs if cr.status != "PENDING" and cr.generated]
+    tokens = sum(cr.generated for cr in ran)
+    seconds = sum(cr.elapsed for cr in ran)
+    tps = tokens / seconds if seconds > 0 else 0.0
+    return f"{runner.runtime:.1f}s, {tokens} tokens generated in {seconds:.1f}s, {tps:.1f} t/s"
+
+
 def report(runner: Runner) -> str:
-    """The final report (§14) plus totals by source."""
+    """The final report (§14) plus totals by source, time and t/s."""
     runs = runner.runs
     p, f = runner.passed, runner.failed
-    lines = [f"ds4-eval: {p}/{len(runs)} passed{f', {f} failed' if f else ''}, runtime {hhmm(runner.runtime)}",
+    lines = [f"ds4-eval: {p}/{len(runs)} passed{f', {f} failed' if f else ''}, runtime {hhmm(runner.runtime)} "
+             f"({speed_line(runner)})",
              f"{'#':<3} {'state':<8} {'prompt':>8} {'gen':>8} {'total':>8} {'given':<8} {'correct':<8} test"]
     for cr in runs:
         state = cr.status
@@ -310,8 +364,8 @@ def report(runner: Runner) -> str:
         ran = state != "PENDING" or cr.carried is not None
         prompt = cr.prompt_tokens if ran else 0
         gen = cr.generated if ran else 0
-        lines.append(f"{cr.pos + 1:>3} {state:<8} {prompt:>8} {gen:>8} {prompt + gen:>8} {given:<8} "
-                     f"{cr.case['answer']:<8} {cr.case['source']}/{cr.case['id']}")
+        lines.append(f"{cr.pos + 1:>3} {state:<8} {prompt:>8} {gen:>8} {prompt + gen:>8} {_cell(given, 8)} "
+                     f"{_cell(str(cr.case['answer']), 8)} {cr.case['source']}/{cr.case['id']}")
     lines.append("")
     lines.append(f"{'source':<16} {'passed':>6} {'failed':>6} {'other':>6} {'total':>6}")
     sources: dict[str, list[CaseRun]] = {}
@@ -322,6 +376,10 @@ def report(runner: Runner) -> str:
         sf = sum(c.status == "FAILED" for c in group)
         lines.append(f"{src:<16} {sp:>6} {sf:>6} {len(group) - sp - sf:>6} {len(group):>6}")
     lines.append(f"{'all':<16} {p:>6} {f:>6} {len(runs) - p - f:>6} {len(runs):>6}")
+    errors = [cr for cr in runs if cr.status == "ERROR"]
+    if errors:
+        lines.append("")
+        lines += [f"{cr.pos + 1:>3} ERROR {cr.key}: {cr.error}" for cr in errors]
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,9 @@ can never be mistaken for structure.
 """
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TextIO
@@ -16,6 +18,9 @@ GRADED = ("PASSED", "FAILED")
 STATUSES = ("PASSED", "FAILED", "STOPPED", "SKIPPED", "SWITCHED", "ERROR")
 CASE_PREFIX = b"===== CASE "
 SUMMARY_LINE = b"===== SUMMARY ====="
+RESUMED_LINE = b"# ds4-eval trace resumed"   # a --retry-incomplete run appends from here
+HEADER_PREFIX = b"# ds4-eval trace"
+PREVIOUS_SUFFIX = ".prev"   # where a fresh run moves the trace it replaces
 
 
 @dataclass
@@ -91,22 +96,59 @@ def format_record(r: TraceRecord, case: Optional[dict[str, Any]] = None) -> str:
 
 
 class TraceWriter:
-    """Writes a trace incrementally; every write is flushed."""
+    """Writes a trace without ever losing a completed record (EVAL_BEHAVIOR.md §9).
 
-    def __init__(self, path: str):
+    `create` replaces the file atomically (temporary file, fsync, rename) with the
+    header only, keeping a non-empty old file as FILE.prev; `resume` (--retry-incomplete) appends to the existing file and never
+    rewrites it.  Every record goes out in one `write` on an O_APPEND descriptor and
+    is fsynced, so a kill at any point leaves at worst one torn record at the end,
+    which the reader sees as incomplete (its MODEL_OUTPUT block does not close)."""
+
+    def __init__(self, path: str, fd: int):
         self.path = path
-        self.f: TextIO = open(path, "w", encoding="utf-8", errors="surrogateescape", newline="")
+        self.fd = fd
 
-    def header(self, **fields: Any) -> None:
-        self.f.write("# ds4-eval trace\n")
-        for k, v in fields.items():
-            self.f.write(f"{k}: {_g(v) if isinstance(v, float) else v}\n")
-        self.f.write("\n")
-        self.f.flush()
+    @classmethod
+    def create(cls, path: str, **header: Any) -> "TraceWriter":
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".ds4-eval-trace-", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would surprise next to the user's files
+                f.write(_header_text("# ds4-eval trace\n", header).encode("utf-8", "surrogateescape"))
+                f.flush()
+                os.fsync(f.fileno())
+            if os.path.exists(path) and os.path.getsize(path):
+                os.replace(path, path + PREVIOUS_SUFFIX)  # a fresh run keeps the trace it replaces
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(directory)
+        return cls(path, os.open(path, os.O_WRONLY | os.O_APPEND))
+
+    @classmethod
+    def resume(cls, path: str, **header: Any) -> "TraceWriter":
+        if not os.path.exists(path) or os.path.getsize(path) == 0:
+            return cls.create(path, **header)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND)
+        w = cls(path, fd)
+        size = os.fstat(fd).st_size
+        lead = ""
+        if size:
+            os.lseek(fd, size - 1, os.SEEK_SET)
+            if os.read(fd, 1) != b"\n":
+                lead = "\n"  # a torn last line: start ours on a line of its own
+        w.raw(lead + _header_text(RESUMED_LINE.decode() + "\n", header))
+        return w
 
     def raw(self, text: str) -> None:
-        self.f.write(text)
-        self.f.flush()
+        data = text.encode("utf-8", "surrogateescape")
+        while data:
+            n = os.write(self.fd, data)
+            data = data[n:]
+        os.fsync(self.fd)
 
     def record(self, rec: TraceRecord, case: Optional[dict[str, Any]] = None) -> None:
         self.raw(format_record(rec, case))
@@ -115,7 +157,36 @@ class TraceWriter:
         self.raw(f"===== SUMMARY =====\npassed: {passed}\nfailed: {failed}\ntotal: {total}\n")
 
     def close(self) -> None:
-        self.f.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _header_text(first: str, fields: dict[str, Any]) -> str:
+    return first + "".join(f"{k}: {_g(v) if isinstance(v, float) else v}\n" for k, v in fields.items()) + "\n"
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def completed_records(records: list["ParsedRecord"]) -> dict[tuple[str, str], "ParsedRecord"]:
+    """The last complete PASSED/FAILED record of every (source, id): what
+    --retry-incomplete keeps.  A torn record (killed mid-write) does not count."""
+    done: dict[tuple[str, str], ParsedRecord] = {}
+    for r in records:
+        if r.source and r.id and r.output_ok and r.status in GRADED:
+            done[(r.source, r.id)] = r
+    return done
 
 
 # ---------------------------------------------------------------- reading
@@ -152,6 +223,12 @@ class ParsedRecord:
             return int(self.fields.get(name, "0"))
         except ValueError:
             return 0
+
+    def float_field(self, name: str) -> float:
+        try:
+            return float(self.fields.get(name, "0"))
+        except ValueError:
+            return 0.0
 
 
 _BEGIN = re.compile(rb"([A-Z_]+)_BEGIN(?: bytes=(\d+))?\r?\n?$")
@@ -203,7 +280,7 @@ def _scan(data: bytes) -> list[tuple[int, int, dict[str, tuple[int, int, bool]]]
                     pos = n if e < 0 else e + 1
                     continue
                 cur[2].setdefault(label, (nxt, nxt, False))
-        if line.startswith(CASE_PREFIX) or line.startswith(SUMMARY_LINE):
+        if line.startswith((CASE_PREFIX, SUMMARY_LINE, HEADER_PREFIX)):
             if cur is not None:
                 cur[1] = pos
                 cases.append(tuple(cur))  # type: ignore[arg-type]
@@ -246,12 +323,14 @@ class RegradeSummary:
     changed: int = 0
     unknown: int = 0
     parse_errors: int = 0
+    superseded: int = 0     # torn records rerun later in the same trace
     messages: list[str] = field(default_factory=list)
 
     def line(self, path: str) -> str:
         return (f"ds4-eval: regraded {self.total} cases from {path}: passed={self.passed} "
                 f"failed={self.failed} not_graded={self.not_graded} changed={self.changed} "
-                f"unknown={self.unknown} parse_errors={self.parse_errors}")
+                f"unknown={self.unknown} parse_errors={self.parse_errors}"
+                + (f" superseded={self.superseded}" if self.superseded else ""))
 
     @property
     def rc(self) -> int:
@@ -275,6 +354,10 @@ def regrade_records(records: list[ParsedRecord],
         if case is None:
             s.unknown += 1
             s.messages.append(f"ds4-eval: trace case {k} not found in embedded cases: {rec.source}/{rec.id}")
+            continue
+        if not rec.output_ok and any(r.output_ok and (r.source, r.id) == (rec.source, rec.id)
+                                     for r in records[k:]):
+            s.superseded += 1  # torn by a kill, then run again by --retry-incomplete
             continue
         if not rec.output_ok:
             s.parse_errors += 1

@@ -20,6 +20,7 @@ import time
 import tty
 from typing import Any, Optional
 
+from rich.cells import get_character_cell_size
 from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
@@ -29,7 +30,7 @@ from .thinkclose import THINK_CLOSE
 
 MIN_COLS, MIN_ROWS = 90, 18
 STATUS_STYLE = {"PEND": "dim", "FILL": "cyan", "RUN": "yellow", "SKIP": "dim", "STOP": "bold yellow",
-                "PASS": "bold green", "FAIL": "bold red"}
+                "PASS": "bold green", "FAIL": "bold red", "ERR": "bold red"}
 
 
 def usable(out: Any = sys.stdout) -> bool:
@@ -41,6 +42,18 @@ def usable(out: Any = sys.stdout) -> bool:
         return size.columns >= MIN_COLS and size.lines >= MIN_ROWS
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def fit_cells(text: str, room: int) -> tuple[str, str]:
+    """Split `text` into the longest head that fits `room` terminal cells and the
+    rest (a double-width character counts two: cutting by len() lost characters)."""
+    used = 0
+    for i, ch in enumerate(text):
+        w = get_character_cell_size(ch)
+        if used + w > room:
+            return text[:i], text[i:]
+        used += w
+    return text, ""
 
 
 def _count(n: int) -> str:
@@ -180,33 +193,42 @@ class TUI(NullUI):
             pos = next((cr.pos for cr in reversed(r.runs) if cr.raw), 0) if r.runs else None
         return r.runs[pos] if pos is not None and r.runs else None
 
-    def _right(self, width: int, height: int) -> list[Text]:
-        cr = self._shown()
-        if cr is None:
-            return []
+    def _status(self, cr: CaseRun) -> str:
+        r = self.runner
         short = f"{cr.case['source']}/{cr.case['id'][:12]}"
-        dt = max(1e-6, time.monotonic() - cr.t_phase)
+        running = cr.pos == r.active
+        # paused time is no generation time: 4.4 t/s must not sink while paused
+        dt = max(1e-6, time.monotonic() - cr.t_phase - (r.control.paused_total() - cr.phase_paused0))
         if cr.status == "PREFILL":
             done, total = cr.prefill
             pct = 100 * done // total if total else 0
-            speed = done / dt if cr.pos == self.runner.active else 0.0
-            status = f"Speed {speed:.1f} t/s  FILL {_count(done)}/{_count(total)} {pct}%  {short}"
-        else:
-            speed = cr.phase_tokens / dt if cr.status == "RUNNING" else 0.0
-            if cr.status == "RUNNING":
-                phase = "THINK" if cr.think_open and self.runner.opts.thinking else "ANS"
-            else:
-                phase = {"PASSED": "PASS", "FAILED": "FAIL"}.get(cr.status, "RUN")
-            limit = cr.limit or cr.budget
-            gen, cap = cr.generated, limit
-            if phase == "THINK":
-                from .thinkclose import default_budgets
+            speed = done / dt if running else 0.0
+            return f"Speed {speed:.1f} t/s  FILL {_count(done)}/{_count(total)} {pct}%  {short}"
+        if cr.status != "RUNNING":
+            return f"{cr.label}  {_count(cr.generated)} tokens  {short}"
+        speed = cr.phase_tokens / dt
+        phase = "THINK" if cr.think_open and r.opts.thinking else "ANS"
+        limit = cr.limit or cr.budget
+        gen, cap = cr.generated, limit
+        if phase == "THINK":
+            if not getattr(r.backend, "forces_think_close", True):
+                return f"Speed {speed:.1f} t/s  THINK {_count(gen)} (no forced </think>)  {short}"
+            from .thinkclose import default_budgets
 
-                cap = max(1, limit - default_budgets(limit, self.runner.opts.soft_budget,
-                                                     self.runner.opts.hard_budget)[1])
-                gen = min(gen, cap)
-            status = f"Speed {speed:.1f} t/s  {phase} {_count(gen)}/{_count(cap)}  {short}"
-        lines = [Text(status[:width])]
+            cap = max(1, limit - default_budgets(limit, r.opts.soft_budget, r.opts.hard_budget)[1])
+            gen = min(gen, cap)
+        return f"Speed {speed:.1f} t/s  {phase} {_count(gen)}/{_count(cap)}  {short}"
+
+    def _right(self, width: int, height: int) -> list[Text]:
+        r = self.runner
+        cr = self._shown()
+        if cr is None:
+            return []
+        # the status line follows the running case even when the cursor is elsewhere
+        head = r.runs[r.active] if r.active is not None else cr
+        lines = [Text(self._status(head)[:width])]
+        if head is not cr:
+            lines.append(Text(f"viewing {cr.pos + 1} {cr.label} {cr.key}"[:width], "bold"))
         question = re.sub(r"\s+", " ", cr.prompt.user).strip()
         for k in range(3):
             piece = question[k * width:(k + 1) * width]
@@ -239,12 +261,11 @@ class TUI(NullUI):
                     lines.append(Text())
                     continue
                 while part:
-                    room = width - len(lines[-1])
-                    if room <= 0:
+                    head, part = fit_cells(part, width - lines[-1].cell_len)
+                    if head:
+                        lines[-1].append(head, style)
+                    if part:
                         lines.append(Text())
-                        continue
-                    lines[-1].append(part[:room], style)
-                    part = part[room:]
         return lines[-rows:] if rows > 0 else []
 
     def _size(self) -> tuple[int, int]:
@@ -295,6 +316,7 @@ class TUI(NullUI):
 
         keys = KeyReader(sys.stdin.fileno())
         old_handlers = {}
+        interrupted = threading.Event()
 
         def on_signal(signum: int, _frame: Any) -> None:
             keys.close()
@@ -303,8 +325,16 @@ class TUI(NullUI):
             signal.signal(signum, old_handlers.get(signum, signal.SIG_DFL))
             os.kill(os.getpid(), signum)
 
+        def on_interrupt(_signum: int, _frame: Any) -> None:
+            # Ctrl-C is a quit like `q`: the worker stops at its next step and is joined
+            # before the process exits (exiting under a thread still inside MLX aborted
+            # with "terminate called without an active exception", exit 134)
+            interrupted.set()
+            r.control.request_quit()
+
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             old_handlers[sig] = signal.signal(sig, on_signal)
+        old_int = signal.signal(signal.SIGINT, on_interrupt)
         worker = threading.Thread(target=work, name="ds4mlx-eval", daemon=True)
         try:
             with Live(self.render(), console=self.console, screen=True, auto_refresh=False,
@@ -318,14 +348,16 @@ class TUI(NullUI):
                         pass
                     live.update(self.render(), refresh=True)
                     worker.join(timeout=0.08)
-        except KeyboardInterrupt:
-            r.control.request_quit()
-            worker.join(timeout=5)
-            raise
         finally:
+            if worker.is_alive():  # an exception in the drawing loop: still never exit under the worker
+                r.control.request_quit()
+                worker.join()
             keys.close()
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
+            signal.signal(signal.SIGINT, old_int)
+        if interrupted.is_set():
+            return 130
         if "exc" in result:
             raise result["exc"]
         return int(result.get("rc", 1))

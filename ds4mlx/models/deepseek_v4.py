@@ -38,6 +38,7 @@ import mlx.nn as nn
 
 from ..kernels import sparse_attention as _sparse
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, layers.hc_post on the CPU
+from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .causal_lm import BaseModelArgs, CausalLM
 from .layers import (
     GLUMLP,
@@ -615,9 +616,9 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: mx.array, ids: mx.array, cache: LayerCache) -> mx.array:
         post, comb, collapsed = self.attn_hc(x)
-        x = hc_post(x, self.self_attn(self.input_layernorm(collapsed), cache), post, comb)
+        x = hc_post(x, steer(self, ATTN, self.self_attn(self.input_layernorm(collapsed), cache)), post, comb)
         post, comb, collapsed = self.ffn_hc(x)
-        return hc_post(x, self.mlp(self.post_attention_layernorm(collapsed), ids), post, comb)
+        return hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(collapsed), ids)), post, comb)
 
 
 class DeepseekV4Model(nn.Module):

@@ -56,6 +56,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .causal_lm import BaseModelArgs, CausalLM
 from .deepseek_v4 import CompressorState, GroupedLinear
 from .deepseek_v4 import LayerCache as _V4LayerCache
@@ -461,9 +462,10 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: mx.array, pre: mx.array, cache: LayerCache, shared: dict):
         """x [B, C, n, H] streams, pre [B, C, n]: the previous block's collapse weights."""
         attn_pre, post, comb = self.attn_hc.mix(x)
-        x = hc_post(x, self.self_attn(self.input_layernorm(hc_collapse(x, pre)), cache, shared), post, comb)
+        x = hc_post(x, steer(self, ATTN, self.self_attn(self.input_layernorm(hc_collapse(x, pre)), cache, shared)), post,
+                    comb)
         ffn_pre, post, comb = self.ffn_hc.mix(x)
-        x = hc_post(x, self.mlp(self.post_attention_layernorm(hc_collapse(x, attn_pre))), post, comb)
+        x = hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(hc_collapse(x, attn_pre)))), post, comb)
         return x, ffn_pre
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .causal_lm import BaseModelArgs, CausalLM
 from .kda import LinearCache, kda, l2norm, short_conv
 from .layers import HyperConnection, RMSNorm, hc_post
@@ -272,9 +273,9 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cache)
         else:
             h, sel = self.self_attn(h, cache, prev)
-        x = hc_post(x, h, post, comb)
+        x = hc_post(x, steer(self, ATTN, h), post, comb)
         post, comb, collapsed = self.ffn_hc(x)
-        x = hc_post(x, self.mlp(self.post_attention_layernorm(collapsed)), post, comb)
+        x = hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(collapsed))), post, comb)
         return x, sel if self._hands_on else None
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .causal_lm import BaseModelArgs, CausalLM
 from .layers import RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
 from .mla import DSAIndexer, MLAAttention, MLACache
@@ -147,8 +148,8 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x, cache, prev):
         h, sel = self.self_attn(self.input_layernorm(x), cache, prev)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), sel
+        x = x + steer(self, ATTN, h)
+        return x + steer(self, FFN, self.mlp(self.post_attention_layernorm(x))), sel
 
 
 class GlmMoeDsaModel(nn.Module):

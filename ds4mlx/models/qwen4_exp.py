@@ -49,6 +49,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .causal_lm import BaseModelArgs, CausalLM
 from .gated_delta import causal_conv1d, gated_delta, l2_normalize
 from .layers import GLUMLP, SwitchGLU, default_inv_freq, route_weights, score_fn, topk_indices
@@ -584,9 +585,10 @@ class DecoderLayer(nn.Module):
             x = x + self.ple(x, ids, cache)
         mixed, inject = self.attn_hyper_connection(x)
         out = self.linear_attn(mixed, cache) if self.layer_type == LINEAR else self.self_attn(mixed, cache)
+        out = steer(self, ATTN, out)
         x = x + out[..., None, :] * inject[..., None].astype(out.dtype)
         mixed, inject = self.mlp_hyper_connection(x)
-        out = self.mlp(mixed)
+        out = steer(self, FFN, self.mlp(mixed))
         return x + out[..., None, :] * inject[..., None].astype(out.dtype)
 
 

@@ -3,8 +3,9 @@
 One engine (one worker thread, FIFO) serves any number of connections.  A
 generation handler validates and renders the request off the event loop,
 queues the job, then either collects the events (non-streaming) or prints
-them as SSE.  While a streamed prefill runs, `: prefill` comments go out every
-`keepalive_s` seconds.  A client that disconnects (the handler is cancelled,
+them as SSE.  While a streamed job waits in the queue, the headers and
+`: queued N` comments (N = its queue position) go out every `keepalive_s`
+seconds; while its prefill runs, `: prefill` comments.  A client that disconnects (the handler is cancelled,
 `handler_cancellation=True`) or whose stream write fails cancels its job at
 the next prefill-chunk / token boundary, queued jobs included.
 """
@@ -30,6 +31,7 @@ from .completions import CompletionsAdapter, prompt_list, total_usage
 from .jsonin import parse_body
 from .openai import ChatAdapter, RequestInfo, body_bytes
 from .responses import ResponsesAdapter
+from .transport import make_runner
 
 log = logging.getLogger("ds4mlx.serve")
 
@@ -79,7 +81,7 @@ STATE = web.AppKey("ds4mlx_state", ServerState)
 
 
 def _api_of(path: str) -> str:
-    return "anthropic" if path == "/v1/messages" else "openai"
+    return E.api_for_path(path)
 
 
 def _cors(state: ServerState) -> dict:
@@ -91,7 +93,14 @@ def json_response(state: ServerState, status: int, payload: bytes) -> web.Respon
 
 
 def error_response(state: ServerState, api: str, e: E.APIError) -> web.Response:
-    return json_response(state, e.status, body_bytes(E.error_body(api, e)))
+    resp = json_response(state, e.status, body_bytes(E.error_body(api, e)))
+    if e.status == 413:
+        resp.force_close()  # the unread body is not drained: this connection ends here
+    return resp
+
+
+def _max_body(cfg: ServeConfig) -> int:
+    return max(1, cfg.max_body_mb) * 1024 * 1024
 
 
 @web.middleware
@@ -116,7 +125,7 @@ async def _middleware(request: web.Request, handler):
         raise
     except Exception as e:  # a bug: answer 500 and keep serving
         log.exception("request failed: %s %s", request.method, request.path)
-        return error_response(state, api, E.APIError(500, f"internal error: {type(e).__name__}"))
+        return error_response(state, api, E.APIError(500, E.internal_error(type(e).__name__)))
 
 
 # -- routes ---------------------------------------------------------------------------------
@@ -194,15 +203,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
     api = ROUTES[request.path]
     if state.stopping:
         raise E.APIError(503, E.SHUTTING_DOWN)
+    if (request.content_length or 0) > _max_body(state.cfg):
+        raise E.APIError(413, E.BODY_TOO_LARGE)  # refused before a byte of the body is read
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise E.APIError(413, E.BODY_TOO_LARGE) from None
-    body = parse_body(raw)
+    loop = asyncio.get_running_loop()
+    body = await loop.run_in_executor(None, parse_body, raw)  # a big body must not block the loop
     prompts = prompt_list(body) if api == "completions" else None
     if prompts is not None:
         return await _completions_batch(request, state, body, prompts)
-    loop = asyncio.get_running_loop()
     prep = await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory, api, body)
     info = RequestInfo(id=state.next_id(api), model=prep.model, created=int(time.time()),
                        include_usage=prep.include_usage, thinking=prep.thinking,
@@ -292,19 +303,30 @@ async def _collect(state, api, adapter, queue, result) -> web.Response:
 async def _stream(request, state, api, adapter, queue, handle, result) -> web.StreamResponse:
     out = sse.SSEStream(request, _cors(state))
     in_prefill = False
+    started = False  # the job left the queue (its first event came)
     keepalive = state.cfg.keepalive_s
     next_ping = 0.0  # while prefilling: a `: prefill` comment every keepalive_s, progress events or not
     while True:
         try:
             if in_prefill and out.started:
                 ev = await asyncio.wait_for(queue.get(), timeout=max(0.0, next_ping - time.monotonic()))
+            elif not started:
+                ev = await asyncio.wait_for(queue.get(), timeout=keepalive)
             else:
                 ev = await queue.get()
         except asyncio.TimeoutError:
-            if not await out.keepalive():
+            if in_prefill and out.started:
+                if not await out.keepalive():
+                    break
+                next_ping = time.monotonic() + keepalive
+                continue
+            # still queued: headers now and a comment with the queue position, so a
+            # client's first-byte timeout does not run out while others are served
+            position = state.engine.queue_position(handle)
+            if position and not await out.keepalive(sse.queued_comment(position)):
                 break
-            next_ping = time.monotonic() + keepalive
             continue
+        started = True
         if isinstance(ev, PrefillProgress):
             if not out.started and not await out.start():
                 break
@@ -344,7 +366,7 @@ def make_app(engine: Engine, cfg: Optional[ServeConfig] = None, tool_memory=None
     if cfg.family is None:  # serve the loaded model's chat protocol
         proto = getattr(engine, "protocol", None)
         cfg.family = proto.family if proto is not None else None
-    app = web.Application(middlewares=[_middleware], client_max_size=max(1, cfg.max_body_mb) * 1024 * 1024)
+    app = web.Application(middlewares=[_middleware], client_max_size=_max_body(cfg))
     state = ServerState(engine, cfg, tool_memory)
     app[STATE] = state
     app.router.add_get("/v1/models", models)
@@ -398,7 +420,7 @@ class BackgroundServer:
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         try:
-            self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+            self._runner = make_runner(self.app)
             self.loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, self.host, self.port)
             self.loop.run_until_complete(site.start())

@@ -19,6 +19,7 @@ from ..chat.template import live_tail
 from ..engine import Job
 from . import errors as E
 from .params import parse_controls
+from .validate import validate_body
 
 REQUEST_API = {"chat": "openai", "completions": "completions", "anthropic": "anthropic", "responses": "responses"}
 CONTEXT_PARAM = {"chat": "messages", "completions": "prompt", "anthropic": "messages", "responses": "input"}
@@ -35,6 +36,9 @@ class ServeConfig:
     aliases: tuple = ()  # extra accepted model names (fnmatch patterns)
     family: Optional[str] = None  # chat protocol family; None = the engine's (set by make_app)
     think_level: Optional[int] = None  # default level 0..100 for numeric-effort families (--think-level)
+    think: str = "high"  # --think / --think-max / --nothink: the mode of requests that set none
+    system: str = ""  # -sys: the system prompt of chat requests that bring none
+    prefix: tuple = ()  # --prefix-file turns (chat.messages.Message), after the system prompt
     cors: bool = False
     keepalive_s: float = 5.0  # ": prefill" comment interval while a streamed prefill runs
     max_body_mb: int = 64
@@ -155,6 +159,11 @@ def _thinking(cfg: ServeConfig, proto: ChatProtocol, body: dict, mode: str, effo
     if effort is None and cfg.think_level is not None and proto.numeric_effort and mode != "none":
         effort = cfg.think_level
     explicit = isinstance(body, dict) and ("thinking" in body or "think" in body)
+    if (cfg.think != "high" and not explicit and effort is None and mode == "high"
+            and model not in proto.chat_aliases + proto.reasoner_aliases):
+        from ..think_flags import resolve  # the server's --nothink / --think-max default
+
+        return resolve(proto, cfg.think, cfg.ctx).mode
     try:
         return proto.resolve_thinking(mode, effort, explicit=explicit, model=model, ctx=cfg.ctx)
     except EffortError as e:
@@ -162,11 +171,15 @@ def _thinking(cfg: ServeConfig, proto: ChatProtocol, body: dict, mode: str, effo
 
 
 def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prepared:
+    validate_body(api, body)  # every known field of the wrong type: a 400 naming it
     proto = protocol_of(cfg)
     parser_body, effort = request_effort(api, body, numeric=proto.numeric_effort)
     try:
         req = parse_request(REQUEST_API[api], parser_body, ctx=cfg.ctx, strict=cfg.strict)
     except RequestError as e:
+        if e.message == E.INVALID_JSON:  # the JSON was valid: name the field the parser refused
+            field = e.param or CONTEXT_PARAM[api]
+            raise E.APIError(e.status, E.invalid_field(field), param=field, code="invalid_value") from None
         raise E.APIError(e.status, e.message, param=e.param) from None
     if not isinstance(body.get("model"), str):
         req.model = cfg.model_id or proto.model_id  # no model named: the loaded one
@@ -185,6 +198,10 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
         job.prompt_text = proto.render_completion(req.prompt, req.thinking)
     else:
         conv = req
+        if cfg.system or cfg.prefix:
+            from ..prefix_file import with_head
+
+            conv.messages = with_head(conv.messages, cfg.system, cfg.prefix)
         forced = _check_tool_choice(api, body, proto)
         memory = tool_memory if cfg.replay else None
         if memory is not None:
@@ -212,9 +229,14 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
                         msg = E.responses_unknown_call(i) if api == "responses" else E.anthropic_unknown_tool_use(i)
                         raise E.APIError(400, msg, param=CONTEXT_PARAM[api])
                 job.requires_live = True
-    ids = engine.tokenize(job.prompt_text)
+    # Refuse what cannot fit before tokenizing: BPE over tens of MiB costs seconds
+    # and gigabytes for a request that is refused anyway.
+    floor = engine.min_tokens(job.prompt_text)
+    if floor >= cfg.ctx:
+        raise E.context_error(floor, cfg.ctx, CONTEXT_PARAM[api], at_least=True)
+    ids, complete = engine.tokenize_prefix(job.prompt_text, cfg.ctx)
     if len(ids) >= cfg.ctx:
-        raise E.context_error(len(ids), cfg.ctx, CONTEXT_PARAM[api])
+        raise E.context_error(len(ids), cfg.ctx, CONTEXT_PARAM[api], at_least=not complete)
     job.prompt_ids = ids
     prep.prompt_tokens = len(ids)
     return prep

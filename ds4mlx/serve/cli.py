@@ -28,16 +28,6 @@ def _port(v: str) -> int:
     return n
 
 
-def _level(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer 0..100, got {v!r}") from None
-    if not 0 <= n <= 100:
-        raise argparse.ArgumentTypeError(f"expected an integer 0..100, got {v!r}")
-    return n
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF file or Hugging Face folder (default: the demo model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -59,8 +49,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="answer 404 for a model name that is not the loaded model's id, alias or --alias "
                         "(default: any name is served by the loaded model)")
     p.add_argument("--prefill-chunk", type=_positive, default=512, help="prefill chunk (cancellation granularity)")
-    p.add_argument("--think-level", type=_level, default=None, metavar="0..100",
-                   help="default reasoning effort of numeric-effort families (DeepSeek V4.1); 0 = no thinking")
+    # ds4's thinking defaults for requests that do not set thinking themselves
+    from ..think_flags import add_think_arguments
+
+    add_think_arguments(p, level_dest="think_level")
+    p.add_argument("-sys", "--system", default="", help="system prompt for requests that bring none")
+    from ..cli_options import add_prefix_argument, add_steering_arguments
+
+    add_prefix_argument(p)
+    add_steering_arguments(p)
     # --kv-disk-dir and friends (kv-cache.md §8); the two tool-memory flags above are kept
     from ..kvpolicy import add_kv_arguments
 
@@ -87,6 +84,15 @@ def build(args, loaded=None):
             from ..demo import DEMO_NOTICE
 
             log.warning("%s%s", DEMO_NOTICE, f" [{args.model}]" if args.model else "")
+    from ..cli_options import UsageError, install_steering, load_prefix
+
+    try:
+        prefix = load_prefix(args)
+        steered = install_steering(args, model)  # before the disk cache takes the model's identity
+    except UsageError as e:
+        raise SystemExit(f"ds4mlx serve: {e}") from None
+    if steered:
+        log.info("directional steering: %s", steered)
     replay = not args.disable_exact_dsml_tool_replay
     memory = ToolMemory(max_ids=args.tool_memory_max_ids) if replay else None
     cache = None
@@ -102,16 +108,29 @@ def build(args, loaded=None):
         engine.close()
         raise SystemExit(f"ds4mlx serve: --think-level is only for numeric-effort families "
                          f"(the loaded model is {engine.protocol.family})")
+    from ..think_flags import ThinkError, resolve
+
+    think = getattr(args, "think", "high")
+    try:
+        choice = resolve(engine.protocol, think, args.ctx)
+    except ThinkError as e:
+        engine.close()
+        raise SystemExit(f"ds4mlx serve: {e}") from None
+    if choice.notice:
+        log.warning("%s", choice.notice)
     cfg = ServeConfig(ctx=args.ctx, tokens=args.tokens, cors=args.cors, trace=args.trace,
                       max_body_mb=args.max_body_mb, replay=replay, aliases=tuple(args.alias),
-                      think_level=args.think_level, strict_model=getattr(args, "strict_model", False))
+                      think_level=args.think_level, think=think, system=getattr(args, "system", "") or "",
+                      prefix=tuple(prefix), strict_model=getattr(args, "strict_model", False))
     return engine, make_app(engine, cfg, memory)
 
 
 async def _serve(app, host: str, port: int) -> None:
     from aiohttp import web
 
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    from .transport import make_runner
+
+    runner = make_runner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1" if host == "localhost" else host, port)
     await site.start()

@@ -28,6 +28,39 @@ EMPTY_MESSAGES = "messages must not be empty"
 METHOD_NOT_ALLOWED = "method not allowed"
 
 
+# A field of the wrong type or value (serve/validate.py); the same words on every API.
+def invalid_type(field: str, expected: str, got: str) -> str:
+    return f"Invalid type for '{field}': expected {expected}, but got {got} instead."
+
+
+def invalid_value(field: str, expected: str, got) -> str:
+    shown = repr(got)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return f"Invalid value for '{field}': expected {expected}, but got {shown} instead."
+
+
+def missing_field(field: str) -> str:
+    return f"Missing required parameter: '{field}'."
+
+
+def unsupported_part(field: str, kind: str) -> str:
+    return f"Invalid content part '{field}': {kind} input is not supported by this server."
+
+
+def invalid_field(field: str) -> str:
+    return f"Invalid value for '{field}'."
+
+
+def internal_error(kind: str) -> str:
+    return f"internal error: {kind}"
+
+
+def api_for_path(path: str) -> str:
+    """Whose error shape a path gets: /v1/messages Anthropic's, every other OpenAI's."""
+    return "anthropic" if path == "/v1/messages" else "openai"
+
+
 def unknown_model(name: str) -> str:
     return f"The model `{name}` does not exist"
 
@@ -42,6 +75,10 @@ def unknown_tool(name: str) -> str:
 
 def context_exceeded(n_prompt: int, n_ctx: int) -> str:
     return f"Prompt has {n_prompt} tokens, but the configured context size is {n_ctx} tokens"
+
+
+def context_exceeded_at_least(n_prompt: int, n_ctx: int) -> str:
+    return f"Prompt has at least {n_prompt} tokens, but the configured context size is {n_ctx} tokens"
 
 
 def responses_tool_choice(value: str) -> str:
@@ -108,8 +145,10 @@ def error_body(api: str, e: APIError) -> dict:
     return openai_body(e.status, e.message, e.param, e.code, e.extra)
 
 
-def context_error(n_prompt: int, n_ctx: int, param: str) -> APIError:
-    return APIError(400, context_exceeded(n_prompt, n_ctx), param=param, code="context_length_exceeded",
+def context_error(n_prompt: int, n_ctx: int, param: str, *, at_least: bool = False) -> APIError:
+    """`at_least`: n_prompt is a lower bound (the prompt was refused before tokenizing)."""
+    message = (context_exceeded_at_least if at_least else context_exceeded)(n_prompt, n_ctx)
+    return APIError(400, message, param=param, code="context_length_exceeded",
                     extra={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
 
 

@@ -2,8 +2,8 @@
 
 `parse_body(raw)` returns the request object or raises `APIError(400,
 "invalid JSON request")` for anything a careful server should not accept:
-invalid UTF-8, malformed JSON, trailing garbage, NaN / Infinity, nesting
-deeper than 256 levels (checked before parsing, so a hostile body cannot
+invalid UTF-8, malformed JSON, trailing garbage, NaN / Infinity, a field
+nested deeper than 256 levels (the body object itself not counted; checked before parsing, so a hostile body cannot
 exhaust the parser's stack), lone UTF-16 surrogates in strings or keys, and a
 top-level value that is not an object.  Duplicate keys: the last one wins.
 (ds4's hand-written parser is more lenient, http-api.md §1.3; the issue asks
@@ -79,7 +79,8 @@ def parse_body(raw: bytes, *, require_object: bool = True) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise APIError(400, INVALID_JSON) from None
-    if nesting_depth(raw) > MAX_NESTING:
+    # (+1: the body object itself; counting brackets first skips the scan for most bodies)
+    if raw.count(b"[") + raw.count(b"{") > MAX_NESTING + 1 and nesting_depth(raw, MAX_NESTING + 1) > MAX_NESTING + 1:
         raise APIError(400, INVALID_JSON)
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
@@ -87,6 +88,6 @@ def parse_body(raw: bytes, *, require_object: bool = True) -> Any:
         raise APIError(400, INVALID_JSON) from None
     if require_object and not isinstance(obj, dict):
         raise APIError(400, INVALID_JSON)
-    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(obj):
+    if b"\\u" in raw and _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(obj):
         raise APIError(400, INVALID_JSON)
     return obj

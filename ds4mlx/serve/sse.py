@@ -13,6 +13,12 @@ from typing import Any, Optional
 from aiohttp import web
 
 KEEPALIVE = b": prefill\n\n"
+
+
+def queued_comment(position: int) -> bytes:
+    """The keepalive of a stream whose job still waits (1 = next to run)."""
+    return b": queued %d\n\n" % position
+
 DONE = b"data: [DONE]\n\n"
 
 
@@ -91,8 +97,8 @@ class SSEStream:
                 return False
         return True
 
-    async def keepalive(self) -> bool:
-        ok = await self.write(KEEPALIVE)
+    async def keepalive(self, comment: bytes = KEEPALIVE) -> bool:
+        ok = await self.write(comment)
         if ok:
             self.keepalives += 1
         return ok

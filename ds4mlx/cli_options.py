@@ -1,0 +1,75 @@
+"""Flags and inputs `generate`, `chat` and `serve` share: ds4's `--prefix-file`
+and `--dir-steering-*` (ds4_cli.c), reading them, and the messages every chat
+turn starts with."""
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["UsageError", "add_prefix_argument", "add_steering_arguments", "read_text_file", "load_prefix",
+           "install_steering", "conversation_head"]
+
+
+def add_prefix_argument(p) -> None:
+    """--prefix-file (generate, chat and serve)."""
+    p.add_argument("--prefix-file", metavar="FILE",
+                   help="conversation prefilled before the prompt: lines USER: / ASSISTANT:, alternating, "
+                        "starting with USER and ending with ASSISTANT")
+
+
+def add_steering_arguments(p) -> None:
+    """ds4's directional-steering flags (generate, chat and serve)."""
+    p.add_argument("--dir-steering-file", metavar="FILE",
+                   help="one float32 direction per layer (`ds4mlx steer build` writes it)")
+    p.add_argument("--dir-steering-ffn", type=float, default=None, metavar="F",
+                   help="steer the FFN outputs: y -= F*v*dot(v,y) (default 1 with a file)")
+    p.add_argument("--dir-steering-attn", type=float, default=None, metavar="F",
+                   help="steer the attention outputs (default 0)")
+
+
+class UsageError(Exception):
+    """A bad flag or input file: printed, exit status 2."""
+
+
+def read_text_file(path: str, what: str = "prompt file") -> str:
+    """--prompt-file / /read: the file's text, as written (UTF-8)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read {what} {path}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def load_prefix(args) -> list:
+    """The --prefix-file turns ([] without one)."""
+    from .prefix_file import PrefixError, load
+
+    if not getattr(args, "prefix_file", None):
+        return []
+    try:
+        return load(args.prefix_file)
+    except PrefixError as e:
+        raise UsageError(str(e)) from None
+
+
+def install_steering(args, model) -> Optional[str]:
+    """Apply the --dir-steering-* flags to `model`; a description, or None."""
+    from . import steering
+
+    path = getattr(args, "dir_steering_file", None)
+    if not path:
+        if args.dir_steering_ffn or args.dir_steering_attn:
+            raise UsageError("directional steering needs --dir-steering-file")
+        return None
+    try:
+        s = steering.load(model, path, args.dir_steering_ffn, args.dir_steering_attn)
+        steering.install(model, s)
+    except steering.SteeringError as e:
+        raise UsageError(str(e)) from None
+    return s.describe()
+
+
+def conversation_head(system: str, prefix: list) -> list:
+    """The messages every turn starts with: the system prompt, then the prefix turns."""
+    from .chat.messages import Message
+
+    return ([Message("system", system)] if system else []) + list(prefix)

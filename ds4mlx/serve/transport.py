@@ -1,0 +1,107 @@
+"""The HTTP connection layer under the app: aiohttp's runner with three changes.
+
+* Faults aiohttp meets before a request reaches the app (a bad chunk size, a
+  request-smuggling attempt such as Content-Length with Transfer-Encoding, a
+  header line past the limit) are answered in the API's JSON error shape, for
+  the path of the request line when it was read, instead of aiohttp's
+  `text/plain` page.
+* No `Server: Python/3.x aiohttp/3.x` banner on any response.
+* A client that half-closes its socket after sending its request (shutdown of
+  its write side) still gets the answer: the read side ending does not close
+  the connection; it closes once the answer is written.  (A FIN cannot tell a
+  half-close from a client that is gone; interim `100 Continue` probes do.)
+
+`make_runner(app)` is what `ds4mlx serve` and `BackgroundServer` run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Optional
+
+from aiohttp import HttpVersion11, hdrs, web
+from aiohttp.web_protocol import RequestHandler
+
+from . import errors as E
+
+log = logging.getLogger("ds4mlx.serve")
+_REQUEST_LINE = re.compile(rb"[A-Z]{3,10} (/[^ ?#\r\n]*)")
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+PROBE_INTERVAL_S = 0.05
+
+
+async def drop_banner(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: runs after aiohttp set its default headers."""
+    response.headers.pop(hdrs.SERVER, None)
+
+
+class _ErrorResponse(web.Response):
+    """A response prepared outside the app (no on_response_prepare): drop the banner itself."""
+
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers.pop(hdrs.SERVER, None)
+
+
+class _Connection(RequestHandler):
+    _path: Optional[str] = None
+
+    def data_received(self, data: bytes) -> None:
+        m = _REQUEST_LINE.match(data)
+        if m is not None:  # the start of a request: remember its path for a parse error's shape
+            self._path = m.group(1).decode("ascii", "replace")
+        super().data_received(data)
+
+    def eof_received(self) -> bool:
+        # The client's FIN: a half-close (it still reads its answer) or a full
+        # close (gone).  True keeps the transport open for writing; close() ends
+        # the connection after the answer in progress.  A gone client is found by
+        # the probes below (and a stream by its own writes), so its job is still
+        # cancelled within a probe interval.
+        self.close()
+        self._probe()
+        return True
+
+    def _probe(self) -> None:
+        """Until the answer starts, write an interim `100 Continue` (every HTTP/1.1
+        client skips 1xx answers): a fully closed peer answers it with a reset,
+        the next write fails, and the connection's end cancels the handler."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        req = self._current_request
+        if req is not None and (req.writer.output_size > 0 or req.version < HttpVersion11):
+            return  # the answer is being written (its own writes find a gone peer), or no 1xx for HTTP/1.0
+        if req is not None:
+            transport.write(CONTINUE)
+        self._loop.call_later(PROBE_INTERVAL_S, self._probe)
+
+    def handle_error(self, request, status: int = 500, exc: Optional[BaseException] = None,
+                     message: Optional[str] = None) -> web.StreamResponse:
+        log.debug("HTTP-level error %d on %s: %s", status, self._path, message or exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("response already started: cannot send the error")
+        api = E.api_for_path(self._path or "")
+        text = E.BAD_HTTP if status < 500 else E.internal_error(type(exc).__name__ if exc else "error")
+        body = json.dumps(E.error_body(api, E.APIError(status, text))).encode()
+        resp = _ErrorResponse(status=status, body=body, content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _Connection(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server  # the app's own server; only its connections differ
+        return server
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    app.on_response_prepare.append(drop_banner)
+    return _Runner(app, handler_cancellation=True, access_log=None)
