@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: install test test-gpu test-fuzz bench lint serve
+.PHONY: install test test-gpu test-fuzz test-clients bench lint serve
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -13,6 +13,14 @@ install: $(BIN)/python
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# Claude Code, Codex and pi (installed from npm when missing) each complete a tool loop
+# against the demo server through tools/client_proxy.py (tests/test_real_clients.py).
+test-clients: install
+	$(BIN)/pip install -q -e ".[clients]"
+	command -v claude >/dev/null && command -v codex >/dev/null && command -v pi >/dev/null || \
+		npm install -g @anthropic-ai/claude-code @openai/codex @mariozechner/pi-coding-agent
+	$(BIN)/python -m pytest -q -s -m clients tests/test_real_clients.py
 
 # the full request fuzz: 2,500 bodies per generation route, 10,000 in all (CI runs 250 per route)
 test-fuzz: install

@@ -42,6 +42,7 @@ from .events import (
     TextDelta,
     Usage,
 )
+from .memcheckpoints import MemoryCheckpoints
 from .sampling import GREEDY, DeviceSampler, Sampler, SamplingParams
 
 log = logging.getLogger("ds4mlx.engine")
@@ -249,6 +250,7 @@ class Engine:
         cache: Optional[CacheHooks] = None,
         parser_factory: Callable[..., Any] = default_parser_factory,
         protocol=None,
+        checkpoints: Optional[MemoryCheckpoints] = None,
     ):
         from .chat.protocol import protocol_for_model
 
@@ -263,6 +265,7 @@ class Engine:
         self.tool_memory = tool_memory
         self.cache = cache or CacheHooks()
         self.parser_factory = parser_factory
+        self.checkpoints = checkpoints if checkpoints is not None else MemoryCheckpoints()
         self.stats = EngineStats()
         self.session = None
         self._bind_lock = threading.Lock()
@@ -507,6 +510,12 @@ class Engine:
                 return live + tk.encode(prompt[len(live_text):]), pos, "memory-text", None
             common = next((i for i, (a, b) in enumerate(zip(live, ids)) if a != b), min(pos, len(ids)))
             log.info("live kv cache miss live=%d prompt=%d common=%d", pos, len(ids), common)
+        # 7b. an in-memory checkpoint at the end of an earlier prompt (the live session cannot rewind)
+        cp = self.checkpoints.best(ids)
+        if cp is not None and self._restore_checkpoint(cp):
+            if pos > 0:
+                _call_hook(self.cache.on_miss, self)
+            return ids, len(cp.tokens), "memory-checkpoint", None
         # 8.–10. disk cache, then cold
         if pos > 0:
             _call_hook(self.cache.on_miss, self)
@@ -515,6 +524,25 @@ class Engine:
             eff, cached = loaded
             return list(eff), int(cached), "disk-text", None
         return ids, 0, "none", None
+
+    def _restore_checkpoint(self, cp) -> bool:
+        """Replace the live session by a checkpoint (False if it does not restore)."""
+        try:
+            self.session.restore(cp.blob)
+        except ValueError:
+            log.exception("memory checkpoint restore failed")
+            self._reset_session()
+            return False
+        self.checkpoints.restored += 1
+        return True
+
+    def _checkpoint(self, effective: list[int], cached: int) -> None:
+        """Keep the session at the end of this prompt for a later request that shares it."""
+        if self.checkpoints.wants(len(effective), len(effective) - cached):
+            try:
+                self.checkpoints.save(effective, self.session)
+            except Exception:  # a session without snapshots: no checkpoints, nothing lost
+                log.exception("memory checkpoint failed")
 
     def _sync(self, h: JobHandle, effective: list[int], cached: int):
         """Bring the session to `effective`, evaluating only `effective[cached:]`.
@@ -594,6 +622,7 @@ class Engine:
             h.emit(h.result)
             return
         self._clear_bindings(keep=kept)
+        self._checkpoint(effective, cached)
         _call_hook(self.cache.after_prefill, self, job)
         h.started = True
         h.emit(Started(prompt_tokens, cached))
@@ -633,16 +662,18 @@ class Engine:
             logits = mx.array(np.asarray(logits, dtype=np.float32))
         force = job.force_text if job.tools_active else None
         forced: list[int] = []
+        n_forced = 0
 
         def pick(logits) -> int:
             # synchronous: this token's choice depends on the host's reading of the last one
-            nonlocal force, forced
+            nonlocal force, forced, n_forced
             if force is not None and getattr(parser, "phase", "text") == "text":
                 forced, force = tk.encode(force), None  # the answer starts: open the tool call
             if forced:
+                n_forced += 1
                 return forced.pop(0)
             structural = bool(job.tools_active and getattr(parser, "structural", False))
-            params = GREEDY if (structural or job.ignore_eos) else job.params
+            params = GREEDY if structural else job.params  # ignore_eos keeps the requested sampling (#17)
             if structural and not job.params.greedy:
                 self.stats.greedy_tokens += 1
             return int(sampler.sample(logits, params, generated, banned).item())
@@ -650,14 +681,15 @@ class Engine:
         # Forced tool text and greedy-inside-a-tool-call for sampled jobs are host decisions
         # per token: those jobs run the loop synchronously; every other job samples on the
         # device, one token ahead of the host (decode.py).
-        host_chooses = force is not None or (job.tools_active and not job.params.greedy and not job.ignore_eos)
+        host_chooses = force is not None or (job.tools_active and not job.params.greedy)
         if host_chooses:
             sample = pick
         else:
-            params = GREEDY if job.ignore_eos else job.params
-            sample = DeviceSampler(params, int(logits.shape[-1]), banned, seed=sampler.seed)
+            sample = DeviceSampler(job.params, int(logits.shape[-1]), banned, seed=sampler.seed)
+        # forced tool-call header tokens do not count against max_tokens (#17): with forced text
+        # the limit is checked here, the context room always
         loop = decode_tokens(s, logits, sample, stop_ids=() if job.ignore_eos else [e for e in ends if e is not None],
-                             lookahead=not host_chooses, limit=max_tokens)
+                             lookahead=not host_chooses, limit=max_tokens if force is None else None)
         tokens = iter(loop)
         while True:
             if h.cancelled or self._closed:
@@ -681,6 +713,9 @@ class Engine:
                 break
             if getattr(parser, "stop_now", False):
                 finish = "tool_calls"
+                break
+            if loop.limit is None and (len(generated) - n_forced >= max_tokens or len(generated) >= room):
+                finish = "length"  # the limit of a job with forced text (forced tokens not counted)
                 break
             if not (job.tools_active and getattr(parser, "phase", "text") in ("tool", "done")):
                 _call_hook(self.cache.on_progress, self, job)  # not inside a tool call
@@ -722,9 +757,19 @@ class Engine:
         dt = time.monotonic() - t0
         log.info("%s gen=%d finish=%s%s %.2f t/s", job_kind(job), len(generated), finish,
                  f' error="{error}"' if error else "", len(generated) / dt if dt > 0 else 0.0)
-        usage = Usage(prompt_tokens, len(generated), cached, prompt_tokens - cached)
-        h.result = Finish(finish, usage, raw_text=raw_text, result=parsed, error=error)
+        usage = Usage(prompt_tokens, len(generated), cached, prompt_tokens - cached,
+                      reasoning_tokens=self._reasoning_tokens(parsed, len(generated)))
+        h.result = Finish(finish, usage, raw_text=raw_text, result=parsed, error=error, stop_sequence=stops.hit)
         h.emit(h.result)
+
+    def _reasoning_tokens(self, parsed, generated: int) -> int:
+        """How many of the generated tokens were reasoning (its text re-tokenized, with
+        the think close; at most all of them)."""
+        reasoning = getattr(parsed, "reasoning", None)
+        if not reasoning:
+            return 0
+        closed = getattr(parsed, "content", "") or getattr(parsed, "calls", None)
+        return min(generated, len(self.tokenizer.encode(reasoning)) + (1 if closed else 0))
 
     # ---------------------------------------------------------------- bindings
     def _remember_bindings(self, job: Job, parsed, calls, finish: str, raw_text: str) -> None:

@@ -62,6 +62,7 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0  # reused prefix (live session or disk checkpoint)
     written_tokens: int = 0  # prompt_tokens - cached_tokens
+    reasoning_tokens: int = 0  # of completion_tokens, those that were reasoning
 
     @property
     def total_tokens(self) -> int:
@@ -79,6 +80,7 @@ class Finish:
     raw_text: str = ""
     result: Optional[Any] = None
     error: Optional[str] = None
+    stop_sequence: Optional[str] = None  # the stop sequence that ended the output (reason stop)
 
 
 Event = PrefillProgress | Started | TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish

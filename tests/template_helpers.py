@@ -67,6 +67,7 @@ def glm_anthropic_case(model: str):
     the template's terms, its tools)."""
     tools = [{"name": "bash", "description": "Run", "input_schema": {"type": "object", "properties": {}}}]
     body = {"model": model, "system": "You are terse.", "max_tokens": 100, "tools": tools,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},  # Anthropic's default is off (#17)
             "messages": [
                 {"role": "user", "content": "ls"},
                 {"role": "assistant", "content": [{"type": "thinking", "thinking": "Need ls."},

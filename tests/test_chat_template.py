@@ -223,11 +223,14 @@ def test_other_tool_choices_are_auto_except_responses_limits():
     assert parse_chat(body).tools_active
     body["tool_choice"] = {"type": "function", "function": {"name": "f"}}
     assert parse_chat(body).tools_active
+    tools = [{"type": "function", "name": "f"}]
+    assert parse_responses({"input": "x", "tools": tools, "tool_choice": "required"}).tools_active  # forced (#17)
+    assert parse_responses({"input": "x", "tools": tools, "tool_choice": {"type": "function", "name": "f"}}).tools_active
     with pytest.raises(RequestError) as e:
-        parse_responses({"input": "x", "tool_choice": "required"})
-    assert e.value.message == "tool_choice=required not supported"
+        parse_responses({"input": "x", "tool_choice": "sometimes"})
+    assert e.value.message == "tool_choice=sometimes not supported"
     with pytest.raises(RequestError) as e:
-        parse_responses({"input": "x", "tool_choice": {"type": "function", "name": "f"}})
+        parse_responses({"input": "x", "tool_choice": {"type": "mcp", "server_label": "f"}})
     assert e.value.message == "forced tool_choice not supported"
     assert parse_responses({"input": "x", "tool_choice": "auto"}).tools_active is False  # no schemas
 
@@ -264,8 +267,9 @@ def test_thinking_controls():
     assert _mode(thinking=False) == "none"
     assert _mode(thinking={"type": "disabled", "budget_tokens": 5}) == "none"
     assert _mode(thinking={"type": "enabled"}, reasoning_effort="none") == "none"
-    for effort in ("xhigh", "high", "medium", "low", "minimal"):
+    for effort in ("xhigh", "high", "medium", "low"):
         assert _mode(reasoning_effort=effort) == "high"
+    assert _mode(reasoning_effort="minimal") == "none"                  # OpenAI's "almost none" is off (#17)
     assert _mode(reasoning_effort=None) == "high"
     assert _mode(reasoning_effort="max") == "high"                      # default ctx 32768
     assert _mode(reasoning_effort="max", _ctx=393216) == "max"
@@ -282,7 +286,10 @@ def test_thinking_anthropic_and_responses_and_completions():
     assert _mode("anthropic", output_config={"effort": "none"}) == "none"
     assert _mode("anthropic", output_config=None, model="deepseek-chat") == "none"
     assert _mode("anthropic", thinking={"type": "disabled"}) == "none"
-    assert _mode("anthropic", think=False) == "high"                    # `think` is not an Anthropic field
+    assert _mode("anthropic", think=False) == "none"                    # `think` is not an Anthropic field
+    assert _mode("anthropic") == "none"                                 # Anthropic's default is off (#17)
+    assert _mode("anthropic", thinking={"type": "enabled", "budget_tokens": 0}) == "none"
+    assert _mode("anthropic", thinking={"type": "adaptive"}) == "high"
     assert _mode("responses", reasoning={"effort": "none"}) == "none"
     assert _mode("responses", reasoning={"effort": "high"}, model="deepseek-chat") == "high"
     assert _mode("responses", reasoning={"effort": None}, model="deepseek-chat") == "none"  # null: not explicit
@@ -432,7 +439,7 @@ def test_anthropic_shapes():
                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a\nb", "is_error": True},
                 {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "done"}]},
                 {"type": "text", "text": "next?"}]},
-        ]}
+        ], "thinking": {"type": "enabled", "budget_tokens": 1024}}
     conv = parse_anthropic(body)
     assert conv.api == "anthropic"
     assert conv.messages[-1].role == "system" and conv.messages[-1].content == "line1\nline2\nline3"

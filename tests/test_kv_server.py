@@ -158,8 +158,9 @@ def test_anthropic_messages_resume_from_disk_after_restart(server):
     srv = server("--ctx", "8192", "--kv-cache-min-tokens", "256").start()
     system = LONG.replace("Section", "Part")
     msgs = [{"role": "user", "content": "What is part 2 about?"}]
+    think = {"type": "enabled", "budget_tokens": 1024}  # Anthropic thinking is off unless asked for (#17)
     m1 = srv.anthropic().messages.create(model=MODEL, system=system, messages=msgs, max_tokens=8,
-                                         extra_body=GREEDY)
+                                         thinking=think, extra_body=GREEDY)
     assert m1.usage.cache_read_input_tokens == 0 and m1.usage.cache_creation_input_tokens > 5000
     live = srv.stats()["live_tokens"]
     log = srv.stop()
@@ -174,7 +175,7 @@ def test_anthropic_messages_resume_from_disk_after_restart(server):
     msgs2 = msgs + [{"role": "assistant", "content": [b.model_dump() for b in m1.content]},
                     {"role": "user", "content": "And part 5?"}]
     with srv.anthropic().messages.stream(model=MODEL, system=system, messages=msgs2, max_tokens=8,
-                                         extra_body=GREEDY) as stream:
+                                         thinking=think, extra_body=GREEDY) as stream:
         first = next(iter(stream))
         m2 = stream.get_final_message()
     assert first.type == "message_start"

@@ -190,7 +190,7 @@ def test_entity_and_close_holdback_in_string_values():
     assert [e.arguments for e in ev if isinstance(e, ToolCallDelta)] == [',"t":"', "a</｜DSML｜paramX"]
 
 
-def test_loose_nested_stops_projection_then_final_fills_in():
+def test_loose_nested_parameters_stream_whole_and_agree_with_the_end():
     text = ('</think>review done\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="edit">\n'
             '<｜DSML｜parameter name="path">/tmp/t.c</｜DSML｜parameter>\n<｜DSML｜parameter name="edits">\n'
             '<｜DSML｜parameter name="oldText" string="true">old &lt;text&gt;</｜DSML｜parameter>\n'
@@ -201,15 +201,16 @@ def test_loose_nested_stops_projection_then_final_fills_in():
     s = summary(events)
     assert s["text"] == "review done"
     args = '{"path":"/tmp/t.c","edits":{"oldText":"old <text>","newText":"new text"}}'
-    assert s["calls"][0]["args"] == "{" and s["calls"][0]["end"] == args == final.calls[0].arguments
+    assert s["calls"][0]["args"] == args == s["calls"][0]["end"] == final.calls[0].arguments
 
 
 def test_malformed_block_becomes_text():
     text = "Hmm.</think>Trying.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke>\n</｜DSML｜tool_calls>"
     p, events, final = run([text])
     s = summary(events)
-    assert final.error == "invalid tool call" and final.content == text and final.finish == "stop"
-    assert s["reasoning"] == "Hmm." and s["text"] == text[len("Hmm.</think>"):] and not s["calls"]
+    assert final.error == "invalid tool call" and final.finish == "stop" and not final.calls
+    assert s["reasoning"] == "Hmm." == final.reasoning and not s["calls"]
+    assert s["text"] == text[len("Hmm.</think>"):] == final.content   # streamed and final agree
 
 
 def test_prose_tag_is_streamed_as_text():
@@ -225,11 +226,19 @@ def test_truncated_block_is_repaired_at_finish():
     p, events, final = run([text], truncated=True)
     s = summary(events)
     assert final.repaired and final.finish == "tool_calls" and final.calls[0].arguments == '{"command":"ls"}'
-    assert s["calls"][0]["args"] == '{"command":"ls' and s["calls"][0]["end"] == '{"command":"ls"}'
+    assert s["calls"][0]["args"] == '{"command":"ls"}' == s["calls"][0]["end"]
+    # EOS inside an announced call: it is finished with what was sent, never withdrawn, no markup as text
     p, events, final = run([text], truncated=False)
     s = summary(events)
-    assert final.calls == [] and final.error == "unterminated tool call" and final.finish == "stop"
-    assert s["text"] == text[len("Hmm.</think>"):]                   # the unstreamed raw tail is flushed as text
+    assert final.error == "tool call cut short" and final.finish == "tool_calls"
+    assert [(c.name, c.arguments) for c in final.calls] == [("bash", '{"command":"ls"}')]
+    assert s["calls"][0]["args"] == '{"command":"ls"}' == s["calls"][0]["end"] and s["text"] == "" == final.content
+    assert s["calls"][0]["id"] == final.calls[0].id
+    # EOS before the call is certain (name only): nothing was announced, the block is text in both
+    head = 'Hmm.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
+    p, events, final = run([head], truncated=False)
+    s = summary(events)
+    assert not s["calls"] and not final.calls and s["text"] == final.content
 
 
 def test_think_recovery_streaming():
@@ -239,7 +248,8 @@ def test_think_recovery_streaming():
     events = []
     for ch in text:
         events += p.feed(ch)
-    assert p.stop_now
+    assert not p.stop_now                          # ds4 recovers only when the generation ends without </think>
+    assert summary(events)["reasoning"] == "I should list."   # the block is held, not streamed as reasoning
     more, final = p.finish()
     s = summary(events + more)
     assert s["reasoning"] == "I should list." == final.reasoning and final.recovered
@@ -255,8 +265,8 @@ def test_think_recovery_streaming():
 def test_unclosed_reasoning_flushes_as_reasoning():
     p, events, final = run(["still thinking <b>", " and more"], truncated=True)
     s = summary(events)
-    assert s["reasoning"] == "still thinking <b> and more"
-    assert final.content == "still thinking <b> and more" and final.reasoning is None and final.finish == "length"
+    assert s["reasoning"] == "still thinking <b> and more" == final.reasoning
+    assert final.content == "" and final.finish == "length"            # streamed and final agree
 
 
 def test_ids_prefix_and_uniqueness_against_memory():

@@ -103,7 +103,8 @@ def test_numeric_and_named_efforts_and_chat_mode():
 def test_effort_in_responses_and_anthropic_bodies():
     assert request_effort("responses", {"reasoning": {"effort": "40", "summary": "auto"}}, numeric=True) == (
         {"reasoning": {"summary": "auto"}}, "40")
-    assert request_effort("anthropic", {"output_config": {"effort": 7}}, numeric=True) == ({"output_config": {}}, 7)
+    assert request_effort("anthropic", {"output_config": {"effort": 7}}, numeric=True) == (
+        {"output_config": {}, "thinking": {"type": "enabled"}}, 7)  # a named effort turns thinking on (#17)
     b = {"reasoning_effort": "high"}
     assert request_effort("chat", b, numeric=True) == (b, "high")
 
@@ -119,9 +120,10 @@ def test_deepseek_recipe_goldens():
         {"role": "user", "content": "first"}, {"role": "user", "content": "second"},
         {"role": "assistant", "content": "answer", "reasoning_content": "prior reasoning"},
         {"role": "system", "content": "new instruction"}]})
-    assert got == ("<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 50 (range 1-100, the higher the value, the "
-                   "more thorough the reasoning)\n\n<｜User｜>first\n\nsecond<｜Assistant｜></think>"
-                   "answer<｜end▁of▁sentence｜><｜System｜>new instruction<｜Assistant｜><think>")
+    # deliberate difference (#17): "minimal" is OpenAI's way of saying (almost) no reasoning, so
+    # thinking is off; the recipe's encoder renders effort 50 and an open <think> here
+    assert got == ("<｜begin▁of▁sentence｜><｜User｜>first\n\nsecond<｜Assistant｜></think>"
+                   "answer<｜end▁of▁sentence｜><｜System｜>new instruction<｜Assistant｜></think>")
 
 
 # --------------------------------------------------------------------------- golden prompts (reference encoder)
@@ -271,7 +273,7 @@ def test_parallel_tool_results_are_put_in_call_order_and_welded():
     assert got.endswith(EOS + USER + "<tool_result>a.txt</tool_result>\n\n<tool_result>/home</tool_result>\n\nand?"
                         + ASST + "<think>")
     # Anthropic: parallel results in one user message, system given separately
-    a = {"model": "deepseek-v4.1-flash", "system": "You are terse.", "max_tokens": 9,
+    a = {"model": "deepseek-v4.1-flash", "system": "You are terse.", "max_tokens": 9, "thinking": {"type": "enabled"},
          "tools": [{"name": "bash", "description": "Run", "input_schema": {"type": "object"}}],
          "messages": [{"role": "user", "content": "go"},
                       {"role": "assistant", "content": [

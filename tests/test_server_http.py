@@ -234,9 +234,7 @@ BAD_BODIES = [
      "Invalid type for 'stream': expected a boolean or null, but got a number instead."),
     (b'{"messages":[]}', 400, "messages must not be empty"),
     (b'{"messages":[{"role":"wizard","content":"x"}]}', 400, "unknown role: wizard"),
-    (b'{"messages":[{"role":"user","content":"x"}],"model":"gpt-9"}', 404, "The model `gpt-9` does not exist"),
     (b'{"model":"deepseek-v4-flash"}', 400, "missing messages"),
-    (b'{"messages":[{"role":"user","content":"x"}],"ignore_eos":true}', 400, "ignore_eos requires temperature 0"),
     (b'{"messages":[{"role":"user","content":"x"}],"reasoning_effort":"extreme"}', 400,
      "Invalid value for 'reasoning_effort'."),
 ]
@@ -333,7 +331,7 @@ def test_models_routes(srv):
     assert st == 200 and listing["object"] == "list" and listing["data"] == [one]
     assert st1 == 200 and one["id"] == "deepseek-v4-flash" and one["object"] == "model"
     assert one["context_length"] == 512 and one["top_provider"]["max_completion_tokens"] == 64
-    assert missing == 404
+    assert missing == 200  # any name is served by the loaded model unless --strict-model (#17)
 
 
 def test_cors_only_when_enabled(tok, srv):

@@ -22,6 +22,7 @@ from ds4mlx.chat.requests import parse_anthropic, parse_chat, parse_completion, 
 from ds4mlx.chat.families.deepseek_v4.template import render  # noqa: E402
 
 MODEL = "deepseek-v4-flash"
+THINK = {"type": "enabled", "budget_tokens": 1024}  # Anthropic thinking is off unless asked for (#17)
 BASH_DSML = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
              '<｜DSML｜parameter name="command" string="true">ls /tmp</｜DSML｜parameter>\n'
              '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
@@ -203,10 +204,11 @@ def test_completions_non_streaming_and_streaming(oc, tok):
 
 # --------------------------------------------------------------------------- Anthropic
 def test_anthropic_non_streaming(ac, tok):
-    r = ac.messages.create(model=MODEL, max_tokens=100, system="Be brief.",
+    r = ac.messages.create(model=MODEL, thinking=THINK, max_tokens=100, system="Be brief.",
                            messages=[{"role": "user", "content": "Hi"}])
-    prompt = render(parse_anthropic({"system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}]}))
-    assert r.id.startswith("chatcmpl-") and r.type == "message" and r.role == "assistant" and r.model == MODEL
+    prompt = render(parse_anthropic({"system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}],
+                                     "thinking": THINK}))
+    assert r.id.startswith("msg_") and r.type == "message" and r.role == "assistant" and r.model == MODEL
     assert [b.type for b in r.content] == ["thinking", "text"]
     assert r.content[0].thinking == "Simple greeting." and r.content[0].signature == r.id
     assert r.content[1].text == "Hello there!"
@@ -217,7 +219,7 @@ def test_anthropic_non_streaming(ac, tok):
 
 
 def test_anthropic_streaming(ac):
-    with ac.messages.stream(model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "Hey"}]) as st:
+    with ac.messages.stream(model=MODEL, thinking=THINK, max_tokens=100, messages=[{"role": "user", "content": "Hey"}]) as st:
         events = [e.type for e in st]
         m = st.get_final_message()
     assert events[0] == "message_start" and events[-1] == "message_stop"
@@ -235,7 +237,7 @@ def test_anthropic_max_tokens(ac):
 
 def test_anthropic_tool_round_trip_continues_live_state(ac, srv):
     msgs = [{"role": "user", "content": "List /tmp"}]
-    r1 = ac.messages.create(model=MODEL, max_tokens=200, messages=msgs, tools=ANTHROPIC_TOOLS)
+    r1 = ac.messages.create(model=MODEL, thinking=THINK, max_tokens=200, messages=msgs, tools=ANTHROPIC_TOOLS)
     assert r1.stop_reason == "tool_use"
     assert [b.type for b in r1.content] == ["thinking", "text", "tool_use"]
     use = r1.content[2]
@@ -245,7 +247,7 @@ def test_anthropic_tool_round_trip_continues_live_state(ac, srv):
     msgs2 = msgs + [{"role": "assistant", "content": [b.model_dump() for b in r1.content]},
                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                   "content": "a.txt\nb.txt"}]}]
-    r2 = ac.messages.create(model=MODEL, max_tokens=200, messages=msgs2, tools=ANTHROPIC_TOOLS)
+    r2 = ac.messages.create(model=MODEL, thinking=THINK, max_tokens=200, messages=msgs2, tools=ANTHROPIC_TOOLS)
     assert r2.stop_reason == "end_turn" and r2.content[-1].text == "Two files: a.txt and b.txt."
     assert srv.engine.stats.last_cache_source == "anthropic-tool-output"
     assert r2.usage.cache_read_input_tokens == live
@@ -253,7 +255,7 @@ def test_anthropic_tool_round_trip_continues_live_state(ac, srv):
 
 
 def test_anthropic_streaming_tool_use(ac):
-    with ac.messages.stream(model=MODEL, max_tokens=200, messages=[{"role": "user", "content": "ls it"}],
+    with ac.messages.stream(model=MODEL, thinking=THINK, max_tokens=200, messages=[{"role": "user", "content": "ls it"}],
                             tools=ANTHROPIC_TOOLS) as st:
         m = st.get_final_message()
     assert m.stop_reason == "tool_use"
@@ -263,7 +265,7 @@ def test_anthropic_streaming_tool_use(ac):
 
 def test_anthropic_unknown_tool_use_id_is_400(ac):
     with pytest.raises(anthropic.BadRequestError) as e:
-        ac.messages.create(model=MODEL, max_tokens=10, messages=[
+        ac.messages.create(model=MODEL, thinking=THINK, max_tokens=10, messages=[
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}])
     assert e.value.status_code == 400
     assert e.value.body["type"] == "error" and "toolu_nope" in e.value.body["error"]["message"]
@@ -374,7 +376,7 @@ def test_demo_model_every_route(demo):
     assert cs[-1].choices[0].finish_reason in ("stop", "length")
 
     m = ac.messages.create(model=MODEL, max_tokens=4, messages=msgs)
-    assert m.id.startswith("chatcmpl-") and m.role == "assistant"
+    assert m.id.startswith("msg_") and m.role == "assistant"
     assert m.stop_reason in ("end_turn", "max_tokens", "tool_use") and m.usage.output_tokens <= 4
     with ac.messages.stream(model=MODEL, max_tokens=4, messages=msgs) as st:
         fm = st.get_final_message()
@@ -419,7 +421,7 @@ def test_tool_choice_named_and_required_force_a_call(tok):
                                        tool_choice={"type": "function", "function": {"name": "bash"}})
         assert r.choices[0].finish_reason == "tool_calls"
         assert r.choices[0].message.tool_calls[0].function.arguments == '{"command":"ls"}'
-        m = ac.messages.create(model=MODEL, max_tokens=200, messages=msgs, tools=ANTHROPIC_TOOLS,
+        m = ac.messages.create(model=MODEL, thinking=THINK, max_tokens=200, messages=msgs, tools=ANTHROPIC_TOOLS,
                                tool_choice={"type": "tool", "name": "bash"})
         assert m.stop_reason == "tool_use" and m.content[-1].input == {"command": "ls"}
         # required / any: the block and invoke tag are forced, the model names the tool
@@ -428,7 +430,7 @@ def test_tool_choice_named_and_required_force_a_call(tok):
                                     + tok.encode('bash">\n' + rest))
         r = oc.chat.completions.create(model=MODEL, messages=msgs, tools=OPENAI_TOOLS, tool_choice="required")
         assert r.choices[0].message.tool_calls[0].function.name == "bash"
-        m = ac.messages.create(model=MODEL, max_tokens=200, messages=msgs, tools=ANTHROPIC_TOOLS,
+        m = ac.messages.create(model=MODEL, thinking=THINK, max_tokens=200, messages=msgs, tools=ANTHROPIC_TOOLS,
                                tool_choice={"type": "any"})
         assert m.stop_reason == "tool_use" and m.content[-1].name == "bash"
 
@@ -471,6 +473,6 @@ def test_multi_turn_chat_reuses_the_live_session_with_hidden_reasoning(oc, ac, s
     live = len(srv.engine.session)
     amsgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
     amsgs += [{"role": "assistant", "content": r2.choices[0].message.content}, {"role": "user", "content": "Ok"}]
-    r3 = ac.messages.create(model=MODEL, max_tokens=100, messages=amsgs)
+    r3 = ac.messages.create(model=MODEL, thinking=THINK, max_tokens=100, messages=amsgs)
     assert srv.engine.stats.last_cache_source == "thinking-visible"
     assert r3.usage.cache_read_input_tokens == live and r3.content[-1].text == "Hello there!"

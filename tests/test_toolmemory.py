@@ -115,7 +115,8 @@ def test_generation_to_memory_to_next_prompt_round_trip():
                                           {"type": "tool_use", "id": tool_id, "name": "bash",
                                            "input": final.calls[0].input()}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_id, "content": "a"}]}],
-        "tools": [{"name": "bash", "input_schema": {"type": "object"}}]}
+        "tools": [{"name": "bash", "input_schema": {"type": "object"}}],
+        "thinking": {"type": "enabled", "budget_tokens": 1024}}  # Anthropic's default is off (#17)
     prompt = render(parse_anthropic(body), tool_memory=m)
     assert "<｜Assistant｜><think>Need ls.</think>" + SAMPLED + "<｜end▁of▁sentence｜>" in prompt
 

@@ -371,7 +371,7 @@ def bench_moe_call(calls: int = 32, face: str | None = None, out: list | None = 
     from ds4mlx.kernels import quant_moe
     from ds4mlx.models.layers import clamped_swiglu
     from ds4mlx.quant import as_qtype, row_bytes
-    from ds4mlx.synthetic import random_gguf_blocks
+    from ds4mlx.quant import random_gguf_blocks
 
     face = face or dispatch.gpu_backend()
     out = [] if out is None else out

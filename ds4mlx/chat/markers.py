@@ -135,3 +135,5 @@ ERR_ANTHROPIC_UNKNOWN_CALL = ("Anthropic continuation state is not available for
 # --- parse diagnostics (ParsedOutput.error; ds4 logs these) ------------------------
 PARSE_INVALID_TOOL_CALL = "invalid tool call"
 PARSE_UNTERMINATED_TOOL_CALL = "unterminated tool call"
+# a call the stream had announced broke off: it is kept with the arguments sent so far
+PARSE_CUT_TOOL_CALL = "tool call cut short"

@@ -228,4 +228,8 @@ def request_effort(api: str, body: Any, numeric: bool = False) -> tuple[Any, Any
             if numeric and _numeric(found):
                 out = dict(out) if out is body else out
                 out[key] = {k: v for k, v in sub.items() if k != "effort"}
+    if api == "anthropic" and out is not body and "thinking" not in body:
+        # a named effort turns Anthropic thinking on (its default is off); the family
+        # resolves the level, 0 included
+        out = {**out, "thinking": {"type": "enabled"}}
     return out, found

@@ -31,10 +31,12 @@ __all__ = ["RequestError", "parse_chat", "parse_anthropic", "parse_responses", "
 
 DEFAULT_MODEL = "deepseek-v4-flash"
 VALID_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# "minimal" is OpenAI's way of saying (almost) no reasoning: off (#17)
 _EFFORTS = {"max": "max", "xhigh": "high", "high": "high", "medium": "high", "low": "high",
-            "minimal": "high", "none": "none"}
+            "minimal": "none", "none": "none"}
 _DEFAULT_PARAMETERS = {"type": "object", "properties": {}}
 _SUMMARY_OPT_IN = ("auto", "concise", "detailed")
+_ITEM_STATUSES = ("completed", "incomplete")  # what the server emits
 _RESPONSES_TEXT_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 _HOSTED_CALLS = {"local_shell_call": "local_shell", "web_search_call": "web_search_call",
                  "tool_search_call": "tool_search", "image_generation_call": "image_generation_call"}
@@ -126,10 +128,13 @@ class _Thinking:
             self.enabled = v
         elif isinstance(v, dict) and "type" in v:
             typ = _str(v["type"])
-            if typ == "enabled":
+            if typ in ("enabled", "adaptive"):
                 self.enabled = True
             elif typ == "disabled":
                 self.enabled = False
+            budget = v.get("budget_tokens")
+            if isinstance(budget, int) and not isinstance(budget, bool) and budget <= 0:
+                self.enabled = False  # a thinking budget of 0 is off
 
     def think(self, v: Any) -> None:
         if not isinstance(v, bool):
@@ -458,9 +463,12 @@ def _anthropic_system(v: Any) -> str:
 
 def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical",
                     strict: bool = True) -> Conversation:
-    """POST /v1/messages body -> Conversation (the system text becomes a trailing system message)."""
+    """POST /v1/messages body -> Conversation (the system text becomes a trailing system message).
+    Thinking is off unless `thinking` turns it on or an effort is named (Anthropic's
+    default is off; Claude Code with MAX_THINKING_TOKENS=0 sends neither; #17)."""
     body = _object(body)
-    th = _Thinking()
+    th = _Thinking(enabled=False)
+    effort_named = False
     msgs = None
     system = ""
     schemas: list[str] = []
@@ -484,11 +492,13 @@ def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical
             th.control(v)
         elif k == "output_config":
             if isinstance(v, dict) and "effort" in v:
-                th.set_effort(v["effort"], "output_config.effort")
+                effort_named = th.set_effort(v["effort"], "output_config.effort") or effort_named
         elif k == "reasoning_effort":
-            th.set_effort(v)
+            effort_named = th.set_effort(v) or effort_named
         elif k == "stop_sequences":
             stop = parse_stop(v)
+    if effort_named and "thinking" not in body:
+        th.enabled = True
     msgs = _require_messages(msgs, strict)
     if system:
         msgs.append(Message(role="system", content=system))
@@ -539,7 +549,7 @@ def _responses_input(items: list, style: str, loaded: list[str], aliases: dict, 
                 f[k] = v
         t = f.get("type", "message")
         status = f.get("status")
-        if status and status != "completed":
+        if status and status not in _ITEM_STATUSES:  # the server's own items replay as they were emitted
             raise _bad()
         consumes = ((t == "message" and f.get("role") == "assistant") or t in ("function_call", "custom_tool_call")
                     or t in _HOSTED_CALLS)
@@ -608,6 +618,7 @@ def parse_responses(body: Any, *, ctx: int = 32768, json_style: str = "canonical
     tool_choice_none = False
     model = DEFAULT_MODEL
     summary = False
+    stop: list[str] = []
     for k, v in body.items():
         if k == "input":
             loaded, loaded_aliases = [], {}
@@ -625,10 +636,12 @@ def parse_responses(body: Any, *, ctx: int = 32768, json_style: str = "canonical
             if isinstance(v, str):
                 if v == "none":
                     tool_choice_none = True
-                elif v != "auto":
+                elif v not in ("auto", "required"):  # required: serve/build.py forces the call
                     raise RequestError(M.ERR_TOOL_CHOICE.format(value=v), param="tool_choice")
-            elif isinstance(v, dict):
+            elif isinstance(v, dict) and v.get("type") != "function":
                 raise RequestError(M.ERR_FORCED_TOOL_CHOICE, param="tool_choice")
+        elif k == "stop":  # not an OpenAI Responses field: a ds4mlx extension, as on chat
+            stop = parse_stop(v)
         elif k == "model":
             model = _str(v)
         elif k == "reasoning":
@@ -652,7 +665,7 @@ def parse_responses(body: Any, *, ctx: int = 32768, json_style: str = "canonical
     all_aliases = dict(aliases)
     all_aliases.update(loaded_aliases)
     conv = Conversation(messages=msgs, tool_schemas=schemas + loaded, tools_active=not tool_choice_none,
-                        api="responses", tool_aliases=all_aliases, reasoning_summary=summary)
+                        api="responses", tool_aliases=all_aliases, reasoning_summary=summary, stop=stop)
     return _finish(conv, model, th, ctx)
 
 

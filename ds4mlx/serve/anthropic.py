@@ -26,6 +26,8 @@ def usage_anthropic(u: Usage) -> dict:
 
 
 def stop_reason(fin: Finish) -> str:
+    if fin.reason == "stop" and fin.stop_sequence is not None:
+        return "stop_sequence"
     return STOP_REASONS.get(fin.reason, "end_turn")
 
 
@@ -123,12 +125,13 @@ class AnthropicAdapter:
             if ci not in self.closed_tools:
                 self.closed_tools.add(ci)
                 out.append(self._stop(b))
-        if self.had_thinking and not self.had_text and not self.had_tool:
+        if self.had_thinking and not self.had_text and not self.had_tool and fin.reason != "length":
             out.append(self._open("text", {"type": "text", "text": ""}))
             out.append(self._stop())
             self.open_kind = None
         out.append(self._ev("message_delta", {"type": "message_delta",
-                                              "delta": {"stop_reason": stop_reason(fin), "stop_sequence": None},
+                                              "delta": {"stop_reason": stop_reason(fin),
+                                                        "stop_sequence": fin.stop_sequence},
                                               "usage": {"output_tokens": fin.usage.completion_tokens}}))
         out.append(self._ev("message_stop", {"type": "message_stop"}))
         return out
@@ -143,9 +146,9 @@ class AnthropicAdapter:
             blocks.append({"type": "text", "text": content})
         for c in calls:
             blocks.append({"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(c.arguments)})
-        if not blocks or all(b["type"] == "thinking" for b in blocks):
+        if not blocks or (all(b["type"] == "thinking" for b in blocks) and fin.reason != "length"):
             blocks.append({"type": "text", "text": ""})
         i = self.info
         return body_bytes({"id": i.id, "type": "message", "role": "assistant", "model": i.model, "content": blocks,
-                           "stop_reason": stop_reason(fin), "stop_sequence": None,
+                           "stop_reason": stop_reason(fin), "stop_sequence": fin.stop_sequence,
                            "usage": usage_anthropic(fin.usage)})

@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from typing import Any, Optional
 
 from aiohttp import web
@@ -25,8 +26,8 @@ from ..events import Finish, PrefillProgress, Started
 from . import errors as E
 from . import sse
 from .anthropic import AnthropicAdapter
+from .completions import CompletionsAdapter, prompt_list, total_usage
 from .prepare import ServeConfig, model_known, prepare, protocol_of
-from .completions import CompletionsAdapter
 from .jsonin import parse_body
 from .openai import ChatAdapter, RequestInfo, body_bytes
 from .responses import ResponsesAdapter
@@ -57,8 +58,10 @@ class ServerState:
         self._trace = open(cfg.trace, "a", encoding="utf-8") if cfg.trace else None
 
     def next_id(self, api: str) -> str:
+        """A response id unique across restarts: each API's own prefix + random hex."""
         self.seq += 1
-        return f"{'cmpl' if api == 'completions' else 'chatcmpl'}-{self.seq}"
+        prefix = {"completions": "cmpl-", "anthropic": "msg_", "responses": "resp_"}.get(api, "chatcmpl-")
+        return prefix + uuid.uuid4().hex
 
     def trace(self, record: dict) -> None:
         if self._trace is None:
@@ -159,6 +162,34 @@ async def debug_stats(request: web.Request) -> web.Response:
     return json_response(state, 200, body_bytes(doc))
 
 
+async def health(request: web.Request) -> web.Response:
+    """GET /health (guidellm's backend check, load balancers) and GET/HEAD /."""
+    state = request.app[STATE]
+    if state.stopping:
+        raise E.APIError(503, E.SHUTTING_DOWN)
+    return json_response(state, 200, body_bytes({"status": "ok"}))
+
+
+COUNT_ROUTES = {"/v1/messages/count_tokens": "anthropic", "/v1/responses/input_tokens": "responses"}
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt tokens a generation request would have, without generating
+    (Anthropic count_tokens, Responses input_tokens)."""
+    state = request.app[STATE]
+    api = COUNT_ROUTES[request.path]
+    body = parse_body(await request.read())
+    if api == "anthropic" and isinstance(body, dict) and "max_tokens" not in body:
+        body = {**body, "max_tokens": 1}  # count_tokens bodies carry none
+    loop = asyncio.get_running_loop()
+    prep = await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory, api, body)
+    if api == "anthropic":
+        doc = {"input_tokens": prep.prompt_tokens}
+    else:
+        doc = {"object": "response.input_tokens", "input_tokens": prep.prompt_tokens}
+    return json_response(state, 200, body_bytes(doc))
+
+
 async def options(request: web.Request) -> web.Response:
     return web.Response(status=204, headers=_cors(request.app[STATE]))
 
@@ -180,6 +211,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise E.APIError(413, E.BODY_TOO_LARGE) from None
     loop = asyncio.get_running_loop()
     body = await loop.run_in_executor(None, parse_body, raw)  # a big body must not block the loop
+    prompts = prompt_list(body) if api == "completions" else None
+    if prompts is not None:
+        return await _completions_batch(request, state, body, prompts)
     prep = await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory, api, body)
     info = RequestInfo(id=state.next_id(api), model=prep.model, created=int(time.time()),
                        include_usage=prep.include_usage, thinking=prep.thinking,
@@ -211,6 +245,48 @@ async def generate(request: web.Request) -> web.StreamResponse:
                      "seconds": round(time.monotonic() - t0, 3)})
 
 
+async def _completions_batch(request, state, body: dict, prompts: list) -> web.StreamResponse:
+    """/v1/completions with a list of prompts: one choice per prompt, generated in
+    turn (the engine serves one job at a time anyway)."""
+    loop = asyncio.get_running_loop()
+    preps = []
+    for p in prompts:  # every prompt is validated before anything is queued
+        preps.append(await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory,
+                                                "completions", {**body, "prompt": p}))
+    info = RequestInfo(id=state.next_id("completions"), model=preps[0].model, created=int(time.time()),
+                       include_usage=preps[0].include_usage)
+    out = sse.SSEStream(request, _cors(state)) if preps[0].stream else None
+    fins: list = []
+    for k, prep in enumerate(preps):
+        adapter = CompletionsAdapter(info, index=k, last=k == len(preps) - 1)
+        queue: asyncio.Queue = asyncio.Queue()
+        handle = state.engine.submit(prep.job, lambda ev, q=queue: loop.call_soon_threadsafe(q.put_nowait, ev))
+        state.requests += 1
+        try:
+            while True:
+                ev = await queue.get()
+                if isinstance(ev, Failed):
+                    if out is None or not out.started:
+                        raise E.APIError(ev.status, ev.message)
+                    await out.write(sse.event("error", E.sse_error_payload("openai", ev.message)))
+                    await out.end()
+                    return out.response
+                if isinstance(ev, Finish):
+                    fins.append(ev)
+                    if out is not None:
+                        await out.write_all(adapter.finish(ev, total_usage(fins)))
+                    break
+                if out is not None and not await out.write_all(adapter.event(ev)):
+                    return out.response
+        finally:
+            if not handle.done.is_set():
+                handle.cancel()
+    if out is None:
+        return json_response(state, 200, CompletionsAdapter(info).batch_body(fins))
+    await out.end()
+    return out.response
+
+
 async def _collect(state, api, adapter, queue, result) -> web.Response:
     while True:
         ev = await queue.get()
@@ -229,9 +305,12 @@ async def _stream(request, state, api, adapter, queue, handle, result) -> web.St
     in_prefill = False
     started = False  # the job left the queue (its first event came)
     keepalive = state.cfg.keepalive_s
+    next_ping = 0.0  # while prefilling: a `: prefill` comment every keepalive_s, progress events or not
     while True:
         try:
-            if (in_prefill and out.started) or not started:
+            if in_prefill and out.started:
+                ev = await asyncio.wait_for(queue.get(), timeout=max(0.0, next_ping - time.monotonic()))
+            elif not started:
                 ev = await asyncio.wait_for(queue.get(), timeout=keepalive)
             else:
                 ev = await queue.get()
@@ -239,6 +318,7 @@ async def _stream(request, state, api, adapter, queue, handle, result) -> web.St
             if in_prefill and out.started:
                 if not await out.keepalive():
                     break
+                next_ping = time.monotonic() + keepalive
                 continue
             # still queued: headers now and a comment with the queue position, so a
             # client's first-byte timeout does not run out while others are served
@@ -250,7 +330,13 @@ async def _stream(request, state, api, adapter, queue, handle, result) -> web.St
         if isinstance(ev, PrefillProgress):
             if not out.started and not await out.start():
                 break
+            if not in_prefill:
+                next_ping = time.monotonic() + keepalive
             in_prefill = True
+            if time.monotonic() >= next_ping:
+                if not await out.keepalive():
+                    break
+                next_ping = time.monotonic() + keepalive
             continue
         if isinstance(ev, Failed):
             result["finish"] = Finish("error", error=ev.message)
@@ -286,8 +372,12 @@ def make_app(engine: Engine, cfg: Optional[ServeConfig] = None, tool_memory=None
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model_one)
     app.router.add_get("/v1/ds4mlx/stats", debug_stats)
+    app.router.add_get("/health", health)
+    app.router.add_get("/", health)  # HEAD / too
     for path in ROUTES:
         app.router.add_post(path, generate)
+    for path in COUNT_ROUTES:
+        app.router.add_post(path, count_tokens)
     app.router.add_route("OPTIONS", "/{tail:.*}", options)
     app.router.add_route("*", "/{tail:.*}", unknown)
 

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="render history tool calls canonically instead of replaying the sampled DSML")
     p.add_argument("--alias", action="append", default=[], metavar="NAME",
                    help="accept this model name too (fnmatch pattern, e.g. 'claude-*'); repeatable")
+    p.add_argument("--strict-model", action="store_true",
+                   help="answer 404 for a model name that is not the loaded model's id, alias or --alias "
+                        "(default: any name is served by the loaded model)")
     p.add_argument("--prefill-chunk", type=_positive, default=512, help="prefill chunk (cancellation granularity)")
     # ds4's thinking defaults for requests that do not set thinking themselves
     from ..think_flags import add_think_arguments
@@ -118,7 +121,7 @@ def build(args, loaded=None):
     cfg = ServeConfig(ctx=args.ctx, tokens=args.tokens, cors=args.cors, trace=args.trace,
                       max_body_mb=args.max_body_mb, replay=replay, aliases=tuple(args.alias),
                       think_level=args.think_level, think=think, system=getattr(args, "system", "") or "",
-                      prefix=tuple(prefix))
+                      prefix=tuple(prefix), strict_model=getattr(args, "strict_model", False))
     return engine, make_app(engine, cfg, memory)
 
 

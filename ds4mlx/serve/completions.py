@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..events import Finish, Started, TextDelta
+from ..events import Finish, Started, TextDelta, Usage
 from . import sse
 from .openai import RequestInfo, body_bytes, finish_reason, usage_openai
 
@@ -11,13 +11,15 @@ from .openai import RequestInfo, body_bytes, finish_reason, usage_openai
 class CompletionsAdapter:
     api = "completions"
 
-    def __init__(self, info: RequestInfo):
+    def __init__(self, info: RequestInfo, index: int = 0, last: bool = True):
         self.info = info
+        self.index = index  # the choice this adapter prints (one per prompt of a prompt list)
+        self.last = last  # the last choice of the response: the usage chunk and [DONE] follow it
 
     def _chunk(self, text: str, finish: Optional[str]) -> bytes:
         i = self.info
         return sse.data({"id": i.id, "object": "text_completion", "created": i.created, "model": i.model,
-                         "choices": [{"text": text, "index": 0, "finish_reason": finish}]})
+                         "choices": [{"text": text, "index": self.index, "finish_reason": finish}]})
 
     def start(self, started: Started) -> list[bytes]:
         return []
@@ -27,17 +29,39 @@ class CompletionsAdapter:
             return [self._chunk(ev.text, None)]
         return []
 
-    def finish(self, fin: Finish) -> list[bytes]:
+    def finish(self, fin: Finish, usage: Optional[Usage] = None) -> list[bytes]:
+        """The choice's last chunk; after the last choice, the usage (of all of them) and [DONE]."""
         out = [self._chunk("", finish_reason(fin))]
+        if not self.last:
+            return out
         if self.info.include_usage:
             i = self.info
             out.append(sse.data({"id": i.id, "object": "text_completion", "created": i.created, "model": i.model,
-                                 "choices": [], "usage": usage_openai(fin.usage)}))
+                                 "choices": [], "usage": usage_openai(usage or fin.usage)}))
         out.append(sse.DONE)
         return out
 
     def body(self, fin: Finish) -> bytes:
+        return self.batch_body([fin])
+
+    def batch_body(self, fins: list) -> bytes:
+        """One choice per prompt, in order; usage summed over them."""
         i = self.info
         return body_bytes({"id": i.id, "object": "text_completion", "created": i.created, "model": i.model,
-                           "choices": [{"text": fin.raw_text, "index": 0, "finish_reason": finish_reason(fin)}],
-                           "usage": usage_openai(fin.usage)})
+                           "choices": [{"text": f.raw_text, "index": k, "finish_reason": finish_reason(f)}
+                                       for k, f in enumerate(fins)],
+                           "usage": usage_openai(total_usage(fins))})
+
+
+def total_usage(fins: list) -> Usage:
+    return Usage(sum(f.usage.prompt_tokens for f in fins), sum(f.usage.completion_tokens for f in fins),
+                 sum(f.usage.cached_tokens for f in fins), sum(f.usage.written_tokens for f in fins),
+                 sum(f.usage.reasoning_tokens for f in fins))
+
+
+def prompt_list(body) -> Optional[list]:
+    """The prompts of a body whose `prompt` is a list of two or more strings (else None)."""
+    p = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, str) for x in p):
+        return p
+    return None

@@ -35,6 +35,7 @@ def usage_openai(u: Usage) -> dict:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.written_tokens},
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
     }
 
 

@@ -17,8 +17,8 @@ Which fields each API reads (docs/http-api.md §3–6):
 A known field with the wrong JSON type is a 400 naming it (serve/validate.py checks first);
 `null` means absent; integer fields accept any number (truncated) and clamp
 negatives to 0.  In thinking mode the client's temperature/top_p/top_k/min_p
-are ignored (ds4's fixed defaults).  `ignore_eos` (our issue) needs an
-explicit `temperature: 0` and then decodes greedily for exactly max_tokens.
+are ignored (ds4's fixed defaults).  `ignore_eos` keeps the request's
+sampling and decodes exactly max_tokens (#17: guidellm sends it always).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..sampling import SamplingParams
-from .errors import IGNORE_EOS_NEEDS_GREEDY, INVALID_JSON, APIError
+from .errors import INVALID_JSON, APIError
 
 _FIELDS = {
     "chat": {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens",
@@ -105,12 +105,10 @@ def parse_controls(api: str, body: dict, thinking: str) -> Controls:
         if not isinstance(opts, dict):
             raise _bad("stream_options")
         include_usage = bool(_bool(opts.get("include_usage"), "stream_options.include_usage"))
+    # ignore_eos decodes exactly max_tokens with the requested sampling (guidellm sends
+    # it on every request; other servers accept it so)
     ignore_eos = bool(_bool(get("ignore_eos"), "ignore_eos"))
-    if ignore_eos and temperature != 0.0:
-        raise APIError(400, IGNORE_EOS_NEEDS_GREEDY, param="ignore_eos")
-    if ignore_eos:
-        params = SamplingParams(temperature=0.0, seed=seed or 0)
-    elif thinking != "none":
+    if thinking != "none":
         params = SamplingParams(seed=seed or 0)  # ds4's fixed thinking-mode sampling
     else:
         d = SamplingParams()

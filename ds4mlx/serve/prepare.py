@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..chat import markers as M
+from ..chat.messages import ToolCall
 from ..chat.protocol import ChatProtocol, EffortError, get_protocol, request_effort
 from ..chat.requests import RequestError, parse_request, unreplayed_tool_result_ids
 from ..chat.families.deepseek_v4.template import live_tail
@@ -44,6 +45,9 @@ class ServeConfig:
     replay: bool = True  # exact DSML tool replay (--disable-exact-dsml-tool-replay turns it off)
     trace: Optional[str] = None
     strict: bool = True  # 400 for empty messages / unknown roles (our issue; ds4 accepts them)
+    # 404 for a model name that is not the loaded model's (--strict-model); by default any
+    # name is served by the loaded model, as ds4 does (clients left on their default id)
+    strict_model: bool = False
 
 
 @dataclass
@@ -64,8 +68,9 @@ def protocol_of(cfg: ServeConfig) -> ChatProtocol:
 
 
 def model_known(cfg: ServeConfig, name: str) -> bool:
-    """The loaded family's id or aliases, `cfg.model_id`, or an --alias pattern."""
-    if name == cfg.model_id or protocol_of(cfg).knows_model(name):
+    """Any name, unless `strict_model`: then the loaded family's id or aliases,
+    `cfg.model_id`, or an --alias pattern."""
+    if not cfg.strict_model or name == cfg.model_id or protocol_of(cfg).knows_model(name):
         return True
     return any(fnmatch.fnmatchcase(name, pat) for pat in cfg.aliases)
 
@@ -92,13 +97,17 @@ def _check_tool_choice(api: str, body: dict, proto: Optional[ChatProtocol] = Non
     (the model picks the tool), a named tool also writes the name (it must be
     declared, else 400).  auto / none force nothing (none disables tools)."""
     tc = body.get("tool_choice")
-    if tc is None or api not in ("chat", "anthropic"):
+    if tc is None or api not in ("chat", "anthropic", "responses"):
         return None
     name = None
-    required = (api == "chat" and tc == "required") or (
+    required = (api in ("chat", "responses") and tc == "required") or (
         api == "anthropic" and isinstance(tc, dict) and tc.get("type") == "any")
     if isinstance(tc, dict):
-        if api == "chat":
+        if api == "responses":  # {"type": "function", "name": X}
+            name = tc.get("name")
+            if not isinstance(name, str):
+                raise E.APIError(400, E.INVALID_JSON, param="tool_choice")
+        elif api == "chat":
             fn = tc.get("function")
             if tc.get("type") == "function" and isinstance(fn, dict):
                 name = fn.get("name")
@@ -112,8 +121,31 @@ def _check_tool_choice(api: str, body: dict, proto: Optional[ChatProtocol] = Non
         raise E.APIError(400, E.unknown_tool(name), param="tool_choice")
     proto = proto or get_protocol()
     if name is not None:
+        if not _has_parameters(api, body, name):  # nothing for the model to choose: force the whole call
+            whole = proto.render_calls([ToolCall("", name, "{}")])
+            head = proto.force_text(name)
+            if whole.startswith(head):
+                return whole
         return proto.force_text(name)
     return proto.force_text(None) if required else None
+
+
+def _has_parameters(api: str, body: dict, name: str) -> bool:
+    """The named tool declares at least one parameter (an unreadable schema counts as yes)."""
+    for t in body.get("tools") or []:
+        if not isinstance(t, dict):
+            continue
+        fn = t.get("function") if isinstance(t.get("function"), dict) else t
+        if fn.get("name") != name:
+            continue
+        schema = fn.get("input_schema" if api == "anthropic" else "parameters")
+        if schema is None:
+            return False
+        if not isinstance(schema, dict):
+            return True
+        props = schema.get("properties")
+        return not (props is None or props == {}) or bool(schema.get("required"))
+    return True
 
 
 def force_text(name: Optional[str], proto: Optional[ChatProtocol] = None) -> str:

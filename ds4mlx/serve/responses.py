@@ -24,7 +24,7 @@ def usage_responses(u: Usage) -> dict:
     return {"input_tokens": u.prompt_tokens,
             "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.written_tokens},
             "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
@@ -53,7 +53,7 @@ class ResponsesAdapter:
         obj = {"type": typ, "sequence_number": self.seq}
         obj.update(fields)
         self.seq += 1
-        return sse.data(obj)
+        return sse.event(typ, obj)  # Responses streams name every event (`event:` lines)
 
     def _response(self, status: str, output: list, reason: Optional[str], usage: Optional[Usage]) -> dict:
         i = self.info

@@ -104,7 +104,7 @@ RESPONSES_ITEM_TYPES = ["message", "reasoning", "function_call", "function_call_
                         "compaction", "context_compaction"]
 RESPONSES_ITEM = {"type": "object", "properties": {
     "type": {"enum": RESPONSES_ITEM_TYPES}, "role": _t("string"), "name": _t("string"), "namespace": _t("string"),
-    "call_id": _t("string"), "id": _t("string"), "status": {"enum": ["completed", None]},
+    "call_id": _t("string"), "id": _t("string"), "status": {"enum": ["completed", "incomplete", None]},
     "content": _content(RESPONSES_PART), "summary": _content(RESPONSES_PART), "arguments": ANY, "input": ANY,
     "output": ANY, "tools": ANY}}
 RESPONSES = _api({
@@ -114,7 +114,7 @@ RESPONSES = _api({
     "tool_choice": {"type": ["string", "object", "null"]},
     "reasoning": {"type": ["object", "null"], "properties": {"effort": EFFORT, "summary": STR}},
     "previous_response_id": STR, "conversation": {"type": ["string", "object", "null"]},
-    "parallel_tool_calls": BOOL, "store": BOOL})
+    "parallel_tool_calls": BOOL, "store": BOOL, "stop": STOP})
 
 SCHEMAS = {"chat": CHAT, "completions": COMPLETIONS, "anthropic": ANTHROPIC, "responses": RESPONSES}
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence, Union
 
 from .. import markers as M
@@ -281,6 +281,10 @@ class XmlOutputParser:
         self._ids: dict[int, str] = {}
         self._started: set[int] = set()
         self._ended: set[int] = set()
+        self._sent: dict[int, tuple[str, str]] = {}  # index -> (name, arguments sent so far)
+        self._cut_calls: Optional[list] = None  # announced calls cut short (what the stream sent)
+        self._r_out = ""  # reasoning and text as streamed
+        self._t_out = ""
 
     # --- public state ---------------------------------------------------------------------
     @property
@@ -317,7 +321,15 @@ class XmlOutputParser:
         final, lay = parse_xml_output(raw, thinking=self.thinking, tools_active=self.tools_active,
                                       truncated=truncated, syntax=self.syntax, think=self.think, types=self.types)
         if self.phase == "reasoning" and final.reasoning is None:
-            self._emit_reasoning(events, len(raw))  # never closed: everything was reasoning
+            self._emit_reasoning(events, len(raw))  # never closed: everything is reasoning, streamed and final alike
+            final = replace(final, content="", reasoning=self._r_out)
+        elif self._cut_calls is not None or (self._sent and not self._agrees(final)):
+            if self._cut_calls is None:  # the final parse disowns an announced call: keep what was sent
+                self._cut(events, len(raw))
+            final = ParsedOutput(content=self._t_out, reasoning=final.reasoning if final.reasoning is not None
+                                 else (self._r_out if self.thinking else None),
+                                 calls=[ParsedCall(name=n, arguments_json=a) for n, a in self._cut_calls],
+                                 error=M.PARSE_CUT_TOOL_CALL, finish="tool_calls")
         else:
             if self.phase == "reasoning":  # closed in the tail
                 self._step(events)
@@ -327,6 +339,32 @@ class XmlOutputParser:
         return events, final
 
     # --- internals --------------------------------------------------------------------------
+    def _agrees(self, final: ParsedOutput) -> bool:
+        if final.content != self._t_out:
+            return False
+        for i, (name, sent) in self._sent.items():
+            if i >= len(final.calls) or final.calls[i].name != name or i not in self._ended \
+                    or final.calls[i].arguments != sent:
+                return False
+        return True
+
+    def _send(self, events: list, i: int, text: str) -> None:
+        events.append(ToolCallDelta(index=i, arguments=text))
+        name, sent = self._sent[i]
+        self._sent[i] = (name, sent + text)
+
+    def _cut(self, events: list, at: int) -> None:
+        """Close the announced, unfinished call with what was sent and stop generating."""
+        i = self._index
+        if i in self._started and i not in self._ended:
+            self._send(events, i, "}")
+            name, sent = self._sent[i]
+            events.append(ToolCallEnd(index=i, id=self._id_for(i), name=name, arguments=sent))
+            self._ended.add(i)
+        self._cut_calls = [self._sent[k] for k in sorted(self._sent)]
+        self._failed = True
+        self._stop(at)
+
     def _id_for(self, index: int) -> str:
         return tool_id_for(self._ids, index, self.id_prefix, self.tool_memory)
 
@@ -338,6 +376,7 @@ class XmlOutputParser:
             self._r_started = True
         if limit > self._r_emit:
             events.append(ReasoningDelta(self.raw[self._r_emit:limit]))
+            self._r_out += self.raw[self._r_emit:limit]
             self._r_emit = limit
 
     def _skip_content_ws(self) -> None:
@@ -349,6 +388,7 @@ class XmlOutputParser:
         if limit > self._c_emit:
             self._c_started = True
             events.append(TextDelta(self.raw[self._c_emit:limit]))
+            self._t_out += self.raw[self._c_emit:limit]
             self._c_emit = limit
 
     def _step(self, events: list) -> None:
@@ -440,21 +480,23 @@ class XmlOutputParser:
                 return
             s = syn.scan(raw, self._call_pos)
             i = self._index
-            if s.name is not None and i not in self._started and not self._failed:
+            # announced once certain: a first parameter (or the close) is parsed
+            if (s.name is not None and i not in self._started and not self._failed
+                    and (s.params or s.status == "complete")):
                 events.append(ToolCallStart(index=i, id=self._id_for(i), name=s.name))
-                events.append(ToolCallDelta(index=i, arguments="{"))
                 self._started.add(i)
+                self._sent[i] = (s.name, "")
+                self._send(events, i, "{")
             if i in self._started and not self._failed:
                 while self._params_sent < len(s.params):
                     k, v = s.params[self._params_sent]
-                    events.append(ToolCallDelta(index=i, arguments=_fragment(self._params_sent == 0, s.name, k, v,
-                                                                             self.types)))
+                    self._send(events, i, _fragment(self._params_sent == 0, s.name, k, v, self.types))
                     self._params_sent += 1
             if s.status == "complete":
                 if i in self._started and not self._failed:
-                    events.append(ToolCallDelta(index=i, arguments="}"))
+                    self._send(events, i, "}")
                     events.append(ToolCallEnd(index=i, id=self._id_for(i), name=s.name,
-                                              arguments=arguments_json(s.name, s.params, self.types)))
+                                              arguments=self._sent[i][1]))
                     self._ended.add(i)
                 self._index += 1
                 self._last_end = s.end
@@ -474,6 +516,9 @@ class XmlOutputParser:
                 self.phase = "text"
                 self._c_started = self._c_started or self._call_pos > self._c_emit
                 self._text_from(events, self._call_pos)
+                return
+            if i in self._started:  # broke off after its announcement: cut it
+                self._cut(events, s.end)
                 return
             self._failed = True
             self._stop(self._last_end if self._last_end >= 0 else len(raw))

@@ -236,14 +236,14 @@ class ParseFail(Exception):
         self.unterminated = unterminated
 
 
-def _value_json(members: list) -> Optional[str]:
+def value_json(members: list) -> Optional[str]:
     """docs/dsml.md §6 re-serialization of parsed members; None if a JSON value is invalid."""
     parts = []
     for key, kind, value in members:
         if kind == "string":
             v = json_escape(value)
         elif kind == "object":
-            v = _value_json(value)
+            v = value_json(value)
         else:
             v = "null" if not value.strip(C_SPACE) else minify_json(value)
         if v is None:
@@ -252,7 +252,7 @@ def _value_json(members: list) -> Optional[str]:
     return "{" + ",".join(parts) + "}"
 
 
-def _leaf(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[tuple[str, str, object], int]:
+def parse_leaf(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[tuple[str, str, object], int]:
     gt = text.find(">", pos)
     if gt < 0:
         raise ParseFail(True)
@@ -308,15 +308,15 @@ def parse_invoke(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[P
                 p = skip_ws(text, p)
                 if not text.startswith(syn.param, p):
                     break
-                member, p = _leaf(text, p, syn, entities)
+                member, p = parse_leaf(text, p, syn, entities)
                 nested.append(member)
             members.append((pname, "object", nested))
             p2 = skip_ws(text, p)
             pos = p2 + len(syn.param_close) if text.startswith(syn.param_close, p2) else p
             continue
-        member, pos = _leaf(text, pos, syn, entities)
+        member, pos = parse_leaf(text, pos, syn, entities)
         members.append((pname,) + member[1:])
-    args = _value_json(members)
+    args = value_json(members)
     return ParsedCall(name=name, arguments_json=args if args is not None else "{}", raw_dsml=text[start:pos]), pos
 
 

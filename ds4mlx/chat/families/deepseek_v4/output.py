@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import codecs
 import os
+from dataclasses import replace
 from typing import Callable, Optional, Union
 
 from ... import markers as M
-from .dsml import (C_SPACE, JSON_STRUCTURAL, STRUCTURAL, DecodeTracker, ParsedOutput, ParseFail, entity_modes,
-                   is_partial_marker, parse_block, parse_invoke, skip_ws, attr, decode_entities, json_escape,
-                   json_escape_fragment, parse_output, partial_open_at_tail)
+from .dsml import (C_SPACE, JSON_STRUCTURAL, STRUCTURAL, DecodeTracker, ParsedCall, ParsedOutput, ParseFail,
+                   entity_modes, is_partial_marker, parse_leaf, parse_block, parse_invoke, skip_ws, value_json, attr,
+                   decode_entities, json_escape, json_escape_fragment, parse_output, partial_open_at_tail)
 from ....events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 __all__ = ["OutputParser", "new_tool_id"]
@@ -65,6 +66,7 @@ def finish_call_events(events: list, calls, id_for, started, ended) -> None:
             events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
 
 
+
 class OutputParser:
     """Incremental parser of one generation.
 
@@ -107,6 +109,9 @@ class OutputParser:
         self._ended: set[int] = set()
         self._finished = False
         self._stop_at: Optional[int] = None
+        self._r_begin = 0  # the reasoning body: raw[_r_begin:_r_end]
+        self._r_end: Optional[int] = None  # where </think> was found
+        self._r_hold: Optional[int] = None  # reasoning held from a block ds4 may recover (think never closed)
 
     # --- public state ------------------------------------------------------------------
     @property
@@ -155,20 +160,46 @@ class OutputParser:
         raw = self.text
         final = parse_output(raw, thinking=self.thinking, tools_active=self.tools_active, truncated=truncated,
                              think_recovery=self.think_recovery, entities=self.entities, syntaxes=self.syntaxes)
+        proj = self._proj
         if self.phase == "reasoning":
             if final.recovered and final.reasoning is not None:
-                body = len(M.THINK_OPEN) if raw.startswith(M.THINK_OPEN) else 0
-                self._emit_reasoning(events, body + len(final.reasoning))
-            else:  # never closed: everything is reasoning (ds4 streams it so)
+                self._emit_reasoning(events, self._r_begin + len(final.reasoning))
+            elif final.reasoning is not None:  # the final parse found a close the stream did not
+                self._end_reasoning(events, self._r_begin + len(final.reasoning))
+                self._emit_text(events, self._content_start + len(final.content))
+            else:  # never closed: everything is reasoning, streamed and final alike
                 self._emit_reasoning(events, len(raw))
+                final = replace(final, content="", reasoning=raw[self._r_begin:])
+        elif proj is not None and (proj.cut_calls is not None or
+                                   (proj.started_any and not (proj.agrees(final.calls) and
+                                                              final.content == self._streamed_content()))):
+            if proj.cut_calls is None:  # the final parse disowns an announced call: keep what was sent
+                proj.cut(events, len(raw))
+            final = self._cut_result(proj.cut_calls)
         elif final.error is not None:  # the block was not DSML after all: the unstreamed tail is text
             self._emit_text(events, len(raw))
+            if self._r_end is not None:  # the reasoning stays what was streamed as reasoning
+                final = replace(final, content=raw[self._content_start:], reasoning=self._streamed_reasoning())
         elif final.reasoning is not None or not self.thinking:
             # whatever of the final content is still held (whitespace, a possible tag start)
             self._emit_text(events, self._content_start + len(final.content))
+        if proj is not None and proj.cut_calls is None:
+            proj.complete(events, final.calls)
         finish_call_events(events, final.calls, self._id_for, self._started, self._ended)
         self.result = final
         return events, final
+
+    def _streamed_content(self) -> str:
+        return self.raw[self._content_start:self._c_emit]
+
+    def _streamed_reasoning(self) -> Optional[str]:
+        return self.raw[self._r_begin:self._r_end] if self._r_end is not None else None
+
+    def _cut_result(self, calls: list) -> ParsedOutput:
+        """The answer of a generation whose announced calls were cut short: what the stream sent."""
+        return ParsedOutput(content=self._streamed_content(), reasoning=self._streamed_reasoning(),
+                            calls=[ParsedCall(name=n, arguments_json=a) for n, a in calls], raw_dsml=None,
+                            error=M.PARSE_CUT_TOOL_CALL, finish="tool_calls")
 
     # --- internals ----------------------------------------------------------------------------
     def _append(self, text: str) -> None:
@@ -198,6 +229,7 @@ class OutputParser:
 
     def _end_reasoning(self, events: list, t: int) -> None:
         self._emit_reasoning(events, t)
+        self._r_end = t
         self._r_emit = t + len(M.THINK_CLOSE)
         self._c_emit = self._content_start = t + len(M.THINK_CLOSE)
         self.phase = "text"
@@ -209,7 +241,7 @@ class OutputParser:
             if n < len(M.THINK_OPEN) and M.THINK_OPEN.startswith(raw):
                 return
             if raw.startswith(M.THINK_OPEN):
-                self._r_emit = self._tscan = len(M.THINK_OPEN)
+                self._r_emit = self._tscan = self._r_begin = len(M.THINK_OPEN)
             self._think_checked = True
             if self._tracker is not None:
                 self._tracker.restart(self._r_emit)
@@ -235,6 +267,8 @@ class OutputParser:
                 p = partial_open_at_tail(raw, self._r_emit, self.syntaxes)
                 if p >= 0:
                     limit = min(limit, p)
+                if self._r_hold is not None:
+                    limit = min(limit, self._r_hold)
                 self._emit_reasoning(events, _rstrip_pos(raw, limit, self._r_emit))
                 return
             bs = tr.block_start
@@ -247,38 +281,25 @@ class OutputParser:
                 tr.restart(tr.stuck_at)
                 continue
             if tr.mode == "done":
-                if self.think_recovery and self._recover(events, bs, tr):
-                    return
+                # ds4 executes a block written in the reasoning only if the generation
+                # ends without </think>: hold it (and what follows) until that is known
+                if self.think_recovery and self._r_hold is None and self._has_calls(bs, tr):
+                    self._r_hold = bs
                 self._tscan = max(self._tscan, tr.block_end)
                 tr.restart(tr.block_end)
                 continue
             self._tscan = max(self._tscan, bs - _THINK_HOLD)
-            self._emit_reasoning(events, min(n - _THINK_HOLD, _rstrip_pos(raw, bs, self._r_emit)))
+            limit = min(n - _THINK_HOLD, bs if self._r_hold is None else self._r_hold)
+            self._emit_reasoning(events, _rstrip_pos(raw, limit, self._r_emit))
             return
 
-    def _recover(self, events: list, bs: int, tr: DecodeTracker) -> bool:
-        """A complete block inside the unclosed think block: execute it as if
-        `</think>` had been written right before it, and stop generating.
-        False (nothing done) when the block has no parseable call."""
-        raw = self.raw
+    def _has_calls(self, bs: int, tr: DecodeTracker) -> bool:
+        """The complete block at `bs` parses to at least one call (a recovery candidate)."""
         try:
-            calls, _ = parse_block(raw, bs + len(tr.syn.open), tr.syn, self.entities)
+            calls, _ = parse_block(self.raw, bs + len(tr.syn.open), tr.syn, self.entities)
         except ParseFail:
-            calls = []
-        if not calls:
             return False
-        self._emit_reasoning(events, _rstrip_pos(raw, bs, self._r_emit))
-        for index, call in enumerate(calls):
-            tool_id = self._id_for(index)
-            events.append(ToolCallStart(index=index, id=tool_id, name=call.name))
-            events.append(ToolCallDelta(index=index, arguments=call.arguments))
-            events.append(ToolCallEnd(index=index, id=tool_id, name=call.name, arguments=call.arguments))
-            self._started.add(index)
-            self._ended.add(index)
-        self.phase = "done"
-        self.stop_now = True
-        self._stop_at = tr.block_end
-        return True
+        return bool(calls)
 
     def _text(self, events: list) -> None:
         raw = self.raw
@@ -291,11 +312,19 @@ class OutputParser:
             tr.update(raw)
             if tr.mode == "stuck":
                 proj = self._proj
-                if proj is not None and not proj.started_any:
-                    self._proj = None
-                    self.phase = "text"  # not a block after all: resume streaming it as text
-                elif proj is not None:
-                    proj.failed = True
+                if proj is None and self.phase == "text":  # the block arrived at once: project it up to the garbage
+                    self._emit_text(events, _rstrip_pos(raw, tr.block_start, self._c_emit))
+                    proj = _Projection(self, tr.block_start, tr.syn)
+                if proj is not None and proj.cut_calls is None and not proj.failed:
+                    proj.update(raw[:tr.stuck_at], events)  # however the text was split into tokens
+                if proj is not None and proj.started_any:  # garbage after an announced call: cut there
+                    self._proj = proj
+                    self.phase = "tool"
+                    if proj.cut_calls is None:
+                        proj.cut(events, tr.stuck_at)
+                    return
+                self._proj = None
+                self.phase = "text"  # not a block after all: resume streaming it as text
                 tr.restart(tr.stuck_at)
                 continue
             if tr.mode == "search":
@@ -311,6 +340,8 @@ class OutputParser:
             proj = self._proj
             if proj is not None and not proj.failed:
                 proj.update(raw, events)
+                if proj.cut_calls is not None:
+                    return
             if tr.mode == "done":
                 self.phase = "done"
                 self.stop_now = True
@@ -320,27 +351,49 @@ class OutputParser:
 
 class _Projection:
     """ds4's live tool-call projection (docs/dsml.md §7): OpenAI-style argument
-    fragments emitted as the DSML arrives.  Any unexpected structure stops it
-    silently; the final parse then fills in what was not streamed."""
+    fragments emitted as the DSML arrives, but only what is certain.  A call is
+    announced once its name and first parameter boundary (or its close) are
+    parsed; string values stream as they arrive; other values (JSON, loose
+    nested parameters) are sent whole once the final parser's rules read them
+    the same way.  Before the announcement any unexpected structure stops it
+    silently (the final parse decides); after it, `cut` closes the call with the
+    arguments sent so far and stops generation, so no announced call is ever
+    withdrawn and no markup is streamed as text."""
 
     def __init__(self, owner: OutputParser, open_pos: int, syn):
         self.o = owner
         self.syn = syn
         self.pos = open_pos + len(syn.open)
-        self.state = "invokes"
+        self.state = "invokes"  # invokes | params | value | held | done
         self.index = 0
         self.failed = False
-        self.started_any = False
+        self.cut_calls: Optional[list] = None  # set by `cut`: the (name, arguments) the stream sent
         self.name = ""
         self.invoke_pos = 0
         self.first = True
         self.is_string = False
+        self.held_pos = 0  # held value: its parameter tag
+        self.sent: dict[int, str] = {}  # index -> arguments text sent so far
+        self.names: dict[int, str] = {}
         self.entity_list = entity_modes(owner.entities, syn)
         self.max_entity = max(len(e) for e in self.entity_list)
+
+    @property
+    def started_any(self) -> bool:
+        return bool(self.sent)
+
+    def _announce(self, events: list) -> None:
+        if self.index not in self.sent:
+            o = self.o
+            events.append(ToolCallStart(index=self.index, id=o._id_for(self.index), name=self.name))
+            o._started.add(self.index)
+            self.sent[self.index] = ""
+            self.names[self.index] = self.name
 
     def _delta(self, events: list, text: str) -> None:
         if text:
             events.append(ToolCallDelta(index=self.index, arguments=text))
+            self.sent[self.index] += text
 
     def _value(self, events: list, piece: str) -> None:
         if not piece:
@@ -348,6 +401,49 @@ class _Projection:
         if self.is_string:
             piece = json_escape_fragment(decode_entities(piece, self.o.entities, self.syn))
         self._delta(events, piece)
+
+    def _end_call(self, events: list, args: str) -> None:
+        o = self.o
+        events.append(ToolCallEnd(index=self.index, id=o._id_for(self.index), name=self.name, arguments=args))
+        o._ended.add(self.index)
+
+    def _fail(self, events: list) -> None:
+        """Unexpected structure: silent before any announcement, a cut after one."""
+        if self.started_any:
+            self.cut(events, len(self.o.raw))
+        else:
+            self.failed = True
+
+    def cut(self, events: list, at: int) -> None:
+        """Close the announced call with the arguments sent so far and stop generating."""
+        i = self.index
+        if i in self.sent and i not in self.o._ended:
+            self._delta(events, ('"' if self.state == "value" and self.is_string else "") + "}")
+            self._end_call(events, self.sent[i])
+        self.cut_calls = [(self.names[k], self.sent[k]) for k in sorted(self.sent)]
+        self.failed = True
+        self.state = "done"
+        o = self.o
+        o.phase = "done"
+        o.stop_now = True
+        o._stop_at = at
+
+    def agrees(self, calls) -> bool:
+        """The final parse's calls extend exactly what the stream announced and sent."""
+        for i, sent in self.sent.items():
+            if i >= len(calls) or calls[i].name != self.names[i]:
+                return False
+            args = calls[i].arguments
+            if not args.startswith(sent) or (i in self.o._ended and args != sent):
+                return False
+        return True
+
+    def complete(self, events: list, calls) -> None:
+        """At finish (the final parse agrees): send the rest of an announced, unfinished call."""
+        for i, sent in self.sent.items():
+            if i not in self.o._ended:
+                events.append(ToolCallDelta(index=i, arguments=calls[i].arguments[len(sent):]))
+                self.sent[i] = calls[i].arguments
 
     def update(self, raw: str, events: list) -> None:
         syn = self.syn
@@ -358,8 +454,7 @@ class _Projection:
                 k = raw.find(syn.param_close, self.pos)
                 if k >= 0:
                     self._value(events, raw[self.pos:k])
-                    if self.is_string:
-                        self._delta(events, '"')
+                    self._delta(events, '"')
                     self.pos = k + len(syn.param_close)
                     self.state = "params"
                     continue
@@ -367,15 +462,18 @@ class _Projection:
                 lt = raw.rfind("<", max(self.pos, n - len(syn.param_close) + 1))
                 if lt >= 0 and syn.param_close.startswith(raw[lt:]):
                     limit = lt
-                if self.is_string:
-                    amp = raw.rfind("&", max(self.pos, limit - self.max_entity + 1), limit)
-                    if amp >= 0 and any(len(e) > limit - amp and e.startswith(raw[amp:limit])
-                                        for e in self.entity_list):
-                        limit = amp
+                amp = raw.rfind("&", max(self.pos, limit - self.max_entity + 1), limit)
+                if amp >= 0 and any(len(e) > limit - amp and e.startswith(raw[amp:limit])
+                                    for e in self.entity_list):
+                    limit = amp
                 if limit > self.pos:
                     self._value(events, raw[self.pos:limit])
                     self.pos = limit
                 return
+            if self.state == "held":
+                if not self._held(raw, events):
+                    return
+                continue
             p = skip_ws(raw, self.pos)
             self.pos = p
             if p >= n:
@@ -388,46 +486,43 @@ class _Projection:
                 if is_partial_marker(raw[p:p + _TAIL], (syn.close, syn.invoke)):
                     return
                 if not raw.startswith(syn.invoke, p):
-                    self.failed = True
+                    self._fail(events)
                     return
                 gt = raw.find(">", p)
                 if gt < 0:
                     return
                 name = attr(raw[p:gt + 1], "name")
                 if name is None:
-                    self.failed = True
+                    self._fail(events)
                     return
-                tool_id = o._id_for(self.index)
-                events.append(ToolCallStart(index=self.index, id=tool_id, name=name))
-                o._started.add(self.index)
-                self.started_any = True
                 self.name = name
                 self.invoke_pos = p
                 self.first = True
-                self._delta(events, "{")
                 self.pos = gt + 1
                 self.state = "params"
                 continue
             # between parameters
             if raw.startswith(syn.invoke_close, p):
-                end = p + len(syn.invoke_close)
-                self._delta(events, "}")
                 try:
                     call, _ = parse_invoke(raw, self.invoke_pos, syn, o.entities)
-                    args = call.arguments
                 except ParseFail:
-                    args = "{}"
-                events.append(ToolCallEnd(index=self.index, id=o._id_for(self.index), name=self.name,
-                                          arguments=args))
-                o._ended.add(self.index)
+                    self._fail(events)
+                    return
+                sent = self.sent.get(self.index, "")
+                if not call.arguments.startswith(sent):
+                    self._fail(events)
+                    return
+                self._announce(events)
+                self._delta(events, call.arguments[len(sent):])
+                self._end_call(events, call.arguments)
                 self.index += 1
-                self.pos = end
+                self.pos = p + len(syn.invoke_close)
                 self.state = "invokes"
                 continue
             if is_partial_marker(raw[p:p + _TAIL], (syn.invoke_close, syn.param)):
                 return
             if not raw.startswith(syn.param, p):
-                self.failed = True
+                self._fail(events)
                 return
             gt = raw.find(">", p)
             if gt < 0:
@@ -435,12 +530,67 @@ class _Projection:
             tag = raw[p:gt + 1]
             pname = attr(tag, "name")
             pstr = attr(tag, "string")
-            if pname is None or pstr is None:
-                self.failed = True
+            if pname is None:
+                self._fail(events)
                 return
-            self.is_string = pstr == "true"
-            prefix = ("" if self.first else ",") + json_escape(pname) + ":"
-            self._delta(events, prefix + ('"' if self.is_string else ""))
+            if pstr is None:  # string unless its value is loose nested parameters (as the final parse reads it)
+                v = skip_ws(raw, gt + 1)
+                if v >= n or is_partial_marker(raw[v:v + _TAIL], (syn.param,)):
+                    return
+                if raw.startswith(syn.param, v):
+                    self.held_pos = p
+                    self.state = "held"
+                    continue
+            if pstr not in (None, "true"):
+                self.held_pos = p
+                self.state = "held"
+                continue
+            self._announce(events)
+            self.is_string = True
+            self._delta(events, "{" if self.first else "")
+            self._delta(events, ("" if self.first else ",") + json_escape(pname) + ':"')
             self.first = False
             self.pos = gt + 1
             self.state = "value"
+
+    def _held(self, raw: str, events: list) -> bool:
+        """A non-string value: send it once it is complete (False: wait for more text)."""
+        syn = self.syn
+        p = self.held_pos
+        gt = raw.find(">", p)
+        pname = attr(raw[p:gt + 1], "name")
+        try:
+            if attr(raw[p:gt + 1], "string") is None:  # loose nested parameters, read as parse_invoke does
+                nested = []
+                q = gt + 1
+                while True:
+                    q = skip_ws(raw, q)
+                    if q >= len(raw) or is_partial_marker(raw[q:q + _TAIL], (syn.param, syn.param_close)):
+                        return False
+                    if not raw.startswith(syn.param, q):
+                        break
+                    member, q = parse_leaf(raw, q, syn, self.o.entities)
+                    nested.append(member)
+                value = value_json(nested)
+                q2 = skip_ws(raw, q)
+                end = q2 + len(syn.param_close) if raw.startswith(syn.param_close, q2) else q
+            else:
+                member, end = parse_leaf(raw, p, syn, self.o.entities)
+                value = value_json([("", member[1], member[2])])
+                value = None if value is None else value[len('{"":'):-1]
+        except ParseFail as f:
+            if f.unterminated:
+                return False
+            value = None
+        if value is None:  # the final parse would not read this value: nothing more is certain
+            self._fail(events)
+            return False
+        self._announce(events)
+        self.is_string = False
+        self._delta(events, "{" if self.first else "")
+        self._delta(events, ("" if self.first else ",") + json_escape(pname) + ":")
+        self._delta(events, value)
+        self.first = False
+        self.pos = end
+        self.state = "params"
+        return True
