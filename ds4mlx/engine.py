@@ -183,6 +183,24 @@ class JobHandle:
             log.exception("event consumer failed")
 
 
+class _WorkerCall:
+    """A callable queued with the jobs (`Engine.run_on_worker`)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.done = threading.Event()
+        self.result = None
+        self.error: Optional[BaseException] = None
+
+    def run(self, engine: "Engine") -> None:
+        try:
+            self.result = self.fn(engine)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self.error = e
+        finally:
+            self.done.set()
+
+
 class _RawOutput:
     """Completions: every released piece of raw text is content."""
     structural = False
@@ -297,6 +315,21 @@ class Engine:
             if not h.done.is_set():
                 h.cancel()
 
+    def run_on_worker(self, fn: Callable[["Engine"], Any], timeout: Optional[float] = None) -> Any:
+        """Run `fn(engine)` on the worker thread between jobs and return its
+        result (its exception is re-raised here).  For front ends that must touch
+        the live session directly (the agent's KV checkpoints): MLX binds the
+        session's arrays to the worker thread."""
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        call = _WorkerCall(fn)
+        self._queue.put(call)
+        if not call.done.wait(timeout):
+            raise TimeoutError("worker call did not run")
+        if call.error is not None:
+            raise call.error
+        return call.result
+
     def live_call_ids(self, api: str) -> frozenset:
         """Call ids of the remembered live tool turn for `api` (Responses/Anthropic)."""
         with self._bind_lock:
@@ -341,6 +374,9 @@ class Engine:
             h = self._queue.get()
             if h is None:
                 break
+            if isinstance(h, _WorkerCall):
+                h.run(self)
+                continue
             self._running = h
             try:
                 if h.cancelled or self._closed:
@@ -367,7 +403,10 @@ class Engine:
                 h = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if h is not None:
+            if isinstance(h, _WorkerCall):
+                h.error = RuntimeError("engine is shut down")
+                h.done.set()
+            elif h is not None:
                 h.emit(Finish("cancelled", error="shutdown"))
                 h.done.set()
         self._stopped.set()
