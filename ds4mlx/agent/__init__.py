@@ -16,6 +16,7 @@ Modules, one job each:
   sessions.py    sessions on disk (conversation JSON + KV checkpoint reasons)
   events.py      what the worker tells a front end
   worker.py      the agent loop: engine jobs, tool calls, stop, compaction, sessions
+  render.py      tool cards, approval panels, the status line (rich)
   plain.py       the `-p` non-interactive front end
   tui.py         the interactive terminal UI (prompt_toolkit + rich)
   cli.py         `ds4mlx agent` arguments and start-up

@@ -34,7 +34,7 @@ from ..engine import Failed, Job
 from ..events import Finish, PrefillProgress, Started, TextDelta, ToolCallEnd, ToolCallStart
 from ..events import ReasoningDelta as EngineReasoning
 from ..sampling import SamplingParams
-from . import compaction, prompts
+from . import compaction, prompts, sessions
 from .approval import Approvals, PendingApproval, denial_text
 from .events import (AWAITING_APPROVAL, DENIED, DONE, FAILED, PARSING, RUNNING, STOPPED, AnswerDelta, Notice,
                      ReasoningDelta, Status, ToolCard, TurnEnd)
@@ -92,6 +92,8 @@ class AgentWorker:
         self._inbox: "queue.Queue" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self.busy = False
+        self.session_path: Optional[str] = None
+        self._report_restore = False  # tell the user how much a reopened session reused
 
     # ------------------------------------------------------------------ state
     def _fresh(self, thinking: str) -> Conversation:
@@ -242,6 +244,11 @@ class AgentWorker:
                 elif isinstance(ev, Started):
                     t_gen = time.monotonic()
                     self._status(state="generating", cached=ev.cached_tokens, prefill_done=ev.prompt_tokens)
+                    if self._report_restore:
+                        self._report_restore = False
+                        src = self.engine.stats.last_cache_source
+                        self.emit(Notice(f"reopened session: {ev.cached_tokens} of {ev.prompt_tokens} prompt tokens "
+                                         f"cached ({src})", "session"))
                 elif isinstance(ev, TextDelta):
                     generated += 1
                     if show:
@@ -392,6 +399,58 @@ class AgentWorker:
                     projected=projected, ctx=ctx, reserve=compaction.TOOL_RESULT_RESERVE_TOKENS)
                 self.emit(Notice("tool result does not fit even after compaction: the model gets an error", "error"))
         self.conv.messages.append(msg)
+
+    # ------------------------------------------------------------------ sessions
+    def save_session(self, path: str) -> str:
+        """Write the conversation and, with a disk KV cache, checkpoint the live
+        session ("agent-session") so the reopened session skips the prefill."""
+        path = sessions.save(path, self.conv, cwd=self.toolbox.root, model=self.protocol.model_id)
+        self.session_path = path
+        stored = self._checkpoint("agent-session")
+        self.emit(Notice(f"session saved to {path}" + (" with its KV checkpoint" if stored else ""), "session"))
+        return path
+
+    def open_session(self, path: str) -> None:
+        data = sessions.load(path)
+        conv = Conversation(messages=data["messages"], thinking=data.get("thinking", self.conv.thinking),
+                            model=self.protocol.model_id)
+        self.load_conversation(conv)
+        self.session_path = path
+        self._report_restore = True
+        self.emit(Notice(f"session {path}: {len(conv.messages)} messages", "session"))
+
+    def _checkpoint(self, reason: str) -> bool:
+        kv = self.kv
+        if kv is None:
+            return False
+        try:
+            return bool(self.engine.run_on_worker(lambda e: kv.save_live(e, reason)))
+        except Exception:  # a checkpoint is an optimisation
+            log.exception("agent %s checkpoint failed", reason)
+            return False
+
+    def checkpoint_system(self) -> bool:
+        """Prefill the system prompt + tools once and store it ("agent-system"):
+        every new session starts from it.  Only on an empty live session."""
+        kv = self.kv
+        if kv is None:
+            return False
+        text = self.render(Conversation(messages=self.conv.messages[:self._n_system()],
+                                        tool_schemas=self.conv.tool_schemas, tools_active=True,
+                                        thinking=self.conv.thinking, model=self.conv.model))
+        ids = self.engine.tokenize(text)
+
+        def prefill_and_save(engine) -> bool:
+            if len(engine.session) or kv.store.has(text.encode("utf-8")):
+                return False
+            engine.session.prefill(ids)
+            return kv.save_live(engine, "agent-system")
+
+        try:
+            return bool(self.engine.run_on_worker(prefill_and_save))
+        except Exception:
+            log.exception("agent-system checkpoint failed")
+            return False
 
     # ------------------------------------------------------------------ compaction
     def compact(self, reason: str = "requested", partial: str = "") -> bool:
