@@ -318,11 +318,11 @@ class AgentWorker:
             if fin.reason == "length" and used >= self.engine.ctx - 1 - MIN_REPLY_ROOM:
                 # out of context mid-reply: a half-written call is dropped, the text kept;
                 # compact, then the same assistant message continues
-                continuing = content
                 self.emit(Notice("context full during the reply: compacting, then continuing it", "compaction"))
                 if not self.compact("context full during generation", partial=content):
                     self._keep_partial(content, reasoning)
                     return TurnEnd("error", "context full and compaction failed")
+                continuing = self._partial_tail(content)
                 continue
             if fin.reason == "error" and not getattr(parsed, "calls", None):
                 self._keep_partial(content, reasoning)
@@ -343,6 +343,19 @@ class AgentWorker:
             if self._stop.is_set():
                 return TurnEnd("stopped")
         return TurnEnd("max_steps")
+
+    def _partial_tail(self, text: str) -> str:
+        """What of an unfinished reply stays verbatim after a compaction: all of
+        it when it fits half the tail budget, else its last tokens (the summary
+        has the rest; ds4 cuts its token tail the same way)."""
+        return self._tail_tokens(text, compaction.tail_budget(self.engine.ctx) // 2)
+
+    def _tail_tokens(self, text: str, n: int) -> str:
+        ids = self.engine.tokenize(text)
+        if len(ids) <= n:
+            return text
+        tail = self.engine.tokenizer.decode(ids[-n:])
+        return tail.lstrip("\ufffd")  # a cut inside a character
 
     def _keep_partial(self, content: str, reasoning: str) -> None:
         """A stopped / failed reply: keep what was shown as an assistant turn (no calls)."""
@@ -463,7 +476,13 @@ class AgentWorker:
             return True
         self.emit(Notice(f"COMPACTING {reason}: summarizing durable task state", "compaction"))
         self._status(state="compacting")
-        request = self._with(compaction.compaction_request(reason))
+        ask = compaction.compaction_request(reason)
+        unfinished = []
+        if partial:  # the model sees as much of its unfinished reply as leaves room for the summary
+            room = self.engine.ctx - self.prompt_tokens(self._with(ask)) - 2 * compaction.SUMMARY_MIN_ROOM
+            if room > 0:
+                unfinished = [Message("assistant", self._tail_tokens(partial, room))]
+        request = self._with(*unfinished, ask)
         request.tools_active = self.conv.tools_active
         prompt = self.render(request)
         room = self.engine.ctx - len(self.engine.tokenize(prompt)) - 1
