@@ -86,8 +86,10 @@ def run(args) -> int:
     try:
         if args.session and os.path.exists(args.session):
             worker.open_session(args.session)
-        elif worker.kv is not None:
-            worker.checkpoint_system()
+        else:
+            worker.session_path = args.session  # saved there on exit (None: only by /save)
+            if worker.kv is not None:
+                worker.checkpoint_system()
         if args.prompt is not None:
             from .plain import run_prompt
 
