@@ -5,7 +5,6 @@ checkpoint across a restart."""
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 from agent_helpers import COMPACT_MARK, ScriptedModel, dsml, last_real_user, make_worker, steps

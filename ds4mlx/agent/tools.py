@@ -254,7 +254,7 @@ class ToolBox:
             i = text.find(a)
             j = text.find(b, i + len(a)) if i >= 0 and b else -1
             if i < 0 or (b and j < 0) or text.find(a, i + 1) >= 0:
-                raise ToolError(f"anchored edit: the start anchor must occur exactly once and the end anchor after it")
+                raise ToolError("anchored edit: the start anchor must occur exactly once and the end anchor after it")
             span = (i, j + len(b) if b else i + len(a))
         else:
             n = text.count(old)
@@ -312,7 +312,7 @@ class ToolBox:
                     continue
                 hits += 1
                 if hits > limit:
-                    out.append(f"[more matches: raise max_results or narrow the query]")
+                    out.append("[more matches: raise max_results or narrow the query]")
                     return "\n".join(out)
                 lo, hi = max(0, i - ctx), min(len(lines), i + ctx + 1)
                 for k in range(lo, hi):
