@@ -5,6 +5,7 @@ checkpoint across a restart."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 from agent_helpers import COMPACT_MARK, ScriptedModel, dsml, last_real_user, make_worker, steps
@@ -252,3 +253,15 @@ def test_session_saved_restarted_and_resumed_from_its_kv_checkpoint(tok, tmp_pat
     # the first job restored the checkpoint: only the new user turn and the tool result were prefilled
     assert engine2.stats.prefill_tokens < 128 and engine2.stats.jobs == 2
     assert note and note[0].startswith(f"reopened session: {live} of ") and note[0].endswith("cached (disk-text)")
+
+
+def test_engine_run_on_worker_runs_between_jobs_on_the_engine_thread(tok, tmp_path, agents):
+    model, engine, worker, sink = agents(tok, "ok", tmp_path)
+    assert engine.run_on_worker(lambda e: (threading.current_thread().name, len(e.session))) == ("ds4mlx-engine", 0)
+
+    def boom(e):
+        raise KeyError("inside")
+
+    with pytest.raises(KeyError, match="inside"):
+        engine.run_on_worker(boom)
+    assert worker.run_turn("still fine?") == TurnEnd("answered")  # the worker kept serving
