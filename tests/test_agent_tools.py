@@ -36,6 +36,10 @@ def test_read_is_bounded_and_more_continues(box, tmp_path):
 def test_write_is_atomic_and_detects_concurrent_modification(box, tmp_path):
     assert box.call("write", {"path": "sub/new.py", "content": "x = 1\n"}).startswith("created sub/new.py")
     assert (tmp_path / "sub/new.py").read_text() == "x = 1\n"
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "sub/new.py").stat().st_mode & 0o777 == 0o666 & ~mask  # not mkstemp's 0600
+    os.chmod(tmp_path / "sub/new.py", 0o751)
     box.call("read", {"path": "sub/new.py"})
     (tmp_path / "sub/new.py").write_text("x = 2  # someone else\n")
     out = box.call("write", {"path": "sub/new.py", "content": "x = 3\n"})
@@ -43,6 +47,7 @@ def test_write_is_atomic_and_detects_concurrent_modification(box, tmp_path):
     assert (tmp_path / "sub/new.py").read_text() == "x = 2  # someone else\n"
     box.call("read", {"path": "sub/new.py"})
     assert box.call("write", {"path": "sub/new.py", "content": "x = 3\n"}).startswith("overwrote")
+    assert (tmp_path / "sub/new.py").stat().st_mode & 0o777 == 0o751  # an overwrite keeps the mode
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["new.py"]  # no temp file left
 
 

@@ -70,6 +70,15 @@ class _ReadCursor:
     next_line: int  # 1-based
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_NEW_FILE_MODE = 0o666 & ~_umask()  # what open() would give a new file (mkstemp makes 0600)
+
+
 def _fingerprint(path: str) -> Optional[tuple]:
     try:
         st = os.stat(path)
@@ -204,19 +213,17 @@ class ToolBox:
     def _replace(self, path: str, content: str) -> None:
         """Atomic replace: the file is either the old or the new text, never half."""
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        mode = None
         try:
             mode = os.stat(path).st_mode & 0o7777
         except FileNotFoundError:
-            pass
+            mode = _NEW_FILE_MODE
         fd, tmp = tempfile.mkstemp(prefix=".ds4mlx-agent-", dir=os.path.dirname(path))
         try:
             with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
                 f.write(content)
                 f.flush()
                 os.fsync(f.fileno())
-            if mode is not None:
-                os.chmod(tmp, mode)
+            os.chmod(tmp, mode)
             self._check_unchanged(path)  # last look before the rename
             os.replace(tmp, path)
         except BaseException:
