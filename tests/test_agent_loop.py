@@ -173,7 +173,30 @@ def test_context_full_mid_reply_compacts_and_continues_the_same_message(tok, tmp
     assert last.content.lstrip().startswith("word word") and last.content.endswith("word and the end.")
     assert len(tok.encode(last.content)) < 3072 // 10  # only the reply's tail stayed verbatim
     assert not (tmp_path / "never.flag").exists() and not sink.cards("running")
-    assert any(n.text.startswith("context full during the reply") for n in sink.of(Notice))
+    assert any(n.text.startswith("generation reached compaction reserve") for n in sink.of(Notice))
+    assert "Durable task-state summary" in worker.conv.messages[1].content
+
+
+def test_a_tool_call_cut_by_the_reserve_is_rolled_back_and_never_run(tok, tmp_path, agents):
+    from ds4mlx.agent.prompts import INTERRUPTED_CALL
+
+    def script(prompt):
+        user = last_real_user(prompt)
+        if COMPACT_MARK in user:
+            return "Goal: run a command."
+        if "interrupted by context compaction" in prompt:
+            return "Retrying with a smaller command later."
+        return "word " * 600 + dsml("bash", command="echo " + " ".join(map(str, range(100000, 101500))) + " > big.flag")
+
+    model, engine, worker, sink = agents(tok, script, tmp_path, ctx=3072)
+    assert worker.run_turn("run the big command") == TurnEnd("answered")
+    assert not (tmp_path / "big.flag").exists() and not sink.cards("running")
+    assert INTERRUPTED_CALL in worker.conv.messages[1].content
+    assistants = [m for m in worker.conv.messages if m.role == "assistant"]
+    assert [m.content for m in assistants] == ["Retrying with a smaller command later."]
+    assert not any(m.tool_calls for m in worker.conv.messages)
+    assert any("rolled back, not run" in n.text for n in sink.of(Notice))
+    assert [(c.name, c.detail) for c in sink.cards("failed")] == [("bash", "cut by the compaction reserve: not run")]
 
 
 def test_stop_during_prefill_generation_and_bash_then_reopen(tok, tmp_path, agents):

@@ -6,8 +6,6 @@ import os
 
 from ..kv.policy import add_kv_arguments
 from .approval import DEFAULT_TIMEOUT_SEC
-from .worker import DEFAULT_MAX_STEPS
-
 DEMO_MAX_TOKENS = 256
 
 
@@ -20,7 +18,7 @@ def add_arguments(p) -> None:
     p.add_argument("--sessions-dir", help="where /save, /list, /switch keep named sessions")
     p.add_argument("--ctx", type=int, default=32768, help="context size in tokens")
     p.add_argument("-n", "--max-tokens", type=int, default=None, help="tokens per reply (default: the room left)")
-    p.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS, help="model calls per user turn")
+    p.add_argument("--max-steps", type=int, default=None, help="model calls per user turn (default: no cap)")
     p.add_argument("--think", default="none", help="thinking mode: none (default), high, max, or the family's levels")
     p.add_argument("--temp", type=float, default=None, help="temperature (default 1.0; 0 = greedy)")
     p.add_argument("--seed", type=int, default=0, help="0 = time based")

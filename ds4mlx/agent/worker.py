@@ -22,12 +22,13 @@ session reopens.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from ..chat.messages import Conversation, Message, ToolCall
 from ..engine import Failed, Job
@@ -42,8 +43,7 @@ from .tools import ToolBox
 
 log = logging.getLogger("ds4mlx.agent")
 
-DEFAULT_MAX_STEPS = 64  # model calls per user turn
-MIN_REPLY_ROOM = 64  # a reply with less room left compacts first
+MIN_REPLY_ROOM = 64  # the least a reply may get when compaction cannot free more
 
 
 def tool_schemas(toolbox: ToolBox) -> list[str]:
@@ -74,7 +74,7 @@ class AgentWorker:
     def __init__(self, engine, toolbox: ToolBox, approvals: Optional[Approvals] = None, *,
                  sink: Callable[[Any], None] = lambda ev: None, thinking: str = "none",
                  params: Optional[SamplingParams] = None, max_tokens: Optional[int] = None,
-                 max_steps: int = DEFAULT_MAX_STEPS, system_extra: str = "", kv=None):
+                 max_steps: Optional[int] = None, system_extra: str = "", kv=None):
         self.engine = engine
         self.protocol = engine.protocol
         self.toolbox = toolbox
@@ -82,7 +82,7 @@ class AgentWorker:
         self.sink = sink
         self.params = params or SamplingParams()
         self.max_tokens = max_tokens
-        self.max_steps = max_steps
+        self.max_steps = max_steps  # None: no cap on tool rounds (ds4: completion, stop, or an error ends it)
         self.kv = kv  # kv.cache.DiskKVCache or None: session checkpoints
         self.status = Status(ctx_total=engine.ctx)
         self.system_extra = system_extra
@@ -93,6 +93,10 @@ class AgentWorker:
         self._thread: Optional[threading.Thread] = None
         self.busy = False
         self.session_path: Optional[str] = None
+        self._parsing: dict[int, tuple[str, str]] = {}
+        self._request_tokens: Optional[int] = None  # tokens a compaction request adds
+        # the text that opens the family's tool-call block (its forced opening's first line)
+        self._call_opener = self.protocol.force_text(None).strip().split("\n")[0]
         self._report_restore = False  # tell the user how much a reopened session reused
 
     # ------------------------------------------------------------------ state
@@ -226,6 +230,7 @@ class AgentWorker:
                   params=params or self.params, max_tokens=limit, family=self.protocol.family,
                   tool_schemas=tuple(self.conv.tool_schemas) if tools else (), label=label)
         events: "queue.Queue" = queue.Queue()
+        self._parsing: dict[int, tuple[str, str]] = {}  # cards of this job's calls: index -> (name, summary)
         self._handle = self.engine.submit(job, events.put)
         if self._stop.is_set():
             self._handle.cancel()
@@ -259,9 +264,11 @@ class AgentWorker:
                         self.emit(ReasoningDelta(ev.text))
                 elif isinstance(ev, ToolCallStart):
                     self._status(greedy=True)  # the engine samples tool-call structure greedily
+                    self._parsing[ev.index] = (ev.name, "")
                     self.emit(ToolCard(ev.index, ev.name, PARSING))
                 elif isinstance(ev, ToolCallEnd):
-                    self.emit(ToolCard(ev.index, ev.name, PARSING, _summary_of(ev.name, ev.arguments)))
+                    self._parsing[ev.index] = (ev.name, _summary_of(ev.name, ev.arguments))
+                    self.emit(ToolCard(ev.index, ev.name, PARSING, self._parsing[ev.index][1]))
                 elif isinstance(ev, (Finish, Failed)):
                     if isinstance(ev, Finish):
                         n = ev.usage.completion_tokens
@@ -286,12 +293,22 @@ class AgentWorker:
         self.emit(end)
         return end
 
+    def _reserve(self) -> int:
+        if self._request_tokens is None:
+            self._request_tokens = self.prompt_tokens(self._with(compaction.compaction_request("x" * 40))) - \
+                self.prompt_tokens()
+        return compaction.reserve(self.engine.ctx, self._request_tokens)
+
     def _loop(self) -> TurnEnd:
-        continuing = ""  # visible text of an assistant reply cut by the context end
-        for _ in range(self.max_steps):
+        continuing = ""  # visible text of an assistant reply cut at the compaction reserve
+        notes: list[str] = []  # said in the next compaction summary
+        steps = itertools.count(1)
+        ctx = self.engine.ctx
+        while self.max_steps is None or next(steps) <= self.max_steps:
             if self._stop.is_set():
                 return TurnEnd("stopped")
-            if not continuing and compaction.should_compact(self.prompt_tokens(), self.engine.ctx):
+            reserve = self._reserve()
+            if not continuing and compaction.should_compact(self.prompt_tokens(), ctx, reserve):
                 self.compact("context nearly full")
                 if self._stop.is_set():
                     return TurnEnd("stopped")
@@ -304,7 +321,12 @@ class AgentWorker:
                     prompt += self.protocol.think_close
                 prompt += continuing
                 thinking = "none"
-            fin = self._run_job(prompt, tools=True, thinking=thinking, max_tokens=self.max_tokens)
+            # the reply stops where the compaction request would no longer fit
+            room = ctx - len(self.engine.tokenize(prompt)) - reserve
+            if room < MIN_REPLY_ROOM:
+                room = MIN_REPLY_ROOM  # the compaction could not free more: use what is left
+            limit = room if self.max_tokens is None else min(self.max_tokens, room)
+            fin = self._run_job(prompt, tools=True, thinking=thinking, max_tokens=limit)
             if isinstance(fin, Failed):
                 self.emit(Notice(f"engine: {fin.message}", "error"))
                 return TurnEnd("error", fin.message)
@@ -312,19 +334,38 @@ class AgentWorker:
             content = continuing + (getattr(parsed, "content", None) or "")
             reasoning = getattr(parsed, "reasoning", None) or ""
             if fin.reason == "cancelled":
+                self._drop_cards(STOPPED, "stopped while being written: not run")
                 self._keep_partial(content, reasoning)
                 return TurnEnd("stopped")
-            used = fin.usage.prompt_tokens + fin.usage.completion_tokens
-            if fin.reason == "length" and used >= self.engine.ctx - 1 - MIN_REPLY_ROOM:
-                # out of context mid-reply: a half-written call is dropped, the text kept;
-                # compact, then the same assistant message continues
-                self.emit(Notice("context full during the reply: compacting, then continuing it", "compaction"))
-                if not self.compact("context full during generation", partial=content):
-                    self._keep_partial(content, reasoning)
+            # the engine closes a block cut by max_tokens (`repaired`) and reports its calls:
+            # the agent never runs a call whose arguments may be cut short
+            repaired = bool(getattr(parsed, "repaired", False))
+            at_reserve = fin.usage.completion_tokens >= room
+            if repaired and not at_reserve:
+                self._drop_cards(FAILED, "cut by --max-tokens: not run")
+                self._keep_partial(content, reasoning)
+                self.emit(Notice("a tool call was cut by --max-tokens: not run", "error"))
+                return TurnEnd("error", "tool call cut by the reply token limit")
+            if at_reserve and (fin.reason == "length" or repaired):
+                # generation reached the compaction reserve: compact mid-reply, then go on.
+                if self._call_started(parsed, fin.raw_text):
+                    # a half-written tool call is rolled back with its whole reply and never run
+                    self.emit(Notice("a tool call was cut by the compaction reserve: rolled back, not run",
+                                     "compaction"))
+                    self._drop_cards(FAILED, "cut by the compaction reserve: not run")
+                    partial, continuing = "", ""
+                    notes = [prompts.INTERRUPTED_CALL]
+                else:
+                    partial = content
+                self.emit(Notice("generation reached compaction reserve: compacting, then continuing", "compaction"))
+                if not self.compact("generation reached compaction reserve", partial=partial, notes=notes):
+                    self._keep_partial(partial, reasoning)
                     return TurnEnd("error", "context full and compaction failed")
-                continuing = self._partial_tail(content)
+                notes = []
+                continuing = self._partial_tail(partial) if partial else ""
                 continue
             if fin.reason == "error" and not getattr(parsed, "calls", None):
+                self._drop_cards(FAILED, str(fin.error))
                 self._keep_partial(content, reasoning)
                 self.emit(Notice(f"generation failed: {fin.error}", "error"))
                 return TurnEnd("error", fin.error)
@@ -356,6 +397,17 @@ class AgentWorker:
             return text
         tail = self.engine.tokenizer.decode(ids[-n:])
         return tail.lstrip("\ufffd")  # a cut inside a character
+
+    def _drop_cards(self, state: str, why: str) -> None:
+        """The calls of the last job will not run: close their cards."""
+        for index, (name, summary) in sorted(self._parsing.items()):
+            self.emit(ToolCard(index, name, state, summary, why))
+        self._parsing = {}
+
+    def _call_started(self, parsed, raw: str) -> bool:
+        if getattr(parsed, "calls", None) or getattr(parsed, "error", None):
+            return True
+        return bool(self._call_opener) and self._call_opener in raw
 
     def _keep_partial(self, content: str, reasoning: str) -> None:
         """A stopped / failed reply: keep what was shown as an assistant turn (no calls)."""
@@ -405,7 +457,7 @@ class AgentWorker:
         ctx = self.engine.ctx
         projected = self.prompt_tokens(self._with(msg))
         if not compaction.tool_result_fits(projected, ctx):
-            self.compact("tool result would exceed context")
+            self.compact("tool result would exceed context", keep_last_call=True)
             projected = self.prompt_tokens(self._with(msg))
             if not compaction.tool_result_fits(projected, ctx):
                 msg.content = prompts.TOOL_RESULT_TOO_BIG.format(
@@ -466,7 +518,8 @@ class AgentWorker:
             return False
 
     # ------------------------------------------------------------------ compaction
-    def compact(self, reason: str = "requested", partial: str = "") -> bool:
+    def compact(self, reason: str = "requested", partial: str = "", notes: Sequence[str] = (),
+                keep_last_call: bool = False) -> bool:
         """Ask the live model for a task-state summary and rebuild the
         conversation as system + summary + a verbatim tail.  `partial`: the text
         of an unfinished reply (kept out of the request; it continues afterwards).
@@ -490,7 +543,7 @@ class AgentWorker:
             self.emit(Notice("not enough context left to request a compaction summary", "error"))
             return False
         fin = self._run_job(prompt, tools=False, thinking="none", show=False, label="agent-compact",
-                            max_tokens=min(compaction.SUMMARY_MAX_TOKENS, room),
+                            max_tokens=min(compaction.summary_budget(self.engine.ctx), room),
                             params=SamplingParams(temperature=0.0))
         if isinstance(fin, Failed) or fin.reason in ("cancelled", "error"):
             self.emit(Notice("compaction interrupted" if not isinstance(fin, Failed) else fin.message, "error"))
@@ -500,12 +553,15 @@ class AgentWorker:
             self.emit(Notice("compaction summary was empty", "error"))
             return False
         msgs = self.conv.messages
-        start = compaction.tail_start(msgs, n_sys, self._message_cost, compaction.tail_budget(self.engine.ctx))
+        keep = None
+        if keep_last_call:  # a tool result is about to be appended: its call stays
+            keep = max(i for i, m in enumerate(msgs) if m.role == "assistant")
+        start = compaction.tail_start(msgs, n_sys, self._message_cost, compaction.tail_budget(self.engine.ctx), keep)
         old = self.prompt_tokens()
         running = self.toolbox.bash.running()
         if running:  # ds4: the model learns which bash jobs still run
             summary += f"\n[bash jobs still running: {', '.join(map(str, running))}]"
-        self.conv.messages = compaction.rebuild(msgs, n_sys, summary, start)
+        self.conv.messages = compaction.rebuild(msgs, n_sys, summary, start, notes)
         new = self.prompt_tokens()
         self.emit(Notice(f"COMPACTING rebuilt context: old={old} summary+tail={new} tail={len(msgs) - start} "
                          f"messages", "compaction"))
