@@ -1,6 +1,6 @@
 """The agent's terminal UI driven in tmux (send-keys, capture-pane): the status
 bar, a tool card, an approval prompt, Ctrl+C stopping a running bash job, a
-Markdown answer, and a clean terminal after leaving."""
+Markdown answer, /save and /list, and a clean terminal after leaving."""
 from __future__ import annotations
 
 import os
@@ -47,7 +47,7 @@ def pane(tmp_path):
     (tmp_path / "a.txt").write_text("hi\n")
     name = f"ds4mlx-agent-{uuid.uuid4().hex[:8]}"
     env = f"PYTHONPATH={os.environ.get('PYTHONPATH', HERE.parent)}"
-    cmd = (f"env {env} {sys.executable} {HERE / 'agent_tui_app.py'} {tmp_path}; echo EXITED rc=$?; "
+    cmd = (f"env {env} {sys.executable} {HERE / 'agent_tui_app.py'} {tmp_path} {tmp_path / 'sessions'}; echo EXITED rc=$?; "
            "stty -a | tr ' ;' '\\n\\n' | grep -x -e echo -e icanon -e -echo -e -icanon | sort | tr '\\n' ' '; "
            "echo; sleep 120")
     tmux("new-session", "-d", "-s", name, "-x", "110", "-y", "40", "bash", "--norc", "-c", cmd)
@@ -57,7 +57,7 @@ def pane(tmp_path):
         subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
 
 
-def test_tui_status_bar_card_approval_stop_answer_and_clean_exit(pane):
+def test_tui_status_bar_card_approval_stop_answer_and_clean_exit(pane, tmp_path):
     pane.wait_for("ds4mlx agent in")
     screen = pane.wait_for("ctx 0/4096")  # the status bar
     assert "gen 0 0.0 t/s | idle" in screen
@@ -76,6 +76,11 @@ def test_tui_status_bar_card_approval_stop_answer_and_clean_exit(pane):
     screen = pane.wait_for("the project has")
     assert "Hello there, the project has a.txt." in screen  # Markdown rendered, no ** or backticks
     assert "gen " in screen and "t/s" in screen
+    pane.send("/save demo", "Enter")
+    pane.wait_for("demo.json")
+    pane.send("/list", "Enter")
+    screen = pane.wait_for("messages")
+    assert "demo  " in screen and (tmp_path / "sessions" / "demo.json").exists()
     pane.send("C-d")
     pane.wait_for("EXITED rc=0")
     screen = pane.wait_for("icanon")
