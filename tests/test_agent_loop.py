@@ -288,3 +288,24 @@ def test_engine_run_on_worker_runs_between_jobs_on_the_engine_thread(tok, tmp_pa
     with pytest.raises(KeyError, match="inside"):
         engine.run_on_worker(boom)
     assert worker.run_turn("still fine?") == TurnEnd("answered")  # the worker kept serving
+
+
+def test_a_prompt_typed_while_a_tool_waits_joins_after_its_result(tok, tmp_path, agents):
+    def script(prompt):
+        user = last_real_user(prompt)
+        if "also say bye" in user:
+            return "Bye."
+        return steps(dsml("bash", command="echo hi"), "unreachable")(prompt)
+
+    model, engine, worker, sink = agents(tok, script, tmp_path, trusted=False, timeout=60.0)
+    worker.start()
+    worker.submit("say hi")
+    pending = sink.wait(lambda e: isinstance(e, PendingApproval))
+    worker.submit("also say bye")  # typed while the approval is open
+    pending.answer(True)
+    assert sink.wait_ends(1) == [TurnEnd("answered")]
+    assert [(m.role, m.content.splitlines()[-1] if m.content else "") for m in worker.conv.messages[1:]] == [
+        ("user", "say hi"), ("assistant", ""), ("tool", "[exit code 0]"), ("user", "also say bye"),
+        ("assistant", "Bye.")]
+    worker.call(lambda w: None)  # anything still queued would run before this
+    assert len(sink.ends()) == 1

@@ -172,6 +172,16 @@ class AgentWorker:
             raise value
         return value
 
+    def _take_queued_prompts(self) -> list[str]:
+        """Take the prompts waiting in the inbox (commands stay queued, in order)."""
+        with self._inbox.mutex:
+            items = list(self._inbox.queue)
+            texts = [it[1] for it in items if it is not None and it[0] == "turn"]
+            if texts:
+                self._inbox.queue.clear()
+                self._inbox.queue.extend(it for it in items if it is None or it[0] != "turn")
+        return texts
+
     def close(self) -> None:
         if self._thread is not None:
             self.stop()
@@ -383,6 +393,10 @@ class AgentWorker:
                 self._append_tool_result(c.id, result)
             if self._stop.is_set():
                 return TurnEnd("stopped")
+            # prompts typed while the tools ran join now, before the model goes on (ds4)
+            for text in self._take_queued_prompts():
+                self.conv.messages.append(Message("user", text))
+                self.emit(Notice(f"queued prompt added after the tool results: {text[:60]}", "info"))
         return TurnEnd("max_steps")
 
     def _partial_tail(self, text: str) -> str:
