@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "serve": ("ds4mlx.serve.cli", "OpenAI / Anthropic / Responses HTTP server"),
     "generate": ("ds4mlx.generate", "generate text from a prompt"),
     "chat": ("ds4mlx.generate", "interactive chat in the terminal"),
+    "agent": ("ds4mlx.agent.cli", "local coding agent: tools, approvals, compaction, sessions"),
     "eval": ("ds4mlx.eval.cli", "ds4-eval harness: core and hard suites"),
     "bench": ("ds4mlx.bench.frontier", "frontier prefill/decode benchmark"),
     "convert": ("ds4mlx.convert", "convert a Hugging Face folder to a ds4-style GGUF"),

@@ -186,16 +186,19 @@ class JobHandle:
 
 
 class _WorkerCall:
-    """A function queued to run on the worker between jobs (`Engine.reset_live`)."""
+    """A callable queued with the jobs (`Engine.run_on_worker`)."""
 
-    def __init__(self, fn: Callable[[], None], done: threading.Event):
-        self.fn, self.done = fn, done
+    def __init__(self, fn):
+        self.fn = fn
+        self.done = threading.Event()
+        self.result = None
+        self.error: Optional[BaseException] = None
 
-    def run(self) -> None:
+    def run(self, engine: "Engine") -> None:
         try:
-            self.fn()
-        except Exception:
-            log.exception("worker call failed")
+            self.result = self.fn(engine)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self.error = e
         finally:
             self.done.set()
 
@@ -335,6 +338,21 @@ class Engine:
             if not h.done.is_set():
                 h.cancel()
 
+    def run_on_worker(self, fn: Callable[["Engine"], Any], timeout: Optional[float] = None) -> Any:
+        """Run `fn(engine)` on the worker thread between jobs and return its
+        result (its exception is re-raised here).  For front ends that must touch
+        the live session directly (the agent's KV checkpoints): MLX binds the
+        session's arrays to the worker thread."""
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        call = _WorkerCall(fn)
+        self._queue.put(call)
+        if not call.done.wait(timeout):
+            raise TimeoutError("worker call did not run")
+        if call.error is not None:
+            raise call.error
+        return call.result
+
     def live_call_ids(self, api: str) -> frozenset:
         """Call ids of the remembered live tool turn for `api` (Responses/Anthropic)."""
         with self._bind_lock:
@@ -360,9 +378,7 @@ class Engine:
         """Drop the live session for a fresh one (of `ctx` tokens if given), e.g.
         after the model's steering changed; runs on the worker after the queued
         jobs and returns when done."""
-        done = threading.Event()
-        self._queue.put(_WorkerCall(lambda: self._new_session(ctx), done))
-        done.wait(timeout)
+        self.run_on_worker(lambda engine: engine._new_session(ctx), timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         if self._closed:
@@ -388,7 +404,7 @@ class Engine:
             if h is None:
                 break
             if isinstance(h, _WorkerCall):
-                h.run()
+                h.run(self)
                 continue
             self._running = h
             try:
@@ -417,6 +433,7 @@ class Engine:
             except queue.Empty:
                 break
             if isinstance(h, _WorkerCall):
+                h.error = RuntimeError("engine is shut down")
                 h.done.set()
             elif h is not None:
                 h.emit(Finish("cancelled", error="shutdown"))

@@ -269,6 +269,12 @@ class DiskKVCache(CacheHooks):
                 self._stats.last_store_ms = round(ms, 3)
         return path is not None
 
+    def save_live(self, engine, reason: str) -> bool:
+        """Store the whole live session now under `reason` (the agent's
+        "agent-system" / "agent-session" checkpoints).  Worker thread only:
+        call it through `Engine.run_on_worker`."""
+        return self._save(engine, reason)
+
     # -- hooks (worker thread) ---------------------------------------------------
     def on_miss(self, engine) -> None:
         """Step 8: save the live session before it is replaced."""
