@@ -385,13 +385,13 @@ class SafetensorsFile:
         of the whole file); a file mlx cannot load (F64) falls back to numpy."""
         import mlx.core as mx
 
-        if self._mx is None:
+        if not self._mx or name not in self._mx:
             try:
                 self._mx = mx.load(str(self.path), format="safetensors")
             except (RuntimeError, ValueError):
                 self._mx = {}
         if name in self._mx:
-            return self._mx[name]
+            return self._mx.pop(name)  # not kept: the loader frees each tensor once converted
         return mx.array(self.get(name))
 
     def keys(self):
