@@ -68,6 +68,20 @@ class LazyTensor:
         return f"LazyTensor({self.dtype}, shape={self.shape})"
 
 
+def fill(shape, dtype, pieces):
+    """An mx.array of `shape` built from `pieces` = [(index, make)], each `make()`
+    an array for `out[index]`, evaluated and dropped one at a time: MLX donates the
+    output's buffer to each slice update, so the peak is the result plus one piece
+    (where `mx.stack` / `mx.concatenate` would hold every input and the result)."""
+    import mlx.core as mx
+
+    out = mx.zeros(shape, dtype)
+    for idx, make in pieces:
+        out[idx] = make()
+        mx.eval(out)
+    return out
+
+
 def _memmap_of(arr: np.ndarray):
     base = arr
     while isinstance(base, np.ndarray) and not isinstance(base, np.memmap):
@@ -127,4 +141,4 @@ def peak_rss_bytes() -> int:
     return r if sys.platform == "darwin" else r * 1024
 
 
-__all__ = ["LazyTensor", "release", "release_array", "peak_rss_bytes"]
+__all__ = ["LazyTensor", "fill", "release", "release_array", "peak_rss_bytes"]

@@ -40,7 +40,7 @@ import gguf
 import numpy as np
 
 from .gguf_families import deepseek_v4 as names
-from .mapped import LazyTensor
+from .mapped import LazyTensor, fill, release
 from .quant import FP4_TABLE, MX_GROUP, MXTensor, QuantizedTensor, e4m3fn_table, e8m0_to_f32
 
 GGUF_MAGIC = b"GGUF"
@@ -315,9 +315,18 @@ def _concat_lazy(a, b, axis: int) -> LazyTensor:
     shape[axis] += b.shape[axis]
 
     def to_mlx():
-        import mlx.core as mx
+        pre = (slice(None),) * axis
+        n = a.shape[axis]
+        held = [_as_mlx(a)]  # read first to learn its MLX dtype; popped so fill drops it
+        release(a)
+        dt = held[0].dtype
 
-        return mx.concatenate([_as_mlx(a), _as_mlx(b)], axis=axis)
+        def second():
+            m = _as_mlx(b)
+            release(b)
+            return m
+
+        return fill(shape, dt, [(pre + (slice(0, n),), held.pop), (pre + (slice(n, None),), second)])
 
     return LazyTensor(lambda: np.concatenate([np.asarray(a), np.asarray(b)], axis=axis), shape, a.dtype,
                       to_mlx=to_mlx, sources=(a, b))
@@ -547,11 +556,23 @@ def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
         if hf.endswith(names.INT_TENSORS):
             val = _lazy_int64(val)
         tensors[hf] = val
+    banks = {}
     for (hf, _), per in experts.items():
         n = len(per)
         if sorted(per) != list(range(n)):
             raise ValueError(f"{folder}: experts of {hf} are incomplete ({sorted(per)[:8]}...)")
-        tensors[hf] = _stack([per[i] for i in range(n)])
+        banks[hf] = [per[i] for i in range(n)]
+    gname, uname = names.EXPERT_SPLIT
+    for key in [k for k in banks if k.endswith(gname)]:
+        prefix = key[: -len(gname)]
+        g, u = banks[key], banks.get(prefix + uname)
+        if u is not None and len(g) == len(u) and _same_mx(g + u):
+            # gate and up of each expert side by side, then stacked: the fused bank is
+            # built once, expert by expert (no split copy to concatenate later)
+            tensors[prefix + names.FUSED_GATE_UP] = _stack([_cat_mx(a, b) for a, b in zip(g, u)])
+            del banks[key], banks[prefix + uname]
+    for hf, parts in banks.items():
+        tensors[hf] = _stack(parts)
     if skipped:
         warnings.warn(f"{folder}: {len(skipped)} tensors with unknown names skipped: {skipped[:5]}")
     _fuse_experts(tensors)
@@ -645,6 +666,16 @@ def _repeat_scales(s_raw: LazyTensor, grid, rows: int, cols: int) -> LazyTensor:
     return LazyTensor(load, (rows, cols // MX_GROUP), np.uint8, to_mlx=to_mlx)
 
 
+def _same_mx(parts: list) -> bool:
+    return all(isinstance(p, MXTensor) and p.mode == parts[0].mode and p.shape == parts[0].shape for p in parts)
+
+
+def _cat_mx(a: MXTensor, b: MXTensor) -> MXTensor:
+    """Two MXTensors [out, in] -> one [out_a + out_b, in] (rows of a first)."""
+    return MXTensor(weight=_concat_lazy(a.weight, b.weight, axis=0), scales=_concat_lazy(a.scales, b.scales, axis=0),
+                    mode=a.mode, shape=(a.shape[0] + b.shape[0], *a.shape[1:]))
+
+
 def _stack(parts: list):
     """Per-expert tensors -> one [E, ...] tensor, stacked when the loader asks."""
     p0 = parts[0]
@@ -657,9 +688,10 @@ def _stack(parts: list):
 
 def _stack_lazy(parts: list) -> LazyTensor:
     def to_mlx():
-        import mlx.core as mx
-
-        return mx.stack([_as_mlx(p) for p in parts])
+        held = [_as_mlx(parts[0])]  # read first to learn its MLX shape and dtype
+        shape, dt = (len(parts), *held[0].shape), held[0].dtype
+        rest = [(i, (lambda p=p: _as_mlx(p))) for i, p in enumerate(parts) if i]
+        return fill(shape, dt, [(0, held.pop)] + rest)
 
     return LazyTensor(lambda: np.stack([np.asarray(p) for p in parts]), (len(parts), *parts[0].shape),
                       parts[0].dtype, to_mlx=to_mlx, sources=tuple(parts))
