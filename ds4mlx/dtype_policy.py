@@ -14,13 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.core as mx
-
-DTYPE_NAMES = {
-    "float32": mx.float32, "f32": mx.float32, "fp32": mx.float32,
-    "bfloat16": mx.bfloat16, "bf16": mx.bfloat16,
-    "float16": mx.float16, "f16": mx.float16, "fp16": mx.float16,
-}
+# name -> mx dtype attribute (mlx is imported only when a policy is resolved, so the
+# CLI's argument parsing does not load it)
+DTYPE_NAMES = {"float32": "float32", "f32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+               "bf16": "bfloat16", "float16": "float16", "f16": "float16", "fp16": "float16"}
 CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -41,6 +38,8 @@ def _name(dt) -> str:
 
 def resolve(dtype="auto") -> DtypePolicy:
     """'auto' / None / a name in DTYPE_NAMES / an mx.Dtype -> DtypePolicy."""
+    import mlx.core as mx
+
     if dtype is None:
         return DtypePolicy(mx.float32, None)
     if isinstance(dtype, str):
@@ -50,7 +49,7 @@ def resolve(dtype="auto") -> DtypePolicy:
             return DtypePolicy(mx.float32, mx.float32 if on_cpu else None)
         if key not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {dtype!r} (choose one of {', '.join(CHOICES)})")
-        dtype = DTYPE_NAMES[key]
+        dtype = getattr(mx, DTYPE_NAMES[key])
     if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
         raise ValueError(f"not a float dtype: {dtype!r}")
     return DtypePolicy(dtype, dtype)
