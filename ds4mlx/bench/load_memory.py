@@ -5,6 +5,7 @@ peak memory recorded against the final weight bytes (BENCHMARKS.md, #16).
     python -m ds4mlx.bench.load_memory write-gguf /tmp/q2.gguf --layers 3
     python -m ds4mlx.bench.load_memory write-hf /tmp/fp8 --layers 3
     python -m ds4mlx.bench.load_memory measure /tmp/q2.gguf
+    python -m ds4mlx.bench.load_memory decode /tmp/q2.gguf --layers 3   # vs the in-memory build (GPU)
 
 `write-gguf` is ds4's q2 layout (IQ2_XXS gate/up experts, Q2_K down experts, F16
 matrices, F32 vectors); `write-hf` the official release's (hub names, FP8 E4M3
@@ -162,14 +163,56 @@ def measure(path: str) -> dict:
             "mlx_peak_over_weights": round(mx.get_peak_memory() / weight_bytes, 3)}
 
 
+def _decode_tps(lm, tokens: int, prompt: int = 64) -> float:
+    """Decode tokens per second after a `prompt`-token prefill (median step)."""
+    import statistics
+
+    s = lm.new_session(ctx=4096)
+    s.prefill(list(range(2, 2 + prompt)))
+    steps = []
+    for i in range(tokens):
+        t0 = time.perf_counter()
+        s.decode(2 + (i % 1000))  # numpy logits: synchronizes
+        steps.append(time.perf_counter() - t0)
+    return round(1.0 / statistics.median(steps[2:] or steps), 2)
+
+
+def decode_compare(path: str, layers: int, tokens: int = 24) -> dict:
+    """The file loaded from disk vs the same model built in memory
+    (bench.synthetic, GGUF IQ2_XXS / Q2_K experts, bf16 rest), both decoding with
+    float32 activations: decode t/s of each (the H200 acceptance of #16)."""
+    import gc
+
+    import mlx.core as mx
+
+    from ..loader import load
+    from .synthetic import build_synthetic_v4_flash
+
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    lm, _ = load(path, verbose=True)  # --dtype auto: float32 activations, weights as stored
+    out = {"path": path, "load_s": round(time.perf_counter() - t0, 1), "load_mlx_peak_gb": round(mx.get_peak_memory() / 1e9, 2),
+           "file_gb": round(Path(path).stat().st_size / 1e9, 2), "file_tps": _decode_tps(lm, tokens)}
+    del lm
+    gc.collect()
+    mx.clear_cache()
+    mem, _, info = build_synthetic_v4_flash(layers=layers, expert_format="gguf", other_bits=16)
+    mem.model.model.activation_dtype = mx.float32
+    out.update(memory_build=info, memory_tps=_decode_tps(mem, tokens))
+    out["file_over_memory"] = round(out["file_tps"] / out["memory_tps"], 3)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ds4mlx.bench.load_memory")
-    ap.add_argument("what", choices=("write-gguf", "write-hf", "measure"))
+    ap.add_argument("what", choices=("write-gguf", "write-hf", "measure", "decode"))
     ap.add_argument("path")
     ap.add_argument("--layers", type=int, default=3)
     a = ap.parse_args(argv)
     if a.what == "measure":
         print(json.dumps(measure(a.path)))
+    elif a.what == "decode":
+        print(json.dumps(decode_compare(a.path, a.layers)))
     else:
         n = (write_gguf if a.what == "write-gguf" else write_hf)(a.path, a.layers)
         print(json.dumps({"path": a.path, "bytes": n}))
