@@ -224,3 +224,18 @@ def test_mtp_tensors_kept(oracle_dir, tmp_path):
     lm, _ = ds4mlx.load(out, verbose=False)
     assert np.array_equal(np.array(lm.mtp_weights["mtp.0.enorm.weight"]), np.ones(64, np.float32))
     assert math.isfinite(float(lm.logits([1, 2, 3]).max()))
+
+
+def test_convert_official_folder_streams_to_gguf(official, tmp_path):
+    """`ds4mlx convert` of the official layout: each FP8 / FP4 tensor decoded when it
+    is written; the GGUF holds exactly the decoded float32 weights."""
+    from ds4mlx.cli import main
+
+    out, ref = official
+    p = tmp_path / "c.gguf"
+    assert main(["convert", str(out), str(p)]) == 0
+    _, back, _ = read_weights(p)
+    for k, v in ref.items():
+        got = back[k]
+        got = got.load() if hasattr(got, "load") else np.asarray(got)
+        assert np.array_equal(got.astype(v.dtype), v), k
