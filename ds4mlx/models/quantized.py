@@ -324,6 +324,7 @@ def _expert_module(val, scale_dtype, compute_dtype, name: str, stats: Counter) -
         qtype = as_qtype(val.qtype)
         if qtype in MLX_EXACT_TYPES and qtype not in _kernel_types():
             rep = repack(val, scale_dtype)
+            release(val)
             q = _affine_module(SwitchLinear(K, out, E), rep)
             stats[f"{qtype.name}->mlx{rep[4]}"] += 1
             return q
