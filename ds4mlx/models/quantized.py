@@ -52,6 +52,7 @@ from ..kernels import quant_moe
 from ..mapped import release
 from ..quant import MLX_EXACT_TYPES, MX_GROUP, QT, MXTensor, QuantizedTensor, as_qtype
 from .layers import QuantizedSwitchLinear, SwitchLinear
+from .tensor_load import to_mlx
 
 log = logging.getLogger("ds4mlx.quantized")
 
@@ -330,8 +331,7 @@ def _expert_module(val, scale_dtype, compute_dtype, name: str, stats: Counter) -
             return q
         if qtype in _kernel_types():
             stats[f"{qtype.name}->gguf"] += 1
-            blocks = mx.array(val.raw)
-            mx.eval(blocks)
+            blocks = to_mlx(val.raw)  # copied a block of rows at a time, pages released
             release(val)
             return GGUFSwitchLinear(blocks, qtype, K)
         log.warning("%s: %s routed experts have no MLX or kernel path: dequantized at load to %s",

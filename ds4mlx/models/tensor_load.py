@@ -13,15 +13,48 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..mapped import LazyTensor, release
+from ..mapped import LazyTensor, fill, release
 from ..quant import MXTensor, QuantizedTensor
 
 PACKED = (QuantizedTensor, MXTensor)
 
 
+CHUNK_BYTES = 1 << 26  # a mapped tensor bigger than this is copied this many bytes at a time
+
+
+def _chunked(view: np.ndarray, dtype) -> mx.array:
+    """A big mapped numpy view -> mx.array, a block of rows at a time, each block's
+    pages released once copied: the peak is the result plus one block (the
+    embedding and output head of V4 Flash are 1 GB each)."""
+    rows = max(1, CHUNK_BYTES // max(1, view.nbytes // view.shape[0]))
+
+    def piece(a, b):
+        def make():
+            part = view[a:b]
+            m = mx.array(part)
+            if dtype is not None and m.dtype != dtype:
+                m = m.astype(dtype)
+            mx.eval(m)
+            release(part)
+            return m
+        return make
+
+    probe = mx.array(view[:1])
+    out_dt = dtype if dtype is not None and mx.issubdtype(probe.dtype, mx.floating) else probe.dtype
+    return fill(view.shape, out_dt,
+                [(slice(a, min(a + rows, view.shape[0])), piece(a, min(a + rows, view.shape[0])))
+                 for a in range(0, view.shape[0], rows)])
+
+
 def to_mlx(value, dtype=None) -> mx.array:
     """One tensor -> evaluated mx.array (floats cast to `dtype` unless None); the
     mapped pages behind `value` are released."""
+    if isinstance(value, np.ndarray) and value.nbytes > CHUNK_BYTES and value.ndim >= 1 and value.shape[0] > 1:
+        cast = dtype if np.issubdtype(value.dtype, np.floating) else None
+        a = _chunked(value, cast)
+        mx.eval(a)
+        release(value)
+        return a
     if isinstance(value, mx.array):
         a = value
     elif isinstance(value, LazyTensor):
