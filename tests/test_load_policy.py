@@ -190,3 +190,42 @@ def test_load_releases_mapped_pages(oracle, tmp_path, monkeypatch):
     ds4mlx.load(p, verbose=False)
     g = GGUFFile(p)
     assert sum(released) >= sum(t.nbytes for t in g.tensors.values())
+
+
+def test_row_block_copy_equals_whole_copy(oracle, tmp_path, monkeypatch):
+    """Big mapped tensors are copied in row blocks (tensor_load.CHUNK_BYTES); with a
+    tiny block size every tensor goes that way and the model is the same bit for bit."""
+    from mlx.utils import tree_flatten
+    from safetensors.numpy import load_file
+
+    from ds4mlx.models import tensor_load
+
+    d = oracle("make_tiny_deepseek_v4.py", None)
+    cfg = json.loads((d / "config.json").read_text())
+    p = tmp_path / "q.gguf"
+    write_gguf(p, cfg, load_file(str(d / "model.safetensors")), tokenizer=False, dtype="f16")
+    whole, _ = ds4mlx.load(p, verbose=False)
+    monkeypatch.setattr(tensor_load, "CHUNK_BYTES", 1024)
+    blocks, _ = ds4mlx.load(p, verbose=False)
+    a, b = dict(tree_flatten(whole.model.parameters())), dict(tree_flatten(blocks.model.parameters()))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(np.array(a[k]), np.array(b[k])), k
+
+
+def test_row_block_copy_of_gguf_expert_blocks(wide_folder, tmp_path, monkeypatch):
+    """The same for IQ2_XXS / Q2_K expert banks kept as GGUF blocks."""
+    from mlx.utils import tree_flatten
+
+    from ds4mlx.models import tensor_load
+
+    folder, _ = wide_folder
+    out = tmp_path / "q2.gguf"
+    assert main(["quantize", str(folder), str(out), "--experts", "iq2_xxs", "-q"]) == 0
+    whole, _ = ds4mlx.load(out, verbose=False)
+    monkeypatch.setattr(tensor_load, "CHUNK_BYTES", 1024)
+    blocks, _ = ds4mlx.load(out, verbose=False)
+    a, b = dict(tree_flatten(whole.model.parameters())), dict(tree_flatten(blocks.model.parameters()))
+    assert any(v.dtype == mx.uint8 for v in a.values())  # the GGUF blocks are there
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(np.array(a[k]), np.array(b[k])), k
