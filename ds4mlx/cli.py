@@ -19,7 +19,7 @@ SUBCOMMANDS = {
     "bench": ("ds4mlx.bench.frontier", "frontier prefill/decode benchmark"),
     "convert": ("ds4mlx.convert", "convert a Hugging Face folder to a ds4-style GGUF"),
     "quantize": ("ds4mlx.quantize", "quantize a model's routed experts into a new GGUF"),
-    "inspect": ("ds4mlx.inspect_cmd", "what a model file or folder holds (no model is built)"),
+    "inspect": ("ds4mlx.inspect_model", "what a model file holds and the memory serving it needs"),
     "demo-model": ("ds4mlx.demo", "write the random-weight demo model and print its path"),
     "steer": ("ds4mlx.steer_cli", "directional steering: `steer build` computes a direction file"),
 }

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from .gguf_families import deepseek_v4 as names
-from .quant import QuantizedTensor
+from .mapped import LazyTensor, release
+from .quant import MXTensor, QuantizedTensor
 
 DTYPES = ("f32", "f16", "bf16")
 
@@ -49,12 +50,12 @@ def _gguf_tensors(tensors: dict) -> list[tuple[str, object]]:
             prefix = name[: -len(names.FUSED_GATE_UP)]
             if isinstance(val, QuantizedTensor):
                 raise ValueError(f"{name}: a fused quantized gate_up_proj cannot be split; pass gate_proj/up_proj")
-            arr = np.asarray(val)
-            if arr.ndim != 3 or arr.shape[1] % 2:
-                raise ValueError(f"{name}: expected [E, 2I, H], got {arr.shape}")
-            half = arr.shape[1] // 2
+            shape = tuple(val.shape)
+            if len(shape) != 3 or shape[1] % 2:
+                raise ValueError(f"{name}: expected [E, 2I, H], got {shape}")
+            half = shape[1] // 2
             for part, sl in zip(names.EXPERT_SPLIT, (slice(0, half), slice(half, None))):
-                out.append((names.hf_to_gguf(prefix + part), arr[:, sl]))
+                out.append((names.hf_to_gguf(prefix + part), _half(val, sl, (shape[0], half, shape[2]))))
             continue
         g = names.hf_to_gguf(name)
         if g is None:
@@ -64,6 +65,38 @@ def _gguf_tensors(tensors: dict) -> list[tuple[str, object]]:
     if unknown:
         raise ValueError(f"tensors with no ds4 GGUF name: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
     return out
+
+
+def _half(val, sl: slice, shape) -> LazyTensor:
+    """One half of a fused [E, 2I, H] bank, read when written."""
+    dt = np.float32 if isinstance(val, MXTensor) else val.dtype
+    return LazyTensor(lambda: _values(val)[:, sl], shape, dt, sources=(val,))
+
+
+def _values(val) -> np.ndarray:
+    """numpy values of a tensor handed out by `weights.read_weights` (MXTensor: float32)."""
+    return val.dequantize() if isinstance(val, MXTensor) else np.asarray(val)
+
+
+def _plan(gname: str, val, dtype: str, keep_f32) -> tuple:
+    """(info shape, info numpy dtype, nbytes, raw ggml type or None, make) for one
+    tensor, without reading it: `make()` reads and converts it when it is written."""
+    import gguf
+
+    if isinstance(val, QuantizedTensor):
+        raw_shape = tuple(val.raw.shape)
+        return raw_shape, np.uint8, int(np.prod(raw_shape)), val.qtype, lambda: np.ascontiguousarray(val.raw)
+    shape = tuple(int(x) for x in val.shape)
+    n = int(np.prod(shape, dtype=np.int64))
+    src_dt = np.dtype(np.float32 if isinstance(val, MXTensor) else val.dtype)
+    if gname.endswith("ffn_gate_tid2eid.weight") or np.issubdtype(src_dt, np.integer):
+        return shape, np.int32, 4 * n, None, lambda: np.ascontiguousarray(_values(val).astype(np.int32))
+    if len(shape) < 2 or dtype == "f32" or gname.endswith(keep_f32):
+        return shape, np.float32, 4 * n, None, lambda: np.ascontiguousarray(_values(val), dtype=np.float32)
+    if dtype == "f16":
+        return shape, np.float16, 2 * n, None, lambda: np.ascontiguousarray(_values(val), dtype=np.float32).astype(np.float16)
+    return (shape, np.uint16, 2 * n, gguf.GGMLQuantizationType.BF16,
+            lambda: _f32_to_bf16_bits(np.ascontiguousarray(_values(val), dtype=np.float32)))
 
 
 def _add_kv(writer, key: str, value, kind: str) -> None:
@@ -134,25 +167,17 @@ def write_gguf(path, config: dict, tensors: dict, tokenizer=None, dtype: str = "
         if tokenizer is not False:
             tokenizer.write_gguf(writer)
 
-        for gname, val in items:
-            if isinstance(val, QuantizedTensor):
-                writer.add_tensor(gname, np.ascontiguousarray(val.raw), raw_dtype=val.qtype)
-                continue
-            arr = np.asarray(val)
-            if gname.endswith("ffn_gate_tid2eid.weight") or np.issubdtype(arr.dtype, np.integer):
-                writer.add_tensor(gname, np.ascontiguousarray(arr.astype(np.int32)))
-                continue
-            arr32 = np.ascontiguousarray(arr, dtype=np.float32)
-            if arr.ndim < 2 or dtype == "f32" or gname.endswith(keep_f32):
-                writer.add_tensor(gname, arr32)
-            elif dtype == "f16":
-                writer.add_tensor(gname, arr32.astype(np.float16))
-            else:
-                writer.add_tensor(gname, _f32_to_bf16_bits(arr32), raw_dtype=gguf.GGMLQuantizationType.BF16)
-
+        # tensor infos first, then each tensor read, converted, written and released
+        # in turn: the file is written without holding the model
+        plans = [(gname, val, _plan(gname, val, dtype, keep_f32)) for gname, val in items]
+        for gname, _, (shape, np_dt, nbytes, raw, _) in plans:
+            writer.add_tensor_info(gname, shape, np.dtype(np_dt), nbytes, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for gname, val, (*_, make) in plans:
+            writer.write_tensor_data(make())
+            release(val)
     finally:
         writer.close()
     os.replace(tmp, path)

@@ -17,6 +17,7 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from . import dtype_policy
 from .cli_options import (UsageError, sampling_params, add_prefix_argument, add_steering_arguments, conversation_head,
                           install_steering, load_prefix, read_text_file)
 from .events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd
@@ -25,6 +26,8 @@ from .think_flags import add_think_arguments
 
 def _common(p) -> None:
     p.add_argument("-m", "--model", help="GGUF file or HF folder (default: the random-weight demo model)")
+    dtype_policy.add_argument(p)
+    p.add_argument("--mtp", default=None, help="ds4's MTP support GGUF (kept, loaded but unused for now)")
     p.add_argument("-c", "--ctx", type=int, default=32768, help="context size in tokens")
     p.add_argument("-n", "--max-tokens", "--tokens", dest="max_tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=None, help="temperature (default 1.0; 0 = greedy)")
@@ -60,7 +63,7 @@ def _load(args, console):
     from .loader import load
 
     t0 = time.perf_counter()
-    model, tok = load(args.model)
+    model, tok = load(args.model, dtype=getattr(args, "dtype", "auto"), mtp=getattr(args, "mtp", None))
     if getattr(model, "is_demo", False):
         from .demo import DEMO_NOTICE
 

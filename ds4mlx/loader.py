@@ -3,20 +3,23 @@ family and the tokenizer; `ds4mlx.load` is its public face."""
 from __future__ import annotations
 
 import os
+import sys
 
 import mlx.core as mx
 
+from . import dtype_policy
 from .modelfile import reading
 from .models.base import LanguageModel
 from .registry import DEFAULT_FAMILY
 from .tokenizer import Tokenizer
-from .weights import read_weights
+from .models.tensor_load import packed_to_mlx
+from .weights import MTP_PREFIX, read_mtp_gguf, read_weights
 
 
 def default_dtype():
-    """float32 on the CPU (MLX's CPU bf16 matmul is ~10x slower), the file's own
-    16-bit type on a GPU."""
-    return mx.float32 if mx.default_device() == mx.cpu else None
+    """The float weights' dtype under `--dtype auto` (dtype_policy): float32 on the
+    CPU (MLX's CPU bf16 matmul is ~10x slower), the file's own type on a GPU."""
+    return dtype_policy.resolve("auto").weights
 
 
 def materialize(module) -> None:
@@ -42,9 +45,15 @@ def materialize(module) -> None:
     mx.eval(found)
 
 
-def load(path=None, dtype="auto"):
+def load(path=None, dtype="auto", mtp=None, verbose=True):
     """Load a GGUF file or a Hugging Face folder; `None` (or "demo") is the built-in
-    demo model, "demo:<family>" the demo model of another family."""
+    demo model, "demo:<family>" the demo model of another family.
+
+    `dtype`: "auto" (float32 activations as ds4, float weights as stored; see
+    dtype_policy), "float32" / "bfloat16" / "float16", or an mx.Dtype.  `mtp`: ds4's
+    separate MTP support GGUF.  MTP tensors (the file's own and `mtp`'s) are kept,
+    loaded but unused, in `model.mtp_weights` for speculative decoding.  The
+    dtype choice is printed to stderr unless `verbose=False`."""
     is_demo = path is None or str(path) == "demo" or str(path).startswith("demo:")
     if is_demo:
         from .demo import demo_model_path
@@ -53,9 +62,19 @@ def load(path=None, dtype="auto"):
     path = os.fspath(path)
     with reading(path):  # a broken file is one ModelFileError line, not a traceback
         config, tensors, tokenizer = read_weights(path)
-        if dtype == "auto":
-            dtype = default_dtype()
-        model = LanguageModel.from_config(config, tensors, dtype=dtype)
+        policy = dtype_policy.resolve(dtype)
+        mtp_tensors = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(MTP_PREFIX)]}
+        if mtp is not None:
+            mtp_tensors.update(read_mtp_gguf(mtp))
+        model = LanguageModel.from_config(config, tensors, dtype=policy.weights)
+        del tensors
+    backbone = getattr(model.model, "model", None)
+    if hasattr(backbone, "activation_dtype"):  # the family's cast point (models/deepseek_v4.py)
+        backbone.activation_dtype = policy.activations
+    model.dtype_policy = policy
+    model.mtp_weights = {k: packed_to_mlx(v) for k, v in mtp_tensors.items()}
+    if verbose:
+        print(f"ds4mlx: dtype: {policy.describe()}", file=sys.stderr)
     model.path = path
     model.config = config
     model.is_demo = is_demo

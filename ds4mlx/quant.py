@@ -116,6 +116,95 @@ class QuantizedTensor:
         return f"QuantizedTensor({name}, shape={tuple(self.shape)}, {self.nbytes} bytes)"
 
 
+# --------------------------------------------------------------------------- MX (OCP microscaling)
+# DeepSeek's Hugging Face release stores FP8 E4M3 weights with UE8M0 block scales
+# and FP4 E2M1 experts (two per byte, low nibble first) with one UE8M0 scale per 32
+# inputs.  Both are, byte for byte, MLX's "mxfp8" / "mxfp4" layouts (one UE8M0
+# scale per 32 inputs): the FP8 block scale is repeated onto each 32-wide group.
+
+MX_GROUP = 32
+MX_MODES = {"mxfp8": 8, "mxfp4": 4}
+
+
+@dataclass(frozen=True)
+class MXTensor:
+    """A microscaled tensor still in its file bytes.
+
+    weight: uint8 [..., out, in] (mxfp8: one E4M3 byte per value) or
+            [..., out, in/2] (mxfp4: two E2M1 codes per byte, low nibble first);
+            any array-like (np.asarray gives the uint8 array: a lazy read is fine)
+    scales: uint8 [..., out, in/32] UE8M0 exponents (value 2**(e-127))
+    mode:   "mxfp8" or "mxfp4"
+    shape:  logical numpy-order shape [..., out, in]
+    """
+
+    weight: Any
+    scales: Any
+    mode: str
+    shape: tuple
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def bits(self) -> int:
+        return MX_MODES[self.mode]
+
+    @property
+    def nbytes(self) -> int:
+        n = int(np.prod(self.shape, dtype=np.int64))
+        return n * self.bits // 8 + n // MX_GROUP
+
+    @property
+    def sources(self) -> tuple:
+        return (self.weight, self.scales)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 array of `shape` (ds4's deepseek4-quantize.c decoding)."""
+        w = np.asarray(self.weight).view(np.uint8)
+        if self.mode == "mxfp8":
+            vals = e4m3fn_table()[w]
+        else:
+            vals = np.empty((*w.shape[:-1], w.shape[-1] * 2), np.float32)
+            vals[..., 0::2] = FP4_TABLE[w & 0x0F]
+            vals[..., 1::2] = FP4_TABLE[w >> 4]
+        s = e8m0_to_f32(np.asarray(self.scales))
+        out = vals.reshape(*vals.shape[:-1], -1, MX_GROUP) * s[..., None]
+        return out.reshape(tuple(self.shape))
+
+    def __repr__(self) -> str:
+        return f"MXTensor({self.mode}, shape={tuple(self.shape)}, {self.nbytes} bytes)"
+
+
+def e8m0_to_f32(e: np.ndarray) -> np.ndarray:
+    """UE8M0 exponents -> float32 (ds4 gguf-tools/deepseek4-quantize.c e8m0_to_f32:
+    0 -> 2^-127 (0x00400000), else 2^(e-127))."""
+    e = np.asarray(e).astype(np.uint32)
+    bits = np.where(e == 0, np.uint32(0x00400000), e << 23).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+@lru_cache(maxsize=None)
+def e4m3fn_table() -> np.ndarray:
+    """byte -> float32 for FP8 E4M3FN (ds4 deepseek4-quantize.c e4m3fn_to_f32:
+    the NaN codes 0x7f / 0xff read as 0)."""
+    t = np.zeros(256, np.float32)
+    for x in range(256):
+        a = x & 0x7F
+        s = -1.0 if x & 0x80 else 1.0
+        if a == 0 or a == 0x7F:
+            t[x] = 0.0 * s
+            continue
+        e, m = (x >> 3) & 0xF, x & 7
+        t[x] = s * (m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    t.setflags(write=False)
+    return t
+
+
+FP4_TABLE = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
 # --------------------------------------------------------------------------- tables
 
 @lru_cache(maxsize=None)

@@ -380,7 +380,9 @@ DS4_Q8_0_SUFFIXES = (
 
 
 def _as_float(val) -> np.ndarray:
-    if isinstance(val, QuantizedTensor):
+    from ds4mlx.quant import MXTensor, QuantizedTensor
+
+    if isinstance(val, (QuantizedTensor, MXTensor)):
         return val.dequantize()
     return np.asarray(val, dtype=np.float32)
 
@@ -391,7 +393,7 @@ def _expert_slices(val):
         for e in range(val.shape[0]):
             yield dequantize(val.raw[e], val.qtype, tuple(val.shape[1:]))
     else:
-        arr = np.asarray(val)
+        arr = _as_float(val)
         for e in range(arr.shape[0]):
             yield np.asarray(arr[e], dtype=np.float32)
 
@@ -418,11 +420,53 @@ def quantize_expert_tensor(val, kind, importance: str = "none"):
     return QuantizedTensor(raw=out, qtype=qtype, shape=shape)
 
 
+def _deferred_expert_tensor(val, kind, importance: str = "none"):
+    """`quantize_expert_tensor(val, kind, importance)` computed only when its bytes
+    are read (`write_gguf` writes tensors one at a time: a model is quantized
+    without holding it, dequantized or quantized, in memory)."""
+    from ds4mlx.mapped import LazyTensor, release
+    from ds4mlx.quant import QuantizedTensor, block_size
+
+    shape = tuple(int(s) for s in val.shape)
+    if len(shape) != 3:
+        raise ValueError(f"expected an [E, rows, K] expert tensor, got shape {shape}")
+    qtype = QT.Q4_1 if isinstance(kind, tuple) else as_qtype(kind)
+    elems = block_size(qtype)[0]
+    if shape[-1] % elems:
+        raise ValueError(f"{qtype.name if not isinstance(kind, tuple) else 'mlx' + str(kind[1])} needs rows "
+                         f"that are a multiple of {elems} values; these rows have {shape[-1]}")
+
+    def load():
+        raw = quantize_expert_tensor(val, kind, importance).raw
+        release(val)
+        return raw
+
+    return QuantizedTensor(raw=LazyTensor(load, byte_shape(qtype, shape), np.uint8), qtype=qtype, shape=shape)
+
+
+def _deferred_q8_0(val):
+    from ds4mlx.mapped import LazyTensor
+    from ds4mlx.quant import QuantizedTensor
+
+    shape = _shape_of(val)
+    return QuantizedTensor(raw=LazyTensor(lambda: quantize(_as_float(val), QT.Q8_0), byte_shape(QT.Q8_0, shape),
+                                          np.uint8), qtype=QT.Q8_0, shape=shape)
+
+
+def _half_of(val, sl: slice):
+    from ds4mlx.mapped import LazyTensor
+
+    E, I2, H = (int(s) for s in val.shape)
+    return LazyTensor(lambda: _as_float(val)[:, sl], (E, I2 // 2, H), np.float32, sources=(val,))
+
+
 def quantize_tensors(tensors: dict, experts: str, dense: str = "keep", importance: str = "none",
                      down: str | None = None, log=None) -> dict:
     """HF-named tensors -> new dict with the routed experts quantized by recipe
     `experts` (fused gate_up_proj is split into gate_proj / up_proj) and, with
-    dense='q8_0', ds4's Q8_0 projections quantized; everything else as it was."""
+    dense='q8_0', ds4's Q8_0 projections quantized; everything else as it was.
+    The quantized values are computed when `write_gguf` reads them, one tensor at a
+    time (QuantizedTensor whose `raw` is a LazyTensor)."""
     from ds4mlx.gguf_families import deepseek_v4 as names
 
     if experts not in EXPERT_RECIPES:
@@ -435,11 +479,10 @@ def quantize_tensors(tensors: dict, experts: str, dense: str = "keep", importanc
     for name, val in tensors.items():
         if name.endswith("." + names.FUSED_GATE_UP):
             prefix = name[: -len(names.FUSED_GATE_UP)]
-            arr = _as_float(val)
-            half = arr.shape[1] // 2
+            half = int(val.shape[1]) // 2
             for part, kind, sl in ((names.EXPERT_SPLIT[0], g_kind, slice(0, half)),
                                    (names.EXPERT_SPLIT[1], u_kind, slice(half, None))):
-                out[prefix + part] = quantize_expert_tensor(arr[:, sl], kind, importance)
+                out[prefix + part] = _deferred_expert_tensor(_half_of(val, sl), kind, importance)
                 log(f"{prefix + part}: {out[prefix + part]!r}")
             continue
         kind = None
@@ -450,12 +493,11 @@ def quantize_tensors(tensors: dict, experts: str, dense: str = "keep", importanc
         elif name.endswith(".mlp.experts.down_proj"):
             kind = d_kind
         if kind is not None:
-            out[name] = quantize_expert_tensor(val, kind, importance)
+            out[name] = _deferred_expert_tensor(val, kind, importance)
             log(f"{name}: {out[name]!r}")
         elif (dense == "q8_0" and name.endswith(DS4_Q8_0_SUFFIXES) and len(_shape_of(val)) == 2
               and _shape_of(val)[-1] % 32 == 0):
-            arr = _as_float(val)
-            out[name] = QuantizedTensor(raw=quantize(arr, QT.Q8_0), qtype=QT.Q8_0, shape=arr.shape)
+            out[name] = _deferred_q8_0(val)
             log(f"{name}: {out[name]!r}")
         else:
             out[name] = val

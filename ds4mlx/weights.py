@@ -42,7 +42,8 @@ import numpy as np
 
 from .gguf_families import deepseek_v4 as names
 from .gguf_families.metadata import fields_metadata
-from .quant import QuantizedTensor
+from .mapped import LazyTensor, fill, release
+from .quant import FP4_TABLE, MX_GROUP, MXTensor, QuantizedTensor, e4m3fn_table, e8m0_to_f32
 
 GGUF_MAGIC = b"GGUF"
 
@@ -181,8 +182,18 @@ class GGUFFile:
         if qt.name in _PLAIN_GGML:
             return ti.data  # typed and shaped by gguf
         if qt == gguf.GGMLQuantizationType.BF16:
-            return bf16_to_f32(ti.data.view(np.uint16).reshape(ti.shape))
+            return _bf16_lazy(ti.data.view(np.uint16).reshape(ti.shape))
         return QuantizedTensor(raw=ti.data, qtype=qt, shape=ti.shape)
+
+
+def _bf16_lazy(bits: np.ndarray) -> LazyTensor:
+    """BF16 bits (a mapped view) -> float32 for numpy, bfloat16 for MLX (no float32 detour)."""
+    def to_mlx():
+        import mlx.core as mx
+
+        return mx.array(bits).view(mx.bfloat16)
+
+    return LazyTensor(lambda: bf16_to_f32(bits), bits.shape, np.float32, to_mlx=to_mlx, sources=(bits,))
 
 
 def read_gguf(path: str | os.PathLike, with_tokenizer: bool = True):
@@ -209,13 +220,13 @@ def read_gguf(path: str | os.PathLike, with_tokenizer: bool = True):
     tensors: dict[str, Any] = {}
     unknown = []
     for tname in g.tensors:
-        hf = names.gguf_to_hf(tname)
+        hf = names.gguf_to_hf(tname) if not tname.startswith(MTP_PREFIX) else mtp_hf_name(tname)
         if hf is None:
             unknown.append(tname)
             continue
         val = g.tensor(tname)
         if hf.endswith(names.INT_TENSORS) and isinstance(val, np.ndarray):
-            val = val.astype(np.int64)
+            val = _int64_lazy(val)
         tensors[hf] = val
     if unknown:
         warnings.warn(f"{path}: {len(unknown)} GGUF tensors with no HF name were skipped: {unknown[:5]}")
@@ -227,6 +238,34 @@ def read_gguf(path: str | os.PathLike, with_tokenizer: bool = True):
 
         tok = Tokenizer.from_gguf_fields(meta)
     return config, tensors, tok
+
+
+# ds4's MTP block (ds4.c mtp_weights_bind): `mtp.0.<layer tensor>` plus the head's
+# own e_proj / h_proj / enorm / hnorm / norm / hc_head_*; kept, under `mtp.0.<HF
+# layer name>` (or the ds4 name for the head's own), for speculative decoding.
+MTP_PREFIX = "mtp."
+
+
+def mtp_hf_name(gguf_name: str) -> str:
+    """`mtp.N.attn_q_a.weight` -> `mtp.N.self_attn.q_a_proj.weight`; the MTP head's
+    own tensors (e_proj, enorm, hc_head_fn, ...) keep their ds4 names."""
+    _, n, rest = gguf_name.split(".", 2)
+    hf = names.gguf_to_hf(f"blk.{n}.{rest}")
+    return f"mtp.{n}." + hf[len(f"model.layers.{n}."):] if hf else gguf_name
+
+
+def read_mtp_gguf(path: str | os.PathLike) -> dict:
+    """ds4's separate MTP support GGUF (`--mtp FILE`) -> {name: tensor} under the
+    names `read_gguf` gives a main file's MTP tensors (mapped views / QuantizedTensor)."""
+    g = GGUFFile(path)
+    tensors = {mtp_hf_name(t): g.tensor(t) for t in g.tensors if t.startswith(MTP_PREFIX)}
+    if not tensors:
+        raise ValueError(f"{g.path}: no MTP tensors (mtp.*) in this GGUF file")
+    return tensors
+
+
+def _int64_lazy(val: np.ndarray) -> LazyTensor:
+    return LazyTensor(lambda: val.astype(np.int64), val.shape, np.int64, sources=(val,))
 
 
 def _read_family_gguf(g: "GGUFFile", family, with_tokenizer: bool):
@@ -253,15 +292,48 @@ def _read_family_gguf(g: "GGUFFile", family, with_tokenizer: bool):
 
 
 def _fuse_experts(tensors: dict) -> None:
-    """gate_proj + up_proj (split, float) -> gate_up_proj [E, 2I, H]."""
+    """gate_proj + up_proj (split, float) -> gate_up_proj [E, 2I, H], concatenated
+    when the loader asks for it (a LazyTensor: no copy of the whole bank up front)."""
     gname, uname = names.EXPERT_SPLIT
     for key in [k for k in tensors if k.endswith("." + gname)]:
         prefix = key[: -len(gname)]
         ukey = prefix + uname
         g, u = tensors.get(key), tensors.get(ukey)
-        if isinstance(g, np.ndarray) and isinstance(u, np.ndarray) and g.dtype == u.dtype and g.shape == u.shape:
-            tensors[prefix + names.FUSED_GATE_UP] = np.concatenate([g, u], axis=1)
+        if _is_float_array(g) and _is_float_array(u) and g.dtype == u.dtype and g.shape == u.shape:
+            tensors[prefix + names.FUSED_GATE_UP] = _concat_lazy(g, u, axis=1)
             del tensors[key], tensors[ukey]
+
+
+def _is_float_array(v) -> bool:
+    return isinstance(v, (np.ndarray, LazyTensor)) and np.issubdtype(v.dtype, np.floating)
+
+
+def _concat_lazy(a, b, axis: int) -> LazyTensor:
+    shape = list(a.shape)
+    shape[axis] += b.shape[axis]
+
+    def to_mlx():
+        pre = (slice(None),) * axis
+        n = a.shape[axis]
+        held = [_as_mlx(a)]  # read first to learn its MLX dtype; popped so fill drops it
+        release(a)
+        dt = held[0].dtype
+
+        def second():
+            m = _as_mlx(b)
+            release(b)
+            return m
+
+        return fill(shape, dt, [(pre + (slice(0, n),), held.pop), (pre + (slice(n, None),), second)])
+
+    return LazyTensor(lambda: np.concatenate([np.asarray(a), np.asarray(b)], axis=axis), shape, a.dtype,
+                      to_mlx=to_mlx, sources=(a, b))
+
+
+def _as_mlx(v):
+    import mlx.core as mx
+
+    return v.to_mlx() if isinstance(v, LazyTensor) else mx.array(v)
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -293,6 +365,41 @@ class SafetensorsFile:
             raise ValueError(f"{self.path}: truncated or corrupt safetensors file ({e})") from None
         self._dtypes = {k: self._f.get_slice(k).get_dtype() for k in self._f.keys()}
         self._raw = None
+        self._mx = None
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self._f.get_slice(name).get_shape())
+
+    def lazy(self, name: str) -> LazyTensor:
+        """The tensor, read when asked: numpy via `get`, MLX via `mlx` (BF16 stays bfloat16)."""
+        dt = self._dtypes[name]
+        np_dt = np.float32 if dt == "BF16" else (_ST_RAW.get(dt) or _numpy_dtype(dt))
+        return LazyTensor(lambda: self.get(name), self.shape(name), np_dt, to_mlx=lambda: self.mlx(name))
+
+    def lazy_raw(self, name: str) -> LazyTensor:
+        """The tensor's raw values (F8 as uint8 bytes), read when asked."""
+        dt = self._dtypes[name]
+
+        def to_mlx():
+            a = self.mlx(name)
+            return a.view(_mx_raw_dtype(dt)) if dt in _ST_RAW else a
+
+        return LazyTensor(lambda: self.raw(name), self.shape(name), _ST_RAW.get(dt) or _numpy_dtype(dt),
+                          to_mlx=to_mlx)
+
+    def mlx(self, name: str):
+        """The tensor as a lazy mx.array read from the file by `mx.load` (no mapping
+        of the whole file); a file mlx cannot load (F64) falls back to numpy."""
+        import mlx.core as mx
+
+        if not self._mx or name not in self._mx:
+            try:
+                self._mx = mx.load(str(self.path), format="safetensors")
+            except (RuntimeError, ValueError):
+                self._mx = {}
+        if name in self._mx:
+            return self._mx.pop(name)  # not kept: the loader frees each tensor once converted
+        return mx.array(self.get(name))
 
     def keys(self):
         return self._dtypes.keys()
@@ -337,38 +444,26 @@ class SafetensorsFile:
         return arr
 
 
+def _numpy_dtype(st_dtype: str) -> np.dtype:
+    return np.dtype({"F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32",
+                     "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32",
+                     "U64": "uint64", "BOOL": "bool"}[st_dtype])
+
+
+def _mx_raw_dtype(st_dtype: str):
+    import mlx.core as mx
+
+    return getattr(mx, _ST_RAW[st_dtype])
+
+
 def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
     return (np.asarray(u16, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
-def _e8m0_to_f32(e: np.ndarray) -> np.ndarray:
-    # ds4 gguf-tools/deepseek4-quantize.c e8m0_to_f32: 0 -> 2^-127 (0x00400000), else 2^(e-127)
-    e = e.astype(np.uint32)
-    bits = np.where(e == 0, np.uint32(0x00400000), e << 23).astype(np.uint32)
-    return bits.view(np.float32)
-
-
-def _e4m3fn_table() -> np.ndarray:
-    # ds4 gguf-tools/deepseek4-quantize.c e4m3fn_to_f32 (NaN 0x7f/0xff -> 0)
-    t = np.zeros(256, np.float32)
-    for x in range(256):
-        a = x & 0x7F
-        s = -1.0 if x & 0x80 else 1.0
-        if a == 0 or a == 0x7F:
-            t[x] = 0.0 * s
-            continue
-        e, m = (x >> 3) & 0xF, x & 7
-        t[x] = s * (m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
-    return t
-
-
-_FP4_TABLE = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-
-
 def dequant_fp8(w: np.ndarray, scale: np.ndarray, block=(128, 128)) -> np.ndarray:
-    """Hub FP8 E4M3 weight [out, in] with UE8M0 (or float) 128x128 block scales -> float32."""
-    vals = _e4m3fn_table()[w.astype(np.uint8)]
-    s = _e8m0_to_f32(scale) if scale.dtype == np.uint8 else scale.astype(np.float32)
+    """Hub FP8 E4M3 weight [out, in] with UE8M0 (or float) block scales -> float32."""
+    vals = e4m3fn_table()[w.astype(np.uint8)]
+    s = e8m0_to_f32(scale) if scale.dtype == np.uint8 else scale.astype(np.float32)
     s = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[: w.shape[0], : w.shape[1]]
     return vals * s
 
@@ -378,9 +473,9 @@ def dequant_fp4(w: np.ndarray, scale: np.ndarray) -> np.ndarray:
     per 32 inputs -> float32 [out, in] (deepseek4-quantize.c dequant_fp4_weight)."""
     q = w.view(np.uint8)
     out = np.empty((q.shape[0], q.shape[1] * 2), np.float32)
-    out[:, 0::2] = _FP4_TABLE[q & 0x0F]
-    out[:, 1::2] = _FP4_TABLE[q >> 4]
-    s = _e8m0_to_f32(scale) if scale.dtype == np.uint8 else scale.astype(np.float32)
+    out[:, 0::2] = FP4_TABLE[q & 0x0F]
+    out[:, 1::2] = FP4_TABLE[q >> 4]
+    s = e8m0_to_f32(scale) if scale.dtype == np.uint8 else scale.astype(np.float32)
     return (out.reshape(out.shape[0], -1, 32) * s[:, :, None]).reshape(out.shape)
 
 
@@ -424,33 +519,37 @@ def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
 
     Accepts transformers' in-memory names (the oracle), and the hub-checkpoint
     names of deepseek-ai/DeepSeek-V4-Flash (`layers.N.attn.wq_a.weight`, per-expert
-    `ffn.experts.X.w1/w2/w3`): those are renamed, experts stacked and fused, and
-    FP8 / FP4 weights dequantized to float32 with their `.scale` (eagerly: fine for
-    small checkpoints and conversion, far too big for the full 284B model).
-    MTP (`mtp.*`) tensors are skipped."""
+    `ffn.experts.X.w1/w2/w3`): those are renamed and the experts stacked.  Nothing
+    is read here: every value is a `LazyTensor` (read when the loader asks, one at a
+    time) or, for FP8 / FP4 weights with UE8M0 scales, an `MXTensor` (the file's
+    bytes, loaded as MLX mxfp8 / mxfp4 layers, never widened to float32).  The FP8
+    block size is `quantization_config.weight_block_size` (default 128 x 128) and
+    every scale tensor's grid is checked against it.  MTP (`mtp.*`) tensors are kept
+    under their hub names."""
     folder = Path(folder)
+    cfg_path = folder / "config.json"
     raw_cfg = read_hf_config(folder)
     files = [SafetensorsFile(p) for p in safetensors_files(folder)]
     if raw_cfg.get("model_type", "deepseek_v4") not in DEEPSEEK_V4_TYPES:
         return _read_hf_other(folder, raw_cfg, files, with_tokenizer)
     config = names.normalize_config(raw_cfg)
+    block = fp8_block_size(raw_cfg, cfg_path)
 
     where = {k: f for f in files for k in f.keys()}
     tensors: dict[str, Any] = {}
-    experts: dict[tuple[str, int], dict[int, np.ndarray]] = {}
+    experts: dict[tuple[str, int], dict[int, Any]] = {}
     skipped = []
     for key, f in where.items():
         if key.endswith(".scale") and key[: -len(".scale")] + ".weight" in where:
             continue  # consumed with its weight
         base = key[len("model."):] if key.startswith("model.mtp.") else key
-        if base.startswith("mtp."):
-            skipped.append(key)
+        if base.startswith(MTP_PREFIX):
+            tensors[base] = _hub_weight(f, where, key, block)
             continue
         m = names.HUB_EXPERT_RE.match(key[len("model."):] if key.startswith("model.layers.") else key)
         if m:
-            arr = _hub_weight(f, where, key)
             hf = f"model.layers.{m.group(1)}.{names.HUB_EXPERT_TO_HF[m.group(3)]}"
-            experts.setdefault((hf, int(m.group(1))), {})[int(m.group(2))] = arr
+            experts.setdefault((hf, int(m.group(1))), {})[int(m.group(2))] = _hub_weight(f, where, key, block)
             continue
         if names.hf_to_gguf(key) is not None or key.endswith("." + names.FUSED_GATE_UP):
             hf = key
@@ -459,17 +558,29 @@ def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
         if hf is None:
             skipped.append(key)
             continue
-        arr = _hub_weight(f, where, key)
+        val = _hub_weight(f, where, key, block)
         if hf.endswith(names.INT_TENSORS):
-            arr = arr.astype(np.int64)
-        tensors[hf] = arr
+            val = _lazy_int64(val)
+        tensors[hf] = val
+    banks = {}
     for (hf, _), per in experts.items():
         n = len(per)
         if sorted(per) != list(range(n)):
             raise ValueError(f"{folder}: experts of {hf} are incomplete ({sorted(per)[:8]}...)")
-        tensors[hf] = np.stack([per[i] for i in range(n)])
+        banks[hf] = [per[i] for i in range(n)]
+    gname, uname = names.EXPERT_SPLIT
+    for key in [k for k in banks if k.endswith(gname)]:
+        prefix = key[: -len(gname)]
+        g, u = banks[key], banks.get(prefix + uname)
+        if u is not None and len(g) == len(u) and _same_mx(g + u):
+            # gate and up of each expert side by side, then stacked: the fused bank is
+            # built once, expert by expert (no split copy to concatenate later)
+            tensors[prefix + names.FUSED_GATE_UP] = _stack([_cat_mx(a, b) for a, b in zip(g, u)])
+            del banks[key], banks[prefix + uname]
+    for hf, parts in banks.items():
+        tensors[hf] = _stack(parts)
     if skipped:
-        warnings.warn(f"{folder}: {len(skipped)} tensors skipped (MTP or unknown names): {skipped[:5]}")
+        warnings.warn(f"{folder}: {len(skipped)} tensors with unknown names skipped: {skipped[:5]}")
     _fuse_experts(tensors)
     if not tensors:
         raise ValueError(f"{folder}: no DeepSeek V4 tensors found in the safetensors files")
@@ -478,6 +589,17 @@ def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
 
 
 DEEPSEEK_V4_TYPES = ("deepseek_v4",)
+
+
+def fp8_block_size(raw_cfg: dict, where="config.json") -> tuple[int, int]:
+    """The FP8 weights' scale block [rows, cols]: config.json's
+    `quantization_config.weight_block_size` (DeepSeek's release: [128, 128])."""
+    qc = raw_cfg.get("quantization_config") or {}
+    bs = qc.get("weight_block_size", [128, 128]) if isinstance(qc, dict) else [128, 128]
+    if (not isinstance(bs, (list, tuple)) or len(bs) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)):
+        raise ValueError(f"{where}: quantization_config.weight_block_size must be two positive integers, not {bs!r}")
+    return int(bs[0]), int(bs[1])
 
 
 def _folder_tokenizer(folder: Path, with_tokenizer: bool):
@@ -493,7 +615,7 @@ def _read_hf_other(folder: Path, config: dict, files: list, with_tokenizer: bool
     (transformers in-memory) names; the family's `Model.sanitize` maps them."""
     from .checkpoint_names import to_memory_names
 
-    tensors = {k: f.get(k) for f in files for k in f.keys()}
+    tensors = {k: f.lazy(k) for f in files for k in f.keys()}
     if not tensors:
         raise ValueError(f"{folder}: no tensors found in the safetensors files")
     try:  # a folder written by transformers' save_pretrained has its checkpoint names
@@ -503,20 +625,88 @@ def _read_hf_other(folder: Path, config: dict, files: list, with_tokenizer: bool
     return config, tensors, _folder_tokenizer(folder, with_tokenizer)
 
 
-def _hub_weight(f: SafetensorsFile, where: dict, key: str) -> np.ndarray:
+def _lazy_int64(val) -> LazyTensor:
+    return LazyTensor(lambda: np.asarray(val).astype(np.int64), val.shape, np.int64, sources=(val,))
+
+
+def _hub_weight(f: SafetensorsFile, where: dict, key: str, block: tuple[int, int]):
+    """One hub tensor: LazyTensor, or MXTensor for FP8 / FP4 with UE8M0 scales."""
     dt = f.dtype(key)
     if dt in ("F8_E4M3", "I8") or (dt == "U8" and key.endswith(".weight")):
         skey = key[: -len(".weight")] + ".scale"
         if skey not in where:
             if dt == "F8_E4M3":
                 raise ValueError(f"{f.path}: FP8 tensor {key!r} has no {skey!r}")
-            return f.get(key)
-        scale = where[skey].raw(skey)
-        if where[skey].dtype(skey) == "BF16":
-            scale = bf16_to_f32(scale)
-        w = f.raw(key)
-        return dequant_fp8(w, scale) if dt == "F8_E4M3" else dequant_fp4(w, scale)
-    return f.get(key)
+            return f.lazy(key)
+        sf = where[skey]
+        wshape, sshape = f.shape(key), sf.shape(skey)
+        fp8 = dt == "F8_E4M3"
+        rows, cols = wshape[0], wshape[1] * (1 if fp8 else 2)
+        grid = block if fp8 else (1, MX_GROUP)
+        want = (-(-rows // grid[0]), -(-cols // grid[1]))
+        if len(wshape) != 2 or tuple(sshape) != want:
+            what = (f"{grid[0]}x{grid[1]} blocks (config.json quantization_config.weight_block_size)" if fp8
+                    else "FP4 groups of 32 inputs")
+            raise ValueError(f"{sf.path}: scale {skey!r} has grid {'x'.join(map(str, sshape))} but weight "
+                             f"{key!r} {rows}x{cols} in {what} needs {want[0]}x{want[1]}")
+        if sf.dtype(skey) in ("F8_E8M0", "U8") and cols % MX_GROUP == 0 and (not fp8 or grid[1] % MX_GROUP == 0):
+            w_raw, s_raw = f.lazy_raw(key), sf.lazy_raw(skey)
+            if fp8:  # one scale per 32 inputs: the block scale repeated (uint8, small)
+                s_raw = _repeat_scales(s_raw, grid, rows, cols)
+            return MXTensor(weight=w_raw, scales=s_raw, mode="mxfp8" if fp8 else "mxfp4", shape=(rows, cols))
+
+        def dequant():  # float (non power-of-two) scales, or a width MLX's groups cannot tile
+            scale = sf.get(skey)
+            w = f.raw(key)
+            return dequant_fp8(w, scale, grid) if fp8 else dequant_fp4(w, scale)
+
+        return LazyTensor(dequant, (rows, cols), np.float32)
+    return f.lazy(key)
+
+
+def _repeat_scales(s_raw: LazyTensor, grid, rows: int, cols: int) -> LazyTensor:
+    def load():
+        s = np.asarray(s_raw)
+        return np.repeat(np.repeat(s, grid[0], axis=0), grid[1] // MX_GROUP, axis=1)[:rows, : cols // MX_GROUP]
+
+    def to_mlx():
+        import mlx.core as mx
+
+        s = s_raw.to_mlx()
+        return mx.repeat(mx.repeat(s, grid[0], axis=0), grid[1] // MX_GROUP, axis=1)[:rows, : cols // MX_GROUP]
+
+    return LazyTensor(load, (rows, cols // MX_GROUP), np.uint8, to_mlx=to_mlx)
+
+
+def _same_mx(parts: list) -> bool:
+    return all(isinstance(p, MXTensor) and p.mode == parts[0].mode and p.shape == parts[0].shape for p in parts)
+
+
+def _cat_mx(a: MXTensor, b: MXTensor) -> MXTensor:
+    """Two MXTensors [out, in] -> one [out_a + out_b, in] (rows of a first)."""
+    return MXTensor(weight=_concat_lazy(a.weight, b.weight, axis=0), scales=_concat_lazy(a.scales, b.scales, axis=0),
+                    mode=a.mode, shape=(a.shape[0] + b.shape[0], *a.shape[1:]))
+
+
+def _stack(parts: list):
+    """Per-expert tensors -> one [E, ...] tensor, stacked when the loader asks."""
+    p0 = parts[0]
+    if isinstance(p0, MXTensor) and all(isinstance(p, MXTensor) and p.mode == p0.mode for p in parts):
+        return MXTensor(weight=_stack_lazy([p.weight for p in parts]), scales=_stack_lazy([p.scales for p in parts]),
+                        mode=p0.mode, shape=(len(parts), *p0.shape))
+    parts = [LazyTensor(p.dequantize, p.shape, np.float32) if isinstance(p, MXTensor) else p for p in parts]
+    return _stack_lazy(parts)
+
+
+def _stack_lazy(parts: list) -> LazyTensor:
+    def to_mlx():
+        held = [_as_mlx(parts[0])]  # read first to learn its MLX shape and dtype
+        shape, dt = (len(parts), *held[0].shape), held[0].dtype
+        rest = [(i, (lambda p=p: _as_mlx(p))) for i, p in enumerate(parts) if i]
+        return fill(shape, dt, [(0, held.pop)] + rest)
+
+    return LazyTensor(lambda: np.stack([np.asarray(p) for p in parts]), (len(parts), *parts[0].shape),
+                      parts[0].dtype, to_mlx=to_mlx, sources=tuple(parts))
 
 
 # ----------------------------------------------------------------------------- dispatch

@@ -18,7 +18,8 @@ import pytest
 
 from ds4mlx.gguf_families import deepseek_v4 as names
 from ds4mlx.convert import write_gguf
-from ds4mlx.quant import QuantizedTensor
+from ds4mlx.mapped import LazyTensor
+from ds4mlx.quant import MXTensor, QuantizedTensor
 from ds4mlx.weights import GGUFFile, SafetensorsFile, read_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +60,17 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.dtype(f"u{a.dtype.itemsize}"))
 
 
+def _materialize(b):
+    """What the loader would read: LazyTensor / MXTensor values in numpy."""
+    if isinstance(b, LazyTensor):
+        return b.load()
+    if isinstance(b, MXTensor):
+        return b.dequantize()
+    return b
+
+
 def _assert_same(a, b, key=""):
+    b = _materialize(b)
     assert isinstance(b, np.ndarray), key
     assert a.dtype == b.dtype and a.shape == b.shape, (key, a.dtype, b.dtype, a.shape, b.shape)
     assert np.array_equal(_bits(a), _bits(b)), key
@@ -340,7 +351,7 @@ def _hub_name(hf: str) -> str:
 
 def test_hub_checkpoint_naming_sharded(oracle_dir, oracle, tmp_path):
     """deepseek-ai hub names (per-expert w1/w2/w3, attn.wq_a, ...), sharded with an
-    index: renamed, experts stacked and fused, MTP skipped."""
+    index: renamed, experts stacked and fused, MTP kept."""
     from safetensors.numpy import save_file
 
     raw_cfg, sd = oracle
@@ -366,11 +377,11 @@ def test_hub_checkpoint_naming_sharded(oracle_dir, oracle, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {k: fn for fn, ks in shards.items() for k in ks}}))
     (tmp_path / "config.json").write_text(json.dumps(raw_cfg))
-    with pytest.warns(UserWarning, match="skipped"):
-        cfg, tensors, _ = read_weights(tmp_path)
-    assert set(tensors) == set(sd)
+    cfg, tensors, _ = read_weights(tmp_path)
+    assert set(tensors) == set(sd) | {"mtp.0.enorm.weight"}  # MTP kept for speculative decoding
     for k, v in sd.items():
         _assert_same(v, tensors[k], k)
+    _assert_same(hub["mtp.0.enorm.weight"], tensors["mtp.0.enorm.weight"])
 
 
 @pytest.mark.parametrize("with_f64", [False, True])

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from .. import dtype_policy
+
 COLUMNS = ["ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes", "peak_memory_bytes"]
 GATED = ("prefill_tps", "gen_tps")  # higher is better
 
@@ -182,6 +184,7 @@ def plot(rows: list[dict], path, title: str) -> None:
 
 def add_arguments(p) -> None:
     p.add_argument("-m", "--model", help="GGUF file or HF folder (default: the demo model)")
+    dtype_policy.add_argument(p)
     p.add_argument("--synthetic", choices=["v4-flash"], help="random full-size weights built on the device, no file")
     p.add_argument("--layers", type=int, default=None, help="--synthetic: number of layers (default 43)")
     p.add_argument("--experts", type=int, default=None, help="--synthetic: routed experts (default 256)")
@@ -223,7 +226,7 @@ def run(args) -> int:
     else:
         from ..loader import load
 
-        model, tokenizer = load(args.model)
+        model, tokenizer = load(args.model, dtype=getattr(args, "dtype", "auto"))
         label = Path(getattr(model, "path", args.model or "demo")).name
     import mlx.core as mx
 

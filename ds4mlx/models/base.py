@@ -39,6 +39,8 @@ class LanguageModel:
     def __init__(self, model, args=None):
         self.model = model
         self.args = args if args is not None else getattr(model, "args", None)
+        self.dtype_policy = None  # dtype_policy.DtypePolicy, set by loader.load
+        self.mtp_weights = {}  # MTP tensors, loaded but unused (loader.load)
 
     @property
     def vocab_size(self) -> int:
@@ -51,14 +53,16 @@ class LanguageModel:
         model = mod.Model(args)
         if weights is not None:
             from .quantized import install_quantized, needs_install
+            from .tensor_load import to_mlx, to_mlx_weights
 
-            weights = {k: v if isinstance(v, (mx.array, QuantizedTensor)) else mx.array(v) for k, v in weights.items()}
+            # one tensor at a time: read, cast, evaluate, release the file's pages
+            weights = to_mlx_weights(weights, dtype)
             weights = model.sanitize(weights)
             owned = {}
-            if needs_install(weights):  # GGUF quantized tensors / split experts: models/quantized.py
+            if needs_install(weights):  # packed tensors / split experts: models/quantized.py
                 weights, owned = install_quantized(model, weights, dtype)
             if dtype is not None:
-                weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+                weights = {k: to_mlx(v, dtype) for k, v in weights.items()}
             model.load_weights(list(weights.items()) + list(owned.items()), strict=strict)
         from .qmv_linear import use_fast_qmv
 

@@ -804,6 +804,10 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
+    # dtype of the residual stream (dtype_policy; the loader sets it): float32 as ds4,
+    # whatever the weights' type; None = the embedding's dtype
+    activation_dtype = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         rd = args.qk_rope_head_dim
@@ -823,6 +827,8 @@ class DeepseekV4Model(nn.Module):
 
     def __call__(self, ids: mx.array, cache: list[LayerCache]) -> mx.array:
         h = self.embed_tokens(ids)
+        if self.activation_dtype is not None:
+            h = h.astype(self.activation_dtype)
         x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
         for layer, c in zip(self.layers, cache):
             x = layer(x, ids, c)

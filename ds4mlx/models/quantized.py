@@ -49,8 +49,10 @@ import mlx.nn as nn
 import numpy as np
 
 from ..kernels import quant_moe
-from ..quant import MLX_EXACT_TYPES, QT, QuantizedTensor, as_qtype
+from ..mapped import release
+from ..quant import MLX_EXACT_TYPES, MX_GROUP, QT, MXTensor, QuantizedTensor, as_qtype
 from .layers import QuantizedSwitchLinear, SwitchLinear
+from .tensor_load import to_mlx
 
 log = logging.getLogger("ds4mlx.quantized")
 
@@ -265,30 +267,47 @@ def _quantizable(mod) -> bool:
     return type(mod) in (nn.Linear, nn.Embedding) or (isinstance(mod, nn.Module) and hasattr(mod, "to_quantized"))
 
 
-def _affine_module(mod: nn.Module, rep):
+def _mx_arrays(val: MXTensor):
+    """MXTensor -> (w_q uint32 [..., out, in*bits/32], scales uint8, None, 32, bits),
+    the file's bytes reinterpreted (MLX's mxfp8 / mxfp4 layouts are the same bytes)."""
+    w = _mlx_of(val.weight).view(mx.uint8).view(mx.uint32)
+    s = _mlx_of(val.scales).view(mx.uint8)
+    mx.eval(w, s)
+    release(val)
+    return w, s, None, MX_GROUP, val.bits
+
+
+def _mlx_of(v) -> mx.array:
+    return v.to_mlx() if hasattr(v, "to_mlx") else mx.array(np.asarray(v))
+
+
+def _affine_module(mod: nn.Module, rep, mode: str = "affine"):
     """The quantized counterpart of float module `mod` holding the repacked arrays
-    `rep` = (w_q, scales, biases, group_size, bits); None when `mod` has none."""
+    `rep` = (w_q, scales, biases or None, group_size, bits); None when `mod` has none."""
     w, s, b, gs, bits = rep
+    extra = {} if b is None else {"biases": b}
     if type(mod) is nn.Linear:
-        q = _bare(nn.QuantizedLinear, group_size=gs, bits=bits, mode="affine", weight=w, scales=s, biases=b)
+        q = _bare(nn.QuantizedLinear, group_size=gs, bits=bits, mode=mode, weight=w, scales=s, **extra)
         if "bias" in mod:
             q.bias = mod.bias
         return q
     if type(mod) is nn.Embedding:
         n, dims = mod.weight.shape
-        return _bare(nn.QuantizedEmbedding, group_size=gs, bits=bits, mode="affine", weight=w, scales=s,
-                     biases=b, num_embeddings=n, dims=dims)
+        return _bare(nn.QuantizedEmbedding, group_size=gs, bits=bits, mode=mode, weight=w, scales=s,
+                     num_embeddings=n, dims=dims, **extra)
     if not hasattr(mod, "to_quantized"):
         return None
     # Family modules (SwitchLinear, GroupedLinear, ...): their own to_quantized gives
     # the right class and array shapes (lazily, from zero placeholders that are
     # never evaluated); the repacked arrays replace those placeholders.
-    q = mod.to_quantized(group_size=gs, bits=bits, mode="affine")
+    q = mod.to_quantized(group_size=gs, bits=bits, mode=mode)
     if getattr(q, "bits", bits) != bits or getattr(q, "group_size", gs) != gs:
         return None
     for name, arr in (("weight", w), ("scales", s), ("biases", b)):
         have = q.get(name) if hasattr(q, "get") else None
-        if have is None or have.size != arr.size:
+        if arr is None and have is None:
+            continue
+        if have is None or arr is None or have.size != arr.size:
             return None
         setattr(q, name, arr.reshape(have.shape))
     return q
@@ -296,21 +315,30 @@ def _affine_module(mod: nn.Module, rep):
 
 def _expert_module(val, scale_dtype, compute_dtype, name: str, stats: Counter) -> nn.Module:
     """One [E, out, in] routed-expert projection as a module."""
+    if isinstance(val, MXTensor):
+        E, out, K = (int(s) for s in val.shape)
+        w, s, _, gs, bits = _mx_arrays(val)
+        stats[f"{val.mode}->mlx-{val.mode}"] += 1
+        return _bare(QuantizedSwitchLinear, group_size=gs, bits=bits, mode=val.mode, weight=w, scales=s, biases=None)
     if isinstance(val, QuantizedTensor):
         E, out, K = (int(s) for s in val.shape)
         qtype = as_qtype(val.qtype)
         if qtype in MLX_EXACT_TYPES and qtype not in _kernel_types():
             rep = repack(val, scale_dtype)
+            release(val)
             q = _affine_module(SwitchLinear(K, out, E), rep)
             stats[f"{qtype.name}->mlx{rep[4]}"] += 1
             return q
         if qtype in _kernel_types():
             stats[f"{qtype.name}->gguf"] += 1
-            return GGUFSwitchLinear(mx.array(val.raw), qtype, K)
+            blocks = to_mlx(val.raw)  # copied a block of rows at a time, pages released
+            release(val)
+            return GGUFSwitchLinear(blocks, qtype, K)
         log.warning("%s: %s routed experts have no MLX or kernel path: dequantized at load to %s",
                     name, qtype.name, compute_dtype)
         stats[f"{qtype.name}->dequantized"] += 1
         arr = dequantize_chunked(val, compute_dtype)
+        release(val)
     else:
         arr = val if isinstance(val, mx.array) else mx.array(val)
         arr = arr.astype(compute_dtype) if mx.issubdtype(arr.dtype, mx.floating) else arr
@@ -369,7 +397,7 @@ def _infer_compute_dtype(weights: dict):
 
 
 def needs_install(weights: dict) -> bool:
-    return any(isinstance(v, QuantizedTensor) or k.endswith((_GATE, _UP)) for k, v in weights.items())
+    return any(isinstance(v, (QuantizedTensor, MXTensor)) or k.endswith((_GATE, _UP)) for k, v in weights.items())
 
 
 def install_quantized(model: nn.Module, weights: dict, dtype=None) -> tuple[dict, dict]:
@@ -407,6 +435,26 @@ def install_quantized(model: nn.Module, weights: dict, dtype=None) -> tuple[dict
         raise ValueError(f"{stray[0]} has no matching {_GATE}")
 
     for key, val in todo.items():
+        if isinstance(val, MXTensor):
+            path, _, attr = key.rpartition(".")
+            mod = modules.get(path)
+            new = None
+            if attr == "weight" and isinstance(mod, SwitchLinear) and len(val.shape) == 3:
+                new = _expert_module(val, scale_dtype, compute, key, stats)
+            elif attr == "weight" and _quantizable(mod):
+                new = _affine_module(mod, _mx_arrays(val), mode=val.mode)
+            if new is not None:
+                if not isinstance(mod, SwitchLinear):
+                    stats[f"{val.mode}->mlx-{val.mode}"] += 1
+                _set_module(model, path, new)
+                owned.update(_module_params(path, new))
+                continue
+            log.warning("%s: %s %s has no quantized module here: dequantized at load", key, val.mode,
+                        tuple(val.shape))
+            stats[f"{val.mode}->dequantized"] += 1
+            floats[key] = mx.array(val.dequantize()).astype(compute)
+            mx.eval(floats[key])
+            continue
         if not isinstance(val, QuantizedTensor):
             floats[key] = val
             continue
@@ -421,6 +469,7 @@ def install_quantized(model: nn.Module, weights: dict, dtype=None) -> tuple[dict
             if new is not None:
                 stats[f"{qtype.name}->mlx{new.bits}"] += 1
         if new is not None:
+            release(val)
             _set_module(model, path, new)
             owned.update(_module_params(path, new))
             continue
@@ -428,6 +477,7 @@ def install_quantized(model: nn.Module, weights: dict, dtype=None) -> tuple[dict
                     tuple(val.shape))
         stats[f"{qtype.name}->dequantized"] += 1
         floats[key] = dequantize_chunked(val, compute if len(val.shape) >= 2 else mx.float32)
+        release(val)
     if stats:
         log.info("quantized tensors: %s", ", ".join(f"{k} x{n}" for k, n in sorted(stats.items())))
     return floats, owned

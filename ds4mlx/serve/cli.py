@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+from .. import dtype_policy
+
 DEFAULT_TOKENS = 393216
 
 
@@ -30,6 +32,8 @@ def _port(v: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF file or Hugging Face folder (default: the demo model)")
+    dtype_policy.add_argument(p)
+    p.add_argument("--mtp", default=None, help="ds4's MTP support GGUF (kept, loaded but unused for now)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     p.add_argument("-c", "--ctx", type=_positive, default=32768, help="context tokens (default 32768)")
@@ -79,7 +83,7 @@ def build(args, loaded=None):
     if loaded is not None:
         model, tokenizer = loaded
     else:
-        model, tokenizer = load(args.model)
+        model, tokenizer = load(args.model, dtype=getattr(args, "dtype", "auto"), mtp=getattr(args, "mtp", None))
         if getattr(model, "is_demo", False):
             from ..demo import DEMO_NOTICE
 
