@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections import Counter
 from pathlib import Path
 
 GB = 1e9
@@ -37,11 +36,11 @@ def _gguf_tensors(path: Path):
 
 
 def _hf_tensors(folder: Path):
-    from .weights import SafetensorsFile, _safetensors_files
+    from .weights import SafetensorsFile, safetensors_files
 
     cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     rows = []
-    for p in _safetensors_files(folder):
+    for p in safetensors_files(folder):
         f = SafetensorsFile(p)
         for k in f.keys():
             shape = f.shape(k)

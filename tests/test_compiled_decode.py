@@ -229,7 +229,9 @@ def test_engine_lookahead_equals_legacy_on_the_demo_model(monkeypatch):
 
     model, tok = ds4mlx.load(None)
 
-    def run(how, stop_ids=None, params=SamplingParams(temperature=0.0)):
+    greedy = SamplingParams(temperature=0.0)
+
+    def run(how, stop_ids=None, params=greedy):
         monkeypatch.setenv(stepper.MODE_ENV, how)
         eng = Engine(model, tok, ctx=256, default_max_tokens=24)
         try:

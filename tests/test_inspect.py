@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from ds4mlx import inspect_model
 from ds4mlx.cli import main

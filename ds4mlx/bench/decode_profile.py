@@ -159,7 +159,7 @@ def count_launches(session, token) -> dict:
     mx.eval(session.step(token))  # the first step of a model may evaluate itself (stepper's check)
     session.restore(snap)
     logits = session.step(token)
-    outs = [logits] + [a for c in session._cache for a in c.state.values()]
+    outs = [logits] + [a for c in session.caches for a in c.state.values()]
     buf = io.StringIO()
     mx.export_to_dot(buf, *outs)
     session.restore(snap)

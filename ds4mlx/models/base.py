@@ -22,7 +22,6 @@ import mlx.core as mx
 import numpy as np
 
 from .. import registry
-from ..quant import QuantizedTensor
 from ..session import Session
 
 

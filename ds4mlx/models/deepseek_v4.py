@@ -776,7 +776,7 @@ class MoE(nn.Module):
             y = self.experts(x, idx)  # [..., k, H]
             y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
         g, u = self._step_shared(x)
-        return y + se.down_proj(clamped_swiglu(g, u, se._limit))
+        return y + se.down_proj(clamped_swiglu(g, u, se.limit))
 
 
 class DecoderLayer(nn.Module):

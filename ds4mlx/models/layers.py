@@ -366,10 +366,10 @@ class GLUMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self._limit = limit
+        self.limit = limit  # SwiGLU clamp (None: none); the static decode step reads it
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self._limit))
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
 def score_fn(logits: mx.array, kind: str) -> mx.array:
