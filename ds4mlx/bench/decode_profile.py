@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from . import stepper
+from .. import stepper
 
 
 def _timeit(fn, n: int = 20, warmup: int = 3) -> float:

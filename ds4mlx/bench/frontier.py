@@ -51,7 +51,7 @@ def _greedy_probe(session, first_logits, n: int, eos_id: int | None, warmup: int
     loop (decode.py: sampled on the device, read one step behind); return seconds."""
     import mlx.core as mx
 
-    from .decode import decode_tokens, greedy
+    from ..decode import decode_tokens, greedy
 
     first = mx.array(first_logits)
     loop = iter(decode_tokens(session, first, greedy(first.shape[-1], [] if eos_id is None else [eos_id])))
@@ -71,7 +71,7 @@ def warm_up(model, tokens: list[int], chunk: int) -> None:
     CUDA), which would otherwise land in the first row."""
     import mlx.core as mx
 
-    from .decode import decode_tokens, greedy
+    from ..decode import decode_tokens, greedy
 
     scratch = model.new_session(ctx=len(tokens) + 8, chunk=chunk)
     logits = mx.array(scratch.prefill(tokens[: chunk + chunk // 2]))

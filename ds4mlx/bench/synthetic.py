@@ -150,7 +150,7 @@ def _quantize(module, expert_bits: int, other_bits: int) -> None:
         return {"bits": other_bits, "group_size": 64}
 
     nn.quantize(module, class_predicate=pred)
-    from .models.qmv_linear import use_fast_qmv
+    from ..models.qmv_linear import use_fast_qmv
 
     use_fast_qmv(module)  # decode-sized quantized linears: our mat-vec on a GPU
 
