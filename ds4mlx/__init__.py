@@ -1,4 +1,5 @@
 """ds4mlx: an MLX inference engine for the DeepSeek V4 Flash family."""
+
 from __future__ import annotations
 
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ family, so a model folder a user saved with transformers loads like the oracle's
 state dict.  The rules mirror transformers' conversion_mapping.py for these
 model types; tensors already under in-memory names pass through unchanged.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,16 +19,18 @@ import numpy as np
 
 _EXPERT = re.compile(r"^(?P<base>.+\.experts)\.(?P<i>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _HC = [(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2")]
-_FORGET_GATE = [(r"\.self_attn\.(f_a_proj|f_b_proj)\.", r".self_attn.forget_gate.\1."),
-                (r"\.self_attn\.(dt_bias|A_log)$", r".self_attn.forget_gate.\1")]
+_FORGET_GATE = [
+    (r"\.self_attn\.(f_a_proj|f_b_proj)\.", r".self_attn.forget_gate.\1."),
+    (r"\.self_attn\.(dt_bias|A_log)$", r".self_attn.forget_gate.\1"),
+]
 
 # model_type prefix -> (renames, concatenations: (regex with a `part` group, the parts in order, target, axis))
 RULES: dict[str, tuple[list, list]] = {
-    "glm5_next": (_FORGET_GATE + _HC,
-                  [(r"^(?P<base>.+\.self_attn)\.(?P<part>[qkv])_conv1d\.weight$", ("q", "k", "v"),
-                    "{base}.conv1d.weight", 0)]),
-    "qwen4_exp": ([], [(r"^(?P<base>.+\.ngram_embedding)\.shard_(?P<part>\d+)\.weight$", None,
-                        "{base}.weight", 0)]),
+    "glm5_next": (
+        _FORGET_GATE + _HC,
+        [(r"^(?P<base>.+\.self_attn)\.(?P<part>[qkv])_conv1d\.weight$", ("q", "k", "v"), "{base}.conv1d.weight", 0)],
+    ),
+    "qwen4_exp": ([], [(r"^(?P<base>.+\.ngram_embedding)\.shard_(?P<part>\d+)\.weight$", None, "{base}.weight", 0)]),
 }
 
 

@@ -4,6 +4,7 @@ Each subcommand lives in its own module exposing `add_arguments(parser)` and
 `run(args) -> int`; only the chosen module is imported, so `ds4mlx eval
 --self-test-extractors` never pays for loading MLX.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,29 +1,45 @@
 """Flags and inputs `generate`, `chat` and `serve` share: ds4's `--prefix-file`
 and `--dir-steering-*` (ds4_cli.c), reading them, and the messages every chat
 turn starts with."""
+
 from __future__ import annotations
 
-from typing import Optional
-
-__all__ = ["UsageError", "add_prefix_argument", "add_steering_arguments", "read_text_file", "load_prefix",
-           "install_steering", "conversation_head"]
+__all__ = [
+    "UsageError",
+    "add_prefix_argument",
+    "add_steering_arguments",
+    "read_text_file",
+    "load_prefix",
+    "install_steering",
+    "conversation_head",
+]
 
 
 def add_prefix_argument(p) -> None:
     """--prefix-file (generate, chat and serve)."""
-    p.add_argument("--prefix-file", metavar="FILE",
-                   help="conversation prefilled before the prompt: lines USER: / ASSISTANT:, alternating, "
-                        "starting with USER and ending with ASSISTANT")
+    p.add_argument(
+        "--prefix-file",
+        metavar="FILE",
+        help="conversation prefilled before the prompt: lines USER: / ASSISTANT:, alternating, "
+        "starting with USER and ending with ASSISTANT",
+    )
 
 
 def add_steering_arguments(p) -> None:
     """ds4's directional-steering flags (generate, chat and serve)."""
-    p.add_argument("--dir-steering-file", metavar="FILE",
-                   help="one float32 direction per layer (`ds4mlx steer build` writes it)")
-    p.add_argument("--dir-steering-ffn", type=float, default=None, metavar="F",
-                   help="steer the FFN outputs: y -= F*v*dot(v,y) (default 1 with a file)")
-    p.add_argument("--dir-steering-attn", type=float, default=None, metavar="F",
-                   help="steer the attention outputs (default 0)")
+    p.add_argument(
+        "--dir-steering-file", metavar="FILE", help="one float32 direction per layer (`ds4mlx steer build` writes it)"
+    )
+    p.add_argument(
+        "--dir-steering-ffn",
+        type=float,
+        default=None,
+        metavar="F",
+        help="steer the FFN outputs: y -= F*v*dot(v,y) (default 1 with a file)",
+    )
+    p.add_argument(
+        "--dir-steering-attn", type=float, default=None, metavar="F", help="steer the attention outputs (default 0)"
+    )
 
 
 class UsageError(Exception):
@@ -51,7 +67,7 @@ def load_prefix(args) -> list:
         raise UsageError(str(e)) from None
 
 
-def install_steering(args, model) -> Optional[str]:
+def install_steering(args, model) -> str | None:
     """Apply the --dir-steering-* flags to `model`; a description, or None."""
     from . import steering
 

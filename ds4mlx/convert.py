@@ -15,6 +15,7 @@ tensors (tid2eid) are I32.  `QuantizedTensor` values are written as they are
 `ffn_gate_exps` / `ffn_up_exps`.  The other families also keep the tensors ds4
 stores as F32 (routers, conv kernels, ...: `Family.keep_f32`) in F32.
 """
+
 from __future__ import annotations
 
 import os
@@ -94,9 +95,20 @@ def _plan(gname: str, val, dtype: str, keep_f32) -> tuple:
     if len(shape) < 2 or dtype == "f32" or gname.endswith(keep_f32):
         return shape, np.float32, 4 * n, None, lambda: np.ascontiguousarray(_values(val), dtype=np.float32)
     if dtype == "f16":
-        return shape, np.float16, 2 * n, None, lambda: np.ascontiguousarray(_values(val), dtype=np.float32).astype(np.float16)
-    return (shape, np.uint16, 2 * n, gguf.GGMLQuantizationType.BF16,
-            lambda: _f32_to_bf16_bits(np.ascontiguousarray(_values(val), dtype=np.float32)))
+        return (
+            shape,
+            np.float16,
+            2 * n,
+            None,
+            lambda: np.ascontiguousarray(_values(val), dtype=np.float32).astype(np.float16),
+        )
+    return (
+        shape,
+        np.uint16,
+        2 * n,
+        gguf.GGMLQuantizationType.BF16,
+        lambda: _f32_to_bf16_bits(np.ascontiguousarray(_values(val), dtype=np.float32)),
+    )
 
 
 def _add_kv(writer, key: str, value, kind: str) -> None:
@@ -158,7 +170,11 @@ def write_gguf(path, config: dict, tensors: dict, tokenizer=None, dtype: str = "
     try:
         writer.add_name(name or default_name)
         writer.add_file_type(
-            {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
+            {
+                "f32": gguf.LlamaFileType.ALL_F32,
+                "f16": gguf.LlamaFileType.MOSTLY_F16,
+                "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+            }[dtype]
         )
         for key, value, kind in kv:
             if key == "general.architecture":
@@ -188,8 +204,9 @@ def write_gguf(path, config: dict, tensors: dict, tokenizer=None, dtype: str = "
 def add_arguments(parser) -> None:
     parser.add_argument("hf_dir", help="Hugging Face folder: config.json + *.safetensors (+ tokenizer.json)")
     parser.add_argument("out", help="output .gguf path")
-    parser.add_argument("--dtype", choices=DTYPES, default="f32",
-                        help="storage type of 2-D+ float tensors (1-D stay f32; default f32)")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="f32", help="storage type of 2-D+ float tensors (1-D stay f32; default f32)"
+    )
     parser.add_argument("--name", default=None, help="general.name to record")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
@@ -210,8 +227,10 @@ def run(args) -> int:
             tok = Tokenizer.default()
         vocab = (config.get("text_config") if isinstance(config.get("text_config"), dict) else config).get("vocab_size")
         if vocab is not None and tok.vocab_size < int(vocab):
-            print(f"ds4mlx convert: note: tokenizer has {tok.vocab_size} tokens, model vocab_size is "
-                  f"{vocab}", file=sys.stderr)
+            print(
+                f"ds4mlx convert: note: tokenizer has {tok.vocab_size} tokens, model vocab_size is {vocab}",
+                file=sys.stderr,
+            )
         write_gguf(out, config, tensors, tok, dtype=args.dtype, name=args.name)
     except ModelFileError:
         raise  # the input is broken: one line, exit 2 (cli.py)

@@ -25,14 +25,22 @@ that ended it (not fed), else None.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import mlx.core as mx
 
 
 class DecodeLoop:
-    def __init__(self, session, logits, sample: Callable, *, stop_ids: Iterable[int] = (),
-                 lookahead: bool = True, limit: int | None = None):
+    def __init__(
+        self,
+        session,
+        logits,
+        sample: Callable,
+        *,
+        stop_ids: Iterable[int] = (),
+        lookahead: bool = True,
+        limit: int | None = None,
+    ):
         self.session = session
         self.logits = logits if isinstance(logits, mx.array) else mx.array(logits)
         self.sample = sample

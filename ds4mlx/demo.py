@@ -1,6 +1,7 @@
 """The built-in demo model: the real DeepSeek V4 Flash architecture and tokenizer,
 tiny and with RANDOM weights, so a newcomer can watch the whole pipeline (server,
 streaming, tools, cache) run without downloading anything.  Its text is gibberish."""
+
 from __future__ import annotations
 
 import hashlib
@@ -45,8 +46,13 @@ DEMO_CONFIG = {
     "hc_sinkhorn_iters": 20,
     "rope_theta": 10000.0,
     "compress_rope_theta": 160000.0,
-    "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
-                        "beta_fast": 32, "beta_slow": 1},
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
     "max_position_embeddings": 1048576,
     "rms_norm_eps": 1e-6,
     "bos_token_id": 0,
@@ -60,7 +66,8 @@ DEMO_VERSION = 1
 
 def _cache_dir() -> Path:
     root = os.environ.get("DS4MLX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ds4mlx")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ds4mlx"
+    )
     return Path(root)
 
 
@@ -94,7 +101,11 @@ def demo_weights(config: dict = DEMO_CONFIG, seed: int = DEMO_SEED) -> dict[str,
     out = {}
     for name in sorted(shapes):
         shape = shapes[name]
-        hf_name = name[: -len(".weight")] if name.endswith((".mlp.experts.gate_up_proj.weight", ".mlp.experts.down_proj.weight")) else name
+        hf_name = (
+            name[: -len(".weight")]
+            if name.endswith((".mlp.experts.gate_up_proj.weight", ".mlp.experts.down_proj.weight"))
+            else name
+        )
         if name.endswith("tid2eid"):
             e, k = args.n_routed_experts, args.num_experts_per_tok
             out[hf_name] = np.stack([rng.permutation(e)[:k] for _ in range(shape[0])]).astype(np.int64)
@@ -138,8 +149,14 @@ def build_demo_model(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
-        write_gguf(tmp, DEMO_CONFIG, demo_weights(), tokenizer=Tokenizer.default(), dtype="f16",
-                   name="ds4mlx demo (random weights)")
+        write_gguf(
+            tmp,
+            DEMO_CONFIG,
+            demo_weights(),
+            tokenizer=Tokenizer.default(),
+            dtype="f16",
+            name="ds4mlx demo (random weights)",
+        )
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -169,8 +186,12 @@ def demo_model_path(family: str = registry.DEFAULT_FAMILY, quiet: bool = False) 
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--family", default=registry.DEFAULT_FAMILY, choices=tuple(registry.BY_KEY),
-                        help=f"model family (default {registry.DEFAULT_FAMILY})")
+    parser.add_argument(
+        "--family",
+        default=registry.DEFAULT_FAMILY,
+        choices=tuple(registry.BY_KEY),
+        help=f"model family (default {registry.DEFAULT_FAMILY})",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if it exists")
 
 

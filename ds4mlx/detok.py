@@ -11,10 +11,11 @@ suffix can no longer start a match it is held back, so a stream never shows
 the beginning of a stop string.  (ds4 counts the hold-back in bytes, we count
 characters; the visible result is the same.)
 """
+
 from __future__ import annotations
 
 import codecs
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 
 class Detokenizer:
@@ -31,11 +32,11 @@ class Detokenizer:
 
 
 class StopMatcher:
-    def __init__(self, stops: Optional[Iterable[str]] = None):
+    def __init__(self, stops: Iterable[str] | None = None):
         self.stops = sorted({s for s in (stops or ()) if isinstance(s, str) and s}, key=len)
         self._hold = max((len(s) for s in self.stops), default=0) - 1
         self._pending = ""  # released text not yet cleared of a possible match start
-        self.hit: Optional[str] = None
+        self.hit: str | None = None
 
     @property
     def active(self) -> bool:

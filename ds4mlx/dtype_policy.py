@@ -10,14 +10,23 @@ float32) sets both activations and float weights to that type: faster on a GPU,
 at the cost of 16-bit rounding in the residual stream (logits move by 0.3-2.6 on
 the tiny test models).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 # name -> mx dtype attribute (mlx is imported only when a policy is resolved, so the
 # CLI's argument parsing does not load it)
-DTYPE_NAMES = {"float32": "float32", "f32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
-               "bf16": "bfloat16", "float16": "float16", "f16": "float16", "fp16": "float16"}
+DTYPE_NAMES = {
+    "float32": "float32",
+    "f32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "f16": "float16",
+    "fp16": "float16",
+}
 CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -28,8 +37,10 @@ class DtypePolicy:
 
     def describe(self) -> str:
         w = "as stored in the file" if self.weights is None else _name(self.weights)
-        return (f"activations {_name(self.activations)} (residual stream; norms, softmax, router in float32), "
-                f"float weights {w}, quantized weights kept quantized")
+        return (
+            f"activations {_name(self.activations)} (residual stream; norms, softmax, router in float32), "
+            f"float weights {w}, quantized weights kept quantized"
+        )
 
 
 def _name(dt) -> str:
@@ -56,9 +67,13 @@ def resolve(dtype="auto") -> DtypePolicy:
 
 
 def add_argument(parser) -> None:
-    parser.add_argument("--dtype", default="auto", choices=CHOICES,
-                        help="compute dtype: auto = float32 activations as ds4, float weights as stored "
-                             "(float32 on the CPU); float32 / bfloat16 / float16 set both")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=CHOICES,
+        help="compute dtype: auto = float32 activations as ds4, float weights as stored "
+        "(float32 on the CPU); float32 / bfloat16 / float16 set both",
+    )
 
 
 __all__ = ["DtypePolicy", "resolve", "add_argument", "CHOICES"]

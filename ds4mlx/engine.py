@@ -20,6 +20,7 @@ Per job the worker:
 Batching later: the scheduler only touches `_queue`/`_run`; a batched worker
 would pop several handles and interleave their decode steps.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -27,8 +28,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -54,6 +56,7 @@ UNTERMINATED_TOOL_CALL = "unterminated tool call"  # chat.markers.PARSE_UNTERMIN
 class Failed:
     """Terminal event of a job that could not start generating.  The front end
     answers HTTP `status` with `message` if it has not sent anything yet."""
+
     status: int
     message: str
 
@@ -61,37 +64,39 @@ class Failed:
 @dataclass
 class Job:
     """One generation request, already rendered and validated."""
+
     prompt_text: str
-    prompt_ids: Optional[list[int]] = None  # tokenization of prompt_text (if done for the ctx check)
+    prompt_ids: list[int] | None = None  # tokenization of prompt_text (if done for the ctx check)
     api: str = "chat"  # chat | completions | anthropic | responses
     raw: bool = False  # completions: the raw text is the output (no reasoning/DSML split)
     thinking: str = "high"  # none | high | max
     tools_active: bool = False
     params: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: Optional[int] = None  # None = the engine default (--tokens)
+    max_tokens: int | None = None  # None = the engine default (--tokens)
     stop: Sequence[str] = ()
     ignore_eos: bool = False
     tool_id_prefix: str = "call_"
     # tool_choice required / named: text forced at the start of the answer (after
     # the reasoning), e.g. the DSML block open and invoke tag (build.force_text).
-    force_text: Optional[str] = None
+    force_text: str | None = None
     # Live tool-output continuation (Responses / Anthropic, docs/kv-cache.md §2 steps 2–4):
     # the rendered live tail (docs/chat-template.md §4.5, starts with ⟨EOS⟩) and the id set
     # of the trailing tool outputs; `requires_live` = the request cannot be served
     # without that live state (its tool outputs answer calls it does not replay).
-    continuation_tail: Optional[str] = None
+    continuation_tail: str | None = None
     continuation_ids: frozenset = frozenset()
     requires_live: bool = False
     preserves_reasoning: bool = False  # the prompt renders old reasoning (tool context)
     responses_summary: bool = False  # Responses reasoning.summary opted in
     label: str = ""  # for logs / trace
-    family: Optional[str] = None  # chat protocol family (chat/protocol.py); None = the engine's
+    family: str | None = None  # chat protocol family (chat/protocol.py); None = the engine's
     tool_schemas: Sequence[str] = ()  # active tool schema lines (typed arguments for tag-based calls)
 
 
 @dataclass
 class EngineStats:
     """Counters for tests and logs (monotonic, whole process)."""
+
     jobs: int = 0
     prefill_tokens: int = 0  # prompt tokens evaluated by prefill (reused ones excluded)
     decode_tokens: int = 0  # sampled tokens evaluated into the session
@@ -107,36 +112,36 @@ class CacheHooks:
     default does nothing.  `engine.live_visible_text()` gives the visible key
     of the live session for visible-keyed evict/shutdown saves."""
 
-    def on_miss(self, engine: "Engine") -> None:
+    def on_miss(self, engine: Engine) -> None:
         """Full live miss, before the live session is replaced (evict save)."""
 
-    def try_load(self, engine: "Engine", job: Job) -> Optional[tuple[list[int], int]]:
+    def try_load(self, engine: Engine, job: Job) -> tuple[list[int], int] | None:
         """disk-text reuse: restore a checkpoint into engine.session and return
         (effective tokens, cached) — cached == len(engine.session)."""
         return None
 
-    def cold_save_point(self, engine: "Engine", job: Job, effective: list[int]) -> int:
+    def cold_save_point(self, engine: Engine, job: Job, effective: list[int]) -> int:
         """Cold prefill: a prefix length to checkpoint (0 = none).  The engine
         prefills exactly that many tokens, calls `on_cold_prefix`, then goes on."""
         return 0
 
-    def on_cold_prefix(self, engine: "Engine", job: Job, n_tokens: int) -> None:
+    def on_cold_prefix(self, engine: Engine, job: Job, n_tokens: int) -> None:
         """The session holds exactly the first n_tokens of the prompt (cold save)."""
 
-    def prefill_stops(self, engine: "Engine", job: Job, start: int, end: int) -> Sequence[int]:
+    def prefill_stops(self, engine: Engine, job: Job, start: int, end: int) -> Sequence[int]:
         """Absolute positions in (start, end) where a prefill chunk must end
         (continued-save frontiers), on top of the absolute multiples of the
         prefill chunk."""
         return ()
 
-    def on_progress(self, engine: "Engine", job: Job) -> None:
+    def on_progress(self, engine: Engine, job: Job) -> None:
         """After each prefill chunk and each decoded token, except while a tool
         call is being generated (continued saves)."""
 
-    def after_prefill(self, engine: "Engine", job: Job) -> None:
+    def after_prefill(self, engine: Engine, job: Job) -> None:
         """The prompt is synced; generation starts next."""
 
-    def on_shutdown(self, engine: "Engine") -> None:
+    def on_shutdown(self, engine: Engine) -> None:
         """Save the live session at exit."""
 
 
@@ -151,14 +156,14 @@ def _call_hook(fn, *args):
 @dataclass
 class _Binding:
     live_tokens: int
-    visible_text: Optional[str] = None
+    visible_text: str | None = None
     call_ids: frozenset = frozenset()
 
 
 class JobHandle:
     _ids = itertools.count(1)
 
-    def __init__(self, engine: "Engine", job: Job, emit: Callable[[Any], None]):
+    def __init__(self, engine: Engine, job: Job, emit: Callable[[Any], None]):
         self.id = next(self._ids)
         self.job = job
         self._engine = engine
@@ -166,7 +171,7 @@ class JobHandle:
         self._cancel = threading.Event()
         self.done = threading.Event()
         self.started = False  # Started was emitted (errors after it end as Finish("error"))
-        self.result: Optional[Finish] = None
+        self.result: Finish | None = None
 
     @property
     def cancelled(self) -> bool:
@@ -192,9 +197,9 @@ class _WorkerCall:
         self.fn = fn
         self.done = threading.Event()
         self.result = None
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
 
-    def run(self, engine: "Engine") -> None:
+    def run(self, engine: Engine) -> None:
         try:
             self.result = self.fn(engine)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -205,6 +210,7 @@ class _WorkerCall:
 
 class _RawOutput:
     """Completions: every released piece of raw text is content."""
+
     structural = False
     stop_now = False
 
@@ -220,8 +226,9 @@ def default_parser_factory(job: Job, tool_memory=None):
         return _RawOutput()
     from .chat.protocol import get_protocol
 
-    return get_protocol(job.family).make_parser(job.thinking != "none", job.tools_active, job.tool_id_prefix,
-                                                tool_memory, tool_schemas=job.tool_schemas)
+    return get_protocol(job.family).make_parser(
+        job.thinking != "none", job.tools_active, job.tool_id_prefix, tool_memory, tool_schemas=job.tool_schemas
+    )
 
 
 def _stop_ids(tokenizer, protocol) -> frozenset:
@@ -250,10 +257,10 @@ class Engine:
         default_max_tokens: int = 393216,
         prefill_chunk: int = 512,
         tool_memory=None,
-        cache: Optional[CacheHooks] = None,
+        cache: CacheHooks | None = None,
         parser_factory: Callable[..., Any] = default_parser_factory,
         protocol=None,
-        checkpoints: Optional[MemoryCheckpoints] = None,
+        checkpoints: MemoryCheckpoints | None = None,
     ):
         from .chat.protocol import protocol_for_model
 
@@ -272,17 +279,17 @@ class Engine:
         self.stats = EngineStats()
         self.session = None
         self._bind_lock = threading.Lock()
-        self._responses: Optional[_Binding] = None
-        self._anthropic: Optional[_Binding] = None
-        self._thinking: Optional[_Binding] = None
-        self._queue: "queue.Queue[Optional[JobHandle]]" = queue.Queue()
-        self._running: Optional[JobHandle] = None
+        self._responses: _Binding | None = None
+        self._anthropic: _Binding | None = None
+        self._thinking: _Binding | None = None
+        self._queue: queue.Queue[JobHandle | None] = queue.Queue()
+        self._running: JobHandle | None = None
         self._closed = False
         # Every MLX operation on the session happens on the worker thread: MLX
         # streams are per thread, so the session's arrays are created there too.
         self._ready = threading.Event()
         self._stopped = threading.Event()
-        self._init_error: Optional[BaseException] = None
+        self._init_error: BaseException | None = None
         self._worker = threading.Thread(target=self._run, name="ds4mlx-engine", daemon=True)
         self._worker.start()
         self._ready.wait()
@@ -326,7 +333,7 @@ class Engine:
     def generate(self, job: Job) -> Iterator[Any]:
         """Blocking iterator over the job's events (ends after Finish/Failed).
         Closing the iterator early cancels the job."""
-        q: "queue.Queue" = queue.Queue()
+        q: queue.Queue = queue.Queue()
         h = self.submit(job, q.put)
         try:
             while True:
@@ -338,7 +345,7 @@ class Engine:
             if not h.done.is_set():
                 h.cancel()
 
-    def run_on_worker(self, fn: Callable[["Engine"], Any], timeout: Optional[float] = None) -> Any:
+    def run_on_worker(self, fn: Callable[[Engine], Any], timeout: float | None = None) -> Any:
         """Run `fn(engine)` on the worker thread between jobs and return its
         result (its exception is re-raised here).  For front ends that must touch
         the live session directly (the agent's KV checkpoints): MLX binds the
@@ -359,13 +366,13 @@ class Engine:
             b = self._responses if api == "responses" else self._anthropic if api == "anthropic" else None
             return b.call_ids if b is not None and b.live_tokens == len(self.session) else frozenset()
 
-    def live_visible_text(self) -> Optional[str]:
+    def live_visible_text(self) -> str | None:
         """The visible transcript a Responses / thinking binding remembers for the
         live session (Responses wins), or None: the key of visible-keyed saves."""
         key = self.live_visible_key()
         return key[1] if key else None
 
-    def live_visible_key(self) -> Optional[tuple[str, str]]:
+    def live_visible_key(self) -> tuple[str, str] | None:
         """(kind, visible transcript) of `live_visible_text`; kind is
         "responses-visible" or "thinking-visible"."""
         with self._bind_lock:
@@ -374,7 +381,7 @@ class Engine:
                     return kind, b.visible_text
         return None
 
-    def reset_live(self, ctx: Optional[int] = None, timeout: float = 60.0) -> None:
+    def reset_live(self, ctx: int | None = None, timeout: float = 60.0) -> None:
         """Drop the live session for a fresh one (of `ctx` tokens if given), e.g.
         after the model's steering changed; runs on the worker after the queued
         jobs and returns when done."""
@@ -455,7 +462,7 @@ class Engine:
         else:
             self.session = self.model.new_session(self.ctx)
 
-    def _new_session(self, ctx: Optional[int]) -> None:
+    def _new_session(self, ctx: int | None) -> None:
         if ctx is not None:
             self.ctx = int(ctx)
         self.session = self.model.new_session(self.ctx)
@@ -466,7 +473,7 @@ class Engine:
         self.reset_session()
         self._clear_bindings(keep=None)
 
-    def _clear_bindings(self, keep: Optional[str]) -> None:
+    def _clear_bindings(self, keep: str | None) -> None:
         with self._bind_lock:
             if keep != "responses":
                 self._responses = None
@@ -488,7 +495,7 @@ class Engine:
         with self._bind_lock:
             resp, anth, think = self._responses, self._anthropic, self._thinking
 
-        def visible(b: Optional[_Binding]) -> Optional[int]:
+        def visible(b: _Binding | None) -> int | None:
             if b is None or b.live_tokens != pos or pos == 0 or not b.visible_text:
                 return None
             if len(b.visible_text) < len(prompt) and prompt.startswith(b.visible_text):
@@ -503,15 +510,22 @@ class Engine:
                     return live + tk.encode(prompt[n:]), pos, "responses-visible", "responses"
             # 2./3. tool-output continuation by call ids
             for api, b in (("responses", resp), ("anthropic", anth)):
-                if (job.api == api and job.continuation_tail is not None and job.continuation_ids
-                        and b is not None and b.live_tokens == pos and b.call_ids == job.continuation_ids):
+                if (
+                    job.api == api
+                    and job.continuation_tail is not None
+                    and job.continuation_ids
+                    and b is not None
+                    and b.live_tokens == pos
+                    and b.call_ids == job.continuation_ids
+                ):
                     return live + tk.encode(job.continuation_tail), pos, f"{api}-tool-output", api
         # 4. the request cannot be served without the live state it refers to
         if job.requires_live:
             which = "Responses" if job.api == "responses" else "Anthropic"
             hist = "input" if job.api == "responses" else "messages"
-            return Failed(409, f"{which} continuation state is not available; "
-                               f"retry by replaying the full {hist} history")
+            return Failed(
+                409, f"{which} continuation state is not available; retry by replaying the full {hist} history"
+            )
         if pos > 0:
             # 5. memory-token: the live tokens are a prefix of the request tokens
             if len(ids) >= pos and ids[:pos] == live:
@@ -524,7 +538,7 @@ class Engine:
             # 7. memory-text: decode(live) is a byte prefix of the prompt
             live_text = self._live_text()
             if prompt.startswith(live_text):
-                return live + tk.encode(prompt[len(live_text):]), pos, "memory-text", None
+                return live + tk.encode(prompt[len(live_text) :]), pos, "memory-text", None
             common = next((i for i, (a, b) in enumerate(zip(live, ids)) if a != b), min(pos, len(ids)))
             log.info("live kv cache miss live=%d prompt=%d common=%d", pos, len(ids), common)
         # 7b. an in-memory checkpoint at the end of an earlier prompt (the live session cannot rewind)
@@ -607,9 +621,15 @@ class Engine:
             _call_hook(self.cache.on_progress, self, h.job)
             h.emit(PrefillProgress(done, total))
             dt = time.monotonic() - t0
-            log.info("%s prefill chunk %d/%d (%.1f%%) %.2f t/s %.3fs", job_kind(h.job), done - cached,
-                     total - cached, 100.0 * (done - cached) / max(total - cached, 1),
-                     (done - cached) / dt if dt > 0 else 0.0, dt)
+            log.info(
+                "%s prefill chunk %d/%d (%.1f%%) %.2f t/s %.3fs",
+                job_kind(h.job),
+                done - cached,
+                total - cached,
+                100.0 * (done - cached) / max(total - cached, 1),
+                (done - cached) / dt if dt > 0 else 0.0,
+                dt,
+            )
         return logits, cached
 
     # ---------------------------------------------------------------- generate
@@ -634,8 +654,9 @@ class Engine:
         if logits is None:  # cancelled during prefill; the session keeps the evaluated prefix
             self._clear_bindings(keep=None)
             self.stats.cancelled += 1
-            h.result = Finish("cancelled", Usage(prompt_tokens, 0, cached, prompt_tokens - cached),
-                              error="cancelled during prefill")
+            h.result = Finish(
+                "cancelled", Usage(prompt_tokens, 0, cached, prompt_tokens - cached), error="cancelled during prefill"
+            )
             h.emit(h.result)
             return
         self._clear_bindings(keep=kept)
@@ -705,8 +726,14 @@ class Engine:
             sample = DeviceSampler(job.params, int(logits.shape[-1]), banned, seed=sampler.seed)
         # forced tool-call header tokens do not count against max_tokens (#17): with forced text
         # the limit is checked here, the context room always
-        loop = decode_tokens(s, logits, sample, stop_ids=() if job.ignore_eos else [e for e in ends if e is not None],
-                             lookahead=not host_chooses, limit=max_tokens if force is None else None)
+        loop = decode_tokens(
+            s,
+            logits,
+            sample,
+            stop_ids=() if job.ignore_eos else [e for e in ends if e is not None],
+            lookahead=not host_chooses,
+            limit=max_tokens if force is None else None,
+        )
         tokens = iter(loop)
         while True:
             if h.cancelled or self._closed:
@@ -772,10 +799,21 @@ class Engine:
         if stops.hit is None and not job.raw:
             self._remember_bindings(job, parsed, calls, finish, raw_text)
         dt = time.monotonic() - t0
-        log.info("%s gen=%d finish=%s%s %.2f t/s", job_kind(job), len(generated), finish,
-                 f' error="{error}"' if error else "", len(generated) / dt if dt > 0 else 0.0)
-        usage = Usage(prompt_tokens, len(generated), cached, prompt_tokens - cached,
-                      reasoning_tokens=self._reasoning_tokens(parsed, len(generated)))
+        log.info(
+            "%s gen=%d finish=%s%s %.2f t/s",
+            job_kind(job),
+            len(generated),
+            finish,
+            f' error="{error}"' if error else "",
+            len(generated) / dt if dt > 0 else 0.0,
+        )
+        usage = Usage(
+            prompt_tokens,
+            len(generated),
+            cached,
+            prompt_tokens - cached,
+            reasoning_tokens=self._reasoning_tokens(parsed, len(generated)),
+        )
         h.result = Finish(finish, usage, raw_text=raw_text, result=parsed, error=error, stop_sequence=stops.hit)
         h.emit(h.result)
 
@@ -811,10 +849,16 @@ class Engine:
             resp = _Binding(pos, job.prompt_text + v, call_ids)
         if job.api == "anthropic" and ok and calls:
             anth = _Binding(pos, None, call_ids)
-        if (not calls and ok and thinking and not job.tools_active and not job.preserves_reasoning
-                and job.prompt_text.endswith(think_open)
-                and not _inside_think(job.prompt_text + raw_text, think_open, think_close)):
-            think = _Binding(pos, job.prompt_text[:-len(think_open)] + think_close + content + turn_end)
+        if (
+            not calls
+            and ok
+            and thinking
+            and not job.tools_active
+            and not job.preserves_reasoning
+            and job.prompt_text.endswith(think_open)
+            and not _inside_think(job.prompt_text + raw_text, think_open, think_close)
+        ):
+            think = _Binding(pos, job.prompt_text[: -len(think_open)] + think_close + content + turn_end)
         with self._bind_lock:
             self._responses, self._anthropic, self._thinking = resp, anth, think
 

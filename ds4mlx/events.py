@@ -4,15 +4,17 @@ The engine turns sampled tokens into these events; every front end (OpenAI chat,
 legacy completions, Anthropic, Responses, the CLI, eval) only decides how to print
 them.  Events carry plain Python values, never MLX arrays.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass(frozen=True)
 class PrefillProgress:
     """`done` of `total` prompt tokens evaluated (cached tokens count as done)."""
+
     done: int
     total: int
 
@@ -20,6 +22,7 @@ class PrefillProgress:
 @dataclass(frozen=True)
 class Started:
     """Prefill finished; generation begins.  Token counts of the effective prompt."""
+
     prompt_tokens: int
     cached_tokens: int
 
@@ -44,6 +47,7 @@ class ToolCallStart:
 @dataclass(frozen=True)
 class ToolCallDelta:
     """A fragment of the OpenAI-style `arguments` JSON text of call `index`."""
+
     index: int
     arguments: str
 
@@ -75,12 +79,13 @@ class Finish:
 
     `result` is the final parse of the whole output (content, reasoning, tool calls),
     which non-streaming responses print; `raw_text` is everything generated."""
+
     reason: str
     usage: Usage = field(default_factory=Usage)
     raw_text: str = ""
-    result: Optional[Any] = None
-    error: Optional[str] = None
-    stop_sequence: Optional[str] = None  # the stop sequence that ended the output (reason stop)
+    result: Any | None = None
+    error: str | None = None
+    stop_sequence: str | None = None  # the stop sequence that ended the output (reason stop)
 
 
 Event = PrefillProgress | Started | TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish

@@ -8,6 +8,7 @@ reasoning dimmed, the answer plain, a rich progress bar while the prompt is
 prefilled, and a last line with token counts and speeds.  `chat` is the REPL
 (repl.py).
 """
+
 from __future__ import annotations
 
 import signal
@@ -18,8 +19,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from . import dtype_policy
-from .cli_options import (UsageError, sampling_params, add_prefix_argument, add_steering_arguments, conversation_head,
-                          install_steering, load_prefix, read_text_file)
+from .cli_options import (
+    UsageError,
+    add_prefix_argument,
+    add_steering_arguments,
+    conversation_head,
+    install_steering,
+    load_prefix,
+    read_text_file,
+    sampling_params,
+)
 from .events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd
 from .think_flags import add_think_arguments
 
@@ -98,8 +107,14 @@ def stream_job(engine, job, console: Console, out=sys.stdout) -> Finish | None:
     for ev in engine.generate(job):
         if isinstance(ev, PrefillProgress):
             if progress is None and ev.total > 0:
-                progress = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                    console=console, transient=True)
+                progress = Progress(
+                    TextColumn("prefill"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TimeRemainingColumn(),
+                    console=console,
+                    transient=True,
+                )
                 progress.start()
                 task = progress.add_task("prefill", total=ev.total)
             if progress is not None:
@@ -138,7 +153,8 @@ def stream_job(engine, job, console: Console, out=sys.stdout) -> Finish | None:
         console.print(
             f"[dim]prompt {u.prompt_tokens} tokens ({u.cached_tokens} cached), {new / pre_s if pre_s > 0 else 0:.1f} t/s"
             f" | generated {u.completion_tokens} tokens, {u.completion_tokens / gen_s if gen_s > 0 else 0:.1f} t/s"
-            f" | finish {finish.reason}[/dim]")
+            f" | finish {finish.reason}[/dim]"
+        )
     return finish
 
 
@@ -150,8 +166,9 @@ def run(args) -> int:
     console = Console(stderr=True)
     try:
         prefix = load_prefix(args)
-        prompt_text = args.prompt if args.prompt is not None else (
-            read_text_file(args.prompt_file) if args.prompt_file else None)
+        prompt_text = (
+            args.prompt if args.prompt is not None else (read_text_file(args.prompt_file) if args.prompt_file else None)
+        )
         if args.command == "generate" and args.raw and prefix:
             raise UsageError("--prefix-file cannot be combined with --raw")
         engine, tok = _load(args, console)
@@ -177,9 +194,16 @@ def run(args) -> int:
         else:
             msgs = conversation_head(args.system, prefix) + [Message("user", prompt_text)]
             prompt = protocol.render(Conversation(msgs, thinking=thinking))
-        job = Job(prompt_text=prompt, api="completions" if args.raw else "chat", raw=args.raw, thinking=thinking,
-                  params=sampling_params(args), max_tokens=args.max_tokens, stop=tuple(args.stop),
-                  family=protocol.family)
+        job = Job(
+            prompt_text=prompt,
+            api="completions" if args.raw else "chat",
+            raw=args.raw,
+            thinking=thinking,
+            params=sampling_params(args),
+            max_tokens=args.max_tokens,
+            stop=tuple(args.stop),
+            family=protocol.family,
+        )
         try:
             fin = stream_job(engine, job, console)
         except KeyboardInterrupt:  # Ctrl+C: closing the event stream cancels the job

@@ -8,6 +8,7 @@ takes at `--ctx` tokens: the weights (as the loader keeps them: packed types as
 stored) plus the KV cache (DeepSeek V4's float32 sliding window, compressed rows
 and indexer rows).  Refuses (exit 2) when that exceeds this machine's memory.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,23 @@ def _hf_tensors(folder: Path):
     return cfg.get("model_type", "?"), rows, cfg
 
 
-_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-             "F8_E4M3": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}
+_ST_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "BOOL": 1,
+}
 
 
 def kv_bytes(config: dict | None, ctx: int) -> int | None:
@@ -99,8 +115,11 @@ def summarize(path, ctx: int = 32768) -> dict:
         h[0] += 1
         h[1] += nb
     weights = sum(nb for *_, nb in rows)
-    experts = sum(nb for name, _, nb in rows if any(m in name for m in EXPERT_MARKERS) and "shexp" not in name
-                  and "shared" not in name)
+    experts = sum(
+        nb
+        for name, _, nb in rows
+        if any(m in name for m in EXPERT_MARKERS) and "shexp" not in name and "shared" not in name
+    )
     k = int((config or {}).get("num_experts_per_tok") or 0)
     E = int((config or {}).get("n_routed_experts") or (config or {}).get("num_experts") or 0)
     embed = sum(nb for name, _, nb in rows if name.startswith(EMBED_NAMES))
@@ -108,10 +127,18 @@ def summarize(path, ctx: int = 32768) -> dict:
     per_token = weights - experts - embed + (experts * k // E if E else experts) + (embed // vocab if vocab else embed)
     kv = kv_bytes(config, ctx)
     need = weights + (kv or 0)
-    return {"path": str(path), "family": arch, "tensors": len(rows),
-            "types": {t: {"tensors": n, "bytes": b} for t, (n, b) in sorted(hist.items(), key=lambda x: -x[1][1])},
-            "weight_bytes": weights, "bytes_per_token": per_token, "ctx": ctx, "kv_bytes": kv,
-            "serve_bytes": need, "machine_bytes": machine_memory()}
+    return {
+        "path": str(path),
+        "family": arch,
+        "tensors": len(rows),
+        "types": {t: {"tensors": n, "bytes": b} for t, (n, b) in sorted(hist.items(), key=lambda x: -x[1][1])},
+        "weight_bytes": weights,
+        "bytes_per_token": per_token,
+        "ctx": ctx,
+        "kv_bytes": kv,
+        "serve_bytes": need,
+        "machine_bytes": machine_memory(),
+    }
 
 
 def add_arguments(parser) -> None:
@@ -134,13 +161,17 @@ def run(args) -> int:
             print(f"  {t:<10} {h['tensors']:>6} tensors  {h['bytes'] / GB:9.3f} GB")
         print(f"bytes read per decoded token: {s['bytes_per_token'] / GB:.3f} GB")
         kv = "unknown for this family" if s["kv_bytes"] is None else f"{s['kv_bytes'] / GB:.2f} GB"
-        print(f"serving at --ctx {s['ctx']}: weights {s['weight_bytes'] / GB:.2f} GB + KV cache {kv} "
-              f"= {s['serve_bytes'] / GB:.2f} GB; this machine: {s['machine_bytes'] / GB:.1f} GB")
+        print(
+            f"serving at --ctx {s['ctx']}: weights {s['weight_bytes'] / GB:.2f} GB + KV cache {kv} "
+            f"= {s['serve_bytes'] / GB:.2f} GB; this machine: {s['machine_bytes'] / GB:.1f} GB"
+        )
     if s["serve_bytes"] > HEADROOM * s["machine_bytes"]:
-        print(f"ds4mlx inspect: {s['path']} needs {s['serve_bytes'] / GB:.1f} GB to serve at --ctx {s['ctx']} but "
-              f"this machine has {s['machine_bytes'] / GB:.1f} GB ({HEADROOM:.0%} usable): it cannot hold it; "
-              "use a machine with more memory, a smaller quantization, or SSD streaming of the experts",
-              file=sys.stderr)
+        print(
+            f"ds4mlx inspect: {s['path']} needs {s['serve_bytes'] / GB:.1f} GB to serve at --ctx {s['ctx']} but "
+            f"this machine has {s['machine_bytes'] / GB:.1f} GB ({HEADROOM:.0%} usable): it cannot hold it; "
+            "use a machine with more memory, a smaller quantization, or SSD streaming of the experts",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

@@ -1,5 +1,6 @@
 """Path -> (model, tokenizer).  The one place that joins weights I/O, the model
 family and the tokenizer; `ds4mlx.load` is its public face."""
+
 from __future__ import annotations
 
 import os
@@ -10,9 +11,9 @@ import mlx.core as mx
 from . import dtype_policy
 from .modelfile import reading
 from .models.base import LanguageModel
+from .models.tensor_load import packed_to_mlx
 from .registry import DEFAULT_FAMILY
 from .tokenizer import Tokenizer
-from .models.tensor_load import packed_to_mlx
 from .weights import MTP_PREFIX, read_mtp_gguf, read_weights
 
 

@@ -17,10 +17,11 @@ mapping held is released right after.
 not yet read): `np.asarray(t)` / `t.load()` gives numpy, `t.to_mlx()` an MLX
 array made without a float32 detour where the parts allow it.
 """
+
 from __future__ import annotations
 
 import mmap
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -7,11 +7,12 @@ long enough prompt; a later request whose tokens start with a checkpoint's
 restores it and prefills only the rest.  Bounded by entries and bytes
 (`DS4MLX_MEMORY_CHECKPOINT_MB`, default 2048; 0 turns them off); the newest win.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 DEFAULT_BUDGET_MB = 2048
 DEFAULT_ENTRIES = 2
@@ -34,8 +35,9 @@ class Checkpoint:
 
 
 class MemoryCheckpoints:
-    def __init__(self, budget_bytes: Optional[int] = None, entries: int = DEFAULT_ENTRIES,
-                 min_tokens: int = DEFAULT_MIN_TOKENS):
+    def __init__(
+        self, budget_bytes: int | None = None, entries: int = DEFAULT_ENTRIES, min_tokens: int = DEFAULT_MIN_TOKENS
+    ):
         self.budget = budget_from_env() if budget_bytes is None else max(0, int(budget_bytes))
         self.entries = max(0, int(entries))
         self.min_tokens = max(1, int(min_tokens))
@@ -64,7 +66,7 @@ class MemoryCheckpoints:
             self._items.pop(0)
         self.saved += 1
 
-    def best(self, ids: Sequence[int], longer_than: int = 0) -> Optional[Checkpoint]:
+    def best(self, ids: Sequence[int], longer_than: int = 0) -> Checkpoint | None:
         """The longest checkpoint whose tokens start `ids` (and are longer than `longer_than`)."""
         best = None
         for c in self._items:

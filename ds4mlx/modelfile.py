@@ -8,18 +8,29 @@ line names the file and what is wrong; `ds4mlx` prints that line and exits 2
 instead of a traceback.  No imports beyond the standard library: cli.py uses it
 before any subcommand module is loaded.
 """
+
 from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 EXIT_CODE = 2
 
 # What the readers (gguf, safetensors, numpy, json, our own checks) raise for a bad file.
-_FILE_FAULTS = (OSError, ValueError, KeyError, IndexError, TypeError, OverflowError, MemoryError,
-                struct.error, UnicodeError, EOFError)
+_FILE_FAULTS = (
+    OSError,
+    ValueError,
+    KeyError,
+    IndexError,
+    TypeError,
+    OverflowError,
+    MemoryError,
+    struct.error,
+    UnicodeError,
+    EOFError,
+)
 
 
 class ModelFileError(ValueError):

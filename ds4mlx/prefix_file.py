@@ -12,6 +12,7 @@ family's chat template renders them (ds4 appends each with
 `ds4_chat_append_message`, EOS after assistant turns except on GLM, which is
 what each family's template does for a history assistant turn).
 """
+
 from __future__ import annotations
 
 from .chat.messages import Message

@@ -31,14 +31,17 @@ Q2_K (16-value sub-blocks: MLX's smallest group is 32), IQ2_XXS (a lattice
 codebook, not affine), Q3_K/Q6_K (16-value sub-blocks) are not representable and
 return None; they run through `ds4mlx.kernels.quant_moe` instead.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Sequence
+from functools import cache
+from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
 
 QK_K = 256
 
@@ -51,6 +54,7 @@ MLX_EXACT_TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K)
 
 
 # --------------------------------------------------------------------------- types
+
 
 def as_qtype(qtype) -> QT:
     """GGMLQuantizationType from an enum member, its integer value or its name
@@ -185,7 +189,7 @@ def e8m0_to_f32(e: np.ndarray) -> np.ndarray:
     return bits.view(np.float32)
 
 
-@lru_cache(maxsize=None)
+@cache
 def e4m3fn_table() -> np.ndarray:
     """byte -> float32 for FP8 E4M3FN (ds4 deepseek4-quantize.c e4m3fn_to_f32:
     the NaN codes 0x7f / 0xff read as 0)."""
@@ -207,7 +211,8 @@ FP4_TABLE = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4,
 
 # --------------------------------------------------------------------------- tables
 
-@lru_cache(maxsize=None)
+
+@cache
 def iq2xxs_grid() -> np.ndarray:
     """The IQ2_XXS lattice: [256, 8] uint8, each value one of 8, 25, 43 (taken from
     gguf-py's copy of ggml's ``iq2xxs_grid``)."""
@@ -218,13 +223,13 @@ def iq2xxs_grid() -> np.ndarray:
     return grid.astype(np.uint8)
 
 
-@lru_cache(maxsize=None)
+@cache
 def iq2xxs_grid_u64() -> np.ndarray:
     """The lattice as 256 little-endian uint64 (byte i = value i), ggml's C form."""
     return np.ascontiguousarray(iq2xxs_grid()).view("<u8").reshape(256).astype(np.uint64)
 
 
-@lru_cache(maxsize=None)
+@cache
 def ksigns_iq2xs() -> np.ndarray:
     """[128] uint8: the 7 stored sign bits plus an 8th bit that makes the count of
     negative values even (ggml's ``ksigns_iq2xs``)."""
@@ -233,7 +238,7 @@ def ksigns_iq2xs() -> np.ndarray:
     return (i | (parity.astype(np.uint8) << 7)).astype(np.uint8)
 
 
-@lru_cache(maxsize=None)
+@cache
 def iq2xxs_sign_table() -> np.ndarray:
     """[128, 8] float32 of +1 / -1: sign of value i for each 7-bit sign index."""
     bits = (ksigns_iq2xs()[:, None] >> np.arange(8, dtype=np.uint8)) & 1
@@ -241,6 +246,7 @@ def iq2xxs_sign_table() -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- helpers
+
 
 def _f16(b: np.ndarray) -> np.ndarray:
     """[..., 2] little-endian fp16 bytes -> [...] float32."""
@@ -300,6 +306,7 @@ def _nibbles_0(qs: np.ndarray) -> np.ndarray:
 
 # --------------------------------------------------------------------------- dequantize
 
+
 def dequantize(raw: np.ndarray, qtype, shape: Sequence[int]) -> np.ndarray:
     """Reference dequantization: GGUF bytes of a tensor of logical (numpy-order)
     `shape` -> float32 array of that shape, through `gguf.quants` (the oracle the
@@ -350,6 +357,7 @@ def random_gguf_blocks(qtype, experts: int, rows: int, k: int, seed: int = 0):
 
 # --------------------------------------------------------------------------- MLX repacking
 
+
 def pack_mlx(q: np.ndarray, bits: int) -> np.ndarray:
     """[..., K] integer levels < 2**bits -> [..., K*bits/32] uint32, MLX's packing
     (element j of each word at bits [j*bits, (j+1)*bits)).  bits in {2, 4, 8}."""
@@ -357,7 +365,7 @@ def pack_mlx(q: np.ndarray, bits: int) -> np.ndarray:
         raise ValueError("pack_mlx supports 2, 4 and 8 bits")
     per = 32 // bits
     q = q.astype(np.uint32).reshape(*q.shape[:-1], q.shape[-1] // per, per)
-    shifts = (np.arange(per, dtype=np.uint32) * bits)
+    shifts = np.arange(per, dtype=np.uint32) * bits
     return np.bitwise_or.reduce(q << shifts, axis=-1).astype(np.uint32)
 
 
@@ -421,12 +429,14 @@ def repack_for_mlx(raw: np.ndarray, qtype, shape: Sequence[int], dtype=None, nar
         if np_dt is None:
             # bfloat16: check through MLX itself.
             s_mx, b_mx = mx.array(scales).astype(dtype), mx.array(biases).astype(dtype)
-            ok = (np.array_equal(np.array(s_mx.astype(mx.float32)), scales)
-                  and np.array_equal(np.array(b_mx.astype(mx.float32)), biases))
+            ok = np.array_equal(np.array(s_mx.astype(mx.float32)), scales) and np.array_equal(
+                np.array(b_mx.astype(mx.float32)), biases
+            )
         else:
             with np.errstate(over="ignore"):
-                ok = (np.array_equal(scales.astype(np_dt).astype(np.float32), scales)
-                      and np.array_equal(biases.astype(np_dt).astype(np.float32), biases))
+                ok = np.array_equal(scales.astype(np_dt).astype(np.float32), scales) and np.array_equal(
+                    biases.astype(np_dt).astype(np.float32), biases
+                )
         if not ok:
             return None
     if narrow and bits == 4 and qtype in (QT.Q4_1, QT.Q4_K) and int(q.max(initial=0)) < 4:

@@ -42,16 +42,27 @@ the container is disk: 5 bits per weight for mlx2 (3 in memory after repacking).
 ds4 itself reads only Q2_K / Q4_K / IQ2_XXS experts, so mlx2 / mlx4 files are for
 ds4mlx.
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
-from ds4mlx.quant import (QK_K, QT, QuantizedTensor, as_qtype, block_size, byte_shape, dequantize, iq2xxs_grid,
-                         q4k_pack_scale_min, unpack_mlx)
+from ds4mlx.quant import (
+    QK_K,
+    QT,
+    QuantizedTensor,
+    as_qtype,
+    block_size,
+    byte_shape,
+    dequantize,
+    iq2xxs_grid,
+    q4k_pack_scale_min,
+    unpack_mlx,
+)
 
 QUANTIZE_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS)
 EXPERT_CHOICES = ("iq2_xxs", "q2_k", "q4_k", "mlx2", "mlx4")
@@ -213,7 +224,7 @@ IQ2_SCALE_STEPS = 9
 _IQ2_LEVELS = np.array([8, 25, 43], dtype=np.float32) / np.float32(8)  # grid units: 1, 3.125, 5.375
 
 
-@lru_cache(maxsize=None)
+@cache
 def _iq2_tables():
     """(levels [256, 8] float32 in grid units, one-hot [24, 256] float32: row 3*i+l is
     1 where grid point k has level l at position i)."""
@@ -234,8 +245,8 @@ def _iq2_pick(xv, wv, s):
     levels, onehot = _iq2_tables()
     s = s[:, None, None]
     lev = _IQ2_LEVELS[None, None, :]
-    c = wv[..., None] * (s * s * lev * lev - 2 * s * xv[..., None] * lev)   # [G, 8, 3]
-    err = c.reshape(-1, 24) @ onehot                                        # [G, 256]
+    c = wv[..., None] * (s * s * lev * lev - 2 * s * xv[..., None] * lev)  # [G, 8, 3]
+    err = c.reshape(-1, 24) @ onehot  # [G, 256]
     best = np.argmin(err, axis=1)
     return best, levels[best]
 
@@ -248,7 +259,7 @@ def _iq2_xxs(x: np.ndarray, importance=None) -> np.ndarray:
     w = np.sqrt(sigma2 + b * b)
     if importance is not None:
         w = w * _imp_rows(importance, x, QK_K)
-    g = b.reshape(nb * 32, 8)              # groups of 8
+    g = b.reshape(nb * 32, 8)  # groups of 8
     wg = w.reshape(nb * 32, 8)
     neg = g < 0
     xv = np.abs(g)
@@ -295,10 +306,9 @@ def _iq2_xxs(x: np.ndarray, importance=None) -> np.ndarray:
     idx, _ = _iq2_pick(xs_f.reshape(-1, 8), wg, np.repeat(s_final, 4))
     idx = idx.reshape(nb, 8, 4).astype(np.uint8)
     bits = negs.reshape(nb, 8, 4, 8)[..., :7].astype(np.uint32)
-    sign7 = (bits << np.arange(7, dtype=np.uint32)).sum(axis=-1)              # [nb, 8, 4]
+    sign7 = (bits << np.arange(7, dtype=np.uint32)).sum(axis=-1)  # [nb, 8, 4]
     aux = (sign7 << (np.arange(4, dtype=np.uint32) * 7)).sum(axis=-1) | (ls << 28)
-    sub = np.concatenate([idx, np.ascontiguousarray(aux.astype("<u4")).view(np.uint8).reshape(nb, 8, 4)],
-                         axis=-1)
+    sub = np.concatenate([idx, np.ascontiguousarray(aux.astype("<u4")).view(np.uint8).reshape(nb, 8, 4)], axis=-1)
     return np.concatenate([_f16_bytes(d16), sub.reshape(nb, 64)], axis=1)
 
 
@@ -348,15 +358,15 @@ def affine_to_q4_1(w_q: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits
     same values as GGUF Q4_1 bytes (d = scale, m = bias, levels as nibbles): a
     lossless container that `ds4mlx.quant.repack_for_mlx` turns back into exactly
     these MLX arrays (2-bit levels are packed back as bits = 2)."""
-    q = unpack_mlx(w_q, bits)                                        # [..., K]
+    q = unpack_mlx(w_q, bits)  # [..., K]
     lead, k = q.shape[:-1], q.shape[-1]
     if scales.shape[-1] * 32 != k:
         raise ValueError("the Q4_1 container needs group_size 32")
     g = q.reshape(-1, k // 32, 2, 16)
-    qs = (g[:, :, 0, :] | (g[:, :, 1, :] << 4)).astype(np.uint8)    # byte l: value l | value l+16
+    qs = (g[:, :, 0, :] | (g[:, :, 1, :] << 4)).astype(np.uint8)  # byte l: value l | value l+16
     d = _f16_bytes(np.asarray(scales, dtype=np.float16).reshape(-1, k // 32))
     m = _f16_bytes(np.asarray(biases, dtype=np.float16).reshape(-1, k // 32))
-    blocks = np.concatenate([d, m, qs], axis=-1)                     # [rows, K/32, 20]
+    blocks = np.concatenate([d, m, qs], axis=-1)  # [rows, K/32, 20]
     return blocks.reshape(*lead, k // 32 * 20)
 
 
@@ -364,18 +374,23 @@ def affine_to_q4_1(w_q: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits
 
 # Routed-expert recipes: (gate, up, down) -> GGUF type, or ("mlx", bits).
 EXPERT_RECIPES = {
-    "iq2_xxs": (QT.IQ2_XXS, QT.IQ2_XXS, QT.Q2_K),   # ds4's published 2-bit files
+    "iq2_xxs": (QT.IQ2_XXS, QT.IQ2_XXS, QT.Q2_K),  # ds4's published 2-bit files
     "q2_k": (QT.Q2_K, QT.Q2_K, QT.Q2_K),
-    "q4_k": (QT.Q4_K, QT.Q4_K, QT.Q4_K),             # ds4's 4-bit files
+    "q4_k": (QT.Q4_K, QT.Q4_K, QT.Q4_K),  # ds4's 4-bit files
     "mlx2": (("mlx", 2),) * 3,
     "mlx4": (("mlx", 4),) * 3,
 }
 # Dense projections ds4 keeps in Q8_0 (ds4.c weights_validate_layout): HF suffixes.
 DS4_Q8_0_SUFFIXES = (
-    "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_proj.weight",
-    "self_attn.o_a_proj.weight", "self_attn.o_b_proj.weight",
-    "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
-    "mlp.shared_experts.down_proj.weight", "lm_head.weight",
+    "self_attn.q_a_proj.weight",
+    "self_attn.q_b_proj.weight",
+    "self_attn.kv_proj.weight",
+    "self_attn.o_a_proj.weight",
+    "self_attn.o_b_proj.weight",
+    "mlp.shared_experts.gate_proj.weight",
+    "mlp.shared_experts.up_proj.weight",
+    "mlp.shared_experts.down_proj.weight",
+    "lm_head.weight",
 )
 
 
@@ -408,8 +423,10 @@ def quantize_expert_tensor(val, kind, importance: str = "none"):
     qtype = QT.Q4_1 if isinstance(kind, tuple) else as_qtype(kind)
     elems = block_size(qtype)[0]
     if shape[-1] % elems:
-        raise ValueError(f"{qtype.name if not isinstance(kind, tuple) else 'mlx' + str(kind[1])} needs rows "
-                         f"that are a multiple of {elems} values; these rows have {shape[-1]}")
+        raise ValueError(
+            f"{qtype.name if not isinstance(kind, tuple) else 'mlx' + str(kind[1])} needs rows "
+            f"that are a multiple of {elems} values; these rows have {shape[-1]}"
+        )
     out = np.empty(byte_shape(qtype, shape), dtype=np.uint8)
     for e, w in enumerate(_expert_slices(val)):
         if isinstance(kind, tuple):
@@ -433,8 +450,10 @@ def _deferred_expert_tensor(val, kind, importance: str = "none"):
     qtype = QT.Q4_1 if isinstance(kind, tuple) else as_qtype(kind)
     elems = block_size(qtype)[0]
     if shape[-1] % elems:
-        raise ValueError(f"{qtype.name if not isinstance(kind, tuple) else 'mlx' + str(kind[1])} needs rows "
-                         f"that are a multiple of {elems} values; these rows have {shape[-1]}")
+        raise ValueError(
+            f"{qtype.name if not isinstance(kind, tuple) else 'mlx' + str(kind[1])} needs rows "
+            f"that are a multiple of {elems} values; these rows have {shape[-1]}"
+        )
 
     def load():
         raw = quantize_expert_tensor(val, kind, importance).raw
@@ -449,8 +468,11 @@ def _deferred_q8_0(val):
     from ds4mlx.quant import QuantizedTensor
 
     shape = _shape_of(val)
-    return QuantizedTensor(raw=LazyTensor(lambda: quantize(_as_float(val), QT.Q8_0), byte_shape(QT.Q8_0, shape),
-                                          np.uint8), qtype=QT.Q8_0, shape=shape)
+    return QuantizedTensor(
+        raw=LazyTensor(lambda: quantize(_as_float(val), QT.Q8_0), byte_shape(QT.Q8_0, shape), np.uint8),
+        qtype=QT.Q8_0,
+        shape=shape,
+    )
 
 
 def _half_of(val, sl: slice):
@@ -460,8 +482,9 @@ def _half_of(val, sl: slice):
     return LazyTensor(lambda: _as_float(val)[:, sl], (E, I2 // 2, H), np.float32, sources=(val,))
 
 
-def quantize_tensors(tensors: dict, experts: str, dense: str = "keep", importance: str = "none",
-                     down: str | None = None, log=None) -> dict:
+def quantize_tensors(
+    tensors: dict, experts: str, dense: str = "keep", importance: str = "none", down: str | None = None, log=None
+) -> dict:
     """HF-named tensors -> new dict with the routed experts quantized by recipe
     `experts` (fused gate_up_proj is split into gate_proj / up_proj) and, with
     dense='q8_0', ds4's Q8_0 projections quantized; everything else as it was.
@@ -480,8 +503,10 @@ def quantize_tensors(tensors: dict, experts: str, dense: str = "keep", importanc
         if name.endswith("." + names.FUSED_GATE_UP):
             prefix = name[: -len(names.FUSED_GATE_UP)]
             half = int(val.shape[1]) // 2
-            for part, kind, sl in ((names.EXPERT_SPLIT[0], g_kind, slice(0, half)),
-                                   (names.EXPERT_SPLIT[1], u_kind, slice(half, None))):
+            for part, kind, sl in (
+                (names.EXPERT_SPLIT[0], g_kind, slice(0, half)),
+                (names.EXPERT_SPLIT[1], u_kind, slice(half, None)),
+            ):
                 out[prefix + part] = _deferred_expert_tensor(_half_of(val, sl), kind, importance)
                 log(f"{prefix + part}: {out[prefix + part]!r}")
             continue
@@ -495,8 +520,12 @@ def quantize_tensors(tensors: dict, experts: str, dense: str = "keep", importanc
         if kind is not None:
             out[name] = _deferred_expert_tensor(val, kind, importance)
             log(f"{name}: {out[name]!r}")
-        elif (dense == "q8_0" and name.endswith(DS4_Q8_0_SUFFIXES) and len(_shape_of(val)) == 2
-              and _shape_of(val)[-1] % 32 == 0):
+        elif (
+            dense == "q8_0"
+            and name.endswith(DS4_Q8_0_SUFFIXES)
+            and len(_shape_of(val)) == 2
+            and _shape_of(val)[-1] % 32 == 0
+        ):
             out[name] = _deferred_q8_0(val)
             log(f"{name}: {out[name]!r}")
         else:
@@ -514,20 +543,39 @@ def _shape_of(val) -> tuple:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="model: a ds4 GGUF file or a Hugging Face folder")
     parser.add_argument("out", help="output .gguf path")
-    parser.add_argument("--experts", choices=EXPERT_CHOICES, required=True,
-                        help="routed experts: iq2_xxs (gate/up IQ2_XXS, down Q2_K: ds4's 2-bit recipe), "
-                             "q2_k, q4_k (ds4's 4-bit recipe), mlx2 / mlx4 (MLX affine, group 32, "
-                             "float16 scale+bias, stored losslessly as Q4_1)")
-    parser.add_argument("--down", choices=("q2_k", "q4_k", "iq2_xxs", "q8_0"), default=None,
-                        help="override the type of the routed down projections")
-    parser.add_argument("--dense", choices=("keep", "q8_0"), default="keep",
-                        help="q8_0: also quantize the projections ds4 stores as Q8_0 "
-                             "(attention q/kv/output, shared experts, output head)")
-    parser.add_argument("--importance", choices=("none", "energy"), default="none",
-                        help="energy: weight errors by each column's energy (ds4's fallback "
-                             "when it has no imatrix)")
-    parser.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f16",
-                        help="storage of the remaining float tensors of 2+ dims (1-D stay f32)")
+    parser.add_argument(
+        "--experts",
+        choices=EXPERT_CHOICES,
+        required=True,
+        help="routed experts: iq2_xxs (gate/up IQ2_XXS, down Q2_K: ds4's 2-bit recipe), "
+        "q2_k, q4_k (ds4's 4-bit recipe), mlx2 / mlx4 (MLX affine, group 32, "
+        "float16 scale+bias, stored losslessly as Q4_1)",
+    )
+    parser.add_argument(
+        "--down",
+        choices=("q2_k", "q4_k", "iq2_xxs", "q8_0"),
+        default=None,
+        help="override the type of the routed down projections",
+    )
+    parser.add_argument(
+        "--dense",
+        choices=("keep", "q8_0"),
+        default="keep",
+        help="q8_0: also quantize the projections ds4 stores as Q8_0 "
+        "(attention q/kv/output, shared experts, output head)",
+    )
+    parser.add_argument(
+        "--importance",
+        choices=("none", "energy"),
+        default="none",
+        help="energy: weight errors by each column's energy (ds4's fallback when it has no imatrix)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("f32", "f16", "bf16"),
+        default="f16",
+        help="storage of the remaining float tensors of 2+ dims (1-D stay f32)",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
 
@@ -547,10 +595,17 @@ def run(args) -> int:
     try:
         with reading(args.input):
             config, tensors, tok = read_weights(args.input)
-        new = quantize_tensors(tensors, args.experts, dense=args.dense, importance=args.importance,
-                               down=args.down, log=log)
-        write_gguf(out, config, new, tok if tok is not None else False, dtype=args.dtype,
-                   name=f"DeepSeek-V4 (ds4mlx quantize --experts {args.experts})")
+        new = quantize_tensors(
+            tensors, args.experts, dense=args.dense, importance=args.importance, down=args.down, log=log
+        )
+        write_gguf(
+            out,
+            config,
+            new,
+            tok if tok is not None else False,
+            dtype=args.dtype,
+            name=f"DeepSeek-V4 (ds4mlx quantize --experts {args.experts})",
+        )
     except ModelFileError:
         raise  # the input is broken: one line, exit 2 (cli.py)
     except (FileNotFoundError, ValueError) as e:
@@ -560,5 +615,13 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["quantize", "quantize_mlx", "affine_to_q4_1", "quantize_expert_tensor", "quantize_tensors",
-           "EXPERT_RECIPES", "add_arguments", "run"]
+__all__ = [
+    "quantize",
+    "quantize_mlx",
+    "affine_to_q4_1",
+    "quantize_expert_tensor",
+    "quantize_tensors",
+    "EXPERT_RECIPES",
+    "add_arguments",
+    "run",
+]

@@ -6,6 +6,7 @@ the module gguf_families/deepseek_v4.py) and the demo models (demo.py).
 Modules are named, not imported: this table imports nothing of ds4mlx, so any stage can read
 it without pulling in the others.  A new family is one row here plus its modules.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -27,6 +27,7 @@ rendered whole with the family's template.  Steering and /ctx changes drop the
 live session (`Engine.reset_live`): its state was computed under the old
 settings.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,7 +35,6 @@ import queue
 import signal
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 from rich.console import Console
 from rich.live import Live
@@ -88,7 +88,7 @@ class LineReader:
 
 @dataclass
 class TurnResult:
-    finish: Optional[Finish]
+    finish: Finish | None
     interrupted: bool
     generated: int
     prefill_tps: float
@@ -96,7 +96,7 @@ class TurnResult:
 
 
 class Repl:
-    def __init__(self, engine, args, console: Console, prefix: list, out: Optional[Console] = None):
+    def __init__(self, engine, args, console: Console, prefix: list, out: Console | None = None):
         from .cli_options import conversation_head
 
         self.engine = engine
@@ -108,12 +108,13 @@ class Repl:
         self.head = conversation_head(args.system, prefix)
         self.history: list = []
         # live Markdown needs cursor movement: a real terminal, not TERM=dumb
-        self.markdown = (not getattr(args, "no_markdown", False) and self.out.is_terminal
-                         and not self.out.is_dumb_terminal)
+        self.markdown = (
+            not getattr(args, "no_markdown", False) and self.out.is_terminal and not self.out.is_dumb_terminal
+        )
         from .steering import installed
 
         self.steering = installed(engine.model)  # the last direction loaded: `/steer off`, then `/steer F`
-        self.transcript: Optional[tuple] = None  # (prompt + sampled text, head signature)
+        self.transcript: tuple | None = None  # (prompt + sampled text, head signature)
 
     # ------------------------------------------------------------------ thinking
     def mode(self) -> str:
@@ -126,7 +127,7 @@ class Repl:
         self.console.print(text, style="red", highlight=False, markup=False)
 
     # ------------------------------------------------------------------ loop
-    def run(self, first: Optional[str] = None) -> int:
+    def run(self, first: str | None = None) -> int:
         """The loop; `first` (-p / --prompt-file) is sent before the first read."""
         reader = LineReader(self.out.is_terminal and not self.out.no_color)
         if any(m.role != "system" for m in self.head):
@@ -153,7 +154,7 @@ class Repl:
                 continue
             self.turn(cmd)
 
-    def command(self, cmd: str) -> Optional[str]:
+    def command(self, cmd: str) -> str | None:
         name, _, arg = cmd.partition(" ")
         arg = arg.strip()
         if name == "/help":
@@ -251,8 +252,9 @@ class Repl:
                     if base is None:
                         self.warn("/steer F needs a direction: /steer FILE first (or --dir-steering-file)")
                         return
-                    new = steering.Steering(base.directions, ffn=steering.check_scale("/steer", scale),
-                                            attn=base.attn, path=base.path)
+                    new = steering.Steering(
+                        base.directions, ffn=steering.check_scale("/steer", scale), attn=base.attn, path=base.path
+                    )
                 else:
                     keep = steering.installed(model)
                     ffn = keep.ffn if keep is not None else None
@@ -268,7 +270,7 @@ class Repl:
         self.notice("steering", new.describe() if new is not None and new.active else "off")
 
     # ------------------------------------------------------------------ turns
-    def _conversation(self, messages, thinking: Optional[str] = None):
+    def _conversation(self, messages, thinking: str | None = None):
         from .chat.messages import Conversation
 
         return Conversation(list(messages), thinking=self.mode() if thinking is None else thinking)
@@ -287,8 +289,8 @@ class Repl:
 
     def turn(self, text: str) -> TurnResult:
         from .chat.messages import Message
-        from .engine import Job
         from .cli_options import sampling_params
+        from .engine import Job
 
         args = self.args
         thinking = self.mode()
@@ -296,16 +298,28 @@ class Repl:
         prompt = self._continuation(user, thinking)
         if prompt is None:  # first turn, or the thinking mode changed the prompt's head
             prompt = self.protocol.render(self._conversation(self.head + self.history + [user]))
-        job = Job(prompt_text=prompt, thinking=thinking, params=sampling_params(args),
-                  max_tokens=args.max_tokens, stop=tuple(args.stop), family=self.protocol.family)
+        job = Job(
+            prompt_text=prompt,
+            thinking=thinking,
+            params=sampling_params(args),
+            max_tokens=args.max_tokens,
+            stop=tuple(args.stop),
+            family=self.protocol.family,
+        )
         res = self._run_job(job, show=True)
         fin = res.finish
         if fin is None or fin.reason == "error" or (res.interrupted and res.generated == 0):
             return res  # ds4 rolls the transcript back when nothing was generated
         parsed = fin.result
         content = getattr(parsed, "content", None)
-        self.history += [user, Message("assistant", content if content is not None else fin.raw_text,
-                                       reasoning=getattr(parsed, "reasoning", None) or "")]
+        self.history += [
+            user,
+            Message(
+                "assistant",
+                content if content is not None else fin.raw_text,
+                reasoning=getattr(parsed, "reasoning", None) or "",
+            ),
+        ]
         # ds4's transcript: the prompt and the sampled text stay as they are, so the
         # next turn extends the live session even after Ctrl+C in the reasoning
         self.transcript = (prompt + fin.raw_text, self._head_signature(thinking))
@@ -341,7 +355,7 @@ class Repl:
     def _run_job(self, job, show: bool) -> TurnResult:
         from .engine import Failed
 
-        q: "queue.Queue" = queue.Queue()
+        q: queue.Queue = queue.Queue()
         h = self.engine.submit(job, q.put)
         interrupted = {"hit": False}
 
@@ -386,8 +400,13 @@ class Repl:
         new = (finish.usage.prompt_tokens - finish.usage.cached_tokens) if finish is not None else 0
         pre_s = (t_gen or t_end) - t0
         gen_s = t_end - (t_gen or t_end)
-        res = TurnResult(finish, interrupted["hit"], generated, new / pre_s if pre_s > 0 else 0.0,
-                         generated / gen_s if gen_s > 0 else 0.0)
+        res = TurnResult(
+            finish,
+            interrupted["hit"],
+            generated,
+            new / pre_s if pre_s > 0 else 0.0,
+            generated / gen_s if gen_s > 0 else 0.0,
+        )
         if show and finish is not None:
             self._status(res)
         return res
@@ -400,8 +419,14 @@ class Repl:
                 progress[0].stop()
             return None
         if progress is None and ev.total > ev.done:
-            p = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                         console=self.console, transient=True)
+            p = Progress(
+                TextColumn("prefill"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=True,
+            )
             p.start()
             progress = (p, p.add_task("prefill", total=ev.total))
         if progress is not None:
@@ -416,7 +441,10 @@ class Repl:
         self.console.print(
             f"[dim]ctx {used}/{self.engine.ctx} | prompt {u.prompt_tokens} ({u.cached_tokens} cached), "
             f"prefill {res.prefill_tps:.1f} t/s | generation {res.generated} tokens, {res.gen_tps:.1f} t/s"
-            f" | thinking {describe(self.think)}{stopped}[/dim]", highlight=False, soft_wrap=True)
+            f" | thinking {describe(self.think)}{stopped}[/dim]",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 class _AnswerPrinter:
@@ -427,7 +455,7 @@ class _AnswerPrinter:
         self.out, self.markdown = out, markdown
         self.in_reasoning = False
         self.text = ""
-        self.live: Optional[Live] = None
+        self.live: Live | None = None
         self.wrote_plain = False
 
     def feed(self, ev) -> None:
@@ -445,8 +473,9 @@ class _AnswerPrinter:
         self.text += ev.text
         if self.markdown:
             if self.live is None:
-                self.live = Live(Markdown(self.text), console=self.out, refresh_per_second=8,
-                                 vertical_overflow="visible")
+                self.live = Live(
+                    Markdown(self.text), console=self.out, refresh_per_second=8, vertical_overflow="visible"
+                )
                 self.live.start()
             else:
                 self.live.update(Markdown(self.text))

@@ -16,13 +16,14 @@ Extras: a seed (0 = time based) making draws reproducible, an optional
 repetition penalty over a window of recent tokens, and banned ids (used by
 `ignore_eos`, which bans the stop tokens under greedy decoding).
 """
+
 from __future__ import annotations
 
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import mlx.core as mx
 
@@ -85,8 +86,8 @@ class Sampler:
         self,
         logits: mx.array,
         params: SamplingParams,
-        recent: Optional[Sequence[int]] = None,
-        banned: Optional[Sequence[int]] = None,
+        recent: Sequence[int] | None = None,
+        banned: Sequence[int] | None = None,
     ) -> mx.array:
         """Lazy scalar token id (uint32/int32) for one row of logits."""
         x = logits.reshape(-1).astype(mx.float32)
@@ -96,7 +97,7 @@ class Sampler:
             if ids.size:
                 x[ids] = -math.inf
         if recent and params.repetition_penalty != 1.0 and params.repetition_window > 0:
-            window = [t for t in list(recent)[-params.repetition_window:] if 0 <= t < vocab]
+            window = [t for t in list(recent)[-params.repetition_window :] if 0 <= t < vocab]
             if window:
                 ids = mx.array(sorted(set(window)), dtype=mx.int32)
                 sel = x[ids]
@@ -111,7 +112,7 @@ class Sampler:
         if temperature <= 0.0:
             return mx.argmax(x)
         key = self._next_key()
-        idx: Optional[mx.array] = None
+        idx: mx.array | None = None
         vals = x
         if 0 < top_k < vocab:
             idx = mx.argpartition(-x, kth=top_k - 1)[:top_k]
@@ -149,8 +150,9 @@ class DeviceSampler:
     with the same seed, `recent` = the tokens this sampler drew.
     """
 
-    def __init__(self, params: SamplingParams, vocab: int, banned: Optional[Sequence[int]] = None,
-                 seed: Optional[int] = None):
+    def __init__(
+        self, params: SamplingParams, vocab: int, banned: Sequence[int] | None = None, seed: int | None = None
+    ):
         self.params, self.vocab = params, int(vocab)
         self._sampler = Sampler(params.seed if seed is None else seed)
         ban = [b for b in (banned or ()) if 0 <= b < vocab]

@@ -28,7 +28,7 @@ import hashlib
 import json
 import struct
 import zlib
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import mlx.core as mx
 import numpy as np
@@ -230,7 +230,9 @@ class Session:
         table, blobs, off = [], [], 0
         for name, a in arrays:
             b = _to_bytes(a)
-            table.append({"name": name, "dtype": _dtype_name(a.dtype), "shape": list(a.shape), "offset": off, "nbytes": len(b)})
+            table.append(
+                {"name": name, "dtype": _dtype_name(a.dtype), "shape": list(a.shape), "offset": off, "nbytes": len(b)}
+            )
             blobs.append(b)
             off += len(b)
         header = json.dumps(

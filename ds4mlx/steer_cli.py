@@ -2,6 +2,7 @@
 antirez/ds4 dir-steering/tools/build_direction.py builds one (same options,
 same `.json` + `.f32` outputs), computed in process (steering.build_direction).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,15 @@ def add_arguments(p) -> None:
     b.add_argument("--bad-file", required=True, help="contrast prompts, one per line")
     b.add_argument("--out", default="direction.json", help="metadata JSON path; the .f32 is written next to it")
     b.add_argument("--system", default=DEFAULT_SYSTEM, help=f"system prompt (default {DEFAULT_SYSTEM!r})")
-    b.add_argument("--component", choices=("ffn_out", "attn_out"), default="ffn_out",
-                   help="which layer output the direction lives in (default ffn_out)")
+    b.add_argument(
+        "--component",
+        choices=("ffn_out", "attn_out"),
+        default="ffn_out",
+        help="which layer output the direction lives in (default ffn_out)",
+    )
     b.add_argument("--think", action="store_true", help="capture after <think> (default: direct answers)")
     b.add_argument("--pair-normalize", action="store_true", help="average normalized per-pair differences")
-    b.add_argument("--no-orthogonalize", action="store_true",
-                   help="keep the component parallel to the contrast mean")
+    b.add_argument("--no-orthogonalize", action="store_true", help="keep the component parallel to the contrast mean")
 
 
 def run(args) -> int:
@@ -50,14 +54,29 @@ def run(args) -> int:
     def progress(i: int, n: int) -> None:
         print(f"pair {i}/{n}", file=sys.stderr, flush=True)
 
-    result = steering.build_direction(model, tok.encode, good, bad, render=render, component=args.component,
-                                      pair_normalize=args.pair_normalize,
-                                      orthogonalize=not args.no_orthogonalize, progress=progress)
+    result = steering.build_direction(
+        model,
+        tok.encode,
+        good,
+        bad,
+        render=render,
+        component=args.component,
+        pair_normalize=args.pair_normalize,
+        orthogonalize=not args.no_orthogonalize,
+        progress=progress,
+    )
     out = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     f32 = os.path.splitext(out)[0] + ".f32"
-    meta = dict(result.meta, thinking=bool(args.think), system=args.system, good_file=args.good_file,
-                bad_file=args.bad_file, model=str(getattr(model, "path", args.model)), pairs=result.pairs)
+    meta = dict(
+        result.meta,
+        thinking=bool(args.think),
+        system=args.system,
+        good_file=args.good_file,
+        bad_file=args.bad_file,
+        model=str(getattr(model, "path", args.model)),
+        pairs=result.pairs,
+    )
     with open(out, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
     steering.write_directions(f32, result.directions)

@@ -24,20 +24,37 @@ computed under one steering is never reused under another.
 the target prompts minus that of the contrast prompts, per layer, normalized
 (and by default made orthogonal to the contrast mean).
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["ATTN", "FFN", "FORMAT", "Steering", "SteeringError", "LayerSteer", "steer", "install", "identity",
-           "read_directions", "write_directions", "build_direction", "read_prompt_lines", "layers_of", "installed",
-           "check_scale", "load"]
+__all__ = [
+    "ATTN",
+    "FFN",
+    "FORMAT",
+    "Steering",
+    "SteeringError",
+    "LayerSteer",
+    "steer",
+    "install",
+    "identity",
+    "read_directions",
+    "write_directions",
+    "build_direction",
+    "read_prompt_lines",
+    "layers_of",
+    "installed",
+    "check_scale",
+    "load",
+]
 
 ATTN = "attn"
 FFN = "ffn"
@@ -53,16 +70,17 @@ class SteeringError(ValueError):
 @dataclass
 class Steering:
     """Directions [n_layers, hidden] float32 and the two scales."""
+
     directions: np.ndarray
     ffn: float = 1.0
     attn: float = 0.0
-    path: Optional[str] = None
+    path: str | None = None
 
     @property
     def active(self) -> bool:
         return self.ffn != 0.0 or self.attn != 0.0
 
-    def identity(self) -> Optional[str]:
+    def identity(self) -> str | None:
         """A hash of the directions and the scales; None when no edit happens."""
         if not self.active:
             return None
@@ -79,10 +97,11 @@ class Steering:
 class LayerSteer:
     """One layer's direction and scales; `record` (steer build) collects the last
     row of a site's output instead of editing it."""
-    direction: Optional[mx.array]
+
+    direction: mx.array | None
     ffn: float = 0.0
     attn: float = 0.0
-    record: Optional[dict] = None
+    record: dict | None = None
     record_site: str = FFN
 
     def edit(self, site: str, y: mx.array) -> mx.array:
@@ -145,7 +164,7 @@ def write_directions(path: str, directions: np.ndarray) -> None:
     np.ascontiguousarray(directions, dtype="<f4").tofile(path)
 
 
-def load(model, path: str, ffn: Optional[float] = None, attn: Optional[float] = None) -> Steering:
+def load(model, path: str, ffn: float | None = None, attn: float | None = None) -> Steering:
     """A steering file for `model` with ds4's defaults (ffn 1 when neither scale is
     given, attn 0)."""
     if ffn is None and attn is None:
@@ -156,7 +175,7 @@ def load(model, path: str, ffn: Optional[float] = None, attn: Optional[float] = 
     return Steering(dirs, ffn=ffn, attn=attn, path=path)
 
 
-def install(model, steering: Optional[Steering]) -> None:
+def install(model, steering: Steering | None) -> None:
     """Attach `steering` to every layer of `model` (None or zero scales: remove it).
     Call it between jobs, never while the model runs."""
     layers = layers_of(model)
@@ -166,8 +185,10 @@ def install(model, steering: Optional[Steering]) -> None:
         _set_identity(model, None)
         return
     if steering.directions.shape != (len(layers), _hidden_size(model)):
-        raise SteeringError(f"steering directions have shape {tuple(steering.directions.shape)}, "
-                            f"the model needs ({len(layers)}, {_hidden_size(model)})")
+        raise SteeringError(
+            f"steering directions have shape {tuple(steering.directions.shape)}, "
+            f"the model needs ({len(layers)}, {_hidden_size(model)})"
+        )
     rows = [mx.array(steering.directions[i]) for i in range(len(layers))]
     mx.eval(rows)  # evaluated here: the engine's worker thread must not meet lazy arrays
     for layer, v in zip(layers, rows):
@@ -175,7 +196,7 @@ def install(model, steering: Optional[Steering]) -> None:
     _set_identity(model, steering)
 
 
-def _set_identity(model, steering: Optional[Steering]) -> None:
+def _set_identity(model, steering: Steering | None) -> None:
     # kept on both wrapper levels: sessions see the CausalLM, the disk cache the LanguageModel
     for obj in (model, getattr(model, "model", None)):
         if obj is not None:
@@ -183,7 +204,7 @@ def _set_identity(model, steering: Optional[Steering]) -> None:
             obj.__dict__["_steering"] = steering
 
 
-def installed(model) -> Optional[Steering]:
+def installed(model) -> Steering | None:
     """The steering `install` put on `model` (None: unsteered)."""
     for obj in (model, getattr(model, "model", None)):
         s = getattr(obj, "__dict__", {}).get("_steering") if obj is not None else None
@@ -192,7 +213,7 @@ def installed(model) -> Optional[Steering]:
     return None
 
 
-def identity(model) -> Optional[str]:
+def identity(model) -> str | None:
     """The installed steering's identity (None: unsteered)."""
     for obj in (model, getattr(model, "model", None)):
         if obj is not None:
@@ -203,6 +224,7 @@ def identity(model) -> Optional[str]:
 
 
 # ---------------------------------------------------------------- steer build
+
 
 def read_prompt_lines(path: str) -> list[str]:
     """One prompt per non-empty line, `#` comments skipped (build_direction.py)."""
@@ -245,9 +267,18 @@ def capture(model, ids: Sequence[int], site: str) -> np.ndarray:
     return np.stack([np.array(rec["rows"][-1]) for rec in records]).astype(np.float32)
 
 
-def build_direction(model, encode: Callable[[str], list[int]], good: Sequence[str], bad: Sequence[str], *,
-                    render: Callable[[str], str], component: str = "ffn_out", pair_normalize: bool = False,
-                    orthogonalize: bool = True, progress: Optional[Callable[[int, int], None]] = None) -> BuildResult:
+def build_direction(
+    model,
+    encode: Callable[[str], list[int]],
+    good: Sequence[str],
+    bad: Sequence[str],
+    *,
+    render: Callable[[str], str],
+    component: str = "ffn_out",
+    pair_normalize: bool = False,
+    orthogonalize: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> BuildResult:
     """ds4's build_direction.py on an in-process model: prompts paired in order
     (the longer list cut to the shorter), `render(prompt)` the chat prompt text."""
     if component not in COMPONENTS:
@@ -276,7 +307,12 @@ def build_direction(model, encode: Callable[[str], list[int]], good: Sequence[st
             d = _normalize(d - np.dot(d, base) * base)
         out.append(d)
     dirs = np.stack(out).astype(np.float32)
-    meta = {"format": FORMAT, "shape": list(dirs.shape), "component": component,
-            "pair_normalize": bool(pair_normalize), "orthogonalize_control_mean": bool(orthogonalize),
-            "note": "runtime positive scale suppresses this direction; negative scale amplifies it"}
+    meta = {
+        "format": FORMAT,
+        "shape": list(dirs.shape),
+        "component": component,
+        "pair_normalize": bool(pair_normalize),
+        "orthogonalize_control_mean": bool(orthogonalize),
+        "note": "runtime positive scale suppresses this direction; negative scale amplifies it",
+    }
     return BuildResult(dirs, n, meta)

@@ -104,8 +104,9 @@ FUSED_ATTRS = ("_step_proj", "_step_q_b", "_step_shared")  # per-module caches o
 
 def can_undo(model) -> bool:
     """Whether `step(..., undoable=True)` can give an undo (static layout only)."""
-    return (supports_static(model) and mode() != "legacy" and id(model) not in _refused
-            and steering.identity(model) is None)
+    return (
+        supports_static(model) and mode() != "legacy" and id(model) not in _refused and steering.identity(model) is None
+    )
 
 
 def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, undoable: bool = False):
@@ -138,8 +139,11 @@ def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, un
             _watch(model)
             _checked.add(id(model))
     except Exception:
-        log.warning("the static decode step failed on %s; this model decodes on the legacy path",
-                    mx.default_device(), exc_info=True)
+        log.warning(
+            "the static decode step failed on %s; this model decodes on the legacy path",
+            mx.default_device(),
+            exc_info=True,
+        )
         _watch(model)
         _refused.add(id(model))
         if undoable:  # the caller planned on an undo (engine lookahead): this one request fails

@@ -9,11 +9,12 @@ at least `THINK_MAX_MIN_CONTEXT` tokens (ds4.c `ds4_think_mode_for_context`);
 below it the normal thinking prompt is used and `resolve` returns ds4's
 warning as a notice.
 """
+
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Union
 
 from .chat.markers import THINK_MAX_MIN_CONTEXT
 
@@ -40,19 +41,39 @@ def parse_level(v: str) -> int:
 def add_think_arguments(p: argparse.ArgumentParser, *, level_dest: str = "think") -> None:
     """The four flags; they all write `args.think` ("high" by default).  `level_dest`
     puts `--think-level` elsewhere (serve keeps its own `think_level` default)."""
-    p.add_argument("--think", dest="think", action="store_const", const="high",
-                   help="normal thinking (the default)")
-    p.add_argument("--think-max", dest="think", action="store_const", const="max",
-                   help=f"Think Max when --ctx is at least {THINK_MAX_MIN_CONTEXT} tokens; otherwise normal thinking")
-    p.add_argument("--nothink", dest="think", action="store_const", const="none",
-                   help="no thinking: assistant turns start with </think>")
+    p.add_argument("--think", dest="think", action="store_const", const="high", help="normal thinking (the default)")
+    p.add_argument(
+        "--think-max",
+        dest="think",
+        action="store_const",
+        const="max",
+        help=f"Think Max when --ctx is at least {THINK_MAX_MIN_CONTEXT} tokens; otherwise normal thinking",
+    )
+    p.add_argument(
+        "--nothink",
+        dest="think",
+        action="store_const",
+        const="none",
+        help="no thinking: assistant turns start with </think>",
+    )
     if level_dest == "think":
         # no `type=`: argparse would run it on the string default "high" of the shared dest
-        p.add_argument("--think-level", dest="think", action=_LevelAction, metavar="N",
-                       help="DeepSeek V4.1 reasoning effort 0..100 (0 = no thinking)")
+        p.add_argument(
+            "--think-level",
+            dest="think",
+            action=_LevelAction,
+            metavar="N",
+            help="DeepSeek V4.1 reasoning effort 0..100 (0 = no thinking)",
+        )
     else:
-        p.add_argument("--think-level", dest=level_dest, type=parse_level, default=None, metavar="N",
-                       help="DeepSeek V4.1 reasoning effort 0..100 (0 = no thinking)")
+        p.add_argument(
+            "--think-level",
+            dest=level_dest,
+            type=parse_level,
+            default=None,
+            metavar="N",
+            help="DeepSeek V4.1 reasoning effort 0..100 (0 = no thinking)",
+        )
     p.set_defaults(think="high")
 
 
@@ -67,7 +88,7 @@ class _LevelAction(argparse.Action):
 @dataclass(frozen=True)
 class ThinkChoice:
     mode: str  # the family's thinking mode for Conversation.thinking / Job.thinking
-    notice: Optional[str] = None  # ds4's warning when Think Max was downgraded
+    notice: str | None = None  # ds4's warning when Think Max was downgraded
 
 
 def max_allowed(ctx: int) -> bool:
@@ -84,8 +105,10 @@ def resolve(protocol, think: Think, ctx: int, *, flag: str = "--think-max") -> T
     for a level on a family without numeric levels."""
     if isinstance(think, int) and not isinstance(think, bool):
         if not getattr(protocol, "numeric_effort", False):
-            raise ThinkError(f"--think-level requires a DeepSeek V4.1 model (the loaded model is "
-                             f"{protocol.model_name or protocol.family})")
+            raise ThinkError(
+                f"--think-level requires a DeepSeek V4.1 model (the loaded model is "
+                f"{protocol.model_name or protocol.family})"
+            )
         return ThinkChoice(protocol.render_think_level(think))
     if think == "none":
         return ThinkChoice("none")

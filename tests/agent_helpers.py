@@ -1,5 +1,6 @@
 """Helpers for the agent tests: DSML tool calls as a model would write them,
 a worker on the scripted model, event collection."""
+
 from __future__ import annotations
 
 import sys
@@ -23,8 +24,7 @@ COMPACT_MARK = "Internal ds4-agent context compaction request"
 def dsml(name: str, **params) -> str:
     """One DSML tool-call block (string parameters), the separator first."""
     body = "".join(f'<｜DSML｜parameter name="{k}" string="true">{v}</｜DSML｜parameter>\n' for k, v in params.items())
-    return (f'\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="{name}">\n{body}'
-            f'</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+    return f'\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="{name}">\n{body}</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
 
 
 def results_in_turn(prompt: str) -> int:
@@ -50,9 +50,11 @@ def last_real_user(prompt: str) -> str:
 
 def steps(*items):
     """A script: step k of the current user turn says items[k] (then a last answer)."""
+
     def script(prompt: str):
         k = results_in_turn(prompt)
         return items[k] if k < len(items) else "Done."
+
     return script
 
 
@@ -104,13 +106,26 @@ class Collect:
         return [e for e in self.events if isinstance(e, kind)]
 
 
-def make_worker(tok, script, root, *, ctx=4096, max_steps=8, trusted=True, timeout=10.0, cache=None, model=None,
-                prefill_chunk=512, **kw):
+def make_worker(
+    tok,
+    script,
+    root,
+    *,
+    ctx=4096,
+    max_steps=8,
+    trusted=True,
+    timeout=10.0,
+    cache=None,
+    model=None,
+    prefill_chunk=512,
+    **kw,
+):
     model = model or ScriptedModel(tok, script)
     engine = Engine(model, tok, ctx=ctx, cache=cache, prefill_chunk=prefill_chunk)
     sink = Collect()
     toolbox = ToolBox(str(root))
-    worker = AgentWorker(engine, toolbox, Approvals(trusted=trusted, timeout=timeout), sink=sink,
-                         kv=cache, max_steps=max_steps, **kw)
+    worker = AgentWorker(
+        engine, toolbox, Approvals(trusted=trusted, timeout=timeout), sink=sink, kv=cache, max_steps=max_steps, **kw
+    )
     toolbox.bash.stop_requested = lambda: worker.stop_requested
     return model, engine, worker, sink

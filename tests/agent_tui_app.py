@@ -2,6 +2,7 @@
 
 usage: python tests/agent_tui_app.py PROJECT_DIR SESSIONS_DIR
 """
+
 from __future__ import annotations
 
 import sys

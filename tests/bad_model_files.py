@@ -1,5 +1,6 @@
 """A corpus of broken model files and folders (the reliability audit's list),
 built from a valid tiny GGUF; `make_bad_models(good_gguf, dir) -> {case: path}`."""
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ model class from its config.json + model.safetensors (transformers' in-memory
 names) and calls `save_pretrained(OUT_DIR)`, which writes transformers' own
 checkpoint names (its reverse weight conversion: hub-style names, per-expert
 tensors).  Kept out of tests/oracle/ so that it does not enter the oracle cache keys."""
+
 from __future__ import annotations
 
 import importlib

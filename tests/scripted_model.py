@@ -17,12 +17,14 @@ Counters (`prefill_tokens`, `prefill_calls`, `steps`) and gates (`step_gate`,
 `prefill_gate`: block the worker until a test lets it go on) make cancellation
 and keepalive tests deterministic without timing.
 """
+
 from __future__ import annotations
 
 import pickle
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Union
 
 import mlx.core as mx
 import numpy as np
@@ -43,7 +45,7 @@ class Gate:
 
     def __init__(self):
         self._cv = threading.Condition()
-        self._budget: Optional[int] = None
+        self._budget: int | None = None
         self.waiting = 0  # how many callers are blocked right now
         self.passed = 0
 
@@ -90,12 +92,12 @@ class ScriptedModel:
     def __init__(
         self,
         tokenizer,
-        script: Union[ScriptItem, Callable[[str], ScriptItem], None] = None,
+        script: ScriptItem | Callable[[str], ScriptItem] | None = None,
         *,
         margin: float = 30.0,
         soft_gap: float = 0.05,
         distractor: str = "x",
-        vocab_size: Optional[int] = None,
+        vocab_size: int | None = None,
     ):
         self.tokenizer = tokenizer
         self.script = script if script is not None else "Hello from the scripted model."
@@ -132,7 +134,7 @@ class ScriptedModel:
             x[self.distractor_id] = self.margin - self.soft_gap
         return x
 
-    def new_session(self, ctx: int = 4096) -> "ScriptedSession":
+    def new_session(self, ctx: int = 4096) -> ScriptedSession:
         return ScriptedSession(self, ctx)
 
     def logits(self, ids):  # the public model wrapper's API, for completeness
@@ -244,8 +246,9 @@ class _Served:
         return self.engine._running is None and self.engine.queue_depth == 0
 
 
-def serve(tokenizer, model, *, ctx: int = 2048, tokens: int = 393216, prefill_chunk: int = 512,
-          replay: bool = True, **cfg):
+def serve(
+    tokenizer, model, *, ctx: int = 2048, tokens: int = 393216, prefill_chunk: int = 512, replay: bool = True, **cfg
+):
     """Start `ds4mlx.serve` for `model` on 127.0.0.1 (random free port).  Use as a
     context manager; yields a `_Served`."""
     from contextlib import contextmanager
@@ -258,8 +261,9 @@ def serve(tokenizer, model, *, ctx: int = 2048, tokens: int = 393216, prefill_ch
     @contextmanager
     def _cm():
         memory = ToolMemory() if replay else None
-        engine = Engine(model, tokenizer, ctx=ctx, default_max_tokens=tokens, tool_memory=memory,
-                        prefill_chunk=prefill_chunk)
+        engine = Engine(
+            model, tokenizer, ctx=ctx, default_max_tokens=tokens, tool_memory=memory, prefill_chunk=prefill_chunk
+        )
         app = make_app(engine, ServeConfig(ctx=ctx, tokens=tokens, replay=replay, **cfg), memory)
         server = BackgroundServer(app).start()
         try:
@@ -278,4 +282,4 @@ def last_user_text(prompt: str) -> str:
     if i < 0:
         return ""
     j = prompt.find(asst, i)
-    return prompt[i + len(user): j if j >= 0 else len(prompt)]
+    return prompt[i + len(user) : j if j >= 0 else len(prompt)]

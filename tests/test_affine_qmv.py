@@ -2,6 +2,7 @@
 numpy on the CPU, the shared GPU kernel text through the g++ threadgroup emulation
 (every mode, bit width and group size, ragged shapes), the CUDA translation unit
 through nvcc, and (``-m gpu``) the CUDA face against the reference on the H200."""
+
 from __future__ import annotations
 
 import mlx.core as mx
@@ -48,10 +49,11 @@ def bound(w, x, sc, gs, bits):
     sw = 8 if bits == 8 else 4
     s = np.repeat(np.abs(sc.astype(np.float64)), gs, axis=-1)
     x = np.abs(x.astype(np.float64))
-    return (w.shape[-1] + 8) * 2.0 ** -23 * (np.abs(w) @ x) + (seg + 8) * 2.0 ** -23 * 2.0 ** sw * (s @ x)
+    return (w.shape[-1] + 8) * 2.0**-23 * (np.abs(w) @ x) + (seg + 8) * 2.0**-23 * 2.0**sw * (s @ x)
 
 
 # ------------------------------------------------------------------ reference face (CPU)
+
 
 @pytest.mark.parametrize("bits,gs", [(2, 32), (4, 64), (8, 128)])
 def test_reference_matches_numpy(bits, gs):
@@ -81,12 +83,13 @@ def test_backend_is_reference_on_cpu():
 
 def test_supported_shapes():
     assert aq.supported(4096, 64, 2) and aq.supported(4096, 32, 4) and aq.supported(2048, 128, 8)
-    assert not aq.supported(4096, 64, 3)          # 3-bit: not a 16-byte chunk of whole words
-    assert not aq.supported(100, 32, 4)           # K not a multiple of the group
-    assert not aq.supported(1 << 15, 64, 8, "metal")   # x does not fit the 32 KB of threadgroup memory
+    assert not aq.supported(4096, 64, 3)  # 3-bit: not a 16-byte chunk of whole words
+    assert not aq.supported(100, 32, 4)  # K not a multiple of the group
+    assert not aq.supported(1 << 15, 64, 8, "metal")  # x does not fit the 32 KB of threadgroup memory
 
 
 # ------------------------------------------------------------------ the shared text on the CPU (g++)
+
 
 def run_text_on_cpu(tmp_path, mode, x, wq, sc, bi, eids, wts, lim, *, gs, bits, warps, rpw, x_div=1, ke=1):
     from test_kernel_emulation import run_on_cpu
@@ -101,29 +104,50 @@ def run_text_on_cpu(tmp_path, mode, x, wq, sc, bi, eids, wts, lim, *, gs, bits, 
     blocks = -(-out_rows // ((warps // ksplit) * opw))
     p = eids.size // ke
     sec = dispatch.sections(aq.SOURCE)
-    out = run_on_cpu(tmp_path, sec["common"], sec["qmv"],
-                     inputs={"x": x.astype(np.float32), "w": wq.reshape(-1).astype(np.uint32),
-                             "scales": sc.reshape(-1).astype(np.float32), "biases": bi.reshape(-1).astype(np.float32),
-                             "eids": eids.reshape(-1).astype(np.int32), "wts": wts.reshape(-1).astype(np.float32),
-                             "lim": np.array([lim], np.float32)},
-                     outputs={"y": ((p, out_rows), np.float32)},
-                     consts={"T": np.float32, "TS": np.float32, "N_ROWS": n_rows, "K_DIM": k_dim, "BITS": bits,
-                             "GS": gs, "WARPS": warps, "KSPLIT": ksplit, "RPW": rpw, "X_DIV": x_div,
-                             "MODE": mode, "KE": ke},
-                     groups=(1, blocks, p), threads=32 * warps)
+    out = run_on_cpu(
+        tmp_path,
+        sec["common"],
+        sec["qmv"],
+        inputs={
+            "x": x.astype(np.float32),
+            "w": wq.reshape(-1).astype(np.uint32),
+            "scales": sc.reshape(-1).astype(np.float32),
+            "biases": bi.reshape(-1).astype(np.float32),
+            "eids": eids.reshape(-1).astype(np.int32),
+            "wts": wts.reshape(-1).astype(np.float32),
+            "lim": np.array([lim], np.float32),
+        },
+        outputs={"y": ((p, out_rows), np.float32)},
+        consts={
+            "T": np.float32,
+            "TS": np.float32,
+            "N_ROWS": n_rows,
+            "K_DIM": k_dim,
+            "BITS": bits,
+            "GS": gs,
+            "WARPS": warps,
+            "KSPLIT": ksplit,
+            "RPW": rpw,
+            "X_DIV": x_div,
+            "MODE": mode,
+            "KE": ke,
+        },
+        groups=(1, blocks, p),
+        threads=32 * warps,
+    )
     return out["y"]
 
 
 CPU_CASES = [
     # (bits, gs, E, rows, K, warps, rpw): ragged rows, 1..3 steps along K, KSPLIT 1..4
     (2, 32, 3, 5, 512, 2, 2),
-    (2, 64, 2, 9, 2048, 2, 4),      # KSPLIT 2, one full step
-    (2, 128, 2, 4, 4608, 2, 2),     # KSPLIT 2, 2.25 steps (a partial last step)
+    (2, 64, 2, 9, 2048, 2, 4),  # KSPLIT 2, one full step
+    (2, 128, 2, 4, 4608, 2, 2),  # KSPLIT 2, 2.25 steps (a partial last step)
     (4, 32, 3, 7, 384, 1, 4),
-    (4, 64, 2, 6, 1024, 4, 2),      # KSPLIT 1 (a 1024-value 4-bit row is 32 chunks)
-    (4, 128, 2, 3, 3072, 4, 2),     # KSPLIT 4 is too many: 96 chunks -> KSPLIT 4, 1 step, lanes idle
+    (4, 64, 2, 6, 1024, 4, 2),  # KSPLIT 1 (a 1024-value 4-bit row is 32 chunks)
+    (4, 128, 2, 3, 3072, 4, 2),  # KSPLIT 4 is too many: 96 chunks -> KSPLIT 4, 1 step, lanes idle
     (8, 32, 2, 5, 256, 2, 2),
-    (8, 64, 2, 3, 1024, 4, 4),      # KSPLIT 2
+    (8, 64, 2, 3, 1024, 4, 4),  # KSPLIT 2
     (8, 128, 2, 4, 896, 2, 2),
 ]
 
@@ -135,8 +159,9 @@ def test_shared_text_plain_on_cpu(case, tmp_path):
     wq, sc, bi, wd = quantized(rng, e, rows, k_dim, gs, bits)
     ids = rng.integers(0, e, (2, 2)).astype(np.int32)
     x = rng.standard_normal((2, k_dim)).astype(np.float32) * 3.0
-    got = run_text_on_cpu(tmp_path, 0, x, wq, sc, bi, ids, np.ones(1), 0.0, gs=gs, bits=bits, warps=warps,
-                          rpw=rpw, x_div=2).reshape(2, 2, rows)
+    got = run_text_on_cpu(
+        tmp_path, 0, x, wq, sc, bi, ids, np.ones(1), 0.0, gs=gs, bits=bits, warps=warps, rpw=rpw, x_div=2
+    ).reshape(2, 2, rows)
     for t in range(2):
         for j in range(2):
             w = wd[ids[t, j]]
@@ -153,8 +178,9 @@ def test_shared_text_swiglu_and_down_sum_on_cpu(bits, gs, tmp_path):
     x = rng.standard_normal((1, k_dim)).astype(np.float32) * 4.0
     lim = 0.6
     (tmp_path / "s").mkdir()
-    got = run_text_on_cpu(tmp_path / "s", 1, x, wq, sc, bi, ids, np.ones(1), lim, gs=gs, bits=bits, warps=2,
-                          rpw=4, x_div=3).reshape(3, inter)
+    got = run_text_on_cpu(
+        tmp_path / "s", 1, x, wq, sc, bi, ids, np.ones(1), lim, gs=gs, bits=bits, warps=2, rpw=4, x_div=3
+    ).reshape(3, inter)
     for j in range(3):
         gu = wd[ids[0, j]] @ x[0].astype(np.float64)
         g, u = np.minimum(gu[:inter], lim), np.clip(gu[inter:], -lim, lim)
@@ -165,8 +191,7 @@ def test_shared_text_swiglu_and_down_sum_on_cpu(bits, gs, tmp_path):
     h = rng.standard_normal((6, k_dim)).astype(np.float32)
     wts = rng.random((2, 3)).astype(np.float32)
     (tmp_path / "d").mkdir()
-    got = run_text_on_cpu(tmp_path / "d", 2, h, wq, sc, bi, ids, wts, 0.0, gs=gs, bits=bits, warps=2,
-                          rpw=2, ke=3)
+    got = run_text_on_cpu(tmp_path / "d", 2, h, wq, sc, bi, ids, wts, 0.0, gs=gs, bits=bits, warps=2, rpw=2, ke=3)
     for t in range(2):
         want = sum(wts[t, j] * (wd[ids[t, j]] @ h[3 * t + j].astype(np.float64)) for j in range(3))
         tol = sum(bound(wd[ids[t, j]], h[3 * t + j], sc[ids[t, j]], gs, bits) for j in range(3))
@@ -175,6 +200,7 @@ def test_shared_text_swiglu_and_down_sum_on_cpu(bits, gs, tmp_path):
 
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc
 
+
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
 @pytest.mark.parametrize("bits,gs,mode", [(2, 64, 1), (4, 32, 0), (8, 128, 2)])
 def test_cuda_face_compiles_with_nvcc(dt, bits, gs, mode, tmp_path):
@@ -182,16 +208,32 @@ def test_cuda_face_compiles_with_nvcc(dt, bits, gs, mode, tmp_path):
 
     header, body = aq.kernel_sources("cuda")
     ksplit, _, _ = aq.launch_shape(4096, bits)
-    src = mlx_cuda_source("affine_qmv", header, body,
-                          {"x": dt, "w": "uint32", "scales": dt, "biases": dt, "eids": "int32", "wts": "float32",
-                           "lim": "float32"}, {"y": dt},
-                          [("T", dt), ("TS", dt), ("N_ROWS", 4096), ("K_DIM", 4096), ("BITS", bits), ("GS", gs),
-                           ("WARPS", aq.WARPS), ("KSPLIT", ksplit), ("RPW", aq.RPW), ("X_DIV", 1), ("MODE", mode),
-                           ("KE", 6)])
+    src = mlx_cuda_source(
+        "affine_qmv",
+        header,
+        body,
+        {"x": dt, "w": "uint32", "scales": dt, "biases": dt, "eids": "int32", "wts": "float32", "lim": "float32"},
+        {"y": dt},
+        [
+            ("T", dt),
+            ("TS", dt),
+            ("N_ROWS", 4096),
+            ("K_DIM", 4096),
+            ("BITS", bits),
+            ("GS", gs),
+            ("WARPS", aq.WARPS),
+            ("KSPLIT", ksplit),
+            ("RPW", aq.RPW),
+            ("X_DIV", 1),
+            ("MODE", mode),
+            ("KE", 6),
+        ],
+    )
     nvcc_compile(tmp_path, src)
 
 
 # ------------------------------------------------------------------ the GPU face against the reference (H200)
+
 
 def _gpu_face():
     face = dispatch.gpu_backend()
@@ -222,8 +264,11 @@ def test_gpu_dense_and_gather_equal_reference(shape, dt):
         _close(got, want, dt)
     ids = mx.array([[3, 0, 1, 1, 2, 0]], dtype=mx.int32)
     x = mx.random.normal((1, k_dim), key=key).astype(dt)
-    _close(aq.gather_qmv(x, wq, sc, bi, ids, group_size=gs, bits=bits, backend=face),
-           aq.gather_qmv(x, wq, sc, bi, ids, group_size=gs, bits=bits, backend="reference"), dt)
+    _close(
+        aq.gather_qmv(x, wq, sc, bi, ids, group_size=gs, bits=bits, backend=face),
+        aq.gather_qmv(x, wq, sc, bi, ids, group_size=gs, bits=bits, backend="reference"),
+        dt,
+    )
 
 
 @pytest.mark.gpu
@@ -237,15 +282,15 @@ def test_gpu_moe_swiglu_and_down_sum_equal_reference(bits, dt):
     ids = mx.array([[5, 0, 15, 7, 2, 9], [1, 1, 3, 4, 8, 12]], dtype=mx.int32)
     x = mx.random.normal((2, hid), key=key).astype(dt)
     wts = mx.softmax(mx.random.normal((2, 6), key=key), axis=-1)
-    h = aq.gather_swiglu(x, wq, sc.astype(dt), bi.astype(dt), ids, limit=10.0, group_size=64, bits=bits,
-                         backend=face)
-    h_ref = aq.gather_swiglu(x, wq, sc.astype(dt), bi.astype(dt), ids, limit=10.0, group_size=64, bits=bits,
-                             backend="reference")
+    h = aq.gather_swiglu(x, wq, sc.astype(dt), bi.astype(dt), ids, limit=10.0, group_size=64, bits=bits, backend=face)
+    h_ref = aq.gather_swiglu(
+        x, wq, sc.astype(dt), bi.astype(dt), ids, limit=10.0, group_size=64, bits=bits, backend="reference"
+    )
     _close(h, h_ref, dt)
-    y = aq.gather_down_sum(h_ref, dq, dsc.astype(dt), dbi.astype(dt), ids, wts, group_size=64, bits=bits,
-                           backend=face)
-    y_ref = aq.gather_down_sum(h_ref, dq, dsc.astype(dt), dbi.astype(dt), ids, wts, group_size=64, bits=bits,
-                               backend="reference")
+    y = aq.gather_down_sum(h_ref, dq, dsc.astype(dt), dbi.astype(dt), ids, wts, group_size=64, bits=bits, backend=face)
+    y_ref = aq.gather_down_sum(
+        h_ref, dq, dsc.astype(dt), dbi.astype(dt), ids, wts, group_size=64, bits=bits, backend="reference"
+    )
     _close(y, y_ref, dt)
 
 
@@ -258,6 +303,7 @@ def _close(got, want, dt):
 
 
 # ------------------------------------------------------------------ the modules that use it
+
 
 def _switch_glu(bits=2, hidden=256, inter=128, experts=8, limit=7.0):
     from ds4mlx.models.layers import SwitchGLU
@@ -282,7 +328,10 @@ def test_qmv_linear_is_quantized_linear_on_cpu():
     names = sorted(k for k, _ in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(model.parameters()))
     assert use_fast_qmv(model) == 2
     assert all(type(m) is QMVLinear for m in model.layers)
-    assert sorted(k for k, _ in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(model.parameters())) == names
+    assert (
+        sorted(k for k, _ in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(model.parameters()))
+        == names
+    )
     assert mx.array_equal(model(x), want).item()
 
 
@@ -308,7 +357,7 @@ def test_moe_fused_path_wiring(monkeypatch):
     x = mx.random.normal((1, 2, 256), key=mx.random.key(4))
     idx = mx.array([[[0, 3, 5], [7, 7, 1]]], dtype=mx.int32)
     w = mx.softmax(mx.random.normal((1, 2, 3), key=mx.random.key(5)), axis=-1)
-    assert glu.fused_weighted(x, idx, w) is None            # CPU: no GPU face, the caller's own path
+    assert glu.fused_weighted(x, idx, w) is None  # CPU: no GPU face, the caller's own path
     want = (glu(x, idx) * w[..., None]).sum(axis=-2)
     monkeypatch.setattr(aq, "kernel_face", lambda *a, **k: "forced")
     got = glu.fused_weighted(x, idx, w)
@@ -382,11 +431,15 @@ def test_gpu_launch_variants_equal_reference(rpw, kmax, monkeypatch):
         sc, bi = sc.astype(mx.bfloat16), bi.astype(mx.bfloat16)
         ids = mx.array([[2, 0, 1]], dtype=mx.int32)
         x = mx.random.normal((1, 4096), key=mx.random.key(3)).astype(mx.bfloat16)
-        _close(aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend=face),
-               aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend="reference"), mx.bfloat16)
+        _close(
+            aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend=face),
+            aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend="reference"),
+            mx.bfloat16,
+        )
 
 
 # ------------------------------------------------------------------ kernels not yet GPU-verified: self-tested on CUDA too
+
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
@@ -403,7 +456,9 @@ def _garbage_kernel(calls):
         def launch(face, *, output_shapes, output_dtypes, **kw):
             calls.append(names[0] if names else "kernel")
             return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
+
         return launch
+
     return fake_kernel
 
 
@@ -415,9 +470,9 @@ def test_unverified_moe_modes_self_test_on_cuda(fake_cuda):
     idx = mx.array([[[0, 3, 5]]], dtype=mx.int32)
     w = mx.softmax(mx.random.normal((1, 1, 3), key=mx.random.key(5)), axis=-1)
     assert "affine_qmv.moe" in dispatch.UNVERIFIED_KERNELS
-    assert glu.fused_weighted(x, idx, w) is None            # the MoE self-test failed: the caller's own path
+    assert glu.fused_weighted(x, idx, w) is None  # the MoE self-test failed: the caller's own path
     assert dispatch._self_tests[("affine_qmv.moe", "cuda")] is False
-    assert ("affine_qmv", "cuda") not in dispatch._self_tests    # the plain mode ran its GPU tests: not self-tested
+    assert ("affine_qmv", "cuda") not in dispatch._self_tests  # the plain mode ran its GPU tests: not self-tested
 
 
 def test_unverified_hc_split_self_test_on_cuda(fake_cuda):
@@ -433,7 +488,7 @@ def test_unverified_hc_split_self_test_on_cuda(fake_cuda):
     assert dispatch._self_tests[("hyper_connection.split", "cuda")] is False
     calls.clear()
     hck.hc_pre(x, fn, base, scale, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
-    assert calls == ["hc_pre"]                               # the one-launch path, no hc_dots
+    assert calls == ["hc_pre"]  # the one-launch path, no hc_dots
 
 
 def test_metal_and_cuda_share_one_text():
@@ -465,4 +520,4 @@ def test_unverified_hc_post_pre_self_test_on_cuda(fake_cuda):
     assert dispatch._self_tests[("hyper_connection.post_pre", "cuda")] is False
     calls.clear()
     hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw)
-    assert "hc_post_dots" not in calls and calls[0] == "hc_post"     # hc_post, then hc_pre (no split either)
+    assert "hc_post_dots" not in calls and calls[0] == "hc_post"  # hc_post, then hc_pre (no split either)

@@ -1,6 +1,7 @@
 """`ds4mlx agent` from the command line: `-p` with a session file on the
 scripted model (argument parsing, the plain front end, the session written
 and reopened), and the demo model end to end."""
+
 from __future__ import annotations
 
 import argparse
@@ -46,16 +47,28 @@ def test_prompt_mode_runs_the_task_and_saves_the_session(tok, tmp_path, capsys):
     assert "list path=." in err and "bash $ echo made > b.txt" in err and "turn answered" in err
     assert (tmp_path / "b.txt").read_text() == "made\n"
     data = sessions.load(str(sess))
-    assert [m.role for m in data["messages"]] == ["system", "user", "assistant", "tool", "assistant", "tool",
-                                                  "assistant"]
+    assert [m.role for m in data["messages"]] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
     assert data["cwd"] == str(tmp_path.resolve())
 
 
 def test_demo_model_lists_the_files_end_to_end(tmp_path):
     (tmp_path / "a.txt").write_text("hi\n")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
-    r = subprocess.run([sys.executable, "-m", "ds4mlx.cli", "agent", "-p", "list the files", "--yes",
-                        "--cwd", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "ds4mlx.cli", "agent", "-p", "list the files", "--yes", "--cwd", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "RANDOM weights" in r.stderr and "turn " in r.stderr  # the turn ended, whatever the gibberish did
     assert (tmp_path / "a.txt").read_text() == "hi\n"

@@ -1,4 +1,5 @@
 """Compaction arithmetic (ds4's thresholds) and the tail selection."""
+
 from __future__ import annotations
 
 from ds4mlx.agent import compaction as C
@@ -17,8 +18,15 @@ def test_reserve_and_soft_trigger_thresholds():
 
 
 def test_tail_starts_at_a_user_turn_and_keeps_a_pending_call():
-    msgs = [Message("system", "s"), Message("user", "u1"), Message("assistant", "a1"), Message("user", "u2"),
-            Message("assistant", "a2"), Message("tool", "r2"), Message("assistant", "a3")]
+    msgs = [
+        Message("system", "s"),
+        Message("user", "u1"),
+        Message("assistant", "a1"),
+        Message("user", "u2"),
+        Message("assistant", "a2"),
+        Message("tool", "r2"),
+        Message("assistant", "a3"),
+    ]
 
     def cost(m):
         return 10

@@ -2,6 +2,7 @@
 V4 tokenizer, template, sampler and DSML parser): tool loops, approvals, the
 project confinement, compaction, cooperative stops, sessions with their KV
 checkpoint across a restart."""
+
 from __future__ import annotations
 
 import os
@@ -69,8 +70,9 @@ def test_read_edit_bash_answer_loop(tok, tmp_path, agents):
 
 
 def test_approval_denied_and_timeout_deny(tok, tmp_path, agents):
-    script = steps(dsml("write", path="x.txt", content="one"), dsml("bash", command="touch ran.flag"),
-                   "Nothing was changed.")
+    script = steps(
+        dsml("write", path="x.txt", content="one"), dsml("bash", command="touch ran.flag"), "Nothing was changed."
+    )
     model, engine, worker, sink = agents(tok, script, tmp_path, trusted=False, timeout=0.3)
     asked = []
 
@@ -97,8 +99,9 @@ def test_symlink_escape_is_refused_in_a_session(tok, tmp_path, agents):
     project.mkdir()
     (tmp_path / "secret.txt").write_text("TOPSECRET\n")
     os.symlink(tmp_path / "secret.txt", project / "innocent.txt")
-    script = steps(dsml("read", path="innocent.txt"), dsml("write", path="innocent.txt", content="pwned"),
-                   "I cannot read it.")
+    script = steps(
+        dsml("read", path="innocent.txt"), dsml("write", path="innocent.txt", content="pwned"), "I cannot read it."
+    )
     model, engine, worker, sink = agents(tok, script, project)
     assert worker.run_turn("show innocent.txt") == TurnEnd("answered")
     for res in tool_messages(worker):
@@ -305,7 +308,11 @@ def test_a_prompt_typed_while_a_tool_waits_joins_after_its_result(tok, tmp_path,
     pending.answer(True)
     assert sink.wait_ends(1) == [TurnEnd("answered")]
     assert [(m.role, m.content.splitlines()[-1] if m.content else "") for m in worker.conv.messages[1:]] == [
-        ("user", "say hi"), ("assistant", ""), ("tool", "[exit code 0]"), ("user", "also say bye"),
-        ("assistant", "Bye.")]
+        ("user", "say hi"),
+        ("assistant", ""),
+        ("tool", "[exit code 0]"),
+        ("user", "also say bye"),
+        ("assistant", "Bye."),
+    ]
     worker.call(lambda w: None)  # anything still queued would run before this
     assert len(sink.ends()) == 1

@@ -2,6 +2,7 @@
 atomic writes that refuse a concurrent modification, exact edits (anchored only
 behind the flag), list, search, bash with background jobs, and the project
 confinement (symlinks and non-existent targets resolved)."""
+
 from __future__ import annotations
 
 import os
@@ -83,9 +84,14 @@ def test_paths_outside_the_project_are_refused(box, tmp_path):
     (outside / "secret").write_text("s3cret\n")
     os.symlink(outside, tmp_path / "link")  # a directory link leading out
     os.symlink(outside / "missing", tmp_path / "dangling")  # a dangling link leading out
-    for call in (("read", {"path": "link/secret"}), ("read", {"path": "../" + outside.name + "/secret"}),
-                 ("write", {"path": "link/new", "content": "x"}), ("write", {"path": "dangling", "content": "x"}),
-                 ("list", {"path": "/"}), ("edit", {"path": "link/secret", "old": "s3", "new": "x"})):
+    for call in (
+        ("read", {"path": "link/secret"}),
+        ("read", {"path": "../" + outside.name + "/secret"}),
+        ("write", {"path": "link/new", "content": "x"}),
+        ("write", {"path": "dangling", "content": "x"}),
+        ("list", {"path": "/"}),
+        ("edit", {"path": "link/secret", "old": "s3", "new": "x"}),
+    ):
         out = box.call(*call)
         assert out.startswith("Tool error:") and "outside the project" in out, (call, out)
     assert not (outside / "new").exists() and not (outside / "missing").exists()

@@ -1,6 +1,7 @@
 """The agent's terminal UI driven in tmux (send-keys, capture-pane): the status
 bar, a tool card, an approval prompt, Ctrl+C stopping a running bash job, a
 Markdown answer, /save and /list, and a clean terminal after leaving."""
+
 from __future__ import annotations
 
 import os
@@ -47,9 +48,11 @@ def pane(tmp_path):
     (tmp_path / "a.txt").write_text("hi\n")
     name = f"ds4mlx-agent-{uuid.uuid4().hex[:8]}"
     env = f"PYTHONPATH={os.environ.get('PYTHONPATH', HERE.parent)}"
-    cmd = (f"env {env} {sys.executable} {HERE / 'agent_tui_app.py'} {tmp_path} {tmp_path / 'sessions'}; echo EXITED rc=$?; "
-           "stty -a | tr ' ;' '\\n\\n' | grep -x -e echo -e icanon -e -echo -e -icanon | sort | tr '\\n' ' '; "
-           "echo; sleep 120")
+    cmd = (
+        f"env {env} {sys.executable} {HERE / 'agent_tui_app.py'} {tmp_path} {tmp_path / 'sessions'}; echo EXITED rc=$?; "
+        "stty -a | tr ' ;' '\\n\\n' | grep -x -e echo -e icanon -e -echo -e -icanon | sort | tr '\\n' ' '; "
+        "echo; sleep 120"
+    )
     tmux("new-session", "-d", "-s", name, "-x", "110", "-y", "40", "bash", "--norc", "-c", cmd)
     try:
         yield Pane(name)
@@ -84,5 +87,5 @@ def test_tui_status_bar_card_approval_stop_answer_and_clean_exit(pane, tmp_path)
     pane.send("C-d")
     pane.wait_for("EXITED rc=0")
     screen = pane.wait_for("icanon")
-    tail = screen[screen.index("EXITED rc=0"):]
+    tail = screen[screen.index("EXITED rc=0") :]
     assert "echo icanon" in tail and "-echo" not in tail and "-icanon" not in tail  # the terminal is restored

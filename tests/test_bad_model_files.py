@@ -1,6 +1,7 @@
 """Broken model files and folders: every command that opens a model prints one
 line naming the file and what is wrong, and exits 2 (no traceback); a size the
 file cannot hold is refused before anything is allocated."""
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,15 @@ def command(name: str, path: Path, tmp: Path) -> list[str]:
 
 def ds4mlx(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "ds4mlx.cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env=env, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "ds4mlx.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def assert_one_line(proc: subprocess.CompletedProcess, path: Path) -> None:
@@ -48,7 +56,11 @@ def assert_one_line(proc: subprocess.CompletedProcess, path: Path) -> None:
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     # eval's "loading PATH ..." progress notice comes before the load: it is not an error line
-    lines = [ln for ln in err if " error: " in ln or (ln.startswith("ds4-eval: ") and not ln.startswith("ds4-eval: loading "))]
+    lines = [
+        ln
+        for ln in err
+        if " error: " in ln or (ln.startswith("ds4-eval: ") and not ln.startswith("ds4-eval: loading "))
+    ]
     assert len(lines) == 1 and str(path) in lines[0], err
 
 
@@ -82,9 +94,12 @@ def test_claimed_sizes_are_refused_before_allocating(bad):
 
     from ds4mlx.weights import GGUFFile
 
-    for case, why in (("2e60_tensors", "claims 1152921504606846976 tensors"),
-                      ("2e60_metadata", "1152921504606846976 metadata entries"),
-                      ("huge_string", "truncated"), ("huge_array", "truncated")):
+    for case, why in (
+        ("2e60_tensors", "claims 1152921504606846976 tensors"),
+        ("2e60_metadata", "1152921504606846976 metadata entries"),
+        ("huge_string", "truncated"),
+        ("huge_array", "truncated"),
+    ):
         tracemalloc.start()
         with pytest.raises(ValueError, match=why):
             GGUFFile(bad[case])

@@ -1,4 +1,5 @@
 """`ds4mlx bench` on the demo model in CI-sized settings, and its regression gate."""
+
 import csv
 
 import pytest

@@ -3,6 +3,7 @@ tests/ds4_prompt_prefix_test.c, every error naming its line), the rendering of a
 prefix + prompt for each family byte for byte (hand-written DeepSeek prompts,
 GLM / Qwen through their published jinja templates), and prefix + prompt equal
 to the same conversation sent to the server in one piece."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,13 @@ def turns(text):
 
 # ---------------------------------------------------------------- parsing
 
+
 def test_multiline_turns_and_indented_markers():
-    text = ("USER: first line\nsecond line\n USER: this stays in the message\n"
-            "ASSISTANT:\tfirst answer\nsecond answer\n")
-    assert turns(text) == [("user", "first line\nsecond line\n USER: this stays in the message"),
-                           ("assistant", "first answer\nsecond answer")]
+    text = "USER: first line\nsecond line\n USER: this stays in the message\nASSISTANT:\tfirst answer\nsecond answer\n"
+    assert turns(text) == [
+        ("user", "first line\nsecond line\n USER: this stays in the message"),
+        ("assistant", "first answer\nsecond answer"),
+    ]
 
 
 def test_pairs_bom_and_crlf():
@@ -40,18 +43,21 @@ def test_only_one_blank_after_the_marker_is_dropped():
     assert turns("USER:  two spaces\nASSISTANT:x") == [("user", " two spaces"), ("assistant", "x")]
 
 
-@pytest.mark.parametrize("text,message", [
-    ("", "prefix file is empty"),
-    ("preamble\nUSER: one\nASSISTANT: two", "line 1 must start with USER: or ASSISTANT:"),
-    ("ASSISTANT: one", "line 1: expected USER:"),
-    ("USER: one\nUSER: two", "line 2: expected ASSISTANT:"),
-    ("USER: one\nmore\nASSISTANT: two\nUSER: three\nUSER: four\nASSISTANT: x", "line 5: expected ASSISTANT:"),
-    ("USER: one", "line 1: prefix file must end with an ASSISTANT turn"),
-    ("USER: a\nASSISTANT: b\nUSER: c\nstill c", "line 3: prefix file must end with an ASSISTANT turn"),
-    ("USER:\nASSISTANT: two", "line 1 has an empty USER turn"),
-    ("USER: one\nASSISTANT:\n", "line 2 has an empty ASSISTANT turn"),
-    ("USER: one\nASSISTANT: t\x00wo", "line 2 contains a NUL byte"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("", "prefix file is empty"),
+        ("preamble\nUSER: one\nASSISTANT: two", "line 1 must start with USER: or ASSISTANT:"),
+        ("ASSISTANT: one", "line 1: expected USER:"),
+        ("USER: one\nUSER: two", "line 2: expected ASSISTANT:"),
+        ("USER: one\nmore\nASSISTANT: two\nUSER: three\nUSER: four\nASSISTANT: x", "line 5: expected ASSISTANT:"),
+        ("USER: one", "line 1: prefix file must end with an ASSISTANT turn"),
+        ("USER: a\nASSISTANT: b\nUSER: c\nstill c", "line 3: prefix file must end with an ASSISTANT turn"),
+        ("USER:\nASSISTANT: two", "line 1 has an empty USER turn"),
+        ("USER: one\nASSISTANT:\n", "line 2 has an empty ASSISTANT turn"),
+        ("USER: one\nASSISTANT: t\x00wo", "line 2 contains a NUL byte"),
+    ],
+)
 def test_malformed_files_name_the_line(text, message):
     with pytest.raises(PrefixError) as e:
         parse(text)
@@ -85,17 +91,84 @@ U, A = "<｜User｜>", "<｜Assistant｜>"
 # chat-template.md §4 / ds4's ds4_chat_append_message: history assistant turns drop
 # their reasoning (`</think>`) and end with EOS; the live turn opens <think>
 V4_EXPECTED = {
-    "high": (BOS + SYSTEM + U + "What is 2+2?" + A + "</think>4." + EOS + U + "And 3+3?" + A + "</think>6, of course."
-             + EOS + U + PROMPT + A + "<think>"),
-    "none": (BOS + SYSTEM + U + "What is 2+2?" + A + "</think>4." + EOS + U + "And 3+3?" + A + "</think>6, of course."
-             + EOS + U + PROMPT + A + "</think>"),
+    "high": (
+        BOS
+        + SYSTEM
+        + U
+        + "What is 2+2?"
+        + A
+        + "</think>4."
+        + EOS
+        + U
+        + "And 3+3?"
+        + A
+        + "</think>6, of course."
+        + EOS
+        + U
+        + PROMPT
+        + A
+        + "<think>"
+    ),
+    "none": (
+        BOS
+        + SYSTEM
+        + U
+        + "What is 2+2?"
+        + A
+        + "</think>4."
+        + EOS
+        + U
+        + "And 3+3?"
+        + A
+        + "</think>6, of course."
+        + EOS
+        + U
+        + PROMPT
+        + A
+        + "</think>"
+    ),
 }
 V41_EFFORT = "Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 V41_EXPECTED = {
-    "75": (BOS + "<｜System｜>" + V41_EFFORT + SYSTEM + U + "What is 2+2?" + A + "</think>4." + EOS + U + "And 3+3?"
-           + A + "</think>6, of course." + EOS + U + PROMPT + A + "<think>"),
-    "none": (BOS + "<｜System｜>" + SYSTEM + U + "What is 2+2?" + A + "</think>4." + EOS + U + "And 3+3?" + A
-             + "</think>6, of course." + EOS + U + PROMPT + A + "</think>"),
+    "75": (
+        BOS
+        + "<｜System｜>"
+        + V41_EFFORT
+        + SYSTEM
+        + U
+        + "What is 2+2?"
+        + A
+        + "</think>4."
+        + EOS
+        + U
+        + "And 3+3?"
+        + A
+        + "</think>6, of course."
+        + EOS
+        + U
+        + PROMPT
+        + A
+        + "<think>"
+    ),
+    "none": (
+        BOS
+        + "<｜System｜>"
+        + SYSTEM
+        + U
+        + "What is 2+2?"
+        + A
+        + "</think>4."
+        + EOS
+        + U
+        + "And 3+3?"
+        + A
+        + "</think>6, of course."
+        + EOS
+        + U
+        + PROMPT
+        + A
+        + "</think>"
+    ),
 }
 
 
@@ -106,9 +179,11 @@ def cli_render(family: str, thinking: str, system: str = SYSTEM, prefix: str = P
 
 
 def one_piece(family: str, thinking: str = "high") -> list[dict]:
-    return ([{"role": "system", "content": SYSTEM}]
-            + [{"role": m.role, "content": m.content} for m in parse(PREFIX)]
-            + [{"role": "user", "content": PROMPT}])
+    return (
+        [{"role": "system", "content": SYSTEM}]
+        + [{"role": m.role, "content": m.content} for m in parse(PREFIX)]
+        + [{"role": "user", "content": PROMPT}]
+    )
 
 
 @pytest.mark.parametrize("thinking", ["high", "none"])
@@ -138,8 +213,9 @@ def test_glm53_bytes_equal_its_template(think, effort):
 
 @pytest.mark.parametrize("think,effort", [("high", "high"), ("max", "max")])
 def test_glm52_bytes_equal_its_template(think, effort):
-    assert cli_render("glm_moe_dsa", cli_mode("glm_moe_dsa", think)) == _jinja("glm_moe_dsa.jinja",
-                                                                              reasoning_effort=effort)
+    assert cli_render("glm_moe_dsa", cli_mode("glm_moe_dsa", think)) == _jinja(
+        "glm_moe_dsa.jinja", reasoning_effort=effort
+    )
 
 
 def test_qwen_bytes_equal_its_template():
@@ -152,8 +228,7 @@ def test_prefix_plus_prompt_equals_the_conversation_in_one_piece(family):
     conversation in one Chat Completions request, and what `serve --prefix-file
     -sys` makes of a request carrying only the prompt."""
     proto = get_protocol(family)
-    conv = parse_request("openai", {"model": proto.model_id, "messages": one_piece(family),
-                                    "reasoning_effort": "high"})
+    conv = parse_request("openai", {"model": proto.model_id, "messages": one_piece(family), "reasoning_effort": "high"})
     thinking = proto.resolve_thinking(conv.thinking, None if family == "deepseek_v4" else "high")
     assert thinking == cli_mode(family)  # what the client asked for is what --think gives
     conv.thinking = thinking
@@ -168,8 +243,12 @@ def test_prefix_plus_prompt_equals_the_conversation_in_one_piece(family):
 def test_serve_keeps_a_request_system_prompt():
     msgs = [Message("system", "client system"), Message("user", "hi")]
     out = with_head(msgs, SYSTEM, parse("USER: a\nASSISTANT: b"))
-    assert [(m.role, m.content) for m in out] == [("system", "client system"), ("user", "a"), ("assistant", "b"),
-                                                  ("user", "hi")]
+    assert [(m.role, m.content) for m in out] == [
+        ("system", "client system"),
+        ("user", "a"),
+        ("assistant", "b"),
+        ("user", "hi"),
+    ]
 
 
 def test_generate_flags(tmp_path):

@@ -3,6 +3,7 @@ REPL commands (/help, /think, /think N, /think-max, /nothink, /ctx, /read,
 /steer, /quit), readline history, and Ctrl+C in the middle of an answer: the
 answer stops, the REPL stays, and the next prompt extends the live session
 (its cached tokens are everything the interrupted turn left in it)."""
+
 from __future__ import annotations
 
 import os
@@ -22,10 +23,24 @@ TIMEOUT = 120
 
 
 def spawn(tmp_path, *flags, ready=PROMPT):
-    env = dict(os.environ, PYTHONPATH=ROOT, DS4MLX_HISTORY=str(tmp_path / "history"), TERM="dumb",
-               NO_COLOR="1", COLUMNS="160", PYTHONUNBUFFERED="1")
-    child = pexpect.spawn(sys.executable, ["-m", "ds4mlx.cli", "chat", *flags], env=env, cwd=str(tmp_path),
-                          encoding="utf-8", timeout=TIMEOUT, dimensions=(50, 160))
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        DS4MLX_HISTORY=str(tmp_path / "history"),
+        TERM="dumb",
+        NO_COLOR="1",
+        COLUMNS="160",
+        PYTHONUNBUFFERED="1",
+    )
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "ds4mlx.cli", "chat", *flags],
+        env=env,
+        cwd=str(tmp_path),
+        encoding="utf-8",
+        timeout=TIMEOUT,
+        dimensions=(50, 160),
+    )
     child.logfile_read = open(tmp_path / "session.log", "w")  # kept for a failing run
     child.expect("Ctrl\\+D quits")
     if ready:
@@ -75,7 +90,8 @@ def test_repl_commands_read_ctx_and_ctrl_c(tmp_path):
         child.sendintr()  # stop the answer
         used, total, prompt, cached = status(child)
         expect_ids = Tokenizer.default().encode(
-            get_protocol("deepseek_v4").render(Conversation([Message("user", text)], thinking="none")))
+            get_protocol("deepseek_v4").render(Conversation([Message("user", text)], thinking="none"))
+        )
         assert (total, prompt, cached) == (3000, len(expect_ids), 0)
         assert used > prompt  # something was generated before Ctrl+C
 
@@ -129,8 +145,14 @@ def test_repl_steer_and_think_level_refusal(tmp_path):
     finally:
         child.close()
     assert child.exitstatus == 0
-    out = pexpect.run(f"{sys.executable} -m ds4mlx.cli chat --think-level 40", cwd=str(tmp_path), timeout=TIMEOUT,
-                      env=dict(os.environ, PYTHONPATH=ROOT), withexitstatus=True, encoding="utf-8")
+    out = pexpect.run(
+        f"{sys.executable} -m ds4mlx.cli chat --think-level 40",
+        cwd=str(tmp_path),
+        timeout=TIMEOUT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        withexitstatus=True,
+        encoding="utf-8",
+    )
     assert out[1] == 2 and "--think-level requires a DeepSeek V4.1 model" in ANSI.sub("", out[0])
 
 
@@ -175,8 +197,12 @@ def test_answers_render_as_markdown():
         buf = io.StringIO()
         out = Console(file=buf, force_terminal=markdown, width=60, color_system=None)
         p = _AnswerPrinter(out, markdown)
-        for ev in [ReasoningDelta("think **raw**"), TextDelta("# Title\n\nSome "), TextDelta("**bold** text.\n"),
-                   TextDelta("\n- one\n- two\n")]:
+        for ev in [
+            ReasoningDelta("think **raw**"),
+            TextDelta("# Title\n\nSome "),
+            TextDelta("**bold** text.\n"),
+            TextDelta("\n- one\n- two\n"),
+        ]:
             p.feed(ev)
         p.close()
         return ANSI.sub("", buf.getvalue())

@@ -4,6 +4,7 @@ logits exactly as the projection y - s * v * dot(v, y), applied here by
 independent numpy wrappers around each layer's attention and FFN modules; the
 steering identity enters the session fingerprint and the disk-cache model id;
 the file format and `steer build` match ds4's dir-steering tool."""
+
 from __future__ import annotations
 
 import json
@@ -159,8 +160,18 @@ def test_steer_build_mean_difference(tmp_path):
     (tmp_path / "good.txt").write_text("# target\n" + "\n".join(good) + "\n\n")
     (tmp_path / "bad.txt").write_text("\n".join(bad) + "\n")
     out = tmp_path / "out" / "dir.json"
-    rc = main(["steer", "build", "--good-file", str(tmp_path / "good.txt"), "--bad-file", str(tmp_path / "bad.txt"),
-               "--out", str(out)])
+    rc = main(
+        [
+            "steer",
+            "build",
+            "--good-file",
+            str(tmp_path / "good.txt"),
+            "--bad-file",
+            str(tmp_path / "bad.txt"),
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     meta = json.loads(out.read_text())
     assert meta["format"] == steering.FORMAT and meta["component"] == "ffn_out"
@@ -173,8 +184,7 @@ def test_steer_build_mean_difference(tmp_path):
     layers = steering.layers_of(model)
 
     def rows(prompt):
-        text = proto.render(Conversation([Message("system", meta["system"]), Message("user", prompt)],
-                                         thinking="none"))
+        text = proto.render(Conversation([Message("system", meta["system"]), Message("user", prompt)], thinking="none"))
         caught = {}
         saved = [layer["mlp"] for layer in layers]
 
@@ -186,6 +196,7 @@ def test_steer_build_mean_difference(tmp_path):
                 y = self.inner(*a)
                 caught[self.i] = np.array(y[0, -1].astype(mx.float32)).astype(np.float64)
                 return y
+
         for i, layer in enumerate(layers):
             layer.mlp = Catch(i, saved[i])
         try:
@@ -234,8 +245,12 @@ def test_cli_flags_install_steering(tmp_path):
 
         sp = argparse.ArgumentParser()
         cli.add_arguments(sp)
-        engine, app = cli.build(sp.parse_args(["--dir-steering-file", str(path), "--dir-steering-attn", "0.5",
-                                               "--kv-disk-dir", str(tmp_path / "kv")]), loaded=(model, tok))
+        engine, app = cli.build(
+            sp.parse_args(
+                ["--dir-steering-file", str(path), "--dir-steering-attn", "0.5", "--kv-disk-dir", str(tmp_path / "kv")]
+            ),
+            loaded=(model, tok),
+        )
         try:
             s = steering.installed(model)
             assert (s.ffn, s.attn) == (0.0, 0.5)

@@ -3,6 +3,7 @@ on by default, the last flag wins, --think-level only for DeepSeek V4.1, and
 Think Max gated at ds4's context threshold (ds4.c DS4_THINK_MAX_MIN_CONTEXT,
 393216): one token below it the prompt is exactly the normal-thinking one and
 ds4's warning is given."""
+
 from __future__ import annotations
 
 import argparse
@@ -59,10 +60,12 @@ def test_think_max_gated_at_the_threshold(family):
 
 def test_deepseek_v4_think_max_prompt():
     proto = get_protocol("deepseek_v4")
-    assert THINK_MAX_PREFIX in proto.render(Conversation([Message("user", "x")], thinking=resolve(
-        proto, "max", THRESHOLD).mode))
-    assert THINK_MAX_PREFIX not in proto.render(Conversation([Message("user", "x")], thinking=resolve(
-        proto, "max", 4096).mode))
+    assert THINK_MAX_PREFIX in proto.render(
+        Conversation([Message("user", "x")], thinking=resolve(proto, "max", THRESHOLD).mode)
+    )
+    assert THINK_MAX_PREFIX not in proto.render(
+        Conversation([Message("user", "x")], thinking=resolve(proto, "max", 4096).mode)
+    )
 
 
 def test_think_level_only_for_v41():

@@ -143,15 +143,19 @@ def test_unknown_mode_is_refused(monkeypatch):
 
 # ----------------------------------------------------------------------------- the decode loop
 
+
 def test_device_sampler_draws_what_the_host_sampler_draws():
     from ds4mlx.sampling import DeviceSampler, Sampler, SamplingParams
 
     rng = np.random.default_rng(0)
     rows = [mx.array(rng.normal(size=50).astype(np.float32) * 3) for _ in range(40)]
-    for params in (SamplingParams(temperature=0.0, repetition_penalty=1.5, repetition_window=4),
-                   SamplingParams(temperature=0.9, top_p=0.9, top_k=20, min_p=0.02, seed=11,
-                                  repetition_penalty=1.3, repetition_window=3),
-                   SamplingParams(temperature=1.2, seed=5)):
+    for params in (
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, repetition_window=4),
+        SamplingParams(
+            temperature=0.9, top_p=0.9, top_k=20, min_p=0.02, seed=11, repetition_penalty=1.3, repetition_window=3
+        ),
+        SamplingParams(temperature=1.2, seed=5),
+    ):
         host, dev = Sampler(params.seed), DeviceSampler(params, 50, banned=[7, 9])
         hist, got = [], []
         for x in rows:
@@ -255,6 +259,7 @@ def test_engine_lookahead_equals_legacy_on_the_demo_model(monkeypatch):
 
 # ----------------------------------------------------------------------------- DeepSeek V4.1
 
+
 @pytest.fixture(scope="module", params=[None, "mixed"], ids=lambda c: c or "default")
 def v41_case(request, oracle):
     return load_case(oracle, "probe_mlx_deepseek_v41.py", request.param)
@@ -295,6 +300,7 @@ def test_v41_snapshot_restore_mid_decode_bit_exact(v41_case, monkeypatch):
 
 # ----------------------------------------------------------------------------- GLM 5.2 (MLA + DSA)
 
+
 @pytest.fixture(scope="module")
 def glm52_case(oracle):
     return load_case(oracle, "make_tiny_glm_moe_dsa.py", "alt")
@@ -327,6 +333,7 @@ def test_glm52_snapshot_restore_mid_decode_bit_exact(glm52_case, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- GLM 5.3 (k-pool MLA + KDA)
+
 
 @pytest.fixture(scope="module")
 def glm53_case(oracle):
@@ -361,6 +368,7 @@ def test_glm53_snapshot_restore_mid_decode_bit_exact(glm53_case, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- Qwen3.8 (QSA + Gated DeltaNet + PLE)
+
 
 @pytest.fixture(scope="module")
 def qwen_case(oracle):

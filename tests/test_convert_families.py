@@ -10,6 +10,7 @@ written by ds4) must rebuild the same model.  The tiny transformers oracles add 
 variants the demos lack (attention biases, YaRN rope, tied embeddings, a sigmoid
 output gate); they are used when cached or buildable, skipped otherwise.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,15 @@ from ds4mlx import gguf_families
 from ds4mlx.cli import main
 from ds4mlx.convert import write_gguf
 from ds4mlx.demo import demo_model_path
-from ds4mlx.gguf_families.base import (deinterleave_join, deinterleave_split, kv_b_join, kv_b_split,
-                                       plus_one_join, plus_one_split, row_parts)
+from ds4mlx.gguf_families.base import (
+    deinterleave_join,
+    deinterleave_split,
+    kv_b_join,
+    kv_b_split,
+    plus_one_join,
+    plus_one_split,
+    row_parts,
+)
 from ds4mlx.weights import GGUFFile, read_weights
 
 ARCH = {"deepseek_v41": "deepseek41", "glm_moe_dsa": "glm-dsa", "glm5_next": "glm5-next", "qwen4_exp": "qwen38-next"}
@@ -155,7 +163,9 @@ def test_deepseek41_layout(converted):
     o_a = hf["model.layers.1.self_attn.o_a_proj.weight"]  # mlx-lm [G, out, in]
     assert np.array_equal(_g(gguf, "blk.1.attn_output_a.weight"), o_a.reshape(-1, o_a.shape[-1]))
     assert np.array_equal(_g(gguf, "blk.1.indexer.attn_k.weight"), hf["model.layers.1.self_attn.indexer.k_proj.weight"])
-    assert np.array_equal(_g(gguf, "blk.2.ffn_up_exps.weight"), hf["model.layers.2.mlp.experts.switch_mlp.up_proj.weight"])
+    assert np.array_equal(
+        _g(gguf, "blk.2.ffn_up_exps.weight"), hf["model.layers.2.mlp.experts.switch_mlp.up_proj.weight"]
+    )
     assert np.array_equal(_g(gguf, "blk.0.hc_attn_fn.weight"), hf["model.layers.0.attn_hc.fn"])
     meta = _gguf(gguf).metadata
     assert meta["deepseek41.compress_ratios"] == [0, 4, 4, 4] and meta["deepseek41.kv_source_layer_ids"] == [1]
@@ -171,18 +181,24 @@ def test_glm_dsa_layout(converted):
     """llama.cpp / ds4 glm-dsa: kv_b split into attn_k_b [H, r, nope] and attn_v_b [H, v, r]."""
     src, gguf = converted("glm_moe_dsa")
     hf, cfg = _hf(src), json.loads((src / "config.json").read_text())
-    k_b, v_b = _kv_b_parts(hf["model.layers.0.self_attn.kv_b_proj.weight"], cfg["num_attention_heads"],
-                           cfg["qk_nope_head_dim"])
+    k_b, v_b = _kv_b_parts(
+        hf["model.layers.0.self_attn.kv_b_proj.weight"], cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
+    )
     assert np.array_equal(_g(gguf, "blk.0.attn_k_b.weight"), k_b)
     assert np.array_equal(_g(gguf, "blk.0.attn_v_b.weight"), v_b)
-    assert np.array_equal(_g(gguf, "blk.0.attn_kv_a_mqa.weight"), hf["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"])
+    assert np.array_equal(
+        _g(gguf, "blk.0.attn_kv_a_mqa.weight"), hf["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+    )
     assert np.array_equal(_g(gguf, "blk.0.indexer.k_norm.bias"), hf["model.layers.0.self_attn.indexer.k_norm.bias"])
     gu = hf["model.layers.1.mlp.experts.gate_up_proj"]
-    assert np.array_equal(_g(gguf, "blk.1.ffn_up_exps.weight"), gu[:, gu.shape[1] // 2:])
+    assert np.array_equal(_g(gguf, "blk.1.ffn_up_exps.weight"), gu[:, gu.shape[1] // 2 :])
     assert np.array_equal(_g(gguf, "blk.0.ffn_gate.weight"), hf["model.layers.0.mlp.gate_proj.weight"])
     meta = _gguf(gguf).metadata
     assert meta["glm-dsa.attention.key_length_mla"] == cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
-    assert meta["glm-dsa.leading_dense_block_count"] == 1 and meta["glm-dsa.attention.indexer.types"] == cfg["indexer_types"]
+    assert (
+        meta["glm-dsa.leading_dense_block_count"] == 1
+        and meta["glm-dsa.attention.indexer.types"] == cfg["indexer_types"]
+    )
 
 
 def test_glm5_next_layout(converted):
@@ -192,14 +208,16 @@ def test_glm5_next_layout(converted):
     c = cfg["linear_num_heads"] * cfg["linear_head_dim"]
     conv = hf["model.layers.0.self_attn.conv1d.weight"]  # [3C, 1, K]
     for i, part in enumerate(("q", "k", "v")):
-        assert np.array_equal(_g(gguf, f"blk.0.kda_{part}_conv.weight"), conv[i * c:(i + 1) * c])
+        assert np.array_equal(_g(gguf, f"blk.0.kda_{part}_conv.weight"), conv[i * c : (i + 1) * c])
     assert np.array_equal(_g(gguf, "blk.0.kda_output.weight"), hf["model.layers.0.self_attn.o_proj.weight"])
     assert np.array_equal(_g(gguf, "blk.1.attn_output.weight"), hf["model.layers.1.self_attn.o_proj.weight"])
     assert np.array_equal(_g(gguf, "blk.0.kda_dt_bias.weight"), hf["model.layers.0.self_attn.forget_gate.dt_bias"])
-    assert np.array_equal(_g(gguf, "blk.1.indexer.pool_ape.weight"),
-                          hf["model.layers.1.self_attn.indexer.index_kpool_compress_ape"])
-    k_b, _ = _kv_b_parts(hf["model.layers.1.self_attn.kv_b_proj.weight"], cfg["num_attention_heads"],
-                         cfg["qk_nope_head_dim"])
+    assert np.array_equal(
+        _g(gguf, "blk.1.indexer.pool_ape.weight"), hf["model.layers.1.self_attn.indexer.index_kpool_compress_ape"]
+    )
+    k_b, _ = _kv_b_parts(
+        hf["model.layers.1.self_attn.kv_b_proj.weight"], cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
+    )
     assert np.array_equal(_g(gguf, "blk.1.attn_k_b.weight"), k_b)
     meta = _gguf(gguf).metadata
     assert meta["glm5-next.layer_types"] == [0, 1, 1, 0] and meta["glm5-next.attention.indexer.pool_size"] == 16
@@ -215,15 +233,16 @@ def test_qwen38_next_layout(converted):
     assert np.array_equal(_g(gguf, "blk.3.attn_gate.weight"), qg[:, d:].reshape(nh * d, -1))
     k = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
     qkv = hf["model.layers.0.linear_attn.in_proj_qkv.weight"]
-    assert np.array_equal(_g(gguf, "blk.0.kda_k.weight"), qkv[k:2 * k])
-    assert np.array_equal(_g(gguf, "blk.0.kda_v_conv.weight"), hf["model.layers.0.linear_attn.conv1d.weight"][2 * k:])
+    assert np.array_equal(_g(gguf, "blk.0.kda_k.weight"), qkv[k : 2 * k])
+    assert np.array_equal(_g(gguf, "blk.0.kda_v_conv.weight"), hf["model.layers.0.linear_attn.conv1d.weight"][2 * k :])
     w = hf["model.layers.0.attn_hyper_connection.hc_norm.weight"]
     assert np.array_equal(_g(gguf, "blk.0.hc_attn_norm.weight"), w + np.float32(1))
     assert np.array_equal(_g(gguf, "output_hc_norm.weight"), hf["model.hyper_connection_mixer.hc_norm.weight"] + 1)
     assert np.array_equal(_g(gguf, "blk.0.kda_o_norm.weight"), hf["model.layers.0.linear_attn.norm.weight"])  # plain
     assert _g(gguf, "blk.0.ffn_gate_inp_shexp.weight").shape == (cfg["hidden_size"],)
-    assert np.array_equal(_g(gguf, "blk.0.ple_token_embd.weight"),
-                          hf["model.layers.0.ple.ple_embedding.ngram_embedding.weight"])
+    assert np.array_equal(
+        _g(gguf, "blk.0.ple_token_embd.weight"), hf["model.layers.0.ple.ple_embedding.ngram_embedding.weight"]
+    )
     meta = _gguf(gguf).metadata
     assert meta["qwen38-next.ple.layer"] == 0 and meta["qwen38-next.ple.layers"] == [0, 2]
     assert meta["qwen38-next.attention.rope_dimension_count"] == 16
@@ -274,7 +293,9 @@ def test_dispatch():
     assert gguf_families.for_config({}) is None
     assert gguf_families.for_config({"model_type": "glm5_next"}) is gguf_families.GLM5_NEXT
     assert gguf_families.for_config({"model_type": "qwen4_exp_text"}) is gguf_families.QWEN4_EXP
-    assert gguf_families.for_arch("deepseek4") is None and gguf_families.for_arch("glm-dsa") is gguf_families.GLM_MOE_DSA
+    assert (
+        gguf_families.for_arch("deepseek4") is None and gguf_families.for_arch("glm-dsa") is gguf_families.GLM_MOE_DSA
+    )
     with pytest.raises(ValueError, match="no GGUF scheme for model_type 'llama'"):
         gguf_families.for_config({"model_type": "llama"})
 

@@ -105,8 +105,13 @@ def test_legacy_config_keys_fold_like_transformers():
         compress_ratios=[0, 0, 4, 128, 4],
         num_hash_layers=2,
         qk_rope_head_dim=64,
-        rope_parameters={"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32, "beta_slow": 1},
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
     )
     hf = transformers.DeepseekV4Config(**legacy)
     args = ModelArgs.from_dict(legacy)

@@ -5,27 +5,34 @@ forced (the mechanism `tool_choice` uses for its prefix): the forced tokens go
 through the real decode loop, the model's KV and the streaming parser, generation
 stops at the block close, and the call must come back parsed — with the exact
 sampled bytes remembered for replay."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from ds4mlx.chat.requests import parse_chat
 from ds4mlx.chat.families.deepseek_v4.template import render
+from ds4mlx.chat.requests import parse_chat
 from ds4mlx.chat.toolmemory import ToolMemory
 from ds4mlx.engine import Engine, Job
 from ds4mlx.events import Finish, ToolCallDelta, ToolCallEnd, ToolCallStart
 from ds4mlx.sampling import SamplingParams
 
-BASH = {"type": "function", "function": {"name": "bash", "description": "Run a shell command",
-                                         "parameters": {"type": "object",
-                                                        "properties": {"command": {"type": "string"},
-                                                                       "timeout": {"type": "integer"}}}}}
-CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
-        '<｜DSML｜parameter name="command" string="true">ls /tmp && echo "<ok>"</｜DSML｜parameter>\n'
-        '<｜DSML｜parameter name="timeout" string="false">10</｜DSML｜parameter>\n'
-        '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+BASH = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "Run a shell command",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}}},
+    },
+}
+CALL = (
+    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
+    '<｜DSML｜parameter name="command" string="true">ls /tmp && echo "<ok>"</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="timeout" string="false">10</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +48,16 @@ def engine():
 
 def test_forced_dsml_call_is_parsed_on_the_demo_model(engine):
     eng, memory = engine
-    conv = parse_chat({"messages": [{"role": "user", "content": "List /tmp"}], "tools": [BASH],
-                       "reasoning_effort": "none"})
-    job = Job(prompt_text=render(conv), thinking="none", tools_active=True, max_tokens=200,
-              params=SamplingParams(temperature=0.7, seed=3))
+    conv = parse_chat(
+        {"messages": [{"role": "user", "content": "List /tmp"}], "tools": [BASH], "reasoning_effort": "none"}
+    )
+    job = Job(
+        prompt_text=render(conv),
+        thinking="none",
+        tools_active=True,
+        max_tokens=200,
+        params=SamplingParams(temperature=0.7, seed=3),
+    )
     job.force_text = CALL
     events = list(eng.generate(job))
     fin = events[-1]

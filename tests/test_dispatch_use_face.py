@@ -1,5 +1,6 @@
 """`dispatch.use_face`: a scoped face choice that the environment never sees (the kernel
 bench compares whole models with kernels on and off this way)."""
+
 from __future__ import annotations
 
 import os

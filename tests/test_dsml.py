@@ -1,4 +1,5 @@
 """DSML: canonical rendering, escaping, the final parser and repair (dsml.md, chat-template.md §6/§7)."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,23 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ds4mlx.chat import markers as M
-from ds4mlx.chat.families.deepseek_v4.dsml import (DecodeTracker, attr_escape, call_input, decode_entities, dumps_compact,
-                              escape_tool_result, json_escape, json_literal, minify_json, param_text,
-                              parse_flat_object, parse_output, render_calls, repair_block, scan_block)
+from ds4mlx.chat.families.deepseek_v4.dsml import (
+    DecodeTracker,
+    attr_escape,
+    call_input,
+    decode_entities,
+    dumps_compact,
+    escape_tool_result,
+    json_escape,
+    json_literal,
+    minify_json,
+    param_text,
+    parse_flat_object,
+    parse_output,
+    render_calls,
+    repair_block,
+    scan_block,
+)
 from ds4mlx.chat.messages import ToolCall
 
 P = "<｜DSML｜parameter"
@@ -35,34 +50,39 @@ def jparam(k: str, v: str) -> str:
     return f'{P} name="{k}" string="false">{v}{PC}'
 
 
-EX_A = 'Need ls.</think>Sure.' + block(invoke("bash", sparam("command", "ls /tmp"), jparam("timeout", "10")))
+EX_A = "Need ls.</think>Sure." + block(invoke("bash", sparam("command", "ls /tmp"), jparam("timeout", "10")))
 
 
 # --- dsml.md §4 worked examples ---------------------------------------------------------------
+
 
 def test_example_A_text_and_call():
     r = parse_output(EX_A, thinking=True)
     assert (r.content, r.reasoning, r.finish, r.error) == ("Sure.", "Need ls.", "tool_calls", None)
     assert [(c.name, c.arguments) for c in r.calls] == [("bash", '{"command":"ls /tmp","timeout":10}')]
-    assert r.raw_dsml == EX_A[len("Need ls.</think>Sure."):]
+    assert r.raw_dsml == EX_A[len("Need ls.</think>Sure.") :]
     assert r.calls[0].input() == {"command": "ls /tmp", "timeout": 10}
 
 
 def test_example_B_loose_nested_and_entities():
-    text = ('</think>review done\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="edit">\n'
-            '<｜DSML｜parameter name="path">/tmp/t.c</｜DSML｜parameter>\n<｜DSML｜parameter name="edits">\n'
-            '<｜DSML｜parameter name="oldText" string="true">old &lt;text&gt;</｜DSML｜parameter>\n'
-            '<｜DSML｜parameter name="newText" string="true">new text</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
-            '</｜DSML｜tool_calls>')
+    text = (
+        '</think>review done\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="edit">\n'
+        '<｜DSML｜parameter name="path">/tmp/t.c</｜DSML｜parameter>\n<｜DSML｜parameter name="edits">\n'
+        '<｜DSML｜parameter name="oldText" string="true">old &lt;text&gt;</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="newText" string="true">new text</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        "</｜DSML｜tool_calls>"
+    )
     r = parse_output(text, thinking=True)
     assert r.content == "review done" and r.reasoning == ""
     assert r.calls[0].arguments == '{"path":"/tmp/t.c","edits":{"oldText":"old <text>","newText":"new text"}}'
 
 
 def test_example_C_short_spelling():
-    text = ('need a tool</think><DSML｜tool_calls>\n<DSML｜invoke name="bash">\n'
-            '<DSML｜parameter name="command" string="true">ls -la</DSML｜parameter>\n</DSML｜invoke>\n'
-            '</DSML｜tool_calls>')
+    text = (
+        'need a tool</think><DSML｜tool_calls>\n<DSML｜invoke name="bash">\n'
+        '<DSML｜parameter name="command" string="true">ls -la</DSML｜parameter>\n</DSML｜invoke>\n'
+        "</DSML｜tool_calls>"
+    )
     r = parse_output(text, thinking=True)
     assert (r.reasoning, r.content, r.calls[0].arguments) == ("need a tool", "", '{"command":"ls -la"}')
 
@@ -78,9 +98,13 @@ def test_example_D_dsml_inside_reasoning_is_not_executed():
 def test_example_E_two_invokes_entities_json():
     text = "</think>" + block(
         invoke("read", sparam("path", "a.c")),
-        invoke("bash", sparam("command", "wc -l a.c &amp;&amp; echo &quot;ok&quot;"), jparam("opts", '{"n": [1, 2]}')))
+        invoke("bash", sparam("command", "wc -l a.c &amp;&amp; echo &quot;ok&quot;"), jparam("opts", '{"n": [1, 2]}')),
+    )
     r = parse_output(text, thinking=True)
-    assert [c.input() for c in r.calls] == [{"path": "a.c"}, {"command": 'wc -l a.c && echo "ok"', "opts": {"n": [1, 2]}}]
+    assert [c.input() for c in r.calls] == [
+        {"path": "a.c"},
+        {"command": 'wc -l a.c && echo "ok"', "opts": {"n": [1, 2]}},
+    ]
     assert r.calls[1].arguments == '{"command":"wc -l a.c && echo \\"ok\\"","opts":{"n":[1,2]}}'
 
 
@@ -96,7 +120,9 @@ def test_example_G_malformed_is_plain_text():
 
 
 def test_example_H_unterminated():
-    text = 'Hmm.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n' + P + ' name="command" string="true">ls'
+    text = (
+        'Hmm.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n' + P + ' name="command" string="true">ls'
+    )
     r = parse_output(text, thinking=True)
     # ds4 answers finish "error"; we return the raw text with finish stop (length when truncated, see repair)
     assert (r.content, r.reasoning, r.calls, r.finish, r.error) == (text, None, [], "stop", "unterminated tool call")
@@ -104,15 +130,16 @@ def test_example_H_unterminated():
 
 # --- grammar details ------------------------------------------------------------------------
 
+
 def test_search_order_prefers_separator_then_spelling():
     good = block(invoke("good"))
     bare_first = "</think>x" + block(invoke("bare"), sep="") + " y" + good
     r = parse_output(bare_first, thinking=True)
     assert [c.name for c in r.calls] == ["good"]  # "\n\n"+OPEN wins over an earlier bare OPEN
-    short = "\n\n<DSML｜tool_calls>\n<DSML｜invoke name=\"short\">\n</DSML｜invoke>\n</DSML｜tool_calls>"
+    short = '\n\n<DSML｜tool_calls>\n<DSML｜invoke name="short">\n</DSML｜invoke>\n</DSML｜tool_calls>'
     r = parse_output("</think>" + short + " later" + block(invoke("full"), sep=""), thinking=True)
     assert [c.name for c in r.calls] == ["full"]  # the full spelling wins wherever it is
-    plain = "<tool_calls>\n<invoke name=\"p\">\n<parameter name=\"k\" string=\"true\">v</parameter>\n</invoke>\n</tool_calls>"
+    plain = '<tool_calls>\n<invoke name="p">\n<parameter name="k" string="true">v</parameter>\n</invoke>\n</tool_calls>'
     r = parse_output("</think>" + plain, thinking=True)
     assert [(c.name, c.arguments) for c in r.calls] == [("p", '{"k":"v"}')]
 
@@ -133,28 +160,31 @@ def test_zero_invokes_and_text_after_close():
 
 
 def test_params_missing_string_duplicates_and_types():
-    inv = ('<｜DSML｜invoke name="f">'
-           f'{P} name="a">x &amp; y{PC}'                      # missing string attribute -> string
-           f'{P} name="a" string="true">dup{PC}'
-           f'{P} name="b" string="False">[1, 2]{PC}'          # anything but "true" -> JSON
-           f'{P} name="c" string="no">{PC}'                    # empty JSON -> null
-           f'{P} name="d" string="false"> {{"k" : "v w"}} {PC}'
-           '</｜DSML｜invoke>')
+    inv = (
+        '<｜DSML｜invoke name="f">'
+        f'{P} name="a">x &amp; y{PC}'  # missing string attribute -> string
+        f'{P} name="a" string="true">dup{PC}'
+        f'{P} name="b" string="False">[1, 2]{PC}'  # anything but "true" -> JSON
+        f'{P} name="c" string="no">{PC}'  # empty JSON -> null
+        f'{P} name="d" string="false"> {{"k" : "v w"}} {PC}'
+        "</｜DSML｜invoke>"
+    )
     r = parse_output("</think>" + OPEN + inv + CLOSE, thinking=True)
     assert r.calls[0].arguments == '{"a":"x & y","a":"dup","b":[1,2],"c":null,"d":{"k":"v w"}}'
 
 
 def test_attributes_entity_decoded_and_prefix_matched():
-    inv = ('<｜DSML｜invokeX name="a&amp;b &quot;q&quot;">'
-           f'{P} name="k&lt;1&gt;" string="true">v{PC}</｜DSML｜invoke>')
+    inv = f'<｜DSML｜invokeX name="a&amp;b &quot;q&quot;">{P} name="k&lt;1&gt;" string="true">v{PC}</｜DSML｜invoke>'
     r = parse_output(OPEN + inv + CLOSE, thinking=False)
     assert r.calls[0].name == 'a&b "q"' and r.calls[0].input() == {"k<1>": "v"}
 
 
 def test_missing_names_fail():
-    for inv in ('<｜DSML｜invoke>' + sparam("a", "b") + '</｜DSML｜invoke>',
-                f'<｜DSML｜invoke name="f">{P} string="true">v{PC}</｜DSML｜invoke>',
-                '<｜DSML｜invoke name="f">stray text</｜DSML｜invoke>'):
+    for inv in (
+        "<｜DSML｜invoke>" + sparam("a", "b") + "</｜DSML｜invoke>",
+        f'<｜DSML｜invoke name="f">{P} string="true">v{PC}</｜DSML｜invoke>',
+        '<｜DSML｜invoke name="f">stray text</｜DSML｜invoke>',
+    ):
         text = "</think>" + OPEN + inv + CLOSE
         r = parse_output(text, thinking=True)
         assert r.calls == [] and r.content == text and r.error == "invalid tool call"
@@ -183,7 +213,7 @@ def test_no_think_close_means_no_calls_and_whole_content():
     r = parse_output("<think>abc", thinking=True)
     assert (r.content, r.reasoning) == ("<think>abc", None)
     r = parse_output("<think>abc</think>\n\nHi", thinking=True)
-    assert (r.content, r.reasoning) == ("\n\nHi", "abc")   # content is not left-trimmed
+    assert (r.content, r.reasoning) == ("\n\nHi", "abc")  # content is not left-trimmed
 
 
 def test_non_thinking_and_inactive_tools():
@@ -199,17 +229,23 @@ def test_non_thinking_and_inactive_tools():
 
 # --- repair (truncated by max tokens) -------------------------------------------------------
 
-@pytest.mark.parametrize("tail,args", [
-    (sparam("command", "ls")[:-len(PC)], '{"command":"ls"}'),                       # inside a string value
-    (sparam("command", "ls")[:-6], '{"command":"ls"}'),                             # partial close tag
-    (sparam("command", "ls") + "\n", '{"command":"ls"}'),                           # between params
-    (sparam("command", "ls") + "\n" + P + ' name="x" str', '{"command":"ls"}'),     # incomplete param tag
-    (jparam("o", '{"a": [1, {"b": "x\\"y')[:-len(PC)], '{"o":{"a":[1,{"b":"x\\"y"}]}}'),  # JSON value
-    (jparam("o", '{"a": 1,')[:-len(PC)], '{"o":{"a":1}}'),
-    (jparam("o", '{"a":')[:-len(PC)], '{"o":{"a":null}}'),
-    (f'{P} name="edits">\n{P} name="old" string="true">x{PC}\n{P} name="new" string="true">y',
-     '{"edits":{"old":"x","new":"y"}}'),                                           # loose nested
-])
+
+@pytest.mark.parametrize(
+    "tail,args",
+    [
+        (sparam("command", "ls")[: -len(PC)], '{"command":"ls"}'),  # inside a string value
+        (sparam("command", "ls")[:-6], '{"command":"ls"}'),  # partial close tag
+        (sparam("command", "ls") + "\n", '{"command":"ls"}'),  # between params
+        (sparam("command", "ls") + "\n" + P + ' name="x" str', '{"command":"ls"}'),  # incomplete param tag
+        (jparam("o", '{"a": [1, {"b": "x\\"y')[: -len(PC)], '{"o":{"a":[1,{"b":"x\\"y"}]}}'),  # JSON value
+        (jparam("o", '{"a": 1,')[: -len(PC)], '{"o":{"a":1}}'),
+        (jparam("o", '{"a":')[: -len(PC)], '{"o":{"a":null}}'),
+        (
+            f'{P} name="edits">\n{P} name="old" string="true">x{PC}\n{P} name="new" string="true">y',
+            '{"edits":{"old":"x","new":"y"}}',
+        ),  # loose nested
+    ],
+)
 def test_truncated_block_is_repaired(tail, args):
     text = 'why</think>ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n' + tail
     r = parse_output(text, thinking=True, truncated=True)
@@ -239,6 +275,7 @@ def test_truncated_repair_edges():
 
 # --- think recovery (our extension) -----------------------------------------------------------
 
+
 def test_complete_block_inside_unclosed_think_is_recovered():
     text = "<think>I should list files.\n\n" + block(invoke("bash", sparam("command", "ls")), sep="")
     r = parse_output(text, thinking=True)
@@ -262,6 +299,7 @@ def test_think_recovery_skips_invalid_blocks_and_repairs_truncated():
 
 # --- rendering and escaping (chat-template.md §6, §7; the issue) ---------------------------------
 
+
 def test_param_text_escapes_only_its_own_closing_delimiter():
     s = "a < b > c && d &amp; e </tool_result> </parameter> </｜DSML｜invoke> </｜DSML｜parameter> x"
     assert param_text(s) == s.replace("</｜DSML｜parameter>", "&lt;/｜DSML｜parameter>")
@@ -275,13 +313,16 @@ def test_tool_result_escapes_only_tool_result_close():
 
 
 def test_attr_escape():
-    assert attr_escape('a&b<c>d"e\'f') == "a&amp;b&lt;c&gt;d&quot;e'f"
+    assert attr_escape("a&b<c>d\"e'f") == "a&amp;b&lt;c&gt;d&quot;e'f"
 
 
 def test_render_calls_canonical():
-    calls = [ToolCall("1", 'we"ird<', '{"z": "</｜DSML｜parameter>", "a": {"k": [1, 2.50]}, "z": true, "n": null}'),
-             ToolCall("2", "empty", "{}"), ToolCall("3", "custom", "*** Begin Patch\n</｜DSML｜parameter>"),
-             ToolCall("4", "notobj", "[1, 2]")]
+    calls = [
+        ToolCall("1", 'we"ird<', '{"z": "</｜DSML｜parameter>", "a": {"k": [1, 2.50]}, "z": true, "n": null}'),
+        ToolCall("2", "empty", "{}"),
+        ToolCall("3", "custom", "*** Begin Patch\n</｜DSML｜parameter>"),
+        ToolCall("4", "notobj", "[1, 2]"),
+    ]
     assert render_calls(calls) == (
         "\n\n<｜DSML｜tool_calls>\n"
         '<｜DSML｜invoke name="we&quot;ird&lt;">\n'
@@ -295,13 +336,16 @@ def test_render_calls_canonical():
         "&lt;/｜DSML｜parameter></｜DSML｜parameter>\n</｜DSML｜invoke>\n"
         '<｜DSML｜invoke name="notobj">\n<｜DSML｜parameter name="arguments" string="true">[1, 2]</｜DSML｜parameter>\n'
         "</｜DSML｜invoke>\n"
-        "</｜DSML｜tool_calls>")
+        "</｜DSML｜tool_calls>"
+    )
     assert render_calls([]) == ""
 
 
 def test_canonical_block_round_trip_reproduces_sampled_bytes():
-    sampled = block(invoke("bash", sparam("command", "cd /tmp && git diff 2>/dev/null"), jparam("timeout", "10")),
-                    invoke("write", sparam("text", "x </｜DSML｜invoke> <a href='&'>"), jparam("o", '{"a":[1,"b"]}')))
+    sampled = block(
+        invoke("bash", sparam("command", "cd /tmp && git diff 2>/dev/null"), jparam("timeout", "10")),
+        invoke("write", sparam("text", "x </｜DSML｜invoke> <a href='&'>"), jparam("o", '{"a":[1,"b"]}')),
+    )
     r = parse_output("</think>" + sampled, thinking=True)
     again = render_calls([ToolCall(c.id, c.name, c.arguments) for c in r.calls])
     assert again == sampled
@@ -321,6 +365,7 @@ def test_json_helpers():
 
 # --- decode tracker (dsml.md §5.1) -------------------------------------------------------------
 
+
 def _states(text: str, pieces: int = 1):
     tr = DecodeTracker()
     out = []
@@ -335,16 +380,16 @@ def test_tracker_states_along_a_block():
     head = OPEN + '\n<｜DSML｜invoke name="f">\n' + P + ' name="s" string="true">'
     text = pre + head + "ab</" + "｜DSML｜parameter>\n" + P + ' name="j" string="false">{"k": "v"}' + PC + "\n" + CLOSE
     st_ = _states(text)
-    assert all(s == "outside" for s in st_[:len(pre) + len(OPEN) - 1])
-    assert st_[len(pre) + len(OPEN) - 1] == "structural"            # OPEN complete
+    assert all(s == "outside" for s in st_[: len(pre) + len(OPEN) - 1])
+    assert st_[len(pre) + len(OPEN) - 1] == "structural"  # OPEN complete
     i = len(pre + head)
-    assert st_[i - 1] == "string_body"                              # right after string="true">
+    assert st_[i - 1] == "string_body"  # right after string="true">
     assert st_[i] == "string_body" and st_[i + 1] == "string_body"  # "a", "b"
-    assert st_[i + 2] == "string_body"                              # "<" alone: could be text
-    assert st_[i + 3] == "structural"                               # "</" : possible PARAM_CLOSE
+    assert st_[i + 2] == "string_body"  # "<" alone: could be text
+    assert st_[i + 3] == "structural"  # "</" : possible PARAM_CLOSE
     j = text.index('{"k"')
     assert st_[j - 1] == "json_structural" and st_[j] == "json_structural"
-    assert st_[j + 1] == "json_string"                              # inside "k"
+    assert st_[j + 1] == "json_string"  # inside "k"
     assert st_[text.index(': "v"') + 2] == "json_string"
     assert st_[-1] == "outside"
     tr = DecodeTracker()
@@ -361,15 +406,37 @@ def test_tracker_literal_close_in_values_and_stuck():
 
 # --- property tests -------------------------------------------------------------------------------
 
-_alphabet = st.sampled_from(list("ab <>&;\"'\\/\n\t{}[]:,=") +
-                            ["</｜DSML｜parameter>", "</｜DSML｜invoke>", "</｜DSML｜tool_calls>", "<｜DSML｜parameter",
-                             "</think>", "<think>", "<｜User｜>", "&lt;", "&amp;", "é", "😀", "\u2028", "\x00",
-                             "string=\"", "name=\""])
+_alphabet = st.sampled_from(
+    list("ab <>&;\"'\\/\n\t{}[]:,=")
+    + [
+        "</｜DSML｜parameter>",
+        "</｜DSML｜invoke>",
+        "</｜DSML｜tool_calls>",
+        "<｜DSML｜parameter",
+        "</think>",
+        "<think>",
+        "<｜User｜>",
+        "&lt;",
+        "&amp;",
+        "é",
+        "😀",
+        "\u2028",
+        "\x00",
+        'string="',
+        'name="',
+    ]
+)
 _text = st.lists(_alphabet, max_size=12).map("".join) | st.text(max_size=12)
-_scalars = st.none() | st.booleans() | st.integers(-10 ** 20, 10 ** 20) | \
-    st.floats(allow_nan=False, allow_infinity=False) | _text
-_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) |
-                     st.dictionaries(_text, inner, max_size=3), max_leaves=8)
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**20), 10**20)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | _text
+)
+_json = st.recursive(
+    _scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3), max_leaves=8
+)
 _args = st.dictionaries(_text, _json, max_size=4)
 _ENTITY_SEQS = [e for e, _ in M.DSML_ENTITIES]
 

@@ -2,6 +2,7 @@
 (kv-cache.md §2), tool continuation — on the scripted model double with the
 real DeepSeek V4 tokenizer, so the real sampler / detokenizer / stop matcher /
 output parser run."""
+
 from __future__ import annotations
 
 import sys
@@ -13,20 +14,37 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import ScriptedModel, Segment  # noqa: E402
 
-from ds4mlx.chat.requests import parse_anthropic, parse_chat, parse_responses  # noqa: E402
 from ds4mlx.chat.families.deepseek_v4.template import live_tail, render, render_continuation_tail, uses_tool_context  # noqa: E402
+from ds4mlx.chat.requests import parse_anthropic, parse_chat, parse_responses  # noqa: E402
 from ds4mlx.chat.toolmemory import ToolMemory  # noqa: E402
 from ds4mlx.engine import Engine, Failed, Job  # noqa: E402
-from ds4mlx.events import (Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallDelta,  # noqa: E402
-                           ToolCallEnd, ToolCallStart)
+from ds4mlx.events import (
+    Finish,
+    PrefillProgress,
+    ReasoningDelta,
+    Started,
+    TextDelta,
+    ToolCallDelta,  # noqa: E402
+    ToolCallEnd,
+    ToolCallStart,
+)
 from ds4mlx.sampling import SamplingParams  # noqa: E402
 
-DSML_CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
-             '<｜DSML｜parameter name="command" string="true">ls /tmp</｜DSML｜parameter>\n'
-             '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
-TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"command": {"type": "string"}}}}}]
+DSML_CALL = (
+    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
+    '<｜DSML｜parameter name="command" string="true">ls /tmp</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -168,11 +186,13 @@ def test_jobs_run_fifo(make):
     order, done = [], []
     handles = []
     for i in range(4):
+
         def emit(ev, i=i):
             if isinstance(ev, Started):
                 order.append(i)
             if isinstance(ev, Finish):
                 done.append(i)
+
         handles.append(eng.submit(raw_job(prompt_text=RAW + f"#{i}"), emit))
     assert model.prefill_gate.wait_for_waiters(1)
     assert eng.queue_depth == 3
@@ -241,7 +261,7 @@ def test_memory_token_reuse_prefills_only_the_suffix(make, tok):
     live = list(eng.session.tokens)
     p2 = p1 + "Fine.<｜end▁of▁sentence｜><｜User｜>again<｜Assistant｜></think>"
     ids2 = tok.encode(p2)
-    assert ids2[:len(live)] == live
+    assert ids2[: len(live)] == live
     before = model.prefill_tokens
     fin2 = finish_of(run(eng, raw_job(prompt_text=p2)))
     assert eng.stats.last_cache_source == "memory-token"
@@ -257,13 +277,13 @@ def test_memory_text_reuse_keeps_sampled_tokenization(make, tok):
     run(eng, raw_job())
     live = list(eng.session.tokens)
     p2 = RAW + "Hello<｜end▁of▁sentence｜><｜User｜>more<｜Assistant｜></think>"
-    assert tok.encode(p2)[:len(live)] != live
+    assert tok.encode(p2)[: len(live)] != live
     before = model.prefill_tokens
     fin = finish_of(run(eng, raw_job(prompt_text=p2)))
     suffix = tok.encode("<｜end▁of▁sentence｜><｜User｜>more<｜Assistant｜></think>")
     assert eng.stats.last_cache_source == "memory-text"
     assert fin.usage.cached_tokens == len(live) and model.prefill_tokens - before == len(suffix)
-    assert eng.session.tokens[:len(live)] == live
+    assert eng.session.tokens[: len(live)] == live
 
 
 def test_thinking_visible_reuse_keeps_hidden_reasoning(make, tok):
@@ -273,17 +293,22 @@ def test_thinking_visible_reuse_keeps_hidden_reasoning(make, tok):
     assert p1.endswith("<think>")
     run(eng, Job(prompt_text=p1, api="chat", thinking=c1.thinking))
     live = list(eng.session.tokens)
-    c2 = chat([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Four."},
-               {"role": "user", "content": "3+3?"}])
+    c2 = chat(
+        [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "Four."},
+            {"role": "user", "content": "3+3?"},
+        ]
+    )
     p2 = render(c2)
     assert "Let me think." not in p2  # plain chats drop old reasoning
     before = model.prefill_tokens
     fin = finish_of(run(eng, Job(prompt_text=p2, api="chat", thinking=c2.thinking)))
     assert eng.stats.last_cache_source == "thinking-visible"
     assert fin.usage.cached_tokens == len(live)
-    visible = p1[:-len("<think>")] + "</think>Four.<｜end▁of▁sentence｜>"
-    assert model.prefill_tokens - before == len(tok.encode(p2[len(visible):]))
-    assert eng.session.tokens[:len(live)] == live  # the reasoning tokens are still in the KV
+    visible = p1[: -len("<think>")] + "</think>Four.<｜end▁of▁sentence｜>"
+    assert model.prefill_tokens - before == len(tok.encode(p2[len(visible) :]))
+    assert eng.session.tokens[: len(live)] == live  # the reasoning tokens are still in the KV
 
 
 def test_unrelated_prompt_is_a_miss(make):
@@ -329,20 +354,27 @@ def test_structure_is_sampled_greedily_bodies_at_request_temperature(make, tok):
     """Soft positions get a distractor almost as likely as the scripted token.
     Inside DSML structure (tags, names) the engine must take argmax; inside a
     string body it samples at the request temperature."""
-    script = [Segment("Sure.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\""),
-              Segment("bash", soft=True),  # tool name: structural
-              Segment("\">\n<｜DSML｜parameter name=\""),
-              Segment("command", soft=True),  # parameter name: structural
-              Segment("\" string=\"true\">"),
-              Segment("echo hello world now", soft=True),  # string body: request sampling
-              Segment("</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")]
+    script = [
+        Segment('Sure.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="'),
+        Segment("bash", soft=True),  # tool name: structural
+        Segment('">\n<｜DSML｜parameter name="'),
+        Segment("command", soft=True),  # parameter name: structural
+        Segment('" string="true">'),
+        Segment("echo hello world now", soft=True),  # string body: request sampling
+        Segment("</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>"),
+    ]
     c = chat([{"role": "user", "content": "go"}], tools=TOOLS, think=False)
     prompt = render(c)
     deviated = 0
     for seed in range(1, 7):
         model, eng = make(lambda p: script)
-        job = Job(prompt_text=prompt, api="chat", thinking="none", tools_active=True,
-                  params=SamplingParams(temperature=1.0, min_p=0.0, seed=seed))
+        job = Job(
+            prompt_text=prompt,
+            api="chat",
+            thinking="none",
+            tools_active=True,
+            params=SamplingParams(temperature=1.0, min_p=0.0, seed=seed),
+        )
         fin = finish_of(run(eng, job))
         assert fin.reason == "tool_calls", fin.raw_text
         (call,) = fin.result.calls
@@ -357,11 +389,12 @@ def test_responses_tool_output_continuation_prefills_only_the_tail(make, tok):
     model, eng = make(tool_script)
     mem = ToolMemory()
     eng.tool_memory = mem
-    body = {"input": [{"role": "user", "content": "List /tmp"}], "tools": [
-        {"type": "function", "name": "bash", "parameters": {"type": "object"}}]}
+    body = {
+        "input": [{"role": "user", "content": "List /tmp"}],
+        "tools": [{"type": "function", "name": "bash", "parameters": {"type": "object"}}],
+    }
     c1 = parse_responses(body, ctx=2048)
-    fin1 = finish_of(run(eng, Job(prompt_text=render(c1), api="responses", thinking=c1.thinking,
-                                  tools_active=True)))
+    fin1 = finish_of(run(eng, Job(prompt_text=render(c1), api="responses", thinking=c1.thinking, tools_active=True)))
     (call,) = fin1.result.calls
     assert eng.live_call_ids("responses") == {call.id}
     live = list(eng.session.tokens)
@@ -371,8 +404,15 @@ def test_responses_tool_output_continuation_prefills_only_the_tail(make, tok):
     tail = render_continuation_tail(c2, start)
     assert tail.startswith("<｜end▁of▁sentence｜><｜User｜><tool_result>a b</tool_result>")
     before = model.prefill_tokens
-    job2 = Job(prompt_text=render(c2), api="responses", thinking=c2.thinking, tools_active=True,
-               continuation_tail=tail, continuation_ids=frozenset(ids), requires_live=True)
+    job2 = Job(
+        prompt_text=render(c2),
+        api="responses",
+        thinking=c2.thinking,
+        tools_active=True,
+        continuation_tail=tail,
+        continuation_ids=frozenset(ids),
+        requires_live=True,
+    )
     fin2 = finish_of(run(eng, job2))
     assert eng.stats.last_cache_source == "responses-tool-output"
     assert fin2.usage.cached_tokens == len(live)
@@ -380,32 +420,64 @@ def test_responses_tool_output_continuation_prefills_only_the_tail(make, tok):
     assert fin2.result.content == "Two files."
     # The live state moved on: the same continuation now has nothing to continue from.
     ev = run(eng, job2)
-    assert ev == [Failed(409, "Responses continuation state is not available; retry by replaying the full "
-                              "input history")]
+    assert ev == [
+        Failed(409, "Responses continuation state is not available; retry by replaying the full input history")
+    ]
 
 
 def test_anthropic_tool_result_continuation(make, tok):
     model, eng = make(tool_script)
     tools = [{"name": "bash", "input_schema": {"type": "object"}}]
-    c1 = parse_anthropic({"messages": [{"role": "user", "content": "List /tmp"}], "tools": tools,
-                          "max_tokens": 50}, ctx=2048)
-    fin1 = finish_of(run(eng, Job(prompt_text=render(c1), api="anthropic", thinking=c1.thinking,
-                                  tools_active=True, tool_id_prefix="toolu_")))
+    c1 = parse_anthropic(
+        {"messages": [{"role": "user", "content": "List /tmp"}], "tools": tools, "max_tokens": 50}, ctx=2048
+    )
+    fin1 = finish_of(
+        run(
+            eng,
+            Job(
+                prompt_text=render(c1),
+                api="anthropic",
+                thinking=c1.thinking,
+                tools_active=True,
+                tool_id_prefix="toolu_",
+            ),
+        )
+    )
     (call,) = fin1.result.calls
     assert call.id.startswith("toolu_")
     live = len(eng.session)
-    c2 = parse_anthropic({"messages": [
-        {"role": "user", "content": "List /tmp"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": "bash",
-                                           "input": {"command": "ls /tmp"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "a b"}]}],
-        "tools": tools, "max_tokens": 50}, ctx=2048)
+    c2 = parse_anthropic(
+        {
+            "messages": [
+                {"role": "user", "content": "List /tmp"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": call.id, "name": "bash", "input": {"command": "ls /tmp"}}],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "a b"}]},
+            ],
+            "tools": tools,
+            "max_tokens": 50,
+        },
+        ctx=2048,
+    )
     start, ids = live_tail(c2)
     tail = render_continuation_tail(c2, start)
     before = model.prefill_tokens
-    fin2 = finish_of(run(eng, Job(prompt_text=render(c2), api="anthropic", thinking=c2.thinking,
-                                  tools_active=True, continuation_tail=tail, continuation_ids=frozenset(ids),
-                                  preserves_reasoning=uses_tool_context(c2))))
+    fin2 = finish_of(
+        run(
+            eng,
+            Job(
+                prompt_text=render(c2),
+                api="anthropic",
+                thinking=c2.thinking,
+                tools_active=True,
+                continuation_tail=tail,
+                continuation_ids=frozenset(ids),
+                preserves_reasoning=uses_tool_context(c2),
+            ),
+        )
+    )
     assert eng.stats.last_cache_source == "anthropic-tool-output"
     assert fin2.usage.cached_tokens == live and model.prefill_tokens - before == len(tok.encode(tail))
 
@@ -445,8 +517,10 @@ def test_tool_choice_forces_the_block_open(make, tok, named):
     from ds4mlx.serve.prepare import force_text
 
     force = force_text("bash" if named else None)
-    rest = ('bash">\n' if not named else "") + ('<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
-                                                '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+    rest = ('bash">\n' if not named else "") + (
+        '<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
     filler = tok.encode("x") * len(tok.encode(force))
     script = tok.encode("Hmm.</think>") + filler + tok.encode(rest)
     c = chat([{"role": "user", "content": "go"}], tools=TOOLS)

@@ -1,5 +1,6 @@
 """What a new user sees around a run: the demo model's random weights, a loading
 notice, Ctrl-C during the load, what --help promises."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,28 @@ def test_ctrl_c_during_the_load_exits_130_without_traceback(tmp_path):
     script.write_text(json.dumps({"open_delay": 60}))
     trace = tmp_path / "trace.txt"
     trace.write_text("# ds4-eval trace\n\nkept\n")
-    p = subprocess.Popen([sys.executable, "-m", "ds4mlx.cli", "eval", "--backend", "fake", "--fake-script",
-                          str(script), "--plain", "--case-id", "1", "--trace", str(trace)], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ds4mlx.cli",
+            "eval",
+            "--backend",
+            "fake",
+            "--fake-script",
+            str(script),
+            "--plain",
+            "--case-id",
+            "1",
+            "--trace",
+            str(trace),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 30
     while "context auto-sized" not in (err := _peek(p)) and time.monotonic() < deadline:
         time.sleep(0.05)

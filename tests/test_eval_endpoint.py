@@ -5,6 +5,7 @@ speaks the chat-completions SSE wire format of http-api.md §3 (role chunk,
 `reasoning_content` deltas, `content` deltas, finish chunk, usage chunk, [DONE]).
 TODO: switch `live_server` to the real `ds4mlx serve` on the demo model once it lands.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,18 +52,37 @@ class Stub:
         user = next(m["content"] for m in reversed(body["messages"]) if m["role"] == "user")
         answer = "B" if "Magellanic" in user else "C"
         if self.mode == "json":  # a server that ignores stream: true
-            return web.json_response({
-                "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
-                "choices": [{"index": 0, "finish_reason": "stop", "message": {
-                    "role": "assistant", "reasoning_content": "".join(self.reasoning),
-                    "content": f"\n\nAnswer: {answer}"}}],
-                "usage": {"prompt_tokens": 321, "completion_tokens": 9, "total_tokens": 330}})
+            return web.json_response(
+                {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": body["model"],
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "stop",
+                            "message": {
+                                "role": "assistant",
+                                "reasoning_content": "".join(self.reasoning),
+                                "content": f"\n\nAnswer: {answer}",
+                            },
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 321, "completion_tokens": 9, "total_tokens": 330},
+                }
+            )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
 
         def chunk(delta, finish=None):
-            return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            return {
+                "id": "chatcmpl-1",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": body["model"],
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
 
         events = [chunk({"role": "assistant"})]
         thinking = body.get("think", True) is not False
@@ -73,14 +93,21 @@ class Stub:
             events += [chunk({"reasoning_content": r}) for r in self.reasoning]
         events += [chunk({"content": "\n\nAnswer: "}), chunk({"content": answer}), chunk({}, "stop")]
         if body.get("stream_options", {}).get("include_usage"):
-            events.append({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0,
-                           "model": body["model"], "choices": [],
-                           "usage": {"prompt_tokens": 321, "completion_tokens": 9, "total_tokens": 330}})
+            events.append(
+                {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": body["model"],
+                    "choices": [],
+                    "usage": {"prompt_tokens": 321, "completion_tokens": 9, "total_tokens": 330},
+                }
+            )
         wire = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
         if self.mode in ("cut", "abort"):  # cut inside the answer, before its finish chunk
-            wire = wire[:wire.index(b'"content": "\\n\\nAnswer: "') + 60]
+            wire = wire[: wire.index(b'"content": "\\n\\nAnswer: "') + 60]
         for i in range(0, len(wire), 37):  # odd fragment sizes: lines split across writes
-            await resp.write(wire[i:i + 37])
+            await resp.write(wire[i : i + 37])
             await asyncio.sleep(self.delay)
         if self.mode == "abort":
             request.transport.close()
@@ -121,16 +148,34 @@ def live_server():
 def test_endpoint_eval_end_to_end(live_server, tmp_path, capsys):
     url, stub = live_server
     trace = tmp_path / "t.txt"
-    rc = main(["eval", "--endpoint", url, "--api-key", "sk-test", "--plain", "--case-id", "1", "--case-id", "2",
-               "--trace", str(trace), "--seed", "7"])
+    rc = main(
+        [
+            "eval",
+            "--endpoint",
+            url,
+            "--api-key",
+            "sk-test",
+            "--plain",
+            "--case-id",
+            "1",
+            "--case-id",
+            "2",
+            "--trace",
+            str(trace),
+            "--seed",
+            "7",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, out + err
     assert "ds4-eval: 2/2 passed" in out
     assert "context sized by the server" in err
     req = stub.requests[0]
     assert req["model"] == "stub-model"  # first entry of /v1/models
-    assert req["messages"] == [{"role": "system", "content": SYSTEM_PROMPT},
-                               {"role": "user", "content": user_prompt(CORE[0])}]
+    assert req["messages"] == [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": user_prompt(CORE[0])},
+    ]
     assert req["max_tokens"] == 16000 and req["temperature"] == 0 and req["seed"] == 7
     assert req["stream_options"] == {"include_usage": True} and "think" not in req
     assert stub.headers[0]["Authorization"] == "Bearer sk-test"
@@ -146,8 +191,21 @@ def test_endpoint_eval_end_to_end(live_server, tmp_path, capsys):
 
 def test_endpoint_model_name_nothink_and_tokens(live_server, tmp_path, capsys):
     url, stub = live_server
-    rc = main(["eval", "--endpoint", url + "/v1", "-m", "deepseek-chat", "--plain", "--case-id", "1",
-               "--nothink", "--tokens", "64"])
+    rc = main(
+        [
+            "eval",
+            "--endpoint",
+            url + "/v1",
+            "-m",
+            "deepseek-chat",
+            "--plain",
+            "--case-id",
+            "1",
+            "--nothink",
+            "--tokens",
+            "64",
+        ]
+    )
     out, _ = capsys.readouterr()
     assert rc == 0
     req = stub.requests[0]
@@ -160,26 +218,32 @@ def test_endpoint_http_error_is_an_error_record(live_server, tmp_path, capsys):
     url, stub = live_server
     stub.fail_status = 500
     trace = tmp_path / "t.txt"
-    rc = main(["eval", "--endpoint", url, "-m", "x", "--plain", "--case-id", "1", "--case-id", "2",
-               "--trace", str(trace)])
+    rc = main(
+        ["eval", "--endpoint", url, "-m", "x", "--plain", "--case-id", "1", "--case-id", "2", "--trace", str(trace)]
+    )
     _, err = capsys.readouterr()
     assert rc == 1
-    assert (f"ds4-eval: error in recNu3MXkvWUzHZr9: POST {url}/v1/chat/completions: HTTP 500: "
-            "prompt exceeds context") in err
+    assert (
+        f"ds4-eval: error in recNu3MXkvWUzHZr9: POST {url}/v1/chat/completions: HTTP 500: prompt exceeds context"
+    ) in err
     assert [r.status for r in parse_trace(trace.read_bytes())] == ["ERROR"]
 
 
 def test_endpoint_html_error_page_is_one_short_line_with_the_url(live_server, tmp_path, capsys):
     url, stub = live_server
     stub.fail_status = 502
-    stub.fail_body = ("<html><head><title>502 Bad Gateway</title><style>body{color:red}</style></head><body>"
-                      "<h1>Bad Gateway</h1>" + "<p>upstream went away</p>" * 100 + "</body></html>")
+    stub.fail_body = (
+        "<html><head><title>502 Bad Gateway</title><style>body{color:red}</style></head><body>"
+        "<h1>Bad Gateway</h1>" + "<p>upstream went away</p>" * 100 + "</body></html>"
+    )
     rc = main(["eval", "--endpoint", url, "-m", "x", "--plain", "--case-id", "1"])
     out, err = capsys.readouterr()
     assert rc == 1
     line = next(x for x in err.splitlines() if x.startswith("ds4-eval: error in"))
-    assert line.startswith(f"ds4-eval: error in recNu3MXkvWUzHZr9: POST {url}/v1/chat/completions: HTTP 502: "
-                           "502 Bad Gateway Bad Gateway upstream went away")
+    assert line.startswith(
+        f"ds4-eval: error in recNu3MXkvWUzHZr9: POST {url}/v1/chat/completions: HTTP 502: "
+        "502 Bad Gateway Bad Gateway upstream went away"
+    )
     assert "<" not in line and "color:red" not in line and len(line) < 300
     assert f"  1 ERROR GPQA Diamond/recNu3MXkvWUzHZr9: POST {url}/v1/chat/completions: HTTP 502" in out
 
@@ -255,8 +319,22 @@ def test_endpoint_forced_think_close_by_continuation(live_server, tmp_path, caps
     url, stub = live_server
     stub.reasoning = [f"w{i} " for i in range(300)]  # would think past the budget
     trace = tmp_path / "t.txt"
-    rc = main(["eval", "--endpoint", url, "--plain", "--case-id", "1", "--tokens", "40",
-               "--endpoint-continuation", "prefix", "--trace", str(trace)])
+    rc = main(
+        [
+            "eval",
+            "--endpoint",
+            url,
+            "--plain",
+            "--case-id",
+            "1",
+            "--tokens",
+            "40",
+            "--endpoint-continuation",
+            "prefix",
+            "--trace",
+            str(trace),
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, out + err
     assert len(stub.requests) == 2
@@ -264,8 +342,7 @@ def test_endpoint_forced_think_close_by_continuation(live_server, tmp_path, caps
     cap = 40 - 10  # hard budget 40 // 4
     thought = "".join(f"w{i} " for i in range(cap))
     assert second["messages"][:2] == first["messages"]
-    assert second["messages"][2] == {"role": "assistant", "content": "", "reasoning_content": thought,
-                                     "prefix": True}
+    assert second["messages"][2] == {"role": "assistant", "content": "", "reasoning_content": thought, "prefix": True}
     assert second["max_tokens"] == 40 - cap
     rec = parse_trace(trace.read_bytes())[0]
     assert rec.output == thought + "</think>\n\nAnswer: B" and rec.status == "PASSED"

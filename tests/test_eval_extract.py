@@ -1,5 +1,6 @@
 """ds4mlx.eval: case data, prompts, extractors and the --self-test-extractors CLI.
 No model, no MLX."""
+
 from __future__ import annotations
 
 import json
@@ -16,20 +17,22 @@ from ds4mlx.eval.extract import extract_integer, extract_letter, extract_line_sp
 from ds4mlx.eval.prompts import SYSTEM_PROMPT, user_prompt
 from ds4mlx.eval.selftest import VECTORS, check_vector, make_case
 
-NO_MLX = ("import sys\n"
-          "from ds4mlx.cli import main\n"
-          "rc = main({argv!r})\n"
-          "bad = [m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')]\n"
-          "assert not bad, bad\n"
-          "sys.exit(rc)\n")
+NO_MLX = (
+    "import sys\n"
+    "from ds4mlx.cli import main\n"
+    "rc = main({argv!r})\n"
+    "bad = [m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')]\n"
+    "assert not bad, bad\n"
+    "sys.exit(rc)\n"
+)
 
 
 def _run_cli(argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", NO_MLX.format(argv=argv)], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-c", NO_MLX.format(argv=argv)], capture_output=True, text=True, timeout=120)
 
 
 # ---------------------------------------------------------------- self-test CLI
+
 
 def test_self_test_extractors_cli_passes_without_mlx():
     r = _run_cli(["eval", "--self-test-extractors"])
@@ -49,9 +52,11 @@ def test_self_test_reports_failures(monkeypatch, capsys):
 
 
 def test_import_does_not_import_mlx():
-    code = ("import sys, ds4mlx.eval, ds4mlx.eval.cli, ds4mlx.eval.runner, ds4mlx.eval.backends, "
-            "ds4mlx.eval.inprocess, ds4mlx.eval.tui, ds4mlx.eval.trace\n"
-            "assert not [m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')]\n")
+    code = (
+        "import sys, ds4mlx.eval, ds4mlx.eval.cli, ds4mlx.eval.runner, ds4mlx.eval.backends, "
+        "ds4mlx.eval.inprocess, ds4mlx.eval.tui, ds4mlx.eval.trace\n"
+        "assert not [m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')]\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -63,17 +68,21 @@ def test_vector(v):
 
 # ---------------------------------------------------------------- the seed's fixes, spelled out
 
-@pytest.mark.parametrize("text,gold", [
-    ("</think>Answer: I think it is C", "C"),
-    ("</think>Answer: A careful reading shows C", "C"),
-    ("</think>Answer: I'll go with C.", "C"),
-    ("</think>Answer: It is not B, the answer is D", "D"),
-    ("</think>Answer: rules out C, leaving D", "D"),
-    ("</think>Answer: the answer isn't B; C", "C"),
-    ("</think>Answer: eliminate B and pick E", "E"),
-    ("</think>Answer: all except B; so G", "G"),
-    ("</think>Answer: D, not B", "D"),
-])
+
+@pytest.mark.parametrize(
+    "text,gold",
+    [
+        ("</think>Answer: I think it is C", "C"),
+        ("</think>Answer: A careful reading shows C", "C"),
+        ("</think>Answer: I'll go with C.", "C"),
+        ("</think>Answer: It is not B, the answer is D", "D"),
+        ("</think>Answer: rules out C, leaving D", "D"),
+        ("</think>Answer: the answer isn't B; C", "C"),
+        ("</think>Answer: eliminate B and pick E", "E"),
+        ("</think>Answer: all except B; so G", "G"),
+        ("</think>Answer: D, not B", "D"),
+    ],
+)
 def test_multiple_choice_fixes(text, gold):
     assert extract_letter(text, 10) == gold
 
@@ -91,25 +100,29 @@ def test_compsec_no_space_quirk():
 
 # ---------------------------------------------------------------- ds4 variants a/b (explain old traces)
 
-@pytest.mark.parametrize("kind,text,a,b", [
-    ("mc/10", "</think>Answer: I think it is C", "I", "I"),
-    ("mc/10", "</think>Answer: A careful check gives B", "A", "A"),
-    ("mc/4", "</think>Answer: not B, D", "B", "B"),
-    ("mc/4", "</think>Answer: this rules out C, so D", "C", "C"),
-    ("mc/4", "</think>The answer might be B.\nAnswer: C", "B", "C"),
-    ("int", "</think>Answer: 2*234 = 468", "2", "2"),
-    ("int", "</think>Answer: 1,000", "1", "1"),
-    ("int", "</think>The answer was 80 before correction.\nAnswer: 588", "80", "588"),
-    ("compsec", "</think>Answer: 13 15", "13,5", "13,5"),
-    ("compsec", "</think>Answer: 12 13", "12,3", "12,3"),
-    ("compsec", "</think>Answer: 20-, 17", "20-,17", "20-,17"),
-    ("compsec", "</think>Answer: 17\u201320", "17,20", "17,20"),
-    ("compsec", "</think>The answer is not line 4.\nAnswer: 5", "4", "5"),
-    # §7.1 under the snapshot: three of the six built-in vectors fail
-    ("mc/10", VECTORS[0].text, "H", "F"),
-    ("int", VECTORS[3].text, "80", "82"),
-    ("compsec", VECTORS[5].text, "10,122", "10"),
-])
+
+@pytest.mark.parametrize(
+    "kind,text,a,b",
+    [
+        ("mc/10", "</think>Answer: I think it is C", "I", "I"),
+        ("mc/10", "</think>Answer: A careful check gives B", "A", "A"),
+        ("mc/4", "</think>Answer: not B, D", "B", "B"),
+        ("mc/4", "</think>Answer: this rules out C, so D", "C", "C"),
+        ("mc/4", "</think>The answer might be B.\nAnswer: C", "B", "C"),
+        ("int", "</think>Answer: 2*234 = 468", "2", "2"),
+        ("int", "</think>Answer: 1,000", "1", "1"),
+        ("int", "</think>The answer was 80 before correction.\nAnswer: 588", "80", "588"),
+        ("compsec", "</think>Answer: 13 15", "13,5", "13,5"),
+        ("compsec", "</think>Answer: 12 13", "12,3", "12,3"),
+        ("compsec", "</think>Answer: 20-, 17", "20-,17", "20-,17"),
+        ("compsec", "</think>Answer: 17\u201320", "17,20", "17,20"),
+        ("compsec", "</think>The answer is not line 4.\nAnswer: 5", "4", "5"),
+        # §7.1 under the snapshot: three of the six built-in vectors fail
+        ("mc/10", VECTORS[0].text, "H", "F"),
+        ("int", VECTORS[3].text, "80", "82"),
+        ("compsec", VECTORS[5].text, "10,122", "10"),
+    ],
+)
 def test_ds4_variants_a_and_b(kind, text, a, b):
     case = make_case(kind, "1")
     assert extract(case, text, "a") == a
@@ -118,17 +131,21 @@ def test_ds4_variants_a_and_b(kind, text, a, b):
 
 # ---------------------------------------------------------------- cases and prompts
 
+
 def test_suites():
     core, hard, smoke = load_cases("core"), load_cases("hard"), load_cases("hard-smoke")
     assert len(core) == 92 and len(hard) == 50 and len(smoke) == 10
     assert [c["index"] for c in core] == list(range(1, 93))
     assert [c["source"] for c in core[:6]] == ["GPQA Diamond", "SuperGPQA", "AIME2025"] * 2
-    assert Counter(c["source"] for c in core) == {"GPQA Diamond": 25, "SuperGPQA": 25, "AIME2025": 25,
-                                                  "COMPSEC": 17}
-    assert Counter(c["source"] for c in smoke) == {"MMLU-Pro": 3, "OlympiadBench": 3, "LiveBench": 2,
-                                                   "NIST Juliet": 2}
-    assert Counter(c["answer_kind"] for c in hard) == {"multiple_choice": 15, "integer": 17, "line": 10,
-                                                       "ordered_sequence": 7, "exact_string": 1}
+    assert Counter(c["source"] for c in core) == {"GPQA Diamond": 25, "SuperGPQA": 25, "AIME2025": 25, "COMPSEC": 17}
+    assert Counter(c["source"] for c in smoke) == {"MMLU-Pro": 3, "OlympiadBench": 3, "LiveBench": 2, "NIST Juliet": 2}
+    assert Counter(c["answer_kind"] for c in hard) == {
+        "multiple_choice": 15,
+        "integer": 17,
+        "line": 10,
+        "ordered_sequence": 7,
+        "exact_string": 1,
+    }
     assert all(c["license"] and c["source_url"] for c in core + hard)
     shared = json.loads(resources.files("ds4mlx.eval.cases").joinpath("core.json").read_text())
     assert [c["id"] for c in shared] == [c["id"] for c in core]
@@ -175,22 +192,30 @@ def test_prompt_case_7_byte_exact():
         "Find KE of product particles in,\nPi(+) = mu(+) + nu\nhere Pi(+) is stationary.\nRest mass of Pi(+) "
         "& mu(+) is 139.6 MeV & 105.7 MeV respectively.\n\nChoices:\nA. 7.2 MeV, 32.8 MeV\nB. 4.12 MeV, 29.8 MeV\n"
         "C. 2.84 MeV, 26.8 MeV\nD. 3.52 MeV, 20.8 MeV\n\nSolve the question. At the end, write exactly one final "
-        "line in this format and do not write anything after it:\nAnswer: <letter>")
-    assert SYSTEM_PROMPT == ("You are solving a hard benchmark question. Reason carefully. The final answer "
-                             "must follow the requested format exactly.")
+        "line in this format and do not write anything after it:\nAnswer: <letter>"
+    )
+    assert SYSTEM_PROMPT == (
+        "You are solving a hard benchmark question. Reason carefully. The final answer "
+        "must follow the requested format exactly."
+    )
 
 
 def test_prompt_tails_per_kind():
     core = load_cases("core")
-    assert user_prompt(core[2]).endswith("\n\nSolve the problem. At the end, write exactly one final line in this "
-                                         "format and do not write anything after it:\nAnswer: <integer>")
-    assert user_prompt(core[80]).endswith("\n\nAt the end, write exactly one final line in this format and do not "
-                                          "write anything after it:\nAnswer: <line number or comma-separated line "
-                                          "numbers>")
+    assert user_prompt(core[2]).endswith(
+        "\n\nSolve the problem. At the end, write exactly one final line in this "
+        "format and do not write anything after it:\nAnswer: <integer>"
+    )
+    assert user_prompt(core[80]).endswith(
+        "\n\nAt the end, write exactly one final line in this format and do not "
+        "write anything after it:\nAnswer: <line number or comma-separated line "
+        "numbers>"
+    )
     hard = {c["answer_kind"]: c for c in load_cases("hard")}
     assert user_prompt(hard["line"]).endswith("Answer: <line number>")
-    assert "Answer: <answers to the questions, in the order asked, separated by commas, e.g. a, b, c>" in \
-        user_prompt(hard["ordered_sequence"])
+    assert "Answer: <answers to the questions, in the order asked, separated by commas, e.g. a, b, c>" in user_prompt(
+        hard["ordered_sequence"]
+    )
     assert user_prompt(hard["exact_string"]).endswith("Answer: <your answer, as a short phrase>")
 
 
@@ -219,6 +244,19 @@ def test_grade_public_api_on_real_cases():
 
 def test_sources_md_lists_every_source_and_licence():
     text = resources.files("ds4mlx.eval.cases").joinpath("SOURCES.md").read_text()
-    for needle in ("GPQA Diamond", "SuperGPQA", "AIME2025", "COMPSEC", "MMLU-Pro", "OlympiadBench", "LiveBench",
-                   "NIST Juliet", "CC-BY-4.0", "ODC-BY", "Apache-2.0", "MIT", "CC0-1.0"):
+    for needle in (
+        "GPQA Diamond",
+        "SuperGPQA",
+        "AIME2025",
+        "COMPSEC",
+        "MMLU-Pro",
+        "OlympiadBench",
+        "LiveBench",
+        "NIST Juliet",
+        "CC-BY-4.0",
+        "ODC-BY",
+        "Apache-2.0",
+        "MIT",
+        "CC0-1.0",
+    ):
         assert needle in text, needle

@@ -2,6 +2,7 @@
 Session contract (tests/scripted_model.py), the ds4 decode loop with the
 `</think>` controller.  Plus the acceptance run on the demo model when
 `ds4mlx.load(None)` is available."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -70,13 +71,12 @@ def test_hard_close_injects_plain_text_close_tokens(tok, tmp_path):
     close = tok.encode("</") + tok.encode("think>")
     assert len(close) == 3 and tok.encode("</think>")[0] not in close  # ordinary tokens, not the special id
     session = runner.backend._session
-    gen = session.tokens[runner.runs[0].prompt_tokens:]
+    gen = session.tokens[runner.runs[0].prompt_tokens :]
     assert gen[30:33] == close
 
 
 def test_sampling_path_and_session_reuse(tok, tmp_path):
-    rc, runner, model, recs = _run(tok, "ok</think>Answer: B", CORE[:2], tmp_path, tokens=32, temperature=0.7,
-                                   seed=5)
+    rc, runner, model, recs = _run(tok, "ok</think>Answer: B", CORE[:2], tmp_path, tokens=32, temperature=0.7, seed=5)
     assert [r.output for r in recs] == ["ok</think>Answer: B"] * 2
     assert model.prefill_calls == 2  # one session, each case prefilled from scratch
 
@@ -88,9 +88,28 @@ DEMO = importlib.util.find_spec("ds4mlx.loader") is not None
 @pytest.mark.skipif(not DEMO, reason="ds4mlx.loader (demo model) not available yet")
 def test_acceptance_demo_model_three_cases(tmp_path):
     trace = tmp_path / "t.txt"
-    r = subprocess.run([sys.executable, "-m", "ds4mlx.cli", "eval", "--plain", "--case-id", "1", "--case-id", "2",
-                        "--case-id", "3", "--tokens", "64", "--trace", str(trace)],
-                       capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds4mlx.cli",
+            "eval",
+            "--plain",
+            "--case-id",
+            "1",
+            "--case-id",
+            "2",
+            "--case-id",
+            "3",
+            "--tokens",
+            "64",
+            "--trace",
+            str(trace),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert r.returncode in (0, 1), r.stderr
     recs = parse_trace(trace.read_bytes())
     assert len(recs) == 3 and all(x.status in ("PASSED", "FAILED") for x in recs)

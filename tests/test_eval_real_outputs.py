@@ -14,6 +14,7 @@ picks are identical, and the snapshot rules reproduce every recorded pick.  None
 these outputs exercises a seed fix (the model always ends with a bare `Answer: X`),
 so TRIAGE is empty.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,10 @@ def test_grades_agree_with_ds4_or_are_triaged(records):
                 stale.append(key)
         elif key not in TRIAGE:
             picked = extract(_case(r), r["model_output"])
-            untriaged.append(f"{key} {r['source']}/{r['id']}: ds4 {r['status']} picked={r['picked']} -> ours "
-                             f"{'PASSED' if ours else 'FAILED'} picked={picked} expected={r['expected']}")
+            untriaged.append(
+                f"{key} {r['source']}/{r['id']}: ds4 {r['status']} picked={r['picked']} -> ours "
+                f"{'PASSED' if ours else 'FAILED'} picked={picked} expected={r['expected']}"
+            )
     assert not untriaged, "untriaged disagreements:\n" + "\n".join(untriaged)
     assert not stale, f"triage entries that no longer disagree: {stale}"
     assert agree + len(TRIAGE) == 184
@@ -70,8 +73,12 @@ def test_grades_agree_with_ds4_or_are_triaged(records):
 
 
 def test_picks_identical(records):
-    diffs = [(r["run"], r["index"], r["picked"], p) for r in records
-             for p, _ in [grade_detail(_case(r), r["model_output"])] if p != r["picked"]]
+    diffs = [
+        (r["run"], r["index"], r["picked"], p)
+        for r in records
+        for p, _ in [grade_detail(_case(r), r["model_output"])]
+        if p != r["picked"]
+    ]
     assert diffs == []
 
 

@@ -1,5 +1,6 @@
 """`--report FILE.json`, `--baseline FILE.json --max-drop N` and the exit codes CI
 relies on, on the scripted fake backend."""
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,10 @@ def test_report_json_per_case_totals_and_sources(tmp_path, capsys):
     r = json.loads(path.read_text())
     assert r["format"] == "ds4mlx-eval-report/1" and r["suite"] == "core" and r["complete"] is True
     assert [(c["id"], c["source"], c["status"], c["expected"], c["extracted"]) for c in r["cases"]] == [
-        (C1["id"], "GPQA Diamond", "PASSED", "B", "B"), (C2["id"], "SuperGPQA", "PASSED", "C", "C"),
-        (C3["id"], "AIME2025", "FAILED", "70", "71")]
+        (C1["id"], "GPQA Diamond", "PASSED", "B", "B"),
+        (C2["id"], "SuperGPQA", "PASSED", "C", "C"),
+        (C3["id"], "AIME2025", "FAILED", "70", "71"),
+    ]
     for c, case in zip(r["cases"], (C1, C2, C3)):
         assert c["suite"] == "core" and c["domain"] == case["domain"]
         assert c["tokens"] == 5 and c["seconds"] >= 0 and c["tps"] >= 0 and c["prompt_tokens"] > 0
@@ -99,11 +102,23 @@ def test_long_answers_keep_the_report_columns(tmp_path, capsys):
     hard = load_cases("hard")
     long_case = next(c for c in hard if len(c["answer"]) > 8)
     script = _script(tmp_path, {"default": "</think>Answer: " + "x" * 40})
-    rc, out, _ = _eval(capsys, "--suite", "hard", "--fake-script", script, "--case-id", long_case["id"],
-                       "--case-id", hard[0]["id"], "--tokens", "16")
+    rc, out, _ = _eval(
+        capsys,
+        "--suite",
+        "hard",
+        "--fake-script",
+        script,
+        "--case-id",
+        long_case["id"],
+        "--case-id",
+        hard[0]["id"],
+        "--tokens",
+        "16",
+    )
     rows = [x for x in out.splitlines() if x[:3].strip().isdigit()]
     assert len(rows) == 2
-    starts = {row.index(c["source"] + "/") for row, c in zip(rows, sorted([long_case, hard[0]],
-                                                                        key=lambda c: c["index"]))}
+    starts = {
+        row.index(c["source"] + "/") for row, c in zip(rows, sorted([long_case, hard[0]], key=lambda c: c["index"]))
+    }
     assert len(starts) == 1  # the test column starts at the same place on every row
     assert "~" in out

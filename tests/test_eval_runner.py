@@ -1,6 +1,7 @@
 """ds4mlx eval runner: plain mode, trace, regrade, retry-incomplete, context sizing,
 scheduling (switch / quit / error) and the `</think>` budget controller, on the
 scripted fake backend (no model)."""
+
 from __future__ import annotations
 
 import json
@@ -35,15 +36,36 @@ def _trace(path):
 
 # ---------------------------------------------------------------- plain run + trace
 
+
 def test_plain_run_three_cases_writes_trace(tmp_path, capsys):
-    script = _script(tmp_path, {"cases": {
-        C1["id"]: "Time dilation, gamma about 1961.</think>\nAnswer: B",
-        C2["id"]: "Pellets.</think>\nAnswer: C",
-        C3["id"]: "Bases.</think>\nAnswer: m+n = 21+49 = 71",
-    }})
+    script = _script(
+        tmp_path,
+        {
+            "cases": {
+                C1["id"]: "Time dilation, gamma about 1961.</think>\nAnswer: B",
+                C2["id"]: "Pellets.</think>\nAnswer: C",
+                C3["id"]: "Bases.</think>\nAnswer: m+n = 21+49 = 71",
+            }
+        },
+    )
     trace = tmp_path / "t.txt"
-    rc, out, err = _eval(["--fake-script", script, "--case-id", C1["id"], "--case-id", C2["id"],
-                          "--case-id", C3["id"], "--tokens", "64", "--trace", str(trace)], capsys)
+    rc, out, err = _eval(
+        [
+            "--fake-script",
+            script,
+            "--case-id",
+            C1["id"],
+            "--case-id",
+            C2["id"],
+            "--case-id",
+            C3["id"],
+            "--tokens",
+            "64",
+            "--trace",
+            str(trace),
+        ],
+        capsys,
+    )
     assert rc == 1  # one case failed
     assert f"[1/3] GPQA Diamond/{C1['domain']} {C1['title']}" in out
     assert "PASSED got B expected B" in out and "FAIL got 71 expected 70" in out
@@ -78,19 +100,26 @@ def _crafted(tmp_path, records):
 
 
 def _rec(i, status, picked, output, case=C1):
-    return TraceRecord(i, 3, case["source"], case["id"], case["domain"], case["title"], status, picked,
-                       case["answer"], output=output)
+    return TraceRecord(
+        i, 3, case["source"], case["id"], case["domain"], case["title"], status, picked, case["answer"], output=output
+    )
 
 
 def test_regrade_counts_only_passed_and_failed(tmp_path, capsys):
-    path = _crafted(tmp_path, [_rec(1, "PASSED", "B", "</think>Answer: B"),
-                               _rec(2, "STOPPED", "?", "half a thought, Answer: B"),
-                               _rec(3, "STOPPED", "?", "")])
+    path = _crafted(
+        tmp_path,
+        [
+            _rec(1, "PASSED", "B", "</think>Answer: B"),
+            _rec(2, "STOPPED", "?", "half a thought, Answer: B"),
+            _rec(3, "STOPPED", "?", ""),
+        ],
+    )
     rc = main(["eval", "--regrade", path])
     out, _ = capsys.readouterr()
     assert rc == 0
-    assert out.strip() == (f"ds4-eval: regraded 3 cases from {path}: passed=1 failed=0 not_graded=2 changed=0 "
-                           "unknown=0 parse_errors=0")
+    assert out.strip() == (
+        f"ds4-eval: regraded 3 cases from {path}: passed=1 failed=0 not_graded=2 changed=0 unknown=0 parse_errors=0"
+    )
 
 
 def test_regrade_reports_changes_unknown_and_parse_errors(tmp_path, capsys):
@@ -109,8 +138,10 @@ def test_regrade_reports_changes_unknown_and_parse_errors(tmp_path, capsys):
     assert "not found in embedded cases: GPQA Diamond/recNOPE" in err and "unknown=1" in out
 
     broken = tmp_path / "broken.txt"
-    broken.write_text(f"===== CASE 1/1 GPQA Diamond/{C1['id']} =====\nsource: GPQA Diamond\nid: {C1['id']}\n"
-                      "status: PASSED\nMODEL_OUTPUT_BEGIN bytes=500\nAnswer: B\nMODEL_OUTPUT_END\n")
+    broken.write_text(
+        f"===== CASE 1/1 GPQA Diamond/{C1['id']} =====\nsource: GPQA Diamond\nid: {C1['id']}\n"
+        "status: PASSED\nMODEL_OUTPUT_BEGIN bytes=500\nAnswer: B\nMODEL_OUTPUT_END\n"
+    )
     assert main(["eval", "--regrade", str(broken)]) == 1
     out, err = capsys.readouterr()
     assert "missing MODEL_OUTPUT block" in err and "parse_errors=1" in out
@@ -128,24 +159,49 @@ def test_trace_payloads_cannot_fake_structure(tmp_path, capsys):
 
 # ---------------------------------------------------------------- retry-incomplete
 
+
 def test_retry_incomplete_runs_only_unfinished_cases(tmp_path, capsys):
     trace = tmp_path / "t.txt"
-    old = "# ds4-eval trace\n\n" + format_record(_rec(1, "PASSED", "B", "</think>Answer: B", case=C1)) + \
-        format_record(_rec(2, "STOPPED", "?", "partial", case=C2))
+    old = (
+        "# ds4-eval trace\n\n"
+        + format_record(_rec(1, "PASSED", "B", "</think>Answer: B", case=C1))
+        + format_record(_rec(2, "STOPPED", "?", "partial", case=C2))
+    )
     trace.write_text(old)
     script = _script(tmp_path, {"default": "</think>Answer: C"})
-    rc, out, _ = _eval(["--fake-script", script, "--case-id", "1", "--case-id", "2", "--case-id", "4",
-                        "--trace", str(trace), "--retry-incomplete", "--tokens", "32"], capsys)
+    rc, out, _ = _eval(
+        [
+            "--fake-script",
+            script,
+            "--case-id",
+            "1",
+            "--case-id",
+            "2",
+            "--case-id",
+            "4",
+            "--trace",
+            str(trace),
+            "--retry-incomplete",
+            "--tokens",
+            "32",
+        ],
+        capsys,
+    )
     assert "[1/3]" not in out and "[2/3]" in out and "[3/3]" in out
     recs = _trace(trace)
     # append-only: the old records stay as they were, the reruns follow
-    assert [(r.id, r.status) for r in recs] == [(C1["id"], "PASSED"), (C2["id"], "STOPPED"), (C2["id"], "PASSED"),
-                                                (C4["id"], "PASSED")]
+    assert [(r.id, r.status) for r in recs] == [
+        (C1["id"], "PASSED"),
+        (C2["id"], "STOPPED"),
+        (C2["id"], "PASSED"),
+        (C4["id"], "PASSED"),
+    ]
     assert trace.read_text().startswith(old)
     assert "  1 PASSED " in out and rc == 0
 
 
 # ---------------------------------------------------------------- context sizing and validation
+
 
 def test_context_cap_and_option_validation(tmp_path, capsys):
     rc, _, err = _eval(["--case-id", "1", "--tokens", "1000000"], capsys)
@@ -185,6 +241,7 @@ def test_auto_context_is_largest_prompt_plus_budget():
 
 # ---------------------------------------------------------------- think close
 
+
 def test_hard_close_in_the_decode_loop(tmp_path, capsys):
     script = _script(tmp_path, {"default": "w " * 100})
     trace = tmp_path / "t.txt"
@@ -218,6 +275,7 @@ def test_think_closer_rules():
 
 # ---------------------------------------------------------------- scheduling
 
+
 class Steering(FakeBackend):
     """Fake backend that presses keys through Control at a chosen case."""
 
@@ -246,8 +304,13 @@ def test_enter_switches_and_switched_case_runs_again(tmp_path):
     ids = [c["id"] for c in cases]
     assert backend.order == [ids[0], ids[1], ids[3], ids[1], ids[2]]
     verdict = ["PASSED" if c["answer"] == "B" else "FAILED" for c in cases]
-    assert [r.status for r in _trace(tmp_path / "t.txt")] == [verdict[0], "SWITCHED", verdict[3], verdict[1],
-                                                              verdict[2]]
+    assert [r.status for r in _trace(tmp_path / "t.txt")] == [
+        verdict[0],
+        "SWITCHED",
+        verdict[3],
+        verdict[1],
+        verdict[2],
+    ]
     assert [cr.status for cr in runner.runs] == verdict
 
 
@@ -265,8 +328,7 @@ def test_quit_stops_the_active_case_and_ends_the_run():
 def test_error_aborts_with_exit_1(tmp_path, capsys):
     script = _script(tmp_path, {"default": "</think>Answer: B", "error": {C2["id"]: "boom"}})
     trace = tmp_path / "t.txt"
-    rc, out, err = _eval(["--fake-script", script, "--questions", "3", "--tokens", "16", "--trace", str(trace)],
-                         capsys)
+    rc, out, err = _eval(["--fake-script", script, "--questions", "3", "--tokens", "16", "--trace", str(trace)], capsys)
     assert rc == 1
     assert f"ds4-eval: decode failed for {C2['id']}: boom" in err
     assert [r.status for r in _trace(trace)] == ["PASSED", "ERROR"]

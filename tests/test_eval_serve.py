@@ -1,5 +1,6 @@
 """`ds4mlx eval --endpoint` against the real `ds4mlx serve` (demo model) on 127.0.0.1:
 the whole path — eval prompts, OpenAI SSE from our server, trace, report."""
+
 from __future__ import annotations
 
 import sys
@@ -25,8 +26,24 @@ def demo_server():
 
 def test_eval_endpoint_against_ds4mlx_serve(demo_server, tmp_path, capsys):
     trace = tmp_path / "trace.txt"
-    rc = main(["eval", "--endpoint", demo_server.url, "--plain", "--case-id", "1", "--case-id", "2",
-               "--tokens", "24", "--trace", str(trace), "--seed", "5"])
+    rc = main(
+        [
+            "eval",
+            "--endpoint",
+            demo_server.url,
+            "--plain",
+            "--case-id",
+            "1",
+            "--case-id",
+            "2",
+            "--tokens",
+            "24",
+            "--trace",
+            str(trace),
+            "--seed",
+            "5",
+        ]
+    )
     out, err = capsys.readouterr()
     recs = parse_trace(trace.read_bytes())
     assert len(recs) == 2
@@ -47,19 +64,39 @@ def test_hard_smoke_report_and_better_baseline_against_ds4mlx_serve(demo_server,
     from ds4mlx.eval import load_cases
 
     cases = load_cases("hard-smoke")
-    better = {"format": "ds4mlx-eval-report/1", "totals": {"passed": len(cases)},
-              "cases": [{"source": c["source"], "id": c["id"], "status": "PASSED"} for c in cases]}
+    better = {
+        "format": "ds4mlx-eval-report/1",
+        "totals": {"passed": len(cases)},
+        "cases": [{"source": c["source"], "id": c["id"], "status": "PASSED"} for c in cases],
+    }
     (tmp_path / "better.json").write_text(json.dumps(better))
     report = tmp_path / "r.json"
-    rc = main(["eval", "--endpoint", demo_server.url, "--suite", "hard-smoke", "--plain", "--tokens", "4",
-               "--seed", "3", "--report", str(report), "--baseline", str(tmp_path / "better.json")])
+    rc = main(
+        [
+            "eval",
+            "--endpoint",
+            demo_server.url,
+            "--suite",
+            "hard-smoke",
+            "--plain",
+            "--tokens",
+            "4",
+            "--seed",
+            "3",
+            "--report",
+            str(report),
+            "--baseline",
+            str(tmp_path / "better.json"),
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 1, out + err
     r = json.loads(report.read_text())
     assert r["complete"] and r["suite"] == "hard-smoke" and r["backend"] == "endpoint"
     assert [(c["source"], c["id"]) for c in r["cases"]] == [(c["source"], c["id"]) for c in cases]
-    assert all(c["status"] in ("PASSED", "FAILED") and 0 < c["tokens"] <= 4 and c["prompt_tokens"] > 50
-               for c in r["cases"])
+    assert all(
+        c["status"] in ("PASSED", "FAILED") and 0 < c["tokens"] <= 4 and c["prompt_tokens"] > 50 for c in r["cases"]
+    )
     t = r["totals"]
     assert t["passed"] + t["failed"] == t["total"] == len(cases) and t["errors"] == 0
     assert sum(s["total"] for s in r["sources"].values()) == len(cases)

@@ -1,5 +1,6 @@
 """The eval TUI under a real pseudo-terminal (tmux, its own server socket):
 Down/Enter switch cases, p pauses, q quits and prints the report."""
+
 from __future__ import annotations
 
 import json
@@ -26,15 +27,32 @@ class Tmux:
         self.cols, self.rows = cols, rows
 
     def _t(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.sock, *args], capture_output=True, text=True,
-                              timeout=30).stdout
+        return subprocess.run(["tmux", "-L", self.sock, *args], capture_output=True, text=True, timeout=30).stdout
 
     def start(self, command: str) -> None:
         # a fresh server per start: reusing a socket right after kill-server races its shutdown
         self.starts = getattr(self, "starts", 0) + 1
         self.sock = f"ds4mlx-eval-test-{os.getpid()}-{self.name}-{self.starts}"
-        subprocess.run(["tmux", "-L", self.sock, "-f", "/dev/null", "new-session", "-d", "-s", self.name,
-                        "-x", str(self.cols), "-y", str(self.rows), command], check=True, timeout=30)
+        subprocess.run(
+            [
+                "tmux",
+                "-L",
+                self.sock,
+                "-f",
+                "/dev/null",
+                "new-session",
+                "-d",
+                "-s",
+                self.name,
+                "-x",
+                str(self.cols),
+                "-y",
+                str(self.rows),
+                command,
+            ],
+            check=True,
+            timeout=30,
+        )
 
     def screen(self) -> str:
         return self._t("capture-pane", "-p", "-t", self.name)
@@ -79,9 +97,11 @@ def test_tui_keys_and_report(tmp_path, tmux):
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"default": f"{words}</think>\nAnswer: B", "delay": 0.15, "prefill_delay": 0.3}))
     trace = tmp_path / "trace.txt"
-    cmd = (f"cd {REPO} && {sys.executable} -m ds4mlx.cli eval --backend fake --fake-script {script} "
-           + " ".join(f"--case-id {c['id']}" for c in cases)
-           + f" --trace {trace} --pause-ms 1; echo EXIT=$?; sleep 300")
+    cmd = (
+        f"cd {REPO} && {sys.executable} -m ds4mlx.cli eval --backend fake --fake-script {script} "
+        + " ".join(f"--case-id {c['id']}" for c in cases)
+        + f" --trace {trace} --pause-ms 1; echo EXIT=$?; sleep 300"
+    )
     tmux.start(cmd)
 
     screen = tmux.wait_for(lambda s: "ds4-eval (p)ause (q)uit" in s and " RUN " in _row(s, 1))
@@ -125,8 +145,10 @@ def test_small_terminal_falls_back_to_plain(tmp_path, tmux):
     tmux.cols, tmux.rows = 80, 24
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"default": "hm</think>\nAnswer: B"}))
-    tmux.start(f"cd {REPO} && {sys.executable} -m ds4mlx.cli eval --backend fake --fake-script {script} "
-               f"--case-id 1; echo EXIT=$?; sleep 300")
+    tmux.start(
+        f"cd {REPO} && {sys.executable} -m ds4mlx.cli eval --backend fake --fake-script {script} "
+        f"--case-id 1; echo EXIT=$?; sleep 300"
+    )
     screen = tmux.wait_for(lambda s: "EXIT=" in s)
     assert "PASSED got B expected B" in screen and "EXIT=0" in screen
 
@@ -134,14 +156,17 @@ def test_small_terminal_falls_back_to_plain(tmp_path, tmux):
 def test_ctrl_c_quits_cleanly_with_130(tmp_path, tmux):
     """Ctrl-C in the TUI: report printed, exit 130, the worker joined (no abort, no traceback)."""
     script = tmp_path / "script.json"
-    script.write_text(json.dumps({"default": " ".join(f"w{i}" for i in range(400)) + "</think>\nAnswer: B",
-                                  "delay": 0.05}))
+    script.write_text(
+        json.dumps({"default": " ".join(f"w{i}" for i in range(400)) + "</think>\nAnswer: B", "delay": 0.05})
+    )
     trace = tmp_path / "trace.txt"
     for attempt in range(3):
         if trace.exists():
             trace.unlink()
-        cmd = (f"cd {REPO} && {sys.executable} -m ds4mlx.cli eval --backend fake --fake-script {script} "
-               f"--case-id 1 --case-id 2 --trace {trace} --pause-ms 1; echo EXIT=$?; sleep 300")
+        cmd = (
+            f"cd {REPO} && {sys.executable} -m ds4mlx.cli eval --backend fake --fake-script {script} "
+            f"--case-id 1 --case-id 2 --trace {trace} --pause-ms 1; echo EXIT=$?; sleep 300"
+        )
         tmux.start(cmd)
         tmux.wait_for(lambda s: " RUN " in _row(s, 1) and "w3" in s)
         time.sleep(0.1 * attempt)  # a different point of the run each time
@@ -165,8 +190,10 @@ def test_ctrl_c_with_the_in_process_model_exits_130_not_134(tmp_path, tmux):
     pytest.importorskip("mlx.core")
     err = tmp_path / "err.txt"
     for attempt in range(2):
-        cmd = (f"cd {REPO} && {sys.executable} -m ds4mlx.cli eval --questions 3 --tokens 300 --pause-ms 1 "
-               f"2>{err}; echo EXIT=$?; sleep 300")
+        cmd = (
+            f"cd {REPO} && {sys.executable} -m ds4mlx.cli eval --questions 3 --tokens 300 --pause-ms 1 "
+            f"2>{err}; echo EXIT=$?; sleep 300"
+        )
         tmux.start(cmd)
         tmux.wait_for(lambda s: "ds4-eval (p)ause" in s, timeout=120)
         time.sleep(0.3 * attempt)
@@ -183,8 +210,10 @@ def test_error_reason_outlives_the_tui(tmp_path, tmux):
     cases = load_cases("core")[:2]
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"default": "</think>Answer: B", "error": {cases[1]["id"]: "connection refused"}}))
-    tmux.start(f"cd {REPO} && {sys.executable} -m ds4mlx.cli eval --backend fake --fake-script {script} "
-               f"--questions 2 --pause-ms 1; echo EXIT=$?; sleep 300")
+    tmux.start(
+        f"cd {REPO} && {sys.executable} -m ds4mlx.cli eval --backend fake --fake-script {script} "
+        f"--questions 2 --pause-ms 1; echo EXIT=$?; sleep 300"
+    )
     screen = tmux.wait_for(lambda s: "EXIT=" in s)
     assert "EXIT=1" in screen
     rows = {int(line[:3]): line for line in screen.splitlines() if line[:3].strip().isdigit()}

@@ -1,6 +1,7 @@
 """The TUI's drawing, captured through rich (no terminal): double-width text in the
 live output, the speed figure while paused, the status line while the cursor is on
 another case, the endpoint's think cap."""
+
 from __future__ import annotations
 
 import io
@@ -19,8 +20,7 @@ COLS, ROWS = 120, 30
 
 
 def _screen(tui: TUI) -> list[str]:
-    console = Console(file=io.StringIO(), width=COLS, height=ROWS, record=True, color_system=None,
-                      legacy_windows=False)
+    console = Console(file=io.StringIO(), width=COLS, height=ROWS, record=True, color_system=None, legacy_windows=False)
     tui.console = console
     console.print(tui.render())
     return console.export_text().splitlines()
@@ -60,7 +60,7 @@ def test_speed_excludes_paused_time_and_cursor_keeps_the_running_case():
     cr.raw, cr.generated = ["w "] * 20, 20
     cr.phase_tokens = 20
     now = time.monotonic()
-    cr.t_phase = now - 10.0            # 10 s since the phase began ...
+    cr.t_phase = now - 10.0  # 10 s since the phase began ...
     cr.phase_paused0 = 0.0
     runner.control.paused_seconds = 8.0  # ... of which 8 s paused: 20 tokens in 2 s
     status = _right(_screen(tui))[0]

@@ -177,8 +177,16 @@ def test_config_defaults_and_validation_like_transformers():
     for kw in ({}, {"linear_attn_config": {"num_heads": 8, "head_dim": 32, "short_conv_kernel_size": 3}}):
         hf = transformers.Glm5NextTextConfig(num_hidden_layers=9, pad_token_id=None, **kw)
         args = ModelArgs.from_dict({"num_hidden_layers": 9, **kw})
-        for k in ("layer_types", "indexer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim",
-                  "linear_conv_kernel_dim", "linear_lower_bound", "head_dim"):
+        for k in (
+            "layer_types",
+            "indexer_types",
+            "mlp_layer_types",
+            "linear_num_heads",
+            "linear_head_dim",
+            "linear_conv_kernel_dim",
+            "linear_lower_bound",
+            "head_dim",
+        ):
             assert getattr(args, k) == getattr(hf, k), k
     bad = dict(num_hidden_layers=3, layer_types=[INDEXED, LINEAR, INDEXED], indexer_types=["full", "full", "shared"])
     with pytest.raises(ValueError, match="shared"):
@@ -193,8 +201,9 @@ def test_vlm_checkpoint_layout_loads(oracle):
     folder = oracle(SCRIPT, None)
     cfg = json.loads((folder / "config.json").read_text())
     w = load_file(str(folder / "model.safetensors"))
-    vlm_w = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
-             for k, v in w.items()}
+    vlm_w = {
+        (k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v for k, v in w.items()
+    }
     vlm_w["model.visual.blocks.0.attn.qkv.weight"] = np.zeros((3, 3), np.float32)
     vlm_cfg = {"model_type": "glm5_next", "text_config": cfg, "vision_config": {}, "tie_word_embeddings": False}
     ids = np.load(folder / "reference.npz")["input_ids"][0].tolist()
@@ -214,8 +223,9 @@ def test_kda_chunked_matches_transformers_and_recurrent():
     beta = (1 / (1 + np.exp(-rng.standard_normal((B, T, H))))).astype(np.float32)
     s0 = (0.1 * rng.standard_normal((B, H, D, D))).astype(np.float32)
     tt = [torch.from_numpy(a) for a in (q, k, v, g, beta, s0)]
-    want_o, want_s = hf.chunk_kimi_delta_attention(*tt[:5], initial_state=tt[5], output_final_state=True,
-                                                   use_qk_l2norm_in_kernel=True)
+    want_o, want_s = hf.chunk_kimi_delta_attention(
+        *tt[:5], initial_state=tt[5], output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     mq, mk = l2norm(mx.array(q)) * D**-0.5, l2norm(mx.array(k))
     args = (mq, mk, mx.array(v), mx.array(g), mx.array(beta), mx.array(s0))
     o, s = kda_chunked(*args)

@@ -1,8 +1,8 @@
 """`ds4mlx inspect FILE`: header-only summary, and a refusal when the machine is too small."""
+
 from __future__ import annotations
 
 import json
-
 
 from ds4mlx import inspect_model
 from ds4mlx.cli import main

@@ -12,6 +12,7 @@ arithmetic of the kernels without a GPU; it cannot catch GPU-only issues
 
 This module also tests the emulation itself on a small kernel.
 """
+
 from __future__ import annotations
 
 import os
@@ -90,8 +91,18 @@ def _const(name, value) -> str:
     return f"using {name} = {_CTYPE[np.dtype(value)]};\n"
 
 
-def run_on_cpu(tmp_path: Path, header: str, body: str, *, inputs: dict, outputs: dict, consts: dict,
-               groups: tuple, threads: int, fill: float = np.nan) -> dict:
+def run_on_cpu(
+    tmp_path: Path,
+    header: str,
+    body: str,
+    *,
+    inputs: dict,
+    outputs: dict,
+    consts: dict,
+    groups: tuple,
+    threads: int,
+    fill: float = np.nan,
+) -> dict:
     """Compile `header` + `body` (a kernel's shared text, from its INDEX-free section) with
     the CPU prelude and run `groups` = (gx, gy, gz) threadgroups of `threads` threads.
 
@@ -108,18 +119,22 @@ def run_on_cpu(tmp_path: Path, header: str, body: str, *, inputs: dict, outputs:
         params.append(f"const {_CTYPE[np.asarray(arr).dtype]}* {name}")
     for name, (_, dt) in outputs.items():
         params.append(f"{_CTYPE[np.dtype(dt)]}* {name}")
-    src.append("static void ds4_body(" + ", ".join(params) +
-               ", uint32_t tid_, uint32_t tgx_, uint32_t tgy_, uint32_t tgz_) {\n"
-               "    ds4_tl_lane = tid_ & 31u; ds4_tl_warp = tid_ >> 5;\n"
-               "    const uint32_t tid = tid_, tgx = tgx_, tgy = tgy_, tgz = tgz_;\n"
-               "    const uint32_t lane = tid & 31u, warp = tid >> 5;\n"
-               "    (void)tid; (void)tgx; (void)tgy; (void)tgz; (void)lane; (void)warp;\n"
-               + body + "\n}\n")
-    main = ["template <typename U> static std::vector<U> ds4_load(const char* p, size_t n) {\n"
-            "    std::vector<U> v(n ? n : 1); FILE* f = std::fopen(p, \"rb\");\n"
-            "    if (!f || (n && std::fread(v.data(), sizeof(U), n, f) != n)) std::abort();\n"
-            "    std::fclose(f); return v; }\n",
-            "int main(int argc, char** argv) {\n    int a = 1;\n"]
+    src.append(
+        "static void ds4_body("
+        + ", ".join(params)
+        + ", uint32_t tid_, uint32_t tgx_, uint32_t tgy_, uint32_t tgz_) {\n"
+        "    ds4_tl_lane = tid_ & 31u; ds4_tl_warp = tid_ >> 5;\n"
+        "    const uint32_t tid = tid_, tgx = tgx_, tgy = tgy_, tgz = tgz_;\n"
+        "    const uint32_t lane = tid & 31u, warp = tid >> 5;\n"
+        "    (void)tid; (void)tgx; (void)tgy; (void)tgz; (void)lane; (void)warp;\n" + body + "\n}\n"
+    )
+    main = [
+        "template <typename U> static std::vector<U> ds4_load(const char* p, size_t n) {\n"
+        '    std::vector<U> v(n ? n : 1); FILE* f = std::fopen(p, "rb");\n'
+        "    if (!f || (n && std::fread(v.data(), sizeof(U), n, f) != n)) std::abort();\n"
+        "    std::fclose(f); return v; }\n",
+        "int main(int argc, char** argv) {\n    int a = 1;\n",
+    ]
     args = []
     for name, arr in inputs.items():
         arr = np.asarray(arr)
@@ -127,7 +142,9 @@ def run_on_cpu(tmp_path: Path, header: str, body: str, *, inputs: dict, outputs:
         args.append(f"v_{name}.data()")
     for name, (shape, dt) in outputs.items():
         size = int(np.prod(shape))
-        main.append(f"    const int o_{name} = a; auto v_{name} = ds4_load<{_CTYPE[np.dtype(dt)]}>(argv[a++], {size});\n")
+        main.append(
+            f"    const int o_{name} = a; auto v_{name} = ds4_load<{_CTYPE[np.dtype(dt)]}>(argv[a++], {size});\n"
+        )
         args.append(f"v_{name}.data()")
     gx, gy, gz = groups
     main.append(
@@ -136,18 +153,34 @@ def run_on_cpu(tmp_path: Path, header: str, body: str, *, inputs: dict, outputs:
         f"    for (uint32_t z = 0; z < {gz}u; ++z) for (uint32_t y = 0; y < {gy}u; ++y) for (uint32_t x = 0; x < {gx}u; ++x) {{\n"
         f"        std::vector<std::thread> th;\n"
         f"        for (uint32_t t = 0; t < {threads}u; ++t) th.emplace_back(ds4_body, {', '.join(args)}, t, x, y, z);\n"
-        f"        for (auto& t : th) t.join();\n    }}\n")
+        f"        for (auto& t : th) t.join();\n    }}\n"
+    )
     for name, (shape, dt) in outputs.items():
         size = int(np.prod(shape))
-        main.append(f"    {{ FILE* f = std::fopen(argv[o_{name}], \"wb\"); std::fwrite(v_{name}.data(), "
-                    f"sizeof(v_{name}[0]), {size}, f); std::fclose(f); }}\n")
+        main.append(
+            f'    {{ FILE* f = std::fopen(argv[o_{name}], "wb"); std::fwrite(v_{name}.data(), '
+            f"sizeof(v_{name}[0]), {size}, f); std::fclose(f); }}\n"
+        )
     main.append("    return 0;\n}\n")
     cpp = tmp_path / "kernel.cpp"
     cpp.write_text("".join(src) + "".join(main))
     exe = tmp_path / "kernel"
     # AddressSanitizer: an out-of-bounds read or write of any buffer or threadgroup array fails the run
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-fsanitize=address", "-Wno-unused-variable",
-                            "-o", str(exe), str(cpp)], capture_output=True, text=True)
+    build = subprocess.run(
+        [
+            "g++",
+            "-std=c++20",
+            "-O1",
+            "-pthread",
+            "-fsanitize=address",
+            "-Wno-unused-variable",
+            "-o",
+            str(exe),
+            str(cpp),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert build.returncode == 0, build.stderr[-4000:]
     files = []
     for name, arr in inputs.items():
@@ -157,8 +190,11 @@ def run_on_cpu(tmp_path: Path, header: str, body: str, *, inputs: dict, outputs:
     out_files = {}
     for name, (shape, dt) in outputs.items():
         f = tmp_path / f"out_{name}"
-        init = np.full(shape, fill, dtype=np.float64).astype(dt) if np.dtype(dt).kind == "f" \
+        init = (
+            np.full(shape, fill, dtype=np.float64).astype(dt)
+            if np.dtype(dt).kind == "f"
             else np.full(shape, -7, dtype=np.int64).astype(dt)
+        )
         init.tofile(f)
         files.append(str(f))
         out_files[name] = (f, shape, dt)
@@ -192,17 +228,29 @@ if (tid == 0u) {
 def test_emulated_threadgroup(tmp_path):
     rng = np.random.default_rng(0)
     x = rng.integers(-50, 50, (3, 96)).astype(np.float32)
-    out = run_on_cpu(tmp_path, "", _SELFTEST, inputs={"x": x},
-                     outputs={"y": ((3,), np.float32), "counts": ((3, 4), np.uint32)},
-                     consts={"THREADS": 96}, groups=(3, 1, 1), threads=96)
+    out = run_on_cpu(
+        tmp_path,
+        "",
+        _SELFTEST,
+        inputs={"x": x},
+        outputs={"y": ((3,), np.float32), "counts": ((3, 4), np.uint32)},
+        consts={"THREADS": 96},
+        groups=(3, 1, 1),
+        threads=96,
+    )
     assert np.array_equal(out["y"], x.sum(axis=1))
     assert np.array_equal(out["counts"], np.full((3, 4), 24))
 
 
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU needed)
 
-_CUDA_TYPE = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int32_t",
-              "uint32": "uint32_t"}
+_CUDA_TYPE = {
+    "float32": "float",
+    "bfloat16": "__nv_bfloat16",
+    "float16": "__half",
+    "int32": "int32_t",
+    "uint32": "uint32_t",
+}
 
 
 def mlx_cuda_source(name: str, header: str, body: str, inputs: dict, outputs: dict, template: list) -> str:
@@ -210,10 +258,13 @@ def mlx_cuda_source(name: str, header: str, body: str, inputs: dict, outputs: di
     header, then `__global__ void` with `const T* input` / `T* output` parameters, the template
     arguments as constexpr / using lines, then the body), with MLX's own device header
     replaced by the CUDA headers it brings in.  inputs / outputs: name -> MLX dtype name."""
+
     def ty(v):
         return _CUDA_TYPE[v]
 
-    params = [f"    const {ty(dt)}* {n}" for n, dt in inputs.items()] + [f"    {ty(dt)}* {n}" for n, dt in outputs.items()]
+    params = [f"    const {ty(dt)}* {n}" for n, dt in inputs.items()] + [
+        f"    {ty(dt)}* {n}" for n, dt in outputs.items()
+    ]
     consts = []
     for n, v in template:
         if isinstance(v, bool):
@@ -222,13 +273,21 @@ def mlx_cuda_source(name: str, header: str, body: str, inputs: dict, outputs: di
             consts.append(f"  constexpr int {n} = {v};")
         else:
             consts.append(f"  using {n} = {ty(v)};")
-    return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cooperative_groups.h>\n"
-            "#include <cuda/std/cstdint>\n#include <cuda/std/limits>\n"
-            "using cuda::std::uint32_t; using cuda::std::uint64_t; using cuda::std::int32_t; using cuda::std::uint16_t;\n"
-            "#define inf cuda::std::numeric_limits<float>::infinity()\n"
-            + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-            + f"__global__ void custom_kernel_{name}(\n" + ",\n".join(params) + ") {\n" + "\n".join(consts) + "\n\n"
-            + body + "\n}\n\n} // namespace mlx::core::cu\n")
+    return (
+        "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cooperative_groups.h>\n"
+        "#include <cuda/std/cstdint>\n#include <cuda/std/limits>\n"
+        "using cuda::std::uint32_t; using cuda::std::uint64_t; using cuda::std::int32_t; using cuda::std::uint16_t;\n"
+        "#define inf cuda::std::numeric_limits<float>::infinity()\n"
+        + header
+        + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        + f"__global__ void custom_kernel_{name}(\n"
+        + ",\n".join(params)
+        + ") {\n"
+        + "\n".join(consts)
+        + "\n\n"
+        + body
+        + "\n}\n\n} // namespace mlx::core::cu\n"
+    )
 
 
 def nvcc_compile(tmp_path: Path, source: str, arch: str = "sm_90") -> None:
@@ -238,6 +297,21 @@ def nvcc_compile(tmp_path: Path, source: str, arch: str = "sm_90") -> None:
         pytest.skip("no nvcc")
     cu = Path(tmp_path) / "kernel.cu"
     cu.write_text(source)
-    res = subprocess.run([nvcc, "-std=c++17", f"-arch={arch}", "--ptx", "-Werror", "all-warnings", "-diag-suppress", "177,550",
-                          "-o", str(cu.with_suffix(".ptx")), str(cu)], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            nvcc,
+            "-std=c++17",
+            f"-arch={arch}",
+            "--ptx",
+            "-Werror",
+            "all-warnings",
+            "-diag-suppress",
+            "177,550",
+            "-o",
+            str(cu.with_suffix(".ptx")),
+            str(cu),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-4000:]

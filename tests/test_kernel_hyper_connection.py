@@ -19,17 +19,19 @@ RMS-normed streams):
                float32, 8 for bfloat16: the same roundings as the reference graph,
                summation order aside)
 """
+
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
-import mlx.core as mx
-
-from ds4mlx.kernels import dispatch, hyper_connection as hck
-from ds4mlx.kernels import hyper_connection_reference as reference
 from test_kernel_emulation import run_on_cpu  # noqa: E402  (tests/ is on sys.path under pytest)
 
-U = 2.0 ** -23
+from ds4mlx.kernels import dispatch
+from ds4mlx.kernels import hyper_connection as hck
+from ds4mlx.kernels import hyper_connection_reference as reference
+
+U = 2.0**-23
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +49,7 @@ def _cpu_unless_gpu_test(request):
 
 
 # ------------------------------------------------------------------ float64 oracle and bounds
+
 
 def make_inputs(n, d, lead, seed, head=False):
     rng = np.random.default_rng(seed)
@@ -75,7 +78,7 @@ def oracle(x, fn, base, scale, iters, hc_eps, norm_eps, head=False):
     lead = x.shape[:-2]
     x64 = x.astype(np.float64)
     flat = x64.reshape(*lead, n * d)
-    r = 1.0 / np.sqrt((flat ** 2).mean(axis=-1, keepdims=True) + norm_eps)
+    r = 1.0 / np.sqrt((flat**2).mean(axis=-1, keepdims=True) + norm_eps)
     y = flat * r
     fn64 = fn.astype(np.float64)
     mix = y @ fn64.T
@@ -84,17 +87,19 @@ def oracle(x, fn, base, scale, iters, hc_eps, norm_eps, head=False):
     s = scale.astype(np.float64)
     b = base.astype(np.float64)
     pre = sig(mix[..., :n] * s[0] + b[:n]) + hc_eps
-    e_pre = abs(s[0]) * e[..., :n] / 4 + 2.0 ** -21
+    e_pre = abs(s[0]) * e[..., :n] / 4 + 2.0**-21
     coll = (pre[..., None] * x64).sum(axis=-2)
-    e_coll = (e_pre[..., None] * np.abs(x64)).sum(axis=-2) + (n + 2) * 2.0 ** -24 * (pre[..., None] * np.abs(x64)).sum(axis=-2)
+    e_coll = (e_pre[..., None] * np.abs(x64)).sum(axis=-2) + (n + 2) * 2.0**-24 * (pre[..., None] * np.abs(x64)).sum(
+        axis=-2
+    )
     if head:
         return dict(collapsed=(coll, e_coll))
     pre_pair = (pre, e_pre)
-    post = 2.0 * sig(mix[..., n:2 * n] * s[1] + b[n:2 * n])
-    e_post = abs(s[1]) * e[..., n:2 * n] / 2 + 2.0 ** -21
-    logits = (mix[..., 2 * n:] * s[2] + b[2 * n:]).reshape(*lead, n, n)
+    post = 2.0 * sig(mix[..., n : 2 * n] * s[1] + b[n : 2 * n])
+    e_post = abs(s[1]) * e[..., n : 2 * n] / 2 + 2.0**-21
+    logits = (mix[..., 2 * n :] * s[2] + b[2 * n :]).reshape(*lead, n, n)
     comb = sinkhorn64(logits, iters, hc_eps)
-    e_comb = np.broadcast_to((4 * abs(s[2]) * e[..., 2 * n:].max(axis=-1) + 2.0 ** -17)[..., None, None], comb.shape)
+    e_comb = np.broadcast_to((4 * abs(s[2]) * e[..., 2 * n :].max(axis=-1) + 2.0**-17)[..., None, None], comb.shape)
     return dict(pre=pre_pair, post=(post, e_post), comb=(comb, e_comb), collapsed=(coll, e_coll))
 
 
@@ -116,21 +121,32 @@ CASES = [  # (n, d, lead, iters)
     (4, 64, (1, 1), 20),
     (3, 33, (1, 3), 20),
     (2, 7, (2,), 5),
-    (4, 4096, (1, 1), 20),     # V4 Flash: hidden 4096, hc_mult 4, 20 iterations
-    (4, 96, (1, 8), 1),        # one Sinkhorn iteration
+    (4, 4096, (1, 1), 20),  # V4 Flash: hidden 4096, hc_mult 4, 20 iterations
+    (4, 96, (1, 8), 1),  # one Sinkhorn iteration
 ]
 HC_EPS, NORM_EPS = 1e-6, 1e-6
 
 
 # ------------------------------------------------------------------ reference face vs float64
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}_d{}_lead{}_it{}".format(c[0], c[1], "x".join(map(str, c[2])), c[3]))
+
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: "n{}_d{}_lead{}_it{}".format(c[0], c[1], "x".join(map(str, c[2])), c[3])
+)
 def test_reference_hc_pre_matches_float64(case):
     n, d, lead, iters = case
     x, fn, base, scale = make_inputs(n, d, lead, seed=n * d)
     want = oracle(x, fn, base, scale, iters, HC_EPS, NORM_EPS)
-    post, comb, coll = hck.hc_pre(mx.array(x), mx.array(fn), mx.array(base), mx.array(scale), sinkhorn_iters=iters,
-                                  hc_eps=HC_EPS, norm_eps=NORM_EPS, backend="reference")
+    post, comb, coll = hck.hc_pre(
+        mx.array(x),
+        mx.array(fn),
+        mx.array(base),
+        mx.array(scale),
+        sinkhorn_iters=iters,
+        hc_eps=HC_EPS,
+        norm_eps=NORM_EPS,
+        backend="reference",
+    )
     for name, got in (("post", post), ("comb", comb), ("collapsed", coll)):
         check(name, np.array(got), *want[name])
 
@@ -139,8 +155,16 @@ def test_reference_hc_mix_matches_float64():
     n, d, iters = 4, 48, 20
     x, fn, base, scale = make_inputs(n, d, (1, 2), seed=9)
     want = oracle(x, fn, base, scale, iters, HC_EPS, NORM_EPS)
-    got = hck.hc_mix(mx.array(x), mx.array(fn), mx.array(base), mx.array(scale), sinkhorn_iters=iters,
-                     hc_eps=HC_EPS, norm_eps=NORM_EPS, backend="reference")
+    got = hck.hc_mix(
+        mx.array(x),
+        mx.array(fn),
+        mx.array(base),
+        mx.array(scale),
+        sinkhorn_iters=iters,
+        hc_eps=HC_EPS,
+        norm_eps=NORM_EPS,
+        backend="reference",
+    )
     for name, g in zip(("pre", "post", "comb"), got):
         check(name, np.array(g), *want[name])
 
@@ -149,8 +173,15 @@ def test_reference_hc_head_and_post_match_float64():
     n, d = 3, 40
     x, fn, base, scale = make_inputs(n, d, (1, 4), seed=3, head=True)
     want = oracle(x, fn, base, scale, 0, HC_EPS, NORM_EPS, head=True)
-    got = hck.hc_head(mx.array(x), mx.array(fn), mx.array(base), mx.array(scale), hc_eps=HC_EPS, norm_eps=NORM_EPS,
-                      backend="reference")
+    got = hck.hc_head(
+        mx.array(x),
+        mx.array(fn),
+        mx.array(base),
+        mx.array(scale),
+        hc_eps=HC_EPS,
+        norm_eps=NORM_EPS,
+        backend="reference",
+    )
     check("head", np.array(got), *want["collapsed"])
     rng = np.random.default_rng(4)
     out = rng.standard_normal((1, 4, d)).astype(np.float32)
@@ -169,6 +200,7 @@ def post_oracle(x, out, post, comb):
 
 
 # ------------------------------------------------------------------ dispatch, sources
+
 
 def test_backend_reference_on_cpu_returns_layers_functions(monkeypatch):
     monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
@@ -194,11 +226,18 @@ def test_metal_and_cuda_share_one_description(kind):
 
 # ------------------------------------------------------------------ the shared GPU text, compiled for the CPU
 
-EMU_CASES = [(4, 64, 2, 20, "pre", False), (3, 33, 3, 7, "pre", False), (2, 5, 1, 20, "pre", False),
-             (4, 40, 2, 0, "head", False), (3, 50, 2, 20, "mix", False),
-             # the decode split: hc_dots over threadgroups, then hc_pre adds the partial sums
-             (4, 96, 2, 20, "pre", True), (3, 33, 3, 7, "pre", True), (4, 40, 2, 0, "head", True),
-             (3, 50, 1, 20, "mix", True)]
+EMU_CASES = [
+    (4, 64, 2, 20, "pre", False),
+    (3, 33, 3, 7, "pre", False),
+    (2, 5, 1, 20, "pre", False),
+    (4, 40, 2, 0, "head", False),
+    (3, 50, 2, 20, "mix", False),
+    # the decode split: hc_dots over threadgroups, then hc_pre adds the partial sums
+    (4, 96, 2, 20, "pre", True),
+    (3, 33, 3, 7, "pre", True),
+    (4, 40, 2, 0, "head", True),
+    (3, 50, 1, 20, "mix", True),
+]
 
 
 def run_dots_on_cpu(tmp_path, x, fn, n, d, nt, head, threads=32, per=2):
@@ -207,11 +246,25 @@ def run_dots_on_cpu(tmp_path, x, fn, n, d, nt, head, threads=32, per=2):
     m = n if head else (2 + n) * n
     parts = -(-(n * d) // (threads * per))
     (tmp_path / "dots").mkdir()
-    got = run_on_cpu(tmp_path / "dots", sec["common"], sec["hc_dots"], inputs={"x": x, "fn": fn},
-                     outputs={"part": ((nt, parts, m + 1), np.float32)},
-                     consts={"T": np.float32, "TW": np.float32, "HC": n, "D": d, "THREADS": threads, "PER": per,
-                             "PARTS": parts, "HEAD": head},
-                     groups=(parts, nt, 1), threads=threads)
+    got = run_on_cpu(
+        tmp_path / "dots",
+        sec["common"],
+        sec["hc_dots"],
+        inputs={"x": x, "fn": fn},
+        outputs={"part": ((nt, parts, m + 1), np.float32)},
+        consts={
+            "T": np.float32,
+            "TW": np.float32,
+            "HC": n,
+            "D": d,
+            "THREADS": threads,
+            "PER": per,
+            "PARTS": parts,
+            "HEAD": head,
+        },
+        groups=(parts, nt, 1),
+        threads=threads,
+    )
     return got["part"], parts
 
 
@@ -223,21 +276,46 @@ def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
     sec = dispatch.sections(hck.SOURCE)
     threads = 64
     part, parts = run_dots_on_cpu(tmp_path, x, fn, n, d, nt, head) if split else (np.zeros(1, np.float32), 0)
-    outs = {"pre": ((1,) if head else (nt, n), np.float32), "post": ((1,) if head else (nt, n), np.float32),
-            "comb": ((1,) if head else (nt, n, n), np.float32), "y": ((nt, d) if mode != "mix" else (1,), np.float32)}
-    got = run_on_cpu(tmp_path, sec["common"], sec["hc_pre"],
-                     inputs={"x": x, "fn": fn, "base": base, "scale": scale,
-                             "eps": np.array([HC_EPS, NORM_EPS], np.float32), "part": part},
-                     outputs=outs,
-                     consts={"T": np.float32, "TW": np.float32, "TB": np.float32, "TS": np.float32, "HC": n, "D": d,
-                             "THREADS": threads, "ITERS": max(iters, 1), "HEAD": head, "COLLAPSE": mode != "mix",
-                             "PARTS": parts},
-                     groups=(nt, 1, 1), threads=threads)
+    outs = {
+        "pre": ((1,) if head else (nt, n), np.float32),
+        "post": ((1,) if head else (nt, n), np.float32),
+        "comb": ((1,) if head else (nt, n, n), np.float32),
+        "y": ((nt, d) if mode != "mix" else (1,), np.float32),
+    }
+    got = run_on_cpu(
+        tmp_path,
+        sec["common"],
+        sec["hc_pre"],
+        inputs={
+            "x": x,
+            "fn": fn,
+            "base": base,
+            "scale": scale,
+            "eps": np.array([HC_EPS, NORM_EPS], np.float32),
+            "part": part,
+        },
+        outputs=outs,
+        consts={
+            "T": np.float32,
+            "TW": np.float32,
+            "TB": np.float32,
+            "TS": np.float32,
+            "HC": n,
+            "D": d,
+            "THREADS": threads,
+            "ITERS": max(iters, 1),
+            "HEAD": head,
+            "COLLAPSE": mode != "mix",
+            "PARTS": parts,
+        },
+        groups=(nt, 1, 1),
+        threads=threads,
+    )
     want = oracle(x, fn, base, scale, iters, HC_EPS, NORM_EPS, head=head)
     if mode != "mix":
         check("collapsed", got["y"], *want["collapsed"])
     else:
-        assert np.isnan(got["y"]).all()          # the dummy is never written
+        assert np.isnan(got["y"]).all()  # the dummy is never written
     if not head:
         for name in ("pre", "post", "comb"):
             check(name, got[name], *want[name])
@@ -257,24 +335,64 @@ def test_shared_hc_post_dots_then_pre_compiled_for_cpu(n, d, nt, tmp_path):
     m = (2 + n) * n
     parts = -(-(n * d) // (threads * per))
     (tmp_path / "pd").mkdir()
-    got = run_on_cpu(tmp_path / "pd", sec["common"], sec["hc_post_dots"],
-                     inputs={"x": x, "o": out, "post": post, "comb": comb, "fn": fn},
-                     outputs={"y": ((nt, n, d), np.float32), "part": ((nt, parts, m + 1), np.float32)},
-                     consts={"T": np.float32, "TP": np.float32, "TC": np.float32, "TW": np.float32, "HC": n, "D": d,
-                             "THREADS": threads, "PER": per, "PARTS": parts},
-                     groups=(parts, nt, 1), threads=threads)
+    got = run_on_cpu(
+        tmp_path / "pd",
+        sec["common"],
+        sec["hc_post_dots"],
+        inputs={"x": x, "o": out, "post": post, "comb": comb, "fn": fn},
+        outputs={"y": ((nt, n, d), np.float32), "part": ((nt, parts, m + 1), np.float32)},
+        consts={
+            "T": np.float32,
+            "TP": np.float32,
+            "TC": np.float32,
+            "TW": np.float32,
+            "HC": n,
+            "D": d,
+            "THREADS": threads,
+            "PER": per,
+            "PARTS": parts,
+        },
+        groups=(parts, nt, 1),
+        threads=threads,
+    )
     want_y, mag = post_oracle(x, out, post, comb)
     check("hc_post_dots y", got["y"], want_y, 2 * U * mag)
     y = got["y"]
     (tmp_path / "pre").mkdir()
-    pre = run_on_cpu(tmp_path / "pre", sec["common"], sec["hc_pre"],
-                     inputs={"x": y, "fn": fn, "base": base, "scale": scale,
-                             "eps": np.array([HC_EPS, NORM_EPS], np.float32), "part": got["part"]},
-                     outputs={"pre": ((nt, n), np.float32), "post": ((nt, n), np.float32),
-                              "comb": ((nt, n, n), np.float32), "y": ((nt, d), np.float32)},
-                     consts={"T": np.float32, "TW": np.float32, "TB": np.float32, "TS": np.float32, "HC": n, "D": d,
-                             "THREADS": 64, "ITERS": 20, "HEAD": False, "COLLAPSE": True, "PARTS": parts},
-                     groups=(nt, 1, 1), threads=64)
+    pre = run_on_cpu(
+        tmp_path / "pre",
+        sec["common"],
+        sec["hc_pre"],
+        inputs={
+            "x": y,
+            "fn": fn,
+            "base": base,
+            "scale": scale,
+            "eps": np.array([HC_EPS, NORM_EPS], np.float32),
+            "part": got["part"],
+        },
+        outputs={
+            "pre": ((nt, n), np.float32),
+            "post": ((nt, n), np.float32),
+            "comb": ((nt, n, n), np.float32),
+            "y": ((nt, d), np.float32),
+        },
+        consts={
+            "T": np.float32,
+            "TW": np.float32,
+            "TB": np.float32,
+            "TS": np.float32,
+            "HC": n,
+            "D": d,
+            "THREADS": 64,
+            "ITERS": 20,
+            "HEAD": False,
+            "COLLAPSE": True,
+            "PARTS": parts,
+        },
+        groups=(nt, 1, 1),
+        threads=64,
+    )
     want = oracle(y, fn, base, scale, 20, HC_EPS, NORM_EPS)
     check("collapsed", pre["y"], *want["collapsed"])
     for name in ("pre", "post", "comb"):
@@ -300,15 +418,22 @@ def test_shared_hc_post_text_compiled_for_cpu(tmp_path):
     comb = rng.random((nt, n, n)).astype(np.float32)
     sec = dispatch.sections(hck.SOURCE)
     threads = 32
-    got = run_on_cpu(tmp_path, sec["common"], sec["hc_post"], inputs={"x": x, "o": out, "post": post, "comb": comb},
-                     outputs={"y": ((nt, n, d), np.float32)},
-                     consts={"T": np.float32, "TP": np.float32, "TC": np.float32, "HC": n, "D": d, "THREADS": threads},
-                     groups=(-(-d // threads), n, nt), threads=threads)
+    got = run_on_cpu(
+        tmp_path,
+        sec["common"],
+        sec["hc_post"],
+        inputs={"x": x, "o": out, "post": post, "comb": comb},
+        outputs={"y": ((nt, n, d), np.float32)},
+        consts={"T": np.float32, "TP": np.float32, "TC": np.float32, "HC": n, "D": d, "THREADS": threads},
+        groups=(-(-d // threads), n, nt),
+        threads=threads,
+    )
     want, mag = post_oracle(x, out, post, comb)
     check("hc_post", got["y"], want, 2 * U * mag)
 
 
 # ------------------------------------------------------------------ GPU faces
+
 
 def _gpu_face():
     face = dispatch.gpu_backend()
@@ -318,14 +443,14 @@ def _gpu_face():
 
 
 GPU_CASES = [  # (n, d, T, iters, x dtype, fn dtype)
-    (4, 4096, 1, 20, "bfloat16", "bfloat16"),    # V4 Flash decode (synthetic model: bf16 fn)
+    (4, 4096, 1, 20, "bfloat16", "bfloat16"),  # V4 Flash decode (synthetic model: bf16 fn)
     (4, 4096, 1, 20, "float32", "float32"),
     (4, 4096, 8, 20, "bfloat16", "float32"),
     (4, 4096, 512, 20, "bfloat16", "bfloat16"),  # a prefill chunk
-    (3, 4095, 5, 20, "float32", "float32"),      # odd sizes
+    (3, 4095, 5, 20, "float32", "float32"),  # odd sizes
     (2, 1000, 7, 20, "float32", "bfloat16"),
     (4, 64, 2, 1, "float32", "float32"),
-    (5, 33, 3, 9, "float32", "float32"),         # the largest n the kernel takes
+    (5, 33, 3, 9, "float32", "float32"),  # the largest n the kernel takes
 ]
 
 
@@ -340,11 +465,20 @@ def test_gpu_hc_pre_equals_reference(case):
     x32, f32 = np.array(xm.astype(mx.float32)), np.array(fm.astype(mx.float32))
     want = oracle(x32, f32, base, scale, iters, HC_EPS, NORM_EPS)
     with mx.stream(mx.cpu):
-        ref = hck.hc_pre(xm, fm, mx.array(base), mx.array(scale), sinkhorn_iters=iters, hc_eps=HC_EPS,
-                         norm_eps=NORM_EPS, backend="reference")
+        ref = hck.hc_pre(
+            xm,
+            fm,
+            mx.array(base),
+            mx.array(scale),
+            sinkhorn_iters=iters,
+            hc_eps=HC_EPS,
+            norm_eps=NORM_EPS,
+            backend="reference",
+        )
         ref = [np.array(r.astype(mx.float32)) for r in ref]
-    got = hck.hc_pre(xm, fm, mx.array(base), mx.array(scale), sinkhorn_iters=iters, hc_eps=HC_EPS,
-                     norm_eps=NORM_EPS, backend=face)
+    got = hck.hc_pre(
+        xm, fm, mx.array(base), mx.array(scale), sinkhorn_iters=iters, hc_eps=HC_EPS, norm_eps=NORM_EPS, backend=face
+    )
     assert got[2].dtype == xdt and got[0].dtype == mx.float32 and got[1].dtype == mx.float32
     got = [np.array(g.astype(mx.float32)) for g in got]
     for i, name in enumerate(("post", "comb", "collapsed")):
@@ -361,8 +495,16 @@ def test_gpu_hc_mix_equals_reference(n, d, nt):
     face = _gpu_face()
     x, fn, base, scale = make_inputs(n, d, (1, nt), seed=8)
     want = oracle(x, fn, base, scale, 20, HC_EPS, NORM_EPS)
-    got = hck.hc_mix(mx.array(x), mx.array(fn), mx.array(base), mx.array(scale), sinkhorn_iters=20, hc_eps=HC_EPS,
-                     norm_eps=NORM_EPS, backend=face)
+    got = hck.hc_mix(
+        mx.array(x),
+        mx.array(fn),
+        mx.array(base),
+        mx.array(scale),
+        sinkhorn_iters=20,
+        hc_eps=HC_EPS,
+        norm_eps=NORM_EPS,
+        backend=face,
+    )
     for name, g in zip(("pre", "post", "comb"), got):
         check(name, np.array(g), *want[name])
 
@@ -373,8 +515,9 @@ def test_gpu_hc_head_equals_reference(n, d, nt):
     face = _gpu_face()
     x, fn, base, scale = make_inputs(n, d, (1, nt), seed=7, head=True)
     want, bound = oracle(x, fn, base, scale, 0, HC_EPS, NORM_EPS, head=True)["collapsed"]
-    got = hck.hc_head(mx.array(x), mx.array(fn), mx.array(base), mx.array(scale), hc_eps=HC_EPS, norm_eps=NORM_EPS,
-                      backend=face)
+    got = hck.hc_head(
+        mx.array(x), mx.array(fn), mx.array(base), mx.array(scale), hc_eps=HC_EPS, norm_eps=NORM_EPS, backend=face
+    )
     check("head", np.array(got), want, bound)
 
 
@@ -394,10 +537,14 @@ def test_gpu_hc_post_equals_reference(dtype, n, d, nt):
     got = hck.hc_post(x, out, post, comb, backend=face)
     assert got.dtype == dt and got.shape == x.shape
     got = np.array(got.astype(mx.float32))
-    _, mag = post_oracle(np.array(x.astype(mx.float32)), np.array(out.astype(mx.float32)),
-                         np.array(post.astype(dt).astype(mx.float32)), np.array(comb.astype(dt).astype(mx.float32)))
+    _, mag = post_oracle(
+        np.array(x.astype(mx.float32)),
+        np.array(out.astype(mx.float32)),
+        np.array(post.astype(dt).astype(mx.float32)),
+        np.array(comb.astype(dt).astype(mx.float32)),
+    )
     p = 23 if dt == mx.float32 else 8
-    check("hc_post", got, ref.astype(np.float64), 2 * 2.0 ** -p * (mag + np.abs(ref)))
+    check("hc_post", got, ref.astype(np.float64), 2 * 2.0**-p * (mag + np.abs(ref)))
 
 
 @pytest.mark.gpu
@@ -408,8 +555,9 @@ def test_gpu_hc_post_pre_equals_reference(dtype):
     assert hck._post_pre_self_test(face)
     x, fn, base, scale = (mx.array(a) for a in make_inputs(4, 4096, (1, 1), seed=9))
     x, out = x.astype(dt), mx.random.normal((1, 1, 4096), key=mx.random.key(2)).astype(dt)
-    post, comb, _ = hck.hc_pre(x, fn, base, scale, sinkhorn_iters=20, hc_eps=HC_EPS, norm_eps=NORM_EPS,
-                               backend="reference")
+    post, comb, _ = hck.hc_pre(
+        x, fn, base, scale, sinkhorn_iters=20, hc_eps=HC_EPS, norm_eps=NORM_EPS, backend="reference"
+    )
     kw = dict(sinkhorn_iters=20, hc_eps=HC_EPS, norm_eps=NORM_EPS)
     got = hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw, backend=face)
     y = hck.hc_post(x, out, post, comb, backend="reference")
@@ -422,9 +570,20 @@ def test_gpu_hc_post_pre_equals_reference(dtype):
 
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind,mode", [("hc_pre", "pre"), ("hc_pre", "head"), ("hc_pre", "mix"), ("hc_post", ""),
-                                       ("hc_dots", "pre"), ("hc_dots", "head"), ("hc_post_dots", "")])
+@pytest.mark.parametrize(
+    "kind,mode",
+    [
+        ("hc_pre", "pre"),
+        ("hc_pre", "head"),
+        ("hc_pre", "mix"),
+        ("hc_post", ""),
+        ("hc_dots", "pre"),
+        ("hc_dots", "head"),
+        ("hc_post_dots", ""),
+    ],
+)
 def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
     """The exact CUDA translation unit mx.fast.cuda_kernel builds, compiled for sm_90 (H200)
     by nvcc with warnings as errors (syntax and types; the g++ emulation checks the logic)."""
@@ -435,17 +594,44 @@ def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
     if kind == "hc_pre":
         ins = {"x": dtype, "fn": dtype, "base": f, "scale": f, "eps": f, "part": f}
         outs = {"pre": f, "post": f, "comb": f, "y": dtype}
-        tmpl = [("T", dtype), ("TW", dtype), ("TB", f), ("TS", f), ("HC", 4), ("D", 4096),
-                ("THREADS", hck.PRE_THREADS), ("ITERS", 20), ("HEAD", mode == "head"), ("COLLAPSE", mode != "mix"),
-                ("PARTS", 32 if mode == "pre" else 0)]
+        tmpl = [
+            ("T", dtype),
+            ("TW", dtype),
+            ("TB", f),
+            ("TS", f),
+            ("HC", 4),
+            ("D", 4096),
+            ("THREADS", hck.PRE_THREADS),
+            ("ITERS", 20),
+            ("HEAD", mode == "head"),
+            ("COLLAPSE", mode != "mix"),
+            ("PARTS", 32 if mode == "pre" else 0),
+        ]
     elif kind == "hc_post_dots":
         ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f, "fn": dtype}, {"y": dtype, "part": f}
-        tmpl = [("T", dtype), ("TP", f), ("TC", f), ("TW", dtype), ("HC", 4), ("D", 4096),
-                ("THREADS", hck.DOTS_THREADS), ("PER", hck.DOTS_PER), ("PARTS", 32)]
+        tmpl = [
+            ("T", dtype),
+            ("TP", f),
+            ("TC", f),
+            ("TW", dtype),
+            ("HC", 4),
+            ("D", 4096),
+            ("THREADS", hck.DOTS_THREADS),
+            ("PER", hck.DOTS_PER),
+            ("PARTS", 32),
+        ]
     elif kind == "hc_dots":
         ins, outs = {"x": dtype, "fn": dtype}, {"part": f}
-        tmpl = [("T", dtype), ("TW", dtype), ("HC", 4), ("D", 4096), ("THREADS", hck.DOTS_THREADS),
-                ("PER", hck.DOTS_PER), ("PARTS", 32), ("HEAD", mode == "head")]
+        tmpl = [
+            ("T", dtype),
+            ("TW", dtype),
+            ("HC", 4),
+            ("D", 4096),
+            ("THREADS", hck.DOTS_THREADS),
+            ("PER", hck.DOTS_PER),
+            ("PARTS", 32),
+            ("HEAD", mode == "head"),
+        ]
     else:
         ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f}, {"y": dtype}
         tmpl = [("T", dtype), ("TP", f), ("TC", f), ("HC", 4), ("D", 4096), ("THREADS", hck.POST_THREADS)]

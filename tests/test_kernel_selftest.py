@@ -5,6 +5,7 @@ faked by swapping the kernels' launch function: raising (a face that does not
 compile), returning garbage (a wrong kernel), or returning the reference result
 (a good kernel).  The model-facing calls must then give the reference result
 and warn, or keep the face."""
+
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4mlx.kernels import dispatch, hyper_connection as hck, quant_moe
+from ds4mlx.kernels import dispatch, quant_moe
+from ds4mlx.kernels import hyper_connection as hck
 from ds4mlx.kernels import hyper_connection_reference as reference
 from ds4mlx.quant import random_gguf_blocks
 
@@ -30,12 +32,15 @@ def fake_gpu(monkeypatch):
 
 def _launches(monkeypatch, module, behaviour):
     """Replace module._kernel(...) launches: 'raise', 'garbage' or 'reference'."""
+
     def fake_kernel(*names):
         def launch(face, *, output_shapes, output_dtypes, **kw):
             if behaviour == "raise":
                 raise RuntimeError("metal compile error (simulated)")
             return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
+
         return launch
+
     monkeypatch.setattr(module, "_kernel", fake_kernel)
 
 
@@ -47,13 +52,13 @@ def test_quant_moe_bad_face_falls_back_to_reference(fake_gpu, behaviour, qtype, 
     x = mx.random.normal((1, 256), key=mx.random.key(0))
     ids = mx.array([[3, 1]], dtype=mx.int32)
     with caplog.at_level(logging.WARNING, logger="ds4mlx.kernels"):
-        got = quant_moe.gather_qmatmul(x, blocks, qtype, ids)      # automatic face
+        got = quant_moe.gather_qmatmul(x, blocks, qtype, ids)  # automatic face
     want = quant_moe.gather_qmv(x, blocks, qtype, ids, backend="reference")
     assert np.array_equal(np.array(got), np.array(want))
     assert f"quant_moe.{qtype}" in caplog.text and "failed its first-use self-test" in caplog.text
     assert dispatch._self_tests[(f"quant_moe.{qtype}", "metal")] is False
     caplog.clear()
-    quant_moe.gather_qmatmul(x, blocks, qtype, ids)                 # tested once only
+    quant_moe.gather_qmatmul(x, blocks, qtype, ids)  # tested once only
     assert "self-test" not in caplog.text
 
 
@@ -80,7 +85,7 @@ def test_verified_face_is_not_self_tested(monkeypatch):
     monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
     monkeypatch.setattr(dispatch, "backend", lambda device=None: "cuda")
     monkeypatch.setattr(dispatch, "_self_tests", {})
-    assert dispatch.auto_face("k", lambda face: 1 / 0) == "cuda"     # CUDA ran its tests on an H200
+    assert dispatch.auto_face("k", lambda face: 1 / 0) == "cuda"  # CUDA ran its tests on an H200
     monkeypatch.setenv("DS4MLX_KERNEL_SELFTEST", "1")
     assert dispatch.auto_face("k", lambda face: 1 / 0) == "reference"
     monkeypatch.setenv("DS4MLX_KERNEL_SELFTEST", "0")
@@ -97,7 +102,7 @@ def test_forced_face_is_not_self_tested(fake_gpu):
 def test_hyper_connection_bad_face_falls_back_to_reference(fake_gpu, behaviour, caplog):
     _launches(fake_gpu, hck, behaviour)
     n, d = 4, 32
-    x = (mx.random.normal((1, 3, n, d), key=mx.random.key(1)) * 0.5)
+    x = mx.random.normal((1, 3, n, d), key=mx.random.key(1)) * 0.5
     fn = mx.random.normal(((2 + n) * n, n * d), key=mx.random.key(2)) * (n * d) ** -0.5
     base, scale = mx.zeros(((2 + n) * n,)), mx.array([0.5, 1.0, 2.0])
     kw = dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)

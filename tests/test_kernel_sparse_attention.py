@@ -15,18 +15,20 @@ Stated bounds (float32 math, u = 2**-23):
            |d out_c| <= (2.2 max_j e_j + (n_keys + 32) u) sum_j (p_j / Z) |k_jc|
            (+1 ulp of the output dtype; 32: exp, the online rescaling and the merge of the SIMD groups)
 """
+
 from __future__ import annotations
 
 import os
 
+import mlx.core as mx
 import numpy as np
 import pytest
-import mlx.core as mx
-
-from ds4mlx.kernels import dispatch, sparse_attention as sa
 from test_kernel_emulation import run_on_cpu  # noqa: E402  (tests/ is on sys.path under pytest)
 
-U = 2.0 ** -23
+from ds4mlx.kernels import dispatch
+from ds4mlx.kernels import sparse_attention as sa
+
+U = 2.0**-23
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +46,7 @@ def _cpu_unless_gpu_test(request):
 
 # ------------------------------------------------------------------ float64 oracles
 
+
 def limits(s, c, ratio, n):
     return np.minimum((s + np.arange(c) + 1) // ratio, n)
 
@@ -52,7 +55,7 @@ def scores64(q, w, keys, n, s, ratio, scale):
     """q [NH, C, DI], w [C, NH], keys [>=n, DI] -> (scores [C, n], bound [C, n])."""
     nh, c, di = q.shape
     q64, k64, w64 = q.astype(np.float64), keys[:n].astype(np.float64), w.astype(np.float64) * scale
-    dots = q64 @ k64.T                                                    # [NH, C, n]
+    dots = q64 @ k64.T  # [NH, C, n]
     sc = (w64[:, None, :] @ np.maximum(dots, 0).transpose(1, 0, 2))[:, 0]  # [C, n]
     mag = (np.abs(w64)[:, None, :] @ (np.abs(q64) @ np.abs(k64).T).transpose(1, 0, 2))[:, 0]
     live = np.arange(n)[None] < limits(s, c, ratio, n)[:, None]
@@ -116,6 +119,7 @@ def selection_lists(idx, cnt):
 
 # ------------------------------------------------------------------ random problems
 
+
 def index_problem(nh, di, n, c, s, seed, cap=None):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((nh, c, di)).astype(np.float32)
@@ -129,22 +133,29 @@ def attn_problem(nh, d, w, c, n, s, seed, decode):
     q = rng.standard_normal((nh, c, d)).astype(np.float32)
     length = w if decode else w + c
     keys = rng.standard_normal((length, d)).astype(np.float32)
-    rows = rng.standard_normal((max(n, 1) + 3, d)).astype(np.float32)   # a buffer past the n live rows
+    rows = rng.standard_normal((max(n, 1) + 3, d)).astype(np.float32)  # a buffer past the n live rows
     sinks = rng.standard_normal(nh).astype(np.float32)
     return q, keys, rows, sinks
 
 
 # ------------------------------------------------------------------ reference faces vs float64
 
-@pytest.mark.parametrize("nh,di,n,c,s,ratio", [(4, 16, 40, 1, 163, 4), (6, 10, 33, 7, 100, 3), (64, 128, 700, 2, 2800, 4)])
+
+@pytest.mark.parametrize(
+    "nh,di,n,c,s,ratio", [(4, 16, 40, 1, 163, 4), (6, 10, 33, 7, 100, 3), (64, 128, 700, 2, 2800, 4)]
+)
 def test_reference_index_scores(nh, di, n, c, s, ratio):
     q, w, keys = index_problem(nh, di, n, c, s, seed=n)
     want, bound = scores64(q, w, keys, n, s, ratio, 0.3)
-    got = sa.index_scores(mx.array(q), mx.array(w), mx.array(keys), n=n, s=s, ratio=ratio, scale=0.3, backend="reference")
+    got = sa.index_scores(
+        mx.array(q), mx.array(w), mx.array(keys), n=n, s=s, ratio=ratio, scale=0.3, backend="reference"
+    )
     check("scores", np.array(got), want, bound)
 
 
-@pytest.mark.parametrize("n,k,c,s,ratio", [(50, 7, 1, 203, 4), (50, 7, 9, 20, 3), (12, 20, 3, 40, 4), (600, 512, 2, 2400, 4)])
+@pytest.mark.parametrize(
+    "n,k,c,s,ratio", [(50, 7, 1, 203, 4), (50, 7, 9, 20, 3), (12, 20, 3, 40, 4), (600, 512, 2, 2400, 4)]
+)
 def test_reference_topk(n, k, c, s, ratio):
     rng = np.random.default_rng(n + k)
     scores = rng.standard_normal((c, n)).astype(np.float32)
@@ -155,12 +166,12 @@ def test_reference_topk(n, k, c, s, ratio):
 
 
 ATTN_CASES = [  # (nh, d, window, c, n, s, ratio, topk (0: all causal rows), decode)
-    (3, 40, 8, 1, 9, 38, 4, 5, True),       # decode, selected rows
-    (3, 40, 8, 1, 0, 2, 4, 0, True),        # decode, ring not full, no rows yet
-    (2, 24, 5, 1, 6, 37, 6, 0, True),       # decode, HCA-like (all rows)
-    (2, 24, 5, 7, 6, 30, 6, 0, False),      # prefill chunk, all causal rows
-    (4, 16, 6, 9, 10, 31, 4, 4, False),     # prefill chunk longer than the window, selected
-    (2, 16, 6, 5, 1, 0, 4, 0, False),       # prefill from position 0 (empty ring)
+    (3, 40, 8, 1, 9, 38, 4, 5, True),  # decode, selected rows
+    (3, 40, 8, 1, 0, 2, 4, 0, True),  # decode, ring not full, no rows yet
+    (2, 24, 5, 1, 6, 37, 6, 0, True),  # decode, HCA-like (all rows)
+    (2, 24, 5, 7, 6, 30, 6, 0, False),  # prefill chunk, all causal rows
+    (4, 16, 6, 9, 10, 31, 4, 4, False),  # prefill chunk longer than the window, selected
+    (2, 16, 6, 5, 1, 0, 4, 0, False),  # prefill from position 0 (empty ring)
 ]
 
 
@@ -179,13 +190,28 @@ def _attn_case(case, seed):
     return q, keys, rows, sinks, ring_last, idx, cnt, sel
 
 
-@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: "nh{}_d{}_w{}_c{}_n{}_s{}_r{}_k{}_{}".format(*c[:8], "dec" if c[8] else "pre"))
+@pytest.mark.parametrize(
+    "case", ATTN_CASES, ids=lambda c: "nh{}_d{}_w{}_c{}_n{}_s{}_r{}_k{}_{}".format(*c[:8], "dec" if c[8] else "pre")
+)
 def test_reference_attention(case):
     nh, d, w, c, n, s, ratio, k, decode = case
     q, keys, rows, sinks, ring_last, idx, cnt, sel = _attn_case(case, seed=sum(case[:7]))
-    want, bound = attend64(q, keys, rows, sel, sinks, s, ring_last, w, d ** -0.5)
-    got = sa.sparse_attention(mx.array(q), mx.array(keys), mx.array(rows), idx, cnt, mx.array(sinks), n=n, s=s,
-                              ring_last=ring_last, window=w, ratio=ratio, scale=d ** -0.5, backend="reference")
+    want, bound = attend64(q, keys, rows, sel, sinks, s, ring_last, w, d**-0.5)
+    got = sa.sparse_attention(
+        mx.array(q),
+        mx.array(keys),
+        mx.array(rows),
+        idx,
+        cnt,
+        mx.array(sinks),
+        n=n,
+        s=s,
+        ring_last=ring_last,
+        window=w,
+        ratio=ratio,
+        scale=d**-0.5,
+        backend="reference",
+    )
     check("attention", np.array(got), want, bound)
 
 
@@ -196,13 +222,27 @@ def test_reference_attention_matches_mlx_sdpa_with_sinks():
     q = mx.array(rng.standard_normal((1, nh, 1, d)).astype(np.float32))
     k = mx.array(rng.standard_normal((1, 1, L, d)).astype(np.float32))
     sinks = mx.array(rng.standard_normal(nh).astype(np.float32))
-    want = mx.fast.scaled_dot_product_attention(q, k, k, scale=d ** -0.5, sinks=sinks)
-    got = sa.sparse_attention(q[0], k[0, 0], None, None, None, sinks, n=0, s=L - 1, ring_last=L - 1, window=L, ratio=4,
-                              scale=d ** -0.5, backend="reference")
+    want = mx.fast.scaled_dot_product_attention(q, k, k, scale=d**-0.5, sinks=sinks)
+    got = sa.sparse_attention(
+        q[0],
+        k[0, 0],
+        None,
+        None,
+        None,
+        sinks,
+        n=0,
+        s=L - 1,
+        ring_last=L - 1,
+        window=L,
+        ratio=4,
+        scale=d**-0.5,
+        backend="reference",
+    )
     assert np.allclose(np.array(got), np.array(want[0]), atol=1e-5)
 
 
 # ------------------------------------------------------------------ sources
+
 
 @pytest.mark.parametrize("kind", ["index_score", "topk", "attend"])
 def test_metal_and_cuda_share_one_description(kind):
@@ -217,6 +257,7 @@ def test_metal_and_cuda_share_one_description(kind):
 
 # ------------------------------------------------------------------ the shared GPU text, compiled for the CPU
 
+
 def _emu(tmp_path, kind, **kw):
     sec = dispatch.sections(sa.SOURCE)
     return run_on_cpu(tmp_path, sec["common"], sec[kind], **kw)
@@ -226,13 +267,30 @@ def _emu(tmp_path, kind, **kw):
 def test_shared_index_score_text(nh, di, n, c, s, tmp_path):
     ratio, scale, threads, hg = 4, 0.25, 32, 4
     q, w, keys = index_problem(nh, di, n, c, s, seed=nh * di, cap=n + 5)
-    got = _emu(tmp_path, "index_score",
-               inputs={"q": q, "w": w, "keys": keys, "prm": np.array([scale], np.float32),
-                       "meta": np.array([s, n, c], np.int32)},
-               outputs={"scores": ((c, n), np.float32)},
-               consts={"TQ": np.float32, "TW": np.float32, "TK": np.float32, "NH": nh, "DI": di, "HG": hg,
-                       "RATIO": ratio, "THREADS": threads},
-               groups=(-(-n // threads), c, 1), threads=threads)
+    got = _emu(
+        tmp_path,
+        "index_score",
+        inputs={
+            "q": q,
+            "w": w,
+            "keys": keys,
+            "prm": np.array([scale], np.float32),
+            "meta": np.array([s, n, c], np.int32),
+        },
+        outputs={"scores": ((c, n), np.float32)},
+        consts={
+            "TQ": np.float32,
+            "TW": np.float32,
+            "TK": np.float32,
+            "NH": nh,
+            "DI": di,
+            "HG": hg,
+            "RATIO": ratio,
+            "THREADS": threads,
+        },
+        groups=(-(-n // threads), c, 1),
+        threads=threads,
+    )
     want, bound = scores64(q, w, keys, n, s, ratio, scale)
     check("scores", got["scores"], want, bound)
 
@@ -241,10 +299,16 @@ def test_shared_index_score_text(nh, di, n, c, s, tmp_path):
 def test_shared_topk_text(n, k, c, s, ratio, tmp_path):
     rng = np.random.default_rng(n)
     scores = rng.standard_normal((c, n)).astype(np.float32)
-    scores[0, ::7] = -scores[0, ::7] * 1e-3      # mixed signs and magnitudes
-    got = _emu(tmp_path, "topk", inputs={"scores": scores, "meta": np.array([s, n, c], np.int32)},
-               outputs={"idx": ((c, k), np.int32), "cnt": ((c,), np.int32)},
-               consts={"TOPK": k, "RATIO": ratio, "THREADS": 64}, groups=(1, c, 1), threads=64)
+    scores[0, ::7] = -scores[0, ::7] * 1e-3  # mixed signs and magnitudes
+    got = _emu(
+        tmp_path,
+        "topk",
+        inputs={"scores": scores, "meta": np.array([s, n, c], np.int32)},
+        outputs={"idx": ((c, k), np.int32), "cnt": ((c,), np.int32)},
+        consts={"TOPK": k, "RATIO": ratio, "THREADS": 64},
+        groups=(1, c, 1),
+        threads=64,
+    )
     assert selection_lists(got["idx"], got["cnt"]) == topk64(scores, k, s, ratio)
     assert np.all(got["idx"][np.arange(k)[None] >= got["cnt"][:, None]] == 0)
 
@@ -252,18 +316,26 @@ def test_shared_topk_text(n, k, c, s, ratio, tmp_path):
 def test_shared_topk_text_ties_take_lowest_indices(tmp_path):
     n, k = 200, 10
     scores = np.zeros((2, n), np.float32)
-    scores[0, [5, 50, 150]] = 2.0                  # 3 clear winners, then 197 tied zeros
-    scores[1] = np.round(np.random.default_rng(1).standard_normal(n), 0)   # many ties in a few values
-    got = _emu(tmp_path, "topk", inputs={"scores": scores, "meta": np.array([10 ** 6, n, 2], np.int32)},
-               outputs={"idx": ((2, k), np.int32), "cnt": ((2,), np.int32)},
-               consts={"TOPK": k, "RATIO": 4, "THREADS": 64}, groups=(1, 2, 1), threads=64)
+    scores[0, [5, 50, 150]] = 2.0  # 3 clear winners, then 197 tied zeros
+    scores[1] = np.round(np.random.default_rng(1).standard_normal(n), 0)  # many ties in a few values
+    got = _emu(
+        tmp_path,
+        "topk",
+        inputs={"scores": scores, "meta": np.array([10**6, n, 2], np.int32)},
+        outputs={"idx": ((2, k), np.int32), "cnt": ((2,), np.int32)},
+        consts={"TOPK": k, "RATIO": 4, "THREADS": 64},
+        groups=(1, 2, 1),
+        threads=64,
+    )
     lists = selection_lists(got["idx"], got["cnt"])
     assert lists[0] == [0, 1, 2, 3, 4, 5, 6, 7, 50, 150]
-    order = sorted(range(n), key=lambda i: (-scores[1, i], i))[:k]   # value, then lowest index
+    order = sorted(range(n), key=lambda i: (-scores[1, i], i))[:k]  # value, then lowest index
     assert lists[1] == sorted(order)
 
 
-@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: "nh{}_d{}_w{}_c{}_n{}_s{}_r{}_k{}_{}".format(*c[:8], "dec" if c[8] else "pre"))
+@pytest.mark.parametrize(
+    "case", ATTN_CASES, ids=lambda c: "nh{}_d{}_w{}_c{}_n{}_s{}_r{}_k{}_{}".format(*c[:8], "dec" if c[8] else "pre")
+)
 def test_shared_attend_text(case, tmp_path):
     nh, d, w, c, n, s, ratio, k, decode = case
     q, keys, rows, sinks, ring_last, idx, cnt, sel = _attn_case(case, seed=sum(case[:7]))
@@ -272,15 +344,36 @@ def test_shared_attend_text(case, tmp_path):
     else:
         idx_np, cnt_np, topk = np.array(idx), np.array(cnt), k
     threads = 64
-    got = _emu(tmp_path, "attend",
-               inputs={"q": q, "keys": keys, "rows": rows, "idx": idx_np, "cnt": cnt_np, "sinks": sinks,
-                       "prm": np.array([d ** -0.5], np.float32),
-                       "meta": np.array([s, ring_last, keys.shape[0], n, c], np.int32)},
-               outputs={"o": ((nh, c, d), np.float32)},
-               consts={"T": np.float32, "TK": np.float32, "TS": np.float32, "D": d, "W": w, "RATIO": ratio,
-                       "TOPK": topk, "THREADS": threads, "KB": 4, "SELECTED": idx is not None},
-               groups=(nh, c, 1), threads=threads)
-    want, bound = attend64(q, keys, rows, sel, sinks, s, ring_last, w, d ** -0.5)
+    got = _emu(
+        tmp_path,
+        "attend",
+        inputs={
+            "q": q,
+            "keys": keys,
+            "rows": rows,
+            "idx": idx_np,
+            "cnt": cnt_np,
+            "sinks": sinks,
+            "prm": np.array([d**-0.5], np.float32),
+            "meta": np.array([s, ring_last, keys.shape[0], n, c], np.int32),
+        },
+        outputs={"o": ((nh, c, d), np.float32)},
+        consts={
+            "T": np.float32,
+            "TK": np.float32,
+            "TS": np.float32,
+            "D": d,
+            "W": w,
+            "RATIO": ratio,
+            "TOPK": topk,
+            "THREADS": threads,
+            "KB": 4,
+            "SELECTED": idx is not None,
+        },
+        groups=(nh, c, 1),
+        threads=threads,
+    )
+    want, bound = attend64(q, keys, rows, sel, sinks, s, ring_last, w, d**-0.5)
     check("attention", got["o"], want, bound)
 
 
@@ -311,8 +404,9 @@ def test_fused_path_matches_oracle_and_plain_graph(oracle_model, chunk, monkeypa
 
     def run():
         cache = lm.model.make_cache()
-        return np.concatenate([np.array(lm.model(ids[:, i : i + chunk], cache)[0])
-                               for i in range(0, ids.shape[1], chunk)])
+        return np.concatenate(
+            [np.array(lm.model(ids[:, i : i + chunk], cache)[0]) for i in range(0, ids.shape[1], chunk)]
+        )
 
     plain = run()
     monkeypatch.setattr(sa, "FORCE_FACE", "reference")
@@ -323,6 +417,7 @@ def test_fused_path_matches_oracle_and_plain_graph(oracle_model, chunk, monkeypa
 
 # ------------------------------------------------------------------ GPU faces
 
+
 def _gpu_face():
     face = dispatch.gpu_backend()
     if face is None:
@@ -331,11 +426,11 @@ def _gpu_face():
 
 
 GPU_INDEX = [  # (nh, di, n, c, s, dtype)
-    (64, 128, 513, 1, 2055, "bfloat16"),     # V4 Flash decode, just past index_topk rows
+    (64, 128, 513, 1, 2055, "bfloat16"),  # V4 Flash decode, just past index_topk rows
     (64, 128, 4096, 1, 16387, "bfloat16"),
     (64, 128, 16384, 1, 65539, "float32"),
     (64, 128, 1024, 512, 3584, "bfloat16"),  # a 512-token prefill chunk
-    (5, 12, 70, 3, 280, "float32"),          # odd sizes
+    (5, 12, 70, 3, 280, "float32"),  # odd sizes
     (16, 8, 33, 8, 120, "float32"),
 ]
 
@@ -349,7 +444,7 @@ def test_gpu_index_scores_and_topk(case):
     q, w, keys = index_problem(nh, di, n, c, s, seed=n + c, cap=n + 77)
     qm, wm, km = (mx.array(a).astype(dt) for a in (q, w, keys))
     q32, w32, k32 = (np.array(a.astype(mx.float32)) for a in (qm, wm, km))
-    scale = nh ** -0.5 * di ** -0.5
+    scale = nh**-0.5 * di**-0.5
     want, bound = scores64(q32, w32, k32, n, s, 4, scale)
     got = sa.index_scores(qm, wm, km, n=n, s=s, ratio=4, scale=scale, backend=face)
     got_np = np.array(got)
@@ -361,19 +456,23 @@ def test_gpu_index_scores_and_topk(case):
 
 
 GPU_ATTN = [  # (nh, d, window, c, n, s, ratio, topk (0: all causal rows), decode, dtype)
-    (64, 512, 128, 1, 2048, 8195, 4, 512, True, "bfloat16"),     # V4 Flash CSA decode
+    (64, 512, 128, 1, 2048, 8195, 4, 512, True, "bfloat16"),  # V4 Flash CSA decode
     (64, 512, 128, 1, 2048, 8195, 4, 512, True, "float32"),
-    (64, 512, 128, 1, 64, 8195, 128, 0, True, "bfloat16"),       # V4 Flash HCA decode
-    (64, 512, 128, 1, 100, 50, 4, 0, True, "bfloat16"),          # ring not yet full
-    (64, 512, 128, 64, 1024, 4096, 4, 512, False, "bfloat16"),   # prefill chunk, CSA
-    (64, 512, 128, 512, 32, 4096, 128, 0, False, "bfloat16"),    # prefill chunk, HCA
-    (3, 40, 8, 9, 10, 31, 4, 4, False, "float32"),               # odd sizes
+    (64, 512, 128, 1, 64, 8195, 128, 0, True, "bfloat16"),  # V4 Flash HCA decode
+    (64, 512, 128, 1, 100, 50, 4, 0, True, "bfloat16"),  # ring not yet full
+    (64, 512, 128, 64, 1024, 4096, 4, 512, False, "bfloat16"),  # prefill chunk, CSA
+    (64, 512, 128, 512, 32, 4096, 128, 0, False, "bfloat16"),  # prefill chunk, HCA
+    (3, 40, 8, 9, 10, 31, 4, 4, False, "float32"),  # odd sizes
     (2, 24, 5, 1, 6, 37, 6, 0, True, "float32"),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_ATTN, ids=lambda c: "nh{}_d{}_w{}_c{}_n{}_s{}_r{}_k{}_{}_{}".format(*c[:8], "dec" if c[8] else "pre", c[9]))
+@pytest.mark.parametrize(
+    "case",
+    GPU_ATTN,
+    ids=lambda c: "nh{}_d{}_w{}_c{}_n{}_s{}_r{}_k{}_{}_{}".format(*c[:8], "dec" if c[8] else "pre", c[9]),
+)
 def test_gpu_attention_equals_reference(case):
     face = _gpu_face()
     nh, d, w, c, n, s, ratio, k, decode, dtype = case
@@ -381,12 +480,13 @@ def test_gpu_attention_equals_reference(case):
     q, keys, rows, sinks, ring_last, idx, cnt, sel = _attn_case(case[:9], seed=c + n)
     qm, km, rm, sm = (mx.array(a).astype(dt) for a in (q, keys, rows, sinks))
     q32, k32, r32, s32 = (np.array(a.astype(mx.float32)) for a in (qm, km, rm, sm))
-    want, bound = attend64(q32, k32, r32, sel, s32, s, ring_last, w, d ** -0.5)
-    got = sa.sparse_attention(qm, km, rm, idx, cnt, sm, n=n, s=s, ring_last=ring_last, window=w, ratio=ratio,
-                              scale=d ** -0.5, backend=face)
+    want, bound = attend64(q32, k32, r32, sel, s32, s, ring_last, w, d**-0.5)
+    got = sa.sparse_attention(
+        qm, km, rm, idx, cnt, sm, n=n, s=s, ring_last=ring_last, window=w, ratio=ratio, scale=d**-0.5, backend=face
+    )
     assert got.dtype == dt and got.shape == (nh, c, d)
     got = np.array(got.astype(mx.float32))
-    if dt != mx.float32:   # one rounding of the result to bfloat16
+    if dt != mx.float32:  # one rounding of the result to bfloat16
         bound = bound + 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 1e-30))) - 7)
     check("attention", got, want, bound)
 
@@ -407,8 +507,9 @@ def test_gpu_tiny_models_kernels_on_vs_off(oracle_model, monkeypatch):
 
     def run(chunk):
         cache = lm.model.make_cache()
-        return np.concatenate([np.array(lm.model(ids[:, i : i + chunk], cache)[0])
-                               for i in range(0, ids.shape[1], chunk)])
+        return np.concatenate(
+            [np.array(lm.model(ids[:, i : i + chunk], cache)[0]) for i in range(0, ids.shape[1], chunk)]
+        )
 
     want = ref["logits_full"][0]
     monkeypatch.setenv("DS4MLX_SPARSE_ATTENTION", "1")  # both modules: hyper-connections and sparse attention
@@ -422,8 +523,11 @@ def test_gpu_tiny_models_kernels_on_vs_off(oracle_model, monkeypatch):
 
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind,selected", [("index_score", False), ("topk", False), ("attend", True), ("attend", False)])
+@pytest.mark.parametrize(
+    "kind,selected", [("index_score", False), ("topk", False), ("attend", True), ("attend", False)]
+)
 def test_cuda_face_compiles_with_nvcc(kind, selected, dtype, tmp_path):
     """The exact CUDA translation unit mx.fast.cuda_kernel builds at V4 Flash shapes, compiled
     for sm_90 (H200) by nvcc with warnings as errors (the g++ emulation checks the logic)."""
@@ -433,15 +537,32 @@ def test_cuda_face_compiles_with_nvcc(kind, selected, dtype, tmp_path):
     h, b = sa.kernel_sources(kind, "cuda")
     if kind == "index_score":
         ins, outs = {"q": dtype, "w": dtype, "keys": dtype, "prm": f, "meta": i}, {"scores": f}
-        tmpl = [("TQ", dtype), ("TW", dtype), ("TK", dtype), ("NH", 64), ("DI", 128), ("HG", sa.SCORE_HEADS),
-                ("RATIO", 4), ("THREADS", sa.SCORE_THREADS)]
+        tmpl = [
+            ("TQ", dtype),
+            ("TW", dtype),
+            ("TK", dtype),
+            ("NH", 64),
+            ("DI", 128),
+            ("HG", sa.SCORE_HEADS),
+            ("RATIO", 4),
+            ("THREADS", sa.SCORE_THREADS),
+        ]
     elif kind == "topk":
         ins, outs = {"scores": f, "meta": i}, {"idx": i, "cnt": i}
         tmpl = [("TOPK", 512), ("RATIO", 4), ("THREADS", sa.TOPK_THREADS)]
     else:
         ins = {"q": dtype, "keys": dtype, "rows": dtype, "idx": i, "cnt": i, "sinks": dtype, "prm": f, "meta": i}
         outs = {"o": dtype}
-        tmpl = [("T", dtype), ("TK", dtype), ("TS", dtype), ("D", 512), ("W", 128), ("RATIO", 4 if selected else 128),
-                ("TOPK", 512 if selected else 1), ("THREADS", sa.ATTN_THREADS), ("KB", sa.ATTN_KEYS),
-                ("SELECTED", selected)]
+        tmpl = [
+            ("T", dtype),
+            ("TK", dtype),
+            ("TS", dtype),
+            ("D", 512),
+            ("W", 128),
+            ("RATIO", 4 if selected else 128),
+            ("TOPK", 512 if selected else 1),
+            ("THREADS", sa.ATTN_THREADS),
+            ("KB", sa.ATTN_KEYS),
+            ("SELECTED", selected),
+        ]
     nvcc_compile(tmp_path, mlx_cuda_source(kind, h, b, ins, outs, tmpl))

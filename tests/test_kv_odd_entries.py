@@ -3,6 +3,7 @@ opened.  A FIFO named like a checkpoint (a plain open() blocks on it forever),
 a directory, a symlink or a misnamed file is skipped with one log line, at
 start-up and when it appears while running; a real `ds4mlx serve` with such a
 directory starts, answers and keeps answering."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,13 @@ def odd_entries(d: Path) -> dict[str, str]:
     (d / "target").write_bytes(b"\0" * 200)
     os.symlink(d / "target", d / f"{SHA[:-1]}9.kv")
     os.mkfifo(d / ks.META_NAME)
-    return {f"{SHA}.kv": "FIFO", f"{SHA[:-1]}8.kv": "directory", f"{SHA[:-1]}9.kv": "symlink",
-            "notes.txt": "misnamed", "target": "misnamed"}
+    return {
+        f"{SHA}.kv": "FIFO",
+        f"{SHA[:-1]}8.kv": "directory",
+        f"{SHA[:-1]}9.kv": "symlink",
+        "notes.txt": "misnamed",
+        "target": "misnamed",
+    }
 
 
 def test_store_skips_fifo_directory_symlink_and_misnamed_entries(tmp_path, caplog):
@@ -90,9 +96,11 @@ def test_unreadable_entry_is_skipped(tmp_path, caplog):
 
 
 def _chat(url: str) -> dict:
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(
-        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode(),
-        headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 
@@ -102,8 +110,20 @@ def test_serve_with_a_fifo_in_the_kv_dir_starts_and_keeps_answering(tmp_path):
     kv.mkdir()
     os.mkfifo(kv / f"{SHA}.kv")
     port = free_port()
-    cmd = [sys.executable, "-m", "ds4mlx.cli", "serve", "--port", str(port), "--ctx", "1024", "--tokens", "2",
-           "--kv-disk-dir", str(kv)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ds4mlx.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--ctx",
+        "1024",
+        "--tokens",
+        "2",
+        "--kv-disk-dir",
+        str(kv),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

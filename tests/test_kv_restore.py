@@ -9,6 +9,7 @@
   puts them and a session switch reloads the evicted session;
 * a checkpoint of another model configuration is rejected and deleted.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,9 @@ def chat_prompt(system: str, *turns: str) -> str:
 
 
 def options(d, **kw) -> KVCacheOptions:
-    base = dict(disk_dir=str(d), min_tokens=64, boundary_align_tokens=128, boundary_trim_tokens=8,
-                continued_interval_tokens=0)
+    base = dict(
+        disk_dir=str(d), min_tokens=64, boundary_align_tokens=128, boundary_trim_tokens=8, continued_interval_tokens=0
+    )
     base.update(kw)
     return KVCacheOptions(**base)
 
@@ -109,8 +111,10 @@ def test_restarted_engine_continues_exactly_like_an_uninterrupted_one(demo, tmp_
     f1 = run(a, p1)
     live = len(a.session)
     a.close()  # shutdown save of the whole live session
-    assert any(e.reason == "shutdown" and e.tokens == live for e in KVStore(
-        str(tmp_path), 1 << 30, model_identity(model), routed_expert_bits(model), 2048, 64).entries())
+    assert any(
+        e.reason == "shutdown" and e.tokens == live
+        for e in KVStore(str(tmp_path), 1 << 30, model_identity(model), routed_expert_bits(model), 2048, 64).entries()
+    )
     p2 = chat_prompt(TEXT[:1200], "Summarise.", f1.raw_text, "Shorter.")
 
     b = engine(demo, DiskKVCache.open(opt, model, ctx=2048))  # restart
@@ -160,9 +164,8 @@ def test_save_points_and_session_switch(demo, tmp_path):
 def _other_model():
     """The demo architecture with another rope theta: same shapes, other config."""
     from ds4mlx.demo import DEMO_CONFIG, demo_weights
-    from ds4mlx.models.base import LanguageModel
-
     from ds4mlx.loader import materialize
+    from ds4mlx.models.base import LanguageModel
 
     cfg = dict(DEMO_CONFIG, rope_theta=20000.0)
     m = LanguageModel.from_config(cfg, demo_weights(DEMO_CONFIG))
@@ -188,8 +191,10 @@ def test_checkpoint_of_another_model_config_is_rejected_and_deleted(demo, tmp_pa
     # same store id but a payload the other model's session refuses (its own
     # fingerprint check): discarded on load, the request goes cold
     path = store.store(tok.decode_bytes(ids), len(ids), s.snapshot(), "cold")
-    forged = DiskKVCache(KVStore(str(tmp_path), 1 << 30, model_identity(model), routed_expert_bits(model), 2048,
-                                 64), options(tmp_path, cold_max_tokens=0))
+    forged = DiskKVCache(
+        KVStore(str(tmp_path), 1 << 30, model_identity(model), routed_expert_bits(model), 2048, 64),
+        options(tmp_path, cold_max_tokens=0),
+    )
     eng = Engine(other, tok, ctx=2048, cache=forged)
     fin = run(eng, tok.decode(ids) + " and more", 2)
     assert fin.usage.cached_tokens == 0 and eng.stats.last_cache_source == "none"
@@ -207,8 +212,12 @@ def test_quant_bits_of_routed_experts(demo):
 
     assert routed_expert_bits(demo[0]) == 32
     m = LanguageModel.from_config(DEMO_CONFIG, demo_weights(DEMO_CONFIG))
-    nn.quantize(m.model, group_size=32, bits=4,
-                class_predicate=lambda path, mod: ".experts." in path and hasattr(mod, "to_quantized"))
+    nn.quantize(
+        m.model,
+        group_size=32,
+        bits=4,
+        class_predicate=lambda path, mod: ".experts." in path and hasattr(mod, "to_quantized"),
+    )
     assert routed_expert_bits(m) == 4
 
     from ds4mlx.models.quantized import GGUFSwitchLinear
@@ -245,7 +254,8 @@ def test_restore_then_continue_is_bit_exact_on_the_oracle_model(oracle, tmp_path
     key = "".join(f"<{t}>" for t in prefix)  # the oracle has no tokenizer: a text key per token
     assert store.store(key, n, a.snapshot(), "cold") is not None
     cp = KVStore(str(tmp_path), 1 << 30, "oracle-" + str(config), 32, 256, 8).lookup(
-        key + "".join(f"<{t}>" for t in more))
+        key + "".join(f"<{t}>" for t in more)
+    )
     assert cp is not None and cp.n_tokens == n
     b = model.new_session(256)
     b.restore(cp.payload)

@@ -17,6 +17,7 @@ guessed:
   request hits the checkpoint and only the tool-result suffix is prefilled;
   with exact replay disabled the same request cannot reach it.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,17 +53,32 @@ class Server:
         self.runs = 0
         self.proc = None
 
-    def start(self, *extra: str) -> "Server":
+    def start(self, *extra: str) -> Server:
         self.runs += 1
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         head = [sys.executable, str(self.launcher)] if self.launcher else [sys.executable, "-m", "ds4mlx.cli", "serve"]
-        cmd = head + ["--port", str(self.port), "--chdir", str(self.root), "--kv-disk-dir", "kv",
-                      "--trace", "trace.jsonl", *self.args, *extra]
+        cmd = head + [
+            "--port",
+            str(self.port),
+            "--chdir",
+            str(self.root),
+            "--kv-disk-dir",
+            "kv",
+            "--trace",
+            "trace.jsonl",
+            *self.args,
+            *extra,
+        ]
         self.log_path = self.root / f"serve-{self.runs}.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, PYTHONPATH=str(TESTS.parent)))
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(TESTS.parent)),
+        )
         wait_up(self.url, self.proc)
         return self
 
@@ -120,15 +136,16 @@ def anchor_of(prompt: str) -> int:
     """Token index of the ⟨User⟩ before the first ⟨Assistant⟩ (the cold save point)."""
     from ds4mlx.tokenizer import Tokenizer
 
-    return len(Tokenizer.default().encode(prompt[:prompt.index(USER)]))
+    return len(Tokenizer.default().encode(prompt[: prompt.index(USER)]))
 
 
 # ------------------------------------------------------------------------------- demo model
 def test_openai_chat_resumes_from_disk_after_restart(server):
     srv = server("--ctx", "8192", "--kv-cache-min-tokens", "256").start()
     msgs = [{"role": "system", "content": LONG}, {"role": "user", "content": "Summarise section 3."}]
-    r1 = srv.openai().chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
-                                    reasoning_effort="none")
+    r1 = srv.openai().chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=8, temperature=0, reasoning_effort="none"
+    )
     u1 = r1.usage
     assert u1.prompt_tokens > 5000 and u1.prompt_tokens_details.cached_tokens == 0
     st = srv.stats()
@@ -139,10 +156,13 @@ def test_openai_chat_resumes_from_disk_after_restart(server):
     assert f"stored tokens={live} reason=shutdown" in log
 
     srv.start()  # a new process: nothing in memory
-    msgs2 = msgs + [{"role": "assistant", "content": r1.choices[0].message.content},
-                    {"role": "user", "content": "And section 4?"}]
-    r2 = srv.openai().chat.completions.create(model=MODEL, messages=msgs2, max_tokens=8, temperature=0,
-                                              reasoning_effort="none")
+    msgs2 = msgs + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And section 4?"},
+    ]
+    r2 = srv.openai().chat.completions.create(
+        model=MODEL, messages=msgs2, max_tokens=8, temperature=0, reasoning_effort="none"
+    )
     u2 = r2.usage
     t1, t2 = srv.trace()
     want = expected_reuse(t1, t2, live, anchor_of(t1["prompt"]))
@@ -159,8 +179,9 @@ def test_anthropic_messages_resume_from_disk_after_restart(server):
     system = LONG.replace("Section", "Part")
     msgs = [{"role": "user", "content": "What is part 2 about?"}]
     think = {"type": "enabled", "budget_tokens": 1024}  # Anthropic thinking is off unless asked for (#17)
-    m1 = srv.anthropic().messages.create(model=MODEL, system=system, messages=msgs, max_tokens=8,
-                                         thinking=think, extra_body=GREEDY)
+    m1 = srv.anthropic().messages.create(
+        model=MODEL, system=system, messages=msgs, max_tokens=8, thinking=think, extra_body=GREEDY
+    )
     assert m1.usage.cache_read_input_tokens == 0 and m1.usage.cache_creation_input_tokens > 5000
     live = srv.stats()["live_tokens"]
     log = srv.stop()
@@ -168,14 +189,19 @@ def test_anthropic_messages_resume_from_disk_after_restart(server):
     # character (a random-weight answer cut by max_tokens can): such a key could not be
     # matched against prompt text, so the store skips it and says why.  The next turn is
     # served from the cold checkpoint either way (below).
-    assert (f"stored tokens={live} reason=shutdown" in log
-            or f"skipped tokens={live} reason=shutdown: key ends inside a character" in log), log
+    assert (
+        f"stored tokens={live} reason=shutdown" in log
+        or f"skipped tokens={live} reason=shutdown: key ends inside a character" in log
+    ), log
 
     srv.start()
-    msgs2 = msgs + [{"role": "assistant", "content": [b.model_dump() for b in m1.content]},
-                    {"role": "user", "content": "And part 5?"}]
-    with srv.anthropic().messages.stream(model=MODEL, system=system, messages=msgs2, max_tokens=8,
-                                         thinking=think, extra_body=GREEDY) as stream:
+    msgs2 = msgs + [
+        {"role": "assistant", "content": [b.model_dump() for b in m1.content]},
+        {"role": "user", "content": "And part 5?"},
+    ]
+    with srv.anthropic().messages.stream(
+        model=MODEL, system=system, messages=msgs2, max_tokens=8, thinking=think, extra_body=GREEDY
+    ) as stream:
         first = next(iter(stream))
         m2 = stream.get_final_message()
     assert first.type == "message_start"
@@ -195,19 +221,22 @@ def test_anthropic_messages_resume_from_disk_after_restart(server):
 
 def test_responses_input_tokens_details_report_disk_hits(server):
     srv = server("--ctx", "4096", "--kv-cache-min-tokens", "256").start()
-    r1 = srv.openai().responses.create(model=MODEL, instructions=TEXT, input="Who keeps the lighthouse?",
-                                       max_output_tokens=4, temperature=0)
+    r1 = srv.openai().responses.create(
+        model=MODEL, instructions=TEXT, input="Who keeps the lighthouse?", max_output_tokens=4, temperature=0
+    )
     assert r1.usage.input_tokens_details.cached_tokens == 0
     live = srv.stats()["live_tokens"]
     srv.stop()
 
     srv.start()
-    history = [{"role": "user", "content": "Who keeps the lighthouse?"},
-               {"type": "message", "role": "assistant", "content": [{"type": "output_text",
-                                                                     "text": r1.output_text}]},
-               {"role": "user", "content": "Since when?"}]
-    r2 = srv.openai().responses.create(model=MODEL, instructions=TEXT, input=history, max_output_tokens=4,
-                                       temperature=0)
+    history = [
+        {"role": "user", "content": "Who keeps the lighthouse?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": r1.output_text}]},
+        {"role": "user", "content": "Since when?"},
+    ]
+    r2 = srv.openai().responses.create(
+        model=MODEL, instructions=TEXT, input=history, max_output_tokens=4, temperature=0
+    )
     t1, t2 = srv.trace()
     want = expected_reuse(t1, t2, live, anchor_of(t1["prompt"]))
     st = srv.stats()
@@ -218,13 +247,22 @@ def test_responses_input_tokens_details_report_disk_hits(server):
 
 
 # ------------------------------------------------------------------------------- tool continuation
-SAMPLED_DSML = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="calc">\n'
-                '<｜DSML｜parameter name="xs" string="false">[1,  2, 3]</｜DSML｜parameter>\n'
-                '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+SAMPLED_DSML = (
+    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="calc">\n'
+    '<｜DSML｜parameter name="xs" string="false">[1,  2, 3]</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
 CANONICAL_XS = '<｜DSML｜parameter name="xs" string="false">[1,2,3]</｜DSML｜parameter>'
-TOOLS = [{"type": "function", "function": {
-    "name": "calc", "description": "Add numbers",
-    "parameters": {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "number"}}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Add numbers",
+            "parameters": {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "number"}}}},
+        },
+    }
+]
 
 LAUNCHER = '''\
 """`ds4mlx serve`'s CLI over the scripted model double (tests/scripted_model.py)."""
@@ -270,10 +308,15 @@ def test_tool_result_after_restart_hits_disk_with_exact_dsml_from_ktm(server, tm
     st = srv.stats()
     assert st["kv_disk_cache"]["tool_ids_loaded"] == 1 and st["engine"]["prefill_tokens"] == 0
     extra = c.message.model_extra or {}
-    msgs2 = msgs + [{"role": "assistant", "content": c.message.content,
-                     "reasoning_content": extra.get("reasoning_content"),
-                     "tool_calls": [call.model_dump()]},
-                    {"role": "tool", "tool_call_id": call.id, "content": "6"}]
+    msgs2 = msgs + [
+        {
+            "role": "assistant",
+            "content": c.message.content,
+            "reasoning_content": extra.get("reasoning_content"),
+            "tool_calls": [call.model_dump()],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "6"},
+    ]
     r2 = srv.openai().chat.completions.create(model=MODEL, messages=msgs2, tools=TOOLS)
     assert r2.choices[0].message.content == "The sum is 6."
     st = srv.stats()

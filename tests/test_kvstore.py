@@ -2,6 +2,7 @@
 
 Spec: kv-cache.md §3-§9, with the issue's deviations (model tag, CRC footer,
 pre-store eviction, anchor factor, strict-prefix penalty)."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,7 @@ class Clock:
         return self.t
 
 
-def open_store(d, budget=1 << 20, *, model=MODEL, quant=4, ctx=4096, min_tokens=4, clock=None,
-               **kw) -> KVStore:
+def open_store(d, budget=1 << 20, *, model=MODEL, quant=4, ctx=4096, min_tokens=4, clock=None, **kw) -> KVStore:
     return KVStore(str(d), budget, model, quant, ctx, min_tokens, clock=clock or Clock(), **kw)
 
 
@@ -54,9 +54,18 @@ def test_sha1_vector():
 def test_header_bytes_match_spec_capture():
     """With model tag 0 (ds4's reserved bytes) the header is byte-identical to
     the captured ds4 cold save (§3.1)."""
-    h = ks.pack_header(quant_bits=2, reason=ks.REASON_CODES["cold"], flags=0, tokens=1323,
-                       hits=0, ctx=32768, model_tag=0, created_at=0x6B0CB2B8,
-                       last_used=0x6B0CB2B8, payload_bytes=5308)
+    h = ks.pack_header(
+        quant_bits=2,
+        reason=ks.REASON_CODES["cold"],
+        flags=0,
+        tokens=1323,
+        hits=0,
+        ctx=32768,
+        model_tag=0,
+        created_at=0x6B0CB2B8,
+        last_used=0x6B0CB2B8,
+        payload_bytes=5308,
+    )
     assert len(h) == 48
     assert h + ks.KEYLEN.pack(1476) == SPEC_BYTES[:52]
 
@@ -133,8 +142,8 @@ def test_cold_save_point():
     assert kp.store_len(1695, opt) == 1695
     assert kp.cold_save_point([7] * 11011, opt) == kp.ColdSave(10240, "trim-align")
     assert kp.cold_save_point([7] * 1695, opt) == kp.ColdSave(1695, "full")
-    assert kp.cold_save_point([7] * 511, opt) is None                      # < min
-    assert kp.cold_save_point([7] * 30001, opt) is None                    # > cold_max
+    assert kp.cold_save_point([7] * 511, opt) is None  # < min
+    assert kp.cold_save_point([7] * 30001, opt) is None  # > cold_max
     assert kp.cold_save_point([7] * 30000, opt) == kp.ColdSave(28672, "trim-align")
     ids = [7] * 600 + [U] + [7] * 900 + [A] + [7] * 40
     assert kp.cold_save_point(ids, opt, user_id=U, assistant_id=A) == kp.ColdSave(600, "anchor")
@@ -148,9 +157,9 @@ def test_cold_save_point():
 def test_frontier_suppress_reset_loaded():
     opt = kp.KVCacheOptions(disk_dir="x")
     f = kp.ContinuedFrontier(opt)
-    tok = f.suppress(10240)                   # cold length is itself a frontier
+    tok = f.suppress(10240)  # cold length is itself a frontier
     assert tok == 0 and not f.due(10240)
-    f.unsuppress(tok, 10240)                  # cold save failed
+    f.unsuppress(tok, 10240)  # cold save failed
     assert f.due(10240)
     assert f.suppress(5000) is None and f.last == 0
     f.loaded(20480)
@@ -164,7 +173,7 @@ def test_evict_and_shutdown_lengths():
     assert kp.evict_save_len(511, opt) is None
     assert kp.evict_save_len(777, opt) == 777
     assert kp.shutdown_save_len(512, opt) == 512
-    assert kp.shutdown_save_len(5000, kp.KVCacheOptions()) is None      # cache off
+    assert kp.shutdown_save_len(5000, kp.KVCacheOptions()) is None  # cache off
 
 
 def test_add_kv_arguments_defaults_and_aliases(tmp_path):
@@ -173,18 +182,31 @@ def test_add_kv_arguments_defaults_and_aliases(tmp_path):
     opt = kp.KVCacheOptions.from_args(p.parse_args([]))
     assert opt == kp.KVCacheOptions()
     assert not opt.enabled and opt.budget_bytes == 4096 << 20
-    a = p.parse_args(["--kv-disk-dir", str(tmp_path), "--kv-disk-space-mb", "12",
-                      "--kv-cache-min-tokens", "100", "--kv-cache-cold-max-tokens", "0",
-                      "--kv-cache-continued-interval-tokens", "0",
-                      "--kv-cache-boundary-trim-tokens", "8",
-                      "--kv-cache-boundary-align-tokens", "0",
-                      "--kv-cache-accept-different-quant",
-                      "--disable-exact-dsml-tool-replay", "--tool-memory-max-ids", "7"])
+    a = p.parse_args(
+        [
+            "--kv-disk-dir",
+            str(tmp_path),
+            "--kv-disk-space-mb",
+            "12",
+            "--kv-cache-min-tokens",
+            "100",
+            "--kv-cache-cold-max-tokens",
+            "0",
+            "--kv-cache-continued-interval-tokens",
+            "0",
+            "--kv-cache-boundary-trim-tokens",
+            "8",
+            "--kv-cache-boundary-align-tokens",
+            "0",
+            "--kv-cache-accept-different-quant",
+            "--disable-exact-dsml-tool-replay",
+            "--tool-memory-max-ids",
+            "7",
+        ]
+    )
     opt = kp.KVCacheOptions.from_args(a)
-    assert (opt.disk_dir, opt.budget_bytes, opt.min_tokens, opt.cold_max_tokens) == \
-        (str(tmp_path), 12 << 20, 100, 0)
-    assert (opt.continued_interval_tokens, opt.boundary_trim_tokens, opt.boundary_align_tokens) \
-        == (0, 8, 0)
+    assert (opt.disk_dir, opt.budget_bytes, opt.min_tokens, opt.cold_max_tokens) == (str(tmp_path), 12 << 20, 100, 0)
+    assert (opt.continued_interval_tokens, opt.boundary_trim_tokens, opt.boundary_align_tokens) == (0, 8, 0)
     assert opt.cross_quant and not opt.exact_dsml_tool_replay and opt.tool_memory_max_ids == 7
     assert "budget=12 MiB" in opt.describe() and "cross-quant=accept" in opt.describe()
     assert p.parse_args(["--kv-cache-budget-mb", "0"]).kv_cache_budget_mb == 0
@@ -214,6 +236,7 @@ def test_options_validation():
 
 # ------------------------------------------------------------------ store / lookup
 
+
 def test_store_and_lookup_roundtrip(tmp_path):
     clock = Clock()
     s = open_store(tmp_path, clock=clock)
@@ -222,8 +245,13 @@ def test_store_and_lookup_roundtrip(tmp_path):
     assert path and os.path.basename(path) == ks.sha1_hex(b"system prompt") + ".kv"
     cp = s.lookup("system prompt + user task")
     assert cp is not None
-    assert (cp.key_text, cp.n_tokens, cp.payload, cp.trailer, cp.reason) == \
-        ("system prompt", 10, b"abcdefghi", b"KTM\x01....", "cold")
+    assert (cp.key_text, cp.n_tokens, cp.payload, cp.trailer, cp.reason) == (
+        "system prompt",
+        10,
+        b"abcdefghi",
+        b"KTM\x01....",
+        "cold",
+    )
     assert cp.has_tool_map and cp.key_kind == "token-text" and cp.hits == 1
     assert cp.suffix("system prompt + user task") == " + user task"
     with pytest.raises(ValueError):
@@ -253,13 +281,13 @@ def test_key_kinds_and_flags(tmp_path):
 
 def test_store_preconditions(tmp_path):
     s = open_store(tmp_path, min_tokens=8, ctx=100)
-    assert s.store("key text", 7, b"p") is None           # below min_tokens: skipped
+    assert s.store("key text", 7, b"p") is None  # below min_tokens: skipped
     with pytest.raises(ValueError):
-        s.store("key text", 100, b"p")                    # tokens must be < ctx
+        s.store("key text", 100, b"p")  # tokens must be < ctx
     with pytest.raises(ValueError):
-        s.store("key text", 10, b"")                      # empty payload
+        s.store("key text", 10, b"")  # empty payload
     with pytest.raises(ValueError):
-        s.store("", 10, b"p")                             # empty key
+        s.store("", 10, b"p")  # empty key
     with pytest.raises(ValueError):
         s.store("key text", 10, b"p", reason="bogus")
     assert kv_files(tmp_path) == []
@@ -284,8 +312,8 @@ def test_lookup_min_tokens_threshold(tmp_path):
     s.store("abc", 100, b"short")
     t = open_store(tmp_path, min_tokens=512)
     assert t.lookup("abc long key!").payload == b"long"
-    assert t.lookup("abc def") is None                  # 100 < 512: not a candidate
-    assert len(kv_files(tmp_path)) == 2                 # below-min files are kept
+    assert t.lookup("abc def") is None  # 100 < 512: not a candidate
+    assert len(kv_files(tmp_path)) == 2  # below-min files are kept
     assert t.store("abcdef", 511, b"x") is None
 
 
@@ -318,7 +346,7 @@ def test_lookup_falls_back_when_best_is_corrupt(tmp_path):
     s.store("shared prefix", 10, b"short")
     long_path = s.store("shared prefix and more", 20, b"long payload")
     data = bytearray(open(long_path, "rb").read())
-    data[60 + len("shared prefix and more")] ^= 1        # a payload bit
+    data[60 + len("shared prefix and more")] ^= 1  # a payload bit
     open(long_path, "wb").write(data)
     cp = s.lookup("shared prefix and more and more")
     assert cp.payload == b"short"
@@ -328,12 +356,11 @@ def test_lookup_falls_back_when_best_is_corrupt(tmp_path):
 def test_utf8_key_split_inside_a_character(tmp_path):
     s = open_store(tmp_path)
     full = "前缀文本".encode()
-    key = full[:7]                                        # ends mid-character
+    key = full[:7]  # ends mid-character
     s.store(key, 10, b"p")
     cp = s.lookup("前缀文本 suffix")
     assert cp.key_bytes == key
-    assert (cp.key_text + cp.suffix("前缀文本 suffix")).encode("utf-8", "surrogateescape") \
-        == "前缀文本 suffix".encode()
+    assert (cp.key_text + cp.suffix("前缀文本 suffix")).encode("utf-8", "surrogateescape") == "前缀文本 suffix".encode()
     assert cp.suffix_bytes("前缀文本 suffix") == full[7:] + b" suffix"
 
 
@@ -344,7 +371,7 @@ def test_has_and_store_existing_key_keeps_file_and_hits(tmp_path):
     assert s.has("conversation") and not s.has("conversation!")
     s.lookup("conversation x")
     clock.t += 100
-    assert s.store("conversation", 10, b"v2") == path         # no rewrite
+    assert s.store("conversation", 10, b"v2") == path  # no rewrite
     [e] = s.entries()
     assert e.hits == 1 and e.last_used == clock.t and e.created_at == clock.t - 100
     assert s.lookup("conversation x").payload == b"v1"
@@ -357,11 +384,11 @@ def test_store_existing_key_new_trailer_rewrites_and_carries_hits(tmp_path):
     s.lookup("conversation x")
     s.lookup("conversation x")
     clock.t += 5
-    s.store("conversation", 10, b"v1", trailer=b"T1")          # same trailer: kept
+    s.store("conversation", 10, b"v1", trailer=b"T1")  # same trailer: kept
     assert s.lookup("conversation y").trailer == b"T1"
-    s.store("conversation", 10, b"v2", trailer=None)           # empty trailer: kept
+    s.store("conversation", 10, b"v2", trailer=None)  # empty trailer: kept
     assert s.lookup("conversation y").payload == b"v1"
-    s.store("conversation", 10, b"v2", trailer=b"T2")          # new trailer: rewritten
+    s.store("conversation", 10, b"v2", trailer=b"T2")  # new trailer: rewritten
     [e] = s.entries()
     assert e.hits == 4 and e.created_at == clock.t
     cp = s.lookup("conversation z")
@@ -403,7 +430,7 @@ def test_leftover_temporaries_cleaned_other_files_ignored(tmp_path):
     s = open_store(tmp_path)
     s.store("keep me", 10, b"p")
     sha = ks.sha1_hex(b"gone")
-    dead = 2 ** 22 + 12345                           # above pid_max: never alive
+    dead = 2**22 + 12345  # above pid_max: never alive
     (tmp_path / f"{sha}.kv.tmp.{dead}").write_bytes(b"partial")
     (tmp_path / f"{ks.META_NAME}.tmp.{dead}").write_bytes(b"{")
     live = tmp_path / f"{sha}.kv.tmp.{os.getppid()}"
@@ -418,6 +445,7 @@ def test_leftover_temporaries_cleaned_other_files_ignored(tmp_path):
 
 
 # ------------------------------------------------------------------ rejection
+
 
 def _pristine(tmp_path, **kw):
     d = tmp_path / "src"
@@ -450,9 +478,14 @@ def test_pristine_file_loads(tmp_path):
 def test_every_single_bit_flip_is_rejected_and_deleted(tmp_path):
     path, data = _pristine(tmp_path)
     name = os.path.basename(path)
-    regions = {"header": range(0, 48), "key length": range(48, 52),
-               "key": range(52, 64), "payload": range(64, 104),
-               "trailer": range(104, 115), "footer": range(115, 135)}
+    regions = {
+        "header": range(0, 48),
+        "key length": range(48, 52),
+        "key": range(52, 64),
+        "payload": range(64, 104),
+        "trailer": range(104, 115),
+        "footer": range(115, 135),
+    }
     assert len(data) == 135
     d = tmp_path / "flip"
     for region, offsets in regions.items():
@@ -509,6 +542,7 @@ def test_smaller_ctx_is_accepted(tmp_path):
 def _reseal(data: bytes) -> bytes:
     """Recompute the file CRC so only the intended field is 'wrong'."""
     import zlib
+
     body = data[:-4]
     return body + struct.pack("<I", zlib.crc32(body))
 
@@ -516,7 +550,7 @@ def _reseal(data: bytes) -> bytes:
 def test_tokens_not_below_file_ctx_rejected(tmp_path):
     path, data = _pristine(tmp_path)
     bad = bytearray(data)
-    struct.pack_into("<I", bad, 16, 600)              # ctx == tokens (600)
+    struct.pack_into("<I", bad, 16, 600)  # ctx == tokens (600)
     _assert_rejected(tmp_path / "t", os.path.basename(path), _reseal(bytes(bad)))
 
 
@@ -531,8 +565,9 @@ def test_wrong_version_is_rejected_and_deleted(tmp_path, version):
 def test_ds4_c_v1_file_is_rejected_and_deleted(tmp_path):
     """A ds4 C file (no model tag, no footer) is not trusted."""
     key = b"the key text"
-    h = ks.pack_header(quant_bits=4, reason=1, flags=0, tokens=600, ctx=4096, model_tag=0,
-                       created_at=1, last_used=1, payload_bytes=8)
+    h = ks.pack_header(
+        quant_bits=4, reason=1, flags=0, tokens=600, ctx=4096, model_tag=0, created_at=1, last_used=1, payload_bytes=8
+    )
     data = h + ks.KEYLEN.pack(len(key)) + key + b"DSV4...."
     _assert_rejected(tmp_path / "t", ks.sha1_hex(key) + ".kv", data)
 
@@ -557,7 +592,7 @@ def test_verify_all_deletes_corrupt_payloads(tmp_path):
     data = bytearray(open(bad, "rb").read())
     data[52 + len("bad key") + 3] ^= 0x10
     open(bad, "wb").write(data)
-    assert len(s.entries()) == 2              # listing reads header+footer only
+    assert len(s.entries()) == 2  # listing reads header+footer only
     assert s.verify_all() == 1
     assert os.path.exists(good) and not os.path.exists(bad)
 
@@ -572,6 +607,7 @@ def test_discard(tmp_path):
 
 # ------------------------------------------------------------------ eviction
 
+
 def _size(key: str, payload: int, trailer: int = 0) -> int:
     return ks.file_size_for(len(key.encode()), payload, trailer)
 
@@ -581,11 +617,11 @@ def test_effective_hits_decay():
     assert ks.effective_hits(8, now, now) == 8
     assert ks.effective_hits(8, now - HALF_LIFE, now) == pytest.approx(4)
     assert ks.effective_hits(8, now - 2 * HALF_LIFE, now) == pytest.approx(2)
-    assert ks.effective_hits(10, now - 14 * HALF_LIFE, now) == 0.0      # 0.0006 < 0.01
+    assert ks.effective_hits(10, now - 14 * HALF_LIFE, now) == 0.0  # 0.0006 < 0.01
     assert ks.effective_hits(1, now - 6 * HALF_LIFE, now) == pytest.approx(1 / 64)
-    assert ks.effective_hits(1, now - 7 * HALF_LIFE, now) == 0.0        # 0.0078 < 0.01
-    assert ks.effective_hits(5, 0, now) == 0.0                           # never used
-    assert ks.effective_hits(5, now + 100, now) == 5                     # clock went back
+    assert ks.effective_hits(1, now - 7 * HALF_LIFE, now) == 0.0  # 0.0078 < 0.01
+    assert ks.effective_hits(5, 0, now) == 0.0  # never used
+    assert ks.effective_hits(5, now + 100, now) == 5  # clock went back
 
 
 def test_score_formula(tmp_path):
@@ -608,10 +644,10 @@ def test_eviction_vector_tokens_per_byte(tmp_path):
         d = tmp_path / f"o{order}"
         s = open_store(d, 1 << 20)
         items = [("key five-twelve", 512, 4096), ("key two-o-four-eight", 2048, 2048)]
-        for k, n, p in (items if order == 0 else items[::-1]):
+        for k, n, p in items if order == 0 else items[::-1]:
             s.store(k, n, b"\0" * p, "continued")
         budget = _size("key five-twelve", 4096) + 10
-        s = open_store(d, budget)                         # eviction runs on open
+        s = open_store(d, budget)  # eviction runs on open
         assert [e.tokens for e in s.entries()] == [2048]
 
 
@@ -636,7 +672,7 @@ def test_recent_hits_protect_a_file(tmp_path):
     s.store("key AAAA", 100, b"\0" * 1000, "continued")
     clock.t += 10
     s.store("key BBBB", 100, b"\0" * 1000, "continued")
-    s.lookup("key AAAA!")                                  # A is older but has a hit
+    s.lookup("key AAAA!")  # A is older but has a hit
     clock.t += HALF_LIFE
     s = open_store(tmp_path, _size("key AAAA", 1000) + 100, clock=clock)
     assert [e.hits for e in s.entries()] == [1]
@@ -646,10 +682,10 @@ def test_hit_bonus_decays_to_zero_then_last_use_breaks_the_tie(tmp_path):
     clock = Clock()
     s = open_store(tmp_path, 1 << 20, clock=clock)
     s.store("key AAAA", 100, b"\0" * 1000, "continued")
-    s.lookup("key AAAA!")                                   # 1 hit at t0
+    s.lookup("key AAAA!")  # 1 hit at t0
     clock.t += 10
-    s.store("key BBBB", 100, b"\0" * 1000, "continued")     # created at t0+10, 0 hits
-    clock.t += 7 * HALF_LIFE                                 # 1 hit -> 0.0078 -> 0
+    s.store("key BBBB", 100, b"\0" * 1000, "continued")  # created at t0+10, 0 hits
+    clock.t += 7 * HALF_LIFE  # 1 hit -> 0.0078 -> 0
     s = open_store(tmp_path, _size("key AAAA", 1000) + 100, clock=clock)
     # equal scores: the older last use (A, t0) goes first
     assert [e.created_at for e in s.entries()] == [clock.t - 7 * HALF_LIFE]
@@ -662,10 +698,10 @@ def test_ties_broken_by_last_use(tmp_path):
     clock.t += 10
     s.store("key BBBB", 100, b"\0" * 1000, "continued")
     clock.t += 10
-    s.store("key AAAA", 100, b"\0" * 1000, "continued")     # touch: last use of A now newer
+    s.store("key AAAA", 100, b"\0" * 1000, "continued")  # touch: last use of A now newer
     s = open_store(tmp_path, _size("key AAAA", 1000) + 100, clock=clock)
     [e] = s.entries()
-    assert e.created_at == clock.t - 20                     # A survived, B went
+    assert e.created_at == clock.t - 20  # A survived, B went
     s2 = open_store(tmp_path / "x", 1 << 20, clock=clock)
     s2.store("key AAAA", 100, b"\0" * 1000, "continued")
     clock.t += 10
@@ -743,11 +779,10 @@ def test_strict_prefix_of_pending_entry_is_penalised(tmp_path):
     a cheap victim, even when denser than an unrelated file."""
     d = tmp_path / "a"
     s = open_store(d, 1 << 20)
-    s.store("conversation turn 1", 300, b"\0" * 1000, "continued")   # prefix of pending
+    s.store("conversation turn 1", 300, b"\0" * 1000, "continued")  # prefix of pending
     s.store("unrelated document", 200, b"\0" * 1000, "continued")
     s.budget_bytes = _size("unrelated document", 1000) * 2 + 50
-    deleted = s.evict_for(_size("conversation turn 1 turn 2", 1000),
-                          "conversation turn 1 turn 2")
+    deleted = s.evict_for(_size("conversation turn 1 turn 2", 1000), "conversation turn 1 turn 2")
     assert [os.path.basename(p) for p in deleted] == [ks.sha1_hex(b"conversation turn 1") + ".kv"]
     # without the pending context, the less dense unrelated file would go
     d = tmp_path / "b"
@@ -777,8 +812,7 @@ def test_prefix_penalty_rules(tmp_path):
     assert s_anchor == pytest.approx(2 * 300 / e[len("conv anchor")].file_size)
     # hits soften the penalty: 0.05 + 0.45 * h, h = eff / (eff + 1)
     hot = e[len("conv hot")]
-    assert s.score(hot, now, pending_key=pend) == pytest.approx(
-        4 * 300 / hot.file_size * (0.05 + 0.45 * 3 / 4))
+    assert s.score(hot, now, pending_key=pend) == pytest.approx(4 * 300 / hot.file_size * (0.05 + 0.45 * 3 / 4))
     # equal key is not a *strict* prefix; a non-prefix is not penalised
     assert s.score(e[4], now, pending_key=b"conv") == pytest.approx(base)
     assert s.score(e[4], now, pending_key=b"cone and more") == pytest.approx(base)
@@ -787,7 +821,7 @@ def test_prefix_penalty_rules(tmp_path):
 def test_prefix_penalty_needs_at_least_as_reusable_ctx(tmp_path):
     s = open_store(tmp_path, 1 << 20, ctx=2048)
     s.store("conv", 300, b"\0" * 1000, "continued")
-    big = open_store(tmp_path, 1 << 20, ctx=4096)      # the pending entry gets ctx 4096
+    big = open_store(tmp_path, 1 << 20, ctx=4096)  # the pending entry gets ctx 4096
     [e] = big.entries()
     assert big.score(e, 0, pending_key=b"conv and more") == pytest.approx(300 / e.file_size)
 
@@ -797,11 +831,17 @@ def test_prefix_penalty_needs_at_least_as_reusable_ctx(tmp_path):
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-_ops = st.lists(st.tuples(st.sampled_from(["store", "lookup"]),
-                          st.text(alphabet="ab前", min_size=1, max_size=6),
-                          st.integers(4, 60), st.integers(1, 700),
-                          st.sampled_from(["cold", "continued", "evict", "shutdown"])),
-                min_size=1, max_size=25)
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "lookup"]),
+        st.text(alphabet="ab前", min_size=1, max_size=6),
+        st.integers(4, 60),
+        st.integers(1, 700),
+        st.sampled_from(["cold", "continued", "evict", "shutdown"]),
+    ),
+    min_size=1,
+    max_size=25,
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -811,6 +851,7 @@ def test_property_budget_and_longest_prefix(ops, budget):
     lookup returns the longest listed key that is a byte prefix of the prompt
     (among files with >= min_tokens), with that file's exact payload."""
     import tempfile
+
     with tempfile.TemporaryDirectory() as d:
         clock = Clock()
         s = open_store(d, budget, min_tokens=8, clock=clock)
@@ -819,14 +860,17 @@ def test_property_budget_and_longest_prefix(ops, budget):
             clock.t += 7
             if op == "store":
                 payload = (text.encode() * size)[:size] or b"x"
-                had = s.has(text)                   # an existing key is kept, not rewritten
+                had = s.has(text)  # an existing key is kept, not rewritten
                 if s.store(text, n, payload, reason) is not None and not had:
                     written[text.encode()] = (n, payload)
             else:
                 entries = s.entries()
                 prompt = (text + "ab前").encode()
-                want = [e for e in entries if e.tokens >= 8 and e.key_bytes <= len(prompt)
-                        and ks.sha1_hex(prompt[:e.key_bytes]) == e.sha]
+                want = [
+                    e
+                    for e in entries
+                    if e.tokens >= 8 and e.key_bytes <= len(prompt) and ks.sha1_hex(prompt[: e.key_bytes]) == e.sha
+                ]
                 cp = s.lookup(prompt)
                 if not want:
                     assert cp is None

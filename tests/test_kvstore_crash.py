@@ -3,6 +3,7 @@ moments (and at every step of the write protocol); afterwards no partial file
 is ever loaded, leftovers are cleaned, and the directory stays within budget.
 
 Real I/O (os.fsync, os.replace) with small payloads, so it stays CPU-cheap."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -100,8 +101,9 @@ def check_directory(d, child):
     total = sum(os.path.getsize(os.path.join(d, n)) for n in names)
     assert total <= BUDGET, f"{total} bytes of checkpoints > budget {BUDGET}"
     store = ks.KVStore(str(d), BUDGET, MODEL, 4, 1 << 20, 1)
-    assert sorted(e.sha + ".kv" for e in store.entries()) == sorted(names), \
+    assert sorted(e.sha + ".kv" for e in store.entries()) == sorted(names), (
         "a final-name file failed its structural checks"
+    )
     assert store.verify_all() == 0, "a final-name file failed its checksum"
     leftovers = [n for n in os.listdir(d) if ".tmp." in n]
     assert leftovers == [], f"temporaries left after open: {leftovers}"
@@ -117,8 +119,12 @@ def check_directory(d, child):
 
 
 def run_child(child, d, seed, *extra, kill_after=None):
-    proc = subprocess.Popen([sys.executable, child.path, str(d), str(seed), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, child.path, str(d), str(seed), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
         if kill_after is not None:
@@ -145,8 +151,7 @@ def test_random_sigkill_rounds(tmp_path, child):
     assert killed >= 1, "no round was actually killed mid-run"
 
 
-POINTS = ["key-written", "payload-written", "before-fsync", "before-rename", "renamed",
-          "evicted", "meta-before-rename"]
+POINTS = ["key-written", "payload-written", "before-fsync", "before-rename", "renamed", "evicted", "meta-before-rename"]
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -154,7 +159,6 @@ def test_sigkill_at_each_write_step(tmp_path, child, point):
     d = tmp_path / "cache"
     rc, err = run_child(child, d, 7, point, "20")
     assert rc == -signal.SIGKILL, f"never reached {point}: {err}"
-    if point in ("key-written", "payload-written", "before-fsync", "before-rename",
-                 "meta-before-rename"):
+    if point in ("key-written", "payload-written", "before-fsync", "before-rename", "meta-before-rename"):
         assert any(".tmp." in n for n in os.listdir(d)), "expected a leftover temporary"
     assert check_directory(d, child) > 0

@@ -11,6 +11,7 @@
 
 These fail on new code that breaks a rule; each failure names file:line and what to do.
 """
+
 from __future__ import annotations
 
 import ast
@@ -131,8 +132,10 @@ def test_no_import_cycle():
     for comp in cycles:
         edges = [f"    {a} -> {b}  ({', '.join(graph[a][b])})" for a in comp for b in sorted(graph[a]) if b in comp]
         report.append(f"  cycle among {', '.join(comp)}:\n" + "\n".join(edges))
-    assert not cycles, ("import cycles (function-level imports count: they only hide the cycle).  Move the "
-                        "shared piece into a module both can import, or pass it in:\n" + "\n".join(report))
+    assert not cycles, (
+        "import cycles (function-level imports count: they only hide the cycle).  Move the "
+        "shared piece into a module both can import, or pass it in:\n" + "\n".join(report)
+    )
 
 
 # ----------------------------------------------------------------------------- (b) private names
@@ -187,16 +190,18 @@ def private_violations() -> list[str]:
             elif isinstance(base, ast.Name) and base.id in ("self", "cls"):
                 continue
             elif node.attr not in mine and owners.get(node.attr):
-                found.append(f"{where(mod, node)}: reaches into private {node.attr} of "
-                             f"{', '.join(sorted(owners[node.attr]))}")
+                found.append(
+                    f"{where(mod, node)}: reaches into private {node.attr} of {', '.join(sorted(owners[node.attr]))}"
+                )
     return found
 
 
 def test_no_private_name_across_modules():
     found = private_violations()
-    assert not found, ("private names used across modules: make the name public (drop the underscore, "
-                       "document it) or move the code that needs it into the owning module:\n  "
-                       + "\n  ".join(found))
+    assert not found, (
+        "private names used across modules: make the name public (drop the underscore, "
+        "document it) or move the code that needs it into the owning module:\n  " + "\n  ".join(found)
+    )
 
 
 # ----------------------------------------------------------------------------- (c) chat markers
@@ -257,10 +262,12 @@ def test_no_chat_marker_literal_outside_family_protocols():
             hits = [m for m in hits if m not in PHASE2_KNOWN.get(rel, ())]
             if hits:
                 found.append(f"{rel}:{node.lineno}: {s[:60]!r} contains {sorted(hits)}")
-    assert not found, ("chat markers written outside the family protocols (chat/markers.py, chat/families/): "
-                       "ask the family's protocol (`protocol_for_model(model)` / `get_protocol(family)`: "
-                       ".eos, .think_open, .think_close, .model_id, ...) or import the constant from "
-                       "chat/markers.py:\n  " + "\n  ".join(found))
+    assert not found, (
+        "chat markers written outside the family protocols (chat/markers.py, chat/families/): "
+        "ask the family's protocol (`protocol_for_model(model)` / `get_protocol(family)`: "
+        ".eos, .think_open, .think_close, .model_id, ...) or import the constant from "
+        "chat/markers.py:\n  " + "\n  ".join(found)
+    )
 
 
 # ----------------------------------------------------------------------------- (d) doc references
@@ -330,14 +337,21 @@ def build_wheel(out: Path) -> Path:
     import shutil
 
     src = out / "src"
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
-                                                             ".gpu", "out", "tests"))
+    shutil.copytree(
+        REPO,
+        src,
+        ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".gpu", "out", "tests"),
+    )
     import importlib.util
 
     # build offline with this interpreter's setuptools when it has one (else pip fetches it)
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", *isolation, "-q",
-                    "-w", str(out / "dist")], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", *isolation, "-q", "-w", str(out / "dist")],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     (wheel,) = (out / "dist").glob("ds4mlx-*.whl")
     return wheel
 
@@ -372,25 +386,48 @@ def test_installed_wheel_serves_the_demo_model(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
-    purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+    purelib = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     deps = [p for p in site.getsitepackages() if Path(p).is_dir()]
     Path(purelib, "zz_ds4mlx_test_deps.pth").write_text("\n".join(deps) + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     probe = subprocess.run(
-        [py, "-c", "import ds4mlx, ds4mlx.kernels.dispatch as d; print(ds4mlx.__file__); print(d.METAL_DIR); "
-                   "print(sorted(p.name for p in d.METAL_DIR.glob('*.metal')))"],
-        cwd=tmp_path, env=env, check=True, capture_output=True, text=True).stdout.splitlines()
+        [
+            py,
+            "-c",
+            "import ds4mlx, ds4mlx.kernels.dispatch as d; print(ds4mlx.__file__); print(d.METAL_DIR); "
+            "print(sorted(p.name for p in d.METAL_DIR.glob('*.metal')))",
+        ],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()
     assert probe[0].startswith(purelib), f"ds4mlx imported from {probe[0]}, not from the installed wheel"
     assert probe[1].startswith(purelib) and probe[2] == str(KERNEL_SOURCES)
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([venv / "bin" / "ds4mlx", "serve", "--port", str(port), "--ctx", "512", "--tokens", "3"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [venv / "bin" / "ds4mlx", "serve", "--port", str(port), "--ctx", "512", "--tokens", "3"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         end = time.monotonic() + 300
@@ -402,8 +439,11 @@ def test_installed_wheel_serves_the_demo_model(wheel, tmp_path):
             except OSError:
                 assert time.monotonic() < end, "ds4mlx serve did not come up"
                 time.sleep(0.3)
-        req = urllib.request.Request(url + "/v1/chat/completions", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode())
+        req = urllib.request.Request(
+            url + "/v1/chat/completions",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(),
+        )
         body = json.loads(urllib.request.urlopen(req, timeout=300).read())
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
         assert 1 <= body["usage"]["completion_tokens"] <= 3

@@ -5,6 +5,7 @@ separate MTP support GGUF), and that a load releases the file's mapped pages.
 Reference: transformers' deepseek_v4 run in float32 on exactly the weights the
 file decodes to (GGUF blocks dequantized by gguf-py's reference, F16 rounded).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,8 @@ def _transformers(cfg: dict, weights: dict | None = None, seed: int = 0):
     model.set_attn_implementation("eager")
     if weights is not None:
         missing, unexpected = model.load_state_dict(
-            {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in weights.items()}, strict=False)
+            {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in weights.items()}, strict=False
+        )
         assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     return model.eval()
 
@@ -61,8 +63,9 @@ def wide_folder(oracle, tmp_path_factory):
     cfg.update(WIDE)
     model = _transformers(cfg, seed=3)
     out = tmp_path_factory.mktemp("wide")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if "rotary" not in k},
-              str(out / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items() if "rotary" not in k}, str(out / "model.safetensors")
+    )
     (out / "config.json").write_text(json.dumps(cfg))
     return out, cfg
 
@@ -113,7 +116,7 @@ def _mtp_tensors(sd: dict) -> dict:
     out = {}
     for k, v in sd.items():
         if k.startswith("model.layers.3."):
-            out["mtp.0." + k[len("model.layers.3."):]] = v
+            out["mtp.0." + k[len("model.layers.3.") :]] = v
     return out
 
 
@@ -127,8 +130,10 @@ def test_mtp_in_main_gguf_and_support_gguf(oracle, tmp_path):
     from safetensors.numpy import load_file
 
     sd = load_file(str(d / "model.safetensors"))
-    mtp = {"mtp.0.attn_q_a.weight": sd["model.layers.3.self_attn.q_a_proj.weight"],
-           "mtp.0.enorm.weight": np.ones(cfg["hidden_size"], np.float32)}
+    mtp = {
+        "mtp.0.attn_q_a.weight": sd["model.layers.3.self_attn.q_a_proj.weight"],
+        "mtp.0.enorm.weight": np.ones(cfg["hidden_size"], np.float32),
+    }
     # ds4's MTP support GGUF: the mtp.* tensors alone
     support = tmp_path / "mtp.gguf"
     w = gguf.GGUFWriter(str(support), names.ARCH)
@@ -140,8 +145,9 @@ def test_mtp_in_main_gguf_and_support_gguf(oracle, tmp_path):
     w.close()
     lm, _ = ds4mlx.load(d, mtp=support, verbose=False)
     assert set(lm.mtp_weights) == {"mtp.0.self_attn.q_a_proj.weight", "mtp.0.enorm.weight"}
-    assert np.array_equal(np.array(lm.mtp_weights["mtp.0.self_attn.q_a_proj.weight"]),
-                          sd["model.layers.3.self_attn.q_a_proj.weight"])
+    assert np.array_equal(
+        np.array(lm.mtp_weights["mtp.0.self_attn.q_a_proj.weight"]), sd["model.layers.3.self_attn.q_a_proj.weight"]
+    )
     # the same tensors inside a main GGUF are kept too (and do not disturb the model)
     main_file = tmp_path / "main.gguf"
     write_gguf(main_file, cfg, sd, tokenizer=False)

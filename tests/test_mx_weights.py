@@ -10,6 +10,7 @@ weights decoded by torch's own float8 / a plain FP4 table (the reference); ds4ml
 loads the folder with the FP8 / FP4 bytes as MLX mxfp8 / mxfp4 layers (never
 widened to float32) and must give the same logits within 1e-4 in float32.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,17 +28,24 @@ if not hasattr(torch, "float8_e8m0fnu"):
     pytest.skip("torch without float8_e8m0fnu", allow_module_level=True)
 
 TOL = 1e-4
-FP4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-FP8_MATRICES = ("self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_proj.weight",
-                "self_attn.o_a_proj.weight", "self_attn.o_b_proj.weight", "mlp.shared_experts.gate_proj.weight",
-                "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight")
+FP4 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+FP8_MATRICES = (
+    "self_attn.q_a_proj.weight",
+    "self_attn.q_b_proj.weight",
+    "self_attn.kv_proj.weight",
+    "self_attn.o_a_proj.weight",
+    "self_attn.o_b_proj.weight",
+    "mlp.shared_experts.gate_proj.weight",
+    "mlp.shared_experts.up_proj.weight",
+    "mlp.shared_experts.down_proj.weight",
+)
 
 
 def _hub_name(hf: str) -> str:
     for h, _, c in names.TOP_LEVEL:
         if h == hf:
             return c
-    i, rest = hf[len("model.layers."):].split(".", 1)
+    i, rest = hf[len("model.layers.") :].split(".", 1)
     for h, _, c in names.LAYER:
         if h == rest:
             return f"layers.{i}.{c}"
@@ -99,8 +107,12 @@ def write_official(oracle_dir, out, block=(128, 128), config_block=None) -> dict
                 hub[name + ".weight"], hub[name + ".scale"], dec[name] = _fp4(np.ascontiguousarray(w))
             E = v.shape[0]
             if k.endswith("gate_up_proj"):
-                ref[k] = np.stack([np.concatenate([dec[f"layers.{i}.ffn.experts.{x}.w1"],
-                                                   dec[f"layers.{i}.ffn.experts.{x}.w3"]]) for x in range(E)])
+                ref[k] = np.stack(
+                    [
+                        np.concatenate([dec[f"layers.{i}.ffn.experts.{x}.w1"], dec[f"layers.{i}.ffn.experts.{x}.w3"]])
+                        for x in range(E)
+                    ]
+                )
             else:
                 ref[k] = np.stack([dec[f"layers.{i}.ffn.experts.{x}.w2"] for x in range(E)])
             continue
@@ -120,9 +132,17 @@ def write_official(oracle_dir, out, block=(128, 128), config_block=None) -> dict
     for fn, ks in shards.items():
         save_file({k: hub[k] for k in ks}, str(out / fn))
     (out / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {k: fn for fn, ks in shards.items() for k in ks}}))
-    cfg = dict(raw_cfg, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                             "weight_block_size": list(config_block or block)})
+        json.dumps({"weight_map": {k: fn for fn, ks in shards.items() for k in ks}})
+    )
+    cfg = dict(
+        raw_cfg,
+        quantization_config={
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": list(config_block or block),
+        },
+    )
     (out / "config.json").write_text(json.dumps(cfg))
     return ref
 
@@ -133,8 +153,9 @@ def transformers_logits(oracle_dir, ref: dict, ids) -> np.ndarray:
     cfg = DeepseekV4Config(**json.loads((oracle_dir / "config.json").read_text()))
     model = DeepseekV4ForCausalLM(cfg)
     model.set_attn_implementation("eager")
-    missing, unexpected = model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in ref.items()},
-                                                strict=False)
+    missing, unexpected = model.load_state_dict(
+        {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in ref.items()}, strict=False
+    )
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     model.eval()
     with torch.no_grad():
@@ -212,8 +233,9 @@ def test_truncated_shard_is_one_clear_line(official, tmp_path):
 
 def test_mtp_tensors_kept(oracle_dir, tmp_path):
     """Hub MTP tensors come through read_weights and end up in model.mtp_weights."""
-    import ds4mlx
     from safetensors.numpy import save_file
+
+    import ds4mlx
 
     out = tmp_path / "m"
     write_official(oracle_dir, out)

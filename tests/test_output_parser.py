@@ -1,4 +1,5 @@
 """Streaming projection (dsml.md §7, http-api.md §3), decode states (§5.1), stop sequences."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ds4mlx.chat.families.deepseek_v4.dsml import render_calls
-from ds4mlx.chat.messages import ToolCall
 from ds4mlx.chat.families.deepseek_v4.output import OutputParser, new_tool_id
+from ds4mlx.chat.messages import ToolCall
 from ds4mlx.detok import StopMatcher
 from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
@@ -18,13 +19,32 @@ P = "<｜DSML｜parameter"
 PC = "</｜DSML｜parameter>"
 OPEN = "<｜DSML｜tool_calls>"
 CLOSE = "</｜DSML｜tool_calls>"
-EX_A = ('Need ls.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
-        '<｜DSML｜parameter name="command" string="true">ls /tmp</｜DSML｜parameter>\n'
-        '<｜DSML｜parameter name="timeout" string="false">10</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
-        '</｜DSML｜tool_calls>')
-TOKENS_A = ["Need ls.", "</think>", "\n\n", OPEN, "\n", '<｜DSML｜invoke name="bash">', "\n",
-            f'{P} name="command" string="true">', "ls /tmp", PC, "\n", f'{P} name="timeout" string="false">', "10", PC,
-            "\n", "</｜DSML｜invoke>", "\n", CLOSE]
+EX_A = (
+    'Need ls.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
+    '<｜DSML｜parameter name="command" string="true">ls /tmp</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="timeout" string="false">10</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+    "</｜DSML｜tool_calls>"
+)
+TOKENS_A = [
+    "Need ls.",
+    "</think>",
+    "\n\n",
+    OPEN,
+    "\n",
+    '<｜DSML｜invoke name="bash">',
+    "\n",
+    f'{P} name="command" string="true">',
+    "ls /tmp",
+    PC,
+    "\n",
+    f'{P} name="timeout" string="false">',
+    "10",
+    PC,
+    "\n",
+    "</｜DSML｜invoke>",
+    "\n",
+    CLOSE,
+]
 
 
 def run(chunks, thinking=True, tools=True, truncated=False, **kw):
@@ -61,11 +81,20 @@ def no_ids(s):
 
 
 def final_key(r):
-    return (r.content, r.reasoning, [(c.name, c.arguments) for c in r.calls], r.raw_dsml, r.error, r.finish,
-            r.repaired, r.recovered)
+    return (
+        r.content,
+        r.reasoning,
+        [(c.name, c.arguments) for c in r.calls],
+        r.raw_dsml,
+        r.error,
+        r.finish,
+        r.repaired,
+        r.recovered,
+    )
 
 
 # --- the captured ds4 stream (http-api.md §3) ----------------------------------------------------
+
 
 def test_example_a_token_by_token_fragments():
     p = OutputParser(True, True)
@@ -73,7 +102,7 @@ def test_example_a_token_by_token_fragments():
     for t in TOKENS_A:
         per_token.append(p.feed(t))
         stops.append(p.stop_now)
-    assert per_token[0] == [ReasoningDelta("N")]                    # 7-byte </think> holdback
+    assert per_token[0] == [ReasoningDelta("N")]  # 7-byte </think> holdback
     assert per_token[1] == [ReasoningDelta("eed ls.")]
     assert stops[-1] and not any(stops[:-1])
     deltas = [e.arguments for evs in per_token for e in evs if isinstance(e, ToolCallDelta)]
@@ -94,7 +123,14 @@ def test_example_a_in_one_piece():
     assert s["reasoning"] == "Need ls." and s["text"] == ""
     assert s["calls"][0]["args"] == '{"command":"ls /tmp","timeout":10}' == s["calls"][0]["end"]
     assert [e.arguments for e in events if isinstance(e, ToolCallDelta)] == [
-        "{", '"command":"', "ls /tmp", '"', ',"timeout":', "10", "}"]
+        "{",
+        '"command":"',
+        "ls /tmp",
+        '"',
+        ',"timeout":',
+        "10",
+        "}",
+    ]
 
 
 def test_structural_flag_follows_decode_states():
@@ -104,16 +140,16 @@ def test_structural_flag_follows_decode_states():
         p.feed(t)
         flags.append((t, p.structural))
     d = dict((i, f) for i, (_, f) in enumerate(flags))
-    assert d[0] is False and d[2] is False                         # reasoning / separator: request sampling
-    assert d[3] is True and d[5] is True                           # after OPEN / invoke tag: greedy
-    assert d[7] is False and d[8] is False                         # string parameter body: request sampling
-    assert d[9] is True                                            # after its close: structure
-    assert d[11] is True and d[12] is True                         # non-string value outside JSON strings
-    assert d[len(TOKENS_A) - 1] is False                           # after CLOSE
+    assert d[0] is False and d[2] is False  # reasoning / separator: request sampling
+    assert d[3] is True and d[5] is True  # after OPEN / invoke tag: greedy
+    assert d[7] is False and d[8] is False  # string parameter body: request sampling
+    assert d[9] is True  # after its close: structure
+    assert d[11] is True and d[12] is True  # non-string value outside JSON strings
+    assert d[len(TOKENS_A) - 1] is False  # after CLOSE
     q = OutputParser(True, False)
     for t in TOKENS_A:
         q.feed(t)
-        assert q.structural is False and q.stop_now is False       # no active tools: nothing tracked
+        assert q.structural is False and q.stop_now is False  # no active tools: nothing tracked
     q = OutputParser(False, True)
     q.feed(OPEN + '<｜DSML｜invoke name="f">' + P + ' name="j" string="false">{"a": "x')
     assert q.structural is False and q.decode_state == "json_string"
@@ -126,7 +162,7 @@ def test_structural_flag_follows_decode_states():
 def test_think_close_split_across_feeds():
     p = OutputParser(True, True)
     ev = p.feed("I think </thi")
-    assert summary(ev)["reasoning"] == "I thin"                      # all but the last 7 characters
+    assert summary(ev)["reasoning"] == "I thin"  # all but the last 7 characters
     ev += p.feed("nk>Answer")
     s = summary(ev + p.finish()[0])
     assert s["reasoning"] == "I think " and s["text"] == "Answer" and "</thi" not in s["text"]
@@ -142,9 +178,9 @@ def test_leading_think_tag_is_skipped():
 
 def test_text_phase_holdback_with_tools():
     p = OutputParser(False, True)
-    assert summary(p.feed("Hello  \n\n"))["text"] == "Hello"     # trailing whitespace may be the separator
-    assert summary(p.feed("<"))["text"] == ""                      # a possible OPEN
-    assert summary(p.feed("b>bold"))["text"] == "  \n\n<b>bold"   # not a tag: released
+    assert summary(p.feed("Hello  \n\n"))["text"] == "Hello"  # trailing whitespace may be the separator
+    assert summary(p.feed("<"))["text"] == ""  # a possible OPEN
+    assert summary(p.feed("b>bold"))["text"] == "  \n\n<b>bold"  # not a tag: released
     assert summary(p.feed("\n\n<｜DSML｜tool_"))["text"] == ""
     ev = p.feed("calls>\n" + '<｜DSML｜invoke name="x">\n</｜DSML｜invoke>\n' + CLOSE)
     assert summary(ev)["text"] == "" and p.stop_now
@@ -156,14 +192,23 @@ def test_no_tools_streams_everything_and_never_stops():
     text = "r</think>Sure." + "\n\n" + OPEN + '<｜DSML｜invoke name="x"></｜DSML｜invoke>' + CLOSE + " more"
     p, events, final = run([text[:10], text[10:]], tools=False)
     s = summary(events)
-    assert s["reasoning"] == "r" and s["text"] == text[len("r</think>"):] and not s["calls"]
+    assert s["reasoning"] == "r" and s["text"] == text[len("r</think>") :] and not s["calls"]
     assert final.calls == [] and final.content == s["text"] and not p.stop_now
 
 
 def test_literal_tags_inside_parameter_values():
-    value = f"{CLOSE} </｜DSML｜invoke> </think> <think> &lt;/｜DSML｜parameter> a&amp;b \"q\"\n"
-    text = "</think>\n\n" + OPEN + '\n<｜DSML｜invoke name="write">\n' + P + ' name="content" string="true">' + \
-        value + PC + "\n</｜DSML｜invoke>\n" + CLOSE
+    value = f'{CLOSE} </｜DSML｜invoke> </think> <think> &lt;/｜DSML｜parameter> a&amp;b "q"\n'
+    text = (
+        "</think>\n\n"
+        + OPEN
+        + '\n<｜DSML｜invoke name="write">\n'
+        + P
+        + ' name="content" string="true">'
+        + value
+        + PC
+        + "\n</｜DSML｜invoke>\n"
+        + CLOSE
+    )
     for chunks in ([text], list(text)):
         p = OutputParser(True, True)
         events = []
@@ -171,10 +216,10 @@ def test_literal_tags_inside_parameter_values():
         for c in chunks:
             events += p.feed(c)
             stops.append(p.stop_now)
-        assert stops[-1] and not any(stops[:-1])                  # only the real CLOSE stops
+        assert stops[-1] and not any(stops[:-1])  # only the real CLOSE stops
         more, final = p.finish()
         s = summary(events + more)
-        expected = {"content": f"{CLOSE} </｜DSML｜invoke> </think> <think> {PC} a&b \"q\"\n"}
+        expected = {"content": f'{CLOSE} </｜DSML｜invoke> </think> <think> {PC} a&b "q"\n'}
         assert json.loads(s["calls"][0]["args"]) == expected == final.calls[0].input()
 
 
@@ -182,20 +227,22 @@ def test_entity_and_close_holdback_in_string_values():
     p = OutputParser(False, True)
     ev = p.feed(OPEN + '<｜DSML｜invoke name="f">' + P + ' name="s" string="true">x &am')
     assert [e.arguments for e in ev if isinstance(e, ToolCallDelta)] == ["{", '"s":"', "x "]
-    ev = p.feed("p; </｜DSML｜para")                                # entity completed, partial close held
+    ev = p.feed("p; </｜DSML｜para")  # entity completed, partial close held
     assert [e.arguments for e in ev if isinstance(e, ToolCallDelta)] == ["& "]
     ev = p.feed("meter>")
     assert [e.arguments for e in ev if isinstance(e, ToolCallDelta)] == ['"']
-    ev = p.feed(P + ' name="t" string="true">a</｜DSML｜paramX')      # not the close after all
+    ev = p.feed(P + ' name="t" string="true">a</｜DSML｜paramX')  # not the close after all
     assert [e.arguments for e in ev if isinstance(e, ToolCallDelta)] == [',"t":"', "a</｜DSML｜paramX"]
 
 
 def test_loose_nested_parameters_stream_whole_and_agree_with_the_end():
-    text = ('</think>review done\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="edit">\n'
-            '<｜DSML｜parameter name="path">/tmp/t.c</｜DSML｜parameter>\n<｜DSML｜parameter name="edits">\n'
-            '<｜DSML｜parameter name="oldText" string="true">old &lt;text&gt;</｜DSML｜parameter>\n'
-            '<｜DSML｜parameter name="newText" string="true">new text</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
-            '</｜DSML｜tool_calls>')
+    text = (
+        '</think>review done\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="edit">\n'
+        '<｜DSML｜parameter name="path">/tmp/t.c</｜DSML｜parameter>\n<｜DSML｜parameter name="edits">\n'
+        '<｜DSML｜parameter name="oldText" string="true">old &lt;text&gt;</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="newText" string="true">new text</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        "</｜DSML｜tool_calls>"
+    )
     p, events, final = run(list(text))
     assert p.stop_now
     s = summary(events)
@@ -210,7 +257,7 @@ def test_malformed_block_becomes_text():
     s = summary(events)
     assert final.error == "invalid tool call" and final.finish == "stop" and not final.calls
     assert s["reasoning"] == "Hmm." == final.reasoning and not s["calls"]
-    assert s["text"] == text[len("Hmm.</think>"):] == final.content   # streamed and final agree
+    assert s["text"] == text[len("Hmm.</think>") :] == final.content  # streamed and final agree
 
 
 def test_prose_tag_is_streamed_as_text():
@@ -222,7 +269,9 @@ def test_prose_tag_is_streamed_as_text():
 
 
 def test_truncated_block_is_repaired_at_finish():
-    text = 'Hmm.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n' + P + ' name="command" string="true">ls'
+    text = (
+        'Hmm.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n' + P + ' name="command" string="true">ls'
+    )
     p, events, final = run([text], truncated=True)
     s = summary(events)
     assert final.repaired and final.finish == "tool_calls" and final.calls[0].arguments == '{"command":"ls"}'
@@ -242,14 +291,20 @@ def test_truncated_block_is_repaired_at_finish():
 
 
 def test_think_recovery_streaming():
-    text = "I should list.\n\n" + OPEN + '\n<｜DSML｜invoke name="bash">\n' + P + \
-        ' name="command" string="true">ls</｜DSML｜parameter>\n</｜DSML｜invoke>\n' + CLOSE
+    text = (
+        "I should list.\n\n"
+        + OPEN
+        + '\n<｜DSML｜invoke name="bash">\n'
+        + P
+        + ' name="command" string="true">ls</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        + CLOSE
+    )
     p = OutputParser(True, True)
     events = []
     for ch in text:
         events += p.feed(ch)
-    assert not p.stop_now                          # ds4 recovers only when the generation ends without </think>
-    assert summary(events)["reasoning"] == "I should list."   # the block is held, not streamed as reasoning
+    assert not p.stop_now  # ds4 recovers only when the generation ends without </think>
+    assert summary(events)["reasoning"] == "I should list."  # the block is held, not streamed as reasoning
     more, final = p.finish()
     s = summary(events + more)
     assert s["reasoning"] == "I should list." == final.reasoning and final.recovered
@@ -266,7 +321,7 @@ def test_unclosed_reasoning_flushes_as_reasoning():
     p, events, final = run(["still thinking <b>", " and more"], truncated=True)
     s = summary(events)
     assert s["reasoning"] == "still thinking <b> and more" == final.reasoning
-    assert final.content == "" and final.finish == "length"            # streamed and final agree
+    assert final.content == "" and final.finish == "length"  # streamed and final agree
 
 
 def test_ids_prefix_and_uniqueness_against_memory():
@@ -276,10 +331,15 @@ def test_ids_prefix_and_uniqueness_against_memory():
 
         def has(self, tool_id):
             self.calls += 1
-            return self.calls <= 3                                    # the first three candidates are "taken"
+            return self.calls <= 3  # the first three candidates are "taken"
 
     mem = Mem()
-    text = "</think>" + OPEN + '<｜DSML｜invoke name="a"></｜DSML｜invoke><｜DSML｜invoke name="b"></｜DSML｜invoke>' + CLOSE
+    text = (
+        "</think>"
+        + OPEN
+        + '<｜DSML｜invoke name="a"></｜DSML｜invoke><｜DSML｜invoke name="b"></｜DSML｜invoke>'
+        + CLOSE
+    )
     p, events, final = run([text], id_prefix="toolu_", tool_memory=mem)
     ids = [c.id for c in final.calls]
     assert len(set(ids)) == 2 and all(re.fullmatch(r"toolu_[0-9a-f]{32}", i) for i in ids)
@@ -292,7 +352,7 @@ def test_bytes_input_with_split_utf8():
     p = OutputParser(True, False)
     events = []
     for i in range(len(data)):
-        events += p.feed(data[i:i + 1])
+        events += p.feed(data[i : i + 1])
     events += p.finish()[0]
     s = summary(events)
     assert s["reasoning"] == "é😀" and s["text"] == "ok"
@@ -309,13 +369,14 @@ def test_feed_after_finish_is_an_error():
 
 # --- stop sequences -------------------------------------------------------------------------------
 
+
 def test_stop_matcher():
     """The engine's matcher (detok.StopMatcher): only a tail that could start a stop is held."""
     m = StopMatcher(["END", "\n\n"])
-    assert m.push("abcE") == "abc" and m.hit is None               # "E" may start END: held
+    assert m.push("abcE") == "abc" and m.hit is None  # "E" may start END: held
     assert m.push("N") == ""
     assert m.push("Dzzz") == "" and m.hit == "END"
-    assert m.push("more") == "" and m.hit == "END"                 # nothing after a hit
+    assert m.push("more") == "" and m.hit == "END"  # nothing after a hit
     m = StopMatcher(["END"])
     out = []
     for ch in "hello ENxEND tail":
@@ -328,7 +389,7 @@ def test_stop_matcher():
     m = StopMatcher([])
     assert m.push("abc") == "abc" and not m.active
     m = StopMatcher(["b", "abc"])
-    assert m.push("zabc") == "z" and m.hit == "abc"                # earliest match wins
+    assert m.push("zabc") == "z" and m.hit == "abc"  # earliest match wins
 
 
 # --- property tests: chunking never changes the result ---------------------------------------------
@@ -336,19 +397,49 @@ def test_stop_matcher():
 SCRIPTS = [
     (EX_A, {}),
     ("plain answer with <b>tags</b> & stuff\n\n", {"thinking": False}),
-    ("r</think>Sure.\n\n  " + OPEN + '<｜DSML｜invoke name="f">' + P + ' name="a" string="true">x&amp;y' + PC
-     + P + ' name="b" string="false">{"k": ["v </｜DSML｜parameter", 1]}' + PC + "</｜DSML｜invoke>" + CLOSE, {}),
-    ("maybe " + OPEN + '<｜DSML｜invoke name="x"></｜DSML｜invoke>' + CLOSE + " no.</think>Final.",
-     {"think_recovery": False}),
+    (
+        "r</think>Sure.\n\n  "
+        + OPEN
+        + '<｜DSML｜invoke name="f">'
+        + P
+        + ' name="a" string="true">x&amp;y'
+        + PC
+        + P
+        + ' name="b" string="false">{"k": ["v </｜DSML｜parameter", 1]}'
+        + PC
+        + "</｜DSML｜invoke>"
+        + CLOSE,
+        {},
+    ),
+    (
+        "maybe " + OPEN + '<｜DSML｜invoke name="x"></｜DSML｜invoke>' + CLOSE + " no.</think>Final.",
+        {"think_recovery": False},
+    ),
     ("maybe " + OPEN + '<｜DSML｜invoke name="x"></｜DSML｜invoke>' + CLOSE + " no.</think>Final.", {}),
     ("Hmm.</think>Trying.\n\n" + OPEN + "\n<｜DSML｜invoke>\n" + CLOSE, {}),
-    ('Hmm.</think>\n\n' + OPEN + '\n<｜DSML｜invoke name="bash">\n' + P + ' name="command" string="true">ls &a',
-     {"truncated": True}),
-    ("a </thi b </think> c <tool_calls> d\n\n<DSML｜tool_calls><DSML｜invoke name=\"s\">"
-     "<DSML｜parameter name=\"k\" string=\"true\">v</DSML｜parameter></DSML｜invoke></DSML｜tool_calls>", {}),
+    (
+        "Hmm.</think>\n\n" + OPEN + '\n<｜DSML｜invoke name="bash">\n' + P + ' name="command" string="true">ls &a',
+        {"truncated": True},
+    ),
+    (
+        'a </thi b </think> c <tool_calls> d\n\n<DSML｜tool_calls><DSML｜invoke name="s">'
+        '<DSML｜parameter name="k" string="true">v</DSML｜parameter></DSML｜invoke></DSML｜tool_calls>',
+        {},
+    ),
     ("x " + OPEN + " not dsml " + OPEN + '<｜DSML｜invoke name="q"></｜DSML｜invoke>' + CLOSE, {}),
-    ("<think>" + OPEN + '<｜DSML｜invoke name="n">' + P + ' name="e">' + P + ' name="a" string="true">1' + PC
-     + "</｜DSML｜invoke>" + CLOSE, {}),
+    (
+        "<think>"
+        + OPEN
+        + '<｜DSML｜invoke name="n">'
+        + P
+        + ' name="e">'
+        + P
+        + ' name="a" string="true">1'
+        + PC
+        + "</｜DSML｜invoke>"
+        + CLOSE,
+        {},
+    ),
     ("no tools here</think>but " + OPEN + " text", {"tools": False}),
 ]
 
@@ -375,19 +466,25 @@ def test_chunking_invariance_scripts(data, which):
     assert no_ids(summary(ev3)) == no_ids(summary(ev1)) and final_key(f3) == final_key(f1)
 
 
-_alphabet = st.sampled_from(list("ab <>&;\"'\\/\n{}[]:,") +
-                            [PC, "</｜DSML｜invoke>", CLOSE, "</think>", "<think>", "&lt;", "é", "😀"])
+_alphabet = st.sampled_from(
+    list("ab <>&;\"'\\/\n{}[]:,") + [PC, "</｜DSML｜invoke>", CLOSE, "</think>", "<think>", "&lt;", "é", "😀"]
+)
 _text = st.lists(_alphabet, max_size=10).map("".join) | st.text(max_size=8)
-_json = st.recursive(st.none() | st.booleans() | st.integers(-999, 10 ** 12) | st.floats(allow_nan=False,
-                     allow_infinity=False) | _text,
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
-                     max_leaves=6)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-999, 10**12) | st.floats(allow_nan=False, allow_infinity=False) | _text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
+    max_leaves=6,
+)
 _ENT = ("&amp;", "&lt;", "&gt;", "&quot;", "&apos;")
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), reasoning=_text, content=_text,
-       calls=st.lists(st.tuples(_text, st.dictionaries(_text, _json, max_size=3)), min_size=1, max_size=2))
+@given(
+    data=st.data(),
+    reasoning=_text,
+    content=_text,
+    calls=st.lists(st.tuples(_text, st.dictionaries(_text, _json, max_size=3)), min_size=1, max_size=2),
+)
 def test_streamed_tool_calls_agree_with_final_parse(data, reasoning, content, calls):
     for _, args in calls:
         assume(not any(e in v for v in args.values() if isinstance(v, str) for e in _ENT))

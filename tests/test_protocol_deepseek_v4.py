@@ -2,6 +2,7 @@
 unchanged), and the wiring: the engine and the server pick the protocol from
 the loaded model's family, /v1/models reports that family's id and aliases,
 and a whole request runs through another family's renderer and parser."""
+
 from __future__ import annotations
 
 import json
@@ -24,22 +25,44 @@ from ds4mlx.chat.protocol import families, get_protocol, model_type_of, protocol
 from ds4mlx.chat.requests import parse_request  # noqa: E402
 
 V4 = get_protocol("deepseek_v4")
-TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"command": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+        },
+    }
+]
 BODIES = [
-    {"model": "deepseek-v4-flash", "messages": [{"role": "system", "content": "Be brief."},
-                                                {"role": "user", "content": "Hi"}]},
+    {
+        "model": "deepseek-v4-flash",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    },
     {"model": "deepseek-chat", "messages": [{"role": "user", "content": "Hi"}]},
-    {"model": "deepseek-v4-flash", "reasoning_effort": "max", "tools": TOOLS, "messages": [
-        {"role": "user", "content": "ls"},
-        {"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": "{\"command\":\"ls\"}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "x"}]},
+    {
+        "model": "deepseek-v4-flash",
+        "reasoning_effort": "max",
+        "tools": TOOLS,
+        "messages": [
+            {"role": "user", "content": "ls"},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": "r",
+                "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": '{"command":"ls"}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "x"},
+        ],
+    },
 ]
 
 
 # --------------------------------------------------------------------------- registry
+
 
 def test_registry_keys_and_model_types():
     assert set(families()) == {"deepseek_v4", "deepseek_v41", "glm_moe_dsa", "glm5_next", "qwen4_exp"}
@@ -59,14 +82,19 @@ def test_protocol_for_model():
     assert protocol_for_model(ns(args=ns(model_type="qwen4_exp"))).family == "qwen4_exp"
     assert protocol_for_model(ns(model=ns(args=ns(model_type="glm_moe_dsa")))).family == "glm_moe_dsa"
     assert protocol_for_model(ns(config={"model_type": "deepseek_v41"})).family == "deepseek_v41"
-    assert model_type_of(ns(config={"model_type": "x", "text_config": {"model_type": "glm5_next_text"}})) \
+    assert (
+        model_type_of(ns(config={"model_type": "x", "text_config": {"model_type": "glm5_next_text"}}))
         == "glm5_next_text"
-    assert protocol_for_model(ns(config={"model_type": "x", "text_config": {"model_type": "glm5_next_text"}})) \
-        .family == "glm5_next"
+    )
+    assert (
+        protocol_for_model(ns(config={"model_type": "x", "text_config": {"model_type": "glm5_next_text"}})).family
+        == "glm5_next"
+    )
     assert protocol_for_model(object()).family == "deepseek_v4"  # says nothing: V4
 
 
 # --------------------------------------------------------------------------- DeepSeek V4 unchanged
+
 
 @pytest.mark.parametrize("body", BODIES)
 def test_v4_protocol_is_the_existing_template(body):
@@ -79,18 +107,21 @@ def test_v4_protocol_is_the_existing_template(body):
 
 
 def test_v4_parser_force_text_and_completion():
-    text = "r</think>hi\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"bash\">\n<｜DSML｜parameter name=\"command\" " \
-           "string=\"true\">ls</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    text = (
+        'r</think>hi\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n<｜DSML｜parameter name="command" '
+        'string="true">ls</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    )
     assert V4.parse(text, thinking=True) == parse_output(text, thinking=True)
     p = V4.make_parser(True, True)
     assert type(p) is OutputParser and p.syntaxes is OutputParser(True, True).syntaxes
-    assert V4.force_text(None) == "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\""
-    assert V4.force_text("a\"b") == "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"a&quot;b\">\n"
+    assert V4.force_text(None) == '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="'
+    assert V4.force_text('a"b') == '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="a&quot;b">\n'
     assert V4.render_completion("x", "high") == template.render_completion("x", "high")
     assert V4.model_names == ("deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner")
 
 
 # --------------------------------------------------------------------------- wiring
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -109,12 +140,11 @@ def http(url, body=None):
         return e.code, json.loads(e.read())
 
 
-QWEN_CALL = ("\n\n<tool_call>\n<function=bash>\n<parameter=command>\nls /tmp\n</parameter>\n</function>\n"
-             "</tool_call>")
+QWEN_CALL = "\n\n<tool_call>\n<function=bash>\n<parameter=command>\nls /tmp\n</parameter>\n</function>\n</tool_call>"
 
 
 def qwen_script(prompt: str) -> str:
-    if "<tool_response>" in prompt[prompt.rfind("<|im_start|>user"):]:
+    if "<tool_response>" in prompt[prompt.rfind("<|im_start|>user") :]:
         return "Got it.\n</think>\n\nTwo files."
     if "# Tools" in prompt:
         return "Need ls.\n</think>\n\nLet me look." + QWEN_CALL
@@ -130,21 +160,27 @@ def test_qwen_family_server_end_to_end(tok):
         assert http(s.url + "/v1/models/qwen3.8-flash-next-chat")[0] == 200
         assert http(s.url + "/v1/models/deepseek-v4-flash")[0] == 200  # any name is the loaded model (#17)
         msgs = [{"role": "user", "content": "List /tmp"}]
-        st, r1 = http(s.url + "/v1/chat/completions", {"model": "qwen3.8-flash-next", "messages": msgs,
-                                                       "tools": TOOLS})
+        st, r1 = http(s.url + "/v1/chat/completions", {"model": "qwen3.8-flash-next", "messages": msgs, "tools": TOOLS})
         assert st == 200, r1
         assert model.prompts[-1].endswith("<|im_start|>assistant\n<think>\n")
         c = r1["choices"][0]
         assert c["finish_reason"] == "tool_calls" and c["message"]["content"] == "Let me look."
         assert c["message"]["reasoning_content"] == "Need ls."
         (call,) = c["message"]["tool_calls"]
-        assert call["function"] == {"name": "bash", "arguments": "{\"command\":\"ls /tmp\"}"}
+        assert call["function"] == {"name": "bash", "arguments": '{"command":"ls /tmp"}'}
         live = len(s.engine.session)
-        msgs2 = msgs + [{"role": "assistant", "content": c["message"]["content"],
-                         "reasoning_content": c["message"]["reasoning_content"], "tool_calls": [call]},
-                        {"role": "tool", "tool_call_id": call["id"], "content": "a.txt\nb.txt"}]
-        st, r2 = http(s.url + "/v1/chat/completions", {"model": "qwen3.8-flash-next", "messages": msgs2,
-                                                       "tools": TOOLS})
+        msgs2 = msgs + [
+            {
+                "role": "assistant",
+                "content": c["message"]["content"],
+                "reasoning_content": c["message"]["reasoning_content"],
+                "tool_calls": [call],
+            },
+            {"role": "tool", "tool_call_id": call["id"], "content": "a.txt\nb.txt"},
+        ]
+        st, r2 = http(
+            s.url + "/v1/chat/completions", {"model": "qwen3.8-flash-next", "messages": msgs2, "tools": TOOLS}
+        )
         assert st == 200 and r2["choices"][0]["message"]["content"] == "Two files."
         # the re-rendered history is exactly what was sampled: the live session is reused
         assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == live
@@ -172,8 +208,9 @@ def test_engine_takes_the_protocol_from_the_model(tok):
     from ds4mlx.engine import Engine, Job
     from ds4mlx.events import Finish
 
-    model = ScriptedModel(tok, "r</think>Ok.<tool_call>bash<arg_key>command</arg_key><arg_value>ls</arg_value>"
-                               "</tool_call>")
+    model = ScriptedModel(
+        tok, "r</think>Ok.<tool_call>bash<arg_key>command</arg_key><arg_value>ls</arg_value></tool_call>"
+    )
     model.args = SimpleNamespace(model_type="glm5_next")
     engine = Engine(model, tok, ctx=2048)
     try:
@@ -181,6 +218,6 @@ def test_engine_takes_the_protocol_from_the_model(tok):
         job = Job(prompt_text="[gMASK]<sop><|user|>ls<|assistant|><think>", tools_active=True, thinking="max")
         fin = [e for e in engine.generate(job) if isinstance(e, Finish)][0]
         assert job.family == "glm5_next" and fin.reason == "tool_calls"
-        assert [(c.name, c.arguments) for c in fin.result.calls] == [("bash", "{\"command\":\"ls\"}")]
+        assert [(c.name, c.arguments) for c in fin.result.calls] == [("bash", '{"command":"ls"}')]
     finally:
         engine.close()

@@ -9,11 +9,11 @@ arguments) -- the way a client sends it (OpenAI and Anthropic bodies through
 byte.  The deliberate differences are the named exceptions below.  The other
 tests spell prompts out piece by piece.
 """
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -33,35 +33,54 @@ def effort(n: int) -> str:
     return f"Reasoning Effort: {n} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 
 
-BASH = {"name": "bash", "description": "Run a shell command",
-        "parameters": {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}}}}
+BASH = {
+    "name": "bash",
+    "description": "Run a shell command",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}}},
+}
 TOOLS_TEXT = (
     "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke tools by "
-    "writing a \"<｜DSML｜ calls>\" block like the following:\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"$TOOL_NAME\">\n"
-    "<｜DSML｜ parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</｜DSML｜ parameter>\n...\n"
-    "</｜DSML｜ invoke>\n<｜DSML｜ invoke name=\"$TOOL_NAME2\">\n...\n</｜DSML｜ invoke>\n</｜DSML｜ calls>\n\n"
-    "String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, booleans, "
-    "arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
+    'writing a "<｜DSML｜ calls>" block like the following:\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="$TOOL_NAME">\n'
+    '<｜DSML｜ parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜ parameter>\n...\n'
+    '</｜DSML｜ invoke>\n<｜DSML｜ invoke name="$TOOL_NAME2">\n...\n</｜DSML｜ invoke>\n</｜DSML｜ calls>\n\n'
+    'String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, '
+    'arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
     "If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside "
     "<think>...</think> BEFORE any tool calls or final response.\n\n"
     "Otherwise, output directly after </think> with tool calls or final response.\n\n"
     "### Available Tool Schemas\n\n" + json.dumps(BASH, ensure_ascii=False) + "\n\n"
-    "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n")
-CALLS = ("\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"bash\">\n"
-         "<｜DSML｜ parameter name=\"command\" string=\"true\">ls /tmp</｜DSML｜ parameter>\n"
-         "<｜DSML｜ parameter name=\"timeout\" string=\"false\">10</｜DSML｜ parameter>\n"
-         "</｜DSML｜ invoke>\n</｜DSML｜ calls>")
+    "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+)
+CALLS = (
+    '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="bash">\n'
+    '<｜DSML｜ parameter name="command" string="true">ls /tmp</｜DSML｜ parameter>\n'
+    '<｜DSML｜ parameter name="timeout" string="false">10</｜DSML｜ parameter>\n'
+    "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
+)
 
 
 def body(**extra):
-    b = {"model": "deepseek-v4.1-flash", "tools": [{"type": "function", "function": BASH}],
-         "messages": [
-             {"role": "system", "content": "You are terse."},
-             {"role": "user", "content": "List /tmp"},
-             {"role": "assistant", "content": "Let me look.", "reasoning_content": "Need ls.",
-              "tool_calls": [{"id": "call_1", "type": "function",
-                              "function": {"name": "bash", "arguments": "{\"command\": \"ls /tmp\", \"timeout\": 10}"}}]},
-             {"role": "tool", "tool_call_id": "call_1", "content": "a.txt\nb.txt"}]}
+    b = {
+        "model": "deepseek-v4.1-flash",
+        "tools": [{"type": "function", "function": BASH}],
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "List /tmp"},
+            {
+                "role": "assistant",
+                "content": "Let me look.",
+                "reasoning_content": "Need ls.",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "bash", "arguments": '{"command": "ls /tmp", "timeout": 10}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "a.txt\nb.txt"},
+        ],
+    }
     b.update(extra)
     return b
 
@@ -75,23 +94,68 @@ def render(b, api="openai"):
 
 def test_prompt_system_tools_call_result_thinking():
     got, _ = render(body())
-    assert got == (BOS + SYS + effort(75) + "You are terse." + "\n\n" + TOOLS_TEXT
-                   + USER + "List /tmp" + ASST + "<think>" + "Need ls.</think>" + "Let me look." + CALLS + EOS
-                   + USER + "<tool_result>a.txt\nb.txt</tool_result>" + ASST + "<think>")
+    assert got == (
+        BOS
+        + SYS
+        + effort(75)
+        + "You are terse."
+        + "\n\n"
+        + TOOLS_TEXT
+        + USER
+        + "List /tmp"
+        + ASST
+        + "<think>"
+        + "Need ls.</think>"
+        + "Let me look."
+        + CALLS
+        + EOS
+        + USER
+        + "<tool_result>a.txt\nb.txt</tool_result>"
+        + ASST
+        + "<think>"
+    )
 
 
 def test_numeric_and_named_efforts_and_chat_mode():
-    for value, level in (("50", 50), (1, 1), ("100", 100), ("low", 50), ("medium", 62), ("high", 75),
-                         ("max", 100), ("xhigh", 100)):
+    for value, level in (
+        ("50", 50),
+        (1, 1),
+        ("100", 100),
+        ("low", 50),
+        ("medium", 62),
+        ("high", 75),
+        ("max", 100),
+        ("xhigh", 100),
+    ):
         got, conv = render(body(reasoning_effort=value))
         assert conv.thinking == str(level) and got.startswith(BOS + SYS + effort(level))
-    for off in ({"reasoning_effort": "0"}, {"reasoning_effort": 0}, {"reasoning_effort": "none"},
-                {"thinking": {"type": "disabled"}}, {"model": "deepseek-chat"}):
+    for off in (
+        {"reasoning_effort": "0"},
+        {"reasoning_effort": 0},
+        {"reasoning_effort": "none"},
+        {"thinking": {"type": "disabled"}},
+        {"model": "deepseek-chat"},
+    ):
         got, conv = render(body(**off))
         assert conv.thinking == "none"
-        assert got == (BOS + SYS + "You are terse." + "\n\n" + TOOLS_TEXT + USER + "List /tmp" + ASST + "</think>"
-                       + "Let me look." + CALLS + EOS + USER + "<tool_result>a.txt\nb.txt</tool_result>" + ASST
-                       + "</think>")
+        assert got == (
+            BOS
+            + SYS
+            + "You are terse."
+            + "\n\n"
+            + TOOLS_TEXT
+            + USER
+            + "List /tmp"
+            + ASST
+            + "</think>"
+            + "Let me look."
+            + CALLS
+            + EOS
+            + USER
+            + "<tool_result>a.txt\nb.txt</tool_result>"
+            + ASST
+            + "</think>"
+        )
     for bad in ("101", 101, -1):
         with pytest.raises(EffortError):
             render(body(reasoning_effort=bad))
@@ -102,9 +166,13 @@ def test_numeric_and_named_efforts_and_chat_mode():
 
 def test_effort_in_responses_and_anthropic_bodies():
     assert request_effort("responses", {"reasoning": {"effort": "40", "summary": "auto"}}, numeric=True) == (
-        {"reasoning": {"summary": "auto"}}, "40")
+        {"reasoning": {"summary": "auto"}},
+        "40",
+    )
     assert request_effort("anthropic", {"output_config": {"effort": 7}}, numeric=True) == (
-        {"output_config": {}, "thinking": {"type": "enabled"}}, 7)  # a named effort turns thinking on (#17)
+        {"output_config": {}, "thinking": {"type": "enabled"}},
+        7,
+    )  # a named effort turns thinking on (#17)
     b = {"reasoning_effort": "high"}
     assert request_effort("chat", b, numeric=True) == (b, "high")
 
@@ -116,20 +184,31 @@ def test_deepseek_recipe_goldens():
     conv = parse_request("openai", {"model": "deepseek-v4.1-flash", "messages": [{"role": "user", "content": "hello"}]})
     conv.thinking = "none"
     assert V41.render(conv) == "<｜begin▁of▁sentence｜><｜User｜>hello<｜Assistant｜></think>"
-    got, _ = render({"model": "deepseek-v4.1-flash", "reasoning_effort": "minimal", "messages": [
-        {"role": "user", "content": "first"}, {"role": "user", "content": "second"},
-        {"role": "assistant", "content": "answer", "reasoning_content": "prior reasoning"},
-        {"role": "system", "content": "new instruction"}]})
+    got, _ = render(
+        {
+            "model": "deepseek-v4.1-flash",
+            "reasoning_effort": "minimal",
+            "messages": [
+                {"role": "user", "content": "first"},
+                {"role": "user", "content": "second"},
+                {"role": "assistant", "content": "answer", "reasoning_content": "prior reasoning"},
+                {"role": "system", "content": "new instruction"},
+            ],
+        }
+    )
     # deliberate difference (#17): "minimal" is OpenAI's way of saying (almost) no reasoning, so
     # thinking is off; the recipe's encoder renders effort 50 and an open <think> here
-    assert got == ("<｜begin▁of▁sentence｜><｜User｜>first\n\nsecond<｜Assistant｜></think>"
-                   "answer<｜end▁of▁sentence｜><｜System｜>new instruction<｜Assistant｜></think>")
+    assert got == (
+        "<｜begin▁of▁sentence｜><｜User｜>first\n\nsecond<｜Assistant｜></think>"
+        "answer<｜end▁of▁sentence｜><｜System｜>new instruction<｜Assistant｜></think>"
+    )
 
 
 # --------------------------------------------------------------------------- golden prompts (reference encoder)
 
-GOLDEN = json.loads((Path(__file__).parent / "data" / "chat_templates" / "deepseek_v41_golden.json")
-                    .read_text(encoding="utf-8"))
+GOLDEN = json.loads(
+    (Path(__file__).parent / "data" / "chat_templates" / "deepseek_v41_golden.json").read_text(encoding="utf-8")
+)
 
 # Named exception: the named effort "high".  The vendored encoder maps it to 50
 # (its presets: low 25, high 50, xhigh 75, max 100).  ds4 -- DS4_THINK_HIGH,
@@ -189,7 +268,7 @@ def _anthropic_tool(tool: dict) -> dict:
     return {"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}
 
 
-def _anthropic_body(case: dict) -> Optional[dict]:
+def _anthropic_body(case: dict) -> dict | None:
     """The case as an Anthropic Messages body; None where that API cannot say it:
     a system message after the first turn (Anthropic has one top-level system),
     or an empty system prompt (ds4 skips empty system text, spec §2.2)."""
@@ -214,8 +293,14 @@ def _anthropic_body(case: dict) -> Optional[dict]:
             if m.get("content"):
                 blocks.append({"type": "text", "text": m["content"]})
             for c in m.get("tool_calls") or []:
-                blocks.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                               "input": json.loads(c["function"]["arguments"])})
+                blocks.append(
+                    {
+                        "type": "tool_use",
+                        "id": c["id"],
+                        "name": c["function"]["name"],
+                        "input": json.loads(c["function"]["arguments"]),
+                    }
+                )
         if role == "user" and out and out[-1]["role"] == "user":
             # adjacent text blocks are joined with nothing: write the turn boundary out
             if blocks[0]["type"] == "text" and out[-1]["content"][-1]["type"] == "text":
@@ -244,8 +329,13 @@ ANTHROPIC = [c for c in GOLDEN if _anthropic_body(c) is not None]
 
 def test_golden_anthropic_covers_tools_results_and_thinking():
     names = {c["name"] for c in ANTHROPIC}
-    assert {"acceptance/effort=0", "acceptance/effort=75", "parallel_calls_results_out_of_order/effort=75",
-            "nested_arguments/effort=100", "multi_turn_reasoning_dropped/effort=75"} <= names
+    assert {
+        "acceptance/effort=0",
+        "acceptance/effort=75",
+        "parallel_calls_results_out_of_order/effort=75",
+        "nested_arguments/effort=100",
+        "multi_turn_reasoning_dropped/effort=75",
+    } <= names
 
 
 @pytest.mark.parametrize("case", ANTHROPIC, ids=[c["name"] for c in ANTHROPIC])
@@ -264,23 +354,43 @@ def test_golden_anthropic(case):
 
 def test_parallel_tool_results_are_put_in_call_order_and_welded():
     b = body()
-    b["messages"][2]["tool_calls"].append({"id": "call_2", "type": "function",
-                                           "function": {"name": "bash", "arguments": "{\"command\": \"pwd\"}"}})
-    b["messages"][3:] = [{"role": "tool", "tool_call_id": "call_2", "content": "/home"},
-                         {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"},
-                         {"role": "user", "content": "and?"}]
+    b["messages"][2]["tool_calls"].append(
+        {"id": "call_2", "type": "function", "function": {"name": "bash", "arguments": '{"command": "pwd"}'}}
+    )
+    b["messages"][3:] = [
+        {"role": "tool", "tool_call_id": "call_2", "content": "/home"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"},
+        {"role": "user", "content": "and?"},
+    ]
     got, conv = render(b)
-    assert got.endswith(EOS + USER + "<tool_result>a.txt</tool_result>\n\n<tool_result>/home</tool_result>\n\nand?"
-                        + ASST + "<think>")
+    assert got.endswith(
+        EOS + USER + "<tool_result>a.txt</tool_result>\n\n<tool_result>/home</tool_result>\n\nand?" + ASST + "<think>"
+    )
     # Anthropic: parallel results in one user message, system given separately
-    a = {"model": "deepseek-v4.1-flash", "system": "You are terse.", "max_tokens": 9, "thinking": {"type": "enabled"},
-         "tools": [{"name": "bash", "description": "Run", "input_schema": {"type": "object"}}],
-         "messages": [{"role": "user", "content": "go"},
-                      {"role": "assistant", "content": [
-                          {"type": "tool_use", "id": "t1", "name": "bash", "input": {"command": "ls"}},
-                          {"type": "tool_use", "id": "t2", "name": "bash", "input": {"command": "pwd"}}]},
-                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "/"},
-                                                   {"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]}
+    a = {
+        "model": "deepseek-v4.1-flash",
+        "system": "You are terse.",
+        "max_tokens": 9,
+        "thinking": {"type": "enabled"},
+        "tools": [{"name": "bash", "description": "Run", "input_schema": {"type": "object"}}],
+        "messages": [
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "t1", "name": "bash", "input": {"command": "ls"}},
+                    {"type": "tool_use", "id": "t2", "name": "bash", "input": {"command": "pwd"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t2", "content": "/"},
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "x"},
+                ],
+            },
+        ],
+    }
     got, _ = render(a, "anthropic")
     assert got.startswith(BOS + SYS + effort(75) + "You are terse.\n\n## Tools")
     assert got.endswith(EOS + USER + "<tool_result>x</tool_result>\n\n<tool_result>/</tool_result>" + ASST + "<think>")
@@ -291,10 +401,11 @@ def test_continuation_tail_and_completion_and_forcing():
     full = V41.render(conv)
     tail = V41.render_continuation_tail(conv, 3)
     assert tail == EOS + USER + "<tool_result>a.txt\nb.txt</tool_result>" + ASST + "<think>"
-    assert full.endswith(tail) and full[:-len(tail)].endswith("</｜DSML｜ calls>")
-    assert V41.render_completion("Hi", "75") == (BOS + SYS + effort(75) + "You are a helpful assistant" + USER + "Hi"
-                                                 + ASST + "<think>")
-    assert V41.force_text("bash") == "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"bash\">\n"
+    assert full.endswith(tail) and full[: -len(tail)].endswith("</｜DSML｜ calls>")
+    assert V41.render_completion("Hi", "75") == (
+        BOS + SYS + effort(75) + "You are a helpful assistant" + USER + "Hi" + ASST + "<think>"
+    )
+    assert V41.force_text("bash") == '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="bash">\n'
 
 
 # --------------------------------------------------------------------------- output parsing
@@ -306,7 +417,7 @@ def run(text, size, thinking=True):
     p = V41.make_parser(thinking, True)
     evs = []
     for i in range(0, len(text), size):
-        evs += p.feed(text[i:i + size])
+        evs += p.feed(text[i : i + size])
         if p.stop_now:
             break
     more, final = p.finish()
@@ -327,8 +438,10 @@ def test_spaced_dsml_stream_and_final(size):
 
 
 def test_v4_spelling_still_parses_and_split_think_close():
-    v4 = ("x</think>ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"bash\">\n<｜DSML｜parameter name=\"command\" "
-          "string=\"true\">ls</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+    v4 = (
+        'x</think>ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n<｜DSML｜parameter name="command" '
+        'string="true">ls</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    )
     final = V41.parse(v4, thinking=True)
     assert final.calls and json.loads(final.calls[0].arguments) == {"command": "ls"}
     p = V41.make_parser(True, True)
@@ -346,16 +459,22 @@ def test_literal_close_tag_inside_a_string_value_round_trips():
 
 
 _plain = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="&"), max_size=25)
-_json = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | _plain.filter(lambda s: len(s) < 8),
-                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text("abc", max_size=4), c, max_size=3),
-                     max_leaves=6)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | _plain.filter(lambda s: len(s) < 8),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text("abc", max_size=4), c, max_size=3),
+    max_leaves=6,
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(args=st.dictionaries(st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
-                            st.one_of(_plain, st.sampled_from(["</｜DSML｜ parameter>", "</｜DSML｜ calls>", "</think>"]),
-                                      _json), max_size=4),
-       size=st.integers(1, 9))
+@given(
+    args=st.dictionaries(
+        st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
+        st.one_of(_plain, st.sampled_from(["</｜DSML｜ parameter>", "</｜DSML｜ calls>", "</think>"]), _json),
+        max_size=4,
+    ),
+    size=st.integers(1, 9),
+)
 def test_render_then_parse_round_trip(args, size):
     call = ToolCall(id="c", name="tool", arguments=json.dumps(args))
     text = "why</think>" + V41.render_calls([call])

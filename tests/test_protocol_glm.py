@@ -6,6 +6,7 @@ Prompts are compared byte for byte with the GLM-5.3-Flash chat template
 by transformers' own jinja setup.  GLM 5.2 (`glm_moe_dsa`) prompts are checked
 against GLM 5.2's own template in tests/test_protocol_glm52.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,20 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from template_helpers import (
+    GLM_MESSAGES,
+    GLM_TOOLS,
+    TEMPLATES,
+    glm_anthropic_case,
+    render_jinja,
+)
+from template_helpers import (
+    openai_body as make_body,
+)
 
 from ds4mlx.chat.families.glm import GLM52, GLM53
 from ds4mlx.chat.messages import ToolCall
 from ds4mlx.chat.requests import parse_request
-from template_helpers import GLM_MESSAGES, GLM_TOOLS, TEMPLATES, glm_anthropic_case, openai_body as make_body, render_jinja
 from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 pytest.importorskip("transformers.utils.chat_template_utils")
@@ -26,8 +36,9 @@ TEMPLATE = (TEMPLATES / "glm5_next.jinja").read_text()
 # The template variants that take `enable_thinking` (thinking off renders <think></think>):
 # the one edit of the pinned template that the other published copies carry.
 PINNED_TAIL = "    <|assistant|>{{- '<think>' -}}\n"
-VARIANT_TAIL = ("    <|assistant|>{{- '<think>' if enable_thinking is not defined or enable_thinking "
-                "else '<think></think>' -}}\n")
+VARIANT_TAIL = (
+    "    <|assistant|>{{- '<think>' if enable_thinking is not defined or enable_thinking else '<think></think>' -}}\n"
+)
 
 TOOLS, MESSAGES = GLM_TOOLS, GLM_MESSAGES
 
@@ -57,8 +68,11 @@ def test_reasoning_effort_line(effort):
 
 
 def test_no_tools_no_system_and_thinking_off_variant():
-    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Hello! "},
-            {"role": "user", "content": "Bye"}]
+    msgs = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": " Hello! "},
+        {"role": "user", "content": "Bye"},
+    ]
     assert ours(GLM53, openai_body(msgs)) == jinja(msgs)
     variant = TEMPLATE.replace(PINNED_TAIL, VARIANT_TAIL)
     assert variant != TEMPLATE
@@ -94,11 +108,13 @@ def test_ids_and_continuation_tail():
 # --------------------------------------------------------------------------- output parsing
 
 SCHEMAS = [json.dumps(t["function"]) for t in TOOLS]
-OUT = ("I should list </thi it first.</think>Let me look.<tool_call>bash<arg_key>command</arg_key>"
-       "<arg_value>echo '</tool_call> </think> <tool_call>x' &lt;/arg_value></arg_value>"
-       "<arg_key>timeout</arg_key><arg_value>10</arg_value></tool_call>\n"
-       "<tool_call>read_file<arg_key>path</arg_key><arg_value>42</arg_value>"
-       "<arg_key>lines</arg_key><arg_value>[1, 2]</arg_value></tool_call>")
+OUT = (
+    "I should list </thi it first.</think>Let me look.<tool_call>bash<arg_key>command</arg_key>"
+    "<arg_value>echo '</tool_call> </think> <tool_call>x' &lt;/arg_value></arg_value>"
+    "<arg_key>timeout</arg_key><arg_value>10</arg_value></tool_call>\n"
+    "<tool_call>read_file<arg_key>path</arg_key><arg_value>42</arg_value>"
+    "<arg_key>lines</arg_key><arg_value>[1, 2]</arg_value></tool_call>"
+)
 
 
 def stream(text, chunks, thinking=True, tools=True, schemas=SCHEMAS, proto=GLM53, truncated=False):
@@ -108,7 +124,7 @@ def stream(text, chunks, thinking=True, tools=True, schemas=SCHEMAS, proto=GLM53
     for n in chunks:
         if pos >= len(text) or p.stop_now:
             break
-        evs += p.feed(text[pos:pos + n])
+        evs += p.feed(text[pos : pos + n])
         pos += n
         structural.append((pos, p.structural))
     if pos < len(text) and not p.stop_now:
@@ -133,11 +149,13 @@ def test_final_parse_literal_tags_inside_values():
     final = GLM53.parse(OUT, thinking=True, tool_schemas=SCHEMAS)
     assert final.reasoning == "I should list </thi it first." and final.content == "Let me look."
     assert [c.name for c in final.calls] == ["bash", "read_file"]
-    assert json.loads(final.calls[0].arguments) == {"command": "echo '</tool_call> </think> <tool_call>x' </arg_value>",
-                                                    "timeout": 10}
+    assert json.loads(final.calls[0].arguments) == {
+        "command": "echo '</tool_call> </think> <tool_call>x' </arg_value>",
+        "timeout": 10,
+    }
     # a declared string stays a string even when it looks like JSON
     assert json.loads(final.calls[1].arguments) == {"path": "42", "lines": [1, 2]}
-    assert final.raw_dsml == OUT[OUT.index("<tool_call>"):] and final.finish == "tool_calls"
+    assert final.raw_dsml == OUT[OUT.index("<tool_call>") :] and final.finish == "tool_calls"
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 13, 10000])
@@ -190,17 +208,34 @@ def test_no_tools_means_no_call_parsing():
 
 _text = st.one_of(
     st.text(st.characters(blacklist_categories=("Cs",)), max_size=30),
-    st.sampled_from(["</tool_call>", "</think>", "<tool_call>", "</arg_value>", "<arg_key>", "&lt;/arg_value>",
-                     "  spaced  ", "\nnew\nlines\n", "{\"a\": 1}", "42"]))
-_json = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=8),
-                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
-                     max_leaves=6)
+    st.sampled_from(
+        [
+            "</tool_call>",
+            "</think>",
+            "<tool_call>",
+            "</arg_value>",
+            "<arg_key>",
+            "&lt;/arg_value>",
+            "  spaced  ",
+            "\nnew\nlines\n",
+            '{"a": 1}',
+            "42",
+        ]
+    ),
+)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.text(max_size=8),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+    max_leaves=6,
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(strings=st.dictionaries(st.from_regex(r"[a-z_]{1,8}", fullmatch=True), _text, max_size=3),
-       others=st.dictionaries(st.from_regex(r"[A-Z]{1,6}", fullmatch=True), _json, max_size=2),
-       chunk=st.integers(1, 9))
+@given(
+    strings=st.dictionaries(st.from_regex(r"[a-z_]{1,8}", fullmatch=True), _text, max_size=3),
+    others=st.dictionaries(st.from_regex(r"[A-Z]{1,6}", fullmatch=True), _json, max_size=2),
+    chunk=st.integers(1, 9),
+)
 def test_render_then_parse_round_trip(strings, others, chunk):
     args = {**strings, **others}
     props = {k: {"type": "string"} for k in strings}

@@ -7,16 +7,27 @@ prompt: system, tools, tool calls, tool results, thinking, the effort rungs and
 thinking off.  That copy is the GLM-5.2-Vision variant: only image parts render
 differently from zai-org's text-only file, and no test here sends media.
 """
+
 from __future__ import annotations
 
 import hashlib
 
 import pytest
+from template_helpers import (
+    GLM_CHAIN,
+    GLM_MESSAGES,
+    GLM_TOOLS,
+    TEMPLATES,
+    glm_anthropic_case,
+    render_jinja,
+)
+from template_helpers import (
+    openai_body as make_body,
+)
 
 from ds4mlx.chat.families.glm import GLM52, GLM53
 from ds4mlx.chat.protocol import get_protocol
 from ds4mlx.chat.requests import parse_request
-from template_helpers import GLM_CHAIN, GLM_MESSAGES, GLM_TOOLS, TEMPLATES, glm_anthropic_case, openai_body as make_body, render_jinja
 
 pytest.importorskip("transformers.utils.chat_template_utils")
 
@@ -82,8 +93,7 @@ def test_template_effort_values_pass_through(effort):
 
 
 # ("minimal" is off in every API since #17: OpenAI's way of saying almost no reasoning)
-@pytest.mark.parametrize("effort,rung", [("low", "high"), ("medium", "high"),
-                                         ("xhigh", "max")])
+@pytest.mark.parametrize("effort,rung", [("low", "high"), ("medium", "high"), ("xhigh", "max")])
 def test_other_efforts_take_a_template_rung(effort, rung):
     # the template itself renders any value but 'high' as Max; the protocol maps a
     # request below max to High (its lower rung) and renders what the template
@@ -99,15 +109,21 @@ def test_thinking_off_drops_the_effort_line():
     assert got == jinja(MESSAGES, TOOLS, enable_thinking=False)
     assert "Reasoning Effort" not in got and got.startswith("[gMASK]<sop><|system|>\n# Tools")
     assert got.endswith("<|assistant|><think></think>")
-    assert ours(openai_body(MESSAGES[:2], reasoning_effort="none"), "none") == jinja(MESSAGES[:2],
-                                                                                    enable_thinking=False)
+    assert ours(openai_body(MESSAGES[:2], reasoning_effort="none"), "none") == jinja(
+        MESSAGES[:2], enable_thinking=False
+    )
 
 
 def test_no_tools_no_system():
-    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Hello! "},
-            {"role": "user", "content": "Bye"}]
-    assert ours(openai_body(msgs)) == jinja(msgs) == "[gMASK]<sop><|system|>Reasoning Effort: Max<|user|>Hi" \
+    msgs = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": " Hello! "},
+        {"role": "user", "content": "Bye"},
+    ]
+    assert (
+        ours(openai_body(msgs)) == jinja(msgs) == "[gMASK]<sop><|system|>Reasoning Effort: Max<|user|>Hi"
         "<|assistant|><think></think>Hello!<|user|>Bye<|assistant|><think>"
+    )
 
 
 def test_anthropic_request_renders_like_the_template():

@@ -5,6 +5,7 @@ Prompts are compared byte for byte with the official Qwen3.8 chat template
 Flash-Next difference -- `high` accepted as `xhigh` -- in SOURCES.md),
 rendered by transformers' own jinja setup.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,11 +13,12 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from template_helpers import TEMPLATES, render_jinja
+from template_helpers import openai_body as make_body
 
 from ds4mlx.chat.families.qwen import PROTOCOL as QWEN
 from ds4mlx.chat.messages import ToolCall
 from ds4mlx.chat.requests import parse_request
-from template_helpers import TEMPLATES, openai_body as make_body, render_jinja
 from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 pytest.importorskip("transformers.utils.chat_template_utils")
@@ -24,24 +26,48 @@ pytest.importorskip("transformers.utils.chat_template_utils")
 TEMPLATE = (TEMPLATES / "qwen4_exp.jinja").read_text()
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "bash", "description": "Run a shell command — carefully",
-        "parameters": {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}},
-                       "required": ["command"]}}},
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a file",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "lines": {"type": "array"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command — carefully",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}},
+                "required": ["command"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "lines": {"type": "array"}}},
+        },
+    },
 ]
 # system, tools, a tool call (two calls), tool results, thinking (kept in history)
 MESSAGES = [
     {"role": "system", "content": "You are terse.\n"},
     {"role": "user", "content": " What is in /tmp? Also read a.txt. "},
-    {"role": "assistant", "content": "Let me look.", "reasoning_content": "\nNeed ls, then read.\n",
-     "tool_calls": [
-         {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": {"command": "ls /tmp",
-                                                                                         "timeout": 10}}},
-         {"id": "call_2", "type": "function", "function": {"name": "read_file",
-                                                           "arguments": {"path": "a.txt", "lines": [1, 2]}}}]},
+    {
+        "role": "assistant",
+        "content": "Let me look.",
+        "reasoning_content": "\nNeed ls, then read.\n",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "bash", "arguments": {"command": "ls /tmp", "timeout": 10}},
+            },
+            {
+                "id": "call_2",
+                "type": "function",
+                "function": {"name": "read_file", "arguments": {"path": "a.txt", "lines": [1, 2]}},
+            },
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "a.txt\nb.txt\n"},
     {"role": "tool", "tool_call_id": "call_2", "content": "hello </tool_response> world"},
     {"role": "assistant", "content": "Two files; a.txt says hello.", "reasoning_content": "Summarize."},
@@ -59,8 +85,7 @@ def openai_body(messages, tools=None, **extra) -> dict:
 
 def ours(body, effort=None) -> str:
     conv = parse_request("openai", body)
-    conv.thinking = QWEN.resolve_thinking(conv.thinking, effort, model=body.get("model"),
-                                          explicit="thinking" in body)
+    conv.thinking = QWEN.resolve_thinking(conv.thinking, effort, model=body.get("model"), explicit="thinking" in body)
     return QWEN.render(conv)
 
 
@@ -68,8 +93,10 @@ def test_prompt_matches_template():
     assert ours(openai_body(MESSAGES, TOOLS)) == jinja(MESSAGES, TOOLS)
 
 
-@pytest.mark.parametrize("effort,template_effort", [("low", "low"), ("medium", "medium"), ("xhigh", "xhigh"),
-                                                    ("high", "xhigh"), ("max", "xhigh")])
+@pytest.mark.parametrize(
+    "effort,template_effort",
+    [("low", "low"), ("medium", "medium"), ("xhigh", "xhigh"), ("high", "xhigh"), ("max", "xhigh")],
+)
 def test_reasoning_effort(effort, template_effort):
     for msgs, tools in ((MESSAGES[:2], None), (MESSAGES, TOOLS), (MESSAGES[1:2], None)):
         body = openai_body(msgs, tools, reasoning_effort=effort)
@@ -89,36 +116,68 @@ def test_thinking_off_and_chat_alias():
 
 
 def test_history_without_system_and_empty_content_call():
-    msgs = [{"role": "user", "content": "ls"},
-            {"role": "assistant", "content": "", "tool_calls": [
+    msgs = [
+        {"role": "user", "content": "ls"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
                 {"id": "c1", "function": {"name": "bash", "arguments": {"command": "ls"}}},
-                {"id": "c2", "function": {"name": "bash", "arguments": {"command": "pwd"}}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "x"},
-            {"role": "tool", "tool_call_id": "c2", "content": "/"}]
+                {"id": "c2", "function": {"name": "bash", "arguments": {"command": "pwd"}}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "x"},
+        {"role": "tool", "tool_call_id": "c2", "content": "/"},
+    ]
     assert ours(openai_body(msgs, TOOLS)) == jinja(msgs, TOOLS)
 
 
 def test_anthropic_request_renders_like_the_template():
-    body = {"model": "qwen3.8-flash-next", "system": "Be terse.", "max_tokens": 64,
-            "thinking": {"type": "enabled", "budget_tokens": 1024},  # Anthropic's default is off (#17)
-            "tools": [{"name": "bash", "description": "Run", "input_schema": {"type": "object", "properties": {}}}],
-            "messages": [
-                {"role": "user", "content": "ls"},
-                {"role": "assistant", "content": [{"type": "thinking", "thinking": "Need ls."},
-                                                  {"type": "text", "text": "Looking."},
-                                                  {"type": "tool_use", "id": "toolu_1", "name": "bash",
-                                                   "input": {"command": "ls"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "a b"},
-                                             {"type": "text", "text": "go on"}]}]}
+    body = {
+        "model": "qwen3.8-flash-next",
+        "system": "Be terse.",
+        "max_tokens": 64,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},  # Anthropic's default is off (#17)
+        "tools": [{"name": "bash", "description": "Run", "input_schema": {"type": "object", "properties": {}}}],
+        "messages": [
+            {"role": "user", "content": "ls"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Need ls."},
+                    {"type": "text", "text": "Looking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "bash", "input": {"command": "ls"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a b"},
+                    {"type": "text", "text": "go on"},
+                ],
+            },
+        ],
+    }
     conv = parse_request("anthropic", body)
     conv.thinking = QWEN.resolve_thinking(conv.thinking)
-    ref = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "ls"},
-           {"role": "assistant", "content": "Looking.", "reasoning_content": "Need ls.",
-            "tool_calls": [{"id": "toolu_1", "function": {"name": "bash", "arguments": {"command": "ls"}}}]},
-           {"role": "tool", "tool_call_id": "toolu_1", "content": "a b"},
-           {"role": "user", "content": "go on"}]
-    tools = [{"type": "function", "function": {"name": "bash", "description": "Run",
-                                               "input_schema": {"type": "object", "properties": {}}}}]
+    ref = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "ls"},
+        {
+            "role": "assistant",
+            "content": "Looking.",
+            "reasoning_content": "Need ls.",
+            "tool_calls": [{"id": "toolu_1", "function": {"name": "bash", "arguments": {"command": "ls"}}}],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "a b"},
+        {"role": "user", "content": "go on"},
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "bash", "description": "Run", "input_schema": {"type": "object", "properties": {}}},
+        }
+    ]
     assert QWEN.render(conv) == jinja(ref, tools)
 
 
@@ -131,7 +190,7 @@ def test_ids_tail_and_forcing():
     full = QWEN.render(conv)
     tail = QWEN.render_continuation_tail(conv, 3)
     assert tail.startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n") and full.endswith(tail)
-    assert full[:-len(tail)].endswith("</function>\n</tool_call>")
+    assert full[: -len(tail)].endswith("</function>\n</tool_call>")
     assert QWEN.force_text("bash") == "<tool_call>\n<function=bash>\n"
 
 
@@ -142,10 +201,12 @@ def test_completion_prompt():
 # --------------------------------------------------------------------------- output parsing
 
 SCHEMAS = [json.dumps(t["function"]) for t in TOOLS]
-OUT = ("First </thi I check.\n</think>\n\nLet me look.\n\n<tool_call>\n<function=bash>\n<parameter=command>\n"
-       "echo '</tool_call> </think> <tool_call> <parameter=x>'\n</parameter>\n<parameter=timeout>\n10\n</parameter>\n"
-       "</function>\n</tool_call>\n<tool_call>\n<function=read_file>\n<parameter=path>\n42\n</parameter>\n"
-       "<parameter=lines>\n[1, 2]\n</parameter>\n</function>\n</tool_call>")
+OUT = (
+    "First </thi I check.\n</think>\n\nLet me look.\n\n<tool_call>\n<function=bash>\n<parameter=command>\n"
+    "echo '</tool_call> </think> <tool_call> <parameter=x>'\n</parameter>\n<parameter=timeout>\n10\n</parameter>\n"
+    "</function>\n</tool_call>\n<tool_call>\n<function=read_file>\n<parameter=path>\n42\n</parameter>\n"
+    "<parameter=lines>\n[1, 2]\n</parameter>\n</function>\n</tool_call>"
+)
 
 
 def stream(text, chunks, thinking=True, tools=True, schemas=SCHEMAS, truncated=False):
@@ -155,7 +216,7 @@ def stream(text, chunks, thinking=True, tools=True, schemas=SCHEMAS, truncated=F
     for n in chunks:
         if pos >= len(text) or p.stop_now:
             break
-        evs += p.feed(text[pos:pos + n])
+        evs += p.feed(text[pos : pos + n])
         pos += n
         flags.append((pos, p.structural))
     if pos < len(text) and not p.stop_now:
@@ -178,7 +239,9 @@ def test_final_parse():
     final = QWEN.parse(OUT, thinking=True, tool_schemas=SCHEMAS)
     assert final.reasoning == "First </thi I check." and final.content == "Let me look."
     assert json.loads(final.calls[0].arguments) == {
-        "command": "echo '</tool_call> </think> <tool_call> <parameter=x>'", "timeout": 10}
+        "command": "echo '</tool_call> </think> <tool_call> <parameter=x>'",
+        "timeout": 10,
+    }
     assert json.loads(final.calls[1].arguments) == {"path": "42", "lines": [1, 2]}
     assert final.raw_dsml.startswith("<tool_call>") and final.raw_dsml.endswith("</tool_call>")
 
@@ -241,25 +304,47 @@ def test_unterminated_and_truncated():
 
 # --------------------------------------------------------------------------- round trip
 
-_text = st.one_of(st.text(st.characters(blacklist_categories=("Cs",)), max_size=30),
-                  st.sampled_from(["</tool_call>", "</think>", "<tool_call>", "</parameter>", "&lt;/parameter>",
-                                   "<parameter=a>", "\n", "\nlead", "trail\n", "  ", "{\"a\": 1}", "true"]))
-_json = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=8),
-                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
-                     max_leaves=6)
+_text = st.one_of(
+    st.text(st.characters(blacklist_categories=("Cs",)), max_size=30),
+    st.sampled_from(
+        [
+            "</tool_call>",
+            "</think>",
+            "<tool_call>",
+            "</parameter>",
+            "&lt;/parameter>",
+            "<parameter=a>",
+            "\n",
+            "\nlead",
+            "trail\n",
+            "  ",
+            '{"a": 1}',
+            "true",
+        ]
+    ),
+)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.text(max_size=8),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+    max_leaves=6,
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(strings=st.dictionaries(st.from_regex(r"[a-z_]{1,8}", fullmatch=True), _text, max_size=3),
-       others=st.dictionaries(st.from_regex(r"[A-Z]{1,6}", fullmatch=True), _json, max_size=2),
-       chunk=st.integers(1, 9))
+@given(
+    strings=st.dictionaries(st.from_regex(r"[a-z_]{1,8}", fullmatch=True), _text, max_size=3),
+    others=st.dictionaries(st.from_regex(r"[A-Z]{1,6}", fullmatch=True), _json, max_size=2),
+    chunk=st.integers(1, 9),
+)
 def test_render_then_parse_round_trip(strings, others, chunk):
     args = {**strings, **others}
     props = {k: {"type": "string"} for k in strings}
     props.update({k: {"type": ["object", "array", "integer", "boolean", "null"]} for k in others})
     schemas = [json.dumps({"name": "tool", "parameters": {"type": "object", "properties": props}})]
-    calls = [ToolCall(id="call_1", name="tool", arguments=json.dumps(args)),
-             ToolCall(id="call_2", name="tool", arguments="{}")]
+    calls = [
+        ToolCall(id="call_1", name="tool", arguments=json.dumps(args)),
+        ToolCall(id="call_2", name="tool", arguments="{}"),
+    ]
     text = "why\n</think>\n\n" + QWEN.render_calls(calls)
     final = QWEN.parse(text, thinking=True, tool_schemas=schemas)
     assert [json.loads(c.arguments) for c in final.calls] == [args, {}]

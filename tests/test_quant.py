@@ -1,21 +1,40 @@
 """GGUF quant types: reference dequantization, exact MLX repacking, quantizers."""
+
 from __future__ import annotations
 
+import gguf.quants
 import numpy as np
 import pytest
-import gguf.quants
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
 
 from ds4mlx.quant import (
-    DS4_TYPES, MLX_EXACT_TYPES, NATIVE_TYPES, as_qtype, byte_shape, dequantize, ksigns_iq2xs,
-    pack_mlx, repack_for_mlx, row_bytes, unpack_mlx,
+    DS4_TYPES,
+    MLX_EXACT_TYPES,
+    NATIVE_TYPES,
+    as_qtype,
+    byte_shape,
+    dequantize,
+    ksigns_iq2xs,
+    pack_mlx,
+    repack_for_mlx,
+    row_bytes,
+    unpack_mlx,
 )
 from ds4mlx.quantize import quantize
 
 # Offsets of the fp16 fields inside one block, per type.
 F16_FIELDS = {
-    QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2),
-    QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
+    QT.Q8_0: (0,),
+    QT.Q4_0: (0,),
+    QT.Q4_1: (0, 2),
+    QT.Q5_0: (0,),
+    QT.Q5_1: (0, 2),
+    QT.Q2_K: (80, 82),
+    QT.Q3_K: (108,),
+    QT.Q4_K: (0, 2),
+    QT.Q5_K: (0, 2),
+    QT.Q6_K: (208,),
     QT.IQ2_XXS: (0,),
 }
 
@@ -27,7 +46,7 @@ def random_blocks(qtype, shape, rng, scale=0.02):
     raw = rng.integers(0, 256, size=(nblocks, nbytes), dtype=np.uint8)
     for off in F16_FIELDS.get(qtype, ()):
         v = (rng.standard_normal(nblocks) * scale).astype("<f2")
-        raw[:, off:off + 2] = v.view(np.uint8).reshape(nblocks, 2)
+        raw[:, off : off + 2] = v.view(np.uint8).reshape(nblocks, 2)
     return raw.reshape(byte_shape(qtype, shape))
 
 
@@ -107,6 +126,7 @@ def test_ksigns_table_has_even_parity():
 
 # ------------------------------------------------------------------ exact MLX repacks
 
+
 @pytest.mark.parametrize("qtype", MLX_EXACT_TYPES, ids=lambda t: t.name)
 def test_repack_is_exact(qtype):
     import mlx.core as mx
@@ -173,7 +193,7 @@ def test_repack_float16_only_when_parameters_are_exact():
     rng = np.random.default_rng(10)
     raw = random_blocks(QT.Q8_0, (4, 256), rng)
     r = repack_for_mlx(raw, QT.Q8_0, (4, 256), dtype=mx.float16)
-    assert r is not None and r[1].dtype == mx.float16          # d and -128 d are fp16 values
+    assert r is not None and r[1].dtype == mx.float16  # d and -128 d are fp16 values
     # Q4_K's d * sc needs up to 17 significant bits: no exact float16 form
     assert repack_for_mlx(random_blocks(QT.Q4_K, (4, 256), rng), QT.Q4_K, (4, 256), dtype=mx.float16) is None
     # float16 parameters are exact, but MLX evaluates scale*q + bias in float16:
@@ -182,7 +202,7 @@ def test_repack_float16_only_when_parameters_are_exact():
     got = np.array(mx.dequantize(r[0], r[1], r[2], group_size=32, bits=8).astype(mx.float32))
     s = np.repeat(np.array(r[1].astype(mx.float32)), 32, axis=-1)
     b = np.repeat(np.array(r[2].astype(mx.float32)), 32, axis=-1)
-    assert np.all(np.abs(got - ref) <= 2.0 ** -10 * (np.abs(ref - b) + np.abs(b)))
+    assert np.all(np.abs(got - ref) <= 2.0**-10 * (np.abs(ref - b) + np.abs(b)))
     del s
 
 
@@ -199,6 +219,7 @@ def test_pack_mlx_matches_mx_quantize_layout(nbits):
 
 
 # ------------------------------------------------------------------ quantizers
+
 
 def test_q8_0_quantize_matches_gguf_bit_for_bit():
     rng = np.random.default_rng(11)
@@ -219,16 +240,16 @@ def test_quantize_roundtrip_quality(qtype):
     raw = quantize(x, qtype)
     assert raw.dtype == np.uint8 and raw.shape == byte_shape(qtype, x.shape)
     y = dequantize(raw, qtype, x.shape)
-    rel = np.sqrt(np.mean((y - x) ** 2) / np.mean(x ** 2))
+    rel = np.sqrt(np.mean((y - x) ** 2) / np.mean(x**2))
     assert rel < QUALITY[qtype], rel
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q2_K, QT.IQ2_XXS], ids=lambda t: t.name)
 def test_quantize_edge_blocks(qtype):
     x = np.zeros((4, 256), dtype=np.float32)
-    x[1] = 1.0                                   # constant
-    x[2] = -np.linspace(0.1, 2, 256)             # all negative
-    x[3, ::17] = 5.0                             # sparse spikes
+    x[1] = 1.0  # constant
+    x[2] = -np.linspace(0.1, 2, 256)  # all negative
+    x[3, ::17] = 5.0  # sparse spikes
     raw = quantize(x, qtype)
     y = dequantize(raw, qtype, x.shape)
     assert np.all(np.isfinite(y))
@@ -245,7 +266,7 @@ def test_importance_lowers_weighted_error(qtype):
     rng = np.random.default_rng(13)
     x = rng.standard_normal((32, 512)).astype(np.float32)
     imp = np.ones(512, np.float32)
-    imp[::4] = 30.0             # every 4th column matters more (it varies inside sub-blocks)
+    imp[::4] = 30.0  # every 4th column matters more (it varies inside sub-blocks)
     plain = dequantize(quantize(x, qtype), qtype, x.shape)
     weighted = dequantize(quantize(x, qtype, importance=imp), qtype, x.shape)
     err = lambda y: float(np.sum(imp * (y - x) ** 2))  # noqa: E731
@@ -254,16 +275,30 @@ def test_importance_lowers_weighted_error(qtype):
 
 # ------------------------------------------------------------------ `ds4mlx quantize`
 
+
 def _tiny_model(path, hidden=256, inter=256, experts=4, seed=0):
     from ds4mlx.convert import write_gguf
 
     rng = np.random.default_rng(seed)
-    config = {"model_type": "deepseek_v4", "vocab_size": 512, "hidden_size": hidden,
-              "moe_intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "num_key_value_heads": 1, "head_dim": 64, "q_lora_rank": 64, "o_groups": 1, "o_lora_rank": 32,
-              "n_routed_experts": experts, "num_experts_per_tok": 2, "n_shared_experts": 1}
+    config = {
+        "model_type": "deepseek_v4",
+        "vocab_size": 512,
+        "hidden_size": hidden,
+        "moe_intermediate_size": inter,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "q_lora_rank": 64,
+        "o_groups": 1,
+        "o_lora_rank": 32,
+        "n_routed_experts": experts,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+    }
     tensors = {
-        "model.layers.0.mlp.experts.gate_up_proj": rng.standard_normal((experts, 2 * inter, hidden)).astype(np.float32) * 0.02,
+        "model.layers.0.mlp.experts.gate_up_proj": rng.standard_normal((experts, 2 * inter, hidden)).astype(np.float32)
+        * 0.02,
         "model.layers.0.mlp.experts.down_proj": rng.standard_normal((experts, hidden, inter)).astype(np.float32) * 0.02,
         "model.layers.0.self_attn.q_a_proj.weight": rng.standard_normal((64, hidden)).astype(np.float32) * 0.02,
         "model.layers.0.input_layernorm.weight": np.ones(hidden, np.float32),
@@ -272,12 +307,15 @@ def _tiny_model(path, hidden=256, inter=256, experts=4, seed=0):
     return tensors
 
 
-@pytest.mark.parametrize("experts,types,limit", [
-    ("iq2_xxs", (QT.IQ2_XXS, QT.IQ2_XXS, QT.Q2_K), 0.36),
-    ("q4_k", (QT.Q4_K,) * 3, 0.08),
-    ("mlx4", (QT.Q4_1,) * 3, 0.09),
-    ("mlx2", (QT.Q4_1,) * 3, 0.40),
-])
+@pytest.mark.parametrize(
+    "experts,types,limit",
+    [
+        ("iq2_xxs", (QT.IQ2_XXS, QT.IQ2_XXS, QT.Q2_K), 0.36),
+        ("q4_k", (QT.Q4_K,) * 3, 0.08),
+        ("mlx4", (QT.Q4_1,) * 3, 0.09),
+        ("mlx2", (QT.Q4_1,) * 3, 0.40),
+    ],
+)
 def test_quantize_cli_roundtrip(tmp_path, experts, types, limit):
     import mlx.core as mx
 
@@ -297,7 +335,7 @@ def test_quantize_cli_roundtrip(tmp_path, experts, types, limit):
         t = tensors[f"model.layers.0.mlp.experts.{part}"]
         assert isinstance(t, QuantizedTensor) and t.qtype == qt and tuple(t.shape) == w.shape
         y = t.dequantize()
-        assert np.sqrt(np.mean((y - w) ** 2) / np.mean(w ** 2)) < limit
+        assert np.sqrt(np.mean((y - w) ** 2) / np.mean(w**2)) < limit
         if experts.startswith("mlx"):
             r = repack_for_mlx(t.raw, t.qtype, t.shape, dtype=mx.float16)
             assert r is not None and r[4] == int(experts[-1]) and r[3] == 32

@@ -9,22 +9,24 @@ bit-exact) and differ only in summation order, so per output
 ``|a - b| <= K * 2**-23 * sum_h |w_h x_h|`` (the classic worst-case bound for two
 orders of a K-term float32 sum, with the product roundings).
 """
+
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
-import mlx.core as mx
 from gguf import GGMLQuantizationType as QT
-
-from ds4mlx.kernels import dispatch, quant_moe as qm
-from ds4mlx.quant import dequantize
 from test_quant import random_blocks  # noqa: E402  (tests/ is on sys.path under pytest)
+
+from ds4mlx.kernels import dispatch
+from ds4mlx.kernels import quant_moe as qm
+from ds4mlx.quant import dequantize
 
 TYPES = list(qm.SUPPORTED)
 # MLX's CUDA backend multiplies float32 matrices in TF32 (inputs rounded to 10
 # mantissa bits, seen on an H200: errors ~1e-3 relative): plain matmuls on a GPU
 # get this extra relative allowance; the custom kernels do not need it.
-TF32_REL = 2.0 ** -9
+TF32_REL = 2.0**-9
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +54,8 @@ def dense(raw, qtype, x, ids):
     e, rows, _ = raw.shape
     k = x.shape[-1]
     w = dequantize(raw, qtype, (e, rows, k))
-    wsel = w[ids]                                            # [T, k, rows, K]
-    xx = x[:, None, :] if x.ndim == 2 else x                 # [T, 1|k, K]
+    wsel = w[ids]  # [T, k, rows, K]
+    xx = x[:, None, :] if x.ndim == 2 else x  # [T, 1|k, K]
     out = np.einsum("tjrh,tjh->tjr", wsel.astype(np.float64), np.broadcast_to(xx, (*ids.shape, k)).astype(np.float64))
     mag = np.einsum("tjrh,tjh->tjr", np.abs(wsel).astype(np.float64), np.abs(np.broadcast_to(xx, (*ids.shape, k))))
     return out, mag
@@ -61,12 +63,13 @@ def dense(raw, qtype, x, ids):
 
 def check(got, want, mag, k, rel=0.0):
     got = np.asarray(got, dtype=np.float64)
-    bound = k * 2.0 ** -23 * mag + rel * mag + 1e-30
+    bound = k * 2.0**-23 * mag + rel * mag + 1e-30
     assert got.shape == want.shape
     assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
 
 
 # ------------------------------------------------------------------ reference decoding
+
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequantize_mx_bit_exact(qtype):
@@ -84,9 +87,9 @@ def test_dequantize_mx_bit_exact(qtype):
 SHAPES = [
     # (E, rows, K, n_tok, k)
     (5, 7, 256, 3, 2),
-    (1, 13, 512, 5, 1),      # one expert
-    (4, 3, 768, 2, 4),       # all experts selected by every token, K = 3 blocks
-    (9, 1, 256, 1, 8),       # one row, k = 8
+    (1, 13, 512, 5, 1),  # one expert
+    (4, 3, 768, 2, 4),  # all experts selected by every token, K = 3 blocks
+    (9, 1, 256, 1, 8),  # one row, k = 8
     (8, 6, 512, 4, 6),
 ]
 
@@ -96,7 +99,7 @@ SHAPES = [
 def test_reference_qmv_matches_dense(qtype, shape):
     e, rows, k, n_tok, top = shape
     if qtype == QT.Q8_0:
-        k = k // 8 * 3          # odd number of 32-blocks
+        k = k // 8 * 3  # odd number of 32-blocks
     rng = np.random.default_rng(sum(shape))
     raw = experts(qtype, e, rows, k, seed=e * rows)
     if e == 4 and top == 4:
@@ -131,12 +134,13 @@ def test_reference_prefill_qmm_matches_dense(qtype, per_pair):
     k = 512 if qtype != QT.Q8_0 else 160
     rng = np.random.default_rng(7)
     raw = experts(qtype, e, rows, k, seed=3)
-    ids = rng.integers(0, e - 1, (n_tok, top))          # expert e-1 unused
+    ids = rng.integers(0, e - 1, (n_tok, top))  # expert e-1 unused
     x = rng.standard_normal((n_tok, top, k) if per_pair else (n_tok, k)).astype(np.float32)
     want, mag = dense(raw, qtype, x, ids)
     # small dequant budget: experts are processed two at a time
-    got = qm.gather_qmm(mx.array(x), mx.array(raw), qtype, mx.array(ids), backend="reference",
-                        max_dequant_bytes=2 * rows * k * 4)
+    got = qm.gather_qmm(
+        mx.array(x), mx.array(raw), qtype, mx.array(ids), backend="reference", max_dequant_bytes=2 * rows * k * 4
+    )
     check(np.array(got), want, mag, k)
     auto = qm.gather_qmatmul(mx.array(x), mx.array(raw), qtype, mx.array(ids), backend="reference")
     check(np.array(auto), want, mag, k)
@@ -164,6 +168,7 @@ def test_argument_checks():
 
 # ------------------------------------------------------------------ dispatch and the two GPU faces
 
+
 def test_backend_is_reference_on_cpu(monkeypatch):
     monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
     assert dispatch.backend(mx.cpu) == "reference"
@@ -189,7 +194,7 @@ def test_metal_and_cuda_share_one_description(kind, qtype):
     # CUDA spelling: no Metal-only words outside the Metal prelude
     for word in ("device ", "threadgroup", "simd_sum", "as_type", " uint "):
         assert word not in ch + cb, word
-    assert "0x" in mh and mh.count("ull") >= 256          # the IQ2_XXS lattice is inlined
+    assert "0x" in mh and mh.count("ull") >= 256  # the IQ2_XXS lattice is inlined
 
 
 GPU_SHAPES = SHAPES + [(256, 64, 4096, 1, 6), (16, 2048, 4096, 2, 6), (4, 4096, 2048, 1, 4)]
@@ -211,8 +216,10 @@ def test_gpu_qmv_equals_reference(qtype, shape):
     rng = np.random.default_rng(sum(shape))
     raw = mx.array(experts(qtype, e, rows, k, seed=5))
     ids = mx.array(rng.integers(0, e, (n_tok, top)))
-    for x in (mx.array(rng.standard_normal((n_tok, k)).astype(np.float32)),
-              mx.array(rng.standard_normal((n_tok, top, k)).astype(np.float32))):
+    for x in (
+        mx.array(rng.standard_normal((n_tok, k)).astype(np.float32)),
+        mx.array(rng.standard_normal((n_tok, top, k)).astype(np.float32)),
+    ):
         with mx.stream(mx.cpu):
             ref = np.array(qm.gather_qmv(x, raw, qtype, ids, backend="reference"))
             wabs = np.abs(np.array(qm.dequantize_mx(raw[ids.reshape(-1)], qtype, k)))
@@ -239,7 +246,7 @@ def test_gpu_dequant_bit_exact_and_qmm(qtype):
     ref, mag = dense(np.array(raw), qtype, x, ids)
     out = qm.gather_qmm(mx.array(x), raw, qtype, mx.array(ids), backend=face, max_dequant_bytes=2 * rows * k * 4)
     check(np.array(out), ref, mag, k, rel=TF32_REL)
-    xp = rng.standard_normal((40, 4, k)).astype(np.float32)        # per-pair inputs (down projection)
+    xp = rng.standard_normal((40, 4, k)).astype(np.float32)  # per-pair inputs (down projection)
     ref, mag = dense(np.array(raw), qtype, xp, ids)
     out = qm.gather_qmm(mx.array(xp), raw, qtype, mx.array(ids), backend=face)
     check(np.array(out), ref, mag, k, rel=TF32_REL)
@@ -258,7 +265,7 @@ def test_gpu_bfloat16_activations(qtype):
     got = qm.gather_qmv(x, raw, qtype, ids, backend=face)
     assert got.dtype == mx.bfloat16
     ref, got = np.array(ref), np.array(got.astype(mx.float32))
-    assert np.allclose(got, ref, rtol=2 ** -7, atol=2 ** -7 * np.abs(ref).max())
+    assert np.allclose(got, ref, rtol=2**-7, atol=2**-7 * np.abs(ref).max())
 
 
 # ------------------------------------------------------------------ the shared GPU code, compiled for the CPU
@@ -290,7 +297,8 @@ static inline uint32_t ds4_popcount(uint32_t v) { return (uint32_t)__builtin_pop
 static inline uint32_t ds4_magic_byte(uint32_t v, uint32_t i) { return 0x4B000000u | ((v >> (8u * i)) & 255u); }
 """
 
-CPU_PRELUDE = r"""
+CPU_PRELUDE = (
+    r"""
 #include <cstdint>
 #include <cstring>
 #include <cstdio>
@@ -307,7 +315,9 @@ static inline float ds4_warp_sum(float v) {
     float s = 0.0f; for (int i = 0; i < 32; ++i) s += g_vals[i];
     g_bar->arrive_and_wait(); return s;
 }
-""" + CPU_NAMES
+"""
+    + CPU_NAMES
+)
 
 CPU_MAIN = r"""
 using T = float;
@@ -350,19 +360,22 @@ def test_shared_dequant_compiled_for_cpu(qtype, tmp_path):
     mids = np.array([2, 0], np.int32)
     header, _ = qm.kernel_sources("dequant", qtype, "cuda")
     sec = dispatch.sections(qm.SOURCE)
-    header = header.replace(qm.CUDA_PRELUDE, CPU_PRELUDE)       # same common code, CPU prelude
+    header = header.replace(qm.CUDA_PRELUDE, CPU_PRELUDE)  # same common code, CPU prelude
     src = header + CPU_MAIN % dict(rows=rows, k=k, rb=raw.shape[2], e=e, m=2, dequant=sec["dequant"])
     (tmp_path / "k.cpp").write_text(src)
     exe = tmp_path / "k"
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-o", str(exe), str(tmp_path / "k.cpp")],
-                           capture_output=True, text=True)
+    build = subprocess.run(
+        ["g++", "-std=c++20", "-O1", "-pthread", "-o", str(exe), str(tmp_path / "k.cpp")],
+        capture_output=True,
+        text=True,
+    )
     assert build.returncode == 0, build.stderr[-3000:]
     np.ascontiguousarray(raw).tofile(tmp_path / "w")
     mids.tofile(tmp_path / "m")
     subprocess.run([str(exe), str(tmp_path / "w"), str(tmp_path / "m"), str(tmp_path / "out")], check=True)
     d = np.fromfile(tmp_path / "out", dtype=np.float32).reshape(2, rows, k)
     want_w = dequantize(raw, qtype, (e, rows, k))
-    assert np.array_equal(d.view(np.uint32), want_w[mids].view(np.uint32))      # decoding: bit-exact
+    assert np.array_equal(d.view(np.uint32), want_w[mids].view(np.uint32))  # decoding: bit-exact
 
 
 def run_qmv_on_cpu(tmp_path, qtype, raw, x, eids, x_div, warps, rpw):
@@ -377,27 +390,39 @@ def run_qmv_on_cpu(tmp_path, qtype, raw, x, eids, x_div, warps, rpw):
     # run_on_cpu takes 32-bit buffers: the blocks travel as (zero-padded) words
     flat = np.ascontiguousarray(raw).reshape(-1)
     words = np.zeros(-(-flat.size // 4) * 4, np.uint8)
-    words[:flat.size] = flat
-    body = ("const uint32_t pair = tgz;\n"
-            "const uint8_t* w = reinterpret_cast<const uint8_t*>(w_words);\n"
-            + dispatch.sections(qm.SOURCE)["qmv"])
+    words[: flat.size] = flat
+    body = (
+        "const uint32_t pair = tgz;\n"
+        "const uint8_t* w = reinterpret_cast<const uint8_t*>(w_words);\n" + dispatch.sections(qm.SOURCE)["qmv"]
+    )
     p = eids.size
-    out = run_on_cpu(tmp_path, header, body,
-                     inputs={"x": x.astype(np.float32), "w_words": words.view(np.uint32),
-                             "eids": eids.astype(np.int32).reshape(-1)},
-                     outputs={"y": ((p, rows), np.float32)},
-                     consts={"T": np.float32, "N_ROWS": rows, "K_DIM": k, "ROW_BYTES": rb,
-                             "WARPS": warps, "RPW": rpw, "X_DIV": x_div},
-                     groups=(1, -(-rows // (warps * rpw)), p), threads=32 * warps)
+    out = run_on_cpu(
+        tmp_path,
+        header,
+        body,
+        inputs={"x": x.astype(np.float32), "w_words": words.view(np.uint32), "eids": eids.astype(np.int32).reshape(-1)},
+        outputs={"y": ((p, rows), np.float32)},
+        consts={
+            "T": np.float32,
+            "N_ROWS": rows,
+            "K_DIM": k,
+            "ROW_BYTES": rb,
+            "WARPS": warps,
+            "RPW": rpw,
+            "X_DIV": x_div,
+        },
+        groups=(1, -(-rows // (warps * rpw)), p),
+        threads=32 * warps,
+    )
     return out["y"]
 
 
 QMV_CPU_CASES = [
     # (E, rows, K, n_tok, k, x per pair, WARPS, RPW)
-    (3, 5, 1024, 2, 2, False, 2, 2),             # 5 rows: last group half idle, a last warp row past the end; 2 steps
-    (2, 7, 256, 1, 1, True, 1, 3),               # P = 1, RPW 3 (7 = 3 + 3 + 1); half a step (lanes 16-31 idle)
-    (4, 3, 768, 3, 6, True, 2, 1),               # 18 pairs, 1.5 steps (IQ2_XXS rows only 2-byte aligned)
-    (5, 17, 256, 2, 3, False, qm.QMV_WARPS, qm.QMV_ROWS_PER_WARP),   # the launch gather_qmv uses
+    (3, 5, 1024, 2, 2, False, 2, 2),  # 5 rows: last group half idle, a last warp row past the end; 2 steps
+    (2, 7, 256, 1, 1, True, 1, 3),  # P = 1, RPW 3 (7 = 3 + 3 + 1); half a step (lanes 16-31 idle)
+    (4, 3, 768, 3, 6, True, 2, 1),  # 18 pairs, 1.5 steps (IQ2_XXS rows only 2-byte aligned)
+    (5, 17, 256, 2, 3, False, qm.QMV_WARPS, qm.QMV_ROWS_PER_WARP),  # the launch gather_qmv uses
 ]
 
 
@@ -406,7 +431,7 @@ QMV_CPU_CASES = [
 def test_shared_qmv_compiled_for_cpu(qtype, case, tmp_path):
     e, rows, k, n_tok, top, per_pair, warps, rpw = case
     if qtype == QT.Q8_0:
-        k = 32 * (k // 64 + 1)       # an odd number of 32-blocks: a partial last step
+        k = 32 * (k // 64 + 1)  # an odd number of 32-blocks: a partial last step
     rng = np.random.default_rng(rows * k + top)
     raw = experts(qtype, e, rows, k, seed=rows + top)
     ids = rng.integers(0, e, (n_tok, top))
@@ -424,11 +449,12 @@ def test_shared_qmv_decodes_bit_exact(qtype, tmp_path):
     raw = experts(qtype, e, rows, k, seed=8)
     eids = np.arange(k, dtype=np.int32) % e
     got = run_qmv_on_cpu(tmp_path, qtype, raw, np.eye(k, dtype=np.float32), eids, 1, 1, 2)
-    want = dequantize(raw, qtype, (e, rows, k))[eids, :, np.arange(k)]       # [P, rows]
+    want = dequantize(raw, qtype, (e, rows, k))[eids, :, np.arange(k)]  # [P, rows]
     assert np.array_equal(got, want)
 
 
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
+
 
 @pytest.mark.parametrize("kind", ["qmv", "dequant"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

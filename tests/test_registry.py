@@ -1,6 +1,7 @@
 """The family registry (ds4mlx/registry.py) is complete: every family it lists has a model
 module for each of its model types, a chat protocol, a GGUF scheme and a demo config, and
 every stage answers from it."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """Sampler semantics (dsml.md §5.1): greedy, temperature, top-k, top-p, min-p,
 seeds, banned ids, repetition penalty."""
+
 from __future__ import annotations
 
 import math

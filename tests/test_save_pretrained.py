@@ -7,6 +7,7 @@ hub-style names under `model.` (`model.layers.N.attn.norm.weight`,
 `ffn.experts.N.w1.weight`), per-expert tensors for GLM 5.3 and Qwen4-Exp,
 GLM 5.3's split conv1d and un-nested forget gate, Qwen4-Exp's sharded n-gram
 embedding."""
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,13 @@ CASES = [  # (oracle script, config, a tensor name only the checkpoint form has)
 
 def save_pretrained_copy(script: str, oracle_dir: Path, out: Path) -> Path:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(TESTS / "save_pretrained_copy.py"), script, str(oracle_dir), str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "save_pretrained_copy.py"), script, str(oracle_dir), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 

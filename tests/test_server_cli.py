@@ -1,4 +1,5 @@
 """`ds4mlx serve` as a process: flags, demo model, one request, clean SIGINT exit."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,25 @@ def wait_up(url: str, proc, timeout: float = 120.0) -> None:
 
 def test_serve_process_demo_model(tmp_path):
     port = free_port()
-    cmd = [sys.executable, "-m", "ds4mlx.cli", "serve", "--port", str(port), "--ctx", "1024", "--tokens", "3",
-           "--chdir", str(tmp_path), "--trace", "trace.jsonl", "--cors", "--alias", "claude-*"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ds4mlx.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--ctx",
+        "1024",
+        "--tokens",
+        "3",
+        "--chdir",
+        str(tmp_path),
+        "--trace",
+        "trace.jsonl",
+        "--cors",
+        "--alias",
+        "claude-*",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -43,9 +61,11 @@ def test_serve_process_demo_model(tmp_path):
         models = json.loads(urllib.request.urlopen(url + "/v1/models").read())
         assert models["data"][0]["context_length"] == 1024
         assert models["data"][0]["top_provider"]["max_completion_tokens"] == 3
-        req = urllib.request.Request(url + "/v1/messages", data=json.dumps(
-            {"model": "claude-sonnet-4", "messages": [{"role": "user", "content": "hi"}]}).encode(),
-            headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url + "/v1/messages",
+            data=json.dumps({"model": "claude-sonnet-4", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req) as r:
             body = json.loads(r.read())
             assert r.headers["Access-Control-Allow-Origin"] == "*"
@@ -61,6 +81,11 @@ def test_serve_process_demo_model(tmp_path):
 
 @pytest.mark.parametrize("args", [["--port", "0"], ["--ctx", "-1"], ["--tokens", "x"], ["--bogus"]])
 def test_bad_flags_exit_2(args):
-    proc = subprocess.run([sys.executable, "-m", "ds4mlx.cli", "serve", *args], capture_output=True, text=True,
-                          env=dict(os.environ), timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds4mlx.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+    )
     assert proc.returncode == 2 and "usage" in proc.stderr

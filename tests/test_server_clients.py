@@ -1,6 +1,7 @@
 """What real clients ran into (#17), at the HTTP level: the official SDKs where
 they can say it, raw aiohttp where they cannot.  A scripted model writes the
 exact text each case needs through the real sampler, parser and adapters."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,14 +24,27 @@ OPEN = "<｜DSML｜tool_calls>"
 CLOSE = "</｜DSML｜tool_calls>"
 P = "<｜DSML｜parameter"
 PC = "</｜DSML｜parameter>"
-OPENAI_TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {
-    "type": "object", "properties": {"command": {"type": "string"}}}}},
-    {"type": "function", "function": {"name": "Read", "parameters": {
-        "type": "object", "properties": {"file_path": {"type": "string"}}}}}]
-ANTHROPIC_TOOLS = [{"name": "bash", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}},
-                   {"name": "Read", "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}}}]
-RESPONSES_TOOLS = [{"type": "function", "name": "bash",
-                    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}]
+OPENAI_TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}},
+    },
+    {
+        "type": "function",
+        "function": {"name": "Read", "parameters": {"type": "object", "properties": {"file_path": {"type": "string"}}}},
+    },
+]
+ANTHROPIC_TOOLS = [
+    {"name": "bash", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}},
+    {"name": "Read", "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}}},
+]
+RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": "bash",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+    }
+]
 
 # what the scripted model writes for a user message (the reasoning close is added when the prompt opens it)
 SCRIPTS = {
@@ -39,13 +53,28 @@ SCRIPTS = {
     # item 1: the call is announced, then the model stops inside its value (EOS)
     "cut": "\n\n" + OPEN + '\n<｜DSML｜invoke name="bash">\n' + P + ' name="command" string="true">ls -l',
     # item 2: ds4's test_thinking_dsml_is_not_executable_before_think_close
-    "quoted": ("I could run " + OPEN + '\n<｜DSML｜invoke name="bash">\n' + P + ' name="command" string="true">true'
-               + PC + "\n</｜DSML｜invoke>\n" + CLOSE + " but no.</think>Final answer."),
+    "quoted": (
+        "I could run "
+        + OPEN
+        + '\n<｜DSML｜invoke name="bash">\n'
+        + P
+        + ' name="command" string="true">true'
+        + PC
+        + "\n</｜DSML｜invoke>\n"
+        + CLOSE
+        + " but no.</think>Final answer."
+    ),
     "long": " ".join(["word"] * 60),
     "think_long": " ".join(["hmm"] * 60),  # reasoning that never closes
     "stop": "alpha beta STOP gamma",
-    "ls": "\n\n" + OPEN + '\n<｜DSML｜invoke name="bash">\n' + P + ' name="command" string="true">ls' + PC
-          + "\n</｜DSML｜invoke>\n" + CLOSE,
+    "ls": "\n\n"
+    + OPEN
+    + '\n<｜DSML｜invoke name="bash">\n'
+    + P
+    + ' name="command" string="true">ls'
+    + PC
+    + "\n</｜DSML｜invoke>\n"
+    + CLOSE,
 }
 
 
@@ -120,8 +149,7 @@ def test_broken_call_is_never_announced_anthropic_stream(ac):
 
 
 def test_broken_call_is_never_announced_chat_stream(oc):
-    chunks = list(oc.chat.completions.create(model=MODEL, messages=user("broken"), tools=OPENAI_TOOLS,
-                                             stream=True))
+    chunks = list(oc.chat.completions.create(model=MODEL, messages=user("broken"), tools=OPENAI_TOOLS, stream=True))
     assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     plain = oc.chat.completions.create(model=MODEL, messages=user("broken"), tools=OPENAI_TOOLS)
@@ -147,8 +175,7 @@ def test_call_quoted_in_reasoning_is_not_executed(oc, ac):
     chunks = list(oc.chat.completions.create(model=MODEL, messages=user("quoted"), tools=OPENAI_TOOLS, stream=True))
     assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Final answer."
-    m = ac.messages.create(model=MODEL, max_tokens=200, messages=user("quoted"), tools=ANTHROPIC_TOOLS,
-                           thinking=THINK)
+    m = ac.messages.create(model=MODEL, max_tokens=200, messages=user("quoted"), tools=ANTHROPIC_TOOLS, thinking=THINK)
     assert [b.type for b in m.content] == ["thinking", "text"] and m.content[1].text == "Final answer."
 
 
@@ -159,10 +186,14 @@ def test_truncated_reasoning_is_reasoning_in_both(oc, ac):
     assert plain.choices[0].finish_reason == "length" and not msg.content
     assert msg.model_extra["reasoning_content"].startswith("hmm hmm")
     assert plain.usage.completion_tokens_details.reasoning_tokens == 12
-    chunks = list(oc.chat.completions.create(model=MODEL, messages=user("think_long"), max_tokens=12, stream=True,
-                                             stream_options={"include_usage": True}))
-    streamed = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
-                       for c in chunks if c.choices)
+    chunks = list(
+        oc.chat.completions.create(
+            model=MODEL, messages=user("think_long"), max_tokens=12, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    streamed = "".join(
+        (c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices
+    )
     assert streamed == msg.model_extra["reasoning_content"]
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     m = ac.messages.create(model=MODEL, max_tokens=12, messages=user("think_long"), thinking=THINK)
@@ -176,8 +207,11 @@ def test_truncated_reasoning_is_reasoning_in_both(oc, ac):
 def test_responses_replays_its_own_incomplete_output_and_forces_tools(oc, srv):
     r = oc.responses.create(model=MODEL, input="long", max_output_tokens=5, reasoning={"effort": "none"})
     assert r.status == "incomplete"
-    replay = [{"role": "user", "content": "long"}] + [o.model_dump(exclude_none=True) for o in r.output] + [
-        {"role": "user", "content": "again"}]
+    replay = (
+        [{"role": "user", "content": "long"}]
+        + [o.model_dump(exclude_none=True) for o in r.output]
+        + [{"role": "user", "content": "again"}]
+    )
     r2 = oc.responses.create(model=MODEL, input=replay, reasoning={"effort": "none"})
     assert r2.status == "completed" and r2.output_text == "echo: again"
     for choice in ("required", {"type": "function", "name": "bash"}):
@@ -206,8 +240,9 @@ def test_strict_model_refuses_other_names(tok):
     with serve(tok, ScriptedModel(tok, "ok"), ctx=512, strict_model=True) as s:
         st, _, body = request("POST", s.url + "/v1/chat/completions", {"model": "gpt-9", "messages": user("x")})
         assert st == 404 and "gpt-9" in body
-        st, _, _ = request("POST", s.url + "/v1/chat/completions", {"model": MODEL, "messages": user("x"),
-                                                                   "max_tokens": 2})
+        st, _, _ = request(
+            "POST", s.url + "/v1/chat/completions", {"model": MODEL, "messages": user("x"), "max_tokens": 2}
+        )
         assert st == 200
 
 
@@ -222,7 +257,8 @@ def test_every_way_of_saying_thinking_off(oc, ac):
     for effort in ("none", "minimal"):
         r = oc.chat.completions.create(model=MODEL, messages=user("hi"), reasoning_effort=effort)
         assert r.choices[0].message.content == "echo: hi" and not r.choices[0].message.model_extra.get(
-            "reasoning_content")
+            "reasoning_content"
+        )
 
 
 # --------------------------------------------------------------------------- item 9
@@ -244,8 +280,13 @@ def test_small_protocol_faults(oc, ac, srv):
 
 
 def test_forced_tool_header_does_not_eat_max_tokens(oc):
-    r = oc.chat.completions.create(model=MODEL, messages=user("ls"), tools=OPENAI_TOOLS, max_tokens=16,
-                                   tool_choice={"type": "function", "function": {"name": "bash"}})
+    r = oc.chat.completions.create(
+        model=MODEL,
+        messages=user("ls"),
+        tools=OPENAI_TOOLS,
+        max_tokens=16,
+        tool_choice={"type": "function", "function": {"name": "bash"}},
+    )
     assert r.choices[0].finish_reason == "tool_calls"
     assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"command": "ls"}
 
@@ -260,13 +301,15 @@ def test_keepalive_goes_out_while_progress_events_arrive(tok, monkeypatch):
 
     from ds4mlx.serve import app as app_module
 
-    ticks = iter(range(10 ** 9))
-    monkeypatch.setattr(app_module, "time", types.SimpleNamespace(monotonic=lambda: float(next(ticks)),
-                                                                  time=real_time.time))
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(
+        app_module, "time", types.SimpleNamespace(monotonic=lambda: float(next(ticks)), time=real_time.time)
+    )
     model = ScriptedModel(tok, "done")
     with serve(tok, model, ctx=4096, prefill_chunk=4, keepalive_s=3.0) as s:
-        st, _, raw = request("POST", s.url + "/v1/chat/completions",
-                             {"messages": user("word " * 60), "stream": True, "max_tokens": 2})
+        st, _, raw = request(
+            "POST", s.url + "/v1/chat/completions", {"messages": user("word " * 60), "stream": True, "max_tokens": 2}
+        )
     assert st == 200 and raw.count(": prefill\n\n") >= 2
     assert raw.index(": prefill") < raw.index("data: ")  # during the prefill, before the answer
 
@@ -293,11 +336,22 @@ def test_forced_parameterless_tool_is_written_whole(ac, oc):
     """Nothing for the model to choose: the whole call is forced (the real-client
     suite drives Claude Code's TaskList / Codex's and pi's loops this way)."""
     tools = [{"name": "TaskList", "description": "List tasks", "input_schema": {"type": "object", "properties": {}}}]
-    m = ac.messages.create(model=MODEL, max_tokens=5, messages=user("anything"), tools=tools,
-                           tool_choice={"type": "tool", "name": "TaskList"})
+    m = ac.messages.create(
+        model=MODEL,
+        max_tokens=5,
+        messages=user("anything"),
+        tools=tools,
+        tool_choice={"type": "tool", "name": "TaskList"},
+    )
     assert m.stop_reason == "tool_use" and [(b.type, b.name, b.input) for b in m.content] == [
-        ("tool_use", "TaskList", {})]
-    r = oc.chat.completions.create(model=MODEL, messages=user("anything"), max_tokens=5, tools=[
-        {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}],
-        tool_choice={"type": "function", "function": {"name": "now"}}, reasoning_effort="none")
+        ("tool_use", "TaskList", {})
+    ]
+    r = oc.chat.completions.create(
+        model=MODEL,
+        messages=user("anything"),
+        max_tokens=5,
+        tools=[{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}],
+        tool_choice={"type": "function", "function": {"name": "now"}},
+        reasoning_effort="none",
+    )
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.arguments == "{}"

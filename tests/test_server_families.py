@@ -1,6 +1,7 @@
 """The official SDKs against `ds4mlx serve` once per model family, each on that
 family's random-weight demo model: the family's protocol renders the prompt,
 `/v1/models` reports its id, and every route answers with well-formed objects."""
+
 from __future__ import annotations
 
 import sys
@@ -14,8 +15,13 @@ from scripted_model import serve  # noqa: E402
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
-FAMILIES = {"deepseek_v4": "deepseek-v4-flash", "deepseek_v41": "deepseek-v4.1-flash", "glm_moe_dsa": "glm-5.2",
-            "glm5_next": "glm-5.3-flash", "qwen4_exp": "qwen3.8-flash-next"}
+FAMILIES = {
+    "deepseek_v4": "deepseek-v4-flash",
+    "deepseek_v41": "deepseek-v4.1-flash",
+    "glm_moe_dsa": "glm-5.2",
+    "glm5_next": "glm-5.3-flash",
+    "qwen4_exp": "qwen3.8-flash-next",
+}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -47,8 +53,11 @@ def test_sdks_drive_every_route(family_server):
     assert r.usage.prompt_tokens > 3 and 0 < r.usage.completion_tokens <= 4
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
-    chunks = list(oc.chat.completions.create(model=model, messages=msgs, max_tokens=4, stream=True,
-                                             stream_options={"include_usage": True}))
+    chunks = list(
+        oc.chat.completions.create(
+            model=model, messages=msgs, max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 4

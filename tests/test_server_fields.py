@@ -2,6 +2,7 @@
 (serve/validate.py): `param` on the OpenAI routes, the field's path in the
 message everywhere; media parts are a clear 400; the JSON nesting limit counts
 a field's depth, not the body's."""
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,18 @@ from ds4mlx.serve.errors import APIError  # noqa: E402
 from ds4mlx.serve.validate import validate_body  # noqa: E402
 
 U = {"role": "user", "content": "x"}
-ROUTE = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "anthropic": "/v1/messages",
-         "responses": "/v1/responses"}
-BASE = {"chat": {"messages": [U]}, "completions": {"prompt": "x"}, "anthropic": {"messages": [U], "max_tokens": 4},
-        "responses": {"input": "x"}}
+ROUTE = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "anthropic": "/v1/messages",
+    "responses": "/v1/responses",
+}
+BASE = {
+    "chat": {"messages": [U]},
+    "completions": {"prompt": "x"},
+    "anthropic": {"messages": [U], "max_tokens": 4},
+    "responses": {"input": "x"},
+}
 
 # (api, extra fields, the field named, "type" | "value" | "media")
 WRONG = [
@@ -40,21 +49,36 @@ WRONG = [
     ("chat", {"tools": {"type": "function"}}, "tools", "type"),
     ("chat", {"tools": [{"type": "function", "function": {"name": 1}}]}, "tools[0].function.name", "type"),
     ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "type"),
-    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
-     "messages[0].content[0].text", "type"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        "messages[0].content[0].text",
+        "type",
+    ),
     ("chat", {"messages": [{"role": 3, "content": "x"}]}, "messages[0].role", "type"),
-    ("chat", {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": 2}}]}]},
-     "messages[0].tool_calls[0].function.name", "type"),
-    ("chat", {"messages": [{"role": "tool", "content": "r", "tool_call_id": 9}]}, "messages[0].tool_call_id",
-     "type"),
+    (
+        "chat",
+        {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": 2}}]}]},
+        "messages[0].tool_calls[0].function.name",
+        "type",
+    ),
+    ("chat", {"messages": [{"role": "tool", "content": "r", "tool_call_id": 9}]}, "messages[0].tool_call_id", "type"),
     ("chat", {"model": 4}, "model", "type"),
-    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0]", "media"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content[0]",
+        "media",
+    ),
     ("completions", {"prompt": 5}, "prompt", "type"),
     ("completions", {"prompt": ["a", {"b": 1}]}, "prompt[1]", "type"),
     ("completions", {"seed": "s"}, "seed", "type"),
-    ("anthropic", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
-     "messages.0.content.0.text", "type"),
+    (
+        "anthropic",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        "messages.0.content.0.text",
+        "type",
+    ),
     ("anthropic", {"system": 5}, "system", "type"),
     ("anthropic", {"system": [{"type": "text", "text": False}]}, "system.0.text", "type"),
     ("anthropic", {"tool_choice": "auto"}, "tool_choice", "type"),
@@ -62,11 +86,19 @@ WRONG = [
     ("anthropic", {"stop_sequences": "END"}, "stop_sequences", "type"),
     ("anthropic", {"thinking": {"type": "enabled", "budget_tokens": "lots"}}, "thinking.budget_tokens", "type"),
     ("anthropic", {"max_tokens": "4"}, "max_tokens", "type"),
-    ("anthropic", {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": 1}]}]},
-     "messages.0.content.0.tool_use_id", "type"),
+    (
+        "anthropic",
+        {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": 1}]}]},
+        "messages.0.content.0.tool_use_id",
+        "type",
+    ),
     ("anthropic", {"output_config": {"effort": ["high"]}}, "output_config.effort", "type"),
-    ("anthropic", {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url"}}]}]},
-     "messages.0.content.0", "media"),
+    (
+        "anthropic",
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url"}}]}]},
+        "messages.0.content.0",
+        "media",
+    ),
     ("responses", {"input": 5}, "input", "type"),
     ("responses", {"input": [{"type": "message", "role": "user", "content": 5}]}, "input[0].content", "type"),
     ("responses", {"input": [{"type": "bogus"}]}, "input[0].type", "value"),
@@ -74,8 +106,12 @@ WRONG = [
     ("responses", {"instructions": 3}, "instructions", "type"),
     ("responses", {"max_output_tokens": "many"}, "max_output_tokens", "type"),
     ("responses", {"reasoning": {"effort": ["high"]}}, "reasoning.effort", "type"),
-    ("responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input[0].content[0]", "media"),
+    (
+        "responses",
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        "input[0].content[0]",
+        "media",
+    ),
 ]
 
 
@@ -90,8 +126,9 @@ def test_wrong_field_is_named(api, extra, field, kind):
     e = info.value
     assert e.status == 400 and e.param == field, (e.param, e.message)
     assert f"'{field}'" in e.message
-    assert e.message.startswith({"type": "Invalid type for", "value": "Invalid value for",
-                                 "media": "Invalid content part"}[kind]), e.message
+    assert e.message.startswith(
+        {"type": "Invalid type for", "value": "Invalid value for", "media": "Invalid content part"}[kind]
+    ), e.message
 
 
 @pytest.mark.parametrize("api", list(BASE))
@@ -126,16 +163,24 @@ def test_text_block_of_wrong_type_is_400_on_both_chat_apis(srv):
     st_chat, _, chat = call(srv.url, "/v1/chat/completions", {"messages": bad})
     st_msg, _, msg = call(srv.url, "/v1/messages", {"messages": bad, "max_tokens": 4})
     assert (st_chat, st_msg) == (400, 400)
-    assert json.loads(chat)["error"]["message"] == \
-        "Invalid type for 'messages[0].content[0].text': expected a string or null, but got a number instead."
-    assert json.loads(msg)["error"]["message"] == \
-        "Invalid type for 'messages.0.content.0.text': expected a string or null, but got a number instead."
+    assert (
+        json.loads(chat)["error"]["message"]
+        == "Invalid type for 'messages[0].content[0].text': expected a string or null, but got a number instead."
+    )
+    assert (
+        json.loads(msg)["error"]["message"]
+        == "Invalid type for 'messages.0.content.0.text': expected a string or null, but got a number instead."
+    )
 
 
-@pytest.mark.parametrize("api,body,field", [
-    ("chat", {"messages": [U], "reasoning_effort": "extreme"}, "reasoning_effort"),
-    ("anthropic", {"messages": [U], "output_config": {"effort": "extreme"}}, "output_config.effort"),
-    ("responses", {"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort")])
+@pytest.mark.parametrize(
+    "api,body,field",
+    [
+        ("chat", {"messages": [U], "reasoning_effort": "extreme"}, "reasoning_effort"),
+        ("anthropic", {"messages": [U], "output_config": {"effort": "extreme"}}, "output_config.effort"),
+        ("responses", {"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ],
+)
 def test_unknown_effort_names_its_field(srv, api, body, field):
     st, _, text = call(srv.url, ROUTE[api], body)
     err = json.loads(text)["error"]
@@ -145,8 +190,7 @@ def test_unknown_effort_names_its_field(srv, api, body, field):
 
 def _nested(depth: int) -> bytes:
     """A chat body whose field `x` is nested exactly `depth` levels deep."""
-    return (b'{"messages":[{"role":"user","content":"x"}],"max_tokens":1,"x":' + b"[" * depth + b"]" * depth
-            + b"}")
+    return b'{"messages":[{"role":"user","content":"x"}],"max_tokens":1,"x":' + b"[" * depth + b"]" * depth + b"}"
 
 
 def test_nesting_limit_counts_the_field_not_the_body(srv):

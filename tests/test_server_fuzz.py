@@ -7,6 +7,7 @@ histories (calls followed by their results, ids matching or not).
 
 `DS4MLX_FUZZ_EXAMPLES` bodies per route: 250 by default (1,000 in all, the CI
 size); `make test-fuzz` runs 2,500 per route, 10,000 in all."""
+
 from __future__ import annotations
 
 import http.client
@@ -22,8 +23,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import ScriptedModel, serve  # noqa: E402
 
 EXAMPLES = int(__import__("os").environ.get("DS4MLX_FUZZ_EXAMPLES", "250"))
-DSML = ('Hmm.</think>Ok.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
-        '<｜DSML｜parameter name="a" string="false">1</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+DSML = (
+    'Hmm.</think>Ok.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
+    '<｜DSML｜parameter name="a" string="false">1</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+)
 
 
 def script(prompt: str) -> str:
@@ -33,10 +36,17 @@ def script(prompt: str) -> str:
 
 
 # --------------------------------------------------------------------------- strategies
-leaf = (st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70)
-        | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
-anyjson = st.recursive(leaf, lambda ch: st.lists(ch, max_size=3) | st.dictionaries(st.text(max_size=6), ch,
-                                                                                      max_size=3), max_leaves=8)
+leaf = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+)
+anyjson = st.recursive(
+    leaf, lambda ch: st.lists(ch, max_size=3) | st.dictionaries(st.text(max_size=6), ch, max_size=3), max_leaves=8
+)
+
 
 def mostly(valid):
     """Usually (24 in 25) a plausible value, sometimes any JSON at all."""
@@ -44,106 +54,285 @@ def mostly(valid):
 
 
 small_int = st.integers(-3, 8)
-text = st.text(max_size=24) | st.sampled_from(["<｜User｜>", "</think>", "<｜DSML｜tool_calls>", "｜DSML｜",
-                                               "<tool_result>", "\\u0000", "\x00\x08"])
-block_type = st.sampled_from(["text", "image_url", "input_text", "output_text", "tool_use", "tool_result",
-                              "thinking", "summary_text", "bogus"])
-block = st.fixed_dictionaries({"type": block_type}, optional={
-    "text": mostly(text), "id": text, "tool_use_id": text, "name": text, "input": anyjson, "content": text,
-    "thinking": text})
+text = st.text(max_size=24) | st.sampled_from(
+    ["<｜User｜>", "</think>", "<｜DSML｜tool_calls>", "｜DSML｜", "<tool_result>", "\\u0000", "\x00\x08"]
+)
+block_type = st.sampled_from(
+    ["text", "image_url", "input_text", "output_text", "tool_use", "tool_result", "thinking", "summary_text", "bogus"]
+)
+block = st.fixed_dictionaries(
+    {"type": block_type},
+    optional={
+        "text": mostly(text),
+        "id": text,
+        "tool_use_id": text,
+        "name": text,
+        "input": anyjson,
+        "content": text,
+        "thinking": text,
+    },
+)
 call_id = st.sampled_from(["call_1", "call_2", "toolu_1", "fc_1"]) | text
 media = st.one_of(  # every API's media parts: refused with a 400 naming the part
-    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": mostly(st.fixed_dictionaries(
-        {"url": st.sampled_from(["https://example.com/a.png", "data:image/png;base64,iVBORw0KGgo=",
-                                 "file:///etc/passwd"])}))}),
-    st.fixed_dictionaries({"type": st.just("image"), "source": mostly(st.fixed_dictionaries(
-        {"type": st.sampled_from(["base64", "url"]), "media_type": st.just("image/png"),
-         "data": st.just("iVBORw0KGgo=")}))}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("image_url"),
+            "image_url": mostly(
+                st.fixed_dictionaries(
+                    {
+                        "url": st.sampled_from(
+                            ["https://example.com/a.png", "data:image/png;base64,iVBORw0KGgo=", "file:///etc/passwd"]
+                        )
+                    }
+                )
+            ),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("image"),
+            "source": mostly(
+                st.fixed_dictionaries(
+                    {
+                        "type": st.sampled_from(["base64", "url"]),
+                        "media_type": st.just("image/png"),
+                        "data": st.just("iVBORw0KGgo="),
+                    }
+                )
+            ),
+        }
+    ),
     st.fixed_dictionaries({"type": st.just("input_image"), "image_url": mostly(text)}),
-    st.fixed_dictionaries({"type": st.sampled_from(["input_audio", "file", "input_file", "document"])},
-                          optional={"input_audio": anyjson, "file": anyjson, "source": anyjson}))
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["input_audio", "file", "input_file", "document"])},
+        optional={"input_audio": anyjson, "file": anyjson, "source": anyjson},
+    ),
+)
 content = mostly(text | st.none() | st.lists(text | block | media, max_size=3))
-tool_call = mostly(st.fixed_dictionaries({"id": text, "type": st.just("function"), "function": st.fixed_dictionaries(
-    {"name": text, "arguments": mostly(text)})}))
+tool_call = mostly(
+    st.fixed_dictionaries(
+        {
+            "id": text,
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries({"name": text, "arguments": mostly(text)}),
+        }
+    )
+)
 role = mostly(st.sampled_from(["user", "user", "assistant", "system", "developer", "tool", "function", "wizard"]))
-message = st.fixed_dictionaries({"role": role, "content": content}, optional={
-    "tool_calls": st.lists(tool_call, max_size=2), "tool_call_id": text, "reasoning_content": mostly(text)})
+message = st.fixed_dictionaries(
+    {"role": role, "content": content},
+    optional={"tool_calls": st.lists(tool_call, max_size=2), "tool_call_id": text, "reasoning_content": mostly(text)},
+)
 # tool histories: a user turn, an assistant call, its result (id matching or not), the user again
-chat_call = st.fixed_dictionaries({"id": call_id, "type": st.just("function"), "function": st.fixed_dictionaries(
-    {"name": st.sampled_from(["f", "g"]), "arguments": mostly(st.sampled_from(['{"a": 1}', "{}", "not json"]))})})
+chat_call = st.fixed_dictionaries(
+    {
+        "id": call_id,
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "g"]), "arguments": mostly(st.sampled_from(['{"a": 1}', "{}", "not json"]))}
+        ),
+    }
+)
 chat_history = st.tuples(
     st.just({"role": "user", "content": "use the tool"}),
-    st.fixed_dictionaries({"role": st.just("assistant"), "content": mostly(st.just("") | text),
-                           "tool_calls": st.lists(chat_call, min_size=1, max_size=2)}),
+    st.fixed_dictionaries(
+        {
+            "role": st.just("assistant"),
+            "content": mostly(st.just("") | text),
+            "tool_calls": st.lists(chat_call, min_size=1, max_size=2),
+        }
+    ),
     st.fixed_dictionaries({"role": st.just("tool"), "tool_call_id": call_id, "content": mostly(text)}),
-    st.lists(message, max_size=1)).map(lambda t: [t[0], t[1], t[2], *t[3]])
+    st.lists(message, max_size=1),
+).map(lambda t: [t[0], t[1], t[2], *t[3]])
 messages = mostly(st.lists(message, min_size=1, max_size=4) | st.lists(message, max_size=1) | chat_history)
 anthropic_history = st.tuples(
     st.just({"role": "user", "content": "use the tool"}),
-    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.lists(st.one_of(
-        st.fixed_dictionaries({"type": st.just("tool_use"), "id": call_id, "name": st.sampled_from(["f", "g"]),
-                               "input": mostly(st.just({"a": 1}))}),
-        st.fixed_dictionaries({"type": st.just("thinking"), "thinking": text})), min_size=1, max_size=2)}),
-    st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(st.fixed_dictionaries(
-        {"type": st.just("tool_result"), "tool_use_id": call_id, "content": mostly(text | st.lists(block | media,
-                                                                                                    max_size=2))}),
-        min_size=1, max_size=2)})).map(list)
+    st.fixed_dictionaries(
+        {
+            "role": st.just("assistant"),
+            "content": st.lists(
+                st.one_of(
+                    st.fixed_dictionaries(
+                        {
+                            "type": st.just("tool_use"),
+                            "id": call_id,
+                            "name": st.sampled_from(["f", "g"]),
+                            "input": mostly(st.just({"a": 1})),
+                        }
+                    ),
+                    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": text}),
+                ),
+                min_size=1,
+                max_size=2,
+            ),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "role": st.just("user"),
+            "content": st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "type": st.just("tool_result"),
+                        "tool_use_id": call_id,
+                        "content": mostly(text | st.lists(block | media, max_size=2)),
+                    }
+                ),
+                min_size=1,
+                max_size=2,
+            ),
+        }
+    ),
+).map(list)
 anthropic_messages = mostly(st.lists(message, min_size=1, max_size=4) | anthropic_history)
-model = mostly(st.sampled_from(["deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner", "deepseek-v4-flash",
-                                "gpt-4", ""]))
-fn_tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
-    {"name": st.sampled_from(["f", "g"]) | text, "parameters": anyjson})})
-flat_tool = st.fixed_dictionaries({"type": st.sampled_from(["function", "namespace", "tool_search", "custom"]),
-                                   "name": st.sampled_from(["f", "g"]) | text}, optional={
-    "parameters": anyjson, "tools": st.lists(anyjson, max_size=2), "input_schema": anyjson})
+model = mostly(
+    st.sampled_from(["deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner", "deepseek-v4-flash", "gpt-4", ""])
+)
+fn_tool = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]) | text, "parameters": anyjson}),
+    }
+)
+flat_tool = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(["function", "namespace", "tool_search", "custom"]),
+        "name": st.sampled_from(["f", "g"]) | text,
+    },
+    optional={"parameters": anyjson, "tools": st.lists(anyjson, max_size=2), "input_schema": anyjson},
+)
 tools = mostly(st.lists(fn_tool | flat_tool, max_size=2))
 effort = mostly(st.sampled_from(["max", "high", "low", "none", "bogus"]))
 common = {
-    "model": model, "temperature": mostly(st.floats(-1, 3)), "top_p": mostly(st.floats(-1, 2)),
-    "top_k": mostly(small_int), "min_p": mostly(st.floats(-1, 2)), "seed": mostly(st.integers(-5, 2 ** 64)),
-    "max_tokens": mostly(small_int), "stream": mostly(st.booleans()), "stop": mostly(text | st.lists(text)),
-    "ignore_eos": mostly(st.booleans()), "stream_options": mostly(st.fixed_dictionaries(
-        {"include_usage": mostly(st.booleans())})), "reasoning_effort": effort,
+    "model": model,
+    "temperature": mostly(st.floats(-1, 3)),
+    "top_p": mostly(st.floats(-1, 2)),
+    "top_k": mostly(small_int),
+    "min_p": mostly(st.floats(-1, 2)),
+    "seed": mostly(st.integers(-5, 2**64)),
+    "max_tokens": mostly(small_int),
+    "stream": mostly(st.booleans()),
+    "stop": mostly(text | st.lists(text)),
+    "ignore_eos": mostly(st.booleans()),
+    "stream_options": mostly(st.fixed_dictionaries({"include_usage": mostly(st.booleans())})),
+    "reasoning_effort": effort,
     "thinking": mostly(st.booleans() | st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "x"])})),
-    "think": mostly(st.booleans()), "extra": anyjson,
+    "think": mostly(st.booleans()),
+    "extra": anyjson,
 }
-chat_body = st.fixed_dictionaries({"messages": messages}, optional={
-    **common, "tools": tools, "tool_choice": mostly(st.sampled_from(["auto", "none", "required"]) | st.fixed_dictionaries(
-        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})})),
-    "max_completion_tokens": mostly(small_int)})
+chat_body = st.fixed_dictionaries(
+    {"messages": messages},
+    optional={
+        **common,
+        "tools": tools,
+        "tool_choice": mostly(
+            st.sampled_from(["auto", "none", "required"])
+            | st.fixed_dictionaries(
+                {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})}
+            )
+        ),
+        "max_completion_tokens": mostly(small_int),
+    },
+)
 completion_body = st.fixed_dictionaries({"prompt": mostly(text | st.lists(text, max_size=2))}, optional=common)
-anthropic_body = st.fixed_dictionaries({"messages": anthropic_messages, "max_tokens": mostly(small_int)}, optional={
-    **{k: v for k, v in common.items() if k != "max_tokens"}, "system": mostly(text | st.lists(text | block, max_size=2)),
-    "tools": tools,
-    "tool_choice": mostly(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none"])},
-                                                optional={"name": st.sampled_from(["f", "h"])})),
-    "stop_sequences": mostly(st.lists(text, max_size=2)),
-    "output_config": mostly(st.fixed_dictionaries({"effort": effort}))})
-item_type = st.sampled_from(["message", "message", "reasoning", "function_call", "function_call_output",
-                             "custom_tool_call", "local_shell_call", "tool_search_output", "compaction", "bogus"])
-item = st.fixed_dictionaries({"type": item_type}, optional={
-    "role": role, "content": content, "call_id": text, "name": text, "arguments": mostly(text),
-    "output": mostly(text), "summary": mostly(st.lists(block, max_size=2)), "status": mostly(st.sampled_from(
-        ["completed", "completed", "in_progress"])), "namespace": text, "tools": anyjson})
+anthropic_body = st.fixed_dictionaries(
+    {"messages": anthropic_messages, "max_tokens": mostly(small_int)},
+    optional={
+        **{k: v for k, v in common.items() if k != "max_tokens"},
+        "system": mostly(text | st.lists(text | block, max_size=2)),
+        "tools": tools,
+        "tool_choice": mostly(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["auto", "any", "tool", "none"])},
+                optional={"name": st.sampled_from(["f", "h"])},
+            )
+        ),
+        "stop_sequences": mostly(st.lists(text, max_size=2)),
+        "output_config": mostly(st.fixed_dictionaries({"effort": effort})),
+    },
+)
+item_type = st.sampled_from(
+    [
+        "message",
+        "message",
+        "reasoning",
+        "function_call",
+        "function_call_output",
+        "custom_tool_call",
+        "local_shell_call",
+        "tool_search_output",
+        "compaction",
+        "bogus",
+    ]
+)
+item = st.fixed_dictionaries(
+    {"type": item_type},
+    optional={
+        "role": role,
+        "content": content,
+        "call_id": text,
+        "name": text,
+        "arguments": mostly(text),
+        "output": mostly(text),
+        "summary": mostly(st.lists(block, max_size=2)),
+        "status": mostly(st.sampled_from(["completed", "completed", "in_progress"])),
+        "namespace": text,
+        "tools": anyjson,
+    },
+)
 responses_history = st.tuples(
     st.just({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "use the tool"}]}),
-    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "custom_tool_call"]), "call_id": call_id,
-                           "name": st.sampled_from(["f", "g"]), "arguments": mostly(st.just('{"a":1}'))}),
-    st.fixed_dictionaries({"type": st.sampled_from(["function_call_output", "custom_tool_call_output"]),
-                           "call_id": call_id, "output": mostly(text)}),
-    st.lists(item, max_size=1)).map(lambda t: [t[0], t[1], t[2], *t[3]])
-responses_media = st.fixed_dictionaries({"type": st.just("message"), "role": st.just("user"),
-                                         "content": st.lists(media | block, min_size=1, max_size=2)})
-responses_body = st.fixed_dictionaries({"input": mostly(text | st.lists(item | responses_media, max_size=4)
-                                                        | responses_history)}, optional={
-    **common, "instructions": mostly(text), "tools": tools, "max_output_tokens": mostly(small_int),
-    "tool_choice": mostly(st.sampled_from(["auto", "none", "required"])),
-    "reasoning": mostly(st.fixed_dictionaries({}, optional={"effort": effort, "summary": mostly(st.sampled_from(
-        ["auto", "concise", "none"]))})),
-    "previous_response_id": st.none() | text})
-raw_bytes = st.binary(max_size=48) | st.sampled_from([
-    b"", b"{", b"null", b"[]", b'{"messages":NaN}', b'{"a":1}x', b"\xff\xfe", b'{"messages":[{"content":"\\ud83d"}]}',
-    b'{"x":' + b"[" * 400 + b"]" * 400 + b"}", b'{"input":' + b'{"a":' * 300 + b"1" + b"}" * 301])
+    st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(["function_call", "custom_tool_call"]),
+            "call_id": call_id,
+            "name": st.sampled_from(["f", "g"]),
+            "arguments": mostly(st.just('{"a":1}')),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(["function_call_output", "custom_tool_call_output"]),
+            "call_id": call_id,
+            "output": mostly(text),
+        }
+    ),
+    st.lists(item, max_size=1),
+).map(lambda t: [t[0], t[1], t[2], *t[3]])
+responses_media = st.fixed_dictionaries(
+    {"type": st.just("message"), "role": st.just("user"), "content": st.lists(media | block, min_size=1, max_size=2)}
+)
+responses_body = st.fixed_dictionaries(
+    {"input": mostly(text | st.lists(item | responses_media, max_size=4) | responses_history)},
+    optional={
+        **common,
+        "instructions": mostly(text),
+        "tools": tools,
+        "max_output_tokens": mostly(small_int),
+        "tool_choice": mostly(st.sampled_from(["auto", "none", "required"])),
+        "reasoning": mostly(
+            st.fixed_dictionaries(
+                {}, optional={"effort": effort, "summary": mostly(st.sampled_from(["auto", "concise", "none"]))}
+            )
+        ),
+        "previous_response_id": st.none() | text,
+    },
+)
+raw_bytes = st.binary(max_size=48) | st.sampled_from(
+    [
+        b"",
+        b"{",
+        b"null",
+        b"[]",
+        b'{"messages":NaN}',
+        b'{"a":1}x',
+        b"\xff\xfe",
+        b'{"messages":[{"content":"\\ud83d"}]}',
+        b'{"x":' + b"[" * 400 + b"]" * 400 + b"}",
+        b'{"input":' + b'{"a":' * 300 + b"1" + b"}" * 301,
+    ]
+)
 
 
 def bodies(structured):
@@ -197,17 +386,21 @@ def check(srv, client, path, body, api) -> int:
     return status
 
 
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck))
+SETTINGS = settings(
+    max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path,api,strategy", [
-    ("/v1/chat/completions", "chat", chat_body),
-    ("/v1/completions", "completions", completion_body),
-    ("/v1/messages", "anthropic", anthropic_body),
-    ("/v1/responses", "responses", responses_body),
-])
+@pytest.mark.parametrize(
+    "path,api,strategy",
+    [
+        ("/v1/chat/completions", "chat", chat_body),
+        ("/v1/completions", "completions", completion_body),
+        ("/v1/messages", "anthropic", anthropic_body),
+        ("/v1/responses", "responses", responses_body),
+    ],
+)
 def test_fuzz_route(srv, path, api, strategy):
     client = Client(srv.url)
     counts: dict = {}

@@ -2,6 +2,7 @@
 port): SSE keepalive during a slowed prefill, cancellation on disconnect,
 16 concurrent streams, error shapes, CORS, models, trace.  No timing
 assertions: gates in the scripted model hold the worker while a test looks."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,9 +47,9 @@ def parse_sse(raw: str) -> list[tuple[str, str]]:
             if line.startswith(":"):
                 out.append(("comment", line[1:].strip()))
             elif line.startswith("event: "):
-                name = line[len("event: "):]
+                name = line[len("event: ") :]
             elif line.startswith("data: "):
-                out.append((name, line[len("data: "):]))
+                out.append((name, line[len("data: ") :]))
     return out
 
 
@@ -71,8 +72,7 @@ def test_prefill_keepalive_comments(tok):
 
         async def go():
             async with aiohttp.ClientSession() as cs:
-                async with cs.post(s.url + "/v1/chat/completions",
-                                   json={"messages": MSG, "stream": True}) as r:
+                async with cs.post(s.url + "/v1/chat/completions", json={"messages": MSG, "stream": True}) as r:
                     assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
                     seen = b""
                     while seen.count(b": prefill\n\n") < 3:  # the worker is parked in prefill
@@ -101,8 +101,9 @@ def test_stream_disconnect_stops_decoding_within_one_token(tok):
 
         async def go():
             async with aiohttp.ClientSession() as cs:
-                r = await cs.post(s.url + "/v1/chat/completions",
-                                  json={"messages": MSG, "stream": True, "think": False})
+                r = await cs.post(
+                    s.url + "/v1/chat/completions", json={"messages": MSG, "stream": True, "think": False}
+                )
                 got = b""
                 while b'"content"' not in got:
                     got += await r.content.readany()
@@ -129,9 +130,11 @@ def test_non_streaming_disconnect_cancels(tok):
         async def go():
             async with aiohttp.ClientSession() as cs:
                 with pytest.raises(asyncio.TimeoutError):
-                    async with cs.post(s.url + "/v1/messages",
-                                       json={"messages": MSG, "max_tokens": 50},
-                                       timeout=aiohttp.ClientTimeout(total=None, sock_read=0.2)) as r:
+                    async with cs.post(
+                        s.url + "/v1/messages",
+                        json={"messages": MSG, "max_tokens": 50},
+                        timeout=aiohttp.ClientTimeout(total=None, sock_read=0.2),
+                    ) as r:
                         await r.read()
 
         model.step_gate.allow(1)
@@ -152,8 +155,9 @@ def test_disconnect_while_queued_cancels_before_prefill(tok):
             async with aiohttp.ClientSession() as cs:
                 first = asyncio.ensure_future(cs.post(s.url + "/v1/chat/completions", json={"messages": MSG}))
                 assert await asyncio.to_thread(model.prefill_gate.wait_for_waiters, 1)
-                second = asyncio.ensure_future(cs.post(s.url + "/v1/completions",
-                                                       json={"prompt": "queued", "stream": True}))
+                second = asyncio.ensure_future(
+                    cs.post(s.url + "/v1/completions", json={"prompt": "queued", "stream": True})
+                )
                 assert await asyncio.to_thread(s.wait, lambda: s.engine.queue_depth == 1)
                 second.cancel()  # the client gives up while its job waits in the queue
                 with pytest.raises(asyncio.CancelledError):
@@ -226,17 +230,29 @@ BAD_BODIES = [
     (b'{"messages":[], "x":' + b"[" * 300 + b"]" * 300 + b"}", 400, "invalid JSON request"),
     (b"[1,2]", 400, "invalid JSON request"),
     (b'{"messages":"hi"}', 400, None),
-    (b'{"messages":[{"role":"user","content":"x"}],"temperature":"hot"}', 400,
-     "Invalid type for 'temperature': expected a number or null, but got a string instead."),
-    (b'{"messages":[{"role":"user","content":"x"}],"max_tokens":"5"}', 400,
-     "Invalid type for 'max_tokens': expected a number or null, but got a string instead."),
-    (b'{"messages":[{"role":"user","content":"x"}],"stream":1}', 400,
-     "Invalid type for 'stream': expected a boolean or null, but got a number instead."),
+    (
+        b'{"messages":[{"role":"user","content":"x"}],"temperature":"hot"}',
+        400,
+        "Invalid type for 'temperature': expected a number or null, but got a string instead.",
+    ),
+    (
+        b'{"messages":[{"role":"user","content":"x"}],"max_tokens":"5"}',
+        400,
+        "Invalid type for 'max_tokens': expected a number or null, but got a string instead.",
+    ),
+    (
+        b'{"messages":[{"role":"user","content":"x"}],"stream":1}',
+        400,
+        "Invalid type for 'stream': expected a boolean or null, but got a number instead.",
+    ),
     (b'{"messages":[]}', 400, "messages must not be empty"),
     (b'{"messages":[{"role":"wizard","content":"x"}]}', 400, "unknown role: wizard"),
     (b'{"model":"deepseek-v4-flash"}', 400, "missing messages"),
-    (b'{"messages":[{"role":"user","content":"x"}],"reasoning_effort":"extreme"}', 400,
-     "Invalid value for 'reasoning_effort'."),
+    (
+        b'{"messages":[{"role":"user","content":"x"}],"reasoning_effort":"extreme"}',
+        400,
+        "Invalid value for 'reasoning_effort'.",
+    ),
 ]
 
 
@@ -273,18 +289,21 @@ def test_oversize_body_is_413(tok):
 def test_context_length_errors(tok):
     with serve(tok, ScriptedModel(tok, echo), ctx=16) as s:
         long = "word " * 40
-        cases = [("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}, "messages"),
-                 ("/v1/completions", {"prompt": long}, "prompt"),
-                 ("/v1/responses", {"input": long}, "input")]
+        cases = [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}, "messages"),
+            ("/v1/completions", {"prompt": long}, "prompt"),
+            ("/v1/responses", {"input": long}, "input"),
+        ]
         for path, body, param in cases:
             st, _, text = call(s.url, path, body)
             err = json.loads(text)["error"]
             assert st == 400 and err["code"] == "context_length_exceeded" and err["param"] == param
             assert err["n_ctx"] == 16 and err["n_prompt_tokens"] > 16
-            assert err["message"] == f"Prompt has {err['n_prompt_tokens']} tokens, but the configured context " \
-                                     f"size is 16 tokens"
-        st, _, text = call(s.url, "/v1/messages", {"messages": [{"role": "user", "content": long}],
-                                                   "max_tokens": 5})
+            assert (
+                err["message"] == f"Prompt has {err['n_prompt_tokens']} tokens, but the configured context "
+                f"size is 16 tokens"
+            )
+        st, _, text = call(s.url, "/v1/messages", {"messages": [{"role": "user", "content": long}], "max_tokens": 5})
         body = json.loads(text)
         assert st == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
         assert set(body["error"]) == {"type", "message", "n_prompt_tokens", "n_ctx"}
@@ -305,9 +324,13 @@ def test_unknown_routes_and_methods(srv):
     async def go():
         async with aiohttp.ClientSession() as cs:
             out = []
-            for method, path in [("GET", "/v1/nope"), ("POST", "/chat/completions"),
-                                 ("POST", "/v1/chat/completions/"), ("GET", "/v1/chat/completions"),
-                                 ("DELETE", "/v1/models")]:
+            for method, path in [
+                ("GET", "/v1/nope"),
+                ("POST", "/chat/completions"),
+                ("POST", "/v1/chat/completions/"),
+                ("GET", "/v1/chat/completions"),
+                ("DELETE", "/v1/models"),
+            ]:
                 async with cs.request(method, srv.url + path) as r:
                     out.append((r.status, await r.json()))
             return out
@@ -339,8 +362,9 @@ def test_cors_only_when_enabled(tok, srv):
         async with aiohttp.ClientSession() as cs:
             async with cs.options(url + "/v1/chat/completions") as r:
                 opt = (r.status, dict(r.headers), await r.read())
-            async with cs.post(url + "/v1/chat/completions", json={"messages": MSG, "stream": True,
-                                                                   "max_tokens": 2}) as r:
+            async with cs.post(
+                url + "/v1/chat/completions", json={"messages": MSG, "stream": True, "max_tokens": 2}
+            ) as r:
                 sse_headers = dict(r.headers)
                 await r.read()
             async with cs.post(url + "/v1/messages", data=b"{") as r:
@@ -372,15 +396,15 @@ def test_trace_file_has_one_json_line_per_request(tok, tmp_path):
 
 
 def test_ignore_eos_exact_length(srv):
-    st, _, text = call(srv.url, "/v1/completions", {"prompt": "x", "max_tokens": 9, "temperature": 0,
-                                                    "ignore_eos": True})
+    st, _, text = call(
+        srv.url, "/v1/completions", {"prompt": "x", "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+    )
     body = json.loads(text)
     assert st == 200 and body["usage"]["completion_tokens"] == 9 and body["choices"][0]["finish_reason"] == "length"
 
 
 def test_409_when_live_tool_state_vanishes(tok):
-    dsml = ('ok.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n</｜DSML｜invoke>\n'
-            '</｜DSML｜tool_calls>')
+    dsml = 'ok.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
     model = ScriptedModel(tok, lambda p: "done." if "<tool_result>" in p else dsml)
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
     with serve(tok, model, ctx=1024) as s:
@@ -389,9 +413,14 @@ def test_409_when_live_tool_state_vanishes(tok):
         out = {"input": [{"type": "function_call_output", "call_id": call_id, "output": "r"}], "tools": tools}
         model.prefill_gate.close()
 
-        replay = {"input": [{"role": "user", "content": "go"},
-                            {"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"},
-                            {"type": "function_call_output", "call_id": call_id, "output": "r"}], "tools": tools}
+        replay = {
+            "input": [
+                {"role": "user", "content": "go"},
+                {"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": call_id, "output": "r"},
+            ],
+            "tools": tools,
+        }
 
         async def go():
             async with aiohttp.ClientSession() as cs:
@@ -407,5 +436,6 @@ def test_409_when_live_tool_state_vanishes(tok):
 
         s1, s2, body = asyncio.run(go())
         assert s1 == 200 and s2 == 409
-        assert body["error"]["message"] == ("Responses continuation state is not available; retry by replaying "
-                                            "the full input history")
+        assert body["error"]["message"] == (
+            "Responses continuation state is not available; retry by replaying the full input history"
+        )

@@ -2,6 +2,7 @@
 other clients nor costs a tokenization, and an oversized Content-Length is
 refused before the body is read.  Latency is only compared with a baseline
 request measured in the same test (no absolute timing)."""
+
 from __future__ import annotations
 
 import http.client
@@ -117,8 +118,10 @@ def test_content_length_over_the_cap_is_413_before_the_body(tok):
         for path, shape in (("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")):
             with socket.create_connection((host, int(port)), timeout=30) as sock:
                 # headers only: a server that waited for the 2 MiB body would never answer
-                sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                             f"Content-Length: {2 << 20}\r\n\r\n".encode())
+                sock.sendall(
+                    f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {2 << 20}\r\n\r\n".encode()
+                )
                 data = b""
                 while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
                     chunk = sock.recv(65536)
@@ -149,13 +152,16 @@ def test_queued_streams_get_headers_and_their_queue_position(tok):
 
         async def go():
             async with aiohttp.ClientSession() as cs:
-                first = asyncio.ensure_future(cs.post(s.url + "/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": "first"}]}))
+                first = asyncio.ensure_future(
+                    cs.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "first"}]})
+                )
                 assert await asyncio.to_thread(model.prefill_gate.wait_for_waiters, 1)
                 streams = []
                 for i, path in enumerate(("/v1/chat/completions", "/v1/messages")):
-                    r = await cs.post(s.url + path, json={"messages": [{"role": "user", "content": f"q{i}"}],
-                                                         "max_tokens": 4, "stream": True})
+                    r = await cs.post(
+                        s.url + path,
+                        json={"messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 4, "stream": True},
+                    )
                     assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
                     streams.append(r)
                 seen = [b"", b""]
@@ -171,17 +177,37 @@ def test_queued_streams_get_headers_and_their_queue_position(tok):
 
         chat, messages = asyncio.run(go())
     chunks = [json.loads(line[6:]) for line in chat.splitlines() if line.startswith("data: {")]
-    text = "".join(d.get("content") or d.get("reasoning_content") or "" for c in chunks
-                   for d in [c["choices"][0]["delta"]])
+    text = "".join(
+        d.get("content") or d.get("reasoning_content") or "" for c in chunks for d in [c["choices"][0]["delta"]]
+    )
     assert chat.rstrip().endswith("data: [DONE]") and text == "fine"
     assert "event: message_stop" in messages
     # queued comments come only before the stream's first event
-    assert ": queued" not in chat[chat.index("data: "):] and ": queued" not in messages[messages.index("event: "):]
+    assert ": queued" not in chat[chat.index("data: ") :] and ": queued" not in messages[messages.index("event: ") :]
 
 
 # --------------------------------------------------------------------------- bounded tokenization
-PIECES = ["hello world", "\n", "\n\n", "  \n", "x = 12345;\n", "中文字符", "<｜User｜>", "</think>", "  indented\n",
-          "\tTab", "!!!\n", "\r\n", "😀", " ", "abc.def", "\n ", "\nA", "'s", "1\n2"]
+PIECES = [
+    "hello world",
+    "\n",
+    "\n\n",
+    "  \n",
+    "x = 12345;\n",
+    "中文字符",
+    "<｜User｜>",
+    "</think>",
+    "  indented\n",
+    "\tTab",
+    "!!!\n",
+    "\r\n",
+    "😀",
+    " ",
+    "abc.def",
+    "\n ",
+    "\nA",
+    "'s",
+    "1\n2",
+]
 
 
 def test_encode_prefix_is_exact_and_stops_early(tok):
@@ -193,9 +219,9 @@ def test_encode_prefix_is_exact_and_stops_early(tok):
     def check(parts, chunk):
         text = "".join(parts)
         full = tok.encode(text)
-        assert tok.encode_prefix(text, 10 ** 9, chunk_chars=chunk) == (full, True)
+        assert tok.encode_prefix(text, 10**9, chunk_chars=chunk) == (full, True)
         ids, complete = tok.encode_prefix(text, 20, chunk_chars=chunk)
-        assert ids == full[:len(ids)] and (complete or len(ids) > 20)
+        assert ids == full[: len(ids)] and (complete or len(ids) > 20)
 
     check()
 

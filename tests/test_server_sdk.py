@@ -5,6 +5,7 @@ two-step tool round trip on every chat API.
 The scripted model double emits fixed text and DSML through the real sampler,
 detokenizer and output parser; the second half runs the same routes on the
 real engine with the random-weight demo model."""
+
 from __future__ import annotations
 
 import sys
@@ -18,21 +19,41 @@ from scripted_model import ScriptedModel, last_user_text, serve  # noqa: E402
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
-from ds4mlx.chat.requests import parse_anthropic, parse_chat, parse_completion, parse_responses  # noqa: E402
 from ds4mlx.chat.families.deepseek_v4.template import render  # noqa: E402
+from ds4mlx.chat.requests import parse_anthropic, parse_chat, parse_completion, parse_responses  # noqa: E402
 
 MODEL = "deepseek-v4-flash"
 THINK = {"type": "enabled", "budget_tokens": 1024}  # Anthropic thinking is off unless asked for (#17)
-BASH_DSML = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
-             '<｜DSML｜parameter name="command" string="true">ls /tmp</｜DSML｜parameter>\n'
-             '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
-OPENAI_TOOLS = [{"type": "function", "function": {
-    "name": "bash", "description": "Run a shell command",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
-ANTHROPIC_TOOLS = [{"name": "bash", "description": "Run a shell command",
-                    "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
-RESPONSES_TOOLS = [{"type": "function", "name": "bash", "description": "Run a shell command",
-                    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}]
+BASH_DSML = (
+    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
+    '<｜DSML｜parameter name="command" string="true">ls /tmp</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
+OPENAI_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+        },
+    }
+]
+ANTHROPIC_TOOLS = [
+    {
+        "name": "bash",
+        "description": "Run a shell command",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
+    }
+]
+RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": "bash",
+        "description": "Run a shell command",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+    }
+]
 
 
 def generated(prompt: str) -> str:
@@ -96,14 +117,14 @@ def test_chat_non_streaming(oc, tok):
     assert u.prompt_tokens == ntok(tok, prompt)
     assert u.completion_tokens == ntok(tok, generated(prompt))
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
-    assert u.prompt_tokens_details.cached_tokens + fld(u.prompt_tokens_details, "cache_write_tokens") \
-        == u.prompt_tokens
+    assert u.prompt_tokens_details.cached_tokens + fld(u.prompt_tokens_details, "cache_write_tokens") == u.prompt_tokens
 
 
 def test_chat_streaming_with_usage(oc, tok):
     msgs = [{"role": "user", "content": "Hi there"}]
-    chunks = list(oc.chat.completions.create(model=MODEL, messages=msgs, stream=True,
-                                             stream_options={"include_usage": True}))
+    chunks = list(
+        oc.chat.completions.create(model=MODEL, messages=msgs, stream=True, stream_options={"include_usage": True})
+    )
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
     assert chunks[0].choices[0].delta.role == "assistant"
     body = [c for c in chunks if c.choices]
@@ -117,19 +138,28 @@ def test_chat_streaming_with_usage(oc, tok):
 
 
 def test_chat_non_thinking_and_sampling_fields(oc):
-    r = oc.chat.completions.create(model="deepseek-chat", messages=[{"role": "user", "content": "Hi"}],
-                                   temperature=0.3, top_p=0.9, seed=3, max_tokens=50, stop=["zzz"],
-                                   extra_body={"top_k": 5, "min_p": 0.1})
+    r = oc.chat.completions.create(
+        model="deepseek-chat",
+        messages=[{"role": "user", "content": "Hi"}],
+        temperature=0.3,
+        top_p=0.9,
+        seed=3,
+        max_tokens=50,
+        stop=["zzz"],
+        extra_body={"top_k": 5, "min_p": 0.1},
+    )
     assert r.model == "deepseek-chat" and r.choices[0].message.content == "Hello there!"
     assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
 
 
 def test_chat_stop_and_length(oc):
-    r = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], stop=["there"],
-                                   reasoning_effort="none")
+    r = oc.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], stop=["there"], reasoning_effort="none"
+    )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == "Hello "
-    r = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-                                   reasoning_effort="none")
+    r = oc.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, reasoning_effort="none"
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
 
 
@@ -142,10 +172,15 @@ def test_chat_tool_round_trip(oc, srv, tok):
     assert call.type == "function" and call.function.name == "bash" and call.id.startswith("call_")
     assert call.function.arguments == '{"command":"ls /tmp"}' and len(call.id) == len("call_") + 32
     live = len(srv.engine.session)
-    msgs2 = msgs + [{"role": "assistant", "content": c.message.content,
-                     "reasoning_content": fld(c.message, "reasoning_content"),
-                     "tool_calls": [call.model_dump()]},
-                    {"role": "tool", "tool_call_id": call.id, "content": "a.txt\nb.txt"}]
+    msgs2 = msgs + [
+        {
+            "role": "assistant",
+            "content": c.message.content,
+            "reasoning_content": fld(c.message, "reasoning_content"),
+            "tool_calls": [call.model_dump()],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "a.txt\nb.txt"},
+    ]
     before = srv.model.prefill_tokens
     r2 = oc.chat.completions.create(model=MODEL, messages=msgs2, tools=OPENAI_TOOLS)
     assert r2.choices[0].finish_reason == "stop"
@@ -157,8 +192,11 @@ def test_chat_tool_round_trip(oc, srv, tok):
 
 
 def test_chat_streaming_tool_call(oc):
-    chunks = list(oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ls please"}],
-                                             tools=OPENAI_TOOLS, stream=True))
+    chunks = list(
+        oc.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "ls please"}], tools=OPENAI_TOOLS, stream=True
+        )
+    )
     calls: dict = {}
     for ch in chunks:
         for tc in ch.choices[0].delta.tool_calls or []:
@@ -174,15 +212,20 @@ def test_chat_streaming_tool_call(oc):
 
 
 def test_tool_choice_none_disables_tools(oc):
-    r = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ls"}], tools=OPENAI_TOOLS,
-                                   tool_choice="none")
+    r = oc.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "ls"}], tools=OPENAI_TOOLS, tool_choice="none"
+    )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == "Hello there!"
 
 
 def test_tool_choice_unknown_name_is_400(oc):
     with pytest.raises(openai.BadRequestError) as e:
-        oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ls"}], tools=OPENAI_TOOLS,
-                                   tool_choice={"type": "function", "function": {"name": "nope"}})
+        oc.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "ls"}],
+            tools=OPENAI_TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
     assert e.value.status_code == 400 and "nope" in e.value.body["message"]
 
 
@@ -194,8 +237,11 @@ def test_completions_non_streaming_and_streaming(oc, tok):
     (c,) = r.choices
     assert c.text == "Simple greeting.</think>Hello there!" and c.finish_reason == "stop"
     assert r.usage.prompt_tokens == ntok(tok, prompt) and r.usage.completion_tokens == ntok(tok, c.text)
-    chunks = list(oc.completions.create(model=MODEL, prompt="Say hi", max_tokens=40, stream=True,
-                                        stream_options={"include_usage": True}))
+    chunks = list(
+        oc.completions.create(
+            model=MODEL, prompt="Say hi", max_tokens=40, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == "Simple greeting.</think>Hello there!"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
@@ -204,10 +250,12 @@ def test_completions_non_streaming_and_streaming(oc, tok):
 
 # --------------------------------------------------------------------------- Anthropic
 def test_anthropic_non_streaming(ac, tok):
-    r = ac.messages.create(model=MODEL, thinking=THINK, max_tokens=100, system="Be brief.",
-                           messages=[{"role": "user", "content": "Hi"}])
-    prompt = render(parse_anthropic({"system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}],
-                                     "thinking": THINK}))
+    r = ac.messages.create(
+        model=MODEL, thinking=THINK, max_tokens=100, system="Be brief.", messages=[{"role": "user", "content": "Hi"}]
+    )
+    prompt = render(
+        parse_anthropic({"system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}], "thinking": THINK})
+    )
     assert r.id.startswith("msg_") and r.type == "message" and r.role == "assistant" and r.model == MODEL
     assert [b.type for b in r.content] == ["thinking", "text"]
     assert r.content[0].thinking == "Simple greeting." and r.content[0].signature == r.id
@@ -219,7 +267,9 @@ def test_anthropic_non_streaming(ac, tok):
 
 
 def test_anthropic_streaming(ac):
-    with ac.messages.stream(model=MODEL, thinking=THINK, max_tokens=100, messages=[{"role": "user", "content": "Hey"}]) as st:
+    with ac.messages.stream(
+        model=MODEL, thinking=THINK, max_tokens=100, messages=[{"role": "user", "content": "Hey"}]
+    ) as st:
         events = [e.type for e in st]
         m = st.get_final_message()
     assert events[0] == "message_start" and events[-1] == "message_stop"
@@ -230,8 +280,9 @@ def test_anthropic_streaming(ac):
 
 
 def test_anthropic_max_tokens(ac):
-    r = ac.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Hi"}],
-                           thinking={"type": "disabled"})
+    r = ac.messages.create(
+        model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Hi"}], thinking={"type": "disabled"}
+    )
     assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 3 and r.content[0].type == "text"
 
 
@@ -244,9 +295,10 @@ def test_anthropic_tool_round_trip_continues_live_state(ac, srv):
     assert use.name == "bash" and use.input == {"command": "ls /tmp"} and use.id.startswith("toolu_")
     live = len(srv.engine.session)
     before = srv.model.prefill_tokens
-    msgs2 = msgs + [{"role": "assistant", "content": [b.model_dump() for b in r1.content]},
-                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
-                                                  "content": "a.txt\nb.txt"}]}]
+    msgs2 = msgs + [
+        {"role": "assistant", "content": [b.model_dump() for b in r1.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "a.txt\nb.txt"}]},
+    ]
     r2 = ac.messages.create(model=MODEL, thinking=THINK, max_tokens=200, messages=msgs2, tools=ANTHROPIC_TOOLS)
     assert r2.stop_reason == "end_turn" and r2.content[-1].text == "Two files: a.txt and b.txt."
     assert srv.engine.stats.last_cache_source == "anthropic-tool-output"
@@ -255,8 +307,13 @@ def test_anthropic_tool_round_trip_continues_live_state(ac, srv):
 
 
 def test_anthropic_streaming_tool_use(ac):
-    with ac.messages.stream(model=MODEL, thinking=THINK, max_tokens=200, messages=[{"role": "user", "content": "ls it"}],
-                            tools=ANTHROPIC_TOOLS) as st:
+    with ac.messages.stream(
+        model=MODEL,
+        thinking=THINK,
+        max_tokens=200,
+        messages=[{"role": "user", "content": "ls it"}],
+        tools=ANTHROPIC_TOOLS,
+    ) as st:
         m = st.get_final_message()
     assert m.stop_reason == "tool_use"
     tool = [b for b in m.content if b.type == "tool_use"]
@@ -265,8 +322,14 @@ def test_anthropic_streaming_tool_use(ac):
 
 def test_anthropic_unknown_tool_use_id_is_400(ac):
     with pytest.raises(anthropic.BadRequestError) as e:
-        ac.messages.create(model=MODEL, thinking=THINK, max_tokens=10, messages=[
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}])
+        ac.messages.create(
+            model=MODEL,
+            thinking=THINK,
+            max_tokens=10,
+            messages=[
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}
+            ],
+        )
     assert e.value.status_code == 400
     assert e.value.body["type"] == "error" and "toolu_nope" in e.value.body["error"]["message"]
 
@@ -282,8 +345,7 @@ def test_responses_non_streaming(oc, tok):
     u = r.usage
     assert u.input_tokens == ntok(tok, prompt) and u.output_tokens == ntok(tok, generated(prompt))
     assert u.total_tokens == u.input_tokens + u.output_tokens
-    assert u.input_tokens_details.cached_tokens + fld(u.input_tokens_details, "cache_write_tokens") \
-        == u.input_tokens
+    assert u.input_tokens_details.cached_tokens + fld(u.input_tokens_details, "cache_write_tokens") == u.input_tokens
 
 
 def test_responses_hidden_reasoning_without_summary(oc):
@@ -315,8 +377,11 @@ def test_responses_tool_round_trip_continues_live_state(oc, srv):
     assert call.id.startswith("fc_")
     live = len(srv.engine.session)
     before = srv.model.prefill_tokens
-    r2 = oc.responses.create(model=MODEL, tools=RESPONSES_TOOLS, input=[
-        {"type": "function_call_output", "call_id": call.call_id, "output": "a.txt\nb.txt"}])
+    r2 = oc.responses.create(
+        model=MODEL,
+        tools=RESPONSES_TOOLS,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "a.txt\nb.txt"}],
+    )
     assert r2.output_text == "Two files: a.txt and b.txt." and r2.status == "completed"
     assert srv.engine.stats.last_cache_source == "responses-tool-output"
     d = r2.usage.input_tokens_details
@@ -335,8 +400,7 @@ def test_responses_streaming_tool_call(oc):
 
 def test_responses_unknown_call_id_is_400(oc):
     with pytest.raises(openai.BadRequestError) as e:
-        oc.responses.create(model=MODEL, input=[{"type": "function_call_output", "call_id": "call_x",
-                                                 "output": "x"}])
+        oc.responses.create(model=MODEL, input=[{"type": "function_call_output", "call_id": "call_x", "output": "x"}])
     assert "call_x" in e.value.body["message"]
 
 
@@ -363,8 +427,11 @@ def test_demo_model_every_route(demo):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert r.usage.prompt_tokens == ntok(tok, prompt) and 0 < r.usage.completion_tokens <= 4
 
-    chunks = list(oc.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, stream=True,
-                                             stream_options={"include_usage": True}))
+    chunks = list(
+        oc.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage.completion_tokens <= 4
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] != []
@@ -395,8 +462,13 @@ def test_demo_model_every_route(demo):
 
 def test_demo_model_ignore_eos_exact_length(demo):
     oc = openai.OpenAI(base_url=demo.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    r = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
-                                   temperature=0, extra_body={"ignore_eos": True})
+    r = oc.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason in ("length", "tool_calls")
 
 
@@ -405,8 +477,10 @@ def test_tool_choice_named_and_required_force_a_call(tok):
     forced generation contains a parseable call."""
     from ds4mlx.serve.prepare import force_text
 
-    rest = ('<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
-            '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+    rest = (
+        '<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
 
     def script(prompt):
         return tok.encode("Hmm.</think>") + tok.encode("x") * len(tok.encode(force_text("bash"))) + tok.encode(rest)
@@ -417,21 +491,38 @@ def test_tool_choice_named_and_required_force_a_call(tok):
         msgs = [{"role": "user", "content": "go"}]
         r = oc.chat.completions.create(model=MODEL, messages=msgs, tools=OPENAI_TOOLS)
         assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
-        r = oc.chat.completions.create(model=MODEL, messages=msgs, tools=OPENAI_TOOLS,
-                                       tool_choice={"type": "function", "function": {"name": "bash"}})
+        r = oc.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            tools=OPENAI_TOOLS,
+            tool_choice={"type": "function", "function": {"name": "bash"}},
+        )
         assert r.choices[0].finish_reason == "tool_calls"
         assert r.choices[0].message.tool_calls[0].function.arguments == '{"command":"ls"}'
-        m = ac.messages.create(model=MODEL, thinking=THINK, max_tokens=200, messages=msgs, tools=ANTHROPIC_TOOLS,
-                               tool_choice={"type": "tool", "name": "bash"})
+        m = ac.messages.create(
+            model=MODEL,
+            thinking=THINK,
+            max_tokens=200,
+            messages=msgs,
+            tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "tool", "name": "bash"},
+        )
         assert m.stop_reason == "tool_use" and m.content[-1].input == {"command": "ls"}
         # required / any: the block and invoke tag are forced, the model names the tool
         long_filler = len(tok.encode(force_text(None)))
-        s.model.script = lambda p: (tok.encode("Hmm.</think>") + tok.encode("x") * long_filler
-                                    + tok.encode('bash">\n' + rest))
+        s.model.script = lambda p: (
+            tok.encode("Hmm.</think>") + tok.encode("x") * long_filler + tok.encode('bash">\n' + rest)
+        )
         r = oc.chat.completions.create(model=MODEL, messages=msgs, tools=OPENAI_TOOLS, tool_choice="required")
         assert r.choices[0].message.tool_calls[0].function.name == "bash"
-        m = ac.messages.create(model=MODEL, thinking=THINK, max_tokens=200, messages=msgs, tools=ANTHROPIC_TOOLS,
-                               tool_choice={"type": "any"})
+        m = ac.messages.create(
+            model=MODEL,
+            thinking=THINK,
+            max_tokens=200,
+            messages=msgs,
+            tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "any"},
+        )
         assert m.stop_reason == "tool_use" and m.content[-1].name == "bash"
 
 
@@ -442,10 +533,12 @@ def test_responses_full_replay_continues_from_the_visible_transcript(oc, srv):
     r1 = oc.responses.create(model=MODEL, input=[user], tools=RESPONSES_TOOLS)
     msg = next(o for o in r1.output if o.type == "message")
     call = next(o for o in r1.output if o.type == "function_call")
-    history = [user, {"type": "message", "role": "assistant", "content": [{"type": "output_text",
-                                                                           "text": msg.content[0].text}]},
-               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
-               {"type": "function_call_output", "call_id": call.call_id, "output": "a.txt\nb.txt"}]
+    history = [
+        user,
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": msg.content[0].text}]},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "a.txt\nb.txt"},
+    ]
     live = len(srv.engine.session)
     before = srv.model.prefill_tokens
     r2 = oc.responses.create(model=MODEL, input=history, tools=RESPONSES_TOOLS)
@@ -454,9 +547,10 @@ def test_responses_full_replay_continues_from_the_visible_transcript(oc, srv):
     d = r2.usage.input_tokens_details
     assert d.cached_tokens == live and srv.model.prefill_tokens - before == fld(d, "cache_write_tokens")
     live = len(srv.engine.session)
-    history += [{"type": "message", "role": "assistant", "content": [{"type": "output_text",
-                                                                      "text": r2.output_text}]},
-                {"role": "user", "content": "thanks"}]
+    history += [
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": r2.output_text}]},
+        {"role": "user", "content": "thanks"},
+    ]
     r3 = oc.responses.create(model=MODEL, input=history, tools=RESPONSES_TOOLS)
     assert srv.engine.stats.last_cache_source == "responses-visible"
     assert r3.usage.input_tokens_details.cached_tokens == live

@@ -2,6 +2,7 @@
 the app (bad chunk sizes, smuggling attempts, oversized headers) answer in the
 API's JSON error shape, no response carries a Server banner, and a client that
 half-closes its socket after sending its request still gets the answer."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,11 @@ def exchange(srv, raw: bytes, *, half_close: bool = False) -> tuple[int, dict, b
             data = skip_interim(data)
             head, sep, body = data.partition(b"\r\n\r\n")
             if sep and b"content-length:" in head.lower():
-                n = int(next(ln.split(b":", 1)[1] for ln in head.split(b"\r\n")
-                             if ln.lower().startswith(b"content-length:")))
+                n = int(
+                    next(
+                        ln.split(b":", 1)[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:")
+                    )
+                )
                 if len(body) >= n:
                     break
     head, _, body = skip_interim(data).partition(b"\r\n\r\n")
@@ -61,8 +65,10 @@ def exchange(srv, raw: bytes, *, half_close: bool = False) -> tuple[int, dict, b
 
 
 def post(path: str, body: bytes, extra: str = "") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
 
 
 def test_half_closed_client_gets_its_answer(srv):
@@ -87,12 +93,14 @@ BAD_CHUNKED = b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"
 FAULTS = {
     "bad chunk size": lambda path: f"POST {path} HTTP/1.1\r\nHost: x\r\n".encode() + BAD_CHUNKED,
     "content-length with chunked": lambda path: (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
-        "0\r\n\r\n").encode(),
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    ).encode(),
     "two content-lengths": lambda path: (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{{}}").encode(),
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{{}}"
+    ).encode(),
     "oversized header": lambda path: (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nX-Big: {'a' * 20000}\r\nContent-Length: 2\r\n\r\n{{}}").encode(),
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nX-Big: {'a' * 20000}\r\nContent-Length: 2\r\n\r\n{{}}"
+    ).encode(),
 }
 
 
@@ -113,12 +121,17 @@ def test_http_faults_answer_in_the_api_shape(srv, fault, path):
 
 
 def test_no_server_banner_anywhere(srv):
-    cases = [post("/v1/chat/completions", CHAT, "Connection: close\r\n"),
-             post("/v1/chat/completions", b"{bad", "Connection: close\r\n"),
-             b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-             b"GET /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-             post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "Hi"}],
-                                                      "stream": True}).encode(), "Connection: close\r\n")]
+    cases = [
+        post("/v1/chat/completions", CHAT, "Connection: close\r\n"),
+        post("/v1/chat/completions", b"{bad", "Connection: close\r\n"),
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        b"GET /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        post(
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": "Hi"}], "stream": True}).encode(),
+            "Connection: close\r\n",
+        ),
+    ]
     for raw in cases:
         status, headers, _ = exchange(srv, raw)
         assert "server" not in headers, (raw[:40], headers)

@@ -4,6 +4,7 @@ answer of its final parse: the same reasoning, text and calls (every announced
 call is in the final answer with the arguments its deltas spell), and the
 answer does not depend on how the text was split into tokens (a non-streamed
 request runs the same parser over the same tokens)."""
+
 from __future__ import annotations
 
 import json
@@ -56,12 +57,18 @@ def answer(final):
     return (final.content, final.reasoning or "", [(c.name, c.arguments) for c in final.calls])
 
 
-_words = st.sampled_from(["ok", "ls", " ", "\n", "\n\n", "a&b", "<", ">", "\"q\"", "é", "{", "}", "&lt;"])
-_args = st.dictionaries(st.sampled_from(["command", "path", "n", "opts"]),
-                        st.one_of(st.text(st.sampled_from("ab <>&/\"\n"), max_size=6), st.integers(-5, 99),
-                                  st.booleans(), st.lists(st.integers(0, 9), max_size=2),
-                                  st.dictionaries(st.sampled_from(["k", "v"]), st.integers(0, 9), max_size=2)),
-                        max_size=3)
+_words = st.sampled_from(["ok", "ls", " ", "\n", "\n\n", "a&b", "<", ">", '"q"', "é", "{", "}", "&lt;"])
+_args = st.dictionaries(
+    st.sampled_from(["command", "path", "n", "opts"]),
+    st.one_of(
+        st.text(st.sampled_from('ab <>&/"\n'), max_size=6),
+        st.integers(-5, 99),
+        st.booleans(),
+        st.lists(st.integers(0, 9), max_size=2),
+        st.dictionaries(st.sampled_from(["k", "v"]), st.integers(0, 9), max_size=2),
+    ),
+    max_size=3,
+)
 
 
 @st.composite
@@ -74,7 +81,7 @@ def generation(draw, proto):
         "close": proto.think_close,
         "open": proto.think_open,
         "block": block,
-        "cut": block[:draw(st.integers(0, len(block)))],
+        "cut": block[: draw(st.integers(0, len(block)))],
     }
     mutated = list(block)
     for _ in range(draw(st.integers(0, 2))):
@@ -86,7 +93,7 @@ def generation(draw, proto):
             elif op == "dup":
                 mutated.insert(i, mutated[i])
             else:
-                mutated.insert(i, draw(st.sampled_from(["x", "<", ">", "\"", "\n"])))
+                mutated.insert(i, draw(st.sampled_from(["x", "<", ">", '"', "\n"])))
     pieces["mutated"] = "".join(mutated)
     kinds = draw(st.lists(st.sampled_from(sorted(pieces)), min_size=1, max_size=6))
     text = "".join(pieces[k] if k != "words" else "".join(draw(st.lists(_words, max_size=4))) for k in kinds)
@@ -135,7 +142,7 @@ def test_unparseable_call_is_never_announced(family):
     """Claude Code's case: the call head is there, then the block breaks."""
     proto = get_protocol(family)
     block = proto.render_calls([ToolCall("", "read", '{"path":"/tmp/a"}')])
-    broken = block[:len(block) // 3] + "@@ garbage @@" + proto.think_close
+    broken = block[: len(block) // 3] + "@@ garbage @@" + proto.think_close
     events, final = run(proto, list(proto.think_close + broken), True, False)
     s = streamed(events)
     assert [(c["name"], c["args"]) for c in s["calls"]] == [(c.name, c.arguments) for c in final.calls]

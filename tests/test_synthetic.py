@@ -1,18 +1,29 @@
 """The synthetic V4 Flash builder (`ds4mlx bench --synthetic`) at tiny shapes on CPU:
 both expert formats build, route and give finite logits; GGUF blocks decode finite."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from ds4mlx.bench.synthetic import build_synthetic_v4_flash
 from ds4mlx.models.layers import QuantizedSwitchLinear
 from ds4mlx.models.quantized import GGUFSwitchLinear, SplitSwitchLinear
-from ds4mlx.quant import as_qtype, dequantize
-from ds4mlx.bench.synthetic import build_synthetic_v4_flash
-from ds4mlx.quant import random_gguf_blocks
+from ds4mlx.quant import as_qtype, dequantize, random_gguf_blocks
 
-TINY = dict(hidden_size=256, num_attention_heads=4, head_dim=64, partial_rotary_factor=0.5, q_lora_rank=64,
-            o_groups=2, o_lora_rank=64, moe_intermediate_size=256, index_n_heads=4, index_head_dim=32, index_topk=8)
+TINY = dict(
+    hidden_size=256,
+    num_attention_heads=4,
+    head_dim=64,
+    partial_rotary_factor=0.5,
+    q_lora_rank=64,
+    o_groups=2,
+    o_lora_rank=64,
+    moe_intermediate_size=256,
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=8,
+)
 
 
 @pytest.mark.parametrize("qtype", ["IQ2_XXS", "Q2_K", "Q4_K", "Q8_0"])

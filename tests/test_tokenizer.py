@@ -9,6 +9,7 @@ Oracles:
 * ds4.c `tokenize_rendered_chat_vocab` behaviour for the special split: only the
   seven strings are special; other added tokens are spelled out by BPE.
 """
+
 from __future__ import annotations
 
 import os
@@ -69,7 +70,7 @@ COMMON = [
     "12345 67.890 1e-10 0xFF 3,141,592",
     "Numbers١٢٣ and ½ ⅔",
     f"{BOS}{USER}Hello{ASSISTANT}{THINK_START}\nLet me think.\n{THINK_END}Hi!{EOS}",
-    "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
+    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
     '<｜DSML｜parameter name="city" string="true">Rome</｜DSML｜parameter>\n'
     "</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
     "</｜DSML｜parameter>",
@@ -334,8 +335,12 @@ def test_errors(tmp_path):
         Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
     with pytest.raises(ValueError, match="pre-tokenizer"):
         Tokenizer.from_gguf_fields(
-            {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": ["a"],
-             "tokenizer.ggml.merges": []}
+            {
+                "tokenizer.ggml.model": "gpt2",
+                "tokenizer.ggml.pre": "qwen2",
+                "tokenizer.ggml.tokens": ["a"],
+                "tokenizer.ggml.merges": [],
+            }
         )
     with pytest.raises(ValueError, match="no tokenizer"):
         Tokenizer.from_gguf_fields({"general.architecture": "deepseek4"})
@@ -368,15 +373,32 @@ def test_other_pretokenizer_json_is_honoured(tmp_path):
         vocab[t] = len(vocab)
     data = {
         "version": "1.0",
-        "added_tokens": [{"id": len(vocab), "content": THINK_START, "special": False, "normalized": True,
-                          "single_word": False, "lstrip": False, "rstrip": False}],
+        "added_tokens": [
+            {
+                "id": len(vocab),
+                "content": THINK_START,
+                "special": False,
+                "normalized": True,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+            }
+        ],
         "normalizer": None,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
-                  "merges": ["h e", "l l", "he ll", "Ġ w", "Ġw o", "Ġwo r"][:4]},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "vocab": vocab,
+            "merges": ["h e", "l l", "he ll", "Ġ w", "Ġw o", "Ġwo r"][:4],
+        },
     }
     p = tmp_path / "tokenizer.json"
     p.write_text(json.dumps(data))

@@ -5,6 +5,7 @@ whose model.safetensors holds the HF in-memory names.  Expected GGUF names, ggml
 shapes and metadata key types are the ones antirez/ds4 `ds4.c` requires
 (`weights_bind`, `weights_validate_layout`, `config_validate_model`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4mlx.gguf_families import deepseek_v4 as names
 from ds4mlx.convert import write_gguf
+from ds4mlx.gguf_families import deepseek_v4 as names
 from ds4mlx.mapped import LazyTensor
 from ds4mlx.quant import MXTensor, QuantizedTensor
 from ds4mlx.weights import GGUFFile, SafetensorsFile, read_weights
@@ -30,7 +31,9 @@ def oracle_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("oracle_dsv4")
     subprocess.run(
         [sys.executable, str(ROOT / "tests/oracle/make_tiny_deepseek_v4.py"), str(out)],
-        check=True, capture_output=True, timeout=300,
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     return out
 
@@ -86,7 +89,14 @@ def test_read_hf_folder(oracle_dir, oracle):
         _assert_same(v, tensors[k], k)
     assert tensors["model.layers.0.mlp.gate.tid2eid"].dtype == np.int64
     assert cfg == names.normalize_config(raw_cfg)
-    for k in ("hidden_size", "layer_types", "mlp_layer_types", "compress_rates", "rope_parameters", "initializer_range"):
+    for k in (
+        "hidden_size",
+        "layer_types",
+        "mlp_layer_types",
+        "compress_rates",
+        "rope_parameters",
+        "initializer_range",
+    ):
         assert cfg[k] == raw_cfg[k], k
 
 
@@ -94,11 +104,22 @@ def test_normalize_config_matches_transformers(oracle):
     transformers = pytest.importorskip("transformers")
     raw_cfg, _ = oracle
     legacy = {
-        "model_type": "deepseek_v4", "num_hidden_layers": 43, "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
-        "num_hash_layers": 3, "qk_rope_head_dim": 64, "rope_theta": 10000, "compress_rope_theta": 160000,
-        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32, "beta_slow": 1},
-        "torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8"},
+        "model_type": "deepseek_v4",
+        "num_hidden_layers": 43,
+        "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+        "num_hash_layers": 3,
+        "qk_rope_head_dim": 64,
+        "rope_theta": 10000,
+        "compress_rope_theta": 160000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8"},
     }
     for raw in (raw_cfg, legacy):
         ref = transformers.DeepseekV4Config(**raw).to_dict()
@@ -141,8 +162,10 @@ EXPECTED_LAYER = (
     "ffn_gate_exps ffn_up_exps ffn_down_exps ffn_gate_shexp ffn_up_shexp ffn_down_shexp"
 ).split()
 COMPRESSOR = "attn_compressor_ape attn_compressor_kv attn_compressor_gate attn_compressor_norm".split()
-INDEXER = ("indexer.attn_q_b indexer.proj indexer_compressor_ape indexer_compressor_kv "
-           "indexer_compressor_gate indexer_compressor_norm").split()
+INDEXER = (
+    "indexer.attn_q_b indexer.proj indexer_compressor_ape indexer_compressor_kv "
+    "indexer_compressor_gate indexer_compressor_norm"
+).split()
 
 
 def test_gguf_names_and_shapes_are_ds4s(converted, oracle):
@@ -156,35 +179,67 @@ def test_gguf_names_and_shapes_are_ds4s(converted, oracle):
     ql, og, ol = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
     ne = {n: ti.ne for n, ti in g.tensors.items()}
     types = {n: ti.ggml_type.name for n, ti in g.tensors.items()}
-    expected = {"token_embd.weight": (H, V), "output_hc_base.weight": (hc,), "output_hc_fn.weight": (hc_dim, hc),
-                "output_hc_scale.weight": (1,), "output_norm.weight": (H,), "output.weight": (H, V)}
+    expected = {
+        "token_embd.weight": (H, V),
+        "output_hc_base.weight": (hc,),
+        "output_hc_fn.weight": (hc_dim, hc),
+        "output_hc_scale.weight": (1,),
+        "output_norm.weight": (H,),
+        "output.weight": (H, V),
+    }
     for i, (lt, mt) in enumerate(zip(c["layer_types"], c["mlp_layer_types"])):
         b = f"blk.{i}."
         ratio = {names.SWA: 0, **c["compress_rates"]}[lt]
         coff = 2 if ratio == 4 else 1  # ds4: ratio-4 (CSA) compressors are twice as wide
-        expected.update({
-            b + "hc_attn_fn.weight": (hc_dim, mix), b + "hc_attn_scale.weight": (3,), b + "hc_attn_base.weight": (mix,),
-            b + "attn_norm.weight": (H,), b + "attn_q_a.weight": (H, ql), b + "attn_q_a_norm.weight": (ql,),
-            b + "attn_q_b.weight": (ql, nh * hd), b + "attn_kv.weight": (H, hd), b + "attn_kv_a_norm.weight": (hd,),
-            b + "attn_sinks.weight": (nh,), b + "attn_output_a.weight": (hd * (nh // og), og * ol),
-            b + "attn_output_b.weight": (og * ol, H),
-            b + "hc_ffn_fn.weight": (hc_dim, mix), b + "hc_ffn_scale.weight": (3,), b + "hc_ffn_base.weight": (mix,),
-            b + "ffn_norm.weight": (H,), b + "ffn_gate_inp.weight": (H, E),
-            b + "ffn_gate_exps.weight": (H, I, E), b + "ffn_up_exps.weight": (H, I, E),
-            b + "ffn_down_exps.weight": (I, H, E),
-            b + "ffn_gate_shexp.weight": (H, I), b + "ffn_up_shexp.weight": (H, I), b + "ffn_down_shexp.weight": (I, H),
-        })
+        expected.update(
+            {
+                b + "hc_attn_fn.weight": (hc_dim, mix),
+                b + "hc_attn_scale.weight": (3,),
+                b + "hc_attn_base.weight": (mix,),
+                b + "attn_norm.weight": (H,),
+                b + "attn_q_a.weight": (H, ql),
+                b + "attn_q_a_norm.weight": (ql,),
+                b + "attn_q_b.weight": (ql, nh * hd),
+                b + "attn_kv.weight": (H, hd),
+                b + "attn_kv_a_norm.weight": (hd,),
+                b + "attn_sinks.weight": (nh,),
+                b + "attn_output_a.weight": (hd * (nh // og), og * ol),
+                b + "attn_output_b.weight": (og * ol, H),
+                b + "hc_ffn_fn.weight": (hc_dim, mix),
+                b + "hc_ffn_scale.weight": (3,),
+                b + "hc_ffn_base.weight": (mix,),
+                b + "ffn_norm.weight": (H,),
+                b + "ffn_gate_inp.weight": (H, E),
+                b + "ffn_gate_exps.weight": (H, I, E),
+                b + "ffn_up_exps.weight": (H, I, E),
+                b + "ffn_down_exps.weight": (I, H, E),
+                b + "ffn_gate_shexp.weight": (H, I),
+                b + "ffn_up_shexp.weight": (H, I),
+                b + "ffn_down_shexp.weight": (I, H),
+            }
+        )
         if ratio:
             w = coff * hd
-            expected.update({b + "attn_compressor_ape.weight": (w, ratio), b + "attn_compressor_kv.weight": (H, w),
-                             b + "attn_compressor_gate.weight": (H, w), b + "attn_compressor_norm.weight": (hd,)})
+            expected.update(
+                {
+                    b + "attn_compressor_ape.weight": (w, ratio),
+                    b + "attn_compressor_kv.weight": (H, w),
+                    b + "attn_compressor_gate.weight": (H, w),
+                    b + "attn_compressor_norm.weight": (hd,),
+                }
+            )
         if lt == names.CSA:
             ih, idim = c["index_n_heads"], c["index_head_dim"]
-            expected.update({
-                b + "indexer.attn_q_b.weight": (ql, ih * idim), b + "indexer.proj.weight": (H, ih),
-                b + "indexer_compressor_ape.weight": (2 * idim, ratio), b + "indexer_compressor_kv.weight": (H, 2 * idim),
-                b + "indexer_compressor_gate.weight": (H, 2 * idim), b + "indexer_compressor_norm.weight": (idim,),
-            })
+            expected.update(
+                {
+                    b + "indexer.attn_q_b.weight": (ql, ih * idim),
+                    b + "indexer.proj.weight": (H, ih),
+                    b + "indexer_compressor_ape.weight": (2 * idim, ratio),
+                    b + "indexer_compressor_kv.weight": (H, 2 * idim),
+                    b + "indexer_compressor_gate.weight": (H, 2 * idim),
+                    b + "indexer_compressor_norm.weight": (idim,),
+                }
+            )
         if mt == "hash_moe":
             expected[b + "ffn_gate_tid2eid.weight"] = (c["num_experts_per_tok"], V)
         else:
@@ -212,15 +267,19 @@ def _check_metadata_types(gguf, cfg, sd):
         write_gguf(p, cfg, sd, tokenizer=False)
         r = gguf.GGUFReader(str(p))
         fields = {k: f for k, f in r.fields.items()}
-        u32 = ("block_count embedding_length vocab_size attention.head_count attention.head_count_kv "
-               "attention.key_length attention.value_length rope.dimension_count attention.q_lora_rank "
-               "attention.output_lora_rank attention.output_group_count expert_count expert_used_count "
-               "expert_feed_forward_length expert_shared_count hash_layer_count attention.sliding_window "
-               "attention.indexer.head_count attention.indexer.key_length attention.indexer.top_k "
-               "hyper_connection.count hyper_connection.sinkhorn_iterations").split()
-        f32 = ("rope.freq_base rope.scaling.factor rope.scaling.yarn_beta_fast rope.scaling.yarn_beta_slow "
-               "attention.compress_rope_freq_base expert_weights_scale attention.layer_norm_rms_epsilon "
-               "hyper_connection.epsilon").split()
+        u32 = (
+            "block_count embedding_length vocab_size attention.head_count attention.head_count_kv "
+            "attention.key_length attention.value_length rope.dimension_count attention.q_lora_rank "
+            "attention.output_lora_rank attention.output_group_count expert_count expert_used_count "
+            "expert_feed_forward_length expert_shared_count hash_layer_count attention.sliding_window "
+            "attention.indexer.head_count attention.indexer.key_length attention.indexer.top_k "
+            "hyper_connection.count hyper_connection.sinkhorn_iterations"
+        ).split()
+        f32 = (
+            "rope.freq_base rope.scaling.factor rope.scaling.yarn_beta_fast rope.scaling.yarn_beta_slow "
+            "attention.compress_rope_freq_base expert_weights_scale attention.layer_norm_rms_epsilon "
+            "hyper_connection.epsilon"
+        ).split()
         for k in u32:
             assert fields[f"deepseek4.{k}"].types == [V.UINT32], k
         for k in f32:
@@ -237,30 +296,79 @@ def test_flash_config_metadata_values_match_ds4_constants():
     """A DeepSeek-V4-Flash hub config.json maps to exactly the values ds4.c
     config_validate_model / validate_compress_ratio_metadata expect."""
     flash = {
-        "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43,
-        "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 1024,
-        "o_groups": 8, "o_lora_rank": 1024, "n_routed_experts": 256, "num_experts_per_tok": 6,
-        "moe_intermediate_size": 2048, "n_shared_experts": 1, "num_hash_layers": 3, "sliding_window": 128,
-        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
-        "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0], "qk_rope_head_dim": 64, "rope_theta": 10000,
-        "compress_rope_theta": 160000, "max_position_embeddings": 1048576, "scoring_func": "sqrtsoftplus",
-        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32, "beta_slow": 1},
+        "model_type": "deepseek_v4",
+        "vocab_size": 129280,
+        "hidden_size": 4096,
+        "num_hidden_layers": 43,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 1,
+        "head_dim": 512,
+        "q_lora_rank": 1024,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 6,
+        "moe_intermediate_size": 2048,
+        "n_shared_experts": 1,
+        "num_hash_layers": 3,
+        "sliding_window": 128,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "rms_norm_eps": 1e-6,
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 10.0,
+        "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+        "qk_rope_head_dim": 64,
+        "rope_theta": 10000,
+        "compress_rope_theta": 160000,
+        "max_position_embeddings": 1048576,
+        "scoring_func": "sqrtsoftplus",
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
     }
     kv = {k: v for k, v, _ in names.config_to_gguf_kv(flash)}
     want = {
-        "block_count": 43, "embedding_length": 4096, "vocab_size": 129280, "attention.head_count": 64,
-        "attention.key_length": 512, "attention.head_count_kv": 1, "attention.value_length": 512,
-        "rope.dimension_count": 64, "attention.output_group_count": 8, "attention.q_lora_rank": 1024,
-        "attention.output_lora_rank": 1024, "expert_count": 256, "expert_used_count": 6,
-        "expert_feed_forward_length": 2048, "expert_shared_count": 1, "hash_layer_count": 3,
-        "attention.sliding_window": 128, "attention.indexer.head_count": 64, "attention.indexer.key_length": 128,
-        "attention.indexer.top_k": 512, "hyper_connection.count": 4, "hyper_connection.sinkhorn_iterations": 20,
-        "rope.scaling.original_context_length": 65536, "rope.freq_base": 10000.0, "rope.scaling.factor": 16.0,
-        "rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0,
-        "attention.compress_rope_freq_base": 160000.0, "expert_weights_scale": 1.5,
-        "attention.layer_norm_rms_epsilon": 1e-6, "hyper_connection.epsilon": 1e-6, "expert_weights_norm": True,
+        "block_count": 43,
+        "embedding_length": 4096,
+        "vocab_size": 129280,
+        "attention.head_count": 64,
+        "attention.key_length": 512,
+        "attention.head_count_kv": 1,
+        "attention.value_length": 512,
+        "rope.dimension_count": 64,
+        "attention.output_group_count": 8,
+        "attention.q_lora_rank": 1024,
+        "attention.output_lora_rank": 1024,
+        "expert_count": 256,
+        "expert_used_count": 6,
+        "expert_feed_forward_length": 2048,
+        "expert_shared_count": 1,
+        "hash_layer_count": 3,
+        "attention.sliding_window": 128,
+        "attention.indexer.head_count": 64,
+        "attention.indexer.key_length": 128,
+        "attention.indexer.top_k": 512,
+        "hyper_connection.count": 4,
+        "hyper_connection.sinkhorn_iterations": 20,
+        "rope.scaling.original_context_length": 65536,
+        "rope.freq_base": 10000.0,
+        "rope.scaling.factor": 16.0,
+        "rope.scaling.yarn_beta_fast": 32.0,
+        "rope.scaling.yarn_beta_slow": 1.0,
+        "attention.compress_rope_freq_base": 160000.0,
+        "expert_weights_scale": 1.5,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "hyper_connection.epsilon": 1e-6,
+        "expert_weights_norm": True,
         "expert_gating_func": 4,
     }
     for k, v in want.items():
@@ -311,13 +419,18 @@ def test_quantized_tensors_roundtrip(oracle, tmp_path):
         pre = f"model.layers.{i}.mlp.experts."
         gu = tensors.pop(pre + "gate_up_proj")
         half = gu.shape[1] // 2
-        for name, arr in (("gate_proj", gu[:, :half]), ("up_proj", gu[:, half:]), ("down_proj", tensors[pre + "down_proj"])):
+        for name, arr in (
+            ("gate_proj", gu[:, :half]),
+            ("up_proj", gu[:, half:]),
+            ("down_proj", tensors[pre + "down_proj"]),
+        ):
             arr = np.ascontiguousarray(arr)
             q = QuantizedTensor(raw=quantize(arr, Q), qtype=Q, shape=arr.shape)
             tensors[pre + name] = qexp[pre + name] = q
     q_attn = np.ascontiguousarray(sd["model.layers.1.self_attn.q_b_proj.weight"])
-    tensors["model.layers.1.self_attn.q_b_proj.weight"] = qexp["model.layers.1.self_attn.q_b_proj.weight"] = \
+    tensors["model.layers.1.self_attn.q_b_proj.weight"] = qexp["model.layers.1.self_attn.q_b_proj.weight"] = (
         QuantizedTensor(raw=quantize(q_attn, Q), qtype=Q, shape=q_attn.shape)
+    )
     p = tmp_path / "q.gguf"
     write_gguf(p, raw_cfg, tensors, tokenizer=False)
     _, back, _ = read_weights(p)
@@ -342,7 +455,7 @@ def _hub_name(hf: str) -> str:
     for h, _, c in names.TOP_LEVEL:
         if h == hf:
             return c
-    i, rest = hf[len("model.layers."):].split(".", 1)
+    i, rest = hf[len("model.layers.") :].split(".", 1)
     for h, _, c in names.LAYER:
         if h == rest:
             return f"layers.{i}.{c}"
@@ -375,7 +488,8 @@ def test_hub_checkpoint_naming_sharded(oracle_dir, oracle, tmp_path):
     for fn, ks in shards.items():
         save_file({k: hub[k] for k in ks}, str(tmp_path / fn))
     (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {k: fn for fn, ks in shards.items() for k in ks}}))
+        json.dumps({"weight_map": {k: fn for fn, ks in shards.items() for k in ks}})
+    )
     (tmp_path / "config.json").write_text(json.dumps(raw_cfg))
     cfg, tensors, _ = read_weights(tmp_path)
     assert set(tensors) == set(sd) | {"mtp.0.enorm.weight"}  # MTP kept for speculative decoding
@@ -441,7 +555,7 @@ def test_fp8_fp4_dequant():
     codes = rng.integers(0, 16, size=(4, 64)).astype(np.uint8)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.int8)
     sc = rng.integers(125, 130, size=(4, 2)).astype(np.uint8)
-    table = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    table = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     want = table[codes] * np.repeat(2.0 ** (sc.astype(np.float32) - 127), 32, 1)
     assert np.array_equal(dequant_fp4(packed, sc), want)
 

@@ -6,12 +6,13 @@ and waits for `answer(True/False)`.  No answer within the timeout (10 s by
 default, `--approval-timeout`) is a deny; so is a stop request.  `--yes`
 (trusted) approves everything without asking.
 """
+
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from .tools import SIDE_EFFECTS
 
@@ -37,7 +38,7 @@ class PendingApproval:
         self.request = request
         self.timeout = timeout
         self._done = threading.Event()
-        self.approved: Optional[bool] = None
+        self.approved: bool | None = None
 
     def answer(self, approved: bool) -> None:
         if not self._done.is_set():
@@ -68,8 +69,10 @@ def describe(tool: str, args: dict) -> str:
         content = args.get("content") if isinstance(args.get("content"), str) else ""
         return f"write {args.get('path', '')} ({len(content.encode())} bytes)\n{_preview(content)}"
     if tool == "edit":
-        return (f"edit {args.get('path', '')}\n--- old\n{_preview(str(args.get('old', '')))}\n"
-                f"+++ new\n{_preview(str(args.get('new', '')))}")
+        return (
+            f"edit {args.get('path', '')}\n--- old\n{_preview(str(args.get('old', '')))}\n"
+            f"+++ new\n{_preview(str(args.get('new', '')))}"
+        )
     return f"{tool} {json.dumps(args, ensure_ascii=False)}"
 
 
@@ -82,8 +85,14 @@ class Approvals:
     def needed(tool: str) -> bool:
         return tool in SIDE_EFFECTS
 
-    def decide(self, tool: str, args: dict, cwd: str, publish: Callable[[PendingApproval], None],
-               stop_requested: Callable[[], bool]) -> str:
+    def decide(
+        self,
+        tool: str,
+        args: dict,
+        cwd: str,
+        publish: Callable[[PendingApproval], None],
+        stop_requested: Callable[[], bool],
+    ) -> str:
         """-> "trusted" | "yes" | "no" | "timeout" | "stopped" ("yes"/"trusted" run the tool)."""
         if self.trusted:
             return "trusted"

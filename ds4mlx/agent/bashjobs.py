@@ -10,6 +10,7 @@ foreground until the command ends, `timeout_sec` passes (the job is killed) or
 its number: bash_status / bash_stop).  A cooperative stop (Ctrl+C) kills the
 foreground job at the next poll.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,8 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from .errors import ToolError
 
@@ -39,7 +40,7 @@ class Job:
     reported: int = 0  # bytes of the log already shown to the model
     stopped: str = ""  # why it was killed ("", "timeout", "stopped")
 
-    def returncode(self) -> Optional[int]:
+    def returncode(self) -> int | None:
         return self.proc.poll()
 
 
@@ -95,13 +96,20 @@ class BashJobs:
             self._next += 1
         log_path = os.path.join(self._dir, f"job{n}.log")
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(["bash", "-c", command], cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, close_fds=True, start_new_session=True)
+            proc = subprocess.Popen(
+                ["bash", "-c", command],
+                cwd=self.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                close_fds=True,
+                start_new_session=True,
+            )
         job = Job(n, command, proc, log_path)
         self._jobs[n] = job
         return job
 
-    def _wait_report(self, job: Job, timeout: Optional[float], refresh: Optional[float]) -> str:
+    def _wait_report(self, job: Job, timeout: float | None, refresh: float | None) -> str:
         t0 = time.monotonic()
         while job.returncode() is None:
             waited = time.monotonic() - t0
@@ -140,8 +148,10 @@ class BashJobs:
         rc = job.returncode()
         out = _clip(new)
         if rc is None:
-            state = (f"job {job.number} (pid {job.proc.pid}) still running after {time.monotonic() - job.started:.0f} s; "
-                     "call bash_status to check it or bash_stop to terminate it")
+            state = (
+                f"job {job.number} (pid {job.proc.pid}) still running after {time.monotonic() - job.started:.0f} s; "
+                "call bash_status to check it or bash_stop to terminate it"
+            )
         elif job.stopped == "timeout":
             state = f"job {job.number} killed: timeout"
         elif job.stopped == "stopped":

@@ -1,11 +1,13 @@
 """`ds4mlx agent`: arguments and start-up (the model, the engine with its disk
 KV cache, the tools, the worker), then the `-p` loop or the terminal UI."""
+
 from __future__ import annotations
 
 import os
 
 from ..kv.policy import add_kv_arguments
 from .approval import DEFAULT_TIMEOUT_SEC
+
 DEMO_MAX_TOKENS = 256
 
 
@@ -22,8 +24,12 @@ def add_arguments(p) -> None:
     p.add_argument("--think", default="none", help="thinking mode: none (default), high, max, or the family's levels")
     p.add_argument("--temp", type=float, default=None, help="temperature (default 1.0; 0 = greedy)")
     p.add_argument("--seed", type=int, default=0, help="0 = time based")
-    p.add_argument("--approval-timeout", type=float, default=DEFAULT_TIMEOUT_SEC,
-                   help="seconds an approval waits before it denies (default 10)")
+    p.add_argument(
+        "--approval-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_SEC,
+        help="seconds an approval waits before it denies (default 10)",
+    )
     p.add_argument("--edit-upto", action="store_true", help="let edit take anchored old='START[upto]END' spans")
     p.add_argument("-s", "--system", default="", help="extra system prompt text")
     add_kv_arguments(p)
@@ -51,10 +57,18 @@ def build(args, model, tokenizer, sink=None):
     engine = Engine(model, tokenizer, ctx=args.ctx, cache=kv)
     toolbox = ToolBox(os.path.abspath(args.cwd), edit_upto=args.edit_upto)
     params = SamplingParams(temperature=1.0 if args.temp is None else args.temp, seed=args.seed)
-    worker = AgentWorker(engine, toolbox, Approvals(trusted=args.yes, timeout=args.approval_timeout),
-                         thinking=_thinking(args, engine.protocol), params=params, max_tokens=args.max_tokens,
-                         max_steps=args.max_steps, system_extra=args.system, kv=kv,
-                         **({"sink": sink} if sink else {}))
+    worker = AgentWorker(
+        engine,
+        toolbox,
+        Approvals(trusted=args.yes, timeout=args.approval_timeout),
+        thinking=_thinking(args, engine.protocol),
+        params=params,
+        max_tokens=args.max_tokens,
+        max_steps=args.max_steps,
+        system_extra=args.system,
+        kv=kv,
+        **({"sink": sink} if sink else {}),
+    )
     toolbox.bash.stop_requested = lambda: worker.stop_requested
     return engine, worker
 

@@ -21,9 +21,10 @@ agent_worker_compact).
 
 This module is the arithmetic and the rebuild; the worker runs the summary job.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from ..chat.messages import Message
 from . import prompts
@@ -65,8 +66,13 @@ def tail_budget(ctx: int) -> int:
     return max(1, min(ctx // TAIL_DIVISOR, TAIL_CAP_TOKENS))
 
 
-def tail_start(messages: Sequence[Message], first: int, cost: Callable[[Message], int], budget: int,
-               keep_from: Optional[int] = None) -> int:
+def tail_start(
+    messages: Sequence[Message],
+    first: int,
+    cost: Callable[[Message], int],
+    budget: int,
+    keep_from: int | None = None,
+) -> int:
     """Index where the verbatim tail starts: the earliest message whose suffix
     fits `budget`, moved forward to the first user turn in that window (else
     to the first assistant turn: a tail never starts with an orphan tool result).
@@ -98,8 +104,9 @@ def summary_message(summary: str, notes: Sequence[str] = ()) -> Message:
     return Message("system", text)
 
 
-def rebuild(messages: Sequence[Message], n_system: int, summary: str, start: int,
-            notes: Sequence[str] = ()) -> list[Message]:
+def rebuild(
+    messages: Sequence[Message], n_system: int, summary: str, start: int, notes: Sequence[str] = ()
+) -> list[Message]:
     """system messages + summary (+ notes) + messages[start:]; a tail that starts
     with an assistant turn gets a one-line user turn before it (the template needs one)."""
     tail = list(messages[start:])

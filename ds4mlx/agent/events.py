@@ -2,14 +2,21 @@
 
 A front end renders these; it never sees engine events or raw tool-call text.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 # tool card lifecycle
 PARSING, AWAITING_APPROVAL, RUNNING, DONE, FAILED, STOPPED, DENIED = (
-    "parsing", "awaiting approval", "running", "done", "failed", "stopped", "denied")
+    "parsing",
+    "awaiting approval",
+    "running",
+    "done",
+    "failed",
+    "stopped",
+    "denied",
+)
 
 
 @dataclass
@@ -54,4 +61,4 @@ class Notice:
 @dataclass(frozen=True)
 class TurnEnd:
     reason: str  # answered | stopped | error | max_steps
-    error: Optional[str] = None
+    error: str | None = None

@@ -6,6 +6,7 @@ dangling link and leaves a non-existent tail as written), then the result must
 lie under the resolved project root.  A link inside the project that points
 outside is an escape like `../x`.
 """
+
 from __future__ import annotations
 
 import os

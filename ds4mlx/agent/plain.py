@@ -6,6 +6,7 @@ approval is read from stdin when it is a terminal; otherwise nobody can answer
 and the timeout denies it.  Ctrl+C stops the agent cooperatively (a second
 Ctrl+C during the stop is ignored; the session is still saved).
 """
+
 from __future__ import annotations
 
 import queue
@@ -38,7 +39,7 @@ class PlainView:
         self.err = err or Console(stderr=True)
         self.answer: list[str] = []
         self.markdown = self.out.isatty() if hasattr(self.out, "isatty") else False
-        self.events: "queue.Queue" = queue.Queue()
+        self.events: queue.Queue = queue.Queue()
 
     def sink(self, ev) -> None:  # worker thread
         self.events.put(ev)

@@ -47,5 +47,7 @@ TOOL_RESULT_TOO_BIG = (
 )
 STOPPED_TOOL = "Tool error: {tool} was not run: the user stopped the agent."
 CONTINUE_TASK = "[ds4-agent: the task continues below; the summary above has the earlier context.]"
-INTERRUPTED_CALL = ("[ds4-agent: the last tool call was interrupted by context compaction and was not executed; "
-                    "retry it with smaller arguments or a smaller edit.]")
+INTERRUPTED_CALL = (
+    "[ds4-agent: the last tool call was interrupted by context compaction and was not executed; "
+    "retry it with smaller arguments or a smaller edit.]"
+)

@@ -1,5 +1,6 @@
 """Rendering shared by the front ends: rich renderables for tool cards,
 approval requests and the status line (never raw tool-call text)."""
+
 from __future__ import annotations
 
 from rich.markdown import Markdown
@@ -9,8 +10,15 @@ from rich.text import Text
 from .approval import PendingApproval
 from .events import AWAITING_APPROVAL, DENIED, DONE, FAILED, PARSING, RUNNING, STOPPED, Status, ToolCard
 
-CARD_STYLE = {PARSING: "dim", AWAITING_APPROVAL: "yellow", RUNNING: "cyan", DONE: "green", FAILED: "red",
-              STOPPED: "magenta", DENIED: "red"}
+CARD_STYLE = {
+    PARSING: "dim",
+    AWAITING_APPROVAL: "yellow",
+    RUNNING: "cyan",
+    DONE: "green",
+    FAILED: "red",
+    STOPPED: "magenta",
+    DENIED: "red",
+}
 CARD_MARK = {PARSING: "…", AWAITING_APPROVAL: "?", RUNNING: "▶", DONE: "✓", FAILED: "✗", STOPPED: "■", DENIED: "✗"}
 FINAL_STATES = {DONE, FAILED, STOPPED, DENIED}
 
@@ -29,8 +37,9 @@ def card(c: ToolCard) -> Text:
 def approval(p: PendingApproval) -> Panel:
     r = p.request
     body = Text(r.action)
-    return Panel(body, title=f"allow {r.tool}?  cwd {r.cwd}",
-                 subtitle=f"y/N — denied in {p.timeout:g} s", border_style="yellow")
+    return Panel(
+        body, title=f"allow {r.tool}?  cwd {r.cwd}", subtitle=f"y/N — denied in {p.timeout:g} s", border_style="yellow"
+    )
 
 
 def answer(text: str) -> Markdown:

@@ -9,6 +9,7 @@ reopened, even in a new process, the first render of its conversation starts
 with that text and the engine restores the checkpoint instead of prefilling
 (docs/kv-cache.md §2 step 9).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,6 @@ import os
 import tempfile
 import time
 from dataclasses import asdict
-from typing import Optional
 
 from ..chat.messages import Conversation, Message, ToolCall
 
@@ -38,17 +38,31 @@ def messages_from_json(rows: list) -> list[Message]:
     for r in rows:
         calls = [ToolCall(**c) for c in r.get("tool_calls", [])]
         spans = [tuple(s) for s in r.get("result_spans", [])]
-        out.append(Message(role=r["role"], content=r.get("content", ""), reasoning=r.get("reasoning", ""),
-                           tool_calls=calls, tool_call_ids=list(r.get("tool_call_ids", [])),
-                           result_spans=spans, raw_dsml=r.get("raw_dsml", "")))
+        out.append(
+            Message(
+                role=r["role"],
+                content=r.get("content", ""),
+                reasoning=r.get("reasoning", ""),
+                tool_calls=calls,
+                tool_call_ids=list(r.get("tool_call_ids", [])),
+                result_spans=spans,
+                raw_dsml=r.get("raw_dsml", ""),
+            )
+        )
     return out
 
 
 def save(path: str, conv: Conversation, *, cwd: str, model: str = "") -> str:
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    data = {"version": VERSION, "saved_at": time.time(), "cwd": cwd, "model": model,
-            "thinking": conv.thinking, "messages": conversation_to_json(conv)}
+    data = {
+        "version": VERSION,
+        "saved_at": time.time(),
+        "cwd": cwd,
+        "model": model,
+        "thinking": conv.thinking,
+        "messages": conversation_to_json(conv),
+    }
     fd, tmp = tempfile.mkstemp(prefix=".session-", dir=os.path.dirname(path))
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(data, f, ensure_ascii=False, indent=1)
@@ -74,7 +88,7 @@ def load(path: str) -> dict:
 class SessionDir:
     """Named sessions in one directory (/save NAME, /list, /switch NAME)."""
 
-    def __init__(self, directory: Optional[str] = None):
+    def __init__(self, directory: str | None = None):
         self.dir = directory or default_dir()
 
     def path(self, name: str) -> str:
@@ -94,5 +108,5 @@ class SessionDir:
                 data = load(os.path.join(self.dir, fn))
             except ValueError:
                 continue
-            rows.append((fn[:-len(SUFFIX)], float(data.get("saved_at", 0)), len(data["messages"])))
+            rows.append((fn[: -len(SUFFIX)], float(data.get("saved_at", 0)), len(data["messages"])))
         return sorted(rows, key=lambda r: -r[1])

@@ -11,6 +11,7 @@ fingerprint (size, mtime_ns, SHA-1); write and edit refuse a file that changed
 on disk since the agent last saw it, so an edit never silently overwrites
 someone else's change.  Writes replace atomically (temp file + os.replace).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -19,8 +20,9 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from .bashjobs import BashJobs
 from .errors import ToolError
@@ -45,19 +47,32 @@ def _schema(name: str, description: str, props: dict, required: list[str]) -> di
 _S, _N, _B = {"type": "string"}, {"type": "number"}, {"type": "boolean"}
 SCHEMAS = {
     "bash": _schema("bash", "Run a shell command.", {"command": _S, "timeout_sec": _N, "refresh_sec": _N}, ["command"]),
-    "bash_status": _schema("bash_status", "Report current status and new output for a bash job.",
-                           {"job": _N, "refresh_sec": _N}, ["job"]),
-    "bash_stop": _schema("bash_stop", "Terminate a running bash job and report its final output.",
-                         {"job": _N}, ["job"]),
-    "read": _schema("read", "Read a text file or a range of lines.",
-                    {"path": _S, "start_line": _N, "max_lines": _N, "whole": _B, "raw": _B}, ["path"]),
+    "bash_status": _schema(
+        "bash_status", "Report current status and new output for a bash job.", {"job": _N, "refresh_sec": _N}, ["job"]
+    ),
+    "bash_stop": _schema(
+        "bash_stop", "Terminate a running bash job and report its final output.", {"job": _N}, ["job"]
+    ),
+    "read": _schema(
+        "read",
+        "Read a text file or a range of lines.",
+        {"path": _S, "start_line": _N, "max_lines": _N, "whole": _B, "raw": _B},
+        ["path"],
+    ),
     "more": _schema("more", "Continue the previous read-like output.", {"count": _N}, []),
     "write": _schema("write", "Create or overwrite a text file.", {"path": _S, "content": _S}, ["path", "content"]),
-    "edit": _schema("edit", "Edit a file: replace the exact text old (it must occur exactly once) with new.",
-                    {"path": _S, "old": _S, "new": _S}, ["path", "old", "new"]),
-    "search": _schema("search", "Search files and return compact edit-friendly matches.",
-                      {"query": _S, "path": _S, "mode": _S, "glob": _S, "context": _N, "max_results": _N,
-                       "case_sensitive": _B}, ["query"]),
+    "edit": _schema(
+        "edit",
+        "Edit a file: replace the exact text old (it must occur exactly once) with new.",
+        {"path": _S, "old": _S, "new": _S},
+        ["path", "old", "new"],
+    ),
+    "search": _schema(
+        "search",
+        "Search files and return compact edit-friendly matches.",
+        {"query": _S, "path": _S, "mode": _S, "glob": _S, "context": _N, "max_results": _N, "case_sensitive": _B},
+        ["query"],
+    ),
     "list": _schema("list", "List one directory compactly.", {"path": _S}, ["path"]),
 }
 # tools with side effects: they need an approval (approval.py)
@@ -79,7 +94,7 @@ def _umask() -> int:
 _NEW_FILE_MODE = 0o666 & ~_umask()  # what open() would give a new file (mkstemp makes 0600)
 
 
-def _fingerprint(path: str) -> Optional[tuple]:
+def _fingerprint(path: str) -> tuple | None:
     try:
         st = os.stat(path)
         with open(path, "rb") as f:
@@ -128,10 +143,18 @@ class ToolBox:
         self.edit_upto = edit_upto
         self.bash = BashJobs(self.project.root, stop_requested)
         self._seen: dict[str, tuple] = {}  # real path -> fingerprint the agent last saw
-        self._cursor: Optional[_ReadCursor] = None
-        self._handlers = {"read": self.read, "more": self.more, "write": self.write, "edit": self.edit,
-                          "list": self.list, "search": self.search, "bash": self.bash.run,
-                          "bash_status": self.bash.status, "bash_stop": self.bash.stop}
+        self._cursor: _ReadCursor | None = None
+        self._handlers = {
+            "read": self.read,
+            "more": self.more,
+            "write": self.write,
+            "edit": self.edit,
+            "list": self.list,
+            "search": self.search,
+            "bash": self.bash.run,
+            "bash_status": self.bash.status,
+            "bash_stop": self.bash.stop,
+        }
 
     @property
     def root(self) -> str:
@@ -197,8 +220,10 @@ class ToolBox:
         body = "\n".join(out)
         if end < total:
             self._cursor = _ReadCursor(path, end + 1)
-            return (f"{head}\n{body}\n[{total - end} more lines available: call more with count=500; "
-                    f"continue_offset={end + 1}]")
+            return (
+                f"{head}\n{body}\n[{total - end} more lines available: call more with count=500; "
+                f"continue_offset={end + 1}]"
+            )
         self._cursor = None
         return f"{head}\n{body}" if body else head
 
@@ -207,8 +232,10 @@ class ToolBox:
         seen = self._seen.get(path)
         now = _fingerprint(path)
         if seen is not None and now is not None and now != seen:
-            raise ToolError(f"{self.project.relative(path)} changed on disk since you last read it; "
-                            "read it again before changing it")
+            raise ToolError(
+                f"{self.project.relative(path)} changed on disk since you last read it; "
+                "read it again before changing it"
+            )
 
     def _replace(self, path: str, content: str) -> None:
         """Atomic replace: the file is either the old or the new text, never half."""
@@ -266,12 +293,16 @@ class ToolBox:
         else:
             n = text.count(old)
             if n != 1:
-                raise ToolError(f"old text occurs {n} times in {self.project.relative(path)}; it must occur exactly once")
+                raise ToolError(
+                    f"old text occurs {n} times in {self.project.relative(path)}; it must occur exactly once"
+                )
             i = text.index(old)
             span = (i, i + len(old))
         line = text.count("\n", 0, span[0]) + 1
-        self._replace(path, text[:span[0]] + new + text[span[1]:])
-        return f"edited {self.project.relative(path)} at line {line}: replaced {span[1] - span[0]} bytes with {len(new)}"
+        self._replace(path, text[: span[0]] + new + text[span[1] :])
+        return (
+            f"edited {self.project.relative(path)} at line {line}: replaced {span[1] - span[0]} bytes with {len(new)}"
+        )
 
     # -- list / search -------------------------------------------------------------
     def list(self, args: dict) -> str:

@@ -13,6 +13,7 @@ clears the line); Ctrl+D or /quit leaves (the session is saved first when one
 is open).  Commands: /save [NAME], /list, /switch NAME, /new, /compact,
 /history [N], /think MODE, /help.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,10 +29,12 @@ from .approval import PendingApproval
 from .events import AWAITING_APPROVAL, AnswerDelta, Notice, ReasoningDelta, Status, ToolCard, TurnEnd
 from .sessions import SessionDir
 
-HELP = ("/save [NAME]  save the session (and its KV checkpoint)   /list  saved sessions\n"
-        "/switch NAME  open a saved session   /new  start over   /compact  compact the context now\n"
-        "/history [N]  the last N turns   /think MODE  none|high|max   /quit  leave (Ctrl+D)\n"
-        "Ctrl+C stops the agent at the next safe point.")
+HELP = (
+    "/save [NAME]  save the session (and its KV checkpoint)   /list  saved sessions\n"
+    "/switch NAME  open a saved session   /new  start over   /compact  compact the context now\n"
+    "/history [N]  the last N turns   /think MODE  none|high|max   /quit  leave (Ctrl+D)\n"
+    "Ctrl+C stops the agent at the next safe point."
+)
 HISTORY_TURNS = 3  # ds4_agent.c AGENT_HISTORY_DEFAULT_TURNS
 
 
@@ -39,7 +42,7 @@ class TuiState:
     def __init__(self, worker, sessions: SessionDir):
         self.worker = worker
         self.sessions = sessions
-        self.events: "queue.Queue" = queue.Queue()
+        self.events: queue.Queue = queue.Queue()
         self.status = Status(ctx_total=worker.engine.ctx)
         self.pending: PendingApproval | None = None
         self.answer: list[str] = []
@@ -122,6 +125,7 @@ class TuiState:
                     fn(worker)
                 except Exception as e:  # shown, never fatal
                     worker.emit(Notice(f"{name}: {e}", "error"))
+
             w.call(run, wait=False)
 
         if name in ("/quit", "/exit"):
@@ -129,13 +133,21 @@ class TuiState:
         if name == "/help":
             c.print(HELP, markup=False)
         elif name == "/save":
-            path = self.sessions.path(arg) if arg else (w.session_path or self.sessions.path(
-                time.strftime("session-%Y%m%d-%H%M%S")))
+            path = (
+                self.sessions.path(arg)
+                if arg
+                else (w.session_path or self.sessions.path(time.strftime("session-%Y%m%d-%H%M%S")))
+            )
             on_worker(lambda wk: wk.save_session(path))
         elif name == "/list":
             rows = self.sessions.list()
-            c.print("\n".join(f"{n}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(t))}  {k} messages"
-                              for n, t, k in rows) or "no saved sessions", markup=False)
+            c.print(
+                "\n".join(
+                    f"{n}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(t))}  {k} messages" for n, t, k in rows
+                )
+                or "no saved sessions",
+                markup=False,
+            )
         elif name == "/switch":
             if not arg:
                 c.print("usage: /switch NAME", markup=False)
@@ -159,7 +171,7 @@ class TuiState:
     def history(self, c: Console, turns: int) -> None:
         msgs = [m for m in self.worker.conv.messages if m.role != "system"]
         starts = [i for i, m in enumerate(msgs) if m.role == "user"]
-        for m in msgs[starts[-turns] if len(starts) >= turns else 0:]:
+        for m in msgs[starts[-turns] if len(starts) >= turns else 0 :]:
             if m.role == "tool":
                 c.print(f"  [tool result] {m.content.splitlines()[0] if m.content else ''}", style="dim", markup=False)
             elif m.role == "assistant":
@@ -201,8 +213,9 @@ def run_tui(worker, args=None) -> int:
     async def main() -> None:
         with patch_stdout(raw=True):
             pump = asyncio.ensure_future(ui.pump())
-            ui.console().print(f"[bold]ds4mlx agent[/bold] in {worker.toolbox.root} — /help for commands, "
-                               "Ctrl+D to leave")
+            ui.console().print(
+                f"[bold]ds4mlx agent[/bold] in {worker.toolbox.root} — /help for commands, Ctrl+D to leave"
+            )
             try:
                 while True:
                     try:

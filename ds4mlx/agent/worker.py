@@ -20,6 +20,7 @@ point (a prefill chunk or a token, through the engine's cancel; a tool, a bash
 poll, an approval wait), and the conversation stays consistent, so a saved
 session reopens.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -27,8 +28,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from ..chat.messages import Conversation, Message, ToolCall
 from ..engine import Failed, Job
@@ -37,8 +39,21 @@ from ..events import ReasoningDelta as EngineReasoning
 from ..sampling import SamplingParams
 from . import compaction, prompts, sessions
 from .approval import Approvals, PendingApproval, denial_text
-from .events import (AWAITING_APPROVAL, DENIED, DONE, FAILED, PARSING, RUNNING, STOPPED, AnswerDelta, Notice,
-                     ReasoningDelta, Status, ToolCard, TurnEnd)
+from .events import (
+    AWAITING_APPROVAL,
+    DENIED,
+    DONE,
+    FAILED,
+    PARSING,
+    RUNNING,
+    STOPPED,
+    AnswerDelta,
+    Notice,
+    ReasoningDelta,
+    Status,
+    ToolCard,
+    TurnEnd,
+)
 from .tools import ToolBox
 
 log = logging.getLogger("ds4mlx.agent")
@@ -71,10 +86,20 @@ def _summary_of(name: str, arguments: str) -> str:
 
 
 class AgentWorker:
-    def __init__(self, engine, toolbox: ToolBox, approvals: Optional[Approvals] = None, *,
-                 sink: Callable[[Any], None] = lambda ev: None, thinking: str = "none",
-                 params: Optional[SamplingParams] = None, max_tokens: Optional[int] = None,
-                 max_steps: Optional[int] = None, system_extra: str = "", kv=None):
+    def __init__(
+        self,
+        engine,
+        toolbox: ToolBox,
+        approvals: Approvals | None = None,
+        *,
+        sink: Callable[[Any], None] = lambda ev: None,
+        thinking: str = "none",
+        params: SamplingParams | None = None,
+        max_tokens: int | None = None,
+        max_steps: int | None = None,
+        system_extra: str = "",
+        kv=None,
+    ):
         self.engine = engine
         self.protocol = engine.protocol
         self.toolbox = toolbox
@@ -89,12 +114,12 @@ class AgentWorker:
         self.conv = self._fresh(thinking)
         self._stop = threading.Event()
         self._handle = None
-        self._inbox: "queue.Queue" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
         self.busy = False
-        self.session_path: Optional[str] = None
+        self.session_path: str | None = None
         self._parsing: dict[int, tuple[str, str]] = {}
-        self._request_tokens: Optional[int] = None  # tokens a compaction request adds
+        self._request_tokens: int | None = None  # tokens a compaction request adds
         # the text that opens the family's tool-call block (its forced opening's first line)
         self._call_opener = self.protocol.force_text(None).strip().split("\n")[0]
         self._report_restore = False  # tell the user how much a reopened session reused
@@ -104,8 +129,13 @@ class AgentWorker:
         system = prompts.SYSTEM.format(cwd=self.toolbox.root)
         if self.system_extra:
             system += "\n\n" + self.system_extra
-        return Conversation(messages=[Message("system", system)], tool_schemas=tool_schemas(self.toolbox),
-                            tools_active=True, thinking=thinking, model=self.protocol.model_id)
+        return Conversation(
+            messages=[Message("system", system)],
+            tool_schemas=tool_schemas(self.toolbox),
+            tools_active=True,
+            thinking=thinking,
+            model=self.protocol.model_id,
+        )
 
     @property
     def thinking(self) -> str:
@@ -153,7 +183,7 @@ class AgentWorker:
         return self._stop.is_set()
 
     # ------------------------------------------------------------------ threads
-    def start(self) -> "AgentWorker":
+    def start(self) -> AgentWorker:
         self._thread = threading.Thread(target=self._serve, name="ds4mlx-agent", daemon=True)
         self._thread.start()
         return self
@@ -161,9 +191,9 @@ class AgentWorker:
     def submit(self, text: str) -> None:
         self._inbox.put(("turn", text, None))
 
-    def call(self, fn: Callable[["AgentWorker"], Any], wait: bool = True) -> Any:
+    def call(self, fn: Callable[[AgentWorker], Any], wait: bool = True) -> Any:
         """Run `fn(worker)` on the worker thread (slash commands)."""
-        done: "queue.Queue" = queue.Queue()
+        done: queue.Queue = queue.Queue()
         self._inbox.put(("call", fn, done))
         if not wait:
             return None
@@ -212,16 +242,21 @@ class AgentWorker:
                 self.busy = self._inbox.qsize() > 0
 
     # ------------------------------------------------------------------ rendering
-    def render(self, conv: Optional[Conversation] = None) -> str:
+    def render(self, conv: Conversation | None = None) -> str:
         return self.protocol.render(conv or self.conv)
 
-    def prompt_tokens(self, conv: Optional[Conversation] = None) -> int:
+    def prompt_tokens(self, conv: Conversation | None = None) -> int:
         return len(self.engine.tokenize(self.render(conv)))
 
     def _with(self, *extra: Message) -> Conversation:
         c = self.conv
-        return Conversation(messages=list(c.messages) + list(extra), tool_schemas=c.tool_schemas,
-                            tools_active=c.tools_active, thinking=c.thinking, model=c.model)
+        return Conversation(
+            messages=list(c.messages) + list(extra),
+            tool_schemas=c.tool_schemas,
+            tools_active=c.tools_active,
+            thinking=c.thinking,
+            model=c.model,
+        )
 
     def _message_cost(self, m: Message) -> int:
         tk = self.engine.tokenize
@@ -230,16 +265,33 @@ class AgentWorker:
         return n + 4  # role markers
 
     # ------------------------------------------------------------------ engine jobs
-    def _run_job(self, prompt: str, *, tools: bool, thinking: str, max_tokens: Optional[int],
-                 params: Optional[SamplingParams] = None, show: bool = True, label: str = "agent"):
+    def _run_job(
+        self,
+        prompt: str,
+        *,
+        tools: bool,
+        thinking: str,
+        max_tokens: int | None,
+        params: SamplingParams | None = None,
+        show: bool = True,
+        label: str = "agent",
+    ):
         """One engine job; engine events become agent events.  -> Finish | Failed."""
         ids = self.engine.tokenize(prompt)
         room = self.engine.ctx - len(ids) - 1
         limit = room if max_tokens is None else max(1, min(max_tokens, room))
-        job = Job(prompt_text=prompt, prompt_ids=ids, thinking=thinking, tools_active=tools,
-                  params=params or self.params, max_tokens=limit, family=self.protocol.family,
-                  tool_schemas=tuple(self.conv.tool_schemas) if tools else (), label=label)
-        events: "queue.Queue" = queue.Queue()
+        job = Job(
+            prompt_text=prompt,
+            prompt_ids=ids,
+            thinking=thinking,
+            tools_active=tools,
+            params=params or self.params,
+            max_tokens=limit,
+            family=self.protocol.family,
+            tool_schemas=tuple(self.conv.tool_schemas) if tools else (),
+            label=label,
+        )
+        events: queue.Queue = queue.Queue()
         self._parsing: dict[int, tuple[str, str]] = {}  # cards of this job's calls: index -> (name, summary)
         self._handle = self.engine.submit(job, events.put)
         if self._stop.is_set():
@@ -247,23 +299,36 @@ class AgentWorker:
         t_pre = time.monotonic()
         t_gen = None
         generated = 0
-        self._status(state="prefill", ctx_used=len(ids), prefill_done=0, prefill_total=len(ids), generated=0,
-                     gen_tps=0.0, greedy=False)
+        self._status(
+            state="prefill",
+            ctx_used=len(ids),
+            prefill_done=0,
+            prefill_total=len(ids),
+            generated=0,
+            gen_tps=0.0,
+            greedy=False,
+        )
         try:
             while True:
                 ev = events.get()
                 if isinstance(ev, PrefillProgress):
                     dt = time.monotonic() - t_pre
-                    self._status(prefill_done=ev.done, prefill_total=ev.total,
-                                 prefill_tps=(ev.done / dt) if dt > 0 else 0.0)
+                    self._status(
+                        prefill_done=ev.done, prefill_total=ev.total, prefill_tps=(ev.done / dt) if dt > 0 else 0.0
+                    )
                 elif isinstance(ev, Started):
                     t_gen = time.monotonic()
                     self._status(state="generating", cached=ev.cached_tokens, prefill_done=ev.prompt_tokens)
                     if self._report_restore:
                         self._report_restore = False
                         src = self.engine.stats.last_cache_source
-                        self.emit(Notice(f"reopened session: {ev.cached_tokens} of {ev.prompt_tokens} prompt tokens "
-                                         f"cached ({src})", "session"))
+                        self.emit(
+                            Notice(
+                                f"reopened session: {ev.cached_tokens} of {ev.prompt_tokens} prompt tokens "
+                                f"cached ({src})",
+                                "session",
+                            )
+                        )
                 elif isinstance(ev, TextDelta):
                     generated += 1
                     if show:
@@ -283,15 +348,21 @@ class AgentWorker:
                     if isinstance(ev, Finish):
                         n = ev.usage.completion_tokens
                         dt = time.monotonic() - (t_gen or time.monotonic())
-                        self._status(state="idle", ctx_used=len(ids) + n, generated=n,
-                                     gen_tps=(n / dt) if dt > 0 else 0.0, greedy=False)
+                        self._status(
+                            state="idle",
+                            ctx_used=len(ids) + n,
+                            generated=n,
+                            gen_tps=(n / dt) if dt > 0 else 0.0,
+                            greedy=False,
+                        )
                     else:
                         self._status(state="idle")
                     return ev
                 if generated and t_gen is not None and generated % 8 == 0:
                     dt = time.monotonic() - t_gen
-                    self._status(generated=generated, ctx_used=len(ids) + generated,
-                                 gen_tps=(generated / dt) if dt > 0 else 0.0)
+                    self._status(
+                        generated=generated, ctx_used=len(ids) + generated, gen_tps=(generated / dt) if dt > 0 else 0.0
+                    )
         finally:
             self._handle = None
 
@@ -305,8 +376,9 @@ class AgentWorker:
 
     def _reserve(self) -> int:
         if self._request_tokens is None:
-            self._request_tokens = self.prompt_tokens(self._with(compaction.compaction_request("x" * 40))) - \
-                self.prompt_tokens()
+            self._request_tokens = (
+                self.prompt_tokens(self._with(compaction.compaction_request("x" * 40))) - self.prompt_tokens()
+            )
         return compaction.reserve(self.engine.ctx, self._request_tokens)
 
     def _loop(self) -> TurnEnd:
@@ -360,8 +432,9 @@ class AgentWorker:
                 # generation reached the compaction reserve: compact mid-reply, then go on.
                 if self._call_started(parsed, fin.raw_text):
                     # a half-written tool call is rolled back with its whole reply and never run
-                    self.emit(Notice("a tool call was cut by the compaction reserve: rolled back, not run",
-                                     "compaction"))
+                    self.emit(
+                        Notice("a tool call was cut by the compaction reserve: rolled back, not run", "compaction")
+                    )
                     self._drop_cards(FAILED, "cut by the compaction reserve: not run")
                     partial, continuing = "", ""
                     notes = [prompts.INTERRUPTED_CALL]
@@ -384,10 +457,15 @@ class AgentWorker:
                 self.conv.messages.append(Message("assistant", content, reasoning=reasoning))
                 return TurnEnd("answered")
             continuing = ""
-            self.conv.messages.append(Message(
-                "assistant", content, reasoning=reasoning,
-                tool_calls=[ToolCall(c.id, c.name, c.arguments_json) for c in calls],
-                raw_dsml=getattr(parsed, "raw_dsml", None) or ""))
+            self.conv.messages.append(
+                Message(
+                    "assistant",
+                    content,
+                    reasoning=reasoning,
+                    tool_calls=[ToolCall(c.id, c.name, c.arguments_json) for c in calls],
+                    raw_dsml=getattr(parsed, "raw_dsml", None) or "",
+                )
+            )
             for i, c in enumerate(calls):
                 result = self._run_tool(i, c.name, c.arguments_json)
                 self._append_tool_result(c.id, result)
@@ -475,7 +553,8 @@ class AgentWorker:
             projected = self.prompt_tokens(self._with(msg))
             if not compaction.tool_result_fits(projected, ctx):
                 msg.content = prompts.TOOL_RESULT_TOO_BIG.format(
-                    projected=projected, ctx=ctx, reserve=compaction.TOOL_RESULT_RESERVE_TOKENS)
+                    projected=projected, ctx=ctx, reserve=compaction.TOOL_RESULT_RESERVE_TOKENS
+                )
                 self.emit(Notice("tool result does not fit even after compaction: the model gets an error", "error"))
         self.conv.messages.append(msg)
 
@@ -491,8 +570,9 @@ class AgentWorker:
 
     def open_session(self, path: str) -> None:
         data = sessions.load(path)
-        conv = Conversation(messages=data["messages"], thinking=data.get("thinking", self.conv.thinking),
-                            model=self.protocol.model_id)
+        conv = Conversation(
+            messages=data["messages"], thinking=data.get("thinking", self.conv.thinking), model=self.protocol.model_id
+        )
         self.load_conversation(conv)
         self.session_path = path
         self._report_restore = True
@@ -514,9 +594,15 @@ class AgentWorker:
         kv = self.kv
         if kv is None:
             return False
-        text = self.render(Conversation(messages=self.conv.messages[:self._n_system()],
-                                        tool_schemas=self.conv.tool_schemas, tools_active=True,
-                                        thinking=self.conv.thinking, model=self.conv.model))
+        text = self.render(
+            Conversation(
+                messages=self.conv.messages[: self._n_system()],
+                tool_schemas=self.conv.tool_schemas,
+                tools_active=True,
+                thinking=self.conv.thinking,
+                model=self.conv.model,
+            )
+        )
         ids = self.engine.tokenize(text)
 
         def prefill_and_save(engine) -> bool:
@@ -532,8 +618,9 @@ class AgentWorker:
             return False
 
     # ------------------------------------------------------------------ compaction
-    def compact(self, reason: str = "requested", partial: str = "", notes: Sequence[str] = (),
-                keep_last_call: bool = False) -> bool:
+    def compact(
+        self, reason: str = "requested", partial: str = "", notes: Sequence[str] = (), keep_last_call: bool = False
+    ) -> bool:
         """Ask the live model for a task-state summary and rebuild the
         conversation as system + summary + a verbatim tail.  `partial`: the text
         of an unfinished reply (kept out of the request; it continues afterwards).
@@ -556,9 +643,15 @@ class AgentWorker:
         if room < compaction.SUMMARY_MIN_ROOM:
             self.emit(Notice("not enough context left to request a compaction summary", "error"))
             return False
-        fin = self._run_job(prompt, tools=False, thinking="none", show=False, label="agent-compact",
-                            max_tokens=min(compaction.summary_budget(self.engine.ctx), room),
-                            params=SamplingParams(temperature=0.0))
+        fin = self._run_job(
+            prompt,
+            tools=False,
+            thinking="none",
+            show=False,
+            label="agent-compact",
+            max_tokens=min(compaction.summary_budget(self.engine.ctx), room),
+            params=SamplingParams(temperature=0.0),
+        )
         if isinstance(fin, Failed) or fin.reason in ("cancelled", "error"):
             self.emit(Notice("compaction interrupted" if not isinstance(fin, Failed) else fin.message, "error"))
             return False
@@ -577,6 +670,10 @@ class AgentWorker:
             summary += f"\n[bash jobs still running: {', '.join(map(str, running))}]"
         self.conv.messages = compaction.rebuild(msgs, n_sys, summary, start, notes)
         new = self.prompt_tokens()
-        self.emit(Notice(f"COMPACTING rebuilt context: old={old} summary+tail={new} tail={len(msgs) - start} "
-                         f"messages", "compaction"))
+        self.emit(
+            Notice(
+                f"COMPACTING rebuilt context: old={old} summary+tail={new} tail={len(msgs) - start} messages",
+                "compaction",
+            )
+        )
         return True

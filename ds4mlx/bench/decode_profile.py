@@ -6,6 +6,7 @@ calls per layer).  `host` is the Python time to build one step's lazy graph
 (`session.step` without evaluating it): whatever the device does, the host pays
 that per token.  The sum of the families is compared with a measured step.
 """
+
 from __future__ import annotations
 
 import time
@@ -90,8 +91,9 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
     mx.eval(logits)
     sampler = Sampler()
     detail["sample_greedy_us"] = _timeit(lambda: sampler.sample(logits, GREEDY), n) * 1e6
-    detail["sample_temp_us"] = _timeit(lambda: sampler.sample(logits, SamplingParams(temperature=0.8, top_p=0.95)),
-                                       n) * 1e6
+    detail["sample_temp_us"] = (
+        _timeit(lambda: sampler.sample(logits, SamplingParams(temperature=0.8, top_p=0.95)), n) * 1e6
+    )
 
     # one whole step, and the host's share of it (graph construction only)
     tok = mx.array(5)
@@ -114,7 +116,9 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
     for i in range(len(layers)):
         fam["attention"] += per_type[args.layer_types[i]]
         fam["moe"] += moe[args.mlp_layer_types[i]]
-    fam["indexer (inside attention)"] = detail.get("indexer_us", 0) / 1e6 * args.layer_types.count("compressed_sparse_attention")
+    fam["indexer (inside attention)"] = (
+        detail.get("indexer_us", 0) / 1e6 * args.layer_types.count("compressed_sparse_attention")
+    )
     fam["hyper-connections"] = len(layers) * 2 * (detail["hc_pre_us"] + detail["hc_post_us"]) / 1e6
     fam["norms (2 per layer)"] = len(layers) * 2 * detail["rms_norm_us"] / 1e6
     fam["head (hc_head + norm + lm_head)"] = detail["head_us"] / 1e6
@@ -136,8 +140,23 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
 
 
 # Primitives that are views or metadata changes: they launch no kernel.
-NO_LAUNCH = frozenset({"Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose", "Broadcast", "Flatten",
-                       "Unflatten", "StopGradient", "AsStrided", "Depends", "Split", "View"})
+NO_LAUNCH = frozenset(
+    {
+        "Reshape",
+        "ExpandDims",
+        "Squeeze",
+        "Slice",
+        "Transpose",
+        "Broadcast",
+        "Flatten",
+        "Unflatten",
+        "StopGradient",
+        "AsStrided",
+        "Depends",
+        "Split",
+        "View",
+    }
+)
 
 
 def count_launches(session, token) -> dict:
@@ -169,17 +188,24 @@ def count_launches(session, token) -> dict:
 
 
 def format_profile(p: dict) -> str:
-    lines = [f"decode step at ctx {p['ctx']}, {p['layers']} layers: measured {p['step_ms']:.2f} ms/token",
-             "| op family | ms / token | share of step |", "|---|---:|---:|"]
+    lines = [
+        f"decode step at ctx {p['ctx']}, {p['layers']} layers: measured {p['step_ms']:.2f} ms/token",
+        "| op family | ms / token | share of step |",
+        "|---|---:|---:|",
+    ]
     for k, v in sorted(p["families_ms"].items(), key=lambda kv: -kv[1]):
         lines.append(f"| {k} | {v:.2f} | {100 * v / p['step_ms']:.0f} % |")
-    lines.append(f"(families summed, indexer counted inside attention: {p['sum_ms_excl_indexer']:.2f} ms; "
-                 "timed alone, each family pays its own launch latency)")
+    lines.append(
+        f"(families summed, indexer counted inside attention: {p['sum_ms_excl_indexer']:.2f} ms; "
+        "timed alone, each family pays its own launch latency)"
+    )
     lines.append("detail (µs per call): " + ", ".join(f"{k}={v}" for k, v in p["detail_us"].items()))
     if "launches_per_token" in p:
-        lines.append(f"decode path {p['decode_mode']} ({stepper.MODE_ENV}): {p['launches_per_token']} kernel launches"
-                     f" per token ({p['launches_per_layer']:.1f} per layer; graph primitives that are not views),"
-                     f" host {p['host_us_per_token']:.0f} µs per token to enqueue one step")
+        lines.append(
+            f"decode path {p['decode_mode']} ({stepper.MODE_ENV}): {p['launches_per_token']} kernel launches"
+            f" per token ({p['launches_per_layer']:.1f} per layer; graph primitives that are not views),"
+            f" host {p['host_us_per_token']:.0f} µs per token to enqueue one step"
+        )
         top = list(p["launch_kinds"].items())[:12]
         lines.append("launches by primitive: " + ", ".join(f"{k}={v}" for k, v in top))
     return "\n".join(lines)

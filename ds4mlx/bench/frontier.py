@@ -6,6 +6,7 @@ since the previous frontier, then snapshots the session, decodes a fixed greedy
 probe that never picks EOS, restores the snapshot and goes on.  One CSV row per
 frontier; `--compare` turns the run into a regression gate.
 """
+
 from __future__ import annotations
 
 import csv
@@ -81,8 +82,16 @@ def warm_up(model, tokens: list[int], chunk: int) -> None:
     mx.synchronize()
 
 
-def run_bench(model, tokenizer, ctx_points: list[int], gen_tokens: int, chunk: int = 512,
-              text_path: str | None = None, log=None, time_budget: float | None = None) -> list[dict]:
+def run_bench(
+    model,
+    tokenizer,
+    ctx_points: list[int],
+    gen_tokens: int,
+    chunk: int = 512,
+    text_path: str | None = None,
+    log=None,
+    time_budget: float | None = None,
+) -> list[dict]:
     """One row per frontier.  With `time_budget` (seconds) the walk stops before a
     frontier whose prefill, extrapolated from the last row's speed, would overrun it."""
     import mlx.core as mx
@@ -90,7 +99,7 @@ def run_bench(model, tokenizer, ctx_points: list[int], gen_tokens: int, chunk: i
     tokens = bench_tokens(tokenizer, ctx_points[-1], text_path)
     session = model.new_session(ctx=ctx_points[-1] + gen_tokens + PROBE_WARMUP + 1, chunk=chunk)
     eos = getattr(tokenizer, "eos_id", None)
-    warm_up(model, tokens[:2 * chunk], chunk)  # first-use kernel compilation stays out of every row
+    warm_up(model, tokens[: 2 * chunk], chunk)  # first-use kernel compilation stays out of every row
     rows, done = [], 0
     mx.reset_peak_memory()
     started = time.perf_counter()
@@ -108,9 +117,14 @@ def run_bench(model, tokenizer, ctx_points: list[int], gen_tokens: int, chunk: i
         mx.synchronize()
         pre_s = time.perf_counter() - t0
         done = frontier
-        row = {"ctx_tokens": frontier, "prefill_tokens": len(part),
-               "prefill_tps": round(len(part) / pre_s, 2) if pre_s > 0 else 0.0,
-               "gen_tokens": gen_tokens, "gen_tps": 0.0, "kvcache_bytes": session.nbytes}
+        row = {
+            "ctx_tokens": frontier,
+            "prefill_tokens": len(part),
+            "prefill_tps": round(len(part) / pre_s, 2) if pre_s > 0 else 0.0,
+            "gen_tokens": gen_tokens,
+            "gen_tps": 0.0,
+            "kvcache_bytes": session.nbytes,
+        }
         if gen_tokens > 0:
             snap = session.snapshot()
             gen_s = _greedy_probe(session, logits, gen_tokens, eos)
@@ -153,8 +167,10 @@ def compare(rows: list[dict], baseline: list[dict], max_regress_pct: float) -> l
         for col in GATED:
             old, new = float(b[col]), float(r[col])
             if old > 0 and new < old * (1 - max_regress_pct / 100.0):
-                problems.append(f"ctx {r['ctx_tokens']}: {col} {new:g} is {100 * (1 - new / old):.1f}% below "
-                                f"the baseline {old:g} (allowed {max_regress_pct:g}%)")
+                problems.append(
+                    f"ctx {r['ctx_tokens']}: {col} {new:g} is {100 * (1 - new / old):.1f}% below "
+                    f"the baseline {old:g} (allowed {max_regress_pct:g}%)"
+                )
     if not any(int(r["ctx_tokens"]) in base for r in rows):
         problems.append("no frontier of this run appears in the baseline")
     return problems
@@ -189,9 +205,19 @@ def add_arguments(p) -> None:
     p.add_argument("--layers", type=int, default=None, help="--synthetic: number of layers (default 43)")
     p.add_argument("--experts", type=int, default=None, help="--synthetic: routed experts (default 256)")
     p.add_argument("--expert-bits", type=int, choices=[2, 4], default=2, help="--synthetic: routed expert bits")
-    p.add_argument("--expert-format", choices=["mlx", "gguf"], default="mlx",
-                   help="--synthetic: routed experts MLX affine (--expert-bits) or ds4's GGUF IQ2_XXS/Q2_K blocks")
-    p.add_argument("--other-bits", type=int, choices=[4, 8, 16], default=8, help="--synthetic: bits of the other linears (16 = bf16)")
+    p.add_argument(
+        "--expert-format",
+        choices=["mlx", "gguf"],
+        default="mlx",
+        help="--synthetic: routed experts MLX affine (--expert-bits) or ds4's GGUF IQ2_XXS/Q2_K blocks",
+    )
+    p.add_argument(
+        "--other-bits",
+        type=int,
+        choices=[4, 8, 16],
+        default=8,
+        help="--synthetic: bits of the other linears (16 = bf16)",
+    )
     p.add_argument("--ctx-start", type=int, default=2048)
     p.add_argument("--ctx-max", type=int, default=8192)
     g = p.add_mutually_exclusive_group()
@@ -218,9 +244,13 @@ def run(args) -> int:
     if args.synthetic:
         from .synthetic import build_synthetic_v4_flash
 
-        model, tokenizer, info = build_synthetic_v4_flash(layers=args.layers, experts=args.experts,
-                                                          expert_bits=args.expert_bits, other_bits=args.other_bits,
-                                                          expert_format=args.expert_format)
+        model, tokenizer, info = build_synthetic_v4_flash(
+            layers=args.layers,
+            experts=args.experts,
+            expert_bits=args.expert_bits,
+            other_bits=args.other_bits,
+            expert_format=args.expert_format,
+        )
         label = f"synthetic V4 Flash ({info['layers']} layers, experts {info['expert_bits']})"
         print(f"ds4mlx bench: {label}: {info}", file=sys.stderr)
     else:
@@ -231,9 +261,16 @@ def run(args) -> int:
     import mlx.core as mx
 
     print(f"ds4mlx bench: {label} on {mx.default_device()}, frontiers {points}", file=sys.stderr)
-    rows = run_bench(model, tokenizer, points, args.gen_tokens, chunk=args.chunk, text_path=args.text,
-                     log=lambda r: print("  " + ", ".join(f"{k}={v}" for k, v in r.items()), file=sys.stderr),
-                     time_budget=args.time_budget)
+    rows = run_bench(
+        model,
+        tokenizer,
+        points,
+        args.gen_tokens,
+        chunk=args.chunk,
+        text_path=args.text,
+        log=lambda r: print("  " + ", ".join(f"{k}={v}" for k, v in r.items()), file=sys.stderr),
+        time_budget=args.time_budget,
+    )
     write_csv(rows, args.csv)
     if args.profile:
         from .decode_profile import format_profile, profile_decode

@@ -30,6 +30,7 @@ Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, ind
 Kernels on / off is `ds4mlx.kernels.dispatch.use_face` ('reference' for off), so
 one process measures both; the micro-benchmarks pass the face explicitly.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,9 @@ import time
 
 import mlx.core as mx
 
-from ds4mlx.kernels import dispatch, hyper_connection as hck, sparse_attention as sa
+from ds4mlx.kernels import dispatch
+from ds4mlx.kernels import hyper_connection as hck
+from ds4mlx.kernels import sparse_attention as sa
 
 BATCH = 16
 
@@ -68,8 +71,11 @@ def timed(fn, iters: int) -> tuple[float, float]:
 
 
 def row(name: str, plain, kern):
-    print(f"  {name:44s} plain {plain[0]:9.1f} / {plain[1]:9.1f} µs   kernel {kern[0]:8.1f} / {kern[1]:8.1f} µs"
-          f"   x{plain[0] / max(kern[0], 1e-9):6.1f}", flush=True)
+    print(
+        f"  {name:44s} plain {plain[0]:9.1f} / {plain[1]:9.1f} µs   kernel {kern[0]:8.1f} / {kern[1]:8.1f} µs"
+        f"   x{plain[0] / max(kern[0], 1e-9):6.1f}",
+        flush=True,
+    )
 
 
 def bench_hc(iters: int):
@@ -106,7 +112,7 @@ def bench_sparse(iters: int):
         wt = mx.random.normal((1, nhi)).astype(mx.bfloat16)
         keys = mx.random.normal((n, di)).astype(mx.bfloat16)
         mx.eval(q, wt, keys)
-        scale = nhi ** -0.5 * di ** -0.5
+        scale = nhi**-0.5 * di**-0.5
 
         def plain_index():
             kT = keys.astype(mx.float32).T
@@ -131,13 +137,28 @@ def bench_sparse(iters: int):
         def plain_attn():
             chosen = mx.take(rows, idx[0], axis=1)[:, None] if sel else rows[:, None]
             keys = mx.concatenate([ring, chosen], axis=2)
-            return mx.fast.scaled_dot_product_attention(q, keys, keys, scale=d ** -0.5, sinks=sinks)
+            return mx.fast.scaled_dot_product_attention(q, keys, keys, scale=d**-0.5, sinks=sinks)
 
         def kern_attn():
-            return sa.sparse_attention(q[0], ring[0, 0], rows[0], idx, cnt, sinks, n=n, s=s, ring_last=s, window=w,
-                                       ratio=4 if sel else 128, scale=d ** -0.5, backend=face)
+            return sa.sparse_attention(
+                q[0],
+                ring[0, 0],
+                rows[0],
+                idx,
+                cnt,
+                sinks,
+                n=n,
+                s=s,
+                ring_last=s,
+                window=w,
+                ratio=4 if sel else 128,
+                scale=d**-0.5,
+                backend=face,
+            )
 
-        row(f"{kind} attention decode, {w}+{topk if sel else n} keys", timed(plain_attn, iters), timed(kern_attn, iters))
+        row(
+            f"{kind} attention decode, {w}+{topk if sel else n} keys", timed(plain_attn, iters), timed(kern_attn, iters)
+        )
     # prefill: one 512-token chunk at 8K context (plain: masked SDPA over window + chunk + all rows)
     c, n = 512, 2048
     s = 4 * n - c
@@ -154,21 +175,44 @@ def bench_sparse(iters: int):
 
     def plain_pre():
         kk = mx.concatenate([keys, rows[:, None]], axis=2)
-        return mx.fast.scaled_dot_product_attention(q, kk, kk, scale=d ** -0.5, mask=mask, sinks=sinks)
+        return mx.fast.scaled_dot_product_attention(q, kk, kk, scale=d**-0.5, mask=mask, sinks=sinks)
 
     def kern_pre():
-        return sa.sparse_attention(q[0], keys[0, 0], rows[0], idx, cnt, sinks, n=n, s=s, ring_last=s - 1, window=w,
-                                   ratio=4, scale=d ** -0.5, backend=face)
+        return sa.sparse_attention(
+            q[0],
+            keys[0, 0],
+            rows[0],
+            idx,
+            cnt,
+            sinks,
+            n=n,
+            s=s,
+            ring_last=s - 1,
+            window=w,
+            ratio=4,
+            scale=d**-0.5,
+            backend=face,
+        )
 
-    row(f"CSA attention prefill chunk {c}, {n} rows", timed(plain_pre, max(4, iters // 10)),
-        timed(kern_pre, max(4, iters // 10)))
+    row(
+        f"CSA attention prefill chunk {c}, {n} rows",
+        timed(plain_pre, max(4, iters // 10)),
+        timed(kern_pre, max(4, iters // 10)),
+    )
 
 
 _MLX_BITS = {"IQ2_XXS": 2, "Q2_K": 2, "Q4_K": 4, "Q8_0": 8}
 
 
-def bench_qmoe(iters: int, experts: int = 256, hidden: int = 4096, inter: int = 2048, topk: int = 6,
-               face: str | None = None, types=("IQ2_XXS", "Q2_K", "Q4_K", "Q8_0")):
+def bench_qmoe(
+    iters: int,
+    experts: int = 256,
+    hidden: int = 4096,
+    inter: int = 2048,
+    topk: int = 6,
+    face: str | None = None,
+    types=("IQ2_XXS", "Q2_K", "Q4_K", "Q8_0"),
+):
     """Decode mat-vec over `topk` selected experts (V4 Flash shapes): GB/s of weights
     read by `quant_moe.gather_qmv` per GGUF type vs MLX's gather_qmm on an affine
     bank of the nearest bit width (group 64, bfloat16 scales and biases).
@@ -177,8 +221,7 @@ def bench_qmoe(iters: int, experts: int = 256, hidden: int = 4096, inter: int = 
     16 calls go in one ``mx.eval`` (``batched``) — GPU time plus launch overhead;
     ``sync`` is one call per eval, what an unfused decode step pays."""
     from ds4mlx.kernels import quant_moe
-    from ds4mlx.quant import as_qtype, row_bytes
-    from ds4mlx.quant import random_gguf_blocks
+    from ds4mlx.quant import as_qtype, random_gguf_blocks, row_bytes
 
     face = face or dispatch.gpu_backend()
     import numpy as np
@@ -199,12 +242,18 @@ def bench_qmoe(iters: int, experts: int = 256, hidden: int = 4096, inter: int = 
             ours = timed(lambda: quant_moe.gather_qmv(x, blocks, qt, id_sets[next(it) % 64], backend=face), iters)
             blocks = None  # free the bank before the next one is built
             bits = _MLX_BITS[tname]
-            w = (mx.random.normal((experts, rows, kdim), key=mx.random.key(3)) * kdim ** -0.5).astype(mx.bfloat16) \
-                if experts * rows * kdim < 2 ** 31 else None
+            w = (
+                (mx.random.normal((experts, rows, kdim), key=mx.random.key(3)) * kdim**-0.5).astype(mx.bfloat16)
+                if experts * rows * kdim < 2**31
+                else None
+            )
             parts = []
             for e0 in range(0, experts, 16):
-                we = w[e0:e0 + 16] if w is not None else \
-                    (mx.random.normal((min(16, experts - e0), rows, kdim)) * kdim ** -0.5).astype(mx.bfloat16)
+                we = (
+                    w[e0 : e0 + 16]
+                    if w is not None
+                    else (mx.random.normal((min(16, experts - e0), rows, kdim)) * kdim**-0.5).astype(mx.bfloat16)
+                )
                 parts.append(mx.quantize(we, 64, bits))
                 mx.eval(parts[-1])
             del w
@@ -214,25 +263,39 @@ def bench_qmoe(iters: int, experts: int = 256, hidden: int = 4096, inter: int = 
             gb_mlx = topk * (wq[0].nbytes + sc[0].nbytes + bi[0].nbytes) / 1e9
             xm = x.reshape(topk, 1, kdim) if per_expert_x else x.reshape(1, 1, kdim)
             it2 = iter(range(1 << 30))
-            theirs = timed(lambda: mx.gather_qmm(xm, wq, sc, bi, rhs_indices=id_sets[next(it2) % 64][0],
-                                                 transpose=True, group_size=64, bits=bits), iters)
+            theirs = timed(
+                lambda: mx.gather_qmm(
+                    xm, wq, sc, bi, rhs_indices=id_sets[next(it2) % 64][0], transpose=True, group_size=64, bits=bits
+                ),
+                iters,
+            )
             wq = sc = bi = None
             mx.clear_cache()
-            r = {"proj": name, "type": tname, "bpw": round(gb * 8e9 / (topk * rows * kdim), 3),
-                 "ours_us": ours, "ours_gbs": tuple(gb / (t * 1e-6) for t in ours),
-                 "mlx_bits": bits, "mlx_bpw": round(gb_mlx * 8e9 / (topk * rows * kdim), 3),
-                 "mlx_us": theirs, "mlx_gbs": tuple(gb_mlx / (t * 1e-6) for t in theirs)}
+            r = {
+                "proj": name,
+                "type": tname,
+                "bpw": round(gb * 8e9 / (topk * rows * kdim), 3),
+                "ours_us": ours,
+                "ours_gbs": tuple(gb / (t * 1e-6) for t in ours),
+                "mlx_bits": bits,
+                "mlx_bpw": round(gb_mlx * 8e9 / (topk * rows * kdim), 3),
+                "mlx_us": theirs,
+                "mlx_gbs": tuple(gb_mlx / (t * 1e-6) for t in theirs),
+            }
             results.append(r)
-            print(f"  {name:7s} {tname:8s} {r['bpw']:5.2f} bpw: ours {ours[0]:7.1f} / {ours[1]:7.1f} µs "
-                  f"= {r['ours_gbs'][0]:7.1f} / {r['ours_gbs'][1]:7.1f} GB/s ({r['ours_gbs'][1] / 4800 * 100:4.1f}% of 4.8 TB/s)"
-                  f" | gather_qmm {bits}-bit {r['mlx_bpw']:4.2f} bpw: {theirs[0]:7.1f} / {theirs[1]:7.1f} µs "
-                  f"= {r['mlx_gbs'][0]:7.1f} / {r['mlx_gbs'][1]:7.1f} GB/s", flush=True)
+            print(
+                f"  {name:7s} {tname:8s} {r['bpw']:5.2f} bpw: ours {ours[0]:7.1f} / {ours[1]:7.1f} µs "
+                f"= {r['ours_gbs'][0]:7.1f} / {r['ours_gbs'][1]:7.1f} GB/s ({r['ours_gbs'][1] / 4800 * 100:4.1f}% of 4.8 TB/s)"
+                f" | gather_qmm {bits}-bit {r['mlx_bpw']:4.2f} bpw: {theirs[0]:7.1f} / {theirs[1]:7.1f} µs "
+                f"= {r['mlx_gbs'][0]:7.1f} / {r['mlx_gbs'][1]:7.1f} GB/s",
+                flush=True,
+            )
     return results
 
 
 # --------------------------------------------------------------------------- dependent-chain mat-vec GB/s
 
-L2_BYTES = 60 << 20   # H200
+L2_BYTES = 60 << 20  # H200
 
 
 def _chain(step, calls: int, reps: int = 5) -> float:
@@ -246,7 +309,7 @@ def _chain(step, calls: int, reps: int = 5) -> float:
             x = step(i, x)
         mx.eval(x)
         mx.synchronize()
-        if r:   # the first round compiles and warms up
+        if r:  # the first round compiles and warms up
             times.append((time.perf_counter() - t0) / calls * 1e6)
     times.sort()
     return times[len(times) // 2]
@@ -257,7 +320,9 @@ def _affine_bank(n: int, rows: int, k_dim: int, bits: int, gs: int = 64, dtype=m
     whose products keep a unit-scale x at unit scale."""
     shape = (n, rows, k_dim * bits // 32)
     # two 16-bit halves: randint over the whole 32-bit range leaves the low bits zero
-    wq = mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32) | (mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32) << 16)
+    wq = mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32) | (
+        mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32) << 16
+    )
     s = (12.0 / k_dim) ** 0.5 / (1 << bits)
     sc = (mx.random.uniform(0.5, 1.5, (n, rows, k_dim // gs)) * s).astype(dtype)
     bi = (-sc.astype(mx.float32) * ((1 << bits) - 1) / 2).astype(dtype)
@@ -275,8 +340,10 @@ def bench_qmv(calls: int = 64, face: str | None = None, out: list | None = None)
 
     face = face or dispatch.gpu_backend()
     out = [] if out is None else out
-    print(f"affine quantized mat-vec, dependent chain of {calls} calls per eval, bf16 x and scales, group 64"
-          " (µs per call, weights + scales + biases read per call):")
+    print(
+        f"affine quantized mat-vec, dependent chain of {calls} calls per eval, bf16 x and scales, group 64"
+        " (µs per call, weights + scales + biases read per call):"
+    )
     for n_dim in (4096, 8192):
         for bits in (2, 4, 8):
             one = n_dim * n_dim * bits // 8 + 2 * 2 * n_dim * n_dim // 64
@@ -291,11 +358,16 @@ def bench_qmv(calls: int = 64, face: str | None = None, out: list | None = None)
 
             def theirs(i, x):
                 j = i % n
-                return mx.quantized_matmul(x0 if x is None else x, wq[j], sc[j], bi[j], transpose=True,
-                                           group_size=64, bits=bits)
+                return mx.quantized_matmul(
+                    x0 if x is None else x, wq[j], sc[j], bi[j], transpose=True, group_size=64, bits=bits
+                )
+
             t_o, t_m = _chain(ours, calls), _chain(theirs, calls)
-            print(f"  {n_dim}x{n_dim} {bits}-bit: ours {t_o:7.2f} µs = {_gbs(one, t_o)}   "
-                  f"mx.quantized_matmul {t_m:7.2f} µs = {_gbs(one, t_m)}", flush=True)
+            print(
+                f"  {n_dim}x{n_dim} {bits}-bit: ours {t_o:7.2f} µs = {_gbs(one, t_o)}   "
+                f"mx.quantized_matmul {t_m:7.2f} µs = {_gbs(one, t_m)}",
+                flush=True,
+            )
             out.append({"what": f"{n_dim}x{n_dim}", "bits": bits, "ours_us": t_o, "mlx_us": t_m, "bytes": one})
             wq = sc = bi = None
             mx.clear_cache()
@@ -317,9 +389,13 @@ def bench_qmv(calls: int = 64, face: str | None = None, out: list | None = None)
             xx = (x0 if x is None else x)[:, None, None, :]
             y = mx.gather_qmm(xx, wq, sc, bi, rhs_indices=ids[i % 8], transpose=True, group_size=64, bits=bits)
             return y[0, :1, 0]
+
         t_o, t_m = _chain(ours, calls // 4), _chain(theirs, calls // 4)
-        print(f"  32 experts of 4096x4096 {bits}-bit in one call: ours {t_o:7.2f} µs = {_gbs(one, t_o)}   "
-              f"gather_qmm {t_m:7.2f} µs = {_gbs(one, t_m)}", flush=True)
+        print(
+            f"  32 experts of 4096x4096 {bits}-bit in one call: ours {t_o:7.2f} µs = {_gbs(one, t_o)}   "
+            f"gather_qmm {t_m:7.2f} µs = {_gbs(one, t_m)}",
+            flush=True,
+        )
         out.append({"what": "32x4096x4096", "bits": bits, "ours_us": t_o, "mlx_us": t_m, "bytes": one})
         wq = sc = bi = None
         mx.clear_cache()
@@ -348,8 +424,10 @@ def bench_qmv_sweep(face: str | None = None, variants=((2, 8), (4, 8), (8, 8), (
                 aq.RPW, aq.KSPLIT_MAX = rpw, kmax
 
                 def ours(i, x):
-                    return aq.gather_qmv(x0 if x is None else x, wq, sc, bi, ids[i % 8], group_size=64, bits=bits,
-                                         backend=face)[0, :1]
+                    return aq.gather_qmv(
+                        x0 if x is None else x, wq, sc, bi, ids[i % 8], group_size=64, bits=bits, backend=face
+                    )[0, :1]
+
                 t = _chain(ours, 16)
                 cells.append(f"({rpw},{kmax}) {t:6.1f} µs {one / (t * 1e-6) / 1e9:6.0f} GB/s")
             print(f"  {bits}-bit: " + " | ".join(cells), flush=True)
@@ -359,9 +437,17 @@ def bench_qmv_sweep(face: str | None = None, variants=((2, 8), (4, 8), (8, 8), (
         aq.RPW, aq.KSPLIT_MAX = saved
 
 
-def bench_moe_call(calls: int = 32, face: str | None = None, out: list | None = None, experts: int = 256,
-                   hidden: int = 4096, inter: int = 2048, topk: int = 6, gguf=("IQ2_XXS", "Q2_K"),
-                   dense_dim: int = 4096):
+def bench_moe_call(
+    calls: int = 32,
+    face: str | None = None,
+    out: list | None = None,
+    experts: int = 256,
+    hidden: int = 4096,
+    inter: int = 2048,
+    topk: int = 6,
+    gguf=("IQ2_XXS", "Q2_K"),
+    dense_dim: int = 4096,
+):
     """The V4 Flash routed-MoE decode call as a dependent chain: x -> gate_up + SwiGLU ->
     down + weighted sum -> x.  MLX 2-bit affine: ours (2 launches) vs the gather_qmm
     graph the model runs today; GGUF gate/up `gguf[0]`, down `gguf[1]` (quant_moe)."""
@@ -370,8 +456,7 @@ def bench_moe_call(calls: int = 32, face: str | None = None, out: list | None = 
     from ds4mlx.kernels import affine_qmv as aq
     from ds4mlx.kernels import quant_moe
     from ds4mlx.models.layers import clamped_swiglu
-    from ds4mlx.quant import as_qtype, row_bytes
-    from ds4mlx.quant import random_gguf_blocks
+    from ds4mlx.quant import as_qtype, random_gguf_blocks, row_bytes
 
     face = face or dispatch.gpu_backend()
     out = [] if out is None else out
@@ -380,8 +465,10 @@ def bench_moe_call(calls: int = 32, face: str | None = None, out: list | None = 
     wts = [mx.softmax(mx.random.normal((1, topk)), axis=-1) for _ in range(64)]
     x0 = mx.random.normal((1, hidden)).astype(mx.bfloat16)
     mx.eval(ids, wts, x0)
-    print(f"routed MoE decode call, {experts} experts, top-{topk}, hidden {hidden}, intermediate {inter}, "
-          f"dependent chain of {calls} calls:")
+    print(
+        f"routed MoE decode call, {experts} experts, top-{topk}, hidden {hidden}, intermediate {inter}, "
+        f"dependent chain of {calls} calls:"
+    )
     for bits in (2, 4):
         gu = _affine_bank(experts, 2 * inter, hidden, bits)
         dn = _affine_bank(experts, hidden, inter, bits)
@@ -398,9 +485,13 @@ def bench_moe_call(calls: int = 32, face: str | None = None, out: list | None = 
             h = clamped_swiglu(g[..., :inter], g[..., inter:], 10.0)
             y = mx.gather_qmm(h, *dn, rhs_indices=ids[i % 64], transpose=True, group_size=64, bits=bits)[..., 0, :]
             return (y * wts[i % 64][..., None].astype(y.dtype)).sum(axis=-2)
+
         t_o, t_m = _chain(ours, calls), _chain(theirs, calls)
-        print(f"  MLX {bits}-bit: ours {t_o:7.2f} µs = {_gbs(nbytes, t_o)}   gather_qmm graph {t_m:7.2f} µs = "
-              f"{_gbs(nbytes, t_m)}", flush=True)
+        print(
+            f"  MLX {bits}-bit: ours {t_o:7.2f} µs = {_gbs(nbytes, t_o)}   gather_qmm graph {t_m:7.2f} µs = "
+            f"{_gbs(nbytes, t_m)}",
+            flush=True,
+        )
         out.append({"what": "moe_call", "bits": bits, "ours_us": t_o, "mlx_us": t_m, "bytes": nbytes})
         gu = dn = None
         mx.clear_cache()
@@ -417,11 +508,16 @@ def bench_moe_call(calls: int = 32, face: str | None = None, out: list | None = 
         h = clamped_swiglu(g, u, 10.0)
         y = quant_moe.gather_qmv(h, down, qd, ids[i % 64], backend=face)
         return (y * wts[i % 64][..., None].astype(y.dtype)).sum(axis=-2)
+
     t_g = _chain(gguf_call, calls)
-    print(f"  GGUF {qg.name} gate/up, {qd.name} down (quant_moe, 3 launches + graph): {t_g:7.2f} µs = "
-          f"{_gbs(nbytes, t_g)}", flush=True)
-    out.append({"what": "moe_call_gguf", "bits": f"{qg.name}/{qd.name}", "ours_us": t_g, "mlx_us": None,
-                "bytes": nbytes})
+    print(
+        f"  GGUF {qg.name} gate/up, {qd.name} down (quant_moe, 3 launches + graph): {t_g:7.2f} µs = "
+        f"{_gbs(nbytes, t_g)}",
+        flush=True,
+    )
+    out.append(
+        {"what": "moe_call_gguf", "bits": f"{qg.name}/{qd.name}", "ours_us": t_g, "mlx_us": None, "bytes": nbytes}
+    )
     gate = up = down = None
     mx.clear_cache()
     # GGUF dense 4096x4096 (one expert): the non-expert linears' formats
@@ -437,7 +533,8 @@ def bench_moe_call(calls: int = 32, face: str | None = None, out: list | None = 
 
         def dense(i, x, bank=bank, qt=qt, n=n):
             x = x0 if x is None else x
-            return quant_moe.gather_qmv(x, bank[i % n:i % n + 1], qt, zero, backend=face)[:, 0]
+            return quant_moe.gather_qmv(x, bank[i % n : i % n + 1], qt, zero, backend=face)[:, 0]
+
         t_d = _chain(dense, calls * 2)
         print(f"  GGUF {tname} {dd}x{dd} mat-vec chain: {t_d:7.2f} µs = {_gbs(one, t_d)}", flush=True)
         out.append({"what": f"{dd}x{dd}_gguf", "bits": tname, "ours_us": t_d, "mlx_us": None, "bytes": one})
@@ -471,17 +568,20 @@ def _random_weights(module, seed: int = 1):
 
 def bench_csa_layer(ctx: int, iters: int):
     """One CSA Attention module (random weights, 8-bit linears) decoding at `ctx`."""
+    from ds4mlx.bench.synthetic import v4_flash_config
     from ds4mlx.models.deepseek_v4 import CSA, Attention, LayerCache, ModelArgs
     from ds4mlx.models.layers import RoPE, attention_factor_from_params, inv_freq_from_params
-    from ds4mlx.bench.synthetic import v4_flash_config
 
     ctx -= ctx % 4  # decode at a position that emits no compressed row: repeated steps keep the shapes
 
     args = ModelArgs.from_dict(v4_flash_config(layers=3))
     li = args.layer_types.index(CSA)
     rd, rp = args.qk_rope_head_dim, args.rope_parameters["compress"]
-    rope = RoPE(rd, inv_freq_from_params(rd, rp, args.max_position_embeddings),
-                attention_factor_from_params(rp, args.max_position_embeddings))
+    rope = RoPE(
+        rd,
+        inv_freq_from_params(rd, rp, args.max_position_embeddings),
+        attention_factor_from_params(rp, args.max_position_embeddings),
+    )
     attn = Attention(args, li, {"main": rope, "compress": rope})
     _random_weights(attn)
     mx.eval(attn.parameters())
@@ -500,7 +600,7 @@ def bench_csa_layer(ctx: int, iters: int):
             mx.synchronize()
             t0 = time.perf_counter()
             for _ in range(iters):
-                mx.eval(attn(x, cache))   # the same position again: the caches' shapes stay put
+                mx.eval(attn(x, cache))  # the same position again: the caches' shapes stay put
             mx.synchronize()
             print(f"  kernels {'on ' if on else 'off'}: {(time.perf_counter() - t0) / iters * 1e3:8.3f} ms", flush=True)
 
@@ -516,8 +616,11 @@ def bench_model(layers: int, ctx: int, gen: int, expert_format: str = "mlx"):
             rows = run_bench(model, tok, [ctx], gen)
         mx.clear_cache()  # the off run's dequantized temporaries must not crowd the on run
         r = rows[-1]
-        print(f"  kernels {'on ' if on else 'off'}: prefill {r['prefill_tps']:8.2f} t/s   decode {r['gen_tps']:7.2f} t/s"
-              f"   ({1e3 / max(r['gen_tps'], 1e-9):7.2f} ms/token)", flush=True)
+        print(
+            f"  kernels {'on ' if on else 'off'}: prefill {r['prefill_tps']:8.2f} t/s   decode {r['gen_tps']:7.2f} t/s"
+            f"   ({1e3 / max(r['gen_tps'], 1e-9):7.2f} ms/token)",
+            flush=True,
+        )
 
 
 def main(argv=None) -> int:
@@ -531,12 +634,19 @@ def main(argv=None) -> int:
     p.add_argument("--no-layer", action="store_true")
     p.add_argument("--no-model", action="store_true")
     p.add_argument("--qmoe", action="store_true", help="the quantized-MoE GB/s table")
-    p.add_argument("--qmv", action="store_true",
-                   help="the dependent-chain mat-vec GB/s table (affine 2/4/8, the MoE call, GGUF types)")
+    p.add_argument(
+        "--qmv",
+        action="store_true",
+        help="the dependent-chain mat-vec GB/s table (affine 2/4/8, the MoE call, GGUF types)",
+    )
     p.add_argument("--json", help="write the --qmv rows to this file")
     p.add_argument("--qmv-sweep", action="store_true", help="affine_qmv launch variants (RPW, KSPLIT_MAX)")
-    p.add_argument("--expert-format", choices=["mlx", "gguf"], default="mlx",
-                   help="synthetic model's routed experts: MLX 2-bit affine, or ds4's IQ2_XXS / Q2_K blocks")
+    p.add_argument(
+        "--expert-format",
+        choices=["mlx", "gguf"],
+        default="mlx",
+        help="synthetic model's routed experts: MLX 2-bit affine, or ds4's IQ2_XXS / Q2_K blocks",
+    )
     a = p.parse_args(argv)
     face = dispatch.gpu_backend()
     if face is None:

@@ -3,18 +3,20 @@ and lookup + restore into a fresh session, and the checkpoint size (BENCHMARKS.m
 
     python -m ds4mlx.bench.kv bench --tokens 8192 32768
 """
+
 from __future__ import annotations
 
 import os
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ..kv.cache import model_identity, routed_expert_bits
 from ..kv.store import KVStore
 
 
-def bench(lengths: Sequence[int], model_path: Optional[str] = None, directory: Optional[str] = None,
-          chunk: int = 512) -> list[dict]:
+def bench(
+    lengths: Sequence[int], model_path: str | None = None, directory: str | None = None, chunk: int = 512
+) -> list[dict]:
     """Per prompt length: cold prefill time vs snapshot + store and lookup +
     restore time (fresh session), plus the checkpoint size.  Uses the demo model
     when `model_path` is None."""
@@ -26,7 +28,9 @@ def bench(lengths: Sequence[int], model_path: Optional[str] = None, directory: O
     from .. import load
 
     model, tok = load(model_path)
-    text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "bench_text.txt"), encoding="utf-8").read()
+    text = open(
+        os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "bench_text.txt"), encoding="utf-8"
+    ).read()
     base = tok.encode(text)
     out = []
     for n in lengths:
@@ -54,14 +58,23 @@ def bench(lengths: Sequence[int], model_path: Optional[str] = None, directory: O
             mx.eval(r.cache_arrays())  # the restored state is materialised
             restore_s = time.perf_counter() - t0
             exact = bool(np.array_equal(r.last_logits, s.last_logits)) and r.tokens == s.tokens
-            out.append({"tokens": n, "prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s, "snapshot_s": snap_s,
-                        "store_s": store_s,
-                        "lookup_s": lookup_s, "restore_s": restore_s, "file_mib": os.path.getsize(cp.path) / 2**20,
-                        "exact": exact})
+            out.append(
+                {
+                    "tokens": n,
+                    "prefill_s": prefill_s,
+                    "prefill_cpu_s": prefill_cpu_s,
+                    "snapshot_s": snap_s,
+                    "store_s": store_s,
+                    "lookup_s": lookup_s,
+                    "restore_s": restore_s,
+                    "file_mib": os.path.getsize(cp.path) / 2**20,
+                    "exact": exact,
+                }
+            )
     return out
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m ds4mlx.bench.kv", description="disk KV cache benchmark")
@@ -72,15 +85,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     b.add_argument("--dir", default=None, help="where to put the temporary store")
     b.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512, as ds4mlx serve)")
     args = p.parse_args(argv)
-    print("| prompt tokens | re-prefill s (CPU s) | snapshot s | store s | lookup s | restore s | lookup+restore s "
-          "| speed-up | file MiB | exact |")
+    print(
+        "| prompt tokens | re-prefill s (CPU s) | snapshot s | store s | lookup s | restore s | lookup+restore s "
+        "| speed-up | file MiB | exact |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
     for r in bench(args.tokens, args.model, args.dir, args.chunk):
         load_s = r["lookup_s"] + r["restore_s"]
-        print(f"| {r['tokens']:,} | {r['prefill_s']:.2f} ({r['prefill_cpu_s']:.1f}) | {r['snapshot_s']:.3f} | "
-              f"{r['store_s']:.3f} | "
-              f"{r['lookup_s']:.3f} | {r['restore_s']:.3f} | {load_s:.3f} | {r['prefill_s'] / load_s:.0f}x | "
-              f"{r['file_mib']:.1f} | {'yes' if r['exact'] else 'NO'} |", flush=True)
+        print(
+            f"| {r['tokens']:,} | {r['prefill_s']:.2f} ({r['prefill_cpu_s']:.1f}) | {r['snapshot_s']:.3f} | "
+            f"{r['store_s']:.3f} | "
+            f"{r['lookup_s']:.3f} | {r['restore_s']:.3f} | {load_s:.3f} | {r['prefill_s'] / load_s:.0f}x | "
+            f"{r['file_mib']:.1f} | {'yes' if r['exact'] else 'NO'} |",
+            flush=True,
+        )
     return 0
 
 

@@ -14,6 +14,7 @@ BF16 embedding / head / norms, sharded with an index).  Values are a cheap
 deterministic byte pattern: the point is the bytes, not the model's output.
 `measure` prints one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,11 +67,14 @@ def write_gguf(path: str, layers: int) -> int:
             for part in ("gate_proj", "up_proj"):
                 bs = byte_shape(QT.IQ2_XXS, (E, I2 // 2, H))
                 raw = LazyTensor(lambda bs=bs: _pattern(bs, np.uint8), bs, np.uint8)
-                tensors[k.replace("gate_up_proj", part)] = QuantizedTensor(raw=raw, qtype=QT.IQ2_XXS, shape=(E, I2 // 2, H))
+                tensors[k.replace("gate_up_proj", part)] = QuantizedTensor(
+                    raw=raw, qtype=QT.IQ2_XXS, shape=(E, I2 // 2, H)
+                )
         elif k.endswith("mlp.experts.down_proj"):
             bs = byte_shape(QT.Q2_K, shape)
-            tensors[k] = QuantizedTensor(raw=LazyTensor(lambda bs=bs: _pattern(bs, np.uint8), bs, np.uint8),
-                                         qtype=QT.Q2_K, shape=shape)
+            tensors[k] = QuantizedTensor(
+                raw=LazyTensor(lambda bs=bs: _pattern(bs, np.uint8), bs, np.uint8), qtype=QT.Q2_K, shape=shape
+            )
         else:
             dt = np.int64 if k.endswith("tid2eid") else np.float32
             tensors[k] = LazyTensor(lambda s=shape, d=dt: _pattern(s, d), shape, dt)
@@ -85,8 +89,12 @@ def write_hf(folder: str, layers: int) -> int:
     from ..gguf_families import deepseek_v4 as names
 
     cfg, shapes = _model_shapes(layers)
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                  "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    }
     hub_top = {h: c for h, _, c in names.TOP_LEVEL}
     hub_layer = {h: c for h, _, c in names.LAYER}
     out = Path(folder)
@@ -113,17 +121,21 @@ def write_hf(folder: str, layers: int) -> int:
     shard, n = {}, 0
     for k, shape in shapes.items():
         if k.startswith("model.layers."):
-            i, rest = k[len("model.layers."):].split(".", 1)
+            i, rest = k[len("model.layers.") :].split(".", 1)
             if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
                 E = shape[0]
                 for x in range(E):
                     if rest.endswith("gate_up_proj"):
                         for w_name in ("w1", "w3"):
-                            shard[f"layers.{i}.ffn.experts.{x}.{w_name}.weight"], \
-                                shard[f"layers.{i}.ffn.experts.{x}.{w_name}.scale"] = fp4(shape[1] // 2, shape[2])
+                            (
+                                shard[f"layers.{i}.ffn.experts.{x}.{w_name}.weight"],
+                                shard[f"layers.{i}.ffn.experts.{x}.{w_name}.scale"],
+                            ) = fp4(shape[1] // 2, shape[2])
                     else:
-                        shard[f"layers.{i}.ffn.experts.{x}.w2.weight"], \
-                            shard[f"layers.{i}.ffn.experts.{x}.w2.scale"] = fp4(shape[1], shape[2])
+                        (
+                            shard[f"layers.{i}.ffn.experts.{x}.w2.weight"],
+                            shard[f"layers.{i}.ffn.experts.{x}.w2.scale"],
+                        ) = fp4(shape[1], shape[2])
                     if x % 64 == 63:  # shards of ~0.6 GB: the writer holds one at a time
                         flush(shard, n)
                         shard, n = {}, n + 1
@@ -157,10 +169,17 @@ def measure(path: str) -> dict:
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.model.parameters()))
     p = Path(path)
     size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.glob("*.safetensors"))
-    return {"path": path, "file_bytes": size, "weight_bytes": weight_bytes, "load_s": round(dt, 1),
-            "peak_rss_bytes": peak_rss_bytes(), "rss_before_load": base_rss,
-            "mlx_peak_bytes": mx.get_peak_memory(), "peak_rss_over_weights": round(peak_rss_bytes() / weight_bytes, 3),
-            "mlx_peak_over_weights": round(mx.get_peak_memory() / weight_bytes, 3)}
+    return {
+        "path": path,
+        "file_bytes": size,
+        "weight_bytes": weight_bytes,
+        "load_s": round(dt, 1),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "rss_before_load": base_rss,
+        "mlx_peak_bytes": mx.get_peak_memory(),
+        "peak_rss_over_weights": round(peak_rss_bytes() / weight_bytes, 3),
+        "mlx_peak_over_weights": round(mx.get_peak_memory() / weight_bytes, 3),
+    }
 
 
 def _decode_tps(lm, tokens: int, prompt: int = 64) -> float:
@@ -191,8 +210,13 @@ def decode_compare(path: str, layers: int, tokens: int = 24) -> dict:
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     lm, _ = load(path, verbose=True)  # --dtype auto: float32 activations, weights as stored
-    out = {"path": path, "load_s": round(time.perf_counter() - t0, 1), "load_mlx_peak_gb": round(mx.get_peak_memory() / 1e9, 2),
-           "file_gb": round(Path(path).stat().st_size / 1e9, 2), "file_tps": _decode_tps(lm, tokens)}
+    out = {
+        "path": path,
+        "load_s": round(time.perf_counter() - t0, 1),
+        "load_mlx_peak_gb": round(mx.get_peak_memory() / 1e9, 2),
+        "file_gb": round(Path(path).stat().st_size / 1e9, 2),
+        "file_tps": _decode_tps(lm, tokens),
+    }
     del lm
     gc.collect()
     mx.clear_cache()

@@ -7,6 +7,7 @@ experts top-6 + 1 shared, vocab 129280 — the same shapes as the mlx-lm anchor 
 shared/perf/.  Routed experts are quantized to `expert_bits`, every other linear
 (and the embedding) to `other_bits` (16 = keep bfloat16).
 """
+
 from __future__ import annotations
 
 import time
@@ -20,19 +21,46 @@ def v4_flash_config(layers: int = 43, experts: int = 256) -> dict:
     ratios = ([0, 0] + [4 if i % 2 == 0 else 128 for i in range(max(layers - 2, 0))])[:layers]
     kinds = {0: SLIDING, 4: CSA, 128: HCA}
     return {
-        "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": layers,
-        "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "partial_rotary_factor": 64 / 512,
-        "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "moe_intermediate_size": 2048,
-        "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": 6,
+        "model_type": "deepseek_v4",
+        "vocab_size": 129280,
+        "hidden_size": 4096,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 1,
+        "head_dim": 512,
+        "partial_rotary_factor": 64 / 512,
+        "q_lora_rank": 1024,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": experts,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 6,
         "layer_types": [kinds[r] for r in ratios],
         "mlp_layer_types": ["hash_moe" if i < 3 else "moe" for i in range(layers)],
-        "compress_rates": {CSA: 4, HCA: 128}, "sliding_window": 128,
-        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20,
-        "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
-        "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
-                            "beta_fast": 32, "beta_slow": 1},
-        "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "swiglu_limit": 10.0,
-        "routed_scaling_factor": 1.5, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+        "compress_rates": {CSA: 4, HCA: 128},
+        "sliding_window": 128,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "max_position_embeddings": 1048576,
+        "rms_norm_eps": 1e-6,
+        "swiglu_limit": 10.0,
+        "routed_scaling_factor": 1.5,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
     }
 
 
@@ -59,8 +87,9 @@ def named_experts(name: str, shape, std: float):
     import mlx.core as mx
 
     e = shape[0]
-    return mx.concatenate([named_normal(f"{name}#{i}", (min(EXPERT_CHUNK, e - i), *shape[1:]), std)
-                           for i in range(0, e, EXPERT_CHUNK)])
+    return mx.concatenate(
+        [named_normal(f"{name}#{i}", (min(EXPERT_CHUNK, e - i), *shape[1:]), std) for i in range(0, e, EXPERT_CHUNK)]
+    )
 
 
 def _gguf_experts(module, seed: int) -> None:
@@ -75,7 +104,8 @@ def _gguf_experts(module, seed: int) -> None:
     i = two_i // 2
     experts.gate_up_proj = SplitSwitchLinear(
         GGUFSwitchLinear(random_gguf_blocks("IQ2_XXS", e, i, h, seed), "IQ2_XXS", h),
-        GGUFSwitchLinear(random_gguf_blocks("IQ2_XXS", e, i, h, seed + 1), "IQ2_XXS", h))
+        GGUFSwitchLinear(random_gguf_blocks("IQ2_XXS", e, i, h, seed + 1), "IQ2_XXS", h),
+    )
     experts.down_proj = GGUFSwitchLinear(random_gguf_blocks("Q2_K", e, h, i, seed + 2), "Q2_K", i)
 
 
@@ -108,8 +138,11 @@ def _randomize(module, prefix: str, n_experts: int, k: int, value=default_value)
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
-    new = [(name, value(prefix + name, p, n_experts, k)) for name, p in tree_flatten(module.parameters())
-           if p.dtype != mx.uint8]
+    new = [
+        (name, value(prefix + name, p, n_experts, k))
+        for name, p in tree_flatten(module.parameters())
+        if p.dtype != mx.uint8
+    ]
     module.update(tree_unflatten(new))
 
 
@@ -123,7 +156,7 @@ def _quantize_experts(switch, bits: int):
     e, out_dims, in_dims = switch.weight.shape
     parts = []
     for i in range(0, e, EXPERT_CHUNK):
-        parts.append(mx.quantize(switch.weight[i:i + EXPERT_CHUNK], 64, bits))
+        parts.append(mx.quantize(switch.weight[i : i + EXPERT_CHUNK], 64, bits))
         mx.eval(parts[-1])
     q = QuantizedSwitchLinear(in_dims, out_dims, 1, 64, bits)
     q.weight, q.scales, q.biases = (mx.concatenate([p[j] for p in parts]) for j in range(3))
@@ -155,9 +188,15 @@ def _quantize(module, expert_bits: int, other_bits: int) -> None:
     use_fast_qmv(module)  # decode-sized quantized linears: our mat-vec on a GPU
 
 
-def build_synthetic_v4_flash(layers: int | None = None, experts: int | None = None, expert_bits: int = 2,
-                             other_bits: int = 8, value=default_value, overrides: dict | None = None,
-                             expert_format: str = "mlx"):
+def build_synthetic_v4_flash(
+    layers: int | None = None,
+    experts: int | None = None,
+    expert_bits: int = 2,
+    other_bits: int = 8,
+    value=default_value,
+    overrides: dict | None = None,
+    expert_format: str = "mlx",
+):
     """-> (LanguageModel, Tokenizer, info dict with sizes and the HBM roofline).
 
     `expert_format` "mlx": routed experts MLX affine `expert_bits` (gather_qmm);
@@ -177,8 +216,12 @@ def build_synthetic_v4_flash(layers: int | None = None, experts: int | None = No
     args = mod.ModelArgs.from_dict(cfg)
     t0 = time.time()
     model = mod.Model(args)
-    parts = [("model.embed_tokens.", model.model.embed_tokens), ("model.norm.", model.model.norm),
-             ("model.hc_head.", model.model.hc_head), ("lm_head.", model.lm_head)]
+    parts = [
+        ("model.embed_tokens.", model.model.embed_tokens),
+        ("model.norm.", model.model.norm),
+        ("model.hc_head.", model.model.hc_head),
+        ("lm_head.", model.lm_head),
+    ]
     parts += [(f"model.layers.{i}.", layer) for i, layer in enumerate(model.model.layers)]
     if expert_format not in ("mlx", "gguf"):
         raise ValueError(f"expert_format must be 'mlx' or 'gguf', not {expert_format!r}")
@@ -194,11 +237,17 @@ def build_synthetic_v4_flash(layers: int | None = None, experts: int | None = No
     total = sum(p.nbytes for _, p in params)
     expert = sum(p.nbytes for n, p in params if ".mlp.experts." in n)
     embed = sum(p.nbytes for n, p in params if "embed_tokens" in n)
-    active = (total - expert - embed) + expert * args.num_experts_per_tok / args.n_routed_experts \
-        + embed / args.vocab_size
-    info = {"layers": args.num_hidden_layers, "experts": args.n_routed_experts,
-            "expert_bits": "iq2_xxs/q2_k" if expert_format == "gguf" else expert_bits,
-            "other_bits": other_bits, "build_s": round(time.time() - t0, 1), "weights_gb": round(total / 1e9, 2),
-            "active_gb_per_token": round(active / 1e9, 3),
-            "roofline_tps_at_4.8TBps": round(4.8e12 / active, 1)}
+    active = (
+        (total - expert - embed) + expert * args.num_experts_per_tok / args.n_routed_experts + embed / args.vocab_size
+    )
+    info = {
+        "layers": args.num_hidden_layers,
+        "experts": args.n_routed_experts,
+        "expert_bits": "iq2_xxs/q2_k" if expert_format == "gguf" else expert_bits,
+        "other_bits": other_bits,
+        "build_s": round(time.time() - t0, 1),
+        "weights_gb": round(total / 1e9, 2),
+        "active_gb_per_token": round(active / 1e9, 3),
+        "roofline_tps_at_4.8TBps": round(4.8e12 / active, 1),
+    }
     return LanguageModel(model, args), Tokenizer.default(), info

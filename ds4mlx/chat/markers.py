@@ -4,6 +4,7 @@ Prompt special strings and the Think-Max prefix: docs/chat-template.md §1, §3.
 Tools block: docs/chat-template.md §5.  DSML spellings: docs/dsml.md §1.  These are
 protocol data: they must match ds4 byte for byte.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,23 +47,23 @@ THINK_MAX_PREFIX = (
 TOOLS_BLOCK_HEAD = (
     "## Tools\n\n"
     "You have access to a set of tools to help answer the user question. "
-    "You can invoke tools by writing a \"<｜DSML｜tool_calls>\" block like the following:\n\n"
+    'You can invoke tools by writing a "<｜DSML｜tool_calls>" block like the following:\n\n'
     "<｜DSML｜tool_calls>\n"
-    "<｜DSML｜invoke name=\"$TOOL_NAME\">\n"
-    "<｜DSML｜parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</｜DSML｜parameter>\n"
+    '<｜DSML｜invoke name="$TOOL_NAME">\n'
+    '<｜DSML｜parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜parameter>\n'
     "...\n"
     "</｜DSML｜invoke>\n"
-    "<｜DSML｜invoke name=\"$TOOL_NAME2\">\n"
+    '<｜DSML｜invoke name="$TOOL_NAME2">\n'
     "...\n"
     "</｜DSML｜invoke>\n"
     "</｜DSML｜tool_calls>\n\n"
-    "String parameters should be specified as raw text and set `string=\"true\"`. "
+    'String parameters should be specified as raw text and set `string="true"`. '
     "Preserve characters such as `>`, `&`, and `&&` exactly; never replace normal string "
     "characters with XML or HTML entity escapes. "
     "Only if a string value itself contains the exact closing parameter tag "
     "`</｜DSML｜parameter>`, write that tag as `&lt;/｜DSML｜parameter>` inside the value. "
     "For all other types (numbers, booleans, arrays, objects), pass the value in JSON format "
-    "and set `string=\"false\"`.\n\n"
+    'and set `string="false"`.\n\n'
     "If thinking_mode is enabled (triggered by <think>), you MUST output your complete "
     "reasoning inside <think>...</think> BEFORE any tool calls or final response.\n\n"
     "Otherwise, output directly after </think> with tool calls or final response.\n\n"
@@ -78,32 +79,49 @@ TOOLS_BLOCK_TAIL = (
 @dataclass(frozen=True)
 class DsmlSyntax:
     """One spelling of the DSML grammar; a block uses one spelling throughout."""
+
     name: str
-    open: str           # block open
-    close: str          # block close
-    invoke: str         # invoke open prefix (attributes follow, up to ">")
+    open: str  # block open
+    close: str  # block close
+    invoke: str  # invoke open prefix (attributes follow, up to ">")
     invoke_close: str
-    param: str          # parameter open prefix
+    param: str  # parameter open prefix
     param_close: str
 
 
-DSML_FULL = DsmlSyntax("full", f"<{DSML}tool_calls>", f"</{DSML}tool_calls>",
-                       f"<{DSML}invoke", f"</{DSML}invoke>",
-                       f"<{DSML}parameter", f"</{DSML}parameter>")
-DSML_SHORT = DsmlSyntax("short", "<DSML｜tool_calls>", "</DSML｜tool_calls>",
-                        "<DSML｜invoke", "</DSML｜invoke>",
-                        "<DSML｜parameter", "</DSML｜parameter>")
-DSML_PLAIN = DsmlSyntax("plain", "<tool_calls>", "</tool_calls>",
-                        "<invoke", "</invoke>",
-                        "<parameter", "</parameter>")
+DSML_FULL = DsmlSyntax(
+    "full",
+    f"<{DSML}tool_calls>",
+    f"</{DSML}tool_calls>",
+    f"<{DSML}invoke",
+    f"</{DSML}invoke>",
+    f"<{DSML}parameter",
+    f"</{DSML}parameter>",
+)
+DSML_SHORT = DsmlSyntax(
+    "short",
+    "<DSML｜tool_calls>",
+    "</DSML｜tool_calls>",
+    "<DSML｜invoke",
+    "</DSML｜invoke>",
+    "<DSML｜parameter",
+    "</DSML｜parameter>",
+)
+DSML_PLAIN = DsmlSyntax("plain", "<tool_calls>", "</tool_calls>", "<invoke", "</invoke>", "<parameter", "</parameter>")
 # The final parser's search priority (docs/dsml.md §2): full, then short, then plain.
 DSML_SYNTAXES = (DSML_FULL, DSML_SHORT, DSML_PLAIN)
 # DeepSeek V4.1's spelling: a space after the DSML token and `calls` for the block
 # (`<｜DSML｜ calls>`, `<｜DSML｜ invoke name=..>`, `</｜DSML｜ parameter>`).  V4.1
 # parsers search it first, then the V4 spellings.
-DSML_SPACED = DsmlSyntax("spaced", f"<{DSML} calls>", f"</{DSML} calls>",
-                         f"<{DSML} invoke", f"</{DSML} invoke>",
-                         f"<{DSML} parameter", f"</{DSML} parameter>")
+DSML_SPACED = DsmlSyntax(
+    "spaced",
+    f"<{DSML} calls>",
+    f"</{DSML} calls>",
+    f"<{DSML} invoke",
+    f"</{DSML} invoke>",
+    f"<{DSML} parameter",
+    f"</{DSML} parameter>",
+)
 DSML_SYNTAXES_V41 = (DSML_SPACED,) + DSML_SYNTAXES
 DSML_BLOCK_SEPARATOR = "\n\n"
 
@@ -127,10 +145,12 @@ ERR_UNKNOWN_ROLE = "unknown role: {role}"
 ERR_TOOL_CHOICE = "tool_choice={value} not supported"
 ERR_FORCED_TOOL_CHOICE = "forced tool_choice not supported"
 ERR_DURABLE_STATE = "{field} is not supported; replay full input instead"
-ERR_RESPONSES_UNKNOWN_CALL = ("Responses continuation state is not available for call_id {id}; "
-                              "retry by replaying the full input history")
-ERR_ANTHROPIC_UNKNOWN_CALL = ("Anthropic continuation state is not available for tool_use_id {id}; "
-                              "retry by replaying the full messages history")
+ERR_RESPONSES_UNKNOWN_CALL = (
+    "Responses continuation state is not available for call_id {id}; retry by replaying the full input history"
+)
+ERR_ANTHROPIC_UNKNOWN_CALL = (
+    "Anthropic continuation state is not available for tool_use_id {id}; retry by replaying the full messages history"
+)
 
 # --- parse diagnostics (ParsedOutput.error; ds4 logs these) ------------------------
 PARSE_INVALID_TOOL_CALL = "invalid tool call"

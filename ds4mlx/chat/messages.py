@@ -1,8 +1,8 @@
 """The normalized chat request every API is turned into (docs/chat-template.md §2)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from . import markers as M
 
@@ -36,8 +36,9 @@ class ToolAlias:
     Responses namespaces render `namespace + name` in the prompt; the output
     item reports the inner `name` and the `namespace`.  A hosted
     `{"type":"tool_search"}` tool is reported as a `tool_search_call` item."""
+
     name: str
-    namespace: Optional[str] = None
+    namespace: str | None = None
     hosted_tool_search: bool = False
 
 

@@ -21,17 +21,29 @@ GLM: "low" | "high" | "max"; Qwen: "low" | "medium" | "xhigh").  The shared
 request parser resolves none/high/max; `resolve_thinking` refines that with
 the client's raw effort value (`request_effort`) for the loaded family.
 """
+
 from __future__ import annotations
 
 import importlib
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .. import registry
 from . import markers as M
 from .messages import Conversation
 
-__all__ = ["ChatProtocol", "register", "get_protocol", "families", "family_of",
-           "protocol_for_model", "model_type_of", "request_effort", "EffortError", "DEFAULT_FAMILY"]
+__all__ = [
+    "ChatProtocol",
+    "register",
+    "get_protocol",
+    "families",
+    "family_of",
+    "protocol_for_model",
+    "model_type_of",
+    "request_effort",
+    "EffortError",
+    "DEFAULT_FAMILY",
+]
 
 DEFAULT_FAMILY = registry.DEFAULT_FAMILY
 
@@ -81,8 +93,9 @@ class ChatProtocol:
     def thinking_enabled(self, mode: str) -> bool:
         return mode != "none"
 
-    def resolve_thinking(self, mode: str, effort: Any = None, *, explicit: bool = False,
-                         model: Optional[str] = None, ctx: int = 32768) -> str:
+    def resolve_thinking(
+        self, mode: str, effort: Any = None, *, explicit: bool = False, model: str | None = None, ctx: int = 32768
+    ) -> str:
         """The family's mode from the shared parser's none/high/max `mode`, the
         raw client `effort` (None if absent) and the model name."""
         raise NotImplementedError
@@ -98,18 +111,24 @@ class ChatProtocol:
     def render_completion(self, prompt: str, thinking: str = "high") -> str:
         raise NotImplementedError
 
-    def render_continuation_tail(self, conv: Conversation, start: int, tool_memory=None) -> Optional[str]:
+    def render_continuation_tail(self, conv: Conversation, start: int, tool_memory=None) -> str | None:
         """The text the live session (which ends right after the sampled tool
         calls) needs to reach `render(conv)`: the turn end, then messages[start:]
         and the generation prompt.  None when the live turn is not a prefix."""
-        head = Conversation(messages=list(conv.messages[:start]), tool_schemas=conv.tool_schemas,
-                            tools_active=conv.tools_active, thinking=conv.thinking, api=conv.api,
-                            model=conv.model, tool_aliases=conv.tool_aliases)
+        head = Conversation(
+            messages=list(conv.messages[:start]),
+            tool_schemas=conv.tool_schemas,
+            tools_active=conv.tools_active,
+            thinking=conv.thinking,
+            api=conv.api,
+            model=conv.model,
+            tool_aliases=conv.tool_aliases,
+        )
         full = self.render(conv, tool_memory)
         prefix = self.render_history(head, tool_memory)
         if not prefix.endswith(self.turn_end) or not full.startswith(prefix):
             return None
-        return self.turn_end + full[len(prefix):]
+        return self.turn_end + full[len(prefix) :]
 
     def render_history(self, conv: Conversation, tool_memory=None) -> str:
         """`conv` rendered without a generation prompt (it ends with an assistant turn)."""
@@ -118,23 +137,38 @@ class ChatProtocol:
     def uses_tool_context(self, conv: Conversation) -> bool:
         """The prompt renders old reasoning because of tools (engine bindings)."""
         return bool(conv.tools_active and conv.tool_schemas) or any(
-            (m.role == "assistant" and m.tool_calls) or m.role in ("tool", "function") for m in conv.messages)
+            (m.role == "assistant" and m.tool_calls) or m.role in ("tool", "function") for m in conv.messages
+        )
 
     # --- tool calls -------------------------------------------------------------------
     def render_calls(self, calls: Sequence) -> str:
         raise NotImplementedError
 
-    def force_text(self, name: Optional[str]) -> str:
+    def force_text(self, name: str | None) -> str:
         """Text forced at the start of the answer by tool_choice required
         (name None: the model picks the tool) or a named tool."""
         raise NotImplementedError
 
-    def make_parser(self, thinking: bool, tools_active: bool, id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
-                    tool_memory=None, *, tool_schemas: Sequence[str] = ()):
+    def make_parser(
+        self,
+        thinking: bool,
+        tools_active: bool,
+        id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
+        tool_memory=None,
+        *,
+        tool_schemas: Sequence[str] = (),
+    ):
         raise NotImplementedError
 
-    def parse(self, text: str, *, thinking: bool, tools_active: bool = True, truncated: bool = False,
-              tool_schemas: Sequence[str] = ()):
+    def parse(
+        self,
+        text: str,
+        *,
+        thinking: bool,
+        tools_active: bool = True,
+        truncated: bool = False,
+        tool_schemas: Sequence[str] = (),
+    ):
         """Final parse of a whole generation (a `dsml.ParsedOutput`)."""
         raise NotImplementedError
 
@@ -151,7 +185,7 @@ def register(protocol: ChatProtocol) -> ChatProtocol:
     return protocol
 
 
-def get_protocol(family: Optional[str] = None) -> ChatProtocol:
+def get_protocol(family: str | None = None) -> ChatProtocol:
     """The protocol of a family key or config model_type (None: DeepSeek V4)."""
     family = _MODEL_TYPES.get(family or DEFAULT_FAMILY, family or DEFAULT_FAMILY)
     proto = _REGISTRY.get(family)
@@ -167,11 +201,11 @@ def families() -> tuple:
     return tuple(sorted(_FAMILY_MODULES))
 
 
-def family_of(model_type: Optional[str]) -> Optional[str]:
+def family_of(model_type: str | None) -> str | None:
     return _MODEL_TYPES.get(model_type) if model_type else None
 
 
-def model_type_of(model) -> Optional[str]:
+def model_type_of(model) -> str | None:
     """`model_type` of a loaded model: `model.args.model_type`, then the config
     dict (`model_type`, else `text_config.model_type`); None if unknown."""
     for obj in (model, getattr(model, "model", None)):
@@ -196,6 +230,7 @@ def protocol_for_model(model) -> ChatProtocol:
 
 
 # --- raw effort values of a request body ----------------------------------------------
+
 
 def _numeric(v: Any) -> bool:
     if isinstance(v, bool):

@@ -15,39 +15,69 @@ of two styles (the `json_style` argument):
 Tool-call arguments given as JSON values (not strings) are always kept in the
 compact form (canonical DSML rendering minifies them anyway).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from . import markers as M
 from .families.deepseek_v4.dsml import dumps_compact, escape_tool_result, json_text
-from .messages import Conversation, Message, ToolAlias, ToolCall
 from .families.deepseek_v4.template import render_completion
+from .messages import Conversation, Message, ToolAlias, ToolCall
 
-__all__ = ["RequestError", "parse_chat", "parse_anthropic", "parse_responses", "parse_completion",
-           "parse_request", "CompletionRequest", "parse_stop", "resolve_thinking", "flatten_content",
-           "parse_tools", "unreplayed_tool_result_ids", "VALID_ROLES", "DEFAULT_MODEL"]
+__all__ = [
+    "RequestError",
+    "parse_chat",
+    "parse_anthropic",
+    "parse_responses",
+    "parse_completion",
+    "parse_request",
+    "CompletionRequest",
+    "parse_stop",
+    "resolve_thinking",
+    "flatten_content",
+    "parse_tools",
+    "unreplayed_tool_result_ids",
+    "VALID_ROLES",
+    "DEFAULT_MODEL",
+]
 
 DEFAULT_MODEL = "deepseek-v4-flash"
 VALID_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # "minimal" is OpenAI's way of saying (almost) no reasoning: off (#17)
-_EFFORTS = {"max": "max", "xhigh": "high", "high": "high", "medium": "high", "low": "high",
-            "minimal": "none", "none": "none"}
+_EFFORTS = {
+    "max": "max",
+    "xhigh": "high",
+    "high": "high",
+    "medium": "high",
+    "low": "high",
+    "minimal": "none",
+    "none": "none",
+}
 _DEFAULT_PARAMETERS = {"type": "object", "properties": {}}
 _SUMMARY_OPT_IN = ("auto", "concise", "detailed")
 _ITEM_STATUSES = ("completed", "incomplete")  # what the server emits
 _RESPONSES_TEXT_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
-_HOSTED_CALLS = {"local_shell_call": "local_shell", "web_search_call": "web_search_call",
-                 "tool_search_call": "tool_search", "image_generation_call": "image_generation_call"}
-_HOSTED_OUTPUTS = ("local_shell_call_output", "web_search_call_output", "tool_search_output",
-                   "tool_search_call_output", "image_generation_call_output")
+_HOSTED_CALLS = {
+    "local_shell_call": "local_shell",
+    "web_search_call": "web_search_call",
+    "tool_search_call": "tool_search",
+    "image_generation_call": "image_generation_call",
+}
+_HOSTED_OUTPUTS = (
+    "local_shell_call_output",
+    "web_search_call_output",
+    "tool_search_output",
+    "tool_search_call_output",
+    "image_generation_call_output",
+)
 
 
 class RequestError(Exception):
     """A request the server refuses (HTTP 4xx)."""
 
-    def __init__(self, message: str, status: int = 400, param: Optional[str] = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
@@ -71,6 +101,7 @@ def _check_role(role: str) -> str:
 
 
 # --- content ---------------------------------------------------------------------
+
 
 def flatten_content(v: Any) -> str:
     """docs/chat-template.md §2.1: string; null -> ""; array -> strings and every
@@ -115,6 +146,7 @@ def _responses_content(v: Any) -> str:
 
 # --- thinking (docs/chat-template.md §3) ----------------------------------------------------
 
+
 @dataclass
 class _Thinking:
     enabled: bool = True
@@ -155,8 +187,9 @@ class _Thinking:
         return resolve_thinking(self.enabled, self.effort, explicit=self.explicit, model=model, ctx=ctx)
 
 
-def resolve_thinking(enabled: bool = True, effort: str = "high", *, explicit: bool = False,
-                     model: Optional[str] = None, ctx: int = 32768) -> str:
+def resolve_thinking(
+    enabled: bool = True, effort: str = "high", *, explicit: bool = False, model: str | None = None, ctx: int = 32768
+) -> str:
     """Final mode none | high | max (docs/chat-template.md §3 steps 4-5)."""
     if not explicit:
         if model == "deepseek-chat":
@@ -172,6 +205,7 @@ def resolve_thinking(enabled: bool = True, effort: str = "high", *, explicit: bo
 
 # --- stop -------------------------------------------------------------------------
 
+
 def parse_stop(v: Any) -> list[str]:
     """`stop` / `stop_sequences`: a string or an array of strings; non-strings and
     empty strings are skipped, any other value means no stops."""
@@ -184,7 +218,8 @@ def parse_stop(v: Any) -> list[str]:
 
 # --- tools (docs/chat-template.md §2.4) --------------------------------------------------------
 
-def _opt_str(d: dict, key: str) -> Optional[str]:
+
+def _opt_str(d: dict, key: str) -> str | None:
     """Member as string; None if absent; raises _Skip if present but not a string."""
     if key not in d:
         return None
@@ -227,7 +262,7 @@ def _namespace_schemas(tool: dict, style: str, aliases: dict) -> list[str]:
     return out
 
 
-def _tool_search_schema(tool: dict, style: str) -> Optional[str]:
+def _tool_search_schema(tool: dict, style: str) -> str | None:
     try:
         typ = _opt_str(tool, "type")
         desc = _opt_str(tool, "description")
@@ -236,8 +271,14 @@ def _tool_search_schema(tool: dict, style: str) -> Optional[str]:
     if typ != "tool_search":
         return None
     params = tool.get("parameters", _DEFAULT_PARAMETERS)
-    return json_text({"name": "tool_search", "description": desc if desc is not None else "Search available tools.",
-                      "parameters": params}, style)
+    return json_text(
+        {
+            "name": "tool_search",
+            "description": desc if desc is not None else "Search available tools.",
+            "parameters": params,
+        },
+        style,
+    )
 
 
 def parse_tools(v: Any, style: str = "canonical") -> tuple[list[str], dict[str, ToolAlias]]:
@@ -268,6 +309,7 @@ def parse_tools(v: Any, style: str = "canonical") -> tuple[list[str], dict[str, 
 
 # --- OpenAI chat (docs/chat-template.md §2.1) -------------------------------------------------
 
+
 def _chat_tool_calls(v: Any) -> list[ToolCall]:
     if v is None:
         return []
@@ -295,7 +337,7 @@ def _chat_tool_calls(v: Any) -> list[ToolCall]:
     return calls
 
 
-def _add_id(ids: list[str], i: Optional[str]) -> None:
+def _add_id(ids: list[str], i: str | None) -> None:
     if i and i not in ids:
         ids.append(i)
 
@@ -331,7 +373,7 @@ def _finish(conv: Conversation, model: str, th: _Thinking, ctx: int) -> Conversa
     return conv
 
 
-def _require_messages(msgs: Optional[list[Message]], strict: bool) -> list[Message]:
+def _require_messages(msgs: list[Message] | None, strict: bool) -> list[Message]:
     if msgs is None:
         raise RequestError(M.ERR_MISSING_MESSAGES, param="messages")
     if strict:
@@ -378,13 +420,19 @@ def parse_chat(body: Any, *, ctx: int = 32768, json_style: str = "canonical", st
             th.set_effort(v)
         elif k == "stop":
             stop = parse_stop(v)
-    conv = Conversation(messages=_require_messages(msgs, strict), tool_schemas=schemas,
-                        tools_active=not tool_choice_none,
-                        api="openai", stop=stop, tool_aliases=aliases)
+    conv = Conversation(
+        messages=_require_messages(msgs, strict),
+        tool_schemas=schemas,
+        tools_active=not tool_choice_none,
+        api="openai",
+        stop=stop,
+        tool_aliases=aliases,
+    )
     return _finish(conv, model, th, ctx)
 
 
 # --- Anthropic (docs/chat-template.md §2.2) ---------------------------------------------------
+
 
 def _anthropic_block(b: dict, m: Message) -> None:
     typ = text = thinking = bid = name = result = None
@@ -406,8 +454,9 @@ def _anthropic_block(b: dict, m: Message) -> None:
         elif k == "content":
             result = flatten_content(v)
     if typ == "tool_use":
-        m.tool_calls.append(ToolCall(id=bid or "", name=name or "",
-                                     arguments=dumps_compact(inp) if has_input else "{}"))
+        m.tool_calls.append(
+            ToolCall(id=bid or "", name=name or "", arguments=dumps_compact(inp) if has_input else "{}")
+        )
     elif typ == "tool_result":
         _add_id(m.tool_call_ids, bid)
         start = len(m.content)
@@ -461,8 +510,7 @@ def _anthropic_system(v: Any) -> str:
     return "".join(parts)
 
 
-def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical",
-                    strict: bool = True) -> Conversation:
+def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical", strict: bool = True) -> Conversation:
     """POST /v1/messages body -> Conversation (the system text becomes a trailing system message).
     Thinking is off unless `thinking` turns it on or an effort is named (Anthropic's
     default is off; Claude Code with MAX_THINKING_TOKENS=0 sends neither; #17)."""
@@ -502,12 +550,19 @@ def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical
     msgs = _require_messages(msgs, strict)
     if system:
         msgs.append(Message(role="system", content=system))
-    conv = Conversation(messages=msgs, tool_schemas=schemas, tools_active=not tool_choice_none,
-                        api="anthropic", stop=stop, tool_aliases=aliases)
+    conv = Conversation(
+        messages=msgs,
+        tool_schemas=schemas,
+        tools_active=not tool_choice_none,
+        api="anthropic",
+        stop=stop,
+        tool_aliases=aliases,
+    )
     return _finish(conv, model, th, ctx)
 
 
 # --- Responses (docs/chat-template.md §2.3) ---------------------------------------------------
+
 
 def _assistant_for_call(msgs: list[Message], pending: list[str]) -> Message:
     last = msgs[-1] if msgs else None
@@ -551,8 +606,11 @@ def _responses_input(items: list, style: str, loaded: list[str], aliases: dict, 
         status = f.get("status")
         if status and status not in _ITEM_STATUSES:  # the server's own items replay as they were emitted
             raise _bad()
-        consumes = ((t == "message" and f.get("role") == "assistant") or t in ("function_call", "custom_tool_call")
-                    or t in _HOSTED_CALLS)
+        consumes = (
+            (t == "message" and f.get("role") == "assistant")
+            or t in ("function_call", "custom_tool_call")
+            or t in _HOSTED_CALLS
+        )
         bookkeeping = t in ("compaction", "context_compaction")
         if not consumes and not bookkeeping and pending:
             msgs.append(Message(role="assistant", content="", reasoning="\n".join(pending)))
@@ -604,8 +662,7 @@ def _responses_input(items: list, style: str, loaded: list[str], aliases: dict, 
     return msgs
 
 
-def parse_responses(body: Any, *, ctx: int = 32768, json_style: str = "canonical",
-                    strict: bool = True) -> Conversation:
+def parse_responses(body: Any, *, ctx: int = 32768, json_style: str = "canonical", strict: bool = True) -> Conversation:
     """POST /v1/responses body -> Conversation."""
     body = _object(body)
     th = _Thinking()
@@ -664,12 +721,20 @@ def parse_responses(body: Any, *, ctx: int = 32768, json_style: str = "canonical
         msgs.insert(0, Message(role="system", content=instructions))
     all_aliases = dict(aliases)
     all_aliases.update(loaded_aliases)
-    conv = Conversation(messages=msgs, tool_schemas=schemas + loaded, tools_active=not tool_choice_none,
-                        api="responses", tool_aliases=all_aliases, reasoning_summary=summary, stop=stop)
+    conv = Conversation(
+        messages=msgs,
+        tool_schemas=schemas + loaded,
+        tools_active=not tool_choice_none,
+        api="responses",
+        tool_aliases=all_aliases,
+        reasoning_summary=summary,
+        stop=stop,
+    )
     return _finish(conv, model, th, ctx)
 
 
 # --- legacy completions (docs/chat-template.md §4.3) -------------------------------------------
+
 
 @dataclass
 class CompletionRequest:
@@ -727,6 +792,7 @@ def parse_request(api: str, body: Any, *, ctx: int = 32768, json_style: str = "c
 
 # --- continuation validation helpers (docs/http-api.md §1.6) ------------------------------------
 
+
 def unreplayed_tool_result_ids(conv: Conversation) -> list[str]:
     """Tool-result ids with no earlier assistant call of that id in the request.
 
@@ -736,8 +802,11 @@ def unreplayed_tool_result_ids(conv: Conversation) -> list[str]:
     out: list[str] = []
     seen_calls: set[str] = set()
     for m in conv.messages:
-        carries = (m.role in ("tool", "function")) if conv.api == "responses" else (
-            m.role == "user" if conv.api == "anthropic" else False)
+        carries = (
+            (m.role in ("tool", "function"))
+            if conv.api == "responses"
+            else (m.role == "user" if conv.api == "anthropic" else False)
+        )
         if carries:
             for i in m.tool_call_ids:
                 if i not in seen_calls and i not in out:

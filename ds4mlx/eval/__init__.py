@@ -9,11 +9,24 @@ Public API (no MLX import):
 `extract(case, output)` gives the extracted answer string; `validate_cases()`
 checks the shipped data.
 """
+
 from __future__ import annotations
 
 from .cases import SUITES, all_cases, find_case, load_cases, validate_cases
 from .extract import extract, grade, grade_detail, matches
 from .prompts import SYSTEM_PROMPT, build_prompt, user_prompt
 
-__all__ = ["SUITES", "load_cases", "all_cases", "find_case", "validate_cases", "grade", "grade_detail",
-           "extract", "matches", "build_prompt", "user_prompt", "SYSTEM_PROMPT"]
+__all__ = [
+    "SUITES",
+    "load_cases",
+    "all_cases",
+    "find_case",
+    "validate_cases",
+    "grade",
+    "grade_detail",
+    "extract",
+    "matches",
+    "build_prompt",
+    "user_prompt",
+    "SYSTEM_PROMPT",
+]

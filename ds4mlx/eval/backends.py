@@ -19,6 +19,7 @@ Backends here: `FakeBackend` (scripted, for tests and `--backend fake`) and
 `EndpointBackend` (any OpenAI-compatible chat server, streaming SSE).  The
 in-process MLX backend lives in `inprocess.py` so that this module never imports MLX.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,13 +27,13 @@ import json
 import re
 import threading
 import time
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from ..chat.markers import DEEPSEEK_V4_MODEL_ID
 from .endpoint_wire import message_of, short_error, sse_data, usage_of
 from .prompts import Prompt
-from .thinkclose import (THINK_CLOSE, CloseEvent, GenResult, Interrupted, ThinkCloser,
-                         run_token_loop)
+from .thinkclose import THINK_CLOSE, CloseEvent, GenResult, Interrupted, ThinkCloser, run_token_loop
 
 Callback = Callable[..., None]
 
@@ -44,10 +45,10 @@ class Control:
         self._lock = threading.Lock()
         self.paused = False
         self.quit = False
-        self.switch_to: Optional[int] = None   # case position requested with Enter
-        self.running: Optional[int] = None     # case position being generated
-        self.paused_seconds = 0.0              # total time spent paused
-        self.pause_started = 0.0               # monotonic start of the current pause
+        self.switch_to: int | None = None  # case position requested with Enter
+        self.running: int | None = None  # case position being generated
+        self.paused_seconds = 0.0  # total time spent paused
+        self.pause_started = 0.0  # monotonic start of the current pause
 
     def toggle_pause(self) -> None:
         with self._lock:
@@ -92,13 +93,25 @@ class Backend(Protocol):
     name: str
     model: str
 
-    def count_tokens(self, prompt: Prompt) -> Optional[int]: ...
+    def count_tokens(self, prompt: Prompt) -> int | None: ...
 
     def open(self, ctx: int) -> None: ...
 
-    def generate(self, prompt: Prompt, max_tokens: int, *, seed: int, control: Control,
-                 on_prefill: Callback, on_started: Callback, on_text: Callback,
-                 soft_budget: int, hard_budget: int, soft_rank: int, case_id: str = "") -> GenResult: ...
+    def generate(
+        self,
+        prompt: Prompt,
+        max_tokens: int,
+        *,
+        seed: int,
+        control: Control,
+        on_prefill: Callback,
+        on_started: Callback,
+        on_text: Callback,
+        soft_budget: int,
+        hard_budget: int,
+        soft_rank: int,
+        case_id: str = "",
+    ) -> GenResult: ...
 
     def close(self) -> None: ...
 
@@ -124,7 +137,7 @@ class FakeBackend:
 
     name = "fake"
 
-    def __init__(self, script: Optional[dict[str, Any]] = None):
+    def __init__(self, script: dict[str, Any] | None = None):
         self.script = script or {}
         self.model = self.script.get("model", "fake-script")
         self.ctx = 0
@@ -142,10 +155,21 @@ class FakeBackend:
     def _output_for(self, case_id: str) -> str:
         return self.script.get("cases", {}).get(case_id, self.script.get("default", "I think.</think>\nAnswer: A"))
 
-    def generate(self, prompt: Prompt, max_tokens: int, *, seed: int, control: Control,
-                 on_prefill: Callback = noop, on_started: Callback = noop, on_text: Callback = noop,
-                 soft_budget: int = 1024, hard_budget: int = 512, soft_rank: int = 3,
-                 case_id: str = "") -> GenResult:
+    def generate(
+        self,
+        prompt: Prompt,
+        max_tokens: int,
+        *,
+        seed: int,
+        control: Control,
+        on_prefill: Callback = noop,
+        on_started: Callback = noop,
+        on_text: Callback = noop,
+        soft_budget: int = 1024,
+        hard_budget: int = 512,
+        soft_rank: int = 3,
+        case_id: str = "",
+    ) -> GenResult:
         self.calls.append({"prompt": prompt, "max_tokens": max_tokens, "seed": seed, "case_id": case_id})
         total = self.count_tokens(prompt)
         result = GenResult(prompt_tokens=total)
@@ -167,17 +191,30 @@ class FakeBackend:
         text = self._output_for(case_id)
         tokens = _TOKEN_RE.findall(text if prompt.thinking else text.split(THINK_CLOSE, 1)[-1])
         it = iter(tokens)
-        closer = ThinkCloser(["</", "think", ">"], soft_budget=soft_budget, hard_budget=hard_budget,
-                             soft_rank=soft_rank, thinking=prompt.thinking)
+        closer = ThinkCloser(
+            ["</", "think", ">"],
+            soft_budget=soft_budget,
+            hard_budget=hard_budget,
+            soft_rank=soft_rank,
+            thinking=prompt.thinking,
+        )
 
         def advance(tok: str) -> str:
             if delay:
                 time.sleep(delay)
             return tok
 
-        return run_token_loop(limit=max_tokens, closer=closer, control=control,
-                              pick=lambda: next(it, None), rank_of=lambda _t: 0,
-                              is_eos=lambda t: t is None, advance=advance, on_text=on_text, result=result)
+        return run_token_loop(
+            limit=max_tokens,
+            closer=closer,
+            control=control,
+            pick=lambda: next(it, None),
+            rank_of=lambda _t: 0,
+            is_eos=lambda t: t is None,
+            advance=advance,
+            on_text=on_text,
+            result=result,
+        )
 
     def close(self) -> None:
         pass
@@ -203,9 +240,17 @@ class EndpointBackend:
 
     name = "endpoint"
 
-    def __init__(self, url: str, api_key: Optional[str] = None, model: Optional[str] = None,
-                 temperature: float = 0.0, top_p: float = 1.0, min_p: float = 0.05,
-                 timeout: float = 3600.0, continuation: str = "none"):
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        model: str | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        min_p: float = 0.05,
+        timeout: float = 3600.0,
+        continuation: str = "none",
+    ):
         if continuation not in CONTINUATIONS:
             raise ValueError(f"unknown continuation {continuation!r}")
         self.continuation = continuation
@@ -233,7 +278,7 @@ class EndpointBackend:
         if not self.model:
             self.model = asyncio.run(self._first_model()) or DEEPSEEK_V4_MODEL_ID
 
-    async def _first_model(self) -> Optional[str]:
+    async def _first_model(self) -> str | None:
         import aiohttp
 
         try:
@@ -269,10 +314,21 @@ class EndpointBackend:
             body["chat_template_kwargs"] = {"thinking": False, "enable_thinking": False}
         return body
 
-    def generate(self, prompt: Prompt, max_tokens: int, *, seed: int, control: Control,
-                 on_prefill: Callback = noop, on_started: Callback = noop, on_text: Callback = noop,
-                 soft_budget: int = 1024, hard_budget: int = 512, soft_rank: int = 3,
-                 case_id: str = "") -> GenResult:
+    def generate(
+        self,
+        prompt: Prompt,
+        max_tokens: int,
+        *,
+        seed: int,
+        control: Control,
+        on_prefill: Callback = noop,
+        on_started: Callback = noop,
+        on_text: Callback = noop,
+        soft_budget: int = 1024,
+        hard_budget: int = 512,
+        soft_rank: int = 3,
+        case_id: str = "",
+    ) -> GenResult:
         think_cap = max_tokens - hard_budget if (prompt.thinking and self.forces_think_close) else 0
         return asyncio.run(self._generate(prompt, max_tokens, seed, control, on_started, on_text, think_cap))
 
@@ -285,11 +341,20 @@ class EndpointBackend:
         DeepSeek-style prefix assistant message (`prefix: true`), answer next."""
         body = self.body(prompt, max_tokens, seed)
         body["messages"] = list(body["messages"]) + [
-            {"role": "assistant", "content": "", "reasoning_content": reasoning, "prefix": True}]
+            {"role": "assistant", "content": "", "reasoning_content": reasoning, "prefix": True}
+        ]
         return body
 
-    async def _generate(self, prompt: Prompt, max_tokens: int, seed: int, control: Control,
-                        on_started: Callback, on_text: Callback, think_cap: int = 0) -> GenResult:
+    async def _generate(
+        self,
+        prompt: Prompt,
+        max_tokens: int,
+        seed: int,
+        control: Control,
+        on_started: Callback,
+        on_text: Callback,
+        think_cap: int = 0,
+    ) -> GenResult:
         """One request, streamed (SSE) or, for a server that ignores `stream`, one
         JSON body; with `think_cap` a reasoning that reaches it is cut there and a
         second request continues after a forced `</think>`.  A stream that ends
@@ -300,8 +365,14 @@ class EndpointBackend:
         res = GenResult()
         raw: list[str] = []
         reasoning: list[str] = []
-        state = {"reasoning": False, "closed": not prompt.thinking, "chunks": 0, "started": False,
-                 "finished": False, "forced": False}
+        state = {
+            "reasoning": False,
+            "closed": not prompt.thinking,
+            "chunks": 0,
+            "started": False,
+            "finished": False,
+            "forced": False,
+        }
         t0 = time.monotonic()
         paused0 = control.paused_seconds
         url = self.chat_url
@@ -331,11 +402,12 @@ class EndpointBackend:
                 emit(content)
                 state["chunks"] += 1
 
-        def finish(reason: Optional[str]) -> None:
+        def finish(reason: str | None) -> None:
             if reason:
                 state["finished"] = True
-                res.finish = "stop" if reason in ("stop", "tool_calls") else (
-                    "length" if reason == "length" else "error")
+                res.finish = (
+                    "stop" if reason in ("stop", "tool_calls") else ("length" if reason == "length" else "error")
+                )
                 if res.finish == "error":
                     res.error = f"POST {url}: server finish_reason {reason}"
 
@@ -346,7 +418,7 @@ class EndpointBackend:
         def at_cap() -> bool:
             return bool(think_cap) and not state["closed"] and state["chunks"] >= think_cap
 
-        async def request(s: Any, body: dict[str, Any]) -> Optional[str]:
+        async def request(s: Any, body: dict[str, Any]) -> str | None:
             """Read one response into the state; an error text, or None.  Sets
             state["tokens"]: the response's completion_tokens, else its chunk count."""
             c0, usage = state["chunks"], 0
@@ -389,8 +461,10 @@ class EndpointBackend:
                         for choice in chunk.get("choices") or []:
                             started()
                             delta = choice.get("delta") or {}
-                            delta_text(delta.get("reasoning_content") or delta.get("reasoning") or "",
-                                       delta.get("content") or "")
+                            delta_text(
+                                delta.get("reasoning_content") or delta.get("reasoning") or "",
+                                delta.get("content") or "",
+                            )
                             finish(choice.get("finish_reason"))
                         if at_cap():
                             state["tokens"] = state["chunks"] - c0
@@ -400,8 +474,10 @@ class EndpointBackend:
                         break
                 state["tokens"] = usage or state["chunks"] - c0
                 if not (done or state["finished"]):
-                    return (f"stream ended before the answer finished (after {state['chunks']} chunks, "
-                            "no finish_reason or [DONE])")
+                    return (
+                        f"stream ended before the answer finished (after {state['chunks']} chunks, "
+                        "no finish_reason or [DONE])"
+                    )
                 return None
 
         try:

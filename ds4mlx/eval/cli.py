@@ -7,13 +7,14 @@
 Importing this module (and `--self-test-extractors`, `--regrade`, `--list-cases`,
 `--validate-cases`) never imports MLX.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from ..modelfile import EXIT_CODE, ModelFileError
 from .cases import SUITES, load_cases, select, unknown_ids, validate_cases
@@ -23,26 +24,45 @@ CTX_CAP = 1_000_000
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("-m", "--model", default=None,
-                   help="GGUF file or Hugging Face folder (default: the demo model); with --endpoint, "
-                        "the model name sent to the server (default: the first of /v1/models)")
-    g.add_argument("--endpoint", metavar="URL",
-                   help="use an OpenAI-compatible server (chat completions, streamed or not); the server "
-                        "sizes the context (the trace says ctx: server)")
-    g.add_argument("--endpoint-continuation", choices=("none", "prefix"), default="none",
-                   help="forced </think> at the think cap with --endpoint: 'prefix' cuts the reasoning there and "
-                        "asks for the answer by a second request (DeepSeek-style assistant prefix message); "
-                        "'none' (default; ds4mlx serve has no continuation) forces nothing: a reasoning may use "
-                        "the whole budget")
-    g.add_argument("--api-key", default=os.environ.get("DS4MLX_EVAL_API_KEY"),
-                   help="bearer token for --endpoint (default: $DS4MLX_EVAL_API_KEY)")
+    g.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face folder (default: the demo model); with --endpoint, "
+        "the model name sent to the server (default: the first of /v1/models)",
+    )
+    g.add_argument(
+        "--endpoint",
+        metavar="URL",
+        help="use an OpenAI-compatible server (chat completions, streamed or not); the server "
+        "sizes the context (the trace says ctx: server)",
+    )
+    g.add_argument(
+        "--endpoint-continuation",
+        choices=("none", "prefix"),
+        default="none",
+        help="forced </think> at the think cap with --endpoint: 'prefix' cuts the reasoning there and "
+        "asks for the answer by a second request (DeepSeek-style assistant prefix message); "
+        "'none' (default; ds4mlx serve has no continuation) forces nothing: a reasoning may use "
+        "the whole budget",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("DS4MLX_EVAL_API_KEY"),
+        help="bearer token for --endpoint (default: $DS4MLX_EVAL_API_KEY)",
+    )
     g.add_argument("--backend", choices=("mlx", "endpoint", "fake"), default=None, help=argparse.SUPPRESS)
     g.add_argument("--fake-script", metavar="JSON", help=argparse.SUPPRESS)
 
     g = p.add_argument_group("cases")
     g.add_argument("--suite", choices=SUITES, default="core", help="case suite (default core: the 92 ds4-eval cases)")
-    g.add_argument("--case-id", action="append", default=[], metavar="ID",
-                   help="run only this case (id or 1-based index; repeatable)")
+    g.add_argument(
+        "--case-id",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="run only this case (id or 1-based index; repeatable)",
+    )
     g.add_argument("--domain", action="append", default=[], help="only cases of this domain (repeatable)")
     g.add_argument("--source", action="append", default=[], help="only cases of this source (repeatable)")
     g.add_argument("--questions", type=int, metavar="N", help="only the first N selected cases")
@@ -50,19 +70,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--validate-cases", action="store_true", help="check the shipped case data and exit")
 
     g = p.add_argument_group("generation")
-    g.add_argument("-n", "--tokens", type=int, default=None, metavar="N",
-                   help="generation budget per case (default: the case's own, 16000; Juliet 8000)")
+    g.add_argument(
+        "-n",
+        "--tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="generation budget per case (default: the case's own, 16000; Juliet 8000)",
+    )
     from ..think_flags import add_think_arguments
 
     add_think_arguments(g)  # ds4's --think / --think-max / --nothink / --think-level
-    g.add_argument("--soft-limit-reply-budget", type=int, metavar="N",
-                   help="soft </think> close once this many tokens remain (default 1024; below --tokens 2048 "
-                        "it is half the budget)")
-    g.add_argument("--hard-limit-reply-budget", type=int, metavar="N",
-                   help="forced </think> once this many tokens remain (default 512; below --tokens 2048 it is "
-                        "a quarter of the budget)")
-    g.add_argument("--soft-limit-think-close-rank", type=int, default=3, metavar="N",
-                   help="soft close when </think> ranks in the top N (default 3)")
+    g.add_argument(
+        "--soft-limit-reply-budget",
+        type=int,
+        metavar="N",
+        help="soft </think> close once this many tokens remain (default 1024; below --tokens 2048 "
+        "it is half the budget)",
+    )
+    g.add_argument(
+        "--hard-limit-reply-budget",
+        type=int,
+        metavar="N",
+        help="forced </think> once this many tokens remain (default 512; below --tokens 2048 it is "
+        "a quarter of the budget)",
+    )
+    g.add_argument(
+        "--soft-limit-think-close-rank",
+        type=int,
+        default=3,
+        metavar="N",
+        help="soft close when </think> ranks in the top N (default 3)",
+    )
     g.add_argument("--temp", type=float, default=0.0, help="temperature (default 0 = greedy)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.05)
@@ -71,20 +110,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("output")
     g.add_argument("--trace", metavar="FILE", help="write a trace of every case")
-    g.add_argument("--retry-incomplete", action="store_true",
-                   help="with --trace FILE: keep its PASSED/FAILED cases, run only the others")
-    g.add_argument("--regrade", "--regrade-trace", dest="regrade", metavar="TRACE",
-                   help="grade a trace again with the current extractors (no model)")
-    g.add_argument("--self-test-extractors", action="store_true",
-                   help="run the built-in extractor vectors (no model) and exit")
-    g.add_argument("--report", metavar="FILE.json",
-                   help="write a JSON report: per case id, suite, source, domain, status, expected, "
-                        "extracted, tokens, seconds, t/s; totals and per-source counts")
-    g.add_argument("--baseline", metavar="FILE.json",
-                   help="compare with an earlier --report: exit 0 when the pass count dropped by at most "
-                        "--max-drop, 1 when it dropped more, 2 on a harness error (error, unfinished run)")
-    g.add_argument("--max-drop", type=int, default=0, metavar="N",
-                   help="with --baseline: passes allowed to be lost (default 0)")
+    g.add_argument(
+        "--retry-incomplete",
+        action="store_true",
+        help="with --trace FILE: keep its PASSED/FAILED cases, run only the others",
+    )
+    g.add_argument(
+        "--regrade",
+        "--regrade-trace",
+        dest="regrade",
+        metavar="TRACE",
+        help="grade a trace again with the current extractors (no model)",
+    )
+    g.add_argument(
+        "--self-test-extractors", action="store_true", help="run the built-in extractor vectors (no model) and exit"
+    )
+    g.add_argument(
+        "--report",
+        metavar="FILE.json",
+        help="write a JSON report: per case id, suite, source, domain, status, expected, "
+        "extracted, tokens, seconds, t/s; totals and per-source counts",
+    )
+    g.add_argument(
+        "--baseline",
+        metavar="FILE.json",
+        help="compare with an earlier --report: exit 0 when the pass count dropped by at most "
+        "--max-drop, 1 when it dropped more, 2 on a harness error (error, unfinished run)",
+    )
+    g.add_argument(
+        "--max-drop", type=int, default=0, metavar="N", help="with --baseline: passes allowed to be lost (default 0)"
+    )
     g.add_argument("--plain", action="store_true", help="no TUI (also when stdout is not a terminal)")
     g.add_argument("--pause-ms", type=int, default=350, help="TUI pause after each result (default 350)")
 
@@ -94,7 +149,7 @@ def _fail(msg: str, code: int = 2) -> int:
     return code
 
 
-def _validate(a: argparse.Namespace) -> Optional[str]:
+def _validate(a: argparse.Namespace) -> str | None:
     for name in ("tokens", "soft_limit_reply_budget", "hard_limit_reply_budget", "ctx", "questions", "seed"):
         v = getattr(a, name)
         if v is not None and v <= 0:
@@ -131,7 +186,7 @@ def _validate(a: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def _thinking(a: argparse.Namespace) -> Optional[str]:
+def _thinking(a: argparse.Namespace) -> str | None:
     """`a.thinking` / `a.think_max` from the ds4 thinking flags.  The in-process
     backend renders DeepSeek V4 prompts, so numeric levels only go to an endpoint
     (as reasoning_effort); Think Max needs --ctx >= 393216 (an auto-sized context is
@@ -142,8 +197,10 @@ def _thinking(a: argparse.Namespace) -> Optional[str]:
     a.think_level = None
     if isinstance(think, int):
         if not a.endpoint:
-            return "--think-level requires a DeepSeek V4.1 model (ds4-eval renders DeepSeek V4 prompts here; " \
-                   "use --endpoint with a V4.1 server)"
+            return (
+                "--think-level requires a DeepSeek V4.1 model (ds4-eval renders DeepSeek V4 prompts here; "
+                "use --endpoint with a V4.1 server)"
+            )
         a.think_level = think
     a.thinking = think not in ("none", 0)
     a.think_max = think == "max" and a.ctx is not None and a.ctx >= THINK_MAX_MIN_CONTEXT
@@ -155,8 +212,10 @@ def _thinking(a: argparse.Namespace) -> Optional[str]:
 def list_cases(cases: list[dict[str, Any]]) -> None:
     print(f"{'#':>3} {'source':<14} {'kind':<16} {'answer':<14} {'domain':<28} id / title")
     for c in cases:
-        print(f"{c['index']:>3} {c['source']:<14} {c['answer_kind']:<16} {str(c['answer'])[:14]:<14} "
-              f"{c['domain'][:28]:<28} {c['id']}  {c['title']}")
+        print(
+            f"{c['index']:>3} {c['source']:<14} {c['answer_kind']:<16} {str(c['answer'])[:14]:<14} "
+            f"{c['domain'][:28]:<28} {c['id']}  {c['title']}"
+        )
     print(f"{len(cases)} cases")
 
 
@@ -168,13 +227,20 @@ def make_backend(kind: str, **kw: Any):
     if kind == "fake":
         return FakeBackend(kw.get("script"))
     if kind == "endpoint":
-        return EndpointBackend(kw["url"], kw.get("api_key"), kw.get("model_name"),
-                               kw.get("temperature", 0.0), kw.get("top_p", 1.0), kw.get("min_p", 0.05),
-                               continuation=kw.get("continuation", "none"))
+        return EndpointBackend(
+            kw["url"],
+            kw.get("api_key"),
+            kw.get("model_name"),
+            kw.get("temperature", 0.0),
+            kw.get("top_p", 1.0),
+            kw.get("min_p", 0.05),
+            continuation=kw.get("continuation", "none"),
+        )
     from .inprocess import InProcessBackend
 
-    return InProcessBackend(kw.get("model"), temperature=kw.get("temperature", 0.0),
-                            top_p=kw.get("top_p", 1.0), min_p=kw.get("min_p", 0.05))
+    return InProcessBackend(
+        kw.get("model"), temperature=kw.get("temperature", 0.0), top_p=kw.get("top_p", 1.0), min_p=kw.get("min_p", 0.05)
+    )
 
 
 def _backend(a: argparse.Namespace):
@@ -188,9 +254,16 @@ def _backend(a: argparse.Namespace):
     if kind == "endpoint":
         if not a.endpoint:
             raise SystemExit(_fail("--backend endpoint needs --endpoint URL"))
-        return make_backend("endpoint", url=a.endpoint, api_key=a.api_key, model_name=a.model,
-                            temperature=a.temp, top_p=a.top_p, min_p=a.min_p,
-                            continuation=a.endpoint_continuation)
+        return make_backend(
+            "endpoint",
+            url=a.endpoint,
+            api_key=a.api_key,
+            model_name=a.model,
+            temperature=a.temp,
+            top_p=a.top_p,
+            min_p=a.min_p,
+            continuation=a.endpoint_continuation,
+        )
     return make_backend("mlx", model=a.model, temperature=a.temp, top_p=a.top_p, min_p=a.min_p)
 
 
@@ -218,15 +291,18 @@ def _loading_notice(a: argparse.Namespace, backend: Any) -> None:
     """Say what is loading (the screen stayed blank for the whole load) and that the
     default demo model has random weights."""
     if backend.name == "mlx" and (a.model in (None, "demo") or str(a.model or "").startswith("demo:")):
-        print("ds4-eval: no -m MODEL: using the demo model, which has RANDOM weights "
-              "(every answer is gibberish; this only exercises the harness)", file=sys.stderr)
+        print(
+            "ds4-eval: no -m MODEL: using the demo model, which has RANDOM weights "
+            "(every answer is gibberish; this only exercises the harness)",
+            file=sys.stderr,
+        )
     if backend.name == "mlx":
         print(f"ds4-eval: loading {a.model or 'the demo model'} ...", file=sys.stderr, flush=True)
     elif backend.name == "endpoint":
         print(f"ds4-eval: using {a.endpoint}", file=sys.stderr, flush=True)
 
 
-def _writable(path: str, append: bool, what: str) -> Optional[str]:
+def _writable(path: str, append: bool, what: str) -> str | None:
     """Checked before the model loads, without touching an existing file."""
     if append and os.path.exists(path):
         ok = os.access(path, os.R_OK | os.W_OK)
@@ -250,8 +326,10 @@ def run(a: argparse.Namespace) -> int:
             print(f"ds4-eval: {e}", file=sys.stderr)
         if errors:
             return 1
-        print(f"ds4-eval: case data valid ({len(load_cases('core'))} core, {len(load_cases('hard'))} hard, "
-              f"{len(load_cases('hard-smoke'))} hard-smoke)")
+        print(
+            f"ds4-eval: case data valid ({len(load_cases('core'))} core, {len(load_cases('hard'))} hard, "
+            f"{len(load_cases('hard-smoke'))} hard-smoke)"
+        )
         return 0
     err = _validate(a) or _thinking(a)
     if err:
@@ -264,7 +342,7 @@ def run(a: argparse.Namespace) -> int:
     if a.questions is not None:
         if a.questions > len(cases):
             return _fail(f"only {len(cases)} questions are selected")
-        cases = cases[:a.questions]
+        cases = cases[: a.questions]
     if not cases:
         return _fail("no case matches the filters")
     if a.list_cases:
@@ -277,11 +355,23 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
     from .runner import Options, PlainUI, Runner, default_seed, report
     from .trace import TraceWriter
 
-    opts = Options(tokens=a.tokens, thinking=a.thinking, think_max=a.think_max, think_level=a.think_level,
-                   soft_budget=a.soft_limit_reply_budget,
-                   hard_budget=a.hard_limit_reply_budget, soft_rank=a.soft_limit_think_close_rank,
-                   temperature=a.temp, top_p=a.top_p, min_p=a.min_p, seed=a.seed or default_seed(),
-                   ctx=a.ctx, trace=a.trace, pause_ms=a.pause_ms, suite=a.suite)
+    opts = Options(
+        tokens=a.tokens,
+        thinking=a.thinking,
+        think_max=a.think_max,
+        think_level=a.think_level,
+        soft_budget=a.soft_limit_reply_budget,
+        hard_budget=a.hard_limit_reply_budget,
+        soft_rank=a.soft_limit_think_close_rank,
+        temperature=a.temp,
+        top_p=a.top_p,
+        min_p=a.min_p,
+        seed=a.seed or default_seed(),
+        ctx=a.ctx,
+        trace=a.trace,
+        pause_ms=a.pause_ms,
+        suite=a.suite,
+    )
     if a.trace:
         err = _writable(a.trace, a.retry_incomplete, "trace")
         if err:
@@ -349,7 +439,7 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
     return _finish(a, runner, rc, baseline)
 
 
-def _finish(a: argparse.Namespace, runner: Any, rc: int, baseline: Optional[dict[str, Any]]) -> int:
+def _finish(a: argparse.Namespace, runner: Any, rc: int, baseline: dict[str, Any] | None) -> int:
     """--report and --baseline after the run; the exit code."""
     from .report import build_report, gate, write_json_atomic
 

@@ -1,12 +1,14 @@
 """The OpenAI chat-completions wire format as eval reads it: SSE `data:` lines, a
 whole `chat.completion` body (servers that ignore `stream: true`), and error bodies
 turned into one short line (a JSON error's message, or an HTML page's text)."""
+
 from __future__ import annotations
 
 import html
 import json
 import re
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 ERROR_CHARS = 200
 _TAG = re.compile(r"<(script|style)\b.*?</\1>|<[^>]+>", re.S | re.I)
@@ -43,7 +45,7 @@ def sse_data(buf: bytearray) -> Iterator[bytes]:
             yield line[5:].strip()
 
 
-def message_of(body: Any) -> Optional[tuple[str, str, Optional[str]]]:
+def message_of(body: Any) -> tuple[str, str, str | None] | None:
     """(reasoning, content, finish_reason) of a non-streamed `chat.completion`
     body, or None when it is not one."""
     if not isinstance(body, dict) or not isinstance(body.get("choices"), list) or not body["choices"]:

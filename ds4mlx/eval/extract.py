@@ -14,12 +14,15 @@ Everything works on ASCII tests only (C locale): non-ASCII characters are never
 letters or digits.  The multiple-choice / integer / line scanners run over the
 UTF-8 bytes (as latin-1 text) so that window sizes are byte counts, like ds4.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ..chat.markers import THINK_CLOSE
+
 VARIANTS = ("a", "b", "c")
 DEFAULT_VARIANT = "c"
 
@@ -29,8 +32,7 @@ SEQ_WINDOW = 400
 
 _WS = " \t\n\v\f\r"
 _NEGATORS = frozenset(
-    "not except excluding exclude excludes eliminate eliminates eliminated "
-    "reject rejects rejected rejecting".split()
+    "not except excluding exclude excludes eliminate eliminates eliminated reject rejects rejected rejecting".split()
 )
 _RULE_WORDS = frozenset(("rule", "rules", "ruled"))
 # One-letter English words: only these can be prose rather than an option
@@ -39,6 +41,7 @@ _WORD_LETTERS = frozenset("AIai")
 
 
 # ---------------------------------------------------------------- helpers
+
 
 def _alpha(ch: str) -> bool:
     return ("a" <= ch <= "z") or ("A" <= ch <= "Z")
@@ -63,7 +66,7 @@ def as_bytes_text(text: str) -> str:
 def visible_text(raw: str) -> str:
     """Everything after the first `</think>`, or the whole output without one."""
     i = raw.find(THINK_CLOSE)
-    return raw[i + len(THINK_CLOSE):] if i >= 0 else raw
+    return raw[i + len(THINK_CLOSE) :] if i >= 0 else raw
 
 
 def find_answer_marker(text: str, variant: str = DEFAULT_VARIANT) -> int:
@@ -92,7 +95,7 @@ def find_answer_marker(text: str, variant: str = DEFAULT_VARIANT) -> int:
 
 
 def _answer_line(text: str, marker: int, width: int = LINE_WINDOW) -> str:
-    line = text[marker:marker + width]
+    line = text[marker : marker + width]
     nl = line.find("\n")
     return line if nl < 0 else line[:nl]
 
@@ -113,6 +116,7 @@ def _numbers(text: str, grouped: bool) -> list[str]:
 
 
 # ---------------------------------------------------------------- multiple choice
+
 
 def _mc_negated(text: str, start: int, pos: int) -> bool:
     """Is the letter at `pos` preceded (same line, after `start`) by a negation cue?"""
@@ -183,6 +187,7 @@ def extract_letter(raw: str, nchoices: int, variant: str = DEFAULT_VARIANT) -> s
 
 # ---------------------------------------------------------------- integers
 
+
 def extract_integer(raw: str, variant: str = DEFAULT_VARIANT) -> str:
     """The answer integer as a normalized digit string, or `?`."""
     text = as_bytes_text(visible_text(raw))
@@ -193,12 +198,12 @@ def extract_integer(raw: str, variant: str = DEFAULT_VARIANT) -> str:
             line = _answer_line(text, marker)
             eq = line.rfind("=")
             if eq >= 0:
-                found = _numbers(line[eq + 1:], grouped)
+                found = _numbers(line[eq + 1 :], grouped)
                 if found:
                     return normalize_int(found[0])
             found = _numbers(line, grouped)
         else:
-            found = _numbers(text[marker:marker + LINE_WINDOW], grouped)
+            found = _numbers(text[marker : marker + LINE_WINDOW], grouped)
         if found:
             return normalize_int(found[0])
     found = _numbers(text, grouped)
@@ -297,8 +302,17 @@ def extract_line(raw: str, variant: str = DEFAULT_VARIANT) -> str:
 # ---------------------------------------------------------------- free text kinds
 
 _NUMBER_WORDS = {
-    "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5",
-    "six": "6", "seven": "7", "eight": "8", "nine": "9", "ten": "10",
+    "zero": "0",
+    "one": "1",
+    "two": "2",
+    "three": "3",
+    "four": "4",
+    "five": "5",
+    "six": "6",
+    "seven": "7",
+    "eight": "8",
+    "nine": "9",
+    "ten": "10",
 }
 _STRIP_CHARS = " \t*_`'\"()[]{}<>.;:!"
 
@@ -311,7 +325,7 @@ def normalize_phrase(text: str) -> str:
     text = text.strip(_STRIP_CHARS)
     for article in ("the ", "a ", "an "):
         if text.startswith(article):
-            text = text[len(article):]
+            text = text[len(article) :]
             break
     return _NUMBER_WORDS.get(text, text)
 
@@ -355,6 +369,7 @@ def extract_string(raw: str) -> str:
 
 
 # ---------------------------------------------------------------- per case
+
 
 def extract(case: dict[str, Any], raw: str, variant: str = DEFAULT_VARIANT) -> str:
     """What the model answered for `case`, as a short string (`?` = nothing found)."""

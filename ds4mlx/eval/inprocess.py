@@ -9,10 +9,11 @@ One session of the auto-sized context is reused; each case is prefilled from
 scratch (ds4 never finds a reusable prefix between cases either).
 MLX is imported only when `open()` runs.
 """
+
 from __future__ import annotations
 
 import codecs
-from typing import Any, Optional
+from typing import Any
 
 from .backends import Callback, Control, noop
 from .prompts import Prompt
@@ -24,8 +25,15 @@ PREFILL_CHUNK = 2048
 class InProcessBackend:
     name = "mlx"
 
-    def __init__(self, model_path: Optional[str] = None, *, temperature: float = 0.0,
-                 top_p: float = 1.0, min_p: float = 0.05, loaded: Optional[tuple[Any, Any]] = None):
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        min_p: float = 0.05,
+        loaded: tuple[Any, Any] | None = None,
+    ):
         """`loaded=(model, tokenizer)` skips `ds4mlx.load` (tests, embedding)."""
         self.model_path = model_path
         self.model = model_path or "demo"
@@ -33,7 +41,7 @@ class InProcessBackend:
         self._model: Any = loaded[0] if loaded else None
         self._tok: Any = loaded[1] if loaded else None
         self._session: Any = None
-        self._rng: Optional[Xorshift64Star] = None
+        self._rng: Xorshift64Star | None = None
         self.ctx = 0
 
     # -- loading
@@ -82,7 +90,7 @@ class InProcessBackend:
             if self.top_p < 1.0:
                 cum = np.cumsum(p[order])
                 cut = int(np.searchsorted(cum, self.top_p * cum[-1])) + 1
-                order = order[:max(1, cut)]
+                order = order[: max(1, cut)]
             probs = p[order] / p[order].sum()
             r = rng.uniform()
             idx = int(np.searchsorted(np.cumsum(probs), r, side="right"))
@@ -91,10 +99,21 @@ class InProcessBackend:
         return sample
 
     # -- generation
-    def generate(self, prompt: Prompt, max_tokens: int, *, seed: int, control: Control,
-                 on_prefill: Callback = noop, on_started: Callback = noop, on_text: Callback = noop,
-                 soft_budget: int = 1024, hard_budget: int = 512, soft_rank: int = 3,
-                 case_id: str = "") -> GenResult:
+    def generate(
+        self,
+        prompt: Prompt,
+        max_tokens: int,
+        *,
+        seed: int,
+        control: Control,
+        on_prefill: Callback = noop,
+        on_started: Callback = noop,
+        on_text: Callback = noop,
+        soft_budget: int = 1024,
+        hard_budget: int = 512,
+        soft_rank: int = 3,
+        case_id: str = "",
+    ) -> GenResult:
         import mlx.core as mx
         import numpy as np
 
@@ -117,7 +136,7 @@ class InProcessBackend:
             logits = None
             for i in range(0, len(ids), PREFILL_CHUNK):
                 control.wait_if_paused()
-                logits = s.prefill(ids[i:i + PREFILL_CHUNK])
+                logits = s.prefill(ids[i : i + PREFILL_CHUNK])
                 on_prefill(min(i + PREFILL_CHUNK, len(ids)), len(ids))
         except Exception as e:  # noqa: BLE001 - reported as ERROR, as ds4 does
             res.finish, res.error = "error", f"prefill failed: {e}"
@@ -132,8 +151,13 @@ class InProcessBackend:
         sample = self._sampler(seed)
         eos = self._tok.eos_id
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        closer = ThinkCloser(self.close_ids(), soft_budget=soft_budget, hard_budget=hard_budget,
-                             soft_rank=soft_rank, thinking=prompt.thinking)
+        closer = ThinkCloser(
+            self.close_ids(),
+            soft_budget=soft_budget,
+            hard_budget=hard_budget,
+            soft_rank=soft_rank,
+            thinking=prompt.thinking,
+        )
 
         def cur():
             return state["logits"].reshape(-1)
@@ -148,9 +172,17 @@ class InProcessBackend:
             return decoder.decode(self._tok.token_bytes(tok))
 
         try:
-            run_token_loop(limit=limit, closer=closer, control=control, pick=lambda: sample(cur()),
-                           rank_of=rank_of, is_eos=lambda t: t == eos, advance=advance,
-                           on_text=on_text, result=res)
+            run_token_loop(
+                limit=limit,
+                closer=closer,
+                control=control,
+                pick=lambda: sample(cur()),
+                rank_of=rank_of,
+                is_eos=lambda t: t == eos,
+                advance=advance,
+                on_text=on_text,
+                result=res,
+            )
         except Exception as e:  # noqa: BLE001
             res.finish, res.error = "error", f"decode failed: {e}"
         tail = decoder.decode(b"", final=True)

@@ -3,14 +3,13 @@
 Only `question` and `choices` reach the model: a case's id, title and domain never
 do (Juliet ids and titles name the CWE).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-from ..chat.markers import THINK_MAX_PREFIX
-
-from ..chat.markers import ASSISTANT, BOS, THINK_CLOSE, THINK_OPEN, USER  # noqa: F401 (the prompt's markers)
+from ..chat.markers import ASSISTANT, BOS, THINK_CLOSE, THINK_MAX_PREFIX, THINK_OPEN, USER  # noqa: F401 (the prompt's markers)
 
 SYSTEM_PROMPT = (
     "You are solving a hard benchmark question. Reason carefully. "
@@ -26,7 +25,8 @@ INSTRUCTIONS = {
     "line_set": "\n" + _FINAL + "Answer: <line number or comma-separated line numbers>",
     "line": "\n" + _FINAL + "Answer: <line number>",
     "ordered_sequence": (
-        "\nSolve the puzzle. " + _FINAL
+        "\nSolve the puzzle. "
+        + _FINAL
         + "Answer: <answers to the questions, in the order asked, separated by commas, e.g. a, b, c>"
     ),
     "exact_string": "\nSolve the problem. " + _FINAL + "Answer: <your answer, as a short phrase>",
@@ -57,7 +57,7 @@ class Prompt:
     user: str
     thinking: bool = True
     think_max: bool = False  # the Think Max prefix after BOS (docs/chat-template.md §3)
-    think_level: Optional[int] = None  # a V4.1 effort level, sent to an endpoint as reasoning_effort
+    think_level: int | None = None  # a V4.1 effort level, sent to an endpoint as reasoning_effort
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -66,10 +66,18 @@ class Prompt:
     @property
     def text(self) -> str:
         """The DeepSeek V4 template rendering (BOS + system + User + prompt + Assistant + think)."""
-        return (BOS + (THINK_MAX_PREFIX if self.think_max else "") + self.system + USER + self.user + ASSISTANT
-                + (THINK_OPEN if self.thinking else THINK_CLOSE))
+        return (
+            BOS
+            + (THINK_MAX_PREFIX if self.think_max else "")
+            + self.system
+            + USER
+            + self.user
+            + ASSISTANT
+            + (THINK_OPEN if self.thinking else THINK_CLOSE)
+        )
 
 
-def build_prompt(case: dict[str, Any], thinking: bool = True, think_max: bool = False,
-                 think_level: Optional[int] = None) -> Prompt:
+def build_prompt(
+    case: dict[str, Any], thinking: bool = True, think_max: bool = False, think_level: int | None = None
+) -> Prompt:
     return Prompt(SYSTEM_PROMPT, user_prompt(case), thinking, think_max and thinking, think_level)

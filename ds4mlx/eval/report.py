@@ -6,12 +6,13 @@ The report is one JSON object: `format`, `suite`, `model`, `backend`, `complete`
 prompt_tokens, tokens, seconds, tps, error), `totals` and `sources` (the same counts
 per source).  A baseline is a report of an earlier run; the gate compares pass counts.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import tempfile
-from typing import Any, Optional
+from typing import Any
 
 REPORT_FORMAT = "ds4mlx-eval-report/1"
 GATE_OK, GATE_DROPPED, GATE_HARNESS_ERROR = 0, 1, 2
@@ -23,10 +24,14 @@ def _tps(tokens: int, seconds: float) -> float:
 
 
 def _counts(statuses: list[str]) -> dict[str, int]:
-    return {"passed": statuses.count("PASSED"), "failed": statuses.count("FAILED"),
-            "errors": statuses.count("ERROR"), "skipped": statuses.count("SKIPPED"),
-            "other": sum(s not in ("PASSED", "FAILED", "ERROR", "SKIPPED") for s in statuses),
-            "total": len(statuses)}
+    return {
+        "passed": statuses.count("PASSED"),
+        "failed": statuses.count("FAILED"),
+        "errors": statuses.count("ERROR"),
+        "skipped": statuses.count("SKIPPED"),
+        "other": sum(s not in ("PASSED", "FAILED", "ERROR", "SKIPPED") for s in statuses),
+        "total": len(statuses),
+    }
 
 
 def build_report(runner: Any) -> dict[str, Any]:
@@ -36,31 +41,53 @@ def build_report(runner: Any) -> dict[str, Any]:
         c = cr.case
         graded = cr.status in ("PASSED", "FAILED")
         ran = cr.status != "PENDING"
-        cases.append({
-            "index": cr.pos + 1, "id": c["id"], "suite": runner.opts.suite, "source": c["source"],
-            "domain": c["domain"], "status": cr.status, "expected": c["answer"],
-            "extracted": (cr.picked or None) if graded else None,
-            "prompt_tokens": cr.prompt_tokens if ran else 0, "tokens": cr.generated if ran else 0,
-            "seconds": round(cr.elapsed, 3) if ran else 0.0,
-            "tps": _tps(cr.generated, cr.elapsed) if ran else 0.0,
-            "error": cr.error or None, "carried_over": cr.carried is not None,
-        })
+        cases.append(
+            {
+                "index": cr.pos + 1,
+                "id": c["id"],
+                "suite": runner.opts.suite,
+                "source": c["source"],
+                "domain": c["domain"],
+                "status": cr.status,
+                "expected": c["answer"],
+                "extracted": (cr.picked or None) if graded else None,
+                "prompt_tokens": cr.prompt_tokens if ran else 0,
+                "tokens": cr.generated if ran else 0,
+                "seconds": round(cr.elapsed, 3) if ran else 0.0,
+                "tps": _tps(cr.generated, cr.elapsed) if ran else 0.0,
+                "error": cr.error or None,
+                "carried_over": cr.carried is not None,
+            }
+        )
     tokens = sum(x["tokens"] for x in cases)
     seconds = sum(cr.elapsed for cr in runner.runs if cr.status != "PENDING")
-    totals = {**_counts([x["status"] for x in cases]), "tokens": tokens, "seconds": round(seconds, 3),
-              "tps": _tps(tokens, seconds), "runtime_seconds": round(runner.runtime, 3)}
+    totals = {
+        **_counts([x["status"] for x in cases]),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tps": _tps(tokens, seconds),
+        "runtime_seconds": round(runner.runtime, 3),
+    }
     sources: dict[str, list[dict[str, Any]]] = {}
     for x in cases:
         sources.setdefault(x["source"], []).append(x)
     return {
-        "format": REPORT_FORMAT, "suite": runner.opts.suite, "model": runner.backend.model,
-        "backend": runner.backend.name, "seed": runner.opts.seed,
+        "format": REPORT_FORMAT,
+        "suite": runner.opts.suite,
+        "model": runner.backend.model,
+        "backend": runner.backend.name,
+        "seed": runner.opts.seed,
         "complete": all(x["status"] in FINISHED for x in cases),
-        "cases": cases, "totals": totals,
-        "sources": {src: {**_counts([x["status"] for x in group]),
-                          "tokens": sum(x["tokens"] for x in group),
-                          "seconds": round(sum(x["seconds"] for x in group), 3)}
-                    for src, group in sources.items()},
+        "cases": cases,
+        "totals": totals,
+        "sources": {
+            src: {
+                **_counts([x["status"] for x in group]),
+                "tokens": sum(x["tokens"] for x in group),
+                "seconds": round(sum(x["seconds"] for x in group), 3),
+            }
+            for src, group in sources.items()
+        },
     }
 
 
@@ -81,7 +108,7 @@ def write_json_atomic(path: str, data: Any) -> None:
         raise
 
 
-def read_baseline(path: str) -> tuple[Optional[dict[str, Any]], str]:
+def read_baseline(path: str) -> tuple[dict[str, Any] | None, str]:
     """(report, "") or (None, why)."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -90,8 +117,11 @@ def read_baseline(path: str) -> tuple[Optional[dict[str, Any]], str]:
         return None, f"cannot read baseline '{path}': {e.strerror}"
     except ValueError as e:
         return None, f"baseline '{path}' is not JSON: {e}"
-    if not isinstance(data, dict) or not isinstance(data.get("totals"), dict) \
-            or not isinstance(data["totals"].get("passed"), int):
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("totals"), dict)
+        or not isinstance(data["totals"].get("passed"), int)
+    ):
         return None, f"baseline '{path}' is not a ds4-eval report (no totals.passed)"
     return data, ""
 
@@ -102,20 +132,24 @@ def gate(report: dict[str, Any], baseline: dict[str, Any], max_drop: int) -> tup
     t, b = report["totals"], baseline["totals"]
     lines = []
     if t["errors"] or not report["complete"]:
-        lines.append(f"ds4-eval: baseline not compared: the run has {t['errors']} error(s) and "
-                     f"{t['other']} unfinished case(s)")
+        lines.append(
+            f"ds4-eval: baseline not compared: the run has {t['errors']} error(s) and {t['other']} unfinished case(s)"
+        )
         return GATE_HARNESS_ERROR, lines
     if t["passed"] + t["failed"] == 0:
         lines.append("ds4-eval: baseline not compared: no case was graded")
         return GATE_HARNESS_ERROR, lines
     drop = b["passed"] - t["passed"]
-    was = {(c.get("source"), c.get("id")): c.get("status") for c in baseline.get("cases") or []
-           if isinstance(c, dict)}
+    was = {(c.get("source"), c.get("id")): c.get("status") for c in baseline.get("cases") or [] if isinstance(c, dict)}
     for c in report["cases"]:
         if was.get((c["source"], c["id"])) == "PASSED" and c["status"] != "PASSED":
-            lines.append(f"ds4-eval: regression {c['source']}/{c['id']}: baseline PASSED, now {c['status']} "
-                         f"(extracted {c['extracted'] or '?'}, expected {c['expected']})")
+            lines.append(
+                f"ds4-eval: regression {c['source']}/{c['id']}: baseline PASSED, now {c['status']} "
+                f"(extracted {c['extracted'] or '?'}, expected {c['expected']})"
+            )
     verdict = "dropped" if drop > max_drop else "ok"
-    lines.append(f"ds4-eval: baseline {b['passed']} passed, this run {t['passed']}: "
-                 f"drop {max(0, drop)} (max {max_drop}) {verdict}")
+    lines.append(
+        f"ds4-eval: baseline {b['passed']} passed, this run {t['passed']}: "
+        f"drop {max(0, drop)} (max {max_drop}) {verdict}"
+    )
     return (GATE_DROPPED if drop > max_drop else GATE_OK), lines

@@ -1,13 +1,14 @@
 """The eval run: context sizing, scheduling, grading, trace records, the report
 (docs/eval.md §3, §4, §8, §11, §13, §14).  UI-agnostic: a UI object gets
 callbacks (plain mode prints, the TUI renders the shared state)."""
+
 from __future__ import annotations
 
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, TextIO
+from typing import Any, TextIO
 
 from .backends import Backend, Control
 from .extract import grade_detail
@@ -16,26 +17,34 @@ from .thinkclose import THINK_CLOSE, CloseEvent, default_budgets
 from .trace import TraceRecord, TraceWriter
 
 CTX_CAP = 1_000_000
-LABELS = {"PENDING": "PEND", "PREFILL": "FILL", "RUNNING": "RUN", "SKIPPED": "SKIP",
-          "STOPPED": "STOP", "PASSED": "PASS", "FAILED": "FAIL", "ERROR": "ERR"}
+LABELS = {
+    "PENDING": "PEND",
+    "PREFILL": "FILL",
+    "RUNNING": "RUN",
+    "SKIPPED": "SKIP",
+    "STOPPED": "STOP",
+    "PASSED": "PASS",
+    "FAILED": "FAIL",
+    "ERROR": "ERR",
+}
 _STAGE_PREFIXES = ("prefill failed: ", "decode failed: ")
 
 
 @dataclass
 class Options:
-    tokens: Optional[int] = None          # None: each case's own max_tokens
+    tokens: int | None = None  # None: each case's own max_tokens
     thinking: bool = True
-    think_max: bool = False               # Think Max prefix (already gated by the context size)
-    think_level: Optional[int] = None     # V4.1 effort sent to an endpoint (--think-level)
-    soft_budget: Optional[int] = None     # None: 1024, scaled down for small limits
-    hard_budget: Optional[int] = None     # None: 512, scaled down for small limits
+    think_max: bool = False  # Think Max prefix (already gated by the context size)
+    think_level: int | None = None  # V4.1 effort sent to an endpoint (--think-level)
+    soft_budget: int | None = None  # None: 1024, scaled down for small limits
+    hard_budget: int | None = None  # None: 512, scaled down for small limits
     soft_rank: int = 3
     temperature: float = 0.0
     top_p: float = 1.0
     min_p: float = 0.05
     seed: int = 0
-    ctx: Optional[int] = None             # None: auto-size
-    trace: Optional[str] = None
+    ctx: int | None = None  # None: auto-size
+    trace: str | None = None
     pause_ms: int = 350
     suite: str = "core"
 
@@ -45,21 +54,21 @@ class CaseRun:
     pos: int
     case: dict[str, Any]
     prompt: Prompt
-    budget: int                      # requested generation budget
+    budget: int  # requested generation budget
     prompt_tokens: int = 0
-    limit: int = 0                   # budget clamped to the context
-    status: str = "PENDING"          # PENDING PREFILL RUNNING PASSED FAILED SKIPPED STOPPED
+    limit: int = 0  # budget clamped to the context
+    status: str = "PENDING"  # PENDING PREFILL RUNNING PASSED FAILED SKIPPED STOPPED
     picked: str = ""
     generated: int = 0
     raw: list[str] = field(default_factory=list)
     think_open: bool = True
     prefill: tuple[int, int] = (0, 0)
     elapsed: float = 0.0
-    t_phase: float = 0.0             # monotonic start of the current phase (speed)
-    phase_paused0: float = 0.0       # Control.paused_total() at that start
+    t_phase: float = 0.0  # monotonic start of the current phase (speed)
+    phase_paused0: float = 0.0  # Control.paused_total() at that start
     phase_tokens: int = 0
     error: str = ""
-    carried: Optional[str] = None    # trace record text kept by --retry-incomplete
+    carried: str | None = None  # trace record text kept by --retry-incomplete
 
     @property
     def label(self) -> str:
@@ -79,12 +88,12 @@ def error_line(cr: CaseRun) -> str:
     """`prefill failed for ID: why` (in-process stages) or `error in ID: why`."""
     for prefix in _STAGE_PREFIXES:
         if cr.error.startswith(prefix):
-            return f"{prefix.split(':')[0]} for {cr.case['id']}: {cr.error[len(prefix):]}"
+            return f"{prefix.split(':')[0]} for {cr.case['id']}: {cr.error[len(prefix) :]}"
     return f"error in {cr.case['id']}: {cr.error}"
 
 
 class NullUI:
-    def begin(self, runner: "Runner") -> None: ...
+    def begin(self, runner: Runner) -> None: ...
     def case_started(self, cr: CaseRun) -> None: ...
     def prefill(self, cr: CaseRun, done: int, total: int) -> None: ...
     def text(self, cr: CaseRun, delta: str) -> None: ...
@@ -92,19 +101,33 @@ class NullUI:
 
 
 class Runner:
-    def __init__(self, cases: list[dict[str, Any]], backend: Backend, opts: Options,
-                 ui: Any = None, out: Optional[TextIO] = None, err: Optional[TextIO] = None,
-                 control: Optional[Control] = None):
+    def __init__(
+        self,
+        cases: list[dict[str, Any]],
+        backend: Backend,
+        opts: Options,
+        ui: Any = None,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+        control: Control | None = None,
+    ):
         self.backend = backend
         self.opts = opts
         self.ui = ui or NullUI()
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.control = control or Control()
-        self.runs = [CaseRun(i, c, build_prompt(c, opts.thinking, opts.think_max, opts.think_level), opts.tokens or int(c.get("max_tokens") or 16000))
-                     for i, c in enumerate(cases)]
+        self.runs = [
+            CaseRun(
+                i,
+                c,
+                build_prompt(c, opts.thinking, opts.think_max, opts.think_level),
+                opts.tokens or int(c.get("max_tokens") or 16000),
+            )
+            for i, c in enumerate(cases)
+        ]
         self.ctx = 0
-        self.active: Optional[int] = None
-        self.trace: Optional[TraceWriter] = None
+        self.active: int | None = None
+        self.trace: TraceWriter | None = None
         self.error = False
         self.runtime = 0.0
         self.t_active = 0.0
@@ -120,7 +143,7 @@ class Runner:
             return str(self.opts.think_level)
         return "max" if self.opts.think_max else "high"
 
-    def size_context(self) -> Optional[int]:
+    def size_context(self) -> int | None:
         """Count prompts and pick the context (docs/eval.md §4).  Returns an exit code on failure."""
         counts = [self.backend.count_tokens(cr.prompt) for cr in self.runs]
         if any(n is None for n in counts):
@@ -138,28 +161,40 @@ class Runner:
             self.ctx = self.opts.ctx
         else:
             if required > CTX_CAP:
-                print(f"ds4-eval: largest prompt ({big.prompt_tokens} tokens, case {k + 1}) + --tokens "
-                      f"({big.budget}) exceeds the {CTX_CAP} token context cap", file=self.err)
+                print(
+                    f"ds4-eval: largest prompt ({big.prompt_tokens} tokens, case {k + 1}) + --tokens "
+                    f"({big.budget}) exceeds the {CTX_CAP} token context cap",
+                    file=self.err,
+                )
                 return 2
             self.ctx = required
-            print(f"ds4-eval: context auto-sized to {self.ctx} tokens (largest prompt={big.prompt_tokens} "
-                  f"tokens, case={k + 1}, generation budget={big.budget})", file=self.err)
+            print(
+                f"ds4-eval: context auto-sized to {self.ctx} tokens (largest prompt={big.prompt_tokens} "
+                f"tokens, case={k + 1}, generation budget={big.budget})",
+                file=self.err,
+            )
         for cr in self.runs:
             cr.limit = min(cr.budget, self.ctx - cr.prompt_tokens)
         return None
 
     def header(self) -> dict[str, Any]:
-        soft, hard = default_budgets(max(cr.budget for cr in self.runs), self.opts.soft_budget,
-                                     self.opts.hard_budget)
+        soft, hard = default_budgets(max(cr.budget for cr in self.runs), self.opts.soft_budget, self.opts.hard_budget)
         return {
-            "started_unix": int(time.time()), "model": self.backend.model, "backend": self.backend.name,
-            "suite": self.opts.suite, "ctx": self.ctx or "server",
+            "started_unix": int(time.time()),
+            "model": self.backend.model,
+            "backend": self.backend.name,
+            "suite": self.opts.suite,
+            "ctx": self.ctx or "server",
             "max_tokens": self.opts.tokens if self.opts.tokens else "per-case",
-            "max_prompt_tokens": max(cr.prompt_tokens for cr in self.runs), "questions": len(self.runs),
-            "temperature": float(self.opts.temperature), "top_p": float(self.opts.top_p),
-            "min_p": float(self.opts.min_p), "seed": self.opts.seed,
+            "max_prompt_tokens": max(cr.prompt_tokens for cr in self.runs),
+            "questions": len(self.runs),
+            "temperature": float(self.opts.temperature),
+            "top_p": float(self.opts.top_p),
+            "min_p": float(self.opts.min_p),
+            "seed": self.opts.seed,
             "think_mode_requested": self._think_mode(),
-            "soft_limit_reply_budget": soft, "hard_limit_reply_budget": hard,
+            "soft_limit_reply_budget": soft,
+            "hard_limit_reply_budget": hard,
             "soft_limit_think_close_rank": self.opts.soft_rank,
             "think_close_forcing": self.think_close_forcing(),
         }
@@ -181,8 +216,10 @@ class Runner:
         self.active = pos
         self.control.running = pos
         if cr.limit < 1 and self.ctx:
-            return self._skip(cr, "prompt does not fit context" if cr.prompt_tokens >= self.ctx
-                              else "prompt leaves no generation room")
+            return self._skip(
+                cr,
+                "prompt does not fit context" if cr.prompt_tokens >= self.ctx else "prompt leaves no generation room",
+            )
         cr.status = "PREFILL"
         cr.t_phase, cr.phase_paused0 = time.monotonic(), self.control.paused_total()
         self.ui.case_started(cr)
@@ -204,7 +241,7 @@ class Runner:
             cr.generated += 1
             cr.phase_tokens += 1
             if cr.think_open and self.opts.thinking:
-                tail = "".join(cr.raw[-4:])[-(len(delta) + len(THINK_CLOSE)):]
+                tail = "".join(cr.raw[-4:])[-(len(delta) + len(THINK_CLOSE)) :]
                 if THINK_CLOSE in tail:
                     cr.think_open = False
                     cr.t_phase, cr.phase_tokens = time.monotonic(), 0
@@ -214,15 +251,28 @@ class Runner:
         t0 = self.case_t0 = time.monotonic()
         p0 = self.case_p0 = self.control.paused_seconds
         try:
-            res = self.backend.generate(cr.prompt, cr.limit or cr.budget, seed=self.opts.seed,
-                                        control=self.control, on_prefill=on_prefill, on_started=on_started,
-                                        on_text=on_text, soft_budget=soft, hard_budget=hard,
-                                        soft_rank=self.opts.soft_rank, case_id=cr.case["id"])
+            res = self.backend.generate(
+                cr.prompt,
+                cr.limit or cr.budget,
+                seed=self.opts.seed,
+                control=self.control,
+                on_prefill=on_prefill,
+                on_started=on_started,
+                on_text=on_text,
+                soft_budget=soft,
+                hard_budget=hard,
+                soft_rank=self.opts.soft_rank,
+                case_id=cr.case["id"],
+            )
         except Exception as e:  # noqa: BLE001 - a backend bug is an ERROR record, not a crash
             from .thinkclose import GenResult
 
-            res = GenResult(raw="".join(cr.raw), generated_tokens=cr.generated, finish="error",
-                            error=f"{'decode' if cr.status == 'RUNNING' else 'prefill'} failed: {e}")
+            res = GenResult(
+                raw="".join(cr.raw),
+                generated_tokens=cr.generated,
+                finish="error",
+                error=f"{'decode' if cr.status == 'RUNNING' else 'prefill'} failed: {e}",
+            )
         self.t_active += time.monotonic() - t0 - (self.control.paused_seconds - p0)
         self.case_t0 = 0.0
         if res.prompt_tokens:
@@ -231,7 +281,8 @@ class Runner:
         cr.elapsed = res.elapsed
         raw = res.raw if res.raw or not cr.raw else "".join(cr.raw)
         status = {"stopped": "STOPPED", "switched": "SWITCHED", "error": "ERROR", "skipped": "SKIPPED"}.get(
-            res.finish, "")
+            res.finish, ""
+        )
         if status == "SKIPPED":
             return self._skip(cr, res.error)
         if not status:
@@ -262,15 +313,36 @@ class Runner:
         if self.trace is None:
             return
         c = cr.case
-        self.trace.record(TraceRecord(
-            cr.pos + 1, len(self.runs), c["source"], c["id"], c["domain"], c["title"], status,
-            cr.picked if status in ("PASSED", "FAILED") else "?", c["answer"],
-            prompt_tokens=cr.prompt_tokens, generated_tokens=cr.generated, elapsed=cr.elapsed,
-            temperature=self.opts.temperature, top_p=self.opts.top_p, min_p=self.opts.min_p,
-            think_mode=self._think_mode(), think_close=close.kind,
-            think_close_index=close.token_index, think_close_remaining=close.remaining,
-            think_close_rank=close.rank, error=cr.error, choices=c["choices"],
-            answer_kind=c["answer_kind"], system=cr.prompt.system, question=cr.prompt.user, output=raw))
+        self.trace.record(
+            TraceRecord(
+                cr.pos + 1,
+                len(self.runs),
+                c["source"],
+                c["id"],
+                c["domain"],
+                c["title"],
+                status,
+                cr.picked if status in ("PASSED", "FAILED") else "?",
+                c["answer"],
+                prompt_tokens=cr.prompt_tokens,
+                generated_tokens=cr.generated,
+                elapsed=cr.elapsed,
+                temperature=self.opts.temperature,
+                top_p=self.opts.top_p,
+                min_p=self.opts.min_p,
+                think_mode=self._think_mode(),
+                think_close=close.kind,
+                think_close_index=close.token_index,
+                think_close_remaining=close.remaining,
+                think_close_rank=close.rank,
+                error=cr.error,
+                choices=c["choices"],
+                answer_kind=c["answer_kind"],
+                system=cr.prompt.system,
+                question=cr.prompt.user,
+                output=raw,
+            )
+        )
 
     # ------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -328,6 +400,7 @@ class Runner:
 
 # ---------------------------------------------------------------- report
 
+
 def hhmm(seconds: float) -> str:
     m = int(seconds // 60)
     return f"{m // 60:02d}h:{m % 60:02d}m"
@@ -355,17 +428,21 @@ def report(runner: Runner) -> str:
     """The final report (docs/eval.md §14) plus totals by source, time and t/s."""
     runs = runner.runs
     p, f = runner.passed, runner.failed
-    lines = [f"ds4-eval: {p}/{len(runs)} passed{f', {f} failed' if f else ''}, runtime {hhmm(runner.runtime)} "
-             f"({speed_line(runner)})",
-             f"{'#':<3} {'state':<8} {'prompt':>8} {'gen':>8} {'total':>8} {'given':<8} {'correct':<8} test"]
+    lines = [
+        f"ds4-eval: {p}/{len(runs)} passed{f', {f} failed' if f else ''}, runtime {hhmm(runner.runtime)} "
+        f"({speed_line(runner)})",
+        f"{'#':<3} {'state':<8} {'prompt':>8} {'gen':>8} {'total':>8} {'given':<8} {'correct':<8} test",
+    ]
     for cr in runs:
         state = cr.status
         given = (cr.picked or "?") if state in ("PASSED", "FAILED") else "-"
         ran = state != "PENDING" or cr.carried is not None
         prompt = cr.prompt_tokens if ran else 0
         gen = cr.generated if ran else 0
-        lines.append(f"{cr.pos + 1:>3} {state:<8} {prompt:>8} {gen:>8} {prompt + gen:>8} {_cell(given, 8)} "
-                     f"{_cell(str(cr.case['answer']), 8)} {cr.case['source']}/{cr.case['id']}")
+        lines.append(
+            f"{cr.pos + 1:>3} {state:<8} {prompt:>8} {gen:>8} {prompt + gen:>8} {_cell(given, 8)} "
+            f"{_cell(str(cr.case['answer']), 8)} {cr.case['source']}/{cr.case['id']}"
+        )
     lines.append("")
     lines.append(f"{'source':<16} {'passed':>6} {'failed':>6} {'other':>6} {'total':>6}")
     sources: dict[str, list[CaseRun]] = {}
@@ -385,10 +462,11 @@ def report(runner: Runner) -> str:
 
 # ---------------------------------------------------------------- plain mode
 
+
 class PlainUI(NullUI):
     """docs/eval.md §13: per case a header, the streamed raw text (thinking dim), the result."""
 
-    def __init__(self, out: TextIO = sys.stdout, color: Optional[bool] = None):
+    def __init__(self, out: TextIO = sys.stdout, color: bool | None = None):
         self.out = out
         self.color = out.isatty() if color is None else color
         self._tail = ""
@@ -419,7 +497,7 @@ class PlainUI(NullUI):
             i = joined.find(THINK_CLOSE)
             if i < 0:
                 self.out.write(self._c("2", delta))
-                self._tail = joined[-(len(THINK_CLOSE) - 1):]
+                self._tail = joined[-(len(THINK_CLOSE) - 1) :]
             else:
                 cut = max(0, i + len(THINK_CLOSE) - len(self._tail))
                 self.out.write(self._c("2", delta[:cut]) + delta[cut:])
@@ -430,14 +508,16 @@ class PlainUI(NullUI):
     def case_finished(self, cr: CaseRun) -> None:
         c = cr.case
         if cr.status == "SKIPPED":
-            self.out.write(f"\n[{cr.pos + 1}/{self.n}] SKIPPED {c['source']}/{c['id']} "
-                           f"prompt={cr.prompt_tokens} ctx={self.ctx}\n")
+            self.out.write(
+                f"\n[{cr.pos + 1}/{self.n}] SKIPPED {c['source']}/{c['id']} prompt={cr.prompt_tokens} ctx={self.ctx}\n"
+            )
         elif cr.status in ("PASSED", "FAILED"):
             if self._last != "\n":
                 self.out.write("\n")
             word = self._c("32", "PASSED") if cr.status == "PASSED" else self._c("31", "FAIL")
-            self.out.write(f"{word} got {cr.picked or '?'} expected {c['answer']} "
-                           f"({cr.elapsed:.1f}s, {cr.generated} tokens)\n")
+            self.out.write(
+                f"{word} got {cr.picked or '?'} expected {c['answer']} ({cr.elapsed:.1f}s, {cr.generated} tokens)\n"
+            )
         elif self._last != "\n":
             self.out.write("\n")
         self.out.flush()

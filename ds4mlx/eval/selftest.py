@@ -7,10 +7,11 @@ answer kinds of the hard suite.  Two structural checks follow: the trace splitte
 (docs/eval.md §7.1's trace-parsing test) and the regrade status rule (1 PASSED + 2 STOPPED ->
 passed=1 not_graded=2).
 """
+
 from __future__ import annotations
 
 import sys
-from typing import Any, NamedTuple, Optional, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from ..chat.markers import THINK_CLOSE
 from .extract import extract, matches
@@ -18,11 +19,11 @@ from .extract import extract, matches
 
 class Vector(NamedTuple):
     name: str
-    kind: str      # mc/N | int | compsec | line | seq | str
-    key: str       # gold answer (compsec: line spec; line/str: "answer|alias|...")
-    text: str      # raw model output
-    expect: str    # extraction
-    passes: bool   # grade against key
+    kind: str  # mc/N | int | compsec | line | seq | str
+    key: str  # gold answer (compsec: line spec; line/str: "answer|alias|...")
+    text: str  # raw model output
+    expect: str  # extraction
+    passes: bool  # grade against key
 
 
 def make_case(kind: str, key: str) -> dict[str, Any]:
@@ -36,8 +37,14 @@ def make_case(kind: str, key: str) -> dict[str, Any]:
         return {**base, "answer_kind": "integer", "answer": answer, "aliases": aliases}
     if kind == "compsec":
         from .extract import parse_line_spec
-        return {**base, "source": "COMPSEC", "answer_kind": "line_set", "answer": key,
-                "accepted_lines": sorted(parse_line_spec(key))}
+
+        return {
+            **base,
+            "source": "COMPSEC",
+            "answer_kind": "line_set",
+            "answer": key,
+            "accepted_lines": sorted(parse_line_spec(key)),
+        }
     answer, *aliases = key.split("|")
     kinds = {"line": "line", "seq": "ordered_sequence", "str": "exact_string"}
     return {**base, "answer_kind": kinds[kind], "answer": answer, "aliases": aliases}
@@ -47,20 +54,56 @@ T = THINK_CLOSE
 V = Vector
 VECTORS: list[Vector] = [
     # ---- docs/eval.md §7.1: the ds4 built-in self-tests (PR #185)
-    V("multiple-choice prefers final answer marker", "mc/10", "F",
-      "</think>So answer is 0.716 H+/O2. That corresponds to option F.\nThus final answer: F.</think>"
-      "The visible explanation repeats the calculation.\nAnswer: F", "F", True),
-    V("multiple-choice prefers Answer-colon over later prose", "mc/10", "F",
-      "</think>Answer: F\nThis answer is final; option H is a tempting distractor.", "F", True),
-    V("multiple-choice preserves loose-answer fallback", "mc/10", "F",
-      "</think>The answer is F. This answer is final; option H is tempting.", "F", True),
-    V("integer prefers final answer marker", "int", "82",
-      "</think>I first thought the answer was 80.\nFinal answer: 082", "82", True),
-    V("integer preserves loose-answer fallback", "int", "82",
-      "</think>The answer is 082. This answer comes from AIME 2025.", "82", True),
-    V("COMPSEC prefers final answer marker", "compsec", "9-10",
-      "</think>I think the answer should be line 10, because CWE-122 may apply.\n**Answer:** 10</think>"
-      "The primary write is at line 10.\nAnswer: 10", "10", True),
+    V(
+        "multiple-choice prefers final answer marker",
+        "mc/10",
+        "F",
+        "</think>So answer is 0.716 H+/O2. That corresponds to option F.\nThus final answer: F.</think>"
+        "The visible explanation repeats the calculation.\nAnswer: F",
+        "F",
+        True,
+    ),
+    V(
+        "multiple-choice prefers Answer-colon over later prose",
+        "mc/10",
+        "F",
+        "</think>Answer: F\nThis answer is final; option H is a tempting distractor.",
+        "F",
+        True,
+    ),
+    V(
+        "multiple-choice preserves loose-answer fallback",
+        "mc/10",
+        "F",
+        "</think>The answer is F. This answer is final; option H is tempting.",
+        "F",
+        True,
+    ),
+    V(
+        "integer prefers final answer marker",
+        "int",
+        "82",
+        "</think>I first thought the answer was 80.\nFinal answer: 082",
+        "82",
+        True,
+    ),
+    V(
+        "integer preserves loose-answer fallback",
+        "int",
+        "82",
+        "</think>The answer is 082. This answer comes from AIME 2025.",
+        "82",
+        True,
+    ),
+    V(
+        "COMPSEC prefers final answer marker",
+        "compsec",
+        "9-10",
+        "</think>I think the answer should be line 10, because CWE-122 may apply.\n**Answer:** 10</think>"
+        "The primary write is at line 10.\nAnswer: 10",
+        "10",
+        True,
+    ),
     # ---- docs/eval.md §7.2: multiple choice
     V("mc basic", "mc/4", "B", "thinking...</think>\nThe correct option is B.\n\nAnswer: B", "B", True),
     V("mc no think close", "mc/4", "C", "Let me think. Answer: C", "C", True),
@@ -87,7 +130,14 @@ VECTORS: list[Vector] = [
     V("int sign", "int", "5", "</think>Answer: -5", "5", True),
     V("int decimal", "int", "3", "</think>Answer: 3.5", "3", True),
     V("int thousands separator", "int", "1000", "</think>Answer: 1,000", "1000", True),
-    V("int earlier loose answer", "int", "588", "</think>The answer was 80 before correction.\nAnswer: 588", "588", True),
+    V(
+        "int earlier loose answer",
+        "int",
+        "588",
+        "</think>The answer was 80 before correction.\nAnswer: 588",
+        "588",
+        True,
+    ),
     V("int no digits", "int", "1", "</think>no digits here", "?", False),
     # ---- docs/eval.md §7.2: COMPSEC line specs
     V("compsec single", "compsec", "11", "</think>Answer: 11", "11", True),
@@ -134,22 +184,58 @@ VECTORS: list[Vector] = [
     V("line alias accepted", "line", "16|11", "</think>Answer: 11", "11", True),
     V("line wrong", "line", "16", "</think>Answer: 15", "15", False),
     V("line no marker", "line", "27|18", "</think>The use after free is on line 27.", "27", True),
-    V("sequence basic", "seq", "techno, british, 5, turtle", "</think>Answer: techno, british, 5, turtle",
-      "techno, british, 5, turtle", True),
+    V(
+        "sequence basic",
+        "seq",
+        "techno, british, 5, turtle",
+        "</think>Answer: techno, british, 5, turtle",
+        "techno, british, 5, turtle",
+        True,
+    ),
     V("sequence case and bold", "seq", "no, no, yes", "</think>**Answer: No, No, Yes**", "no, no, yes", True),
-    V("sequence number word", "seq", "goat, dutch, 1, rabbit", "</think>Answer: Goat, Dutch, one, Rabbit.",
-      "goat, dutch, 1, rabbit", True),
+    V(
+        "sequence number word",
+        "seq",
+        "goat, dutch, 1, rabbit",
+        "</think>Answer: Goat, Dutch, one, Rabbit.",
+        "goat, dutch, 1, rabbit",
+        True,
+    ),
     V("sequence wrong order", "seq", "yes, no, yes", "</think>Answer: no, yes, yes", "no, yes, yes", False),
     V("sequence too short", "seq", "no, yes, no", "</think>Answer: no, yes", "no, yes", False),
     V("sequence next line", "seq", "no, yes, no", "</think>Answer:\n**no, yes, no**", "no, yes, no", True),
-    V("string exact", "str", "square pyramid|square-based pyramid", "</think>Answer: square pyramid",
-      "square pyramid", True),
-    V("string article and period", "str", "square pyramid|square-based pyramid", "</think>Answer: A square pyramid.",
-      "square pyramid", True),
-    V("string alias", "str", "square pyramid|square-based pyramid", "</think>Answer: **Square-based pyramid**",
-      "square-based pyramid", True),
-    V("string wrong", "str", "square pyramid|square-based pyramid", "</think>Answer: triangular prism",
-      "triangular prism", False),
+    V(
+        "string exact",
+        "str",
+        "square pyramid|square-based pyramid",
+        "</think>Answer: square pyramid",
+        "square pyramid",
+        True,
+    ),
+    V(
+        "string article and period",
+        "str",
+        "square pyramid|square-based pyramid",
+        "</think>Answer: A square pyramid.",
+        "square pyramid",
+        True,
+    ),
+    V(
+        "string alias",
+        "str",
+        "square pyramid|square-based pyramid",
+        "</think>Answer: **Square-based pyramid**",
+        "square-based pyramid",
+        True,
+    ),
+    V(
+        "string wrong",
+        "str",
+        "square pyramid|square-based pyramid",
+        "</think>Answer: triangular prism",
+        "triangular prism",
+        False,
+    ),
 ]
 
 
@@ -163,39 +249,54 @@ def check_vector(v: Vector) -> tuple[bool, str, bool]:
 def _trace_self_tests() -> list[str]:
     """Structural checks of the trace reader and of regrade's status rule."""
     from .trace import TraceRecord, format_record, parse_trace, regrade_records
+
     failures: list[str] = []
     tricky = "Answer: F\n===== CASE 9/9 FAKE/x =====\nMODEL_OUTPUT_END\nstatus: PASSED\n"
     case = make_case("mc/10", "F")
     recs = [
-        TraceRecord(1, 2, "SELFTEST", "vector", "d", "t", "PASSED", "F", "F",
-                    question="q MODEL_OUTPUT_BEGIN bytes=3\n", output="Answer: F"),
-        TraceRecord(2, 2, "SELFTEST", "vector2", "d", "t", "FAILED", "?", "F",
-                    question="MODEL_OUTPUT_BEGIN", output=tricky),
+        TraceRecord(
+            1,
+            2,
+            "SELFTEST",
+            "vector",
+            "d",
+            "t",
+            "PASSED",
+            "F",
+            "F",
+            question="q MODEL_OUTPUT_BEGIN bytes=3\n",
+            output="Answer: F",
+        ),
+        TraceRecord(
+            2, 2, "SELFTEST", "vector2", "d", "t", "FAILED", "?", "F", question="MODEL_OUTPUT_BEGIN", output=tricky
+        ),
     ]
     text = "# ds4-eval trace\n\n" + "".join(format_record(r, case) for r in recs)
     parsed = parse_trace(text)
     if len(parsed) != 2 or parsed[1].id != "vector2" or parsed[1].output != tricky:
         failures.append("trace splitter: a fake CASE line or MODEL_OUTPUT_END inside a payload broke parsing")
     statuses = [("PASSED", "Answer: F"), ("STOPPED", "Answer: F"), ("STOPPED", "")]
-    recs = [TraceRecord(i, 3, "SELFTEST", "vector", "d", "t", s, "F", "F", output=o)
-            for i, (s, o) in enumerate(statuses, 1)]
-    summary = regrade_records(parse_trace("".join(format_record(r, case) for r in recs)),
-                              lookup=lambda s, i: case)
+    recs = [
+        TraceRecord(i, 3, "SELFTEST", "vector", "d", "t", s, "F", "F", output=o) for i, (s, o) in enumerate(statuses, 1)
+    ]
+    summary = regrade_records(parse_trace("".join(format_record(r, case) for r in recs)), lookup=lambda s, i: case)
     if (summary.passed, summary.failed, summary.not_graded, summary.changed) != (1, 0, 2, 0):
         failures.append(f"regrade status rule: 1 PASSED + 2 STOPPED gave {summary.line('x')}")
     return failures
 
 
-def run_self_test(out: Optional[TextIO] = None, verbose: bool = False) -> int:
+def run_self_test(out: TextIO | None = None, verbose: bool = False) -> int:
     out = out or sys.stdout
     failed = 0
     for v in VECTORS:
         ok, got, graded = check_vector(v)
         if not ok:
             failed += 1
-            print(f"ds4-eval: extractor self-test failed: {v.name} (got {got}, expected {v.expect}, "
-                  f"key {v.key}, graded {'pass' if graded else 'fail'}, expected {'pass' if v.passes else 'fail'})",
-                  file=out)
+            print(
+                f"ds4-eval: extractor self-test failed: {v.name} (got {got}, expected {v.expect}, "
+                f"key {v.key}, graded {'pass' if graded else 'fail'}, expected {'pass' if v.passes else 'fail'})",
+                file=out,
+            )
         elif verbose:
             print(f"  ok  {v.name}: {got}", file=out)
     for msg in _trace_self_tests():

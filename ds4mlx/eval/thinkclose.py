@@ -10,11 +10,13 @@ While thinking is open, with `remaining = limit - generated` before each step:
 The close sequence is the *plain-text* tokenization of `</think>` (ds4 does not
 use the special id here), so with a real tokenizer the soft rule never fires.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any
 
 from ..chat.markers import THINK_CLOSE
 
@@ -27,7 +29,7 @@ class CloseEvent:
     rank: int = 0
 
 
-def default_budgets(limit: int, soft: Optional[int] = None, hard: Optional[int] = None) -> tuple[int, int]:
+def default_budgets(limit: int, soft: int | None = None, hard: int | None = None) -> tuple[int, int]:
     """ds4's 1024/512 budgets, scaled down for small limits unless given explicitly."""
     h = hard if hard is not None else min(512, max(1, limit // 4))
     s = soft if soft is not None else max(h, min(1024, max(1, limit // 2)))
@@ -35,8 +37,15 @@ def default_budgets(limit: int, soft: Optional[int] = None, hard: Optional[int] 
 
 
 class ThinkCloser:
-    def __init__(self, close_ids: Sequence[Hashable], *, soft_budget: int = 1024, hard_budget: int = 512,
-                 soft_rank: int = 3, thinking: bool = True):
+    def __init__(
+        self,
+        close_ids: Sequence[Hashable],
+        *,
+        soft_budget: int = 1024,
+        hard_budget: int = 512,
+        soft_rank: int = 3,
+        thinking: bool = True,
+    ):
         self.close_ids = list(close_ids)
         self.soft_budget = soft_budget
         self.hard_budget = hard_budget
@@ -46,7 +55,7 @@ class ThinkCloser:
         self.event = CloseEvent()
         self._forced = False
 
-    def choose(self, generated: int, limit: int, rank_of: Callable[[Hashable], int]) -> Optional[Hashable]:
+    def choose(self, generated: int, limit: int, rank_of: Callable[[Hashable], int]) -> Hashable | None:
         """A forced token for this step, or None to let the sampler pick."""
         if not self.open:
             return None
@@ -91,9 +100,9 @@ class GenResult:
     raw: str = ""
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    finish: str = "length"      # stop | length | stopped | switched | error | skipped
+    finish: str = "length"  # stop | length | stopped | switched | error | skipped
     close: CloseEvent = field(default_factory=CloseEvent)
-    elapsed: float = 0.0        # generation phase only, pauses excluded
+    elapsed: float = 0.0  # generation phase only, pauses excluded
     error: str = ""
 
 
@@ -115,10 +124,18 @@ class Xorshift64Star:
         return ((self.next_u64() >> 40) & 0xFFFFFF) / float(1 << 24)
 
 
-def run_token_loop(*, limit: int, closer: ThinkCloser, control: Any, pick: Callable[[], Hashable],
-                   rank_of: Callable[[Hashable], int], is_eos: Callable[[Hashable], bool],
-                   advance: Callable[[Hashable], str], on_text: Callable[[str], None],
-                   result: GenResult) -> GenResult:
+def run_token_loop(
+    *,
+    limit: int,
+    closer: ThinkCloser,
+    control: Any,
+    pick: Callable[[], Hashable],
+    rank_of: Callable[[Hashable], int],
+    is_eos: Callable[[Hashable], bool],
+    advance: Callable[[Hashable], str],
+    on_text: Callable[[str], None],
+    result: GenResult,
+) -> GenResult:
     """The ds4-eval decode loop.  `pick()` samples from the current logits,
     `advance(tok)` evaluates the token and returns its text.  Sets result.raw,
     generated_tokens, finish, close and elapsed."""
@@ -143,7 +160,7 @@ def run_token_loop(*, limit: int, closer: ThinkCloser, control: Any, pick: Calla
             generated += 1
             raw.append(text)
             on_text(text)
-            tail = (tail + text)[-(len(THINK_CLOSE) + len(text)):]
+            tail = (tail + text)[-(len(THINK_CLOSE) + len(text)) :]
             if closer.open:
                 closer.after_token(THINK_CLOSE in tail, generated, remaining)
     except Interrupted as e:

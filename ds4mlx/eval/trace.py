@@ -5,22 +5,24 @@ Payloads (system prompt, question, model output) are written as counted blocks
 `LABEL_BEGIN bytes=N` + N bytes + `\\n` + `LABEL_END`, so text inside a payload
 can never be mistaken for structure.
 """
+
 from __future__ import annotations
 
 import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, TextIO
+from typing import Any, TextIO
 
 GRADED = ("PASSED", "FAILED")
 STATUSES = ("PASSED", "FAILED", "STOPPED", "SKIPPED", "SWITCHED", "ERROR")
 CASE_PREFIX = b"===== CASE "
 SUMMARY_LINE = b"===== SUMMARY ====="
-RESUMED_LINE = b"# ds4-eval trace resumed"   # a --retry-incomplete run appends from here
+RESUMED_LINE = b"# ds4-eval trace resumed"  # a --retry-incomplete run appends from here
 HEADER_PREFIX = b"# ds4-eval trace"
-PREVIOUS_SUFFIX = ".prev"   # where a fresh run moves the trace it replaces
+PREVIOUS_SUFFIX = ".prev"  # where a fresh run moves the trace it replaces
 
 
 @dataclass
@@ -41,7 +43,7 @@ class TraceRecord:
     top_p: float = 1.0
     min_p: float = 0.05
     think_mode: str = "high"
-    think_close: str = "none"           # none | natural | soft_forced | hard_forced
+    think_close: str = "none"  # none | natural | soft_forced | hard_forced
     think_close_index: int = 0
     think_close_remaining: int = 0
     think_close_rank: int = 0
@@ -51,7 +53,7 @@ class TraceRecord:
     system: str = ""
     question: str = ""
     output: str = ""
-    timestamp: Optional[int] = None
+    timestamp: int | None = None
 
 
 def _block(label: str, text: str) -> str:
@@ -65,25 +67,34 @@ def _g(x: float) -> str:
     return f"{x:.6g}"
 
 
-def format_record(r: TraceRecord, case: Optional[dict[str, Any]] = None) -> str:
+def format_record(r: TraceRecord, case: dict[str, Any] | None = None) -> str:
     choices = r.choices or (case or {}).get("choices") or []
     kind = r.answer_kind or (case or {}).get("answer_kind", "")
     lines = [
         f"===== CASE {r.i}/{r.n} {r.source}/{r.id} =====",
         f"timestamp_unix: {r.timestamp if r.timestamp is not None else int(time.time())}",
-        f"source: {r.source}", f"id: {r.id}", f"domain: {r.domain}", f"title: {r.title}",
+        f"source: {r.source}",
+        f"id: {r.id}",
+        f"domain: {r.domain}",
+        f"title: {r.title}",
         f"status: {r.status}",
         f"picked: {(r.picked or '?') if r.status in GRADED else '?'}",
         f"expected: {r.expected}",
-        f"prompt_tokens: {r.prompt_tokens}", f"generated_tokens: {r.generated_tokens}",
+        f"prompt_tokens: {r.prompt_tokens}",
+        f"generated_tokens: {r.generated_tokens}",
         f"elapsed_sec: {r.elapsed:.3f}",
-        f"temperature: {_g(r.temperature)}", f"top_p: {_g(r.top_p)}", f"min_p: {_g(r.min_p)}",
-        f"think_mode_effective: {r.think_mode}", f"think_close: {r.think_close}",
+        f"temperature: {_g(r.temperature)}",
+        f"top_p: {_g(r.top_p)}",
+        f"min_p: {_g(r.min_p)}",
+        f"think_mode_effective: {r.think_mode}",
+        f"think_close: {r.think_close}",
     ]
     if r.think_close != "none":
-        lines += [f"think_close_token_index: {r.think_close_index}",
-                  f"think_close_remaining_budget: {r.think_close_remaining}",
-                  f"think_close_rank: {r.think_close_rank}"]
+        lines += [
+            f"think_close_token_index: {r.think_close_index}",
+            f"think_close_remaining_budget: {r.think_close_remaining}",
+            f"think_close_rank: {r.think_close_rank}",
+        ]
     if r.error:
         lines.append(f"error: {r.error}")
     if choices:
@@ -91,8 +102,14 @@ def format_record(r: TraceRecord, case: Optional[dict[str, Any]] = None) -> str:
         lines += [f"  {chr(65 + k)}. {c}" for k, c in enumerate(choices)]
     else:
         lines.append(f"answer_kind: {kind or 'integer'}")
-    return ("\n".join(lines) + "\n" + _block("SYSTEM_PROMPT", r.system)
-            + _block("QUESTION_PROMPT", r.question) + _block("MODEL_OUTPUT", r.output) + "\n")
+    return (
+        "\n".join(lines)
+        + "\n"
+        + _block("SYSTEM_PROMPT", r.system)
+        + _block("QUESTION_PROMPT", r.question)
+        + _block("MODEL_OUTPUT", r.output)
+        + "\n"
+    )
 
 
 class TraceWriter:
@@ -109,7 +126,7 @@ class TraceWriter:
         self.fd = fd
 
     @classmethod
-    def create(cls, path: str, **header: Any) -> "TraceWriter":
+    def create(cls, path: str, **header: Any) -> TraceWriter:
         directory = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(prefix=".ds4-eval-trace-", dir=directory)
         try:
@@ -129,7 +146,7 @@ class TraceWriter:
         return cls(path, os.open(path, os.O_WRONLY | os.O_APPEND))
 
     @classmethod
-    def resume(cls, path: str, **header: Any) -> "TraceWriter":
+    def resume(cls, path: str, **header: Any) -> TraceWriter:
         if not os.path.exists(path) or os.path.getsize(path) == 0:
             return cls.create(path, **header)
         fd = os.open(path, os.O_RDWR | os.O_APPEND)
@@ -150,7 +167,7 @@ class TraceWriter:
             data = data[n:]
         os.fsync(self.fd)
 
-    def record(self, rec: TraceRecord, case: Optional[dict[str, Any]] = None) -> None:
+    def record(self, rec: TraceRecord, case: dict[str, Any] | None = None) -> None:
         self.raw(format_record(rec, case))
 
     def summary(self, passed: int, failed: int, total: int) -> None:
@@ -179,7 +196,7 @@ def _fsync_dir(directory: str) -> None:
         os.close(dfd)
 
 
-def completed_records(records: list["ParsedRecord"]) -> dict[tuple[str, str], "ParsedRecord"]:
+def completed_records(records: list[ParsedRecord]) -> dict[tuple[str, str], ParsedRecord]:
     """The last complete PASSED/FAILED record of every (source, id): what
     --retry-incomplete keeps.  A torn record (killed mid-write) does not count."""
     done: dict[tuple[str, str], ParsedRecord] = {}
@@ -191,12 +208,13 @@ def completed_records(records: list["ParsedRecord"]) -> dict[tuple[str, str], "P
 
 # ---------------------------------------------------------------- reading
 
+
 @dataclass
 class ParsedRecord:
     fields: dict[str, str]
     blocks: dict[str, str]
-    raw: str            # the whole record text, re-emittable as is
-    output_ok: bool     # a MODEL_OUTPUT block was found and is well formed
+    raw: str  # the whole record text, re-emittable as is
+    output_ok: bool  # a MODEL_OUTPUT block was found and is well formed
 
     @property
     def source(self) -> str:
@@ -250,7 +268,7 @@ def _scan(data: bytes) -> list[tuple[int, int, dict[str, tuple[int, int, bool]]]
     Returns (start, end, {label: (payload_start, payload_end, ok)}) per case."""
     cases: list[tuple[int, int, dict[str, tuple[int, int, bool]]]] = []
     pos = 0
-    cur: Optional[list[Any]] = None
+    cur: list[Any] | None = None
     n = len(data)
     while pos < n:
         nl = data.find(b"\n", pos)
@@ -263,9 +281,9 @@ def _scan(data: bytes) -> list[tuple[int, int, dict[str, tuple[int, int, bool]]]
             if m.group(2) is not None:
                 size = int(m.group(2))
                 p0, p1 = nxt, nxt + size
-                q = p1 + 1 if data[p1:p1 + 1] == b"\n" else p1
+                q = p1 + 1 if data[p1 : p1 + 1] == b"\n" else p1
                 close = label.encode() + b"_END"
-                if data[q:q + len(close)] == close and p1 <= n:
+                if data[q : q + len(close)] == close and p1 <= n:
                     cur[2].setdefault(label, (p0, p1, True))
                     e = data.find(b"\n", q)
                     pos = n if e < 0 else e + 1
@@ -300,7 +318,7 @@ def parse_trace(text: str | bytes) -> list[ParsedRecord]:
         # header lines: everything before the first block
         first_block = min((b[0] for b in blocks.values()), default=end)
         for a, b in _lines(data[start:first_block]):
-            line = data[start + a:start + b].decode("utf-8", "replace").rstrip("\r")
+            line = data[start + a : start + b].decode("utf-8", "replace").rstrip("\r")
             if ": " in line and not line.startswith((" ", "=")):
                 k, v = line.split(": ", 1)
                 fields.setdefault(k, v)
@@ -314,6 +332,7 @@ def parse_trace(text: str | bytes) -> list[ParsedRecord]:
 
 # ---------------------------------------------------------------- regrade
 
+
 @dataclass
 class RegradeSummary:
     total: int = 0
@@ -323,22 +342,23 @@ class RegradeSummary:
     changed: int = 0
     unknown: int = 0
     parse_errors: int = 0
-    superseded: int = 0     # torn records rerun later in the same trace
+    superseded: int = 0  # torn records rerun later in the same trace
     messages: list[str] = field(default_factory=list)
 
     def line(self, path: str) -> str:
-        return (f"ds4-eval: regraded {self.total} cases from {path}: passed={self.passed} "
-                f"failed={self.failed} not_graded={self.not_graded} changed={self.changed} "
-                f"unknown={self.unknown} parse_errors={self.parse_errors}"
-                + (f" superseded={self.superseded}" if self.superseded else ""))
+        return (
+            f"ds4-eval: regraded {self.total} cases from {path}: passed={self.passed} "
+            f"failed={self.failed} not_graded={self.not_graded} changed={self.changed} "
+            f"unknown={self.unknown} parse_errors={self.parse_errors}"
+            + (f" superseded={self.superseded}" if self.superseded else "")
+        )
 
     @property
     def rc(self) -> int:
         return 1 if (self.unknown or self.parse_errors or self.total == 0) else 0
 
 
-def regrade_records(records: list[ParsedRecord],
-                    lookup: Callable[[str, str], Optional[dict[str, Any]]]) -> RegradeSummary:
+def regrade_records(records: list[ParsedRecord], lookup: Callable[[str, str], dict[str, Any] | None]) -> RegradeSummary:
     """Grade PASSED/FAILED records (and records without a status line) again with
     the current extractor; the other statuses are counted as not_graded."""
     from .extract import grade_detail
@@ -355,8 +375,7 @@ def regrade_records(records: list[ParsedRecord],
             s.unknown += 1
             s.messages.append(f"ds4-eval: trace case {k} not found in embedded cases: {rec.source}/{rec.id}")
             continue
-        if not rec.output_ok and any(r.output_ok and (r.source, r.id) == (rec.source, rec.id)
-                                     for r in records[k:]):
+        if not rec.output_ok and any(r.output_ok and (r.source, r.id) == (rec.source, rec.id) for r in records[k:]):
             s.superseded += 1  # torn by a kill, then run again by --retry-incomplete
             continue
         if not rec.output_ok:
@@ -374,7 +393,8 @@ def regrade_records(records: list[ParsedRecord],
             s.changed += 1
             s.messages.append(
                 f"case {k} {rec.source}/{rec.id}: trace {rec.status or '?'} picked={rec.picked or '?'} -> "
-                f"regrade {'PASSED' if ok else 'FAILED'} picked={picked} expected={case['answer']}")
+                f"regrade {'PASSED' if ok else 'FAILED'} picked={picked} expected={case['answer']}"
+            )
     return s
 
 

@@ -6,6 +6,7 @@ Keys: p pause, q quit (report printed), Up/Down select, Enter run the selected
 case next.  The run itself happens on a worker thread; this module only reads its
 state and turns keys into `Control` requests.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ import termios
 import threading
 import time
 import tty
-from typing import Any, Optional
+from typing import Any
 
 from rich.cells import get_character_cell_size
 from rich.console import Console, Group
@@ -30,8 +31,16 @@ from .runner import CaseRun, NullUI, Runner
 from .thinkclose import THINK_CLOSE
 
 MIN_COLS, MIN_ROWS = 90, 18
-STATUS_STYLE = {"PEND": "dim", "FILL": "cyan", "RUN": "yellow", "SKIP": "dim", "STOP": "bold yellow",
-                "PASS": "bold green", "FAIL": "bold red", "ERR": "bold red"}
+STATUS_STYLE = {
+    "PEND": "dim",
+    "FILL": "cyan",
+    "RUN": "yellow",
+    "SKIP": "dim",
+    "STOP": "bold yellow",
+    "PASS": "bold green",
+    "FAIL": "bold red",
+    "ERR": "bold red",
+}
 
 
 def usable(out: Any = sys.stdout) -> bool:
@@ -70,7 +79,7 @@ class KeyReader:
 
     def __init__(self, fd: int):
         self.fd = fd
-        self.keys: "queue.Queue[str]" = queue.Queue()
+        self.keys: queue.Queue[str] = queue.Queue()
         self._stop = threading.Event()
         self._old = termios.tcgetattr(fd)
         tty.setcbreak(fd)
@@ -117,10 +126,10 @@ class KeyReader:
 
 
 class TUI(NullUI):
-    def __init__(self, runner: Runner, console: Optional[Console] = None):
+    def __init__(self, runner: Runner, console: Console | None = None):
         self.runner = runner
         self.console = console or Console()
-        self.cursor: Optional[int] = None
+        self.cursor: int | None = None
         self.t0 = time.monotonic()
 
     # -- input
@@ -168,7 +177,7 @@ class TUI(NullUI):
         top = 0
         if len(r.runs) > rows:
             top = max(0, min(len(r.runs) - rows, focus - rows // 2))
-        for cr in r.runs[top:top + rows]:
+        for cr in r.runs[top : top + rows]:
             t = Text(">" if self.cursor == cr.pos else " ")
             t.append(f"{cr.pos + 1:>2} ")
             style = STATUS_STYLE.get(cr.label, "")
@@ -180,14 +189,14 @@ class TUI(NullUI):
                 verdict = f"{cr.picked or '?'}/{cr.case['answer']}"[:18].rjust(18)
             room = width - len(t) - (len(verdict) + 1 if verdict else 0)
             if len(desc) > room:
-                desc = desc[:max(0, room - 3)] + "..."
+                desc = desc[: max(0, room - 3)] + "..."
             t.append(desc.ljust(room), "bold" if cr.pos == r.active else "")
             if verdict:
                 t.append(" " + verdict, style)
             lines.append(t)
         return lines
 
-    def _shown(self) -> Optional[CaseRun]:
+    def _shown(self) -> CaseRun | None:
         r = self.runner
         pos = self.cursor if self.cursor is not None else r.active
         if pos is None:
@@ -232,9 +241,9 @@ class TUI(NullUI):
             lines.append(Text(f"viewing {cr.pos + 1} {cr.label} {cr.key}"[:width], "bold"))
         question = re.sub(r"\s+", " ", cr.prompt.user).strip()
         for k in range(3):
-            piece = question[k * width:(k + 1) * width]
+            piece = question[k * width : (k + 1) * width]
             if k == 2 and len(question) > 3 * width:
-                piece = piece[:max(0, width - 3)] + "..."
+                piece = piece[: max(0, width - 3)] + "..."
             lines.append(Text(piece, "blue"))
         lines.append(Text(""))
         lines += self._tail(cr, width, height - len(lines))
@@ -247,7 +256,7 @@ class TUI(NullUI):
         if not thinking:
             segments = [(raw, "")]
         elif i >= 0:
-            segments = [(raw[:i], "grey50"), ("\n", ""), (raw[i + len(THINK_CLOSE):], "")]
+            segments = [(raw[:i], "grey50"), ("\n", ""), (raw[i + len(THINK_CLOSE) :], "")]
         else:
             think = raw
             for k in range(len(THINK_CLOSE) - 1, 0, -1):  # a tag split across tokens
@@ -338,8 +347,14 @@ class TUI(NullUI):
         old_int = signal.signal(signal.SIGINT, on_interrupt)
         worker = threading.Thread(target=work, name="ds4mlx-eval", daemon=True)
         try:
-            with Live(self.render(), console=self.console, screen=True, auto_refresh=False,
-                      redirect_stdout=False, redirect_stderr=False) as live:
+            with Live(
+                self.render(),
+                console=self.console,
+                screen=True,
+                auto_refresh=False,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            ) as live:
                 worker.start()
                 while worker.is_alive():
                     try:

@@ -74,6 +74,7 @@ Names of bias vectors follow their weights (`X.bias` -> `gguf(X).bias`, llama.cp
 convention).  GGUF tensor names must stay under 64 bytes (ggml GGML_MAX_NAME); every
 name here does, and `to_gguf` checks.
 """
+
 from __future__ import annotations
 
 from .. import registry
@@ -104,5 +105,16 @@ def for_arch(arch: str) -> Family | None:
     return _BY_ARCH.get(arch)
 
 
-__all__ = ["GGML_MAX_NAME", "Family", "Rule", "FAMILIES", "CONFIG_KEY", "for_config", "for_arch",
-           "DEEPSEEK_V41", "GLM_MOE_DSA", "GLM5_NEXT", "QWEN4_EXP"]
+__all__ = [
+    "GGML_MAX_NAME",
+    "Family",
+    "Rule",
+    "FAMILIES",
+    "CONFIG_KEY",
+    "for_config",
+    "for_arch",
+    "DEEPSEEK_V41",
+    "GLM_MOE_DSA",
+    "GLM5_NEXT",
+    "QWEN4_EXP",
+]

@@ -1,13 +1,15 @@
 """The machinery shared by the family tables: `Rule` (one HF tensor <-> GGUF tensors),
 `Family` (a family's names, keys and rearrangements), the exact rearrangements, and
 metadata helpers.  See the package docstring for the families and their sources."""
+
 from __future__ import annotations
 
 import json
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -46,11 +48,23 @@ def make_rule(hf: str, *gguf: str, split=None, join=None) -> Rule:
 
 def matrix_rules(hf_stem: str, gguf_stem: str, split=None, join=None, bias: bool = True) -> list[Rule]:
     """`X.weight` -> `Y.weight` (and `X.bias` -> `Y.bias`); a split applies to both (axis 0)."""
-    out = [Rule(f"{hf_stem}.weight", (f"{gguf_stem}.weight",) if isinstance(gguf_stem, str)
-                else tuple(f"{g}.weight" for g in gguf_stem), split, join)]
+    out = [
+        Rule(
+            f"{hf_stem}.weight",
+            (f"{gguf_stem}.weight",) if isinstance(gguf_stem, str) else tuple(f"{g}.weight" for g in gguf_stem),
+            split,
+            join,
+        )
+    ]
     if bias:
-        out.append(Rule(f"{hf_stem}.bias", (f"{gguf_stem}.bias",) if isinstance(gguf_stem, str)
-                        else tuple(f"{g}.bias" for g in gguf_stem), split, join))
+        out.append(
+            Rule(
+                f"{hf_stem}.bias",
+                (f"{gguf_stem}.bias",) if isinstance(gguf_stem, str) else tuple(f"{g}.bias" for g in gguf_stem),
+                split,
+                join,
+            )
+        )
     return out
 
 
@@ -96,8 +110,10 @@ def deinterleave_split(a, args):
     """q_proj rows, per head [query (D) | gate (D)] -> query rows, gate rows."""
     nh, d = args.num_attention_heads, args.head_dim
     x = a.reshape(nh, 2, d, *a.shape[1:])
-    return [np.ascontiguousarray(x[:, 0].reshape(nh * d, *a.shape[1:])),
-            np.ascontiguousarray(x[:, 1].reshape(nh * d, *a.shape[1:]))]
+    return [
+        np.ascontiguousarray(x[:, 0].reshape(nh * d, *a.shape[1:])),
+        np.ascontiguousarray(x[:, 1].reshape(nh * d, *a.shape[1:])),
+    ]
 
 
 def deinterleave_join(parts, args):
@@ -200,9 +216,12 @@ class Family:
             hf_layer = {r.hf: r for r in self.layer}
             g_top = {g: (r, i) for r in self.top for i, g in enumerate(r.gguf)}
             g_layer = {g: (r, i) for r in self.layer for i, g in enumerate(r.gguf)}
-            if len(g_top) != sum(len(r.gguf) for r in self.top) or \
-                    len(g_layer) != sum(len(r.gguf) for r in self.layer) or \
-                    len(hf_top) != len(self.top) or len(hf_layer) != len(self.layer):
+            if (
+                len(g_top) != sum(len(r.gguf) for r in self.top)
+                or len(g_layer) != sum(len(r.gguf) for r in self.layer)
+                or len(hf_top) != len(self.top)
+                or len(hf_layer) != len(self.layer)
+            ):
                 raise AssertionError(f"{self.name}: name table is not one-to-one")  # pragma: no cover
             self._maps = {"hf_top": hf_top, "hf_layer": hf_layer, "g_top": g_top, "g_layer": g_layer}
         return self._maps
@@ -284,9 +303,12 @@ class Family:
         out, per_expert = {}, {}
         for k, v in tensors.items():
             if k.startswith("model.language_model."):
-                k = "model." + k[len("model.language_model."):]
-            if k.startswith(("model.visual.", "visual.", "model.vision", "mtp.", "model.mtp.")) \
-                    or "rotary_emb" in k or k.endswith(self.drop):
+                k = "model." + k[len("model.language_model.") :]
+            if (
+                k.startswith(("model.visual.", "visual.", "model.vision", "mtp.", "model.mtp."))
+                or "rotary_emb" in k
+                or k.endswith(self.drop)
+            ):
                 continue
             x = HF_LAYER_RE.match(k)
             if x and int(x.group(1)) >= n:  # MTP layers appended after the trunk
@@ -332,15 +354,18 @@ class Family:
                 vals = [val]
             else:
                 if isinstance(val, QuantizedTensor):
-                    raise ValueError(f"{name}: a quantized tensor cannot be rearranged into {gnames}; "
-                                     "convert from float weights")
+                    raise ValueError(
+                        f"{name}: a quantized tensor cannot be rearranged into {gnames}; convert from float weights"
+                    )
                 vals = rule.split(np.asarray(val), args)
             for g, v in zip(gnames, vals):
                 if len(g.encode()) >= GGML_MAX_NAME:
                     raise ValueError(f"GGUF tensor name {g!r} is {len(g.encode())} bytes (ggml allows 63)")
                 items.append((g, v))
         if unknown:
-            raise ValueError(f"tensors with no {self.arch} GGUF name: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
+            raise ValueError(
+                f"tensors with no {self.arch} GGUF name: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}"
+            )
         return items
 
     def from_gguf(self, config: dict, names, get) -> tuple[dict, list]:

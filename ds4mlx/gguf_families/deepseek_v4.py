@@ -32,6 +32,7 @@ llama.cpp's DeepSeek4 converter and present in published DeepSeek4 GGUFs, ds4 do
 not read it.  HF config fields that no ds4 key can express are stored as JSON in
 the extra key `ds4mlx.hf_config_overrides` (ds4 ignores unknown keys).
 """
+
 from __future__ import annotations
 
 import copy
@@ -292,7 +293,11 @@ def normalize_config(raw: dict) -> dict:
     else:
         yarn = _clean_rope({k: v for k, v in rp.items() if k not in ("main", "compress")})
         yarn.pop("rope_theta", None)
-        main = {"rope_type": "default", "rope_theta": c["rope_theta"], "partial_rotary_factor": c["partial_rotary_factor"]}
+        main = {
+            "rope_type": "default",
+            "rope_theta": c["rope_theta"],
+            "partial_rotary_factor": c["partial_rotary_factor"],
+        }
         comp = {**yarn, "rope_theta": c["compress_rope_theta"], "partial_rotary_factor": c["partial_rotary_factor"]}
         comp.setdefault("rope_type", "default")
         if comp["rope_type"] == "yarn":
@@ -369,8 +374,10 @@ def config_to_gguf_kv(cfg: dict) -> list[tuple[str, object, str]]:
             (f"{a}.rope.scaling.yarn_beta_slow", float(comp.get("beta_slow", 1.0)), "f32"),
         ]
     # Fields the ds4 keys cannot carry exactly go into one JSON override.
-    derived = config_from_gguf_kv({k: (to_f32(v) if t == "f32" else ([to_f32(x) for x in v] if t == "arr_f32" else v))
-                                   for k, v, t in kv}, apply_overrides=False)
+    derived = config_from_gguf_kv(
+        {k: (to_f32(v) if t == "f32" else ([to_f32(x) for x in v] if t == "arr_f32" else v)) for k, v, t in kv},
+        apply_overrides=False,
+    )
     overrides = {k: c[k] for k in CONFIG_FIELDS if k in c and derived.get(k) != c[k]}
     if overrides:
         kv.append((OVERRIDES_KEY, json.dumps(overrides, sort_keys=True), "str"))

@@ -1,8 +1,8 @@
 """DeepSeek V4.1 Flash: ds4's `deepseek41` GGUFs (see the package docstring)."""
+
 from __future__ import annotations
 
-from .base import Family, flatten_groups_split, identity_join, num_kind, make_rule, text_part, tok_ids
-
+from .base import Family, flatten_groups_split, identity_join, make_rule, num_kind, text_part, tok_ids
 
 # ============================================================================= DeepSeek V4.1
 # Tensor names: antirez/ds4 gguf-tools/deepseek41_quantize.py build_plan().  HF side:
@@ -38,12 +38,34 @@ _V41_LAYER = [
 ]
 
 # deepseek41_metadata.py metadata(): per-field keys (u32 / f32 / str / bool / u32 arrays).
-_V41_U32 = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups",
-            "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "max_position_embeddings",
-            "sliding_window", "index_n_heads", "index_head_dim", "index_topk", "candidate_source_layer_id",
-            "candidate_topk_blocks", "candidate_block_size", "hc_mult", "hc_sinkhorn_iters", "rope_theta",
-            "compress_rope_theta")
+_V41_U32 = (
+    "vocab_size",
+    "hidden_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "qk_rope_head_dim",
+    "q_lora_rank",
+    "o_lora_rank",
+    "o_groups",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "max_position_embeddings",
+    "sliding_window",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "candidate_source_layer_id",
+    "candidate_topk_blocks",
+    "candidate_block_size",
+    "hc_mult",
+    "hc_sinkhorn_iters",
+    "rope_theta",
+    "compress_rope_theta",
+)
 _V41_F32 = ("rms_norm_eps", "hc_eps", "swiglu_limit", "routed_scaling_factor")
 _V41_STR = ("scoring_func", "hidden_act", "topk_method")
 _V41_ARR = ("kv_source_layer_ids", "index_source_layer_ids")
@@ -95,7 +117,15 @@ def _v41_derive(meta: dict) -> dict:
 
 
 DEEPSEEK_V41 = Family(
-    name="deepseek_v41", arch="deepseek41", model_types=("deepseek_v41",), display="DeepSeek-V4.1",
-    top=_V41_TOP, layer=_V41_LAYER, config_key="deepseek41.config", fuse_experts=False,
-    keep_f32=("ffn_gate_inp.weight",), kv_fn=_v41_kv, derive_fn=_v41_derive,
+    name="deepseek_v41",
+    arch="deepseek41",
+    model_types=("deepseek_v41",),
+    display="DeepSeek-V4.1",
+    top=_V41_TOP,
+    layer=_V41_LAYER,
+    config_key="deepseek41.config",
+    fuse_experts=False,
+    keep_f32=("ffn_gate_inp.weight",),
+    kv_fn=_v41_kv,
+    derive_fn=_v41_derive,
 )

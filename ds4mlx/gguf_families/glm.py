@@ -1,16 +1,29 @@
 """GLM 5.2 (`glm-dsa`, llama.cpp / ds4 glm-dsa) and GLM 5.3 Flash (ds4's `glm5-next`)."""
+
 from __future__ import annotations
 
 import re
 
-from .base import (HF_LAYER_RE, Family, to_f32, kv_b_join, kv_b_split, matrix_rules, GGUFMeta, make_rule, row_parts,
-                   tok_ids)
+from .base import (
+    HF_LAYER_RE,
+    Family,
+    GGUFMeta,
+    kv_b_join,
+    kv_b_split,
+    make_rule,
+    matrix_rules,
+    row_parts,
+    to_f32,
+    tok_ids,
+)
 
 
 # ============================================================================= GLM DSA (GLM 5.2 / 5.3 attention)
 def _glm_dsa_attention(with_pool: bool) -> list:
     """DSA MLA + indexer names shared by glm-dsa (llama.cpp / ds4 glm-dsa) and ds4's GLM 5.3."""
-    kv_b = make_rule("self_attn.kv_b_proj.weight", "attn_k_b.weight", "attn_v_b.weight", split=kv_b_split, join=kv_b_join)
+    kv_b = make_rule(
+        "self_attn.kv_b_proj.weight", "attn_k_b.weight", "attn_v_b.weight", split=kv_b_split, join=kv_b_join
+    )
     rules = [
         *matrix_rules("self_attn.q_a_proj", "attn_q_a"),
         make_rule("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"),
@@ -26,8 +39,10 @@ def _glm_dsa_attention(with_pool: bool) -> list:
         make_rule("self_attn.indexer.weights_proj.weight", "indexer.proj.weight"),
     ]
     if with_pool:  # glm53_quantize.py add_dsa_attention: indexer.pool_ape / pool_gate
-        rules += [make_rule("self_attn.indexer.index_kpool_compress_ape", "indexer.pool_ape.weight"),
-                  make_rule("self_attn.indexer.index_kpool_compress_gate", "indexer.pool_gate.weight")]
+        rules += [
+            make_rule("self_attn.indexer.index_kpool_compress_ape", "indexer.pool_ape.weight"),
+            make_rule("self_attn.indexer.index_kpool_compress_gate", "indexer.pool_gate.weight"),
+        ]
     return rules
 
 
@@ -115,7 +130,7 @@ _ROPE_SCALING = (
 )
 
 
-def _rope_from_kv(g: "GGUFMeta") -> dict:
+def _rope_from_kv(g: GGUFMeta) -> dict:
     rope = {"rope_type": "default", "rope_theta": float(g("rope.freq_base", 10000.0))}
     kind = g("rope.scaling.type", None)
     if kind and kind not in ("none", "default"):
@@ -171,9 +186,15 @@ def _glm_dsa_derive(meta: dict) -> dict:
 
 
 GLM_MOE_DSA = Family(
-    name="glm_moe_dsa", arch="glm-dsa", model_types=("glm_moe_dsa",), display="GLM-5.2",
-    top=_GLM_TOP, layer=_glm_dsa_attention(with_pool=False) + _GLM_FFN,
-    keep_f32=("ffn_gate_inp.weight",), kv_fn=_glm_dsa_kv, derive_fn=_glm_dsa_derive,
+    name="glm_moe_dsa",
+    arch="glm-dsa",
+    model_types=("glm_moe_dsa",),
+    display="GLM-5.2",
+    top=_GLM_TOP,
+    layer=_glm_dsa_attention(with_pool=False) + _GLM_FFN,
+    keep_f32=("ffn_gate_inp.weight",),
+    kv_fn=_glm_dsa_kv,
+    derive_fn=_glm_dsa_derive,
 )
 
 
@@ -190,8 +211,14 @@ _GLM53_LAYER = [
     *matrix_rules("self_attn.q_proj", "kda_q"),
     *matrix_rules("self_attn.k_proj", "kda_k"),
     *matrix_rules("self_attn.v_proj", "kda_v"),
-    make_rule("self_attn.conv1d.weight", "kda_q_conv.weight", "kda_k_conv.weight", "kda_v_conv.weight",
-       split=_kda_conv_split, join=_kda_conv_join),
+    make_rule(
+        "self_attn.conv1d.weight",
+        "kda_q_conv.weight",
+        "kda_k_conv.weight",
+        "kda_v_conv.weight",
+        split=_kda_conv_split,
+        join=_kda_conv_join,
+    ),
     make_rule("self_attn.forget_gate.f_a_proj.weight", "kda_f_a.weight"),
     make_rule("self_attn.forget_gate.f_b_proj.weight", "kda_f_b.weight"),
     make_rule("self_attn.forget_gate.dt_bias", "kda_dt_bias.weight"),
@@ -207,8 +234,11 @@ _GLM53_LAYER = [
 # (add_linear_attention / add_dsa_attention): `_Glm53Family` renames it to one of these
 # two layer-type-specific stand-ins before the lookup (and back after reading).
 _GLM53_LAYER = [r for r in _GLM53_LAYER if not r.hf.startswith("self_attn.o_proj.")]
-_GLM53_LAYER += [make_rule(f"{tag}.{leaf}", f"{g}.{leaf}") for tag, g in (("kda_o", "kda_output"), ("dsa_o", "attn_output"))
-                 for leaf in ("weight", "bias")]
+_GLM53_LAYER += [
+    make_rule(f"{tag}.{leaf}", f"{g}.{leaf}")
+    for tag, g in (("kda_o", "kda_output"), ("dsa_o", "attn_output"))
+    for leaf in ("weight", "bias")
+]
 
 
 def _glm5_next_kv(config: dict, args) -> list:
@@ -245,8 +275,11 @@ def _glm5_next_kv(config: dict, args) -> list:
         (f"{a}.linear_attention.head_count", args.linear_num_heads, "u32"),
         (f"{a}.linear_attention.head_dimension", args.linear_head_dim, "u32"),
         (f"{a}.linear_attention.conv_kernel", args.linear_conv_kernel_dim, "u32"),
-        *([(f"{a}.linear_attention.gate_lower_bound", float(args.linear_lower_bound), "f32")]
-          if args.linear_lower_bound is not None else []),
+        *(
+            [(f"{a}.linear_attention.gate_lower_bound", float(args.linear_lower_bound), "f32")]
+            if args.linear_lower_bound is not None
+            else []
+        ),
         (f"{a}.layer_types", [0 if t == "linear_attention" else 1 for t in args.layer_types[:n]], "arr_u32"),
         (f"{a}.mlp_layer_types", list(args.mlp_layer_types[:n]), "arr_str"),  # extension
         (f"{a}.hyper_connection.count", args.hc_mult, "u32"),
@@ -326,13 +359,19 @@ class _Glm53Family(Family):
     def from_gguf(self, config, names, get):
         tensors, unknown = super().from_gguf(config, names, get)
         for k in [k for k in tensors if re.match(r"^model\.layers\.\d+\.(kda_o|dsa_o)\.", k)]:
-            layer, _, leaf = k[len("model.layers."):].split(".", 2)
+            layer, _, leaf = k[len("model.layers.") :].split(".", 2)
             tensors[f"model.layers.{layer}.self_attn.o_proj.{leaf}"] = tensors.pop(k)
         return tensors, unknown
 
 
 GLM5_NEXT = _Glm53Family(
-    name="glm5_next", arch="glm5-next", model_types=("glm5_next", "glm5_next_text"), display="GLM-5.3-Flash",
-    top=_GLM_TOP, layer=_GLM53_LAYER,
-    keep_f32=("ffn_gate_inp.weight", "_conv.weight"), kv_fn=_glm5_next_kv, derive_fn=_glm5_next_derive,
+    name="glm5_next",
+    arch="glm5-next",
+    model_types=("glm5_next", "glm5_next_text"),
+    display="GLM-5.3-Flash",
+    top=_GLM_TOP,
+    layer=_GLM53_LAYER,
+    keep_f32=("ffn_gate_inp.weight", "_conv.weight"),
+    kv_fn=_glm5_next_kv,
+    derive_fn=_glm5_next_derive,
 )

@@ -1,6 +1,7 @@
 """GGUF metadata fields as python values, for every reader of GGUF files (weights.py, the
 tokenizer): strings decoded, numeric arrays as lists, float32 values as their shortest
 decimal."""
+
 from __future__ import annotations
 
 import gguf

@@ -1,8 +1,22 @@
 """Qwen3.8 Flash Next: ds4's `qwen38-next` GGUFs (see the package docstring)."""
+
 from __future__ import annotations
 
-from .base import (CONFIG_KEY, Family, deinterleave_join, deinterleave_split, matrix_rules, GGUFMeta,
-                   plus_one_join, plus_one_split, make_rule, row_parts, squeeze_split, tok_ids, unsqueeze_join)
+from .base import (
+    CONFIG_KEY,
+    Family,
+    GGUFMeta,
+    deinterleave_join,
+    deinterleave_split,
+    make_rule,
+    matrix_rules,
+    plus_one_join,
+    plus_one_split,
+    row_parts,
+    squeeze_split,
+    tok_ids,
+    unsqueeze_join,
+)
 
 
 # ============================================================================= Qwen3.8 Flash Next
@@ -42,8 +56,14 @@ _QWEN_LAYER = [
     *_qwen_hc("mlp_hyper_connection", "hc_ffn", inject=True),
     # Gated DeltaNet (add_gdn)
     *matrix_rules("linear_attn.in_proj_qkv", ("kda_q", "kda_k", "kda_v"), split=_gdn_split, join=_gdn_join),
-    make_rule("linear_attn.conv1d.weight", "kda_q_conv.weight", "kda_k_conv.weight", "kda_v_conv.weight",
-       split=_gdn_split, join=_gdn_join),
+    make_rule(
+        "linear_attn.conv1d.weight",
+        "kda_q_conv.weight",
+        "kda_k_conv.weight",
+        "kda_v_conv.weight",
+        split=_gdn_split,
+        join=_gdn_join,
+    ),
     *matrix_rules("linear_attn.in_proj_z", "kda_gate"),
     *matrix_rules("linear_attn.in_proj_a", "kda_alpha"),
     *matrix_rules("linear_attn.in_proj_b", "kda_beta"),
@@ -58,8 +78,13 @@ _QWEN_LAYER = [
     make_rule("self_attn.q_norm.weight", "attn_q_norm.weight", **_PLUS1),
     make_rule("self_attn.k_norm.weight", "attn_k_norm.weight", **_PLUS1),
     *matrix_rules("self_attn.o_proj", "attn_output"),
-    make_rule("self_attn.indexer.index_qk_proj.weight", "indexer.q_proj.weight", "indexer.k_proj.weight",
-       split=_idx_split, join=_idx_join),
+    make_rule(
+        "self_attn.indexer.index_qk_proj.weight",
+        "indexer.q_proj.weight",
+        "indexer.k_proj.weight",
+        split=_idx_split,
+        join=_idx_join,
+    ),
     make_rule("self_attn.indexer.q_layernorm.weight", "indexer.q_norm.weight", **_PLUS1),
     make_rule("self_attn.indexer.k_layernorm.weight", "indexer.k_norm.weight", **_PLUS1),
     # MoE (add_ffn)
@@ -76,8 +101,11 @@ _QWEN_LAYER = [
     make_rule("ple.norm_query.weight", "ple_norm_query.weight", **_PLUS1),
     make_rule("ple.ple_embedding.ngram_embedding.weight", "ple_token_embd.weight"),  # extension
 ]
-_QWEN_PLE_BUFFERS = (".ple.ple_embedding.layer_multipliers", ".ple.ple_embedding.ngram_heads_offsets",
-                     ".ple.ple_embedding.ngram_heads_vocab_sizes")
+_QWEN_PLE_BUFFERS = (
+    ".ple.ple_embedding.layer_multipliers",
+    ".ple.ple_embedding.ngram_heads_offsets",
+    ".ple.ple_embedding.ngram_heads_vocab_sizes",
+)
 
 
 def _qwen_kv(config: dict, args) -> list:
@@ -136,8 +164,11 @@ def _qwen_kv(config: dict, args) -> list:
             (f"{a}.ple.layer", args.ple_layer_ids[0] - 1, "u32"),  # ds4: one PLE layer, 0-based
             (f"{a}.ple.layers", [i - 1 for i in args.ple_layer_ids], "arr_u32"),  # extension: all of them
             (f"{a}.ple.eos_token_id", args.eos_id, "u32"),
-            (f"{a}.ple.layer_multipliers", layer_multipliers(args.vocab_size, args.ngram_size, 0, args.seed),
-             "arr_u64"),
+            (
+                f"{a}.ple.layer_multipliers",
+                layer_multipliers(args.vocab_size, args.ngram_size, 0, args.seed),
+                "arr_u64",
+            ),
             (f"{a}.ple.head_offsets", offsets, "arr_u64"),
             (f"{a}.ple.head_vocab_sizes", sizes, "arr_u64"),
         ]
@@ -163,8 +194,11 @@ def _qwen_derive(meta: dict) -> dict:
         "num_attention_heads": int(q("attention.head_count")),
         "num_key_value_heads": int(q("attention.head_count_kv")),
         "head_dim": head_dim,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(q("rope.freq_base", 10000000.0)),
-                            "partial_rotary_factor": int(q("attention.rope_dimension_count", head_dim)) / head_dim},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(q("rope.freq_base", 10000000.0)),
+            "partial_rotary_factor": int(q("attention.rope_dimension_count", head_dim)) / head_dim,
+        },
         "linear_conv_kernel_dim": int(q("linear_attention.conv_kernel", 4)),
         "output_gate_type": q("linear_attention.output_gate", None),
         "linear_key_head_dim": int(q("linear_attention.head_dimension")),
@@ -183,40 +217,57 @@ def _qwen_derive(meta: dict) -> dict:
         "tie_word_embeddings": False,
     }
     if 1 in lt:
-        c.update({
-            "indexer_n_heads": int(q("attention.indexer.head_count")),
-            "indexer_kv_heads": 1,
-            "indexer_head_dim": int(q("attention.indexer.key_length")),
-            "indexer_budget": int(q("attention.indexer.top_k")),
-            "indexer_compress_ratio": int(q("attention.indexer.pool_size")),
-        })
+        c.update(
+            {
+                "indexer_n_heads": int(q("attention.indexer.head_count")),
+                "indexer_kv_heads": 1,
+                "indexer_head_dim": int(q("attention.indexer.key_length")),
+                "indexer_budget": int(q("attention.indexer.top_k")),
+                "indexer_compress_ratio": int(q("attention.indexer.pool_size")),
+            }
+        )
     c.update(tok_ids(meta))
     if q("ple.layer", None) is not None:
         layers = [int(x) for x in q("ple.layers", [q("ple.layer")])]
         ngram, hpn = int(q("ple.ngram_size")), int(q("ple.heads_per_ngram"))
         heads = (ngram - 1) * hpn
         sizes = [int(x) for x in q("ple.head_vocab_sizes")]
-        c.update({
-            "ple_layer_ids": [i + 1 for i in layers],
-            "ple_embed_dim": int(q("ple.row_length")) * heads,
-            "ple_conv_kernel_size": int(q("ple.conv_kernel", 4)),
-            "ngram_size": ngram,
-            "heads_per_ngram": hpn,
-            "ngram_vocab_size_base": sizes[0],
-            "eos_token_id": int(q("ple.eos_token_id", c.get("eos_token_id", 0))),
-        })
+        c.update(
+            {
+                "ple_layer_ids": [i + 1 for i in layers],
+                "ple_embed_dim": int(q("ple.row_length")) * heads,
+                "ple_conv_kernel_size": int(q("ple.conv_kernel", 4)),
+                "ngram_size": ngram,
+                "heads_per_ngram": hpn,
+                "ngram_vocab_size_base": sizes[0],
+                "eos_token_id": int(q("ple.eos_token_id", c.get("eos_token_id", 0))),
+            }
+        )
         want_sizes, _ = head_tables(sizes[0], heads, 0)
         want_mult = layer_multipliers(c["vocab_size"], ngram, 0, 1234)
         if want_sizes != sizes or want_mult != [int(x) for x in q("ple.layer_multipliers")]:
-            raise ValueError("qwen38-next PLE hash tables do not follow from the default seed; this GGUF needs "
-                             f"the {CONFIG_KEY} key")
+            raise ValueError(
+                f"qwen38-next PLE hash tables do not follow from the default seed; this GGUF needs the {CONFIG_KEY} key"
+            )
     return c
 
 
 QWEN4_EXP = Family(
-    name="qwen4_exp", arch="qwen38-next", model_types=("qwen4_exp", "qwen4_exp_text"),
-    display="Qwen3.8-Flash-Next", top=_QWEN_TOP, layer=_QWEN_LAYER, drop=_QWEN_PLE_BUFFERS,
-    keep_f32=("ffn_gate_inp.weight", "_conv.weight", "ple_conv1d.weight", "_inject.weight",
-              "kda_alpha.weight", "kda_beta.weight"),
-    kv_fn=_qwen_kv, derive_fn=_qwen_derive,
+    name="qwen4_exp",
+    arch="qwen38-next",
+    model_types=("qwen4_exp", "qwen4_exp_text"),
+    display="Qwen3.8-Flash-Next",
+    top=_QWEN_TOP,
+    layer=_QWEN_LAYER,
+    drop=_QWEN_PLE_BUFFERS,
+    keep_f32=(
+        "ffn_gate_inp.weight",
+        "_conv.weight",
+        "ple_conv1d.weight",
+        "_inject.weight",
+        "kda_alpha.weight",
+        "kda_beta.weight",
+    ),
+    kv_fn=_qwen_kv,
+    derive_fn=_qwen_derive,
 )

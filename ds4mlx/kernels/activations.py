@@ -1,5 +1,6 @@
 """Activation references shared by the model graphs and the fused kernels' reference faces
 (kernels import nothing from models/, so the SwiGLU both need lives here)."""
+
 from __future__ import annotations
 
 import mlx.core as mx

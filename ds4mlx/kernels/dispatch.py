@@ -17,13 +17,14 @@ kernel; a failure (a compile error or a wrong result) is logged and that kernel
 falls back to the reference face.  ``DS4MLX_KERNEL_SELFTEST=1`` tests every GPU
 face, ``0`` none.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import re
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -119,8 +120,12 @@ def auto_face(kernel: str, self_test) -> str:
         if ok:
             log.info("kernel %s: the %s face passed its first-use self-test", kernel, face)
         else:
-            log.warning("kernel %s: the %s face failed its first-use self-test (%s); "
-                        "using the MLX reference path for it", kernel, face, why)
+            log.warning(
+                "kernel %s: the %s face failed its first-use self-test (%s); using the MLX reference path for it",
+                kernel,
+                face,
+                why,
+            )
     return face if ok else "reference"
 
 
@@ -130,7 +135,7 @@ def close_enough(got, want, rtol: float = 1e-3, atol: float = 1e-4) -> bool:
     return bool(mx.all(mx.isfinite(got)).item()) and bool(mx.allclose(got, want, rtol=rtol, atol=atol).item())
 
 
-@lru_cache(maxsize=None)
+@cache
 def sections(path: str | Path) -> dict[str, str]:
     """``// @@ name`` delimited sections of a source file -> {name: text}."""
     text = Path(path).read_text()
@@ -170,13 +175,21 @@ class Kernel:
         if face not in self._built:
             header, source = self.faces[face]
             if face == "metal":
-                fn = mx.fast.metal_kernel(name=self.name, input_names=self.input_names,
-                                          output_names=self.output_names, source=source,
-                                          header=header)
+                fn = mx.fast.metal_kernel(
+                    name=self.name,
+                    input_names=self.input_names,
+                    output_names=self.output_names,
+                    source=source,
+                    header=header,
+                )
             elif face == "cuda":
-                fn = mx.fast.cuda_kernel(name=self.name, input_names=self.input_names,
-                                         output_names=self.output_names, source=source,
-                                         header=header)
+                fn = mx.fast.cuda_kernel(
+                    name=self.name,
+                    input_names=self.input_names,
+                    output_names=self.output_names,
+                    source=source,
+                    header=header,
+                )
             else:
                 raise ValueError(f"no GPU face {face!r}")
             self._built[face] = fn

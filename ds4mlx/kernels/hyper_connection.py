@@ -30,23 +30,24 @@ with g++ (threadgroups emulated with std::threads).  The CUDA face is meant to b
 checked on the H200 with ``pytest -m gpu tests/test_kernel_hyper_connection.py``;
 the Metal face has not run (no Apple GPU here).
 """
+
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 
 from ds4mlx.kernels import hyper_connection_reference as reference
-from ds4mlx.kernels.hyper_connection_reference import hc_collapse  # noqa: F401 (no kernel: the reference)
 from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, shared_sources
+from ds4mlx.kernels.hyper_connection_reference import hc_collapse  # noqa: F401 (no kernel: the reference)
 
 SOURCE = METAL_DIR / "hyper_connection.metal"
-PRE_THREADS = 512    # threads per token in hc_pre (>= (2+n)n + 1)
-POST_THREADS = 256   # threads per threadgroup in hc_post
-MAX_HC = 5           # Sinkhorn runs on one SIMD group: n*n <= 32
-SPLIT_TOKENS = 16    # up to this many tokens, the projection is split across threadgroups (hc_dots)
-DOTS_THREADS = 256   # threads per hc_dots threadgroup
-DOTS_PER = 2         # flat elements per hc_dots thread (a threadgroup takes DOTS_THREADS*DOTS_PER)
+PRE_THREADS = 512  # threads per token in hc_pre (>= (2+n)n + 1)
+POST_THREADS = 256  # threads per threadgroup in hc_post
+MAX_HC = 5  # Sinkhorn runs on one SIMD group: n*n <= 32
+SPLIT_TOKENS = 16  # up to this many tokens, the projection is split across threadgroups (hc_dots)
+DOTS_THREADS = 256  # threads per hc_dots threadgroup
+DOTS_PER = 2  # flat elements per hc_dots thread (a threadgroup takes DOTS_THREADS*DOTS_PER)
 
 
 def kernel_sources(kind: str, face: str) -> tuple[str, str]:
@@ -54,7 +55,7 @@ def kernel_sources(kind: str, face: str) -> tuple[str, str]:
     return shared_sources(SOURCE, face, kind)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel(kind: str) -> Kernel:
     if kind == "hc_pre":
         inputs, outputs = ["x", "fn", "base", "scale", "eps", "part"], ["pre", "post", "comb", "y"]
@@ -64,11 +65,12 @@ def _kernel(kind: str) -> Kernel:
         inputs, outputs = ["x", "o", "post", "comb", "fn"], ["y", "part"]
     else:
         inputs, outputs = ["x", "o", "post", "comb"], ["y"]
-    return Kernel(f"ds4mlx_{kind}", inputs, outputs,
-                  metal=kernel_sources(kind, "metal"), cuda=kernel_sources(kind, "cuda"))
+    return Kernel(
+        f"ds4mlx_{kind}", inputs, outputs, metal=kernel_sources(kind, "metal"), cuda=kernel_sources(kind, "cuda")
+    )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _eps(hc_eps: float, norm_eps: float) -> mx.array:
     return mx.array([hc_eps, norm_eps], dtype=mx.float32)
 
@@ -91,10 +93,14 @@ def _self_test(face: str) -> bool:
     for dt, tol in ((mx.float32, 1e-3), (mx.bfloat16, 2e-2)):
         x = (mx.random.normal((2, n, d), key=key) * 0.5).astype(dt)
         out = (mx.random.normal((2, d), key=key) * 0.5).astype(dt)
-        pairs = [(hc_pre(x, fn, base, scale, **kw, backend=face), ref.hc_pre(x, fn, base, scale, **kw)),
-                 (hc_mix(x, fn, base, scale, **kw, backend=face), ref.hc_mix(x, fn, base, scale, **kw)),
-                 ((hc_head(x, hfn, base[:n], scale[:1], hc_eps=1e-6, norm_eps=1e-6, backend=face),),
-                  (ref.hc_head(x, hfn, base[:n], scale[:1], hc_eps=1e-6, norm_eps=1e-6),))]
+        pairs = [
+            (hc_pre(x, fn, base, scale, **kw, backend=face), ref.hc_pre(x, fn, base, scale, **kw)),
+            (hc_mix(x, fn, base, scale, **kw, backend=face), ref.hc_mix(x, fn, base, scale, **kw)),
+            (
+                (hc_head(x, hfn, base[:n], scale[:1], hc_eps=1e-6, norm_eps=1e-6, backend=face),),
+                (ref.hc_head(x, hfn, base[:n], scale[:1], hc_eps=1e-6, norm_eps=1e-6),),
+            ),
+        ]
         post, comb, _ = pairs[0][1]
         pairs.append(((hc_post(x, out, post, comb, backend=face),), (ref.hc_post(x, out, post, comb),)))
         for got, want in pairs:
@@ -128,14 +134,22 @@ def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str, ch
     x3 = x.reshape(nt, n, d)
     parts = 0 if part is None else part.shape[1]
     if part is None:
-        part = _eps(0.0, 0.0)   # a dummy when hc_pre projects by itself
+        part = _eps(0.0, 0.0)  # a dummy when hc_pre projects by itself
     if parts == 0 and nt <= SPLIT_TOKENS and _split(face, chosen):
         parts = -(-(n * d) // (DOTS_THREADS * DOTS_PER))
         part = _kernel("hc_dots")(
             face,
             inputs=[x3, fn],
-            template=[("T", x.dtype), ("TW", fn.dtype), ("HC", n), ("D", d), ("THREADS", DOTS_THREADS),
-                      ("PER", DOTS_PER), ("PARTS", parts), ("HEAD", head)],
+            template=[
+                ("T", x.dtype),
+                ("TW", fn.dtype),
+                ("HC", n),
+                ("D", d),
+                ("THREADS", DOTS_THREADS),
+                ("PER", DOTS_PER),
+                ("PARTS", parts),
+                ("HEAD", head),
+            ],
             grid=(parts * DOTS_THREADS, nt, 1),
             threadgroup=(DOTS_THREADS, 1, 1),
             output_shapes=[(nt, parts, m + 1)],
@@ -144,9 +158,19 @@ def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str, ch
     pre, post, comb, y = _kernel("hc_pre")(
         face,
         inputs=[x3, fn, base, scale, _eps(float(hc_eps), float(norm_eps)), part],
-        template=[("T", x.dtype), ("TW", fn.dtype), ("TB", base.dtype), ("TS", scale.dtype),
-                  ("HC", n), ("D", d), ("THREADS", PRE_THREADS), ("ITERS", int(iters)), ("HEAD", head),
-                  ("COLLAPSE", mode != "mix"), ("PARTS", parts)],
+        template=[
+            ("T", x.dtype),
+            ("TW", fn.dtype),
+            ("TB", base.dtype),
+            ("TS", scale.dtype),
+            ("HC", n),
+            ("D", d),
+            ("THREADS", PRE_THREADS),
+            ("ITERS", int(iters)),
+            ("HEAD", head),
+            ("COLLAPSE", mode != "mix"),
+            ("PARTS", parts),
+        ],
         grid=(nt * PRE_THREADS, 1, 1),
         threadgroup=(PRE_THREADS, 1, 1),
         output_shapes=small + [(nt, d) if mode != "mix" else (1,)],
@@ -165,28 +189,52 @@ def _fusable(x: mx.array) -> bool:
     return 1 <= n <= MAX_HC and x.size > 0
 
 
-def hc_pre(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkhorn_iters: int,
-           hc_eps: float, norm_eps: float, backend: str | None = None):
+def hc_pre(
+    x: mx.array,
+    fn: mx.array,
+    base: mx.array,
+    scale: mx.array,
+    *,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    backend: str | None = None,
+):
     """`ds4mlx.kernels.hyper_connection_reference.hc_pre` in one launch on a GPU (same arguments and results)."""
     face = _face(backend)
     if face == "reference" or not _fusable(x) or sinkhorn_iters < 1:
-        return _layers().hc_pre(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
-                                norm_eps=norm_eps)
+        return _layers().hc_pre(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
     return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", backend is not None)
 
 
-def hc_mix(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, sinkhorn_iters: int,
-           hc_eps: float, norm_eps: float, backend: str | None = None):
+def hc_mix(
+    x: mx.array,
+    fn: mx.array,
+    base: mx.array,
+    scale: mx.array,
+    *,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    backend: str | None = None,
+):
     """`ds4mlx.kernels.hyper_connection_reference.hc_mix` -> (pre, post, comb) in one launch on a GPU (no collapse)."""
     face = _face(backend)
     if face == "reference" or not _fusable(x) or sinkhorn_iters < 1:
-        return _layers().hc_mix(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
-                                norm_eps=norm_eps)
+        return _layers().hc_mix(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
     return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "mix", backend is not None)
 
 
-def hc_head(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, hc_eps: float, norm_eps: float,
-            backend: str | None = None) -> mx.array:
+def hc_head(
+    x: mx.array,
+    fn: mx.array,
+    base: mx.array,
+    scale: mx.array,
+    *,
+    hc_eps: float,
+    norm_eps: float,
+    backend: str | None = None,
+) -> mx.array:
     """`ds4mlx.kernels.hyper_connection_reference.hc_head` in one launch on a GPU."""
     face = _face(backend)
     if face == "reference" or not _fusable(x):
@@ -194,8 +242,20 @@ def hc_head(x: mx.array, fn: mx.array, base: mx.array, scale: mx.array, *, hc_ep
     return _pre_launch(face, x, fn, base, scale, 1, hc_eps, norm_eps, "head", backend is not None)
 
 
-def hc_post_pre(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, fn: mx.array, base: mx.array,
-                scale: mx.array, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float, backend: str | None = None):
+def hc_post_pre(
+    x: mx.array,
+    out: mx.array,
+    post: mx.array,
+    comb: mx.array,
+    fn: mx.array,
+    base: mx.array,
+    scale: mx.array,
+    *,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    backend: str | None = None,
+):
     """``y = hc_post(x, out, post, comb)`` then ``hc_pre(y, fn, base, scale, ...)``:
     (y, post', comb', collapsed') -- the end of one mHC site and the start of the
     next.  At decode on a GPU, two launches instead of three: the new streams are
@@ -204,22 +264,41 @@ def hc_post_pre(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, fn: 
     face = _face(backend)
     n, d = x.shape[-2], x.shape[-1]
     nt = x.size // max(n * d, 1)
-    ok = (face != "reference" and out.dtype == x.dtype and _fusable(x) and sinkhorn_iters >= 1
-          and nt <= SPLIT_TOKENS and fn.shape == ((2 + n) * n, n * d))
+    ok = (
+        face != "reference"
+        and out.dtype == x.dtype
+        and _fusable(x)
+        and sinkhorn_iters >= 1
+        and nt <= SPLIT_TOKENS
+        and fn.shape == ((2 + n) * n, n * d)
+    )
     if ok and backend is None:
         ok = auto_face("hyper_connection.post_pre", _post_pre_self_test) == face
     if not ok:
         y = hc_post(x, out, post, comb, backend=backend)
-        return (y, *hc_pre(y, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps,
-                           backend=backend))
+        return (
+            y,
+            *hc_pre(
+                y, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps, backend=backend
+            ),
+        )
     lead = x.shape[:-2]
     m = (2 + n) * n
     parts = -(-(n * d) // (DOTS_THREADS * DOTS_PER))
     y, part = _kernel("hc_post_dots")(
         face,
         inputs=[x.reshape(nt, n, d), out.reshape(nt, d), post.reshape(nt, n), comb.reshape(nt, n, n), fn],
-        template=[("T", x.dtype), ("TP", post.dtype), ("TC", comb.dtype), ("TW", fn.dtype), ("HC", n), ("D", d),
-                  ("THREADS", DOTS_THREADS), ("PER", DOTS_PER), ("PARTS", parts)],
+        template=[
+            ("T", x.dtype),
+            ("TP", post.dtype),
+            ("TC", comb.dtype),
+            ("TW", fn.dtype),
+            ("HC", n),
+            ("D", d),
+            ("THREADS", DOTS_THREADS),
+            ("PER", DOTS_PER),
+            ("PARTS", parts),
+        ],
         grid=(parts * DOTS_THREADS, nt, 1),
         threadgroup=(DOTS_THREADS, 1, 1),
         output_shapes=[(nt, n, d), (nt, parts, m + 1)],
@@ -265,8 +344,14 @@ def hc_post(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, *, backe
         face,
         inputs=[x.reshape(nt, n, d), out.reshape(nt, d), post.reshape(nt, n), comb.reshape(nt, n, n)],
         # every input dtype is a template argument: MLX caches compiled kernels by name + template
-        template=[("T", x.dtype), ("TP", post.dtype), ("TC", comb.dtype), ("HC", n), ("D", d),
-                  ("THREADS", POST_THREADS)],
+        template=[
+            ("T", x.dtype),
+            ("TP", post.dtype),
+            ("TC", comb.dtype),
+            ("HC", n),
+            ("D", d),
+            ("THREADS", POST_THREADS),
+        ],
         grid=(bx * POST_THREADS, n, nt),
         threadgroup=(POST_THREADS, 1, 1),
         output_shapes=[(nt, n, d)],

@@ -9,6 +9,7 @@ this module as the oracle.
 Dtype policy: the mixing weights and Sinkhorn are float32; the collapse and `hc_post`
 run in the streams' dtype.
 """
+
 from __future__ import annotations
 
 import mlx.core as mx
@@ -99,9 +100,7 @@ def hc_pre(
     returns (post [..., n] f32, comb [..., n, n] f32, collapsed [..., d] in x.dtype),
     collapsed = sum_i pre_i * x_i.
     """
-    pre, post, comb = hc_mix(
-        x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps
-    )
+    pre, post, comb = hc_mix(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
     return post, comb, hc_collapse(x, pre)
 
 

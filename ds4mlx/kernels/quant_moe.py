@@ -36,9 +36,10 @@ gather_qmm: BENCHMARKS.md, "Quantized-MoE decode kernel".
 Its launch constants (QMV_WARPS, QMV_ROWS_PER_WARP) were reasoned, not swept,
 and so is `QMV_MAX_PAIRS_AUTO`.
 """
+
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
@@ -48,7 +49,7 @@ from ds4mlx.quant import QT, as_qtype, iq2xxs_grid, iq2xxs_grid_u64, iq2xxs_sign
 
 SUPPORTED = (QT.Q8_0, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS)
 SOURCE = METAL_DIR / "quant_moe.metal"
-QMV_WARPS = 8          # SIMD groups per threadgroup in the qmv kernel (all on one pair)
+QMV_WARPS = 8  # SIMD groups per threadgroup in the qmv kernel (all on one pair)
 # Output rows per SIMD group: each x value read from shared memory serves this many
 # rows, and their weight loads are in flight together.  4 rather than 2: for the V4
 # Flash shapes nvcc (sm_90) then gives 48-64 registers, so the 3072 / 6144 SIMD groups
@@ -112,22 +113,27 @@ def kernel_sources(kind: str, qtype, face: str) -> tuple[str, str]:
     else:
         index = CUDA_INDEX_QMV if kind == "qmv" else CUDA_INDEX_DEQUANT
     name = qtype.name.lower()
-    header = (prelude + _grid_define() + sec["common"]
-              + f"#define DS4_CHUNK ds4_chunk_{name}\n#define DS4_DOT16 ds4_dot16_{name}\n"
-              + f"#define DS4_GRID_ROWS {256 if qtype == QT.IQ2_XXS else 1}\n")
+    header = (
+        prelude
+        + _grid_define()
+        + sec["common"]
+        + f"#define DS4_CHUNK ds4_chunk_{name}\n#define DS4_DOT16 ds4_dot16_{name}\n"
+        + f"#define DS4_GRID_ROWS {256 if qtype == QT.IQ2_XXS else 1}\n"
+    )
     return header, index + sec[kind]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel(kind: str, qtype: QT) -> Kernel:
     name = f"ds4mlx_{kind}_{qtype.name.lower()}"
     inputs = ["x", "w", "eids"] if kind == "qmv" else ["w", "eids"]
-    return Kernel(name, inputs, ["y"],
-                  metal=kernel_sources(kind, qtype, "metal"),
-                  cuda=kernel_sources(kind, qtype, "cuda"))
+    return Kernel(
+        name, inputs, ["y"], metal=kernel_sources(kind, qtype, "metal"), cuda=kernel_sources(kind, qtype, "cuda")
+    )
 
 
 # --------------------------------------------------------------------------- reference decoding
+
 
 def _check(w_blocks: mx.array, qtype) -> tuple[QT, int, int, int]:
     qtype = as_qtype(qtype)
@@ -158,7 +164,7 @@ def _u32(b: mx.array) -> mx.array:
     return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tables():
     return (mx.array(iq2xxs_grid().astype(np.float32)), mx.array(iq2xxs_sign_table()))
 
@@ -200,9 +206,9 @@ def _decode_blocks(b: mx.array, qtype: QT) -> mx.array:
         grid, signs = _tables()
         d = _f16(b[..., 0], b[..., 1])[..., None]
         qs = b[..., 2:66].reshape(*lead, 8, 8)
-        aux = _u32(qs[..., 4:8])                                            # [..., 8]
+        aux = _u32(qs[..., 4:8])  # [..., 8]
         db = d * (0.5 + (aux >> 28).astype(mx.float32)) * 0.25
-        g = grid[qs[..., 0:4].astype(mx.uint32)]                            # [..., 8, 4, 8]
+        g = grid[qs[..., 0:4].astype(mx.uint32)]  # [..., 8, 4, 8]
         sidx = (aux[..., None] >> mx.array([0, 7, 14, 21], dtype=mx.uint32)) & 127
         return (db[..., None, None] * g * signs[sidx]).reshape(*lead, 256)
     raise AssertionError(qtype)
@@ -221,6 +227,7 @@ def dequantize_mx(blocks: mx.array, qtype, k: int) -> mx.array:
 
 
 # --------------------------------------------------------------------------- shared plumbing
+
 
 def _pairs(x: mx.array, expert_ids: mx.array, k_dim: int):
     """Flatten to pairs: (x2 [NX, K], eids [P] int32, xids [P] int32, n_tok, k)."""
@@ -253,15 +260,16 @@ def _self_test(face: str, qtype: QT) -> bool:
     blocks = random_gguf_blocks(qtype, 3, 5, 512, seed=11)
     ids = mx.array([[0, 2], [1, 1]], dtype=mx.int32)
     ok = True
-    for x in (mx.random.normal((2, 512), key=mx.random.key(1)),
-              mx.random.normal((2, 2, 512), key=mx.random.key(2))):
-        ok = ok and close_enough(gather_qmv(x, blocks, qtype, ids, backend=face),
-                                 gather_qmv(x, blocks, qtype, ids, backend="reference"))
+    for x in (mx.random.normal((2, 512), key=mx.random.key(1)), mx.random.normal((2, 2, 512), key=mx.random.key(2))):
+        ok = ok and close_enough(
+            gather_qmv(x, blocks, qtype, ids, backend=face), gather_qmv(x, blocks, qtype, ids, backend="reference")
+        )
     want = gather_dequantize(blocks, qtype, [2, 0], backend="reference")
     return ok and bool(mx.array_equal(gather_dequantize(blocks, qtype, [2, 0], backend=face), want).item())
 
 
 # --------------------------------------------------------------------------- gathered dequantization
+
 
 def gather_dequantize(w_blocks: mx.array, qtype, ids, dtype=mx.float32, *, backend=None) -> mx.array:
     """Weights of experts `ids` ([M] ints): ``[M, rows, K]`` in `dtype`."""
@@ -284,14 +292,15 @@ def gather_dequantize(w_blocks: mx.array, qtype, ids, dtype=mx.float32, *, backe
 
 # --------------------------------------------------------------------------- decode: mat-vec
 
+
 def gather_qmv(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, backend=None) -> mx.array:
     """``out[t, j, r] = sum_h W[expert_ids[t, j]][r, h] * x[t(, j), h]`` -> ``[n_tok, k, rows]``."""
     qtype, _, rows, k_dim = _check(w_blocks, qtype)
     x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
     face = _face(backend, qtype)
     if face == "reference":
-        w = dequantize_mx(w_blocks[eids], qtype, k_dim)                     # [P, rows, K]
-        xs = x2[xids].astype(mx.float32)[..., None]                        # [P, K, 1]
+        w = dequantize_mx(w_blocks[eids], qtype, k_dim)  # [P, rows, K]
+        xs = x2[xids].astype(mx.float32)[..., None]  # [P, K, 1]
         out = (w @ xs)[..., 0]
     else:
         p = eids.shape[0]
@@ -303,9 +312,15 @@ def gather_qmv(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, 
         out = _kernel("qmv", qtype)(
             face,
             inputs=[x2, w_blocks, eids],
-            template=[("T", x.dtype), ("N_ROWS", rows), ("K_DIM", k_dim),
-                      ("ROW_BYTES", w_blocks.shape[2]), ("WARPS", QMV_WARPS),
-                      ("RPW", QMV_ROWS_PER_WARP), ("X_DIV", k if x.ndim == 2 else 1)],
+            template=[
+                ("T", x.dtype),
+                ("N_ROWS", rows),
+                ("K_DIM", k_dim),
+                ("ROW_BYTES", w_blocks.shape[2]),
+                ("WARPS", QMV_WARPS),
+                ("RPW", QMV_ROWS_PER_WARP),
+                ("X_DIV", k if x.ndim == 2 else 1),
+            ],
             # whole threadgroups only: every thread of a group helps stage x
             grid=(32 * QMV_WARPS, -(-rows // rows_per_group), p),
             threadgroup=(32 * QMV_WARPS, 1, 1),
@@ -317,8 +332,10 @@ def gather_qmv(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, 
 
 # --------------------------------------------------------------------------- prefill: mat-mul
 
-def gather_qmm(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, backend=None,
-               max_dequant_bytes: int = 1 << 30) -> mx.array:
+
+def gather_qmm(
+    x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, backend=None, max_dequant_bytes: int = 1 << 30
+) -> mx.array:
     """Same result as `gather_qmv`, for many tokens: the (token, expert) pairs are
     grouped by expert on the host, each used expert is dequantized once (in chunks
     of at most `max_dequant_bytes` of dequantized weights, through
@@ -342,12 +359,12 @@ def gather_qmm(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, 
     chunk = max(1, int(max_dequant_bytes // max(per_expert, 1)))
     segs = []
     for c0 in range(0, len(used), chunk):
-        ids = used[c0:c0 + chunk]
+        ids = used[c0 : c0 + chunk]
         w = gather_dequantize(w_blocks, qtype, mx.array(ids.astype(np.int32)), wdt, backend=face)
         for j in range(len(ids)):
-            sel = order[starts[c0 + j]:starts[c0 + j] + counts[c0 + j]]
-            xe = x2[mx.array(xids_np[sel].astype(np.int32))].astype(wdt)       # [n_e, K]
-            segs.append(xe @ w[j].T)                                          # [n_e, rows]
+            sel = order[starts[c0 + j] : starts[c0 + j] + counts[c0 + j]]
+            xe = x2[mx.array(xids_np[sel].astype(np.int32))].astype(wdt)  # [n_e, K]
+            segs.append(xe @ w[j].T)  # [n_e, rows]
     if not segs:
         return mx.zeros((n_tok, k, rows), x.dtype)
     inv = np.empty_like(order)

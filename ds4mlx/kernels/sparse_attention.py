@@ -39,22 +39,23 @@ tiny transformers-oracle models); the shared kernel text compiled with g++ (emul
 threadgroups).  The CUDA face is meant to be checked on the H200 with
 ``pytest -m gpu tests/test_kernel_sparse_attention.py``; the Metal face has not run.
 """
+
 from __future__ import annotations
 
-from functools import lru_cache
-
 import os
+from functools import cache, lru_cache
 
 import mlx.core as mx
 
-from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, backend as _backend, shared_sources
+from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, shared_sources
+from ds4mlx.kernels.dispatch import backend as _backend
 
 SOURCE = METAL_DIR / "sparse_attention.metal"
-SCORE_THREADS = 128   # rows per threadgroup in index_score (one thread per row)
-SCORE_HEADS = 16      # query heads staged in threadgroup memory at a time
-TOPK_THREADS = 512    # threads of the one threadgroup per query in topk
-ATTN_THREADS = 256    # threads per (head, query) in attend
-ATTN_KEYS = 4         # keys per SIMD group per step in attend
+SCORE_THREADS = 128  # rows per threadgroup in index_score (one thread per row)
+SCORE_HEADS = 16  # query heads staged in threadgroup memory at a time
+TOPK_THREADS = 512  # threads of the one threadgroup per query in topk
+ATTN_THREADS = 256  # threads per (head, query) in attend
+ATTN_KEYS = 4  # keys per SIMD group per step in attend
 
 # Tests set this to run the model's fused path with a given face (e.g. "reference" on
 # the CPU); None: the fused path runs exactly when `dispatch.backend()` is a GPU face.
@@ -72,11 +73,12 @@ def kernel_sources(kind: str, face: str) -> tuple[str, str]:
     return shared_sources(SOURCE, face, kind)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel(kind: str) -> Kernel:
     inputs, outputs = _INPUTS[kind]
-    return Kernel(f"ds4mlx_{kind}", inputs, outputs,
-                  metal=kernel_sources(kind, "metal"), cuda=kernel_sources(kind, "cuda"))
+    return Kernel(
+        f"ds4mlx_{kind}", inputs, outputs, metal=kernel_sources(kind, "metal"), cuda=kernel_sources(kind, "cuda")
+    )
 
 
 @lru_cache(maxsize=64)
@@ -117,8 +119,10 @@ def _rows2d(a: mx.array, d: int) -> mx.array:
 
 # --------------------------------------------------------------------------- indexer scores
 
-def index_scores(q: mx.array, w: mx.array, keys: mx.array, *, n: int, s: int, ratio: int, scale: float,
-                 backend: str | None = None) -> mx.array:
+
+def index_scores(
+    q: mx.array, w: mx.array, keys: mx.array, *, n: int, s: int, ratio: int, scale: float, backend: str | None = None
+) -> mx.array:
     """q [NH, C, DI], w [C, NH], keys [>= n, DI] -> scores [C, n] float32."""
     nh, c, di = q.shape
     keys = _rows2d(keys, di)
@@ -127,9 +131,9 @@ def index_scores(q: mx.array, w: mx.array, keys: mx.array, *, n: int, s: int, ra
     face = _face(backend)
     if face == "reference" or n == 0:
         k = keys[:n].astype(mx.float32)
-        dots = mx.maximum(q.astype(mx.float32) @ k.T, 0.0)                # [NH, C, n]
-        ww = w.astype(mx.float32) * scale                                  # [C, NH]
-        sc = (ww[:, None, :] @ dots.swapaxes(0, 1)).squeeze(1)             # [C, n]
+        dots = mx.maximum(q.astype(mx.float32) @ k.T, 0.0)  # [NH, C, n]
+        ww = w.astype(mx.float32) * scale  # [C, NH]
+        sc = (ww[:, None, :] @ dots.swapaxes(0, 1)).squeeze(1)  # [C, n]
         live = mx.arange(n)[None] < causal_limits(s, c, ratio, n)[:, None]
         return mx.where(live, sc, -mx.inf)
     hg = min(SCORE_HEADS, nh)
@@ -137,8 +141,16 @@ def index_scores(q: mx.array, w: mx.array, keys: mx.array, *, n: int, s: int, ra
     return _kernel("index_score")(
         face,
         inputs=[q, w, keys, _f32(float(scale)), _meta(s, n, c)],
-        template=[("TQ", q.dtype), ("TW", w.dtype), ("TK", keys.dtype), ("NH", nh), ("DI", di), ("HG", hg),
-                  ("RATIO", int(ratio)), ("THREADS", SCORE_THREADS)],
+        template=[
+            ("TQ", q.dtype),
+            ("TW", w.dtype),
+            ("TK", keys.dtype),
+            ("NH", nh),
+            ("DI", di),
+            ("HG", hg),
+            ("RATIO", int(ratio)),
+            ("THREADS", SCORE_THREADS),
+        ],
         grid=(bx * SCORE_THREADS, c, 1),
         threadgroup=(SCORE_THREADS, 1, 1),
         output_shapes=[(c, n)],
@@ -147,6 +159,7 @@ def index_scores(q: mx.array, w: mx.array, keys: mx.array, *, n: int, s: int, ra
 
 
 # --------------------------------------------------------------------------- top-k
+
 
 def topk_select(scores: mx.array, k: int, *, s: int, ratio: int, backend: str | None = None):
     """scores [C, N] float32 -> (idx [C, k] int32 ascending, cnt [C] int32)."""
@@ -176,6 +189,7 @@ def topk_select(scores: mx.array, k: int, *, s: int, ratio: int, backend: str | 
 
 # --------------------------------------------------------------------------- attention
 
+
 def window_positions(length: int, s: int, ring_last: int, window: int) -> mx.array:
     """[L] int32: the position held by each window key (< 0: empty ring slot)."""
     j = mx.arange(length, dtype=mx.int32)
@@ -183,9 +197,22 @@ def window_positions(length: int, s: int, ring_last: int, window: int) -> mx.arr
     return mx.where(j < window, ring_last - mod, s + (j - window))
 
 
-def sparse_attention(q: mx.array, keys: mx.array, rows: mx.array | None, idx: mx.array | None,
-                     cnt: mx.array | None, sinks: mx.array, *, n: int, s: int, ring_last: int, window: int,
-                     ratio: int, scale: float, backend: str | None = None) -> mx.array:
+def sparse_attention(
+    q: mx.array,
+    keys: mx.array,
+    rows: mx.array | None,
+    idx: mx.array | None,
+    cnt: mx.array | None,
+    sinks: mx.array,
+    *,
+    n: int,
+    s: int,
+    ring_last: int,
+    window: int,
+    ratio: int,
+    scale: float,
+    backend: str | None = None,
+) -> mx.array:
     """Attention of q [NH, C, D] over the window keys and compressed rows -> [NH, C, D] in q.dtype."""
     nh, c, d = q.shape
     keys = _rows2d(keys, d)
@@ -208,9 +235,18 @@ def sparse_attention(q: mx.array, keys: mx.array, rows: mx.array | None, idx: mx
     return _kernel("attend")(
         face,
         inputs=[q, keys, rows, idx, cnt, sinks, _f32(float(scale)), _meta(s, ring_last, length, n, c)],
-        template=[("T", q.dtype), ("TK", keys.dtype), ("TS", sinks.dtype), ("D", d), ("W", int(window)),
-                  ("RATIO", int(ratio)), ("TOPK", topk), ("THREADS", ATTN_THREADS), ("KB", ATTN_KEYS),
-                  ("SELECTED", selected)],
+        template=[
+            ("T", q.dtype),
+            ("TK", keys.dtype),
+            ("TS", sinks.dtype),
+            ("D", d),
+            ("W", int(window)),
+            ("RATIO", int(ratio)),
+            ("TOPK", topk),
+            ("THREADS", ATTN_THREADS),
+            ("KB", ATTN_KEYS),
+            ("SELECTED", selected),
+        ],
         grid=(nh * ATTN_THREADS, c, 1),
         threadgroup=(ATTN_THREADS, 1, 1),
         output_shapes=[(nh, c, d)],
@@ -222,14 +258,14 @@ def _attend_reference(q, keys, rows, idx, cnt, sinks, n, s, ring_last, window, r
     nh, c, d = q.shape
     length = keys.shape[0]
     qf, kf = q.astype(mx.float32), keys.astype(mx.float32)
-    pos = window_positions(length, s, ring_last, window)[None]            # [1, L]
-    tq = (s + mx.arange(c, dtype=mx.int32))[:, None]                      # [C, 1]
-    wmask = (pos >= 0) & (pos <= tq) & (pos > tq - window)                # [C, L]
-    logits = [(qf @ kf.T) * scale]                                        # [NH, C, L]
+    pos = window_positions(length, s, ring_last, window)[None]  # [1, L]
+    tq = (s + mx.arange(c, dtype=mx.int32))[:, None]  # [C, 1]
+    wmask = (pos >= 0) & (pos <= tq) & (pos > tq - window)  # [C, L]
+    logits = [(qf @ kf.T) * scale]  # [NH, C, L]
     masks = [wmask]
     vals = None
     if n > 0 and idx is not None:
-        g = rows[idx].astype(mx.float32)                                  # [C, k, D]
+        g = rows[idx].astype(mx.float32)  # [C, k, D]
         logits.append((qf.swapaxes(0, 1) @ g.swapaxes(1, 2)).swapaxes(0, 1) * scale)
         masks.append(mx.arange(idx.shape[1])[None] < cnt[:, None])
         vals = ("gathered", g)

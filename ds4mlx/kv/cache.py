@@ -49,6 +49,7 @@ Debugging: `stats()` (hits, misses, stores per reason, times) is served by
 `python -m ds4mlx.bench.kv bench` measures snapshot / store / lookup + restore
 against a re-prefill (BENCHMARKS.md).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,12 +60,11 @@ import logging
 import os
 import threading
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ..chat import markers as M
 from ..engine import CacheHooks
-from .policy import (ContinuedFrontier, KVCacheOptions, cold_save_point, evict_save_len, open_store,
-                       shutdown_save_len)
+from .policy import ContinuedFrontier, KVCacheOptions, cold_save_point, evict_save_len, open_store, shutdown_save_len
 from .store import KVStore
 
 log = logging.getLogger("ds4mlx.kvcache")
@@ -74,18 +74,22 @@ _COLD_BACKOFF = 16  # tokens a cold cut may move back to end on a UTF-8 characte
 
 # ---------------------------------------------------------------- model identity
 
+
 def _file_identity(path: str) -> list:
     st = os.stat(path)
     return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
 
 
-def _weights_identity(path: Optional[str]) -> list:
+def _weights_identity(path: str | None) -> list:
     if not path:
         return []
     try:
         if os.path.isdir(path):
-            names = sorted(glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.gguf"))
-                           + glob.glob(os.path.join(path, "config.json")))
+            names = sorted(
+                glob.glob(os.path.join(path, "*.safetensors"))
+                + glob.glob(os.path.join(path, "*.gguf"))
+                + glob.glob(os.path.join(path, "config.json"))
+            )
             return [_file_identity(n) for n in names]
         return [_file_identity(path)]
     except OSError:
@@ -102,7 +106,7 @@ def _config_blob(model) -> object:
     return [type(model).__module__, type(model).__qualname__, getattr(model, "vocab_size", None)]
 
 
-def _first_float_dtype(model) -> Optional[str]:
+def _first_float_dtype(model) -> str | None:
     inner = getattr(model, "model", model)
     try:
         from mlx.utils import tree_flatten
@@ -123,8 +127,12 @@ def model_identity(model) -> str:
     from .. import session as _session
     from ..steering import identity as steering_identity
 
-    fields = {"config": _config_blob(model), "weights": _weights_identity(getattr(model, "path", None)),
-              "dtype": _first_float_dtype(model), "snapshot": [_session.MAGIC.hex(), _session.VERSION]}
+    fields = {
+        "config": _config_blob(model),
+        "weights": _weights_identity(getattr(model, "path", None)),
+        "dtype": _first_float_dtype(model),
+        "snapshot": [_session.MAGIC.hex(), _session.VERSION],
+    }
     steering = steering_identity(model)
     if steering:  # only when steered, so unsteered ids stay what they were
         fields["steering"] = steering
@@ -161,11 +169,24 @@ def routed_expert_bits(model) -> int:
     return 32
 
 
-_QTYPE_BITS = {"IQ2_XXS": 2, "IQ2_XS": 2, "Q2_K": 2, "Q3_K": 3, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5,
-               "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
+_QTYPE_BITS = {
+    "IQ2_XXS": 2,
+    "IQ2_XS": 2,
+    "Q2_K": 2,
+    "Q3_K": 3,
+    "Q4_0": 4,
+    "Q4_1": 4,
+    "Q4_K": 4,
+    "Q5_0": 5,
+    "Q5_1": 5,
+    "Q5_K": 5,
+    "Q6_K": 6,
+    "Q8_0": 8,
+}
 
 
 # ---------------------------------------------------------------- the hooks
+
 
 @dataclasses.dataclass
 class CacheStats:
@@ -187,12 +208,12 @@ class DiskKVCache(CacheHooks):
         self.store = store
         self.opt = opt
         self.frontier = ContinuedFrontier(opt)
-        self._cold: Optional[tuple[int, Optional[int]]] = None  # (cold length, frontier suppress token)
+        self._cold: tuple[int, int | None] | None = None  # (cold length, frontier suppress token)
         self._lock = threading.Lock()
         self._stats = CacheStats()
 
     @classmethod
-    def open(cls, opt: KVCacheOptions, model, ctx: int) -> Optional["DiskKVCache"]:
+    def open(cls, opt: KVCacheOptions, model, ctx: int) -> DiskKVCache | None:
         """The cache for a loaded model, or None when `opt` has no directory."""
         store = open_store(opt, model_id=model_identity(model), quant_bits=routed_expert_bits(model), ctx=ctx)
         return None if store is None else cls(store, opt)
@@ -220,7 +241,7 @@ class DiskKVCache(CacheHooks):
         return n
 
     @staticmethod
-    def _token_key(engine, tokens: Sequence[int]) -> Optional[bytes]:
+    def _token_key(engine, tokens: Sequence[int]) -> bytes | None:
         """The exact rendered bytes of `tokens`, or None if they end inside a
         UTF-8 character (the suffix after such a key could not be tokenized)."""
         tk = engine.tokenizer
@@ -319,8 +340,13 @@ class DiskKVCache(CacheHooks):
                 self._stats.tool_ids_loaded += n
         self.frontier.loaded(cp.n_tokens)
         ms = (time.perf_counter() - t0) * 1e3
-        log.info("kv cache restored tokens=%d key=%s restore=%.1f ms suffix=%d tokens", cp.n_tokens, cp.key_kind,
-                 ms, len(effective) - cp.n_tokens)
+        log.info(
+            "kv cache restored tokens=%d key=%s restore=%.1f ms suffix=%d tokens",
+            cp.n_tokens,
+            cp.key_kind,
+            ms,
+            len(effective) - cp.n_tokens,
+        )
         with self._lock:
             self._stats.hits += 1
             self._stats.hit_tokens += cp.n_tokens

@@ -36,6 +36,7 @@ Deviations from ds4 in the format (the store's are listed in kv/store.py):
 * a 20-byte footer with CRC-32s: a flipped bit anywhere, a truncation or an
   append is detected; the file size must be exactly 52+K+P+T+20.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,8 +44,9 @@ import os
 import re
 import struct
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Union
 
 # ---------------------------------------------------------------- constants
 
@@ -65,8 +67,7 @@ REASON_CODES = {name: code for code, name in enumerate(REASONS)}
 FLAG_TOOL_MAP = 1 << 0
 FLAG_RESPONSES_VISIBLE = 1 << 1
 FLAG_THINKING_VISIBLE = 1 << 2
-KEY_KINDS = {"token-text": 0, "responses-visible": FLAG_RESPONSES_VISIBLE,
-             "thinking-visible": FLAG_THINKING_VISIBLE}
+KEY_KINDS = {"token-text": 0, "responses-visible": FLAG_RESPONSES_VISIBLE, "thinking-visible": FLAG_THINKING_VISIBLE}
 
 KV_FILE_NAME = re.compile(r"^[0-9a-fA-F]{40}\.kv$")
 _CHUNK = 16 << 20
@@ -76,6 +77,7 @@ Text = Union[str, bytes, bytearray, memoryview]
 
 
 # ---------------------------------------------------------------- helpers
+
 
 def to_bytes(text: Text) -> bytes:
     """Rendered text -> the bytes the cache compares.  `str` is UTF-8 encoded
@@ -95,7 +97,7 @@ def model_tag(model_id: str) -> int:
     return int.from_bytes(hashlib.sha1(model_id.encode("utf-8")).digest()[:4], "little")
 
 
-def reason_code(reason: Union[str, int, None]) -> int:
+def reason_code(reason: str | int | None) -> int:
     if reason is None:
         return 0
     if isinstance(reason, int):
@@ -120,11 +122,22 @@ def key_kind(flags: int) -> str:
     return "token-text"
 
 
-def pack_header(*, quant_bits: int, reason: int, flags: int, tokens: int, hits: int = 0,
-                ctx: int, model_tag: int = 0, created_at: int, last_used: int,
-                payload_bytes: int) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, quant_bits, reason, flags, 0, tokens, hits, ctx,
-                       model_tag, created_at, last_used, payload_bytes)
+def pack_header(
+    *,
+    quant_bits: int,
+    reason: int,
+    flags: int,
+    tokens: int,
+    hits: int = 0,
+    ctx: int,
+    model_tag: int = 0,
+    created_at: int,
+    last_used: int,
+    payload_bytes: int,
+) -> bytes:
+    return HEADER.pack(
+        MAGIC, VERSION, quant_bits, reason, flags, 0, tokens, hits, ctx, model_tag, created_at, last_used, payload_bytes
+    )
 
 
 def file_size_for(key_bytes: int, payload_bytes: int, trailer_bytes: int = 0) -> int:
@@ -133,9 +146,11 @@ def file_size_for(key_bytes: int, payload_bytes: int, trailer_bytes: int = 0) ->
 
 # ---------------------------------------------------------------- records
 
+
 @dataclass(frozen=True)
 class Entry:
     """One listed checkpoint file (header + footer only; payload unverified)."""
+
     sha: str
     path: str
     quant_bits: int
@@ -171,6 +186,7 @@ class Entry:
 class Checkpoint:
     """A verified checkpoint: restore `payload` (it holds the exact `n_tokens`
     token ids), then append tokens(`suffix(prompt)`)."""
+
     key_bytes: bytes
     n_tokens: int
     payload: bytes
@@ -205,7 +221,7 @@ class Checkpoint:
         pb = to_bytes(prompt_text)
         if not pb.startswith(self.key_bytes):
             raise ValueError("prompt does not start with the checkpoint key")
-        return pb[len(self.key_bytes):]
+        return pb[len(self.key_bytes) :]
 
 
 class InvalidCheckpoint(Exception):
@@ -218,6 +234,7 @@ class InvalidCheckpoint(Exception):
 # `quant_bits`, `ctx` and `cross_quant` (a `KVStore`).  A file that fails a
 # structural or compatibility check raises `_Invalid`; the caller deletes it.
 # `hook(point)` is called at each step of the write protocol (crash tests).
+
 
 class NotRegularFile(OSError):
     """A cache-directory entry that is not a plain file (FIFO, directory, device, link)."""
@@ -239,8 +256,15 @@ def open_regular(path: str):
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
-                    else "a socket" if stat.S_ISSOCK(mode) else "a device")
+            kind = (
+                "a FIFO"
+                if stat.S_ISFIFO(mode)
+                else "a directory"
+                if stat.S_ISDIR(mode)
+                else "a socket"
+                if stat.S_ISSOCK(mode)
+                else "a device"
+            )
             raise NotRegularFile(f"{kind}, not a regular file")
         if flags & getattr(os, "O_NONBLOCK", 0):
             os.set_blocking(fd, True)
@@ -266,8 +290,9 @@ def parse_file(path: str, sha: str, want) -> Entry:
 
 def check_header(head: bytes, size: int, foot: bytes, path: str, sha: str, want) -> Entry:
     """Structural + compatibility checks on header and footer; raises _Invalid."""
-    (magic, version, quant, reason, flags, _r7, tokens, _hits, ctx, tag, created,
-     _last, payload) = HEADER.unpack_from(head)
+    (magic, version, quant, reason, flags, _r7, tokens, _hits, ctx, tag, created, _last, payload) = HEADER.unpack_from(
+        head
+    )
     (key_len,) = KEYLEN.unpack_from(head, HEADER_SIZE)
     if magic != MAGIC:
         raise InvalidCheckpoint("bad magic")
@@ -294,12 +319,25 @@ def check_header(head: bytes, size: int, foot: bytes, path: str, sha: str, want)
         raise InvalidCheckpoint(f"size {size} != {file_size_for(key_len, payload, trailer_len)}")
     if bool(flags & FLAG_TOOL_MAP) != (trailer_len > 0):
         raise InvalidCheckpoint("trailer flag / length mismatch")
-    return Entry(sha=sha, path=path, quant_bits=quant,
-                 reason_code=reason if reason < len(REASONS) else 0, flags=flags,
-                 tokens=tokens, ctx=ctx, model_tag=tag, created_at=created,
-                 payload_bytes=payload, key_bytes=key_len, trailer_bytes=trailer_len,
-                 trailer_crc=trailer_crc, file_crc=file_crc, file_size=size,
-                 hits=0, last_used=created)
+    return Entry(
+        sha=sha,
+        path=path,
+        quant_bits=quant,
+        reason_code=reason if reason < len(REASONS) else 0,
+        flags=flags,
+        tokens=tokens,
+        ctx=ctx,
+        model_tag=tag,
+        created_at=created,
+        payload_bytes=payload,
+        key_bytes=key_len,
+        trailer_bytes=trailer_len,
+        trailer_crc=trailer_crc,
+        file_crc=file_crc,
+        file_size=size,
+        hits=0,
+        last_used=created,
+    )
 
 
 def read_file(e: Entry, prompt: bytes | None, want) -> Checkpoint:
@@ -327,7 +365,7 @@ def read_file(e: Entry, prompt: bytes | None, want) -> Checkpoint:
             raise InvalidCheckpoint("short payload")
         mv = memoryview(payload)
         for i in range(0, len(mv), _CHUNK):
-            crc = zlib.crc32(mv[i:i + _CHUNK], crc)
+            crc = zlib.crc32(mv[i : i + _CHUNK], crc)
         trailer = f.read(cur.trailer_bytes)
         if len(trailer) != cur.trailer_bytes:
             raise InvalidCheckpoint("short trailer")
@@ -337,14 +375,31 @@ def read_file(e: Entry, prompt: bytes | None, want) -> Checkpoint:
         raise InvalidCheckpoint("trailer checksum mismatch")
     if crc != cur.file_crc:
         raise InvalidCheckpoint("checksum mismatch")
-    return Checkpoint(key_bytes=key, n_tokens=cur.tokens, payload=payload,
-                      trailer=trailer or None, reason=cur.reason, flags=cur.flags,
-                      quant_bits=cur.quant_bits, ctx=cur.ctx, hits=e.hits,
-                      created_at=cur.created_at, sha=e.sha, path=e.path)
+    return Checkpoint(
+        key_bytes=key,
+        n_tokens=cur.tokens,
+        payload=payload,
+        trailer=trailer or None,
+        reason=cur.reason,
+        flags=cur.flags,
+        quant_bits=cur.quant_bits,
+        ctx=cur.ctx,
+        hits=e.hits,
+        created_at=cur.created_at,
+        sha=e.sha,
+        path=e.path,
+    )
 
 
-def write_file(tmp: str, header: bytes, key: bytes, parts: Sequence[memoryview],
-               trailer: bytes, size: int, hook: Callable[[str], None]) -> int:
+def write_file(
+    tmp: str,
+    header: bytes,
+    key: bytes,
+    parts: Sequence[memoryview],
+    trailer: bytes,
+    size: int,
+    hook: Callable[[str], None],
+) -> int:
     """Write one whole file to `tmp` and fsync it; returns the file CRC."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -356,7 +411,7 @@ def write_file(tmp: str, header: bytes, key: bytes, parts: Sequence[memoryview],
             hook("key-written")
             for p in parts:
                 for i in range(0, p.nbytes, _CHUNK):
-                    c = p[i:i + _CHUNK]
+                    c = p[i : i + _CHUNK]
                     f.write(c)
                     crc = zlib.crc32(c, crc)
             hook("payload-written")

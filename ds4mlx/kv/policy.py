@@ -18,17 +18,24 @@ The engine calls (see each function's docstring):
   `frontier.due(pos)` -> store "continued", `frontier.note(pos)`.
 * clean shutdown: `shutdown_save_len(pos, opt)` -> store "shutdown".
 """
+
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
-from .store import (DEFAULT_BOUNDARY_ALIGN_TOKENS, DEFAULT_BOUNDARY_TRIM_TOKENS,
-                      DEFAULT_BUDGET_MB, DEFAULT_COLD_MAX_TOKENS,
-                      DEFAULT_CONTINUED_INTERVAL_TOKENS, DEFAULT_MIN_TOKENS,
-                      HIT_HALF_LIFE_SECONDS, KVStore)
+from .store import (
+    DEFAULT_BOUNDARY_ALIGN_TOKENS,
+    DEFAULT_BOUNDARY_TRIM_TOKENS,
+    DEFAULT_BUDGET_MB,
+    DEFAULT_COLD_MAX_TOKENS,
+    DEFAULT_CONTINUED_INTERVAL_TOKENS,
+    DEFAULT_MIN_TOKENS,
+    HIT_HALF_LIFE_SECONDS,
+    KVStore,
+)
 
 DEFAULT_TOOL_MEMORY_MAX_IDS = 100_000
 
@@ -51,8 +58,13 @@ class KVCacheOptions:
             raise ValueError("--kv-cache-min-tokens must be > 0")
         if self.cold_max_tokens < 0 or 0 < self.cold_max_tokens < self.min_tokens:
             raise ValueError("--kv-cache-cold-max-tokens must be 0 or >= --kv-cache-min-tokens")
-        for name in ("budget_mb", "continued_interval_tokens", "boundary_trim_tokens",
-                     "boundary_align_tokens", "tool_memory_max_ids"):
+        for name in (
+            "budget_mb",
+            "continued_interval_tokens",
+            "boundary_trim_tokens",
+            "boundary_align_tokens",
+            "tool_memory_max_ids",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
@@ -69,26 +81,29 @@ class KVCacheOptions:
         return self.cold_max_tokens > 0
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "KVCacheOptions":
-        return cls(disk_dir=args.kv_disk_dir, budget_mb=args.kv_cache_budget_mb,
-                   min_tokens=args.kv_cache_min_tokens,
-                   cold_max_tokens=args.kv_cache_cold_max_tokens,
-                   continued_interval_tokens=args.kv_cache_continued_interval_tokens,
-                   boundary_trim_tokens=args.kv_cache_boundary_trim_tokens,
-                   boundary_align_tokens=args.kv_cache_boundary_align_tokens,
-                   cross_quant=args.kv_cache_cross_quant,
-                   exact_dsml_tool_replay=not getattr(args, "disable_exact_dsml_tool_replay",
-                                                      False),
-                   tool_memory_max_ids=getattr(args, "tool_memory_max_ids",
-                                               DEFAULT_TOOL_MEMORY_MAX_IDS))
+    def from_args(cls, args: argparse.Namespace) -> KVCacheOptions:
+        return cls(
+            disk_dir=args.kv_disk_dir,
+            budget_mb=args.kv_cache_budget_mb,
+            min_tokens=args.kv_cache_min_tokens,
+            cold_max_tokens=args.kv_cache_cold_max_tokens,
+            continued_interval_tokens=args.kv_cache_continued_interval_tokens,
+            boundary_trim_tokens=args.kv_cache_boundary_trim_tokens,
+            boundary_align_tokens=args.kv_cache_boundary_align_tokens,
+            cross_quant=args.kv_cache_cross_quant,
+            exact_dsml_tool_replay=not getattr(args, "disable_exact_dsml_tool_replay", False),
+            tool_memory_max_ids=getattr(args, "tool_memory_max_ids", DEFAULT_TOOL_MEMORY_MAX_IDS),
+        )
 
     def describe(self) -> str:
         """ds4's startup line (docs/kv-cache.md §8)."""
-        return (f"KV disk cache {self.disk_dir} (budget={self.budget_bytes >> 20} MiB, "
-                f"cross-quant={'accept' if self.cross_quant else 'reject'}, "
-                f"min={self.min_tokens}, cold_max={self.cold_max_tokens}, "
-                f"continued={self.continued_interval_tokens}, trim={self.boundary_trim_tokens}, "
-                f"align={self.boundary_align_tokens}, hit_half_life={HIT_HALF_LIFE_SECONDS}s)")
+        return (
+            f"KV disk cache {self.disk_dir} (budget={self.budget_bytes >> 20} MiB, "
+            f"cross-quant={'accept' if self.cross_quant else 'reject'}, "
+            f"min={self.min_tokens}, cold_max={self.cold_max_tokens}, "
+            f"continued={self.continued_interval_tokens}, trim={self.boundary_trim_tokens}, "
+            f"align={self.boundary_align_tokens}, hit_half_life={HIT_HALF_LIFE_SECONDS}s)"
+        )
 
 
 def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
@@ -101,56 +116,107 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     `--disable-exact-dsml-tool-replay` / `--tool-memory-max-ids` are added
     only when the parser does not already have them."""
     g = parser.add_argument_group("disk KV cache")
-    g.add_argument("--kv-disk-dir", metavar="DIR", default=None,
-                   help="directory of on-disk KV checkpoints (enables the disk cache)")
-    g.add_argument("--kv-cache-budget-mb", "--kv-disk-space-mb", dest="kv_cache_budget_mb",
-                   type=int, metavar="N", default=DEFAULT_BUDGET_MB,
-                   help=f"disk budget in MiB (default {DEFAULT_BUDGET_MB}; 0 means the default)")
-    g.add_argument("--kv-cache-min-tokens", type=int, metavar="N", default=DEFAULT_MIN_TOKENS,
-                   help=f"smallest checkpoint stored or loaded (default {DEFAULT_MIN_TOKENS})")
-    g.add_argument("--kv-cache-cold-max-tokens", type=int, metavar="N",
-                   default=DEFAULT_COLD_MAX_TOKENS,
-                   help="longest prompt that gets a cold save; 0 disables cold saves "
-                        f"(default {DEFAULT_COLD_MAX_TOKENS})")
-    g.add_argument("--kv-cache-continued-interval-tokens", type=int, metavar="N",
-                   default=DEFAULT_CONTINUED_INTERVAL_TOKENS,
-                   help="save the live session at absolute multiples of this (rounded up "
-                        f"to the alignment); 0 disables (default {DEFAULT_CONTINUED_INTERVAL_TOKENS})")
-    g.add_argument("--kv-cache-boundary-trim-tokens", type=int, metavar="N",
-                   default=DEFAULT_BOUNDARY_TRIM_TOKENS,
-                   help=f"cold saves drop this many tail tokens (default {DEFAULT_BOUNDARY_TRIM_TOKENS})")
-    g.add_argument("--kv-cache-boundary-align-tokens", type=int, metavar="N",
-                   default=DEFAULT_BOUNDARY_ALIGN_TOKENS,
-                   help="cold saves align down to this; 0 disables "
-                        f"(default {DEFAULT_BOUNDARY_ALIGN_TOKENS})")
+    g.add_argument(
+        "--kv-disk-dir",
+        metavar="DIR",
+        default=None,
+        help="directory of on-disk KV checkpoints (enables the disk cache)",
+    )
+    g.add_argument(
+        "--kv-cache-budget-mb",
+        "--kv-disk-space-mb",
+        dest="kv_cache_budget_mb",
+        type=int,
+        metavar="N",
+        default=DEFAULT_BUDGET_MB,
+        help=f"disk budget in MiB (default {DEFAULT_BUDGET_MB}; 0 means the default)",
+    )
+    g.add_argument(
+        "--kv-cache-min-tokens",
+        type=int,
+        metavar="N",
+        default=DEFAULT_MIN_TOKENS,
+        help=f"smallest checkpoint stored or loaded (default {DEFAULT_MIN_TOKENS})",
+    )
+    g.add_argument(
+        "--kv-cache-cold-max-tokens",
+        type=int,
+        metavar="N",
+        default=DEFAULT_COLD_MAX_TOKENS,
+        help=f"longest prompt that gets a cold save; 0 disables cold saves (default {DEFAULT_COLD_MAX_TOKENS})",
+    )
+    g.add_argument(
+        "--kv-cache-continued-interval-tokens",
+        type=int,
+        metavar="N",
+        default=DEFAULT_CONTINUED_INTERVAL_TOKENS,
+        help="save the live session at absolute multiples of this (rounded up "
+        f"to the alignment); 0 disables (default {DEFAULT_CONTINUED_INTERVAL_TOKENS})",
+    )
+    g.add_argument(
+        "--kv-cache-boundary-trim-tokens",
+        type=int,
+        metavar="N",
+        default=DEFAULT_BOUNDARY_TRIM_TOKENS,
+        help=f"cold saves drop this many tail tokens (default {DEFAULT_BOUNDARY_TRIM_TOKENS})",
+    )
+    g.add_argument(
+        "--kv-cache-boundary-align-tokens",
+        type=int,
+        metavar="N",
+        default=DEFAULT_BOUNDARY_ALIGN_TOKENS,
+        help=f"cold saves align down to this; 0 disables (default {DEFAULT_BOUNDARY_ALIGN_TOKENS})",
+    )
     q = g.add_mutually_exclusive_group()
-    q.add_argument("--kv-cache-reject-different-quant", dest="kv_cache_cross_quant",
-                   action="store_false",
-                   help="delete checkpoints written with other quant bits (the default)")
-    q.add_argument("--kv-cache-accept-different-quant", dest="kv_cache_cross_quant",
-                   action="store_true",
-                   help="reuse checkpoints written with other routed-expert quant bits (ds4's "
-                        "default)")
+    q.add_argument(
+        "--kv-cache-reject-different-quant",
+        dest="kv_cache_cross_quant",
+        action="store_false",
+        help="delete checkpoints written with other quant bits (the default)",
+    )
+    q.add_argument(
+        "--kv-cache-accept-different-quant",
+        dest="kv_cache_cross_quant",
+        action="store_true",
+        help="reuse checkpoints written with other routed-expert quant bits (ds4's default)",
+    )
     parser.set_defaults(kv_cache_cross_quant=False)
     if not _has(parser, "--disable-exact-dsml-tool-replay"):
-        g.add_argument("--disable-exact-dsml-tool-replay", action="store_true",
-                       help="no exact DSML tool replay (and no KTM trailers on checkpoints)")
+        g.add_argument(
+            "--disable-exact-dsml-tool-replay",
+            action="store_true",
+            help="no exact DSML tool replay (and no KTM trailers on checkpoints)",
+        )
     if not _has(parser, "--tool-memory-max-ids"):
-        g.add_argument("--tool-memory-max-ids", type=int, metavar="N",
-                       default=DEFAULT_TOOL_MEMORY_MAX_IDS,
-                       help=f"tool ids kept in tool memory (default {DEFAULT_TOOL_MEMORY_MAX_IDS})")
+        g.add_argument(
+            "--tool-memory-max-ids",
+            type=int,
+            metavar="N",
+            default=DEFAULT_TOOL_MEMORY_MAX_IDS,
+            help=f"tool ids kept in tool memory (default {DEFAULT_TOOL_MEMORY_MAX_IDS})",
+        )
 
 
-def open_store(opt: KVCacheOptions, *, model_id: str, quant_bits: int, ctx: int,
-               clock: Callable[[], float] = time.time) -> KVStore | None:
+def open_store(
+    opt: KVCacheOptions, *, model_id: str, quant_bits: int, ctx: int, clock: Callable[[], float] = time.time
+) -> KVStore | None:
     """The store for these options, or None when the disk cache is off."""
     if not opt.enabled:
         return None
-    return KVStore(opt.disk_dir, opt.budget_bytes, model_id, quant_bits, ctx, opt.min_tokens,
-                   cross_quant=opt.cross_quant, clock=clock)
+    return KVStore(
+        opt.disk_dir,
+        opt.budget_bytes,
+        model_id,
+        quant_bits,
+        ctx,
+        opt.min_tokens,
+        cross_quant=opt.cross_quant,
+        clock=clock,
+    )
 
 
 # ---------------------------------------------------------------- cold
+
 
 def store_len(n_tokens: int, opt: KVCacheOptions) -> int:
     """Trim/align fallback (ds4 `store_len`): drop `trim` tail tokens and align
@@ -166,8 +232,9 @@ def store_len(n_tokens: int, opt: KVCacheOptions) -> int:
     return n_tokens
 
 
-def chat_anchor_pos(token_ids: Sequence[int], user_id: int | None, assistant_id: int | None,
-                    min_tokens: int) -> int | None:
+def chat_anchor_pos(
+    token_ids: Sequence[int], user_id: int | None, assistant_id: int | None, min_tokens: int
+) -> int | None:
     """Index of the last ⟨User⟩ token before the first ⟨Assistant⟩ token (the
     prefix ends right before that ⟨User⟩: system + tools + stable preamble,
     without the task message), if it is >= min_tokens; else None."""
@@ -184,13 +251,13 @@ def chat_anchor_pos(token_ids: Sequence[int], user_id: int | None, assistant_id:
 
 @dataclass(frozen=True)
 class ColdSave:
-    n_tokens: int      # prefill exactly this many tokens, then store (reason "cold")
-    method: str        # "anchor" | "trim-align" | "full"
+    n_tokens: int  # prefill exactly this many tokens, then store (reason "cold")
+    method: str  # "anchor" | "trim-align" | "full"
 
 
-def cold_save_point(token_ids: Sequence[int], opt: KVCacheOptions, *,
-                    user_id: int | None = None,
-                    assistant_id: int | None = None) -> ColdSave | None:
+def cold_save_point(
+    token_ids: Sequence[int], opt: KVCacheOptions, *, user_id: int | None = None, assistant_id: int | None = None
+) -> ColdSave | None:
     """Where to cut the cold checkpoint of a prompt that had no live or disk
     reuse, or None (cold saves off, prompt shorter than min_tokens or longer
     than cold_max_tokens).  If `n_tokens < len(prompt)` the engine prefills
@@ -207,6 +274,7 @@ def cold_save_point(token_ids: Sequence[int], opt: KVCacheOptions, *,
 
 
 # ---------------------------------------------------------------- continued
+
 
 def continued_step(opt: KVCacheOptions) -> int:
     """Interval rounded up to the alignment (10240 by default); 0 = off."""
@@ -230,8 +298,7 @@ class ContinuedFrontier:
 
     def due(self, pos: int) -> bool:
         """Store the whole live session (reason "continued") now?"""
-        return (self.step > 0 and pos >= self.opt.min_tokens and pos % self.step == 0
-                and pos > self.last)
+        return self.step > 0 and pos >= self.opt.min_tokens and pos % self.step == 0 and pos > self.last
 
     def note(self, pos: int) -> None:
         """A continued or cold checkpoint of `pos` tokens was written."""
@@ -262,6 +329,7 @@ class ContinuedFrontier:
 
 
 # ---------------------------------------------------------------- evict / shutdown
+
 
 def evict_save_len(pos: int, opt: KVCacheOptions) -> int | None:
     """Full miss with the disk cache on: save the whole live session (reason

@@ -24,6 +24,7 @@ Deviations from ds4 (documented in the module's report and tests):
   pending entry is penalised (ds4 later versions / seed); a loaded checkpoint
   is not "consumed" (seed #673).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,17 +36,46 @@ import re
 import threading
 import time
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
-from typing import Callable, Iterable, Iterator, Union
+from typing import Union
 
 # The file format's names, re-exported so `kv.store.X` works (the tests use several).
-from .fileformat import (FIXED_SIZE, FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE,  # noqa: F401
-                       FLAG_TOOL_MAP, FOOTER, FOOTER_MAGIC, FOOTER_SIZE, HEADER, HEADER_SIZE,
-                       KEY_KINDS, KEYLEN, MAGIC, REASON_CODES, REASONS, VERSION, Buffer, Checkpoint,
-                       Entry, Text, InvalidCheckpoint, KV_FILE_NAME, check_header, file_size_for, model_tag,
-                       open_regular,
-                       pack_header, parse_file, read_file, reason_code, reason_name, sha1_hex,
-                       to_bytes, write_file)
+from .fileformat import (
+    FIXED_SIZE,
+    FLAG_RESPONSES_VISIBLE,
+    FLAG_THINKING_VISIBLE,  # noqa: F401
+    FLAG_TOOL_MAP,
+    FOOTER,
+    FOOTER_MAGIC,
+    FOOTER_SIZE,
+    HEADER,
+    HEADER_SIZE,
+    KEY_KINDS,
+    KEYLEN,
+    KV_FILE_NAME,
+    MAGIC,
+    REASON_CODES,
+    REASONS,
+    VERSION,
+    Buffer,
+    Checkpoint,
+    Entry,
+    InvalidCheckpoint,
+    Text,
+    check_header,
+    file_size_for,
+    model_tag,
+    open_regular,
+    pack_header,
+    parse_file,
+    read_file,
+    reason_code,
+    reason_name,
+    sha1_hex,
+    to_bytes,
+    write_file,
+)
 
 log = logging.getLogger("ds4mlx.kvstore")
 
@@ -72,6 +102,7 @@ _U32 = 0xFFFFFFFF
 
 
 # ---------------------------------------------------------------- helpers
+
 
 def budget_required(file_bytes: int) -> int:
     """File size plus 1 % headroom, rounded up (ds4 `kv_cache_budget_required`)."""
@@ -123,9 +154,8 @@ def _chunks(payload) -> list[memoryview]:
     return [memoryview(p).cast("B") for p in parts]
 
 
-
-
 # ---------------------------------------------------------------- store
+
 
 class KVStore:
     """A directory of checkpoint files for one model configuration.
@@ -136,10 +166,18 @@ class KVStore:
     Thread-safe (one lock); one process per directory.
     """
 
-    def __init__(self, dir: str, budget_bytes: int = DEFAULT_BUDGET_MB << 20,
-                 model_id: str = "", quant_bits: int = 4, ctx: int = 0,
-                 min_tokens: int = DEFAULT_MIN_TOKENS, *, cross_quant: bool = False,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        dir: str,
+        budget_bytes: int = DEFAULT_BUDGET_MB << 20,
+        model_id: str = "",
+        quant_bits: int = 4,
+        ctx: int = 0,
+        min_tokens: int = DEFAULT_MIN_TOKENS,
+        *,
+        cross_quant: bool = False,
+        clock: Callable[[], float] = time.time,
+    ):
         if not model_id:
             raise ValueError("KVStore needs a model_id")
         if not 1 <= quant_bits <= 32:
@@ -165,10 +203,17 @@ class KVStore:
             self._clean_temporaries()
             self._meta = self._load_meta()
             self.evict()
-        log.info("KV disk cache %s (budget=%d MiB, cross-quant=%s, min=%d, model=%s, "
-                 "quant=%d, ctx=%d, hit_half_life=%ds)", self.dir, self.budget_bytes >> 20,
-                 "accept" if cross_quant else "reject", min_tokens, model_id, quant_bits,
-                 ctx, HIT_HALF_LIFE_SECONDS)
+        log.info(
+            "KV disk cache %s (budget=%d MiB, cross-quant=%s, min=%d, model=%s, quant=%d, ctx=%d, hit_half_life=%ds)",
+            self.dir,
+            self.budget_bytes >> 20,
+            "accept" if cross_quant else "reject",
+            min_tokens,
+            model_id,
+            quant_bits,
+            ctx,
+            HIT_HALF_LIFE_SECONDS,
+        )
 
     # -- test hook: called at each step of the write protocol (crash tests)
     def _hook(self, point: str) -> None:
@@ -237,8 +282,7 @@ class KVStore:
     def _with_meta(self, e: Entry) -> Entry:
         rec = self._meta.get(e.sha)
         if rec and rec.get("created") == e.created_at and rec.get("crc") == e.file_crc:
-            return replace(e, hits=int(rec.get("hits", 0)),
-                           last_used=int(rec.get("last_used", e.created_at)))
+            return replace(e, hits=int(rec.get("hits", 0)), last_used=int(rec.get("last_used", e.created_at)))
         return e
 
     # ------------------------------------------------------------ reading
@@ -288,8 +332,7 @@ class KVStore:
         next candidate tried.  A hit bumps the persistent hit count."""
         pb = to_bytes(prompt_text)
         with self._lock:
-            cands = [e for e in self._scan()
-                     if e.key_bytes <= len(pb) and e.tokens >= self.min_tokens]
+            cands = [e for e in self._scan() if e.key_bytes <= len(pb) and e.tokens >= self.min_tokens]
             if not cands:
                 return None
             digests = self._prefix_digests(pb, {e.key_bytes for e in cands})
@@ -307,12 +350,22 @@ class KVStore:
                     log.warning("kv cache load failed %s: %s", e.path, exc)
                     continue
                 now = self._now()
-                self._meta[e.sha] = {"hits": min(e.hits + 1, _U32), "last_used": now,
-                                     "created": e.created_at, "crc": e.file_crc}
+                self._meta[e.sha] = {
+                    "hits": min(e.hits + 1, _U32),
+                    "last_used": now,
+                    "created": e.created_at,
+                    "crc": e.file_crc,
+                }
                 self._save_meta()
-                log.info("kv cache hit text tokens=%d text=%d quant=%d key=%s load=%.1f ms "
-                         "file=%s", cp.n_tokens, len(cp.key_bytes), cp.quant_bits,
-                         cp.key_kind, (time.perf_counter() - t0) * 1e3, e.path)
+                log.info(
+                    "kv cache hit text tokens=%d text=%d quant=%d key=%s load=%.1f ms file=%s",
+                    cp.n_tokens,
+                    len(cp.key_bytes),
+                    cp.quant_bits,
+                    cp.key_kind,
+                    (time.perf_counter() - t0) * 1e3,
+                    e.path,
+                )
                 return replace(cp, hits=e.hits + 1)
             return None
 
@@ -325,7 +378,7 @@ class KVStore:
             out[n] = h.copy().hexdigest()
         return out
 
-    def discard(self, what: Union[Checkpoint, Entry, str]) -> None:
+    def discard(self, what: Checkpoint | Entry | str) -> None:
         """Delete a checkpoint (e.g. the session rejected its payload)."""
         path = what if isinstance(what, str) else what.path
         with self._lock:
@@ -334,11 +387,18 @@ class KVStore:
     # ------------------------------------------------------------ store
 
     def fits(self, key_bytes: int, payload_bytes: int, trailer_bytes: int = 0) -> bool:
-        return budget_required(file_size_for(key_bytes, payload_bytes, trailer_bytes)) \
-            <= self.budget_bytes
+        return budget_required(file_size_for(key_bytes, payload_bytes, trailer_bytes)) <= self.budget_bytes
 
-    def store(self, key_text: Text, n_tokens: int, payload, reason: Union[str, int] = "unknown",
-              trailer: bytes | None = None, *, key_kind: str = "token-text") -> str | None:
+    def store(
+        self,
+        key_text: Text,
+        n_tokens: int,
+        payload,
+        reason: str | int = "unknown",
+        trailer: bytes | None = None,
+        *,
+        key_kind: str = "token-text",
+    ) -> str | None:
         """Write a checkpoint of exactly `n_tokens` tokens whose rendered text
         is `key_text` (or a visible transcript, `key_kind`).  `payload` is a
         bytes-like object or a sequence of them.  Returns the path, or None
@@ -363,8 +423,13 @@ class KVStore:
         size = file_size_for(len(key), plen, len(trailer))
         required = budget_required(size)
         if required > self.budget_bytes:
-            log.info("kv cache skipped tokens=%d reason=%s size=%d exceeds budget %d",
-                     n_tokens, REASONS[code], size, self.budget_bytes)
+            log.info(
+                "kv cache skipped tokens=%d reason=%s size=%d exceeds budget %d",
+                n_tokens,
+                REASONS[code],
+                size,
+                self.budget_bytes,
+            )
             return None
         sha = sha1_hex(key)
         path = os.path.join(self.dir, sha + ".kv")
@@ -376,19 +441,32 @@ class KVStore:
             if old is not None:
                 if old.key_bytes == len(key) and (not trailer or self._same_trailer(old, trailer)):
                     now = self._now()
-                    self._meta[sha] = {"hits": old.hits, "last_used": now,
-                                       "created": old.created_at, "crc": old.file_crc}
+                    self._meta[sha] = {
+                        "hits": old.hits,
+                        "last_used": now,
+                        "created": old.created_at,
+                        "crc": old.file_crc,
+                    }
                     self._save_meta()
-                    log.info("kv cache store kept existing file tokens=%d reason=%s file=%s",
-                             old.tokens, REASONS[code], path)
+                    log.info(
+                        "kv cache store kept existing file tokens=%d reason=%s file=%s", old.tokens, REASONS[code], path
+                    )
                     return path
                 carry_hits = old.hits
             self.evict_for(size, key, _exclude=sha)
             now = self._now()
-            header = pack_header(quant_bits=self.quant_bits, reason=code, flags=flags,
-                                 tokens=n_tokens, hits=0, ctx=self.ctx,
-                                 model_tag=self.model_tag, created_at=now, last_used=now,
-                                 payload_bytes=plen)
+            header = pack_header(
+                quant_bits=self.quant_bits,
+                reason=code,
+                flags=flags,
+                tokens=n_tokens,
+                hits=0,
+                ctx=self.ctx,
+                model_tag=self.model_tag,
+                created_at=now,
+                last_used=now,
+                payload_bytes=plen,
+            )
             tmp = f"{path}.tmp.{os.getpid()}"
             try:
                 file_crc = write_file(tmp, header, key, parts, trailer, size, self._hook)
@@ -401,20 +479,23 @@ class KVStore:
                     os.unlink(tmp)
                 except OSError:
                     pass
-                log.warning("kv cache store failed tokens=%d reason=%s: %s",
-                            n_tokens, REASONS[code], exc)
+                log.warning("kv cache store failed tokens=%d reason=%s: %s", n_tokens, REASONS[code], exc)
                 return None
             if carry_hits:
-                self._meta[sha] = {"hits": carry_hits, "last_used": now, "created": now,
-                                   "crc": file_crc}
+                self._meta[sha] = {"hits": carry_hits, "last_used": now, "created": now, "crc": file_crc}
                 self._save_meta()
             else:
                 self._meta.pop(sha, None)
             self.evict(protected_sha=sha)
             self._hook("evicted")
-            log.info("kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
-                     n_tokens, REASONS[code], key_kind, size / (1 << 20),
-                     (time.perf_counter() - t0) * 1e3)
+            log.info(
+                "kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
+                n_tokens,
+                REASONS[code],
+                key_kind,
+                size / (1 << 20),
+                (time.perf_counter() - t0) * 1e3,
+            )
             return path
 
     def _same_trailer(self, e: Entry, trailer: bytes) -> bool:
@@ -429,8 +510,9 @@ class KVStore:
 
     # ------------------------------------------------------------ eviction
 
-    def score(self, e: Entry, now: int | None = None, *, pending_key: bytes | None = None,
-              protected_sha: str | None = None) -> float:
+    def score(
+        self, e: Entry, now: int | None = None, *, pending_key: bytes | None = None, protected_sha: str | None = None
+    ) -> float:
         """Eviction score (lowest is deleted first)."""
         if protected_sha is not None and e.sha == protected_sha:
             return math.inf
@@ -447,12 +529,16 @@ class KVStore:
     def _superseded(self, e: Entry, pending_key: bytes) -> bool:
         """`e`'s key is a strict byte prefix of the pending entry's key and the
         pending entry is at least as reusable (same model/quant, e.ctx >= ctx)."""
-        return (e.key_bytes < len(pending_key) and e.ctx >= self.ctx
-                and e.quant_bits == self.quant_bits
-                and sha1_hex(memoryview(pending_key)[:e.key_bytes]) == e.sha)
+        return (
+            e.key_bytes < len(pending_key)
+            and e.ctx >= self.ctx
+            and e.quant_bits == self.quant_bits
+            and sha1_hex(memoryview(pending_key)[: e.key_bytes]) == e.sha
+        )
 
-    def evict_for(self, pending_size: int, pending_key_text: Text | None = None, *,
-                  _exclude: str | None = None) -> list[str]:
+    def evict_for(
+        self, pending_size: int, pending_key_text: Text | None = None, *, _exclude: str | None = None
+    ) -> list[str]:
         """Pre-store eviction: delete until the listed files plus the pending
         file (+1 % headroom) fit the budget.  A pending file that cannot fit
         at all evicts nothing.  Returns the deleted paths."""
@@ -463,8 +549,7 @@ class KVStore:
         if _exclude is None and key is not None:
             _exclude = sha1_hex(key)
         with self._lock:
-            return self._evict_to(self.budget_bytes - required, pending_key=key,
-                                  exclude=_exclude)
+            return self._evict_to(self.budget_bytes - required, pending_key=key, exclude=_exclude)
 
     def evict(self, protected_sha: str | None = None) -> list[str]:
         """Delete lowest-score files until the total fits the budget; the
@@ -472,8 +557,14 @@ class KVStore:
         with self._lock:
             return self._evict_to(self.budget_bytes, protected_sha=protected_sha)
 
-    def _evict_to(self, target: int, *, pending_key: bytes | None = None,
-                  protected_sha: str | None = None, exclude: str | None = None) -> list[str]:
+    def _evict_to(
+        self,
+        target: int,
+        *,
+        pending_key: bytes | None = None,
+        protected_sha: str | None = None,
+        exclude: str | None = None,
+    ) -> list[str]:
         entries = [e for e in self._scan() if e.sha != exclude]
         total = sum(e.file_size for e in entries)
         if protected_sha is not None:
@@ -483,9 +574,14 @@ class KVStore:
         now = self._now()
         deleted = []
         while total > target and entries:
-            victim = min(entries, key=lambda e: (
-                self.score(e, now, pending_key=pending_key, protected_sha=protected_sha),
-                e.used_at, e.sha))
+            victim = min(
+                entries,
+                key=lambda e: (
+                    self.score(e, now, pending_key=pending_key, protected_sha=protected_sha),
+                    e.used_at,
+                    e.sha,
+                ),
+            )
             try:
                 os.unlink(victim.path)
             except FileNotFoundError:
@@ -497,9 +593,13 @@ class KVStore:
             entries.remove(victim)
             total -= victim.file_size
             deleted.append(victim.path)
-            log.info("kv cache evicted reason=disk-cache-full tokens=%d hits=%d size=%.2f MiB "
-                     "file=%s", victim.tokens, victim.hits, victim.file_size / (1 << 20),
-                     victim.path)
+            log.info(
+                "kv cache evicted reason=disk-cache-full tokens=%d hits=%d size=%.2f MiB file=%s",
+                victim.tokens,
+                victim.hits,
+                victim.file_size / (1 << 20),
+                victim.path,
+            )
         if deleted:
             _fsync_dir(self.dir)
         return deleted
@@ -540,9 +640,13 @@ class KVStore:
                 raise ValueError("bad meta")
             out = {}
             for sha, rec in entries.items():
-                if (isinstance(rec, dict) and re.fullmatch(r"[0-9a-f]{40}", sha)
-                        and all(isinstance(rec.get(k), int) and rec[k] >= 0
-                                for k in ("hits", "last_used", "created", "crc"))):
+                if (
+                    isinstance(rec, dict)
+                    and re.fullmatch(r"[0-9a-f]{40}", sha)
+                    and all(
+                        isinstance(rec.get(k), int) and rec[k] >= 0 for k in ("hits", "last_used", "created", "crc")
+                    )
+                ):
                     out[sha] = rec
             return out
         except FileNotFoundError:
@@ -560,7 +664,7 @@ class KVStore:
             try:
                 view = memoryview(data)
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
                 os.fsync(fd)
             finally:
                 os.close(fd)

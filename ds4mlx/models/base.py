@@ -46,7 +46,7 @@ class LanguageModel:
         return int(self.args.vocab_size)
 
     @classmethod
-    def from_config(cls, config: dict, weights: dict | None = None, dtype=None, strict: bool = True) -> "LanguageModel":
+    def from_config(cls, config: dict, weights: dict | None = None, dtype=None, strict: bool = True) -> LanguageModel:
         mod = family_module(config.get("model_type", registry.DEFAULT_FAMILY))
         args = mod.ModelArgs.from_dict(config)
         model = mod.Model(args)

@@ -392,12 +392,23 @@ class QuantizedGroupedLinear(nn.Module):
         G = self.groups
         lead = x.shape[:-2]
         n = x.size // (G * x.shape[-1])
-        if (self.mode == "affine" and self.biases is not None and n * G <= affine_qmv.MAX_PAIRS
-                and affine_qmv.kernel_face(x.shape[-1], self.group_size, self.bits) is not None):
+        if (
+            self.mode == "affine"
+            and self.biases is not None
+            and n * G <= affine_qmv.MAX_PAIRS
+            and affine_qmv.kernel_face(x.shape[-1], self.group_size, self.bits) is not None
+        ):
             # decode on a GPU: group g is "expert" g of every token, one launch
             ids = mx.broadcast_to(mx.arange(G, dtype=mx.int32), (n, G))
-            y = affine_qmv.gather_qmv(x.reshape(n, G, x.shape[-1]), self.weight, self.scales, self.biases, ids,
-                                      group_size=self.group_size, bits=self.bits)   # [n, G, out]
+            y = affine_qmv.gather_qmv(
+                x.reshape(n, G, x.shape[-1]),
+                self.weight,
+                self.scales,
+                self.biases,
+                ids,
+                group_size=self.group_size,
+                bits=self.bits,
+            )  # [n, G, out]
             return y.reshape(*lead, -1)
         xg = x.reshape(-1, G, 1, x.shape[-1]).swapaxes(0, 1)  # [G, N, 1, in]
         y = mx.gather_qmm(
@@ -470,7 +481,6 @@ class Compressor(nn.Module):
         rows = self._rope(rows, offset=w0, scale=float(m))
         return st.append(rows)
 
-
     def pool_step(self, kv: mx.array, gate: mx.array, pos: mx.array, state) -> tuple[list, mx.array, mx.array]:
         """`pool` for one token at position `pos` (an int32 array), branch-free.
 
@@ -537,11 +547,8 @@ class Indexer(Compressor):
         w = self.scorer.weights_proj(x).astype(mx.float32) * (self._nh**-0.5 * self._dim**-0.5)
         w = w[:, :, None, :]  # [B, C, 1, nh]
         step = max(1, self.BLOCK_ELEMS // (self._nh * N))
-        out = [
-            (w[:, i : i + step] @ mx.maximum(q[:, i : i + step] @ kT, 0.0)).squeeze(2) for i in range(0, C, step)
-        ]
+        out = [(w[:, i : i + step] @ mx.maximum(q[:, i : i + step] @ kT, 0.0)).squeeze(2) for i in range(0, C, step)]
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=1)  # [B, C, N]
-
 
     def scores_step(self, q: mx.array, w: mx.array, pos: mx.array, keys: mx.array) -> mx.array:
         """Index scores [cap] of one query at `pos` over every row of `keys` [1, cap, d];
@@ -669,9 +676,19 @@ class Attention(nn.Module):
         if face is not None:  # custom kernels: indexer, top-k and attention (kernels/sparse_attention.py)
             n, idx, cnt = self.compressor.select(x, q_res, cache, s, face)
             out = _sparse.sparse_attention(
-                q[0], keys[0, 0], cache.comp.rows, idx, cnt, self.sinks.astype(q.dtype), n=n, s=s,
-                ring_last=s if C == 1 else s - 1, window=cache.window, ratio=self.compressor._ratio,
-                scale=self._D**-0.5, backend=face,
+                q[0],
+                keys[0, 0],
+                cache.comp.rows,
+                idx,
+                cnt,
+                self.sinks.astype(q.dtype),
+                n=n,
+                s=s,
+                ring_last=s if C == 1 else s - 1,
+                window=cache.window,
+                ratio=self.compressor._ratio,
+                scale=self._D**-0.5,
+                backend=face,
             )[None]
             return self._output(out, s, B, C)
         if self.layer_type != SLIDING:
@@ -793,13 +810,15 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: mx.array, ids: mx.array, cache: LayerCache) -> mx.array:
         post, comb, collapsed = self.attn_hc(x)
         x, post, comb, collapsed = self.ffn_hc.after_post(
-            x, steer(self, ATTN, self.self_attn(self.input_layernorm(collapsed), cache)), post, comb)
+            x, steer(self, ATTN, self.self_attn(self.input_layernorm(collapsed), cache)), post, comb
+        )
         return hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(collapsed), ids)), post, comb)
 
     def step(self, x: mx.array, ids: mx.array, pos: mx.array, state, new: list) -> mx.array:
         post, comb, collapsed = self.attn_hc(x)
         x, post, comb, collapsed = self.ffn_hc.after_post(
-            x, self.self_attn.step(self.input_layernorm(collapsed), pos, state, new), post, comb)
+            x, self.self_attn.step(self.input_layernorm(collapsed), pos, state, new), post, comb
+        )
         return hc_post(x, self.mlp.step(self.post_attention_layernorm(collapsed), ids), post, comb)
 
 
@@ -854,9 +873,7 @@ class Model(StaticDecode, CausalLM):
 
     def make_cache(self) -> list[LayerCache]:
         a = self.args
-        return [
-            LayerCache(t, a.sliding_window, a.head_dim, a.ratio(t), a.index_head_dim) for t in a.layer_types
-        ]
+        return [LayerCache(t, a.sliding_window, a.head_dim, a.ratio(t), a.index_head_dim) for t in a.layer_types]
 
     # -- the static decode step (ds4mlx/stepper.py drives it; models/cache.StaticDecode) --
     def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:

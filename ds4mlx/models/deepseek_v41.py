@@ -122,7 +122,7 @@ class ModelArgs(BaseModelArgs):
     tie_word_embeddings: bool = False
 
     @classmethod
-    def from_dict(cls, config: dict) -> "ModelArgs":
+    def from_dict(cls, config: dict) -> ModelArgs:
         if "text_config" in config:  # the multimodal hub config nests the text model
             config = {**config["text_config"], "model_type": config.get("model_type", "deepseek_v41")}
         return super().from_dict(config)
@@ -272,7 +272,6 @@ class Compressor(nn.Module):
         gate = gate[:, : n * m].reshape(1, n, m, -1)
         latent = (kv * mx.softmax(gate, axis=2, precise=True)).sum(axis=2)
         return self.kv_norm(latent.astype(x.dtype)), (s - b) // m
-
 
     def step(self, x: mx.array, pos: mx.array, buf_kv: mx.array, buf_gate: mx.array):
         """`__call__` for one token at `pos` (array), branch-free: (latent [1, 1, D] of
@@ -440,8 +439,9 @@ class Attention(nn.Module):
                 self._compress_step(x, pos, state, new, shared)
             if self._index_source and "index_keys" in shared:
                 ik, ivalid = shared["index_keys"]
-                shared["topk"], cands = self.indexer.step(x, q_res, ik, ivalid, shared.get("candidates"), pos,
-                                                          self._rope)
+                shared["topk"], cands = self.indexer.step(
+                    x, q_res, ik, ivalid, shared.get("candidates"), pos, self._rope
+                )
                 if self.indexer._cand:
                     shared["candidates"] = cands
             if "kv_rows" in shared and "topk" in shared:
@@ -556,12 +556,12 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: mx.array, pre: mx.array, cache: LayerCache, shared: dict):
         """x [B, C, n, H] streams, pre [B, C, n]: the previous block's collapse weights."""
         attn_pre, post, comb = self.attn_hc.mix(x)
-        x = hc_post(x, steer(self, ATTN, self.self_attn(self.input_layernorm(hc_collapse(x, pre)), cache, shared)), post,
-                    comb)
+        x = hc_post(
+            x, steer(self, ATTN, self.self_attn(self.input_layernorm(hc_collapse(x, pre)), cache, shared)), post, comb
+        )
         ffn_pre, post, comb = self.ffn_hc.mix(x)
         x = hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(hc_collapse(x, attn_pre)))), post, comb)
         return x, ffn_pre
-
 
     def step(self, x: mx.array, pre: mx.array, ids, pos: mx.array, state, new: list, shared: dict):
         attn_pre, post, comb = self.attn_hc.mix(x)
@@ -757,8 +757,13 @@ DEMO_CONFIG = {
     "index_topk": 64,
     "rope_theta": 10000.0,
     "compress_rope_theta": 160000.0,
-    "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
-                     "beta_fast": 32, "beta_slow": 1},
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
     "max_position_embeddings": 1048576,
     "hc_mult": 4,
     "hc_sinkhorn_iters": 20,

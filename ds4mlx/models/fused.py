@@ -25,7 +25,7 @@ class FusedLinear:
         self.arrays, self.splits, self.quant = arrays, splits, quant
 
     @classmethod
-    def of(cls, layers) -> "FusedLinear | None":
+    def of(cls, layers) -> FusedLinear | None:
         layers = list(layers)
         if len(layers) < 2 or any("bias" in m for m in layers):
             return None
@@ -39,7 +39,9 @@ class FusedLinear:
             keys = {(m.group_size, m.bits, m.mode, m.scales.dtype, m.weight.shape[1], "biases" in m) for m in layers}
             if len(keys) != 1:
                 return None
-            arrays = {k: mx.concatenate([m[k] for m in layers]) for k in ("weight", "scales", "biases") if k in layers[0]}
+            arrays = {
+                k: mx.concatenate([m[k] for m in layers]) for k in ("weight", "scales", "biases") if k in layers[0]
+            }
             m = layers[0]
             return cls(arrays, splits, (m.group_size, m.bits, m.mode))
         return None
@@ -50,8 +52,16 @@ class FusedLinear:
             y = x @ a["weight"].T
         else:
             gs, bits, mode = self.quant
-            y = mx.quantized_matmul(x, a["weight"], scales=a["scales"], biases=a.get("biases"), transpose=True,
-                                    group_size=gs, bits=bits, mode=mode)
+            y = mx.quantized_matmul(
+                x,
+                a["weight"],
+                scales=a["scales"],
+                biases=a.get("biases"),
+                transpose=True,
+                group_size=gs,
+                bits=bits,
+                mode=mode,
+            )
         return mx.split(y, self.splits, axis=-1)
 
 

@@ -100,7 +100,7 @@ class ModelArgs(BaseModelArgs):
     linear_attn_config: dict | None = None
 
     @classmethod
-    def from_dict(cls, config: dict) -> "ModelArgs":
+    def from_dict(cls, config: dict) -> ModelArgs:
         if isinstance(config.get("text_config"), dict):  # the VLM config: its text part
             outer = {k: config[k] for k in ("tie_word_embeddings",) if k in config}
             config = {**outer, **config["text_config"]}
@@ -118,8 +118,9 @@ class ModelArgs(BaseModelArgs):
         if self.indexer_types is None:
             pattern = self.index_topk_pattern
             if pattern is not None:
-                self.indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) \
-                    else list(pattern)
+                self.indexer_types = (
+                    [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+                )
             else:
                 freq = max(self.index_topk_freq or 1, 1)
                 off = 2 if self.index_skip_topk_offset is None else self.index_skip_topk_offset
@@ -251,13 +252,28 @@ class DecoderLayer(nn.Module):
         else:
             indexer = None
             if args.indexer_types[i] == "full":
-                indexer = KPoolIndexer(args.hidden_size, args.q_lora_rank, args.index_n_heads, args.index_head_dim,
-                                       args.index_topk, args.index_kpool)
+                indexer = KPoolIndexer(
+                    args.hidden_size,
+                    args.q_lora_rank,
+                    args.index_n_heads,
+                    args.index_head_dim,
+                    args.index_topk,
+                    args.index_kpool,
+                )
             self.self_attn = MLAAttention(
-                hidden=args.hidden_size, n_heads=args.num_attention_heads, q_lora_rank=args.q_lora_rank,
-                kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim, qk_rope_head_dim=0,
-                v_head_dim=args.v_head_dim, bias=args.attention_bias, q_norm_eps=args.rms_norm_eps,
-                kv_norm_eps=args.rms_norm_eps, scale=args.qk_nope_head_dim**-0.5, rope=None, indexer=indexer,
+                hidden=args.hidden_size,
+                n_heads=args.num_attention_heads,
+                q_lora_rank=args.q_lora_rank,
+                kv_lora_rank=args.kv_lora_rank,
+                qk_nope_head_dim=args.qk_nope_head_dim,
+                qk_rope_head_dim=0,
+                v_head_dim=args.v_head_dim,
+                bias=args.attention_bias,
+                q_norm_eps=args.rms_norm_eps,
+                kv_norm_eps=args.rms_norm_eps,
+                scale=args.qk_nope_head_dim**-0.5,
+                rope=None,
+                indexer=indexer,
             )
         self.mlp = layer_mlp(args, i, args.swiglu_limit)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -359,8 +375,11 @@ class Model(StaticDecode, CausalLM):
                 out.append(LinearCache())
             else:
                 full = a.indexer_types[i] == "full"
-                out.append(MLACache(a.kv_lora_rank, 0, "kpool" if full else None, a.index_head_dim,
-                                    a.index_kpool if full else 0))
+                out.append(
+                    MLACache(
+                        a.kv_lora_rank, 0, "kpool" if full else None, a.index_head_dim, a.index_kpool if full else 0
+                    )
+                )
         return out
 
     def sanitize(self, weights: dict) -> dict:
@@ -373,7 +392,7 @@ class Model(StaticDecode, CausalLM):
         out = {}
         for k, v in weights.items():
             if k.startswith("model.language_model."):
-                k = "model." + k[len("model.language_model."):]
+                k = "model." + k[len("model.language_model.") :]
             elif k.startswith(("model.visual.", "visual.", "model.vision")):
                 continue
             if "rotary_emb" in k or ".shared_head." in k:

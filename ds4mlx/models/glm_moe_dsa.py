@@ -90,8 +90,9 @@ class ModelArgs(BaseModelArgs):
         if self.indexer_types is None:
             pattern = self.index_topk_pattern
             if pattern is not None:
-                self.indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) \
-                    else list(pattern)
+                self.indexer_types = (
+                    [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+                )
             else:
                 freq = max(self.index_topk_freq or 1, 1)
                 off = 2 if self.index_skip_topk_offset is None else self.index_skip_topk_offset
@@ -135,13 +136,29 @@ class DecoderLayer(nn.Module):
         super().__init__()
         indexer = None
         if args.indexer_types[i] == "full":
-            indexer = DSAIndexer(args.hidden_size, args.q_lora_rank, args.index_n_heads, args.index_head_dim,
-                                 args.index_topk, rope, args.qk_rope_head_dim)
+            indexer = DSAIndexer(
+                args.hidden_size,
+                args.q_lora_rank,
+                args.index_n_heads,
+                args.index_head_dim,
+                args.index_topk,
+                rope,
+                args.qk_rope_head_dim,
+            )
         self.self_attn = MLAAttention(
-            hidden=args.hidden_size, n_heads=args.num_attention_heads, q_lora_rank=args.q_lora_rank,
-            kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
-            qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim, bias=args.attention_bias,
-            q_norm_eps=1e-6, kv_norm_eps=1e-6, scale=args.softmax_scale, rope=rope, indexer=indexer,
+            hidden=args.hidden_size,
+            n_heads=args.num_attention_heads,
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_nope_head_dim=args.qk_nope_head_dim,
+            qk_rope_head_dim=args.qk_rope_head_dim,
+            v_head_dim=args.v_head_dim,
+            bias=args.attention_bias,
+            q_norm_eps=1e-6,
+            kv_norm_eps=1e-6,
+            scale=args.softmax_scale,
+            rope=rope,
+            indexer=indexer,
         )
         self.mlp = layer_mlp(args, i)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -163,8 +180,15 @@ class GlmMoeDsaModel(nn.Module):
         super().__init__()
         r = args.qk_rope_head_dim
         rp = args.rope_parameters
-        self._rope = RoPE(r, inv_freq_from_params(r, rp, args.max_position_embeddings),
-                          attention_factor_from_params(rp, args.max_position_embeddings)) if r else None
+        self._rope = (
+            RoPE(
+                r,
+                inv_freq_from_params(r, rp, args.max_position_embeddings),
+                attention_factor_from_params(rp, args.max_position_embeddings),
+            )
+            if r
+            else None
+        )
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i, self._rope) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -201,8 +225,9 @@ class Model(StaticDecode, CausalLM):
     def make_cache(self) -> list[MLACache]:
         a = self.args
         return [
-            MLACache(a.kv_lora_rank, a.qk_rope_head_dim, "dsa" if a.indexer_types[i] == "full" else None,
-                     a.index_head_dim)
+            MLACache(
+                a.kv_lora_rank, a.qk_rope_head_dim, "dsa" if a.indexer_types[i] == "full" else None, a.index_head_dim
+            )
             for i in range(a.num_hidden_layers)
         ]
 

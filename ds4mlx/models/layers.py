@@ -27,8 +27,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..kernels import affine_qmv
-from ..kernels.activations import clamped_swiglu  # re-exported: the families import it from here
 from ..kernels import hyper_connection as hc_kernels
+from ..kernels.activations import clamped_swiglu  # re-exported: the families import it from here
 
 # --------------------------------------------------------------------------- norms
 
@@ -73,9 +73,7 @@ def yarn_inv_freq(
     """
 
     def correction_dim(num_rotations: float) -> float:
-        return (dim * math.log(original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
-            2 * math.log(base)
-        )
+        return (dim * math.log(original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
     if truncate:
@@ -185,7 +183,15 @@ class HyperConnection(nn.Module):
         result: (new streams, post, comb, collapsed); at decode on a GPU two launches
         instead of three (`kernels.hyper_connection.hc_post_pre`)."""
         return hc_kernels.hc_post_pre(
-            x, out, post, comb, self.fn, self.base, self.scale, sinkhorn_iters=self._iters, hc_eps=self._hc_eps,
+            x,
+            out,
+            post,
+            comb,
+            self.fn,
+            self.base,
+            self.scale,
+            sinkhorn_iters=self._iters,
+            hc_eps=self._hc_eps,
             norm_eps=self._norm_eps,
         )
 
@@ -228,7 +234,9 @@ class SwitchLinear(nn.Module):
         w = self.weight.swapaxes(-1, -2)
         if x.dtype != mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
             # the CPU GatherMM kernel is float32-only
-            y = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices, sorted_indices=sorted_indices)
+            y = mx.gather_mm(
+                x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices, sorted_indices=sorted_indices
+            )
             return y.astype(x.dtype)
         return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
 
@@ -284,12 +292,13 @@ class QuantizedSwitchLinear(nn.Module):
         if n * k > affine_qmv.MAX_PAIRS:
             return None
         if len(xb) == len(batch) and xb[-1] == 1 and xb[:-1] == lead:
-            x2 = x.reshape(n, x.shape[-1])          # one vector per token, shared by its k experts
+            x2 = x.reshape(n, x.shape[-1])  # one vector per token, shared by its k experts
         else:
             x2 = mx.broadcast_to(x.reshape(*xb, x.shape[-1]), (*batch, x.shape[-1])).reshape(n, k, x.shape[-1])
         ids = mx.broadcast_to(indices, batch).reshape(n, k).astype(mx.int32)
-        y = affine_qmv.gather_qmv(x2, self.weight, self.scales, self.biases, ids, group_size=self.group_size,
-                                  bits=self.bits)
+        y = affine_qmv.gather_qmv(
+            x2, self.weight, self.scales, self.biases, ids, group_size=self.group_size, bits=self.bits
+        )
         return y.reshape(*batch, 1, y.shape[-1])
 
 
@@ -347,14 +356,25 @@ class SwitchGLU(nn.Module):
         n = indices.size // k
         if n * k > affine_qmv.MAX_PAIRS or x.shape[-1] != gu.weight.shape[-1] * 32 // gu.bits:
             return None
-        if affine_qmv.kernel_face(x.shape[-1], gu.group_size, gu.bits, moe=True) is None or \
-                affine_qmv.kernel_face(self._intermediate, dn.group_size, dn.bits, moe=True) is None:
+        if (
+            affine_qmv.kernel_face(x.shape[-1], gu.group_size, gu.bits, moe=True) is None
+            or affine_qmv.kernel_face(self._intermediate, dn.group_size, dn.bits, moe=True) is None
+        ):
             return None
         ids = indices.reshape(n, k).astype(mx.int32)
-        h = affine_qmv.gather_swiglu(x.reshape(n, -1), gu.weight, gu.scales, gu.biases, ids, limit=self._limit,
-                                     group_size=gu.group_size, bits=gu.bits)
-        y = affine_qmv.gather_down_sum(h, dn.weight, dn.scales, dn.biases, ids, weights.reshape(n, k),
-                                       group_size=dn.group_size, bits=dn.bits)
+        h = affine_qmv.gather_swiglu(
+            x.reshape(n, -1),
+            gu.weight,
+            gu.scales,
+            gu.biases,
+            ids,
+            limit=self._limit,
+            group_size=gu.group_size,
+            bits=gu.bits,
+        )
+        y = affine_qmv.gather_down_sum(
+            h, dn.weight, dn.scales, dn.biases, ids, weights.reshape(n, k), group_size=dn.group_size, bits=dn.bits
+        )
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -41,7 +41,6 @@ import mlx.nn as nn
 from .cache import grow_rows
 from .layers import RMSNorm, RoPE, topk_indices
 
-
 # ----------------------------------------------------------------------------- selection
 
 
@@ -115,8 +114,9 @@ class MLACache:
 
     kind = "mla"
 
-    def __init__(self, kv_lora_rank: int, rope_dim: int, indexer: str | None = None,
-                 index_head_dim: int = 0, kpool: int = 0):
+    def __init__(
+        self, kv_lora_rank: int, rope_dim: int, indexer: str | None = None, index_head_dim: int = 0, kpool: int = 0
+    ):
         if indexer not in (None, "dsa", "kpool"):
             raise ValueError(f"unknown indexer kind {indexer!r}")
         self.offset = 0
@@ -217,8 +217,7 @@ def index_scores(q: mx.array, keys: mx.array, w: mx.array, scale: float) -> mx.a
     w = w[:, :, None, :]  # [B, C, 1, H]
     step = max(1, SCORE_BLOCK_ELEMS // max(1, H * N))
     out = [
-        (w[:, i : i + step] @ mx.maximum((q[:, i : i + step] @ kT) * scale, 0.0)).squeeze(2)
-        for i in range(0, C, step)
+        (w[:, i : i + step] @ mx.maximum((q[:, i : i + step] @ kT) * scale, 0.0)).squeeze(2) for i in range(0, C, step)
     ]
     return out[0] if len(out) == 1 else mx.concatenate(out, axis=1)
 
@@ -226,8 +225,9 @@ def index_scores(q: mx.array, keys: mx.array, w: mx.array, scale: float) -> mx.a
 class DSAIndexer(nn.Module):
     """Token-level DSA indexer (transformers' `GlmMoeDsaIndexer`; parameter names as there)."""
 
-    def __init__(self, hidden: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int,
-                 rope: RoPE | None, rope_dim: int):
+    def __init__(
+        self, hidden: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, rope: RoPE | None, rope_dim: int
+    ):
         super().__init__()
         if rope_dim > head_dim:
             raise ValueError("index_head_dim must be >= qk_rope_head_dim")
@@ -262,7 +262,6 @@ class DSAIndexer(nn.Module):
         idx = topk_indices(mx.where(causal, scores, -mx.inf), self._topk)
         chosen = mx.put_along_axis(mx.zeros((C, L), mx.bool_), idx, mx.array(True), axis=-1)
         return Selection(mask=chosen & causal)
-
 
     def step(self, x: mx.array, q_res: mx.array, pos: mx.array, state, new: list, valid: mx.array):
         """`__call__` for one query at `pos` (array) over the capacity rows: (index [k] or
@@ -397,7 +396,7 @@ def absorbed_projections(layer: nn.Module, n_heads: int, nope: int):
         sc = layer.scales.reshape(n_heads, -1, layer.scales.shape[-1])
         b = getattr(layer, "biases", None)
         b = None if b is None else b.reshape(n_heads, -1, b.shape[-1])
-        part = (lambda a, lo, hi: None if a is None else a[:, lo:hi])
+        part = lambda a, lo, hi: None if a is None else a[:, lo:hi]
         n = w.shape[1]
 
         def embed_q(x):
@@ -420,9 +419,23 @@ class MLAAttention(nn.Module):
     # Chunks of more than this many queries use the expanded form (None: choose by cost).
     EXPAND_MIN_QUERIES: int | None = None
 
-    def __init__(self, *, hidden: int, n_heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
-                 qk_rope_head_dim: int, v_head_dim: int, bias: bool, q_norm_eps: float, kv_norm_eps: float,
-                 scale: float, rope: RoPE | None, indexer: nn.Module | None):
+    def __init__(
+        self,
+        *,
+        hidden: int,
+        n_heads: int,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        bias: bool,
+        q_norm_eps: float,
+        kv_norm_eps: float,
+        scale: float,
+        rope: RoPE | None,
+        indexer: nn.Module | None,
+    ):
         super().__init__()
         self._nh, self._lora = n_heads, kv_lora_rank
         self._nope, self._r, self._v = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
@@ -454,8 +467,9 @@ class MLAAttention(nn.Module):
         q = self.q_b_proj(q_res).reshape(1, 1, nh, nope + r).swapaxes(1, 2)  # [1, nh, 1, nope+r]
         kv = self.kv_a_proj_with_mqa(x)
         latents = next(state)
-        latents = mx.slice_update(latents, self.kv_a_layernorm(kv[..., : self._lora]).astype(latents.dtype), at,
-                                  axes=(1,))
+        latents = mx.slice_update(
+            latents, self.kv_a_layernorm(kv[..., : self._lora]).astype(latents.dtype), at, axes=(1,)
+        )
         new.append(latents)
         q_nope = q[..., :nope]
         q_rope = k_ropes = None

@@ -9,6 +9,7 @@ rest (prefill, the CPU, non-affine modes) to ``mx.quantized_matmul`` as before.
 lm_head too) in place, and every `nn.QuantizedEmbedding` to `QMVEmbedding` (its
 `as_linear`, a tied head, likewise); the loader and the synthetic-model builder call it.
 """
+
 from __future__ import annotations
 
 import mlx.core as mx

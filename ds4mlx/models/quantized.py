@@ -38,6 +38,7 @@ step, so the peak beyond the loaded model is about one tensor's converted size
 dequantized.  A `GGUFSwitchLinear` costs exactly the file's bytes; a repacked
 tensor costs (bits + 2) bits per value (float32 scale and bias per 32 values).
 """
+
 from __future__ import annotations
 
 import logging
@@ -105,8 +106,10 @@ class GGUFSwitchLinear(nn.Module):
         return self.weight.shape[1]
 
     def _extra_repr(self) -> str:
-        return (f"{self.qtype.name}, experts={self.num_experts}, input_dims={self.input_dims}, "
-                f"output_dims={self.output_dims}")
+        return (
+            f"{self.qtype.name}, experts={self.num_experts}, input_dims={self.input_dims}, "
+            f"output_dims={self.output_dims}"
+        )
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         if x.shape[-2] != 1:
@@ -293,8 +296,17 @@ def _affine_module(mod: nn.Module, rep, mode: str = "affine"):
         return q
     if type(mod) is nn.Embedding:
         n, dims = mod.weight.shape
-        return _bare(nn.QuantizedEmbedding, group_size=gs, bits=bits, mode=mode, weight=w, scales=s,
-                     num_embeddings=n, dims=dims, **extra)
+        return _bare(
+            nn.QuantizedEmbedding,
+            group_size=gs,
+            bits=bits,
+            mode=mode,
+            weight=w,
+            scales=s,
+            num_embeddings=n,
+            dims=dims,
+            **extra,
+        )
     if not hasattr(mod, "to_quantized"):
         return None
     # Family modules (SwitchLinear, GroupedLinear, ...): their own to_quantized gives
@@ -334,8 +346,12 @@ def _expert_module(val, scale_dtype, compute_dtype, name: str, stats: Counter) -
             blocks = to_mlx(val.raw)  # copied a block of rows at a time, pages released
             release(val)
             return GGUFSwitchLinear(blocks, qtype, K)
-        log.warning("%s: %s routed experts have no MLX or kernel path: dequantized at load to %s",
-                    name, qtype.name, compute_dtype)
+        log.warning(
+            "%s: %s routed experts have no MLX or kernel path: dequantized at load to %s",
+            name,
+            qtype.name,
+            compute_dtype,
+        )
         stats[f"{qtype.name}->dequantized"] += 1
         arr = dequantize_chunked(val, compute_dtype)
         release(val)
@@ -355,13 +371,21 @@ def _fuse_pair(gate: nn.Module, up: nn.Module) -> nn.Module:
         m.weight = mx.concatenate([gate.weight, up.weight.astype(gate.weight.dtype)], axis=1)
         mx.eval(m.weight)
         return m
-    if (type(gate) is QuantizedSwitchLinear and type(up) is QuantizedSwitchLinear
-            and (gate.bits, gate.group_size, gate.mode) == (up.bits, up.group_size, up.mode)
-            and gate.scales.dtype == up.scales.dtype):
-        m = _bare(QuantizedSwitchLinear, group_size=gate.group_size, bits=gate.bits, mode=gate.mode,
-                  weight=mx.concatenate([gate.weight, up.weight], axis=1),
-                  scales=mx.concatenate([gate.scales, up.scales], axis=1),
-                  biases=None if gate.biases is None else mx.concatenate([gate.biases, up.biases], axis=1))
+    if (
+        type(gate) is QuantizedSwitchLinear
+        and type(up) is QuantizedSwitchLinear
+        and (gate.bits, gate.group_size, gate.mode) == (up.bits, up.group_size, up.mode)
+        and gate.scales.dtype == up.scales.dtype
+    ):
+        m = _bare(
+            QuantizedSwitchLinear,
+            group_size=gate.group_size,
+            bits=gate.bits,
+            mode=gate.mode,
+            weight=mx.concatenate([gate.weight, up.weight], axis=1),
+            scales=mx.concatenate([gate.scales, up.scales], axis=1),
+            biases=None if gate.biases is None else mx.concatenate([gate.biases, up.biases], axis=1),
+        )
         mx.eval(m.parameters())
         return m
     return SplitSwitchLinear(gate, up)
@@ -388,8 +412,11 @@ def _module_params(prefix: str, mod: nn.Module) -> dict:
 def _infer_compute_dtype(weights: dict):
     """The dtype most of the file's float matrices have (the model's compute dtype
     when the loader does not cast), float32 if none."""
-    counts = Counter(v.dtype for v in weights.values()
-                     if isinstance(v, mx.array) and v.ndim >= 2 and mx.issubdtype(v.dtype, mx.floating))
+    counts = Counter(
+        v.dtype
+        for v in weights.values()
+        if isinstance(v, mx.array) and v.ndim >= 2 and mx.issubdtype(v.dtype, mx.floating)
+    )
     return counts.most_common(1)[0][0] if counts else mx.float32
 
 
@@ -449,8 +476,7 @@ def install_quantized(model: nn.Module, weights: dict, dtype=None) -> tuple[dict
                 _set_module(model, path, new)
                 owned.update(_module_params(path, new))
                 continue
-            log.warning("%s: %s %s has no quantized module here: dequantized at load", key, val.mode,
-                        tuple(val.shape))
+            log.warning("%s: %s %s has no quantized module here: dequantized at load", key, val.mode, tuple(val.shape))
             stats[f"{val.mode}->dequantized"] += 1
             floats[key] = mx.array(val.dequantize()).astype(compute)
             mx.eval(floats[key])
@@ -473,8 +499,7 @@ def install_quantized(model: nn.Module, weights: dict, dtype=None) -> tuple[dict
             _set_module(model, path, new)
             owned.update(_module_params(path, new))
             continue
-        log.warning("%s: %s %s has no quantized module here: dequantized at load", key, qtype.name,
-                    tuple(val.shape))
+        log.warning("%s: %s %s has no quantized module here: dequantized at load", key, qtype.name, tuple(val.shape))
         stats[f"{qtype.name}->dequantized"] += 1
         floats[key] = dequantize_chunked(val, compute if len(val.shape) >= 2 else mx.float32)
         release(val)
@@ -494,5 +519,13 @@ def quantized_summary(model: nn.Module) -> dict:
     return dict(out)
 
 
-__all__ = ["GGUFSwitchLinear", "SplitSwitchLinear", "install_quantized", "needs_install", "repack",
-           "dequantize_chunked", "quantized_summary", "KERNEL_TYPES"]
+__all__ = [
+    "GGUFSwitchLinear",
+    "SplitSwitchLinear",
+    "install_quantized",
+    "needs_install",
+    "repack",
+    "dequantize_chunked",
+    "quantized_summary",
+    "KERNEL_TYPES",
+]

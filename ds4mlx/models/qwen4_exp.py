@@ -72,8 +72,13 @@ DEMO_CONFIG = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                        "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [3, 3, 2],
+        "mrope_interleaved": True,
+    },
     "linear_conv_kernel_dim": 4,
     "linear_key_head_dim": 32,
     "linear_value_head_dim": 32,
@@ -160,7 +165,7 @@ class ModelArgs(BaseModelArgs):
     partial_rotary_factor: float | None = None
 
     @classmethod
-    def from_dict(cls, config: dict) -> "ModelArgs":
+    def from_dict(cls, config: dict) -> ModelArgs:
         if isinstance(config.get("text_config"), dict):  # the VLM config (`qwen4_exp`)
             config = {**config["text_config"], "model_type": "qwen4_exp_text"}
         return super().from_dict(config)
@@ -361,8 +366,13 @@ class AttentionCache:
 
     @property
     def meta_state(self) -> dict:
-        return {"type": INDEXED, "offset": self.offset, "ratio": self.ratio,
-                "cap": self.keys.cap, "block_cap": self.index_blocks.cap}
+        return {
+            "type": INDEXED,
+            "offset": self.offset,
+            "ratio": self.ratio,
+            "cap": self.keys.cap,
+            "block_cap": self.index_blocks.cap,
+        }
 
     def load(self, meta: dict, arrays: dict):
         if meta.get("type") != INDEXED or meta.get("ratio") != self.ratio:
@@ -515,7 +525,6 @@ class QSAIndexer(nn.Module):
         in_block = mx.take(chosen, mx.arange(L) // r, axis=1)
         tail = (pos >= complete * r) & (pos <= t)
         return in_block | tail
-
 
     def step(self, x: mx.array, pos: mx.array, blocks: mx.array, tail: mx.array, valid: mx.array):
         """`__call__` for one query at `pos` (array) over the capacity rows: (new blocks,

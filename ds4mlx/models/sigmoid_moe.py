@@ -24,8 +24,16 @@ from .layers import GLUMLP, SwitchGLU, route_weights, topk_indices
 
 
 class TopkRouter(nn.Module):
-    def __init__(self, hidden: int, n_experts: int, top_k: int, n_group: int, topk_group: int,
-                 norm_topk_prob: bool, scaling: float):
+    def __init__(
+        self,
+        hidden: int,
+        n_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        scaling: float,
+    ):
         super().__init__()
         if n_experts % n_group:
             raise ValueError("n_routed_experts must be divisible by n_group")
@@ -56,8 +64,19 @@ class TopkRouter(nn.Module):
 class MoE(nn.Module):
     """Routed experts + shared experts (transformers' names: gate, experts, shared_experts)."""
 
-    def __init__(self, hidden: int, intermediate: int, n_experts: int, n_shared: int, top_k: int,
-                 n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float, limit: float | None):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        n_experts: int,
+        n_shared: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        scaling: float,
+        limit: float | None,
+    ):
         super().__init__()
         self.gate = TopkRouter(hidden, n_experts, top_k, n_group, topk_group, norm_topk_prob, scaling)
         self.experts = SwitchGLU(hidden, intermediate, n_experts, limit)
@@ -72,15 +91,24 @@ class MoE(nn.Module):
         return y + self.shared_experts(x)
 
 
-
 def layer_mlp(args, i: int, limit: float | None = None) -> nn.Module:
     """Layer `i`'s MLP from a GLM 5.x config: `MoE` where `mlp_layer_types[i]` is "sparse",
     else a dense `GLUMLP` of `intermediate_size`; every SwiGLU clamped at `limit` if given."""
     if args.mlp_layer_types[i] == "sparse":
-        return MoE(args.hidden_size, args.moe_intermediate_size, args.n_routed_experts, args.n_shared_experts,
-                   args.num_experts_per_tok, args.n_group, args.topk_group, args.norm_topk_prob,
-                   args.routed_scaling_factor, limit)
+        return MoE(
+            args.hidden_size,
+            args.moe_intermediate_size,
+            args.n_routed_experts,
+            args.n_shared_experts,
+            args.num_experts_per_tok,
+            args.n_group,
+            args.topk_group,
+            args.norm_topk_prob,
+            args.routed_scaling_factor,
+            limit,
+        )
     return GLUMLP(args.hidden_size, args.intermediate_size, limit)
+
 
 def sanitize_experts(weights: dict) -> dict:
     """transformers' fused experts (`...mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`
@@ -92,8 +120,13 @@ def sanitize_experts(weights: dict) -> dict:
             out[k + ".weight"] = v
             continue
         parts = k.split(".")
-        if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() and parts[-1] == "weight" \
-                and parts[-2] in ("gate_proj", "up_proj", "down_proj"):
+        if (
+            len(parts) >= 4
+            and parts[-4] == "experts"
+            and parts[-3].isdigit()
+            and parts[-1] == "weight"
+            and parts[-2] in ("gate_proj", "up_proj", "down_proj")
+        ):
             prefix = ".".join(parts[:-3])
             per_expert.setdefault(prefix, {}).setdefault(int(parts[-3]), {})[parts[-2]] = v
             continue

@@ -8,6 +8,7 @@ the file and the weights (or a tensor's two dtypes) at once.  Packed tensors pas
 through untouched: `models.quantized.install_quantized` converts them, also one
 at a time.
 """
+
 from __future__ import annotations
 
 import mlx.core as mx
@@ -37,13 +38,19 @@ def _chunked(view: np.ndarray, dtype) -> mx.array:
             mx.eval(m)
             release(part)
             return m
+
         return make
 
     probe = mx.array(view[:1])
     out_dt = dtype if dtype is not None and mx.issubdtype(probe.dtype, mx.floating) else probe.dtype
-    return fill(view.shape, out_dt,
-                [(slice(a, min(a + rows, view.shape[0])), piece(a, min(a + rows, view.shape[0])))
-                 for a in range(0, view.shape[0], rows)])
+    return fill(
+        view.shape,
+        out_dt,
+        [
+            (slice(a, min(a + rows, view.shape[0])), piece(a, min(a + rows, view.shape[0])))
+            for a in range(0, view.shape[0], rows)
+        ],
+    )
 
 
 def to_mlx(value, dtype=None) -> mx.array:
@@ -80,8 +87,9 @@ def packed_to_mlx(value):
     if isinstance(value, QuantizedTensor):
         out = QuantizedTensor(raw=to_mlx(value.raw), qtype=value.qtype, shape=tuple(value.shape))
     elif isinstance(value, MXTensor):
-        out = MXTensor(weight=to_mlx(value.weight), scales=to_mlx(value.scales), mode=value.mode,
-                       shape=tuple(value.shape))
+        out = MXTensor(
+            weight=to_mlx(value.weight), scales=to_mlx(value.scales), mode=value.mode, shape=tuple(value.shape)
+        )
     else:
         return to_mlx(value)
     release(value)

@@ -7,9 +7,10 @@ and closes when a tool block starts or at the end; tool blocks stream live.
 A stream that had thinking but no text and no tool call gets an empty text
 block before `message_delta`.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ..events import Finish, ReasoningDelta, Started, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart, Usage
 from . import sse
@@ -19,10 +20,12 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
 
 def usage_anthropic(u: Usage) -> dict:
-    return {"input_tokens": max(0, u.prompt_tokens - u.cached_tokens - u.written_tokens),
-            "output_tokens": u.completion_tokens,
-            "cache_read_input_tokens": u.cached_tokens,
-            "cache_creation_input_tokens": u.written_tokens}
+    return {
+        "input_tokens": max(0, u.prompt_tokens - u.cached_tokens - u.written_tokens),
+        "output_tokens": u.completion_tokens,
+        "cache_read_input_tokens": u.cached_tokens,
+        "cache_creation_input_tokens": u.written_tokens,
+    }
 
 
 def stop_reason(fin: Finish) -> str:
@@ -43,7 +46,7 @@ class AnthropicAdapter:
     def __init__(self, info: RequestInfo):
         self.info = info
         self.index = -1  # last block index used
-        self.open_kind: Optional[str] = None  # thinking | text | tool
+        self.open_kind: str | None = None  # thinking | text | tool
         self.had_thinking = self.had_text = self.had_tool = False
         self.tool_blocks: dict[int, int] = {}  # call index -> block index
         self.closed_tools: set[int] = set()
@@ -55,16 +58,20 @@ class AnthropicAdapter:
     def _open(self, kind: str, block: dict) -> bytes:
         self.index += 1
         self.open_kind = kind
-        return self._ev("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                "content_block": block})
+        return self._ev(
+            "content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block}
+        )
 
-    def _delta(self, delta: dict, index: Optional[int] = None) -> bytes:
-        return self._ev("content_block_delta", {"type": "content_block_delta",
-                                                "index": self.index if index is None else index, "delta": delta})
+    def _delta(self, delta: dict, index: int | None = None) -> bytes:
+        return self._ev(
+            "content_block_delta",
+            {"type": "content_block_delta", "index": self.index if index is None else index, "delta": delta},
+        )
 
-    def _stop(self, index: Optional[int] = None) -> bytes:
-        return self._ev("content_block_stop", {"type": "content_block_stop",
-                                               "index": self.index if index is None else index})
+    def _stop(self, index: int | None = None) -> bytes:
+        return self._ev(
+            "content_block_stop", {"type": "content_block_stop", "index": self.index if index is None else index}
+        )
 
     def _close_open(self) -> list[bytes]:
         out = []
@@ -79,9 +86,24 @@ class AnthropicAdapter:
     def start(self, started: Started) -> list[bytes]:
         u = Usage(started.prompt_tokens, 0, started.cached_tokens, started.prompt_tokens - started.cached_tokens)
         i = self.info
-        return [self._ev("message_start", {"type": "message_start", "message": {
-            "id": i.id, "type": "message", "role": "assistant", "model": i.model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": usage_anthropic(u)}})]
+        return [
+            self._ev(
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": i.id,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": i.model,
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": usage_anthropic(u),
+                    },
+                },
+            )
+        ]
 
     def event(self, ev) -> list[bytes]:
         out: list[bytes] = []
@@ -129,10 +151,16 @@ class AnthropicAdapter:
             out.append(self._open("text", {"type": "text", "text": ""}))
             out.append(self._stop())
             self.open_kind = None
-        out.append(self._ev("message_delta", {"type": "message_delta",
-                                              "delta": {"stop_reason": stop_reason(fin),
-                                                        "stop_sequence": fin.stop_sequence},
-                                              "usage": {"output_tokens": fin.usage.completion_tokens}}))
+        out.append(
+            self._ev(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason(fin), "stop_sequence": fin.stop_sequence},
+                    "usage": {"output_tokens": fin.usage.completion_tokens},
+                },
+            )
+        )
         out.append(self._ev("message_stop", {"type": "message_stop"}))
         return out
 
@@ -149,6 +177,15 @@ class AnthropicAdapter:
         if not blocks or (all(b["type"] == "thinking" for b in blocks) and fin.reason != "length"):
             blocks.append({"type": "text", "text": ""})
         i = self.info
-        return body_bytes({"id": i.id, "type": "message", "role": "assistant", "model": i.model, "content": blocks,
-                           "stop_reason": stop_reason(fin), "stop_sequence": fin.stop_sequence,
-                           "usage": usage_anthropic(fin.usage)})
+        return body_bytes(
+            {
+                "id": i.id,
+                "type": "message",
+                "role": "assistant",
+                "model": i.model,
+                "content": blocks,
+                "stop_reason": stop_reason(fin),
+                "stop_sequence": fin.stop_sequence,
+                "usage": usage_anthropic(fin.usage),
+            }
+        )

@@ -9,6 +9,7 @@ seconds; while its prefill runs, `: prefill` comments.  A client that disconnect
 `handler_cancellation=True`) or whose stream write fails cancels its job at
 the next prefill-chunk / token boundary, queued jobs included.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 from aiohttp import web
 
@@ -27,23 +28,46 @@ from . import errors as E
 from . import sse
 from .anthropic import AnthropicAdapter
 from .completions import CompletionsAdapter, prompt_list, total_usage
-from .prepare import ServeConfig, model_known, prepare, protocol_of
 from .jsonin import parse_body
 from .openai import ChatAdapter, RequestInfo, body_bytes
+from .prepare import ServeConfig, model_known, prepare, protocol_of
 from .responses import ResponsesAdapter
 from .transport import make_runner
 
 log = logging.getLogger("ds4mlx.serve")
 
-ADAPTERS = {"chat": ChatAdapter, "completions": CompletionsAdapter, "anthropic": AnthropicAdapter,
-            "responses": ResponsesAdapter}
-ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "anthropic",
-          "/v1/responses": "responses"}
-CORS_HEADERS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                "Access-Control-Allow-Headers": "*"}
+ADAPTERS = {
+    "chat": ChatAdapter,
+    "completions": CompletionsAdapter,
+    "anthropic": AnthropicAdapter,
+    "responses": ResponsesAdapter,
+}
+ROUTES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/messages": "anthropic",
+    "/v1/responses": "responses",
+}
+CORS_HEADERS = {
+    "Access-Control-Allow-Origin": "*",
+    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+    "Access-Control-Allow-Headers": "*",
+}
 MODEL_CREATED = 1767225600
-SUPPORTED_PARAMETERS = ["tools", "tool_choice", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
-                        "seed", "stream", "reasoning_effort", "ignore_eos"]
+SUPPORTED_PARAMETERS = [
+    "tools",
+    "tool_choice",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "seed",
+    "stream",
+    "reasoning_effort",
+    "ignore_eos",
+]
 
 
 class ServerState:
@@ -132,10 +156,17 @@ async def _middleware(request: web.Request, handler):
 def _model_object(cfg: ServeConfig) -> dict:
     maxc = min(cfg.tokens, cfg.ctx)
     proto = protocol_of(cfg)  # the loaded model's family
-    return {"id": cfg.model_id or proto.model_id, "object": "model", "created": MODEL_CREATED, "owned_by": "ds4.c",
-            "name": cfg.model_name or proto.model_name, "aliases": list(proto.aliases), "context_length": cfg.ctx,
-            "top_provider": {"context_length": cfg.ctx, "max_completion_tokens": maxc, "is_moderated": False},
-            "supported_parameters": SUPPORTED_PARAMETERS}
+    return {
+        "id": cfg.model_id or proto.model_id,
+        "object": "model",
+        "created": MODEL_CREATED,
+        "owned_by": "ds4.c",
+        "name": cfg.model_name or proto.model_name,
+        "aliases": list(proto.aliases),
+        "context_length": cfg.ctx,
+        "top_provider": {"context_length": cfg.ctx, "max_completion_tokens": maxc, "is_moderated": False},
+        "supported_parameters": SUPPORTED_PARAMETERS,
+    }
 
 
 async def models(request: web.Request) -> web.Response:
@@ -157,8 +188,11 @@ async def debug_stats(request: web.Request) -> web.Response:
     state = request.app[STATE]
     eng = state.engine
     cache_stats = getattr(eng.cache, "stats", None)
-    doc = {"engine": dict(vars(eng.stats)), "live_tokens": len(eng.session) if eng.session is not None else 0,
-           "kv_disk_cache": cache_stats() if callable(cache_stats) else None}
+    doc = {
+        "engine": dict(vars(eng.stats)),
+        "live_tokens": len(eng.session) if eng.session is not None else 0,
+        "kv_disk_cache": cache_stats() if callable(cache_stats) else None,
+    }
     return json_response(state, 200, body_bytes(doc))
 
 
@@ -215,9 +249,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if prompts is not None:
         return await _completions_batch(request, state, body, prompts)
     prep = await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory, api, body)
-    info = RequestInfo(id=state.next_id(api), model=prep.model, created=int(time.time()),
-                       include_usage=prep.include_usage, thinking=prep.thinking,
-                       reasoning_summary=prep.reasoning_summary, tool_aliases=prep.tool_aliases)
+    info = RequestInfo(
+        id=state.next_id(api),
+        model=prep.model,
+        created=int(time.time()),
+        include_usage=prep.include_usage,
+        thinking=prep.thinking,
+        reasoning_summary=prep.reasoning_summary,
+        tool_aliases=prep.tool_aliases,
+    )
     adapter = ADAPTERS[api](info)
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -236,13 +276,23 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if not handle.done.is_set():
             handle.cancel()  # client gone (handler cancelled) or stream write failed
         fin = result.get("finish")
-        state.trace({"id": info.id, "time": time.time(), "route": request.path, "request": body,
-                     "prompt": prep.job.prompt_text, "stream": prep.stream,
-                     "cache_source": state.engine.stats.last_cache_source,
-                     "finish": getattr(fin, "reason", None), "error": getattr(fin, "error", None),
-                     "usage": getattr(fin, "usage", None).__dict__ if fin is not None else None,
-                     "raw_text": getattr(fin, "raw_text", None), "response": result.get("body"),
-                     "seconds": round(time.monotonic() - t0, 3)})
+        state.trace(
+            {
+                "id": info.id,
+                "time": time.time(),
+                "route": request.path,
+                "request": body,
+                "prompt": prep.job.prompt_text,
+                "stream": prep.stream,
+                "cache_source": state.engine.stats.last_cache_source,
+                "finish": getattr(fin, "reason", None),
+                "error": getattr(fin, "error", None),
+                "usage": getattr(fin, "usage", None).__dict__ if fin is not None else None,
+                "raw_text": getattr(fin, "raw_text", None),
+                "response": result.get("body"),
+                "seconds": round(time.monotonic() - t0, 3),
+            }
+        )
 
 
 async def _completions_batch(request, state, body: dict, prompts: list) -> web.StreamResponse:
@@ -251,10 +301,17 @@ async def _completions_batch(request, state, body: dict, prompts: list) -> web.S
     loop = asyncio.get_running_loop()
     preps = []
     for p in prompts:  # every prompt is validated before anything is queued
-        preps.append(await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory,
-                                                "completions", {**body, "prompt": p}))
-    info = RequestInfo(id=state.next_id("completions"), model=preps[0].model, created=int(time.time()),
-                       include_usage=preps[0].include_usage)
+        preps.append(
+            await loop.run_in_executor(
+                None, prepare, state.cfg, state.engine, state.tool_memory, "completions", {**body, "prompt": p}
+            )
+        )
+    info = RequestInfo(
+        id=state.next_id("completions"),
+        model=preps[0].model,
+        created=int(time.time()),
+        include_usage=preps[0].include_usage,
+    )
     out = sse.SSEStream(request, _cors(state)) if preps[0].stream else None
     fins: list = []
     for k, prep in enumerate(preps):
@@ -361,7 +418,7 @@ async def _stream(request, state, api, adapter, queue, handle, result) -> web.St
     return out.response
 
 
-def make_app(engine: Engine, cfg: Optional[ServeConfig] = None, tool_memory=None) -> web.Application:
+def make_app(engine: Engine, cfg: ServeConfig | None = None, tool_memory=None) -> web.Application:
     cfg = cfg or ServeConfig(ctx=engine.ctx, tokens=engine.default_max_tokens)
     if cfg.family is None:  # serve the loaded model's chat protocol
         proto = getattr(engine, "protocol", None)
@@ -399,17 +456,17 @@ class BackgroundServer:
 
     def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
         self.app, self.host, self.port = app, host, port
-        self.loop: Optional[asyncio.AbstractEventLoop] = None
-        self._runner: Optional[web.AppRunner] = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
         self._ready = threading.Event()
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="ds4mlx-http", daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "BackgroundServer":
+    def start(self) -> BackgroundServer:
         self._thread.start()
         self._ready.wait(30)
         if self._error is not None:
@@ -439,7 +496,7 @@ class BackgroundServer:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(30)
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,4 +1,5 @@
 """`ds4mlx serve`: the OpenAI / Anthropic / Responses HTTP server."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,21 +38,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     p.add_argument("-c", "--ctx", type=_positive, default=32768, help="context tokens (default 32768)")
-    p.add_argument("-n", "--tokens", type=_positive, default=DEFAULT_TOKENS,
-                   help=f"default max output tokens (default {DEFAULT_TOKENS})")
+    p.add_argument(
+        "-n",
+        "--tokens",
+        type=_positive,
+        default=DEFAULT_TOKENS,
+        help=f"default max output tokens (default {DEFAULT_TOKENS})",
+    )
     p.add_argument("--cors", action="store_true", help="add CORS headers to every response")
     p.add_argument("--chdir", metavar="DIR", help="change directory before loading anything")
     p.add_argument("--trace", metavar="FILE", help="append one JSON line per request/response")
     p.add_argument("--max-body-mb", type=_positive, default=64, help="largest request body in MiB (default 64)")
-    p.add_argument("--tool-memory-max-ids", type=_positive, default=100000,
-                   help="exact DSML tool replay memory size (default 100000)")
-    p.add_argument("--disable-exact-dsml-tool-replay", action="store_true",
-                   help="render history tool calls canonically instead of replaying the sampled DSML")
-    p.add_argument("--alias", action="append", default=[], metavar="NAME",
-                   help="accept this model name too (fnmatch pattern, e.g. 'claude-*'); repeatable")
-    p.add_argument("--strict-model", action="store_true",
-                   help="answer 404 for a model name that is not the loaded model's id, alias or --alias "
-                        "(default: any name is served by the loaded model)")
+    p.add_argument(
+        "--tool-memory-max-ids",
+        type=_positive,
+        default=100000,
+        help="exact DSML tool replay memory size (default 100000)",
+    )
+    p.add_argument(
+        "--disable-exact-dsml-tool-replay",
+        action="store_true",
+        help="render history tool calls canonically instead of replaying the sampled DSML",
+    )
+    p.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="accept this model name too (fnmatch pattern, e.g. 'claude-*'); repeatable",
+    )
+    p.add_argument(
+        "--strict-model",
+        action="store_true",
+        help="answer 404 for a model name that is not the loaded model's id, alias or --alias "
+        "(default: any name is served by the loaded model)",
+    )
     p.add_argument("--prefill-chunk", type=_positive, default=512, help="prefill chunk (cancellation granularity)")
     # ds4's thinking defaults for requests that do not set thinking themselves
     from ..think_flags import add_think_arguments
@@ -106,12 +127,21 @@ def build(args, loaded=None):
         cache = DiskKVCache.open(kv, model, ctx=args.ctx)
         log.info("%s", kv.describe())
         cache.preload_tool_memory(memory)
-    engine = Engine(model, tokenizer, ctx=args.ctx, default_max_tokens=args.tokens, tool_memory=memory,
-                    prefill_chunk=args.prefill_chunk, cache=cache)
+    engine = Engine(
+        model,
+        tokenizer,
+        ctx=args.ctx,
+        default_max_tokens=args.tokens,
+        tool_memory=memory,
+        prefill_chunk=args.prefill_chunk,
+        cache=cache,
+    )
     if args.think_level is not None and not engine.protocol.numeric_effort:
         engine.close()
-        raise SystemExit(f"ds4mlx serve: --think-level is only for numeric-effort families "
-                         f"(the loaded model is {engine.protocol.family})")
+        raise SystemExit(
+            f"ds4mlx serve: --think-level is only for numeric-effort families "
+            f"(the loaded model is {engine.protocol.family})"
+        )
     from ..think_flags import ThinkError, resolve
 
     think = getattr(args, "think", "high")
@@ -122,10 +152,20 @@ def build(args, loaded=None):
         raise SystemExit(f"ds4mlx serve: {e}") from None
     if choice.notice:
         log.warning("%s", choice.notice)
-    cfg = ServeConfig(ctx=args.ctx, tokens=args.tokens, cors=args.cors, trace=args.trace,
-                      max_body_mb=args.max_body_mb, replay=replay, aliases=tuple(args.alias),
-                      think_level=args.think_level, think=think, system=getattr(args, "system", "") or "",
-                      prefix=tuple(prefix), strict_model=getattr(args, "strict_model", False))
+    cfg = ServeConfig(
+        ctx=args.ctx,
+        tokens=args.tokens,
+        cors=args.cors,
+        trace=args.trace,
+        max_body_mb=args.max_body_mb,
+        replay=replay,
+        aliases=tuple(args.alias),
+        think_level=args.think_level,
+        think=think,
+        system=getattr(args, "system", "") or "",
+        prefix=tuple(prefix),
+        strict_model=getattr(args, "strict_model", False),
+    )
     return engine, make_app(engine, cfg, memory)
 
 

@@ -1,7 +1,6 @@
 """OpenAI legacy completions: raw generated text (docs/http-api.md §4)."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 from ..events import Finish, Started, TextDelta, Usage
 from . import sse
@@ -16,10 +15,17 @@ class CompletionsAdapter:
         self.index = index  # the choice this adapter prints (one per prompt of a prompt list)
         self.last = last  # the last choice of the response: the usage chunk and [DONE] follow it
 
-    def _chunk(self, text: str, finish: Optional[str]) -> bytes:
+    def _chunk(self, text: str, finish: str | None) -> bytes:
         i = self.info
-        return sse.data({"id": i.id, "object": "text_completion", "created": i.created, "model": i.model,
-                         "choices": [{"text": text, "index": self.index, "finish_reason": finish}]})
+        return sse.data(
+            {
+                "id": i.id,
+                "object": "text_completion",
+                "created": i.created,
+                "model": i.model,
+                "choices": [{"text": text, "index": self.index, "finish_reason": finish}],
+            }
+        )
 
     def start(self, started: Started) -> list[bytes]:
         return []
@@ -29,15 +35,25 @@ class CompletionsAdapter:
             return [self._chunk(ev.text, None)]
         return []
 
-    def finish(self, fin: Finish, usage: Optional[Usage] = None) -> list[bytes]:
+    def finish(self, fin: Finish, usage: Usage | None = None) -> list[bytes]:
         """The choice's last chunk; after the last choice, the usage (of all of them) and [DONE]."""
         out = [self._chunk("", finish_reason(fin))]
         if not self.last:
             return out
         if self.info.include_usage:
             i = self.info
-            out.append(sse.data({"id": i.id, "object": "text_completion", "created": i.created, "model": i.model,
-                                 "choices": [], "usage": usage_openai(usage or fin.usage)}))
+            out.append(
+                sse.data(
+                    {
+                        "id": i.id,
+                        "object": "text_completion",
+                        "created": i.created,
+                        "model": i.model,
+                        "choices": [],
+                        "usage": usage_openai(usage or fin.usage),
+                    }
+                )
+            )
         out.append(sse.DONE)
         return out
 
@@ -47,19 +63,31 @@ class CompletionsAdapter:
     def batch_body(self, fins: list) -> bytes:
         """One choice per prompt, in order; usage summed over them."""
         i = self.info
-        return body_bytes({"id": i.id, "object": "text_completion", "created": i.created, "model": i.model,
-                           "choices": [{"text": f.raw_text, "index": k, "finish_reason": finish_reason(f)}
-                                       for k, f in enumerate(fins)],
-                           "usage": usage_openai(total_usage(fins))})
+        return body_bytes(
+            {
+                "id": i.id,
+                "object": "text_completion",
+                "created": i.created,
+                "model": i.model,
+                "choices": [
+                    {"text": f.raw_text, "index": k, "finish_reason": finish_reason(f)} for k, f in enumerate(fins)
+                ],
+                "usage": usage_openai(total_usage(fins)),
+            }
+        )
 
 
 def total_usage(fins: list) -> Usage:
-    return Usage(sum(f.usage.prompt_tokens for f in fins), sum(f.usage.completion_tokens for f in fins),
-                 sum(f.usage.cached_tokens for f in fins), sum(f.usage.written_tokens for f in fins),
-                 sum(f.usage.reasoning_tokens for f in fins))
+    return Usage(
+        sum(f.usage.prompt_tokens for f in fins),
+        sum(f.usage.completion_tokens for f in fins),
+        sum(f.usage.cached_tokens for f in fins),
+        sum(f.usage.written_tokens for f in fins),
+        sum(f.usage.reasoning_tokens for f in fins),
+    )
 
 
-def prompt_list(body) -> Optional[list]:
+def prompt_list(body) -> list | None:
     """The prompts of a body whose `prompt` is a list of two or more strings (else None)."""
     p = body.get("prompt") if isinstance(body, dict) else None
     if isinstance(p, list) and len(p) > 1 and all(isinstance(x, str) for x in p):

@@ -8,9 +8,10 @@ Anthropic (/v1/messages):
 errors — our issue asks for the API's own shape, so /v1/messages errors use
 Anthropic's.)
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 # Exact protocol strings (docs/http-api.md §1.6).
 BAD_HTTP = "bad HTTP request"
@@ -83,13 +84,17 @@ RESPONSES_CONVERSATION = "conversation is not supported; replay full input inste
 
 
 def responses_unknown_call(call_id: str) -> str:
-    return (f"Responses continuation state is not available for call_id {call_id}; "
-            "retry by replaying the full input history")
+    return (
+        f"Responses continuation state is not available for call_id {call_id}; "
+        "retry by replaying the full input history"
+    )
 
 
 def anthropic_unknown_tool_use(tool_use_id: str) -> str:
-    return (f"Anthropic continuation state is not available for tool_use_id {tool_use_id}; "
-            "retry by replaying the full messages history")
+    return (
+        f"Anthropic continuation state is not available for tool_use_id {tool_use_id}; "
+        "retry by replaying the full messages history"
+    )
 
 
 _OPENAI_TYPES = {500: "server_error", 503: "server_error"}
@@ -105,8 +110,15 @@ _ANTHROPIC_TYPES = {
 class APIError(Exception):
     """Raised anywhere in request handling; the app turns it into a response."""
 
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None,
-                 code: Optional[str] = None, extra: Optional[dict[str, Any]] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ):
         super().__init__(message)
         self.status = int(status)
         self.message = message
@@ -140,8 +152,9 @@ def error_body(api: str, e: APIError) -> dict:
 def context_error(n_prompt: int, n_ctx: int, param: str, *, at_least: bool = False) -> APIError:
     """`at_least`: n_prompt is a lower bound (the prompt was refused before tokenizing)."""
     message = (context_exceeded_at_least if at_least else context_exceeded)(n_prompt, n_ctx)
-    return APIError(400, message, param=param, code="context_length_exceeded",
-                    extra={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
+    return APIError(
+        400, message, param=param, code="context_length_exceeded", extra={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx}
+    )
 
 
 # SSE error events after the stream started (docs/http-api.md §1.6).

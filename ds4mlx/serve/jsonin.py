@@ -9,6 +9,7 @@ top-level value that is not an object.  Duplicate keys: the last one wins.
 (ds4's hand-written parser is more lenient, docs/http-api.md §1.3; the issue asks
 for 4xx on these inputs.)
 """
+
 from __future__ import annotations
 
 import json

@@ -4,21 +4,28 @@ Adapters share one interface (see app.py): `start(started)`, `event(ev)` and
 `finish(fin)` return SSE chunks for a stream; `body(fin)` returns the
 non-streaming response body.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from ..events import Finish, ReasoningDelta, Started, TextDelta, ToolCallDelta, ToolCallStart, Usage
 from . import sse
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "error": "error",
-                  "cancelled": "error"}
+FINISH_REASONS = {
+    "stop": "stop",
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "error": "error",
+    "cancelled": "error",
+}
 
 
 @dataclass
 class RequestInfo:
     """What an adapter needs to know about its request."""
+
     id: str
     model: str
     created: int
@@ -43,7 +50,7 @@ def finish_reason(fin: Finish) -> str:
     return FINISH_REASONS.get(fin.reason, "stop")
 
 
-def parsed_parts(fin: Finish) -> tuple[str, Optional[str], list]:
+def parsed_parts(fin: Finish) -> tuple[str, str | None, list]:
     """(content, reasoning, calls) of the final parse (raw text when there is none)."""
     r = fin.result
     if r is None:
@@ -62,10 +69,17 @@ class ChatAdapter:
         self.info = info
         self.tool_header_streamed = False
 
-    def _chunk(self, delta: dict, finish: Optional[str] = None) -> bytes:
+    def _chunk(self, delta: dict, finish: str | None = None) -> bytes:
         i = self.info
-        return sse.data({"id": i.id, "object": "chat.completion.chunk", "created": i.created, "model": i.model,
-                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+        return sse.data(
+            {
+                "id": i.id,
+                "object": "chat.completion.chunk",
+                "created": i.created,
+                "model": i.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
+        )
 
     # -- streaming ----------------------------------------------------------------
     def start(self, started: Started) -> list[bytes]:
@@ -78,8 +92,20 @@ class ChatAdapter:
             return [self._chunk({"content": ev.text})] if ev.text else []
         if isinstance(ev, ToolCallStart):
             self.tool_header_streamed = True
-            return [self._chunk({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
-                                                 "function": {"name": ev.name, "arguments": ""}}]})]
+            return [
+                self._chunk(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": ev.index,
+                                "id": ev.id,
+                                "type": "function",
+                                "function": {"name": ev.name, "arguments": ""},
+                            }
+                        ]
+                    }
+                )
+            ]
         if isinstance(ev, ToolCallDelta):
             if not ev.arguments:
                 return []
@@ -90,8 +116,18 @@ class ChatAdapter:
         out = [self._chunk({}, finish_reason(fin))]
         if self.info.include_usage:
             i = self.info
-            out.append(sse.data({"id": i.id, "object": "chat.completion.chunk", "created": i.created,
-                                 "model": i.model, "choices": [], "usage": usage_openai(fin.usage)}))
+            out.append(
+                sse.data(
+                    {
+                        "id": i.id,
+                        "object": "chat.completion.chunk",
+                        "created": i.created,
+                        "model": i.model,
+                        "choices": [],
+                        "usage": usage_openai(fin.usage),
+                    }
+                )
+            )
         out.append(sse.DONE)
         return out
 
@@ -102,9 +138,17 @@ class ChatAdapter:
         if reasoning:
             msg["reasoning_content"] = reasoning
         if calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+            ]
         i = self.info
-        return body_bytes({"id": i.id, "object": "chat.completion", "created": i.created, "model": i.model,
-                           "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(fin)}],
-                           "usage": usage_openai(fin.usage)})
+        return body_bytes(
+            {
+                "id": i.id,
+                "object": "chat.completion",
+                "created": i.created,
+                "model": i.model,
+                "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(fin)}],
+                "usage": usage_openai(fin.usage),
+            }
+        )

@@ -20,20 +20,40 @@ negatives to 0.  In thinking mode the client's temperature/top_p/top_k/min_p
 are ignored (ds4's fixed defaults).  `ignore_eos` keeps the request's
 sampling and decodes exactly max_tokens (#17: guidellm sends it always).
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from ..sampling import SamplingParams
 from .errors import INVALID_JSON, APIError
 
 _FIELDS = {
-    "chat": {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens",
-             "stream", "stream_options", "ignore_eos"},
-    "completions": {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stream",
-                    "stream_options", "ignore_eos"},
+    "chat": {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "max_completion_tokens",
+        "stream",
+        "stream_options",
+        "ignore_eos",
+    },
+    "completions": {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "stream",
+        "stream_options",
+        "ignore_eos",
+    },
     "anthropic": {"temperature", "top_p", "top_k", "max_tokens", "stream", "ignore_eos"},
     "responses": {"temperature", "top_p", "max_tokens", "max_output_tokens", "stream", "ignore_eos"},
 }
@@ -43,7 +63,7 @@ _INT_CAP = 1 << 62
 @dataclass
 class Controls:
     params: SamplingParams
-    max_tokens: Optional[int]
+    max_tokens: int | None
     stream: bool
     include_usage: bool
     ignore_eos: bool
@@ -54,7 +74,7 @@ def _bad(field: str) -> APIError:
     return APIError(400, INVALID_JSON, param=field)
 
 
-def _number(v: Any, field: str = "") -> Optional[float]:
+def _number(v: Any, field: str = "") -> float | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -65,7 +85,7 @@ def _number(v: Any, field: str = "") -> Optional[float]:
     return f
 
 
-def _int(v: Any, field: str = "") -> Optional[int]:
+def _int(v: Any, field: str = "") -> int | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -77,7 +97,7 @@ def _int(v: Any, field: str = "") -> Optional[int]:
     return max(0, min(int(v), _INT_CAP))
 
 
-def _bool(v: Any, field: str = "") -> Optional[bool]:
+def _bool(v: Any, field: str = "") -> bool | None:
     if v is None:
         return None
     if not isinstance(v, bool):

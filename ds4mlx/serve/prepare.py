@@ -5,17 +5,17 @@ refusal is an `APIError` (4xx) raised before the job is queued: request shape
 (chat/requests.py), model name, sampling controls, tool_choice, live
 tool-continuation ids, and the context check (docs/http-api.md §1.6).
 """
+
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Optional
 
 from ..chat import markers as M
+from ..chat.families.deepseek_v4.template import live_tail
 from ..chat.messages import ToolCall
 from ..chat.protocol import ChatProtocol, EffortError, get_protocol, request_effort
 from ..chat.requests import RequestError, parse_request, unreplayed_tool_result_ids
-from ..chat.families.deepseek_v4.template import live_tail
 from ..engine import Job
 from . import errors as E
 from .params import parse_controls
@@ -34,8 +34,8 @@ class ServeConfig:
     model_id: str = ""  # "" = the loaded family's id (chat/protocol.py)
     model_name: str = ""  # "" = the loaded family's display name
     aliases: tuple = ()  # extra accepted model names (fnmatch patterns)
-    family: Optional[str] = None  # chat protocol family; None = the engine's (set by make_app)
-    think_level: Optional[int] = None  # default level 0..100 for numeric-effort families (--think-level)
+    family: str | None = None  # chat protocol family; None = the engine's (set by make_app)
+    think_level: int | None = None  # default level 0..100 for numeric-effort families (--think-level)
     think: str = "high"  # --think / --think-max / --nothink: the mode of requests that set none
     system: str = ""  # -sys: the system prompt of chat requests that bring none
     prefix: tuple = ()  # --prefix-file turns (chat.messages.Message), after the system prompt
@@ -43,7 +43,7 @@ class ServeConfig:
     keepalive_s: float = 5.0  # ": prefill" comment interval while a streamed prefill runs
     max_body_mb: int = 64
     replay: bool = True  # exact DSML tool replay (--disable-exact-dsml-tool-replay turns it off)
-    trace: Optional[str] = None
+    trace: str | None = None
     strict: bool = True  # 400 for empty messages / unknown roles (our issue; ds4 accepts them)
     # 404 for a model name that is not the loaded model's (--strict-model); by default any
     # name is served by the loaded model, as ds4 does (clients left on their default id)
@@ -91,7 +91,7 @@ def _tool_names(api: str, body: dict) -> set[str]:
     return names
 
 
-def _check_tool_choice(api: str, body: dict, proto: Optional[ChatProtocol] = None) -> Optional[str]:
+def _check_tool_choice(api: str, body: dict, proto: ChatProtocol | None = None) -> str | None:
     """Validate tool_choice and return the text to force at the start of the
     answer: "required" / Anthropic "any" open a DSML block and an invoke tag
     (the model picks the tool), a named tool also writes the name (it must be
@@ -101,7 +101,8 @@ def _check_tool_choice(api: str, body: dict, proto: Optional[ChatProtocol] = Non
         return None
     name = None
     required = (api in ("chat", "responses") and tc == "required") or (
-        api == "anthropic" and isinstance(tc, dict) and tc.get("type") == "any")
+        api == "anthropic" and isinstance(tc, dict) and tc.get("type") == "any"
+    )
     if isinstance(tc, dict):
         if api == "responses":  # {"type": "function", "name": X}
             name = tc.get("name")
@@ -148,7 +149,7 @@ def _has_parameters(api: str, body: dict, name: str) -> bool:
     return True
 
 
-def force_text(name: Optional[str], proto: Optional[ChatProtocol] = None) -> str:
+def force_text(name: str | None, proto: ChatProtocol | None = None) -> str:
     """The tool-call opening forced by tool_choice required (name=None) or a
     named tool (DeepSeek V4 DSML unless another family's protocol is given)."""
     return (proto or get_protocol()).force_text(name)
@@ -159,8 +160,13 @@ def _thinking(cfg: ServeConfig, proto: ChatProtocol, body: dict, mode: str, effo
     if effort is None and cfg.think_level is not None and proto.numeric_effort and mode != "none":
         effort = cfg.think_level
     explicit = isinstance(body, dict) and ("thinking" in body or "think" in body)
-    if (cfg.think != "high" and not explicit and effort is None and mode == "high"
-            and model not in proto.chat_aliases + proto.reasoner_aliases):
+    if (
+        cfg.think != "high"
+        and not explicit
+        and effort is None
+        and mode == "high"
+        and model not in proto.chat_aliases + proto.reasoner_aliases
+    ):
         from ..think_flags import resolve  # the server's --nothink / --think-max default
 
         return resolve(proto, cfg.think, cfg.ctx).mode
@@ -188,10 +194,17 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
         raise E.APIError(404, E.unknown_model(model), param="model", code="model_not_found")
     req.thinking = _thinking(cfg, proto, body, req.thinking, effort, model)
     ctl = parse_controls(api, body, req.thinking)
-    job = Job(prompt_text="", api=api, thinking=req.thinking, params=ctl.params, max_tokens=ctl.max_tokens,
-              stop=list(req.stop), ignore_eos=ctl.ignore_eos,
-              tool_id_prefix=M.ANTHROPIC_TOOL_ID_PREFIX if api == "anthropic" else M.OPENAI_TOOL_ID_PREFIX,
-              family=proto.family)
+    job = Job(
+        prompt_text="",
+        api=api,
+        thinking=req.thinking,
+        params=ctl.params,
+        max_tokens=ctl.max_tokens,
+        stop=list(req.stop),
+        ignore_eos=ctl.ignore_eos,
+        tool_id_prefix=M.ANTHROPIC_TOOL_ID_PREFIX if api == "anthropic" else M.OPENAI_TOOL_ID_PREFIX,
+        family=proto.family,
+    )
     prep = Prepared(api, job, model, ctl.stream, ctl.include_usage, req.thinking)
     if api == "completions":
         job.raw = True
@@ -240,4 +253,3 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
     job.prompt_ids = ids
     prep.prompt_tokens = len(ids)
     return prep
-

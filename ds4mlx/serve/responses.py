@@ -5,10 +5,11 @@ stream live; tool calls are sent whole after generation; every event carries
 `sequence_number`; the terminal event is `response.completed`,
 `response.incomplete` (length) or `response.failed` (error).
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 from ..events import Finish, ReasoningDelta, Started, TextDelta, Usage
 from . import sse
@@ -21,11 +22,13 @@ def _hex_id(prefix: str) -> str:
 
 
 def usage_responses(u: Usage) -> dict:
-    return {"input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.written_tokens},
-            "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.written_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
 
 
 def _status(reason: str) -> str:
@@ -44,8 +47,8 @@ class ResponsesAdapter:
         self.resp_id = _hex_id("resp_")
         self.seq = 0
         self.outputs: list[dict] = []  # streamed items in output order
-        self.rs: Optional[dict] = None  # reasoning item being streamed
-        self.msg: Optional[dict] = None  # message item being streamed
+        self.rs: dict | None = None  # reasoning item being streamed
+        self.msg: dict | None = None  # message item being streamed
         self.reasoning = ""
         self.text = ""
 
@@ -55,10 +58,15 @@ class ResponsesAdapter:
         self.seq += 1
         return sse.event(typ, obj)  # Responses streams name every event (`event:` lines)
 
-    def _response(self, status: str, output: list, reason: Optional[str], usage: Optional[Usage]) -> dict:
+    def _response(self, status: str, output: list, reason: str | None, usage: Usage | None) -> dict:
         i = self.info
-        r: dict[str, Any] = {"id": self.resp_id, "object": "response", "created_at": i.created, "status": status,
-                             "model": i.model}
+        r: dict[str, Any] = {
+            "id": self.resp_id,
+            "object": "response",
+            "created_at": i.created,
+            "status": status,
+            "model": i.model,
+        }
         if reason == "length":
             r["incomplete_details"] = {"reason": "max_tokens"}
         elif reason in ("error", "cancelled"):
@@ -76,11 +84,23 @@ class ResponsesAdapter:
             if alias is not None and alias.hosted_tool_search:
                 from ..chat.families.deepseek_v4.dsml import call_input
 
-                items.append({"id": fc_id, "type": "tool_search_call", "status": status, "call_id": c.id,
-                              "execution": "client", "arguments": call_input(c.arguments)})
+                items.append(
+                    {
+                        "id": fc_id,
+                        "type": "tool_search_call",
+                        "status": status,
+                        "call_id": c.id,
+                        "execution": "client",
+                        "arguments": call_input(c.arguments),
+                    }
+                )
                 continue
-            item: dict[str, Any] = {"id": fc_id, "type": "function_call", "status": status,
-                                    "name": alias.name if alias is not None else c.name}
+            item: dict[str, Any] = {
+                "id": fc_id,
+                "type": "function_call",
+                "status": status,
+                "name": alias.name if alias is not None else c.name,
+            }
             if alias is not None and alias.namespace:
                 item["namespace"] = alias.namespace
             item["call_id"] = c.id
@@ -100,25 +120,56 @@ class ResponsesAdapter:
                 self.rs_index = len(self.outputs)
                 self.outputs.append(self.rs)
                 out.append(self._ev("response.output_item.added", output_index=self.rs_index, item=dict(self.rs)))
-                out.append(self._ev("response.reasoning_summary_part.added", item_id=self.rs["id"],
-                                    output_index=self.rs_index, summary_index=0,
-                                    part={"type": "summary_text", "text": ""}))
+                out.append(
+                    self._ev(
+                        "response.reasoning_summary_part.added",
+                        item_id=self.rs["id"],
+                        output_index=self.rs_index,
+                        summary_index=0,
+                        part={"type": "summary_text", "text": ""},
+                    )
+                )
             self.reasoning += ev.text
-            out.append(self._ev("response.reasoning_summary_text.delta", item_id=self.rs["id"],
-                                output_index=self.rs_index, summary_index=0, delta=ev.text))
+            out.append(
+                self._ev(
+                    "response.reasoning_summary_text.delta",
+                    item_id=self.rs["id"],
+                    output_index=self.rs_index,
+                    summary_index=0,
+                    delta=ev.text,
+                )
+            )
         elif isinstance(ev, TextDelta) and ev.text:
             if self.msg is None:
-                self.msg = {"id": _hex_id("msg_"), "type": "message", "status": "in_progress", "role": "assistant",
-                            "content": []}
+                self.msg = {
+                    "id": _hex_id("msg_"),
+                    "type": "message",
+                    "status": "in_progress",
+                    "role": "assistant",
+                    "content": [],
+                }
                 self.msg_index = len(self.outputs)
                 self.outputs.append(self.msg)
                 out.append(self._ev("response.output_item.added", output_index=self.msg_index, item=dict(self.msg)))
-                out.append(self._ev("response.content_part.added", item_id=self.msg["id"],
-                                    output_index=self.msg_index, content_index=0,
-                                    part={"type": "output_text", "text": "", "annotations": []}))
+                out.append(
+                    self._ev(
+                        "response.content_part.added",
+                        item_id=self.msg["id"],
+                        output_index=self.msg_index,
+                        content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": []},
+                    )
+                )
             self.text += ev.text
-            out.append(self._ev("response.output_text.delta", item_id=self.msg["id"], output_index=self.msg_index,
-                                content_index=0, delta=ev.text))
+            out.append(
+                self._ev(
+                    "response.output_text.delta",
+                    item_id=self.msg["id"],
+                    output_index=self.msg_index,
+                    content_index=0,
+                    delta=ev.text,
+                )
+            )
         return out
 
     def finish(self, fin: Finish) -> list[bytes]:
@@ -131,18 +182,46 @@ class ResponsesAdapter:
             part = {"type": "summary_text", "text": self.reasoning}
             closed = parsed_reasoning is not None
             self.rs.update(status="completed" if closed else "incomplete", summary=[part])
-            out.append(self._ev("response.reasoning_summary_text.done", item_id=self.rs["id"],
-                                output_index=self.rs_index, summary_index=0, text=self.reasoning))
-            out.append(self._ev("response.reasoning_summary_part.done", item_id=self.rs["id"],
-                                output_index=self.rs_index, summary_index=0, part=part))
+            out.append(
+                self._ev(
+                    "response.reasoning_summary_text.done",
+                    item_id=self.rs["id"],
+                    output_index=self.rs_index,
+                    summary_index=0,
+                    text=self.reasoning,
+                )
+            )
+            out.append(
+                self._ev(
+                    "response.reasoning_summary_part.done",
+                    item_id=self.rs["id"],
+                    output_index=self.rs_index,
+                    summary_index=0,
+                    part=part,
+                )
+            )
             out.append(self._ev("response.output_item.done", output_index=self.rs_index, item=self.rs))
         if self.msg is not None:
             part = {"type": "output_text", "text": self.text, "annotations": []}
             self.msg.update(status=istatus, content=[part])
-            out.append(self._ev("response.output_text.done", item_id=self.msg["id"], output_index=self.msg_index,
-                                content_index=0, text=self.text))
-            out.append(self._ev("response.content_part.done", item_id=self.msg["id"], output_index=self.msg_index,
-                                content_index=0, part=part))
+            out.append(
+                self._ev(
+                    "response.output_text.done",
+                    item_id=self.msg["id"],
+                    output_index=self.msg_index,
+                    content_index=0,
+                    text=self.text,
+                )
+            )
+            out.append(
+                self._ev(
+                    "response.content_part.done",
+                    item_id=self.msg["id"],
+                    output_index=self.msg_index,
+                    content_index=0,
+                    part=part,
+                )
+            )
             out.append(self._ev("response.output_item.done", output_index=self.msg_index, item=self.msg))
         final_items.extend(self.outputs)
         for item in self._call_items(calls, istatus):
@@ -153,8 +232,14 @@ class ResponsesAdapter:
                 added["arguments"] = ""
             out.append(self._ev("response.output_item.added", output_index=idx, item=added))
             if item["type"] == "function_call":
-                out.append(self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
-                                    delta=item["arguments"]))
+                out.append(
+                    self._ev(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=idx,
+                        delta=item["arguments"],
+                    )
+                )
                 done: dict[str, Any] = {"item_id": item["id"], "output_index": idx, "name": item["name"]}
                 if "namespace" in item:
                     done["namespace"] = item["namespace"]
@@ -162,8 +247,11 @@ class ResponsesAdapter:
                 out.append(self._ev("response.function_call_arguments.done", **done))
             out.append(self._ev("response.output_item.done", output_index=idx, item=item))
         status = _status(reason)
-        terminal = {"completed": "response.completed", "incomplete": "response.incomplete",
-                    "failed": "response.failed"}[status]
+        terminal = {
+            "completed": "response.completed",
+            "incomplete": "response.incomplete",
+            "failed": "response.failed",
+        }[status]
         out.append(self._ev(terminal, response=self._response(status, final_items, reason, fin.usage)))
         return out
 
@@ -173,10 +261,23 @@ class ResponsesAdapter:
         istatus = _item_status(fin.reason)
         output: list[dict] = []
         if reasoning and self.info.reasoning_summary:
-            output.append({"id": _hex_id("rs_"), "type": "reasoning", "status": istatus,
-                           "summary": [{"type": "summary_text", "text": reasoning}]})
+            output.append(
+                {
+                    "id": _hex_id("rs_"),
+                    "type": "reasoning",
+                    "status": istatus,
+                    "summary": [{"type": "summary_text", "text": reasoning}],
+                }
+            )
         if content:
-            output.append({"id": _hex_id("msg_"), "type": "message", "status": istatus, "role": "assistant",
-                           "content": [{"type": "output_text", "text": content, "annotations": []}]})
+            output.append(
+                {
+                    "id": _hex_id("msg_"),
+                    "type": "message",
+                    "status": istatus,
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": content, "annotations": []}],
+                }
+            )
         output += self._call_items(calls, istatus)
         return body_bytes(self._response(_status(fin.reason), output, fin.reason, fin.usage), newline=False)

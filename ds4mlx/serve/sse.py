@@ -5,10 +5,11 @@
 headers lazily (on the first keepalive or event), reports write failures as
 `closed` instead of raising, and counts keepalive comments (tests use that).
 """
+
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from aiohttp import web
 
@@ -18,6 +19,7 @@ KEEPALIVE = b": prefill\n\n"
 def queued_comment(position: int) -> bytes:
     """The keepalive of a stream whose job still waits (1 = next to run)."""
     return b": queued %d\n\n" % position
+
 
 DONE = b"data: [DONE]\n\n"
 
@@ -58,7 +60,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 class SSEStream:
-    def __init__(self, request: web.Request, headers: Optional[dict] = None):
+    def __init__(self, request: web.Request, headers: dict | None = None):
         self.request = request
         self.response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
         self.started = False

@@ -13,12 +13,12 @@
 
 `make_runner(app)` is what `ds4mlx serve` and `BackgroundServer` run.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import re
-from typing import Optional
 
 from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.web_protocol import RequestHandler
@@ -45,7 +45,7 @@ class _ErrorResponse(web.Response):
 
 
 class _Connection(RequestHandler):
-    _path: Optional[str] = None
+    _path: str | None = None
 
     def data_received(self, data: bytes) -> None:
         m = _REQUEST_LINE.match(data)
@@ -77,8 +77,9 @@ class _Connection(RequestHandler):
             transport.write(CONTINUE)
         self._loop.call_later(PROBE_INTERVAL_S, self._probe)
 
-    def handle_error(self, request, status: int = 500, exc: Optional[BaseException] = None,
-                     message: Optional[str] = None) -> web.StreamResponse:
+    def handle_error(
+        self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         log.debug("HTTP-level error %d on %s: %s", status, self._path, message or exc)
         if request.writer.output_size > 0:
             raise ConnectionError("response already started: cannot send the error")

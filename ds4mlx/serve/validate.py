@@ -10,9 +10,11 @@ routes, `messages[0].content[1].text`; Anthropic spells it
 Media parts (images, audio, files) are refused here with a 400 naming the part:
 no family of this engine reads them yet.
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from jsonschema import Draft202012Validator, ValidationError
 from jsonschema.validators import extend
@@ -30,17 +32,30 @@ STR, NUM, BOOL, OBJ = _t("string", "null"), _t("number", "null"), _t("boolean", 
 ANY: dict = {}
 STR_LIST = {"type": ["array", "null"], "items": {"type": "string"}}
 STOP = {"type": ["string", "array", "null"], "items": {"type": "string"}}
-MEDIA_PARTS = {"image_url": "image", "input_image": "image", "image": "image", "input_audio": "audio",
-               "audio": "audio", "input_file": "file", "file": "file", "document": "document"}
+MEDIA_PARTS = {
+    "image_url": "image",
+    "input_image": "image",
+    "image": "image",
+    "input_audio": "audio",
+    "audio": "audio",
+    "input_file": "file",
+    "file": "file",
+    "document": "document",
+}
 EFFORT = _t("string", "number", "null")  # numeric levels for numeric-effort families
-THINKING = {"type": ["boolean", "object", "null"], "properties": {
-    "type": {"enum": ["enabled", "disabled", "adaptive"]}, "budget_tokens": NUM}}
+THINKING = {
+    "type": ["boolean", "object", "null"],
+    "properties": {"type": {"enum": ["enabled", "disabled", "adaptive"]}, "budget_tokens": NUM},
+}
 
 
-def _part(text_types: Optional[Iterable[str]] = None, **more: dict) -> dict:
+def _part(text_types: Iterable[str] | None = None, **more: dict) -> dict:
     """A content part object: `type` a string (or one of text_types), `text` a string."""
-    props: dict = {"type": {"enum": sorted(set(text_types) | set(MEDIA_PARTS))} if text_types else _t("string"),
-                   "text": STR, **more}
+    props: dict = {
+        "type": {"enum": sorted(set(text_types) | set(MEDIA_PARTS))} if text_types else _t("string"),
+        "text": STR,
+        **more,
+    }
     return {"type": "object", "unsupported_media": True, "properties": props}
 
 
@@ -50,71 +65,160 @@ def _content(part: dict, *, strings: bool = True) -> dict:
 
 
 def _api(properties: dict) -> dict:
-    return {"type": "object", "properties": {"model": STR, "temperature": NUM, "top_p": NUM, "top_k": NUM,
-                                             "max_tokens": NUM, "stream": BOOL, "ignore_eos": BOOL,
-                                             "reasoning_effort": EFFORT, **properties}}
+    return {
+        "type": "object",
+        "properties": {
+            "model": STR,
+            "temperature": NUM,
+            "top_p": NUM,
+            "top_k": NUM,
+            "max_tokens": NUM,
+            "stream": BOOL,
+            "ignore_eos": BOOL,
+            "reasoning_effort": EFFORT,
+            **properties,
+        },
+    }
 
 
-OPENAI_SAMPLING = {"min_p": NUM, "seed": NUM, "stop": STOP, "think": BOOL, "thinking": THINKING,
-                   "stream_options": {"type": ["object", "null"], "properties": {"include_usage": BOOL}}}
+OPENAI_SAMPLING = {
+    "min_p": NUM,
+    "seed": NUM,
+    "stop": STOP,
+    "think": BOOL,
+    "thinking": THINKING,
+    "stream_options": {"type": ["object", "null"], "properties": {"include_usage": BOOL}},
+}
 
 # --- OpenAI chat completions ---------------------------------------------------------------
 CHAT_PART = _part()
-CHAT_TOOL_CALL = {"type": "object", "properties": {"id": STR, "type": STR, "function": {
-    "type": "object", "properties": {"name": _t("string"), "arguments": ANY}}}}
-CHAT_MESSAGE = {"type": "object", "properties": {
-    "role": _t("string"), "content": _content(CHAT_PART), "reasoning_content": _content(CHAT_PART),
-    "name": STR, "tool_call_id": STR, "tool_calls": {"type": ["array", "null"], "items": CHAT_TOOL_CALL}}}
+CHAT_TOOL_CALL = {
+    "type": "object",
+    "properties": {
+        "id": STR,
+        "type": STR,
+        "function": {"type": "object", "properties": {"name": _t("string"), "arguments": ANY}},
+    },
+}
+CHAT_MESSAGE = {
+    "type": "object",
+    "properties": {
+        "role": _t("string"),
+        "content": _content(CHAT_PART),
+        "reasoning_content": _content(CHAT_PART),
+        "name": STR,
+        "tool_call_id": STR,
+        "tool_calls": {"type": ["array", "null"], "items": CHAT_TOOL_CALL},
+    },
+}
 FUNCTION = {"type": "object", "properties": {"name": _t("string"), "description": STR, "parameters": OBJ}}
 CHAT_TOOL = {"type": "object", "properties": {"type": STR, "function": FUNCTION, "name": STR}}
-CHAT = _api({"messages": {"type": "array", "items": CHAT_MESSAGE},
-             "tools": {"type": ["array", "null"], "items": CHAT_TOOL},
-             "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]}, {
-                 "type": "object", "required": ["type"], "properties": {
-                     "type": {"enum": ["function"]},
-                     "function": {"type": "object", "required": ["name"], "properties": {"name": _t("string")}}}}]},
-             "max_completion_tokens": NUM, **OPENAI_SAMPLING})
+CHAT = _api(
+    {
+        "messages": {"type": "array", "items": CHAT_MESSAGE},
+        "tools": {"type": ["array", "null"], "items": CHAT_TOOL},
+        "tool_choice": {
+            "anyOf": [
+                {"enum": ["none", "auto", "required", None]},
+                {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {
+                        "type": {"enum": ["function"]},
+                        "function": {"type": "object", "required": ["name"], "properties": {"name": _t("string")}},
+                    },
+                },
+            ]
+        },
+        "max_completion_tokens": NUM,
+        **OPENAI_SAMPLING,
+    }
+)
 
 # --- legacy completions -------------------------------------------------------------------
 COMPLETIONS = _api({"prompt": {"type": ["string", "array"], "items": {"type": "string"}}, **OPENAI_SAMPLING})
 
 # --- Anthropic messages ------------------------------------------------------------------
-ANTHROPIC_BLOCK = _part(thinking=STR, id=STR, tool_use_id=STR, name=STR, input=OBJ, signature=STR,
-                        content=_content(_part()), is_error=BOOL)
-ANTHROPIC_MESSAGE = {"type": "object", "properties": {"role": _t("string"),
-                                                      "content": _content(ANTHROPIC_BLOCK)}}
-ANTHROPIC_TOOL = {"type": "object", "properties": {"name": STR, "description": STR, "input_schema": OBJ,
-                                                   "type": STR}}
-ANTHROPIC = _api({
-    "messages": {"type": "array", "items": ANTHROPIC_MESSAGE},
-    "system": _content(_part()),
-    "tools": {"type": ["array", "null"], "items": ANTHROPIC_TOOL},
-    "tool_choice": {"type": ["object", "null"], "properties": {
-        "type": {"enum": ["auto", "any", "tool", "none"]}, "name": STR, "disable_parallel_tool_use": BOOL}},
-    "stop_sequences": STR_LIST, "thinking": THINKING, "metadata": OBJ,
-    "output_config": {"type": ["object", "null"], "properties": {"effort": EFFORT}}})
+ANTHROPIC_BLOCK = _part(
+    thinking=STR, id=STR, tool_use_id=STR, name=STR, input=OBJ, signature=STR, content=_content(_part()), is_error=BOOL
+)
+ANTHROPIC_MESSAGE = {"type": "object", "properties": {"role": _t("string"), "content": _content(ANTHROPIC_BLOCK)}}
+ANTHROPIC_TOOL = {"type": "object", "properties": {"name": STR, "description": STR, "input_schema": OBJ, "type": STR}}
+ANTHROPIC = _api(
+    {
+        "messages": {"type": "array", "items": ANTHROPIC_MESSAGE},
+        "system": _content(_part()),
+        "tools": {"type": ["array", "null"], "items": ANTHROPIC_TOOL},
+        "tool_choice": {
+            "type": ["object", "null"],
+            "properties": {
+                "type": {"enum": ["auto", "any", "tool", "none"]},
+                "name": STR,
+                "disable_parallel_tool_use": BOOL,
+            },
+        },
+        "stop_sequences": STR_LIST,
+        "thinking": THINKING,
+        "metadata": OBJ,
+        "output_config": {"type": ["object", "null"], "properties": {"effort": EFFORT}},
+    }
+)
 
 # --- Responses -----------------------------------------------------------------------------
 RESPONSES_TEXT = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 RESPONSES_PART = _part(RESPONSES_TEXT)
-RESPONSES_ITEM_TYPES = ["message", "reasoning", "function_call", "function_call_output", "custom_tool_call",
-                        "custom_tool_call_output", "local_shell_call", "local_shell_call_output",
-                        "web_search_call", "web_search_call_output", "tool_search_call", "tool_search_output",
-                        "tool_search_call_output", "image_generation_call", "image_generation_call_output",
-                        "compaction", "context_compaction"]
-RESPONSES_ITEM = {"type": "object", "properties": {
-    "type": {"enum": RESPONSES_ITEM_TYPES}, "role": _t("string"), "name": _t("string"), "namespace": _t("string"),
-    "call_id": _t("string"), "id": _t("string"), "status": {"enum": ["completed", "incomplete", None]},
-    "content": _content(RESPONSES_PART), "summary": _content(RESPONSES_PART), "arguments": ANY, "input": ANY,
-    "output": ANY, "tools": ANY}}
-RESPONSES = _api({
-    "input": {"type": ["string", "array"], "items": RESPONSES_ITEM},
-    "instructions": STR, "max_output_tokens": NUM,
-    "tools": {"type": ["array", "null"], "items": {"type": "object"}},
-    "tool_choice": {"type": ["string", "object", "null"]},
-    "reasoning": {"type": ["object", "null"], "properties": {"effort": EFFORT, "summary": STR}},
-    "previous_response_id": STR, "conversation": {"type": ["string", "object", "null"]},
-    "parallel_tool_calls": BOOL, "store": BOOL, "stop": STOP})
+RESPONSES_ITEM_TYPES = [
+    "message",
+    "reasoning",
+    "function_call",
+    "function_call_output",
+    "custom_tool_call",
+    "custom_tool_call_output",
+    "local_shell_call",
+    "local_shell_call_output",
+    "web_search_call",
+    "web_search_call_output",
+    "tool_search_call",
+    "tool_search_output",
+    "tool_search_call_output",
+    "image_generation_call",
+    "image_generation_call_output",
+    "compaction",
+    "context_compaction",
+]
+RESPONSES_ITEM = {
+    "type": "object",
+    "properties": {
+        "type": {"enum": RESPONSES_ITEM_TYPES},
+        "role": _t("string"),
+        "name": _t("string"),
+        "namespace": _t("string"),
+        "call_id": _t("string"),
+        "id": _t("string"),
+        "status": {"enum": ["completed", "incomplete", None]},
+        "content": _content(RESPONSES_PART),
+        "summary": _content(RESPONSES_PART),
+        "arguments": ANY,
+        "input": ANY,
+        "output": ANY,
+        "tools": ANY,
+    },
+}
+RESPONSES = _api(
+    {
+        "input": {"type": ["string", "array"], "items": RESPONSES_ITEM},
+        "instructions": STR,
+        "max_output_tokens": NUM,
+        "tools": {"type": ["array", "null"], "items": {"type": "object"}},
+        "tool_choice": {"type": ["string", "object", "null"]},
+        "reasoning": {"type": ["object", "null"], "properties": {"effort": EFFORT, "summary": STR}},
+        "previous_response_id": STR,
+        "conversation": {"type": ["string", "object", "null"]},
+        "parallel_tool_calls": BOOL,
+        "store": BOOL,
+        "stop": STOP,
+    }
+)
 
 SCHEMAS = {"chat": CHAT, "completions": COMPLETIONS, "anthropic": ANTHROPIC, "responses": RESPONSES}
 
@@ -129,8 +233,15 @@ def _unsupported_media(validator, enabled, instance, schema):
 
 _Validator = extend(Draft202012Validator, {"unsupported_media": _unsupported_media})
 _VALIDATORS = {api: _Validator(schema) for api, schema in SCHEMAS.items()}
-_JSON_TYPES = {"string": "a string", "number": "a number", "integer": "an integer", "boolean": "a boolean",
-               "object": "an object", "array": "an array", "null": "null"}
+_JSON_TYPES = {
+    "string": "a string",
+    "number": "a number",
+    "integer": "an integer",
+    "boolean": "a boolean",
+    "object": "an object",
+    "array": "an array",
+    "null": "null",
+}
 
 
 def _json_type(v: Any) -> str:
@@ -169,7 +280,8 @@ def _expected(err: ValidationError) -> str:
         for sub in err.validator_value:
             types = sub.get("type", [])
             names += [repr(v) for v in sub.get("enum", []) if v is not None] + [
-                _JSON_TYPES[t] for t in (types if isinstance(types, list) else [types])]
+                _JSON_TYPES[t] for t in (types if isinstance(types, list) else [types])
+            ]
         return _either(names)
     return "one of " + ", ".join(repr(v) for v in err.validator_value if v is not None)
 
@@ -182,11 +294,13 @@ def _error(err: ValidationError, api: str) -> E.APIError:
         return E.APIError(400, E.missing_field(name), param=name, code="missing_required_parameter")
     name = field_path(path, api)
     if err.validator == "unsupported_media":
-        return E.APIError(400, E.unsupported_part(name, err.message.split(" ", 1)[1]), param=name,
-                          code="unsupported_content")
+        return E.APIError(
+            400, E.unsupported_part(name, err.message.split(" ", 1)[1]), param=name, code="unsupported_content"
+        )
     if err.validator in ("type", "anyOf"):
-        return E.APIError(400, E.invalid_type(name, _expected(err), _json_type(err.instance)), param=name,
-                          code="invalid_type")
+        return E.APIError(
+            400, E.invalid_type(name, _expected(err), _json_type(err.instance)), param=name, code="invalid_type"
+        )
     return E.APIError(400, E.invalid_value(name, _expected(err), err.instance), param=name, code="invalid_value")
 
 

@@ -44,8 +44,13 @@ CONFIGS = {
             hc_sinkhorn_iters=10,
             rope_theta=5000.0,
             compress_rope_theta=40000.0,
-            rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
-                             "beta_fast": 16, "beta_slow": 2},
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 16,
+                "beta_slow": 2,
+            },
             max_position_embeddings=512,
             swiglu_limit=0.5,  # small enough that the clamps bind
             initializer_range=0.25,  # larger scores: top-k margins >= 3e-4 at 150 tokens

@@ -7,11 +7,13 @@ and the Anthropic system text a trailing system message.  `turns()` undoes
 that so that other templates see what the client sent: tool messages, and the
 system first.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from .. import markers as M
 from ..messages import Conversation, ToolCall
@@ -44,7 +46,7 @@ def _split_anthropic_results(m, out: list) -> None:
     for start, end, tool_id in m.result_spans:
         if m.content[pos:start]:
             out.append(Turn("user", m.content[pos:start]))
-        body = m.content[start + len(M.TOOL_RESULT_OPEN):end - len(M.TOOL_RESULT_CLOSE)]
+        body = m.content[start + len(M.TOOL_RESULT_OPEN) : end - len(M.TOOL_RESULT_CLOSE)]
         out.append(Turn("tool", body.replace(close_escaped, M.TOOL_RESULT_CLOSE), tool_id=tool_id))
         pos = end
     if m.content[pos:]:
@@ -81,12 +83,13 @@ def turns(conv: Conversation, tool_memory=None) -> list[Turn]:
             else:
                 out.append(Turn("user", m.content))
         elif role == "assistant":
-            out.append(Turn("assistant", m.content, m.reasoning, list(m.tool_calls),
-                            replay=replay_text(m, tool_memory)))
+            out.append(
+                Turn("assistant", m.content, m.reasoning, list(m.tool_calls), replay=replay_text(m, tool_memory))
+            )
     return out
 
 
-def merge_leading_system(ts: list[Turn], joiner: str = "\n\n") -> tuple[Optional[str], list[Turn]]:
+def merge_leading_system(ts: list[Turn], joiner: str = "\n\n") -> tuple[str | None, list[Turn]]:
     """(text of the leading system turns joined, the remaining turns); None when
     the conversation does not start with a system turn."""
     i = 0
@@ -112,7 +115,7 @@ def schema_objects(schemas: Sequence[str]) -> list[Any]:
     return out
 
 
-def call_arguments(call: ToolCall) -> Optional[dict]:
+def call_arguments(call: ToolCall) -> dict | None:
     """The arguments of a history tool call as an ordered dict (None: not a JSON object)."""
     try:
         v = json.loads(call.arguments) if isinstance(call.arguments, str) else call.arguments
@@ -136,4 +139,3 @@ def param_types(schemas: Sequence[str]) -> dict[str, dict[str, Any]]:
         if isinstance(props, dict):
             out[name] = {k: (v.get("type") if isinstance(v, dict) else None) for k, v in props.items()}
     return out
-

@@ -25,16 +25,18 @@ before the last user (or later system) message renders `<｜Assistant｜></think
 CONTENT` -- the shape the engine's thinking checkpoint rebinds to.  A later
 system message is a mid-conversation `<｜System｜>` turn.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .. import markers as M
-from .deepseek_v4.dsml import parse_output
 from ..messages import Conversation, Message
-from .deepseek_v4.output import OutputParser
 from ..protocol import ChatProtocol, EffortError, register
 from . import common as C
+from .deepseek_v4.dsml import parse_output
+from .deepseek_v4.output import OutputParser
 
 SYSTEM = "<｜System｜>"
 SYN = M.DSML_SPACED
@@ -47,18 +49,18 @@ MAX_LEVEL = 100
 TOOLS_TEXT = (
     "## Tools\n\n"
     "You have access to a set of tools to help answer the user's question. You can invoke tools by writing "
-    f"a \"{SYN.open}\" block like the following:\n\n"
+    f'a "{SYN.open}" block like the following:\n\n'
     f"{SYN.open}\n"
-    f"{SYN.invoke} name=\"$TOOL_NAME\">\n"
-    f"{SYN.param} name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE{SYN.param_close}\n"
+    f'{SYN.invoke} name="$TOOL_NAME">\n'
+    f'{SYN.param} name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE{SYN.param_close}\n'
     "...\n"
     f"{SYN.invoke_close}\n"
-    f"{SYN.invoke} name=\"$TOOL_NAME2\">\n"
+    f'{SYN.invoke} name="$TOOL_NAME2">\n'
     "...\n"
     f"{SYN.invoke_close}\n"
     f"{SYN.close}\n\n"
-    "String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, "
-    "booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
+    'String parameters should be specified as is and set `string="true"`. For all other types (numbers, '
+    'booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
     "If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside "
     "<think>...</think> BEFORE any tool calls or final response.\n\n"
     "Otherwise, output directly after </think> with tool calls or final response.\n\n"
@@ -68,7 +70,7 @@ TOOLS_TEXT = (
 )
 
 
-def level_of(mode: str) -> Optional[int]:
+def level_of(mode: str) -> int | None:
     """The numeric level of a thinking mode (None: thinking off)."""
     if mode == "none":
         return None
@@ -120,12 +122,13 @@ def render_calls(calls: Sequence) -> str:
 
 class _Msg:
     """A turn in the encoder's shape: system | user (text and tool-result parts) | assistant."""
+
     __slots__ = ("role", "parts", "ids", "turn")
 
-    def __init__(self, role: str, turn: Optional[C.Turn] = None):
+    def __init__(self, role: str, turn: C.Turn | None = None):
         self.role = role
         self.parts: list[str] = []
-        self.ids: list[Optional[str]] = []  # user: the call id of each tool-result part, None for text
+        self.ids: list[str | None] = []  # user: the call id of each tool-result part, None for text
         self.turn = turn
 
 
@@ -182,8 +185,7 @@ def _render(conv: Conversation, tool_memory, generation: bool, keep_reasoning: b
     # Without tool context the encoder drops the reasoning of every turn before
     # the last user message (a later system message counts as one): those
     # turns render without <think>...</think>, their prompts end in </think>.
-    last_user = max((i for i, m in enumerate(msgs) if m.role == "user" or (m.role == "system" and i > 0)),
-                    default=-1)
+    last_user = max((i for i, m in enumerate(msgs) if m.role == "user" or (m.role == "system" and i > 0)), default=-1)
     out = [M.BOS]
     effort = EFFORT_TEXT.format(level=level) if thinking else ""
     if effort or (msgs and msgs[0].role == "system"):
@@ -230,8 +232,9 @@ class DeepSeekV41Protocol(ChatProtocol):
     default_mode = str(DEFAULT_LEVEL)
     numeric_effort = True
 
-    def resolve_thinking(self, mode: str, effort: Any = None, *, explicit: bool = False,
-                         model: Optional[str] = None, ctx: int = 32768) -> str:
+    def resolve_thinking(
+        self, mode: str, effort: Any = None, *, explicit: bool = False, model: str | None = None, ctx: int = 32768
+    ) -> str:
         if mode == "none":  # thinking off, effort "none", or the deepseek-chat name
             return "none"
         if effort is not None and not (isinstance(effort, str) and not effort.isdigit()):
@@ -254,26 +257,46 @@ class DeepSeekV41Protocol(ChatProtocol):
         return _render(conv, tool_memory, False, self.uses_tool_context(conv))
 
     def render_completion(self, prompt: str, thinking: str = "75") -> str:
-        conv = Conversation(messages=[Message(role="system", content=M.COMPLETION_SYSTEM),
-                                      Message(role="user", content=prompt)], thinking=thinking)
+        conv = Conversation(
+            messages=[Message(role="system", content=M.COMPLETION_SYSTEM), Message(role="user", content=prompt)],
+            thinking=thinking,
+        )
         return self.render(conv)
 
     def render_calls(self, calls: Sequence) -> str:
         return render_calls(calls)
 
-    def force_text(self, name: Optional[str]) -> str:
+    def force_text(self, name: str | None) -> str:
         head = M.DSML_BLOCK_SEPARATOR + SYN.open + "\n" + SYN.invoke + ' name="'
         return head if name is None else head + name + '">\n'
 
-    def make_parser(self, thinking: bool, tools_active: bool, id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
-                    tool_memory=None, *, tool_schemas: Sequence[str] = ()):
-        return OutputParser(thinking=thinking, tools_active=tools_active, id_prefix=id_prefix,
-                            tool_memory=tool_memory, syntaxes=SYNTAXES)
+    def make_parser(
+        self,
+        thinking: bool,
+        tools_active: bool,
+        id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
+        tool_memory=None,
+        *,
+        tool_schemas: Sequence[str] = (),
+    ):
+        return OutputParser(
+            thinking=thinking,
+            tools_active=tools_active,
+            id_prefix=id_prefix,
+            tool_memory=tool_memory,
+            syntaxes=SYNTAXES,
+        )
 
-    def parse(self, text: str, *, thinking: bool, tools_active: bool = True, truncated: bool = False,
-              tool_schemas: Sequence[str] = ()):
-        return parse_output(text, thinking=thinking, tools_active=tools_active, truncated=truncated,
-                            syntaxes=SYNTAXES)
+    def parse(
+        self,
+        text: str,
+        *,
+        thinking: bool,
+        tools_active: bool = True,
+        truncated: bool = False,
+        tool_schemas: Sequence[str] = (),
+    ):
+        return parse_output(text, thinking=thinking, tools_active=tools_active, truncated=truncated, syntaxes=SYNTAXES)
 
 
 PROTOCOL = register(DeepSeekV41Protocol())

@@ -27,9 +27,11 @@ verbatim, any other value as JSON.  The two templates differ in four places:
   off (`enable_thinking` false) drops the effort line and renders
   `<think></think>` after the last `<|assistant|>`.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .. import markers as M
 from ..messages import Conversation
@@ -52,19 +54,37 @@ ARG_VALUE_CLOSE = "</arg_value>"
 TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
 EFFORT_LINE = "Reasoning Effort: "
-TOOLS_HEAD = ("\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-              "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
-TOOLS_TAIL = ("</tools>\n\nFor each function call, output the function name and arguments within the following "
-              "XML format:\n<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}"
-              "</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>")
+TOOLS_HEAD = (
+    "\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+)
+TOOLS_TAIL = (
+    "</tools>\n\nFor each function call, output the function name and arguments within the following "
+    "XML format:\n<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}"
+    "</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>"
+)
 _SKIPPED_TOOL_KEYS = ("defer_loading", "strict")
 
-_EFFORTS = {"low": "low", "high": "high", "max": "max", "xhigh": "max", "medium": "max", "minimal": "max",
-            "none": "none"}
+_EFFORTS = {
+    "low": "low",
+    "high": "high",
+    "max": "max",
+    "xhigh": "max",
+    "medium": "max",
+    "minimal": "max",
+    "none": "none",
+}
 # GLM 5.2's template knows 'high' and 'max' only (anything else renders Max): the
 # requests below max take the lower rung, so a smaller effort never thinks more.
-_EFFORTS_52 = {"minimal": "high", "low": "high", "medium": "high", "high": "high", "max": "max", "xhigh": "max",
-               "none": "none"}
+_EFFORTS_52 = {
+    "minimal": "high",
+    "low": "high",
+    "medium": "high",
+    "high": "high",
+    "max": "max",
+    "xhigh": "max",
+    "none": "none",
+}
 
 
 class GlmCallSyntax(CallSyntax):
@@ -96,7 +116,7 @@ class GlmCallSyntax(CallSyntax):
                     if lt >= 0 and not is_partial(text[lt:], (ARG_KEY_CLOSE,)):
                         s.status = "invalid"
                     return s
-                key = text[i + len(ARG_KEY_OPEN):ke]
+                key = text[i + len(ARG_KEY_OPEN) : ke]
                 if "<" in key:
                     s.status = "invalid"
                     return s
@@ -117,11 +137,11 @@ class GlmCallSyntax(CallSyntax):
             if text.startswith(TOOL_CALL_CLOSE, i):
                 s.status, s.end = "complete", i + len(TOOL_CALL_CLOSE)
                 return s
-            if not is_partial(text[i:i + 16], (ARG_KEY_OPEN, TOOL_CALL_CLOSE)):
+            if not is_partial(text[i : i + 16], (ARG_KEY_OPEN, TOOL_CALL_CLOSE)):
                 s.status = "invalid"
             return s
 
-    def render_call(self, name: str, args: Optional[dict], raw_arguments: str) -> str:
+    def render_call(self, name: str, args: dict | None, raw_arguments: str) -> str:
         out = [TOOL_CALL_OPEN, name]
         items = args.items() if args is not None else [("arguments", raw_arguments)]
         for k, v in items:
@@ -156,8 +176,14 @@ def _ordered_results(run: list, calls: list) -> list:
     and neither side repeats an id; else the given order."""
     ids = [c.id for c in calls]
     rids = [t.tool_id for t in run]
-    if (not calls or not all(ids) or len(set(ids)) != len(ids) or not all(rids)
-            or len(set(rids)) != len(rids) or not all(r in ids for r in rids)):
+    if (
+        not calls
+        or not all(ids)
+        or len(set(ids)) != len(ids)
+        or not all(rids)
+        or len(set(rids)) != len(rids)
+        or not all(r in ids for r in rids)
+    ):
         return run
     by_id = {t.tool_id: t for t in run}
     return [by_id[i] for i in ids if i in by_id]
@@ -171,8 +197,22 @@ class GlmProtocol(ChatProtocol):
     bos = GMASK
     eos = ENDOFTEXT
     stop_strings = (ENDOFTEXT, USER, OBSERVATION)
-    special_strings = (GMASK, SYSTEM, USER, ASSISTANT, OBSERVATION, ENDOFTEXT, M.THINK_OPEN, M.THINK_CLOSE,
-                       TOOL_CALL_OPEN, TOOL_CALL_CLOSE, ARG_KEY_OPEN, ARG_KEY_CLOSE, ARG_VALUE_OPEN, ARG_VALUE_CLOSE)
+    special_strings = (
+        GMASK,
+        SYSTEM,
+        USER,
+        ASSISTANT,
+        OBSERVATION,
+        ENDOFTEXT,
+        M.THINK_OPEN,
+        M.THINK_CLOSE,
+        TOOL_CALL_OPEN,
+        TOOL_CALL_CLOSE,
+        ARG_KEY_OPEN,
+        ARG_KEY_CLOSE,
+        ARG_VALUE_OPEN,
+        ARG_VALUE_CLOSE,
+    )
     turn_end = ""
     default_mode = "max"
     efforts = _EFFORTS
@@ -181,7 +221,7 @@ class GlmProtocol(ChatProtocol):
     clear_thinking = False  # reasoning only on assistant turns after the last user turn
     sort_results = True  # tool results follow the order of the calls
 
-    def __init__(self, family: Optional[str] = None, model_id: Optional[str] = None, model_name: Optional[str] = None):
+    def __init__(self, family: str | None = None, model_id: str | None = None, model_name: str | None = None):
         if family:
             self.family = family
         if model_id:
@@ -190,8 +230,9 @@ class GlmProtocol(ChatProtocol):
             self.model_name = model_name
 
     # --- thinking --------------------------------------------------------------------
-    def resolve_thinking(self, mode: str, effort: Any = None, *, explicit: bool = False,
-                         model: Optional[str] = None, ctx: int = 32768) -> str:
+    def resolve_thinking(
+        self, mode: str, effort: Any = None, *, explicit: bool = False, model: str | None = None, ctx: int = 32768
+    ) -> str:
         if mode == "none":
             return "none"
         if effort is None:
@@ -260,30 +301,54 @@ class GlmProtocol(ChatProtocol):
 
     def render_completion(self, prompt: str, thinking: str = "max") -> str:
         from ..messages import Message
+
         return self.render(Conversation(messages=[Message(role="user", content=prompt)], thinking=thinking))
 
     # --- tool calls ---------------------------------------------------------------------
     def render_calls(self, calls: Sequence) -> str:
         return "".join(SYNTAX.render_call(c.name, C.call_arguments(c), c.arguments) for c in calls)
 
-    def force_text(self, name: Optional[str]) -> str:
+    def force_text(self, name: str | None) -> str:
         return TOOL_CALL_OPEN if name is None else TOOL_CALL_OPEN + name
 
-    def make_parser(self, thinking: bool, tools_active: bool, id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
-                    tool_memory=None, *, tool_schemas: Sequence[str] = ()):
-        return XmlOutputParser(SYNTAX, THINK, thinking, tools_active, id_prefix, tool_memory=tool_memory,
-                               tool_schemas=tool_schemas)
+    def make_parser(
+        self,
+        thinking: bool,
+        tools_active: bool,
+        id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
+        tool_memory=None,
+        *,
+        tool_schemas: Sequence[str] = (),
+    ):
+        return XmlOutputParser(
+            SYNTAX, THINK, thinking, tools_active, id_prefix, tool_memory=tool_memory, tool_schemas=tool_schemas
+        )
 
-    def parse(self, text: str, *, thinking: bool, tools_active: bool = True, truncated: bool = False,
-              tool_schemas: Sequence[str] = ()):
-        out, _ = parse_xml_output(text, thinking=thinking, tools_active=tools_active, truncated=truncated,
-                                  syntax=SYNTAX, think=THINK, types=C.param_types(tool_schemas))
+    def parse(
+        self,
+        text: str,
+        *,
+        thinking: bool,
+        tools_active: bool = True,
+        truncated: bool = False,
+        tool_schemas: Sequence[str] = (),
+    ):
+        out, _ = parse_xml_output(
+            text,
+            thinking=thinking,
+            tools_active=tools_active,
+            truncated=truncated,
+            syntax=SYNTAX,
+            think=THINK,
+            types=C.param_types(tool_schemas),
+        )
         return out
 
 
 class Glm52Protocol(GlmProtocol):
     """GLM 5.2's template (tests/data/chat_templates/glm_moe_dsa.jinja): two effort
     rungs, an `enable_thinking` switch, `clear_thinking` undefined, no result sort."""
+
     efforts = _EFFORTS_52
     effort_rungs = ("high",)
     thinking_switch = True

@@ -22,9 +22,11 @@ history tool call whose arguments are not a JSON object is written as one
 `arguments` parameter; a string argument that contains `</parameter>` is
 written with `&lt;/parameter>` (the parser decodes it).
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .. import markers as M
 from ..messages import Conversation
@@ -44,11 +46,15 @@ PARAM_CLOSE = "</parameter>"
 TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
 
-EFFORT_XHIGH = ("Reasoning effort is set to xhigh. Please think carefully through the task, validate key "
-                "assumptions, consider plausible alternatives, and prioritize correctness, consistency, and "
-                "clarity in the final answer.")
-EFFORT_LOW = ("Reasoning effort is set to low. Keep your thinking brief and focused, moving directly to the "
-              "conclusion without unnecessary elaboration.")
+EFFORT_XHIGH = (
+    "Reasoning effort is set to xhigh. Please think carefully through the task, validate key "
+    "assumptions, consider plausible alternatives, and prioritize correctness, consistency, and "
+    "clarity in the final answer."
+)
+EFFORT_LOW = (
+    "Reasoning effort is set to low. Keep your thinking brief and focused, moving directly to the "
+    "conclusion without unnecessary elaboration."
+)
 TOOLS_HEAD = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
 TOOLS_TAIL = (
     "\n</tools>"
@@ -67,8 +73,15 @@ TOOLS_TAIL = (
 THINK_PROMPT = "<think>\n"
 NO_THINK_PROMPT = "<think>\n\n</think>\n\n"
 
-_EFFORTS = {"xhigh": "xhigh", "high": "xhigh", "max": "xhigh", "medium": "medium", "low": "low",
-            "minimal": "low", "none": "none"}
+_EFFORTS = {
+    "xhigh": "xhigh",
+    "high": "xhigh",
+    "max": "xhigh",
+    "medium": "medium",
+    "low": "low",
+    "minimal": "low",
+    "none": "none",
+}
 
 
 class QwenCallSyntax(CallSyntax):
@@ -87,7 +100,7 @@ class QwenCallSyntax(CallSyntax):
             return Scan("invalid", i)
         if gt < 0:
             return Scan("partial", i)
-        name = text[i + len(FUNCTION_OPEN):gt].strip()
+        name = text[i + len(FUNCTION_OPEN) : gt].strip()
         if not name:
             return Scan("invalid", i)
         s = Scan("partial", gt + 1, name=name)
@@ -101,7 +114,7 @@ class QwenCallSyntax(CallSyntax):
                 gt = text.find(">", i)
                 if gt < 0:
                     return s
-                key = text[i + len(PARAM_OPEN):gt]
+                key = text[i + len(PARAM_OPEN) : gt]
                 if "<" in key or "\n" in key:
                     s.status = "invalid"
                     return s
@@ -131,11 +144,11 @@ class QwenCallSyntax(CallSyntax):
             if text.startswith(TOOL_CALL_CLOSE, i):  # lenient: </function> left out
                 s.status, s.end = "complete", i + len(TOOL_CALL_CLOSE)
                 return s
-            if not is_partial(text[i:i + 16], (PARAM_OPEN, FUNCTION_CLOSE, TOOL_CALL_CLOSE)):
+            if not is_partial(text[i : i + 16], (PARAM_OPEN, FUNCTION_CLOSE, TOOL_CALL_CLOSE)):
                 s.status = "invalid"
             return s
 
-    def render_call(self, name: str, args: Optional[dict], raw_arguments: str) -> str:
+    def render_call(self, name: str, args: dict | None, raw_arguments: str) -> str:
         out = [TOOL_CALL_OPEN, "\n", FUNCTION_OPEN, name, ">\n"]
         items = args.items() if args is not None else [("arguments", raw_arguments)]
         for k, v in items:
@@ -169,8 +182,9 @@ class QwenProtocol(ChatProtocol):
     default_mode = "xhigh"
 
     # --- thinking ---------------------------------------------------------------------
-    def resolve_thinking(self, mode: str, effort: Any = None, *, explicit: bool = False,
-                         model: Optional[str] = None, ctx: int = 32768) -> str:
+    def resolve_thinking(
+        self, mode: str, effort: Any = None, *, explicit: bool = False, model: str | None = None, ctx: int = 32768
+    ) -> str:
         if mode == "none" or (not explicit and effort is None and model in self.chat_aliases):
             return "none"
         if effort is None:
@@ -180,7 +194,7 @@ class QwenProtocol(ChatProtocol):
         return _EFFORTS[effort]
 
     # --- prompts ------------------------------------------------------------------------
-    def _system(self, system: Optional[str], schemas: Sequence[str], mode: str) -> str:
+    def _system(self, system: str | None, schemas: Sequence[str], mode: str) -> str:
         mode = _EFFORTS.get(mode, mode)  # a generic "high" / "max" mode means xhigh
         instr = EFFORT_XHIGH if mode == "xhigh" else EFFORT_LOW if mode == "low" else ""
         sys_text = _trim(system) if system is not None else ""
@@ -227,8 +241,16 @@ class QwenProtocol(ChatProtocol):
                 out.append(IM_START + "user\n" + _trim(t.content) + IM_END + "\n")
             elif t.role == "assistant":
                 content = _trim(t.content)
-                out.append(IM_START + "assistant\n" + THINK_PROMPT + _trim(t.reasoning) + "\n" + M.THINK_CLOSE
-                           + "\n\n" + content)
+                out.append(
+                    IM_START
+                    + "assistant\n"
+                    + THINK_PROMPT
+                    + _trim(t.reasoning)
+                    + "\n"
+                    + M.THINK_CLOSE
+                    + "\n\n"
+                    + content
+                )
                 out.append(self._calls(t, content))
                 out.append(IM_END + "\n")
             elif t.role == "tool":
@@ -249,6 +271,7 @@ class QwenProtocol(ChatProtocol):
 
     def render_completion(self, prompt: str, thinking: str = "xhigh") -> str:
         from ..messages import Message
+
         conv = Conversation(messages=[Message(role="user", content=prompt)], thinking=thinking)
         return self.render(conv)
 
@@ -256,20 +279,43 @@ class QwenProtocol(ChatProtocol):
     def render_calls(self, calls: Sequence) -> str:
         return "\n".join(SYNTAX.render_call(c.name, C.call_arguments(c), c.arguments) for c in calls)
 
-    def force_text(self, name: Optional[str]) -> str:
+    def force_text(self, name: str | None) -> str:
         head = TOOL_CALL_OPEN + "\n" + FUNCTION_OPEN
         return head if name is None else head + name + ">\n"
 
-    def make_parser(self, thinking: bool, tools_active: bool, id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
-                    tool_memory=None, *, tool_schemas: Sequence[str] = ()):
-        return XmlOutputParser(SYNTAX, THINK, thinking, tools_active, id_prefix, tool_memory=tool_memory,
-                               tool_schemas=tool_schemas)
+    def make_parser(
+        self,
+        thinking: bool,
+        tools_active: bool,
+        id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
+        tool_memory=None,
+        *,
+        tool_schemas: Sequence[str] = (),
+    ):
+        return XmlOutputParser(
+            SYNTAX, THINK, thinking, tools_active, id_prefix, tool_memory=tool_memory, tool_schemas=tool_schemas
+        )
 
-    def parse(self, text: str, *, thinking: bool, tools_active: bool = True, truncated: bool = False,
-              tool_schemas: Sequence[str] = ()):
+    def parse(
+        self,
+        text: str,
+        *,
+        thinking: bool,
+        tools_active: bool = True,
+        truncated: bool = False,
+        tool_schemas: Sequence[str] = (),
+    ):
         from .common import param_types
-        out, _ = parse_xml_output(text, thinking=thinking, tools_active=tools_active, truncated=truncated,
-                                  syntax=SYNTAX, think=THINK, types=param_types(tool_schemas))
+
+        out, _ = parse_xml_output(
+            text,
+            thinking=thinking,
+            tools_active=tools_active,
+            truncated=truncated,
+            syntax=SYNTAX,
+            think=THINK,
+            types=param_types(tool_schemas),
+        )
         return out
 
 

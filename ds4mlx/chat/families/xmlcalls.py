@@ -17,19 +17,21 @@ parameter value; `.stop_now` is set when text that is not another call
 follows the last call.  `finish()` runs the final parse, which is
 authoritative, and emits what the stream still owes.
 """
+
 from __future__ import annotations
 
 import codecs
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
+from ...events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .. import markers as M
+from .common import param_types
 from .deepseek_v4.dsml import ParsedCall, ParsedOutput, json_escape, minify_json
 from .deepseek_v4.output import finish_call_events, tool_id_for
-from ...events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
-from .common import param_types
 
 _WS = " \t\n\v\f\r"
 
@@ -67,9 +69,10 @@ def hold_partial(s: str, start: int, lits: Sequence[str]) -> int:
 @dataclass
 class Scan:
     """Progress of one call element from its open tag."""
+
     status: str  # complete | partial | invalid
     end: int  # complete: after the close tag; else where scanning stopped
-    name: Optional[str] = None
+    name: str | None = None
     params: list = field(default_factory=list)  # (key, value text)
     in_value: bool = False
     value_start: int = 0
@@ -77,6 +80,7 @@ class Scan:
 
 class CallSyntax:
     """One tag-based call spelling.  Subclasses implement `scan` and `render_call`."""
+
     open = "<tool_call>"
     close = "</tool_call>"
     value_close = ""
@@ -84,7 +88,7 @@ class CallSyntax:
     def scan(self, text: str, pos: int) -> Scan:
         raise NotImplementedError
 
-    def render_call(self, name: str, args: Optional[dict], raw_arguments: str) -> str:
+    def render_call(self, name: str, args: dict | None, raw_arguments: str) -> str:
         raise NotImplementedError
 
     # The one escape of tool text (ds4): the value's own closing tag is written
@@ -94,7 +98,10 @@ class CallSyntax:
         rx = self.__dict__.get("_rx")
         if rx is None:
             tail = re.escape(self.value_close[1:])
-            rx = (re.compile(re.escape(self.value_close) + "|&((?:amp;)*)lt;" + tail), re.compile("&((?:amp;)*)lt;" + tail))
+            rx = (
+                re.compile(re.escape(self.value_close) + "|&((?:amp;)*)lt;" + tail),
+                re.compile("&((?:amp;)*)lt;" + tail),
+            )
             self.__dict__["_rx"] = rx
         return rx
 
@@ -103,19 +110,22 @@ class CallSyntax:
             return v
         tail = self.value_close[1:]
         return self._escape_re()[0].sub(
-            lambda m: "&lt;" + tail if m.group(1) is None else "&amp;" + m.group(1) + "lt;" + tail, v)
+            lambda m: "&lt;" + tail if m.group(1) is None else "&amp;" + m.group(1) + "lt;" + tail, v
+        )
 
     def unescape_value(self, v: str) -> str:
         if "lt;" + self.value_close[1:] not in v:
             return v
         tail = self.value_close[1:]
         return self._escape_re()[1].sub(
-            lambda m: self.value_close if not m.group(1) else "&" + m.group(1)[4:] + "lt;" + tail, v)
+            lambda m: self.value_close if not m.group(1) else "&" + m.group(1)[4:] + "lt;" + tail, v
+        )
 
 
 # --- argument typing -------------------------------------------------------------------
 
-def _is_string_type(t: Any) -> Optional[bool]:
+
+def _is_string_type(t: Any) -> bool | None:
     if isinstance(t, str):
         return t == "string"
     if isinstance(t, list) and t:
@@ -154,6 +164,7 @@ def _fragment(first: bool, name: str, key: str, value: str, types: dict) -> str:
 
 # --- final parse -------------------------------------------------------------------------
 
+
 @dataclass
 class _Layout:
     region: int = 0  # where the answer begins (after </think>)
@@ -180,8 +191,16 @@ def _reasoning_bounds(text: str, thinking: bool, ts: ThinkStyle) -> tuple[bool, 
     return False, 0
 
 
-def parse_xml_output(text: str, *, thinking: bool, tools_active: bool, truncated: bool, syntax: CallSyntax,
-                     think: ThinkStyle, types: Optional[dict] = None) -> tuple[ParsedOutput, _Layout]:
+def parse_xml_output(
+    text: str,
+    *,
+    thinking: bool,
+    tools_active: bool,
+    truncated: bool,
+    syntax: CallSyntax,
+    think: ThinkStyle,
+    types: dict | None = None,
+) -> tuple[ParsedOutput, _Layout]:
     finish = "length" if truncated else "stop"
     types = types or {}
     lay = _Layout()
@@ -200,7 +219,7 @@ def parse_xml_output(text: str, *, thinking: bool, tools_active: bool, truncated
     lo = skip_ws(text, region)
     if not tools_active:
         lay.content_hi = rstrip_pos(text, len(text), lo)
-        return ParsedOutput(content=text[lo:lay.content_hi], reasoning=reasoning, finish=finish), lay
+        return ParsedOutput(content=text[lo : lay.content_hi], reasoning=reasoning, finish=finish), lay
     p = text.find(syntax.open, region)
     skipped = False
     while p >= 0:  # an open tag whose element is not a call is text
@@ -211,7 +230,7 @@ def parse_xml_output(text: str, *, thinking: bool, tools_active: bool, truncated
     if p < 0:
         lay.content_hi = rstrip_pos(text, len(text), lo)
         err = M.PARSE_INVALID_TOOL_CALL if skipped else None
-        return ParsedOutput(content=text[lo:lay.content_hi], reasoning=reasoning, error=err, finish=finish), lay
+        return ParsedOutput(content=text[lo : lay.content_hi], reasoning=reasoning, error=err, finish=finish), lay
     calls: list[ParsedCall] = []
     pos = p
     last_end = p
@@ -219,9 +238,12 @@ def parse_xml_output(text: str, *, thinking: bool, tools_active: bool, truncated
     while True:
         s = syntax.scan(text, pos)
         if s.status == "complete":
-            raw = text[pos:s.end]
-            calls.append(ParsedCall(name=s.name or "", arguments_json=arguments_json(s.name or "", s.params, types),
-                                    raw_dsml=raw))
+            raw = text[pos : s.end]
+            calls.append(
+                ParsedCall(
+                    name=s.name or "", arguments_json=arguments_json(s.name or "", s.params, types), raw_dsml=raw
+                )
+            )
             last_end = s.end
             q = skip_ws(text, s.end)
             if text.startswith(syntax.open, q):
@@ -233,23 +255,38 @@ def parse_xml_output(text: str, *, thinking: bool, tools_active: bool, truncated
         break
     if failure is not None:
         lay.content_hi = rstrip_pos(text, len(text), lo)
-        content = text[lo:lay.content_hi]
+        content = text[lo : lay.content_hi]
         if failure == "partial" and truncated:  # cut by the token limit: plain text, no repair
             return ParsedOutput(content=content, reasoning=reasoning, finish=finish), lay
         err = M.PARSE_UNTERMINATED_TOOL_CALL
         return ParsedOutput(content=content, reasoning=reasoning, error=err, finish=finish), lay
     lay.content_hi = rstrip_pos(text, p, lo)
-    return ParsedOutput(content=text[lo:lay.content_hi], reasoning=reasoning, calls=calls,
-                        raw_dsml=text[p:last_end], finish="tool_calls"), lay
+    return ParsedOutput(
+        content=text[lo : lay.content_hi],
+        reasoning=reasoning,
+        calls=calls,
+        raw_dsml=text[p:last_end],
+        finish="tool_calls",
+    ), lay
 
 
 # --- streaming -------------------------------------------------------------------------------
 
+
 class XmlOutputParser:
     """The `OutputParser` interface for tag-based tool calls (see the module docstring)."""
 
-    def __init__(self, syntax: CallSyntax, think: ThinkStyle, thinking: bool, tools_active: bool,
-                 id_prefix: str = M.OPENAI_TOOL_ID_PREFIX, *, tool_memory=None, tool_schemas: Sequence[str] = ()):
+    def __init__(
+        self,
+        syntax: CallSyntax,
+        think: ThinkStyle,
+        thinking: bool,
+        tools_active: bool,
+        id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
+        *,
+        tool_memory=None,
+        tool_schemas: Sequence[str] = (),
+    ):
         self.syntax = syntax
         self.think = think
         self.thinking = thinking
@@ -260,10 +297,10 @@ class XmlOutputParser:
         self.raw = ""
         self.phase = "reasoning" if thinking else "text"
         self.stop_now = False
-        self.result: Optional[ParsedOutput] = None
+        self.result: ParsedOutput | None = None
         self._decoder = None
         self._finished = False
-        self._stop_at: Optional[int] = None
+        self._stop_at: int | None = None
         self._head_checked = False  # the start checked for a think open (thinking or inline)
         self._body = 0
         self._r_emit = 0
@@ -282,20 +319,20 @@ class XmlOutputParser:
         self._started: set[int] = set()
         self._ended: set[int] = set()
         self._sent: dict[int, tuple[str, str]] = {}  # index -> (name, arguments sent so far)
-        self._cut_calls: Optional[list] = None  # announced calls cut short (what the stream sent)
+        self._cut_calls: list | None = None  # announced calls cut short (what the stream sent)
         self._r_out = ""  # reasoning and text as streamed
         self._t_out = ""
 
     # --- public state ---------------------------------------------------------------------
     @property
     def text(self) -> str:
-        return self.raw if self._stop_at is None else self.raw[:self._stop_at]
+        return self.raw if self._stop_at is None else self.raw[: self._stop_at]
 
     @property
     def structural(self) -> bool:
         return self._structural and not self.stop_now and not self._finished
 
-    def feed(self, text: Union[str, bytes]) -> list:
+    def feed(self, text: str | bytes) -> list:
         if isinstance(text, (bytes, bytearray)):
             if self._decoder is None:
                 self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -318,18 +355,28 @@ class XmlOutputParser:
                     self._step(events)
         self._finished = True
         raw = self.text
-        final, lay = parse_xml_output(raw, thinking=self.thinking, tools_active=self.tools_active,
-                                      truncated=truncated, syntax=self.syntax, think=self.think, types=self.types)
+        final, lay = parse_xml_output(
+            raw,
+            thinking=self.thinking,
+            tools_active=self.tools_active,
+            truncated=truncated,
+            syntax=self.syntax,
+            think=self.think,
+            types=self.types,
+        )
         if self.phase == "reasoning" and final.reasoning is None:
             self._emit_reasoning(events, len(raw))  # never closed: everything is reasoning, streamed and final alike
             final = replace(final, content="", reasoning=self._r_out)
         elif self._cut_calls is not None or (self._sent and not self._agrees(final)):
             if self._cut_calls is None:  # the final parse disowns an announced call: keep what was sent
                 self._cut(events, len(raw))
-            final = ParsedOutput(content=self._t_out, reasoning=final.reasoning if final.reasoning is not None
-                                 else (self._r_out if self.thinking else None),
-                                 calls=[ParsedCall(name=n, arguments_json=a) for n, a in self._cut_calls],
-                                 error=M.PARSE_CUT_TOOL_CALL, finish="tool_calls")
+            final = ParsedOutput(
+                content=self._t_out,
+                reasoning=final.reasoning if final.reasoning is not None else (self._r_out if self.thinking else None),
+                calls=[ParsedCall(name=n, arguments_json=a) for n, a in self._cut_calls],
+                error=M.PARSE_CUT_TOOL_CALL,
+                finish="tool_calls",
+            )
         else:
             if self.phase == "reasoning":  # closed in the tail
                 self._step(events)
@@ -343,8 +390,12 @@ class XmlOutputParser:
         if final.content != self._t_out:
             return False
         for i, (name, sent) in self._sent.items():
-            if i >= len(final.calls) or final.calls[i].name != name or i not in self._ended \
-                    or final.calls[i].arguments != sent:
+            if (
+                i >= len(final.calls)
+                or final.calls[i].name != name
+                or i not in self._ended
+                or final.calls[i].arguments != sent
+            ):
                 return False
         return True
 
@@ -375,8 +426,8 @@ class XmlOutputParser:
                 return
             self._r_started = True
         if limit > self._r_emit:
-            events.append(ReasoningDelta(self.raw[self._r_emit:limit]))
-            self._r_out += self.raw[self._r_emit:limit]
+            events.append(ReasoningDelta(self.raw[self._r_emit : limit]))
+            self._r_out += self.raw[self._r_emit : limit]
             self._r_emit = limit
 
     def _skip_content_ws(self) -> None:
@@ -387,8 +438,8 @@ class XmlOutputParser:
         self._skip_content_ws()
         if limit > self._c_emit:
             self._c_started = True
-            events.append(TextDelta(self.raw[self._c_emit:limit]))
-            self._t_out += self.raw[self._c_emit:limit]
+            events.append(TextDelta(self.raw[self._c_emit : limit]))
+            self._t_out += self.raw[self._c_emit : limit]
             self._c_emit = limit
 
     def _step(self, events: list) -> None:
@@ -399,7 +450,7 @@ class XmlOutputParser:
         if self.phase == "tool":
             self._tool(events)
 
-    def _head(self) -> Optional[bool]:
+    def _head(self) -> bool | None:
         """Look for an opening <think> at the start: None = wait for more text."""
         raw = self.raw
         s = skip_ws(raw, 0)
@@ -481,8 +532,12 @@ class XmlOutputParser:
             s = syn.scan(raw, self._call_pos)
             i = self._index
             # announced once certain: a first parameter (or the close) is parsed
-            if (s.name is not None and i not in self._started and not self._failed
-                    and (s.params or s.status == "complete")):
+            if (
+                s.name is not None
+                and i not in self._started
+                and not self._failed
+                and (s.params or s.status == "complete")
+            ):
                 events.append(ToolCallStart(index=i, id=self._id_for(i), name=s.name))
                 self._started.add(i)
                 self._sent[i] = (s.name, "")
@@ -495,8 +550,7 @@ class XmlOutputParser:
             if s.status == "complete":
                 if i in self._started and not self._failed:
                     self._send(events, i, "}")
-                    events.append(ToolCallEnd(index=i, id=self._id_for(i), name=s.name,
-                                              arguments=self._sent[i][1]))
+                    events.append(ToolCallEnd(index=i, id=self._id_for(i), name=s.name, arguments=self._sent[i][1]))
                     self._ended.add(i)
                 self._index += 1
                 self._last_end = s.end

@@ -15,14 +15,16 @@ Every case is a dict with these fields:
 | `max_tokens` | the case's generation budget (16000; Juliet 8000) |
 | `suites` | subset of core, hard, hard-smoke |
 """
+
 from __future__ import annotations
 
 import copy
 import json
 import re
-from functools import lru_cache
+from collections.abc import Iterable
+from functools import cache
 from importlib import resources
-from typing import Any, Iterable
+from typing import Any
 
 from ..extract import parse_line_spec
 from ..prompts import build_prompt
@@ -31,13 +33,24 @@ SUITES = ("core", "hard", "hard-smoke")
 ANSWER_KINDS = ("multiple_choice", "integer", "exact_string", "ordered_sequence", "line", "line_set")
 _FILES = {"core": "core.json", "hard": "hard.json", "hard-smoke": "hard.json"}
 _REQUIRED = {
-    "index": int, "id": str, "source": str, "source_url": str, "license": str, "domain": str,
-    "title": str, "question": str, "choices": list, "answer": str, "aliases": list,
-    "answer_kind": str, "max_tokens": int, "suites": list,
+    "index": int,
+    "id": str,
+    "source": str,
+    "source_url": str,
+    "license": str,
+    "domain": str,
+    "title": str,
+    "question": str,
+    "choices": list,
+    "answer": str,
+    "aliases": list,
+    "answer_kind": str,
+    "max_tokens": int,
+    "suites": list,
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def _read(name: str) -> tuple[dict[str, Any], ...]:
     text = resources.files("ds4mlx.eval.cases").joinpath(name).read_text(encoding="utf-8")
     return tuple(json.loads(text))
@@ -63,8 +76,9 @@ def find_case(source: str, case_id: str) -> dict[str, Any] | None:
     return None
 
 
-def select(cases: list[dict[str, Any]], case_ids: Iterable[str] = (), domains: Iterable[str] = (),
-           sources: Iterable[str] = ()) -> list[dict[str, Any]]:
+def select(
+    cases: list[dict[str, Any]], case_ids: Iterable[str] = (), domains: Iterable[str] = (), sources: Iterable[str] = ()
+) -> list[dict[str, Any]]:
     """Filter `cases`.  `case_ids` match the id or the 1-based index; `domains` and
     `sources` match case-insensitively, a domain also by prefix (`Math` matches
     `Math / Combinatorics`).  Empty filters keep everything.  Order is kept."""

@@ -8,28 +8,59 @@
 
 Strings are Python `str`; positions are character indices.
 """
+
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from json.decoder import scanstring
-from typing import Optional, Sequence
+from typing import Optional
 
 from ... import markers as M
-# The lexical primitives and the tracker are re-exported: output.py, toolmemory.py
-# and the tests import them from here.
-from .dsml_lex import C_SPACE, entity_modes, rstrip_ws, skip_ws, attr, decode_entities  # noqa: F401
-from .dsml_tracker import (JSON_STRING, JSON_STRUCTURAL, OUTSIDE, STRING_BODY, STRUCTURAL,  # noqa: F401
-                           DecodeTracker, is_partial_marker, earliest_open, partial_open_at_tail, scan_block)
 from ...markers import DsmlSyntax
 
+# The lexical primitives and the tracker are re-exported: output.py, toolmemory.py
+# and the tests import them from here.
+from .dsml_lex import C_SPACE, attr, decode_entities, entity_modes, rstrip_ws, skip_ws  # noqa: F401
+from .dsml_tracker import (
+    JSON_STRING,
+    JSON_STRUCTURAL,
+    OUTSIDE,
+    STRING_BODY,
+    STRUCTURAL,  # noqa: F401
+    DecodeTracker,
+    earliest_open,
+    is_partial_marker,
+    partial_open_at_tail,
+    scan_block,
+)
+
 __all__ = [
-    "ParsedCall", "ParsedOutput", "parse_output", "render_calls", "escape_tool_result",
-    "attr_escape", "param_text", "json_literal", "decode_entities", "json_escape",
-    "json_escape_fragment", "dumps_compact", "dumps_canonical", "json_text",
-    "parse_flat_object", "minify_json", "call_input", "DecodeTracker",
-    "OUTSIDE", "STRUCTURAL", "STRING_BODY", "JSON_STRUCTURAL", "JSON_STRING",
+    "ParsedCall",
+    "ParsedOutput",
+    "parse_output",
+    "render_calls",
+    "escape_tool_result",
+    "attr_escape",
+    "param_text",
+    "json_literal",
+    "decode_entities",
+    "json_escape",
+    "json_escape_fragment",
+    "dumps_compact",
+    "dumps_canonical",
+    "json_text",
+    "parse_flat_object",
+    "minify_json",
+    "call_input",
+    "DecodeTracker",
+    "OUTSIDE",
+    "STRUCTURAL",
+    "STRING_BODY",
+    "JSON_STRUCTURAL",
+    "JSON_STRING",
 ]
 
 # =============================================================================
@@ -38,8 +69,7 @@ __all__ = [
 
 # docs/http-api.md §1.3: '"' '\\' LF CR TAB escaped, other bytes < 0x20 as \u00xx, the rest raw.
 _ESCAPE_TABLE = {c: "\\u%04x" % c for c in range(0x20)}
-_ESCAPE_TABLE.update({ord('"'): '\\"', ord("\\"): "\\\\", ord("\n"): "\\n",
-                      ord("\r"): "\\r", ord("\t"): "\\t"})
+_ESCAPE_TABLE.update({ord('"'): '\\"', ord("\\"): "\\\\", ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
 
 
 def json_escape_fragment(s: str) -> str:
@@ -85,7 +115,7 @@ def _minify_slice(raw: str) -> str:
     return _STRING_OR_WS.sub(lambda m: m.group(1) or "", raw)
 
 
-def minify_json(text: str) -> Optional[str]:
+def minify_json(text: str) -> str | None:
     """The first JSON value of `text` with whitespace outside strings removed.
 
     Trailing bytes after that value are dropped (as ds4's minifier does); None if
@@ -98,7 +128,7 @@ def minify_json(text: str) -> Optional[str]:
     return _minify_slice(text[i:end])
 
 
-def parse_flat_object(text: str) -> Optional[list[tuple[str, str, bool]]]:
+def parse_flat_object(text: str) -> list[tuple[str, str, bool]] | None:
     """Parse a JSON object as a flat member list `(key, value, is_string)`.
 
     String values are unescaped; other values keep their source text, minified.
@@ -173,8 +203,10 @@ def escape_tool_result(s: str) -> str:
 
 
 def _param_line(key: str, is_string: bool, body: str) -> str:
-    return (f'{_FULL.param} name="{attr_escape(key)}" string="{"true" if is_string else "false"}">'
-            f"{body}{_FULL.param_close}\n")
+    return (
+        f'{_FULL.param} name="{attr_escape(key)}" string="{"true" if is_string else "false"}">'
+        f"{body}{_FULL.param_close}\n"
+    )
 
 
 def render_calls(calls: Sequence) -> str:
@@ -201,6 +233,7 @@ def render_calls(calls: Sequence) -> str:
 # Final parser (docs/dsml.md §2-4, §6)
 # =============================================================================
 
+
 @dataclass
 class ParsedCall:
     name: str
@@ -221,10 +254,10 @@ class ParsedCall:
 @dataclass
 class ParsedOutput:
     content: str
-    reasoning: Optional[str] = None
+    reasoning: str | None = None
     calls: list[ParsedCall] = field(default_factory=list)
-    raw_dsml: Optional[str] = None  # the whole block as sampled (or as repaired); tool memory stores it
-    error: Optional[str] = None  # "invalid tool call" / "unterminated tool call" when recovered as text
+    raw_dsml: str | None = None  # the whole block as sampled (or as repaired); tool memory stores it
+    error: str | None = None  # "invalid tool call" / "unterminated tool call" when recovered as text
     finish: str = "stop"  # tool_calls | length | stop
     repaired: bool = False  # truncated block closed by the repair rule
     recovered: bool = False  # block inside an unclosed think block executed (forward recovery)
@@ -236,7 +269,7 @@ class ParseFail(Exception):
         self.unterminated = unterminated
 
 
-def value_json(members: list) -> Optional[str]:
+def value_json(members: list) -> str | None:
     """docs/dsml.md §6 re-serialization of parsed members; None if a JSON value is invalid."""
     parts = []
     for key, kind, value in members:
@@ -256,7 +289,7 @@ def parse_leaf(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[tup
     gt = text.find(">", pos)
     if gt < 0:
         raise ParseFail(True)
-    tag = text[pos:gt + 1]
+    tag = text[pos : gt + 1]
     name = attr(tag, "name")
     kind = attr(tag, "string")
     if name is None:
@@ -280,7 +313,7 @@ def parse_invoke(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[P
     gt = text.find(">", pos)
     if gt < 0:
         raise ParseFail(True)
-    name = attr(text[pos:gt + 1], "name")
+    name = attr(text[pos : gt + 1], "name")
     if name is None:
         raise ParseFail(False)
     pos = gt + 1
@@ -295,7 +328,7 @@ def parse_invoke(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[P
         gt = text.find(">", pos)
         if gt < 0:
             raise ParseFail(True)
-        tag = text[pos:gt + 1]
+        tag = text[pos : gt + 1]
         pname = attr(tag, "name")
         pkind = attr(tag, "string")
         if pname is None:
@@ -336,6 +369,7 @@ def parse_block(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[li
 
 # --- truncation repair (our extension, docs/dsml.md §12 / the issue) ----------------
 
+
 def _close_json(value: str) -> str:
     """Best-effort completion of a truncated JSON value: close the string, then brackets."""
     stack = []
@@ -373,7 +407,7 @@ def _strip_partial(s: str, lit: str) -> str:
     return s
 
 
-def repair_block(block: str, syn: DsmlSyntax) -> Optional[str]:
+def repair_block(block: str, syn: DsmlSyntax) -> str | None:
     """Close a block truncated by the token limit: drop an incomplete trailing
     tag, finish an open value (and its JSON), then close the open parameter /
     invoke / block tags in reverse nesting order.  `block` starts with OPEN.
@@ -413,11 +447,12 @@ def repair_block(block: str, syn: DsmlSyntax) -> Optional[str]:
             stack.append("invoke")
             pos = gt + 1
             continue
-        kind = attr(block[pos:gt + 1], "string")
+        kind = attr(block[pos : gt + 1], "string")
         vstart = gt + 1
         after = skip_ws(block, vstart)
-        if kind is None and (block.startswith(syn.param, after) or
-                             (after < n and is_partial_marker(block[after:], (syn.param,)))):
+        if kind is None and (
+            block.startswith(syn.param, after) or (after < n and is_partial_marker(block[after:], (syn.param,)))
+        ):
             stack.append("outer")
             pos = vstart
             continue
@@ -433,8 +468,10 @@ def repair_block(block: str, syn: DsmlSyntax) -> Optional[str]:
 
 # --- block selection and the public entry point ----------------------------------
 
-def _blocks(text: str, start: int,
-            syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES) -> list[tuple[int, DsmlSyntax, str, int]]:
+
+def _blocks(
+    text: str, start: int, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES
+) -> list[tuple[int, DsmlSyntax, str, int]]:
     """The DSML blocks of text[start:] as the streaming tracker sees them, in
     order: earliest OPEN, scanned structurally to its CLOSE (complete), to text
     that is not DSML (stuck; scanning resumes there) or to the end (open).  An
@@ -485,7 +522,7 @@ def _choose_block(text: str, start: int, truncated: bool, syntaxes: Sequence[Dsm
     return (open_pos - len(sep) if with_sep(open_pos) else open_pos), open_pos, syn
 
 
-def reasoning_end(text: str, start: int, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES) -> Optional[int]:
+def reasoning_end(text: str, start: int, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES) -> int | None:
     """Position of the `</think>` that ends the reasoning: the first one that is
     not inside a DSML block written in the reasoning (None if there is none)."""
     pos = start
@@ -508,9 +545,14 @@ def _finish(truncated: bool) -> str:
 
 
 def _failed(text: str, truncated: bool, unterminated: bool) -> ParsedOutput:
-    return ParsedOutput(content=text, reasoning=None, calls=[], raw_dsml=None,
-                        error=M.PARSE_UNTERMINATED_TOOL_CALL if unterminated else M.PARSE_INVALID_TOOL_CALL,
-                        finish=_finish(truncated))
+    return ParsedOutput(
+        content=text,
+        reasoning=None,
+        calls=[],
+        raw_dsml=None,
+        error=M.PARSE_UNTERMINATED_TOOL_CALL if unterminated else M.PARSE_INVALID_TOOL_CALL,
+        finish=_finish(truncated),
+    )
 
 
 def _parse_at(text: str, start: int, open_pos: int, syn: DsmlSyntax, truncated: bool, entities: str):
@@ -539,12 +581,19 @@ def _plain(text: str, thinking: bool, truncated: bool) -> ParsedOutput:
     t = text.find(M.THINK_CLOSE, body)
     if t < 0:
         return ParsedOutput(content=text, finish=_finish(truncated))
-    return ParsedOutput(content=text[t + len(M.THINK_CLOSE):], reasoning=text[body:t], finish=_finish(truncated))
+    return ParsedOutput(content=text[t + len(M.THINK_CLOSE) :], reasoning=text[body:t], finish=_finish(truncated))
 
 
-def parse_output(text: str, *, thinking: bool, tools_active: bool = True, truncated: bool = False,
-                 think_recovery: bool = True, entities: str = "all",
-                 syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES) -> ParsedOutput:
+def parse_output(
+    text: str,
+    *,
+    thinking: bool,
+    tools_active: bool = True,
+    truncated: bool = False,
+    think_recovery: bool = True,
+    entities: str = "all",
+    syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES,
+) -> ParsedOutput:
     """Final parse of a whole generation into content, reasoning and tool calls.
 
     `thinking`: the prompt ended with `<think>` (reasoning comes first).
@@ -581,12 +630,19 @@ def parse_output(text: str, *, thinking: bool, tools_active: bool = True, trunca
         return got
     calls, raw, repaired = got
     content = rstrip_ws(text[region:start])
-    return ParsedOutput(content=content, reasoning=text[body:rend] if thinking else None, calls=calls,
-                        raw_dsml=raw, finish="tool_calls" if calls else _finish(truncated), repaired=repaired)
+    return ParsedOutput(
+        content=content,
+        reasoning=text[body:rend] if thinking else None,
+        calls=calls,
+        raw_dsml=raw,
+        finish="tool_calls" if calls else _finish(truncated),
+        repaired=repaired,
+    )
 
 
-def _recover_in_think(text: str, body: int, truncated: bool, entities: str,
-                      syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES) -> Optional[ParsedOutput]:
+def _recover_in_think(
+    text: str, body: int, truncated: bool, entities: str, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES
+) -> ParsedOutput | None:
     """Forward recovery: the first complete block with calls inside an unclosed
     think block (or, when truncated, an unterminated last one) is parsed as if
     `</think>` had been written right before it."""
@@ -603,13 +659,23 @@ def _recover_in_think(text: str, body: int, truncated: bool, entities: str,
             continue
         if status == "open" and not truncated:
             return None
-        start = open_pos - len(sep) if open_pos - len(sep) >= body and text.startswith(sep, open_pos - len(sep)) \
+        start = (
+            open_pos - len(sep)
+            if open_pos - len(sep) >= body and text.startswith(sep, open_pos - len(sep))
             else open_pos
+        )
         got = _parse_at(text, start, open_pos, syn, truncated, entities)
         if not isinstance(got, ParsedOutput) and got[0]:
             calls, raw, repaired = got
-            return ParsedOutput(content="", reasoning=rstrip_ws(text[body:start]), calls=calls, raw_dsml=raw,
-                                finish="tool_calls", repaired=repaired, recovered=True)
+            return ParsedOutput(
+                content="",
+                reasoning=rstrip_ws(text[body:start]),
+                calls=calls,
+                raw_dsml=raw,
+                finish="tool_calls",
+                repaired=repaired,
+                recovered=True,
+            )
         if status == "open":
             return None
         pos = end

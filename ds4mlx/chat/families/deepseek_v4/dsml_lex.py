@@ -3,10 +3,10 @@
 C-locale whitespace, DSML entity decoding and tag attribute lookup.
 Strings are Python `str`; positions are character indices.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 from ... import markers as M
 from ...markers import DsmlSyntax
@@ -56,7 +56,7 @@ def entity_modes(mode: str, syn: DsmlSyntax) -> tuple[str, ...]:
     return (M.PARAM_CLOSE_TEXT_ESCAPE + syn.param_close[1:],)
 
 
-def attr(tag: str, name: str) -> Optional[str]:
+def attr(tag: str, name: str) -> str | None:
     """Attribute value found by substring search for `name="` (entity-decoded), or None."""
     pat = name + '="'
     i = tag.find(pat)

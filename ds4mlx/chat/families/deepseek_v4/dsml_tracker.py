@@ -7,16 +7,22 @@ parser (dsml.py) and the streaming output parser (output.py) share.
 
 Strings are Python `str`; positions are character indices.
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 from ... import markers as M
-from .dsml_lex import skip_ws, attr
 from ...markers import DsmlSyntax
+from .dsml_lex import attr, skip_ws
 
 OUTSIDE, STRUCTURAL, STRING_BODY, JSON_STRUCTURAL, JSON_STRING = (
-    "outside", "structural", "string_body", "json_structural", "json_string")
+    "outside",
+    "structural",
+    "string_body",
+    "json_structural",
+    "json_string",
+)
 
 _MAX_OPEN = max(len(s.open) for s in M.DSML_SYNTAXES)
 
@@ -25,10 +31,11 @@ def _max_open(syntaxes: Sequence[DsmlSyntax]) -> int:
     return _MAX_OPEN if syntaxes is M.DSML_SYNTAXES else max(len(s.open) for s in syntaxes)
 
 
-def earliest_open(text: str, start: int, end: Optional[int] = None,
-                  syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES) -> Optional[tuple[int, DsmlSyntax]]:
+def earliest_open(
+    text: str, start: int, end: int | None = None, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES
+) -> tuple[int, DsmlSyntax] | None:
     """Earliest block OPEN of any spelling (of `syntaxes`) starting in [start, end)."""
-    best: Optional[tuple[int, DsmlSyntax]] = None
+    best: tuple[int, DsmlSyntax] | None = None
     for syn in syntaxes:
         p = text.find(syn.open, start) if end is None else text.find(syn.open, start, end + len(syn.open) - 1)
         if p >= 0 and (end is None or p < end) and (best is None or p < best[0]):
@@ -78,7 +85,7 @@ class DecodeTracker:
     def restart(self, pos: int) -> None:
         self.mode = "search"
         self.pos = pos
-        self.syn: Optional[DsmlSyntax] = None
+        self.syn: DsmlSyntax | None = None
         self.block_start = -1
         self.block_end = -1
         self.stuck_at = -1
@@ -137,14 +144,16 @@ class DecodeTracker:
                     self.pos = gt + 1
                     if is_param:
                         self._value_start = gt + 1
-                        if attr(raw[p:gt + 1], "string") == "true":
+                        if attr(raw[p : gt + 1], "string") == "true":
                             self.mode = "string"
                         else:
                             self.mode = "json"
                             self._in_str = self._esc = False
                             self._fresh = True
                     continue
-                if is_partial_marker(raw[p:p + 64], (syn.close, syn.invoke_close, syn.param_close, syn.invoke, syn.param)):
+                if is_partial_marker(
+                    raw[p : p + 64], (syn.close, syn.invoke_close, syn.param_close, syn.invoke, syn.param)
+                ):
                     self.state = STRUCTURAL
                     return
                 self.mode = "stuck"
@@ -171,7 +180,7 @@ class DecodeTracker:
                     self.pos = p
                     self.mode = "struct"
                     continue
-                if is_partial_marker(raw[p:p + 64], (syn.param,)):
+                if is_partial_marker(raw[p : p + 64], (syn.param,)):
                     self.state = STRUCTURAL
                     return
                 self._fresh = False
@@ -188,7 +197,7 @@ class DecodeTracker:
                 elif c == "<":
                     if raw.startswith(close, pos):
                         break
-                    if is_partial_marker(raw[pos:pos + 64], (close,)):
+                    if is_partial_marker(raw[pos : pos + 64], (close,)):
                         self.pos = pos
                         self.state = STRUCTURAL if n - pos >= 2 else JSON_STRUCTURAL
                         return

@@ -8,18 +8,38 @@ to stop (`stop_now`: right after the block CLOSE).  `finish()` runs the final
 parse (docs/dsml.md §3), which stays authoritative, and emits whatever the stream
 still owes so that the concatenated events agree with it.
 """
+
 from __future__ import annotations
 
 import codecs
 import os
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable, Optional, Union
 
-from ... import markers as M
-from .dsml import (C_SPACE, JSON_STRUCTURAL, STRUCTURAL, DecodeTracker, ParsedCall, ParsedOutput, ParseFail,
-                   entity_modes, is_partial_marker, parse_leaf, parse_block, parse_invoke, skip_ws, value_json, attr,
-                   decode_entities, json_escape, json_escape_fragment, parse_output, partial_open_at_tail)
 from ....events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from ... import markers as M
+from .dsml import (
+    C_SPACE,
+    JSON_STRUCTURAL,
+    STRUCTURAL,
+    DecodeTracker,
+    ParsedCall,
+    ParsedOutput,
+    ParseFail,
+    attr,
+    decode_entities,
+    entity_modes,
+    is_partial_marker,
+    json_escape,
+    json_escape_fragment,
+    parse_block,
+    parse_invoke,
+    parse_leaf,
+    parse_output,
+    partial_open_at_tail,
+    skip_ws,
+    value_json,
+)
 
 __all__ = ["OutputParser", "new_tool_id"]
 
@@ -34,7 +54,7 @@ def _rstrip_pos(raw: str, end: int, floor: int) -> int:
     return max(end, floor)
 
 
-def new_tool_id(prefix: str = M.OPENAI_TOOL_ID_PREFIX, taken: Optional[Callable[[str], bool]] = None) -> str:
+def new_tool_id(prefix: str = M.OPENAI_TOOL_ID_PREFIX, taken: Callable[[str], bool] | None = None) -> str:
     """`prefix` + 32 lowercase hex from os.urandom, retried while `taken(id)` (docs/dsml.md §8)."""
     while True:
         tool_id = prefix + os.urandom(16).hex()
@@ -66,7 +86,6 @@ def finish_call_events(events: list, calls, id_for, started, ended) -> None:
             events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
 
 
-
 class OutputParser:
     """Incremental parser of one generation.
 
@@ -82,9 +101,17 @@ class OutputParser:
     holds incomplete sequences) and returns events; `finish(truncated)` returns
     (events, ParsedOutput)."""
 
-    def __init__(self, thinking: bool, tools_active: bool, id_prefix: str = M.OPENAI_TOOL_ID_PREFIX, *,
-                 tool_memory=None, think_recovery: bool = True, entities: str = "all",
-                 syntaxes=M.DSML_SYNTAXES):
+    def __init__(
+        self,
+        thinking: bool,
+        tools_active: bool,
+        id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
+        *,
+        tool_memory=None,
+        think_recovery: bool = True,
+        entities: str = "all",
+        syntaxes=M.DSML_SYNTAXES,
+    ):
         self.thinking = thinking
         self.tools_active = tools_active
         self.id_prefix = id_prefix
@@ -95,37 +122,36 @@ class OutputParser:
         self.raw = ""
         self.phase = "reasoning" if thinking else "text"  # reasoning | text | tool | done
         self.stop_now = False
-        self.result: Optional[ParsedOutput] = None
+        self.result: ParsedOutput | None = None
         self._decoder = None
         self._think_checked = not thinking
-        self._r_emit = 0   # reasoning emitted up to (index into raw)
-        self._tscan = 0    # next position to search for </think>
-        self._c_emit = 0   # content emitted up to
+        self._r_emit = 0  # reasoning emitted up to (index into raw)
+        self._tscan = 0  # next position to search for </think>
+        self._c_emit = 0  # content emitted up to
         self._content_start = 0  # where the content region begins (after </think>)
         self._tracker = DecodeTracker(0, syntaxes) if tools_active else None
-        self._proj: Optional[_Projection] = None
+        self._proj: _Projection | None = None
         self._ids: dict[int, str] = {}
         self._started: set[int] = set()
         self._ended: set[int] = set()
         self._finished = False
-        self._stop_at: Optional[int] = None
+        self._stop_at: int | None = None
         self._r_begin = 0  # the reasoning body: raw[_r_begin:_r_end]
-        self._r_end: Optional[int] = None  # where </think> was found
-        self._r_hold: Optional[int] = None  # reasoning held from a block ds4 may recover (think never closed)
+        self._r_end: int | None = None  # where </think> was found
+        self._r_hold: int | None = None  # reasoning held from a block ds4 may recover (think never closed)
 
     # --- public state ------------------------------------------------------------------
     @property
     def text(self) -> str:
         """The generation as the final parse reads it: cut right after the block
         CLOSE that stopped it (bytes sampled past it in the same token are dropped)."""
-        return self.raw if self._stop_at is None else self.raw[:self._stop_at]
+        return self.raw if self._stop_at is None else self.raw[: self._stop_at]
 
     @property
     def structural(self) -> bool:
         """Sample the NEXT token greedily (inside DSML structure, docs/dsml.md §5.1)."""
         tr = self._tracker
-        return (tr is not None and not self.stop_now and not self._finished
-                and tr.state in (STRUCTURAL, JSON_STRUCTURAL))
+        return tr is not None and not self.stop_now and not self._finished and tr.state in (STRUCTURAL, JSON_STRUCTURAL)
 
     @property
     def decode_state(self) -> str:
@@ -134,7 +160,7 @@ class OutputParser:
         return tr.state if tr is not None and not self.stop_now else "outside"
 
     # --- feeding ----------------------------------------------------------------------------
-    def feed(self, text: Union[str, bytes]) -> list:
+    def feed(self, text: str | bytes) -> list:
         if isinstance(text, (bytes, bytearray)):
             if self._decoder is None:
                 self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -158,8 +184,15 @@ class OutputParser:
                     self._step(events)
         self._finished = True
         raw = self.text
-        final = parse_output(raw, thinking=self.thinking, tools_active=self.tools_active, truncated=truncated,
-                             think_recovery=self.think_recovery, entities=self.entities, syntaxes=self.syntaxes)
+        final = parse_output(
+            raw,
+            thinking=self.thinking,
+            tools_active=self.tools_active,
+            truncated=truncated,
+            think_recovery=self.think_recovery,
+            entities=self.entities,
+            syntaxes=self.syntaxes,
+        )
         proj = self._proj
         if self.phase == "reasoning":
             if final.recovered and final.reasoning is not None:
@@ -169,17 +202,18 @@ class OutputParser:
                 self._emit_text(events, self._content_start + len(final.content))
             else:  # never closed: everything is reasoning, streamed and final alike
                 self._emit_reasoning(events, len(raw))
-                final = replace(final, content="", reasoning=raw[self._r_begin:])
-        elif proj is not None and (proj.cut_calls is not None or
-                                   (proj.started_any and not (proj.agrees(final.calls) and
-                                                              final.content == self._streamed_content()))):
+                final = replace(final, content="", reasoning=raw[self._r_begin :])
+        elif proj is not None and (
+            proj.cut_calls is not None
+            or (proj.started_any and not (proj.agrees(final.calls) and final.content == self._streamed_content()))
+        ):
             if proj.cut_calls is None:  # the final parse disowns an announced call: keep what was sent
                 proj.cut(events, len(raw))
             final = self._cut_result(proj.cut_calls)
         elif final.error is not None:  # the block was not DSML after all: the unstreamed tail is text
             self._emit_text(events, len(raw))
             if self._r_end is not None:  # the reasoning stays what was streamed as reasoning
-                final = replace(final, content=raw[self._content_start:], reasoning=self._streamed_reasoning())
+                final = replace(final, content=raw[self._content_start :], reasoning=self._streamed_reasoning())
         elif final.reasoning is not None or not self.thinking:
             # whatever of the final content is still held (whitespace, a possible tag start)
             self._emit_text(events, self._content_start + len(final.content))
@@ -190,16 +224,21 @@ class OutputParser:
         return events, final
 
     def _streamed_content(self) -> str:
-        return self.raw[self._content_start:self._c_emit]
+        return self.raw[self._content_start : self._c_emit]
 
-    def _streamed_reasoning(self) -> Optional[str]:
-        return self.raw[self._r_begin:self._r_end] if self._r_end is not None else None
+    def _streamed_reasoning(self) -> str | None:
+        return self.raw[self._r_begin : self._r_end] if self._r_end is not None else None
 
     def _cut_result(self, calls: list) -> ParsedOutput:
         """The answer of a generation whose announced calls were cut short: what the stream sent."""
-        return ParsedOutput(content=self._streamed_content(), reasoning=self._streamed_reasoning(),
-                            calls=[ParsedCall(name=n, arguments_json=a) for n, a in calls], raw_dsml=None,
-                            error=M.PARSE_CUT_TOOL_CALL, finish="tool_calls")
+        return ParsedOutput(
+            content=self._streamed_content(),
+            reasoning=self._streamed_reasoning(),
+            calls=[ParsedCall(name=n, arguments_json=a) for n, a in calls],
+            raw_dsml=None,
+            error=M.PARSE_CUT_TOOL_CALL,
+            finish="tool_calls",
+        )
 
     # --- internals ----------------------------------------------------------------------------
     def _append(self, text: str) -> None:
@@ -213,12 +252,12 @@ class OutputParser:
 
     def _emit_reasoning(self, events: list, limit: int) -> None:
         if limit > self._r_emit:
-            events.append(ReasoningDelta(self.raw[self._r_emit:limit]))
+            events.append(ReasoningDelta(self.raw[self._r_emit : limit]))
             self._r_emit = limit
 
     def _emit_text(self, events: list, limit: int) -> None:
         if limit > self._c_emit:
-            events.append(TextDelta(self.raw[self._c_emit:limit]))
+            events.append(TextDelta(self.raw[self._c_emit : limit]))
             self._c_emit = limit
 
     def _step(self, events: list) -> None:
@@ -316,7 +355,7 @@ class OutputParser:
                     self._emit_text(events, _rstrip_pos(raw, tr.block_start, self._c_emit))
                     proj = _Projection(self, tr.block_start, tr.syn)
                 if proj is not None and proj.cut_calls is None and not proj.failed:
-                    proj.update(raw[:tr.stuck_at], events)  # however the text was split into tokens
+                    proj.update(raw[: tr.stuck_at], events)  # however the text was split into tokens
                 if proj is not None and proj.started_any:  # garbage after an announced call: cut there
                     self._proj = proj
                     self.phase = "tool"
@@ -367,7 +406,7 @@ class _Projection:
         self.state = "invokes"  # invokes | params | value | held | done
         self.index = 0
         self.failed = False
-        self.cut_calls: Optional[list] = None  # set by `cut`: the (name, arguments) the stream sent
+        self.cut_calls: list | None = None  # set by `cut`: the (name, arguments) the stream sent
         self.name = ""
         self.invoke_pos = 0
         self.first = True
@@ -442,7 +481,7 @@ class _Projection:
         """At finish (the final parse agrees): send the rest of an announced, unfinished call."""
         for i, sent in self.sent.items():
             if i not in self.o._ended:
-                events.append(ToolCallDelta(index=i, arguments=calls[i].arguments[len(sent):]))
+                events.append(ToolCallDelta(index=i, arguments=calls[i].arguments[len(sent) :]))
                 self.sent[i] = calls[i].arguments
 
     def update(self, raw: str, events: list) -> None:
@@ -453,7 +492,7 @@ class _Projection:
             if self.state == "value":
                 k = raw.find(syn.param_close, self.pos)
                 if k >= 0:
-                    self._value(events, raw[self.pos:k])
+                    self._value(events, raw[self.pos : k])
                     self._delta(events, '"')
                     self.pos = k + len(syn.param_close)
                     self.state = "params"
@@ -463,11 +502,10 @@ class _Projection:
                 if lt >= 0 and syn.param_close.startswith(raw[lt:]):
                     limit = lt
                 amp = raw.rfind("&", max(self.pos, limit - self.max_entity + 1), limit)
-                if amp >= 0 and any(len(e) > limit - amp and e.startswith(raw[amp:limit])
-                                    for e in self.entity_list):
+                if amp >= 0 and any(len(e) > limit - amp and e.startswith(raw[amp:limit]) for e in self.entity_list):
                     limit = amp
                 if limit > self.pos:
-                    self._value(events, raw[self.pos:limit])
+                    self._value(events, raw[self.pos : limit])
                     self.pos = limit
                 return
             if self.state == "held":
@@ -483,7 +521,7 @@ class _Projection:
                     self.pos = p + len(syn.close)
                     self.state = "done"
                     return
-                if is_partial_marker(raw[p:p + _TAIL], (syn.close, syn.invoke)):
+                if is_partial_marker(raw[p : p + _TAIL], (syn.close, syn.invoke)):
                     return
                 if not raw.startswith(syn.invoke, p):
                     self._fail(events)
@@ -491,7 +529,7 @@ class _Projection:
                 gt = raw.find(">", p)
                 if gt < 0:
                     return
-                name = attr(raw[p:gt + 1], "name")
+                name = attr(raw[p : gt + 1], "name")
                 if name is None:
                     self._fail(events)
                     return
@@ -513,13 +551,13 @@ class _Projection:
                     self._fail(events)
                     return
                 self._announce(events)
-                self._delta(events, call.arguments[len(sent):])
+                self._delta(events, call.arguments[len(sent) :])
                 self._end_call(events, call.arguments)
                 self.index += 1
                 self.pos = p + len(syn.invoke_close)
                 self.state = "invokes"
                 continue
-            if is_partial_marker(raw[p:p + _TAIL], (syn.invoke_close, syn.param)):
+            if is_partial_marker(raw[p : p + _TAIL], (syn.invoke_close, syn.param)):
                 return
             if not raw.startswith(syn.param, p):
                 self._fail(events)
@@ -527,7 +565,7 @@ class _Projection:
             gt = raw.find(">", p)
             if gt < 0:
                 return
-            tag = raw[p:gt + 1]
+            tag = raw[p : gt + 1]
             pname = attr(tag, "name")
             pstr = attr(tag, "string")
             if pname is None:
@@ -535,7 +573,7 @@ class _Projection:
                 return
             if pstr is None:  # string unless its value is loose nested parameters (as the final parse reads it)
                 v = skip_ws(raw, gt + 1)
-                if v >= n or is_partial_marker(raw[v:v + _TAIL], (syn.param,)):
+                if v >= n or is_partial_marker(raw[v : v + _TAIL], (syn.param,)):
                     return
                 if raw.startswith(syn.param, v):
                     self.held_pos = p
@@ -558,14 +596,14 @@ class _Projection:
         syn = self.syn
         p = self.held_pos
         gt = raw.find(">", p)
-        pname = attr(raw[p:gt + 1], "name")
+        pname = attr(raw[p : gt + 1], "name")
         try:
-            if attr(raw[p:gt + 1], "string") is None:  # loose nested parameters, read as parse_invoke does
+            if attr(raw[p : gt + 1], "string") is None:  # loose nested parameters, read as parse_invoke does
                 nested = []
                 q = gt + 1
                 while True:
                     q = skip_ws(raw, q)
-                    if q >= len(raw) or is_partial_marker(raw[q:q + _TAIL], (syn.param, syn.param_close)):
+                    if q >= len(raw) or is_partial_marker(raw[q : q + _TAIL], (syn.param, syn.param_close)):
                         return False
                     if not raw.startswith(syn.param, q):
                         break
@@ -577,7 +615,7 @@ class _Projection:
             else:
                 member, end = parse_leaf(raw, p, syn, self.o.entities)
                 value = value_json([("", member[1], member[2])])
-                value = None if value is None else value[len('{"":'):-1]
+                value = None if value is None else value[len('{"":') : -1]
         except ParseFail as f:
             if f.unterminated:
                 return False

@@ -1,9 +1,11 @@
 """DeepSeek V4 Flash's `ChatProtocol`: the prompt template (template.py), DSML tool calls
 (dsml.py) and the streaming output parser (output.py) of this folder, behind the interface
 every family shares (chat/protocol.py)."""
+
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ... import markers as M
 from ...messages import Conversation
@@ -31,8 +33,9 @@ class DeepSeekV4Protocol(ChatProtocol):
     def thinking_enabled(self, mode: str) -> bool:
         return template.thinking_enabled(mode)
 
-    def resolve_thinking(self, mode: str, effort: Any = None, *, explicit: bool = False,
-                         model: Optional[str] = None, ctx: int = 32768) -> str:
+    def resolve_thinking(
+        self, mode: str, effort: Any = None, *, explicit: bool = False, model: str | None = None, ctx: int = 32768
+    ) -> str:
         return mode  # chat/requests.py already resolved V4's none/high/max
 
     def render(self, conv: Conversation, tool_memory=None) -> str:
@@ -41,7 +44,7 @@ class DeepSeekV4Protocol(ChatProtocol):
     def render_completion(self, prompt: str, thinking: str = "high") -> str:
         return template.render_completion(prompt, thinking)
 
-    def render_continuation_tail(self, conv: Conversation, start: int, tool_memory=None) -> Optional[str]:
+    def render_continuation_tail(self, conv: Conversation, start: int, tool_memory=None) -> str | None:
         return template.render_continuation_tail(conv, start, tool_memory)
 
     def uses_tool_context(self, conv: Conversation) -> bool:
@@ -50,18 +53,31 @@ class DeepSeekV4Protocol(ChatProtocol):
     def render_calls(self, calls: Sequence) -> str:
         return dsml.render_calls(calls)
 
-    def force_text(self, name: Optional[str]) -> str:
+    def force_text(self, name: str | None) -> str:
         syn = M.DSML_FULL
         head = M.DSML_BLOCK_SEPARATOR + syn.open + "\n" + syn.invoke + ' name="'
         return head if name is None else head + dsml.attr_escape(name) + '">\n'
 
-    def make_parser(self, thinking: bool, tools_active: bool, id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
-                    tool_memory=None, *, tool_schemas: Sequence[str] = ()):
-        return OutputParser(thinking=thinking, tools_active=tools_active, id_prefix=id_prefix,
-                            tool_memory=tool_memory)
+    def make_parser(
+        self,
+        thinking: bool,
+        tools_active: bool,
+        id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
+        tool_memory=None,
+        *,
+        tool_schemas: Sequence[str] = (),
+    ):
+        return OutputParser(thinking=thinking, tools_active=tools_active, id_prefix=id_prefix, tool_memory=tool_memory)
 
-    def parse(self, text: str, *, thinking: bool, tools_active: bool = True, truncated: bool = False,
-              tool_schemas: Sequence[str] = ()):
+    def parse(
+        self,
+        text: str,
+        *,
+        thinking: bool,
+        tools_active: bool = True,
+        truncated: bool = False,
+        tool_schemas: Sequence[str] = (),
+    ):
         return dsml.parse_output(text, thinking=thinking, tools_active=tools_active, truncated=truncated)
 
 

@@ -4,16 +4,24 @@
 completions prompt and the live tool-continuation tail have their own entry
 points.  Contents are inserted verbatim except the two escapes of docs/chat-template.md §6/§7.
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ... import markers as M
-from .dsml import escape_tool_result, render_calls
 from ...messages import Conversation, Message
+from .dsml import escape_tool_result, render_calls
 
-__all__ = ["render", "render_completion", "render_continuation_tail", "tools_block",
-           "uses_tool_context", "live_tail", "thinking_enabled"]
+__all__ = [
+    "render",
+    "render_completion",
+    "render_continuation_tail",
+    "tools_block",
+    "uses_tool_context",
+    "live_tail",
+    "thinking_enabled",
+]
 
 _SYSTEM_ROLES = ("system", "developer")
 _TOOL_ROLES = ("tool", "function")
@@ -58,8 +66,7 @@ def _dsml(m: Message, tool_memory) -> str:
     return render_calls(m.tool_calls)
 
 
-def _render_turns(out: list[str], messages: Sequence[Message], think: bool, keep_reasoning,
-                  tool_memory) -> None:
+def _render_turns(out: list[str], messages: Sequence[Message], think: bool, keep_reasoning, tool_memory) -> None:
     pending_assistant = False
     pending_tool = False
     for i, m in enumerate(messages):
@@ -123,8 +130,15 @@ def render(conv: Conversation, tool_memory=None) -> str:
 
 def render_completion(prompt: str, thinking: str = "high") -> str:
     """Legacy /v1/completions prompt (docs/chat-template.md §4.3)."""
-    return (M.BOS + (M.THINK_MAX_PREFIX if thinking == "max" else "") + M.COMPLETION_SYSTEM
-            + M.USER + prompt + M.ASSISTANT + (M.THINK_OPEN if thinking_enabled(thinking) else M.THINK_CLOSE))
+    return (
+        M.BOS
+        + (M.THINK_MAX_PREFIX if thinking == "max" else "")
+        + M.COMPLETION_SYSTEM
+        + M.USER
+        + prompt
+        + M.ASSISTANT
+        + (M.THINK_OPEN if thinking_enabled(thinking) else M.THINK_CLOSE)
+    )
 
 
 def render_continuation_tail(conv: Conversation, start: int, tool_memory=None) -> str:
@@ -136,7 +150,7 @@ def render_continuation_tail(conv: Conversation, start: int, tool_memory=None) -
     return "".join(out)
 
 
-def live_tail(conv: Conversation, api: Optional[str] = None) -> Optional[tuple[int, list[str]]]:
+def live_tail(conv: Conversation, api: str | None = None) -> tuple[int, list[str]] | None:
     """Where a tool-result continuation tail starts and the call ids it answers.
 
     Responses: the trailing run of tool messages; the ids are those of the
