@@ -332,6 +332,37 @@ def test_retry_after_a_long_generation_restores_the_prompt_checkpoint(tok):
         assert again.choices[0].message.content == first.choices[0].message.content
 
 
+def test_new_turn_whose_prefix_ends_inside_the_last_answer_restores_a_generation_frontier(tok):
+    """The client sends back a shorter answer than the one generated (edited, cut):
+    the common prefix ends inside the previous generation, past the prompt-end
+    checkpoint; the aligned frontier checkpoint below it is restored."""
+    from ds4mlx.memcheckpoints import MemoryCheckpoints
+
+    every = 8
+    with serve(tok, ScriptedModel(tok, script), ctx=4096, tokens=200) as s:
+        s.engine.checkpoints = MemoryCheckpoints(budget_bytes=16 << 20, entries=8, min_tokens=8, every=every)
+        oc = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        question = user("long " + "context " * 30)
+        first = oc.chat.completions.create(model=MODEL, messages=question, max_tokens=40, reasoning_effort="none")
+        assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 40
+        n1 = first.usage.prompt_tokens
+        kept = " ".join(first.choices[0].message.content.split()[:15])  # 15 of the 40 "word" tokens
+        assert len(tok.encode(kept)) == 15
+        evaluated = s.engine.stats.prefill_tokens
+        again = oc.chat.completions.create(
+            model=MODEL,
+            messages=[*question, {"role": "assistant", "content": kept}, *user("echo this")],
+            max_tokens=8,
+            reasoning_effort="none",
+        )
+        frontier = (n1 + 15) // every * every  # the last aligned frontier inside the common prefix
+        assert n1 < frontier  # past the prompt-end checkpoint
+        assert s.engine.stats.last_cache_source == "memory-checkpoint"
+        assert again.usage.prompt_tokens_details.cached_tokens == frontier
+        assert s.engine.stats.prefill_tokens - evaluated == again.usage.prompt_tokens - frontier
+        assert again.choices[0].message.content == "echo: echo this"
+
+
 def test_forced_parameterless_tool_is_written_whole(ac, oc):
     """Nothing for the model to choose: the whole call is forced (the real-client
     suite drives Claude Code's TaskList / Codex's and pi's loops this way)."""
