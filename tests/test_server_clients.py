@@ -52,6 +52,8 @@ SCRIPTS = {
     "broken": "Reading.\n\n" + OPEN + '\n<｜DSML｜invoke name="Read">\n' + "oops, not DSML at all" + CLOSE,
     # item 1: the call is announced, then the model stops inside its value (EOS)
     "cut": "\n\n" + OPEN + '\n<｜DSML｜invoke name="bash">\n' + P + ' name="command" string="true">ls -l',
+    # item 1: EOS inside the invoke tag, before anything could be announced
+    "head": "Listing.\n\n" + OPEN + '\n<｜DSML｜invoke name="ba',
     # item 2: ds4's test_thinking_dsml_is_not_executable_before_think_close
     "quoted": (
         "I could run "
@@ -168,6 +170,23 @@ def test_call_cut_at_eos_is_finished_not_leaked(oc, ac):
     with ac.messages.stream(model=MODEL, max_tokens=200, messages=user("cut"), tools=ANTHROPIC_TOOLS) as st:
         m = st.get_final_message()
     assert [b.type for b in m.content] == ["tool_use"] and m.content[0].input == {"command": "ls -l"}
+
+
+def test_block_cut_before_any_announcement_never_shows_markup(oc, ac):
+    """ds4 never streams DSML markup: the text before the block is the whole answer,
+    streamed and not, on both APIs (ds4 fails the turn: an unterminated tool call)."""
+    chunks = list(oc.chat.completions.create(model=MODEL, messages=user("head"), tools=OPENAI_TOOLS, stream=True))
+    assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    plain = oc.chat.completions.create(model=MODEL, messages=user("head"), tools=OPENAI_TOOLS)
+    assert text == plain.choices[0].message.content == "Listing." and plain.choices[0].message.tool_calls is None
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [plain.choices[0].finish_reason]
+    with ac.messages.stream(model=MODEL, max_tokens=200, messages=user("head"), tools=ANTHROPIC_TOOLS) as st:
+        streamed = st.get_final_message()
+    plain = ac.messages.create(model=MODEL, max_tokens=200, messages=user("head"), tools=ANTHROPIC_TOOLS)
+    assert [(b.type, b.text) for b in streamed.content] == [(b.type, b.text) for b in plain.content]
+    assert [(b.type, b.text) for b in plain.content] == [("text", "Listing.")]
 
 
 # --------------------------------------------------------------------------- item 2
