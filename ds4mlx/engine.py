@@ -575,6 +575,16 @@ class Engine:
             except Exception:  # a session without snapshots: no checkpoints, nothing lost
                 log.exception("memory checkpoint failed")
 
+    def _checkpoint_frontier(self) -> None:
+        """While generating: keep the session at an aligned frontier, for a new turn or
+        retry whose common prefix ends inside this answer."""
+        s = self.session
+        if self.checkpoints.due(len(s)):
+            try:
+                self.checkpoints.save(s.tokens, s, frontier=True)
+            except Exception:
+                log.exception("memory checkpoint failed")
+
     def _sync(self, h: JobHandle, effective: list[int], cached: int):
         """Bring the session to `effective`, evaluating only `effective[cached:]`.
         Returns (logits for the next token, or None if cancelled; tokens reused)."""
@@ -763,6 +773,7 @@ class Engine:
                 break
             if not (job.tools_active and getattr(parser, "phase", "text") in ("tool", "done")):
                 _call_hook(self.cache.on_progress, self, job)  # not inside a tool call
+                self._checkpoint_frontier()
         if finish != "stop" or stops.hit is None:
             push(stops.push(detok.flush()))
             push(stops.flush())

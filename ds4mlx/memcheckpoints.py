@@ -3,9 +3,12 @@
 The live session can only grow: a request whose prompt shares a shorter prefix
 with it (a retry, a new turn after a long generation) would re-prefill
 everything.  The engine keeps a `session.snapshot()` taken at the end of each
-long enough prompt; a later request whose tokens start with a checkpoint's
-restores it and prefills only the rest.  Bounded by entries and bytes
-(`DS4MLX_MEMORY_CHECKPOINT_MB`, default 2048; 0 turns them off); the newest win.
+long enough prompt, and while generating at the absolute positions that are
+multiples of `every` (a new turn whose common prefix ends inside the previous
+answer); a later request whose tokens start with a checkpoint's restores the
+longest such one and prefills only the rest.  Bounded by entries and bytes
+(`DS4MLX_MEMORY_CHECKPOINT_MB`, default 2048; 0 turns them off); the newest win,
+except that the newest prompt-end checkpoint (a retry's) goes last.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_BUDGET_MB = 2048
-DEFAULT_ENTRIES = 2
+DEFAULT_ENTRIES = 4
 DEFAULT_MIN_TOKENS = 512  # a shorter prompt is cheaper to prefill again than to snapshot
+DEFAULT_EVERY_TOKENS = 2048  # generation frontiers: the disk cache's default alignment
 
 
 def budget_from_env() -> int:
@@ -32,15 +36,21 @@ def budget_from_env() -> int:
 class Checkpoint:
     tokens: tuple
     blob: bytes
+    frontier: bool = False  # taken while generating, not at the end of a prompt
 
 
 class MemoryCheckpoints:
     def __init__(
-        self, budget_bytes: int | None = None, entries: int = DEFAULT_ENTRIES, min_tokens: int = DEFAULT_MIN_TOKENS
+        self,
+        budget_bytes: int | None = None,
+        entries: int = DEFAULT_ENTRIES,
+        min_tokens: int = DEFAULT_MIN_TOKENS,
+        every: int = DEFAULT_EVERY_TOKENS,
     ):
         self.budget = budget_from_env() if budget_bytes is None else max(0, int(budget_bytes))
         self.entries = max(0, int(entries))
         self.min_tokens = max(1, int(min_tokens))
+        self.every = max(0, int(every))  # 0: no generation frontiers
         self._items: list[Checkpoint] = []  # oldest first
         self.saved = 0
         self.restored = 0
@@ -55,16 +65,26 @@ class MemoryCheckpoints:
             return False
         return not any(len(c.tokens) == n_tokens for c in self._items[-1:])
 
-    def save(self, tokens: Sequence[int], session) -> None:
+    def due(self, n_tokens: int) -> bool:
+        """A generation frontier: the session holds an aligned number of tokens."""
+        return bool(self.every) and n_tokens % self.every == 0 and self.wants(n_tokens, 1)
+
+    def save(self, tokens: Sequence[int], session, frontier: bool = False) -> None:
         blob = session.snapshot()
         if len(blob) > self.budget:
             return
         key = tuple(tokens)
         self._items = [c for c in self._items if c.tokens != key]
-        self._items.append(Checkpoint(key, blob))
+        self._items.append(Checkpoint(key, blob, frontier))
         while self._items and (len(self._items) > self.entries or self.nbytes > self.budget):
-            self._items.pop(0)
+            self._items.pop(self._eviction_index())
         self.saved += 1
+
+    def _eviction_index(self) -> int:
+        """The oldest, sparing the newest prompt-end checkpoint while another is left."""
+        prompts = [i for i, c in enumerate(self._items) if not c.frontier]
+        spared = prompts[-1] if prompts and len(self._items) > 1 else None
+        return next(i for i in range(len(self._items)) if i != spared)
 
     def best(self, ids: Sequence[int], longer_than: int = 0) -> Checkpoint | None:
         """The longest checkpoint whose tokens start `ids` (and are longer than `longer_than`)."""

@@ -283,11 +283,27 @@ def test_truncated_block_is_repaired_at_finish():
     assert [(c.name, c.arguments) for c in final.calls] == [("bash", '{"command":"ls"}')]
     assert s["calls"][0]["args"] == '{"command":"ls"}' == s["calls"][0]["end"] and s["text"] == "" == final.content
     assert s["calls"][0]["id"] == final.calls[0].id
-    # EOS before the call is certain (name only): nothing was announced, the block is text in both
-    head = 'Hmm.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
+    # EOS before the call is certain (name only): nothing was announced, and ds4 never
+    # streams DSML markup: the block is in neither the stream nor the answer (a failed turn)
+    head = 'Hmm.</think>Listing.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
     p, events, final = run([head], truncated=False)
     s = summary(events)
-    assert not s["calls"] and not final.calls and s["text"] == final.content
+    assert not s["calls"] and not final.calls and s["text"] == "Listing." == final.content
+    assert final.error == "unterminated tool call" and s["reasoning"] == "Hmm." == final.reasoning
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_block_cut_before_any_announcement_is_never_visible_text(truncated):
+    """EOS or max_tokens inside the invoke tag (no repair can close it): the text before the
+    block is the whole answer, streamed token by token and in one piece alike."""
+    text = "Hmm.</think>Listing.\n\n" + OPEN + '\n<｜DSML｜invoke name="ba'
+    for chunks in ([text], list(text)):
+        p, events, final = run(chunks, truncated=truncated)
+        s = summary(events)
+        assert not s["calls"] and not final.calls
+        assert s["text"] == "Listing." == final.content and "DSML" not in s["text"]
+        # max_tokens: the repair drops the incomplete invoke (an empty block); EOS: ds4's failed turn
+        assert final.error == (None if truncated else "unterminated tool call")
 
 
 def test_think_recovery_streaming():

@@ -303,7 +303,11 @@ def test_pi_runs_a_tool_and_gets_its_result(proxy, tmp_path, api):
 
 
 def test_guidellm_benchmark_runs_without_workarounds(server, tmp_path):
-    """guidellm checks GET /health, then sends ignore_eos with its own sampling on every request."""
+    """guidellm's default benchmark (the sweep profile: synchronous, throughput at
+    512 streams, then 8 constant rates) with no workaround, each benchmark bounded
+    by its own max_duration.  guidellm checks GET /health, streams every request
+    with ignore_eos and its own sampling, and cancels what is in flight when a
+    benchmark's time is up; none of that may error."""
     guidellm = shutil.which("guidellm") or (
         str(Path(sys.executable).parent / "guidellm") if (Path(sys.executable).parent / "guidellm").exists() else None
     )
@@ -318,9 +322,9 @@ def test_guidellm_benchmark_runs_without_workarounds(server, tmp_path):
             "--backend",
             f"kind=openai_http,target={server}",
             "--profile",
-            "kind=synchronous",
+            "kind=sweep",
             "--constraint",
-            "kind=max_requests,count=4",
+            "kind=max_duration,seconds=5",
             "--tokenizer",
             f"kind=hf_auto,model={Path(tok.__file__).parent}",
             "--data",
@@ -333,7 +337,9 @@ def test_guidellm_benchmark_runs_without_workarounds(server, tmp_path):
         tmp_path,
     )
     assert r.returncode == 0, r.stderr
-    bench = json.loads(out.read_text())["benchmarks"][0]
-    done = bench["requests"]["successful"]
-    assert len(done) == 4 and not bench["requests"].get("errored")
-    assert all(q["output_metrics"]["text_tokens"] == 8 for q in done)
+    benches = json.loads(out.read_text())["benchmarks"]
+    assert len(benches) == 10  # the sweep's default size
+    for bench in benches:
+        done = bench["requests"]["successful"]
+        assert done and not bench["requests"].get("errored"), bench["config"]["strategy"]
+        assert all(q["output_metrics"]["text_tokens"] == 8 for q in done)

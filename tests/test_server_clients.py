@@ -52,6 +52,8 @@ SCRIPTS = {
     "broken": "Reading.\n\n" + OPEN + '\n<｜DSML｜invoke name="Read">\n' + "oops, not DSML at all" + CLOSE,
     # item 1: the call is announced, then the model stops inside its value (EOS)
     "cut": "\n\n" + OPEN + '\n<｜DSML｜invoke name="bash">\n' + P + ' name="command" string="true">ls -l',
+    # item 1: EOS inside the invoke tag, before anything could be announced
+    "head": "Listing.\n\n" + OPEN + '\n<｜DSML｜invoke name="ba',
     # item 2: ds4's test_thinking_dsml_is_not_executable_before_think_close
     "quoted": (
         "I could run "
@@ -168,6 +170,23 @@ def test_call_cut_at_eos_is_finished_not_leaked(oc, ac):
     with ac.messages.stream(model=MODEL, max_tokens=200, messages=user("cut"), tools=ANTHROPIC_TOOLS) as st:
         m = st.get_final_message()
     assert [b.type for b in m.content] == ["tool_use"] and m.content[0].input == {"command": "ls -l"}
+
+
+def test_block_cut_before_any_announcement_never_shows_markup(oc, ac):
+    """ds4 never streams DSML markup: the text before the block is the whole answer,
+    streamed and not, on both APIs (ds4 fails the turn: an unterminated tool call)."""
+    chunks = list(oc.chat.completions.create(model=MODEL, messages=user("head"), tools=OPENAI_TOOLS, stream=True))
+    assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    plain = oc.chat.completions.create(model=MODEL, messages=user("head"), tools=OPENAI_TOOLS)
+    assert text == plain.choices[0].message.content == "Listing." and plain.choices[0].message.tool_calls is None
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [plain.choices[0].finish_reason]
+    with ac.messages.stream(model=MODEL, max_tokens=200, messages=user("head"), tools=ANTHROPIC_TOOLS) as st:
+        streamed = st.get_final_message()
+    plain = ac.messages.create(model=MODEL, max_tokens=200, messages=user("head"), tools=ANTHROPIC_TOOLS)
+    assert [(b.type, b.text) for b in streamed.content] == [(b.type, b.text) for b in plain.content]
+    assert [(b.type, b.text) for b in plain.content] == [("text", "Listing.")]
 
 
 # --------------------------------------------------------------------------- item 2
@@ -330,6 +349,37 @@ def test_retry_after_a_long_generation_restores_the_prompt_checkpoint(tok):
         assert s.engine.stats.last_cache_source == "memory-checkpoint"
         assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens == first.usage.prompt_tokens
         assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def test_new_turn_whose_prefix_ends_inside_the_last_answer_restores_a_generation_frontier(tok):
+    """The client sends back a shorter answer than the one generated (edited, cut):
+    the common prefix ends inside the previous generation, past the prompt-end
+    checkpoint; the aligned frontier checkpoint below it is restored."""
+    from ds4mlx.memcheckpoints import MemoryCheckpoints
+
+    every = 8
+    with serve(tok, ScriptedModel(tok, script), ctx=4096, tokens=200) as s:
+        s.engine.checkpoints = MemoryCheckpoints(budget_bytes=16 << 20, entries=8, min_tokens=8, every=every)
+        oc = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        question = user("long " + "context " * 30)
+        first = oc.chat.completions.create(model=MODEL, messages=question, max_tokens=40, reasoning_effort="none")
+        assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 40
+        n1 = first.usage.prompt_tokens
+        kept = " ".join(first.choices[0].message.content.split()[:15])  # 15 of the 40 "word" tokens
+        assert len(tok.encode(kept)) == 15
+        evaluated = s.engine.stats.prefill_tokens
+        again = oc.chat.completions.create(
+            model=MODEL,
+            messages=[*question, {"role": "assistant", "content": kept}, *user("echo this")],
+            max_tokens=8,
+            reasoning_effort="none",
+        )
+        frontier = (n1 + 15) // every * every  # the last aligned frontier inside the common prefix
+        assert n1 < frontier  # past the prompt-end checkpoint
+        assert s.engine.stats.last_cache_source == "memory-checkpoint"
+        assert again.usage.prompt_tokens_details.cached_tokens == frontier
+        assert s.engine.stats.prefill_tokens - evaluated == again.usage.prompt_tokens - frontier
+        assert again.choices[0].message.content == "echo: echo this"
 
 
 def test_forced_parameterless_tool_is_written_whole(ac, oc):

@@ -147,3 +147,21 @@ def test_unparseable_call_is_never_announced(family):
     s = streamed(events)
     assert [(c["name"], c["args"]) for c in s["calls"]] == [(c.name, c.arguments) for c in final.calls]
     assert all(json.loads(c["args"]) is not None for c in s["calls"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("truncated", [False, True])
+def test_block_cut_before_its_close_never_shows_its_markup(family, truncated):
+    """ds4 never streams DSML markup: a block cut by EOS (or max_tokens) stays out of
+    the visible text of the stream and of the final answer alike, wherever the cut
+    falls after its open tag; what was announced is finished with what was parsed."""
+    proto = get_protocol(family)
+    block = proto.render_calls([ToolCall("", "bash", '{"command":"ls -l"}')])
+    opened = block.index(">", block.index("<")) + 1  # the block's open tag is whole
+    for cut in range(opened, len(block.rstrip())):  # short of the last byte of the block CLOSE
+        text = "Sure." + proto.think_close + "Listing.\n\n" + block[:cut]
+        for chunks in ([text], list(text)):
+            events, final = run(proto, chunks, True, truncated)
+            s = streamed(events)
+            assert s["text"] == final.content == "Listing.", (cut, s["text"], final.content)
+            assert [(c["name"], c["args"]) for c in s["calls"]] == [(c.name, c.arguments) for c in final.calls]

@@ -377,6 +377,10 @@ class XmlOutputParser:
                 error=M.PARSE_CUT_TOOL_CALL,
                 finish="tool_calls",
             )
+        elif self.phase == "tool" and not final.calls and not self._sent:
+            # as ds4 with DSML: a call cut before its close (EOS, max_tokens) and never
+            # announced stays out of the stream and, alike, of the answer
+            final = replace(final, content=self._t_out)
         else:
             if self.phase == "reasoning":  # closed in the tail
                 self._step(events)

@@ -210,6 +210,10 @@ class OutputParser:
             if proj.cut_calls is None:  # the final parse disowns an announced call: keep what was sent
                 proj.cut(events, len(raw))
             final = self._cut_result(proj.cut_calls)
+        elif final.error == M.PARSE_UNTERMINATED_TOOL_CALL and self.phase == "tool":
+            # ds4 never streams DSML markup: a block cut before its CLOSE (EOS, max_tokens)
+            # and never announced stays out of the stream and, alike, of the answer
+            final = replace(final, content=self._streamed_content(), reasoning=self._streamed_reasoning())
         elif final.error is not None:  # the block was not DSML after all: the unstreamed tail is text
             self._emit_text(events, len(raw))
             if self._r_end is not None:  # the reasoning stays what was streamed as reasoning
