@@ -148,11 +148,12 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    try:
+    from .inspect_cmd import describe
+    from .modelfile import reading
+
+    describe(args.file)  # checked as a load would: a broken file is one line naming it, exit 2
+    with reading(args.file):
         s = summarize(args.file, args.ctx)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-        print(f"ds4mlx inspect: {e}", file=sys.stderr)
-        return 2
     if args.json:
         print(json.dumps(s))
     else:

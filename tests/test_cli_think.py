@@ -91,7 +91,7 @@ def _generate_prompt(monkeypatch, capsys, v4_demo, *argv):
     from ds4mlx import generate, loader
 
     seen = {}
-    monkeypatch.setattr(loader, "load", lambda path=None: v4_demo)
+    monkeypatch.setattr(loader, "load", lambda path=None, **kw: v4_demo)
 
     def fake_stream(engine, job, console, out=None):
         seen["job"] = job

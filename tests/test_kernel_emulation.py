@@ -75,7 +75,10 @@ static inline float ds4_exp(float x) { return std::exp(x); }
 static inline float ds4_rsqrt(float x) { return 1.0f / std::sqrt(x); }
 static inline float ds4_fmax(float a, float b) { return std::fmax(a, b); }
 static inline uint32_t ds4_float_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+#ifndef DS4_HAVE_AS_FLOAT  // defined once when both emulation preludes are combined
+#define DS4_HAVE_AS_FLOAT
 static inline float ds4_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+#endif
 struct float4 { float x, y, z, w; };
 struct uint4 { uint32_t x, y, z, w; };
 """

@@ -284,7 +284,10 @@ CPU_NAMES = r"""
 #define SHR
 #define CONSTANT static const
 static inline float ds4_f16(uint16_t h) { _Float16 f; std::memcpy(&f, &h, 2); return (float)f; }
+#ifndef DS4_HAVE_AS_FLOAT  // defined once when both emulation preludes are combined
+#define DS4_HAVE_AS_FLOAT
 static inline float ds4_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+#endif
 static inline uint32_t ds4_ld16(const uint8_t* p) {
     if ((uintptr_t)p & 1u) { std::fprintf(stderr, "misaligned ds4_ld16\n"); std::abort(); }
     uint16_t v; std::memcpy(&v, p, 2); return v;
