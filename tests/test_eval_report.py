@@ -86,7 +86,7 @@ def test_baseline_harness_errors_exit_2(tmp_path, capsys):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"junk")
     rc = main(["eval", "--plain", "-m", str(bad), "--questions", "1", "--baseline", str(base)])
-    assert rc == 2 and "cannot open the model" in capsys.readouterr().err
+    assert rc == 2 and f"{bad}: not a GGUF file" in capsys.readouterr().err
     rc, _, err = _eval(capsys, "--questions", "1", "--max-drop", "2")
     assert rc == 2 and "--max-drop needs --baseline" in err
 

@@ -63,7 +63,7 @@ def test_retry_with_a_model_that_fails_to_load_keeps_the_trace(tmp_path, capsys)
     for extra in (["--retry-incomplete"], []):  # retry, and a fresh run over an old trace
         rc = main(["eval", "--plain", "-m", str(bad), "--questions", "20", "--trace", str(trace), *extra])
         err = capsys.readouterr().err
-        assert rc == 1 and "cannot open the model" in err
+        assert rc == 2 and f"{bad}: not a GGUF file" in err  # a broken model file: one line, exit 2
         assert trace.read_text() == before
 
 

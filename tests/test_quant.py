@@ -367,6 +367,7 @@ def test_quantize_cli_errors(tmp_path, capsys):
     _tiny_model(src, hidden=64, inter=64)
     assert main(["quantize", str(src), str(tmp_path / "o.gguf"), "--experts", "q4_k", "-q"]) == 1
     assert "multiple of 256" in capsys.readouterr().err
-    assert main(["quantize", str(tmp_path / "missing.gguf"), str(tmp_path / "o.gguf"), "--experts", "q4_k"]) == 1
+    # a broken input is one line + exit 2 on every command (modelfile.py)
+    assert main(["quantize", str(tmp_path / "missing.gguf"), str(tmp_path / "o.gguf"), "--experts", "q4_k"]) == 2
     (tmp_path / "exists.gguf").write_bytes(b"")
     assert main(["quantize", str(src), str(tmp_path / "exists.gguf"), "--experts", "q4_k"]) == 1
