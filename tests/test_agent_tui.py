@@ -78,7 +78,8 @@ def test_tui_status_bar_card_approval_stop_answer_and_clean_exit(pane, tmp_path)
     pane.send("hello", "Enter")
     screen = pane.wait_for("the project has")
     assert "Hello there, the project has a.txt." in screen  # Markdown rendered, no ** or backticks
-    assert "gen " in screen and "t/s" in screen
+    screen = pane.wait_for("gen ")  # the status bar is redrawn after the answer (not in the same frame)
+    assert "t/s" in screen
     pane.send("/save demo", "Enter")
     pane.wait_for("demo.json")
     pane.send("/list", "Enter")

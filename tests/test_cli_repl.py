@@ -113,6 +113,9 @@ def test_repl_commands_read_ctx_and_ctrl_c(tmp_path):
 
         # Ctrl+C at the prompt only clears the line
         child.send("half a line")
+        child.expect_exact(
+            "half a line"
+        )  # echoed: the REPL reads this line (a prompt already in the buffer must not match)
         child.sendintr()
         child.expect_exact(PROMPT)
         child.sendeof()  # Ctrl+D quits
