@@ -254,6 +254,81 @@ def sparse_attention(
     )[0]
 
 
+def step_face() -> str | None:
+    """The face of the compiled decode step's attention (`attend_at`), or None for its plain
+    graph.  On by default on a GPU: in the static step it replaces the keys / mask
+    concatenation and SDPA's unfused decode graph (~8 launches) with one launch;
+    ``DS4MLX_SPARSE_ATTENTION=0`` turns it off."""
+    if FORCE_FACE is not None:
+        return FORCE_FACE
+    if os.environ.get("DS4MLX_SPARSE_ATTENTION", "").strip().lower() in ("0", "false", "no"):
+        return None
+    face = _backend()
+    return None if face == "reference" else face
+
+
+_STEP_META: dict[tuple, tuple[mx.array, mx.array]] = {}
+
+
+def attend_at(
+    q: mx.array,
+    ring: mx.array,
+    rows: mx.array | None,
+    idx: mx.array | None,
+    cnt: mx.array | None,
+    sinks: mx.array,
+    pos: mx.array,
+    *,
+    ratio: int,
+    scale: float,
+    backend: str | None = None,
+) -> mx.array:
+    """`sparse_attention` for one query at position `pos` (an int32 array: the compiled
+    decode step), over the ring [W, D] just written at slot pos % W and every capacity row
+    of `rows` [cap, D] (masked to the (pos + 1) // ratio live ones inside), or the
+    selected rows idx [1, k] / cnt [1].  q [NH, 1, D] -> [NH, 1, D]."""
+    nh, c, d = q.shape
+    window = ring.shape[0]
+    n = 0 if rows is None else rows.shape[0]
+    face = _face(backend)
+    if face == "reference":
+        return _attend_reference(q, ring, rows, idx, cnt, sinks, n, pos, pos, window, max(ratio, 1), scale)
+    key = (window, n)
+    base = _STEP_META.get(key)
+    if base is None:  # constants: [s, ring_last, length, n, c] = [0, 0, W, n, 1] + pos * [1, 1, 0, 0, 0]
+        base = (_meta(0, 0, window, n, 1), _meta(1, 1, 0, 0, 0))
+        mx.eval(*base)
+        _STEP_META[key] = base
+    meta = base[0] + pos.astype(mx.int32) * base[1]
+    if rows is None:
+        rows = mx.zeros((1, d), ring.dtype)
+    elif rows.dtype != ring.dtype:
+        rows = rows.astype(ring.dtype)
+    selected = idx is not None
+    if not selected:
+        idx, cnt = mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32)
+    return _kernel("attend")(
+        face,
+        inputs=[q, ring, rows, idx, cnt, sinks, _f32(float(scale)), meta],
+        template=[
+            ("T", q.dtype),
+            ("TK", ring.dtype),
+            ("TS", sinks.dtype),
+            ("D", d),
+            ("W", int(window)),
+            ("RATIO", int(max(ratio, 1))),
+            ("TOPK", idx.shape[1]),
+            ("THREADS", ATTN_THREADS),
+            ("KB", ATTN_KEYS),
+            ("SELECTED", selected),
+        ],
+        grid=(nh * ATTN_THREADS, c, 1),
+        threadgroup=(ATTN_THREADS, 1, 1),
+        output_shapes=[(nh, c, d)],
+        output_dtypes=[q.dtype],
+    )[0]
+
+
 def _attend_reference(q, keys, rows, idx, cnt, sinks, n, s, ring_last, window, ratio, scale):
     nh, c, d = q.shape
     length = keys.shape[0]

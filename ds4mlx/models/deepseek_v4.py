@@ -622,6 +622,25 @@ class CompressorBranch(Compressor):
         idx = topk_indices(scores, self._topk)
         return mx.take(rows, idx, axis=1), mx.take(valid, idx)
 
+    def step_select(self, proj: list, q_b, pos: mx.array, state, new: list):
+        """`step` for the one-launch attention (`sparse_attention.attend_at`): (rows [cap, D],
+        idx [1, k] | None, cnt [1] | None).  Without idx the kernel masks the capacity rows to
+        the (pos + 1) // ratio live ones itself.  CSA above index_topk capacity: the top
+        index_topk live rows by index score; while fewer rows are live than index_topk, all
+        of them (rows 0 .. live-1, the same set `step` attends)."""
+        st, rows, valid = self.pool_step(proj[0], proj[1], pos, state)
+        new += st
+        if not self._overlap:
+            return rows[0], None, None
+        ist, keys, _ = self.indexer.pool_step(proj[2], proj[3], pos, state)
+        new += ist
+        if rows.shape[1] <= self._topk:
+            return rows[0], None, None
+        scores = mx.where(valid, self.indexer.scores_step(q_b, proj[4], pos, keys), -mx.inf)
+        live = (pos + 1) // self._ratio
+        idx = mx.where(live >= self._topk, topk_indices(scores, self._topk).astype(mx.int32), iota(self._topk))
+        return rows[0], idx[None], mx.minimum(live, self._topk).astype(mx.int32).reshape(1)
+
     def select(self, x, q_res, cache: LayerCache, s: int, face: str):
         """The fused path's half of `__call__`: pool both compressors; for CSA with more
         rows than index_topk, score the indexer rows and pick each query's top-k
@@ -728,6 +747,16 @@ class Attention(nn.Module):
         W = ring.shape[2]
         ring = mx.slice_update(ring, kv.astype(ring.dtype), (pos % W).reshape(1), axes=(2,))
         new.append(ring)
+        face = _sparse.step_face()
+        if face is not None:  # a GPU: window + compressed rows + sinks in one launch
+            rows = idx = cnt = None
+            if comp is not None:
+                rows, idx, cnt = comp.step_select(more, index_q_b, pos, state, new)
+            out = _sparse.attend_at(
+                q[0], ring[0, 0], rows, idx, cnt, self.sinks, pos,
+                ratio=comp._ratio if comp is not None else 1, scale=self._D**-0.5, backend=face,
+            )  # fmt: skip
+            return self._output(out[None], pos, 1, 1)
         keys, mask = ring, iota(W) <= pos  # slots not written yet are masked
         if comp is not None:
             rows, valid = comp.step(more, index_q_b, pos, state, new)
