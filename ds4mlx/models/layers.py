@@ -162,7 +162,9 @@ class RoPE(nn.Module):
             return x
         d = x.shape[-1]
         if self.dims < d and self._mscale == 1.0 and (d - self.dims) % 2 == 0:
-            return mx.fast.rope(x, d, traditional=True, base=None, scale=scale, offset=offset, freqs=self._full_width(d))
+            return mx.fast.rope(
+                x, d, traditional=True, base=None, scale=scale, offset=offset, freqs=self._full_width(d)
+            )
         rope = x if self.dims == d else x[..., d - self.dims :]
         rope = mx.fast.rope(rope, self.dims, traditional=True, base=None, scale=scale, offset=offset, freqs=self._freqs)
         if self._mscale != 1.0:
