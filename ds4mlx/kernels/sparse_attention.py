@@ -90,6 +90,23 @@ def _meta(*vals) -> mx.array:
     return mx.array([int(v) for v in vals], dtype=mx.int32)
 
 
+_META_AT: dict[tuple, tuple[mx.array, mx.array]] = {}
+
+
+def _meta_at(pos, lead: int, *rest) -> mx.array:
+    """meta = [pos] * lead + rest; `pos` a host int, or an int32 array (the compiled decode
+    step: one fused multiply-add over two constants, no host value)."""
+    if not isinstance(pos, mx.array):
+        return _meta(*([pos] * lead), *rest)
+    key = (lead, *rest)
+    base = _META_AT.get(key)
+    if base is None:
+        base = (_meta(*([0] * lead), *rest), _meta(*([1] * lead), *([0] * len(rest))))
+        mx.eval(*base)  # constants: allowed (and kept) even while a step is traced
+        _META_AT[key] = base
+    return base[0] + pos.astype(mx.int32) * base[1]
+
+
 def _face(backend: str | None) -> str:
     return _backend() if backend is None else backend
 
@@ -140,7 +157,7 @@ def index_scores(
     bx = -(-n // SCORE_THREADS)
     return _kernel("index_score")(
         face,
-        inputs=[q, w, keys, _f32(float(scale)), _meta(s, n, c)],
+        inputs=[q, w, keys, _f32(float(scale)), _meta_at(s, 1, n, c)],
         template=[
             ("TQ", q.dtype),
             ("TW", w.dtype),
@@ -177,7 +194,7 @@ def topk_select(scores: mx.array, k: int, *, s: int, ratio: int, backend: str | 
         return idx, cnt
     idx, cnt = _kernel("topk")(
         face,
-        inputs=[scores.astype(mx.float32), _meta(s, n, c)],
+        inputs=[scores.astype(mx.float32), _meta_at(s, 1, n, c)],
         template=[("TOPK", int(k)), ("RATIO", int(ratio)), ("THREADS", TOPK_THREADS)],
         grid=(TOPK_THREADS, c, 1),
         threadgroup=(TOPK_THREADS, 1, 1),
@@ -267,9 +284,6 @@ def step_face() -> str | None:
     return None if face == "reference" else face
 
 
-_STEP_META: dict[tuple, tuple[mx.array, mx.array]] = {}
-
-
 def attend_at(
     q: mx.array,
     ring: mx.array,
@@ -293,13 +307,7 @@ def attend_at(
     face = _face(backend)
     if face == "reference":
         return _attend_reference(q, ring, rows, idx, cnt, sinks, n, pos, pos, window, max(ratio, 1), scale)
-    key = (window, n)
-    base = _STEP_META.get(key)
-    if base is None:  # constants: [s, ring_last, length, n, c] = [0, 0, W, n, 1] + pos * [1, 1, 0, 0, 0]
-        base = (_meta(0, 0, window, n, 1), _meta(1, 1, 0, 0, 0))
-        mx.eval(*base)
-        _STEP_META[key] = base
-    meta = base[0] + pos.astype(mx.int32) * base[1]
+    meta = _meta_at(pos, 2, window, n, 1)  # [s, ring_last, length, n, c]
     if rows is None:
         rows = mx.zeros((1, d), ring.dtype)
     elif rows.dtype != ring.dtype:

@@ -636,10 +636,15 @@ class CompressorBranch(Compressor):
         new += ist
         if rows.shape[1] <= self._topk:
             return rows[0], None, None
-        scores = mx.where(valid, self.indexer.scores_step(q_b, proj[4], pos, keys), -mx.inf)
-        live = (pos + 1) // self._ratio
-        idx = mx.where(live >= self._topk, topk_indices(scores, self._topk).astype(mx.int32), iota(self._topk))
-        return rows[0], idx[None], mx.minimum(live, self._topk).astype(mx.int32).reshape(1)
+        ind = self.indexer
+        q = ind._rope(q_b.reshape(1, 1, ind._nh, ind._dim).swapaxes(1, 2), offset=pos)  # [1, nh, 1, d]
+        scale = ind._nh**-0.5 * ind._dim**-0.5
+        face = _sparse.step_face()
+        scores = _sparse.index_scores(
+            q[0], proj[4][0], keys[0], n=keys.shape[1], s=pos, ratio=self._ratio, scale=scale, backend=face
+        )  # [1, cap], -inf past the live rows
+        idx, cnt = _sparse.topk_select(scores, self._topk, s=pos, ratio=self._ratio, backend=face)
+        return rows[0], idx, cnt
 
     def select(self, x, q_res, cache: LayerCache, s: int, face: str):
         """The fused path's half of `__call__`: pool both compressors; for CSA with more
