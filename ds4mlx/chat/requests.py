@@ -30,6 +30,7 @@ from typing import Any
 from . import markers as M
 from .families.deepseek_v4.dsml import json_text
 from .messages import Conversation, Message, ToolAlias
+from .protocol import DEFAULT_FAMILY, get_protocol
 
 __all__ = [
     "RequestError",
@@ -50,7 +51,8 @@ __all__ = [
     "DEFAULT_MODEL",
 ]
 
-DEFAULT_MODEL = "deepseek-v4-flash"
+# a request that names no model gets the default family's id (serve/prepare.py then puts the loaded one)
+DEFAULT_MODEL = get_protocol(DEFAULT_FAMILY).model_id
 VALID_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # "minimal" is OpenAI's way of saying (almost) no reasoning: off (#17)
 _EFFORTS = {
@@ -162,10 +164,13 @@ def resolve_thinking(
     enabled: bool = True, effort: str = "high", *, explicit: bool = False, model: str | None = None, ctx: int = 32768
 ) -> str:
     """Final mode none | high | max (docs/chat-template.md §3 steps 4-5)."""
-    if not explicit:
-        if model == "deepseek-chat":
+    if not explicit and model is not None:
+        # the default family's chat / reasoner aliases; the loaded family refines the
+        # mode with its own (ChatProtocol.resolve_thinking, serve/prepare.py)
+        default = get_protocol(DEFAULT_FAMILY)
+        if model in default.chat_aliases:
             enabled = False
-        elif model == "deepseek-reasoner":
+        elif model in default.reasoner_aliases:
             enabled = True
     if not enabled or effort == "none":
         return "none"

@@ -28,8 +28,6 @@ from .validate import validate_body
 
 REQUEST_API = {"chat": "openai", "completions": "completions", "anthropic": "anthropic", "responses": "responses"}
 CONTEXT_PARAM = {"chat": "messages", "completions": "prompt", "anthropic": "messages", "responses": "input"}
-DEFAULT_MODEL_ID = "deepseek-v4-flash"
-MODEL_ALIASES = ("deepseek-chat", "deepseek-reasoner")
 
 
 def parse_request(api: str, body: Any, *, ctx: int = 32768, json_style: str = "canonical", strict: bool = True):
