@@ -205,11 +205,14 @@ def read_gguf(path: str | os.PathLike, with_tokenizer: bool = True):
     """ds4 GGUF -> (config, tensors, tokenizer).  Tensors are mmap views (except the
     few a family rebuilds from several GGUF tensors).  `general.architecture` picks
     the family table (gguf_families; an unknown one is read as DeepSeek V4's `deepseek4`)."""
-    g = GGUFFile(path)
+    return read_gguf_file(GGUFFile(path), with_tokenizer)
+
+
+def read_gguf_file(g: GGUFFile, with_tokenizer: bool = True):
+    """`read_gguf` of a GGUF already opened (`inspect` reads its headers too)."""
     meta = g.metadata
-    path = g.path
     if int(meta.get("split.count", 1) or 1) > 1:
-        raise ValueError(f"{path}: split GGUF files (split.count={meta['split.count']}) are not supported")
+        raise ValueError(f"{g.path}: split GGUF files (split.count={meta['split.count']}) are not supported")
     from . import gguf_families
 
     family = gguf_families.for_arch(meta.get("general.architecture", "")) or gguf_families.default()
@@ -727,6 +730,7 @@ def is_gguf(path: str | os.PathLike) -> bool:
 __all__ = [
     "read_weights",
     "read_gguf",
+    "read_gguf_file",
     "read_hf",
     "gguf_metadata",
     "SafetensorsFile",
