@@ -8,7 +8,7 @@ from typing import Any
 
 from ..chat import markers as M
 from ..chat.families.deepseek_v4.template import render_completion
-from ..chat.requests import DEFAULT_MODEL, RequestError, Thinking, as_str, body_object, parse_stop
+from ..chat.requests import CHAT_THINKING_FIELDS, DEFAULT_MODEL, RequestError, Thinking, as_str, body_object, parse_stop
 from ..events import Finish, Started, TextDelta, Usage
 from . import sse
 from .common import RequestInfo, body_bytes
@@ -45,12 +45,8 @@ def parse_completion(body: Any, *, ctx: int = 32768) -> CompletionRequest:
                 prompt = ""
         elif k == "model":
             model = as_str(v)
-        elif k == "thinking":
-            th.control(v)
-        elif k == "think":
-            th.think(v)
-        elif k == "reasoning_effort":
-            th.set_effort(v)
+        elif k in CHAT_THINKING_FIELDS:
+            th.chat_field(k, v)
         elif k == "stop":
             stop = parse_stop(v)
     if prompt is None:
