@@ -508,7 +508,7 @@ def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
     cfg_path = folder / "config.json"
     raw_cfg = read_hf_config(folder)
     files = [SafetensorsFile(p) for p in safetensors_files(folder)]
-    if raw_cfg.get("model_type", "deepseek_v4") not in DEEPSEEK_V4_TYPES:
+    if raw_cfg.get("model_type", names.DEEPSEEK_V4.model_types[0]) not in names.DEEPSEEK_V4.model_types:
         return _read_hf_other(folder, raw_cfg, files, with_tokenizer)
     config = names.normalize_config(raw_cfg)
     block = fp8_block_size(raw_cfg, cfg_path)
@@ -564,9 +564,6 @@ def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
         raise ValueError(f"{folder}: no DeepSeek V4 tensors found in the safetensors files")
 
     return config, tensors, _folder_tokenizer(folder, with_tokenizer)
-
-
-DEEPSEEK_V4_TYPES = ("deepseek_v4",)
 
 
 def fp8_block_size(raw_cfg: dict, where="config.json") -> tuple[int, int]:
