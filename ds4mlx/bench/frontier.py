@@ -232,12 +232,50 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", metavar="FILE.svg|png")
     p.add_argument("--time-budget", type=float, help="stop before a frontier that would overrun this many seconds")
     p.add_argument("--profile", action="store_true", help="also time one decode step by op family (at --ctx-start)")
+    p.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="also time one prefill chunk by op family (at --ctx-start, for each --profile-chunks size)",
+    )
+    p.add_argument("--profile-chunks", default="512,2048", help="--profile-prefill: chunk sizes, comma-separated")
+    p.add_argument(
+        "--synthetic-override",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="--synthetic: one config field changed (e.g. hidden_size=256), repeatable; for CPU smoke runs",
+    )
+
+
+def _overrides(items: list[str]) -> dict:
+    """KEY=JSON pairs -> dict (a bare word that is not JSON stays a string)."""
+    import json
+
+    out = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--synthetic-override wants KEY=VALUE, not {item!r}")
+        try:
+            out[key] = json.loads(val)
+        except json.JSONDecodeError:
+            out[key] = val
+    return out
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = [int(t) for t in text.split(",") if t.strip()]
+    if not sizes or min(sizes) <= 0:
+        raise ValueError(f"--profile-chunks wants positive sizes, not {text!r}")
+    return sizes
 
 
 def run(args) -> int:
     try:
         points = frontiers(args.ctx_start, args.ctx_max, args.step_incr, args.step_mul)
         baseline = read_csv(args.compare) if args.compare else None
+        overrides = _overrides(args.synthetic_override)
+        profile_chunks = _sizes(args.profile_chunks)
     except (ValueError, OSError) as e:
         print(f"ds4mlx bench: {e}", file=sys.stderr)
         return 2
@@ -250,6 +288,7 @@ def run(args) -> int:
             expert_bits=args.expert_bits,
             other_bits=args.other_bits,
             expert_format=args.expert_format,
+            overrides=overrides,
         )
         label = f"synthetic V4 Flash ({info['layers']} layers, experts {info['expert_bits']})"
         print(f"ds4mlx bench: {label}: {info}", file=sys.stderr)
@@ -276,6 +315,12 @@ def run(args) -> int:
         from .decode_profile import format_profile, profile_decode
 
         print(format_profile(profile_decode(model, ctx=args.ctx_start)), file=sys.stderr)
+    if args.profile_prefill:
+        from .prefill_profile import format_prefill_profile, profile_prefill
+
+        for c in profile_chunks:
+            toks = bench_tokens(tokenizer, args.ctx_start + 5 * c, args.text)
+            print(format_prefill_profile(profile_prefill(model, toks, args.ctx_start, c)), file=sys.stderr)
     if args.plot:
         plot(rows, args.plot, f"ds4mlx bench: {label} ({mx.default_device()})")
     if baseline is not None:
