@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .. import dtype_policy
+from ..prefill_chunk import default_chunk
 
 COLUMNS = ["ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes", "peak_memory_bytes"]
 GATED = ("prefill_tps", "gen_tps")  # higher is better
@@ -87,7 +88,7 @@ def run_bench(
     tokenizer,
     ctx_points: list[int],
     gen_tokens: int,
-    chunk: int = 512,
+    chunk: int | None = None,
     text_path: str | None = None,
     log=None,
     time_budget: float | None = None,
@@ -96,6 +97,7 @@ def run_bench(
     frontier whose prefill, extrapolated from the last row's speed, would overrun it."""
     import mlx.core as mx
 
+    chunk = chunk or default_chunk()
     tokens = bench_tokens(tokenizer, ctx_points[-1], text_path)
     session = model.new_session(ctx=ctx_points[-1] + gen_tokens + PROBE_WARMUP + 1, chunk=chunk)
     eos = getattr(tokenizer, "eos_id", None)
@@ -224,7 +226,9 @@ def add_arguments(p) -> None:
     g.add_argument("--step-incr", type=int)
     g.add_argument("--step-mul", type=float)
     p.add_argument("--gen-tokens", type=int, default=64)
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
+    p.add_argument(
+        "--chunk", type=int, default=None, help="prefill chunk size (default 2048 on a GPU, 512 on the CPU)"
+    )
     p.add_argument("--text", help="benchmark text file (default: the shipped CC0 text)")
     p.add_argument("--csv", default="-", help="CSV output path ('-' = stdout)")
     p.add_argument("--compare", metavar="BASELINE.csv", help="fail when a frontier regresses against this CSV")
