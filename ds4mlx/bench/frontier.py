@@ -226,9 +226,7 @@ def add_arguments(p) -> None:
     g.add_argument("--step-incr", type=int)
     g.add_argument("--step-mul", type=float)
     p.add_argument("--gen-tokens", type=int, default=64)
-    p.add_argument(
-        "--chunk", type=int, default=None, help="prefill chunk size (default 2048 on a GPU, 512 on the CPU)"
-    )
+    p.add_argument("--chunk", type=int, default=None, help="prefill chunk size (default 2048 on a GPU, 512 on the CPU)")
     p.add_argument("--text", help="benchmark text file (default: the shipped CC0 text)")
     p.add_argument("--csv", default="-", help="CSV output path ('-' = stdout)")
     p.add_argument("--compare", metavar="BASELINE.csv", help="fail when a frontier regresses against this CSV")
