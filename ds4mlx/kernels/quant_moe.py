@@ -333,9 +333,10 @@ def gather_qmv(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, 
 # --------------------------------------------------------------------------- prefill: mat-mul
 
 
-# Dequantized experts gather_qmm holds at once: the V4 Flash stack of one projection
+# Dequantized weights gather_qmm holds at once: the V4 Flash stack of one projection
 # (256 x 2048 x 4096) in float16 is 4 GiB, one block; a larger stack is done in blocks
-# of experts, each block multiplying every pair (the pairs of other blocks discarded).
+# of output rows (every expert's rows r0..r1: each block is the same grouped GEMM over
+# all pairs for those output columns, no work wasted).
 MAX_DEQUANT_BYTES = 6 << 30
 # On a GPU the dequantized weights (and the pairs' inputs) are float16 when x is
 # float32: half the bytes of float32 and tensor-core GEMMs, with the 10-bit mantissa
@@ -361,8 +362,8 @@ def gather_qmm(
 ) -> mx.array:
     """Same result as `gather_qmv`, for many tokens (prefill), with no host sync: the
     (token, expert) pairs are sorted by expert on the device, the expert stack is
-    dequantized (in blocks of at most `max_dequant_bytes`, through
-    `gather_dequantize`) and every projection is one grouped GEMM,
+    dequantized (in blocks of output rows of at most `max_dequant_bytes`, through
+    `gather_dequantize`) and every block is one grouped GEMM,
     ``mx.gather_mm(..., sorted_indices=True)`` (MLX's grouped GEMM on CUDA).
     `sorted_indices`: the pairs are already in expert order (SwitchGLU sorts them).
 
@@ -380,20 +381,15 @@ def gather_qmm(
         order = mx.argsort(eids)
         eids, xids = eids[order], xids[order]
     xs = (x2 if x.ndim == 3 and order is None else x2[xids]).astype(wdt)[:, None, :]  # [P, 1, K]
-    per_expert = rows * k_dim * wdt.size
-    block = max(1, min(n_exp, int(max_dequant_bytes // max(per_expert, 1))))
-    out = None
-    for e0 in range(0, n_exp, block):
-        e1 = min(n_exp, e0 + block)
-        w = gather_dequantize(w_blocks, qtype, mx.arange(e0, e1, dtype=mx.int32), wdt, backend=face)
-        local = mx.clip(eids - e0, 0, e1 - e0 - 1)  # still ascending
-        y = mx.gather_mm(xs, w.swapaxes(-1, -2), rhs_indices=local, sorted_indices=True)  # [P, 1, rows]
-        if out is None:
-            out = y
-        else:
-            inside = (eids >= e0) & (eids < e1)
-            out = mx.where(inside[:, None, None], y, out)
-    out = out[:, 0]
+    per_row = n_exp * k_dim * wdt.size
+    step = max(1, min(rows, int(max_dequant_bytes // max(per_row, 1))))
+    every = mx.arange(n_exp, dtype=mx.int32)
+    outs = []
+    for r0 in range(0, rows, step):
+        part = w_blocks if step >= rows else w_blocks[:, r0 : r0 + step]  # GGUF rows are independent
+        w = gather_dequantize(part, qtype, every, wdt, backend=face)  # [E, rows', K]
+        outs.append(mx.gather_mm(xs, w.swapaxes(-1, -2), rhs_indices=eids, sorted_indices=True))  # [P, 1, rows']
+    out = (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1))[:, 0]
     if order is not None:
         out = out[mx.argsort(order)]  # back to (token, slot) order
     return out.astype(x.dtype).reshape(n_tok, k, rows)
