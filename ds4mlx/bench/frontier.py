@@ -302,6 +302,13 @@ def run(args) -> int:
     import mlx.core as mx
 
     print(f"ds4mlx bench: {label} on {mx.default_device()}, frontiers {points}", file=sys.stderr)
+    if args.profile_prefill:  # first: a time-boxed run still gets the profile
+        from .prefill_profile import format_prefill_profile, profile_prefill
+
+        for c in profile_chunks:
+            toks = bench_tokens(tokenizer, args.ctx_start + 3 * c, args.text)
+            p = profile_prefill(model, toks, args.ctx_start, c, repeats=1)
+            print(format_prefill_profile(p), file=sys.stderr, flush=True)
     rows = run_bench(
         model,
         tokenizer,
@@ -317,12 +324,6 @@ def run(args) -> int:
         from .decode_profile import format_profile, profile_decode
 
         print(format_profile(profile_decode(model, ctx=args.ctx_start)), file=sys.stderr)
-    if args.profile_prefill:
-        from .prefill_profile import format_prefill_profile, profile_prefill
-
-        for c in profile_chunks:
-            toks = bench_tokens(tokenizer, args.ctx_start + 5 * c, args.text)
-            print(format_prefill_profile(profile_prefill(model, toks, args.ctx_start, c)), file=sys.stderr)
     if args.plot:
         plot(rows, args.plot, f"ds4mlx bench: {label} ({mx.default_device()})")
     if baseline is not None:
