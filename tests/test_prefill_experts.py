@@ -49,3 +49,19 @@ def test_switch_glu_prefill_agrees(monkeypatch):
     got = np.array(glu(x, idx))
     assert got.shape == want.shape == (1, T, k, H)
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_grouped_o_a_proj_prefill_rows_equal_decode_rows(bits):
+    """V4's quantized grouped o_a_proj at prefill (each group's rows one matrix) gives,
+    row for row, what its one-token path gives."""
+    from ds4mlx.models.deepseek_v4 import GroupedLinear
+
+    g = GroupedLinear(128, 4 * 64, 4)
+    g.weight = mx.random.normal((256, 128), key=mx.random.key(8))
+    q = g.to_quantized(64, bits)
+    x = mx.random.normal((1, 37, 4, 128), key=mx.random.key(9))
+    chunk = np.array(q(x))
+    rows = np.concatenate([np.array(q(x[:, t : t + 1])) for t in range(37)], axis=1)
+    assert chunk.shape == rows.shape == (1, 37, 256)
+    assert np.abs(chunk - rows).max() <= 1e-5 * max(1.0, np.abs(rows).max())

@@ -439,6 +439,20 @@ class QuantizedGroupedLinear(nn.Module):
                 bits=self.bits,
             )  # [n, G, out]
             return y.reshape(*lead, -1)
+        if n > 1:  # prefill: group g's n rows as one matrix (M = n), not n mat-vecs
+            xg = x.reshape(n, G, x.shape[-1]).swapaxes(0, 1)  # [G, n, in]
+            y = mx.gather_qmm(
+                xg,
+                self.weight,
+                self.scales,
+                self.biases,
+                rhs_indices=mx.arange(G),
+                transpose=True,
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+            )  # [G, n, out]
+            return y.swapaxes(0, 1).reshape(*lead, -1)
         xg = x.reshape(-1, G, 1, x.shape[-1]).swapaxes(0, 1)  # [G, N, 1, in]
         y = mx.gather_qmm(
             xg,
