@@ -5,7 +5,9 @@
 #   M  43-layer synthetic V4 Flash, MLX 2-bit experts: frontier bench 2K..32K (x4) with the default
 #      GPU chunk (2048) + the prefill profile at 512- and 2048-token chunks (at ctx 2048)
 #   D  MLX experts with DS4MLX_PREFILL_EXPERTS=dequant (stack dequantized + sorted grouped GEMM
-#      instead of gather_qmm): frontier 2K..8K + the profile at 2048 (the A/B for phase M)
+#      instead of gather_qmm) and DS4MLX_PREFILL_LINEARS=dequant (dense quantized linears as
+#      dequantized GEMMs): frontier 2K..8K + the profile at 2048 (the A/B for phase M; the
+#      profile's families say which of the two moved)
 #   G  the same as M with ds4's GGUF experts (IQ2_XXS gate/up, Q2_K down)
 #   K  the disk KV cache bench at 32K on the synthetic model (restore vs re-prefill)
 # Decode is not measured here (--gen-tokens 0) and runs the legacy step for the bench's
@@ -38,8 +40,8 @@ for ph in $phases; do
           tests/test_quant_moe.py > "$OUT/gpu_tests.txt" 2>&1
       tail -5 "$OUT/gpu_tests.txt" | tee -a "$OUT/log.txt" ;;
     M) log "43-layer synthetic V4 Flash, MLX 2-bit experts: prefill frontier + profile"; frontier mlx mlx ;;
-    D) log "MLX experts, DS4MLX_PREFILL_EXPERTS=dequant"
-       DS4MLX_PREFILL_EXPERTS=dequant frontier mlx mlx_dequant 8192 2048 ;;
+    D) log "MLX experts, DS4MLX_PREFILL_EXPERTS=dequant DS4MLX_PREFILL_LINEARS=dequant"
+       DS4MLX_PREFILL_EXPERTS=dequant DS4MLX_PREFILL_LINEARS=dequant frontier mlx mlx_dequant 8192 2048 ;;
     G) log "43-layer synthetic V4 Flash, GGUF experts: prefill frontier + profile"; frontier gguf gguf ;;
     K)
       log "disk KV cache bench at 32K (synthetic, MLX experts)"
