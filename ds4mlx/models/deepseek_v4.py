@@ -634,6 +634,24 @@ class CompressorBranch(Compressor):
             return rows[:, None], chosen[0] & causal
         return rows[:, None], causal
 
+    def prefill_rows(self, x, q_res, cache: LayerCache, s: int):
+        """`__call__` for a prefill chunk, with CSA above index_topk rows returning each
+        query's chosen rows rather than a mask over all of them:
+        (rows [1, 1, N, D], causal mask [C, N], False), or (rows [C, k, D], valid [C, k],
+        True) for CSA with N > index_topk (valid: the chosen row is causal; the same
+        top-k as `__call__`), or (None, None, False) when no row exists yet."""
+        rows = self.pool(x, cache.comp, s)
+        scores = self.indexer(x, q_res, cache.index, s) if self._overlap else None
+        N, C, m = rows.shape[1], x.shape[1], self._ratio
+        if N == 0:
+            return None, None, False
+        causal = mx.arange(N)[None] < ((s + mx.arange(C)) + 1)[:, None] // m  # [C, N]
+        if self._overlap and N > self._topk:
+            idx = topk_indices(mx.where(causal[None], scores, -mx.inf), self._topk)[0]  # [C, k]
+            chosen = mx.take(rows[0], idx.reshape(-1), axis=0).reshape(C, self._topk, rows.shape[-1])
+            return chosen, mx.take_along_axis(causal, idx, axis=1), True
+        return rows[:, None], causal, False
+
     def input_layers(self) -> list[nn.Module]:
         """The projections of the layer input this branch runs per token (in `step`'s order)."""
         out = [self.kv_proj, self.gate_proj]
@@ -760,11 +778,15 @@ class Attention(nn.Module):
         (`LayerCache.sliding_blocks`), the compressed rows and their [C, N] mask (the
         indexer's top-k for CSA) shared by every block; -> [1, nh, C, D]."""
         C = q.shape[2]
+        rows, cmask, per_query = (None, None, False)
+        if self.layer_type != SLIDING:
+            rows, cmask, per_query = self.compressor.prefill_rows(x, q_res, cache, s)
+        if per_query:  # CSA above index_topk: each query's own W window keys + k chosen rows
+            return self._per_query(q, kv, cache, rows, cmask)
         keys, mask = cache.sliding_blocks(kv, block)  # [nb, 1, W+block, D], [nb, block, W+block]
         nb = keys.shape[0]
         pad = nb * block - C
         if self.layer_type != SLIDING:
-            rows, cmask = self.compressor(x, q_res, cache, s)
             if rows is not None:
                 N = rows.shape[2]
                 cmask = mx.ones((C, N), mx.bool_) if cmask is None else mx.broadcast_to(cmask, (C, N))
@@ -781,6 +803,37 @@ class Attention(nn.Module):
             qb, keys, keys, scale=self._D**-0.5, mask=mask[:, None], sinks=self.sinks.astype(q.dtype)
         )
         return out.swapaxes(0, 1).reshape(1, nh, nb * block, D)[:, :, :C]
+
+    GATHER_ELEMS = 1 << 28  # per-query keys gathered at once (queries x (W + k) x D values)
+
+    def _per_query(self, q, kv, cache: LayerCache, chosen, valid) -> mx.array:
+        """Prefill attention where every query has its own keys: the W sliding keys of its
+        window (by position; not-yet-written positions masked) and its k chosen
+        compressed rows (chosen [C, k, D], valid [C, k]).  Queries in groups of at most
+        GATHER_ELEMS gathered values; -> [1, nh, C, D]."""
+        W, s, C, D = cache.window, cache.offset, kv.shape[2], kv.shape[-1]
+        j = mx.arange(W)
+        by_pos = mx.take(cache.ring, (s - W + j) % W, axis=2) if cache.ring is not None else None
+        seq = kv[0, 0] if by_pos is None else mx.concatenate([by_pos, kv], axis=2)[0, 0]  # [W + C, D]
+        off = 0 if by_pos is None else W  # seq index of chunk position 0
+        cache.sliding(kv)  # the ring update (its dense mask is not used)
+        nh, k = q.shape[1], chosen.shape[1]
+        step = max(1, self.GATHER_ELEMS // ((W + k) * D))
+        outs = []
+        for t0 in range(0, C, step):
+            t = mx.arange(t0, min(C, t0 + step))
+            pos = t[:, None] - (W - 1) + j[None]  # [n, W] chunk positions of the window's keys
+            keys = mx.take(seq, (pos + off).reshape(-1) if off else mx.maximum(pos, 0).reshape(-1), axis=0)
+            keys = mx.concatenate([keys.reshape(-1, W, D), chosen[t0 : t0 + step].astype(keys.dtype)], axis=1)
+            live = (s + pos) >= 0
+            mask = mx.concatenate([live, valid[t0 : t0 + step]], axis=1)[:, None, None, :]  # [n, 1, 1, W + k]
+            qt = q[0, :, t0 : t0 + step].swapaxes(0, 1)[:, :, None, :]  # [n, nh, 1, D]
+            o = mx.fast.scaled_dot_product_attention(
+                qt, keys[:, None], keys[:, None], scale=self._D**-0.5, mask=mask, sinks=self.sinks.astype(q.dtype)
+            )  # [n, nh, 1, D]
+            outs.append(o[:, :, 0].swapaxes(0, 1))  # [nh, n, D]
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+        return out[None]
 
     def step(self, x: mx.array, pos: mx.array, state, new: list) -> mx.array:
         """`__call__` for one token (x [1, 1, H]) at position `pos` (int32 array) over
