@@ -817,7 +817,7 @@ class Attention(nn.Module):
         seq = kv[0, 0] if by_pos is None else mx.concatenate([by_pos, kv], axis=2)[0, 0]  # [W + C, D]
         off = 0 if by_pos is None else W  # seq index of chunk position 0
         cache.sliding(kv)  # the ring update (its dense mask is not used)
-        nh, k = q.shape[1], chosen.shape[1]
+        k = chosen.shape[1]
         step = max(1, self.GATHER_ELEMS // ((W + k) * D))
         outs = []
         for t0 in range(0, C, step):
