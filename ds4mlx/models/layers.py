@@ -29,6 +29,7 @@ import numpy as np
 from ..kernels import affine_qmv
 from ..kernels import hyper_connection as hc_kernels
 from ..kernels.activations import clamped_swiglu  # re-exported: the families import it from here
+from . import prefill_experts
 
 # --------------------------------------------------------------------------- norms
 
@@ -280,6 +281,17 @@ class QuantizedSwitchLinear(nn.Module):
         fast = self._decode(x, indices)
         if fast is not None:
             return fast
+        if x.shape[-2] == 1 and prefill_experts.wanted(indices.size, sorted_indices):  # opt-in (#14)
+            return prefill_experts.dequant_gather_mm(
+                x,
+                self.weight,
+                self.scales,
+                self.biases,
+                indices,
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+            )
         return mx.gather_qmm(
             x,
             self.weight,
