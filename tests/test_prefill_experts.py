@@ -13,6 +13,10 @@ import pytest
 from ds4mlx.models import prefill_experts
 from ds4mlx.models.layers import QuantizedSwitchLinear, SwitchGLU
 
+# on a GPU (tools/h200_prefill.sh phase T runs this file there) the dequantized weights
+# are float16: a float16-rounding bound instead of the CPU's float32 one
+REL = 1e-4 if mx.default_device().type == mx.DeviceType.cpu else 4e-3
+
 
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("max_bytes", [1, 1 << 30])  # one row per block / the whole stack
@@ -28,7 +32,7 @@ def test_dequant_path_equals_gather_qmm(monkeypatch, bits, max_bytes):
     monkeypatch.setattr(prefill_experts, "MAX_DEQUANT_BYTES", max_bytes)
     got = np.array(lin(x, idx, sorted_indices=True))
     assert got.shape == want.shape == (P, 1, out)
-    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    assert np.abs(got - want).max() <= REL * max(1.0, np.abs(want).max())
     monkeypatch.setenv(prefill_experts.ENV, "fast")
     with pytest.raises(ValueError, match=prefill_experts.ENV):
         lin(x, idx, sorted_indices=True)
@@ -48,7 +52,7 @@ def test_switch_glu_prefill_agrees(monkeypatch):
     monkeypatch.setenv(prefill_experts.ENV, "dequant")
     got = np.array(glu(x, idx))
     assert got.shape == want.shape == (1, T, k, H)
-    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    assert np.abs(got - want).max() <= REL * max(1.0, np.abs(want).max())
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -81,7 +85,7 @@ def test_dense_linear_dequant_equals_quantized_matmul(monkeypatch):
     want = np.array(box(x))
     monkeypatch.setenv(prefill_experts.LINEARS_ENV, "dequant")
     got = np.array(box(x))
-    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    assert np.abs(got - want).max() <= REL * max(1.0, np.abs(want).max())
     monkeypatch.setenv(prefill_experts.LINEARS_ENV, "yes")
     with pytest.raises(ValueError, match=prefill_experts.LINEARS_ENV):
         box(x)

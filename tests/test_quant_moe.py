@@ -517,3 +517,17 @@ def test_host_grouped_baseline_cannot_trace():
     x = mx.random.normal((2, 256))
     with pytest.raises(ValueError, match="during function transformations"):
         mx.compile(lambda x, ids: qm.gather_qmm_host_grouped(x, raw, QT.Q2_K, ids, backend="reference"))(x, ids)
+
+
+def test_prefill_qmm_bfloat16_on_the_cpu():
+    """bfloat16 activations at prefill size (the synthetic model's): computed in float32
+    on the CPU (its gather_mm is float32-only), returned in bfloat16."""
+    e, rows, n_tok, top, k = 5, 8, 30, 3, 256
+    rng = np.random.default_rng(12)
+    raw = mx.array(experts(QT.Q2_K, e, rows, k, seed=6))
+    ids = mx.array(rng.integers(0, e, (n_tok, top)))
+    x = mx.array(rng.standard_normal((n_tok, k)).astype(np.float32))
+    want = np.array(qm.gather_qmm(x, raw, QT.Q2_K, ids, backend="reference"))
+    got = qm.gather_qmm(x.astype(mx.bfloat16), raw, QT.Q2_K, ids, backend="reference")
+    assert got.dtype == mx.bfloat16
+    assert np.abs(np.array(got.astype(mx.float32)) - want).max() <= 2e-2 * max(1.0, np.abs(want).max())

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Prefill speed on the lent H200 (issue #14), results under $OUT.  Phases (default: all four,
 # in this order; device calls of <= 10 minutes each: "T M" then "D G" then "K"):
-#   T  GPU tests of the grouped GGUF-expert prefill (quant_moe: dequantized stack + sorted gather_mm)
+#   T  GPU tests of the grouped GGUF-expert prefill (quant_moe: dequantized stack + sorted gather_mm),
+#      then on the GPU the dequantized-expert tests and V4's oracle parity (the banded / per-query
+#      prefill attention against transformers, TF32 off)
 #   M  43-layer synthetic V4 Flash, MLX 2-bit experts: frontier bench 2K..32K (x4) with the default
 #      GPU chunk (2048) + the prefill profile at 512- and 2048-token chunks (at ctx 2048)
 #   D  MLX experts with DS4MLX_PREFILL_EXPERTS=dequant (stack dequantized + sorted grouped GEMM
@@ -38,7 +40,10 @@ for ph in $phases; do
       log "gpu tests: quant_moe (grouped prefill path)"
       DS4MLX_TEST_CACHE=$PWD/.gpu/tc timeout ${TEST_S:-120} $py -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_quant_moe.py > "$OUT/gpu_tests.txt" 2>&1
-      tail -5 "$OUT/gpu_tests.txt" | tee -a "$OUT/log.txt" ;;
+      tail -5 "$OUT/gpu_tests.txt" | tee -a "$OUT/log.txt"
+      DS4MLX_TEST_CACHE=$PWD/.gpu/tc timeout ${PARITY_S:-150} $py -m pytest -q -p no:cacheprovider \
+          tests/test_prefill_experts.py tests/test_deepseek_v4_parity.py > "$OUT/gpu_parity.txt" 2>&1
+      tail -8 "$OUT/gpu_parity.txt" | tee -a "$OUT/log.txt" ;;
     M) log "43-layer synthetic V4 Flash, MLX 2-bit experts: prefill frontier + profile"; frontier mlx mlx ;;
     D) log "MLX experts, DS4MLX_PREFILL_EXPERTS=dequant DS4MLX_PREFILL_LINEARS=dequant"
        DS4MLX_PREFILL_EXPERTS=dequant DS4MLX_PREFILL_LINEARS=dequant frontier mlx mlx_dequant 8192 2048 ;;

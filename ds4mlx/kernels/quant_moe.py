@@ -344,10 +344,10 @@ MAX_DEQUANT_BYTES = 6 << 30
 GPU_DEQUANT_DTYPE = mx.float16
 
 
-def _dequant_dtype(x_dtype, face: str):
-    if x_dtype != mx.float32:
-        return x_dtype
-    return mx.float32 if face == "reference" else GPU_DEQUANT_DTYPE
+def _dequant_dtype(x_dtype):
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return mx.float32  # the CPU GatherMM kernel is float32-only
+    return GPU_DEQUANT_DTYPE if x_dtype == mx.float32 else x_dtype
 
 
 def gather_qmm(
@@ -370,12 +370,12 @@ def gather_qmm(
     At prefill sizes (thousands of pairs) nearly every expert is used, so the whole
     stack is dequantized rather than the used experts found on the host.  Weights are
     dequantized to float32 on the CPU, float16 on a GPU (`GPU_DEQUANT_DTYPE`) when x
-    is float32, else to x.dtype.
+    is float32, else to x.dtype (float32 on the CPU, whose gather_mm is float32-only).
     """
     qtype, n_exp, rows, k_dim = _check(w_blocks, qtype)
     x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
     face = _face(backend, qtype)
-    wdt = _dequant_dtype(x.dtype, face)
+    wdt = _dequant_dtype(x.dtype)
     order = None
     if not sorted_indices:
         order = mx.argsort(eids)
