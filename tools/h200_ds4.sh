@@ -11,8 +11,9 @@
 #   2 write the GGUF (tools/ds4_synthetic_gguf.py, LAYERS layers, real shapes, ~2 GB a layer)
 #   3 ds4-bench on it    4 ds4mlx bench on it (same text, same frontiers)    5 the side-by-side table
 # Env: LAYERS (20: ds4 hard-codes 43, patched; 43 q2 layers are ~87 GB, over the 64 GiB disk),
-# CTX_START 2048, CTX_MAX 32768, STEP_MUL 2, GEN 32, DS4_S / MLX_S (phase boxes), MLX_BUDGET
-# (ds4mlx bench --time-budget), GGUF (file path), DS4_BUILD (auto | device | prebuilt), KEEP=1.
+# CTX_START 2048, CTX_MAX 32768, STEP_MUL 2, GEN 32, WRITE_S / DS4_S / MLX_S (phase boxes),
+# MLX_BUDGET (ds4mlx bench --time-budget), GGUF (file path), DS4_BUILD (auto | device | prebuilt),
+# DS4_ENV (ds4's environment, default DS4_CUDA_COPY_MODEL=1; "" = ds4's defaults), KEEP=1.
 set -u
 OUT=${OUT:-out/h200}; mkdir -p "$OUT"
 root=$PWD
@@ -97,10 +98,14 @@ fi
 # 3 ds4-bench
 if [ -x "$BIN" ] && [ -f "$GGUF" ]; then
   ldd "$BIN" 2>&1 | grep -E "cublas|cudart|not found" | tee -a "$OUT/log.txt"
-  timeout ${DS4_S:-240} "$BIN" -m "$GGUF" --prompt-file "$TEXT" --ctx-start "$CTX_START" --ctx-max "$CTX_MAX" \
+  # ds4's CUDA backend by default cudaHostRegister()s the mapped file and reads the weights
+  # over PCIe (right for DGX Spark's shared memory, not for an H200): DS4_CUDA_COPY_MODEL=1
+  # copies the whole file into HBM first (ds4_cuda.cu ds4_gpu_set_model_map)
+  log "ds4 env: ${DS4_ENV-DS4_CUDA_COPY_MODEL=1}"
+  timeout ${DS4_S:-200} env ${DS4_ENV-DS4_CUDA_COPY_MODEL=1} "$BIN" -m "$GGUF" --prompt-file "$TEXT" --ctx-start "$CTX_START" --ctx-max "$CTX_MAX" \
       --step-mul "$STEP_MUL" --gen-tokens "$GEN" --csv "$OUT/ds4.csv" > "$OUT/ds4.txt" 2>&1
   log "ds4-bench rc=$?"
-  tail -c 3000 "$OUT/ds4.txt" | tr '\r' '\n' | grep -v "prefill layer" | tail -25 | tee -a "$OUT/log.txt"
+  tr '\r' '\n' < "$OUT/ds4.txt" | grep -v "prefill layer\|^$" | tail -25 | cut -c1-300 | tee -a "$OUT/log.txt"
   cat "$OUT/ds4.csv" 2>/dev/null | tee -a "$OUT/log.txt"
 else
   log "FAILED: ds4-bench not run (binary: $( [ -x "$BIN" ] && echo ok || echo missing ), file: $( [ -f "$GGUF" ] && echo ok || echo missing ))"
@@ -109,8 +114,8 @@ phase "4 ds4mlx bench"
 
 # 4 ds4mlx bench, same file, same text, same frontiers
 if [ -f "$GGUF" ]; then
-  timeout ${MLX_S:-330} $py -u -m ds4mlx.cli bench -m "$GGUF" --text "$TEXT" --ctx-start "$CTX_START" \
-      --ctx-max "$CTX_MAX" --step-mul "$STEP_MUL" --gen-tokens "$GEN" --time-budget ${MLX_BUDGET:-220} \
+  timeout ${MLX_S:-300} $py -u -m ds4mlx.cli bench -m "$GGUF" --text "$TEXT" --ctx-start "$CTX_START" \
+      --ctx-max "$CTX_MAX" --step-mul "$STEP_MUL" --gen-tokens "$GEN" --time-budget ${MLX_BUDGET:-190} \
       --csv "$OUT/ds4mlx.csv" > "$OUT/ds4mlx.txt" 2>&1
   log "ds4mlx bench rc=$?"
   tail -12 "$OUT/ds4mlx.txt" | cut -c1-400 | tee -a "$OUT/log.txt"
