@@ -5,7 +5,8 @@
 # (a fresh machine needs the usual call 1 of shared/gpu/README.md first: .gpu/a -> /root/gpu).
 # .devstage/ds4src: ds4's source as fetched (git-ignored, never committed), ~7 MB.
 # .devstage/ds4bin/ds4-bench-L<N>: ds4-bench built off the device by tools/ds4_build_cuda.sh
-# (CUDA 13.0 nvcc, sm_90, layers N), used when present; else ds4 is built here with the
+# (CUDA 13.0 nvcc, sm_90, layers N; .devstage/ds4bin holds N=20, .devstage/ds4bin-L10 N=10:
+# carry that one instead with LAYERS=10), used when present; else ds4 is built here with the
 # device's nvcc.  Phases, each timed and boxed with `timeout`:
 #   0 environment (nvcc, CUDA dirs, GPU, disk, the cuBLAS ds4 links)   1 ds4-bench: prebuilt or build
 #   2 write the GGUF (tools/ds4_synthetic_gguf.py, LAYERS layers, real shapes, ~2 GB a layer)
@@ -21,6 +22,7 @@ LAYERS=${LAYERS:-20}
 GGUF=${GGUF:-/tmp/ds4_q2_${LAYERS}.gguf}
 SRC=${DS4_SRC:-$root/.devstage/ds4src}
 PREBUILT=${DS4_PREBUILT:-$root/.devstage/ds4bin/ds4-bench-L$LAYERS}
+[ -x "$PREBUILT" ] || [ ! -x "$root/.devstage/ds4bin-L$LAYERS/ds4-bench-L$LAYERS" ] || PREBUILT=$root/.devstage/ds4bin-L$LAYERS/ds4-bench-L$LAYERS
 TEXT=$SRC/speed-bench/promessi_sposi.txt
 CTX_START=${CTX_START:-2048} CTX_MAX=${CTX_MAX:-32768} STEP_MUL=${STEP_MUL:-2} GEN=${GEN:-32}
 py=python3
