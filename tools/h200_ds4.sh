@@ -12,8 +12,8 @@
 #   2 write the GGUF (tools/ds4_synthetic_gguf.py, LAYERS layers, real shapes, ~2 GB a layer)
 #   3 ds4-bench on it    4 ds4mlx bench on it (same text, same frontiers)    5 the side-by-side table
 # Env: LAYERS (20: ds4 hard-codes 43, patched; 43 q2 layers are ~87 GB, over the 64 GiB disk),
-# CTX_START 2048, CTX_MAX 32768, STEP_MUL 2, GEN 32, WRITE_S / DS4_S / MLX_S (phase boxes),
-# MLX_BUDGET (ds4mlx bench --time-budget), GGUF (file path), DS4_BUILD (auto | device | prebuilt),
+# CTX_START 2048, CTX_MAX 32768, STEP_MUL 2, GEN 32, WRITE_S / DS4_S / MLX_S (phase boxes; MLX_S
+# defaults to what is left of CALL_S=570 s), MLX_BUDGET (ds4mlx bench --time-budget), GGUF (file path), DS4_BUILD (auto | device | prebuilt),
 # DS4_ENV (ds4's environment, default DS4_CUDA_COPY_MODEL=1; "" = ds4's defaults), KEEP=1.
 set -u
 OUT=${OUT:-out/h200}; mkdir -p "$OUT"
@@ -87,7 +87,7 @@ if [ -f "$GGUF" ] && [ "${REWRITE:-0}" != 1 ]; then
   log "2 GGUF already there: $(du -h "$GGUF" | cut -f1)"
 else
   log "2 write the $LAYERS-layer q2 GGUF"
-  timeout ${WRITE_S:-300} $py -u "$root/tools/ds4_synthetic_gguf.py" --layers "$LAYERS" --threads 12 "$GGUF" \
+  timeout ${WRITE_S:-240} $py -u "$root/tools/ds4_synthetic_gguf.py" --layers "$LAYERS" --threads 12 "$GGUF" \
       2>&1 | tee -a "$OUT/log.txt"
 fi
 ls -la "$GGUF" 2>&1 | tee -a "$OUT/log.txt"
@@ -104,7 +104,7 @@ if [ -x "$BIN" ] && [ -f "$GGUF" ]; then
   # over PCIe (right for DGX Spark's shared memory, not for an H200): DS4_CUDA_COPY_MODEL=1
   # copies the whole file into HBM first (ds4_cuda.cu ds4_gpu_set_model_map)
   log "ds4 env: ${DS4_ENV-DS4_CUDA_COPY_MODEL=1}"
-  timeout ${DS4_S:-200} env ${DS4_ENV-DS4_CUDA_COPY_MODEL=1} "$BIN" -m "$GGUF" --prompt-file "$TEXT" --ctx-start "$CTX_START" --ctx-max "$CTX_MAX" \
+  timeout ${DS4_S:-180} env ${DS4_ENV-DS4_CUDA_COPY_MODEL=1} "$BIN" -m "$GGUF" --prompt-file "$TEXT" --ctx-start "$CTX_START" --ctx-max "$CTX_MAX" \
       --step-mul "$STEP_MUL" --gen-tokens "$GEN" --csv "$OUT/ds4.csv" > "$OUT/ds4.txt" 2>&1
   log "ds4-bench rc=$?"
   tr '\r' '\n' < "$OUT/ds4.txt" | grep -v "prefill layer\|^$" | tail -25 | cut -c1-300 | tee -a "$OUT/log.txt"
@@ -115,12 +115,20 @@ fi
 phase "4 ds4mlx bench"
 
 # 4 ds4mlx bench, same file, same text, same frontiers
-if [ -f "$GGUF" ]; then
-  timeout ${MLX_S:-300} $py -u -m ds4mlx.cli bench -m "$GGUF" --text "$TEXT" --ctx-start "$CTX_START" \
-      --ctx-max "$CTX_MAX" --step-mul "$STEP_MUL" --gen-tokens "$GEN" --time-budget ${MLX_BUDGET:-190} \
+# its box: what is left of a 10-minute device call (CALL_S, 570 s with a margin), at most 300 s;
+# the bench's own --time-budget leaves ~110 s of that to loading and the warm-up
+left=$(( ${CALL_S:-570} - ($(date +%s) - T0) ))
+MLX_S=${MLX_S:-$(( left < 300 ? left : 300 ))}
+MLX_BUDGET=${MLX_BUDGET:-$(( MLX_S > 150 ? MLX_S - 110 : MLX_S / 2 ))}
+if [ -f "$GGUF" ] && [ "$MLX_S" -gt 30 ]; then
+  log "ds4mlx bench: box ${MLX_S} s, --time-budget ${MLX_BUDGET}"
+  timeout ${MLX_S} $py -u -m ds4mlx.cli bench -m "$GGUF" --text "$TEXT" --ctx-start "$CTX_START" \
+      --ctx-max "$CTX_MAX" --step-mul "$STEP_MUL" --gen-tokens "$GEN" --time-budget ${MLX_BUDGET} \
       --csv "$OUT/ds4mlx.csv" > "$OUT/ds4mlx.txt" 2>&1
   log "ds4mlx bench rc=$?"
   tail -12 "$OUT/ds4mlx.txt" | cut -c1-400 | tee -a "$OUT/log.txt"
+else
+  log "ds4mlx bench not run (file $( [ -f "$GGUF" ] && echo ok || echo missing ), ${MLX_S} s left)"
 fi
 phase "5 table"
 
