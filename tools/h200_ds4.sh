@@ -13,13 +13,19 @@
 #   3 ds4-bench on it    4 ds4mlx bench on it (same text, same frontiers)    5 the side-by-side table
 # Env: LAYERS (20: ds4 hard-codes 43, patched; 43 q2 layers are ~87 GB, over the 64 GiB disk),
 # CTX_START 2048, CTX_MAX 32768, STEP_MUL 2, GEN 32, WRITE_S / DS4_S / MLX_S (phase boxes; MLX_S
-# defaults to what is left of CALL_S=570 s), MLX_BUDGET (ds4mlx bench --time-budget), GGUF (file path), DS4_BUILD (auto | device | prebuilt),
+# defaults to what is left of CALL_S=570 s), MLX_BUDGET (ds4mlx bench --time-budget), GGUF (file path: /dev/shm when it has room, else /tmp), DS4_BUILD (auto | device | prebuilt),
 # DS4_ENV (ds4's environment, default DS4_CUDA_COPY_MODEL=1; "" = ds4's defaults), KEEP=1.
 set -u
 OUT=${OUT:-out/h200}; mkdir -p "$OUT"
 root=$PWD
 LAYERS=${LAYERS:-20}
-GGUF=${GGUF:-/tmp/ds4_q2_${LAYERS}.gguf}
+# the file goes to /dev/shm when it has room (no disk in the way of writing and reading it),
+# else to /tmp (the 64 GiB disk); ~2.0 GB a layer + 1.7 GB embedding and head, 8 GB spare
+need_kb=$(( (LAYERS * 2000 + 1700 + 8000) * 1000 ))
+shm_kb=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 | tr -d ' ')
+if [ -z "${GGUF:-}" ]; then
+  if [ "${shm_kb:-0}" -gt "$need_kb" ] 2>/dev/null; then GGUF=/dev/shm/ds4_q2_${LAYERS}.gguf; else GGUF=/tmp/ds4_q2_${LAYERS}.gguf; fi
+fi
 SRC=${DS4_SRC:-$root/.devstage/ds4src}
 PREBUILT=${DS4_PREBUILT:-$root/.devstage/ds4bin/ds4-bench-L$LAYERS}
 [ -x "$PREBUILT" ] || [ ! -x "$root/.devstage/ds4bin-L$LAYERS/ds4-bench-L$LAYERS" ] || PREBUILT=$root/.devstage/ds4bin-L$LAYERS/ds4-bench-L$LAYERS
@@ -40,7 +46,7 @@ log "0 environment (layers $LAYERS, file $GGUF, frontiers $CTX_START..$CTX_MAX x
   for d in /usr/local/cuda*/bin; do [ -x "$d/nvcc" ] && echo "toolkit nvcc: $d/nvcc"; done
   echo "--- gcc / make"; which cc gcc make 2>&1
   echo "--- GPU"; nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader 2>&1
-  echo "--- disk / memory / cores"; df -h /tmp "$root" 2>&1; free -g 2>&1; nproc
+  echo "--- disk / memory / cores"; df -h /tmp /dev/shm "$root" 2>&1; free -g 2>&1; nproc
   echo "--- ds4 source"; du -sh "$SRC" 2>&1; ls -la "$PREBUILT" 2>&1
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt" | tee -a "$OUT/log.txt"
