@@ -28,20 +28,27 @@ import numpy as np
 
 def _model_shapes(layers: int) -> tuple[dict, dict]:
     """(config, {HF in-memory name: shape}) of a V4 Flash with `layers` layers."""
+    from .synthetic import v4_flash_config
+
+    cfg = v4_flash_config(layers=layers)
+    return cfg, model_shapes(cfg)
+
+
+def model_shapes(cfg: dict) -> dict:
+    """{HF in-memory name: shape} of the deepseek_v4 model `cfg` describes (the fused
+    expert banks without their `.weight` suffix, as `convert.write_gguf` takes them)."""
     import mlx.core as mx  # noqa: F401  (the model module needs it)
     from mlx.utils import tree_flatten
 
     from ..models import deepseek_v4
-    from .synthetic import v4_flash_config
 
-    cfg = v4_flash_config(layers=layers)
     model = deepseek_v4.Model(deepseek_v4.ModelArgs.from_dict(cfg))
     shapes = {}
     for k, v in tree_flatten(model.parameters()):  # lazy placeholders: never evaluated
         if k.endswith(("mlp.experts.gate_up_proj.weight", "mlp.experts.down_proj.weight")):
             k = k[: -len(".weight")]
         shapes[k] = tuple(v.shape)
-    return cfg, shapes
+    return shapes
 
 
 def _pattern(shape, dtype) -> np.ndarray:
