@@ -67,6 +67,10 @@ def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None):
         config, tensors, tokenizer = read_weights(path)
         policy = dtype_policy.resolve(dtype)
         mtp_tensors = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(MTP_PREFIX)]}
+        from .experts.fit import check_fits
+
+        # refused in one line before anything is read (--stream-experts: only what stays resident)
+        check_fits(tensors, int(config.get("num_hidden_layers") or 0), policy.weights, stream)
         if mtp is not None:
             mtp_tensors.update(read_mtp_gguf(mtp))
         model = LanguageModel.from_config(config, tensors, dtype=policy.weights, stream=stream, path=path)

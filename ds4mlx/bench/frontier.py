@@ -131,6 +131,9 @@ def run_bench(
             session.restore(snap)
             row["gen_tps"] = round(gen_tokens / gen_s, 2)
         row["peak_memory_bytes"] = int(mx.get_peak_memory())
+        from ..experts.cli import csv_columns
+
+        row.update(csv_columns(model))  # --stream-experts: the expert cache's counters so far
         rows.append(row)
         if log:
             log(row)
@@ -140,7 +143,8 @@ def run_bench(
 def write_csv(rows: list[dict], path) -> None:
     out = open(path, "w", newline="") if path and path != "-" else sys.stdout
     try:
-        w = csv.DictWriter(out, fieldnames=COLUMNS, extrasaction="ignore")
+        extra = [k for k in (rows[0] if rows else {}) if k.startswith("expert_")]  # --stream-experts
+        w = csv.DictWriter(out, fieldnames=COLUMNS + extra, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     finally:
@@ -232,6 +236,9 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", metavar="FILE.svg|png")
     p.add_argument("--time-budget", type=float, help="stop before a frontier that would overrun this many seconds")
     p.add_argument("--profile", action="store_true", help="also time one decode step by op family (at --ctx-start)")
+    from ..experts import cli as experts_cli
+
+    experts_cli.add_arguments(p)
 
 
 def run(args) -> int:
@@ -256,7 +263,9 @@ def run(args) -> int:
     else:
         from ..loader import load
 
-        model, tokenizer = load(args.model, dtype=getattr(args, "dtype", "auto"))
+        from ..experts import cli as experts_cli
+
+        model, tokenizer = load(args.model, dtype=getattr(args, "dtype", "auto"), stream=experts_cli.config_from_args(args))
         label = Path(getattr(model, "path", args.model or "demo")).name
     import mlx.core as mx
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 GIB = 2**30
 WORKING_FRACTION = 0.10  # of the free memory: activations, graph scratch, allocator slack
-WORKING_MIN = 256 * 2**20
+WORKING_MIN = 64 * 2**20
 
 
 @dataclass
@@ -30,6 +30,7 @@ class StreamConfig:
     pin_layers: bool = True  # whole layers resident where the budget allows
     ctx: int = 4096  # the KV the auto budget leaves room for
     simulate_used_gb: float = 0.0
+    memory_gb: float | None = None  # --memory-limit: the memory model data may take here
 
 
 def simulated_used_bytes(cfg: StreamConfig | None) -> int:
@@ -42,7 +43,12 @@ def simulated_used_bytes(cfg: StreamConfig | None) -> int:
 def free_memory(cfg: StreamConfig | None = None) -> int:
     """Bytes this process may still use: MemAvailable (Linux) or the machine's memory
     (elsewhere) on the CPU, the GPU's recommended working set otherwise; a cgroup limit
-    caps it; minus the simulated use."""
+    caps it; minus the simulated use.  With a memory limit (`cfg.memory_gb`): the limit
+    minus what MLX holds already (the weights loaded so far)."""
+    if cfg is not None and cfg.memory_gb is not None:
+        import mlx.core as mx
+
+        return max(0, int(cfg.memory_gb * GIB) - int(mx.get_active_memory()) - simulated_used_bytes(cfg))
     free = None
     try:
         import mlx.core as mx

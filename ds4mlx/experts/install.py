@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 from ..models.layers import SwitchGLU
 from .budget import GIB, StreamConfig, auto_budget_bytes
 from .rows import expert_count, split_expert_tensors
+from .fit import resident_bytes
 from .store import ExpertStore, LayerCache, file_bytes, read_profile
 
 
@@ -79,10 +80,14 @@ def attach_store(
     if cfg.profile and os.path.exists(cfg.profile):
         order = read_profile(cfg.profile)
     if cfg.profile:
+        import atexit
+
         store.profile_path = cfg.profile
+        atexit.register(store.close)  # serve / eval / chat end without a finish() call
     layers = sorted(detached)
     counts = {l: expert_count(detached[l][2]) for l in layers}
-    per_expert = {l: sum(file_bytes(v) for v in detached[l][2].values()) // counts[l] for l in layers}
+    # the budget is in loaded bytes (a float16 file's experts are float32 on the CPU)
+    per_expert = {l: sum(resident_bytes(v, cast_dtype) for v in detached[l][2].values()) // counts[l] for l in layers}
     mean_bytes = max(1, sum(per_expert.values()) // max(1, len(layers)))
     E = max(counts.values()) if counts else 0
     why = ""
@@ -119,7 +124,8 @@ def attach_store(
         f"ds4mlx: expert streaming: {cap}/{sum(counts.values())} experts resident "
         f"({store.resident_bytes() / GIB:.2f} GiB; budget {why}), "
         f"{sum(c.pinned for c in store.layers.values())} of {len(layers)} MoE layers pinned, "
-        f"{mean_bytes / 2**20:.2f} MiB per expert in the file"
+        f"{mean_bytes / 2**20:.2f} MiB per expert loaded, "
+        f"{sum(file_bytes(v) for l in layers for v in detached[l][2].values()) / max(1, sum(counts.values())) / 2**20:.2f} MiB in the file"
     )
     print(store.budget_line, file=sys.stderr)
     model.expert_store = store
