@@ -273,3 +273,39 @@ def test_parse_cache_spec():
 
 def test_mx_default_device_is_cpu_here():
     assert mx.default_device() == mx.cpu  # the bit-for-bit claim above is the CPU backend's
+
+
+def test_prefill_reads_each_needed_expert_once_per_chunk():
+    lm, tok = resident("deepseek_v4")
+    ids = prompt_ids(tok)
+    st = streamed("deepseek_v4", per_layer=1)
+    store = st.model.expert_store
+    s = st.new_session(ctx=256, chunk=len(ids))  # one chunk: one call per layer
+    read0 = store.stats.bytes_read  # the first slot of each layer, read at start
+    s.prefill(ids)
+    needed = sum(int((c.counts > 0).sum()) for c in store.layers.values())
+    assert store.stats.hits + store.stats.misses == needed  # each needed expert looked up once
+    assert store.stats.misses >= needed - len(store.layers)  # 1 slot each: at most that one was a hit
+    per = {c.expert_bytes for c in store.layers.values()}
+    assert len(per) == 1 and store.stats.bytes_read - read0 == store.stats.misses * per.pop()
+
+
+def test_generate_and_bench_cli_report_the_cache(tmp_path, capsys):
+    from ds4mlx.cli import main
+
+    rc = main(["generate", "-p", "hi", "-n", "3", "--temp", "0", "--stream-experts", "--expert-cache-count", "8"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "ds4mlx: expert streaming: 8/32 experts resident" in err and "budget 8 experts" in err
+    assert "ds4mlx: expert cache: 8/32 experts resident" in err and "misses" in err
+    out = tmp_path / "b.csv"
+    rc = main(
+        ["bench", "--ctx-start", "64", "--ctx-max", "64", "--gen-tokens", "2", "--chunk", "32", "--csv", str(out)]
+        + ["--ssd-streaming", "--ssd-streaming-cache-experts", "12"]
+    )
+    assert rc == 0
+    import csv
+
+    rows = list(csv.DictReader(out.open()))
+    assert rows and int(rows[0]["expert_capacity_experts"]) == 12 and int(rows[0]["expert_misses"]) > 0
+    assert int(rows[0]["expert_bytes_read"]) > 0 and rows[0]["expert_read_ms_p99"]

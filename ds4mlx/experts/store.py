@@ -219,6 +219,12 @@ class ExpertStore:
         self._pending = None
         self.budget_line = ""
 
+    @property
+    def host_routing(self) -> bool:
+        """Whether a forward reads the router's choice on the host (a layer not pinned):
+        then the decode step cannot be traced by mx.compile (stepper.py runs it eager)."""
+        return any(not c.pinned for c in self.layers.values())
+
     # ------------------------------------------------------------------ stats
     def record_read(self, nbytes: int, seconds: float) -> None:
         with self._lock:
