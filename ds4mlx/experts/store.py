@@ -7,8 +7,10 @@
 * `run(x, indices)`: the router's choice is read on the host, the missing experts are
   read from the file once per call (a prefill chunk reads each needed expert once), then
   the family's SwitchGLU gathers from the slab by slot.  A call that needs more experts
-  than the layer has slots runs in groups of `capacity`, each (token, slot) output taken
-  from the group that held its expert: still exactly the resident computation.
+  than the layer has slots (prefill) reads the missing ones into a transient bank beside
+  the slab and runs once over both (working space: at most one layer's bank); the
+  best-scored of them then stay in the cache.  Either way the per-(token, expert) math is
+  the resident one.
 * Eviction: lowest hit count with recency decay (halved every `HALF_LIFE` calls of the
   layer); never an expert the current group needs.
 * A slot update is staged: the new experts are read, converted and evaluated first, then
@@ -131,23 +133,32 @@ class LayerCache:
         """Make `missing` resident, evicting only experts outside `keep`; all or nothing."""
         if not missing:
             return
+        slots = self._victims(len(missing), keep)
+        if len(slots) < len(missing):
+            raise RuntimeError(f"layer {self.layer}: {len(missing)} experts for {len(slots)} free slots")
+        fresh = dict(tree_flatten(self._read(missing).parameters()))
+        self._commit(slots, missing, fresh, list(range(len(missing))))
+
+    def _victims(self, n: int, keep) -> list[int]:
+        """Up to `n` slots to fill: free ones first, then the lowest decayed scores outside `keep`."""
         keep = set(int(e) for e in keep)
         free = [s for s in range(self.capacity) if self.expert_in[s] < 0]
         victims = [s for s in range(self.capacity) if self.expert_in[s] >= 0 and int(self.expert_in[s]) not in keep]
         victims.sort(key=lambda s: self.decayed(int(self.expert_in[s])))
-        slots = (free + victims)[: len(missing)]
-        if len(slots) < len(missing):
-            raise RuntimeError(f"layer {self.layer}: {len(missing)} experts for {len(slots)} free slots")
-        fresh = dict(tree_flatten(self._read(missing).parameters()))
+        return (free + victims)[:n]
+
+    def _commit(self, slots, experts, fresh: dict, rows) -> None:
+        """Rows `rows` of the read arrays `fresh` into `slots`; then the table (no read here)."""
         where = mx.array(slots, mx.int32)
+        pick = mx.array(rows, mx.int32)
         new = {}
         for name, arr in tree_flatten(self.module.parameters()):
             a = arr
-            a[where] = fresh[name]
+            a[where] = fresh[name][pick]
             new[name] = a
         mx.eval(list(new.values()))
         self.module.set_slab(new)  # commit: slab and table together
-        for s, e in zip(slots, missing):
+        for s, e in zip(slots, experts):
             old = int(self.expert_in[s])
             if old >= 0:
                 self.slot_of[old] = -1
@@ -176,21 +187,26 @@ class LayerCache:
         if len(need) <= self.capacity:
             self.load(missing, need)
             return self.module.slots_forward(x, mx.array(self.slot_of.clip(0).astype(np.int32))[indices])
-        # more experts than slots: groups of `capacity`, the resident ones first (no re-read)
-        order = resident + missing
-        y = None
-        for g0 in range(0, len(order), self.capacity):
-            group = order[g0 : g0 + self.capacity]
-            self.load([e for e in group if self.slot_of[e] < 0], group)
-            table = np.zeros(self.E, np.int32)
-            table[group] = self.slot_of[group]
-            yg = self.module.slots_forward(x, mx.array(table)[indices])
-            if y is None:
-                y = yg
-            else:
-                mask = mx.array(np.isin(ids, group))[..., None]
-                y = mx.where(mask, yg, y)
-            mx.eval(y)  # this group's slab may be overwritten by the next
+        # more experts than slots (a prefill chunk): the missing ones are read once into a
+        # transient bank beside the slab (working space: at most one layer's experts), the
+        # call runs over both, then the best-scored of them stay in the cache
+        fresh_mod = self._read(missing)
+        fresh = dict(tree_flatten(fresh_mod.parameters()))
+        both = {k: mx.concatenate([a, fresh[k]]) for k, a in tree_flatten(self.module.parameters())}
+        wide = StreamedExperts(fresh_mod, self)
+        wide.set_slab(both)
+        table = self.slot_of.clip(0).astype(np.int32)
+        table[missing] = self.capacity + np.arange(len(missing), dtype=np.int32)
+        y = wide.slots_forward(x, mx.array(table)[indices])
+        mx.eval(y)
+        del wide, both
+        best = sorted(need.tolist(), key=lambda e: -self.decayed(int(e)))[: self.capacity]
+        admit = [e for e in best if self.slot_of[e] < 0]
+        slots = self._victims(len(admit), best)
+        admit = admit[: len(slots)]
+        if admit:
+            pos = {e: j for j, e in enumerate(missing)}
+            self._commit(slots, admit, fresh, [pos[e] for e in admit])
         return y
 
     def likely(self) -> list[int]:
