@@ -48,13 +48,54 @@ def synthetic_config(layers: int, experts: int, hidden: int, inter: int, topk: i
     )
 
 
+def lazy_weights(cfg: dict, seed: int) -> dict:
+    """The demo recipe's random weights (ds4mlx.demo.demo_weights), each tensor made
+    only when the writer asks for it: a file far larger than this host's memory can be
+    written (each tensor seeded by its name, so a rebuild is the same file)."""
+    import zlib
+
+    from mlx.utils import tree_flatten
+
+    from ds4mlx.mapped import LazyTensor
+    from ds4mlx.models.base import family_module
+
+    mod = family_module(cfg["model_type"])
+    args = mod.ModelArgs.from_dict(cfg)
+    shapes = {k: tuple(v.shape) for k, v in tree_flatten(mod.Model(args).parameters())}  # lazy zeros: no memory
+    fused = (".mlp.experts.gate_up_proj.weight", ".mlp.experts.down_proj.weight")
+    out = {}
+    for name, shape in sorted(shapes.items()):
+        hf = name[: -len(".weight")] if name.endswith(fused) else name
+
+        def make(name=name, shape=shape):
+            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+            if name.endswith("tid2eid"):
+                e, k = args.n_routed_experts, args.num_experts_per_tok
+                return np.stack([rng.permutation(e)[:k] for _ in range(shape[0])]).astype(np.int64)
+            if len(shape) >= 2:
+                std = 0.02 if "embed" in name else 1.0 / np.sqrt(shape[-1])
+                return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+            if "norm" in name:
+                return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+            return (0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+
+        dt = np.int64 if name.endswith("tid2eid") else np.float32
+        if hf.endswith(".mlp.experts.gate_up_proj"):  # written split: one half at a time
+            half = (shape[0], shape[1] // 2, shape[2])
+            base = hf[: -len("gate_up_proj")]
+            for part in ("gate_proj", "up_proj"):
+                out[base + part] = LazyTensor(lambda n=base + part, h=half: make(n, h), half, dt)
+            continue
+        out[hf] = LazyTensor(make, shape, dt)
+    return out
+
+
 def build(path: Path, cfg: dict, seed: int = 11) -> None:
     from ds4mlx.convert import write_gguf
-    from ds4mlx.demo import demo_weights
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    write_gguf(tmp, cfg, demo_weights(cfg, seed=seed), tokenizer=False, dtype="f16")
+    write_gguf(tmp, cfg, lazy_weights(cfg, seed), tokenizer=False, dtype="f16")
     os.replace(tmp, path)
 
 
