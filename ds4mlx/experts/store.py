@@ -126,7 +126,7 @@ class LayerCache:
         finally:
             for v in self.banks.values():
                 release(v)  # the rows were copied: the mapping's pages go back to the kernel
-        st.record_read(len(ids) * self.expert_bytes, time.perf_counter() - t0)
+        st.record_read(len(ids) * self.expert_bytes, time.perf_counter() - t0, len(ids))
         return mod
 
     def load(self, missing, keep) -> None:
@@ -242,11 +242,13 @@ class ExpertStore:
         return any(not c.pinned for c in self.layers.values())
 
     # ------------------------------------------------------------------ stats
-    def record_read(self, nbytes: int, seconds: float) -> None:
+    def record_read(self, nbytes: int, seconds: float, experts: int = 1) -> None:
+        """One read of `experts` experts; the latency percentiles are per expert (a
+        prefill chunk's read of many and a decode miss of one stay comparable)."""
         with self._lock:
             self.stats.bytes_read += nbytes
             self.stats.reads += 1
-            self._lat.append(seconds)
+            self._lat.append(seconds / max(1, experts))
             if len(self._lat) > LATENCY_WINDOW:
                 del self._lat[: len(self._lat) - LATENCY_WINDOW]
 
@@ -287,7 +289,7 @@ class ExpertStore:
             f"ds4mlx: expert cache: {d['capacity_experts']}/{d['total_experts']} experts resident "
             f"({d['resident_bytes'] / 2**30:.2f} GiB, {d['pinned_layers']} layers pinned), "
             f"hits {d['hits']} misses {d['misses']} ({hr}), read {d['bytes_read'] / 2**20:.1f} MiB, "
-            f"read latency p50 {d['read_ms_p50']} ms p99 {d['read_ms_p99']} ms, "
+            f"read latency per expert p50 {d['read_ms_p50']} ms p99 {d['read_ms_p99']} ms, "
             f"preloaded {d['preload_done']}/{d['preload_total']}"
         )
 
