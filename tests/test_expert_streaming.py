@@ -130,9 +130,7 @@ class Faults:
 
 
 def cache_state(store):
-    return {
-        l: (c.slot_of.copy(), c.expert_in.copy(), [np.array(a) for a in _slab(c)]) for l, c in store.layers.items()
-    }
+    return {l: (c.slot_of.copy(), c.expert_in.copy(), [np.array(a) for a in _slab(c)]) for l, c in store.layers.items()}
 
 
 def _slab(c):
@@ -309,3 +307,33 @@ def test_generate_and_bench_cli_report_the_cache(tmp_path, capsys):
     rows = list(csv.DictReader(out.open()))
     assert rows and int(rows[0]["expert_capacity_experts"]) == 12 and int(rows[0]["expert_misses"]) > 0
     assert int(rows[0]["expert_bytes_read"]) > 0 and rows[0]["expert_read_ms_p99"]
+
+
+def test_flags_and_ds4_aliases_make_one_config():
+    import argparse
+
+    from ds4mlx.experts import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    a = cli.config_from_args(
+        p.parse_args(
+            ["--ssd-streaming", "--ssd-streaming-cache-experts", "20GB", "--ssd-streaming-preload-experts", "4"]
+            + ["--ssd-streaming-full-layers", "2", "--expert-profile", "p.json", "--memory-limit", "8"]
+        )
+    )
+    assert (a.enabled, a.count, a.gb, a.preload, a.full_layers, a.profile, a.memory_gb) == (
+        True,
+        None,
+        20.0,
+        4,
+        2,
+        "p.json",
+        8.0,
+    )
+    b = cli.config_from_args(p.parse_args(["--stream-experts", "--expert-cache-count", "300", "--ssd-streaming-cold"]))
+    assert (b.count, b.preload, b.pin_layers) == (300, 0, False)
+    lm, tok = resident("deepseek_v4")
+    st = streamed("deepseek_v4", per_layer=None, count=20, full_layers=2)
+    assert sorted(c.capacity for c in st.model.expert_store.layers.values()) == [2, 2, 8, 8]
+    assert np.array_equal(st.logits(prompt_ids(tok)), lm.logits(prompt_ids(tok)))

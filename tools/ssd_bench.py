@@ -190,7 +190,10 @@ def main(argv=None) -> int:
     if not path.exists():
         t0 = time.perf_counter()
         build(path, cfg)
-        print(f"ssd_bench: wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        print(
+            f"ssd_bench: wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s",
+            file=sys.stderr,
+        )
     rng = np.random.default_rng(3)
     prompt = [int(t) for t in rng.integers(2, a.vocab, a.prompt)]
     total = a.experts * (a.layers)

@@ -261,11 +261,11 @@ def run(args) -> int:
         label = f"synthetic V4 Flash ({info['layers']} layers, experts {info['expert_bits']})"
         print(f"ds4mlx bench: {label}: {info}", file=sys.stderr)
     else:
+        from ..experts import cli as experts_cli
         from ..loader import load
 
-        from ..experts import cli as experts_cli
-
-        model, tokenizer = load(args.model, dtype=getattr(args, "dtype", "auto"), stream=experts_cli.config_from_args(args))
+        stream = experts_cli.config_from_args(args)
+        model, tokenizer = load(args.model, dtype=getattr(args, "dtype", "auto"), stream=stream)
         label = Path(getattr(model, "path", args.model or "demo")).name
     import mlx.core as mx
 

@@ -28,6 +28,7 @@ class StreamConfig:
     profile: str | None = None  # --expert-profile: read at start if present, written at the end
     prefetch: bool = True
     pin_layers: bool = True  # whole layers resident where the budget allows
+    full_layers: int | None = None  # ds4's --ssd-streaming-full-layers: exactly this many pinned
     ctx: int = 4096  # the KV the auto budget leaves room for
     simulate_used_gb: float = 0.0
     memory_gb: float | None = None  # --memory-limit: the memory model data may take here

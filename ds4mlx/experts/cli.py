@@ -66,6 +66,15 @@ def add_arguments(p) -> None:
         "--no-expert-prefetch", dest="expert_prefetch", action="store_false", help="no read-ahead of the next layer"
     )
     g.add_argument(
+        "--expert-full-layers",
+        "--ssd-streaming-full-layers",
+        dest="expert_full_layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pin exactly N whole layers (default: as many as the budget covers)",
+    )
+    g.add_argument(
         "--ssd-streaming-cold",
         dest="expert_cold",
         action="store_true",
@@ -108,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> StreamConfig:
         profile=getattr(args, "expert_profile", None),
         prefetch=bool(getattr(args, "expert_prefetch", True)),
         pin_layers=not cold,
+        full_layers=getattr(args, "expert_full_layers", None),
         ctx=int(getattr(args, "ctx", None) or 4096),
         simulate_used_gb=float(getattr(args, "simulate_used_memory", 0.0) or 0.0),
         memory_gb=getattr(args, "memory_limit", None),

@@ -53,11 +53,7 @@ def check_fits(tensors: dict, n_layers: int, cast_dtype, cfg: StreamConfig | Non
     free = free_memory(cfg) if _given_memory(cfg) else total_memory()
     streaming = cfg is not None and cfg.enabled
     if not streaming and other + experts > free:
-        hint = (
-            f"; --stream-experts keeps the routed experts ({experts / GIB:.2f} GiB) in the file"
-            if experts
-            else ""
-        )
+        hint = f"; --stream-experts keeps the routed experts ({experts / GIB:.2f} GiB) in the file" if experts else ""
         raise ValueError(
             f"the weights need {(other + experts) / GIB:.2f} GiB but {free / GIB:.2f} GiB of memory is "
             f"{'free' if _given_memory(cfg) else 'here'}{hint}"

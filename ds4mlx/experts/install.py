@@ -17,8 +17,8 @@ from mlx.utils import tree_flatten
 
 from ..models.layers import SwitchGLU
 from .budget import GIB, StreamConfig, auto_budget_bytes
-from .rows import expert_count, split_expert_tensors
 from .fit import resident_bytes
+from .rows import expert_count, split_expert_tensors
 from .store import ExpertStore, LayerCache, file_bytes, read_profile
 
 
@@ -56,13 +56,16 @@ def detach_experts(model, weights: dict) -> tuple[dict, dict]:
     return rest, detached
 
 
-def _layer_slots(n_layers: int, n_experts: int, total: int, pin: bool, floor: int) -> list[int]:
+def _layer_slots(n_layers: int, n_experts: int, total: int, pin: bool, floor: int, full=None) -> list[int]:
     """Slots per MoE layer for a budget of `total` experts: as many whole (pinned: no
     misses, no host sync) layers, first layers first, as leave every other layer at
-    least `floor` slots (a token's top-k), the rest shared evenly (at least 1 each)."""
+    least `floor` slots (a token's top-k), the rest shared evenly (at least 1 each).
+    `full`: exactly that many whole layers instead (ds4's --ssd-streaming-full-layers)."""
     floor = max(1, min(floor, n_experts))
     pinned = 0
-    if pin:
+    if full is not None:
+        pinned = max(0, min(n_layers, int(full)))
+    elif pin:
         while pinned < n_layers and (pinned + 1) * n_experts + (n_layers - pinned - 1) * floor <= total:
             pinned += 1
     left = n_layers - pinned
@@ -108,7 +111,7 @@ def attach_store(
                 budget, why = auto_budget_bytes(resident, kv, cfg)
             total = budget // mean_bytes
         floor = int(getattr(getattr(model, "args", None), "num_experts_per_tok", 1) or 1)
-        slots = _layer_slots(len(layers), E, int(total), cfg.pin_layers, floor)
+        slots = _layer_slots(len(layers), E, int(total), cfg.pin_layers, floor, cfg.full_layers)
     for l, s in zip(layers, slots):
         first = order.get(l, [0])[0] if order.get(l) else 0
         store.layers[l] = LayerCache(store, l, detached[l][2], counts[l], detached[l][1], s, first)

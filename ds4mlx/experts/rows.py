@@ -59,7 +59,9 @@ def take_rows(value, ids) -> object:
     if isinstance(value, np.ndarray):
         return np.ascontiguousarray(value[ids])
     if isinstance(value, QuantizedTensor):
-        return QuantizedTensor(raw=np.ascontiguousarray(value.raw[ids]), qtype=value.qtype, shape=(len(ids), *value.shape[1:]))
+        return QuantizedTensor(
+            raw=np.ascontiguousarray(value.raw[ids]), qtype=value.qtype, shape=(len(ids), *value.shape[1:])
+        )
     if isinstance(value, MXTensor):
         return MXTensor(
             weight=take_rows(value.weight, ids),

@@ -99,7 +99,10 @@ class LayerCache:
             slab = template
         else:
             slab = template  # one expert: widened to `capacity` zeroed slots
-            params = {k: mx.concatenate([a, mx.zeros((capacity - 1, *a.shape[1:]), a.dtype)]) for k, a in tree_flatten(slab.parameters())}
+            params = {
+                k: mx.concatenate([a, mx.zeros((capacity - 1, *a.shape[1:]), a.dtype)])
+                for k, a in tree_flatten(slab.parameters())
+            }
             from mlx.utils import tree_unflatten
 
             slab.update(tree_unflatten(list(params.items())))
@@ -338,7 +341,13 @@ class ExpertStore:
 
     def preload(self, order: dict[int, list[int]], n: int) -> None:
         """Fill up to `n` slots of each streamed layer with `order[layer]` (hottest first)."""
-        todo = {l: [e for e in order.get(l, range(c.E)) if c.slot_of[e] < 0][: max(0, min(n, c.capacity) - int((c.expert_in >= 0).sum()))] for l, c in self.layers.items() if not c.pinned}
+        todo = {
+            l: [e for e in order.get(l, range(c.E)) if c.slot_of[e] < 0][
+                : max(0, min(n, c.capacity) - int((c.expert_in >= 0).sum()))
+            ]
+            for l, c in self.layers.items()
+            if not c.pinned
+        }
         self.stats.preload_total = sum(len(v) for v in todo.values())
         for l, ids in todo.items():
             c = self.layers[l]
