@@ -49,6 +49,9 @@ def _common(p) -> None:
     p.add_argument("-s", "-sys", "--system", default="", help="system prompt")
     add_prefix_argument(p)
     add_steering_arguments(p)
+    from .experts import cli as experts_cli
+
+    experts_cli.add_arguments(p)
 
 
 def add_arguments(p) -> None:
@@ -72,7 +75,14 @@ def _load(args, console):
     from .loader import load
 
     t0 = time.perf_counter()
-    model, tok = load(args.model, dtype=getattr(args, "dtype", "auto"), mtp=getattr(args, "mtp", None))
+    from .experts import cli as experts_cli
+
+    model, tok = load(
+        args.model,
+        dtype=getattr(args, "dtype", "auto"),
+        mtp=getattr(args, "mtp", None),
+        stream=experts_cli.config_from_args(args),
+    )
     if getattr(model, "is_demo", False):
         from .demo import DEMO_NOTICE
 
@@ -212,3 +222,6 @@ def run(args) -> int:
         return 0 if fin is not None and fin.reason != "error" else 1
     finally:
         engine.close()
+        from .experts import cli as experts_cli
+
+        experts_cli.finish(engine.model)  # the expert cache's stats (with --stream-experts)

@@ -47,7 +47,7 @@ def materialize(module) -> None:
     mx.eval(found)
 
 
-def load(path=None, dtype="auto", mtp=None, verbose=True):
+def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None):
     """Load a GGUF file or a Hugging Face folder; `None` (or "demo") is the built-in
     demo model, "demo:<family>" the demo model of another family.
 
@@ -55,7 +55,9 @@ def load(path=None, dtype="auto", mtp=None, verbose=True):
     dtype_policy), "float32" / "bfloat16" / "float16", or an mx.Dtype.  `mtp`: ds4's
     separate MTP support GGUF.  MTP tensors (the file's own and `mtp`'s) are kept,
     loaded but unused, in `model.mtp_weights` for speculative decoding.  The
-    dtype choice is printed to stderr unless `verbose=False`."""
+    dtype choice is printed to stderr unless `verbose=False`.  `stream`: an
+    `experts.StreamConfig` (--stream-experts): routed experts read from the file on
+    demand into a bounded cache (ds4mlx/experts/)."""
     is_demo = path is None or str(path) == "demo" or str(path).startswith("demo:")
     if is_demo:
         from .demo import demo_model_path
@@ -66,9 +68,13 @@ def load(path=None, dtype="auto", mtp=None, verbose=True):
         config, tensors, tokenizer = read_weights(path)
         policy = dtype_policy.resolve(dtype)
         mtp_tensors = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(MTP_PREFIX)]}
+        from .experts.fit import check_fits
+
+        # refused in one line before anything is read (--stream-experts: only what stays resident)
+        check_fits(tensors, int(config.get("num_hidden_layers") or 0), policy.weights, stream)
         if mtp is not None:
             mtp_tensors.update(read_mtp_gguf(mtp))
-        model = LanguageModel.from_config(config, tensors, dtype=policy.weights)
+        model = LanguageModel.from_config(config, tensors, dtype=policy.weights, stream=stream, path=path)
         del tensors
     backbone = getattr(model.model, "model", None)
     if hasattr(backbone, "activation_dtype"):  # the family's cast point (models/deepseek_v4.py)

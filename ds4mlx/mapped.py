@@ -32,16 +32,19 @@ class LazyTensor:
     """A tensor of `shape` / `dtype` (numpy dtype of `load()`), computed when asked.
 
     `load()` -> numpy array; `to_mlx()` -> mx.array (by default `mx.array(load())`);
-    `sources`: the mapped numpy views it reads, released by `release(t)`."""
+    `sources`: the mapped numpy views it reads, released by `release(t)`;
+    `rows(ids)` (optional) -> numpy array of just the rows `ids` of axis 0, read without
+    the rest (the SSD expert store reads one expert at a time: ds4mlx/experts/)."""
 
-    __slots__ = ("shape", "dtype", "_load", "_to_mlx", "sources")
+    __slots__ = ("shape", "dtype", "_load", "_to_mlx", "sources", "rows")
 
-    def __init__(self, load: Callable[[], np.ndarray], shape, dtype, to_mlx=None, sources=()):
+    def __init__(self, load: Callable[[], np.ndarray], shape, dtype, to_mlx=None, sources=(), rows=None):
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self._load = load
         self._to_mlx = to_mlx
         self.sources = tuple(sources)
+        self.rows = rows
 
     @property
     def ndim(self) -> int:

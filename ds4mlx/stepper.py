@@ -116,6 +116,8 @@ def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, un
     caches back where they were before this step (the old arrays are kept alive for it,
     so the step cannot update them in place)."""
     how = how or mode()
+    if how == "compiled" and getattr(getattr(model, "expert_store", None), "host_routing", False):
+        how = "eager"  # streamed experts read the router's choice on the host: no trace
     # directional steering edits each layer's outputs in the dynamic forward only: a steered
     # model decodes on the legacy path (correct, not compiled)
     if how == "legacy" or not supports_static(model) or steering.identity(model) is not None:

@@ -289,8 +289,18 @@ def _concat_lazy(a, b, axis: int) -> LazyTensor:
 
         return fill(shape, dt, [(pre + (slice(0, n),), held.pop), (pre + (slice(n, None),), second)])
 
+    def rows(ids):  # the expert store's per-expert read (axis 0 is the expert axis)
+        from .experts.rows import take_rows
+
+        return np.concatenate([take_rows(a, ids), take_rows(b, ids)], axis=axis)
+
     return LazyTensor(
-        lambda: np.concatenate([np.asarray(a), np.asarray(b)], axis=axis), shape, a.dtype, to_mlx=to_mlx, sources=(a, b)
+        lambda: np.concatenate([np.asarray(a), np.asarray(b)], axis=axis),
+        shape,
+        a.dtype,
+        to_mlx=to_mlx,
+        sources=(a, b),
+        rows=rows if axis > 0 else None,
     )
 
 
@@ -338,7 +348,14 @@ class SafetensorsFile:
         """The tensor, read when asked: numpy via `get`, MLX via `mlx` (BF16 stays bfloat16)."""
         dt = self._dtypes[name]
         np_dt = np.float32 if dt == "BF16" else (_ST_RAW.get(dt) or _numpy_dtype(dt))
-        return LazyTensor(lambda: self.get(name), self.shape(name), np_dt, to_mlx=lambda: self.mlx(name))
+        rows = None if dt in _ST_RAW or dt == "BF16" else (lambda ids: self.rows(name, ids))
+        return LazyTensor(lambda: self.get(name), self.shape(name), np_dt, to_mlx=lambda: self.mlx(name), rows=rows)
+
+    def rows(self, name: str, ids) -> np.ndarray:
+        """Rows `ids` of axis 0 of a numpy-dtype tensor, each read on its own
+        (`get_slice`): the SSD expert store's read of a few experts of a bank."""
+        sl = self._f.get_slice(name)
+        return np.concatenate([sl[int(i) : int(i) + 1] for i in ids], axis=0)
 
     def lazy_raw(self, name: str) -> LazyTensor:
         """The tensor's raw values (F8 as uint8 bytes), read when asked."""

@@ -133,6 +133,9 @@ def run_bench(
             session.restore(snap)
             row["gen_tps"] = round(gen_tokens / gen_s, 2)
         row["peak_memory_bytes"] = int(mx.get_peak_memory())
+        from ..experts.cli import csv_columns
+
+        row.update(csv_columns(model))  # --stream-experts: the expert cache's counters so far
         rows.append(row)
         if log:
             log(row)
@@ -142,7 +145,8 @@ def run_bench(
 def write_csv(rows: list[dict], path) -> None:
     out = open(path, "w", newline="") if path and path != "-" else sys.stdout
     try:
-        w = csv.DictWriter(out, fieldnames=COLUMNS, extrasaction="ignore")
+        extra = [k for k in (rows[0] if rows else {}) if k.startswith("expert_")]  # --stream-experts
+        w = csv.DictWriter(out, fieldnames=COLUMNS + extra, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     finally:
@@ -247,6 +251,9 @@ def add_arguments(p) -> None:
         metavar="KEY=JSON",
         help="--synthetic: one config field changed (e.g. hidden_size=256), repeatable; for CPU smoke runs",
     )
+    from ..experts import cli as experts_cli
+
+    experts_cli.add_arguments(p)
 
 
 def _overrides(items: list[str]) -> dict:
@@ -295,9 +302,11 @@ def run(args) -> int:
         label = f"synthetic V4 Flash ({info['layers']} layers, experts {info['expert_bits']})"
         print(f"ds4mlx bench: {label}: {info}", file=sys.stderr)
     else:
+        from ..experts import cli as experts_cli
         from ..loader import load
 
-        model, tokenizer = load(args.model, dtype=getattr(args, "dtype", "auto"))
+        stream = experts_cli.config_from_args(args)
+        model, tokenizer = load(args.model, dtype=getattr(args, "dtype", "auto"), stream=stream)
         label = Path(getattr(model, "path", args.model or "demo")).name
     import mlx.core as mx
 

@@ -142,6 +142,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--plain", action="store_true", help="no TUI (also when stdout is not a terminal)")
     g.add_argument("--pause-ms", type=int, default=350, help="TUI pause after each result (default 350)")
+    from ..experts import cli as experts_cli
+
+    experts_cli.add_arguments(p)
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -239,7 +242,11 @@ def make_backend(kind: str, **kw: Any):
     from .inprocess import InProcessBackend
 
     return InProcessBackend(
-        kw.get("model"), temperature=kw.get("temperature", 0.0), top_p=kw.get("top_p", 1.0), min_p=kw.get("min_p", 0.05)
+        kw.get("model"),
+        temperature=kw.get("temperature", 0.0),
+        top_p=kw.get("top_p", 1.0),
+        min_p=kw.get("min_p", 0.05),
+        stream=kw.get("stream"),
     )
 
 
@@ -264,7 +271,10 @@ def _backend(a: argparse.Namespace):
             min_p=a.min_p,
             continuation=a.endpoint_continuation,
         )
-    return make_backend("mlx", model=a.model, temperature=a.temp, top_p=a.top_p, min_p=a.min_p)
+    from ..experts.cli import config_from_args
+
+    stream = config_from_args(a)
+    return make_backend("mlx", model=a.model, temperature=a.temp, top_p=a.top_p, min_p=a.min_p, stream=stream)
 
 
 def _carry_over(runner: Any, path: str) -> None:

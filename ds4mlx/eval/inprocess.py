@@ -33,8 +33,11 @@ class InProcessBackend:
         top_p: float = 1.0,
         min_p: float = 0.05,
         loaded: tuple[Any, Any] | None = None,
+        stream: Any = None,
     ):
-        """`loaded=(model, tokenizer)` skips `ds4mlx.load` (tests, embedding)."""
+        """`loaded=(model, tokenizer)` skips `ds4mlx.load` (tests, embedding); `stream`:
+        an `experts.StreamConfig` (--stream-experts)."""
+        self.stream = stream
         self.model_path = model_path
         self.model = model_path or "demo"
         self.temperature, self.top_p, self.min_p = temperature, top_p, min_p
@@ -49,7 +52,7 @@ class InProcessBackend:
         if self._model is None:
             import ds4mlx
 
-            self._model, self._tok = ds4mlx.load(self.model_path)
+            self._model, self._tok = ds4mlx.load(self.model_path, stream=self.stream)
 
     def count_tokens(self, prompt: Prompt) -> int:
         self._load()

@@ -46,10 +46,19 @@ class LanguageModel:
         return int(self.args.vocab_size)
 
     @classmethod
-    def from_config(cls, config: dict, weights: dict | None = None, dtype=None, strict: bool = True) -> LanguageModel:
+    def from_config(
+        cls, config: dict, weights: dict | None = None, dtype=None, strict: bool = True, stream=None, path: str = ""
+    ) -> LanguageModel:
+        """`stream`: an `experts.StreamConfig` with `enabled`: the routed experts stay in
+        the file behind a bounded cache (ds4mlx/experts/); `path` names it in errors."""
         mod = family_module(config.get("model_type", registry.DEFAULT_FAMILY))
         args = mod.ModelArgs.from_dict(config)
         model = mod.Model(args)
+        detached = None
+        if weights is not None and stream is not None and stream.enabled:
+            from ..experts.install import detach_experts
+
+            weights, detached = detach_experts(model, weights)
         if weights is not None:
             from .quantized import install_quantized, needs_install
             from .tensor_load import to_mlx, to_mlx_weights
@@ -63,6 +72,12 @@ class LanguageModel:
             if dtype is not None:
                 weights = {k: to_mlx(v, dtype) for k, v in weights.items()}
             model.load_weights(list(weights.items()) + list(owned.items()), strict=strict)
+            if detached:
+                from ..experts.install import attach_store
+                from .quantized import compute_dtype_of
+
+                mx.eval(model.parameters())
+                attach_store(model, detached, stream, path, dtype, dtype or compute_dtype_of(weights), config=config)
         from .qmv_linear import use_fast_qmv
 
         use_fast_qmv(model)  # decode-sized quantized linears: our mat-vec on a GPU

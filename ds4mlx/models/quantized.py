@@ -421,6 +421,12 @@ def _infer_compute_dtype(weights: dict):
     return counts.most_common(1)[0][0] if counts else mx.float32
 
 
+def compute_dtype_of(weights: dict):
+    """The compute dtype `install_quantized` infers for `weights` when the caller gives
+    none (the expert store builds experts apart from the rest: it asks the rest)."""
+    return _infer_compute_dtype(weights)
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -528,5 +534,6 @@ __all__ = [
     "repack",
     "dequantize_chunked",
     "quantized_summary",
+    "compute_dtype_of",
     "KERNEL_TYPES",
 ]

@@ -189,10 +189,13 @@ async def debug_stats(request: web.Request) -> web.Response:
     state = request.app[STATE]
     eng = state.engine
     cache_stats = getattr(eng.cache, "stats", None)
+    from ..experts.cli import stats_of
+
     doc = {
         "engine": dict(vars(eng.stats)),
         "live_tokens": len(eng.session) if eng.session is not None else 0,
         "kv_disk_cache": cache_stats() if callable(cache_stats) else None,
+        "expert_cache": stats_of(eng.model),  # --stream-experts (None: all experts resident)
     }
     return json_response(state, 200, body_bytes(doc))
 

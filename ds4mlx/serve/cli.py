@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF file or Hugging Face folder (default: the demo model)")
     dtype_policy.add_argument(p)
     p.add_argument("--mtp", default=None, help="ds4's MTP support GGUF (kept, loaded but unused for now)")
+    from ..experts import cli as experts_cli
+
+    experts_cli.add_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     p.add_argument("-c", "--ctx", type=_positive, default=32768, help="context tokens (default 32768)")
@@ -109,7 +112,14 @@ def build(args, loaded=None):
     if loaded is not None:
         model, tokenizer = loaded
     else:
-        model, tokenizer = load(args.model, dtype=getattr(args, "dtype", "auto"), mtp=getattr(args, "mtp", None))
+        from ..experts import cli as experts_cli
+
+        model, tokenizer = load(
+            args.model,
+            dtype=getattr(args, "dtype", "auto"),
+            mtp=getattr(args, "mtp", None),
+            stream=experts_cli.config_from_args(args),
+        )
         if getattr(model, "is_demo", False):
             from ..demo import DEMO_NOTICE
 

@@ -1,0 +1,143 @@
+"""SSD expert streaming end to end (issue #19): a file-backed model whose weights exceed
+the memory it is given (`--memory-limit`) is refused in one line without
+`--stream-experts` and served with it (same greedy text as the resident model, expert
+counters in GET /v1/ds4mlx/stats); a read failure is one request's error and the engine
+goes on serving exactly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ds4mlx
+from ds4mlx.engine import Engine, Failed, Job
+from ds4mlx.events import Finish
+from ds4mlx.experts import StreamConfig
+from ds4mlx.sampling import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_server_cli import free_port, wait_up  # noqa: E402
+
+TESTS = Path(__file__).parent
+LIMIT_GB = "0.35"  # the weights below need ~0.53 GiB loaded (float32 on the CPU)
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory) -> str:
+    """The V4 demo architecture with wide expert banks: the routed experts are ~75 % of
+    the weights (float16 in the file, float32 once loaded on the CPU)."""
+    from ds4mlx.convert import write_gguf
+    from ds4mlx.demo import DEMO_CONFIG, demo_weights
+    from ds4mlx.tokenizer import Tokenizer
+
+    cfg = dict(DEMO_CONFIG, moe_intermediate_size=256, n_routed_experts=256)
+    path = tmp_path_factory.mktemp("big") / "big-experts.gguf"
+    write_gguf(path, cfg, demo_weights(cfg, seed=7), tokenizer=Tokenizer.default(), dtype="f16")
+    return str(path)
+
+
+def _serve(model: str, *extra: str):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "ds4mlx.cli", "serve", "-m", model, "--port", str(port), "--ctx", "1024", *extra]
+    env = {**__import__("os").environ, "PYTHONPATH": str(TESTS.parent)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return proc, url
+
+
+def _complete(url: str) -> str:
+    body = {"model": "x", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "seed": 1234}
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    return json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"][0]["text"]
+
+
+def _stats(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/v1/ds4mlx/stats", timeout=30).read())
+
+
+def test_too_big_without_streaming_is_refused_in_one_line(big_model):
+    r = subprocess.run(
+        [sys.executable, "-m", "ds4mlx.cli", "serve", "-m", big_model, "--memory-limit", LIMIT_GB],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(TESTS.parent)},
+        timeout=300,
+    )
+    assert r.returncode == 2
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "GiB of memory is free" in lines[0] and "--stream-experts" in lines[0] and big_model in lines[0]
+
+
+def test_too_big_serves_with_streaming_same_text_as_resident(big_model):
+    proc, url = _serve(big_model)  # resident, no limit: the reference
+    try:
+        wait_up(url, proc, timeout=300)
+        want = _complete(url)
+        assert _stats(url)["expert_cache"] is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    proc, url = _serve(big_model, "--memory-limit", LIMIT_GB, "--stream-experts", "--expert-cache-gb", "auto")
+    try:
+        wait_up(url, proc, timeout=300)
+        assert _complete(url) == want
+        assert _complete(url) == want  # and again, from a warm cache
+        st = _stats(url)["expert_cache"]
+        assert st["misses"] > 0 and st["hits"] > 0 and st["bytes_read"] > 0
+        assert st["capacity_experts"] < st["total_experts"]
+        assert st["resident_bytes"] < float(LIMIT_GB) * 2**30
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    assert "expert streaming:" in out and "auto = free" in out
+
+
+def _run(engine, prompt="Tell me about foxes"):
+    """The job's last event: Finish, or Failed (an error before the first token)."""
+    job = Job(prompt_text=prompt, api="completions", raw=True, params=SamplingParams(temperature=0.0), max_tokens=6)
+    last = None
+    for ev in engine.generate(job):
+        if isinstance(ev, (Finish, Failed)):
+            last = ev
+    return last
+
+
+def test_read_failure_is_one_requests_error_and_serving_goes_on():
+    resident = ds4mlx.load("demo", verbose=False)
+    streamed = ds4mlx.load("demo", verbose=False, stream=StreamConfig(enabled=True, per_layer=1))
+    store = streamed[0].model.expert_store
+    want = None
+    eng = Engine(*resident, ctx=512)
+    try:
+        want = _run(eng).raw_text
+    finally:
+        eng.close()
+    calls = {"n": 0}
+
+    def fail_third(layer, rows):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(5, "Input/output error")
+        return rows
+
+    store.read_filter = fail_third
+    eng = Engine(*streamed, ctx=512)
+    try:
+        bad = _run(eng)  # the read fails during prefill: the request fails before any token
+        assert isinstance(bad, Failed) and bad.status == 500
+        assert "expert streaming: reading layer" in bad.message and "Input/output error" in bad.message
+        ok = _run(eng)
+        assert ok.reason in ("length", "stop") and ok.raw_text == want
+    finally:
+        eng.close()
+    assert store.stats.read_errors == 1
+    assert np.all([c.slot_of[c.expert_in[c.expert_in >= 0]] >= 0 for c in store.layers.values()])
