@@ -46,10 +46,18 @@ class LanguageModel:
         return int(self.args.vocab_size)
 
     @classmethod
-    def from_config(cls, config: dict, weights: dict | None = None, dtype=None, strict: bool = True) -> LanguageModel:
+    def from_config(
+        cls, config: dict, weights: dict | None = None, dtype=None, strict: bool = True, shard=None
+    ) -> LanguageModel:
+        """`shard`: a `distributed.sharding.Sharding`: this rank's config, tensors and modules."""
         mod = family_module(config.get("model_type", registry.DEFAULT_FAMILY))
         args = mod.ModelArgs.from_dict(config)
+        if shard is not None:  # sliced before any tensor is read
+            args = shard.args(args)
+            weights = None if weights is None else shard.weights(weights)
         model = mod.Model(args)
+        if shard is not None:
+            shard.install(model)
         if weights is not None:
             from .quantized import install_quantized, needs_install
             from .tensor_load import to_mlx, to_mlx_weights
@@ -80,11 +88,11 @@ class LanguageModel:
         return Session(self.model, ctx=ctx, chunk=chunk)
 
 
-def load_hf_dir(path: str, dtype=None) -> LanguageModel:
+def load_hf_dir(path: str, dtype=None, shard=None) -> LanguageModel:
     """Build from a folder holding `config.json` and `*.safetensors` (transformers in-memory names)."""
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     weights = {}
     for fn in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         weights.update(mx.load(fn))
-    return LanguageModel.from_config(config, weights, dtype=dtype)
+    return LanguageModel.from_config(config, weights, dtype=dtype, shard=shard)
