@@ -46,7 +46,7 @@ def materialize(module) -> None:
     mx.eval(found)
 
 
-def load(path=None, dtype="auto", mtp=None, verbose=True):
+def load(path=None, dtype="auto", mtp=None, verbose=True, shard=None):
     """Load a GGUF file or a Hugging Face folder; `None` (or "demo") is the built-in
     demo model, "demo:<family>" the demo model of another family.
 
@@ -54,7 +54,8 @@ def load(path=None, dtype="auto", mtp=None, verbose=True):
     dtype_policy), "float32" / "bfloat16" / "float16", or an mx.Dtype.  `mtp`: ds4's
     separate MTP support GGUF.  MTP tensors (the file's own and `mtp`'s) are kept,
     loaded but unused, in `model.mtp_weights` for speculative decoding.  The
-    dtype choice is printed to stderr unless `verbose=False`."""
+    dtype choice is printed to stderr unless `verbose=False`.  `shard`: this rank's part
+    of the model (`distributed.sharding.Sharding`), the only part read."""
     is_demo = path is None or str(path) == "demo" or str(path).startswith("demo:")
     if is_demo:
         from .demo import demo_model_path
@@ -67,7 +68,7 @@ def load(path=None, dtype="auto", mtp=None, verbose=True):
         mtp_tensors = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(MTP_PREFIX)]}
         if mtp is not None:
             mtp_tensors.update(read_mtp_gguf(mtp))
-        model = LanguageModel.from_config(config, tensors, dtype=policy.weights)
+        model = LanguageModel.from_config(config, tensors, dtype=policy.weights, shard=shard)
         del tensors
     backbone = getattr(model.model, "model", None)
     if hasattr(backbone, "activation_dtype"):  # the family's cast point (models/deepseek_v4.py)

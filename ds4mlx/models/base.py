@@ -35,6 +35,8 @@ def family_module(model_type: str):
 
 
 class LanguageModel:
+    session_type = Session  # what new_session builds (distributed/serving.py: rank 0's LeaderSession)
+
     def __init__(self, model, args=None):
         self.model = model
         self.args = args if args is not None else getattr(model, "args", None)
@@ -85,7 +87,7 @@ class LanguageModel:
         return np.array(out.astype(mx.float32))
 
     def new_session(self, ctx: int = 4096, chunk: int = 512) -> Session:
-        return Session(self.model, ctx=ctx, chunk=chunk)
+        return self.session_type(self.model, ctx=ctx, chunk=chunk)
 
 
 def load_hf_dir(path: str, dtype=None, shard=None) -> LanguageModel:
