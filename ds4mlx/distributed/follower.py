@@ -36,7 +36,11 @@ def follow(lm, group) -> None:
             ids = cmd.exchange([0] * a, group)
             session.prefill(ids, chunk=b or None)
         elif op == cmd.STEP:
-            mx.eval(session.step(cmd.token(None, group)[0], undoable=bool(a)))
+            # the token first: a pipeline stage's recv has no inputs, so inside one graph it
+            # could run before the token's all_sum, while rank 0 waits on that all_sum
+            tok = cmd.token(None, group)[0]
+            mx.eval(tok)
+            mx.eval(session.step(tok, undoable=bool(a)))
         elif op == cmd.UNDO:
             session.undo_step()
         elif op == cmd.TRUNCATE:

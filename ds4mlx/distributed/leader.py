@@ -35,7 +35,9 @@ class RankLost(RuntimeError):
 class Link:
     def __init__(self, group, on_lost=None):
         self.group, self.on_lost = group, on_lost
-        self.lost: str | None = None
+        self.lost: str | None = None  # why no command can run any more
+        self.failed = False  # a rank was lost (not a normal stop): the server exits 1
+        self.pending = None  # the last step's lazy logits: submitted before the next header
         self.ids = itertools.count(int.from_bytes(os.urandom(6), "little") << 8)
 
     @contextmanager
@@ -48,22 +50,30 @@ class Link:
         except RankLost:
             raise
         except RuntimeError as e:
-            self.lost = f"{LOST} ({e}); the server stops"
+            self.lost, self.failed = f"{LOST} ({e}); the server stops", True
             if self.on_lost is not None:
                 self.on_lost(self.lost)
             raise RankLost(self.lost) from e
 
     def header(self, op: int, a: int = 0, b: int = 0, c: int = 0) -> None:
         with self.guard():
+            if self.pending is not None:
+                # a step the host has not read yet (decode lookahead, or never read at all)
+                # runs its collectives before this header's, as on the followers
+                mx.async_eval(self.pending)
+                self.pending = None
             cmd.header(self.group, op, a, b, c)
 
     def stop(self) -> None:
-        """Tell the followers to exit (nothing when the group is already lost)."""
+        """Tell the followers to exit (once; nothing when the group is already lost).  Call
+        it on the thread that ran the sessions (MLX streams are per thread: a header sent
+        from another thread is not ordered after that thread's last step)."""
         if not self.lost:
             try:
                 self.header(cmd.STOP)
             except RankLost:
                 pass
+            self.lost = self.lost or "distributed: the server stopped"
 
 
 class LeaderSession(Session):
@@ -123,7 +133,8 @@ class LeaderSession(Session):
         self._room(1)
         with self._command(cmd.STEP, int(bool(undoable))):
             shared = cmd.token(token, self.link.group)[0]
-            return super().step(shared, undoable)
+            self.link.pending = super().step(shared, undoable)
+            return self.link.pending
 
     def undo_step(self) -> None:
         if getattr(self, "_undo", None) is None:

@@ -65,3 +65,17 @@ def start(args):
     link = Link(group, on_lost=_stop_server)
     model.session_type = functools.partial(LeaderSession, link)
     return (model, tokenizer), link
+
+
+def stop_followers_at_shutdown(engine, link) -> None:
+    """STOP goes out on the engine's worker thread, after its shutdown hook (the disk KV
+    cache's exit save, which still needs the followers)."""
+    save = engine.cache.on_shutdown
+
+    def on_shutdown(eng) -> None:
+        try:
+            save(eng)
+        finally:
+            link.stop()
+
+    engine.cache.on_shutdown = on_shutdown

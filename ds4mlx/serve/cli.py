@@ -230,12 +230,14 @@ def run(args, loaded=None) -> int:
             return started
         loaded, link = started
     engine, app = build(args, loaded)
+    if link is not None:
+        from ..distributed.serving import stop_followers_at_shutdown
+
+        stop_followers_at_shutdown(engine, link)
     try:
         asyncio.run(_serve(app, args.host, args.port))
     finally:
         # SIGINT / SIGTERM end _serve; closing the engine runs the shutdown KV save
         # (docs/kv-cache.md §5.4) on its worker after the running job was cancelled.
         engine.close(timeout=SHUTDOWN_TIMEOUT_S)
-        if link is not None:
-            link.stop()
-    return 1 if link is not None and link.lost else 0
+    return 1 if link is not None and link.failed else 0
