@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed_helpers import run_ranks  # noqa: E402
+from distributed_worker import session_script  # noqa: E402
 from parity_helpers import load_case, maxdiff  # noqa: E402
 
 TOL = 1e-5
@@ -44,3 +45,19 @@ def test_sharded_logits_equal_single_process(case, plan, tmp_path):
         assert got[key].shape == single[key].shape, key
         bound = TOL * max(1.0, float(np.abs(single[key]).max()))
         assert maxdiff(got[key], single[key]) <= bound, (plan, key, maxdiff(got[key], single[key]), bound)
+
+
+@pytest.mark.parametrize("plan", ["tp", "ep", "pipeline"])
+def test_leader_commands_replayed_by_follower(oracle, plan, tmp_path):
+    """The server's path: rank 0's LeaderSession broadcasts prefill, lazy steps, an undo,
+    a snapshot, a truncate and a restore; the follower replays them on its shard.  Equal
+    to the same script on one process; a snapshot without its rank trailer is refused."""
+    folder, lm, ref, _ = load_case(oracle, "make_tiny_deepseek_v4.py", None)
+    ids, P = ref["input_ids"][0].tolist(), int(ref["stepwise_start"])
+    single = np.stack(session_script(lm.new_session(ctx=len(ids) + 1, chunk=7), ids, P))
+    out = tmp_path / "rank0.npz"
+    run_ranks([sys.executable, str(WORKER), plan, str(folder), str(out), "commands"], 2, tmp_path)
+    got = dict(np.load(out))
+    assert got["rows"].shape == single.shape
+    assert maxdiff(got["rows"], single) <= TOL * max(1.0, float(np.abs(single).max()))
+    assert "rank trailer" in str(got["refused"])
