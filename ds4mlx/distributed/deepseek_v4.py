@@ -16,6 +16,8 @@ pipeline  layers l0:l1 (renumbered from 0 in the rank's config); rank 0 also hol
      comes back to rank 0 as an all_sum in float32 (every other rank adds zeros that
      wait on its send).  The other ranks' "logits" are that hidden state: only rank 0
      samples.
+Only rank 0 holds the output head (every plan): the other ranks' "logits" are their
+final hidden state, never sampled.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ def _check_tp(args, plan: Plan) -> None:
 def shard_args(args, plan: Plan):
     """The rank's ModelArgs: what its modules are built with."""
     n = plan.size
+    tie = args.tie_word_embeddings and plan.leader  # only rank 0 samples: the others hold no head
     if plan.kind == "tp":
         _check_tp(args, plan)
         return dataclasses.replace(
@@ -179,13 +182,13 @@ def shard_args(args, plan: Plan):
             num_attention_heads=args.num_attention_heads // n,
             o_groups=args.o_groups // n,
             moe_intermediate_size=args.moe_intermediate_size // n,
+            tie_word_embeddings=tie,
         )
     if plan.kind == "ep":
         plan.block(args.n_routed_experts, "n_routed_experts")
         plan.block(args.moe_intermediate_size, "moe_intermediate_size")
-        return args
+        return dataclasses.replace(args, tie_word_embeddings=tie)
     l0, l1 = layer_range(args.num_hidden_layers, plan)
-    tie = args.tie_word_embeddings and plan.leader  # the others hold no head at all
     return dataclasses.replace(
         args,
         num_hidden_layers=l1 - l0,
@@ -230,6 +233,8 @@ def shard_weights(weights: dict, args, plan: Plan) -> dict:
         l0, l1 = layer_range(args.num_hidden_layers, plan)
     for k, v in weights.items():
         m = _LAYER.match(k)
+        if k.startswith("lm_head.") and not plan.leader:
+            continue
         if plan.kind == "pipeline":
             if m is None:
                 if plan.leader or not k.startswith(_OUTER):
@@ -244,10 +249,10 @@ def shard_weights(weights: dict, args, plan: Plan) -> dict:
 
 def install(model, args, plan: Plan, group) -> None:
     """Swap the rank's modules in (before its weights are loaded: the names stay)."""
+    if not plan.leader:
+        model.lm_head = Passthrough()
     if plan.kind == "pipeline":
         model.model = PipelineStage(args, plan, group)
-        if not plan.leader:
-            model.lm_head = Passthrough()
         return
     backbone = model.model
     for i, layer in enumerate(backbone.layers):
