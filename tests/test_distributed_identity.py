@@ -46,3 +46,17 @@ def test_snapshot_and_disk_identity_refuse_another_plan(oracle):
     finally:
         del lm.model.distributed_plan
     assert tp_id != plain_id and model_identity(lm) == plain_id
+
+
+def test_follower_snapshots_survive_a_restart(tmp_path):
+    from ds4mlx.distributed.follower import ShardSnapshots
+
+    store = ShardSnapshots(tmp_path / "rank1")
+    store.put(7, b"shard state")
+    assert store.get(7) == b"shard state"
+    again = ShardSnapshots(tmp_path / "rank1")  # a new process: only the files are left
+    assert again.get(7) == b"shard state"
+    with pytest.raises(KeyError):
+        again.get(8)
+    with pytest.raises(KeyError):
+        ShardSnapshots().get(7)

@@ -2,28 +2,66 @@
 this rank's shard until STOP.  Every model call here runs the same collectives, in the
 same order, as the leader's; the follower's own logits are not used.
 
-Snapshots of the shard are kept in memory (the last KEEP), keyed by the leader's id;
-a restore of one that is gone fails on every rank (the leader then prefills again).
+Snapshots of the shard are kept by `ShardSnapshots`, keyed by the leader's id: in
+memory (the last KEEP), and with a directory (serve's --kv-disk-dir) also on disk, so
+the leader's disk KV cache files still restore on every rank after a restart.  A
+restore of one that is gone fails on every rank (the leader then prefills again).
 A lost leader (its process died) ends the loop with a RuntimeError from the backend.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
+from pathlib import Path
 
 import mlx.core as mx
 
 from . import commands as cmd
 
-KEEP = 64
+KEEP = 64  # snapshots kept in memory
+KEEP_FILES = 1024  # snapshot files kept on disk (the oldest removed first)
 log = logging.getLogger("ds4mlx.distributed")
 
 
-def follow(lm, group) -> None:
-    """Serve the leader; returns on STOP."""
+class ShardSnapshots:
+    """This rank's snapshots by id: memory, and `folder` (created) when given."""
+
+    def __init__(self, folder: str | os.PathLike | None = None):
+        self.memory: OrderedDict[int, bytes] = OrderedDict()
+        self.folder = None if folder is None else Path(folder)
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+
+    def _file(self, sid: int) -> Path:
+        return self.folder / f"{sid:016x}.snap"
+
+    def put(self, sid: int, blob: bytes) -> None:
+        self.memory[sid] = blob
+        while len(self.memory) > KEEP:
+            self.memory.popitem(last=False)
+        if self.folder is not None:
+            tmp = self._file(sid).with_suffix(".tmp")
+            tmp.write_bytes(blob)
+            os.replace(tmp, self._file(sid))
+            files = sorted(self.folder.glob("*.snap"), key=lambda p: p.stat().st_mtime)
+            for old in files[: max(0, len(files) - KEEP_FILES)]:
+                old.unlink(missing_ok=True)
+
+    def get(self, sid: int) -> bytes:
+        """The snapshot, or KeyError."""
+        if sid in self.memory:
+            return self.memory[sid]
+        if self.folder is not None and self._file(sid).exists():
+            return self._file(sid).read_bytes()
+        raise KeyError(sid)
+
+
+def follow(lm, group, folder=None) -> None:
+    """Serve the leader; returns on STOP.  `folder`: where this rank's snapshots persist."""
     session = None
-    blobs: OrderedDict[int, bytes] = OrderedDict()
+    blobs = ShardSnapshots(folder)
     while True:
         op, a, b, _ = cmd.header(group)
         if op == cmd.STOP:
@@ -46,14 +84,12 @@ def follow(lm, group) -> None:
         elif op == cmd.TRUNCATE:
             session.truncate(a)
         elif op == cmd.SNAPSHOT:
-            blobs[cmd.join_id(a, b)] = session.snapshot()
-            while len(blobs) > KEEP:
-                blobs.popitem(last=False)
+            blobs.put(cmd.join_id(a, b), session.snapshot())
         elif op == cmd.RESTORE:
             ok = 1
             try:
-                session.restore(blobs[cmd.join_id(a, b)])
-            except (KeyError, ValueError):
+                session.restore(blobs.get(cmd.join_id(a, b)))
+            except (KeyError, OSError, ValueError):
                 ok = 0
             if cmd.exchange([ok], group)[0] != group.size() and ok:
                 session.reset()

@@ -56,8 +56,10 @@ def start(args):
         args.model, dtype=getattr(args, "dtype", "auto"), mtp=getattr(args, "mtp", None), shard=Sharding(plan, group)
     )
     if not plan.leader:
+        disk = getattr(args, "kv_disk_dir", None)  # the leader's cache files name these snapshots
+        folder = None if not disk else os.path.join(disk, f"rank{plan.rank}-of-{plan.size}-{plan.kind}")
         try:
-            follow(model, group)
+            follow(model, group, folder)
         except RuntimeError as e:
             print(f"ds4mlx serve: rank {plan.rank}: lost rank 0 ({e})", file=sys.stderr)
             return 1
