@@ -124,3 +124,47 @@ def test_dead_rank_fails_the_request_and_stops_the_server(tmp_path):
     text = json.dumps(reply)
     assert "a rank left the group" in text, (reply, logs(2, tmp_path))
     assert codes == [1], logs(2, tmp_path)
+
+
+def stats(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/v1/ds4mlx/stats", timeout=30).read())
+
+
+def test_disk_kv_cache_restores_every_rank_after_a_restart(tmp_path):
+    """tp with --kv-disk-dir: the shutdown save holds rank 0's file and the follower's own
+    shard snapshot; after a restart the next turn restores from disk on both ranks and
+    answers as a single process that never stopped."""
+    system = " ".join(f"Rule {i}: answer briefly and name the rule number." for i in range(60))
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "hello there"}]
+    disk = ["--kv-disk-dir", str(tmp_path / "kv"), "--kv-cache-min-tokens", "64"]
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    log = open(tmp_path / "single.log", "wb")
+    single = subprocess.Popen(serve_cmd(port, None), env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        wait_up(url, [single])
+        first = chat(url, turn1)["choices"][0]["message"]["content"]
+        turn2 = turn1 + [{"role": "assistant", "content": first}, {"role": "user", "content": "and then?"}]
+        want = chat(url, turn2)["choices"][0]["message"]["content"]
+    finally:
+        stop([single])
+    runs = []
+    for i in range(2):
+        run_dir = tmp_path / f"run{i}"
+        run_dir.mkdir()
+        port = free_ports(1)[0]
+        procs = start_ranks(serve_cmd(port, "tp") + disk, 2, run_dir)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_up(url, procs)
+            runs.append(chat(url, turn1 if i == 0 else turn2)["choices"][0]["message"]["content"])
+            runs.append(stats(url)["engine"]["last_cache_source"])
+            procs[0].send_signal(signal.SIGINT)  # the shutdown save, then STOP to the follower
+            codes = wait_exit(procs)
+        finally:
+            stop(procs)
+        assert codes == [0, 0], logs(2, run_dir)
+    assert list((tmp_path / "kv" / "rank1-of-2-tp").glob("*.snap")), "the follower kept no shard snapshot"
+    assert runs[0] == first and runs[2] == want, (runs, first, want)
+    assert runs[3] == "disk-text", runs
