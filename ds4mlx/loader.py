@@ -47,7 +47,7 @@ def materialize(module) -> None:
     mx.eval(found)
 
 
-def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None):
+def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, shard=None):
     """Load a GGUF file or a Hugging Face folder; `None` (or "demo") is the built-in
     demo model, "demo:<family>" the demo model of another family.
 
@@ -57,7 +57,9 @@ def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None):
     loaded but unused, in `model.mtp_weights` for speculative decoding.  The
     dtype choice is printed to stderr unless `verbose=False`.  `stream`: an
     `experts.StreamConfig` (--stream-experts): routed experts read from the file on
-    demand into a bounded cache (ds4mlx/experts/)."""
+    demand into a bounded cache (ds4mlx/experts/).
+    `shard`: this rank's part
+    of the model (`distributed.sharding.Sharding`), the only part read."""
     is_demo = path is None or str(path) == "demo" or str(path).startswith("demo:")
     if is_demo:
         from .demo import demo_model_path
@@ -74,7 +76,7 @@ def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None):
         check_fits(tensors, int(config.get("num_hidden_layers") or 0), policy.weights, stream)
         if mtp is not None:
             mtp_tensors.update(read_mtp_gguf(mtp))
-        model = LanguageModel.from_config(config, tensors, dtype=policy.weights, stream=stream, path=path)
+        model = LanguageModel.from_config(config, tensors, dtype=policy.weights, stream=stream, path=path, shard=shard)
         del tensors
     backbone = getattr(model.model, "model", None)
     if hasattr(backbone, "activation_dtype"):  # the family's cast point (models/deepseek_v4.py)

@@ -81,6 +81,9 @@ def model_fingerprint(model) -> str:
     steering = _steering_identity(model)  # a steered model's state is another model's
     if steering:
         blob += "|" + steering
+    plan = getattr(model, "distributed_plan", None)  # a rank's shard of the state (distributed/)
+    if plan:
+        blob += "|" + plan
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 

@@ -136,6 +136,9 @@ def model_identity(model) -> str:
     steering = steering_identity(model)
     if steering:  # only when steered, so unsteered ids stay what they were
         fields["steering"] = steering
+    plan = getattr(getattr(model, "model", model), "distributed_plan", None)
+    if plan:  # a sharded server's files hold rank 0's shard: another plan refuses them
+        fields["distributed"] = plan
     blob = json.dumps(fields, sort_keys=True, default=str)
     return "ds4mlx-" + hashlib.sha1(blob.encode()).hexdigest()[:20]
 

@@ -35,6 +35,8 @@ def family_module(model_type: str):
 
 
 class LanguageModel:
+    session_type = Session  # what new_session builds (distributed/serving.py: rank 0's LeaderSession)
+
     def __init__(self, model, args=None):
         self.model = model
         self.args = args if args is not None else getattr(model, "args", None)
@@ -47,13 +49,26 @@ class LanguageModel:
 
     @classmethod
     def from_config(
-        cls, config: dict, weights: dict | None = None, dtype=None, strict: bool = True, stream=None, path: str = ""
+        cls,
+        config: dict,
+        weights: dict | None = None,
+        dtype=None,
+        strict: bool = True,
+        stream=None,
+        path: str = "",
+        shard=None,
     ) -> LanguageModel:
         """`stream`: an `experts.StreamConfig` with `enabled`: the routed experts stay in
-        the file behind a bounded cache (ds4mlx/experts/); `path` names it in errors."""
+        the file behind a bounded cache (ds4mlx/experts/); `path` names it in errors.
+        `shard`: a `distributed.sharding.Sharding`: this rank's config, tensors and modules."""
         mod = family_module(config.get("model_type", registry.DEFAULT_FAMILY))
         args = mod.ModelArgs.from_dict(config)
+        if shard is not None:  # sliced before any tensor is read
+            args = shard.args(args)
+            weights = None if weights is None else shard.weights(weights)
         model = mod.Model(args)
+        if shard is not None:
+            shard.install(model)
         detached = None
         if weights is not None and stream is not None and stream.enabled:
             from ..experts.install import detach_experts
@@ -92,14 +107,14 @@ class LanguageModel:
         return np.array(out.astype(mx.float32))
 
     def new_session(self, ctx: int = 4096, chunk: int | None = None) -> Session:
-        return Session(self.model, ctx=ctx, chunk=chunk)
+        return self.session_type(self.model, ctx=ctx, chunk=chunk)
 
 
-def load_hf_dir(path: str, dtype=None) -> LanguageModel:
+def load_hf_dir(path: str, dtype=None, shard=None) -> LanguageModel:
     """Build from a folder holding `config.json` and `*.safetensors` (transformers in-memory names)."""
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     weights = {}
     for fn in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         weights.update(mx.load(fn))
-    return LanguageModel.from_config(config, weights, dtype=dtype)
+    return LanguageModel.from_config(config, weights, dtype=dtype, shard=shard)

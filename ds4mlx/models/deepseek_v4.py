@@ -1008,6 +1008,10 @@ class DeepseekV4Model(nn.Module):
         self.hc_head = HyperHead(args.hc_mult, args.hidden_size, args.hc_eps, args.rms_norm_eps)
         self._hc = args.hc_mult
 
+    def ropes(self) -> dict:
+        """The "main" and "compress" RoPE tables the layers share (distributed/ rebuilds layers)."""
+        return self._ropes
+
     def __call__(self, ids: mx.array, cache: list[LayerCache]) -> mx.array:
         h = self.embed_tokens(ids)
         if self.activation_dtype is not None:

@@ -95,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..kv.policy import add_kv_arguments
 
     add_kv_arguments(p)
+    from ..distributed.serving import add_argument as add_distributed_argument
+
+    add_distributed_argument(p)
 
 
 def build(args, loaded=None):
@@ -233,11 +236,23 @@ def run(args, loaded=None) -> int:
             print(f"ds4mlx serve: --chdir {args.chdir}: {e}", file=sys.stderr)
             return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    link = None
+    if getattr(args, "distributed", None):  # every rank loads its shard; rank 0 goes on
+        from ..distributed.serving import start
+
+        started = start(args)
+        if isinstance(started, int):  # a follower rank, done
+            return started
+        loaded, link = started
     engine, app = build(args, loaded)
+    if link is not None:
+        from ..distributed.serving import stop_followers_at_shutdown
+
+        stop_followers_at_shutdown(engine, link)
     try:
         asyncio.run(_serve(app, args.host, args.port))
     finally:
         # SIGINT / SIGTERM end _serve; closing the engine runs the shutdown KV save
         # (docs/kv-cache.md §5.4) on its worker after the running job was cancelled.
         engine.close(timeout=SHUTDOWN_TIMEOUT_S)
-    return 0
+    return 1 if link is not None and link.failed else 0
