@@ -10,6 +10,7 @@ import signal
 import sys
 
 from .. import dtype_policy
+from ..speculative import cli as spec_cli
 
 DEFAULT_TOKENS = 393216
 
@@ -34,7 +35,7 @@ def _port(v: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF file or Hugging Face folder (default: the demo model)")
     dtype_policy.add_argument(p)
-    p.add_argument("--mtp", default=None, help="ds4's MTP support GGUF (kept, loaded but unused for now)")
+    spec_cli.add_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     p.add_argument("-c", "--ctx", type=_positive, default=32768, help="context tokens (default 32768)")
@@ -104,7 +105,7 @@ def build(args, loaded=None):
     if loaded is not None:
         model, tokenizer = loaded
     else:
-        model, tokenizer = load(args.model, dtype=getattr(args, "dtype", "auto"), mtp=getattr(args, "mtp", None))
+        model, tokenizer = load(args.model, dtype=getattr(args, "dtype", "auto"), mtp=spec_cli.mtp_file(args))
         if getattr(model, "is_demo", False):
             from ..demo import DEMO_NOTICE
 
@@ -118,6 +119,12 @@ def build(args, loaded=None):
         raise SystemExit(f"ds4mlx serve: {e}") from None
     if steered:
         log.info("directional steering: %s", steered)
+    try:
+        speculation = spec_cli.spec_config(args, model, ctx=args.ctx, dtype=getattr(args, "dtype", "auto"))
+    except spec_cli.SpecUsageError as e:
+        raise SystemExit(f"ds4mlx serve: {e}") from None
+    if speculation is not None:
+        log.info("speculative decoding: %s", speculation.describe())
     replay = not args.disable_exact_dsml_tool_replay
     memory = ToolMemory(max_ids=args.tool_memory_max_ids) if replay else None
     cache = None
@@ -135,6 +142,7 @@ def build(args, loaded=None):
         tool_memory=memory,
         prefill_chunk=args.prefill_chunk,
         cache=cache,
+        speculation=speculation,
     )
     if args.think_level is not None and not engine.protocol.numeric_effort:
         engine.close()

@@ -31,6 +31,7 @@ class ModelDrafter:
     def __init__(self, model, ctx: int, chunk: int = 512):
         """`model`: a LanguageModel (models/base.py) or a family Model."""
         self.lm = model
+        self.name = f"draft model {getattr(model, 'path', type(model).__name__)}"
         self.ctx, self.chunk = int(ctx), int(chunk)
         self.session = None
         self._before = None  # the draft session's checkpoint at the last proposal's start

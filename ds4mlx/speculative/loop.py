@@ -106,3 +106,25 @@ class SpeculativeLoop:
             if used:
                 self.session.verify(kept[:used])
             mx.eval(self.session.cache_arrays())
+
+
+def loop_for_job(spec, session, logits, params, *, banned=None, seed=0, stop_ids=(), limit=None, stats=None):
+    """The engine's speculative loop for one job, or None where speculation does not apply:
+    no `spec` (SpecConfig), or a repetition penalty (its window would differ per draft
+    position: that job decodes token by token)."""
+    if spec is None or (params.repetition_penalty != 1.0 and params.repetition_window > 0):
+        return None
+    from .acceptance import rule_for
+
+    vocab = int(logits.shape[-1])
+    return SpeculativeLoop(
+        session,
+        logits,
+        spec.drafter,
+        rule_for(params, vocab, banned, seed),
+        depth=spec.depth,
+        margin=spec.margin,
+        stop_ids=stop_ids,
+        limit=limit,
+        stats=stats,
+    )

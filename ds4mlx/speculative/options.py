@@ -8,6 +8,10 @@ DEFAULT_DRAFT = 1  # ds4's --mtp-draft default
 DEFAULT_MARGIN = 3.0  # ds4's --mtp-margin default
 
 
+class SpecUsageError(ValueError):
+    """A speculative-decoding flag that cannot be honoured (printed, exit status 2)."""
+
+
 @dataclass
 class SpecConfig:
     drafter: object  # drafter.ModelDrafter (or any object with `propose`)
@@ -19,6 +23,9 @@ class SpecConfig:
             raise ValueError("--mtp-draft must be at least 1")
         self.depth = int(self.depth)
         self.margin = max(0.0, float(self.margin))
+
+    def describe(self) -> str:
+        return f"{getattr(self.drafter, 'name', type(self.drafter).__name__)}, {self.depth} draft token(s), margin {self.margin:g}"
 
 
 @dataclass
