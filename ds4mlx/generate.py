@@ -19,7 +19,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from . import dtype_policy
-from .speculative import cli as spec_cli
 from .cli_options import (
     UsageError,
     add_prefix_argument,
@@ -31,6 +30,7 @@ from .cli_options import (
     sampling_params,
 )
 from .events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd
+from .speculative import cli as spec_cli
 from .think_flags import add_think_arguments
 
 

@@ -246,7 +246,9 @@ class Session:
     def checkpoint(self) -> SessionCheckpoint:
         """This session's state, kept in memory for `rollback` (no host copy: the cache
         arrays are shared until the next step writes, then copied by MLX)."""
-        layers = [(json.loads(json.dumps(c.meta_state)), {k: mx.array(v) for k, v in c.state.items()}) for c in self._cache]
+        layers = [
+            (json.loads(json.dumps(c.meta_state)), {k: mx.array(v) for k, v in c.state.items()}) for c in self._cache
+        ]
         return SessionCheckpoint(tuple(self._tokens), self._logits, layers)
 
     def rollback(self, cp: SessionCheckpoint) -> None:

@@ -26,7 +26,9 @@ def add_arguments(p, mtp: bool = True) -> None:
             help="speculative decoding with the model's MTP head (FILE: ds4's MTP support GGUF)",
         )
     p.add_argument("--draft-model", metavar="PATH", help="speculative decoding with a draft model (same tokenizer)")
-    p.add_argument("--mtp-draft", type=int, default=DEFAULT_DRAFT, metavar="N", help="draft tokens per verify (default 1)")
+    p.add_argument(
+        "--mtp-draft", type=int, default=DEFAULT_DRAFT, metavar="N", help="draft tokens per verify (default 1)"
+    )
     p.add_argument(
         "--mtp-margin",
         type=float,
