@@ -168,3 +168,47 @@ def test_distribution_is_what_the_sampler_draws():
         freq = counts / trials
         assert np.all((p == 0) <= (counts == 0))  # never draws what p excludes
         assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / trials) + 1e-3)
+
+
+# ------------------------------------------------------------------ host-driven loop (ds4-eval)
+def test_stepper_serves_verified_rows_and_rolls_back_on_a_different_pick(v4):
+    from ds4mlx.speculative.stepper import SpeculativeStepper
+
+    lm, prompt = v4
+    n = 60
+
+    def run(step_fn, logits):
+        rng = np.random.default_rng(9)
+        out = []
+        for i in range(n):
+            x = np.array(logits, np.float64).reshape(-1)
+            if i % 3 == 2:  # every third pick sampled: a pick the greedy draft does not expect
+                p = np.exp(x - x.max())
+                tok = int(rng.choice(len(p), p=p / p.sum()))
+            else:
+                tok = int(x.argmax())
+            out.append(tok)
+            logits = step_fn(tok)
+        return out
+
+    s = lm.new_session(ctx=200)
+    want = run(s.step, s.prefill(prompt))
+    t = lm.new_session(ctx=200)
+    first = t.prefill(prompt)
+    st = SpeculativeStepper(t, ModelDrafter(lm, ctx=200), depth=3)
+    got = run(st.step, first)
+    st.settle()
+    assert got == want and t.tokens == s.tokens
+    np.testing.assert_allclose(t.last_logits, s.last_logits, atol=1e-4)
+    assert st.stats.accepted > 0 and st.stats.rounds < n and st.stats.rollbacks > 0
+
+
+def test_sampled_self_draft_accepts_everything(v4):
+    lm, prompt = v4
+    s = lm.new_session(ctx=120)
+    rule = SampledRule(lm.vocab_size, SamplingParams(temperature=0.9, top_p=0.9, min_p=0.0), seed=4)
+    loop = SpeculativeLoop(s, s.prefill(prompt), ModelDrafter(lm, ctx=120), rule, depth=3, limit=40)
+    got = list(loop)
+    assert len(got) == 40 and s.tokens == prompt + got
+    # q == p at every position: min(1, p/q) = 1 (up to the float noise of the two forwards)
+    assert loop.stats.accepted >= loop.stats.drafted - 1

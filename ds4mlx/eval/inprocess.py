@@ -33,14 +33,17 @@ class InProcessBackend:
         top_p: float = 1.0,
         min_p: float = 0.05,
         loaded: tuple[Any, Any] | None = None,
+        spec_args: Any = None,
     ):
-        """`loaded=(model, tokenizer)` skips `ds4mlx.load` (tests, embedding)."""
+        """`loaded=(model, tokenizer)` skips `ds4mlx.load` (tests, embedding); `spec_args`:
+        the speculative-decoding flags (speculative/cli.py), or a SpecConfig."""
         self.model_path = model_path
         self.model = model_path or "demo"
         self.temperature, self.top_p, self.min_p = temperature, top_p, min_p
         self._model: Any = loaded[0] if loaded else None
         self._tok: Any = loaded[1] if loaded else None
         self._session: Any = None
+        self._spec_args, self.speculation, self.spec_stats = spec_args, None, None
         self._rng: Xorshift64Star | None = None
         self.ctx = 0
 
@@ -49,7 +52,9 @@ class InProcessBackend:
         if self._model is None:
             import ds4mlx
 
-            self._model, self._tok = ds4mlx.load(self.model_path)
+            from ..speculative import cli as spec_cli
+
+            self._model, self._tok = ds4mlx.load(self.model_path, mtp=spec_cli.mtp_file(self._spec_args))
 
     def count_tokens(self, prompt: Prompt) -> int:
         self._load()
@@ -59,6 +64,13 @@ class InProcessBackend:
         self._load()
         self.ctx = ctx
         self._session = self._model.new_session(ctx)
+        if self._spec_args is not None and self.speculation is None:
+            from ..speculative import cli as spec_cli
+            from ..speculative.options import SpecConfig, SpecStats
+
+            spec = self._spec_args
+            self.speculation = spec if isinstance(spec, SpecConfig) else spec_cli.spec_config(spec, self._model, ctx)
+            self.spec_stats = SpecStats()
 
     def close(self) -> None:
         self._session = None
@@ -167,8 +179,15 @@ class InProcessBackend:
             v = x[tok]
             return int((x > v).sum().item()) + int((x[:tok] == v).sum().item()) + 1
 
+        stepper = s
+        if self.speculation is not None:  # drafts verified in one forward; every pick still the target's
+            from ..speculative.stepper import SpeculativeStepper
+
+            sp = self.speculation
+            stepper = SpeculativeStepper(s, sp.drafter, sp.depth, sp.margin, stats=self.spec_stats)
+
         def advance(tok: int) -> str:
-            state["logits"] = s.step(tok)
+            state["logits"] = stepper.step(tok)
             return decoder.decode(self._tok.token_bytes(tok))
 
         try:
@@ -185,6 +204,8 @@ class InProcessBackend:
             )
         except Exception as e:  # noqa: BLE001
             res.finish, res.error = "error", f"decode failed: {e}"
+        if stepper is not s:
+            stepper.settle()
         tail = decoder.decode(b"", final=True)
         if tail:
             res.raw += tail

@@ -185,6 +185,6 @@ def mtp_drafter(model, ctx: int) -> MTPDrafter:
     if tensors:
         dtype = getattr(getattr(model, "dtype_policy", None), "weights", None)
         return MTPDrafter(model, loaded_head(inner.args, tensors, dtype))
-    if getattr(model, "is_demo", False):  # the demo model's random head
+    if getattr(model, "is_demo", False) or getattr(model, "random_weights", False):  # demo / synthetic: random
         return random_mtp_drafter(model, ctx)
     raise SpecUsageError("--mtp: this model file carries no MTP tensors (mtp.*); pass ds4's MTP GGUF: --mtp FILE")
