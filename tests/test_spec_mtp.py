@@ -140,3 +140,22 @@ def test_generate_with_mtp_on_the_demo_model_prints_the_same_text():
     spec = subprocess.run(base + ["--mtp", "--mtp-draft", "2"], capture_output=True, text=True, env=env, timeout=600)
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr[-2000:]
     assert spec.stdout == plain.stdout and "speculative decoding: MTP head" in spec.stderr
+
+
+def test_catch_up_from_one_window_back_gives_the_same_last_position(v4):
+    lm, ids = v4
+    head = random_head(lm.model.args, seed=8)
+    W = lm.model.args.sliding_window
+    backbone = lm.model.model
+    got = []
+    backbone.stream_hook = lambda x, start: got.append(x)
+    try:
+        lm.model(mx.array([ids[:45]], mx.int32))
+    finally:
+        backbone.stream_hook = None
+    streams, nxt = got[0][:, :44], mx.array([ids[1:45]], mx.int32)
+    _, full = head(streams, nxt, backbone.embed_tokens, head.make_cache())
+    c = head.make_cache()
+    c.offset = 44 - W  # what MTPDrafter does after a long prefill: only the last window
+    _, short = head(streams[:, 44 - W :], nxt[:, 44 - W :], backbone.embed_tokens, c)
+    assert np.abs(np.array(short[:, -1]) - np.array(full[:, -1])).max() <= 1e-4

@@ -88,6 +88,7 @@ class MTPDrafter:
         self.done = 0  # MTP positions evaluated with real streams: 0 .. done-1
         self._chunks: list = []  # (first position, streams [1, T, hc, H]) since `done`
         self._before = None  # the MTP cache before the last round's recursive (speculative) positions
+        self.window = int(head.args.sliding_window)
         self.backbone.stream_hook = self._collect
 
     def close(self) -> None:
@@ -103,7 +104,9 @@ class MTPDrafter:
             elif s < start:
                 kept.append((s, x[:, : start - s]))
         kept.append((start, streams))
-        self._chunks = kept
+        # only the last window matters (below): a long prefill keeps W positions, not all
+        floor = start + streams.shape[1] - self.window
+        self._chunks = [(max(s, floor), x[:, max(0, floor - s) :]) for s, x in kept if s + x.shape[1] > floor]
 
     def _streams(self, lo: int, hi: int):
         """Streams of positions lo..hi-1 (None if some are missing), and forget older ones."""
@@ -138,6 +141,10 @@ class MTPDrafter:
         self._rewind()
         if self.done > n:  # the target went back (a new request on a shorter prefix)
             self._restart(0)
+        if self.done < n - self.window:
+            # the MTP layer attends to a sliding window: starting W positions back gives the
+            # last position (the one that drafts) its exact window and rows
+            self._restart(n - self.window)
         streams = self._streams(self.done, n)
         if streams is None:  # positions without streams: start from the newest ones seen
             first = max((s for s, _ in self._chunks if s < n), default=n - 1)
