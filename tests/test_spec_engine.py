@@ -178,3 +178,24 @@ def test_engine_greedy_self_draft_on_the_tiny_v4(oracle, tok):
     (pf, ptoks, _), (sf, stoks, stats) = runs
     assert pf[2] == 210 and sf == pf and stoks == ptoks
     assert stats.spec_accepted == stats.spec_drafted > 0 and stats.spec_acceptance_rate == 1.0
+
+
+def test_flags_that_cannot_be_honoured_are_usage_errors(oracle):
+    import argparse
+
+    from ds4mlx.speculative import cli as spec_cli
+
+    p = argparse.ArgumentParser()
+    spec_cli.add_arguments(p)
+    assert spec_cli.spec_config(p.parse_args([]), None, ctx=64) is None
+    folder, lm, _, _ = load_case(oracle, "make_tiny_deepseek_v4.py", "long")
+    for argv, msg in (
+        (["--mtp", "--draft-model", "demo"], "exclude each other"),
+        (["--draft-model", "demo"], "vocabulary"),  # the demo's 129280 ids vs the oracle's 512
+        (["--draft-model", str(folder), "--mtp-draft", "0"], "at least 1"),
+        (["--mtp"], "no MTP tensors"),  # an HF folder without mtp.* and not a demo
+    ):
+        with pytest.raises(spec_cli.SpecUsageError, match=msg):
+            spec_cli.spec_config(p.parse_args(argv), lm, ctx=64)
+    a = p.parse_args(["--mtp", "x.gguf"])
+    assert spec_cli.mtp_file(a) == "x.gguf" and spec_cli.mtp_file(p.parse_args(["--mtp"])) is None
