@@ -10,7 +10,8 @@ tokens, or when the consumer leaves the `for`.  One round:
 3. checkpoint, `session.verify([x0, d1..dk])`: one forward, k+1 rows of logits;
 4. `rule.accept`: the kept prefix d1..dn and the token after it (the next round's x0);
    an accepted stop id ends the kept prefix (it is the next x0: the loop stops on it);
-5. if n < k: rollback and verify [x0, d1..dn] again (exact caches past the rejection);
+5. if n < k: rollback and feed [x0, d1..dn] again (exact caches past the rejection; one
+   token as a plain decode step);
 6. yield x0, d1..dn.
 
 The consumer may stop in the middle of step 6 (a stop string, a tool call, a cancel):
@@ -86,7 +87,7 @@ class SpeculativeLoop:
             if kept < len(drafts):
                 st.rollbacks += 1
                 s.rollback(cp)
-                s.verify(ids[: 1 + kept])
+                refeed(s, ids[: 1 + kept])
             mx.eval(s.cache_arrays())
             self._round = [cp, ids[: 1 + kept], 0]
             for t in ids[: 1 + kept]:
@@ -103,9 +104,17 @@ class SpeculativeLoop:
         cp, kept, used = r
         if used < len(kept):
             self.session.rollback(cp)
-            if used:
-                self.session.verify(kept[:used])
+            refeed(self.session, kept[:used])
             mx.eval(self.session.cache_arrays())
+
+
+def refeed(session, ids) -> None:
+    """Feed the kept prefix of a rolled-back verify again: one token as a plain (compiled)
+    decode step, several as one verify forward."""
+    if len(ids) == 1:
+        session.step(int(ids[0]))
+    elif ids:
+        session.verify(ids)
 
 
 def loop_for_job(spec, session, logits, params, *, banned=None, seed=0, stop_ids=(), limit=None, stats=None):

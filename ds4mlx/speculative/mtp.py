@@ -35,25 +35,29 @@ def _v4_backbone(model):
     return inner, backbone
 
 
-def random_head(args, seed: int = RANDOM_SEED, std: float = 0.02):
-    """A V4 MTP head with random weights (norms ~1, matrices N(0, std))."""
+def random_head(args, seed: int = RANDOM_SEED, std: float = 0.02, dtype=None):
+    """A V4 MTP head with random weights (norms ~1, matrices N(0, std)), drawn on the
+    device (a full-size head is 13 GB of bfloat16 experts: no host round trip)."""
     from mlx.utils import tree_flatten, tree_unflatten
 
     from ..models.deepseek_v4_mtp import MTPHead
 
     head = MTPHead(args)
-    rng = np.random.default_rng(seed)
+    key = mx.random.key(seed)
     params = []
     for name, p in tree_flatten(head.parameters()):
+        key, sub = mx.random.split(key)
+        want = dtype if dtype is not None and mx.issubdtype(p.dtype, mx.floating) else p.dtype
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            v = 1.0 + 0.1 * rng.standard_normal(p.shape)
+            v = 1.0 + 0.1 * mx.random.normal(p.shape, key=sub)
         elif "e_score_correction_bias" in name or name.endswith("hc_base"):
-            v = 0.1 * rng.standard_normal(p.shape)
+            v = 0.1 * mx.random.normal(p.shape, key=sub)
         elif name.endswith("hc_scale"):
-            v = np.ones(p.shape)
+            v = mx.ones(p.shape)
         else:
-            v = std * rng.standard_normal(p.shape)
-        params.append((name, mx.array(v.astype(np.float32)).astype(p.dtype)))
+            v = std * mx.random.normal(p.shape, key=sub)
+        params.append((name, v.astype(want)))
+        mx.eval(params[-1][1])  # one tensor at a time
     head.update(tree_unflatten(params))
     materialize(head)  # rope tables too: the engine's worker thread cannot evaluate lazy arrays
     return head
@@ -183,7 +187,7 @@ class MTPDrafter:
 
 def random_mtp_drafter(model, ctx: int = 0, seed: int = RANDOM_SEED) -> MTPDrafter:
     inner, _ = _v4_backbone(model)
-    return MTPDrafter(model, random_head(inner.args, seed))
+    return MTPDrafter(model, random_head(inner.args, seed, dtype=inner.static_dtype()))
 
 
 def mtp_drafter(model, ctx: int) -> MTPDrafter:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .acceptance import GreedyRule
+from .loop import refeed
 from .options import SpecStats
 
 
@@ -61,7 +62,7 @@ class SpeculativeStepper:
         cp, ids, used = r
         self.stats.rollbacks += 1
         self.session.rollback(cp)
-        self.session.verify(ids[:used])
+        refeed(self.session, ids[:used])
         mx.eval(self.session.cache_arrays())
 
     def __len__(self) -> int:
