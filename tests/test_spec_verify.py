@@ -90,3 +90,30 @@ def test_checkpoint_survives_later_steps_and_restores_twice(case):
         assert s.tokens == ids[:12]
         got = np.stack([s.decode(t) for t in ids[12:24]])
         assert np.array_equal(got, want)
+
+
+def test_speculative_loop_with_wrong_drafts_equals_plain_greedy(case):
+    """The loop on every family: drafts wrong at rotating depths, the output and the session
+    end token for token where plain greedy decoding ends."""
+    from ds4mlx.decode import decode_tokens, greedy
+    from ds4mlx.speculative.acceptance import GreedyRule
+    from ds4mlx.speculative.drafter import ScriptedDrafter
+    from ds4mlx.speculative.loop import SpeculativeLoop
+
+    lm, ids = case
+    prompt, n = ids[:6], 48
+    s = lm.new_session(ctx=len(prompt) + n + 8)
+    want = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), limit=n))
+    full = prompt + want
+
+    def corrupt(ctx, k):
+        at = len(ctx) % (k + 2)
+        return [(t + 1) % lm.vocab_size if i == at else t for i, t in enumerate(full[len(ctx) : len(ctx) + k])]
+
+    t = lm.new_session(ctx=len(prompt) + n + 8)
+    loop = SpeculativeLoop(t, t.prefill(prompt), ScriptedDrafter(corrupt), GreedyRule(lm.vocab_size), depth=3, limit=n)
+    assert list(loop) == want and t.tokens == s.tokens
+    # the caches after rollbacks: the next logits are the full forward's (a one-shot forward
+    # is the reference; V4.1's compiled step itself drifts ~2e-3 from it on this sequence)
+    assert maxdiff(t.last_logits[None], lm.logits(t.tokens)[-1:]) <= TOL
+    assert 0 < loop.stats.accepted < loop.stats.drafted
