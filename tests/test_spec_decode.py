@@ -212,3 +212,15 @@ def test_sampled_self_draft_accepts_everything(v4):
     assert len(got) == 40 and s.tokens == prompt + got
     # q == p at every position: min(1, p/q) = 1 (up to the float noise of the two forwards)
     assert loop.stats.accepted >= loop.stats.drafted - 1
+
+
+def test_a_draft_without_distribution_is_a_point_mass_and_stays_exact():
+    rng = np.random.default_rng(8)
+    p = rng.dirichlet(np.ones(5))
+    rule = SampledRule(5, SamplingParams(temperature=1.0, min_p=0.0), seed=12)
+    trials, counts = 30000, np.zeros(5)
+    for _ in range(trials):
+        n, nxt = rule.accept_probs(np.stack([p, p]), [2], None)  # the drafter always says 2
+        counts[2 if n == 1 else nxt] += 1
+    freq = counts / trials
+    assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / trials))

@@ -199,3 +199,28 @@ def test_flags_that_cannot_be_honoured_are_usage_errors(oracle):
             spec_cli.spec_config(p.parse_args(argv), lm, ctx=64)
     a = p.parse_args(["--mtp", "x.gguf"])
     assert spec_cli.mtp_file(a) == "x.gguf" and spec_cli.mtp_file(p.parse_args(["--mtp"])) is None
+
+
+def test_server_stats_carry_the_speculation_counters(tok):
+    import json
+    import urllib.request
+
+    from scripted_model import serve
+
+    model = VerifyingModel(tok, LONG)
+    plain, plain_tokens = None, []
+    with serve(tok, model) as srv:
+        for spec in (False, True):
+            if spec:  # the engine reads its speculation per job
+                srv.engine.speculation = SpecConfig(_drafter(plain_tokens, model.vocab_size), depth=3, margin=0)
+            body = json.dumps({"model": "x", "prompt": "hi", "max_tokens": 120, "temperature": 0}).encode()
+            req = urllib.request.Request(srv.url + "/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                text = json.loads(r.read())["choices"][0]["text"]
+            if not spec:
+                plain, plain_tokens[:] = text, srv.engine.session.tokens
+        with urllib.request.urlopen(srv.url + "/v1/ds4mlx/stats", timeout=30) as r:
+            stats = json.loads(r.read())["engine"]
+    assert text == plain
+    assert stats["spec_drafted"] > stats["spec_accepted"] > 0 and stats["spec_rounds"] > 0
+    assert stats["spec_acceptance_rate"] == round(stats["spec_accepted"] / stats["spec_drafted"], 4)

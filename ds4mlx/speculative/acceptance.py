@@ -124,7 +124,11 @@ class SampledRule:
         return self.accept_probs(p, drafts, None if q is None else np.asarray(q, dtype=np.float64))
 
     def accept_probs(self, p: np.ndarray, drafts: Sequence[int], q: np.ndarray | None) -> tuple[int, int]:
-        """The rule on host probabilities: p [k+1, V] target, q [k, V] draft."""
+        """The rule on host probabilities: p [k+1, V] target, q [k, V] draft (None: the
+        drafter proposes without a distribution, i.e. q is the point mass on its token)."""
+        if q is None:
+            q = np.zeros((len(drafts), p.shape[-1]))
+            q[np.arange(len(drafts)), list(drafts)] = 1.0
         for i, d in enumerate(drafts):
             pd, qd = p[i, d], q[i, d]
             if qd > 0 and self.rng.random() < min(1.0, pd / qd):
