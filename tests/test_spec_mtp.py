@@ -159,3 +159,32 @@ def test_catch_up_from_one_window_back_gives_the_same_last_position(v4):
     c.offset = 44 - W  # what MTPDrafter does after a long prefill: only the last window
     _, short = head(streams[:, 44 - W :], nxt[:, 44 - W :], backbone.embed_tokens, c)
     assert np.abs(np.array(short[:, -1]) - np.array(full[:, -1])).max() <= 1e-4
+
+
+def test_a_head_saved_in_the_gguf_layout_loads_back_and_a_foreign_layout_is_refused(v4):
+    from mlx.utils import tree_flatten
+
+    from ds4mlx.speculative.mtp import SpecUsageError, loaded_head
+
+    lm, _ = v4
+    args = lm.model.args
+    head = random_head(args, seed=9)
+    own = {"hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+    tensors = {}
+    for name, p in tree_flatten(head.parameters()):  # the names read_mtp_gguf hands out
+        if name in own:
+            key = f"mtp.0.{own[name]}"
+        elif name.startswith("block."):
+            key = "mtp.0." + name[len("block.") :].removesuffix(
+                ".weight"
+                if ".mlp.experts." in name and name.endswith(("gate_up_proj.weight", "down_proj.weight"))
+                else "@"
+            )
+        else:
+            key = f"mtp.0.{name}"
+        tensors[key] = p
+    back = loaded_head(args, tensors)
+    for (n1, a), (n2, b) in zip(tree_flatten(head.parameters()), tree_flatten(back.parameters())):
+        assert n1 == n2 and np.array_equal(np.array(a), np.array(b))
+    with pytest.raises(SpecUsageError, match="do not form"):
+        loaded_head(args, {"mtp.0.attn.wq_a.weight": mx.zeros((4, 4))})

@@ -77,7 +77,12 @@ def loaded_head(args, tensors: dict, dtype=None):
     owned = {}
     if needs_install(weights):
         weights, owned = install_quantized(head, weights, dtype)
-    head.load_weights(list(weights.items()) + list(owned.items()), strict=True)
+    try:
+        head.load_weights(list(weights.items()) + list(owned.items()), strict=True)
+    except ValueError as e:
+        # e.g. the hub checkpoint's own layout (mtp.0.attn.wq_a, per-expert w1/w2/w3):
+        # only the GGUF layout (transformers layer names, ds4's head names) is mapped
+        raise SpecUsageError(f"--mtp: the MTP tensors do not form a V4 MTP head: {e}") from None
     materialize(head)
     return head
 
