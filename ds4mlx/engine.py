@@ -109,6 +109,8 @@ class EngineStats:
     spec_drafted: int = 0  # draft tokens proposed
     spec_accepted: int = 0  # draft tokens the target kept
     spec_acceptance_rate: float = 0.0
+    spec_draft_seconds: float = 0.0  # wall time proposing drafts
+    spec_verify_seconds: float = 0.0  # wall time verifying (target forward, acceptance, rollback)
     last_cache_source: str = "none"
 
 
@@ -854,6 +856,8 @@ class Engine:
         t.spec_rounds += st.rounds
         t.spec_drafted += st.drafted
         t.spec_accepted += st.accepted
+        t.spec_draft_seconds = round(t.spec_draft_seconds + st.draft_seconds, 4)
+        t.spec_verify_seconds = round(t.spec_verify_seconds + st.verify_seconds, 4)
         t.spec_acceptance_rate = round(t.spec_accepted / t.spec_drafted, 4) if t.spec_drafted else 0.0
 
     def _reasoning_tokens(self, parsed, generated: int) -> int:

@@ -21,6 +21,7 @@ session ends where token-by-token decoding ends.  The engine calls it after the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
@@ -67,10 +68,12 @@ class SpeculativeLoop:
             if self.limit is not None:
                 k = min(k, self.limit - n - 1)
             drafts, q = ([], None)
+            t0 = time.perf_counter()
             if k > 0:
                 drafts, q = self.drafter.propose(s.tokens, x0, k, self.rule, self.margin)
                 drafts = [int(d) for d in drafts[:k]]
                 q = None if q is None else q[: len(drafts)]
+            t1 = time.perf_counter()
             cp = s.checkpoint()
             ids = [x0, *drafts]
             rows = s.verify(ids)
@@ -89,6 +92,8 @@ class SpeculativeLoop:
                 s.rollback(cp)
                 refeed(s, ids[: 1 + kept])
             mx.eval(s.cache_arrays())
+            st.draft_seconds += t1 - t0
+            st.verify_seconds += time.perf_counter() - t1
             self._round = [cp, ids[: 1 + kept], 0]
             for t in ids[: 1 + kept]:
                 n += 1

@@ -35,6 +35,8 @@ class SpecStats:
     accepted: int = 0  # draft tokens the target kept
     emitted: int = 0  # tokens that left the loop (accepted drafts + one target token per round)
     rollbacks: int = 0  # rounds with a rejected draft (checkpoint restored)
+    draft_seconds: float = 0.0  # wall time proposing (the drafter's forwards, read once)
+    verify_seconds: float = 0.0  # wall time verifying: the target forward, acceptance, rollback
 
     @property
     def acceptance_rate(self) -> float:
@@ -45,7 +47,7 @@ class SpecStats:
         return self.emitted / self.rounds if self.rounds else 0.0
 
     def add(self, other: SpecStats) -> None:
-        for k in ("rounds", "drafted", "accepted", "emitted", "rollbacks"):
+        for k in ("rounds", "drafted", "accepted", "emitted", "rollbacks", "draft_seconds", "verify_seconds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
     def as_dict(self) -> dict:
@@ -57,4 +59,6 @@ class SpecStats:
             "rollbacks": self.rollbacks,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_round": round(self.tokens_per_round, 4),
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
         }
