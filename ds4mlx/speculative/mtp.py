@@ -54,8 +54,8 @@ def random_head(args, seed: int = RANDOM_SEED, std: float = 0.02, dtype=None):
             v = 0.1 * mx.random.normal(p.shape, key=sub)
         elif name.endswith("hc_scale"):
             v = mx.ones(p.shape)
-        else:
-            v = std * mx.random.normal(p.shape, key=sub)
+        else:  # drawn in the target dtype: no float32 copy of a 13 GB expert tensor
+            v = mx.random.normal(p.shape, dtype=want, key=sub) * mx.array(std, want)
         params.append((name, v.astype(want)))
         mx.eval(params[-1][1])  # one tensor at a time
     head.update(tree_unflatten(params))
