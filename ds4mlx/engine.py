@@ -47,6 +47,8 @@ from .events import (
 from .memcheckpoints import MemoryCheckpoints
 from .prefill_chunk import default_chunk
 from .sampling import GREEDY, DeviceSampler, Sampler, SamplingParams
+from .speculative.loop import loop_for_job
+from .speculative.options import SpecStats
 
 log = logging.getLogger("ds4mlx.engine")
 
@@ -104,6 +106,12 @@ class EngineStats:
     cancelled: int = 0
     cancel_requests: int = 0
     greedy_tokens: int = 0  # tokens sampled greedily because of DSML structure
+    spec_rounds: int = 0  # speculative decoding (#21): verify forwards
+    spec_drafted: int = 0  # draft tokens proposed
+    spec_accepted: int = 0  # draft tokens the target kept
+    spec_acceptance_rate: float = 0.0
+    spec_draft_seconds: float = 0.0  # wall time proposing drafts
+    spec_verify_seconds: float = 0.0  # wall time verifying (target forward, acceptance, rollback)
     last_cache_source: str = "none"
 
 
@@ -262,6 +270,7 @@ class Engine:
         parser_factory: Callable[..., Any] = default_parser_factory,
         protocol=None,
         checkpoints: MemoryCheckpoints | None = None,
+        speculation=None,
     ):
         from .chat.protocol import protocol_for_model
 
@@ -278,6 +287,7 @@ class Engine:
         self.parser_factory = parser_factory
         self.checkpoints = checkpoints if checkpoints is not None else MemoryCheckpoints()
         self.stats = EngineStats()
+        self.speculation = speculation  # speculative.options.SpecConfig, or None
         self.session = None
         self._bind_lock = threading.Lock()
         self._responses: _Binding | None = None
@@ -737,14 +747,23 @@ class Engine:
             sample = DeviceSampler(job.params, int(logits.shape[-1]), banned, seed=sampler.seed)
         # forced tool-call header tokens do not count against max_tokens (#17): with forced text
         # the limit is checked here, the context room always
-        loop = decode_tokens(
-            s,
-            logits,
-            sample,
-            stop_ids=() if job.ignore_eos else [e for e in ends if e is not None],
-            lookahead=not host_chooses,
-            limit=max_tokens if force is None else None,
-        )
+        stop_ids = () if job.ignore_eos else [e for e in ends if e is not None]
+        spec_stats = SpecStats()
+        loop = None
+        if not host_chooses:  # speculation: the same tokens, several per target forward (#21)
+            loop = loop_for_job(
+                self.speculation, s, logits, job.params, banned=banned, seed=sampler.seed,
+                stop_ids=stop_ids, limit=max_tokens, stats=spec_stats,
+            )  # fmt: skip
+        if loop is None:
+            loop = decode_tokens(
+                s,
+                logits,
+                sample,
+                stop_ids=stop_ids,
+                lookahead=not host_chooses,
+                limit=max_tokens if force is None else None,
+            )
         tokens = iter(loop)
         while True:
             if h.cancelled or self._closed:
@@ -775,6 +794,9 @@ class Engine:
             if not (job.tools_active and getattr(parser, "phase", "text") in ("tool", "done")):
                 _call_hook(self.cache.on_progress, self, job)  # not inside a tool call
                 self._checkpoint_frontier()
+        if not broken and hasattr(loop, "settle"):
+            loop.settle()  # speculative tokens the output did not take are dropped from the session
+            self._count_speculation(spec_stats)
         if finish != "stop" or stops.hit is None:
             push(stops.push(detok.flush()))
             push(stops.flush())
@@ -812,12 +834,13 @@ class Engine:
             self._remember_bindings(job, parsed, calls, finish, raw_text)
         dt = time.monotonic() - t0
         log.info(
-            "%s gen=%d finish=%s%s %.2f t/s",
+            "%s gen=%d finish=%s%s %.2f t/s%s",
             job_kind(job),
             len(generated),
             finish,
             f' error="{error}"' if error else "",
             len(generated) / dt if dt > 0 else 0.0,
+            f" spec drafted={spec_stats.drafted} accepted={spec_stats.accepted}" if spec_stats.rounds else "",
         )
         usage = Usage(
             prompt_tokens,
@@ -828,6 +851,15 @@ class Engine:
         )
         h.result = Finish(finish, usage, raw_text=raw_text, result=parsed, error=error, stop_sequence=stops.hit)
         h.emit(h.result)
+
+    def _count_speculation(self, st: SpecStats) -> None:
+        t = self.stats
+        t.spec_rounds += st.rounds
+        t.spec_drafted += st.drafted
+        t.spec_accepted += st.accepted
+        t.spec_draft_seconds = round(t.spec_draft_seconds + st.draft_seconds, 4)
+        t.spec_verify_seconds = round(t.spec_verify_seconds + st.verify_seconds, 4)
+        t.spec_acceptance_rate = round(t.spec_accepted / t.spec_drafted, 4) if t.spec_drafted else 0.0
 
     def _reasoning_tokens(self, parsed, generated: int) -> int:
         """How many of the generated tokens were reasoning (its text re-tokenized, with

@@ -30,13 +30,14 @@ from .cli_options import (
     sampling_params,
 )
 from .events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd
+from .speculative import cli as spec_cli
 from .think_flags import add_think_arguments
 
 
 def _common(p) -> None:
     p.add_argument("-m", "--model", help="GGUF file or HF folder (default: the random-weight demo model)")
     dtype_policy.add_argument(p)
-    p.add_argument("--mtp", default=None, help="ds4's MTP support GGUF (kept, loaded but unused for now)")
+    spec_cli.add_arguments(p)
     p.add_argument("-c", "--ctx", type=int, default=32768, help="context size in tokens")
     p.add_argument("-n", "--max-tokens", "--tokens", dest="max_tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=None, help="temperature (default 1.0; 0 = greedy)")
@@ -80,7 +81,7 @@ def _load(args, console):
     model, tok = load(
         args.model,
         dtype=getattr(args, "dtype", "auto"),
-        mtp=getattr(args, "mtp", None),
+        mtp=spec_cli.mtp_file(args),
         stream=experts_cli.config_from_args(args),
     )
     if getattr(model, "is_demo", False):
@@ -97,7 +98,13 @@ def _load(args, console):
     if masked:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        engine = Engine(model, tok, ctx=args.ctx, default_max_tokens=args.max_tokens)
+        speculation = spec_cli.spec_config(args, model, ctx=args.ctx, dtype=getattr(args, "dtype", "auto"))
+    except spec_cli.SpecUsageError as e:
+        raise UsageError(str(e)) from None
+    if speculation is not None:
+        console.print(f"[dim]speculative decoding: {speculation.describe()}[/dim]")
+    try:
+        engine = Engine(model, tok, ctx=args.ctx, default_max_tokens=args.max_tokens, speculation=speculation)
     finally:
         if masked:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

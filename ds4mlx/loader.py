@@ -53,13 +53,12 @@ def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, shard=Non
 
     `dtype`: "auto" (float32 activations as ds4, float weights as stored; see
     dtype_policy), "float32" / "bfloat16" / "float16", or an mx.Dtype.  `mtp`: ds4's
-    separate MTP support GGUF.  MTP tensors (the file's own and `mtp`'s) are kept,
-    loaded but unused, in `model.mtp_weights` for speculative decoding.  The
+    separate MTP support GGUF.  MTP tensors (the file's own and `mtp`'s) are kept
+    in `model.mtp_weights`: `--mtp` builds the MTP head from them (speculative/mtp.py).  The
     dtype choice is printed to stderr unless `verbose=False`.  `stream`: an
     `experts.StreamConfig` (--stream-experts): routed experts read from the file on
-    demand into a bounded cache (ds4mlx/experts/).
-    `shard`: this rank's part
-    of the model (`distributed.sharding.Sharding`), the only part read."""
+    demand into a bounded cache (ds4mlx/experts/).  `shard`: this rank's part of the
+    model (`distributed.sharding.Sharding`), the only part read."""
     is_demo = path is None or str(path) == "demo" or str(path).startswith("demo:")
     if is_demo:
         from .demo import demo_model_path

@@ -93,6 +93,18 @@ def _steering_identity(model):
     return identity(model)
 
 
+@dataclasses.dataclass(frozen=True)
+class SessionCheckpoint:
+    """An in-memory session state (`Session.checkpoint` / `Session.rollback`)."""
+
+    tokens: tuple
+    logits: object  # mx.array | None
+    layers: list  # per layer cache: (meta_state, {name: array})
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
 class Session:
     """Token list + every cache of a model + the logits of the next token.
 
@@ -220,6 +232,37 @@ class Session:
         self.reset()
         if keep:
             self.prefill(keep)
+
+    # -- speculative decoding: several tokens in one forward, exact rollback --------------
+    def verify(self, ids) -> mx.array:
+        """Feed `ids` (ints, or an int32 mx.array [T], possibly lazy) in ONE forward; return
+        the lazy logits [T, V] of every position (row i predicts the token after ids[i]).
+
+        The forward is the multi-token (prefill) path, so a draft's k tokens cost one
+        pass; `checkpoint()` before and `rollback()` undo it exactly."""
+        arr = ids.reshape(1, -1).astype(mx.int32) if isinstance(ids, mx.array) else mx.array([list(ids)], mx.int32)
+        n = int(arr.shape[1])
+        self._room(n)
+        logits = self.model(arr, self._cache)[0]
+        self._tokens.extend([arr[0, i] for i in range(n)] if isinstance(ids, mx.array) else [int(t) for t in ids])
+        self._logits, self._undo = logits[-1], None
+        return logits
+
+    def checkpoint(self) -> SessionCheckpoint:
+        """This session's state, kept in memory for `rollback` (no host copy: the cache
+        arrays are shared until the next step writes, then copied by MLX)."""
+        layers = [
+            (json.loads(json.dumps(c.meta_state)), {k: mx.array(v) for k, v in c.state.items()}) for c in self._cache
+        ]
+        return SessionCheckpoint(tuple(self._tokens), self._logits, layers)
+
+    def rollback(self, cp: SessionCheckpoint) -> None:
+        """Put the session back exactly where `checkpoint()` found it (every cache kind:
+        rings, compressors, indexer rows, recurrent state; tokens and logits)."""
+        cache = self.model.make_cache()
+        for c, (meta, arrays) in zip(cache, cp.layers):
+            c.load(meta, {k: mx.array(v) for k, v in arrays.items()})  # copies: the checkpoint stays reusable
+        self._cache, self._tokens, self._logits, self._undo = cache, list(cp.tokens), cp.logits, None
 
     # -- snapshot / restore --------------------------------------------------------------
     def snapshot(self) -> bytes:

@@ -16,8 +16,10 @@ from pathlib import Path
 
 from .. import dtype_policy
 from ..prefill_chunk import default_chunk
+from ..speculative import cli as spec_cli
 
 COLUMNS = ["ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes", "peak_memory_bytes"]
+SPEC_COLUMNS = ["spec_drafted", "spec_accepted", "spec_acceptance_rate"]  # with --mtp / --draft-model
 GATED = ("prefill_tps", "gen_tps")  # higher is better
 
 
@@ -48,15 +50,26 @@ def bench_tokens(tokenizer, n: int, text_path: str | None = None) -> list[int]:
 PROBE_WARMUP = 2  # untimed decode steps before each probe
 
 
-def _greedy_probe(session, first_logits, n: int, eos_id: int | None, warmup: int = PROBE_WARMUP) -> float:
+def _greedy_probe(
+    session, first_logits, n: int, eos_id: int | None, warmup: int = PROBE_WARMUP, speculation=None, stats=None
+) -> float:
     """Decode `warmup` untimed then n timed greedy tokens (EOS masked) through the decode
-    loop (decode.py: sampled on the device, read one step behind); return seconds."""
+    loop (decode.py: sampled on the device, read one step behind; with `speculation`, the
+    speculative loop, its counters in `stats`); return seconds."""
     import mlx.core as mx
 
     from ..decode import decode_tokens, greedy
 
     first = mx.array(first_logits)
-    loop = iter(decode_tokens(session, first, greedy(first.shape[-1], [] if eos_id is None else [eos_id])))
+    banned = [] if eos_id is None else [eos_id]
+    if speculation is not None:
+        from ..speculative.acceptance import GreedyRule
+        from ..speculative.loop import SpeculativeLoop
+
+        rule = GreedyRule(first.shape[-1], banned)
+        loop = iter(SpeculativeLoop(session, first, speculation.drafter, rule, depth=speculation.depth, margin=speculation.margin, stats=stats))  # fmt: skip
+    else:
+        loop = iter(decode_tokens(session, first, greedy(first.shape[-1], banned)))
     for _ in range(warmup):  # first-use kernel compilation and the bucket's trace stay out of the figure
         next(loop)
     mx.synchronize()
@@ -92,6 +105,7 @@ def run_bench(
     text_path: str | None = None,
     log=None,
     time_budget: float | None = None,
+    speculation=None,
 ) -> list[dict]:
     """One row per frontier.  With `time_budget` (seconds) the walk stops before a
     frontier whose prefill, extrapolated from the last row's speed, would overrun it."""
@@ -129,9 +143,17 @@ def run_bench(
         }
         if gen_tokens > 0:
             snap = session.snapshot()
-            gen_s = _greedy_probe(session, logits, gen_tokens, eos)
+            stats = None
+            if speculation is not None:
+                from ..speculative.options import SpecStats
+
+                stats = SpecStats()
+            gen_s = _greedy_probe(session, logits, gen_tokens, eos, speculation=speculation, stats=stats)
             session.restore(snap)
             row["gen_tps"] = round(gen_tokens / gen_s, 2)
+            if stats is not None:
+                row.update(spec_drafted=stats.drafted, spec_accepted=stats.accepted)
+                row["spec_acceptance_rate"] = round(stats.acceptance_rate, 4)
         row["peak_memory_bytes"] = int(mx.get_peak_memory())
         from ..experts.cli import csv_columns
 
@@ -146,7 +168,8 @@ def write_csv(rows: list[dict], path) -> None:
     out = open(path, "w", newline="") if path and path != "-" else sys.stdout
     try:
         extra = [k for k in (rows[0] if rows else {}) if k.startswith("expert_")]  # --stream-experts
-        w = csv.DictWriter(out, fieldnames=COLUMNS + extra, extrasaction="ignore")
+        spec = any("spec_drafted" in r for r in rows)
+        w = csv.DictWriter(out, fieldnames=COLUMNS + (SPEC_COLUMNS if spec else []) + extra, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     finally:
@@ -254,6 +277,7 @@ def add_arguments(p) -> None:
     from ..experts import cli as experts_cli
 
     experts_cli.add_arguments(p)
+    spec_cli.add_arguments(p)  # speculative decoding in the generation probe (greedy)
 
 
 def _overrides(items: list[str]) -> dict:
@@ -300,14 +324,22 @@ def run(args) -> int:
             overrides=overrides,
         )
         label = f"synthetic V4 Flash ({info['layers']} layers, experts {info['expert_bits']})"
+        model.random_weights = True  # --mtp: a random MTP head to match
         print(f"ds4mlx bench: {label}: {info}", file=sys.stderr)
     else:
         from ..experts import cli as experts_cli
         from ..loader import load
 
         stream = experts_cli.config_from_args(args)
-        model, tokenizer = load(args.model, dtype=getattr(args, "dtype", "auto"), stream=stream)
+        model, tokenizer = load(
+            args.model, dtype=getattr(args, "dtype", "auto"), stream=stream, mtp=spec_cli.mtp_file(args)
+        )
         label = Path(getattr(model, "path", args.model or "demo")).name
+    try:
+        speculation = spec_cli.spec_config(args, model, ctx=args.ctx_max + args.gen_tokens + 16)
+    except spec_cli.SpecUsageError as e:
+        print(f"ds4mlx bench: {e}", file=sys.stderr)
+        return 2
     import mlx.core as mx
 
     print(f"ds4mlx bench: {label} on {mx.default_device()}, frontiers {points}", file=sys.stderr)
@@ -327,6 +359,7 @@ def run(args) -> int:
         text_path=args.text,
         log=lambda r: print("  " + ", ".join(f"{k}={v}" for k, v in r.items()), file=sys.stderr),
         time_budget=args.time_budget,
+        speculation=speculation,
     )
     write_csv(rows, args.csv)
     if args.profile:

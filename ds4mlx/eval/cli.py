@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from ..modelfile import EXIT_CODE, ModelFileError
+from ..speculative import cli as spec_cli
 from .cases import SUITES, load_cases, select, unknown_ids, validate_cases
 
 CTX_CAP = 1_000_000
@@ -53,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--backend", choices=("mlx", "endpoint", "fake"), default=None, help=argparse.SUPPRESS)
     g.add_argument("--fake-script", metavar="JSON", help=argparse.SUPPRESS)
+    spec_cli.add_arguments(g)  # speculative decoding of the in-process backend
 
     g = p.add_argument_group("cases")
     g.add_argument("--suite", choices=SUITES, default="core", help="case suite (default core: the 92 ds4-eval cases)")
@@ -247,6 +249,7 @@ def make_backend(kind: str, **kw: Any):
         top_p=kw.get("top_p", 1.0),
         min_p=kw.get("min_p", 0.05),
         stream=kw.get("stream"),
+        spec_args=kw.get("spec_args"),
     )
 
 
@@ -274,7 +277,9 @@ def _backend(a: argparse.Namespace):
     from ..experts.cli import config_from_args
 
     stream = config_from_args(a)
-    return make_backend("mlx", model=a.model, temperature=a.temp, top_p=a.top_p, min_p=a.min_p, stream=stream)
+    return make_backend(
+        "mlx", model=a.model, temperature=a.temp, top_p=a.top_p, min_p=a.min_p, stream=stream, spec_args=a
+    )
 
 
 def _carry_over(runner: Any, path: str) -> None:
@@ -415,6 +420,8 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
         return _fail("interrupted while loading the model", 130)
     except ModelFileError as e:  # a broken model file: one line naming it, exit 2
         return _fail(str(e), EXIT_CODE)
+    except spec_cli.SpecUsageError as e:  # a speculative-decoding flag it cannot honour
+        return _fail(str(e), 2)
     except Exception as e:  # noqa: BLE001
         return _fail(f"cannot open the model: {type(e).__name__}: {e}", harness_rc)
     # the trace is touched only now that the model is open: a failed load loses nothing

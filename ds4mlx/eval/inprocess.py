@@ -34,9 +34,11 @@ class InProcessBackend:
         min_p: float = 0.05,
         loaded: tuple[Any, Any] | None = None,
         stream: Any = None,
+        spec_args: Any = None,
     ):
         """`loaded=(model, tokenizer)` skips `ds4mlx.load` (tests, embedding); `stream`:
-        an `experts.StreamConfig` (--stream-experts)."""
+        an `experts.StreamConfig` (--stream-experts); `spec_args`: the speculative-decoding
+        flags (speculative/cli.py), or a SpecConfig."""
         self.stream = stream
         self.model_path = model_path
         self.model = model_path or "demo"
@@ -44,6 +46,7 @@ class InProcessBackend:
         self._model: Any = loaded[0] if loaded else None
         self._tok: Any = loaded[1] if loaded else None
         self._session: Any = None
+        self._spec_args, self.speculation, self.spec_stats = spec_args, None, None
         self._rng: Xorshift64Star | None = None
         self.ctx = 0
 
@@ -52,7 +55,11 @@ class InProcessBackend:
         if self._model is None:
             import ds4mlx
 
-            self._model, self._tok = ds4mlx.load(self.model_path, stream=self.stream)
+            from ..speculative import cli as spec_cli
+
+            self._model, self._tok = ds4mlx.load(
+                self.model_path, stream=self.stream, mtp=spec_cli.mtp_file(self._spec_args)
+            )
 
     def count_tokens(self, prompt: Prompt) -> int:
         self._load()
@@ -62,6 +69,13 @@ class InProcessBackend:
         self._load()
         self.ctx = ctx
         self._session = self._model.new_session(ctx)
+        if self._spec_args is not None and self.speculation is None:
+            from ..speculative import cli as spec_cli
+            from ..speculative.options import SpecConfig, SpecStats
+
+            spec = self._spec_args
+            self.speculation = spec if isinstance(spec, SpecConfig) else spec_cli.spec_config(spec, self._model, ctx)
+            self.spec_stats = SpecStats()
 
     def close(self) -> None:
         self._session = None
@@ -170,8 +184,15 @@ class InProcessBackend:
             v = x[tok]
             return int((x > v).sum().item()) + int((x[:tok] == v).sum().item()) + 1
 
+        stepper = s
+        if self.speculation is not None:  # drafts verified in one forward; every pick still the target's
+            from ..speculative.stepper import SpeculativeStepper
+
+            sp = self.speculation
+            stepper = SpeculativeStepper(s, sp.drafter, sp.depth, sp.margin, stats=self.spec_stats)
+
         def advance(tok: int) -> str:
-            state["logits"] = s.step(tok)
+            state["logits"] = stepper.step(tok)
             return decoder.decode(self._tok.token_bytes(tok))
 
         try:
@@ -188,6 +209,8 @@ class InProcessBackend:
             )
         except Exception as e:  # noqa: BLE001
             res.finish, res.error = "error", f"decode failed: {e}"
+        if stepper is not s:
+            stepper.settle()
         tail = decoder.decode(b"", final=True)
         if tail:
             res.raw += tail

@@ -990,6 +990,9 @@ class DeepseekV4Model(nn.Module):
     # dtype of the residual stream (dtype_policy; the loader sets it): float32 as ds4,
     # whatever the weights' type; None = the embedding's dtype
     activation_dtype = None
+    # called with (the residual streams after the last layer [1, T, hc, H], their first
+    # position) by every multi-token forward (prefill, speculative verify); None = off
+    stream_hook = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -1019,6 +1022,8 @@ class DeepseekV4Model(nn.Module):
         x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
         for layer, c in zip(self.layers, cache):
             x = layer(x, ids, c)
+        if self.stream_hook is not None:  # the MTP head drafts from these (speculative/mtp.py)
+            self.stream_hook(x, cache[0].offset if cache else 0)
         for c in cache:
             c.offset += ids.shape[1]
         return self.norm(self.hc_head(x))

@@ -10,6 +10,7 @@ import signal
 import sys
 
 from .. import dtype_policy
+from ..speculative import cli as spec_cli
 
 DEFAULT_TOKENS = 393216
 
@@ -34,7 +35,7 @@ def _port(v: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF file or Hugging Face folder (default: the demo model)")
     dtype_policy.add_argument(p)
-    p.add_argument("--mtp", default=None, help="ds4's MTP support GGUF (kept, loaded but unused for now)")
+    spec_cli.add_arguments(p)
     from ..experts import cli as experts_cli
 
     experts_cli.add_arguments(p)
@@ -120,7 +121,7 @@ def build(args, loaded=None):
         model, tokenizer = load(
             args.model,
             dtype=getattr(args, "dtype", "auto"),
-            mtp=getattr(args, "mtp", None),
+            mtp=spec_cli.mtp_file(args),
             stream=experts_cli.config_from_args(args),
         )
         if getattr(model, "is_demo", False):
@@ -136,6 +137,12 @@ def build(args, loaded=None):
         raise SystemExit(f"ds4mlx serve: {e}") from None
     if steered:
         log.info("directional steering: %s", steered)
+    try:
+        speculation = spec_cli.spec_config(args, model, ctx=args.ctx, dtype=getattr(args, "dtype", "auto"))
+    except spec_cli.SpecUsageError as e:
+        raise SystemExit(f"ds4mlx serve: {e}") from None
+    if speculation is not None:
+        log.info("speculative decoding: %s", speculation.describe())
     replay = not args.disable_exact_dsml_tool_replay
     memory = ToolMemory(max_ids=args.tool_memory_max_ids) if replay else None
     cache = None
@@ -153,6 +160,7 @@ def build(args, loaded=None):
         tool_memory=memory,
         prefill_chunk=args.prefill_chunk,
         cache=cache,
+        speculation=speculation,
     )
     if args.think_level is not None and not engine.protocol.numeric_effort:
         engine.close()

@@ -1,0 +1,144 @@
+"""Which draft tokens the target accepts, and the token after them.
+
+Greedy (temperature <= 0): draft token i is accepted iff it is the target's argmax at its
+position (bans applied), so the output is token for token the non-speculative one.
+
+Sampled: standard speculative sampling (Leviathan et al. 2023, Chen et al. 2023): with
+target distribution p and draft distribution q at a position, the draft token d is kept
+with probability min(1, p(d) / q(d)); at the first rejection the next token is drawn from
+norm(max(0, p - q)); when all k are kept the next token is drawn from p at the last row.
+Every output token is then distributed exactly as p.  p and q are the distributions the
+job's sampler draws from (`distribution`: temperature, top-k, top-p, min-p and bans as
+sampling.Sampler.draw), so speculation changes the speed, not the distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..sampling import TOP_K_CAP, SamplingParams
+
+
+def ban_mask(vocab: int, banned: Sequence[int] | None) -> mx.array | None:
+    ban = [int(b) for b in (banned or ()) if 0 <= int(b) < vocab]
+    if not ban:
+        return None
+    mask = mx.zeros((vocab,), mx.bool_)
+    mask[mx.array(ban, dtype=mx.int32)] = True
+    return mask
+
+
+def _masked(rows: mx.array, mask: mx.array | None) -> mx.array:
+    x = rows.astype(mx.float32)
+    return x if mask is None else mx.where(mask, -math.inf, x)
+
+
+def argmax_rows(rows: mx.array, mask: mx.array | None = None) -> mx.array:
+    """The greedy token of each row of logits [T, V] (lazy int32 [T])."""
+    return mx.argmax(_masked(rows, mask), axis=-1).astype(mx.int32)
+
+
+def distribution(rows: mx.array, params: SamplingParams, mask: mx.array | None = None) -> mx.array:
+    """The probabilities [T, V] `Sampler.draw` samples each row of logits [T, V] from."""
+    x = _masked(rows.reshape(-1, rows.shape[-1]), mask)
+    vocab = x.shape[-1]
+    t = float(params.temperature)
+    top_p = float(params.top_p) if 0.0 < float(params.top_p) <= 1.0 else 1.0
+    top_k = min(int(params.top_k), TOP_K_CAP) if params.top_k and params.top_k > 0 else 0
+    min_p = min(float(params.min_p), 1.0) if float(params.min_p) > 0.0 else 0.0
+    scaled = x / t
+    if 0 < top_k < vocab:
+        kth = mx.sort(x, axis=-1)[:, vocab - top_k : vocab - top_k + 1]
+        scaled = mx.where(x >= kth, scaled, -math.inf)
+    probs = mx.softmax(scaled, axis=-1)
+    keep = probs > 0
+    if min_p > 0.0:
+        keep = keep & (probs >= min_p * mx.max(probs, axis=-1, keepdims=True))
+    if top_p < 1.0:
+        order = mx.argsort(-probs, axis=-1)
+        sorted_p = mx.take_along_axis(probs, order, axis=-1)
+        before = mx.cumsum(sorted_p, axis=-1) - sorted_p  # mass of strictly more likely tokens
+        inverse = mx.argsort(order, axis=-1)
+        keep = keep & (mx.take_along_axis(before, inverse, axis=-1) < top_p)
+    kept = mx.where(keep, probs, 0.0)
+    return kept / mx.sum(kept, axis=-1, keepdims=True)
+
+
+class GreedyRule:
+    """Exact argmax match (bans applied: ignore_eos)."""
+
+    greedy = True
+
+    def __init__(self, vocab: int, banned: Sequence[int] | None = None):
+        self.mask = ban_mask(vocab, banned)
+
+    def first(self, logits: mx.array) -> int:
+        return int(argmax_rows(logits.reshape(1, -1), self.mask)[0].item())
+
+    def draft(self, logits: mx.array):
+        """(lazy token, lazy distribution or None) the drafter feeds on."""
+        return argmax_rows(logits.reshape(1, -1), self.mask)[0], None
+
+    def accept(self, rows: mx.array, drafts: Sequence[int], q) -> tuple[int, int]:
+        """(how many drafts are kept, the token after them)."""
+        picks = argmax_rows(rows, self.mask).tolist()
+        n = 0
+        while n < len(drafts) and drafts[n] == picks[n]:
+            n += 1
+        return n, int(picks[n])
+
+
+class SampledRule:
+    """Standard speculative sampling: every token distributed exactly as the target's p."""
+
+    greedy = False
+
+    def __init__(self, vocab: int, params: SamplingParams, banned: Sequence[int] | None = None, seed: int = 0):
+        self.params, self.mask = params, ban_mask(vocab, banned)
+        seed = int(seed) & 0xFFFFFFFF
+        self.rng = np.random.default_rng(seed)
+        self._key = mx.random.key(seed ^ 0x5EC)
+
+    def _p(self, rows: mx.array) -> np.ndarray:
+        return np.array(distribution(rows, self.params, self.mask), dtype=np.float64)
+
+    def _draw(self, p: np.ndarray) -> int:
+        c = np.cumsum(p)
+        return int(min(np.searchsorted(c, self.rng.random() * c[-1], side="right"), len(p) - 1))
+
+    def first(self, logits: mx.array) -> int:
+        return self._draw(self._p(logits.reshape(1, -1))[0])
+
+    def draft(self, logits: mx.array):
+        q = distribution(logits.reshape(1, -1), self.params, self.mask)[0]
+        self._key, sub = mx.random.split(self._key)
+        tok = mx.random.categorical(mx.log(q), key=sub).astype(mx.int32)
+        return tok, q
+
+    def accept(self, rows: mx.array, drafts: Sequence[int], q) -> tuple[int, int]:
+        p = self._p(rows)
+        return self.accept_probs(p, drafts, None if q is None else np.asarray(q, dtype=np.float64))
+
+    def accept_probs(self, p: np.ndarray, drafts: Sequence[int], q: np.ndarray | None) -> tuple[int, int]:
+        """The rule on host probabilities: p [k+1, V] target, q [k, V] draft (None: the
+        drafter proposes without a distribution, i.e. q is the point mass on its token)."""
+        if q is None:
+            q = np.zeros((len(drafts), p.shape[-1]))
+            q[np.arange(len(drafts)), list(drafts)] = 1.0
+        for i, d in enumerate(drafts):
+            pd, qd = p[i, d], q[i, d]
+            if qd > 0 and self.rng.random() < min(1.0, pd / qd):
+                continue
+            residual = np.maximum(p[i] - q[i], 0.0)
+            return i, self._draw(residual if residual.sum() > 0 else p[i])
+        return len(drafts), self._draw(p[len(drafts)])
+
+
+def rule_for(params: SamplingParams, vocab: int, banned: Sequence[int] | None = None, seed: int = 0):
+    if params.greedy:
+        return GreedyRule(vocab, banned)
+    return SampledRule(vocab, params, banned, seed)

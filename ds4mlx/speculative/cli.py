@@ -1,0 +1,71 @@
+"""The speculative-decoding flags every command shares (generate, chat, serve, eval, bench).
+
+ds4's names: `--mtp [FILE]` (the model's MTP head; FILE = ds4's separate MTP support
+GGUF), `--mtp-draft N` (draft tokens per round, default 1), `--mtp-margin F` (draft
+confidence pruning, default 3); mlx-lm's `--draft-model PATH` (any model with the same
+tokenizer).  `spec_config(args, model, ctx)` builds the engine's SpecConfig, or None.
+"""
+
+from __future__ import annotations
+
+from .options import DEFAULT_DRAFT, DEFAULT_MARGIN, SpecConfig, SpecUsageError
+
+__all__ = ["SpecUsageError", "add_arguments", "mtp_file", "spec_config"]
+
+MAIN_FILE = ""  # `--mtp` without FILE: the MTP tensors of the model file itself
+
+
+def add_arguments(p, mtp: bool = True) -> None:
+    if mtp:
+        p.add_argument(
+            "--mtp",
+            nargs="?",
+            const=MAIN_FILE,
+            default=None,
+            metavar="FILE",
+            help="speculative decoding with the model's MTP head (FILE: ds4's MTP support GGUF)",
+        )
+    p.add_argument("--draft-model", metavar="PATH", help="speculative decoding with a draft model (same tokenizer)")
+    p.add_argument(
+        "--mtp-draft", type=int, default=DEFAULT_DRAFT, metavar="N", help="draft tokens per verify (default 1)"
+    )
+    p.add_argument(
+        "--mtp-margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        metavar="F",
+        help="greedy: draft token 2.. only while the draft's top-1 logit leads by F (default 3; 0 = off)",
+    )
+
+
+def mtp_file(args) -> str | None:
+    """The separate MTP GGUF for `load(..., mtp=)` (None: none, or the model file's own)."""
+    path = getattr(args, "mtp", None)
+    return path or None
+
+
+def spec_config(args, model, ctx: int, dtype="auto") -> SpecConfig | None:
+    """The engine's speculation settings from the flags (None: speculation off)."""
+    draft_path = getattr(args, "draft_model", None)
+    use_mtp = getattr(args, "mtp", None) is not None
+    if not draft_path and not use_mtp:
+        return None
+    if draft_path and use_mtp:
+        raise SpecUsageError("--mtp and --draft-model exclude each other")
+    if int(args.mtp_draft) < 1:
+        raise SpecUsageError("--mtp-draft must be at least 1")
+    if use_mtp:
+        from .mtp import mtp_drafter
+
+        drafter = mtp_drafter(model, ctx)
+    else:
+        from ..loader import load
+        from .drafter import ModelDrafter
+
+        draft, _ = load(draft_path, dtype=dtype, verbose=False)
+        if draft.vocab_size != model.vocab_size:
+            raise SpecUsageError(
+                f"--draft-model {draft_path}: vocabulary {draft.vocab_size} != the model's {model.vocab_size}"
+            )
+        drafter = ModelDrafter(draft, ctx=ctx)
+    return SpecConfig(drafter, depth=args.mtp_draft, margin=args.mtp_margin)

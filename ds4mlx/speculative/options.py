@@ -1,0 +1,64 @@
+"""The speculative decoding settings a front end passes to the engine, and its counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_DRAFT = 1  # ds4's --mtp-draft default
+DEFAULT_MARGIN = 3.0  # ds4's --mtp-margin default
+
+
+class SpecUsageError(ValueError):
+    """A speculative-decoding flag that cannot be honoured (printed, exit status 2)."""
+
+
+@dataclass
+class SpecConfig:
+    drafter: object  # drafter.ModelDrafter (or any object with `propose`)
+    depth: int = DEFAULT_DRAFT  # draft tokens per round (--mtp-draft)
+    margin: float = DEFAULT_MARGIN  # confidence pruning of the recursive draft (--mtp-margin)
+
+    def __post_init__(self):
+        if int(self.depth) < 1:
+            raise ValueError("--mtp-draft must be at least 1")
+        self.depth = int(self.depth)
+        self.margin = max(0.0, float(self.margin))
+
+    def describe(self) -> str:
+        return f"{getattr(self.drafter, 'name', type(self.drafter).__name__)}, {self.depth} draft token(s), margin {self.margin:g}"
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0  # verify forwards
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens the target kept
+    emitted: int = 0  # tokens that left the loop (accepted drafts + one target token per round)
+    rollbacks: int = 0  # rounds with a rejected draft (checkpoint restored)
+    draft_seconds: float = 0.0  # wall time proposing (the drafter's forwards, read once)
+    verify_seconds: float = 0.0  # wall time verifying: the target forward, acceptance, rollback
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    def add(self, other: SpecStats) -> None:
+        for k in ("rounds", "drafted", "accepted", "emitted", "rollbacks", "draft_seconds", "verify_seconds"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "emitted": self.emitted,
+            "rollbacks": self.rollbacks,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_round": round(self.tokens_per_round, 4),
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+        }

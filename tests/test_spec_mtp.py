@@ -1,0 +1,190 @@
+"""The V4 MTP head (issue #21 step 3) and `--mtp` speculation.
+
+Reference: DeepSeek's V4 inference code (`inference/model.py`: MTPBlock.forward and
+ParallelHead.hc_head), written out here in numpy around the V4 decoder layer (itself
+checked against transformers in test_deepseek_v4_parity.py):
+e = enorm(embed(t+1)); x = e_proj(e)[:, None] + h_proj(hnorm(streams)); x' = Block(x);
+pre = sigmoid(rms(x'_flat) @ hc_fn.T * scale + base) + hc_eps; y = sum(pre * x');
+logits = lm_head(norm(y)).  Then greedy speculation with the (random) head equals plain
+decoding over 210 tokens, and `ds4mlx generate --mtp` on the demo model prints the same
+text as without it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4mlx import stepper
+from ds4mlx.decode import decode_tokens, greedy
+from ds4mlx.models import cache as row_cache
+from ds4mlx.speculative.acceptance import GreedyRule
+from ds4mlx.speculative.loop import SpeculativeLoop
+from ds4mlx.speculative.mtp import MTPDrafter, random_head
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_helpers import load_case  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def compiled(monkeypatch):
+    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+
+
+@pytest.fixture(scope="module")
+def v4(oracle):
+    _, lm, ref, _ = load_case(oracle, "make_tiny_deepseek_v4.py", "long")
+    return lm, ref["input_ids"][0].tolist()
+
+
+def _rms(x, w, eps):
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * np.asarray(w, np.float64)
+
+
+def test_mtp_logits_match_the_reference_formula(v4):
+    lm, ids = v4
+    args = lm.model.args
+    head = random_head(args, seed=5)
+    got = []
+    backbone = lm.model.model
+    backbone.stream_hook = lambda x, start: got.append((start, x))
+    try:
+        T = 40
+        lm.model(mx.array([ids[:T]], mx.int32))
+    finally:
+        backbone.stream_hook = None
+    ((start, streams),) = got
+    assert start == 0 and streams.shape == (1, T, args.hc_mult, args.hidden_size)
+    x, hid = head(streams[:, : T - 1], mx.array([ids[1:T]], mx.int32), backbone.embed_tokens, head.make_cache())
+    logits = np.array(lm.model.head(hid)[0])
+
+    eps = args.rms_norm_eps
+    E = np.array(backbone.embed_tokens.weight)
+    e = _rms(E[ids[1:T]], head.enorm.weight, eps)
+    h = _rms(np.array(streams[0, : T - 1]), head.hnorm.weight, eps)
+    xin = (e @ np.array(head.e_proj.weight, np.float64).T)[:, None, :] + h @ np.array(head.h_proj.weight, np.float64).T
+    xb = np.array(
+        head.block(mx.array(xin[None].astype(np.float32)), mx.array([ids[1:T]]), head.make_cache())[0], np.float64
+    )
+    flat = xb.reshape(T - 1, -1)
+    mixes = (flat @ np.array(head.hc_head.hc_fn, np.float64).T) / np.sqrt((flat * flat).mean(-1, keepdims=True) + eps)
+    pre = 1 / (1 + np.exp(-(mixes * np.array(head.hc_head.hc_scale)[0] + np.array(head.hc_head.hc_base)))) + args.hc_eps
+    y = (pre[..., None] * xb).sum(1)
+    want = _rms(y, head.norm.weight, eps) @ np.array(lm.model.lm_head.weight, np.float64).T
+    assert np.abs(logits - want).max() <= 1e-3 * max(1.0, np.abs(want).max())
+    assert np.abs(np.array(x[0], np.float64) - xb).max() <= 1e-4
+
+
+def test_mtp_chunked_catch_up_equals_one_forward(v4):
+    lm, ids = v4
+    head = random_head(lm.model.args, seed=6)
+    backbone = lm.model.model
+    got = []
+    backbone.stream_hook = lambda x, start: got.append(x)
+    try:
+        lm.model(mx.array([ids[:30]], mx.int32))
+    finally:
+        backbone.stream_hook = None
+    streams, nxt = got[0][:, :29], mx.array([ids[1:30]], mx.int32)
+    _, one = head(streams, nxt, backbone.embed_tokens, head.make_cache())
+    c = head.make_cache()
+    parts = [
+        head(streams[:, a:b], nxt[:, a:b], backbone.embed_tokens, c)[1] for a, b in ((0, 7), (7, 8), (8, 20), (20, 29))
+    ]
+    assert np.abs(np.array(mx.concatenate(parts, axis=1)) - np.array(one)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_greedy_with_the_mtp_head_equals_plain(v4, depth):
+    lm, ids = v4
+    prompt, n = ids[:8], 210
+    s = lm.new_session(ctx=len(prompt) + n + 8)
+    want = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), limit=n))
+    drafter = MTPDrafter(lm, random_head(lm.model.args, seed=7))
+    try:
+        s = lm.new_session(ctx=len(prompt) + n + 8)
+        loop = SpeculativeLoop(s, s.prefill(prompt), drafter, GreedyRule(lm.vocab_size), depth=depth, margin=0, limit=n)
+        got = list(loop)
+    finally:
+        drafter.close()
+    assert got == want
+    assert loop.stats.drafted >= loop.stats.rounds - 1 > 0  # the last round: no room for a draft
+
+
+def test_generate_with_mtp_on_the_demo_model_prints_the_same_text():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    base = [
+        sys.executable,
+        "-m",
+        "ds4mlx.cli",
+        "generate",
+        "--raw",
+        "-p",
+        "The quick brown fox",
+        "-n",
+        "40",
+        "--temp",
+        "0",
+    ]
+    plain = subprocess.run(base, capture_output=True, text=True, env=env, timeout=600)
+    spec = subprocess.run(base + ["--mtp", "--mtp-draft", "2"], capture_output=True, text=True, env=env, timeout=600)
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr[-2000:]
+    assert spec.stdout == plain.stdout and "speculative decoding: MTP head" in spec.stderr
+
+
+def test_catch_up_from_one_window_back_gives_the_same_last_position(v4):
+    lm, ids = v4
+    head = random_head(lm.model.args, seed=8)
+    W = lm.model.args.sliding_window
+    backbone = lm.model.model
+    got = []
+    backbone.stream_hook = lambda x, start: got.append(x)
+    try:
+        lm.model(mx.array([ids[:45]], mx.int32))
+    finally:
+        backbone.stream_hook = None
+    streams, nxt = got[0][:, :44], mx.array([ids[1:45]], mx.int32)
+    _, full = head(streams, nxt, backbone.embed_tokens, head.make_cache())
+    c = head.make_cache()
+    c.offset = 44 - W  # what MTPDrafter does after a long prefill: only the last window
+    _, short = head(streams[:, 44 - W :], nxt[:, 44 - W :], backbone.embed_tokens, c)
+    assert np.abs(np.array(short[:, -1]) - np.array(full[:, -1])).max() <= 1e-4
+
+
+def test_a_head_saved_in_the_gguf_layout_loads_back_and_a_foreign_layout_is_refused(v4):
+    from mlx.utils import tree_flatten
+
+    from ds4mlx.speculative.mtp import SpecUsageError, loaded_head
+
+    lm, _ = v4
+    args = lm.model.args
+    head = random_head(args, seed=9)
+    own = {"hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+    tensors = {}
+    for name, p in tree_flatten(head.parameters()):  # the names read_mtp_gguf hands out
+        if name in own:
+            key = f"mtp.0.{own[name]}"
+        elif name.startswith("block."):
+            key = "mtp.0." + name[len("block.") :].removesuffix(
+                ".weight"
+                if ".mlp.experts." in name and name.endswith(("gate_up_proj.weight", "down_proj.weight"))
+                else "@"
+            )
+        else:
+            key = f"mtp.0.{name}"
+        tensors[key] = p
+    back = loaded_head(args, tensors)
+    for (n1, a), (n2, b) in zip(tree_flatten(head.parameters()), tree_flatten(back.parameters())):
+        assert n1 == n2 and np.array_equal(np.array(a), np.array(b))
+    with pytest.raises(SpecUsageError, match="do not form"):
+        loaded_head(args, {"mtp.0.attn.wq_a.weight": mx.zeros((4, 4))})
