@@ -17,12 +17,16 @@ Per job the worker:
    matcher -> output parser -> events; cancellation is checked per token;
 4. finishes: final parse, tool ids, tool memory, protocol bindings.
 
-Batching later: the scheduler only touches `_queue`/`_run`; a batched worker
-would pop several handles and interleave their decode steps.
+With `slots=N` (`serve --batched-session N`, docs/kv-cache.md §11) the worker keeps
+N resident sessions (`slots.Slot`): each queued job is routed to a free slot by
+the reuse ladder, and the jobs of all busy slots advance in turns, one prefill
+chunk or one decode token each (every job is a generator that yields at those
+boundaries).  N = 1 is the single live session: one job at a time, in order.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -46,6 +50,7 @@ from .events import (
 )
 from .memcheckpoints import MemoryCheckpoints
 from .sampling import GREEDY, DeviceSampler, Sampler, SamplingParams
+from .slots import Slot, route
 
 log = logging.getLogger("ds4mlx.engine")
 
@@ -247,7 +252,32 @@ def _calls_of(parsed) -> list:
     return list(calls or [])
 
 
+@dataclass
+class _Task:
+    """A job admitted to a slot: `steps` is its `_generate` generator once started."""
+
+    handle: JobHandle
+    slot: Slot
+    steps: Iterator[None] | None = None
+
+
+# rungs of the ladder that serve a request needing the live tool state (docs/kv-cache.md §2 steps 1-3)
+_TOOL_RUNGS = ("responses-visible", "responses-tool-output", "anthropic-tool-output")
+
+
+def _slot_field(name: str) -> property:
+    """An Engine attribute that is the current slot's (`Engine._slot`)."""
+    return property(lambda self: getattr(self._slot, name), lambda self, v: setattr(self._slot, name, v))
+
+
 class Engine:
+    # the live session, its protocol bindings and its disk-cache hooks are per slot
+    session = _slot_field("session")
+    cache = _slot_field("cache")
+    _responses = _slot_field("responses")
+    _anthropic = _slot_field("anthropic")
+    _thinking = _slot_field("thinking")
+
     def __init__(
         self,
         model,
@@ -261,6 +291,8 @@ class Engine:
         parser_factory: Callable[..., Any] = default_parser_factory,
         protocol=None,
         checkpoints: MemoryCheckpoints | None = None,
+        slots: int = 1,
+        prefill_quantum: int | None = None,
     ):
         from .chat.protocol import protocol_for_model
 
@@ -272,18 +304,24 @@ class Engine:
         self.ctx = int(ctx)
         self.default_max_tokens = int(default_max_tokens)
         self.prefill_chunk = max(1, int(prefill_chunk))
+        # --mixed-prefill-quantum: prefill chunks end at its multiples too, so a long
+        # prefill yields to the other slots' decode steps that often
+        self.prefill_quantum = max(1, int(prefill_quantum)) if prefill_quantum else None
         self.tool_memory = tool_memory
+        self._slots = [Slot(i) for i in range(max(1, int(slots)))]
+        self._slot = self._slots[0]  # the slot the worker is running now (session, bindings, cache)
         self.cache = cache or CacheHooks()
+        for_slot = getattr(self.cache, "for_slot", None)
+        for sl in self._slots[1:]:
+            sl.cache = for_slot() if callable(for_slot) else self.cache
         self.parser_factory = parser_factory
         self.checkpoints = checkpoints if checkpoints is not None else MemoryCheckpoints()
         self.stats = EngineStats()
-        self.session = None
         self._bind_lock = threading.Lock()
-        self._responses: _Binding | None = None
-        self._anthropic: _Binding | None = None
-        self._thinking: _Binding | None = None
         self._queue: queue.Queue[JobHandle | None] = queue.Queue()
-        self._running: JobHandle | None = None
+        # taken off _queue by the worker, not yet running (FIFO; guarded by _pending_lock)
+        self._pending: collections.deque = collections.deque()
+        self._pending_lock = threading.Lock()
         self._closed = False
         # Every MLX operation on the session happens on the worker thread: MLX
         # streams are per thread, so the session's arrays are created there too.
@@ -311,14 +349,19 @@ class Engine:
         return bound(text) if callable(bound) else 0
 
     @property
+    def slots(self) -> int:
+        return len(self._slots)
+
+    @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        with self._pending_lock:
+            return len(self._pending) + self._queue.qsize()
 
     def queue_position(self, handle: JobHandle) -> int:
         """1 = the next job to run, 2 = one ahead of it, ...; 0 = not waiting
         (running, finished or cancelled)."""
-        with self._queue.mutex:
-            for i, h in enumerate(self._queue.queue):
+        with self._pending_lock, self._queue.mutex:
+            for i, h in enumerate(itertools.chain(self._pending, self._queue.queue)):
                 if h is handle:
                     return i + 1
         return 0
@@ -361,10 +404,15 @@ class Engine:
         return call.result
 
     def live_call_ids(self, api: str) -> frozenset:
-        """Call ids of the remembered live tool turn for `api` (Responses/Anthropic)."""
+        """Call ids of the remembered live tool turns for `api` (Responses/Anthropic),
+        over every slot."""
+        ids: frozenset = frozenset()
         with self._bind_lock:
-            b = self._responses if api == "responses" else self._anthropic if api == "anthropic" else None
-            return b.call_ids if b is not None and b.live_tokens == len(self.session) else frozenset()
+            for sl in self._slots:
+                b = sl.responses if api == "responses" else sl.anthropic if api == "anthropic" else None
+                if b is not None and b.live_tokens == len(sl):
+                    ids |= b.call_ids
+        return ids
 
     def live_visible_text(self) -> str | None:
         """The visible transcript a Responses / thinking binding remembers for the
@@ -391,54 +439,53 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        if self._running is not None:
-            self._running.cancel()
+        for sl in self._slots:
+            if sl.active is not None:
+                sl.active.cancel()
         self._queue.put(None)
         self._stopped.wait(timeout)
 
     # ---------------------------------------------------------------- worker
     def _run(self) -> None:
         try:
-            self.session = self.model.new_session(self.ctx)
+            for sl in self._slots:
+                sl.session = self.model.new_session(self.ctx)
         except BaseException as e:  # noqa: BLE001 - re-raised by __init__
             self._init_error = e
             self._stopped.set()
             self._ready.set()
             threading.Event().wait()  # park (see the end of this method)
         self._ready.set()
-        while True:
-            h = self._queue.get()
-            if h is None:
-                break
-            if isinstance(h, _WorkerCall):
-                h.run(self)
-                continue
-            self._running = h
-            try:
-                if h.cancelled or self._closed:
-                    self.stats.cancelled += 1
-                    h.result = Finish("cancelled", error="cancelled before start")
-                    h.emit(h.result)
+        tasks: list[_Task] = []
+        stopping = False
+        while not (stopping and not tasks):
+            # take what was submitted: block only when there is nothing to run
+            while not stopping:
+                try:
+                    item = self._queue.get(block=not tasks and not self._pending)
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
                 else:
-                    self._generate(h)
-            except Exception as e:  # keep serving whatever happened
-                log.exception("job %d failed", h.id)
-                self._invalidate()
-                if h.started:
-                    h.result = Finish("error", error=str(e) or type(e).__name__)
-                    h.emit(h.result)
-                else:
-                    h.emit(Failed(500, str(e) or type(e).__name__))
-            finally:
-                self._running = None
-                h.done.set()
-        _call_hook(self.cache.on_shutdown, self)  # on the worker: the session's MLX stream lives here
+                    with self._pending_lock:
+                        self._pending.append(item)
+            self._admit(tasks)  # once closed, the jobs still pending end "cancelled before start"
+            for t in list(tasks):  # one turn each: a prefill chunk or a decode token
+                if not self._advance(t):
+                    tasks.remove(t)
+        for sl in self._slots:  # on the worker: the sessions' MLX stream lives here
+            self._slot = sl
+            _call_hook(self.cache.on_shutdown, self)
         # drain: everything still queued ends cancelled
         while True:
-            try:
-                h = self._queue.get_nowait()
-            except queue.Empty:
-                break
+            with self._pending_lock:
+                h = self._pending.popleft() if self._pending else None
+            if h is None:
+                try:
+                    h = self._queue.get_nowait()
+                except queue.Empty:
+                    break
             if isinstance(h, _WorkerCall):
                 h.error = RuntimeError("engine is shut down")
                 h.done.set()
@@ -453,6 +500,94 @@ class Engine:
         # the process.
         threading.Event().wait()
 
+    def _admit(self, tasks: list[_Task]) -> None:
+        """Start pending work in FIFO order while it can start: a job needs a free
+        slot, a worker call an idle engine (it runs between jobs, as with one slot)."""
+        while True:
+            with self._pending_lock:
+                if not self._pending:
+                    return
+                item = self._pending[0]
+                free = [sl for sl in self._slots if sl.active is None]
+                is_call = isinstance(item, _WorkerCall)
+                if (is_call and tasks) or not free:
+                    return
+                self._pending.popleft()
+            if is_call:
+                item.run(self)
+                continue
+            h = item
+            if h.cancelled or self._closed:
+                self.stats.cancelled += 1
+                h.result = Finish("cancelled", error="cancelled before start")
+                h.emit(h.result)
+                h.done.set()
+                continue
+            t = _Task(h, self._route(h, free))
+            tasks.append(t)
+            t.slot.active = h
+
+    def _route(self, h: JobHandle, free: list[Slot]) -> Slot:
+        """The slot a job runs on (one slot: that one)."""
+        if len(self._slots) == 1:
+            return free[0]
+        job = h.job
+        try:
+            if job.prompt_ids is None:
+                job.prompt_ids = self.tokenizer.encode(job.prompt_text)
+        except Exception:
+            log.exception("job %d: tokenizing for the router failed", h.id)
+            return free[0]  # _generate fails the job the same way
+        here = self._slot
+
+        def reusable(sl: Slot) -> int:
+            self._slot = sl
+            rung = self._live_rung(job, job.prompt_ids)
+            return len(sl) if rung is not None and not (job.requires_live and rung[0] not in _TOOL_RUNGS) else 0
+
+        try:
+            r = route(free, reusable)
+        finally:
+            self._slot = here
+        if r.reusable:
+            log.info("slot %d routed job %d reuse=%d", r.slot.index, h.id, r.reusable)
+        elif len(r.slot):
+            log.info(
+                "slot %d evicted for job %d tokens=%d idle=%.0fs%s",
+                r.slot.index,
+                h.id,
+                len(r.slot),
+                r.slot.idle_s(),
+                " stale" if r.stale else "",
+            )
+        return r.slot
+
+    def _advance(self, t: _Task) -> bool:
+        """Run one step of a job on its slot; False once it ended."""
+        h = t.handle
+        self._slot = t.slot
+        ended = False
+        try:
+            if t.steps is None:
+                t.steps = self._generate(h)
+            next(t.steps)
+        except StopIteration:
+            ended = True
+        except Exception as e:  # keep serving whatever happened
+            ended = True
+            log.exception("job %d failed", h.id)
+            self._invalidate()
+            if h.started:
+                h.result = Finish("error", error=str(e) or type(e).__name__)
+                h.emit(h.result)
+            else:
+                h.emit(Failed(500, str(e) or type(e).__name__))
+        if ended:
+            t.slot.active = None
+            t.slot.last_used = time.monotonic()
+            h.done.set()
+        return not ended
+
     def reset_session(self) -> None:
         """Empty the live session (worker thread only: the disk cache calls it when a
         restore fails half-way)."""
@@ -465,8 +600,12 @@ class Engine:
     def _new_session(self, ctx: int | None) -> None:
         if ctx is not None:
             self.ctx = int(ctx)
-        self.session = self.model.new_session(self.ctx)
-        self._clear_bindings(keep=None)
+        here = self._slot
+        for sl in self._slots:  # a worker call: no job is running on any slot
+            self._slot = sl
+            self.session = self.model.new_session(self.ctx)
+            self._clear_bindings(keep=None)
+        self._slot = here
 
     def _invalidate(self) -> None:
         """Forget the live state (stop-sequence hit, failures)."""
@@ -484,41 +623,71 @@ class Engine:
 
     # ---------------------------------------------------------------- reuse
     def _live_text(self) -> str:
-        return self.tokenizer.decode(self.session.tokens)
+        sl, s = self._slot, self.session
+        key = (id(s), len(s), s.tokens[-1] if len(s) else None)
+        if sl.text_key != key:  # the router probes idle slots again and again
+            sl.text_key, sl.text = key, self.tokenizer.decode(s.tokens)
+        return sl.text
+
+    def _live_rung(self, job: Job, ids: list[int]):
+        """The first rung of the live ladder (docs/kv-cache.md §2 steps 1-3, 5-7) the
+        current slot's session serves: (source, text to tokenize after the live tokens
+        or None = the request's own ids, binding kept), or None.  Tokenizes nothing:
+        the router probes every free slot with it."""
+        live = self.session.tokens
+        pos = len(live)
+        if pos == 0:
+            return None
+        prompt = job.prompt_text
+        with self._bind_lock:
+            resp, anth, think = self._responses, self._anthropic, self._thinking
+
+        def visible(b: _Binding | None) -> int | None:
+            if b is None or b.live_tokens != pos or not b.visible_text:
+                return None
+            if len(b.visible_text) < len(prompt) and prompt.startswith(b.visible_text):
+                return len(b.visible_text)
+            return None
+
+        # 1. responses-visible
+        if job.api == "responses":
+            n = visible(resp)
+            if n is not None:
+                return "responses-visible", prompt[n:], "responses"
+        # 2./3. tool-output continuation by call ids
+        for api, b in (("responses", resp), ("anthropic", anth)):
+            if (
+                job.api == api
+                and job.continuation_tail is not None
+                and job.continuation_ids
+                and b is not None
+                and b.live_tokens == pos
+                and b.call_ids == job.continuation_ids
+            ):
+                return f"{api}-tool-output", job.continuation_tail, api
+        # 5. memory-token: the live tokens are a prefix of the request tokens
+        if len(ids) >= pos and list(ids[:pos]) == list(live):
+            return "memory-token", None, None
+        # 6. thinking-visible (chat, Anthropic)
+        if job.api in ("chat", "anthropic") and not job.raw:
+            n = visible(think)
+            if n is not None:
+                return "thinking-visible", prompt[n:], "thinking"
+        # 7. memory-text: decode(live) is a byte prefix of the prompt
+        live_text = self._live_text()
+        if prompt.startswith(live_text):
+            return "memory-text", prompt[len(live_text) :], None
+        return None
 
     def _plan_reuse(self, job: Job, ids: list[int]):
         """-> (effective tokens, cached, source, binding kept) or Failed."""
         tk = self.tokenizer
         live = list(self.session.tokens)
         pos = len(live)
-        prompt = job.prompt_text
-        with self._bind_lock:
-            resp, anth, think = self._responses, self._anthropic, self._thinking
-
-        def visible(b: _Binding | None) -> int | None:
-            if b is None or b.live_tokens != pos or pos == 0 or not b.visible_text:
-                return None
-            if len(b.visible_text) < len(prompt) and prompt.startswith(b.visible_text):
-                return len(b.visible_text)
-            return None
-
-        if pos > 0:
-            # 1. responses-visible
-            if job.api == "responses":
-                n = visible(resp)
-                if n is not None:
-                    return live + tk.encode(prompt[n:]), pos, "responses-visible", "responses"
-            # 2./3. tool-output continuation by call ids
-            for api, b in (("responses", resp), ("anthropic", anth)):
-                if (
-                    job.api == api
-                    and job.continuation_tail is not None
-                    and job.continuation_ids
-                    and b is not None
-                    and b.live_tokens == pos
-                    and b.call_ids == job.continuation_ids
-                ):
-                    return live + tk.encode(job.continuation_tail), pos, f"{api}-tool-output", api
+        rung = self._live_rung(job, ids)
+        if rung is not None and rung[0] in _TOOL_RUNGS:
+            source, tail, kept = rung
+            return live + tk.encode(tail), pos, source, kept
         # 4. the request cannot be served without the live state it refers to
         if job.requires_live:
             which = "Responses" if job.api == "responses" else "Anthropic"
@@ -526,19 +695,10 @@ class Engine:
             return Failed(
                 409, f"{which} continuation state is not available; retry by replaying the full {hist} history"
             )
+        if rung is not None:
+            source, tail, kept = rung
+            return (ids if tail is None else live + tk.encode(tail)), pos, source, kept
         if pos > 0:
-            # 5. memory-token: the live tokens are a prefix of the request tokens
-            if len(ids) >= pos and ids[:pos] == live:
-                return ids, pos, "memory-token", None
-            # 6. thinking-visible (chat, Anthropic)
-            if job.api in ("chat", "anthropic") and not job.raw:
-                n = visible(think)
-                if n is not None:
-                    return live + tk.encode(prompt[n:]), pos, "thinking-visible", "thinking"
-            # 7. memory-text: decode(live) is a byte prefix of the prompt
-            live_text = self._live_text()
-            if prompt.startswith(live_text):
-                return live + tk.encode(prompt[len(live_text) :]), pos, "memory-text", None
             common = next((i for i, (a, b) in enumerate(zip(live, ids)) if a != b), min(pos, len(ids)))
             log.info("live kv cache miss live=%d prompt=%d common=%d", pos, len(ids), common)
         # 7b. an in-memory checkpoint at the end of an earlier prompt (the live session cannot rewind)
@@ -562,7 +722,7 @@ class Engine:
             self.session.restore(cp.blob)
         except ValueError:
             log.exception("memory checkpoint restore failed")
-            self._reset_session()
+            self.reset_session()
             return False
         self.checkpoints.restored += 1
         return True
@@ -587,7 +747,8 @@ class Engine:
 
     def _sync(self, h: JobHandle, effective: list[int], cached: int):
         """Bring the session to `effective`, evaluating only `effective[cached:]`.
-        Returns (logits for the next token, or None if cancelled; tokens reused)."""
+        Returns (logits for the next token, or None if cancelled; tokens reused).
+        A generator: it yields after each chunk (the other slots' turn)."""
         s = self.session
         if cached == 0 or cached != len(s) or list(s.tokens[:cached]) != effective[:cached]:
             if len(s):
@@ -611,6 +772,9 @@ class Engine:
         # prefill realigns), the cold save point and the cache's continued frontiers
         step = self.prefill_chunk
         stops = {*range(cached - cached % step + step, total, step), total, *([cold] if cold else [])}
+        q = self.prefill_quantum
+        if q is not None and q < step:
+            stops.update(range(cached - cached % q + q, total, q))
         extra = _call_hook(self.cache.prefill_stops, self, h.job, cached, total) or ()
         stops.update(p for p in extra if cached < p < total)
         bounds = sorted(p - cached for p in stops)
@@ -640,10 +804,12 @@ class Engine:
                 (done - cached) / dt if dt > 0 else 0.0,
                 dt,
             )
+            yield
         return logits, cached
 
     # ---------------------------------------------------------------- generate
-    def _generate(self, h: JobHandle) -> None:
+    def _generate(self, h: JobHandle) -> Iterator[None]:
+        """Run one job; yields between prefill chunks and decode tokens."""
         job = h.job
         tk = self.tokenizer
         self.stats.jobs += 1
@@ -659,7 +825,7 @@ class Engine:
             return
         if cached:
             log.info("%s live kv reuse source=%s cached=%d prompt=%d", job_kind(job), source, cached, len(effective))
-        logits, cached = self._sync(h, effective, cached)
+        logits, cached = yield from self._sync(h, effective, cached)
         prompt_tokens = len(effective)
         if logits is None:  # cancelled during prefill; the session keeps the evaluated prefix
             self._clear_bindings(keep=None)
@@ -674,9 +840,9 @@ class Engine:
         _call_hook(self.cache.after_prefill, self, job)
         h.started = True
         h.emit(Started(prompt_tokens, cached))
-        self._decode(h, logits, prompt_tokens, cached)
+        yield from self._decode(h, logits, prompt_tokens, cached)
 
-    def _decode(self, h: JobHandle, logits, prompt_tokens: int, cached: int) -> None:
+    def _decode(self, h: JobHandle, logits, prompt_tokens: int, cached: int) -> Iterator[None]:
         job = h.job
         tk = self.tokenizer
         s = self.session
@@ -774,6 +940,7 @@ class Engine:
             if not (job.tools_active and getattr(parser, "phase", "text") in ("tool", "done")):
                 _call_hook(self.cache.on_progress, self, job)  # not inside a tool call
                 self._checkpoint_frontier()
+            yield  # the other slots' turn
         if finish != "stop" or stops.hit is None:
             push(stops.push(detok.flush()))
             push(stops.flush())
