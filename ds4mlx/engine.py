@@ -176,6 +176,7 @@ class JobHandle:
         self._cancel = threading.Event()
         self.done = threading.Event()
         self.started = False  # Started was emitted (errors after it end as Finish("error"))
+        self.slot: int | None = None  # index of the resident session it ran on (once admitted)
         self.result: Finish | None = None
 
     @property
@@ -353,6 +354,16 @@ class Engine:
         return len(self._slots)
 
     @property
+    def running(self) -> list[JobHandle]:
+        """The jobs admitted to a slot and not finished."""
+        return [sl.active for sl in self._slots if sl.active is not None]
+
+    @property
+    def _running(self) -> JobHandle | None:  # one slot's view, as before batching
+        jobs = self.running
+        return jobs[0] if jobs else None
+
+    @property
     def queue_depth(self) -> int:
         with self._pending_lock:
             return len(self._pending) + self._queue.qsize()
@@ -458,6 +469,7 @@ class Engine:
         self._ready.set()
         tasks: list[_Task] = []
         stopping = False
+        changed = False  # something arrived or ended since the last admission
         while not (stopping and not tasks):
             # take what was submitted: block only when there is nothing to run
             while not stopping:
@@ -465,15 +477,20 @@ class Engine:
                     item = self._queue.get(block=not tasks and not self._pending)
                 except queue.Empty:
                     break
+                changed = True
                 if item is None:
                     stopping = True
                 else:
                     with self._pending_lock:
                         self._pending.append(item)
-            self._admit(tasks)  # once closed, the jobs still pending end "cancelled before start"
+            if changed or any(getattr(h, "cancelled", False) for h in self._pending):
+                # once closed, the jobs still pending end "cancelled before start"
+                self._admit(tasks)
+                changed = False
             for t in list(tasks):  # one turn each: a prefill chunk or a decode token
                 if not self._advance(t):
                     tasks.remove(t)
+                    changed = True
         for sl in self._slots:  # on the worker: the sessions' MLX stream lives here
             self._slot = sl
             _call_hook(self.cache.on_shutdown, self)
@@ -501,52 +518,77 @@ class Engine:
         threading.Event().wait()
 
     def _admit(self, tasks: list[_Task]) -> None:
-        """Start pending work in FIFO order while it can start: a job needs a free
-        slot, a worker call an idle engine (it runs between jobs, as with one slot)."""
-        while True:
+        """Start pending work while it can start: a job needs a free slot, a worker call
+        an idle engine (it runs between jobs, as with one slot, and no job queued after
+        it starts before it).  Jobs start in order, except that a job which would evict
+        a slot that a job queued behind it can reuse waits for that one to start first."""
+        progress = True
+        while progress:
+            progress = False
             with self._pending_lock:
-                if not self._pending:
+                items = list(self._pending)
+            barrier = next((i for i, it in enumerate(items) if isinstance(it, _WorkerCall)), len(items))
+            if barrier == 0 and items:
+                if tasks:
                     return
-                item = self._pending[0]
+                self._take(items[0]).run(self)
+                progress = True
+                continue
+            jobs = items[:barrier]
+            for i, h in enumerate(jobs):
+                if h.cancelled or self._closed:
+                    self._take(h)
+                    self.stats.cancelled += 1
+                    h.result = Finish("cancelled", error="cancelled before start")
+                    h.emit(h.result)
+                    h.done.set()
+                    progress = True
+                    break
                 free = [sl for sl in self._slots if sl.active is None]
-                is_call = isinstance(item, _WorkerCall)
-                if (is_call and tasks) or not free:
+                if not free:
                     return
-                self._pending.popleft()
-            if is_call:
-                item.run(self)
-                continue
-            h = item
-            if h.cancelled or self._closed:
-                self.stats.cancelled += 1
-                h.result = Finish("cancelled", error="cancelled before start")
-                h.emit(h.result)
-                h.done.set()
-                continue
-            t = _Task(h, self._route(h, free))
-            tasks.append(t)
-            t.slot.active = h
+                slot = self._route(h, free, jobs[i + 1 :])
+                if slot is None:
+                    continue  # its victim is wanted by a later job: that one first
+                self._take(h)
+                t = _Task(h, slot)
+                tasks.append(t)
+                slot.active = h
+                h.slot = slot.index
+                progress = True
+                break
 
-    def _route(self, h: JobHandle, free: list[Slot]) -> Slot:
-        """The slot a job runs on (one slot: that one)."""
+    def _take(self, item):
+        with self._pending_lock:
+            self._pending.remove(item)
+        return item
+
+    def _route(self, h: JobHandle, free: list[Slot], later: Sequence[JobHandle] = ()) -> Slot | None:
+        """The free slot a job runs on, by the reuse ladder; None = wait (the only slots
+        it could evict hold state that a job in `later` reuses)."""
         if len(self._slots) == 1:
             return free[0]
-        job = h.job
-        try:
-            if job.prompt_ids is None:
-                job.prompt_ids = self.tokenizer.encode(job.prompt_text)
-        except Exception:
-            log.exception("job %d: tokenizing for the router failed", h.id)
-            return free[0]  # _generate fails the job the same way
         here = self._slot
 
-        def reusable(sl: Slot) -> int:
-            self._slot = sl
-            rung = self._live_rung(job, job.prompt_ids)
-            return len(sl) if rung is not None and not (job.requires_live and rung[0] not in _TOOL_RUNGS) else 0
+        def reuse(job: Job):
+            def reusable(sl: Slot) -> int:
+                self._slot = sl
+                rung = self._live_rung(job, self._prompt_ids(job))
+                return len(sl) if rung is not None and not (job.requires_live and rung[0] not in _TOOL_RUNGS) else 0
+
+            return reusable
 
         try:
-            r = route(free, reusable)
+            r = route(free, reuse(h.job))
+            if not r.reusable and len(r.slot):
+                wanted = {id(sl) for j in later for sl in free if len(sl) and reuse(j.job)(sl)}
+                spare = [sl for sl in free if id(sl) not in wanted]
+                if not spare:
+                    return None
+                r = route(spare, lambda sl: 0)
+        except Exception:
+            log.exception("job %d: routing failed", h.id)
+            return free[0]  # _generate fails the job the same way
         finally:
             self._slot = here
         if r.reusable:
@@ -561,6 +603,11 @@ class Engine:
                 " stale" if r.stale else "",
             )
         return r.slot
+
+    def _prompt_ids(self, job: Job) -> list[int]:
+        if job.prompt_ids is None:
+            job.prompt_ids = self.tokenizer.encode(job.prompt_text)
+        return job.prompt_ids
 
     def _advance(self, t: _Task) -> bool:
         """Run one step of a job on its slot; False once it ended."""
