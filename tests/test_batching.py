@@ -343,3 +343,28 @@ def test_queue_events_reach_every_client(demo):
         eng.close()
     done = [q.get_nowait() for _ in range(q.qsize())]
     assert len(done) == 6 and all(f.reason == "length" and f.usage.completion_tokens == 3 for _, f in done)
+
+
+def test_an_evicted_slot_is_saved_to_disk_and_restored_when_its_conversation_returns(demo, tmp_path):
+    from ds4mlx.kv.cache import DiskKVCache
+    from ds4mlx.kv.policy import KVCacheOptions
+    from ds4mlx.memcheckpoints import MemoryCheckpoints
+
+    model, tk = demo
+    opt = KVCacheOptions(disk_dir=str(tmp_path / "kv"), min_tokens=8, cold_max_tokens=0, continued_interval_tokens=0)
+    cache = DiskKVCache.open(opt, model, ctx=1024)
+    # no memory checkpoints: the disk is the only way back
+    eng = Engine(model, tk, ctx=1024, slots=2, cache=cache, checkpoints=MemoryCheckpoints(budget_bytes=0))
+    try:
+        a = run_together(eng, [raw_job(PROMPTS[0])])[0]
+        run_together(eng, [raw_job(PROMPTS[3] + " " + PROMPTS[1] + " " + PROMPTS[2])])
+        # a stranger evicts the shorter conversation (A): its session goes to disk
+        h, _ = run_together(eng, [raw_job("Completely unrelated: the stock market")])[0]
+        assert h.slot == a[0].slot
+        assert cache.stats()["stores"].get("evict") == 1
+        fa = a[1][-1]
+        back, evs = run_together(eng, [raw_job(PROMPTS[0] + fa.raw_text + " and then")])[0]
+        assert eng.stats.last_cache_source == "disk-text"
+        assert evs[-1].usage.cached_tokens == fa.usage.prompt_tokens + fa.usage.completion_tokens
+    finally:
+        eng.close()
