@@ -368,3 +368,44 @@ def test_an_evicted_slot_is_saved_to_disk_and_restored_when_its_conversation_ret
         assert evs[-1].usage.cached_tokens == fa.usage.prompt_tokens + fa.usage.completion_tokens
     finally:
         eng.close()
+
+
+def test_tool_output_continuations_find_their_own_slot():
+    """Two Responses tool turns on two slots; each continuation sends only its tool
+    output (it needs the live state holding its call): each goes back to its slot,
+    in either order, reusing all of it.  On one slot the first is gone (400: unknown call id)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from scripted_model import ScriptedModel, serve
+
+    from ds4mlx.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    dsml = 'ok.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    model = ScriptedModel(tok, lambda p: "ok.</think>done." if "<tool_result>" in p else dsml)
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+
+    async def post(cs, url, body):
+        async with cs.post(url + "/v1/responses", json=body) as r:
+            return r.status, await r.json()
+
+    async def go(url):
+        async with aiohttp.ClientSession() as cs:
+            turns = [await post(cs, url, {"input": f"go {who}", "tools": tools}) for who in ("A", "B")]
+            outs = []
+            for status, body in reversed(turns):
+                assert status == 200
+                call_id = body["output"][-1]["call_id"]
+                item = {"type": "function_call_output", "call_id": call_id, "output": "r"}
+                outs.append((body, await post(cs, url, {"input": [item], "tools": tools})))
+            return outs
+
+    with serve(tok, model, ctx=1024, slots=2) as s:
+        for first, (status, body) in asyncio.run(go(s.url)):
+            assert status == 200 and body["output"][-1]["content"][0]["text"] == "done."
+            u0, u = first["usage"], body["usage"]
+            assert u["input_tokens_details"]["cached_tokens"] == u0["input_tokens"] + u0["output_tokens"]
+    with serve(tok, model, ctx=1024, slots=1) as s:
+        assert [status for _, (status, _) in asyncio.run(go(s.url))] == [200, 400]  # B's state replaced A's
