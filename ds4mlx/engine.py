@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -39,7 +40,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .decode import decode_tokens
+from .decode import StepRequest, decode_tokens, run_steps
 from .detok import Detokenizer, StopMatcher
 from .events import (
     Finish,
@@ -53,6 +54,8 @@ from .sampling import GREEDY, DeviceSampler, Sampler, SamplingParams
 from .slots import Slot, route
 
 log = logging.getLogger("ds4mlx.engine")
+
+BATCHED_DECODE_ENV = "DS4MLX_BATCHED_DECODE"
 
 UNTERMINATED_TOOL_CALL = "unterminated tool call"  # chat.markers.PARSE_UNTERMINATED_TOOL_CALL
 
@@ -108,6 +111,7 @@ class EngineStats:
     cancelled: int = 0
     cancel_requests: int = 0
     greedy_tokens: int = 0  # tokens sampled greedily because of DSML structure
+    shared_steps: int = 0  # decode steps that ran in a forward shared with other slots
     last_cache_source: str = "none"
 
 
@@ -310,6 +314,11 @@ class Engine:
         self.prefill_quantum = max(1, int(prefill_quantum)) if prefill_quantum else None
         self.tool_memory = tool_memory
         self._slots = [Slot(i) for i in range(max(1, int(slots)))]
+        # with several slots the decode loops hand their steps to the worker, which runs the
+        # ready steps of all slots in one forward where the family can
+        # (DS4MLX_BATCHED_DECODE=0: one forward per slot, in turn)
+        self._defer_steps = len(self._slots) > 1
+        self._share_steps = os.environ.get(BATCHED_DECODE_ENV, "1").strip() != "0"
         self._slot = self._slots[0]  # the slot the worker is running now (session, bindings, cache)
         self.cache = cache or CacheHooks()
         for_slot = getattr(self.cache, "for_slot", None)
@@ -487,10 +496,16 @@ class Engine:
                 # once closed, the jobs still pending end "cancelled before start"
                 self._admit(tasks)
                 changed = False
+            steps: list[StepRequest] = []
             for t in list(tasks):  # one turn each: a prefill chunk or a decode token
-                if not self._advance(t):
+                alive, step = self._advance(t)
+                if not alive:
                     tasks.remove(t)
                     changed = True
+                elif step is not None:
+                    steps.append(step)
+            if steps:  # the decode steps the jobs wait for, together
+                self.stats.shared_steps += run_steps(steps, self._share_steps)
         for sl in self._slots:  # on the worker: the sessions' MLX stream lives here
             self._slot = sl
             _call_hook(self.cache.on_shutdown, self)
@@ -609,15 +624,16 @@ class Engine:
             job.prompt_ids = self.tokenizer.encode(job.prompt_text)
         return job.prompt_ids
 
-    def _advance(self, t: _Task) -> bool:
-        """Run one step of a job on its slot; False once it ended."""
+    def _advance(self, t: _Task) -> tuple[bool, StepRequest | None]:
+        """Run one turn of a job on its slot: (still running, the decode step it waits for)."""
         h = t.handle
         self._slot = t.slot
         ended = False
+        step = None
         try:
             if t.steps is None:
                 t.steps = self._generate(h)
-            next(t.steps)
+            step = next(t.steps)
         except StopIteration:
             ended = True
         except Exception as e:  # keep serving whatever happened
@@ -633,7 +649,7 @@ class Engine:
             t.slot.active = None
             t.slot.last_used = time.monotonic()
             h.done.set()
-        return not ended
+        return not ended, step
 
     def reset_session(self) -> None:
         """Empty the live session (worker thread only: the disk cache calls it when a
@@ -855,8 +871,9 @@ class Engine:
         return logits, cached
 
     # ---------------------------------------------------------------- generate
-    def _generate(self, h: JobHandle) -> Iterator[None]:
-        """Run one job; yields between prefill chunks and decode tokens."""
+    def _generate(self, h: JobHandle) -> Iterator[StepRequest | None]:
+        """Run one job; yields between prefill chunks and decode tokens (with deferred
+        steps: the StepRequest of each decode step, for the worker to run)."""
         job = h.job
         tk = self.tokenizer
         self.stats.jobs += 1
@@ -889,7 +906,7 @@ class Engine:
         h.emit(Started(prompt_tokens, cached))
         yield from self._decode(h, logits, prompt_tokens, cached)
 
-    def _decode(self, h: JobHandle, logits, prompt_tokens: int, cached: int) -> Iterator[None]:
+    def _decode(self, h: JobHandle, logits, prompt_tokens: int, cached: int) -> Iterator[StepRequest | None]:
         job = h.job
         tk = self.tokenizer
         s = self.session
@@ -956,6 +973,7 @@ class Engine:
             stop_ids=() if job.ignore_eos else [e for e in ends if e is not None],
             lookahead=not host_chooses,
             limit=max_tokens if force is None else None,
+            defer=self._defer_steps,
         )
         tokens = iter(loop)
         while True:
@@ -964,6 +982,9 @@ class Engine:
                 break
             try:
                 tok = next(tokens)
+                while isinstance(tok, StepRequest):  # deferred: the worker runs it with the others'
+                    yield tok
+                    tok = next(tokens)
             except StopIteration:
                 finish = "stop" if loop.stopped_by is not None else "length"
                 break
@@ -987,7 +1008,8 @@ class Engine:
             if not (job.tools_active and getattr(parser, "phase", "text") in ("tool", "done")):
                 _call_hook(self.cache.on_progress, self, job)  # not inside a tool call
                 self._checkpoint_frontier()
-            yield  # the other slots' turn
+            if not loop.defer:
+                yield  # the other slots' turn (a deferred loop gave it at its step request)
         if finish != "stop" or stops.hit is None:
             push(stops.push(detok.flush()))
             push(stops.flush())

@@ -82,6 +82,38 @@ def test_route_prefers_the_longest_reuse_and_evicts_only_without_one():
     assert (r.slot, r.reusable) == (c, 0)
 
 
+# --------------------------------------------------------------------------- one forward, B rows
+def test_rows_stepped_together_equal_each_alone(demo):
+    """`step_together`: B sessions at different positions (different buffer buckets) in
+    one forward give each row the logits of its own step, within 1e-5 (float32 CPU), and
+    leave each session where its own step would (the next steps agree too; undo works)."""
+    import numpy as np
+
+    from ds4mlx.session import can_step_together, step_together
+
+    model, tk = demo
+    prompts = [tk.encode(p) for p in PROMPTS] + [tk.encode("x")]
+    alone = [model.new_session(1024) for _ in prompts]
+    rows = [model.new_session(1024) for _ in prompts]
+    for a, r, p in zip(alone, rows, prompts):
+        a.prefill(p)
+        r.prefill(p)
+    rounds = [[5, 7, 9, 11, 13], [17, 19, 23, 29, 31]]
+    for k, toks in enumerate(rounds):
+        want = [np.asarray(a.step(t)) for a, t in zip(alone, toks)]  # the first: the model's check
+        assert can_step_together(rows)
+        got = [np.asarray(lg) for lg in step_together(rows, toks, undoable=k == 1)]
+        for w, g in zip(want, got):
+            assert np.abs(w - g).max() <= 1e-5
+            assert int(w.argmax()) == int(g.argmax())
+    for r in rows:
+        r.undo_step()  # the second round was undoable: back to one step past the prompt
+    again = [np.asarray(lg) for lg in step_together(rows, rounds[1])]
+    for w, g in zip(want, again):
+        assert np.abs(w - g).max() <= 1e-5
+    assert all(list(r.tokens) == list(a.tokens) for r, a in zip(rows, alone))
+
+
 # --------------------------------------------------------------------------- engine
 PROMPTS = [
     "The lighthouse keeper wrote in his log that",
@@ -110,6 +142,7 @@ def test_interleaved_jobs_equal_one_by_one(demo):
     finally:
         eng.close()
     assert max(seen_running) > 1  # they really ran at the same time
+    assert eng.stats.shared_steps > 0  # and their decode steps shared forwards
     assert sorted(h.slot for h, _ in got) == [0, 1, 2, 3]
     for w, (h, evs) in zip(want, got):
         fin = evs[-1]
