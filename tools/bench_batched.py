@@ -140,15 +140,15 @@ def main(argv=None) -> int:
             rows.append((f"{mode} N={slots}", s))
             print_table(rows[-1:])
             sys.stdout.flush()
+            if args.json:  # after every row: a time-boxed run keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump([{"run": n, **r} for n, r in rows], f, indent=1)
         except RuntimeError as e:
             print(f"N={slots}: {e}", file=sys.stderr)
             return 1
         finally:
             engine.close()
     print_table(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{"run": n, **s} for n, s in rows], f, indent=1)
     return 0
 
 
