@@ -21,6 +21,10 @@ Two ways to run, one loop:
 The consumer stops the loop by leaving the `for` (stop string, cancel, max tokens); a
 token drawn ahead but not yielded is never fed.  `loop.stopped_by` holds the stop id
 that ended it (not fed), else None.
+
+With `defer=True` (session batching) the loop does not run its steps itself: before
+each step it yields a `StepRequest` and continues once someone ran it (`run_steps`:
+the ready steps of several sessions in one forward where the model allows).
 """
 
 from __future__ import annotations
@@ -28,6 +32,52 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import mlx.core as mx
+
+from .session import can_step_together, step_together
+
+
+class StepRequest:
+    """A step a deferred loop waits for: feed `token` to `session` (`Session.step`)."""
+
+    __slots__ = ("session", "token", "undoable", "logits", "error")
+
+    def __init__(self, session, token, undoable: bool):
+        self.session, self.token, self.undoable = session, token, undoable
+        self.logits = None
+        self.error: BaseException | None = None
+
+    def result(self) -> mx.array:
+        if self.error is not None:
+            raise self.error
+        return self.logits
+
+
+def run_steps(requests: list[StepRequest], together: bool = True) -> int:
+    """Run the requested steps: the sessions that can go together in one forward
+    (`session.step_together`; not with `together=False`), the others one by one in
+    order.  Returns how many went in a shared forward.  A failure lands on its request(s)."""
+    shared = 0
+    groups: dict = {}
+    for r in requests:
+        groups.setdefault((id(r.session.model), r.undoable), []).append(r)
+    for rs in groups.values():
+        sessions = [r.session for r in rs]
+        if together and can_step_together(sessions):
+            try:
+                for r, lg in zip(rs, step_together(sessions, [r.token for r in rs], rs[0].undoable)):
+                    r.logits = lg
+                shared += len(rs)
+                continue
+            except Exception as e:  # noqa: BLE001 - the rows' loops raise it
+                for r in rs:
+                    r.error = e
+                continue
+        for r in rs:
+            try:
+                r.logits = r.session.step(r.token, undoable=True) if r.undoable else r.session.step(r.token)
+            except Exception as e:  # noqa: BLE001 - its loop raises it
+                r.error = e
+    return shared
 
 
 class DecodeLoop:
@@ -40,8 +90,10 @@ class DecodeLoop:
         stop_ids: Iterable[int] = (),
         lookahead: bool = True,
         limit: int | None = None,
+        defer: bool = False,
     ):
         self.session = session
+        self.defer = bool(defer)
         self.logits = logits if isinstance(logits, mx.array) else mx.array(logits)
         self.sample = sample
         self.stop_ids = frozenset(int(t) for t in stop_ids)
@@ -64,7 +116,12 @@ class DecodeLoop:
             if tok in self.stop_ids:
                 self.stopped_by = tok
                 return
-            self.logits = s.step(tok)
+            if self.defer:
+                req = StepRequest(s, tok, False)
+                yield req
+                self.logits = req.result()
+            else:
+                self.logits = s.step(tok)
             mx.async_eval(self.logits)
             n += 1
             yield tok
@@ -75,7 +132,12 @@ class DecodeLoop:
         mx.async_eval(tok)
         while self._room(n):
             # step t, fed with the lazy token t
-            self.logits = s.step(tok, undoable=True) if self.stop_ids else s.step(tok)
+            if self.defer:
+                req = StepRequest(s, tok, bool(self.stop_ids))
+                yield req
+                self.logits = req.result()
+            else:
+                self.logits = s.step(tok, undoable=True) if self.stop_ids else s.step(tok)
             nxt = self.sample(self.logits)  # token t+1, still on the device
             mx.async_eval(nxt)
             t = int(tok.item())  # waits for step t-1 only: step t is already queued behind it

@@ -17,14 +17,19 @@ Per job the worker:
    matcher -> output parser -> events; cancellation is checked per token;
 4. finishes: final parse, tool ids, tool memory, protocol bindings.
 
-Batching later: the scheduler only touches `_queue`/`_run`; a batched worker
-would pop several handles and interleave their decode steps.
+With `slots=N` (`serve --batched-session N`, docs/kv-cache.md §11) the worker keeps
+N resident sessions (`slots.Slot`): each queued job is routed to a free slot by
+the reuse ladder, and the jobs of all busy slots advance in turns, one prefill
+chunk or one decode token each (every job is a generator that yields at those
+boundaries).  N = 1 is the single live session: one job at a time, in order.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -35,7 +40,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .decode import decode_tokens
+from .decode import StepRequest, decode_tokens, run_steps
 from .detok import Detokenizer, StopMatcher
 from .events import (
     Finish,
@@ -47,10 +52,13 @@ from .events import (
 from .memcheckpoints import MemoryCheckpoints
 from .prefill_chunk import default_chunk
 from .sampling import GREEDY, DeviceSampler, Sampler, SamplingParams
+from .slots import Slot, route
 from .speculative.loop import loop_for_job
 from .speculative.options import SpecStats
 
 log = logging.getLogger("ds4mlx.engine")
+
+BATCHED_DECODE_ENV = "DS4MLX_BATCHED_DECODE"
 
 UNTERMINATED_TOOL_CALL = "unterminated tool call"  # chat.markers.PARSE_UNTERMINATED_TOOL_CALL
 
@@ -112,6 +120,7 @@ class EngineStats:
     spec_acceptance_rate: float = 0.0
     spec_draft_seconds: float = 0.0  # wall time proposing drafts
     spec_verify_seconds: float = 0.0  # wall time verifying (target forward, acceptance, rollback)
+    shared_steps: int = 0  # decode steps that ran in a forward shared with other slots
     last_cache_source: str = "none"
 
 
@@ -180,6 +189,7 @@ class JobHandle:
         self._cancel = threading.Event()
         self.done = threading.Event()
         self.started = False  # Started was emitted (errors after it end as Finish("error"))
+        self.slot: int | None = None  # index of the resident session it ran on (once admitted)
         self.result: Finish | None = None
 
     @property
@@ -256,7 +266,32 @@ def _calls_of(parsed) -> list:
     return list(calls or [])
 
 
+@dataclass
+class _Task:
+    """A job admitted to a slot: `steps` is its `_generate` generator once started."""
+
+    handle: JobHandle
+    slot: Slot
+    steps: Iterator[None] | None = None
+
+
+# rungs of the ladder that serve a request needing the live tool state (docs/kv-cache.md §2 steps 1-3)
+_TOOL_RUNGS = ("responses-visible", "responses-tool-output", "anthropic-tool-output")
+
+
+def _slot_field(name: str) -> property:
+    """An Engine attribute that is the current slot's (`Engine._slot`)."""
+    return property(lambda self: getattr(self._slot, name), lambda self, v: setattr(self._slot, name, v))
+
+
 class Engine:
+    # the live session, its protocol bindings and its disk-cache hooks are per slot
+    session = _slot_field("session")
+    cache = _slot_field("cache")
+    _responses = _slot_field("responses")
+    _anthropic = _slot_field("anthropic")
+    _thinking = _slot_field("thinking")
+
     def __init__(
         self,
         model,
@@ -271,6 +306,8 @@ class Engine:
         protocol=None,
         checkpoints: MemoryCheckpoints | None = None,
         speculation=None,
+        slots: int = 1,
+        prefill_quantum: int | None = None,
     ):
         from .chat.protocol import protocol_for_model
 
@@ -282,19 +319,30 @@ class Engine:
         self.ctx = int(ctx)
         self.default_max_tokens = int(default_max_tokens)
         self.prefill_chunk = max(1, int(prefill_chunk or default_chunk()))  # prefill_chunk.py
+        # --mixed-prefill-quantum: prefill chunks end at its multiples too, so a long
+        # prefill yields to the other slots' decode steps that often
+        self.prefill_quantum = max(1, int(prefill_quantum)) if prefill_quantum else None
         self.tool_memory = tool_memory
+        self._slots = [Slot(i) for i in range(max(1, int(slots)))]
+        # with several slots the decode loops hand their steps to the worker, which runs the
+        # ready steps of all slots in one forward where the family can
+        # (DS4MLX_BATCHED_DECODE=0: one forward per slot, in turn)
+        self._defer_steps = len(self._slots) > 1
+        self._share_steps = os.environ.get(BATCHED_DECODE_ENV, "1").strip() != "0"
+        self._slot = self._slots[0]  # the slot the worker is running now (session, bindings, cache)
         self.cache = cache or CacheHooks()
+        for_slot = getattr(self.cache, "for_slot", None)
+        for sl in self._slots[1:]:
+            sl.cache = for_slot() if callable(for_slot) else self.cache
         self.parser_factory = parser_factory
         self.checkpoints = checkpoints if checkpoints is not None else MemoryCheckpoints()
         self.stats = EngineStats()
         self.speculation = speculation  # speculative.options.SpecConfig, or None
-        self.session = None
         self._bind_lock = threading.Lock()
-        self._responses: _Binding | None = None
-        self._anthropic: _Binding | None = None
-        self._thinking: _Binding | None = None
         self._queue: queue.Queue[JobHandle | None] = queue.Queue()
-        self._running: JobHandle | None = None
+        # taken off _queue by the worker, not yet running (FIFO; guarded by _pending_lock)
+        self._pending: collections.deque = collections.deque()
+        self._pending_lock = threading.Lock()
         self._closed = False
         # Every MLX operation on the session happens on the worker thread: MLX
         # streams are per thread, so the session's arrays are created there too.
@@ -322,14 +370,29 @@ class Engine:
         return bound(text) if callable(bound) else 0
 
     @property
+    def slots(self) -> int:
+        return len(self._slots)
+
+    @property
+    def running(self) -> list[JobHandle]:
+        """The jobs admitted to a slot and not finished."""
+        return [sl.active for sl in self._slots if sl.active is not None]
+
+    @property
+    def _running(self) -> JobHandle | None:  # one slot's view, as before batching
+        jobs = self.running
+        return jobs[0] if jobs else None
+
+    @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        with self._pending_lock:
+            return len(self._pending) + self._queue.qsize()
 
     def queue_position(self, handle: JobHandle) -> int:
         """1 = the next job to run, 2 = one ahead of it, ...; 0 = not waiting
         (running, finished or cancelled)."""
-        with self._queue.mutex:
-            for i, h in enumerate(self._queue.queue):
+        with self._pending_lock, self._queue.mutex:
+            for i, h in enumerate(itertools.chain(self._pending, self._queue.queue)):
                 if h is handle:
                     return i + 1
         return 0
@@ -372,10 +435,15 @@ class Engine:
         return call.result
 
     def live_call_ids(self, api: str) -> frozenset:
-        """Call ids of the remembered live tool turn for `api` (Responses/Anthropic)."""
+        """Call ids of the remembered live tool turns for `api` (Responses/Anthropic),
+        over every slot."""
+        ids: frozenset = frozenset()
         with self._bind_lock:
-            b = self._responses if api == "responses" else self._anthropic if api == "anthropic" else None
-            return b.call_ids if b is not None and b.live_tokens == len(self.session) else frozenset()
+            for sl in self._slots:
+                b = sl.responses if api == "responses" else sl.anthropic if api == "anthropic" else None
+                if b is not None and b.live_tokens == len(sl):
+                    ids |= b.call_ids
+        return ids
 
     def live_visible_text(self) -> str | None:
         """The visible transcript a Responses / thinking binding remembers for the
@@ -402,54 +470,65 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        if self._running is not None:
-            self._running.cancel()
+        for sl in self._slots:
+            if sl.active is not None:
+                sl.active.cancel()
         self._queue.put(None)
         self._stopped.wait(timeout)
 
     # ---------------------------------------------------------------- worker
     def _run(self) -> None:
         try:
-            self.session = self.model.new_session(self.ctx)
+            for sl in self._slots:
+                sl.session = self.model.new_session(self.ctx)
         except BaseException as e:  # noqa: BLE001 - re-raised by __init__
             self._init_error = e
             self._stopped.set()
             self._ready.set()
             threading.Event().wait()  # park (see the end of this method)
         self._ready.set()
-        while True:
-            h = self._queue.get()
-            if h is None:
-                break
-            if isinstance(h, _WorkerCall):
-                h.run(self)
-                continue
-            self._running = h
-            try:
-                if h.cancelled or self._closed:
-                    self.stats.cancelled += 1
-                    h.result = Finish("cancelled", error="cancelled before start")
-                    h.emit(h.result)
+        tasks: list[_Task] = []
+        stopping = False
+        changed = False  # something arrived or ended since the last admission
+        while not (stopping and not tasks):
+            # take what was submitted: block only when there is nothing to run
+            while not stopping:
+                try:
+                    item = self._queue.get(block=not tasks and not self._pending)
+                except queue.Empty:
+                    break
+                changed = True
+                if item is None:
+                    stopping = True
                 else:
-                    self._generate(h)
-            except Exception as e:  # keep serving whatever happened
-                log.exception("job %d failed", h.id)
-                self._invalidate()
-                if h.started:
-                    h.result = Finish("error", error=str(e) or type(e).__name__)
-                    h.emit(h.result)
-                else:
-                    h.emit(Failed(500, str(e) or type(e).__name__))
-            finally:
-                self._running = None
-                h.done.set()
-        _call_hook(self.cache.on_shutdown, self)  # on the worker: the session's MLX stream lives here
+                    with self._pending_lock:
+                        self._pending.append(item)
+            if changed or any(getattr(h, "cancelled", False) for h in self._pending):
+                # once closed, the jobs still pending end "cancelled before start"
+                self._admit(tasks)
+                changed = False
+            steps: list[StepRequest] = []
+            for t in list(tasks):  # one turn each: a prefill chunk or a decode token
+                alive, step = self._advance(t)
+                if not alive:
+                    tasks.remove(t)
+                    changed = True
+                elif step is not None:
+                    steps.append(step)
+            if steps:  # the decode steps the jobs wait for, together
+                self.stats.shared_steps += run_steps(steps, self._share_steps)
+        for sl in self._slots:  # on the worker: the sessions' MLX stream lives here
+            self._slot = sl
+            _call_hook(self.cache.on_shutdown, self)
         # drain: everything still queued ends cancelled
         while True:
-            try:
-                h = self._queue.get_nowait()
-            except queue.Empty:
-                break
+            with self._pending_lock:
+                h = self._pending.popleft() if self._pending else None
+            if h is None:
+                try:
+                    h = self._queue.get_nowait()
+                except queue.Empty:
+                    break
             if isinstance(h, _WorkerCall):
                 h.error = RuntimeError("engine is shut down")
                 h.done.set()
@@ -464,6 +543,125 @@ class Engine:
         # the process.
         threading.Event().wait()
 
+    def _admit(self, tasks: list[_Task]) -> None:
+        """Start pending work while it can start: a job needs a free slot, a worker call
+        an idle engine (it runs between jobs, as with one slot, and no job queued after
+        it starts before it).  Jobs start in order, except that a job which would evict
+        a slot that a job queued behind it can reuse waits for that one to start first."""
+        progress = True
+        while progress:
+            progress = False
+            with self._pending_lock:
+                items = list(self._pending)
+            barrier = next((i for i, it in enumerate(items) if isinstance(it, _WorkerCall)), len(items))
+            if barrier == 0 and items:
+                if tasks:
+                    return
+                self._take(items[0]).run(self)
+                progress = True
+                continue
+            jobs = items[:barrier]
+            for i, h in enumerate(jobs):
+                if h.cancelled or self._closed:
+                    self._take(h)
+                    self.stats.cancelled += 1
+                    h.result = Finish("cancelled", error="cancelled before start")
+                    h.emit(h.result)
+                    h.done.set()
+                    progress = True
+                    break
+                free = [sl for sl in self._slots if sl.active is None]
+                if not free:
+                    return
+                slot = self._route(h, free, jobs[i + 1 :])
+                if slot is None:
+                    continue  # its victim is wanted by a later job: that one first
+                self._take(h)
+                t = _Task(h, slot)
+                tasks.append(t)
+                slot.active = h
+                h.slot = slot.index
+                progress = True
+                break
+
+    def _take(self, item):
+        with self._pending_lock:
+            self._pending.remove(item)
+        return item
+
+    def _route(self, h: JobHandle, free: list[Slot], later: Sequence[JobHandle] = ()) -> Slot | None:
+        """The free slot a job runs on, by the reuse ladder; None = wait (the only slots
+        it could evict hold state that a job in `later` reuses)."""
+        if len(self._slots) == 1:
+            return free[0]
+        here = self._slot
+
+        def reuse(job: Job):
+            def reusable(sl: Slot) -> int:
+                self._slot = sl
+                rung = self._live_rung(job, self._prompt_ids(job))
+                return len(sl) if rung is not None and not (job.requires_live and rung[0] not in _TOOL_RUNGS) else 0
+
+            return reusable
+
+        try:
+            r = route(free, reuse(h.job))
+            if not r.reusable and len(r.slot):
+                wanted = {id(sl) for j in later for sl in free if len(sl) and reuse(j.job)(sl)}
+                spare = [sl for sl in free if id(sl) not in wanted]
+                if not spare:
+                    return None
+                r = route(spare, lambda sl: 0)
+        except Exception:
+            log.exception("job %d: routing failed", h.id)
+            return free[0]  # _generate fails the job the same way
+        finally:
+            self._slot = here
+        if r.reusable:
+            log.info("slot %d routed job %d reuse=%d", r.slot.index, h.id, r.reusable)
+        elif len(r.slot):
+            log.info(
+                "slot %d evicted for job %d tokens=%d idle=%.0fs%s",
+                r.slot.index,
+                h.id,
+                len(r.slot),
+                r.slot.idle_s(),
+                " stale" if r.stale else "",
+            )
+        return r.slot
+
+    def _prompt_ids(self, job: Job) -> list[int]:
+        if job.prompt_ids is None:
+            job.prompt_ids = self.tokenizer.encode(job.prompt_text)
+        return job.prompt_ids
+
+    def _advance(self, t: _Task) -> tuple[bool, StepRequest | None]:
+        """Run one turn of a job on its slot: (still running, the decode step it waits for)."""
+        h = t.handle
+        self._slot = t.slot
+        ended = False
+        step = None
+        try:
+            if t.steps is None:
+                t.steps = self._generate(h)
+            step = next(t.steps)
+        except StopIteration:
+            ended = True
+        except Exception as e:  # keep serving whatever happened
+            ended = True
+            log.exception("job %d failed", h.id)
+            self._invalidate()
+            if h.started:
+                h.result = Finish("error", error=str(e) or type(e).__name__)
+                h.emit(h.result)
+            else:
+                h.emit(Failed(500, str(e) or type(e).__name__))
+        if ended:
+            t.slot.active = None
+            t.slot.last_used = time.monotonic()
+            h.done.set()
+        return not ended, step
+
     def reset_session(self) -> None:
         """Empty the live session (worker thread only: the disk cache calls it when a
         restore fails half-way)."""
@@ -476,8 +674,12 @@ class Engine:
     def _new_session(self, ctx: int | None) -> None:
         if ctx is not None:
             self.ctx = int(ctx)
-        self.session = self.model.new_session(self.ctx)
-        self._clear_bindings(keep=None)
+        here = self._slot
+        for sl in self._slots:  # a worker call: no job is running on any slot
+            self._slot = sl
+            self.session = self.model.new_session(self.ctx)
+            self._clear_bindings(keep=None)
+        self._slot = here
 
     def _invalidate(self) -> None:
         """Forget the live state (stop-sequence hit, failures)."""
@@ -495,41 +697,71 @@ class Engine:
 
     # ---------------------------------------------------------------- reuse
     def _live_text(self) -> str:
-        return self.tokenizer.decode(self.session.tokens)
+        sl, s = self._slot, self.session
+        key = (id(s), len(s), s.tokens[-1] if len(s) else None)
+        if sl.text_key != key:  # the router probes idle slots again and again
+            sl.text_key, sl.text = key, self.tokenizer.decode(s.tokens)
+        return sl.text
+
+    def _live_rung(self, job: Job, ids: list[int]):
+        """The first rung of the live ladder (docs/kv-cache.md §2 steps 1-3, 5-7) the
+        current slot's session serves: (source, text to tokenize after the live tokens
+        or None = the request's own ids, binding kept), or None.  Tokenizes nothing:
+        the router probes every free slot with it."""
+        live = self.session.tokens
+        pos = len(live)
+        if pos == 0:
+            return None
+        prompt = job.prompt_text
+        with self._bind_lock:
+            resp, anth, think = self._responses, self._anthropic, self._thinking
+
+        def visible(b: _Binding | None) -> int | None:
+            if b is None or b.live_tokens != pos or not b.visible_text:
+                return None
+            if len(b.visible_text) < len(prompt) and prompt.startswith(b.visible_text):
+                return len(b.visible_text)
+            return None
+
+        # 1. responses-visible
+        if job.api == "responses":
+            n = visible(resp)
+            if n is not None:
+                return "responses-visible", prompt[n:], "responses"
+        # 2./3. tool-output continuation by call ids
+        for api, b in (("responses", resp), ("anthropic", anth)):
+            if (
+                job.api == api
+                and job.continuation_tail is not None
+                and job.continuation_ids
+                and b is not None
+                and b.live_tokens == pos
+                and b.call_ids == job.continuation_ids
+            ):
+                return f"{api}-tool-output", job.continuation_tail, api
+        # 5. memory-token: the live tokens are a prefix of the request tokens
+        if len(ids) >= pos and list(ids[:pos]) == list(live):
+            return "memory-token", None, None
+        # 6. thinking-visible (chat, Anthropic)
+        if job.api in ("chat", "anthropic") and not job.raw:
+            n = visible(think)
+            if n is not None:
+                return "thinking-visible", prompt[n:], "thinking"
+        # 7. memory-text: decode(live) is a byte prefix of the prompt
+        live_text = self._live_text()
+        if prompt.startswith(live_text):
+            return "memory-text", prompt[len(live_text) :], None
+        return None
 
     def _plan_reuse(self, job: Job, ids: list[int]):
         """-> (effective tokens, cached, source, binding kept) or Failed."""
         tk = self.tokenizer
         live = list(self.session.tokens)
         pos = len(live)
-        prompt = job.prompt_text
-        with self._bind_lock:
-            resp, anth, think = self._responses, self._anthropic, self._thinking
-
-        def visible(b: _Binding | None) -> int | None:
-            if b is None or b.live_tokens != pos or pos == 0 or not b.visible_text:
-                return None
-            if len(b.visible_text) < len(prompt) and prompt.startswith(b.visible_text):
-                return len(b.visible_text)
-            return None
-
-        if pos > 0:
-            # 1. responses-visible
-            if job.api == "responses":
-                n = visible(resp)
-                if n is not None:
-                    return live + tk.encode(prompt[n:]), pos, "responses-visible", "responses"
-            # 2./3. tool-output continuation by call ids
-            for api, b in (("responses", resp), ("anthropic", anth)):
-                if (
-                    job.api == api
-                    and job.continuation_tail is not None
-                    and job.continuation_ids
-                    and b is not None
-                    and b.live_tokens == pos
-                    and b.call_ids == job.continuation_ids
-                ):
-                    return live + tk.encode(job.continuation_tail), pos, f"{api}-tool-output", api
+        rung = self._live_rung(job, ids)
+        if rung is not None and rung[0] in _TOOL_RUNGS:
+            source, tail, kept = rung
+            return live + tk.encode(tail), pos, source, kept
         # 4. the request cannot be served without the live state it refers to
         if job.requires_live:
             which = "Responses" if job.api == "responses" else "Anthropic"
@@ -537,19 +769,10 @@ class Engine:
             return Failed(
                 409, f"{which} continuation state is not available; retry by replaying the full {hist} history"
             )
+        if rung is not None:
+            source, tail, kept = rung
+            return (ids if tail is None else live + tk.encode(tail)), pos, source, kept
         if pos > 0:
-            # 5. memory-token: the live tokens are a prefix of the request tokens
-            if len(ids) >= pos and ids[:pos] == live:
-                return ids, pos, "memory-token", None
-            # 6. thinking-visible (chat, Anthropic)
-            if job.api in ("chat", "anthropic") and not job.raw:
-                n = visible(think)
-                if n is not None:
-                    return live + tk.encode(prompt[n:]), pos, "thinking-visible", "thinking"
-            # 7. memory-text: decode(live) is a byte prefix of the prompt
-            live_text = self._live_text()
-            if prompt.startswith(live_text):
-                return live + tk.encode(prompt[len(live_text) :]), pos, "memory-text", None
             common = next((i for i, (a, b) in enumerate(zip(live, ids)) if a != b), min(pos, len(ids)))
             log.info("live kv cache miss live=%d prompt=%d common=%d", pos, len(ids), common)
         # 7b. an in-memory checkpoint at the end of an earlier prompt (the live session cannot rewind)
@@ -573,7 +796,7 @@ class Engine:
             self.session.restore(cp.blob)
         except ValueError:
             log.exception("memory checkpoint restore failed")
-            self._reset_session()
+            self.reset_session()
             return False
         self.checkpoints.restored += 1
         return True
@@ -598,7 +821,8 @@ class Engine:
 
     def _sync(self, h: JobHandle, effective: list[int], cached: int):
         """Bring the session to `effective`, evaluating only `effective[cached:]`.
-        Returns (logits for the next token, or None if cancelled; tokens reused)."""
+        Returns (logits for the next token, or None if cancelled; tokens reused).
+        A generator: it yields after each chunk (the other slots' turn)."""
         s = self.session
         if cached == 0 or cached != len(s) or list(s.tokens[:cached]) != effective[:cached]:
             if len(s):
@@ -622,6 +846,9 @@ class Engine:
         # prefill realigns), the cold save point and the cache's continued frontiers
         step = self.prefill_chunk
         stops = {*range(cached - cached % step + step, total, step), total, *([cold] if cold else [])}
+        q = self.prefill_quantum
+        if q is not None and q < step:
+            stops.update(range(cached - cached % q + q, total, q))
         extra = _call_hook(self.cache.prefill_stops, self, h.job, cached, total) or ()
         stops.update(p for p in extra if cached < p < total)
         bounds = sorted(p - cached for p in stops)
@@ -651,10 +878,13 @@ class Engine:
                 (done - cached) / dt if dt > 0 else 0.0,
                 dt,
             )
+            yield
         return logits, cached
 
     # ---------------------------------------------------------------- generate
-    def _generate(self, h: JobHandle) -> None:
+    def _generate(self, h: JobHandle) -> Iterator[StepRequest | None]:
+        """Run one job; yields between prefill chunks and decode tokens (with deferred
+        steps: the StepRequest of each decode step, for the worker to run)."""
         job = h.job
         tk = self.tokenizer
         self.stats.jobs += 1
@@ -670,7 +900,7 @@ class Engine:
             return
         if cached:
             log.info("%s live kv reuse source=%s cached=%d prompt=%d", job_kind(job), source, cached, len(effective))
-        logits, cached = self._sync(h, effective, cached)
+        logits, cached = yield from self._sync(h, effective, cached)
         prompt_tokens = len(effective)
         if logits is None:  # cancelled during prefill; the session keeps the evaluated prefix
             self._clear_bindings(keep=None)
@@ -685,9 +915,9 @@ class Engine:
         _call_hook(self.cache.after_prefill, self, job)
         h.started = True
         h.emit(Started(prompt_tokens, cached))
-        self._decode(h, logits, prompt_tokens, cached)
+        yield from self._decode(h, logits, prompt_tokens, cached)
 
-    def _decode(self, h: JobHandle, logits, prompt_tokens: int, cached: int) -> None:
+    def _decode(self, h: JobHandle, logits, prompt_tokens: int, cached: int) -> Iterator[StepRequest | None]:
         job = h.job
         tk = self.tokenizer
         s = self.session
@@ -763,6 +993,7 @@ class Engine:
                 stop_ids=stop_ids,
                 lookahead=not host_chooses,
                 limit=max_tokens if force is None else None,
+                defer=self._defer_steps,
             )
         tokens = iter(loop)
         while True:
@@ -771,6 +1002,9 @@ class Engine:
                 break
             try:
                 tok = next(tokens)
+                while isinstance(tok, StepRequest):  # deferred: the worker runs it with the others'
+                    yield tok
+                    tok = next(tokens)
             except StopIteration:
                 finish = "stop" if loop.stopped_by is not None else "length"
                 break
@@ -794,6 +1028,8 @@ class Engine:
             if not (job.tools_active and getattr(parser, "phase", "text") in ("tool", "done")):
                 _call_hook(self.cache.on_progress, self, job)  # not inside a tool call
                 self._checkpoint_frontier()
+            if not getattr(loop, "defer", False):
+                yield  # the other slots' turn (a deferred loop gave it at its step request)
         if not broken and hasattr(loop, "settle"):
             loop.settle()  # speculative tokens the output did not take are dropped from the session
             self._count_speculation(spec_stats)

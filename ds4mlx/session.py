@@ -344,3 +344,42 @@ class Session:
         if (logits is None) != (len(tokens) == 0):
             raise ValueError("snapshot logits missing")
         self._cache, self._tokens, self._logits, self._undo = cache, tokens, logits, None
+
+
+def can_step_together(sessions: list) -> bool:
+    """Whether `step_together` runs these sessions in one forward (one model, its
+    family batches static steps, each session ready for the static step)."""
+    if len(sessions) < 2:
+        return False
+    model = sessions[0].model
+    ready = getattr(model, "static_ready", None)
+    return (
+        all(s.model is model for s in sessions)
+        and stepper.supports_rows(model)
+        and (ready is None or all(ready(s.caches) for s in sessions))
+    )
+
+
+def step_together(sessions: list, tokens: list, undoable: bool = False) -> list[mx.array]:
+    """`Session.step` of several sessions in one forward (`can_step_together`): each
+    session fed its token, each gets its own lazy logits (equal to its `step`'s)."""
+    for s in sessions:
+        s._room(1)
+    ids = mx.concatenate(
+        [
+            t.reshape(1, 1).astype(mx.int32) if isinstance(t, mx.array) else mx.array([[int(t)]], mx.int32)
+            for t in tokens
+        ],
+        axis=1,
+    )
+    outs = stepper.step_rows(
+        sessions[0].model, [s._cache for s in sessions], ids, [len(s._tokens) for s in sessions], undoable
+    )
+    res = []
+    for s, token, out in zip(sessions, tokens, outs):
+        logits, undo = out if undoable else (out, None)
+        s._undo = None if undo is None else (undo, s._logits)
+        s._tokens.append(token if isinstance(token, mx.array) else int(token))
+        s._logits = logits
+        res.append(logits)
+    return res

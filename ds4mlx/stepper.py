@@ -85,6 +85,8 @@ def _drop(key: int) -> None:
     for memo in (_checked, _refused, _watched):
         memo.discard(key)
     _compiled.pop(key, None)
+    for k in [k for k in _compiled_rows if k[0] == key]:
+        _compiled_rows.pop(k, None)
 
 
 def forget(model) -> None:
@@ -94,6 +96,8 @@ def forget(model) -> None:
     for memo in (_checked, _refused):
         memo.discard(id(model))
     _compiled.pop(id(model), None)
+    for k in [k for k in _compiled_rows if k[0] == id(model)]:
+        _compiled_rows.pop(k, None)
     for _, m in model.named_modules():
         for name in FUSED_ATTRS:
             m.__dict__.pop(name, None)
@@ -155,3 +159,52 @@ def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, un
     if undoable:
         return out[0], lambda: model.rewind_static(cache, state)
     return out[0]
+
+
+# -- several sessions in one forward (session batching, docs/kv-cache.md §11) --------------
+_compiled_rows: dict[int, object] = {}
+
+
+def supports_rows(model) -> bool:
+    """Whether `step_rows` runs B sessions of `model` in one forward: its family has
+    `static_step_rows`, the static step has run once and not failed, no steering."""
+    return (
+        callable(getattr(model, "static_step_rows", None))
+        and mode() != "legacy"
+        and id(model) in _checked
+        and id(model) not in _refused
+        and steering.identity(model) is None
+    )
+
+
+def _pure_rows(model, n_state: int):
+    ref = weakref.ref(model)
+
+    def run(ids, pos, *flat):
+        rows = [list(flat[i : i + n_state]) for i in range(0, len(flat), n_state)]
+        logits, news = ref().static_step_rows(ids, pos, rows)
+        return (logits, *[a for new in news for a in new])
+
+    return run
+
+
+def step_rows(model, caches: list, ids: mx.array, positions: list[int], undoable: bool = False) -> list:
+    """One decode step of B sessions of one model in one forward (`supports_rows`):
+    ids [1, B] int32, row b at position positions[b] over caches[b].  Returns per row
+    the lazy logits [V] (with `undoable`: (logits, undo)), and advances every cache.
+    The rows' logits are those of `step` on each alone."""
+    states = [model.static_state(c) for c in caches]
+    n = len(states[0])
+    key = (id(model), n)
+    fn = _compiled_rows.get(key)
+    if fn is None:
+        fn = _pure_rows(model, n)
+        if mode() == "compiled":
+            fn = _compiled_rows[key] = mx.compile(fn)
+    out = fn(ids, mx.array(positions, mx.int32), *[a for st in states for a in st])
+    logits = out[0]
+    res = []
+    for b, (cache, st) in enumerate(zip(caches, states)):
+        model.commit_static(cache, list(out[1 + b * n : 1 + (b + 1) * n]))
+        res.append((logits[b], (lambda c=cache, s=st: model.rewind_static(c, s))) if undoable else logits[b])
+    return res

@@ -247,7 +247,15 @@ class _Served:
 
 
 def serve(
-    tokenizer, model, *, ctx: int = 2048, tokens: int = 393216, prefill_chunk: int = 512, replay: bool = True, **cfg
+    tokenizer,
+    model,
+    *,
+    ctx: int = 2048,
+    tokens: int = 393216,
+    prefill_chunk: int = 512,
+    replay: bool = True,
+    slots: int = 1,
+    **cfg,
 ):
     """Start `ds4mlx.serve` for `model` on 127.0.0.1 (random free port).  Use as a
     context manager; yields a `_Served`."""
@@ -262,7 +270,13 @@ def serve(
     def _cm():
         memory = ToolMemory() if replay else None
         engine = Engine(
-            model, tokenizer, ctx=ctx, default_max_tokens=tokens, tool_memory=memory, prefill_chunk=prefill_chunk
+            model,
+            tokenizer,
+            ctx=ctx,
+            default_max_tokens=tokens,
+            tool_memory=memory,
+            prefill_chunk=prefill_chunk,
+            slots=slots,
         )
         app = make_app(engine, ServeConfig(ctx=ctx, tokens=tokens, replay=replay, **cfg), memory)
         server = BackgroundServer(app).start()

@@ -52,6 +52,7 @@ against a re-prefill (BENCHMARKS.md).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import glob
 import hashlib
@@ -220,6 +221,14 @@ class DiskKVCache(CacheHooks):
         """The cache for a loaded model, or None when `opt` has no directory."""
         store = open_store(opt, model_id=model_identity(model), quant_bits=routed_expert_bits(model), ctx=ctx)
         return None if store is None else cls(store, opt)
+
+    def for_slot(self) -> DiskKVCache:
+        """The hooks for another resident session (`--batched-session`): the same
+        store, lock and counters, its own continued-save frontier and cold point."""
+        view = copy.copy(self)
+        view.frontier = ContinuedFrontier(self.opt)
+        view._cold = None
+        return view
 
     # -- helpers ---------------------------------------------------------------
     def stats(self) -> dict:

@@ -875,6 +875,14 @@ class Attention(nn.Module):
             q_b, index_q_b = self._step_q_b(q_res)
         else:
             q_b, index_q_b = self.q_b_proj(q_res), None
+        out = self._step_attend(q_b, kv, more, index_q_b, pos, state, new)
+        return self._output(out, pos, 1, 1)
+
+    def _step_attend(self, q_b, kv, more, index_q_b, pos, state, new) -> mx.array:
+        """One row's position-dependent half of `step`: its query and key at `pos`, its
+        ring and compressors' state -> attention output [1, nh, 1, D] (before the
+        inverse rope)."""
+        comp = self.compressor if self.layer_type != SLIDING else None
         q = q_b.reshape(1, 1, self._nh, self._D).swapaxes(1, 2)
         q = self._rope(rms_norm(q, None, self._eps), offset=pos)
         kv = self._rope(self.kv_norm(kv)[:, None], offset=pos)  # [1, 1, 1, D]
@@ -891,16 +899,40 @@ class Attention(nn.Module):
                 q[0], ring[0, 0], rows, idx, cnt, self.sinks, pos,
                 ratio=comp._ratio if comp is not None else 1, scale=self._D**-0.5, backend=face,
             )  # fmt: skip
-            return self._output(out[None], pos, 1, 1)
+            return out[None]  # [1, nh, 1, D]
         keys, mask = ring, iota(W) <= pos  # slots not written yet are masked
         if comp is not None:
             rows, valid = comp.step(more, index_q_b, pos, state, new)
             keys = mx.concatenate([keys, rows[:, None].astype(keys.dtype)], axis=2)
             mask = mx.concatenate([mask, valid])
-        out = mx.fast.scaled_dot_product_attention(
+        return mx.fast.scaled_dot_product_attention(
             q, keys, keys, scale=self._D**-0.5, mask=mask[None], sinks=self.sinks.astype(q.dtype)
         )
-        return self._output(out, pos, 1, 1)
+
+    def step_rows(self, x: mx.array, pos: list, states: list, news: list) -> mx.array:
+        """`step` for B sessions' tokens at once (x [1, B, H], row b at position pos[b]
+        over its own state iterator states[b]): the projections run once for all rows,
+        the attention per row (session batching, docs/kv-cache.md §11)."""
+        comp = self.compressor if self.layer_type != SLIDING else None
+        if getattr(self, "_step_proj", None) is None:  # as in `step`
+            more = [] if comp is None else comp.input_layers()
+            self._step_proj = fused_or_each([self.q_a_proj, self.kv_proj, *more])
+            self._step_q_b = fused_or_each([self.q_b_proj, comp.indexer.q_b_proj]) if comp and comp._overlap else None
+        q_a, kv, *more = self._step_proj(x)
+        q_res = self.q_a_norm(q_a)
+        if self._step_q_b is not None:
+            q_b, index_q_b = self._step_q_b(q_res)
+        else:
+            q_b, index_q_b = self.q_b_proj(q_res), None
+        outs = []
+        for b, (p, st, nw) in enumerate(zip(pos, states, news)):
+            row = slice(b, b + 1)
+            ib = None if index_q_b is None else index_q_b[:, row]
+            out = self._step_attend(q_b[:, row], kv[:, row], [m[:, row] for m in more], ib, p, st, nw)
+            outs.append(self._rope(out, offset=p, scale=-1.0).swapaxes(1, 2))  # [1, 1, nh, D]
+        out = mx.concatenate(outs, axis=1)
+        out = self.o_a_proj(out.reshape(1, len(outs), self._groups, -1))
+        return self.o_b_proj(out)
 
     def _output(self, out: mx.array, s: int, B: int, C: int) -> mx.array:
         out = self._rope(out, offset=s, scale=-1.0).swapaxes(1, 2)  # inverse rope, [B, C, nh, D]
@@ -985,6 +1017,14 @@ class DecoderLayer(nn.Module):
         )
         return hc_post(x, self.mlp.step(self.post_attention_layernorm(collapsed), ids), post, comb)
 
+    def step_rows(self, x: mx.array, ids: mx.array, pos: list, states: list, news: list) -> mx.array:
+        """`step` for B sessions' tokens, laid out as B tokens of one row (x [1, B, hc, H])."""
+        post, comb, collapsed = self.attn_hc(x)
+        x, post, comb, collapsed = self.ffn_hc.after_post(
+            x, self.self_attn.step_rows(self.input_layernorm(collapsed), pos, states, news), post, comb
+        )
+        return hc_post(x, self.mlp.step(self.post_attention_layernorm(collapsed), ids), post, comb)
+
 
 class DeepseekV4Model(nn.Module):
     # dtype of the residual stream (dtype_policy; the loader sets it): float32 as ds4,
@@ -1037,6 +1077,17 @@ class DeepseekV4Model(nn.Module):
             x = layer.step(x, ids, pos, it, new)
         return self.norm(self.hc_head(x)), new
 
+    def step_rows(self, ids: mx.array, pos: list, states: list) -> tuple[mx.array, list]:
+        """B sessions' tokens ids [1, B], row b at position pos[b] over states[b] ->
+        (hidden [1, B, H], the rows' new states)."""
+        h = self.embed_tokens(ids)
+        B = ids.shape[1]
+        x = mx.broadcast_to(h[:, :, None, :], (1, B, self._hc, h.shape[-1]))
+        its, news = [iter(s) for s in states], [[] for _ in states]
+        for layer in self.layers:
+            x = layer.step_rows(x, ids, pos, its, news)
+        return self.norm(self.hc_head(x)), news
+
 
 class Model(StaticDecode, CausalLM):
     """DeepseekV4ForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
@@ -1053,6 +1104,12 @@ class Model(StaticDecode, CausalLM):
         """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
         h, new = self.model.step(ids, pos, state)
         return self.head(h)[0, 0], new
+
+    def static_step_rows(self, ids: mx.array, pos: mx.array, states: list) -> tuple[mx.array, list]:
+        """Pure, B sessions in one forward (stepper.step_rows): ids [1, B], pos [B] int32,
+        states[b] row b's `static_state` -> (logits [B, V], the rows' new states)."""
+        h, news = self.model.step_rows(ids, [pos[b] for b in range(ids.shape[1])], states)
+        return self.head(h)[0], news
 
     def sanitize(self, weights: dict) -> dict:
         """Map transformers' in-memory state-dict names onto this module's parameters."""

@@ -83,6 +83,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="prefill chunk (cancellation granularity; default 2048 on a GPU, 512 on the CPU, DS4MLX_PREFILL_CHUNK)",
     )
+    p.add_argument(
+        "--batched-session",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="resident sessions: up to N requests run at once, each routed to the slot "
+        "that reuses the most of its prompt (default 1: one live session)",
+    )
+    p.add_argument(
+        "--mixed-prefill-quantum",
+        type=_positive,
+        default=None,
+        metavar="T",
+        help="with --batched-session: end prefill chunks every T tokens too, so a long "
+        "prefill lets the other sessions decode in between (default: --prefill-chunk)",
+    )
     # ds4's thinking defaults for requests that do not set thinking themselves
     from ..think_flags import add_think_arguments
 
@@ -161,7 +177,11 @@ def build(args, loaded=None):
         prefill_chunk=args.prefill_chunk,
         cache=cache,
         speculation=speculation,
+        slots=getattr(args, "batched_session", 1),
+        prefill_quantum=getattr(args, "mixed_prefill_quantum", None),
     )
+    if engine.slots > 1:
+        log.info("batched sessions: %d resident slots", engine.slots)
     if args.think_level is not None and not engine.protocol.numeric_effort:
         engine.close()
         raise SystemExit(
