@@ -2,7 +2,8 @@
 (vision_preprocess.py) against transformers (tests/oracle/make_tiny_qwen3vl_vision.py):
 three odd-sized images through transformers' PIL image processor and a tiny random
 `Qwen3VLVisionModel` (3 blocks, deepstack on two of them, a 6x6 learned position grid
-resampled to 4x6, 10x2 and 4x4 patch grids), float32."""
+resampled to 4x6, 10x2 and 4x4 patch grids), and the Qwen3.8 family's
+`Qwen4ExpVisionModel` (no deepstack, exact gelu, rope theta 500), float32."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ TOL = 1e-4
 SCRIPT = "make_tiny_qwen3vl_vision.py"
 
 
-@pytest.fixture(scope="module")
-def case(oracle):
-    folder = oracle(SCRIPT)
+@pytest.fixture(scope="module", params=[None, "qwen4_exp"], ids=lambda c: c or "qwen3_vl")
+def case(request, oracle):
+    folder = oracle(SCRIPT, request.param)
     ref = dict(np.load(folder / "reference.npz"))
     return folder, load_hf_dir(folder), ref, json.loads((folder / "summary.json").read_text())
 
@@ -88,7 +89,9 @@ def test_merged_tokens_match_transformers(case):
 def test_deepstack_features_match_transformers(case):
     _, model, ref, _ = case
     out = model(mx.array(ref["pixel_values"]), _grids(ref))
-    assert len(out.deepstack) == len(model.args.deepstack_visual_indexes) == 2
+    expected = sorted(k for k in ref if k.startswith("deepstack_"))
+    assert len(out.deepstack) == len(model.args.deepstack_visual_indexes) == len(expected)
+    assert len(expected) == (0 if model.args.hidden_act == "gelu" else 2)  # qwen4_exp: none
     for j, d in enumerate(out.deepstack):
         assert _maxdiff(d, ref[f"deepstack_{j}"]) <= TOL
 

@@ -1,5 +1,5 @@
-"""The Qwen3-VL vision tower in MLX (transformers `Qwen3VLVisionModel`), the image
-encoder of the Qwen3.8 family.
+"""The Qwen3-VL vision tower in MLX (transformers `Qwen3VLVisionModel`; the Qwen3.8
+family's `Qwen4ExpVisionModel` is the same tower without the deepstack mergers).
 
 pixels [N, C*T*P*P] (block order, vision_preprocess.py) -> patch embedding (the Conv3d
 with kernel == stride is one linear over each patch) + the learned position grid
@@ -40,7 +40,7 @@ class VisionArgs:
     temporal_patch_size: int = 2
     out_hidden_size: int = 3584
     num_position_embeddings: int = 2304
-    deepstack_visual_indexes: list = field(default_factory=lambda: [8, 16, 24])
+    deepstack_visual_indexes: list = field(default_factory=list)  # qwen4_exp_vision has none
     rope_parameters: dict | None = None
 
     @classmethod

@@ -25,6 +25,8 @@ from safetensors.torch import save_file
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpVisionConfig
+from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpVisionModel
 
 sys.path.insert(0, os.path.dirname(__file__))
 from oracle_common import perturb_constant_params  # noqa: E402
@@ -46,6 +48,8 @@ CONFIG = dict(
 )
 # token budget of the oracle's processor: small, so the images stay tiny (64..1024 in use)
 MIN_TOKENS, MAX_TOKENS = 4, 40
+# `--config qwen4_exp`: the Qwen3.8 family's tower (no deepstack), exact-gelu MLP, another rope theta
+CONFIGS = {"qwen4_exp": dict(hidden_act="gelu", rope_parameters={"rope_type": "axial", "rope_theta": 500.0})}
 IMAGE_SIZES = [(70, 100), (150, 47), (64, 64)]  # (H, W): downscaled, upscaled, exact
 
 
@@ -62,12 +66,18 @@ def processor() -> Qwen2VLImageProcessorPil:
     )
 
 
-def main(outdir: str) -> None:
+def main(outdir: str, name: str | None = None) -> None:
     os.makedirs(outdir, exist_ok=True)
     torch.manual_seed(0)
-    config = Qwen3VLVisionConfig(**CONFIG)
+    if name is None:
+        config = Qwen3VLVisionConfig(**CONFIG)
+        build = Qwen3VLVisionModel
+    else:
+        cfg = {k: v for k, v in CONFIG.items() if k != "deepstack_visual_indexes"}
+        config = Qwen4ExpVisionConfig(**{**cfg, **CONFIGS[name]})
+        build = Qwen4ExpVisionModel
     config._attn_implementation = "eager"
-    model = Qwen3VLVisionModel(config).eval()
+    model = build(config).eval()
     perturb_constant_params(model)
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in IMAGE_SIZES]
@@ -87,7 +97,7 @@ def main(outdir: str) -> None:
         last_hidden=out.last_hidden_state.numpy(),
         single_pooler=single.pooler_output.numpy(),
     )
-    for j, d in enumerate(out.deepstack_features):
+    for j, d in enumerate(getattr(out, "deepstack_features", None) or []):
         ref[f"deepstack_{j}"] = d.numpy()
     np.savez(os.path.join(outdir, "reference.npz"), **ref)
     model.float()
@@ -106,4 +116,5 @@ def main(outdir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    args = sys.argv[1:]
+    main(args[0], args[args.index("--config") + 1] if "--config" in args else None)
