@@ -35,11 +35,12 @@ MAX_PIXELS = 40_000_000  # refused before decoding (a 4-byte-per-pixel 40 Mpx im
 MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG"}
 DATA_URI = re.compile(r"data:(image/(?:png|jpeg|jpg));base64,", re.IGNORECASE)
 
-# The marker of an image inside rendered text: ASCII RS / US around a nonce, bytes no
-# client text reaches the prompt with by accident (a literal copy of one is only text:
-# markers are looked up by value in the request's own image list).
-MARKER_OPEN = "\x1eDS4MLX_IMAGE_"
-MARKER_CLOSE = "\x1f"
+# The marker of an image inside rendered text: private-use characters around a random
+# nonce (not whitespace: templates trim message text), which no client text reaches the
+# prompt with by accident; a literal copy of one is only text, since markers are looked up
+# by value in the request's own image list.
+MARKER_OPEN = "\ue000DS4MLX_IMAGE_"
+MARKER_CLOSE = "\ue001"
 MARKER_RE = re.compile(re.escape(MARKER_OPEN) + r"[0-9a-f]{24}" + re.escape(MARKER_CLOSE))
 
 # --- refusal messages (the 400's text on every API) -----------------------------------
