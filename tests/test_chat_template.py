@@ -22,19 +22,12 @@ from ds4mlx.chat.families.deepseek_v4.template import (
     uses_tool_context,
 )
 from ds4mlx.chat.messages import Conversation, Message, ToolCall
-from ds4mlx.chat.requests import (
-    RequestError,
-    flatten_content,
-    parse_anthropic,
-    parse_chat,
-    parse_completion,
-    parse_request,
-    parse_responses,
-    parse_stop,
-    parse_tools,
-    resolve_thinking,
-    unreplayed_tool_result_ids,
-)
+from ds4mlx.chat.requests import RequestError, flatten_content, parse_stop, parse_tools, resolve_thinking
+from ds4mlx.serve.anthropic import parse_anthropic
+from ds4mlx.serve.completions import parse_completion
+from ds4mlx.serve.openai import parse_chat
+from ds4mlx.serve.prepare import parse_request, unreplayed_tool_result_ids
+from ds4mlx.serve.responses import parse_responses
 
 # --- chat-template.md §9, verbatim -------------------------------------------------------
 EX1_BODY = r"""{"model":"deepseek-v4-flash","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Hello"}]}"""

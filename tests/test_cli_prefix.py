@@ -13,9 +13,9 @@ from template_helpers import TEMPLATES, render_jinja
 
 from ds4mlx.chat.messages import Conversation, Message
 from ds4mlx.chat.protocol import get_protocol
-from ds4mlx.chat.requests import parse_request
 from ds4mlx.cli_options import conversation_head
 from ds4mlx.prefix_file import PrefixError, load, parse, with_head
+from ds4mlx.serve.prepare import parse_request
 from ds4mlx.think_flags import THINK_MAX_MIN_CONTEXT, resolve
 
 

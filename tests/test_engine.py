@@ -15,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import ScriptedModel, Segment  # noqa: E402
 
 from ds4mlx.chat.families.deepseek_v4.template import live_tail, render, render_continuation_tail, uses_tool_context  # noqa: E402
-from ds4mlx.chat.requests import parse_anthropic, parse_chat, parse_responses  # noqa: E402
 from ds4mlx.chat.toolmemory import ToolMemory  # noqa: E402
 from ds4mlx.engine import Engine, Failed, Job  # noqa: E402
 from ds4mlx.events import (
@@ -29,6 +28,9 @@ from ds4mlx.events import (
     ToolCallStart,
 )
 from ds4mlx.sampling import SamplingParams  # noqa: E402
+from ds4mlx.serve.anthropic import parse_anthropic  # noqa: E402
+from ds4mlx.serve.openai import parse_chat  # noqa: E402
+from ds4mlx.serve.responses import parse_responses  # noqa: E402
 
 DSML_CALL = (
     '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'

@@ -207,12 +207,6 @@ def test_no_private_name_across_modules():
 # ----------------------------------------------------------------------------- (c) chat markers
 # Where a family's exact strings may be written: the family protocol modules.
 PROTOCOL_HOMES = ("ds4mlx/chat/markers.py", "ds4mlx/chat/families/")
-# Phase 2 of #15 (one module per HTTP API) rewrites these; until then their literals are
-# known and listed here, file by file: any other literal there still fails.
-PHASE2_KNOWN = {
-    "ds4mlx/chat/requests.py": {"deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner"},
-    "ds4mlx/serve/prepare.py": {"deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner"},
-}
 
 
 def chat_markers() -> set[str]:
@@ -259,7 +253,6 @@ def test_no_chat_marker_literal_outside_family_protocols():
                 continue
             s = node.value
             hits = [m for m in markers if s == m or (distinctive(m) and m in s)]
-            hits = [m for m in hits if m not in PHASE2_KNOWN.get(rel, ())]
             if hits:
                 found.append(f"{rel}:{node.lineno}: {s[:60]!r} contains {sorted(hits)}")
     assert not found, (

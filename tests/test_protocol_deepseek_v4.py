@@ -22,7 +22,7 @@ from ds4mlx.chat.families.deepseek_v4.dsml import parse_output  # noqa: E402
 from ds4mlx.chat.families.deepseek_v4.output import OutputParser  # noqa: E402
 from ds4mlx.chat.families.deepseek_v4.protocol import DeepSeekV4Protocol  # noqa: E402
 from ds4mlx.chat.protocol import families, get_protocol, model_type_of, protocol_for_model  # noqa: E402
-from ds4mlx.chat.requests import parse_request  # noqa: E402
+from ds4mlx.serve.prepare import parse_request  # noqa: E402
 
 V4 = get_protocol("deepseek_v4")
 TOOLS = [

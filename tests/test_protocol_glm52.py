@@ -27,7 +27,7 @@ from template_helpers import (
 
 from ds4mlx.chat.families.glm import GLM52, GLM53
 from ds4mlx.chat.protocol import get_protocol
-from ds4mlx.chat.requests import parse_request
+from ds4mlx.serve.prepare import parse_request
 
 pytest.importorskip("transformers.utils.chat_template_utils")
 

@@ -20,7 +20,10 @@ anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
 from ds4mlx.chat.families.deepseek_v4.template import render  # noqa: E402
-from ds4mlx.chat.requests import parse_anthropic, parse_chat, parse_completion, parse_responses  # noqa: E402
+from ds4mlx.serve.anthropic import parse_anthropic  # noqa: E402
+from ds4mlx.serve.completions import parse_completion  # noqa: E402
+from ds4mlx.serve.openai import parse_chat  # noqa: E402
+from ds4mlx.serve.responses import parse_responses  # noqa: E402
 
 MODEL = "deepseek-v4-flash"
 THINK = {"type": "enabled", "budget_tokens": 1024}  # Anthropic thinking is off unless asked for (#17)

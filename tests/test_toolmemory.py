@@ -9,8 +9,9 @@ from ds4mlx.chat.families.deepseek_v4.dsml import parse_output
 from ds4mlx.chat.families.deepseek_v4.output import OutputParser
 from ds4mlx.chat.families.deepseek_v4.template import render
 from ds4mlx.chat.messages import Conversation, Message, ToolCall
-from ds4mlx.chat.requests import parse_anthropic, parse_chat
 from ds4mlx.chat.toolmemory import DISK, RAM, ReplayStats, ToolMemory, parse_ktm, serialize_ktm
+from ds4mlx.serve.anthropic import parse_anthropic
+from ds4mlx.serve.openai import parse_chat
 
 BLOCK = (
     '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'

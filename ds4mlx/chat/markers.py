@@ -135,7 +135,7 @@ PARAM_CLOSE_JSON_ESCAPE = "\\u003c"
 OPENAI_TOOL_ID_PREFIX = "call_"
 ANTHROPIC_TOOL_ID_PREFIX = "toolu_"
 
-# --- request errors raised by chat/requests.py (docs/http-api.md §1.6 + our issue) ----
+# --- request errors raised by the API parsers (docs/http-api.md §1.6 + our issue) ----
 ERR_INVALID_JSON = "invalid JSON request"
 ERR_MISSING_MESSAGES = "missing messages"
 ERR_MISSING_INPUT = "missing input"

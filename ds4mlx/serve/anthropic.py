@@ -1,4 +1,5 @@
-"""Anthropic messages: engine events -> wire shapes (docs/http-api.md §5).
+"""Anthropic messages, both directions: the request body -> `Conversation`
+(docs/chat-template.md §2.2) and engine events -> wire shapes (docs/http-api.md §5).
 
 Streaming block rules: a thinking block opens with the first reasoning text
 and closes (with a `signature_delta` carrying the message id) when content or
@@ -12,9 +13,158 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..chat import markers as M
+from ..chat.families.deepseek_v4.dsml import dumps_compact, escape_tool_result
+from ..chat.messages import Conversation, Message, ToolCall
+from ..chat.requests import (
+    DEFAULT_MODEL,
+    Thinking,
+    add_id,
+    as_str,
+    body_object,
+    finish_conversation,
+    flatten_content,
+    invalid_json,
+    message_list,
+    parse_stop,
+    parse_tools,
+    require_messages,
+)
 from ..events import Finish, ReasoningDelta, Started, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart, Usage
 from . import sse
-from .openai import RequestInfo, body_bytes, parsed_parts
+from .common import RequestInfo, body_bytes, parsed_parts
+
+# --- request (docs/chat-template.md §2.2) -------------------------------------------------
+
+
+def _anthropic_block(b: dict, m: Message) -> None:
+    typ = text = thinking = bid = name = result = None
+    has_input = False
+    inp = None
+    for k, v in b.items():
+        if k == "type":
+            typ = as_str(v)
+        elif k == "text":
+            text = flatten_content(v)
+        elif k == "thinking":
+            thinking = flatten_content(v)
+        elif k in ("id", "tool_use_id"):
+            bid = as_str(v)
+        elif k == "name":
+            name = as_str(v)
+        elif k == "input":
+            has_input, inp = True, v
+        elif k == "content":
+            result = flatten_content(v)
+    if typ == "tool_use":
+        m.tool_calls.append(
+            ToolCall(id=bid or "", name=name or "", arguments=dumps_compact(inp) if has_input else "{}")
+        )
+    elif typ == "tool_result":
+        add_id(m.tool_call_ids, bid)
+        start = len(m.content)
+        m.content += M.TOOL_RESULT_OPEN + escape_tool_result(result or "") + M.TOOL_RESULT_CLOSE
+        m.result_spans.append((start, len(m.content), bid or ""))
+    else:
+        if text:
+            m.content += text
+        if thinking:
+            m.reasoning += thinking
+
+
+def _anthropic_message(obj: Any) -> Message:
+    if not isinstance(obj, dict):
+        raise invalid_json()
+    m = Message(role="user")
+    for k, v in obj.items():
+        if k == "role":
+            m.role = as_str(v)
+        elif k == "content":
+            m.content, m.reasoning, m.tool_calls, m.tool_call_ids, m.result_spans = "", "", [], [], []
+            if isinstance(v, str):
+                m.content = v
+            elif isinstance(v, list):
+                for e in v:
+                    if isinstance(e, str):
+                        m.content += e
+                    elif isinstance(e, dict):
+                        _anthropic_block(e, m)
+    return m
+
+
+def _anthropic_system(v: Any) -> str:
+    parts: list[str] = []
+
+    def add(s: str) -> None:
+        if not s or s.startswith("x-anthropic-"):
+            return
+        if parts and not parts[-1].endswith("\n"):
+            parts.append("\n")
+        parts.append(s)
+
+    if isinstance(v, str):
+        add(v)
+    elif isinstance(v, list):
+        for e in v:
+            if isinstance(e, str):
+                add(e)
+            elif isinstance(e, dict) and "text" in e:
+                add(as_str(e["text"]))
+    return "".join(parts)
+
+
+def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical", strict: bool = True) -> Conversation:
+    """POST /v1/messages body -> Conversation (the system text becomes a trailing system message).
+    Thinking is off unless `thinking` turns it on or an effort is named (Anthropic's
+    default is off; Claude Code with MAX_THINKING_TOKENS=0 sends neither; #17)."""
+    body = body_object(body)
+    th = Thinking(enabled=False)
+    effort_named = False
+    msgs = None
+    system = ""
+    schemas: list[str] = []
+    aliases: dict = {}
+    tool_choice_none = False
+    model = DEFAULT_MODEL
+    stop: list[str] = []
+    for k, v in body.items():
+        if k == "messages":
+            msgs = message_list(v, _anthropic_message)
+        elif k == "system":
+            system = _anthropic_system(v)
+        elif k == "tools":
+            schemas, aliases = parse_tools(v, json_style)
+        elif k == "tool_choice":
+            if isinstance(v, dict):
+                tool_choice_none = "type" in v and as_str(v["type"]) == "none"
+        elif k == "model":
+            model = as_str(v)
+        elif k == "thinking":
+            th.control(v)
+        elif k == "output_config":
+            if isinstance(v, dict) and "effort" in v:
+                effort_named = th.set_effort(v["effort"], "output_config.effort") or effort_named
+        elif k == "reasoning_effort":
+            effort_named = th.set_effort(v) or effort_named
+        elif k == "stop_sequences":
+            stop = parse_stop(v)
+    if effort_named and "thinking" not in body:
+        th.enabled = True
+    msgs = require_messages(msgs, strict)
+    if system:
+        msgs.append(Message(role="system", content=system))
+    conv = Conversation(
+        messages=msgs,
+        tool_schemas=schemas,
+        tools_active=not tool_choice_none,
+        api="anthropic",
+        stop=stop,
+        tool_aliases=aliases,
+    )
+    return finish_conversation(conv, model, th, ctx)
+
+
+# --- response (docs/http-api.md §5) -------------------------------------------------------
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 

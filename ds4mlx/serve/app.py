@@ -27,9 +27,10 @@ from ..events import Finish, PrefillProgress, Started
 from . import errors as E
 from . import sse
 from .anthropic import AnthropicAdapter
+from .common import RequestInfo, body_bytes
 from .completions import CompletionsAdapter, prompt_list, total_usage
 from .jsonin import parse_body
-from .openai import ChatAdapter, RequestInfo, body_bytes
+from .openai import ChatAdapter
 from .prepare import ServeConfig, model_known, prepare, protocol_of
 from .responses import ResponsesAdapter
 from .transport import make_runner

@@ -1,10 +1,64 @@
-"""OpenAI legacy completions: raw generated text (docs/http-api.md §4)."""
+"""OpenAI legacy completions, both directions: the request body -> `CompletionRequest`
+(docs/chat-template.md §4.3) and raw generated text -> wire shapes (docs/http-api.md §4)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..chat import markers as M
+from ..chat.families.deepseek_v4.template import render_completion
+from ..chat.requests import DEFAULT_MODEL, RequestError, Thinking, as_str, body_object, parse_stop
 from ..events import Finish, Started, TextDelta, Usage
 from . import sse
-from .openai import RequestInfo, body_bytes, finish_reason, usage_openai
+from .common import RequestInfo, body_bytes
+from .openai import finish_reason, usage_openai
+
+# --- request (docs/chat-template.md §4.3) -------------------------------------------------
+
+
+@dataclass
+class CompletionRequest:
+    prompt: str
+    thinking: str = "high"
+    model: str = DEFAULT_MODEL
+    stop: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        return render_completion(self.prompt, self.thinking)
+
+
+def parse_completion(body: Any, *, ctx: int = 32768) -> CompletionRequest:
+    """POST /v1/completions body -> CompletionRequest."""
+    body = body_object(body)
+    th = Thinking()
+    prompt = None
+    model = DEFAULT_MODEL
+    stop: list[str] = []
+    for k, v in body.items():
+        if k == "prompt":
+            if isinstance(v, str):
+                prompt = v
+            elif isinstance(v, list):
+                prompt = v[0] if v and isinstance(v[0], str) else ""
+            else:
+                prompt = ""
+        elif k == "model":
+            model = as_str(v)
+        elif k == "thinking":
+            th.control(v)
+        elif k == "think":
+            th.think(v)
+        elif k == "reasoning_effort":
+            th.set_effort(v)
+        elif k == "stop":
+            stop = parse_stop(v)
+    if prompt is None:
+        raise RequestError(M.ERR_MISSING_PROMPT, param="prompt")
+    return CompletionRequest(prompt=prompt, thinking=th.resolve(model, ctx), model=model, stop=stop)
+
+
+# --- response (docs/http-api.md §4) -------------------------------------------------------
 
 
 class CompletionsAdapter:

@@ -1,4 +1,5 @@
-"""OpenAI chat completions: engine events -> wire shapes (docs/http-api.md §3).
+"""OpenAI chat completions, both directions: the request body -> `Conversation`
+(docs/chat-template.md §2.1) and engine events -> wire shapes (docs/http-api.md §3).
 
 Adapters share one interface (see app.py): `start(started)`, `event(ev)` and
 `finish(fin)` return SSE chunks for a stream; `body(fin)` returns the
@@ -7,11 +8,119 @@ non-streaming response body.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
+from ..chat.families.deepseek_v4.dsml import dumps_compact
+from ..chat.messages import Conversation, Message, ToolCall
+from ..chat.requests import (
+    DEFAULT_MODEL,
+    Thinking,
+    add_id,
+    as_str,
+    body_object,
+    finish_conversation,
+    flatten_content,
+    invalid_json,
+    message_list,
+    parse_stop,
+    parse_tools,
+    require_messages,
+)
 from ..events import Finish, ReasoningDelta, Started, TextDelta, ToolCallDelta, ToolCallStart, Usage
 from . import sse
+from .common import RequestInfo, body_bytes, parsed_parts
+
+# --- request (docs/chat-template.md §2.1) -------------------------------------------------
+
+
+def _chat_tool_calls(v: Any) -> list[ToolCall]:
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise invalid_json()
+    calls = []
+    for e in v:
+        if not isinstance(e, dict):
+            raise invalid_json()
+        cid = ""
+        name = args = None
+        for k, val in e.items():
+            if k == "id":
+                cid = as_str(val)
+            elif k == "function":
+                if not isinstance(val, dict):
+                    raise invalid_json()
+                for fk, fv in val.items():
+                    if fk == "name":
+                        name = as_str(fv)
+                    elif fk == "arguments":
+                        args = fv if isinstance(fv, str) else dumps_compact(fv)
+        if name is not None and args is not None:
+            calls.append(ToolCall(id=cid, name=name, arguments=args))
+    return calls
+
+
+def _chat_message(obj: Any) -> Message:
+    if not isinstance(obj, dict):
+        raise invalid_json()
+    m = Message(role="user")
+    for k, v in obj.items():
+        if k == "role":
+            m.role = as_str(v)
+        elif k == "content":
+            m.content = flatten_content(v)
+        elif k == "reasoning_content":
+            m.reasoning = flatten_content(v)
+        elif k == "tool_call_id":
+            add_id(m.tool_call_ids, as_str(v))
+        elif k == "tool_calls":
+            m.tool_calls = _chat_tool_calls(v)
+    return m
+
+
+def parse_chat(body: Any, *, ctx: int = 32768, json_style: str = "canonical", strict: bool = True) -> Conversation:
+    """POST /v1/chat/completions body -> Conversation.
+
+    `strict` (our issue): empty `messages` and unknown roles are 400s; with
+    strict=False they are accepted like ds4 (unknown roles render nothing)."""
+    body = body_object(body)
+    th = Thinking()
+    msgs = None
+    schemas: list[str] = []
+    aliases: dict = {}
+    tool_choice_none = False
+    model = DEFAULT_MODEL
+    stop: list[str] = []
+    for k, v in body.items():
+        if k == "messages":
+            msgs = message_list(v, _chat_message)
+        elif k == "tools":
+            schemas, aliases = parse_tools(v, json_style)
+        elif k == "tool_choice":
+            tool_choice_none = isinstance(v, str) and v == "none"
+        elif k == "model":
+            model = as_str(v)
+        elif k == "thinking":
+            th.control(v)
+        elif k == "think":
+            th.think(v)
+        elif k == "reasoning_effort":
+            th.set_effort(v)
+        elif k == "stop":
+            stop = parse_stop(v)
+    conv = Conversation(
+        messages=require_messages(msgs, strict),
+        tool_schemas=schemas,
+        tools_active=not tool_choice_none,
+        api="openai",
+        stop=stop,
+        tool_aliases=aliases,
+    )
+    return finish_conversation(conv, model, th, ctx)
+
+
+# --- response (docs/http-api.md §3) -------------------------------------------------------
+
 
 FINISH_REASONS = {
     "stop": "stop",
@@ -20,20 +129,6 @@ FINISH_REASONS = {
     "error": "error",
     "cancelled": "error",
 }
-
-
-@dataclass
-class RequestInfo:
-    """What an adapter needs to know about its request."""
-
-    id: str
-    model: str
-    created: int
-    include_usage: bool = False
-    thinking: str = "high"
-    reasoning_summary: bool = False  # Responses
-    tool_aliases: dict = field(default_factory=dict)  # DSML name -> chat.messages.ToolAlias
-    extra: dict = field(default_factory=dict)
 
 
 def usage_openai(u: Usage) -> dict:
@@ -48,18 +143,6 @@ def usage_openai(u: Usage) -> dict:
 
 def finish_reason(fin: Finish) -> str:
     return FINISH_REASONS.get(fin.reason, "stop")
-
-
-def parsed_parts(fin: Finish) -> tuple[str, str | None, list]:
-    """(content, reasoning, calls) of the final parse (raw text when there is none)."""
-    r = fin.result
-    if r is None:
-        return fin.raw_text, None, []
-    return (getattr(r, "content", "") or ""), getattr(r, "reasoning", None), list(getattr(r, "calls", []) or [])
-
-
-def body_bytes(obj: Any, newline: bool = True) -> bytes:
-    return sse.encode(obj) + (b"\n" if newline else b"")
 
 
 class ChatAdapter:

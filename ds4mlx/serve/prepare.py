@@ -2,7 +2,7 @@
 
 Runs off the event loop (tokenizing a long prompt takes a while).  Every
 refusal is an `APIError` (4xx) raised before the job is queued: request shape
-(chat/requests.py), model name, sampling controls, tool_choice, live
+(each API's parser: serve/openai.py, anthropic.py, responses.py, completions.py), model name, sampling controls, tool_choice, live
 tool-continuation ids, and the context check (docs/http-api.md §1.6).
 """
 
@@ -10,21 +10,63 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..chat import markers as M
 from ..chat.families.deepseek_v4.template import live_tail
-from ..chat.messages import ToolCall
+from ..chat.messages import Conversation, ToolCall
 from ..chat.protocol import ChatProtocol, EffortError, get_protocol, request_effort
-from ..chat.requests import RequestError, parse_request, unreplayed_tool_result_ids
+from ..chat.requests import RequestError
 from ..engine import Job
 from . import errors as E
+from .anthropic import parse_anthropic
+from .completions import parse_completion
+from .openai import parse_chat
 from .params import parse_controls
+from .responses import parse_responses
 from .validate import validate_body
 
 REQUEST_API = {"chat": "openai", "completions": "completions", "anthropic": "anthropic", "responses": "responses"}
 CONTEXT_PARAM = {"chat": "messages", "completions": "prompt", "anthropic": "messages", "responses": "input"}
-DEFAULT_MODEL_ID = "deepseek-v4-flash"
-MODEL_ALIASES = ("deepseek-chat", "deepseek-reasoner")
+
+
+def parse_request(api: str, body: Any, *, ctx: int = 32768, json_style: str = "canonical", strict: bool = True):
+    """Dispatch on api: openai | anthropic | responses | completions."""
+    if api == "openai":
+        return parse_chat(body, ctx=ctx, json_style=json_style, strict=strict)
+    if api == "anthropic":
+        return parse_anthropic(body, ctx=ctx, json_style=json_style, strict=strict)
+    if api == "responses":
+        return parse_responses(body, ctx=ctx, json_style=json_style, strict=strict)
+    if api == "completions":
+        return parse_completion(body, ctx=ctx)
+    raise ValueError(f"unknown api {api!r}")
+
+
+# --- continuation validation (docs/http-api.md §1.6) --------------------------------------
+
+
+def unreplayed_tool_result_ids(conv: Conversation) -> list[str]:
+    """Tool-result ids with no earlier assistant call of that id in the request.
+
+    Each must belong to the live tool-call turn, otherwise the HTTP layer answers
+    400 (`ERR_RESPONSES_UNKNOWN_CALL` / `ERR_ANTHROPIC_UNKNOWN_CALL`).  Responses
+    checks tool messages, Anthropic user messages carrying tool_result ids."""
+    out: list[str] = []
+    seen_calls: set[str] = set()
+    for m in conv.messages:
+        carries = (
+            (m.role in ("tool", "function"))
+            if conv.api == "responses"
+            else (m.role == "user" if conv.api == "anthropic" else False)
+        )
+        if carries:
+            for i in m.tool_call_ids:
+                if i not in seen_calls and i not in out:
+                    out.append(i)
+        if m.role == "assistant":
+            seen_calls.update(c.id for c in m.tool_calls if c.id)
+    return out
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""OpenAI Responses: engine events -> wire shapes (docs/http-api.md §6).
+"""OpenAI Responses, both directions: the request body -> `Conversation`
+(docs/chat-template.md §2.3) and engine events -> wire shapes (docs/http-api.md §6).
 
 Streaming: reasoning (only with `reasoning.summary` opted in) and message text
 stream live; tool calls are sent whole after generation; every event carries
@@ -11,10 +12,242 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..chat import markers as M
+from ..chat.families.deepseek_v4.dsml import dumps_compact, json_text
+from ..chat.messages import Conversation, Message, ToolCall
+from ..chat.requests import (
+    DEFAULT_MODEL,
+    RequestError,
+    Thinking,
+    add_id,
+    as_str,
+    body_object,
+    check_role,
+    finish_conversation,
+    invalid_json,
+    parse_stop,
+    parse_tools,
+)
 from ..events import Finish, ReasoningDelta, Started, TextDelta, Usage
 from . import sse
+from .common import RequestInfo, body_bytes, parsed_parts
 from .errors import GENERATION_FAILED
-from .openai import RequestInfo, body_bytes, parsed_parts
+
+# --- request (docs/chat-template.md §2.3) -------------------------------------------------
+
+_SUMMARY_OPT_IN = ("auto", "concise", "detailed")
+_ITEM_STATUSES = ("completed", "incomplete")  # what the server emits
+_RESPONSES_TEXT_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+_HOSTED_CALLS = {
+    "local_shell_call": "local_shell",
+    "web_search_call": "web_search_call",
+    "tool_search_call": "tool_search",
+    "image_generation_call": "image_generation_call",
+}
+_HOSTED_OUTPUTS = (
+    "local_shell_call_output",
+    "web_search_call_output",
+    "tool_search_output",
+    "tool_search_call_output",
+    "image_generation_call_output",
+)
+
+
+def _responses_content(v: Any) -> str:
+    """Strict Responses content (docs/chat-template.md §2.3)."""
+    if isinstance(v, str):
+        return v
+    if v is None:
+        return ""
+    if not isinstance(v, list):
+        raise invalid_json()
+    parts = []
+    for e in v:
+        if isinstance(e, str):
+            parts.append(e)
+            continue
+        if not isinstance(e, dict):
+            raise invalid_json()
+        typ = e.get("type")
+        if typ is not None and not isinstance(typ, str):
+            raise invalid_json()
+        if typ not in _RESPONSES_TEXT_TYPES or "text" not in e:
+            raise invalid_json()
+        text = e["text"]
+        parts.append("" if text is None else as_str(text))
+    return "".join(parts)
+
+
+def _assistant_for_call(msgs: list[Message], pending: list[str]) -> Message:
+    last = msgs[-1] if msgs else None
+    if last is not None and last.role == "assistant":
+        if pending and not last.reasoning:
+            last.reasoning = "\n".join(pending)
+            pending.clear()
+        return last
+    m = Message(role="assistant", content="")
+    if pending:
+        m.reasoning = "\n".join(pending)
+        pending.clear()
+    msgs.append(m)
+    return m
+
+
+def _responses_input(items: list, style: str, loaded: list[str], aliases: dict, strict: bool) -> list[Message]:
+    msgs: list[Message] = []
+    pending: list[str] = []
+    for item in items:
+        if not isinstance(item, dict):
+            raise invalid_json()
+        f: dict[str, Any] = {}
+        for k, v in item.items():
+            if k in ("type", "role", "name", "namespace", "call_id", "id", "status"):
+                f[k] = as_str(v)
+            elif k in ("content", "summary"):
+                f[k] = _responses_content(v)
+            elif k in ("arguments", "input", "action"):
+                f[k] = v if isinstance(v, str) and k != "action" else dumps_compact(v)
+            elif k == "output":
+                if isinstance(v, list):
+                    f[k] = _responses_content(v)
+                else:
+                    f[k] = v if isinstance(v, str) else json_text(v, style)
+            elif k == "result":
+                f[k] = v if isinstance(v, str) else json_text(v, style)
+            elif k == "tools":
+                f[k] = v
+        t = f.get("type", "message")
+        status = f.get("status")
+        if status and status not in _ITEM_STATUSES:  # the server's own items replay as they were emitted
+            raise invalid_json()
+        consumes = (
+            (t == "message" and f.get("role") == "assistant")
+            or t in ("function_call", "custom_tool_call")
+            or t in _HOSTED_CALLS
+        )
+        bookkeeping = t in ("compaction", "context_compaction")
+        if not consumes and not bookkeeping and pending:
+            msgs.append(Message(role="assistant", content="", reasoning="\n".join(pending)))
+            pending.clear()
+        if t == "message":
+            role = f.get("role", "user")
+            m = Message(role=check_role(role) if strict else role, content=f.get("content", ""))
+            if m.role == "assistant" and pending:
+                m.reasoning = "\n".join(pending)
+                pending.clear()
+            msgs.append(m)
+        elif t in ("function_call", "custom_tool_call") or t in _HOSTED_CALLS:
+            cid = f.get("call_id", f.get("id", ""))
+            if t in _HOSTED_CALLS:
+                name = _HOSTED_CALLS[t]
+                args = next((f[k] for k in ("action", "arguments", "input") if k in f), "{}")
+            else:
+                name = f.get("name", "")
+                ns = f.get("namespace")
+                if t == "function_call" and ns and name:
+                    name = ns + name
+                args = next((f[k] for k in ("arguments", "input") if k in f), "{}")
+            _assistant_for_call(msgs, pending).tool_calls.append(ToolCall(id=cid, name=name, arguments=args))
+        elif t == "reasoning":
+            for key in ("summary", "content"):
+                if f.get(key):
+                    pending.append(f[key])
+        elif t in ("function_call_output", "custom_tool_call_output") or t in _HOSTED_OUTPUTS:
+            m = Message(role="tool")
+            if t in _HOSTED_OUTPUTS:
+                if t == "tool_search_output" and "tools" in f:
+                    more, more_aliases = parse_tools(f["tools"], style)
+                    loaded.extend(more)
+                    aliases.update(more_aliases)
+                if "output" in f:
+                    m.content = f["output"]
+                elif "result" in f:
+                    m.content = f["result"]
+                elif "tools" in f:
+                    m.content = json_text(f["tools"], style)
+            else:
+                m.content = f.get("output", "")
+            add_id(m.tool_call_ids, f.get("call_id", f.get("id")))
+            msgs.append(m)
+        elif not bookkeeping:
+            raise invalid_json()
+    if pending:
+        msgs.append(Message(role="assistant", content="", reasoning="\n".join(pending)))
+    return msgs
+
+
+def parse_responses(body: Any, *, ctx: int = 32768, json_style: str = "canonical", strict: bool = True) -> Conversation:
+    """POST /v1/responses body -> Conversation."""
+    body = body_object(body)
+    th = Thinking()
+    msgs = None
+    instructions = ""
+    schemas: list[str] = []
+    loaded: list[str] = []
+    aliases: dict = {}
+    loaded_aliases: dict = {}
+    tool_choice_none = False
+    model = DEFAULT_MODEL
+    summary = False
+    stop: list[str] = []
+    for k, v in body.items():
+        if k == "input":
+            loaded, loaded_aliases = [], {}
+            if isinstance(v, str):
+                msgs = [Message(role="user", content=v)]
+            elif isinstance(v, list):
+                msgs = _responses_input(v, json_style, loaded, loaded_aliases, strict)
+            else:
+                raise invalid_json()
+        elif k == "instructions":
+            instructions = "" if v is None else as_str(v)
+        elif k == "tools":
+            schemas, aliases = parse_tools(v, json_style)
+        elif k == "tool_choice":
+            if isinstance(v, str):
+                if v == "none":
+                    tool_choice_none = True
+                elif v not in ("auto", "required"):  # required: serve/prepare.py forces the call
+                    raise RequestError(M.ERR_TOOL_CHOICE.format(value=v), param="tool_choice")
+            elif isinstance(v, dict) and v.get("type") != "function":
+                raise RequestError(M.ERR_FORCED_TOOL_CHOICE, param="tool_choice")
+        elif k == "stop":  # not an OpenAI Responses field: a ds4mlx extension, as on chat
+            stop = parse_stop(v)
+        elif k == "model":
+            model = as_str(v)
+        elif k == "reasoning":
+            if isinstance(v, dict):
+                for rk, rv in v.items():
+                    if rk == "effort":
+                        if th.set_effort(rv, "reasoning.effort"):
+                            th.explicit = True
+                            if th.effort == "none":
+                                th.enabled = False
+                    elif rk == "summary":
+                        if isinstance(rv, str) and rv in _SUMMARY_OPT_IN:
+                            summary = True
+        elif k in ("previous_response_id", "conversation"):
+            if v is not None:
+                raise RequestError(M.ERR_DURABLE_STATE.format(field=k), param=k)
+    if msgs is None:
+        raise RequestError(M.ERR_MISSING_INPUT, param="input")
+    if instructions:
+        msgs.insert(0, Message(role="system", content=instructions))
+    all_aliases = dict(aliases)
+    all_aliases.update(loaded_aliases)
+    conv = Conversation(
+        messages=msgs,
+        tool_schemas=schemas + loaded,
+        tools_active=not tool_choice_none,
+        api="responses",
+        tool_aliases=all_aliases,
+        reasoning_summary=summary,
+        stop=stop,
+    )
+    return finish_conversation(conv, model, th, ctx)
+
+
+# --- response (docs/http-api.md §6) -------------------------------------------------------
 
 
 def _hex_id(prefix: str) -> str:

@@ -1,8 +1,8 @@
 """Shared pieces of the non-V4 families: the request conversation as template
 turns, JSON the way Hugging Face's `tojson` writes it, tool-schema types.
 
-The shared request parser (chat/requests.py) normalizes every API for DeepSeek
-V4: Anthropic tool results become `<tool_result>` text inside a user message
+The request parsers (serve/openai.py, anthropic.py, responses.py) normalize
+every API for DeepSeek V4: Anthropic tool results become `<tool_result>` text inside a user message
 and the Anthropic system text a trailing system message.  `turns()` undoes
 that so that other templates see what the client sent: tool messages, and the
 system first.

@@ -36,7 +36,7 @@ class DeepSeekV4Protocol(ChatProtocol):
     def resolve_thinking(
         self, mode: str, effort: Any = None, *, explicit: bool = False, model: str | None = None, ctx: int = 32768
     ) -> str:
-        return mode  # chat/requests.py already resolved V4's none/high/max
+        return mode  # the API parser already resolved V4's none/high/max
 
     def render(self, conv: Conversation, tool_memory=None) -> str:
         return template.render(conv, tool_memory)
