@@ -10,6 +10,7 @@ from ..chat import images as chat_images
 from .encoder import tokenize
 
 ERR_NO_ENCODER = "the loaded model has no vision encoder: image input needs a server started with --vision"
+ERR_IMAGE_HISTORY = "a request with images must replay its full history (no live continuation)"
 ERR_NOT_PLACED = "an image could not be placed in the prompt (images go in user messages and tool results)"
 
 
