@@ -284,6 +284,7 @@ class Engine:
         self.session = None
         self.vision = None  # vision.encoder.VisionEncoder (enable_vision)
         self.live_images = None  # vision.reuse.LiveImages: the images the live session holds
+        self.vision_checkpoint = None  # vision.reuse.VisionCheckpoint: the last image prompt's end
         self._bind_lock = threading.Lock()
         self._responses: _Binding | None = None
         self._anthropic: _Binding | None = None
@@ -692,6 +693,8 @@ class Engine:
             if logits is None:
                 self.reset_session()  # a half-prefilled image block is no reusable state
                 self.live_images = None
+            else:
+                reuse.keep_checkpoint(self, job, effective)
         else:
             logits, cached = self._sync(h, effective, cached)
         prompt_tokens = len(effective)

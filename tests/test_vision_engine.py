@@ -175,3 +175,16 @@ def test_no_encoder_and_unplaced_images_are_refused(loaded):
         assert e.value.message == vprompt.ERR_NOT_PLACED
     finally:
         eng.close()
+
+
+def test_same_request_again_restores_the_image_checkpoint(engine):
+    first = job_for(engine, ["two: ", image(1), " and ", image(2), " ok"])
+    fin1 = run(engine, first)
+    retry = job_for(engine, ["two: ", image(1), " and ", image(2), " ok"])  # the same images, new markers
+    fin2 = run(engine, retry)
+    assert engine.stats.last_cache_source == "vision-checkpoint"
+    assert fin2.usage.cached_tokens == fin2.usage.prompt_tokens == fin1.usage.prompt_tokens
+    assert fin2.raw_text == fin1.raw_text  # greedy: the restored logits are the prompt's
+    other = job_for(engine, ["two: ", image(1), " and ", image(9), " ok"])  # one image replaced
+    fin3 = run(engine, other)
+    assert fin3.usage.cached_tokens == 0 and engine.stats.last_cache_source == "none"

@@ -11,8 +11,10 @@ the live prefix only when
   that starts inside the reused prefix is a live span (same position, length and
   fingerprint), and no request span is cut by the end of the reused prefix;
 
-otherwise the session is rebuilt from the first token.  A text request never reuses a
-session holding images (the engine resets it first).  While images are live,
+else the one image checkpoint (`VisionCheckpoint`: the session at the end of the
+last image prompt, with its spans) is tried under the same rule (a retry, the same
+conversation sent again); otherwise the session is rebuilt from the first token.  A text
+request never reuses a session holding images (the engine resets it first).  While images are live,
 `GuardedHooks` keeps the disk KV cache (and the engine keeps its memory checkpoints)
 from storing the state: their keys are token ids, which cannot tell the images apart.
 """
@@ -45,10 +47,11 @@ def record(spans, tokens: list[int]) -> LiveImages | None:
     return LiveImages(tuple(spans), tuple(tokens[:end]))
 
 
-def reusable(live: LiveImages | None, live_tokens: list[int], ids: list[int], spans) -> int:
-    """How many live tokens the request (ids + its image spans) may reuse (0 = none)."""
+def reusable(live: LiveImages | None, live_tokens: list[int], ids: list[int], spans, whole: bool = False) -> int:
+    """How many live tokens the request (ids + its image spans) may reuse (0 = none);
+    `whole`: the request may be exactly the live tokens (a checkpoint keeps the logits)."""
     pos = len(live_tokens)
-    if pos == 0 or len(ids) <= pos or ids[:pos] != live_tokens:
+    if pos == 0 or len(ids) < pos or (len(ids) == pos and not whole) or ids[:pos] != live_tokens:
         return 0
     live_spans = set(live.spans) if live is not None and live.holds(live_tokens) else set()
     if live is not None and not live_spans:
@@ -59,15 +62,45 @@ def reusable(live: LiveImages | None, live_tokens: list[int], ids: list[int], sp
     return pos if before == live_spans else 0
 
 
+@dataclass(frozen=True)
+class VisionCheckpoint:
+    images: LiveImages
+    tokens: tuple[int, ...]
+    blob: bytes  # Session.snapshot() at the end of the prompt (logits included)
+
+
 def plan(engine, job, ids: list[int]):
     """(effective tokens, cached, source, binding kept) for an image job (engine.py)."""
     live_tokens = list(engine.session.tokens)
     n = reusable(engine.live_images, live_tokens, ids, job.images)
     if n:
         return ids, n, "vision-prefix", None
+    cp = engine.vision_checkpoint
+    if cp is not None and reusable(cp.images, list(cp.tokens), ids, job.images, whole=True):
+        try:
+            engine.session.restore(cp.blob)
+        except ValueError:
+            engine.vision_checkpoint = None
+        else:
+            engine.live_images = cp.images
+            return ids, len(cp.tokens), "vision-checkpoint", None
     if live_tokens:
         engine.reset_session()
     return ids, 0, "none", None
+
+
+def keep_checkpoint(engine, job, effective: list[int]) -> None:
+    """The session at the end of an image prompt, for a retry of the same images
+    (within the memory-checkpoint budget; one entry)."""
+    budget = getattr(engine.checkpoints, "budget", 0)
+    if not budget or engine.live_images is None:
+        return
+    try:
+        blob = engine.session.snapshot()
+    except Exception:  # a session without snapshots: nothing kept, nothing lost
+        return
+    if len(blob) <= budget:
+        engine.vision_checkpoint = VisionCheckpoint(engine.live_images, tuple(effective), blob)
 
 
 @contextmanager
