@@ -69,7 +69,7 @@ def install_vision(args, engine) -> str | None:
     from .vision.load import VisionLoadError, load_vision
 
     try:
-        encoder = load_vision(spec, engine.model)
+        encoder = load_vision(spec, engine.model, engine.tokenizer)
     except (VisionLoadError, OSError, ValueError) as e:
         raise UsageError(f"--vision {spec}: {e}") from None
     engine.enable_vision(encoder)

@@ -117,3 +117,83 @@ def test_loads_under_the_full_model_prefix(case):
     again = load_weights(Qwen3VLVision(VisionArgs.from_dict({"vision_config": cfg})), weights)
     out = again(mx.array(ref["pixel_values"]), _grids(ref))
     assert _maxdiff(out.embeddings, ref["pooler_output"]) <= TOL
+
+
+# --- llama.cpp's mmproj GGUF layout (ds4mlx/vision/mmproj.py) --------------------------------
+
+LLAMA_CPP_NAMES = [  # convert_hf_to_gguf.py Qwen3VLVisionModel, for a 3-block tower
+    "v.patch_embd.weight",
+    "v.patch_embd.weight.1",
+    "v.patch_embd.bias",
+    "v.position_embd.weight",
+    "v.blk.0.attn_qkv.weight",
+    "v.blk.2.attn_out.bias",
+    "v.blk.1.ln1.weight",
+    "v.blk.1.ln2.bias",
+    "v.blk.0.ffn_up.weight",
+    "v.blk.2.ffn_down.weight",
+    "v.post_ln.weight",
+    "mm.0.weight",
+    "mm.2.bias",
+]
+
+
+def _mmproj(case, tmp_path, qtype):
+    import gguf
+    from safetensors.numpy import load_file
+
+    from ds4mlx.vision.mmproj import write_mmproj
+
+    folder, model, _, _ = case
+    if model.args.hidden_act != "gelu_pytorch_tanh" or model.args.rope_theta != 10000.0:
+        pytest.skip("llama.cpp's mmproj keeps no activation or rope theta: the qwen3_vl config only")
+    path = tmp_path / f"mmproj-{qtype.name}.gguf"
+    write_mmproj(path, model.args, load_file(str(folder / "model.safetensors")), qtype)
+    return path, gguf.GGUFReader(str(path))
+
+
+def test_mmproj_layout_is_llama_cpps(case, tmp_path):
+    import gguf
+
+    _, model, _, _ = case
+    _, reader = _mmproj(case, tmp_path, gguf.GGMLQuantizationType.F32)
+    names = {t.name for t in reader.tensors}
+    assert set(LLAMA_CPP_NAMES) <= names
+    f = reader.fields[gguf.Keys.Clip.PROJECTOR_TYPE]
+    assert bytes(f.parts[f.data[0]]).decode() == "qwen3vl_merger"
+    ds = {f"v.deepstack.{i}.fc1.weight" for i in model.args.deepstack_visual_indexes}
+    assert ds <= names and (not ds or "v.deepstack.2.norm.weight" in names)  # absolute block indexes
+    patch = next(t for t in reader.tensors if t.name == "v.patch_embd.weight")
+    assert tuple(reversed([int(d) for d in patch.shape])) == (model.args.hidden_size, 3, 16, 16)  # one time slice
+
+
+def test_mmproj_f32_matches_transformers(case, tmp_path):
+    import gguf
+
+    from ds4mlx.vision.mmproj import load_mmproj
+
+    _, _, ref, _ = case
+    path, _ = _mmproj(case, tmp_path, gguf.GGMLQuantizationType.F32)
+    out = load_mmproj(path)(mx.array(ref["pixel_values"]), _grids(ref))
+    assert _maxdiff(out.embeddings, ref["pooler_output"]) <= TOL
+
+
+def test_mmproj_q8_0_reads_the_dequantized_weights(case, tmp_path):
+    import gguf
+    from safetensors.numpy import load_file
+
+    from ds4mlx.vision.mmproj import read_mmproj
+
+    folder, model, _, _ = case
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    path, reader = _mmproj(case, tmp_path, q8)
+    assert any(t.tensor_type == q8 for t in reader.tensors)
+    args, weights = read_mmproj(path)
+    assert args == model.args.__class__(**{**model.args.__dict__, "rope_parameters": None})
+    assert args.rope_theta == model.args.rope_theta
+    src = Qwen3VLVision.sanitize(load_file(str(folder / "model.safetensors")))
+    qkv = src["blocks.0.attn.qkv.weight"]
+    want = gguf.quants.dequantize(gguf.quants.quantize(qkv, q8), q8).reshape(qkv.shape)
+    np.testing.assert_array_equal(weights["blocks.0.attn.qkv.weight"], want)
+    patch = src["patch_embed.proj.weight"]
+    np.testing.assert_array_equal(weights["patch_embed.proj.weight"].reshape(patch.shape), patch)
