@@ -273,3 +273,42 @@ def test_same_request_reuses_and_a_replaced_image_rebuilds(server):
     other = post(server, "chat", body("chat", two_images("chat", a, c))).json()["usage"]
     assert other["prompt_tokens"] == again["prompt_tokens"]  # same sizes: the same token ids
     assert other["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+NO_THINKING = {
+    "chat": {"think": False},
+    "anthropic": {"thinking": {"type": "disabled"}},
+    "responses": {"reasoning": {"effort": "none"}},
+}
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_next_turn_reuses_the_image_prefix_unless_the_image_changed(server, api):
+    a, c = image_bytes(64, 64, seed=41), image_bytes(64, 64, seed=42)
+
+    def turn(image: bytes, history: list | None):
+        first = body(api, [text_part(api, "look "), part(api, data_uri(image))], max_tokens=2)
+        first.update(NO_THINKING[api])  # the template renders the earlier answer as it was sampled
+        if history is None:
+            return first
+        key = "input" if api == "responses" else "messages"
+        first[key] = first[key] + history
+        return first
+
+    r1 = post(server, api, turn(a, None))
+    assert r1.status_code == 200, r1.text
+    n1 = _answer_ok(api, r1, False)
+    if api == "responses":
+        history = [{"type": "message", "role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
+    else:
+        history = [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
+    kept = post(server, api, turn(a, history)).json()["usage"]
+    cached = {"chat": "prompt_tokens_details", "responses": "input_tokens_details"}
+    read = (
+        (lambda u: u["cache_read_input_tokens"]) if api == "anthropic" else (lambda u: u[cached[api]]["cached_tokens"])
+    )
+    assert read(kept) == n1  # the first prompt, its image block included, is reused
+    r0 = post(server, api, turn(a, None))  # back to the first prompt's state
+    assert r0.status_code == 200
+    replaced = post(server, api, turn(c, history)).json()["usage"]
+    assert read(replaced) == 0
