@@ -14,6 +14,20 @@ import mlx.core as mx
 MIN_BUCKET = 256  # rows; tests lower it to cross a bucket boundary with tiny models
 
 
+_IOTAS: dict[int, mx.array] = {}
+
+
+def iota(n: int) -> mx.array:
+    """`mx.arange(n)` (int32) made once and kept: inside a compiled step a constant is an
+    input, not a launch per token (an arange in the trace is replayed every step)."""
+    a = _IOTAS.get(n)
+    if a is None:
+        a = mx.arange(n, dtype=mx.int32)
+        mx.eval(a)  # depends on no step input, so allowed even while a step is traced
+        _IOTAS[n] = a
+    return a
+
+
 def bucket(n: int) -> int:
     """The capacity (MIN_BUCKET * 2**k rows) that holds n rows."""
     cap = MIN_BUCKET

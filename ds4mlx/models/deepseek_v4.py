@@ -40,7 +40,7 @@ from ..kernels import affine_qmv
 from ..kernels import sparse_attention as _sparse
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
-from .cache import StaticDecode, grow_rows
+from .cache import StaticDecode, grow_rows, iota
 from .causal_lm import BaseModelArgs, CausalLM
 from .fused import fused_or_each
 from .layers import (
@@ -511,7 +511,7 @@ class Compressor(nn.Module):
         row = self.kv_norm((win_kv * w).sum(axis=2))  # [1, 1, d]
         row = self._rope(row, offset=w0, scale=float(m))
         rows = mx.slice_update(rows, row.astype(rows.dtype), w0.reshape(1), axes=(1,))
-        valid = mx.arange(rows.shape[1]) < (pos + 1) // m
+        valid = iota(rows.shape[1]) < (pos + 1) // m
         return new + [rows], rows, valid
 
 
@@ -728,7 +728,7 @@ class Attention(nn.Module):
         W = ring.shape[2]
         ring = mx.slice_update(ring, kv.astype(ring.dtype), (pos % W).reshape(1), axes=(2,))
         new.append(ring)
-        keys, mask = ring, mx.arange(W) <= pos  # slots not written yet are masked
+        keys, mask = ring, iota(W) <= pos  # slots not written yet are masked
         if comp is not None:
             rows, valid = comp.step(more, index_q_b, pos, state, new)
             keys = mx.concatenate([keys, rows[:, None].astype(keys.dtype)], axis=2)

@@ -144,11 +144,25 @@ class RoPE(nn.Module):
         self.dims = dims
         self._freqs = (1.0 / inv_freq).astype(mx.float32)  # mx.fast.rope wants periods
         self._mscale = attention_factor  # transformers multiplies cos and sin by it
+        self._wide: dict[int, mx.array] = {}  # full width -> periods with inf on the nope pairs
+
+    def _full_width(self, d: int) -> mx.array:
+        """Periods for rotating all d channels in one launch: the nope pairs get an infinite
+        period (angle 0: cos 1, sin 0, the channels come back unchanged bit for bit), which
+        saves the slice + concatenate of a partial rope (two launches per call at decode)."""
+        f = self._wide.get(d)
+        if f is None:
+            f = mx.concatenate([mx.full(((d - self.dims) // 2,), mx.inf, mx.float32), self._freqs])
+            mx.eval(f)
+            self._wide[d] = f
+        return f
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0, scale: float = 1.0) -> mx.array:
         if self.dims == 0:
             return x
         d = x.shape[-1]
+        if self.dims < d and self._mscale == 1.0 and (d - self.dims) % 2 == 0:
+            return mx.fast.rope(x, d, traditional=True, base=None, scale=scale, offset=offset, freqs=self._full_width(d))
         rope = x if self.dims == d else x[..., d - self.dims :]
         rope = mx.fast.rope(rope, self.dims, traditional=True, base=None, scale=scale, offset=offset, freqs=self._freqs)
         if self._mscale != 1.0:
