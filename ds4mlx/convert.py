@@ -1,8 +1,7 @@
 """`ds4mlx convert HF_DIR OUT.gguf`: Hugging Face model folder -> ds4-style GGUF.
 
-DeepSeek V4 uses ds4's `deepseek4` tensor names and metadata keys (`ds4mlx.gguf_families.deepseek_v4`);
-DeepSeek V4.1, GLM 5.2, GLM 5.3 and Qwen3.8 use their family's scheme
-(`ds4mlx.gguf_families`), picked from the config's `model_type`.  The tokenizer is
+Every family writes its own table's names and metadata keys (`ds4mlx.gguf_families`,
+picked from the config's `model_type`; DeepSeek V4: ds4's `deepseek4`).  The tokenizer is
 written as `tokenizer.ggml.*` (HF_DIR/tokenizer.json if present, else the default
 DeepSeek V4 tokenizer).
 
@@ -24,8 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .gguf_families import deepseek_v4 as names
-from .mapped import LazyTensor, release
+from .mapped import release
 from .quant import MXTensor, QuantizedTensor
 
 DTYPES = ("f32", "f16", "bf16")
@@ -40,38 +38,6 @@ def _f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
     if nan.any():
         rounded = np.where(nan, ((u >> 16) | np.uint32(0x40)).astype(np.uint16), rounded)
     return rounded
-
-
-def _gguf_tensors(tensors: dict) -> list[tuple[str, object]]:
-    """HF in-memory name -> [(ds4 GGUF name, value)], splitting gate_up_proj."""
-    out = []
-    unknown = []
-    for name, val in tensors.items():
-        if name.endswith("." + names.FUSED_GATE_UP):
-            prefix = name[: -len(names.FUSED_GATE_UP)]
-            if isinstance(val, QuantizedTensor):
-                raise ValueError(f"{name}: a fused quantized gate_up_proj cannot be split; pass gate_proj/up_proj")
-            shape = tuple(val.shape)
-            if len(shape) != 3 or shape[1] % 2:
-                raise ValueError(f"{name}: expected [E, 2I, H], got {shape}")
-            half = shape[1] // 2
-            for part, sl in zip(names.EXPERT_SPLIT, (slice(0, half), slice(half, None))):
-                out.append((names.hf_to_gguf(prefix + part), _half(val, sl, (shape[0], half, shape[2]))))
-            continue
-        g = names.hf_to_gguf(name)
-        if g is None:
-            unknown.append(name)
-            continue
-        out.append((g, val))
-    if unknown:
-        raise ValueError(f"tensors with no ds4 GGUF name: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
-    return out
-
-
-def _half(val, sl: slice, shape) -> LazyTensor:
-    """One half of a fused [E, 2I, H] bank, read when written."""
-    dt = np.float32 if isinstance(val, MXTensor) else val.dtype
-    return LazyTensor(lambda: _values(val)[:, sl], shape, dt, sources=(val,))
 
 
 def _values(val) -> np.ndarray:
@@ -155,14 +121,9 @@ def write_gguf(path, config: dict, tensors: dict, tokenizer=None, dtype: str = "
         from .tokenizer import Tokenizer
 
         tokenizer = Tokenizer.default()
-    if family is None:
-        items = _gguf_tensors(tensors)
-        kv = names.config_to_gguf_kv(config)
-        arch, keep_f32, default_name = names.ARCH, (), "DeepSeek-V4 (ds4mlx convert)"
-    else:
-        items = family.to_gguf(config, tensors)
-        kv = family.config_to_kv(config)
-        arch, keep_f32, default_name = family.arch, family.keep_f32, f"{family.display} (ds4mlx convert)"
+    items = family.to_gguf(config, tensors)
+    kv = family.config_to_kv(config)
+    arch, keep_f32, default_name = family.arch, family.keep_f32, f"{family.display} (ds4mlx convert)"
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

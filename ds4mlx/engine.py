@@ -45,6 +45,7 @@ from .events import (
     Usage,
 )
 from .memcheckpoints import MemoryCheckpoints
+from .prefill_chunk import default_chunk
 from .sampling import GREEDY, DeviceSampler, Sampler, SamplingParams
 
 log = logging.getLogger("ds4mlx.engine")
@@ -259,7 +260,7 @@ class Engine:
         ctx: int = 32768,
         *,
         default_max_tokens: int = 393216,
-        prefill_chunk: int = 512,
+        prefill_chunk: int | None = None,
         tool_memory=None,
         cache: CacheHooks | None = None,
         parser_factory: Callable[..., Any] = default_parser_factory,
@@ -275,7 +276,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.ctx = int(ctx)
         self.default_max_tokens = int(default_max_tokens)
-        self.prefill_chunk = max(1, int(prefill_chunk))
+        self.prefill_chunk = max(1, int(prefill_chunk or default_chunk()))  # prefill_chunk.py
         self.tool_memory = tool_memory
         self.cache = cache or CacheHooks()
         self.parser_factory = parser_factory

@@ -1,7 +1,10 @@
 """`ds4mlx inspect FILE`: what a model file holds and what serving it needs.
 
-Reads only headers (GGUF metadata and tensor infos, safetensors headers): nothing
-is loaded.  Prints the family, the tensor count, a histogram of storage types
+Reads only headers (GGUF metadata and tensor infos, safetensors headers), once:
+nothing is loaded, but the file is checked as a load would check it (the family's
+metadata and tensor names mapped: `weights.read_gguf_file`; the folder's config.json
+and safetensors headers), so a broken path is one line naming it and exit 2, as for
+every command (modelfile.py).  Prints the family, the tensor count, a histogram of storage types
 (tensors, bytes), the weight bytes read per decoded token (every dense tensor,
 plus k of the E routed experts of each MoE layer), and the memory serving it
 takes at `--ctx` tokens: the weights (as the loader keeps them: packed types as
@@ -23,23 +26,18 @@ EMBED_NAMES = ("token_embd.", "embed.", "model.embed_tokens.")  # one row read p
 
 
 def _gguf_tensors(path: Path):
-    from .weights import GGUFFile
+    from .weights import GGUFFile, read_gguf_file
 
     g = GGUFFile(path)
-    arch = g.metadata.get("general.architecture", "?")
+    config, _, _ = read_gguf_file(g, with_tokenizer=False)  # the family mapping, checked as a load would
     rows = [(t.name, t.ggml_type.name, t.nbytes) for t in g.tensors.values()]
-    config = None
-    if arch == "deepseek4":
-        from .gguf_families import deepseek_v4 as names
-
-        config = names.config_from_gguf_kv(g.metadata)
-    return arch, rows, config
+    return g.metadata.get("general.architecture", "?"), rows, config
 
 
 def _hf_tensors(folder: Path):
-    from .weights import SafetensorsFile, safetensors_files
+    from .weights import SafetensorsFile, read_hf_config, safetensors_files
 
-    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    cfg = read_hf_config(folder)
     rows = []
     for p in safetensors_files(folder):
         f = SafetensorsFile(p)
@@ -50,6 +48,8 @@ def _hf_tensors(folder: Path):
                 n *= int(s)
             dt = f.dtype(k)
             rows.append((k, dt, n * _ST_BYTES.get(dt, 1)))
+    if not rows:
+        raise ValueError(f"{folder}: no tensors found in the safetensors files")
     return cfg.get("model_type", "?"), rows, cfg
 
 
@@ -108,6 +108,8 @@ def machine_memory() -> int:
 
 def summarize(path, ctx: int = 32768) -> dict:
     path = Path(path)
+    if not path.is_dir() and not path.is_file():
+        raise FileNotFoundError(f"no such model file or folder: {path}")
     arch, rows, config = _hf_tensors(path) if path.is_dir() else _gguf_tensors(path)
     hist: dict[str, list] = {}
     for _, t, nb in rows:
@@ -148,10 +150,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from .inspect_cmd import describe
     from .modelfile import reading
 
-    describe(args.file)  # checked as a load would: a broken file is one line naming it, exit 2
     with reading(args.file):
         s = summarize(args.file, args.ctx)
     if args.json:

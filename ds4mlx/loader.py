@@ -9,12 +9,13 @@ import sys
 import mlx.core as mx
 
 from . import dtype_policy
+from .gguf_families.deepseek_v4 import MTP_PREFIX
 from .modelfile import reading
 from .models.base import LanguageModel
 from .models.tensor_load import packed_to_mlx
 from .registry import DEFAULT_FAMILY
 from .tokenizer import Tokenizer
-from .weights import MTP_PREFIX, read_mtp_gguf, read_weights
+from .weights import read_mtp_gguf, read_weights
 
 
 def default_dtype():

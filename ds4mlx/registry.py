@@ -1,7 +1,7 @@
 """The model families ds4mlx serves, in one table that every stage picking by family reads:
 the model graph (models/base.py), the chat protocol (chat/protocol.py), the GGUF names
-(gguf_families/: one `Family` table per family keyed like this one; DeepSeek V4's names are
-the module gguf_families/deepseek_v4.py) and the demo models (demo.py).
+(gguf_families/: one `Family` table per family keyed like this one, DeepSeek V4's included)
+and the demo models (demo.py).
 
 Modules are named, not imported: this table imports nothing of ds4mlx, so any stage can read
 it without pulling in the others.  A new family is one row here plus its modules.

@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import stepper
+from .prefill_chunk import default_chunk
 
 MAGIC = b"DS4MLXS\x00"
 VERSION = 1
@@ -98,7 +99,8 @@ class Session:
     `tokens[:n]` again (free when n == len(session), n == 0 just resets).
     """
 
-    def __init__(self, model, ctx: int, chunk: int = 512):
+    def __init__(self, model, ctx: int, chunk: int | None = None):
+        chunk = default_chunk() if chunk is None else chunk  # 2048 on a GPU (prefill_chunk.py)
         if ctx <= 0 or chunk <= 0:
             raise ValueError("ctx and chunk must be positive")
         self.model, self.ctx, self.chunk = model, int(ctx), int(chunk)

@@ -42,6 +42,7 @@ import gguf
 import numpy as np
 
 from .gguf_families import deepseek_v4 as names
+from .gguf_families.deepseek_v4 import MTP_PREFIX, mtp_hf_name
 from .gguf_families.metadata import fields_metadata
 from .mapped import LazyTensor, fill, release
 from .quant import FP4_TABLE, MX_GROUP, MXTensor, QuantizedTensor, e4m3fn_table, e8m0_to_f32
@@ -203,59 +204,19 @@ def _bf16_lazy(bits: np.ndarray) -> LazyTensor:
 def read_gguf(path: str | os.PathLike, with_tokenizer: bool = True):
     """ds4 GGUF -> (config, tensors, tokenizer).  Tensors are mmap views (except the
     few a family rebuilds from several GGUF tensors).  `general.architecture` picks
-    the scheme: `deepseek4` (gguf_families.deepseek_v4) or one of gguf_families."""
-    g = GGUFFile(path)
+    the family table (gguf_families; an unknown one is read as DeepSeek V4's `deepseek4`)."""
+    return read_gguf_file(GGUFFile(path), with_tokenizer)
+
+
+def read_gguf_file(g: GGUFFile, with_tokenizer: bool = True):
+    """`read_gguf` of a GGUF already opened (`inspect` reads its headers too)."""
     meta = g.metadata
-    path = g.path
     if int(meta.get("split.count", 1) or 1) > 1:
-        raise ValueError(f"{path}: split GGUF files (split.count={meta['split.count']}) are not supported")
+        raise ValueError(f"{g.path}: split GGUF files (split.count={meta['split.count']}) are not supported")
     from . import gguf_families
 
-    family = gguf_families.for_arch(meta.get("general.architecture", names.ARCH))
-    if family is not None:
-        return _read_family_gguf(g, family, with_tokenizer)
-    try:
-        config = names.config_from_gguf_kv(meta)
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{path}: bad deepseek4 metadata ({e})") from None
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-
-    tensors: dict[str, Any] = {}
-    unknown = []
-    for tname in g.tensors:
-        hf = names.gguf_to_hf(tname) if not tname.startswith(MTP_PREFIX) else mtp_hf_name(tname)
-        if hf is None:
-            unknown.append(tname)
-            continue
-        val = g.tensor(tname)
-        if hf.endswith(names.INT_TENSORS) and isinstance(val, np.ndarray):
-            val = _int64_lazy(val)
-        tensors[hf] = val
-    if unknown:
-        warnings.warn(f"{path}: {len(unknown)} GGUF tensors with no HF name were skipped: {unknown[:5]}")
-    _fuse_experts(tensors)
-
-    tok = None
-    if with_tokenizer and "tokenizer.ggml.tokens" in meta:
-        from .tokenizer import Tokenizer
-
-        tok = Tokenizer.from_gguf_fields(meta)
-    return config, tensors, tok
-
-
-# ds4's MTP block (ds4.c mtp_weights_bind): `mtp.0.<layer tensor>` plus the head's
-# own e_proj / h_proj / enorm / hnorm / norm / hc_head_*; kept, under `mtp.0.<HF
-# layer name>` (or the ds4 name for the head's own), for speculative decoding.
-MTP_PREFIX = "mtp."
-
-
-def mtp_hf_name(gguf_name: str) -> str:
-    """`mtp.N.attn_q_a.weight` -> `mtp.N.self_attn.q_a_proj.weight`; the MTP head's
-    own tensors (e_proj, enorm, hc_head_fn, ...) keep their ds4 names."""
-    _, n, rest = gguf_name.split(".", 2)
-    hf = names.gguf_to_hf(f"blk.{n}.{rest}")
-    return f"mtp.{n}." + hf[len(f"model.layers.{n}.") :] if hf else gguf_name
+    family = gguf_families.for_arch(meta.get("general.architecture", "")) or gguf_families.default()
+    return _read_family_gguf(g, family, with_tokenizer)
 
 
 def read_mtp_gguf(path: str | os.PathLike) -> dict:
@@ -268,12 +229,8 @@ def read_mtp_gguf(path: str | os.PathLike) -> dict:
     return tensors
 
 
-def _int64_lazy(val: np.ndarray) -> LazyTensor:
-    return LazyTensor(lambda: val.astype(np.int64), val.shape, np.int64, sources=(val,))
-
-
 def _read_family_gguf(g: GGUFFile, family, with_tokenizer: bool):
-    """A GGUF of another family (`gguf_families`) -> (config, tensors, tokenizer)."""
+    """A GGUF of one `gguf_families` table -> (config, tensors, tokenizer)."""
     meta, path = g.metadata, g.path
     try:
         config = family.config_from_kv(meta, list(g.tensors))
@@ -287,6 +244,8 @@ def _read_family_gguf(g: GGUFFile, family, with_tokenizer: bool):
         raise ValueError(f"{path}: {e}") from None
     if unknown:
         warnings.warn(f"{path}: {len(unknown)} GGUF tensors with no HF name were skipped: {unknown[:5]}")
+    if family.lazy_expert_fuse:
+        _fuse_experts(tensors)
     tok = None
     if with_tokenizer and "tokenizer.ggml.tokens" in meta:
         from .tokenizer import Tokenizer
@@ -549,7 +508,7 @@ def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
     cfg_path = folder / "config.json"
     raw_cfg = read_hf_config(folder)
     files = [SafetensorsFile(p) for p in safetensors_files(folder)]
-    if raw_cfg.get("model_type", "deepseek_v4") not in DEEPSEEK_V4_TYPES:
+    if raw_cfg.get("model_type", names.DEEPSEEK_V4.model_types[0]) not in names.DEEPSEEK_V4.model_types:
         return _read_hf_other(folder, raw_cfg, files, with_tokenizer)
     config = names.normalize_config(raw_cfg)
     block = fp8_block_size(raw_cfg, cfg_path)
@@ -605,9 +564,6 @@ def read_hf(folder: str | os.PathLike, with_tokenizer: bool = True):
         raise ValueError(f"{folder}: no DeepSeek V4 tensors found in the safetensors files")
 
     return config, tensors, _folder_tokenizer(folder, with_tokenizer)
-
-
-DEEPSEEK_V4_TYPES = ("deepseek_v4",)
 
 
 def fp8_block_size(raw_cfg: dict, where="config.json") -> tuple[int, int]:
@@ -771,6 +727,7 @@ def is_gguf(path: str | os.PathLike) -> bool:
 __all__ = [
     "read_weights",
     "read_gguf",
+    "read_gguf_file",
     "read_hf",
     "gguf_metadata",
     "SafetensorsFile",

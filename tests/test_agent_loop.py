@@ -12,7 +12,7 @@ import pytest
 from agent_helpers import COMPACT_MARK, ScriptedModel, dsml, last_real_user, make_worker, steps
 
 from ds4mlx.agent.approval import PendingApproval
-from ds4mlx.agent.events import AnswerDelta, Notice, ToolCard, TurnEnd
+from ds4mlx.agent.events import Notice, TextDelta, ToolCard, TurnEnd
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_read_edit_bash_answer_loop(tok, tmp_path, agents):
     for name in ("read", "edit", "bash"):
         states = [c.state for c in sink.cards() if c.name == name]
         assert states[0] == "parsing" and states[-2:] == ["running", "done"], (name, states)
-    shown = "".join(e.text for e in sink.of(AnswerDelta))
+    shown = "".join(e.text for e in sink.of(TextDelta))
     assert "DSML" not in shown and shown.startswith("I will read the file.")
     # each step continued the live session instead of prefilling it again
     assert engine.stats.jobs == 4 and engine.stats.last_cache_source.startswith("memory-")

@@ -66,6 +66,26 @@ def test_compiled_step_matches_reference(case, monkeypatch):
                 assert st.n == len(ids) // st.ratio
 
 
+def test_one_launch_attention_in_the_step_matches_reference(case, monkeypatch):
+    """The GPU's static-step attention (`sparse_attention.attend_at`: ring + capacity rows or
+    the selected top-k rows, masks from the position array) through its reference face."""
+    from ds4mlx.kernels import sparse_attention
+
+    _, lm, ref, _ = case
+    ids = ref["input_ids"][0].tolist()
+    args = lm.model.args
+    assert max(row_cache.bucket(len(ids) // 4), 4) > args.index_topk  # the selected path runs too
+    _, legacy, _ = _decode(lm, ids, "legacy", monkeypatch)
+    stepper.forget(lm.model)  # a fresh trace with the other attention
+    monkeypatch.setattr(sparse_attention, "step_face", lambda: "reference")
+    try:
+        _, compiled, _ = _decode(lm, ids, "compiled", monkeypatch)
+    finally:
+        stepper.forget(lm.model)
+    assert maxdiff(compiled, legacy) <= TOL
+    assert maxdiff(compiled, ref["logits_full"][0][PREFILL:]) <= TOL
+
+
 def test_eager_static_step_equals_compiled(case, monkeypatch):
     _, lm, ref, _ = case
     ids = ref["input_ids"][0].tolist()[:40]

@@ -289,12 +289,13 @@ def test_name_tables_are_one_to_one(fam):
 
 
 def test_dispatch():
-    assert gguf_families.for_config({"model_type": "deepseek_v4"}) is None
-    assert gguf_families.for_config({}) is None
+    assert gguf_families.for_config({"model_type": "deepseek_v4"}) is gguf_families.DEEPSEEK_V4
+    assert gguf_families.for_config({}) is gguf_families.DEEPSEEK_V4 is gguf_families.default()
     assert gguf_families.for_config({"model_type": "glm5_next"}) is gguf_families.GLM5_NEXT
     assert gguf_families.for_config({"model_type": "qwen4_exp_text"}) is gguf_families.QWEN4_EXP
     assert (
-        gguf_families.for_arch("deepseek4") is None and gguf_families.for_arch("glm-dsa") is gguf_families.GLM_MOE_DSA
+        gguf_families.for_arch("deepseek4") is gguf_families.DEEPSEEK_V4
+        and gguf_families.for_arch("glm-dsa") is gguf_families.GLM_MOE_DSA
     )
     with pytest.raises(ValueError, match="no GGUF scheme for model_type 'llama'"):
         gguf_families.for_config({"model_type": "llama"})

@@ -478,3 +478,42 @@ def test_cuda_face_compiles_with_nvcc(kind, qtype, tmp_path):
     # the helper knows no uint8 buffers: w is declared as MLX declares it
     src = src.replace("const uint32_t* w,", "const uint8_t* w,")
     nvcc_compile(tmp_path, src)
+
+
+@pytest.mark.parametrize("qtype", [QT.IQ2_XXS, QT.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("budget_experts", [1, 3, 100])
+def test_prefill_qmm_needs_no_host_sync(qtype, budget_experts):
+    """The prefill path traces under mx.compile (a host sync, as the former grouping's
+    np.array of the expert ids, cannot), for any dequant budget (experts per block),
+    pre-sorted pairs or not, and agrees with the host-grouped baseline."""
+    e, rows, n_tok, top, k = 7, 9, 40, 3, 256
+    rng = np.random.default_rng(11)
+    raw = mx.array(experts(qtype, e, rows, k, seed=5))
+    ids = mx.array(rng.integers(0, e - 1, (n_tok, top)))  # expert e-1 unused
+    x = mx.array(rng.standard_normal((n_tok, k)).astype(np.float32))
+    budget = budget_experts * rows * k * 4
+    base = np.array(qm.gather_qmm_host_grouped(x, raw, qtype, ids, backend="reference"))
+
+    def grouped(x, ids):
+        return qm.gather_qmm(x, raw, qtype, ids, backend="reference", max_dequant_bytes=budget)
+
+    got = np.array(mx.compile(grouped)(x, ids))
+    assert np.abs(got - base).max() <= 1e-4 * max(1.0, np.abs(base).max())
+    # SwitchGLU's layout: one row per pair, already in expert order
+    flat = ids.reshape(-1)
+    order = mx.argsort(flat)
+    xs = mx.repeat(x, top, axis=0)[order][None]  # [1, P, K]
+    got_sorted = qm.gather_qmm(xs, raw, qtype, flat[order][None], backend="reference", sorted_indices=True)
+    inv = np.argsort(np.array(order))
+    assert np.abs(np.array(got_sorted)[0][inv].reshape(n_tok, top, rows) - base).max() <= 1e-4 * max(
+        1.0, np.abs(base).max()
+    )
+
+
+def test_host_grouped_baseline_cannot_trace():
+    """The check above means something: the host-grouped path fails under mx.compile."""
+    raw = mx.array(experts(QT.Q2_K, 3, 4, 256))
+    ids = mx.array([[0, 2], [1, 1]])
+    x = mx.random.normal((2, 256))
+    with pytest.raises(ValueError, match="during function transformations"):
+        mx.compile(lambda x, ids: qm.gather_qmm_host_grouped(x, raw, QT.Q2_K, ids, backend="reference"))(x, ids)

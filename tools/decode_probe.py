@@ -67,6 +67,28 @@ def loop_tps(session, vocab, n: int) -> float:
     return k / (time.perf_counter() - t0)
 
 
+def check_attend_at() -> None:
+    """The step attention's GPU face against its reference face (V4 Flash shapes, bf16)."""
+    from ds4mlx.kernels import sparse_attention as sa
+
+    face = sa.step_face()
+    for cap, k, ratio, pos in ((16, None, 128, 2047), (512, None, 4, 1500), (1024, 512, 4, 4000), (1024, 512, 4, 700)):
+        q = mx.random.normal((64, 1, 512)).astype(mx.bfloat16)
+        ring = mx.random.normal((128, 512)).astype(mx.bfloat16)
+        rows = mx.random.normal((cap, 512)).astype(mx.bfloat16)
+        sinks = mx.random.normal((64,))
+        p = mx.array(pos, mx.int32)
+        idx = cnt = None
+        if k:
+            live = (pos + 1) // ratio
+            idx = (mx.random.permutation(min(live, cap))[:k] if live >= k else mx.arange(k)).astype(mx.int32)[None]
+            cnt = mx.array([min(live, k)], mx.int32)
+        out = [sa.attend_at(q, ring, rows, idx, cnt, sinks, p, ratio=ratio, scale=512**-0.5, backend=f)
+               for f in (face, "reference")]
+        d = mx.abs(out[0].astype(mx.float32) - out[1].astype(mx.float32)).max().item()
+        say(f"attend_at {face} vs reference: cap {cap} topk {k} ratio {ratio} pos {pos}: max |diff| {d:.3g}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--count-layers", type=int, default=6)
@@ -76,8 +98,12 @@ def main() -> int:
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--expert-format", default="mlx")
     p.add_argument("--modes", nargs="+", default=["compiled"])
+    p.add_argument("--check-kernel", action="store_true", help="attend_at's GPU face vs its reference")
+    p.add_argument("--check-plain", action="store_true", help="also the step with DS4MLX_SPARSE_ATTENTION=0; compare")
     a = p.parse_args()
     say("device", mx.default_device(), mx.__version__, "ptx cache", os.environ.get("MLX_PTX_CACHE_DIR"))
+    if a.check_kernel:
+        check_attend_at()
     if a.count_layers:
         model, tok, info = build_synthetic_v4_flash(layers=a.count_layers, expert_format=a.expert_format)
         vocab = model.model.args.vocab_size
@@ -104,12 +130,26 @@ def main() -> int:
     mx.eval(s.cache_arrays)
     say(f"prefill {a.ctx} tokens: {a.ctx / (time.time() - t0):.1f} t/s")
     snap = s.snapshot()
-    for mode in a.modes:
+    runs = [(m, None) for m in a.modes]
+    if a.check_plain:  # the same compiled step with its attention as the plain graph, then compare
+        runs.append(("compiled", "0"))
+    first_logits = {}
+    for mode, sparse in runs:
         os.environ[stepper.MODE_ENV] = mode
+        if sparse is not None:
+            os.environ["DS4MLX_SPARSE_ATTENTION"] = sparse
+            stepper.forget(model.model)
+            mode = f"{mode} (DS4MLX_SPARSE_ATTENTION={sparse})"
         s.restore(snap)
         t0 = time.time()
-        mx.eval(s.step(5))
+        lg = s.step(5)
+        mx.eval(lg)
         say(f"{mode}: first step {time.time() - t0:.1f} s")
+        seq = [lg.astype(mx.float32)]
+        for t in (17, 23, 99):
+            seq.append(s.step(t).astype(mx.float32))
+        mx.eval(seq)
+        first_logits[mode] = seq
         s.restore(snap)
         sp = split_timing(s, a.steps)
         say(f"{mode}: synchronous step {sp['total_ms']:.2f} ms = build {sp['build_ms']:.2f} + dispatch "
@@ -117,6 +157,11 @@ def main() -> int:
         s.restore(snap)
         tps = loop_tps(s, vocab, a.gen)
         say(f"{mode}: decode loop {tps:.2f} t/s ({1e3 / tps:.1f} ms/token) at ctx {a.ctx}")
+    names = list(first_logits)
+    for other in names[1:]:
+        d = max(mx.abs(x - y).max().item() for x, y in zip(first_logits[names[0]], first_logits[other]))
+        scale = max(mx.abs(x).max().item() for x in first_logits[names[0]])
+        say(f"logits of 4 steps from one snapshot: {names[0]} vs {other}: max |diff| {d:.3g} (max |logit| {scale:.3g})")
     return 0
 
 

@@ -1,11 +1,15 @@
 """What the agent worker tells a front end (called on the worker thread).
 
-A front end renders these; it never sees engine events or raw tool-call text.
+A front end renders these; it never sees raw tool-call text.  Answer and reasoning
+text are the engine's own deltas (`events.TextDelta` / `events.ReasoningDelta`),
+passed through; the rest is the agent's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..events import ReasoningDelta, TextDelta
 
 # tool card lifecycle
 PARSING, AWAITING_APPROVAL, RUNNING, DONE, FAILED, STOPPED, DENIED = (
@@ -34,16 +38,6 @@ class Status:
 
 
 @dataclass(frozen=True)
-class AnswerDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ReasoningDelta:
-    text: str
-
-
-@dataclass(frozen=True)
 class ToolCard:
     index: int
     name: str
@@ -62,3 +56,20 @@ class Notice:
 class TurnEnd:
     reason: str  # answered | stopped | error | max_steps
     error: str | None = None
+
+
+__all__ = [
+    "PARSING",
+    "AWAITING_APPROVAL",
+    "RUNNING",
+    "DONE",
+    "FAILED",
+    "STOPPED",
+    "DENIED",
+    "Status",
+    "TextDelta",
+    "ReasoningDelta",
+    "ToolCard",
+    "Notice",
+    "TurnEnd",
+]

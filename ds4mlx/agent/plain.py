@@ -18,7 +18,7 @@ from rich.console import Console
 
 from . import render
 from .approval import PendingApproval
-from .events import AnswerDelta, Notice, ReasoningDelta, Status, ToolCard, TurnEnd
+from .events import Notice, ReasoningDelta, Status, TextDelta, ToolCard, TurnEnd
 
 
 def _read_answer(p: PendingApproval, console: Console) -> None:
@@ -57,7 +57,7 @@ class PlainView:
 
     def handle(self, ev) -> bool:
         """Render one event; True at the end of the turn."""
-        if isinstance(ev, AnswerDelta):
+        if isinstance(ev, TextDelta):
             self.answer.append(ev.text)
         elif isinstance(ev, ReasoningDelta):
             self.err.print(ev.text, style="dim", end="", markup=False, highlight=False)

@@ -26,7 +26,7 @@ from rich.console import Console
 
 from . import render
 from .approval import PendingApproval
-from .events import AWAITING_APPROVAL, AnswerDelta, Notice, ReasoningDelta, Status, ToolCard, TurnEnd
+from .events import AWAITING_APPROVAL, Notice, ReasoningDelta, Status, TextDelta, ToolCard, TurnEnd
 from .sessions import SessionDir
 
 HELP = (
@@ -81,7 +81,7 @@ class TuiState:
         c = self.console()
         if isinstance(ev, Status):
             self.status = ev
-        elif isinstance(ev, AnswerDelta):
+        elif isinstance(ev, TextDelta):
             self.answer.append(ev.text)
         elif isinstance(ev, ReasoningDelta):
             c.print(ev.text, style="dim", end="", markup=False)

@@ -34,8 +34,7 @@ from typing import Any
 
 from ..chat.messages import Conversation, Message, ToolCall
 from ..engine import Failed, Job
-from ..events import Finish, PrefillProgress, Started, TextDelta, ToolCallEnd, ToolCallStart
-from ..events import ReasoningDelta as EngineReasoning
+from ..events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd, ToolCallStart
 from ..sampling import SamplingParams
 from . import compaction, prompts, sessions
 from .approval import Approvals, PendingApproval, denial_text
@@ -47,9 +46,7 @@ from .events import (
     PARSING,
     RUNNING,
     STOPPED,
-    AnswerDelta,
     Notice,
-    ReasoningDelta,
     Status,
     ToolCard,
     TurnEnd,
@@ -329,14 +326,10 @@ class AgentWorker:
                                 "session",
                             )
                         )
-                elif isinstance(ev, TextDelta):
+                elif isinstance(ev, (TextDelta, ReasoningDelta)):
                     generated += 1
                     if show:
-                        self.emit(AnswerDelta(ev.text))
-                elif isinstance(ev, EngineReasoning):
-                    generated += 1
-                    if show:
-                        self.emit(ReasoningDelta(ev.text))
+                        self.emit(ev)  # the front end's answer / reasoning text as is
                 elif isinstance(ev, ToolCallStart):
                     self._status(greedy=True)  # the engine samples tool-call structure greedily
                     self._parsing[ev.index] = (ev.name, "")

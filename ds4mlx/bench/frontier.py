@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .. import dtype_policy
+from ..prefill_chunk import default_chunk
 
 COLUMNS = ["ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes", "peak_memory_bytes"]
 GATED = ("prefill_tps", "gen_tps")  # higher is better
@@ -87,7 +88,7 @@ def run_bench(
     tokenizer,
     ctx_points: list[int],
     gen_tokens: int,
-    chunk: int = 512,
+    chunk: int | None = None,
     text_path: str | None = None,
     log=None,
     time_budget: float | None = None,
@@ -96,6 +97,7 @@ def run_bench(
     frontier whose prefill, extrapolated from the last row's speed, would overrun it."""
     import mlx.core as mx
 
+    chunk = chunk or default_chunk()
     tokens = bench_tokens(tokenizer, ctx_points[-1], text_path)
     session = model.new_session(ctx=ctx_points[-1] + gen_tokens + PROBE_WARMUP + 1, chunk=chunk)
     eos = getattr(tokenizer, "eos_id", None)
@@ -224,7 +226,7 @@ def add_arguments(p) -> None:
     g.add_argument("--step-incr", type=int)
     g.add_argument("--step-mul", type=float)
     p.add_argument("--gen-tokens", type=int, default=64)
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
+    p.add_argument("--chunk", type=int, default=None, help="prefill chunk size (default 2048 on a GPU, 512 on the CPU)")
     p.add_argument("--text", help="benchmark text file (default: the shipped CC0 text)")
     p.add_argument("--csv", default="-", help="CSV output path ('-' = stdout)")
     p.add_argument("--compare", metavar="BASELINE.csv", help="fail when a frontier regresses against this CSV")
@@ -232,12 +234,50 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", metavar="FILE.svg|png")
     p.add_argument("--time-budget", type=float, help="stop before a frontier that would overrun this many seconds")
     p.add_argument("--profile", action="store_true", help="also time one decode step by op family (at --ctx-start)")
+    p.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="also time one prefill chunk by op family (at --ctx-start, for each --profile-chunks size)",
+    )
+    p.add_argument("--profile-chunks", default="512,2048", help="--profile-prefill: chunk sizes, comma-separated")
+    p.add_argument(
+        "--synthetic-override",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="--synthetic: one config field changed (e.g. hidden_size=256), repeatable; for CPU smoke runs",
+    )
+
+
+def _overrides(items: list[str]) -> dict:
+    """KEY=JSON pairs -> dict (a bare word that is not JSON stays a string)."""
+    import json
+
+    out = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--synthetic-override wants KEY=VALUE, not {item!r}")
+        try:
+            out[key] = json.loads(val)
+        except json.JSONDecodeError:
+            out[key] = val
+    return out
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = [int(t) for t in text.split(",") if t.strip()]
+    if not sizes or min(sizes) <= 0:
+        raise ValueError(f"--profile-chunks wants positive sizes, not {text!r}")
+    return sizes
 
 
 def run(args) -> int:
     try:
         points = frontiers(args.ctx_start, args.ctx_max, args.step_incr, args.step_mul)
         baseline = read_csv(args.compare) if args.compare else None
+        overrides = _overrides(args.synthetic_override)
+        profile_chunks = _sizes(args.profile_chunks)
     except (ValueError, OSError) as e:
         print(f"ds4mlx bench: {e}", file=sys.stderr)
         return 2
@@ -250,6 +290,7 @@ def run(args) -> int:
             expert_bits=args.expert_bits,
             other_bits=args.other_bits,
             expert_format=args.expert_format,
+            overrides=overrides,
         )
         label = f"synthetic V4 Flash ({info['layers']} layers, experts {info['expert_bits']})"
         print(f"ds4mlx bench: {label}: {info}", file=sys.stderr)
@@ -261,6 +302,13 @@ def run(args) -> int:
     import mlx.core as mx
 
     print(f"ds4mlx bench: {label} on {mx.default_device()}, frontiers {points}", file=sys.stderr)
+    if args.profile_prefill:  # first: a time-boxed run still gets the profile
+        from .prefill_profile import format_prefill_profile, profile_prefill
+
+        for c in profile_chunks:
+            toks = bench_tokens(tokenizer, args.ctx_start + 3 * c, args.text)
+            p = profile_prefill(model, toks, args.ctx_start, c, repeats=1)
+            print(format_prefill_profile(p), file=sys.stderr, flush=True)
     rows = run_bench(
         model,
         tokenizer,

@@ -2,6 +2,7 @@
 and lookup + restore into a fresh session, and the checkpoint size (BENCHMARKS.md)::
 
     python -m ds4mlx.bench.kv bench --tokens 8192 32768
+    python -m ds4mlx.bench.kv bench --synthetic v4-flash --tokens 32768   # full-size random weights
 """
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ from ..kv.store import KVStore
 
 
 def bench(
-    lengths: Sequence[int], model_path: str | None = None, directory: str | None = None, chunk: int = 512
+    lengths: Sequence[int],
+    model_path: str | None = None,
+    directory: str | None = None,
+    chunk: int | None = None,
+    model=None,
 ) -> list[dict]:
     """Per prompt length: cold prefill time vs snapshot + store and lookup +
-    restore time (fresh session), plus the checkpoint size.  Uses the demo model
-    when `model_path` is None."""
+    restore time (fresh session), plus the checkpoint size.  `model`: a
+    (LanguageModel, Tokenizer) pair already built (the synthetic model); else
+    `model_path` is loaded (the demo model when None).  `chunk`: the prefill chunk
+    (default: prefill_chunk.default_chunk(), as ds4mlx serve)."""
     import tempfile
 
     import mlx.core as mx
@@ -27,7 +34,7 @@ def bench(
 
     from .. import load
 
-    model, tok = load(model_path)
+    model, tok = model if model is not None else load(model_path)
     text = open(
         os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "bench_text.txt"), encoding="utf-8"
     ).read()
@@ -83,14 +90,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     b.add_argument("-m", "--model", default=None, help="model (default: the demo model)")
     b.add_argument("--dir", default=None, help="where to put the temporary store")
-    b.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512, as ds4mlx serve)")
+    b.add_argument("--chunk", type=int, default=None, help="prefill chunk (default as ds4mlx serve: 2048 on a GPU)")
+    b.add_argument("--synthetic", choices=["v4-flash"], help="random full-size V4 Flash (as ds4mlx bench)")
+    b.add_argument("--expert-format", choices=["mlx", "gguf"], default="mlx", help="--synthetic: routed experts")
+    b.add_argument("--layers", type=int, default=None, help="--synthetic: number of layers (default 43)")
     args = p.parse_args(argv)
+    built = None
+    if args.synthetic:
+        from .synthetic import build_synthetic_v4_flash
+
+        lm, tok, info = build_synthetic_v4_flash(layers=args.layers, expert_format=args.expert_format)
+        print(f"synthetic V4 Flash: {info}", flush=True)
+        built = (lm, tok)
     print(
         "| prompt tokens | re-prefill s (CPU s) | snapshot s | store s | lookup s | restore s | lookup+restore s "
         "| speed-up | file MiB | exact |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
-    for r in bench(args.tokens, args.model, args.dir, args.chunk):
+    for r in bench(args.tokens, args.model, args.dir, args.chunk, model=built):
         load_s = r["lookup_s"] + r["restore_s"]
         print(
             f"| {r['tokens']:,} | {r['prefill_s']:.2f} ({r['prefill_cpu_s']:.1f}) | {r['snapshot_s']:.3f} | "

@@ -49,11 +49,14 @@ __all__ = [
     "require_messages",
     "body_object",
     "VALID_ROLES",
+    "CHAT_THINKING_FIELDS",
     "DEFAULT_MODEL",
 ]
 
 # a request that names no model gets the default family's id (serve/prepare.py then puts the loaded one)
 DEFAULT_MODEL = get_protocol(DEFAULT_FAMILY).model_id
+# the thinking controls of a Chat Completions / legacy completions body (`Thinking.chat_field`)
+CHAT_THINKING_FIELDS = ("thinking", "think", "reasoning_effort")
 VALID_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # "minimal" is OpenAI's way of saying (almost) no reasoning: off (#17)
 _EFFORTS = {
@@ -182,6 +185,15 @@ class Thinking:
             raise RequestError(M.ERR_INVALID_JSON, param=field)
         self.effort = _EFFORTS[v]
         return True
+
+    def chat_field(self, key: str, v: Any) -> None:
+        """One of CHAT_THINKING_FIELDS, as Chat Completions and legacy completions read it."""
+        if key == "thinking":
+            self.control(v)
+        elif key == "think":
+            self.think(v)
+        else:
+            self.set_effort(v)
 
     def resolve(self, model: str, ctx: int) -> str:
         return resolve_thinking(self.enabled, self.effort, explicit=self.explicit, model=model, ctx=ctx)

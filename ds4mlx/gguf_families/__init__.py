@@ -1,8 +1,9 @@
-"""GGUF tensor names and metadata keys of the families other than DeepSeek V4.
+"""GGUF tensor names and metadata keys, one `Family` table per model family.
 
-DeepSeek V4 lives in `deepseek_v4` (ds4's `deepseek4` GGUFs).  This package holds one
-table per other family, each written the way ds4 writes that family's GGUFs where
-ds4's own converter or loader could be read, and says so where it could not:
+Each table is written the way ds4 writes that family's GGUFs where ds4's own converter
+or loader could be read, and says so where it could not.  DeepSeek V4 (`deepseek_v4.py`,
+ds4's `deepseek4` GGUFs: its sources are in that module) is a table like the others,
+with its own metadata keys and lazy expert handling (`DeepseekV4Family`):
 
 ==============  ==============  ===================================================
 family          architecture    source of the tensor names and metadata keys
@@ -40,7 +41,8 @@ glm_moe_dsa     `glm-dsa`       ds4 serves GLM 5.2 through its `glm-dsa` provide
                                 followed.)
 ==============  ==============  ===================================================
 
-Every family's GGUF also carries the full Hugging Face config as JSON (V4.1 in ds4's
+Every family's GGUF but V4's (whose `deepseek4.*` keys express its config, the rest in
+`ds4mlx.hf_config_overrides`) also carries the full Hugging Face config as JSON (V4.1 in ds4's
 own `deepseek41.config`, the others in `ds4mlx.hf_config`, a key ds4 ignores), so a
 GGUF written here reads back to exactly the config it was written from.  Without that
 key (a GGUF from ds4 itself) the config is derived from the family's keys and tensor
@@ -79,23 +81,24 @@ from __future__ import annotations
 
 from .. import registry
 from .base import CONFIG_KEY, GGML_MAX_NAME, Family, Rule
+from .deepseek_v4 import DEEPSEEK_V4
 from .deepseek_v41 import DEEPSEEK_V41
 from .glm import GLM5_NEXT, GLM_MOE_DSA
 from .qwen import QWEN4_EXP
 
 # ----------------------------------------------------------------------------- dispatch
-FAMILIES = (DEEPSEEK_V41, GLM_MOE_DSA, GLM5_NEXT, QWEN4_EXP)
-# registry key (ds4mlx/registry.py) -> table; DeepSeek V4's names are the module deepseek_v4.py
+FAMILIES = (DEEPSEEK_V4, DEEPSEEK_V41, GLM_MOE_DSA, GLM5_NEXT, QWEN4_EXP)
+# registry key (ds4mlx/registry.py) -> table
 _BY_KEY = {f.model_types[0]: f for f in FAMILIES}
 _BY_ARCH = {f.arch: f for f in FAMILIES}
 
 
-def for_config(config: dict) -> Family | None:
-    """The family table of a HF config (None: DeepSeek V4, handled by gguf_families.deepseek_v4)."""
+def for_config(config: dict) -> Family:
+    """The family table of a HF config (no model_type: the registry's default family)."""
     mt = config.get("model_type", registry.DEFAULT_FAMILY)
     fam = registry.family_of(mt)
     table = _BY_KEY.get(fam.key) if fam is not None else None
-    if table is None and (fam is None or fam.key != registry.DEFAULT_FAMILY):
+    if table is None:
         raise ValueError(f"no GGUF scheme for model_type {mt!r} (known: {', '.join(sorted(registry.BY_MODEL_TYPE))})")
     return table
 
@@ -103,6 +106,11 @@ def for_config(config: dict) -> Family | None:
 def for_arch(arch: str) -> Family | None:
     """The family of a GGUF general.architecture (None: not one of these)."""
     return _BY_ARCH.get(arch)
+
+
+def default() -> Family:
+    """The registry's default family's table (a GGUF of an unknown architecture is read as it)."""
+    return _BY_KEY[registry.DEFAULT_FAMILY]
 
 
 __all__ = [
@@ -113,6 +121,8 @@ __all__ = [
     "CONFIG_KEY",
     "for_config",
     "for_arch",
+    "default",
+    "DEEPSEEK_V4",
     "DEEPSEEK_V41",
     "GLM_MOE_DSA",
     "GLM5_NEXT",

@@ -203,6 +203,8 @@ class Family:
     layer: list
     config_key: str = CONFIG_KEY
     fuse_experts: bool = True  # float ffn_{gate,up}_exps -> fused gate_up_proj on read
+    # from_gguf leaves float experts split; the reader fuses them lazily (weights.py)
+    lazy_expert_fuse: bool = False
     drop: tuple = ()  # HF name suffixes that are derived from the config (not written)
     keep_f32: tuple = ()  # GGUF name suffixes kept F32 when writing f16/bf16 (as ds4 does)
     kv_fn: Callable | None = None  # (config, args) -> [(key, value, kind)]

@@ -39,6 +39,12 @@ import copy
 import json
 import re
 
+import numpy as np
+
+from ..mapped import LazyTensor
+from ..quant import MXTensor, QuantizedTensor
+from .base import EXPERT_SPLIT, FUSED_GATE_UP, Family, make_rule, to_f32
+
 ARCH = "deepseek4"
 OVERRIDES_KEY = "ds4mlx.hf_config_overrides"
 
@@ -110,8 +116,6 @@ LAYER: tuple[tuple[str, str, str], ...] = (
     ("mlp.experts.up_proj", "ffn_up_exps.weight", None),
     ("mlp.experts.down_proj", "ffn_down_exps.weight", None),
 )
-FUSED_GATE_UP = "mlp.experts.gate_up_proj"
-EXPERT_SPLIT = ("mlp.experts.gate_proj", "mlp.experts.up_proj")
 INT_TENSORS = ("mlp.gate.tid2eid",)
 # hub per-expert tensors: layers.{i}.ffn.experts.{x}.w{1,2,3}.weight
 HUB_EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
@@ -306,13 +310,6 @@ def normalize_config(raw: dict) -> dict:
     return c
 
 
-def to_f32(x: float) -> float:
-    """Shortest decimal that round-trips through float32 (GGUF float keys are f32)."""
-    import numpy as np
-
-    return float(np.format_float_positional(np.float32(x), unique=True, trim="0"))
-
-
 def config_to_gguf_kv(cfg: dict) -> list[tuple[str, object, str]]:
     """Canonical config -> [(key, value, gguf type)] in ds4's `deepseek4.*` keys.
     Type names: u32, u64, f32, bool, str, arr_i32, arr_f32."""
@@ -483,8 +480,108 @@ def config_from_gguf_kv(meta: dict, apply_overrides: bool = True) -> dict:
     return c
 
 
+# ----------------------------------------------------------------------------- MTP
+# ds4's MTP block (ds4.c mtp_weights_bind): `mtp.0.<layer tensor>` plus the head's
+# own e_proj / h_proj / enorm / hnorm / norm / hc_head_*; kept, under `mtp.0.<HF
+# layer name>` (or the ds4 name for the head's own), for speculative decoding.
+MTP_PREFIX = "mtp."
+
+
+def mtp_hf_name(gguf_name: str) -> str:
+    """`mtp.N.attn_q_a.weight` -> `mtp.N.self_attn.q_a_proj.weight`; the MTP head's
+    own tensors (e_proj, enorm, hc_head_fn, ...) keep their ds4 names."""
+    _, n, rest = gguf_name.split(".", 2)
+    hf = gguf_to_hf(f"blk.{n}.{rest}")
+    return f"mtp.{n}." + hf[len(f"model.layers.{n}.") :] if hf else gguf_name
+
+
+# ----------------------------------------------------------------------------- the family table
+class DeepseekV4Family(Family):
+    """DeepSeek V4 as a `gguf_families` table like the others: the names are TOP_LEVEL /
+    LAYER, the metadata ds4's `deepseek4.*` keys (`config_to_gguf_kv` /
+    `config_from_gguf_kv`, no config JSON key).  Reading and writing keep V4's lazy
+    expert handling: a fused float bank is written as two halves read when written, and
+    read split (`lazy_expert_fuse`: weights.py fuses it when the loader asks), never
+    copied whole up front."""
+
+    def config_to_kv(self, config: dict) -> list:
+        return config_to_gguf_kv(config)
+
+    def config_from_kv(self, meta: dict, tensor_names=None) -> dict:
+        return config_from_gguf_kv(meta)
+
+    def to_gguf(self, config: dict, tensors: dict) -> list:
+        """HF in-memory name -> [(ds4 GGUF name, value)], splitting gate_up_proj."""
+        out, unknown = [], []
+        for name, val in tensors.items():
+            if name.endswith("." + FUSED_GATE_UP):
+                prefix = name[: -len(FUSED_GATE_UP)]
+                if isinstance(val, QuantizedTensor):
+                    raise ValueError(f"{name}: a fused quantized gate_up_proj cannot be split; pass gate_proj/up_proj")
+                shape = tuple(val.shape)
+                if len(shape) != 3 or shape[1] % 2:
+                    raise ValueError(f"{name}: expected [E, 2I, H], got {shape}")
+                half = shape[1] // 2
+                for part, sl in zip(EXPERT_SPLIT, (slice(0, half), slice(half, None))):
+                    out.append((hf_to_gguf(prefix + part), _half(val, sl, (shape[0], half, shape[2]))))
+                continue
+            g = hf_to_gguf(name)
+            if g is None:
+                unknown.append(name)
+                continue
+            out.append((g, val))
+        if unknown:
+            raise ValueError(f"tensors with no ds4 GGUF name: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
+        return out
+
+    def from_gguf(self, config: dict, names, get) -> tuple[dict, list]:
+        """GGUF tensor names (MTP ones included) -> ({HF name: value}, [unknown names]);
+        the routed experts stay split (see `lazy_expert_fuse`)."""
+        tensors, unknown = {}, []
+        for tname in names:
+            hf = gguf_to_hf(tname) if not tname.startswith(MTP_PREFIX) else mtp_hf_name(tname)
+            if hf is None:
+                unknown.append(tname)
+                continue
+            val = get(tname)
+            if hf.endswith(INT_TENSORS) and isinstance(val, np.ndarray):
+                val = _int64_lazy(val)
+            tensors[hf] = val
+        return tensors, unknown
+
+
+def _half(val, sl: slice, shape) -> LazyTensor:
+    """One half of a fused [E, 2I, H] bank, read when written."""
+    dt = np.float32 if isinstance(val, MXTensor) else val.dtype
+
+    def read():
+        full = val.dequantize() if isinstance(val, MXTensor) else np.asarray(val)
+        return full[:, sl]
+
+    return LazyTensor(read, shape, dt, sources=(val,))
+
+
+def _int64_lazy(val: np.ndarray) -> LazyTensor:
+    return LazyTensor(lambda: val.astype(np.int64), val.shape, np.int64, sources=(val,))
+
+
+DEEPSEEK_V4 = DeepseekV4Family(
+    name="deepseek_v4",
+    arch=ARCH,
+    model_types=("deepseek_v4",),
+    display="DeepSeek-V4",
+    top=[make_rule(hf, g) for hf, g, _ in TOP_LEVEL],
+    layer=[make_rule(hf, g) for hf, g, _ in LAYER],
+    config_key="",
+    lazy_expert_fuse=True,
+)
+
+
 __all__ = [
     "ARCH",
+    "DEEPSEEK_V4",
+    "MTP_PREFIX",
+    "mtp_hf_name",
     "TOP_LEVEL",
     "LAYER",
     "FUSED_GATE_UP",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from .deepseek_v4 import to_f32
+from .base import to_f32
 
 
 def field_value(field):

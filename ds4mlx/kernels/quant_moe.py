@@ -8,8 +8,8 @@ on-disk bytes; each row is K/256 (K/32 for Q8_0) consecutive blocks).
 Public API
 ----------
 ``gather_qmv(x, w_blocks, qtype, expert_ids)``    decode: fused decode-and-dot, x staged in shared memory
-``gather_qmm(x, w_blocks, qtype, expert_ids)``    prefill: dequantize each used expert once
-                                                   (per chunk of experts), one matmul per expert
+``gather_qmm(x, w_blocks, qtype, expert_ids)``    prefill: pairs sorted by expert on the device,
+                                                   the stack dequantized, one grouped GEMM (no host sync)
 ``gather_qmatmul(...)``                            picks one of the two by size
 ``gather_dequantize(w_blocks, qtype, ids)``       ``[M, rows, K]`` weights of experts ``ids``
 ``dequantize_mx(blocks, qtype, k)``                MLX-ops decoding of ``[..., row_bytes]`` rows
@@ -333,21 +333,74 @@ def gather_qmv(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, 
 # --------------------------------------------------------------------------- prefill: mat-mul
 
 
+# Dequantized weights gather_qmm holds at once: the V4 Flash stack of one projection
+# (256 x 2048 x 4096) in float16 is 4 GiB, one block; a larger stack is done in blocks
+# of output rows (every expert's rows r0..r1: each block is the same grouped GEMM over
+# all pairs for those output columns, no work wasted).
+MAX_DEQUANT_BYTES = 6 << 30
+# On a GPU the dequantized weights (and the pairs' inputs) are float16 when x is
+# float32: half the bytes of float32 and tensor-core GEMMs, with the 10-bit mantissa
+# of the TF32 that MLX's CUDA float32 matmuls use anyway.  float32 on the CPU.
+GPU_DEQUANT_DTYPE = mx.float16
+
+
+def _dequant_dtype(x_dtype, face: str):
+    if x_dtype != mx.float32:
+        return x_dtype
+    return mx.float32 if face == "reference" else GPU_DEQUANT_DTYPE
+
+
 def gather_qmm(
+    x: mx.array,
+    w_blocks: mx.array,
+    qtype,
+    expert_ids: mx.array,
+    *,
+    backend=None,
+    max_dequant_bytes: int = MAX_DEQUANT_BYTES,
+    sorted_indices: bool = False,
+) -> mx.array:
+    """Same result as `gather_qmv`, for many tokens (prefill), with no host sync: the
+    (token, expert) pairs are sorted by expert on the device, the expert stack is
+    dequantized (in blocks of output rows of at most `max_dequant_bytes`, through
+    `gather_dequantize`) and every block is one grouped GEMM,
+    ``mx.gather_mm(..., sorted_indices=True)`` (MLX's grouped GEMM on CUDA).
+    `sorted_indices`: the pairs are already in expert order (SwitchGLU sorts them).
+
+    At prefill sizes (thousands of pairs) nearly every expert is used, so the whole
+    stack is dequantized rather than the used experts found on the host.  Weights are
+    dequantized to float32 on the CPU, float16 on a GPU (`GPU_DEQUANT_DTYPE`) when x
+    is float32, else to x.dtype.
+    """
+    qtype, n_exp, rows, k_dim = _check(w_blocks, qtype)
+    x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
+    face = _face(backend, qtype)
+    wdt = _dequant_dtype(x.dtype, face)
+    order = None
+    if not sorted_indices:
+        order = mx.argsort(eids)
+        eids, xids = eids[order], xids[order]
+    xs = (x2 if x.ndim == 3 and order is None else x2[xids]).astype(wdt)[:, None, :]  # [P, 1, K]
+    per_row = n_exp * k_dim * wdt.size
+    step = max(1, min(rows, int(max_dequant_bytes // max(per_row, 1))))
+    every = mx.arange(n_exp, dtype=mx.int32)
+    outs = []
+    for r0 in range(0, rows, step):
+        part = w_blocks if step >= rows else w_blocks[:, r0 : r0 + step]  # GGUF rows are independent
+        w = gather_dequantize(part, qtype, every, wdt, backend=face)  # [E, rows', K]
+        outs.append(mx.gather_mm(xs, w.swapaxes(-1, -2), rhs_indices=eids, sorted_indices=True))  # [P, 1, rows']
+    out = (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1))[:, 0]
+    if order is not None:
+        out = out[mx.argsort(order)]  # back to (token, slot) order
+    return out.astype(x.dtype).reshape(n_tok, k, rows)
+
+
+def gather_qmm_host_grouped(
     x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, backend=None, max_dequant_bytes: int = 1 << 30
 ) -> mx.array:
-    """Same result as `gather_qmv`, for many tokens: the (token, expert) pairs are
-    grouped by expert on the host, each used expert is dequantized once (in chunks
-    of at most `max_dequant_bytes` of dequantized weights, through
-    `gather_dequantize`) and each expert's rows are one plain matmul.
-
-    Weights are dequantized to float32 when x is float32, else to x.dtype.
-    Synchronises once (to group the pairs).  Plain matmuls rather than
-    ``mx.gather_mm(..., sorted_indices=True)``: on MLX 0.32.4's CUDA backend (H200)
-    that path gave results far from the reference in the prefill test, and a
-    sliced operand made it fault with 'misaligned address'.  Note that MLX's CUDA
-    float32 matmuls run in TF32 (~1e-3 relative).
-    """
+    """The former prefill path, kept as the benchmark's baseline: the pairs are grouped
+    by expert on the host (one synchronisation per call), each used expert is
+    dequantized once and its rows are one plain matmul (one launch per used expert)."""
     qtype, _, rows, k_dim = _check(w_blocks, qtype)
     x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
     face = _face(backend, qtype)
@@ -373,9 +426,11 @@ def gather_qmm(
     return out.astype(x.dtype).reshape(n_tok, k, rows)
 
 
-def gather_qmatmul(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, backend=None) -> mx.array:
+def gather_qmatmul(
+    x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, backend=None, sorted_indices: bool = False
+) -> mx.array:
     """`gather_qmv` for few (token, expert) pairs (decode), `gather_qmm` for many (prefill)."""
     pairs = expert_ids.shape[0] * expert_ids.shape[1]
     if pairs <= QMV_MAX_PAIRS_AUTO:
         return gather_qmv(x, w_blocks, qtype, expert_ids, backend=backend)
-    return gather_qmm(x, w_blocks, qtype, expert_ids, backend=backend)
+    return gather_qmm(x, w_blocks, qtype, expert_ids, backend=backend, sorted_indices=sorted_indices)

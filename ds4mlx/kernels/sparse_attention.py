@@ -90,6 +90,23 @@ def _meta(*vals) -> mx.array:
     return mx.array([int(v) for v in vals], dtype=mx.int32)
 
 
+_META_AT: dict[tuple, tuple[mx.array, mx.array]] = {}
+
+
+def _meta_at(pos, lead: int, *rest) -> mx.array:
+    """meta = [pos] * lead + rest; `pos` a host int, or an int32 array (the compiled decode
+    step: one fused multiply-add over two constants, no host value)."""
+    if not isinstance(pos, mx.array):
+        return _meta(*([pos] * lead), *rest)
+    key = (lead, *rest)
+    base = _META_AT.get(key)
+    if base is None:
+        base = (_meta(*([0] * lead), *rest), _meta(*([1] * lead), *([0] * len(rest))))
+        mx.eval(*base)  # constants: allowed (and kept) even while a step is traced
+        _META_AT[key] = base
+    return base[0] + pos.astype(mx.int32) * base[1]
+
+
 def _face(backend: str | None) -> str:
     return _backend() if backend is None else backend
 
@@ -140,7 +157,7 @@ def index_scores(
     bx = -(-n // SCORE_THREADS)
     return _kernel("index_score")(
         face,
-        inputs=[q, w, keys, _f32(float(scale)), _meta(s, n, c)],
+        inputs=[q, w, keys, _f32(float(scale)), _meta_at(s, 1, n, c)],
         template=[
             ("TQ", q.dtype),
             ("TW", w.dtype),
@@ -177,7 +194,7 @@ def topk_select(scores: mx.array, k: int, *, s: int, ratio: int, backend: str | 
         return idx, cnt
     idx, cnt = _kernel("topk")(
         face,
-        inputs=[scores.astype(mx.float32), _meta(s, n, c)],
+        inputs=[scores.astype(mx.float32), _meta_at(s, 1, n, c)],
         template=[("TOPK", int(k)), ("RATIO", int(ratio)), ("THREADS", TOPK_THREADS)],
         grid=(TOPK_THREADS, c, 1),
         threadgroup=(TOPK_THREADS, 1, 1),
@@ -243,6 +260,72 @@ def sparse_attention(
             ("W", int(window)),
             ("RATIO", int(ratio)),
             ("TOPK", topk),
+            ("THREADS", ATTN_THREADS),
+            ("KB", ATTN_KEYS),
+            ("SELECTED", selected),
+        ],
+        grid=(nh * ATTN_THREADS, c, 1),
+        threadgroup=(ATTN_THREADS, 1, 1),
+        output_shapes=[(nh, c, d)],
+        output_dtypes=[q.dtype],
+    )[0]
+
+
+def step_face() -> str | None:
+    """The face of the compiled decode step's attention (`attend_at`), or None for its plain
+    graph.  On by default on a GPU: in the static step it replaces the keys / mask
+    concatenation and SDPA's unfused decode graph (~8 launches) with one launch;
+    ``DS4MLX_SPARSE_ATTENTION=0`` turns it off."""
+    if FORCE_FACE is not None:
+        return FORCE_FACE
+    if os.environ.get("DS4MLX_SPARSE_ATTENTION", "").strip().lower() in ("0", "false", "no"):
+        return None
+    face = _backend()
+    return None if face == "reference" else face
+
+
+def attend_at(
+    q: mx.array,
+    ring: mx.array,
+    rows: mx.array | None,
+    idx: mx.array | None,
+    cnt: mx.array | None,
+    sinks: mx.array,
+    pos: mx.array,
+    *,
+    ratio: int,
+    scale: float,
+    backend: str | None = None,
+) -> mx.array:
+    """`sparse_attention` for one query at position `pos` (an int32 array: the compiled
+    decode step), over the ring [W, D] just written at slot pos % W and every capacity row
+    of `rows` [cap, D] (masked to the (pos + 1) // ratio live ones inside), or the
+    selected rows idx [1, k] / cnt [1].  q [NH, 1, D] -> [NH, 1, D]."""
+    nh, c, d = q.shape
+    window = ring.shape[0]
+    n = 0 if rows is None else rows.shape[0]
+    face = _face(backend)
+    if face == "reference":
+        return _attend_reference(q, ring, rows, idx, cnt, sinks, n, pos, pos, window, max(ratio, 1), scale)
+    meta = _meta_at(pos, 2, window, n, 1)  # [s, ring_last, length, n, c]
+    if rows is None:
+        rows = mx.zeros((1, d), ring.dtype)
+    elif rows.dtype != ring.dtype:
+        rows = rows.astype(ring.dtype)
+    selected = idx is not None
+    if not selected:
+        idx, cnt = mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32)
+    return _kernel("attend")(
+        face,
+        inputs=[q, ring, rows, idx, cnt, sinks, _f32(float(scale)), meta],
+        template=[
+            ("T", q.dtype),
+            ("TK", ring.dtype),
+            ("TS", sinks.dtype),
+            ("D", d),
+            ("W", int(window)),
+            ("RATIO", int(max(ratio, 1))),
+            ("TOPK", idx.shape[1]),
             ("THREADS", ATTN_THREADS),
             ("KB", ATTN_KEYS),
             ("SELECTED", selected),

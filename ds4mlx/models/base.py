@@ -76,7 +76,7 @@ class LanguageModel:
         out = self.model(ids)[0]
         return np.array(out.astype(mx.float32))
 
-    def new_session(self, ctx: int = 4096, chunk: int = 512) -> Session:
+    def new_session(self, ctx: int = 4096, chunk: int | None = None) -> Session:
         return Session(self.model, ctx=ctx, chunk=chunk)
 
 

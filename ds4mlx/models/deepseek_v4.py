@@ -283,6 +283,35 @@ class LayerCache:
         self.ring = mx.take(keys, mx.where(last >= s, W + last - s, j), axis=2)
         return keys, mask
 
+    def sliding_blocks(self, kv: mx.array, block: int) -> tuple[mx.array, mx.array]:
+        """Prefill's banded form of `sliding`: store the chunk's K=V rows (the same ring
+        update) and return, per block of `block` queries, only the keys its band can
+        see: (keys [nb, 1, W + block, D], mask [nb, block, W + block] bool), queries
+        padded up to nb * block.  Memory and work grow as C * (W + block), not C * (W + C).
+
+        The keys are in position order: index i of the sequence (ring by position, then
+        the chunk) holds position s - W + i, and block b's keys are indices
+        b*block .. b*block + W + block - 1; query i of the block sees key j iff
+        i < j <= i + W (its window) and the key's position is not negative."""
+        W, s, C, D = self.window, self.offset, kv.shape[2], kv.shape[-1]
+        if self.ring is None:
+            self.ring = mx.zeros((1, 1, W, D), kv.dtype)
+        j = mx.arange(W)
+        by_pos = mx.take(self.ring, (s - W + j) % W, axis=2)  # slot of position s - W + j
+        nb = -(-C // block)
+        pad = nb * block - C
+        seq = mx.concatenate([by_pos, kv] + ([mx.zeros((1, 1, pad, D), kv.dtype)] if pad else []), axis=2)
+        idx = (mx.arange(nb) * block)[:, None] + mx.arange(W + block)[None]  # [nb, W + block]
+        keys = mx.take(seq[0, 0], idx.reshape(-1), axis=0).reshape(nb, 1, W + block, D)
+        i, k = mx.arange(block)[:, None], mx.arange(W + block)[None]
+        band = (k > i) & (k <= i + W)  # [block, W + block]
+        live = (s - W + idx) >= 0  # [nb, W + block]
+        mask = band[None] & live[:, None, :]
+        ring_keys = mx.concatenate([self.ring, kv], axis=2)  # the ring update of `sliding`
+        last = (s + C - 1) - ((s + C - 1 - j) % W)  # newest position per slot after the chunk
+        self.ring = mx.take(ring_keys, mx.where(last >= s, W + last - s, j), axis=2)
+        return keys, mask
+
     # -- static decode layout (the compiled step, ds4mlx/stepper.py) ---------------------
     def static_state(self, dtype) -> list[mx.array]:
         """Every array of this layer for one decode step at position `offset`, in a fixed
@@ -410,6 +439,20 @@ class QuantizedGroupedLinear(nn.Module):
                 bits=self.bits,
             )  # [n, G, out]
             return y.reshape(*lead, -1)
+        if n > 1:  # prefill: group g's n rows as one matrix (M = n), not n mat-vecs
+            xg = x.reshape(n, G, x.shape[-1]).swapaxes(0, 1)  # [G, n, in]
+            y = mx.gather_qmm(
+                xg,
+                self.weight,
+                self.scales,
+                self.biases,
+                rhs_indices=mx.arange(G),
+                transpose=True,
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+            )  # [G, n, out]
+            return y.swapaxes(0, 1).reshape(*lead, -1)
         xg = x.reshape(-1, G, 1, x.shape[-1]).swapaxes(0, 1)  # [G, N, 1, in]
         y = mx.gather_qmm(
             xg,
@@ -591,6 +634,24 @@ class CompressorBranch(Compressor):
             return rows[:, None], chosen[0] & causal
         return rows[:, None], causal
 
+    def prefill_rows(self, x, q_res, cache: LayerCache, s: int):
+        """`__call__` for a prefill chunk, with CSA above index_topk rows returning each
+        query's chosen rows rather than a mask over all of them:
+        (rows [1, 1, N, D], causal mask [C, N], False), or (rows [C, k, D], valid [C, k],
+        True) for CSA with N > index_topk (valid: the chosen row is causal; the same
+        top-k as `__call__`), or (None, None, False) when no row exists yet."""
+        rows = self.pool(x, cache.comp, s)
+        scores = self.indexer(x, q_res, cache.index, s) if self._overlap else None
+        N, C, m = rows.shape[1], x.shape[1], self._ratio
+        if N == 0:
+            return None, None, False
+        causal = mx.arange(N)[None] < ((s + mx.arange(C)) + 1)[:, None] // m  # [C, N]
+        if self._overlap and N > self._topk:
+            idx = topk_indices(mx.where(causal[None], scores, -mx.inf), self._topk)[0]  # [C, k]
+            chosen = mx.take(rows[0], idx.reshape(-1), axis=0).reshape(C, self._topk, rows.shape[-1])
+            return chosen, mx.take_along_axis(causal, idx, axis=1), True
+        return rows[:, None], causal, False
+
     def input_layers(self) -> list[nn.Module]:
         """The projections of the layer input this branch runs per token (in `step`'s order)."""
         out = [self.kv_proj, self.gate_proj]
@@ -621,6 +682,30 @@ class CompressorBranch(Compressor):
         scores = mx.where(valid, self.indexer.scores_step(q_b, proj[4], pos, keys), -mx.inf)
         idx = topk_indices(scores, self._topk)
         return mx.take(rows, idx, axis=1), mx.take(valid, idx)
+
+    def step_select(self, proj: list, q_b, pos: mx.array, state, new: list):
+        """`step` for the one-launch attention (`sparse_attention.attend_at`): (rows [cap, D],
+        idx [1, k] | None, cnt [1] | None).  Without idx the kernel masks the capacity rows to
+        the (pos + 1) // ratio live ones itself.  CSA above index_topk capacity: the top
+        index_topk live rows by index score; while fewer rows are live than index_topk, all
+        of them (rows 0 .. live-1, the same set `step` attends)."""
+        st, rows, valid = self.pool_step(proj[0], proj[1], pos, state)
+        new += st
+        if not self._overlap:
+            return rows[0], None, None
+        ist, keys, _ = self.indexer.pool_step(proj[2], proj[3], pos, state)
+        new += ist
+        if rows.shape[1] <= self._topk:
+            return rows[0], None, None
+        ind = self.indexer
+        q = ind._rope(q_b.reshape(1, 1, ind._nh, ind._dim).swapaxes(1, 2), offset=pos)  # [1, nh, 1, d]
+        scale = ind._nh**-0.5 * ind._dim**-0.5
+        face = _sparse.step_face()
+        scores = _sparse.index_scores(
+            q[0], proj[4][0], keys[0], n=keys.shape[1], s=pos, ratio=self._ratio, scale=scale, backend=face
+        )  # [1, cap], -inf past the live rows
+        idx, cnt = _sparse.topk_select(scores, self._topk, s=pos, ratio=self._ratio, backend=face)
+        return rows[0], idx, cnt
 
     def select(self, x, q_res, cache: LayerCache, s: int, face: str):
         """The fused path's half of `__call__`: pool both compressors; for CSA with more
@@ -671,8 +756,11 @@ class Attention(nn.Module):
         q = self.q_b_proj(q_res).reshape(B, C, self._nh, self._D).swapaxes(1, 2)
         q = self._rope(rms_norm(q, None, self._eps), offset=s)
         kv = self._rope(self.kv_norm(self.kv_proj(x))[:, None], offset=s)  # [B, 1, C, D]
-        keys, mask = cache.sliding(kv)
         face = _sparse.model_face() if self.layer_type != SLIDING and B == 1 else None
+        block = max(cache.window, self.PREFILL_BLOCK)
+        if face is None and B == 1 and C > block:  # prefill: the window as a band, query block by block
+            return self._output(self._banded(q, kv, x, q_res, cache, s, block), s, B, C)
+        keys, mask = cache.sliding(kv)
         if face is not None:  # custom kernels: indexer, top-k and attention (kernels/sparse_attention.py)
             n, idx, cnt = self.compressor.select(x, q_res, cache, s, face)
             out = _sparse.sparse_attention(
@@ -705,6 +793,72 @@ class Attention(nn.Module):
         )
         return self._output(out, s, B, C)
 
+    # prefill queries per attention block (at least the window): each block attends
+    # its band of W + block sliding keys plus the compressed rows
+    PREFILL_BLOCK = 128
+
+    def _banded(self, q, kv, x, q_res, cache: LayerCache, s: int, block: int) -> mx.array:
+        """Prefill attention of a chunk (q [1, nh, C, D]) in blocks of `block` queries
+        (`LayerCache.sliding_blocks`), the compressed rows and their [C, N] mask (the
+        indexer's top-k for CSA) shared by every block; -> [1, nh, C, D]."""
+        C = q.shape[2]
+        rows, cmask, per_query = (None, None, False)
+        if self.layer_type != SLIDING:
+            rows, cmask, per_query = self.compressor.prefill_rows(x, q_res, cache, s)
+        if per_query:  # CSA above index_topk: each query's own W window keys + k chosen rows
+            return self._per_query(q, kv, cache, rows, cmask)
+        keys, mask = cache.sliding_blocks(kv, block)  # [nb, 1, W+block, D], [nb, block, W+block]
+        nb = keys.shape[0]
+        pad = nb * block - C
+        if self.layer_type != SLIDING:
+            if rows is not None:
+                N = rows.shape[2]
+                cmask = mx.ones((C, N), mx.bool_) if cmask is None else mx.broadcast_to(cmask, (C, N))
+                if pad:
+                    cmask = mx.concatenate([cmask, mx.zeros((pad, N), mx.bool_)], axis=0)
+                rows = mx.broadcast_to(rows.astype(keys.dtype), (nb, 1, N, keys.shape[-1]))
+                keys = mx.concatenate([keys, rows], axis=2)
+                mask = mx.concatenate([mask, cmask.reshape(nb, block, N)], axis=2)
+        nh, D = q.shape[1], q.shape[3]
+        if pad:
+            q = mx.concatenate([q, mx.zeros((1, nh, pad, D), q.dtype)], axis=2)
+        qb = q.reshape(nh, nb, block, D).swapaxes(0, 1)  # [nb, nh, block, D]
+        out = mx.fast.scaled_dot_product_attention(
+            qb, keys, keys, scale=self._D**-0.5, mask=mask[:, None], sinks=self.sinks.astype(q.dtype)
+        )
+        return out.swapaxes(0, 1).reshape(1, nh, nb * block, D)[:, :, :C]
+
+    GATHER_ELEMS = 1 << 28  # per-query keys gathered at once (queries x (W + k) x D values)
+
+    def _per_query(self, q, kv, cache: LayerCache, chosen, valid) -> mx.array:
+        """Prefill attention where every query has its own keys: the W sliding keys of its
+        window (by position; not-yet-written positions masked) and its k chosen
+        compressed rows (chosen [C, k, D], valid [C, k]).  Queries in groups of at most
+        GATHER_ELEMS gathered values; -> [1, nh, C, D]."""
+        W, s, C, D = cache.window, cache.offset, kv.shape[2], kv.shape[-1]
+        j = mx.arange(W)
+        by_pos = mx.take(cache.ring, (s - W + j) % W, axis=2) if cache.ring is not None else None
+        seq = kv[0, 0] if by_pos is None else mx.concatenate([by_pos, kv], axis=2)[0, 0]  # [W + C, D]
+        off = 0 if by_pos is None else W  # seq index of chunk position 0
+        cache.sliding(kv)  # the ring update (its dense mask is not used)
+        k = chosen.shape[1]
+        step = max(1, self.GATHER_ELEMS // ((W + k) * D))
+        outs = []
+        for t0 in range(0, C, step):
+            t = mx.arange(t0, min(C, t0 + step))
+            pos = t[:, None] - (W - 1) + j[None]  # [n, W] chunk positions of the window's keys
+            keys = mx.take(seq, (pos + off).reshape(-1) if off else mx.maximum(pos, 0).reshape(-1), axis=0)
+            keys = mx.concatenate([keys.reshape(-1, W, D), chosen[t0 : t0 + step].astype(keys.dtype)], axis=1)
+            live = (s + pos) >= 0
+            mask = mx.concatenate([live, valid[t0 : t0 + step]], axis=1)[:, None, None, :]  # [n, 1, 1, W + k]
+            qt = q[0, :, t0 : t0 + step].swapaxes(0, 1)[:, :, None, :]  # [n, nh, 1, D]
+            o = mx.fast.scaled_dot_product_attention(
+                qt, keys[:, None], keys[:, None], scale=self._D**-0.5, mask=mask, sinks=self.sinks.astype(q.dtype)
+            )  # [n, nh, 1, D]
+            outs.append(o[:, :, 0].swapaxes(0, 1))  # [nh, n, D]
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+        return out[None]
+
     def step(self, x: mx.array, pos: mx.array, state, new: list) -> mx.array:
         """`__call__` for one token (x [1, 1, H]) at position `pos` (int32 array) over
         the static layout (`LayerCache.static_state`), branch-free; the layer's new
@@ -728,6 +882,16 @@ class Attention(nn.Module):
         W = ring.shape[2]
         ring = mx.slice_update(ring, kv.astype(ring.dtype), (pos % W).reshape(1), axes=(2,))
         new.append(ring)
+        face = _sparse.step_face()
+        if face is not None:  # a GPU: window + compressed rows + sinks in one launch
+            rows = idx = cnt = None
+            if comp is not None:
+                rows, idx, cnt = comp.step_select(more, index_q_b, pos, state, new)
+            out = _sparse.attend_at(
+                q[0], ring[0, 0], rows, idx, cnt, self.sinks, pos,
+                ratio=comp._ratio if comp is not None else 1, scale=self._D**-0.5, backend=face,
+            )  # fmt: skip
+            return self._output(out[None], pos, 1, 1)
         keys, mask = ring, iota(W) <= pos  # slots not written yet are masked
         if comp is not None:
             rows, valid = comp.step(more, index_q_b, pos, state, new)

@@ -29,6 +29,7 @@ import numpy as np
 from ..kernels import affine_qmv
 from ..kernels import hyper_connection as hc_kernels
 from ..kernels.activations import clamped_swiglu  # re-exported: the families import it from here
+from . import prefill_experts
 
 # --------------------------------------------------------------------------- norms
 
@@ -162,7 +163,9 @@ class RoPE(nn.Module):
             return x
         d = x.shape[-1]
         if self.dims < d and self._mscale == 1.0 and (d - self.dims) % 2 == 0:
-            return mx.fast.rope(x, d, traditional=True, base=None, scale=scale, offset=offset, freqs=self._full_width(d))
+            return mx.fast.rope(
+                x, d, traditional=True, base=None, scale=scale, offset=offset, freqs=self._full_width(d)
+            )
         rope = x if self.dims == d else x[..., d - self.dims :]
         rope = mx.fast.rope(rope, self.dims, traditional=True, base=None, scale=scale, offset=offset, freqs=self._freqs)
         if self._mscale != 1.0:
@@ -278,6 +281,17 @@ class QuantizedSwitchLinear(nn.Module):
         fast = self._decode(x, indices)
         if fast is not None:
             return fast
+        if x.shape[-2] == 1 and prefill_experts.wanted(indices.size, sorted_indices):  # opt-in (#14)
+            return prefill_experts.dequant_gather_mm(
+                x,
+                self.weight,
+                self.scales,
+                self.biases,
+                indices,
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+            )
         return mx.gather_qmm(
             x,
             self.weight,

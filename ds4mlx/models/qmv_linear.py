@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import affine_qmv
+from . import prefill_experts
 
 
 class QMVLinear(nn.QuantizedLinear):
@@ -23,6 +24,11 @@ class QMVLinear(nn.QuantizedLinear):
         biases = self.get("biases")
         if self.mode != "affine" or biases is None:
             return super().__call__(x)
+        if prefill_experts.linear_wanted(x.size // max(x.shape[-1], 1)):  # prefill, opt-in (#14)
+            y = prefill_experts.dequant_matmul(
+                x, self["weight"], self["scales"], biases, group_size=self.group_size, bits=self.bits, mode=self.mode
+            )
+            return y + self["bias"] if "bias" in self else y
         y = affine_qmv.qmv(x, self["weight"], self["scales"], biases, group_size=self.group_size, bits=self.bits)
         if "bias" in self:
             y = y + self["bias"]

@@ -124,7 +124,8 @@ class GGUFSwitchLinear(nn.Module):
         else:
             x2 = mx.broadcast_to(x.reshape(*xb, K), (*batch, K)).reshape(n, k, K)
         ids = mx.broadcast_to(indices, batch).reshape(n, k)
-        y = quant_moe.gather_qmatmul(x2, self.weight, self.qtype, ids)  # [n, k, out]
+        # sorted_indices: SwitchGLU's pairs come in expert order (one per row of x)
+        y = quant_moe.gather_qmatmul(x2, self.weight, self.qtype, ids, sorted_indices=sorted_indices)  # [n, k, out]
         return y.reshape(*batch, 1, self.output_dims)
 
 

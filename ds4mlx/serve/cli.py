@@ -73,7 +73,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="answer 404 for a model name that is not the loaded model's id, alias or --alias "
         "(default: any name is served by the loaded model)",
     )
-    p.add_argument("--prefill-chunk", type=_positive, default=512, help="prefill chunk (cancellation granularity)")
+    p.add_argument(
+        "--prefill-chunk",
+        type=_positive,
+        default=None,
+        help="prefill chunk (cancellation granularity; default 2048 on a GPU, 512 on the CPU, DS4MLX_PREFILL_CHUNK)",
+    )
     # ds4's thinking defaults for requests that do not set thinking themselves
     from ..think_flags import add_think_arguments
 

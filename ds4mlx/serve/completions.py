@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..chat import markers as M
-from ..chat.families.deepseek_v4.template import render_completion
-from ..chat.requests import DEFAULT_MODEL, RequestError, Thinking, as_str, body_object, parse_stop
+from ..chat.protocol import ChatProtocol, get_protocol
+from ..chat.requests import CHAT_THINKING_FIELDS, DEFAULT_MODEL, RequestError, Thinking, as_str, body_object, parse_stop
 from ..events import Finish, Started, TextDelta, Usage
 from . import sse
 from .common import RequestInfo, body_bytes
@@ -24,8 +24,9 @@ class CompletionRequest:
     model: str = DEFAULT_MODEL
     stop: list[str] = field(default_factory=list)
 
-    def render(self) -> str:
-        return render_completion(self.prompt, self.thinking)
+    def render(self, protocol: ChatProtocol | None = None) -> str:
+        """The prompt in `protocol`'s completion format (None: the default family's)."""
+        return (protocol or get_protocol()).render_completion(self.prompt, self.thinking)
 
 
 def parse_completion(body: Any, *, ctx: int = 32768) -> CompletionRequest:
@@ -45,12 +46,8 @@ def parse_completion(body: Any, *, ctx: int = 32768) -> CompletionRequest:
                 prompt = ""
         elif k == "model":
             model = as_str(v)
-        elif k == "thinking":
-            th.control(v)
-        elif k == "think":
-            th.think(v)
-        elif k == "reasoning_effort":
-            th.set_effort(v)
+        elif k in CHAT_THINKING_FIELDS:
+            th.chat_field(k, v)
         elif k == "stop":
             stop = parse_stop(v)
     if prompt is None:

@@ -13,6 +13,7 @@ from typing import Any
 from ..chat.families.deepseek_v4.dsml import dumps_compact
 from ..chat.messages import Conversation, Message, ToolCall
 from ..chat.requests import (
+    CHAT_THINKING_FIELDS,
     DEFAULT_MODEL,
     Thinking,
     add_id,
@@ -102,12 +103,8 @@ def parse_chat(body: Any, *, ctx: int = 32768, json_style: str = "canonical", st
             tool_choice_none = isinstance(v, str) and v == "none"
         elif k == "model":
             model = as_str(v)
-        elif k == "thinking":
-            th.control(v)
-        elif k == "think":
-            th.think(v)
-        elif k == "reasoning_effort":
-            th.set_effort(v)
+        elif k in CHAT_THINKING_FIELDS:
+            th.chat_field(k, v)
         elif k == "stop":
             stop = parse_stop(v)
     conv = Conversation(

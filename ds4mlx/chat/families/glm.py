@@ -142,14 +142,11 @@ class GlmCallSyntax(CallSyntax):
             return s
 
     def render_call(self, name: str, args: dict | None, raw_arguments: str) -> str:
-        out = [TOOL_CALL_OPEN, name]
-        items = args.items() if args is not None else [("arguments", raw_arguments)]
-        for k, v in items:
-            out.append(ARG_KEY_OPEN + k + ARG_KEY_CLOSE + ARG_VALUE_OPEN)
-            out.append(self.escape_value(v) if isinstance(v, str) else C.tojson(v))
-            out.append(ARG_VALUE_CLOSE)
-        out.append(TOOL_CALL_CLOSE)
-        return "".join(out)
+        body = "".join(
+            ARG_KEY_OPEN + k + ARG_KEY_CLOSE + ARG_VALUE_OPEN + v + ARG_VALUE_CLOSE
+            for k, v in self.argument_items(args, raw_arguments)
+        )
+        return TOOL_CALL_OPEN + name + body + TOOL_CALL_CLOSE
 
 
 SYNTAX = GlmCallSyntax()
@@ -260,7 +257,7 @@ class GlmProtocol(ChatProtocol):
             return ""
         if t.replay:
             return t.replay
-        return "".join(SYNTAX.render_call(c.name, C.call_arguments(c), c.arguments) for c in t.tool_calls)
+        return SYNTAX.render_calls(t.tool_calls)
 
     def _body(self, conv: Conversation, tool_memory, generation: bool) -> str:
         ts = C.turns(conv, tool_memory)
@@ -306,7 +303,7 @@ class GlmProtocol(ChatProtocol):
 
     # --- tool calls ---------------------------------------------------------------------
     def render_calls(self, calls: Sequence) -> str:
-        return "".join(SYNTAX.render_call(c.name, C.call_arguments(c), c.arguments) for c in calls)
+        return SYNTAX.render_calls(calls)
 
     def force_text(self, name: str | None) -> str:
         return TOOL_CALL_OPEN if name is None else TOOL_CALL_OPEN + name

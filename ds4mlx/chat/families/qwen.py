@@ -90,6 +90,7 @@ _EFFORTS = {
 
 class QwenCallSyntax(CallSyntax):
     value_close = PARAM_CLOSE
+    call_separator = "\n"
 
     def scan(self, text: str, pos: int) -> Scan:
         n = len(text)
@@ -153,14 +154,10 @@ class QwenCallSyntax(CallSyntax):
             return s
 
     def render_call(self, name: str, args: dict | None, raw_arguments: str) -> str:
-        out = [TOOL_CALL_OPEN, "\n", FUNCTION_OPEN, name, ">\n"]
-        items = args.items() if args is not None else [("arguments", raw_arguments)]
-        for k, v in items:
-            out.append(PARAM_OPEN + k + ">\n")
-            out.append(self.escape_value(v) if isinstance(v, str) else C.tojson(v))
-            out.append("\n" + PARAM_CLOSE + "\n")
-        out.append(FUNCTION_CLOSE + "\n" + TOOL_CALL_CLOSE)
-        return "".join(out)
+        body = "".join(
+            PARAM_OPEN + k + ">\n" + v + "\n" + PARAM_CLOSE + "\n" for k, v in self.argument_items(args, raw_arguments)
+        )
+        return TOOL_CALL_OPEN + "\n" + FUNCTION_OPEN + name + ">\n" + body + FUNCTION_CLOSE + "\n" + TOOL_CALL_CLOSE
 
 
 SYNTAX = QwenCallSyntax()
@@ -226,8 +223,7 @@ class QwenProtocol(ChatProtocol):
         lead = "\n\n" if content else ""
         if t.replay:
             return lead + t.replay
-        parts = [SYNTAX.render_call(c.name, C.call_arguments(c), c.arguments) for c in t.tool_calls]
-        return lead + "\n".join(parts)
+        return lead + SYNTAX.render_calls(t.tool_calls)
 
     def _body(self, conv: Conversation, tool_memory, generation: bool) -> str:
         ts = C.turns(conv, tool_memory)
@@ -281,7 +277,7 @@ class QwenProtocol(ChatProtocol):
 
     # --- tool calls ------------------------------------------------------------------------
     def render_calls(self, calls: Sequence) -> str:
-        return "\n".join(SYNTAX.render_call(c.name, C.call_arguments(c), c.arguments) for c in calls)
+        return SYNTAX.render_calls(calls)
 
     def force_text(self, name: str | None) -> str:
         head = TOOL_CALL_OPEN + "\n" + FUNCTION_OPEN

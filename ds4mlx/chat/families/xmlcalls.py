@@ -29,7 +29,7 @@ from typing import Any
 
 from ...events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .. import markers as M
-from .common import param_types
+from .common import call_arguments, param_types, tojson
 from .deepseek_v4.dsml import ParsedCall, ParsedOutput, json_escape, minify_json
 from .deepseek_v4.output import finish_call_events, tool_id_for
 
@@ -84,12 +84,23 @@ class CallSyntax:
     open = "<tool_call>"
     close = "</tool_call>"
     value_close = ""
+    call_separator = ""  # between two calls of one turn
 
     def scan(self, text: str, pos: int) -> Scan:
         raise NotImplementedError
 
     def render_call(self, name: str, args: dict | None, raw_arguments: str) -> str:
         raise NotImplementedError
+
+    def render_calls(self, calls: Sequence) -> str:
+        """A turn's tool calls (`ToolCall`s) in this spelling, `call_separator` between them."""
+        return self.call_separator.join(self.render_call(c.name, call_arguments(c), c.arguments) for c in calls)
+
+    def argument_items(self, args: dict | None, raw_arguments: str) -> list[tuple[str, str]]:
+        """(key, value text) of one call's arguments: strings escaped, other values as
+        JSON; arguments that are not a JSON object (args None) are one `arguments` value."""
+        items = args.items() if args is not None else [("arguments", raw_arguments)]
+        return [(k, self.escape_value(v) if isinstance(v, str) else tojson(v)) for k, v in items]
 
     # The one escape of tool text (ds4): the value's own closing tag is written
     # `&lt;/...>`.  To stay reversible a value that already holds that entity
