@@ -148,6 +148,49 @@ def test_image_in_an_assistant_message_is_refused(server, api):
     assert error_message(api, post(server, api, b)) == chat_images.ERR_ROLE
 
 
+@pytest.mark.parametrize(
+    "api,field",
+    [
+        (
+            "chat",
+            {"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": data_uri()}}]}]},
+        ),
+        (
+            "chat",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "x",
+                        "reasoning_content": [{"type": "image_url", "image_url": {"url": data_uri()}}],
+                    }
+                ]
+            },
+        ),
+        (
+            "anthropic",
+            {
+                "system": [
+                    {
+                        "type": "image",
+                        "source": {"type": "base64", "media_type": "image/png", "data": data_uri().split(",")[1]},
+                    }
+                ]
+            },
+        ),
+        (
+            "responses",
+            {"input": [{"type": "reasoning", "summary": [{"type": "input_image", "image_url": data_uri()}]}]},
+        ),
+    ],
+    ids=["chat-system", "chat-reasoning", "anthropic-system", "responses-reasoning"],
+)
+def test_images_where_none_may_go_are_refused(server, api, field):
+    b = body(api, [text_part(api, "hi")])
+    b.update(field)
+    assert error_message(api, post(server, api, b)) == chat_images.ERR_ROLE
+
+
 @pytest.mark.parametrize("api", APIS)
 def test_server_without_encoder_refuses_images(plain_server, api):
     msg = error_message(api, post(plain_server, api, body(api, [part(api, data_uri())])))

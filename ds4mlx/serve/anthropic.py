@@ -120,6 +120,8 @@ def _anthropic_system(v: Any) -> str:
         for e in v:
             if isinstance(e, str):
                 add(e)
+            elif chat_images.is_image_part(e):
+                raise RequestError(chat_images.ERR_ROLE)  # refused, never dropped
             elif isinstance(e, dict) and "text" in e:
                 add(as_str(e["text"]))
     return "".join(parts)
