@@ -12,6 +12,9 @@ __all__ = [
     "load_prefix",
     "install_steering",
     "conversation_head",
+    "add_vision_arguments",
+    "install_vision",
+    "read_image_file",
 ]
 
 
@@ -40,6 +43,53 @@ def add_steering_arguments(p) -> None:
     p.add_argument(
         "--dir-steering-attn", type=float, default=None, metavar="F", help="steer the attention outputs (default 0)"
     )
+
+
+def add_vision_arguments(p, images: bool = True) -> None:
+    """--vision (generate, chat and serve) and --image (generate, chat)."""
+    p.add_argument(
+        "--vision",
+        metavar="DIR|demo",
+        help="image input: a Qwen3-VL vision encoder (HF folder) for the model; "
+        "'demo' = a tiny random encoder for the demo models",
+    )
+    if images:
+        p.add_argument(
+            "--image", action="append", default=[], metavar="FILE", help="attach a PNG/JPEG to the prompt (repeatable)"
+        )
+
+
+def install_vision(args, engine) -> str | None:
+    """Load --vision for the engine's model and enable image jobs; a description, or None."""
+    spec = getattr(args, "vision", None)
+    if not spec:
+        if getattr(args, "image", None):
+            raise UsageError("--image needs --vision")
+        return None
+    from .vision.load import VisionLoadError, load_vision
+
+    try:
+        encoder = load_vision(spec, engine.model, engine.tokenizer)
+    except (VisionLoadError, OSError, ValueError) as e:
+        raise UsageError(f"--vision {spec}: {e}") from None
+    engine.enable_vision(encoder)
+    a = encoder.tower.args
+    return f"vision encoder {encoder.name}: {a.depth} blocks, hidden {a.hidden_size}, patch {a.patch_size}"
+
+
+def read_image_file(path: str):
+    """--image / /read FILE.png: the file as an accepted image (chat.images.ImageInput)."""
+    from .chat import images
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UsageError(f"cannot read image {path}: {e.strerror or e}") from None
+    try:
+        return images.from_bytes(data, "image/png")
+    except images.ImageError as e:
+        raise UsageError(f"{path}: {e.message}") from None
 
 
 class UsageError(Exception):

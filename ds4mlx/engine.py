@@ -102,6 +102,10 @@ class Job:
     label: str = ""  # for logs / trace
     family: str | None = None  # chat protocol family (chat/protocol.py); None = the engine's
     tool_schemas: Sequence[str] = ()  # active tool schema lines (typed arguments for tag-based calls)
+    # image input (docs/vision.md): the image-token blocks in prompt_ids (vision.encoder.ImageSpan)
+    # and their images (chat.images.ImageInput), in the same order
+    images: Sequence = ()
+    image_inputs: Sequence = ()
 
 
 @dataclass
@@ -338,6 +342,9 @@ class Engine:
         self.checkpoints = checkpoints if checkpoints is not None else MemoryCheckpoints()
         self.stats = EngineStats()
         self.speculation = speculation  # speculative.options.SpecConfig, or None
+        self.vision = None  # vision.encoder.VisionEncoder (enable_vision)
+        self.live_images = None  # vision.reuse.LiveImages: the images the live session holds
+        self.vision_checkpoint = None  # vision.reuse.VisionCheckpoint: the last image prompt's end
         self._bind_lock = threading.Lock()
         self._queue: queue.Queue[JobHandle | None] = queue.Queue()
         # taken off _queue by the worker, not yet running (FIFO; guarded by _pending_lock)
@@ -356,6 +363,14 @@ class Engine:
             raise self._init_error
 
     # ---------------------------------------------------------------- public
+    def enable_vision(self, encoder) -> None:
+        """Accept image jobs; from now on the disk KV cache hooks stay silent while the
+        live session holds images (docs/vision.md §3)."""
+        from .vision.reuse import GuardedHooks
+
+        self.vision = encoder
+        self.cache = GuardedHooks(self.cache, lambda: self.live_images is not None)
+
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
@@ -803,6 +818,8 @@ class Engine:
 
     def _checkpoint(self, effective: list[int], cached: int) -> None:
         """Keep the session at the end of this prompt for a later request that shares it."""
+        if self.live_images is not None:  # token-keyed checkpoints cannot tell images apart
+            return
         if self.checkpoints.wants(len(effective), len(effective) - cached):
             try:
                 self.checkpoints.save(effective, self.session)
@@ -813,7 +830,7 @@ class Engine:
         """While generating: keep the session at an aligned frontier, for a new turn or
         retry whose common prefix ends inside this answer."""
         s = self.session
-        if self.checkpoints.due(len(s)):
+        if self.live_images is None and self.checkpoints.due(len(s)):
             try:
                 self.checkpoints.save(s.tokens, s, frontier=True)
             except Exception:
@@ -889,7 +906,15 @@ class Engine:
         tk = self.tokenizer
         self.stats.jobs += 1
         ids = job.prompt_ids if job.prompt_ids is not None else tk.encode(job.prompt_text)
-        plan = self._plan_reuse(job, ids)
+        if self.live_images is not None and not job.images:
+            self.reset_session()  # a text request never reuses image KV (docs/vision.md §3)
+            self.live_images = None
+        if job.images:
+            from .vision import reuse
+
+            plan = reuse.plan(self, job, ids)
+        else:
+            plan = self._plan_reuse(job, ids)
         if isinstance(plan, Failed):
             h.emit(plan)
             return
@@ -900,7 +925,19 @@ class Engine:
             return
         if cached:
             log.info("%s live kv reuse source=%s cached=%d prompt=%d", job_kind(job), source, cached, len(effective))
-        logits, cached = yield from self._sync(h, effective, cached)
+        if job.images:
+            from .vision import reuse
+
+            self.live_images = reuse.record(job.images, effective)  # before the prefill: hooks stay silent
+            with reuse.rows_installed(self, job, cached):
+                logits, cached = yield from self._sync(h, effective, cached)
+            if logits is None:
+                self.reset_session()  # a half-prefilled image block is no reusable state
+                self.live_images = None
+            else:
+                reuse.keep_checkpoint(self, job, effective)
+        else:
+            logits, cached = yield from self._sync(h, effective, cached)
         prompt_tokens = len(effective)
         if logits is None:  # cancelled during prefill; the session keeps the evaluated prefix
             self._clear_bindings(keep=None)

@@ -23,9 +23,12 @@ from .cli_options import (
     UsageError,
     add_prefix_argument,
     add_steering_arguments,
+    add_vision_arguments,
     conversation_head,
     install_steering,
+    install_vision,
     load_prefix,
+    read_image_file,
     read_text_file,
     sampling_params,
 )
@@ -53,6 +56,7 @@ def _common(p) -> None:
     from .experts import cli as experts_cli
 
     experts_cli.add_arguments(p)
+    add_vision_arguments(p)
 
 
 def add_arguments(p) -> None:
@@ -108,6 +112,13 @@ def _load(args, console):
     finally:
         if masked:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        described = install_vision(args, engine)
+    except UsageError:
+        engine.close()
+        raise
+    if described:
+        console.print(f"[dim]{described}[/dim]")
     return engine, tok
 
 
@@ -188,6 +199,9 @@ def run(args) -> int:
         )
         if args.command == "generate" and args.raw and prefix:
             raise UsageError("--prefix-file cannot be combined with --raw")
+        images = [read_image_file(p) for p in getattr(args, "image", [])]
+        if images and args.command == "generate" and args.raw:
+            raise UsageError("--image cannot be combined with --raw")
         engine, tok = _load(args, console)
     except UsageError as e:
         console.print(f"[red]error: {e}[/red]", markup=True, highlight=False)
@@ -204,12 +218,15 @@ def run(args) -> int:
         if args.command == "chat":
             from .repl import Repl
 
-            return Repl(engine, args, console, prefix).run(first=prompt_text)
+            repl = Repl(engine, args, console, prefix)
+            repl.pending_images = images  # --image: sent with the first message
+            return repl.run(first=prompt_text)
         thinking = choice.mode
         if args.raw:
             prompt = prompt_text
         else:
-            msgs = conversation_head(args.system, prefix) + [Message("user", prompt_text)]
+            user = Message("user", "".join(im.marker for im in images) + prompt_text, images=images)
+            msgs = conversation_head(args.system, prefix) + [user]
             prompt = protocol.render(Conversation(msgs, thinking=thinking))
         job = Job(
             prompt_text=prompt,
@@ -221,6 +238,13 @@ def run(args) -> int:
             stop=tuple(args.stop),
             family=protocol.family,
         )
+        from .vision.prompt import ImagePromptError, attach
+
+        try:
+            attach(job, engine, images)
+        except (ImagePromptError, ValueError) as e:
+            console.print(f"[red]error: {getattr(e, 'message', e)}[/red]", markup=True, highlight=False)
+            return 2
         try:
             fin = stream_job(engine, job, console)
         except KeyboardInterrupt:  # Ctrl+C: closing the event stream cancels the job

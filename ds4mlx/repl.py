@@ -6,6 +6,7 @@
     /nothink           no thinking
     /ctx N             a new context of N tokens (the conversation is kept)
     /read FILE         send the file's text as the next message
+                       (a .png/.jpg/.jpeg with --vision: attached to the next message)
     /steer [FILE|off|F]  show, load, drop the steering direction, or set its FFN scale
     /reset             forget the conversation (system prompt and prefix stay)
     /quit, /exit       leave (Ctrl+D too)
@@ -48,6 +49,7 @@ HELP = __doc__.split("\n\n")[1]
 ASSISTANT_MARK = "ds4mlx:"  # printed when the answer starts (ds4 prints its assistant prompt)
 HISTORY_ENV = "DS4MLX_HISTORY"
 HISTORY_LEN = 512  # linenoiseHistorySetMaxLen(512) in ds4
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")  # /read attaches these as images (--vision)
 _RL_START, _RL_END = "\001", "\002"  # readline: invisible prompt bytes
 
 
@@ -115,6 +117,7 @@ class Repl:
 
         self.steering = installed(engine.model)  # the last direction loaded: `/steer off`, then `/steer F`
         self.transcript: tuple | None = None  # (prompt + sampled text, head signature)
+        self.pending_images: list = []  # /read IMAGE: sent with the next message (--vision)
 
     # ------------------------------------------------------------------ thinking
     def mode(self) -> str:
@@ -222,8 +225,21 @@ class Repl:
         if not path:
             self.warn("/read needs a file path")
             return
-        from .cli_options import UsageError, read_text_file
+        from .cli_options import UsageError, read_image_file, read_text_file
 
+        if os.path.splitext(path)[1].lower() in IMAGE_SUFFIXES:
+            if self.engine.vision is None:
+                self.warn("/read IMAGE needs --vision")
+                return
+            try:
+                image = read_image_file(os.path.expanduser(path))
+            except UsageError as e:
+                self.warn(str(e))
+                return
+            self.pending_images.append(image)
+            tokens = self.engine.vision.n_tokens(image)
+            self.notice("image", f"{path} {image.width}x{image.height} ({tokens} tokens), sent with the next message")
+            return
         try:
             text = read_text_file(os.path.expanduser(path))
         except UsageError as e:
@@ -294,7 +310,8 @@ class Repl:
 
         args = self.args
         thinking = self.mode()
-        user = Message("user", text)
+        user = Message("user", "".join(im.marker for im in self.pending_images) + text, images=self.pending_images)
+        self.pending_images = []
         prompt = self._continuation(user, thinking)
         if prompt is None:  # first turn, or the thinking mode changed the prompt's head
             prompt = self.protocol.render(self._conversation(self.head + self.history + [user]))
@@ -306,6 +323,8 @@ class Repl:
             stop=tuple(args.stop),
             family=self.protocol.family,
         )
+        if not self._attach_images(job, self.head + self.history + [user]):
+            return TurnResult(None, False, 0, 0.0, 0.0)
         res = self._run_job(job, show=True)
         fin = res.finish
         if fin is None or fin.reason == "error" or (res.interrupted and res.generated == 0):
@@ -324,6 +343,17 @@ class Repl:
         # next turn extends the live session even after Ctrl+C in the reasoning
         self.transcript = (prompt + fin.raw_text, self._head_signature(thinking))
         return res
+
+    def _attach_images(self, job, messages) -> bool:
+        from .chat.images import conversation_images
+        from .vision.prompt import ImagePromptError, attach
+
+        try:
+            attach(job, self.engine, conversation_images(messages))
+        except (ImagePromptError, ValueError) as e:
+            self.warn(getattr(e, "message", str(e)))
+            return False
+        return True
 
     _SENTINEL = "\x01"
 

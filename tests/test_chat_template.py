@@ -109,15 +109,27 @@ def test_example4_anthropic_system_blocks_tool_use_result_escaping():
     assert sha(out) == (1894, "234c7c69d8a30e5fda00d2619056e1989a5bd80927fca2f02fb9b57ec8deb4d8")
 
 
+EX5_IMAGE_PART = r"""{"type":"image_url","image_url":{"url":"x"}},"""
+
+
 def test_example5_edge_cases_ds4_compat():
-    out = chat(EX5_BODY, strict=False)
+    # ds4's example renders an image part with url "x" as nothing; ds4mlx never drops an
+    # image part (docs/vision.md §1): the example's prompt is that of the body without it
+    assert EX5_IMAGE_PART in EX5_BODY
+    out = chat(EX5_BODY.replace(EX5_IMAGE_PART, ""), strict=False)
     assert out == json.loads(EX5_PROMPT)
     assert sha(out) == (275, "8870a0a15d929e50d511781a5813a8234e1005e61b18bf4881625fe9e3ffde81")
 
 
+def test_example5_image_part_that_is_not_a_data_uri_is_refused():
+    with pytest.raises(RequestError) as e:
+        chat(EX5_BODY, strict=False)
+    assert e.value.status == 400 and "data:image/png;base64" in e.value.message
+
+
 def test_example5_unknown_role_is_rejected_by_default():
     with pytest.raises(RequestError) as e:
-        chat(EX5_BODY)
+        chat(EX5_BODY.replace(EX5_IMAGE_PART, ""))
     assert e.value.message == "unknown role: bogus" and e.value.status == 400
 
 
@@ -416,7 +428,6 @@ def test_content_flattening():
             [
                 "a",
                 {"type": "text", "text": "b"},
-                {"type": "image_url", "image_url": {}},
                 {"type": "whatever", "text": "c"},
                 7,
                 None,
@@ -424,6 +435,8 @@ def test_content_flattening():
         )
         == "abc"
     )
+    with pytest.raises(RequestError):  # an image part where none may go: refused, not dropped
+        flatten_content(["a", {"type": "image_url", "image_url": {}}])
     conv = parse_chat(
         {"messages": [{"content": [{"type": "text", "text": "p1"}], "name": "ignored", "extra": {"deep": [1]}}]}
     )
@@ -623,10 +636,16 @@ def test_responses_items():
     assert conv.tool_schemas == ['{"type":"function","name":"found"}'] and conv.tools_active
 
 
+def test_responses_refuses_an_image_that_is_not_a_data_uri():
+    item = {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
+    with pytest.raises(RequestError) as e:
+        parse_responses({"input": [item]})
+    assert e.value.status == 400 and "data:image/png;base64" in e.value.message
+
+
 @pytest.mark.parametrize(
     "item",
     [
-        {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]},
         {"type": "message", "role": "user", "content": [{"type": "input_text"}]},
         {"type": "message", "role": "user", "content": [3]},
         {"type": "message", "role": "user", "content": 3},

@@ -2,8 +2,11 @@
 (scripted model, tiny limits).  Every answer must be < 500 and well-formed
 (JSON error in the API's shape, JSON body, or an SSE stream), none may hang
 (a 60 s client timeout fails the test), and the server must keep serving.
-The bodies include image / audio / file parts (a clear 400 today) and tool
-histories (calls followed by their results, ids matching or not).
+The bodies include image / audio / file parts (a clear 400 without a vision encoder)
+and tool histories (calls followed by their results, ids matching or not).
+`test_fuzz_images` sends image parts to a server with the demo vision encoder
+(`demo:qwen4_exp --vision demo`): real PNG / JPEG data, bad base64, truncated PNGs,
+huge dimensions, up to 18 images, images in tool results and assistant turns.
 
 `DS4MLX_FUZZ_EXAMPLES` bodies per route: 250 by default (1,000 in all, the CI
 size); `make test-fuzz` runs 2,500 per route, 10,000 in all."""
@@ -21,6 +24,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import ScriptedModel, serve  # noqa: E402
+from vision_helpers import b64, huge_png, image_bytes  # noqa: E402
 
 EXAMPLES = int(__import__("os").environ.get("DS4MLX_FUZZ_EXAMPLES", "250"))
 DSML = (
@@ -335,6 +339,87 @@ raw_bytes = st.binary(max_size=48) | st.sampled_from(
 )
 
 
+# --------------------------------------------------------------------------- image inputs
+_PNG, _JPEG = image_bytes(40, 30), image_bytes(33, 70, "JPEG", seed=1)
+good_payload = st.sampled_from(
+    [
+        ("image/png", b64(_PNG)),
+        ("image/jpeg", b64(_JPEG)),
+        ("image/jpg", b64(_JPEG)),
+        ("image/png", b64(_JPEG)),  # mislabelled: the bytes decide
+    ]
+)
+bad_payload = st.sampled_from(
+    [
+        ("image/png", b64(_PNG[:-25])),  # truncated PNG
+        ("image/jpeg", b64(_JPEG[: len(_JPEG) // 2])),  # truncated JPEG
+        ("image/png", b64(huge_png(8000, 8000))),  # over the pixel limit
+        ("image/png", b64(huge_png(30000, 30000))),  # Pillow's bomb guard
+        ("image/png", "iVBORw0KGgo="),  # a PNG signature only
+        ("image/png", "%%%not base64"),
+        ("image/png", b64(_PNG)[:-3]),  # bad padding
+        ("image/gif", "R0lGODlhAQABAAAAACw="),
+        ("image/webp", b64(_PNG)),
+        ("text/plain", "aGk="),
+    ]
+)
+image_payload = st.integers(0, 2).flatmap(lambda i: bad_payload if i == 0 else good_payload)
+image_url = st.integers(0, 5).flatmap(
+    lambda i: (
+        st.sampled_from(["/tmp/a.png", "https://example.com/a.png", "file:///etc/passwd", "data:image/png,raw", ""])
+        if i == 0
+        else image_payload.map(lambda p: f"data:{p[0]};base64,{p[1]}")
+    )
+)
+
+
+def _image_part(api: str):
+    if api == "anthropic":
+        src = image_payload.map(lambda p: {"type": "base64", "media_type": p[0], "data": p[1]})
+        src = src | st.fixed_dictionaries({"type": st.sampled_from(["url", "file"]), "url": image_url})
+        return st.fixed_dictionaries({"type": st.just("image"), "source": mostly(src)})
+    if api == "responses":
+        return st.fixed_dictionaries({"type": st.just("input_image"), "image_url": mostly(image_url)})
+    return st.fixed_dictionaries(
+        {"type": st.just("image_url"), "image_url": mostly(image_url | st.fixed_dictionaries({"url": image_url}))}
+    )
+
+
+def _image_content(api: str):
+    txt = st.fixed_dictionaries(
+        {"type": st.just("input_text" if api == "responses" else "text"), "text": st.text(max_size=8)}
+    )
+    one = _image_part(api)
+    many = st.integers(15, 18).flatmap(lambda n: st.lists(one, min_size=n, max_size=n))  # around the 16 limit
+    return st.lists(one | txt, min_size=1, max_size=4) | many
+
+
+def image_body(api: str):
+    role = st.sampled_from(["user"] * 6 + ["assistant", "system", "tool"])
+    content = _image_content(api)
+    if api == "responses":
+        msg = st.fixed_dictionaries({"type": st.just("message"), "role": role, "content": content})
+        out = st.fixed_dictionaries(
+            {"type": st.just("function_call_output"), "call_id": st.just("call_1"), "output": content}
+        )
+        call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+        items = st.lists(msg, min_size=1, max_size=2) | out.map(lambda o: [{"role": "user", "content": "x"}, call, o])
+        return st.fixed_dictionaries(
+            {"input": items, "max_output_tokens": st.integers(1, 3)}, optional={"stream": st.booleans()}
+        )
+    msg = st.fixed_dictionaries({"role": role, "content": content})
+    if api == "anthropic":
+        result = content.map(
+            lambda c: {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": c}]}
+        )
+        msgs = st.lists(msg, min_size=1, max_size=2) | result.map(lambda r: [r])
+    else:
+        msgs = st.lists(msg, min_size=1, max_size=2)
+    return st.fixed_dictionaries(
+        {"messages": msgs, "max_tokens": st.integers(1, 3)}, optional={"stream": st.booleans()}
+    )
+
+
 def bodies(structured):
     as_bytes = structured.map(lambda b: json.dumps(b, ensure_ascii=False).encode("utf-8", "surrogatepass"))
     return st.one_of(as_bytes, as_bytes, as_bytes, anyjson.map(lambda b: json.dumps(b).encode()), raw_bytes)
@@ -419,3 +504,43 @@ def test_fuzz_route(srv, path, api, strategy):
     status, _, data = client.post("/v1/chat/completions", b'{"messages":[{"role":"user","content":"x"}]}')
     assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == "Hi 😀"
     assert srv.engine._worker.is_alive()
+
+
+@pytest.fixture(scope="module")
+def vision_srv():
+    import ds4mlx
+    from ds4mlx.vision.load import load_vision
+
+    model, tok = ds4mlx.load("demo:qwen4_exp")
+    with serve(tok, model, ctx=2048, tokens=4) as s:
+        s.engine.enable_vision(load_vision("demo", model))
+        yield s
+
+
+IMAGE_SETTINGS = settings(
+    max_examples=max(20, EXAMPLES // 5),
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "path,api", [("/v1/chat/completions", "chat"), ("/v1/messages", "anthropic"), ("/v1/responses", "responses")]
+)
+def test_fuzz_images(vision_srv, path, api):
+    client = Client(vision_srv.url)
+    counts: dict = {}
+
+    @IMAGE_SETTINGS
+    @given(image_body(api).map(lambda b: json.dumps(b).encode()))
+    def run(body):
+        status = check(vision_srv, client, path, body, api)
+        counts[status] = counts.get(status, 0) + 1
+
+    run()
+    print(f"{path} images: {sum(counts.values())} bodies, statuses {dict(sorted(counts.items()))}")
+    assert counts.get(200, 0) > 0 and counts.get(400, 0) > 0, counts  # answers and refusals both
+    assert vision_srv.engine._worker.is_alive()

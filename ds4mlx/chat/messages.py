@@ -27,6 +27,9 @@ class Message:
     # Exact sampled DSML block replayed instead of the canonical rendering of
     # `tool_calls` (set by ToolMemory.attach, docs/dsml.md §9); "" = render canonically.
     raw_dsml: str = ""
+    # Accepted images (chat.images.ImageInput), each written into `content` as its marker
+    # at its place (docs/vision.md §1).
+    images: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from . import images as chat_images
 from . import markers as M
 from .families.deepseek_v4.dsml import json_text
 from .messages import Conversation, Message, ToolAlias
@@ -102,9 +103,11 @@ def check_role(role: str) -> str:
 # --- content ---------------------------------------------------------------------
 
 
-def flatten_content(v: Any) -> str:
+def flatten_content(v: Any, images: list | None = None) -> str:
     """docs/chat-template.md §2.1: string; null -> ""; array -> strings and every
-    object's "text" (must be a string) concatenated; any other value -> ""."""
+    object's "text" (must be a string) concatenated; any other value -> "".
+    An image part becomes its marker, the image appended to `images`; where no image
+    may go (`images` None) it is refused (docs/vision.md §1), never dropped."""
     if isinstance(v, str):
         return v
     if isinstance(v, list):
@@ -112,10 +115,34 @@ def flatten_content(v: Any) -> str:
         for e in v:
             if isinstance(e, str):
                 parts.append(e)
+            elif chat_images.is_image_part(e):
+                parts.append(image_marker(e, images))
             elif isinstance(e, dict) and "text" in e:
                 parts.append(as_str(e["text"]))
         return "".join(parts)
     return ""
+
+
+def image_marker(part: dict, images: list | None) -> str:
+    """An image part (chat/images.py) -> its marker, the image appended to `images`."""
+    if images is None:
+        raise RequestError(chat_images.ERR_ROLE)
+    try:
+        image = chat_images.parse_part(part)
+    except chat_images.ImageError as e:
+        raise RequestError(e.message) from None
+    images.append(image)
+    return image.marker
+
+
+def check_image_role(m: Message) -> Message:
+    """Images only in user messages and tool results (ds4 refuses the others)."""
+    if m.images:
+        try:
+            chat_images.check_role(m.role)
+        except chat_images.ImageError as e:
+            raise RequestError(e.message) from None
+    return m
 
 
 # --- thinking (docs/chat-template.md §3) ----------------------------------------------------

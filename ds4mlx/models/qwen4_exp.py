@@ -702,9 +702,12 @@ class Qwen4ExpTextModel(nn.Module):
         self.layers = [DecoderLayer(args, i, self._rope) for i in range(args.num_hidden_layers)]
         self.hyper_connection_mixer = GatedResidual(args, inject=False)
         self._hc = args.hc_count
+        self.input_rows = None  # image input: vision.encoder.ImageRows, set around a prefill
 
     def __call__(self, ids: mx.array, cache: list) -> mx.array:
         h = self.embed_tokens(ids)
+        if self.input_rows is not None:  # image tokens take the vision encoder's rows
+            h = self.input_rows(h, cache[0].offset)
         x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
         for layer, c in zip(self.layers, cache):
             x = layer(x, ids, c)

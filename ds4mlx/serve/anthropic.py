@@ -13,17 +13,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..chat import images as chat_images
 from ..chat import markers as M
 from ..chat.families.deepseek_v4.dsml import dumps_compact, escape_tool_result
 from ..chat.messages import Conversation, Message, ToolCall
 from ..chat.requests import (
     DEFAULT_MODEL,
+    RequestError,
     Thinking,
     add_id,
     as_str,
     body_object,
+    check_image_role,
     finish_conversation,
     flatten_content,
+    image_marker,
     invalid_json,
     message_list,
     parse_stop,
@@ -41,6 +45,7 @@ def _anthropic_block(b: dict, m: Message) -> None:
     typ = text = thinking = bid = name = result = None
     has_input = False
     inp = None
+    result_images: list = []  # a tool_result's images (a screenshot a tool returned)
     for k, v in b.items():
         if k == "type":
             typ = as_str(v)
@@ -55,8 +60,13 @@ def _anthropic_block(b: dict, m: Message) -> None:
         elif k == "input":
             has_input, inp = True, v
         elif k == "content":
-            result = flatten_content(v)
-    if typ == "tool_use":
+            result_images = []
+            result = flatten_content(v, result_images)
+    if result_images and typ != "tool_result":
+        raise RequestError(chat_images.ERR_ROLE)
+    if typ == "image":
+        m.content += image_marker(b, m.images)
+    elif typ == "tool_use":
         m.tool_calls.append(
             ToolCall(id=bid or "", name=name or "", arguments=dumps_compact(inp) if has_input else "{}")
         )
@@ -65,6 +75,7 @@ def _anthropic_block(b: dict, m: Message) -> None:
         start = len(m.content)
         m.content += M.TOOL_RESULT_OPEN + escape_tool_result(result or "") + M.TOOL_RESULT_CLOSE
         m.result_spans.append((start, len(m.content), bid or ""))
+        m.images.extend(result_images)
     else:
         if text:
             m.content += text
@@ -81,6 +92,7 @@ def _anthropic_message(obj: Any) -> Message:
             m.role = as_str(v)
         elif k == "content":
             m.content, m.reasoning, m.tool_calls, m.tool_call_ids, m.result_spans = "", "", [], [], []
+            m.images = []
             if isinstance(v, str):
                 m.content = v
             elif isinstance(v, list):
@@ -89,7 +101,7 @@ def _anthropic_message(obj: Any) -> Message:
                         m.content += e
                     elif isinstance(e, dict):
                         _anthropic_block(e, m)
-    return m
+    return check_image_role(m)
 
 
 def _anthropic_system(v: Any) -> str:
@@ -108,6 +120,8 @@ def _anthropic_system(v: Any) -> str:
         for e in v:
             if isinstance(e, str):
                 add(e)
+            elif chat_images.is_image_part(e):
+                raise RequestError(chat_images.ERR_ROLE)  # refused, never dropped
             elif isinstance(e, dict) and "text" in e:
                 add(as_str(e["text"]))
     return "".join(parts)

@@ -104,10 +104,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_think_arguments(p, level_dest="think_level")
     p.add_argument("-sys", "--system", default="", help="system prompt for requests that bring none")
-    from ..cli_options import add_prefix_argument, add_steering_arguments
+    from ..cli_options import add_prefix_argument, add_steering_arguments, add_vision_arguments
 
     add_prefix_argument(p)
     add_steering_arguments(p)
+    add_vision_arguments(p, images=False)
     # --kv-disk-dir and friends (docs/kv-cache.md §8); the two tool-memory flags above are kept
     from ..kv.policy import add_kv_arguments
 
@@ -144,7 +145,7 @@ def build(args, loaded=None):
             from ..demo import DEMO_NOTICE
 
             log.warning("%s%s", DEMO_NOTICE, f" [{args.model}]" if args.model else "")
-    from ..cli_options import UsageError, install_steering, load_prefix
+    from ..cli_options import UsageError, install_steering, install_vision, load_prefix
 
     try:
         prefix = load_prefix(args)
@@ -180,6 +181,13 @@ def build(args, loaded=None):
         slots=getattr(args, "batched_session", 1),
         prefill_quantum=getattr(args, "mixed_prefill_quantum", None),
     )
+    try:
+        described = install_vision(args, engine)
+    except UsageError as e:
+        engine.close()
+        raise SystemExit(f"ds4mlx serve: {e}") from None
+    if described:
+        log.info("%s", described)
     if engine.slots > 1:
         log.info("batched sessions: %d resident slots", engine.slots)
     if args.think_level is not None and not engine.protocol.numeric_effort:

@@ -19,6 +19,7 @@ from ..chat.requests import (
     add_id,
     as_str,
     body_object,
+    check_image_role,
     finish_conversation,
     flatten_content,
     invalid_json,
@@ -69,14 +70,15 @@ def _chat_message(obj: Any) -> Message:
         if k == "role":
             m.role = as_str(v)
         elif k == "content":
-            m.content = flatten_content(v)
+            m.images = []
+            m.content = flatten_content(v, m.images)
         elif k == "reasoning_content":
             m.reasoning = flatten_content(v)
         elif k == "tool_call_id":
             add_id(m.tool_call_ids, as_str(v))
         elif k == "tool_calls":
             m.tool_calls = _chat_tool_calls(v)
-    return m
+    return check_image_role(m)
 
 
 def parse_chat(body: Any, *, ctx: int = 32768, json_style: str = "canonical", strict: bool = True) -> Conversation:

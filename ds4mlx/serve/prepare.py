@@ -14,10 +14,13 @@ from typing import Any
 
 from ..chat import markers as M
 from ..chat.families.deepseek_v4.template import live_tail
+from ..chat.images import ImageError, conversation_images
 from ..chat.messages import Conversation, ToolCall
 from ..chat.protocol import ChatProtocol, EffortError, get_protocol, request_effort
 from ..chat.requests import RequestError
 from ..engine import Job
+from ..vision.prompt import ERR_IMAGE_HISTORY, ImagePromptError
+from ..vision.prompt import attach as attach_images
 from . import errors as E
 from .anthropic import parse_anthropic
 from .completions import parse_completion
@@ -218,8 +221,24 @@ def _thinking(cfg: ServeConfig, proto: ChatProtocol, body: dict, mode: str, effo
         raise E.APIError(400, str(e), param="reasoning_effort") from None
 
 
+def _attach_images(engine, job: Job, conv) -> bool:
+    """The request's images as token blocks in job.prompt_ids (docs/vision.md §1); False
+    without images.  Refusals are 400s in the API's shape."""
+    images = conversation_images(conv.messages)
+    if not images:
+        return False
+    if job.requires_live:  # the image blocks must be in the prompt, not behind a live state
+        raise E.APIError(400, ERR_IMAGE_HISTORY, param=CONTEXT_PARAM[job.api])
+    try:
+        attach_images(job, engine, images)
+    except (ImagePromptError, ImageError) as e:
+        raise E.APIError(400, e.message, param=CONTEXT_PARAM[job.api]) from None
+    return True
+
+
 def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prepared:
-    validate_body(api, body)  # every known field of the wrong type: a 400 naming it
+    # every known field of the wrong type: a 400 naming it (image parts only with --vision)
+    validate_body(api, body, vision=getattr(engine, "vision", None) is not None)
     proto = protocol_of(cfg)
     parser_body, effort = request_effort(api, body, numeric=proto.numeric_effort)
     try:
@@ -284,6 +303,11 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
                         msg = E.responses_unknown_call(i) if api == "responses" else E.anthropic_unknown_tool_use(i)
                         raise E.APIError(400, msg, param=CONTEXT_PARAM[api])
                 job.requires_live = True
+    if api != "completions" and _attach_images(engine, job, conv):
+        if len(job.prompt_ids) >= cfg.ctx:
+            raise E.context_error(len(job.prompt_ids), cfg.ctx, CONTEXT_PARAM[api])
+        prep.prompt_tokens = len(job.prompt_ids)
+        return prep
     # Refuse what cannot fit before tokenizing: BPE over tens of MiB costs seconds
     # and gigabytes for a request that is refused anyway.
     floor = engine.min_tokens(job.prompt_text)

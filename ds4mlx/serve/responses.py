@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..chat import images as chat_images
 from ..chat import markers as M
 from ..chat.families.deepseek_v4.dsml import dumps_compact, json_text
 from ..chat.messages import Conversation, Message, ToolCall
@@ -22,8 +23,10 @@ from ..chat.requests import (
     add_id,
     as_str,
     body_object,
+    check_image_role,
     check_role,
     finish_conversation,
+    image_marker,
     invalid_json,
     parse_stop,
     parse_tools,
@@ -53,8 +56,9 @@ _HOSTED_OUTPUTS = (
 )
 
 
-def _responses_content(v: Any) -> str:
-    """Strict Responses content (docs/chat-template.md §2.3)."""
+def _responses_content(v: Any, images: list | None = None) -> str:
+    """Strict Responses content (docs/chat-template.md §2.3); an `input_image` part
+    becomes its marker, the image appended to `images` (refused where `images` is None)."""
     if isinstance(v, str):
         return v
     if v is None:
@@ -71,6 +75,9 @@ def _responses_content(v: Any) -> str:
         typ = e.get("type")
         if typ is not None and not isinstance(typ, str):
             raise invalid_json()
+        if typ in ("input_image", "image_url"):
+            parts.append(image_marker(e, images))
+            continue
         if typ not in _RESPONSES_TEXT_TYPES or "text" not in e:
             raise invalid_json()
         text = e["text"]
@@ -100,16 +107,19 @@ def _responses_input(items: list, style: str, loaded: list[str], aliases: dict, 
         if not isinstance(item, dict):
             raise invalid_json()
         f: dict[str, Any] = {}
+        images: list = []  # a message's or a tool output's images
         for k, v in item.items():
             if k in ("type", "role", "name", "namespace", "call_id", "id", "status"):
                 f[k] = as_str(v)
-            elif k in ("content", "summary"):
+            elif k == "content":
+                f[k] = _responses_content(v, images)
+            elif k == "summary":
                 f[k] = _responses_content(v)
             elif k in ("arguments", "input", "action"):
                 f[k] = v if isinstance(v, str) and k != "action" else dumps_compact(v)
             elif k == "output":
                 if isinstance(v, list):
-                    f[k] = _responses_content(v)
+                    f[k] = _responses_content(v, images)
                 else:
                     f[k] = v if isinstance(v, str) else json_text(v, style)
             elif k == "result":
@@ -117,6 +127,8 @@ def _responses_input(items: list, style: str, loaded: list[str], aliases: dict, 
             elif k == "tools":
                 f[k] = v
         t = f.get("type", "message")
+        if images and t != "message" and t not in ("function_call_output", "custom_tool_call_output"):
+            raise RequestError(chat_images.ERR_ROLE)  # never dropped with the item's other text
         status = f.get("status")
         if status and status not in _ITEM_STATUSES:  # the server's own items replay as they were emitted
             raise invalid_json()
@@ -131,7 +143,8 @@ def _responses_input(items: list, style: str, loaded: list[str], aliases: dict, 
             pending.clear()
         if t == "message":
             role = f.get("role", "user")
-            m = Message(role=check_role(role) if strict else role, content=f.get("content", ""))
+            m = Message(role=check_role(role) if strict else role, content=f.get("content", ""), images=images)
+            check_image_role(m)
             if m.role == "assistant" and pending:
                 m.reasoning = "\n".join(pending)
                 pending.clear()
@@ -167,6 +180,7 @@ def _responses_input(items: list, style: str, loaded: list[str], aliases: dict, 
                     m.content = json_text(f["tools"], style)
             else:
                 m.content = f.get("output", "")
+            m.images = images
             add_id(m.tool_call_ids, f.get("call_id", f.get("id")))
             msgs.append(m)
         elif not bookkeeping:

@@ -7,8 +7,9 @@ fault becomes one 400 that names the field by its path (`param` on the OpenAI
 routes, `messages[0].content[1].text`; Anthropic spells it
 `messages.0.content.1.text` in the message).  The same wording on every API.
 
-Media parts (images, audio, files) are refused here with a 400 naming the part:
-no family of this engine reads them yet.
+Media parts (images, audio, files) are refused here with a 400 naming the part;
+with a vision encoder loaded (`vision=True`) image parts pass on to chat/images.py,
+which parses or refuses each one (docs/vision.md §1).
 """
 
 from __future__ import annotations
@@ -226,13 +227,19 @@ SCHEMAS = {"chat": CHAT, "completions": COMPLETIONS, "anthropic": ANTHROPIC, "re
 # --- the validator ----------------------------------------------------------------------
 
 
-def _unsupported_media(validator, enabled, instance, schema):
-    if enabled and isinstance(instance, dict) and instance.get("type") in MEDIA_PARTS:
-        yield ValidationError(f"unsupported {MEDIA_PARTS[instance['type']]}", validator="unsupported_media")
+def _media_check(accepted: frozenset):
+    def check(validator, enabled, instance, schema):
+        kind = MEDIA_PARTS.get(instance.get("type")) if enabled and isinstance(instance, dict) else None
+        if kind is not None and kind not in accepted:
+            yield ValidationError(f"unsupported {kind}", validator="unsupported_media")
+
+    return check
 
 
-_Validator = extend(Draft202012Validator, {"unsupported_media": _unsupported_media})
+_Validator = extend(Draft202012Validator, {"unsupported_media": _media_check(frozenset())})
+_VisionValidator = extend(Draft202012Validator, {"unsupported_media": _media_check(frozenset({"image"}))})
 _VALIDATORS = {api: _Validator(schema) for api, schema in SCHEMAS.items()}
+_VISION_VALIDATORS = {api: _VisionValidator(schema) for api, schema in SCHEMAS.items()}
 _JSON_TYPES = {
     "string": "a string",
     "number": "a number",
@@ -329,8 +336,9 @@ def _relevance(err: ValidationError):
     return (len(err.absolute_path), err.validator == "unsupported_media", err.validator == "type")
 
 
-def validate_body(api: str, body: Any) -> None:
-    """Raise the APIError (400) for the first wrongly typed field of `body`."""
-    errs = [_most_telling(e) for e in _VALIDATORS[api].iter_errors(body)]
+def validate_body(api: str, body: Any, vision: bool = False) -> None:
+    """Raise the APIError (400) for the first wrongly typed field of `body`; image parts
+    are refused unless `vision` (a vision encoder is loaded)."""
+    errs = [_most_telling(e) for e in (_VISION_VALIDATORS if vision else _VALIDATORS)[api].iter_errors(body)]
     if errs:
         raise _error(max(errs, key=_relevance), api)

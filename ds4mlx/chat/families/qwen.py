@@ -37,6 +37,10 @@ from .xmlcalls import CallSyntax, Scan, ThinkStyle, XmlOutputParser, is_partial,
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"
+# the image-token block of the Qwen3-VL / Qwen3.8 vocabulary (docs/vision.md §2)
+VISION_START = "<|vision_start|>"
+IMAGE_PAD = "<|image_pad|>"
+VISION_END = "<|vision_end|>"
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 FUNCTION_OPEN = "<function="
