@@ -22,11 +22,11 @@ from parity_helpers import load_case  # noqa: E402
 from scripted_model import ScriptedModel, ScriptedSession  # noqa: E402
 
 from ds4mlx.chat.families.deepseek_v4.template import render  # noqa: E402
-from ds4mlx.serve.openai import parse_chat  # noqa: E402
 from ds4mlx.engine import Engine, Job  # noqa: E402
 from ds4mlx.events import Finish  # noqa: E402
 from ds4mlx.loader import load  # noqa: E402
 from ds4mlx.sampling import SamplingParams  # noqa: E402
+from ds4mlx.serve.openai import parse_chat  # noqa: E402
 from ds4mlx.speculative.drafter import ModelDrafter, ScriptedDrafter  # noqa: E402
 from ds4mlx.speculative.options import SpecConfig  # noqa: E402
 
