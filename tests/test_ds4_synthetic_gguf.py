@@ -29,25 +29,93 @@ def _tool(name: str):
 
 # The names ds4.c weights_bind() looks up and the types weights_validate_layout() requires
 # of a q2 file (read off ds4.c, not off our quantizer's tables).
-Q8_0 = {"attn_q_a", "attn_q_b", "attn_kv", "attn_output_a", "attn_output_b",
-        "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "output"}
-F16 = {"token_embd", "output_hc_fn", "hc_attn_fn", "hc_ffn_fn", "ffn_gate_inp",
-       "attn_compressor_ape", "attn_compressor_kv", "attn_compressor_gate",
-       "indexer.attn_q_b", "indexer.proj", "indexer_compressor_ape", "indexer_compressor_kv",
-       "indexer_compressor_gate"}
-F32 = {"output_hc_base", "output_hc_scale", "output_norm", "hc_attn_scale", "hc_attn_base", "attn_norm",
-       "attn_q_a_norm", "attn_kv_a_norm", "attn_sinks", "attn_compressor_norm", "indexer_compressor_norm",
-       "hc_ffn_scale", "hc_ffn_base", "ffn_norm", "exp_probs_b"}
+Q8_0 = {
+    "attn_q_a",
+    "attn_q_b",
+    "attn_kv",
+    "attn_output_a",
+    "attn_output_b",
+    "ffn_gate_shexp",
+    "ffn_up_shexp",
+    "ffn_down_shexp",
+    "output",
+}
+F16 = {
+    "token_embd",
+    "output_hc_fn",
+    "hc_attn_fn",
+    "hc_ffn_fn",
+    "ffn_gate_inp",
+    "attn_compressor_ape",
+    "attn_compressor_kv",
+    "attn_compressor_gate",
+    "indexer.attn_q_b",
+    "indexer.proj",
+    "indexer_compressor_ape",
+    "indexer_compressor_kv",
+    "indexer_compressor_gate",
+}
+F32 = {
+    "output_hc_base",
+    "output_hc_scale",
+    "output_norm",
+    "hc_attn_scale",
+    "hc_attn_base",
+    "attn_norm",
+    "attn_q_a_norm",
+    "attn_kv_a_norm",
+    "attn_sinks",
+    "attn_compressor_norm",
+    "indexer_compressor_norm",
+    "hc_ffn_scale",
+    "hc_ffn_base",
+    "ffn_norm",
+    "exp_probs_b",
+}
 EXPERTS = {"ffn_gate_exps": "IQ2_XXS", "ffn_up_exps": "IQ2_XXS", "ffn_down_exps": "Q2_K"}
-LAYER_REQUIRED = ["hc_attn_fn", "hc_attn_scale", "hc_attn_base", "attn_norm", "attn_q_a", "attn_q_a_norm",
-                  "attn_q_b", "attn_kv", "attn_kv_a_norm", "attn_sinks", "attn_output_a", "attn_output_b",
-                  "hc_ffn_fn", "hc_ffn_scale", "hc_ffn_base", "ffn_norm", "ffn_gate_inp", "ffn_gate_exps",
-                  "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"]
+LAYER_REQUIRED = [
+    "hc_attn_fn",
+    "hc_attn_scale",
+    "hc_attn_base",
+    "attn_norm",
+    "attn_q_a",
+    "attn_q_a_norm",
+    "attn_q_b",
+    "attn_kv",
+    "attn_kv_a_norm",
+    "attn_sinks",
+    "attn_output_a",
+    "attn_output_b",
+    "hc_ffn_fn",
+    "hc_ffn_scale",
+    "hc_ffn_base",
+    "ffn_norm",
+    "ffn_gate_inp",
+    "ffn_gate_exps",
+    "ffn_up_exps",
+    "ffn_down_exps",
+    "ffn_gate_shexp",
+    "ffn_up_shexp",
+    "ffn_down_shexp",
+]
 COMPRESSOR = ["attn_compressor_ape", "attn_compressor_kv", "attn_compressor_gate", "attn_compressor_norm"]
-INDEXER = ["indexer.attn_q_b", "indexer.proj", "indexer_compressor_ape", "indexer_compressor_kv",
-           "indexer_compressor_gate", "indexer_compressor_norm"]
-DS4_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-                "<think>", "</think>", "｜DSML｜"]
+INDEXER = [
+    "indexer.attn_q_b",
+    "indexer.proj",
+    "indexer_compressor_ape",
+    "indexer_compressor_kv",
+    "indexer_compressor_gate",
+    "indexer_compressor_norm",
+]
+DS4_SPECIALS = [
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<think>",
+    "</think>",
+    "｜DSML｜",
+]
 
 
 def _ratio(il: int) -> int:  # ds4.c ds4_layer_compress_ratio()
@@ -58,9 +126,19 @@ def _ratio(il: int) -> int:  # ds4.c ds4_layer_compress_ratio()
 def tiny_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("ds4peer") / "tiny.gguf"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "ds4_synthetic_gguf.py"), "--tiny", "--layers", str(LAYERS),
-         "--threads", "2", str(path)],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [
+            sys.executable,
+            str(ROOT / "tools" / "ds4_synthetic_gguf.py"),
+            "--tiny",
+            "--layers",
+            str(LAYERS),
+            "--threads",
+            "2",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, proc.stderr
     assert path.is_file() and '"layers": 4' in proc.stdout
@@ -98,8 +176,14 @@ def test_every_tensor_has_ds4s_type(reader):
         else:
             pytest.fail(f"{t.name}: a tensor ds4 does not bind")
     # every name ds4 binds, per layer as its compression ratio asks
-    required = ["token_embd.weight", "output_hc_base.weight", "output_hc_fn.weight", "output_hc_scale.weight",
-                "output_norm.weight", "output.weight"]
+    required = [
+        "token_embd.weight",
+        "output_hc_base.weight",
+        "output_hc_fn.weight",
+        "output_hc_scale.weight",
+        "output_norm.weight",
+        "output.weight",
+    ]
     for il in range(LAYERS):
         names = LAYER_REQUIRED + (COMPRESSOR if _ratio(il) else []) + (INDEXER if _ratio(il) == 4 else [])
         names += ["ffn_gate_tid2eid"] if il < 3 else []

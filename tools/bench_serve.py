@@ -207,9 +207,7 @@ def fmt(v) -> str:
 
 
 def print_table(rows: list[tuple[str, dict]]) -> None:
-    head = (
-        "| run | req | out t/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | TPOT p50/p99 ms | E2E p50/p90/p99 ms |"
-    )
+    head = "| run | req | out t/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | TPOT p50/p99 ms | E2E p50/p90/p99 ms |"
     print(head)
     print("|" + "---|" * 7)
     for name, s in rows:

@@ -21,6 +21,7 @@ real-client tests read.  Usage:
     python tools/client_proxy.py --port 18202 --upstream http://127.0.0.1:18201 \\
         --force TaskList --log proxy.jsonl
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,20 +34,35 @@ from aiohttp import web
 
 GENERATION = {"/v1/messages": "anthropic", "/v1/chat/completions": "chat", "/v1/responses": "responses"}
 SHORT_STOP = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
-HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-       "transfer-encoding", "upgrade", "host", "content-length", "content-encoding"}
+HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "content-encoding",
+}
 
 
 def has_tool_result(api: str, body: dict) -> bool:
     if api == "anthropic":
-        return any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
-            isinstance(b, dict) and b.get("type") == "tool_result" for b in m["content"])
-            for m in body.get("messages") or [])
+        return any(
+            isinstance(m, dict)
+            and isinstance(m.get("content"), list)
+            and any(isinstance(b, dict) and b.get("type") == "tool_result" for b in m["content"])
+            for m in body.get("messages") or []
+        )
     if api == "chat":
         return any(isinstance(m, dict) and m.get("role") == "tool" for m in body.get("messages") or [])
     items = body.get("input")
     return isinstance(items, list) and any(
-        isinstance(i, dict) and i.get("type") == "function_call_output" for i in items)
+        isinstance(i, dict) and i.get("type") == "function_call_output" for i in items
+    )
 
 
 def _tool(api: str, body: dict, name: str) -> Optional[dict]:
@@ -116,13 +132,23 @@ class Proxy:
             if isinstance(body, dict):
                 sent = json.dumps(rewrite(api, body, self.force)).encode()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
-        record = {"seq": self.seq, "method": request.method, "path": request.path,
-                  "request": body, "rewritten": json.loads(sent) if body is not None else None}
+        record = {
+            "seq": self.seq,
+            "method": request.method,
+            "path": request.path,
+            "request": body,
+            "rewritten": json.loads(sent) if body is not None else None,
+        }
         out = bytearray()
         timeout = aiohttp.ClientTimeout(total=1800)
         async with aiohttp.ClientSession(timeout=timeout) as s:
-            async with s.request(request.method, self.upstream + request.path_qs, headers=headers,
-                                 data=sent or None, allow_redirects=False) as up:
+            async with s.request(
+                request.method,
+                self.upstream + request.path_qs,
+                headers=headers,
+                data=sent or None,
+                allow_redirects=False,
+            ) as up:
                 resp = web.StreamResponse(status=up.status, reason=up.reason)
                 for k, v in up.headers.items():
                     if k.lower() not in HOP:
@@ -151,8 +177,9 @@ def main(argv=None) -> None:
     p.add_argument("--force", default=None, help="tool to force while no tool result is in the conversation")
     p.add_argument("--log", default=None, help="append one JSON line per request")
     a = p.parse_args(argv)
-    web.run_app(make_app(a.upstream, a.force, a.log), host="127.0.0.1", port=a.port,
-                print=lambda *x: print(*x, flush=True))
+    web.run_app(
+        make_app(a.upstream, a.force, a.log), host="127.0.0.1", port=a.port, print=lambda *x: print(*x, flush=True)
+    )
 
 
 if __name__ == "__main__":

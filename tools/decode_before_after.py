@@ -7,6 +7,7 @@ frontiers once per DS4MLX_DECODE mode (legacy = the per-layer forward, compiled 
 static step under mx.compile) and prints one CSV line per (mode, frontier) plus the
 compiled step's profile (launches and host µs per token) at the first frontier.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,13 +36,20 @@ def main() -> int:
     roof = info.get("roofline_tps_at_4.8TBps")
     for mode in a.modes:
         os.environ[stepper.MODE_ENV] = mode
-        rows = bench.run_bench(model, tok, a.ctx, a.gen, time_budget=a.time_budget,
-                               log=lambda r: print(f"#   {r}", file=sys.stderr, flush=True))
+        rows = bench.run_bench(
+            model,
+            tok,
+            a.ctx,
+            a.gen,
+            time_budget=a.time_budget,
+            log=lambda r: print(f"#   {r}", file=sys.stderr, flush=True),
+        )
         for r in rows:
             tps = float(r["gen_tps"])
             pct = f"{100 * tps / roof:.1f}" if roof else ""
-            print(f"{mode},{a.expert_format},{r['ctx_tokens']},{tps:.2f},{1e3 / tps if tps else 0:.2f},{pct}",
-                  flush=True)
+            print(
+                f"{mode},{a.expert_format},{r['ctx_tokens']},{tps:.2f},{1e3 / tps if tps else 0:.2f},{pct}", flush=True
+            )
         if a.profile:
             print(format_profile(profile_decode(model, ctx=a.ctx[0])), flush=True)
     return 0

@@ -53,8 +53,12 @@ def split_timing(session, steps: int) -> dict:
         wait.append(1e3 * (t3 - t2))
         tok = nxt
     med = statistics.median
-    return {"build_ms": med(build), "dispatch_ms": med(disp), "wait_ms": med(wait),
-            "total_ms": med([a + b + c for a, b, c in zip(build, disp, wait)])}
+    return {
+        "build_ms": med(build),
+        "dispatch_ms": med(disp),
+        "wait_ms": med(wait),
+        "total_ms": med([a + b + c for a, b, c in zip(build, disp, wait)]),
+    }
 
 
 def loop_tps(session, vocab, n: int) -> float:
@@ -83,8 +87,10 @@ def check_attend_at() -> None:
             live = (pos + 1) // ratio
             idx = (mx.random.permutation(min(live, cap))[:k] if live >= k else mx.arange(k)).astype(mx.int32)[None]
             cnt = mx.array([min(live, k)], mx.int32)
-        out = [sa.attend_at(q, ring, rows, idx, cnt, sinks, p, ratio=ratio, scale=512**-0.5, backend=f)
-               for f in (face, "reference")]
+        out = [
+            sa.attend_at(q, ring, rows, idx, cnt, sinks, p, ratio=ratio, scale=512**-0.5, backend=f)
+            for f in (face, "reference")
+        ]
         d = mx.abs(out[0].astype(mx.float32) - out[1].astype(mx.float32)).max().item()
         say(f"attend_at {face} vs reference: cap {cap} topk {k} ratio {ratio} pos {pos}: max |diff| {d:.3g}")
 
@@ -113,8 +119,10 @@ def main() -> int:
             os.environ[stepper.MODE_ENV] = mode
             t0 = time.time()
             c = count_launches(s, 5)
-            say(f"{mode}: {c['total']} launches per token on {a.count_layers} layers "
-                f"({c['total'] / a.count_layers:.1f} per layer), first step + count {time.time() - t0:.1f} s")
+            say(
+                f"{mode}: {c['total']} launches per token on {a.count_layers} layers "
+                f"({c['total'] / a.count_layers:.1f} per layer), first step + count {time.time() - t0:.1f} s"
+            )
             say("  by primitive:", ", ".join(f"{k}={v}" for k, v in list(c["kinds"].items())[:40]))
         del model, s
         mx.clear_cache()
@@ -152,8 +160,10 @@ def main() -> int:
         first_logits[mode] = seq
         s.restore(snap)
         sp = split_timing(s, a.steps)
-        say(f"{mode}: synchronous step {sp['total_ms']:.2f} ms = build {sp['build_ms']:.2f} + dispatch "
-            f"{sp['dispatch_ms']:.2f} + device wait {sp['wait_ms']:.2f} (medians)")
+        say(
+            f"{mode}: synchronous step {sp['total_ms']:.2f} ms = build {sp['build_ms']:.2f} + dispatch "
+            f"{sp['dispatch_ms']:.2f} + device wait {sp['wait_ms']:.2f} (medians)"
+        )
         s.restore(snap)
         tps = loop_tps(s, vocab, a.gen)
         say(f"{mode}: decode loop {tps:.2f} t/s ({1e3 / tps:.1f} ms/token) at ctx {a.ctx}")

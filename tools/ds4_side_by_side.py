@@ -15,8 +15,15 @@ import csv
 import sys
 from pathlib import Path
 
-COLUMNS = ["ctx_tokens", "ds4_prefill_tps", "ds4mlx_prefill_tps", "prefill_ratio",
-           "ds4_gen_tps", "ds4mlx_gen_tps", "gen_ratio"]
+COLUMNS = [
+    "ctx_tokens",
+    "ds4_prefill_tps",
+    "ds4mlx_prefill_tps",
+    "prefill_ratio",
+    "ds4_gen_tps",
+    "ds4mlx_gen_tps",
+    "gen_ratio",
+]
 
 
 def read_rows(path) -> dict[int, dict]:

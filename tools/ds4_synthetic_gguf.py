@@ -156,8 +156,14 @@ def synthetic_config(layers: int, tiny: bool = False) -> dict:
 def write(path, layers: int, tiny: bool = False, seed: int = 0, threads: int = 8) -> dict:
     cfg = synthetic_config(layers, tiny)
     t0 = time.perf_counter()
-    write_gguf(path, cfg, synthetic_tensors(cfg, seed, threads), tokenizer=None, dtype="f16",
-               name=f"DeepSeek-V4-Flash synthetic q2 ({layers} layers)")
+    write_gguf(
+        path,
+        cfg,
+        synthetic_tensors(cfg, seed, threads),
+        tokenizer=None,
+        dtype="f16",
+        name=f"DeepSeek-V4-Flash synthetic q2 ({layers} layers)",
+    )
     return {
         "path": str(path),
         "layers": layers,

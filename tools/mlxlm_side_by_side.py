@@ -15,6 +15,7 @@ in flight.  Needs mlx-lm (`pip install mlx-lm==0.32.2`).
   python tools/mlxlm_side_by_side.py --layers 43 --prompt 2048 --gen 32 --which both
   python tools/mlxlm_side_by_side.py --tiny --which both --check   # CPU smoke test
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,20 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ds4mlx.bench.synthetic import default_value, named_experts, named_normal, v4_flash_config, weight_std
 
-TINY = dict(hidden_size=256, num_attention_heads=4, head_dim=64, q_lora_rank=64, o_groups=2, o_lora_rank=64,
-            moe_intermediate_size=64, index_n_heads=4, index_head_dim=64, index_topk=16, vocab_size=129280,
-            partial_rotary_factor=0.25)
+TINY = dict(
+    hidden_size=256,
+    num_attention_heads=4,
+    head_dim=64,
+    q_lora_rank=64,
+    o_groups=2,
+    o_lora_rank=64,
+    moe_intermediate_size=64,
+    index_n_heads=4,
+    index_head_dim=64,
+    index_topk=16,
+    vocab_size=129280,
+    partial_rotary_factor=0.25,
+)
 
 
 def ours_value(name, p, n_experts, k):
@@ -38,12 +50,13 @@ def ours_value(name, p, n_experts, k):
     if name.endswith(".mlp.experts.gate_up_proj.weight"):
         base = name.replace("experts.gate_up_proj.weight", "experts.switch_mlp.")
         e, two_i, h = p.shape
-        g = named_experts(base + "gate_proj.weight", (e, two_i // 2, h), h ** -0.5)
-        u = named_experts(base + "up_proj.weight", (e, two_i // 2, h), h ** -0.5)
+        g = named_experts(base + "gate_proj.weight", (e, two_i // 2, h), h**-0.5)
+        u = named_experts(base + "up_proj.weight", (e, two_i // 2, h), h**-0.5)
         return mx.concatenate([g, u], axis=1)
     if name.endswith(".mlp.experts.down_proj.weight"):
-        return named_experts(name.replace("experts.down_proj", "experts.switch_mlp.down_proj"), p.shape,
-                             p.shape[-1] ** -0.5)
+        return named_experts(
+            name.replace("experts.down_proj", "experts.switch_mlp.down_proj"), p.shape, p.shape[-1] ** -0.5
+        )
     if name.endswith("self_attn.o_a_proj.weight"):  # ours [G*O, I] == theirs [G, O, I] reshaped
         return named_normal(name, p.shape, p.shape[-1] ** -0.5)
     return default_value(name, p, n_experts, k)
@@ -52,7 +65,7 @@ def ours_value(name, p, n_experts, k):
 def theirs_value(name, p, n_experts, k):
     if name.endswith("self_attn.o_a_proj.weight") and p.ndim == 3:
         g, o, i = p.shape
-        return named_normal(name, (g * o, i), i ** -0.5).reshape(g, o, i)
+        return named_normal(name, (g * o, i), i**-0.5).reshape(g, o, i)
     if p.ndim == 3:
         return named_experts(name, p.shape, weight_std(name, p.shape))
     if p.ndim >= 2:
@@ -65,19 +78,35 @@ def build_mlxlm(cfg: dict, expert_bits: int, other_bits: int):
 
     kinds = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
     ratios = tuple(kinds[t] for t in cfg["layer_types"])
-    args = ModelArgs.from_dict(dict(
-        model_type="deepseek_v41", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-        num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
-        head_dim=cfg["head_dim"], q_lora_rank=cfg["q_lora_rank"],
-        qk_rope_head_dim=int(cfg["head_dim"] * cfg["partial_rotary_factor"]), o_groups=cfg["o_groups"],
-        o_lora_rank=cfg["o_lora_rank"], moe_intermediate_size=cfg["moe_intermediate_size"],
-        n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
-        rms_norm_eps=1e-6, sliding_window=cfg["sliding_window"], compress_ratios=ratios,
-        kv_source_layer_ids=tuple(i for i, r in enumerate(ratios) if r),
-        index_source_layer_ids=tuple(i for i, r in enumerate(ratios) if r == 4), candidate_source_layer_id=-1,
-        index_n_heads=cfg["index_n_heads"], index_head_dim=cfg["index_head_dim"], index_topk=cfg["index_topk"],
-        hc_mult=cfg["hc_mult"], hc_sinkhorn_iters=cfg["hc_sinkhorn_iters"],
-        max_position_embeddings=cfg["max_position_embeddings"]))
+    args = ModelArgs.from_dict(
+        dict(
+            model_type="deepseek_v41",
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            head_dim=cfg["head_dim"],
+            q_lora_rank=cfg["q_lora_rank"],
+            qk_rope_head_dim=int(cfg["head_dim"] * cfg["partial_rotary_factor"]),
+            o_groups=cfg["o_groups"],
+            o_lora_rank=cfg["o_lora_rank"],
+            moe_intermediate_size=cfg["moe_intermediate_size"],
+            n_routed_experts=cfg["n_routed_experts"],
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            rms_norm_eps=1e-6,
+            sliding_window=cfg["sliding_window"],
+            compress_ratios=ratios,
+            kv_source_layer_ids=tuple(i for i, r in enumerate(ratios) if r),
+            index_source_layer_ids=tuple(i for i, r in enumerate(ratios) if r == 4),
+            candidate_source_layer_id=-1,
+            index_n_heads=cfg["index_n_heads"],
+            index_head_dim=cfg["index_head_dim"],
+            index_topk=cfg["index_topk"],
+            hc_mult=cfg["hc_mult"],
+            hc_sinkhorn_iters=cfg["hc_sinkhorn_iters"],
+            max_position_embeddings=cfg["max_position_embeddings"],
+        )
+    )
     model = Model(args)
     inner = model.model if hasattr(model, "model") else model.language_model
 
@@ -108,7 +137,7 @@ def run_protocol(forward_chunk, decode_step, prompt: list[int], gen: int) -> dic
     t = time.perf_counter()
     logits = None
     for s in range(0, len(prompt), 512):
-        logits = forward_chunk(prompt[s:s + 512])
+        logits = forward_chunk(prompt[s : s + 512])
         mx.eval(logits)
     mx.synchronize()
     pre = time.perf_counter() - t
@@ -128,8 +157,12 @@ def run_protocol(forward_chunk, decode_step, prompt: list[int], gen: int) -> dic
     mx.eval(nxt)
     mx.synchronize()
     dec = time.perf_counter() - t
-    return {"prompt": len(prompt), "prefill_tps": round(len(prompt) / pre, 1), "decode_tps": round(gen / dec, 2),
-            "decode_ms_per_token": round(1000 * dec / gen, 2)}
+    return {
+        "prompt": len(prompt),
+        "prefill_tps": round(len(prompt) / pre, 1),
+        "decode_tps": round(gen / dec, 2),
+        "decode_ms_per_token": round(1000 * dec / gen, 2),
+    }
 
 
 def sizes(model, n_experts, k, vocab) -> dict:
@@ -138,8 +171,11 @@ def sizes(model, n_experts, k, vocab) -> dict:
     expert = sum(p.nbytes for n, p in params if "switch_mlp" in n or ".mlp.experts." in n)
     embed = sum(p.nbytes for n, p in params if "embed_tokens" in n)
     active = (total - expert - embed) + expert * k / n_experts + embed / vocab
-    return {"weights_gb": round(total / 1e9, 2), "active_gb_per_token": round(active / 1e9, 3),
-            "roofline_tps_at_4.8TBps": round(4.8e12 / active, 1)}
+    return {
+        "weights_gb": round(total / 1e9, 2),
+        "active_gb_per_token": round(active / 1e9, 3),
+        "roofline_tps_at_4.8TBps": round(4.8e12 / active, 1),
+    }
 
 
 def main() -> None:
@@ -174,16 +210,32 @@ def main() -> None:
         if keep_ours:
             print(json.dumps({"check": check_shared(ours.model, theirs)}), flush=True)
         cache = theirs.make_cache()
-        r = run_protocol(lambda ids: theirs(mx.array([ids]), cache=cache)[:, -1, :],
-                         lambda y: mx.argmax(theirs(y.reshape(1, 1), cache=cache)[:, -1, :], axis=-1), prompt, a.gen)
-        r.update(sizes(theirs, cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["vocab_size"]),
-                 build_s=round(time.time() - t0, 1), device=str(mx.default_device()))
+        r = run_protocol(
+            lambda ids: theirs(mx.array([ids]), cache=cache)[:, -1, :],
+            lambda y: mx.argmax(theirs(y.reshape(1, 1), cache=cache)[:, -1, :], axis=-1),
+            prompt,
+            a.gen,
+        )
+        r.update(
+            sizes(theirs, cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["vocab_size"]),
+            build_s=round(time.time() - t0, 1),
+            device=str(mx.default_device()),
+        )
         results["mlx-lm deepseek_v41"] = r
         print(json.dumps({"mlx-lm deepseek_v41": r}), flush=True)
     if len(results) == 2:
         o, t = results["ds4mlx"], results["mlx-lm deepseek_v41"]
-        print(json.dumps({"ratio": {"prefill": round(o["prefill_tps"] / t["prefill_tps"], 2),
-                                    "decode": round(o["decode_tps"] / t["decode_tps"], 2)}}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "ratio": {
+                        "prefill": round(o["prefill_tps"] / t["prefill_tps"], 2),
+                        "decode": round(o["decode_tps"] / t["decode_tps"], 2),
+                    }
+                }
+            ),
+            flush=True,
+        )
 
 
 def _run_ours(a, over, prompt):
@@ -192,8 +244,9 @@ def _run_ours(a, over, prompt):
     from ds4mlx.bench.synthetic import build_synthetic_v4_flash
 
     t0 = time.time()
-    ours, _, info = build_synthetic_v4_flash(a.layers, a.experts, a.expert_bits, a.other_bits, value=ours_value,
-                                             overrides=over)
+    ours, _, info = build_synthetic_v4_flash(
+        a.layers, a.experts, a.expert_bits, a.other_bits, value=ours_value, overrides=over
+    )
     sess = ours.new_session(ctx=a.prompt + a.gen + 16, chunk=512)
     r = run_protocol(lambda ids: _ours_chunk(sess, ids), lambda y: mx.argmax(sess.step(y)), prompt, a.gen)
     r.update(info, build_s=round(time.time() - t0, 1), device=str(mx.default_device()))
@@ -214,10 +267,21 @@ def check_shared(ours, theirs) -> dict:
     same, differ = 0, []
     for name, a in other.items():
         ours_name = name.replace("experts.switch_mlp.", "experts.")
-        if ours_name.endswith(("experts.gate_proj.weight", "experts.up_proj.weight", "experts.gate_proj.scales",
-                               "experts.up_proj.scales", "experts.gate_proj.biases", "experts.up_proj.biases")):
-            fused = mine.get(ours_name.replace("gate_proj", "gate_up_proj").replace("up_proj", "gate_up_proj")
-                             .replace("gate_gate_up_proj", "gate_up_proj"))
+        if ours_name.endswith(
+            (
+                "experts.gate_proj.weight",
+                "experts.up_proj.weight",
+                "experts.gate_proj.scales",
+                "experts.up_proj.scales",
+                "experts.gate_proj.biases",
+                "experts.up_proj.biases",
+            )
+        ):
+            fused = mine.get(
+                ours_name.replace("gate_proj", "gate_up_proj")
+                .replace("up_proj", "gate_up_proj")
+                .replace("gate_gate_up_proj", "gate_up_proj")
+            )
             if fused is None:
                 continue
             half = fused.shape[1] // 2

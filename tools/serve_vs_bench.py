@@ -9,6 +9,7 @@ local port and streams a greedy /v1/completions request whose prompt is the same
 (the engine's decode-token counter gives the token count).  Twice: a plain request
 (EOS and the stop ids live: the loop keeps one step undoable) and one with ignore_eos.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,9 @@ from ds4mlx.bench.synthetic import build_synthetic_v4_flash
 
 def stream(url: str, body: dict) -> tuple[float, int]:
     """(seconds from the first to the last text delta, deltas seen)."""
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     first = last = None
     n = 0
     with urllib.request.urlopen(req, timeout=600) as r:
@@ -59,13 +61,16 @@ def main() -> int:
     try:
         for label, extra in (("serve", {}), ("serve_ignore_eos", {"ignore_eos": True})):
             before = engine.stats.decode_tokens
-            secs, deltas = stream(server.url, {"prompt": prompt, "max_tokens": a.gen,
-                                               "temperature": 0, "stream": True, **extra})
+            secs, deltas = stream(
+                server.url, {"prompt": prompt, "max_tokens": a.gen, "temperature": 0, "stream": True, **extra}
+            )
             tokens = engine.stats.decode_tokens - before
             tps = (tokens - 1) / secs if secs > 0 and tokens > 1 else 0.0
             ratio = tps / row["gen_tps"] if row["gen_tps"] else 0.0
-            print(f"{label},{a.expert_format},{a.ctx},{tps:.2f},tokens={tokens},deltas={deltas},"
-                  f"vs_bench={ratio:.2f}", flush=True)
+            print(
+                f"{label},{a.expert_format},{a.ctx},{tps:.2f},tokens={tokens},deltas={deltas},vs_bench={ratio:.2f}",
+                flush=True,
+            )
     finally:
         server.stop()
         engine.close()
