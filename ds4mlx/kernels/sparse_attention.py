@@ -238,37 +238,12 @@ def sparse_attention(
         raise ValueError(f"sparse_attention: {length} window keys for a window of {window}, or no rows for n={n}")
     if rows is not None:
         rows = _rows2d(rows, d)
-    selected = idx is not None
     face = _face(backend)
     if face == "reference":
         return _attend_reference(q, keys, rows, idx, cnt, sinks, n, s, ring_last, window, ratio, scale)
     if n == 0 or rows is None:
-        rows, n = mx.zeros((1, d), keys.dtype), 0
-    if rows.dtype != keys.dtype:
-        rows = rows.astype(keys.dtype)
-    if not selected:
-        idx, cnt = mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32)
-    topk = idx.shape[1]
-    return _kernel("attend")(
-        face,
-        inputs=[q, keys, rows, idx, cnt, sinks, _f32(float(scale)), _meta(s, ring_last, length, n, c)],
-        template=[
-            ("T", q.dtype),
-            ("TK", keys.dtype),
-            ("TS", sinks.dtype),
-            ("D", d),
-            ("W", int(window)),
-            ("RATIO", int(ratio)),
-            ("TOPK", topk),
-            ("THREADS", ATTN_THREADS),
-            ("KB", ATTN_KEYS),
-            ("SELECTED", selected),
-        ],
-        grid=(nh * ATTN_THREADS, c, 1),
-        threadgroup=(ATTN_THREADS, 1, 1),
-        output_shapes=[(nh, c, d)],
-        output_dtypes=[q.dtype],
-    )[0]
+        rows, n = None, 0
+    return _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, _meta(s, ring_last, length, n, c), window, ratio)
 
 
 def step_face() -> str | None:
@@ -308,23 +283,30 @@ def attend_at(
     if face == "reference":
         return _attend_reference(q, ring, rows, idx, cnt, sinks, n, pos, pos, window, max(ratio, 1), scale)
     meta = _meta_at(pos, 2, window, n, 1)  # [s, ring_last, length, n, c]
+    return _launch_attend(face, q, ring, rows, idx, cnt, sinks, scale, meta, window, max(ratio, 1))
+
+
+def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ratio) -> mx.array:
+    """The attend kernel's GPU launch: keys [L, D] (window first), rows [n, D] or None,
+    idx [C, k] / cnt [C] or None (every causal row), meta [s, ring_last, L, n, C]."""
+    nh, c, d = q.shape
     if rows is None:
-        rows = mx.zeros((1, d), ring.dtype)
-    elif rows.dtype != ring.dtype:
-        rows = rows.astype(ring.dtype)
+        rows = mx.zeros((1, d), keys.dtype)
+    elif rows.dtype != keys.dtype:
+        rows = rows.astype(keys.dtype)
     selected = idx is not None
     if not selected:
         idx, cnt = mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32)
     return _kernel("attend")(
         face,
-        inputs=[q, ring, rows, idx, cnt, sinks, _f32(float(scale)), meta],
+        inputs=[q, keys, rows, idx, cnt, sinks, _f32(float(scale)), meta],
         template=[
             ("T", q.dtype),
-            ("TK", ring.dtype),
+            ("TK", keys.dtype),
             ("TS", sinks.dtype),
             ("D", d),
             ("W", int(window)),
-            ("RATIO", int(max(ratio, 1))),
+            ("RATIO", int(ratio)),
             ("TOPK", idx.shape[1]),
             ("THREADS", ATTN_THREADS),
             ("KB", ATTN_KEYS),
