@@ -118,6 +118,17 @@ class ImageRows:
         return h
 
 
+class PromptPositions:
+    """The model's `input_positions` hook: `hook(n) -> [3, n]` MRoPE positions of a
+    prompt's rows [0, n) (its image spans anywhere in it)."""
+
+    def __init__(self, spans: list[ImageSpan], merge: int):
+        self.spans, self.merge = list(spans), merge
+
+    def __call__(self, n: int) -> np.ndarray:
+        return mrope_positions(n, [s for s in self.spans if s.start < n], self.merge)
+
+
 def mrope_positions(n_tokens: int, spans: list[ImageSpan], merge: int) -> np.ndarray:
     """[3, n_tokens] (t, h, w) positions: text advances all three by one per token; an
     image's pad tokens sit on their merged grid offset by the running position, which
