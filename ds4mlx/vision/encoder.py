@@ -126,7 +126,8 @@ class PromptPositions:
         self.spans, self.merge = list(spans), merge
 
     def __call__(self, n: int) -> np.ndarray:
-        return mrope_positions(n, [s for s in self.spans if s.start < n], self.merge)
+        whole = max([n] + [s.start + s.length for s in self.spans])  # a chunk may end inside an image
+        return mrope_positions(whole, self.spans, self.merge)[:, :n]
 
 
 def mrope_positions(n_tokens: int, spans: list[ImageSpan], merge: int) -> np.ndarray:
