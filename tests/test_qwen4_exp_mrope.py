@@ -132,3 +132,124 @@ def test_snapshot_restore_keeps_positions(case):
     t_blob = c.snapshot()
     b.restore(t_blob)
     assert all(x.rope_delta == 0 and x.mrope is None for x in b._cache if isinstance(x, AttentionCache))
+
+
+# -- the whole VLM: transformers' Qwen4ExpForConditionalGeneration given pixel_values -------
+VISION = dict(
+    depth=2,
+    hidden_size=32,
+    hidden_act="gelu",
+    intermediate_size=48,
+    num_heads=2,
+    in_channels=3,
+    patch_size=16,
+    spatial_merge_size=MERGE,
+    temporal_patch_size=2,
+    num_position_embeddings=36,
+    rope_parameters={"rope_type": "axial", "rope_theta": 500.0},
+    initializer_range=0.2,
+)
+GRIDS = [(1, 4, 6), (1, 2, 8)]  # the grids of SPANS
+
+
+@pytest.fixture(scope="module")
+def vlm(oracle, tmp_path_factory):
+    """(ds4mlx LanguageModel, VisionEncoder, prompt ids, pixel rows, HF prompt logits,
+    HF cached decode logits) of a tiny random VLM over the default text oracle."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpConfig
+
+    from ds4mlx.models.base import load_hf_dir
+    from ds4mlx.vision.load import load_vision
+
+    folder, _, ref, _ = load_case(oracle, SCRIPT, None)
+    text = json.loads((folder / "config.json").read_text())
+    V = text["vocab_size"]
+    cfg = Qwen4ExpConfig(
+        text_config=text,
+        vision_config={**VISION, "out_hidden_size": text["hidden_size"]},
+        image_token_id=V - 2,
+        video_token_id=V - 4,
+        vision_start_token_id=V - 3,
+        vision_end_token_id=V - 1,
+    )
+    torch.manual_seed(0)
+    model = hf.Qwen4ExpForConditionalGeneration(cfg).eval()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        for p in model.model.visual.parameters():  # the random init is near zero: spread it
+            p.add_(torch.randn_like(p) * 0.05)
+    out_dir = tmp_path_factory.mktemp("qwen4_exp_vlm")
+    cfg.save_pretrained(out_dir)  # the in-memory state-dict names, as tests/oracle writes them
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    ids = [int(t) % (V - 4) for t in ref["input_ids"][0].tolist()[: PROMPT + DECODE]]
+    types = np.zeros(PROMPT + DECODE, np.int64)
+    for s in SPANS:
+        ids[s.start], ids[s.start + s.length - 1] = V - 3, V - 1
+        for i in s.pads:
+            ids[i] = V - 2
+        types[list(s.pads)] = 1
+    patch = 3 * 2 * 16 * 16
+    rng = np.random.default_rng(1)
+    pixels = rng.standard_normal((sum(int(np.prod(g)) for g in GRIDS), patch)).astype(np.float32)
+    t_ids = torch.tensor([ids])
+    kw = dict(pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.tensor(GRIDS))
+    with torch.no_grad():
+        full = model(input_ids=t_ids[:, :PROMPT], mm_token_type_ids=torch.from_numpy(types[:PROMPT])[None], **kw)
+        want_full = full.logits[0].numpy()
+        out = model(
+            input_ids=t_ids[:, :PROMPT], mm_token_type_ids=torch.from_numpy(types[:PROMPT])[None], use_cache=True, **kw
+        )
+        pkv, steps = out.past_key_values, []
+        for t in range(PROMPT, PROMPT + DECODE):
+            o = model(
+                input_ids=t_ids[:, t : t + 1],
+                mm_token_type_ids=torch.zeros((1, 1), dtype=torch.long),
+                past_key_values=pkv,
+                use_cache=True,
+            )
+            pkv = o.past_key_values
+            steps.append(o.logits[0, -1].numpy())
+    lm = load_hf_dir(str(out_dir))
+    enc = load_vision(str(out_dir), lm)
+    return lm, enc, ids, pixels, want_full, np.stack(steps)
+
+
+def test_vlm_prompt_and_decode_match_transformers(vlm):
+    """Encoder rows + MRoPE positions: the image prompt's logits and the decode after it
+    equal transformers' model given pixel_values (float32)."""
+    from ds4mlx.vision.encoder import ImageRows
+
+    lm, enc, ids, pixels, want_full, want_steps = vlm
+    assert (enc.ids.start, enc.ids.pad, enc.ids.end) == (ids[3], ids[4], ids[10])
+    n0 = int(np.prod(GRIDS[0]))
+    rows = [
+        enc.tower(mx.array(pixels[:n0]), [GRIDS[0]]).embeddings,
+        enc.tower(mx.array(pixels[n0:]), [GRIDS[1]]).embeddings,
+    ]
+    bb = lm.model.model
+    s = lm.new_session(ctx=PROMPT + DECODE + 8, chunk=5)
+    bb.input_rows = ImageRows.for_spans(SPANS, rows)
+    bb.input_positions = PromptPositions(SPANS, MERGE)
+    try:
+        cache = lm.model.make_cache()
+        full = np.array(lm.model(mx.array([ids[:PROMPT]], dtype=mx.int32), cache)[0])
+        last = s.prefill(ids[:PROMPT])
+    finally:
+        bb.input_rows = bb.input_positions = None
+    assert maxdiff(full, want_full) <= TOL
+    assert maxdiff(last, want_full[-1]) <= TOL
+    steps = np.stack([s.decode(t) for t in ids[PROMPT:]])
+    assert maxdiff(steps, want_steps) <= TOL
+    # the rows and the positions both matter here
+    assert maxdiff(lm.logits(ids[:PROMPT]), want_full) > 10 * TOL
+    no_pos = lm.model.make_cache()
+    bb.input_rows = ImageRows.for_spans(SPANS, rows)
+    try:
+        text_pos = np.array(lm.model(mx.array([ids[:PROMPT]], dtype=mx.int32), no_pos)[0])
+    finally:
+        bb.input_rows = None
+    assert maxdiff(text_pos, want_full) > 10 * TOL
