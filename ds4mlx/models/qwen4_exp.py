@@ -59,6 +59,7 @@ from .gated_delta import causal_conv1d, gated_delta, l2_normalize
 from .layers import GLUMLP, SwitchGLU, default_inv_freq, route_weights, score_fn, topk_indices
 from .qwen4_exp_ple import DepthwiseConvWeight, GroupedNorm, PLELayer
 
+MROPE_SECTION_DEFAULT = [11, 11, 10]  # transformers' Qwen4ExpTextRotaryEmbedding, when the config has none
 LINEAR = "linear_attention"
 INDEXED = "indexed_attention"
 
@@ -474,7 +475,7 @@ class HalfRoPE:
         # the position stream (t 0, h 1, w 2) of each frequency: transformers' interleaved
         # recomposition (frequency i takes h when i % 3 == 1 and i < 3 * section[1], etc.)
         stream = np.zeros(dims // 2, np.int32)
-        sec = list(mrope_section or [dims // 2, 0, 0])
+        sec = list(mrope_section or MROPE_SECTION_DEFAULT)
         for k in (1, 2):
             stream[k : sec[k] * 3 : 3] = k
         self._stream = mx.array(stream)
