@@ -36,13 +36,13 @@ PROMPT = 24
 DECODE = 6  # tokens decoded after the prompt
 
 
-@pytest.fixture(scope="module", params=[None, "long"], ids=lambda c: c or "default")
-def case(request, oracle):
-    folder, lm, ref, _ = load_case(oracle, SCRIPT, request.param)
-    ids = ref["input_ids"][0].tolist()[: PROMPT + DECODE]
-    pos = mrope_positions(PROMPT, SPANS, MERGE)
-    delta = int(pos.max()) + 1 - PROMPT
-    full_pos = np.concatenate([pos, np.broadcast_to(np.arange(PROMPT, PROMPT + DECODE) + delta, (3, DECODE))], axis=1)
+def _transformers(folder, ids: list[int], prompt: int):
+    """transformers' logits of `ids` (the first `prompt` rows an image prompt, the rest
+    text at row + delta): the full forward, its cached decode after the prompt, delta."""
+    n = len(ids)
+    pos = mrope_positions(prompt, SPANS, MERGE)
+    delta = int(pos.max()) + 1 - prompt
+    full_pos = np.concatenate([pos, np.broadcast_to(np.arange(prompt, n) + delta, (3, n - prompt))], axis=1)
     model = hf.Qwen4ExpForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32)
     model.eval()
     model.set_attn_implementation("eager")
@@ -50,14 +50,22 @@ def case(request, oracle):
     with torch.no_grad():
         want_full = model(input_ids=t_ids, position_ids=torch.from_numpy(full_pos)[:, None]).logits[0].numpy()
         # transformers' own cached decode after the image prompt
-        out = model(input_ids=t_ids[:, :PROMPT], position_ids=torch.from_numpy(pos)[:, None], use_cache=True)
+        out = model(input_ids=t_ids[:, :prompt], position_ids=torch.from_numpy(pos)[:, None], use_cache=True)
         pkv, steps = out.past_key_values, []
-        for t in range(PROMPT, PROMPT + DECODE):
+        for t in range(prompt, n):
             p = torch.full((3, 1, 1), t + delta, dtype=torch.long)
             o = model(input_ids=t_ids[:, t : t + 1], position_ids=p, past_key_values=pkv, use_cache=True)
             pkv = o.past_key_values
             steps.append(o.logits[0, -1].numpy())
-    return lm, ids, want_full, np.stack(steps), delta
+    return want_full, np.stack(steps), delta
+
+
+@pytest.fixture(scope="module", params=[None, "long"], ids=lambda c: c or "default")
+def case(request, oracle):
+    folder, lm, ref, _ = load_case(oracle, SCRIPT, request.param)
+    ids = ref["input_ids"][0].tolist()[: PROMPT + DECODE]
+    want_full, steps, delta = _transformers(folder, ids, PROMPT)
+    return lm, ids, want_full, steps, delta, folder
 
 
 def _prefill(lm, ids, chunk):
@@ -72,12 +80,12 @@ def _prefill(lm, ids, chunk):
 
 
 def test_positions_differ_from_text(case):
-    *_, delta = case
+    *_, delta, _ = case
     assert delta < 0  # the images make the prompt's positions run behind its row count
 
 
 def test_full_forward_matches_transformers(case):
-    lm, ids, want_full, _, _ = case
+    lm, ids, want_full, _, _, _ = case
     cache = lm.model.make_cache()
     bb = lm.model.model
     bb.input_positions = PromptPositions(SPANS, MERGE)
@@ -96,7 +104,7 @@ def test_prefill_then_decode_matches_transformers(case, chunk, how, monkeypatch)
     """Chunked image prefill (chunks cut inside an image and inside QSA blocks), then
     token-by-token decode at row + rope_delta, on the compiled static step and the
     dynamic path."""
-    lm, ids, want_full, want_steps, delta = case
+    lm, ids, want_full, want_steps, delta, _ = case
     monkeypatch.setenv(stepper.MODE_ENV, how)
     s, last = _prefill(lm, ids, chunk)
     assert maxdiff(last, want_full[PROMPT - 1]) <= TOL
@@ -111,10 +119,38 @@ def test_prefill_then_decode_matches_transformers(case, chunk, how, monkeypatch)
     assert maxdiff(steps, want_full[PROMPT:]) <= TOL
 
 
+@pytest.mark.parametrize("how", ["compiled", "eager"])
+def test_undoable_decode_right_after_an_image(case, how, monkeypatch):
+    """A prompt that ends on the last image's vision_end: the open QSA block starts on
+    image rows, so the static step takes that block's (t, h, w) position; undoable steps
+    (the engine's lookahead) and an undo on this path."""
+    lm, ids, _, _, _, folder = case
+    prompt = SPANS[-1].start + SPANS[-1].length
+    ids = ids[: prompt + DECODE]
+    want_full, want_steps, _ = _transformers(folder, ids, prompt)
+    monkeypatch.setenv(stepper.MODE_ENV, how)
+    s = lm.new_session(ctx=len(ids) + 8, chunk=6)
+    bb = lm.model.model
+    bb.input_positions = PromptPositions(SPANS, MERGE)
+    try:
+        assert maxdiff(s.prefill(ids[:prompt]), want_full[prompt - 1]) <= TOL
+    finally:
+        bb.input_positions = None
+    assert any(not c.plain_from(c.offset // c.ratio * c.ratio) for c in s.caches if isinstance(c, AttentionCache))
+    assert s.can_undo
+    got = []
+    for i, t in enumerate(ids[prompt:]):
+        if i == 2:  # a step taken back: the next one is as if it never ran
+            s.step(ids[0], undoable=True)
+            s.undo_step()
+        got.append(np.array(s.step(t, undoable=True)))
+    assert maxdiff(np.stack(got), want_steps) <= TOL
+
+
 def test_snapshot_restore_keeps_positions(case):
     """A restored image session decodes at the image prompt's positions (rope_delta and
     the explicit image-row positions travel in the snapshot), bit-identically."""
-    lm, ids, want_full, want_steps, delta = case
+    lm, ids, want_full, want_steps, delta, _ = case
     a, _ = _prefill(lm, ids, 7)
     blob = a.snapshot()
     want = np.stack([a.decode(t) for t in ids[PROMPT:]])

@@ -375,8 +375,12 @@ class AttentionCache:
             self.index_blocks.buf = mx.zeros((1, 0, tail.shape[-1]), tail.dtype)
         self.index_blocks.reserve(self.offset // r + 1)
         pad = mx.zeros((1, r - tail.shape[1], tail.shape[-1]), tail.dtype)
+        # the rope position of this row is row + rope_delta (text); the open block's first
+        # row may be an image row (a prompt ending just after an image): its (t, h, w)
         delta = mx.array(self.rope_delta, mx.int32)
-        return [self.keys.buf, self.values.buf, self.index_blocks.buf, mx.concatenate([tail, pad], axis=1), delta]
+        block_pos = self.positions(np.array([self.offset // r * r]))
+        tail = mx.concatenate([tail, pad], axis=1)
+        return [self.keys.buf, self.values.buf, self.index_blocks.buf, tail, delta, block_pos]
 
     def commit_static(self, arrays, advance: int = 1) -> None:
         self.offset += advance
@@ -384,7 +388,7 @@ class AttentionCache:
         self.keys.n = self.values.n = self.offset
         self.index_blocks.n = self.offset // self.ratio
         self.index_tail = next(arrays)[:, : self.offset % self.ratio]
-        next(arrays)  # rope_delta: the step does not change it
+        next(arrays), next(arrays)  # rope_delta, the open block's position: made per step
 
     @property
     def state(self) -> dict:
@@ -592,11 +596,11 @@ class QSAIndexer(nn.Module):
         tail = (pos >= complete * r) & (pos <= t)
         return in_block | tail
 
-    def step(self, x: mx.array, pos: mx.array, blocks: mx.array, tail: mx.array, valid: mx.array, delta: mx.array):
+    def step(self, x: mx.array, pos: mx.array, blocks: mx.array, tail: mx.array, valid: mx.array, delta, block_pos):
         """`__call__` for one query at row `pos` (array) over the capacity rows: (new blocks,
         new tail, token mask [cap]).  The open block is pooled and written at pos // r
-        whether complete or not (a block that is not complete is masked).  Rows are text
-        positions row + delta (`Model.static_ready`)."""
+        whether complete or not (a block that is not complete is masked).  The query sits
+        at pos + delta, the open block at block_pos [3, 1] (AttentionCache.static_state)."""
         r = self.ratio
         qk = self.index_qk_proj(x)
         q = self.q_layernorm(qk[..., : self.nh * self.d].reshape(1, 1, self.nh, self.d))
@@ -604,7 +608,7 @@ class QSAIndexer(nn.Module):
         raw = qk[..., self.nh * self.d :]  # [1, 1, d]
         tail = mx.slice_update(tail, raw.astype(tail.dtype), (pos % r).reshape(1), axes=(1,))
         block = self.k_layernorm(tail.astype(mx.float32).mean(axis=1, keepdims=True).astype(raw.dtype))
-        block = self._rope(block[:, None], offset=(pos // r) * r + delta)[:, 0]
+        block = self._rope.at(block[:, None], block_pos)[:, 0]
         blocks = mx.slice_update(blocks, block.astype(blocks.dtype), (pos // r).reshape(1), axes=(1,))
         nb = blocks.shape[1]
         if nb <= self.topk:
@@ -636,9 +640,9 @@ class Attention(nn.Module):
 
     def step(self, x: mx.array, pos: mx.array, state, new: list) -> mx.array:
         """`__call__` for one token at `pos` (array) over `AttentionCache.static_state`."""
-        keys, values, blocks, tail, delta = next(state), next(state), next(state), next(state), next(state)
+        keys, values, blocks, tail, delta, block_pos = (next(state) for _ in range(6))
         valid = mx.arange(keys.shape[-2]) <= pos
-        blocks, tail, mask = self.indexer.step(x, pos, blocks, tail, valid, delta)
+        blocks, tail, mask = self.indexer.step(x, pos, blocks, tail, valid, delta, block_pos)
         qg = self.q_proj(x).reshape(1, 1, self.nh, 2 * self.D)
         q, gate = qg[..., : self.D], qg[..., self.D :]
         at_pos = pos + delta  # the rope position (rows after an image prompt: see AttentionCache)
@@ -648,7 +652,7 @@ class Attention(nn.Module):
         at = pos.reshape(1)
         keys = mx.slice_update(keys, k.astype(keys.dtype), at, axes=(2,))
         values = mx.slice_update(values, v.astype(values.dtype), at, axes=(2,))
-        new += [keys, values, blocks, tail, delta]
+        new += [keys, values, blocks, tail, delta, block_pos]
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.D**-0.5, mask=mask[None])
         out = out.swapaxes(1, 2).reshape(1, 1, self.nh * self.D)
         out = out * mx.sigmoid(gate.reshape(1, 1, -1).astype(mx.float32)).astype(out.dtype)
@@ -819,13 +823,8 @@ class Model(StaticDecode, CausalLM):
         return None  # every buffer exists before the first static step (static_ready)
 
     def static_ready(self, cache: list) -> bool:
-        """The static step needs the state every layer makes at its first token, and text
-        positions (row + rope_delta) from the open QSA block on (image rows take the
-        dynamic path)."""
-        return all(
-            c.offset > 0 and (not isinstance(c, AttentionCache) or c.plain_from(c.offset // c.ratio * c.ratio))
-            for c in cache
-        )
+        """The static step needs the state every layer makes at its first token."""
+        return all(c.offset > 0 for c in cache)
 
     def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
         """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
