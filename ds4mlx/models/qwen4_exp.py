@@ -342,6 +342,7 @@ class AttentionCache:
         # (an image prompt up to its last image token); row i past them sits at i + rope_delta
         self.mrope: np.ndarray | None = None
         self.rope_delta = 0
+        self._step_pos = None  # (key, delta, block position) of static_state, made once per block
 
     def set_positions(self, table: np.ndarray) -> None:
         """Positions [3, n] of rows [0, n) (an image prompt's get_rope_index)."""
@@ -350,6 +351,7 @@ class AttentionCache:
         plain = (table == (np.arange(n) + self.rope_delta)[None]).all(axis=0)
         end = int(np.nonzero(~plain)[0].max()) + 1 if (~plain).any() else 0
         self.mrope = np.ascontiguousarray(table[:, :end]) if end else None
+        self._step_pos = None
 
     def plain_from(self, row: int) -> bool:
         """Whether every row from `row` on is a text position (row + rope_delta)."""
@@ -377,8 +379,11 @@ class AttentionCache:
         pad = mx.zeros((1, r - tail.shape[1], tail.shape[-1]), tail.dtype)
         # the rope position of this row is row + rope_delta (text); the open block's first
         # row may be an image row (a prompt ending just after an image): its (t, h, w)
-        delta = mx.array(self.rope_delta, mx.int32)
-        block_pos = self.positions(np.array([self.offset // r * r]))
+        key = (self.offset // r, self.rope_delta)
+        if self._step_pos is None or self._step_pos[0] != key:  # host work once per block, not per step
+            start = np.array([self.offset // r * r])
+            self._step_pos = (key, mx.array(self.rope_delta, mx.int32), self.positions(start))
+        _, delta, block_pos = self._step_pos
         tail = mx.concatenate([tail, pad], axis=1)
         return [self.keys.buf, self.values.buf, self.index_blocks.buf, tail, delta, block_pos]
 
@@ -432,6 +437,7 @@ class AttentionCache:
         mrope = arrays.get("mrope")
         self.mrope = None if mrope is None else np.array(mrope).astype(np.int64)
         self.rope_delta = int(meta.get("rope_delta", 0))
+        self._step_pos = None
 
     @property
     def nbytes(self) -> int:
