@@ -188,3 +188,51 @@ def test_same_request_again_restores_the_image_checkpoint(engine):
     other = job_for(engine, ["two: ", image(1), " and ", image(9), " ok"])  # one image replaced
     fin3 = run(engine, other)
     assert fin3.usage.cached_tokens == 0 and engine.stats.last_cache_source == "none"
+
+
+def _fresh_prefill(engine, model, job, ids):
+    """The logits of `ids` prefilled from the first token with the job's images (the
+    engine's rebuild path), and the session."""
+    from ds4mlx.vision import reuse
+
+    s = model.new_session(4096)
+    with reuse.rows_installed(engine, job, 0):
+        last = s.prefill(ids)
+    return s, last
+
+
+def _deltas(session) -> set:
+    return {c.rope_delta for c in session.caches if hasattr(c, "rope_delta")}
+
+
+def test_reused_image_prefix_continues_at_the_image_positions(engine, loaded):
+    """The live-prefix reuse (the continuation is prefilled with no new images, so no
+    positions hook) and the image checkpoint keep the MRoPE position delta: the answer
+    after the reused prefix is the answer of a session rebuilt from the first token."""
+    from ds4mlx.vision.encoder import mrope_positions
+
+    model, _ = loaded
+    first = job_for(engine, ["two: ", image(1, 300, 100), " and ", image(2), " ok"])
+    run(engine, first)
+    live = list(engine.session.tokens)
+    merge = engine.vision.tower.args.spatial_merge_size
+    n = len(first.prompt_ids)
+    want_delta = int(mrope_positions(n, first.images, merge).max()) + 1 - n
+    assert want_delta < 0 and _deltas(engine.session) == {want_delta}
+    again = job_for(engine, ["two: ", image(1, 300, 100), " and ", image(2), " ok"])
+    more = engine.tokenizer.encode(" more words")
+    again.prompt_ids = live + more
+    again.max_tokens = 6
+    run(engine, again)
+    assert engine.stats.last_cache_source == "vision-prefix"
+    assert _deltas(engine.session) == {want_delta}
+    answer = list(engine.session.tokens)[len(live) + len(more) :]
+    assert answer
+    # a session rebuilt from the first token (test thread, its own arrays), decoded greedily
+    fresh, logits = _fresh_prefill(engine, model, again, live + more)
+    assert _deltas(fresh) == {want_delta}
+    greedy = []
+    for _ in answer:
+        greedy.append(int(np.argmax(logits)))
+        logits = fresh.decode(greedy[-1])
+    assert greedy == answer

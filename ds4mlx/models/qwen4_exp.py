@@ -1,9 +1,11 @@
 """Qwen3.8 Flash Next in MLX: transformers' `qwen4_exp` text model (Qwen4ExpForCausalLM).
 
 Reference: transformers' modeling_qwen4_exp.py (model_type `qwen4_exp_text`; the VLM
-config `qwen4_exp` nests it as `text_config`).  Text only: the 3D MRoPE position streams
-are all equal for text, so the rope is a plain rotate-half rope on the first
-`head_dim * partial_rotary_factor` channels.
+config `qwen4_exp` nests it as `text_config`).  The rope is a rotate-half rope on the first
+`head_dim * partial_rotary_factor` channels; its (t, h, w) MRoPE position streams are
+equal for text (a plain rope at index + `rope_delta`), and differ on image tokens (the
+`input_positions` hook gives them during an image prefill; the caches keep them and
+the delta text positions carry after the last image, see `AttentionCache`).
 
 Hidden state: `hc_count` residual streams [B, T, hc, H], all equal to the token
 embedding at the start.  One decoder layer:
@@ -48,6 +50,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .cache import StaticDecode, grow_rows
@@ -56,6 +59,7 @@ from .gated_delta import causal_conv1d, gated_delta, l2_normalize
 from .layers import GLUMLP, SwitchGLU, default_inv_freq, route_weights, score_fn, topk_indices
 from .qwen4_exp_ple import DepthwiseConvWeight, GroupedNorm, PLELayer
 
+MROPE_SECTION_DEFAULT = [11, 11, 10]  # transformers' Qwen4ExpTextRotaryEmbedding, when the config has none
 LINEAR = "linear_attention"
 INDEXED = "indexed_attention"
 
@@ -327,13 +331,40 @@ class AttentionCache:
     index_tail [1, L % r, d]      the raw indexer keys of the incomplete block
     """
 
-    NAMES = ("keys", "values", "index_blocks", "index_tail")
+    NAMES = ("keys", "values", "index_blocks", "index_tail", "mrope")
 
     def __init__(self, ratio: int):
         self.offset = 0
         self.ratio = ratio
         self.keys, self.values, self.index_blocks = _Rows(), _Rows(), _Rows()
         self.index_tail = None
+        # MRoPE: rows [0, mrope.shape[1]) have the explicit (t, h, w) positions `mrope`
+        # (an image prompt up to its last image token); row i past them sits at i + rope_delta
+        self.mrope: np.ndarray | None = None
+        self.rope_delta = 0
+        self._step_pos = None  # (key, delta, block position) of static_state, made once per block
+
+    def set_positions(self, table: np.ndarray) -> None:
+        """Positions [3, n] of rows [0, n) (an image prompt's get_rope_index)."""
+        n = table.shape[1]
+        self.rope_delta = int(table[:, -1].max()) + 1 - n if n else 0
+        plain = (table == (np.arange(n) + self.rope_delta)[None]).all(axis=0)
+        end = int(np.nonzero(~plain)[0].max()) + 1 if (~plain).any() else 0
+        self.mrope = np.ascontiguousarray(table[:, :end]) if end else None
+        self._step_pos = None
+
+    def plain_from(self, row: int) -> bool:
+        """Whether every row from `row` on is a text position (row + rope_delta)."""
+        return self.mrope is None or row >= self.mrope.shape[1]
+
+    def positions(self, rows: np.ndarray) -> mx.array:
+        """The (t, h, w) positions [3, len(rows)] of `rows`."""
+        rows = np.asarray(rows, np.int64)
+        out = np.broadcast_to(rows + self.rope_delta, (3, rows.size)).copy()
+        if self.mrope is not None:
+            known = rows < self.mrope.shape[1]
+            out[:, known] = self.mrope[:, rows[known]]
+        return mx.array(out.astype(np.int32))
 
     # -- static decode layout (present from the first token on)
     def static_state(self, dtype) -> list[mx.array]:
@@ -346,7 +377,15 @@ class AttentionCache:
             self.index_blocks.buf = mx.zeros((1, 0, tail.shape[-1]), tail.dtype)
         self.index_blocks.reserve(self.offset // r + 1)
         pad = mx.zeros((1, r - tail.shape[1], tail.shape[-1]), tail.dtype)
-        return [self.keys.buf, self.values.buf, self.index_blocks.buf, mx.concatenate([tail, pad], axis=1)]
+        # the rope position of this row is row + rope_delta (text); the open block's first
+        # row may be an image row (a prompt ending just after an image): its (t, h, w)
+        key = (self.offset // r, self.rope_delta)
+        if self._step_pos is None or self._step_pos[0] != key:  # host work once per block, not per step
+            start = np.array([self.offset // r * r])
+            self._step_pos = (key, mx.array(self.rope_delta, mx.int32), self.positions(start))
+        _, delta, block_pos = self._step_pos
+        tail = mx.concatenate([tail, pad], axis=1)
+        return [self.keys.buf, self.values.buf, self.index_blocks.buf, tail, delta, block_pos]
 
     def commit_static(self, arrays, advance: int = 1) -> None:
         self.offset += advance
@@ -354,6 +393,7 @@ class AttentionCache:
         self.keys.n = self.values.n = self.offset
         self.index_blocks.n = self.offset // self.ratio
         self.index_tail = next(arrays)[:, : self.offset % self.ratio]
+        next(arrays), next(arrays)  # rope_delta, the open block's position: made per step
 
     @property
     def state(self) -> dict:
@@ -362,6 +402,8 @@ class AttentionCache:
         out = {"keys": self.keys.live(), "values": self.values.live(), "index_tail": self.index_tail}
         if self.index_blocks.buf is not None:
             out["index_blocks"] = self.index_blocks.live()
+        if self.mrope is not None:
+            out["mrope"] = mx.array(self.mrope.astype(np.int32))
         return out
 
     @property
@@ -372,6 +414,7 @@ class AttentionCache:
             "ratio": self.ratio,
             "cap": self.keys.cap,
             "block_cap": self.index_blocks.cap,
+            "rope_delta": self.rope_delta,
         }
 
     def load(self, meta: dict, arrays: dict):
@@ -391,6 +434,10 @@ class AttentionCache:
         self.values.load(arrays.get("values"), int(meta.get("cap", 0)))
         self.index_blocks.load(arrays.get("index_blocks"), int(meta.get("block_cap", 0)))
         self.index_tail = arrays.get("index_tail")
+        mrope = arrays.get("mrope")
+        self.mrope = None if mrope is None else np.array(mrope).astype(np.int64)
+        self.rope_delta = int(meta.get("rope_delta", 0))
+        self._step_pos = None
 
     @property
     def nbytes(self) -> int:
@@ -431,15 +478,40 @@ class GatedRMSNorm(nn.Module):
 class HalfRoPE:
     """Rotate-half rope on the first `dims` channels (default inverse frequencies)."""
 
-    def __init__(self, dims: int, theta: float):
+    def __init__(self, dims: int, theta: float, mrope_section=None):
         self.dims = dims
-        self._periods = (1.0 / default_inv_freq(dims, theta)).astype(mx.float32)
+        self._inv_freq = default_inv_freq(dims, theta).astype(mx.float32)
+        self._periods = 1.0 / self._inv_freq
+        # the position stream (t 0, h 1, w 2) of each frequency: transformers' interleaved
+        # recomposition (frequency i takes h when i % 3 == 1 and i < 3 * section[1], etc.)
+        stream = np.zeros(dims // 2, np.int32)
+        sec = list(mrope_section or MROPE_SECTION_DEFAULT)
+        for k in (1, 2):
+            stream[k : sec[k] * 3 : 3] = k
+        self._stream = mx.array(stream)
+
+    def at(self, x: mx.array, pos: mx.array) -> mx.array:
+        """x [..., L, D] with row j at the (t, h, w) position pos[:, j] (pos [3, L] int)."""
+        if self.dims == 0:
+            return x
+        ang = mx.take(pos, self._stream, axis=0).T.astype(mx.float32) * self._inv_freq  # [L, dims/2]
+        cos, sin = mx.cos(ang).astype(x.dtype), mx.sin(ang).astype(x.dtype)
+        h = self.dims // 2
+        x1, x2, rest = x[..., :h], x[..., h : self.dims], x[..., self.dims :]
+        return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
     def __call__(self, x: mx.array, offset: int = 0, scale: float = 1.0) -> mx.array:
         """x [..., L, D]: row j gets the angle scale * (offset + j) * inv_freq."""
         if self.dims == 0:
             return x
         return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=scale, offset=offset, freqs=self._periods)
+
+
+def rope_rows(rope: HalfRoPE, cache: AttentionCache, x: mx.array, start: int) -> mx.array:
+    """`rope` on x [..., C, D], the rows [start, start + C) of `cache` (MRoPE-aware)."""
+    if cache.plain_from(start):
+        return rope(x, offset=start + cache.rope_delta)
+    return rope.at(x, cache.positions(np.arange(start, start + x.shape[-2])))
 
 
 class GatedDeltaNet(nn.Module):
@@ -498,7 +570,7 @@ class QSAIndexer(nn.Module):
         r, L = self.ratio, s + C
         qk = self.index_qk_proj(x)
         q = self.q_layernorm(qk[..., : self.nh * self.d].reshape(B, C, self.nh, self.d))
-        q = self._rope(q.swapaxes(1, 2), offset=s)  # [B, nh, C, d]
+        q = rope_rows(self._rope, cache, q.swapaxes(1, 2), s)  # [B, nh, C, d]
         raw = qk[..., self.nh * self.d :]  # [B, C, d]: indexer keys from position (s // r) * r on
         if cache.index_tail is not None:
             raw = mx.concatenate([cache.index_tail.astype(raw.dtype), raw], axis=1)
@@ -506,7 +578,11 @@ class QSAIndexer(nn.Module):
         if nb > done:  # blocks completed by this chunk
             fresh = raw[:, : (nb - done) * r].astype(mx.float32).reshape(B, nb - done, r, self.d)
             fresh = self.k_layernorm(fresh.mean(axis=2).astype(raw.dtype))
-            cache.index_blocks.append(self._rope(fresh[:, None], offset=done, scale=float(r))[:, 0])
+            if cache.plain_from(done * r) and cache.rope_delta == 0:
+                fresh = self._rope(fresh[:, None], offset=done, scale=float(r))[:, 0]
+            else:  # each block at its first row's (t, h, w) position
+                fresh = self._rope.at(fresh[:, None], cache.positions(np.arange(done, nb) * r))[:, 0]
+            cache.index_blocks.append(fresh)
         cache.index_tail = raw[:, (nb - done) * r :]
         if nb <= self.topk:  # no query has more complete blocks than the budget
             return None
@@ -526,18 +602,19 @@ class QSAIndexer(nn.Module):
         tail = (pos >= complete * r) & (pos <= t)
         return in_block | tail
 
-    def step(self, x: mx.array, pos: mx.array, blocks: mx.array, tail: mx.array, valid: mx.array):
-        """`__call__` for one query at `pos` (array) over the capacity rows: (new blocks,
+    def step(self, x: mx.array, pos: mx.array, blocks: mx.array, tail: mx.array, valid: mx.array, delta, block_pos):
+        """`__call__` for one query at row `pos` (array) over the capacity rows: (new blocks,
         new tail, token mask [cap]).  The open block is pooled and written at pos // r
-        whether complete or not (a block that is not complete is masked)."""
+        whether complete or not (a block that is not complete is masked).  The query sits
+        at pos + delta, the open block at block_pos [3, 1] (AttentionCache.static_state)."""
         r = self.ratio
         qk = self.index_qk_proj(x)
         q = self.q_layernorm(qk[..., : self.nh * self.d].reshape(1, 1, self.nh, self.d))
-        q = self._rope(q.swapaxes(1, 2), offset=pos)  # [1, nh, 1, d]
+        q = self._rope(q.swapaxes(1, 2), offset=pos + delta)  # [1, nh, 1, d]
         raw = qk[..., self.nh * self.d :]  # [1, 1, d]
         tail = mx.slice_update(tail, raw.astype(tail.dtype), (pos % r).reshape(1), axes=(1,))
         block = self.k_layernorm(tail.astype(mx.float32).mean(axis=1, keepdims=True).astype(raw.dtype))
-        block = self._rope(block[:, None], offset=pos // r, scale=float(r))[:, 0]
+        block = self._rope.at(block[:, None], block_pos)[:, 0]
         blocks = mx.slice_update(blocks, block.astype(blocks.dtype), (pos // r).reshape(1), axes=(1,))
         nb = blocks.shape[1]
         if nb <= self.topk:
@@ -569,18 +646,19 @@ class Attention(nn.Module):
 
     def step(self, x: mx.array, pos: mx.array, state, new: list) -> mx.array:
         """`__call__` for one token at `pos` (array) over `AttentionCache.static_state`."""
-        keys, values, blocks, tail = next(state), next(state), next(state), next(state)
+        keys, values, blocks, tail, delta, block_pos = (next(state) for _ in range(6))
         valid = mx.arange(keys.shape[-2]) <= pos
-        blocks, tail, mask = self.indexer.step(x, pos, blocks, tail, valid)
+        blocks, tail, mask = self.indexer.step(x, pos, blocks, tail, valid, delta, block_pos)
         qg = self.q_proj(x).reshape(1, 1, self.nh, 2 * self.D)
         q, gate = qg[..., : self.D], qg[..., self.D :]
-        q = self._rope(self.q_norm(q).swapaxes(1, 2), offset=pos)
-        k = self._rope(self.k_norm(self.k_proj(x).reshape(1, 1, self.nkv, self.D)).swapaxes(1, 2), offset=pos)
+        at_pos = pos + delta  # the rope position (rows after an image prompt: see AttentionCache)
+        q = self._rope(self.q_norm(q).swapaxes(1, 2), offset=at_pos)
+        k = self._rope(self.k_norm(self.k_proj(x).reshape(1, 1, self.nkv, self.D)).swapaxes(1, 2), offset=at_pos)
         v = self.v_proj(x).reshape(1, 1, self.nkv, self.D).swapaxes(1, 2)
         at = pos.reshape(1)
         keys = mx.slice_update(keys, k.astype(keys.dtype), at, axes=(2,))
         values = mx.slice_update(values, v.astype(values.dtype), at, axes=(2,))
-        new += [keys, values, blocks, tail]
+        new += [keys, values, blocks, tail, delta, block_pos]
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.D**-0.5, mask=mask[None])
         out = out.swapaxes(1, 2).reshape(1, 1, self.nh * self.D)
         out = out * mx.sigmoid(gate.reshape(1, 1, -1).astype(mx.float32)).astype(out.dtype)
@@ -592,8 +670,8 @@ class Attention(nn.Module):
         mask = self.indexer(x, cache, s)
         qg = self.q_proj(x).reshape(B, C, self.nh, 2 * self.D)
         q, gate = qg[..., : self.D], qg[..., self.D :]
-        q = self._rope(self.q_norm(q).swapaxes(1, 2), offset=s)
-        k = self._rope(self.k_norm(self.k_proj(x).reshape(B, C, self.nkv, self.D)).swapaxes(1, 2), offset=s)
+        q = rope_rows(self._rope, cache, self.q_norm(q).swapaxes(1, 2), s)
+        k = rope_rows(self._rope, cache, self.k_norm(self.k_proj(x).reshape(B, C, self.nkv, self.D)).swapaxes(1, 2), s)
         v = self.v_proj(x).reshape(B, C, self.nkv, self.D).swapaxes(1, 2)
         keys, values = cache.keys.append(k), cache.values.append(v)
         if mask is None and C > 1:
@@ -697,17 +775,26 @@ class DecoderLayer(nn.Module):
 class Qwen4ExpTextModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self._rope = HalfRoPE(args.rotary_dim, float(args.rope_parameters["rope_theta"]))
+        rp = args.rope_parameters
+        self._rope = HalfRoPE(args.rotary_dim, float(rp["rope_theta"]), rp.get("mrope_section"))
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i, self._rope) for i in range(args.num_hidden_layers)]
         self.hyper_connection_mixer = GatedResidual(args, inject=False)
         self._hc = args.hc_count
         self.input_rows = None  # image input: vision.encoder.ImageRows, set around a prefill
+        # image input: `positions(n) -> [3, n]` MRoPE positions of the prompt's rows [0, n)
+        # (vision.encoder.PromptPositions), set around the same prefill
+        self.input_positions = None
 
     def __call__(self, ids: mx.array, cache: list) -> mx.array:
         h = self.embed_tokens(ids)
         if self.input_rows is not None:  # image tokens take the vision encoder's rows
             h = self.input_rows(h, cache[0].offset)
+        if self.input_positions is not None:
+            table = self.input_positions(cache[0].offset + ids.shape[1])
+            for c in cache:
+                if isinstance(c, AttentionCache):
+                    c.set_positions(table)
         x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
         for layer, c in zip(self.layers, cache):
             x = layer(x, ids, c)

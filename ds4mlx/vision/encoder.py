@@ -118,6 +118,18 @@ class ImageRows:
         return h
 
 
+class PromptPositions:
+    """The model's `input_positions` hook: `hook(n) -> [3, n]` MRoPE positions of a
+    prompt's rows [0, n) (its image spans anywhere in it)."""
+
+    def __init__(self, spans: list[ImageSpan], merge: int):
+        self.spans, self.merge = list(spans), merge
+
+    def __call__(self, n: int) -> np.ndarray:
+        whole = max([n] + [s.start + s.length for s in self.spans])  # a chunk may end inside an image
+        return mrope_positions(whole, self.spans, self.merge)[:, :n]
+
+
 def mrope_positions(n_tokens: int, spans: list[ImageSpan], merge: int) -> np.ndarray:
     """[3, n_tokens] (t, h, w) positions: text advances all three by one per token; an
     image's pad tokens sit on their merged grid offset by the running position, which

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .encoder import ImageRows, ImageSpan
+from .encoder import ImageRows, ImageSpan, PromptPositions
 from .load import backbone_of
 
 
@@ -114,10 +114,15 @@ def rows_installed(engine, job, cached: int):
         return
     hook = ImageRows.for_spans([s for s, _ in todo], [engine.vision.rows(im) for _, im in todo])
     bb.input_rows = hook
+    mrope = hasattr(bb, "input_positions")  # a backbone with 3D (t, h, w) rope positions
+    if mrope:
+        bb.input_positions = PromptPositions(job.images, engine.vision.tower.args.spatial_merge_size)
     try:
         yield
     finally:
         bb.input_rows = None
+        if mrope:
+            bb.input_positions = None
 
 
 class GuardedHooks:
