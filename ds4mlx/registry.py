@@ -53,3 +53,15 @@ def family(key: str) -> ModelFamily:
 def family_of(model_type: str | None) -> ModelFamily | None:
     """The family serving a config `model_type` (None: not one of ours)."""
     return BY_MODEL_TYPE.get(model_type) if model_type else None
+
+
+def family_module(model_type: str):
+    """The module `ds4mlx.models.<model_type>` that defines ModelArgs and Model, for a
+    `model_type` of the family registry (ValueError naming the known ones otherwise).
+    Imported by name at run time, so the registry depends on no model module."""
+    import importlib
+
+    fam = family_of(model_type)
+    if fam is None:
+        raise ValueError(f"unknown model_type {model_type!r} (known: {', '.join(BY_MODEL_TYPE)})")
+    return importlib.import_module(fam.model_module(model_type))

@@ -77,7 +77,10 @@ class Link:
 
 
 class LeaderSession(Session):
-    def __init__(self, link: Link, model, ctx: int, chunk: int = 512):
+    def __init__(self, link: Link, model, ctx: int, chunk: int | None = None):
+        from ..prefill_chunk import default_chunk
+
+        chunk = int(chunk or default_chunk())  # the followers get the resolved chunk
         self.link = link
         self._inner = True  # Session.__init__'s reset is part of NEW
         link.header(cmd.NEW, int(ctx), int(chunk))

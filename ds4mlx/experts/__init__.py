@@ -11,6 +11,15 @@ cli.py      the flags serve / generate / chat / eval / bench share
 """
 
 from .budget import StreamConfig
-from .store import ExpertReadError, ExpertStore
 
 __all__ = ["StreamConfig", "ExpertReadError", "ExpertStore"]
+
+
+def __getattr__(name: str):
+    # the store needs MLX; the flags (cli.py, budget.py) must not pull it in: `ds4mlx eval
+    # --self-test-extractors` runs without MLX
+    if name in ("ExpertReadError", "ExpertStore"):
+        from . import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

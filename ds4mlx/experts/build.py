@@ -39,9 +39,9 @@ def build_experts(model, layer: int, banks: dict, ids, like: SwitchGLU, cast_dty
     rows = layer_rows(banks, ids)
     if read_filter is not None:
         rows = read_filter(layer, rows)
-    inter = like._intermediate
+    inter = like.intermediate
     hidden = like.down_proj.weight.shape[1]
-    experts = SwitchGLU(hidden, inter, len(ids), like._limit)
+    experts = SwitchGLU(hidden, inter, len(ids), like.limit)
     root = _shadow(layer, experts)
     w = to_mlx_weights(rows, cast_dtype)
     w = model.sanitize(w)

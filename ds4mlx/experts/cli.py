@@ -143,8 +143,11 @@ def csv_columns(model) -> dict:
     return {CSV_PREFIX + k: snap[k] for k in CSV_FIELDS}
 
 
-def finish(model, out=sys.stderr) -> None:
-    """End of a run: the prefetch thread stopped, the profile written, the stats printed."""
+def finish(model, out=None) -> None:
+    """End of a run: the prefetch thread stopped, the profile written, the stats printed
+    (to `out`, default the sys.stderr of the moment: a default bound at import would keep a
+    stream that was replaced since)."""
+    out = sys.stderr if out is None else out
     st = store_of(model)
     if st is None:
         return

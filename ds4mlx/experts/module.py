@@ -22,8 +22,8 @@ class StreamedExperts(SwitchGLU):
         super(SwitchGLU, self).__init__()  # nn.Module's: the projections come from the slab
         self.gate_up_proj = slab.gate_up_proj
         self.down_proj = slab.down_proj
-        self._intermediate = slab._intermediate
-        self._limit = slab._limit
+        self._intermediate = slab.intermediate
+        self._limit = slab.limit
         self._cache = cache  # a plain attribute: not a parameter, not a child module
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:

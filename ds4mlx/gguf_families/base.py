@@ -267,7 +267,7 @@ class Family:
 
     # -- config
     def args(self, config: dict):
-        from ..models.base import family_module
+        from ..registry import family_module
 
         return family_module(config.get("model_type", self.model_types[0])).ModelArgs.from_dict(config)
 

@@ -14,7 +14,6 @@ quantized tensors (`weights.QuantizedTensor`) become quantized modules (models/q
 from __future__ import annotations
 
 import glob
-import importlib
 import json
 import os
 
@@ -22,16 +21,8 @@ import mlx.core as mx
 import numpy as np
 
 from .. import registry
+from ..registry import family_module  # noqa: F401  (callers import it from here too)
 from ..session import Session
-
-
-def family_module(model_type: str):
-    """The module `ds4mlx.models.<model_type>` that defines ModelArgs and Model, for a
-    `model_type` of the family registry (ValueError naming the known ones otherwise)."""
-    fam = registry.family_of(model_type)
-    if fam is None:
-        raise ValueError(f"unknown model_type {model_type!r} (known: {', '.join(registry.BY_MODEL_TYPE)})")
-    return importlib.import_module(fam.model_module(model_type))
 
 
 class LanguageModel:

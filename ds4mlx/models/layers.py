@@ -357,6 +357,16 @@ class SwitchGLU(nn.Module):
         self._intermediate = intermediate
         self._limit = limit
 
+    @property
+    def intermediate(self) -> int:
+        """Each expert's intermediate size (a copy of the layer is built from it: experts/)."""
+        return self._intermediate
+
+    @property
+    def limit(self) -> float | None:
+        """The SwiGLU clamp (None: none)."""
+        return self._limit
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]
         do_sort = indices.size >= 64
