@@ -105,3 +105,12 @@ def test_chat_read_attaches_an_image(tmp_path):
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)
+
+
+def test_serve_refuses_vision_with_batched_sessions(tmp_path):
+    """The image reuse state is the engine's, not a slot's: one clear line, not a wrong reuse."""
+    cmd = [sys.executable, "-m", "ds4mlx.cli", "serve", "-m", "demo:qwen4_exp", "--vision", "demo",
+           "--batched-session", "2", "--port", "18999"]  # fmt: skip
+    r = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "--vision with --batched-session > 1 is not supported yet" in r.stderr

@@ -182,6 +182,9 @@ def build(args, loaded=None):
         prefill_quantum=getattr(args, "mixed_prefill_quantum", None),
     )
     try:
+        if getattr(args, "vision", None) and engine.slots > 1:
+            # the image reuse state (live images, the image checkpoint) is the engine's, not a slot's
+            raise UsageError("--vision with --batched-session > 1 is not supported yet (use one slot)")
         described = install_vision(args, engine)
     except UsageError as e:
         engine.close()
