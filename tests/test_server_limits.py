@@ -75,9 +75,11 @@ def _assert_not_stalled(baseline: float, during: list[float], big_s: float) -> N
     """Another client is not frozen behind the big body (it waited for all of it,
     26 s per 16 MiB, 400 x the baseline or more here): a typical request costs
     about the baseline, and even the slowest one only a parsing step more (up
-    to ~70 x the baseline on a loaded machine)."""
-    assert statistics.median(during) < 10 * baseline, (baseline, during, big_s)
-    assert max(during) < 150 * baseline, (baseline, during, big_s)
+    to ~70 x the baseline on a loaded machine).  The floors (0.25 s typical, 2 s slowest)
+    keep a 2-core machine under load from failing on GIL hand-offs of a few tens of ms
+    while a frozen client (the whole 16 MiB, seconds) still fails."""
+    assert statistics.median(during) < max(10 * baseline, 0.25), (baseline, during, big_s)
+    assert max(during) < max(150 * baseline, 2.0), (baseline, during, big_s)
 
 
 def _big_chat(path: str, n_bytes: int, unit: str = "x") -> bytes:
