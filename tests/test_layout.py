@@ -387,13 +387,15 @@ def test_installed_wheel_serves_the_demo_model(wheel, tmp_path):
     ).stdout.strip()
     deps = [p for p in site.getsitepackages() if Path(p).is_dir()]
     Path(purelib, "zz_ds4mlx_test_deps.pth").write_text("\n".join(deps) + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
         check=True,
         capture_output=True,
         text=True,
+        cwd=tmp_path,  # neither the cwd nor PYTHONPATH on pip's path: a checkout's *.egg-info
+        env=env,  # there reads as "already installed" and the wheel is not installed
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     probe = subprocess.run(
         [
             py,
