@@ -22,9 +22,24 @@ import mlx.core as mx
 import numpy as np
 
 
-def _top2_gap(logits: mx.array) -> mx.array:
+def top2_gap(logits: mx.array) -> mx.array:
     top = mx.topk(logits.reshape(-1).astype(mx.float32), 2)
     return mx.max(top) - mx.min(top)
+
+
+def settle_drafts(toks: list, qs: list, gaps: list, margin: float) -> tuple[list[int], np.ndarray | None]:
+    """Evaluate a round's lazy draft tokens, draft distributions and top-2 gaps; keep the
+    first draft and each next one while its gap is at least `margin` (no gaps: all).
+    -> (draft ids, their distributions [n, V] or None)."""
+    mx.eval(toks, qs, gaps)
+    drafts = [int(t.item()) for t in toks]
+    if gaps:
+        keep = 1
+        while keep < len(drafts) and float(gaps[keep].item()) >= margin:
+            keep += 1
+        drafts = drafts[:keep]
+    q = np.stack([np.array(x) for x in qs[: len(drafts)]]) if qs else None
+    return drafts, q
 
 
 class ModelDrafter:
@@ -77,16 +92,8 @@ class ModelDrafter:
             if q is not None:
                 qs.append(q)
             if margin > 0 and rule.greedy:
-                gaps.append(_top2_gap(logits))
-        mx.eval(toks, qs, gaps)
-        drafts = [int(t.item()) for t in toks]
-        if gaps:
-            keep = 1
-            while keep < len(drafts) and float(gaps[keep].item()) >= margin:
-                keep += 1
-            drafts = drafts[:keep]
-        q = np.stack([np.array(x) for x in qs[: len(drafts)]]) if qs else None
-        return drafts, q
+                gaps.append(top2_gap(logits))
+        return settle_drafts(toks, qs, gaps, margin)
 
 
 class ScriptedDrafter:

@@ -19,9 +19,9 @@ worse, the output does not change (the target verifies every token).
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from ..loader import materialize
+from .drafter import settle_drafts, top2_gap
 from .options import SpecUsageError
 
 RANDOM_SEED = 20261201
@@ -175,19 +175,10 @@ class MTPDrafter:
             if q is not None:
                 qs.append(q)
             if margin > 0 and rule.greedy:
-                top = mx.topk(logits.astype(mx.float32), 2)
-                gaps.append(mx.max(top) - mx.min(top))
+                gaps.append(top2_gap(logits))
             if i + 1 < k:  # recursive: the head's own streams are the next position's
                 x, hid = self.head(x[:, -1:], tok.reshape(1, 1), self.backbone.embed_tokens, self.cache)
-        mx.eval(toks, qs, gaps)
-        drafts = [int(t.item()) for t in toks]
-        if gaps:
-            keep = 1
-            while keep < len(drafts) and float(gaps[keep].item()) >= margin:
-                keep += 1
-            drafts = drafts[:keep]
-        q = np.stack([np.array(v) for v in qs[: len(drafts)]]) if qs else None
-        return drafts, q
+        return settle_drafts(toks, qs, gaps, margin)
 
 
 def random_mtp_drafter(model, ctx: int = 0, seed: int = RANDOM_SEED) -> MTPDrafter:
