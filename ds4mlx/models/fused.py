@@ -4,9 +4,10 @@ At decode every projection is a launch of its own whose cost barely depends on i
 size (the quantized mat-vec is latency-bound at one token), so the static decode step
 multiplies once by the row-wise concatenation of the weights and splits the result.
 `FusedLinear.of(layers)` builds it when every layer is an `nn.Linear` (no bias, one
-dtype) or every one an `nn.QuantizedLinear` with the same quantization (group size,
-bits, mode, scale dtype, no bias), and returns None otherwise (the caller then calls
-the layers one by one).  It is a plain object, not an `nn.Module`, so it never shows
+dtype) or every one an `nn.QuantizedLinear` (or `QMVLinear`, its decode subclass) with
+the same quantization (group size, bits, mode, scale dtype, no bias), and returns None
+otherwise (the caller then calls the layers one by one).  Affine weights run through
+`kernels.affine_qmv.qmv` (our mat-vec on a GPU face, MLX's on the CPU), as `QMVLinear`.  It is a plain object, not an `nn.Module`, so it never shows
 in the model's parameters or weight files; it holds a copy of the weights (the
 originals stay for prefill).
 """
@@ -17,6 +18,8 @@ import itertools
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..kernels import affine_qmv
 
 
 class FusedLinear:
@@ -35,7 +38,8 @@ class FusedLinear:
             if len({m.weight.dtype for m in layers}) != 1 or len({m.weight.shape[1] for m in layers}) != 1:
                 return None
             return cls({"weight": mx.concatenate([m.weight for m in layers])}, splits, None)
-        if all(type(m) is nn.QuantizedLinear for m in layers):
+        # QMVLinear (models/qmv_linear.py) is what every quantized linear is after loading
+        if all(isinstance(m, nn.QuantizedLinear) for m in layers):
             keys = {(m.group_size, m.bits, m.mode, m.scales.dtype, m.weight.shape[1], "biases" in m) for m in layers}
             if len(keys) != 1:
                 return None
@@ -50,6 +54,9 @@ class FusedLinear:
         a = self.arrays
         if self.quant is None:
             y = x @ a["weight"].T
+        elif self.quant[2] == "affine" and "biases" in a:
+            gs, bits, _ = self.quant
+            y = affine_qmv.qmv(x, a["weight"], a["scales"], a["biases"], group_size=gs, bits=bits)
         else:
             gs, bits, mode = self.quant
             y = mx.quantized_matmul(
