@@ -291,8 +291,9 @@ def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
             "fn": fn,
             "base": base,
             "scale": scale,
-            "eps": np.array([HC_EPS, NORM_EPS], np.float32),
+            "eps": np.array([HC_EPS, NORM_EPS, 0.0], np.float32),
             "part": part,
+            "nw": np.zeros(1, np.float32),
         },
         outputs=outs,
         consts={
@@ -307,6 +308,7 @@ def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
             "HEAD": head,
             "COLLAPSE": mode != "mix",
             "PARTS": parts,
+            "NORM": False,
         },
         groups=(nt, 1, 1),
         threads=threads,
@@ -319,6 +321,86 @@ def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
     if not head:
         for name in ("pre", "post", "comb"):
             check(name, got[name], *want[name])
+
+
+RMS_EPS = 1e-6
+
+
+def rms_normed(y, w, eps=RMS_EPS):
+    """numpy RMSNorm of the collapsed rows (float64)."""
+    y = np.asarray(y, np.float64)
+    return y / np.sqrt((y * y).mean(axis=-1, keepdims=True) + eps) * np.asarray(w, np.float64)
+
+
+@pytest.mark.parametrize("n,d,nt,split", [(4, 64, 1, False), (3, 100, 2, True), (4, 257, 1, True)])
+def test_shared_hc_pre_text_with_the_folded_norm(n, d, nt, split, tmp_path):
+    """NORM: the kernel's collapsed output is RMS-normed with the layer norm's weight,
+    equal to normalising the unnormed kernel output (same text, NORM off) in float64."""
+    x, fn, base, scale = make_inputs(n, d, (nt,), seed=23 + n)
+    w = 1.0 + 0.25 * np.random.default_rng(5).standard_normal(d).astype(np.float32)
+    sec = dispatch.sections(hck.SOURCE)
+    part, parts = run_dots_on_cpu(tmp_path, x, fn, n, d, nt, False) if split else (np.zeros(1, np.float32), 0)
+    outs = {
+        "pre": ((nt, n), np.float32),
+        "post": ((nt, n), np.float32),
+        "comb": ((nt, n, n), np.float32),
+        "y": ((nt, d), np.float32),
+    }
+    got = {}
+    for norm in (False, True):
+        (tmp_path / str(norm)).mkdir()
+        got[norm] = run_on_cpu(
+            tmp_path / str(norm),
+            sec["common"],
+            sec["hc_pre"],
+            inputs={
+                "x": x,
+                "fn": fn,
+                "base": base,
+                "scale": scale,
+                "eps": np.array([HC_EPS, NORM_EPS, RMS_EPS], np.float32),
+                "part": part,
+                "nw": w,
+            },
+            outputs=outs,
+            consts={
+                "T": np.float32,
+                "TW": np.float32,
+                "TB": np.float32,
+                "TS": np.float32,
+                "HC": n,
+                "D": d,
+                "THREADS": 64,
+                "ITERS": 20,
+                "HEAD": False,
+                "COLLAPSE": True,
+                "PARTS": parts,
+                "NORM": norm,
+            },
+            groups=(nt, 1, 1),
+            threads=64,
+        )
+    want = rms_normed(got[False]["y"], w)
+    np.testing.assert_allclose(got[True]["y"], want, rtol=2e-6, atol=2e-6)
+    for name in ("pre", "post", "comb"):  # the norm changes nothing else
+        np.testing.assert_array_equal(got[True][name], got[False][name])
+
+
+def test_reference_face_folded_norm_is_the_layer_norm():
+    """hc_pre / hc_post_pre with `norm` on the reference face: exactly RMSNorm(collapsed)."""
+    from ds4mlx.models.layers import RMSNorm
+
+    x, fn, base, scale = (mx.array(a) for a in make_inputs(4, 64, (1, 1), seed=3))
+    out = mx.random.normal((1, 1, 64), key=mx.random.key(1))
+    norm = RMSNorm(64, RMS_EPS)
+    norm.weight = 1.0 + 0.1 * mx.random.normal((64,), key=mx.random.key(2))
+    kw = dict(sinkhorn_iters=20, hc_eps=HC_EPS, norm_eps=NORM_EPS, backend="reference")
+    post, comb, y = hck.hc_pre(x, fn, base, scale, **kw)
+    got = hck.hc_pre(x, fn, base, scale, **kw, norm=(norm.weight, norm.eps))
+    assert mx.array_equal(got[2], norm(y)) and mx.array_equal(got[0], post)
+    a = hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw)
+    b = hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw, norm=(norm.weight, norm.eps))
+    assert mx.array_equal(b[3], norm(a[3])) and mx.array_equal(b[0], a[0])
 
 
 @pytest.mark.parametrize("n,d,nt", [(4, 48, 2), (3, 50, 1)])
@@ -368,8 +450,9 @@ def test_shared_hc_post_dots_then_pre_compiled_for_cpu(n, d, nt, tmp_path):
             "fn": fn,
             "base": base,
             "scale": scale,
-            "eps": np.array([HC_EPS, NORM_EPS], np.float32),
+            "eps": np.array([HC_EPS, NORM_EPS, 0.0], np.float32),
             "part": got["part"],
+            "nw": np.zeros(1, np.float32),
         },
         outputs={
             "pre": ((nt, n), np.float32),
@@ -389,6 +472,7 @@ def test_shared_hc_post_dots_then_pre_compiled_for_cpu(n, d, nt, tmp_path):
             "HEAD": False,
             "COLLAPSE": True,
             "PARTS": parts,
+            "NORM": False,
         },
         groups=(nt, 1, 1),
         threads=64,
@@ -592,7 +676,7 @@ def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
     f = "float32"
     h, b = hck.kernel_sources(kind, "cuda")
     if kind == "hc_pre":
-        ins = {"x": dtype, "fn": dtype, "base": f, "scale": f, "eps": f, "part": f}
+        ins = {"x": dtype, "fn": dtype, "base": f, "scale": f, "eps": f, "part": f, "nw": dtype}
         outs = {"pre": f, "post": f, "comb": f, "y": dtype}
         tmpl = [
             ("T", dtype),
@@ -606,6 +690,7 @@ def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
             ("HEAD", mode == "head"),
             ("COLLAPSE", mode != "mix"),
             ("PARTS", 32 if mode == "pre" else 0),
+            ("NORM", mode == "pre"),
         ]
     elif kind == "hc_post_dots":
         ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f, "fn": dtype}, {"y": dtype, "part": f}
@@ -636,3 +721,29 @@ def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
         ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f}, {"y": dtype}
         tmpl = [("T", dtype), ("TP", f), ("TC", f), ("HC", 4), ("D", 4096), ("THREADS", hck.POST_THREADS)]
     nvcc_compile(tmp_path, mlx_cuda_source(kind, h, b, ins, outs, tmpl))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("xdt", ["float32", "bfloat16"])
+def test_gpu_folded_norm_equals_reference(xdt):
+    """hc_pre / hc_post_pre with the folded RMSNorm: GPU face vs the reference face
+    (reference hc_pre, then mx.fast.rms_norm), V4 Flash decode shapes."""
+    face = _gpu_face()
+    dt = getattr(mx, xdt)
+    x, fn, base, scale = (mx.array(a) for a in make_inputs(4, 4096, (1, 1), seed=9))
+    x, fn = x.astype(dt), fn.astype(mx.bfloat16)
+    out = (mx.random.normal((1, 1, 4096), key=mx.random.key(4)) * 0.5).astype(dt)
+    w = 1.0 + 0.1 * mx.random.normal((4096,), key=mx.random.key(8))
+    kw = dict(sinkhorn_iters=20, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    tol = 1e-3 if dt == mx.float32 else 3e-2
+    for fun, args in ((hck.hc_pre, (x, fn, base, scale)), (hck.hc_post_pre, None)):
+        if args is None:
+            post, comb, _ = hck.hc_pre(x, fn, base, scale, **kw, backend="reference")
+            args = (x, out, post, comb, fn, base, scale)
+        got = fun(*args, **kw, backend=face, norm=(w, RMS_EPS))[-1]
+        with mx.stream(mx.cpu):
+            want = fun(*args, **kw, backend="reference", norm=(w, RMS_EPS))[-1]
+        assert got.dtype == dt
+        np.testing.assert_allclose(
+            np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), rtol=tol, atol=tol
+        )

@@ -58,7 +58,7 @@ def kernel_sources(kind: str, face: str) -> tuple[str, str]:
 @cache
 def _kernel(kind: str) -> Kernel:
     if kind == "hc_pre":
-        inputs, outputs = ["x", "fn", "base", "scale", "eps", "part"], ["pre", "post", "comb", "y"]
+        inputs, outputs = ["x", "fn", "base", "scale", "eps", "part", "nw"], ["pre", "post", "comb", "y"]
     elif kind == "hc_dots":
         inputs, outputs = ["x", "fn"], ["part"]
     elif kind == "hc_post_dots":
@@ -71,8 +71,8 @@ def _kernel(kind: str) -> Kernel:
 
 
 @cache
-def _eps(hc_eps: float, norm_eps: float) -> mx.array:
-    return mx.array([hc_eps, norm_eps], dtype=mx.float32)
+def _eps(hc_eps: float, norm_eps: float, rms_eps: float = 0.0) -> mx.array:
+    return mx.array([hc_eps, norm_eps, rms_eps], dtype=mx.float32)
 
 
 def _face(backend: str | None) -> str:
@@ -119,8 +119,11 @@ def _split(face: str, chosen: bool) -> bool:
     return chosen or auto_face("hyper_connection.split", _self_test) == face
 
 
-def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str, chosen: bool = True, part=None):
-    """mode 'pre' -> (post, comb, collapsed); 'mix' -> (pre, post, comb); 'head' -> collapsed."""
+def _pre_launch(
+    face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str, chosen: bool = True, part=None, norm=None
+):
+    """mode 'pre' -> (post, comb, collapsed); 'mix' -> (pre, post, comb); 'head' -> collapsed.
+    `norm` = (weight, eps): the collapsed vector comes out RMS-normed (mode 'pre')."""
     n, d = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
     nt = 1
@@ -155,9 +158,10 @@ def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str, ch
             output_shapes=[(nt, parts, m + 1)],
             output_dtypes=[mx.float32],
         )[0]
+    nw, rms_eps = (norm[0].astype(x.dtype), float(norm[1])) if norm is not None else (part, 0.0)
     pre, post, comb, y = _kernel("hc_pre")(
         face,
-        inputs=[x3, fn, base, scale, _eps(float(hc_eps), float(norm_eps)), part],
+        inputs=[x3, fn, base, scale, _eps(float(hc_eps), float(norm_eps), rms_eps), part, nw],
         template=[
             ("T", x.dtype),
             ("TW", fn.dtype),
@@ -170,6 +174,7 @@ def _pre_launch(face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str, ch
             ("HEAD", head),
             ("COLLAPSE", mode != "mix"),
             ("PARTS", parts),
+            ("NORM", norm is not None),
         ],
         grid=(nt * PRE_THREADS, 1, 1),
         threadgroup=(PRE_THREADS, 1, 1),
@@ -199,12 +204,62 @@ def hc_pre(
     hc_eps: float,
     norm_eps: float,
     backend: str | None = None,
+    norm: tuple | None = None,
 ):
-    """`ds4mlx.kernels.hyper_connection_reference.hc_pre` in one launch on a GPU (same arguments and results)."""
+    """`ds4mlx.kernels.hyper_connection_reference.hc_pre` in one launch on a GPU (same arguments and results).
+
+    `norm` = (weight, eps): the collapsed vector is returned RMS-normed (`mx.fast.rms_norm`
+    with the weight cast to its dtype, as `models.layers.RMSNorm`), inside the same launch
+    on a GPU: the layer norm that follows every collapse costs no launch of its own."""
     face = _face(backend)
     if face == "reference" or not _fusable(x) or sinkhorn_iters < 1:
-        return _layers().hc_pre(x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
-    return _pre_launch(face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", backend is not None)
+        post, comb, y = _layers().hc_pre(
+            x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps
+        )
+        return post, comb, _normed(y, norm)
+    fold = _fold_norm(face, norm, backend is not None)
+    post, comb, y = _pre_launch(
+        face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", backend is not None, norm=fold
+    )
+    return post, comb, y if fold is not None else _normed(y, norm)
+
+
+def _normed(y: mx.array, norm: tuple | None) -> mx.array:
+    return y if norm is None else mx.fast.rms_norm(y, norm[0].astype(y.dtype), norm[1])
+
+
+def _fold_norm(face: str, norm: tuple | None, chosen: bool) -> tuple | None:
+    """`norm` when the kernel applies it (a caller-chosen face, or an automatic one whose
+    norm self-test passed: dispatch.UNVERIFIED_KERNELS), else None: the norm then runs as
+    its own `mx.fast.rms_norm` after the kernel."""
+    if norm is None or chosen:
+        return norm
+    return norm if auto_face("hyper_connection.norm", _norm_self_test) == face else None
+
+
+def _norm_self_test(face: str) -> bool:
+    """hc_pre and hc_post_pre with the folded RMSNorm on `face` against the reference
+    (hc_pre, then mx.fast.rms_norm) on tiny inputs, float32 and bfloat16."""
+    ref = _layers()
+    n, d, iters = 4, 64, 20
+    key = mx.random.key(7)
+    fn = mx.random.normal(((2 + n) * n, n * d), key=key) * (n * d) ** -0.5
+    base, scale = mx.random.normal(((2 + n) * n,), key=key) * 0.1, mx.array([0.5, 1.0, 2.0])
+    w = 1.0 + 0.1 * mx.random.normal((d,), key=key)
+    kw = dict(sinkhorn_iters=iters, hc_eps=1e-6, norm_eps=1e-6)
+    for dt, tol in ((mx.float32, 1e-3), (mx.bfloat16, 3e-2)):
+        x = (mx.random.normal((2, n, d), key=key) * 0.5).astype(dt)
+        out = (mx.random.normal((2, d), key=key) * 0.5).astype(dt)
+        post, comb, y = ref.hc_pre(x, fn, base, scale, **kw)
+        got = hc_pre(x, fn, base, scale, **kw, backend=face, norm=(w, 1e-6))
+        if not close_enough(got[2], _normed(y, (w, 1e-6)), rtol=tol, atol=tol):
+            return False
+        y2 = ref.hc_post(x, out, post, comb)
+        want = _normed(ref.hc_pre(y2, fn, base, scale, **kw)[2], (w, 1e-6))
+        got = hc_post_pre(x, out, post, comb, fn, base, scale, **kw, backend=face, norm=(w, 1e-6))
+        if not close_enough(got[3], want, rtol=tol, atol=tol):
+            return False
+    return True
 
 
 def hc_mix(
@@ -255,8 +310,9 @@ def hc_post_pre(
     hc_eps: float,
     norm_eps: float,
     backend: str | None = None,
+    norm: tuple | None = None,
 ):
-    """``y = hc_post(x, out, post, comb)`` then ``hc_pre(y, fn, base, scale, ...)``:
+    """``y = hc_post(x, out, post, comb)`` then ``hc_pre(y, fn, base, scale, ..., norm=norm)``:
     (y, post', comb', collapsed') -- the end of one mHC site and the start of the
     next.  At decode on a GPU, two launches instead of three: the new streams are
     formed and projected in the same pass (hc_post_dots), then hc_pre adds the
@@ -279,7 +335,15 @@ def hc_post_pre(
         return (
             y,
             *hc_pre(
-                y, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps, backend=backend
+                y,
+                fn,
+                base,
+                scale,
+                sinkhorn_iters=sinkhorn_iters,
+                hc_eps=hc_eps,
+                norm_eps=norm_eps,
+                backend=backend,
+                norm=norm,
             ),
         )
     lead = x.shape[:-2]
@@ -305,7 +369,9 @@ def hc_post_pre(
         output_dtypes=[x.dtype, mx.float32],
     )
     y = y.reshape(*lead, n, d)
-    return (y, *_pre_launch(face, y, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", part=part))
+    fold = _fold_norm(face, norm, backend is not None)
+    post, comb, c = _pre_launch(face, y, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", part=part, norm=fold)
+    return y, post, comb, c if fold is not None else _normed(c, norm)
 
 
 def _post_pre_self_test(face: str) -> bool:

@@ -1011,11 +1011,21 @@ class DecoderLayer(nn.Module):
         return hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(collapsed), ids)), post, comb)
 
     def step(self, x: mx.array, ids: mx.array, pos: mx.array, state, new: list) -> mx.array:
-        post, comb, collapsed = self.attn_hc(x)
-        x, post, comb, collapsed = self.ffn_hc.after_post(
-            x, self.self_attn.step(self.input_layernorm(collapsed), pos, state, new), post, comb
+        return hc_post(*self.step_open(x, None, ids, pos, state, new))
+
+    def step_open(self, x: mx.array, pending, ids: mx.array, pos: mx.array, state, new: list):
+        """`step` without its last hc_post: -> (streams, out, post, comb) for the caller to
+        finish (`hc_post(*result)`) or to hand to the next layer as its `pending`, whose
+        attention site then runs that hc_post fused with its own projection (one launch
+        less per layer on a GPU).  The layer norms are folded into the hc launches."""
+        if pending is None:
+            post, comb, normed = self.attn_hc(x, norm=self.input_layernorm)
+        else:
+            x, post, comb, normed = self.attn_hc.after_post(x, *pending, norm=self.input_layernorm)
+        x, post, comb, normed = self.ffn_hc.after_post(
+            x, self.self_attn.step(normed, pos, state, new), post, comb, norm=self.post_attention_layernorm
         )
-        return hc_post(x, self.mlp.step(self.post_attention_layernorm(collapsed), ids), post, comb)
+        return x, self.mlp.step(normed, ids), post, comb
 
     def step_rows(self, x: mx.array, ids: mx.array, pos: list, states: list, news: list) -> mx.array:
         """`step` for B sessions' tokens, laid out as B tokens of one row (x [1, B, hc, H])."""
@@ -1072,9 +1082,11 @@ class DeepseekV4Model(nn.Module):
         """One token ids [1, 1] at position pos over the static layout -> (hidden [1, 1, H], new state)."""
         h = self.embed_tokens(ids)
         x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
-        it, new = iter(state), []
-        for layer in self.layers:
-            x = layer.step(x, ids, pos, it, new)
+        it, new, pending = iter(state), [], None
+        for layer in self.layers:  # each layer's last hc_post runs inside the next one's first launch
+            x, *pending = layer.step_open(x, pending, ids, pos, it, new)
+        if pending is not None:
+            x = hc_post(x, *pending)
         return self.norm(self.hc_head(x)), new
 
     def step_rows(self, ids: mx.array, pos: list, states: list) -> tuple[mx.array, list]:

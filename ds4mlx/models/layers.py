@@ -189,16 +189,25 @@ class HyperConnection(nn.Module):
         self.scale = mx.ones((3,))
         self._iters, self._hc_eps, self._norm_eps = sinkhorn_iters, hc_eps, norm_eps
 
-    def __call__(self, x: mx.array):
+    def __call__(self, x: mx.array, norm: RMSNorm | None = None):
+        """(post, comb, collapsed); with `norm` the collapsed vector comes out through that
+        RMSNorm (folded into the same launch on a GPU: the decode step)."""
         # one fused launch on a GPU, `hc_pre` (the reference) on the CPU
         return hc_kernels.hc_pre(
-            x, self.fn, self.base, self.scale, sinkhorn_iters=self._iters, hc_eps=self._hc_eps, norm_eps=self._norm_eps
+            x,
+            self.fn,
+            self.base,
+            self.scale,
+            sinkhorn_iters=self._iters,
+            hc_eps=self._hc_eps,
+            norm_eps=self._norm_eps,
+            norm=None if norm is None else (norm.weight, norm.eps),
         )
 
-    def after_post(self, x: mx.array, out: mx.array, post: mx.array, comb: mx.array):
+    def after_post(self, x: mx.array, out: mx.array, post: mx.array, comb: mx.array, norm: RMSNorm | None = None):
         """``hc_post(x, out, post, comb)`` of the previous site, then this site on the
-        result: (new streams, post, comb, collapsed); at decode on a GPU two launches
-        instead of three (`kernels.hyper_connection.hc_post_pre`)."""
+        result: (new streams, post, comb, collapsed [through `norm`]); at decode on a GPU
+        two launches instead of three (`kernels.hyper_connection.hc_post_pre`)."""
         return hc_kernels.hc_post_pre(
             x,
             out,
@@ -210,6 +219,7 @@ class HyperConnection(nn.Module):
             sinkhorn_iters=self._iters,
             hc_eps=self._hc_eps,
             norm_eps=self._norm_eps,
+            norm=None if norm is None else (norm.weight, norm.eps),
         )
 
     def mix(self, x: mx.array):

@@ -9,7 +9,7 @@
 //
 // hc_pre (one threadgroup of THREADS threads per token, grid (NT*THREADS, 1, 1)):
 //   x [NT, HC, D] T, fn [M, HC*D] TW, base [M] TB, scale [3] (hc_head: [1]) TS,
-//   eps [2] float32 = (hc_eps, norm_eps)
+//   eps [3] float32 = (hc_eps, norm_eps, rms_eps), nw [D] T (NORM) or a dummy
 //   -> pre [NT, HC] f32, post [NT, HC] f32, comb [NT, HC, HC] f32, y [NT, D] T
 //   (hc_head: HEAD = true, M = HC, pre / post / comb are 1-element dummies, not written;
 //   hc_mix: COLLAPSE = false, y is a 1-element dummy, not written)
@@ -22,7 +22,10 @@
 //      warp 0 runs the Sinkhorn projection of the HC x HC comb logits, lane
 //      i*HC+j holding entry (i, j), rows / columns summed through threadgroup
 //      memory between SIMD-group barriers;
-//   4. (COLLAPSE) y[c] = sum_i pre_i * x[i, c] (float32, rounded once to T).
+//   4. (COLLAPSE) y[c] = sum_i pre_i * x[i, c] (float32, rounded once to T);
+//   5. (NORM) y = RMSNorm(y) with weight nw and rms_eps, rounded as MLX's rms_norm
+//      rounds (T(y * rsqrt(mean(y^2) + eps)) times T(nw), in T): the layer norm that
+//      follows the collapse, saving its launch.
 //
 //   With PARTS > 0 (decode: few tokens), step 1 ran in hc_dots instead and hc_pre
 //   adds its PARTS partial sums: one threadgroup alone reading the whole
@@ -155,12 +158,33 @@ if (!HEAD && warp == 0u) {
     }
 }
 ds4_tg_barrier();
+float yss = 0.0f;
 for (uint32_t c = tid; COLLAPSE && c < uint32_t(D); c += uint32_t(THREADS)) {
     float a = 0.0f;
     for (int q = 0; q < HC; ++q) {
         a += pre_sh[q] * static_cast<float>(xt[uint32_t(q) * uint32_t(D) + c]);
     }
-    y[uint64_t(t) * uint64_t(D) + c] = static_cast<T>(a);
+    const T yt = static_cast<T>(a);
+    y[uint64_t(t) * uint64_t(D) + c] = yt;
+    yss += static_cast<float>(yt) * static_cast<float>(yt);
+}
+if (NORM && COLLAPSE) {
+    // each thread re-reads only the entries it wrote above: no barrier needed for them
+    yss = ds4_warp_sum(yss);
+    if (lane == 0u) {
+        red[warp] = yss;
+    }
+    ds4_tg_barrier();
+    float tot = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+        tot += red[w];
+    }
+    const float r = ds4_rsqrt(tot / float(D) + eps[2]);
+    for (uint32_t c = tid; c < uint32_t(D); c += uint32_t(THREADS)) {
+        const uint64_t o = uint64_t(t) * uint64_t(D) + c;
+        const T yn = static_cast<T>(static_cast<float>(y[o]) * r);
+        y[o] = static_cast<T>(static_cast<float>(nw[c]) * static_cast<float>(yn));
+    }
 }
 
 // @@ hc_dots
