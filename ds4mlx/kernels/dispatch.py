@@ -36,6 +36,7 @@ UNVERIFIED_FACES = ("metal",)
 # kernels (auto_face names) whose every GPU face is self-tested at first use: their CUDA
 # face has passed the g++ emulation and nvcc but not yet its `pytest -m gpu` run
 UNVERIFIED_KERNELS = {"affine_qmv.moe", "hyper_connection.split", "hyper_connection.post_pre"}
+UNVERIFIED_KERNELS |= {"moe_route", "moe_route.fold"}  # kernels/moe_route.py: route, and with the mat-vec
 
 log = logging.getLogger("ds4mlx.kernels")
 _self_tests: dict[tuple[str, str], bool] = {}
