@@ -54,12 +54,21 @@ def scores64(logits, score):
     return z / z.sum(axis=-1, keepdims=True)
 
 
-def route64(logits, k, score, scaling, normalize=True, bias=None, table=None, ids=None):
+def route64(logits, k, score, scaling, normalize=True, bias=None, table=None, ids=None, groups=1, topk_group=1):
     """-> (idx [n, k] in the kernel's slot order, weights [n, k], gap [n]: the selection
-    value's margin between the k-th and (k+1)-th expert, inf for hash routing)."""
+    value's margin between the k-th and (k+1)-th expert (and between the kept and dropped
+    groups), inf for hash routing)."""
     sc = scores64(logits, score).reshape(-1, np.shape(logits)[-1])
     n, e = sc.shape
     choice = sc + (0.0 if bias is None else np.asarray(bias, np.float64))
+    group_gap = np.full(n, np.inf)
+    if groups > 1 and topk_group < groups:
+        grouped = choice.reshape(n, groups, -1)
+        top2 = -np.sort(-np.sort(grouped, axis=-1)[..., -2:].sum(-1), axis=-1)  # [n, G] descending
+        group_gap = top2[:, topk_group - 1] - top2[:, topk_group]
+        keep = top2[:, topk_group - 1 : topk_group]
+        gsum = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+        choice = np.where((gsum >= keep)[..., None], grouped, -np.inf).reshape(n, e)
     if table is not None:
         idx = np.asarray(table)[np.asarray(ids).reshape(-1)]
         gap = np.full(n, np.inf)
@@ -67,6 +76,7 @@ def route64(logits, k, score, scaling, normalize=True, bias=None, table=None, id
         idx = np.stack([sorted(range(e), key=lambda j: (-choice[t, j], j))[:k] for t in range(n)])
         srt = -np.sort(-choice, axis=-1)
         gap = srt[:, k - 1] - srt[:, k] if k < e else np.full(n, np.inf)
+        gap = np.minimum(np.where(np.isnan(gap), np.inf, gap), group_gap)
     w = np.take_along_axis(sc, idx, axis=-1)
     if normalize:
         w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
@@ -97,7 +107,7 @@ def problem(n, e, h, k, seed, vocab=50):
 # ------------------------------------------------------------------ the reference face
 
 
-SELECTIONS = ["bias", "hash", "plain"]
+SELECTIONS = ["bias", "hash", "plain", "grouped"]
 
 
 @pytest.mark.parametrize("score", mr.SCORES)
@@ -106,14 +116,27 @@ def test_reference_face_is_the_model_graph_and_float64(score, selection):
     x, w, bias, table, ids = problem(4, 40, 32, 6, seed=len(score) + len(selection))
     logits = mx.array(x) @ mx.array(w).T
     kw = dict(k=6, score=score, scaling=1.5)
-    if selection == "bias":
+    if selection in ("bias", "grouped"):
         kw["bias"] = mx.array(bias)
     elif selection == "hash":
         kw.update(table=mx.array(table), ids=mx.array(ids))
+    if selection == "grouped":
+        kw.update(groups=5, topk_group=2)
     got = mr.route(logits, **kw, backend="reference")
     want = mr.reference(logits, **kw)
     assert all(mx.array_equal(g, wn).item() for g, wn in zip(got, want))
-    i64, w64, gap = route64(np.array(logits), 6, score, 1.5, True, kw.get("bias"), kw.get("table"), kw.get("ids"))
+    i64, w64, gap = route64(
+        np.array(logits),
+        6,
+        score,
+        1.5,
+        True,
+        kw.get("bias"),
+        kw.get("table"),
+        kw.get("ids"),
+        kw.get("groups", 1),
+        kw.get("topk_group", 1),
+    )
     assert np.all(gap > 1e-5)
     assert_routing(got[0], got[1], i64, w64, ordered=selection == "hash")
 
@@ -165,6 +188,42 @@ def test_router_step_hands_its_arguments_to_the_kernel(oracle, monkeypatch):
     assert len(calls) == len(lm.model.model.layers)  # more rows than a decode step: the plain graph
 
 
+@pytest.mark.parametrize("script", ["make_tiny_glm_moe_dsa.py", "make_tiny_glm5_next.py"])
+def test_glm_router_step(oracle, script, monkeypatch):
+    """GLM 5.x's sigmoid router (`sigmoid_moe.TopkRouter`, group-limited in the tiny GLM 5.2
+    model): `step` is `__call__` off the GPU; on a GPU face it hands the group rule, the
+    renormalisation flag and the scale to `moe_route.router` (checked through the
+    reference face), and `MoE.step` equals `MoE.__call__`."""
+    from parity_helpers import load_case
+
+    from ds4mlx.models import sigmoid_moe
+
+    _, lm, _, _ = load_case(oracle, script, None)
+    moes = [m for _, m in lm.model.named_modules() if isinstance(m, sigmoid_moe.MoE)]
+    assert moes
+    x = mx.random.normal((1, 3, moes[0].gate.weight.shape[1]), key=mx.random.key(5))
+    for moe in moes:
+        a, b = moe.gate(x), moe.gate.step(x)
+        assert all(mx.array_equal(p, q).item() for p, q in zip(a, b))
+        assert mx.array_equal(moe(x), moe.step(x)).item()
+    calls = []
+
+    def fake_router(x, weight, **kw):
+        calls.append(kw)
+        return mr.reference(mr.router_logits(x, weight), **kw)
+
+    monkeypatch.setattr(mr, "decode_face", lambda rows: "cuda")
+    monkeypatch.setattr(mr, "router", fake_router)
+    for moe in moes:
+        want = moe.gate(x)
+        got = moe.gate.step(x)
+        assert_routing(got[0], got[1], np.array(want[0]), np.array(want[1]), ordered=False)
+        kw = calls[-1]
+        assert kw["score"] == "sigmoid" and kw["groups"] == moe.gate._groups
+        assert kw["topk_group"] == moe.gate._topk_group and kw["normalize"] == moe.gate._norm
+    assert any(kw["groups"] > 1 and kw["topk_group"] < kw["groups"] for kw in calls) or "glm5_next" in script
+
+
 # ------------------------------------------------------------------ sources
 
 
@@ -182,21 +241,33 @@ def test_metal_and_cuda_share_one_description(kind):
 # ------------------------------------------------------------------ the shared GPU text, compiled for the CPU
 
 
+GROUPING = {"grouped": (4, 2)}  # selection -> (groups, topk_group); else (1, 1)
+
+
 def _consts(e, k, score, selection, normalize, threads):
+    groups, topg = GROUPING.get(selection, (1, 1))
     return {
         "E": e,
         "K": k,
         "SCORE": mr.SCORES.index(score),
-        "BIAS": selection == "bias",
+        "BIAS": selection in ("bias", "grouped"),
         "HASH": selection == "hash",
         "NORM": normalize,
+        "GROUPS": groups,
+        "TOPG": topg,
         "THREADS": threads,
     }
 
 
+def _want(logits, k, score, selection, normalize, scaling, bias, table, ids):
+    b = bias if selection in ("bias", "grouped") else None
+    t, i = (table, ids) if selection == "hash" else (None, None)
+    return route64(logits, k, score, scaling, normalize, b, t, i, *GROUPING.get(selection, (1, 1)))
+
+
 def _selection_arrays(selection, bias, table, ids):
     return {
-        "bias": bias if selection == "bias" else np.zeros(1, np.float32),
+        "bias": bias if selection in ("bias", "grouped") else np.zeros(1, np.float32),
         "table": table if selection == "hash" else np.zeros(1, np.int32),
         "ids": ids if selection == "hash" else np.zeros(1, np.int32),
     }
@@ -226,6 +297,8 @@ ROUTE_CASES = [  # (n, e, k, threads, score, selection, normalize)
     (2, 128, 8, 64, "sigmoid", "bias", False),
     (2, 72, 4, 32, "softmax", "plain", True),
     (1, 6, 6, 32, "sigmoid", "bias", True),  # k = E: every expert
+    (3, 256, 8, 256, "sigmoid", "grouped", True),  # GLM 5.x-style: 2 of 4 groups of 64, then top-8
+    (2, 40, 6, 32, "sigmoid", "grouped", False),  # 10 experts per group, two per thread
 ]
 
 
@@ -235,9 +308,7 @@ def test_shared_route_text(case, tmp_path):
     _, _, bias, table, ids = problem(n, e, 8, k, seed=e + k)
     logits = np.random.default_rng(e).standard_normal((n, e)).astype(np.float32) * 2.0
     got = _emu_route(tmp_path, logits, k, score, selection, normalize, 1.5, bias, table, ids, threads)
-    b = bias if selection == "bias" else None
-    t, i = (table, ids) if selection == "hash" else (None, None)
-    want_idx, want_w, gap = route64(logits, k, score, 1.5, normalize, b, t, i)
+    want_idx, want_w, gap = _want(logits, k, score, selection, normalize, 1.5, bias, table, ids)
     assert np.all(gap > 1e-5)
     assert_routing(got["idx"], got["wts"], want_idx, want_w)  # slots in descending order of the selection value
 
@@ -287,6 +358,7 @@ FOLD_CASES = [  # (n, e, h, k, threads, rpt, score, selection, bf16 weight)
     (2, 72, 1024, 6, 128, 2, "sqrtsoftplus", "bias", False),  # 2 warps per row along H, 2 steps each
     (2, 72, 1024, 6, 128, 2, "sqrtsoftplus", "hash", True),
     (1, 51, 128, 4, 64, 2, "softmax", "plain", True),  # a ragged last threadgroup (51 logits, 2 per group)
+    (2, 64, 256, 6, 64, 2, "sigmoid", "grouped", False),
     (1, 256, 4096, 6, 256, mr.FOLD_RPT, "sqrtsoftplus", "bias", True),  # V4 Flash, the launch's own shape
 ]
 
@@ -302,9 +374,7 @@ def test_shared_fold_text(case, tmp_path):
     logits = x.astype(np.float64) @ w_vals.astype(np.float64).T
     np.testing.assert_allclose(got["scratch"][:, :e], logits, rtol=0, atol=(h + 2) * 2.0**-23 * 8 * h**0.5)
     assert np.all(got["scratch"][:, e].view(np.uint32) == -(-e // rpt))  # every threadgroup counted once
-    b = bias if selection == "bias" else None
-    t, i = (table, ids) if selection == "hash" else (None, None)
-    want_idx, want_w, gap = route64(logits, k, score, 1.5, True, b, t, i)
+    want_idx, want_w, gap = _want(logits, k, score, selection, True, 1.5, bias, table, ids)
     assert np.all(gap > 1e-4)
     assert_routing(got["idx"], got["wts"], want_idx, want_w)
 
@@ -318,7 +388,9 @@ def test_shared_fold_text(case, tmp_path):
         ("route", "bias", "float32"),
         ("route", "hash", "bfloat16"),
         ("route", "plain", "float32"),
+        ("route", "grouped", "float32"),
         ("fold", "bias", "bfloat16"),
+        ("fold", "grouped", "bfloat16"),
         ("fold", "hash", "float32"),
     ],
 )
@@ -330,17 +402,15 @@ def test_cuda_face_compiles_with_nvcc(kind, selection, dtype, tmp_path):
     f, i = "float32", "int32"
     h, b = mr.kernel_sources(kind, "cuda")
     sel = {"bias": f, "table": i, "ids": i, "prm": f}
-    tmpl = [
-        (name, val)
-        for name, val in mr._template(
-            256,
-            6,
-            "sqrtsoftplus",
-            True,
-            mx.zeros((1,)) if selection == "bias" else None,
-            mx.zeros((1, 6), mx.int32) if selection == "hash" else None,
-        )
-    ]
+    tmpl = mr.launch_template(
+        256,
+        6,
+        "sigmoid" if selection == "grouped" else "sqrtsoftplus",
+        True,
+        mx.zeros((1,)) if selection in ("bias", "grouped") else None,
+        mx.zeros((1, 6), mx.int32) if selection == "hash" else None,
+        *((8, 4) if selection == "grouped" else (1, 1)),
+    )
     tmpl = [(n, str(v).rsplit(".", 1)[-1] if isinstance(v, mx.Dtype) else v) for n, v in tmpl]
     if kind == "route":
         ins, outs = {"logits": dtype, **sel}, {"idx": i, "wts": f}
@@ -402,9 +472,9 @@ def test_gpu_router_equals_reference(case, fold):
 @pytest.mark.gpu
 def test_gpu_self_tests_pass():
     face = _gpu_face()
-    assert mr._self_test(face)
+    assert mr.self_test(face)
     if face == "cuda":
-        assert mr._fold_self_test(face)
+        assert mr.fold_self_test(face)
 
 
 @pytest.mark.gpu

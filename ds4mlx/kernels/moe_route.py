@@ -11,13 +11,18 @@ scaling; for a bfloat16 router weight also its float32 copy before the mat-vec),
     logits [..., E] -> (idx [..., k] int32, weights [..., k] float32).  bias [E]: the
     top-k ranks score + bias (DeepSeek V4's e_score_correction_bias); table [V, k] +
     ids [...]: idx = table[ids] (V4's hash layers, the lookup folded in); neither: the
-    top-k of the scores.  score: "sqrtsoftplus" | "sigmoid" | "softmax".
+    top-k of the scores.  score: "sqrtsoftplus" | "sigmoid" | "softmax"; groups /
+    topk_group: DeepSeek-V3-style group-limited top-k (GLM 5.x's sigmoid router,
+    `group_limited`).
 ``router(x, weight, *, k, score, ...)``
     the same from x [..., H] and the router weight [E, H]: ``logits = x @ weight.T``
     (the model's expression).  On the CUDA face, for float32 x and a float32 / bfloat16
     weight, the mat-vec runs in the same launch (the `fold` kernel: many threadgroups
     compute the logits, the last one of each token routes it), so the router is ONE
     primitive; elsewhere MLX's mat-vec and then `route`.
+
+Used by the decode steps' `Router.step` (models/deepseek_v4.py) and `TopkRouter.step`
+(models/sigmoid_moe.py, GLM 5.x) for up to MAX_ROWS tokens on a GPU face.
 
 Faces (`ds4mlx.kernels.dispatch`): reference = the models' MLX ops (what the CPU and
 prefill run); Metal and CUDA from the one text in metal/moe_route.metal.  The fold is
@@ -93,15 +98,27 @@ def _dummy(dtype) -> mx.array:
 # --------------------------------------------------------------------------- reference face
 
 
-def reference(logits, *, k, score, scaling, normalize=True, bias=None, table=None, ids=None):
+def group_limited(choice: mx.array, groups: int, topk_group: int) -> mx.array:
+    """DeepSeek-V3-style group-limited routing (GLM 5.x): each of `groups` equal groups of
+    experts scores the sum of its two largest selection values; the experts outside the
+    `topk_group` best groups get -inf."""
+    if groups <= 1 or topk_group >= groups:
+        return choice
+    grouped = choice.reshape(*choice.shape[:-1], groups, -1)
+    top2 = mx.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)  # [..., G]
+    keep = topk_indices(top2, topk_group)
+    gmask = mx.put_along_axis(mx.zeros(top2.shape, mx.bool_), keep, mx.array(True), axis=-1)
+    return mx.where(gmask[..., None], grouped, -mx.inf).reshape(choice.shape)
+
+
+def reference(logits, *, k, score, scaling, normalize=True, bias=None, table=None, ids=None, groups=1, topk_group=1):
     """The models' ops: (idx [..., k], weights [..., k] float32)."""
     scores = score_fn(logits, score)
     if table is not None:
         idx = table[ids]
-    elif bias is not None:
-        idx = topk_indices(scores + bias.astype(mx.float32), k)
     else:
-        idx = topk_indices(scores, k)
+        choice = scores + bias.astype(mx.float32) if bias is not None else scores
+        idx = topk_indices(group_limited(choice, groups, topk_group), k)
     return idx, route_weights(scores, idx, normalize, scaling)
 
 
@@ -113,18 +130,20 @@ def router_logits(x: mx.array, weight: mx.array) -> mx.array:
 # --------------------------------------------------------------------------- launches
 
 
-def _check(e: int, k: int, score: str, table, ids) -> None:
+def _check(e: int, k: int, score: str, table, ids, groups: int = 1) -> None:
     if score not in SCORES:
         raise ValueError(f"unknown scoring_func {score!r}")
+    if groups > 1 and (e % groups or e // groups < 2):
+        raise ValueError(f"{e} experts do not split into {groups} groups of >= 2")
     if table is not None and (ids is None or table.shape[-1] != k):
         raise ValueError(f"hash routing needs ids and a [V, {k}] table, got {table.shape}")
     if not 1 <= k <= e:
         raise ValueError(f"k must be in [1, {e}], got {k}")
 
 
-def kernel_takes(e: int, k: int, rows: int) -> bool:
+def kernel_takes(e: int, k: int, rows: int, groups: int = 1) -> bool:
     """Whether the kernel routes this shape (else the reference face runs)."""
-    return 1 <= k <= min(e, THREADS) and e <= MAX_EXPERTS and 1 <= rows
+    return 1 <= k <= min(e, THREADS) and e <= MAX_EXPERTS and 1 <= rows and groups <= THREADS
 
 
 def _selection_inputs(bias, table, ids):
@@ -136,7 +155,8 @@ def _selection_inputs(bias, table, ids):
     return bias_in, table_in, ids_in
 
 
-def _template(e, k, score, normalize, bias, table, extra=()):
+def launch_template(e, k, score, normalize, bias, table, groups, topk_group, extra=()):
+    """The template arguments of a launch (the kernel's constants; `extra`: the kernel's own)."""
     hashed = table is not None
     return [
         ("E", e),
@@ -145,13 +165,15 @@ def _template(e, k, score, normalize, bias, table, extra=()):
         ("BIAS", bias is not None and not hashed),
         ("HASH", hashed),
         ("NORM", bool(normalize)),
+        ("GROUPS", max(int(groups), 1)),
+        ("TOPG", max(int(topk_group), 1)),
         ("THREADS", THREADS),
         ("TB", bias.dtype if bias is not None else mx.float32),
         *extra,
     ]
 
 
-def _launch_route(face, logits, k, score, scaling, normalize, bias, table, ids):
+def _launch_route(face, logits, k, score, scaling, normalize, bias, table, ids, groups=1, topk_group=1):
     e = logits.shape[-1]
     lead = logits.shape[:-1]
     n = logits.size // e
@@ -159,7 +181,7 @@ def _launch_route(face, logits, k, score, scaling, normalize, bias, table, ids):
     idx, w = _kernel("route")(
         face,
         inputs=[logits, bias_in, table_in, ids_in, _f32(float(scaling))],
-        template=_template(e, k, score, normalize, bias, table, [("TL", logits.dtype)]),
+        template=launch_template(e, k, score, normalize, bias, table, groups, topk_group, [("TL", logits.dtype)]),
         grid=(THREADS, n, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(*lead, k), (*lead, k)],
@@ -168,7 +190,7 @@ def _launch_route(face, logits, k, score, scaling, normalize, bias, table, ids):
     return idx, w
 
 
-def _launch_fold(face, x, weight, k, score, scaling, normalize, bias, table, ids):
+def _launch_fold(face, x, weight, k, score, scaling, normalize, bias, table, ids, groups=1, topk_group=1):
     e, h = weight.shape
     lead = x.shape[:-1]
     n = x.size // h
@@ -177,13 +199,15 @@ def _launch_fold(face, x, weight, k, score, scaling, normalize, bias, table, ids
     idx, w, _ = _kernel("fold")(
         face,
         inputs=[x, weight, bias_in, table_in, ids_in, _f32(float(scaling))],
-        template=_template(
+        template=launch_template(
             e,
             k,
             score,
             normalize,
             bias,
             table,
+            groups,
+            topk_group,
             [("TW", weight.dtype), ("WB", weight.dtype.size), ("H", h), ("RPT", FOLD_RPT), ("NB", nb)],
         ),
         grid=(nb * THREADS, n, 1),
@@ -220,17 +244,19 @@ def route(
     bias: mx.array | None = None,
     table: mx.array | None = None,
     ids: mx.array | None = None,
+    groups: int = 1,
+    topk_group: int = 1,
     backend: str | None = None,
 ):
-    """logits [..., E] -> (idx [..., k] int32 on a GPU face, weights [..., k] float32)."""
+    """logits [..., E] -> (idx [..., k] int32 on a GPU face, weights [..., k] float32);
+    groups / topk_group: group-limited top-k (`group_limited`)."""
     e = logits.shape[-1]
-    _check(e, k, score, table, ids)
+    _check(e, k, score, table, ids, groups)
     face = _face(backend)
-    if face == "reference" or not kernel_takes(e, k, logits.size // max(e, 1)):
-        return reference(
-            logits, k=k, score=score, scaling=scaling, normalize=normalize, bias=bias, table=table, ids=ids
-        )
-    return _launch_route(face, logits, k, score, scaling, normalize, bias, table, ids)
+    sel = dict(bias=bias, table=table, ids=ids, groups=groups, topk_group=topk_group)
+    if face == "reference" or not kernel_takes(e, k, logits.size // max(e, 1), groups):
+        return reference(logits, k=k, score=score, scaling=scaling, normalize=normalize, **sel)
+    return _launch_route(face, logits, k, score, scaling, normalize, **sel)
 
 
 def router(
@@ -244,23 +270,25 @@ def router(
     bias: mx.array | None = None,
     table: mx.array | None = None,
     ids: mx.array | None = None,
+    groups: int = 1,
+    topk_group: int = 1,
     backend: str | None = None,
     fold: bool | None = None,
 ):
     """x [..., H], weight [E, H] -> `route(x @ weight.T, ...)`; `fold` (default: where it
     applies) computes the mat-vec inside the one launch."""
     e = weight.shape[0]
-    _check(e, k, score, table, ids)
+    _check(e, k, score, table, ids, groups)
     face = _face(backend)
     rows = x.size // max(x.shape[-1], 1)
-    kw = dict(k=k, score=score, scaling=scaling, normalize=normalize, bias=bias, table=table, ids=ids)
-    if face == "reference" or not kernel_takes(e, k, rows):
-        return reference(router_logits(x, weight), **kw)
+    sel = dict(bias=bias, table=table, ids=ids, groups=groups, topk_group=topk_group)
+    if face == "reference" or not kernel_takes(e, k, rows, groups):
+        return reference(router_logits(x, weight), k=k, score=score, scaling=scaling, normalize=normalize, **sel)
     if fold is None:
         fold = fold_takes(face, x, weight) and (backend is not None or _fold_face() == face)
     if fold:
-        return _launch_fold(face, x, weight, k, score, scaling, normalize, bias, table, ids)
-    return _launch_route(face, router_logits(x, weight), k, score, scaling, normalize, bias, table, ids)
+        return _launch_fold(face, x, weight, k, score, scaling, normalize, **sel)
+    return _launch_route(face, router_logits(x, weight), k, score, scaling, normalize, **sel)
 
 
 def decode_face(rows: int) -> str | None:
@@ -277,11 +305,11 @@ def decode_face(rows: int) -> str | None:
 
 
 def _face(backend: str | None) -> str:
-    return auto_face("moe_route", _self_test) if backend is None else backend
+    return auto_face("moe_route", self_test) if backend is None else backend
 
 
 def _fold_face() -> str:
-    return auto_face("moe_route.fold", _fold_self_test)
+    return auto_face("moe_route.fold", fold_self_test)
 
 
 def _cases():
@@ -299,6 +327,7 @@ def _cases():
         ("hash", x, weight, dict(k=k, score="sqrtsoftplus", scaling=1.5, table=table, ids=ids)),
         ("sigmoid", x, weight, dict(k=k, score="sigmoid", scaling=2.5, normalize=False, bias=bias)),
         ("softmax", x, weight, dict(k=k, score="softmax", scaling=1.0)),
+        ("grouped", x, weight, dict(k=k, score="sigmoid", scaling=2.5, bias=bias, groups=8, topk_group=3)),
     ]
 
 
@@ -314,7 +343,7 @@ def same_routing(got, want, atol: float = 1e-5) -> bool:
     return bool(mx.all(mx.isfinite(gws)).item()) and bool(mx.allclose(gws, wws, rtol=1e-4, atol=atol).item())
 
 
-def _self_test(face: str) -> bool:
+def self_test(face: str) -> bool:
     """`route` on `face` against the reference on the small cases (float32 and bfloat16 logits)."""
     for _, x, weight, kw in _cases():
         logits = router_logits(x, weight)
@@ -324,7 +353,7 @@ def _self_test(face: str) -> bool:
     return True
 
 
-def _fold_self_test(face: str) -> bool:
+def fold_self_test(face: str) -> bool:
     """`router` with the mat-vec folded in, on `face`, against the reference (float32 and
     bfloat16 weights)."""
     for _, x, weight, kw in _cases():

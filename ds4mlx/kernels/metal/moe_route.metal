@@ -28,9 +28,14 @@
 //   scores of ids outside [0, E) read as 0).  wts = s / (sum of the K s + 1e-20) (NORM)
 //   or s, times prm[0]; the sum runs over the slots in order.
 //
+//   Group-limited top-k (GLM 5.x, DeepSeek V3: GROUPS > 1, TOPG < GROUPS): group g's value
+//   is the sum of its two largest c; only the TOPG groups of largest value (ties to the
+//   lowest group) stay eligible, the others' experts rank as c = -inf.
+//
 // Template constants: E experts (<= THREADS * 2), K slots (<= E), SCORE, BIAS, HASH, NORM,
-// THREADS (a power of two >= 32 and >= K); fold also H (a multiple of 8), RPT rows per
-// threadgroup (dividing THREADS / 32), NB = ceil(E / RPT), WB (2: bf16, 4: f32).
+// GROUPS (dividing E, <= THREADS; 1: none), TOPG, THREADS (a power of two >= 32 and >= K);
+// fold also H (a multiple of 8), RPT rows per threadgroup (dividing THREADS / 32),
+// NB = ceil(E / RPT), WB (2: bf16, 4: f32).
 
 // @@ common
 #if defined(__METAL_VERSION__)
@@ -147,9 +152,11 @@ ds4r_fence();
 #define ROUTE_LOGIT(e) (((DS4R_VOLATILE DS4_DEV float*)srow)[e])
 
 // @@ core
-DS4_SHARED float r_sc[E];
+constexpr bool GROUPED = GROUPS > 1 && TOPG < GROUPS && !HASH;
+DS4_SHARED float r_sc[GROUPED ? 2 * E : E];  // the scores, then (GROUPED) the selection values
 DS4_SHARED uint32_t r_key[E];
 DS4_SHARED float r_red[THREADS];
+DS4_SHARED int r_keep[GROUPS];
 DS4_SHARED int r_idx[K];
 DS4_SHARED float r_sel[K];
 float r_max = 0.0f;
@@ -188,10 +195,48 @@ for (uint32_t e = tid; e < uint32_t(E); e += uint32_t(THREADS)) {
     const float s = SCORE == 2 ? ds4_exp(l - r_max) / r_sum : ds4r_score(l, SCORE);
     r_sc[e] = s;
     if (!HASH) {
-        r_key[e] = ds4r_key(BIAS ? s + static_cast<float>(bias[e]) : s);
+        const float c = BIAS ? s + static_cast<float>(bias[e]) : s;
+        r_key[e] = ds4r_key(c);
+        if (GROUPED) {
+            r_sc[E + e] = c;
+        }
     }
 }
 ds4_tg_barrier();
+if (GROUPED) {  // group-limited: only the TOPG groups with the largest sum of their top two stay eligible
+    constexpr int GS = E / GROUPS;
+    if (tid < uint32_t(GROUPS)) {
+        float m1 = DS4_NEG_INF;
+        float m2 = DS4_NEG_INF;
+        for (int j = 0; j < GS; ++j) {
+            const float c = r_sc[E + int(tid) * GS + j];
+            if (c > m1) {
+                m2 = m1;
+                m1 = c;
+            } else if (c > m2) {
+                m2 = c;
+            }
+        }
+        r_red[tid] = m2 + m1;
+    }
+    ds4_tg_barrier();
+    if (tid < uint32_t(GROUPS)) {
+        const uint32_t key = ds4r_key(r_red[tid]);
+        int rank = 0;
+        for (uint32_t g = 0; g < uint32_t(GROUPS); ++g) {
+            const uint32_t kg = ds4r_key(r_red[g]);
+            rank += (kg > key || (kg == key && g < tid)) ? 1 : 0;
+        }
+        r_keep[tid] = rank < TOPG ? 1 : 0;
+    }
+    ds4_tg_barrier();
+    for (uint32_t e = tid; e < uint32_t(E); e += uint32_t(THREADS)) {
+        if (r_keep[e / uint32_t(GS)] == 0) {
+            r_key[e] = ds4r_key(DS4_NEG_INF);
+        }
+    }
+    ds4_tg_barrier();
+}
 if (HASH) {
     if (tid < uint32_t(K)) {
         const int ex = table[uint64_t(ids[t]) * uint64_t(K) + tid];
