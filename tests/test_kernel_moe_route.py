@@ -206,6 +206,7 @@ def test_glm_router_step(oracle, script, monkeypatch):
         a, b = moe.gate(x), moe.gate.step(x)
         assert all(mx.array_equal(p, q).item() for p, q in zip(a, b))
         assert mx.array_equal(moe(x), moe.step(x)).item()
+        assert mx.array_equal(moe(x), sigmoid_moe.mlp_step(moe, x)).item()
     calls = []
 
     def fake_router(x, weight, **kw):

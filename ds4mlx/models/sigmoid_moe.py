@@ -110,6 +110,12 @@ class MoE(nn.Module):
         return y + self.shared_experts(x)
 
 
+def mlp_step(mlp: nn.Module, x: mx.array) -> mx.array:
+    """A layer's MLP (`layer_mlp`) in a decode step: `MoE.step` (the router in one launch on
+    a GPU) or the dense MLP."""
+    return mlp.step(x) if isinstance(mlp, MoE) else mlp(x)
+
+
 def layer_mlp(args, i: int, limit: float | None = None) -> nn.Module:
     """Layer `i`'s MLP from a GLM 5.x config: `MoE` where `mlp_layer_types[i]` is "sparse",
     else a dense `GLUMLP` of `intermediate_size`; every SwiGLU clamped at `limit` if given."""

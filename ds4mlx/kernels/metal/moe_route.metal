@@ -38,8 +38,12 @@
 // NB = ceil(E / RPT), WB (2: bf16, 4: f32).
 
 // @@ common
+// Face-specific pieces.  The fold's fence and device counter are macros: they are only
+// compiled where the fold uses them (Metal's needs MSL 3.2; `route` must not depend on it).
 #if defined(__METAL_VERSION__)
 #define DS4R_VOLATILE
+#define ds4r_fence() atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device)
+#define ds4r_count(p) atomic_fetch_add_explicit((device atomic_uint*)(p), 1u, memory_order_relaxed)
 DS4_FN float ds4r_sqrt(float x) { return metal::precise::sqrt(x); }
 DS4_FN float ds4r_log1p(float x) {  // as MLX's Metal log1p
     const float xp1 = 1.0f + x;
@@ -48,22 +52,18 @@ DS4_FN float ds4r_log1p(float x) {  // as MLX's Metal log1p
     }
     return x * (metal::precise::log(xp1) / (xp1 - 1.0f));
 }
-DS4_FN void ds4r_fence() { atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device); }
-DS4_FN uint32_t ds4r_count(device float* p) {
-    return atomic_fetch_add_explicit((device atomic_uint*)(p), 1u, memory_order_relaxed);
-}
 #elif defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define DS4R_VOLATILE volatile
+#define ds4r_fence() __threadfence()
+#define ds4r_count(p) atomicAdd(reinterpret_cast<unsigned int*>(p), 1u)
 DS4_FN float ds4r_sqrt(float x) { return sqrtf(x); }
 DS4_FN float ds4r_log1p(float x) { return log1pf(x); }
-DS4_FN void ds4r_fence() { __threadfence(); }
-DS4_FN uint32_t ds4r_count(float* p) { return atomicAdd(reinterpret_cast<unsigned int*>(p), 1u); }
 #else  // the g++ emulation of the tests
 #define DS4R_VOLATILE volatile
+#define ds4r_fence() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+#define ds4r_count(p) __atomic_fetch_add(reinterpret_cast<uint32_t*>(p), 1u, __ATOMIC_SEQ_CST)
 DS4_FN float ds4r_sqrt(float x) { return sqrtf(x); }
 DS4_FN float ds4r_log1p(float x) { return log1pf(x); }
-DS4_FN void ds4r_fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-DS4_FN uint32_t ds4r_count(float* p) { return __atomic_fetch_add(reinterpret_cast<uint32_t*>(p), 1u, __ATOMIC_SEQ_CST); }
 #endif
 
 // sigmoid (kind 1) or sqrt(softplus) (kind 0) of one logit
