@@ -219,16 +219,21 @@ def _launch_fold(face, x, weight, k, score, scaling, normalize, bias, table, ids
     return idx, w
 
 
-def fold_takes(face: str, x: mx.array, weight: mx.array) -> bool:
-    """Whether `router` runs the mat-vec inside the launch for these operands."""
+def fold_operands(x: mx.array, weight: mx.array) -> bool:
+    """Whether the fold kernel takes these operands: float32 x [..., H], a float32 or
+    bfloat16 weight [E, H], H a multiple of 8 (16-byte loads)."""
     return (
-        face == "cuda"
-        and x.dtype == mx.float32
+        x.dtype == mx.float32
         and weight.dtype in (mx.float32, mx.bfloat16)
         and weight.ndim == 2
         and x.shape[-1] == weight.shape[1]
         and weight.shape[1] % 8 == 0
     )
+
+
+def fold_takes(face: str, x: mx.array, weight: mx.array) -> bool:
+    """Whether an automatic `router` call runs the mat-vec inside the launch (CUDA only)."""
+    return face == "cuda" and fold_operands(x, weight)
 
 
 # --------------------------------------------------------------------------- public API
@@ -286,6 +291,8 @@ def router(
         return reference(router_logits(x, weight), k=k, score=score, scaling=scaling, normalize=normalize, **sel)
     if fold is None:
         fold = fold_takes(face, x, weight) and (backend is not None or _fold_face() == face)
+    elif fold and not fold_operands(x, weight):
+        raise ValueError(f"no fold for x {x.dtype} {x.shape}, weight {weight.dtype} {weight.shape} (fold_operands)")
     if fold:
         return _launch_fold(face, x, weight, k, score, scaling, normalize, **sel)
     return _launch_route(face, router_logits(x, weight), k, score, scaling, normalize, **sel)
