@@ -22,7 +22,8 @@ scaling; for a bfloat16 router weight also its float32 copy before the mat-vec),
     primitive; elsewhere MLX's mat-vec and then `route`.
 
 Used by the decode steps' `Router.step` (models/deepseek_v4.py) and `TopkRouter.step`
-(models/sigmoid_moe.py, GLM 5.x) for up to MAX_ROWS tokens on a GPU face.
+(models/sigmoid_moe.py, GLM 5.x) for up to MAX_ROWS tokens on a GPU face;
+``DS4MLX_MOE_ROUTE=0`` keeps their plain graph, ``=route`` the kernel without the fold.
 
 Faces (`ds4mlx.kernels.dispatch`): reference = the models' MLX ops (what the CPU and
 prefill run); Metal and CUDA from the one text in metal/moe_route.metal.  The fold is
@@ -47,6 +48,7 @@ then `dispatch.UNVERIFIED_KERNELS` self-tests both kernels at first use.
 
 from __future__ import annotations
 
+import os
 from functools import cache, lru_cache
 
 import mlx.core as mx
@@ -290,7 +292,7 @@ def router(
     if face == "reference" or not kernel_takes(e, k, rows, groups):
         return reference(router_logits(x, weight), k=k, score=score, scaling=scaling, normalize=normalize, **sel)
     if fold is None:
-        fold = fold_takes(face, x, weight) and (backend is not None or _fold_face() == face)
+        fold = fold_takes(face, x, weight) and (backend is not None or (_mode() == "auto" and _fold_face() == face))
     elif fold and not fold_operands(x, weight):
         raise ValueError(f"no fold for x {x.dtype} {x.shape}, weight {weight.dtype} {weight.shape} (fold_operands)")
     if fold:
@@ -298,11 +300,18 @@ def router(
     return _launch_route(face, router_logits(x, weight), k, score, scaling, normalize, **sel)
 
 
+def _mode() -> str:
+    """``DS4MLX_MOE_ROUTE``: '0' (the decode step keeps the plain graph), 'route' (the kernel,
+    never the fold), else automatic: for before/after measurements of one decode build."""
+    v = os.environ.get("DS4MLX_MOE_ROUTE", "").strip().lower()
+    return "off" if v in ("0", "false", "no", "off") else "route" if v == "route" else "auto"
+
+
 def decode_face(rows: int) -> str | None:
     """The GPU face the decode step routes `rows` tokens with, or None (reference ops):
     a GPU face whose self-test passed, and at most MAX_ROWS tokens (prefill keeps the
-    plain graph)."""
-    if rows > MAX_ROWS:
+    plain graph); None with ``DS4MLX_MOE_ROUTE=0``."""
+    if rows > MAX_ROWS or _mode() == "off":
         return None
     face = _face(None)
     return None if face == "reference" else face
