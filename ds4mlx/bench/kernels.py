@@ -11,6 +11,8 @@ Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, ind
   figure twice: ``sync`` (build, launch and wait, one call at a time: what a decode
   step pays when nothing overlaps) and ``batched`` (16 independent calls per
   ``mx.eval``: launch + GPU time, graph building amortised);
+* the V4 Flash MoE router, compiled: the plain graph vs MLX's mat-vec + `moe_route`
+  and (CUDA) the one launch with the mat-vec folded in;
 * one CSA attention layer (random weights, 8-bit linears) decoding at --ctx, kernels
   on vs off;
 * with ``--qmoe``: GB/s of the quantized-MoE decode mat-vec per GGUF type (IQ2_XXS,
@@ -566,6 +568,33 @@ def _random_weights(module, seed: int = 1):
     nn.quantize(module, group_size=64, bits=8, class_predicate=pred)
 
 
+def bench_route(iters: int):
+    """The V4 Flash router (256 experts, top-6, hidden 4096, bf16 weight, float32 x) as the
+    compiled decode step runs it: the plain graph, MLX's mat-vec + the route kernel, and
+    (CUDA) the one launch with the mat-vec folded in."""
+    from ds4mlx.kernels import moe_route as mr
+
+    face = dispatch.gpu_backend()
+    e, h, k = 256, 4096, 6
+    w = (mx.random.normal((e, h)) * h**-0.5).astype(mx.bfloat16)
+    bias = mx.random.normal((e,)) * 0.1
+    table = mx.random.randint(0, e, (1024, k)).astype(mx.int32)
+    print("MoE router, compiled (sync / batched):")
+    for n, hashed in ((1, False), (1, True), (16, False)):
+        x = mx.random.normal((1, n, h))
+        ids = mx.random.randint(0, 1024, (1, n)).astype(mx.int32)
+        mx.eval(w, bias, table, x, ids)
+        sel = dict(table=table, ids=ids) if hashed else dict(bias=bias)
+        kw = dict(k=k, score="sqrtsoftplus", scaling=1.5, **sel)
+        plain = mx.compile(lambda x: mr.reference(mr.router_logits(x, w), **kw))
+        split = mx.compile(lambda x: mr.router(x, w, **kw, backend=face, fold=False))
+        name = f"router n={n} {'hash' if hashed else 'bias'}"
+        row(f"{name}: gemv + route", timed(lambda: plain(x), iters), timed(lambda: split(x), iters))
+        if mr.fold_takes(face, x, w):
+            fold = mx.compile(lambda x: mr.router(x, w, **kw, backend=face, fold=True))
+            row(f"{name}: one launch (fold)", timed(lambda: plain(x), iters), timed(lambda: fold(x), iters))
+
+
 def bench_csa_layer(ctx: int, iters: int):
     """One CSA Attention module (random weights, 8-bit linears) decoding at `ctx`."""
     from ds4mlx.bench.synthetic import v4_flash_config
@@ -668,6 +697,7 @@ def main(argv=None) -> int:
     if not a.no_micro:
         bench_hc(a.iters)
         bench_sparse(a.iters)
+        bench_route(a.iters)
     if not a.no_layer:
         bench_csa_layer(a.layer_ctx, max(10, a.iters // 4))
     if not a.no_model:

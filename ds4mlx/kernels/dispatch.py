@@ -40,6 +40,8 @@ UNVERIFIED_KERNELS = {
     "hyper_connection.split",
     "hyper_connection.post_pre",
     "hyper_connection.norm",
+    "moe_route",  # kernels/moe_route.py: the route alone,
+    "moe_route.fold",  # and with the router mat-vec in the same launch
 }
 
 log = logging.getLogger("ds4mlx.kernels")

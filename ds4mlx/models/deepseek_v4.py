@@ -36,7 +36,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import affine_qmv
+from ..kernels import affine_qmv, moe_route
 from ..kernels import sparse_attention as _sparse
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
@@ -961,6 +961,17 @@ class Router(nn.Module):
         # transformers always renormalises the chosen weights (norm_topk_prob is not read).
         return idx, route_weights(scores, idx, True, self._scale)
 
+    def step(self, x: mx.array, ids: mx.array) -> tuple[mx.array, mx.array]:
+        """`__call__` for the static decode step: on a GPU face, for decode-sized rows, the
+        whole router (mat-vec, score, top-k or hash lookup, weights) as one launch
+        (kernels/moe_route.py; its k slots in descending score order: consumers are
+        order-free).  Elsewhere, and on the CPU, exactly `__call__`."""
+        face = moe_route.decode_face(x.size // x.shape[-1])
+        if face is None:
+            return self(x, ids)
+        sel = dict(table=self.tid2eid, ids=ids) if self._hashed else dict(bias=self.e_score_correction_bias)
+        return moe_route.router(x, self.weight, k=self._k, score=self._kind, scaling=self._scale, normalize=True, **sel)
+
 
 class MoE(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
@@ -983,7 +994,7 @@ class MoE(nn.Module):
         se = self.shared_experts
         if getattr(self, "_step_shared", None) is None:  # built once, outside the module tree
             self._step_shared = fused_or_each([se.gate_proj, se.up_proj])
-        idx, w = self.gate(x, ids)
+        idx, w = self.gate.step(x, ids)
         y = self.experts.fused_weighted(x, idx, w)  # GPU decode: two launches
         if y is None:
             y = self.experts(x, idx)  # [..., k, H]

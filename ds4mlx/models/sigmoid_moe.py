@@ -20,6 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import moe_route
 from .layers import GLUMLP, SwitchGLU, route_weights, topk_indices
 
 
@@ -50,15 +51,26 @@ class TopkRouter(nn.Module):
         """(indices [..., k], weights [..., k] float32)."""
         scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.astype(mx.float32).T)
         choice = scores + self.e_score_correction_bias.astype(mx.float32)
-        G = self._groups
-        if G > 1 and self._topk_group < G:
-            grouped = choice.reshape(*choice.shape[:-1], G, -1)
-            top2 = mx.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)  # [..., G]
-            keep = topk_indices(top2, self._topk_group)
-            gmask = mx.put_along_axis(mx.zeros(top2.shape, mx.bool_), keep, mx.array(True), axis=-1)
-            choice = mx.where(gmask[..., None], grouped, -mx.inf).reshape(choice.shape)
-        idx = topk_indices(choice, self._k)
+        idx = topk_indices(moe_route.group_limited(choice, self._groups, self._topk_group), self._k)
         return idx, route_weights(scores, idx, self._norm, self._scale)
+
+    def step(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """`__call__` for a decode step: on a GPU face, for decode-sized rows, one launch
+        (kernels/moe_route.py: sigmoid, bias, group-limited top-k, weights; its k slots in
+        descending order, consumers are order-free).  Elsewhere exactly `__call__`."""
+        if moe_route.decode_face(x.size // x.shape[-1]) is None:
+            return self(x)
+        return moe_route.router(
+            x.astype(mx.float32),
+            self.weight,
+            k=self._k,
+            score="sigmoid",
+            scaling=self._scale,
+            normalize=self._norm,
+            bias=self.e_score_correction_bias,
+            groups=self._groups,
+            topk_group=self._topk_group,
+        )
 
 
 class MoE(nn.Module):
@@ -83,12 +95,25 @@ class MoE(nn.Module):
         self.shared_experts = GLUMLP(hidden, intermediate * n_shared, limit)
 
     def __call__(self, x: mx.array) -> mx.array:
-        idx, w = self.gate(x)
+        return self._forward(x, self.gate(x))
+
+    def step(self, x: mx.array) -> mx.array:
+        """`__call__` for a decode step: the router as one launch on a GPU (`TopkRouter.step`)."""
+        return self._forward(x, self.gate.step(x))
+
+    def _forward(self, x: mx.array, routing) -> mx.array:
+        idx, w = routing
         y = self.experts.fused_weighted(x, idx, w)  # GPU decode: two launches
         if y is None:
             y = self.experts(x, idx)  # [..., k, H]
             y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
         return y + self.shared_experts(x)
+
+
+def mlp_step(mlp: nn.Module, x: mx.array) -> mx.array:
+    """A layer's MLP (`layer_mlp`) in a decode step: `MoE.step` (the router in one launch on
+    a GPU) or the dense MLP."""
+    return mlp.step(x) if isinstance(mlp, MoE) else mlp(x)
 
 
 def layer_mlp(args, i: int, limit: float | None = None) -> nn.Module:
