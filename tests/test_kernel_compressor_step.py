@@ -354,6 +354,35 @@ class StandInKernel:
         return out
 
 
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """dispatch.backend() -> 'cuda'; the self-test cache cleared (compressor_step is unverified)."""
+    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
+    monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device=None: "cuda")
+    monkeypatch.setattr(dispatch, "_self_tests", {})
+    return monkeypatch
+
+
+def _garbage(face, *, output_shapes, output_dtypes, **kw):
+    return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
+
+
+@pytest.mark.parametrize("kernel,passes", [(_garbage, False), (StandInKernel(), True)], ids=["wrong", "right"])
+def test_first_use_self_test_decides_the_face(fake_cuda, kernel, passes):
+    """A wrong GPU face fails its self-test: the reference result, and the face is not used
+    again; a right one passes and keeps launching."""
+    fake_cuda.setattr(cs, "_kernel", lambda: kernel)
+    case = CASES[0]
+    kv, gate, state, bias, norm, rope = problem(case)
+    pos = mx.array(position(case[1], case[5], "end"), mx.int32)
+    kw = dict(position_bias=bias, norm=norm, rope=rope, ratio=case[1])
+    got = cs.compressor_step(kv, gate, pos, state, **kw)
+    want = cs.reference(kv, gate, pos, state, **kw)
+    assert dispatch._self_tests[("compressor_step", "cuda")] is passes
+    assert all(np.allclose(_np(g), _np(w), atol=1e-5) for g, w in zip(got, want))
+
+
 @pytest.fixture(scope="module", params=["long", "odd"])
 def v4_case(request, oracle):
     return load_case(oracle, "make_tiny_deepseek_v4.py", request.param)

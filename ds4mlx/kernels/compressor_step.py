@@ -111,6 +111,7 @@ def supported(state: list, kv: mx.array, gate: mx.array, position_bias: mx.array
     return (
         dt in FLOAT_TYPES
         and all(a.dtype == dt for a in state)
+        and d >= 8  # every input the helpers read is a device buffer on Metal (>= 8 elements)
         and (d * dt.size) % 16 == 0
         and kv.size == c * d
         and gate.size == c * d
@@ -185,8 +186,8 @@ def _launch(face, kv, gate, pos, state, position_bias, norm, rope, ratio) -> lis
     dt = rows.dtype
     cap, d = rows.shape[-2], rows.shape[-1]
     m = ratio
-    if pos.dtype != mx.int32:
-        pos = pos.astype(mx.int32)
+    if pos.dtype != mx.int32 or pos.ndim:  # the step's position is a 0-d int32 array already
+        pos = pos.astype(mx.int32).reshape(())
     ov_shapes = [state[2].shape, state[3].shape] if overlap else [(1,), (1,)]  # dummies: not written
     out = _kernel()(
         face,

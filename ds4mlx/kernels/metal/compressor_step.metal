@@ -12,7 +12,7 @@
 //   (this token's projections), bias [M, CC*D] TB (position_bias), weight [D] TW
 //   (kv_norm), periods [ROPE/2] f32 (the compress rope's periods, 1 / inv_freq),
 //   prm [2] f32 = (norm eps, attention factor rounded to T), meta [1] int32 = (CAP),
-//   pos [1] int32
+//   pos [] int32 (0-d)
 //   -> buf_kv_out, buf_gate_out [M, CC*D] T, ov_kv_out, ov_gate_out [M, D] T (OVERLAP;
 //      else 1-element dummies, not written), rows_out [CAP, D] T
 //
@@ -39,6 +39,12 @@
 //   The host keeps D * sizeof(T) a multiple of 16 bytes.
 
 // @@ common
+// pos is a 0-d input: MLX's Metal face passes it by reference, the CUDA face by pointer
+#if defined(__METAL_VERSION__)
+#define CS_SCALAR(a) (a)
+#else
+#define CS_SCALAR(a) ((a)[0])
+#endif
 #if defined(__METAL_VERSION__)
 DS4_FN float cs_cos(float x) { return metal::precise::cos(x); }
 DS4_FN float cs_sin(float x) { return metal::precise::sin(x); }
@@ -85,7 +91,7 @@ constexpr uint32_t BUF_UNITS = uint32_t(CC) * ROW_UNITS;
 DS4_SHARED float nrm[D];
 DS4_SHARED float red[THREADS / 32];
 
-const int32_t p = pos[0];
+const int32_t p = CS_SCALAR(pos);
 const uint32_t b = uint32_t(p % M);
 const uint32_t w0 = uint32_t(p / M);
 const uint32_t cap = uint32_t(meta[0]);
