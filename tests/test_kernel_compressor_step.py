@@ -442,7 +442,9 @@ GPU_CASES = [  # V4 Flash: the CSA attention compressor, the indexer's, HCA; cap
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c[0])
 def test_gpu_face_equals_reference(case, dtype, where):
     """The GPU face against the reference face (MLX ops on the same device): copies equal,
-    the pooled row within float32 rounding (float32) or two bfloat16 ulps of its largest entry."""
+    the pooled row within float32 rounding (float32), or (bfloat16) four ulps of its largest
+    entry: a sum in another order may flip a rounding of the pooled value, and the norm, the
+    weight and the rope each round again."""
     face = _gpu_face()
     dt = getattr(mx, dtype)
     kv, gate, state, bias, norm, rope = problem(case, dt, seed=7, fresh_overlap=where == "first_window")
@@ -462,7 +464,7 @@ def test_gpu_face_equals_reference(case, dtype, where):
         live = np.arange(w.shape[1]) != w0
         assert np.array_equal(g[:, live], w[:, live])
         top = max(1.0, float(np.abs(w[0, w0]).max()))
-        tol = ROW_TOL * top if dt == mx.float32 else 2 * 2.0**-7 * top
+        tol = ROW_TOL * top if dt == mx.float32 else 2.0**-5 * top  # bf16: 4 ulps of the largest entry
         assert float(np.abs(g[0, w0] - w[0, w0]).max()) <= tol
 
 
