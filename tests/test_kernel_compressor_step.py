@@ -201,13 +201,19 @@ def test_reference_face_against_float64(case, where):
 
 
 def test_metal_and_cuda_share_one_description():
-    sec = dispatch.sections(cs.SOURCE)
+    common, body = cs.shared_text()
     mh, mb = cs.kernel_sources("metal")
     ch, cb = cs.kernel_sources("cuda")
-    assert mh.endswith(sec["common"]) and ch.endswith(sec["common"])
-    assert mb.endswith(sec["compressor_step"]) and cb.endswith(sec["compressor_step"])
+    assert mh.endswith(common) and ch.endswith(common)
+    assert mb.endswith(body) and cb.endswith(body)
     for word in ("device ", "threadgroup ", "simd_sum", "as_type", " uint ", "metal::"):
         assert word not in cb, word  # the common section names metal:: only under __METAL_VERSION__
+    assert "//" not in common + body and len(ch) + len(cb) < 7000  # hashed on every launch: kept short
+
+
+def test_compact_keeps_code_and_drops_comments():
+    text = '  a = b; // why\n\n    // a note\n#if X\n  s = "//"; // kept: a quote on the line\n'
+    assert cs.compact(text) == 'a = b;\n#if X\ns = "//"; // kept: a quote on the line\n'
 
 
 def test_unverified_until_its_gpu_test_has_run():
@@ -219,7 +225,7 @@ def test_unverified_until_its_gpu_test_has_run():
 
 def _emulate(tmp_path, case, kv, gate, pos, state, bias, norm, rope, threads=64, per=2):
     _, ratio, dim, rope_dims, overlap, cap, mscale = case
-    sec = dispatch.sections(cs.SOURCE)
+    common, body = cs.shared_text()
     f32 = [np.array(a, np.float32) for a in state]
     dummy = np.zeros(1, np.float32)
     units = (cap * dim + 2 * ratio * (2 if overlap else 1) * dim) * 4 // 16
@@ -227,8 +233,8 @@ def _emulate(tmp_path, case, kv, gate, pos, state, bias, norm, rope, threads=64,
     ov_shape = (ratio, dim) if overlap else (1,)
     out = run_on_cpu(
         tmp_path,
-        sec["common"],
-        sec["compressor_step"],
+        common,
+        body,
         inputs={
             "buf_kv": f32[0],
             "buf_gate": f32[1],

@@ -130,7 +130,7 @@ if (tgx > 0u) {
         buf_gate_out[b * CD + k] = static_cast<T>(static_cast<float>(gate[k]));
     }
     if (OVERLAP) {
-        // a completed window's "Ca" half becomes the next window's overlap rows
+        // a completed window's Ca half becomes the next window's overlap rows
         const bool complete = b == uint32_t(M - 1);
         for (uint32_t k = tid; k < uint32_t(M * D); k += uint32_t(THREADS)) {
             const uint32_t i = k / uint32_t(D);
