@@ -207,9 +207,25 @@ def bench_sparse(iters: int):
 _MLX_BITS = {"IQ2_XXS": 2, "Q2_K": 2, "Q4_K": 4, "Q8_0": 8}
 
 
+_VIEWS = ("Reshape", "ExpandDims", "Squeeze", "Slice", "Broadcast", "AsStrided", "StopGradient")
+
+
+def primitives(outputs) -> tuple[int, int]:
+    """(primitives, of which views) in the graph of `outputs` (mx.export_to_dot's op nodes):
+    MLX spends host time on each primitive of a step, a GPU launch on each non-view."""
+    import io
+    import re
+
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *outputs)
+    ops = re.findall(r'label ="([A-Za-z_]+)", shape=rectangle', buf.getvalue())
+    return len(ops), sum(op in _VIEWS for op in ops)
+
+
 def bench_compressor(iters: int):
     """One token through one compressor: the compiled MLX graph (the decode step's before)
-    vs the one-launch kernel; both copy the rows buffer (the step returns new arrays)."""
+    vs the one-launch kernel; both copy the rows buffer (the step returns new arrays).
+    Also the primitives each puts in a compiled step."""
     from ds4mlx.kernels import compressor_step as csk
 
     face = dispatch.gpu_backend()
@@ -225,9 +241,12 @@ def bench_compressor(iters: int):
         pos = mx.array(ratio * (cap // 2) + ratio // 2, mx.int32)
         kw = dict(position_bias=bias, norm=norm, rope=rope, ratio=ratio)
         graph = mx.compile(lambda kv, gate, pos, *st: csk.reference(kv, gate, pos, list(st), **kw))
+        fused = mx.compile(lambda kv, gate, pos, *st: csk.compressor_step(kv, gate, pos, list(st), **kw, backend=face))
         plain = timed(lambda: graph(kv, gate, pos, *state), iters)
-        kern = timed(lambda: csk.compressor_step(kv, gate, pos, state, **kw, backend=face), iters)
+        kern = timed(lambda: fused(kv, gate, pos, *state), iters)
         row(f"{name} m={ratio} d={dim}, {cap} rows", plain, kern)
+        (pp, pv), (kp, kv_) = primitives(graph(kv, gate, pos, *state)), primitives(fused(kv, gate, pos, *state))
+        print(f"    primitives in a compiled step: graph {pp} ({pv} views), kernel {kp} ({kv_} views)", flush=True)
 
 
 def bench_qmoe(
