@@ -13,6 +13,9 @@ Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, ind
   ``mx.eval``: launch + GPU time, graph building amortised);
 * the V4 Flash MoE router, compiled: the plain graph vs MLX's mat-vec + `moe_route`
   and (CUDA) the one launch with the mat-vec folded in;
+* one compressor decode step (``--compressor`` alone): the compiled MLX graph vs the
+  one-launch kernel (kernels/compressor_step.py) for the CSA attention and indexer
+  compressors and HCA's, at a few row capacities;
 * one CSA attention layer (random weights, 8-bit linears) decoding at --ctx, kernels
   on vs off;
 * with ``--qmoe``: GB/s of the quantized-MoE decode mat-vec per GGUF type (IQ2_XXS,
@@ -204,6 +207,48 @@ def bench_sparse(iters: int):
 
 
 _MLX_BITS = {"IQ2_XXS": 2, "Q2_K": 2, "Q4_K": 4, "Q8_0": 8}
+
+
+_VIEWS = ("Reshape", "ExpandDims", "Squeeze", "Slice", "Broadcast", "AsStrided", "StopGradient")
+
+
+def primitives(outputs) -> tuple[int, int]:
+    """(primitives, of which views) in the graph of `outputs` (mx.export_to_dot's op nodes):
+    MLX spends host time on each primitive of a step, a GPU launch on each non-view."""
+    import io
+    import re
+
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *outputs)
+    ops = re.findall(r'label ="([A-Za-z_]+)", shape=rectangle', buf.getvalue())
+    return len(ops), sum(op in _VIEWS for op in ops)
+
+
+def bench_compressor(iters: int):
+    """One token through one compressor: the compiled MLX graph (the decode step's before)
+    vs the one-launch kernel; both copy the rows buffer (the step returns new arrays).
+    Also the primitives each puts in a compiled step."""
+    from ds4mlx.kernels import compressor_step as csk
+
+    face = dispatch.gpu_backend()
+    print("compressor step, one token, bf16 state (sync / batched):")
+    for name, ratio, dim, overlap, cap in (
+        ("CSA attention", 4, 512, True, 2048),
+        ("CSA indexer", 4, 128, True, 2048),
+        ("HCA", 128, 512, False, 256),
+        ("CSA attention", 4, 512, True, 32768),
+    ):
+        kv, gate, state, bias, norm, rope = csk.random_problem(ratio, dim, 64, overlap, cap, 1.0, mx.bfloat16)
+        mx.eval(kv, gate, state, bias, norm.parameters(), rope.periods)
+        pos = mx.array(ratio * (cap // 2) + ratio // 2, mx.int32)
+        kw = dict(position_bias=bias, norm=norm, rope=rope, ratio=ratio)
+        graph = mx.compile(lambda kv, gate, pos, *st: csk.reference(kv, gate, pos, list(st), **kw))
+        fused = mx.compile(lambda kv, gate, pos, *st: csk.compressor_step(kv, gate, pos, list(st), **kw, backend=face))
+        plain = timed(lambda: graph(kv, gate, pos, *state), iters)
+        kern = timed(lambda: fused(kv, gate, pos, *state), iters)
+        row(f"{name} m={ratio} d={dim}, {cap} rows", plain, kern)
+        (pp, pv), (kp, kv_) = primitives(graph(kv, gate, pos, *state)), primitives(fused(kv, gate, pos, *state))
+        print(f"    primitives in a compiled step: graph {pp} ({pv} views), kernel {kp} ({kv_} views)", flush=True)
 
 
 def bench_qmoe(
@@ -663,6 +708,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-layer", action="store_true")
     p.add_argument("--no-model", action="store_true")
     p.add_argument("--qmoe", action="store_true", help="the quantized-MoE GB/s table")
+    p.add_argument("--compressor", action="store_true", help="only the compressor-step figures")
     p.add_argument(
         "--qmv",
         action="store_true",
@@ -682,6 +728,9 @@ def main(argv=None) -> int:
         print("ds4mlx.bench.kernels: no MLX GPU backend (the kernels only run on a GPU)")
         return 2
     print(f"ds4mlx.bench.kernels on {mx.default_device()} ({face})", flush=True)
+    if a.compressor:
+        bench_compressor(a.iters)
+        return 0
     if a.qmv_sweep:
         bench_qmv_sweep()
     if a.qmv:
@@ -698,6 +747,7 @@ def main(argv=None) -> int:
         bench_hc(a.iters)
         bench_sparse(a.iters)
         bench_route(a.iters)
+        bench_compressor(a.iters)
     if not a.no_layer:
         bench_csa_layer(a.layer_ctx, max(10, a.iters // 4))
     if not a.no_model:

@@ -38,6 +38,7 @@ import mlx.nn as nn
 
 from ..kernels import affine_qmv, moe_route
 from ..kernels import sparse_attention as _sparse
+from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .cache import StaticDecode, grow_rows, iota
@@ -531,31 +532,15 @@ class Compressor(nn.Module):
         iterates over `CompressorState.static_arrays()`.  The pooled row of the
         window holding `pos` is written at row pos // m whether or not the window is
         complete (an incomplete one lands on a row that is not live yet and is rewritten
-        when it completes).  Returns (new state arrays, rows [1, cap, d], valid [cap])."""
-        m, d = self._ratio, self._dim
-        buf_kv, buf_gate = next(state), next(state)
-        ov_kv, ov_gate = (next(state), next(state)) if self._overlap else (None, None)
-        rows = next(state)
-        b = (pos % m).reshape(1)
-        buf_kv = mx.slice_update(buf_kv, kv.astype(buf_kv.dtype), b, axes=(1,))
-        buf_gate = mx.slice_update(buf_gate, gate.astype(buf_gate.dtype), b, axes=(1,))
-        w0 = pos // m
-        win_kv = buf_kv[:, None]  # [1, 1, m, c*d]
-        win_gate = buf_gate[:, None] + self.position_bias.astype(buf_gate.dtype)
-        new = [buf_kv, buf_gate]
-        if self._overlap:
-            complete = (pos % m) == (m - 1)
-            ca_kv, cb_kv = win_kv[..., :d], win_kv[..., d:]
-            ca_g, cb_g = win_gate[..., :d], win_gate[..., d:]
-            win_kv = mx.concatenate([ov_kv[:, None], cb_kv], axis=2)
-            win_gate = mx.concatenate([ov_gate[:, None], cb_g], axis=2)
-            new += [mx.where(complete, ca_kv[:, 0], ov_kv), mx.where(complete, ca_g[:, 0], ov_gate)]
-        w = mx.softmax(win_gate.astype(mx.float32), axis=2, precise=True).astype(win_kv.dtype)
-        row = self.kv_norm((win_kv * w).sum(axis=2))  # [1, 1, d]
-        row = self._rope(row, offset=w0, scale=float(m))
-        rows = mx.slice_update(rows, row.astype(rows.dtype), w0.reshape(1), axes=(1,))
-        valid = iota(rows.shape[1]) < (pos + 1) // m
-        return new + [rows], rows, valid
+        when it completes).  One launch on a GPU (kernels/compressor_step.py), the MLX
+        graph on the CPU.  Returns (new state arrays, rows [1, cap, d], valid [cap])."""
+        m, arrays = self._ratio, [next(state) for _ in range(5 if self._overlap else 3)]
+        new = compressor_step(
+            kv, gate, pos, arrays, position_bias=self.position_bias, norm=self.kv_norm, rope=self._rope, ratio=m
+        )
+        rows = new[-1]
+        valid = iota(rows.shape[1]) < (pos + 1) // m  # only the plain attention reads it
+        return new, rows, valid
 
 
 class IndexerScorer(nn.Module):

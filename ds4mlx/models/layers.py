@@ -147,6 +147,16 @@ class RoPE(nn.Module):
         self._mscale = attention_factor  # transformers multiplies cos and sin by it
         self._wide: dict[int, mx.array] = {}  # full width -> periods with inf on the nope pairs
 
+    @property
+    def periods(self) -> mx.array:
+        """The rotated pairs' periods [dims/2] float32 (1 / inv_freq), for kernels that rope."""
+        return self._freqs
+
+    @property
+    def attention_factor(self) -> float:
+        """What the rotated channels are multiplied by after the rotation (1.0: nothing)."""
+        return self._mscale
+
     def _full_width(self, d: int) -> mx.array:
         """Periods for rotating all d channels in one launch: the nope pairs get an infinite
         period (angle 0: cos 1, sin 0, the channels come back unchanged bit for bit), which
