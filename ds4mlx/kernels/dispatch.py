@@ -36,6 +36,13 @@ UNVERIFIED_FACES = ("metal",)
 # kernels (auto_face names) whose every GPU face is self-tested at first use: their CUDA
 # face has passed the g++ emulation and nvcc but not yet its `pytest -m gpu` run
 UNVERIFIED_KERNELS = {"affine_qmv.moe", "hyper_connection.split", "hyper_connection.post_pre"}
+# the decode attention of issue #13: attn_prep, and sparse_attention's decode variants
+UNVERIFIED_KERNELS |= {
+    "attn_prep",
+    "sparse_attention.index_heads",
+    "sparse_attention.attend_rope",
+    "sparse_attention.attend_split",
+}
 
 log = logging.getLogger("ds4mlx.kernels")
 _self_tests: dict[tuple[str, str], bool] = {}

@@ -147,6 +147,17 @@ class RoPE(nn.Module):
         self._mscale = attention_factor  # transformers multiplies cos and sin by it
         self._wide: dict[int, mx.array] = {}  # full width -> periods with inf on the nope pairs
 
+    @property
+    def periods(self) -> mx.array:
+        """[dims / 2] float32 periods (1 / inv_freq) of the rotated pairs, as mx.fast.rope takes
+        them: the fused kernels (kernels/attn_prep.py) rotate with the same numbers."""
+        return self._freqs
+
+    @property
+    def attention_factor(self) -> float:
+        """The scale of the rotated channels (YaRN's mscale; 1.0 for default rope)."""
+        return self._mscale
+
     def _full_width(self, d: int) -> mx.array:
         """Periods for rotating all d channels in one launch: the nope pairs get an infinite
         period (angle 0: cos 1, sin 0, the channels come back unchanged bit for bit), which
