@@ -292,3 +292,87 @@ def test_gpu_face_matches_reference(case):
 def test_gpu_self_test_passes(kind):
     face = _gpu_face()
     assert ap._self_test(face, make_rope(64, kind))
+
+
+# ------------------------------------------------------------------ first-use self-test (a simulated GPU face, CPU)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """dispatch.backend() -> 'metal' (an unverified face); self-test cache cleared."""
+    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
+    monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device=None: "metal")
+    monkeypatch.setattr(dispatch, "_self_tests", {})
+    return monkeypatch
+
+
+def fake_launches(monkeypatch, module, behaviour):
+    """Every module._kernel(...) launch raises (a face that does not compile) or returns 7s."""
+
+    def fake_kernel(*names):
+        def launch(face, *, output_shapes, output_dtypes, **kw):
+            if behaviour == "raise":
+                raise RuntimeError("compile error (simulated)")
+            return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
+
+        return launch
+
+    monkeypatch.setattr(module, "_kernel", fake_kernel)
+
+
+@pytest.mark.parametrize("behaviour", ["raise", "garbage"])
+def test_bad_face_falls_back_to_reference(fake_gpu, behaviour, caplog):
+    import logging
+
+    fake_launches(fake_gpu, ap, behaviour)
+    rope = make_rope(8, "yarn")
+    p = problem(3, 40, 2, 16, 8, seed=1)
+    args = (p["q_b"], p["kv"], p["kv_w"], p["ring"], mx.array(13, mx.int32), rope, 1e-6, p["iq"])
+    with caplog.at_level(logging.WARNING, logger="ds4mlx.kernels"):
+        got = ap.attn_prep(*args, heads=3, index_heads=2)  # automatic face
+    want = ap.attn_prep(*args, heads=3, index_heads=2, backend="reference")
+    for g, x in zip(got, want):
+        assert np.array_equal(np.array(g), np.array(x))
+    assert "attn_prep" in caplog.text and "failed its first-use self-test" in caplog.text
+    assert dispatch._self_tests[("attn_prep", "metal")] is False
+
+
+# ------------------------------------------------------------------ the compiled decode step on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["long", "odd"])
+def test_gpu_compiled_decode_kernels_on_vs_reference(config, oracle, monkeypatch):
+    """The tiny oracle models' compiled decode step (64+ steps across the window, compression
+    boundaries, top-k selection and bucket resizes) with every decode kernel on (attn_prep,
+    index_score_heads, the split attend with its rope epilogue, hyper-connections, ...) and
+    with the reference faces: both within 1e-4 of each other and of the transformers oracle.
+    Needs MLX_ENABLE_TF32=0 (conftest sets it): TF32 noise flips indexer near-ties."""
+    import os
+
+    from parity_helpers import load_case, maxdiff
+
+    from ds4mlx import stepper
+    from ds4mlx.models import cache as row_cache
+
+    _gpu_face()
+    if os.environ.get("MLX_ENABLE_TF32") != "0":
+        pytest.skip("needs MLX_ENABLE_TF32=0")
+    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    _, lm, ref, _ = load_case(oracle, "make_tiny_deepseek_v4.py", config)
+    ids = ref["input_ids"][0].tolist()
+
+    def run(face):
+        stepper.forget(lm.model)
+        with dispatch.use_face(face):
+            s = lm.new_session(ctx=len(ids) + 80, chunk=7)
+            s.prefill(ids[:5])
+            out = np.stack([s.decode(t) for t in ids[5:]])
+        stepper.forget(lm.model)
+        return out
+
+    on, off = run(None), run("reference")
+    assert maxdiff(on, off) <= 1e-4
+    assert maxdiff(on, ref["logits_full"][0][5:]) <= 1e-4

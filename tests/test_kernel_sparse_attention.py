@@ -481,6 +481,23 @@ def test_shared_attend_text(case, variant, tmp_path):
         assert np.all(got["ticket"] == splits)  # every split took its ticket
 
 
+@pytest.mark.parametrize("behaviour", ["raise", "garbage"])
+def test_bad_decode_variants_keep_the_verified_layout(behaviour, monkeypatch):
+    """A face whose new decode variants fail their first-use self-test (simulated on the CPU)
+    keeps index_score's rows layout, one threadgroup per head and the separate output rope."""
+    from test_kernel_attn_prep import fake_launches
+
+    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
+    monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device=None: "metal")
+    monkeypatch.setattr(dispatch, "_self_tests", {})
+    fake_launches(monkeypatch, sa, behaviour)
+    assert not sa._verified("index_heads", "metal")
+    assert not sa._verified("attend_split", "metal")
+    assert not sa._verified("attend_rope", "metal", make_rope(8, "yarn"))
+    assert dispatch._self_tests[("sparse_attention.attend_rope", "metal")] is False
+
+
 # ------------------------------------------------------------------ the model's fused path (reference faces), CPU
 
 CONFIGS = [None, "long", "odd"]
