@@ -105,13 +105,15 @@ def run_on_cpu(
     groups: tuple,
     threads: int,
     fill: float = np.nan,
+    zeroed: tuple = (),
 ) -> dict:
     """Compile `header` + `body` (a kernel's shared text, from its INDEX-free section) with
     the CPU prelude and run `groups` = (gx, gy, gz) threadgroups of `threads` threads.
 
     inputs: name -> array (float32 / int32 / uint32); outputs: name -> (shape, dtype);
     consts: template constants (int, bool, or a numpy dtype for a type name).
-    Returns name -> output array (elements the kernel never wrote hold `fill`)."""
+    Returns name -> output array (elements the kernel never wrote hold `fill`; outputs named in
+    `zeroed` start at 0, as a launch with ``init_value=0`` gives them)."""
     if shutil.which("g++") is None:
         pytest.skip("no g++")
     assert threads % 32 == 0
@@ -193,11 +195,12 @@ def run_on_cpu(
     out_files = {}
     for name, (shape, dt) in outputs.items():
         f = tmp_path / f"out_{name}"
-        init = (
-            np.full(shape, fill, dtype=np.float64).astype(dt)
-            if np.dtype(dt).kind == "f"
-            else np.full(shape, -7, dtype=np.int64).astype(dt)
-        )
+        if name in zeroed:
+            init = np.zeros(shape, dt)
+        elif np.dtype(dt).kind == "f":
+            init = np.full(shape, fill, dtype=np.float64).astype(dt)
+        else:
+            init = np.full(shape, -7, dtype=np.int64).astype(dt)
         init.tofile(f)
         files.append(str(f))
         out_files[name] = (f, shape, dt)

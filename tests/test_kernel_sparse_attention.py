@@ -23,6 +23,7 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_kernel_attn_prep import CPU_TRIG, make_rope  # noqa: E402
 from test_kernel_emulation import run_on_cpu  # noqa: E402  (tests/ is on sys.path under pytest)
 
 from ds4mlx.kernels import dispatch
@@ -101,6 +102,26 @@ def attend64(q, keys, rows, sel, sinks, s, ring_last, w, scale):
             a = (p / z) @ np.abs(kk)
             bound[h, t] = (2.2 * e.max(initial=0.0) + (len(kk) + 32) * U) * a + 1e-30
     return out, bound
+
+
+def rotate64(out, bnd, t_abs, rope):
+    """The inverse rope at each query's position t_abs[t] on out [NH, C, D] (float64), and the
+    error bound through it: the input's bound on both channels of a pair, plus the float32
+    angle (2u |theta|) and the rotation's and scale's roundings."""
+    if rope is None:
+        return out, bnd
+    d, rd, ms = out.shape[-1], rope.dims, float(rope.attention_factor)
+    periods = np.array(rope.periods).astype(np.float64)
+    o, b = out.copy(), bnd.copy()
+    a, z = slice(d - rd, d, 2), slice(d - rd + 1, d, 2)
+    for t, pos in enumerate(t_abs):
+        th = -float(pos) * (1.0 / periods)
+        cs, sn = np.cos(th), np.sin(th)
+        x0, x1 = out[:, t, a], out[:, t, z]
+        o[:, t, a], o[:, t, z] = (x0 * cs - x1 * sn) * ms, (x0 * sn + x1 * cs) * ms
+        e = ms * (bnd[:, t, a] + bnd[:, t, z] + (np.abs(x0) + np.abs(x1)) * (2 * U * np.abs(th) + 8 * U))
+        b[:, t, a], b[:, t, z] = e, e
+    return o, b
 
 
 def check(name, got, want, bound):
@@ -215,6 +236,30 @@ def test_reference_attention(case):
     check("attention", np.array(got), want, bound)
 
 
+@pytest.mark.parametrize("kind", ["plain", "yarn"])
+def test_reference_attend_at_with_output_rope(kind):
+    """attend_at's reference face with `out_rope`: the attention, then the inverse rope at the
+    position (what `Attention._output` did after it)."""
+    case = (3, 40, 8, 1, 9, 38, 4, 5, True)
+    nh, d, w, c, n, s, ratio, k, decode = case
+    q, keys, rows, sinks, ring_last, idx, cnt, sel = _attn_case(case, seed=3)
+    rope = make_rope(8, kind)
+    got = sa.attend_at(
+        mx.array(q), mx.array(keys), mx.array(rows), idx, cnt, mx.array(sinks), mx.array(s, mx.int32),
+        ratio=ratio, scale=d**-0.5, backend="reference", out_rope=rope,
+    )  # fmt: skip
+    want, bound = rotate64(*attend64(q, keys, rows, sel, sinks, s, ring_last, w, d**-0.5), [s], rope)
+    check("attention + rope", np.array(got), want, bound)
+
+
+def test_score_layouts():
+    assert sa.score_layout(512, 1) == "heads" and sa.score_layout(16384, 1) == "heads"
+    assert sa.score_layout(1024, 512) == "rows"  # a prefill chunk
+    assert [sa.score_rows(n, 1) for n in (512, 2048, 8192, 16384, 1 << 20)] == [2, 2, 8, 16, 64]
+    assert [sa.attend_splits("cuda", 1, n) for n in (128, 144, 384, 640, 8320)] == [1, 1, 3, 4, 4]
+    assert sa.attend_splits("metal", 1, 640) == 1 and sa.attend_splits("cuda", 64, 640) == 1
+
+
 def test_reference_attention_matches_mlx_sdpa_with_sinks():
     """The reference's sink convention is the one of mx.fast.scaled_dot_product_attention."""
     rng = np.random.default_rng(0)
@@ -244,12 +289,12 @@ def test_reference_attention_matches_mlx_sdpa_with_sinks():
 # ------------------------------------------------------------------ sources
 
 
-@pytest.mark.parametrize("kind", ["index_score", "topk", "attend"])
+@pytest.mark.parametrize("kind", ["index_score", "index_score_heads", "topk", "attend"])
 def test_metal_and_cuda_share_one_description(kind):
     sec = dispatch.sections(sa.SOURCE)
     mh, mb = sa.kernel_sources(kind, "metal")
     ch, cb = sa.kernel_sources(kind, "cuda")
-    assert mh.endswith(sec["common"]) and ch.endswith(sec["common"])
+    assert sec["common"] in mh and sec["common"] in ch
     assert mb.endswith(sec[kind]) and cb.endswith(sec[kind])
     for word in ("device ", "threadgroup ", "simd_sum", "as_type", " uint ", "metal::"):
         assert word not in ch + cb, word
@@ -258,9 +303,19 @@ def test_metal_and_cuda_share_one_description(kind):
 # ------------------------------------------------------------------ the shared GPU text, compiled for the CPU
 
 
+# attend's split merge on the CPU emulation: threadgroups run one after another, so the
+# last split's ticket is its own
+CPU_TICKETS = """#define DS4_DEVICE_TICKETS 1
+static inline void ds4_device_fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline uint32_t ds4_device_ticket(uint32_t* p) { return __atomic_fetch_add(p, 1u, __ATOMIC_ACQ_REL); }
+static inline float ds4_load_cg(const float* p) { return *p; }
+"""
+
+
 def _emu(tmp_path, kind, **kw):
     sec = dispatch.sections(sa.SOURCE)
-    return run_on_cpu(tmp_path, sec["common"], sec[kind], **kw)
+    header = sec["common"] + (CPU_TRIG + CPU_TICKETS if kind == "attend" else "")
+    return run_on_cpu(tmp_path, header, sec[kind], **kw)
 
 
 @pytest.mark.parametrize("nh,di,n,c,s", [(5, 12, 70, 3, 280), (3, 9, 40, 4, 20), (16, 8, 33, 1, 140)])
@@ -289,6 +344,40 @@ def test_shared_index_score_text(nh, di, n, c, s, tmp_path):
             "THREADS": threads,
         },
         groups=(-(-n // threads), c, 1),
+        threads=threads,
+    )
+    want, bound = scores64(q, w, keys, n, s, ratio, scale)
+    check("scores", got["scores"], want, bound)
+
+
+@pytest.mark.parametrize(
+    "nh,di,n,c,s,rows", [(5, 12, 70, 3, 280, 4), (3, 40, 40, 2, 20, 2), (16, 8, 33, 1, 140, 8), (64, 128, 9, 1, 36, 2)]
+)
+def test_shared_index_score_heads_text(nh, di, n, c, s, rows, tmp_path):
+    ratio, scale, threads = 4, 0.25, 64
+    q, w, keys = index_problem(nh, di, n, c, s, seed=nh * di + 1, cap=n + 5)
+    got = _emu(
+        tmp_path,
+        "index_score_heads",
+        inputs={
+            "q": q,
+            "w": w,
+            "keys": keys,
+            "prm": np.array([scale], np.float32),
+            "meta": np.array([s, n, c], np.int32),
+        },
+        outputs={"scores": ((c, n), np.float32)},
+        consts={
+            "TQ": np.float32,
+            "TW": np.float32,
+            "TK": np.float32,
+            "NH": nh,
+            "DI": di,
+            "ROWS": rows,
+            "RATIO": ratio,
+            "THREADS": threads,
+        },
+        groups=(-(-n // rows), c, 1),
         threads=threads,
     )
     want, bound = scores64(q, w, keys, n, s, ratio, scale)
@@ -333,17 +422,21 @@ def test_shared_topk_text_ties_take_lowest_indices(tmp_path):
     assert lists[1] == sorted(order)
 
 
+@pytest.mark.parametrize("variant", ["one", "split3_rope"])
 @pytest.mark.parametrize(
     "case", ATTN_CASES, ids=lambda c: "nh{}_d{}_w{}_c{}_n{}_s{}_r{}_k{}_{}".format(*c[:8], "dec" if c[8] else "pre")
 )
-def test_shared_attend_text(case, tmp_path):
+def test_shared_attend_text(case, variant, tmp_path):
+    """The attend text, one threadgroup per (head, query) and (split3_rope) the keys split
+    across 3 threadgroups merged by the last, with the output's inverse rope."""
     nh, d, w, c, n, s, ratio, k, decode = case
+    splits, rope = (3, make_rope(8, "yarn")) if variant == "split3_rope" else (1, None)
+    threads = 128 if splits > 1 else 64  # the merge reuses the SIMD groups' slots: splits <= groups
     q, keys, rows, sinks, ring_last, idx, cnt, sel = _attn_case(case, seed=sum(case[:7]))
     if idx is None:
         idx_np, cnt_np, topk = np.zeros((1, 1), np.int32), np.zeros(1, np.int32), 1
     else:
         idx_np, cnt_np, topk = np.array(idx), np.array(cnt), k
-    threads = 64
     got = _emu(
         tmp_path,
         "attend",
@@ -354,10 +447,15 @@ def test_shared_attend_text(case, tmp_path):
             "idx": idx_np,
             "cnt": cnt_np,
             "sinks": sinks,
-            "prm": np.array([d**-0.5], np.float32),
+            "rope": np.array(rope.periods) if rope else np.zeros(1, np.float32),
+            "prm": np.array([d**-0.5, rope.attention_factor if rope else 1.0], np.float32),
             "meta": np.array([s, ring_last, keys.shape[0], n, c], np.int32),
         },
-        outputs={"o": ((nh, c, d), np.float32)},
+        outputs={
+            "o": ((nh, c, d), np.float32),
+            "part": ((nh * c * splits * (d + 2),), np.float32),
+            "ticket": ((nh * c,), np.uint32),
+        },
         consts={
             "T": np.float32,
             "TK": np.float32,
@@ -369,12 +467,35 @@ def test_shared_attend_text(case, tmp_path):
             "THREADS": threads,
             "KB": 4,
             "SELECTED": idx is not None,
+            "RD": rope.dims if rope else 0,
+            "SPLIT": splits,
         },
-        groups=(nh, c, 1),
+        groups=(nh, c, splits),
         threads=threads,
+        zeroed=("ticket",),
     )
     want, bound = attend64(q, keys, rows, sel, sinks, s, ring_last, w, d**-0.5)
+    want, bound = rotate64(want, bound, s + np.arange(c), rope)
     check("attention", got["o"], want, bound)
+    if splits > 1:
+        assert np.all(got["ticket"] == splits)  # every split took its ticket
+
+
+@pytest.mark.parametrize("behaviour", ["raise", "garbage"])
+def test_bad_decode_variants_keep_the_verified_layout(behaviour, monkeypatch):
+    """A face whose new decode variants fail their first-use self-test (simulated on the CPU)
+    keeps index_score's rows layout, one threadgroup per head and the separate output rope."""
+    from test_kernel_attn_prep import fake_launches
+
+    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
+    monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device=None: "metal")
+    monkeypatch.setattr(dispatch, "_self_tests", {})
+    fake_launches(monkeypatch, sa, behaviour)
+    assert not sa._verified("index_heads", "metal")
+    assert not sa._verified("attend_split", "metal")
+    assert not sa._verified("attend_rope", "metal", make_rope(8, "yarn"))
+    assert dispatch._self_tests[("sparse_attention.attend_rope", "metal")] is False
 
 
 # ------------------------------------------------------------------ the model's fused path (reference faces), CPU
@@ -436,8 +557,9 @@ GPU_INDEX = [  # (nh, di, n, c, s, dtype)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["rows", "heads"])
 @pytest.mark.parametrize("case", GPU_INDEX, ids=lambda c: "nh{}_di{}_n{}_c{}_s{}_{}".format(*c))
-def test_gpu_index_scores_and_topk(case):
+def test_gpu_index_scores_and_topk(case, layout):
     face = _gpu_face()
     nh, di, n, c, s, dtype = case
     dt = getattr(mx, dtype)
@@ -446,7 +568,7 @@ def test_gpu_index_scores_and_topk(case):
     q32, w32, k32 = (np.array(a.astype(mx.float32)) for a in (qm, wm, km))
     scale = nh**-0.5 * di**-0.5
     want, bound = scores64(q32, w32, k32, n, s, 4, scale)
-    got = sa.index_scores(qm, wm, km, n=n, s=s, ratio=4, scale=scale, backend=face)
+    got = sa.index_scores(qm, wm, km, n=n, s=s, ratio=4, scale=scale, backend=face, layout=layout)
     got_np = np.array(got)
     check("scores", got_np, want, bound)
     # top-k on the kernel's own scores: the reference picks the same rows (no ties in random data)
@@ -491,6 +613,61 @@ def test_gpu_attention_equals_reference(case):
     check("attention", got, want, bound)
 
 
+GPU_DECODE = [  # (nh, d, window, n, pos, ratio, topk (0: every capacity row), splits, dtype)
+    (64, 512, 128, 512, 2051, 4, 0, 4, "float32"),  # V4 Flash CSA at 2K: every row
+    (64, 512, 128, 8192, 32771, 4, 512, 4, "bfloat16"),  # CSA at 32K: 512 selected rows
+    (64, 512, 128, 8192, 32771, 4, 512, 1, "float32"),
+    (64, 512, 128, 256, 32771, 128, 0, 3, "bfloat16"),  # HCA at 32K
+    (64, 512, 128, 256, 70, 128, 0, 2, "float32"),  # ring not full, no live row yet
+    (64, 512, 128, 0, 5000, 1, 0, 1, "float32"),  # sliding
+    (3, 40, 8, 30, 123, 4, 6, 3, "float32"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_DECODE, ids=lambda c: "nh{}_d{}_w{}_n{}_p{}_r{}_k{}_s{}_{}".format(*c))
+def test_gpu_attend_at_split_with_output_rope(case):
+    """The decode attention as the compiled step runs it: ring + capacity rows (or the
+    selected ones), the keys split across threadgroups, the output's inverse rope in the
+    epilogue; against float64 math."""
+    face = _gpu_face()
+    nh, d, w, n, pos, ratio, k, splits, dtype = case
+    dt = getattr(mx, dtype)
+    rng = np.random.default_rng(n + pos)
+    q = rng.standard_normal((nh, 1, d)).astype(np.float32)
+    ring = rng.standard_normal((w, d)).astype(np.float32)
+    rows = rng.standard_normal((max(n, 1), d)).astype(np.float32)
+    sinks = rng.standard_normal(nh).astype(np.float32)
+    live = min((pos + 1) // ratio, n)
+    if k:
+        idx = np.sort(rng.permutation(live)[:k]).astype(np.int32)[None]
+        cnt, sel = np.array([k], np.int32), [idx[0].tolist()]
+    else:
+        idx = cnt = None
+        sel = [list(range(live))]
+    qm, rm, wm, sm = (mx.array(a).astype(dt) for a in (q, ring, rows, sinks))
+    q32, r32, w32, s32 = (np.array(a.astype(mx.float32)) for a in (qm, rm, wm, sm))
+    rope = make_rope(64 if d >= 64 else 8, "yarn")
+    got = sa.attend_at(
+        qm, rm, wm if n else None, None if idx is None else mx.array(idx), None if cnt is None else mx.array(cnt),
+        sm, mx.array(pos, mx.int32), ratio=ratio, scale=d**-0.5, backend=face, out_rope=rope, splits=splits,
+    )  # fmt: skip
+    assert got.dtype == dt and got.shape == (nh, 1, d)
+    want, bound = attend64(q32, r32, w32, sel, s32, pos, pos, w, d**-0.5)
+    want, bound = rotate64(want, bound, [pos], rope)
+    got = np.array(got.astype(mx.float32))
+    if dt != mx.float32:  # one rounding of the result to bfloat16
+        bound = bound + 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 1e-30))) - 7)
+    check("attention", got, want, bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["index_heads", "attend_rope", "attend_split"])
+def test_gpu_first_use_self_tests_pass(kind):
+    face = _gpu_face()
+    assert sa._self_test(kind, face, make_rope(8, "yarn") if kind == "attend_rope" else None)
+
+
 @pytest.mark.gpu
 def test_gpu_tiny_models_kernels_on_vs_off(oracle_model, monkeypatch):
     """Whole tiny models on the GPU, prefill chunks of 16 and decode (chunk 1): kernels
@@ -526,16 +703,36 @@ def test_gpu_tiny_models_kernels_on_vs_off(oracle_model, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
-    "kind,selected", [("index_score", False), ("topk", False), ("attend", True), ("attend", False)]
+    "kind,selected,split",
+    [
+        ("index_score", False, 1),
+        ("index_score_heads", False, 1),
+        ("topk", False, 1),
+        ("attend", True, 1),
+        ("attend", False, 1),
+        ("attend", True, 4),
+    ],
 )
-def test_cuda_face_compiles_with_nvcc(kind, selected, dtype, tmp_path):
+def test_cuda_face_compiles_with_nvcc(kind, selected, split, dtype, tmp_path):
     """The exact CUDA translation unit mx.fast.cuda_kernel builds at V4 Flash shapes, compiled
     for sm_90 (H200) by nvcc with warnings as errors (the g++ emulation checks the logic)."""
     from test_kernel_emulation import mlx_cuda_source, nvcc_compile
 
     f, i = "float32", "int32"
     h, b = sa.kernel_sources(kind, "cuda")
-    if kind == "index_score":
+    if kind == "index_score_heads":
+        ins, outs = {"q": dtype, "w": dtype, "keys": dtype, "prm": f, "meta": i}, {"scores": f}
+        tmpl = [
+            ("TQ", dtype),
+            ("TW", dtype),
+            ("TK", dtype),
+            ("NH", 64),
+            ("DI", 128),
+            ("ROWS", 8),
+            ("RATIO", 4),
+            ("THREADS", sa.SCORE_SPLIT_THREADS),
+        ]
+    elif kind == "index_score":
         ins, outs = {"q": dtype, "w": dtype, "keys": dtype, "prm": f, "meta": i}, {"scores": f}
         tmpl = [
             ("TQ", dtype),
@@ -551,8 +748,9 @@ def test_cuda_face_compiles_with_nvcc(kind, selected, dtype, tmp_path):
         ins, outs = {"scores": f, "meta": i}, {"idx": i, "cnt": i}
         tmpl = [("TOPK", 512), ("RATIO", 4), ("THREADS", sa.TOPK_THREADS)]
     else:
-        ins = {"q": dtype, "keys": dtype, "rows": dtype, "idx": i, "cnt": i, "sinks": dtype, "prm": f, "meta": i}
-        outs = {"o": dtype}
+        ins = {"q": dtype, "keys": dtype, "rows": dtype, "idx": i, "cnt": i, "sinks": dtype, "rope": f, "prm": f}
+        ins["meta"] = i
+        outs = {"o": dtype, "part": f, "ticket": "uint32"}
         tmpl = [
             ("T", dtype),
             ("TK", dtype),
@@ -564,5 +762,7 @@ def test_cuda_face_compiles_with_nvcc(kind, selected, dtype, tmp_path):
             ("THREADS", sa.ATTN_THREADS),
             ("KB", sa.ATTN_KEYS),
             ("SELECTED", selected),
+            ("RD", 64),
+            ("SPLIT", split),
         ]
     nvcc_compile(tmp_path, mlx_cuda_source(kind, h, b, ins, outs, tmpl))

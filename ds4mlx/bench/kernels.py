@@ -16,6 +16,10 @@ Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, ind
 * one compressor decode step (``--compressor`` alone): the compiled MLX graph vs the
   one-launch kernel (kernels/compressor_step.py) for the CSA attention and indexer
   compressors and HCA's, at a few row capacities;
+* the decode step's attention kernels at 2K and 32K context, previous vs current launch
+  (``--attn`` runs only these): attn_prep vs the graph it replaces, index_score's rows vs
+  heads layout, attend one threadgroup per head + a separate rope vs split keys + the rope
+  epilogue (and each split count);
 * one CSA attention layer (random weights, 8-bit linears) decoding at --ctx, kernels
   on vs off;
 * with ``--qmoe``: GB/s of the quantized-MoE decode mat-vec per GGUF type (IQ2_XXS,
@@ -204,6 +208,96 @@ def bench_sparse(iters: int):
         timed(plain_pre, max(4, iters // 10)),
         timed(kern_pre, max(4, iters // 10)),
     )
+
+
+def versus(name: str, old_label: str, old, new_label: str, new):
+    print(
+        f"  {name:50s} {old_label} {old[0]:8.1f} / {old[1]:8.1f} µs   {new_label} {new[0]:8.1f} / {new[1]:8.1f} µs"
+        f"   x{old[0] / max(new[0], 1e-9):5.2f} sync  x{old[1] / max(new[1], 1e-9):5.2f} batched",
+        flush=True,
+    )
+
+
+def bench_decode_attention(iters: int, face: str | None = None):
+    """The compiled decode step's attention launches at V4 Flash shapes (64 heads x 512, window
+    128, indexer 64 x 128, top-512, YaRN compress rope), at 2K and 32K context: what the step
+    ran before (the graph of norms / ropes / slice update; index_score's rows layout; attend
+    with one threadgroup per head and a separate rope) vs now; attn_prep compiled as the step
+    is.  `face`: the GPU's (default) or 'reference' (a smoke run on the CPU)."""
+    from ds4mlx.bench.synthetic import v4_flash_config
+    from ds4mlx.kernels import attn_prep as ap
+    from ds4mlx.models.deepseek_v4 import ModelArgs
+    from ds4mlx.models.layers import RoPE, attention_factor_from_params, inv_freq_from_params
+
+    face = face or dispatch.gpu_backend()
+    args = ModelArgs.from_dict(v4_flash_config(layers=3))
+    nh, d, nhi, di, w, topk = 64, 512, 64, 128, 128, 512
+    rd, rp, mpe = args.qk_rope_head_dim, args.rope_parameters["compress"], args.max_position_embeddings
+    rope = RoPE(rd, inv_freq_from_params(rd, rp, mpe), attention_factor_from_params(rp, mpe))
+    print("decode attention (sync / batched), previous launch vs now:")
+    act = mx.float32  # the residual stream's dtype (dtype_policy)
+    q_b = mx.random.normal((1, 1, nh * d)).astype(act)
+    kv = mx.random.normal((1, 1, d)).astype(act)
+    iq_b = mx.random.normal((1, 1, nhi * di)).astype(act)
+    kv_w = mx.ones((d,), mx.bfloat16)
+    ring = mx.random.normal((1, 1, w, d)).astype(act)
+    mx.eval(q_b, kv, iq_b, kv_w, ring)
+    old = mx.compile(lambda *a: ap.reference(*a[:5], rope, 1e-6, a[5], heads=nh, index_heads=nhi))
+    new = mx.compile(lambda *a: ap.attn_prep(*a[:5], rope, 1e-6, a[5], heads=nh, index_heads=nhi, backend=face))
+    for ctx in (2048, 32768):
+        at = (q_b, kv, kv_w, ring, mx.array(ctx + 3, mx.int32), iq_b)
+        versus(
+            f"attn_prep CSA, pos {ctx + 3}",
+            "graph",
+            timed(lambda: old(*at), iters),
+            "kernel",
+            timed(lambda: new(*at), iters),
+        )
+    for ctx in (2048, 32768):
+        n = ctx // 4
+        q = mx.random.normal((nhi, 1, di)).astype(act)
+        wt = mx.random.normal((1, nhi)).astype(act)
+        keys = mx.random.normal((n, di)).astype(act)
+        mx.eval(q, wt, keys)
+        kw = dict(n=n, s=ctx + 3, ratio=4, scale=nhi**-0.5 * di**-0.5, backend=face)
+        versus(
+            f"index_score, {n} rows (ctx {ctx})",
+            "rows ",
+            timed(lambda: sa.index_scores(q, wt, keys, **kw, layout="rows"), iters),
+            "heads",
+            timed(lambda: sa.index_scores(q, wt, keys, **kw, layout="heads"), iters),
+        )
+    for ctx in (2048, 32768):
+        pos = mx.array(ctx + 3, mx.int32)
+        q = mx.random.normal((nh, 1, d)).astype(act)
+        ring = mx.random.normal((w, d)).astype(act)
+        sinks = mx.random.normal((nh,)).astype(mx.bfloat16)
+        hca = mx.random.normal((ctx // 128, d)).astype(act)
+        csa = mx.random.normal((ctx // 4, d)).astype(act)
+        mx.eval(q, ring, sinks, hca, csa)
+        layers = [("sliding", None, None, None, 1), ("HCA", hca, None, None, 128)]
+        if ctx // 4 > topk:  # CSA above index_topk rows: the selected ones
+            idx = mx.sort(mx.random.permutation(ctx // 4)[:topk]).astype(mx.int32)[None]
+            layers.append(("CSA", csa, idx, mx.array([topk], mx.int32), 4))
+        else:  # every capacity row
+            layers.append(("CSA", csa, None, None, 4))
+        for kind, rows, idx, cnt, ratio in layers:
+            keys = w + (0 if rows is None else (rows.shape[0] if idx is None else idx.shape[1]))
+            kw = dict(ratio=ratio, scale=d**-0.5, backend=face)
+
+            def before():
+                out = sa.attend_at(q, ring, rows, idx, cnt, sinks, pos, **kw, splits=1)
+                return rope(out[None], offset=pos, scale=-1.0)
+
+            def now(splits=None):
+                return sa.attend_at(q, ring, rows, idx, cnt, sinks, pos, **kw, out_rope=rope, splits=splits)
+
+            base = timed(before, iters)
+            auto = sa.attend_splits(face, 1, keys)
+            versus(f"attend {kind}, {keys} keys (ctx {ctx}), split {auto}", "one+rope", base, "now", timed(now, iters))
+            if face == "cuda" and keys > w:
+                for sp in (1, 2, 4, 8):
+                    versus(f"  attend {kind} split {sp}", "one+rope", base, "now", timed(lambda sp=sp: now(sp), iters))
 
 
 _MLX_BITS = {"IQ2_XXS": 2, "Q2_K": 2, "Q4_K": 4, "Q8_0": 8}
@@ -705,6 +799,11 @@ def main(argv=None) -> int:
     p.add_argument("--layer-ctx", type=int, default=8192, help="context of the one-layer CSA decode figure")
     p.add_argument("--gen", type=int, default=16)
     p.add_argument("--no-micro", action="store_true")
+    p.add_argument(
+        "--attn",
+        action="store_true",
+        help="only the decode attention micro-benchmarks (attn_prep, index_score, attend at 2K and 32K)",
+    )
     p.add_argument("--no-layer", action="store_true")
     p.add_argument("--no-model", action="store_true")
     p.add_argument("--qmoe", action="store_true", help="the quantized-MoE GB/s table")
@@ -731,6 +830,9 @@ def main(argv=None) -> int:
     if a.compressor:
         bench_compressor(a.iters)
         return 0
+    if a.attn:
+        bench_decode_attention(a.iters)
+        return 0
     if a.qmv_sweep:
         bench_qmv_sweep()
     if a.qmv:
@@ -748,6 +850,7 @@ def main(argv=None) -> int:
         bench_sparse(a.iters)
         bench_route(a.iters)
         bench_compressor(a.iters)
+        bench_decode_attention(a.iters)
     if not a.no_layer:
         bench_csa_layer(a.layer_ctx, max(10, a.iters // 4))
     if not a.no_model:

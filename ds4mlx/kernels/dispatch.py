@@ -43,6 +43,10 @@ UNVERIFIED_KERNELS = {
     "moe_route",  # kernels/moe_route.py: the route alone,
     "moe_route.fold",  # and with the router mat-vec in the same launch
     "compressor_step",
+    "attn_prep",  # the decode attention of issue #13: attn_prep and sparse_attention's decode variants
+    "sparse_attention.index_heads",
+    "sparse_attention.attend_rope",
+    "sparse_attention.attend_split",
 }
 
 log = logging.getLogger("ds4mlx.kernels")

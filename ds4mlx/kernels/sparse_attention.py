@@ -10,6 +10,9 @@ its own selected rows:
 ``index_scores(q, w, keys, n=, s=, ratio=, scale=)``  -> scores [C, n] float32
     ``scores[t, r] = sum_h (w[t, h] * scale) * relu(q[h, t] . keys[r])`` for rows
     below query t's causal limit ``min(n, (s + t + 1) // ratio)``, -inf above it.
+    Two layouts of the same sums: ``rows`` (a thread per row, the heads in a loop: prefill
+    chunks) and ``heads`` (a threadgroup per few rows, the heads split across its SIMD
+    groups: decode, where ``rows`` leaves most of the GPU idle); `score_layout` picks.
 ``topk_select(scores, k, s=, ratio=)``                -> idx [C, k] int32, cnt [C] int32
     the top-k rows of each query among its causal rows, in ascending row order
     (all of them when there are at most k); entries past ``cnt`` are 0.
@@ -18,6 +21,11 @@ its own selected rows:
     (positions in (s+t-window, s+t]) and its compressed rows (``rows[idx[t, :cnt[t]]]``,
     or every causal row when ``idx is None``), with the per-head sink logit in the
     denominator; K = V.
+``attend_at(q, ring, rows, idx, cnt, sinks, pos, ratio=, scale=, out_rope=None, splits=None)``
+    the same for one decode query at the position array ``pos``; with ``out_rope`` (the
+    layer's RoPE) the output gets the inverse rope at ``pos`` in the kernel's epilogue, and
+    the candidate keys may be split across ``splits`` threadgroups per head (merged by the
+    last one to finish): 64 heads alone fill half of an H200.
 
 Shapes: q [NH, C, D] (the model's [1, NH, C, D] without the batch), keys [L, D] the
 window (W ring slots, then in prefill the chunk's own C rows: ``LayerCache.sliding``),
@@ -38,6 +46,9 @@ Verified: reference faces against float64 math and the model's plain path (CPU, 
 tiny transformers-oracle models); the shared kernel text compiled with g++ (emulated
 threadgroups).  The CUDA face is meant to be checked on the H200 with
 ``pytest -m gpu tests/test_kernel_sparse_attention.py``; the Metal face has not run.
+The decode variants (index_score_heads, attend's key split and rope epilogue, 2026-12-01)
+are emulated and nvcc-checked, not yet run on a GPU: each self-tests at first use
+(`dispatch.UNVERIFIED_KERNELS`) and a failure keeps the launch above it replaced.
 """
 
 from __future__ import annotations
@@ -47,15 +58,22 @@ from functools import cache, lru_cache
 
 import mlx.core as mx
 
-from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, shared_sources
+from ds4mlx.kernels.attn_prep import TRIG
+from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, shared_sources
 from ds4mlx.kernels.dispatch import backend as _backend
 
 SOURCE = METAL_DIR / "sparse_attention.metal"
 SCORE_THREADS = 128  # rows per threadgroup in index_score (one thread per row)
 SCORE_HEADS = 16  # query heads staged in threadgroup memory at a time
+SCORE_SPLIT_THREADS = 256  # index_score_heads: 8 SIMD groups share out the heads
+SCORE_FILL = 264  # fewer index_score threadgroups than this (2 per H200 SM): the heads layout
+SCORE_GROUPS = 1024  # index_score_heads aims at about this many threadgroups
+SCORE_ROWS_MAX = 64  # rows per index_score_heads threadgroup, at most
 TOPK_THREADS = 512  # threads of the one threadgroup per query in topk
 ATTN_THREADS = 256  # threads per (head, query) in attend
 ATTN_KEYS = 4  # keys per SIMD group per step in attend
+ATTN_SPLIT_KEYS = 160  # decode attend: a key split per this many candidate keys ...
+ATTN_SPLIT_MAX = 4  # ... up to this many (64 heads x 4 = 256 threadgroups: one H200 wave)
 
 # Tests set this to run the model's fused path with a given face (e.g. "reference" on
 # the CPU); None: the fused path runs exactly when `dispatch.backend()` is a GPU face.
@@ -63,14 +81,35 @@ FORCE_FACE: str | None = None
 
 _INPUTS = {
     "index_score": (["q", "w", "keys", "prm", "meta"], ["scores"]),
+    "index_score_heads": (["q", "w", "keys", "prm", "meta"], ["scores"]),
     "topk": (["scores", "meta"], ["idx", "cnt"]),
-    "attend": (["q", "keys", "rows", "idx", "cnt", "sinks", "prm", "meta"], ["o"]),
+    "attend": (["q", "keys", "rows", "idx", "cnt", "sinks", "rope", "prm", "meta"], ["o", "part", "ticket"]),
+}
+
+# attend's split merge: a device-wide fence, a ticket counter and a load past the L1 cache.
+# Metal has no device-scope fence before MSL 3.2, so its attend runs unsplit (SPLIT 1: the
+# kernel asserts it); its stand-ins only have to compile, they are never reached.
+TICKETS = {
+    "metal": """#define DS4_DEVICE_TICKETS 0
+inline void ds4_device_fence() {}
+inline uint32_t ds4_device_ticket(device uint32_t* p) { return *p; }
+inline float ds4_load_cg(const device float* p) { return *p; }
+""",
+    "cuda": """#define DS4_DEVICE_TICKETS 1
+__device__ __forceinline__ void ds4_device_fence() { __threadfence(); }
+__device__ __forceinline__ uint32_t ds4_device_ticket(uint32_t* p) { return atomicAdd(p, 1u); }
+__device__ __forceinline__ float ds4_load_cg(const float* p) { return __ldcg(p); }
+""",
 }
 
 
 def kernel_sources(kind: str, face: str) -> tuple[str, str]:
-    """(header, body) of 'index_score', 'topk' or 'attend' for `face` ('metal' or 'cuda')."""
-    return shared_sources(SOURCE, face, kind)
+    """(header, body) of 'index_score', 'index_score_heads', 'topk' or 'attend' for `face`
+    ('metal' or 'cuda')."""
+    header, body = shared_sources(SOURCE, face, kind)
+    if kind == "attend":
+        header += TRIG[face] + TICKETS[face]
+    return header, body
 
 
 @cache
@@ -84,6 +123,16 @@ def _kernel(kind: str) -> Kernel:
 @lru_cache(maxsize=64)
 def _f32(v: float) -> mx.array:
     return mx.array([v], dtype=mx.float32)
+
+
+@lru_cache(maxsize=64)
+def _f32s(a: float, b: float) -> mx.array:
+    return mx.array([a, b], dtype=mx.float32)
+
+
+@cache
+def _dummy(dtype) -> mx.array:
+    return mx.zeros((1,), dtype)
 
 
 def _meta(*vals) -> mx.array:
@@ -137,10 +186,35 @@ def _rows2d(a: mx.array, d: int) -> mx.array:
 # --------------------------------------------------------------------------- indexer scores
 
 
+def score_layout(n: int, c: int) -> str:
+    """'rows' when a thread per row already launches enough threadgroups (prefill chunks),
+    else 'heads' (decode: at 512 rows 'rows' launches 4 threadgroups for 64 heads x 128)."""
+    return "rows" if c * -(-n // SCORE_THREADS) >= SCORE_FILL else "heads"
+
+
+def score_rows(n: int, c: int) -> int:
+    """Rows per index_score_heads threadgroup: a power of two from 2 to SCORE_ROWS_MAX, about
+    SCORE_GROUPS threadgroups in all."""
+    want, rows = -(-n * c // SCORE_GROUPS), 2
+    while rows < want and rows < SCORE_ROWS_MAX:
+        rows *= 2
+    return rows
+
+
 def index_scores(
-    q: mx.array, w: mx.array, keys: mx.array, *, n: int, s: int, ratio: int, scale: float, backend: str | None = None
+    q: mx.array,
+    w: mx.array,
+    keys: mx.array,
+    *,
+    n: int,
+    s: int,
+    ratio: int,
+    scale: float,
+    backend: str | None = None,
+    layout: str | None = None,
 ) -> mx.array:
-    """q [NH, C, DI], w [C, NH], keys [>= n, DI] -> scores [C, n] float32."""
+    """q [NH, C, DI], w [C, NH], keys [>= n, DI] -> scores [C, n] float32.  `layout` 'rows' /
+    'heads' picks the GPU kernel (None: `score_layout`, 'heads' once its self-test passed)."""
     nh, c, di = q.shape
     keys = _rows2d(keys, di)
     if w.shape != (c, nh) or keys.shape[0] < n:
@@ -153,6 +227,30 @@ def index_scores(
         sc = (ww[:, None, :] @ dots.swapaxes(0, 1)).squeeze(1)  # [C, n]
         live = mx.arange(n)[None] < causal_limits(s, c, ratio, n)[:, None]
         return mx.where(live, sc, -mx.inf)
+    if layout is None:
+        layout = score_layout(n, c)
+        if layout == "heads" and not _verified("index_heads", face):
+            layout = "rows"
+    if layout == "heads":
+        rows = score_rows(n, c)
+        return _kernel("index_score_heads")(
+            face,
+            inputs=[q, w, keys, _f32(float(scale)), _meta_at(s, 1, n, c)],
+            template=[
+                ("TQ", q.dtype),
+                ("TW", w.dtype),
+                ("TK", keys.dtype),
+                ("NH", nh),
+                ("DI", di),
+                ("ROWS", rows),
+                ("RATIO", int(ratio)),
+                ("THREADS", SCORE_SPLIT_THREADS),
+            ],
+            grid=(-(-n // rows) * SCORE_SPLIT_THREADS, c, 1),
+            threadgroup=(SCORE_SPLIT_THREADS, 1, 1),
+            output_shapes=[(c, n)],
+            output_dtypes=[mx.float32],
+        )[0]
     hg = min(SCORE_HEADS, nh)
     bx = -(-n // SCORE_THREADS)
     return _kernel("index_score")(
@@ -259,6 +357,15 @@ def step_face() -> str | None:
     return None if face == "reference" else face
 
 
+def attend_splits(face: str, c: int, n_virt: int) -> int:
+    """Key splits per (head, query) for `n_virt` candidate keys: one per ATTN_SPLIT_KEYS up to
+    ATTN_SPLIT_MAX at decode on CUDA; 1 for prefill chunks (C x NH threadgroups fill the GPU)
+    and on Metal (no device-wide fence for the merge)."""
+    if face != "cuda" or c != 1:
+        return 1
+    return max(1, min(ATTN_SPLIT_MAX, -(-n_virt // ATTN_SPLIT_KEYS)))
+
+
 def attend_at(
     q: mx.array,
     ring: mx.array,
@@ -271,24 +378,55 @@ def attend_at(
     ratio: int,
     scale: float,
     backend: str | None = None,
+    out_rope=None,
+    splits: int | None = None,
 ) -> mx.array:
     """`sparse_attention` for one query at position `pos` (an int32 array: the compiled
     decode step), over the ring [W, D] just written at slot pos % W and every capacity row
     of `rows` [cap, D] (masked to the (pos + 1) // ratio live ones inside), or the
-    selected rows idx [1, k] / cnt [1].  q [NH, 1, D] -> [NH, 1, D]."""
+    selected rows idx [1, k] / cnt [1].  q [NH, 1, D] -> [NH, 1, D].
+
+    `out_rope` (the layer's models.layers.RoPE): the output gets its inverse rope at `pos`
+    (``out_rope(o, offset=pos, scale=-1.0)``), in the kernel's epilogue on a GPU face.
+    `splits`: key splits per head (None: `attend_splits`, once its self-test passed)."""
     nh, c, d = q.shape
     window = ring.shape[0]
     n = 0 if rows is None else rows.shape[0]
     face = _face(backend)
     if face == "reference":
-        return _attend_reference(q, ring, rows, idx, cnt, sinks, n, pos, pos, window, max(ratio, 1), scale)
+        out = _attend_reference(q, ring, rows, idx, cnt, sinks, n, pos, pos, window, max(ratio, 1), scale)
+        return out if out_rope is None else out_rope(out[None], offset=pos, scale=-1.0)[0]
+    in_kernel = out_rope is not None and out_rope.dims <= d and _verified("attend_rope", face, out_rope)
+    if splits is None:
+        splits = attend_splits(face, c, window + (n if idx is None else idx.shape[1]))
+        if splits > 1 and not _verified("attend_split", face):
+            splits = 1
     meta = _meta_at(pos, 2, window, n, 1)  # [s, ring_last, length, n, c]
-    return _launch_attend(face, q, ring, rows, idx, cnt, sinks, scale, meta, window, max(ratio, 1))
+    out = _launch_attend(
+        face,
+        q,
+        ring,
+        rows,
+        idx,
+        cnt,
+        sinks,
+        scale,
+        meta,
+        window,
+        max(ratio, 1),
+        out_rope if in_kernel else None,
+        splits,
+    )
+    if out_rope is not None and not in_kernel:
+        out = out_rope(out[None], offset=pos, scale=-1.0)[0]
+    return out
 
 
-def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ratio) -> mx.array:
+def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ratio, rope=None, splits=1) -> mx.array:
     """The attend kernel's GPU launch: keys [L, D] (window first), rows [n, D] or None,
-    idx [C, k] / cnt [C] or None (every causal row), meta [s, ring_last, L, n, C]."""
+    idx [C, k] / cnt [C] or None (every causal row), meta [s, ring_last, L, n, C]; `rope`
+    a RoPE whose inverse the epilogue applies at each query's position; `splits` key
+    splits per (head, query)."""
     nh, c, d = q.shape
     if rows is None:
         rows = mx.zeros((1, d), keys.dtype)
@@ -297,9 +435,13 @@ def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ra
     selected = idx is not None
     if not selected:
         idx, cnt = mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32)
+    rd = 0 if rope is None else rope.dims
+    periods = rope.periods if rd else _dummy(mx.float32)
+    mscale = 1.0 if rope is None else float(rope.attention_factor)
+    split = splits > 1
     return _kernel("attend")(
         face,
-        inputs=[q, keys, rows, idx, cnt, sinks, _f32(float(scale)), meta],
+        inputs=[q, keys, rows, idx, cnt, sinks, periods, _f32s(float(scale), mscale), meta],
         template=[
             ("T", q.dtype),
             ("TK", keys.dtype),
@@ -311,12 +453,52 @@ def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ra
             ("THREADS", ATTN_THREADS),
             ("KB", ATTN_KEYS),
             ("SELECTED", selected),
+            ("RD", rd),
+            ("SPLIT", int(splits)),
         ],
-        grid=(nh * ATTN_THREADS, c, 1),
+        grid=(nh * ATTN_THREADS, c, int(splits)),
         threadgroup=(ATTN_THREADS, 1, 1),
-        output_shapes=[(nh, c, d)],
-        output_dtypes=[q.dtype],
+        output_shapes=[(nh, c, d), (nh * c * splits * (d + 2) if split else 1,), (nh * c if split else 1,)],
+        output_dtypes=[q.dtype, mx.float32, mx.uint32],
+        init_value=0.0 if split else None,
     )[0]
+
+
+# --------------------------------------------------------------------------- first-use self-tests
+#
+# The decode-only variants (index_score_heads, attend's split and rope epilogue) have not run
+# on a GPU yet (dispatch.UNVERIFIED_KERNELS): each is compared with the reference face once
+# per face before the automatic choice uses it; a failure keeps the verified layout.
+
+
+def _verified(kind: str, face: str, rope=None) -> bool:
+    return auto_face(f"sparse_attention.{kind}", lambda f: _self_test(kind, f, rope)) == face
+
+
+def _self_test(kind: str, face: str, rope=None) -> bool:
+    key = mx.random.split(mx.random.key(7), 6)
+    if kind == "index_heads":
+        nh, di, n, s = 12, 40, 70, 290
+        q, w = mx.random.normal((nh, 1, di), key=key[0]), mx.random.normal((1, nh), key=key[1])
+        keys = mx.random.normal((n + 3, di), key=key[2])
+        kw = dict(n=n, s=s, ratio=4, scale=0.1)
+        got = index_scores(q, w, keys, **kw, backend=face, layout="heads")
+        return close_enough(got, index_scores(q, w, keys, **kw, backend="reference"), rtol=1e-4, atol=1e-4)
+    nh, d, window, n, k = 3, 24 + (rope.dims if rope is not None else 0), 8, 30, 6
+    q = mx.random.normal((nh, 1, d), key=key[0])
+    ring = mx.random.normal((window, d), key=key[1])
+    rows = mx.random.normal((n, d), key=key[2])
+    sinks = mx.random.normal((nh,), key=key[3])
+    idx = mx.sort(mx.random.permutation(n, key=key[4])[:k]).astype(mx.int32)[None]
+    cnt = mx.array([k], mx.int32)
+    pos = mx.array(4 * n + 3, mx.int32)
+    splits, meta = (3 if kind == "attend_split" else 1), _meta_at(pos, 2, window, n, 1)
+    for sel in ((idx, cnt), (None, None)):
+        got = _launch_attend(face, q, ring, rows, *sel, sinks, d**-0.5, meta, window, 4, rope, splits)
+        want = attend_at(q, ring, rows, *sel, sinks, pos, ratio=4, scale=d**-0.5, out_rope=rope, backend="reference")
+        if not close_enough(got, want, rtol=1e-4, atol=1e-4):
+            return False
+    return True
 
 
 def _attend_reference(q, keys, rows, idx, cnt, sinks, n, s, ring_last, window, ratio, scale):

@@ -38,6 +38,7 @@ import mlx.nn as nn
 
 from ..kernels import affine_qmv, moe_route
 from ..kernels import sparse_attention as _sparse
+from ..kernels.attn_prep import attn_prep
 from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
@@ -668,12 +669,13 @@ class CompressorBranch(Compressor):
         idx = topk_indices(scores, self._topk)
         return mx.take(rows, idx, axis=1), mx.take(valid, idx)
 
-    def step_select(self, proj: list, q_b, pos: mx.array, state, new: list):
+    def step_select(self, proj: list, index_q, pos: mx.array, state, new: list):
         """`step` for the one-launch attention (`sparse_attention.attend_at`): (rows [cap, D],
         idx [1, k] | None, cnt [1] | None).  Without idx the kernel masks the capacity rows to
         the (pos + 1) // ratio live ones itself.  CSA above index_topk capacity: the top
         index_topk live rows by index score; while fewer rows are live than index_topk, all
-        of them (rows 0 .. live-1, the same set `step` attends)."""
+        of them (rows 0 .. live-1, the same set `step` attends).  `index_q` is the indexer's
+        query already roped at `pos` [1, nh, 1, d] (kernels/attn_prep.py)."""
         st, rows, valid = self.pool_step(proj[0], proj[1], pos, state)
         new += st
         if not self._overlap:
@@ -683,11 +685,10 @@ class CompressorBranch(Compressor):
         if rows.shape[1] <= self._topk:
             return rows[0], None, None
         ind = self.indexer
-        q = ind._rope(q_b.reshape(1, 1, ind._nh, ind._dim).swapaxes(1, 2), offset=pos)  # [1, nh, 1, d]
         scale = ind._nh**-0.5 * ind._dim**-0.5
         face = _sparse.step_face()
         scores = _sparse.index_scores(
-            q[0], proj[4][0], keys[0], n=keys.shape[1], s=pos, ratio=self._ratio, scale=scale, backend=face
+            index_q[0], proj[4][0], keys[0], n=keys.shape[1], s=pos, ratio=self._ratio, scale=scale, backend=face
         )  # [1, cap], -inf past the live rows
         idx, cnt = _sparse.topk_select(scores, self._topk, s=pos, ratio=self._ratio, backend=face)
         return rows[0], idx, cnt
@@ -861,38 +862,49 @@ class Attention(nn.Module):
         else:
             q_b, index_q_b = self.q_b_proj(q_res), None
         out = self._step_attend(q_b, kv, more, index_q_b, pos, state, new)
-        return self._output(out, pos, 1, 1)
+        return self._output(out, None, 1, 1)
 
     def _step_attend(self, q_b, kv, more, index_q_b, pos, state, new) -> mx.array:
         """One row's position-dependent half of `step`: its query and key at `pos`, its
-        ring and compressors' state -> attention output [1, nh, 1, D] (before the
-        inverse rope)."""
+        ring and compressors' state -> attention output [1, nh, 1, D] after the inverse rope."""
         comp = self.compressor if self.layer_type != SLIDING else None
-        q = q_b.reshape(1, 1, self._nh, self._D).swapaxes(1, 2)
-        q = self._rope(rms_norm(q, None, self._eps), offset=pos)
-        kv = self._rope(self.kv_norm(kv)[:, None], offset=pos)  # [1, 1, 1, D]
         ring = next(state)
-        W = ring.shape[2]
-        ring = mx.slice_update(ring, kv.astype(ring.dtype), (pos % W).reshape(1), axes=(2,))
-        new.append(ring)
         face = _sparse.step_face()
-        if face is not None:  # a GPU: window + compressed rows + sinks in one launch
+        if face is not None:  # a GPU: two launches, attn_prep and attend_at
+            # query / K=V norms and ropes, the ring write and the indexer query's rope in one
+            # launch (the indexer shares the layer's compress rope: CompressorBranch passes it on)
+            csa = comp is not None and comp._overlap
+            q, ring, index_q = attn_prep(
+                q_b, kv, self.kv_norm.weight, ring, pos, self._rope, self._eps, index_q_b if csa else None,
+                heads=self._nh, index_heads=comp.indexer._nh if csa else 0,
+                backend="reference" if face == "reference" else None,
+            )  # fmt: skip
+            new.append(ring)
             rows = idx = cnt = None
             if comp is not None:
-                rows, idx, cnt = comp.step_select(more, index_q_b, pos, state, new)
+                rows, idx, cnt = comp.step_select(more, index_q, pos, state, new)
+            # window + compressed rows + sinks, and the output's inverse rope, in one launch
             out = _sparse.attend_at(
                 q[0], ring[0, 0], rows, idx, cnt, self.sinks, pos,
                 ratio=comp._ratio if comp is not None else 1, scale=self._D**-0.5, backend=face,
+                out_rope=self._rope,
             )  # fmt: skip
             return out[None]  # [1, nh, 1, D]
+        q = q_b.reshape(1, 1, self._nh, self._D).swapaxes(1, 2)
+        q = self._rope(rms_norm(q, None, self._eps), offset=pos)
+        kv = self._rope(self.kv_norm(kv)[:, None], offset=pos)  # [1, 1, 1, D]
+        W = ring.shape[2]
+        ring = mx.slice_update(ring, kv.astype(ring.dtype), (pos % W).reshape(1), axes=(2,))
+        new.append(ring)
         keys, mask = ring, iota(W) <= pos  # slots not written yet are masked
         if comp is not None:
             rows, valid = comp.step(more, index_q_b, pos, state, new)
             keys = mx.concatenate([keys, rows[:, None].astype(keys.dtype)], axis=2)
             mask = mx.concatenate([mask, valid])
-        return mx.fast.scaled_dot_product_attention(
+        out = mx.fast.scaled_dot_product_attention(
             q, keys, keys, scale=self._D**-0.5, mask=mask[None], sinks=self.sinks.astype(q.dtype)
         )
+        return self._rope(out, offset=pos, scale=-1.0)
 
     def step_rows(self, x: mx.array, pos: list, states: list, news: list) -> mx.array:
         """`step` for B sessions' tokens at once (x [1, B, H], row b at position pos[b]
@@ -914,13 +926,17 @@ class Attention(nn.Module):
             row = slice(b, b + 1)
             ib = None if index_q_b is None else index_q_b[:, row]
             out = self._step_attend(q_b[:, row], kv[:, row], [m[:, row] for m in more], ib, p, st, nw)
-            outs.append(self._rope(out, offset=p, scale=-1.0).swapaxes(1, 2))  # [1, 1, nh, D]
+            outs.append(out.swapaxes(1, 2))  # [1, 1, nh, D]
         out = mx.concatenate(outs, axis=1)
         out = self.o_a_proj(out.reshape(1, len(outs), self._groups, -1))
         return self.o_b_proj(out)
 
-    def _output(self, out: mx.array, s: int, B: int, C: int) -> mx.array:
-        out = self._rope(out, offset=s, scale=-1.0).swapaxes(1, 2)  # inverse rope, [B, C, nh, D]
+    def _output(self, out: mx.array, s: int | None, B: int, C: int) -> mx.array:
+        """The output projections of the attention output [B, nh, C, D], after its inverse rope
+        at positions s.. (s None: applied already, the decode step's `_step_attend`)."""
+        if s is not None:
+            out = self._rope(out, offset=s, scale=-1.0)
+        out = out.swapaxes(1, 2)  # [B, C, nh, D]
         out = self.o_a_proj(out.reshape(B, C, self._groups, -1))
         return self.o_b_proj(out)
 

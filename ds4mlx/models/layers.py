@@ -149,12 +149,13 @@ class RoPE(nn.Module):
 
     @property
     def periods(self) -> mx.array:
-        """The rotated pairs' periods [dims/2] float32 (1 / inv_freq), for kernels that rope."""
+        """[dims / 2] float32 periods (1 / inv_freq) of the rotated pairs, as mx.fast.rope takes
+        them: the fused kernels (kernels/attn_prep.py) rotate with the same numbers."""
         return self._freqs
 
     @property
     def attention_factor(self) -> float:
-        """What the rotated channels are multiplied by after the rotation (1.0: nothing)."""
+        """The scale of the rotated channels (YaRN's mscale; 1.0 for default rope)."""
         return self._mscale
 
     def _full_width(self, d: int) -> mx.array:

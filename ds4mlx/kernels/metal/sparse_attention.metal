@@ -18,6 +18,13 @@
 //   meta [3] int32 = (s, N, C)  ->  scores [C, N] f32
 //   scores[t, r] = sum_h (w[t,h] * scale) * max(q[h,t] . keys[r], 0) for r below the
 //   causal limit, -inf above it.  q is staged per HG heads in threadgroup memory.
+//   (Prefill chunks: many queries fill the GPU.)
+//
+// index_score_heads  grid (ceil(N/ROWS)*THREADS, C, 1); one threadgroup per ROWS rows of a
+//   query, same inputs and result as index_score.  SIMD group g takes heads g, g + WARPS, ...
+//   (their q and weights in registers, lane l holding channels l, l+32, ...), each row's dot
+//   products are SIMD-group sums, the groups' head sums meet in threadgroup memory.  For
+//   decode: ceil(N/ROWS) threadgroups where index_score launches ceil(N/THREADS).
 //
 // topk  grid (THREADS, C, 1); one threadgroup per query:
 //   scores [C, N] f32, meta [3] = (s, N, C)  ->  idx [C, TOPK] int32, cnt [C] int32
@@ -28,11 +35,14 @@
 //   row indices in ascending order; ties at the threshold go to the lowest indices.
 //   Entries past cnt are 0.
 //
-// attend  grid (NH*THREADS, C, 1); one threadgroup per (head, query):
+// attend  grid (NH*THREADS, C, SPLIT); one threadgroup per (head, query, key split):
 //   q [NH, C, D] T, keys [L, D] TK (the window: W ring slots, then the chunk's own
 //   rows in prefill), rows [>=N, D] TK (compressed rows), idx [C, TOPK] int32,
-//   cnt [C] int32 (SELECTED; dummies otherwise), sinks [NH] TS, prm [1] f32 = softmax
-//   scale, meta [5] int32 = (s, ring_last, L, N, C)  ->  o [NH, C, D] T
+//   cnt [C] int32 (SELECTED; dummies otherwise), sinks [NH] TS, rope [max(RD/2, 1)] f32
+//   (output rope periods), prm [2] f32 = (softmax scale, rope mscale),
+//   meta [5] int32 = (s, ring_last, L, N, C)
+//   ->  o [NH, C, D] T, part [NH*C*SPLIT*(D+2)] f32 and ticket [NH*C] u32 (SPLIT > 1: the
+//   launch zero-fills them; dummies otherwise)
 //   Ring slot j holds position ring_last - ((ring_last - j) mod W) (ring_last = s in
 //   decode, where the ring already holds the query's row; s-1 in prefill); chunk row
 //   W+c holds position s+c.  A window key is used iff its position p satisfies
@@ -41,6 +51,13 @@
 //   Each SIMD group takes KB keys at a time (lane l holds dims l, l+32, ...), keeps an
 //   online softmax (max, sum, accumulator); the groups are merged through threadgroup
 //   memory together with the sink: o = sum_j e^(l_j - M) k_j / (sum_j e^(l_j - M) + e^(sink - M)).
+//   SPLIT > 1 (decode: 64 heads alone leave half the GPU idle): split `sp` takes the
+//   candidate keys [sp * chunk, (sp + 1) * chunk), writes its partial (max, sum,
+//   accumulator) to `part`, and the last split of (head, query) to finish (a device-wide
+//   ticket) merges the SPLIT partials, in split order, as above.
+//   RD > 0: the output's trailing RD channels get the inverse rope at the query position
+//   (pair i turns by -t_abs / rope[i], times mscale: models/layers.RoPE with scale -1),
+//   so the model launches no rope after the attention.
 
 // @@ common
 DS4_FN uint32_t ds4_order_key(float f) {
@@ -95,6 +112,69 @@ if (any_live) {
 }
 if (int(r) < n_rows) {
     scores[uint64_t(t) * uint64_t(n_rows) + r] = live ? score : DS4_NEG_INF;
+}
+
+// @@ index_score_heads
+constexpr int WARPS = THREADS / 32;
+constexpr int HPW = (NH + WARPS - 1) / WARPS;  // heads per SIMD group
+constexpr int DPL = (DI + 31) / 32;  // channels per lane
+DS4_SHARED float part[WARPS * ROWS];
+const int s0 = meta[0];
+const int n_rows = meta[1];
+const int n_q = meta[2];
+const uint32_t t = tgy;
+int limit = (s0 + int(t) + 1) / RATIO;
+if (limit > n_rows) {
+    limit = n_rows;
+}
+const int r0 = int(tgx) * ROWS;
+const float wscale = prm[0];
+if (r0 < limit) {
+    float qv[HPW][DPL];
+    float wv[HPW];
+    for (int j = 0; j < HPW; ++j) {
+        const int h = int(warp) + WARPS * j;
+        wv[j] = h < NH ? static_cast<float>(w[uint64_t(t) * uint64_t(NH) + uint32_t(h)]) * wscale : 0.0f;
+        for (int i = 0; i < DPL; ++i) {
+            const int c = int(lane) + 32 * i;
+            qv[j][i] = (h < NH && c < DI)
+                ? static_cast<float>(q[(uint64_t(h) * uint64_t(n_q) + t) * uint64_t(DI) + uint32_t(c)])
+                : 0.0f;
+        }
+    }
+    for (int k = 0; k < ROWS; ++k) {
+        const int r = r0 + k;
+        float sc = 0.0f;
+        if (r < limit) {  // the same for the whole threadgroup: every lane joins the sums
+            const DS4_DEV TK* kr = keys + uint64_t(r) * uint64_t(DI);
+            float kv[DPL];
+            for (int i = 0; i < DPL; ++i) {
+                const int c = int(lane) + 32 * i;
+                kv[i] = c < DI ? static_cast<float>(kr[c]) : 0.0f;
+            }
+            for (int j = 0; j < HPW; ++j) {
+                float dot = 0.0f;
+                for (int i = 0; i < DPL; ++i) {
+                    dot += qv[j][i] * kv[i];
+                }
+                sc += wv[j] * ds4_fmax(ds4_warp_sum(dot), 0.0f);
+            }
+        }
+        if (lane == 0u) {
+            part[warp * uint32_t(ROWS) + uint32_t(k)] = sc;
+        }
+    }
+}
+ds4_tg_barrier();
+if (tid < uint32_t(ROWS)) {
+    const int r = r0 + int(tid);
+    if (r < n_rows) {
+        float sc = 0.0f;
+        for (int g = 0; g < WARPS; ++g) {
+            sc += part[uint32_t(g) * uint32_t(ROWS) + tid];
+        }
+        scores[uint64_t(t) * uint64_t(n_rows) + uint32_t(r)] = r < limit ? sc : DS4_NEG_INF;
+    }
 }
 
 // @@ topk
@@ -224,9 +304,12 @@ if (tid == 0u) {
 // @@ attend
 constexpr int WARPS = THREADS / 32;
 constexpr int DPL = (D + 31) / 32;
+static_assert(SPLIT >= 1 && SPLIT <= WARPS, "the merging split reuses the SIMD groups' slots");
+static_assert(SPLIT == 1 || DS4_DEVICE_TICKETS, "no device-wide ticket on this face: SPLIT must be 1");
 DS4_SHARED float sm_m[WARPS];
 DS4_SHARED float sm_l[WARPS];
 DS4_SHARED float sm_acc[WARPS * D];
+DS4_SHARED uint32_t sm_last[1];
 const int s0 = meta[0];
 const int ring_last = meta[1];
 const int n_keys = meta[2];
@@ -259,6 +342,10 @@ if (SELECTED) {
     }
 }
 const int n_virt = n_win + n_comp;
+// this threadgroup's share of them: [v_lo, v_hi)
+const int chunk = (n_virt + SPLIT - 1) / SPLIT;
+const int v_lo = int(tgz) * chunk;
+const int v_hi = v_lo + chunk < n_virt ? v_lo + chunk : n_virt;
 
 float m_run = DS4_NEG_INF;
 float l_run = 0.0f;
@@ -266,7 +353,7 @@ float acc[DPL];
 for (int i = 0; i < DPL; ++i) {
     acc[i] = 0.0f;
 }
-for (int base = int(warp) * KB; base < n_virt; base += WARPS * KB) {
+for (int base = v_lo + int(warp) * KB; base < v_hi; base += WARPS * KB) {
     float kv[KB][DPL];
     float sc[KB];
     bool ok[KB];
@@ -274,7 +361,8 @@ for (int base = int(warp) * KB; base < n_virt; base += WARPS * KB) {
         const int v = base + u;
         const DS4_DEV TK* kp = keys;
         ok[u] = false;
-        if (v < n_ring) {
+        if (v >= v_hi) {
+        } else if (v < n_ring) {
             int mod = (ring_last - v) % W;
             if (mod < 0) {
                 mod += W;
@@ -285,19 +373,19 @@ for (int base = int(warp) * KB; base < n_virt; base += WARPS * KB) {
         } else if (v < n_win) {
             ok[u] = true;
             kp = keys + uint64_t(n_ring + c_lo + (v - n_ring)) * uint64_t(D);
-        } else if (v < n_virt) {
+        } else {
             const int j = v - n_win;
             const int rr = SELECTED ? idx[uint64_t(t) * uint64_t(TOPK) + uint32_t(j)] : j;
             ok[u] = true;
             kp = rows + uint64_t(rr) * uint64_t(D);
         }
-        float part = 0.0f;
+        float part_dot = 0.0f;
         for (int i = 0; i < DPL; ++i) {
             const uint32_t c = lane + 32u * uint32_t(i);
             kv[u][i] = (ok[u] && c < uint32_t(D)) ? static_cast<float>(kp[c]) : 0.0f;
-            part += qv[i] * kv[u][i];
+            part_dot += qv[i] * kv[u][i];
         }
-        sc[u] = part;
+        sc[u] = part_dot;
     }
     float m_new = m_run;
     for (int u = 0; u < KB; ++u) {
@@ -334,21 +422,90 @@ if (lane == 0u) {
     sm_l[warp] = l_run;
 }
 ds4_tg_barrier();
+int n_src = WARPS;  // partial softmaxes in sm_m / sm_l / sm_acc to merge with the sink
+if (SPLIT > 1) {
+    // this split's partial (max, sum, accumulator) to `part`; the last split to finish merges
+    const uint64_t ht = uint64_t(h) * uint64_t(n_q) + t;
+    float m_tg = DS4_NEG_INF;
+    for (int g = 0; g < WARPS; ++g) {
+        m_tg = ds4_fmax(m_tg, sm_m[g]);
+    }
+    DS4_DEV float* pp = part + (ht * uint64_t(SPLIT) + tgz) * uint64_t(D + 2);
+    for (uint32_t c = tid; c < uint32_t(D); c += uint32_t(THREADS)) {
+        float a = 0.0f;
+        for (int g = 0; g < WARPS; ++g) {
+            if (sm_m[g] > DS4_NEG_INF) {
+                a += ds4_exp(sm_m[g] - m_tg) * sm_acc[uint32_t(g) * uint32_t(D) + c];
+            }
+        }
+        pp[2 + c] = a;
+    }
+    if (tid == 0u) {
+        float l = 0.0f;
+        for (int g = 0; g < WARPS; ++g) {
+            if (sm_m[g] > DS4_NEG_INF) {
+                l += ds4_exp(sm_m[g] - m_tg) * sm_l[g];
+            }
+        }
+        pp[0] = m_tg;
+        pp[1] = l;
+    }
+    ds4_device_fence();
+    ds4_tg_barrier();
+    if (tid == 0u) {
+        sm_last[0] = ds4_device_ticket(ticket + ht) == uint32_t(SPLIT - 1) ? 1u : 0u;
+    }
+    ds4_tg_barrier();
+    if (sm_last[0] == 0u) {
+        return;
+    }
+    ds4_device_fence();
+    const DS4_DEV float* p0 = part + ht * uint64_t(SPLIT) * uint64_t(D + 2);
+    for (uint32_t e = tid; e < uint32_t(SPLIT * D); e += uint32_t(THREADS)) {
+        sm_acc[e] = ds4_load_cg(p0 + (e / uint32_t(D)) * uint32_t(D + 2) + 2u + e % uint32_t(D));
+    }
+    if (tid < uint32_t(SPLIT)) {
+        sm_m[tid] = ds4_load_cg(p0 + tid * uint32_t(D + 2));
+        sm_l[tid] = ds4_load_cg(p0 + tid * uint32_t(D + 2) + 1u);
+    }
+    ds4_tg_barrier();
+    n_src = SPLIT;
+}
 const float sink = static_cast<float>(sinks[h]);
 float m_all = sink;
-for (int w = 0; w < WARPS; ++w) {
-    m_all = ds4_fmax(m_all, sm_m[w]);
+for (int g = 0; g < n_src; ++g) {
+    m_all = ds4_fmax(m_all, sm_m[g]);
 }
 float z = ds4_exp(sink - m_all);
-for (int w = 0; w < WARPS; ++w) {
-    z += ds4_exp(sm_m[w] - m_all) * sm_l[w];
+for (int g = 0; g < n_src; ++g) {
+    z += ds4_exp(sm_m[g] - m_all) * sm_l[g];
 }
 const float inv_z = 1.0f / z;
 DS4_DEV T* op = o + (uint64_t(h) * uint64_t(n_q) + t) * uint64_t(D);
-for (uint32_t c = tid; c < uint32_t(D); c += uint32_t(THREADS)) {
+constexpr int NOPE = D - RD;  // channels before the rotated ones
+for (uint32_t c = tid; c < uint32_t(NOPE); c += uint32_t(THREADS)) {
     float a = 0.0f;
-    for (int w = 0; w < WARPS; ++w) {
-        a += ds4_exp(sm_m[w] - m_all) * sm_acc[uint32_t(w) * uint32_t(D) + c];
+    for (int g = 0; g < n_src; ++g) {
+        a += ds4_exp(sm_m[g] - m_all) * sm_acc[uint32_t(g) * uint32_t(D) + c];
     }
     op[c] = static_cast<T>(a * inv_z);
+}
+const float ang = -float(t_abs);  // the inverse rotation at the query's position
+const float mscale = prm[1];
+for (uint32_t i = tid; i < uint32_t(RD / 2); i += uint32_t(THREADS)) {
+    const uint32_t c = uint32_t(NOPE) + 2u * i;
+    float a0 = 0.0f;
+    float a1 = 0.0f;
+    for (int g = 0; g < n_src; ++g) {
+        const float f = ds4_exp(sm_m[g] - m_all);
+        a0 += f * sm_acc[uint32_t(g) * uint32_t(D) + c];
+        a1 += f * sm_acc[uint32_t(g) * uint32_t(D) + c + 1u];
+    }
+    a0 *= inv_z;
+    a1 *= inv_z;
+    const float th = ang * (1.0f / rope[i]);
+    const float cs = ds4_cos(th);
+    const float sn = ds4_sin(th);
+    op[c] = static_cast<T>((a0 * cs - a1 * sn) * mscale);
+    op[c + 1u] = static_cast<T>((a0 * sn + a1 * cs) * mscale);
 }

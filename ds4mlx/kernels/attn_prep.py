@@ -1,0 +1,178 @@
+"""The per-token prologue of DeepSeek V4's decode attention in one launch.
+
+Per layer and token the compiled decode step (models/deepseek_v4.py `Attention._step_attend`)
+norms and ropes the query heads, norms and ropes the new K=V row and writes it into the
+sliding ring (a dynamic slice update: offset kernel + copy), and for CSA layers ropes the
+indexer query: six to eight launches of tiny work.  `attn_prep` does all of it in one:
+
+``attn_prep(q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b=None, *, heads, index_heads=0)``
+    -> (q [1, NH, 1, D] = rope(rms_norm(q_b per head)),
+        ring [1, 1, W, D] = a copy of ring with slot pos % W = rope(rms_norm(kv) * kv_weight),
+        index_q [1, NHI, 1, DI] = rope(index_q_b per head), or None)
+
+``rope`` is the layer's `models.layers.RoPE` (duck-typed: called as ``rope(x, offset=, scale=)``
+by the reference face; its ``dims``, ``periods`` and ``attention_factor`` feed the kernel).
+The position ``pos`` is an int32 array (the compiled step) or an int.
+
+Three faces (`ds4mlx.kernels.dispatch`): the reference face is the model's own ops (RMSNorm,
+rope, slice update); the Metal face and its CUDA twin compile the shared text of
+``kernels/metal/attn_prep.metal``.  The kernel rounds once per output, where the graph
+rounds after the norm and after the rope (low-precision dtypes: an ulp or so apart).
+
+Verified: the reference face against the model's graph; the shared kernel text compiled with
+g++ (emulated threadgroups) against the reference; the CUDA translation unit with nvcc.  Its
+GPU faces have not run yet (``pytest -m gpu tests/test_kernel_attn_prep.py``): the kernel is
+in `dispatch.UNVERIFIED_KERNELS` and self-tests at first use.
+"""
+
+from __future__ import annotations
+
+from functools import cache, lru_cache
+
+import mlx.core as mx
+
+from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, shared_sources
+
+SOURCE = METAL_DIR / "attn_prep.metal"
+THREADS = 256  # 8 SIMD groups: 8 rows per row threadgroup
+COPY_PER = 8  # ring elements per thread in the copy threadgroups
+
+# sin / cos for the rope, per face (the shared PRELUDE stays lean: every kernel's source is
+# hashed at each launch); sparse_attention's attend epilogue takes them from here too
+TRIG = {
+    "metal": "inline float ds4_sin(float x) { return metal::precise::sin(x); }\n"
+    "inline float ds4_cos(float x) { return metal::precise::cos(x); }\n",
+    "cuda": "__device__ __forceinline__ float ds4_sin(float x) { return sinf(x); }\n"
+    "__device__ __forceinline__ float ds4_cos(float x) { return cosf(x); }\n",
+}
+
+_INPUTS = ["q", "kv", "kv_w", "iq", "ring", "freqs", "prm", "meta"]
+_OUTPUTS = ["q_out", "ring_out", "iq_out"]
+
+
+def kernel_sources(face: str) -> tuple[str, str]:
+    """(header, body) of the attn_prep kernel for `face` ('metal' or 'cuda')."""
+    header, body = shared_sources(SOURCE, face, "attn_prep")
+    return header + TRIG[face], body
+
+
+@cache
+def _kernel() -> Kernel:
+    return Kernel("ds4mlx_attn_prep", _INPUTS, _OUTPUTS, metal=kernel_sources("metal"), cuda=kernel_sources("cuda"))
+
+
+@lru_cache(maxsize=16)
+def _params(eps: float, mscale: float) -> mx.array:
+    return mx.array([eps, mscale], dtype=mx.float32)
+
+
+@cache
+def _dummy(dtype) -> mx.array:
+    return mx.zeros((1,), dtype)
+
+
+def _meta(pos) -> mx.array:
+    if isinstance(pos, mx.array):
+        return pos.astype(mx.int32).reshape(1)
+    return mx.array([int(pos)], dtype=mx.int32)
+
+
+def fusable(rope, head_dim: int, index_dim: int = 0) -> bool:
+    """Whether the kernel handles these widths: rope pairs never straddle a lane's channel pair."""
+    dims = rope.dims
+    widths = [head_dim] + ([index_dim] if index_dim else [])
+    return dims % 2 == 0 and all(w % 2 == 0 and w >= dims for w in widths)
+
+
+def reference(q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b=None, *, heads, index_heads=0):
+    """The model's own graph (the oracle and the CPU path)."""
+    d = ring.shape[-1]
+    q = q_b.reshape(1, 1, heads, d).swapaxes(1, 2)
+    q = rope(mx.fast.rms_norm(q, None, eps), offset=pos)
+    kv = rope(mx.fast.rms_norm(kv.reshape(1, 1, d), kv_weight.astype(kv.dtype), eps)[:, None], offset=pos)
+    w = ring.shape[2]
+    slot = (pos % w).reshape(1) if isinstance(pos, mx.array) else mx.array([pos % w], dtype=mx.int32)
+    ring = mx.slice_update(ring, kv.astype(ring.dtype), slot, axes=(2,))
+    index_q = None
+    if index_q_b is not None:
+        di = index_q_b.shape[-1] // index_heads
+        index_q = rope(index_q_b.reshape(1, 1, index_heads, di).swapaxes(1, 2), offset=pos)
+    return q, ring, index_q
+
+
+def attn_prep(
+    q_b,
+    kv,
+    kv_weight,
+    ring,
+    pos,
+    rope,
+    eps: float,
+    index_q_b=None,
+    *,
+    heads: int,
+    index_heads: int = 0,
+    backend: str | None = None,
+):
+    """See the module docstring.  q_b [.., NH*D], kv [.., D], ring [1, 1, W, D],
+    index_q_b [.., NHI*DI] or None."""
+    d = ring.shape[-1]
+    di = 0 if index_q_b is None else index_q_b.shape[-1] // index_heads
+    face = backend
+    if face is None:
+        face = auto_face("attn_prep", lambda f: _self_test(f, rope))
+    if face == "reference" or not fusable(rope, d, di):
+        return reference(q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b, heads=heads, index_heads=index_heads)
+    w = ring.shape[2]
+    nhi = 0 if index_q_b is None else index_heads
+    iq = _dummy(q_b.dtype) if index_q_b is None else index_q_b
+    freqs = rope.periods if rope.dims else _dummy(mx.float32)
+    warps = THREADS // 32
+    row_tgs = -(-(heads + 1 + nhi) // warps)
+    copy_tgs = -(-(w * d) // (THREADS * COPY_PER))
+    q, ring, iq = _kernel()(
+        face,
+        inputs=[q_b, kv, kv_weight, iq, ring, freqs, _params(float(eps), float(rope.attention_factor)), _meta(pos)],
+        template=[
+            ("TQ", q_b.dtype),
+            ("TKV", kv.dtype),
+            ("TWN", kv_weight.dtype),
+            ("TI", iq.dtype),
+            ("TR", ring.dtype),
+            ("NH", heads),
+            ("D", d),
+            ("NHI", nhi),
+            ("DI", max(di, 2)),
+            ("W", w),
+            ("RD", rope.dims),
+            ("THREADS", THREADS),
+            ("PER", COPY_PER),
+        ],
+        grid=((row_tgs + copy_tgs) * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(1, heads, 1, d), ring.shape, (1, max(nhi, 1), 1, max(di, 1))],
+        output_dtypes=[q_b.dtype, ring.dtype, iq.dtype],
+    )
+    return q, ring, (iq if index_q_b is not None else None)
+
+
+def _self_test(face: str, rope) -> bool:
+    """The kernel on `face` against the reference on small inputs (3 heads of the rope's width
+    plus a nope part, a ring of 5, 2 indexer heads; float32 and bfloat16), at a position past
+    the ring's first lap."""
+    dims = rope.dims
+    d, di = dims + 8, dims + 4
+    key = mx.random.key(11)
+    k = mx.random.split(key, 5)
+    weight = 1.0 + 0.1 * mx.random.normal((d,), key=k[0])
+    for dt, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
+        q_b = mx.random.normal((1, 1, 3 * d), key=k[1]).astype(dt)
+        kv = mx.random.normal((1, 1, d), key=k[2]).astype(dt)
+        iq = mx.random.normal((1, 1, 2 * di), key=k[3]).astype(dt)
+        ring = mx.random.normal((1, 1, 5, d), key=k[4]).astype(dt)
+        pos = mx.array(37, dtype=mx.int32)
+        got = attn_prep(q_b, kv, weight, ring, pos, rope, 1e-6, iq, heads=3, index_heads=2, backend=face)
+        want = reference(q_b, kv, weight, ring, pos, rope, 1e-6, iq, heads=3, index_heads=2)
+        if not all(close_enough(g, w, rtol=tol, atol=tol) for g, w in zip(got, want)):
+            return False
+    return True
