@@ -1,0 +1,119 @@
+"""Decode and prefill of the synthetic V4 Flash on the device, frontier by frontier (issues #13, #14).
+
+    python3 tools/wave4_probe.py --label new --expert-format mlx --ctx 2048 32768 --gpu-busy
+
+One model build; for each context (ascending) the prompt is prefilled up to it (the
+segment's prefill t/s), then from one snapshot: the synchronous step split (host build,
+dispatch, device wait), the pipelined decode loop's t/s, and (first context, --gpu-busy)
+the GPU's busy time per step and its kernel count from PyTorch's CUPTI profiler.  One
+CSV row per context, so the same script run over an older tree (PYTHONPATH) compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_probe import loop_tps, split_timing  # noqa: E402
+
+from ds4mlx.bench.synthetic import build_synthetic_v4_flash  # noqa: E402
+
+
+def say(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def gpu_busy(session, steps: int) -> tuple[float, float, float]:
+    """(GPU busy ms per step, kernels per step, wall ms per synchronous step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tok = mx.array(5, mx.int32)
+    snap = session.snapshot()
+    walls = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            mx.eval(session.step(tok))
+            walls.append(1e3 * (time.perf_counter() - t0))
+    session.restore(snap)
+    busy, n = 0.0, 0
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
+            busy += ev.device_time_total
+            n += 1
+    return busy / 1e3 / steps, n / steps, statistics.median(walls)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--label", default="tree")
+    p.add_argument("--layers", type=int, default=43)
+    p.add_argument("--expert-format", default="mlx")
+    p.add_argument("--ctx", type=int, nargs="+", default=[2048, 32768])
+    p.add_argument("--gen", type=int, default=48)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--gpu-busy", action="store_true")
+    p.add_argument("--no-decode", action="store_true", help="prefill only")
+    p.add_argument("--tiny", action="store_true", help="narrow shapes and 16 experts (a CPU smoke run)")
+    a = p.parse_args()
+    t0 = time.time()
+    tiny = dict(hidden_size=256, num_attention_heads=4, head_dim=64, partial_rotary_factor=0.5, q_lora_rank=64)
+    tiny.update(o_groups=2, o_lora_rank=64, moe_intermediate_size=256, index_n_heads=4, index_head_dim=32)
+    model, _, info = build_synthetic_v4_flash(
+        layers=a.layers,
+        expert_format=a.expert_format,
+        experts=16 if a.tiny else None,
+        overrides=dict(tiny, index_topk=8) if a.tiny else None,
+    )
+    vocab = model.model.args.vocab_size
+    roof = info.get("roofline_tps_at_4.8TBps") or 0.0
+    say(f"{a.label}: built {a.layers} layers, experts {a.expert_format} in {time.time() - t0:.1f} s; {info}")
+    s = model.new_session(ctx=max(a.ctx) + a.gen + 64, chunk=a.chunk)
+    prompt = [(7 * i + 11) % vocab for i in range(max(a.ctx))]
+    done = 0
+    print(
+        "label,expert_format,ctx,prefill_tps,decode_tps,ms_per_token,build_ms,dispatch_ms,wait_ms,roofline_pct",
+        flush=True,
+    )
+    for ctx in sorted(a.ctx):
+        t0 = time.time()
+        s.prefill(prompt[done:ctx])
+        mx.eval(s.cache_arrays())
+        pf = (ctx - done) / (time.time() - t0)
+        done = ctx
+        say(f"{a.label}: prefill to {ctx}: {pf:.1f} t/s")
+        if a.no_decode:
+            print(f"{a.label},{a.expert_format},{ctx},{pf:.1f},,,,,,", flush=True)
+            continue
+        snap = s.snapshot()
+        t0 = time.time()
+        mx.eval(s.step(5))
+        say(f"{a.label}: first step at {ctx}: {time.time() - t0:.1f} s")
+        s.restore(snap)
+        sp = split_timing(s, a.steps)
+        s.restore(snap)
+        tps = loop_tps(s, vocab, a.gen)
+        s.restore(snap)
+        print(
+            f"{a.label},{a.expert_format},{ctx},{pf:.1f},{tps:.2f},{1e3 / tps:.2f},{sp['build_ms']:.2f},"
+            f"{sp['dispatch_ms']:.2f},{sp['wait_ms']:.2f},{100 * tps / roof if roof else 0:.1f}",
+            flush=True,
+        )
+        if a.gpu_busy and ctx == min(a.ctx):
+            busy, kern, wall = gpu_busy(s, a.steps)
+            say(
+                f"{a.label}: GPU busy {busy:.2f} ms per step, {kern:.0f} kernels per step "
+                f"({kern / a.layers:.1f} per layer), synchronous wall {wall:.2f} ms"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
