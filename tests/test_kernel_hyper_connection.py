@@ -401,10 +401,16 @@ def test_reference_face_folded_norm_is_the_layer_norm():
     a = hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw)
     b = hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw, norm=(norm.weight, norm.eps))
     assert mx.array_equal(b[3], norm(a[3])) and mx.array_equal(b[0], a[0])
+    out2 = mx.random.normal((1, 1, 64), key=mx.random.key(3))  # an MoE's second half, added first
+    got = hck.hc_post(x, out, post, comb, out2=out2, backend="reference")
+    assert mx.array_equal(got, hck.hc_post(x, out + out2, post, comb, backend="reference"))
+    c = hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw, out2=out2)
+    d = hck.hc_post_pre(x, out + out2, post, comb, fn, base, scale, **kw)
+    assert all(mx.array_equal(u, v) for u, v in zip(c, d))
 
 
-@pytest.mark.parametrize("n,d,nt", [(4, 48, 2), (3, 50, 1)])
-def test_shared_hc_post_dots_then_pre_compiled_for_cpu(n, d, nt, tmp_path):
+@pytest.mark.parametrize("n,d,nt,add2", [(4, 48, 2, False), (3, 50, 1, False), (4, 48, 2, True)])
+def test_shared_hc_post_dots_then_pre_compiled_for_cpu(n, d, nt, add2, tmp_path):
     """hc_post_dots (the new streams and their partial projection in one pass) then hc_pre
     on its partial sums: hc_post's rounding and hc_pre's results of those streams."""
     rng = np.random.default_rng(n * d)
@@ -412,6 +418,7 @@ def test_shared_hc_post_dots_then_pre_compiled_for_cpu(n, d, nt, tmp_path):
     out = rng.standard_normal((nt, d)).astype(np.float32)
     post = (rng.random((nt, n)) * 2).astype(np.float32)
     comb = rng.random((nt, n, n)).astype(np.float32)
+    out2 = rng.standard_normal((nt, d)).astype(np.float32)  # ADD2: the site's output is out + out2
     sec = dispatch.sections(hck.SOURCE)
     threads, per = 32, 2
     m = (2 + n) * n
@@ -421,7 +428,7 @@ def test_shared_hc_post_dots_then_pre_compiled_for_cpu(n, d, nt, tmp_path):
         tmp_path / "pd",
         sec["common"],
         sec["hc_post_dots"],
-        inputs={"x": x, "o": out, "post": post, "comb": comb, "fn": fn},
+        inputs={"x": x, "o": out, "post": post, "comb": comb, "fn": fn, "o2": out2},
         outputs={"y": ((nt, n, d), np.float32), "part": ((nt, parts, m + 1), np.float32)},
         consts={
             "T": np.float32,
@@ -433,11 +440,12 @@ def test_shared_hc_post_dots_then_pre_compiled_for_cpu(n, d, nt, tmp_path):
             "THREADS": threads,
             "PER": per,
             "PARTS": parts,
+            "ADD2": add2,
         },
         groups=(parts, nt, 1),
         threads=threads,
     )
-    want_y, mag = post_oracle(x, out, post, comb)
+    want_y, mag = post_oracle(x, out + out2 if add2 else out, post, comb)
     check("hc_post_dots y", got["y"], want_y, 2 * U * mag)
     y = got["y"]
     (tmp_path / "pre").mkdir()
@@ -493,11 +501,13 @@ def test_reference_hc_post_pre_is_post_then_pre():
     assert all(mx.array_equal(g, w).item() for g, w in zip(got, want))
 
 
-def test_shared_hc_post_text_compiled_for_cpu(tmp_path):
+@pytest.mark.parametrize("add2", [False, True])
+def test_shared_hc_post_text_compiled_for_cpu(add2, tmp_path):
     n, d, nt = 3, 70, 2
     rng = np.random.default_rng(5)
     x = rng.standard_normal((nt, n, d)).astype(np.float32)
     out = rng.standard_normal((nt, d)).astype(np.float32)
+    out2 = rng.standard_normal((nt, d)).astype(np.float32)
     post = (rng.random((nt, n)) * 2).astype(np.float32)
     comb = rng.random((nt, n, n)).astype(np.float32)
     sec = dispatch.sections(hck.SOURCE)
@@ -506,13 +516,21 @@ def test_shared_hc_post_text_compiled_for_cpu(tmp_path):
         tmp_path,
         sec["common"],
         sec["hc_post"],
-        inputs={"x": x, "o": out, "post": post, "comb": comb},
+        inputs={"x": x, "o": out, "post": post, "comb": comb, "o2": out2},
         outputs={"y": ((nt, n, d), np.float32)},
-        consts={"T": np.float32, "TP": np.float32, "TC": np.float32, "HC": n, "D": d, "THREADS": threads},
+        consts={
+            "T": np.float32,
+            "TP": np.float32,
+            "TC": np.float32,
+            "HC": n,
+            "D": d,
+            "THREADS": threads,
+            "ADD2": add2,
+        },
         groups=(-(-d // threads), n, nt),
         threads=threads,
     )
-    want, mag = post_oracle(x, out, post, comb)
+    want, mag = post_oracle(x, out + out2 if add2 else out, post, comb)
     check("hc_post", got["y"], want, 2 * U * mag)
 
 
@@ -693,7 +711,7 @@ def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
             ("NORM", mode == "pre"),
         ]
     elif kind == "hc_post_dots":
-        ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f, "fn": dtype}, {"y": dtype, "part": f}
+        ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f, "fn": dtype, "o2": dtype}, {"y": dtype, "part": f}
         tmpl = [
             ("T", dtype),
             ("TP", f),
@@ -704,6 +722,7 @@ def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
             ("THREADS", hck.DOTS_THREADS),
             ("PER", hck.DOTS_PER),
             ("PARTS", 32),
+            ("ADD2", True),
         ]
     elif kind == "hc_dots":
         ins, outs = {"x": dtype, "fn": dtype}, {"part": f}
@@ -718,8 +737,9 @@ def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
             ("HEAD", mode == "head"),
         ]
     else:
-        ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f}, {"y": dtype}
+        ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f, "o2": dtype}, {"y": dtype}
         tmpl = [("T", dtype), ("TP", f), ("TC", f), ("HC", 4), ("D", 4096), ("THREADS", hck.POST_THREADS)]
+        tmpl.append(("ADD2", True))
     nvcc_compile(tmp_path, mlx_cuda_source(kind, h, b, ins, outs, tmpl))
 
 
@@ -746,4 +766,14 @@ def test_gpu_folded_norm_equals_reference(xdt):
         assert got.dtype == dt
         np.testing.assert_allclose(
             np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), rtol=tol, atol=tol
+        )
+    out2 = (mx.random.normal((1, 1, 4096), key=mx.random.key(5)) * 0.5).astype(dt)  # ADD2
+    post, comb, _ = hck.hc_pre(x, fn, base, scale, **kw, backend="reference")
+    got = [hck.hc_post(x, out, post, comb, backend=face, out2=out2)]
+    got.append(hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw, backend=face, out2=out2)[0])
+    with mx.stream(mx.cpu):
+        want = hck.hc_post(x, out + out2, post, comb, backend="reference")
+    for g in got:
+        np.testing.assert_allclose(
+            np.array(g.astype(mx.float32)), np.array(want.astype(mx.float32)), rtol=tol, atol=tol
         )

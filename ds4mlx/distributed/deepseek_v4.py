@@ -64,6 +64,9 @@ class TensorParallelMoE(MoE):
     def step(self, x: mx.array, ids: mx.array) -> mx.array:
         return mx.distributed.all_sum(super().step(x, ids), group=self._group)
 
+    def step_pair(self, x: mx.array, ids: mx.array):
+        return self.step(x, ids), None  # the halves are summed before the all_sum
+
 
 class ExpertParallelMoE(MoE):
     """Routed experts [first, first + count) and the shared expert's columns of this rank;
@@ -94,6 +97,9 @@ class ExpertParallelMoE(MoE):
 
     def step(self, x: mx.array, ids: mx.array) -> mx.array:
         return self(x, ids)
+
+    def step_pair(self, x: mx.array, ids: mx.array):
+        return self.step(x, ids), None
 
 
 class Passthrough(nn.Module):

@@ -39,7 +39,7 @@ UNVERIFIED_KERNELS = {
     "affine_qmv.moe",
     "hyper_connection.split",
     "hyper_connection.post_pre",
-    "hyper_connection.norm",
+    "hyper_connection.fold",  # the layer norm in hc_pre, the MoE's two halves added in hc_post
     "moe_route",  # kernels/moe_route.py: the route alone,
     "moe_route.fold",  # and with the router mat-vec in the same launch
     "compressor_step",

@@ -62,9 +62,9 @@ def _kernel(kind: str) -> Kernel:
     elif kind == "hc_dots":
         inputs, outputs = ["x", "fn"], ["part"]
     elif kind == "hc_post_dots":
-        inputs, outputs = ["x", "o", "post", "comb", "fn"], ["y", "part"]
+        inputs, outputs = ["x", "o", "post", "comb", "fn", "o2"], ["y", "part"]
     else:
-        inputs, outputs = ["x", "o", "post", "comb"], ["y"]
+        inputs, outputs = ["x", "o", "post", "comb", "o2"], ["y"]
     return Kernel(
         f"ds4mlx_{kind}", inputs, outputs, metal=kernel_sources(kind, "metal"), cuda=kernel_sources(kind, "cuda")
     )
@@ -234,12 +234,18 @@ def _fold_norm(face: str, norm: tuple | None, chosen: bool) -> tuple | None:
     its own `mx.fast.rms_norm` after the kernel."""
     if norm is None or chosen:
         return norm
-    return norm if auto_face("hyper_connection.norm", _norm_self_test) == face else None
+    return norm if auto_face("hyper_connection.fold", _fold_self_test) == face else None
 
 
-def _norm_self_test(face: str) -> bool:
-    """hc_pre and hc_post_pre with the folded RMSNorm on `face` against the reference
-    (hc_pre, then mx.fast.rms_norm) on tiny inputs, float32 and bfloat16."""
+def _fold_add(face: str, chosen: bool) -> bool:
+    """Whether `out2` is added inside hc_post / hc_post_dots (as `_fold_norm`)."""
+    return chosen or auto_face("hyper_connection.fold", _fold_self_test) == face
+
+
+def _fold_self_test(face: str) -> bool:
+    """hc_pre and hc_post_pre with the folded RMSNorm, hc_post_pre and hc_post with the
+    folded second output, on `face` against the reference (the norm / the add as their
+    own ops) on tiny inputs, float32 and bfloat16."""
     ref = _layers()
     n, d, iters = 4, 64, 20
     key = mx.random.key(7)
@@ -258,6 +264,13 @@ def _norm_self_test(face: str) -> bool:
         want = _normed(ref.hc_pre(y2, fn, base, scale, **kw)[2], (w, 1e-6))
         got = hc_post_pre(x, out, post, comb, fn, base, scale, **kw, backend=face, norm=(w, 1e-6))
         if not close_enough(got[3], want, rtol=tol, atol=tol):
+            return False
+        out2 = (mx.random.normal((2, d), key=key) * 0.5).astype(dt)
+        want = ref.hc_post(x, out + out2, post, comb)
+        got = hc_post_pre(x, out, post, comb, fn, base, scale, **kw, backend=face, out2=out2)
+        if not close_enough(got[0], want, rtol=tol, atol=tol):
+            return False
+        if not close_enough(hc_post(x, out, post, comb, backend=face, out2=out2), want, rtol=tol, atol=tol):
             return False
     return True
 
@@ -311,8 +324,9 @@ def hc_post_pre(
     norm_eps: float,
     backend: str | None = None,
     norm: tuple | None = None,
+    out2: mx.array | None = None,
 ):
-    """``y = hc_post(x, out, post, comb)`` then ``hc_pre(y, fn, base, scale, ..., norm=norm)``:
+    """``y = hc_post(x, out, post, comb, out2=out2)`` then ``hc_pre(y, fn, base, scale, ..., norm=norm)``:
     (y, post', comb', collapsed') -- the end of one mHC site and the start of the
     next.  At decode on a GPU, two launches instead of three: the new streams are
     formed and projected in the same pass (hc_post_dots), then hc_pre adds the
@@ -330,8 +344,11 @@ def hc_post_pre(
     )
     if ok and backend is None:
         ok = auto_face("hyper_connection.post_pre", _post_pre_self_test) == face
+    add2 = out2 is not None and _fold_add(face, backend is not None)
+    if out2 is not None and not add2:
+        out, out2 = out + out2, None
     if not ok:
-        y = hc_post(x, out, post, comb, backend=backend)
+        y = hc_post(x, out, post, comb, backend=backend, out2=out2)
         return (
             y,
             *hc_pre(
@@ -349,9 +366,10 @@ def hc_post_pre(
     lead = x.shape[:-2]
     m = (2 + n) * n
     parts = -(-(n * d) // (DOTS_THREADS * DOTS_PER))
+    o2 = out2.reshape(nt, d) if out2 is not None else post
     y, part = _kernel("hc_post_dots")(
         face,
-        inputs=[x.reshape(nt, n, d), out.reshape(nt, d), post.reshape(nt, n), comb.reshape(nt, n, n), fn],
+        inputs=[x.reshape(nt, n, d), out.reshape(nt, d), post.reshape(nt, n), comb.reshape(nt, n, n), fn, o2],
         template=[
             ("T", x.dtype),
             ("TP", post.dtype),
@@ -362,6 +380,7 @@ def hc_post_pre(
             ("THREADS", DOTS_THREADS),
             ("PER", DOTS_PER),
             ("PARTS", parts),
+            ("ADD2", out2 is not None),
         ],
         grid=(parts * DOTS_THREADS, nt, 1),
         threadgroup=(DOTS_THREADS, 1, 1),
@@ -395,9 +414,21 @@ def _post_pre_self_test(face: str) -> bool:
     return True
 
 
-def hc_post(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, *, backend: str | None = None) -> mx.array:
-    """`ds4mlx.kernels.hyper_connection_reference.hc_post` in one launch on a GPU."""
+def hc_post(
+    x: mx.array,
+    out: mx.array,
+    post: mx.array,
+    comb: mx.array,
+    *,
+    backend: str | None = None,
+    out2: mx.array | None = None,
+) -> mx.array:
+    """`ds4mlx.kernels.hyper_connection_reference.hc_post` in one launch on a GPU.  `out2`:
+    the site's output is ``out + out2`` (an MoE's routed and shared halves), added inside
+    the launch."""
     face = _face(backend)
+    if out2 is not None and (face == "reference" or not _fold_add(face, backend is not None)):
+        out, out2 = out + out2, None
     if face == "reference" or out.dtype != x.dtype or x.size == 0:
         return _layers().hc_post(x, out, post, comb)
     n, d = x.shape[-2], x.shape[-1]
@@ -408,7 +439,13 @@ def hc_post(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, *, backe
     bx = -(-d // POST_THREADS)
     y = _kernel("hc_post")(
         face,
-        inputs=[x.reshape(nt, n, d), out.reshape(nt, d), post.reshape(nt, n), comb.reshape(nt, n, n)],
+        inputs=[
+            x.reshape(nt, n, d),
+            out.reshape(nt, d),
+            post.reshape(nt, n),
+            comb.reshape(nt, n, n),
+            out2.reshape(nt, d) if out2 is not None else post,
+        ],
         # every input dtype is a template argument: MLX caches compiled kernels by name + template
         template=[
             ("T", x.dtype),
@@ -417,6 +454,7 @@ def hc_post(x: mx.array, out: mx.array, post: mx.array, comb: mx.array, *, backe
             ("HC", n),
             ("D", d),
             ("THREADS", POST_THREADS),
+            ("ADD2", out2 is not None),
         ],
         grid=(bx * POST_THREADS, n, nt),
         threadgroup=(POST_THREADS, 1, 1),

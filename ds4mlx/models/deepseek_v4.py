@@ -992,6 +992,15 @@ class MoE(nn.Module):
     def step(self, x: mx.array, ids: mx.array) -> mx.array:
         """`__call__` for the static decode step: the shared expert's gate and up
         projections as one mat-vec where their formats allow (models/fused.py)."""
+        routed, shared = self._step_halves(x, ids)
+        return routed + shared
+
+    def step_pair(self, x: mx.array, ids: mx.array) -> tuple[mx.array, mx.array | None]:
+        """`step`'s two halves (routed, shared), for the caller to add inside its next launch
+        (hc_post's `out2`).  A subclass that changes `step` returns (step(x, ids), None)."""
+        return self._step_halves(x, ids)
+
+    def _step_halves(self, x: mx.array, ids: mx.array) -> tuple[mx.array, mx.array]:
         se = self.shared_experts
         if getattr(self, "_step_shared", None) is None:  # built once, outside the module tree
             self._step_shared = fused_or_each([se.gate_proj, se.up_proj])
@@ -1001,7 +1010,7 @@ class MoE(nn.Module):
             y = self.experts(x, idx)  # [..., k, H]
             y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
         g, u = self._step_shared(x)
-        return y + se.down_proj(clamped_swiglu(g, u, se.limit))
+        return y, se.down_proj(clamped_swiglu(g, u, se.limit))
 
 
 class DecoderLayer(nn.Module):
@@ -1023,21 +1032,26 @@ class DecoderLayer(nn.Module):
         return hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(collapsed), ids)), post, comb)
 
     def step(self, x: mx.array, ids: mx.array, pos: mx.array, state, new: list) -> mx.array:
-        return hc_post(*self.step_open(x, None, ids, pos, state, new))
+        x, (out, post, comb, out2) = self.step_open(x, None, ids, pos, state, new)
+        return hc_post(x, out, post, comb, out2=out2)
 
     def step_open(self, x: mx.array, pending, ids: mx.array, pos: mx.array, state, new: list):
-        """`step` without its last hc_post: -> (streams, out, post, comb) for the caller to
-        finish (`hc_post(*result)`) or to hand to the next layer as its `pending`, whose
-        attention site then runs that hc_post fused with its own projection (one launch
-        less per layer on a GPU).  The layer norms are folded into the hc launches."""
+        """`step` without its last hc_post: -> (streams, pending = (out, post, comb, out2))
+        for the caller to finish (`hc_post(x, out, post, comb, out2=out2)`) or to hand to the
+        next layer as its `pending`, whose attention site then runs that hc_post fused with
+        its own projection (one launch less per layer on a GPU).  The layer norms are folded
+        into the hc launches, and the MoE's routed and shared halves are added inside the
+        launch that consumes them (`out2`)."""
         if pending is None:
             post, comb, normed = self.attn_hc(x, norm=self.input_layernorm)
         else:
-            x, post, comb, normed = self.attn_hc.after_post(x, *pending, norm=self.input_layernorm)
+            out, p, c, out2 = pending
+            x, post, comb, normed = self.attn_hc.after_post(x, out, p, c, norm=self.input_layernorm, out2=out2)
         x, post, comb, normed = self.ffn_hc.after_post(
             x, self.self_attn.step(normed, pos, state, new), post, comb, norm=self.post_attention_layernorm
         )
-        return x, self.mlp.step(normed, ids), post, comb
+        routed, shared = self.mlp.step_pair(normed, ids)
+        return x, (routed, post, comb, shared)
 
     def step_rows(self, x: mx.array, ids: mx.array, pos: list, states: list, news: list) -> mx.array:
         """`step` for B sessions' tokens, laid out as B tokens of one row (x [1, B, hc, H])."""
@@ -1096,9 +1110,10 @@ class DeepseekV4Model(nn.Module):
         x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
         it, new, pending = iter(state), [], None
         for layer in self.layers:  # each layer's last hc_post runs inside the next one's first launch
-            x, *pending = layer.step_open(x, pending, ids, pos, it, new)
+            x, pending = layer.step_open(x, pending, ids, pos, it, new)
         if pending is not None:
-            x = hc_post(x, *pending)
+            out, post, comb, out2 = pending
+            x = hc_post(x, out, post, comb, out2=out2)
         return self.norm(self.hc_head(x)), new
 
     def step_rows(self, ids: mx.array, pos: list, states: list) -> tuple[mx.array, list]:

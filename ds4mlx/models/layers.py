@@ -215,8 +215,16 @@ class HyperConnection(nn.Module):
             norm=None if norm is None else (norm.weight, norm.eps),
         )
 
-    def after_post(self, x: mx.array, out: mx.array, post: mx.array, comb: mx.array, norm: RMSNorm | None = None):
-        """``hc_post(x, out, post, comb)`` of the previous site, then this site on the
+    def after_post(
+        self,
+        x: mx.array,
+        out: mx.array,
+        post: mx.array,
+        comb: mx.array,
+        norm: RMSNorm | None = None,
+        out2: mx.array | None = None,
+    ):
+        """``hc_post(x, out [+ out2], post, comb)`` of the previous site, then this site on the
         result: (new streams, post, comb, collapsed [through `norm`]); at decode on a GPU
         two launches instead of three (`kernels.hyper_connection.hc_post_pre`)."""
         return hc_kernels.hc_post_pre(
@@ -231,6 +239,7 @@ class HyperConnection(nn.Module):
             hc_eps=self._hc_eps,
             norm_eps=self._norm_eps,
             norm=None if norm is None else (norm.weight, norm.eps),
+            out2=out2,
         )
 
     def mix(self, x: mx.array):

@@ -37,6 +37,7 @@
 //
 // hc_post (grid (ceil(D/THREADS)*THREADS, HC, NT)): one thread per output
 //   y[t, k, c] = T(T(post[t,k]) * o[t,c]) + T(sum_j T(comb[t,j,k]) * x[t,j,c])
+//   (ADD2, also in hc_post_dots: o[t,c] is T(o[t,c] + o2[t,c]), the sum of two outputs)
 //   with the roundings of the reference graph (post and comb cast to T first,
 //   the two terms rounded to T, then the sum).
 
@@ -231,6 +232,9 @@ if (tid < uint32_t(M + 1)) {
 }
 
 // @@ hc_post_dots
+// (ADD2: the site's output is o + o2 rounded to T, as the graph adds the two halves of
+// an MoE (routed + shared) before hc_post: one launch less)
+#define ds4_out(o, o2, i) (ADD2 ? static_cast<float>(static_cast<T>(static_cast<float>((o)[i]) + static_cast<float>((o2)[i]))) : static_cast<float>((o)[i]))
 // hc_post, then hc_dots on its result, in one launch (grid (PARTS*THREADS, NT, 1)):
 // each thread forms its flat elements k = i*D + c of the new streams exactly as
 // hc_post does (same roundings), writes them to y and feeds the rounded value to
@@ -259,7 +263,7 @@ for (int e = 0; e < PER; ++e) {
             m += cj * static_cast<float>(xt[uint32_t(j) * uint32_t(D) + c]);
         }
         const float pk = static_cast<float>(static_cast<T>(post[uint64_t(t) * uint64_t(HC) + i]));
-        const float p = static_cast<float>(static_cast<T>(pk * static_cast<float>(o[uint64_t(t) * uint64_t(D) + c])));
+        const float p = static_cast<float>(static_cast<T>(pk * ds4_out(o, o2, uint64_t(t) * uint64_t(D) + c)));
         const T yv = static_cast<T>(p + static_cast<float>(static_cast<T>(m)));
         y[uint64_t(t) * uint64_t(K) + k] = yv;
         const float xv = static_cast<float>(yv);
@@ -289,6 +293,7 @@ if (tid < uint32_t(M + 1)) {
 }
 
 // @@ hc_post
+#define ds4_out(o, o2, i) (ADD2 ? static_cast<float>(static_cast<T>(static_cast<float>((o)[i]) + static_cast<float>((o2)[i]))) : static_cast<float>((o)[i]))
 const uint32_t c = tgx * uint32_t(THREADS) + tid;
 const uint32_t k = tgy;
 const uint32_t t = tgz;
@@ -300,7 +305,7 @@ if (c < uint32_t(D)) {
         m += cj * static_cast<float>(xt[uint32_t(j) * uint32_t(D) + c]);
     }
     const float pk = static_cast<float>(static_cast<T>(post[uint64_t(t) * uint64_t(HC) + k]));
-    const float p = static_cast<float>(static_cast<T>(pk * static_cast<float>(o[uint64_t(t) * uint64_t(D) + c])));
+    const float p = static_cast<float>(static_cast<T>(pk * ds4_out(o, o2, uint64_t(t) * uint64_t(D) + c)));
     const float mt = static_cast<float>(static_cast<T>(m));
     y[(uint64_t(t) * uint64_t(HC) + k) * uint64_t(D) + c] = static_cast<T>(p + mt);
 }
