@@ -9,6 +9,8 @@
   (Q8_0, Q2_K, Q4_K, IQ2_XXS, and ds4's IQ2_XXS gate / up + Q2_K down split), for chunks
   of 1, 7, 512 and 4,096 tokens, with random routing, empty experts, and one expert
   taking every token (more rows than the largest cap: several batches of one expert).
+* Whole models: the five families' tiny oracle models (V4's hash-routed layers included)
+  prefilled in chunks of 7 and 512 through the grouped path stay within 1e-4 of transformers.
 * The switch: `auto` keeps today's path on the CPU, decode-sized calls never group,
   a traced call (mx.compile) falls back, an unknown value is an error.
 * `-m gpu`: the GPU's grouped path (16-bit tensor-core GEMMs) against the CPU's
@@ -21,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from parity_helpers import chunked_logits, load_case, maxdiff  # tests/ is on sys.path under pytest
 
 from ds4mlx.kernels import dispatch
 from ds4mlx.models import grouped_experts, prefill_experts
@@ -209,6 +212,31 @@ def test_gguf_slices_of_one_expert_equal_one_slice(monkeypatch):
     sliced = np.array(glu(x, idx)).astype(np.float64)
     assert np.array_equal(sliced, whole)
     _assert_close(want, sliced)
+
+
+# --------------------------------------------------------------------------- whole models
+
+FAMILIES = [  # tests/test_prefill_parity.py's: V4's has hash-routed layers (1 and 3)
+    ("make_tiny_deepseek_v4.py", "long"),
+    ("probe_mlx_deepseek_v41.py", "mixed"),
+    ("make_tiny_glm_moe_dsa.py", "alt"),
+    ("make_tiny_glm5_next.py", "long"),
+    ("make_tiny_qwen4_exp.py", "long"),
+]
+
+
+@pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f[0].removeprefix("make_tiny_").removesuffix(".py"))
+def test_families_prefill_through_grouped_experts(monkeypatch, oracle, fam):
+    """Every MoE layer (hash-routed too) through the grouped path: chunked prefill still
+    equals transformers' full forward within the parity bound (1e-4)."""
+    _, lm, ref, _ = load_case(oracle, *fam)
+    calls = _spy(monkeypatch)
+    monkeypatch.setattr(prefill_experts, "MIN_PAIRS", 1)
+    monkeypatch.setenv(prefill_experts.ENV, "grouped")
+    ids = ref["input_ids"][0].tolist()
+    for chunk in (7, 512):
+        assert maxdiff(chunked_logits(lm, ids, chunk), ref["logits_full"][0]) <= 1e-4
+    assert calls
 
 
 # --------------------------------------------------------------------------- the switch

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..kernels import quant_moe
 from ..kernels.activations import clamped_swiglu
 
 CAPS = (16, 32, 64, 128, 256, 512)  # rows per batch: every call's shapes come from this set
@@ -124,8 +125,6 @@ def gguf_per_expert(x: mx.array, blocks: mx.array, qtype, experts: mx.array) -> 
     """x [B, M, K], experts [B] -> [B, M, out]: batch b times expert experts[b]'s GGUF
     weights, dequantized MAX_SLICE_BYTES of experts at a time (float32 on the CPU, 16-bit
     on a GPU), each slice one batched matmul (cuBLAS strided batched on CUDA)."""
-    from ..kernels import quant_moe
-
     n_batch, k_dim = x.shape[0], x.shape[-1]
     per = blocks.shape[1] * k_dim  # values of one expert
     dt = compute_dtype(x.dtype) if on_gpu() else mx.float32
