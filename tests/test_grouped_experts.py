@@ -168,6 +168,22 @@ def test_affine_and_float_banks_equal_todays_path(monkeypatch, bits, chunk, rout
     _assert_close(want, got)
 
 
+@pytest.mark.parametrize("via_dequant", [False, True], ids=["gather_qmm", "dequant-slices"])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_bf16_scales_affine_bank(monkeypatch, bits, via_dequant):
+    """bf16 scales and biases (as a bf16 model's banks) under float32 activations, through
+    gather_qmm with M = cap or through dequantized slices (AFFINE_VIA_DEQUANT): today's
+    path computes in float32, so must both (no bf16 rounding of the weights)."""
+    glu = _float_glu(128, 64, seed=bits)
+    nn.quantize(glu, group_size=64, bits=bits)
+    for proj in (glu.gate_up_proj, glu.down_proj):
+        proj.scales, proj.biases = proj.scales.astype(mx.bfloat16), proj.biases.astype(mx.bfloat16)
+    monkeypatch.setattr(grouped_experts, "AFFINE_VIA_DEQUANT", via_dequant)
+    x = mx.random.normal((1, 512, 128), key=mx.random.key(bits))
+    want, got = _both(monkeypatch, glu, x, _routing("hot", 512, bits))
+    _assert_close(want, got)
+
+
 def _gguf_glu(qtypes, H: int, inter: int, seed: int, n_exp: int = E) -> SwitchGLU:
     gate_t, up_t, down_t = qtypes
     glu = SwitchGLU(H, inter, n_exp, limit=10.0)

@@ -8,8 +8,10 @@ clamp 10. Formats: `mlx2` / `mlx4` (MLX affine, group 64, bf16 scales) and `gguf
 (ds4's files: IQ2_XXS gate / up, Q2_K down, on the blocks). Random weights made on the
 device (packed words / blocks directly: no float bank), bf16 activations (`--dtype`).
 
-Per format and chunk: `grouped` (DS4MLX_PREFILL_EXPERTS=grouped: models/grouped_experts.py)
-then `gather_qmm` (today's path: one M = 1 product per (token, expert) pair), each one
+Per format and chunk: `grouped` (DS4MLX_PREFILL_EXPERTS=grouped: models/grouped_experts.py;
+MLX affine: gather_qmm with M = cap), for MLX formats `grouped-dequant` (the same batches,
+the experts dequantized in slices + cuBLAS: grouped_experts.AFFINE_VIA_DEQUANT), then
+`gather_qmm` (today's path: one M = 1 product per (token, expert) pair), each one
 SwitchGLU call evaluated and synchronised, median of `--iters` after a warm-up; ms,
 TFLOP/s (2 x pairs x (4096 x 4096 + 2048 x 4096) multiply-adds), the peak memory above
 the weights, and the largest difference between the two. `routing` is the grouped path's
@@ -145,8 +147,10 @@ def main(argv=None) -> int:
             )
             say(f"    routing (sort + count + host sync): {timed(lambda: routing_only(x, idx), a.iters):.2f} ms")
             outs = {}
-            for mode in ("grouped", "gather_qmm")[: 1 if a.no_old else 2]:
-                os.environ[prefill_experts.ENV] = mode
+            modes = ["grouped"] + (["grouped-dequant"] if fmt.startswith("mlx") else [])
+            for mode in modes + ([] if a.no_old else ["gather_qmm"]):
+                os.environ[prefill_experts.ENV] = mode.split("-")[0]
+                grouped_experts.AFFINE_VIA_DEQUANT = mode == "grouped-dequant"
                 mx.reset_peak_memory()
                 base = mx.get_active_memory()
                 try:
@@ -157,12 +161,15 @@ def main(argv=None) -> int:
                 peak = (mx.get_peak_memory() - base) / 2**30
                 outs[mode] = glu(x, idx).astype(mx.float32)
                 mx.eval(outs[mode])
-                say(f"    {mode:10s} {ms:9.2f} ms  {flop / ms / 1e9:7.2f} TFLOP/s  peak +{peak:.2f} GiB")
-            if len(outs) == 2:
-                d = mx.abs(outs["grouped"] - outs["gather_qmm"]).max().item()
+                say(f"    {mode:15s} {ms:9.2f} ms  {flop / ms / 1e9:7.2f} TFLOP/s  peak +{peak:.2f} GiB")
+            grouped_experts.AFFINE_VIA_DEQUANT = False
+            if "gather_qmm" in outs:
                 m = mx.abs(outs["gather_qmm"]).max().item()
-                say(f"    max |grouped - gather_qmm| = {d:.3g} (max |out| {m:.3g})")
-        del glu
+                for mode in modes:
+                    if mode in outs:
+                        d = mx.abs(outs[mode] - outs["gather_qmm"]).max().item()
+                        say(f"    max |{mode} - gather_qmm| = {d:.3g} (max |out| {m:.3g})")
+        glu = outs = None  # free the bank before the next format's
         mx.clear_cache()
     os.environ.pop(prefill_experts.ENV, None)
     return 0

@@ -49,6 +49,9 @@ BATCH_ROWS = 32
 GPU_DTYPE = mx.float16  # compute dtype on a GPU when neither x nor the scales are 16-bit
 MAX_SLICE_BYTES = 1 << 30  # GGUF: dequantized expert weights held at once per projection
 MAX_SLICE_ELEMS = 1 << 30  # and never near 2**31 values in one array (int32 offsets)
+# MLX-affine experts through dequantized slices + cuBLAS instead of gather_qmm with
+# M = cap (tools/prefill_experts_bench.py times both; the faster one is the default)
+AFFINE_VIA_DEQUANT = False
 
 
 @dataclass(frozen=True)
@@ -121,20 +124,46 @@ def compute_dtype(x_dtype, scales_dtype=None):
     return x_dtype if x_dtype in _HALF else GPU_DTYPE
 
 
-def gguf_per_expert(x: mx.array, blocks: mx.array, qtype, experts: mx.array) -> mx.array:
-    """x [B, M, K], experts [B] -> [B, M, out]: batch b times expert experts[b]'s GGUF
-    weights, dequantized MAX_SLICE_BYTES of experts at a time (float32 on the CPU, 16-bit
-    on a GPU), each slice one batched matmul (cuBLAS strided batched on CUDA)."""
-    n_batch, k_dim = x.shape[0], x.shape[-1]
-    per = blocks.shape[1] * k_dim  # values of one expert
+def sliced_per_expert(x: mx.array, experts: mx.array, per_expert_values: int, dequantize) -> mx.array:
+    """x [B, M, K], experts [B] -> [B, M, out]: batch b times expert experts[b]'s weights,
+    `dequantize(ids, dtype) -> [S, out, K]` MAX_SLICE_BYTES of experts at a time (float32
+    on the CPU, 16-bit on a GPU), each slice one batched matmul (cuBLAS strided batched
+    on CUDA)."""
+    n_batch = x.shape[0]
     dt = compute_dtype(x.dtype) if on_gpu() else mx.float32
+    per = per_expert_values
     step = max(1, min(n_batch, MAX_SLICE_BYTES // (per * dt.size), MAX_SLICE_ELEMS // per))
     xs = x.astype(dt)
     outs = []
     for b0 in range(0, n_batch, step):
-        w = quant_moe.gather_dequantize(blocks, qtype, experts[b0 : b0 + step], dt)  # [S, out, K]
+        w = dequantize(experts[b0 : b0 + step], dt)  # [S, out, K]
         outs.append(xs[b0 : b0 + step] @ w.swapaxes(-1, -2))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+def gguf_per_expert(x: mx.array, blocks: mx.array, qtype, experts: mx.array) -> mx.array:
+    """`sliced_per_expert` of GGUF blocks uint8 [E, out, row_bytes] (quant_moe's dequantization)."""
+    return sliced_per_expert(
+        x,
+        experts,
+        blocks.shape[1] * x.shape[-1],
+        lambda ids, dt: quant_moe.gather_dequantize(blocks, qtype, ids, dt),
+    )
+
+
+def affine_per_expert_dequantized(x: mx.array, experts: mx.array, weight, scales, biases, **quant) -> mx.array:
+    """`sliced_per_expert` of an MLX-quantized bank (`mx.dequantize` of the slice's experts):
+    the alternative to gather_qmm with M = cap that AFFINE_VIA_DEQUANT selects."""
+
+    def dequantize(ids, dt):
+        # scales and biases in dt first: mx.dequantize computes in their type (bf16
+        # scales would round a float32 result to bf16)
+        floats = quant.get("mode", "affine") == "affine"
+        s = scales[ids].astype(dt) if floats else scales[ids]
+        b = None if biases is None else biases[ids].astype(dt)
+        return mx.dequantize(weight[ids], s, b, dtype=dt, **quant)
+
+    return sliced_per_expert(x, experts, weight.shape[1] * x.shape[-1], dequantize)
 
 
 def switch_glu(gate_up, down, x: mx.array, indices: mx.array, intermediate: int, limit) -> mx.array | None:

@@ -320,6 +320,10 @@ class QuantizedSwitchLinear(nn.Module):
         qmm_naive (2 bits), tensor cores in both for 16-bit operands: on a GPU x, scales
         and biases are cast to one 16-bit type (`grouped_experts.compute_dtype`)."""
         scales, biases = self.scales, self.biases
+        if grouped_experts.AFFINE_VIA_DEQUANT:
+            return grouped_experts.affine_per_expert_dequantized(
+                x, experts, self.weight, scales, biases, group_size=self.group_size, bits=self.bits, mode=self.mode
+            )
         if grouped_experts.on_gpu():
             dt = grouped_experts.compute_dtype(x.dtype, scales.dtype if self.mode == "affine" else None)
             x = x.astype(dt)

@@ -71,9 +71,18 @@ def _dtype_for(x_dtype):
     return GPU_DTYPE if x_dtype == mx.float32 else x_dtype
 
 
+def _float32_params(wdt, mode: str, scales, biases):
+    """Affine scales / biases in float32 when the weights are dequantized to float32:
+    mx.dequantize computes in the scales' type (bf16 scales would round every weight)."""
+    if wdt != mx.float32 or mode != "affine":
+        return scales, biases
+    return scales.astype(mx.float32), None if biases is None else biases.astype(mx.float32)
+
+
 def dequant_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str) -> mx.array:
     """x [..., K] @ dequantize(weight).T -> [..., out] in x.dtype (one GEMM)."""
     wdt = _dtype_for(x.dtype)
+    scales, biases = _float32_params(wdt, mode, scales, biases)
     w = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode, dtype=wdt)
     return (x.astype(wdt) @ w.T).astype(x.dtype)
 
@@ -81,6 +90,7 @@ def dequant_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mod
 def dequant_gather_mm(x, weight, scales, biases, indices, *, group_size: int, bits: int, mode: str) -> mx.array:
     """x [P, 1, K] (pairs in expert order), indices [P] ascending -> [P, 1, out] in x.dtype."""
     wdt = _dtype_for(x.dtype)
+    scales, biases = _float32_params(wdt, mode, scales, biases)
     E, rows = weight.shape[0], weight.shape[1]
     K = x.shape[-1]
     step = max(1, min(rows, MAX_DEQUANT_BYTES // max(E * K * wdt.size, 1)))
