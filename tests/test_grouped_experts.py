@@ -24,12 +24,13 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from parity_helpers import chunked_logits, load_case, maxdiff  # tests/ is on sys.path under pytest
+from test_quant import random_blocks
 
 from ds4mlx.kernels import dispatch
 from ds4mlx.models import grouped_experts, prefill_experts
 from ds4mlx.models.layers import SwitchGLU
 from ds4mlx.models.quantized import GGUFSwitchLinear, SplitSwitchLinear
-from ds4mlx.quant import QT, random_gguf_blocks
+from ds4mlx.quant import QT
 
 
 @pytest.fixture(autouse=True)
@@ -185,12 +186,16 @@ def test_bf16_scales_affine_bank(monkeypatch, bits, via_dequant):
 
 
 def _gguf_glu(qtypes, H: int, inter: int, seed: int, n_exp: int = E) -> SwitchGLU:
+    """Random GGUF banks with small block scales (outputs of order 1: float16 on a GPU holds them)."""
     gate_t, up_t, down_t = qtypes
+    rng = np.random.default_rng(seed)
+
+    def bank(qtype, rows, k):
+        return GGUFSwitchLinear(mx.array(random_blocks(qtype, (n_exp, rows, k), rng, scale=0.002)), qtype, k)
+
     glu = SwitchGLU(H, inter, n_exp, limit=10.0)
-    gate = GGUFSwitchLinear(random_gguf_blocks(gate_t, n_exp, inter, H, seed), gate_t, H)
-    up = GGUFSwitchLinear(random_gguf_blocks(up_t, n_exp, inter, H, seed + 1), up_t, H)
-    glu.gate_up_proj = SplitSwitchLinear(gate, up)
-    glu.down_proj = GGUFSwitchLinear(random_gguf_blocks(down_t, n_exp, H, inter, seed + 2), down_t, inter)
+    glu.gate_up_proj = SplitSwitchLinear(bank(gate_t, inter, H), bank(up_t, inter, H))
+    glu.down_proj = bank(down_t, H, inter)
     return glu
 
 

@@ -22,13 +22,16 @@ Memory per call (one layer, one chunk of P pairs, E experts): the padded rows ar
 R = B * cap <= 3 P + 47 E (see `choose_cap`); x_pad, gate/up, SwiGLU and down outputs are
 R x (K + 2I + I + H) values in the compute dtype, plus for GGUF one slice of
 dequantized experts (<= MAX_SLICE_BYTES). V4 Flash, 2,048-token chunk (P = 12,288), bf16:
-typically R ~ 19K rows, ~0.6 GB; at the bound (R ~ 49K) ~1.6 GB.
+typically R ~ 19K rows (cap 64), ~0.7 GB with the SwiGLU temporaries; at the bound
+(R ~ 49K) ~1.8 GB.
 
 On a GPU the batched GEMMs run in a 16-bit type (tensor cores): x's type when 16-bit,
-else the affine scales' type when 16-bit, else float16 (`compute_dtype`); on the CPU in
-x's type (MLX affine: the same CPU kernel per row as gather_qmm, bit for bit) or
-float32 (GGUF and float banks). SwitchGLU takes this path for >= MIN_PAIRS pairs on a
-GPU (`prefill_experts.grouped_wanted`; DS4MLX_PREFILL_EXPERTS).
+else the affine scales' type when 16-bit, else float16 (`compute_dtype`); so float32
+activations are rounded to 16 bits here, where the per-pair path kept float32 (FMA). On
+the CPU they run in x's type (MLX affine) or float32 (GGUF and float banks): in
+tests/test_grouped_experts.py the CPU results equal the per-pair path's bit for bit, but
+the CPU keeps the per-pair path by default (no faster there). SwitchGLU takes this path
+for >= MIN_PAIRS pairs on a GPU (`prefill_experts.grouped_wanted`; DS4MLX_PREFILL_EXPERTS).
 """
 
 from __future__ import annotations
