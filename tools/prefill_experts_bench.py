@@ -128,48 +128,63 @@ def main(argv=None) -> int:
     prefill_experts.MIN_PAIRS = 1  # the grouped path at every chunk size asked for
     dtype = getattr(mx, a.dtype)
     say(f"mlx {mx.__version__}, {mx.default_device()}, activations {a.dtype}")
+
+    def run(glu, case: dict, mode: str) -> None:
+        """Time one path on one chunk; keep its output for the comparison."""
+        os.environ[prefill_experts.ENV] = mode.split("-")[0]
+        grouped_experts.AFFINE_VIA_DEQUANT = mode == "grouped-dequant"
+        x, idx = case["x"], case["idx"]
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        try:
+            ms = timed(lambda: glu(x, idx), a.iters)
+            out = glu(x, idx).astype(mx.float32)
+            mx.eval(out)
+        except Exception as e:  # noqa: BLE001 - report and go on to the next case
+            say(f"  chunk {case['chunk']} {mode}: FAILED {type(e).__name__}: {e}")
+            return
+        finally:
+            grouped_experts.AFFINE_VIA_DEQUANT = False
+        peak = (mx.get_peak_memory() - base) / 2**30
+        case["outs"][mode] = out
+        say(
+            f"  chunk {case['chunk']:5d} {mode:15s} {ms:9.2f} ms  {case['flop'] / ms / 1e9:7.2f} TFLOP/s"
+            f"  peak +{peak:.2f} GiB"
+        )
+
     for fmt in a.formats.split(","):
         glu = build(fmt)
         wbytes = sum(v.nbytes for _, v in tree_flatten(glu.parameters()))
         say(f"{fmt}: {wbytes / 2**30:.2f} GiB of expert weights")
+        cases = []
         for chunk in (int(c) for c in a.chunks.split(",")):
             x = (mx.random.normal((1, chunk, H), key=mx.random.key(chunk)) * 0.5).astype(dtype)
             scores = mx.random.normal((1, chunk, EXPERTS), key=mx.random.key(chunk + 1))
             idx = mx.argpartition(-scores, kth=TOP - 1, axis=-1)[..., :TOP].astype(mx.int32)
             mx.eval(x, idx)
             pairs = chunk * TOP
-            flop = 2.0 * pairs * (H * 2 * INTER + INTER * H)
             counts = np.bincount(np.array(idx).reshape(-1), minlength=EXPERTS)
             lay = grouped_experts.layout(counts)
             say(
                 f"  chunk {chunk}: {pairs} pairs, experts used {int((counts > 0).sum())}, max count "
-                f"{counts.max()}, cap {lay.cap}, batches {lay.batches}, padded rows {lay.batches * lay.cap}"
+                f"{counts.max()}, cap {lay.cap}, batches {lay.batches}, padded rows {lay.batches * lay.cap}; "
+                f"routing (sort + count + host sync) {timed(lambda: routing_only(x, idx), a.iters):.2f} ms"
             )
-            say(f"    routing (sort + count + host sync): {timed(lambda: routing_only(x, idx), a.iters):.2f} ms")
-            outs = {}
-            modes = ["grouped"] + (["grouped-dequant"] if fmt.startswith("mlx") else [])
-            for mode in modes + ([] if a.no_old else ["gather_qmm"]):
-                os.environ[prefill_experts.ENV] = mode.split("-")[0]
-                grouped_experts.AFFINE_VIA_DEQUANT = mode == "grouped-dequant"
-                mx.reset_peak_memory()
-                base = mx.get_active_memory()
-                try:
-                    ms = timed(lambda: glu(x, idx), a.iters)
-                except Exception as e:  # noqa: BLE001 - report and go on to the next case
-                    say(f"    {mode}: FAILED {type(e).__name__}: {e}")
-                    continue
-                peak = (mx.get_peak_memory() - base) / 2**30
-                outs[mode] = glu(x, idx).astype(mx.float32)
-                mx.eval(outs[mode])
-                say(f"    {mode:15s} {ms:9.2f} ms  {flop / ms / 1e9:7.2f} TFLOP/s  peak +{peak:.2f} GiB")
-            grouped_experts.AFFINE_VIA_DEQUANT = False
+            flop = 2.0 * pairs * (H * 2 * INTER + INTER * H)
+            cases.append({"chunk": chunk, "x": x, "idx": idx, "flop": flop, "outs": {}})
+        modes = ["grouped"] + (["grouped-dequant"] if fmt.startswith("mlx") else [])
+        for case in cases:  # the new paths first, every chunk: today's may fail (GGUF untried here)
+            for mode in modes:
+                run(glu, case, mode)
+        for case in [] if a.no_old else cases:
+            run(glu, case, "gather_qmm")
+            outs = case["outs"]
             if "gather_qmm" in outs:
                 m = mx.abs(outs["gather_qmm"]).max().item()
-                for mode in modes:
-                    if mode in outs:
-                        d = mx.abs(outs[mode] - outs["gather_qmm"]).max().item()
-                        say(f"    max |{mode} - gather_qmm| = {d:.3g} (max |out| {m:.3g})")
-        glu = outs = None  # free the bank before the next format's
+                for mode in (k for k in modes if k in outs):
+                    d = mx.abs(outs[mode] - outs["gather_qmm"]).max().item()
+                    say(f"  chunk {case['chunk']:5d} max |{mode} - gather_qmm| = {d:.3g} (max |out| {m:.3g})")
+        glu = cases = None  # free the bank before the next format's
         mx.clear_cache()
     os.environ.pop(prefill_experts.ENV, None)
     return 0
