@@ -328,20 +328,21 @@ def test_gpu_grouped_equals_cpu_reference(monkeypatch, bank, dtype):
     if dispatch.gpu_backend() is None:
         pytest.skip("no MLX GPU backend")
     H, inter, T, n_exp = 512, 256, 2048, 64
-    with mx.stream(mx.cpu):
+    gpu = mx.default_device()
+    mx.set_default_device(mx.cpu)  # the reference: today's path, CPU faces, float32
+    try:
         if bank == "float" or bank.startswith("mlx"):
             glu = _float_glu(H, inter, 11, n_exp)
             if bank != "float":
                 nn.quantize(glu, group_size=64, bits=int(bank[3:]))
         else:
             glu = _gguf_glu(GGUF_BANKS[bank], H, inter, 11, n_exp)
-        mx.eval(glu.parameters())
         x = mx.random.normal((1, T, H), key=mx.random.key(12))
         idx = _routing("hot", T, 12, n_exp, 6)
-        mx.eval(x, idx)
-    monkeypatch.setenv(prefill_experts.ENV, "gather_qmm")
-    with mx.stream(mx.cpu):
+        monkeypatch.setenv(prefill_experts.ENV, "gather_qmm")
         want = np.array(glu(x, idx)).astype(np.float64)
+    finally:
+        mx.set_default_device(gpu)
     monkeypatch.setenv(prefill_experts.ENV, "auto")  # on a GPU: grouped from MIN_PAIRS pairs
     calls = _spy(monkeypatch)
     got = glu(x.astype(dtype), idx)
