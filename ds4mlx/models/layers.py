@@ -29,7 +29,7 @@ import numpy as np
 from ..kernels import affine_qmv
 from ..kernels import hyper_connection as hc_kernels
 from ..kernels.activations import clamped_swiglu  # re-exported: the families import it from here
-from . import prefill_experts
+from . import grouped_experts, prefill_experts
 
 # --------------------------------------------------------------------------- norms
 
@@ -287,6 +287,14 @@ class SwitchLinear(nn.Module):
             return y.astype(x.dtype)
         return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
 
+    def per_expert(self, x: mx.array, experts: mx.array) -> mx.array:
+        """x [B, M, in], experts [B] -> [B, M, out]: batch b through expert experts[b]
+        (prefill's grouped path, models/grouped_experts.py)."""
+        w = self.weight.swapaxes(-1, -2)
+        if mx.default_device().type == mx.DeviceType.cpu and (x.dtype != mx.float32 or w.dtype != mx.float32):
+            return mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=experts).astype(x.dtype)
+        return mx.gather_mm(x, w, rhs_indices=experts)
+
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_):
         num_experts, output_dims, input_dims = self.weight.shape
         q = QuantizedSwitchLinear(input_dims, output_dims, num_experts, group_size, bits, mode)
@@ -333,6 +341,35 @@ class QuantizedSwitchLinear(nn.Module):
             bits=self.bits,
             mode=self.mode,
             sorted_indices=sorted_indices,
+        )
+
+    def per_expert(self, x: mx.array, experts: mx.array) -> mx.array:
+        """x [B, M, in], experts [B] -> [B, M, out]: batch b through expert experts[b],
+        one `gather_qmm` with M rows per batch (prefill's grouped path,
+        models/grouped_experts.py). MLX CUDA runs it as qmm_sm80 (4 / 8 bits) or
+        qmm_naive (2 bits), tensor cores in both for 16-bit operands: on a GPU x, scales
+        and biases are cast to one 16-bit type (`grouped_experts.compute_dtype`)."""
+        scales, biases = self.scales, self.biases
+        if grouped_experts.AFFINE_VIA_DEQUANT:
+            return grouped_experts.affine_per_expert_dequantized(
+                x, experts, self.weight, scales, biases, group_size=self.group_size, bits=self.bits, mode=self.mode
+            )
+        if grouped_experts.on_gpu():
+            dt = grouped_experts.compute_dtype(x.dtype, scales.dtype if self.mode == "affine" else None)
+            x = x.astype(dt)
+            if self.mode == "affine":
+                scales = scales.astype(dt)
+                biases = None if biases is None else biases.astype(dt)
+        return mx.gather_qmm(
+            x,
+            self.weight,
+            scales,
+            biases,
+            rhs_indices=experts,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
         )
 
     def _decode(self, x: mx.array, indices: mx.array) -> mx.array | None:
@@ -398,6 +435,12 @@ class SwitchGLU(nn.Module):
         return self._limit
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if prefill_experts.grouped_wanted(indices.size):  # prefill: per-expert batched GEMMs (#14)
+            y = grouped_experts.switch_glu(
+                self.gate_up_proj, self.down_proj, x, indices, self._intermediate, self._limit
+            )
+            if y is not None:
+                return y
         x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]
         do_sort = indices.size >= 64
         idx, inv_order = indices, None

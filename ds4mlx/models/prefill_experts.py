@@ -1,15 +1,19 @@
-"""Prefill of MLX-quantized weights as dequantized GEMMs (issue #14): routed experts
-(grouped GEMMs) and, separately switched, the dense quantized linears.
+"""Prefill switches of issue #14: how routed experts and dense quantized linears run
+when a forward is fed many tokens.
 
-At prefill a chunk's (token, expert) pairs, sorted by expert, touch nearly every
-expert of a layer: instead of `mx.gather_qmm` (quantized tiles), the expert stack is
-dequantized once per chunk and the pairs run through `mx.gather_mm(...,
-sorted_indices=True)`, MLX's grouped GEMM (tensor cores on CUDA).  Opt-in while the
-two are compared on the H200: `DS4MLX_PREFILL_EXPERTS=dequant` (default `gather_qmm`:
-MLX's own quantized gather).  The stack is dequantized in blocks of output rows of at
-most MAX_DEQUANT_BYTES (every block: the same grouped GEMM for those output columns).
+`DS4MLX_PREFILL_EXPERTS` picks the routed experts' prefill path (SwitchGLU, for at
+least MIN_PAIRS (token, expert) pairs; decode and small chunks keep today's kernels):
 
-`DS4MLX_PREFILL_LINEARS=dequant` does the same for every dense `QMVLinear`
+* `auto` (default): `grouped` on a GPU, `gather_qmm` on the CPU (reference-exact there);
+* `grouped`: per-expert batched GEMMs (models/grouped_experts.py: pairs sorted on the
+  device, one host sync per call for the per-expert counts, M = rows per expert);
+* `gather_qmm`: the former path, one M = 1 product per pair (`mx.gather_qmm` for MLX
+  experts, `kernels.quant_moe.gather_qmm` for GGUF blocks): the way back;
+* `dequant`: MLX-quantized experts' stack dequantized once per chunk + one sorted grouped
+  GEMM (`mx.gather_mm(..., sorted_indices=True)`), in blocks of output rows of at most
+  MAX_DEQUANT_BYTES; the first experiment (it failed on the H200), kept for comparison.
+
+`DS4MLX_PREFILL_LINEARS=dequant` does the dequantized GEMM for every dense `QMVLinear`
 (models/qmv_linear.py) fed at least MIN_ROWS rows: x @ dequantize(W).T, one GEMM, in
 place of `mx.quantized_matmul` (default `quantized_matmul`).
 """
@@ -21,7 +25,10 @@ import os
 import mlx.core as mx
 
 ENV = "DS4MLX_PREFILL_EXPERTS"
-MIN_PAIRS = 1024  # fewer (token, expert) pairs: gather_qmm (decode-like sizes)
+MODES = ("auto", "grouped", "gather_qmm", "dequant")
+# Fewer (token, expert) pairs (a 170-token chunk at top-6): today's kernels (decode-like
+# sizes). Reasoned, not swept: tools/prefill_experts_bench.py --chunks times both sides.
+MIN_PAIRS = 1024
 MAX_DEQUANT_BYTES = 6 << 30
 GPU_DTYPE = mx.float16  # dequantized weights on a GPU for float32 activations (TF32-like mantissa)
 
@@ -30,19 +37,32 @@ LINEARS_ENV = "DS4MLX_PREFILL_LINEARS"
 MIN_ROWS = 256  # rows of x (tokens) from which a dense linear is dequantized
 
 
-def _mode(env: str, default: str) -> str:
-    mode = os.environ.get(env, default).strip().lower()
-    if mode not in (default, "dequant"):
-        raise ValueError(f"{env} must be {default!r} or 'dequant', not {mode!r}")
+def _mode(env: str, allowed: tuple) -> str:
+    mode = os.environ.get(env, allowed[0]).strip().lower()
+    if mode not in allowed:
+        raise ValueError(f"{env} must be one of {', '.join(map(repr, allowed))}, not {mode!r}")
     return mode
 
 
+def experts_mode() -> str:
+    return _mode(ENV, MODES)
+
+
+def grouped_wanted(pairs: int) -> bool:
+    """SwitchGLU's `pairs` (token, expert) pairs as per-expert batched GEMMs?"""
+    if pairs < MIN_PAIRS:
+        return False
+    mode = experts_mode()
+    return mode == "grouped" or (mode == "auto" and mx.default_device().type != mx.DeviceType.cpu)
+
+
 def wanted(pairs: int, sorted_indices: bool) -> bool:
-    return _mode(ENV, "gather_qmm") == "dequant" and sorted_indices and pairs >= MIN_PAIRS
+    """The `dequant` experiment for an MLX-quantized projection's sorted pairs?"""
+    return pairs >= MIN_PAIRS and sorted_indices and experts_mode() == "dequant"
 
 
 def linear_wanted(rows: int) -> bool:
-    return rows >= MIN_ROWS and _mode(LINEARS_ENV, "quantized_matmul") == "dequant"
+    return rows >= MIN_ROWS and _mode(LINEARS_ENV, ("quantized_matmul", "dequant")) == "dequant"
 
 
 def _dtype_for(x_dtype):
@@ -51,9 +71,18 @@ def _dtype_for(x_dtype):
     return GPU_DTYPE if x_dtype == mx.float32 else x_dtype
 
 
+def _float32_params(wdt, mode: str, scales, biases):
+    """Affine scales / biases in float32 when the weights are dequantized to float32:
+    mx.dequantize computes in the scales' type (bf16 scales would round every weight)."""
+    if wdt != mx.float32 or mode != "affine":
+        return scales, biases
+    return scales.astype(mx.float32), None if biases is None else biases.astype(mx.float32)
+
+
 def dequant_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str) -> mx.array:
     """x [..., K] @ dequantize(weight).T -> [..., out] in x.dtype (one GEMM)."""
     wdt = _dtype_for(x.dtype)
+    scales, biases = _float32_params(wdt, mode, scales, biases)
     w = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode, dtype=wdt)
     return (x.astype(wdt) @ w.T).astype(x.dtype)
 
@@ -61,6 +90,7 @@ def dequant_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mod
 def dequant_gather_mm(x, weight, scales, biases, indices, *, group_size: int, bits: int, mode: str) -> mx.array:
     """x [P, 1, K] (pairs in expert order), indices [P] ascending -> [P, 1, out] in x.dtype."""
     wdt = _dtype_for(x.dtype)
+    scales, biases = _float32_params(wdt, mode, scales, biases)
     E, rows = weight.shape[0], weight.shape[1]
     K = x.shape[-1]
     step = max(1, min(rows, MAX_DEQUANT_BYTES // max(E * K * wdt.size, 1)))

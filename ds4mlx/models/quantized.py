@@ -52,6 +52,7 @@ import numpy as np
 from ..kernels import quant_moe
 from ..mapped import release
 from ..quant import MLX_EXACT_TYPES, MX_GROUP, QT, MXTensor, QuantizedTensor, as_qtype
+from .grouped_experts import gguf_per_expert
 from .layers import QuantizedSwitchLinear, SwitchLinear
 from .tensor_load import to_mlx
 
@@ -128,6 +129,11 @@ class GGUFSwitchLinear(nn.Module):
         y = quant_moe.gather_qmatmul(x2, self.weight, self.qtype, ids, sorted_indices=sorted_indices)  # [n, k, out]
         return y.reshape(*batch, 1, self.output_dims)
 
+    def per_expert(self, x: mx.array, experts: mx.array) -> mx.array:
+        """x [B, M, in], experts [B] -> [B, M, out]: prefill's grouped path
+        (models/grouped_experts.py), the experts dequantized in bounded slices."""
+        return gguf_per_expert(x, self.weight, self.qtype, experts)
+
 
 class SplitSwitchLinear(nn.Module):
     """Separate gate and up expert projections answering as the fused
@@ -142,6 +148,18 @@ class SplitSwitchLinear(nn.Module):
         g = self.gate_proj(x, indices, sorted_indices=sorted_indices)
         u = self.up_proj(x, indices, sorted_indices=sorted_indices)
         return mx.concatenate([g, u.astype(g.dtype)], axis=-1)
+
+    @property
+    def per_expert(self):
+        """Both halves' `per_expert`, concatenated (gate first); absent (AttributeError,
+        so `hasattr` is False) when either half has none."""
+        gate, up = self.gate_proj.per_expert, self.up_proj.per_expert
+
+        def both(x: mx.array, experts: mx.array) -> mx.array:
+            g = gate(x, experts)
+            return mx.concatenate([g, up(x, experts).astype(g.dtype)], axis=-1)
+
+        return both
 
 
 # --------------------------------------------------------------------------- conversions
