@@ -383,6 +383,9 @@ def gather_qmm(
     xs = (x2 if x.ndim == 3 and order is None else x2[xids]).astype(wdt)[:, None, :]  # [P, 1, K]
     per_row = n_exp * k_dim * wdt.size
     step = max(1, min(rows, int(max_dequant_bytes // max(per_row, 1))))
+    # and fewer than 2^31 values per block: a whole V4 Flash stack (256 x 2048 x 4096) is
+    # exactly 2^31, past the 32-bit indexing of GPU kernels (an illegal access, seen once)
+    step = max(1, min(step, ((1 << 31) - 1) // max(n_exp * k_dim, 1)))
     every = mx.arange(n_exp, dtype=mx.int32)
     outs = []
     for r0 in range(0, rows, step):
