@@ -35,7 +35,7 @@ METAL_DIR = Path(__file__).resolve().parent / "metal"  # package data: ships in 
 UNVERIFIED_FACES = ("metal",)
 # kernels (auto_face names) whose every GPU face is self-tested at first use: their CUDA
 # face has passed the g++ emulation and nvcc but not yet its `pytest -m gpu` run
-UNVERIFIED_KERNELS = {"affine_qmv.moe", "hyper_connection.split", "hyper_connection.post_pre"}
+UNVERIFIED_KERNELS = {"affine_qmv", "affine_qmv.moe", "hyper_connection.split", "hyper_connection.post_pre"}
 
 log = logging.getLogger("ds4mlx.kernels")
 _self_tests: dict[tuple[str, str], bool] = {}
