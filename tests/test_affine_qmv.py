@@ -642,23 +642,89 @@ def test_gpu_modules_kernels_on_equal_off(bits):
     _close(q(xg), want, mx.float32)
 
 
+# the sweep's variants of affine_qmv.plan's knobs (bench.kernels --qmv-sweep)
+PLAN_VARIANTS = {
+    "lpt2": {"LPT": 2},
+    "lpt8_rpw8": {"LPT": 8, "RPW": {2: 8, 4: 4, 8: 4}},
+    "one_tg_per_sm": {"BLOCKS": aq.SMS},
+    "rpw_small": {"RPW": {2: 2, 4: 2, 8: 1}},
+    "four_warps": {"WARPS": 4, "BLOCKS": 4 * aq.SMS},
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("rpw,kmax", [(2, 8), (8, 8), (4, 2)])
-def test_gpu_launch_variants_equal_reference(rpw, kmax, monkeypatch):
-    """The launch variants bench_kernels --qmv-sweep times compute the same."""
+@pytest.mark.parametrize("variant", sorted(PLAN_VARIANTS))
+def test_gpu_launch_variants_equal_reference(variant, monkeypatch):
+    """The plan variants bench_kernels --qmv-sweep times compute the same (the MoE modes and
+    a split-K dense call, bfloat16)."""
     face = _gpu_face()
-    monkeypatch.setattr(aq, "RPW", rpw)
-    monkeypatch.setattr(aq, "KSPLIT_MAX", kmax)
-    for bits in (2, 8):
-        wq, sc, bi = mx.quantize(mx.random.normal((3, 1024, 4096), key=mx.random.key(bits)) * 0.02, 64, bits)
-        sc, bi = sc.astype(mx.bfloat16), bi.astype(mx.bfloat16)
-        ids = mx.array([[2, 0, 1]], dtype=mx.int32)
-        x = mx.random.normal((1, 4096), key=mx.random.key(3)).astype(mx.bfloat16)
-        _close(
-            aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend=face),
-            aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend="reference"),
-            mx.bfloat16,
-        )
+    for k, v in PLAN_VARIANTS[variant].items():
+        monkeypatch.setattr(aq, k, v)
+    for kind in ("moe_gate_up", "moe_down_sum", "dense_1024x4096"):
+        got, want = _decode_call(kind, face, mx.bfloat16, experts=8)
+        _close(got, want, mx.bfloat16)
+
+
+def _decode_call(kind, face, dt, experts=16):
+    """One of issue #13's decode-step calls (V4 Flash shapes; `experts` routed experts in the
+    bank) on `face` and on the reference face."""
+    key = mx.random.key(len(kind))
+    rows, k_dim, bits = DECODE_CALLS[kind]
+    e = experts if kind.startswith("moe") else (8 if kind.startswith("grouped") else 1)
+    wq, sc, bi = mx.quantize(mx.random.normal((e, rows, k_dim), key=key) * k_dim**-0.5, 64, bits)
+    sc, bi = sc.astype(dt), bi.astype(dt)
+    kw = dict(group_size=64, bits=bits)
+    ids = mx.array([[5, 0, experts - 1, 7, 2, 3]], dtype=mx.int32)
+    if kind == "moe_gate_up":
+        x = mx.random.normal((1, k_dim), key=key).astype(dt)
+        fn = lambda b: aq.gather_swiglu(x, wq, sc, bi, ids, limit=10.0, **kw, backend=b)  # noqa: E731
+    elif kind == "moe_down_sum":
+        h = mx.random.normal((1, 6, k_dim), key=key).astype(dt)
+        wts = mx.softmax(mx.random.normal((1, 6), key=key), axis=-1)
+        fn = lambda b: aq.gather_down_sum(h, wq, sc, bi, ids, wts, **kw, backend=b)  # noqa: E731
+    elif kind.startswith("grouped"):
+        x = mx.random.normal((1, 8, k_dim), key=key).astype(dt)
+        gids = mx.arange(8, dtype=mx.int32)[None]
+        fn = lambda b: aq.gather_qmv(x, wq, sc, bi, gids, **kw, backend=b)  # noqa: E731
+    else:
+        x = mx.random.normal((1, k_dim), key=key).astype(dt)
+        fn = lambda b: aq.qmv(x, wq[0], sc[0], bi[0], **kw, backend=b)  # noqa: E731
+    return fn(face), fn("reference")
+
+
+# (rows, K, bits) of the calls the brief measured in the compiled step (H200, 8 layers)
+DECODE_CALLS = {
+    "moe_gate_up": (4096, 4096, 2),  # 6 experts of [2 x 2048, 4096] + SwiGLU
+    "moe_down_sum": (4096, 2048, 2),  # 6 experts of [4096, 2048] + the weighted sum
+    "dense_1024x4096": (1024, 4096, 8),
+    "dense_512x4096": (512, 4096, 8),
+    "dense_2048x4096": (2048, 4096, 8),
+    "dense_32768x1024": (32768, 1024, 8),
+    "dense_4096x8192": (4096, 8192, 8),
+    "grouped_8x1024x4096": (1024, 4096, 8),  # wo_a: 8 groups, one x each
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(DECODE_CALLS))
+def test_gpu_decode_calls_equal_reference(kind):
+    """Each decode-step call of the brief, bfloat16 (the model's activations) on the GPU face
+    against MLX's own ops; float32 too for the MoE gate_up and one split-K dense call."""
+    face = _gpu_face()
+    got, want = _decode_call(kind, face, mx.bfloat16)
+    assert got.shape == want.shape and got.dtype == mx.bfloat16
+    _close(got, want, mx.bfloat16)
+    if kind in ("moe_gate_up", "dense_512x4096"):
+        _close(*_decode_call(kind, face, mx.float32), mx.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_self_tests_pass():
+    """The first-use self-tests the models run (affine_qmv and affine_qmv.moe are in
+    dispatch.UNVERIFIED_KERNELS until these GPU tests pass) accept the GPU face."""
+    face = _gpu_face()
+    assert aq._self_test(face)
+    assert aq._moe_self_test(face)
 
 
 # ------------------------------------------------------------------ kernels not yet GPU-verified: self-tested on CUDA too

@@ -93,7 +93,10 @@ constexpr uint32_t LMASK = (1u << BITS) - 1u;
 constexpr uint32_t GW = uint32_t(NBY * WROWS);    // warp rows per grid z slice
 DS4_SHARED float4 xs[KSPLIT * XSLOT];
 DS4_SHARED float2 ps[KSPLIT * PSLOT];
+constexpr int NIDS = MODE == 2 ? KE : NPAIR;     // expert ids of one grid z slice
 DS4_SHARED float red[MAXIT * WARPS * RPW];
+DS4_SHARED int sid[NIDS];
+DS4_SHARED float swt[MODE == 2 ? KE : 1];
 
 const uint32_t ks = warp % uint32_t(KSPLIT);
 const uint32_t wr = warp / uint32_t(KSPLIT);
@@ -104,9 +107,18 @@ const DS4_DEV uint8_t* xbytes = (const DS4_DEV uint8_t*)x;
 uint32_t wv[NIT][RPW][4];   // the step being computed
 float sv[NIT][RPW][NSEG];
 float bv[NIT][RPW][NSEG];
-uint32_t wn[NIT][RPW][4];   // the next step, in flight
-float sn[NIT][RPW][NSEG];
-float bn[NIT][RPW][NSEG];
+uint32_t wn[NIT][RPW][4];   // the next step, in flight (scales and biases as loaded: a
+TS sn[NIT][RPW][NSEG];      // conversion here would wait for the loads)
+TS bn[NIT][RPW][NSEG];
+
+// the slice's expert ids (and MODE 2's weights) once: a step's loads then wait for no other load
+for (uint32_t i = tid; i < uint32_t(NIDS); i += uint32_t(THREADS)) {
+    sid[i] = eids[tgz * uint32_t(NIDS) + i];
+    if (MODE == 2) {
+        swt[i] = wts[tgz * uint32_t(NIDS) + i];
+    }
+}
+ds4_tg_barrier();
 
 #pragma unroll 1
 for (int s = -1; s < NSTEP; ++s) {
@@ -201,8 +213,8 @@ for (int s = -1; s < NSTEP; ++s) {
                 }
                 #pragma unroll
                 for (int g = 0; g < NSEG; ++g) {
-                    sv[a][i][g] = sn[a][i][g];
-                    bv[a][i][g] = bn[a][i][g];
+                    sv[a][i][g] = static_cast<float>(sn[a][i][g]);
+                    bv[a][i][g] = static_cast<float>(bn[a][i][g]);
                 }
             }
         }
@@ -214,9 +226,8 @@ for (int s = -1; s < NSTEP; ++s) {
         const uint32_t u1 = it1 * GW + g0;
         const uint32_t j1 = MODE == 2 ? js1 * uint32_t(KSPLIT) + ks : 0u;
         if (u1 < uint32_t(UNITS) && (MODE != 2 || j1 < uint32_t(KE))) {
-            const uint32_t p1 = MODE == 2 ? tgz * uint32_t(KE) + j1 : tgz * uint32_t(NPAIR) + u1 / uint32_t(TILES);
             const uint32_t tile = MODE == 2 ? u1 : u1 % uint32_t(TILES);
-            const uint64_t ebase = uint64_t(uint32_t(eids[p1])) * uint64_t(N_ROWS);
+            const uint64_t ebase = uint64_t(uint32_t(sid[MODE == 2 ? j1 : u1 / uint32_t(TILES)])) * uint64_t(N_ROWS);
             #pragma unroll
             for (int a = 0; a < NIT; ++a) {
                 const uint32_t c = MODE == 2 ? uint32_t(a) * 32u + lane : uint32_t(a * LANES_X) + ks * 32u + lane;
@@ -234,8 +245,8 @@ for (int s = -1; s < NSTEP; ++s) {
                     #pragma unroll
                     for (int g = 0; g < NSEG; ++g) {
                         const uint64_t gi = r * uint64_t(GPR) + uint64_t((cc * uint32_t(VPL) + uint32_t(g * SEG)) / uint32_t(GS));
-                        sn[a][i][g] = static_cast<float>(scales[gi]);
-                        bn[a][i][g] = static_cast<float>(biases[gi]);
+                        sn[a][i][g] = scales[gi];
+                        bn[a][i][g] = biases[gi];
                     }
                 }
             }
@@ -311,7 +322,7 @@ for (int s = -1; s < NSTEP; ++s) {
             }
         }
     }
-    const float wj = MODE == 2 ? wts[tgz * uint32_t(KE) + j] : 1.0f;
+    const float wj = MODE == 2 ? swt[j] : 1.0f;
     #pragma unroll
     for (int i = 0; i < RPW; ++i) {
         const float v = ds4_warp_sum(acc[i]);
