@@ -93,21 +93,13 @@ def test_supported_shapes():
 _CPU_EXTRA = "struct float2 { float x, y; };\n"
 
 
-def bf16_words(x):
-    """x (float32, rows of an even length) rounded to bfloat16 and packed two to a uint32
-    word (element 2i in the low half), as a bfloat16 array lies in memory; and the rounded values."""
-    b = mx.array(x).astype(mx.bfloat16)
-    u16 = np.array(b.view(mx.uint16)).astype(np.uint32)
-    return (u16[..., 0::2] | (u16[..., 1::2] << 16)).astype(np.uint32), np.array(b.astype(mx.float32))
-
-
-def run_text_on_cpu(tmp_path, mode, x, wq, sc, bi, eids, wts, lim, *, gs, bits, pl, warps, x_div=1, ke=1, xkind=0):
-    """The shared text with launch plan `pl` (aq.Plan) on `warps` warps; x float32 (xkind 0:
-    16-byte loads, 2: one value at a time) or packed bfloat16 words (xkind 1: bf16_words)."""
+def run_text_on_cpu(tmp_path, mode, x, wq, sc, bi, eids, wts, lim, *, gs, bits, pl, warps, x_div=1, ke=1, dense=False):
+    """The shared text with launch plan `pl` (aq.Plan) on `warps` warps, float32 x (dense: one
+    matrix, wq [1, N, K/..], no ids read)."""
     from test_kernel_emulation import run_on_cpu
 
     e, n_rows, _ = wq.shape
-    k_dim = x.shape[-1] * (2 if xkind == 1 else 1)
+    k_dim = x.shape[-1]
     out_rows = n_rows // 2 if mode == 1 else n_rows
     p = eids.size // ke
     opw = pl.rpw // 2 if mode == 1 else pl.rpw
@@ -143,7 +135,7 @@ def run_text_on_cpu(tmp_path, mode, x, wq, sc, bi, eids, wts, lim, *, gs, bits, 
             "MODE": mode,
             "KE": ke,
             "SW": pl.sw,
-            "XKIND": xkind,
+            "DENSE": int(dense),
         },
         groups=(1, pl.nby, pl.nz),
         threads=32 * warps,
@@ -191,68 +183,37 @@ def test_shared_text_plain_on_cpu(case, tmp_path):
             assert np.all(err <= bound(w, xx[2 * t + j], sc[ids[t, j]], gs, bits, sw)), (t, j, err.max())
 
 
-def test_shared_text_shared_x_and_value_loads_on_cpu(tmp_path):
-    """Pairs sharing an x row (X_DIV: a token's k experts in one threadgroup z, units over
-    experts and rows), and T read one value at a time (XKIND 2)."""
+def test_shared_text_dense_on_cpu(tmp_path):
+    """DENSE: one matrix for every x row, the ids never read (7 would be out of bounds:
+    AddressSanitizer fails the run), split K over 4 warps, rows past the end."""
+    bits, gs, rows, k_dim = 8, 64, 13, 2048
+    rng = np.random.default_rng(4)
+    wq, sc, bi, wd = quantized(rng, 1, rows, k_dim, gs, bits)
+    x = rng.standard_normal((3, k_dim)).astype(np.float32)
+    pl = _plan(4, 2, 2, 2, 3, 8, k_dim * bits // 128)  # 7 units on 2 threadgroups x 2 warp rows x 2 steps
+    args = (x, wq, sc, bi, np.full(3, 7, np.int32), np.ones(1), 0.0)
+    got = run_text_on_cpu(tmp_path, 0, *args, gs=gs, bits=bits, pl=pl, warps=8, dense=True)
+    for t in range(3):
+        err = np.abs(got[t] - wd[0] @ x[t].astype(np.float64))
+        assert np.all(err <= bound(wd[0], x[t], sc[0], gs, bits, 8)), t
+
+
+def test_shared_text_shared_x_on_cpu(tmp_path):
+    """Pairs sharing an x row (X_DIV: a token's k experts in one threadgroup z slice, units
+    over experts and rows; some warps' last step past the units), 8-bit slabs at 4 bits."""
     bits, gs, e, rows, k_dim = 4, 32, 4, 11, 640
     rng = np.random.default_rng(3)
     wq, sc, bi, wd = quantized(rng, e, rows, k_dim, gs, bits)
     ids = np.array([[3, 0, 2], [1, 1, 0]], np.int32)
     x = rng.standard_normal((2, k_dim)).astype(np.float32)
-    pl = _plan(1, 4, 3, 2, 2, 4, k_dim * bits // 128)  # 3 x 3 units of 4 rows on 2 x 2 warps x 3 steps
-    for xkind in (0, 2):
-        (tmp_path / str(xkind)).mkdir()
-        got = run_text_on_cpu(
-            tmp_path / str(xkind),
-            0,
-            x,
-            wq,
-            sc,
-            bi,
-            ids,
-            np.ones(1),
-            0.0,
-            gs=gs,
-            bits=bits,
-            pl=pl,
-            warps=2,
-            x_div=3,
-            xkind=xkind,
-        ).reshape(2, 3, rows)
-        for t in range(2):
-            for j in range(3):
-                w = wd[ids[t, j]]
-                assert np.all(
-                    np.abs(got[t, j] - w @ x[t].astype(np.float64)) <= bound(w, x[t], sc[ids[t, j]], gs, bits, 4)
-                )
-
-
-@pytest.mark.parametrize("bits,gs", [(2, 64), (8, 32)])
-def test_shared_text_bfloat16_x_on_cpu(bits, gs, tmp_path):
-    """bfloat16 x read as packed words in 16-byte loads (XKIND 1) with the 8-bit slabs."""
-    rng = np.random.default_rng(bits)
-    rows, k_dim = 13, 1024
-    wq, sc, bi, wd = quantized(rng, 2, rows, k_dim, gs, bits)
-    words, xr = bf16_words(rng.standard_normal((1, k_dim)).astype(np.float32) * 2.0)
-    pl = _plan(2, 2, 2, 2, 1, 8, k_dim * bits // 128)
-    got = run_text_on_cpu(
-        tmp_path,
-        0,
-        words,
-        wq,
-        sc,
-        bi,
-        np.array([[1]], np.int32),
-        np.ones(1),
-        0.0,
-        gs=gs,
-        bits=bits,
-        pl=pl,
-        warps=4,
-        xkind=1,
-    )
-    w = wd[1]
-    assert np.all(np.abs(got[0] - w @ xr[0].astype(np.float64)) <= bound(w, xr[0], sc[1], gs, bits, 8))
+    pl = _plan(1, 4, 3, 2, 2, 8, k_dim * bits // 128)  # 3 x 3 units of 4 rows on 2 x 2 warps x 3 steps
+    args = (x, wq, sc, bi, ids, np.ones(1), 0.0)
+    got = run_text_on_cpu(tmp_path, 0, *args, gs=gs, bits=bits, pl=pl, warps=2, x_div=3).reshape(2, 3, rows)
+    for t in range(2):
+        for j in range(3):
+            w = wd[ids[t, j]]
+            err = np.abs(got[t, j] - w @ x[t].astype(np.float64))
+            assert np.all(err <= bound(w, x[t], sc[ids[t, j]], gs, bits, 8)), (t, j)
 
 
 @pytest.mark.parametrize("bits,gs", [(2, 64), (4, 32), (8, 64)])
@@ -330,8 +291,7 @@ def test_plan_on_the_cpu_emulation(tmp_path, monkeypatch):
 
 def _emulated_kernel(tmp_path, launches):
     """A stand-in for aq._kernel(): each launch runs the shared text through the g++
-    emulation with the template, grid and inputs the module passes (T / TS as float32;
-    bfloat16 x as packed words)."""
+    emulation with the template, grid and inputs the module passes (T / TS as float32)."""
     from test_kernel_emulation import run_on_cpu
 
     sec = dispatch.sections(aq.SOURCE)
@@ -339,10 +299,7 @@ def _emulated_kernel(tmp_path, launches):
     def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         consts = {k: (np.float32 if k in ("T", "TS") else v) for k, v in template}
         x, w, sc, bi, eids, wts, lim = inputs
-        if consts["XKIND"] == 1:
-            xin = bf16_words(np.array(x.astype(mx.float32)))[0]
-        else:
-            xin = np.array(x.astype(mx.float32))
+        xin = np.array(x.astype(mx.float32))  # bfloat16 values exactly
         d = tmp_path / f"launch{len(launches)}"
         d.mkdir()
         launches.append(consts)
@@ -407,7 +364,7 @@ def test_launch_wiring_on_the_cpu_emulation(tmp_path, monkeypatch):
     both(aq.gather_swiglu, xb, wq, sb, bb, ids, limit=0.7, tol=1e-2)
     both(aq.gather_down_sum, hb, wq, sb, bb, ids, wts, tol=1e-2)
     assert any(c["MAXIT"] > 1 for c in launches) and any(c["KSPLIT"] > 1 for c in launches)
-    assert [c["XKIND"] for c in launches[-2:]] == [1, 1] and [c["SW"] for c in launches[-2:]] == [8, 8]
+    assert [c["SW"] for c in launches[-2:]] == [8, 8]  # bfloat16 x: the 8-bit slabs
 
 
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc
@@ -440,7 +397,17 @@ def test_cuda_face_compiles_with_nvcc(dt, shape, tmp_path):
     tmpl = [
         (k, dt if k in ("T", "TS") else v)
         for k, v in aq.template(
-            mode, pl, x_dtype, x_dtype, n_rows=rows, k_dim=k_dim, group_size=gs, bits=bits, x_div=x_div, ke=ke
+            mode,
+            pl,
+            x_dtype,
+            x_dtype,
+            n_rows=rows,
+            k_dim=k_dim,
+            group_size=gs,
+            bits=bits,
+            x_div=x_div,
+            ke=ke,
+            dense=shape.startswith("dense"),
         )
     ]
     header, body = aq.kernel_sources("cuda")
@@ -451,6 +418,28 @@ def test_cuda_face_compiles_with_nvcc(dt, shape, tmp_path):
         {"x": dt, "w": "uint32", "scales": dt, "biases": dt, "eids": "int32", "wts": "float32", "lim": "float32"},
         {"y": dt},
         tmpl,
+    )
+    nvcc_compile(tmp_path, src)
+
+
+def test_legacy_bench_kernel_compiles_with_nvcc(tmp_path):
+    """The bench's copy of the pre-v3 kernel (bench/qmv_legacy.py: the old column of
+    `bench.kernels --qmv`) still builds for the MoE gate_up shape."""
+    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+
+    from ds4mlx.bench import qmv_legacy
+
+    ksplit, _, _ = qmv_legacy.launch_shape(4096, 2)
+    header, body = qmv_legacy._kernel().source("cuda")
+    types = {"x": "bfloat16", "w": "uint32", "scales": "bfloat16", "biases": "bfloat16", "eids": "int32"}
+    src = mlx_cuda_source(
+        "legacy_qmv",
+        header,
+        body,
+        {**types, "wts": "float32", "lim": "float32"},
+        {"y": "bfloat16"},
+        [("T", "bfloat16"), ("TS", "bfloat16"), ("N_ROWS", 4096), ("K_DIM", 4096), ("BITS", 2), ("GS", 64)]
+        + [("WARPS", 8), ("KSPLIT", ksplit), ("RPW", 4), ("X_DIV", 6), ("MODE", 1), ("KE", 1)],
     )
     nvcc_compile(tmp_path, src)
 

@@ -191,10 +191,7 @@ def kernel_face(k_dim: int, group_size: int, bits: int, moe: bool = False) -> st
     return face if face != "reference" and supported(k_dim, group_size, bits, face) else None
 
 
-_XKIND = {mx.float32: 0, mx.bfloat16: 1}  # how the kernel reads x: 16-byte loads; other types one value at a time
-
-
-def template(mode, pl: Plan, x_dtype, s_dtype, *, n_rows, k_dim, group_size, bits, x_div=1, ke=1) -> list:
+def template(mode, pl: Plan, x_dtype, s_dtype, *, n_rows, k_dim, group_size, bits, x_div=1, ke=1, dense=False) -> list:
     return [
         ("T", x_dtype),
         ("TS", s_dtype),
@@ -211,12 +208,13 @@ def template(mode, pl: Plan, x_dtype, s_dtype, *, n_rows, k_dim, group_size, bit
         ("MODE", mode),
         ("KE", ke),
         ("SW", pl.sw),
-        ("XKIND", _XKIND.get(x_dtype, 2)),
+        ("DENSE", int(dense)),
     ]
 
 
 def _launch(face, mode, x2, w, scales, biases, eids, wts, lim, *, p, n_rows, k_dim, group_size, bits, x_div=1, ke=1):
-    """p pairs (MODE 2: tokens, ke experts each); pairs x_div at a time share an x row."""
+    """p pairs (MODE 2: tokens, ke experts each); pairs x_div at a time share an x row; a 2-D
+    w is one dense matrix (no expert ids read)."""
     groups = p if mode == 2 else p // x_div
     pl = plan(mode, n_rows, k_dim, bits, groups, x_div=x_div, ke=ke, x_dtype=x2.dtype, face=face)
     out_rows = n_rows // 2 if mode == 1 else n_rows
@@ -234,6 +232,7 @@ def _launch(face, mode, x2, w, scales, biases, eids, wts, lim, *, p, n_rows, k_d
             bits=bits,
             x_div=x_div,
             ke=ke,
+            dense=w.ndim == 2,
         ),
         grid=(32 * WARPS, pl.nby, pl.nz),
         threadgroup=(32 * WARPS, 1, 1),

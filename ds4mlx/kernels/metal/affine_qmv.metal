@@ -11,7 +11,7 @@
 //
 // Inputs: x [NX, K_DIM] T, w [E, N_ROWS, K_DIM*BITS/32] uint32, scales / biases
 // [E, N_ROWS, K_DIM/GS] TS, eids [P] int32 (the expert of each pair; a dense
-// matrix is E = 1 with eids all 0), wts [P] float32 (MODE 2), lim [2] float32
+// matrix is E = 1, DENSE = 1, and eids is not read), wts [P] float32 (MODE 2), lim [2] float32
 // (lim[0]: MODE 1's SwiGLU clamp, <= 0 for none; lim[1] = 1.0, see "levels").
 // MODE 0: y [P, N_ROWS]; pair p multiplies x row p / X_DIV by W[eids[p]].
 // MODE 1: W holds [gate; up] (N_ROWS = 2I rows); y [P, I] = silu(min(g, lim)) *
@@ -102,7 +102,6 @@ const uint32_t ks = warp % uint32_t(KSPLIT);
 const uint32_t wr = warp / uint32_t(KSPLIT);
 const uint32_t g0 = tgy * uint32_t(WROWS) + wr;
 const uint32_t one = ds4_float_bits(lim[1]);
-const DS4_DEV uint8_t* xbytes = (const DS4_DEV uint8_t*)x;
 
 uint32_t wv[NIT][RPW][4];   // the step being computed
 float sv[NIT][RPW][NSEG];
@@ -111,14 +110,17 @@ uint32_t wn[NIT][RPW][4];   // the next step, in flight (scales and biases as lo
 TS sn[NIT][RPW][NSEG];      // conversion here would wait for the loads)
 TS bn[NIT][RPW][NSEG];
 
-// the slice's expert ids (and MODE 2's weights) once: a step's loads then wait for no other load
-for (uint32_t i = tid; i < uint32_t(NIDS); i += uint32_t(THREADS)) {
-    sid[i] = eids[tgz * uint32_t(NIDS) + i];
-    if (MODE == 2) {
-        swt[i] = wts[tgz * uint32_t(NIDS) + i];
+// the slice's expert ids (and MODE 2's weights) once: a step's loads then wait for no other
+// load (DENSE: one matrix, no ids: the first weight loads wait for nothing)
+if (!DENSE) {
+    for (uint32_t i = tid; i < uint32_t(NIDS); i += uint32_t(THREADS)) {
+        sid[i] = eids[tgz * uint32_t(NIDS) + i];
+        if (MODE == 2) {
+            swt[i] = wts[tgz * uint32_t(NIDS) + i];
+        }
     }
+    ds4_tg_barrier();
 }
-ds4_tg_barrier();
 
 #pragma unroll 1
 for (int s = -1; s < NSTEP; ++s) {
@@ -149,36 +151,11 @@ for (int s = -1; s < NSTEP; ++s) {
                     const uint32_t pat = ((slot * uint32_t(NIT) + c / uint32_t(LANES_X)) * uint32_t(SUBS) + sub) * 32u + c % 32u;
                     const uint64_t x0 = uint64_t(MODE == 2 ? tgz * uint32_t(KE) + jx : tgz) * uint64_t(K_DIM)
                         + uint64_t(c * uint32_t(VPL) + sub * 16u);
+                    // one value at a time: a row-contiguous x may still start anywhere (an MLX view)
                     float v[16];
-                    if (XKIND == 0) {   // float32: 4 x 16 bytes
-                        const DS4_DEV uint4* p4 = (const DS4_DEV uint4*)(xbytes + x0 * 4u);
-                        #pragma unroll
-                        for (int q = 0; q < 4; ++q) {
-                            const uint4 a = p4[q];
-                            v[4 * q + 0] = ds4_as_float(a.x);
-                            v[4 * q + 1] = ds4_as_float(a.y);
-                            v[4 * q + 2] = ds4_as_float(a.z);
-                            v[4 * q + 3] = ds4_as_float(a.w);
-                        }
-                    } else if (XKIND == 1) {   // bfloat16: 2 x 16 bytes, a value is the high half of a float
-                        const DS4_DEV uint4* p4 = (const DS4_DEV uint4*)(xbytes + x0 * 2u);
-                        #pragma unroll
-                        for (int q = 0; q < 2; ++q) {
-                            const uint4 a = p4[q];
-                            v[8 * q + 0] = ds4_as_float(a.x << 16);
-                            v[8 * q + 1] = ds4_as_float(a.x & 0xFFFF0000u);
-                            v[8 * q + 2] = ds4_as_float(a.y << 16);
-                            v[8 * q + 3] = ds4_as_float(a.y & 0xFFFF0000u);
-                            v[8 * q + 4] = ds4_as_float(a.z << 16);
-                            v[8 * q + 5] = ds4_as_float(a.z & 0xFFFF0000u);
-                            v[8 * q + 6] = ds4_as_float(a.w << 16);
-                            v[8 * q + 7] = ds4_as_float(a.w & 0xFFFF0000u);
-                        }
-                    } else {   // any other T: one value at a time
-                        #pragma unroll
-                        for (int a = 0; a < 16; ++a) {
-                            v[a] = static_cast<float>(x[x0 + uint64_t(a)]);
-                        }
+                    #pragma unroll
+                    for (int a = 0; a < 16; ++a) {
+                        v[a] = static_cast<float>(x[x0 + uint64_t(a)]);
                     }
                     float sxp = 0.0f;
                     float sx = 0.0f;
@@ -227,7 +204,8 @@ for (int s = -1; s < NSTEP; ++s) {
         const uint32_t j1 = MODE == 2 ? js1 * uint32_t(KSPLIT) + ks : 0u;
         if (u1 < uint32_t(UNITS) && (MODE != 2 || j1 < uint32_t(KE))) {
             const uint32_t tile = MODE == 2 ? u1 : u1 % uint32_t(TILES);
-            const uint64_t ebase = uint64_t(uint32_t(sid[MODE == 2 ? j1 : u1 / uint32_t(TILES)])) * uint64_t(N_ROWS);
+            const uint32_t e1 = DENSE ? 0u : uint32_t(sid[MODE == 2 ? j1 : u1 / uint32_t(TILES)]);
+            const uint64_t ebase = uint64_t(e1) * uint64_t(N_ROWS);
             #pragma unroll
             for (int a = 0; a < NIT; ++a) {
                 const uint32_t c = MODE == 2 ? uint32_t(a) * 32u + lane : uint32_t(a * LANES_X) + ks * 32u + lane;
