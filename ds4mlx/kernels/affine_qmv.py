@@ -123,8 +123,9 @@ class Plan:
     sw: int
 
     def shared_bytes(self, bits: int, warps: int = WARPS) -> int:
+        """x' (16 bytes per 4 values), its 16-value sums (8 bytes), the partial sums, the ids."""
         vpl = 128 // bits
-        return self.ksplit * self.nit * vpl * (128 + 16) + self.maxit * warps * self.rpw * 4
+        return self.ksplit * self.nit * vpl * (128 + 16) + self.maxit * warps * self.rpw * 4 + 2 * 4 * MAX_PAIRS
 
 
 def _pow2_floor(v: float) -> int:
