@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from ds4mlx.bench.kernels import QMV_PLAN_VARIANTS
 from ds4mlx.kernels import affine_qmv as aq
 from ds4mlx.kernels import dispatch
 
@@ -631,23 +632,13 @@ def test_gpu_modules_kernels_on_equal_off(bits):
     _close(q(xg), want, mx.float32)
 
 
-# the sweep's variants of affine_qmv.plan's knobs (bench.kernels --qmv-sweep)
-PLAN_VARIANTS = {
-    "lpt2": {"LPT": 2},
-    "lpt8_rpw8": {"LPT": 8, "RPW": {2: 8, 4: 4, 8: 4}},
-    "one_tg_per_sm": {"BLOCKS": aq.SMS},
-    "rpw_small": {"RPW": {2: 2, 4: 2, 8: 1}},
-    "four_warps": {"WARPS": 4, "BLOCKS": 4 * aq.SMS},
-}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", sorted(PLAN_VARIANTS))
+@pytest.mark.parametrize("variant", sorted(QMV_PLAN_VARIANTS), ids=lambda v: v.replace(" ", "_").replace("/", "-"))
 def test_gpu_launch_variants_equal_reference(variant, monkeypatch):
     """The plan variants bench_kernels --qmv-sweep times compute the same (the MoE modes and
     a split-K dense call, bfloat16)."""
     face = _gpu_face()
-    for k, v in PLAN_VARIANTS[variant].items():
+    for k, v in QMV_PLAN_VARIANTS[variant].items():
         monkeypatch.setattr(aq, k, v)
     for kind in ("moe_gate_up", "moe_down_sum", "dense_1024x4096"):
         got, want = _decode_call(kind, face, mx.bfloat16, experts=8)
