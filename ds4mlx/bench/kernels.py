@@ -2,6 +2,7 @@
 
     python -m ds4mlx.bench.kernels [--layers 8] [--ctx 2560] [--gen 16] [--no-model]
                                            [--qmoe] [--expert-format mlx|gguf]
+                                           [--qmv [--qmv-decode-only]] [--qmv-sweep] [--json FILE]
 
 Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, indexer
 64 heads x 128, index_topk 512, window 128):
@@ -19,7 +20,13 @@ Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, ind
   prefill and decode tokens/s with the kernels on and with ``DS4MLX_KERNELS=reference``;
   ``--expert-format gguf`` gives it ds4's IQ2_XXS / Q2_K expert blocks.
 
-* with ``--qmv``: a dependent chain of mat-vecs (each call's output is the next
+* with ``--qmv``: first issue #13's decode-step calls (the MoE gate_up + SwiGLU and
+  down + sum, the 8-bit dense projections, wo_a's grouped call), the kernel before the
+  v3 rewrite (bench/qmv_legacy.py) beside today's: kernel GPU µs and GB/s (CUPTI
+  through torch.profiler when torch is installed), the dependent chain's wall µs per
+  call, one call's latency, the error against MLX; ``--qmv-decode-only`` stops there,
+  ``--qmv-sweep`` times `affine_qmv.plan`'s knob variants on those calls.  Then
+  a dependent chain of mat-vecs (each call's output is the next
   call's input, weights rotated through a set larger than L2): GB/s for MLX affine
   2 / 4 / 8-bit, ours (`affine_qmv`) vs ``mx.quantized_matmul``, at 4096x4096 and
   8192x8192, 32 experts of 4096x4096 in one launch, the V4 Flash routed-MoE call
