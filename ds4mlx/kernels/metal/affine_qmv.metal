@@ -91,9 +91,10 @@ constexpr int XSLOT = NIT * (VPL / 4) * 32;       // float4s per slot
 constexpr int PSLOT = NIT * SUBS * 32;            // float2s per slot
 constexpr uint32_t LMASK = (1u << BITS) - 1u;
 constexpr uint32_t GW = uint32_t(NBY * WROWS);    // warp rows per grid z slice
+constexpr int NIDS = MODE == 2 ? KE : NPAIR;      // expert ids of one grid z slice
+static_assert(!DENSE || MODE == 0, "a dense matrix is the plain mode");
 DS4_SHARED float4 xs[KSPLIT * XSLOT];
 DS4_SHARED float2 ps[KSPLIT * PSLOT];
-constexpr int NIDS = MODE == 2 ? KE : NPAIR;     // expert ids of one grid z slice
 DS4_SHARED float red[MAXIT * WARPS * RPW];
 DS4_SHARED int sid[NIDS];
 DS4_SHARED float swt[MODE == 2 ? KE : 1];
