@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from ds4mlx.bench.kernels import QMV_PLAN_VARIANTS
 from ds4mlx.kernels import affine_qmv as aq
 from ds4mlx.kernels import dispatch
 
@@ -42,11 +43,10 @@ def dequant(wq, sc, bi, gs, bits):
     return s * q + b
 
 
-def bound(w, x, sc, gs, bits):
+def bound(w, x, sc, gs, bits, sw):
     """The stated error of the kernel text for one output row set: float32 sums of |w x|
     terms, plus (SEG + 8) * 2^-23 * 2^SW * |scale| |x| per value for the level trick."""
     seg = min(128 // bits, gs)
-    sw = 8 if bits == 8 else 4
     s = np.repeat(np.abs(sc.astype(np.float64)), gs, axis=-1)
     x = np.abs(x.astype(np.float64))
     return (w.shape[-1] + 8) * 2.0**-23 * (np.abs(w) @ x) + (seg + 8) * 2.0**-23 * 2.0**sw * (s @ x)
@@ -90,32 +90,34 @@ def test_supported_shapes():
 
 # ------------------------------------------------------------------ the shared text on the CPU (g++)
 
+# the emulation prelude has float4 / uint4 (dispatch.PRELUDE's faces have float2 built in)
+_CPU_EXTRA = "struct float2 { float x, y; };\n"
 
-def run_text_on_cpu(tmp_path, mode, x, wq, sc, bi, eids, wts, lim, *, gs, bits, warps, rpw, x_div=1, ke=1):
+
+def run_text_on_cpu(tmp_path, mode, x, wq, sc, bi, eids, wts, lim, *, gs, bits, pl, warps, x_div=1, ke=1, dense=False):
+    """The shared text with launch plan `pl` (aq.Plan) on `warps` warps, float32 x (dense: one
+    matrix, wq [1, N, K/..], no ids read)."""
     from test_kernel_emulation import run_on_cpu
 
     e, n_rows, _ = wq.shape
     k_dim = x.shape[-1]
-    ksplit = 1
-    while ksplit < warps and 32 * ksplit < k_dim // (128 // bits):
-        ksplit *= 2
     out_rows = n_rows // 2 if mode == 1 else n_rows
-    opw = rpw // 2 if mode == 1 else rpw
-    blocks = -(-out_rows // ((warps // ksplit) * opw))
     p = eids.size // ke
+    opw = pl.rpw // 2 if mode == 1 else pl.rpw
+    assert pl.nby * (warps // pl.ksplit) * pl.maxit >= (1 if mode == 2 else x_div) * -(-out_rows // opw)
     sec = dispatch.sections(aq.SOURCE)
     out = run_on_cpu(
         tmp_path,
-        sec["common"],
+        _CPU_EXTRA + sec["common"],
         sec["qmv"],
         inputs={
-            "x": x.astype(np.float32),
+            "x": x,
             "w": wq.reshape(-1).astype(np.uint32),
             "scales": sc.reshape(-1).astype(np.float32),
             "biases": bi.reshape(-1).astype(np.float32),
             "eids": eids.reshape(-1).astype(np.int32),
             "wts": wts.reshape(-1).astype(np.float32),
-            "lim": np.array([lim], np.float32),
+            "lim": np.array([lim, 1.0], np.float32),
         },
         outputs={"y": ((p, out_rows), np.float32)},
         consts={
@@ -126,47 +128,93 @@ def run_text_on_cpu(tmp_path, mode, x, wq, sc, bi, eids, wts, lim, *, gs, bits, 
             "BITS": bits,
             "GS": gs,
             "WARPS": warps,
-            "KSPLIT": ksplit,
-            "RPW": rpw,
+            "KSPLIT": pl.ksplit,
+            "RPW": pl.rpw,
+            "MAXIT": pl.maxit,
+            "NBY": pl.nby,
             "X_DIV": x_div,
             "MODE": mode,
             "KE": ke,
+            "SW": pl.sw,
+            "DENSE": int(dense),
         },
-        groups=(1, blocks, p),
+        groups=(1, pl.nby, pl.nz),
         threads=32 * warps,
     )
     return out["y"]
 
 
+def _plan(ksplit, rpw, maxit, nby, nz, sw, chunks, mode=0):
+    lanes = 32 if mode == 2 else 32 * ksplit
+    return aq.Plan(ksplit, -(-chunks // lanes), rpw, maxit, nby, nz, sw)
+
+
 CPU_CASES = [
-    # (bits, gs, E, rows, K, warps, rpw): ragged rows, 1..3 steps along K, KSPLIT 1..4
-    (2, 32, 3, 5, 512, 2, 2),
-    (2, 64, 2, 9, 2048, 2, 4),  # KSPLIT 2, one full step
-    (2, 128, 2, 4, 4608, 2, 2),  # KSPLIT 2, 2.25 steps (a partial last step)
-    (4, 32, 3, 7, 384, 1, 4),
-    (4, 64, 2, 6, 1024, 4, 2),  # KSPLIT 1 (a 1024-value 4-bit row is 32 chunks)
-    (4, 128, 2, 3, 3072, 4, 2),  # KSPLIT 4 is too many: 96 chunks -> KSPLIT 4, 1 step, lanes idle
-    (8, 32, 2, 5, 256, 2, 2),
-    (8, 64, 2, 3, 1024, 4, 4),  # KSPLIT 2
-    (8, 128, 2, 4, 896, 2, 2),
+    # (bits, gs, E, rows, K, warps, ksplit, rpw, maxit, nby, sw): ragged rows and row tiles, 1..3
+    # chunks per lane, split-K 1..4 (lanes past the row's end), several steps per warp
+    (2, 32, 3, 5, 512, 2, 1, 2, 2, 1, 4),  # 8 chunks: 24 lanes idle; 2 steps, rows past the end
+    (2, 64, 2, 9, 2048, 4, 2, 4, 1, 2, 4),  # split-K 2, one full step; 3 units on 4 warp rows
+    (2, 128, 2, 4, 4608, 2, 2, 2, 1, 2, 8),  # split-K 2, 2.25 chunks a lane (a partial last one)
+    (2, 64, 3, 21, 1024, 2, 1, 4, 3, 1, 8),  # many rows: 3 steps of 2 warps x 4 rows
+    (4, 32, 3, 7, 384, 1, 1, 4, 2, 1, 4),
+    (4, 64, 2, 6, 1024, 4, 1, 2, 1, 2, 8),  # 32 chunks, 4 warp rows, 2 threadgroups (one idle)
+    (4, 128, 2, 3, 3072, 4, 4, 2, 1, 2, 4),  # split-K 4: 96 chunks on 128 lanes
+    (8, 32, 2, 5, 256, 2, 2, 2, 3, 1, 8),  # split-K 2 with lanes idle, 3 steps
+    (8, 64, 2, 3, 1024, 4, 2, 4, 1, 1, 8),
+    (8, 128, 2, 17, 896, 2, 1, 2, 3, 2, 8),  # 2 threadgroups x 2 warps x 3 steps (rows past the end)
 ]
 
 
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "b{}_g{}_E{}_r{}_K{}_W{}_R{}".format(*c))
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "b{}_g{}_E{}_r{}_K{}_W{}_S{}_R{}_M{}_B{}_SW{}".format(*c))
 def test_shared_text_plain_on_cpu(case, tmp_path):
-    bits, gs, e, rows, k_dim, warps, rpw = case
+    bits, gs, e, rows, k_dim, warps, ksplit, rpw, maxit, nby, sw = case
     rng = np.random.default_rng(rows * k_dim + bits)
     wq, sc, bi, wd = quantized(rng, e, rows, k_dim, gs, bits)
     ids = rng.integers(0, e, (2, 2)).astype(np.int32)
-    x = rng.standard_normal((2, k_dim)).astype(np.float32) * 3.0
+    xx = rng.standard_normal((4, k_dim)).astype(np.float32) * 3.0  # pair p reads x row p
+    pl = _plan(ksplit, rpw, maxit, nby, 4, sw, k_dim * bits // 128)
     got = run_text_on_cpu(
-        tmp_path, 0, x, wq, sc, bi, ids, np.ones(1), 0.0, gs=gs, bits=bits, warps=warps, rpw=rpw, x_div=2
+        tmp_path, 0, xx, wq, sc, bi, ids, np.ones(1), 0.0, gs=gs, bits=bits, pl=pl, warps=warps, x_div=1
     ).reshape(2, 2, rows)
     for t in range(2):
         for j in range(2):
             w = wd[ids[t, j]]
-            want = w @ x[t].astype(np.float64)
-            assert np.all(np.abs(got[t, j] - want) <= bound(w, x[t], sc[ids[t, j]], gs, bits)), (t, j)
+            want = w @ xx[2 * t + j].astype(np.float64)
+            err = np.abs(got[t, j] - want)
+            assert np.all(err <= bound(w, xx[2 * t + j], sc[ids[t, j]], gs, bits, sw)), (t, j, err.max())
+
+
+def test_shared_text_dense_on_cpu(tmp_path):
+    """DENSE: one matrix for every x row, the ids never read (7 would be out of bounds:
+    AddressSanitizer fails the run), split K over 4 warps, rows past the end."""
+    bits, gs, rows, k_dim = 8, 64, 13, 2048
+    rng = np.random.default_rng(4)
+    wq, sc, bi, wd = quantized(rng, 1, rows, k_dim, gs, bits)
+    x = rng.standard_normal((3, k_dim)).astype(np.float32)
+    pl = _plan(4, 2, 2, 2, 3, 8, k_dim * bits // 128)  # 7 units on 2 threadgroups x 2 warp rows x 2 steps
+    args = (x, wq, sc, bi, np.full(3, 7, np.int32), np.ones(1), 0.0)
+    got = run_text_on_cpu(tmp_path, 0, *args, gs=gs, bits=bits, pl=pl, warps=8, dense=True)
+    for t in range(3):
+        err = np.abs(got[t] - wd[0] @ x[t].astype(np.float64))
+        assert np.all(err <= bound(wd[0], x[t], sc[0], gs, bits, 8)), t
+
+
+def test_shared_text_shared_x_on_cpu(tmp_path):
+    """Pairs sharing an x row (X_DIV: a token's k experts in one threadgroup z slice, units
+    over experts and rows; some warps' last step past the units), 8-bit slabs at 4 bits."""
+    bits, gs, e, rows, k_dim = 4, 32, 4, 11, 640
+    rng = np.random.default_rng(3)
+    wq, sc, bi, wd = quantized(rng, e, rows, k_dim, gs, bits)
+    ids = np.array([[3, 0, 2], [1, 1, 0]], np.int32)
+    x = rng.standard_normal((2, k_dim)).astype(np.float32)
+    pl = _plan(1, 4, 3, 2, 2, 8, k_dim * bits // 128)  # 3 x 3 units of 4 rows on 2 x 2 warps x 3 steps
+    args = (x, wq, sc, bi, ids, np.ones(1), 0.0)
+    got = run_text_on_cpu(tmp_path, 0, *args, gs=gs, bits=bits, pl=pl, warps=2, x_div=3).reshape(2, 3, rows)
+    for t in range(2):
+        for j in range(3):
+            w = wd[ids[t, j]]
+            err = np.abs(got[t, j] - w @ x[t].astype(np.float64))
+            assert np.all(err <= bound(w, x[t], sc[ids[t, j]], gs, bits, 8)), (t, j)
 
 
 @pytest.mark.parametrize("bits,gs", [(2, 64), (4, 32), (8, 64)])
@@ -178,56 +226,221 @@ def test_shared_text_swiglu_and_down_sum_on_cpu(bits, gs, tmp_path):
     x = rng.standard_normal((1, k_dim)).astype(np.float32) * 4.0
     lim = 0.6
     (tmp_path / "s").mkdir()
+    sw = 8 if bits == 8 else 4
+    pl = _plan(1, 4, 3, 2, 1, sw, k_dim * bits // 128, mode=1)  # 3 experts x 3 units of 2 on 2 x 2 warps x 3 steps
     got = run_text_on_cpu(
-        tmp_path / "s", 1, x, wq, sc, bi, ids, np.ones(1), lim, gs=gs, bits=bits, warps=2, rpw=4, x_div=3
+        tmp_path / "s", 1, x, wq, sc, bi, ids, np.ones(1), lim, gs=gs, bits=bits, pl=pl, warps=2, x_div=3
     ).reshape(3, inter)
     for j in range(3):
         gu = wd[ids[0, j]] @ x[0].astype(np.float64)
         g, u = np.minimum(gu[:inter], lim), np.clip(gu[inter:], -lim, lim)
         np.testing.assert_allclose(got[j], g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
-    # down: 2 tokens x 3 experts, per-pair vectors, weighted sum in the kernel
+    # down: 2 tokens x 3 experts, per-pair vectors, weighted sum in the kernel; the experts
+    # two at a time (split 2: 2 steps, the second with one expert)
     wq, sc, bi, wd = quantized(rng, e, 5, k_dim, gs, bits)
     ids = np.array([[3, 1, 0], [2, 2, 1]], np.int32)
     h = rng.standard_normal((6, k_dim)).astype(np.float32)
     wts = rng.random((2, 3)).astype(np.float32)
-    (tmp_path / "d").mkdir()
-    got = run_text_on_cpu(tmp_path / "d", 2, h, wq, sc, bi, ids, wts, 0.0, gs=gs, bits=bits, warps=2, rpw=2, ke=3)
-    for t in range(2):
-        want = sum(wts[t, j] * (wd[ids[t, j]] @ h[3 * t + j].astype(np.float64)) for j in range(3))
-        tol = sum(bound(wd[ids[t, j]], h[3 * t + j], sc[ids[t, j]], gs, bits) for j in range(3))
-        assert np.all(np.abs(got[t] - want) <= tol), t
+    for ks, rpw, maxit, nby in ((2, 2, 3, 1), (1, 4, 1, 2)):
+        d = tmp_path / f"d{ks}"
+        d.mkdir()
+        pl = _plan(ks, rpw, maxit, nby, 2, sw, k_dim * bits // 128, mode=2)
+        got = run_text_on_cpu(d, 2, h, wq, sc, bi, ids, wts, 0.0, gs=gs, bits=bits, pl=pl, warps=2, ke=3)
+        for t in range(2):
+            want = sum(wts[t, j] * (wd[ids[t, j]] @ h[3 * t + j].astype(np.float64)) for j in range(3))
+            tol = sum(bound(wd[ids[t, j]], h[3 * t + j], sc[ids[t, j]], gs, bits, sw) for j in range(3))
+            assert np.all(np.abs(got[t] - want) <= tol), (ks, t)
+
+
+@pytest.mark.parametrize(
+    "mode,n_rows,k_dim,bits,pairs,x_div,ke",
+    [(1, 4096, 4096, 2, 6, 6, 1), (2, 4096, 2048, 2, 1, 1, 6), (0, 512, 4096, 8, 1, 1, 1), (0, 4096, 8192, 8, 1, 1, 1)],
+    ids=["moe_gate_up", "moe_down", "dense_512x4096", "dense_4096x8192"],
+)
+def test_plans_cover_every_row(mode, n_rows, k_dim, bits, pairs, x_div, ke):
+    """The decode shapes' plans: every output row has a warp row and step, threadgroups about
+    two per SM, threadgroup memory within the CUDA face's limit."""
+    groups = pairs if mode == 2 else pairs // x_div
+    pl = aq.plan(mode, n_rows, k_dim, bits, groups, x_div=x_div, ke=ke)
+    opw = pl.rpw // 2 if mode == 1 else pl.rpw
+    units = (1 if mode == 2 else x_div) * -(-(n_rows // 2 if mode == 1 else n_rows) // opw)
+    assert pl.nby * (aq.WARPS // pl.ksplit) * pl.maxit >= units
+    assert pl.ksplit * pl.nit * 32 >= (k_dim * bits // 128 if mode != 2 else pl.nit * 32)
+    assert aq.BLOCKS // 2 <= pl.nby * pl.nz <= 2 * aq.BLOCKS
+    assert pl.shared_bytes(bits) <= aq.SHARED_BYTES["cuda"]
+    assert pl.maxit <= aq.MAXIT and pl.nit * pl.rpw <= aq.LPT
+
+
+def test_plan_on_the_cpu_emulation(tmp_path, monkeypatch):
+    """A plan chosen by aq.plan (grid shrunk to a few threadgroups of 2 warps, so it takes
+    several steps per warp) runs the gate_up mode right on the CPU."""
+    monkeypatch.setattr(aq, "WARPS", 2)
+    monkeypatch.setattr(aq, "BLOCKS", 2)
+    bits, gs, k_dim, inter, e = 2, 64, 2048, 24, 5
+    pl = aq.plan(1, 2 * inter, k_dim, bits, 1, x_div=4, x_dtype=mx.float32, face="cuda")
+    assert pl.maxit > 1 and pl.sw == 4
+    rng = np.random.default_rng(11)
+    wq, sc, bi, wd = quantized(rng, e, 2 * inter, k_dim, gs, bits)
+    ids = np.array([[4, 0, 2, 0]], np.int32)
+    x = rng.standard_normal((1, k_dim)).astype(np.float32)
+    got = run_text_on_cpu(tmp_path, 1, x, wq, sc, bi, ids, np.ones(1), 0.0, gs=gs, bits=bits, pl=pl, warps=2, x_div=4)
+    for j in range(4):
+        gu = wd[ids[0, j]] @ x[0].astype(np.float64)
+        want = gu[:inter] / (1 + np.exp(-gu[:inter])) * gu[inter:]
+        np.testing.assert_allclose(got[j], want, rtol=1e-4, atol=1e-5)
+
+
+def _emulated_kernel(tmp_path, launches):
+    """A stand-in for aq._kernel(): each launch runs the shared text through the g++
+    emulation with the template, grid and inputs the module passes (T / TS as float32)."""
+    from test_kernel_emulation import run_on_cpu
+
+    sec = dispatch.sections(aq.SOURCE)
+
+    def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        consts = {k: (np.float32 if k in ("T", "TS") else v) for k, v in template}
+        x, w, sc, bi, eids, wts, lim = inputs
+        xin = np.array(x.astype(mx.float32))  # bfloat16 values exactly
+        d = tmp_path / f"launch{len(launches)}"
+        d.mkdir()
+        launches.append(consts)
+        out = run_on_cpu(
+            d,
+            _CPU_EXTRA + sec["common"],
+            sec["qmv"],
+            inputs={
+                "x": xin,
+                "w": np.array(w).reshape(-1),
+                "scales": np.array(sc.astype(mx.float32)).reshape(-1),
+                "biases": np.array(bi.astype(mx.float32)).reshape(-1),
+                "eids": np.array(eids).reshape(-1),
+                "wts": np.array(wts).reshape(-1),
+                "lim": np.array(lim),
+            },
+            outputs={"y": (tuple(output_shapes[0]), np.float32)},
+            consts=consts,
+            groups=(grid[0] // threadgroup[0], grid[1], grid[2]),
+            threads=threadgroup[0],
+        )
+        return [mx.array(out["y"]).astype(output_dtypes[0])]
+
+    return lambda: launch
+
+
+def test_launch_wiring_on_the_cpu_emulation(tmp_path, monkeypatch):
+    """Every entry point through the module's own plan, template and grid, with the kernel
+    run by the g++ emulation (2 warps, a grid of a few threadgroups so warps take several
+    steps), against the reference face: dense with 3 x rows, gathered with shared and with
+    per-pair x, the fused gate_up + SwiGLU and down + weighted sum, bfloat16 x."""
+    launches = []
+    monkeypatch.setattr(aq, "WARPS", 2)
+    monkeypatch.setattr(aq, "BLOCKS", 3)
+    monkeypatch.setattr(aq, "_kernel", _emulated_kernel(tmp_path, launches))
+    rng = np.random.default_rng(5)
+    k_dim, rows, e, gs, bits = 1024, 20, 4, 64, 2
+    wq, sc, bi, _ = quantized(rng, e, rows, k_dim, gs, bits)
+    wq, sc, bi = mx.array(wq), mx.array(sc), mx.array(bi)
+    ids = mx.array([[3, 0, 1], [2, 2, 0]], dtype=mx.int32)
+    x = mx.array(rng.standard_normal((2, k_dim)).astype(np.float32))
+    h = mx.array(rng.standard_normal((2, 3, k_dim)).astype(np.float32))
+    wts = mx.array(rng.random((2, 3)).astype(np.float32))
+    kw = dict(group_size=gs, bits=bits)
+
+    def both(fn, *a, tol=1e-4, **k):
+        got = fn(*a, **kw, **k, backend="cuda")
+        # the reference on the same values in float32 (MLX's CPU quantized matmul sums
+        # bfloat16 in bfloat16: ~5 % off at K = 1024, far from the GPU's float32 sums)
+        f32 = [v.astype(mx.float32) if v.dtype == mx.bfloat16 else v for v in a]
+        want = fn(*f32, **kw, **k, backend="reference")
+        assert got.shape == want.shape and got.dtype == a[0].dtype
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want), rtol=tol, atol=tol)
+
+    both(aq.qmv, mx.concatenate([x, x[:1] * 2]), wq[1], sc[1], bi[1])
+    both(aq.gather_qmv, x, wq, sc, bi, ids)
+    both(aq.gather_qmv, h, wq, sc, bi, ids)
+    both(aq.gather_swiglu, x, wq, sc, bi, ids, limit=0.7)
+    both(aq.gather_down_sum, h, wq, sc, bi, ids, wts)
+    xb, hb = x.astype(mx.bfloat16), h.astype(mx.bfloat16)
+    sb, bb = sc.astype(mx.bfloat16), bi.astype(mx.bfloat16)
+    both(aq.gather_swiglu, xb, wq, sb, bb, ids, limit=0.7, tol=1e-2)
+    both(aq.gather_down_sum, hb, wq, sb, bb, ids, wts, tol=1e-2)
+    assert any(c["MAXIT"] > 1 for c in launches) and any(c["KSPLIT"] > 1 for c in launches)
+    assert [c["SW"] for c in launches[-2:]] == [8, 8]  # bfloat16 x: the 8-bit slabs
 
 
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc
 
 
+# the decode shapes of V4 Flash (issue #13): (mode, rows, K, bits, group, threadgroup z slices, x_div, ke)
+DECODE_SHAPES = {
+    "moe_gate_up_2bit": (1, 4096, 4096, 2, 64, 1, 6, 1),
+    "moe_down_sum_2bit": (2, 4096, 2048, 2, 64, 1, 1, 6),
+    "dense_1024x4096_8bit": (0, 1024, 4096, 8, 64, 1, 1, 1),
+    "dense_512x4096_8bit": (0, 512, 4096, 8, 64, 1, 1, 1),
+    "dense_2048x4096_8bit": (0, 2048, 4096, 8, 64, 1, 1, 1),
+    "dense_32768x1024_8bit": (0, 32768, 1024, 8, 64, 1, 1, 1),
+    "dense_4096x8192_8bit": (0, 4096, 8192, 8, 64, 1, 1, 1),
+    "grouped_8x1024x4096_8bit": (0, 1024, 4096, 8, 64, 8, 1, 1),
+    "gather_4bit_g32": (0, 1024, 7168, 4, 32, 1, 6, 1),
+}
+
+
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
-@pytest.mark.parametrize("bits,gs,mode", [(2, 64, 1), (4, 32, 0), (8, 128, 2)])
-def test_cuda_face_compiles_with_nvcc(dt, bits, gs, mode, tmp_path):
+@pytest.mark.parametrize("shape", sorted(DECODE_SHAPES))
+def test_cuda_face_compiles_with_nvcc(dt, shape, tmp_path):
+    """The CUDA translation unit MLX builds for each decode shape's plan compiles (sm_90,
+    warnings are errors)."""
     from test_kernel_emulation import mlx_cuda_source, nvcc_compile
 
+    mode, rows, k_dim, bits, gs, groups, x_div, ke = DECODE_SHAPES[shape]
+    x_dtype = mx.bfloat16 if dt == "bfloat16" else mx.float32
+    pl = aq.plan(mode, rows, k_dim, bits, groups, x_div=x_div, ke=ke, x_dtype=x_dtype)
+    tmpl = [
+        (k, dt if k in ("T", "TS") else v)
+        for k, v in aq.template(
+            mode,
+            pl,
+            x_dtype,
+            x_dtype,
+            n_rows=rows,
+            k_dim=k_dim,
+            group_size=gs,
+            bits=bits,
+            x_div=x_div,
+            ke=ke,
+            dense=shape.startswith("dense"),
+        )
+    ]
     header, body = aq.kernel_sources("cuda")
-    ksplit, _, _ = aq.launch_shape(4096, bits)
     src = mlx_cuda_source(
         "affine_qmv",
         header,
         body,
         {"x": dt, "w": "uint32", "scales": dt, "biases": dt, "eids": "int32", "wts": "float32", "lim": "float32"},
         {"y": dt},
-        [
-            ("T", dt),
-            ("TS", dt),
-            ("N_ROWS", 4096),
-            ("K_DIM", 4096),
-            ("BITS", bits),
-            ("GS", gs),
-            ("WARPS", aq.WARPS),
-            ("KSPLIT", ksplit),
-            ("RPW", aq.RPW),
-            ("X_DIV", 1),
-            ("MODE", mode),
-            ("KE", 6),
-        ],
+        tmpl,
+    )
+    nvcc_compile(tmp_path, src)
+
+
+def test_legacy_bench_kernel_compiles_with_nvcc(tmp_path):
+    """The bench's copy of the pre-v3 kernel (bench/qmv_legacy.py: the old column of
+    `bench.kernels --qmv`) still builds for the MoE gate_up shape."""
+    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+
+    from ds4mlx.bench import qmv_legacy
+
+    ksplit, _, _ = qmv_legacy.launch_shape(4096, 2)
+    header, body = qmv_legacy._kernel().source("cuda")
+    types = {"x": "bfloat16", "w": "uint32", "scales": "bfloat16", "biases": "bfloat16", "eids": "int32"}
+    src = mlx_cuda_source(
+        "legacy_qmv",
+        header,
+        body,
+        {**types, "wts": "float32", "lim": "float32"},
+        {"y": "bfloat16"},
+        [("T", "bfloat16"), ("TS", "bfloat16"), ("N_ROWS", 4096), ("K_DIM", 4096), ("BITS", 2), ("GS", 64)]
+        + [("WARPS", 8), ("KSPLIT", ksplit), ("RPW", 4), ("X_DIV", 6), ("MODE", 1), ("KE", 1)],
     )
     nvcc_compile(tmp_path, src)
 
@@ -420,22 +633,78 @@ def test_gpu_modules_kernels_on_equal_off(bits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rpw,kmax", [(2, 8), (8, 8), (4, 2)])
-def test_gpu_launch_variants_equal_reference(rpw, kmax, monkeypatch):
-    """The launch variants bench_kernels --qmv-sweep times compute the same."""
+@pytest.mark.parametrize("variant", sorted(QMV_PLAN_VARIANTS), ids=lambda v: v.replace(" ", "_").replace("/", "-"))
+def test_gpu_launch_variants_equal_reference(variant, monkeypatch):
+    """The plan variants bench_kernels --qmv-sweep times compute the same (the MoE modes and
+    a split-K dense call, bfloat16)."""
     face = _gpu_face()
-    monkeypatch.setattr(aq, "RPW", rpw)
-    monkeypatch.setattr(aq, "KSPLIT_MAX", kmax)
-    for bits in (2, 8):
-        wq, sc, bi = mx.quantize(mx.random.normal((3, 1024, 4096), key=mx.random.key(bits)) * 0.02, 64, bits)
-        sc, bi = sc.astype(mx.bfloat16), bi.astype(mx.bfloat16)
-        ids = mx.array([[2, 0, 1]], dtype=mx.int32)
-        x = mx.random.normal((1, 4096), key=mx.random.key(3)).astype(mx.bfloat16)
-        _close(
-            aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend=face),
-            aq.gather_qmv(x, wq, sc, bi, ids, group_size=64, bits=bits, backend="reference"),
-            mx.bfloat16,
-        )
+    for k, v in QMV_PLAN_VARIANTS[variant].items():
+        monkeypatch.setattr(aq, k, v)
+    for kind in ("moe_gate_up", "moe_down_sum", "dense_1024x4096"):
+        got, want = _decode_call(kind, face, mx.bfloat16, experts=8)
+        _close(got, want, mx.bfloat16)
+
+
+def _decode_call(kind, face, dt, experts=16):
+    """One of issue #13's decode-step calls (V4 Flash shapes; `experts` routed experts in the
+    bank) on `face` and on the reference face."""
+    key = mx.random.key(len(kind))
+    rows, k_dim, bits = DECODE_CALLS[kind]
+    e = experts if kind.startswith("moe") else (8 if kind.startswith("grouped") else 1)
+    wq, sc, bi = mx.quantize(mx.random.normal((e, rows, k_dim), key=key) * k_dim**-0.5, 64, bits)
+    sc, bi = sc.astype(dt), bi.astype(dt)
+    kw = dict(group_size=64, bits=bits)
+    ids = mx.array([[5, 0, experts - 1, 7, 2, 3]], dtype=mx.int32)
+    if kind == "moe_gate_up":
+        x = mx.random.normal((1, k_dim), key=key).astype(dt)
+        fn = lambda b: aq.gather_swiglu(x, wq, sc, bi, ids, limit=10.0, **kw, backend=b)  # noqa: E731
+    elif kind == "moe_down_sum":
+        h = mx.random.normal((1, 6, k_dim), key=key).astype(dt)
+        wts = mx.softmax(mx.random.normal((1, 6), key=key), axis=-1)
+        fn = lambda b: aq.gather_down_sum(h, wq, sc, bi, ids, wts, **kw, backend=b)  # noqa: E731
+    elif kind.startswith("grouped"):
+        x = mx.random.normal((1, 8, k_dim), key=key).astype(dt)
+        gids = mx.arange(8, dtype=mx.int32)[None]
+        fn = lambda b: aq.gather_qmv(x, wq, sc, bi, gids, **kw, backend=b)  # noqa: E731
+    else:
+        x = mx.random.normal((1, k_dim), key=key).astype(dt)
+        fn = lambda b: aq.qmv(x, wq[0], sc[0], bi[0], **kw, backend=b)  # noqa: E731
+    return fn(face), fn("reference")
+
+
+# (rows, K, bits) of the calls the brief measured in the compiled step (H200, 8 layers)
+DECODE_CALLS = {
+    "moe_gate_up": (4096, 4096, 2),  # 6 experts of [2 x 2048, 4096] + SwiGLU
+    "moe_down_sum": (4096, 2048, 2),  # 6 experts of [4096, 2048] + the weighted sum
+    "dense_1024x4096": (1024, 4096, 8),
+    "dense_512x4096": (512, 4096, 8),
+    "dense_2048x4096": (2048, 4096, 8),
+    "dense_32768x1024": (32768, 1024, 8),
+    "dense_4096x8192": (4096, 8192, 8),
+    "grouped_8x1024x4096": (1024, 4096, 8),  # wo_a: 8 groups, one x each
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(DECODE_CALLS))
+def test_gpu_decode_calls_equal_reference(kind):
+    """Each decode-step call of the brief, bfloat16 (the model's activations) on the GPU face
+    against MLX's own ops; float32 too for the MoE gate_up and one split-K dense call."""
+    face = _gpu_face()
+    got, want = _decode_call(kind, face, mx.bfloat16)
+    assert got.shape == want.shape and got.dtype == mx.bfloat16
+    _close(got, want, mx.bfloat16)
+    if kind in ("moe_gate_up", "dense_512x4096"):
+        _close(*_decode_call(kind, face, mx.float32), mx.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_self_tests_pass():
+    """The first-use self-tests the models run (affine_qmv and affine_qmv.moe are in
+    dispatch.UNVERIFIED_KERNELS until these GPU tests pass) accept the GPU face."""
+    face = _gpu_face()
+    assert aq._self_test(face)
+    assert aq._moe_self_test(face)
 
 
 # ------------------------------------------------------------------ kernels not yet GPU-verified: self-tested on CUDA too
@@ -462,17 +731,23 @@ def _garbage_kernel(calls):
     return fake_kernel
 
 
-def test_unverified_moe_modes_self_test_on_cuda(fake_cuda):
+def test_unverified_qmv_self_tests_on_cuda(fake_cuda):
+    """The kernel text (plain and MoE modes) has not run its GPU tests yet: both self-test on
+    CUDA at first use, and a failure sends the callers to their own (MLX) paths."""
     calls = []
     fake_cuda.setattr(aq, "_kernel", _garbage_kernel(calls))
     glu = _switch_glu()
     x = mx.random.normal((1, 1, 256), key=mx.random.key(4))
     idx = mx.array([[[0, 3, 5]]], dtype=mx.int32)
     w = mx.softmax(mx.random.normal((1, 1, 3), key=mx.random.key(5)), axis=-1)
-    assert "affine_qmv.moe" in dispatch.UNVERIFIED_KERNELS
+    assert {"affine_qmv", "affine_qmv.moe"} <= dispatch.UNVERIFIED_KERNELS
+    assert aq.kernel_face(256, 64, 2) is None  # the plain self-test failed
+    assert dispatch._self_tests[("affine_qmv", "cuda")] is False
+    assert glu.fused_weighted(x, idx, w) is None
+    # the plain mode passed (as it will once its GPU tests have run): the MoE modes still self-test
+    fake_cuda.setattr(dispatch, "_self_tests", {("affine_qmv", "cuda"): True})
     assert glu.fused_weighted(x, idx, w) is None  # the MoE self-test failed: the caller's own path
     assert dispatch._self_tests[("affine_qmv.moe", "cuda")] is False
-    assert ("affine_qmv", "cuda") not in dispatch._self_tests  # the plain mode ran its GPU tests: not self-tested
 
 
 def test_unverified_hc_split_self_test_on_cuda(fake_cuda):
@@ -495,8 +770,8 @@ def test_metal_and_cuda_share_one_text():
     sec = dispatch.sections(aq.SOURCE)
     mh, mb = aq.kernel_sources("metal")
     ch, cb = aq.kernel_sources("cuda")
-    assert mh.endswith(sec["common"]) and ch.endswith(sec["common"])
-    assert mb.endswith(sec["qmv"]) and cb.endswith(sec["qmv"])
+    assert mh.endswith(aq.compact(sec["common"])) and ch.endswith(aq.compact(sec["common"]))
+    assert mb.endswith(aq.compact(sec["qmv"])) and cb.endswith(aq.compact(sec["qmv"]))
     assert "thread_position_in_threadgroup" in mb and "threadIdx" in cb
     for word in ("device ", "threadgroup ", "simd_sum", "as_type", "metal::"):
         assert word not in ch + cb, word

@@ -2,6 +2,7 @@
 
     python -m ds4mlx.bench.kernels [--layers 8] [--ctx 2560] [--gen 16] [--no-model]
                                            [--qmoe] [--expert-format mlx|gguf]
+                                           [--qmv [--qmv-decode-only]] [--qmv-sweep] [--json FILE]
 
 Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, indexer
 64 heads x 128, index_topk 512, window 128):
@@ -28,7 +29,13 @@ Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, ind
   prefill and decode tokens/s with the kernels on and with ``DS4MLX_KERNELS=reference``;
   ``--expert-format gguf`` gives it ds4's IQ2_XXS / Q2_K expert blocks.
 
-* with ``--qmv``: a dependent chain of mat-vecs (each call's output is the next
+* with ``--qmv``: first issue #13's decode-step calls (the MoE gate_up + SwiGLU and
+  down + sum, the 8-bit dense projections, wo_a's grouped call), the kernel before the
+  v3 rewrite (bench/qmv_legacy.py) beside today's: kernel GPU µs and GB/s (CUPTI
+  through torch.profiler when torch is installed), the dependent chain's wall µs per
+  call, one call's latency, the error against MLX; ``--qmv-decode-only`` stops there,
+  ``--qmv-sweep`` times `affine_qmv.plan`'s knob variants on those calls.  Then
+  a dependent chain of mat-vecs (each call's output is the next
   call's input, weights rotated through a set larger than L2): GB/s for MLX affine
   2 / 4 / 8-bit, ours (`affine_qmv`) vs ``mx.quantized_matmul``, at 4096x4096 and
   8192x8192, 32 experts of 4096x4096 in one launch, the V4 Flash routed-MoE call
@@ -543,39 +550,239 @@ def bench_qmv(calls: int = 64, face: str | None = None, out: list | None = None)
     return out
 
 
-def bench_qmv_sweep(face: str | None = None, variants=((2, 8), (4, 8), (8, 8), (4, 2))):
-    """The 32-expert call of `bench_qmv` for launch variants (RPW, KSPLIT_MAX) of affine_qmv."""
-    import numpy as np
+# affine_qmv.plan knob settings the sweep times against the default (tests/test_affine_qmv.py
+# checks each computes the same on the GPU)
+QMV_PLAN_VARIANTS = {
+    "LPT 2": {"LPT": 2},  # half the loads per lane and step: more threadgroups
+    "LPT 8 RPW 8/4/4": {"LPT": 8, "RPW": {2: 8, 4: 4, 8: 4}},  # twice the rows per step (~150 registers)
+    "3 TG/SM": {"BLOCKS": 3 * 132},  # grids for three resident threadgroups per SM
+    "RPW 2/2/1": {"RPW": {2: 2, 4: 2, 8: 1}},  # fewer rows, more chunks per lane (fewer warps along K)
+    "4 warps": {"WARPS": 4, "BLOCKS": 4 * 132},  # 128-thread threadgroups
+}
 
+
+def bench_qmv_sweep(face: str | None = None, calls: int = 32, out: list | None = None):
+    """The decode shapes' kernel GPU time (CUPTI; chain wall time without torch) for launch
+    variants of `affine_qmv.plan`'s knobs, default first: which one to make the default."""
     from ds4mlx.kernels import affine_qmv as aq
 
     face = face or dispatch.gpu_backend()
-    saved = aq.RPW, aq.KSPLIT_MAX
-    rng = np.random.default_rng(1)
-    ids = [mx.array(rng.permutation(64)[:32].astype(np.int32))[None] for _ in range(8)]
-    x0 = mx.random.normal((1, 4096)).astype(mx.bfloat16)
-    mx.eval(ids, x0)
-    print("affine_qmv launch variants, 32 experts of 4096x4096 per call (RPW, KSPLIT_MAX):")
+    out = [] if out is None else out
+    knobs = ("WARPS", "BLOCKS", "LPT", "RPW")
+    saved = {k: getattr(aq, k) for k in knobs}
+    variants = (("default", {}),) + tuple(QMV_PLAN_VARIANTS.items())
+    print(f"affine_qmv plan variants ({'GPU' if _cupti() else 'chain wall'} µs per call, GB/s):")
     try:
-        for bits in (2, 4, 8):
-            wq, sc, bi = _affine_bank(64, 4096, 4096, bits)
-            one = 32 * (wq[0].nbytes + sc[0].nbytes + bi[0].nbytes)
+        for name, kind, rows, k_dim, bits, _ in QMV_DECODE_SHAPES:
+            if kind == "grouped" or (kind == "dense" and rows not in (1024, 32768)):
+                continue  # the other shapes' plans are these with a different size
+            case = _decode_case(kind, rows, k_dim, bits, face)
             cells = []
-            for rpw, kmax in variants:
-                aq.RPW, aq.KSPLIT_MAX = rpw, kmax
-
-                def ours(i, x):
-                    return aq.gather_qmv(
-                        x0 if x is None else x, wq, sc, bi, ids[i % 8], group_size=64, bits=bits, backend=face
-                    )[0, :1]
-
-                t = _chain(ours, 16)
-                cells.append(f"({rpw},{kmax}) {t:6.1f} µs {one / (t * 1e-6) / 1e9:6.0f} GB/s")
-            print(f"  {bits}-bit: " + " | ".join(cells), flush=True)
-            wq = sc = bi = None
+            for vname, setting in variants:
+                for k in knobs:
+                    setattr(aq, k, saved[k])
+                for k, v in setting.items():
+                    setattr(aq, k, v)
+                us = _measure(case, "new", calls)
+                t = us["gpu"] if us["gpu"] is not None else us["chain"]
+                cells.append(f"{vname} {t:6.1f} µs {case['bytes'] / (t * 1e-6) / 1e9:5.0f}")
+                out.append({"what": name, "variant": vname, **us, "bytes": case["bytes"]})
+            print(f"  {name}:\n    " + " | ".join(cells), flush=True)
+            case = None
             mx.clear_cache()
     finally:
-        aq.RPW, aq.KSPLIT_MAX = saved
+        for k in knobs:
+            setattr(aq, k, saved[k])
+    return out
+
+
+# --------------------------------------------------------------------------- decode shapes: old vs new kernel
+
+# issue #13's decode-step calls (V4 Flash, bfloat16 activations): name, kind, rows, K, bits, and
+# the old kernel's GPU µs per call measured in the compiled 8-layer step on the H200 (the brief's
+# figures; the [1024, 4096] one averages 22 calls per 8 layers that include the grouped wo_a)
+QMV_DECODE_SHAPES = (
+    ("MoE gate_up+SwiGLU 6x[4096,4096] 2-bit", "swiglu", 4096, 4096, 2, 39.0),
+    ("MoE down+sum 6x[4096,2048] 2-bit", "down", 4096, 2048, 2, 20.0),
+    ("dense [1024,4096] 8-bit", "dense", 1024, 4096, 8, 14.0),
+    ("dense [512,4096] 8-bit", "dense", 512, 4096, 8, 12.0),
+    ("dense [2048,4096] 8-bit", "dense", 2048, 4096, 8, 11.6),
+    ("dense [32768,1024] 8-bit", "dense", 32768, 1024, 8, 21.5),
+    ("dense [4096,8192] 8-bit", "dense", 4096, 8192, 8, 21.5),
+    ("grouped 8x[1024,4096] 8-bit (wo_a)", "grouped", 1024, 4096, 8, None),
+)
+KERNEL_NAMES = {"old": "legacy_qmv", "new": "affine_qmv"}  # substrings of the CUDA kernels' names
+
+
+def _impl(which: str, face: str) -> dict:
+    """The four entry points of the old (bench/qmv_legacy.py) or new (kernels/affine_qmv.py)
+    kernel, face fixed."""
+    from functools import partial
+
+    from ds4mlx.bench import qmv_legacy
+    from ds4mlx.kernels import affine_qmv
+
+    if which == "old":
+        m, kw = qmv_legacy, {"face": face}
+    else:
+        m, kw = affine_qmv, {"backend": face}
+    return {f: partial(getattr(m, f), **kw) for f in ("qmv", "gather_qmv", "gather_swiglu", "gather_down_sum")}
+
+
+def _decode_case(kind: str, rows: int, k_dim: int, bits: int, face: str, gs: int = 64) -> dict:
+    """Weights rotated through more than L2 (MoE: 256 experts, 6 fresh random ones a call),
+    bf16 x / scales / biases; `call(impl, i, x)` one call, `link(y)` the next call's x
+    (a view, or a tile copy where the output is shorter than K)."""
+    import numpy as np
+
+    rng = np.random.default_rng(rows + k_dim + bits)
+    ids = [mx.array(rng.permutation(256)[:6].astype(np.int32))[None] for _ in range(64)]
+    if kind in ("swiglu", "down"):
+        wq, sc, bi = _affine_bank(256, rows, k_dim, bits, gs)
+        nbytes = 6 * (wq[0].nbytes + sc[0].nbytes + bi[0].nbytes)
+        wts = [mx.softmax(mx.random.normal((1, 6)), axis=-1) for _ in range(64)]
+        if kind == "swiglu":
+            x0 = mx.random.normal((1, k_dim)).astype(mx.bfloat16)
+
+            def call(f, i, x):
+                return f["gather_swiglu"](x, wq, sc, bi, ids[i % 64], limit=10.0, group_size=gs, bits=bits)
+
+            def link(y):
+                return y.reshape(1, -1)[:, :k_dim]
+        else:
+            x0 = mx.random.normal((1, 6, k_dim)).astype(mx.bfloat16)
+
+            def call(f, i, x):
+                return f["gather_down_sum"](x, wq, sc, bi, ids[i % 64], wts[i % 64], group_size=gs, bits=bits)
+
+            def link(y):
+                return mx.tile(y[:, :k_dim], (1, 6)).reshape(1, 6, k_dim)
+    else:
+        groups = 8 if kind == "grouped" else 1
+        one = groups * (rows * k_dim * bits // 8 + 2 * 2 * rows * k_dim // gs)
+        n = max(2, -(-3 * L2_BYTES // one))
+        wq, sc, bi = _affine_bank(n * groups, rows, k_dim, bits, gs)
+        nbytes = one
+        if kind == "grouped":
+            x0 = mx.random.normal((1, groups, k_dim)).astype(mx.bfloat16)
+            gids = [mx.arange(groups * j, groups * (j + 1), dtype=mx.int32)[None] for j in range(n)]
+
+            def call(f, i, x):
+                return f["gather_qmv"](x, wq, sc, bi, gids[i % n], group_size=gs, bits=bits)
+
+            def link(y):
+                return mx.tile(y, (1, 1, k_dim // rows)) if rows < k_dim else y[..., :k_dim]
+        else:
+            x0 = mx.random.normal((1, k_dim)).astype(mx.bfloat16)
+
+            def call(f, i, x):
+                j = i % n
+                return f["qmv"](x, wq[j], sc[j], bi[j], group_size=gs, bits=bits)
+
+            def link(y):
+                return y[:, :k_dim] if rows >= k_dim else mx.tile(y, (1, k_dim // rows))
+
+    mx.eval(x0, ids)
+    ref = _impl("new", "reference")
+    return {"bytes": nbytes, "x0": x0, "call": call, "link": link, "face": face, "want": call(ref, 0, x0)}
+
+
+def _cupti():
+    """(profile, ProfilerActivity) from torch.profiler when torch is installed: CUPTI records
+    every kernel of the process, MLX's too (tools/gpu_time_probe.py)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile, supported_activities
+    except Exception:
+        return None
+    return (profile, ProfilerActivity) if ProfilerActivity.CUDA in supported_activities() else None
+
+
+def _gpu_us(run, match: str) -> float | None:
+    """Mean GPU µs of the kernels whose name contains `match` while run() executes."""
+    tools = _cupti()
+    if tools is None:
+        return None
+    profile, activity = tools
+    with profile(activities=[activity.CUDA]) as prof:
+        run()
+    times, names = [], set()
+    for ev in prof.events():
+        dt = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if ev.device_type.name != "CUDA" or dt <= 0:
+            continue
+        names.add(ev.name[:60])
+        if match in ev.name:
+            times.append(dt)
+    if not times:
+        print(f"    (no kernel named *{match}* in the profile; seen: {sorted(names)[:8]})", flush=True)
+        return None
+    return sum(times) / len(times)
+
+
+def _measure(case: dict, which: str, calls: int = 64, singles: int = 20) -> dict:
+    """µs per call: kernel GPU time (CUPTI), dependent chain wall time (`calls` per eval, the
+    link op included), single-call latency (build, launch, wait); the result's relative
+    error against the reference face."""
+    import numpy as np
+
+    f = _impl(which, case["face"])
+    call, link, x0 = case["call"], case["link"], case["x0"]
+
+    def step(i, x):
+        return call(f, i, x0 if x is None else link(x))
+
+    chain = _chain(step, calls)
+
+    def run_chain():
+        x = None
+        for i in range(calls):
+            x = step(i, x)
+        mx.eval(x)
+        mx.synchronize()
+
+    gpu = _gpu_us(run_chain, KERNEL_NAMES[which])
+    times = []
+    for i in range(singles + 2):
+        t0 = time.perf_counter()
+        mx.eval(call(f, i, x0))
+        times.append((time.perf_counter() - t0) * 1e6)
+    single = sorted(times[2:])[len(times[2:]) // 2]
+    got, want = (np.array(a.astype(mx.float32)) for a in (call(f, 0, x0), case["want"]))
+    err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    return {"gpu": gpu, "chain": chain, "single": single, "err": err}
+
+
+def bench_qmv_decode(calls: int = 64, face: str | None = None, out: list | None = None):
+    """Issue #13's decode-step mat-vecs, the old kernel (bench/qmv_legacy.py) beside the new
+    (kernels/affine_qmv.py): kernel GPU µs and GB/s (weights + scales + biases read per
+    call), the dependent chain's wall µs per call and one call's latency."""
+    face = face or dispatch.gpu_backend()
+    out = [] if out is None else out
+    gpu = "kernel GPU µs (CUPTI)" if _cupti() else "(no torch: no kernel GPU time)"
+    print(
+        f"decode-step mat-vecs, old vs new affine_qmv: {gpu} = GB/s | chain of {calls} wall µs/call |"
+        " one call µs | rel. error vs MLX (brief: old kernel in the compiled step)"
+    )
+    for name, kind, rows, k_dim, bits, step_us in QMV_DECODE_SHAPES:
+        case = _decode_case(kind, rows, k_dim, bits, face)
+        r = {w: _measure(case, w, calls) for w in ("old", "new")}
+
+        def cell(m):
+            g = "    n/a" if m["gpu"] is None else f"{m['gpu']:7.2f} = {case['bytes'] / (m['gpu'] * 1e-6) / 1e9:6.0f}"
+            return f"{g} | {m['chain']:6.1f} | {m['single']:6.1f} | {m['err']:.1e}"
+
+        speed = (
+            "" if r["old"]["gpu"] is None or r["new"]["gpu"] is None else f"  x{r['old']['gpu'] / r['new']['gpu']:.2f}"
+        )
+        brief = "" if step_us is None else f"  (brief {step_us:g} µs)"
+        print(
+            f"  {name:36s} {case['bytes'] / 1e6:6.2f} MB  old {cell(r['old'])}  new {cell(r['new'])}{speed}{brief}",
+            flush=True,
+        )
+        out.append({"what": name, "bytes": case["bytes"], "old": r["old"], "new": r["new"], "brief_us": step_us})
+        case = None
+        mx.clear_cache()
+    return out
 
 
 def bench_moe_call(
@@ -811,10 +1018,20 @@ def main(argv=None) -> int:
     p.add_argument(
         "--qmv",
         action="store_true",
-        help="the dependent-chain mat-vec GB/s table (affine 2/4/8, the MoE call, GGUF types)",
+        help="the decode shapes old vs new affine_qmv (GPU time, chain, one call), then the dependent-chain"
+        " mat-vec GB/s table (affine 2/4/8, the MoE call, GGUF types)",
     )
     p.add_argument("--json", help="write the --qmv rows to this file")
-    p.add_argument("--qmv-sweep", action="store_true", help="affine_qmv launch variants (RPW, KSPLIT_MAX)")
+    p.add_argument(
+        "--qmv-sweep",
+        action="store_true",
+        help="affine_qmv plan variants (LPT, RPW, BLOCKS, WARPS) on the decode shapes",
+    )
+    p.add_argument(
+        "--qmv-decode-only",
+        action="store_true",
+        help="with --qmv: only the decode shapes' old-vs-new table (not the square chains, MoE call, GGUF types)",
+    )
     p.add_argument(
         "--expert-format",
         choices=["mlx", "gguf"],
@@ -833,16 +1050,19 @@ def main(argv=None) -> int:
     if a.attn:
         bench_decode_attention(a.iters)
         return 0
-    if a.qmv_sweep:
-        bench_qmv_sweep()
+    rows = []
     if a.qmv:
-        rows = bench_qmv()
+        rows += bench_qmv_decode()
+    if a.qmv_sweep:
+        rows += bench_qmv_sweep()
+    if a.qmv and not a.qmv_decode_only:
+        rows += bench_qmv()
         bench_moe_call(out=rows)
-        if a.json:
-            import json
+    if rows and a.json:
+        import json
 
-            with open(a.json, "w") as f:
-                json.dump(rows, f, indent=1)
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
     if a.qmoe:
         bench_qmoe(a.iters)
     if not a.no_micro:

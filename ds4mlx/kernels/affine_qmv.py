@@ -2,10 +2,12 @@
 
 MLX's own quantized mat-vec takes the same time at 2, 4 and 8 bits on an H200
 (~34 µs at 4096², 157-499 GB/s: issue #13), so fewer bits bought nothing at decode.
-This kernel reads each weight row in 16-byte loads, keeps x in shared memory
-(staged once per threadgroup, prescaled so that a level becomes a float with one
-bitwise operation, see metal/affine_qmv.metal), accumulates in float32 and
-reduces with warp sums.
+This kernel reads each weight row in 16-byte loads, keeps x in threadgroup memory
+(staged once per threadgroup with its 16-value sums, prescaled so that a level
+becomes a float with one bitwise operation: see metal/affine_qmv.metal),
+accumulates in float32 and reduces with warp sums.  `plan` sizes each launch
+(split K over up to 8 warps where rows are few, several prefetched steps per warp
+where they are many, about two threadgroups per SM).
 
 Public API (each falls back to MLX's own op on the reference face, for shapes the
 kernel does not take, and for more rows than decode has)
@@ -23,12 +25,52 @@ kernel does not take, and for more rows than decode has)
 Faces (`ds4mlx.kernels.dispatch`): reference = ``mx.quantized_matmul`` /
 ``mx.gather_qmm`` (+ the SwiGLU / weighted sum as MLX ops); Metal and CUDA from the
 one text in metal/affine_qmv.metal.  Precision: float32 accumulation; the level
-trick adds at most about 2^-16 * max|x| per segment sum (stated in the .metal file),
-far below a bfloat16 activation's rounding.
+trick's rounding is stated in the .metal file: with float32 x about 4x a plain
+float32 dot product's at 2 bits, with 16-bit x (8-bit slabs) ~2^-15 of the result,
+far below the output's own rounding.
+
+Why v3 (H200 figures of the brief: the old kernel in the compiled 8-layer step)
+---------------------------------------------------------------------------------
+The old kernel's 2-bit inner loop was ~5.6 instructions per weight value and row
+(nvcc's SASS): the level's mask and its or with 1.0f were two LOP3s (two immediates),
+every lane re-summed x and x' over its values for each threadgroup of 4 rows, and a
+shift served only 2 levels.  v3: `one` comes from memory so mask-and-or is one LOP3,
+16-bit x takes 8-bit slabs (a shift per 4 levels), the sums of x are formed once at
+staging: ~2.5 instructions per value and row in the inner loop (~3.2 with the step's
+loads, swap and warp sums), 95 registers, no spills.  A warp's next step is loaded
+while it computes (the old kernel's threadgroups loaded, then computed, once), and
+the first loads no longer wait for a global expert-id load (ids staged once; dense
+calls read none).
+
+Predicted H200 kernel time per call (not measured: `python -m ds4mlx.bench.kernels
+--qmv --qmv-decode-only` prints old vs new; assumptions: 4.3 TB/s of HBM, ~2.5 µs
+of fixed cost per launch for ramp, first DRAM latency, staging and epilogue, 132
+SMs x 4 schedulers at ~1.9 GHz issuing at 70-80 %):
+
+| call (bfloat16 x) | bytes | brief, old | predicted | bound by |
+|---|---:|---:|---:|---|
+| MoE gate_up + SwiGLU, 6 x [4096, 4096] 2-bit | 31.5 MB | 39 µs | 12-15 µs (2.1-2.6 TB/s) | instruction issue (~10 µs at 100 %) over HBM (7.3 µs) |
+| MoE down + sum, 6 x [4096, 2048] 2-bit | 15.7 MB | 20 µs | 7-9 µs (1.8-2.2 TB/s) | issue, plus 3 x-restagings (2 experts a step) |
+| dense [1024, 4096] 8-bit | 4.5 MB | 14 µs * | 3-4 µs (1.1-1.5 TB/s) | fixed cost: the whole matrix is in flight at once |
+| dense [512, 4096] 8-bit | 2.2 MB | 12 µs | 2.5-3.5 µs (0.6-0.9 TB/s) | fixed cost |
+| dense [2048, 4096] 8-bit | 8.9 MB | 11.6 µs | 4-5 µs (1.8-2.2 TB/s) | fixed cost + HBM |
+| dense [32768, 1024], [4096, 8192] 8-bit | 35.7 MB | 21.5 µs | 10-12 µs (3.0-3.6 TB/s) | HBM |
+| grouped 8 x [1024, 4096] 8-bit (wo_a) | 35.7 MB | in * | 10-12 µs | HBM |
+
+(*) the brief's [1024, 4096] figure averages 22 calls per 8 layers: q_a (8), the CSA
+compressors' kv and gate (6) and wo_a's grouped call (8 x 32 MB): the small calls alone
+probably took ~10 µs.  The 2.5 TB/s target is within reach for the 32 MB calls and the
+MoE gate_up; the 2-8 MB dense calls are latency-bound whatever the kernel (one 4 MB
+read is ~1 µs of HBM time): fusing the projections that share an x (q_a, kv, the
+compressors, the indexer's) into one launch is what moves them.  If the 2-bit MoE
+stays issue-bound, the next step is the tensor cores (levels unpacked two per LOP3
+into bf16 pairs, x split into bf16 hi + lo rows of an m16n8k16 MMA, float32
+accumulation): about 1.2 instructions per value instead of 2.5.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import mlx.core as mx
@@ -40,15 +82,27 @@ SOURCE = METAL_DIR / "affine_qmv.metal"
 BITS = (2, 4, 8)
 GROUP_SIZES = (32, 64, 128)
 WARPS = 8  # SIMD groups per threadgroup
-RPW = 4  # weight rows per warp (MODE 1: 2 gate + 2 up rows)
-KSPLIT_MAX = 8  # at most this many warps share a row set along K
+SMS = 132  # the H200's SMs: grids are sized for BLOCKS threadgroups (two per SM, ~100 registers a thread)
+BLOCKS = 2 * SMS
+LPT = 4  # 16-byte weight loads per lane and step (two steps in flight: 128 bytes a lane)
+RPW = {2: 4, 4: 4, 8: 2}  # rows per warp and step by bit width: x read once from threadgroup memory for RPW rows
+MAXIT = 16  # at most this many steps per warp (the epilogue's partial sums: MAXIT * WARPS * RPW floats)
 MAX_ROWS = 8  # dense: x rows (tokens) up to this many use the kernel, more use mx.quantized_matmul
 MAX_PAIRS = 64  # gathered: (token, expert) pairs up to this many use the kernel
 SHARED_BYTES = {"metal": 32768, "cuda": 49152}
 
 
+def compact(text: str) -> str:
+    """Kernel text without comments, indentation or blank lines: MLX hashes a custom kernel's
+    whole source on every launch (~0.15 µs per KB on the H200), the .metal file keeps them."""
+    lines = (line.split("//", 1)[0].strip() for line in text.splitlines())
+    return "".join(line + "\n" for line in lines if line)
+
+
+@cache
 def kernel_sources(face: str) -> tuple[str, str]:
-    return shared_sources(SOURCE, face, "qmv")
+    header, body = shared_sources(SOURCE, face, "qmv")
+    return compact(header), compact(body)
 
 
 @cache
@@ -62,17 +116,81 @@ def _kernel() -> Kernel:
     )
 
 
-def launch_shape(k_dim: int, bits: int) -> tuple[int, int, int]:
-    """(KSPLIT, NIT, staged float4s) for a row of k_dim values: enough warps along K
-    that a warp row covers the row in about one step of 16-byte loads."""
-    vpl = 128 // bits
-    chunks = k_dim // vpl
-    ksplit = 1
-    while ksplit < min(WARPS, KSPLIT_MAX) and 32 * ksplit < chunks:
-        ksplit *= 2
-    lanes = 32 * ksplit
-    nit = -(-chunks // lanes)
-    return ksplit, nit, nit * (vpl // 4) * lanes
+@dataclass(frozen=True)
+class Plan:
+    """One launch's geometry (metal/affine_qmv.metal "Geometry"): KSPLIT warps share a
+    row set along K (MODE 2: take KSPLIT experts at a time), each lane NIT chunks of
+    RPW rows per step, MAXIT steps per warp, NBY x NZ threadgroups; SW the level slab
+    width (8, or 4 for 2- / 4-bit levels with float32 x: the precise one)."""
+
+    ksplit: int
+    nit: int
+    rpw: int
+    maxit: int
+    nby: int
+    nz: int
+    sw: int
+
+    def shared_bytes(self, bits: int, warps: int = WARPS) -> int:
+        """x' (16 bytes per 4 values), its 16-value sums (8 bytes), the partial sums, the ids."""
+        vpl = 128 // bits
+        return self.ksplit * self.nit * vpl * (128 + 16) + self.maxit * warps * self.rpw * 4 + 2 * 4 * MAX_PAIRS
+
+
+def _pow2_floor(v: float) -> int:
+    p = 1
+    while 2 * p <= v:
+        p *= 2
+    return p
+
+
+def plan(
+    mode: int,
+    n_rows: int,
+    k_dim: int,
+    bits: int,
+    groups: int,
+    *,
+    x_div: int = 1,
+    ke: int = 1,
+    x_dtype=mx.bfloat16,
+    face: str = "cuda",
+) -> Plan:
+    """The geometry for `groups` threadgroup z slices (MODE 0 / 1: x rows, each shared by
+    x_div matrices of n_rows rows; MODE 2: tokens, each summing ke experts).  Enough
+    16-byte loads per lane that about BLOCKS threadgroups read the whole call (up to
+    LPT per step); then as many rows per warp as RPW allows (x reuse), as few warps
+    along K as cover a row in those loads, and steps per warp for what is left."""
+    chunks = k_dim * bits // 128
+    rows_read = n_rows * groups * (ke if mode == 2 else x_div)
+    want = max(1, min(LPT, _pow2_floor(rows_read * chunks / (BLOCKS * 32 * WARPS) * 1.5)))
+    limit = SHARED_BYTES.get(face, 32768)
+    if mode == 2:
+        ks = min(2, _pow2_floor(ke), WARPS)  # experts split K: 2 at a time
+        nit = -(-chunks // 32)
+        rpw = max(1, min(RPW[bits], _pow2_floor(want / nit)))
+    else:
+        rpw = min(RPW[bits], want)
+        if mode == 1:
+            rpw = max(2, rpw)  # a gate row and its up row
+        nit_want = max(1, want // rpw)
+        ks = 1
+        while ks < WARPS and -(-chunks // (32 * ks)) > nit_want:
+            ks *= 2
+        nit = -(-chunks // (32 * ks))
+    opw = rpw // 2 if mode == 1 else rpw
+    units = (1 if mode == 2 else x_div) * -(-(n_rows // 2 if mode == 1 else n_rows) // opw)
+    while True:
+        wrows = WARPS // ks
+        maxit = max(1, min(MAXIT, -(-groups * units // (wrows * BLOCKS))))
+        nby = -(-units // (wrows * maxit))
+        maxit = -(-units // (wrows * nby))
+        sw = 8 if bits == 8 or x_dtype.size == 2 else 4
+        p = Plan(ks, nit, rpw, maxit, nby, groups, sw)
+        if p.shared_bytes(bits) <= limit or ks == 1:
+            return p
+        ks //= 2  # x too large for threadgroup memory split this way: fewer slots
+        nit = -(-chunks // (32 * ks)) if mode != 2 else nit
 
 
 def supported(k_dim: int, group_size: int, bits: int, face: str = "cuda") -> bool:
@@ -80,13 +198,23 @@ def supported(k_dim: int, group_size: int, bits: int, face: str = "cuda") -> boo
         return False
     if k_dim % group_size or (k_dim * bits) % 128:
         return False
-    _, _, nx4 = launch_shape(k_dim, bits)
-    return nx4 * 16 + WARPS * RPW * 4 <= SHARED_BYTES.get(face, 32768)
+    chunks = k_dim * bits // 128
+    one_slot = Plan(1, -(-chunks // 32), max(RPW.values()), MAXIT, 1, 1, 8)
+    return one_slot.shared_bytes(bits) <= SHARED_BYTES.get(face, 32768)
 
 
 @cache
 def _const(kind: str, n: int = 1) -> mx.array:
     a = mx.zeros((n,), mx.int32) if kind == "ids" else mx.ones((n,), mx.float32)
+    mx.eval(a)
+    return a
+
+
+@cache
+def _lim(limit: float) -> mx.array:
+    """lim[0] the SwiGLU clamp (0: none), lim[1] = 1.0 (the level trick's bits, read from
+    memory so the compiler keeps them in a register)."""
+    a = mx.array([limit, 1.0], dtype=mx.float32)
     mx.eval(a)
     return a
 
@@ -114,30 +242,50 @@ def kernel_face(k_dim: int, group_size: int, bits: int, moe: bool = False) -> st
     return face if face != "reference" and supported(k_dim, group_size, bits, face) else None
 
 
+def template(mode, pl: Plan, x_dtype, s_dtype, *, n_rows, k_dim, group_size, bits, x_div=1, ke=1, dense=False) -> list:
+    return [
+        ("T", x_dtype),
+        ("TS", s_dtype),
+        ("N_ROWS", n_rows),
+        ("K_DIM", k_dim),
+        ("BITS", bits),
+        ("GS", group_size),
+        ("WARPS", WARPS),
+        ("KSPLIT", pl.ksplit),
+        ("RPW", pl.rpw),
+        ("MAXIT", pl.maxit),
+        ("NBY", pl.nby),
+        ("X_DIV", x_div),
+        ("MODE", mode),
+        ("KE", ke),
+        ("SW", pl.sw),
+        ("DENSE", int(dense)),
+    ]
+
+
 def _launch(face, mode, x2, w, scales, biases, eids, wts, lim, *, p, n_rows, k_dim, group_size, bits, x_div=1, ke=1):
-    ksplit, _, _ = launch_shape(k_dim, bits)
-    wrows = WARPS // ksplit
+    """p pairs (MODE 2: tokens, ke experts each); pairs x_div at a time share an x row; a 2-D
+    w is one dense matrix (no expert ids read)."""
+    groups = p if mode == 2 else p // x_div
+    pl = plan(mode, n_rows, k_dim, bits, groups, x_div=x_div, ke=ke, x_dtype=x2.dtype, face=face)
     out_rows = n_rows // 2 if mode == 1 else n_rows
-    opw = RPW // 2 if mode == 1 else RPW
-    blocks = -(-out_rows // (wrows * opw))
     return _kernel()(
         face,
         inputs=[x2, w, scales, biases, eids, wts, lim],
-        template=[
-            ("T", x2.dtype),
-            ("TS", scales.dtype),
-            ("N_ROWS", n_rows),
-            ("K_DIM", k_dim),
-            ("BITS", bits),
-            ("GS", group_size),
-            ("WARPS", WARPS),
-            ("KSPLIT", ksplit),
-            ("RPW", RPW),
-            ("X_DIV", x_div),
-            ("MODE", mode),
-            ("KE", ke),
-        ],
-        grid=(32 * WARPS, blocks, p),
+        template=template(
+            mode,
+            pl,
+            x2.dtype,
+            scales.dtype,
+            n_rows=n_rows,
+            k_dim=k_dim,
+            group_size=group_size,
+            bits=bits,
+            x_div=x_div,
+            ke=ke,
+            dense=w.ndim == 2,
+        ),
+        grid=(32 * WARPS, pl.nby, pl.nz),
         threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(p, out_rows)],
         output_dtypes=[x2.dtype],
@@ -177,7 +325,7 @@ def qmv(
         biases,
         _const("ids", rows),
         _const("wts"),
-        _const("wts"),
+        _lim(0.0),
         p=rows,
         n_rows=n_rows,
         k_dim=k_dim,
@@ -237,7 +385,7 @@ def gather_qmv(
         biases,
         expert_ids.reshape(-1).astype(mx.int32),
         _const("wts"),
-        _const("wts"),
+        _lim(0.0),
         p=n * k,
         n_rows=w.shape[1],
         k_dim=k_dim,
@@ -246,10 +394,6 @@ def gather_qmv(
         x_div=x_div,
     )
     return y.reshape(n, k, w.shape[1])
-
-
-def _limit(limit) -> mx.array:
-    return mx.array([float(limit) if limit else 0.0], dtype=mx.float32)
 
 
 def gather_swiglu(
@@ -283,7 +427,7 @@ def gather_swiglu(
         biases,
         expert_ids.reshape(-1).astype(mx.int32),
         _const("wts"),
-        _limit(limit),
+        _lim(float(limit) if limit else 0.0),
         p=n * k,
         n_rows=two_i,
         k_dim=k_dim,
@@ -324,7 +468,7 @@ def gather_down_sum(
         biases,
         expert_ids.reshape(-1).astype(mx.int32),
         weights.reshape(-1).astype(mx.float32),
-        _const("wts"),
+        _lim(0.0),
         p=n,
         n_rows=w.shape[1],
         k_dim=k_dim,
@@ -338,48 +482,64 @@ def gather_down_sum(
 # --------------------------------------------------------------------------- first-use self-test
 
 
-def _inputs(bits, gs, key):
-    k_dim, rows, e = 512, 6, 3
+def _inputs(bits, gs, key, k_dim=512, dtype=mx.float32):
+    rows, e = 6, 3
     wq, sc, bi = mx.quantize(mx.random.normal((e, rows, k_dim), key=key) * 0.05, gs, bits)
     ids = mx.array([[0, 2], [1, 1]], dtype=mx.int32)
-    x = mx.random.normal((2, k_dim), key=key)
-    h = mx.random.normal((2, 2, k_dim), key=key)
-    return wq, sc, bi, ids, x, h
+    x = mx.random.normal((2, k_dim), key=key).astype(dtype)
+    h = mx.random.normal((2, 2, k_dim), key=key).astype(dtype)
+    return wq, sc.astype(dtype), bi.astype(dtype), ids, x, h
+
+
+def _close(got, want, dtype) -> bool:
+    """float32: summation order; 16-bit: an output rounding apart (results near 1)."""
+    tol = 1e-3 if dtype == mx.float32 else 2e-2
+    return close_enough(got, want, rtol=tol, atol=tol / 10 if dtype == mx.float32 else tol)
+
+
+# (bits, group size, K, dtype): bfloat16 runs the decode path (8-bit slabs, 16-byte x loads);
+# 4096 8-bit values split K over all 8 warps
+_SELF_TEST_CASES = ((2, 32, 512, mx.bfloat16), (4, 64, 512, mx.float32), (8, 128, 4096, mx.bfloat16))
 
 
 def _self_test(face: str) -> bool:
     """The plain mode (dense and gathered) at 2, 4 and 8 bits on tiny shapes (odd row
-    counts, two steps along K) against the reference face."""
+    counts, lanes past the row's end, split K) against the reference face."""
     key = mx.random.key(7)
     ok = True
-    for bits, gs in ((2, 32), (4, 64), (8, 128)):
-        wq, sc, bi, ids, x, h = _inputs(bits, gs, key)
+    for bits, gs, k_dim, dt in _SELF_TEST_CASES:
+        wq, sc, bi, ids, x, h = _inputs(bits, gs, key, k_dim, dt)
         d = (wq[0], sc[0], bi[0])
-        ok = ok and close_enough(
+        ok = ok and _close(
             qmv(x[:1], *d, group_size=gs, bits=bits, backend=face),
             qmv(x[:1], *d, group_size=gs, bits=bits, backend="reference"),
+            dt,
         )
         for xx in (x, h):
-            ok = ok and close_enough(
+            ok = ok and _close(
                 gather_qmv(xx, wq, sc, bi, ids, group_size=gs, bits=bits, backend=face),
                 gather_qmv(xx, wq, sc, bi, ids, group_size=gs, bits=bits, backend="reference"),
+                dt,
             )
     return ok
 
 
 def _moe_self_test(face: str) -> bool:
-    """The fused MoE modes at 2 and 4 bits (the expert formats) against the reference."""
+    """The fused MoE modes at 2 bits (bfloat16, the decode path) and 4 bits (float32)
+    against the reference."""
     key = mx.random.key(8)
     ok = True
     wts = mx.array([[0.25, 0.75], [0.5, 0.5]])
-    for bits, gs in ((2, 64), (4, 32)):
-        wq, sc, bi, ids, x, h = _inputs(bits, gs, key)
-        ok = ok and close_enough(
+    for bits, gs, dt in ((2, 64, mx.bfloat16), (4, 32, mx.float32)):
+        wq, sc, bi, ids, x, h = _inputs(bits, gs, key, 512, dt)
+        ok = ok and _close(
             gather_swiglu(x, wq, sc, bi, ids, limit=1.0, group_size=gs, bits=bits, backend=face),
             gather_swiglu(x, wq, sc, bi, ids, limit=1.0, group_size=gs, bits=bits, backend="reference"),
+            dt,
         )
-        ok = ok and close_enough(
+        ok = ok and _close(
             gather_down_sum(h, wq, sc, bi, ids, wts, group_size=gs, bits=bits, backend=face),
             gather_down_sum(h, wq, sc, bi, ids, wts, group_size=gs, bits=bits, backend="reference"),
+            dt,
         )
     return ok

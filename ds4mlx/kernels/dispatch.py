@@ -36,6 +36,7 @@ UNVERIFIED_FACES = ("metal",)
 # kernels (auto_face names) whose every GPU face is self-tested at first use: their CUDA
 # face has passed the g++ emulation and nvcc but not yet its `pytest -m gpu` run
 UNVERIFIED_KERNELS = {
+    "affine_qmv",  # the rewritten mat-vec (plain mode too)
     "affine_qmv.moe",
     "hyper_connection.split",
     "hyper_connection.post_pre",

@@ -11,37 +11,48 @@
 //
 // Inputs: x [NX, K_DIM] T, w [E, N_ROWS, K_DIM*BITS/32] uint32, scales / biases
 // [E, N_ROWS, K_DIM/GS] TS, eids [P] int32 (the expert of each pair; a dense
-// matrix is E = 1 with eids all 0), wts [P] float32 (MODE 2), lim [1] float32
-// (MODE 1: the SwiGLU clamp, <= 0 for none).
-// MODE 0: y [P, N_ROWS]; pair p = tgz multiplies x row p / X_DIV by W[eids[p]].
+// matrix is E = 1, DENSE = 1, and eids is not read), wts [P] float32 (MODE 2), lim [2] float32
+// (lim[0]: MODE 1's SwiGLU clamp, <= 0 for none; lim[1] = 1.0, see "levels").
+// MODE 0: y [P, N_ROWS]; pair p multiplies x row p / X_DIV by W[eids[p]].
 // MODE 1: W holds [gate; up] (N_ROWS = 2I rows); y [P, I] = silu(min(g, lim)) *
 //         clip(u, -lim, lim) of the two halves (the routed experts' gate_up).
 // MODE 2: y [NT, N_ROWS] = sum_j wts[t*KE+j] * W[eids[t*KE+j]] . x[t*KE+j]
-//         (the routed experts' down projection and their weighted sum; tgz = t).
+//         (the routed experts' down projection and their weighted sum).
 //
-// Layout (grid (32*WARPS, ceil(OUT_ROWS / (WROWS*OPW)), P or NT) threads,
-// threadgroup (32*WARPS, 1, 1)):
-//   * a "chunk" is 16 bytes of a weight row (4 words, VPL = 128/BITS values);
-//     KSPLIT warps share the rows of a warp row, thread kl = (warp % KSPLIT)*32
-//     + lane reads chunks kl, kl + 32*KSPLIT, ... of each of its RPW rows: one
-//     16-byte load per row per step, coalesced across the warp;
-//   * x is staged once per threadgroup in shared memory as float32, transposed
-//     so that a thread's chunk values are one conflict-free float4 access per 4
-//     values, and prescaled (below);
-//   * a level becomes a float with no conversion instruction: the SW-bit slab
-//     that holds it (SW = 4, or 8 at 8 bits) is shifted to bits 23-SW..22 (one
-//     shift per slab, shared by its SW/BITS levels), and OR-ing the level's bits
-//     (at p = 23 - SW + o, o its offset in the slab) into 1.0f gives
-//     1 + q*2^(o-SW).  With x' = x*2^(SW-o) staged, t = (1 + q*2^(o-SW)) * x'
-//     = x' + q*x, so over a segment (the values of one chunk in one group)
-//     sum q*x = sum t - sum x', and the row gets scale * (sum t - sum x') +
-//     bias * sum x.  The sums of x' and x of a segment are formed once per
-//     thread for all its rows.  Error: the float32 sum of t runs over terms up to
-//     2^SW |x| (2^SW >= 2^BITS, the size of q*x), so a segment's sum q*x carries
-//     about (SEG + 8) * 2^-23 * 2^SW * sum|x| of rounding: at 4 and 8 bits the
-//     order of a plain float32 dot product's, at 2 bits 4x that;
-//   * per-thread partial sums are reduced by a warp sum, then across the KSPLIT
-//     warps through shared memory.
+// Geometry (grid (32*WARPS, NBY, NZ) threads, threadgroup (32*WARPS, 1, 1);
+// affine_qmv.py `plan` picks the numbers per shape):
+//   * a "chunk" is 16 bytes of a weight row (4 words, VPL = 128/BITS values).  A
+//     warp reads RPW rows, lane l chunks l, l + LANES_X, ...  (NIT of them): one
+//     16-byte load per row and chunk, 512 contiguous bytes per warp and load;
+//   * MODE 0 / 1: threadgroup z = one x row (the X_DIV = NPAIR pairs that share it:
+//     the k experts of a token's gate_up, or one dense matrix).  KSPLIT warps
+//     share a row set along K (a "warp row"); a "unit" is (pair, RPW rows);
+//     warp row g of NBY*WROWS takes units g, g + NBY*WROWS, ... (MAXIT steps), so
+//     few rows still fill the GPU (KSPLIT up to 8, NBY threadgroups) and many
+//     rows do not re-stage x (one staging per threadgroup);
+//   * MODE 2: threadgroup z = one token; its KSPLIT warps of a warp row take KSPLIT
+//     of its KE experts at a time (the experts split K), JSTEPS = KE/KSPLIT steps,
+//     re-staging the KSPLIT x vectors between steps;
+//   * each warp loads step s+1's weights, scales and biases while it computes step
+//     s (two register sets): loads stay in flight through the compute;
+//   * x is staged in threadgroup memory as float32 once per x vector, transposed
+//     (xs[slot][it][q][lane]: a lane's float4s are one conflict-free access), and
+//     prescaled (below), with the sums of x' and x over every 16 values (ps);
+//   * per-row partial sums go through a warp sum to `red`; the epilogue adds the
+//     KSPLIT warps of a warp row (and MODE 2's experts) and writes y.
+//
+// Levels (no conversion instruction): the SW-bit slab that holds a level (SW = 8,
+// or 4 for 2- / 4-bit levels with float32 x) is shifted to bits 23-SW..22 (one
+// shift per slab, shared by its SW/BITS levels), and OR-ing the level's bits (at
+// p = 23 - SW + o, o its offset in the slab) into 1.0f (`one`, read from lim[1] so
+// the mask-and-or is one LOP3 on CUDA) gives 1 + q*2^(o-SW).  With x' =
+// x*2^(SW-o) staged, t = (1 + q*2^(o-SW)) * x' = x' + q*x, so over a segment (the
+// values of one chunk in one group) sum q*x = sum t - sum x', and the row gets
+// scale * (sum t - sum x') + bias * sum x.  Error: the float32 sum of t runs over
+// terms up to 2^SW |x|, so a segment's sum q*x carries about (SEG + 8) * 2^-23 *
+// 2^SW * sum|x| of rounding: at SW = 4 (float32 x) 4x a plain float32 dot product's
+// at 2 bits; at SW = 8 with 2-bit levels (bfloat16 / float16 x) ~2^-15 of the
+// result, far below the 2^-9 rounding of a 16-bit output.
 
 // @@ common
 DS4_FN float ds4_silu(float v) {
@@ -56,175 +67,286 @@ constexpr int GPR = K_DIM / GS;                   // groups per row
 constexpr int SEG = VPL < GS ? VPL : GS;          // values of one segment (chunk within one group)
 constexpr int NSEG = VPL / SEG;                   // segments per chunk
 constexpr int WPS = 4 / NSEG;                     // words per segment
+constexpr int SUBS = VPL / 16;                    // 16-value staging items per chunk
+constexpr int SPS = SEG / 16;                     // staging items per segment
 constexpr int VPW = 32 / BITS;                    // values per word
-constexpr int SW = BITS == 8 ? 8 : 4;             // slab width: levels moved together below bit 23
+static_assert(SW == 4 || SW == 8, "a slab is 4 or 8 bits");
+static_assert(SW % BITS == 0, "a slab holds whole levels");
 constexpr int LPS = SW / BITS;                    // levels per slab
 constexpr int SPW = 32 / SW;                      // slabs per word
-constexpr int LANES = 32 * KSPLIT;                // threads along K
-constexpr int NIT = (CHUNKS + LANES - 1) / LANES; // steps along K
+constexpr int THREADS = 32 * WARPS;
 constexpr int WROWS = WARPS / KSPLIT;             // warp rows per threadgroup
-constexpr int OPW = MODE == 1 ? RPW / 2 : RPW;    // output rows per warp row
+constexpr int LANES_X = MODE == 2 ? 32 : 32 * KSPLIT;   // lanes along one x vector
+constexpr int NIT = (CHUNKS + LANES_X - 1) / LANES_X;   // chunks per lane and row
+constexpr int OPW = MODE == 1 ? RPW / 2 : RPW;    // output rows per unit
 constexpr int OUT_ROWS = MODE == 1 ? N_ROWS / 2 : N_ROWS;
-constexpr int NX4 = NIT * (VPL / 4) * LANES;      // staged float4s
-constexpr int NJ = MODE == 2 ? KE : 1;            // x vectors (experts) per threadgroup
+constexpr int TILES = (OUT_ROWS + OPW - 1) / OPW; // units of one matrix
+constexpr int NPAIR = MODE == 2 ? 1 : X_DIV;      // matrices sharing a block's x
+constexpr int UNITS = NPAIR * TILES;              // units per grid z slice
+constexpr int JSTEPS = MODE == 2 ? (KE + KSPLIT - 1) / KSPLIT : 1;
+constexpr int NSTEP = JSTEPS * MAXIT;
+constexpr int NXV = MODE == 2 ? KSPLIT : 1;       // x vectors staged together
+constexpr int ITEMS = NXV * CHUNKS * SUBS;        // 16-value staging items
+constexpr int XSLOT = NIT * (VPL / 4) * 32;       // float4s per slot
+constexpr int PSLOT = NIT * SUBS * 32;            // float2s per slot
 constexpr uint32_t LMASK = (1u << BITS) - 1u;
-DS4_SHARED float4 xs[NX4];
-DS4_SHARED float red[WARPS * RPW];
+constexpr uint32_t GW = uint32_t(NBY * WROWS);    // warp rows per grid z slice
+constexpr int NIDS = MODE == 2 ? KE : NPAIR;      // expert ids of one grid z slice
+static_assert(!DENSE || MODE == 0, "a dense matrix is the plain mode");
+DS4_SHARED float4 xs[KSPLIT * XSLOT];
+DS4_SHARED float2 ps[KSPLIT * PSLOT];
+DS4_SHARED float red[MAXIT * WARPS * RPW];
+DS4_SHARED int sid[NIDS];
+DS4_SHARED float swt[MODE == 2 ? KE : 1];
 
-const uint32_t kl = (warp % uint32_t(KSPLIT)) * 32u + lane;
-const uint32_t wrow = warp / uint32_t(KSPLIT);
-const uint32_t orow0 = (tgy * uint32_t(WROWS) + wrow) * uint32_t(OPW);
-const uint32_t nthreads = uint32_t(WARPS) * 32u;
+const uint32_t ks = warp % uint32_t(KSPLIT);
+const uint32_t wr = warp / uint32_t(KSPLIT);
+const uint32_t g0 = tgy * uint32_t(WROWS) + wr;
+const uint32_t one = ds4_float_bits(lim[1]);
 
-float acc[RPW];
-uint32_t prow[RPW];
-#pragma unroll
-for (int i = 0; i < RPW; ++i) {
-    acc[i] = 0.0f;
-    uint32_t o = orow0 + uint32_t(MODE == 1 ? (i % OPW) : i);
-    o = o < uint32_t(OUT_ROWS) ? o : uint32_t(OUT_ROWS - 1);   // rows past the end: read a real row, write nothing
-    prow[i] = (MODE == 1 && i >= OPW) ? o + uint32_t(OUT_ROWS) : o;
-}
+uint32_t wv[NIT][RPW][4];   // the step being computed
+float sv[NIT][RPW][NSEG];
+float bv[NIT][RPW][NSEG];
+uint32_t wn[NIT][RPW][4];   // the next step, in flight (scales and biases as loaded: a
+TS sn[NIT][RPW][NSEG];      // conversion here would wait for the loads)
+TS bn[NIT][RPW][NSEG];
 
-for (int j = 0; j < NJ; ++j) {
-    const uint32_t pj = MODE == 2 ? tgz * uint32_t(KE) + uint32_t(j) : tgz;
-    const uint32_t xrow = MODE == 2 ? pj : pj / uint32_t(X_DIV);
-    const uint32_t e = uint32_t(eids[pj]);
-    const float wj = MODE == 2 ? wts[pj] : 1.0f;
-    const DS4_DEV T* xp = x + uint64_t(xrow) * uint64_t(K_DIM);
-    // this thread's weights, scales and biases first: their loads are in flight
-    // while the block stages x
-    const uint64_t ebase = uint64_t(e) * uint64_t(N_ROWS);
-    uint32_t wv[NIT][RPW][4];
-    float sc[NIT][RPW][NSEG];
-    float bi[NIT][RPW][NSEG];
-    #pragma unroll
-    for (int it = 0; it < NIT; ++it) {
-        const uint32_t c = uint32_t(it) * uint32_t(LANES) + kl;
-        const uint32_t cc = c < uint32_t(CHUNKS) ? c : uint32_t(CHUNKS - 1);   // past the row: a real chunk, unused
-        #pragma unroll
-        for (int i = 0; i < RPW; ++i) {
-            const uint64_t r = ebase + uint64_t(prow[i]);
-            const uint4 v = ((const DS4_DEV uint4*)(w + r * uint64_t(WPR)))[cc];
-            wv[it][i][0] = v.x;
-            wv[it][i][1] = v.y;
-            wv[it][i][2] = v.z;
-            wv[it][i][3] = v.w;
-            #pragma unroll
-            for (int s = 0; s < NSEG; ++s) {
-                const uint64_t g = r * uint64_t(GPR) + uint64_t((cc * uint32_t(VPL) + uint32_t(s * SEG)) / uint32_t(GS));
-                sc[it][i][s] = static_cast<float>(scales[g]);
-                bi[it][i][s] = static_cast<float>(biases[g]);
-            }
+// the slice's expert ids (and MODE 2's weights) once: a step's loads then wait for no other
+// load (DENSE: one matrix, no ids: the first weight loads wait for nothing)
+if (!DENSE) {
+    for (uint32_t i = tid; i < uint32_t(NIDS); i += uint32_t(THREADS)) {
+        sid[i] = eids[tgz * uint32_t(NIDS) + i];
+        if (MODE == 2) {
+            swt[i] = wts[tgz * uint32_t(NIDS) + i];
         }
-    }
-    if (j > 0) {
-        ds4_tg_barrier();   // every thread is done with the previous expert's x
-    }
-    // stage x' = x * 2^(SW - o), transposed: values 4q..4q+3 of chunk c at
-    // xs[((c / LANES) * (VPL/4) + q) * LANES + c % LANES]
-    for (uint32_t i = tid; i < uint32_t(K_DIM / 4); i += nthreads) {
-        const uint32_t k0 = 4u * i;
-        const uint32_t c = k0 / uint32_t(VPL);
-        const uint32_t q = (k0 % uint32_t(VPL)) / 4u;
-        const uint32_t at = ((c / uint32_t(LANES)) * uint32_t(VPL / 4) + q) * uint32_t(LANES) + c % uint32_t(LANES);
-        // value k0 + a is level (a % LPS) of its slab (k0 is a multiple of 4, LPS divides 4)
-        xs[at].x = static_cast<float>(xp[k0 + 0u]) * float(1 << (SW - (0 % LPS) * BITS));
-        xs[at].y = static_cast<float>(xp[k0 + 1u]) * float(1 << (SW - (1 % LPS) * BITS));
-        xs[at].z = static_cast<float>(xp[k0 + 2u]) * float(1 << (SW - (2 % LPS) * BITS));
-        xs[at].w = static_cast<float>(xp[k0 + 3u]) * float(1 << (SW - (3 % LPS) * BITS));
     }
     ds4_tg_barrier();
+}
 
-    #pragma unroll
-    for (int it = 0; it < NIT; ++it) {
-        const uint32_t c = uint32_t(it) * uint32_t(LANES) + kl;
-        if (c >= uint32_t(CHUNKS)) {
-            break;
+#pragma unroll 1
+for (int s = -1; s < NSTEP; ++s) {
+    // step s: unit, expert, validity (uniform across the warp)
+    const uint32_t s0 = s < 0 ? 0u : uint32_t(s);
+    const uint32_t it = s0 % uint32_t(MAXIT);
+    const uint32_t js = s0 / uint32_t(MAXIT);
+    const uint32_t u = it * GW + g0;
+    const uint32_t j = MODE == 2 ? js * uint32_t(KSPLIT) + ks : 0u;
+    const bool valid = s >= 0 && u < uint32_t(UNITS) && (MODE != 2 || j < uint32_t(KE));
+    if (s >= 0) {
+        if (it == 0u && (MODE == 2 || js == 0u)) {
+            if (s > 0) {
+                ds4_tg_barrier();   // every warp is done with the previous x
+            }
+            // stage x' = x * 2^(SW - o) transposed, and the sums of x' and x per 16 values
+            #pragma unroll
+            for (int r = 0; r < (ITEMS + THREADS - 1) / THREADS; ++r) {
+                const uint32_t n = uint32_t(r * THREADS) + tid;
+                const uint32_t xv = n / uint32_t(CHUNKS * SUBS);
+                const uint32_t rem = n % uint32_t(CHUNKS * SUBS);
+                const uint32_t c = rem % uint32_t(CHUNKS);
+                const uint32_t sub = rem / uint32_t(CHUNKS);
+                const uint32_t jx = js * uint32_t(KSPLIT) + xv;
+                if (n < uint32_t(ITEMS) && (MODE != 2 || jx < uint32_t(KE))) {
+                    const uint32_t slot = MODE == 2 ? xv : (c % uint32_t(LANES_X)) / 32u;
+                    const uint32_t at = ((slot * uint32_t(NIT) + c / uint32_t(LANES_X)) * uint32_t(VPL / 4) + sub * 4u) * 32u + c % 32u;
+                    const uint32_t pat = ((slot * uint32_t(NIT) + c / uint32_t(LANES_X)) * uint32_t(SUBS) + sub) * 32u + c % 32u;
+                    const uint64_t x0 = uint64_t(MODE == 2 ? tgz * uint32_t(KE) + jx : tgz) * uint64_t(K_DIM)
+                        + uint64_t(c * uint32_t(VPL) + sub * 16u);
+                    // one value at a time: a row-contiguous x may still start anywhere (an MLX view)
+                    float v[16];
+                    #pragma unroll
+                    for (int a = 0; a < 16; ++a) {
+                        v[a] = static_cast<float>(x[x0 + uint64_t(a)]);
+                    }
+                    float sxp = 0.0f;
+                    float sx = 0.0f;
+                    #pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        // value a = 4q + e is level (a % LPS) of its slab (items start on a word, LPS divides a word)
+                        float4 t;
+                        t.x = v[4 * q + 0] * float(1 << (SW - ((4 * q + 0) % LPS) * BITS));
+                        t.y = v[4 * q + 1] * float(1 << (SW - ((4 * q + 1) % LPS) * BITS));
+                        t.z = v[4 * q + 2] * float(1 << (SW - ((4 * q + 2) % LPS) * BITS));
+                        t.w = v[4 * q + 3] * float(1 << (SW - ((4 * q + 3) % LPS) * BITS));
+                        xs[at + uint32_t(q) * 32u] = t;
+                        sxp += (t.x + t.y) + (t.z + t.w);
+                        sx += (v[4 * q + 0] + v[4 * q + 1]) + (v[4 * q + 2] + v[4 * q + 3]);
+                    }
+                    float2 pp;
+                    pp.x = sxp;
+                    pp.y = sx;
+                    ps[pat] = pp;
+                }
+            }
+            ds4_tg_barrier();
         }
-        const uint32_t xbase = uint32_t(it) * uint32_t(VPL / 4) * uint32_t(LANES) + kl;
+        // the next step's registers become the current ones
         #pragma unroll
-        for (int s = 0; s < NSEG; ++s) {
-            float tsum[RPW];
+        for (int a = 0; a < NIT; ++a) {
             #pragma unroll
             for (int i = 0; i < RPW; ++i) {
-                tsum[i] = 0.0f;
+                #pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    wv[a][i][q] = wn[a][i][q];
+                }
+                #pragma unroll
+                for (int g = 0; g < NSEG; ++g) {
+                    sv[a][i][g] = static_cast<float>(sn[a][i][g]);
+                    bv[a][i][g] = static_cast<float>(bn[a][i][g]);
+                }
             }
-            float sxp = 0.0f;   // sum of x' over the segment
-            float sx = 0.0f;    // sum of x
+        }
+    }
+    // issue step s+1's loads: in flight while step s computes
+    if (s + 1 < NSTEP) {
+        const uint32_t it1 = uint32_t(s + 1) % uint32_t(MAXIT);
+        const uint32_t js1 = uint32_t(s + 1) / uint32_t(MAXIT);
+        const uint32_t u1 = it1 * GW + g0;
+        const uint32_t j1 = MODE == 2 ? js1 * uint32_t(KSPLIT) + ks : 0u;
+        if (u1 < uint32_t(UNITS) && (MODE != 2 || j1 < uint32_t(KE))) {
+            const uint32_t tile = MODE == 2 ? u1 : u1 % uint32_t(TILES);
+            const uint32_t e1 = DENSE ? 0u : uint32_t(sid[MODE == 2 ? j1 : u1 / uint32_t(TILES)]);
+            const uint64_t ebase = uint64_t(e1) * uint64_t(N_ROWS);
             #pragma unroll
-            for (int ww = 0; ww < WPS; ++ww) {
-                const int wi = s * WPS + ww;      // word of the chunk
-                float xv[VPW];
-                #pragma unroll
-                for (int q = 0; q < VPW / 4; ++q) {
-                    const float4 a = xs[xbase + uint32_t(wi * (VPW / 4) + q) * uint32_t(LANES)];
-                    xv[4 * q + 0] = a.x;
-                    xv[4 * q + 1] = a.y;
-                    xv[4 * q + 2] = a.z;
-                    xv[4 * q + 3] = a.w;
-                }
-                #pragma unroll
-                for (int v = 0; v < VPW; ++v) {
-                    sxp += xv[v];
-                    sx += xv[v] * (1.0f / float(1 << (SW - (v % LPS) * BITS)));
-                }
+            for (int a = 0; a < NIT; ++a) {
+                const uint32_t c = MODE == 2 ? uint32_t(a) * 32u + lane : uint32_t(a * LANES_X) + ks * 32u + lane;
+                const uint32_t cc = c < uint32_t(CHUNKS) ? c : uint32_t(CHUNKS - 1);   // past the row: a real chunk, unused
                 #pragma unroll
                 for (int i = 0; i < RPW; ++i) {
-                    const uint32_t word = wv[it][i][wi];
+                    uint32_t o = tile * uint32_t(OPW) + uint32_t(MODE == 1 ? (i % OPW) : i);
+                    o = o < uint32_t(OUT_ROWS) ? o : uint32_t(OUT_ROWS - 1);   // rows past the end: read a real row, write nothing
+                    const uint64_t r = ebase + uint64_t((MODE == 1 && i >= OPW) ? o + uint32_t(OUT_ROWS) : o);
+                    const uint4 ld = ((const DS4_DEV uint4*)(w + r * uint64_t(WPR)))[cc];
+                    wn[a][i][0] = ld.x;
+                    wn[a][i][1] = ld.y;
+                    wn[a][i][2] = ld.z;
+                    wn[a][i][3] = ld.w;
                     #pragma unroll
-                    for (int b = 0; b < SPW; ++b) {
-                        // slab b (bits b*SW .. b*SW+SW-1) to bits 23-SW .. 22
-                        const int sh = (23 - SW) - b * SW;
-                        const uint32_t slab = sh >= 0 ? (word << uint32_t(sh)) : (word >> uint32_t(-sh));
-                        #pragma unroll
-                        for (int f = 0; f < LPS; ++f) {
-                            const uint32_t bits = 0x3F800000u | (slab & (LMASK << uint32_t(23 - SW + f * BITS)));
-                            tsum[i] += ds4_as_float(bits) * xv[b * LPS + f];
-                        }
+                    for (int g = 0; g < NSEG; ++g) {
+                        const uint64_t gi = r * uint64_t(GPR) + uint64_t((cc * uint32_t(VPL) + uint32_t(g * SEG)) / uint32_t(GS));
+                        sn[a][i][g] = scales[gi];
+                        bn[a][i][g] = biases[gi];
                     }
                 }
             }
+        }
+    }
+    if (!valid) {
+        continue;
+    }
+    float acc[RPW];
+    #pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+        acc[i] = 0.0f;
+    }
+    #pragma unroll
+    for (int a = 0; a < NIT; ++a) {
+        const uint32_t c = MODE == 2 ? uint32_t(a) * 32u + lane : uint32_t(a * LANES_X) + ks * 32u + lane;
+        if (c < uint32_t(CHUNKS)) {
+            const uint32_t xb = (ks * uint32_t(NIT) + uint32_t(a)) * uint32_t(VPL / 4) * 32u + lane;
+            const uint32_t pb = (ks * uint32_t(NIT) + uint32_t(a)) * uint32_t(SUBS) * 32u + lane;
             #pragma unroll
-            for (int i = 0; i < RPW; ++i) {
-                acc[i] += wj * (sc[it][i][s] * (tsum[i] - sxp) + bi[it][i][s] * sx);
+            for (int g = 0; g < NSEG; ++g) {
+                float sxp = 0.0f;   // sum of x' over the segment
+                float sx = 0.0f;    // sum of x
+                #pragma unroll
+                for (int m = 0; m < SPS; ++m) {
+                    const float2 pp = ps[pb + uint32_t(g * SPS + m) * 32u];
+                    sxp += pp.x;
+                    sx += pp.y;
+                }
+                float t0[RPW];   // two chains per row (even / odd slabs)
+                float t1[RPW];
+                #pragma unroll
+                for (int i = 0; i < RPW; ++i) {
+                    t0[i] = 0.0f;
+                    t1[i] = 0.0f;
+                }
+                #pragma unroll
+                for (int ww = 0; ww < WPS; ++ww) {
+                    const int wi = g * WPS + ww;   // word of the chunk
+                    float xq[VPW];
+                    #pragma unroll
+                    for (int q = 0; q < VPW / 4; ++q) {
+                        const float4 f4 = xs[xb + uint32_t(wi * (VPW / 4) + q) * 32u];
+                        xq[4 * q + 0] = f4.x;
+                        xq[4 * q + 1] = f4.y;
+                        xq[4 * q + 2] = f4.z;
+                        xq[4 * q + 3] = f4.w;
+                    }
+                    #pragma unroll
+                    for (int i = 0; i < RPW; ++i) {
+                        const uint32_t word = wv[a][i][wi];
+                        #pragma unroll
+                        for (int b = 0; b < SPW; ++b) {
+                            // slab b (bits b*SW .. b*SW+SW-1) to bits 23-SW .. 22
+                            const int sh = (23 - SW) - b * SW;
+                            const uint32_t slab = sh >= 0 ? (word << uint32_t(sh)) : (word >> uint32_t(-sh));
+                            #pragma unroll
+                            for (int f = 0; f < LPS; ++f) {
+                                const float lv = ds4_as_float((slab & (LMASK << uint32_t(23 - SW + f * BITS))) | one);
+                                if (b % 2 == 0) {
+                                    t0[i] += lv * xq[b * LPS + f];
+                                } else {
+                                    t1[i] += lv * xq[b * LPS + f];
+                                }
+                            }
+                        }
+                    }
+                }
+                #pragma unroll
+                for (int i = 0; i < RPW; ++i) {
+                    acc[i] += sv[a][i][g] * ((t0[i] + t1[i]) - sxp) + bv[a][i][g] * sx;
+                }
             }
+        }
+    }
+    const float wj = MODE == 2 ? swt[j] : 1.0f;
+    #pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+        const float v = ds4_warp_sum(acc[i]);
+        if (lane == 0u) {
+            const uint32_t at = (it * uint32_t(WARPS) + warp) * uint32_t(RPW) + uint32_t(i);
+            red[at] = js == 0u ? wj * v : red[at] + wj * v;
         }
     }
 }
 
-// reduce: lanes, then the KSPLIT warps of a warp row
-#pragma unroll
-for (int i = 0; i < RPW; ++i) {
-    const float v = ds4_warp_sum(acc[i]);
-    if (lane == 0u) {
-        red[warp * uint32_t(RPW) + uint32_t(i)] = v;
-    }
-}
+// epilogue: the KSPLIT warps of a warp row (MODE 2: its experts), then y
 ds4_tg_barrier();
-if (tid < uint32_t(WROWS * OPW)) {
-    const uint32_t wr = tid / uint32_t(OPW);
-    const uint32_t i = tid % uint32_t(OPW);
-    const uint32_t orow = (tgy * uint32_t(WROWS) + wr) * uint32_t(OPW) + i;
+for (uint32_t lo = tid; lo < uint32_t(MAXIT * WROWS * OPW); lo += uint32_t(THREADS)) {
+    const uint32_t it = lo / uint32_t(WROWS * OPW);
+    const uint32_t wr2 = (lo / uint32_t(OPW)) % uint32_t(WROWS);
+    const uint32_t i = lo % uint32_t(OPW);
+    const uint32_t u = it * GW + tgy * uint32_t(WROWS) + wr2;
+    if (u >= uint32_t(UNITS)) {
+        continue;
+    }
+    const uint32_t tile = MODE == 2 ? u : u % uint32_t(TILES);
+    const uint32_t orow = tile * uint32_t(OPW) + i;
+    if (orow >= uint32_t(OUT_ROWS)) {
+        continue;
+    }
     float a = 0.0f;
-    float u = 0.0f;
+    float up = 0.0f;
     #pragma unroll
-    for (int ks = 0; ks < KSPLIT; ++ks) {
-        const uint32_t wsrc = wr * uint32_t(KSPLIT) + uint32_t(ks);
-        a += red[wsrc * uint32_t(RPW) + i];
-        if (MODE == 1) {
-            u += red[wsrc * uint32_t(RPW) + uint32_t(OPW) + i];
-        }
-    }
-    if (orow < uint32_t(OUT_ROWS)) {
-        if (MODE == 1) {
-            const float l = lim[0];
-            if (l > 0.0f) {
-                a = a < l ? a : l;
-                u = u < l ? (u > -l ? u : -l) : l;
+    for (int k = 0; k < KSPLIT; ++k) {
+        if (MODE != 2 || k < KE) {
+            const uint32_t base = (it * uint32_t(WARPS) + wr2 * uint32_t(KSPLIT) + uint32_t(k)) * uint32_t(RPW);
+            a += red[base + i];
+            if (MODE == 1) {
+                up += red[base + uint32_t(OPW) + i];
             }
-            a = ds4_silu(a) * u;
         }
-        y[uint64_t(tgz) * uint64_t(OUT_ROWS) + orow] = static_cast<T>(a);
     }
+    if (MODE == 1) {
+        const float l = lim[0];
+        if (l > 0.0f) {
+            a = a < l ? a : l;
+            up = up < l ? (up > -l ? up : -l) : l;
+        }
+        a = ds4_silu(a) * up;
+    }
+    const uint32_t yrow = MODE == 2 ? tgz : tgz * uint32_t(NPAIR) + u / uint32_t(TILES);
+    y[uint64_t(yrow) * uint64_t(OUT_ROWS) + orow] = static_cast<T>(a);
 }
