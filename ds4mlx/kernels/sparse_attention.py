@@ -483,7 +483,9 @@ def _self_test(kind: str, face: str, rope=None) -> bool:
         keys = mx.random.normal((n + 3, di), key=key[2])
         kw = dict(n=n, s=s, ratio=4, scale=0.1)
         got = index_scores(q, w, keys, **kw, backend=face, layout="heads")
-        return close_enough(got, index_scores(q, w, keys, **kw, backend="reference"), rtol=1e-4, atol=1e-4)
+        with mx.stream(mx.cpu):  # float32 matmuls on MLX CUDA are TF32: the reference runs on the CPU
+            want = index_scores(q, w, keys, **kw, backend="reference")
+        return close_enough(got, want, rtol=1e-4, atol=1e-4)
     nh, d, window, n, k = 3, 24 + (rope.dims if rope is not None else 0), 8, 30, 6
     q = mx.random.normal((nh, 1, d), key=key[0])
     ring = mx.random.normal((window, d), key=key[1])
@@ -495,7 +497,10 @@ def _self_test(kind: str, face: str, rope=None) -> bool:
     splits, meta = (3 if kind == "attend_split" else 1), _meta_at(pos, 2, window, n, 1)
     for sel in ((idx, cnt), (None, None)):
         got = _launch_attend(face, q, ring, rows, *sel, sinks, d**-0.5, meta, window, 4, rope, splits)
-        want = attend_at(q, ring, rows, *sel, sinks, pos, ratio=4, scale=d**-0.5, out_rope=rope, backend="reference")
+        with mx.stream(mx.cpu):  # not TF32 (MLX CUDA's float32 matmuls): the reference on the CPU
+            want = attend_at(
+                q, ring, rows, *sel, sinks, pos, ratio=4, scale=d**-0.5, out_rope=rope, backend="reference"
+            )
         if not close_enough(got, want, rtol=1e-4, atol=1e-4):
             return False
     return True
