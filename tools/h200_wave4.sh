@@ -8,6 +8,8 @@
 # D: decode, MLX 2-bit experts, new vs base at 2K (+ new at 32K), GPU busy time, a py-spy
 #    profile of the new step's host side, then GGUF experts (new) at 2K and 32K.
 # P: the new kernels' GPU tests, then prefill (new vs base) and the prefill profile.
+# F: decode with the per-kernel GPU time, one layer's prefill experts old vs new, prefill to 8K,
+#    a few GPU tests (the session's last call).
 set -u
 OUT=${OUT:-out/h200}; mkdir -p "$OUT"
 export MLX_PTX_CACHE_DIR=/root/ptx; mkdir -p "$MLX_PTX_CACHE_DIR"
@@ -43,5 +45,19 @@ elif [ "$1" = P ]; then
   log "prefill, base tree, MLX experts, to 8K"
   base ${PBASE_S:-90} --label base --ctx 8192 --no-decode | tee "$OUT/prefill_base.txt"
   keep
+elif [ "$1" = F ]; then  # the last call: decode after the qmv merge + per-kernel GPU time, prefill
+  log "decode, new tree, MLX experts, 2K, GPU time per kernel"
+  probe ${NEW_S:-200} --label new --ctx 2048 --fake-context --gpu-busy --top 40 | tee "$OUT/decode_final.txt"
+  keep
+  log "prefill: one layer's routed experts, grouped vs today's gather_qmm (MLX 2-bit, GGUF)"
+  timeout ${PEXP_S:-90} python3 -u tools/prefill_experts_bench.py --chunks 2048 --formats mlx2,gguf 2>&1 \
+      | grep -v "_warn_once\|UserWarning" | tee "$OUT/prefill_experts.txt"
+  log "prefill, new tree, MLX experts, to 8K (real prefill, chunk 2048)"
+  probe ${PNEW_S:-150} --label new --ctx 8192 --no-decode | tee "$OUT/prefill_new.txt"
+  keep
+  log "gpu tests of the new decode kernels"
+  timeout ${TEST_S:-80} python3 -m pytest -q -m gpu -p no:cacheprovider -x ${TESTS:-tests/test_kernel_moe_route.py \
+      tests/test_kernel_compressor_step.py} > "$OUT/gpu_tests.txt" 2>&1
+  tail -4 "$OUT/gpu_tests.txt" | tee -a "$OUT/log.txt"
 fi
 log done

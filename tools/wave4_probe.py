@@ -57,8 +57,9 @@ def fast_forward(session, ctx: int) -> None:
     mx.eval(session.step(11))
 
 
-def gpu_busy(session, steps: int) -> tuple[float, float, float]:
-    """(GPU busy ms per step, kernels per step, wall ms per synchronous step)."""
+def gpu_busy(session, steps: int, top: int = 0) -> tuple[float, float, float]:
+    """(GPU busy ms per step, kernels per step, wall ms per synchronous step); prints the
+    `top` kernels by GPU time per step."""
     from torch.profiler import ProfilerActivity, profile
 
     tok = mx.array(5, mx.int32)
@@ -70,11 +71,15 @@ def gpu_busy(session, steps: int) -> tuple[float, float, float]:
             mx.eval(session.step(tok))
             walls.append(1e3 * (time.perf_counter() - t0))
     session.restore(snap)
-    busy, n = 0.0, 0
+    busy, n, per = 0.0, 0, {}
     for ev in prof.events():
         if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
             busy += ev.device_time_total
             n += 1
+            c, t = per.get(ev.name[:80], (0, 0.0))
+            per[ev.name[:80]] = (c + 1, t + ev.device_time_total)
+    for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {t / steps:9.1f} us  x{c / steps:6.1f}  {name}", flush=True)
     return busy / 1e3 / steps, n / steps, statistics.median(walls)
 
 
@@ -88,6 +93,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--gpu-busy", action="store_true")
+    p.add_argument("--top", type=int, default=0, help="with --gpu-busy: list this many kernels")
     p.add_argument("--no-decode", action="store_true", help="prefill only")
     p.add_argument("--fake-context", action="store_true", help="jump the caches to each context (no prefill)")
     p.add_argument("--tiny", action="store_true", help="narrow shapes and 16 experts (a CPU smoke run)")
@@ -142,7 +148,7 @@ def main() -> int:
             flush=True,
         )
         if a.gpu_busy and ctx == min(a.ctx):
-            busy, kern, wall = gpu_busy(s, a.steps)
+            busy, kern, wall = gpu_busy(s, a.steps, a.top)
             say(
                 f"{a.label}: GPU busy {busy:.2f} ms per step, {kern:.0f} kernels per step "
                 f"({kern / a.layers:.1f} per layer), synchronous wall {wall:.2f} ms"
