@@ -351,3 +351,13 @@ def test_gpu_grouped_equals_cpu_reference(monkeypatch, bank, dtype):
     assert np.isfinite(got).all()
     # 16-bit operands (8-bit mantissa for bf16) over K = 512 / 256 terms
     assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+
+
+def test_compute_dtype_without_scales():
+    """GGUF banks have no affine scales: compute_dtype(x, None) must not compare an MLX
+    Dtype with None (that raised TypeError on the H200, the one path the CPU never runs)."""
+    from ds4mlx.models import grouped_experts as ge
+
+    assert ge.compute_dtype(mx.bfloat16) == mx.bfloat16
+    assert ge.compute_dtype(mx.float32, None) == ge.GPU_DTYPE
+    assert ge.compute_dtype(mx.float32, mx.bfloat16) == mx.bfloat16

@@ -122,7 +122,7 @@ _HALF = (mx.float16, mx.bfloat16)
 def compute_dtype(x_dtype, scales_dtype=None):
     """The 16-bit type of a GPU batched GEMM: x's when 16-bit, else the scales' when
     16-bit (MLX promotes x with the scales: a float32 operand would mean FMA), else GPU_DTYPE."""
-    if scales_dtype in _HALF:
+    if scales_dtype is not None and scales_dtype in _HALF:  # (an MLX Dtype == None raises)
         return scales_dtype
     return x_dtype if x_dtype in _HALF else GPU_DTYPE
 
