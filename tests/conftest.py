@@ -83,3 +83,21 @@ def oracle():
 
 def load_summary(folder: Path) -> dict:
     return json.loads((folder / "summary.json").read_text())
+
+
+@pytest.fixture
+def cpu_unless_gpu_test(request):
+    """MLX work on the CPU for the test (exactness claims are about MLX's CPU kernels, and an
+    oracle must not inherit a GPU's TF32 matmuls); `gpu`-marked tests keep the default device.
+    Kernel test modules take it with `pytestmark = pytest.mark.usefixtures(...)`."""
+    import mlx.core as mx
+
+    if request.node.get_closest_marker("gpu") is not None:
+        yield
+        return
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(old)

@@ -13,16 +13,8 @@ from ds4mlx.bench.kernels import QMV_PLAN_VARIANTS
 from ds4mlx.kernels import affine_qmv as aq
 from ds4mlx.kernels import dispatch
 
-
-@pytest.fixture(autouse=True)
-def _cpu_unless_gpu_test(request):
-    if request.node.get_closest_marker("gpu") is not None:
-        yield
-        return
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(old)
+# exactness claims are about MLX's CPU kernels; `gpu` tests keep the default device
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu_test")
 
 
 def quantized(rng, e, rows, k, gs, bits):

@@ -32,19 +32,8 @@ from ds4mlx.models.layers import SwitchGLU
 from ds4mlx.models.quantized import GGUFSwitchLinear, SplitSwitchLinear
 from ds4mlx.quant import QT
 
-
-@pytest.fixture(autouse=True)
-def _cpu_unless_gpu_test(request):
-    """Exactness claims are about MLX's CPU kernels; `gpu` tests keep the default device."""
-    if request.node.get_closest_marker("gpu") is not None:
-        yield
-        return
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        yield
-    finally:
-        mx.set_default_device(old)
+# exactness claims are about MLX's CPU kernels; `gpu` tests keep the default device
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu_test")
 
 
 # --------------------------------------------------------------------------- layout

@@ -33,17 +33,8 @@ CPU_TRIG = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _cpu_unless_gpu_test(request):
-    if request.node.get_closest_marker("gpu") is not None:
-        yield
-        return
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        yield
-    finally:
-        mx.set_default_device(old)
+# exactness claims are about MLX's CPU kernels; `gpu` tests keep the default device
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu_test")
 
 
 def make_rope(dims: int, kind: str) -> RoPE:

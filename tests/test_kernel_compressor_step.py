@@ -39,17 +39,8 @@ from parity_helpers import load_case, maxdiff  # noqa: E402
 ROW_TOL = 2e-5
 
 
-@pytest.fixture(autouse=True)
-def _cpu_unless_gpu_test(request):
-    if request.node.get_closest_marker("gpu") is not None:
-        yield
-        return
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        yield
-    finally:
-        mx.set_default_device(old)
+# exactness claims are about MLX's CPU kernels; `gpu` tests keep the default device
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu_test")
 
 
 def _np(a) -> np.ndarray:

@@ -34,18 +34,8 @@ from ds4mlx.kernels import hyper_connection_reference as reference
 U = 2.0**-23
 
 
-@pytest.fixture(autouse=True)
-def _cpu_unless_gpu_test(request):
-    """Reference-face tests run on the CPU; `gpu` tests keep the default device."""
-    if request.node.get_closest_marker("gpu") is not None:
-        yield
-        return
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        yield
-    finally:
-        mx.set_default_device(old)
+# exactness claims are about MLX's CPU kernels; `gpu` tests keep the default device
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu_test")
 
 
 # ------------------------------------------------------------------ float64 oracle and bounds

@@ -27,18 +27,8 @@ from test_kernel_emulation import run_on_cpu  # noqa: E402  (tests/ is on sys.pa
 from ds4mlx.kernels import dispatch
 from ds4mlx.kernels import moe_route as mr
 
-
-@pytest.fixture(autouse=True)
-def _cpu_unless_gpu_test(request):
-    if request.node.get_closest_marker("gpu") is not None:
-        yield
-        return
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        yield
-    finally:
-        mx.set_default_device(old)
+# exactness claims are about MLX's CPU kernels; `gpu` tests keep the default device
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu_test")
 
 
 # ------------------------------------------------------------------ float64 oracle

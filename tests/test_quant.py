@@ -54,21 +54,8 @@ def bits(a):
     return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
 
 
-@pytest.fixture(autouse=True)
-def _cpu_unless_gpu_test(request):
-    """MLX work in these tests runs on the CPU (the exactness claims are about
-    MLX's CPU kernels), except in `gpu` tests."""
-    import mlx.core as mx
-
-    if request.node.get_closest_marker("gpu") is not None:
-        yield
-        return
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        yield
-    finally:
-        mx.set_default_device(old)
+# exactness claims are about MLX's CPU kernels; `gpu` tests keep the default device
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu_test")
 
 
 # ------------------------------------------------------------------ dequantize == gguf-py, bit for bit

@@ -29,19 +29,8 @@ TYPES = list(qm.SUPPORTED)
 TF32_REL = 2.0**-9
 
 
-@pytest.fixture(autouse=True)
-def _cpu_unless_gpu_test(request):
-    """Reference-face tests run on the CPU wherever they run (an oracle must not
-    inherit the GPU's TF32 matmuls); `gpu` tests keep the default device."""
-    if request.node.get_closest_marker("gpu") is not None:
-        yield
-        return
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        yield
-    finally:
-        mx.set_default_device(old)
+# exactness claims are about MLX's CPU kernels; `gpu` tests keep the default device
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu_test")
 
 
 def experts(qtype, e, rows, k, seed=0):
