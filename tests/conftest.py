@@ -101,3 +101,16 @@ def cpu_unless_gpu_test(request):
         yield
     finally:
         mx.set_default_device(old)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """dispatch.backend() -> 'metal' (an unverified face); self-test cache cleared: the
+    first-use self-test and its fallback, exercised on the CPU (kernel test modules)."""
+    from ds4mlx.kernels import dispatch
+
+    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
+    monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device=None: "metal")
+    monkeypatch.setattr(dispatch, "_self_tests", {})
+    return monkeypatch

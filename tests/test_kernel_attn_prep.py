@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from test_kernel_emulation import run_on_cpu  # noqa: E402  (tests/ is on sys.path under pytest)
+from test_kernel_selftest import fake_launches
 
 from ds4mlx.kernels import attn_prep as ap
 from ds4mlx.kernels import dispatch
@@ -286,30 +287,6 @@ def test_gpu_self_test_passes(kind):
 
 
 # ------------------------------------------------------------------ first-use self-test (a simulated GPU face, CPU)
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """dispatch.backend() -> 'metal' (an unverified face); self-test cache cleared."""
-    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
-    monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
-    monkeypatch.setattr(dispatch, "backend", lambda device=None: "metal")
-    monkeypatch.setattr(dispatch, "_self_tests", {})
-    return monkeypatch
-
-
-def fake_launches(monkeypatch, module, behaviour):
-    """Every module._kernel(...) launch raises (a face that does not compile) or returns 7s."""
-
-    def fake_kernel(*names):
-        def launch(face, *, output_shapes, output_dtypes, **kw):
-            if behaviour == "raise":
-                raise RuntimeError("compile error (simulated)")
-            return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
-
-        return launch
-
-    monkeypatch.setattr(module, "_kernel", fake_kernel)
 
 
 @pytest.mark.parametrize("behaviour", ["raise", "garbage"])

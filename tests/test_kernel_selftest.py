@@ -20,17 +20,7 @@ from ds4mlx.kernels import hyper_connection_reference as reference
 from ds4mlx.quant import random_gguf_blocks
 
 
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """dispatch.backend() -> 'metal' (an unverified face); self-test cache cleared."""
-    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
-    monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
-    monkeypatch.setattr(dispatch, "backend", lambda device=None: "metal")
-    monkeypatch.setattr(dispatch, "_self_tests", {})
-    return monkeypatch
-
-
-def _launches(monkeypatch, module, behaviour):
+def fake_launches(monkeypatch, module, behaviour):
     """Replace module._kernel(...) launches: 'raise', 'garbage' or 'reference'."""
 
     def fake_kernel(*names):
@@ -47,7 +37,7 @@ def _launches(monkeypatch, module, behaviour):
 @pytest.mark.parametrize("behaviour", ["raise", "garbage"])
 @pytest.mark.parametrize("qtype", ["IQ2_XXS", "Q2_K"])
 def test_quant_moe_bad_face_falls_back_to_reference(fake_gpu, behaviour, qtype, caplog):
-    _launches(fake_gpu, quant_moe, behaviour)
+    fake_launches(fake_gpu, quant_moe, behaviour)
     blocks = random_gguf_blocks(qtype, 4, 6, 256, seed=3)
     x = mx.random.normal((1, 256), key=mx.random.key(0))
     ids = mx.array([[3, 1]], dtype=mx.int32)
@@ -100,7 +90,7 @@ def test_forced_face_is_not_self_tested(fake_gpu):
 
 @pytest.mark.parametrize("behaviour", ["raise", "garbage"])
 def test_hyper_connection_bad_face_falls_back_to_reference(fake_gpu, behaviour, caplog):
-    _launches(fake_gpu, hck, behaviour)
+    fake_launches(fake_gpu, hck, behaviour)
     n, d = 4, 32
     x = mx.random.normal((1, 3, n, d), key=mx.random.key(1)) * 0.5
     fn = mx.random.normal(((2 + n) * n, n * d), key=mx.random.key(2)) * (n * d) ** -0.5

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from test_kernel_attn_prep import CPU_TRIG, make_rope  # noqa: E402
 from test_kernel_emulation import run_on_cpu  # noqa: E402  (tests/ is on sys.path under pytest)
+from test_kernel_selftest import fake_launches
 
 from ds4mlx.kernels import dispatch
 from ds4mlx.kernels import sparse_attention as sa
@@ -473,16 +474,10 @@ def test_shared_attend_text(case, variant, tmp_path):
 
 
 @pytest.mark.parametrize("behaviour", ["raise", "garbage"])
-def test_bad_decode_variants_keep_the_verified_layout(behaviour, monkeypatch):
+def test_bad_decode_variants_keep_the_verified_layout(behaviour, fake_gpu):
     """A face whose new decode variants fail their first-use self-test (simulated on the CPU)
     keeps index_score's rows layout, one threadgroup per head and the separate output rope."""
-    from test_kernel_attn_prep import fake_launches
-
-    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
-    monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
-    monkeypatch.setattr(dispatch, "backend", lambda device=None: "metal")
-    monkeypatch.setattr(dispatch, "_self_tests", {})
-    fake_launches(monkeypatch, sa, behaviour)
+    fake_launches(fake_gpu, sa, behaviour)
     assert not sa._verified("index_heads", "metal")
     assert not sa._verified("attend_split", "metal")
     assert not sa._verified("attend_rope", "metal", make_rope(8, "yarn"))
