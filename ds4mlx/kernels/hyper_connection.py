@@ -80,16 +80,22 @@ def _face(backend: str | None) -> str:
     return auto_face("hyper_connection", _self_test) if backend is None else backend
 
 
+def _tiny_site(seed: int):
+    """The self-tests' mHC site: 4 streams of 64, 20 Sinkhorn iterations ->
+    (n, d, key, fn, base, scale, keyword arguments)."""
+    n, d = 4, 64
+    key = mx.random.key(seed)
+    fn = mx.random.normal(((2 + n) * n, n * d), key=key) * (n * d) ** -0.5
+    base, scale = mx.random.normal(((2 + n) * n,), key=key) * 0.1, mx.array([0.5, 1.0, 2.0])
+    return n, d, key, fn, base, scale, dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+
+
 def _self_test(face: str) -> bool:
     """hc_pre / hc_mix / hc_head / hc_post on `face` against the reference on tiny
     inputs (4 streams of 64, 2 tokens), float32 and bfloat16 activations."""
     ref = _layers()
-    n, d, iters = 4, 64, 20
-    key = mx.random.key(5)
-    fn = mx.random.normal(((2 + n) * n, n * d), key=key) * (n * d) ** -0.5
+    n, d, key, fn, base, scale, kw = _tiny_site(5)
     hfn = fn[:n]
-    base, scale = mx.random.normal(((2 + n) * n,), key=key) * 0.1, mx.array([0.5, 1.0, 2.0])
-    kw = dict(sinkhorn_iters=iters, hc_eps=1e-6, norm_eps=1e-6)
     for dt, tol in ((mx.float32, 1e-3), (mx.bfloat16, 2e-2)):
         x = (mx.random.normal((2, n, d), key=key) * 0.5).astype(dt)
         out = (mx.random.normal((2, d), key=key) * 0.5).astype(dt)
@@ -123,7 +129,10 @@ def _pre_launch(
     face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str, chosen: bool = True, part=None, norm=None
 ):
     """mode 'pre' -> (post, comb, collapsed); 'mix' -> (pre, post, comb); 'head' -> collapsed.
-    `norm` = (weight, eps): the collapsed vector comes out RMS-normed (mode 'pre')."""
+    `norm` = (weight, eps): the collapsed vector comes out RMS-normed (mode 'pre'): inside
+    the launch when `_folds` (a caller-chosen face, or the fold self-test passed), else
+    by `mx.fast.rms_norm` after it."""
+    norm_in = norm if norm is not None and _folds(face, chosen) else None
     n, d = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
     nt = 1
@@ -158,7 +167,7 @@ def _pre_launch(
             output_shapes=[(nt, parts, m + 1)],
             output_dtypes=[mx.float32],
         )[0]
-    nw, rms_eps = (norm[0].astype(x.dtype), float(norm[1])) if norm is not None else (part, 0.0)
+    nw, rms_eps = (norm_in[0].astype(x.dtype), float(norm_in[1])) if norm_in is not None else (part, 0.0)
     pre, post, comb, y = _kernel("hc_pre")(
         face,
         inputs=[x3, fn, base, scale, _eps(float(hc_eps), float(norm_eps), rms_eps), part, nw],
@@ -174,7 +183,7 @@ def _pre_launch(
             ("HEAD", head),
             ("COLLAPSE", mode != "mix"),
             ("PARTS", parts),
-            ("NORM", norm is not None),
+            ("NORM", norm_in is not None),
         ],
         grid=(nt * PRE_THREADS, 1, 1),
         threadgroup=(PRE_THREADS, 1, 1),
@@ -186,7 +195,8 @@ def _pre_launch(
     post, comb = post.reshape(*lead, n), comb.reshape(*lead, n, n)
     if mode == "mix":
         return pre.reshape(*lead, n), post, comb
-    return post, comb, y.reshape(*lead, d)
+    y = y.reshape(*lead, d)
+    return post, comb, y if norm_in is not None else _normed(y, norm)
 
 
 def _fusable(x: mx.array) -> bool:
@@ -217,28 +227,19 @@ def hc_pre(
             x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps
         )
         return post, comb, _normed(y, norm)
-    fold = _fold_norm(face, norm, backend is not None)
-    post, comb, y = _pre_launch(
-        face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", backend is not None, norm=fold
+    return _pre_launch(
+        face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", backend is not None, norm=norm
     )
-    return post, comb, y if fold is not None else _normed(y, norm)
 
 
 def _normed(y: mx.array, norm: tuple | None) -> mx.array:
     return y if norm is None else mx.fast.rms_norm(y, norm[0].astype(y.dtype), norm[1])
 
 
-def _fold_norm(face: str, norm: tuple | None, chosen: bool) -> tuple | None:
-    """`norm` when the kernel applies it (a caller-chosen face, or an automatic one whose
-    norm self-test passed: dispatch.UNVERIFIED_KERNELS), else None: the norm then runs as
-    its own `mx.fast.rms_norm` after the kernel."""
-    if norm is None or chosen:
-        return norm
-    return norm if auto_face("hyper_connection.fold", _fold_self_test) == face else None
-
-
-def _fold_add(face: str, chosen: bool) -> bool:
-    """Whether `out2` is added inside hc_post / hc_post_dots (as `_fold_norm`)."""
+def _folds(face: str, chosen: bool) -> bool:
+    """Whether the kernels apply the folds (the layer norm in hc_pre, `out2` added in hc_post
+    / hc_post_dots): on a caller-chosen face, or an automatic one whose fold self-test
+    passed (dispatch.UNVERIFIED_KERNELS); else the norm and the add run as their own ops."""
     return chosen or auto_face("hyper_connection.fold", _fold_self_test) == face
 
 
@@ -247,12 +248,8 @@ def _fold_self_test(face: str) -> bool:
     folded second output, on `face` against the reference (the norm / the add as their
     own ops) on tiny inputs, float32 and bfloat16."""
     ref = _layers()
-    n, d, iters = 4, 64, 20
-    key = mx.random.key(7)
-    fn = mx.random.normal(((2 + n) * n, n * d), key=key) * (n * d) ** -0.5
-    base, scale = mx.random.normal(((2 + n) * n,), key=key) * 0.1, mx.array([0.5, 1.0, 2.0])
+    n, d, key, fn, base, scale, kw = _tiny_site(7)
     w = 1.0 + 0.1 * mx.random.normal((d,), key=key)
-    kw = dict(sinkhorn_iters=iters, hc_eps=1e-6, norm_eps=1e-6)
     for dt, tol in ((mx.float32, 1e-3), (mx.bfloat16, 3e-2)):
         x = (mx.random.normal((2, n, d), key=key) * 0.5).astype(dt)
         out = (mx.random.normal((2, d), key=key) * 0.5).astype(dt)
@@ -344,9 +341,6 @@ def hc_post_pre(
     )
     if ok and backend is None:
         ok = auto_face("hyper_connection.post_pre", _post_pre_self_test) == face
-    add2 = out2 is not None and _fold_add(face, backend is not None)
-    if out2 is not None and not add2:
-        out, out2 = out + out2, None
     if not ok:
         y = hc_post(x, out, post, comb, backend=backend, out2=out2)
         return (
@@ -363,6 +357,8 @@ def hc_post_pre(
                 norm=norm,
             ),
         )
+    if out2 is not None and not _folds(face, backend is not None):
+        out, out2 = out + out2, None
     lead = x.shape[:-2]
     m = (2 + n) * n
     parts = -(-(n * d) // (DOTS_THREADS * DOTS_PER))
@@ -388,20 +384,15 @@ def hc_post_pre(
         output_dtypes=[x.dtype, mx.float32],
     )
     y = y.reshape(*lead, n, d)
-    fold = _fold_norm(face, norm, backend is not None)
-    post, comb, c = _pre_launch(face, y, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", part=part, norm=fold)
-    return y, post, comb, c if fold is not None else _normed(c, norm)
+    chosen = backend is not None  # (with `part` given, _pre_launch reads it for the fold alone)
+    return (y, *_pre_launch(face, y, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", chosen, part, norm))
 
 
 def _post_pre_self_test(face: str) -> bool:
     """hc_post_pre on `face` against hc_post + hc_pre of the reference (4 streams of 64,
     2 tokens, float32 and bfloat16)."""
     ref = _layers()
-    n, d, iters = 4, 64, 20
-    key = mx.random.key(6)
-    fn = mx.random.normal(((2 + n) * n, n * d), key=key) * (n * d) ** -0.5
-    base, scale = mx.random.normal(((2 + n) * n,), key=key) * 0.1, mx.array([0.5, 1.0, 2.0])
-    kw = dict(sinkhorn_iters=iters, hc_eps=1e-6, norm_eps=1e-6)
+    n, d, key, fn, base, scale, kw = _tiny_site(6)
     for dt, tol in ((mx.float32, 1e-3), (mx.bfloat16, 2e-2)):
         x = (mx.random.normal((2, n, d), key=key) * 0.5).astype(dt)
         out = (mx.random.normal((2, d), key=key) * 0.5).astype(dt)
@@ -427,7 +418,7 @@ def hc_post(
     the site's output is ``out + out2`` (an MoE's routed and shared halves), added inside
     the launch."""
     face = _face(backend)
-    if out2 is not None and (face == "reference" or not _fold_add(face, backend is not None)):
+    if out2 is not None and (face == "reference" or not _folds(face, backend is not None)):
         out, out2 = out + out2, None
     if face == "reference" or out.dtype != x.dtype or x.size == 0:
         return _layers().hc_post(x, out, post, comb)
