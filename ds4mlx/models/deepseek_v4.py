@@ -1013,6 +1013,12 @@ class MoE(nn.Module):
         return y, se.down_proj(clamped_swiglu(g, u, se.limit))
 
 
+def finish_open_step(x: mx.array, pending) -> mx.array:
+    """The last hc_post of a `DecoderLayer.step_open` result (streams, pending)."""
+    out, post, comb, out2 = pending
+    return hc_post(x, out, post, comb, out2=out2)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int, ropes: dict):
         super().__init__()
@@ -1032,8 +1038,7 @@ class DecoderLayer(nn.Module):
         return hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(collapsed), ids)), post, comb)
 
     def step(self, x: mx.array, ids: mx.array, pos: mx.array, state, new: list) -> mx.array:
-        x, (out, post, comb, out2) = self.step_open(x, None, ids, pos, state, new)
-        return hc_post(x, out, post, comb, out2=out2)
+        return finish_open_step(*self.step_open(x, None, ids, pos, state, new))
 
     def step_open(self, x: mx.array, pending, ids: mx.array, pos: mx.array, state, new: list):
         """`step` without its last hc_post: -> (streams, pending = (out, post, comb, out2))
@@ -1112,8 +1117,7 @@ class DeepseekV4Model(nn.Module):
         for layer in self.layers:  # each layer's last hc_post runs inside the next one's first launch
             x, pending = layer.step_open(x, pending, ids, pos, it, new)
         if pending is not None:
-            out, post, comb, out2 = pending
-            x = hc_post(x, out, post, comb, out2=out2)
+            x = finish_open_step(x, pending)
         return self.norm(self.hc_head(x)), new
 
     def step_rows(self, ids: mx.array, pos: list, states: list) -> tuple[mx.array, list]:
