@@ -762,8 +762,8 @@ def test_metal_and_cuda_share_one_text():
     sec = dispatch.sections(aq.SOURCE)
     mh, mb = aq.kernel_sources("metal")
     ch, cb = aq.kernel_sources("cuda")
-    assert mh.endswith(aq.compact(sec["common"])) and ch.endswith(aq.compact(sec["common"]))
-    assert mb.endswith(aq.compact(sec["qmv"])) and cb.endswith(aq.compact(sec["qmv"]))
+    assert mh.endswith(dispatch.compact(sec["common"])) and ch.endswith(dispatch.compact(sec["common"]))
+    assert mb.endswith(dispatch.compact(sec["qmv"])) and cb.endswith(dispatch.compact(sec["qmv"]))
     assert "thread_position_in_threadgroup" in mb and "threadIdx" in cb
     for word in ("device ", "threadgroup ", "simd_sum", "as_type", "metal::"):
         assert word not in ch + cb, word

@@ -76,7 +76,7 @@ from functools import cache
 import mlx.core as mx
 
 from ds4mlx.kernels.activations import clamped_swiglu
-from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, shared_sources
+from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, compact, shared_sources
 
 SOURCE = METAL_DIR / "affine_qmv.metal"
 BITS = (2, 4, 8)
@@ -90,13 +90,6 @@ MAXIT = 16  # at most this many steps per warp (the epilogue's partial sums: MAX
 MAX_ROWS = 8  # dense: x rows (tokens) up to this many use the kernel, more use mx.quantized_matmul
 MAX_PAIRS = 64  # gathered: (token, expert) pairs up to this many use the kernel
 SHARED_BYTES = {"metal": 32768, "cuda": 49152}
-
-
-def compact(text: str) -> str:
-    """Kernel text without comments, indentation or blank lines: MLX hashes a custom kernel's
-    whole source on every launch (~0.15 µs per KB on the H200), the .metal file keeps them."""
-    lines = (line.split("//", 1)[0].strip() for line in text.splitlines())
-    return "".join(line + "\n" for line in lines if line)
 
 
 @cache

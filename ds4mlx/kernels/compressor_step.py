@@ -23,7 +23,7 @@ pairs); the others copy the rows buffer and the window buffers around the rows t
 first one writes.  The reference face is the MLX graph the model ran before (the CPU
 runs it: identical numbers).  Sources: ``kernels/metal/compressor_step.metal``, one
 text for the Metal and CUDA faces (the face's `dispatch.PRELUDE` / `INDEX`, then the
-file's sections without their comments: `compact`).
+file's sections without their comments: `dispatch.compact`).
 
 Verified: the reference face against the model's dynamic `Compressor.pool` and a
 float64 oracle; the shared text compiled with g++ (emulated threadgroups) and nvcc
@@ -34,12 +34,11 @@ self-tests it at first use.
 
 from __future__ import annotations
 
-import re
 from functools import cache
 
 import mlx.core as mx
 
-from ds4mlx.kernels.dispatch import INDEX, METAL_DIR, PRELUDE, Kernel, auto_face, close_enough, sections
+from ds4mlx.kernels.dispatch import INDEX, METAL_DIR, PRELUDE, Kernel, auto_face, close_enough, compact, sections
 
 SOURCE = METAL_DIR / "compressor_step.metal"
 THREADS = 256  # threads per threadgroup (the pooling one and the copying ones)
@@ -62,19 +61,6 @@ _INPUTS = [
     "pos",
 ]
 _OUTPUTS = ["buf_kv_out", "buf_gate_out", "ov_kv_out", "ov_gate_out", "rows_out"]
-
-
-def compact(text: str) -> str:
-    """Kernel text without comments, indentation and blank lines: MLX hashes a custom
-    kernel's whole source on every launch (~0.15 µs of host time per KB on the H200)."""
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if '"' not in line:
-            line = re.sub(r"\s*//.*$", "", line)
-        if line:
-            out.append(line)
-    return "\n".join(out) + "\n"
 
 
 def shared_text() -> tuple[str, str]:
