@@ -115,6 +115,7 @@ CASES = [  # (n, d, lead, iters)
     (4, 96, (1, 8), 1),  # one Sinkhorn iteration
 ]
 HC_EPS, NORM_EPS = 1e-6, 1e-6
+RMS_EPS = 1e-6  # the layer norm folded into hc_pre (NORM)
 
 
 # ------------------------------------------------------------------ reference face vs float64
@@ -258,21 +259,19 @@ def run_dots_on_cpu(tmp_path, x, fn, n, d, nt, head, threads=32, per=2):
     return got["part"], parts
 
 
-@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: "n{}_d{}_t{}_it{}_{}_split{}".format(*c))
-def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
-    n, d, nt, iters, mode, split = case
+def run_pre_on_cpu(tmp_path, x, fn, base, scale, part, parts, *, iters=20, mode="pre", norm=None, threads=64):
+    """hc_pre through the emulation (float32), launched as hyper_connection._pre_launch
+    launches it; `norm` = the layer norm's weight (NORM, eps RMS_EPS) or None."""
+    nt, n, d = x.shape
     head = mode == "head"
-    x, fn, base, scale = make_inputs(n, d, (nt,), seed=11 + n, head=head)
-    sec = dispatch.sections(hck.SOURCE)
-    threads = 64
-    part, parts = run_dots_on_cpu(tmp_path, x, fn, n, d, nt, head) if split else (np.zeros(1, np.float32), 0)
     outs = {
         "pre": ((1,) if head else (nt, n), np.float32),
         "post": ((1,) if head else (nt, n), np.float32),
         "comb": ((1,) if head else (nt, n, n), np.float32),
         "y": ((nt, d) if mode != "mix" else (1,), np.float32),
     }
-    got = run_on_cpu(
+    sec = dispatch.sections(hck.SOURCE)
+    return run_on_cpu(
         tmp_path,
         sec["common"],
         sec["hc_pre"],
@@ -281,9 +280,9 @@ def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
             "fn": fn,
             "base": base,
             "scale": scale,
-            "eps": np.array([HC_EPS, NORM_EPS, 0.0], np.float32),
+            "eps": np.array([HC_EPS, NORM_EPS, RMS_EPS if norm is not None else 0.0], np.float32),
             "part": part,
-            "nw": np.zeros(1, np.float32),
+            "nw": norm if norm is not None else np.zeros(1, np.float32),
         },
         outputs=outs,
         consts={
@@ -298,11 +297,20 @@ def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
             "HEAD": head,
             "COLLAPSE": mode != "mix",
             "PARTS": parts,
-            "NORM": False,
+            "NORM": norm is not None,
         },
         groups=(nt, 1, 1),
         threads=threads,
     )
+
+
+@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: "n{}_d{}_t{}_it{}_{}_split{}".format(*c))
+def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
+    n, d, nt, iters, mode, split = case
+    head = mode == "head"
+    x, fn, base, scale = make_inputs(n, d, (nt,), seed=11 + n, head=head)
+    part, parts = run_dots_on_cpu(tmp_path, x, fn, n, d, nt, head) if split else (np.zeros(1, np.float32), 0)
+    got = run_pre_on_cpu(tmp_path, x, fn, base, scale, part, parts, iters=iters, mode=mode)
     want = oracle(x, fn, base, scale, iters, HC_EPS, NORM_EPS, head=head)
     if mode != "mix":
         check("collapsed", got["y"], *want["collapsed"])
@@ -311,9 +319,6 @@ def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
     if not head:
         for name in ("pre", "post", "comb"):
             check(name, got[name], *want[name])
-
-
-RMS_EPS = 1e-6
 
 
 def rms_normed(y, w, eps=RMS_EPS):
@@ -328,48 +333,11 @@ def test_shared_hc_pre_text_with_the_folded_norm(n, d, nt, split, tmp_path):
     equal to normalising the unnormed kernel output (same text, NORM off) in float64."""
     x, fn, base, scale = make_inputs(n, d, (nt,), seed=23 + n)
     w = 1.0 + 0.25 * np.random.default_rng(5).standard_normal(d).astype(np.float32)
-    sec = dispatch.sections(hck.SOURCE)
     part, parts = run_dots_on_cpu(tmp_path, x, fn, n, d, nt, False) if split else (np.zeros(1, np.float32), 0)
-    outs = {
-        "pre": ((nt, n), np.float32),
-        "post": ((nt, n), np.float32),
-        "comb": ((nt, n, n), np.float32),
-        "y": ((nt, d), np.float32),
-    }
     got = {}
     for norm in (False, True):
         (tmp_path / str(norm)).mkdir()
-        got[norm] = run_on_cpu(
-            tmp_path / str(norm),
-            sec["common"],
-            sec["hc_pre"],
-            inputs={
-                "x": x,
-                "fn": fn,
-                "base": base,
-                "scale": scale,
-                "eps": np.array([HC_EPS, NORM_EPS, RMS_EPS], np.float32),
-                "part": part,
-                "nw": w,
-            },
-            outputs=outs,
-            consts={
-                "T": np.float32,
-                "TW": np.float32,
-                "TB": np.float32,
-                "TS": np.float32,
-                "HC": n,
-                "D": d,
-                "THREADS": 64,
-                "ITERS": 20,
-                "HEAD": False,
-                "COLLAPSE": True,
-                "PARTS": parts,
-                "NORM": norm,
-            },
-            groups=(nt, 1, 1),
-            threads=64,
-        )
+        got[norm] = run_pre_on_cpu(tmp_path / str(norm), x, fn, base, scale, part, parts, norm=w if norm else None)
     want = rms_normed(got[False]["y"], w)
     np.testing.assert_allclose(got[True]["y"], want, rtol=2e-6, atol=2e-6)
     for name in ("pre", "post", "comb"):  # the norm changes nothing else
@@ -439,42 +407,7 @@ def test_shared_hc_post_dots_then_pre_compiled_for_cpu(n, d, nt, add2, tmp_path)
     check("hc_post_dots y", got["y"], want_y, 2 * U * mag)
     y = got["y"]
     (tmp_path / "pre").mkdir()
-    pre = run_on_cpu(
-        tmp_path / "pre",
-        sec["common"],
-        sec["hc_pre"],
-        inputs={
-            "x": y,
-            "fn": fn,
-            "base": base,
-            "scale": scale,
-            "eps": np.array([HC_EPS, NORM_EPS, 0.0], np.float32),
-            "part": got["part"],
-            "nw": np.zeros(1, np.float32),
-        },
-        outputs={
-            "pre": ((nt, n), np.float32),
-            "post": ((nt, n), np.float32),
-            "comb": ((nt, n, n), np.float32),
-            "y": ((nt, d), np.float32),
-        },
-        consts={
-            "T": np.float32,
-            "TW": np.float32,
-            "TB": np.float32,
-            "TS": np.float32,
-            "HC": n,
-            "D": d,
-            "THREADS": 64,
-            "ITERS": 20,
-            "HEAD": False,
-            "COLLAPSE": True,
-            "PARTS": parts,
-            "NORM": False,
-        },
-        groups=(nt, 1, 1),
-        threads=64,
-    )
+    pre = run_pre_on_cpu(tmp_path / "pre", y, fn, base, scale, got["part"], parts)
     want = oracle(y, fn, base, scale, 20, HC_EPS, NORM_EPS)
     check("collapsed", pre["y"], *want["collapsed"])
     for name in ("pre", "post", "comb"):
