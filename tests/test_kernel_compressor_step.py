@@ -77,7 +77,7 @@ def oracle64(kv, gate, pos, state, bias, weight, eps, periods, rope_dims, mscale
     x1, x2 = row[nope::2].copy(), row[nope + 1 :: 2].copy()
     row[nope::2] = (x1 * np.cos(theta) - x2 * np.sin(theta)) * mscale
     row[nope + 1 :: 2] = (x1 * np.sin(theta) + x2 * np.cos(theta)) * mscale
-    if w0 < rows.shape[0]:
+    if w0 < rows.shape[0] and b == m - 1:  # an incomplete window's row is not live: kept
         rows[w0] = row
     return new + [rows], row
 

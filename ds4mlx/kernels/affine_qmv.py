@@ -218,7 +218,7 @@ def _face(backend: str | None) -> str:
 
 def _moe_face(backend: str | None) -> str:
     """The fused MoE modes (gate_up + SwiGLU, down + weighted sum) have their own
-    self-test: until their GPU test has run, dispatch.UNVERIFIED_KERNELS lists them."""
+    self-test, run at first use while dispatch.UNVERIFIED_KERNELS lists them."""
     if backend is not None:
         return backend
     face = _face(None)

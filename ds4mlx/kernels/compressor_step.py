@@ -13,8 +13,9 @@ weighted sum, the RMSNorm, the rope, the rows slice update); on the H200 each op
     kv / gate [1, 1, c*d] this token's projections, pos an int32 array (the compiled
     step's position) -> the new state, same order: buf_kv / buf_gate with row pos % m
     replaced, the overlap rows (CSA: the window's "Ca" half once it is complete), and a
-    copy of rows with the window's pooled row at row pos // m (written whether or not
-    the window is complete: not live until it is).  New arrays, the old state kept
+    copy of rows with the window's pooled row at row pos // m once this token completes
+    the window (an incomplete window's row is not live: it keeps its old contents and the
+    GPU faces skip the pooling, serial over the window).  New arrays, the old state kept
     (the stepper undoes a step / rolls back a speculation with it).
 
 One threadgroup pools (softmax over the window per channel in float32, weighted sum,
@@ -184,7 +185,11 @@ def reference(kv, gate, pos, state, *, position_bias, norm, rope, ratio) -> list
     w = mx.softmax(win_gate.astype(mx.float32), axis=2, precise=True).astype(win_kv.dtype)
     row = norm((win_kv * w).sum(axis=2))  # [1, 1, d]
     row = rope(row, offset=w0, scale=float(m))
-    rows = mx.slice_update(rows, row.astype(rows.dtype), w0.reshape(1), axes=(1,))
+    # row w0 changes only when this token completes its window (an incomplete one is not live)
+    start = w0.reshape(1)
+    old = mx.slice(rows, start, axes=(1,), slice_size=(1, 1, d))
+    row = mx.where((pos % m) == (m - 1), row.astype(rows.dtype), old)
+    rows = mx.slice_update(rows, row, start, axes=(1,))
     return new + [rows]
 
 

@@ -35,9 +35,7 @@ METAL_DIR = Path(__file__).resolve().parent / "metal"  # package data: ships in 
 UNVERIFIED_FACES = ("metal",)
 # kernels (auto_face names) whose every GPU face is self-tested at first use: their CUDA
 # face has passed the g++ emulation and nvcc but not yet its `pytest -m gpu` run
-UNVERIFIED_KERNELS = {
-    "affine_qmv",  # the rewritten mat-vec (plain mode too)
-    "affine_qmv.moe",
+UNVERIFIED_KERNELS = {  # (affine_qmv and affine_qmv.moe passed their GPU tests on 2026-12-02)
     "hyper_connection.split",
     "hyper_connection.post_pre",
     "hyper_connection.fold",  # the layer norm in hc_pre, the MoE's two halves added in hc_post

@@ -531,9 +531,9 @@ class Compressor(nn.Module):
 
         kv / gate [1, 1, c*d] are this token's `kv_proj` / `gate_proj` outputs; `state`
         iterates over `CompressorState.static_arrays()`.  The pooled row of the
-        window holding `pos` is written at row pos // m whether or not the window is
-        complete (an incomplete one lands on a row that is not live yet and is rewritten
-        when it completes).  One launch on a GPU (kernels/compressor_step.py), the MLX
+        window holding `pos` is written at row pos // m when `pos` completes the window
+        (an incomplete window's row is not live: the attention and the indexer read
+        complete windows only).  One launch on a GPU (kernels/compressor_step.py), the MLX
         graph on the CPU.  Returns (new state arrays, rows [1, cap, d], valid [cap])."""
         m, arrays = self._ratio, [next(state) for _ in range(5 if self._overlap else 3)]
         new = compressor_step(

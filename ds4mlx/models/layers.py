@@ -291,9 +291,16 @@ class SwitchLinear(nn.Module):
         """x [B, M, in], experts [B] -> [B, M, out]: batch b through expert experts[b]
         (prefill's grouped path, models/grouped_experts.py)."""
         w = self.weight.swapaxes(-1, -2)
-        if mx.default_device().type == mx.DeviceType.cpu and (x.dtype != mx.float32 or w.dtype != mx.float32):
-            return mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=experts).astype(x.dtype)
-        return mx.gather_mm(x, w, rhs_indices=experts)
+        if mx.default_device().type == mx.DeviceType.cpu:
+            if x.dtype != mx.float32 or w.dtype != mx.float32:
+                return mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=experts).astype(x.dtype)
+            return mx.gather_mm(x, w, rhs_indices=experts)
+        # on the H200 gather_mm with M > 1 rows per batch failed its GPU test (2026-12-02):
+        # slices of experts as batched matmuls, the GGUF banks' path
+        weight = self.weight
+        return grouped_experts.sliced_per_expert(
+            x, experts, weight.shape[1] * weight.shape[2], lambda ids, dt: weight[ids].astype(dt)
+        ).astype(x.dtype)
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_):
         num_experts, output_dims, input_dims = self.weight.shape
