@@ -574,6 +574,33 @@ def test_moe_fused_path_wiring(monkeypatch):
     assert mx.allclose(gu, glu.gate_up_proj(mx.expand_dims(x, (-2, -3)), idx), rtol=1e-5, atol=1e-6).item()
 
 
+def test_shared_expert_swiglu_wiring(monkeypatch):
+    """A (gate, up) pair of quantized linears as one gate_up + SwiGLU launch over a one-expert
+    bank (forced on, run by the reference faces) equals clamped_swiglu(gate(x), up(x))."""
+    import mlx.nn as nn
+
+    from ds4mlx.models.fused import swiglu_of
+    from ds4mlx.models.layers import clamped_swiglu
+
+    gate, up = nn.Linear(256, 128, bias=False), nn.Linear(256, 128, bias=False)
+    gate.weight = mx.random.normal(gate.weight.shape, key=mx.random.key(10)) * 0.2
+    up.weight = mx.random.normal(up.weight.shape, key=mx.random.key(11)) * 0.2
+    q_gate, q_up = (m.to_quantized(group_size=64, bits=8) for m in (gate, up))
+    x = mx.random.normal((1, 1, 256), key=mx.random.key(12)) * 4
+    calls = []
+    real = aq.gather_swiglu
+    monkeypatch.setattr(aq, "gather_swiglu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for limit in (None, 1.5):
+        want = clamped_swiglu(q_gate(x), q_up(x), limit)
+        assert mx.array_equal(swiglu_of(q_gate, q_up)(x, limit), want).item()  # CPU: the plain expression
+        with monkeypatch.context() as m:
+            m.setattr(aq, "kernel_face", lambda *a, **k: "forced")
+            got = swiglu_of(q_gate, q_up)(x, limit)
+        assert got.shape == want.shape == (1, 1, 128)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+    assert len(calls) == 2  # one fused launch per forced call, none on the plain path
+
+
 def test_grouped_linear_fused_path_wiring(monkeypatch):
     from ds4mlx.models.deepseek_v4 import GroupedLinear
 

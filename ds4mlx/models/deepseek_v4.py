@@ -44,7 +44,7 @@ from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference 
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .cache import StaticDecode, grow_rows, iota
 from .causal_lm import BaseModelArgs, CausalLM
-from .fused import fused_or_each
+from .fused import fused_or_each, swiglu_of
 from .layers import (
     GLUMLP,
     HyperConnection,
@@ -53,7 +53,6 @@ from .layers import (
     RoPE,
     SwitchGLU,
     attention_factor_from_params,
-    clamped_swiglu,
     inv_freq_from_params,
     rms_norm,
     route_weights,
@@ -1003,14 +1002,13 @@ class MoE(nn.Module):
     def _step_halves(self, x: mx.array, ids: mx.array) -> tuple[mx.array, mx.array]:
         se = self.shared_experts
         if getattr(self, "_step_shared", None) is None:  # built once, outside the module tree
-            self._step_shared = fused_or_each([se.gate_proj, se.up_proj])
+            self._step_shared = swiglu_of(se.gate_proj, se.up_proj)
         idx, w = self.gate.step(x, ids)
         y = self.experts.fused_weighted(x, idx, w)  # GPU decode: two launches
         if y is None:
             y = self.experts(x, idx)  # [..., k, H]
             y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
-        g, u = self._step_shared(x)
-        return y, se.down_proj(clamped_swiglu(g, u, se.limit))
+        return y, se.down_proj(self._step_shared(x, se.limit))
 
 
 def finish_open_step(x: mx.array, pending) -> mx.array:

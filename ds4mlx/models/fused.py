@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import affine_qmv
+from ..kernels.activations import clamped_swiglu
 
 
 class FusedLinear:
@@ -70,6 +71,48 @@ class FusedLinear:
                 mode=mode,
             )
         return mx.split(y, self.splits, axis=-1)
+
+    def swiglu(self, x: mx.array, limit: float | None) -> mx.array:
+        """``clamped_swiglu(gate, up, limit)`` of a (gate, up) pair of equal widths: on a GPU
+        one launch (affine_qmv's gate_up + SwiGLU mode over a one-expert bank) where the
+        split mat-vec and the elementwise SwiGLU were two; elsewhere the plain expression."""
+        a, q = self.arrays, self.quant
+        fused = (
+            q is not None
+            and q[2] == "affine"
+            and "biases" in a
+            and len(self.splits) == 1
+            and 2 * self.splits[0] == a["weight"].shape[0]
+            and x.size == x.shape[-1]  # one token (decode)
+            and affine_qmv.kernel_face(x.shape[-1], q[0], q[1], moe=True) is not None
+        )
+        if not fused:
+            g, u = self(x)
+            return clamped_swiglu(g, u, limit)
+        if getattr(self, "_one_expert", None) is None:  # the one-expert bank's ids [[0]], a constant
+            self._one_expert = mx.zeros((1, 1), mx.int32)
+            mx.eval(self._one_expert)
+        gs, bits, _ = q
+        h = affine_qmv.gather_swiglu(
+            x.reshape(1, -1),
+            a["weight"][None],
+            a["scales"][None],
+            a["biases"][None],
+            self._one_expert,
+            limit=limit,
+            group_size=gs,
+            bits=bits,
+        )
+        return h.reshape(*x.shape[:-1], self.splits[0])
+
+
+def swiglu_of(gate: nn.Module, up: nn.Module):
+    """A callable (x, limit) -> clamped_swiglu(gate(x), up(x), limit): `FusedLinear.swiglu`
+    when the two fuse."""
+    fused = FusedLinear.of([gate, up])
+    if fused is not None:
+        return fused.swiglu
+    return lambda x, limit: clamped_swiglu(gate(x), up(x), limit)
 
 
 def fused_or_each(layers):
