@@ -339,12 +339,13 @@ def _bf16_pack(w32):
     return vals, (bits >> 16).astype(np.uint16).view(np.uint32)
 
 
-def _emu_fold(tmp_path, x, w_in, e, k, score, selection, normalize, scaling, bias, table, ids, threads, rpt, wb):
-    n, h = x.shape
+def _emu_fold(tmp_path, x, w_in, e, k, score, selection, normalize, scaling, bias, table, ids, threads, rpt, wb, xb=4):
+    """x float32 [n, h], or (xb == 2) its bf16 bits packed two per uint32 [n, h / 2]."""
+    n, h = x.shape[0], x.shape[1] * (2 if xb == 2 else 1)
     sec = dispatch.sections(mr.SOURCE)
     nb = -(-e // rpt)
     consts = _consts(e, k, score, selection, normalize, threads)
-    consts.update({"H": h, "RPT": rpt, "NB": nb, "WB": wb})
+    consts.update({"H": h, "RPT": rpt, "NB": nb, "WB": wb, "XB": xb})
     return run_on_cpu(
         tmp_path,
         sec["common"],
@@ -358,25 +359,40 @@ def _emu_fold(tmp_path, x, w_in, e, k, score, selection, normalize, scaling, bia
     )
 
 
-FOLD_CASES = [  # (n, e, h, k, threads, rpt, score, selection, bf16 weight)
-    (2, 72, 1024, 6, 128, 2, "sqrtsoftplus", "bias", False),  # 2 warps per row along H, 2 steps each
-    (2, 72, 1024, 6, 128, 2, "sqrtsoftplus", "hash", True),
-    (1, 51, 128, 4, 64, 2, "softmax", "plain", True),  # a ragged last threadgroup (51 logits, 2 per group)
-    (2, 64, 256, 6, 64, 2, "sigmoid", "grouped", False),
-    (1, 256, 4096, 6, 256, mr.FOLD_RPT, "sqrtsoftplus", "bias", True),  # V4 Flash, the launch's own shape
+FOLD_CASES = [  # (n, e, h, k, threads, rpt, score, selection, bf16 weight, bf16 x)
+    (2, 72, 1024, 6, 128, 2, "sqrtsoftplus", "bias", False, False),  # 2 warps per row along H, 2 steps each
+    (2, 72, 1024, 6, 128, 2, "sqrtsoftplus", "hash", True, False),
+    (1, 51, 128, 4, 64, 2, "softmax", "plain", True, False),  # a ragged last threadgroup (51 logits, 2 per group)
+    (2, 64, 256, 6, 64, 2, "sigmoid", "grouped", False, False),
+    (1, 256, 4096, 6, 256, mr.FOLD_RPT, "sqrtsoftplus", "bias", True, False),  # V4 Flash, the launch's own shape
+    (1, 256, 4096, 6, 256, mr.FOLD_RPT, "sqrtsoftplus", "bias", True, True),  # ... with the decode step's bf16 x
+    (2, 51, 128, 4, 64, 2, "softmax", "hash", True, True),
 ]
 
 
-@pytest.mark.parametrize("case", FOLD_CASES, ids=lambda c: "n{}_e{}_h{}_k{}_t{}_r{}_{}_{}_{}".format(*c))
+def _round_bf16(a):
+    """float64 -> the nearest bfloat16 (ties to even), as float64."""
+    u = np.asarray(a, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("case", FOLD_CASES, ids=lambda c: "n{}_e{}_h{}_k{}_t{}_r{}_{}_{}_w{}_x{}".format(*c))
 def test_shared_fold_text(case, tmp_path):
-    n, e, h, k, threads, rpt, score, selection, bf16 = case
+    n, e, h, k, threads, rpt, score, selection, bf16, bf16_x = case
     x, w, bias, table, ids = problem(n, e, h, k, seed=e + h)
     w_vals, w_in = _bf16_pack(w) if bf16 else (w, w)
+    x_vals, x_in = _bf16_pack(x) if bf16_x else (x, x)
     got = _emu_fold(
-        tmp_path, x, w_in, e, k, score, selection, True, 1.5, bias, table, ids, threads, rpt, 2 if bf16 else 4
-    )
-    logits = x.astype(np.float64) @ w_vals.astype(np.float64).T
-    np.testing.assert_allclose(got["scratch"][:, :e], logits, rtol=0, atol=(h + 2) * 2.0**-23 * 8 * h**0.5)
+        tmp_path, x_in, w_in, e, k, score, selection, True, 1.5, bias, table, ids, threads, rpt,
+        2 if bf16 else 4, 2 if bf16_x else 4,
+    )  # fmt: skip
+    logits = x_vals.astype(np.float64) @ w_vals.astype(np.float64).T
+    if bf16_x:  # each logit rounded to bf16 (a float32 sum in another order may round to a neighbour)
+        assert np.all(got["scratch"][:, :e] == _round_bf16(got["scratch"][:, :e]))
+        np.testing.assert_allclose(got["scratch"][:, :e], logits, rtol=2.0**-8, atol=(h + 2) * 2.0**-23 * 8 * h**0.5)
+        logits = got["scratch"][:, :e].astype(np.float64)  # the routing of those logits
+    else:
+        np.testing.assert_allclose(got["scratch"][:, :e], logits, rtol=0, atol=(h + 2) * 2.0**-23 * 8 * h**0.5)
     assert np.all(got["scratch"][:, e].view(np.uint32) == -(-e // rpt))  # every threadgroup counted once
     want_idx, want_w, gap = _want(logits, k, score, selection, True, 1.5, bias, table, ids)
     assert np.all(gap > 1e-4)
@@ -396,6 +412,7 @@ def test_shared_fold_text(case, tmp_path):
         ("fold", "bias", "bfloat16"),
         ("fold", "grouped", "bfloat16"),
         ("fold", "hash", "float32"),
+        ("fold", "bias", "bfloat16 x"),
     ],
 )
 def test_cuda_face_compiles_with_nvcc(kind, selection, dtype, tmp_path):
@@ -420,8 +437,10 @@ def test_cuda_face_compiles_with_nvcc(kind, selection, dtype, tmp_path):
         ins, outs = {"logits": dtype, **sel}, {"idx": i, "wts": f}
         tmpl.append(("TL", dtype))
     else:
-        ins, outs = {"x": f, "w": dtype, **sel}, {"idx": i, "wts": f, "scratch": f}
-        tmpl += [("TW", dtype), ("WB", 2 if dtype == "bfloat16" else 4), ("H", 4096), ("RPT", mr.FOLD_RPT)]
+        x_dt, dtype = ("bfloat16", "bfloat16") if dtype == "bfloat16 x" else (f, dtype)
+        ins, outs = {"x": x_dt, "w": dtype, **sel}, {"idx": i, "wts": f, "scratch": f}
+        tmpl += [("TW", dtype), ("WB", 2 if dtype == "bfloat16" else 4), ("XB", 2 if x_dt == "bfloat16" else 4)]
+        tmpl += [("H", 4096), ("RPT", mr.FOLD_RPT)]
         tmpl.append(("NB", 256 // mr.FOLD_RPT))
     nvcc_compile(tmp_path, mlx_cuda_source(f"moe_{kind}", h, b, ins, outs, tmpl))
 

@@ -210,7 +210,14 @@ def _launch_fold(face, x, weight, k, score, scaling, normalize, bias, table, ids
             table,
             groups,
             topk_group,
-            [("TW", weight.dtype), ("WB", weight.dtype.size), ("H", h), ("RPT", FOLD_RPT), ("NB", nb)],
+            [
+                ("TW", weight.dtype),
+                ("WB", weight.dtype.size),
+                ("XB", x.dtype.size),
+                ("H", h),
+                ("RPT", FOLD_RPT),
+                ("NB", nb),
+            ],
         ),
         grid=(nb * THREADS, n, 1),
         threadgroup=(THREADS, 1, 1),
@@ -222,10 +229,11 @@ def _launch_fold(face, x, weight, k, score, scaling, normalize, bias, table, ids
 
 
 def fold_operands(x: mx.array, weight: mx.array) -> bool:
-    """Whether the fold kernel takes these operands: float32 x [..., H], a float32 or
-    bfloat16 weight [E, H], H a multiple of 8 (16-byte loads)."""
+    """Whether the fold kernel takes these operands: float32 x [..., H] with a float32 or
+    bfloat16 weight [E, H], or bfloat16 x with a bfloat16 weight (the decode step's: each
+    logit rounded to bf16, as `router_logits` computes it); H a multiple of 8 (16-byte loads)."""
     return (
-        x.dtype == mx.float32
+        (x.dtype == mx.float32 or (x.dtype == mx.bfloat16 and weight.dtype == mx.bfloat16))
         and weight.dtype in (mx.float32, mx.bfloat16)
         and weight.ndim == 2
         and x.shape[-1] == weight.shape[1]
@@ -370,11 +378,12 @@ def self_test(face: str) -> bool:
 
 
 def fold_self_test(face: str) -> bool:
-    """`router` with the mat-vec folded in, on `face`, against the reference (float32 and
-    bfloat16 weights)."""
+    """`router` with the mat-vec folded in, on `face`, against the reference (float32 x with
+    float32 and bfloat16 weights; bfloat16 x and weights, the decode step's)."""
     for _, x, weight, kw in _cases():
-        for wt in (weight, weight.astype(mx.bfloat16)):
-            want = reference(router_logits(x, wt), **kw)
-            if not same_routing(router(x, wt, **kw, backend=face, fold=True), want):
+        wb = weight.astype(mx.bfloat16)
+        for xs, wt in ((x, weight), (x, wb), (x.astype(mx.bfloat16), wb)):
+            want = reference(router_logits(xs, wt), **kw)
+            if not same_routing(router(xs, wt, **kw, backend=face, fold=True), want):
                 return False
     return True

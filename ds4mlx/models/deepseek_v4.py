@@ -429,7 +429,7 @@ class QuantizedGroupedLinear(nn.Module):
             and affine_qmv.kernel_face(x.shape[-1], self.group_size, self.bits) is not None
         ):
             # decode on a GPU: group g is "expert" g of every token, one launch
-            ids = mx.broadcast_to(mx.arange(G, dtype=mx.int32), (n, G))
+            ids = mx.broadcast_to(iota(G), (n, G))  # a kept constant: an arange would launch per token
             y = affine_qmv.gather_qmv(
                 x.reshape(n, G, x.shape[-1]),
                 self.weight,

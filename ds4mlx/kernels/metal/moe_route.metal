@@ -11,7 +11,8 @@
 //   logits [n, E] TL, bias [E] TB (BIAS), table [V, K] int32 + ids [n] int32 (HASH),
 //   prm [1] f32 = routed scaling factor  ->  idx [n, K] int32, wts [n, K] f32
 // fold   grid (NB*THREADS, n, 1); the router mat-vec in the same launch:
-//   x [n, H] f32, w [E, H] TW (f32 or bf16, WB bytes each) and the inputs of `route`
+//   x [n, H] f32 or bf16 (XB bytes each: bf16 x rounds each logit to bf16, as x @ w.T in
+//   bf16 does), w [E, H] TW (f32 or bf16, WB bytes each; WB == 2 with XB == 2) and the inputs of `route`
 //   -> idx, wts, scratch [n, E + 1] f32 (must be zero at launch: init_value = 0).
 //   Threadgroup (b, t) computes logits b*RPT .. b*RPT+RPT-1 of token t (WARPS/RPT warps
 //   per row along H, 8 values per lane step, float32 sums), stores them in scratch[t],
@@ -88,6 +89,11 @@ DS4_FN uint32_t ds4r_key(float f) {
 // float of a bf16 in the low / high half of a 32-bit word
 DS4_FN float ds4r_bf_lo(uint32_t u) { return ds4_as_float(u << 16); }
 DS4_FN float ds4r_bf_hi(uint32_t u) { return ds4_as_float(u & 0xffff0000u); }
+// v rounded to bfloat16 (nearest, ties to even), as a float: a bf16 matmul's output
+DS4_FN float ds4r_round_bf(float v) {
+    const uint32_t u = ds4_float_bits(v);
+    return ds4_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+}
 
 // @@ route
 const uint32_t t = tgy;
@@ -105,8 +111,18 @@ const uint32_t f_row = tgx * uint32_t(RPT) + warp / uint32_t(KS);
 float f_acc = 0.0f;
 if (f_row < uint32_t(E)) {
     const DS4_DEV float4* xr = (const DS4_DEV float4*)(x) + uint64_t(t) * uint64_t(H / 4);
+    const DS4_DEV uint4* xh = (const DS4_DEV uint4*)(x) + uint64_t(t) * uint64_t(H / 8);  // XB == 2
     const DS4_DEV uint4* wr = (const DS4_DEV uint4*)(w) + uint64_t(f_row) * uint64_t(H * WB / 16);
     for (uint32_t c = (warp % uint32_t(KS)) * 32u + lane; c < uint32_t(CHUNKS); c += uint32_t(KS * 32)) {
+        if (XB == 2) {  // (then WB == 2)
+            const uint4 v = xh[c];
+            const uint4 u = wr[c];
+            f_acc += ds4r_bf_lo(v.x) * ds4r_bf_lo(u.x) + ds4r_bf_hi(v.x) * ds4r_bf_hi(u.x) +
+                     ds4r_bf_lo(v.y) * ds4r_bf_lo(u.y) + ds4r_bf_hi(v.y) * ds4r_bf_hi(u.y);
+            f_acc += ds4r_bf_lo(v.z) * ds4r_bf_lo(u.z) + ds4r_bf_hi(v.z) * ds4r_bf_hi(u.z) +
+                     ds4r_bf_lo(v.w) * ds4r_bf_lo(u.w) + ds4r_bf_hi(v.w) * ds4r_bf_hi(u.w);
+            continue;
+        }
         const float4 xa = xr[2u * c];
         const float4 xb = xr[2u * c + 1u];
         if (WB == 2) {
@@ -136,7 +152,7 @@ if (tid < uint32_t(RPT)) {
         for (int q = 0; q < KS; ++q) {
             s += f_part[tid * uint32_t(KS) + uint32_t(q)];
         }
-        srow[r] = s;
+        srow[r] = XB == 2 ? ds4r_round_bf(s) : s;  // bf16 x: the logits of a bf16 matmul
     }
     ds4r_fence();  // each writer: its logit is visible before the count below
 }
