@@ -677,20 +677,28 @@ class CompressorBranch(Compressor):
         query already roped at `pos` [1, nh, 1, d] (kernels/attn_prep.py)."""
         st, rows, valid = self.pool_step(proj[0], proj[1], pos, state)
         new += st
+        # (squeeze, not [0]: MLX runs an integer index as a gather, a copy of the buffer per token)
         if not self._overlap:
-            return rows[0], None, None
+            return rows.squeeze(0), None, None
         ist, keys, _ = self.indexer.pool_step(proj[2], proj[3], pos, state)
         new += ist
         if rows.shape[1] <= self._topk:
-            return rows[0], None, None
+            return rows.squeeze(0), None, None
         ind = self.indexer
         scale = ind._nh**-0.5 * ind._dim**-0.5
         face = _sparse.step_face()
         scores = _sparse.index_scores(
-            index_q[0], proj[4][0], keys[0], n=keys.shape[1], s=pos, ratio=self._ratio, scale=scale, backend=face
+            index_q.squeeze(0),
+            proj[4].squeeze(0),
+            keys.squeeze(0),
+            n=keys.shape[1],
+            s=pos,
+            ratio=self._ratio,
+            scale=scale,
+            backend=face,
         )  # [1, cap], -inf past the live rows
         idx, cnt = _sparse.topk_select(scores, self._topk, s=pos, ratio=self._ratio, backend=face)
-        return rows[0], idx, cnt
+        return rows.squeeze(0), idx, cnt
 
     def select(self, x, q_res, cache: LayerCache, s: int, face: str):
         """The fused path's half of `__call__`: pool both compressors; for CSA with more
@@ -884,7 +892,7 @@ class Attention(nn.Module):
                 rows, idx, cnt = comp.step_select(more, index_q, pos, state, new)
             # window + compressed rows + sinks, and the output's inverse rope, in one launch
             out = _sparse.attend_at(
-                q[0], ring[0, 0], rows, idx, cnt, self.sinks, pos,
+                q.squeeze(0), ring[0, 0], rows, idx, cnt, self.sinks, pos,
                 ratio=comp._ratio if comp is not None else 1, scale=self._D**-0.5, backend=face,
                 out_rope=self._rope,
             )  # fmt: skip
@@ -1149,8 +1157,8 @@ class Model(StaticDecode, CausalLM):
     def static_step_rows(self, ids: mx.array, pos: mx.array, states: list) -> tuple[mx.array, list]:
         """Pure, B sessions in one forward (stepper.step_rows): ids [1, B], pos [B] int32,
         states[b] row b's `static_state` -> (logits [B, V], the rows' new states)."""
-        h, news = self.model.step_rows(ids, [pos[b] for b in range(ids.shape[1])], states)
-        return self.head(h)[0], news
+        h, news = self.model.step_rows(ids, [pos[b : b + 1].squeeze(0) for b in range(ids.shape[1])], states)
+        return self.head(h).squeeze(0), news  # (views: an integer index would launch a gather)
 
     def sanitize(self, weights: dict) -> dict:
         """Map transformers' in-memory state-dict names onto this module's parameters."""

@@ -144,6 +144,8 @@ class RoPE(nn.Module):
         super().__init__()
         self.dims = dims
         self._freqs = (1.0 / inv_freq).astype(mx.float32)  # mx.fast.rope wants periods
+        # a constant: left lazy, a compiled decode step would recompute it (3 launches) per token
+        mx.eval(self._freqs)
         self._mscale = attention_factor  # transformers multiplies cos and sin by it
         self._wide: dict[int, mx.array] = {}  # full width -> periods with inf on the nope pairs
 
