@@ -48,6 +48,7 @@ then `dispatch.UNVERIFIED_KERNELS` self-tests both kernels at first use.
 
 from __future__ import annotations
 
+import logging
 import os
 from functools import cache, lru_cache
 
@@ -56,6 +57,7 @@ import mlx.core as mx
 from ds4mlx.kernels.dispatch import INDEX, METAL_DIR, PRELUDE, Kernel, auto_face, sections
 from ds4mlx.models.layers import route_weights, score_fn, topk_indices
 
+_log = logging.getLogger(__name__)
 SOURCE = METAL_DIR / "moe_route.metal"
 SCORES = ("sqrtsoftplus", "sigmoid", "softmax")  # the kernel's SCORE template value is the index
 THREADS = 256  # threads per token (one threadgroup)
@@ -355,7 +357,7 @@ def _cases():
     ]
 
 
-def same_routing(got, want, atol: float = 1e-5) -> bool:
+def same_routing(got, want, atol: float = 1e-5, rtol: float = 1e-4) -> bool:
     """Routings agree as sets: the same experts per token with the same weights (any slot order)."""
     gi, gw = got
     wi, ww = want
@@ -364,7 +366,7 @@ def same_routing(got, want, atol: float = 1e-5) -> bool:
     if not mx.array_equal(mx.take_along_axis(gi, og, axis=-1), mx.take_along_axis(wi, ow, axis=-1)).item():
         return False
     gws, wws = mx.take_along_axis(gw, og, axis=-1), mx.take_along_axis(ww, ow, axis=-1)
-    return bool(mx.all(mx.isfinite(gws)).item()) and bool(mx.allclose(gws, wws, rtol=1e-4, atol=atol).item())
+    return bool(mx.all(mx.isfinite(gws)).item()) and bool(mx.allclose(gws, wws, rtol=rtol, atol=atol).item())
 
 
 def self_test(face: str) -> bool:
@@ -380,10 +382,15 @@ def self_test(face: str) -> bool:
 def fold_self_test(face: str) -> bool:
     """`router` with the mat-vec folded in, on `face`, against the reference (float32 x with
     float32 and bfloat16 weights; bfloat16 x and weights, the decode step's)."""
-    for _, x, weight, kw in _cases():
+    for name, x, weight, kw in _cases():
         wb = weight.astype(mx.bfloat16)
         for xs, wt in ((x, weight), (x, wb), (x.astype(mx.bfloat16), wb)):
             want = reference(router_logits(xs, wt), **kw)
-            if not same_routing(router(xs, wt, **kw, backend=face, fold=True), want):
+            # bf16 x: each logit is rounded to bf16 after a float32 sum in the kernel's order,
+            # the reference's matmul sums in its own: a logit may land one bf16 step away
+            rtol = 1e-2 if xs.dtype == mx.bfloat16 else 1e-4
+            if not same_routing(router(xs, wt, **kw, backend=face, fold=True), want, rtol=rtol):
+                # which case: the H200 run of 2026-12-02 refused the fold without saying
+                _log.warning("moe_route.fold self-test: case %s, x %s, weight %s differs", name, xs.dtype, wt.dtype)
                 return False
     return True
