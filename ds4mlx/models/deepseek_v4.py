@@ -943,7 +943,9 @@ class Attention(nn.Module):
         at positions s.. (s None: applied already, the decode step's `_step_attend`)."""
         if s is not None:
             out = self._rope(out, offset=s, scale=-1.0)
-        out = out.swapaxes(1, 2)  # [B, C, nh, D]
+        # [B, C, nh, D]; one query: a reshape, since moving a length-1 axis keeps the memory order
+        # (MLX copies a transposed array it reshapes: one copy kernel per layer and token)
+        out = out.reshape(B, C, *out.shape[1:2], -1) if C == 1 else out.swapaxes(1, 2)
         out = self.o_a_proj(out.reshape(B, C, self._groups, -1))
         return self.o_b_proj(out)
 
