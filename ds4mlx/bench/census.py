@@ -1,0 +1,96 @@
+"""The launches of one compiled decode step as a CUDA device would run it, counted on the CPU.
+
+A GPU profile (tools/gpu_time_probe.py) names kernels, not the code that launched them;
+`bench --profile` counts the graph of the machine it runs on (on the CPU: the reference
+faces).  Here the kernels' GPU faces are chosen as on a CUDA device (`dispatch.backend`
+-> "cuda", no self-tests), each custom-kernel launch is recorded by name and replaced by
+placeholder outputs that depend on its inputs (`mx.depends`), and the compiled step's lazy
+outputs are read back as a DOT graph (`mx.export_to_dot`): its primitive nodes that are not
+views are MLX's own launches (a `Compiled` node is one fused elementwise kernel).  Nothing
+is evaluated on a GPU.  Caveats: MLX picks a few ops by device (an RMSNorm is one
+`rms_norm` kernel on CUDA, four nodes here), a launch with `init_value` fills each output
+first (counted apart, `fills`), and a custom kernel's non-contiguous input is copied first
+(not visible here).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from collections import Counter
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+from .. import stepper
+from ..kernels import dispatch, sparse_attention
+from .decode_profile import NO_LAUNCH
+
+SELFTEST_ENV = "DS4MLX_KERNEL_SELFTEST"
+
+
+@contextmanager
+def cuda_placeholders():
+    """Inside: GPU faces chosen as on CUDA, every custom-kernel launch recorded
+    (yields {"kernels": Counter of names, "fills": Counter of filled outputs})."""
+    seen = {"kernels": Counter(), "fills": Counter()}
+
+    def launch(self, face, **kw):
+        name = self.name
+        mode = dict(kw.get("template") or []).get("MODE")
+        if mode is not None:
+            name += f"[MODE={mode}]"
+        seen["kernels"][name] += 1
+        if kw.get("init_value") is not None:
+            seen["fills"][name] += len(kw["output_shapes"])
+        outs = [mx.zeros(s, t) for s, t in zip(kw["output_shapes"], kw["output_dtypes"])]
+        return mx.depends(outs, [a for a in kw["inputs"] if isinstance(a, mx.array)])
+
+    saved = (dispatch.Kernel.__call__, dispatch.backend, sparse_attention._backend, os.environ.get(SELFTEST_ENV))
+    dispatch.Kernel.__call__ = launch
+    dispatch.backend = sparse_attention._backend = lambda device=None: "cuda"
+    os.environ[SELFTEST_ENV] = "0"  # placeholders would fail every self-test
+    try:
+        yield seen
+    finally:
+        dispatch.Kernel.__call__, dispatch.backend, sparse_attention._backend = saved[:3]
+        if saved[3] is None:
+            os.environ.pop(SELFTEST_ENV, None)
+        else:
+            os.environ[SELFTEST_ENV] = saved[3]
+
+
+def primitives(arrays) -> Counter:
+    """Primitive names of the lazy graph behind `arrays`, views and placeholders (`Full`) apart."""
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *arrays)
+    return Counter(lbl.split()[0] for lbl in re.findall(r'label ?= ?"([^"]*)"', buf.getvalue()) if lbl[:1].isupper())
+
+
+def decode_census(model, ctx: int) -> dict:
+    """One compiled decode step of a static-layout `model` (LanguageModel) at position ctx - 1:
+    {"kernels", "fills", "mlx" (primitive -> count, views left out), "total", "layers"}."""
+    with cuda_placeholders() as seen:
+        s = model.new_session(ctx=ctx + 64)
+        s._tokens = [11] * (ctx - 1)  # a census shortcut: the session's length is its position
+        for c in s.caches:
+            c.offset = ctx - 1
+        mx.eval(s.model.static_state(s._cache))  # buffers at their bucket: not part of the step
+        seen["kernels"].clear()
+        seen["fills"].clear()
+        stepper._checked.add(id(s.model))  # no eager first run: one trace, its outputs left lazy
+        try:
+            logits = s.step(mx.array(5, mx.int32))
+            ops = primitives([logits, *s.cache_arrays()])
+        finally:
+            stepper.forget(s.model)
+    mlx_ops = {k: v for k, v in ops.items() if k not in NO_LAUNCH and k != "Full"}
+    total = sum(seen["kernels"].values()) + sum(seen["fills"].values()) + sum(mlx_ops.values())
+    return {
+        "kernels": dict(seen["kernels"].most_common()),
+        "fills": dict(seen["fills"].most_common()),
+        "mlx": dict(sorted(mlx_ops.items(), key=lambda kv: -kv[1])),
+        "total": total,
+        "layers": len(s.caches),
+    }

@@ -1,0 +1,54 @@
+"""The compiled decode step's launches as on CUDA (ds4mlx.bench.census), counted on the CPU:
+a launch budget, so that a change that adds launches per token shows up in CI, not on the
+next GPU run (the H200 profile of 2026-12-02 found 147 gathers per token from `rows[0]`
+indexing, an arange per layer and the RoPE periods recomputed per token)."""
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from ds4mlx.bench.census import decode_census
+from ds4mlx.bench.synthetic import build_synthetic_v4_flash
+from ds4mlx.kernels import dispatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from launch_census import NARROW  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu_test")
+
+
+@pytest.fixture(scope="module")
+def census():
+    model, _, _ = build_synthetic_v4_flash(layers=4, experts=16, overrides=NARROW)  # CSA, HCA, 2 x SWA
+    return decode_census(model, 2048)
+
+
+def test_no_launch_hides_in_indexing(census):
+    mlx = census["mlx"]
+    assert mlx.get("Gather", 0) <= 1  # the embedding's only: `a[0]` is a gather in MLX, a view is not
+    assert "Arange" not in mlx and "Concatenate" not in mlx  # constants and buffers live outside the step
+    assert not [k for k in mlx if "Power" in k]  # the RoPE periods are evaluated once
+
+
+def test_kernels_per_layer(census):
+    k = census["kernels"]
+    assert k["ds4mlx_attend"] == k["ds4mlx_attn_prep"] == 4  # one attention launch per layer
+    assert k["ds4mlx_compressor_step"] == 3  # CSA: attention + indexer compressors; HCA: one
+    assert k["ds4mlx_index_score_heads"] == k["ds4mlx_topk"] == 1  # the CSA layer's indexer
+    assert k["ds4mlx_affine_qmv[MODE=1]"] == 8  # routed and shared gate_up + SwiGLU per layer
+    assert k["ds4mlx_affine_qmv[MODE=2]"] == 4  # routed down + weighted sum
+
+
+def test_launch_budget(census):
+    # today's counts (2026-12-02): raise them only with a reason; issue #13 aims at <= 12 per layer
+    assert sum(census["kernels"].values()) <= 68
+    assert census["total"] <= 112
+
+
+def test_placeholders_are_undone(census):
+    """The census patches the kernel launcher and the backend choice only while it counts."""
+    assert dispatch.Kernel.__call__.__qualname__ == "Kernel.__call__"
+    if dispatch.gpu_backend() is None:
+        assert dispatch.backend(mx.cpu) == "reference"
