@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import grow_rows
+from .cache import grow_rows, iota
 from .layers import RMSNorm, RoPE, topk_indices
 
 # ----------------------------------------------------------------------------- selection
@@ -343,11 +343,11 @@ class KPoolIndexer(nn.Module):
             return None, valid
         q = self.wq_b(q_res).reshape(1, 1, self._H, self._D).astype(mx.float32)
         w = self.weights_proj(x).astype(mx.float32) * self._H**-0.5
-        visible = mx.arange(P) < (pos + 1) // kp  # complete pools
+        visible = iota(P) < (pos + 1) // kp  # complete pools (iota: a kept constant, not a launch per token)
         scores = mx.where(visible, index_scores(q, pools, w, self._D**-0.5)[0, 0], -mx.inf)
         idx = topk_indices(scores, self._select)
         chosen = mx.put_along_axis(mx.zeros((P,), mx.bool_), idx, mx.take(visible, idx), axis=-1)
-        tok = mx.arange(valid.shape[0])
+        tok = iota(valid.shape[0])
         pool_of = tok // kp
         in_chosen = mx.take(chosen, mx.minimum(pool_of, P - 1)) & (pool_of < P)
         tail = tok >= ((pos + 1) // kp) * kp
@@ -479,7 +479,7 @@ class MLAAttention(nn.Module):
             k_new = self._rope(kv[..., self._lora :][:, None], offset=pos)[:, 0]
             k_ropes = mx.slice_update(k_ropes, k_new.astype(k_ropes.dtype), at, axes=(1,))
             new.append(k_ropes)
-        valid = mx.arange(latents.shape[1]) <= pos
+        valid = iota(latents.shape[1]) <= pos
         if self._has_indexer:
             sel = self.indexer.step(x, q_res, pos, state, new, valid)
         elif prev is None:
@@ -509,7 +509,8 @@ class MLAAttention(nn.Module):
                 keys = mx.concatenate([keys, k_ropes[:, None]], axis=-1)
             out = mx.fast.scaled_dot_product_attention(queries, keys, latents[:, None], scale=self._scale, mask=mask)
             out = unembed_out(out)
-        return self.o_proj(out.swapaxes(1, 2).reshape(1, 1, nh * self._v)), sel
+        # [1, nh, 1, v] -> [1, 1, nh * v]: one query, a reshape (MLX copies a transposed array it reshapes)
+        return self.o_proj(out.reshape(1, 1, nh * self._v)), sel
 
     def __call__(self, x: mx.array, cache: MLACache, prev: Selection | None):
         B, C, _ = x.shape
