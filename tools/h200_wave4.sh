@@ -10,13 +10,7 @@
 # P: the new kernels' GPU tests, then prefill (new vs base) and the prefill profile.
 # F: decode with the per-kernel GPU time, one layer's prefill experts old vs new, prefill to 8K,
 #    a few GPU tests (the session's last call).
-set -u
-OUT=${OUT:-out/h200}; mkdir -p "$OUT"
-export MLX_PTX_CACHE_DIR=/root/ptx; mkdir -p "$MLX_PTX_CACHE_DIR"
-[ -f .ptxcache/ptx.tgz ] && [ ! -f /root/ptx/.unpacked ] && tar xzf .ptxcache/ptx.tgz -C /root && touch /root/ptx/.unpacked
-log() { echo "== $(date -u +%T) $*" | tee -a "$OUT/log.txt"; }
-keep() { tar czf "$OUT/ptx.tgz" -C /root ptx; }
-probe() { local t=$1; shift; timeout "$t" python3 -u tools/wave4_probe.py "$@" 2>&1 | grep -v "_warn_once\|UserWarning\|warnings.warn\|device_time_total\|cuda_time_total"; }
+source tools/h200_probe_lib.sh
 base() { PYTHONPATH=$PWD/.devstage/base:$PYTHONPATH probe "$@"; }
 
 if [ "${1:-D}" = D ]; then
