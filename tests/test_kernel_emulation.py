@@ -106,6 +106,7 @@ def run_on_cpu(
     threads: int,
     fill: float = np.nan,
     zeroed: tuple = (),
+    inout: tuple = (),
 ) -> dict:
     """Compile `header` + `body` (a kernel's shared text, from its INDEX-free section) with
     the CPU prelude and run `groups` = (gx, gy, gz) threadgroups of `threads` threads.
@@ -113,7 +114,8 @@ def run_on_cpu(
     inputs: name -> array (float32 / int32 / uint32); outputs: name -> (shape, dtype);
     consts: template constants (int, bool, or a numpy dtype for a type name).
     Returns name -> output array (elements the kernel never wrote hold `fill`; outputs named in
-    `zeroed` start at 0, as a launch with ``init_value=0`` gives them)."""
+    `zeroed` start at 0, as a launch with ``init_value=0`` gives them), and for each input named
+    in `inout` its contents after the run (a kernel that writes through a const input)."""
     if shutil.which("g++") is None:
         pytest.skip("no g++")
     assert threads % 32 == 0
@@ -143,7 +145,9 @@ def run_on_cpu(
     args = []
     for name, arr in inputs.items():
         arr = np.asarray(arr)
-        main.append(f"    auto v_{name} = ds4_load<{_CTYPE[arr.dtype]}>(argv[a++], {arr.size});\n")
+        main.append(
+            f"    const int i_{name} = a; auto v_{name} = ds4_load<{_CTYPE[arr.dtype]}>(argv[a++], {arr.size});\n"
+        )
         args.append(f"v_{name}.data()")
     for name, (shape, dt) in outputs.items():
         size = int(np.prod(shape))
@@ -164,6 +168,12 @@ def run_on_cpu(
         size = int(np.prod(shape))
         main.append(
             f'    {{ FILE* f = std::fopen(argv[o_{name}], "wb"); std::fwrite(v_{name}.data(), '
+            f"sizeof(v_{name}[0]), {size}, f); std::fclose(f); }}\n"
+        )
+    for name in inout:
+        size = np.asarray(inputs[name]).size
+        main.append(
+            f'    {{ FILE* f = std::fopen(argv[i_{name}], "wb"); std::fwrite(v_{name}.data(), '
             f"sizeof(v_{name}[0]), {size}, f); std::fclose(f); }}\n"
         )
     main.append("    return 0;\n}\n")
@@ -207,7 +217,11 @@ def run_on_cpu(
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")
     run = subprocess.run([str(exe), *files], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
-    return {n: np.fromfile(f, dtype=dt).reshape(shape) for n, (f, shape, dt) in out_files.items()}
+    got = {n: np.fromfile(f, dtype=dt).reshape(shape) for n, (f, shape, dt) in out_files.items()}
+    for name in inout:
+        arr = np.asarray(inputs[name])
+        got[name] = np.fromfile(tmp_path / f"in_{name}", dtype=arr.dtype).reshape(arr.shape)
+    return got
 
 
 # ------------------------------------------------------------------ the emulation itself

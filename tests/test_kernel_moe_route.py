@@ -350,12 +350,18 @@ def _emu_fold(tmp_path, x, w_in, e, k, score, selection, normalize, scaling, bia
         tmp_path,
         sec["common"],
         sec["fold"] + sec["core"],
-        inputs={"x": x, "w": w_in, **_selection_arrays(selection, bias, table, ids), "prm": np.float32([scaling])},
-        outputs={"idx": ((n, k), np.int32), "wts": ((n, k), np.float32), "scratch": ((n, e + 1), np.float32)},
+        inputs={
+            "x": x,
+            "w": w_in,
+            **_selection_arrays(selection, bias, table, ids),
+            "prm": np.float32([scaling]),
+            "tickets": np.zeros(n + 2, np.uint32),  # the persistent buffer: zero at launch
+        },
+        outputs={"idx": ((n, k), np.int32), "wts": ((n, k), np.float32), "scratch": ((n, e), np.float32)},
         consts=consts,
         groups=(nb, n, 1),
         threads=threads,
-        fill=0.0,  # init_value = 0, as the launch asks MLX
+        inout=("tickets",),
     )
 
 
@@ -393,7 +399,7 @@ def test_shared_fold_text(case, tmp_path):
         logits = got["scratch"][:, :e].astype(np.float64)  # the routing of those logits
     else:
         np.testing.assert_allclose(got["scratch"][:, :e], logits, rtol=0, atol=(h + 2) * 2.0**-23 * 8 * h**0.5)
-    assert np.all(got["scratch"][:, e].view(np.uint32) == -(-e // rpt))  # every threadgroup counted once
+    assert not got["tickets"].any()  # zero again: the threadgroup that counted last reset it
     want_idx, want_w, gap = _want(logits, k, score, selection, True, 1.5, bias, table, ids)
     assert np.all(gap > 1e-4)
     assert_routing(got["idx"], got["wts"], want_idx, want_w)
@@ -438,7 +444,7 @@ def test_cuda_face_compiles_with_nvcc(kind, selection, dtype, tmp_path):
         tmpl.append(("TL", dtype))
     else:
         x_dt, dtype = ("bfloat16", "bfloat16") if dtype == "bfloat16 x" else (f, dtype)
-        ins, outs = {"x": x_dt, "w": dtype, **sel}, {"idx": i, "wts": f, "scratch": f}
+        ins, outs = {"x": x_dt, "w": dtype, **sel, "tickets": "uint32"}, {"idx": i, "wts": f, "scratch": f}
         tmpl += [("TW", dtype), ("WB", 2 if dtype == "bfloat16" else 4), ("XB", 2 if x_dt == "bfloat16" else 4)]
         tmpl += [("H", 4096), ("RPT", mr.FOLD_RPT)]
         tmpl.append(("NB", 256 // mr.FOLD_RPT))

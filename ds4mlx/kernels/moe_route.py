@@ -67,7 +67,7 @@ FOLD_RPT = 4  # logits per fold threadgroup (THREADS / 32 / FOLD_RPT warps each,
 
 _INPUTS = {
     "route": (["logits", "bias", "table", "ids", "prm"], ["idx", "wts"]),
-    "fold": (["x", "w", "bias", "table", "ids", "prm"], ["idx", "wts", "scratch"]),
+    "fold": (["x", "w", "bias", "table", "ids", "prm", "tickets"], ["idx", "wts", "scratch"]),
 }
 
 
@@ -202,7 +202,7 @@ def _launch_fold(face, x, weight, k, score, scaling, normalize, bias, table, ids
     nb = -(-e // FOLD_RPT)
     idx, w, _ = _kernel("fold")(
         face,
-        inputs=[x, weight, bias_in, table_in, ids_in, _f32(float(scaling))],
+        inputs=[x, weight, bias_in, table_in, ids_in, _f32(float(scaling)), _tickets(n)],
         template=launch_template(
             e,
             k,
@@ -223,11 +223,25 @@ def _launch_fold(face, x, weight, k, score, scaling, normalize, bias, table, ids
         ),
         grid=(nb * THREADS, n, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(*lead, k), (*lead, k), (n, e + 1)],
+        output_shapes=[(*lead, k), (*lead, k), (n, e)],
         output_dtypes=[mx.int32, mx.float32, mx.float32],
-        init_value=0,  # scratch: the per-token done counters start at 0
     )
     return idx, w
+
+
+_TICKETS: list = []  # [the fold's tickets buffer]
+
+
+def _tickets(n: int) -> mx.array:
+    """A zeroed uint32 buffer of >= n per-token counters shared by every fold launch (one
+    stream: launches never overlap).  Each launch leaves it zeroed (the threadgroup that
+    counts last resets its token's), so no launch needs MLX's `init_value`, which fills
+    every output of the launch first (three fill kernels per layer and token)."""
+    if not _TICKETS or _TICKETS[0].size < n:
+        a = mx.zeros((max(n, 256),), mx.uint32)
+        mx.eval(a)  # a constant: allowed (and kept) while a decode step is traced
+        _TICKETS[:] = [a]
+    return _TICKETS[0]
 
 
 def fold_operands(x: mx.array, weight: mx.array) -> bool:

@@ -83,24 +83,41 @@ _INPUTS = {
     "index_score": (["q", "w", "keys", "prm", "meta"], ["scores"]),
     "index_score_heads": (["q", "w", "keys", "prm", "meta"], ["scores"]),
     "topk": (["scores", "meta"], ["idx", "cnt"]),
-    "attend": (["q", "keys", "rows", "idx", "cnt", "sinks", "rope", "prm", "meta"], ["o", "part", "ticket"]),
+    "attend": (["q", "keys", "rows", "idx", "cnt", "sinks", "rope", "prm", "meta", "tickets"], ["o", "part"]),
 }
 
 # attend's split merge: a device-wide fence, a ticket counter and a load past the L1 cache.
+# The tickets live in a persistent input buffer (`_tickets`) that the last split of each
+# (head, query) resets: MLX inputs are const, the counter is written through a cast.
 # Metal has no device-scope fence before MSL 3.2, so its attend runs unsplit (SPLIT 1: the
 # kernel asserts it); its stand-ins only have to compile, they are never reached.
 TICKETS = {
     "metal": """#define DS4_DEVICE_TICKETS 0
 inline void ds4_device_fence() {}
-inline uint32_t ds4_device_ticket(device uint32_t* p) { return *p; }
+inline uint32_t ds4_device_ticket(const device uint32_t* p) { return *p; }
+inline void ds4_ticket_reset(const device uint32_t* p) {}
 inline float ds4_load_cg(const device float* p) { return *p; }
 """,
     "cuda": """#define DS4_DEVICE_TICKETS 1
 __device__ __forceinline__ void ds4_device_fence() { __threadfence(); }
-__device__ __forceinline__ uint32_t ds4_device_ticket(uint32_t* p) { return atomicAdd(p, 1u); }
+__device__ __forceinline__ uint32_t ds4_device_ticket(const uint32_t* p) { return atomicAdd(const_cast<uint32_t*>(p), 1u); }
+__device__ __forceinline__ void ds4_ticket_reset(const uint32_t* p) { atomicExch(const_cast<uint32_t*>(p), 0u); }
 __device__ __forceinline__ float ds4_load_cg(const float* p) { return __ldcg(p); }
 """,
 }
+_TICKETS: list = []  # [the tickets buffer]
+
+
+def _tickets(n: int) -> mx.array:
+    """A zeroed uint32 buffer of >= n counters shared by every split attend launch (one stream:
+    launches never overlap).  Each launch leaves it zeroed (the last split of a (head, query)
+    resets its counter), so no launch needs MLX's `init_value`, which fills every output of
+    the launch first (three fill kernels per layer and token on the H200)."""
+    if not _TICKETS or _TICKETS[0].size < n:
+        a = mx.zeros((max(n, 4096),), mx.uint32)
+        mx.eval(a)  # a constant: allowed (and kept) while a decode step is traced
+        _TICKETS[:] = [a]
+    return _TICKETS[0]
 
 
 def kernel_sources(kind: str, face: str) -> tuple[str, str]:
@@ -441,7 +458,7 @@ def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ra
     split = splits > 1
     return _kernel("attend")(
         face,
-        inputs=[q, keys, rows, idx, cnt, sinks, periods, _f32s(float(scale), mscale), meta],
+        inputs=[q, keys, rows, idx, cnt, sinks, periods, _f32s(float(scale), mscale), meta, _tickets(nh * c)],
         template=[
             ("T", q.dtype),
             ("TK", keys.dtype),
@@ -458,9 +475,8 @@ def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ra
         ],
         grid=(nh * ATTN_THREADS, c, int(splits)),
         threadgroup=(ATTN_THREADS, 1, 1),
-        output_shapes=[(nh, c, d), (nh * c * splits * (d + 2) if split else 1,), (nh * c if split else 1,)],
-        output_dtypes=[q.dtype, mx.float32, mx.uint32],
-        init_value=0.0 if split else None,
+        output_shapes=[(nh, c, d), (nh * c * splits * (d + 2) if split else 1,)],
+        output_dtypes=[q.dtype, mx.float32],
     )[0]
 
 
@@ -495,7 +511,7 @@ def _self_test(kind: str, face: str, rope=None) -> bool:
     cnt = mx.array([k], mx.int32)
     pos = mx.array(4 * n + 3, mx.int32)
     splits, meta = (3 if kind == "attend_split" else 1), _meta_at(pos, 2, window, n, 1)
-    for sel in ((idx, cnt), (None, None)):
+    for sel in ((idx, cnt), (None, None)):  # split: the second launch needs the tickets the first reset
         got = _launch_attend(face, q, ring, rows, *sel, sinks, d**-0.5, meta, window, 4, rope, splits)
         with mx.stream(mx.cpu):  # not TF32 (MLX CUDA's float32 matmuls): the reference on the CPU
             want = attend_at(

@@ -13,10 +13,11 @@
 // fold   grid (NB*THREADS, n, 1); the router mat-vec in the same launch:
 //   x [n, H] f32 or bf16 (XB bytes each: bf16 x rounds each logit to bf16, as x @ w.T in
 //   bf16 does), w [E, H] TW (f32 or bf16, WB bytes each; WB == 2 with XB == 2) and the inputs of `route`
-//   -> idx, wts, scratch [n, E + 1] f32 (must be zero at launch: init_value = 0).
+//   and tickets [>= n] u32 (zero at launch, zero again after it: the threadgroup that
+//   counts NB resets token t's)  -> idx, wts, scratch [n, E] f32.
 //   Threadgroup (b, t) computes logits b*RPT .. b*RPT+RPT-1 of token t (WARPS/RPT warps
 //   per row along H, 8 values per lane step, float32 sums), stores them in scratch[t],
-//   and counts itself done in the last word of scratch[t] (a device atomic after a device
+//   and counts itself done in tickets[t] (a device atomic after a device
 //   fence); the threadgroup that counts NB routes token t from scratch (the CUDA
 //   "last block" pattern: no threadgroup ever waits for another).
 // core   the routing of token t by one threadgroup (reads ROUTE_LOGIT(e)):
@@ -45,6 +46,7 @@
 #define DS4R_VOLATILE
 #define ds4r_fence() atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device)
 #define ds4r_count(p) atomic_fetch_add_explicit((device atomic_uint*)(p), 1u, memory_order_relaxed)
+#define ds4r_reset(p) atomic_store_explicit((device atomic_uint*)(p), 0u, memory_order_relaxed)
 DS4_FN float ds4r_sqrt(float x) { return metal::precise::sqrt(x); }
 DS4_FN float ds4r_log1p(float x) {  // as MLX's Metal log1p
     const float xp1 = 1.0f + x;
@@ -56,13 +58,15 @@ DS4_FN float ds4r_log1p(float x) {  // as MLX's Metal log1p
 #elif defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define DS4R_VOLATILE volatile
 #define ds4r_fence() __threadfence()
-#define ds4r_count(p) atomicAdd(reinterpret_cast<unsigned int*>(p), 1u)
+#define ds4r_count(p) atomicAdd((unsigned int*)(p), 1u)  // (an input: MLX declares it const)
+#define ds4r_reset(p) atomicExch((unsigned int*)(p), 0u)
 DS4_FN float ds4r_sqrt(float x) { return sqrtf(x); }
 DS4_FN float ds4r_log1p(float x) { return log1pf(x); }
 #else  // the g++ emulation of the tests
 #define DS4R_VOLATILE volatile
 #define ds4r_fence() __atomic_thread_fence(__ATOMIC_SEQ_CST)
-#define ds4r_count(p) __atomic_fetch_add(reinterpret_cast<uint32_t*>(p), 1u, __ATOMIC_SEQ_CST)
+#define ds4r_count(p) __atomic_fetch_add((uint32_t*)(p), 1u, __ATOMIC_SEQ_CST)
+#define ds4r_reset(p) __atomic_store_n((uint32_t*)(p), 0u, __ATOMIC_SEQ_CST)
 DS4_FN float ds4r_sqrt(float x) { return sqrtf(x); }
 DS4_FN float ds4r_log1p(float x) { return log1pf(x); }
 #endif
@@ -144,7 +148,7 @@ if (lane == 0u) {
     f_part[warp] = f_acc;
 }
 ds4_tg_barrier();
-DS4_DEV float* srow = scratch + uint64_t(t) * uint64_t(E + 1);
+DS4_DEV float* srow = scratch + uint64_t(t) * uint64_t(E);
 if (tid < uint32_t(RPT)) {
     const uint32_t r = tgx * uint32_t(RPT) + tid;
     if (r < uint32_t(E)) {
@@ -158,7 +162,11 @@ if (tid < uint32_t(RPT)) {
 }
 ds4_tg_barrier();
 if (tid == 0u) {
-    f_last[0] = ds4r_count(srow + E) == uint32_t(NB - 1) ? 1u : 0u;
+    const bool last = ds4r_count(tickets + t) == uint32_t(NB - 1);
+    if (last) {
+        ds4r_reset(tickets + t);  // all NB groups have counted: zero for the next launch
+    }
+    f_last[0] = last ? 1u : 0u;
 }
 ds4_tg_barrier();
 if (f_last[0] == 0u) {

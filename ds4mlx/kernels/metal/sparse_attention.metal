@@ -40,9 +40,9 @@
 //   rows in prefill), rows [>=N, D] TK (compressed rows), idx [C, TOPK] int32,
 //   cnt [C] int32 (SELECTED; dummies otherwise), sinks [NH] TS, rope [max(RD/2, 1)] f32
 //   (output rope periods), prm [2] f32 = (softmax scale, rope mscale),
-//   meta [5] int32 = (s, ring_last, L, N, C)
-//   ->  o [NH, C, D] T, part [NH*C*SPLIT*(D+2)] f32 and ticket [NH*C] u32 (SPLIT > 1: the
-//   launch zero-fills them; dummies otherwise)
+//   meta [5] int32 = (s, ring_last, L, N, C), tickets [>= NH*C] u32 (SPLIT > 1: zero at
+//   launch, and zero again after it: the last split of (head, query) resets its ticket)
+//   ->  o [NH, C, D] T, part [NH*C*SPLIT*(D+2)] f32 (SPLIT > 1; a dummy otherwise)
 //   Ring slot j holds position ring_last - ((ring_last - j) mod W) (ring_last = s in
 //   decode, where the ring already holds the query's row; s-1 in prefill); chunk row
 //   W+c holds position s+c.  A window key is used iff its position p satisfies
@@ -453,7 +453,11 @@ if (SPLIT > 1) {
     ds4_device_fence();
     ds4_tg_barrier();
     if (tid == 0u) {
-        sm_last[0] = ds4_device_ticket(ticket + ht) == uint32_t(SPLIT - 1) ? 1u : 0u;
+        const bool last = ds4_device_ticket(tickets + ht) == uint32_t(SPLIT - 1);
+        if (last) {
+            ds4_ticket_reset(tickets + ht);  // every split has counted: zero for the next launch
+        }
+        sm_last[0] = last ? 1u : 0u;
     }
     ds4_tg_barrier();
     if (sm_last[0] == 0u) {
