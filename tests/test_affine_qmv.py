@@ -109,7 +109,8 @@ def run_text_on_cpu(tmp_path, mode, x, wq, sc, bi, eids, wts, lim, *, gs, bits, 
             "biases": bi.reshape(-1).astype(np.float32),
             "eids": eids.reshape(-1).astype(np.int32),
             "wts": wts.reshape(-1).astype(np.float32),
-            "lim": np.array([lim, 1.0], np.float32),
+            "lim": np.array([lim, 1.0, 0.0], np.float32),
+            "nw": np.ones(1, np.float32),  # NORM 0: not read
         },
         outputs={"y": ((p, out_rows), np.float32)},
         consts={
@@ -129,6 +130,7 @@ def run_text_on_cpu(tmp_path, mode, x, wq, sc, bi, eids, wts, lim, *, gs, bits, 
             "KE": ke,
             "SW": pl.sw,
             "DENSE": int(dense),
+            "NORM": 0,
         },
         groups=(1, pl.nby, pl.nz),
         threads=32 * warps,
@@ -291,7 +293,7 @@ def _emulated_kernel(tmp_path, launches):
 
     def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         consts = {k: (np.float32 if k in ("T", "TS") else v) for k, v in template}
-        x, w, sc, bi, eids, wts, lim = inputs
+        x, w, sc, bi, eids, wts, lim, nw = inputs
         xin = np.array(x.astype(mx.float32))  # bfloat16 values exactly
         d = tmp_path / f"launch{len(launches)}"
         d.mkdir()
@@ -308,6 +310,7 @@ def _emulated_kernel(tmp_path, launches):
                 "eids": np.array(eids).reshape(-1),
                 "wts": np.array(wts).reshape(-1),
                 "lim": np.array(lim),
+                "nw": np.array(nw.astype(mx.float32)).reshape(-1),
             },
             outputs={"y": (tuple(output_shapes[0]), np.float32)},
             consts=consts,
@@ -348,6 +351,8 @@ def test_launch_wiring_on_the_cpu_emulation(tmp_path, monkeypatch):
         np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want), rtol=tol, atol=tol)
 
     both(aq.qmv, mx.concatenate([x, x[:1] * 2]), wq[1], sc[1], bi[1])
+    nw = mx.array(1.0 + 0.2 * rng.standard_normal(k_dim).astype(np.float32))
+    both(aq.qmv, mx.concatenate([x, x[:1] * 2]), wq[1], sc[1], bi[1], norm=(nw, 1e-6))  # the folded RMSNorm
     both(aq.gather_qmv, x, wq, sc, bi, ids)
     both(aq.gather_qmv, h, wq, sc, bi, ids)
     both(aq.gather_swiglu, x, wq, sc, bi, ids, limit=0.7)
@@ -378,12 +383,13 @@ DECODE_SHAPES = {
 
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
-@pytest.mark.parametrize("shape", sorted(DECODE_SHAPES))
+@pytest.mark.parametrize("shape", [*sorted(DECODE_SHAPES), "dense_1024x4096_8bit+norm"])
 def test_cuda_face_compiles_with_nvcc(dt, shape, tmp_path):
     """The CUDA translation unit MLX builds for each decode shape's plan compiles (sm_90,
     warnings are errors)."""
     from test_kernel_emulation import mlx_cuda_source, nvcc_compile
 
+    shape, norm = shape.split("+")[0], shape.endswith("+norm")  # the q_a norm folded into q_b
     mode, rows, k_dim, bits, gs, groups, x_div, ke = DECODE_SHAPES[shape]
     x_dtype = mx.bfloat16 if dt == "bfloat16" else mx.float32
     pl = aq.plan(mode, rows, k_dim, bits, groups, x_div=x_div, ke=ke, x_dtype=x_dtype)
@@ -401,6 +407,7 @@ def test_cuda_face_compiles_with_nvcc(dt, shape, tmp_path):
             x_div=x_div,
             ke=ke,
             dense=shape.startswith("dense"),
+            norm=norm,
         )
     ]
     header, body = aq.kernel_sources("cuda")
@@ -408,7 +415,8 @@ def test_cuda_face_compiles_with_nvcc(dt, shape, tmp_path):
         "affine_qmv",
         header,
         body,
-        {"x": dt, "w": "uint32", "scales": dt, "biases": dt, "eids": "int32", "wts": "float32", "lim": "float32"},
+        {"x": dt, "w": "uint32", "scales": dt, "biases": dt, "eids": "int32", "wts": "float32", "lim": "float32"}
+        | {"nw": dt},
         {"y": dt},
         tmpl,
     )

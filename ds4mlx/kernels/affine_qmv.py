@@ -102,7 +102,7 @@ def kernel_sources(face: str) -> tuple[str, str]:
 def _kernel() -> Kernel:
     return Kernel(
         "ds4mlx_affine_qmv",
-        ["x", "w", "scales", "biases", "eids", "wts", "lim"],
+        ["x", "w", "scales", "biases", "eids", "wts", "lim", "nw"],
         ["y"],
         metal=kernel_sources("metal"),
         cuda=kernel_sources("cuda"),
@@ -204,10 +204,10 @@ def _const(kind: str, n: int = 1) -> mx.array:
 
 
 @cache
-def _lim(limit: float) -> mx.array:
+def _lim(limit: float, eps: float = 0.0) -> mx.array:
     """lim[0] the SwiGLU clamp (0: none), lim[1] = 1.0 (the level trick's bits, read from
-    memory so the compiler keeps them in a register)."""
-    a = mx.array([limit, 1.0], dtype=mx.float32)
+    memory so the compiler keeps them in a register), lim[2] the folded RMSNorm's eps."""
+    a = mx.array([limit, 1.0, eps], dtype=mx.float32)
     mx.eval(a)
     return a
 
@@ -235,7 +235,9 @@ def kernel_face(k_dim: int, group_size: int, bits: int, moe: bool = False) -> st
     return face if face != "reference" and supported(k_dim, group_size, bits, face) else None
 
 
-def template(mode, pl: Plan, x_dtype, s_dtype, *, n_rows, k_dim, group_size, bits, x_div=1, ke=1, dense=False) -> list:
+def template(
+    mode, pl: Plan, x_dtype, s_dtype, *, n_rows, k_dim, group_size, bits, x_div=1, ke=1, dense=False, norm=False
+) -> list:
     return [
         ("T", x_dtype),
         ("TS", s_dtype),
@@ -253,18 +255,22 @@ def template(mode, pl: Plan, x_dtype, s_dtype, *, n_rows, k_dim, group_size, bit
         ("KE", ke),
         ("SW", pl.sw),
         ("DENSE", int(dense)),
+        ("NORM", int(norm)),
     ]
 
 
-def _launch(face, mode, x2, w, scales, biases, eids, wts, lim, *, p, n_rows, k_dim, group_size, bits, x_div=1, ke=1):
+def _launch(
+    face, mode, x2, w, scales, biases, eids, wts, lim, *, p, n_rows, k_dim, group_size, bits, x_div=1, ke=1, nw=None
+):
     """p pairs (MODE 2: tokens, ke experts each); pairs x_div at a time share an x row; a 2-D
-    w is one dense matrix (no expert ids read)."""
+    w is one dense matrix (no expert ids read); `nw` (MODE 0): x is RMS-normed with this
+    weight (eps in lim[2]) inside the launch."""
     groups = p if mode == 2 else p // x_div
     pl = plan(mode, n_rows, k_dim, bits, groups, x_div=x_div, ke=ke, x_dtype=x2.dtype, face=face)
     out_rows = n_rows // 2 if mode == 1 else n_rows
     return _kernel()(
         face,
-        inputs=[x2, w, scales, biases, eids, wts, lim],
+        inputs=[x2, w, scales, biases, eids, wts, lim, wts if nw is None else nw],
         template=template(
             mode,
             pl,
@@ -277,6 +283,7 @@ def _launch(face, mode, x2, w, scales, biases, eids, wts, lim, *, p, n_rows, k_d
             x_div=x_div,
             ke=ke,
             dense=w.ndim == 2,
+            norm=nw is not None,
         ),
         grid=(32 * WARPS, pl.nby, pl.nz),
         threadgroup=(32 * WARPS, 1, 1),
@@ -301,13 +308,20 @@ def qmv(
     group_size: int,
     bits: int,
     backend: str | None = None,
+    norm: tuple | None = None,
 ) -> mx.array:
-    """``x @ dequantize(w).T``: x [..., K] -> [..., N] in x.dtype (mx.quantized_matmul's result)."""
+    """``x @ dequantize(w).T``: x [..., K] -> [..., N] in x.dtype (mx.quantized_matmul's result).
+    `norm` = (weight, eps): of ``mx.fast.rms_norm(x, weight, eps)`` instead, the norm inside
+    the launch on a GPU face (one launch less per use: the decode step's q_a norm)."""
     k_dim = x.shape[-1]
     rows = x.size // max(k_dim, 1)
     face = _face(backend)
     if rows > MAX_ROWS or rows == 0 or w.ndim != 2 or not _usable(face, k_dim, group_size, bits, biases):
+        if norm is not None:
+            x = mx.fast.rms_norm(x, norm[0].astype(x.dtype), norm[1])
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    if norm is not None and backend is None and auto_face("affine_qmv.norm", _norm_self_test) != face:
+        x, norm = mx.fast.rms_norm(x, norm[0].astype(x.dtype), norm[1]), None  # the norm's own launch
     n_rows = w.shape[0]
     y = _launch(
         face,
@@ -318,12 +332,13 @@ def qmv(
         biases,
         _const("ids", rows),
         _const("wts"),
-        _lim(0.0),
+        _lim(0.0, 0.0 if norm is None else float(norm[1])),
         p=rows,
         n_rows=n_rows,
         k_dim=k_dim,
         group_size=group_size,
         bits=bits,
+        nw=None if norm is None else norm[0].astype(x.dtype),
     )
     return y.reshape(*x.shape[:-1], n_rows)
 
@@ -514,6 +529,20 @@ def _self_test(face: str) -> bool:
                 gather_qmv(xx, wq, sc, bi, ids, group_size=gs, bits=bits, backend="reference"),
                 dt,
             )
+    return ok
+
+
+def _norm_self_test(face: str) -> bool:
+    """The plain mode with the RMSNorm folded in (bfloat16, the decode step's q_a norm, and
+    float32) against the reference face (mx.fast.rms_norm, then the mat-vec)."""
+    key = mx.random.key(9)
+    ok = True
+    for bits, gs, k_dim, dt in _SELF_TEST_CASES:
+        wq, sc, bi, _, x, _ = _inputs(bits, gs, key, k_dim, dt)
+        nw = (1.0 + 0.2 * mx.random.normal((k_dim,), key=key)).astype(dt)
+        d = (wq[0], sc[0], bi[0])
+        kw = dict(group_size=gs, bits=bits, norm=(nw, 1e-6))
+        ok = ok and _close(qmv(x[:1], *d, **kw, backend=face), qmv(x[:1], *d, **kw, backend="reference"), dt)
     return ok
 
 

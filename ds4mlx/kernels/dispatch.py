@@ -36,6 +36,7 @@ UNVERIFIED_FACES = ("metal",)
 # kernels (auto_face names) whose every GPU face is self-tested at first use: their CUDA
 # face has passed the g++ emulation and nvcc but not yet its `pytest -m gpu` run
 UNVERIFIED_KERNELS = {  # (affine_qmv and affine_qmv.moe passed their GPU tests on 2026-12-02)
+    "affine_qmv.norm",  # the plain mode with an RMSNorm folded in (the decode step's q_a norm)
     "hyper_connection.split",
     "hyper_connection.post_pre",
     "hyper_connection.fold",  # the layer norm in hc_pre, the MoE's two halves added in hc_post

@@ -857,19 +857,23 @@ class Attention(nn.Module):
         the static layout (`LayerCache.static_state`), branch-free; the layer's new
         state arrays are appended to `new`.  The projections that read the same input
         run as one mat-vec where their formats allow (models/fused.py)."""
+        q_b, index_q_b, kv, more = self._step_inputs(x)
+        out = self._step_attend(q_b, kv, more, index_q_b, pos, state, new)
+        return self._output(out, None, 1, 1)
+
+    def _step_inputs(self, x: mx.array):
+        """The step's projections of x [1, B, H], fused where their formats allow
+        (models/fused.py): (q_b, the indexer's q_b (CSA) or None, kv, the compressors' inputs).
+        The q_a norm runs inside q_b's mat-vec on a GPU face (affine_qmv's NORM)."""
         comp = self.compressor if self.layer_type != SLIDING else None
         if getattr(self, "_step_proj", None) is None:  # built once, outside the module tree
             more = [] if comp is None else comp.input_layers()
             self._step_proj = fused_or_each([self.q_a_proj, self.kv_proj, *more])
-            self._step_q_b = fused_or_each([self.q_b_proj, comp.indexer.q_b_proj]) if comp and comp._overlap else None
+            index = [comp.indexer.q_b_proj] if comp is not None and comp._overlap else []
+            self._step_q_b = fused_or_each([self.q_b_proj, *index])  # CSA: the indexer's query too
         q_a, kv, *more = self._step_proj(x)
-        q_res = self.q_a_norm(q_a)
-        if self._step_q_b is not None:  # CSA: the indexer's query too (used above index_topk rows)
-            q_b, index_q_b = self._step_q_b(q_res)
-        else:
-            q_b, index_q_b = self.q_b_proj(q_res), None
-        out = self._step_attend(q_b, kv, more, index_q_b, pos, state, new)
-        return self._output(out, None, 1, 1)
+        q_b, *index_q_b = self._step_q_b(q_a, norm=(self.q_a_norm.weight, self.q_a_norm.eps))
+        return q_b, (index_q_b[0] if index_q_b else None), kv, more
 
     def _step_attend(self, q_b, kv, more, index_q_b, pos, state, new) -> mx.array:
         """One row's position-dependent half of `step`: its query and key at `pos`, its
@@ -917,17 +921,7 @@ class Attention(nn.Module):
         """`step` for B sessions' tokens at once (x [1, B, H], row b at position pos[b]
         over its own state iterator states[b]): the projections run once for all rows,
         the attention per row (session batching, docs/kv-cache.md §11)."""
-        comp = self.compressor if self.layer_type != SLIDING else None
-        if getattr(self, "_step_proj", None) is None:  # as in `step`
-            more = [] if comp is None else comp.input_layers()
-            self._step_proj = fused_or_each([self.q_a_proj, self.kv_proj, *more])
-            self._step_q_b = fused_or_each([self.q_b_proj, comp.indexer.q_b_proj]) if comp and comp._overlap else None
-        q_a, kv, *more = self._step_proj(x)
-        q_res = self.q_a_norm(q_a)
-        if self._step_q_b is not None:
-            q_b, index_q_b = self._step_q_b(q_res)
-        else:
-            q_b, index_q_b = self.q_b_proj(q_res), None
+        q_b, index_q_b, kv, more = self._step_inputs(x)
         outs = []
         for b, (p, st, nw) in enumerate(zip(pos, states, news)):
             row = slice(b, b + 1)

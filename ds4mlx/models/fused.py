@@ -51,13 +51,18 @@ class FusedLinear:
             return cls(arrays, splits, (m.group_size, m.bits, m.mode))
         return None
 
-    def __call__(self, x: mx.array) -> list[mx.array]:
+    def __call__(self, x: mx.array, norm: tuple | None = None) -> list[mx.array]:
+        """The layers' outputs of x, or (norm = (weight, eps)) of ``mx.fast.rms_norm(x, *norm)``,
+        the norm inside the mat-vec's launch on a GPU face."""
         a = self.arrays
+        if self.quant is not None and self.quant[2] == "affine" and "biases" in a:
+            gs, bits, _ = self.quant
+            y = affine_qmv.qmv(x, a["weight"], a["scales"], a["biases"], group_size=gs, bits=bits, norm=norm)
+            return mx.split(y, self.splits, axis=-1)
+        if norm is not None:
+            x = mx.fast.rms_norm(x, norm[0].astype(x.dtype), norm[1])
         if self.quant is None:
             y = x @ a["weight"].T
-        elif self.quant[2] == "affine" and "biases" in a:
-            gs, bits, _ = self.quant
-            y = affine_qmv.qmv(x, a["weight"], a["scales"], a["biases"], group_size=gs, bits=bits)
         else:
             gs, bits, mode = self.quant
             y = mx.quantized_matmul(
@@ -116,9 +121,18 @@ def swiglu_of(gate: nn.Module, up: nn.Module):
 
 
 def fused_or_each(layers):
-    """A callable x -> [layer(x) for layer in layers]: fused when `FusedLinear.of` can."""
+    """A callable (x, norm=None) -> [layer(x') for layer in layers], x' = x or, with norm =
+    (weight, eps), ``mx.fast.rms_norm(x, *norm)``: fused when `FusedLinear.of` can."""
     fused = FusedLinear.of(layers)
     if fused is not None:
         return fused
     layers = list(layers)
-    return lambda x: [m(x) for m in layers]
+    if len(layers) == 1 and hasattr(layers[0], "normed"):  # one mat-vec (QMVLinear): the norm inside it
+        return lambda x, norm=None: [layers[0](x) if norm is None else layers[0].normed(x, norm)]
+
+    def each(x, norm=None):
+        if norm is not None:
+            x = mx.fast.rms_norm(x, norm[0].astype(x.dtype), norm[1])
+        return [m(x) for m in layers]
+
+    return each

@@ -20,6 +20,16 @@ from . import prefill_experts
 
 
 class QMVLinear(nn.QuantizedLinear):
+    def normed(self, x: mx.array, norm: tuple) -> mx.array:
+        """``self(mx.fast.rms_norm(x, *norm))``, norm = (weight, eps): on a GPU face the norm
+        runs inside the mat-vec's launch (affine_qmv's NORM)."""
+        biases = self.get("biases")
+        if self.mode != "affine" or biases is None or "bias" in self:
+            return self(mx.fast.rms_norm(x, norm[0].astype(x.dtype), norm[1]))
+        return affine_qmv.qmv(
+            x, self["weight"], self["scales"], biases, group_size=self.group_size, bits=self.bits, norm=norm
+        )
+
     def __call__(self, x: mx.array) -> mx.array:
         biases = self.get("biases")
         if self.mode != "affine" or biases is None:

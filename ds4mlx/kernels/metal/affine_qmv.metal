@@ -11,8 +11,9 @@
 //
 // Inputs: x [NX, K_DIM] T, w [E, N_ROWS, K_DIM*BITS/32] uint32, scales / biases
 // [E, N_ROWS, K_DIM/GS] TS, eids [P] int32 (the expert of each pair; a dense
-// matrix is E = 1, DENSE = 1, and eids is not read), wts [P] float32 (MODE 2), lim [2] float32
-// (lim[0]: MODE 1's SwiGLU clamp, <= 0 for none; lim[1] = 1.0, see "levels").
+// matrix is E = 1, DENSE = 1, and eids is not read), wts [P] float32 (MODE 2), lim [3] float32
+// (lim[0]: MODE 1's SwiGLU clamp, <= 0 for none; lim[1] = 1.0, see "levels"; lim[2] NORM's
+// eps), nw [K_DIM] T (NORM, MODE 0: x is RMS-normed with this weight first; else a dummy).
 // MODE 0: y [P, N_ROWS]; pair p multiplies x row p / X_DIV by W[eids[p]].
 // MODE 1: W holds [gate; up] (N_ROWS = 2I rows); y [P, I] = silu(min(g, lim)) *
 //         clip(u, -lim, lim) of the two halves (the routed experts' gate_up).
@@ -93,7 +94,9 @@ constexpr uint32_t LMASK = (1u << BITS) - 1u;
 constexpr uint32_t GW = uint32_t(NBY * WROWS);    // warp rows per grid z slice
 constexpr int NIDS = MODE == 2 ? KE : NPAIR;      // expert ids of one grid z slice
 static_assert(!DENSE || MODE == 0, "a dense matrix is the plain mode");
+static_assert(!NORM || MODE == 0, "the folded RMSNorm is the plain mode's");
 DS4_SHARED float4 xs[KSPLIT * XSLOT];
+DS4_SHARED float nred[WARPS];
 DS4_SHARED float2 ps[KSPLIT * PSLOT];
 DS4_SHARED float red[MAXIT * WARPS * RPW];
 DS4_SHARED int sid[NIDS];
@@ -121,6 +124,28 @@ if (!DENSE) {
         }
     }
     ds4_tg_barrier();
+}
+
+// NORM: x is RMS-normed on the way into the staging, as mx.fast.rms_norm rounds it:
+// T(nw * T(x * rsqrt(mean(x^2) + eps))), the sum of squares in float32 over the block's x
+float qn_inv = 1.0f;
+if (NORM) {
+    const uint64_t xr = uint64_t(tgz) * uint64_t(K_DIM);
+    float q2 = 0.0f;
+    for (uint32_t k = tid; k < uint32_t(K_DIM); k += uint32_t(THREADS)) {
+        const float v = static_cast<float>(x[xr + k]);
+        q2 += v * v;
+    }
+    q2 = ds4_warp_sum(q2);
+    if (lane == 0u) {
+        nred[warp] = q2;
+    }
+    ds4_tg_barrier();
+    float tot = 0.0f;
+    for (int g = 0; g < WARPS; ++g) {
+        tot += nred[g];
+    }
+    qn_inv = ds4_rsqrt(tot / float(K_DIM) + lim[2]);
 }
 
 #pragma unroll 1
@@ -157,6 +182,11 @@ for (int s = -1; s < NSTEP; ++s) {
                     #pragma unroll
                     for (int a = 0; a < 16; ++a) {
                         v[a] = static_cast<float>(x[x0 + uint64_t(a)]);
+                        if (NORM) {
+                            const float y = static_cast<float>(static_cast<T>(v[a] * qn_inv));
+                            const uint32_t kk = c * uint32_t(VPL) + sub * 16u + uint32_t(a);
+                            v[a] = static_cast<float>(static_cast<T>(static_cast<float>(nw[kk]) * y));
+                        }
                     }
                     float sxp = 0.0f;
                     float sx = 0.0f;
