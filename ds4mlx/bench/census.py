@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 from .. import stepper
-from ..kernels import dispatch, sparse_attention
+from ..kernels import dispatch
 from .decode_profile import NO_LAUNCH
 
 SELFTEST_ENV = "DS4MLX_KERNEL_SELFTEST"
@@ -47,18 +47,18 @@ def cuda_placeholders():
         outs = [mx.zeros(s, t) for s, t in zip(kw["output_shapes"], kw["output_dtypes"])]
         return mx.depends(outs, [a for a in kw["inputs"] if isinstance(a, mx.array)])
 
-    saved = (dispatch.Kernel.__call__, dispatch.backend, sparse_attention._backend, os.environ.get(SELFTEST_ENV))
+    saved = (dispatch.Kernel.__call__, dispatch.backend, os.environ.get(SELFTEST_ENV))
     dispatch.Kernel.__call__ = launch
-    dispatch.backend = sparse_attention._backend = lambda device=None: "cuda"
+    dispatch.backend = lambda device=None: "cuda"
     os.environ[SELFTEST_ENV] = "0"  # placeholders would fail every self-test
     try:
         yield seen
     finally:
-        dispatch.Kernel.__call__, dispatch.backend, sparse_attention._backend = saved[:3]
-        if saved[3] is None:
+        dispatch.Kernel.__call__, dispatch.backend = saved[:2]
+        if saved[2] is None:
             os.environ.pop(SELFTEST_ENV, None)
         else:
-            os.environ[SELFTEST_ENV] = saved[3]
+            os.environ[SELFTEST_ENV] = saved[2]
 
 
 def primitives(arrays) -> Counter:
@@ -76,10 +76,10 @@ def decode_census(model, ctx: int) -> dict:
         s._tokens = [11] * (ctx - 1)  # a census shortcut: the session's length is its position
         for c in s.caches:
             c.offset = ctx - 1
-        mx.eval(s.model.static_state(s._cache))  # buffers at their bucket: not part of the step
+        mx.eval(s.model.static_state(s.caches))  # buffers at their bucket: not part of the step
         seen["kernels"].clear()
         seen["fills"].clear()
-        stepper._checked.add(id(s.model))  # no eager first run: one trace, its outputs left lazy
+        stepper.assume_checked(s.model)  # no eager first run: one trace, its outputs left lazy
         try:
             logits = s.step(mx.array(5, mx.int32))
             ops = primitives([logits, *s.cache_arrays()])

@@ -58,9 +58,9 @@ from functools import cache, lru_cache
 
 import mlx.core as mx
 
+from ds4mlx.kernels import dispatch
 from ds4mlx.kernels.attn_prep import TRIG
 from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, shared_sources
-from ds4mlx.kernels.dispatch import backend as _backend
 
 SOURCE = METAL_DIR / "sparse_attention.metal"
 SCORE_THREADS = 128  # rows per threadgroup in index_score (one thread per row)
@@ -174,7 +174,7 @@ def _meta_at(pos, lead: int, *rest) -> mx.array:
 
 
 def _face(backend: str | None) -> str:
-    return _backend() if backend is None else backend
+    return dispatch.backend() if backend is None else backend
 
 
 def model_face() -> str | None:
@@ -187,7 +187,7 @@ def model_face() -> str | None:
         return FORCE_FACE
     if os.environ.get("DS4MLX_SPARSE_ATTENTION", "") not in ("1", "true", "yes"):
         return None
-    face = _backend()
+    face = dispatch.backend()
     return None if face == "reference" else face
 
 
@@ -370,7 +370,7 @@ def step_face() -> str | None:
         return FORCE_FACE
     if os.environ.get("DS4MLX_SPARSE_ATTENTION", "").strip().lower() in ("0", "false", "no"):
         return None
-    face = _backend()
+    face = dispatch.backend()
     return None if face == "reference" else face
 
 
