@@ -75,7 +75,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from ds4mlx.kernels.activations import clamped_swiglu
+from ds4mlx.kernels.activations import clamped_swiglu, rms_normed
 from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, compact, shared_sources
 
 SOURCE = METAL_DIR / "affine_qmv.metal"
@@ -317,11 +317,10 @@ def qmv(
     rows = x.size // max(k_dim, 1)
     face = _face(backend)
     if rows > MAX_ROWS or rows == 0 or w.ndim != 2 or not _usable(face, k_dim, group_size, bits, biases):
-        if norm is not None:
-            x = mx.fast.rms_norm(x, norm[0].astype(x.dtype), norm[1])
+        x = rms_normed(x, norm)
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     if norm is not None and backend is None and auto_face("affine_qmv.norm", _norm_self_test) != face:
-        x, norm = mx.fast.rms_norm(x, norm[0].astype(x.dtype), norm[1]), None  # the norm's own launch
+        x, norm = rms_normed(x, norm), None  # the norm's own launch
     n_rows = w.shape[0]
     y = _launch(
         face,

@@ -38,6 +38,7 @@ from functools import cache
 import mlx.core as mx
 
 from ds4mlx.kernels import hyper_connection_reference as reference
+from ds4mlx.kernels.activations import rms_normed
 from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, shared_sources
 from ds4mlx.kernels.hyper_connection_reference import hc_collapse  # noqa: F401 (no kernel: the reference)
 
@@ -196,7 +197,7 @@ def _pre_launch(
     if mode == "mix":
         return pre.reshape(*lead, n), post, comb
     y = y.reshape(*lead, d)
-    return post, comb, y if norm_in is not None else _normed(y, norm)
+    return post, comb, y if norm_in is not None else rms_normed(y, norm)
 
 
 def _fusable(x: mx.array) -> bool:
@@ -226,14 +227,10 @@ def hc_pre(
         post, comb, y = _layers().hc_pre(
             x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps
         )
-        return post, comb, _normed(y, norm)
+        return post, comb, rms_normed(y, norm)
     return _pre_launch(
         face, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", backend is not None, norm=norm
     )
-
-
-def _normed(y: mx.array, norm: tuple | None) -> mx.array:
-    return y if norm is None else mx.fast.rms_norm(y, norm[0].astype(y.dtype), norm[1])
 
 
 def _folds(face: str, chosen: bool) -> bool:
@@ -255,10 +252,10 @@ def _fold_self_test(face: str) -> bool:
         out = (mx.random.normal((2, d), key=key) * 0.5).astype(dt)
         post, comb, y = ref.hc_pre(x, fn, base, scale, **kw)
         got = hc_pre(x, fn, base, scale, **kw, backend=face, norm=(w, 1e-6))
-        if not close_enough(got[2], _normed(y, (w, 1e-6)), rtol=tol, atol=tol):
+        if not close_enough(got[2], rms_normed(y, (w, 1e-6)), rtol=tol, atol=tol):
             return False
         y2 = ref.hc_post(x, out, post, comb)
-        want = _normed(ref.hc_pre(y2, fn, base, scale, **kw)[2], (w, 1e-6))
+        want = rms_normed(ref.hc_pre(y2, fn, base, scale, **kw)[2], (w, 1e-6))
         got = hc_post_pre(x, out, post, comb, fn, base, scale, **kw, backend=face, norm=(w, 1e-6))
         if not close_enough(got[3], want, rtol=tol, atol=tol):
             return False

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import affine_qmv
-from ..kernels.activations import clamped_swiglu
+from ..kernels.activations import clamped_swiglu, rms_normed
 
 
 class FusedLinear:
@@ -59,8 +59,7 @@ class FusedLinear:
             gs, bits, _ = self.quant
             y = affine_qmv.qmv(x, a["weight"], a["scales"], a["biases"], group_size=gs, bits=bits, norm=norm)
             return mx.split(y, self.splits, axis=-1)
-        if norm is not None:
-            x = mx.fast.rms_norm(x, norm[0].astype(x.dtype), norm[1])
+        x = rms_normed(x, norm)
         if self.quant is None:
             y = x @ a["weight"].T
         else:
@@ -130,9 +129,4 @@ def fused_or_each(layers):
     if len(layers) == 1 and hasattr(layers[0], "normed"):  # one mat-vec (QMVLinear): the norm inside it
         return lambda x, norm=None: [layers[0](x) if norm is None else layers[0].normed(x, norm)]
 
-    def each(x, norm=None):
-        if norm is not None:
-            x = mx.fast.rms_norm(x, norm[0].astype(x.dtype), norm[1])
-        return [m(x) for m in layers]
-
-    return each
+    return lambda x, norm=None: [m(rms_normed(x, norm)) for m in layers]

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import affine_qmv
+from ..kernels.activations import rms_normed
 from . import prefill_experts
 
 
@@ -25,7 +26,7 @@ class QMVLinear(nn.QuantizedLinear):
         runs inside the mat-vec's launch (affine_qmv's NORM)."""
         biases = self.get("biases")
         if self.mode != "affine" or biases is None or "bias" in self:
-            return self(mx.fast.rms_norm(x, norm[0].astype(x.dtype), norm[1]))
+            return self(rms_normed(x, norm))
         return affine_qmv.qmv(
             x, self["weight"], self["scales"], biases, group_size=self.group_size, bits=self.bits, norm=norm
         )
