@@ -292,6 +292,22 @@ const uint32_t warp = tid >> 5;
 }
 
 
+_TICKETS: dict[str, mx.array] = {}
+
+
+def tickets(owner: str, n: int, at_least: int) -> mx.array:
+    """A zeroed uint32 buffer of >= n counters (>= at_least) that `owner`'s "last threadgroup"
+    launches share (one stream: launches never overlap).  Each launch leaves it zeroed (the
+    threadgroup that counts last resets its counter), so no launch needs MLX's `init_value`,
+    which fills every output of the launch first (a kernel per output, per layer and token)."""
+    buf = _TICKETS.get(owner)
+    if buf is None or buf.size < n:
+        buf = mx.zeros((max(n, at_least),), mx.uint32)
+        mx.eval(buf)  # a constant: allowed (and kept) while a decode step is traced
+        _TICKETS[owner] = buf
+    return buf
+
+
 def compact(text: str) -> str:
     """Kernel text without comments, indentation and blank lines (a line holding a string
     literal keeps its comment): MLX hashes a custom kernel's whole source on every launch

@@ -54,7 +54,7 @@ from functools import cache, lru_cache
 
 import mlx.core as mx
 
-from ds4mlx.kernels.dispatch import INDEX, METAL_DIR, PRELUDE, Kernel, auto_face, sections
+from ds4mlx.kernels.dispatch import INDEX, METAL_DIR, PRELUDE, Kernel, auto_face, sections, tickets
 from ds4mlx.models.layers import route_weights, score_fn, topk_indices
 
 _log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ def _launch_fold(face, x, weight, k, score, scaling, normalize, bias, table, ids
     nb = -(-e // FOLD_RPT)
     idx, w, _ = _kernel("fold")(
         face,
-        inputs=[x, weight, bias_in, table_in, ids_in, _f32(float(scaling)), _tickets(n)],
+        inputs=[x, weight, bias_in, table_in, ids_in, _f32(float(scaling)), tickets("moe_route.fold", n, 256)],
         template=launch_template(
             e,
             k,
@@ -227,21 +227,6 @@ def _launch_fold(face, x, weight, k, score, scaling, normalize, bias, table, ids
         output_dtypes=[mx.int32, mx.float32, mx.float32],
     )
     return idx, w
-
-
-_TICKETS: list = []  # [the fold's tickets buffer]
-
-
-def _tickets(n: int) -> mx.array:
-    """A zeroed uint32 buffer of >= n per-token counters shared by every fold launch (one
-    stream: launches never overlap).  Each launch leaves it zeroed (the threadgroup that
-    counts last resets its token's), so no launch needs MLX's `init_value`, which fills
-    every output of the launch first (three fill kernels per layer and token)."""
-    if not _TICKETS or _TICKETS[0].size < n:
-        a = mx.zeros((max(n, 256),), mx.uint32)
-        mx.eval(a)  # a constant: allowed (and kept) while a decode step is traced
-        _TICKETS[:] = [a]
-    return _TICKETS[0]
 
 
 def fold_operands(x: mx.array, weight: mx.array) -> bool:

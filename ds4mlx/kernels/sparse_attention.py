@@ -87,7 +87,7 @@ _INPUTS = {
 }
 
 # attend's split merge: a device-wide fence, a ticket counter and a load past the L1 cache.
-# The tickets live in a persistent input buffer (`_tickets`) that the last split of each
+# The tickets live in a persistent input buffer (`dispatch.tickets`) that the last split of each
 # (head, query) resets: MLX inputs are const, the counter is written through a cast.
 # Metal has no device-scope fence before MSL 3.2, so its attend runs unsplit (SPLIT 1: the
 # kernel asserts it); its stand-ins only have to compile, they are never reached.
@@ -105,19 +105,6 @@ __device__ __forceinline__ void ds4_ticket_reset(const uint32_t* p) { atomicExch
 __device__ __forceinline__ float ds4_load_cg(const float* p) { return __ldcg(p); }
 """,
 }
-_TICKETS: list = []  # [the tickets buffer]
-
-
-def _tickets(n: int) -> mx.array:
-    """A zeroed uint32 buffer of >= n counters shared by every split attend launch (one stream:
-    launches never overlap).  Each launch leaves it zeroed (the last split of a (head, query)
-    resets its counter), so no launch needs MLX's `init_value`, which fills every output of
-    the launch first (three fill kernels per layer and token on the H200)."""
-    if not _TICKETS or _TICKETS[0].size < n:
-        a = mx.zeros((max(n, 4096),), mx.uint32)
-        mx.eval(a)  # a constant: allowed (and kept) while a decode step is traced
-        _TICKETS[:] = [a]
-    return _TICKETS[0]
 
 
 def kernel_sources(kind: str, face: str) -> tuple[str, str]:
@@ -458,7 +445,18 @@ def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ra
     split = splits > 1
     return _kernel("attend")(
         face,
-        inputs=[q, keys, rows, idx, cnt, sinks, periods, _f32s(float(scale), mscale), meta, _tickets(nh * c)],
+        inputs=[
+            q,
+            keys,
+            rows,
+            idx,
+            cnt,
+            sinks,
+            periods,
+            _f32s(float(scale), mscale),
+            meta,
+            dispatch.tickets("attend", nh * c, 4096),
+        ],
         template=[
             ("T", q.dtype),
             ("TK", keys.dtype),
