@@ -15,9 +15,7 @@ first (counted apart, `fills`), and a custom kernel's non-contiguous input is co
 
 from __future__ import annotations
 
-import io
 import os
-import re
 from collections import Counter
 from contextlib import contextmanager
 
@@ -25,7 +23,7 @@ import mlx.core as mx
 
 from .. import stepper
 from ..kernels import dispatch
-from .decode_profile import NO_LAUNCH
+from .decode_profile import NO_LAUNCH, graph_primitives
 
 SELFTEST_ENV = "DS4MLX_KERNEL_SELFTEST"
 
@@ -61,13 +59,6 @@ def cuda_placeholders():
             os.environ[SELFTEST_ENV] = saved[2]
 
 
-def primitives(arrays) -> Counter:
-    """Primitive names of the lazy graph behind `arrays`, views and placeholders (`Full`) apart."""
-    buf = io.StringIO()
-    mx.export_to_dot(buf, *arrays)
-    return Counter(lbl.split()[0] for lbl in re.findall(r'label ?= ?"([^"]*)"', buf.getvalue()) if lbl[:1].isupper())
-
-
 def decode_census(model, ctx: int) -> dict:
     """One compiled decode step of a static-layout `model` (LanguageModel) at position ctx - 1:
     {"kernels", "fills", "mlx" (primitive -> count, views left out), "total", "layers"}."""
@@ -82,7 +73,7 @@ def decode_census(model, ctx: int) -> dict:
         stepper.assume_checked(s.model)  # no eager first run: one trace, its outputs left lazy
         try:
             logits = s.step(mx.array(5, mx.int32))
-            ops = primitives([logits, *s.cache_arrays()])
+            ops = graph_primitives([logits, *s.cache_arrays()])
         finally:
             stepper.forget(s.model)
     mlx_ops = {k: v for k, v in ops.items() if k not in NO_LAUNCH and k != "Full"}

@@ -159,6 +159,20 @@ NO_LAUNCH = frozenset(
 )
 
 
+def graph_primitives(arrays):
+    """Counter of the primitive names in the lazy graph behind `arrays` (`mx.export_to_dot`'s
+    node labels; array nodes carry none), views included."""
+    import io
+    import re
+    from collections import Counter
+
+    import mlx.core as mx
+
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *arrays)
+    return Counter(lbl.split()[0] for lbl in re.findall(r'label ?= ?"([^"]*)"', buf.getvalue()))
+
+
 def count_launches(session, token) -> dict:
     """Kernel launches of one decode step, counted on the graph the step hands to MLX.
 
@@ -168,10 +182,6 @@ def count_launches(session, token) -> dict:
     one launch.  An approximation both ways: a few primitives launch more than one
     kernel (sorts, split-k matmuls) and a contiguous copy may be elided.  The step is
     taken back afterwards (a snapshot round trip), so the session is unchanged."""
-    import io
-    import re
-    from collections import Counter
-
     import mlx.core as mx
 
     snap = session.snapshot()
@@ -179,10 +189,8 @@ def count_launches(session, token) -> dict:
     session.restore(snap)
     logits = session.step(token)
     outs = [logits] + [a for c in session.caches for a in c.state.values()]
-    buf = io.StringIO()
-    mx.export_to_dot(buf, *outs)
+    kinds = graph_primitives(outs)
     session.restore(snap)
-    kinds = Counter(lbl.split()[0] for lbl in re.findall(r'label ?= ?"([^"]*)"', buf.getvalue()))
     kinds = {k: v for k, v in kinds.items() if k not in NO_LAUNCH}
     return {"total": sum(kinds.values()), "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
 
