@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import stepper
+from .kernels import cuda_cache
 from .prefill_chunk import default_chunk
 
 MAGIC = b"DS4MLXS\x00"
@@ -178,7 +179,8 @@ class Session:
         total = len(ids)
         for i in range(0, total, chunk):
             part = ids[i : i + chunk]
-            logits = self.model(mx.array([part], dtype=mx.int32), self._cache, last_only=True)[0, -1]
+            with cuda_cache.deferred():  # a chunk's new CUDA kernels compile side by side
+                logits = self.model(mx.array([part], dtype=mx.int32), self._cache, last_only=True)[0, -1]
             mx.eval(logits, *self.cache_arrays())
             self._tokens.extend(part)
             self._logits = logits

@@ -32,6 +32,7 @@ import weakref
 import mlx.core as mx
 
 from . import steering
+from .kernels import cuda_cache
 
 MODE_ENV = "DS4MLX_DECODE"
 MODES = ("compiled", "eager", "legacy")
@@ -144,8 +145,11 @@ def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, un
         if how == "compiled" and id(model) not in _checked:
             # once per model, eagerly first: kernels self-test (and evaluate) at their first
             # use, which MLX refuses inside an mx.compile trace; the step is pure, so this
-            # run's result is simply dropped
-            mx.eval(_pure(model)(ids, mx.array(pos, mx.int32), *state))
+            # run's result is simply dropped; the CUDA kernels it is first to launch compile
+            # side by side (cuda_cache), before anything is evaluated
+            with cuda_cache.deferred():
+                first = _pure(model)(ids, mx.array(pos, mx.int32), *state)
+            mx.eval(first)
         out = fn(ids, mx.array(pos, mx.int32), *state)
         if id(model) not in _checked:  # once per model: a backend without one of the step's ops
             mx.eval(out)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ds4mlx.kernels import cuda_cache
+
 BACKENDS = ("reference", "metal", "cuda")
 METAL_DIR = Path(__file__).resolve().parent / "metal"  # package data: ships in the wheel
 # GPU faces never run on real hardware here (the CUDA faces ran their tests on an H200)
@@ -208,7 +210,10 @@ class Kernel:
         return self._built[face]
 
     def __call__(self, face: str, **kwargs) -> list[mx.array]:
-        return self._build(face)(**kwargs)
+        fn = self._build(face)
+        if face == "cuda":
+            cuda_cache.prepare(self, fn, kwargs)  # compiled once per machine, not once per process
+        return fn(**kwargs)
 
 
 # --------------------------------------------------------------------------- shared preludes
