@@ -47,19 +47,13 @@ log = logging.getLogger("ds4mlx.kernels")
 
 # MLX's generated source starts with these two includes (mlx/backend/cuda/custom_kernel.cpp)
 DEVICE_HEADER = "mlx/backend/cuda/device/utils.cuh"
-# ...a stand-in for the first: the types MLX's dtype names use, nothing else
+# ...a stand-in for the first: the types MLX's dtype names use (cuda/std/cstdint: NVRTC has no
+# <stdint.h>, and its int64_t is long long), nothing else
 STUB_HEADER = r"""
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-typedef signed char int8_t;
-typedef short int16_t;
-typedef int int32_t;
-typedef long int64_t;
-typedef unsigned char uint8_t;
-typedef unsigned short uint16_t;
-typedef unsigned int uint32_t;
-typedef unsigned long uint64_t;
+#include <cuda/std/cstdint>
 """
 MAX_FILE_NAME = 245  # MLX splits longer module names into folders (jit_module.cpp get_ptx_path)
 _CAPTURE = re.compile(r"Generated source code for `([^`]+)`:\n```\n(.*)\n```\n", re.S)
@@ -169,13 +163,18 @@ def _cuda_homes() -> list[Path]:
 
 @cache
 def include_dirs() -> tuple[str, ...]:
-    """Folders holding cuda_bf16.h: the pip CUDA packages beside MLX first, then a toolkit."""
+    """MLX's include folders: CCCL (cooperative_groups needs cuda/std from CUDA 13 on: MLX's
+    own copy, else a toolkit's), then the CUDA headers (the pip packages beside MLX first)."""
+    cccl = [os.environ.get("MLX_CCCL_DIR", ""), str(Path(mx.__file__).resolve().parent / "include" / "cccl")]
+    cccl += [str(h / "include" / "cccl") for h in _cuda_homes()]
+    cccl = [d for d in cccl if d and Path(d, "cuda", "std").is_dir()][:1]
     found = []
     for root in _site_roots():
         found += glob.glob(str(root / "nvidia" / "*" / "include"))
         found += glob.glob(str(root / "nvidia" / "*" / "*" / "include"))
     found += [str(h / "include") for h in _cuda_homes()]
-    return tuple(d for d in dict.fromkeys(found) if Path(d, "cuda_bf16.h").is_file())
+    cuda = [d for d in dict.fromkeys(found) if Path(d, "cuda_bf16.h").is_file()][:1]
+    return tuple(cccl + cuda)
 
 
 @cache
@@ -250,7 +249,8 @@ def compile_nvcc(source: str, kernel_name: str, arch: str) -> tuple[bytes, str]:
         header.write_text(STUB_HEADER)
         src, out = Path(tmp, "k.cu"), Path(tmp, "k.cubin")
         src.write_text(source)
-        cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", f"-I{tmp}/inc", "-o", str(out), str(src)]
+        incs = [f"-I{d}" for d in (f"{tmp}/inc", *include_dirs())]
+        cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", *incs, "-o", str(out), str(src)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError("nvcc: " + (r.stderr or r.stdout)[-2000:])
