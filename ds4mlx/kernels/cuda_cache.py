@@ -133,12 +133,13 @@ def _capture_stdout(fn) -> str:
 # --------------------------------------------------------------------------- compilers
 
 
+@cache
 def _arch() -> str:
     """sm_XY(a) as MLX compiles for this device (an 'a' suffix from compute capability 9)."""
     env = os.environ.get("DS4MLX_CUDA_ARCH")
     if env:
         return env
-    arch = str(mx.device_info().get("architecture", ""))
+    arch = str(mx.device_info(mx.gpu).get("architecture", ""))  # not the default device: a self-test may run on the CPU
     m = re.fullmatch(r"sm_(\d+)", arch)
     if not m:
         raise RuntimeError(f"unknown CUDA architecture {arch!r}")
