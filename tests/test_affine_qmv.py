@@ -781,6 +781,8 @@ def test_unverified_qmv_self_tests_on_cuda(fake_cuda):
 def test_unverified_hc_split_self_test_on_cuda(fake_cuda):
     from ds4mlx.kernels import hyper_connection as hck
 
+    # passed its GPU tests on the H200 (2026-12-02): listed as unverified here to test the mechanism
+    fake_cuda.setattr(dispatch, "UNVERIFIED_KERNELS", dispatch.UNVERIFIED_KERNELS | {"hyper_connection.split"})
     calls = []
     fake_cuda.setattr(hck, "_kernel", _garbage_kernel(calls))
     n, d = 4, 64
@@ -810,6 +812,8 @@ def test_metal_and_cuda_share_one_text():
 def test_unverified_hc_post_pre_self_test_on_cuda(fake_cuda):
     from ds4mlx.kernels import hyper_connection as hck
 
+    # passed its GPU tests on the H200 (2026-12-02): listed as unverified here to test the mechanism
+    fake_cuda.setattr(dispatch, "UNVERIFIED_KERNELS", dispatch.UNVERIFIED_KERNELS | {"hyper_connection.post_pre"})
     calls = []
     fake_cuda.setattr(hck, "_kernel", _garbage_kernel(calls))
     n, d = 4, 64
