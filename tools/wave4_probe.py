@@ -64,9 +64,9 @@ def gpu_busy(session, steps: int, top: int = 0) -> tuple[float, float, float]:
 
     tok = mx.array(5, mx.int32)
     snap = session.snapshot()
-    # one untimed step first: the step after a restore copies the restored (non-contiguous)
-    # cache arrays once (~84 copy_gg_nd, 3 ms on the H200 on 2026-12-02: counted as 10.5 per
-    # step over 8 profiled steps in sessions 6 and 7); the decode loop never pays it
+    # one untimed step first: sessions 6 and 7 counted 84 copy_gg_nd of 4-D bfloat16 arrays in
+    # the 8 profiled steps (3 ms a step on average), most likely the first step after the
+    # restore copying the restored cache arrays once; the decode loop does not restore
     mx.eval(session.step(tok))
     walls = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
