@@ -356,3 +356,148 @@ if (c >= uint32_t(K_DIM / 32) || row >= uint32_t(N_ROWS)) {
         o[i] = static_cast<T>(buf[i]);
     }
 }
+
+// ---- the fused MoE decode modes (issue #13: launches, not bytes, bound the decode step)
+//
+// qmv_swiglu: gate and up (two GGUF tensors of one type and shape) and the clamped
+// SwiGLU in one launch; qmv_down_sum: the down projection of a token's k experts and
+// their routing-weighted sum in one launch.  Both keep qmv's layout (x staged
+// transposed in shared memory, lane l on slices l, l+32, ..., RPW rows per SIMD
+// group, DS4_DOT16, float32 accumulation, a warp sum per row); their headers add the
+// `fused` section (and, on Metal, `prelude_fused_metal`; its CUDA twin is in
+// quant_moe.py) after the DS4_CHUNK / DS4_DOT16 defines.  Extra prelude name:
+//   ds4_exp(f)       e^f (precise on Metal)
+
+// @@ prelude_fused_metal
+inline float ds4_exp(float x) { return metal::precise::exp(x); }
+
+// @@ fused
+// Stage x row xp (k_dim values of type TX) in xs as float32, transposed as qmv stages it
+// (value 512s + 16l + i at 512s + 32i + l); every thread of the group takes part.
+template <typename TX>
+DS4_FN void ds4_stage_x(SHR float* xs, const DEV TX* xp, uint32_t k_dim, uint32_t tid, uint32_t nthreads) {
+    for (uint32_t q = tid; q < (k_dim + 511u) / 512u * 512u; q += nthreads) {
+        const uint32_t v = (q & ~511u) | ((q & 31u) << 4) | ((q >> 5) & 15u);
+        if (v < k_dim) {
+            xs[q] = static_cast<float>(xp[v]);
+        }
+    }
+}
+
+// silu(min(g, lim)) * clip(u, -lim, lim), no clamp for lim <= 0: as the reference
+// (activations.clamped_swiglu: g * sigmoid(g), then times u)
+DS4_FN float ds4_swiglu(float g, float u, float lim) {
+    if (lim > 0.0f) {
+        g = g < lim ? g : lim;
+        u = u < lim ? (u > -lim ? u : -lim) : lim;
+    }
+    return (g * (1.0f / (1.0f + ds4_exp(-g)))) * u;
+}
+
+// @@ qmv_swiglu
+// inputs: x [NX, K_DIM] T, wg, wu [E, N_ROWS, ROW_BYTES] uint8 (gate, up), eids [P] int32,
+// lim [1] float32 (the clamp, 0: none); output y [P, N_ROWS] T = swiglu(gate row . x, up row . x).
+// Grid and staging as qmv (pair p reads x row p / X_DIV); a SIMD group takes RPW output rows,
+// i.e. RPW gate rows and RPW up rows, whose dot products share each x read.
+DS4_SHARED float xs[(K_DIM + 511) / 512 * 512];
+DS4_SHARED uint64_t gs[DS4_GRID_ROWS];
+ds4_stage_x(xs, x + uint64_t(pair / uint32_t(X_DIV)) * uint64_t(K_DIM), uint32_t(K_DIM), tid, 32u * uint32_t(WARPS));
+for (uint32_t i = tid; i < uint32_t(DS4_GRID_ROWS); i += 32u * uint32_t(WARPS)) {
+    gs[i] = ds4_iq2xxs_grid[i];
+}
+ds4_tg_barrier();
+{
+    const uint32_t row0 = (tgy * uint32_t(WARPS) + warp) * uint32_t(RPW);
+    if (row0 < uint32_t(N_ROWS)) {
+        const uint64_t base = uint64_t(eids[pair]) * uint64_t(N_ROWS) * uint64_t(ROW_BYTES);
+        float ag[RPW], au[RPW];
+        for (int r = 0; r < RPW; ++r) {
+            ag[r] = 0.0f;
+            au[r] = 0.0f;
+        }
+        for (uint32_t st = 0; st < uint32_t((K_DIM + 511) / 512); ++st) {
+            const uint32_t h = 32u * st + lane;
+            if (K_DIM % 512 != 0 && h >= uint32_t(K_DIM / 16)) {
+                break;
+            }
+            float xv[16];
+            for (int i = 0; i < 16; ++i) {
+                xv[i] = xs[512u * st + 32u * uint32_t(i) + lane];
+            }
+            for (int r = 0; r < RPW; ++r) {
+                // rows past N_ROWS redo the last row (no branch in the loop); not written
+                const uint32_t rr = row0 + uint32_t(r) < uint32_t(N_ROWS) ? row0 + uint32_t(r) : uint32_t(N_ROWS) - 1u;
+                const uint64_t off = base + uint64_t(rr) * uint64_t(ROW_BYTES);
+                ag[r] += DS4_DOT16(wg + off, h, xv, gs);
+                au[r] += DS4_DOT16(wu + off, h, xv, gs);
+            }
+        }
+        const float lim0 = lim[0];
+        for (int r = 0; r < RPW; ++r) {
+            const float g = ds4_warp_sum(ag[r]);
+            const float u = ds4_warp_sum(au[r]);
+            if (lane == 0u && row0 + uint32_t(r) < uint32_t(N_ROWS)) {
+                y[uint64_t(pair) * uint64_t(N_ROWS) + row0 + uint32_t(r)] = static_cast<T>(ds4_swiglu(g, u, lim0));
+            }
+        }
+    }
+}
+
+// @@ qmv_down_sum
+// inputs: x [NT * KE, K_DIM] T (token t's KE vectors, one per selected expert), w [E, N_ROWS,
+// ROW_BYTES] uint8, eids [NT * KE] int32, wts [NT * KE] float32; output y [NT, N_ROWS] T:
+// y[t, r] = sum_j wts[t KE + j] * (W[eids[t KE + j]] row r . x[t KE + j]).
+// Grid (32*WARPS, ceil(N_ROWS / (WARPS*RPW)), NT): `pair` is the token.  The group stages the
+// token's KE vectors one after another (the shared x of qmv, KE times); each lane adds its
+// weighted partial dot products, one warp sum per row at the end.
+DS4_SHARED float xs[(K_DIM + 511) / 512 * 512];
+DS4_SHARED uint64_t gs[DS4_GRID_ROWS];
+for (uint32_t i = tid; i < uint32_t(DS4_GRID_ROWS); i += 32u * uint32_t(WARPS)) {
+    gs[i] = ds4_iq2xxs_grid[i];
+}
+{
+    const uint32_t row0 = (tgy * uint32_t(WARPS) + warp) * uint32_t(RPW);
+    float acc[RPW];
+    for (int r = 0; r < RPW; ++r) {
+        acc[r] = 0.0f;
+    }
+    for (uint32_t j = 0; j < uint32_t(KE); ++j) {
+        const uint32_t p = pair * uint32_t(KE) + j;
+        ds4_tg_barrier();  // every lane is done with the previous vector
+        ds4_stage_x(xs, x + uint64_t(p) * uint64_t(K_DIM), uint32_t(K_DIM), tid, 32u * uint32_t(WARPS));
+        ds4_tg_barrier();
+        if (row0 < uint32_t(N_ROWS)) {
+            const uint64_t base = uint64_t(eids[p]) * uint64_t(N_ROWS) * uint64_t(ROW_BYTES);
+            const float wj = wts[p];
+            float part[RPW];
+            for (int r = 0; r < RPW; ++r) {
+                part[r] = 0.0f;
+            }
+            for (uint32_t st = 0; st < uint32_t((K_DIM + 511) / 512); ++st) {
+                const uint32_t h = 32u * st + lane;
+                if (K_DIM % 512 != 0 && h >= uint32_t(K_DIM / 16)) {
+                    break;
+                }
+                float xv[16];
+                for (int i = 0; i < 16; ++i) {
+                    xv[i] = xs[512u * st + 32u * uint32_t(i) + lane];
+                }
+                for (int r = 0; r < RPW; ++r) {
+                    const uint32_t rr = row0 + uint32_t(r) < uint32_t(N_ROWS) ? row0 + uint32_t(r) : uint32_t(N_ROWS) - 1u;
+                    part[r] += DS4_DOT16(w + base + uint64_t(rr) * uint64_t(ROW_BYTES), h, xv, gs);
+                }
+            }
+            for (int r = 0; r < RPW; ++r) {
+                acc[r] += wj * part[r];
+            }
+        }
+    }
+    if (row0 < uint32_t(N_ROWS)) {
+        for (int r = 0; r < RPW; ++r) {
+            const float tot = ds4_warp_sum(acc[r]);
+            if (lane == 0u && row0 + uint32_t(r) < uint32_t(N_ROWS)) {
+                y[uint64_t(pair) * uint64_t(N_ROWS) + row0 + uint32_t(r)] = static_cast<T>(tot);
+            }
+        }
+    }
+}
