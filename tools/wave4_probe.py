@@ -102,6 +102,11 @@ def main() -> int:
     p.add_argument("--no-decode", action="store_true", help="prefill only")
     p.add_argument("--fake-context", action="store_true", help="jump the caches to each context (no prefill)")
     p.add_argument("--tiny", action="store_true", help="narrow shapes and 16 experts (a CPU smoke run)")
+    p.add_argument(
+        "--descending",
+        action="store_true",
+        help="largest context first (with --fake-context): is 2K slower than 32K because it runs first?",
+    )
     a = p.parse_args()
     t0 = time.time()
     tiny = dict(hidden_size=256, num_attention_heads=4, head_dim=64, partial_rotary_factor=0.5, q_lora_rank=64)
@@ -128,7 +133,7 @@ def main() -> int:
         "label,expert_format,ctx,prefill_tps,decode_tps,ms_per_token,build_ms,dispatch_ms,wait_ms,roofline_pct",
         flush=True,
     )
-    for ctx in sorted(a.ctx):
+    for ctx in sorted(a.ctx, reverse=a.descending):
         t0 = time.time()
         if a.fake_context:
             fast_forward(s, ctx)
@@ -163,7 +168,7 @@ def main() -> int:
             f"{sp['dispatch_ms']:.2f},{sp['wait_ms']:.2f},{100 * tps / roof if roof else 0:.1f}",
             flush=True,
         )
-        if a.gpu_busy and ctx == min(a.ctx):
+        if a.gpu_busy and ctx == min(a.ctx):  # (with --descending: the last context)
             busy, kern, wall = gpu_busy(s, a.steps, a.top)
             say(
                 f"{a.label}: GPU busy {busy:.2f} ms per step, {kern:.0f} kernels per step "

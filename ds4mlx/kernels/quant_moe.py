@@ -11,6 +11,11 @@ Public API
 ``gather_qmm(x, w_blocks, qtype, expert_ids)``    prefill: pairs sorted by expert on the device,
                                                    the stack dequantized, one grouped GEMM (no host sync)
 ``gather_qmatmul(...)``                            picks one of the two by size
+``gather_swiglu_blocks(x, gate, up, qtype, ids, *, limit)``  decode, one launch: ``silu(min(g, limit)) *
+                                                   clip(u, -limit, limit)`` of two expert banks -> ``[n_tok, k, I]``
+``gather_down_sum_blocks(h, down, qtype, ids, weights)``     decode, one launch: ``sum_j weights[t, j] *
+                                                   down_{ids[t, j]} . h[t, j]`` -> ``[n_tok, H]``
+``moe_face(qtype)``                                the GPU face those two run on by themselves, or None
 ``gather_dequantize(w_blocks, qtype, ids)``       ``[M, rows, K]`` weights of experts ``ids``
 ``dequantize_mx(blocks, qtype, k)``                MLX-ops decoding of ``[..., row_bytes]`` rows
 
@@ -35,6 +40,12 @@ Measured speeds of this qmv layout and of the first one, beside MLX's affine
 gather_qmm: BENCHMARKS.md, "Quantized-MoE decode kernel".
 Its launch constants (QMV_WARPS, QMV_ROWS_PER_WARP) were reasoned, not swept,
 and so is `QMV_MAX_PAIRS_AUTO`.
+
+The two fused MoE modes (issue #13: the decode step is host-bound, ~20 µs of host time
+per CUDA launch; seven launches per layer for GGUF experts became two) reuse qmv's
+layout in the file's `qmv_swiglu` / `qmv_down_sum` sections.  Not yet run on a GPU: the
+g++ emulation and nvcc check the shared text; their auto_face names (`MOE_KERNELS`) are
+in `dispatch.UNVERIFIED_KERNELS`, so they self-test against the reference at first use.
 """
 
 from __future__ import annotations
@@ -60,6 +71,12 @@ QMV_ROWS_PER_WARP = 4
 QMV_MAX_K = 7680
 MAX_PAIRS_QMV = 65535  # CUDA grid-z limit for the qmv launch
 QMV_MAX_PAIRS_AUTO = 64  # gather_qmatmul: above this many (token, expert) pairs, use qmm
+# Fused modes: output rows per SIMD group.  swiglu: 2 output rows = 4 weight rows in flight, as
+# qmv's 4; down_sum: 2, so a token's H rows still make ~H / 16 groups (its k experts are a loop).
+# Reasoned, not swept.
+SWIGLU_RPW = 2
+DOWN_SUM_RPW = 2
+MOE_KERNELS = {t: f"quant_moe.moe.{t.name}" for t in SUPPORTED}  # their auto_face names
 
 # The CUDA face: prelude and index computation.  Everything else is the shared text.
 CUDA_PRELUDE = r"""
@@ -82,6 +99,7 @@ __device__ __forceinline__ float ds4_warp_sum(float v) {
 __device__ __forceinline__ void ds4_tg_barrier() { __syncthreads(); }
 __device__ __forceinline__ uint32_t ds4_popcount(uint32_t v) { return (uint32_t)__popc(v); }
 """
+CUDA_PRELUDE_FUSED = "__device__ __forceinline__ float ds4_exp(float x) { return expf(x); }\n"
 
 CUDA_INDEX_QMV = r"""
 const uint32_t tid = threadIdx.x;
@@ -103,15 +121,18 @@ def _grid_define() -> str:
     return f"#define DS4_IQ2XXS_GRID_VALUES {vals}\n"
 
 
+FUSED_KINDS = ("qmv_swiglu", "qmv_down_sum")
+
+
 def kernel_sources(kind: str, qtype, face: str) -> tuple[str, str]:
-    """(header, body) of kernel `kind` ('qmv' or 'dequant') for `qtype` on `face`."""
+    """(header, body) of kernel `kind` ('qmv', 'dequant' or one of FUSED_KINDS) for `qtype` on `face`."""
     qtype = as_qtype(qtype)
     sec = sections(SOURCE)
     prelude = sec["prelude_metal"] if face == "metal" else CUDA_PRELUDE
     if face == "metal":
-        index = sec[f"index_{kind}_metal"]
+        index = sec["index_dequant_metal" if kind == "dequant" else "index_qmv_metal"]
     else:
-        index = CUDA_INDEX_QMV if kind == "qmv" else CUDA_INDEX_DEQUANT
+        index = CUDA_INDEX_DEQUANT if kind == "dequant" else CUDA_INDEX_QMV
     name = qtype.name.lower()
     header = (
         prelude
@@ -120,13 +141,23 @@ def kernel_sources(kind: str, qtype, face: str) -> tuple[str, str]:
         + f"#define DS4_CHUNK ds4_chunk_{name}\n#define DS4_DOT16 ds4_dot16_{name}\n"
         + f"#define DS4_GRID_ROWS {256 if qtype == QT.IQ2_XXS else 1}\n"
     )
+    if kind in FUSED_KINDS:
+        header += (sec["prelude_fused_metal"] if face == "metal" else CUDA_PRELUDE_FUSED) + sec["fused"]
     return header, index + sec[kind]
+
+
+_INPUTS = {
+    "qmv": ["x", "w", "eids"],
+    "dequant": ["w", "eids"],
+    "qmv_swiglu": ["x", "wg", "wu", "eids", "lim"],
+    "qmv_down_sum": ["x", "w", "eids", "wts"],
+}
 
 
 @cache
 def _kernel(kind: str, qtype: QT) -> Kernel:
     name = f"ds4mlx_{kind}_{qtype.name.lower()}"
-    inputs = ["x", "w", "eids"] if kind == "qmv" else ["w", "eids"]
+    inputs = _INPUTS[kind]
     return Kernel(
         name, inputs, ["y"], metal=kernel_sources(kind, qtype, "metal"), cuda=kernel_sources(kind, qtype, "cuda")
     )
