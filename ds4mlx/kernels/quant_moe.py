@@ -55,6 +55,7 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
+from ds4mlx.kernels.activations import clamped_swiglu
 from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, sections
 from ds4mlx.quant import QT, as_qtype, iq2xxs_grid, iq2xxs_grid_u64, iq2xxs_sign_table, random_gguf_blocks, row_bytes
 
@@ -468,3 +469,153 @@ def gather_qmatmul(
     if pairs <= QMV_MAX_PAIRS_AUTO:
         return gather_qmv(x, w_blocks, qtype, expert_ids, backend=backend)
     return gather_qmm(x, w_blocks, qtype, expert_ids, backend=backend, sorted_indices=sorted_indices)
+
+
+# --------------------------------------------------------------------------- decode: the fused MoE modes
+
+
+def _moe_face(backend: str | None, qtype: QT) -> str:
+    """The caller's face, or the automatic one: the plain kernels' face, then the fused
+    modes' own first-use self-test while dispatch.UNVERIFIED_KERNELS lists them."""
+    if backend is not None:
+        return backend
+    face = _face(None, qtype)
+    if face == "reference":
+        return face
+    return auto_face(MOE_KERNELS[qtype], lambda f: _moe_self_test(f, qtype))
+
+
+def moe_face(qtype) -> str | None:
+    """The GPU face `gather_swiglu_blocks` / `gather_down_sum_blocks` run on by themselves,
+    or None (the reference face): lets a module pick its fused path."""
+    qtype = as_qtype(qtype)
+    if qtype not in SUPPORTED:
+        return None
+    face = _moe_face(None, qtype)
+    return None if face == "reference" else face
+
+
+def _clamp(limit) -> float:
+    return float(limit) if limit and limit > 0 else 0.0
+
+
+def _moe_launchable(face: str, pairs: int, k_dim: int) -> bool:
+    return face != "reference" and pairs <= QMV_MAX_PAIRS_AUTO and k_dim <= QMV_MAX_K
+
+
+def gather_swiglu_blocks(
+    x: mx.array,
+    gate_blocks: mx.array,
+    up_blocks: mx.array,
+    qtype,
+    expert_ids: mx.array,
+    *,
+    limit: float | None,
+    backend=None,
+) -> mx.array:
+    """``silu(min(g, limit)) * clip(u, -limit, limit)`` with ``g``, ``u`` the gate and up
+    experts (two banks of one type and shape) times x [n_tok, K] -> [n_tok, k, I] in x.dtype;
+    no clamp for limit None / <= 0.  One launch at decode sizes on a GPU face; elsewhere
+    today's unfused expression (two mat-vecs, `activations.clamped_swiglu`)."""
+    qtype, _, rows, k_dim = _check(gate_blocks, qtype)
+    if up_blocks.shape != gate_blocks.shape:
+        raise ValueError(f"gate {gate_blocks.shape} and up {up_blocks.shape} banks differ in shape")
+    if x.ndim != 2:
+        raise ValueError("x must be [n_tok, K]: a token's k experts share its vector")
+    x2, eids, _, n_tok, k = _pairs(x, expert_ids, k_dim)
+    lim = _clamp(limit)
+    face = _moe_face(backend, qtype)
+    if not _moe_launchable(face, eids.shape[0], k_dim):
+        g = gather_qmatmul(x, gate_blocks, qtype, expert_ids, backend=face)
+        u = gather_qmatmul(x, up_blocks, qtype, expert_ids, backend=face)
+        return clamped_swiglu(g, u.astype(g.dtype), lim or None)
+    p = eids.shape[0]
+    y = _kernel("qmv_swiglu", qtype)(
+        face,
+        inputs=[x2, gate_blocks, up_blocks, eids, _lim(lim)],
+        template=[
+            ("T", x.dtype),
+            ("N_ROWS", rows),
+            ("K_DIM", k_dim),
+            ("ROW_BYTES", gate_blocks.shape[2]),
+            ("WARPS", QMV_WARPS),
+            ("RPW", SWIGLU_RPW),
+            ("X_DIV", k),
+        ],
+        grid=(32 * QMV_WARPS, -(-rows // (QMV_WARPS * SWIGLU_RPW)), p),
+        threadgroup=(32 * QMV_WARPS, 1, 1),
+        output_shapes=[(p, rows)],
+        output_dtypes=[x.dtype],
+    )[0]
+    return y.reshape(n_tok, k, rows)
+
+
+def gather_down_sum_blocks(
+    h: mx.array, down_blocks: mx.array, qtype, expert_ids: mx.array, weights: mx.array, *, backend=None
+) -> mx.array:
+    """``sum_j weights[t, j] * down_{expert_ids[t, j]} . h[t, j]`` for h [n_tok, k, I] ->
+    [n_tok, H] in h.dtype.  One launch at decode sizes on a GPU face (weights multiply the
+    float32 dot products); elsewhere today's unfused expression (each expert's output in
+    h.dtype, times its weight, summed over k)."""
+    qtype, _, rows, k_dim = _check(down_blocks, qtype)
+    if h.ndim != 3:
+        raise ValueError("h must be [n_tok, k, I]: one vector per selected expert")
+    x2, eids, _, n_tok, k = _pairs(h, expert_ids, k_dim)
+    if weights.shape != expert_ids.shape:
+        raise ValueError(f"weights {weights.shape} must match expert_ids {expert_ids.shape}")
+    face = _moe_face(backend, qtype)
+    if not _moe_launchable(face, eids.shape[0], k_dim):
+        y = gather_qmatmul(h, down_blocks, qtype, expert_ids, backend=face)
+        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+    return _kernel("qmv_down_sum", qtype)(
+        face,
+        inputs=[x2, down_blocks, eids, weights.reshape(-1).astype(mx.float32)],
+        template=[
+            ("T", h.dtype),
+            ("N_ROWS", rows),
+            ("K_DIM", k_dim),
+            ("ROW_BYTES", down_blocks.shape[2]),
+            ("WARPS", QMV_WARPS),
+            ("RPW", DOWN_SUM_RPW),
+            ("KE", k),
+        ],
+        grid=(32 * QMV_WARPS, -(-rows // (QMV_WARPS * DOWN_SUM_RPW)), n_tok),
+        threadgroup=(32 * QMV_WARPS, 1, 1),
+        output_shapes=[(n_tok, rows)],
+        output_dtypes=[h.dtype],
+    )[0]
+
+
+@cache
+def _lim(limit: float) -> mx.array:
+    a = mx.array([limit], dtype=mx.float32)
+    mx.eval(a)  # a constant: kept (not replayed) while a decode step is traced
+    return a
+
+
+def _moe_self_test(face: str, qtype: QT) -> bool:
+    """Both fused modes on a tiny bank against the reference face: float32 and bfloat16
+    activations, clamped and not, an odd row count (rows past the end of a SIMD group)."""
+    gate = random_gguf_blocks(qtype, 3, 5, 512, seed=12)
+    up = random_gguf_blocks(qtype, 3, 5, 512, seed=13)
+    down = random_gguf_blocks(qtype, 3, 7, 512, seed=14)
+    ids = mx.array([[0, 2], [1, 1]], dtype=mx.int32)
+    wts = mx.array([[0.25, 0.75], [0.5, 0.5]])
+    ok = True
+    for dt, tol in ((mx.float32, 1e-3), (mx.bfloat16, 2e-2)):
+        x = mx.random.normal((2, 512), key=mx.random.key(3)).astype(dt)
+        h = mx.random.normal((2, 2, 512), key=mx.random.key(4)).astype(dt)
+        for limit in (None, 0.5):
+            ok = ok and close_enough(
+                gather_swiglu_blocks(x, gate, up, qtype, ids, limit=limit, backend=face),
+                gather_swiglu_blocks(x, gate, up, qtype, ids, limit=limit, backend="reference"),
+                rtol=tol,
+                atol=tol / 10,
+            )
+        ok = ok and close_enough(
+            gather_down_sum_blocks(h, down, qtype, ids, wts, backend=face),
+            gather_down_sum_blocks(h, down, qtype, ids, wts, backend="reference"),
+            rtol=tol,
+            atol=tol / 10,
+        )
+    return ok
