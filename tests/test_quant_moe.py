@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as QT
 from test_quant import random_blocks  # noqa: E402  (tests/ is on sys.path under pytest)
 
 from ds4mlx.kernels import dispatch
+from ds4mlx.kernels.activations import clamped_swiglu
 from ds4mlx.kernels import quant_moe as qm
 from ds4mlx.quant import dequantize
 
@@ -520,3 +521,211 @@ def test_prefill_qmm_bfloat16_on_the_cpu():
     got = qm.gather_qmm(x.astype(mx.bfloat16), raw, QT.Q2_K, ids, backend="reference")
     assert got.dtype == mx.bfloat16
     assert np.abs(np.array(got.astype(mx.float32)) - want).max() <= 2e-2 * max(1.0, np.abs(want).max())
+
+
+# ------------------------------------------------------------------ the fused MoE decode modes
+#
+# gather_swiglu_blocks (gate + up + clamped SwiGLU) and gather_down_sum_blocks (down + the
+# routing-weighted sum over k): their reference face is today's unfused expression; the shared
+# text (qmv_swiglu / qmv_down_sum) runs on the CPU through g++ as qmv does above.
+
+
+def unfused_swiglu(x, gate, up, qtype, ids, limit):
+    """The model's expression before the fusion (SplitSwitchLinear, then SwitchGLU)."""
+    g = qm.gather_qmatmul(x, gate, qtype, ids, backend="reference")
+    u = qm.gather_qmatmul(x, up, qtype, ids, backend="reference")
+    gu = mx.concatenate([g, u.astype(g.dtype)], axis=-1)
+    i = gate.shape[1]
+    return clamped_swiglu(gu[..., :i], gu[..., i:], limit)
+
+
+def unfused_down_sum(h, down, qtype, ids, weights):
+    """The V4 MoE's expression: each expert's output, times its weight, summed over k."""
+    y = qm.gather_qmatmul(h, down, qtype, ids, backend="reference")
+    return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+def _moe_problem(qtype, e, inter, hidden, n_tok, top, seed):
+    rng = np.random.default_rng(seed)
+    gate, up = (mx.array(experts(qtype, e, inter, hidden, seed=seed + s)) for s in (1, 2))
+    down = mx.array(experts(qtype, e, hidden, inter, seed=seed + 3))
+    ids = mx.array(rng.integers(0, e, (n_tok, top)).astype(np.int32))
+    x = mx.array(rng.standard_normal((n_tok, hidden)).astype(np.float32))
+    h = mx.array(rng.standard_normal((n_tok, top, inter)).astype(np.float32))
+    w = rng.random((n_tok, top)).astype(np.float32)
+    return gate, up, down, ids, x, h, mx.array(w / w.sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("limit", [None, 0.0, -1.0, 0.02])
+def test_reference_fused_modes_equal_unfused(qtype, limit):
+    k = 256 if qtype != QT.Q8_0 else 96
+    gate, up, down, ids, x, h, w = _moe_problem(qtype, 5, k, k, 3, 4, seed=4)
+    got = qm.gather_swiglu_blocks(x, gate, up, qtype, ids, limit=limit, backend="reference")
+    want = unfused_swiglu(x, gate, up, qtype, ids, limit if limit and limit > 0 else None)
+    assert got.shape == (3, 4, k) and np.array_equal(np.array(got), np.array(want))
+    got = qm.gather_down_sum_blocks(h, down, qtype, ids, w, backend="reference")
+    want = unfused_down_sum(h, down, qtype, ids, w)
+    assert got.shape == (3, k) and np.array_equal(np.array(got), np.array(want))
+    if limit == 0.02:  # the clamp bites: some gate / up values lie beyond it
+        g = np.array(qm.gather_qmv(x, gate, qtype, ids, backend="reference"))
+        assert (np.abs(g) > limit).any() and (np.abs(g) < limit).any()
+
+
+def test_fused_modes_argument_checks():
+    gate, up, down, ids, x, h, w = _moe_problem(QT.Q2_K, 3, 256, 256, 2, 2, seed=1)
+    with pytest.raises(ValueError):
+        qm.gather_swiglu_blocks(x, gate, up[:, :128], QT.Q2_K, ids, limit=None)
+    with pytest.raises(ValueError):
+        qm.gather_swiglu_blocks(h, gate, up, QT.Q2_K, ids, limit=None)  # per-pair x: not a gate input
+    with pytest.raises(ValueError):
+        qm.gather_down_sum_blocks(x, down, QT.Q2_K, ids, w)
+    with pytest.raises(ValueError):
+        qm.gather_down_sum_blocks(h, down, QT.Q2_K, ids, w[:, :1])
+    assert qm.moe_face(QT.Q2_K) is None  # the CPU: the reference face, no fused path
+    assert set(qm.MOE_KERNELS.values()) <= dispatch.UNVERIFIED_KERNELS  # self-tested at first use on a GPU
+
+
+def run_fused_on_cpu(tmp_path, kind, qtype, x, banks, eids, extra, consts, groups):
+    """A fused mode's shared text through `run_on_cpu` (the CPU prelude, whose ds4_exp is
+    std::exp): `banks` name -> uint8 [E, rows, row_bytes] blocks (passed as 32-bit words)."""
+    from test_kernel_emulation import run_on_cpu
+
+    header, _ = qm.kernel_sources(kind, qtype, "cuda")
+    header = header.replace(qm.CUDA_PRELUDE, CPU_NAMES).replace(qm.CUDA_PRELUDE_FUSED, "")
+    body = "const uint32_t pair = tgz;\n"
+    inputs = {"x": x.astype(np.float32)}
+    for name, raw in banks.items():
+        flat = np.ascontiguousarray(raw).reshape(-1)
+        words = np.zeros(-(-flat.size // 4) * 4, np.uint8)
+        words[: flat.size] = flat
+        inputs[f"{name}_words"] = words.view(np.uint32)
+        body += f"const uint8_t* {name} = reinterpret_cast<const uint8_t*>({name}_words);\n"
+    inputs["eids"] = eids.astype(np.int32).reshape(-1)
+    inputs.update(extra)
+    rows = next(iter(banks.values())).shape[1]
+    out = run_on_cpu(
+        tmp_path,
+        header,
+        body + dispatch.sections(qm.SOURCE)[kind],
+        inputs=inputs,
+        outputs={"y": ((groups[2], rows), np.float32)},
+        consts={"T": np.float32, "N_ROWS": rows, "K_DIM": x.shape[-1], "ROW_BYTES": next(iter(banks.values())).shape[2]}
+        | consts,
+        groups=groups,
+        threads=32 * consts["WARPS"],
+    )
+    return out["y"]
+
+
+def _bound(mags, k):
+    """The float32 bound of the module docstring, for a sum of terms of magnitude `mags`."""
+    return k * 2.0**-23 * mags + 1e-30
+
+
+# (E, I, H, n_tok, k, WARPS, RPW): odd row counts leave SIMD groups past the last row,
+# Q8_0's K below is an odd number of 32-blocks (a partial step)
+FUSED_CPU_CASES = [
+    (3, 5, 1024, 2, 2, 2, 2),
+    (4, 7, 256, 1, 3, 1, 3),
+    (5, 17, 512, 2, 3, qm.QMV_WARPS, qm.SWIGLU_RPW),  # the launch the module makes
+]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("case", FUSED_CPU_CASES, ids=lambda c: "E{}_I{}_H{}_t{}_k{}_W{}_R{}".format(*c))
+def test_shared_swiglu_compiled_for_cpu(qtype, case, tmp_path):
+    e, inter, hidden, n_tok, top, warps, rpw = case
+    if qtype == QT.Q8_0:
+        hidden = 32 * (hidden // 64 + 1)
+    gate, up, _, ids, x, _, _ = _moe_problem(qtype, e, inter, hidden, n_tok, top, seed=inter)
+    g = np.array(qm.gather_qmv(x, gate, qtype, ids, backend="reference"))
+    limit = float(np.quantile(np.abs(g), 0.5))  # the clamp bites on half the values
+    for lim in (0.0, limit):
+        got = run_fused_on_cpu(
+            tmp_path,
+            "qmv_swiglu",
+            qtype,
+            np.array(x),
+            {"wg": np.array(gate), "wu": np.array(up)},
+            np.array(ids),
+            {"lim": np.array([lim], np.float32)},
+            {"WARPS": warps, "RPW": rpw, "X_DIV": top},
+            (1, -(-inter // (warps * rpw)), n_tok * top),
+        ).reshape(n_tok, top, inter)
+        # oracle: float64 gate / up rows, the SwiGLU in float64; the kernel's g and u are each
+        # within the float32 bound, silu' < 1.1 and |clip(u)|, |silu(g)| bound the product's slope
+        gw, gm = dense(np.array(gate), qtype, np.array(x), np.array(ids))
+        uw, um = dense(np.array(up), qtype, np.array(x), np.array(ids))
+        if lim:
+            gw, uw = np.minimum(gw, lim), np.clip(uw, -lim, lim)
+        want = gw / (1 + np.exp(-gw)) * uw
+        bound = 1.1 * np.abs(uw) * _bound(gm, hidden) + np.abs(gw) * _bound(um, hidden) + 4 * 2.0**-23 * np.abs(want)
+        assert np.all(np.abs(got - want) <= bound + 1e-12), float(np.max(np.abs(got - want) - bound))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("case", FUSED_CPU_CASES, ids=lambda c: "E{}_I{}_H{}_t{}_k{}_W{}_R{}".format(*c))
+def test_shared_down_sum_compiled_for_cpu(qtype, case, tmp_path):
+    e, inter, hidden, n_tok, top, warps, rpw = case
+    if qtype == QT.Q8_0:
+        hidden = 32 * (hidden // 64 + 1)
+    # down: rows = the hidden size, K = the intermediate size; swap so K is the long axis
+    rows, k_dim = inter, hidden
+    _, _, _, ids, _, _, w = _moe_problem(qtype, e, k_dim, rows, n_tok, top, seed=rows)
+    down = experts(qtype, e, rows, k_dim, seed=rows + 9)
+    h = np.random.default_rng(rows).standard_normal((n_tok, top, k_dim)).astype(np.float32)
+    got = run_fused_on_cpu(
+        tmp_path,
+        "qmv_down_sum",
+        qtype,
+        h.reshape(-1, k_dim),
+        {"w": down},
+        np.array(ids),
+        {"wts": np.array(w).reshape(-1)},
+        {"WARPS": warps, "RPW": rpw, "KE": top},
+        (1, -(-rows // (warps * rpw)), n_tok),
+    )
+    per, mag = dense(down, qtype, h, np.array(ids))  # [n, k, rows] float64
+    wf = np.array(w).astype(np.float64)[..., None]
+    want = (per * wf).sum(axis=1)
+    # each expert's sum within the float32 bound, then k weighted additions
+    bound = (_bound(mag, k_dim + top + 2) * wf).sum(axis=1) + 1e-12
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+
+
+@pytest.mark.parametrize("kind", qm.FUSED_KINDS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_fused_cuda_face_compiles_with_nvcc(kind, qtype, tmp_path):
+    """The fused modes' CUDA translation unit for V4 Flash's decode shapes (bfloat16 x,
+    H = 4096, I = 2048, k = 6), compiled for sm_90 with warnings as errors."""
+    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+
+    h, b = qm.kernel_sources(kind, qtype, "cuda")
+    if kind == "qmv_swiglu":
+        k, rows = 4096, 2048
+        ins = {"x": "bfloat16", "wg": "uint32", "wu": "uint32", "eids": "int32", "lim": "float32"}
+        extra = [("RPW", qm.SWIGLU_RPW), ("X_DIV", 6)]
+    else:
+        k, rows = 2048, 4096
+        ins = {"x": "bfloat16", "w": "uint32", "eids": "int32", "wts": "float32"}
+        extra = [("RPW", qm.DOWN_SUM_RPW), ("KE", 6)]
+    tmpl = [("T", "bfloat16"), ("N_ROWS", rows), ("K_DIM", k), ("ROW_BYTES", qm.row_bytes(qtype, k))]
+    tmpl += [("WARPS", qm.QMV_WARPS), *extra]
+    src = mlx_cuda_source(f"{kind}_{qtype.name.lower()}", h, b, ins, {"y": "bfloat16"}, tmpl)
+    for name in ("w", "wg", "wu"):  # the helper knows no uint8 buffers: declared as MLX declares them
+        src = src.replace(f"const uint32_t* {name},", f"const uint8_t* {name},")
+    nvcc_compile(tmp_path, src)
+
+
+@pytest.mark.parametrize("kind", qm.FUSED_KINDS)
+def test_fused_metal_and_cuda_share_one_text(kind):
+    sec = dispatch.sections(qm.SOURCE)
+    mh, mb = qm.kernel_sources(kind, QT.IQ2_XXS, "metal")
+    ch, cb = qm.kernel_sources(kind, QT.IQ2_XXS, "cuda")
+    for part in (sec["common"], sec["fused"]):
+        assert part in mh and part in ch
+    assert mb.endswith(sec[kind]) and cb.endswith(sec[kind])
+    assert "precise::exp" in mh and "expf" in ch
+    for word in ("device ", "threadgroup", "simd_sum", "as_type", "metal::"):
+        assert word not in ch + cb, word
