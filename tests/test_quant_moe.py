@@ -19,8 +19,8 @@ from gguf import GGMLQuantizationType as QT
 from test_quant import random_blocks  # noqa: E402  (tests/ is on sys.path under pytest)
 
 from ds4mlx.kernels import dispatch
-from ds4mlx.kernels.activations import clamped_swiglu
 from ds4mlx.kernels import quant_moe as qm
+from ds4mlx.kernels.activations import clamped_swiglu
 from ds4mlx.quant import dequantize
 
 TYPES = list(qm.SUPPORTED)
@@ -545,15 +545,21 @@ def unfused_down_sum(h, down, qtype, ids, weights):
     return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
 
 
-def _moe_problem(qtype, e, inter, hidden, n_tok, top, seed):
+def _routing(e, n_tok, top, rng):
+    """Expert ids [n_tok, top] and their weights (positive, summing to 1 per token)."""
+    ids = mx.array(rng.integers(0, e, (n_tok, top)).astype(np.int32))
+    w = rng.random((n_tok, top)).astype(np.float32)
+    return ids, mx.array(w / w.sum(-1, keepdims=True))
+
+
+def _moe_problem(qtype, e, inter, hidden, n_tok, top, seed, with_down=True):
     rng = np.random.default_rng(seed)
     gate, up = (mx.array(experts(qtype, e, inter, hidden, seed=seed + s)) for s in (1, 2))
-    down = mx.array(experts(qtype, e, hidden, inter, seed=seed + 3))
-    ids = mx.array(rng.integers(0, e, (n_tok, top)).astype(np.int32))
+    down = mx.array(experts(qtype, e, hidden, inter, seed=seed + 3)) if with_down else None
+    ids, w = _routing(e, n_tok, top, rng)
     x = mx.array(rng.standard_normal((n_tok, hidden)).astype(np.float32))
     h = mx.array(rng.standard_normal((n_tok, top, inter)).astype(np.float32))
-    w = rng.random((n_tok, top)).astype(np.float32)
-    return gate, up, down, ids, x, h, mx.array(w / w.sum(-1, keepdims=True))
+    return gate, up, down, ids, x, h, w
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -638,7 +644,7 @@ def test_shared_swiglu_compiled_for_cpu(qtype, case, tmp_path):
     e, inter, hidden, n_tok, top, warps, rpw = case
     if qtype == QT.Q8_0:
         hidden = 32 * (hidden // 64 + 1)
-    gate, up, _, ids, x, _, _ = _moe_problem(qtype, e, inter, hidden, n_tok, top, seed=inter)
+    gate, up, _, ids, x, _, _ = _moe_problem(qtype, e, inter, hidden, n_tok, top, seed=inter, with_down=False)
     g = np.array(qm.gather_qmv(x, gate, qtype, ids, backend="reference"))
     limit = float(np.quantile(np.abs(g), 0.5))  # the clamp bites on half the values
     for lim in (0.0, limit):
@@ -672,9 +678,10 @@ def test_shared_down_sum_compiled_for_cpu(qtype, case, tmp_path):
         hidden = 32 * (hidden // 64 + 1)
     # down: rows = the hidden size, K = the intermediate size; swap so K is the long axis
     rows, k_dim = inter, hidden
-    _, _, _, ids, _, _, w = _moe_problem(qtype, e, k_dim, rows, n_tok, top, seed=rows)
+    rng = np.random.default_rng(rows)
+    ids, w = _routing(e, n_tok, top, rng)
     down = experts(qtype, e, rows, k_dim, seed=rows + 9)
-    h = np.random.default_rng(rows).standard_normal((n_tok, top, k_dim)).astype(np.float32)
+    h = rng.standard_normal((n_tok, top, k_dim)).astype(np.float32)
     got = run_fused_on_cpu(
         tmp_path,
         "qmv_down_sum",
