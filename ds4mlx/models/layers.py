@@ -464,12 +464,14 @@ class SwitchGLU(nn.Module):
 
     def fused_weighted(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array | None:
         """``sum_j weights[..., j] * expert_j(x)`` -> [..., H] in x.dtype, in two kernel
-        launches (gate_up + SwiGLU, down + weighted sum: `kernels.affine_qmv`) when
-        both projections are MLX-affine quantized and a GPU face runs them at this
-        size (decode); else None, and the caller runs its own unfused expression."""
+        launches (gate_up + SwiGLU, down + weighted sum) when a GPU face runs them at this
+        size (decode): `kernels.affine_qmv` for MLX-affine experts, `kernels.quant_moe` for
+        GGUF blocks (the gate_up module's `fused_glu_weighted`, models/quantized.py); else
+        None, and the caller runs its own unfused expression."""
         gu, dn = self.gate_up_proj, self.down_proj
         if not (isinstance(gu, QuantizedSwitchLinear) and isinstance(dn, QuantizedSwitchLinear)):
-            return None
+            glu = getattr(gu, "fused_glu_weighted", None)
+            return None if glu is None else glu(dn, x, indices, weights, self._limit)
         if gu.mode != "affine" or dn.mode != "affine" or gu.biases is None or dn.biases is None:
             return None
         k = indices.shape[-1]

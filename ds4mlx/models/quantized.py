@@ -149,6 +149,32 @@ class SplitSwitchLinear(nn.Module):
         u = self.up_proj(x, indices, sorted_indices=sorted_indices)
         return mx.concatenate([g, u.astype(g.dtype)], axis=-1)
 
+    def fused_glu_weighted(
+        self, down: nn.Module, x: mx.array, indices: mx.array, weights: mx.array, limit: float | None
+    ) -> mx.array | None:
+        """`SwitchGLU.fused_weighted` for GGUF experts: gate and up banks of one type and
+        shape and a GGUF down bank, at decode size on a GPU face, in two launches
+        (`quant_moe.gather_swiglu_blocks`, `gather_down_sum_blocks`) instead of seven (two
+        mat-vecs, a concatenation, the SwiGLU, the down mat-vec, the weighting, the sum).
+        None otherwise: the caller runs the unfused expression."""
+        g, u = self.gate_proj, self.up_proj
+        if not (
+            isinstance(g, GGUFSwitchLinear) and isinstance(u, GGUFSwitchLinear) and isinstance(down, GGUFSwitchLinear)
+        ):
+            return None
+        if g.qtype != u.qtype or g.weight.shape != u.weight.shape or x.shape[-1] != g.input_dims:
+            return None
+        k = indices.shape[-1]
+        n = indices.size // k
+        if n * k > quant_moe.QMV_MAX_PAIRS_AUTO or x.size != n * x.shape[-1]:
+            return None  # prefill, or not one vector per token: the unfused path
+        if quant_moe.moe_face(g.qtype) is None or quant_moe.moe_face(down.qtype) is None:
+            return None
+        ids = indices.reshape(n, k).astype(mx.int32)
+        h = quant_moe.gather_swiglu_blocks(x.reshape(n, -1), g.weight, u.weight, g.qtype, ids, limit=limit)
+        y = quant_moe.gather_down_sum_blocks(h, down.weight, down.qtype, ids, weights.reshape(n, k))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
     @property
     def per_expert(self):
         """Both halves' `per_expert`, concatenated (gate first); absent (AttributeError,
