@@ -53,3 +53,20 @@ def test_placeholders_are_undone(census):
     assert dispatch.Kernel.__call__.__qualname__ == "Kernel.__call__"
     if dispatch.gpu_backend() is None:
         assert dispatch.backend(mx.cpu) == "reference"
+
+
+@pytest.fixture(scope="module")
+def gguf_census():
+    model, _, _ = build_synthetic_v4_flash(layers=4, experts=16, overrides=NARROW, expert_format="gguf")
+    return decode_census(model, 2048)
+
+
+def test_gguf_routed_experts_take_two_launches_per_layer(gguf_census):
+    """ds4's GGUF experts (IQ2_XXS gate / up, Q2_K down): gate + up + SwiGLU in one launch,
+    down + weighted sum in another (quant_moe's fused modes), as the MLX experts (was 7:
+    two mat-vecs, a Concatenate, the SwiGLU, the down mat-vec, the weighting, a Sum)."""
+    k, mlx = gguf_census["kernels"], gguf_census["mlx"]
+    routed = {name: n for name, n in k.items() if "qmv" in name and "affine" not in name}
+    assert routed == {"ds4mlx_qmv_swiglu_iq2_xxs": 4, "ds4mlx_qmv_down_sum_q2_k": 4}
+    assert "Concatenate" not in mlx and mlx.get("Sum", 0) <= 1  # the final norm's only
+    assert gguf_census["total"] <= 78
