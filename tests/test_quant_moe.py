@@ -736,3 +736,74 @@ def test_fused_metal_and_cuda_share_one_text(kind):
     assert "precise::exp" in mh and "expf" in ch
     for word in ("device ", "threadgroup", "simd_sum", "as_type", "metal::"):
         assert word not in ch + cb, word
+
+
+# ------------------------------------------------------------------ the fused path in the model's decode step
+
+
+class FusedStandIn:
+    """Takes a fused launch's call (inputs, template, grid, output shapes) and computes its
+    output with the reference face from those very inputs: the CPU runs the model's compiled
+    step through the GPU path's plumbing (as tests/test_kernel_compressor_step.py does)."""
+
+    def __init__(self, kind, qtype, calls):
+        self.kind, self.qtype, self.calls = kind, qtype, calls
+
+    def __call__(self, face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        self.calls[self.kind] += 1
+        t = dict(template)
+        assert threadgroup == (32 * t["WARPS"], 1, 1) and grid[0] == threadgroup[0]
+        assert grid[1] == -(-t["N_ROWS"] // (t["WARPS"] * t["RPW"]))
+        if self.kind == "qmv_swiglu":
+            x2, wg, wu, eids, lim = inputs
+            ids = eids.reshape(x2.shape[0], t["X_DIV"])
+            out = qm.gather_swiglu_blocks(x2, wg, wu, self.qtype, ids, limit=lim.item(), backend="reference")
+            out = out.reshape(eids.shape[0], t["N_ROWS"])
+        else:
+            x2, w, eids, wts = inputs
+            n, k = grid[2], t["KE"]
+            h = x2.reshape(n, k, t["K_DIM"])
+            out = qm.gather_down_sum_blocks(
+                h, w, self.qtype, eids.reshape(n, k), wts.reshape(n, k), backend="reference"
+            )
+        assert [tuple(out.shape)] == [tuple(s) for s in output_shapes] and out.dtype == output_dtypes[0]
+        return [out]
+
+
+def test_compiled_gguf_step_through_the_fused_launches_matches_legacy(monkeypatch):
+    """The narrow synthetic V4 Flash with ds4's GGUF experts: the compiled decode step with the
+    fused modes (faked GPU face: the stand-in above) against the legacy step's unfused
+    expression (the reference face), logits within 1e-4 over several tokens."""
+    from collections import Counter
+
+    from test_launch_census import NARROW
+
+    from ds4mlx import stepper
+    from ds4mlx.bench.synthetic import build_synthetic_v4_flash
+
+    lm, _, _ = build_synthetic_v4_flash(layers=4, experts=16, overrides=NARROW, expert_format="gguf")
+    ids = [7, 100, 31, 2048, 5, 77, 901, 12, 3000, 64]
+
+    def decode(how):
+        monkeypatch.setenv(stepper.MODE_ENV, how)
+        stepper.forget(lm.model)
+        s = lm.new_session(ctx=64)
+        s.prefill(ids[:4])
+        return np.stack([s.decode(t) for t in ids[4:]])
+
+    legacy = decode("legacy")
+    calls = Counter()
+    real = qm._kernel
+    monkeypatch.setattr(qm, "_moe_face", lambda backend, qtype: "cuda" if backend is None else backend)
+    monkeypatch.setattr(
+        qm,
+        "_kernel",
+        lambda kind, qtype: FusedStandIn(kind, qtype, calls) if kind in qm.FUSED_KINDS else real(kind, qtype),
+    )
+    try:
+        compiled = decode("compiled")
+    finally:
+        stepper.forget(lm.model)
+    assert calls["qmv_swiglu"] >= 4 and calls["qmv_swiglu"] == calls["qmv_down_sum"]  # every layer, fused
+    assert np.abs(legacy).max() > 1e-2  # logits that say something
+    assert float(np.abs(compiled - legacy).max()) <= 1e-4
