@@ -807,3 +807,68 @@ def test_compiled_gguf_step_through_the_fused_launches_matches_legacy(monkeypatc
     assert calls["qmv_swiglu"] >= 4 and calls["qmv_swiglu"] == calls["qmv_down_sum"]  # every layer, fused
     assert np.abs(legacy).max() > 1e-2  # logits that say something
     assert float(np.abs(compiled - legacy).max()) <= 1e-4
+
+
+def test_fused_modes_self_test_at_first_use(monkeypatch, caplog):
+    """On CUDA (faked) the fused modes self-test at first use, per GGUF type: a wrong kernel
+    sends the model back to its unfused path with a warning, a right one is kept."""
+    import logging
+    from collections import Counter
+
+    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
+    monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device=None: "cuda")
+    monkeypatch.setattr(dispatch, "_self_tests", {})
+    real = qm._kernel
+
+    def garbage(face, *, output_shapes, output_dtypes, **kw):
+        return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(qm, "_kernel", lambda kind, qtype: garbage if kind in qm.FUSED_KINDS else real(kind, qtype))
+    with caplog.at_level(logging.WARNING, logger="ds4mlx.kernels"):
+        assert qm.moe_face(QT.Q2_K) is None
+    assert dispatch._self_tests[("quant_moe.moe.Q2_K", "cuda")] is False
+    assert "quant_moe.moe.Q2_K" in caplog.text and "failed its first-use self-test" in caplog.text
+    calls = Counter()
+    monkeypatch.setattr(
+        qm,
+        "_kernel",
+        lambda kind, qtype: FusedStandIn(kind, qtype, calls) if kind in qm.FUSED_KINDS else real(kind, qtype),
+    )
+    assert qm.moe_face(QT.IQ2_XXS) == "cuda" and calls["qmv_swiglu"] and calls["qmv_down_sum"]
+    assert dispatch._self_tests[("quant_moe.moe.IQ2_XXS", "cuda")] is True
+
+
+# ------------------------------------------------------------------ the fused modes on a GPU (pytest -m gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_gpu_fused_modes_equal_reference(qtype, n_tok):
+    """V4 Flash's decode shapes (H 4096, I 2048, k 6) against the reference face on the CPU,
+    float32 within the bounds of the g++ tests; bfloat16 within a few of its ulps; and the
+    first-use self-test accepts the face."""
+    face = _gpu_face()
+    gate, up, down, ids, x, h, w = _moe_problem(qtype, 16, 2048, 4096, n_tok, 6, seed=n_tok)
+    with mx.stream(mx.cpu):
+        gw, gm = dense(np.array(gate), qtype, np.array(x), np.array(ids))
+        uw, um = dense(np.array(up), qtype, np.array(x), np.array(ids))
+        per, mag = dense(np.array(down), qtype, np.array(h), np.array(ids))
+    got = np.array(qm.gather_swiglu_blocks(x, gate, up, qtype, ids, limit=None, backend=face))
+    want = gw / (1 + np.exp(-gw)) * uw
+    bound = 1.1 * np.abs(uw) * _bound(gm, 4096) + np.abs(gw) * _bound(um, 4096) + 4 * 2.0**-23 * np.abs(want)
+    assert np.all(np.abs(got - want) <= bound + 1e-12)
+    wf = np.array(w).astype(np.float64)[..., None]
+    got = np.array(qm.gather_down_sum_blocks(h, down, qtype, ids, w, backend=face))
+    assert np.all(np.abs(got - (per * wf).sum(axis=1)) <= (_bound(mag, 2048 + 8) * wf).sum(axis=1) + 1e-12)
+    xb, hb = x.astype(mx.bfloat16), h.astype(mx.bfloat16)
+    for fn, args in ((qm.gather_swiglu_blocks, (xb, gate, up)), (qm.gather_down_sum_blocks, (hb, down))):
+        kw = dict(limit=0.05) if fn is qm.gather_swiglu_blocks else {}
+        extra = () if kw else (w,)
+        got = fn(*args, qtype, ids, *extra, **kw, backend=face)
+        with mx.stream(mx.cpu):
+            ref = np.array(fn(*args, qtype, ids, *extra, **kw, backend="reference").astype(mx.float32))
+        assert got.dtype == mx.bfloat16
+        assert np.allclose(np.array(got.astype(mx.float32)), ref, rtol=2**-6, atol=2**-6 * np.abs(ref).max())
+    assert qm._moe_self_test(face, qtype)
