@@ -30,7 +30,8 @@ Routed experts that ds4 stores split (`mlp.experts.gate_proj` / `up_proj`, each
 [E, I, H]) become the fused `gate_up_proj` the graph expects: concatenated when
 both sides repack to the same MLX layout (a copy of packed arrays), otherwise a
 `SplitSwitchLinear` that calls both and concatenates their outputs (gate first),
-so `SwitchGLU` runs unchanged.
+so `SwitchGLU` runs unchanged.  At decode size on a GPU face, GGUF gate / up / down banks
+take `SwitchGLU.fused_weighted`'s two-launch path instead (`SplitSwitchLinear.fused_glu_weighted`).
 
 Memory: tensors are converted one at a time, `REPACK_CHUNK_VALUES` values per
 step, so the peak beyond the loaded model is about one tensor's converted size

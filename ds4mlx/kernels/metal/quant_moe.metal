@@ -3,8 +3,9 @@
 //
 // This file is a set of `// @@ name` sections assembled by
 // ds4mlx/kernels/quant_moe.py into mx.fast.metal_kernel sources.  The sections
-// `common`, `qmv` and `dequant` are shared verbatim with the CUDA twin; only
-// `prelude_metal` / `index_*_metal` are Metal-specific (their CUDA
+// `common`, `qmv`, `dequant`, `fused`, `qmv_swiglu` and `qmv_down_sum` (the fused MoE
+// decode modes, at the end) are shared verbatim with the CUDA twin; only
+// `prelude_metal` / `prelude_fused_metal` / `index_*_metal` are Metal-specific (their CUDA
 // counterparts live in quant_moe.py).  The shared code is written in the subset
 // of C++ both compilers accept and uses these names from the prelude:
 //   DS4_FN           function qualifier (inline / __device__ inline)
