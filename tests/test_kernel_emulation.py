@@ -81,9 +81,28 @@ static inline float ds4_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); 
 #endif
 struct float4 { float x, y, z, w; };
 struct uint4 { uint32_t x, y, z, w; };
+#ifndef DS4_HAVE_BF16
+#define DS4_HAVE_BF16
+// bfloat16 as the GPUs round it (to nearest even); numpy uint16 arrays carry its bits
+struct ds4_bf16 {
+    uint16_t bits;
+    ds4_bf16() = default;
+    explicit ds4_bf16(float f) {
+        uint32_t u; std::memcpy(&u, &f, 4);
+        bits = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t((u >> 16) | 0x40u)
+                                                : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+    operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+#endif
 """
 
-_CTYPE = {np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t", np.dtype(np.uint32): "uint32_t"}
+_CTYPE = {
+    np.dtype(np.float32): "float",
+    np.dtype(np.int32): "int32_t",
+    np.dtype(np.uint32): "uint32_t",
+    np.dtype(np.uint16): "ds4_bf16",  # bfloat16 bits (the CPU prelude's ds4_bf16)
+}
 
 
 def _const(name, value) -> str:

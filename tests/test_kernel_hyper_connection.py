@@ -3,7 +3,11 @@
 CPU: the reference face (`ds4mlx.kernels.hyper_connection_reference.hc_pre` / `hc_head` / `hc_post`)
 against float64 math, and the shared GPU kernel text compiled with g++ (threadgroups
 emulated, see test_kernel_emulation.py) against the same float64 math.
-GPU (``-m gpu``): the CUDA / Metal face against the reference face run on the CPU.
+The decode tails (hc_dots_pre / hc_post_dots_pre: the split projection and hc_pre's work in
+one launch) through the emulation: bit for bit the two-launch path, near the reference
+face, tickets zeroed; the tiny V4 models' compiled decode through stand-in launches.
+GPU (``-m gpu``): the CUDA / Metal face against the reference face run on the CPU; the
+tails bit for bit the two launches.
 
 Stated bounds (float32 math; K = n*d, mag_r = sum_k |fn_rk * y_k| with y the
 RMS-normed streams):
@@ -21,6 +25,8 @@ RMS-normed streams):
 """
 
 from __future__ import annotations
+
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -203,16 +209,23 @@ def test_backend_reference_on_cpu_returns_layers_functions(monkeypatch):
         assert np.array_equal(np.array(u), np.array(v))
 
 
-@pytest.mark.parametrize("kind", ["hc_pre", "hc_dots", "hc_post_dots", "hc_post"])
+def _body(kind):
+    """The shared text of a kernel of hyper_connection._KINDS: its sections in order."""
+    sec = dispatch.sections(hck.SOURCE)
+    return "".join(sec[s] for s in hck._KINDS[kind][0])
+
+
+@pytest.mark.parametrize("kind", list(hck._KINDS))
 def test_metal_and_cuda_share_one_description(kind):
     sec = dispatch.sections(hck.SOURCE)
     mh, mb = hck.kernel_sources(kind, "metal")
     ch, cb = hck.kernel_sources(kind, "cuda")
     assert mh.endswith(sec["common"]) and ch.endswith(sec["common"])
-    assert mb.endswith(sec[kind]) and cb.endswith(sec[kind])
+    assert mb.endswith(_body(kind)) and cb.endswith(_body(kind))
     assert "thread_position_in_threadgroup" in mb and "threadIdx" in cb
+    cuda = re.sub(r"#if defined\(__METAL_VERSION__\).*?#elif", "", ch + cb, flags=re.S)  # (Metal's branch)
     for word in ("device ", "threadgroup ", "simd_sum", "as_type", " uint ", "metal::"):
-        assert word not in ch + cb, word
+        assert word not in cuda, word
 
 
 # ------------------------------------------------------------------ the shared GPU text, compiled for the CPU
@@ -274,7 +287,7 @@ def run_pre_on_cpu(tmp_path, x, fn, base, scale, part, parts, *, iters=20, mode=
     return run_on_cpu(
         tmp_path,
         sec["common"],
-        sec["hc_pre"],
+        _body("hc_pre"),
         inputs={
             "x": x,
             "fn": fn,
@@ -457,6 +470,285 @@ def test_shared_hc_post_text_compiled_for_cpu(add2, tmp_path):
     check("hc_post", got["y"], want, 2 * U * mag)
 
 
+# ------------------------------------------------------------------ the decode split in one launch (the tails)
+
+
+def _bf16(a):
+    """float32 values -> their bfloat16 bits (uint16, the emulation's ds4_bf16)."""
+    return np.array(mx.array(np.asarray(a, np.float32)).astype(mx.bfloat16).view(mx.uint16))
+
+
+def _values(a):
+    """An emulation output as float32 (bfloat16 bits decoded)."""
+    a = np.asarray(a)
+    return np.array(mx.array(a).view(mx.bfloat16).astype(mx.float32)) if a.dtype == np.uint16 else a
+
+
+def _emulate(tmp_path, kind, inputs, outputs, consts, groups, threads, inout=()):
+    (tmp_path / kind).mkdir()
+    sec = dispatch.sections(hck.SOURCE)
+    return run_on_cpu(
+        tmp_path / kind,
+        sec["common"],
+        _body(kind),
+        inputs=inputs,
+        outputs=outputs,
+        consts=consts,
+        groups=groups,
+        threads=threads,
+        inout=inout,
+    )
+
+
+def run_site_on_cpu(tmp_path, site, *, tail, threads, vt, per=2):
+    """One decode mHC site through the emulation, launched as hyper_connection launches it:
+    `tail` = hc_dots_pre / hc_post_dots_pre (one launch, `threads` threads, hc_pre's order of
+    `vt` threads), else today's two (hc_dots / hc_post_dots on `threads`, then hc_pre on
+    `vt`).  -> outputs by name ("y": the new streams, "c": the collapsed vector, "pre",
+    "post", "comb", "part"; "tickets": the ticket buffer after the launch)."""
+    x, fn, base, scale, mode, w, prev = (site[k] for k in ("x", "fn", "base", "scale", "mode", "w", "prev"))
+    nt, n, d = x.shape
+    head = mode == "head"
+    m = n if head else (2 + n) * n
+    parts = -(-(n * d) // (threads * per))
+    t = np.uint16 if x.dtype == np.uint16 else np.float32
+    f32 = np.float32
+    eps = np.array([HC_EPS, NORM_EPS, RMS_EPS if w is not None else 0.0], f32)
+    core_in = {"base": base, "scale": scale, "eps": eps, "nw": w if w is not None else np.zeros(1, f32)}
+    core_c = {"TB": f32, "TS": f32, "ITERS": 20, "HEAD": head, "COLLAPSE": mode != "mix", "NORM": w is not None}
+    small = [((1,) if head else s, f32) for s in ((nt, n), (nt, n), (nt, n, n))]
+    coll = ((nt, d) if mode != "mix" else (1,), t)
+    dots_c = {"T": t, "TW": fn.dtype.type, "HC": n, "D": d, "THREADS": threads, "PER": per, "PARTS": parts}
+    grid = (parts, nt, 1)
+    part = ((nt, parts, m + 1), f32)
+    if prev is not None:  # hc_post of the previous site first: prev = (out, post, comb, out2 or None)
+        out, post, comb, out2 = prev
+        post_in = {"x": x, "o": out, "post": post, "comb": comb, "fn": fn, "o2": out2 if out2 is not None else out}
+        dots_c.update(TP=f32, TC=f32, ADD2=out2 is not None)
+    if tail:
+        tickets = np.zeros(nt + 3, np.uint32)
+        consts = {**dots_c, **core_c, "VT": vt}
+        if prev is None:
+            got = _emulate(
+                tmp_path,
+                "hc_dots_pre",
+                {"x": x, "fn": fn, **core_in, "tickets": tickets},
+                dict(zip(["part", "pre", "post", "comb", "y"], [part, *small, coll])),
+                consts,
+                grid,
+                threads,
+                inout=("tickets",),
+            )
+            got["c"] = got.pop("y")
+            return got
+        got = _emulate(
+            tmp_path,
+            "hc_post_dots_pre",
+            {**post_in, **core_in, "tickets": tickets},
+            dict(zip(["y", "part", "pre", "post2", "comb2", "h"], [((nt, n, d), t), part, *small, coll])),
+            consts,
+            grid,
+            threads,
+            inout=("tickets",),
+        )
+        for a, b in (("post2", "post"), ("comb2", "comb"), ("h", "c")):
+            got[b] = got.pop(a)
+        return got
+    if prev is None:
+        first = _emulate(
+            tmp_path, "hc_dots", {"x": x, "fn": fn}, {"part": part}, {**dots_c, "HEAD": head}, grid, threads
+        )
+    else:
+        first = _emulate(tmp_path, "hc_post_dots", post_in, {"y": ((nt, n, d), t), "part": part}, dots_c, grid, threads)
+        x = first["y"]
+    got = _emulate(
+        tmp_path,
+        "hc_pre",
+        {"x": x, "fn": fn, **core_in, "part": first["part"]},
+        dict(zip(["pre", "post", "comb", "y"], [*small, coll])),
+        {"T": t, "TW": fn.dtype.type, "HC": n, "D": d, "THREADS": vt, "PARTS": parts, **core_c},
+        (nt, 1, 1),
+        vt,
+    )
+    got["c"] = got.pop("y")
+    return {**first, **got}
+
+
+TAIL_CASES = [  # (n, d, tokens, dtype, mode, folded norm, ADD2, after hc_post)
+    (4, 4096, 1, "float32", "pre", True, True, True),  # V4 Flash decode: hc_post_pre, both folds
+    (4, 4096, 1, "bfloat16", "pre", True, False, False),  # ... a plain hc_pre (the first site)
+    (4, 4096, 2, "bfloat16", "pre", True, True, True),
+    (3, 100, 3, "float32", "pre", False, False, True),  # odd sizes
+    (2, 37, 2, "bfloat16", "pre", False, True, True),
+    (5, 33, 2, "float32", "pre", True, False, False),  # the largest n (M + 1 = 36 > 32 threads)
+    (4, 40, 2, "float32", "head", False, False, False),  # hc_head
+    (3, 50, 1, "bfloat16", "mix", False, False, False),  # hc_mix (V4.1)
+]
+
+
+def tail_site(case, seed=0):
+    """(numpy inputs of the emulation, the same as MLX arrays for the reference face)."""
+    n, d, nt, dtype, mode, norm, add2, post = case
+    rng = np.random.default_rng(seed + n * d + nt)
+    x, fn, base, scale = make_inputs(n, d, (nt,), seed=seed + n + d, head=mode == "head")
+    w = (1.0 + 0.25 * rng.standard_normal(d)).astype(np.float32) if norm else None
+    prev = None
+    if post:
+        out, out2 = (rng.standard_normal((nt, d)).astype(np.float32) for _ in range(2))
+        p = (rng.random((nt, n)) * 2).astype(np.float32)
+        c = rng.random((nt, n, n)).astype(np.float32)
+        prev = (out, p, c, out2 if add2 else None)
+    bf = dtype == "bfloat16"
+    cast = (lambda a: a if a is None else _bf16(a)) if bf else (lambda a: a)
+    emu = dict(x=cast(x), fn=cast(fn), base=base, scale=scale, mode=mode, w=cast(w))
+    emu["prev"] = None if prev is None else (cast(prev[0]), prev[1], prev[2], cast(prev[3]))
+    dt = getattr(mx, dtype)
+    arr = {k: (None if v is None else mx.array(v).astype(dt)) for k, v in (("x", x), ("fn", fn), ("w", w))}
+    arr.update(base=mx.array(base), scale=mx.array(scale), mode=mode)
+    arr["prev"] = (
+        None
+        if prev is None
+        else (
+            mx.array(prev[0]).astype(dt),
+            mx.array(prev[1]),
+            mx.array(prev[2]),
+            None if prev[3] is None else mx.array(prev[3]).astype(dt),
+        )
+    )
+    return emu, arr
+
+
+def reference_site(a):
+    """The site on the reference face -> {"y" (post_pre), "pre" (mix), "post", "comb", "c"}."""
+    kw = dict(sinkhorn_iters=20, hc_eps=HC_EPS, norm_eps=NORM_EPS, backend="reference")
+    norm = None if a["w"] is None else (a["w"], RMS_EPS)
+    x, fn, base, scale = a["x"], a["fn"], a["base"], a["scale"]
+    if a["mode"] == "head":
+        return {"c": hck.hc_head(x, fn, base, scale, hc_eps=HC_EPS, norm_eps=NORM_EPS, backend="reference")}
+    if a["mode"] == "mix":
+        return dict(zip(("pre", "post", "comb"), hck.hc_mix(x, fn, base, scale, **kw)))
+    if a["prev"] is None:
+        return dict(zip(("post", "comb", "c"), hck.hc_pre(x, fn, base, scale, **kw, norm=norm)))
+    out, post, comb, out2 = a["prev"]
+    got = hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw, norm=norm, out2=out2)
+    return dict(zip(("y", "post", "comb", "c"), got))
+
+
+@pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: "n{}_d{}_t{}_{}_{}_norm{}_add2{}_post{}".format(*c))
+def test_shared_tail_text_equals_two_launches_and_reference(case, tmp_path):
+    """hc_dots_pre / hc_post_dots_pre through the emulation: every output bit for bit the
+    two-launch path's (hc_dots / hc_post_dots, then hc_pre with vt threads), within the
+    self-tests' tolerance of the reference face; the tickets are zero again afterwards."""
+    emu, arr = tail_site(case)
+    n = case[0]
+    threads = 64 if (2 + n) * n + 1 > 32 else 32
+    vt = 4 * threads if case[1] >= 4096 else 2 * threads  # hc_pre's 512 = 2 x 256: NV > 1 either way
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = run_site_on_cpu(tmp_path / "one", emu, tail=True, threads=threads, vt=vt)
+    two = run_site_on_cpu(tmp_path / "two", emu, tail=False, threads=threads, vt=vt)
+    assert not one.pop("tickets").any()
+    assert one.keys() == two.keys()
+    for k in one:
+        np.testing.assert_array_equal(one[k], two[k], err_msg=k)
+    tol = 1e-4 if case[3] == "float32" else 2e-2
+    for k, want in reference_site(arr).items():
+        got = _values(one[k])
+        want = np.array(want.astype(mx.float32))
+        assert got.shape == want.shape, k
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=k)
+
+
+# ------------------------------------------------------------------ the compiled decode step through the tails
+
+
+class StandInKernels:
+    """`hyper_connection._kernel(kind)` for a faked GPU face: each launch's outputs computed by
+    the reference face from the very inputs and template the launch passes (by the kernel's
+    input names), so the CPU runs the models' compiled step through the GPU path's plumbing.
+    The split's separate launches (hc_dots, hc_post_dots) must not come: the tails replace them."""
+
+    def __init__(self):
+        self.calls = {}
+
+    def __call__(self, kind):
+        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+            a, t = dict(zip(hck._KINDS[kind][1], inputs)), dict(template)
+            x = a["x"]
+            nt, n, d = x.shape
+            assert t["T"] == x.dtype and t["HC"] == n and t["D"] == d
+            if kind in ("hc_dots_pre", "hc_post_dots_pre"):
+                parts = -(-(n * d) // (hck.DOTS_THREADS * hck.DOTS_PER))
+                assert t["PARTS"] == parts and t["VT"] == hck.PRE_THREADS and t["THREADS"] == hck.DOTS_THREADS
+                assert grid == (parts * hck.DOTS_THREADS, nt, 1) and threadgroup == (hck.DOTS_THREADS, 1, 1)
+                assert a["tickets"] is dispatch.tickets(hck.TICKETS, nt, 64)
+            else:
+                assert kind in ("hc_pre", "hc_post") and t.get("PARTS", 0) == 0, kind
+            if kind in ("hc_post", "hc_post_dots_pre"):
+                o = a["o"] + a["o2"] if t["ADD2"] else a["o"]
+                x = reference.hc_post(x, o, a["post"], a["comb"])
+                if kind == "hc_post":
+                    return [x]
+            eps = [float(v) for v in a["eps"].tolist()]
+            kw = dict(hc_eps=eps[0], norm_eps=eps[1])
+            dummy = [mx.zeros(s, dt) for s, dt in zip(output_shapes[-4:], output_dtypes[-4:])]
+            if t["HEAD"]:
+                site = [*dummy[:3], reference.hc_head(x, a["fn"], a["base"], a["scale"], **kw)]
+            else:
+                pre, post, comb = reference.hc_mix(x, a["fn"], a["base"], a["scale"], sinkhorn_iters=t["ITERS"], **kw)
+                y = reference.hc_collapse(x, pre) if t["COLLAPSE"] else dummy[3]
+                site = [pre, post, comb, mx.fast.rms_norm(y, a["nw"], eps[2]) if t["NORM"] else y]
+            parts = {"hc_dots_pre": [mx.zeros(output_shapes[0])], "hc_post_dots_pre": [x, mx.zeros(output_shapes[1])]}
+            out = parts.get(kind, []) + site
+            assert [tuple(o.shape) for o in out] == [tuple(s) for s in output_shapes], kind
+            assert [o.dtype for o in out] == list(output_dtypes), kind
+            return out
+
+        return launch
+
+
+@pytest.fixture(scope="module", params=["long", "odd"])
+def v4_case(request):
+    from parity_helpers import load_case
+
+    return load_case(request.getfixturevalue("oracle"), "make_tiny_deepseek_v4.py", request.param)
+
+
+def _decode(lm, ids, monkeypatch, how="compiled", prefill=5):
+    from ds4mlx import stepper
+
+    monkeypatch.setenv(stepper.MODE_ENV, how)
+    s = lm.new_session(ctx=len(ids) + 80, chunk=7)
+    s.prefill(ids[:prefill])
+    return np.stack([s.decode(t) for t in ids[prefill:]])
+
+
+def test_compiled_step_through_the_tails_matches_legacy(v4_case, monkeypatch):
+    """The tiny V4 models' mHC sites on a faked CUDA face (stand-in launches computing the
+    reference face): every decode site is one launch (hc_dots_pre / hc_post_dots_pre, no
+    hc_dots / hc_post_dots), and the compiled step's logits stay within 1e-4 of the legacy path."""
+    from ds4mlx import stepper
+    from ds4mlx.models import cache as row_cache
+
+    _, lm, ref, _ = v4_case
+    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+    ids = ref["input_ids"][0].tolist()
+    legacy = _decode(lm, ids, monkeypatch, "legacy")
+    fake = StandInKernels()
+    stepper.forget(lm.model)
+    monkeypatch.setattr(hck, "auto_face", lambda kernel, self_test: "cuda")  # this module's faces only
+    monkeypatch.setattr(hck, "_kernel", fake)
+    try:
+        compiled = _decode(lm, ids, monkeypatch)
+    finally:
+        stepper.forget(lm.model)
+    assert fake.calls.get("hc_post_dots_pre", 0) > 0 and fake.calls.get("hc_dots_pre", 0) > 0
+    assert set(fake.calls) <= {"hc_dots_pre", "hc_post_dots_pre", "hc_pre", "hc_post"}
+    assert float(np.abs(compiled - legacy).max()) <= 1e-4
+    assert float(np.abs(compiled - ref["logits_full"][0][5:]).max()) <= 1e-4
+
+
 # ------------------------------------------------------------------ GPU faces
 
 
@@ -593,6 +885,88 @@ def test_gpu_hc_post_pre_equals_reference(dtype):
         assert mx.allclose(g.astype(mx.float32), w.astype(mx.float32), rtol=tol, atol=tol).item()
 
 
+def _cuda_face():
+    face = _gpu_face()
+    if face != "cuda":
+        pytest.skip("the one-launch tails run on CUDA only")
+    return face
+
+
+@pytest.mark.gpu
+def test_gpu_tail_self_test_passes():
+    assert hck._tail_self_test(_cuda_face())
+
+
+TAIL_GPU_CASES = [  # (n, d, tokens, dtype)
+    (4, 4096, 1, "bfloat16"),  # V4 Flash decode
+    (4, 4096, 1, "float32"),
+    (4, 4096, 16, "bfloat16"),  # SPLIT_TOKENS: the most the tails take
+    (3, 4095, 3, "float32"),  # odd sizes
+    (2, 1000, 7, "bfloat16"),
+    (5, 33, 2, "float32"),  # the largest n
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TAIL_GPU_CASES, ids=lambda c: "n{}_d{}_T{}_{}".format(*c))
+def test_gpu_tails_equal_two_launches(case, monkeypatch):
+    """hc_pre (with and without the folded norm), hc_mix, hc_head and hc_post_pre (with and
+    without both folds) at decode: the one-launch tails bit for bit the two-launch path (the
+    same sums in the same order), three times in a row (each launch must leave its tickets
+    zeroed for the next: a stale one hands a token's work to the wrong threadgroup)."""
+    face = _cuda_face()
+    n, d, nt, dtype = case
+    dt = getattr(mx, dtype)
+    x, fn, base, scale = (mx.array(a) for a in make_inputs(n, d, (1, nt), seed=nt + d))
+    x, fn = x.astype(dt), fn.astype(dt)
+    out, out2 = ((mx.random.normal((1, nt, d), key=mx.random.key(k)) * 0.5).astype(dt) for k in (1, 2))
+    w = 1.0 + 0.1 * mx.random.normal((d,), key=mx.random.key(3))
+    kw = dict(sinkhorn_iters=20, hc_eps=HC_EPS, norm_eps=NORM_EPS, backend=face)
+    post, comb, _ = hck.hc_pre(x, fn, base, scale, **{**kw, "backend": "reference"})
+
+    def run():
+        got = [
+            *hck.hc_pre(x, fn, base, scale, **kw, norm=(w, RMS_EPS)),
+            *hck.hc_pre(x, fn, base, scale, **kw),
+            *hck.hc_mix(x, fn, base, scale, **kw),
+            hck.hc_head(x, fn[:n], base[:n], scale[:1], hc_eps=HC_EPS, norm_eps=NORM_EPS, backend=face),
+            *hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw, norm=(w, RMS_EPS), out2=out2),
+            *hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw),
+        ]
+        mx.eval(got)
+        return got
+
+    one = [run() for _ in range(3)]
+    assert not mx.any(dispatch.tickets(hck.TICKETS, nt, 64)).item()
+    monkeypatch.setattr(hck, "_tail", lambda face, chosen: False)
+    two = run()
+    for got in one:
+        for i, (g, want) in enumerate(zip(got, two)):
+            assert g.dtype == want.dtype and g.shape == want.shape, i
+            assert mx.array_equal(g, want).item(), i
+
+
+@pytest.mark.gpu
+def test_gpu_tiny_models_compiled_decode_tails_on_vs_off(v4_case, monkeypatch):
+    """The tiny V4 models' compiled decode on the GPU with the automatic faces: the tails
+    (after their first-use self-test) within 1e-4 of the two-launch path."""
+    from ds4mlx import stepper
+
+    face = _cuda_face()
+    _, lm, ref, _ = v4_case
+    ids = ref["input_ids"][0].tolist()
+    stepper.forget(lm.model)
+    try:
+        on = _decode(lm, ids, monkeypatch)
+        assert hck._tail(face, False)  # the self-test passed: the step ran the tails
+        stepper.forget(lm.model)
+        monkeypatch.setattr(hck, "_tail", lambda face, chosen: False)
+        off = _decode(lm, ids, monkeypatch)
+    finally:
+        stepper.forget(lm.model)
+    assert float(np.abs(on - off).max()) <= 1e-4
+
+
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 
@@ -607,6 +981,10 @@ def test_gpu_hc_post_pre_equals_reference(dtype):
         ("hc_dots", "pre"),
         ("hc_dots", "head"),
         ("hc_post_dots", ""),
+        ("hc_dots_pre", "pre"),
+        ("hc_dots_pre", "head"),
+        ("hc_dots_pre", "mix"),
+        ("hc_post_dots_pre", ""),
     ],
 )
 def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
@@ -659,10 +1037,24 @@ def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
             ("PARTS", 32),
             ("HEAD", mode == "head"),
         ]
-    else:
+    elif kind == "hc_post":
         ins, outs = {"x": dtype, "o": dtype, "post": f, "comb": f, "o2": dtype}, {"y": dtype}
         tmpl = [("T", dtype), ("TP", f), ("TC", f), ("HC", 4), ("D", 4096), ("THREADS", hck.POST_THREADS)]
         tmpl.append(("ADD2", True))
+    else:  # the tails: hc_dots / hc_post_dots, then hc_pre's work, with both folds
+        core = {"base": f, "scale": f, "eps": f, "nw": dtype, "tickets": "uint32"}
+        small = {"pre": f, "post": f, "comb": f}
+        dots = [("T", dtype), ("TW", dtype), ("HC", 4), ("D", 4096), ("THREADS", hck.DOTS_THREADS)]
+        dots += [("PER", hck.DOTS_PER), ("PARTS", 32), ("TB", f), ("TS", f), ("ITERS", 20)]
+        dots += [("HEAD", mode == "head"), ("COLLAPSE", mode != "mix"), ("NORM", mode != "head")]
+        dots += [("VT", hck.PRE_THREADS)]
+        if kind == "hc_dots_pre":
+            ins, outs, tmpl = {"x": dtype, "fn": dtype, **core}, {"part": f, **small, "y": dtype}, dots
+        else:
+            ins = {"x": dtype, "o": dtype, "post": f, "comb": f, "fn": dtype, "o2": dtype, **core}
+            outs = {"y": dtype, "part": f, "pre": f, "post2": f, "comb2": f, "h": dtype}
+            tmpl = dots + [("TP", f), ("TC", f), ("ADD2", True)]
+        assert list(ins) == hck._KINDS[kind][1] and list(outs) == hck._KINDS[kind][2]
     nvcc_compile(tmp_path, mlx_cuda_source(kind, h, b, ins, outs, tmpl))
 
 

@@ -7,7 +7,12 @@ kernel does the whole call in one launch: one threadgroup per token accumulates 
 sum of squares and the (2+n)n dot products of the flattened streams, normalises
 afterwards (``mix = (fn . x) * rsqrt(mean(x^2) + eps)``), applies the sigmoids,
 runs Sinkhorn on one SIMD group and writes the collapsed vector.  `hc_post` is one
-elementwise launch (instead of casts, a matmul, a product and a sum).
+elementwise launch (instead of casts, a matmul, a product and a sum).  At decode (up to
+SPLIT_TOKENS tokens) the projection is split over many threadgroups per token (hc_dots, or
+hc_post_dots forming the new streams in the same pass); on CUDA the threadgroup of a token
+that finishes last then does hc_pre's work in the same launch (the "tails" hc_dots_pre /
+hc_post_dots_pre, a ticket per token: one launch per mHC site, bit-identical to the two
+launches hc_dots + hc_pre it replaces).
 
 Public API (all dispatch on ``backend`` / `ds4mlx.kernels.dispatch.backend()`)
 ----------
@@ -28,7 +33,10 @@ stated tolerances); hc_post rounds like the reference graph (within 1 ulp of T).
 Verified: reference face against float64 math on CPU; the shared kernel text compiled
 with g++ (threadgroups emulated with std::threads).  The CUDA face is meant to be
 checked on the H200 with ``pytest -m gpu tests/test_kernel_hyper_connection.py``;
-the Metal face has not run (no Apple GPU here).
+the Metal face has not run (no Apple GPU here).  The tails have not run on a GPU yet
+(`dispatch.UNVERIFIED_KERNELS`: "hyper_connection.tail" self-tests at first use and falls
+back to the two launches); Metal keeps the two launches (its device-scope fence, MSL 3.2,
+has run nowhere).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import mlx.core as mx
 
 from ds4mlx.kernels import hyper_connection_reference as reference
 from ds4mlx.kernels.activations import rms_normed
-from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, shared_sources
+from ds4mlx.kernels.dispatch import INDEX, METAL_DIR, PRELUDE, Kernel, auto_face, close_enough, sections, tickets
 from ds4mlx.kernels.hyper_connection_reference import hc_collapse  # noqa: F401 (no kernel: the reference)
 
 SOURCE = METAL_DIR / "hyper_connection.metal"
@@ -50,22 +58,36 @@ SPLIT_TOKENS = 16  # up to this many tokens, the projection is split across thre
 DOTS_THREADS = 256  # threads per hc_dots threadgroup
 DOTS_PER = 2  # flat elements per hc_dots thread (a threadgroup takes DOTS_THREADS*DOTS_PER)
 
+_CORE_IN = ["base", "scale", "eps", "nw"]  # what pre_core reads besides the streams and the parts
+_KINDS = {  # kernel -> (its sections after the face's INDEX, inputs, outputs)
+    "hc_pre": (("hc_pre", "pre_core"), ["x", "fn", "base", "scale", "eps", "part", "nw"], ["pre", "post", "comb", "y"]),
+    "hc_dots": (("hc_dots",), ["x", "fn"], ["part"]),
+    "hc_post_dots": (("hc_post_dots",), ["x", "o", "post", "comb", "fn", "o2"], ["y", "part"]),
+    "hc_post": (("hc_post",), ["x", "o", "post", "comb", "o2"], ["y"]),
+    # the decode split in one launch: the last threadgroup of a token runs hc_pre's work (pre_core)
+    "hc_dots_pre": (
+        ("hc_dots", "hc_last", "dots_glue", "pre_core"),
+        ["x", "fn", *_CORE_IN, "tickets"],
+        ["part", "pre", "post", "comb", "y"],
+    ),
+    "hc_post_dots_pre": (
+        ("hc_post_dots", "hc_last", "post_dots_glue", "pre_core"),
+        ["x", "o", "post", "comb", "fn", "o2", *_CORE_IN, "tickets"],
+        ["y", "part", "pre", "post2", "comb2", "h"],
+    ),
+}
+TICKETS = "hyper_connection.tail"  # the tails' ticket buffer (dispatch.tickets)
+
 
 def kernel_sources(kind: str, face: str) -> tuple[str, str]:
-    """(header, body) of 'hc_pre', 'hc_dots' or 'hc_post' for `face` ('metal' or 'cuda')."""
-    return shared_sources(SOURCE, face, kind)
+    """(header, body) of a kernel of `_KINDS` for `face` ('metal' or 'cuda')."""
+    sec = sections(SOURCE)
+    return PRELUDE[face] + sec["common"], INDEX[face] + "".join(sec[s] for s in _KINDS[kind][0])
 
 
 @cache
 def _kernel(kind: str) -> Kernel:
-    if kind == "hc_pre":
-        inputs, outputs = ["x", "fn", "base", "scale", "eps", "part", "nw"], ["pre", "post", "comb", "y"]
-    elif kind == "hc_dots":
-        inputs, outputs = ["x", "fn"], ["part"]
-    elif kind == "hc_post_dots":
-        inputs, outputs = ["x", "o", "post", "comb", "fn", "o2"], ["y", "part"]
-    else:
-        inputs, outputs = ["x", "o", "post", "comb", "o2"], ["y"]
+    _, inputs, outputs = _KINDS[kind]
     return Kernel(
         f"ds4mlx_{kind}", inputs, outputs, metal=kernel_sources(kind, "metal"), cuda=kernel_sources(kind, "cuda")
     )
@@ -126,6 +148,52 @@ def _split(face: str, chosen: bool) -> bool:
     return chosen or auto_face("hyper_connection.split", _self_test) == face
 
 
+def _tail(face: str, chosen: bool) -> bool:
+    """Whether the decode split runs as ONE launch (hc_dots_pre / hc_post_dots_pre: the
+    threadgroup of a token that finishes last does hc_pre's work): on CUDA only (Metal's
+    device-scope fence, MSL 3.2, has run nowhere), always for a caller-chosen face, for an
+    automatic one once its self-test passed (dispatch.UNVERIFIED_KERNELS); else two launches."""
+    return face == "cuda" and (chosen or auto_face("hyper_connection.tail", _tail_self_test) == face)
+
+
+def _tail_self_test(face: str) -> bool:
+    """The other self-tests on `face`: a chosen CUDA face runs them through the tails."""
+    return _self_test(face) and _post_pre_self_test(face) and _fold_self_test(face)
+
+
+def _core(x, base, scale, iters, hc_eps, norm_eps, mode: str, norm_in, part=None):
+    """pre_core's inputs, template, output shapes and dtypes for x [nt, n, d] in `mode`
+    (`part`: hc_pre's partial sums, or None in a tail, which makes its own)."""
+    nt, n, d = x.shape
+    head = mode == "head"
+    nw, rms_eps = (norm_in[0].astype(x.dtype), float(norm_in[1])) if norm_in is not None else (_eps(0.0, 0.0), 0.0)
+    inputs = [base, scale, _eps(float(hc_eps), float(norm_eps), rms_eps), nw]
+    if part is not None:
+        inputs.insert(3, part)  # hc_pre's order: ..., eps, part, nw
+    template = [
+        ("TB", base.dtype),
+        ("TS", scale.dtype),
+        ("ITERS", int(iters)),
+        ("HEAD", head),
+        ("COLLAPSE", mode != "mix"),
+        ("NORM", norm_in is not None),
+    ]
+    shapes = [(nt, n), (nt, n), (nt, n, n)] if not head else [(1,), (1,), (1,)]
+    shapes.append((nt, d) if mode != "mix" else (1,))
+    return inputs, template, shapes, [mx.float32, mx.float32, mx.float32, x.dtype]
+
+
+def _results(mode, lead, n, d, pre, post, comb, y, norm, norm_in):
+    """The public results of pre_core's outputs (see `_pre_launch`)."""
+    if mode == "head":
+        return y.reshape(*lead, d)
+    post, comb = post.reshape(*lead, n), comb.reshape(*lead, n, n)
+    if mode == "mix":
+        return pre.reshape(*lead, n), post, comb
+    y = y.reshape(*lead, d)
+    return post, comb, y if norm_in is not None else rms_normed(y, norm)
+
+
 def _pre_launch(
     face, x, fn, base, scale, iters, hc_eps, norm_eps, mode: str, chosen: bool = True, part=None, norm=None
 ):
@@ -143,61 +211,54 @@ def _pre_launch(
     m = n if head else (2 + n) * n
     if fn.shape != (m, n * d):
         raise ValueError(f"fn must be [{m}, {n * d}], got {fn.shape}")
-    small = [(nt, n), (nt, n), (nt, n, n)] if not head else [(1,), (1,), (1,)]
     x3 = x.reshape(nt, n, d)
     parts = 0 if part is None else part.shape[1]
     if part is None:
         part = _eps(0.0, 0.0)  # a dummy when hc_pre projects by itself
     if parts == 0 and nt <= SPLIT_TOKENS and _split(face, chosen):
         parts = -(-(n * d) // (DOTS_THREADS * DOTS_PER))
+        dots = [
+            ("T", x.dtype),
+            ("TW", fn.dtype),
+            ("HC", n),
+            ("D", d),
+            ("THREADS", DOTS_THREADS),
+            ("PER", DOTS_PER),
+            ("PARTS", parts),
+        ]
+        launch = dict(grid=(parts * DOTS_THREADS, nt, 1), threadgroup=(DOTS_THREADS, 1, 1))
+        if _tail(face, chosen):
+            inputs, template, shapes, dtypes = _core(x3, base, scale, iters, hc_eps, norm_eps, mode, norm_in)
+            _, pre, post, comb, y = _kernel("hc_dots_pre")(
+                face,
+                inputs=[x3, fn, *inputs, tickets(TICKETS, nt, 64)],
+                template=dots + template + [("VT", PRE_THREADS)],
+                output_shapes=[(nt, parts, m + 1), *shapes],
+                output_dtypes=[mx.float32, *dtypes],
+                **launch,
+            )
+            return _results(mode, lead, n, d, pre, post, comb, y, norm, norm_in)
         part = _kernel("hc_dots")(
             face,
             inputs=[x3, fn],
-            template=[
-                ("T", x.dtype),
-                ("TW", fn.dtype),
-                ("HC", n),
-                ("D", d),
-                ("THREADS", DOTS_THREADS),
-                ("PER", DOTS_PER),
-                ("PARTS", parts),
-                ("HEAD", head),
-            ],
-            grid=(parts * DOTS_THREADS, nt, 1),
-            threadgroup=(DOTS_THREADS, 1, 1),
+            template=dots + [("HEAD", head)],
             output_shapes=[(nt, parts, m + 1)],
             output_dtypes=[mx.float32],
+            **launch,
         )[0]
-    nw, rms_eps = (norm_in[0].astype(x.dtype), float(norm_in[1])) if norm_in is not None else (part, 0.0)
+    inputs, template, shapes, dtypes = _core(x3, base, scale, iters, hc_eps, norm_eps, mode, norm_in, part)
     pre, post, comb, y = _kernel("hc_pre")(
         face,
-        inputs=[x3, fn, base, scale, _eps(float(hc_eps), float(norm_eps), rms_eps), part, nw],
-        template=[
-            ("T", x.dtype),
-            ("TW", fn.dtype),
-            ("TB", base.dtype),
-            ("TS", scale.dtype),
-            ("HC", n),
-            ("D", d),
-            ("THREADS", PRE_THREADS),
-            ("ITERS", int(iters)),
-            ("HEAD", head),
-            ("COLLAPSE", mode != "mix"),
-            ("PARTS", parts),
-            ("NORM", norm_in is not None),
-        ],
+        inputs=[x3, fn, *inputs],
+        template=[("T", x.dtype), ("TW", fn.dtype), ("HC", n), ("D", d), ("THREADS", PRE_THREADS)]
+        + template
+        + [("PARTS", parts)],
         grid=(nt * PRE_THREADS, 1, 1),
         threadgroup=(PRE_THREADS, 1, 1),
-        output_shapes=small + [(nt, d) if mode != "mix" else (1,)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32, x.dtype],
+        output_shapes=shapes,
+        output_dtypes=dtypes,
     )
-    if head:
-        return y.reshape(*lead, d)
-    post, comb = post.reshape(*lead, n), comb.reshape(*lead, n, n)
-    if mode == "mix":
-        return pre.reshape(*lead, n), post, comb
-    y = y.reshape(*lead, d)
-    return post, comb, y if norm_in is not None else rms_normed(y, norm)
+    return _results(mode, lead, n, d, pre, post, comb, y, norm, norm_in)
 
 
 def _fusable(x: mx.array) -> bool:
@@ -322,9 +383,9 @@ def hc_post_pre(
 ):
     """``y = hc_post(x, out, post, comb, out2=out2)`` then ``hc_pre(y, fn, base, scale, ..., norm=norm)``:
     (y, post', comb', collapsed') -- the end of one mHC site and the start of the
-    next.  At decode on a GPU, two launches instead of three: the new streams are
-    formed and projected in the same pass (hc_post_dots), then hc_pre adds the
-    partial sums (`dispatch.UNVERIFIED_KERNELS` until its GPU test has run)."""
+    next.  At decode on a GPU, one launch instead of three: the new streams are formed
+    and projected in the same pass (hc_post_dots) and the last threadgroup of each token
+    adds the partial sums and does hc_pre's work (`_tail`; else hc_pre as a second launch)."""
     face = _face(backend)
     n, d = x.shape[-2], x.shape[-1]
     nt = x.size // max(n * d, 1)
@@ -360,28 +421,45 @@ def hc_post_pre(
     m = (2 + n) * n
     parts = -(-(n * d) // (DOTS_THREADS * DOTS_PER))
     o2 = out2.reshape(nt, d) if out2 is not None else post
+    chosen = backend is not None
+    inputs = [x.reshape(nt, n, d), out.reshape(nt, d), post.reshape(nt, n), comb.reshape(nt, n, n), fn, o2]
+    template = [
+        ("T", x.dtype),
+        ("TP", post.dtype),
+        ("TC", comb.dtype),
+        ("TW", fn.dtype),
+        ("HC", n),
+        ("D", d),
+        ("THREADS", DOTS_THREADS),
+        ("PER", DOTS_PER),
+        ("PARTS", parts),
+        ("ADD2", out2 is not None),
+    ]
+    launch = dict(grid=(parts * DOTS_THREADS, nt, 1), threadgroup=(DOTS_THREADS, 1, 1))
+    if _tail(face, chosen):
+        norm_in = norm if norm is not None and _folds(face, chosen) else None
+        core_in, core_t, shapes, dtypes = _core(
+            inputs[0], base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", norm_in
+        )
+        y, _, pre, post2, comb2, h = _kernel("hc_post_dots_pre")(
+            face,
+            inputs=[*inputs, *core_in, tickets(TICKETS, nt, 64)],
+            template=template + core_t + [("VT", PRE_THREADS)],
+            output_shapes=[(nt, n, d), (nt, parts, m + 1), *shapes],
+            output_dtypes=[x.dtype, mx.float32, *dtypes],
+            **launch,
+        )
+        return (y.reshape(*lead, n, d), *_results("pre", lead, n, d, pre, post2, comb2, h, norm, norm_in))
     y, part = _kernel("hc_post_dots")(
         face,
-        inputs=[x.reshape(nt, n, d), out.reshape(nt, d), post.reshape(nt, n), comb.reshape(nt, n, n), fn, o2],
-        template=[
-            ("T", x.dtype),
-            ("TP", post.dtype),
-            ("TC", comb.dtype),
-            ("TW", fn.dtype),
-            ("HC", n),
-            ("D", d),
-            ("THREADS", DOTS_THREADS),
-            ("PER", DOTS_PER),
-            ("PARTS", parts),
-            ("ADD2", out2 is not None),
-        ],
-        grid=(parts * DOTS_THREADS, nt, 1),
-        threadgroup=(DOTS_THREADS, 1, 1),
+        inputs=inputs,
+        template=template,
         output_shapes=[(nt, n, d), (nt, parts, m + 1)],
         output_dtypes=[x.dtype, mx.float32],
+        **launch,
     )
     y = y.reshape(*lead, n, d)
-    chosen = backend is not None  # (with `part` given, _pre_launch reads it for the fold alone)
+    # (with `part` given, _pre_launch reads it for the fold alone)
     return (y, *_pre_launch(face, y, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, "pre", chosen, part, norm))
 
 
