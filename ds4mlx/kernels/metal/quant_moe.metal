@@ -357,7 +357,10 @@ if (c >= uint32_t(K_DIM / 32) || row >= uint32_t(N_ROWS)) {
         o[i] = static_cast<T>(buf[i]);
     }
 }
+// @@ prelude_fused_metal
+inline float ds4_exp(float x) { return metal::precise::exp(x); }
 
+// @@ fused
 // ---- the fused MoE decode modes (issue #13: launches, not bytes, bound the decode step)
 //
 // qmv_swiglu: gate and up (two GGUF tensors of one type and shape) and the clamped
@@ -368,11 +371,7 @@ if (c >= uint32_t(K_DIM / 32) || row >= uint32_t(N_ROWS)) {
 // `fused` section (and, on Metal, `prelude_fused_metal`; its CUDA twin is in
 // quant_moe.py) after the DS4_CHUNK / DS4_DOT16 defines.  Extra prelude name:
 //   ds4_exp(f)       e^f (precise on Metal)
-
-// @@ prelude_fused_metal
-inline float ds4_exp(float x) { return metal::precise::exp(x); }
-
-// @@ fused
+//
 // Stage x row xp (k_dim values of type TX) in xs as float32, transposed as qmv stages it
 // (value 512s + 16l + i at 512s + 32i + l); every thread of the group takes part.
 template <typename TX>
