@@ -749,6 +749,33 @@ def test_compiled_step_through_the_tails_matches_legacy(v4_case, monkeypatch):
     assert float(np.abs(compiled - ref["logits_full"][0][5:]).max()) <= 1e-4
 
 
+def test_unverified_tail_falls_back_to_two_launches(monkeypatch):
+    """On a (faked) CUDA face a wrong tail fails its first-use self-test: the decode split
+    then runs as today's two launches; Metal never takes the tails."""
+    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
+    monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device=None: "cuda")
+    monkeypatch.setattr(dispatch, "_self_tests", {})
+    calls = []
+
+    def garbage(kind):
+        def launch(face, *, output_shapes, output_dtypes, **kw):
+            calls.append(kind)
+            return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
+
+        return launch
+
+    monkeypatch.setattr(hck, "_kernel", garbage)
+    x, fn, base, scale = (mx.array(a) for a in make_inputs(4, 64, (1, 1), seed=2))
+    kw = dict(sinkhorn_iters=20, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    hck.hc_pre(x, fn, base, scale, **kw)
+    assert dispatch._self_tests[("hyper_connection.tail", "cuda")] is False
+    calls.clear()
+    hck.hc_pre(x, fn, base, scale, **kw)
+    assert calls == ["hc_dots", "hc_pre"]
+    assert not hck._tail("metal", True)
+
+
 # ------------------------------------------------------------------ GPU faces
 
 
