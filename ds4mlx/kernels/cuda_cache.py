@@ -59,6 +59,7 @@ MAX_FILE_NAME = 245  # MLX splits longer module names into folders (jit_module.c
 _CAPTURE = re.compile(r"Generated source code for `([^`]+)`:\n```\n(.*)\n```\n", re.S)
 
 _lock = threading.Lock()
+_capture_lock = threading.Lock()
 _seen: set = set()  # variants handled in this process
 _failed: list[str] = []  # the first failure (then the cache stays off)
 _pool: ThreadPoolExecutor | None = None
@@ -114,9 +115,10 @@ def parse_capture(text: str) -> tuple[str, str]:
 
 
 def _capture_stdout(fn) -> str:
-    """What `fn()` writes to file descriptor 1 (MLX prints with std::cout)."""
+    """What `fn()` writes to file descriptor 1 (MLX prints with std::cout); one capture at a
+    time (the descriptor is the process's)."""
     sys.stdout.flush()
-    with tempfile.TemporaryFile() as tmp:
+    with _capture_lock, tempfile.TemporaryFile() as tmp:
         saved = os.dup(1)
         try:
             os.dup2(tmp.fileno(), 1)
