@@ -11,7 +11,8 @@
 #    (first step with the cache warm), b4d1581 at 2K (before), GGUF decode 2K, the qmv table.
 # B: the GPU tests of the kernels still self-tested at first use, then prefill after vs before.
 source tools/h200_probe_lib.sh
-before() { PYTHONPATH=$PWD/.devstage/s7b:$PYTHONPATH probe "$@"; }
+# BEFORE: the "before" tree (next session: `git archive d109562 ds4mlx`, session 7's measured head)
+before() { PYTHONPATH=$PWD/${BEFORE:-.devstage/s7b}:$PYTHONPATH probe "$@"; }
 gputest() {  # the -v output kept whole in $OUT (a cut run still names what passed)
   local f="$OUT/gpu_tests_$(date +%s).txt"
   timeout "$1" python3 -m pytest -v -m gpu -p no:cacheprovider -rf "${@:2}" > "$f" 2>&1
