@@ -98,16 +98,18 @@ def _load(args, console):
         console.print(f"[dim]directional steering: {steered}[/dim]")
     # The worker thread (and the threads MLX starts from it) inherit a blocked SIGINT,
     # so Ctrl+C always reaches the main thread: the REPL's line reader wakes up on it.
+    # Unblocked on every way out (a usage error too): a blocked SIGINT left on the main thread
+    # would be inherited by every process it starts later.
     masked = hasattr(signal, "pthread_sigmask")
     if masked:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        speculation = spec_cli.spec_config(args, model, ctx=args.ctx, dtype=getattr(args, "dtype", "auto"))
-    except spec_cli.SpecUsageError as e:
-        raise UsageError(str(e)) from None
-    if speculation is not None:
-        console.print(f"[dim]speculative decoding: {speculation.describe()}[/dim]")
-    try:
+        try:
+            speculation = spec_cli.spec_config(args, model, ctx=args.ctx, dtype=getattr(args, "dtype", "auto"))
+        except spec_cli.SpecUsageError as e:
+            raise UsageError(str(e)) from None
+        if speculation is not None:
+            console.print(f"[dim]speculative decoding: {speculation.describe()}[/dim]")
         engine = Engine(model, tok, ctx=args.ctx, default_max_tokens=args.max_tokens, speculation=speculation)
     finally:
         if masked:

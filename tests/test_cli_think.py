@@ -193,3 +193,24 @@ def test_eval_flags(capsys):
     assert err is None and a.think_level == 40
     assert Prompt("S", "U", True, True).text.startswith("<｜begin▁of▁sentence｜>" + THINK_MAX_PREFIX + "S")
     assert THINK_MAX_PREFIX not in Prompt("S", "U", True, False).text
+
+
+def test_a_refused_speculation_leaves_ctrl_c_unblocked(monkeypatch, capsys, v4_demo):
+    """`generate` blocks SIGINT while its engine starts (the worker thread inherits the mask);
+    a usage error on the way (`--mtp` with `--draft-model`) must unblock it again, or every
+    process started later from this one inherits a blocked Ctrl+C (seen in CI: the REPL's and
+    eval's Ctrl+C tests hung after an in-process `generate` test)."""
+    import signal
+
+    from ds4mlx import generate, loader
+
+    if not hasattr(signal, "pthread_sigmask"):
+        pytest.skip("no signal masks here")
+    monkeypatch.setattr(loader, "load", lambda path=None, **kw: v4_demo)
+    p = argparse.ArgumentParser()
+    generate.add_arguments(p)
+    a = p.parse_args(["-p", "Hi", "--mtp", "--draft-model", "demo"])
+    a.command = "generate"
+    assert generate.run(a) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
