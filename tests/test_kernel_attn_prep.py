@@ -264,19 +264,26 @@ def test_gpu_face_matches_reference(case):
     at = mx.array(pos, mx.int32)
     args = (p["q_b"], p["kv"], p["kv_w"], p["ring"], at, rope, 1e-6, p["iq"] if nhi else None)
     got = ap.attn_prep(*args, heads=nh, index_heads=nhi, backend=face)
+    # the kernel computes in float32 and rounds once, so its reference is the float32 graph
+    # on the same (bfloat16) inputs; the bfloat16 graph rounds after every op, and where the
+    # rope's rotation cancels its error is relative to the inputs, not to the output (the
+    # bfloat16 case at position 32771 exceeded two output ulps of it on 2026-12-02)
+    f32 = tuple(a.astype(mx.float32) if isinstance(a, mx.array) and a.dtype == mx.bfloat16 else a for a in args)
     with mx.stream(mx.cpu):
-        want = ap.attn_prep(*args, heads=nh, index_heads=nhi, backend="reference")
+        want = ap.attn_prep(*f32, heads=nh, index_heads=nhi, backend="reference")
     for g, x in zip(got, want):
         if x is None:
             assert g is None
             continue
-        assert g.shape == x.shape and g.dtype == x.dtype
+        assert g.shape == x.shape
         g32, x32 = np.array(g.astype(mx.float32)), np.array(x.astype(mx.float32))
-        if x.dtype == mx.float32:
-            tol = bound(x32)
-        else:  # two bfloat16 ulps
-            tol = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(x32), 1e-30))) - 6) + 1e-6
-        assert np.all(np.abs(g32 - x32) <= tol), float(np.max(np.abs(g32 - x32) - tol))
+        tol = bound(x32)
+        if g.dtype == mx.bfloat16:  # plus the one rounding to bfloat16: half an ulp, one allowed
+            tol = tol + 2.0 ** (np.floor(np.log2(np.maximum(np.abs(x32), 1e-30))) - 7)
+        else:
+            assert x.dtype == mx.float32
+        excess = np.abs(g32 - x32) - tol
+        assert np.all(excess <= 0), (float(np.max(excess)), int(np.sum(excess > 0)), x32.size)
 
 
 @pytest.mark.gpu

@@ -106,6 +106,36 @@ def routing_only(x, idx):
     return order
 
 
+def split_gguf(glu, case: dict, dtype, iters: int) -> None:
+    """Where the GGUF grouped path's time goes: one slice of experts dequantized (as
+    grouped_experts.sliced_per_expert does, MAX_SLICE_BYTES at a time) against the bytes
+    it writes, and that slice's batched GEMM alone on already dequantized weights."""
+    import mlx.core as mx
+
+    from ds4mlx.kernels import quant_moe
+    from ds4mlx.models import grouped_experts
+
+    cap = max(1, (case["chunk"] * TOP) // EXPERTS)  # the mean rows per expert
+    for name, lin in (("gate", glu.gate_up_proj.gate_proj), ("down", glu.down_proj)):
+        out, k = lin.weight.shape[1], lin.input_dims
+        s = max(1, min(EXPERTS, grouped_experts.MAX_SLICE_BYTES // (out * k * 2)))
+        ids = mx.arange(s, dtype=mx.int32)
+        ms = timed(lambda: quant_moe.gather_dequantize(lin.weight, lin.qtype, ids, dtype), iters)
+        gb = s * out * k * 2 / 1e9
+        rd = s * lin.weight.shape[1] * lin.weight.shape[2] / 1e9
+        say(
+            f"  {name} {lin.qtype.name}: dequant {s} experts [{out}x{k}] {ms:.2f} ms ({gb:.2f} GB written, {rd:.2f} GB read: {(gb + rd) / ms:.0f} GB/s)"
+        )
+        w = quant_moe.gather_dequantize(lin.weight, lin.qtype, ids, dtype)
+        x = mx.random.normal((s, cap, k)).astype(dtype)
+        mx.eval(w, x)
+        gms = timed(lambda: x @ w.swapaxes(1, 2), iters)
+        say(
+            f"  {name}: batched GEMM [{s}x{cap}x{k}] @ [{k}x{out}] {gms:.2f} ms ({2 * s * cap * k * out / gms / 1e9:.1f} TFLOP/s)"
+        )
+        w = x = None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chunks", default="2048", help="tokens per chunk, comma-separated")
@@ -114,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--no-old", action="store_true", help="skip today's path")
     p.add_argument("--small", action="store_true", help="small shapes (a CPU smoke run)")
+    p.add_argument("--split", action="store_true", help="GGUF: the dequantization and the GEMMs timed apart")
     a = p.parse_args(argv)
     if a.small:
         global H, INTER, EXPERTS
@@ -172,6 +203,8 @@ def main(argv=None) -> int:
             )
             flop = 2.0 * pairs * (H * 2 * INTER + INTER * H)
             cases.append({"chunk": chunk, "x": x, "idx": idx, "flop": flop, "outs": {}})
+        if a.split and fmt == "gguf":
+            split_gguf(glu, cases[-1], dtype, a.iters)
         modes = ["grouped"] + (["grouped-dequant"] if fmt.startswith("mlx") else [])
         for case in cases:  # the new paths first, every chunk: today's may fail (GGUF untried here)
             for mode in modes:

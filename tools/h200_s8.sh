@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Session 8's device runs (issues #13, #14, #15), after staging (../shared/gpu/README.md):
+#   call 1: mkdir -p /root/gpu && cp .gpu/a/part_aa /root/gpu/                  (carry .gpu/a)
+#   later:  source .gpu/b/setup.sh && bash tools/h200_s8.sh A|B|C   (carry .gpu/b .ptxcache [.devstage/s8a])
+# A: every `pytest -m gpu` test (#15's last acceptance point), then decode of this tree
+#    (session 7's fused mHC sites and GGUF MoE modes, first measured here): MLX 2-bit experts
+#    32K then 2K (--descending: is 2K slower only because it ran first?), GGUF experts 2K + 32K.
+# B: prefill: one layer's routed experts at a 2,048-token chunk with the GGUF path's
+#    dequantization and GEMMs timed apart, then the 43-layer prefill frontier + profile.
+# C: the end-of-session decode: this tree vs BEFORE (the tree A measured, `git archive` into
+#    .devstage/s8a), MLX and GGUF experts, then mlx-lm and serve vs bench in the same call.
+source tools/h200_probe_lib.sh
+before() { PYTHONPATH=$PWD/${BEFORE:-.devstage/s8a}:$PYTHONPATH probe "$@"; }
+gputest() {  # the -v output kept whole in $OUT (a cut run still names what passed)
+  local f="$OUT/gpu_tests_$(date +%s).txt"
+  timeout "$1" python3 -m pytest -v -m gpu -p no:cacheprovider -rf "${@:2}" > "$f" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$f" | tail -40 | cut -c1-300 | tee -a "$OUT/log.txt"
+}
+case "${1:-A}" in
+A)
+  log "every GPU test"
+  gputest ${TEST_S:-280} tests/test_affine_qmv.py tests/test_cuda_cache.py tests/test_grouped_experts.py tests/test_kernel_attn_prep.py tests/test_kernel_compressor_step.py tests/test_kernel_hyper_connection.py tests/test_kernel_moe_route.py tests/test_kernel_selftest.py tests/test_kernel_sparse_attention.py tests/test_quant.py tests/test_quant_moe.py 
+  keep
+  log "decode, this tree, MLX 2-bit experts, 32K then 2K, GPU time per kernel"
+  probe ${NEW_S:-170} --label head --ctx 32768 2048 --descending --fake-context --gpu-busy --top 25 | tee "$OUT/decode_head.txt"
+  keep
+  log "decode, this tree, GGUF experts, 2K + 32K"
+  probe ${GGUF_S:-110} --label head-gguf --expert-format gguf --ctx 2048 32768 --fake-context --gpu-busy --top 12 | tee "$OUT/decode_gguf.txt"
+  keep
+  ;;
+B)
+  log "one layer's routed experts, 2,048-token chunk, GGUF split"
+  timeout ${EXPERTS_S:-120} python3 -u tools/prefill_experts_bench.py --chunks 2048 --formats gguf,mlx2 --split --no-old \
+      2>&1 | grep -v "_warn_once\|UserWarning" | tee "$OUT/prefill_experts.txt"
+  log "prefill frontier 2K..32K + profile, MLX 2-bit experts"
+  DS4MLX_DECODE=legacy timeout ${BENCH_S:-330} python3 -u -m ds4mlx.cli bench --synthetic v4-flash --expert-format mlx \
+      --ctx-start 2048 --ctx-max 32768 --step-mul 4 --gen-tokens 0 --time-budget 200 \
+      --profile-prefill --profile-chunks 512,2048 --csv "$OUT/prefill_mlx.csv" 2>&1 | grep -v '^ds4mlx: dtype\|_warn_once\|UserWarning' \
+      | cut -c1-400 | tee "$OUT/prefill_mlx.txt"
+  keep
+  ;;
+C)
+  log "decode, this tree vs before, MLX 2-bit experts"
+  probe ${NEW_S:-120} --label head --ctx 2048 32768 --fake-context | tee "$OUT/decode_head.txt"
+  before ${BASE_S:-100} --label before --ctx 2048 32768 --fake-context | tee "$OUT/decode_before.txt"
+  log "decode, this tree vs before, GGUF experts"
+  probe ${GGUF_S:-90} --label head-gguf --expert-format gguf --ctx 2048 32768 --fake-context | tee "$OUT/decode_gguf.txt"
+  before ${GBASE_S:-80} --label before-gguf --expert-format gguf --ctx 2048 --fake-context | tee "$OUT/decode_gguf_before.txt"
+  keep
+  log "serve vs bench, 2K"
+  timeout ${SERVE_S:-100} python3 -u tools/serve_vs_bench.py --ctx 2048 --gen 64 2>&1 | grep -v "_warn_once\|UserWarning" | tail -15 | tee "$OUT/serve_vs_bench.txt"
+  log "mlx-lm side by side"
+  timeout ${MLXLM_S:-120} python3 -u tools/mlxlm_side_by_side.py --layers 43 --prompt ${MLXLM_PROMPT:-512} --gen 16 --which mlxlm 2>&1 \
+      | grep -v "_warn_once\|UserWarning" | tail -15 | tee "$OUT/mlxlm.txt"
+  ;;
+esac
+log done
