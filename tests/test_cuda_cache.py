@@ -208,7 +208,20 @@ def test_gpu_mlx_loads_the_cached_entry(tmp_path):
 
     def run(arg, cache_dir):
         env = dict(os.environ, MLX_PTX_CACHE_DIR=str(cache_dir), PYTHONPATH=os.pathsep.join(sys.path))
-        r = subprocess.run([sys.executable, "-c", PROOF, arg], capture_output=True, text=True, env=env, cwd=ROOT)
+        # a stuck child (this test hung for 280 s on the H200 on 2026-12-02) prints its stacks
+        cmd = [
+            sys.executable,
+            "-X",
+            "faulthandler",
+            "-c",
+            "import faulthandler; faulthandler.dump_traceback_later(100)\n" + PROOF,
+            arg,
+        ]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=150)
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            pytest.fail(f"the child hung; its stacks:\n{err[-4000:]}")
         assert r.returncode == 0, r.stderr[-3000:]
         return int(r.stdout.strip().splitlines()[-1])
 
