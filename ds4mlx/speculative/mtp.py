@@ -174,7 +174,7 @@ class MTPDrafter:
             toks.append(tok)
             if q is not None:
                 qs.append(q)
-            if margin > 0 and rule.greedy:
+            if margin > 0 and getattr(rule, "greedy_drafts", rule.greedy):
                 gaps.append(top2_gap(logits))
             if i + 1 < k:  # recursive: the head's own streams are the next position's
                 x, hid = self.head(x[:, -1:], tok.reshape(1, 1), self.backbone.embed_tokens, self.cache)

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 DEFAULT_DRAFT = 1  # ds4's --mtp-draft default
 DEFAULT_MARGIN = 3.0  # ds4's --mtp-margin default
+# ds4's --mtp-exact-sampling is off by default: sampled speculation accepts argmax drafts
+# opportunistically (acceptance.OpportunisticRule); on, standard speculative sampling
+DEFAULT_EXACT_SAMPLING = False
 
 
 class SpecUsageError(ValueError):
@@ -17,15 +20,19 @@ class SpecConfig:
     drafter: object  # drafter.ModelDrafter (or any object with `propose`)
     depth: int = DEFAULT_DRAFT  # draft tokens per round (--mtp-draft)
     margin: float = DEFAULT_MARGIN  # confidence pruning of the recursive draft (--mtp-margin)
+    exact_sampling: bool = DEFAULT_EXACT_SAMPLING  # sampled jobs: the target distribution (--mtp-exact-sampling)
 
     def __post_init__(self):
         if int(self.depth) < 1:
             raise ValueError("--mtp-draft must be at least 1")
         self.depth = int(self.depth)
         self.margin = max(0.0, float(self.margin))
+        self.exact_sampling = bool(self.exact_sampling)
 
     def describe(self) -> str:
-        return f"{getattr(self.drafter, 'name', type(self.drafter).__name__)}, {self.depth} draft token(s), margin {self.margin:g}"
+        name = getattr(self.drafter, "name", type(self.drafter).__name__)
+        sampling = "exact" if self.exact_sampling else "opportunistic"
+        return f"{name}, {self.depth} draft token(s), margin {self.margin:g}, {sampling} sampling"
 
 
 @dataclass
