@@ -57,6 +57,12 @@ class SpecStats:
         for k in ("rounds", "drafted", "accepted", "emitted", "rollbacks", "draft_seconds", "verify_seconds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
+    @property
+    def verify_ms_per_round(self) -> float:
+        """The verify cost: wall time of one round's verify (target forward, acceptance,
+        rollback), in milliseconds."""
+        return 1000.0 * self.verify_seconds / self.rounds if self.rounds else 0.0
+
     def as_dict(self) -> dict:
         return {
             "rounds": self.rounds,
@@ -68,4 +74,5 @@ class SpecStats:
             "tokens_per_round": round(self.tokens_per_round, 4),
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
+            "verify_ms_per_round": round(self.verify_ms_per_round, 3),
         }
