@@ -6,7 +6,8 @@ greedy drafts are accepted directly and sampling resumes where the proposed suff
 not match; `--mtp-exact-sampling` keeps the target distribution.  Here, on crafted logits:
 the opportunistic rule keeps exactly the drafts that are the target's argmax (bans
 applied) and draws the next token from the ordinary p of the first unmatched row (not the
-residual); the flag picks the rule (off by default, as ds4), and with it on the sampled
+residual); the flag picks the rule (on by default here, issue #21: opportunistic only when asked; ds4
+defaults to off), and with it on the sampled
 rule is the standard one (its distribution tests: tests/test_spec_decode.py).
 """
 
@@ -103,12 +104,13 @@ def test_drafts_are_the_drafts_argmax_and_margin_pruning_applies():
     assert rule.greedy_drafts and GreedyRule(6).greedy_drafts and not SampledRule(6, HOT).greedy_drafts
 
 
-def test_the_flag_picks_the_rule_and_is_off_by_default_as_in_ds4():
+def test_the_flag_picks_the_rule_and_is_on_by_default():
     p = argparse.ArgumentParser()
     spec_cli.add_arguments(p)
-    assert p.parse_args([]).mtp_exact_sampling is False
+    assert p.parse_args([]).mtp_exact_sampling is True  # opportunistic only when asked (issue #21)
     assert p.parse_args(["--mtp-exact-sampling"]).mtp_exact_sampling is True
-    assert SpecConfig(object()).exact_sampling is False
+    assert p.parse_args(["--no-mtp-exact-sampling"]).mtp_exact_sampling is False
+    assert SpecConfig(object()).exact_sampling is True
     assert isinstance(rule_for(HOT, 6, exact_sampling=False), OpportunisticRule)
     assert type(rule_for(HOT, 6, exact_sampling=True)) is SampledRule
     assert type(rule_for(SamplingParams(temperature=0.0), 6, exact_sampling=False)) is GreedyRule
@@ -116,7 +118,8 @@ def test_the_flag_picks_the_rule_and_is_off_by_default_as_in_ds4():
     for exact, kind in ((False, OpportunisticRule), (True, SampledRule)):
         loop = loop_for_job(SpecConfig(object(), exact_sampling=exact), None, logits, HOT)
         assert type(loop.rule) is kind
-    assert "opportunistic" in SpecConfig(object()).describe()
+    assert "opportunistic" in SpecConfig(object(), exact_sampling=False).describe()
+    assert "exact" in SpecConfig(object()).describe()
     assert "exact" in SpecConfig(object(), exact_sampling=True).describe()
 
 

@@ -3,11 +3,14 @@
 ds4's names: `--mtp [FILE]` (the model's MTP head; FILE = ds4's separate MTP support
 GGUF), `--mtp-draft N` (draft tokens per round, default 1), `--mtp-margin F` (draft
 confidence pruning, default 3), `--mtp-exact-sampling` (sampled jobs keep the target
-distribution; off as in ds4: argmax drafts accepted opportunistically); mlx-lm's
+distribution; the default here, `--no-mtp-exact-sampling` for ds4's default: argmax drafts
+accepted opportunistically); mlx-lm's
 `--draft-model PATH` (any model with the same tokenizer).  `spec_config(args, model, ctx)` builds the engine's SpecConfig, or None.
 """
 
 from __future__ import annotations
+
+import argparse
 
 from .options import DEFAULT_DRAFT, DEFAULT_EXACT_SAMPLING, DEFAULT_MARGIN, SpecConfig, SpecUsageError
 
@@ -39,10 +42,11 @@ def add_arguments(p, mtp: bool = True) -> None:
     )
     p.add_argument(
         "--mtp-exact-sampling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=DEFAULT_EXACT_SAMPLING,
-        help="temperature > 0: standard speculative sampling (the target distribution); "
-        "default as ds4: argmax drafts kept while they are the target's argmax",
+        help="temperature > 0: standard speculative sampling, the target distribution (default); "
+        "--no-mtp-exact-sampling: ds4's opportunistic acceptance (argmax drafts kept while they are "
+        "the target's argmax)",
     )
 
 

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 DEFAULT_DRAFT = 1  # ds4's --mtp-draft default
 DEFAULT_MARGIN = 3.0  # ds4's --mtp-margin default
-# ds4's --mtp-exact-sampling is off by default: sampled speculation accepts argmax drafts
-# opportunistically (acceptance.OpportunisticRule); on, standard speculative sampling
-DEFAULT_EXACT_SAMPLING = False
+# Sampled speculation keeps the target distribution unless asked otherwise (issue #21:
+# opportunistic acceptance only when asked, `--no-mtp-exact-sampling`; ds4 itself defaults
+# to opportunistic): acceptance.OpportunisticRule when off
+DEFAULT_EXACT_SAMPLING = True
 
 
 class SpecUsageError(ValueError):
