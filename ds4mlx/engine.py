@@ -1122,7 +1122,15 @@ class Engine:
             prompt_tokens - cached,
             reasoning_tokens=self._reasoning_tokens(parsed, len(generated)),
         )
-        h.result = Finish(finish, usage, raw_text=raw_text, result=parsed, error=error, stop_sequence=stops.hit)
+        h.result = Finish(
+            finish,
+            usage,
+            raw_text=raw_text,
+            result=parsed,
+            error=error,
+            stop_sequence=stops.hit,
+            speculation=spec_stats.as_dict() if spec_stats.rounds else None,
+        )
         h.emit(h.result)
 
     def _count_speculation(self, st: SpecStats) -> None:

@@ -184,12 +184,13 @@ class InProcessBackend:
             v = x[tok]
             return int((x > v).sum().item()) + int((x[:tok] == v).sum().item()) + 1
 
-        stepper = s
+        stepper, case_stats = s, None
         if self.speculation is not None:  # drafts verified in one forward; every pick still the target's
+            from ..speculative.options import SpecStats
             from ..speculative.stepper import SpeculativeStepper
 
-            sp = self.speculation
-            stepper = SpeculativeStepper(s, sp.drafter, sp.depth, sp.margin, stats=self.spec_stats)
+            sp, case_stats = self.speculation, SpecStats()  # this case's counters; the run's: spec_stats
+            stepper = SpeculativeStepper(s, sp.drafter, sp.depth, sp.margin, stats=case_stats)
 
         def advance(tok: int) -> str:
             state["logits"] = stepper.step(tok)
@@ -210,7 +211,11 @@ class InProcessBackend:
         except Exception as e:  # noqa: BLE001
             res.finish, res.error = "error", f"decode failed: {e}"
         if stepper is not s:
-            stepper.settle()
+            try:
+                stepper.settle()
+            finally:
+                self.spec_stats.add(case_stats)  # the run's totals are the sum of the cases'
+                res.spec = case_stats.as_dict()
         tail = decoder.decode(b"", final=True)
         if tail:
             res.raw += tail

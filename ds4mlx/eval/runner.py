@@ -69,6 +69,7 @@ class CaseRun:
     phase_tokens: int = 0
     error: str = ""
     carried: str | None = None  # trace record text kept by --retry-incomplete
+    spec: dict[str, Any] | None = None  # speculative decoding: the last run's counters (trace)
 
     @property
     def label(self) -> str:
@@ -81,7 +82,7 @@ class CaseRun:
     def reset(self) -> None:
         self.status, self.picked, self.generated, self.raw = "PENDING", "", 0, []
         self.think_open, self.prefill, self.elapsed, self.error = True, (0, 0), 0.0, ""
-        self.phase_tokens = 0
+        self.phase_tokens, self.spec = 0, None
 
 
 def error_line(cr: CaseRun) -> str:
@@ -279,6 +280,7 @@ class Runner:
             cr.prompt_tokens = res.prompt_tokens
         cr.generated = res.generated_tokens or cr.generated
         cr.elapsed = res.elapsed
+        cr.spec = getattr(res, "spec", None)
         raw = res.raw if res.raw or not cr.raw else "".join(cr.raw)
         status = {"stopped": "STOPPED", "switched": "SWITCHED", "error": "ERROR", "skipped": "SKIPPED"}.get(
             res.finish, ""
@@ -341,6 +343,7 @@ class Runner:
                 system=cr.prompt.system,
                 question=cr.prompt.user,
                 output=raw,
+                spec=cr.spec if status != "SKIPPED" else None,
             )
         )
 
@@ -386,7 +389,8 @@ class Runner:
 
     def finish_trace(self) -> None:
         if self.trace is not None:
-            self.trace.summary(self.passed, self.failed, len(self.runs))
+            totals = getattr(self.backend, "spec_stats", None)  # in-process speculation: the cases' sum
+            self.trace.summary(self.passed, self.failed, len(self.runs), totals.as_dict() if totals else None)
             self.trace.close()
 
     @property

@@ -54,6 +54,13 @@ class TraceRecord:
     question: str = ""
     output: str = ""
     timestamp: int | None = None
+    spec: dict[str, Any] | None = None  # speculative decoding (#21): the case's counters, SpecStats.as_dict()
+
+
+def spec_lines(spec: dict[str, Any]) -> list[str]:
+    """`spec_<counter>: value` lines of a SpecStats.as_dict() (ds4mlx's addition to the
+    record: only with --mtp / --draft-model)."""
+    return [f"spec_{k}: {_g(v) if isinstance(v, float) else v}" for k, v in spec.items()]
 
 
 def _block(label: str, text: str) -> str:
@@ -95,6 +102,8 @@ def format_record(r: TraceRecord, case: dict[str, Any] | None = None) -> str:
             f"think_close_remaining_budget: {r.think_close_remaining}",
             f"think_close_rank: {r.think_close_rank}",
         ]
+    if r.spec:
+        lines += spec_lines(r.spec)
     if r.error:
         lines.append(f"error: {r.error}")
     if choices:
@@ -170,8 +179,10 @@ class TraceWriter:
     def record(self, rec: TraceRecord, case: dict[str, Any] | None = None) -> None:
         self.raw(format_record(rec, case))
 
-    def summary(self, passed: int, failed: int, total: int) -> None:
-        self.raw(f"===== SUMMARY =====\npassed: {passed}\nfailed: {failed}\ntotal: {total}\n")
+    def summary(self, passed: int, failed: int, total: int, spec: dict[str, Any] | None = None) -> None:
+        """`spec`: the run's speculation totals (the sum of the cases' counters)."""
+        extra = "".join(line + "\n" for line in spec_lines(spec)) if spec else ""
+        self.raw(f"===== SUMMARY =====\npassed: {passed}\nfailed: {failed}\ntotal: {total}\n{extra}")
 
     def close(self) -> None:
         if self.fd >= 0:

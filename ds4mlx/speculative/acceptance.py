@@ -9,7 +9,21 @@ with probability min(1, p(d) / q(d)); at the first rejection the next token is d
 norm(max(0, p - q)); when all k are kept the next token is drawn from p at the last row.
 Every output token is then distributed exactly as p.  p and q are the distributions the
 job's sampler draws from (`distribution`: temperature, top-k, top-p, min-p and bans as
-sampling.Sampler.draw), so speculation changes the speed, not the distribution.
+sampling.Sampler.draw), so speculation changes the speed, not the distribution.  This is
+ds4's `--mtp-exact-sampling`.
+
+Sampled, opportunistic (ds4's default at temperature > 0, `--mtp-exact-sampling` off;
+ds4 documentation, Speculative Decoding, "Sampling and reproducibility"; ds4.h on
+ds4_session_eval_speculative: "Positive-temperature DSpark normally commits greedily
+verified draft tokens"): the drafter proposes its argmax; draft token i is kept iff it is
+the target's argmax at its position (bans applied), exactly the greedy rule; the token
+after the kept prefix (and the first token of a round) is drawn from p, the job's
+ordinary sampling.  Matching greedy drafts are accepted directly, so the output is more
+deterministic than ordinary sampling: not the target distribution.
+
+`greedy_drafts`: the drafter proposes its argmax (no q), and `--mtp-margin` prunes the
+recursive draft (drafter.py); false only for exact speculative sampling (drafts drawn
+from q).
 """
 
 from __future__ import annotations
@@ -72,6 +86,7 @@ class GreedyRule:
     """Exact argmax match (bans applied: ignore_eos)."""
 
     greedy = True
+    greedy_drafts = True
 
     def __init__(self, vocab: int, banned: Sequence[int] | None = None):
         self.mask = ban_mask(vocab, banned)
@@ -96,6 +111,7 @@ class SampledRule:
     """Standard speculative sampling: every token distributed exactly as the target's p."""
 
     greedy = False
+    greedy_drafts = False
 
     def __init__(self, vocab: int, params: SamplingParams, banned: Sequence[int] | None = None, seed: int = 0):
         self.params, self.mask = params, ban_mask(vocab, banned)
@@ -138,7 +154,44 @@ class SampledRule:
         return len(drafts), self._draw(p[len(drafts)])
 
 
-def rule_for(params: SamplingParams, vocab: int, banned: Sequence[int] | None = None, seed: int = 0):
+class OpportunisticRule(SampledRule):
+    """ds4's default sampled acceptance (`--mtp-exact-sampling` off): argmax drafts, kept
+    while each is the target's argmax; every other token drawn from the target's p."""
+
+    greedy_drafts = True
+
+    def draft(self, logits: mx.array):
+        return argmax_rows(logits.reshape(1, -1), self.mask)[0], None
+
+    def accept(self, rows: mx.array, drafts: Sequence[int], q=None) -> tuple[int, int]:
+        n = 0
+        if drafts:
+            picks = argmax_rows(rows[: len(drafts)], self.mask).tolist()
+            while n < len(drafts) and drafts[n] == picks[n]:
+                n += 1
+        return n, self._draw(self._p(rows[n : n + 1])[0])
+
+    def accept_probs(self, p: np.ndarray, drafts: Sequence[int], q=None) -> tuple[int, int]:
+        """The rule on host probabilities p [k+1, V]: the argmax of p is the argmax of the
+        masked logits (temperature, top-k, top-p and min-p keep the most likely token)."""
+        n = 0
+        while n < len(drafts) and drafts[n] == int(np.argmax(p[n])):
+            n += 1
+        return n, self._draw(p[n])
+
+
+def rule_for(
+    params: SamplingParams,
+    vocab: int,
+    banned: Sequence[int] | None = None,
+    seed: int = 0,
+    exact_sampling: bool = True,
+):
+    """The acceptance rule of a job: greedy at temperature 0; sampled, standard speculative
+    sampling with `exact_sampling` (ds4's --mtp-exact-sampling), else ds4's opportunistic
+    acceptance."""
     if params.greedy:
         return GreedyRule(vocab, banned)
-    return SampledRule(vocab, params, banned, seed)
+    if exact_sampling:
+        return SampledRule(vocab, params, banned, seed)
+    return OpportunisticRule(vocab, params, banned, seed)

@@ -2,13 +2,17 @@
 
 ds4's names: `--mtp [FILE]` (the model's MTP head; FILE = ds4's separate MTP support
 GGUF), `--mtp-draft N` (draft tokens per round, default 1), `--mtp-margin F` (draft
-confidence pruning, default 3); mlx-lm's `--draft-model PATH` (any model with the same
-tokenizer).  `spec_config(args, model, ctx)` builds the engine's SpecConfig, or None.
+confidence pruning, default 3), `--mtp-exact-sampling` (sampled jobs keep the target
+distribution; the default here, `--no-mtp-exact-sampling` for ds4's default: argmax drafts
+accepted opportunistically); mlx-lm's
+`--draft-model PATH` (any model with the same tokenizer).  `spec_config(args, model, ctx)` builds the engine's SpecConfig, or None.
 """
 
 from __future__ import annotations
 
-from .options import DEFAULT_DRAFT, DEFAULT_MARGIN, SpecConfig, SpecUsageError
+import argparse
+
+from .options import DEFAULT_DRAFT, DEFAULT_EXACT_SAMPLING, DEFAULT_MARGIN, SpecConfig, SpecUsageError
 
 __all__ = ["SpecUsageError", "add_arguments", "mtp_file", "spec_config"]
 
@@ -34,7 +38,15 @@ def add_arguments(p, mtp: bool = True) -> None:
         type=float,
         default=DEFAULT_MARGIN,
         metavar="F",
-        help="greedy: draft token 2.. only while the draft's top-1 logit leads by F (default 3; 0 = off)",
+        help="argmax drafts: draft token 2.. only while the draft's top-1 logit leads by F (default 3; 0 = off)",
+    )
+    p.add_argument(
+        "--mtp-exact-sampling",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_EXACT_SAMPLING,
+        help="temperature > 0: standard speculative sampling, the target distribution (default); "
+        "--no-mtp-exact-sampling: ds4's opportunistic acceptance (argmax drafts kept while they are "
+        "the target's argmax)",
     )
 
 
@@ -68,4 +80,5 @@ def spec_config(args, model, ctx: int, dtype="auto") -> SpecConfig | None:
                 f"--draft-model {draft_path}: vocabulary {draft.vocab_size} != the model's {model.vocab_size}"
             )
         drafter = ModelDrafter(draft, ctx=ctx)
-    return SpecConfig(drafter, depth=args.mtp_draft, margin=args.mtp_margin)
+    exact = bool(getattr(args, "mtp_exact_sampling", DEFAULT_EXACT_SAMPLING))
+    return SpecConfig(drafter, depth=args.mtp_draft, margin=args.mtp_margin, exact_sampling=exact)

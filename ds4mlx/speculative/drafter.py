@@ -9,9 +9,10 @@ target session.
 session, which follows the target's context: tokens the target accepted are prefilled,
 rejected ones rolled back (a checkpoint taken before each proposal).  The draft's steps
 are enqueued lazily (each token fed to the next step on the device); the host reads the
-k tokens once.  `margin` (ds4's `--mtp-margin`, greedy only) prunes the recursive part
-of a draft: token i >= 2 is proposed only while the draft's top-1 logit leads its top-2
-by at least `margin` (a low-confidence guess costs verify width and is rarely accepted).
+k tokens once.  `margin` (ds4's `--mtp-margin`; argmax drafts only: greedy and
+opportunistic sampling) prunes the recursive part of a draft: token i >= 2 is proposed
+only while the draft's top-1 logit leads its top-2 by at least `margin` (a low-confidence
+guess costs verify width and is rarely accepted).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class ModelDrafter:
             toks.append(tok)
             if q is not None:
                 qs.append(q)
-            if margin > 0 and rule.greedy:
+            if margin > 0 and getattr(rule, "greedy_drafts", rule.greedy):
                 gaps.append(top2_gap(logits))
         return settle_drafts(toks, qs, gaps, margin)
 

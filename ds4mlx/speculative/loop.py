@@ -131,11 +131,12 @@ def loop_for_job(spec, session, logits, params, *, banned=None, seed=0, stop_ids
     from .acceptance import rule_for
 
     vocab = int(logits.shape[-1])
+    exact = bool(getattr(spec, "exact_sampling", False))
     return SpeculativeLoop(
         session,
         logits,
         spec.drafter,
-        rule_for(params, vocab, banned, seed),
+        rule_for(params, vocab, banned, seed, exact_sampling=exact),
         depth=spec.depth,
         margin=spec.margin,
         stop_ids=stop_ids,

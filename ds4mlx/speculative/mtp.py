@@ -27,11 +27,27 @@ from .options import SpecUsageError
 RANDOM_SEED = 20261201
 
 
+# DeepSeek V4.1's config keeps num_nextn_predict_layers (3) but its mtp.0..2 tensors are a
+# DSpark drafter, not V4's next-n layer: DeepSeek's V4.1 inference/model.py (DSparkBlock,
+# DSparkAttention, DSparkMarkovHead, DSparkConfidenceHead, Transformer.forward_spec) drafts
+# a block of dspark_block_size tokens in one pass from noise tokens, attending (window only)
+# to keys made from the mean-over-streams attention inputs of dspark_target_layer_ids,
+# with a low-rank Markov logit bias and a confidence head; ds4 runs it as `--dspark`.
+V41_DSPARK = (
+    "--mtp: DeepSeek V4.1's mtp.* tensors are a DSpark block drafter (dspark_block_size tokens "
+    "per pass, Markov and confidence heads), not V4's MTP layer; ds4mlx does not implement it "
+    "yet: use --draft-model PATH"
+)
+
+
 def _v4_backbone(model):
     inner = getattr(model, "model", model)  # LanguageModel -> family Model
     backbone = getattr(inner, "model", None)
-    if getattr(inner, "model_type", None) not in ("deepseek_v4",) or not hasattr(backbone, "stream_hook"):
-        raise SpecUsageError(f"--mtp: no MTP head for {getattr(inner, 'model_type', type(inner).__name__)} models yet")
+    kind = getattr(inner, "model_type", None)
+    if kind == "deepseek_v41":
+        raise SpecUsageError(V41_DSPARK)
+    if kind not in ("deepseek_v4",) or not hasattr(backbone, "stream_hook"):
+        raise SpecUsageError(f"--mtp: no MTP head for {kind or type(inner).__name__} models yet")
     return inner, backbone
 
 
@@ -174,7 +190,7 @@ class MTPDrafter:
             toks.append(tok)
             if q is not None:
                 qs.append(q)
-            if margin > 0 and rule.greedy:
+            if margin > 0 and getattr(rule, "greedy_drafts", rule.greedy):
                 gaps.append(top2_gap(logits))
             if i + 1 < k:  # recursive: the head's own streams are the next position's
                 x, hid = self.head(x[:, -1:], tok.reshape(1, 1), self.backbone.embed_tokens, self.cache)

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 DEFAULT_DRAFT = 1  # ds4's --mtp-draft default
 DEFAULT_MARGIN = 3.0  # ds4's --mtp-margin default
+# Sampled speculation keeps the target distribution unless asked otherwise (issue #21:
+# opportunistic acceptance only when asked, `--no-mtp-exact-sampling`; ds4 itself defaults
+# to opportunistic): acceptance.OpportunisticRule when off
+DEFAULT_EXACT_SAMPLING = True
 
 
 class SpecUsageError(ValueError):
@@ -17,15 +21,19 @@ class SpecConfig:
     drafter: object  # drafter.ModelDrafter (or any object with `propose`)
     depth: int = DEFAULT_DRAFT  # draft tokens per round (--mtp-draft)
     margin: float = DEFAULT_MARGIN  # confidence pruning of the recursive draft (--mtp-margin)
+    exact_sampling: bool = DEFAULT_EXACT_SAMPLING  # sampled jobs: the target distribution (--mtp-exact-sampling)
 
     def __post_init__(self):
         if int(self.depth) < 1:
             raise ValueError("--mtp-draft must be at least 1")
         self.depth = int(self.depth)
         self.margin = max(0.0, float(self.margin))
+        self.exact_sampling = bool(self.exact_sampling)
 
     def describe(self) -> str:
-        return f"{getattr(self.drafter, 'name', type(self.drafter).__name__)}, {self.depth} draft token(s), margin {self.margin:g}"
+        name = getattr(self.drafter, "name", type(self.drafter).__name__)
+        sampling = "exact" if self.exact_sampling else "opportunistic"
+        return f"{name}, {self.depth} draft token(s), margin {self.margin:g}, {sampling} sampling"
 
 
 @dataclass
@@ -50,6 +58,12 @@ class SpecStats:
         for k in ("rounds", "drafted", "accepted", "emitted", "rollbacks", "draft_seconds", "verify_seconds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
+    @property
+    def verify_ms_per_round(self) -> float:
+        """The verify cost: wall time of one round's verify (target forward, acceptance,
+        rollback), in milliseconds."""
+        return 1000.0 * self.verify_seconds / self.rounds if self.rounds else 0.0
+
     def as_dict(self) -> dict:
         return {
             "rounds": self.rounds,
@@ -61,4 +75,5 @@ class SpecStats:
             "tokens_per_round": round(self.tokens_per_round, 4),
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
+            "verify_ms_per_round": round(self.verify_ms_per_round, 3),
         }

@@ -12,6 +12,8 @@ target forwards that costs.  Call `settle()` before using the session otherwise.
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 
 from .acceptance import GreedyRule
@@ -40,12 +42,16 @@ class SpeculativeStepper:
         s = self.session
         k = min(self.depth, s.ctx - len(s) - 1)
         drafts = []
+        t0 = time.perf_counter()
         if k > 0:
             drafts = [int(d) for d in self.drafter.propose(s.tokens, tok, k, self.rule, self.margin)[0][:k]]
+        t1 = time.perf_counter()
         cp = s.checkpoint()
         ids = [tok, *drafts]
         rows = s.verify(ids)
         mx.eval(rows)
+        self.stats.draft_seconds += t1 - t0
+        self.stats.verify_seconds += time.perf_counter() - t1
         self.stats.rounds += 1
         self.stats.drafted += len(drafts)
         self.stats.emitted += 1
@@ -60,10 +66,12 @@ class SpeculativeStepper:
         if r is None or not pending:
             return
         cp, ids, used = r
+        t0 = time.perf_counter()
         self.stats.rollbacks += 1
         self.session.rollback(cp)
         refeed(self.session, ids[:used])
         mx.eval(self.session.cache_arrays())
+        self.stats.verify_seconds += time.perf_counter() - t0  # the rollback is part of the verify cost
 
     def __len__(self) -> int:
         return len(self.session) - len(self._pending)
