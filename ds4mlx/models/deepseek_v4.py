@@ -328,6 +328,9 @@ class LayerCache:
                     st.init(dtype)
                 st.reserve(self.offset // st.ratio + 1)
                 out += st.static_arrays()
+        # the step's attention metas, all of them out of one launch (kernels/sparse_attention.py)
+        caps = [None if st is None else st.rows.shape[1] for st in (self.comp, self.index)]
+        _sparse.expect_step(self.window, caps[0] or 0, caps[1])
         return out
 
     def commit_static(self, arrays, advance: int = 1) -> None:
