@@ -252,6 +252,29 @@ def test_score_layouts():
     assert sa.attend_splits("metal", 1, 640) == 1 and sa.attend_splits("cuda", 64, 640) == 1
 
 
+def test_step_metas_come_out_of_one_launch():
+    """The decode step's kernel metas ([pos] * lead + constants) for one `pos` are views of one
+    multiply-add (issue #13: was one launch per distinct meta, 4 per step); a meta that was not
+    announced gets its values too (its own launch the first time), a new `pos` its own array."""
+    from ds4mlx.bench.decode_profile import NO_LAUNCH, graph_primitives
+
+    sa.expect_step(16, 0)
+    sa.expect_step(16, 40, 40)
+    keys = [(2, 16, 0, 1), (2, 16, 40, 1), (1, 40, 1)]
+    late = (2, 16, 7 + int(np.random.randint(1 << 20)), 1)  # not announced
+    for p in (37, 1234, 99):
+        pos = mx.array(p, mx.int32)
+        metas = [sa._meta_at(pos, *k) for k in keys]
+        assert sa._meta_at(pos, 2, 16, 40, 1) is metas[1]  # the same view: no new launch
+        ops = graph_primitives(metas)  # (before they are evaluated)
+        assert {k: v for k, v in ops.items() if k not in NO_LAUNCH} == {"Add": 1, "Multiply": 1}
+        if p != 99:  # the late key, then (known since) with the others
+            metas.append(sa._meta_at(pos, *late))
+        for (lead, *rest), m in zip([*keys, late], metas):
+            assert m.tolist() == [p] * lead + rest
+    assert sa._meta_at(5, 2, 16, 0, 1).tolist() == [5, 5, 16, 0, 1]  # a host position: a constant
+
+
 def test_reference_attention_matches_mlx_sdpa_with_sinks():
     """The reference's sink convention is the one of mx.fast.scaled_dot_product_attention."""
     rng = np.random.default_rng(0)

@@ -133,7 +133,7 @@ class PipelineStage(DeepseekV4Model):
         x = mx.distributed.recv(shape, mx.float32, self._plan.rank - 1, group=self._group)
         return x.astype(self._stream_dtype())
 
-    def _leave(self, x: mx.array) -> mx.array:
+    def _leave(self, x: mx.array, final_norm: bool = True) -> mx.array:
         p = self._plan
         if p.rank < p.size - 1:
             sent = mx.distributed.send(x.astype(mx.float32), p.rank + 1, group=self._group)
@@ -141,7 +141,10 @@ class PipelineStage(DeepseekV4Model):
         else:
             mine = x.astype(mx.float32)
         out = mx.distributed.all_sum(mine, group=self._group).astype(x.dtype)
-        return self.norm(self.hc_head(out)) if p.leader else out
+        if not p.leader:
+            return out
+        h = self.hc_head(out)
+        return self.norm(h) if final_norm else h  # (final_norm=False: the head folds it in)
 
     def __call__(self, ids: mx.array, cache: list) -> mx.array:
         x = self._enter(ids, cast=True)
@@ -151,12 +154,12 @@ class PipelineStage(DeepseekV4Model):
             c.offset += ids.shape[1]
         return self._leave(x)
 
-    def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+    def step(self, ids: mx.array, pos: mx.array, state: list, final_norm: bool = True) -> tuple[mx.array, list]:
         x = self._enter(ids, cast=False)  # as DeepseekV4Model.step: the embedding's dtype
         it, new = iter(state), []
         for layer in self.layers:
             x = layer.step(x, ids, pos, it, new)
-        return self._leave(x), new
+        return self._leave(x, final_norm), new
 
 
 # ----------------------------------------------------------------------------- the plan

@@ -54,6 +54,7 @@ are emulated and nvcc-checked, not yet run on a GPU: each self-tests at first us
 from __future__ import annotations
 
 import os
+import threading
 from functools import cache, lru_cache
 
 import mlx.core as mx
@@ -143,21 +144,58 @@ def _meta(*vals) -> mx.array:
     return mx.array([int(v) for v in vals], dtype=mx.int32)
 
 
-_META_AT: dict[tuple, tuple[mx.array, mx.array]] = {}
+_META_LOCK = threading.Lock()
+_META_KEYS: dict[tuple, int] = {}  # (lead, *rest) -> offset in the step's one meta array
+_META_BASE: dict = {}  # "cur": (base, mask, views' offsets) of that array: constants
+_META_STEP: dict = {}  # "cur": (pos, {key: meta}), the metas of the latest `pos` (the step traced)
+
+
+def expect_step(window: int, rows: int, index_rows: int | None = None) -> None:
+    """Announce the metas a decode step's `attend_at` (a window-row ring and `rows` capacity
+    rows; 0: none) and, with `index_rows`, its `index_scores` / `topk_select` will ask for,
+    before the step is traced: every meta of one step then comes out of one launch (one
+    multiply-add over constants, each meta a view of it) instead of one per distinct meta.
+    An optimization only: a meta not announced costs its own launch (models/deepseek_v4.py's
+    `LayerCache.static_state` announces its layer's)."""
+    _expect((2, window, rows, 1))
+    if index_rows is not None:
+        _expect((1, index_rows, 1))
+
+
+def _expect(key: tuple) -> None:
+    with _META_LOCK:
+        if key not in _META_KEYS:
+            _META_KEYS[key] = sum(k[0] + len(k) - 1 for k in _META_KEYS)
+
+
+def _meta_base() -> tuple:
+    with _META_LOCK:
+        cur = _META_BASE.get("cur")
+        if cur is None or len(cur[2]) != len(_META_KEYS):
+            base, mask = [], []
+            for lead, *rest in _META_KEYS:
+                base += [0] * lead + rest
+                mask += [1] * lead + [0] * len(rest)
+            arrays = (mx.array(base, dtype=mx.int32), mx.array(mask, dtype=mx.int32))
+            mx.eval(*arrays)  # constants: allowed (and kept) even while a step is traced
+            cur = _META_BASE["cur"] = (*arrays, dict(_META_KEYS))
+        return cur
 
 
 def _meta_at(pos, lead: int, *rest) -> mx.array:
     """meta = [pos] * lead + rest; `pos` a host int, or an int32 array (the compiled decode
-    step: one fused multiply-add over two constants, no host value)."""
+    step: every meta of one `pos` a view of one multiply-add over two constants, no host
+    value; `expect_step` lays them out)."""
     if not isinstance(pos, mx.array):
         return _meta(*([pos] * lead), *rest)
     key = (lead, *rest)
-    base = _META_AT.get(key)
-    if base is None:
-        base = (_meta(*([0] * lead), *rest), _meta(*([1] * lead), *([0] * len(rest))))
-        mx.eval(*base)  # constants: allowed (and kept) even while a step is traced
-        _META_AT[key] = base
-    return base[0] + pos.astype(mx.int32) * base[1]
+    _expect(key)
+    cur = _META_STEP.get("cur")  # held, so `is` never matches a reused id
+    if cur is None or cur[0] is not pos or key not in cur[1]:
+        base, mask, offsets = _meta_base()
+        every = base + pos.astype(mx.int32) * mask
+        cur = _META_STEP["cur"] = (pos, {k: every[o : o + k[0] + len(k) - 1] for k, o in offsets.items()})
+    return cur[1][key]
 
 
 def _face(backend: str | None) -> str:

@@ -328,6 +328,9 @@ class LayerCache:
                     st.init(dtype)
                 st.reserve(self.offset // st.ratio + 1)
                 out += st.static_arrays()
+        # the step's attention metas, all of them out of one launch (kernels/sparse_attention.py)
+        caps = [None if st is None else st.rows.shape[1] for st in (self.comp, self.index)]
+        _sparse.expect_step(self.window, caps[0] or 0, caps[1])
         return out
 
     def commit_static(self, arrays, advance: int = 1) -> None:
@@ -1111,8 +1114,9 @@ class DeepseekV4Model(nn.Module):
             c.offset += ids.shape[1]
         return self.norm(self.hc_head(x))
 
-    def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
-        """One token ids [1, 1] at position pos over the static layout -> (hidden [1, 1, H], new state)."""
+    def step(self, ids: mx.array, pos: mx.array, state: list, final_norm: bool = True) -> tuple[mx.array, list]:
+        """One token ids [1, 1] at position pos over the static layout -> (hidden [1, 1, H], new state);
+        `final_norm=False`: the hidden state before the final norm (the caller folds it into the head)."""
         h = self.embed_tokens(ids)
         x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
         it, new, pending = iter(state), [], None
@@ -1120,18 +1124,20 @@ class DeepseekV4Model(nn.Module):
             x, pending = layer.step_open(x, pending, ids, pos, it, new)
         if pending is not None:
             x = finish_open_step(x, pending)
-        return self.norm(self.hc_head(x)), new
+        h = self.hc_head(x)
+        return (self.norm(h) if final_norm else h), new
 
-    def step_rows(self, ids: mx.array, pos: list, states: list) -> tuple[mx.array, list]:
+    def step_rows(self, ids: mx.array, pos: list, states: list, final_norm: bool = True) -> tuple[mx.array, list]:
         """B sessions' tokens ids [1, B], row b at position pos[b] over states[b] ->
-        (hidden [1, B, H], the rows' new states)."""
+        (hidden [1, B, H], the rows' new states); `final_norm` as `step`'s."""
         h = self.embed_tokens(ids)
         B = ids.shape[1]
         x = mx.broadcast_to(h[:, :, None, :], (1, B, self._hc, h.shape[-1]))
         its, news = [iter(s) for s in states], [[] for _ in states]
         for layer in self.layers:
             x = layer.step_rows(x, ids, pos, its, news)
-        return self.norm(self.hc_head(x)), news
+        h = self.hc_head(x)
+        return (self.norm(h) if final_norm else h), news
 
 
 class Model(StaticDecode, CausalLM):
@@ -1147,14 +1153,31 @@ class Model(StaticDecode, CausalLM):
     # -- the static decode step (ds4mlx/stepper.py drives it; models/cache.StaticDecode) --
     def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
         """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
+        if self.head_folds_norm():
+            h, new = self.model.step(ids, pos, state, final_norm=False)
+            return self.normed_head(h)[0, 0], new
         h, new = self.model.step(ids, pos, state)
         return self.head(h)[0, 0], new
 
     def static_step_rows(self, ids: mx.array, pos: mx.array, states: list) -> tuple[mx.array, list]:
         """Pure, B sessions in one forward (stepper.step_rows): ids [1, B], pos [B] int32,
         states[b] row b's `static_state` -> (logits [B, V], the rows' new states)."""
-        h, news = self.model.step_rows(ids, [pos[b : b + 1].squeeze(0) for b in range(ids.shape[1])], states)
-        return self.head(h).squeeze(0), news  # (views: an integer index would launch a gather)
+        fold = self.head_folds_norm()
+        pos = [pos[b : b + 1].squeeze(0) for b in range(ids.shape[1])]
+        h, news = self.model.step_rows(ids, pos, states, final_norm=not fold)
+        # (views: an integer index would launch a gather)
+        return (self.normed_head(h) if fold else self.head(h)).squeeze(0), news
+
+    def head_folds_norm(self) -> bool:
+        """Whether the static step runs the final norm inside the head's launch (`normed_head`):
+        a quantized lm_head (`QMVLinear`, affine_qmv's NORM on a GPU face)."""
+        return not self.args.tie_word_embeddings and hasattr(getattr(self, "lm_head", None), "normed")
+
+    def normed_head(self, h: mx.array) -> mx.array:
+        """``self.head(self.model.norm(h))`` with the norm inside the head's mat-vec on a GPU
+        face (one launch per token less; the same expression on the CPU)."""
+        norm = self.model.norm
+        return self.lm_head.normed(h, (norm.weight, norm.eps))
 
     def sanitize(self, weights: dict) -> dict:
         """Map transformers' in-memory state-dict names onto this module's parameters."""
