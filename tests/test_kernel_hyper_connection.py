@@ -675,8 +675,9 @@ class StandInKernels:
         def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             self.calls[kind] = self.calls.get(kind, 0) + 1
             a, t = dict(zip(hck._KINDS[kind][1], inputs)), dict(template)
-            x = a["x"]
-            nt, n, d = x.shape
+            x = a["x"]  # [..., n, d]: the launches read rows flat and keep the caller's shape
+            n, d = x.shape[-2], x.shape[-1]
+            nt = x.size // (n * d)
             assert t["T"] == x.dtype and t["HC"] == n and t["D"] == d
             if kind in ("hc_dots_pre", "hc_post_dots_pre"):
                 parts = -(-(n * d) // (hck.DOTS_THREADS * hck.DOTS_PER))

@@ -162,9 +162,12 @@ def _tail_self_test(face: str) -> bool:
 
 
 def _core(x, base, scale, iters, hc_eps, norm_eps, mode: str, norm_in, part=None):
-    """pre_core's inputs, template, output shapes and dtypes for x [nt, n, d] in `mode`
-    (`part`: hc_pre's partial sums, or None in a tail, which makes its own)."""
-    nt, n, d = x.shape
+    """pre_core's inputs, template, output shapes and dtypes for x [..., n, d] in `mode`
+    (`part`: hc_pre's partial sums, or None in a tail, which makes its own).  The outputs
+    come out in x's leading shape: a reshape after the launch would be one more graph node
+    per site and token (the kernels read and write flat rows)."""
+    n, d = x.shape[-2], x.shape[-1]
+    lead = tuple(x.shape[:-2])
     head = mode == "head"
     nw, rms_eps = (norm_in[0].astype(x.dtype), float(norm_in[1])) if norm_in is not None else (_eps(0.0, 0.0), 0.0)
     inputs = [base, scale, _eps(float(hc_eps), float(norm_eps), rms_eps), nw]
@@ -178,8 +181,8 @@ def _core(x, base, scale, iters, hc_eps, norm_eps, mode: str, norm_in, part=None
         ("COLLAPSE", mode != "mix"),
         ("NORM", norm_in is not None),
     ]
-    shapes = [(nt, n), (nt, n), (nt, n, n)] if not head else [(1,), (1,), (1,)]
-    shapes.append((nt, d) if mode != "mix" else (1,))
+    shapes = [(*lead, n), (*lead, n), (*lead, n, n)] if not head else [(1,), (1,), (1,)]
+    shapes.append((*lead, d) if mode != "mix" else (1,))
     return inputs, template, shapes, [mx.float32, mx.float32, mx.float32, x.dtype]
 
 
@@ -211,7 +214,7 @@ def _pre_launch(
     m = n if head else (2 + n) * n
     if fn.shape != (m, n * d):
         raise ValueError(f"fn must be [{m}, {n * d}], got {fn.shape}")
-    x3 = x.reshape(nt, n, d)
+    x3 = x  # the kernels read rows flat: no reshape node
     parts = 0 if part is None else part.shape[1]
     if part is None:
         part = _eps(0.0, 0.0)  # a dummy when hc_pre projects by itself
@@ -420,9 +423,9 @@ def hc_post_pre(
     lead = x.shape[:-2]
     m = (2 + n) * n
     parts = -(-(n * d) // (DOTS_THREADS * DOTS_PER))
-    o2 = out2.reshape(nt, d) if out2 is not None else post
+    o2 = out2 if out2 is not None else post
     chosen = backend is not None
-    inputs = [x.reshape(nt, n, d), out.reshape(nt, d), post.reshape(nt, n), comb.reshape(nt, n, n), fn, o2]
+    inputs = [x, out, post, comb, fn, o2]  # read as flat rows: no reshape nodes
     template = [
         ("T", x.dtype),
         ("TP", post.dtype),
@@ -445,7 +448,7 @@ def hc_post_pre(
             face,
             inputs=[*inputs, *core_in, tickets(TICKETS, nt, 64)],
             template=template + core_t + [("VT", PRE_THREADS)],
-            output_shapes=[(nt, n, d), (nt, parts, m + 1), *shapes],
+            output_shapes=[x.shape, (nt, parts, m + 1), *shapes],
             output_dtypes=[x.dtype, mx.float32, *dtypes],
             **launch,
         )
@@ -454,7 +457,7 @@ def hc_post_pre(
         face,
         inputs=inputs,
         template=template,
-        output_shapes=[(nt, n, d), (nt, parts, m + 1)],
+        output_shapes=[x.shape, (nt, parts, m + 1)],
         output_dtypes=[x.dtype, mx.float32],
         **launch,
     )
@@ -505,13 +508,7 @@ def hc_post(
     bx = -(-d // POST_THREADS)
     y = _kernel("hc_post")(
         face,
-        inputs=[
-            x.reshape(nt, n, d),
-            out.reshape(nt, d),
-            post.reshape(nt, n),
-            comb.reshape(nt, n, n),
-            out2.reshape(nt, d) if out2 is not None else post,
-        ],
+        inputs=[x, out, post, comb, out2 if out2 is not None else post],  # flat rows: no reshape nodes
         # every input dtype is a template argument: MLX caches compiled kernels by name + template
         template=[
             ("T", x.dtype),
@@ -524,7 +521,7 @@ def hc_post(
         ],
         grid=(bx * POST_THREADS, n, nt),
         threadgroup=(POST_THREADS, 1, 1),
-        output_shapes=[(nt, n, d)],
+        output_shapes=[x.shape],
         output_dtypes=[x.dtype],
     )[0]
-    return y.reshape(*lead, n, d)
+    return y
