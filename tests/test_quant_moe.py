@@ -242,6 +242,42 @@ def test_gpu_dequant_bit_exact_and_qmm(qtype):
     check(np.array(out), ref, mag, k, rel=TF32_REL)
 
 
+V4_FLASH_DEQUANT = [(QT.IQ2_XXS, 2048, 4096), (QT.Q2_K, 4096, 2048)]  # gate / up, down: (type, rows, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", V4_FLASH_DEQUANT, ids=lambda c: f"{c[0].name}_r{c[1]}_K{c[2]}")
+def test_gpu_dequant_bit_exact_at_v4_flash_shapes(case):
+    """The prefill's dequantization at V4 Flash's shapes, as `grouped_experts.sliced_per_expert`
+    runs it: 64 experts (an 8-expert bank, every expert once, then repeats) of [2048, 4096]
+    IQ2_XXS or [4096, 2048] Q2_K, bit for bit against the MLX reference decoding on the CPU
+    (== ds4mlx.quant.dequantize, test_dequantize_mx_bit_exact) rounded to bfloat16 / float16,
+    and float32 for a few experts."""
+    face = _gpu_face()
+    qtype, rows, k = case
+    e = 8
+    raw = mx.array(experts(qtype, e, rows, k, seed=rows))
+    rng = np.random.default_rng(k)
+    ids = np.concatenate([np.arange(e)[::-1], rng.integers(0, e, 56)]).astype(np.int32)
+    with mx.stream(mx.cpu):
+        want32 = qm.dequantize_mx(raw, qtype, k)  # [E, rows, K] float32
+        mx.eval(want32)
+    for dt, n, bits in ((mx.bfloat16, 64, mx.uint16), (mx.float16, 64, mx.uint16), (mx.float32, 4, mx.uint32)):
+        with mx.stream(mx.cpu):
+            want = np.array(want32.astype(dt).view(bits))
+        got = qm.gather_dequantize(raw, qtype, mx.array(ids[:n]), dt, backend=face)
+        assert got.dtype == dt and got.shape == (n, rows, k)
+        got = np.array(got.view(bits))
+        bad = [i for i in range(n) if not np.array_equal(got[i], want[ids[i]])]
+        assert not bad, f"{dt}: slices {bad[:8]} differ (experts {ids[bad[:8]].tolist()})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_gpu_dequant_passes_its_first_use_self_test(qtype):
+    assert qm._dequant_self_test(_gpu_face(), qtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_gpu_bfloat16_activations(qtype):
@@ -262,9 +298,9 @@ def test_gpu_bfloat16_activations(qtype):
 #
 # The `common`, `qmv` and `dequant` sections are plain C++ apart from the prelude
 # names; with a CPU prelude g++ runs the very text both GPU faces compile, so its
-# decoding, indexing and (for qmv) its threadgroup staging and barrier are checked
-# here even without a GPU.  dequant: a warp emulated by 32 threads; qmv: whole
-# threadgroups through tests/test_kernel_emulation.run_on_cpu (AddressSanitizer on).
+# decoding, indexing and threadgroup staging and barriers are checked here even
+# without a GPU: whole threadgroups through tests/test_kernel_emulation.run_on_cpu
+# (AddressSanitizer on).
 
 # The quant_moe prelude names (see ds4mlx/kernels/metal/quant_moe.metal) that the generic emulation
 # preludes lack.  The aligned loads abort on a misaligned address: the CPU would not.
@@ -290,85 +326,114 @@ static inline uint32_t ds4_popcount(uint32_t v) { return (uint32_t)__builtin_pop
 static inline uint32_t ds4_magic_byte(uint32_t v, uint32_t i) { return 0x4B000000u | ((v >> (8u * i)) & 255u); }
 """
 
-CPU_PRELUDE = (
-    r"""
-#include <cstdint>
-#include <cstring>
-#include <cstdio>
-#include <cstdlib>
-#include <barrier>
-#include <thread>
-#include <vector>
-#define DS4_FN static inline
-static thread_local int tl_lane;
-static float g_vals[32];
-static std::barrier<>* g_bar;
-static inline float ds4_warp_sum(float v) {
-    g_vals[tl_lane] = v; g_bar->arrive_and_wait();
-    float s = 0.0f; for (int i = 0; i < 32; ++i) s += g_vals[i];
-    g_bar->arrive_and_wait(); return s;
-}
-"""
-    + CPU_NAMES
-)
 
-CPU_MAIN = r"""
-using T = float;
-constexpr int N_ROWS = %(rows)d, K_DIM = %(k)d, ROW_BYTES = %(rb)d;
-static void dequant_one(const uint8_t* w, const int32_t* eids, T* y, uint32_t c_, uint32_t row_, uint32_t m_) {
-    const uint32_t c = c_, row = row_, m = m_;
-%(dequant)s
-}
-template <typename U> static std::vector<U> load(const char* path, size_t n) {
-    std::vector<U> v(n); FILE* f = std::fopen(path, "rb");
-    if (!f || std::fread(v.data(), sizeof(U), n, f) != n) std::abort();
-    std::fclose(f); return v;
-}
-int main(int argc, char** argv) {
-    const size_t E = %(e)d, M = %(m)d;
-    auto w = load<uint8_t>(argv[1], E * N_ROWS * ROW_BYTES);
-    auto mids = load<int32_t>(argv[2], M);
-    std::vector<float> d(M * N_ROWS * K_DIM, -1.0f);
-    for (uint32_t mm = 0; mm < M; ++mm)
-        for (uint32_t r = 0; r < (uint32_t)N_ROWS; ++r)
-            for (uint32_t c = 0; c < (uint32_t)(K_DIM / 32) + 1; ++c)   // one past the end: must be a no-op
-                dequant_one(w.data(), mids.data(), d.data(), c, r, mm);
-    FILE* f = std::fopen(argv[3], "wb");
-    std::fwrite(d.data(), 4, d.size(), f); std::fclose(f);
-    return 0;
-}
-"""
+def run_dequant_on_cpu(tmp_path, qtype, raw, eids, out_dtype=np.float32):
+    """The shared dequant text through `run_on_cpu`, launched as `gather_dequantize` launches
+    it (whole thread groups of qm.DEQUANT_GROUP, CUDA's thread order: x fastest, so warp r of
+    a group is its y = r), with the CUDA face's own index text; -> y [M, rows, K] (float32,
+    or bfloat16 bits as uint16)."""
+    from test_kernel_emulation import run_on_cpu
+
+    _, rows, rb = raw.shape
+    k = qm._check(mx.array(raw), qtype)[3]
+    gx, gy, gz = qm.DEQUANT_GROUP
+    header, _ = qm.kernel_sources("dequant", qtype, "cuda")
+    header = header.replace(qm.CUDA_PRELUDE, CPU_NAMES)
+    flat = np.ascontiguousarray(raw).reshape(-1)
+    words = np.zeros(-(-flat.size // 4) * 4, np.uint8)
+    words[: flat.size] = flat
+    body = (
+        "struct ds4_dim3 { uint32_t x, y, z; };\n"
+        f"const ds4_dim3 threadIdx{{tid % {gx}u, tid / {gx}u, 0u}}, blockIdx{{tgx, tgy, tgz}}, "
+        f"blockDim{{{gx}u, {gy}u, {gz}u}};\n"
+        "const uint8_t* w = reinterpret_cast<const uint8_t*>(w_words);\n"
+        + qm.CUDA_INDEX_DEQUANT
+        + dispatch.sections(qm.SOURCE)["dequant"]
+    )
+    m = eids.size
+    out = run_on_cpu(
+        tmp_path,
+        header,
+        body,
+        inputs={"w_words": words.view(np.uint32), "eids": eids.astype(np.int32).reshape(-1)},
+        outputs={"y": ((m, rows, k), out_dtype)},
+        consts={"T": out_dtype, "N_ROWS": rows, "K_DIM": k, "ROW_BYTES": rb},
+        groups=(-(-(k // 32) // gx), -(-rows // gy), m),
+        threads=gx * gy * gz,
+    )
+    return out["y"]
+
+
+DEQUANT_CPU_CASES = [
+    # (E, rows, K, ids, T): every value of y must be written, bit-exact
+    (3, 5, 512, [2, 0], "float32"),  # 16 chunks: a partial warp (lanes 16-31 idle); 5 rows: 3 idle warps in group 2
+    (3, 6, 2048, [1, 2, 1], "float32"),  # 64 chunks: whole warps only, as V4 Flash's K (4096 / 2048)
+    (2, 3, 1280, [1, 0], "float32"),  # 40 chunks: a whole warp, then one of 8 chunks; 3 rows: 1 idle warp
+    (2, 3, 1280, [1, 0], "bfloat16"),  # the same in a 16-bit T (MLX's round to nearest even)
+]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_shared_dequant_compiled_for_cpu(qtype, tmp_path):
-    import shutil
-    import subprocess
+@pytest.mark.parametrize("case", DEQUANT_CPU_CASES, ids=lambda c: "E{}_r{}_K{}_{}".format(*c[:3], c[4]))
+def test_shared_dequant_compiled_for_cpu(qtype, case, tmp_path):
+    e, rows, k, ids, dtype = case
+    if qtype == QT.Q8_0 and k == 512:
+        k = 96  # 3 chunks
+    raw = experts(qtype, e, rows, k, seed=rows + k)
+    eids = np.array(ids, np.int32)
+    want = dequantize(raw, qtype, (e, rows, k))[eids]
+    if dtype == "float32":
+        got = run_dequant_on_cpu(tmp_path, qtype, raw, eids)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # decoding: bit-exact
+    else:
+        got = run_dequant_on_cpu(tmp_path, qtype, raw, eids, np.uint16)
+        want16 = np.array(mx.array(want).astype(mx.bfloat16).view(mx.uint16))  # MLX's rounding (to even)
+        assert np.array_equal(got, want16)
 
-    if shutil.which("g++") is None:
-        pytest.skip("no g++")
-    e, rows = 3, 5
-    k = 512 if qtype != QT.Q8_0 else 96
-    raw = experts(qtype, e, rows, k, seed=21)
-    mids = np.array([2, 0], np.int32)
-    header, _ = qm.kernel_sources("dequant", qtype, "cuda")
-    sec = dispatch.sections(qm.SOURCE)
-    header = header.replace(qm.CUDA_PRELUDE, CPU_PRELUDE)  # same common code, CPU prelude
-    src = header + CPU_MAIN % dict(rows=rows, k=k, rb=raw.shape[2], e=e, m=2, dequant=sec["dequant"])
-    (tmp_path / "k.cpp").write_text(src)
-    exe = tmp_path / "k"
-    build = subprocess.run(
-        ["g++", "-std=c++20", "-O1", "-pthread", "-o", str(exe), str(tmp_path / "k.cpp")],
-        capture_output=True,
-        text=True,
+
+def test_dequant_self_tests_at_first_use(monkeypatch, caplog):
+    """On CUDA (faked) the rewritten dequant kernel self-tests at first use, per GGUF type:
+    a wrong kernel sends gather_dequantize (and the prefill through it) to the reference face
+    with a warning, a right one is kept; launches come in whole (32, 4, 1) thread groups."""
+    import logging
+
+    assert set(qm.DEQUANT_KERNELS.values()) <= dispatch.UNVERIFIED_KERNELS
+    for qtype in TYPES:
+        assert qm._dequant_self_test("reference", qtype)  # valid inputs, a passing comparison
+    monkeypatch.delenv("DS4MLX_KERNELS", raising=False)
+    monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
+    monkeypatch.setattr(dispatch, "backend", lambda device=None: "cuda")
+    monkeypatch.setattr(dispatch, "_self_tests", {})
+    grids = []
+
+    def garbage(face, *, output_shapes, output_dtypes, **kw):
+        return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
+
+    def right(qtype):
+        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            grids.append((grid, threadgroup))
+            w, ids = inputs
+            return [qm.dequantize_mx(w[ids], qtype, dict(template)["K_DIM"]).astype(output_dtypes[0])]
+
+        return launch
+
+    blocks = qm.random_gguf_blocks(QT.Q2_K, 4, 6, 512, seed=1)
+    want = qm.gather_dequantize(blocks, QT.Q2_K, [3, 1], backend="reference")
+    monkeypatch.setattr(qm, "_kernel", lambda kind, qtype: garbage)
+    with caplog.at_level(logging.WARNING, logger="ds4mlx.kernels"):
+        got = qm.gather_dequantize(blocks, QT.Q2_K, [3, 1])
+    assert np.array_equal(np.array(got), np.array(want))
+    assert dispatch._self_tests[("quant_moe.dequant.Q2_K", "cuda")] is False
+    assert "quant_moe.dequant.Q2_K" in caplog.text and "failed its first-use self-test" in caplog.text
+    monkeypatch.setattr(qm, "_kernel", lambda kind, qtype: right(qtype))
+    blocks = qm.random_gguf_blocks(QT.IQ2_XXS, 4, 6, 512, seed=1)
+    assert np.array_equal(
+        np.array(qm.gather_dequantize(blocks, QT.IQ2_XXS, [3, 1])),
+        np.array(qm.gather_dequantize(blocks, QT.IQ2_XXS, [3, 1], backend="reference")),
     )
-    assert build.returncode == 0, build.stderr[-3000:]
-    np.ascontiguousarray(raw).tofile(tmp_path / "w")
-    mids.tofile(tmp_path / "m")
-    subprocess.run([str(exe), str(tmp_path / "w"), str(tmp_path / "m"), str(tmp_path / "out")], check=True)
-    d = np.fromfile(tmp_path / "out", dtype=np.float32).reshape(2, rows, k)
-    want_w = dequantize(raw, qtype, (e, rows, k))
-    assert np.array_equal(d.view(np.uint32), want_w[mids].view(np.uint32))  # decoding: bit-exact
+    assert dispatch._self_tests[("quant_moe.dequant.IQ2_XXS", "cuda")] is True
+    assert grids and all(g[0] % 32 == 0 and g[1] % 4 == 0 and tg == qm.DEQUANT_GROUP for g, tg in grids)
+    assert ((32, 8, 2), (32, 4, 1)) in grids  # the 2 x 6 x 512 call: 16 chunks -> 32 threads, 6 rows -> 8
 
 
 def run_qmv_on_cpu(tmp_path, qtype, raw, x, eids, x_div, warps, rpw):

@@ -46,6 +46,11 @@ UNVERIFIED_KERNELS = {  # (the rest passed their `pytest -m gpu` tests on the H2
     "quant_moe.moe.Q2_K",
     "quant_moe.moe.Q4_K",
     "quant_moe.moe.IQ2_XXS",
+    # quant_moe's dequant kernel, per GGUF type: rewritten for coalesced stores (issue #14)
+    "quant_moe.dequant.Q8_0",
+    "quant_moe.dequant.Q2_K",
+    "quant_moe.dequant.Q4_K",
+    "quant_moe.dequant.IQ2_XXS",
 }
 
 log = logging.getLogger("ds4mlx.kernels")

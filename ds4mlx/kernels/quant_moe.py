@@ -46,6 +46,12 @@ per CUDA launch; seven launches per layer for GGUF experts became two) reuse qmv
 layout in the file's `qmv_swiglu` / `qmv_down_sum` sections.  Not yet run on a GPU: the
 g++ emulation and nvcc check the shared text; their auto_face names (`MOE_KERNELS`) are
 in `dispatch.UNVERIFIED_KERNELS`, so they self-test against the reference at first use.
+
+The dequant kernel (prefill) was rewritten after that H200 run (issue #14: its stores were
+uncoalesced, ~180 GB/s): a warp's lanes decode 32 consecutive chunks of a row into shared
+memory, then write them out contiguously.  Checked by the g++ emulation (bit-exact, every
+type, partial warps and rows) and nvcc; not yet on a GPU, so its auto_face names
+(`DEQUANT_KERNELS`) are in `dispatch.UNVERIFIED_KERNELS` and it self-tests at first use.
 """
 
 from __future__ import annotations
@@ -78,6 +84,12 @@ QMV_MAX_PAIRS_AUTO = 64  # gather_qmatmul: above this many (token, expert) pairs
 SWIGLU_RPW = 2
 DOWN_SUM_RPW = 2
 MOE_KERNELS = {t: f"quant_moe.moe.{t.name}" for t in SUPPORTED}  # their auto_face names
+# The dequant kernel's thread group: a SIMD group / warp per row, its lanes on 32 consecutive
+# chunks (the kernel text assumes this shape: it is not a tuning knob).
+DEQUANT_GROUP = (32, 4, 1)
+# auto_face names of the dequant kernel (issue #14's coalesced stores), self-tested at first
+# use while dispatch.UNVERIFIED_KERNELS lists them
+DEQUANT_KERNELS = {t: f"quant_moe.dequant.{t.name}" for t in SUPPORTED}
 
 # The CUDA face: prelude and index computation.  Everything else is the shared text.
 CUDA_PRELUDE = r"""
@@ -300,6 +312,34 @@ def _self_test(face: str, qtype: QT) -> bool:
     return ok and bool(mx.array_equal(gather_dequantize(blocks, qtype, [2, 0], backend=face), want).item())
 
 
+def _dequant_face(backend: str | None, qtype: QT) -> str:
+    """The caller's face, or the automatic one for the dequant kernel: the plain kernels'
+    face, then the dequant kernel's own first-use self-test while dispatch.UNVERIFIED_KERNELS
+    lists it (its text changed after the GPU run that cleared the others)."""
+    if backend is not None:
+        return backend
+    face = _face(None, qtype)
+    if face == "reference":
+        return face
+    return auto_face(DEQUANT_KERNELS[qtype], lambda f: _dequant_self_test(f, qtype))
+
+
+def _dequant_self_test(face: str, qtype: QT) -> bool:
+    """The dequant kernel on `face` against the reference, bit for bit, float32 and bfloat16:
+    5 rows (a thread group's last warp past the end) of 40 chunks (a full warp's 32 chunks,
+    then a partial warp's 8), experts repeated and out of order."""
+    blocks = random_gguf_blocks(qtype, 3, 5, 1280, seed=15)
+    ids = [2, 0, 2]
+    for dt in (mx.float32, mx.bfloat16):
+        got = gather_dequantize(blocks, qtype, ids, dt, backend=face)
+        want = gather_dequantize(blocks, qtype, ids, dt, backend="reference")
+        if got.dtype != dt or got.shape != want.shape:
+            return False
+        if not bool(mx.array_equal(got.view(mx.uint16), want.view(mx.uint16)).item()):
+            return False
+    return True
+
+
 # --------------------------------------------------------------------------- gathered dequantization
 
 
@@ -307,16 +347,18 @@ def gather_dequantize(w_blocks: mx.array, qtype, ids, dtype=mx.float32, *, backe
     """Weights of experts `ids` ([M] ints): ``[M, rows, K]`` in `dtype`."""
     qtype, _, rows, k_dim = _check(w_blocks, qtype)
     ids = mx.array(ids).astype(mx.int32).reshape(-1)
-    face = _face(backend, qtype)
+    face = _dequant_face(backend, qtype)
     if face == "reference":
         return dequantize_mx(w_blocks[ids], qtype, k_dim).astype(dtype)
     m = ids.shape[0]
+    gx, gy, _ = DEQUANT_GROUP
     return _kernel("dequant", qtype)(
         face,
         inputs=[w_blocks, ids],
         template=[("T", dtype), ("N_ROWS", rows), ("K_DIM", k_dim), ("ROW_BYTES", w_blocks.shape[2])],
-        grid=(k_dim // 32, rows, m),
-        threadgroup=(32, 4, 1),
+        # whole thread groups: a warp's lanes write the chunks its lanes decoded (all must exist)
+        grid=(-(-(k_dim // 32) // gx) * gx, -(-rows // gy) * gy, m),
+        threadgroup=DEQUANT_GROUP,
         output_shapes=[(m, rows, k_dim)],
         output_dtypes=[dtype],
     )[0]
@@ -406,7 +448,7 @@ def gather_qmm(
     """
     qtype, n_exp, rows, k_dim = _check(w_blocks, qtype)
     x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
-    face = _face(backend, qtype)
+    face = _dequant_face(backend, qtype)
     wdt = _dequant_dtype(x.dtype)
     order = None
     if not sorted_indices:
@@ -438,7 +480,7 @@ def gather_qmm_host_grouped(
     dequantized once and its rows are one plain matmul (one launch per used expert)."""
     qtype, _, rows, k_dim = _check(w_blocks, qtype)
     x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
-    face = _face(backend, qtype)
+    face = _dequant_face(backend, qtype)
     wdt = mx.float32 if x.dtype == mx.float32 else x.dtype
     eids_np, xids_np = np.array(eids), np.array(xids)
     order = np.argsort(eids_np, kind="stable")

@@ -57,7 +57,11 @@
 //     branch depends on the lane;
 //   * IQ2_XXS lattice rows come from a shared-memory copy: lanes index the table
 //     divergently, which serialises __constant__ accesses.
-// dequant grid: (K_DIM/32, N_ROWS, M), threadgroup (32, 4, 1); one thread per chunk.
+// dequant grid: (K_DIM/32, N_ROWS, M) rounded up to whole threadgroups of (32, 4, 1); one
+// thread per chunk, a warp per row and 32 consecutive chunks, whose values go through
+// shared memory so that the warp's stores are contiguous (issue #14: the first version
+// wrote each thread's chunk directly, 32 values 64 bytes apart per store instruction,
+// ~180 GB/s on an H200).
 
 // @@ prelude_metal
 #define DS4_FN inline
@@ -345,16 +349,40 @@ const uint32_t m = thread_position_in_grid.z;
 
 // @@ dequant
 // inputs: w [E, N_ROWS, ROW_BYTES] uint8, eids [M] int32; output y [M, N_ROWS, K_DIM] T.
-if (c >= uint32_t(K_DIM / 32) || row >= uint32_t(N_ROWS)) {
-    return;
-}
+// Launched in whole thread groups of (32, 4, 1) (gather_dequantize rounds the grid up),
+// so SIMD group / warp r of a group is one row (row % 4 == r) and its lane l decodes
+// chunk c with c % 32 == l: a warp covers up to 32 consecutive chunks, 1,024 contiguous
+// values of y.  Each lane decodes its chunk (DS4_CHUNK, as before) into shared memory,
+// then after a barrier the warp writes the values in order, lane l value 32j + l at step
+// j: every store instruction covers 32 consecutive T (64 bytes in 16-bit T), not 32
+// values 64 bytes apart as when each thread wrote its own chunk.  Shared rows are 33
+// floats apart, so both the staging writes (lane l, word 33l + i) and the reads (word
+// 33j + l) touch 32 different banks.  Threads past the last chunk or row stage and
+// write nothing but still reach the barrier.
+DS4_SHARED float ds4_dq[4 * 32 * 33];
 {
-    const DEV uint8_t* wrow = w + (uint64_t(eids[m]) * uint64_t(N_ROWS) + row) * uint64_t(ROW_BYTES);
-    float buf[32];
-    DS4_CHUNK(wrow, c, buf);
-    DEV T* o = y + (uint64_t(m) * uint64_t(N_ROWS) + row) * uint64_t(K_DIM) + uint64_t(c) * 32u;
-    for (int i = 0; i < 32; ++i) {
-        o[i] = static_cast<T>(buf[i]);
+    const uint32_t lane = c & 31u;
+    const uint32_t c0 = c - lane;  // the warp's first chunk
+    SHR float* st = ds4_dq + (row & 3u) * (32u * 33u);
+    const bool live = row < uint32_t(N_ROWS);
+    if (live && c < uint32_t(K_DIM / 32)) {
+        const DEV uint8_t* wrow = w + (uint64_t(eids[m]) * uint64_t(N_ROWS) + row) * uint64_t(ROW_BYTES);
+        float buf[32];
+        DS4_CHUNK(wrow, c, buf);
+        for (int i = 0; i < 32; ++i) {
+            st[33u * lane + uint32_t(i)] = buf[i];
+        }
+    }
+    ds4_tg_barrier();
+    if (live && c0 < uint32_t(K_DIM / 32)) {
+        // chunks of this warp: 32, except in a row's last, partial group of 32
+        const uint32_t n = (K_DIM / 32) % 32 == 0 ? 32u : (uint32_t(K_DIM / 32) - c0 < 32u ? uint32_t(K_DIM / 32) - c0 : 32u);
+        DEV T* o = y + (uint64_t(m) * uint64_t(N_ROWS) + row) * uint64_t(K_DIM) + uint64_t(c0) * 32u;
+        for (uint32_t j = 0; j < 32u; ++j) {
+            if (j < n) {
+                o[32u * j + lane] = static_cast<T>(st[33u * j + lane]);
+            }
+        }
     }
 }
 // @@ prelude_fused_metal
