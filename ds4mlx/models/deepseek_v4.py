@@ -42,6 +42,7 @@ from ..kernels.attn_prep import attn_prep
 from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from . import prefill_attention
 from .cache import StaticDecode, grow_rows, iota
 from .causal_lm import BaseModelArgs, CausalLM
 from .fused import fused_or_each, swiglu_of
@@ -819,7 +820,7 @@ class Attention(nn.Module):
         if pad:
             q = mx.concatenate([q, mx.zeros((1, nh, pad, D), q.dtype)], axis=2)
         qb = q.reshape(nh, nb, block, D).swapaxes(0, 1)  # [nb, nh, block, D]
-        out = mx.fast.scaled_dot_product_attention(
+        out = prefill_attention.sdpa(
             qb, keys, keys, scale=self._D**-0.5, mask=mask[:, None], sinks=self.sinks.astype(q.dtype)
         )
         return out.swapaxes(0, 1).reshape(1, nh, nb * block, D)[:, :, :C]
@@ -848,7 +849,7 @@ class Attention(nn.Module):
             live = (s + pos) >= 0
             mask = mx.concatenate([live, valid[t0 : t0 + step]], axis=1)[:, None, None, :]  # [n, 1, 1, W + k]
             qt = q[0, :, t0 : t0 + step].swapaxes(0, 1)[:, :, None, :]  # [n, nh, 1, D]
-            o = mx.fast.scaled_dot_product_attention(
+            o = prefill_attention.sdpa(
                 qt, keys[:, None], keys[:, None], scale=self._D**-0.5, mask=mask, sinks=self.sinks.astype(q.dtype)
             )  # [n, nh, 1, D]
             outs.append(o[:, :, 0].swapaxes(0, 1))  # [nh, n, D]

@@ -1,0 +1,48 @@
+"""Prefill attention of many queries (issue #14): `mx.fast.scaled_dot_product_attention`,
+or the same attention written as two batched GEMMs around a float32 softmax.
+
+`DS4MLX_PREFILL_SDPA` picks it: `fast` (default) calls MLX's fused op; `matmul` computes
+``softmax([q k^T * scale | sink]) v`` with tensor-core GEMMs, for head dims and masks where
+MLX's fused op has no fast kernel on a GPU (V4 Flash: head dim 512, a boolean band mask and
+per-head sinks), decided by measurement (BENCHMARKS.md).  Decode keeps its kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+ENV = "DS4MLX_PREFILL_SDPA"
+MODES = ("fast", "matmul")
+
+
+def mode() -> str:
+    m = os.environ.get(ENV, MODES[0]).strip().lower()
+    if m not in MODES:
+        raise ValueError(f"{ENV} must be one of {', '.join(map(repr, MODES))}, not {m!r}")
+    return m
+
+
+def sdpa(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None, sinks=None) -> mx.array:
+    """As `mx.fast.scaled_dot_product_attention(q, k, v, scale=, mask=, sinks=)` with a
+    boolean (or absent) mask; q [..., H, Lq, D], k / v [..., Hk, Lk, D] with Hk 1 or H."""
+    if mode() == "fast":
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+    return by_matmul(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
+def by_matmul(q, k, v, *, scale: float, mask=None, sinks=None) -> mx.array:
+    s = ((q * scale) @ k.swapaxes(-1, -2)).astype(mx.float32)  # [..., H, Lq, Lk]
+    if mask is not None:
+        s = mx.where(mask, s, -float("inf"))
+    m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(-1, 1, 1)  # [H, 1, 1]: one logit per head, no value
+        m = mx.maximum(m, sink)
+    p = mx.exp(s - m)
+    den = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        den = den + mx.exp(sink - m)
+    out = p.astype(v.dtype) @ v
+    return (out.astype(mx.float32) / den).astype(q.dtype)

@@ -1,0 +1,58 @@
+"""The prefill attention written as GEMMs (models/prefill_attention.py, DS4MLX_PREFILL_SDPA=matmul)
+equals MLX's fused op: band masks, fully masked rows, per-head sinks, one shared K=V head; and a
+tiny V4's chunked prefill through it equals the default path (CPU, float32)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4mlx.models import prefill_attention as pa
+
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu_test")
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("shape", [(2, 4, 8, 24, 16, 1), (1, 3, 5, 7, 8, 3)])  # B, H, Lq, Lk, D, Hk
+def test_matmul_equals_the_fused_op(shape, sinks):
+    b, h, lq, lk, d, hk = shape
+    key = mx.random.key(lq * lk)
+    q = mx.random.normal((b, h, lq, d), key=key)
+    k = mx.random.normal((b, hk, lk, d), key=mx.random.key(1))
+    v = k if hk == 1 else mx.random.normal((b, hk, lk, d), key=mx.random.key(2))
+    mask = mx.random.uniform(shape=(b, 1, lq, lk), key=mx.random.key(3)) > 0.4
+    if sinks:
+        mask = mx.concatenate([mx.zeros((b, 1, 1, lk), mx.bool_), mask[:, :, 1:]], axis=2)  # row 0: only the sink
+    s = mx.random.normal((h,), key=mx.random.key(4)) if sinks else None
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=d**-0.5, mask=mask, sinks=s)
+    got = pa.by_matmul(q, k, v, scale=d**-0.5, mask=mask, sinks=s)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+def test_env_picks_the_path(monkeypatch):
+    monkeypatch.setenv(pa.ENV, "matmul")
+    assert pa.mode() == "matmul"
+    monkeypatch.setenv(pa.ENV, "bogus")
+    with pytest.raises(ValueError, match=pa.ENV):
+        pa.mode()
+
+
+def test_tiny_v4_prefill_through_matmul_equals_default(monkeypatch):
+    import sys
+    from pathlib import Path
+
+    from ds4mlx.bench.synthetic import build_synthetic_v4_flash
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from launch_census import NARROW
+
+    model, _, _ = build_synthetic_v4_flash(layers=4, experts=16, overrides=NARROW)
+    ids = mx.array([[(7 * i) % 200 + 3 for i in range(300)]])
+
+    def run():
+        s = model.new_session(ctx=512)
+        return s.prefill(ids[0].tolist(), chunk=160)
+
+    want = run()
+    monkeypatch.setenv(pa.ENV, "matmul")
+    got = run()
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-4, atol=1e-4)
