@@ -304,13 +304,14 @@ def test_reference_attention_matches_mlx_sdpa_with_sinks():
 # ------------------------------------------------------------------ sources
 
 
-@pytest.mark.parametrize("kind", ["index_score", "index_score_heads", "topk", "attend"])
+@pytest.mark.parametrize("kind", ["index_score", "index_score_heads", "topk", "index_topk", "attend"])
 def test_metal_and_cuda_share_one_description(kind):
     sec = dispatch.sections(sa.SOURCE)
     mh, mb = sa.kernel_sources(kind, "metal")
     ch, cb = sa.kernel_sources(kind, "cuda")
     assert sec["common"] in mh and sec["common"] in ch
-    assert mb.endswith(sec[kind]) and cb.endswith(sec[kind])
+    text = "".join(sec[k] for k in sa.INDEX_TOPK) if kind == "index_topk" else sec[kind]
+    assert mb.endswith(text) and cb.endswith(text)
     for word in ("device ", "threadgroup ", "simd_sum", "as_type", " uint ", "metal::"):
         assert word not in ch + cb, word
 
@@ -440,6 +441,70 @@ def test_shared_topk_text_ties_take_lowest_indices(tmp_path):
     assert lists[1] == sorted(order)
 
 
+def _emu_index_topk(tmp_path, q, w, keys, k, n, c, s, rows, threads, fused, tickets=None):
+    """index_topk (one launch) or index_score_heads + topk (two) through the CPU emulation
+    -> {"scores", "idx", "cnt"(, "tickets")}."""
+    nh, _, di = q.shape
+    ins = {"q": q, "w": w, "keys": keys, "prm": np.array([0.25], np.float32), "meta": np.array([s, n, c], np.int32)}
+    consts = {"TQ": np.float32, "TW": np.float32, "TK": np.float32, "NH": nh, "DI": di, "ROWS": rows, "RATIO": 4}
+    consts["THREADS"] = threads
+    groups = (-(-n // rows), c, 1)
+    if fused:
+        sec = dispatch.sections(sa.SOURCE)
+        return run_on_cpu(
+            tmp_path,
+            sec["common"] + CPU_TICKETS,
+            "".join(sec[kk] for kk in sa.INDEX_TOPK),
+            inputs={**ins, "tickets": tickets},
+            outputs={"scores": ((c, n), np.float32), "idx": ((c, k), np.int32), "cnt": ((c,), np.int32)},
+            consts={**consts, "TOPK": k},
+            groups=groups,
+            threads=threads,
+            inout=("tickets",),
+        )
+    got = _emu(tmp_path / "s", "index_score_heads", inputs=ins, outputs={"scores": ((c, n), np.float32)},
+               consts=consts, groups=groups, threads=threads)  # fmt: skip
+    got.update(
+        _emu(
+            tmp_path / "k",
+            "topk",
+            inputs={"scores": got["scores"], "meta": ins["meta"]},
+            outputs={"idx": ((c, k), np.int32), "cnt": ((c,), np.int32)},
+            consts={"TOPK": k, "RATIO": 4, "THREADS": 2 * threads},  # (topk's own launch: twice the threads)
+            groups=(1, c, 1),
+            threads=2 * threads,
+        )
+    )
+    return got
+
+
+@pytest.mark.parametrize(
+    "nh,di,n,c,s,rows,k",
+    [
+        (5, 12, 70, 3, 280, 4, 9),  # 3 queries: more live rows than k
+        (16, 8, 33, 1, 60, 2, 20),  # fewer live rows (15) than k: all of them
+        (3, 40, 300, 2, 1190, 8, 37),  # the second query has one live row more
+        (12, 40, 200, 1, 10**6, 16, 64),  # ties: rounded keys give many equal scores
+    ],
+)
+def test_shared_index_topk_text_equals_the_two_launches(nh, di, n, c, s, rows, k, tmp_path):
+    """index_topk's text (index_score_heads + the hand-off + topk, the last threadgroup of a
+    query running topk) gives the two launches' scores, idx and cnt bit for bit, with topk at
+    half its own launch's threads; the tickets are zero again after the launch."""
+    (tmp_path / "s").mkdir()
+    (tmp_path / "k").mkdir()
+    q, w, keys = index_problem(nh, di, n, c, s, seed=nh * di + n, cap=n + 5)
+    if s == 10**6:
+        q, w, keys = np.round(q), np.round(w), np.round(keys)  # integer sums: exact ties
+    tickets = np.zeros(c + 2, np.uint32)
+    got = _emu_index_topk(tmp_path, q, w, keys, k, n, c, s, rows, 64, fused=True, tickets=tickets)
+    want = _emu_index_topk(tmp_path, q, w, keys, k, n, c, s, rows, 64, fused=False)
+    for name in ("scores", "idx", "cnt"):
+        assert np.array_equal(got[name], want[name]), name
+    assert selection_lists(got["idx"], got["cnt"]) == topk64(want["scores"].astype(np.float64), k, s, 4)
+    assert not got["tickets"].any()
+
+
 @pytest.mark.parametrize("variant", ["one", "split3_rope"])
 @pytest.mark.parametrize(
     "case", ATTN_CASES, ids=lambda c: "nh{}_d{}_w{}_c{}_n{}_s{}_r{}_k{}_{}".format(*c[:8], "dec" if c[8] else "pre")
@@ -506,7 +571,27 @@ def test_bad_decode_variants_keep_the_verified_layout(behaviour, fake_gpu):
     assert not sa._verified("index_heads", "metal")
     assert not sa._verified("attend_split", "metal")
     assert not sa._verified("attend_rope", "metal", make_rope(8, "yarn"))
+    assert not sa._verified("index_topk", "metal")
     assert dispatch._self_tests[("sparse_attention.attend_rope", "metal")] is False
+
+
+def test_index_topk_fuses_on_cuda_only(monkeypatch):
+    """One launch on CUDA at decode once both self-tests passed; Metal (no device-wide fence
+    here), prefill chunks (the 'rows' layout) and a failed self-test keep the two launches;
+    the reference face's index_topk is topk_select(index_scores(...))."""
+    verified = {"index_heads": True, "index_topk": True}
+    monkeypatch.setattr(sa, "_verified", lambda kind, face, rope=None: verified[kind])
+    assert sa.index_topk_fuses("cuda", 16384, 1) and sa.index_topk_fuses("cuda", 513, 1)
+    assert not sa.index_topk_fuses("metal", 16384, 1) and not sa.index_topk_fuses("reference", 513, 1)
+    assert not sa.index_topk_fuses("cuda", 1024, 512)  # a prefill chunk: the rows layout
+    verified["index_topk"] = False
+    assert not sa.index_topk_fuses("cuda", 513, 1)
+    q, w, keys = index_problem(8, 16, 300, 2, 1000, seed=4, cap=303)
+    args = (mx.array(q), mx.array(w), mx.array(keys))
+    kw = dict(n=300, s=1000, ratio=4, scale=0.2, backend="reference")
+    got = sa.index_topk(*args, 40, **kw)
+    want = sa.topk_select(sa.index_scores(*args, **kw), 40, s=1000, ratio=4, backend="reference")
+    assert all(np.array_equal(np.array(g), np.array(v)) for g, v in zip(got, want))
 
 
 # ------------------------------------------------------------------ the model's fused path (reference faces), CPU
@@ -673,7 +758,34 @@ def test_gpu_attend_at_split_with_output_rope(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["index_heads", "attend_rope", "attend_split"])
+@pytest.mark.parametrize("case", [c for c in GPU_INDEX if sa.score_layout(c[2], c[3]) == "heads"] + [
+    (64, 128, 16384, 1, 40003, "bfloat16"),  # V4 Flash at 40K: 10000 live rows of a 64K-context buffer
+    (64, 128, 8192, 1, 2001, "bfloat16"),  # 500 live rows (<= k: every one) of 8192
+], ids=lambda c: "nh{}_di{}_n{}_c{}_s{}_{}".format(*c))  # fmt: skip
+def test_gpu_index_topk_one_launch_equals_two(case):
+    """index_topk (one launch: the last threadgroup of a query runs the top-k) against
+    index_score_heads + topk: the same scores, idx and cnt bit for bit, at V4 Flash's shapes
+    (k = 512), each case three times (every launch needs the tickets the one before reset)."""
+    face = _gpu_face()
+    if face != "cuda":
+        pytest.skip("index_topk needs a device-wide fence: CUDA only")
+    nh, di, n, c, s, dtype = case
+    dt = getattr(mx, dtype)
+    q, w, keys = index_problem(nh, di, n, c, s, seed=n + c + 1, cap=n + 77)
+    qm, wm, km = (mx.array(a).astype(dt) for a in (q, w, keys))
+    k, scale = 512, nh**-0.5 * di**-0.5
+    for _ in range(3):
+        got = sa._launch_index_topk(face, qm, wm, km, k, n, s, 4, scale)
+        scores = sa.index_scores(qm, wm, km, n=n, s=s, ratio=4, scale=scale, backend=face, layout="heads")
+        want = [scores, *sa.topk_select(scores, k, s=s, ratio=4, backend=face)]
+        for name, g, v in zip(("scores", "idx", "cnt"), got, want):
+            assert np.array_equal(np.array(g), np.array(v)), name
+        assert selection_lists(got[1], got[2]) == topk64(np.array(got[0]), k, s, 4)
+    assert not np.array(dispatch.tickets("index_topk", c, 64)).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["index_heads", "index_topk", "attend_rope", "attend_split"])
 def test_gpu_first_use_self_tests_pass(kind):
     face = _gpu_face()
     assert sa._self_test(kind, face, make_rope(8, "yarn") if kind == "attend_rope" else None)
@@ -719,6 +831,7 @@ def test_gpu_tiny_models_kernels_on_vs_off(oracle_model, monkeypatch):
         ("index_score", False, 1),
         ("index_score_heads", False, 1),
         ("topk", False, 1),
+        ("index_topk", False, 1),
         ("attend", True, 1),
         ("attend", False, 1),
         ("attend", True, 4),
@@ -731,7 +844,21 @@ def test_cuda_face_compiles_with_nvcc(kind, selected, split, dtype, tmp_path):
 
     f, i = "float32", "int32"
     h, b = sa.kernel_sources(kind, "cuda")
-    if kind == "index_score_heads":
+    if kind == "index_topk":
+        ins = {"q": dtype, "w": dtype, "keys": dtype, "prm": f, "meta": i, "tickets": "uint32"}
+        outs = {"scores": f, "idx": i, "cnt": i}
+        tmpl = [
+            ("TQ", dtype),
+            ("TW", dtype),
+            ("TK", dtype),
+            ("NH", 64),
+            ("DI", 128),
+            ("ROWS", 16),
+            ("RATIO", 4),
+            ("THREADS", sa.SCORE_SPLIT_THREADS),
+            ("TOPK", 512),
+        ]
+    elif kind == "index_score_heads":
         ins, outs = {"q": dtype, "w": dtype, "keys": dtype, "prm": f, "meta": i}, {"scores": f}
         tmpl = [
             ("TQ", dtype),

@@ -16,6 +16,10 @@ its own selected rows:
 ``topk_select(scores, k, s=, ratio=)``                -> idx [C, k] int32, cnt [C] int32
     the top-k rows of each query among its causal rows, in ascending row order
     (all of them when there are at most k); entries past ``cnt`` are 0.
+``index_topk(q, w, keys, k, n=, s=, ratio=, scale=)`` -> idx, cnt
+    the two above; at decode on CUDA in ONE launch (index_topk: the last threadgroup of a
+    query to finish its scores, a ticket, runs the top-k on them; the compiled decode step's
+    CSA layers), with the same idx / cnt bit for bit.
 ``sparse_attention(q, keys, rows, idx, cnt, sinks, n=, s=, ring_last=, window=, ratio=, scale=)``
     -> [NH, C, D]: softmax attention of each query over its sliding-window keys
     (positions in (s+t-window, s+t]) and its compressed rows (``rows[idx[t, :cnt[t]]]``,
@@ -49,6 +53,9 @@ threadgroups).  The CUDA face is meant to be checked on the H200 with
 The decode variants (index_score_heads, attend's key split and rope epilogue, 2026-12-01)
 are emulated and nvcc-checked, not yet run on a GPU: each self-tests at first use
 (`dispatch.UNVERIFIED_KERNELS`) and a failure keeps the launch above it replaced.
+index_topk (2026-12, emulated against the two launches bit for bit, nvcc-checked) has not
+run on a GPU: "sparse_attention.index_topk" self-tests at first use, a failure keeps the
+two launches.
 """
 
 from __future__ import annotations
@@ -84,6 +91,8 @@ _INPUTS = {
     "index_score": (["q", "w", "keys", "prm", "meta"], ["scores"]),
     "index_score_heads": (["q", "w", "keys", "prm", "meta"], ["scores"]),
     "topk": (["scores", "meta"], ["idx", "cnt"]),
+    # index_score_heads + topk in one launch (decode on CUDA): the last threadgroup of a query runs topk
+    "index_topk": (["q", "w", "keys", "prm", "meta", "tickets"], ["scores", "idx", "cnt"]),
     "attend": (["q", "keys", "rows", "idx", "cnt", "sinks", "rope", "prm", "meta", "tickets"], ["o", "part"]),
 }
 
@@ -108,9 +117,18 @@ __device__ __forceinline__ float ds4_load_cg(const float* p) { return __ldcg(p);
 }
 
 
+# index_topk's body: index_score_heads (its names that topk declares again renamed), the
+# last-threadgroup hand-off, topk; each section's text as in its own kernel
+INDEX_TOPK = ("index_topk_names", "index_score_heads", "index_topk_last", "topk")
+
+
 def kernel_sources(kind: str, face: str) -> tuple[str, str]:
-    """(header, body) of 'index_score', 'index_score_heads', 'topk' or 'attend' for `face`
-    ('metal' or 'cuda')."""
+    """(header, body) of 'index_score', 'index_score_heads', 'topk', 'index_topk' or 'attend'
+    for `face` ('metal' or 'cuda')."""
+    if kind == "index_topk":
+        header, body = shared_sources(SOURCE, face, INDEX_TOPK[0])
+        sec = dispatch.sections(SOURCE)
+        return header + TICKETS[face], body + "".join(sec[k] for k in INDEX_TOPK[1:])
     header, body = shared_sources(SOURCE, face, kind)
     if kind == "attend":
         header += TRIG[face] + TICKETS[face]
@@ -344,6 +362,76 @@ def topk_select(scores: mx.array, k: int, *, s: int, ratio: int, backend: str | 
     return idx, cnt
 
 
+def index_topk(
+    q: mx.array,
+    w: mx.array,
+    keys: mx.array,
+    k: int,
+    *,
+    n: int,
+    s: int,
+    ratio: int,
+    scale: float,
+    backend: str | None = None,
+    fused: bool | None = None,
+):
+    """`topk_select(index_scores(q, w, keys, ...), k, ...)` -> (idx [C, k] int32, cnt [C] int32).
+
+    With `fused` (None: `index_topk_fuses`) ONE launch, index_topk: the 'heads' layout's
+    scores, and the last threadgroup of each query to finish them (a ticket) runs the top-k
+    on them; the same idx / cnt as the two launches (bit for bit: the same scores, and the
+    top-k's result does not depend on its thread count).  Otherwise the two launches."""
+    nh, c, di = q.shape
+    face = _face(backend)
+    if fused is None:
+        fused = index_topk_fuses(face, n, c)
+    if not fused:
+        scores = index_scores(q, w, keys, n=n, s=s, ratio=ratio, scale=scale, backend=face)
+        return topk_select(scores, k, s=s, ratio=ratio, backend=face)
+    return _launch_index_topk(face, q, w, keys, k, n, s, ratio, scale)[1:]
+
+
+def _launch_index_topk(face, q, w, keys, k, n, s, ratio, scale) -> list[mx.array]:
+    """The index_topk launch -> [scores [C, n] float32, idx [C, k], cnt [C]]."""
+    nh, c, di = q.shape
+    keys = _rows2d(keys, di)
+    if w.shape != (c, nh) or keys.shape[0] < n or n == 0:
+        raise ValueError(f"index_topk: q {q.shape}, w {w.shape}, keys {keys.shape}, n {n}")
+    rows = score_rows(n, c)
+    return _kernel("index_topk")(
+        face,
+        inputs=[q, w, keys, _f32(float(scale)), _meta_at(s, 1, n, c), dispatch.tickets("index_topk", c, 64)],
+        template=[
+            ("TQ", q.dtype),
+            ("TW", w.dtype),
+            ("TK", keys.dtype),
+            ("NH", nh),
+            ("DI", di),
+            ("ROWS", rows),
+            ("RATIO", int(ratio)),
+            ("THREADS", SCORE_SPLIT_THREADS),
+            ("TOPK", int(k)),
+        ],
+        grid=(-(-n // rows) * SCORE_SPLIT_THREADS, c, 1),
+        threadgroup=(SCORE_SPLIT_THREADS, 1, 1),
+        output_shapes=[(c, n), (c, k), (c,)],
+        output_dtypes=[mx.float32, mx.int32, mx.int32],
+    )
+
+
+def index_topk_fuses(face: str, n: int, c: int) -> bool:
+    """Whether `index_topk` runs as one launch on `face`: on CUDA only (Metal has no device-wide
+    fence here: `TICKETS`), where the two launches would use the 'heads' layout (decode), once
+    the 'heads' layout and the fused kernel have passed their first-use self-tests."""
+    return (
+        face == "cuda"
+        and n > 0
+        and score_layout(n, c) == "heads"
+        and _verified("index_heads", face)
+        and _verified("index_topk", face)
+    )
+
+
 # --------------------------------------------------------------------------- attention
 
 
@@ -538,6 +626,8 @@ def _self_test(kind: str, face: str, rope=None) -> bool:
         with mx.stream(mx.cpu):  # float32 matmuls on MLX CUDA are TF32: the reference runs on the CPU
             want = index_scores(q, w, keys, **kw, backend="reference")
         return close_enough(got, want, rtol=1e-4, atol=1e-4)
+    if kind == "index_topk":
+        return _index_topk_self_test(face, key)
     nh, d, window, n, k = 3, 24 + (rope.dims if rope is not None else 0), 8, 30, 6
     q = mx.random.normal((nh, 1, d), key=key[0])
     ring = mx.random.normal((window, d), key=key[1])
@@ -554,6 +644,35 @@ def _self_test(kind: str, face: str, rope=None) -> bool:
                 q, ring, rows, *sel, sinks, pos, ratio=4, scale=d**-0.5, out_rope=rope, backend="reference"
             )
         if not close_enough(got, want, rtol=1e-4, atol=1e-4):
+            return False
+    return True
+
+
+def _index_topk_self_test(face: str, key) -> bool:
+    """index_topk (one launch) on `face`: its scores near the reference's, its idx / cnt the
+    reference top-k of those scores, and all three bit for bit those of index_score_heads +
+    topk (two launches); over several threadgroups per query, with more live rows than k and
+    (a second query position) fewer, each case twice (a launch needs the tickets the one
+    before it reset)."""
+    nh, di, n, k = 12, 40, 700, 64
+    q, w = mx.random.normal((nh, 1, di), key=key[0]), mx.random.normal((1, nh), key=key[1])
+    keys = mx.random.normal((n + 3, di), key=key[2])
+    for s in (4 * n + 1, 4 * k - 9, 4 * n + 1, 4 * k - 9):
+        got = _launch_index_topk(face, q, w, keys, k, n, s, 4, 0.1)
+        kw = dict(n=n, s=s, ratio=4, scale=0.1)
+        scores = index_scores(q, w, keys, **kw, backend=face, layout="heads")
+        two = [scores, *topk_select(scores, k, s=s, ratio=4, backend=face)]
+        with mx.stream(mx.cpu):  # float32 matmuls on MLX CUDA are TF32: the reference runs on the CPU
+            ref_scores = index_scores(q, w, keys, **kw, backend="reference")
+            ref = topk_select(got[0], k, s=s, ratio=4, backend="reference")
+        lim = min(n, (s + 1) // 4)  # live rows; -inf past them
+        if not close_enough(got[0][:, :lim], ref_scores[:, :lim], rtol=1e-4, atol=1e-4):
+            return False
+        if not mx.all(got[0][:, lim:] == -mx.inf).item():
+            return False
+        if not all(mx.array_equal(g, v).item() for g, v in zip(got[1:], ref)):
+            return False
+        if not all(mx.array_equal(g, v).item() for g, v in zip(got, two)):
             return False
     return True
 

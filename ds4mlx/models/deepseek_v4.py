@@ -691,17 +691,18 @@ class CompressorBranch(Compressor):
         ind = self.indexer
         scale = ind._nh**-0.5 * ind._dim**-0.5
         face = _sparse.step_face()
-        scores = _sparse.index_scores(
+        # the scores [1, cap] (-inf past the live rows) and their top-k: one launch on CUDA
+        idx, cnt = _sparse.index_topk(
             index_q.squeeze(0),
             proj[4].squeeze(0),
             keys.squeeze(0),
+            self._topk,
             n=keys.shape[1],
             s=pos,
             ratio=self._ratio,
             scale=scale,
             backend=face,
-        )  # [1, cap], -inf past the live rows
-        idx, cnt = _sparse.topk_select(scores, self._topk, s=pos, ratio=self._ratio, backend=face)
+        )
         return rows.squeeze(0), idx, cnt
 
     def select(self, x, q_res, cache: LayerCache, s: int, face: str):

@@ -35,6 +35,18 @@
 //   row indices in ascending order; ties at the threshold go to the lowest indices.
 //   Entries past cnt are 0.
 //
+// index_topk  grid (ceil(N/ROWS)*THREADS, C, 1) (decode, CUDA: one launch where
+//   index_score_heads + topk take two): index_score_heads (its names that topk declares
+//   again renamed by `index_topk_names`), then `index_topk_last`: each threadgroup counts
+//   itself done in tickets[t] (a device atomic after a device fence; tickets [>= C] u32 is
+//   zero at launch and zero again after it: the last resets it) and the one that counts
+//   ceil(N/ROWS) runs topk for query t on the scores row the others wrote (after a second
+//   fence).  Inputs q, w, keys, prm, meta as index_score_heads, then tickets; outputs
+//   scores, idx, cnt.  THREADS is index_score_heads's (the scores are bit-identical to its
+//   launch); topk's result does not depend on its thread count (the k-th largest key, every
+//   larger one and the lowest-index equal ones, ascending), so idx / cnt equal the separate
+//   topk launch's.  Needs DS4_DEVICE_TICKETS (asserted): Metal keeps the two launches.
+//
 // attend  grid (NH*THREADS, C, SPLIT); one threadgroup per (head, query, key split):
 //   q [NH, C, D] T, keys [L, D] TK (the window: W ring slots, then the chunk's own
 //   rows in prefill), rows [>=N, D] TK (compressed rows), idx [C, TOPK] int32,
@@ -300,6 +312,41 @@ for (uint32_t i = lo; i < hi; ++i) {
 if (tid == 0u) {
     cnt[t] = TOPK;
 }
+
+// @@ index_topk_names
+// (index_topk) index_score_heads's top-level names that topk declares again, renamed while
+// the scores' section runs (topk then declares its own)
+#define WARPS ds4it_WARPS
+#define s0 ds4it_s0
+#define n_rows ds4it_n_rows
+#define t ds4it_t
+#define limit ds4it_limit
+
+// @@ index_topk_last
+// (index_topk) this threadgroup's scores are written: count query tgy's threadgroups; the
+// last one goes on to topk over the scores row the others left in global memory.
+#undef WARPS
+#undef s0
+#undef n_rows
+#undef t
+#undef limit
+static_assert(DS4_DEVICE_TICKETS, "no device-wide ticket on this face: launch index_score_heads, then topk");
+DS4_SHARED uint32_t it_last[1];
+ds4_device_fence();  // each thread: its score writes visible device-wide before the count below
+ds4_tg_barrier();
+if (tid == 0u) {
+    const uint32_t groups = uint32_t((meta[1] + ROWS - 1) / ROWS);  // the grid's threadgroups per query
+    const bool last = ds4_device_ticket(tickets + tgy) == groups - 1u;
+    if (last) {
+        ds4_ticket_reset(tickets + tgy);  // all of them have counted: zero for the next launch
+    }
+    it_last[0] = last ? 1u : 0u;
+}
+ds4_tg_barrier();
+if (it_last[0] == 0u) {
+    return;
+}
+ds4_device_fence();  // (each reading thread) the other threadgroups' scores before topk reads them
 
 // @@ attend
 constexpr int WARPS = THREADS / 32;
