@@ -514,18 +514,22 @@ def attend_at(
     """`sparse_attention` for one query at position `pos` (an int32 array: the compiled
     decode step), over the ring [W, D] just written at slot pos % W and every capacity row
     of `rows` [cap, D] (masked to the (pos + 1) // ratio live ones inside), or the
-    selected rows idx [1, k] / cnt [1].  q [NH, 1, D] -> [NH, 1, D].
+    selected rows idx [1, k] / cnt [1].  q [..., NH, 1, D] -> the same shape; ring [..., W, D]
+    (leading axes of 1: the launch reads both flat, so the decode step passes its arrays
+    without a squeeze or reshape node).
 
     `out_rope` (the layer's models.layers.RoPE): the output gets its inverse rope at `pos`
     (``out_rope(o, offset=pos, scale=-1.0)``), in the kernel's epilogue on a GPU face.
     `splits`: key splits per head (None: `attend_splits`, once its self-test passed)."""
-    nh, c, d = q.shape
-    window = ring.shape[0]
+    nh, c, d = q.shape[-3:]
+    window = ring.shape[-2]
     n = 0 if rows is None else rows.shape[0]
     face = _face(backend)
     if face == "reference":
-        out = _attend_reference(q, ring, rows, idx, cnt, sinks, n, pos, pos, window, max(ratio, 1), scale)
-        return out if out_rope is None else out_rope(out[None], offset=pos, scale=-1.0)[0]
+        q3, ring2 = q.reshape(nh, c, d), ring.reshape(window, d)
+        out = _attend_reference(q3, ring2, rows, idx, cnt, sinks, n, pos, pos, window, max(ratio, 1), scale)
+        out = out if out_rope is None else out_rope(out[None], offset=pos, scale=-1.0)[0]
+        return out.reshape(q.shape)
     in_kernel = out_rope is not None and out_rope.dims <= d and _verified("attend_rope", face, out_rope)
     if splits is None:
         splits = attend_splits(face, c, window + (n if idx is None else idx.shape[1]))
@@ -548,7 +552,7 @@ def attend_at(
         splits,
     )
     if out_rope is not None and not in_kernel:
-        out = out_rope(out[None], offset=pos, scale=-1.0)[0]
+        out = out_rope(out.reshape(1, nh, c, d), offset=pos, scale=-1.0).reshape(q.shape)
     return out
 
 
@@ -556,8 +560,8 @@ def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ra
     """The attend kernel's GPU launch: keys [L, D] (window first), rows [n, D] or None,
     idx [C, k] / cnt [C] or None (every causal row), meta [s, ring_last, L, n, C]; `rope`
     a RoPE whose inverse the epilogue applies at each query's position; `splits` key
-    splits per (head, query)."""
-    nh, c, d = q.shape
+    splits per (head, query).  q [..., NH, C, D] (read flat; the output has q's shape)."""
+    nh, c, d = q.shape[-3:]
     if rows is None:
         rows = mx.zeros((1, d), keys.dtype)
     elif rows.dtype != keys.dtype:
@@ -599,7 +603,7 @@ def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ra
         ],
         grid=(nh * ATTN_THREADS, c, int(splits)),
         threadgroup=(ATTN_THREADS, 1, 1),
-        output_shapes=[(nh, c, d), (nh * c * splits * (d + 2) if split else 1,)],
+        output_shapes=[q.shape, (nh * c * splits * (d + 2) if split else 1,)],
         output_dtypes=[q.dtype, mx.float32],
     )[0]
 

@@ -900,12 +900,12 @@ class Attention(nn.Module):
             if comp is not None:
                 rows, idx, cnt = comp.step_select(more, index_q, pos, state, new)
             # window + compressed rows + sinks, and the output's inverse rope, in one launch
-            out = _sparse.attend_at(
-                q.squeeze(0), ring[0, 0], rows, idx, cnt, self.sinks, pos,
+            out = _sparse.attend_at(  # q [1, nh, 1, D], ring [1, 1, W, D]: read flat, no view nodes
+                q, ring, rows, idx, cnt, self.sinks, pos,
                 ratio=comp._ratio if comp is not None else 1, scale=self._D**-0.5, backend=face,
                 out_rope=self._rope,
             )  # fmt: skip
-            return out[None]  # [1, nh, 1, D]
+            return out  # [1, nh, 1, D]
         q = q_b.reshape(1, 1, self._nh, self._D).swapaxes(1, 2)
         q = self._rope(rms_norm(q, None, self._eps), offset=pos)
         kv = self._rope(self.kv_norm(kv)[:, None], offset=pos)  # [1, 1, 1, D]
@@ -944,8 +944,8 @@ class Attention(nn.Module):
             out = self._rope(out, offset=s, scale=-1.0)
         # [B, C, nh, D]; one query: a reshape, since moving a length-1 axis keeps the memory order
         # (MLX copies a transposed array it reshapes: one copy kernel per layer and token)
-        out = out.reshape(B, C, *out.shape[1:2], -1) if C == 1 else out.swapaxes(1, 2)
-        out = self.o_a_proj(out.reshape(B, C, self._groups, -1))
+        out = out if C == 1 else out.swapaxes(1, 2)
+        out = self.o_a_proj(out.reshape(B, C, self._groups, -1))  # one reshape node, not two
         return self.o_b_proj(out)
 
 
