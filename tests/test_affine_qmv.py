@@ -959,7 +959,11 @@ def test_twobank_down_sum_on_cpu(case, emulated_twobank):
         want = sum(routed) + shared
         sw, sw2 = (4 if bits < 8 else 8), (4 if bits2 < 8 else 8)
         tol = sum(bound(wd[ids[t, j]], h[t, j], sc[ids[t, j]], gs, bits, sw) for j in range(3))
-        tol = tol + bound(sd[0], hs[t], ssc[0], gs2, bits2, sw2) + 8 * 2.0**-23 * (sum(map(np.abs, routed)) + np.abs(shared))
+        tol = (
+            tol
+            + bound(sd[0], hs[t], ssc[0], gs2, bits2, sw2)
+            + 8 * 2.0**-23 * (sum(map(np.abs, routed)) + np.abs(shared))
+        )
         assert np.all(np.abs(y[t] - want) <= tol), t
 
 
@@ -1070,8 +1074,10 @@ def test_twobank_texts_are_instances_of_the_plain_text():
         assert ("y2[" in body) == (mode == 3) and ("red2[at]" in body) == (mode == 4)  # MODE 4: B's own sums
         mh, mb = aq.twobank_sources("metal", mode)
         ch, cb = aq.twobank_sources("cuda", mode)
-        assert mb.endswith(body) and cb.endswith(body) and (mh, ch) == aq.kernel_sources("metal")[:1] + (
-            aq.kernel_sources("cuda")[0],
+        assert (
+            mb.endswith(body)
+            and cb.endswith(body)
+            and (mh, ch) == aq.kernel_sources("metal")[:1] + (aq.kernel_sources("cuda")[0],)
         )
         for word in ("__shfl", "__syncthreads", "threadIdx"):
             assert word not in mh + mb, word

@@ -239,11 +239,11 @@ def _moe_face(backend: str | None) -> str:
     return auto_face("affine_qmv.moe", _moe_self_test)
 
 
-def kernel_face(k_dim: int, group_size: int, bits: int, moe: bool = False) -> str | None:
+def kernel_face(k_dim: int, group_size: int, bits: int, moe: bool = False, twobank: bool = False) -> str | None:
     """The GPU face an automatic call would run for this shape (`moe`: the fused MoE
-    modes), or None (the reference face, i.e. MLX's own op, runs): lets a module pick
-    its fused path."""
-    face = _moe_face(None) if moe else _face(None)
+    modes; `twobank`: MODE 3 / 4, a bank of this shape), or None (the reference face, i.e.
+    MLX's own op, runs): lets a module pick its fused path."""
+    face = twobank_face(None) if twobank else _moe_face(None) if moe else _face(None)
     return face if face != "reference" and supported(k_dim, group_size, bits, face) else None
 
 
