@@ -17,6 +17,11 @@ kernel does not take, and for more rows than decode has)
 ``gather_swiglu(x, w, scales, biases, expert_ids, *, limit, ...)``      fused [gate; up] experts
                                                                         -> silu(clamp(g)) * clamp(u) [n, k, I]
 ``gather_down_sum(h, w, scales, biases, expert_ids, weights, ...)``     h [n, k, I] -> sum_j weights * down [n, H]
+``gather_swiglu_shared(x, w, s, b, ids, shared, ...)``                  MODE 3: gather_swiglu and the same of a
+                                                                        dense [gate; up] `shared` (another format)
+                                                                        in one launch -> ([n, k, I], [n, I2])
+``gather_down_sum_shared(h, w, s, b, ids, wts, hs, shared, ...)``       MODE 4: gather_down_sum + qmv(hs, *shared)
+                                                                        in one launch -> [n, H]
 ``supported(k_dim, group_size, bits)``                                  the kernel takes this shape
 
 `w`, `scales`, `biases` are what `mx.quantize(W, group_size, bits)` returns for W

@@ -19,6 +19,10 @@
 //         clip(u, -lim, lim) of the two halves (the routed experts' gate_up).
 // MODE 2: y [NT, N_ROWS] = sum_j wts[t*KE+j] * W[eids[t*KE+j]] . x[t*KE+j]
 //         (the routed experts' down projection and their weighted sum).
+// MODE 3 / 4 (the end of this file): two weight banks of different formats in one launch,
+//         the routed experts' and the shared expert's gate_up + SwiGLU (3), their down
+//         projections summed (4); the sections qmv_consts .. qmv_epilogue instantiated per bank.
+//         The plain kernel is those four sections in order (affine_qmv.py QMV_PARTS).
 //
 // Geometry (grid (32*WARPS, NBY, NZ) threads, threadgroup (32*WARPS, 1, 1);
 // affine_qmv.py `plan` picks the numbers per shape):
