@@ -101,7 +101,7 @@ def run_text_on_cpu(tmp_path, mode, x, wq, sc, bi, eids, wts, lim, *, gs, bits, 
     out = run_on_cpu(
         tmp_path,
         _CPU_EXTRA + sec["common"],
-        sec["qmv"],
+        aq.qmv_text(),
         inputs={
             "x": x,
             "w": wq.reshape(-1).astype(np.uint32),
@@ -301,7 +301,7 @@ def _emulated_kernel(tmp_path, launches):
         out = run_on_cpu(
             d,
             _CPU_EXTRA + sec["common"],
-            sec["qmv"],
+            aq.qmv_text(),
             inputs={
                 "x": xin,
                 "w": np.array(w).reshape(-1),
@@ -801,7 +801,7 @@ def test_metal_and_cuda_share_one_text():
     mh, mb = aq.kernel_sources("metal")
     ch, cb = aq.kernel_sources("cuda")
     assert mh.endswith(dispatch.compact(sec["common"])) and ch.endswith(dispatch.compact(sec["common"]))
-    assert mb.endswith(dispatch.compact(sec["qmv"])) and cb.endswith(dispatch.compact(sec["qmv"]))
+    assert mb.endswith(dispatch.compact(aq.qmv_text())) and cb.endswith(dispatch.compact(aq.qmv_text()))
     assert "thread_position_in_threadgroup" in mb and "threadIdx" in cb
     for word in ("device ", "threadgroup ", "simd_sum", "as_type", "metal::"):
         assert word not in ch + cb, word
@@ -828,3 +828,287 @@ def test_unverified_hc_post_pre_self_test_on_cuda(fake_cuda):
     calls.clear()
     hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw)
     assert "hc_post_dots" not in calls and calls[0] == "hc_post"  # hc_post, then hc_pre (no split either)
+
+
+# ------------------------------------------------------------------ two weight banks in one launch (MODE 3 / 4)
+
+
+def _emulated_twobank(tmp_path, launches):
+    """A stand-in for aq._twobank_kernel(mode): each launch runs `aq.twobank_body(mode)` through
+    the g++ emulation with the module's template, grid and inputs (T / TS_* as float32)."""
+    from test_kernel_emulation import run_on_cpu
+
+    sec = dispatch.sections(aq.SOURCE)
+
+    def kernel(mode):
+        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            consts = {k: (np.float32 if k in ("T", "TS_A", "TS_B") else v) for k, v in template}
+            arrs = {}
+            for name, a in zip(aq.TWOBANK_INPUTS, inputs):
+                arrs[name] = np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a).reshape(-1)
+            d = tmp_path / f"twobank{len(launches)}"
+            d.mkdir()
+            launches.append(consts)
+            names = ["y", "y2"][: len(output_shapes)]
+            out = run_on_cpu(
+                d,
+                _CPU_EXTRA + sec["common"],
+                aq.twobank_body(mode),
+                inputs=arrs,
+                outputs={n: (tuple(s), np.float32) for n, s in zip(names, output_shapes)},
+                consts=consts,
+                groups=(grid[0] // threadgroup[0], grid[1], grid[2]),
+                threads=threadgroup[0],
+            )
+            return [mx.array(out[n]).astype(t) for n, t in zip(names, output_dtypes)]
+
+        return launch
+
+    return kernel
+
+
+def _swiglu64(gu, inter, lim):
+    g, u = gu[..., :inter], gu[..., inter:]
+    if lim:
+        g, u = np.minimum(g, lim), np.clip(u, -lim, lim)
+    return g / (1 + np.exp(-g)) * u, g, u
+
+
+def _swiglu_bound(gu_err, g, u, h):
+    """How far silu(g) * u moves for gate / up errors (|silu'| <= 1.1), plus its float32 rounding."""
+    eg, eu = gu_err[..., : g.shape[-1]], gu_err[..., g.shape[-1] :]
+    return 1.1 * eg * (np.abs(u) + eu) + np.abs(g / (1 + np.exp(-g))) * eu + 8 * 2.0**-23 * np.abs(h) + 1e-12
+
+
+# (routed bits, gs, shared bits, gs, K, routed I, shared I2, H): 2-bit routed + 8-bit shared (V4
+# Flash's formats), 4-bit + 8-bit, 8-bit + 4-bit; odd row counts in both banks
+TWOBANK_CASES = [(2, 64, 8, 64, 1024, 5, 7, 13), (4, 32, 8, 128, 768, 9, 3, 11), (8, 128, 4, 64, 512, 3, 6, 6)]
+
+
+@pytest.fixture
+def emulated_twobank(tmp_path, monkeypatch):
+    """aq's two-bank launches run by the g++ emulation on 2 warps and a few threadgroups (several
+    steps per warp, split K), every launch's template recorded."""
+    launches = []
+    monkeypatch.setattr(aq, "WARPS", 2)
+    monkeypatch.setattr(aq, "BLOCKS", 2)
+    monkeypatch.setattr(aq, "_twobank_kernel", _emulated_twobank(tmp_path, launches))
+    return launches
+
+
+@pytest.mark.parametrize("case", TWOBANK_CASES, ids=lambda c: "b{}g{}+b{}g{}_K{}_I{}_I2{}_H{}".format(*c))
+def test_twobank_swiglu_on_cpu(case, emulated_twobank):
+    """MODE 3 through the module's plan, template and grid, float32 x: the routed experts'
+    gate_up + SwiGLU (k = 3 of 4 experts, 2 tokens) and the shared expert's, each within the
+    float32 bound of its own format, against float64 numpy."""
+    bits, gs, bits2, gs2, k_dim, inter, inter2, _ = case
+    rng = np.random.default_rng(k_dim + inter)
+    wq, sc, bi, wd = quantized(rng, 4, 2 * inter, k_dim, gs, bits)
+    sq, ssc, sbi, sd = quantized(rng, 1, 2 * inter2, k_dim, gs2, bits2)
+    ids = np.array([[3, 0, 2], [1, 1, 0]], np.int32)
+    x = rng.standard_normal((2, k_dim)).astype(np.float32) * 3.0
+    A = mx.array
+    kw = dict(group_size=gs, bits=bits, shared_group_size=gs2, shared_bits=bits2)
+    h, hs = aq.gather_swiglu_shared(
+        A(x), A(wq), A(sc), A(bi), A(ids), (A(sq[0]), A(ssc[0]), A(sbi[0])), limit=0.8, shared_limit=None,
+        **kw, backend="cuda",
+    )  # fmt: skip
+    assert h.shape == (2, 3, inter) and hs.shape == (2, inter2) and len(emulated_twobank) == 1
+    c = emulated_twobank[0]
+    assert (c["MODE"], c["MODE_A"], c["MODE_B"], c["NZ_A"], c["BITS_A"], c["BITS_B"]) == (3, 1, 1, 2, bits, bits2)
+    assert max(c["MAXIT_A"], c["MAXIT_B"]) > 1
+    h, hs = np.array(h), np.array(hs)
+    for t in range(2):
+        for j in range(3):
+            w = wd[ids[t, j]]
+            want, g, u = _swiglu64(w @ x[t].astype(np.float64), inter, 0.8)
+            tol = _swiglu_bound(bound(w, x[t], sc[ids[t, j]], gs, bits, 4 if bits < 8 else 8), g, u, want)
+            assert np.all(np.abs(h[t, j] - want) <= tol), (t, j)
+        want, g, u = _swiglu64(sd[0] @ x[t].astype(np.float64), inter2, None)
+        tol = _swiglu_bound(bound(sd[0], x[t], ssc[0], gs2, bits2, 4 if bits2 < 8 else 8), g, u, want)
+        assert np.all(np.abs(hs[t] - want) <= tol), t
+
+
+@pytest.mark.parametrize("case", TWOBANK_CASES, ids=lambda c: "b{}g{}+b{}g{}_K{}_I{}_I2{}_H{}".format(*c))
+def test_twobank_down_sum_on_cpu(case, emulated_twobank):
+    """MODE 4 through the module's plan, template and grid, float32 x: the routed experts' down
+    projections weighted and summed plus the shared expert's down (its own K and format), one
+    output, within the sum of the banks' float32 bounds."""
+    bits, gs, bits2, gs2, _, inter, inter2, hid = case
+    k_a, k_b = 128 * inter, 128 * inter2  # each a multiple of every group size and chunk
+    rng = np.random.default_rng(hid + inter)
+    wq, sc, bi, wd = quantized(rng, 4, hid, k_a, gs, bits)
+    sq, ssc, sbi, sd = quantized(rng, 1, hid, k_b, gs2, bits2)
+    ids = np.array([[3, 0, 2], [1, 1, 0]], np.int32)
+    h = rng.standard_normal((2, 3, k_a)).astype(np.float32)
+    hs = rng.standard_normal((2, k_b)).astype(np.float32)
+    wts = rng.random((2, 3)).astype(np.float32)
+    A = mx.array
+    kw = dict(group_size=gs, bits=bits, shared_group_size=gs2, shared_bits=bits2)
+    y = aq.gather_down_sum_shared(
+        A(h), A(wq), A(sc), A(bi), A(ids), A(wts), A(hs), (A(sq[0]), A(ssc[0]), A(sbi[0])), **kw, backend="cuda"
+    )
+    assert y.shape == (2, hid) and len(emulated_twobank) == 1
+    c = emulated_twobank[0]
+    assert (c["MODE"], c["MODE_A"], c["MODE_B"], c["DENSE_B"], c["KE_A"]) == (4, 2, 0, 1, 3)
+    assert c["KSPLIT_A"] == c["KSPLIT_B"] and c["RPW_A"] == c["RPW_B"] and c["MAXIT_A"] == c["MAXIT_B"]
+    y = np.array(y)
+    for t in range(2):
+        routed = [wts[t, j] * (wd[ids[t, j]] @ h[t, j].astype(np.float64)) for j in range(3)]
+        shared = sd[0] @ hs[t].astype(np.float64)
+        want = sum(routed) + shared
+        sw, sw2 = (4 if bits < 8 else 8), (4 if bits2 < 8 else 8)
+        tol = sum(bound(wd[ids[t, j]], h[t, j], sc[ids[t, j]], gs, bits, sw) for j in range(3))
+        tol = (
+            tol
+            + bound(sd[0], hs[t], ssc[0], gs2, bits2, sw2)
+            + 8 * 2.0**-23 * (sum(map(np.abs, routed)) + np.abs(shared))
+        )
+        assert np.all(np.abs(y[t] - want) <= tol), t
+
+
+def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
+    """bfloat16 x and scales (the decode step's types: 8-bit slabs), V4 Flash's formats (2-bit
+    routed, 8-bit shared): MODE 3 and MODE 4 against their reference faces, which are the two
+    launches' expressions (gather_swiglu + the one-expert gather_swiglu; gather_down_sum + qmv)."""
+    rng = np.random.default_rng(21)
+    k_dim, inter, e = 512, 9, 5
+    wq, sc, bi, _ = quantized(rng, e, 2 * inter, k_dim, 64, 2)
+    sq, ssc, sbi, _ = quantized(rng, 1, 2 * inter, k_dim, 64, 8)
+    dq, dsc, dbi, _ = quantized(rng, e, k_dim, 128 * 3, 64, 2)  # down: H = 512 rows, K = I = 384
+    tq, tsc, tbi, _ = quantized(rng, 1, k_dim, 128 * 3, 64, 8)
+    bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
+    ids = mx.array([[4, 0, 2, 1]], dtype=mx.int32)
+    wts = mx.softmax(mx.array(rng.standard_normal((1, 4)).astype(np.float32)), axis=-1)
+    x = bf(rng.standard_normal((1, k_dim)))
+    kw = dict(group_size=64, bits=2, shared_group_size=64, shared_bits=8)
+    routed, shared = (mx.array(wq), bf(sc), bf(bi)), (mx.array(sq[0]), bf(ssc[0]), bf(sbi[0]))
+    for b in ("cuda", "reference"):
+        h, hs = aq.gather_swiglu_shared(x, *routed, ids, shared, limit=10.0, shared_limit=10.0, **kw, backend=b)
+        if b == "cuda":
+            got = (h, hs)
+    want_h = aq.gather_swiglu(x, *routed, ids, limit=10.0, group_size=64, bits=2, backend="reference")
+    s = aq.gather_swiglu(x, shared[0][None], shared[1][None], shared[2][None], mx.zeros((1, 1), mx.int32),
+                         limit=10.0, group_size=64, bits=8, backend="reference")  # fmt: skip
+    assert mx.array_equal(h, want_h).item() and mx.array_equal(hs, s.reshape(1, inter)).item()  # the reference face
+    # the GPU text against the reference on float32 copies (MLX's CPU bfloat16 matmul sums in bfloat16)
+    f32 = lambda t: tuple(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a for a in t)  # noqa: E731
+    rh, rhs = aq.gather_swiglu_shared(x.astype(mx.float32), *f32(routed), ids, f32(shared), limit=10.0,
+                                      shared_limit=10.0, **kw, backend="reference")  # fmt: skip
+    _close(got[0], rh, mx.bfloat16)
+    _close(got[1], rhs, mx.bfloat16)
+    assert got[0].dtype == got[1].dtype == mx.bfloat16
+    hh = h.reshape(1, 4, inter)[..., :inter]
+    hh = mx.concatenate([hh] * 43, axis=-1)[..., :384]  # an I of 384 from the SwiGLU outputs
+    hs3 = mx.concatenate([hs] * 43, axis=-1)[..., :384]
+    down, sdown = (mx.array(dq), bf(dsc), bf(dbi)), (mx.array(tq[0]), bf(tsc[0]), bf(tbi[0]))
+    y = aq.gather_down_sum_shared(hh, *down, ids, wts, hs3, sdown, **kw, backend="cuda")
+    y_ref = aq.gather_down_sum_shared(hh, *down, ids, wts, hs3, sdown, **kw, backend="reference")
+    two = aq.gather_down_sum(hh, *down, ids, wts, group_size=64, bits=2, backend="reference") + aq.qmv(
+        hs3, *sdown, group_size=64, bits=8, backend="reference"
+    )
+    assert mx.array_equal(y_ref, two).item()  # the reference face is the two launches' sum
+    want = aq.gather_down_sum_shared(hh.astype(mx.float32), *f32(down), ids, wts, hs3.astype(mx.float32),
+                                     f32(sdown), **kw, backend="reference")  # fmt: skip
+    assert y.dtype == mx.bfloat16 and y.shape == (1, k_dim)
+    _close(y, want, mx.bfloat16)
+    assert [c["SW_A"] for c in emulated_twobank] == [8, 8]
+
+
+# V4 Flash's MoE at decode: 256 experts of [2 x 2048, 4096] / [4096, 2048] 2-bit, top-6; the shared
+# expert [2 x 2048, 4096] / [4096, 2048] 8-bit (group size 64)
+V4_MOE = dict(hidden=4096, inter=2048, experts=256, k=6, bits=2, shared_bits=8, gs=64)
+
+
+def _twobank_launch_source(mode, dt):
+    """The CUDA translation unit MLX builds for MODE 3 / 4 at V4 Flash's decode shapes."""
+    from test_kernel_emulation import mlx_cuda_source
+
+    v = V4_MOE
+    x_dtype = mx.bfloat16 if dt == "bfloat16" else mx.float32
+    hid, inter, k, gs = v["hidden"], v["inter"], v["k"], v["gs"]
+    if mode == 3:
+        tp = aq.plan_gu2(1, 2 * inter, hid, v["bits"], k, 2 * inter, hid, v["shared_bits"], x_dtype=x_dtype)
+        banks = (
+            dict(mode=1, s_dtype=x_dtype, n_rows=2 * inter, k_dim=hid, group_size=gs, bits=v["bits"], x_div=k),
+            dict(mode=1, s_dtype=x_dtype, n_rows=2 * inter, k_dim=hid, group_size=gs, bits=v["shared_bits"]),
+        )
+    else:
+        tp = aq.plan_down2(1, hid, inter, v["bits"], k, inter, v["shared_bits"], x_dtype=x_dtype)
+        banks = (
+            dict(mode=2, s_dtype=x_dtype, n_rows=hid, k_dim=inter, group_size=gs, bits=v["bits"], ke=k),
+            dict(mode=0, s_dtype=x_dtype, n_rows=hid, k_dim=inter, group_size=gs, bits=v["shared_bits"], dense=True),
+        )
+    assert tp is not None and tp.shared_bytes(v["bits"], v["shared_bits"], mode) <= aq.SHARED_BYTES["metal"]
+    tmpl = [(n, dt if n in ("T", "TS_A", "TS_B") else val) for n, val in aq.twobank_template(mode, tp, x_dtype, banks)]
+    header, body = aq.twobank_sources("cuda", mode)
+    types = {"x": dt, "w": "uint32", "scales": dt, "biases": dt, "eids": "int32", "wts": "float32", "lim": "float32"}
+    types |= {"nw": "float32", "x2": dt, "w2": "uint32", "scales2": dt, "biases2": dt, "eids2": "int32"}
+    types |= {"lim2": "float32"}
+    outs = {"y": dt, "y2": dt} if mode == 3 else {"y": dt}
+    return mlx_cuda_source(f"affine_qmv2_{mode}", header, body, types, outs, tmpl)
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+@pytest.mark.parametrize("mode", [3, 4])
+def test_twobank_cuda_face_compiles_with_nvcc(mode, dt, tmp_path):
+    """MODE 3 / 4's CUDA translation units at V4 Flash's shapes compile (sm_90, warnings are
+    errors), threadgroup memory within Metal's 32 KB too."""
+    from test_kernel_emulation import nvcc_compile
+
+    nvcc_compile(tmp_path, _twobank_launch_source(mode, dt))
+
+
+def test_twobank_texts_are_instances_of_the_plain_text():
+    """MODE 3 / 4 are the plain kernel's sections per bank: no template constant of the plain
+    kernel is left unsuffixed, bank B's buffers are its own, the plain kernel's text is unchanged
+    by their sections, and both faces share the body."""
+    import re
+
+    for mode in (3, 4):
+        body = aq.twobank_body(mode)
+        words = set(re.findall(r"(?<![\w.])([A-Za-z_]\w*)", body))
+        plain = {*aq.BANK_CONSTS, "NPAIR", "UNITS", "XSLOT", "GW"} - {"MODE"}  # MODE: the launch's, 3 or 4
+        assert not words & plain, words & plain
+        assert {"w2", "scales2", "biases2", "lim2", "tgz_A", "tgz_B"} <= words
+        assert ("y2[" in body) == (mode == 3) and ("red2[at]" in body) == (mode == 4)  # MODE 4: B's own sums
+        mh, mb = aq.twobank_sources("metal", mode)
+        ch, cb = aq.twobank_sources("cuda", mode)
+        assert (
+            mb.endswith(body)
+            and cb.endswith(body)
+            and (mh, ch) == aq.kernel_sources("metal")[:1] + (aq.kernel_sources("cuda")[0],)
+        )
+        for word in ("__shfl", "__syncthreads", "threadIdx"):
+            assert word not in mh + mb, word
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+def test_gpu_twobank_v4_flash_shapes_equal_reference(dt):
+    """MODE 3 and MODE 4 on the GPU face at V4 Flash's decode shapes (hidden 4096, intermediate
+    2048, 256 experts top-6 2-bit, one 8-bit shared expert) against their reference faces (the two
+    launches' expressions), one token and two; and the self-test the models run."""
+    face = _gpu_face()
+    v = V4_MOE
+    hid, inter, e, k, gs = v["hidden"], v["inter"], v["experts"], v["k"], v["gs"]
+    key = mx.random.key(13)
+    q = lambda shape, bits: mx.quantize(mx.random.normal(shape, key=key) * shape[-1] ** -0.5, gs, bits)  # noqa: E731
+    gu, dn = q((e, 2 * inter, hid), v["bits"]), q((e, hid, inter), v["bits"])
+    sgu, sdn = q((2 * inter, hid), v["shared_bits"]), q((hid, inter), v["shared_bits"])
+    cast = lambda t: (t[0], t[1].astype(dt), t[2].astype(dt))  # noqa: E731
+    gu, dn, sgu, sdn = map(cast, (gu, dn, sgu, sdn))
+    kw = dict(group_size=gs, bits=v["bits"], shared_group_size=gs, shared_bits=v["shared_bits"])
+    for n in (1, 2):
+        ids = mx.array([[5, 0, 255, 7, 2, 130], [1, 1, 3, 4, 8, 12]][:n], dtype=mx.int32)
+        x = mx.random.normal((n, hid), key=mx.random.key(n)).astype(dt)
+        wts = mx.softmax(mx.random.normal((n, k), key=key), axis=-1)
+        got = aq.gather_swiglu_shared(x, *gu, ids, sgu, limit=10.0, shared_limit=10.0, **kw, backend=face)
+        want = aq.gather_swiglu_shared(x, *gu, ids, sgu, limit=10.0, shared_limit=10.0, **kw, backend="reference")
+        _close(got[0], want[0], dt)
+        _close(got[1], want[1], dt)
+        h, hs = want
+        y = aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend=face)
+        y_ref = aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend="reference")
+        _close(y, y_ref, dt)
+    assert aq._twobank_self_test(face)

@@ -428,3 +428,38 @@ def test_qwen_first_token_of_an_empty_session_takes_the_legacy_step(qwen_case, m
     monkeypatch.setenv(stepper.MODE_ENV, "compiled")
     s = lm.new_session(ctx=len(ids))
     assert maxdiff(np.stack([s.decode(t) for t in ids]), ref["logits_full"][0][:12]) <= TOL
+
+
+def test_compiled_step_with_the_two_bank_moe_matches_legacy(monkeypatch):
+    """The narrow synthetic V4 (2-bit routed experts, 8-bit shared expert: V4 Flash's formats)
+    with the MoE kernels' faces on (forced; their reference faces run on the CPU): the compiled
+    step's MoE is affine_qmv's two two-bank launches (MODE 3: both gate_up + SwiGLU; MODE 4: both
+    downs, summed), and its logits equal the legacy path's (routed fused_weighted + the shared
+    expert as its own module) and the plain CPU step's.  On the CPU (no GPU face) the step keeps
+    today's expressions."""
+    from ds4mlx.bench.synthetic import build_synthetic_v4_flash
+    from ds4mlx.kernels import affine_qmv as aq
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from launch_census import NARROW
+
+    lm, _, _ = build_synthetic_v4_flash(layers=2, experts=16, overrides=NARROW)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
+    calls = []
+    for name in ("gather_swiglu_shared", "gather_down_sum_shared"):
+        real = getattr(aq, name)
+        monkeypatch.setattr(aq, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    _, cpu, _ = _decode(lm, ids, "compiled", monkeypatch)
+    assert not calls  # the CPU: no GPU face, no two-bank launches
+    stepper.forget(lm.model)
+    monkeypatch.setattr(aq, "kernel_face", lambda *a, **k: "forced")
+    try:
+        _, legacy, _ = _decode(lm, ids, "legacy", monkeypatch)
+        assert not calls  # the legacy path keeps the shared expert apart
+        _, compiled, _ = _decode(lm, ids, "compiled", monkeypatch)
+    finally:
+        stepper.forget(lm.model)
+    assert calls.count("gather_swiglu_shared") == calls.count("gather_down_sum_shared") >= 2
+    scale = np.abs(legacy).max()
+    assert maxdiff(compiled, legacy) <= TOL * scale
+    assert maxdiff(compiled, cpu) <= TOL * scale

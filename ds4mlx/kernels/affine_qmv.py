@@ -17,6 +17,11 @@ kernel does not take, and for more rows than decode has)
 ``gather_swiglu(x, w, scales, biases, expert_ids, *, limit, ...)``      fused [gate; up] experts
                                                                         -> silu(clamp(g)) * clamp(u) [n, k, I]
 ``gather_down_sum(h, w, scales, biases, expert_ids, weights, ...)``     h [n, k, I] -> sum_j weights * down [n, H]
+``gather_swiglu_shared(x, w, s, b, ids, shared, ...)``                  MODE 3: gather_swiglu and the same of a
+                                                                        dense [gate; up] `shared` (another format)
+                                                                        in one launch -> ([n, k, I], [n, I2])
+``gather_down_sum_shared(h, w, s, b, ids, wts, hs, shared, ...)``       MODE 4: gather_down_sum + qmv(hs, *shared)
+                                                                        in one launch -> [n, H]
 ``supported(k_dim, group_size, bits)``                                  the kernel takes this shape
 
 `w`, `scales`, `biases` are what `mx.quantize(W, group_size, bits)` returns for W
@@ -70,13 +75,14 @@ accumulation): about 1.2 instructions per value instead of 2.5.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cache
 
 import mlx.core as mx
 
 from ds4mlx.kernels.activations import clamped_swiglu, rms_normed
-from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, compact, shared_sources
+from ds4mlx.kernels.dispatch import INDEX, METAL_DIR, Kernel, auto_face, close_enough, compact, sections, shared_sources
 
 SOURCE = METAL_DIR / "affine_qmv.metal"
 BITS = (2, 4, 8)
@@ -92,10 +98,21 @@ MAX_PAIRS = 64  # gathered: (token, expert) pairs up to this many use the kernel
 SHARED_BYTES = {"metal": 32768, "cuda": 49152}
 
 
+# the plain kernel's text: these sections of the .metal file, in this order (MODE 3 / 4
+# instantiate some of them once per weight bank: `twobank_sources`)
+QMV_PARTS = ("qmv_consts", "qmv_shared", "qmv_main", "qmv_epilogue")
+
+
+def qmv_text() -> str:
+    """The plain kernel's body (modes 0-2) as written in the .metal file, before `compact`."""
+    sec = sections(SOURCE)
+    return "".join(sec[k] for k in QMV_PARTS)
+
+
 @cache
 def kernel_sources(face: str) -> tuple[str, str]:
-    header, body = shared_sources(SOURCE, face, "qmv")
-    return compact(header), compact(body)
+    header, _ = shared_sources(SOURCE, face, QMV_PARTS[0])
+    return compact(header), compact(INDEX[face] + qmv_text())
 
 
 @cache
@@ -227,11 +244,11 @@ def _moe_face(backend: str | None) -> str:
     return auto_face("affine_qmv.moe", _moe_self_test)
 
 
-def kernel_face(k_dim: int, group_size: int, bits: int, moe: bool = False) -> str | None:
+def kernel_face(k_dim: int, group_size: int, bits: int, moe: bool = False, twobank: bool = False) -> str | None:
     """The GPU face an automatic call would run for this shape (`moe`: the fused MoE
-    modes), or None (the reference face, i.e. MLX's own op, runs): lets a module pick
-    its fused path."""
-    face = _moe_face(None) if moe else _face(None)
+    modes; `twobank`: MODE 3 / 4, a bank of this shape), or None (the reference face, i.e.
+    MLX's own op, runs): lets a module pick its fused path."""
+    face = twobank_face(None) if twobank else _moe_face(None) if moe else _face(None)
     return face if face != "reference" and supported(k_dim, group_size, bits, face) else None
 
 
@@ -486,6 +503,313 @@ def gather_down_sum(
     return y
 
 
+# --------------------------------------------------------------------------- two weight banks, one launch
+
+# a bank's template constants (suffixed _A / _B in MODE 3 / 4; T, WARPS and NBY are common)
+BANK_CONSTS = ("TS", "N_ROWS", "K_DIM", "BITS", "GS", "KSPLIT", "RPW", "MAXIT", "X_DIV", "MODE", "KE", "SW", "DENSE")
+BANK_CONSTS += ("NORM",)
+# bank B's buffers (MODE 4: `red2`, its partial sums next to bank A's)
+BANK_B_BUFFERS = {"x": "x2", "w": "w2", "scales": "scales2", "biases": "biases2", "eids": "eids2", "lim": "lim2"}
+BANK_B_BUFFERS |= {"y": "y2"}
+TWOBANK_INPUTS = ["x", "w", "scales", "biases", "eids", "wts", "lim", "nw"] + [
+    "x2",
+    "w2",
+    "scales2",
+    "biases2",
+    "eids2",
+    "lim2",
+]
+_IDENT = re.compile(r"(?<![\w.])([A-Za-z_]\w*)")  # an identifier, not a member (`.x`) or a literal's suffix
+
+
+def _renamed(text: str, names: dict) -> str:
+    return _IDENT.sub(lambda m: names.get(m.group(1), m.group(1)), text)
+
+
+def _bank(text: str, bank: str, mode: int) -> str:
+    """`text` (compacted) as bank `bank`'s instance: template constants, the constexprs of
+    `qmv_consts` and tgz suffixed, bank B's buffers renamed."""
+    local = re.findall(r"constexpr\s+\w+\s+(\w+)\s*=", sections(SOURCE)["qmv_consts"])
+    names = {n: f"{n}_{bank}" for n in (*BANK_CONSTS, *local, "tgz")}
+    if bank == "B":
+        names |= BANK_B_BUFFERS | ({"red": "red2"} if mode == 4 else {})
+    return _renamed(text, names)
+
+
+@cache
+def twobank_body(mode: int) -> str:
+    """The face-independent body (after the face's INDEX) of MODE 3 (gate_up + SwiGLU of two
+    banks) or MODE 4 (down + weighted sum of bank A plus the dense down of bank B): the plain
+    kernel's sections instantiated per bank (metal/affine_qmv.metal "two weight banks")."""
+    sec = sections(SOURCE)
+    parts = {k: compact(sec[k]) for k in ("qmv_consts", "qmv_main", "qmv_epilogue")}
+    glue = compact(sec["qmv2_gu" if mode == 3 else "qmv2_down"])
+    for b in ("A", "B"):
+        for k, macro in (("qmv_main", "DS4_QMV_MAIN"), ("qmv_epilogue", "DS4_QMV_EPILOGUE")):
+            glue = glue.replace(f"{macro}({b})\n", _bank(parts[k], b, mode))
+    assert "DS4_QMV" not in glue
+    consts = _bank(parts["qmv_consts"], "A", mode) + _bank(parts["qmv_consts"], "B", mode)
+    return consts + compact(sec["qmv2_shared"]) + glue
+
+
+@cache
+def twobank_sources(face: str, mode: int) -> tuple[str, str]:
+    """(header, body) of MODE 3 / 4 on `face`: the plain kernel's header, INDEX + `twobank_body`."""
+    header, _ = shared_sources(SOURCE, face, QMV_PARTS[0])
+    return compact(header), compact(INDEX[face]) + twobank_body(mode)
+
+
+@cache
+def _twobank_kernel(mode: int) -> Kernel:
+    name = {3: "ds4mlx_affine_qmv2_gu", 4: "ds4mlx_affine_qmv2_down"}[mode]
+    return Kernel(
+        name,
+        TWOBANK_INPUTS,
+        ["y", "y2"] if mode == 3 else ["y"],
+        metal=twobank_sources("metal", mode),
+        cuda=twobank_sources("cuda", mode),
+    )
+
+
+@dataclass(frozen=True)
+class TwoBankPlan:
+    """MODE 3 / 4's geometry: each bank's Plan (one NBY); `nz` threadgroup z slices in all."""
+
+    a: Plan
+    b: Plan
+    nz: int
+
+    def shared_bytes(self, bits_a: int, bits_b: int, mode: int) -> int:
+        def x_bytes(p, bits):
+            return p.ksplit * p.nit * (128 // bits) * (128 + 16)
+
+        red = lambda p: p.maxit * WARPS * p.rpw * 4  # noqa: E731
+        reds = max(red(self.a), red(self.b)) if mode == 3 else red(self.a) + red(self.b)
+        return max(x_bytes(self.a, bits_a), x_bytes(self.b, bits_b)) + reds + 2 * 4 * MAX_PAIRS
+
+
+def _units(mode: int, n_rows: int, opw: int, x_div: int) -> int:
+    return (1 if mode == 2 else x_div) * -(-(n_rows // 2 if mode == 1 else n_rows) // opw)
+
+
+def _with_nby(p: Plan, mode: int, n_rows: int, x_div: int, nby: int) -> Plan:
+    """`p` on `nby` threadgroups per z slice (the other bank's): as many steps as that takes."""
+    units = _units(mode, n_rows, p.rpw // 2 if mode == 1 else p.rpw, x_div)
+    return Plan(p.ksplit, p.nit, p.rpw, -(-units // ((WARPS // p.ksplit) * nby)), nby, p.nz, p.sw)
+
+
+def _sw(bits: int, x_dtype) -> int:
+    return 8 if bits == 8 or x_dtype.size == 2 else 4
+
+
+def plan_gu2(n, rows_a, k_a, bits_a, ke, rows_b, k_b, bits_b, *, x_dtype=mx.bfloat16, face="cuda"):
+    """MODE 3: each bank planned as its own MODE 1 launch (bank A: n tokens of ke experts; bank
+    B: n tokens, one matrix), then both on the larger NBY; None when threadgroup memory is short."""
+    pa = plan(1, rows_a, k_a, bits_a, n, x_div=ke, x_dtype=x_dtype, face=face)
+    pb = plan(1, rows_b, k_b, bits_b, n, x_div=1, x_dtype=x_dtype, face=face)
+    nby = max(pa.nby, pb.nby)
+    tp = TwoBankPlan(_with_nby(pa, 1, rows_a, ke, nby), _with_nby(pb, 1, rows_b, 1, nby), 2 * n)
+    return tp if tp.shared_bytes(bits_a, bits_b, 3) <= SHARED_BYTES.get(face, 32768) else None
+
+
+def plan_down2(n, rows, k_a, bits_a, ke, k_b, bits_b, *, x_dtype=mx.bfloat16, face="cuda"):
+    """MODE 4: bank A planned as its MODE 2 launch; bank B (dense, K split over the same KSPLIT
+    warps) takes its rows, steps and threadgroups, so each warp row's units are the same rows
+    in both.  Fewer rows per warp where bank B's chunks per lane would exceed LPT loads a step."""
+    pa = plan(2, rows, k_a, bits_a, n, ke=ke, x_dtype=x_dtype, face=face)
+    nit_b = -(-(k_b * bits_b // 128) // (32 * pa.ksplit))
+    if nit_b * pa.rpw > LPT and pa.rpw > 1:
+        rpw = max(1, _pow2_floor(LPT / nit_b))
+        units, wrows = -(-rows // rpw), WARPS // pa.ksplit
+        maxit = max(1, min(MAXIT, -(-n * units // (wrows * BLOCKS))))
+        nby = -(-units // (wrows * maxit))
+        pa = Plan(pa.ksplit, pa.nit, rpw, -(-units // (wrows * nby)), nby, n, pa.sw)
+    tp = TwoBankPlan(pa, Plan(pa.ksplit, nit_b, pa.rpw, pa.maxit, pa.nby, n, _sw(bits_b, x_dtype)), n)
+    return tp if tp.shared_bytes(bits_a, bits_b, 4) <= SHARED_BYTES.get(face, 32768) else None
+
+
+def twobank_template(mode, tp: TwoBankPlan, x_dtype, banks: tuple) -> list:
+    """`banks`: per bank a dict of `template`'s keywords (s_dtype, n_rows, k_dim, group_size,
+    bits, x_div, ke, dense) and its mode."""
+    nz_a = tp.nz // 2 if mode == 3 else tp.nz  # MODE 3: bank A's z slices, then as many of bank B's
+    out = [("T", x_dtype), ("WARPS", WARPS), ("NBY", tp.a.nby), ("MODE", mode), ("NZ_A", nz_a)]
+    for tag, pl, kw in (("A", tp.a, banks[0]), ("B", tp.b, banks[1])):
+        kw = dict(kw)
+        m, s_dtype = kw.pop("mode"), kw.pop("s_dtype")
+        out += [(f"{k}_{tag}", v) for k, v in template(m, pl, x_dtype, s_dtype, **kw) if k in BANK_CONSTS]
+    return out
+
+
+def twobank_face(backend: str | None = None) -> str:
+    """The face MODE 3 / 4 run on: a caller's, or (automatic) the fused MoE modes' GPU face once
+    the two-bank kernels pass their own first-use self-test (dispatch.UNVERIFIED_KERNELS)."""
+    if backend is not None:
+        return backend
+    face = _moe_face(None)
+    if face == "reference":
+        return face
+    return auto_face("affine_qmv.twobank", _twobank_self_test)
+
+
+def _bank_ok(face, k_dim, group_size, bits, biases) -> bool:
+    return _usable(face, k_dim, group_size, bits, biases)
+
+
+def gather_swiglu_shared(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    expert_ids: mx.array,
+    shared: tuple,
+    *,
+    limit: float | None,
+    group_size: int,
+    bits: int,
+    shared_limit: float | None,
+    shared_group_size: int,
+    shared_bits: int,
+    backend: str | None = None,
+) -> tuple[mx.array, mx.array]:
+    """``(gather_swiglu(x, w, scales, biases, expert_ids, ...), swiglu of the dense [gate; up]
+    matrix `shared` = (w [2 I2, K/..], scales, biases) at x)`` -> ([n, k, I], [n, I2]): MODE 3,
+    the routed experts' and the shared expert's gate_up + SwiGLU in one launch on a GPU face."""
+    ws, ss, bs = shared
+    n, k = expert_ids.shape
+    face = twobank_face(backend)
+    k_dim, two_i, two_i2 = x.shape[-1], w.shape[1], ws.shape[0]
+    tp = None
+    if (
+        face != "reference"
+        and n * k <= MAX_PAIRS
+        and x.ndim == 2
+        and x.shape[0] == n
+        and two_i % 2 == 0
+        and two_i2 % 2 == 0
+        and _bank_ok(face, k_dim, group_size, bits, biases)
+        and _bank_ok(face, k_dim, shared_group_size, shared_bits, bs)
+    ):
+        tp = plan_gu2(n, two_i, k_dim, bits, k, two_i2, k_dim, shared_bits, x_dtype=x.dtype, face=face)
+    if tp is None:
+        h = gather_swiglu(
+            x, w, scales, biases, expert_ids, limit=limit, group_size=group_size, bits=bits, backend="reference"
+        )
+        hs = gather_swiglu(
+            x,
+            ws[None],
+            ss[None],
+            bs[None],
+            _const("ids", n).reshape(n, 1),
+            limit=shared_limit,
+            group_size=shared_group_size,
+            bits=shared_bits,
+            backend="reference",
+        )
+        return h, hs.reshape(n, two_i2 // 2)
+    banks = (
+        dict(mode=1, s_dtype=scales.dtype, n_rows=two_i, k_dim=k_dim, group_size=group_size, bits=bits, x_div=k),
+        dict(mode=1, s_dtype=ss.dtype, n_rows=two_i2, k_dim=k_dim, group_size=shared_group_size, bits=shared_bits),
+    )
+    y, y2 = _twobank_kernel(3)(
+        face,
+        inputs=[
+            x,
+            w,
+            scales,
+            biases,
+            expert_ids.reshape(-1).astype(mx.int32),
+            _const("wts"),
+            _lim(float(limit) if limit else 0.0),
+            _const("wts"),
+            x,
+            ws,
+            ss,
+            bs,
+            _const("ids", n),
+            _lim(float(shared_limit) if shared_limit else 0.0),
+        ],
+        template=twobank_template(3, tp, x.dtype, banks),
+        grid=(32 * WARPS, tp.a.nby, tp.nz),
+        threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[(n * k, two_i // 2), (n, two_i2 // 2)],
+        output_dtypes=[x.dtype, x.dtype],
+    )
+    return y.reshape(n, k, two_i // 2), y2
+
+
+def gather_down_sum_shared(
+    h: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    expert_ids: mx.array,
+    weights: mx.array,
+    hs: mx.array,
+    shared: tuple,
+    *,
+    group_size: int,
+    bits: int,
+    shared_group_size: int,
+    shared_bits: int,
+    backend: str | None = None,
+) -> mx.array:
+    """``gather_down_sum(h, w, ...) + qmv(hs, *shared)`` -> [n, H] in h.dtype: MODE 4, the routed
+    experts' down and weighted sum plus the shared expert's down (`shared` = (w [H, I2/..],
+    scales, biases), weight 1) in one launch on a GPU face, the sum rounded once."""
+    ws, ss, bs = shared
+    n, k = expert_ids.shape
+    face = twobank_face(backend)
+    k_dim, k2, rows = h.shape[-1], hs.shape[-1], w.shape[1]
+    tp = None
+    if (
+        face != "reference"
+        and n * k <= MAX_PAIRS
+        and h.shape[:-1] == (n, k)
+        and hs.shape == (n, k2)
+        and hs.dtype == h.dtype
+        and ws.shape[0] == rows
+        and _bank_ok(face, k_dim, group_size, bits, biases)
+        and _bank_ok(face, k2, shared_group_size, shared_bits, bs)
+    ):
+        tp = plan_down2(n, rows, k_dim, bits, k, k2, shared_bits, x_dtype=h.dtype, face=face)
+    if tp is None:
+        y = gather_down_sum(
+            h, w, scales, biases, expert_ids, weights, group_size=group_size, bits=bits, backend="reference"
+        )
+        return y + qmv(hs, ws, ss, bs, group_size=shared_group_size, bits=shared_bits, backend="reference")
+    banks = (
+        dict(mode=2, s_dtype=scales.dtype, n_rows=rows, k_dim=k_dim, group_size=group_size, bits=bits, ke=k),
+        dict(
+            mode=0, s_dtype=ss.dtype, n_rows=rows, k_dim=k2, group_size=shared_group_size, bits=shared_bits, dense=True
+        ),
+    )
+    lim = _lim(0.0)
+    return _twobank_kernel(4)(
+        face,
+        inputs=[
+            h.reshape(n * k, k_dim),
+            w,
+            scales,
+            biases,
+            expert_ids.reshape(-1).astype(mx.int32),
+            weights.reshape(-1).astype(mx.float32),
+            lim,
+            lim,
+            hs,
+            ws,
+            ss,
+            bs,
+            _const("ids", n),
+            lim,
+        ],
+        template=twobank_template(4, tp, h.dtype, banks),
+        grid=(32 * WARPS, tp.a.nby, tp.nz),
+        threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[(n, rows)],
+        output_dtypes=[h.dtype],
+    )[0]
+
+
 # --------------------------------------------------------------------------- first-use self-test
 
 
@@ -561,6 +885,29 @@ def _moe_self_test(face: str) -> bool:
         ok = ok and _close(
             gather_down_sum(h, wq, sc, bi, ids, wts, group_size=gs, bits=bits, backend=face),
             gather_down_sum(h, wq, sc, bi, ids, wts, group_size=gs, bits=bits, backend="reference"),
+            dt,
+        )
+    return ok
+
+
+def _twobank_self_test(face: str) -> bool:
+    """MODE 3 and 4 (2-bit experts with an 8-bit shared expert, bfloat16: the decode path; 4-bit
+    with 8-bit, float32) against the reference (the two launches' expressions)."""
+    key = mx.random.key(10)
+    ok = True
+    wts = mx.array([[0.25, 0.75], [0.5, 0.5]])
+    for bits, gs, bits2, gs2, dt in ((2, 64, 8, 64, mx.bfloat16), (4, 32, 8, 128, mx.float32)):
+        wq, sc, bi, ids, x, h = _inputs(bits, gs, key, 512, dt)
+        sq, ssc, sbi = mx.quantize(mx.random.normal((6, 512), key=key) * 0.05, gs2, bits2)
+        sh = (sq, ssc.astype(dt), sbi.astype(dt))
+        kw = dict(group_size=gs, bits=bits, shared_group_size=gs2, shared_bits=bits2)
+        got = gather_swiglu_shared(x, wq, sc, bi, ids, sh, limit=1.0, shared_limit=0.5, **kw, backend=face)
+        want = gather_swiglu_shared(x, wq, sc, bi, ids, sh, limit=1.0, shared_limit=0.5, **kw, backend="reference")
+        ok = ok and _close(got[0], want[0], dt) and _close(got[1], want[1], dt)
+        hs = h[:, 0]
+        ok = ok and _close(
+            gather_down_sum_shared(h, wq, sc, bi, ids, wts, hs, sh, **kw, backend=face),
+            gather_down_sum_shared(h, wq, sc, bi, ids, wts, hs, sh, **kw, backend="reference"),
             dt,
         )
     return ok

@@ -45,7 +45,7 @@ from ..steering import ATTN, FFN, steer  # directional steering hook (steering.p
 from . import prefill_attention
 from .cache import StaticDecode, grow_rows, iota
 from .causal_lm import BaseModelArgs, CausalLM
-from .fused import fused_or_each, swiglu_of
+from .fused import FusedLinear, fused_or_each, swiglu_of
 from .layers import (
     GLUMLP,
     HyperConnection,
@@ -1001,18 +1001,24 @@ class MoE(nn.Module):
         """`__call__` for the static decode step: the shared expert's gate and up
         projections as one mat-vec where their formats allow (models/fused.py)."""
         routed, shared = self._step_halves(x, ids)
-        return routed + shared
+        return routed if shared is None else routed + shared
 
     def step_pair(self, x: mx.array, ids: mx.array) -> tuple[mx.array, mx.array | None]:
         """`step`'s two halves (routed, shared), for the caller to add inside its next launch
-        (hc_post's `out2`).  A subclass that changes `step` returns (step(x, ids), None)."""
+        (hc_post's `out2`); (the sum, None) where the MoE's launches summed them already.  A
+        subclass that changes `step` returns (step(x, ids), None)."""
         return self._step_halves(x, ids)
 
-    def _step_halves(self, x: mx.array, ids: mx.array) -> tuple[mx.array, mx.array]:
+    def _step_halves(self, x: mx.array, ids: mx.array) -> tuple[mx.array, mx.array | None]:
         se = self.shared_experts
         if getattr(self, "_step_shared", None) is None:  # built once, outside the module tree
+            self._step_gate_up = FusedLinear.of([se.gate_proj, se.up_proj])
             self._step_shared = swiglu_of(se.gate_proj, se.up_proj)
         idx, w = self.gate.step(x, ids)
+        # GPU decode, affine weights: routed and shared expert in two launches (affine_qmv MODE 3 / 4)
+        y = self.experts.fused_weighted_shared(x, idx, w, self._step_gate_up, se.down_proj, se.limit)
+        if y is not None:
+            return y, None
         y = self.experts.fused_weighted(x, idx, w)  # GPU decode: two launches
         if y is None:
             y = self.experts(x, idx)  # [..., k, H]

@@ -499,6 +499,78 @@ class SwitchGLU(nn.Module):
         )
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+    def fused_weighted_shared(
+        self, x: mx.array, indices: mx.array, weights: mx.array, shared_gate_up, shared_down, shared_limit
+    ) -> mx.array | None:
+        """``sum_j weights[..., j] * expert_j(x) + shared(x)`` -> [..., H] in x.dtype, where the
+        shared expert is `shared_gate_up` (a `FusedLinear` of its gate and up projections) and
+        `shared_down` (a quantized linear): two launches for both (affine_qmv MODE 3: the routed
+        and shared gate_up + SwiGLU; MODE 4: the routed down + weighted sum + the shared down)
+        when every weight is MLX-affine quantized and a GPU face runs them at this size (decode);
+        else None (float or GGUF weights, the CPU, more tokens), and the caller runs today's
+        launches."""
+        gu, dn = self.gate_up_proj, self.down_proj
+        if not (isinstance(gu, QuantizedSwitchLinear) and isinstance(dn, QuantizedSwitchLinear)):
+            return None
+        if gu.mode != "affine" or dn.mode != "affine" or gu.biases is None or dn.biases is None:
+            return None
+        sq = getattr(shared_gate_up, "quant", None)
+        sa = getattr(shared_gate_up, "arrays", {})
+        if sq is None or sq[2] != "affine" or "biases" not in sa or len(shared_gate_up.splits) != 1:
+            return None
+        i2 = shared_gate_up.splits[0]
+        if 2 * i2 != sa["weight"].shape[0]:
+            return None
+        if not isinstance(shared_down, nn.QuantizedLinear) or shared_down.mode != "affine" or "bias" in shared_down:
+            return None
+        if shared_down.get("biases") is None or shared_down.weight.shape[0] != dn.weight.shape[1]:
+            return None
+        k = indices.shape[-1]
+        n = indices.size // k
+        hid = x.shape[-1]
+        if n * k > affine_qmv.MAX_PAIRS or hid != gu.weight.shape[-1] * 32 // gu.bits:
+            return None
+        if hid != sa["weight"].shape[-1] * 32 // sq[1] or i2 != shared_down.weight.shape[-1] * 32 // shared_down.bits:
+            return None
+        banks = (
+            (hid, gu.group_size, gu.bits),
+            (self._intermediate, dn.group_size, dn.bits),
+            (hid, sq[0], sq[1]),
+            (i2, shared_down.group_size, shared_down.bits),
+        )
+        if any(affine_qmv.kernel_face(*b, moe=True, twobank=True) is None for b in banks):
+            return None
+        ids = indices.reshape(n, k).astype(mx.int32)
+        h, hs = affine_qmv.gather_swiglu_shared(
+            x.reshape(n, hid),
+            gu.weight,
+            gu.scales,
+            gu.biases,
+            ids,
+            (sa["weight"], sa["scales"], sa["biases"]),
+            limit=self._limit,
+            group_size=gu.group_size,
+            bits=gu.bits,
+            shared_limit=shared_limit,
+            shared_group_size=sq[0],
+            shared_bits=sq[1],
+        )
+        y = affine_qmv.gather_down_sum_shared(
+            h,
+            dn.weight,
+            dn.scales,
+            dn.biases,
+            ids,
+            weights.reshape(n, k),
+            hs,
+            (shared_down.weight, shared_down.scales, shared_down["biases"]),
+            group_size=dn.group_size,
+            bits=dn.bits,
+            shared_group_size=shared_down.group_size,
+            shared_bits=shared_down.bits,
+        )
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
 
 class GLUMLP(nn.Module):
     """Dense SwiGLU MLP (gate_proj / up_proj / down_proj) with an optional clamp."""

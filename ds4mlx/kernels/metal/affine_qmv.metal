@@ -19,6 +19,10 @@
 //         clip(u, -lim, lim) of the two halves (the routed experts' gate_up).
 // MODE 2: y [NT, N_ROWS] = sum_j wts[t*KE+j] * W[eids[t*KE+j]] . x[t*KE+j]
 //         (the routed experts' down projection and their weighted sum).
+// MODE 3 / 4 (the end of this file): two weight banks of different formats in one launch,
+//         the routed experts' and the shared expert's gate_up + SwiGLU (3), their down
+//         projections summed (4); the sections qmv_consts .. qmv_epilogue instantiated per bank.
+//         The plain kernel is those four sections in order (affine_qmv.py QMV_PARTS).
 //
 // Geometry (grid (32*WARPS, NBY, NZ) threads, threadgroup (32*WARPS, 1, 1);
 // affine_qmv.py `plan` picks the numbers per shape):
@@ -60,7 +64,7 @@ DS4_FN float ds4_silu(float v) {
     return v / (1.0f + ds4_exp(-v));
 }
 
-// @@ qmv
+// @@ qmv_consts
 constexpr int VPL = 128 / BITS;                   // values per 16-byte chunk
 constexpr int CHUNKS = K_DIM / VPL;               // chunks per row
 constexpr int WPR = K_DIM * BITS / 32;            // words per row
@@ -95,6 +99,7 @@ constexpr uint32_t GW = uint32_t(NBY * WROWS);    // warp rows per grid z slice
 constexpr int NIDS = MODE == 2 ? KE : NPAIR;      // expert ids of one grid z slice
 static_assert(!DENSE || MODE == 0, "a dense matrix is the plain mode");
 static_assert(!NORM || MODE == 0, "the folded RMSNorm is the plain mode's");
+// @@ qmv_shared
 DS4_SHARED float4 xs[KSPLIT * XSLOT];
 DS4_SHARED float nred[WARPS];
 DS4_SHARED float2 ps[KSPLIT * PSLOT];
@@ -102,6 +107,7 @@ DS4_SHARED float red[MAXIT * WARPS * RPW];
 DS4_SHARED int sid[NIDS];
 DS4_SHARED float swt[MODE == 2 ? KE : 1];
 
+// @@ qmv_main
 const uint32_t ks = warp % uint32_t(KSPLIT);
 const uint32_t wr = warp / uint32_t(KSPLIT);
 const uint32_t g0 = tgy * uint32_t(WROWS) + wr;
@@ -342,6 +348,7 @@ for (int s = -1; s < NSTEP; ++s) {
     }
 }
 
+// @@ qmv_epilogue
 // epilogue: the KSPLIT warps of a warp row (MODE 2: its experts), then y
 ds4_tg_barrier();
 for (uint32_t lo = tid; lo < uint32_t(MAXIT * WROWS * OPW); lo += uint32_t(THREADS)) {
@@ -379,4 +386,87 @@ for (uint32_t lo = tid; lo < uint32_t(MAXIT * WROWS * OPW); lo += uint32_t(THREA
     }
     const uint32_t yrow = MODE == 2 ? tgz : tgz * uint32_t(NPAIR) + u / uint32_t(TILES);
     y[uint64_t(yrow) * uint64_t(OUT_ROWS) + orow] = static_cast<T>(a);
+}
+
+// ------------------------------------------------------------------ two weight banks in one launch
+//
+// MODE 3 and MODE 4 (ds4mlx/kernels/affine_qmv.py `twobank_sources`): the `qmv_consts` and
+// `qmv_main` (MODE 3: and `qmv_epilogue`) text above, instantiated once per weight bank with
+// every template constant and every constexpr of `qmv_consts` renamed NAME_A / NAME_B (the
+// banks' own bits, group size, rows, K and plan; T, WARPS and NBY are common), bank B's
+// buffers renamed (x2, w2, scales2, biases2, eids2, lim2, y2) and tgz read as tgz_A / tgz_B.
+// The lines DS4_QMV_CONSTS(A|B) / DS4_QMV_MAIN(A|B) / DS4_QMV_EPILOGUE(A|B) below stand for
+// those instances; the threadgroup arrays are declared once, sized for the larger bank.
+//   MODE 3: grid z = NZ_A slices of bank A (the routed experts' gate_up + SwiGLU: MODE_A 1, a
+//           token's KE experts sharing its x, y [NZ_A * X_DIV_A, I_A]), then NZ_A slices of
+//           bank B (the shared expert's gate_up + SwiGLU: MODE_B 1 over a one-matrix bank,
+//           y2 [NZ_A, I_B]); a threadgroup runs its bank's instance (a uniform branch).
+//   MODE 4: grid z = the token; bank A's instance (MODE_A 2: the routed experts' down and their
+//           weighted sum into `red`), a barrier, bank B's (MODE_B 0, DENSE: the shared expert's
+//           down of x2 into `red2`: the same KSPLIT, RPW, MAXIT and NBY, so a warp row's units
+//           are the same rows in both), then one epilogue writes y = routed + shared.
+
+// @@ qmv2_shared
+constexpr int XS_A = KSPLIT_A * XSLOT_A;
+constexpr int XS_B = KSPLIT_B * XSLOT_B;
+constexpr int PS_A = KSPLIT_A * PSLOT_A;
+constexpr int PS_B = KSPLIT_B * PSLOT_B;
+constexpr int RED_A = MAXIT_A * WARPS * RPW_A;
+constexpr int RED_B = MAXIT_B * WARPS * RPW_B;
+DS4_SHARED float4 xs[XS_A > XS_B ? XS_A : XS_B];
+DS4_SHARED float nred[WARPS];
+DS4_SHARED float2 ps[PS_A > PS_B ? PS_A : PS_B];
+DS4_SHARED float red[MODE == 3 && RED_B > RED_A ? RED_B : RED_A];   // MODE 3: either bank's
+DS4_SHARED float red2[MODE == 4 ? RED_B : 1];                       // MODE 4: bank B's
+DS4_SHARED int sid[NIDS_A > NIDS_B ? NIDS_A : NIDS_B];
+DS4_SHARED float swt[MODE_A == 2 ? KE_A : 1];
+
+// @@ qmv2_gu
+static_assert(MODE == 3 && MODE_A == 1 && MODE_B == 1, "gate_up + SwiGLU of both banks");
+if (tgz < uint32_t(NZ_A)) {
+    const uint32_t tgz_A = tgz;
+    DS4_QMV_MAIN(A)
+    DS4_QMV_EPILOGUE(A)
+} else {
+    const uint32_t tgz_B = tgz - uint32_t(NZ_A);
+    DS4_QMV_MAIN(B)
+    DS4_QMV_EPILOGUE(B)
+}
+
+// @@ qmv2_down
+static_assert(MODE == 4 && MODE_A == 2 && MODE_B == 0 && DENSE_B, "routed down + sum, then the dense down");
+static_assert(KSPLIT_A == KSPLIT_B && RPW_A == RPW_B && MAXIT_A == MAXIT_B, "the banks' units are the same rows");
+static_assert(OUT_ROWS_A == OUT_ROWS_B, "both banks write the same output rows");
+const uint32_t tgz_A = tgz;
+const uint32_t tgz_B = tgz;
+{
+    DS4_QMV_MAIN(A)
+}
+ds4_tg_barrier();   // every warp is done with bank A's x before bank B stages its own
+{
+    DS4_QMV_MAIN(B)
+}
+// epilogue: a warp row's KSPLIT warps of both banks (bank A: its experts, weighted; bank B: K
+// split), the sum rounded once
+ds4_tg_barrier();
+for (uint32_t lo = tid; lo < uint32_t(MAXIT_A * WROWS_A * RPW_A); lo += uint32_t(THREADS_A)) {
+    const uint32_t it = lo / uint32_t(WROWS_A * RPW_A);
+    const uint32_t wr2 = (lo / uint32_t(RPW_A)) % uint32_t(WROWS_A);
+    const uint32_t i = lo % uint32_t(RPW_A);
+    const uint32_t u = it * GW_A + tgy * uint32_t(WROWS_A) + wr2;
+    const uint32_t orow = u * uint32_t(RPW_A) + i;
+    if (u >= uint32_t(UNITS_A) || orow >= uint32_t(OUT_ROWS_A)) {
+        continue;
+    }
+    float a = 0.0f;
+    float b = 0.0f;
+    #pragma unroll
+    for (int k = 0; k < KSPLIT_A; ++k) {
+        const uint32_t base = (it * uint32_t(WARPS) + wr2 * uint32_t(KSPLIT_A) + uint32_t(k)) * uint32_t(RPW_A);
+        if (k < KE_A) {
+            a += red[base + i];
+        }
+        b += red2[base + i];
+    }
+    y[uint64_t(tgz) * uint64_t(OUT_ROWS_A) + orow] = static_cast<T>(a + b);
 }
