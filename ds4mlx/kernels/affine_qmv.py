@@ -277,11 +277,31 @@ def template(
 
 
 def _launch(
-    face, mode, x2, w, scales, biases, eids, wts, lim, *, p, n_rows, k_dim, group_size, bits, x_div=1, ke=1, nw=None
+    face,
+    mode,
+    x2,
+    w,
+    scales,
+    biases,
+    eids,
+    wts,
+    lim,
+    *,
+    p,
+    n_rows,
+    k_dim,
+    group_size,
+    bits,
+    x_div=1,
+    ke=1,
+    nw=None,
+    out_shape=None,
 ):
     """p pairs (MODE 2: tokens, ke experts each); pairs x_div at a time share an x row; a 2-D
     w is one dense matrix (no expert ids read); `nw` (MODE 0): x is RMS-normed with this
-    weight (eps in lim[2]) inside the launch."""
+    weight (eps in lim[2]) inside the launch.  The kernel reads x2 and the ids as flat rows
+    and writes flat rows: `out_shape` (default [p, rows]) is the caller's shape, so that
+    no reshape node comes before or after the launch (each costs host time per token)."""
     groups = p if mode == 2 else p // x_div
     pl = plan(mode, n_rows, k_dim, bits, groups, x_div=x_div, ke=ke, x_dtype=x2.dtype, face=face)
     out_rows = n_rows // 2 if mode == 1 else n_rows
@@ -304,7 +324,7 @@ def _launch(
         ),
         grid=(32 * WARPS, pl.nby, pl.nz),
         threadgroup=(32 * WARPS, 1, 1),
-        output_shapes=[(p, out_rows)],
+        output_shapes=[out_shape or (p, out_rows)],
         output_dtypes=[x2.dtype],
     )[0]
 
@@ -339,10 +359,10 @@ def qmv(
     if norm is not None and backend is None and auto_face("affine_qmv.norm", _norm_self_test) != face:
         x, norm = rms_normed(x, norm), None  # the norm's own launch
     n_rows = w.shape[0]
-    y = _launch(
+    return _launch(
         face,
         0,
-        x.reshape(rows, k_dim),
+        x,  # [..., K] read as `rows` flat rows
         w,
         scales,
         biases,
@@ -355,8 +375,8 @@ def qmv(
         group_size=group_size,
         bits=bits,
         nw=None if norm is None else norm[0].astype(x.dtype),
+        out_shape=(*x.shape[:-1], n_rows),
     )
-    return y.reshape(*x.shape[:-1], n_rows)
 
 
 # --------------------------------------------------------------------------- gathered (experts)
@@ -368,8 +388,8 @@ def _pairs(x: mx.array, expert_ids: mx.array):
     n, k = expert_ids.shape
     if x.ndim == 2 and x.shape[0] == n:
         return x, k  # one vector per token, shared by its k experts
-    if x.ndim == 3 and x.shape[:2] == (n, k):
-        return x.reshape(n * k, x.shape[-1]), 1
+    if x.ndim >= 3 and x.size == n * k * x.shape[-1] and (x.ndim > 3 or x.shape[:2] == (n, k)):
+        return x, 1  # read as n * k flat rows ([n, k, K], or any shape of them: no reshape node)
     raise ValueError(f"x must be [{n}, K] or [{n}, {k}, K], got {x.shape}")
 
 
@@ -392,13 +412,18 @@ def gather_qmv(
     group_size: int,
     bits: int,
     backend: str | None = None,
+    out_shape: tuple | None = None,
 ) -> mx.array:
-    """``out[t, j] = dequantize(w[expert_ids[t, j]]) @ x[t(, j)]`` -> [n, k, N] in x.dtype."""
+    """``out[t, j] = dequantize(w[expert_ids[t, j]]) @ x[t(, j)]`` -> [n, k, N] in x.dtype
+    (`out_shape`: the same values in another shape of n * k * N, written as such by the
+    launch)."""
     face = _face(backend)
     k_dim = x.shape[-1]
     n, k = expert_ids.shape
     if n * k > MAX_PAIRS or not _usable(face, k_dim, group_size, bits, biases):
-        return _gather_ref(x, w, scales, biases, expert_ids, group_size, bits)
+        xr = x.reshape(n, k, k_dim) if x.ndim > 3 else x
+        y = _gather_ref(xr, w, scales, biases, expert_ids, group_size, bits)
+        return y if out_shape is None else y.reshape(out_shape)
     x2, x_div = _pairs(x, expert_ids)
     y = _launch(
         face,
@@ -407,7 +432,7 @@ def gather_qmv(
         w,
         scales,
         biases,
-        expert_ids.reshape(-1).astype(mx.int32),
+        expert_ids.astype(mx.int32),  # read flat
         _const("wts"),
         _lim(0.0),
         p=n * k,
@@ -416,8 +441,9 @@ def gather_qmv(
         group_size=group_size,
         bits=bits,
         x_div=x_div,
+        out_shape=out_shape or (n, k, w.shape[1]),
     )
-    return y.reshape(n, k, w.shape[1])
+    return y
 
 
 def gather_swiglu(

@@ -28,6 +28,17 @@ def iota(n: int) -> mx.array:
     return a
 
 
+def iota_rows(n: int, g: int) -> mx.array:
+    """[n, g] int32 rows of `mx.arange(g)`, made once and kept (as `iota`)."""
+    a = _IOTAS.get((n, g))
+    if a is None:
+        a = mx.broadcast_to(iota(g), (n, g))
+        a = mx.contiguous(a)
+        mx.eval(a)
+        _IOTAS[(n, g)] = a
+    return a
+
+
 def bucket(n: int) -> int:
     """The capacity (MIN_BUCKET * 2**k rows) that holds n rows."""
     cap = MIN_BUCKET

@@ -43,7 +43,7 @@ from ..kernels.compressor_step import compressor_step  # one launch on a GPU, th
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from . import prefill_attention
-from .cache import StaticDecode, grow_rows, iota
+from .cache import StaticDecode, grow_rows, iota, iota_rows
 from .causal_lm import BaseModelArgs, CausalLM
 from .fused import FusedLinear, fused_or_each, swiglu_of
 from .layers import (
@@ -432,18 +432,19 @@ class QuantizedGroupedLinear(nn.Module):
             and n * G <= affine_qmv.MAX_PAIRS
             and affine_qmv.kernel_face(x.shape[-1], self.group_size, self.bits) is not None
         ):
-            # decode on a GPU: group g is "expert" g of every token, one launch
-            ids = mx.broadcast_to(iota(G), (n, G))  # a kept constant: an arange would launch per token
+            # decode on a GPU: group g is "expert" g of every token, one launch; x [..., G, in]
+            # read as n * G flat rows and the output written in the caller's shape (no view nodes)
             y = affine_qmv.gather_qmv(
-                x.reshape(n, G, x.shape[-1]),
+                x if x.ndim >= 3 else x.reshape(n, G, x.shape[-1]),
                 self.weight,
                 self.scales,
                 self.biases,
-                ids,
+                iota_rows(n, G),  # a kept constant: an arange or a broadcast would be a node per token
                 group_size=self.group_size,
                 bits=self.bits,
-            )  # [n, G, out]
-            return y.reshape(*lead, -1)
+                out_shape=(*lead, G * self.weight.shape[1]),
+            )
+            return y
         if n > 1:  # prefill: group g's n rows as one matrix (M = n), not n mat-vecs
             xg = x.reshape(n, G, x.shape[-1]).swapaxes(0, 1)  # [G, n, in]
             y = mx.gather_qmm(
