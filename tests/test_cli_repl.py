@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from signal_helpers import ctrl_c_default
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -40,6 +41,7 @@ def spawn(tmp_path, *flags, ready=PROMPT):
         encoding="utf-8",
         timeout=TIMEOUT,
         dimensions=(50, 160),
+        preexec_fn=ctrl_c_default,  # Ctrl+C as at a terminal, however pytest was started
     )
     child.logfile_read = open(tmp_path / "session.log", "w")  # kept for a failing run
     child.expect("Ctrl\\+D quits")
