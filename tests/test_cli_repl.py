@@ -130,11 +130,10 @@ def test_repl_commands_read_ctx_and_ctrl_c(tmp_path):
 
 
 def test_repl_steer_and_think_level_refusal(tmp_path):
-    import ds4mlx
+    from ds4mlx.demo import DEMO_CONFIG  # the demo model's shape, without loading it here too
 
-    model, _ = ds4mlx.load(None)
-    a = model.args
-    dirs = np.random.default_rng(0).standard_normal((a.num_hidden_layers, a.hidden_size)).astype("<f4")
+    layers, hidden = DEMO_CONFIG["num_hidden_layers"], DEMO_CONFIG["hidden_size"]
+    dirs = np.random.default_rng(0).standard_normal((layers, hidden)).astype("<f4")
     (tmp_path / "dir.f32").write_bytes(dirs.tobytes())
     (tmp_path / "short.f32").write_bytes(dirs.tobytes()[:-8])
     child = spawn(tmp_path, "--nothink", "-n", "4")
