@@ -654,3 +654,40 @@ def test_name_tables_are_bijective():
         if c is not None:
             assert names.hub_to_hf(f"layers.7.{c}") == f"model.layers.7.{h}"
     assert names.hf_to_gguf("model.layers.3.mlp.experts.gate_up_proj") is None
+
+
+def test_reader_array_fast_path_gives_the_librarys_fields(tmp_path):
+    """`_GGUFReader` parses arrays of strings / scalars in one pass: the same fields (offsets,
+    parts as views of the same bytes, data indices, types) as gguf's per-element recursion."""
+    import gguf
+
+    from ds4mlx import weights
+
+    class LibraryParse(weights._GGUFReader):
+        _get_field_parts = gguf.GGUFReader._get_field_parts
+
+    path = tmp_path / "a.gguf"
+    w = gguf.GGUFWriter(str(path), "deepseek4")
+    w.add_array("t.strings", ["", "a", "héllo", "x" * 300])
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_array("t.bools", [True, False])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_string("t.one", "one")
+    w.add_tensor("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    got, want = weights._GGUFReader(path), LibraryParse(path)
+    assert list(got.fields) == list(want.fields)
+    for k, g in got.fields.items():
+        f = want.fields[k]
+        assert (g.offset, g.name, g.data, g.types) == (f.offset, f.name, f.data, f.types), k
+        assert len(g.parts) == len(f.parts), k
+        for a, b in zip(g.parts, f.parts):
+            assert (type(a), a.dtype, a.shape, a.tobytes()) == (type(b), b.dtype, b.shape, b.tobytes()), k
+            base_a, base_b = (r._mapped.__array_interface__["data"][0] for r in (got, want))
+            assert a.__array_interface__["data"][0] - base_a == b.__array_interface__["data"][0] - base_b, k
+    assert got.fields["t.strings"].contents() == ["", "a", "héllo", "x" * 300]
+    assert got.fields["t.ints"].contents() == [1, -2, 3] and "t.nested" in got.fields
