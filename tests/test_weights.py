@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,19 +21,14 @@ from ds4mlx.mapped import LazyTensor
 from ds4mlx.quant import MXTensor, QuantizedTensor
 from ds4mlx.weights import GGUFFile, SafetensorsFile, read_weights
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="session")
-def oracle_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("oracle_dsv4")
-    subprocess.run(
-        [sys.executable, str(ROOT / "tests/oracle/make_tiny_deepseek_v4.py"), str(out)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return out
+def oracle_dir() -> Path:
+    """The oracle's folder: conftest's cached build of the same script (the parity tests use
+    it too; nothing here writes into it)."""
+    from conftest import build_oracle
+
+    return build_oracle("make_tiny_deepseek_v4.py")
 
 
 @pytest.fixture(scope="session")
