@@ -96,6 +96,46 @@ class _GGUFReader(gguf.GGUFReader):
             return arr
         return arr.view(arr.dtype.newbyteorder(order))
 
+    def _get_field_parts(self, orig_offs, raw_type):
+        """An array of strings or of scalars in one pass, with the parts, data indices, types
+        and size the library's per-element recursion gives (one view per element: a 129k
+        vocabulary, its merges and scores were most of a small model's load); bounds checked
+        as `_get` does.  Any other value, and a byte-swapped file, take the library's path."""
+        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype, count = int(raw_itype[0]), int(alen[0])
+        offs = orig_offs + 12
+        parts = [raw_itype, alen]
+        if itype == gguf.GGUFValueType.STRING:
+            mapped, size = self._mapped, self._mapped.shape[0]
+            len_dt = np.dtype(np.uint64)
+            unpack = struct.Struct("<Q" if sys.byteorder == "little" else ">Q").unpack_from
+            for _ in range(count):
+                if offs + 8 > size:
+                    raise _TruncatedGGUF(f"needs bytes up to {offs + 8} but the file has {size}")
+                end = offs + 8 + unpack(mapped, offs)[0]
+                if end > size:
+                    raise _TruncatedGGUF(f"needs bytes up to {end} but the file has {size}")
+                parts.append(mapped[offs : offs + 8].view(len_dt))
+                parts.append(mapped[offs + 8 : end])
+                offs = end
+            data = list(range(3, 2 + 2 * count, 2))
+        else:
+            try:
+                nptype = self.gguf_scalar_to_np.get(gguf.GGUFValueType(itype))
+            except ValueError:
+                nptype = None
+            if nptype is None:  # nested arrays, unknown types: the library's path (and errors)
+                return super()._get_field_parts(orig_offs, raw_type)
+            vals = self._get(offs, nptype, count)
+            parts += list(vals.reshape(count, 1))
+            offs += int(vals.nbytes)
+            data = list(range(2, 2 + count))
+        types = [gguf.GGUFValueType.ARRAY] + ([gguf.GGUFValueType(itype)] if count else [])
+        return offs - orig_offs, parts, data, types
+
 
 def gguf_metadata(reader) -> dict:
     """GGUF metadata as {key: python value}: from a path, a `GGUFFile` or a

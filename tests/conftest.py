@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,31 @@ def oracle():
 
 def load_summary(folder: Path) -> dict:
     return json.loads((folder / "summary.json").read_text())
+
+
+_GUARDED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, n))
+
+
+def _signal_state():
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else None
+    return {sig: signal.getsignal(sig) for sig in _GUARDED}, mask
+
+
+@pytest.fixture(autouse=True)
+def _signal_state_kept():
+    """A test leaves this process's signal handlers and (main thread's) signal mask as it found
+    them: every process a later test starts inherits the dispositions and the mask (a SIGINT
+    left blocked made later Ctrl+C tests hang).  A change is undone and fails the test."""
+    before = _signal_state()
+    yield
+    after = _signal_state()
+    if after != before:
+        for sig, handler in before[0].items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        if before[1] is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before[1])
+        pytest.fail(f"the test changed the process's signal state (undone): {before} -> {after}")
 
 
 @pytest.fixture

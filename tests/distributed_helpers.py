@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from signal_helpers import ctrl_c_default
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,7 +42,8 @@ def start_ranks(cmd: list[str], n: int, tmp: Path, extra_env: dict | None = None
     for r, env in enumerate(ring_env(n, tmp)):
         env.update(extra_env or {})
         log = open(tmp / f"rank{r}.log", "wb")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=ctrl_c_default)
+        procs.append(p)  # rank 0 is stopped with SIGINT
     return procs
 
 

@@ -63,7 +63,19 @@ def test_demo_model_lists_the_files_end_to_end(tmp_path):
     (tmp_path / "a.txt").write_text("hi\n")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
     r = subprocess.run(
-        [sys.executable, "-m", "ds4mlx.cli", "agent", "-p", "list the files", "--yes", "--cwd", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "ds4mlx.cli",
+            "agent",
+            "-p",
+            "list the files",
+            "--yes",
+            "--cwd",
+            str(tmp_path),
+            "-n",
+            "16",  # short gibberish replies: the loop, not their length, is what runs end to end
+        ],
         capture_output=True,
         text=True,
         env=env,

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from signal_helpers import ctrl_c_default
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -40,6 +41,7 @@ def spawn(tmp_path, *flags, ready=PROMPT):
         encoding="utf-8",
         timeout=TIMEOUT,
         dimensions=(50, 160),
+        preexec_fn=ctrl_c_default,  # Ctrl+C as at a terminal, however pytest was started
     )
     child.logfile_read = open(tmp_path / "session.log", "w")  # kept for a failing run
     child.expect("Ctrl\\+D quits")
@@ -128,11 +130,10 @@ def test_repl_commands_read_ctx_and_ctrl_c(tmp_path):
 
 
 def test_repl_steer_and_think_level_refusal(tmp_path):
-    import ds4mlx
+    from ds4mlx.demo import DEMO_CONFIG  # the demo model's shape, without loading it here too
 
-    model, _ = ds4mlx.load(None)
-    a = model.args
-    dirs = np.random.default_rng(0).standard_normal((a.num_hidden_layers, a.hidden_size)).astype("<f4")
+    layers, hidden = DEMO_CONFIG["num_hidden_layers"], DEMO_CONFIG["hidden_size"]
+    dirs = np.random.default_rng(0).standard_normal((layers, hidden)).astype("<f4")
     (tmp_path / "dir.f32").write_bytes(dirs.tobytes())
     (tmp_path / "short.f32").write_bytes(dirs.tobytes()[:-8])
     child = spawn(tmp_path, "--nothink", "-n", "4")

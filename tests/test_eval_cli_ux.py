@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from signal_helpers import ctrl_c_default
+
 from ds4mlx.eval.cli import _loading_notice, add_arguments
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,6 +61,7 @@ def test_ctrl_c_during_the_load_exits_130_without_traceback(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=ctrl_c_default,  # SIGINT as at a terminal, however pytest was started
     )
     deadline = time.monotonic() + 30
     while "context auto-sized" not in (err := _peek(p)) and time.monotonic() < deadline:

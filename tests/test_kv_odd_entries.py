@@ -22,6 +22,7 @@ from ds4mlx.kv import store as ks
 from ds4mlx.kv.store import KVStore
 
 sys.path.insert(0, str(Path(__file__).parent))
+from signal_helpers import ctrl_c_default  # noqa: E402
 from test_server_cli import free_port, wait_up  # noqa: E402
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -124,7 +125,7 @@ def test_serve_with_a_fifo_in_the_kv_dir_starts_and_keeps_answering(tmp_path):
         "--kv-disk-dir",
         str(kv),
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_default)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_up(url, proc)

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from signal_helpers import ctrl_c_default  # noqa: E402
 from test_server_cli import free_port, wait_up  # noqa: E402
 
 openai = pytest.importorskip("openai")
@@ -78,6 +79,7 @@ class Server:
             stderr=subprocess.STDOUT,
             text=True,
             env=dict(os.environ, PYTHONPATH=str(TESTS.parent)),
+            preexec_fn=ctrl_c_default,  # stopped with SIGINT
         )
         wait_up(self.url, self.proc)
         return self

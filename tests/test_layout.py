@@ -22,6 +22,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from signal_helpers import ctrl_c_default
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "ds4mlx"
@@ -422,6 +423,7 @@ def test_installed_wheel_serves_the_demo_model(wheel, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=ctrl_c_default,  # stopped with SIGINT
     )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -12,6 +12,7 @@ import time
 import urllib.request
 
 import pytest
+from signal_helpers import ctrl_c_default
 
 
 def free_port() -> int:
@@ -54,7 +55,7 @@ def test_serve_process_demo_model(tmp_path):
         "--alias",
         "claude-*",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_default)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_up(url, proc)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,19 +21,14 @@ from ds4mlx.mapped import LazyTensor
 from ds4mlx.quant import MXTensor, QuantizedTensor
 from ds4mlx.weights import GGUFFile, SafetensorsFile, read_weights
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="session")
-def oracle_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("oracle_dsv4")
-    subprocess.run(
-        [sys.executable, str(ROOT / "tests/oracle/make_tiny_deepseek_v4.py"), str(out)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return out
+def oracle_dir() -> Path:
+    """The oracle's folder: conftest's cached build of the same script (the parity tests use
+    it too; nothing here writes into it)."""
+    from conftest import build_oracle
+
+    return build_oracle("make_tiny_deepseek_v4.py")
 
 
 @pytest.fixture(scope="session")
@@ -654,3 +647,40 @@ def test_name_tables_are_bijective():
         if c is not None:
             assert names.hub_to_hf(f"layers.7.{c}") == f"model.layers.7.{h}"
     assert names.hf_to_gguf("model.layers.3.mlp.experts.gate_up_proj") is None
+
+
+def test_reader_array_fast_path_gives_the_librarys_fields(tmp_path):
+    """`_GGUFReader` parses arrays of strings / scalars in one pass: the same fields (offsets,
+    parts as views of the same bytes, data indices, types) as gguf's per-element recursion."""
+    import gguf
+
+    from ds4mlx import weights
+
+    class LibraryParse(weights._GGUFReader):
+        _get_field_parts = gguf.GGUFReader._get_field_parts
+
+    path = tmp_path / "a.gguf"
+    w = gguf.GGUFWriter(str(path), "deepseek4")
+    w.add_array("t.strings", ["", "a", "héllo", "x" * 300])
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_array("t.bools", [True, False])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_string("t.one", "one")
+    w.add_tensor("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    got, want = weights._GGUFReader(path), LibraryParse(path)
+    assert list(got.fields) == list(want.fields)
+    for k, g in got.fields.items():
+        f = want.fields[k]
+        assert (g.offset, g.name, g.data, g.types) == (f.offset, f.name, f.data, f.types), k
+        assert len(g.parts) == len(f.parts), k
+        for a, b in zip(g.parts, f.parts):
+            assert (type(a), a.dtype, a.shape, a.tobytes()) == (type(b), b.dtype, b.shape, b.tobytes()), k
+            base_a, base_b = (r._mapped.__array_interface__["data"][0] for r in (got, want))
+            assert a.__array_interface__["data"][0] - base_a == b.__array_interface__["data"][0] - base_b, k
+    assert got.fields["t.strings"].contents() == ["", "a", "héllo", "x" * 300]
+    assert got.fields["t.ints"].contents() == [1, -2, 3] and "t.nested" in got.fields
