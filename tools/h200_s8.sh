@@ -7,8 +7,12 @@
 #    32K then 2K (--descending: is 2K slower only because it ran first?), GGUF experts 2K + 32K.
 # B: prefill: one layer's routed experts at a 2,048-token chunk with the GGUF path's
 #    dequantization and GEMMs timed apart, then the 43-layer prefill frontier + profile.
-# C: the end-of-session decode: this tree vs BEFORE (the tree A measured, `git archive` into
-#    .devstage/s8a), MLX and GGUF experts, then mlx-lm and serve vs bench in the same call.
+# C: the GPU tests of what changed, then the end-of-session decode: this tree with MLX's CUDA
+#    graphs on and off, BEFORE (the tree A measured, `git archive d0c73aa ds4mlx` into
+#    .devstage/s8a), GGUF experts.
+# D: prefill ops one by one, the GGUF dequantization, prefill to 8K as it is and with the
+#    dense linears as dequantized GEMMs + the attention as GEMMs, serve vs bench.
+# E: mlx-lm on the same shapes, GGUF prefill.
 source tools/h200_probe_lib.sh
 before() { PYTHONPATH=$PWD/${BEFORE:-.devstage/s8a}:$PYTHONPATH probe "$@"; }
 gputest() {  # the -v output kept whole in $OUT (a cut run still names what passed)
@@ -40,18 +44,44 @@ B)
   keep
   ;;
 C)
-  log "decode, this tree vs before, MLX 2-bit experts"
-  probe ${NEW_S:-120} --label head --ctx 2048 32768 --fake-context | tee "$OUT/decode_head.txt"
-  before ${BASE_S:-100} --label before --ctx 2048 32768 --fake-context | tee "$OUT/decode_before.txt"
-  log "decode, this tree vs before, GGUF experts"
-  probe ${GGUF_S:-90} --label head-gguf --expert-format gguf --ctx 2048 32768 --fake-context | tee "$OUT/decode_gguf.txt"
-  before ${GBASE_S:-80} --label before-gguf --expert-format gguf --ctx 2048 --fake-context | tee "$OUT/decode_gguf_before.txt"
+  log "GPU tests of the kernels changed or unverified since their last pass"
+  gputest ${TEST_S:-300} tests/test_cuda_cache.py tests/test_kernel_attn_prep.py tests/test_kernel_hyper_connection.py \
+      tests/test_quant_moe.py tests/test_affine_qmv.py tests/test_kernel_sparse_attention.py tests/test_grouped_experts.py \
+      tests/test_quant.py tests/test_kernel_selftest.py ${MORE_TESTS:-}
   keep
+  log "decode, this tree (MLX's CUDA graphs on, its default), MLX 2-bit experts, GPU time"
+  probe ${NEW_S:-120} --label head --ctx 2048 32768 --fake-context --gpu-busy --top 12 | tee "$OUT/decode_head.txt"
+  keep
+  log "decode, this tree, MLX_USE_CUDA_GRAPHS=0 (direct launches)"
+  MLX_USE_CUDA_GRAPHS=0 probe ${NOG_S:-90} --label head-nographs --ctx 2048 32768 --fake-context | tee "$OUT/decode_nographs.txt"
+  log "decode, before (.devstage/s8a = d0c73aa), MLX 2-bit experts"
+  before ${BASE_S:-70} --label before --ctx 2048 --fake-context | tee "$OUT/decode_before.txt"
+  log "decode, this tree, GGUF experts"
+  probe ${GGUF_S:-90} --label head-gguf --expert-format gguf --ctx 2048 32768 --fake-context | tee "$OUT/decode_gguf.txt"
+  ;;
+D)
+  log "prefill ops one by one (2,048-token chunk)"
+  timeout ${OPS_S:-70} python3 -u tools/prefill_ops_probe.py --chunk 2048 2>&1 | grep -v "_warn_once\|UserWarning" | tee "$OUT/prefill_ops.txt"
+  log "one layer's routed experts, 2,048-token chunk, GGUF split (the dequantization kernel)"
+  timeout ${EXPERTS_S:-60} python3 -u tools/prefill_experts_bench.py --chunks 2048 --formats gguf --split --no-old \
+      2>&1 | grep -v "_warn_once\|UserWarning" | tee "$OUT/prefill_experts.txt"
+  for v in "default" "DS4MLX_PREFILL_LINEARS=dequant DS4MLX_PREFILL_SDPA=matmul"; do
+    log "prefill 2K..8K, MLX 2-bit experts, $v"
+    env ${v/default/} DS4MLX_DECODE=legacy timeout ${PRE_S:-100} python3 -u -m ds4mlx.cli bench --synthetic v4-flash \
+        --expert-format mlx --ctx-start 2048 --ctx-max 8192 --step-mul 4 --gen-tokens 0 --time-budget 75 \
+        --csv "$OUT/prefill_${v%%=*}.csv" 2>&1 | grep "prefill_tps" | tee -a "$OUT/prefill.txt"
+  done
   log "serve vs bench, 2K"
-  timeout ${SERVE_S:-100} python3 -u tools/serve_vs_bench.py --ctx 2048 --gen 64 2>&1 | grep -v "_warn_once\|UserWarning" | tail -15 | tee "$OUT/serve_vs_bench.txt"
-  log "mlx-lm side by side"
+  timeout ${SERVE_S:-90} python3 -u tools/serve_vs_bench.py --ctx 2048 --gen 64 2>&1 | grep -v "_warn_once\|UserWarning" | tail -15 | tee "$OUT/serve_vs_bench.txt"
+  ;;
+E)
+  log "mlx-lm, same shapes and bits"
   timeout ${MLXLM_S:-120} python3 -u tools/mlxlm_side_by_side.py --layers 43 --prompt ${MLXLM_PROMPT:-512} --gen 16 --which mlxlm 2>&1 \
       | grep -v "_warn_once\|UserWarning" | tail -15 | tee "$OUT/mlxlm.txt"
+  log "prefill 2K..8K, GGUF experts"
+  DS4MLX_DECODE=legacy timeout ${PREG_S:-120} python3 -u -m ds4mlx.cli bench --synthetic v4-flash --expert-format gguf \
+      --ctx-start 2048 --ctx-max 8192 --step-mul 4 --gen-tokens 0 --time-budget 90 --csv "$OUT/prefill_gguf.csv" 2>&1 \
+      | grep "prefill_tps" | tee "$OUT/prefill_gguf.txt"
   ;;
 esac
 log done
