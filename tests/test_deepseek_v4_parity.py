@@ -150,3 +150,14 @@ def test_indexer_query_blocking(oracle, monkeypatch):
     lm = load_hf_dir(str(folder))
     monkeypatch.setattr(Indexer, "BLOCK_ELEMS", 1000)
     assert maxdiff(lm.logits(ref["input_ids"][0].tolist()), ref["logits_full"][0]) <= TOL
+
+
+@pytest.mark.parametrize("chunk", [7, 150])
+def test_chunked_prefill_attention_as_matmuls(case, chunk, monkeypatch):
+    """DS4MLX_PREFILL_SDPA=matmul (models/prefill_attention.py: the band and per-query
+    attention as GEMMs around a float32 softmax) against transformers, chunked."""
+    from ds4mlx.models import prefill_attention
+
+    monkeypatch.setenv(prefill_attention.ENV, "matmul")
+    _, lm, ref, _ = case
+    assert maxdiff(chunked_logits(lm, ref["input_ids"][0].tolist(), chunk), ref["logits_full"][0]) <= TOL
