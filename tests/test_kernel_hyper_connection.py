@@ -956,7 +956,7 @@ def test_gpu_tails_equal_two_launches(case, monkeypatch):
         got = [
             *hck.hc_pre(x, fn, base, scale, **kw, norm=(w, RMS_EPS)),
             *hck.hc_pre(x, fn, base, scale, **kw),
-            *hck.hc_mix(x, fn, base, scale, **kw),
+            *hck.hc_mix(x, fn, base, scale, **kw),  # (two launches either way: its tail is off)
             hck.hc_head(x, fn[:n], base[:n], scale[:1], hc_eps=HC_EPS, norm_eps=NORM_EPS, backend=face),
             *hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw, norm=(w, RMS_EPS), out2=out2),
             *hck.hc_post_pre(x, out, post, comb, fn, base, scale, **kw),
