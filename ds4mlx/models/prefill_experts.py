@@ -13,9 +13,10 @@ least MIN_PAIRS (token, expert) pairs; decode and small chunks keep today's kern
   GEMM (`mx.gather_mm(..., sorted_indices=True)`), in blocks of output rows of at most
   MAX_DEQUANT_BYTES; the first experiment (it failed on the H200), kept for comparison.
 
-`DS4MLX_PREFILL_LINEARS=dequant` does the dequantized GEMM for every dense `QMVLinear`
-(models/qmv_linear.py) fed at least MIN_ROWS rows: x @ dequantize(W).T, one GEMM, in
-place of `mx.quantized_matmul` (default `quantized_matmul`).
+`DS4MLX_PREFILL_LINEARS` for every dense `QMVLinear` (models/qmv_linear.py) fed at least
+MIN_ROWS rows: `dequant` x @ dequantize(W).T, one GEMM, in place of `mx.quantized_matmul`
+(`quantized_matmul`); `auto` (default): `dequant` on a GPU (1.8-2.3x MLX's quantized_matmul
+at 8 bits on the H200's 2,048-row projections, BENCHMARKS.md), `quantized_matmul` on the CPU.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def wanted(pairs: int, sorted_indices: bool) -> bool:
 
 
 def linear_wanted(rows: int) -> bool:
-    return rows >= MIN_ROWS and _mode(LINEARS_ENV, ("quantized_matmul", "dequant")) == "dequant"
+    mode = _mode(LINEARS_ENV, ("auto", "quantized_matmul", "dequant"))
+    on_gpu = mx.default_device().type != mx.DeviceType.cpu
+    return rows >= MIN_ROWS and (mode == "dequant" or (mode == "auto" and on_gpu))
 
 
 def _dtype_for(x_dtype):
