@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import string
-from typing import Any, Optional
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -65,7 +65,7 @@ def has_tool_result(api: str, body: dict) -> bool:
     )
 
 
-def _tool(api: str, body: dict, name: str) -> Optional[dict]:
+def _tool(api: str, body: dict, name: str) -> dict | None:
     for t in body.get("tools") or []:
         if not isinstance(t, dict):
             continue
@@ -85,7 +85,7 @@ def _thinking_off(api: str, body: dict) -> None:
         body["reasoning"] = {"effort": "none"}
 
 
-def rewrite(api: str, body: Any, force: Optional[str]) -> Any:
+def rewrite(api: str, body: Any, force: str | None) -> Any:
     """The request as forwarded (a new dict; non-dict bodies pass unchanged)."""
     if not isinstance(body, dict):
         return body
@@ -107,7 +107,7 @@ def rewrite(api: str, body: Any, force: Optional[str]) -> Any:
 
 
 class Proxy:
-    def __init__(self, upstream: str, force: Optional[str], log_path: Optional[str]):
+    def __init__(self, upstream: str, force: str | None, log_path: str | None):
         self.upstream = upstream.rstrip("/")
         self.force = force
         self.log_path = log_path
@@ -164,7 +164,7 @@ class Proxy:
         return resp
 
 
-def make_app(upstream: str, force: Optional[str], log_path: Optional[str]) -> web.Application:
+def make_app(upstream: str, force: str | None, log_path: str | None) -> web.Application:
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.router.add_route("*", "/{tail:.*}", Proxy(upstream, force, log_path).handle)
     return app

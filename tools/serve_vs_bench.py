@@ -19,9 +19,9 @@ import time
 import urllib.request
 
 from ds4mlx.bench import frontier as bench
+from ds4mlx.bench.synthetic import build_synthetic_v4_flash
 from ds4mlx.engine import Engine
 from ds4mlx.serve.app import BackgroundServer, make_app
-from ds4mlx.bench.synthetic import build_synthetic_v4_flash
 
 
 def stream(url: str, body: dict) -> tuple[float, int]:
