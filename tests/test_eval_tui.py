@@ -59,8 +59,19 @@ class Tmux:
 
     def keys(self, *keys: str) -> None:
         for k in keys:
-            self._t("send-keys", "-t", self.name, k)
+            self._send("send-keys", "-t", self.name, k)
             time.sleep(0.15)
+
+    def _send(self, *args: str) -> None:
+        """A tmux command that must take effect: retried, and its failure said (a key that
+        tmux did not send must not read as a key the program ignored; a loaded CI machine
+        once ran an eval to its end after a Ctrl-C that never arrived)."""
+        for _ in range(3):
+            r = subprocess.run(["tmux", "-L", self.sock, *args], capture_output=True, text=True, timeout=30)
+            if r.returncode == 0:
+                return
+            time.sleep(0.3)
+        raise AssertionError(f"tmux {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}")
 
     def wait_for(self, predicate, timeout: float = 60.0) -> str:
         end = time.monotonic() + timeout
