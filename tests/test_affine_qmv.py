@@ -1093,8 +1093,18 @@ def test_gpu_twobank_v4_flash_shapes_equal_reference(dt):
     v = V4_MOE
     hid, inter, e, k, gs = v["hidden"], v["inter"], v["experts"], v["k"], v["gs"]
     key = mx.random.key(13)
-    q = lambda shape, bits: mx.quantize(mx.random.normal(shape, key=key) * shape[-1] ** -0.5, gs, bits)  # noqa: E731
-    gu, dn = q((e, 2 * inter, hid), v["bits"]), q((e, hid, inter), v["bits"])
+
+    def q(shape, bits, key=key):
+        return mx.quantize(mx.random.normal(shape, key=key) * shape[-1] ** -0.5, gs, bits)
+
+    def bank(shape, bits):
+        """The routed banks ([gate; up] 256 x 4096 x 4096 is 2^32 values, down 2^31) in slices of 64
+        experts: one float array of 2^31 or more values is past the 32-bit indexing of MLX's CUDA
+        kernels (the launch failed: "cudaGraphAddKernelNode ... invalid argument", H200, 2026-12-02)."""
+        parts = [q((shape[0] // 4, *shape[1:]), bits, part_key) for part_key in mx.random.split(key, 4)]
+        return tuple(mx.concatenate(arrays) for arrays in zip(*parts))
+
+    gu, dn = bank((e, 2 * inter, hid), v["bits"]), bank((e, hid, inter), v["bits"])
     sgu, sdn = q((2 * inter, hid), v["shared_bits"]), q((hid, inter), v["shared_bits"])
     cast = lambda t: (t[0], t[1].astype(dt), t[2].astype(dt))  # noqa: E731
     gu, dn, sgu, sdn = map(cast, (gu, dn, sgu, sdn))
