@@ -189,17 +189,28 @@ def measure(path: str) -> dict:
     }
 
 
-def _decode_tps(lm, tokens: int, prompt: int = 64) -> float:
+def _progress(t_start: float, what: str) -> None:
+    """One line on stderr per phase: a device run that hits its time box still says how far it got
+    (the first H200 run of `decode`, 2026-12-02, printed nothing in 300 s)."""
+    print(f"[{time.perf_counter() - t_start:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def _decode_tps(lm, tokens: int, prompt: int = 64, t_start: float | None = None) -> float:
     """Decode tokens per second after a `prompt`-token prefill (median step)."""
     import statistics
 
+    t_start = time.perf_counter() if t_start is None else t_start
     s = lm.new_session(ctx=4096)
     s.prefill(list(range(2, 2 + prompt)))
+    _progress(t_start, f"prefilled {prompt} tokens")
     steps = []
     for i in range(tokens):
         t0 = time.perf_counter()
         s.decode(2 + (i % 1000))  # numpy logits: synchronizes
         steps.append(time.perf_counter() - t0)
+        if i < 2:
+            _progress(t_start, f"decode step {i + 1}: {steps[-1]:.2f} s")
+    _progress(t_start, f"{tokens} decode steps, median {statistics.median(steps):.4f} s")
     return round(1.0 / statistics.median(steps[2:] or steps), 2)
 
 
@@ -217,19 +228,22 @@ def decode_compare(path: str, layers: int, tokens: int = 24) -> dict:
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     lm, _ = load(path, verbose=True)  # --dtype auto: float32 activations, weights as stored
+    _progress(t0, f"loaded {path}")
     out = {
         "path": path,
         "load_s": round(time.perf_counter() - t0, 1),
         "load_mlx_peak_gb": round(mx.get_peak_memory() / 1e9, 2),
         "file_gb": round(Path(path).stat().st_size / 1e9, 2),
-        "file_tps": _decode_tps(lm, tokens),
+        "file_tps": _decode_tps(lm, tokens, t_start=t0),
     }
+    print(json.dumps(out), file=sys.stderr, flush=True)  # the file's half, should the box end next
     del lm
     gc.collect()
     mx.clear_cache()
     mem, _, info = build_synthetic_v4_flash(layers=layers, expert_format="gguf", other_bits=16)
     mem.model.model.activation_dtype = mx.float32
-    out.update(memory_build=info, memory_tps=_decode_tps(mem, tokens))
+    _progress(t0, "built the same model in memory")
+    out.update(memory_build=info, memory_tps=_decode_tps(mem, tokens, t_start=t0))
     out["file_over_memory"] = round(out["file_tps"] / out["memory_tps"], 3)
     return out
 
