@@ -8,8 +8,8 @@
 # which the device image lacks), 4 xdist workers (the image has pytest-xdist and pytest-timeout:
 # nvrtc compiles run side by side on the 16 cores), one line per test as it ends, a per-test
 # timeout so one hang does not eat the box, and the failures' messages in their own file.
-# .gpu/tcA + tcB: the tiny oracle models the tests load (tar of ~/.cache/ds4mlx-tests/oracle,
-# split so that no call carries more than 64 MiB); .ptxcache/ptx.txz: the last run's kernel cache.
+# .gpu/tcA + tcB: the tiny oracle models the tests load (tools/stage_gpu_oracles.py builds and packs
+# them here); .ptxcache/ptx.txz: the last run's kernel cache.
 set -u
 OUT=${OUT:-out/h200}; mkdir -p "$OUT"
 if [ -f .gpu/b/setup.sh ]; then source .gpu/b/setup.sh
