@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict
 
+from ..atomic_file import atomic_write
 from ..chat.messages import Conversation, Message, ToolCall
 
 VERSION = 1
@@ -63,12 +63,8 @@ def save(path: str, conv: Conversation, *, cwd: str, model: str = "") -> str:
         "thinking": conv.thinking,
         "messages": conversation_to_json(conv),
     }
-    fd, tmp = tempfile.mkstemp(prefix=".session-", dir=os.path.dirname(path))
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
+    with atomic_write(path, "w", temp_prefix=".session-", fsync=True, encoding="utf-8") as f:
         json.dump(data, f, ensure_ascii=False, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return path
 
 

@@ -19,11 +19,11 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..atomic_file import atomic_write
 from .bashjobs import BashJobs
 from .errors import ToolError
 from .paths import PathEscape, ProjectRoot
@@ -244,21 +244,17 @@ class ToolBox:
             mode = os.stat(path).st_mode & 0o7777
         except FileNotFoundError:
             mode = _NEW_FILE_MODE
-        fd, tmp = tempfile.mkstemp(prefix=".ds4mlx-agent-", dir=os.path.dirname(path))
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-                f.write(content)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, mode)
-            self._check_unchanged(path)  # last look before the rename
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        with atomic_write(
+            path,
+            "w",
+            temp_prefix=".ds4mlx-agent-",
+            fsync=True,
+            permissions=mode,
+            encoding="utf-8",
+            newline="",
+            before_replace=lambda: self._check_unchanged(path),  # last look before the rename
+        ) as f:
+            f.write(content)
         self._seen[path] = _fingerprint(path)
 
     def write(self, args: dict) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..atomic_file import write_bytes_atomic
 from . import commands as cmd
 
 KEEP = 64  # snapshots kept in memory
@@ -42,9 +43,7 @@ class ShardSnapshots:
         while len(self.memory) > KEEP:
             self.memory.popitem(last=False)
         if self.folder is not None:
-            tmp = self._file(sid).with_suffix(".tmp")
-            tmp.write_bytes(blob)
-            os.replace(tmp, self._file(sid))
+            write_bytes_atomic(self._file(sid), blob, temp_path=self._file(sid).with_suffix(".tmp"))
             files = sorted(self.folder.glob("*.snap"), key=lambda p: p.stat().st_mtime)
             for old in files[: max(0, len(files) - KEEP_FILES)]:
                 old.unlink(missing_ok=True)

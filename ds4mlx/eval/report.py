@@ -10,9 +10,9 @@ per source).  A baseline is a report of an earlier run; the gate compares pass c
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from typing import Any
+
+from ..atomic_file import atomic_write
 
 REPORT_FORMAT = "ds4mlx-eval-report/1"
 GATE_OK, GATE_DROPPED, GATE_HARNESS_ERROR = 0, 1, 2
@@ -92,20 +92,9 @@ def build_report(runner: Any) -> dict[str, Any]:
 
 
 def write_json_atomic(path: str, data: Any) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".ds4-eval-report-", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            os.fchmod(f.fileno(), 0o644)
-            json.dump(data, f, indent=1, ensure_ascii=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path, "w", temp_prefix=".ds4-eval-report-", fsync=True, permissions=0o644, encoding="utf-8") as f:
+        json.dump(data, f, indent=1, ensure_ascii=False)
+        f.write("\n")
 
 
 def read_baseline(path: str) -> tuple[dict[str, Any] | None, str]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
+
+from ..atomic_file import write_bytes_atomic
 
 GRADED = ("PASSED", "FAILED")
 STATUSES = ("PASSED", "FAILED", "STOPPED", "SKIPPED", "SWITCHED", "ERROR")
@@ -137,20 +138,21 @@ class TraceWriter:
     @classmethod
     def create(cls, path: str, **header: Any) -> TraceWriter:
         directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".ds4-eval-trace-", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would surprise next to the user's files
-                f.write(_header_text("# ds4-eval trace\n", header).encode("utf-8", "surrogateescape"))
-                f.flush()
-                os.fsync(f.fileno())
+
+        def keep_previous() -> None:
+            """A fresh run keeps the trace it replaces."""
             if os.path.exists(path) and os.path.getsize(path):
-                os.replace(path, path + PREVIOUS_SUFFIX)  # a fresh run keeps the trace it replaces
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+                os.replace(path, path + PREVIOUS_SUFFIX)
+
+        header_bytes = _header_text("# ds4-eval trace\n", header).encode("utf-8", "surrogateescape")
+        write_bytes_atomic(
+            path,
+            header_bytes,
+            temp_prefix=".ds4-eval-trace-",
+            fsync=True,
+            permissions=0o644,  # mkstemp's 0600 would surprise next to the user's files
+            before_replace=keep_previous,
+        )
         _fsync_dir(directory)
         return cls(path, os.open(path, os.O_WRONLY | os.O_APPEND))
 

@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..atomic_file import atomic_write
 from ..mapped import release
 from .build import build_experts
 from .module import StreamedExperts
@@ -334,10 +335,8 @@ class ExpertStore:
                 str(l): {str(e): int(n) for e, n in enumerate(c.counts) if n} for l, c in sorted(self.layers.items())
             },
         }
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
+        with atomic_write(path, "w", temp_path=f"{path}.tmp.{os.getpid()}") as f:
             json.dump(doc, f)
-        os.replace(tmp, path)
 
     def preload(self, order: dict[int, list[int]], n: int) -> None:
         """Fill up to `n` slots of each streamed layer with `order[layer]` (hottest first)."""

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..atomic_file import write_bytes_atomic
+
 log = logging.getLogger("ds4mlx.kernels")
 
 # MLX's generated source starts with these two includes (mlx/backend/cuda/custom_kernel.cpp)
@@ -279,15 +281,8 @@ def write_entry(module: str, kernel_name: str, cubin: bytes, symbol: str, source
     path = ptx_path(module, root)
     path.parent.mkdir(parents=True, exist_ok=True)
     for suffix, data in ((".txt", f"mlx::core::cu::{kernel_name}\t{symbol}\n".encode()), (".cu", source.encode())):
-        _atomic_write(path.with_suffix(suffix), data)
-    _atomic_write(path, cubin)  # last: MLX treats the .ptx file as the entry's presence
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+        write_bytes_atomic(path.with_suffix(suffix), data, temp_prefix=".tmp-")
+    write_bytes_atomic(path, cubin, temp_prefix=".tmp-")  # last: MLX treats the .ptx file as the entry's presence
 
 
 # --------------------------------------------------------------------------- the hook

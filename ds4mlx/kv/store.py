@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Union
 
+from ..atomic_file import write_bytes_atomic
+
 # The file format's names, re-exported so `kv.store.X` works (the tests use several).
 from .fileformat import (
     FIXED_SIZE,
@@ -657,23 +659,16 @@ class KVStore:
 
     def _save_meta(self) -> None:
         path = os.path.join(self.dir, META_NAME)
-        tmp = f"{path}.tmp.{os.getpid()}"
         data = json.dumps({"version": 1, "entries": self._meta}, sort_keys=True).encode()
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            self._hook("meta-before-rename")
-            os.replace(tmp, path)
+            write_bytes_atomic(
+                path,
+                data,
+                temp_path=f"{path}.tmp.{os.getpid()}",  # the name open()'s cleanup recognises
+                fsync=True,
+                permissions=0o600,
+                before_replace=lambda: self._hook("meta-before-rename"),
+            )
             _fsync_dir(self.dir)
-        except OSError as exc:
+        except OSError as exc:  # the temporary is already removed
             log.warning("kv cache cannot write %s: %s", path, exc)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
