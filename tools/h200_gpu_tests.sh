@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Every `pytest -m gpu` test on the lent H200 in one time-boxed call (issue #15), results under $OUT.
 #   call 1: mkdir -p /root/gpu && cp .gpu/a/part_aa /root/gpu/ && cp .gpu/tcA/tc.tar /root/   (carry .gpu/a .gpu/tcA)
-#   call 2: bash tools/h200_gpu_tests.sh     (carry .gpu/b .gpu/tcB .ptxcache)
+#   call 2: bash tools/h200_gpu_tests.sh     (carry .gpu/b, and .ptxcache once a call of this session wrote one)
 # Why this shape (session 9, 2026-12-02): one serial pytest on a cold kernel cache ran 27 of 273
 # tests in 420 s (each new kernel instance is compiled at first use) and, killed by its box,
 # printed no failure message.  Here: the GPU test files only (the serve tests import jsonschema,
 # which the device image lacks), 4 xdist workers (the image has pytest-xdist and pytest-timeout:
 # nvrtc compiles run side by side on the 16 cores), one line per test as it ends, a per-test
 # timeout so one hang does not eat the box, and the failures' messages in their own file.
-# .gpu/tcA + tcB: the tiny oracle models the tests load (tools/stage_gpu_oracles.py builds and packs
-# them here); .ptxcache/ptx.txz: the last run's kernel cache.
+# .gpu/tcA: the tiny oracle models the tests load most (tools/stage_gpu_oracles.py builds and packs
+# them here; the tests build the others on the device); devcache/ptx.txz (committed) or
+# .ptxcache/ptx.txz (this session's newest): the kernel cache.
 set -u
 OUT=${OUT:-out/h200}; mkdir -p "$OUT"
 if [ -f .gpu/b/setup.sh ]; then source .gpu/b/setup.sh
@@ -17,7 +18,6 @@ else export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1; fi
 source tools/h200_probe_lib.sh
 mkdir -p /root/tc
 [ -f /root/tc.tar ] && tar xf /root/tc.tar -C /root/tc
-[ -f .gpu/tcB/tc.tar ] && tar xf .gpu/tcB/tc.tar -C /root/tc
 export DS4MLX_TEST_CACHE=/root/tc
 files=$(grep -l "mark.gpu" tests/test_*.py | xargs grep -L "jsonschema" | tr '\n' ' ')
 log "pytest -m gpu on: $files"

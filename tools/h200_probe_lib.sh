@@ -6,7 +6,7 @@ OUT=${OUT:-out/h200}; mkdir -p "$OUT"
 # (xz -1: ~5 MB for MLX's kernels and ours, where gzip needs 13 MB of the 64 MiB a call carries;
 # the generated .cu sources are left out: MLX loads an entry from its .ptx and .txt)
 export MLX_PTX_CACHE_DIR=/root/ptx; mkdir -p "$MLX_PTX_CACHE_DIR"
-for f in .ptxcache/ptx.txz .ptxcache/ptx.tgz; do
+for f in .ptxcache/ptx.txz .ptxcache/ptx.tgz devcache/ptx.txz; do  # this session's newest, else the committed one
   [ -f "$f" ] && [ ! -f /root/ptx/.unpacked ] && tar xf "$f" -C /root && touch /root/ptx/.unpacked
 done
 log() { echo "== $(date -u +%T) $*" | tee -a "$OUT/log.txt"; }

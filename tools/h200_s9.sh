@@ -16,7 +16,7 @@ LAYERS=${LAYERS:-20}
 F=/tmp/ds4mlx_q2_${LAYERS}.gguf
 case "${1:-T}" in
 T)
-  mkdir -p /root/tc && tar xf /root/tc.tar -C /root/tc && tar xf .gpu/tcB/tc.tar -C /root/tc
+  mkdir -p /root/tc && tar xf /root/tc.tar -C /root/tc && { [ ! -f .gpu/tcB/tc.tar ] || tar xf .gpu/tcB/tc.tar -C /root/tc; }
   log "write the $LAYERS-layer q2 GGUF in the background (CPU + disk)"
   ( timeout 420 nice python3 -m ds4mlx.bench.load_memory write-gguf "$F" --layers "$LAYERS" > "$OUT/write_gguf.txt" 2>&1
     echo "rc=$?" >> "$OUT/write_gguf.txt" ) &
