@@ -1061,24 +1061,29 @@ class DecoderLayer(nn.Module):
         its own projection (one launch less per layer on a GPU).  The layer norms are folded
         into the hc launches, and the MoE's routed and shared halves are added inside the
         launch that consumes them (`out2`)."""
+        return self._open_with(x, pending, ids, lambda normed: self.self_attn.step(normed, pos, state, new))
+
+    def step_rows_open(self, x: mx.array, pending, ids: mx.array, pos: list, states: list, news: list):
+        """`step_open` for B sessions' tokens laid out as B tokens of one row (x [1, B, hc, H]):
+        the same folds and launches as one session's step (the mHC and MoE kernels take the B
+        tokens as rows), the attention per row (`Attention.step_rows`)."""
+        return self._open_with(x, pending, ids, lambda normed: self.self_attn.step_rows(normed, pos, states, news))
+
+    def _open_with(self, x: mx.array, pending, ids: mx.array, attend):
         if pending is None:
             post, comb, normed = self.attn_hc(x, norm=self.input_layernorm)
         else:
             out, p, c, out2 = pending
             x, post, comb, normed = self.attn_hc.after_post(x, out, p, c, norm=self.input_layernorm, out2=out2)
         x, post, comb, normed = self.ffn_hc.after_post(
-            x, self.self_attn.step(normed, pos, state, new), post, comb, norm=self.post_attention_layernorm
+            x, attend(normed), post, comb, norm=self.post_attention_layernorm
         )
         routed, shared = self.mlp.step_pair(normed, ids)
         return x, (routed, post, comb, shared)
 
     def step_rows(self, x: mx.array, ids: mx.array, pos: list, states: list, news: list) -> mx.array:
         """`step` for B sessions' tokens, laid out as B tokens of one row (x [1, B, hc, H])."""
-        post, comb, collapsed = self.attn_hc(x)
-        x, post, comb, collapsed = self.ffn_hc.after_post(
-            x, self.self_attn.step_rows(self.input_layernorm(collapsed), pos, states, news), post, comb
-        )
-        return hc_post(x, self.mlp.step(self.post_attention_layernorm(collapsed), ids), post, comb)
+        return finish_open_step(*self.step_rows_open(x, None, ids, pos, states, news))
 
 
 class DeepseekV4Model(nn.Module):
@@ -1142,9 +1147,11 @@ class DeepseekV4Model(nn.Module):
         h = self.embed_tokens(ids)
         B = ids.shape[1]
         x = mx.broadcast_to(h[:, :, None, :], (1, B, self._hc, h.shape[-1]))
-        its, news = [iter(s) for s in states], [[] for _ in states]
-        for layer in self.layers:
-            x = layer.step_rows(x, ids, pos, its, news)
+        its, news, pending = [iter(s) for s in states], [[] for _ in states], None
+        for layer in self.layers:  # as `step`: each layer's last hc_post inside the next one's first launch
+            x, pending = layer.step_rows_open(x, pending, ids, pos, its, news)
+        if pending is not None:
+            x = finish_open_step(x, pending)
         h = self.hc_head(x)
         return (self.norm(h) if final_norm else h), news
 
