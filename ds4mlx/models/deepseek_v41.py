@@ -671,7 +671,7 @@ class Model(StaticDecode, CausalLM):
 # ----------------------------------------------------------------------------- hub checkpoint names
 
 _HUB_DROP = ("vision.", "aligner.", "image_", "mtp.")
-_HUB_PARTS = [  # (hub name fragment, mlx-lm name fragment), applied in order
+HUB_PARTS = [  # (hub name fragment, mlx-lm name fragment), applied in order
     (".attn.", ".self_attn."),
     (".ffn.", ".mlp."),
     (".attn_norm.", ".input_layernorm."),
@@ -717,7 +717,7 @@ def _from_hub(weights: dict) -> dict:
             out["lm_head.weight"] = v
         else:
             name = f"model.{k}"
-            for a, b in _HUB_PARTS:
+            for a, b in HUB_PARTS:
                 name = name.replace(a, b)
             out[name] = v
     for (layer, proj), rows in experts.items():
