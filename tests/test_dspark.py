@@ -30,7 +30,7 @@ import torch
 from mlx.utils import tree_flatten
 
 from ds4mlx.models.deepseek_v41 import ModelArgs
-from ds4mlx.models.deepseek_v41_dspark import DSparkArgs, DSparkDrafter, dspark_weights, random_head
+from ds4mlx.models.deepseek_v41_dspark import DSparkArgs, DSparkHead, dspark_weights, random_head
 
 TARGET = dict(
     model_type="deepseek_v41",
@@ -299,7 +299,7 @@ def test_stage_expert_counts_override():
     assert head.mtp[0].mlp.gate._k == 3
 
 
-def _hub_names(head: DSparkDrafter) -> dict:
+def _hub_names(head: DSparkHead) -> dict:
     """The drafter's parameters under DeepSeek's checkpoint names (the inverse of dspark_weights)."""
     from ds4mlx.models.deepseek_v41 import HUB_PARTS
 
@@ -329,7 +329,7 @@ def test_hub_names_load_into_the_drafter():
     hub = _hub_names(head)
     assert "mtp.0.attn.wq_a.weight" in hub and "mtp.1.hc_ffn_fn" in hub and "mtp.0.attn.attn_sink" in hub
     hub["mtp.0.embed.weight"] = mx.zeros((4, 4))  # the shared embedding: dropped
-    fresh = DSparkDrafter(args, d)
+    fresh = DSparkHead(args, d)
     fresh.load_weights(list(dspark_weights(hub).items()), strict=True)
     for (k, v), (k2, v2) in zip(tree_flatten(head.parameters()), tree_flatten(fresh.parameters())):
         assert k == k2 and mx.array_equal(v, v2), k
@@ -352,13 +352,13 @@ def test_missing_target_layer_ids_are_refused():
 def test_target_layer_ids_outside_the_target_are_refused():
     args = ModelArgs.from_dict(TARGET)
     with pytest.raises(ValueError, match=r"dspark_target_layer_ids \[4\] are not layers"):
-        DSparkDrafter(args, DSparkArgs.from_config({**DSPARK, "dspark_target_layer_ids": [2, 4]}))
+        DSparkHead(args, DSparkArgs.from_config({**DSPARK, "dspark_target_layer_ids": [2, 4]}))
 
 
 def test_compressed_stage_is_refused():
     args = ModelArgs.from_dict({**TARGET, "compress_ratios": [0, 4, 4, 4, 0, 4]})
     with pytest.raises(ValueError, match="stage 1 .* compress ratio 4"):
-        DSparkDrafter(args, DSparkArgs.from_config(DSPARK))
+        DSparkHead(args, DSparkArgs.from_config(DSPARK))
 
 
 def test_hub_config_keys():

@@ -221,7 +221,7 @@ def argmax_pick(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)
 
 
-class DSparkDrafter(nn.Module):
+class DSparkHead(nn.Module):
     """The stages `mtp.0 .. mtp.<n-1>`; embedding and lm_head are the target's (passed in)."""
 
     def __init__(self, target: ModelArgs, dspark: DSparkArgs):
@@ -284,12 +284,12 @@ class DSparkDrafter(nn.Module):
         return mx.stack(rows), confidence, mx.concatenate(drafts)
 
 
-def random_head(target: ModelArgs, dspark: DSparkArgs, seed: int = RANDOM_SEED, dtype=None) -> DSparkDrafter:
+def random_head(target: ModelArgs, dspark: DSparkArgs, seed: int = RANDOM_SEED, dtype=None) -> DSparkHead:
     """A drafter with random weights: matrices N(0, 1/fan_in), norms and mHC scales ~1,
     sinks / mHC / router biases ~0.1, the Markov embedding N(0, 1) (so its bias moves the argmax)."""
     from mlx.utils import tree_flatten, tree_unflatten
 
-    head = DSparkDrafter(target, dspark)
+    head = DSparkHead(target, dspark)
     key = mx.random.key(seed)
     params = []
     for name, p in tree_flatten(head.parameters()):
@@ -317,7 +317,7 @@ _HUB_EXPERT = re.compile(r"mtp\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
 
 
 def dspark_weights(tensors: dict) -> dict:
-    """A hub checkpoint's `mtp.<s>.*` (unquantized) -> DSparkDrafter parameter names: the
+    """A hub checkpoint's `mtp.<s>.*` (unquantized) -> DSparkHead parameter names: the
     block parts renamed as deepseek_v41 renames a layer's, per-expert w1/w3 fused into
     `gate_up_proj`, w2 stacked into `down_proj`; `mtp.<s>.embed/head` (DeepSeek's
     Transformer hands the stages its own) and the VL router bias are dropped."""
