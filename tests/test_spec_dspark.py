@@ -146,3 +146,19 @@ def test_mtp_on_a_v41_model_builds_the_dspark_drafter(v41, monkeypatch):
     monkeypatch.setattr(lm, "config", {"text_config": {**cfg, "dspark_target_layer_ids": []}})
     with pytest.raises(SpecUsageError, match="dspark_target_layer_ids"):
         mtp_drafter(lm, ctx=64)
+
+
+def test_generate_with_mtp_on_the_v41_demo_model_prints_the_same_text():
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    base = [sys.executable, "-m", "ds4mlx.cli", "generate", "-m", "demo:deepseek_v41", "--raw"]
+    base += ["-p", "The quick brown fox", "-n", "24", "--temp", "0"]
+    plain = subprocess.run(base, capture_output=True, text=True, env=env, timeout=600)
+    spec = subprocess.run(
+        base + ["--mtp", "--mtp-draft", "3", "--mtp-margin", "0"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr[-2000:]
+    assert spec.stdout == plain.stdout and "speculative decoding: DSpark block drafter" in spec.stderr
