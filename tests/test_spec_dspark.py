@@ -92,24 +92,53 @@ def test_greedy_with_the_dspark_drafter_equals_plain(v41, depth):
     assert lm.model.model.capture_hook is None
 
 
-def test_the_drafter_observes_what_one_pass_over_the_context_gives(v41):
+class ScriptedPicks(GreedyRule):
+    """Greedy acceptance, but the drafter's picks are the plain greedy continuation (every
+    third one off by one): drafts get accepted, partly, so rounds add several positions."""
+
+    def __init__(self, vocab, script):
+        super().__init__(vocab)
+        self.vocab, self.script, self.at = vocab, script, 0
+
+    def draft(self, logits):
+        tok = self.script[self.at] if self.at < len(self.script) else 0
+        tok = (tok + 1) % self.vocab if self.at % 3 == 0 else tok
+        self.at += 1
+        return mx.array(tok, mx.int32), None
+
+
+class ScriptedDrafter(DSparkBlockDrafter):
+    def propose(self, context, x0, k, rule, margin=0.0):
+        rule.at = len(context) + 1  # the block's first pick is the token after x0
+        return super().propose(context, x0, k, rule, margin)
+
+
+@pytest.mark.parametrize("scripted", [False, True])
+def test_the_drafter_observes_what_one_pass_over_the_context_gives(v41, scripted):
     """Round by round, the head's window keys come from verify rows of accepted tokens
-    (rejected drafts' rows never): the same keys one forward over the final context gives."""
+    (rejected drafts' rows never): the same keys one forward over the final context gives;
+    with scripted picks, greedy output still equals plain decoding."""
     lm, ids = v41
+    prompt, n_out = ids[:9], 30
+    s = lm.new_session(ctx=80)
+    want = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), limit=n_out))
     head = head_for(lm, seed=8)
-    drafter = DSparkBlockDrafter(lm, head)
+    drafter = (ScriptedDrafter if scripted else DSparkBlockDrafter)(lm, head)
+    rule = ScriptedPicks(lm.vocab_size, prompt + want) if scripted else GreedyRule(lm.vocab_size)
     try:
         s = lm.new_session(ctx=80)
-        loop = SpeculativeLoop(s, s.prefill(ids[:9]), drafter, GreedyRule(lm.vocab_size), depth=3, margin=0, limit=30)
+        loop = SpeculativeLoop(s, s.prefill(prompt), drafter, rule, depth=3, margin=0, limit=n_out)
         out = list(loop)
         n, keys = drafter.cache.offset, [np.array(k) for k in drafter.cache.keys]
-        context = ids[:9] + out
         got = []
         lm.model.model.capture_hook = lambda states, start, ids_: got.append(states)
-        lm.model(mx.array([context[:n]], mx.int32))
+        lm.model(mx.array([(prompt + out)[:n]], mx.int32))
     finally:
         drafter.close()
-    assert n >= len(context) - 6 and loop.stats.rollbacks > 0  # some drafts were rejected on the way
+    assert out == want
+    assert n >= len(prompt) + len(out) - 6 and loop.stats.rollbacks > 0  # some drafts were rejected
+    if scripted:
+        assert loop.stats.accepted >= loop.stats.rounds  # and many accepted: several positions a round
     W = lm.model.args.sliding_window
     fresh = head.make_cache()
     fresh.offset = n - W
