@@ -15,7 +15,9 @@ first k tokens.  The head's window holds only context positions, so nothing is r
 back; a context that no longer matches what it saw (a new request) restarts it one
 window back.  Positions it has no states for (fed by a single-token decode step, or
 restored from a checkpoint) are skipped: the drafts get worse, the output does not
-change (the target verifies every token).
+change (the target verifies every token).  The head's confidences are not used yet
+(DeepSeek's reference returns them and nothing there reads them either); `--mtp-margin`
+prunes on the top-2 logit gap as for V4's head.
 """
 
 from __future__ import annotations
