@@ -190,13 +190,14 @@ def test_a_head_saved_in_the_gguf_layout_loads_back_and_a_foreign_layout_is_refu
         loaded_head(args, {"mtp.0.attn.wq_a.weight": mx.zeros((4, 4))})
 
 
-def test_v41_mtp_is_refused_as_dspark_not_v4s_layer(oracle):
+def test_v41_mtp_builds_dspark_not_v4s_layer(oracle):
     """V4.1's config keeps num_nextn_predict_layers, but its mtp.* tensors are a DSpark block
     drafter (DeepSeek's V4.1 inference/model.py: DSparkBlock, forward_spec), a different
-    graph from V4's MTP layer: `--mtp` says so instead of wiring V4's head onto it."""
+    graph from V4's MTP layer: `--mtp` builds that drafter (tests/test_spec_dspark.py), and
+    a V4.1 file without the tensors is refused in those terms, never given V4's head."""
     from ds4mlx.speculative.mtp import mtp_drafter
     from ds4mlx.speculative.options import SpecUsageError
 
     _, lm, _, _ = load_case(oracle, "probe_mlx_deepseek_v41.py", "mixed")
-    with pytest.raises(SpecUsageError, match="DSpark"):
+    with pytest.raises(SpecUsageError, match="no DSpark tensors"):
         mtp_drafter(lm, ctx=64)

@@ -593,6 +593,12 @@ def _ropes(args: ModelArgs) -> dict:
 
 
 class DeepseekV41Model(nn.Module):
+    # the DSpark drafter's capture (speculative/dspark.py): every multi-token forward calls
+    # capture_hook(states [1, T, len(capture_layers) * H], first position, ids [1, T]) with the
+    # mean over the streams entering each of `capture_layers`, in layer order; None = off
+    capture_hook = None
+    capture_layers: tuple = ()
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self._ropes = _ropes(args)
@@ -607,8 +613,13 @@ class DeepseekV41Model(nn.Module):
         x = mx.broadcast_to(h[:, :, None, :], (B, C, self._hc, H))
         pre = mx.broadcast_to((mx.arange(self._hc) == 0).astype(mx.float32), (B, C, self._hc))
         shared: dict = {}
-        for layer, c in zip(self.layers, cache):
+        captured = []
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            if self.capture_hook is not None and i in self.capture_layers:
+                captured.append(x.mean(axis=2))  # the layer's input, not its output
             x, pre = layer(x, pre, c, shared)
+        if captured:
+            self.capture_hook(mx.concatenate(captured, axis=-1), cache[0].offset, ids)
         for c in cache:
             c.offset += C
         return self.norm(hc_collapse(x, pre))
@@ -671,7 +682,7 @@ class Model(StaticDecode, CausalLM):
 # ----------------------------------------------------------------------------- hub checkpoint names
 
 _HUB_DROP = ("vision.", "aligner.", "image_", "mtp.")
-_HUB_PARTS = [  # (hub name fragment, mlx-lm name fragment), applied in order
+HUB_PARTS = [  # (hub name fragment, mlx-lm name fragment), applied in order
     (".attn.", ".self_attn."),
     (".ffn.", ".mlp."),
     (".attn_norm.", ".input_layernorm."),
@@ -717,7 +728,7 @@ def _from_hub(weights: dict) -> dict:
             out["lm_head.weight"] = v
         else:
             name = f"model.{k}"
-            for a, b in _HUB_PARTS:
+            for a, b in HUB_PARTS:
                 name = name.replace(a, b)
             out[name] = v
     for (layer, proj), rows in experts.items():

@@ -5,6 +5,7 @@ loader kept in `model.mtp_weights` (the main file's `mtp.*`, or ds4's MTP suppor
 given as `--mtp FILE`); a demo model without them gets a random head (seeded), so `--mtp`
 runs with nothing downloaded.  `random_mtp_drafter` does the same for any V4 model
 (tools/spec_bench.py).
+On a DeepSeek V4.1 model both build the DSpark block drafter instead (dspark.py).
 
 The head drafts from the target's residual streams: the backbone's `stream_hook` hands
 over the streams of every multi-token forward (prefill chunks and speculative verifies;
@@ -28,24 +29,19 @@ RANDOM_SEED = 20261201
 
 
 # DeepSeek V4.1's config keeps num_nextn_predict_layers (3) but its mtp.0..2 tensors are a
-# DSpark drafter, not V4's next-n layer: DeepSeek's V4.1 inference/model.py (DSparkBlock,
-# DSparkAttention, DSparkMarkovHead, DSparkConfidenceHead, Transformer.forward_spec) drafts
-# a block of dspark_block_size tokens in one pass from noise tokens, attending (window only)
-# to keys made from the mean-over-streams attention inputs of dspark_target_layer_ids,
-# with a low-rank Markov logit bias and a confidence head; ds4 runs it as `--dspark`.
-V41_DSPARK = (
-    "--mtp: DeepSeek V4.1's mtp.* tensors are a DSpark block drafter (dspark_block_size tokens "
-    "per pass, Markov and confidence heads), not V4's MTP layer; ds4mlx does not implement it "
-    "yet: use --draft-model PATH"
-)
+# DSpark block drafter, not V4's next-n layer (DeepSeek's V4.1 inference/model.py:
+# DSparkBlock, forward_spec): `--mtp` on a V4.1 model builds that drafter (dspark.py).
+V41 = "deepseek_v41"
+
+
+def _model_type(model):
+    return getattr(getattr(model, "model", model), "model_type", None)
 
 
 def _v4_backbone(model):
     inner = getattr(model, "model", model)  # LanguageModel -> family Model
     backbone = getattr(inner, "model", None)
     kind = getattr(inner, "model_type", None)
-    if kind == "deepseek_v41":
-        raise SpecUsageError(V41_DSPARK)
     if kind not in ("deepseek_v4",) or not hasattr(backbone, "stream_hook"):
         raise SpecUsageError(f"--mtp: no MTP head for {kind or type(inner).__name__} models yet")
     return inner, backbone
@@ -197,12 +193,24 @@ class MTPDrafter:
         return settle_drafts(toks, qs, gaps, margin)
 
 
-def random_mtp_drafter(model, ctx: int = 0, seed: int = RANDOM_SEED) -> MTPDrafter:
+def random_mtp_drafter(model, ctx: int = 0, seed: int = RANDOM_SEED):
+    if _model_type(model) == V41:
+        from ..models.deepseek_v41_dspark import DSparkArgs
+        from ..models.deepseek_v41_dspark import random_head as random_dspark_head
+        from .dspark import DSparkBlockDrafter, default_dspark_config
+
+        inner = model.model
+        dspark = DSparkArgs.from_config(default_dspark_config(inner.args))
+        return DSparkBlockDrafter(model, random_dspark_head(inner.args, dspark, seed, dtype=inner.static_dtype()))
     inner, _ = _v4_backbone(model)
     return MTPDrafter(model, random_head(inner.args, seed, dtype=inner.static_dtype()))
 
 
-def mtp_drafter(model, ctx: int) -> MTPDrafter:
+def mtp_drafter(model, ctx: int):
+    if _model_type(model) == V41:
+        from .dspark import dspark_drafter
+
+        return dspark_drafter(model, ctx)
     inner, _ = _v4_backbone(model)
     tensors = getattr(model, "mtp_weights", None) or {}
     if tensors:
