@@ -147,6 +147,27 @@ def test_the_drafter_observes_what_one_pass_over_the_context_gives(v41, scripted
         assert a.shape == b.shape and np.abs(a - np.array(b)).max() <= 1e-4
 
 
+def test_two_hundred_tokens_with_accepted_drafts_equal_plain(v41):
+    """Over 200 greedy tokens (the tiny model's window of 6 crossed many times), with picks that
+    get most drafts accepted and every third rejected: token for token the plain decoding (the
+    tool-call, stop-string and limit boundaries are the loop's, drafter-independent:
+    tests/test_spec_engine.py)."""
+    lm, ids = v41
+    prompt, n = ids[:8], 200
+    s = lm.new_session(ctx=len(prompt) + n + 8)
+    want = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), limit=n))
+    drafter = ScriptedDrafter(lm, head_for(lm, seed=9))
+    try:
+        s = lm.new_session(ctx=len(prompt) + n + 8)
+        rule = ScriptedPicks(lm.vocab_size, prompt + want)
+        loop = SpeculativeLoop(s, s.prefill(prompt), drafter, rule, depth=4, margin=0, limit=n)
+        got = list(loop)
+    finally:
+        drafter.close()
+    assert got == want
+    assert loop.stats.accepted >= loop.stats.rounds and loop.stats.rollbacks > 0
+
+
 def test_mtp_on_a_v41_model_builds_the_dspark_drafter(v41, monkeypatch):
     from test_dspark import _hub_names
 
