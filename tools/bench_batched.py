@@ -149,7 +149,20 @@ def main(argv=None) -> int:
         finally:
             engine.close()
     print_table(rows)
+    print_decode_scaling(rows)
     return 0
+
+
+def print_decode_scaling(rows: list) -> None:
+    """Aggregate decode t/s = N / ITL p50 per row and against the N = 1 row: the session-batching
+    bar (N = 8 >= 4x N = 1) read without the prefills, which run one after another."""
+    base = None
+    print("\n| run | aggregate decode t/s | vs N = 1 |\n|---|---:|---:|")
+    for name, s in rows:
+        n, itl = int(name.rsplit("=", 1)[1]), s["itl_ms"]["p50"]
+        tps = n * 1000.0 / itl if itl else 0.0
+        base = tps if n == 1 and base is None else base
+        print(f"| {name} | {tps:.1f} | {tps / base:.2f} |" if base else f"| {name} | {tps:.1f} | - |")
 
 
 if __name__ == "__main__":
