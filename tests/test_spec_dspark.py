@@ -10,6 +10,7 @@ with a random head equals plain decoding, and what the drafter observes round by
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -212,3 +213,61 @@ def test_generate_with_mtp_on_the_v41_demo_model_prints_the_same_text():
     )
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr[-2000:]
     assert spec.stdout == plain.stdout and "speculative decoding: DSpark block drafter" in spec.stderr
+
+
+def test_confident_prefix_keeps_the_leading_positions_whose_survival_holds():
+    from ds4mlx.speculative.dspark import confident_prefix
+
+    logit = lambda p: math.log(p / (1 - p))  # noqa: E731
+    conf = [logit(0.9), logit(0.9), logit(0.5), logit(0.99)]  # survival 0.9, 0.81, 0.405, 0.401
+    assert confident_prefix(conf, 0.0) == 4
+    assert confident_prefix(conf, 0.85) == 1
+    assert confident_prefix(conf, 0.8) == 2
+    assert confident_prefix(conf, 0.4) == 4
+    assert confident_prefix(conf, 0.95) == 0
+    assert confident_prefix([], 0.5) == 0
+
+
+@pytest.mark.parametrize("threshold", [0.3, 1.0])
+def test_confidence_pruning_keeps_greedy_output_and_drafts_less(v41, threshold):
+    """--dspark-confidence: fewer drafts (none at 1.0: every round is a plain step), the
+    same tokens as plain decoding."""
+    lm, ids = v41
+    prompt, n = ids[:8], 40
+    s = lm.new_session(ctx=len(prompt) + n + 8)
+    want = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), limit=n))
+    drafted = {}
+    for t in (0.0, threshold):
+        drafter = DSparkBlockDrafter(lm, head_for(lm, seed=7))
+        drafter.confidence_threshold = t
+        try:
+            s = lm.new_session(ctx=len(prompt) + n + 8)
+            loop = SpeculativeLoop(s, s.prefill(prompt), drafter, GreedyRule(lm.vocab_size), depth=4, margin=0, limit=n)
+            assert list(loop) == want
+        finally:
+            drafter.close()
+        drafted[t] = loop.stats.drafted
+    assert drafted[threshold] < drafted[0.0]
+    if threshold == 1.0:
+        assert drafted[threshold] == 0
+
+
+def test_dspark_confidence_flag_is_checked():
+    import argparse
+
+    from ds4mlx.speculative import cli as spec_cli
+    from ds4mlx.speculative.options import SpecUsageError
+
+    p = argparse.ArgumentParser()
+    spec_cli.add_arguments(p)
+
+    class Drafter:  # a drafter without confidences (V4's head, a draft model)
+        pass
+
+    for value, message in ((1.5, r"in \[0, 1\]"), (-0.1, r"in \[0, 1\]")):
+        with pytest.raises(SpecUsageError, match=message):
+            spec_cli._set_confidence(DSparkBlockDrafter.__new__(DSparkBlockDrafter), value)
+    with pytest.raises(SpecUsageError, match="only the DSpark drafter"):
+        spec_cli._set_confidence(Drafter(), 0.5)
+    spec_cli._set_confidence(Drafter(), 0.0)  # off: any drafter
+    assert p.parse_args(["--mtp", "--dspark-confidence", "0.7"]).dspark_confidence == 0.7

@@ -41,6 +41,14 @@ def add_arguments(p, mtp: bool = True) -> None:
         help="argmax drafts: draft token 2.. only while the draft's top-1 logit leads by F (default 3; 0 = off)",
     )
     p.add_argument(
+        "--dspark-confidence",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="DeepSeek V4.1's DSpark drafter: propose only the block's leading drafts whose survival "
+        "(product of sigmoid(confidence)) stays >= F, in [0, 1] (default 0 = off)",
+    )
+    p.add_argument(
         "--mtp-exact-sampling",
         action=argparse.BooleanOptionalAction,
         default=DEFAULT_EXACT_SAMPLING,
@@ -80,5 +88,15 @@ def spec_config(args, model, ctx: int, dtype="auto") -> SpecConfig | None:
                 f"--draft-model {draft_path}: vocabulary {draft.vocab_size} != the model's {model.vocab_size}"
             )
         drafter = ModelDrafter(draft, ctx=ctx)
+    _set_confidence(drafter, float(getattr(args, "dspark_confidence", 0.0) or 0.0))
     exact = bool(getattr(args, "mtp_exact_sampling", DEFAULT_EXACT_SAMPLING))
     return SpecConfig(drafter, depth=args.mtp_draft, margin=args.mtp_margin, exact_sampling=exact)
+
+
+def _set_confidence(drafter, threshold: float) -> None:
+    if not 0.0 <= threshold <= 1.0:
+        raise SpecUsageError(f"--dspark-confidence must be in [0, 1], not {threshold:g}")
+    if threshold > 0 and not hasattr(drafter, "confidence_threshold"):
+        raise SpecUsageError("--dspark-confidence: only the DSpark drafter (--mtp on DeepSeek V4.1) has confidences")
+    if hasattr(drafter, "confidence_threshold"):
+        drafter.confidence_threshold = threshold

@@ -15,12 +15,17 @@ first k tokens.  The head's window holds only context positions, so nothing is r
 back; a context that no longer matches what it saw (a new request) restarts it one
 window back.  Positions it has no states for (fed by a single-token decode step, or
 restored from a checkpoint) are skipped: the drafts get worse, the output does not
-change (the target verifies every token).  The head's confidences are not used yet
-(DeepSeek's reference returns them and nothing there reads them either); `--mtp-margin`
-prunes on the top-2 logit gap as for V4's head.
+change (the target verifies every token).  Two prunings, both optional: `--mtp-margin`
+on the top-2 logit gap as for V4's head, and `--dspark-confidence F` on the head's
+confidences (raw logits, as DeepSeek's reference returns them): the longest prefix of
+the block whose survival, the running product of sigmoid(confidence), stays >= F (the
+rule of the public DSpark ports; ds4's own scheduler also weighs the verify cost per
+token, which is not modelled here).
 """
 
 from __future__ import annotations
+
+import math
 
 import mlx.core as mx
 
@@ -50,8 +55,23 @@ def _v41_backbone(model):
     return inner, backbone
 
 
+def confident_prefix(confidences, threshold: float) -> int:
+    """How many leading draft positions keep a survival (the running product of
+    sigmoid(confidence)) of at least `threshold`; all of them for a threshold <= 0."""
+    n = len(confidences)
+    if threshold <= 0:
+        return n
+    survival = 1.0
+    for i, c in enumerate(confidences):
+        survival *= 1.0 / (1.0 + math.exp(-float(c)))
+        if survival < threshold:
+            return i
+    return n
+
+
 class DSparkBlockDrafter:
     name = "DSpark block drafter"
+    confidence_threshold = 0.0  # --dspark-confidence (0: off)
 
     def __init__(self, model, head):
         self.model, self.backbone = _v41_backbone(model)
@@ -131,11 +151,13 @@ class DSparkBlockDrafter:
                 qs.append(q)
             return tok
 
-        logits, _, toks = self.head.draft_block(
+        logits, confidences, toks = self.head.draft_block(
             rows, int(x0), self.cache, self.backbone.embed_tokens, self.model.head, pick
         )
         self._seen = (self._seen + [int(t) for t in context[first:n]])[-self.window :]
         k = min(int(k), self.head.dspark.dspark_block_size)
+        if self.confidence_threshold > 0:
+            k = min(k, confident_prefix(confidences[:k].tolist(), self.confidence_threshold))
         gaps = []
         if margin > 0 and getattr(rule, "greedy_drafts", rule.greedy):
             gaps = [top2_gap(logits[i]) for i in range(k)]
