@@ -74,6 +74,9 @@ def spec_config(args, model, ctx: int, dtype="auto") -> SpecConfig | None:
         raise SpecUsageError("--mtp and --draft-model exclude each other")
     if int(args.mtp_draft) < 1:
         raise SpecUsageError("--mtp-draft must be at least 1")
+    confidence = float(getattr(args, "dspark_confidence", 0.0) or 0.0)
+    if not 0.0 <= confidence <= 1.0:  # before a draft model or head is loaded
+        raise SpecUsageError(f"--dspark-confidence must be in [0, 1], not {confidence:g}")
     if use_mtp:
         from .mtp import mtp_drafter
 
@@ -88,7 +91,7 @@ def spec_config(args, model, ctx: int, dtype="auto") -> SpecConfig | None:
                 f"--draft-model {draft_path}: vocabulary {draft.vocab_size} != the model's {model.vocab_size}"
             )
         drafter = ModelDrafter(draft, ctx=ctx)
-    _set_confidence(drafter, float(getattr(args, "dspark_confidence", 0.0) or 0.0))
+    _set_confidence(drafter, confidence)
     exact = bool(getattr(args, "mtp_exact_sampling", DEFAULT_EXACT_SAMPLING))
     return SpecConfig(drafter, depth=args.mtp_draft, margin=args.mtp_margin, exact_sampling=exact)
 
