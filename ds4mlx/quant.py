@@ -337,6 +337,18 @@ RANDOM_BLOCKS_CHUNK = 16  # experts per launch (one [256, 4096, ...] bank overfl
 _F16_FIELDS = {"IQ2_XXS": (0,), "Q2_K": (80, 82), "Q4_K": (0, 2), "Q8_0": (0,)}
 
 
+def random_block_bytes(qtype, shape, rng: np.random.Generator, scale: float = 1 / 16) -> np.ndarray:
+    """numpy twin of `random_gguf_blocks` for file writers: the uint8 `byte_shape` of a
+    tensor of `shape`, random quants, every f16 scale field `scale`."""
+    qt = as_qtype(qtype)
+    bs = byte_shape(qt, shape)
+    raw = np.frombuffer(rng.bytes(int(np.prod(bs))), np.uint8).copy()
+    blocks = raw.reshape(-1, block_size(qt)[1])
+    for off in _F16_FIELDS[qt.name]:
+        blocks[:, off : off + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+    return raw.reshape(bs)
+
+
 def random_gguf_blocks(qtype, experts: int, rows: int, k: int, seed: int = 0):
     """uint8 [experts, rows, row_bytes] GGUF blocks: random quants, every f16 scale 1/16."""
     import mlx.core as mx  # imported here: the rest of this module is numpy only

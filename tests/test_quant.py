@@ -358,3 +358,17 @@ def test_quantize_cli_errors(tmp_path, capsys):
     assert main(["quantize", str(tmp_path / "missing.gguf"), str(tmp_path / "o.gguf"), "--experts", "q4_k"]) == 2
     (tmp_path / "exists.gguf").write_bytes(b"")
     assert main(["quantize", str(src), str(tmp_path / "exists.gguf"), "--experts", "q4_k"]) == 1
+
+
+@pytest.mark.parametrize("name", ["IQ2_XXS", "Q2_K"])
+def test_random_block_bytes_are_finite_blocks_of_the_given_scale(name):
+    """The file writers' random expert blocks (tools/ssd_bench.py): every block decodes to
+    finite values bounded by its f16 scale, and the same seed gives the same bytes."""
+    from ds4mlx.quant import QT, dequantize, random_block_bytes
+
+    shape = (3, 8, 512)
+    raw = random_block_bytes(name, shape, np.random.default_rng(5), scale=1e-3)
+    assert raw.dtype == np.uint8 and raw.shape == byte_shape(QT[name], shape)
+    assert np.array_equal(raw, random_block_bytes(name, shape, np.random.default_rng(5), scale=1e-3))
+    w = dequantize(raw, QT[name], shape)
+    assert np.isfinite(w).all() and 0 < np.abs(w).max() < 1e-3 * 256  # IQ2_XXS: |w| <= d * 15.5 / 4 * 43

@@ -48,22 +48,42 @@ def synthetic_config(layers: int, experts: int, hidden: int, inter: int, topk: i
     )
 
 
-def lazy_weights(cfg: dict, seed: int) -> dict:
+# ds4's q2 expert types and their f16 scale: near 1/sqrt(hidden) per value, so float32
+# activations stay finite through a deep random model.
+Q2_EXPERTS = {"gate_proj": ("IQ2_XXS", 6e-4), "up_proj": ("IQ2_XXS", 6e-4), "down_proj": ("Q2_K", 3e-4)}
+
+
+def lazy_weights(cfg: dict, seed: int, expert_format: str = "f16") -> dict:
     """The demo recipe's random weights (ds4mlx.demo.demo_weights), each tensor made
     only when the writer asks for it: a file far larger than this host's memory can be
-    written (each tensor seeded by its name, so a rebuild is the same file)."""
+    written (each tensor seeded by its name, so a rebuild is the same file).
+    expert_format "q2": the routed experts as ds4's q2 files store them (IQ2_XXS gate /
+    up, Q2_K down), random blocks."""
     import zlib
 
     from mlx.utils import tree_flatten
 
     from ds4mlx.mapped import LazyTensor
     from ds4mlx.models.base import family_module
+    from ds4mlx.quant import QT, QuantizedTensor, byte_shape, random_block_bytes
 
     mod = family_module(cfg["model_type"])
     args = mod.ModelArgs.from_dict(cfg)
     shapes = {k: tuple(v.shape) for k, v in tree_flatten(mod.Model(args).parameters())}  # lazy zeros: no memory
     fused = (".mlp.experts.gate_up_proj.weight", ".mlp.experts.down_proj.weight")
     out = {}
+
+    def expert(name, part, shape):
+        if expert_format != "q2":
+            return None
+        qt, scale = Q2_EXPERTS[part]
+
+        def blocks(name=name, shape=shape):
+            return random_block_bytes(qt, shape, np.random.default_rng([seed, zlib.crc32(name.encode())]), scale)
+
+        bs = byte_shape(QT[qt], shape)
+        return QuantizedTensor(raw=LazyTensor(blocks, bs, np.uint8), qtype=QT[qt], shape=shape)
+
     for name, shape in sorted(shapes.items()):
         hf = name[: -len(".weight")] if name.endswith(fused) else name
 
@@ -84,18 +104,22 @@ def lazy_weights(cfg: dict, seed: int) -> dict:
             half = (shape[0], shape[1] // 2, shape[2])
             base = hf[: -len("gate_up_proj")]
             for part in ("gate_proj", "up_proj"):
-                out[base + part] = LazyTensor(lambda n=base + part, h=half: make(n, h), half, dt)
+                out[base + part] = expert(base + part, part, half) or LazyTensor(
+                    lambda n=base + part, h=half: make(n, h), half, dt
+                )
             continue
-        out[hf] = LazyTensor(make, shape, dt)
+        out[hf] = (hf.endswith(".mlp.experts.down_proj") and expert(hf, "down_proj", shape)) or LazyTensor(
+            make, shape, dt
+        )
     return out
 
 
-def build(path: Path, cfg: dict, seed: int = 11) -> None:
+def build(path: Path, cfg: dict, seed: int = 11, expert_format: str = "f16") -> None:
     from ds4mlx.convert import write_gguf
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    write_gguf(tmp, cfg, lazy_weights(cfg, seed), tokenizer=False, dtype="f16")
+    write_gguf(tmp, cfg, lazy_weights(cfg, seed, expert_format), tokenizer=False, dtype="f16")
     os.replace(tmp, path)
 
 
@@ -172,6 +196,18 @@ def main(argv=None) -> int:
     p.add_argument("--inter", type=int, default=256)
     p.add_argument("--topk", type=int, default=6)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument(
+        "--shapes",
+        choices=("args", "v4-flash"),
+        default="args",
+        help="v4-flash: DeepSeek V4 Flash's real shapes with --layers layers (the other size flags ignored)",
+    )
+    p.add_argument(
+        "--expert-format",
+        choices=("f16", "q2"),
+        default="f16",
+        help="q2: routed experts in ds4's q2 types (IQ2_XXS gate/up, Q2_K down), random blocks",
+    )
     p.add_argument("--out", default="/tmp/ds4mlx-ssd-bench.gguf", help="the synthetic GGUF (built if missing)")
     p.add_argument("--budgets", default="10,25,50,100", help="cache budgets, percent of all routed experts")
     p.add_argument("--prompt", type=int, default=256, help="prefill tokens")
@@ -180,20 +216,29 @@ def main(argv=None) -> int:
     p.add_argument("--csv", default="-")
     p.add_argument("--drop-caches", action="store_true", help="drop the page cache before each row (root)")
     p.add_argument("--no-resident", action="store_true", help="skip the all-resident row")
+    p.add_argument("--build-only", action="store_true", help="write the file and stop")
     a = p.parse_args(argv)
 
     import ds4mlx
     from ds4mlx.experts import StreamConfig
 
-    cfg = synthetic_config(a.layers, a.experts, a.hidden, a.inter, a.topk, a.vocab)
+    if a.shapes == "v4-flash":
+        from ds4mlx.bench.synthetic import v4_flash_config
+
+        cfg = v4_flash_config(layers=a.layers)
+        a.experts, a.vocab = cfg["n_routed_experts"], cfg["vocab_size"]
+    else:
+        cfg = synthetic_config(a.layers, a.experts, a.hidden, a.inter, a.topk, a.vocab)
     path = Path(a.out)
     if not path.exists():
         t0 = time.perf_counter()
-        build(path, cfg)
+        build(path, cfg, expert_format=a.expert_format)
         print(
             f"ssd_bench: wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s",
             file=sys.stderr,
         )
+    if a.build_only:
+        return 0
     rng = np.random.default_rng(3)
     prompt = [int(t) for t in rng.integers(2, a.vocab, a.prompt)]
     total = a.experts * (a.layers)
@@ -205,7 +250,9 @@ def main(argv=None) -> int:
         stream = None
         if pct is not None:
             stream = StreamConfig(enabled=True, count=max(1, int(round(total * pct / 100))), ctx=a.prompt + a.gen + 8)
+        t_load = time.perf_counter()
         lm, _ = ds4mlx.load(str(path), verbose=False, stream=stream)
+        print(f"ssd_bench: budget {pct}: loaded in {time.perf_counter() - t_load:.1f} s", file=sys.stderr, flush=True)
         store = getattr(lm.model, "expert_store", None)
         measure(lm, prompt[: a.chunk], 2, a.chunk)  # warm-up: first-use kernels, not in the row
         if store is not None:  # the warm-up's cache contents stay (a server is warm too); counters are deltas
