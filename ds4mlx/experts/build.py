@@ -10,6 +10,8 @@ of what a resident load would hold.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -32,16 +34,29 @@ def _shadow(layer: int, experts: nn.Module) -> nn.Module:
     return root
 
 
-def build_experts(model, layer: int, banks: dict, ids, like: SwitchGLU, cast_dtype, compute_dtype, read_filter=None):
+class ExpertShape(NamedTuple):
+    """What a slot module needs from the family's `mlp.experts` placeholder.  Only this is
+    kept: the placeholder's own parameters are lazy zeros of all E experts, which the
+    loader's `materialize` would evaluate if anything still reached them (a 20-layer V4
+    Flash: 516 GB of float32 zeros, an out-of-memory on the H200, 2026-12-02)."""
+
+    hidden: int
+    intermediate: int
+    limit: object
+
+    @classmethod
+    def of(cls, placeholder: SwitchGLU) -> ExpertShape:
+        return cls(int(placeholder.down_proj.weight.shape[1]), int(placeholder.intermediate), placeholder.limit)
+
+
+def build_experts(model, layer: int, banks: dict, ids, like: ExpertShape, cast_dtype, compute_dtype, read_filter=None):
     """SwitchGLU of experts `ids` of `layer` (evaluated), shaped like `like` (the
-    family's placeholder: its hidden / intermediate / clamp).  `read_filter(layer, rows)`
+    family's placeholder's hidden / intermediate / clamp).  `read_filter(layer, rows)`
     sees the rows read from the file before conversion (fault injection in tests)."""
     rows = layer_rows(banks, ids)
     if read_filter is not None:
         rows = read_filter(layer, rows)
-    inter = like.intermediate
-    hidden = like.down_proj.weight.shape[1]
-    experts = SwitchGLU(hidden, inter, len(ids), like.limit)
+    experts = SwitchGLU(like.hidden, like.intermediate, len(ids), like.limit)
     root = _shadow(layer, experts)
     w = to_mlx_weights(rows, cast_dtype)
     w = model.sanitize(w)
@@ -59,4 +74,4 @@ def build_experts(model, layer: int, banks: dict, ids, like: SwitchGLU, cast_dty
     return experts
 
 
-__all__ = ["build_experts"]
+__all__ = ["ExpertShape", "build_experts"]

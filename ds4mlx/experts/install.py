@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from ..models.layers import SwitchGLU
 from .budget import GIB, StreamConfig, auto_budget_bytes
+from .build import ExpertShape
 from .fit import resident_bytes
 from .rows import expert_count, split_expert_tensors
 from .store import ExpertStore, LayerCache, file_bytes, read_profile
@@ -40,7 +41,7 @@ def _set(root, path: str, new) -> None:
 
 
 def detach_experts(model, weights: dict) -> tuple[dict, dict]:
-    """(weights without the routed experts, {layer: (module path, placeholder, banks)})."""
+    """(weights without the routed experts, {layer: (module path, placeholder's shape, banks)})."""
     mods = _experts_modules(model)
     n_layers = len(model.layers)
     rest, banks = split_expert_tensors(weights, n_layers)
@@ -49,7 +50,7 @@ def detach_experts(model, weights: dict) -> tuple[dict, dict]:
         if layer not in banks:
             continue
         _set(model, path, nn.Module())  # no E-expert zeros ever evaluated
-        detached[layer] = (path, placeholder, banks[layer])
+        detached[layer] = (path, ExpertShape.of(placeholder), banks[layer])
     missing = [l for l in banks if l not in detached]
     if missing:
         raise ValueError(f"routed experts for layer {missing[0]} but the model has no experts module there")
