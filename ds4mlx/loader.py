@@ -13,7 +13,7 @@ from .gguf_families.deepseek_v4 import MTP_PREFIX
 from .modelfile import reading
 from .models.base import LanguageModel
 from .models.tensor_load import packed_to_mlx
-from .registry import DEFAULT_FAMILY
+from .registry import DEFAULT_FAMILY, family_module
 from .tokenizer import Tokenizer
 from .weights import read_mtp_gguf, read_weights
 
@@ -47,15 +47,29 @@ def materialize(module) -> None:
     mx.eval(found)
 
 
+def mtp_tensor_rule(config: dict):
+    """`name -> bool`: whether a tensor of this checkpoint belongs to its MTP head: `mtp.*`,
+    or what the family's `is_mtp_tensor(name, config)` says (GLM 5.x keeps its next-n
+    layer as `model.layers.{num_hidden_layers}.*`, models/glm_moe_dsa.py)."""
+    try:
+        family = family_module(config.get("model_type", DEFAULT_FAMILY))
+    except ValueError:  # an unknown family: from_config names it below
+        family = None
+    own = getattr(family, "is_mtp_tensor", None)
+    if own is None:
+        return lambda name: name.startswith(MTP_PREFIX)
+    return lambda name: name.startswith(MTP_PREFIX) or own(name, config)
+
+
 def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, shard=None):
     """Load a GGUF file or a Hugging Face folder; `None` (or "demo") is the built-in
     demo model, "demo:<family>" the demo model of another family.
 
     `dtype`: "auto" (float32 activations as ds4, float weights as stored; see
     dtype_policy), "float32" / "bfloat16" / "float16", or an mx.Dtype.  `mtp`: ds4's
-    separate MTP support GGUF.  MTP tensors (the file's own and `mtp`'s) are kept
-    in `model.mtp_weights`: `--mtp` builds the MTP head from them (speculative/mtp.py).  The
-    dtype choice is printed to stderr unless `verbose=False`.  `stream`: an
+    separate MTP support GGUF.  MTP tensors (the file's own, see `mtp_tensor_rule`, and
+    `mtp`'s) are kept in `model.mtp_weights`: `--mtp` builds the MTP head from them
+    (speculative/mtp.py).  The dtype choice is printed to stderr unless `verbose=False`.  `stream`: an
     `experts.StreamConfig` (--stream-experts): routed experts read from the file on
     demand into a bounded cache (ds4mlx/experts/).  `shard`: this rank's part of the
     model (`distributed.sharding.Sharding`), the only part read."""
@@ -68,7 +82,8 @@ def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, shard=Non
     with reading(path):  # a broken file is one ModelFileError line, not a traceback
         config, tensors, tokenizer = read_weights(path)
         policy = dtype_policy.resolve(dtype)
-        mtp_tensors = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(MTP_PREFIX)]}
+        is_mtp = mtp_tensor_rule(config)
+        mtp_tensors = {k: tensors.pop(k) for k in [k for k in tensors if is_mtp(k)]}
         from .experts.fit import check_fits
 
         # refused in one line before anything is read (--stream-experts: only what stays resident)

@@ -32,7 +32,7 @@ class LanguageModel:
         self.model = model
         self.args = args if args is not None else getattr(model, "args", None)
         self.dtype_policy = None  # dtype_policy.DtypePolicy, set by loader.load
-        self.mtp_weights = {}  # MTP tensors, loaded but unused (loader.load)
+        self.mtp_weights = {}  # MTP tensors (loader.load): `--mtp` builds the head from them
 
     @property
     def vocab_size(self) -> int:

@@ -54,6 +54,7 @@ class MTPHead(nn.Module):
         }
         H = args.hidden_size
         self.args = args
+        self.window = int(args.sliding_window)  # the block's attention window (speculative/mtp.py)
         self.block = DecoderLayer(ext, args.num_hidden_layers, ropes)
         self.e_proj = nn.Linear(H, H, bias=False)
         self.h_proj = nn.Linear(H, H, bias=False)
@@ -91,3 +92,28 @@ def head_param_name(name: str) -> str | None:
     if rest.endswith("mlp.experts.gate_up_proj") or rest.endswith("mlp.experts.down_proj"):
         rest += ".weight"
     return "block." + rest
+
+
+def make_head(args: ModelArgs, names=()) -> MTPHead:
+    return MTPHead(args)
+
+
+def head_weights(tensors: dict, args: ModelArgs | None = None) -> dict:
+    """The `mtp.*` tensors -> this module's parameters (`head_param_name`)."""
+    out = {}
+    for k, v in tensors.items():
+        name = head_param_name(k)
+        if name is not None:
+            out[name] = v
+    return out
+
+
+def init_kind(name: str) -> str:
+    """How a random head draws parameter `name` (speculative/mtp.py random_head)."""
+    if name.endswith(("norm.weight", "layernorm.weight")):
+        return "unit"
+    if "e_score_correction_bias" in name or name.endswith("hc_base"):
+        return "small"
+    if name.endswith("hc_scale"):
+        return "ones"
+    return "normal"

@@ -131,6 +131,19 @@ class ModelArgs(BaseModelArgs):
         return scale
 
 
+def make_rope(args: ModelArgs) -> RoPE | None:
+    """The interleaved rope every layer shares (None without rope dims); the MTP head
+    builds its own the same way (glm_moe_dsa_mtp.py)."""
+    r, rp = args.qk_rope_head_dim, args.rope_parameters
+    if not r:
+        return None
+    return RoPE(
+        r,
+        inv_freq_from_params(r, rp, args.max_position_embeddings),
+        attention_factor_from_params(rp, args.max_position_embeddings),
+    )
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, i: int, rope: RoPE):
         super().__init__()
@@ -176,19 +189,14 @@ class DecoderLayer(nn.Module):
 
 
 class GlmMoeDsaModel(nn.Module):
+    # called with (the final hidden states [1, T, H] after the final norm, their first
+    # position) by every multi-token forward (prefill, speculative verify); None = off.
+    # The MTP head drafts from these (models/glm_moe_dsa_mtp.py, speculative/mtp.py).
+    stream_hook = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
-        r = args.qk_rope_head_dim
-        rp = args.rope_parameters
-        self._rope = (
-            RoPE(
-                r,
-                inv_freq_from_params(r, rp, args.max_position_embeddings),
-                attention_factor_from_params(rp, args.max_position_embeddings),
-            )
-            if r
-            else None
-        )
+        self._rope = make_rope(args)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i, self._rope) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -198,9 +206,12 @@ class GlmMoeDsaModel(nn.Module):
         sel = None
         for layer, c in zip(self.layers, cache):
             x, sel = layer(x, c, sel)
+        h = self.norm(x)
+        if self.stream_hook is not None:
+            self.stream_hook(h, cache[0].offset if cache else 0)
         for c in cache:
             c.offset += ids.shape[1]
-        return self.norm(x)
+        return h
 
     def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
         """One token ids [1, 1] at position pos over the static layout -> (hidden, new state)."""
@@ -233,7 +244,8 @@ class Model(StaticDecode, CausalLM):
 
     def sanitize(self, weights: dict) -> dict:
         """transformers' in-memory names (or per-expert hub names) -> this module's parameters;
-        MTP layers (index >= num_hidden_layers) and rotary buffers are dropped."""
+        MTP layers (index >= num_hidden_layers: the loader moves them to `mtp_weights`
+        first, see `is_mtp_tensor`) and rotary buffers are dropped."""
         n = self.args.num_hidden_layers
         out = {}
         for k, v in weights.items():
@@ -245,6 +257,16 @@ class Model(StaticDecode, CausalLM):
             out[k] = v
         out = sanitize_experts(out)
         return self.drop_tied_head(out)
+
+
+def is_mtp_tensor(name: str, config: dict) -> bool:
+    """Whether tensor `name` belongs to a next-n (MTP) layer: GLM 4.5 / 5.x checkpoints
+    store it as `model.layers.{i}.*` with i >= num_hidden_layers.  The loader keeps those
+    in `model.mtp_weights` for `--mtp` (glm_moe_dsa_mtp.py) instead of the decoder."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+        return False
+    return int(parts[2]) >= int(config.get("num_hidden_layers", ModelArgs.num_hidden_layers))
 
 
 # The demo model (ds4mlx.load("demo:glm_moe_dsa")): GLM 5.2's architecture scaled down, random

@@ -507,6 +507,13 @@ class HalfRoPE:
         return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=scale, offset=offset, freqs=self._periods)
 
 
+def make_rope(args: ModelArgs) -> HalfRoPE:
+    """The rope every attention layer shares; the MTP head builds its own the same way
+    (qwen4_exp_mtp.py)."""
+    rp = args.rope_parameters
+    return HalfRoPE(args.rotary_dim, float(rp["rope_theta"]), rp.get("mrope_section"))
+
+
 def rope_rows(rope: HalfRoPE, cache: AttentionCache, x: mx.array, start: int) -> mx.array:
     """`rope` on x [..., C, D], the rows [start, start + C) of `cache` (MRoPE-aware)."""
     if cache.plain_from(start):
@@ -773,10 +780,15 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen4ExpTextModel(nn.Module):
+    # called with (the residual streams after the last layer [1, T, hc, H], before the
+    # final mixer, and their first position) by every multi-token forward (prefill,
+    # speculative verify); None = off.  The MTP head drafts from these
+    # (models/qwen4_exp_mtp.py, speculative/mtp.py).
+    stream_hook = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
-        rp = args.rope_parameters
-        self._rope = HalfRoPE(args.rotary_dim, float(rp["rope_theta"]), rp.get("mrope_section"))
+        self._rope = make_rope(args)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i, self._rope) for i in range(args.num_hidden_layers)]
         self.hyper_connection_mixer = GatedResidual(args, inject=False)
@@ -798,6 +810,8 @@ class Qwen4ExpTextModel(nn.Module):
         x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
         for layer, c in zip(self.layers, cache):
             x = layer(x, ids, c)
+        if self.stream_hook is not None:
+            self.stream_hook(x, cache[0].offset if cache else 0)
         for c in cache:
             c.offset += ids.shape[1]
         return self.hyper_connection_mixer(x)[0]
@@ -847,7 +861,8 @@ class Model(StaticDecode, CausalLM):
     def sanitize(self, weights: dict) -> dict:
         """Map transformers' in-memory state-dict names (text model or VLM) onto this module.
 
-        The PLE int64 buffers are derived from the config; the checkpoint's copies must
+        `mtp.*` (the MTP head: the loader moves those to `mtp_weights` first, for `--mtp`,
+        models/qwen4_exp_mtp.py) and the vision tower are dropped.  The PLE int64 buffers are derived from the config; the checkpoint's copies must
         agree with them and are dropped."""
         out = {}
         for k, v in weights.items():

@@ -27,7 +27,10 @@ def add_arguments(p, mtp: bool = True) -> None:
             const=MAIN_FILE,
             default=None,
             metavar="FILE",
-            help="speculative decoding with the model's MTP head (FILE: ds4's MTP support GGUF)",
+            help=(
+                "speculative decoding with the model's MTP head: DeepSeek V4, GLM 5.x, Qwen3.8 Flash Next "
+                "(FILE: ds4's V4 MTP support GGUF)"
+            ),
         )
     p.add_argument("--draft-model", metavar="PATH", help="speculative decoding with a draft model (same tokenizer)")
     p.add_argument(

@@ -1,20 +1,29 @@
-"""The MTP head as a drafter (`--mtp`): DeepSeek V4's next-n layer proposes the draft.
+"""The MTP head as a drafter (`--mtp`): the model's next-n layer proposes the draft.
 
-`mtp_drafter(model, ctx)` builds the head (models/deepseek_v4_mtp.py) from the tensors the
-loader kept in `model.mtp_weights` (the main file's `mtp.*`, or ds4's MTP support GGUF
-given as `--mtp FILE`); a demo model without them gets a random head (seeded), so `--mtp`
-runs with nothing downloaded.  `random_mtp_drafter` does the same for any V4 model
-(tools/spec_bench.py).
-On a DeepSeek V4.1 model both build the DSpark block drafter instead (dspark.py).
+Families with a head (`HEADS`: family -> its head module, models/<family>_mtp.py):
+DeepSeek V4 (`mtp.*`), GLM 5.x `glm_moe_dsa` (`model.layers.{num_hidden_layers}.*`)
+and Qwen3.8 Flash Next `qwen4_exp` (`mtp.*`); other families are refused in one line.
+On a DeepSeek V4.1 model both builders make the DSpark block drafter instead (dspark.py).
 
-The head drafts from the target's residual streams: the backbone's `stream_hook` hands
-over the streams of every multi-token forward (prefill chunks and speculative verifies;
-speculation decodes only through those).  Per round, the head first catches up over the
-positions the target evaluated since its last round (one forward over the real streams,
-the last one giving draft token 1), then drafts tokens 2..k recursively from its own
-streams.  Those speculative positions are rolled back at the next round.  Positions whose
-streams it never saw (a session restored from a checkpoint) are skipped: the drafts get
-worse, the output does not change (the target verifies every token).
+`mtp_drafter(model, ctx)` builds the head from the tensors the loader kept in
+`model.mtp_weights` (the main file's MTP tensors, or ds4's MTP support GGUF given as
+`--mtp FILE` for V4); a demo model without them gets a random head (seeded), so `--mtp`
+runs with nothing downloaded.  `random_mtp_drafter` does the same for any model of those
+families (tools/spec_bench.py).  A head module exposes `make_head(args, names)`,
+`head_weights(tensors, args)`, `init_kind(name)` and an `MTPHead` with `window` (its
+attention window, None: every MTP position), `make_cache()` and
+`__call__(carry, next_ids, embed, cache) -> (next carry, hidden for the lm_head)`.
+
+The head drafts from what the backbone's `stream_hook` hands over for every multi-token
+forward (prefill chunks and speculative verifies; speculation decodes only through
+those): each family's MTP input (V4 and Qwen: the residual streams after the last layer;
+GLM: the final hidden states).  Per round, the head first catches up over the positions
+the target evaluated since its last round (one forward over the real states, the last
+one giving draft token 1), then drafts tokens 2..k recursively from its own output.
+Those speculative positions are rolled back at the next round.  Positions whose states
+it never saw (a session restored from a checkpoint) are skipped by a windowed head and
+fed as zeros to a full-attention one: the drafts get worse, the output does not change
+(the target verifies every token).
 """
 
 from __future__ import annotations
@@ -34,37 +43,63 @@ RANDOM_SEED = 20261201
 V41 = "deepseek_v41"
 
 
+# family (the model's model_type) -> the module of its MTP head (ds4mlx/models/)
+HEADS = {
+    "deepseek_v4": "deepseek_v4_mtp",
+    "glm_moe_dsa": "glm_moe_dsa_mtp",
+    "qwen4_exp_text": "qwen4_exp_mtp",
+}
+LABELS = {"deepseek_v4": "V4", "glm_moe_dsa": "GLM 5.x", "qwen4_exp_text": "Qwen4Exp"}
+
+
 def _model_type(model):
     return getattr(getattr(model, "model", model), "model_type", None)
 
 
-def _v4_backbone(model):
+def head_module(kind: str | None):
+    """The head module of family `kind` (SpecUsageError for a family without one)."""
+    import importlib
+
+    if kind not in HEADS:
+        raise SpecUsageError(f"--mtp: no MTP head for {kind} models yet (heads: {', '.join(LABELS.values())})")
+    return importlib.import_module(f"ds4mlx.models.{HEADS[kind]}")
+
+
+def _backbone(model):
     inner = getattr(model, "model", model)  # LanguageModel -> family Model
     backbone = getattr(inner, "model", None)
-    kind = getattr(inner, "model_type", None)
-    if kind not in ("deepseek_v4",) or not hasattr(backbone, "stream_hook"):
-        raise SpecUsageError(f"--mtp: no MTP head for {kind or type(inner).__name__} models yet")
+    kind = getattr(inner, "model_type", None) or type(inner).__name__
+    head_module(kind)
+    if not hasattr(backbone, "stream_hook"):
+        raise SpecUsageError(f"--mtp: the {kind} backbone hands over no hidden states")
     return inner, backbone
 
 
+def _float_dtype(inner):
+    """The dtype a random head is drawn in: the model's static-step dtype, else its embedding's."""
+    dt = inner.static_dtype() if hasattr(inner, "static_dtype") else None
+    return dt if dt is not None else inner.model.embed_tokens.weight.dtype
+
+
 def random_head(args, seed: int = RANDOM_SEED, std: float = 0.02, dtype=None):
-    """A V4 MTP head with random weights (norms ~1, matrices N(0, std)), drawn on the
-    device (a full-size head is 13 GB of bfloat16 experts: no host round trip)."""
+    """An MTP head of `args`' family with random weights (per the module's `init_kind`:
+    norms ~1 or ~0 for (1 + w) norms, matrices N(0, std)), drawn on the device (a
+    full-size V4 head is 13 GB of bfloat16 experts: no host round trip)."""
     from mlx.utils import tree_flatten, tree_unflatten
 
-    from ..models.deepseek_v4_mtp import MTPHead
-
-    head = MTPHead(args)
+    mod = head_module(args.model_type)
+    head = mod.make_head(args)
     key = mx.random.key(seed)
     params = []
     for name, p in tree_flatten(head.parameters()):
         key, sub = mx.random.split(key)
         want = dtype if dtype is not None and mx.issubdtype(p.dtype, mx.floating) else p.dtype
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        kind = mod.init_kind(name)
+        if kind == "unit":
             v = 1.0 + 0.1 * mx.random.normal(p.shape, key=sub)
-        elif "e_score_correction_bias" in name or name.endswith("hc_base"):
+        elif kind == "small":
             v = 0.1 * mx.random.normal(p.shape, key=sub)
-        elif name.endswith("hc_scale"):
+        elif kind == "ones":
             v = mx.ones(p.shape)
         else:  # drawn in the target dtype: no float32 copy of a 13 GB expert tensor
             v = mx.random.normal(p.shape, dtype=want, key=sub) * mx.array(std, want)
@@ -76,25 +111,22 @@ def random_head(args, seed: int = RANDOM_SEED, std: float = 0.02, dtype=None):
 
 
 def loaded_head(args, tensors: dict, dtype=None):
-    """The head from `mtp.0.*` tensors (float or packed: the target's quantized install)."""
-    from ..models.deepseek_v4_mtp import MTPHead, head_param_name
+    """The head from the checkpoint's MTP tensors (float or packed: the target's quantized install)."""
     from ..models.quantized import install_quantized, needs_install
 
-    head = MTPHead(args)
-    weights = {}
-    for k, v in tensors.items():
-        name = head_param_name(k)
-        if name is not None:
-            weights[name] = v
+    mod = head_module(args.model_type)
+    head = mod.make_head(args, list(tensors))
+    weights = mod.head_weights(tensors, args)
     owned = {}
     if needs_install(weights):
         weights, owned = install_quantized(head, weights, dtype)
     try:
         head.load_weights(list(weights.items()) + list(owned.items()), strict=True)
     except ValueError as e:
-        # e.g. the hub checkpoint's own layout (mtp.0.attn.wq_a, per-expert w1/w2/w3):
-        # only the GGUF layout (transformers layer names, ds4's head names) is mapped
-        raise SpecUsageError(f"--mtp: the MTP tensors do not form a V4 MTP head: {e}") from None
+        # e.g. V4's hub checkpoint layout (mtp.0.attn.wq_a, per-expert w1/w2/w3): only the
+        # GGUF layout (transformers layer names, ds4's head names) is mapped for V4
+        label = LABELS[args.model_type]
+        raise SpecUsageError(f"--mtp: the MTP tensors do not form a {label} MTP head: {e}") from None
     materialize(head)
     return head
 
@@ -103,13 +135,15 @@ class MTPDrafter:
     name = "MTP head"
 
     def __init__(self, model, head):
-        self.model, self.backbone = _v4_backbone(model)
+        self.model, self.backbone = _backbone(model)
         self.head = head
         self.cache = head.make_cache()
-        self.done = 0  # MTP positions evaluated with real streams: 0 .. done-1
-        self._chunks: list = []  # (first position, streams [1, T, hc, H]) since `done`
+        self.done = 0  # MTP positions evaluated with real states: 0 .. done-1
+        self._chunks: list = []  # (first position, states [1, T, ...]) since `done`
         self._before = None  # the MTP cache before the last round's recursive (speculative) positions
-        self.window = int(head.args.sliding_window)
+        self.window = head.window  # None: the head attends every MTP position
+        own = getattr(head, "lm_head", None)  # a checkpoint's own output head (GLM's shared_head.head)
+        self.lm_head = self.model.head if own is None else own
         self.backbone.stream_hook = self._collect
 
     def close(self) -> None:
@@ -125,24 +159,38 @@ class MTPDrafter:
             elif s < start:
                 kept.append((s, x[:, : start - s]))
         kept.append((start, streams))
+        if self.window is None:  # a full-attention head needs every position since `done`
+            self._chunks = [(s, x) for s, x in kept if s + x.shape[1] > self.done]
+            return
         # only the last window matters (below): a long prefill keeps W positions, not all
         floor = start + streams.shape[1] - self.window
         self._chunks = [(max(s, floor), x[:, max(0, floor - s) :]) for s, x in kept if s + x.shape[1] > floor]
 
-    def _streams(self, lo: int, hi: int):
-        """Streams of positions lo..hi-1 (None if some are missing), and forget older ones."""
+    def _streams(self, lo: int, hi: int, fill: bool = False):
+        """States of positions lo..hi-1 (None if some are missing; zeros for them with
+        `fill`, None if none was ever seen), and forget older ones."""
+        if lo >= hi:
+            return None
         parts, at = [], lo
+        like = self._chunks[0][1] if self._chunks else None
         for s, x in self._chunks:
             end = s + x.shape[1]
-            if end <= at or s > at:
+            if end <= at:
                 continue
+            if s > at:
+                if not fill or s >= hi:
+                    break
+                parts.append(mx.zeros((1, s - at, *x.shape[2:]), x.dtype))
+                at = s
             parts.append(x[:, at - s : min(end, hi) - s])
             at = min(end, hi)
             if at >= hi:
                 break
         self._chunks = [(s, x) for s, x in self._chunks if s + x.shape[1] > hi]
         if at < hi:
-            return None
+            if not fill or like is None:
+                return None
+            parts.append(mx.zeros((1, hi - at, *like.shape[2:]), like.dtype))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
     def _rewind(self) -> None:
@@ -162,11 +210,14 @@ class MTPDrafter:
         self._rewind()
         if self.done > n:  # the target went back (a new request on a shorter prefix)
             self._restart(0)
-        if self.done < n - self.window:
+        if self.window is not None and self.done < n - self.window:
             # the MTP layer attends to a sliding window: starting W positions back gives the
             # last position (the one that drafts) its exact window and rows
             self._restart(n - self.window)
-        streams = self._streams(self.done, n)
+        # a full-attention head's cache cannot start past position 0: missing states are zeros
+        streams = self._streams(self.done, n, fill=self.window is None)
+        if streams is None and self.window is None:  # nothing seen yet (or nothing new)
+            return [], None
         if streams is None:  # positions without streams: start from the newest ones seen
             first = max((s for s, _ in self._chunks if s < n), default=n - 1)
             self._restart(max(first, self.done))
@@ -181,7 +232,7 @@ class MTPDrafter:
         self._before = (dict(self.cache.meta_state), {kk: mx.array(v) for kk, v in self.cache.state.items()}, n)
         toks, qs, gaps = [], [], []
         for i in range(k):
-            logits = self.model.head(hid[:, -1:])[0, -1]
+            logits = self.lm_head(hid[:, -1:])[0, -1]
             tok, q = rule.draft(logits)
             toks.append(tok)
             if q is not None:
@@ -202,8 +253,8 @@ def random_mtp_drafter(model, ctx: int = 0, seed: int = RANDOM_SEED):
         inner = model.model
         dspark = DSparkArgs.from_config(default_dspark_config(inner.args))
         return DSparkBlockDrafter(model, random_dspark_head(inner.args, dspark, seed, dtype=inner.static_dtype()))
-    inner, _ = _v4_backbone(model)
-    return MTPDrafter(model, random_head(inner.args, seed, dtype=inner.static_dtype()))
+    inner, _ = _backbone(model)
+    return MTPDrafter(model, random_head(inner.args, seed, dtype=_float_dtype(inner)))
 
 
 def mtp_drafter(model, ctx: int):
@@ -211,11 +262,13 @@ def mtp_drafter(model, ctx: int):
         from .dspark import dspark_drafter
 
         return dspark_drafter(model, ctx)
-    inner, _ = _v4_backbone(model)
+    inner, _ = _backbone(model)
     tensors = getattr(model, "mtp_weights", None) or {}
     if tensors:
         dtype = getattr(getattr(model, "dtype_policy", None), "weights", None)
         return MTPDrafter(model, loaded_head(inner.args, tensors, dtype))
     if getattr(model, "is_demo", False) or getattr(model, "random_weights", False):  # demo / synthetic: random
         return random_mtp_drafter(model, ctx)
-    raise SpecUsageError("--mtp: this model file carries no MTP tensors (mtp.*); pass ds4's MTP GGUF: --mtp FILE")
+    if inner.model_type == "deepseek_v4":
+        raise SpecUsageError("--mtp: this model file carries no MTP tensors (mtp.*); pass ds4's MTP GGUF: --mtp FILE")
+    raise SpecUsageError(f"--mtp: this model file carries no MTP tensors ({LABELS[inner.model_type]} next-n layer)")
