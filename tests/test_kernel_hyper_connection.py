@@ -26,6 +26,7 @@ RMS-normed streams):
 
 from __future__ import annotations
 
+import os
 import re
 
 import mlx.core as mx
@@ -683,7 +684,7 @@ class StandInKernels:
                 parts = -(-(n * d) // (hck.DOTS_THREADS * hck.DOTS_PER))
                 assert t["PARTS"] == parts and t["VT"] == hck.PRE_THREADS and t["THREADS"] == hck.DOTS_THREADS
                 assert grid == (parts * hck.DOTS_THREADS, nt, 1) and threadgroup == (hck.DOTS_THREADS, 1, 1)
-                assert a["tickets"] is dispatch.tickets(hck.TICKETS, nt, 64)
+                assert any(a["tickets"] is b for b in dispatch.ticket_buffers(hck.TICKETS))
             else:
                 assert kind in ("hc_pre", "hc_post") and t.get("PARTS", 0) == 0, kind
             if kind in ("hc_post", "hc_post_dots_pre"):
@@ -965,7 +966,7 @@ def test_gpu_tails_equal_two_launches(case, monkeypatch):
         return got
 
     one = [run() for _ in range(3)]
-    assert not mx.any(dispatch.tickets(hck.TICKETS, nt, 64)).item()
+    assert not any(mx.any(b).item() for b in dispatch.ticket_buffers(hck.TICKETS))
     monkeypatch.setattr(hck, "_tail", lambda face, chosen: False)
     two = run()
     for got in one:
@@ -1120,3 +1121,16 @@ def test_gpu_folded_norm_equals_reference(xdt):
         np.testing.assert_allclose(
             np.array(g.astype(mx.float32)), np.array(want.astype(mx.float32)), rtol=tol, atol=tol
         )
+
+
+def test_ticket_buffers_differ_between_consecutive_launches():
+    """MLX orders a graph's launches by data only: two independent launches of one owner may
+    run at once, so consecutive launches never share a ticket buffer (dispatch.TICKET_RING
+    apart they do: more than one graph's ops)."""
+    first = [dispatch.tickets("test.ring", 3, 8) for _ in range(dispatch.TICKET_RING)]
+    assert len({id(b) for b in first}) == dispatch.TICKET_RING
+    assert all(b.shape == (8,) and not mx.any(b).item() for b in first)
+    again = dispatch.tickets("test.ring", 20, 8)  # the ring comes round, grown to the new size
+    assert again.shape == (20,) and again is not first[0]
+    assert dispatch.tickets("test.ring", 3, 8) is first[1]
+    assert dispatch.TICKET_RING > int(os.environ.get("MLX_MAX_OPS_PER_BUFFER", "400"))

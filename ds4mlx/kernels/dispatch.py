@@ -301,20 +301,41 @@ const uint32_t warp = tid >> 5;
 }
 
 
-_TICKETS: dict[str, mx.array] = {}
+# Ticket buffers per owner, handed out round robin.  MLX orders a graph's launches by data
+# only (a node waits for the node that wrote one of its inputs; CUDA graphs and Metal's
+# concurrent encoders alike), and no launch writes a ticket buffer as an output, so two
+# data-independent launches of one owner (two rows' layers, two hc_pre of one x) may run
+# at once: on one shared buffer their threadgroups counted into each other's tickets (the
+# H200, 2026-12-02: stale tickets and a wrong output in test_gpu_tails_equal_two_launches).
+# Launches TICKET_RING apart reuse a buffer: more than the ops of one graph
+# (MLX_MAX_OPS_PER_BUFFER, 400 here), and graphs run one after another on the stream.
+TICKET_RING = max(512, int(os.environ.get("MLX_MAX_OPS_PER_BUFFER", "400")) + 1)
+_TICKETS: dict[str, list] = {}
+_TICKET_NEXT: dict[str, int] = {}
 
 
 def tickets(owner: str, n: int, at_least: int) -> mx.array:
-    """A zeroed uint32 buffer of >= n counters (>= at_least) that `owner`'s "last threadgroup"
-    launches share (one stream: launches never overlap).  Each launch leaves it zeroed (the
-    threadgroup that counts last resets its counter), so no launch needs MLX's `init_value`,
-    which fills every output of the launch first (a kernel per output, per layer and token)."""
-    buf = _TICKETS.get(owner)
+    """A zeroed uint32 buffer of >= n counters (>= at_least) for one "last threadgroup" launch
+    of `owner`: the next of the owner's TICKET_RING buffers.  Each launch leaves its buffer
+    zeroed (the threadgroup that counts last resets its counter), so no launch needs MLX's
+    `init_value`, which fills every output of the launch first (a kernel per output, per
+    layer and token).  Under `mx.compile` each traced launch keeps the buffer it got."""
+    ring = _TICKETS.setdefault(owner, [])
+    i = _TICKET_NEXT.get(owner, 0)
+    _TICKET_NEXT[owner] = (i + 1) % TICKET_RING
+    if i == len(ring):
+        ring.append(None)
+    buf = ring[i]
     if buf is None or buf.size < n:
         buf = mx.zeros((max(n, at_least),), mx.uint32)
         mx.eval(buf)  # a constant: allowed (and kept) while a decode step is traced
-        _TICKETS[owner] = buf
+        ring[i] = buf
     return buf
+
+
+def ticket_buffers(owner: str) -> list[mx.array]:
+    """Every ticket buffer `owner` has handed out (tests: all zero between launches)."""
+    return [b for b in _TICKETS.get(owner, []) if b is not None]
 
 
 def compact(text: str) -> str:

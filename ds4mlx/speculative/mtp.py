@@ -81,6 +81,23 @@ def _float_dtype(inner):
     return dt if dt is not None else inner.model.embed_tokens.weight.dtype
 
 
+RANDOM_ROWS = 16  # experts drawn per call: one [256, 4096, 4096] draw fails to launch on the H200
+
+
+def _normal_rows(shape, dtype, key):
+    """N(0, 1) of `shape`; an expert bank (3-D, more than RANDOM_ROWS experts) is drawn
+    RANDOM_ROWS experts at a time (tools/spec_bench.py's full-size random head hit
+    "cudaGraphAddKernelNode ... invalid argument" drawing it whole, 2026-12-02)."""
+    if len(shape) != 3 or shape[0] <= RANDOM_ROWS:
+        return mx.random.normal(shape, dtype=dtype, key=key)
+    keys = mx.random.split(key, -(-shape[0] // RANDOM_ROWS))
+    parts = []
+    for i, e0 in enumerate(range(0, shape[0], RANDOM_ROWS)):
+        parts.append(mx.random.normal((min(RANDOM_ROWS, shape[0] - e0), *shape[1:]), dtype=dtype, key=keys[i]))
+        mx.eval(parts[-1])
+    return mx.concatenate(parts)
+
+
 def random_head(args, seed: int = RANDOM_SEED, std: float = 0.02, dtype=None):
     """An MTP head of `args`' family with random weights (per the module's `init_kind`:
     norms ~1 or ~0 for (1 + w) norms, matrices N(0, std)), drawn on the device (a
@@ -102,7 +119,7 @@ def random_head(args, seed: int = RANDOM_SEED, std: float = 0.02, dtype=None):
         elif kind == "ones":
             v = mx.ones(p.shape)
         else:  # drawn in the target dtype: no float32 copy of a 13 GB expert tensor
-            v = mx.random.normal(p.shape, dtype=want, key=sub) * mx.array(std, want)
+            v = _normal_rows(p.shape, want, sub) * mx.array(std, want)
         params.append((name, v.astype(want)))
         mx.eval(params[-1][1])  # one tensor at a time
     head.update(tree_unflatten(params))
