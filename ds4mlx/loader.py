@@ -12,7 +12,7 @@ from . import dtype_policy
 from .gguf_families.deepseek_v4 import MTP_PREFIX
 from .modelfile import reading
 from .models.base import LanguageModel
-from .models.tensor_load import packed_to_mlx
+from .models.tensor_load import KeptTensors
 from .registry import DEFAULT_FAMILY, family_module
 from .tokenizer import Tokenizer
 from .weights import read_mtp_gguf, read_weights
@@ -96,7 +96,7 @@ def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, shard=Non
     if hasattr(backbone, "activation_dtype"):  # the family's cast point (models/deepseek_v4.py)
         backbone.activation_dtype = policy.activations
     model.dtype_policy = policy
-    model.mtp_weights = {k: packed_to_mlx(v) for k, v in mtp_tensors.items()}
+    model.mtp_weights = KeptTensors(mtp_tensors)  # read when `--mtp` builds its head
     if verbose:
         print(f"ds4mlx: dtype: {policy.describe()}", file=sys.stderr)
     model.path = path

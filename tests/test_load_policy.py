@@ -120,7 +120,7 @@ def _mtp_tensors(sd: dict) -> dict:
     return out
 
 
-def test_mtp_in_main_gguf_and_support_gguf(oracle, tmp_path):
+def test_mtp_in_main_gguf_and_support_gguf(oracle, tmp_path, monkeypatch):
     import gguf
 
     from ds4mlx.gguf_families import deepseek_v4 as names
@@ -143,8 +143,14 @@ def test_mtp_in_main_gguf_and_support_gguf(oracle, tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    from ds4mlx.models import tensor_load
+
+    made = []
+    real = tensor_load.packed_to_mlx
+    monkeypatch.setattr(tensor_load, "packed_to_mlx", lambda v: made.append(1) or real(v))
     lm, _ = ds4mlx.load(d, mtp=support, verbose=False)
     assert set(lm.mtp_weights) == {"mtp.0.self_attn.q_a_proj.weight", "mtp.0.enorm.weight"}
+    assert not made  # kept unread until `--mtp` builds its head
     assert np.array_equal(
         np.array(lm.mtp_weights["mtp.0.self_attn.q_a_proj.weight"]), sd["model.layers.3.self_attn.q_a_proj.weight"]
     )

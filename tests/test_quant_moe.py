@@ -314,6 +314,7 @@ static inline float ds4_f16(uint16_t h) { _Float16 f; std::memcpy(&f, &h, 2); re
 #define DS4_HAVE_AS_FLOAT
 static inline float ds4_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 #endif
+static inline float ds4_flip(float x, uint32_t b) { uint32_t u; std::memcpy(&u, &x, 4); return ds4_as_float(u ^ (b << 31)); }
 static inline uint32_t ds4_ld16(const uint8_t* p) {
     if ((uintptr_t)p & 1u) { std::fprintf(stderr, "misaligned ds4_ld16\n"); std::abort(); }
     uint16_t v; std::memcpy(&v, p, 2); return v;

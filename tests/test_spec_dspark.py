@@ -29,6 +29,7 @@ from ds4mlx.speculative.loop import SpeculativeLoop
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case  # noqa: E402
+from spec_helpers import ScriptedPicks  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -91,21 +92,6 @@ def test_greedy_with_the_dspark_drafter_equals_plain(v41, depth):
     assert got == want
     assert loop.stats.drafted >= loop.stats.rounds - 1 > 0  # every round drafts (the last may have no room)
     assert lm.model.model.capture_hook is None
-
-
-class ScriptedPicks(GreedyRule):
-    """Greedy acceptance, but the drafter's picks are the plain greedy continuation (every
-    third one off by one): drafts get accepted, partly, so rounds add several positions."""
-
-    def __init__(self, vocab, script):
-        super().__init__(vocab)
-        self.vocab, self.script, self.at = vocab, script, 0
-
-    def draft(self, logits):
-        tok = self.script[self.at] if self.at < len(self.script) else 0
-        tok = (tok + 1) % self.vocab if self.at % 3 == 0 else tok
-        self.at += 1
-        return mx.array(tok, mx.int32), None
 
 
 class ScriptedDrafter(DSparkBlockDrafter):

@@ -22,14 +22,12 @@ import numpy as np
 import pytest
 
 from ds4mlx import stepper
-from ds4mlx.decode import decode_tokens, greedy
 from ds4mlx.models import cache as row_cache
-from ds4mlx.speculative.acceptance import GreedyRule
-from ds4mlx.speculative.loop import SpeculativeLoop
 from ds4mlx.speculative.mtp import MTPDrafter, random_head
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case  # noqa: E402
+from spec_helpers import plain_and_speculative  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,16 +105,8 @@ def test_mtp_chunked_catch_up_equals_one_forward(v4):
 @pytest.mark.parametrize("depth", [1, 3])
 def test_greedy_with_the_mtp_head_equals_plain(v4, depth):
     lm, ids = v4
-    prompt, n = ids[:8], 210
-    s = lm.new_session(ctx=len(prompt) + n + 8)
-    want = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), limit=n))
     drafter = MTPDrafter(lm, random_head(lm.model.args, seed=7))
-    try:
-        s = lm.new_session(ctx=len(prompt) + n + 8)
-        loop = SpeculativeLoop(s, s.prefill(prompt), drafter, GreedyRule(lm.vocab_size), depth=depth, margin=0, limit=n)
-        got = list(loop)
-    finally:
-        drafter.close()
+    want, got, loop = plain_and_speculative(lm, ids[:8], 210, drafter, depth)
     assert got == want
     assert loop.stats.drafted >= loop.stats.rounds - 1 > 0  # the last round: no room for a draft
 

@@ -43,6 +43,7 @@ from ds4mlx.speculative.options import SpecUsageError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case  # noqa: E402
+from spec_helpers import ScriptedPicks, plain_and_speculative  # noqa: E402
 
 SCRIPTS = {"glm": "make_tiny_glm_moe_dsa.py", "qwen": "make_tiny_qwen4_exp.py"}
 
@@ -165,16 +166,8 @@ def test_chunked_catch_up_equals_one_forward(tiny, family):
 @pytest.mark.parametrize("depth", [1, 3])
 def test_greedy_with_the_mtp_head_equals_plain(tiny, family, depth):
     _, lm, ids = tiny(family)
-    prompt, n = ids[:8], 210
-    s = lm.new_session(ctx=len(prompt) + n + 8)
-    want = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), limit=n))
     drafter = MTPDrafter(lm, random_head(lm.model.args, seed=7))
-    try:
-        s = lm.new_session(ctx=len(prompt) + n + 8)
-        loop = SpeculativeLoop(s, s.prefill(prompt), drafter, GreedyRule(lm.vocab_size), depth=depth, margin=0, limit=n)
-        got = list(loop)
-    finally:
-        drafter.close()
+    want, got, loop = plain_and_speculative(lm, ids[:8], 210, drafter, depth)
     assert got == want
     assert loop.stats.drafted >= loop.stats.rounds - 1 > 0  # the last round: no room for a draft
     assert lm.model.model.stream_hook is None
@@ -206,21 +199,6 @@ def test_a_family_without_a_head_is_refused():
     lm = LanguageModel.from_config(DEMO_CONFIG)  # random weights, no checkpoint
     with pytest.raises(SpecUsageError, match="no MTP head for glm5_next_text models yet"):
         mtp_drafter(lm, ctx=64)
-
-
-class ScriptedPicks(GreedyRule):
-    """Greedy acceptance, but the head's picks are the plain greedy continuation (every third
-    one off by one): most drafts get accepted, so rounds add several positions."""
-
-    def __init__(self, vocab, script):
-        super().__init__(vocab)
-        self.vocab, self.script, self.at = vocab, script, 0
-
-    def draft(self, logits):
-        tok = self.script[self.at] if self.at < len(self.script) else 0
-        tok = (tok + 1) % self.vocab if self.at % 3 == 0 else tok
-        self.at += 1
-        return mx.array(tok, mx.int32), None
 
 
 class ScriptedDrafter(MTPDrafter):

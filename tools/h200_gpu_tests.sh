@@ -12,10 +12,7 @@
 # them here; the tests build the others on the device); devcache/ptx.txz (committed) or
 # .ptxcache/ptx.txz (this session's newest): the kernel cache.
 set -u
-OUT=${OUT:-out/h200}; mkdir -p "$OUT"
-if [ -f .gpu/b/setup.sh ]; then source .gpu/b/setup.sh
-else export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1; fi
-source tools/h200_probe_lib.sh
+source tools/h200_probe_lib.sh  # $OUT, MLX's CUDA build, the kernel cache, log / keep
 mkdir -p /root/tc
 [ -f /root/tc.tar ] && tar xf /root/tc.tar -C /root/tc
 export DS4MLX_TEST_CACHE=/root/tc

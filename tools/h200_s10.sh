@@ -7,10 +7,7 @@
 #   call 3: bash tools/h200_s10.sh D   (no carry: /root, /tmp stay on a warm machine)
 #   call 4: bash tools/h200_s10.sh S
 set -u
-OUT=${OUT:-out/h200}; mkdir -p "$OUT"
-if [ -f .gpu/b/setup.sh ]; then source .gpu/b/setup.sh
-else export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1; fi
-source tools/h200_probe_lib.sh
+source tools/h200_probe_lib.sh  # $OUT, MLX's CUDA build, the kernel cache, log / keep
 LAYERS=${LAYERS:-20}
 F=/tmp/ds4mlx_ssd_${LAYERS}.gguf
 SSD="tools/ssd_bench.py --shapes v4-flash --layers $LAYERS --expert-format q2 --out $F"

@@ -102,6 +102,7 @@ CUDA_PRELUDE = r"""
 #define DS4_SHARED __shared__
 __device__ __forceinline__ float ds4_f16(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 __device__ __forceinline__ float ds4_as_float(uint32_t u) { return __uint_as_float(u); }
+__device__ __forceinline__ float ds4_flip(float x, uint32_t b) { return __uint_as_float(__float_as_uint(x) ^ (b << 31)); }
 __device__ __forceinline__ uint32_t ds4_ld16(const uint8_t* p) { return (uint32_t)*(const uint16_t*)p; }
 __device__ __forceinline__ uint32_t ds4_ld32(const uint8_t* p) { return *(const uint32_t*)p; }
 __device__ __forceinline__ uint32_t ds4_magic_byte(uint32_t v, uint32_t i) { return __byte_perm(v, 0x4B000000u, 0x7650u | i); }

@@ -11,6 +11,8 @@ at a time.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import mlx.core as mx
 import numpy as np
 
@@ -96,4 +98,25 @@ def packed_to_mlx(value):
     return out
 
 
-__all__ = ["to_mlx", "to_mlx_weights", "packed_to_mlx"]
+class KeptTensors(Mapping):
+    """A file's tensors kept aside as the loader handed them out (mapped views, lazy or
+    packed tensors: nothing read yet), each made MLX (`packed_to_mlx`) at its first access
+    and kept.  The MTP head's tensors (`model.mtp_weights`): a model never run with `--mtp`
+    does not hold them in memory (GLM 5.x's next-n layer is one MoE layer of the model)."""
+
+    def __init__(self, raw: dict):
+        self._raw, self._done = dict(raw), {}
+
+    def __getitem__(self, name):
+        if name not in self._done:
+            self._done[name] = packed_to_mlx(self._raw[name])
+        return self._done[name]
+
+    def __iter__(self):
+        return iter(self._raw)
+
+    def __len__(self):
+        return len(self._raw)
+
+
+__all__ = ["to_mlx", "to_mlx_weights", "packed_to_mlx", "KeptTensors"]

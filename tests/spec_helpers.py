@@ -1,0 +1,41 @@
+"""What the speculative-decoding tests share: greedy speculation next to plain decoding, and
+a rule whose drafts are mostly right (so rounds keep several drafts)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ds4mlx.decode import decode_tokens, greedy
+from ds4mlx.speculative.acceptance import GreedyRule
+from ds4mlx.speculative.loop import SpeculativeLoop
+
+
+def plain_and_speculative(lm, prompt: list, n: int, drafter, depth: int, rule=None):
+    """(plain greedy tokens, speculative tokens, the loop) for `n` tokens after `prompt`;
+    the drafter is closed afterwards."""
+    s = lm.new_session(ctx=len(prompt) + n + 8)
+    want = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), limit=n))
+    try:
+        s = lm.new_session(ctx=len(prompt) + n + 8)
+        rule = GreedyRule(lm.vocab_size) if rule is None else rule
+        loop = SpeculativeLoop(s, s.prefill(prompt), drafter, rule, depth=depth, margin=0, limit=n)
+        got = list(loop)
+    finally:
+        drafter.close()
+    return want, got, loop
+
+
+class ScriptedPicks(GreedyRule):
+    """Greedy acceptance, but the drafter's picks are the plain greedy continuation `script`
+    (every third one off by one): most drafts get accepted, so rounds add several positions.
+    A drafter sets `at` to the position of its first pick."""
+
+    def __init__(self, vocab, script):
+        super().__init__(vocab)
+        self.vocab, self.script, self.at = vocab, script, 0
+
+    def draft(self, logits):
+        tok = self.script[self.at] if self.at < len(self.script) else 0
+        tok = (tok + 1) % self.vocab if self.at % 3 == 0 else tok
+        self.at += 1
+        return mx.array(tok, mx.int32), None
