@@ -758,6 +758,8 @@ def test_unverified_tail_falls_back_to_two_launches(monkeypatch):
     monkeypatch.delenv("DS4MLX_KERNEL_SELFTEST", raising=False)
     monkeypatch.setattr(dispatch, "backend", lambda device=None: "cuda")
     monkeypatch.setattr(dispatch, "_self_tests", {})
+    # (GPU-verified on the H200, 2026-12-02: the self-test still runs for a kernel listed here)
+    monkeypatch.setattr(dispatch, "UNVERIFIED_KERNELS", dispatch.UNVERIFIED_KERNELS | {"hyper_connection.tail"})
     calls = []
 
     def garbage(kind):

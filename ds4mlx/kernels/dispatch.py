@@ -37,11 +37,8 @@ METAL_DIR = Path(__file__).resolve().parent / "metal"  # package data: ships in 
 UNVERIFIED_FACES = ("metal",)
 # kernels (auto_face names) whose every GPU face is self-tested at first use: their CUDA
 # face has passed the g++ emulation and nvcc but not yet its `pytest -m gpu` run
-UNVERIFIED_KERNELS = {  # (the rest passed their `pytest -m gpu` tests on the H200, last on 2026-12-02 16:45 UTC)
+UNVERIFIED_KERNELS = {  # (the rest passed their `pytest -m gpu` tests on the H200, last on 2026-12-02 17:30 UTC)
     "affine_qmv.norm",  # the plain mode with an RMSNorm folded in (the decode step's q_a norm): no GPU test of its own
-    # hc_pre's work in the decode split's own launch (its last threadgroup): failed on the H200 while
-    # independent launches shared one ticket buffer (now a ring, dispatch.TICKET_RING); not re-run yet
-    "hyper_connection.tail",
 }
 
 log = logging.getLogger("ds4mlx.kernels")

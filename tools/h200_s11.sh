@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue #13's acceptance run on the lent H200 (decode >= 60 t/s at 2K and 32K with MLX 2-bit and
+# with GGUF IQ2_XXS / Q2_K experts, mlx-lm in the same run, serve within 10 % of bench), and the
+# GGUF dot16 change (e735ae2) side by side with the tree before it.
+#   call 1: mkdir -p /root/gpu && cp .gpu/a/part_aa /root/gpu/                 (carry .gpu/a)
+#   call 2: bash tools/h200_s11.sh D      (carry .gpu/b): decode, this tree, both expert formats; mlx-lm
+#   call 3: bash tools/h200_s11.sh S      (carry .whl .devstage/pre; the warm machine keeps /root/site):
+#           serve vs bench (jsonschema / aiohttp wheels from .whl when missing), then GGUF decode of
+#           .devstage/pre (`git archive e735ae2^ ds4mlx`) and of this tree again, back to back
+# .whl: `pip download jsonschema aiohttp --only-binary=:all: --platform manylinux2014_x86_64
+# --python-version 3.12 --implementation cp -d .whl` (3.7 MB, git-ignored).
+source tools/h200_probe_lib.sh  # $OUT, MLX's CUDA build, the kernel cache, log / keep / probe
+case "${1:-D}" in
+D)
+  log "decode, this tree, MLX 2-bit experts, 2K + 32K, GPU time per kernel"
+  probe ${NEW_S:-110} --label head --ctx 2048 32768 --fake-context --gpu-busy --top 15 | tee "$OUT/decode_head.txt"
+  keep
+  log "decode, this tree, GGUF experts, 2K + 32K"
+  probe ${GGUF_S:-110} --label head-gguf --expert-format gguf --ctx 2048 32768 --fake-context --gpu-busy --top 15 | tee "$OUT/decode_gguf.txt"
+  keep
+  log "mlx-lm, same shapes and bits"
+  timeout ${MLXLM_S:-250} python3 -u tools/mlxlm_side_by_side.py --layers 43 --prompt ${MLXLM_PROMPT:-128} --gen 16 --which mlxlm 2>&1 \
+      | grep -v "_warn_once\|UserWarning" | tail -15 | tee "$OUT/mlxlm.txt"
+  ;;
+S)
+  python3 -c "import jsonschema, aiohttp" 2>/dev/null || {
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH; }
+  for f in mlx gguf; do
+    log "serve vs bench, 2K, $f experts"
+    timeout ${SERVE_S:-120} python3 -u tools/serve_vs_bench.py --expert-format $f --ctx 2048 --gen 64 2>&1 \
+        | grep -v "_warn_once\|UserWarning" | tail -12 | tee "$OUT/serve_vs_bench_$f.txt"
+  done
+  log "decode, before the dot16 change (.devstage/pre), GGUF experts, 2K + 32K"
+  PYTHONPATH=$PWD/.devstage/pre:$PYTHONPATH probe ${BASE_S:-90} --label pre-gguf --expert-format gguf --ctx 2048 32768 --fake-context \
+      | tee "$OUT/decode_gguf_pre.txt"
+  log "decode, this tree, GGUF experts, 2K + 32K (back to back with the line above)"
+  probe ${GGUF_S:-90} --label head-gguf --expert-format gguf --ctx 2048 32768 --fake-context | tee "$OUT/decode_gguf_head2.txt"
+  keep
+  ;;
+esac
+log done
