@@ -240,12 +240,18 @@ class Session:
         """Feed `ids` (ints, or an int32 mx.array [T], possibly lazy) in ONE forward; return
         the lazy logits [T, V] of every position (row i predicts the token after ids[i]).
 
-        The forward is the multi-token (prefill) path, so a draft's k tokens cost one
-        pass; `checkpoint()` before and `rollback()` undo it exactly."""
+        The forward is the static decode step's rows chained (`stepper.step_chain`: the
+        T tokens' projections run once, their attention one after another, the decode
+        kernels) where the model has it, else the multi-token (prefill) path; either way a
+        draft's k tokens cost one pass, and `checkpoint()` before and `rollback()` undo it
+        exactly."""
         arr = ids.reshape(1, -1).astype(mx.int32) if isinstance(ids, mx.array) else mx.array([list(ids)], mx.int32)
         n = int(arr.shape[1])
         self._room(n)
-        logits = self.model(arr, self._cache)[0]
+        if stepper.supports_chain(self.model):
+            logits = stepper.step_chain(self.model, self._cache, arr, len(self._tokens))
+        else:
+            logits = self.model(arr, self._cache)[0]
         self._tokens.extend([arr[0, i] for i in range(n)] if isinstance(ids, mx.array) else [int(t) for t in ids])
         self._logits, self._undo = logits[-1], None
         return logits

@@ -86,8 +86,9 @@ def _drop(key: int) -> None:
     for memo in (_checked, _refused, _watched):
         memo.discard(key)
     _compiled.pop(key, None)
-    for k in [k for k in _compiled_rows if k[0] == key]:
-        _compiled_rows.pop(k, None)
+    for memo in (_compiled_rows, _compiled_chain):
+        for k in [k for k in memo if k[0] == key]:
+            memo.pop(k, None)
 
 
 def forget(model) -> None:
@@ -97,8 +98,9 @@ def forget(model) -> None:
     for memo in (_checked, _refused):
         memo.discard(id(model))
     _compiled.pop(id(model), None)
-    for k in [k for k in _compiled_rows if k[0] == id(model)]:
-        _compiled_rows.pop(k, None)
+    for memo in (_compiled_rows, _compiled_chain):
+        for k in [k for k in memo if k[0] == id(model)]:
+            memo.pop(k, None)
     for _, m in model.named_modules():
         for name in FUSED_ATTRS:
             m.__dict__.pop(name, None)
@@ -219,3 +221,53 @@ def step_rows(model, caches: list, ids: mx.array, positions: list[int], undoable
         model.commit_static(cache, list(out[1 + b * n : 1 + (b + 1) * n]))
         res.append((logits[b], (lambda c=cache, s=st: model.rewind_static(c, s))) if undoable else logits[b])
     return res
+
+
+# -- several tokens of ONE session in one forward (speculative verification) --------------
+_compiled_chain: dict[tuple, object] = {}
+
+
+def supports_chain(model) -> bool:
+    """Whether `step_chain` runs T tokens of one session of `model` in one static forward:
+    `supports_rows`, the family's rows can be chained (`static_step_rows(..., chain=True)`),
+    and the router's choice stays on the device (not with streamed experts)."""
+    return (
+        supports_rows(model)
+        and getattr(model, "static_rows_chain", False)
+        and not getattr(getattr(model, "expert_store", None), "host_routing", False)
+    )
+
+
+def _pure_chain(model, streams: bool):
+    ref = weakref.ref(model)
+
+    def run(ids, pos, *flat):
+        logits, news, *rest = ref().static_step_rows(ids, pos, [list(flat)], chain=True, streams=streams)
+        return (logits, *rest, *news[-1])
+
+    return run
+
+
+def step_chain(model, cache: list, ids: mx.array, pos: int) -> mx.array:
+    """T consecutive tokens ids [1, T] (int32) of one session at positions pos.. in one
+    forward over the static layout (`supports_chain`): `step_rows`' rows chained, row t
+    over the state row t - 1 left, so it is T `step`s whose projections run once for the
+    T tokens.  Returns the lazy logits [T, V] and advances `cache` T positions.  The
+    backbone's `stream_hook` (the MTP head's input) gets the residual streams, as from the
+    multi-token forward."""
+    T = int(ids.shape[1])
+    hook = getattr(getattr(model, "model", None), "stream_hook", None)
+    state = model.static_state(cache, ahead=T)
+    key = (id(model), len(state), hook is not None)
+    fn = _compiled_chain.get(key)
+    if fn is None:
+        _watch(model)
+        fn = _pure_chain(model, hook is not None)
+        if mode() == "compiled":
+            fn = _compiled_chain[key] = mx.compile(fn)
+    out = fn(ids, mx.arange(pos, pos + T, dtype=mx.int32), *state)
+    k = 1 if hook is None else 2
+    if hook is not None:
+        hook(out[1], pos)
+    model.commit_static(cache, list(out[k:]), advance=T)
+    return out[0]

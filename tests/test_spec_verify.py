@@ -117,3 +117,43 @@ def test_speculative_loop_with_wrong_drafts_equals_plain_greedy(case):
     # is the reference; V4.1's compiled step itself drifts ~2e-3 from it on this sequence)
     assert maxdiff(t.last_logits[None], lm.logits(t.tokens)[-1:]) <= TOL
     assert 0 < loop.stats.accepted < loop.stats.drafted
+
+
+def test_v4_verify_runs_the_static_step_chained_as_the_forward_does(oracle, monkeypatch):
+    """DeepSeek V4's verify goes through the static decode step's rows chained
+    (`stepper.step_chain`: the k + 1 tokens' projections once, their attention in turn over
+    the state the previous token left) and gives the multi-token forward's logits, streams
+    (the MTP head's input) and caches, over windows that cross the sliding window and the
+    compressors' boundaries."""
+    _, lm, ref, _ = load_case(oracle, *FAMILIES["deepseek_v4"])
+    ids = ref["input_ids"][0].tolist()
+    backbone = lm.model.model
+    chained = []
+    real = stepper.step_chain
+    monkeypatch.setattr(stepper, "step_chain", lambda m, c, t, p: chained.append(t.shape[1]) or real(m, c, t, p))
+
+    def run(chain: bool):
+        monkeypatch.setattr(lm.model, "static_rows_chain", chain, raising=False)
+        streams = []
+        backbone.stream_hook = lambda x, at: streams.append((at, np.array(x)))
+        try:
+            s = lm.new_session(ctx=len(ids) + 8, chunk=5)
+            s.prefill(ids[:4])
+            rows, pos = [], 5
+            rows.append(s.decode(ids[4])[None])  # the static step's first run: it is then checked
+            for k in (1, 4, 2, 3, 4, 1, 3, 4, 2):
+                rows.append(np.array(s.verify(ids[pos : pos + k + 1])))
+                pos += k + 1
+            rows.append(np.stack([s.decode(t) for t in ids[pos : pos + 4]]))
+        finally:
+            backbone.stream_hook = None
+        return np.concatenate(rows), streams
+
+    want, want_streams = run(False)
+    assert not chained
+    got, got_streams = run(True)
+    assert chained == [2, 5, 3, 4, 5, 2, 4, 5, 3]
+    assert maxdiff(got, want) <= TOL
+    assert [at for at, _ in got_streams] == [at for at, _ in want_streams] == [0, 5, 7, 12, 15, 19, 24, 26, 30, 35]
+    for (_, g), (_, w) in zip(got_streams, want_streams):
+        assert g.shape == w.shape and maxdiff(g, w) <= TOL

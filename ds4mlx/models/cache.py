@@ -71,10 +71,13 @@ class StaticDecode:
         """The dtype buffers are created in (the final norm's weights: the model's float type)."""
         return self.model.norm.weight.dtype
 
-    def static_state(self, cache: list) -> list:
-        """The flat step state of `cache` for its next position (buffers grown to fit)."""
+    def static_state(self, cache: list, ahead: int = 1) -> list:
+        """The flat step state of `cache` for its next position (buffers grown to fit), or
+        for its next `ahead` positions (a chained step: families with `static_rows_chain`)."""
         dtype = self.static_dtype()
-        return [a for c in cache for a in c.static_state(dtype)]
+        if ahead == 1:
+            return [a for c in cache for a in c.static_state(dtype)]
+        return [a for c in cache for a in c.static_state(dtype, ahead)]
 
     def commit_static(self, cache: list, state: list, advance: int = 1) -> None:
         it = iter(state)

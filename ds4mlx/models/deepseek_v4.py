@@ -315,11 +315,12 @@ class LayerCache:
         return keys, mask
 
     # -- static decode layout (the compiled step, ds4mlx/stepper.py) ---------------------
-    def static_state(self, dtype) -> list[mx.array]:
+    def static_state(self, dtype, ahead: int = 1) -> list[mx.array]:
         """Every array of this layer for one decode step at position `offset`, in a fixed
         order (ring, then per compressor `CompressorState.static_arrays`).  Missing
         buffers are created and the row buffers grown so that the step's row
-        (offset // ratio) fits: the step writes it unconditionally."""
+        (offset // ratio) fits: the step writes it unconditionally.  `ahead`: room for
+        that many steps (a chained step, `DeepseekV4Model.step_rows(chain=True)`)."""
         if self.ring is None:
             self.ring = mx.zeros((1, 1, self.window, self.head_dim), dtype)
         out = [self.ring]
@@ -327,7 +328,7 @@ class LayerCache:
             if st is not None:
                 if st.rows is None:
                     st.init(dtype)
-                st.reserve(self.offset // st.ratio + 1)
+                st.reserve((self.offset + ahead - 1) // st.ratio + 1)
                 out += st.static_arrays()
         # the step's attention metas, all of them out of one launch (kernels/sparse_attention.py)
         caps = [None if st is None else st.rows.shape[1] for st in (self.comp, self.index)]
@@ -1141,19 +1142,40 @@ class DeepseekV4Model(nn.Module):
         h = self.hc_head(x)
         return (self.norm(h) if final_norm else h), new
 
-    def step_rows(self, ids: mx.array, pos: list, states: list, final_norm: bool = True) -> tuple[mx.array, list]:
+    def step_rows(
+        self,
+        ids: mx.array,
+        pos: list,
+        states: list,
+        final_norm: bool = True,
+        chain: bool = False,
+        streams: bool = False,
+    ) -> tuple:
         """B sessions' tokens ids [1, B], row b at position pos[b] over states[b] ->
-        (hidden [1, B, H], the rows' new states); `final_norm` as `step`'s."""
+        (hidden [1, B, H], the rows' new states); `final_norm` as `step`'s.
+
+        `chain`: the B tokens are ONE session's next B positions and states[0] its state:
+        row b runs over the state row b - 1 leaves (each layer takes the rows in order, so
+        a row's new arrays of a layer exist before the next row reads them), which makes
+        the rows B consecutive `step`s whose projections run once for all B (speculative
+        verification); the last row's new state is the session's.  `streams`: the residual
+        streams after the last layer [1, B, hc, H] come third (the MTP head's input)."""
         h = self.embed_tokens(ids)
         B = ids.shape[1]
         x = mx.broadcast_to(h[:, :, None, :], (1, B, self._hc, h.shape[-1]))
-        its, news, pending = [iter(s) for s in states], [[] for _ in states], None
+        if chain:
+            news = [[] for _ in range(B)]
+            its = [iter(states[0])] + [iter(news[b - 1]) for b in range(1, B)]  # list iterators see later appends
+        else:
+            its, news = [iter(s) for s in states], [[] for _ in states]
+        pending = None
         for layer in self.layers:  # as `step`: each layer's last hc_post inside the next one's first launch
             x, pending = layer.step_rows_open(x, pending, ids, pos, its, news)
         if pending is not None:
             x = finish_open_step(x, pending)
         h = self.hc_head(x)
-        return (self.norm(h) if final_norm else h), news
+        out = ((self.norm(h) if final_norm else h), news)
+        return (*out, x) if streams else out
 
 
 class Model(StaticDecode, CausalLM):
@@ -1175,14 +1197,20 @@ class Model(StaticDecode, CausalLM):
         h, new = self.model.step(ids, pos, state)
         return self.head(h)[0, 0], new
 
-    def static_step_rows(self, ids: mx.array, pos: mx.array, states: list) -> tuple[mx.array, list]:
+    static_rows_chain = True  # static_step_rows(chain=True): stepper.step_chain
+
+    def static_step_rows(
+        self, ids: mx.array, pos: mx.array, states: list, chain: bool = False, streams: bool = False
+    ) -> tuple:
         """Pure, B sessions in one forward (stepper.step_rows): ids [1, B], pos [B] int32,
-        states[b] row b's `static_state` -> (logits [B, V], the rows' new states)."""
+        states[b] row b's `static_state` -> (logits [B, V], the rows' new states).  `chain`:
+        one session's B next tokens over states[0] (stepper.step_chain); `streams`: the
+        residual streams come third (`DeepseekV4Model.step_rows`)."""
         fold = self.head_folds_norm()
         pos = [pos[b : b + 1].squeeze(0) for b in range(ids.shape[1])]
-        h, news = self.model.step_rows(ids, pos, states, final_norm=not fold)
+        h, news, *rest = self.model.step_rows(ids, pos, states, final_norm=not fold, chain=chain, streams=streams)
         # (views: an integer index would launch a gather)
-        return (self.normed_head(h) if fold else self.head(h)).squeeze(0), news
+        return ((self.normed_head(h) if fold else self.head(h)).squeeze(0), news, *rest)
 
     def head_folds_norm(self) -> bool:
         """Whether the static step runs the final norm inside the head's launch (`normed_head`):
