@@ -39,6 +39,7 @@ UNVERIFIED_FACES = ("metal",)
 # face has passed the g++ emulation and nvcc but not yet its `pytest -m gpu` run
 UNVERIFIED_KERNELS = {  # (the rest passed their `pytest -m gpu` tests on the H200, 2026-12-02)
     "affine_qmv.norm",  # the plain mode with an RMSNorm folded in (the decode step's q_a norm)
+    "affine_qmv.rows",  # the plain mode's multi-row variant: XR x rows a threadgroup, x staged in K slices
     "affine_qmv.twobank",  # MODE 3 / 4: routed + shared expert gate_up, down + sum, two weight banks a launch
     "attn_prep",  # one GPU case (bf16, position 32771) was outside its 2-ulp bound: not cleared
     "hyper_connection.tail",  # hc_pre's work in the decode split's own launch (its last threadgroup)
