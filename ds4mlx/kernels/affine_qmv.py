@@ -996,14 +996,16 @@ def _norm_self_test(face: str) -> bool:
     return ok
 
 
-# (bits, group size, K, dtype, x rows, NORM): 8-bit K = 4096 bfloat16 (the decode path: K slices,
-# 8 rows a threadgroup), 2-bit (XR limited by threadgroup memory: z slices of 3, 3 and 2 rows), 4-bit
-# float32 with the norm folded in, 8-bit float32 with the norm (slices, the sums per row)
+# (bits, group size, K, dtype, x rows, NORM, weight rows): 8-bit K = 4096 bfloat16 (the decode path:
+# 8 rows a threadgroup, K slices; 3000 weight rows: several steps a warp, the slices' sums in `red`),
+# 2-bit (XR limited by threadgroup memory: z slices of 4 and 3 rows on CUDA, 3, 3 and 1 on Metal),
+# 4-bit float32 with the norm folded in, 8-bit float32 with the norm (K slices, each warp's sums
+# carried over them in registers)
 _ROWS_SELF_TEST_CASES = (
-    (8, 64, 4096, mx.bfloat16, 8, False),
-    (2, 32, 4096, mx.bfloat16, 8, False),
-    (4, 64, 512, mx.float32, 5, True),
-    (8, 128, 4096, mx.float32, 3, True),
+    (8, 64, 4096, mx.bfloat16, 8, False, 3000),
+    (2, 32, 4096, mx.bfloat16, 7, False, 37),
+    (4, 64, 512, mx.float32, 5, True, 37),
+    (8, 128, 4096, mx.float32, 3, True, 37),
 )
 
 
@@ -1012,8 +1014,8 @@ def _rows_self_test(face: str) -> bool:
     folded RMSNorm) against the reference face."""
     key = mx.random.key(11)
     ok = True
-    for bits, gs, k_dim, dt, rows, norm in _ROWS_SELF_TEST_CASES:
-        wq, sc, bi = mx.quantize(mx.random.normal((37, k_dim), key=key) * 0.05, gs, bits)
+    for bits, gs, k_dim, dt, rows, norm, n_rows in _ROWS_SELF_TEST_CASES:
+        wq, sc, bi = mx.quantize(mx.random.normal((n_rows, k_dim), key=key) * 0.05, gs, bits)
         sc, bi = sc.astype(dt), bi.astype(dt)
         x = mx.random.normal((rows, k_dim), key=key).astype(dt)
         nw = (1.0 + 0.2 * mx.random.normal((k_dim,), key=key)).astype(dt)
