@@ -131,6 +131,9 @@ def run_text_on_cpu(tmp_path, mode, x, wq, sc, bi, eids, wts, lim, *, gs, bits, 
             "SW": pl.sw,
             "DENSE": int(dense),
             "NORM": 0,
+            "XR": pl.xr,
+            "KSL": pl.ksl,
+            "XROWS": p if pl.xr > 1 else 0,
         },
         groups=(1, pl.nby, pl.nz),
         threads=32 * warps,
@@ -1122,3 +1125,303 @@ def test_gpu_twobank_v4_flash_shapes_equal_reference(dt):
         y_ref = aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend="reference")
         _close(y, y_ref, dt)
     assert aq._twobank_self_test(face)
+
+
+# ------------------------------------------------------------------ multi-row plain mode (XR x rows a threadgroup)
+
+
+def _emulated_typed_kernel(tmp_path, launches):
+    """A stand-in for aq._kernel() like `_emulated_kernel`, with the launch's own types: bfloat16 x,
+    scales, norm weight and y run as the emulation's ds4_bf16 (rounded to nearest even, as the GPUs
+    round), so the folded norm's roundings and the output's are the kernel's; each launch's
+    template, grid and threadgroup recorded."""
+    from test_kernel_emulation import run_on_cpu
+
+    sec = dispatch.sections(aq.SOURCE)
+
+    def host(a):
+        return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).reshape(-1)
+
+    def ctype(dt):
+        return np.uint16 if dt == mx.bfloat16 else np.float32
+
+    def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        consts = {k: (ctype(v) if k in ("T", "TS") else v) for k, v in template}
+        d = tmp_path / f"launch{len(launches)}"
+        d.mkdir()
+        launches.append({**dict(template), "grid": tuple(grid), "threadgroup": tuple(threadgroup)})
+        names = ("x", "w", "scales", "biases", "eids", "wts", "lim", "nw")
+        out = run_on_cpu(
+            d,
+            _CPU_EXTRA + sec["common"],
+            aq.qmv_text(),
+            inputs={n: host(a) for n, a in zip(names, inputs)},
+            outputs={"y": (tuple(output_shapes[0]), ctype(output_dtypes[0]))},
+            consts=consts,
+            groups=(grid[0] // threadgroup[0], grid[1], grid[2]),
+            threads=threadgroup[0],
+        )
+        y = mx.array(out["y"])
+        return [y.view(mx.bfloat16) if output_dtypes[0] == mx.bfloat16 else y]
+
+    return lambda: launch
+
+
+# (x rows, bits, K, NORM, x dtype, XR_MAX, BLOCKS, the XR expected): every row count 1..8; 2, 4 and 8
+# bits, K 1024 and 4096, with and without the folded norm, bfloat16 and float32 x; XR not dividing
+# the rows (3 rows of XR 2, 7 of XR 4, 8 of XR 3: the last z slice's rows past the end read the last
+# row and write nothing); x in K slices (K = 4096 beyond a few rows: KSL 2..4, with one unit a warp
+# (CARRY, BLOCKS 32) and several (the sums in `red`, BLOCKS 2))
+ROWS_CASES = [
+    (1, 8, 4096, True, "bf16", 8, 2, 1),
+    (2, 8, 4096, False, "bf16", 8, 32, 2),  # K slices, CARRY
+    (3, 4, 1024, True, "f32", 8, 2, 3),
+    (3, 8, 4096, False, "f32", 2, 2, 2),  # XR 2: z slices of 2 and 1; K slices, sums in red
+    (4, 2, 4096, False, "bf16", 8, 2, 4),
+    (5, 2, 1024, True, "f32", 8, 32, 5),
+    (6, 4, 4096, False, "bf16", 8, 2, 6),
+    (7, 8, 1024, True, "bf16", 4, 2, 4),  # XR 4: 4 and 3
+    (8, 8, 4096, True, "bf16", 8, 32, 8),  # K slices, CARRY
+    (8, 8, 4096, False, "f32", 8, 2, 8),  # K slices, sums in red
+    (8, 8, 1024, False, "f32", 8, 32, 8),
+    (8, 2, 1024, False, "bf16", 3, 2, 3),  # XR 3: 3, 3 and 2
+    (8, 4, 4096, True, "f32", 8, 2, 8),
+    (8, 2, 4096, True, "f32", 8, 2, 4),  # 2-bit: 9 KB of x a row and slice, XR 4 fits
+    # a last K slice past the row's end (its lanes' chunks not staged, not summed)
+    (5, 8, 2304, True, "bf16", 8, 2, 5),  # 144 chunks in 3 slices of 64
+    (6, 4, 4608, False, "f32", 8, 32, 6),  # 144 chunks in 5 slices of 32, CARRY
+]
+_DT = {"bf16": mx.bfloat16, "f32": mx.float32}
+
+
+@pytest.mark.parametrize("case", ROWS_CASES, ids=lambda c: "r{}_b{}_K{}_norm{:d}_{}_xrmax{}_blocks{}_xr{}".format(*c))
+def test_rows_on_cpu(case, tmp_path, monkeypatch):
+    """The multi-row plain mode through `qmv`'s own plan, template and grid (2 warps, so several
+    steps per warp), the kernel text run by the g++ emulation in the launch's types: one launch
+    with grid z = ceil(rows / XR), equal to the reference face within the file's tolerance
+    (float32: summation order; bfloat16: an output rounding)."""
+    rows, bits, k_dim, norm, dt, xr_max, blocks, xr = case
+    dt = _DT[dt]
+    launches = []
+    monkeypatch.setattr(aq, "WARPS", 2)
+    monkeypatch.setattr(aq, "BLOCKS", blocks)
+    monkeypatch.setattr(aq, "XR_MAX", xr_max)
+    monkeypatch.setattr(aq, "_kernel", _emulated_typed_kernel(tmp_path, launches))
+    rng = np.random.default_rng(rows * 131 + bits * k_dim)
+    n_rows, gs = 37, 64  # odd: a last unit past the end
+    wq, sc, bi, _ = quantized(rng, 1, n_rows, k_dim, gs, bits)
+    wq, sc, bi = mx.array(wq[0]), mx.array(sc[0]).astype(dt), mx.array(bi[0]).astype(dt)
+    x = mx.array(rng.standard_normal((rows, k_dim)).astype(np.float32)).astype(dt)
+    nw = mx.array(1.0 + 0.2 * rng.standard_normal(k_dim).astype(np.float32)).astype(dt)
+    kw = dict(group_size=gs, bits=bits, norm=(nw, 1e-6) if norm else None)
+    got = aq.qmv(x, wq, sc, bi, **kw, backend="cuda")
+    assert got.shape == (rows, n_rows) and got.dtype == dt and len(launches) == 1
+    c = launches[0]
+    assert c["XR"] == xr and c["grid"][2] == -(-rows // xr) and c["NORM"] == int(norm)
+    assert c["XROWS"] == (rows if xr > 1 else 0)
+    if k_dim > 2048 and xr > 1:
+        assert c["KSL"] > 1 and (c["MAXIT"] == 1) == (blocks == 32)  # K slices; CARRY or the sums in red
+    # the reference on float32 copies (MLX's CPU quantized matmul sums bfloat16 in bfloat16)
+    f32 = lambda a: a.astype(mx.float32)  # noqa: E731
+    kw32 = dict(kw, norm=(f32(nw), 1e-6) if norm else None)
+    want = aq.qmv(f32(x), wq, f32(sc), f32(bi), **kw32, backend="reference")
+    _close(got, want, dt)
+
+
+def _rows_launch(name, rows, dt, face="cuda"):
+    """(CUDA translation unit, plan) of a `rows`-row dense call of DECODE_SHAPES[name] (or of
+    ROWS_SHAPES[name]), planned for `face` by `aq.rows_plan`."""
+    from test_kernel_emulation import mlx_cuda_source
+
+    shape, norm = name.split("+")[0], name.endswith("+norm")
+    n_rows, k_dim, bits, gs = ROWS_SHAPES.get(shape) or DECODE_SHAPES[shape][1:5]
+    x_dtype = mx.bfloat16 if dt == "bfloat16" else mx.float32
+    pl = aq.rows_plan(rows, n_rows, k_dim, bits, x_dtype, face)
+    kw = dict(n_rows=n_rows, k_dim=k_dim, group_size=gs, bits=bits, dense=True, norm=norm, x_rows=rows)
+    tmpl = [(k, dt if k in ("T", "TS") else v) for k, v in aq.template(0, pl, x_dtype, x_dtype, **kw)]
+    header, body = aq.kernel_sources("cuda")
+    types = {"x": dt, "w": "uint32", "scales": dt, "biases": dt, "eids": "int32", "wts": "float32"}
+    types |= {"lim": "float32", "nw": dt}
+    return mlx_cuda_source("affine_qmv_rows", header, body, types, {"y": dt}, tmpl), pl
+
+
+# dense shapes beyond V4 Flash's 8-bit ones: (rows, K, bits, group size)
+ROWS_SHAPES = {"dense_4096x4096_2bit": (4096, 4096, 2, 64), "dense_4096x4096_4bit": (4096, 4096, 4, 32)}
+_DENSE_DECODE = sorted(k for k in DECODE_SHAPES if k.startswith("dense"))
+ROWS_NVCC = [(s, 8) for s in [*_DENSE_DECODE, "dense_1024x4096_8bit+norm", *sorted(ROWS_SHAPES)]]
+ROWS_NVCC += [("dense_1024x4096_8bit", 3), ("dense_4096x4096_2bit+norm", 5)]
+
+
+def _ptx_shared_bytes(ptx: str) -> int:
+    import re
+
+    return sum(int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+@pytest.mark.parametrize("name,rows", ROWS_NVCC, ids=lambda v: str(v))
+def test_rows_cuda_face_compiles_with_nvcc(name, rows, dt, tmp_path):
+    """The multi-row launches' CUDA translation units at the decode shapes compile (sm_90, warnings
+    are errors), XR > 1, and their threadgroup arrays (read from the PTX) are within the plan's
+    shared_bytes, itself within the CUDA face's 48 KB."""
+    from test_kernel_emulation import nvcc_compile
+
+    src, pl = _rows_launch(name, rows, dt)
+    assert pl.xr > 1 and pl.nz == -(-rows // pl.xr)
+    nvcc_compile(tmp_path, src)
+    used = _ptx_shared_bytes((tmp_path / "kernel.ptx").read_text())
+    assert 0 < used <= pl.shared_bytes(int(name.split("bit")[0].split("_")[-1])) <= aq.SHARED_BYTES["cuda"]
+
+
+@pytest.mark.parametrize("name", ["dense_1024x4096_8bit+norm", "dense_4096x4096_2bit", "dense_32768x1024_8bit"])
+def test_rows_metal_plans_within_32k(name, tmp_path):
+    """Metal's 32 KB: the Metal face's multi-row plans, their arrays as the one text declares them
+    (the CUDA translation unit of the same template, read from its PTX), within 32 KB."""
+    from test_kernel_emulation import nvcc_compile
+
+    src, pl = _rows_launch(name, 8, "bfloat16", face="metal")
+    assert pl.xr > 1
+    nvcc_compile(tmp_path, src)
+    assert _ptx_shared_bytes((tmp_path / "kernel.ptx").read_text()) <= aq.SHARED_BYTES["metal"]
+
+
+@pytest.mark.parametrize("face", ["metal", "cuda"])
+def test_rows_plans_fit_and_cover(face):
+    """Every dense shape (V4 Flash's decode calls, 2- and 4-bit ones, K 1024..8192), 2..8 rows, both
+    dtypes: XR > 1 x rows a z slice, the z slices cover the rows (none empty), every output row has
+    a warp row and step, the K slices cover K, threadgroup memory within the face's limit; 8-bit
+    (V4 Flash's dense weights): all rows in one z slice on both faces."""
+    shapes = [DECODE_SHAPES[k][1:5] for k in _DENSE_DECODE] + list(ROWS_SHAPES.values())
+    shapes += [(1024, 1024, 2, 32), (7, 8192, 4, 128)]
+    for n_rows, k_dim, bits, _ in shapes:
+        for rows in range(2, 9):
+            for dt in (mx.bfloat16, mx.float32):
+                pl = aq.rows_plan(rows, n_rows, k_dim, bits, dt, face)
+                assert 1 < pl.xr <= aq.XR_MAX and pl.nz == -(-rows // pl.xr) and (pl.nz - 1) * pl.xr < rows
+                assert pl.shared_bytes(bits) <= aq.SHARED_BYTES[face], (n_rows, k_dim, bits, rows)
+                assert pl.nby * (aq.WARPS // pl.ksplit) * pl.maxit * pl.rpw >= n_rows
+                assert pl.ksl * pl.nit * pl.ksplit * 32 >= k_dim * bits // 128 > (pl.ksl - 1) * pl.nit * pl.ksplit * 32
+                assert pl.nit * pl.rpw <= (aq.LPT if pl.xr <= 4 else aq.LPT // 2) and pl.maxit <= aq.MAXIT
+                if bits == 8:
+                    assert pl.xr == rows and pl.nz == 1
+
+
+def _spy_kernel(launches):
+    def fake_kernel():
+        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            launches.append({**dict(template), "grid": tuple(grid)})
+            return [mx.zeros(s, t) for s, t in zip(output_shapes, output_dtypes)]
+
+        return launch
+
+    return fake_kernel
+
+
+@pytest.mark.parametrize("face", ["cuda", "metal"])
+@pytest.mark.parametrize("kind", ["dense_1024x4096", "dense_32768x1024", "dense_4096x8192"])
+def test_rows_entry_is_one_launch(kind, face, monkeypatch):
+    """`qmv` (what QMVLinear calls) sends B = 1..8 rows of V4 Flash's dense decode calls as ONE
+    launch with grid z = ceil(B / XR), XR = B (8-bit: one z slice), in the caller's shape (K = 8192 on
+    Metal: not `supported`, one row of x does not fit 32 KB: MLX's own op, no launch)."""
+    launches = []
+    monkeypatch.setattr(aq, "_kernel", _spy_kernel(launches))
+    n_rows, k_dim, bits = DECODE_CALLS[kind]
+    if not aq.supported(k_dim, 64, bits, face):
+        assert face == "metal" and k_dim == 8192
+        pytest.skip("not supported on this face (one x row exceeds its threadgroup memory)")
+    wq, sc, bi = mx.quantize(mx.zeros((n_rows, k_dim)), 64, bits)
+    for b in range(1, 9):
+        launches.clear()
+        x = mx.zeros((b, 1, k_dim), mx.bfloat16)
+        y = aq.qmv(x, wq, sc.astype(mx.bfloat16), bi.astype(mx.bfloat16), group_size=64, bits=bits, backend=face)
+        assert y.shape == (b, 1, n_rows) and len(launches) == 1
+        c = launches[0]
+        assert (c["XR"], c["grid"][2], c["XROWS"]) == ((b, 1, b) if b > 1 else (1, 1, 0))
+
+
+def test_rows_entry_tail_slices(monkeypatch):
+    """Where XR rows do not fit (2-bit, K = 4096: 9 KB of x a row and slice), the fewest z slices:
+    8 rows as XR 4 x 2 on CUDA, XR 3 x 3 (3, 3, 2) on Metal; one launch each."""
+    launches = []
+    monkeypatch.setattr(aq, "_kernel", _spy_kernel(launches))
+    wq, sc, bi = mx.quantize(mx.zeros((4096, 4096)), 64, 2)
+    x = mx.zeros((8, 4096), mx.bfloat16)
+    for face, xr in (("cuda", 4), ("metal", 3)):
+        launches.clear()
+        aq.qmv(x, wq, sc, bi, group_size=64, bits=2, backend=face)
+        assert len(launches) == 1 and launches[0]["XR"] == xr and launches[0]["grid"][2] == -(-8 // xr)
+
+
+def test_unverified_rows_self_test_on_cuda(fake_cuda):
+    """'affine_qmv.rows' is unverified: on CUDA its first use self-tests it; a failure sends the rows
+    one a z slice (XR = 1, the verified kernel: still one launch), a pass sends XR rows a slice."""
+    assert "affine_qmv.rows" in dispatch.UNVERIFIED_KERNELS
+    launches = []
+    fake_cuda.setattr(aq, "_kernel", _spy_kernel(launches))
+    wq, sc, bi = mx.quantize(mx.random.normal((64, 1024), key=mx.random.key(1)), 64, 8)
+    x = mx.random.normal((5, 1024), key=mx.random.key(2))
+    aq.qmv(x, wq, sc, bi, group_size=64, bits=8)  # the self-test's launches (zeros: wrong), then the call's
+    assert dispatch._self_tests[("affine_qmv.rows", "cuda")] is False
+    assert (launches[-1]["XR"], launches[-1]["grid"][2]) == (1, 5)
+    launches.clear()
+    aq.qmv(x[:1], wq, sc, bi, group_size=64, bits=8)  # one row: no multi-row self-test needed
+    assert (launches[-1]["XR"], launches[-1]["grid"][2]) == (1, 1)
+    fake_cuda.setattr(dispatch, "_self_tests", {("affine_qmv.rows", "cuda"): True})
+    launches.clear()
+    aq.qmv(x, wq, sc, bi, group_size=64, bits=8)
+    assert len(launches) == 1 and (launches[0]["XR"], launches[0]["grid"][2]) == (5, 1)
+
+
+def test_rows_self_test_on_the_cpu_emulation(tmp_path, monkeypatch):
+    """The first-use self-test of the multi-row mode passes on the g++ emulation of the text (it
+    compares XR-row launches, K slices, a tail slice and the norm with the reference face; here the
+    reference's bfloat16 mat-vec sums in float32, as MLX's GPU kernels do: its CPU kernel sums in
+    bfloat16, up to ~1 off at K = 4096)."""
+    launches = []
+    monkeypatch.setattr(aq, "WARPS", 2)
+    monkeypatch.setattr(aq, "BLOCKS", 2)
+    monkeypatch.setattr(aq, "_kernel", _emulated_typed_kernel(tmp_path, launches))
+    qmm = mx.quantized_matmul
+
+    def qmm_f32(x, w, scales, biases, **kw):
+        f32 = lambda a: a.astype(mx.float32)  # noqa: E731
+        return qmm(f32(x), w, f32(scales), f32(biases), **kw).astype(x.dtype)
+
+    monkeypatch.setattr(mx, "quantized_matmul", qmm_f32)
+    # 37 weight rows at most (on 2 warps and 2 threadgroups: several steps a warp all the same)
+    monkeypatch.setattr(aq, "_ROWS_SELF_TEST_CASES", [(*c[:-1], min(c[-1], 37)) for c in aq._ROWS_SELF_TEST_CASES])
+    assert aq._rows_self_test("cuda")
+    assert len(launches) == len(aq._ROWS_SELF_TEST_CASES) and all(c["XR"] > 1 for c in launches)
+    assert any(c["KSL"] > 1 and c["MAXIT"] > 1 for c in launches) and any(c["XROWS"] % c["XR"] for c in launches)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [k for k in sorted(DECODE_CALLS) if k.startswith("dense")])
+def test_gpu_rows_decode_calls_equal_reference(kind):
+    """The multi-row plain mode on the GPU face at V4 Flash's dense decode shapes, 1..8 x rows in one
+    launch (XR = rows, K slices), bfloat16 (float32 too at 1024 x 4096), the folded norm at 1024 x
+    4096: against the reference face, and against one launch per row (XR = 1, the verified kernel)."""
+    face = _gpu_face()
+    n_rows, k_dim, bits = DECODE_CALLS[kind]
+    key = mx.random.key(n_rows + k_dim)
+    wq, sc, bi = mx.quantize(mx.random.normal((n_rows, k_dim), key=key) * k_dim**-0.5, 64, bits)
+    for dt in (mx.bfloat16, mx.float32) if kind == "dense_1024x4096" else (mx.bfloat16,):
+        s, b = sc.astype(dt), bi.astype(dt)
+        nw = (1.0 + 0.2 * mx.random.normal((k_dim,), key=key)).astype(dt)
+        for rows in range(1, 9) if dt == mx.bfloat16 else (3, 8):
+            x = mx.random.normal((rows, k_dim), key=mx.random.key(rows)).astype(dt)
+            norms = [None] + ([(nw, 1e-6)] if kind == "dense_1024x4096" and rows in (2, 5, 8) else [])
+            for norm in norms:
+                kw = dict(group_size=64, bits=bits, norm=norm)
+                got = aq.qmv(x, wq, s, b, **kw, backend=face)
+                assert got.shape == (rows, n_rows) and got.dtype == dt
+                _close(got, aq.qmv(x, wq, s, b, **kw, backend="reference"), dt)
+                each = mx.concatenate([aq.qmv(x[i : i + 1], wq, s, b, **kw, backend=face) for i in range(rows)])
+                _close(got, each, dt)
+
+
+@pytest.mark.gpu
+def test_gpu_rows_self_test_passes():
+    """The multi-row mode's first-use self-test (dispatch.UNVERIFIED_KERNELS 'affine_qmv.rows' until
+    this file's GPU tests pass) accepts the GPU face."""
+    assert aq._rows_self_test(_gpu_face())

@@ -27,6 +27,13 @@ kernel does not take, and for more rows than decode has)
 `w`, `scales`, `biases` are what `mx.quantize(W, group_size, bits)` returns for W
 [N, K] (dense) or [E, N, K] (experts); ids are read on the device (no host sync).
 
+Several x rows (batched decode, issue #20): ``qmv`` of 2..MAX_ROWS rows is one launch whose
+threadgroups take XR x rows each (`rows_plan`: XR = min(rows, XR_MAX) where threadgroup
+memory allows, grid z = ceil(rows / XR)), so each weight is read from memory once for XR rows
+instead of once per row; x is staged in K slices (XR rows of the whole K do not fit: see the
+.metal "Geometry").  Its first use on a GPU self-tests it ("affine_qmv.rows"); a failure falls
+back to one row a threadgroup z slice, the one-row kernel (XR = 1, KSL = 1: the same code).
+
 Faces (`ds4mlx.kernels.dispatch`): reference = ``mx.quantized_matmul`` /
 ``mx.gather_qmm`` (+ the SwiGLU / weighted sum as MLX ops); Metal and CUDA from the
 one text in metal/affine_qmv.metal.  Precision: float32 accumulation; the level
@@ -94,6 +101,8 @@ LPT = 4  # 16-byte weight loads per lane and step (two steps in flight: 128 byte
 RPW = {2: 4, 4: 4, 8: 2}  # rows per warp and step by bit width: x read once from threadgroup memory for RPW rows
 MAXIT = 16  # at most this many steps per warp (the epilogue's partial sums: MAXIT * WARPS * RPW floats)
 MAX_ROWS = 8  # dense: x rows (tokens) up to this many use the kernel, more use mx.quantized_matmul
+XR_MAX = 8  # dense: x rows per threadgroup (each weight read once for them); the kernel takes 1..8
+RPW_ROWS = {2: 2, 4: 2, 8: 2}  # rows per warp and step with XR > 1 x rows (XR sums per row: registers)
 MAX_PAIRS = 64  # gathered: (token, expert) pairs up to this many use the kernel
 SHARED_BYTES = {"metal": 32768, "cuda": 49152}
 
@@ -131,7 +140,9 @@ class Plan:
     """One launch's geometry (metal/affine_qmv.metal "Geometry"): KSPLIT warps share a
     row set along K (MODE 2: take KSPLIT experts at a time), each lane NIT chunks of
     RPW rows per step, MAXIT steps per warp, NBY x NZ threadgroups; SW the level slab
-    width (8, or 4 for 2- / 4-bit levels with float32 x: the precise one)."""
+    width (8, or 4 for 2- / 4-bit levels with float32 x: the precise one).  Multi-row (MODE 0,
+    one dense matrix): each threadgroup takes XR x rows, x staged in KSL slices of K (NIT
+    chunks per lane and row each: XR rows of all K do not fit threadgroup memory)."""
 
     ksplit: int
     nit: int
@@ -140,11 +151,15 @@ class Plan:
     nby: int
     nz: int
     sw: int
+    xr: int = 1
+    ksl: int = 1
 
     def shared_bytes(self, bits: int, warps: int = WARPS) -> int:
-        """x' (16 bytes per 4 values), its 16-value sums (8 bytes), the partial sums, the ids."""
+        """x' (16 bytes per 4 values), its 16-value sums (8 bytes), the partial sums (of each
+        slice, of each x row), the ids (XR > 1, one dense matrix: the NORM's XR sums a warp instead)."""
         vpl = 128 // bits
-        return self.ksplit * self.nit * vpl * (128 + 16) + self.maxit * warps * self.rpw * 4 + 2 * 4 * MAX_PAIRS
+        x_bytes = self.ksplit * self.nit * vpl * (128 + 16) * self.xr
+        return x_bytes + self.maxit * warps * self.rpw * 4 * self.xr + 2 * 4 * MAX_PAIRS
 
 
 def _pow2_floor(v: float) -> int:
@@ -203,6 +218,66 @@ def plan(
         nit = -(-chunks // (32 * ks)) if mode != 2 else nit
 
 
+def plan_rows(
+    n_rows: int, k_dim: int, bits: int, groups: int, xr: int, *, x_dtype=mx.bfloat16, face: str = "cuda"
+) -> Plan | None:
+    """The multi-row plain mode's geometry (one dense matrix of n_rows rows, `groups` threadgroup z
+    slices of `xr` x rows each), or None when xr rows do not fit threadgroup memory.  `plan`'s
+    MODE 0 choices for the weights (loads per lane and step, rows per warp, warps along K, steps),
+    then x in K slices: chunks per lane and slice halved (more slices), then fewer warps along K,
+    until XR rows of a slice fit (x' and its sums are 4.5 bytes a value and row: K = 4096 is 18 KB
+    a row, so XR rows of the whole K never fit Metal's 32 KB).  Each weight unit is read once
+    per threadgroup for its xr rows."""
+    chunks = k_dim * bits // 128
+    lpt = LPT if xr <= 4 else LPT // 2  # 8 rows' sums and x values: 4 loads a step took 136 registers (sm_90)
+    want = max(1, min(lpt, _pow2_floor(n_rows * groups * chunks / (BLOCKS * 32 * WARPS) * 1.5)))
+    rpw = min(RPW_ROWS[bits], want)
+    nit_want = max(1, want // rpw)
+    ks = 1
+    while ks < WARPS and -(-chunks // (32 * ks)) > nit_want:
+        ks *= 2
+    units = -(-n_rows // rpw)
+    limit = SHARED_BYTES.get(face, 32768)
+    sw = _sw(bits, x_dtype)
+    while True:
+        nit_row = -(-chunks // (32 * ks))  # chunks per lane over the whole row
+        nit = min(nit_row, nit_want)
+        while True:
+            ksl = -(-nit_row // nit)
+            nit = -(-nit_row // ksl)  # the kernel's NIT for KSL slices
+            wrows = WARPS // ks
+            maxit = max(1, min(MAXIT, -(-groups * units // (wrows * BLOCKS))))
+            nby = -(-units // (wrows * maxit))
+            maxit = -(-units // (wrows * nby))
+            p = Plan(ks, nit, rpw, maxit, nby, groups, sw, xr, ksl)
+            if p.shared_bytes(bits) <= limit:
+                return p
+            if nit == 1:
+                break
+            nit = -(-nit // 2)
+        if ks == 1:
+            return None
+        ks //= 2
+
+
+def rows_plan(rows: int, n_rows: int, k_dim: int, bits: int, x_dtype, face: str) -> Plan:
+    """The plan of a `rows`-row dense call: the fewest threadgroup z slices (XR = ceil(rows / NZ)
+    x rows each, XR <= XR_MAX) whose rows fit; XR = 1 (one x row a slice, `plan`) where none does.
+    Cached per shape and per value of the module's knobs (tests and the bench's sweep set them)."""
+    knobs = (WARPS, BLOCKS, LPT, MAXIT, XR_MAX, RPW_ROWS[bits], SHARED_BYTES.get(face, 32768))
+    return _rows_plan(rows, n_rows, k_dim, bits, x_dtype, face, knobs)
+
+
+@cache
+def _rows_plan(rows: int, n_rows: int, k_dim: int, bits: int, x_dtype, face: str, knobs: tuple) -> Plan:
+    for nz in range(-(-rows // XR_MAX), rows):
+        xr = -(-rows // nz)
+        p = plan_rows(n_rows, k_dim, bits, -(-rows // xr), xr, x_dtype=x_dtype, face=face)
+        if p is not None:
+            return p
+    return plan(0, n_rows, k_dim, bits, rows, x_dtype=x_dtype, face=face)
+
+
 def supported(k_dim: int, group_size: int, bits: int, face: str = "cuda") -> bool:
     if bits not in BITS or group_size not in GROUP_SIZES or k_dim <= 0:
         return False
@@ -253,8 +328,22 @@ def kernel_face(k_dim: int, group_size: int, bits: int, moe: bool = False, twoba
 
 
 def template(
-    mode, pl: Plan, x_dtype, s_dtype, *, n_rows, k_dim, group_size, bits, x_div=1, ke=1, dense=False, norm=False
+    mode,
+    pl: Plan,
+    x_dtype,
+    s_dtype,
+    *,
+    n_rows,
+    k_dim,
+    group_size,
+    bits,
+    x_div=1,
+    ke=1,
+    dense=False,
+    norm=False,
+    x_rows=0,
 ) -> list:
+    """The launch's template constants; `x_rows`: the x rows of a multi-row launch (pl.xr > 1)."""
     return [
         ("T", x_dtype),
         ("TS", s_dtype),
@@ -273,6 +362,9 @@ def template(
         ("SW", pl.sw),
         ("DENSE", int(dense)),
         ("NORM", int(norm)),
+        ("XR", pl.xr),
+        ("KSL", pl.ksl),
+        ("XROWS", x_rows if pl.xr > 1 else 0),  # XR = 1: not read (no instance per row count)
     ]
 
 
@@ -296,14 +388,17 @@ def _launch(
     ke=1,
     nw=None,
     out_shape=None,
+    pl=None,
 ):
     """p pairs (MODE 2: tokens, ke experts each); pairs x_div at a time share an x row; a 2-D
     w is one dense matrix (no expert ids read); `nw` (MODE 0): x is RMS-normed with this
     weight (eps in lim[2]) inside the launch.  The kernel reads x2 and the ids as flat rows
     and writes flat rows: `out_shape` (default [p, rows]) is the caller's shape, so that
-    no reshape node comes before or after the launch (each costs host time per token)."""
-    groups = p if mode == 2 else p // x_div
-    pl = plan(mode, n_rows, k_dim, bits, groups, x_div=x_div, ke=ke, x_dtype=x2.dtype, face=face)
+    no reshape node comes before or after the launch (each costs host time per token).
+    `pl`: the caller's plan (a multi-row one: `rows_plan`), else `plan`'s."""
+    if pl is None:
+        groups = p if mode == 2 else p // x_div
+        pl = plan(mode, n_rows, k_dim, bits, groups, x_div=x_div, ke=ke, x_dtype=x2.dtype, face=face)
     out_rows = n_rows // 2 if mode == 1 else n_rows
     return _kernel()(
         face,
@@ -321,6 +416,7 @@ def _launch(
             ke=ke,
             dense=w.ndim == 2,
             norm=nw is not None,
+            x_rows=p,
         ),
         grid=(32 * WARPS, pl.nby, pl.nz),
         threadgroup=(32 * WARPS, 1, 1),
@@ -349,7 +445,8 @@ def qmv(
 ) -> mx.array:
     """``x @ dequantize(w).T``: x [..., K] -> [..., N] in x.dtype (mx.quantized_matmul's result).
     `norm` = (weight, eps): of ``mx.fast.rms_norm(x, weight, eps)`` instead, the norm inside
-    the launch on a GPU face (one launch less per use: the decode step's q_a norm)."""
+    the launch on a GPU face (one launch less per use: the decode step's q_a norm).  2..MAX_ROWS
+    rows: one launch, XR rows a threadgroup (`rows_plan`), each weight read once for XR rows."""
     k_dim = x.shape[-1]
     rows = x.size // max(k_dim, 1)
     face = _face(backend)
@@ -359,6 +456,9 @@ def qmv(
     if norm is not None and backend is None and auto_face("affine_qmv.norm", _norm_self_test) != face:
         x, norm = rms_normed(x, norm), None  # the norm's own launch
     n_rows = w.shape[0]
+    pl = None  # one x row per threadgroup z slice
+    if rows > 1 and (backend is not None or auto_face("affine_qmv.rows", _rows_self_test) == face):
+        pl = rows_plan(rows, n_rows, k_dim, bits, x.dtype, face)  # XR rows a slice: each weight read once for them
     return _launch(
         face,
         0,
@@ -376,6 +476,7 @@ def qmv(
         bits=bits,
         nw=None if norm is None else norm[0].astype(x.dtype),
         out_shape=(*x.shape[:-1], n_rows),
+        pl=pl,
     )
 
 
@@ -533,7 +634,7 @@ def gather_down_sum(
 
 # a bank's template constants (suffixed _A / _B in MODE 3 / 4; T, WARPS and NBY are common)
 BANK_CONSTS = ("TS", "N_ROWS", "K_DIM", "BITS", "GS", "KSPLIT", "RPW", "MAXIT", "X_DIV", "MODE", "KE", "SW", "DENSE")
-BANK_CONSTS += ("NORM",)
+BANK_CONSTS += ("NORM", "XR", "KSL", "XROWS")
 # bank B's buffers (MODE 4: `red2`, its partial sums next to bank A's)
 BANK_B_BUFFERS = {"x": "x2", "w": "w2", "scales": "scales2", "biases": "biases2", "eids": "eids2", "lim": "lim2"}
 BANK_B_BUFFERS |= {"y": "y2"}
@@ -892,6 +993,34 @@ def _norm_self_test(face: str) -> bool:
         d = (wq[0], sc[0], bi[0])
         kw = dict(group_size=gs, bits=bits, norm=(nw, 1e-6))
         ok = ok and _close(qmv(x[:1], *d, **kw, backend=face), qmv(x[:1], *d, **kw, backend="reference"), dt)
+    return ok
+
+
+# (bits, group size, K, dtype, x rows, NORM, weight rows): 8-bit K = 4096 bfloat16 (the decode path:
+# 8 rows a threadgroup, K slices; 3000 weight rows: several steps a warp, the slices' sums in `red`),
+# 2-bit (XR limited by threadgroup memory: z slices of 4 and 3 rows on CUDA, 3, 3 and 1 on Metal),
+# 4-bit float32 with the norm folded in, 8-bit float32 with the norm (K slices, each warp's sums
+# carried over them in registers)
+_ROWS_SELF_TEST_CASES = (
+    (8, 64, 4096, mx.bfloat16, 8, False, 3000),
+    (2, 32, 4096, mx.bfloat16, 7, False, 37),
+    (4, 64, 512, mx.float32, 5, True, 37),
+    (8, 128, 4096, mx.float32, 3, True, 37),
+)
+
+
+def _rows_self_test(face: str) -> bool:
+    """The multi-row plain mode (XR x rows a threadgroup, x in K slices; with and without the
+    folded RMSNorm) against the reference face."""
+    key = mx.random.key(11)
+    ok = True
+    for bits, gs, k_dim, dt, rows, norm, n_rows in _ROWS_SELF_TEST_CASES:
+        wq, sc, bi = mx.quantize(mx.random.normal((n_rows, k_dim), key=key) * 0.05, gs, bits)
+        sc, bi = sc.astype(dt), bi.astype(dt)
+        x = mx.random.normal((rows, k_dim), key=key).astype(dt)
+        nw = (1.0 + 0.2 * mx.random.normal((k_dim,), key=key)).astype(dt)
+        kw = dict(group_size=gs, bits=bits, norm=(nw, 1e-6) if norm else None)
+        ok = ok and _close(qmv(x, wq, sc, bi, **kw, backend=face), qmv(x, wq, sc, bi, **kw, backend="reference"), dt)
     return ok
 
 

@@ -39,6 +39,7 @@ UNVERIFIED_FACES = ("metal",)
 # face has passed the g++ emulation and nvcc but not yet its `pytest -m gpu` run
 UNVERIFIED_KERNELS = {  # (the rest passed their `pytest -m gpu` tests on the H200, last on 2026-12-02 17:30 UTC)
     "affine_qmv.norm",  # the plain mode with an RMSNorm folded in (the decode step's q_a norm): no GPU test of its own
+    "affine_qmv.rows",  # the plain mode's multi-row variant: XR x rows a threadgroup, x staged in K slices
 }
 
 log = logging.getLogger("ds4mlx.kernels")

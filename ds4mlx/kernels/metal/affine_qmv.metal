@@ -14,7 +14,8 @@
 // matrix is E = 1, DENSE = 1, and eids is not read), wts [P] float32 (MODE 2), lim [3] float32
 // (lim[0]: MODE 1's SwiGLU clamp, <= 0 for none; lim[1] = 1.0, see "levels"; lim[2] NORM's
 // eps), nw [K_DIM] T (NORM, MODE 0: x is RMS-normed with this weight first; else a dummy).
-// MODE 0: y [P, N_ROWS]; pair p multiplies x row p / X_DIV by W[eids[p]].
+// MODE 0: y [P, N_ROWS]; pair p multiplies x row p / X_DIV by W[eids[p]].  One dense matrix
+//         may take XR > 1 x rows a threadgroup ("multi-row" below; XROWS = P of them).
 // MODE 1: W holds [gate; up] (N_ROWS = 2I rows); y [P, I] = silu(min(g, lim)) *
 //         clip(u, -lim, lim) of the two halves (the routed experts' gate_up).
 // MODE 2: y [NT, N_ROWS] = sum_j wts[t*KE+j] * W[eids[t*KE+j]] . x[t*KE+j]
@@ -35,6 +36,19 @@
 //     warp row g of NBY*WROWS takes units g, g + NBY*WROWS, ... (MAXIT steps), so
 //     few rows still fill the GPU (KSPLIT up to 8, NBY threadgroups) and many
 //     rows do not re-stage x (one staging per threadgroup);
+//   * multi-row (MODE 0, DENSE, XR > 1): threadgroup z = XR x rows (z = ceil(XROWS / XR); the
+//     last slice's rows past XROWS read the last row and write nothing), so each weight unit
+//     is loaded once for XR rows: a level is made once and multiplies XR x values (decode
+//     is memory-bound: N rows cost about one row's weight reads, not N).  Threadgroup memory
+//     holds x in KSL slices of K: x' and its sums take 4.5 bytes a value and row (K = 4096 is
+//     18 KB a row), so XR rows of the whole K do not fit Metal's 32 KB (nor CUDA's 48 KB of
+//     static shared memory); a slice is NIT chunks per lane (NIT * LANES_X chunks a row),
+//     XR * KSPLIT * NIT * VPL * 144 bytes, with the partial sums red (MAXIT * WARPS * RPW *
+//     XR floats) within the face's limit (affine_qmv.py `plan_rows` picks XR, KSPLIT, NIT).
+//     Steps run slice by slice (JSTEPS = KSL: x re-staged at each slice's first step, as
+//     MODE 2 re-stages between expert steps); a warp's sums of one unit add up over the
+//     slices in registers where the warp has one unit (CARRY: MAXIT = 1, one warp sum at the
+//     end), else in `red` (a warp sum per step).  XR = 1, KSL = 1 is the one-row kernel;
 //   * MODE 2: threadgroup z = one token; its KSPLIT warps of a warp row take KSPLIT
 //     of its KE experts at a time (the experts split K), JSTEPS = KE/KSPLIT steps,
 //     re-staging the KSPLIT x vectors between steps;
@@ -82,16 +96,17 @@ constexpr int SPW = 32 / SW;                      // slabs per word
 constexpr int THREADS = 32 * WARPS;
 constexpr int WROWS = WARPS / KSPLIT;             // warp rows per threadgroup
 constexpr int LANES_X = MODE == 2 ? 32 : 32 * KSPLIT;   // lanes along one x vector
-constexpr int NIT = (CHUNKS + LANES_X - 1) / LANES_X;   // chunks per lane and row
+constexpr int NIT = ((CHUNKS + LANES_X - 1) / LANES_X + KSL - 1) / KSL;   // chunks per lane, row and step
+constexpr int SCH = KSL > 1 ? NIT * LANES_X : CHUNKS;  // chunks of an x vector staged at once (a K slice)
 constexpr int OPW = MODE == 1 ? RPW / 2 : RPW;    // output rows per unit
 constexpr int OUT_ROWS = MODE == 1 ? N_ROWS / 2 : N_ROWS;
 constexpr int TILES = (OUT_ROWS + OPW - 1) / OPW; // units of one matrix
 constexpr int NPAIR = MODE == 2 ? 1 : X_DIV;      // matrices sharing a block's x
 constexpr int UNITS = NPAIR * TILES;              // units per grid z slice
-constexpr int JSTEPS = MODE == 2 ? (KE + KSPLIT - 1) / KSPLIT : 1;
+constexpr int JSTEPS = MODE == 2 ? (KE + KSPLIT - 1) / KSPLIT : KSL;   // MODE 2: expert steps; else K slices
 constexpr int NSTEP = JSTEPS * MAXIT;
-constexpr int NXV = MODE == 2 ? KSPLIT : 1;       // x vectors staged together
-constexpr int ITEMS = NXV * CHUNKS * SUBS;        // 16-value staging items
+constexpr int NXV = MODE == 2 ? KSPLIT : XR;      // x vectors staged together
+constexpr int ITEMS = NXV * SCH * SUBS;           // 16-value staging items
 constexpr int XSLOT = NIT * (VPL / 4) * 32;       // float4s per slot
 constexpr int PSLOT = NIT * SUBS * 32;            // float2s per slot
 constexpr uint32_t LMASK = (1u << BITS) - 1u;
@@ -99,11 +114,15 @@ constexpr uint32_t GW = uint32_t(NBY * WROWS);    // warp rows per grid z slice
 constexpr int NIDS = MODE == 2 ? KE : NPAIR;      // expert ids of one grid z slice
 static_assert(!DENSE || MODE == 0, "a dense matrix is the plain mode");
 static_assert(!NORM || MODE == 0, "the folded RMSNorm is the plain mode's");
+static_assert(XR == 1 || (MODE == 0 && DENSE), "x rows share a threadgroup's weights: one dense matrix");
+static_assert(KSL == 1 || MODE == 0, "K slices: the plain mode's (MODE 2's steps are its experts)");
+// a warp's one unit (MAXIT 1) over KSL slices: consecutive steps, its sums stay in registers
+constexpr bool CARRY = MODE == 0 && KSL > 1 && MAXIT == 1;
 // @@ qmv_shared
-DS4_SHARED float4 xs[KSPLIT * XSLOT];
-DS4_SHARED float nred[WARPS];
-DS4_SHARED float2 ps[KSPLIT * PSLOT];
-DS4_SHARED float red[MAXIT * WARPS * RPW];
+DS4_SHARED float4 xs[KSPLIT * XR * XSLOT];
+DS4_SHARED float nred[WARPS * XR];
+DS4_SHARED float2 ps[KSPLIT * XR * PSLOT];
+DS4_SHARED float red[MAXIT * WARPS * RPW * XR];
 DS4_SHARED int sid[NIDS];
 DS4_SHARED float swt[MODE == 2 ? KE : 1];
 
@@ -134,17 +153,22 @@ if (!DENSE) {
 
 // NORM: x is RMS-normed on the way into the staging, as mx.fast.rms_norm rounds it:
 // T(nw * T(x * rsqrt(mean(x^2) + eps))), the sum of squares in float32 over the block's x
+// (XR > 1: each x row's per-warp sums stay in nred, the staging adds them per row)
 float qn_inv = 1.0f;
 if (NORM) {
-    const uint64_t xr = uint64_t(tgz) * uint64_t(K_DIM);
-    float q2 = 0.0f;
-    for (uint32_t k = tid; k < uint32_t(K_DIM); k += uint32_t(THREADS)) {
-        const float v = static_cast<float>(x[xr + k]);
-        q2 += v * v;
-    }
-    q2 = ds4_warp_sum(q2);
-    if (lane == 0u) {
-        nred[warp] = q2;
+    #pragma unroll
+    for (int h = 0; h < XR; ++h) {
+        const uint32_t hr = tgz * uint32_t(XR) + uint32_t(h);   // rows past XROWS: the last row again
+        const uint64_t xr = uint64_t(XR > 1 ? (hr < uint32_t(XROWS) ? hr : uint32_t(XROWS - 1)) : tgz) * uint64_t(K_DIM);
+        float q2 = 0.0f;
+        for (uint32_t k = tid; k < uint32_t(K_DIM); k += uint32_t(THREADS)) {
+            const float v = static_cast<float>(x[xr + k]);
+            q2 += v * v;
+        }
+        q2 = ds4_warp_sum(q2);
+        if (lane == 0u) {
+            nred[h * WARPS + int(warp)] = q2;
+        }
     }
     ds4_tg_barrier();
     float tot = 0.0f;
@@ -154,6 +178,7 @@ if (NORM) {
     qn_inv = ds4_rsqrt(tot / float(K_DIM) + lim[2]);
 }
 
+float acc[RPW][XR];   // a step's sums (CARRY: a unit's, over its K slices)
 #pragma unroll 1
 for (int s = -1; s < NSTEP; ++s) {
     // step s: unit, expert, validity (uniform across the warp)
@@ -164,32 +189,44 @@ for (int s = -1; s < NSTEP; ++s) {
     const uint32_t j = MODE == 2 ? js * uint32_t(KSPLIT) + ks : 0u;
     const bool valid = s >= 0 && u < uint32_t(UNITS) && (MODE != 2 || j < uint32_t(KE));
     if (s >= 0) {
-        if (it == 0u && (MODE == 2 || js == 0u)) {
+        if (it == 0u && (MODE == 2 || KSL > 1 || js == 0u)) {
             if (s > 0) {
                 ds4_tg_barrier();   // every warp is done with the previous x
             }
             // stage x' = x * 2^(SW - o) transposed, and the sums of x' and x per 16 values
+            // (KSL > 1: K slice js of each of the XR x rows, slot xv * KSPLIT + ks for row xv)
             #pragma unroll
             for (int r = 0; r < (ITEMS + THREADS - 1) / THREADS; ++r) {
                 const uint32_t n = uint32_t(r * THREADS) + tid;
-                const uint32_t xv = n / uint32_t(CHUNKS * SUBS);
-                const uint32_t rem = n % uint32_t(CHUNKS * SUBS);
-                const uint32_t c = rem % uint32_t(CHUNKS);
-                const uint32_t sub = rem / uint32_t(CHUNKS);
+                const uint32_t xv = n / uint32_t(SCH * SUBS);
+                const uint32_t rem = n % uint32_t(SCH * SUBS);
+                const uint32_t cl = rem % uint32_t(SCH);   // the chunk in the slice
+                const uint32_t sub = rem / uint32_t(SCH);
+                const uint32_t c = KSL > 1 ? js * uint32_t(SCH) + cl : cl;   // in the row
                 const uint32_t jx = js * uint32_t(KSPLIT) + xv;
-                if (n < uint32_t(ITEMS) && (MODE != 2 || jx < uint32_t(KE))) {
-                    const uint32_t slot = MODE == 2 ? xv : (c % uint32_t(LANES_X)) / 32u;
-                    const uint32_t at = ((slot * uint32_t(NIT) + c / uint32_t(LANES_X)) * uint32_t(VPL / 4) + sub * 4u) * 32u + c % 32u;
-                    const uint32_t pat = ((slot * uint32_t(NIT) + c / uint32_t(LANES_X)) * uint32_t(SUBS) + sub) * 32u + c % 32u;
-                    const uint64_t x0 = uint64_t(MODE == 2 ? tgz * uint32_t(KE) + jx : tgz) * uint64_t(K_DIM)
-                        + uint64_t(c * uint32_t(VPL) + sub * 16u);
+                if (n < uint32_t(ITEMS) && (MODE != 2 || jx < uint32_t(KE)) && (KSL == 1 || c < uint32_t(CHUNKS))) {
+                    const uint32_t slot = MODE == 2 ? xv : (XR > 1 ? xv * uint32_t(KSPLIT) : 0u) + (cl % uint32_t(LANES_X)) / 32u;
+                    const uint32_t at = ((slot * uint32_t(NIT) + cl / uint32_t(LANES_X)) * uint32_t(VPL / 4) + sub * 4u) * 32u + cl % 32u;
+                    const uint32_t pat = ((slot * uint32_t(NIT) + cl / uint32_t(LANES_X)) * uint32_t(SUBS) + sub) * 32u + cl % 32u;
+                    const uint32_t hr = tgz * uint32_t(XR) + xv;   // XR > 1: rows past XROWS read the last row
+                    const uint32_t xrow = MODE == 2 ? tgz * uint32_t(KE) + jx
+                        : XR > 1 ? (hr < uint32_t(XROWS) ? hr : uint32_t(XROWS - 1)) : tgz;
+                    const uint64_t x0 = uint64_t(xrow) * uint64_t(K_DIM) + uint64_t(c * uint32_t(VPL) + sub * 16u);
+                    float qn = qn_inv;
+                    if (NORM && XR > 1) {   // row xv's: its per-warp sums, in the order of XR = 1
+                        float tot = 0.0f;
+                        for (int g = 0; g < WARPS; ++g) {
+                            tot += nred[xv * uint32_t(WARPS) + uint32_t(g)];
+                        }
+                        qn = ds4_rsqrt(tot / float(K_DIM) + lim[2]);
+                    }
                     // one value at a time: a row-contiguous x may still start anywhere (an MLX view)
                     float v[16];
                     #pragma unroll
                     for (int a = 0; a < 16; ++a) {
                         v[a] = static_cast<float>(x[x0 + uint64_t(a)]);
                         if (NORM) {
-                            const float y = static_cast<float>(static_cast<T>(v[a] * qn_inv));
+                            const float y = static_cast<float>(static_cast<T>(v[a] * qn));
                             const uint32_t kk = c * uint32_t(VPL) + sub * 16u + uint32_t(a);
                             v[a] = static_cast<float>(static_cast<T>(static_cast<float>(nw[kk]) * y));
                         }
@@ -245,7 +282,8 @@ for (int s = -1; s < NSTEP; ++s) {
             const uint64_t ebase = uint64_t(e1) * uint64_t(N_ROWS);
             #pragma unroll
             for (int a = 0; a < NIT; ++a) {
-                const uint32_t c = MODE == 2 ? uint32_t(a) * 32u + lane : uint32_t(a * LANES_X) + ks * 32u + lane;
+                const uint32_t c = MODE == 2 ? uint32_t(a) * 32u + lane
+                    : (KSL > 1 ? js1 * uint32_t(SCH) : 0u) + uint32_t(a * LANES_X) + ks * 32u + lane;
                 const uint32_t cc = c < uint32_t(CHUNKS) ? c : uint32_t(CHUNKS - 1);   // past the row: a real chunk, unused
                 #pragma unroll
                 for (int i = 0; i < RPW; ++i) {
@@ -270,45 +308,61 @@ for (int s = -1; s < NSTEP; ++s) {
     if (!valid) {
         continue;
     }
-    float acc[RPW];
-    #pragma unroll
-    for (int i = 0; i < RPW; ++i) {
-        acc[i] = 0.0f;
+    if (!CARRY || js == 0u) {
+        #pragma unroll
+        for (int i = 0; i < RPW; ++i) {
+            #pragma unroll
+            for (int h = 0; h < XR; ++h) {
+                acc[i][h] = 0.0f;
+            }
+        }
     }
     #pragma unroll
     for (int a = 0; a < NIT; ++a) {
-        const uint32_t c = MODE == 2 ? uint32_t(a) * 32u + lane : uint32_t(a * LANES_X) + ks * 32u + lane;
+        const uint32_t c = MODE == 2 ? uint32_t(a) * 32u + lane
+            : (KSL > 1 ? js * uint32_t(SCH) : 0u) + uint32_t(a * LANES_X) + ks * 32u + lane;
         if (c < uint32_t(CHUNKS)) {
             const uint32_t xb = (ks * uint32_t(NIT) + uint32_t(a)) * uint32_t(VPL / 4) * 32u + lane;
             const uint32_t pb = (ks * uint32_t(NIT) + uint32_t(a)) * uint32_t(SUBS) * 32u + lane;
             #pragma unroll
             for (int g = 0; g < NSEG; ++g) {
-                float sxp = 0.0f;   // sum of x' over the segment
-                float sx = 0.0f;    // sum of x
+                float sxp[XR];   // sum of x' over the segment (x row h: slot h * KSPLIT + ks)
+                float sx[XR];    // sum of x
                 #pragma unroll
-                for (int m = 0; m < SPS; ++m) {
-                    const float2 pp = ps[pb + uint32_t(g * SPS + m) * 32u];
-                    sxp += pp.x;
-                    sx += pp.y;
+                for (int h = 0; h < XR; ++h) {
+                    sxp[h] = 0.0f;
+                    sx[h] = 0.0f;
+                    #pragma unroll
+                    for (int m = 0; m < SPS; ++m) {
+                        const float2 pp = ps[pb + uint32_t(h * KSPLIT * PSLOT) + uint32_t(g * SPS + m) * 32u];
+                        sxp[h] += pp.x;
+                        sx[h] += pp.y;
+                    }
                 }
-                float t0[RPW];   // two chains per row (even / odd slabs)
-                float t1[RPW];
+                float t0[RPW][XR];   // two chains per row (even / odd slabs; XR > 1: the rows are the chains)
+                float t1[RPW][XR];
                 #pragma unroll
                 for (int i = 0; i < RPW; ++i) {
-                    t0[i] = 0.0f;
-                    t1[i] = 0.0f;
+                    #pragma unroll
+                    for (int h = 0; h < XR; ++h) {
+                        t0[i][h] = 0.0f;
+                        t1[i][h] = 0.0f;
+                    }
                 }
                 #pragma unroll
                 for (int ww = 0; ww < WPS; ++ww) {
                     const int wi = g * WPS + ww;   // word of the chunk
-                    float xq[VPW];
+                    float xq[XR][VPW];
                     #pragma unroll
-                    for (int q = 0; q < VPW / 4; ++q) {
-                        const float4 f4 = xs[xb + uint32_t(wi * (VPW / 4) + q) * 32u];
-                        xq[4 * q + 0] = f4.x;
-                        xq[4 * q + 1] = f4.y;
-                        xq[4 * q + 2] = f4.z;
-                        xq[4 * q + 3] = f4.w;
+                    for (int h = 0; h < XR; ++h) {
+                        #pragma unroll
+                        for (int q = 0; q < VPW / 4; ++q) {
+                            const float4 f4 = xs[xb + uint32_t(h * KSPLIT * XSLOT) + uint32_t(wi * (VPW / 4) + q) * 32u];
+                            xq[h][4 * q + 0] = f4.x;
+                            xq[h][4 * q + 1] = f4.y;
+                            xq[h][4 * q + 2] = f4.z;
+                            xq[h][4 * q + 3] = f4.w;
+                        }
                     }
                     #pragma unroll
                     for (int i = 0; i < RPW; ++i) {
@@ -320,11 +374,15 @@ for (int s = -1; s < NSTEP; ++s) {
                             const uint32_t slab = sh >= 0 ? (word << uint32_t(sh)) : (word >> uint32_t(-sh));
                             #pragma unroll
                             for (int f = 0; f < LPS; ++f) {
+                                // one level, XR rows: each weight unit is read once for the block's XR x rows
                                 const float lv = ds4_as_float((slab & (LMASK << uint32_t(23 - SW + f * BITS))) | one);
-                                if (b % 2 == 0) {
-                                    t0[i] += lv * xq[b * LPS + f];
-                                } else {
-                                    t1[i] += lv * xq[b * LPS + f];
+                                #pragma unroll
+                                for (int h = 0; h < XR; ++h) {
+                                    if (b % 2 == 0 || XR > 1) {
+                                        t0[i][h] += lv * xq[h][b * LPS + f];
+                                    } else {
+                                        t1[i][h] += lv * xq[h][b * LPS + f];
+                                    }
                                 }
                             }
                         }
@@ -332,18 +390,26 @@ for (int s = -1; s < NSTEP; ++s) {
                 }
                 #pragma unroll
                 for (int i = 0; i < RPW; ++i) {
-                    acc[i] += sv[a][i][g] * ((t0[i] + t1[i]) - sxp) + bv[a][i][g] * sx;
+                    #pragma unroll
+                    for (int h = 0; h < XR; ++h) {
+                        acc[i][h] += sv[a][i][g] * ((XR > 1 ? t0[i][h] : t0[i][h] + t1[i][h]) - sxp[h]) + bv[a][i][g] * sx[h];
+                    }
                 }
             }
         }
     }
     const float wj = MODE == 2 ? swt[j] : 1.0f;
-    #pragma unroll
-    for (int i = 0; i < RPW; ++i) {
-        const float v = ds4_warp_sum(acc[i]);
-        if (lane == 0u) {
-            const uint32_t at = (it * uint32_t(WARPS) + warp) * uint32_t(RPW) + uint32_t(i);
-            red[at] = js == 0u ? wj * v : red[at] + wj * v;
+    if (!CARRY || js == uint32_t(JSTEPS - 1)) {
+        #pragma unroll
+        for (int i = 0; i < RPW; ++i) {
+            #pragma unroll
+            for (int h = 0; h < XR; ++h) {
+                const float v = ds4_warp_sum(acc[i][h]);
+                if (lane == 0u) {
+                    const uint32_t at = ((it * uint32_t(WARPS) + warp) * uint32_t(RPW) + uint32_t(i)) * uint32_t(XR) + uint32_t(h);
+                    red[at] = (CARRY || js == 0u) ? wj * v : red[at] + wj * v;   // KSL > 1: over the slices
+                }
+            }
         }
     }
 }
@@ -351,12 +417,13 @@ for (int s = -1; s < NSTEP; ++s) {
 // @@ qmv_epilogue
 // epilogue: the KSPLIT warps of a warp row (MODE 2: its experts), then y
 ds4_tg_barrier();
-for (uint32_t lo = tid; lo < uint32_t(MAXIT * WROWS * OPW); lo += uint32_t(THREADS)) {
-    const uint32_t it = lo / uint32_t(WROWS * OPW);
+for (uint32_t lo = tid; lo < uint32_t(MAXIT * XR * WROWS * OPW); lo += uint32_t(THREADS)) {
+    const uint32_t it = lo / uint32_t(XR * WROWS * OPW);
+    const uint32_t h = (lo / uint32_t(WROWS * OPW)) % uint32_t(XR);   // x row of the block (y rows written contiguously)
     const uint32_t wr2 = (lo / uint32_t(OPW)) % uint32_t(WROWS);
     const uint32_t i = lo % uint32_t(OPW);
     const uint32_t u = it * GW + tgy * uint32_t(WROWS) + wr2;
-    if (u >= uint32_t(UNITS)) {
+    if (u >= uint32_t(UNITS) || (XR > 1 && tgz * uint32_t(XR) + h >= uint32_t(XROWS))) {
         continue;
     }
     const uint32_t tile = MODE == 2 ? u : u % uint32_t(TILES);
@@ -370,9 +437,9 @@ for (uint32_t lo = tid; lo < uint32_t(MAXIT * WROWS * OPW); lo += uint32_t(THREA
     for (int k = 0; k < KSPLIT; ++k) {
         if (MODE != 2 || k < KE) {
             const uint32_t base = (it * uint32_t(WARPS) + wr2 * uint32_t(KSPLIT) + uint32_t(k)) * uint32_t(RPW);
-            a += red[base + i];
+            a += red[(base + i) * uint32_t(XR) + h];
             if (MODE == 1) {
-                up += red[base + uint32_t(OPW) + i];
+                up += red[(base + uint32_t(OPW) + i) * uint32_t(XR) + h];
             }
         }
     }
@@ -384,7 +451,7 @@ for (uint32_t lo = tid; lo < uint32_t(MAXIT * WROWS * OPW); lo += uint32_t(THREA
         }
         a = ds4_silu(a) * up;
     }
-    const uint32_t yrow = MODE == 2 ? tgz : tgz * uint32_t(NPAIR) + u / uint32_t(TILES);
+    const uint32_t yrow = MODE == 2 ? tgz : (tgz * uint32_t(XR) + h) * uint32_t(NPAIR) + u / uint32_t(TILES);
     y[uint64_t(yrow) * uint64_t(OUT_ROWS) + orow] = static_cast<T>(a);
 }
 
@@ -423,6 +490,7 @@ DS4_SHARED float swt[MODE_A == 2 ? KE_A : 1];
 
 // @@ qmv2_gu
 static_assert(MODE == 3 && MODE_A == 1 && MODE_B == 1, "gate_up + SwiGLU of both banks");
+static_assert(XR_A == 1 && XR_B == 1 && KSL_A == 1 && KSL_B == 1, "one x vector per bank, staged whole");
 if (tgz < uint32_t(NZ_A)) {
     const uint32_t tgz_A = tgz;
     DS4_QMV_MAIN(A)
@@ -437,6 +505,7 @@ if (tgz < uint32_t(NZ_A)) {
 static_assert(MODE == 4 && MODE_A == 2 && MODE_B == 0 && DENSE_B, "routed down + sum, then the dense down");
 static_assert(KSPLIT_A == KSPLIT_B && RPW_A == RPW_B && MAXIT_A == MAXIT_B, "the banks' units are the same rows");
 static_assert(OUT_ROWS_A == OUT_ROWS_B, "both banks write the same output rows");
+static_assert(XR_A == 1 && XR_B == 1 && KSL_A == 1 && KSL_B == 1, "one x vector per bank, staged whole");
 const uint32_t tgz_A = tgz;
 const uint32_t tgz_B = tgz;
 {
