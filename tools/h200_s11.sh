@@ -7,6 +7,8 @@
 #   call 3: bash tools/h200_s11.sh S      (carry .whl .devstage/pre; the warm machine keeps /root/site):
 #           serve vs bench (jsonschema / aiohttp wheels from .whl when missing), then GGUF decode of
 #           .devstage/pre (`git archive e735ae2^ ds4mlx`) and of this tree again, back to back
+#   call 4: bash tools/h200_s11.sh R      (no carry): the multi-row plain mode's GPU tests (affine_qmv.rows),
+#           then speculative verify cost through the chained static step (#21) and batched sessions (#20)
 # .whl: `pip download jsonschema aiohttp --only-binary=:all: --platform manylinux2014_x86_64
 # --python-version 3.12 --implementation cp -d .whl` (3.7 MB, git-ignored).
 source tools/h200_probe_lib.sh  # $OUT, MLX's CUDA build, the kernel cache, log / keep / probe
@@ -35,6 +37,18 @@ S)
       | tee "$OUT/decode_gguf_pre.txt"
   log "decode, this tree, GGUF experts, 2K + 32K (back to back with the line above)"
   probe ${GGUF_S:-90} --label head-gguf --expert-format gguf --ctx 2048 32768 --fake-context | tee "$OUT/decode_gguf_head2.txt"
+  keep
+  ;;
+R)
+  log "GPU tests of affine_qmv's multi-row plain mode"
+  timeout ${ROWS_S:-150} python3 -m pytest -m gpu -p no:cacheprovider -n 4 --timeout 180 -q --tb=short \
+      tests/test_affine_qmv.py -k "gpu_rows or gpu_dense_and_gather or gpu_self_tests" 2>&1 | tail -15 | tee "$OUT/rows_tests.txt"
+  keep
+  log "speculative verify cost, chained static step (#21)"
+  timeout ${SPEC_S:-180} python3 -u tools/spec_bench.py --ctx 2048 --gen 32 --reps 6 --csv "$OUT/spec_bench.csv" 2>&1 \
+      | grep -v "_warn_once\|UserWarning" | tail -25 | tee "$OUT/spec_bench.txt"
+  log "batched sessions N = 1, 8, 4 (#20)"
+  SLOTS=${SLOTS:-1,8,4} BUDGET_S=${BATCH_S:-170} OUT=$OUT bash tools/h200_batching.sh 2>&1 | tail -20 | tee -a "$OUT/log.txt"
   keep
   ;;
 esac
