@@ -43,12 +43,15 @@ R)
   log "GPU tests of affine_qmv's multi-row plain mode"
   timeout ${ROWS_S:-150} python3 -m pytest -m gpu -p no:cacheprovider -n 4 --timeout 180 -q --tb=short \
       tests/test_affine_qmv.py -k "gpu_rows or gpu_dense_and_gather or gpu_self_tests" 2>&1 | tail -15 | tee "$OUT/rows_tests.txt"
+  log "dense mat-vecs of 1..8 rows: one launch (XR rows a threadgroup) vs a row a slice"
+  timeout ${RB_S:-60} python3 -u -m ds4mlx.bench.kernels --qmv-rows --no-micro --no-layer --no-model 2>&1 \
+      | grep -v "_warn_once\|UserWarning" | tail -20 | tee "$OUT/qmv_rows.txt"
   keep
   log "speculative verify cost, chained static step (#21)"
   timeout ${SPEC_S:-180} python3 -u tools/spec_bench.py --ctx 2048 --gen 32 --reps 6 --csv "$OUT/spec_bench.csv" 2>&1 \
       | grep -v "_warn_once\|UserWarning" | tail -25 | tee "$OUT/spec_bench.txt"
   log "batched sessions N = 1, 8, 4 (#20)"
-  SLOTS=${SLOTS:-1,8,4} BUDGET_S=${BATCH_S:-170} OUT=$OUT bash tools/h200_batching.sh 2>&1 | tail -20 | tee -a "$OUT/log.txt"
+  SLOTS=${SLOTS:-1,8,4} BUDGET_S=${BATCH_S:-150} OUT=$OUT bash tools/h200_batching.sh 2>&1 | tail -20 | tee -a "$OUT/log.txt"
   keep
   ;;
 esac

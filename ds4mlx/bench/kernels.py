@@ -785,6 +785,61 @@ def bench_qmv_decode(calls: int = 64, face: str | None = None, out: list | None 
     return out
 
 
+ROWS_SHAPES = [(1024, 4096, 8), (4096, 8192, 8), (32768, 1024, 8), (4096, 4096, 2)]  # (N, K, bits)
+
+
+def bench_qmv_rows(calls: int = 64, face: str | None = None, out: list | None = None):
+    """Issue #20's dense mat-vecs of B = 1..8 x rows: one launch with XR rows a threadgroup
+    (each weight read once for them) against one row a threadgroup z slice (XR_MAX = 1, each
+    row re-reading the weights): wall µs per call over `calls` independent calls (8 weight
+    copies in rotation: more than L2), and weight GB/s counted once per call."""
+    from ds4mlx.kernels import affine_qmv as aq
+
+    face = face or dispatch.gpu_backend()
+    out = [] if out is None else out
+    print("dense mat-vecs of B rows: µs per call (weight GB/s) | XR rows a threadgroup | one row a slice | speed-up")
+    for n, k, bits in ROWS_SHAPES:
+        mats = []
+        for i in range(8):
+            w = (mx.random.normal((n, k), key=mx.random.key(i)) * k**-0.5).astype(mx.bfloat16)
+            mats.append(mx.quantize(w, 64, bits))
+        mx.eval(mats)
+        nbytes = sum(a.nbytes for a in mats[0])
+        for b in (1, 2, 4, 8):
+            xs = [mx.random.normal((b, k), key=mx.random.key(100 + i)).astype(mx.bfloat16) for i in range(8)]
+            mx.eval(xs)
+            res = {}
+            for label, xr in (("rows", aq.XR_MAX), ("one", 1)):
+                keep, aq.XR_MAX = aq.XR_MAX, xr
+                try:
+
+                    def run():
+                        ys = [
+                            aq.qmv(xs[i % 8], *mats[i % 8], group_size=64, bits=bits, backend=face)
+                            for i in range(calls)
+                        ]
+                        mx.eval(ys)
+
+                    run()  # first use: compile, self-test
+                    t0 = time.perf_counter()
+                    run()
+                    res[label] = (time.perf_counter() - t0) / calls * 1e6
+                finally:
+                    aq.XR_MAX = keep
+            gbs = {w: nbytes / (us * 1e-6) / 1e9 for w, us in res.items()}
+            print(
+                f"  {n:6d}x{k:<5d} {bits}-bit B={b}: {res['rows']:8.1f} ({gbs['rows']:5.0f}) | "
+                f"{res['one']:8.1f} ({gbs['one']:5.0f}) | x{res['one'] / res['rows']:.2f}",
+                flush=True,
+            )
+            out.append(
+                {"what": f"rows_{n}x{k}_{bits}bit_B{b}", "bytes": nbytes, "rows_us": res["rows"], "one_us": res["one"]}
+            )
+        mats = None
+        mx.clear_cache()
+    return out
+
+
 def bench_moe_call(
     calls: int = 32,
     face: str | None = None,
@@ -1021,6 +1076,7 @@ def main(argv=None) -> int:
         help="the decode shapes old vs new affine_qmv (GPU time, chain, one call), then the dependent-chain"
         " mat-vec GB/s table (affine 2/4/8, the MoE call, GGUF types)",
     )
+    p.add_argument("--qmv-rows", action="store_true", help="dense mat-vecs of 1..8 x rows: one launch vs a row a slice")
     p.add_argument("--json", help="write the --qmv rows to this file")
     p.add_argument(
         "--qmv-sweep",
@@ -1055,6 +1111,8 @@ def main(argv=None) -> int:
         rows += bench_qmv_decode()
     if a.qmv_sweep:
         rows += bench_qmv_sweep()
+    if a.qmv_rows:
+        rows += bench_qmv_rows()
     if a.qmv and not a.qmv_decode_only:
         rows += bench_qmv()
         bench_moe_call(out=rows)
