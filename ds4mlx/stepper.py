@@ -85,6 +85,11 @@ def _watch(model) -> None:
 def _drop(key: int) -> None:
     for memo in (_checked, _refused, _watched):
         memo.discard(key)
+    _drop_traces(key)
+
+
+def _drop_traces(key: int) -> None:
+    """The compiled functions of the model with id `key`: its step, rows and chains."""
     _compiled.pop(key, None)
     for memo in (_compiled_rows, _compiled_chain):
         for k in [k for k in memo if k[0] == key]:
@@ -97,10 +102,7 @@ def forget(model) -> None:
     fused projections its modules built for the static step."""
     for memo in (_checked, _refused):
         memo.discard(id(model))
-    _compiled.pop(id(model), None)
-    for memo in (_compiled_rows, _compiled_chain):
-        for k in [k for k in memo if k[0] == id(model)]:
-            memo.pop(k, None)
+    _drop_traces(id(model))
     for _, m in model.named_modules():
         for name in FUSED_ATTRS:
             m.__dict__.pop(name, None)
