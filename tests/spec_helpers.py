@@ -1,13 +1,25 @@
-"""What the speculative-decoding tests share: greedy speculation next to plain decoding, and
-a rule whose drafts are mostly right (so rounds keep several drafts)."""
+"""What the speculative-decoding tests share: the compiled step with small buckets, greedy
+speculation next to plain decoding, and a rule whose drafts are mostly right (so rounds keep
+several drafts)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 
+from ds4mlx import stepper
 from ds4mlx.decode import decode_tokens, greedy
+from ds4mlx.models import cache as row_cache
 from ds4mlx.speculative.acceptance import GreedyRule
 from ds4mlx.speculative.loop import SpeculativeLoop
+
+
+@pytest.fixture(autouse=True)
+def compiled_small_buckets(monkeypatch):
+    """The compiled static step, row buffers growing every 4 rows (the tiny models' runs
+    cross a bucket); autouse in every module that imports it."""
+    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
 
 
 def plain_and_speculative(lm, prompt: list, n: int, drafter, depth: int, rule=None):

@@ -21,8 +21,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4mlx import stepper
-from ds4mlx.models import cache as row_cache
 from ds4mlx.sampling import SamplingParams
 from ds4mlx.speculative import cli as spec_cli
 from ds4mlx.speculative.acceptance import GreedyRule, OpportunisticRule, SampledRule, distribution, rule_for
@@ -32,6 +30,7 @@ from ds4mlx.speculative.options import SpecConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case  # noqa: E402
+from spec_helpers import compiled_small_buckets  # noqa: E402, F401  (autouse)
 
 HOT = SamplingParams(temperature=1.0, min_p=0.0)
 
@@ -128,12 +127,6 @@ def test_the_flag_picks_the_rule_and_is_on_by_default():
 def v4(oracle):
     _, lm, ref, _ = load_case(oracle, "make_tiny_deepseek_v4.py", "long")
     return lm, ref["input_ids"][0].tolist()[:8]
-
-
-@pytest.fixture(autouse=True)
-def compiled(monkeypatch):
-    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
-    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
 
 
 def test_loop_keeps_every_argmax_draft_and_samples_the_rest(v4):

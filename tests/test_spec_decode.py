@@ -18,9 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4mlx import stepper
 from ds4mlx.decode import decode_tokens, greedy
-from ds4mlx.models import cache as row_cache
 from ds4mlx.sampling import SamplingParams
 from ds4mlx.speculative.acceptance import GreedyRule, SampledRule, distribution
 from ds4mlx.speculative.drafter import ModelDrafter, ScriptedDrafter
@@ -28,14 +26,9 @@ from ds4mlx.speculative.loop import SpeculativeLoop
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case  # noqa: E402
+from spec_helpers import compiled_small_buckets  # noqa: E402, F401  (autouse)
 
 N = 210
-
-
-@pytest.fixture(autouse=True)
-def compiled(monkeypatch):
-    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
-    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
 
 
 @pytest.fixture(scope="module")

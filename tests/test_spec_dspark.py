@@ -19,9 +19,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from ds4mlx import stepper
 from ds4mlx.decode import decode_tokens, greedy
-from ds4mlx.models import cache as row_cache
 from ds4mlx.models.deepseek_v41_dspark import DSparkArgs, random_head
 from ds4mlx.speculative.acceptance import GreedyRule
 from ds4mlx.speculative.dspark import DSparkBlockDrafter, default_dspark_config
@@ -29,13 +27,10 @@ from ds4mlx.speculative.loop import SpeculativeLoop
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case  # noqa: E402
-from spec_helpers import ScriptedPicks  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def compiled(monkeypatch):
-    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
-    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+from spec_helpers import (
+    ScriptedPicks,  # noqa: E402
+    compiled_small_buckets,  # noqa: E402, F401  (autouse)
+)
 
 
 @pytest.fixture(scope="module")

@@ -21,21 +21,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4mlx import stepper
-from ds4mlx.models import cache as row_cache
 from ds4mlx.speculative.mtp import MTPDrafter, random_head
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case  # noqa: E402
-from spec_helpers import plain_and_speculative  # noqa: E402
+from spec_helpers import (
+    compiled_small_buckets,  # noqa: E402, F401  (autouse)
+    plain_and_speculative,  # noqa: E402
+)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def compiled(monkeypatch):
-    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
-    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
 
 
 @pytest.fixture(scope="module")

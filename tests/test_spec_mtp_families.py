@@ -33,9 +33,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from ds4mlx import stepper
 from ds4mlx.decode import decode_tokens, greedy
-from ds4mlx.models import cache as row_cache
 from ds4mlx.speculative.acceptance import GreedyRule
 from ds4mlx.speculative.loop import SpeculativeLoop
 from ds4mlx.speculative.mtp import MTPDrafter, mtp_drafter, random_head
@@ -43,15 +41,13 @@ from ds4mlx.speculative.options import SpecUsageError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case  # noqa: E402
-from spec_helpers import ScriptedPicks, plain_and_speculative  # noqa: E402
+from spec_helpers import (  # noqa: E402
+    ScriptedPicks,
+    compiled_small_buckets,  # noqa: E402, F401  (autouse)
+    plain_and_speculative,
+)
 
 SCRIPTS = {"glm": "make_tiny_glm_moe_dsa.py", "qwen": "make_tiny_qwen4_exp.py"}
-
-
-@pytest.fixture(autouse=True)
-def compiled(monkeypatch):
-    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
-    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from ds4mlx import stepper
-from ds4mlx.models import cache as row_cache
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case, maxdiff  # noqa: E402
+from spec_helpers import compiled_small_buckets  # noqa: E402, F401  (autouse)
 
 TOL = 1e-4
 FAMILIES = {
@@ -28,12 +28,6 @@ FAMILIES = {
     "glm5_next": ("make_tiny_glm5_next.py", "long"),
     "qwen4_exp": ("make_tiny_qwen4_exp.py", "long"),
 }
-
-
-@pytest.fixture(autouse=True)
-def small_buckets(monkeypatch):
-    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
-    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
