@@ -92,7 +92,9 @@ def error_message(api: str, r: requests.Response) -> str:
 
 def sse_events(r: requests.Response) -> list[dict]:
     out = []
-    for line in r.text.splitlines():
+    # SSE lines end in "\n"; the body is UTF-8 (requests would guess Latin-1 for text/event-stream,
+    # and str.splitlines also breaks at U+0085, a Latin-1 reading of a UTF-8 continuation byte)
+    for line in r.content.decode("utf-8").split("\n"):
         if line.startswith("data: ") and line != "data: [DONE]":
             out.append(json.loads(line[6:]))
     return out
