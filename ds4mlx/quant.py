@@ -333,7 +333,16 @@ def dequantize(raw: np.ndarray, qtype, shape: Sequence[int]) -> np.ndarray:
 # --------------------------------------------------------------------------- random blocks
 # Byte offsets of the float16 scale fields inside one block of each type: random
 # bytes there could be inf / NaN; a fixed small scale keeps the outputs finite.
-RANDOM_BLOCKS_CHUNK = 16  # experts per launch (one [256, 4096, ...] bank overflows a CUDA grid)
+EXPERTS_PER_LAUNCH = 16  # random / quantize calls over an expert bank: a whole [256, 4096, 4096]
+# bank in one launch overflows a CUDA grid (or fails to add its graph node) on the H200
+
+
+def expert_spans(experts: int):
+    """(first, count) of each EXPERTS_PER_LAUNCH-expert slice of a bank of `experts`."""
+    for e0 in range(0, experts, EXPERTS_PER_LAUNCH):
+        yield e0, min(EXPERTS_PER_LAUNCH, experts - e0)
+
+
 _F16_FIELDS = {"IQ2_XXS": (0,), "Q2_K": (80, 82), "Q4_K": (0, 2), "Q8_0": (0,)}
 
 
@@ -356,8 +365,7 @@ def random_gguf_blocks(qtype, experts: int, rows: int, k: int, seed: int = 0):
     qt = as_qtype(qtype)
     elems, nbytes = block_size(qt)
     chunks = []
-    for e0 in range(0, experts, RANDOM_BLOCKS_CHUNK):  # a whole bank in one launch overflows the grid
-        e = min(RANDOM_BLOCKS_CHUNK, experts - e0)
+    for e0, e in expert_spans(experts):
         b = mx.random.randint(0, 256, (e, rows, k // elems, nbytes), key=mx.random.key(seed + e0)).astype(mx.uint8)
         for off in _F16_FIELDS[qt.name]:
             b[..., off] = 0x00

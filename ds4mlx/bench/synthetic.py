@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from ..quant import random_gguf_blocks
+from ..quant import expert_spans, random_gguf_blocks
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -79,17 +79,11 @@ def weight_std(name: str, shape) -> float:
     return 0.02 if "embed" in name else shape[-1] ** -0.5
 
 
-EXPERT_CHUNK = 16  # experts generated per call: one [256, 4096, 4096] tensor overflows a CUDA launch
-
-
 def named_experts(name: str, shape, std: float):
-    """`named_normal` for an expert bank [E, ...], generated EXPERT_CHUNK experts at a time."""
+    """`named_normal` for an expert bank [E, ...], generated a `quant.expert_spans` slice at a time."""
     import mlx.core as mx
 
-    e = shape[0]
-    return mx.concatenate(
-        [named_normal(f"{name}#{i}", (min(EXPERT_CHUNK, e - i), *shape[1:]), std) for i in range(0, e, EXPERT_CHUNK)]
-    )
+    return mx.concatenate([named_normal(f"{name}#{i}", (e, *shape[1:]), std) for i, e in expert_spans(shape[0])])
 
 
 def _gguf_experts(module, seed: int) -> None:
@@ -147,7 +141,7 @@ def _randomize(module, prefix: str, n_experts: int, k: int, value=default_value)
 
 
 def _quantize_experts(switch, bits: int):
-    """A routed-expert bank quantized EXPERT_CHUNK experts at a time (the whole
+    """A routed-expert bank quantized a `quant.expert_spans` slice at a time (the whole
     [256, 4096, 4096] bank in one mx.quantize call overflows a CUDA launch)."""
     import mlx.core as mx
 
@@ -155,8 +149,8 @@ def _quantize_experts(switch, bits: int):
 
     e, out_dims, in_dims = switch.weight.shape
     parts = []
-    for i in range(0, e, EXPERT_CHUNK):
-        parts.append(mx.quantize(switch.weight[i : i + EXPERT_CHUNK], 64, bits))
+    for i, n in expert_spans(e):
+        parts.append(mx.quantize(switch.weight[i : i + n], 64, bits))
         mx.eval(parts[-1])
     q = QuantizedSwitchLinear(in_dims, out_dims, 1, 64, bits)
     q.weight, q.scales, q.biases = (mx.concatenate([p[j] for p in parts]) for j in range(3))

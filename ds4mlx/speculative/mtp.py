@@ -31,6 +31,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..loader import materialize
+from ..quant import EXPERTS_PER_LAUNCH, expert_spans
 from .drafter import settle_drafts, top2_gap
 from .options import SpecUsageError
 
@@ -81,19 +82,17 @@ def _float_dtype(inner):
     return dt if dt is not None else inner.model.embed_tokens.weight.dtype
 
 
-RANDOM_ROWS = 16  # experts drawn per call: one [256, 4096, 4096] draw fails to launch on the H200
-
-
 def _normal_rows(shape, dtype, key):
-    """N(0, 1) of `shape`; an expert bank (3-D, more than RANDOM_ROWS experts) is drawn
-    RANDOM_ROWS experts at a time (tools/spec_bench.py's full-size random head hit
+    """N(0, 1) of `shape`; an expert bank (3-D, more than EXPERTS_PER_LAUNCH experts) is
+    drawn a slice at a time (tools/spec_bench.py's full-size random head hit
     "cudaGraphAddKernelNode ... invalid argument" drawing it whole, 2026-12-02)."""
-    if len(shape) != 3 or shape[0] <= RANDOM_ROWS:
+    if len(shape) != 3 or shape[0] <= EXPERTS_PER_LAUNCH:
         return mx.random.normal(shape, dtype=dtype, key=key)
-    keys = mx.random.split(key, -(-shape[0] // RANDOM_ROWS))
+    spans = list(expert_spans(shape[0]))
+    keys = mx.random.split(key, len(spans))
     parts = []
-    for i, e0 in enumerate(range(0, shape[0], RANDOM_ROWS)):
-        parts.append(mx.random.normal((min(RANDOM_ROWS, shape[0] - e0), *shape[1:]), dtype=dtype, key=keys[i]))
+    for i, (_, e) in enumerate(spans):
+        parts.append(mx.random.normal((e, *shape[1:]), dtype=dtype, key=keys[i]))
         mx.eval(parts[-1])
     return mx.concatenate(parts)
 
