@@ -9,6 +9,8 @@
 #           .devstage/pre (`git archive e735ae2^ ds4mlx`) and of this tree again, back to back
 #   call 4: bash tools/h200_s11.sh R      (no carry): the multi-row plain mode's GPU tests (affine_qmv.rows),
 #           then speculative verify cost through the chained static step (#21) and batched sessions (#20)
+#   call 5: bash tools/h200_s11.sh P      (no carry): issue #14's prefill at chunks 2048 and 4096, GGUF
+#           experts, the prefill profile, the disk KV cache at 32K (~10 min: a call of its own)
 # .whl: `pip download jsonschema aiohttp --only-binary=:all: --platform manylinux2014_x86_64
 # --python-version 3.12 --implementation cp -d .whl` (3.7 MB, git-ignored).
 source tools/h200_probe_lib.sh  # $OUT, MLX's CUDA build, the kernel cache, log / keep / probe
@@ -53,6 +55,27 @@ R)
   log "batched sessions N = 1, 8, 4 (#20)"
   SLOTS=${SLOTS:-1,8,4} BUDGET_S=${BATCH_S:-150} OUT=$OUT bash tools/h200_batching.sh 2>&1 | tail -20 | tee -a "$OUT/log.txt"
   keep
+  ;;
+P)
+  # issue #14: the prefill bar (2,000 t/s at 8K and 32K) and its profile; chunk 4096 never measured
+  for chunk in 2048 4096; do
+    log "prefill 2K..32K, MLX 2-bit experts, chunk $chunk"
+    DS4MLX_PREFILL_CHUNK=$chunk DS4MLX_DECODE=legacy timeout ${PRE_S:-130} python3 -u -m ds4mlx.cli bench \
+        --synthetic v4-flash --expert-format mlx --ctx-start 2048 --ctx-max 32768 --step-mul 4 --gen-tokens 0 \
+        --time-budget 100 --csv "$OUT/prefill_c$chunk.csv" 2>&1 | grep "prefill_tps" | tee -a "$OUT/log.txt"
+  done
+  log "prefill 2K..32K, GGUF experts"
+  DS4MLX_DECODE=legacy timeout ${PREG_S:-130} python3 -u -m ds4mlx.cli bench --synthetic v4-flash --expert-format gguf \
+      --ctx-start 2048 --ctx-max 32768 --step-mul 4 --gen-tokens 0 --time-budget 100 --csv "$OUT/prefill_gguf.csv" 2>&1 \
+      | grep "prefill_tps" | tee -a "$OUT/log.txt"
+  log "prefill profile, 512- and 2,048-token chunks"
+  timeout ${PROF_S:-150} python3 -u -m ds4mlx.cli bench --synthetic v4-flash --expert-format mlx --ctx-start 2048 \
+      --ctx-max 2048 --gen-tokens 0 --time-budget 60 --profile-prefill --profile-chunks 512,2048 2>&1 \
+      | grep -v "_warn_once\|UserWarning" | tail -40 | tee "$OUT/prefill_profile.txt"
+  keep
+  log "disk KV cache at 32K: restore vs re-prefill"
+  DS4MLX_DECODE=legacy timeout ${KV_S:-150} python3 -u -m ds4mlx.bench.kv bench --synthetic v4-flash --tokens 32768 \
+      --dir /tmp 2>&1 | grep -v '^ds4mlx: dtype' | tail -6 | cut -c1-400 | tee "$OUT/kv.txt"
   ;;
 esac
 log done
