@@ -106,6 +106,27 @@ class SessionCheckpoint:
         return len(self.tokens)
 
 
+class _ChainRows:
+    """What a chained `Session.verify` leaves for `keep_verified`: the rows' states, which
+    row the caches hold (`now` tokens of the verify kept), and the arrays that mark the
+    caches as untouched since (each step, rollback or restore replaces them)."""
+
+    def __init__(self, base: int, rows: list, logits: mx.array, now: int, cache: list):
+        self.base, self.rows, self.logits = base, rows, logits
+        self.moved_to(now, cache)
+
+    def moved_to(self, now: int, cache: list) -> None:
+        self.now, self._cache = now, cache
+        self._mark = [c.static_mark() for c in cache] if all(hasattr(c, "static_mark") for c in cache) else None
+
+    def current(self, cache: list, tokens: int) -> bool:
+        if self._mark is None or cache is not self._cache or tokens != self.base + self.now:
+            return False
+        # (array, offset) per layer: the same array object (a step, even one that writes in
+        # place, changes the offset; a commit replaces the array) at the same offset
+        return all(a is m[0] and o == m[1] for (a, o), m in ((c.static_mark(), m) for c, m in zip(cache, self._mark)))
+
+
 class Session:
     """Token list + every cache of a model + the logits of the next token.
 
@@ -129,6 +150,7 @@ class Session:
         self._tokens: list = []
         self._logits: mx.array | None = None
         self._undo = None
+        self._chain = None  # the last chained verify's rows (keep_verified)
 
     @property
     def tokens(self) -> list[int]:
@@ -175,6 +197,7 @@ class Session:
                 raise ValueError("prefill of no tokens on an empty session")
             return self.last_logits
         self._room(len(ids))
+        self._chain = None
         chunk = int(chunk or self.chunk)
         total = len(ids)
         for i in range(0, total, chunk):
@@ -201,6 +224,7 @@ class Session:
         self._room(1)
         t = token.reshape(1, 1).astype(mx.int32) if isinstance(token, mx.array) else mx.array([[int(token)]], mx.int32)
         prev = self._logits
+        self._chain = None  # the last verify's rows: no longer the session's past (memory back)
         out = stepper.step(self.model, self._cache, t, len(self._tokens), undoable=undoable)
         logits, undo = out if undoable else (out, None)
         self._undo = None if undo is None else (undo, prev)
@@ -248,13 +272,31 @@ class Session:
         arr = ids.reshape(1, -1).astype(mx.int32) if isinstance(ids, mx.array) else mx.array([list(ids)], mx.int32)
         n = int(arr.shape[1])
         self._room(n)
+        base, chain = len(self._tokens), None
         if stepper.supports_chain(self.model):
-            logits = stepper.step_chain(self.model, self._cache, arr, len(self._tokens))
+            logits, rows = stepper.step_chain(self.model, self._cache, arr, base)
+            chain = _ChainRows(base, rows, logits, n, self._cache)
         else:
             logits = self.model(arr, self._cache)[0]
         self._tokens.extend([arr[0, i] for i in range(n)] if isinstance(ids, mx.array) else [int(t) for t in ids])
         self._logits, self._undo = logits[-1], None
+        self._chain = chain
         return logits
+
+    def keep_verified(self, n: int) -> bool:
+        """Keep only the first n tokens of the last `verify` (1 <= n), without a forward:
+        the chained verify left every row's state, and the caches take row n - 1's (the
+        state `n` plain steps leave).  False (nothing changed) where there is no such
+        state: the verify ran the multi-token forward, or the session moved since (a step,
+        a rollback, a restore...); the caller then rolls back and feeds the n tokens again."""
+        ch = getattr(self, "_chain", None)
+        if ch is None or not ch.current(self._cache, len(self._tokens)) or not 1 <= n <= len(ch.rows):
+            return False
+        stepper.keep_chain_row(self.model, self._cache, ch.rows, ch.now, n)
+        ch.moved_to(n, self._cache)
+        del self._tokens[ch.base + n :]
+        self._logits, self._undo = ch.logits[n - 1], None
+        return True
 
     def checkpoint(self) -> SessionCheckpoint:
         """This session's state, kept in memory for `rollback` (no host copy: the cache
@@ -271,6 +313,7 @@ class Session:
         for c, (meta, arrays) in zip(cache, cp.layers):
             c.load(meta, {k: mx.array(v) for k, v in arrays.items()})  # copies: the checkpoint stays reusable
         self._cache, self._tokens, self._logits, self._undo = cache, list(cp.tokens), cp.logits, None
+        self._chain = None
 
     # -- snapshot / restore --------------------------------------------------------------
     def snapshot(self) -> bytes:

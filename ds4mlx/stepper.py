@@ -245,18 +245,20 @@ def _pure_chain(model, streams: bool):
 
     def run(ids, pos, *flat):
         logits, news, *rest = ref().static_step_rows(ids, pos, [list(flat)], chain=True, streams=streams)
-        return (logits, *rest, *news[-1])
+        return (logits, *rest, *[a for new in news for a in new])  # every row's state: see step_chain
 
     return run
 
 
-def step_chain(model, cache: list, ids: mx.array, pos: int) -> mx.array:
+def step_chain(model, cache: list, ids: mx.array, pos: int) -> tuple[mx.array, list]:
     """T consecutive tokens ids [1, T] (int32) of one session at positions pos.. in one
     forward over the static layout (`supports_chain`): `step_rows`' rows chained, row t
     over the state row t - 1 left, so it is T `step`s whose projections run once for the
-    T tokens.  Returns the lazy logits [T, V] and advances `cache` T positions.  The
-    backbone's `stream_hook` (the MTP head's input) gets the residual streams, as from the
-    multi-token forward."""
+    T tokens.  Returns (the lazy logits [T, V], every row's new state: row t's is the
+    state after tokens 0..t) and advances `cache` T positions.  A caller that keeps only
+    the first n tokens commits row n - 1's state (`keep_chain_row`) instead of a rollback
+    and a second forward.  The backbone's `stream_hook` (the MTP head's input) gets the
+    residual streams, as from the multi-token forward."""
     T = int(ids.shape[1])
     hook = getattr(getattr(model, "model", None), "stream_hook", None)
     state = model.static_state(cache, ahead=T)
@@ -271,5 +273,13 @@ def step_chain(model, cache: list, ids: mx.array, pos: int) -> mx.array:
     k = 1 if hook is None else 2
     if hook is not None:
         hook(out[1], pos)
-    model.commit_static(cache, list(out[k:]), advance=T)
-    return out[0]
+    n = len(state)
+    rows = [list(out[k + t * n : k + (t + 1) * n]) for t in range(T)]
+    model.commit_static(cache, rows[-1], advance=T)
+    return out[0], rows
+
+
+def keep_chain_row(model, cache: list, rows: list, now: int, keep: int) -> None:
+    """Move `cache`, holding `step_chain`'s row `now - 1` state, to row `keep - 1`'s (the
+    state after the chain's first `keep` tokens; 1 <= keep <= len(rows))."""
+    model.commit_static(cache, rows[keep - 1], advance=keep - now)

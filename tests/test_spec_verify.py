@@ -151,3 +151,66 @@ def test_v4_verify_runs_the_static_step_chained_as_the_forward_does(oracle, monk
     assert [at for at, _ in got_streams] == [at for at, _ in want_streams] == [0, 5, 7, 12, 15, 19, 24, 26, 30, 35]
     for (_, g), (_, w) in zip(got_streams, want_streams):
         assert g.shape == w.shape and maxdiff(g, w) <= TOL
+
+
+def test_v4_keeps_a_verified_prefix_from_the_chain_without_a_forward(oracle, monkeypatch):
+    """After a chained verify the session keeps its first n tokens from the row states the
+    chain left (`Session.keep_verified`): no rollback, no second forward, and the caches are
+    those of n plain steps (the next logits agree with stepping the same tokens).  The record
+    goes stale once the session moves, and a second keep can go further back in the same
+    verify (the speculative loop's `settle` after a rejection)."""
+    from ds4mlx.session import Session
+
+    _, lm, ref, _ = load_case(oracle, *FAMILIES["deepseek_v4"])
+    ids = ref["input_ids"][0].tolist()
+    forwards = []
+    real_chain = stepper.step_chain
+    monkeypatch.setattr(stepper, "step_chain", lambda *a: forwards.append("chain") or real_chain(*a))
+    monkeypatch.setattr(Session, "rollback", lambda *a: pytest.fail("rollback"))
+    s = lm.new_session(ctx=len(ids) + 8, chunk=5)
+    s.prefill(ids[:4])
+    s.decode(ids[4])  # the static step's first run: it is then checked
+    pos = 5
+    for k, n in ((4, 2), (3, 1), (4, 4), (2, 3), (4, 1)):  # verify k + 1 tokens, keep n of them
+        forwards.clear()
+        s.verify(ids[pos : pos + k + 1])
+        assert s.keep_verified(n) and forwards == ["chain"]
+        assert s.tokens == ids[: pos + n] and len(s) == pos + n
+        pos += n
+        assert maxdiff(s.last_logits[None], _stepped(lm, ids, pos - 1, 1)) <= TOL
+    s.verify(ids[pos : pos + 4])
+    assert s.keep_verified(3) and s.keep_verified(1)  # a second keep, further back
+    pos += 1
+    assert s.tokens == ids[:pos]
+    got = np.stack([s.decode(t) for t in ids[pos : pos + 6]])
+    assert maxdiff(got, _stepped(lm, ids, pos, 6)) <= TOL
+    assert not s.keep_verified(1)  # the session moved since the verify: the caller rolls back
+    s.verify(ids[pos + 6 : pos + 9])
+    assert not s.keep_verified(4) and not s.keep_verified(0)  # past the verified rows / none kept
+
+
+def test_v4_speculative_loop_keeps_rejections_without_rollback(oracle, monkeypatch):
+    """The speculative loop's rejected rounds on V4 keep the accepted prefix from the chain:
+    no rollback, no re-verify, the same tokens and session as plain greedy decoding."""
+    from ds4mlx.decode import decode_tokens, greedy
+    from ds4mlx.session import Session
+    from ds4mlx.speculative.acceptance import GreedyRule
+    from ds4mlx.speculative.drafter import ScriptedDrafter
+    from ds4mlx.speculative.loop import SpeculativeLoop
+
+    _, lm, ref, _ = load_case(oracle, *FAMILIES["deepseek_v4"])
+    prompt, n = ref["input_ids"][0].tolist()[:6], 40
+    s = lm.new_session(ctx=len(prompt) + n + 8)
+    want = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), limit=n))
+    full = prompt + want
+
+    def corrupt(ctx, k):
+        at = len(ctx) % (k + 2)
+        return [(t + 1) % lm.vocab_size if i == at else t for i, t in enumerate(full[len(ctx) : len(ctx) + k])]
+
+    monkeypatch.setattr(Session, "rollback", lambda *a: pytest.fail("rollback"))
+    t = lm.new_session(ctx=len(prompt) + n + 8)
+    loop = SpeculativeLoop(t, t.prefill(prompt), ScriptedDrafter(corrupt), GreedyRule(lm.vocab_size), depth=3, limit=n)
+    assert list(loop) == want and t.tokens == s.tokens
+    assert maxdiff(t.last_logits[None], lm.logits(t.tokens)[-1:]) <= TOL
+    assert loop.stats.rollbacks > 0 and 0 < loop.stats.accepted < loop.stats.drafted

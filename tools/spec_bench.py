@@ -8,7 +8,8 @@ prompt of --ctx tokens, then:
 
 1. `step`: the plain decode loop (compiled static step, lookahead), ms per token;
 2. `verify_k`: `Session.verify` of k+1 tokens (one forward, k = 1..4), ms per call, and
-   the checkpoint + rollback + re-verify a rejection adds (`reject_k`);
+   what a rejection at the first draft adds (`reject_k`: the loop's `keep_prefix`, the
+   chained verify's row state where the model has it, else rollback + re-feed);
 3. `oracle_k`: the speculative loop with a free draft that is always right (the plain
    run's own tokens): acceptance 1.0, the pure verification speed-up;
 4. `self_k`: the speculative loop with draft = target (`--draft-model` = the model):
@@ -35,7 +36,7 @@ from ds4mlx.bench.synthetic import build_synthetic_v4_flash
 from ds4mlx.decode import decode_tokens, greedy
 from ds4mlx.speculative.acceptance import GreedyRule
 from ds4mlx.speculative.drafter import ModelDrafter, ScriptedDrafter
-from ds4mlx.speculative.loop import SpeculativeLoop
+from ds4mlx.speculative.loop import SpeculativeLoop, keep_prefix
 
 SMOKE = dict(
     hidden_size=256,
@@ -93,8 +94,7 @@ def verify_cost(model, ids, ctx, k, reps):
         rows = s.verify(window)
         mx.eval(rows, s.cache_arrays())
         t1 = time.perf_counter()
-        s.rollback(cp)
-        s.verify(window[:1])  # a rejection at the first draft: restore + re-verify one token
+        keep_prefix(s, cp, window, 1)  # a rejection at the first draft, as the loop takes it
         mx.eval(s.cache_arrays())
         t2 = time.perf_counter()
         s.rollback(cp)

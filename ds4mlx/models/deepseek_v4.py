@@ -335,6 +335,11 @@ class LayerCache:
         _sparse.expect_step(self.window, caps[0] or 0, caps[1])
         return out
 
+    def static_mark(self) -> tuple:
+        """(ring, offset): what tells a session that this cache is still the state a chained
+        verify committed (`Session.keep_verified`): every step and commit moves one of them."""
+        return self.ring, self.offset
+
     def commit_static(self, arrays, advance: int = 1) -> None:
         """Take a step's new state (an iterator, same order) and move `advance` positions
         (-1: put back the state from before a step)."""

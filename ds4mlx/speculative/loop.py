@@ -10,8 +10,9 @@ tokens, or when the consumer leaves the `for`.  One round:
 3. checkpoint, `session.verify([x0, d1..dk])`: one forward, k+1 rows of logits;
 4. `rule.accept`: the kept prefix d1..dn and the token after it (the next round's x0);
    an accepted stop id ends the kept prefix (it is the next x0: the loop stops on it);
-5. if n < k: rollback and feed [x0, d1..dn] again (exact caches past the rejection; one
-   token as a plain decode step);
+5. if n < k: the session keeps [x0, d1..dn]: the chained verify's state after them where it
+   has one (`Session.keep_verified`, no forward), else a rollback and [x0, d1..dn] fed
+   again (one token as a plain decode step);
 6. yield x0, d1..dn.
 
 The consumer may stop in the middle of step 6 (a stop string, a tool call, a cancel):
@@ -89,8 +90,7 @@ class SpeculativeLoop:
             st.emitted += 1 + kept
             if kept < len(drafts):
                 st.rollbacks += 1
-                s.rollback(cp)
-                refeed(s, ids[: 1 + kept])
+                keep_prefix(s, cp, ids, 1 + kept)
             mx.eval(s.cache_arrays())
             st.draft_seconds += t1 - t0
             st.verify_seconds += time.perf_counter() - t1
@@ -108,9 +108,19 @@ class SpeculativeLoop:
             return
         cp, kept, used = r
         if used < len(kept):
-            self.session.rollback(cp)
-            refeed(self.session, kept[:used])
+            keep_prefix(self.session, cp, kept, used)
             mx.eval(self.session.cache_arrays())
+
+
+def keep_prefix(session, cp, ids, n: int) -> None:
+    """Bring `session`, just past `session.verify(ids)` from checkpoint `cp`, back to cp's
+    tokens + ids[:n]: the chained verify's row state when it is still there (no forward),
+    else a rollback and the n tokens fed again."""
+    keep = getattr(session, "keep_verified", None)  # (sessions of other kinds: rollback)
+    if n > 0 and keep is not None and keep(n):
+        return
+    session.rollback(cp)
+    refeed(session, ids[:n])
 
 
 def refeed(session, ids) -> None:

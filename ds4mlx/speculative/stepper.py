@@ -17,7 +17,7 @@ import time
 import mlx.core as mx
 
 from .acceptance import GreedyRule
-from .loop import refeed
+from .loop import keep_prefix
 from .options import SpecStats
 
 
@@ -68,8 +68,7 @@ class SpeculativeStepper:
         cp, ids, used = r
         t0 = time.perf_counter()
         self.stats.rollbacks += 1
-        self.session.rollback(cp)
-        refeed(self.session, ids[:used])
+        keep_prefix(self.session, cp, ids, used)
         mx.eval(self.session.cache_arrays())
         self.stats.verify_seconds += time.perf_counter() - t0  # the rollback is part of the verify cost
 
