@@ -45,6 +45,28 @@ def _stepped(lm, ids, start, n):
     return np.stack([s.decode(t) for t in ids[start : start + n]])
 
 
+def _wrong_drafts(lm, prompt, n):
+    """(a session decoded greedily for n tokens after `prompt`, those tokens, a new session,
+    a speculative loop over it whose drafts are the plain tokens made wrong at rotating
+    depths): the loop must yield the same tokens."""
+    from ds4mlx.decode import decode_tokens, greedy
+    from ds4mlx.speculative.acceptance import GreedyRule
+    from ds4mlx.speculative.drafter import ScriptedDrafter
+    from ds4mlx.speculative.loop import SpeculativeLoop
+
+    s = lm.new_session(ctx=len(prompt) + n + 8)
+    want = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), limit=n))
+    full = prompt + want
+
+    def corrupt(ctx, k):
+        at = len(ctx) % (k + 2)
+        return [(t + 1) % lm.vocab_size if i == at else t for i, t in enumerate(full[len(ctx) : len(ctx) + k])]
+
+    t = lm.new_session(ctx=len(prompt) + n + 8)
+    loop = SpeculativeLoop(t, t.prefill(prompt), ScriptedDrafter(corrupt), GreedyRule(lm.vocab_size), depth=3, limit=n)
+    return s, want, t, loop
+
+
 def test_verify_equals_single_steps_and_rollback_is_exact(case):
     lm, ids = case
     n = min(len(ids), 40)
@@ -89,23 +111,8 @@ def test_checkpoint_survives_later_steps_and_restores_twice(case):
 def test_speculative_loop_with_wrong_drafts_equals_plain_greedy(case):
     """The loop on every family: drafts wrong at rotating depths, the output and the session
     end token for token where plain greedy decoding ends."""
-    from ds4mlx.decode import decode_tokens, greedy
-    from ds4mlx.speculative.acceptance import GreedyRule
-    from ds4mlx.speculative.drafter import ScriptedDrafter
-    from ds4mlx.speculative.loop import SpeculativeLoop
-
     lm, ids = case
-    prompt, n = ids[:6], 48
-    s = lm.new_session(ctx=len(prompt) + n + 8)
-    want = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), limit=n))
-    full = prompt + want
-
-    def corrupt(ctx, k):
-        at = len(ctx) % (k + 2)
-        return [(t + 1) % lm.vocab_size if i == at else t for i, t in enumerate(full[len(ctx) : len(ctx) + k])]
-
-    t = lm.new_session(ctx=len(prompt) + n + 8)
-    loop = SpeculativeLoop(t, t.prefill(prompt), ScriptedDrafter(corrupt), GreedyRule(lm.vocab_size), depth=3, limit=n)
+    s, want, t, loop = _wrong_drafts(lm, ids[:6], 48)
     assert list(loop) == want and t.tokens == s.tokens
     # the caches after rollbacks: the next logits are the full forward's (a one-shot forward
     # is the reference; V4.1's compiled step itself drifts ~2e-3 from it on this sequence)
@@ -192,25 +199,11 @@ def test_v4_keeps_a_verified_prefix_from_the_chain_without_a_forward(oracle, mon
 def test_v4_speculative_loop_keeps_rejections_without_rollback(oracle, monkeypatch):
     """The speculative loop's rejected rounds on V4 keep the accepted prefix from the chain:
     no rollback, no re-verify, the same tokens and session as plain greedy decoding."""
-    from ds4mlx.decode import decode_tokens, greedy
     from ds4mlx.session import Session
-    from ds4mlx.speculative.acceptance import GreedyRule
-    from ds4mlx.speculative.drafter import ScriptedDrafter
-    from ds4mlx.speculative.loop import SpeculativeLoop
 
     _, lm, ref, _ = load_case(oracle, *FAMILIES["deepseek_v4"])
-    prompt, n = ref["input_ids"][0].tolist()[:6], 40
-    s = lm.new_session(ctx=len(prompt) + n + 8)
-    want = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), limit=n))
-    full = prompt + want
-
-    def corrupt(ctx, k):
-        at = len(ctx) % (k + 2)
-        return [(t + 1) % lm.vocab_size if i == at else t for i, t in enumerate(full[len(ctx) : len(ctx) + k])]
-
     monkeypatch.setattr(Session, "rollback", lambda *a: pytest.fail("rollback"))
-    t = lm.new_session(ctx=len(prompt) + n + 8)
-    loop = SpeculativeLoop(t, t.prefill(prompt), ScriptedDrafter(corrupt), GreedyRule(lm.vocab_size), depth=3, limit=n)
+    s, want, t, loop = _wrong_drafts(lm, ref["input_ids"][0].tolist()[:6], 40)
     assert list(loop) == want and t.tokens == s.tokens
     assert maxdiff(t.last_logits[None], lm.logits(t.tokens)[-1:]) <= TOL
     assert loop.stats.rollbacks > 0 and 0 < loop.stats.accepted < loop.stats.drafted
