@@ -83,15 +83,23 @@ def test_route_prefers_the_longest_reuse_and_evicts_only_without_one():
 
 
 # --------------------------------------------------------------------------- one forward, B rows
-def test_rows_stepped_together_equal_each_alone(demo):
+@pytest.mark.parametrize("face", [None, "reference"])
+def test_rows_stepped_together_equal_each_alone(demo, face, monkeypatch):
     """`step_together`: B sessions at different positions (different buffer buckets) in
     one forward give each row the logits of its own step, within 1e-5 (float32 CPU), and
-    leave each session where its own step would (the next steps agree too; undo works)."""
+    leave each session where its own step would (the next steps agree too; undo works).
+    face "reference": the GPU step's structure (attn_prep, the compressors' launches, the
+    rows' attention offered to attend_rows) with the kernels' reference faces."""
     import numpy as np
 
+    from ds4mlx import stepper
+    from ds4mlx.kernels import sparse_attention
     from ds4mlx.session import can_step_together, step_together
 
     model, tk = demo
+    inner = model.new_session(8).model
+    stepper.forget(inner)  # a trace of the other face must not serve this one
+    monkeypatch.setattr(sparse_attention, "FORCE_FACE", face)
     prompts = [tk.encode(p) for p in PROMPTS] + [tk.encode("x")]
     alone = [model.new_session(1024) for _ in prompts]
     rows = [model.new_session(1024) for _ in prompts]
@@ -112,6 +120,7 @@ def test_rows_stepped_together_equal_each_alone(demo):
     for w, g in zip(want, again):
         assert np.abs(w - g).max() <= 1e-5
     assert all(list(r.tokens) == list(a.tokens) for r, a in zip(rows, alone))
+    stepper.forget(inner)
 
 
 # --------------------------------------------------------------------------- engine

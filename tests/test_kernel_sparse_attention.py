@@ -333,7 +333,7 @@ static inline float ds4_load_cg(const float* p) { return *p; }
 
 def _emu(tmp_path, kind, **kw):
     sec = dispatch.sections(sa.SOURCE)
-    header = sec["common"] + (CPU_TRIG + CPU_TICKETS if kind == "attend" else "")
+    header = sec["common"] + (CPU_TRIG + CPU_TICKETS + sa.ATTEND_ONE if kind == "attend" else "")
     return run_on_cpu(tmp_path, header, sec[kind], **kw)
 
 
@@ -563,6 +563,117 @@ def test_shared_attend_text(case, variant, tmp_path):
     assert not got["tickets"].any()  # zero again after the launch: the last split reset its ticket
 
 
+def _emulated_rows_kernel(tmp_path, launches):
+    """A stand-in for sa._rows_kernel(n): each launch runs attend's text with attend_rows'
+    defines through the g++ emulation, with the inputs, template and grid the module passes."""
+    sec = dispatch.sections(sa.SOURCE)
+
+    def kernel(n):
+        names, _ = sa.attend_rows_io(n)
+
+        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            consts = {k: (np.float32 if k in ("T", "TK", "TS") else v) for k, v in template}
+            arrays = {}
+            for name, a in zip(names, inputs):
+                a = np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
+                arrays[name] = a.reshape(-1)
+            d = tmp_path / f"launch{len(launches)}"
+            d.mkdir()
+            launches.append((n, consts, grid))
+            header = sec["common"] + CPU_TRIG + CPU_TICKETS + sa.attend_rows_defines(n)
+            out = run_on_cpu(
+                d,
+                header,
+                sec["attend"],
+                inputs=arrays,
+                outputs={"o_rows": (tuple(output_shapes[0]), np.float32), "part": (output_shapes[1], np.float32)},
+                consts=consts,
+                groups=(grid[0] // threadgroup[0], grid[1], grid[2]),
+                threads=threadgroup[0],
+                inout=("tickets",),
+            )
+            assert not out["tickets"].any()  # zero again after the launch
+            return [mx.array(out["o_rows"]).astype(output_dtypes[0]), mx.array(out["part"])]
+
+        return launch
+
+    return kernel
+
+
+@pytest.mark.parametrize("selected", [True, False])
+@pytest.mark.parametrize("splits,rope_dims", [(1, 0), (3, 8)])
+def test_attend_rows_wiring_on_the_cpu_emulation(selected, splits, rope_dims, tmp_path, monkeypatch):
+    """attend_rows (session batching: B sessions' decode queries in one launch) through the
+    module's own inputs, template and grid, the kernel run by the g++ emulation: row b equals
+    attend_at's reference face on row b's own query, ring, rows, selection and position."""
+    launches = []
+    monkeypatch.setattr(sa, "_rows_kernel", _emulated_rows_kernel(tmp_path, launches))
+    monkeypatch.setattr(sa, "_verified", lambda *a: True)
+    monkeypatch.setattr(sa, "ATTN_THREADS", 128)  # 4 SIMD groups: the merge reuses their slots (splits <= 4)
+    monkeypatch.setattr(sa, "ATTN_SPLIT_KEYS", 4)  # several key splits at these sizes
+    monkeypatch.setattr(sa, "ATTN_SPLIT_MAX", splits)
+    nh, d, w, ratio, k = 3, 24 + rope_dims, 8, 4, 5
+    rope = make_rope(rope_dims, "yarn") if rope_dims else None
+    qs, rings, rows, idxs, cnts, poss = [], [], [], [], [], []
+    for b, (n, s) in enumerate([(9, 38), (12, 50), (7, 29)]):
+        q, keys, r, sinks = attn_problem(nh, d, w, 1, n, s, seed=40 + b, decode=True)
+        qs.append(mx.array(q)[None])
+        rings.append(mx.array(keys)[None, None])
+        rows.append(mx.array(r))
+        poss.append(mx.array(s, mx.int32))
+        if selected:
+            sc = np.random.default_rng(b).standard_normal((1, r.shape[0])).astype(np.float32)
+            i, c = sa.topk_select(mx.array(sc), k, s=s, ratio=ratio, backend="reference")
+        else:
+            i = c = None
+        idxs.append(i)
+        cnts.append(c)
+    sinks = mx.array(sinks)
+    kw = dict(ratio=ratio, scale=d**-0.5, out_rope=rope)
+    got = sa.attend_rows(qs, rings, rows, idxs, cnts, sinks, poss, **kw, backend="cuda")
+    assert got is not None and got.shape == (3, nh, 1, d)
+    assert len(launches) == 1 and launches[0][2][1:] == (3, splits)
+    for b in range(3):
+        want = sa.attend_at(qs[b], rings[b], rows[b], idxs[b], cnts[b], sinks, poss[b], **kw, backend="reference")
+        np.testing.assert_allclose(np.array(got[b : b + 1]), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rope_dims", [0, 8])
+def test_attend_rows_self_test_passes_on_the_cpu_emulation(rope_dims, tmp_path, monkeypatch):
+    """attend_rows' first-use self-test (what a GPU runs before the batched step uses it), with
+    the kernel run by the g++ emulation: it passes, and fails for a kernel that swaps two rows."""
+    launches = []
+    emulated = _emulated_rows_kernel(tmp_path, launches)
+    monkeypatch.setattr(sa, "_rows_kernel", emulated)
+    monkeypatch.setattr(sa, "ATTN_THREADS", 128)
+    rope = make_rope(rope_dims, "yarn") if rope_dims else None
+    key = mx.random.split(mx.random.key(7), 6)
+    assert sa._self_test("attend_rows", "cuda", rope) and len(launches) == 8  # (un)split x (un)selected x twice
+
+    def swapped(n):
+        launch = emulated(n)
+        return lambda face, **kw: [launch(face, **kw)[0][::-1], None]
+
+    monkeypatch.setattr(sa, "_rows_kernel", swapped)
+    assert not sa._attend_rows_self_test("cuda", key, rope)
+
+
+def test_attend_rows_leaves_unlike_rows_to_the_caller(monkeypatch):
+    """Rows that cannot share a launch (one selected, one not; another window; one row; the
+    CPU) give None: the caller runs attend_at per row."""
+    monkeypatch.setattr(sa, "_verified", lambda *a: True)
+    q, ring = mx.zeros((1, 2, 1, 16)), mx.zeros((1, 1, 4, 16))
+    rows, idx, cnt, pos = mx.zeros((6, 16)), mx.zeros((1, 2), mx.int32), mx.array([2], mx.int32), mx.array(9)
+    kw = dict(ratio=4, scale=0.25, backend="cuda")
+    sinks = mx.zeros((2,))
+    assert sa.attend_rows([q, q], [ring, ring], [rows, rows], [idx, None], [cnt, None], sinks, [pos, pos], **kw) is None
+    wide = mx.zeros((1, 1, 8, 16))
+    assert sa.attend_rows([q, q], [ring, wide], [rows, rows], [idx, idx], [cnt, cnt], sinks, [pos, pos], **kw) is None
+    assert sa.attend_rows([q], [ring], [rows], [idx], [cnt], sinks, [pos], **kw) is None
+    kw["backend"] = "reference"
+    assert sa.attend_rows([q, q], [ring, ring], [rows, rows], [idx, idx], [cnt, cnt], sinks, [pos, pos], **kw) is None
+
+
 @pytest.mark.parametrize("behaviour", ["raise", "garbage"])
 def test_bad_decode_variants_keep_the_verified_layout(behaviour, fake_gpu):
     """A face whose new decode variants fail their first-use self-test (simulated on the CPU)
@@ -785,10 +896,12 @@ def test_gpu_index_topk_one_launch_equals_two(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["index_heads", "index_topk", "attend_rope", "attend_split"])
+@pytest.mark.parametrize("kind", ["index_heads", "index_topk", "attend_rope", "attend_split", "attend_rows"])
 def test_gpu_first_use_self_tests_pass(kind):
     face = _gpu_face()
-    assert sa._self_test(kind, face, make_rope(8, "yarn") if kind == "attend_rope" else None)
+    assert sa._self_test(kind, face, make_rope(8, "yarn") if kind in ("attend_rope", "attend_rows") else None)
+    if kind == "attend_rows":  # the batched step's rows: with the output rope (V4) and without
+        assert sa._self_test(kind, face, None)
 
 
 @pytest.mark.gpu
@@ -904,3 +1017,33 @@ def test_cuda_face_compiles_with_nvcc(kind, selected, split, dtype, tmp_path):
             ("SPLIT", split),
         ]
     nvcc_compile(tmp_path, mlx_cuda_source(kind, h, b, ins, outs, tmpl))
+
+
+@pytest.mark.parametrize("selected,split", [(True, 4), (False, 1)])
+def test_attend_rows_cuda_face_compiles_with_nvcc(selected, split, tmp_path):
+    """attend_rows for 4 rows at V4 Flash shapes (bfloat16), the translation unit
+    mx.fast.cuda_kernel builds, compiled by nvcc for sm_90 with warnings as errors."""
+    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+
+    dt, n = "bfloat16", 4
+    kern = sa._rows_kernel(n)
+    h, b = kern.source("cuda")
+    types = {"q": dt, "keys": dt, "rows": dt, "idx": "int32", "cnt": "int32", "meta": "int32"}
+    ins = {name: types[name.rsplit("_", 1)[0]] for name in kern.input_names[: 6 * n]}
+    ins.update(sinks=dt, rope="float32", prm="float32", tickets="uint32")
+    tmpl = [
+        ("T", dt),
+        ("TK", dt),
+        ("TS", dt),
+        ("D", 512),
+        ("W", 128),
+        ("RATIO", 4 if selected else 128),
+        ("TOPK", 512 if selected else 1),
+        ("THREADS", sa.ATTN_THREADS),
+        ("KB", sa.ATTN_KEYS),
+        ("SELECTED", selected),
+        ("RD", 64),
+        ("SPLIT", split),
+        ("HEADS", 64),
+    ]
+    nvcc_compile(tmp_path, mlx_cuda_source(f"attend_rows{n}", h, b, ins, {"o_rows": dt, "part": "float32"}, tmpl))

@@ -59,21 +59,30 @@ def cuda_placeholders():
             os.environ[SELFTEST_ENV] = saved[2]
 
 
-def decode_census(model, ctx: int) -> dict:
+def decode_census(model, ctx: int, rows: int = 1) -> dict:
     """One compiled decode step of a static-layout `model` (LanguageModel) at position ctx - 1:
-    {"kernels", "fills", "mlx" (primitive -> count, views left out), "total", "layers"}."""
+    {"kernels", "fills", "mlx" (primitive -> count, views left out), "total", "layers"}.
+    `rows` > 1: one batched step of that many sessions (`stepper.step_rows`, session
+    batching), row b at position ctx - 1 - b."""
     with cuda_placeholders() as seen:
-        s = model.new_session(ctx=ctx + 64)
-        s._tokens = [11] * (ctx - 1)  # a census shortcut: the session's length is its position
-        for c in s.caches:
-            c.offset = ctx - 1
-        mx.eval(s.model.static_state(s.caches))  # buffers at their bucket: not part of the step
+        sessions = []
+        for b in range(rows):
+            s = model.new_session(ctx=ctx + 64)
+            s._tokens = [11] * (ctx - 1 - b)  # a census shortcut: the session's length is its position
+            for c in s.caches:
+                c.offset = ctx - 1 - b
+            mx.eval(s.model.static_state(s.caches))  # buffers at their bucket: not part of the step
+            sessions.append(s)
         seen["kernels"].clear()
         seen["fills"].clear()
         stepper.assume_checked(s.model)  # no eager first run: one trace, its outputs left lazy
         try:
-            logits = s.step(mx.array(5, mx.int32))
-            ops = graph_primitives([logits, *s.cache_arrays()])
+            if rows == 1:
+                out = [s.step(mx.array(5, mx.int32))]
+            else:
+                ids = mx.array([[5] * rows], mx.int32)
+                out = stepper.step_rows(s.model, [t.caches for t in sessions], ids, [len(t) for t in sessions])
+            ops = graph_primitives([*out, *[a for t in sessions for a in t.cache_arrays()]])
         finally:
             stepper.forget(s.model)
     mlx_ops = {k: v for k, v in ops.items() if k not in NO_LAUNCH and k != "Full"}

@@ -131,8 +131,45 @@ def kernel_sources(kind: str, face: str) -> tuple[str, str]:
         return header + TICKETS[face], body + "".join(sec[k] for k in INDEX_TOPK[1:])
     header, body = shared_sources(SOURCE, face, kind)
     if kind == "attend":
-        header += TRIG[face] + TICKETS[face]
+        header += TRIG[face] + TICKETS[face] + ATTEND_ONE
     return header, body
+
+
+# attend's text serves one launch (R = 1: these defines) and R sessions' decode queries at once
+# (attend_rows: `attend_rows_defines`); see the attend comment in the .metal file
+ATTEND_ONE = "#define DS4_ATTEND_ROWS 1\n#define DS4_ATTEND_HEADS 0\n#define DS4_ATTEND_SELECT\n"
+ROW_INPUTS = ("q", "keys", "rows", "idx", "cnt", "meta")  # attend_rows: one input per row each
+_ROW_TYPES = {"q": "T", "keys": "TK", "rows": "TK", "idx": "int", "cnt": "int", "meta": "int"}
+
+
+def attend_rows_defines(n: int) -> str:
+    """The header defines of attend_rows for n rows: row r's q_r, keys_r, ... chosen by the
+    threadgroup's y index, o the row's [NH, 1, D] slice of o_rows (HEADS: a template constant)."""
+    sel = []
+    for name in ROW_INPUTS:
+        pick = "".join(f"row == {r}u ? {name}_{r} : " for r in range(n - 1)) + f"{name}_{n - 1}"
+        sel.append(f"const DS4_DEV {_ROW_TYPES[name]}* {name} = {pick};")
+    sel.append("DS4_DEV T* o = o_rows + uint64_t(row) * uint64_t(HEADS) * uint64_t(D);")
+    return (
+        f"#define DS4_ATTEND_ROWS {n}\n#define DS4_ATTEND_HEADS HEADS\n"
+        "#define DS4_ATTEND_SELECT " + " \\\n    ".join(sel) + "\n"
+    )
+
+
+def attend_rows_io(n: int) -> tuple[list[str], list[str]]:
+    """(input names, output names) of attend_rows for n rows."""
+    per_row = [f"{name}_{r}" for name in ROW_INPUTS for r in range(n)]
+    return per_row + ["sinks", "rope", "prm", "tickets"], ["o_rows", "part"]
+
+
+@cache
+def _rows_kernel(n: int) -> Kernel:
+    faces = {}
+    for face in ("metal", "cuda"):
+        header, body = shared_sources(SOURCE, face, "attend")
+        faces[face] = (header + TRIG[face] + TICKETS[face] + attend_rows_defines(n), body)
+    inputs, outputs = attend_rows_io(n)
+    return Kernel(f"ds4mlx_attend_rows{n}", inputs, outputs, **faces)
 
 
 @cache
@@ -556,6 +593,104 @@ def attend_at(
     return out
 
 
+def attend_rows(
+    qs: list,
+    rings: list,
+    rows: list,
+    idxs: list,
+    cnts: list,
+    sinks: mx.array,
+    poss: list,
+    *,
+    ratio: int,
+    scale: float,
+    out_rope=None,
+    backend: str | None = None,
+) -> mx.array | None:
+    """`attend_at` for B sessions' decode queries in ONE launch (session batching): row b is
+    attend_at(qs[b], rings[b], rows[b], idxs[b], cnts[b], sinks, poss[b], ...) with q [1, NH,
+    1, D] and ring [1, 1, W, D] per row.  -> [B, NH, 1, D], or None where the rows cannot share
+    a launch (the CPU / reference face, one row, rows unlike in window, dtype, selection or
+    top-k, an epilogue rope the kernel does not take, or a failed first-use self-test): the
+    caller then runs attend_at per row.  Each row of a launch costs about what a launch of
+    one costs (a decode query leaves most of the GPU idle): B rows in one launch instead of B."""
+    face = _face(backend)
+    n_rows = len(qs)
+    if face == "reference" or n_rows < 2:
+        return None
+    nh, c, d = qs[0].shape[-3:]
+    window = rings[0].shape[-2]
+    selected = idxs[0] is not None
+    with_rows = rows[0] is not None
+    alike = (
+        c == 1
+        and all(q.shape == qs[0].shape and q.dtype == qs[0].dtype for q in qs)
+        and all(r.shape[-2] == window and r.dtype == rings[0].dtype for r in rings)
+        and all((r is not None) == with_rows for r in rows)
+        and all((i is not None) == selected for i in idxs)
+        and (not selected or all(i.shape == idxs[0].shape for i in idxs))
+    )
+    if not alike or (out_rope is not None and out_rope.dims > d):
+        return None
+    if not _verified("attend_rows", face, out_rope):
+        return None
+    ns = [0 if r is None else r.shape[0] for r in rows]
+    virt = max(window + (n if not selected else idxs[0].shape[1]) for n in ns)
+    splits = attend_splits(face, 1, virt)
+    if splits > 1 and not _verified("attend_split", face):
+        splits = 1
+    metas = [_meta_at(p, 2, window, n, 1) for p, n in zip(poss, ns)]
+    return _launch_attend_rows(
+        face, qs, rings, rows, idxs, cnts, sinks, scale, metas, window, max(ratio, 1), out_rope, splits
+    )
+
+
+def _launch_attend_rows(face, qs, keys, rows, idxs, cnts, sinks, scale, metas, window, ratio, rope, splits) -> mx.array:
+    """attend_rows' launch: the per-row inputs of `_launch_attend`, one each per row."""
+    n_rows = len(qs)
+    nh, _, d = qs[0].shape[-3:]
+    kdt = keys[0].dtype
+    dummy_rows = mx.zeros((1, d), kdt) if any(r is None for r in rows) else None
+    rows = [dummy_rows if r is None else (r if r.dtype == kdt else r.astype(kdt)) for r in rows]
+    selected = idxs[0] is not None
+    if not selected:
+        idxs, cnts = [mx.zeros((1, 1), mx.int32)] * n_rows, [mx.zeros((1,), mx.int32)] * n_rows
+    rd = 0 if rope is None else rope.dims
+    periods = rope.periods if rd else _dummy(mx.float32)
+    mscale = 1.0 if rope is None else float(rope.attention_factor)
+    split = splits > 1
+    per_row = [*qs, *keys, *rows, *idxs, *cnts, *metas]
+    return _rows_kernel(n_rows)(
+        face,
+        inputs=[
+            *per_row,
+            sinks,
+            periods,
+            _f32s(float(scale), mscale),
+            dispatch.tickets("attend_rows", n_rows * nh, 4096),
+        ],
+        template=[
+            ("T", qs[0].dtype),
+            ("TK", kdt),
+            ("TS", sinks.dtype),
+            ("D", d),
+            ("W", int(window)),
+            ("RATIO", int(ratio)),
+            ("TOPK", idxs[0].shape[1]),
+            ("THREADS", ATTN_THREADS),
+            ("KB", ATTN_KEYS),
+            ("SELECTED", selected),
+            ("RD", rd),
+            ("SPLIT", int(splits)),
+            ("HEADS", nh),
+        ],
+        grid=(nh * ATTN_THREADS, n_rows, int(splits)),
+        threadgroup=(ATTN_THREADS, 1, 1),
+        output_shapes=[(n_rows, nh, 1, d), (n_rows * nh * splits * (d + 2) if split else 1,)],
+        output_dtypes=[qs[0].dtype, mx.float32],
+    )[0]
+
+
 def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ratio, rope=None, splits=1) -> mx.array:
     """The attend kernel's GPU launch: keys [L, D] (window first), rows [n, D] or None,
     idx [C, k] / cnt [C] or None (every causal row), meta [s, ring_last, L, n, C]; `rope`
@@ -632,6 +767,8 @@ def _self_test(kind: str, face: str, rope=None) -> bool:
         return close_enough(got, want, rtol=1e-4, atol=1e-4)
     if kind == "index_topk":
         return _index_topk_self_test(face, key)
+    if kind == "attend_rows":
+        return _attend_rows_self_test(face, key, rope)
     nh, d, window, n, k = 3, 24 + (rope.dims if rope is not None else 0), 8, 30, 6
     q = mx.random.normal((nh, 1, d), key=key[0])
     ring = mx.random.normal((window, d), key=key[1])
@@ -649,6 +786,39 @@ def _self_test(kind: str, face: str, rope=None) -> bool:
             )
         if not close_enough(got, want, rtol=1e-4, atol=1e-4):
             return False
+    return True
+
+
+def _attend_rows_self_test(face: str, key, rope=None) -> bool:
+    """attend_rows on `face` against the reference attend_at of each row: three rows at their
+    own positions over their own rings and compressed rows (selected and all rows), unsplit and
+    (CUDA) split in 3, each launch twice (the split's tickets must be zero again)."""
+    nh, d, window, n, k, b = 3, 24 + (rope.dims if rope is not None else 0), 8, 30, 6, 3
+    keys = mx.random.split(key[5], 6 * b)
+    qs = [mx.random.normal((1, nh, 1, d), key=keys[i]) for i in range(b)]
+    rings = [mx.random.normal((1, 1, window, d), key=keys[b + i]) for i in range(b)]
+    rows = [mx.random.normal((n - 2 * i, d), key=keys[2 * b + i]) for i in range(b)]
+    idxs = [mx.sort(mx.random.permutation(n - 2 * i, key=keys[3 * b + i])[:k]).astype(mx.int32)[None] for i in range(b)]
+    cnts = [mx.array([k - i], mx.int32) for i in range(b)]
+    poss = [mx.array(4 * (n - 2 * i) + i, mx.int32) for i in range(b)]
+    sinks = mx.random.normal((nh,), key=key[3])
+    scale = d**-0.5
+    for splits in (1, 3) if face == "cuda" else (1,):
+        for sel_i, sel_c in ((idxs, cnts), ([None] * b, [None] * b)):
+            metas = [_meta_at(int(p.item()), 2, window, r.shape[0], 1) for p, r in zip(poss, rows)]
+            for _ in range(2):
+                got = _launch_attend_rows(
+                    face, qs, rings, rows, sel_i, sel_c, sinks, scale, metas, window, 4, rope, splits
+                )
+                with mx.stream(mx.cpu):  # not TF32 (MLX CUDA's float32 matmuls): the reference on the CPU
+                    want = mx.concatenate(
+                        [
+                            attend_at(q, g, r, i, c, sinks, p, ratio=4, scale=scale, out_rope=rope, backend="reference")
+                            for q, g, r, i, c, p in zip(qs, rings, rows, sel_i, sel_c, poss)
+                        ]
+                    )
+                if not close_enough(got, want, rtol=1e-4, atol=1e-4):
+                    return False
     return True
 
 

@@ -890,29 +890,51 @@ class Attention(nn.Module):
     def _step_attend(self, q_b, kv, more, index_q_b, pos, state, new) -> mx.array:
         """One row's position-dependent half of `step`: its query and key at `pos`, its
         ring and compressors' state -> attention output [1, nh, 1, D] after the inverse rope."""
-        comp = self.compressor if self.layer_type != SLIDING else None
-        ring = next(state)
         face = _sparse.step_face()
         if face is not None:  # a GPU: two launches, attn_prep and attend_at
-            # query / K=V norms and ropes, the ring write and the indexer query's rope in one
-            # launch (the indexer shares the layer's compress rope: CompressorBranch passes it on)
-            csa = comp is not None and comp._overlap
-            q, ring, index_q = attn_prep(
-                q_b, kv, self.kv_norm.weight, ring, pos, self._rope, self._eps, index_q_b if csa else None,
-                heads=self._nh, index_heads=comp.indexer._nh if csa else 0,
-                backend="reference" if face == "reference" else None,
-            )  # fmt: skip
-            new.append(ring)
-            rows = idx = cnt = None
-            if comp is not None:
-                rows, idx, cnt = comp.step_select(more, index_q, pos, state, new)
+            q, ring, rows, idx, cnt = self._step_prep(face, q_b, kv, more, index_q_b, pos, state, new)
             # window + compressed rows + sinks, and the output's inverse rope, in one launch
-            out = _sparse.attend_at(  # q [1, nh, 1, D], ring [1, 1, W, D]: read flat, no view nodes
-                q, ring, rows, idx, cnt, self.sinks, pos,
-                ratio=comp._ratio if comp is not None else 1, scale=self._D**-0.5, backend=face,
+            return _sparse.attend_at(  # q [1, nh, 1, D], ring [1, 1, W, D]: read flat, no view nodes
+                q,
+                ring,
+                rows,
+                idx,
+                cnt,
+                self.sinks,
+                pos,
+                ratio=self._step_ratio(),
+                scale=self._D**-0.5,
+                backend=face,
                 out_rope=self._rope,
-            )  # fmt: skip
-            return out  # [1, nh, 1, D]
+            )  # fmt: skip -> [1, nh, 1, D]
+        return self._step_attend_graph(q_b, kv, more, index_q_b, pos, state, new)
+
+    def _step_ratio(self) -> int:
+        return self.compressor._ratio if self.layer_type != SLIDING else 1
+
+    def _step_prep(self, face, q_b, kv, more, index_q_b, pos, state, new) -> tuple:
+        """The GPU step's half before the attention: (q [1, nh, 1, D], the ring with this
+        token's row, the compressed rows, idx, cnt) for `attend_at`; the new state appended."""
+        comp = self.compressor if self.layer_type != SLIDING else None
+        ring = next(state)
+        # query / K=V norms and ropes, the ring write and the indexer query's rope in one
+        # launch (the indexer shares the layer's compress rope: CompressorBranch passes it on)
+        csa = comp is not None and comp._overlap
+        q, ring, index_q = attn_prep(
+            q_b, kv, self.kv_norm.weight, ring, pos, self._rope, self._eps, index_q_b if csa else None,
+            heads=self._nh, index_heads=comp.indexer._nh if csa else 0,
+            backend="reference" if face == "reference" else None,
+        )  # fmt: skip
+        new.append(ring)
+        rows = idx = cnt = None
+        if comp is not None:
+            rows, idx, cnt = comp.step_select(more, index_q, pos, state, new)
+        return q, ring, rows, idx, cnt
+
+    def _step_attend_graph(self, q_b, kv, more, index_q_b, pos, state, new) -> mx.array:
+        """`_step_attend` as MLX ops (the CPU, `DS4MLX_SPARSE_ATTENTION=0`)."""
+        comp = self.compressor if self.layer_type != SLIDING else None
+        ring = next(state)
         q = q_b.reshape(1, 1, self._nh, self._D).swapaxes(1, 2)
         q = self._rope(rms_norm(q, None, self._eps), offset=pos)
         kv = self._rope(self.kv_norm(kv)[:, None], offset=pos)  # [1, 1, 1, D]
@@ -934,14 +956,28 @@ class Attention(nn.Module):
         over its own state iterator states[b]): the projections run once for all rows,
         the attention per row (session batching, docs/kv-cache.md §11)."""
         q_b, index_q_b, kv, more = self._step_inputs(x)
-        outs = []
+        face = _sparse.step_face()
+        outs, preps = [], []
         for b, (p, st, nw) in enumerate(zip(pos, states, news)):
             row = slice(b, b + 1)
             ib = None if index_q_b is None else index_q_b[:, row]
-            out = self._step_attend(q_b[:, row], kv[:, row], [m[:, row] for m in more], ib, p, st, nw)
-            outs.append(out.swapaxes(1, 2))  # [1, 1, nh, D]
-        out = mx.concatenate(outs, axis=1)
-        out = self.o_a_proj(out.reshape(1, len(outs), self._groups, -1))
+            args = (q_b[:, row], kv[:, row], [m[:, row] for m in more], ib, p, st, nw)
+            if face is None:
+                outs.append(self._step_attend_graph(*args).swapaxes(1, 2))  # [1, 1, nh, D]
+            else:
+                preps.append(self._step_prep(face, *args))
+        if preps:
+            # the rows' attention in one launch where they can share it (each row's inputs its
+            # own: a chained row reads the ring and rows the rows before it wrote), else per row
+            qs, rings, rows, idxs, cnts = (list(a) for a in zip(*preps))
+            kw = dict(ratio=self._step_ratio(), scale=self._D**-0.5, out_rope=self._rope)
+            out = _sparse.attend_rows(qs, rings, rows, idxs, cnts, self.sinks, pos, **kw)
+            if out is None:
+                out = [_sparse.attend_at(*pr, self.sinks, p, backend=face, **kw) for pr, p in zip(preps, pos)]
+                out = mx.concatenate(out)  # [B, nh, 1, D]
+            outs = [out.reshape(1, len(preps), self._nh, -1)]  # [B, nh, 1, D]: the same memory order
+        out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+        out = self.o_a_proj(out.reshape(1, len(pos), self._groups, -1))
         return self.o_b_proj(out)
 
     def _output(self, out: mx.array, s: int | None, B: int, C: int) -> mx.array:

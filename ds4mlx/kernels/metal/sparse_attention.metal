@@ -70,6 +70,11 @@
 //   RD > 0: the output's trailing RD channels get the inverse rope at the query position
 //   (pair i turns by -t_abs / rope[i], times mscale: models/layers.RoPE with scale -1),
 //   so the model launches no rope after the attention.
+//   attend_rows (the header defines DS4_ATTEND_ROWS = R > 1, DS4_ATTEND_HEADS = NH and
+//   DS4_ATTEND_SELECT): R sessions' decode queries in one launch, grid (NH*THREADS, R,
+//   SPLIT); row r reads q_r [NH, 1, D], keys_r, rows_r, idx_r, cnt_r, meta_r (each as
+//   above, C = 1) and writes o [R, NH, 1, D] at row r; part and tickets are indexed by
+//   (r, head).  attend is the R = 1 case (DS4_ATTEND_SELECT empty).
 
 // @@ common
 DS4_FN uint32_t ds4_order_key(float f) {
@@ -357,13 +362,19 @@ DS4_SHARED float sm_m[WARPS];
 DS4_SHARED float sm_l[WARPS];
 DS4_SHARED float sm_acc[WARPS * D];
 DS4_SHARED uint32_t sm_last[1];
+// attend_rows (DS4_ATTEND_ROWS > 1): grid (NH*THREADS, ROWS, SPLIT), one decode query per
+// session row, each row's q / keys / rows / idx / cnt / meta its own input; DS4_ATTEND_SELECT
+// (sparse_attention.py writes it per launch) declares them for this row, and o as the row's
+// part of a stacked output [ROWS, NH, 1, D]
+const uint32_t row = DS4_ATTEND_ROWS > 1 ? tgy : 0u;
+DS4_ATTEND_SELECT
 const int s0 = meta[0];
 const int ring_last = meta[1];
 const int n_keys = meta[2];
 const int n_rows = meta[3];
 const int n_q = meta[4];
 const uint32_t h = tgx;
-const uint32_t t = tgy;
+const uint32_t t = DS4_ATTEND_ROWS > 1 ? 0u : tgy;
 const int t_abs = s0 + int(t);
 const float scale = prm[0];
 
@@ -472,7 +483,7 @@ ds4_tg_barrier();
 int n_src = WARPS;  // partial softmaxes in sm_m / sm_l / sm_acc to merge with the sink
 if (SPLIT > 1) {
     // this split's partial (max, sum, accumulator) to `part`; the last split to finish merges
-    const uint64_t ht = uint64_t(h) * uint64_t(n_q) + t;
+    const uint64_t ht = (uint64_t(row) * uint64_t(DS4_ATTEND_HEADS) + uint64_t(h)) * uint64_t(n_q) + t;
     float m_tg = DS4_NEG_INF;
     for (int g = 0; g < WARPS; ++g) {
         m_tg = ds4_fmax(m_tg, sm_m[g]);
