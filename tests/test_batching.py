@@ -84,7 +84,7 @@ def test_route_prefers_the_longest_reuse_and_evicts_only_without_one():
 
 # --------------------------------------------------------------------------- one forward, B rows
 @pytest.mark.parametrize("face", [None, "reference"])
-def test_rows_stepped_together_equal_each_alone(demo, face, monkeypatch):
+def test_rows_stepped_together_equal_each_alone(demo, face, monkeypatch, request):
     """`step_together`: B sessions at different positions (different buffer buckets) in
     one forward give each row the logits of its own step, within 1e-5 (float32 CPU), and
     leave each session where its own step would (the next steps agree too; undo works).
@@ -98,7 +98,8 @@ def test_rows_stepped_together_equal_each_alone(demo, face, monkeypatch):
 
     model, tk = demo
     inner = model.new_session(8).model
-    stepper.forget(inner)  # a trace of the other face must not serve this one
+    stepper.forget(inner)  # a trace of the other face must not serve this one (nor later tests)
+    request.addfinalizer(lambda: stepper.forget(inner))
     monkeypatch.setattr(sparse_attention, "FORCE_FACE", face)
     prompts = [tk.encode(p) for p in PROMPTS] + [tk.encode("x")]
     alone = [model.new_session(1024) for _ in prompts]
@@ -120,7 +121,6 @@ def test_rows_stepped_together_equal_each_alone(demo, face, monkeypatch):
     for w, g in zip(want, again):
         assert np.abs(w - g).max() <= 1e-5
     assert all(list(r.tokens) == list(a.tokens) for r, a in zip(rows, alone))
-    stepper.forget(inner)
 
 
 # --------------------------------------------------------------------------- engine

@@ -120,13 +120,21 @@ def test_speculative_loop_with_wrong_drafts_equals_plain_greedy(case):
     assert 0 < loop.stats.accepted < loop.stats.drafted
 
 
-def test_v4_verify_runs_the_static_step_chained_as_the_forward_does(oracle, monkeypatch):
+@pytest.mark.parametrize("face", [None, "reference"])
+def test_v4_verify_runs_the_static_step_chained_as_the_forward_does(oracle, monkeypatch, request, face):
     """DeepSeek V4's verify goes through the static decode step's rows chained
     (`stepper.step_chain`: the k + 1 tokens' projections once, their attention in turn over
     the state the previous token left) and gives the multi-token forward's logits, streams
     (the MTP head's input) and caches, over windows that cross the sliding window and the
-    compressors' boundaries."""
+    compressors' boundaries.  face "reference": the GPU step's structure (each row's prologue
+    and compressors in turn, then the rows' attention offered to attend_rows) on the kernels'
+    reference faces."""
+    from ds4mlx.kernels import sparse_attention
+
     _, lm, ref, _ = load_case(oracle, *FAMILIES["deepseek_v4"])
+    stepper.forget(lm.model)  # a trace of the other face must not serve this one (nor later tests)
+    request.addfinalizer(lambda: stepper.forget(lm.model))
+    monkeypatch.setattr(sparse_attention, "FORCE_FACE", face)
     ids = ref["input_ids"][0].tolist()
     backbone = lm.model.model
     chained = []
