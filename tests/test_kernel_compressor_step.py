@@ -293,6 +293,94 @@ def test_shared_text_against_reference_and_float64(ci, where, tmp_path):
     check_step(got, [np.array(r)[0] for r in ref], pos, case[1], "emulated vs reference")
 
 
+def _emulated_rows_kernel(tmp_path, launches):
+    """A stand-in for cs._rows_kernel(n): each launch runs the kernel's text with the rows'
+    defines through the g++ emulation, with the inputs, template and grid the module passes."""
+    common, body = cs.shared_text()
+
+    def kernel(n):
+        in_names, out_names = cs.rows_io(n)
+
+        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            consts = {k: (np.float32 if k in ("T", "TK", "TG", "TB", "TW") else v) for k, v in template}
+            arrays = {}
+            for name, a in zip(in_names, inputs):
+                a = a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a
+                arrays[name] = np.array(a).reshape(-1)
+            d = tmp_path / f"launch{len(launches)}"
+            d.mkdir()
+            launches.append((n, grid))
+            # the emulation's state is float32: a 16-bit state's copy groups cover half of it
+            gx = grid[0] // threadgroup[0]
+            gx = 1 + (gx - 1) * (4 // dict(template)["T"].size)
+            out = run_on_cpu(
+                d,
+                cs.rows_defines(n) + common,
+                body,
+                inputs=arrays,
+                outputs={name: (tuple(sh), np.float32) for name, sh in zip(out_names, output_shapes)},
+                consts=consts,
+                groups=(gx, grid[1], grid[2]),
+                threads=threadgroup[0],
+            )
+            return [mx.array(out[name]).astype(dt) for name, dt in zip(out_names, output_dtypes)]
+
+        return launch
+
+    return kernel
+
+
+@pytest.mark.parametrize("ci", [0, 1, 2])
+def test_rows_wiring_on_the_cpu_emulation(ci, tmp_path, monkeypatch):
+    """compressor_step_rows (session batching: B sessions' compressors of one layer in one
+    launch) through the module's own inputs, template and grid, the kernel run by the g++
+    emulation: row b equals the reference face on row b's own buffers (capacities differ),
+    token and position (a window's end, its middle, its start)."""
+    launches = []
+    monkeypatch.setattr(cs, "_rows_kernel", _emulated_rows_kernel(tmp_path, launches))
+    monkeypatch.setattr(cs, "THREADS", 64)
+    monkeypatch.setattr(cs, "PER", 2)
+    _, ratio, dim, rope_dims, overlap, cap, mscale = CASES[ci]
+    probs = [
+        cs.random_problem(ratio, dim, rope_dims, overlap, cap + 2 * i, mscale, mx.float32, seed=i) for i in range(3)
+    ]
+    ps = [ratio * (cap - 1) + ratio - 1, ratio + ratio // 2, 2 * ratio]
+    _, _, _, bias, norm, rope = probs[0]
+    kw = dict(position_bias=bias, norm=norm, rope=rope, ratio=ratio)
+    kvs, gates, states = [p[0] for p in probs], [p[1] for p in probs], [p[2] for p in probs]
+    got = cs.compressor_step_rows(kvs, gates, mx.array(ps, mx.int32), states, **kw, backend="cuda")
+    assert got is not None and len(launches) == 1 and launches[0][1][1] == 3
+    for g, kv, gate, st, p in zip(got, kvs, gates, states, ps):
+        want = cs.reference(kv, gate, mx.array(p, mx.int32), st, **kw)
+        assert len(g) == len(want)
+        for a, w in zip(g, want):
+            assert a.shape == w.shape
+            np.testing.assert_allclose(np.array(a), np.array(w), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_self_test_passes_on_the_cpu_emulation(tmp_path, monkeypatch):
+    """The rows variant's first-use self-test on the emulation: it passes, and fails for a
+    kernel that hands row 0's state to row 1."""
+    launches = []
+    emulated = _emulated_rows_kernel(tmp_path, launches)
+    monkeypatch.setattr(cs, "_rows_kernel", emulated)
+    monkeypatch.setattr(cs, "THREADS", 64)
+    monkeypatch.setattr(cs, "PER", 2)
+    assert cs._rows_self_test("cuda") and launches
+
+    def crossed(n):
+        launch = emulated(n)
+
+        def run(face, **kw):
+            out = launch(face, **kw)
+            return [out[i - 1] if i % n == 1 and out[i - 1].shape == out[i].shape else o for i, o in enumerate(out)]
+
+        return run
+
+    monkeypatch.setattr(cs, "_rows_kernel", crossed)
+    assert not cs._rows_self_test("cuda")
+
+
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 
@@ -322,6 +410,34 @@ def test_cuda_face_compiles_with_nvcc(ratio, dim, overlap, dtype, tmp_path):
         ("PER", cs.PER),
     ]
     nvcc_compile(tmp_path, mlx_cuda_source("compressor_step", h, b, ins, outs, tmpl))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_rows_cuda_face_compiles_with_nvcc(overlap, tmp_path):
+    """compressor_step_rows for 4 rows at V4 Flash shapes (bfloat16 state, float32
+    projections), compiled by nvcc for sm_90 with warnings as errors."""
+    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+
+    dt, f, n = "bfloat16", "float32", 4
+    h, b = cs.rows_sources("cuda", n)
+    in_names, out_names = cs.rows_io(n)
+    kinds = {"kv": f, "gate": f, "meta": "int32"}
+    ins = {name: kinds.get(name.rsplit("_", 1)[0], dt) for name in in_names[: 8 * n]}
+    ins.update(bias=dt, weight=dt, periods=f, prm=f, poss="int32")
+    tmpl = [
+        ("T", dt),
+        ("TK", f),
+        ("TG", f),
+        ("TB", dt),
+        ("TW", dt),
+        ("M", 4 if overlap else 128),
+        ("D", 512),
+        ("OVERLAP", overlap),
+        ("ROPE", 64),
+        ("THREADS", cs.THREADS),
+        ("PER", cs.PER),
+    ]
+    nvcc_compile(tmp_path, mlx_cuda_source(f"compressor_step_rows{n}", h, b, ins, {o: dt for o in out_names}, tmpl))
 
 
 # ------------------------------------------------------------------ the compiled decode step through the launch
@@ -473,6 +589,13 @@ def test_gpu_face_equals_reference(case, dtype, where):
 def test_gpu_self_test_passes():
     face = _gpu_face()
     assert cs._self_test(face)
+
+
+@pytest.mark.gpu
+def test_gpu_rows_self_test_passes():
+    """compressor_step_rows (dispatch.UNVERIFIED_KERNELS until this passes on the device)."""
+    face = _gpu_face()
+    assert cs._rows_self_test(face)
 
 
 @pytest.mark.gpu

@@ -39,7 +39,18 @@ from functools import cache
 
 import mlx.core as mx
 
-from ds4mlx.kernels.dispatch import INDEX, METAL_DIR, PRELUDE, Kernel, auto_face, close_enough, compact, sections
+from ds4mlx.kernels.dispatch import (
+    INDEX,
+    METAL_DIR,
+    PRELUDE,
+    Kernel,
+    auto_face,
+    close_enough,
+    compact,
+    row_inputs,
+    row_select,
+    sections,
+)
 
 SOURCE = METAL_DIR / "compressor_step.metal"
 THREADS = 256  # threads per threadgroup (the pooling one and the copying ones)
@@ -86,6 +97,46 @@ def _kernel() -> Kernel:
         metal=kernel_sources("metal"),
         cuda=kernel_sources("cuda"),
     )
+
+
+_ROW_IN = {
+    "buf_kv": "T",
+    "buf_gate": "T",
+    "ov_kv": "T",
+    "ov_gate": "T",
+    "rows": "T",
+    "kv": "TK",
+    "gate": "TG",
+    "meta": "int",
+}
+_ROW_OUT = {name: "T" for name in _OUTPUTS}
+_SHARED_IN = ["bias", "weight", "periods", "prm", "poss"]
+
+
+def rows_sources(face: str, n: int) -> tuple[str, str]:
+    """(header, body) of compressor_step_rows for n rows on `face`: the kernel's text with the
+    rows' defines (row r's buffers chosen by the threadgroup's y index, the position poss[r])."""
+    common, body = shared_text()
+    return PRELUDE[face] + rows_defines(n) + common, INDEX[face] + body
+
+
+def rows_defines(n: int) -> str:
+    """The defines that make the kernel's text compressor_step_rows for n rows."""
+    return f"#define CS_ROWS {n}\n#define CS_POS (poss[row])\n" + row_select(
+        n, _ROW_IN, _ROW_OUT, macro="CS_ROW_SELECT"
+    )
+
+
+def rows_io(n: int) -> tuple[list[str], list[str]]:
+    """(input names, output names) of compressor_step_rows for n rows."""
+    return row_inputs(_ROW_IN, n) + _SHARED_IN, row_inputs(_OUTPUTS, n)
+
+
+@cache
+def _rows_kernel(n: int) -> Kernel:
+    inputs, outputs = rows_io(n)
+    faces = {face: rows_sources(face, n) for face in ("metal", "cuda")}
+    return Kernel(f"ds4mlx_compressor_step_rows{n}", inputs, outputs, **faces)
 
 
 @cache
@@ -139,6 +190,10 @@ def _face(backend: str | None) -> str:
     return auto_face("compressor_step", _self_test) if backend is None else backend
 
 
+def _rows_face(backend: str | None) -> str:
+    return auto_face("compressor_step.rows", _rows_self_test) if backend is None else backend
+
+
 def compressor_step(
     kv: mx.array,
     gate: mx.array,
@@ -158,6 +213,92 @@ def compressor_step(
     if face == "reference" or not supported(state, kv, gate, position_bias, rope):
         return reference(kv, gate, pos, state, position_bias=position_bias, norm=norm, rope=rope, ratio=ratio)
     return _launch(face, kv, gate, pos, state, position_bias, norm, rope, ratio)
+
+
+def compressor_step_rows(
+    kvs: list,
+    gates: list,
+    poss: mx.array,
+    states: list,
+    *,
+    position_bias: mx.array,
+    norm,
+    rope,
+    ratio: int,
+    backend: str | None = None,
+) -> list | None:
+    """`compressor_step` of B sessions' tokens through one compressor (session batching) in
+    ONE launch: row b is compressor_step(kvs[b], gates[b], poss[b], states[b], ...), poss an
+    int32 array [B].  -> the rows' new states, or None where they cannot share a launch (the
+    CPU, one row, a layout the kernel does not take, rows of unlike dtype or window layout, a
+    failed first-use self-test): the caller then steps each row."""
+    face = _rows_face(backend)
+    if face == "reference" or len(states) < 2:
+        return None
+    first = states[0]
+    alike = all(
+        len(st) == len(first)
+        and all(a.dtype == f.dtype for a, f in zip(st, first))
+        and all(a.shape == f.shape for a, f in zip(st[:-1], first[:-1]))
+        and st[-1].shape[-1] == first[-1].shape[-1]
+        and kv.dtype == kvs[0].dtype
+        and g.dtype == gates[0].dtype
+        and supported(st, kv, g, position_bias, rope)
+        for st, kv, g in zip(states, kvs, gates)
+    )
+    if not alike:
+        return None
+    return _launch_rows(face, kvs, gates, poss, states, position_bias, norm, rope, ratio)
+
+
+def _launch_rows(face, kvs, gates, poss, states, position_bias, norm, rope, ratio) -> list:
+    n = len(states)
+    overlap = len(states[0]) == 5
+    dt = states[0][-1].dtype
+    d = states[0][-1].shape[-1]
+    per = {name: [] for name in _ROW_IN}
+    shapes = {name: [] for name in _OUTPUTS}
+    for st, kv, g in zip(states, kvs, gates):
+        buf_kv, buf_gate, rows = st[0], st[1], st[-1]
+        ov_kv, ov_gate = (st[2], st[3]) if overlap else (buf_kv, buf_gate)  # dummies: not read
+        for name, a in zip(_ROW_IN, (buf_kv, buf_gate, ov_kv, ov_gate, rows, kv, g, _meta(rows.shape[-2]))):
+            per[name].append(a)
+        ov_shapes = [st[2].shape, st[3].shape] if overlap else [(1,), (1,)]  # dummies: not written
+        for name, shape in zip(_OUTPUTS, (buf_kv.shape, buf_gate.shape, *ov_shapes, rows.shape)):
+            shapes[name].append(shape)
+    cap = max(st[-1].shape[-2] for st in states)
+    if poss.dtype != mx.int32:
+        poss = poss.astype(mx.int32)
+    out = _rows_kernel(n)(
+        face,
+        inputs=[
+            *[a for name in _ROW_IN for a in per[name]],
+            position_bias,
+            norm.weight,
+            rope.periods,
+            _prm(float(norm.eps), float(rope.attention_factor), dt),
+            poss.reshape(-1),
+        ],
+        template=[
+            ("T", dt),
+            ("TK", kvs[0].dtype),
+            ("TG", gates[0].dtype),
+            ("TB", position_bias.dtype),
+            ("TW", norm.weight.dtype),
+            ("M", ratio),
+            ("D", d),
+            ("OVERLAP", overlap),
+            ("ROPE", rope.dims),
+            ("THREADS", THREADS),
+            ("PER", PER),
+        ],
+        grid=(groups(cap, ratio, d, overlap, dt.size) * THREADS, n, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[s for name in _OUTPUTS for s in shapes[name]],
+        output_dtypes=[dt] * (5 * n),
+    )
+    rows_out = [[out[i * n + b] for i in range(5)] for b in range(n)]  # outputs come name by name
+    return rows_out if overlap else [[r[0], r[1], r[4]] for r in rows_out]
 
 
 def reference(kv, gate, pos, state, *, position_bias, norm, rope, ratio) -> list:
@@ -275,6 +416,27 @@ def random_problem(ratio, dim, rope_dims, overlap, cap, mscale, dtype, seed: int
     inv = 1.0 / (10000.0 ** (mx.arange(0, rope_dims, 2, dtype=mx.float32) / rope_dims))
     rope = RoPE(rope_dims, inv, mscale)
     return kv, gate, state, bias, norm, rope
+
+
+def _rows_self_test(face: str) -> bool:
+    """compressor_step_rows on `face` against the reference face of each row: three rows of
+    each self-test case (their own buffers, capacities and positions: a window's end, its
+    middle, its start), float32 and bfloat16."""
+    for _, ratio, dim, rope_dims, overlap, cap, mscale in self_test_cases():
+        for dt, tol in ((mx.float32, 1e-4), (mx.bfloat16, 3e-2)):
+            probs = [random_problem(ratio, dim, rope_dims, overlap, cap + 2 * i, mscale, dt, seed=i) for i in range(3)]
+            ps = [ratio * (cap - 1) + ratio - 1, ratio + ratio // 2, 2 * ratio]
+            _, _, _, bias, norm, rope = probs[0]
+            kw = dict(position_bias=bias, norm=norm, rope=rope, ratio=ratio)
+            kvs, gates, states = [p[0] for p in probs], [p[1] for p in probs], [p[2] for p in probs]
+            got = compressor_step_rows(kvs, gates, mx.array(ps, mx.int32), states, **kw, backend=face)
+            if got is None:
+                return False
+            for g, kv, gate, st, p in zip(got, kvs, gates, states, ps):
+                want = reference(kv, gate, mx.array(p, mx.int32), st, **kw)
+                if not all(close_enough(a, w, rtol=tol, atol=tol) for a, w in zip(g, want)):
+                    return False
+    return True
 
 
 def _self_test(face: str) -> bool:

@@ -41,6 +41,7 @@ UNVERIFIED_KERNELS = {  # (the rest passed their `pytest -m gpu` tests on the H2
     "affine_qmv.norm",  # the plain mode with an RMSNorm folded in (the decode step's q_a norm): no GPU test of its own
     "affine_qmv.rows",  # the plain mode's multi-row variant: XR x rows a threadgroup, x staged in K slices
     "sparse_attention.attend_rows",  # B sessions' decode queries in one attend launch (session batching)
+    "compressor_step.rows",  # B sessions' tokens through one compressor in one launch (session batching)
 }
 
 log = logging.getLogger("ds4mlx.kernels")
@@ -338,6 +339,26 @@ def compact(text: str) -> str:
         if line:
             out.append(line)
     return "\n".join(out) + "\n"
+
+
+def row_select(n: int, inputs: dict, outputs: dict = None, macro: str = "DS4_ROW_SELECT") -> str:
+    """A define `macro` for the "rows" variant of a shared-text kernel (session batching: n
+    sessions' rows in one launch, each with its own buffers): declares each name of `inputs`
+    / `outputs` (name -> element type) as the pointer of this threadgroup's row `row`
+    (inputs `name_0` .. `name_{n-1}`: `row_inputs`), so the kernel text reads its usual
+    names.  The kernel defines `row` before it expands `macro`."""
+
+    def pick(name):
+        return "".join(f"row == {r}u ? {name}_{r} : " for r in range(n - 1)) + f"{name}_{n - 1}"
+
+    decl = [f"const DS4_DEV {t}* {name} = {pick(name)};" for name, t in inputs.items()]
+    decl += [f"DS4_DEV {t}* {name} = {pick(name)};" for name, t in (outputs or {}).items()]
+    return f"#define {macro} " + " \\\n    ".join(decl) + "\n"
+
+
+def row_inputs(names, n: int) -> list[str]:
+    """`name_0` .. `name_{n-1}` of each name (in that order): a rows variant's per-row buffers."""
+    return [f"{name}_{r}" for name in names for r in range(n)]
 
 
 def shared_sources(path: str | Path, face: str, kernel: str, common: str = "common") -> tuple[str, str]:

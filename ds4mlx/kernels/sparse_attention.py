@@ -145,21 +145,16 @@ _ROW_TYPES = {"q": "T", "keys": "TK", "rows": "TK", "idx": "int", "cnt": "int", 
 def attend_rows_defines(n: int) -> str:
     """The header defines of attend_rows for n rows: row r's q_r, keys_r, ... chosen by the
     threadgroup's y index, o the row's [NH, 1, D] slice of o_rows (HEADS: a template constant)."""
-    sel = []
-    for name in ROW_INPUTS:
-        pick = "".join(f"row == {r}u ? {name}_{r} : " for r in range(n - 1)) + f"{name}_{n - 1}"
-        sel.append(f"const DS4_DEV {_ROW_TYPES[name]}* {name} = {pick};")
-    sel.append("DS4_DEV T* o = o_rows + uint64_t(row) * uint64_t(HEADS) * uint64_t(D);")
+    select = dispatch.row_select(n, {name: _ROW_TYPES[name] for name in ROW_INPUTS}, macro="DS4_ROW_PICK")
     return (
-        f"#define DS4_ATTEND_ROWS {n}\n#define DS4_ATTEND_HEADS HEADS\n"
-        "#define DS4_ATTEND_SELECT " + " \\\n    ".join(sel) + "\n"
+        f"#define DS4_ATTEND_ROWS {n}\n#define DS4_ATTEND_HEADS HEADS\n{select}"
+        "#define DS4_ATTEND_SELECT DS4_ROW_PICK DS4_DEV T* o = o_rows + uint64_t(row) * uint64_t(HEADS) * uint64_t(D);\n"
     )
 
 
 def attend_rows_io(n: int) -> tuple[list[str], list[str]]:
     """(input names, output names) of attend_rows for n rows."""
-    per_row = [f"{name}_{r}" for name in ROW_INPUTS for r in range(n)]
-    return per_row + ["sinks", "rope", "prm", "tickets"], ["o_rows", "part"]
+    return dispatch.row_inputs(ROW_INPUTS, n) + ["sinks", "rope", "prm", "tickets"], ["o_rows", "part"]
 
 
 @cache

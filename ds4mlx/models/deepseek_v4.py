@@ -39,7 +39,10 @@ import mlx.nn as nn
 from ..kernels import affine_qmv, moe_route
 from ..kernels import sparse_attention as _sparse
 from ..kernels.attn_prep import attn_prep
-from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
+from ..kernels.compressor_step import (  # one launch on a GPU, the MLX graph on the CPU
+    compressor_step,
+    compressor_step_rows,
+)
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from . import prefill_attention
@@ -553,6 +556,18 @@ class Compressor(nn.Module):
         valid = iota(rows.shape[1]) < (pos + 1) // m  # only the plain attention reads it
         return new, rows, valid
 
+    def pool_step_rows(self, kvs: list, gates: list, pos: list, poss: mx.array, states: list) -> list:
+        """`pool_step` of B sessions' tokens (independent rows: session batching): each row's
+        new state arrays; one launch for all rows on a GPU where they can share it
+        (`compressor_step_rows`), else a `pool_step` per row."""
+        n = 5 if self._overlap else 3
+        arrays = [[next(st) for _ in range(n)] for st in states]
+        kw = dict(position_bias=self.position_bias, norm=self.kv_norm, rope=self._rope, ratio=self._ratio)
+        new = compressor_step_rows(kvs, gates, poss, arrays, **kw)
+        if new is None:
+            new = [compressor_step(kv, g, p, a, **kw) for kv, g, p, a in zip(kvs, gates, pos, arrays)]
+        return new
+
 
 class IndexerScorer(nn.Module):
     def __init__(self, hidden: int, n_heads: int):
@@ -711,6 +726,35 @@ class CompressorBranch(Compressor):
             backend=face,
         )
         return rows.squeeze(0), idx, cnt
+
+    def step_select_rows(self, projs: list, index_qs: list, pos: list, poss: mx.array, states: list, news: list):
+        """`step_select` of B sessions' tokens (independent rows: session batching), each
+        compressor's rows in one launch where they can share it: per row (rows, idx, cnt)."""
+        new = self.pool_step_rows([p[0] for p in projs], [p[1] for p in projs], pos, poss, states)
+        for nw, st in zip(news, new):
+            nw += st
+        rows = [st[-1].squeeze(0) for st in new]
+        if not self._overlap:
+            return [(r, None, None) for r in rows]
+        ind = self.indexer
+        keys = ind.pool_step_rows([p[2] for p in projs], [p[3] for p in projs], pos, poss, states)
+        for nw, st in zip(news, keys):
+            nw += st
+        if rows[0].shape[0] <= self._topk and all(r.shape == rows[0].shape for r in rows):
+            return [(r, None, None) for r in rows]
+        scale = ind._nh**-0.5 * ind._dim**-0.5
+        face = _sparse.step_face()
+        out = []
+        for r, k, q, p, at in zip(rows, keys, index_qs, projs, pos):
+            if r.shape[0] <= self._topk:
+                out.append((r, None, None))
+                continue
+            k = k[-1].squeeze(0)
+            idx, cnt = _sparse.index_topk(
+                q.squeeze(0), p[4].squeeze(0), k, self._topk, n=k.shape[0], s=at, ratio=self._ratio, scale=scale, backend=face
+            )  # fmt: skip
+            out.append((r, idx, cnt))
+        return out
 
     def select(self, x, q_res, cache: LayerCache, s: int, face: str):
         """The fused path's half of `__call__`: pool both compressors; for CSA with more
@@ -915,21 +959,39 @@ class Attention(nn.Module):
     def _step_prep(self, face, q_b, kv, more, index_q_b, pos, state, new) -> tuple:
         """The GPU step's half before the attention: (q [1, nh, 1, D], the ring with this
         token's row, the compressed rows, idx, cnt) for `attend_at`; the new state appended."""
+        q, ring, index_q = self._step_prologue(face, q_b, kv, index_q_b, pos, state, new)
+        rows = idx = cnt = None
+        if self.layer_type != SLIDING:
+            rows, idx, cnt = self.compressor.step_select(more, index_q, pos, state, new)
+        return q, ring, rows, idx, cnt
+
+    def _step_prologue(self, face, q_b, kv, index_q_b, pos, state, new) -> tuple:
+        """Query / K=V norms and ropes, the ring write and the indexer query's rope in one
+        launch (the indexer shares the layer's compress rope: CompressorBranch passes it on):
+        (q, the new ring, the indexer's query or None); the ring appended to `new`."""
         comp = self.compressor if self.layer_type != SLIDING else None
-        ring = next(state)
-        # query / K=V norms and ropes, the ring write and the indexer query's rope in one
-        # launch (the indexer shares the layer's compress rope: CompressorBranch passes it on)
         csa = comp is not None and comp._overlap
         q, ring, index_q = attn_prep(
-            q_b, kv, self.kv_norm.weight, ring, pos, self._rope, self._eps, index_q_b if csa else None,
+            q_b, kv, self.kv_norm.weight, next(state), pos, self._rope, self._eps, index_q_b if csa else None,
             heads=self._nh, index_heads=comp.indexer._nh if csa else 0,
             backend="reference" if face == "reference" else None,
         )  # fmt: skip
         new.append(ring)
-        rows = idx = cnt = None
-        if comp is not None:
-            rows, idx, cnt = comp.step_select(more, index_q, pos, state, new)
-        return q, ring, rows, idx, cnt
+        return q, ring, index_q
+
+    def _step_prep_rows(self, face, q_b, kv, more, index_q_b, pos, poss, states, news) -> list:
+        """`_step_prep` of B independent sessions' rows: each row's prologue, then each
+        compressor's rows in one launch where they can share it (`Compressor.step_select_rows`)."""
+        heads, projs = [], []
+        for b, (p, st, nw) in enumerate(zip(pos, states, news)):
+            row = slice(b, b + 1)
+            ib = None if index_q_b is None else index_q_b[:, row]
+            heads.append(self._step_prologue(face, q_b[:, row], kv[:, row], ib, p, st, nw))
+            projs.append([m[:, row] for m in more])
+        if self.layer_type == SLIDING:
+            return [(q, ring, None, None, None) for q, ring, _ in heads]
+        sel = self.compressor.step_select_rows(projs, [h[2] for h in heads], pos, poss, states, news)
+        return [(q, ring, *rest) for (q, ring, _), rest in zip(heads, sel)]
 
     def _step_attend_graph(self, q_b, kv, more, index_q_b, pos, state, new) -> mx.array:
         """`_step_attend` as MLX ops (the CPU, `DS4MLX_SPARSE_ATTENTION=0`)."""
@@ -951,21 +1013,27 @@ class Attention(nn.Module):
         )
         return self._rope(out, offset=pos, scale=-1.0)
 
-    def step_rows(self, x: mx.array, pos: list, states: list, news: list) -> mx.array:
+    def step_rows(self, x: mx.array, pos: list, states: list, news: list, poss: mx.array | None = None) -> mx.array:
         """`step` for B sessions' tokens at once (x [1, B, H], row b at position pos[b]
-        over its own state iterator states[b]): the projections run once for all rows,
-        the attention per row (session batching, docs/kv-cache.md §11)."""
+        over its own state iterator states[b]): the projections run once for all rows, the
+        rows' attention in one launch on a GPU (session batching, docs/kv-cache.md §11).
+        `poss` (the positions as one int32 array [B]): the rows are independent sessions, so
+        each compressor also takes them in one launch; None: a chain (a row reads the state
+        the row before it leaves), each row's prologue and compressors in turn."""
         q_b, index_q_b, kv, more = self._step_inputs(x)
         face = _sparse.step_face()
         outs, preps = [], []
-        for b, (p, st, nw) in enumerate(zip(pos, states, news)):
-            row = slice(b, b + 1)
-            ib = None if index_q_b is None else index_q_b[:, row]
-            args = (q_b[:, row], kv[:, row], [m[:, row] for m in more], ib, p, st, nw)
-            if face is None:
-                outs.append(self._step_attend_graph(*args).swapaxes(1, 2))  # [1, 1, nh, D]
-            else:
-                preps.append(self._step_prep(face, *args))
+        if face is not None and poss is not None:
+            preps = self._step_prep_rows(face, q_b, kv, more, index_q_b, pos, poss, states, news)
+        else:
+            for b, (p, st, nw) in enumerate(zip(pos, states, news)):
+                row = slice(b, b + 1)
+                ib = None if index_q_b is None else index_q_b[:, row]
+                args = (q_b[:, row], kv[:, row], [m[:, row] for m in more], ib, p, st, nw)
+                if face is None:
+                    outs.append(self._step_attend_graph(*args).swapaxes(1, 2))  # [1, 1, nh, D]
+                else:
+                    preps.append(self._step_prep(face, *args))
         if preps:
             # the rows' attention in one launch where they can share it (each row's inputs its
             # own: a chained row reads the ring and rows the rows before it wrote), else per row
@@ -1105,11 +1173,13 @@ class DecoderLayer(nn.Module):
         launch that consumes them (`out2`)."""
         return self._open_with(x, pending, ids, lambda normed: self.self_attn.step(normed, pos, state, new))
 
-    def step_rows_open(self, x: mx.array, pending, ids: mx.array, pos: list, states: list, news: list):
+    def step_rows_open(self, x: mx.array, pending, ids: mx.array, pos: list, states: list, news: list, poss=None):
         """`step_open` for B sessions' tokens laid out as B tokens of one row (x [1, B, hc, H]):
         the same folds and launches as one session's step (the mHC and MoE kernels take the B
-        tokens as rows), the attention per row (`Attention.step_rows`)."""
-        return self._open_with(x, pending, ids, lambda normed: self.self_attn.step_rows(normed, pos, states, news))
+        tokens as rows), the rows' attention as `Attention.step_rows` runs it (`poss`: its)."""
+        return self._open_with(
+            x, pending, ids, lambda normed: self.self_attn.step_rows(normed, pos, states, news, poss)
+        )
 
     def _open_with(self, x: mx.array, pending, ids: mx.array, attend):
         if pending is None:
@@ -1191,9 +1261,12 @@ class DeepseekV4Model(nn.Module):
         final_norm: bool = True,
         chain: bool = False,
         streams: bool = False,
+        poss: mx.array | None = None,
     ) -> tuple:
         """B sessions' tokens ids [1, B], row b at position pos[b] over states[b] ->
-        (hidden [1, B, H], the rows' new states); `final_norm` as `step`'s.
+        (hidden [1, B, H], the rows' new states); `final_norm` as `step`'s.  `poss`: the
+        positions as one int32 array [B] (independent rows: the compressors take them in one
+        launch each on a GPU; not with `chain`).
 
         `chain`: the B tokens are ONE session's next B positions and states[0] its state:
         row b runs over the state row b - 1 leaves (each layer takes the rows in order, so
@@ -1210,8 +1283,9 @@ class DeepseekV4Model(nn.Module):
         else:
             its, news = [iter(s) for s in states], [[] for _ in states]
         pending = None
+        poss = None if chain else poss
         for layer in self.layers:  # as `step`: each layer's last hc_post inside the next one's first launch
-            x, pending = layer.step_rows_open(x, pending, ids, pos, its, news)
+            x, pending = layer.step_rows_open(x, pending, ids, pos, its, news, poss)
         if pending is not None:
             x = finish_open_step(x, pending)
         h = self.hc_head(x)
@@ -1248,8 +1322,10 @@ class Model(StaticDecode, CausalLM):
         one session's B next tokens over states[0] (stepper.step_chain); `streams`: the
         residual streams come third (`DeepseekV4Model.step_rows`)."""
         fold = self.head_folds_norm()
-        pos = [pos[b : b + 1].squeeze(0) for b in range(ids.shape[1])]
-        h, news, *rest = self.model.step_rows(ids, pos, states, final_norm=not fold, chain=chain, streams=streams)
+        rows = [pos[b : b + 1].squeeze(0) for b in range(ids.shape[1])]
+        h, news, *rest = self.model.step_rows(
+            ids, rows, states, final_norm=not fold, chain=chain, streams=streams, poss=pos
+        )
         # (views: an integer index would launch a gather)
         return ((self.normed_head(h) if fold else self.head(h)).squeeze(0), news, *rest)
 

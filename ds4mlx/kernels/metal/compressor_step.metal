@@ -37,6 +37,11 @@
 //   over [rows | buf_kv | buf_gate]; the units of row w0 of rows and of row b of the
 //   buffers are skipped (threadgroup 0 writes them: no two groups write one address).
 //   The host keeps D * sizeof(T) a multiple of 16 bytes.
+//
+// compressor_step_rows  grid (GROUPS*THREADS, R, 1): R sessions' compressors of one layer
+//   (session batching), row r with its own buffers (buf_kv_r, ... rows_r, kv_r, gate_r,
+//   meta_r in; buf_kv_out_r, ... rows_out_r out) at position poss[r] (poss [R] int32 in
+//   place of pos); bias, weight, periods, prm shared.  GROUPS covers the largest row.
 
 // @@ common
 // pos is a 0-d input: MLX's Metal face passes it by reference, the CUDA face by pointer
@@ -44,6 +49,13 @@
 #define CS_SCALAR(a) (a)
 #else
 #define CS_SCALAR(a) ((a)[0])
+#endif
+// one launch for one compressor (CS_ROWS 1); compressor_step_rows' header defines CS_ROWS > 1,
+// CS_POS (poss[row]) and CS_ROW_SELECT (row r's buffers in, row r's buffers out)
+#ifndef CS_ROWS
+#define CS_ROWS 1
+#define CS_POS CS_SCALAR(pos)
+#define CS_ROW_SELECT
 #endif
 #if defined(__METAL_VERSION__)
 DS4_FN float cs_cos(float x) { return metal::precise::cos(x); }
@@ -91,7 +103,10 @@ constexpr uint32_t BUF_UNITS = uint32_t(CC) * ROW_UNITS;
 DS4_SHARED float nrm[D];
 DS4_SHARED float red[THREADS / 32];
 
-const int32_t p = CS_SCALAR(pos);
+const uint32_t row = CS_ROWS > 1 ? tgy : 0u;  // compressor_step_rows: one session row per grid y
+(void)row;
+CS_ROW_SELECT
+const int32_t p = CS_POS;
 const uint32_t b = uint32_t(p % M);
 const uint32_t w0 = uint32_t(p / M);
 const uint32_t cap = uint32_t(meta[0]);
