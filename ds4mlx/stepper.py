@@ -221,7 +221,8 @@ def step_rows(model, caches: list, ids: mx.array, positions: list[int], undoable
     res = []
     for b, (cache, st) in enumerate(zip(caches, states)):
         model.commit_static(cache, list(out[1 + b * n : 1 + (b + 1) * n]))
-        res.append((logits[b], (lambda c=cache, s=st: model.rewind_static(c, s))) if undoable else logits[b])
+        row = logits[b : b + 1].squeeze(0)  # a view (an integer index launches a gather)
+        res.append((row, (lambda c=cache, s=st: model.rewind_static(c, s))) if undoable else row)
     return res
 
 

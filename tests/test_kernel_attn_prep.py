@@ -137,7 +137,7 @@ def emulate(tmp_path, p, pos, rope, eps, nh, nhi, threads=64, per=4):
     sec = dispatch.sections(ap.SOURCE)
     out = run_on_cpu(
         tmp_path,
-        CPU_TRIG,
+        CPU_TRIG + ap.ONE,
         sec["attn_prep"],
         inputs={
             "q": f(p["q_b"]),
@@ -238,6 +238,124 @@ def test_cuda_face_compiles_with_nvcc(act, ring, nhi, tmp_path):
 # ------------------------------------------------------------------ GPU faces
 
 
+def _emulated_rows_kernel(tmp_path, launches):
+    """A stand-in for ap._rows_kernel(n): each launch runs the kernel's text with the rows'
+    defines through the g++ emulation, with the inputs, template and grid the module passes."""
+    sec = dispatch.sections(ap.SOURCE)
+
+    def kernel(n):
+        in_names, out_names = ap.rows_io(n)
+
+        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            consts = {k: (np.float32 if k.startswith("T") and k != "THREADS" else v) for k, v in template}
+            arrays = {}
+            for name, a in zip(in_names, inputs):
+                a = a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a
+                arrays[name] = np.array(a).reshape(-1)
+            d = tmp_path / f"launch{len(launches)}"
+            d.mkdir()
+            launches.append((n, grid))
+            out = run_on_cpu(
+                d,
+                CPU_TRIG + ap.rows_defines(n),
+                sec["attn_prep"],
+                inputs=arrays,
+                outputs={name: (tuple(sh), np.float32) for name, sh in zip(out_names, output_shapes)},
+                consts=consts,
+                groups=(grid[0] // threadgroup[0], grid[1], grid[2]),
+                threads=threadgroup[0],
+            )
+            return [mx.array(out[name]).astype(dt) for name, dt in zip(out_names, output_dtypes)]
+
+        return launch
+
+    return kernel
+
+
+@pytest.mark.parametrize("nhi", [2, 0])
+@pytest.mark.parametrize("rd,kind", [(8, "yarn"), (0, "plain")])
+def test_rows_wiring_on_the_cpu_emulation(nhi, rd, kind, tmp_path, monkeypatch):
+    """attn_prep_rows (session batching: B sessions' tokens of a layer in one launch) through
+    the module's own inputs, template and grid, the kernel run by the g++ emulation: row b
+    equals the reference on row b's own projections, ring and position."""
+    launches = []
+    monkeypatch.setattr(ap, "_rows_kernel", _emulated_rows_kernel(tmp_path, launches))
+    monkeypatch.setattr(ap, "THREADS", 64)
+    rope = make_rope(rd, kind) if rd else RoPE(0, mx.zeros((0,)))
+    nh, d, di, w, n = 3, 40, 16, 8, 3
+    k = mx.random.split(mx.random.key(3), 5)
+    q_b, kv = mx.random.normal((1, n, nh * d), key=k[0]), mx.random.normal((1, n, d), key=k[1])
+    iq = mx.random.normal((1, n, nhi * di), key=k[2]) if nhi else None
+    weight = 1.0 + 0.1 * mx.random.normal((d,), key=k[3])
+    rings = [mx.random.normal((1, 1, w, d), key=kk) for kk in mx.random.split(k[4], n)]
+    poss = mx.array([37, 3, 12], mx.int32)
+    got = ap.attn_prep_rows(q_b, kv, weight, rings, poss, rope, 1e-6, iq, heads=nh, index_heads=nhi, backend="cuda")
+    assert got is not None and len(launches) == 1 and launches[0][1][1] == n
+    for b in range(n):
+        row = slice(b, b + 1)
+        ib = None if iq is None else iq[:, row]
+        want = ap.reference(
+            q_b[:, row], kv[:, row], weight, rings[b], poss[b], rope, 1e-6, ib, heads=nh, index_heads=nhi
+        )
+        mine = [got[0][row], got[1][b]] + ([got[2][row]] if nhi else [])
+        assert nhi or got[2] is None
+        for g, w_ in zip(mine, want):
+            assert g.shape == w_.shape
+            np.testing.assert_allclose(np.array(g), np.array(w_), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_self_test_passes_on_the_cpu_emulation(tmp_path, monkeypatch):
+    """The rows variant's first-use self-test on the emulation: it passes, and fails for a
+    kernel that gives every row row 0's ring."""
+    launches = []
+    emulated = _emulated_rows_kernel(tmp_path, launches)
+    monkeypatch.setattr(ap, "_rows_kernel", emulated)
+    monkeypatch.setattr(ap, "THREADS", 64)
+    rope = make_rope(8, "yarn")
+    assert ap._rows_self_test("cuda", rope) and launches
+
+    def same_ring(n):
+        launch = emulated(n)
+
+        def run(face, **kw):
+            out = launch(face, **kw)
+            return [out[0], *[out[1]] * n, out[-1]]
+
+        return run
+
+    monkeypatch.setattr(ap, "_rows_kernel", same_ring)
+    assert not ap._rows_self_test("cuda", rope)
+
+
+@pytest.mark.parametrize("nhi", [64, 0])
+def test_rows_cuda_face_compiles_with_nvcc(nhi, tmp_path):
+    """attn_prep_rows for 4 rows at V4 Flash shapes (bfloat16), compiled by nvcc for sm_90 with
+    warnings as errors."""
+    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+
+    dt, n = "bfloat16", 4
+    kern = ap._rows_kernel(n)
+    h, b = kern.source("cuda")
+    ins = {name: dt for name in kern.input_names}
+    ins.update(freqs="float32", prm="float32", poss="int32")
+    tmpl = [
+        ("TQ", dt),
+        ("TKV", dt),
+        ("TWN", dt),
+        ("TI", dt),
+        ("TR", dt),
+        ("NH", 64),
+        ("D", 512),
+        ("NHI", nhi),
+        ("DI", 128),
+        ("W", 128),
+        ("RD", 64),
+        ("THREADS", ap.THREADS),
+        ("PER", ap.COPY_PER),
+    ]
+    nvcc_compile(tmp_path, mlx_cuda_source(f"attn_prep_rows{n}", h, b, ins, {o: dt for o in kern.output_names}, tmpl))
+
+
 def _gpu_face():
     face = dispatch.gpu_backend()
     if face is None:
@@ -295,6 +413,14 @@ def test_gpu_face_matches_reference(case):
 def test_gpu_self_test_passes(kind):
     face = _gpu_face()
     assert ap._self_test(face, make_rope(64, kind))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["plain", "yarn"])
+def test_gpu_rows_self_test_passes(kind):
+    """attn_prep_rows (dispatch.UNVERIFIED_KERNELS until this passes on the device)."""
+    face = _gpu_face()
+    assert ap._rows_self_test(face, make_rope(64, kind))
 
 
 # ------------------------------------------------------------------ first-use self-test (a simulated GPU face, CPU)

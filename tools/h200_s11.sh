@@ -46,7 +46,8 @@ R)
   timeout ${ROWS_S:-150} python3 -m pytest -m gpu -p no:cacheprovider -n 4 --timeout 180 -q --tb=short \
       tests/test_affine_qmv.py -k "gpu_rows or gpu_dense_and_gather or gpu_self_tests or first_use_self_tests or rows_self_test" \
       "tests/test_kernel_sparse_attention.py::test_gpu_first_use_self_tests_pass" \
-      "tests/test_kernel_compressor_step.py::test_gpu_rows_self_test_passes" 2>&1 | tail -15 | tee "$OUT/rows_tests.txt"
+      "tests/test_kernel_compressor_step.py::test_gpu_rows_self_test_passes" \
+      tests/test_kernel_attn_prep.py 2>&1 | tail -15 | tee "$OUT/rows_tests.txt"
   log "dense mat-vecs of 1..8 rows: one launch (XR rows a threadgroup) vs a row a slice"
   timeout ${RB_S:-60} python3 -u -m ds4mlx.bench.kernels --qmv-rows --no-micro --no-layer --no-model 2>&1 \
       | grep -v "_warn_once\|UserWarning" | tail -20 | tee "$OUT/qmv_rows.txt"

@@ -31,7 +31,7 @@ from functools import cache, lru_cache
 
 import mlx.core as mx
 
-from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, shared_sources
+from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, row_inputs, row_select, shared_sources
 
 SOURCE = METAL_DIR / "attn_prep.metal"
 THREADS = 256  # 8 SIMD groups: 8 rows per row threadgroup
@@ -50,10 +50,48 @@ _INPUTS = ["q", "kv", "kv_w", "iq", "ring", "freqs", "prm", "meta"]
 _OUTPUTS = ["q_out", "ring_out", "iq_out"]
 
 
+ONE = "#define AP_ROWS 1\n#define AP_POS (meta[0])\n#define AP_ROW_SELECT\n"  # attn_prep: one row
+
+
 def kernel_sources(face: str) -> tuple[str, str]:
     """(header, body) of the attn_prep kernel for `face` ('metal' or 'cuda')."""
     header, body = shared_sources(SOURCE, face, "attn_prep")
-    return header + TRIG[face], body
+    return header + TRIG[face] + ONE, body
+
+
+_ROWS_IN = ["q_rows", "kv_rows", "kv_w", "iq_rows"]  # then ring_0 .. ring_{R-1}, freqs, prm, poss
+
+
+def rows_defines(n: int) -> str:
+    """The defines that make the kernel's text attn_prep_rows for n rows: row r's slices of the
+    stacked q / kv / iq and of the stacked q_out / iq_out, its own ring and ring_out."""
+    offsets = (
+        "const DS4_DEV TQ* q = q_rows + uint64_t(row) * uint64_t(NH * D); "
+        "const DS4_DEV TKV* kv = kv_rows + uint64_t(row) * uint64_t(D); "
+        "const DS4_DEV TI* iq = iq_rows + uint64_t(row) * uint64_t(NHI * DI); "
+        "DS4_DEV TQ* q_out = q_out_rows + uint64_t(row) * uint64_t(NH * D); "
+        "DS4_DEV TI* iq_out = iq_out_rows + uint64_t(row) * uint64_t(NHI > 0 ? NHI * DI : 1);"
+    )
+    select = row_select(n, {"ring": "TR"}, {"ring_out": "TR"}, macro="AP_PICK")
+    return f"#define AP_ROWS {n}\n#define AP_POS (poss[row])\n{select}#define AP_ROW_SELECT AP_PICK {offsets}\n"
+
+
+def rows_io(n: int) -> tuple[list[str], list[str]]:
+    """(input names, output names) of attn_prep_rows for n rows."""
+    return _ROWS_IN + row_inputs(["ring"], n) + ["freqs", "prm", "poss"], [
+        "q_out_rows",
+        *row_inputs(["ring_out"], n),
+        "iq_out_rows",
+    ]
+
+
+@cache
+def _rows_kernel(n: int) -> Kernel:
+    faces = {}
+    for face in ("metal", "cuda"):
+        header, body = shared_sources(SOURCE, face, "attn_prep")
+        faces[face] = (header + TRIG[face] + rows_defines(n), body)
+    return Kernel(f"ds4mlx_attn_prep_rows{n}", *rows_io(n), **faces)
 
 
 @cache
@@ -154,6 +192,99 @@ def attn_prep(
         output_dtypes=[q_b.dtype, ring.dtype, iq.dtype],
     )
     return q, ring, (iq if index_q_b is not None else None)
+
+
+def attn_prep_rows(
+    q_b,
+    kv,
+    kv_weight,
+    rings: list,
+    poss,
+    rope,
+    eps: float,
+    index_q_b=None,
+    *,
+    heads: int,
+    index_heads: int = 0,
+    backend: str | None = None,
+):
+    """`attn_prep` of B sessions' tokens of one layer in ONE launch (session batching): q_b
+    [1, B, NH*D], kv [1, B, D], index_q_b [1, B, NHI*DI] or None (the rows' projections, as
+    the batched step has them), rings[b] row b's ring, poss [B] int32 -> (q [B, NH, 1, D],
+    the rows' new rings, the indexer queries [B, NHI, 1, DI] or None), or None where the rows
+    cannot share a launch (the CPU, one row, unlike rings, widths the kernel does not take, a
+    failed first-use self-test): the caller then runs attn_prep per row."""
+    n = len(rings)
+    d = rings[0].shape[-1]
+    di = 0 if index_q_b is None else index_q_b.shape[-1] // index_heads
+    face = backend
+    if face is None:
+        face = auto_face("attn_prep.rows", lambda f: _rows_self_test(f, rope))
+    if face == "reference" or n < 2 or not fusable(rope, d, di):
+        return None
+    if any(r.shape != rings[0].shape or r.dtype != rings[0].dtype for r in rings):
+        return None
+    w = rings[0].shape[2]
+    nhi = 0 if index_q_b is None else index_heads
+    iq = _dummy(q_b.dtype) if index_q_b is None else index_q_b
+    freqs = rope.periods if rope.dims else _dummy(mx.float32)
+    warps = THREADS // 32
+    row_tgs = -(-(heads + 1 + nhi) // warps)
+    copy_tgs = -(-(w * d) // (THREADS * COPY_PER))
+    out = _rows_kernel(n)(
+        face,
+        inputs=[q_b, kv, kv_weight, iq, *rings, freqs, _params(float(eps), float(rope.attention_factor)), poss],
+        template=[
+            ("TQ", q_b.dtype),
+            ("TKV", kv.dtype),
+            ("TWN", kv_weight.dtype),
+            ("TI", iq.dtype),
+            ("TR", rings[0].dtype),
+            ("NH", heads),
+            ("D", d),
+            ("NHI", nhi),
+            ("DI", max(di, 2)),
+            ("W", w),
+            ("RD", rope.dims),
+            ("THREADS", THREADS),
+            ("PER", COPY_PER),
+        ],
+        grid=((row_tgs + copy_tgs) * THREADS, n, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(n, heads, 1, d), *[r.shape for r in rings], (n, max(nhi, 1), 1, max(di, 1))],
+        output_dtypes=[q_b.dtype, *[r.dtype for r in rings], iq.dtype],
+    )
+    return out[0], out[1 : 1 + n], (out[-1] if index_q_b is not None else None)
+
+
+def _rows_self_test(face: str, rope) -> bool:
+    """attn_prep_rows on `face` against the reference of each row: three rows (their own rings
+    and positions, one in the ring's first lap), with and without indexer heads, float32 and
+    bfloat16."""
+    dims = rope.dims
+    d, di, n = dims + 8, dims + 4, 3
+    k = mx.random.split(mx.random.key(13), 5)
+    weight = 1.0 + 0.1 * mx.random.normal((d,), key=k[0])
+    poss = mx.array([37, 3, 12], mx.int32)
+    for dt, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
+        q_b = mx.random.normal((1, n, 3 * d), key=k[1]).astype(dt)
+        kv = mx.random.normal((1, n, d), key=k[2]).astype(dt)
+        rings = [r.astype(dt) for r in mx.split(mx.random.normal((n, 1, 5, d), key=k[4]), n)]
+        rings = [r.reshape(1, 1, 5, d) for r in rings]
+        for iq, nhi in ((mx.random.normal((1, n, 2 * di), key=k[3]).astype(dt), 2), (None, 0)):
+            got = attn_prep_rows(q_b, kv, weight, rings, poss, rope, 1e-6, iq, heads=3, index_heads=nhi, backend=face)
+            if got is None:
+                return False
+            for b in range(n):
+                row = slice(b, b + 1)
+                want = reference(
+                    q_b[:, row], kv[:, row], weight, rings[b], poss[b], rope, 1e-6,
+                    None if iq is None else iq[:, row], heads=3, index_heads=nhi,
+                )  # fmt: skip
+                mine = [got[0][row], got[1][b]] + ([got[2][row]] if iq is not None else [])
+                if not all(close_enough(g, w, rtol=tol, atol=tol) for g, w in zip(mine, want)):
+                    return False
+    return True
 
 
 def _self_test(face: str, rope) -> bool:

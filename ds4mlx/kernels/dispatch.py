@@ -42,6 +42,7 @@ UNVERIFIED_KERNELS = {  # (the rest passed their `pytest -m gpu` tests on the H2
     "affine_qmv.rows",  # the plain mode's multi-row variant: XR x rows a threadgroup, x staged in K slices
     "sparse_attention.attend_rows",  # B sessions' decode queries in one attend launch (session batching)
     "compressor_step.rows",  # B sessions' tokens through one compressor in one launch (session batching)
+    "attn_prep.rows",  # B sessions' attention prologues of one layer in one launch (session batching)
 }
 
 log = logging.getLogger("ds4mlx.kernels")

@@ -38,7 +38,7 @@ import mlx.nn as nn
 
 from ..kernels import affine_qmv, moe_route
 from ..kernels import sparse_attention as _sparse
-from ..kernels.attn_prep import attn_prep
+from ..kernels.attn_prep import attn_prep, attn_prep_rows
 from ..kernels.compressor_step import (  # one launch on a GPU, the MLX graph on the CPU
     compressor_step,
     compressor_step_rows,
@@ -965,29 +965,48 @@ class Attention(nn.Module):
             rows, idx, cnt = self.compressor.step_select(more, index_q, pos, state, new)
         return q, ring, rows, idx, cnt
 
-    def _step_prologue(self, face, q_b, kv, index_q_b, pos, state, new) -> tuple:
+    def _step_prologue(self, face, q_b, kv, index_q_b, pos, state, new, rows: bool = False) -> tuple:
         """Query / K=V norms and ropes, the ring write and the indexer query's rope in one
         launch (the indexer shares the layer's compress rope: CompressorBranch passes it on):
-        (q, the new ring, the indexer's query or None); the ring appended to `new`."""
+        (q, the new ring, the indexer's query or None); the ring appended to `new`.  `rows`:
+        B independent sessions' rows (q_b [1, B, ...], states / news / pos per row, pos the
+        positions array) in one launch where they can share it -> one such triple per row."""
         comp = self.compressor if self.layer_type != SLIDING else None
         csa = comp is not None and comp._overlap
-        q, ring, index_q = attn_prep(
-            q_b, kv, self.kv_norm.weight, next(state), pos, self._rope, self._eps, index_q_b if csa else None,
-            heads=self._nh, index_heads=comp.indexer._nh if csa else 0,
+        kw = dict(
+            heads=self._nh,
+            index_heads=comp.indexer._nh if csa else 0,
             backend="reference" if face == "reference" else None,
-        )  # fmt: skip
-        new.append(ring)
-        return q, ring, index_q
+        )
+        if not rows:
+            q, ring, index_q = attn_prep(
+                q_b, kv, self.kv_norm.weight, next(state), pos, self._rope, self._eps, index_q_b if csa else None, **kw
+            )  # fmt: skip
+            new.append(ring)
+            return q, ring, index_q
+        rings = [next(st) for st in state]
+        out = attn_prep_rows(q_b, kv, self.kv_norm.weight, rings, pos[1], self._rope, self._eps, index_q_b if csa else None, **kw)  # fmt: skip
+        if out is None:  # one launch per row
+            heads = []
+            for b, (p, ring, nw) in enumerate(zip(pos[0], rings, new)):
+                r = slice(b, b + 1)
+                ib = index_q_b[:, r] if csa else None
+                heads.append(
+                    attn_prep(q_b[:, r], kv[:, r], self.kv_norm.weight, ring, p, self._rope, self._eps, ib, **kw)
+                )
+        else:
+            q, new_rings, iq = out
+            heads = [(q[b : b + 1], r, None if iq is None else iq[b : b + 1]) for b, r in enumerate(new_rings)]
+        for nw, h in zip(new, heads):
+            nw.append(h[1])
+        return heads
 
     def _step_prep_rows(self, face, q_b, kv, more, index_q_b, pos, poss, states, news) -> list:
-        """`_step_prep` of B independent sessions' rows: each row's prologue, then each
-        compressor's rows in one launch where they can share it (`Compressor.step_select_rows`)."""
-        heads, projs = [], []
-        for b, (p, st, nw) in enumerate(zip(pos, states, news)):
-            row = slice(b, b + 1)
-            ib = None if index_q_b is None else index_q_b[:, row]
-            heads.append(self._step_prologue(face, q_b[:, row], kv[:, row], ib, p, st, nw))
-            projs.append([m[:, row] for m in more])
+        """`_step_prep` of B independent sessions' rows: the rows' prologues in one launch, then
+        each compressor's rows in one launch (`Compressor.step_select_rows`), where they can
+        share them."""
+        heads = self._step_prologue(face, q_b, kv, index_q_b, (pos, poss), states, news, rows=True)
+        projs = [[m[:, b : b + 1] for m in more] for b in range(len(pos))]
         if self.layer_type == SLIDING:
             return [(q, ring, None, None, None) for q, ring, _ in heads]
         sel = self.compressor.step_select_rows(projs, [h[2] for h in heads], pos, poss, states, news)

@@ -15,6 +15,11 @@
 //   q [NH*D] TQ, kv [D] TKV, kv_w [D] TWN, iq [NHI*DI] TI (a dummy when NHI == 0), ring [W*D] TR,
 //   freqs [RD/2] f32 (the rope periods, a dummy when RD == 0), prm [2] f32 = (eps, mscale),
 //   meta [1] int32 = pos  ->  q_out [NH*D] TQ, ring_out [W*D] TR, iq_out [NHI*DI] TI
+// attn_prep_rows (the header defines AP_ROWS = R > 1, AP_POS, AP_ROW_SELECT): R sessions' tokens
+//   of one layer in one launch, grid (TGS * THREADS, R, 1): row r reads q / kv / iq at row r of
+//   stacked inputs q_rows [R, NH*D], kv_rows [R, D], iq_rows [R, NHI*DI], its own ring_r, its
+//   position poss[r], and writes q_out / iq_out at row r of stacked outputs, its own ring_out_r.
+//   attn_prep is the R = 1 case (AP_POS meta[0], AP_ROW_SELECT empty).
 // RMSNorm as mx.fast.rms_norm: x * rsqrt(mean(x^2) + eps) (* w, w rounded to TKV first).
 // Rope as mx.fast.rope with `freqs`, traditional pairs, on the trailing RD channels of a row:
 //   pair i of them turns by theta = pos * (1 / freqs[i]) and is scaled by mscale (transformers'
@@ -27,7 +32,10 @@ constexpr int N_ROWS = NH + 1 + NHI;
 constexpr int ROW_TGS = (N_ROWS + WARPS - 1) / WARPS;
 constexpr int PAIRS = (D > DI ? D : DI) / 2;
 constexpr int PPL = (PAIRS + 31) / 32;  // channel pairs per lane
-const int pos = meta[0];
+const uint32_t row = AP_ROWS > 1 ? tgy : 0u;  // attn_prep_rows: one session row per grid y
+(void)row;
+AP_ROW_SELECT
+const int pos = AP_POS;
 int slot = pos % W;
 if (slot < 0) {
     slot += W;
