@@ -937,20 +937,10 @@ class Attention(nn.Module):
         face = _sparse.step_face()
         if face is not None:  # a GPU: two launches, attn_prep and attend_at
             q, ring, rows, idx, cnt = self._step_prep(face, q_b, kv, more, index_q_b, pos, state, new)
-            # window + compressed rows + sinks, and the output's inverse rope, in one launch
-            return _sparse.attend_at(  # q [1, nh, 1, D], ring [1, 1, W, D]: read flat, no view nodes
-                q,
-                ring,
-                rows,
-                idx,
-                cnt,
-                self.sinks,
-                pos,
-                ratio=self._step_ratio(),
-                scale=self._D**-0.5,
-                backend=face,
-                out_rope=self._rope,
-            )  # fmt: skip -> [1, nh, 1, D]
+            # window + compressed rows + sinks, and the output's inverse rope, in one launch;
+            # q [1, nh, 1, D], ring [1, 1, W, D]: read flat, no view nodes -> [1, nh, 1, D]
+            kw = dict(ratio=self._step_ratio(), scale=self._D**-0.5, backend=face, out_rope=self._rope)
+            return _sparse.attend_at(q, ring, rows, idx, cnt, self.sinks, pos, **kw)
         return self._step_attend_graph(q_b, kv, more, index_q_b, pos, state, new)
 
     def _step_ratio(self) -> int:
@@ -965,39 +955,43 @@ class Attention(nn.Module):
             rows, idx, cnt = self.compressor.step_select(more, index_q, pos, state, new)
         return q, ring, rows, idx, cnt
 
-    def _step_prologue(self, face, q_b, kv, index_q_b, pos, state, new, rows: bool = False) -> tuple:
+    def _step_prologue(self, face, q_b, kv, index_q_b, pos, state, new) -> tuple:
         """Query / K=V norms and ropes, the ring write and the indexer query's rope in one
         launch (the indexer shares the layer's compress rope: CompressorBranch passes it on):
-        (q, the new ring, the indexer's query or None); the ring appended to `new`.  `rows`:
-        B independent sessions' rows (q_b [1, B, ...], states / news / pos per row, pos the
-        positions array) in one launch where they can share it -> one such triple per row."""
-        comp = self.compressor if self.layer_type != SLIDING else None
-        csa = comp is not None and comp._overlap
-        kw = dict(
-            heads=self._nh,
-            index_heads=comp.indexer._nh if csa else 0,
-            backend="reference" if face == "reference" else None,
-        )
-        if not rows:
-            q, ring, index_q = attn_prep(
-                q_b, kv, self.kv_norm.weight, next(state), pos, self._rope, self._eps, index_q_b if csa else None, **kw
-            )  # fmt: skip
-            new.append(ring)
-            return q, ring, index_q
-        rings = [next(st) for st in state]
-        out = attn_prep_rows(q_b, kv, self.kv_norm.weight, rings, pos[1], self._rope, self._eps, index_q_b if csa else None, **kw)  # fmt: skip
-        if out is None:  # one launch per row
+        (q, the new ring, the indexer's query or None); the ring appended to `new`."""
+        csa, kw = self._prologue_kw(face)
+        ring = next(state)
+        iq = index_q_b if csa else None
+        q, ring, index_q = attn_prep(q_b, kv, self.kv_norm.weight, ring, pos, self._rope, self._eps, iq, **kw)
+        new.append(ring)
+        return q, ring, index_q
+
+    def _prologue_kw(self, face) -> tuple[bool, dict]:
+        """(a CSA layer, attn_prep's keyword arguments) for this layer's step prologue."""
+        csa = self.layer_type != SLIDING and self.compressor._overlap
+        kw = dict(heads=self._nh, index_heads=self.compressor.indexer._nh if csa else 0)
+        return csa, dict(kw, backend="reference" if face == "reference" else None)
+
+    def _step_prologue_rows(self, face, q_b, kv, index_q_b, pos, poss, states, news) -> list:
+        """`_step_prologue` of B independent sessions' rows (q_b / kv / index_q_b [1, B, ...],
+        poss [B] int32) in one launch where they can share it (`attn_prep_rows`), else one
+        per row: one (q, ring, index_q) per row, each row's ring appended to its `news`."""
+        csa, kw = self._prologue_kw(face)
+        rings = [next(st) for st in states]
+        iq = index_q_b if csa else None
+        out = attn_prep_rows(q_b, kv, self.kv_norm.weight, rings, poss, self._rope, self._eps, iq, **kw)
+        if out is None:
             heads = []
-            for b, (p, ring, nw) in enumerate(zip(pos[0], rings, new)):
+            for b, (p, ring) in enumerate(zip(pos, rings)):
                 r = slice(b, b + 1)
-                ib = index_q_b[:, r] if csa else None
+                ib = None if iq is None else iq[:, r]
                 heads.append(
                     attn_prep(q_b[:, r], kv[:, r], self.kv_norm.weight, ring, p, self._rope, self._eps, ib, **kw)
                 )
         else:
-            q, new_rings, iq = out
-            heads = [(q[b : b + 1], r, None if iq is None else iq[b : b + 1]) for b, r in enumerate(new_rings)]
-        for nw, h in zip(new, heads):
+            q, new_rings, iqs = out
+            heads = [(q[b : b + 1], r, None if iqs is None else iqs[b : b + 1]) for b, r in enumerate(new_rings)]
+        for nw, h in zip(news, heads):
             nw.append(h[1])
         return heads
 
@@ -1005,7 +999,7 @@ class Attention(nn.Module):
         """`_step_prep` of B independent sessions' rows: the rows' prologues in one launch, then
         each compressor's rows in one launch (`Compressor.step_select_rows`), where they can
         share them."""
-        heads = self._step_prologue(face, q_b, kv, index_q_b, (pos, poss), states, news, rows=True)
+        heads = self._step_prologue_rows(face, q_b, kv, index_q_b, pos, poss, states, news)
         projs = [[m[:, b : b + 1] for m in more] for b in range(len(pos))]
         if self.layer_type == SLIDING:
             return [(q, ring, None, None, None) for q, ring, _ in heads]
