@@ -658,6 +658,65 @@ def test_attend_rows_self_test_passes_on_the_cpu_emulation(rope_dims, tmp_path, 
     assert not sa._attend_rows_self_test("cuda", key, rope)
 
 
+def _emulated_topk_rows_kernel(tmp_path, launches):
+    """A stand-in for sa._topk_rows_kernel(n): index_topk's text with the rows' prologue
+    through the g++ emulation, with the inputs, template and grid the module passes."""
+    sec = dispatch.sections(sa.SOURCE)
+
+    def kernel(n):
+        in_names, out_names = sa.index_topk_rows_io(n)
+
+        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            consts = {k: (np.float32 if k in ("TQ", "TW", "TK") else v) for k, v in template}
+            consts["THREADS"] = 64
+            arrays = {name: np.array(a).reshape(-1) for name, a in zip(in_names, inputs)}
+            d = tmp_path / f"launch{len(launches)}"
+            d.mkdir()
+            launches.append((n, grid))
+            out = run_on_cpu(
+                d,
+                "#define DS4_QY 0u\n" + sec["common"] + CPU_TICKETS,
+                sa.index_topk_rows_prologue(n) + "".join(sec[kk] for kk in sa.INDEX_TOPK),
+                inputs=arrays,
+                outputs={
+                    name: (tuple(sh), np.dtype(str(dt).split(".")[-1]))
+                    for name, sh, dt in zip(out_names, output_shapes, output_dtypes)
+                },
+                consts=consts,
+                groups=(grid[0] // threadgroup[0], grid[1], grid[2]),
+                threads=64,
+                inout=("tickets",),
+            )
+            assert not out["tickets"].any()  # zero again after the launch
+            return [mx.array(out[name]) for name in out_names]
+
+        return launch
+
+    return kernel
+
+
+def test_index_topk_rows_wiring_and_self_test_on_the_cpu_emulation(tmp_path, monkeypatch):
+    """index_topk_rows (session batching: B sessions' indexer scores + top-k in one launch)
+    through the module's own inputs, template and grid on the g++ emulation: each row's idx /
+    cnt are index_topk's reference of that row (rows of different sizes: a row whose share of
+    the grid is smaller returns early); its first-use self-test passes there."""
+    launches = []
+    monkeypatch.setattr(sa, "_topk_rows_kernel", _emulated_topk_rows_kernel(tmp_path, launches))
+    monkeypatch.setattr(sa, "_verified", lambda *a: True)
+    monkeypatch.setattr(sa, "index_topk_fuses", lambda face, n, c: True)
+    nh, di, k = 5, 12, 9
+    ns, poss = [70, 33, 50], [280, 140, 30]
+    probs = [index_problem(nh, di, n, 1, s, seed=n, cap=n + 5) for n, s in zip(ns, poss)]
+    qs, ws, keys = ([mx.array(p[i]) for p in probs] for i in range(3))
+    got = sa.index_topk_rows(qs, ws, keys, k, ns=ns, poss=poss, ratio=4, scale=0.25, backend="cuda")
+    assert got is not None and len(launches) == 1 and launches[0][1][1] == 3
+    for b, (n, s) in enumerate(zip(ns, poss)):
+        scores = sa.index_scores(qs[b], ws[b], keys[b], n=n, s=s, ratio=4, scale=0.25, backend="reference")
+        want = sa.topk_select(scores, k, s=s, ratio=4, backend="reference")
+        assert selection_lists(*got[b]) == selection_lists(*want)
+    assert sa._index_topk_rows_self_test("cuda", mx.random.split(mx.random.key(7), 6))
+
+
 def test_attend_rows_leaves_unlike_rows_to_the_caller(monkeypatch):
     """Rows that cannot share a launch (one selected, one not; another window; one row; the
     CPU) give None: the caller runs attend_at per row."""
@@ -896,7 +955,9 @@ def test_gpu_index_topk_one_launch_equals_two(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["index_heads", "index_topk", "attend_rope", "attend_split", "attend_rows"])
+@pytest.mark.parametrize(
+    "kind", ["index_heads", "index_topk", "attend_rope", "attend_split", "attend_rows", "index_topk_rows"]
+)
 def test_gpu_first_use_self_tests_pass(kind):
     face = _gpu_face()
     assert sa._self_test(kind, face, make_rope(8, "yarn") if kind in ("attend_rope", "attend_rows") else None)
@@ -1017,6 +1078,32 @@ def test_cuda_face_compiles_with_nvcc(kind, selected, split, dtype, tmp_path):
             ("SPLIT", split),
         ]
     nvcc_compile(tmp_path, mlx_cuda_source(kind, h, b, ins, outs, tmpl))
+
+
+def test_index_topk_rows_cuda_face_compiles_with_nvcc(tmp_path):
+    """index_topk_rows for 4 rows at V4 Flash shapes (bfloat16 query and keys), compiled by
+    nvcc for sm_90 with warnings as errors."""
+    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+
+    dt, n = "bfloat16", 4
+    kern = sa._topk_rows_kernel(n)
+    h, b = kern.source("cuda")
+    ins = {name: ("int32" if name.startswith("meta") else dt) for name in kern.input_names}
+    ins.update(prm="float32", tickets="uint32")
+    outs = {name: "float32" for name in kern.output_names}
+    outs.update(idx_rows="int32", cnt_rows="int32")
+    tmpl = [
+        ("TQ", dt),
+        ("TW", dt),
+        ("TK", dt),
+        ("NH", 64),
+        ("DI", 128),
+        ("ROWS", 16),
+        ("RATIO", 4),
+        ("THREADS", sa.SCORE_SPLIT_THREADS),
+        ("TOPK", 512),
+    ]
+    nvcc_compile(tmp_path, mlx_cuda_source(f"index_topk_rows{n}", h, b, ins, outs, tmpl))
 
 
 @pytest.mark.parametrize("selected,split", [(True, 4), (False, 1)])

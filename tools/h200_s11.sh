@@ -42,7 +42,7 @@ S)
   keep
   ;;
 R)
-  log "GPU tests of the batched step's row kernels: affine_qmv rows mode, attend_rows, compressor_step_rows, attn_prep_rows"
+  log "GPU tests of the batched step's row kernels: affine_qmv rows mode, attend_rows, index_topk_rows, compressor_step_rows, attn_prep_rows"
   timeout ${ROWS_S:-150} python3 -m pytest -m gpu -p no:cacheprovider -n 4 --timeout 180 -q --tb=short \
       tests/test_affine_qmv.py -k "gpu_rows or gpu_dense_and_gather or gpu_self_tests or first_use_self_tests or rows_self_test" \
       "tests/test_kernel_sparse_attention.py::test_gpu_first_use_self_tests_pass" \

@@ -43,6 +43,7 @@ UNVERIFIED_KERNELS = {  # (the rest passed their `pytest -m gpu` tests on the H2
     "sparse_attention.attend_rows",  # B sessions' decode queries in one attend launch (session batching)
     "compressor_step.rows",  # B sessions' tokens through one compressor in one launch (session batching)
     "attn_prep.rows",  # B sessions' attention prologues of one layer in one launch (session batching)
+    "sparse_attention.index_topk_rows",  # B sessions' indexer scores + top-k in one launch (session batching)
 }
 
 log = logging.getLogger("ds4mlx.kernels")
@@ -342,15 +343,15 @@ def compact(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def row_select(n: int, inputs: dict, outputs: dict = None, macro: str = "DS4_ROW_SELECT") -> str:
+def row_select(n: int, inputs: dict, outputs: dict = None, macro: str = "DS4_ROW_SELECT", row: str = "row") -> str:
     """A define `macro` for the "rows" variant of a shared-text kernel (session batching: n
     sessions' rows in one launch, each with its own buffers): declares each name of `inputs`
-    / `outputs` (name -> element type) as the pointer of this threadgroup's row `row`
-    (inputs `name_0` .. `name_{n-1}`: `row_inputs`), so the kernel text reads its usual
+    / `outputs` (name -> element type) as the pointer of this threadgroup's row, the variable
+    `row` (inputs `name_0` .. `name_{n-1}`: `row_inputs`), so the kernel text reads its usual
     names.  The kernel defines `row` before it expands `macro`."""
 
     def pick(name):
-        return "".join(f"row == {r}u ? {name}_{r} : " for r in range(n - 1)) + f"{name}_{n - 1}"
+        return "".join(f"{row} == {r}u ? {name}_{r} : " for r in range(n - 1)) + f"{name}_{n - 1}"
 
     decl = [f"const DS4_DEV {t}* {name} = {pick(name)};" for name, t in inputs.items()]
     decl += [f"DS4_DEV {t}* {name} = {pick(name)};" for name, t in (outputs or {}).items()]

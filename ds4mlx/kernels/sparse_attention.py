@@ -451,6 +451,96 @@ def _launch_index_topk(face, q, w, keys, k, n, s, ratio, scale) -> list[mx.array
     )
 
 
+_TOPK_ROW_IN = {"q": "TQ", "w": "TW", "keys": "TK", "meta": "int"}
+
+
+def index_topk_rows_prologue(n: int) -> str:
+    """The body prologue of index_topk_rows for n rows: row r's inputs and outputs under the
+    kernel's usual names (the query index DS4_QY is 0: the header defines it), and the early
+    return of a threadgroup past its row's score groups (the grid covers the largest row)."""
+    # (the row index is `it_row`: topk declares a `row` of its own)
+    pick = dispatch.row_select(n, _TOPK_ROW_IN, {"scores": "float"}, macro="DS4_IT_PICK", row="it_row")
+    return (
+        pick
+        + "const uint32_t it_row = tgy;\nDS4_IT_PICK\n"
+        + "DS4_DEV int* idx = idx_rows + uint64_t(it_row) * uint64_t(TOPK);\n"
+        + "DS4_DEV int* cnt = cnt_rows + it_row;\n"
+        + "if (tgx >= uint32_t((meta[1] + ROWS - 1) / ROWS)) {\n    return;\n}\n"
+    )
+
+
+def index_topk_rows_io(n: int) -> tuple[list[str], list[str]]:
+    """(input names, output names) of index_topk_rows for n rows."""
+    ins = dispatch.row_inputs(_TOPK_ROW_IN, n) + ["prm", "tickets"]
+    return ins, dispatch.row_inputs(["scores"], n) + ["idx_rows", "cnt_rows"]
+
+
+@cache
+def _topk_rows_kernel(n: int) -> Kernel:
+    faces = {}
+    for face in ("metal", "cuda"):
+        header, body = kernel_sources("index_topk", face)
+        index = dispatch.INDEX[face]
+        assert body.startswith(index)
+        faces[face] = ("#define DS4_QY 0u\n" + header, index + index_topk_rows_prologue(n) + body[len(index) :])
+    return Kernel(f"ds4mlx_index_topk_rows{n}", *index_topk_rows_io(n), **faces)
+
+
+def index_topk_rows(
+    qs: list, ws: list, keys: list, k: int, *, ns: list, poss: list, ratio: int, scale: float, backend=None
+):
+    """`index_topk` of B sessions' decode queries in ONE launch (session batching): row b is
+    index_topk(qs[b], ws[b], keys[b], k, n=ns[b], s=poss[b], ...), q [NH, 1, DI] and w [1, NH]
+    per row -> per row (idx [1, k], cnt [1]), or None where the rows cannot share a launch (not
+    the fused one-launch index_topk on this face, one row, unlike shapes or dtypes, a failed
+    first-use self-test): the caller then runs index_topk per row."""
+    face = _face(backend)
+    n_rows = len(qs)
+    if face == "reference" or n_rows < 2:
+        return None
+    nh, c, di = qs[0].shape[-3:]
+    alike = c == 1 and all(
+        q.shape[-3:] == (nh, 1, di) and q.dtype == qs[0].dtype and w.shape[-1] == nh and w.dtype == ws[0].dtype
+        and kk.shape[-1] == di and kk.dtype == keys[0].dtype and 0 < n <= kk.shape[-2]
+        for q, w, kk, n in zip(qs, ws, keys, ns)
+    )  # fmt: skip
+    if not alike or not all(index_topk_fuses(face, n, 1) for n in ns):
+        return None
+    if not _verified("index_topk_rows", face):
+        return None
+    return _launch_index_topk_rows(face, qs, ws, keys, k, ns, poss, ratio, scale)[1]
+
+
+def _launch_index_topk_rows(face, qs, ws, keys, k, ns, poss, ratio, scale) -> tuple[list, list]:
+    """The index_topk_rows launch -> (the rows' scores [1, n_b] float32, the rows' (idx, cnt))."""
+    n_rows = len(qs)
+    nh, _, di = qs[0].shape[-3:]
+    keys = [_rows2d(kk, di) for kk in keys]
+    rows = score_rows(max(ns), 1)
+    metas = [_meta_at(p, 1, n, 1) for p, n in zip(poss, ns)]
+    out = _topk_rows_kernel(n_rows)(
+        face,
+        inputs=[*qs, *ws, *keys, *metas, _f32(float(scale)), dispatch.tickets("index_topk_rows", n_rows, 64)],
+        template=[
+            ("TQ", qs[0].dtype),
+            ("TW", ws[0].dtype),
+            ("TK", keys[0].dtype),
+            ("NH", nh),
+            ("DI", di),
+            ("ROWS", rows),
+            ("RATIO", int(ratio)),
+            ("THREADS", SCORE_SPLIT_THREADS),
+            ("TOPK", int(k)),
+        ],
+        grid=(-(-max(ns) // rows) * SCORE_SPLIT_THREADS, n_rows, 1),
+        threadgroup=(SCORE_SPLIT_THREADS, 1, 1),
+        output_shapes=[*[(1, n) for n in ns], (n_rows, k), (n_rows,)],
+        output_dtypes=[mx.float32] * n_rows + [mx.int32, mx.int32],
+    )
+    idx, cnt = out[n_rows], out[n_rows + 1]
+    return out[:n_rows], [(idx[b : b + 1], cnt[b : b + 1]) for b in range(n_rows)]
+
+
 def index_topk_fuses(face: str, n: int, c: int) -> bool:
     """Whether `index_topk` runs as one launch on `face`: on CUDA only (Metal has no device-wide
     fence here: `TICKETS`), where the two launches would use the 'heads' layout (decode), once
@@ -764,6 +854,8 @@ def _self_test(kind: str, face: str, rope=None) -> bool:
         return _index_topk_self_test(face, key)
     if kind == "attend_rows":
         return _attend_rows_self_test(face, key, rope)
+    if kind == "index_topk_rows":
+        return _index_topk_rows_self_test(face, key)
     nh, d, window, n, k = 3, 24 + (rope.dims if rope is not None else 0), 8, 30, 6
     q = mx.random.normal((nh, 1, d), key=key[0])
     ring = mx.random.normal((window, d), key=key[1])
@@ -814,6 +906,32 @@ def _attend_rows_self_test(face: str, key, rope=None) -> bool:
                     )
                 if not close_enough(got, want, rtol=1e-4, atol=1e-4):
                     return False
+    return True
+
+
+def _index_topk_rows_self_test(face: str, key) -> bool:
+    """index_topk_rows on `face`: three rows of their own keys, counts and positions (more live
+    rows than k, fewer, and a row whose grid share is smaller than another's), each launch
+    twice (its tickets must be zero again): every row's scores near the reference's, its idx /
+    cnt the reference top-k of those scores."""
+    nh, di, k = 12, 40, 64
+    ks = mx.random.split(key[5], 9)
+    ns = [700, 300, 90]
+    qs = [mx.random.normal((nh, 1, di), key=ks[i]) for i in range(3)]
+    ws = [mx.random.normal((1, nh), key=ks[3 + i]) for i in range(3)]
+    keys = [mx.random.normal((n + 3, di), key=ks[6 + i]) for i, n in enumerate(ns)]
+    for poss in ([4 * ns[0] + 1, 4 * k - 9, 4 * ns[2] - 2], [4 * k - 9, 4 * ns[1] + 3, 4 * ns[2] + 1]) * 2:
+        scores, sel = _launch_index_topk_rows(face, qs, ws, keys, k, ns, poss, 4, 0.1)
+        for b, (n, s) in enumerate(zip(ns, poss)):
+            kw = dict(n=n, s=s, ratio=4, scale=0.1)
+            with mx.stream(mx.cpu):  # float32 matmuls on MLX CUDA are TF32: the reference runs on the CPU
+                want = index_scores(qs[b], ws[b], keys[b], **kw, backend="reference")
+                ref = topk_select(scores[b], k, s=s, ratio=4, backend="reference")
+            lim = min(n, (s + 1) // 4)
+            if not close_enough(scores[b][:, :lim], want[:, :lim], rtol=1e-4, atol=1e-4):
+                return False
+            if not all(mx.array_equal(g, v).item() for g, v in zip(sel[b], ref)):
+                return False
     return True
 
 

@@ -744,16 +744,20 @@ class CompressorBranch(Compressor):
             return [(r, None, None) for r in rows]
         scale = ind._nh**-0.5 * ind._dim**-0.5
         face = _sparse.step_face()
-        out = []
-        for r, k, q, p, at in zip(rows, keys, index_qs, projs, pos):
-            if r.shape[0] <= self._topk:
-                out.append((r, None, None))
-                continue
-            k = k[-1].squeeze(0)
-            idx, cnt = _sparse.index_topk(
-                q.squeeze(0), p[4].squeeze(0), k, self._topk, n=k.shape[0], s=at, ratio=self._ratio, scale=scale, backend=face
-            )  # fmt: skip
-            out.append((r, idx, cnt))
+        # the rows with more live-able rows than index_topk: their scores + top-k in one launch
+        # where they can share it (index_topk_rows), else one per row
+        picks = [b for b, r in enumerate(rows) if r.shape[0] > self._topk]
+        qs = [index_qs[b].squeeze(0) for b in picks]
+        ws = [projs[b][4].squeeze(0) for b in picks]
+        ks = [keys[b][-1].squeeze(0) for b in picks]
+        kw = dict(ratio=self._ratio, scale=scale, backend=face)
+        ns = [k.shape[0] for k in ks]
+        sel = _sparse.index_topk_rows(qs, ws, ks, self._topk, ns=ns, poss=[pos[b] for b in picks], **kw)
+        if sel is None:
+            sel = [_sparse.index_topk(q, w, k, self._topk, n=n, s=pos[b], **kw) for q, w, k, n, b in zip(qs, ws, ks, ns, picks)]  # fmt: skip
+        out = [(r, None, None) for r in rows]
+        for b, (idx, cnt) in zip(picks, sel):
+            out[b] = (rows[b], idx, cnt)
         return out
 
     def select(self, x, q_res, cache: LayerCache, s: int, face: str):

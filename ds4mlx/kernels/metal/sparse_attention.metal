@@ -46,6 +46,10 @@
 //   launch); topk's result does not depend on its thread count (the k-th largest key, every
 //   larger one and the lowest-index equal ones, ascending), so idx / cnt equal the separate
 //   topk launch's.  Needs DS4_DEVICE_TICKETS (asserted): Metal keeps the two launches.
+//   index_topk_rows: R sessions' decode queries (C = 1) in one launch, grid (G*THREADS, R, 1),
+//   G for the row with the most indexer rows: row r reads q_r, w_r, keys_r, meta_r and writes
+//   scores_r and row r of idx [R, TOPK] / cnt [R]; its ticket is tickets[r]; a threadgroup past
+//   its row's ceil(N_r/ROWS) returns at once (sparse_attention.py writes that prologue).
 //
 // attend  grid (NH*THREADS, C, SPLIT); one threadgroup per (head, query, key split):
 //   q [NH, C, D] T, keys [L, D] TK (the window: W ring slots, then the chunk's own
@@ -77,6 +81,11 @@
 //   (r, head).  attend is the R = 1 case (DS4_ATTEND_SELECT empty).
 
 // @@ common
+// the query scored / selected for: the grid's y index, but 0 in index_topk_rows, whose grid
+// y is the session row (its header defines DS4_QY first)
+#ifndef DS4_QY
+#define DS4_QY tgy
+#endif
 DS4_FN uint32_t ds4_order_key(float f) {
     const uint32_t u = ds4_float_bits(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
@@ -139,7 +148,7 @@ DS4_SHARED float part[WARPS * ROWS];
 const int s0 = meta[0];
 const int n_rows = meta[1];
 const int n_q = meta[2];
-const uint32_t t = tgy;
+const uint32_t t = DS4_QY;
 int limit = (s0 + int(t) + 1) / RATIO;
 if (limit > n_rows) {
     limit = n_rows;
@@ -205,7 +214,7 @@ DS4_SHARED uint32_t tot_a[WARPS];
 DS4_SHARED uint32_t tot_b[WARPS];
 const int s0 = meta[0];
 const int n_rows = meta[1];
-const uint32_t t = tgy;
+const uint32_t t = DS4_QY;
 int limit = (s0 + int(t) + 1) / RATIO;
 if (limit > n_rows) {
     limit = n_rows;
