@@ -1063,21 +1063,26 @@ def test_cuda_face_compiles_with_nvcc(kind, selected, split, dtype, tmp_path):
         ins = {"q": dtype, "keys": dtype, "rows": dtype, "idx": i, "cnt": i, "sinks": dtype, "rope": f, "prm": f}
         ins["meta"], ins["tickets"] = i, "uint32"
         outs = {"o": dtype, "part": f}
-        tmpl = [
-            ("T", dtype),
-            ("TK", dtype),
-            ("TS", dtype),
-            ("D", 512),
-            ("W", 128),
-            ("RATIO", 4 if selected else 128),
-            ("TOPK", 512 if selected else 1),
-            ("THREADS", sa.ATTN_THREADS),
-            ("KB", sa.ATTN_KEYS),
-            ("SELECTED", selected),
-            ("RD", 64),
-            ("SPLIT", split),
-        ]
+        tmpl = _attend_template(dtype, selected, split)
     nvcc_compile(tmp_path, mlx_cuda_source(kind, h, b, ins, outs, tmpl))
+
+
+def _attend_template(dtype: str, selected: bool, split: int) -> list:
+    """attend's template arguments at V4 Flash shapes (CSA when selected, else HCA)."""
+    return [
+        ("T", dtype),
+        ("TK", dtype),
+        ("TS", dtype),
+        ("D", 512),
+        ("W", 128),
+        ("RATIO", 4 if selected else 128),
+        ("TOPK", 512 if selected else 1),
+        ("THREADS", sa.ATTN_THREADS),
+        ("KB", sa.ATTN_KEYS),
+        ("SELECTED", selected),
+        ("RD", 64),
+        ("SPLIT", split),
+    ]
 
 
 def test_index_topk_rows_cuda_face_compiles_with_nvcc(tmp_path):
@@ -1118,19 +1123,5 @@ def test_attend_rows_cuda_face_compiles_with_nvcc(selected, split, tmp_path):
     types = {"q": dt, "keys": dt, "rows": dt, "idx": "int32", "cnt": "int32", "meta": "int32"}
     ins = {name: types[name.rsplit("_", 1)[0]] for name in kern.input_names[: 6 * n]}
     ins.update(sinks=dt, rope="float32", prm="float32", tickets="uint32")
-    tmpl = [
-        ("T", dt),
-        ("TK", dt),
-        ("TS", dt),
-        ("D", 512),
-        ("W", 128),
-        ("RATIO", 4 if selected else 128),
-        ("TOPK", 512 if selected else 1),
-        ("THREADS", sa.ATTN_THREADS),
-        ("KB", sa.ATTN_KEYS),
-        ("SELECTED", selected),
-        ("RD", 64),
-        ("SPLIT", split),
-        ("HEADS", 64),
-    ]
+    tmpl = _attend_template(dt, selected, split) + [("HEADS", 64)]
     nvcc_compile(tmp_path, mlx_cuda_source(f"attend_rows{n}", h, b, ins, {"o_rows": dt, "part": "float32"}, tmpl))

@@ -138,6 +138,20 @@ def reference(q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b=None, *, heads
     return q, ring, index_q
 
 
+def _template(q_b, kv, kv_weight, iq, ring, heads: int, nhi: int, di: int, rope) -> list:
+    """The kernel's template arguments (attn_prep and attn_prep_rows)."""
+    w, d = ring.shape[2], ring.shape[-1]
+    dtypes = [("TQ", q_b.dtype), ("TKV", kv.dtype), ("TWN", kv_weight.dtype), ("TI", iq.dtype), ("TR", ring.dtype)]
+    sizes = [("NH", heads), ("D", d), ("NHI", nhi), ("DI", max(di, 2)), ("W", w), ("RD", rope.dims)]
+    return dtypes + sizes + [("THREADS", THREADS), ("PER", COPY_PER)]
+
+
+def _groups(heads: int, nhi: int, ring) -> int:
+    """Threadgroups of one row's work: a SIMD group per head row, then the ring copy."""
+    w, d = ring.shape[2], ring.shape[-1]
+    return -(-(heads + 1 + nhi) // (THREADS // 32)) + -(-(w * d) // (THREADS * COPY_PER))
+
+
 def attn_prep(
     q_b,
     kv,
@@ -161,32 +175,14 @@ def attn_prep(
         face = auto_face("attn_prep", lambda f: _self_test(f, rope))
     if face == "reference" or not fusable(rope, d, di):
         return reference(q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b, heads=heads, index_heads=index_heads)
-    w = ring.shape[2]
     nhi = 0 if index_q_b is None else index_heads
     iq = _dummy(q_b.dtype) if index_q_b is None else index_q_b
     freqs = rope.periods if rope.dims else _dummy(mx.float32)
-    warps = THREADS // 32
-    row_tgs = -(-(heads + 1 + nhi) // warps)
-    copy_tgs = -(-(w * d) // (THREADS * COPY_PER))
     q, ring, iq = _kernel()(
         face,
         inputs=[q_b, kv, kv_weight, iq, ring, freqs, _params(float(eps), float(rope.attention_factor)), _meta(pos)],
-        template=[
-            ("TQ", q_b.dtype),
-            ("TKV", kv.dtype),
-            ("TWN", kv_weight.dtype),
-            ("TI", iq.dtype),
-            ("TR", ring.dtype),
-            ("NH", heads),
-            ("D", d),
-            ("NHI", nhi),
-            ("DI", max(di, 2)),
-            ("W", w),
-            ("RD", rope.dims),
-            ("THREADS", THREADS),
-            ("PER", COPY_PER),
-        ],
-        grid=((row_tgs + copy_tgs) * THREADS, 1, 1),
+        template=_template(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope),
+        grid=(_groups(heads, nhi, ring) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(1, heads, 1, d), ring.shape, (1, max(nhi, 1), 1, max(di, 1))],
         output_dtypes=[q_b.dtype, ring.dtype, iq.dtype],
@@ -224,32 +220,14 @@ def attn_prep_rows(
         return None
     if any(r.shape != rings[0].shape or r.dtype != rings[0].dtype for r in rings):
         return None
-    w = rings[0].shape[2]
     nhi = 0 if index_q_b is None else index_heads
     iq = _dummy(q_b.dtype) if index_q_b is None else index_q_b
     freqs = rope.periods if rope.dims else _dummy(mx.float32)
-    warps = THREADS // 32
-    row_tgs = -(-(heads + 1 + nhi) // warps)
-    copy_tgs = -(-(w * d) // (THREADS * COPY_PER))
     out = _rows_kernel(n)(
         face,
         inputs=[q_b, kv, kv_weight, iq, *rings, freqs, _params(float(eps), float(rope.attention_factor)), poss],
-        template=[
-            ("TQ", q_b.dtype),
-            ("TKV", kv.dtype),
-            ("TWN", kv_weight.dtype),
-            ("TI", iq.dtype),
-            ("TR", rings[0].dtype),
-            ("NH", heads),
-            ("D", d),
-            ("NHI", nhi),
-            ("DI", max(di, 2)),
-            ("W", w),
-            ("RD", rope.dims),
-            ("THREADS", THREADS),
-            ("PER", COPY_PER),
-        ],
-        grid=((row_tgs + copy_tgs) * THREADS, n, 1),
+        template=_template(q_b, kv, kv_weight, iq, rings[0], heads, nhi, di, rope),
+        grid=(_groups(heads, nhi, rings[0]) * THREADS, n, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(n, heads, 1, d), *[r.shape for r in rings], (n, max(nhi, 1), 1, max(di, 1))],
         output_dtypes=[q_b.dtype, *[r.dtype for r in rings], iq.dtype],

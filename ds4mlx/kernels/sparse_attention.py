@@ -433,17 +433,7 @@ def _launch_index_topk(face, q, w, keys, k, n, s, ratio, scale) -> list[mx.array
     return _kernel("index_topk")(
         face,
         inputs=[q, w, keys, _f32(float(scale)), _meta_at(s, 1, n, c), dispatch.tickets("index_topk", c, 64)],
-        template=[
-            ("TQ", q.dtype),
-            ("TW", w.dtype),
-            ("TK", keys.dtype),
-            ("NH", nh),
-            ("DI", di),
-            ("ROWS", rows),
-            ("RATIO", int(ratio)),
-            ("THREADS", SCORE_SPLIT_THREADS),
-            ("TOPK", int(k)),
-        ],
+        template=_topk_template(q, w, keys, rows, ratio, k),
         grid=(-(-n // rows) * SCORE_SPLIT_THREADS, c, 1),
         threadgroup=(SCORE_SPLIT_THREADS, 1, 1),
         output_shapes=[(c, n), (c, k), (c,)],
@@ -521,17 +511,7 @@ def _launch_index_topk_rows(face, qs, ws, keys, k, ns, poss, ratio, scale) -> tu
     out = _topk_rows_kernel(n_rows)(
         face,
         inputs=[*qs, *ws, *keys, *metas, _f32(float(scale)), dispatch.tickets("index_topk_rows", n_rows, 64)],
-        template=[
-            ("TQ", qs[0].dtype),
-            ("TW", ws[0].dtype),
-            ("TK", keys[0].dtype),
-            ("NH", nh),
-            ("DI", di),
-            ("ROWS", rows),
-            ("RATIO", int(ratio)),
-            ("THREADS", SCORE_SPLIT_THREADS),
-            ("TOPK", int(k)),
-        ],
+        template=_topk_template(qs[0], ws[0], keys[0], rows, ratio, k),
         grid=(-(-max(ns) // rows) * SCORE_SPLIT_THREADS, n_rows, 1),
         threadgroup=(SCORE_SPLIT_THREADS, 1, 1),
         output_shapes=[*[(1, n) for n in ns], (n_rows, k), (n_rows,)],
@@ -539,6 +519,13 @@ def _launch_index_topk_rows(face, qs, ws, keys, k, ns, poss, ratio, scale) -> tu
     )
     idx, cnt = out[n_rows], out[n_rows + 1]
     return out[:n_rows], [(idx[b : b + 1], cnt[b : b + 1]) for b in range(n_rows)]
+
+
+def _topk_template(q, w, keys, rows: int, ratio: int, k: int) -> list:
+    """index_topk's template arguments (one launch and index_topk_rows)."""
+    nh, di = q.shape[-3], q.shape[-1]
+    dtypes = [("TQ", q.dtype), ("TW", w.dtype), ("TK", keys.dtype)]
+    return dtypes + [("NH", nh), ("DI", di), ("ROWS", rows), ("RATIO", int(ratio)), ("THREADS", SCORE_SPLIT_THREADS), ("TOPK", int(k))]  # fmt: skip
 
 
 def index_topk_fuses(face: str, n: int, c: int) -> bool:
