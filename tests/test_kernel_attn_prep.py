@@ -239,37 +239,15 @@ def test_cuda_face_compiles_with_nvcc(act, ring, nhi, tmp_path):
 
 
 def _emulated_rows_kernel(tmp_path, launches):
-    """A stand-in for ap._rows_kernel(n): each launch runs the kernel's text with the rows'
-    defines through the g++ emulation, with the inputs, template and grid the module passes."""
-    sec = dispatch.sections(ap.SOURCE)
+    """A stand-in for ap._rows_kernel(n): the kernel's text with the rows' defines on the g++
+    emulation, with the inputs, template and grid the module passes."""
+    from test_kernel_emulation import emulated_launch
 
-    def kernel(n):
-        in_names, out_names = ap.rows_io(n)
-
-        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            consts = {k: (np.float32 if k.startswith("T") and k != "THREADS" else v) for k, v in template}
-            arrays = {}
-            for name, a in zip(in_names, inputs):
-                a = a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a
-                arrays[name] = np.array(a).reshape(-1)
-            d = tmp_path / f"launch{len(launches)}"
-            d.mkdir()
-            launches.append((n, grid))
-            out = run_on_cpu(
-                d,
-                CPU_TRIG + ap.rows_defines(n),
-                sec["attn_prep"],
-                inputs=arrays,
-                outputs={name: (tuple(sh), np.float32) for name, sh in zip(out_names, output_shapes)},
-                consts=consts,
-                groups=(grid[0] // threadgroup[0], grid[1], grid[2]),
-                threads=threadgroup[0],
-            )
-            return [mx.array(out[name]).astype(dt) for name, dt in zip(out_names, output_dtypes)]
-
-        return launch
-
-    return kernel
+    body = dispatch.sections(ap.SOURCE)["attn_prep"]
+    types = ("TQ", "TKV", "TWN", "TI", "TR")
+    return lambda n: emulated_launch(
+        tmp_path, launches, CPU_TRIG + ap.rows_defines(n), body, ap.rows_io(n), float_consts=types
+    )
 
 
 @pytest.mark.parametrize("nhi", [2, 0])

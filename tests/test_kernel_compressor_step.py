@@ -294,40 +294,19 @@ def test_shared_text_against_reference_and_float64(ci, where, tmp_path):
 
 
 def _emulated_rows_kernel(tmp_path, launches):
-    """A stand-in for cs._rows_kernel(n): each launch runs the kernel's text with the rows'
-    defines through the g++ emulation, with the inputs, template and grid the module passes."""
+    """A stand-in for cs._rows_kernel(n): the kernel's text with the rows' defines on the g++
+    emulation, with the inputs, template and grid the module passes."""
+    from test_kernel_emulation import emulated_launch
+
     common, body = cs.shared_text()
 
-    def kernel(n):
-        in_names, out_names = cs.rows_io(n)
+    def grid_x(template, gx):  # the emulation's state is float32: a 16-bit state's copy groups cover half of it
+        return 1 + (gx - 1) * (4 // template["T"].size)
 
-        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            consts = {k: (np.float32 if k in ("T", "TK", "TG", "TB", "TW") else v) for k, v in template}
-            arrays = {}
-            for name, a in zip(in_names, inputs):
-                a = a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a
-                arrays[name] = np.array(a).reshape(-1)
-            d = tmp_path / f"launch{len(launches)}"
-            d.mkdir()
-            launches.append((n, grid))
-            # the emulation's state is float32: a 16-bit state's copy groups cover half of it
-            gx = grid[0] // threadgroup[0]
-            gx = 1 + (gx - 1) * (4 // dict(template)["T"].size)
-            out = run_on_cpu(
-                d,
-                cs.rows_defines(n) + common,
-                body,
-                inputs=arrays,
-                outputs={name: (tuple(sh), np.float32) for name, sh in zip(out_names, output_shapes)},
-                consts=consts,
-                groups=(gx, grid[1], grid[2]),
-                threads=threadgroup[0],
-            )
-            return [mx.array(out[name]).astype(dt) for name, dt in zip(out_names, output_dtypes)]
-
-        return launch
-
-    return kernel
+    types = ("T", "TK", "TG", "TB", "TW")
+    return lambda n: emulated_launch(
+        tmp_path, launches, cs.rows_defines(n) + common, body, cs.rows_io(n), float_consts=types, grid_x=grid_x
+    )
 
 
 @pytest.mark.parametrize("ci", [0, 1, 2])

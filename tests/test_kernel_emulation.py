@@ -20,6 +20,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -287,6 +288,46 @@ if (tid == 0u) {
     for (int b = 0; b < 4; ++b) counts[tgx * 4 + b] = ds4_atomic_load(&hist[b]);
 }
 """
+
+
+def emulated_launch(tmp_path, launches: list, header: str, body: str, io, *, float_consts, inout=(), grid_x=None):
+    """A stand-in for a `dispatch.Kernel` launch (the kernels' "rows" variants): runs `body`
+    after `header` through `run_on_cpu` with the inputs, template, grid and output shapes the
+    module passes; `io` = (input names, output names); the template constants named in
+    `float_consts` and 16-bit inputs become float32 (outputs come back in their dtypes);
+    `grid_x(template, gx)` may widen the grid's x (a layout sized by the dtype).  Each launch
+    appends (its template, its grid) to `launches`."""
+    in_names, out_names = io
+
+    def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        consts = {k: (np.float32 if k in float_consts else v) for k, v in template}
+        arrays = {}
+        for name, a in zip(in_names, inputs):
+            a = a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a
+            arrays[name] = np.array(a).reshape(-1)
+        d = Path(tmp_path) / f"launch{len(launches)}"
+        d.mkdir()
+        launches.append((dict(template), grid))
+        gx = grid[0] // threadgroup[0]
+        out = run_on_cpu(
+            d,
+            header,
+            body,
+            inputs=arrays,
+            outputs={
+                name: (tuple(sh), np.float32 if dt in (mx.float32, mx.bfloat16, mx.float16) else np.int32)
+                for name, sh, dt in zip(out_names, output_shapes, output_dtypes)
+            },
+            consts=consts,
+            groups=(gx if grid_x is None else grid_x(dict(template), gx), grid[1], grid[2]),
+            threads=threadgroup[0],
+            inout=inout,
+        )
+        if "tickets" in inout:
+            assert not out["tickets"].any()  # zero again after the launch
+        return [mx.array(out[name]).astype(dt) for name, dt in zip(out_names, output_dtypes)]
+
+    return launch
 
 
 def test_emulated_threadgroup(tmp_path):

@@ -564,40 +564,23 @@ def test_shared_attend_text(case, variant, tmp_path):
 
 
 def _emulated_rows_kernel(tmp_path, launches):
-    """A stand-in for sa._rows_kernel(n): each launch runs attend's text with attend_rows'
-    defines through the g++ emulation, with the inputs, template and grid the module passes."""
+    """A stand-in for sa._rows_kernel(n): attend's text with attend_rows' defines on the g++
+    emulation, with the inputs, template and grid the module passes."""
+    from test_kernel_emulation import emulated_launch
+
     sec = dispatch.sections(sa.SOURCE)
-
-    def kernel(n):
-        names, _ = sa.attend_rows_io(n)
-
-        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            consts = {k: (np.float32 if k in ("T", "TK", "TS") else v) for k, v in template}
-            arrays = {}
-            for name, a in zip(names, inputs):
-                a = np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
-                arrays[name] = a.reshape(-1)
-            d = tmp_path / f"launch{len(launches)}"
-            d.mkdir()
-            launches.append((n, consts, grid))
-            header = sec["common"] + CPU_TRIG + CPU_TICKETS + sa.attend_rows_defines(n)
-            out = run_on_cpu(
-                d,
-                header,
-                sec["attend"],
-                inputs=arrays,
-                outputs={"o_rows": (tuple(output_shapes[0]), np.float32), "part": (output_shapes[1], np.float32)},
-                consts=consts,
-                groups=(grid[0] // threadgroup[0], grid[1], grid[2]),
-                threads=threadgroup[0],
-                inout=("tickets",),
-            )
-            assert not out["tickets"].any()  # zero again after the launch
-            return [mx.array(out["o_rows"]).astype(output_dtypes[0]), mx.array(out["part"])]
-
-        return launch
-
-    return kernel
+    header = sec["common"] + CPU_TRIG + CPU_TICKETS
+    io = sa.attend_rows_io
+    types = ("T", "TK", "TS")
+    return lambda n: emulated_launch(
+        tmp_path,
+        launches,
+        header + sa.attend_rows_defines(n),
+        sec["attend"],
+        io(n),
+        float_consts=types,
+        inout=("tickets",),
+    )
 
 
 @pytest.mark.parametrize("selected", [True, False])
@@ -632,7 +615,7 @@ def test_attend_rows_wiring_on_the_cpu_emulation(selected, splits, rope_dims, tm
     kw = dict(ratio=ratio, scale=d**-0.5, out_rope=rope)
     got = sa.attend_rows(qs, rings, rows, idxs, cnts, sinks, poss, **kw, backend="cuda")
     assert got is not None and got.shape == (3, nh, 1, d)
-    assert len(launches) == 1 and launches[0][2][1:] == (3, splits)
+    assert len(launches) == 1 and launches[0][1][1:] == (3, splits)
     for b in range(3):
         want = sa.attend_at(qs[b], rings[b], rows[b], idxs[b], cnts[b], sinks, poss[b], **kw, backend="reference")
         np.testing.assert_allclose(np.array(got[b : b + 1]), np.array(want), rtol=1e-4, atol=1e-4)
@@ -659,38 +642,25 @@ def test_attend_rows_self_test_passes_on_the_cpu_emulation(rope_dims, tmp_path, 
 
 
 def _emulated_topk_rows_kernel(tmp_path, launches):
-    """A stand-in for sa._topk_rows_kernel(n): index_topk's text with the rows' prologue
-    through the g++ emulation, with the inputs, template and grid the module passes."""
+    """A stand-in for sa._topk_rows_kernel(n): index_topk's text with the rows' prologue on the
+    g++ emulation (64 threads), with the inputs, template and grid the module passes."""
+    from test_kernel_emulation import emulated_launch
+
     sec = dispatch.sections(sa.SOURCE)
+    header = "#define DS4_QY 0u\n" + sec["common"] + CPU_TICKETS
+    body = "".join(sec[kk] for kk in sa.INDEX_TOPK)
 
     def kernel(n):
-        in_names, out_names = sa.index_topk_rows_io(n)
+        launch = emulated_launch(
+            tmp_path, launches, header, sa.index_topk_rows_prologue(n) + body, sa.index_topk_rows_io(n),
+            float_consts=("TQ", "TW", "TK"), inout=("tickets",),
+        )  # fmt: skip
 
-        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            consts = {k: (np.float32 if k in ("TQ", "TW", "TK") else v) for k, v in template}
-            consts["THREADS"] = 64
-            arrays = {name: np.array(a).reshape(-1) for name, a in zip(in_names, inputs)}
-            d = tmp_path / f"launch{len(launches)}"
-            d.mkdir()
-            launches.append((n, grid))
-            out = run_on_cpu(
-                d,
-                "#define DS4_QY 0u\n" + sec["common"] + CPU_TICKETS,
-                sa.index_topk_rows_prologue(n) + "".join(sec[kk] for kk in sa.INDEX_TOPK),
-                inputs=arrays,
-                outputs={
-                    name: (tuple(sh), np.dtype(str(dt).split(".")[-1]))
-                    for name, sh, dt in zip(out_names, output_shapes, output_dtypes)
-                },
-                consts=consts,
-                groups=(grid[0] // threadgroup[0], grid[1], grid[2]),
-                threads=64,
-                inout=("tickets",),
-            )
-            assert not out["tickets"].any()  # zero again after the launch
-            return [mx.array(out[name]) for name in out_names]
+        def run(face, *, template, grid, threadgroup, **kw):
+            template = [(k, 64 if k == "THREADS" else v) for k, v in template]
+            return launch(face, template=template, grid=(grid[0] // threadgroup[0] * 64, *grid[1:]), threadgroup=(64, 1, 1), **kw)  # fmt: skip
 
-        return launch
+        return run
 
     return kernel
 
