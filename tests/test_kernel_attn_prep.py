@@ -217,22 +217,15 @@ def test_cuda_face_compiles_with_nvcc(act, ring, nhi, tmp_path):
     f = "float32"
     ins = {"q": act, "kv": act, "kv_w": f, "iq": act, "ring": ring, "freqs": f, "prm": f, "meta": "int32"}
     outs = {"q_out": act, "ring_out": ring, "iq_out": act}
-    tmpl = [
-        ("TQ", act),
-        ("TKV", act),
-        ("TWN", f),
-        ("TI", act),
-        ("TR", ring),
-        ("NH", 64),
-        ("D", 512),
-        ("NHI", nhi),
-        ("DI", 128),
-        ("W", 128),
-        ("RD", 64),
-        ("THREADS", ap.THREADS),
-        ("PER", ap.COPY_PER),
-    ]
-    nvcc_compile(tmp_path, mlx_cuda_source("attn_prep", h, b, ins, outs, tmpl))
+    nvcc_compile(tmp_path, mlx_cuda_source("attn_prep", h, b, ins, outs, _nvcc_template(act, f, ring, nhi)))
+
+
+def _nvcc_template(act: str, weight: str, ring: str, nhi: int) -> list:
+    """attn_prep's template arguments at V4 Flash shapes (64 heads of 512, indexer nhi x 128,
+    window 128, rope 64)."""
+    types = [("TQ", act), ("TKV", act), ("TWN", weight), ("TI", act), ("TR", ring)]
+    sizes = [("NH", 64), ("D", 512), ("NHI", nhi), ("DI", 128), ("W", 128), ("RD", 64)]
+    return types + sizes + [("THREADS", ap.THREADS), ("PER", ap.COPY_PER)]
 
 
 # ------------------------------------------------------------------ GPU faces
@@ -316,21 +309,7 @@ def test_rows_cuda_face_compiles_with_nvcc(nhi, tmp_path):
     h, b = kern.source("cuda")
     ins = {name: dt for name in kern.input_names}
     ins.update(freqs="float32", prm="float32", poss="int32")
-    tmpl = [
-        ("TQ", dt),
-        ("TKV", dt),
-        ("TWN", dt),
-        ("TI", dt),
-        ("TR", dt),
-        ("NH", 64),
-        ("D", 512),
-        ("NHI", nhi),
-        ("DI", 128),
-        ("W", 128),
-        ("RD", 64),
-        ("THREADS", ap.THREADS),
-        ("PER", ap.COPY_PER),
-    ]
+    tmpl = _nvcc_template(dt, dt, dt, nhi)
     nvcc_compile(tmp_path, mlx_cuda_source(f"attn_prep_rows{n}", h, b, ins, {o: dt for o in kern.output_names}, tmpl))
 
 

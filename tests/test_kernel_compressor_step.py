@@ -398,7 +398,7 @@ def test_rows_cuda_face_compiles_with_nvcc(overlap, tmp_path):
     from test_kernel_emulation import mlx_cuda_source, nvcc_compile
 
     dt, f, n = "bfloat16", "float32", 4
-    h, b = cs.rows_sources("cuda", n)
+    h, b = cs.kernel_sources("cuda", cs.rows_defines(n))
     in_names, out_names = cs.rows_io(n)
     kinds = {"kv": f, "gate": f, "meta": "int32"}
     ins = {name: kinds.get(name.rsplit("_", 1)[0], dt) for name in in_names[: 8 * n]}

@@ -991,17 +991,7 @@ def test_cuda_face_compiles_with_nvcc(kind, selected, split, dtype, tmp_path):
     if kind == "index_topk":
         ins = {"q": dtype, "w": dtype, "keys": dtype, "prm": f, "meta": i, "tickets": "uint32"}
         outs = {"scores": f, "idx": i, "cnt": i}
-        tmpl = [
-            ("TQ", dtype),
-            ("TW", dtype),
-            ("TK", dtype),
-            ("NH", 64),
-            ("DI", 128),
-            ("ROWS", 16),
-            ("RATIO", 4),
-            ("THREADS", sa.SCORE_SPLIT_THREADS),
-            ("TOPK", 512),
-        ]
+        tmpl = _index_topk_template(dtype)
     elif kind == "index_score_heads":
         ins, outs = {"q": dtype, "w": dtype, "keys": dtype, "prm": f, "meta": i}, {"scores": f}
         tmpl = [
@@ -1037,6 +1027,12 @@ def test_cuda_face_compiles_with_nvcc(kind, selected, split, dtype, tmp_path):
     nvcc_compile(tmp_path, mlx_cuda_source(kind, h, b, ins, outs, tmpl))
 
 
+def _index_topk_template(dtype: str) -> list:
+    """index_topk's template arguments at V4 Flash shapes (64 heads of 128, top 512)."""
+    types = [("TQ", dtype), ("TW", dtype), ("TK", dtype)]
+    return types + [("NH", 64), ("DI", 128), ("ROWS", 16), ("RATIO", 4), ("THREADS", sa.SCORE_SPLIT_THREADS), ("TOPK", 512)]  # fmt: skip
+
+
 def _attend_template(dtype: str, selected: bool, split: int) -> list:
     """attend's template arguments at V4 Flash shapes (CSA when selected, else HCA)."""
     return [
@@ -1067,17 +1063,7 @@ def test_index_topk_rows_cuda_face_compiles_with_nvcc(tmp_path):
     ins.update(prm="float32", tickets="uint32")
     outs = {name: "float32" for name in kern.output_names}
     outs.update(idx_rows="int32", cnt_rows="int32")
-    tmpl = [
-        ("TQ", dt),
-        ("TW", dt),
-        ("TK", dt),
-        ("NH", 64),
-        ("DI", 128),
-        ("ROWS", 16),
-        ("RATIO", 4),
-        ("THREADS", sa.SCORE_SPLIT_THREADS),
-        ("TOPK", 512),
-    ]
+    tmpl = _index_topk_template(dt)
     nvcc_compile(tmp_path, mlx_cuda_source(f"index_topk_rows{n}", h, b, ins, outs, tmpl))
 
 

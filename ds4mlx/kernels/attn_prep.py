@@ -53,10 +53,11 @@ _OUTPUTS = ["q_out", "ring_out", "iq_out"]
 ONE = "#define AP_ROWS 1\n#define AP_POS (meta[0])\n#define AP_ROW_SELECT\n"  # attn_prep: one row
 
 
-def kernel_sources(face: str) -> tuple[str, str]:
-    """(header, body) of the attn_prep kernel for `face` ('metal' or 'cuda')."""
+def kernel_sources(face: str, defines: str = ONE) -> tuple[str, str]:
+    """(header, body) of the attn_prep kernel for `face` ('metal' or 'cuda'); `defines`: one
+    row's (attn_prep_rows: `rows_defines`)."""
     header, body = shared_sources(SOURCE, face, "attn_prep")
-    return header + TRIG[face] + ONE, body
+    return header + TRIG[face] + defines, body
 
 
 _ROWS_IN = ["q_rows", "kv_rows", "kv_w", "iq_rows"]  # then ring_0 .. ring_{R-1}, freqs, prm, poss
@@ -87,10 +88,7 @@ def rows_io(n: int) -> tuple[list[str], list[str]]:
 
 @cache
 def _rows_kernel(n: int) -> Kernel:
-    faces = {}
-    for face in ("metal", "cuda"):
-        header, body = shared_sources(SOURCE, face, "attn_prep")
-        faces[face] = (header + TRIG[face] + rows_defines(n), body)
+    faces = {face: kernel_sources(face, rows_defines(n)) for face in ("metal", "cuda")}
     return Kernel(f"ds4mlx_attn_prep_rows{n}", *rows_io(n), **faces)
 
 

@@ -82,10 +82,11 @@ def shared_text() -> tuple[str, str]:
     return compact(sec["common"]), compact(sec["compressor_step"])
 
 
-def kernel_sources(face: str) -> tuple[str, str]:
-    """(header, body) of the kernel for `face` ('metal' or 'cuda'): only its own text."""
+def kernel_sources(face: str, defines: str = "") -> tuple[str, str]:
+    """(header, body) of the kernel for `face` ('metal' or 'cuda'): only its own text, after
+    `defines` (compressor_step_rows: `rows_defines`)."""
     common, body = shared_text()
-    return PRELUDE[face] + common, INDEX[face] + body
+    return PRELUDE[face] + defines + common, INDEX[face] + body
 
 
 @cache
@@ -113,15 +114,9 @@ _ROW_OUT = {name: "T" for name in _OUTPUTS}
 _SHARED_IN = ["bias", "weight", "periods", "prm", "poss"]
 
 
-def rows_sources(face: str, n: int) -> tuple[str, str]:
-    """(header, body) of compressor_step_rows for n rows on `face`: the kernel's text with the
-    rows' defines (row r's buffers chosen by the threadgroup's y index, the position poss[r])."""
-    common, body = shared_text()
-    return PRELUDE[face] + rows_defines(n) + common, INDEX[face] + body
-
-
 def rows_defines(n: int) -> str:
-    """The defines that make the kernel's text compressor_step_rows for n rows."""
+    """The defines that make the kernel's text compressor_step_rows for n rows (row r's
+    buffers chosen by the threadgroup's y index, the position poss[r])."""
     return f"#define CS_ROWS {n}\n#define CS_POS (poss[row])\n" + row_select(
         n, _ROW_IN, _ROW_OUT, macro="CS_ROW_SELECT"
     )
@@ -135,7 +130,7 @@ def rows_io(n: int) -> tuple[list[str], list[str]]:
 @cache
 def _rows_kernel(n: int) -> Kernel:
     inputs, outputs = rows_io(n)
-    faces = {face: rows_sources(face, n) for face in ("metal", "cuda")}
+    faces = {face: kernel_sources(face, rows_defines(n)) for face in ("metal", "cuda")}
     return Kernel(f"ds4mlx_compressor_step_rows{n}", inputs, outputs, **faces)
 
 
@@ -279,19 +274,7 @@ def _launch_rows(face, kvs, gates, poss, states, position_bias, norm, rope, rati
             _prm(float(norm.eps), float(rope.attention_factor), dt),
             poss.reshape(-1),
         ],
-        template=[
-            ("T", dt),
-            ("TK", kvs[0].dtype),
-            ("TG", gates[0].dtype),
-            ("TB", position_bias.dtype),
-            ("TW", norm.weight.dtype),
-            ("M", ratio),
-            ("D", d),
-            ("OVERLAP", overlap),
-            ("ROPE", rope.dims),
-            ("THREADS", THREADS),
-            ("PER", PER),
-        ],
+        template=_template(dt, kvs[0], gates[0], position_bias, norm, rope, ratio, d, overlap),
         grid=(groups(cap, ratio, d, overlap, dt.size) * THREADS, n, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[s for name in _OUTPUTS for s in shapes[name]],
@@ -334,6 +317,19 @@ def reference(kv, gate, pos, state, *, position_bias, norm, rope, ratio) -> list
     return new + [rows]
 
 
+def _template(dt, kv, gate, position_bias, norm, rope, ratio: int, d: int, overlap: bool) -> list:
+    """The kernel's template arguments (compressor_step and compressor_step_rows)."""
+    dtypes = [("T", dt), ("TK", kv.dtype), ("TG", gate.dtype), ("TB", position_bias.dtype), ("TW", norm.weight.dtype)]
+    return dtypes + [
+        ("M", ratio),
+        ("D", d),
+        ("OVERLAP", overlap),
+        ("ROPE", rope.dims),
+        ("THREADS", THREADS),
+        ("PER", PER),
+    ]
+
+
 def _launch(face, kv, gate, pos, state, position_bias, norm, rope, ratio) -> list:
     overlap = len(state) == 5
     buf_kv, buf_gate, rows = state[0], state[1], state[-1]
@@ -361,19 +357,7 @@ def _launch(face, kv, gate, pos, state, position_bias, norm, rope, ratio) -> lis
             _meta(cap),
             pos,
         ],
-        template=[
-            ("T", dt),
-            ("TK", kv.dtype),
-            ("TG", gate.dtype),
-            ("TB", position_bias.dtype),
-            ("TW", norm.weight.dtype),
-            ("M", m),
-            ("D", d),
-            ("OVERLAP", overlap),
-            ("ROPE", rope.dims),
-            ("THREADS", THREADS),
-            ("PER", PER),
-        ],
+        template=_template(dt, kv, gate, position_bias, norm, rope, m, d, overlap),
         grid=(groups(cap, m, d, overlap, dt.size) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[buf_kv.shape, buf_gate.shape, *ov_shapes, rows.shape],  # the state's own shapes: no reshapes

@@ -122,22 +122,24 @@ __device__ __forceinline__ float ds4_load_cg(const float* p) { return __ldcg(p);
 INDEX_TOPK = ("index_topk_names", "index_score_heads", "index_topk_last", "topk")
 
 
-def kernel_sources(kind: str, face: str) -> tuple[str, str]:
+# attend's text serves one launch (R = 1: these defines) and R sessions' decode queries at once
+# (attend_rows: `attend_rows_defines`); see the attend comment in the .metal file
+ATTEND_ONE = "#define DS4_ATTEND_ROWS 1\n#define DS4_ATTEND_HEADS 0\n#define DS4_ATTEND_SELECT\n"
+
+
+def kernel_sources(kind: str, face: str, attend: str = ATTEND_ONE) -> tuple[str, str]:
     """(header, body) of 'index_score', 'index_score_heads', 'topk', 'index_topk' or 'attend'
-    for `face` ('metal' or 'cuda')."""
+    for `face` ('metal' or 'cuda'); `attend`: attend's defines (attend_rows: its own)."""
     if kind == "index_topk":
         header, body = shared_sources(SOURCE, face, INDEX_TOPK[0])
         sec = dispatch.sections(SOURCE)
         return header + TICKETS[face], body + "".join(sec[k] for k in INDEX_TOPK[1:])
     header, body = shared_sources(SOURCE, face, kind)
     if kind == "attend":
-        header += TRIG[face] + TICKETS[face] + ATTEND_ONE
+        header += TRIG[face] + TICKETS[face] + attend
     return header, body
 
 
-# attend's text serves one launch (R = 1: these defines) and R sessions' decode queries at once
-# (attend_rows: `attend_rows_defines`); see the attend comment in the .metal file
-ATTEND_ONE = "#define DS4_ATTEND_ROWS 1\n#define DS4_ATTEND_HEADS 0\n#define DS4_ATTEND_SELECT\n"
 ROW_INPUTS = ("q", "keys", "rows", "idx", "cnt", "meta")  # attend_rows: one input per row each
 _ROW_TYPES = {"q": "T", "keys": "TK", "rows": "TK", "idx": "int", "cnt": "int", "meta": "int"}
 
@@ -159,12 +161,8 @@ def attend_rows_io(n: int) -> tuple[list[str], list[str]]:
 
 @cache
 def _rows_kernel(n: int) -> Kernel:
-    faces = {}
-    for face in ("metal", "cuda"):
-        header, body = shared_sources(SOURCE, face, "attend")
-        faces[face] = (header + TRIG[face] + TICKETS[face] + attend_rows_defines(n), body)
-    inputs, outputs = attend_rows_io(n)
-    return Kernel(f"ds4mlx_attend_rows{n}", inputs, outputs, **faces)
+    faces = {face: kernel_sources("attend", face, attend_rows_defines(n)) for face in ("metal", "cuda")}
+    return Kernel(f"ds4mlx_attend_rows{n}", *attend_rows_io(n), **faces)
 
 
 @cache
@@ -741,26 +739,20 @@ def _launch_attend_rows(face, qs, keys, rows, idxs, cnts, sinks, scale, metas, w
             _f32s(float(scale), mscale),
             dispatch.tickets("attend_rows", n_rows * nh, 4096),
         ],
-        template=[
-            ("T", qs[0].dtype),
-            ("TK", kdt),
-            ("TS", sinks.dtype),
-            ("D", d),
-            ("W", int(window)),
-            ("RATIO", int(ratio)),
-            ("TOPK", idxs[0].shape[1]),
-            ("THREADS", ATTN_THREADS),
-            ("KB", ATTN_KEYS),
-            ("SELECTED", selected),
-            ("RD", rd),
-            ("SPLIT", int(splits)),
-            ("HEADS", nh),
-        ],
+        template=_attend_template(qs[0], kdt, sinks, window, ratio, idxs[0], selected, rd, splits) + [("HEADS", nh)],
         grid=(nh * ATTN_THREADS, n_rows, int(splits)),
         threadgroup=(ATTN_THREADS, 1, 1),
         output_shapes=[(n_rows, nh, 1, d), (n_rows * nh * splits * (d + 2) if split else 1,)],
         output_dtypes=[qs[0].dtype, mx.float32],
     )[0]
+
+
+def _attend_template(q, kdt, sinks, window: int, ratio: int, idx, selected: bool, rd: int, splits: int) -> list:
+    """attend's template arguments (one launch and attend_rows, which adds HEADS)."""
+    d = q.shape[-1]
+    kinds = [("T", q.dtype), ("TK", kdt), ("TS", sinks.dtype), ("D", d), ("W", int(window)), ("RATIO", int(ratio))]
+    sizes = [("TOPK", idx.shape[1]), ("THREADS", ATTN_THREADS), ("KB", ATTN_KEYS), ("SELECTED", selected)]
+    return kinds + sizes + [("RD", rd), ("SPLIT", int(splits))]
 
 
 def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ratio, rope=None, splits=1) -> mx.array:
@@ -794,20 +786,7 @@ def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ra
             meta,
             dispatch.tickets("attend", nh * c, 4096),
         ],
-        template=[
-            ("T", q.dtype),
-            ("TK", keys.dtype),
-            ("TS", sinks.dtype),
-            ("D", d),
-            ("W", int(window)),
-            ("RATIO", int(ratio)),
-            ("TOPK", idx.shape[1]),
-            ("THREADS", ATTN_THREADS),
-            ("KB", ATTN_KEYS),
-            ("SELECTED", selected),
-            ("RD", rd),
-            ("SPLIT", int(splits)),
-        ],
+        template=_attend_template(q, keys.dtype, sinks, window, ratio, idx, selected, rd, splits),
         grid=(nh * ATTN_THREADS, c, int(splits)),
         threadgroup=(ATTN_THREADS, 1, 1),
         output_shapes=[q.shape, (nh * c * splits * (d + 2) if split else 1,)],

@@ -740,8 +740,6 @@ class CompressorBranch(Compressor):
         keys = ind.pool_step_rows([p[2] for p in projs], [p[3] for p in projs], pos, poss, states)
         for nw, st in zip(news, keys):
             nw += st
-        if rows[0].shape[0] <= self._topk and all(r.shape == rows[0].shape for r in rows):
-            return [(r, None, None) for r in rows]
         scale = ind._nh**-0.5 * ind._dim**-0.5
         face = _sparse.step_face()
         # the rows with more live-able rows than index_topk: their scores + top-k in one launch
