@@ -12,6 +12,12 @@ import os
 # own values win.  No effect on Metal or the CPU.
 os.environ.setdefault("MLX_MAX_OPS_PER_BUFFER", "400")
 os.environ.setdefault("MLX_MAX_MB_PER_BUFFER", "1000000")
+# float32 activations mean float32 products (dtype_policy, docs/numerics.md): MLX's CUDA (and
+# Apple M5) matmuls otherwise run float32 GEMMs as TF32, ~1e-3 relative per product, so a
+# prefill (GEMM) and a decode step (mat-vec, full float32) of the same tokens disagree by
+# ~4e-3 in logits at two layers and flip near-tied compressed-row selections past that
+# (H100, synthetic V4 Flash).  The user's own value wins.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 __version__ = "0.1.0"
 

@@ -13,6 +13,7 @@ the tiny test models).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 # name -> mx dtype attribute (mlx is imported only when a policy is resolved, so the
@@ -37,10 +38,16 @@ class DtypePolicy:
 
     def describe(self) -> str:
         w = "as stored in the file" if self.weights is None else _name(self.weights)
+        tf32 = os.environ.get("MLX_ENABLE_TF32", "1") != "0"
+        products = " (float32 matmuls as TF32: MLX_ENABLE_TF32)" if tf32 and self.activations_f32 else ""
         return (
-            f"activations {_name(self.activations)} (residual stream; norms, softmax, router in float32), "
+            f"activations {_name(self.activations)}{products} (residual stream; norms, softmax, router in float32), "
             f"float weights {w}, quantized weights kept quantized"
         )
+
+    @property
+    def activations_f32(self) -> bool:
+        return _name(self.activations) == "float32"
 
 
 def _name(dt) -> str:

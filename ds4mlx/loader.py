@@ -12,6 +12,7 @@ from . import dtype_policy
 from .gguf_families.deepseek_v4 import MTP_PREFIX
 from .modelfile import reading
 from .models.base import LanguageModel
+from .models.layers import set_activation_dtype
 from .models.tensor_load import KeptTensors
 from .registry import DEFAULT_FAMILY, family_module
 from .tokenizer import Tokenizer
@@ -92,9 +93,7 @@ def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, shard=Non
             mtp_tensors.update(read_mtp_gguf(mtp))
         model = LanguageModel.from_config(config, tensors, dtype=policy.weights, stream=stream, path=path, shard=shard)
         del tensors
-    backbone = getattr(model.model, "model", None)
-    if hasattr(backbone, "activation_dtype"):  # the family's cast point (models/deepseek_v4.py)
-        backbone.activation_dtype = policy.activations
+    set_activation_dtype(model.model, policy.activations)  # every family's cast point (models/layers.py)
     model.dtype_policy = policy
     model.mtp_weights = KeptTensors(mtp_tensors)  # read when `--mtp` builds its head
     if verbose:

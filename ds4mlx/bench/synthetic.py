@@ -140,33 +140,16 @@ def _randomize(module, prefix: str, n_experts: int, k: int, value=default_value)
     module.update(tree_unflatten(new))
 
 
-def _quantize_experts(switch, bits: int):
-    """A routed-expert bank quantized a `quant.expert_spans` slice at a time (the whole
-    [256, 4096, 4096] bank in one mx.quantize call overflows a CUDA launch)."""
-    import mlx.core as mx
-
-    from ..models.layers import QuantizedSwitchLinear
-
-    e, out_dims, in_dims = switch.weight.shape
-    parts = []
-    for i, n in expert_spans(e):
-        parts.append(mx.quantize(switch.weight[i : i + n], 64, bits))
-        mx.eval(parts[-1])
-    q = QuantizedSwitchLinear(in_dims, out_dims, 1, 64, bits)
-    q.weight, q.scales, q.biases = (mx.concatenate([p[j] for p in parts]) for j in range(3))
-    return q
-
-
 def _quantize(module, expert_bits: int, other_bits: int) -> None:
     import mlx.nn as nn
 
-    from ..models.layers import SwitchLinear
+    from ..models.layers import SwitchLinear, quantize_switch
 
     experts = getattr(getattr(module, "mlp", None), "experts", None)
     if experts is not None:
         for name in ("gate_up_proj", "down_proj"):
             if isinstance(getattr(experts, name, None), SwitchLinear):
-                setattr(experts, name, _quantize_experts(getattr(experts, name), expert_bits))
+                setattr(experts, name, quantize_switch(getattr(experts, name), expert_bits))
 
     def pred(path, m):
         if not hasattr(m, "to_quantized") or isinstance(m, SwitchLinear):

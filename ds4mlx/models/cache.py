@@ -68,8 +68,10 @@ class StaticDecode:
     family defines `static_step(ids, pos, state) -> (logits, new state)`."""
 
     def static_dtype(self):
-        """The dtype buffers are created in (the final norm's weights: the model's float type)."""
-        return self.model.norm.weight.dtype
+        """The dtype buffers are created in: the residual stream's (dtype_policy: float32
+        activations keep float32 caches, as the full forward's), else the model's float type."""
+        act = getattr(self.model, "activation_dtype", None)
+        return act if act is not None else self.model.norm.weight.dtype
 
     def static_state(self, cache: list, ahead: int = 1) -> list:
         """The flat step state of `cache` for its next position (buffers grown to fit), or

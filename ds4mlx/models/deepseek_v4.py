@@ -51,6 +51,7 @@ from .causal_lm import BaseModelArgs, CausalLM
 from .fused import FusedLinear, fused_or_each, swiglu_of
 from .layers import (
     GLUMLP,
+    ActivationDtype,
     HyperConnection,
     HyperHead,
     RMSNorm,
@@ -1213,10 +1214,7 @@ class DecoderLayer(nn.Module):
         return finish_open_step(*self.step_rows_open(x, None, ids, pos, states, news))
 
 
-class DeepseekV4Model(nn.Module):
-    # dtype of the residual stream (dtype_policy; the loader sets it): float32 as ds4,
-    # whatever the weights' type; None = the embedding's dtype
-    activation_dtype = None
+class DeepseekV4Model(ActivationDtype, nn.Module):
     # called with (the residual streams after the last layer [1, T, hc, H], their first
     # position) by every multi-token forward (prefill, speculative verify); None = off
     stream_hook = None
@@ -1243,9 +1241,7 @@ class DeepseekV4Model(nn.Module):
         return self._ropes
 
     def __call__(self, ids: mx.array, cache: list[LayerCache]) -> mx.array:
-        h = self.embed_tokens(ids)
-        if self.activation_dtype is not None:
-            h = h.astype(self.activation_dtype)
+        h = self.embed(ids)
         x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
         for layer, c in zip(self.layers, cache):
             x = layer(x, ids, c)
@@ -1258,7 +1254,7 @@ class DeepseekV4Model(nn.Module):
     def step(self, ids: mx.array, pos: mx.array, state: list, final_norm: bool = True) -> tuple[mx.array, list]:
         """One token ids [1, 1] at position pos over the static layout -> (hidden [1, 1, H], new state);
         `final_norm=False`: the hidden state before the final norm (the caller folds it into the head)."""
-        h = self.embed_tokens(ids)
+        h = self.embed(ids)
         x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
         it, new, pending = iter(state), [], None
         for layer in self.layers:  # each layer's last hc_post runs inside the next one's first launch
@@ -1289,7 +1285,7 @@ class DeepseekV4Model(nn.Module):
         the rows B consecutive `step`s whose projections run once for all B (speculative
         verification); the last row's new state is the session's.  `streams`: the residual
         streams after the last layer [1, B, hc, H] come third (the MTP head's input)."""
-        h = self.embed_tokens(ids)
+        h = self.embed(ids)
         B = ids.shape[1]
         x = mx.broadcast_to(h[:, :, None, :], (1, B, self._hc, h.shape[-1]))
         if chain:

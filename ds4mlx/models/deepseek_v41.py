@@ -64,6 +64,7 @@ from .deepseek_v4 import CompressorState, GroupedLinear
 from .deepseek_v4 import LayerCache as _V4LayerCache
 from .layers import (
     GLUMLP,
+    ActivationDtype,
     HyperConnection,
     RMSNorm,
     RoPE,
@@ -592,7 +593,7 @@ def _ropes(args: ModelArgs) -> dict:
     return {"main": RoPE(d, default_inv_freq(d, args.rope_theta)), "compress": RoPE(d, compress)}
 
 
-class DeepseekV41Model(nn.Module):
+class DeepseekV41Model(ActivationDtype, nn.Module):
     # the DSpark drafter's capture (speculative/dspark.py): every multi-token forward calls
     # capture_hook(states [1, T, len(capture_layers) * H], first position, ids [1, T]) with the
     # mean over the streams entering each of `capture_layers`, in layer order; None = off
@@ -608,7 +609,7 @@ class DeepseekV41Model(nn.Module):
         self._hc = args.hc_mult
 
     def __call__(self, ids: mx.array, cache: list[LayerCache]) -> mx.array:
-        h = self.embed_tokens(ids)
+        h = self.embed(ids)
         B, C, H = h.shape
         x = mx.broadcast_to(h[:, :, None, :], (B, C, self._hc, H))
         pre = mx.broadcast_to((mx.arange(self._hc) == 0).astype(mx.float32), (B, C, self._hc))
@@ -626,7 +627,7 @@ class DeepseekV41Model(nn.Module):
 
     def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
         """One token ids [1, 1] at position pos over the static layout -> (hidden, new state)."""
-        h = self.embed_tokens(ids)
+        h = self.embed(ids)
         x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
         pre = mx.broadcast_to((mx.arange(self._hc) == 0).astype(mx.float32), (1, 1, self._hc))
         it, new, shared = iter(state), [], {}

@@ -36,7 +36,7 @@ from ..steering import ATTN, FFN, steer  # directional steering hook (steering.p
 from .cache import StaticDecode
 from .causal_lm import BaseModelArgs, CausalLM
 from .kda import LinearCache, kda, l2norm, short_conv
-from .layers import HyperConnection, RMSNorm
+from .layers import ActivationDtype, HyperConnection, RMSNorm
 from .mla import KPoolIndexer, MLAAttention, MLACache
 from .sigmoid_moe import layer_mlp, sanitize_experts
 
@@ -312,7 +312,7 @@ class DecoderLayer(nn.Module):
         return x, sel if self._hands_on else None
 
 
-class Glm5NextTextModel(nn.Module):
+class Glm5NextTextModel(ActivationDtype, nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
@@ -321,7 +321,7 @@ class Glm5NextTextModel(nn.Module):
         self._hc = args.hc_mult
 
     def __call__(self, ids: mx.array, cache: list) -> mx.array:
-        h = self.embed_tokens(ids)
+        h = self.embed(ids)
         x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
         sel = None
         for layer, c in zip(self.layers, cache):
@@ -332,7 +332,7 @@ class Glm5NextTextModel(nn.Module):
 
     def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
         """One token ids [1, 1] at position pos over the static layout -> (hidden, new state)."""
-        h = self.embed_tokens(ids)
+        h = self.embed(ids)
         x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
         it, new, sel = iter(state), [], None
         for layer in self.layers:

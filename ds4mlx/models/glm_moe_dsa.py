@@ -28,7 +28,7 @@ import mlx.nn as nn
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .cache import StaticDecode
 from .causal_lm import BaseModelArgs, CausalLM
-from .layers import RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
+from .layers import ActivationDtype, RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
 from .mla import DSAIndexer, MLAAttention, MLACache
 from .sigmoid_moe import layer_mlp, sanitize_experts
 
@@ -188,7 +188,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), sel
 
 
-class GlmMoeDsaModel(nn.Module):
+class GlmMoeDsaModel(ActivationDtype, nn.Module):
     # called with (the final hidden states [1, T, H] after the final norm, their first
     # position) by every multi-token forward (prefill, speculative verify); None = off.
     # The MTP head drafts from these (models/glm_moe_dsa_mtp.py, speculative/mtp.py).
@@ -202,7 +202,7 @@ class GlmMoeDsaModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def __call__(self, ids: mx.array, cache: list) -> mx.array:
-        x = self.embed_tokens(ids)
+        x = self.embed(ids)
         sel = None
         for layer, c in zip(self.layers, cache):
             x, sel = layer(x, c, sel)
@@ -215,7 +215,7 @@ class GlmMoeDsaModel(nn.Module):
 
     def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
         """One token ids [1, 1] at position pos over the static layout -> (hidden, new state)."""
-        x = self.embed_tokens(ids)
+        x = self.embed(ids)
         it, new, sel = iter(state), [], None
         for layer in self.layers:
             x, sel = layer.step(x, pos, it, new, sel)

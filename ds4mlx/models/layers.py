@@ -31,6 +31,35 @@ from ..kernels import hyper_connection as hc_kernels
 from ..kernels.activations import clamped_swiglu  # re-exported: the families import it from here
 from . import grouped_experts, prefill_experts
 
+# --------------------------------------------------------------------------- embedding
+
+
+class ActivationDtype:
+    """Mixin for a family's backbone (the module holding `embed_tokens`): `embed(ids)` gives the
+    token rows in the residual stream's dtype.  The loader sets `activation_dtype` from the dtype
+    policy (float32 as ds4, whatever the weights' type); None = the embedding's own dtype.  Every
+    path (forward, decode step, batched rows, verify chain, MTP heads) enters through `embed`, so
+    a 16-bit embedding never sets the stream's dtype: MLX promotes each 16-bit weight to the
+    stream's float32 from there on."""
+
+    activation_dtype = None
+
+    def embed(self, ids: mx.array) -> mx.array:
+        h = self.embed_tokens(ids)
+        return h if self.activation_dtype is None else h.astype(self.activation_dtype)
+
+
+def set_activation_dtype(model: nn.Module, dtype) -> int:
+    """Set `dtype` on every `ActivationDtype` module of `model` (the backbone, an MTP head's own
+    embedding); returns how many were set."""
+    n = 0
+    for _, m in model.named_modules():
+        if isinstance(m, ActivationDtype):
+            m.activation_dtype = dtype
+            n += 1
+    return n
+
+
 # --------------------------------------------------------------------------- norms
 
 
@@ -404,6 +433,21 @@ class QuantizedSwitchLinear(nn.Module):
             x2, self.weight, self.scales, self.biases, ids, group_size=self.group_size, bits=self.bits
         )
         return y.reshape(*batch, 1, y.shape[-1])
+
+
+def quantize_switch(switch: SwitchLinear, bits: int, group_size: int = 64) -> QuantizedSwitchLinear:
+    """A float expert bank as a `QuantizedSwitchLinear`, quantized a `quant.expert_spans` slice at
+    a time (the whole [256, 4096, 4096] bank in one mx.quantize call overflows a CUDA launch)."""
+    from ..quant import expert_spans
+
+    e, out_dims, in_dims = switch.weight.shape
+    parts = []
+    for i, n in expert_spans(e):
+        parts.append(mx.quantize(switch.weight[i : i + n], group_size, bits))
+        mx.eval(parts[-1])
+    q = QuantizedSwitchLinear(in_dims, out_dims, 1, group_size, bits)
+    q.weight, q.scales, q.biases = (mx.concatenate([p[j] for p in parts]) for j in range(3))
+    return q
 
 
 def _gather_sort(x: mx.array, indices: mx.array):

@@ -56,7 +56,7 @@ from ..steering import ATTN, FFN, steer  # directional steering hook (steering.p
 from .cache import StaticDecode, grow_rows
 from .causal_lm import BaseModelArgs, CausalLM
 from .gated_delta import causal_conv1d, gated_delta, l2_normalize
-from .layers import GLUMLP, SwitchGLU, default_inv_freq, route_weights, score_fn, topk_indices
+from .layers import GLUMLP, ActivationDtype, SwitchGLU, default_inv_freq, route_weights, score_fn, topk_indices
 from .qwen4_exp_ple import DepthwiseConvWeight, GroupedNorm, PLELayer
 
 MROPE_SECTION_DEFAULT = [11, 11, 10]  # transformers' Qwen4ExpTextRotaryEmbedding, when the config has none
@@ -779,7 +779,7 @@ class DecoderLayer(nn.Module):
         return x + out[..., None, :] * inject[..., None].astype(out.dtype)
 
 
-class Qwen4ExpTextModel(nn.Module):
+class Qwen4ExpTextModel(ActivationDtype, nn.Module):
     # called with (the residual streams after the last layer [1, T, hc, H], before the
     # final mixer, and their first position) by every multi-token forward (prefill,
     # speculative verify); None = off.  The MTP head drafts from these
@@ -799,7 +799,7 @@ class Qwen4ExpTextModel(nn.Module):
         self.input_positions = None
 
     def __call__(self, ids: mx.array, cache: list) -> mx.array:
-        h = self.embed_tokens(ids)
+        h = self.embed(ids)
         if self.input_rows is not None:  # image tokens take the vision encoder's rows
             h = self.input_rows(h, cache[0].offset)
         if self.input_positions is not None:
@@ -818,7 +818,7 @@ class Qwen4ExpTextModel(nn.Module):
 
     def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
         """One token ids [1, 1] at position pos over the static layout -> (hidden, new state)."""
-        h = self.embed_tokens(ids)
+        h = self.embed(ids)
         x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
         it, new = iter(state), []
         for layer in self.layers:

@@ -270,7 +270,28 @@ def random_mtp_drafter(model, ctx: int = 0, seed: int = RANDOM_SEED):
         dspark = DSparkArgs.from_config(default_dspark_config(inner.args))
         return DSparkBlockDrafter(model, random_dspark_head(inner.args, dspark, seed, dtype=inner.static_dtype()))
     inner, _ = _backbone(model)
-    return MTPDrafter(model, random_head(inner.args, seed, dtype=_float_dtype(inner)))
+    return MTPDrafter(model, _quantized_like(inner, random_head(inner.args, seed, dtype=_float_dtype(inner))))
+
+
+def _quantized_like(inner, head):
+    """The random head's routed experts quantized as the target's are (a synthetic model's
+    2-bit banks): a float head at V4 Flash size is 13 GB of bfloat16 experts, read at 6 experts
+    a token that is more than a target layer's bytes, which no real MTP file (ds4's MTP GGUF
+    is quantized) costs; on an 80 GB card beside a 20-layer target it also left too little
+    room (the drafter's first expert product failed with an illegal memory access, H100)."""
+    from ..models.layers import QuantizedSwitchLinear, SwitchLinear, quantize_switch
+
+    target = next((m for _, m in inner.named_modules() if isinstance(m, QuantizedSwitchLinear)), None)
+    if target is None:
+        return head
+    for _, m in head.named_modules():
+        for name in ("gate_up_proj", "down_proj"):
+            bank = getattr(m, name, None) if hasattr(m, "gate_up_proj") else None
+            if isinstance(bank, SwitchLinear):
+                setattr(m, name, quantize_switch(bank, target.bits, target.group_size))
+                del bank
+    mx.clear_cache()
+    return head
 
 
 def mtp_drafter(model, ctx: int):
