@@ -190,7 +190,8 @@ class PLELayer(nn.Module):
             hist = mx.full((B, self._n - 1), self._eos, mx.int32)
         full = mx.concatenate([hist.astype(mx.int32), ids.astype(mx.int32)], axis=1)
         cache.ngram = full[:, full.shape[1] - (self._n - 1) :]
-        emb = self.ple_embedding(full.astype(mx.int64))  # [B, T, E]
+        # [B, T, E] in the stream's dtype: a 16-bit table must not set the branch's (dtype_policy)
+        emb = self.ple_embedding(full.astype(mx.int64)).astype(x.dtype)
         hc, H = self._hc, self._H
         key = self.norm_key(self.key_proj(emb).reshape(B, T, hc, H))
         value = self.value_proj(emb)  # [B, T, H]
