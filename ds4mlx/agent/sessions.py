@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from ..atomic_file import atomic_write
 from ..chat.messages import Conversation, Message, ToolCall
@@ -30,7 +30,14 @@ def default_dir() -> str:
 
 
 def conversation_to_json(conv: Conversation) -> list[dict]:
-    return [asdict(m) for m in conv.messages]
+    """The messages as JSON values; images stay out (their markers become plain text:
+    a reopened session no longer shows them to the model)."""
+    rows = []
+    for m in conv.messages:
+        row = asdict(replace(m, images=[]))
+        row.pop("images")
+        rows.append(row)
+    return rows
 
 
 def messages_from_json(rows: list) -> list[Message]:

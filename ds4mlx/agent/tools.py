@@ -82,7 +82,10 @@ SCHEMAS = {
         ["query"],
     ),
     "list": _schema("list", "List one directory compactly.", {"path": _S}, ["path"]),
+    "view_image": _schema("view_image", "Look at a PNG or JPEG image file.", {"path": _S}, ["path"]),
 }
+VISION_TOOLS = frozenset({"view_image"})  # only with a vision encoder (--vision)
+IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
 # tools with side effects: they need an approval (approval.py)
 SIDE_EFFECTS = frozenset({"write", "edit", "bash"})
 
@@ -150,9 +153,18 @@ def _decode(data: bytes, rel: str) -> str:
 class ToolBox:
     """The tools of one agent session, confined to `root`."""
 
-    def __init__(self, root: str, *, edit_upto: bool = False, stop_requested: Callable[[], bool] = lambda: False):
+    def __init__(
+        self,
+        root: str,
+        *,
+        edit_upto: bool = False,
+        vision: bool = False,
+        stop_requested: Callable[[], bool] = lambda: False,
+    ):
         self.project = ProjectRoot(root)
         self.edit_upto = edit_upto
+        self.vision = vision
+        self.images: list = []  # chat.images.ImageInput of the last view_image, taken by the worker
         self.bash = BashJobs(self.project.root, stop_requested)
         self._seen: dict[str, tuple] = {}  # real path -> fingerprint the agent last saw
         self._cursor: _ReadCursor | None = None
@@ -166,6 +178,7 @@ class ToolBox:
             "bash": self.bash.run,
             "bash_status": self.bash.status,
             "bash_stop": self.bash.stop,
+            "view_image": self.view_image,
         }
 
     @property
@@ -173,7 +186,7 @@ class ToolBox:
         return self.project.root
 
     def names(self) -> list[str]:
-        return list(SCHEMAS)
+        return [n for n in SCHEMAS if self.vision or n not in VISION_TOOLS]
 
     def schemas(self) -> list[dict]:
         return [SCHEMAS[n] for n in self.names()]
@@ -184,7 +197,7 @@ class ToolBox:
             args = json.loads(arguments) if isinstance(arguments, str) else dict(arguments or {})
             if not isinstance(args, dict):
                 raise ToolError("arguments must be a JSON object")
-            fn = self._handlers.get(name)
+            fn = self._handlers.get(name) if name in self.names() else None
             if fn is None:
                 raise ToolError(f"unknown tool {name!r}; available: {', '.join(self.names())}")
             return fn(args)
@@ -361,6 +374,34 @@ class ToolBox:
         line = text.count("\n", 0, span[0]) + 1
         self._replace(path, text[: span[0]] + new + text[span[1] :], fp)  # the file must still be what was read
         return f"edited {rel} at line {line}: replaced {span[1] - span[0]} bytes with {len(new)}"
+
+    # -- view_image -----------------------------------------------------------------
+    def view_image(self, args: dict) -> str:
+        """The image goes to the model with the result (its marker leads the text)."""
+        from ..chat import images
+
+        path = args.get("path", "")
+        try:
+            fd, rel = self.project.open(path)
+        except FileNotFoundError:
+            raise ToolError(f"no such file: {path}") from None
+        try:
+            data, _ = _read_fd(fd, rel)
+        finally:
+            os.close(fd)
+        media = IMAGE_TYPES.get(os.path.splitext(rel)[1].lower())
+        if media is None:
+            raise ToolError(f"{rel}: view_image reads PNG or JPEG files ({', '.join(IMAGE_TYPES)})")
+        try:
+            image = images.from_bytes(data, media)
+        except images.ImageError as e:
+            raise ToolError(f"{rel}: {e.message}") from None
+        self.images = [image]
+        return f"{image.marker}\n{rel}: {image.width}x{image.height} {media} image"
+
+    def take_images(self) -> list:
+        out, self.images = self.images, []
+        return out
 
     # -- list / search -------------------------------------------------------------
     def list(self, args: dict) -> str:

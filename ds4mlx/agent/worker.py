@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from ..chat.images import conversation_images
 from ..chat.messages import Conversation, Message, ToolCall
 from ..engine import Failed, Job
 from ..events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd, ToolCallStart
@@ -96,6 +97,8 @@ class AgentWorker:
         max_steps: int | None = None,
         system_extra: str = "",
         kv=None,
+        hooks=None,
+        hints: bool = False,
     ):
         self.engine = engine
         self.protocol = engine.protocol
@@ -108,6 +111,8 @@ class AgentWorker:
         self.kv = kv  # kv.cache.DiskKVCache or None: session checkpoints
         self.status = Status(ctx_total=engine.ctx)
         self.system_extra = system_extra
+        self.hooks = hooks  # hooks.ResponseHooks or None
+        self.hints = hints  # ds4's /hints: brief programming hints in the system prompt
         self.conv = self._fresh(thinking)
         self._stop = threading.Event()
         self._handle = None
@@ -122,12 +127,26 @@ class AgentWorker:
         self._report_restore = False  # tell the user how much a reopened session reused
 
     # ------------------------------------------------------------------ state
-    def _fresh(self, thinking: str) -> Conversation:
+    def _system_text(self) -> str:
         system = prompts.SYSTEM.format(cwd=self.toolbox.root)
+        if "view_image" in self.toolbox.names():
+            system += "\n" + prompts.VIEW_IMAGE
+        if self.hints:
+            system += "\n" + prompts.HINTS
         if self.system_extra:
             system += "\n\n" + self.system_extra
+        return system
+
+    def set_hints(self, on: bool) -> None:
+        """/hints on|off: the system prompt gains or loses the programming hints (the
+        next reply prefills from there: the cached prefix ends at the system prompt)."""
+        self.hints = on
+        if self.conv.messages and self.conv.messages[0].role == "system":
+            self.conv.messages[0] = Message("system", self._system_text())
+
+    def _fresh(self, thinking: str) -> Conversation:
         return Conversation(
-            messages=[Message("system", system)],
+            messages=[Message("system", self._system_text())],
             tool_schemas=tool_schemas(self.toolbox),
             tools_active=True,
             thinking=thinking,
@@ -243,7 +262,18 @@ class AgentWorker:
         return self.protocol.render(conv or self.conv)
 
     def prompt_tokens(self, conv: Conversation | None = None) -> int:
-        return len(self.engine.tokenize(self.render(conv)))
+        conv = conv or self.conv
+        return len(self._ids(self.render(conv), conv.messages))
+
+    def _ids(self, prompt: str, messages) -> list[int]:
+        """The prompt's token ids; an image marker counts as the image's token block."""
+        images = conversation_images(messages)
+        vision = getattr(self.engine, "vision", None)
+        if images and vision is not None:
+            from ..vision.encoder import tokenize
+
+            return tokenize(self.engine.tokenizer, prompt, images, vision)[0]
+        return self.engine.tokenize(prompt)
 
     def _with(self, *extra: Message) -> Conversation:
         c = self.conv
@@ -274,7 +304,7 @@ class AgentWorker:
         label: str = "agent",
     ):
         """One engine job; engine events become agent events.  -> Finish | Failed."""
-        ids = self.engine.tokenize(prompt)
+        ids = self._ids(prompt, self.conv.messages)
         room = self.engine.ctx - len(ids) - 1
         limit = room if max_tokens is None else max(1, min(max_tokens, room))
         job = Job(
@@ -288,6 +318,11 @@ class AgentWorker:
             tool_schemas=tuple(self.conv.tool_schemas) if tools else (),
             label=label,
         )
+        images = conversation_images(self.conv.messages)
+        if images:  # view_image results: the job carries their pixels (the ids already have their blocks)
+            from ..vision.prompt import attach
+
+            attach(job, self.engine, images)
         events: queue.Queue = queue.Queue()
         self._parsing: dict[int, tuple[str, str]] = {}  # cards of this job's calls: index -> (name, summary)
         self._handle = self.engine.submit(job, events.put)
@@ -401,7 +436,7 @@ class AgentWorker:
             if room < MIN_REPLY_ROOM:
                 room = MIN_REPLY_ROOM  # the compaction could not free more: use what is left
             limit = room if self.max_tokens is None else min(self.max_tokens, room)
-            fin = self._run_job(prompt, tools=True, thinking=thinking, max_tokens=limit)
+            fin = self._reply(prompt, thinking, limit)
             if isinstance(fin, Failed):
                 self.emit(Notice(f"engine: {fin.message}", "error"))
                 return TurnEnd("error", fin.message)
@@ -469,6 +504,29 @@ class AgentWorker:
                 self.conv.messages.append(Message("user", text))
                 self.emit(Notice(f"queued prompt added after the tool results: {text[:60]}", "info"))
         return TurnEnd("max_steps")
+
+    def _last_user_text(self) -> str | None:
+        for m in reversed(self.conv.messages):
+            if m.role == "user":
+                return m.content
+        return None
+
+    def _reply(self, prompt: str, thinking: str, limit: int):
+        """One assistant response (a model call with the tools), between the response hooks."""
+        hooks = self.hooks
+        if hooks is not None and hooks.enabled:
+            hooks.before(self._last_user_text())
+        fin = self._run_job(prompt, tools=True, thinking=thinking, max_tokens=limit)
+        if hooks is not None and hooks.enabled:
+            done = isinstance(fin, Finish)
+            raw = fin.raw_text if done else ""
+            hooks.after(
+                raw or "",
+                fin.usage.completion_tokens if done else 0,
+                interrupted=not done or fin.reason == "cancelled",
+                tool_call=done and (fin.reason == "tool_calls" or bool(self._call_opener and self._call_opener in raw)),
+            )
+        return fin
 
     def _partial_tail(self, text: str) -> str:
         """What of an unfinished reply stays verbatim after a compaction: all of
@@ -538,13 +596,14 @@ class AgentWorker:
     def _append_tool_result(self, call_id: str, result: str) -> None:
         """The hard compaction trigger: a result that would not fit compacts once,
         then is replaced by a bounded tool error if it still does not fit."""
-        msg = Message("tool", result, tool_call_ids=[call_id])
+        msg = Message("tool", result, tool_call_ids=[call_id], images=self.toolbox.take_images())
         ctx = self.engine.ctx
         projected = self.prompt_tokens(self._with(msg))
         if not compaction.tool_result_fits(projected, ctx):
             self.compact("tool result would exceed context", keep_last_call=True)
             projected = self.prompt_tokens(self._with(msg))
             if not compaction.tool_result_fits(projected, ctx):
+                msg.images = []
                 msg.content = prompts.TOOL_RESULT_TOO_BIG.format(
                     projected=projected, ctx=ctx, reserve=compaction.TOOL_RESULT_RESERVE_TOKENS
                 )
