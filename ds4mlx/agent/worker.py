@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -629,6 +630,73 @@ class AgentWorker:
         self.session_path = path
         self._report_restore = True
         self.emit(Notice(f"session {path}: {len(conv.messages)} messages", "session"))
+
+    def _session_checkpoints(self, path: str) -> list:
+        """The disk KV checkpoints of a saved session: those whose key is a prefix of its
+        rendered conversation, past the system prompt (which every session shares)."""
+        import hashlib
+
+        kv = self.kv
+        if kv is None:
+            return []
+        data = sessions.load(path)
+        conv = Conversation(
+            messages=data["messages"],
+            tool_schemas=self.conv.tool_schemas,
+            tools_active=True,
+            thinking=data.get("thinking", self.conv.thinking),
+            model=self.protocol.model_id,
+        )
+        text = self.render(conv).encode("utf-8")
+        n_sys = 0
+        while n_sys < len(conv.messages) and conv.messages[n_sys].role == "system":
+            n_sys += 1
+        head = len(self.render(replace(conv, messages=conv.messages[:n_sys])).encode("utf-8"))
+        return [
+            e
+            for e in kv.store.entries()
+            if head < e.key_bytes <= len(text) and hashlib.sha1(text[: e.key_bytes]).hexdigest() == e.sha
+        ]
+
+    def strip_session(self, path: str) -> tuple[int, int]:
+        """/strip: drop a saved session's KV checkpoints, keep its text (reopening it
+        prefills again).  -> (checkpoints removed, tokens they held)."""
+        found = self._session_checkpoints(path)
+        for e in found:
+            self.kv.store.discard(e)
+        return len(found), sum(e.tokens for e in found)
+
+    def delete_session(self, path: str) -> int:
+        """/del: a saved session's file and its KV checkpoints.  -> checkpoints removed."""
+        if self.session_path and os.path.abspath(path) == os.path.abspath(self.session_path):
+            raise ValueError("that session is open: /new or /switch first")
+        n, _ = self.strip_session(path)
+        os.unlink(path)
+        return n
+
+    def status_report(self) -> str:
+        """/status: where the agent stands (one line per fact)."""
+        from ..experts import cli as experts_cli
+        from .render import status_line
+
+        st = self.status
+        rows = [
+            status_line(st),
+            f"model: {self.protocol.model_id} ({self.protocol.family}); thinking: {self.conv.thinking}",
+            f"conversation: {len(self.conv.messages)} messages; session: {self.session_path or '(not saved)'}",
+            f"project: {self.toolbox.root}; hints: {'on' if self.hints else 'off'}; "
+            f"approvals: {'trusted (--yes)' if self.approvals.trusted else f'asked, {self.approvals.timeout:g} s'}",
+        ]
+        if self.kv is not None:
+            rows.append(f"disk KV cache: {self.kv.store.dir} ({len(self.kv.store.entries())} checkpoints)")
+        store = experts_cli.store_of(self.engine.model)
+        if store is not None:
+            rows.append(store.summary_line())
+        hooks = self.hooks
+        if hooks is not None and hooks.enabled:
+            on = [k for k, v in hooks.commands.items() if v]
+            rows.append(f"hooks: {', '.join(on)} (timeout {hooks.timeout:g} s)")
+        return "\n".join(rows)
 
     def _checkpoint(self, reason: str) -> bool:
         kv = self.kv
