@@ -330,8 +330,8 @@ def test_strip_keeps_the_text_and_del_removes_a_saved_session(tok, tmp_path):
             sessions.find("ab")
         with pytest.raises(ValueError, match="that session is open"):
             worker.delete_session(path)
-        worker.new_conversation()  # another task goes on in the live session
-        worker.session_path = None
+        worker.new_conversation()  # another task goes on in the live session (not saved to "one")
+        assert worker.session_path is None
         assert worker.run_turn("look again") == TurnEnd("answered")
         n, tokens = worker.strip_session(sessions.find(sid[:6]))
         assert n == 1 and tokens > 0
@@ -348,7 +348,6 @@ def test_strip_keeps_the_text_and_del_removes_a_saved_session(tok, tmp_path):
         cached = int(note.split()[2])  # "reopened session: N of M prompt tokens cached (disk-text)"
         assert cached == system_tokens < tokens  # restored from the system checkpoint, the rest prefilled again
         worker2.new_conversation()
-        worker2.session_path = None
         assert worker2.delete_session(path) >= 0
         assert sessions.list() == []
     finally:

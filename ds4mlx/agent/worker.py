@@ -162,8 +162,11 @@ class AgentWorker:
         self.conv.thinking = mode
 
     def new_conversation(self) -> None:
+        """/new: a fresh session from the system prompt; the one that was open stays as
+        saved (it is no longer the file the session is saved to)."""
         self.conv = self._fresh(self.conv.thinking)
         self.status = Status(ctx_total=self.engine.ctx)
+        self.session_path = None
 
     def load_conversation(self, conv: Conversation) -> None:
         conv.tool_schemas = tool_schemas(self.toolbox)
