@@ -353,3 +353,37 @@ def test_strip_keeps_the_text_and_del_removes_a_saved_session(tok, tmp_path):
     finally:
         worker2.close()
         engine2.close()
+
+
+def test_view_image_result_carries_the_image_into_the_job(tmp_path):
+    """--vision on the Qwen3.8 demo: the view_image result's image becomes its token block
+    in the next job (the encoder runs; the reply is the demo's gibberish)."""
+    from PIL import Image
+
+    from ds4mlx.chat.messages import Message, ToolCall
+    from ds4mlx.engine import Failed
+    from ds4mlx.loader import load
+
+    Image.new("RGB", (32, 24), (0, 128, 255)).save(tmp_path / "blue.png")
+    model, tok = load("demo:qwen4_exp")
+    args = parse("--cwd", str(tmp_path), "--vision", "demo", "--ctx", "4096", "--temp", "0")
+    engine, worker = cli.build(args, model, tok, console=_quiet())
+    try:
+        assert "view_image" in worker.toolbox.names() and "view_image" in worker.conv.messages[0].content
+        result = worker.toolbox.call("view_image", {"path": "blue.png"})
+        worker.conv.messages += [
+            Message("user", "look at blue.png"),
+            Message("assistant", "", tool_calls=[ToolCall("c1", "view_image", '{"path": "blue.png"}')]),
+        ]
+        worker._append_tool_result("c1", result)
+        (image,) = worker.conv.messages[-1].images
+        block = engine.vision.n_tokens(image)
+        text_only = len(engine.tokenize(worker.render()))
+        marker = len(engine.tokenize(image.marker))
+        # the marker's text counts as the image's block (a few tokens differ where text merges at its edges)
+        assert abs(worker.prompt_tokens() - (text_only - marker + block)) <= 4 and block > marker
+        fin = worker._run_job(worker.render(), tools=False, thinking="none", max_tokens=2)
+        assert not isinstance(fin, Failed) and fin.reason in ("length", "stop")
+    finally:
+        worker.close()
+        engine.close()
