@@ -370,6 +370,8 @@ def test_view_image_result_carries_the_image_into_the_job(tmp_path):
     engine, worker = cli.build(args, model, tok, console=_quiet())
     try:
         assert "view_image" in worker.toolbox.names() and "view_image" in worker.conv.messages[0].content
+        worker.conv.tool_schemas = []  # a short prompt: the demo prefills slowly on a CPU
+        worker.conv.messages[0].content = "You look at images."
         result = worker.toolbox.call("view_image", {"path": "blue.png"})
         worker.conv.messages += [
             Message("user", "look at blue.png"),
