@@ -1,7 +1,7 @@
 """A multi-turn task in the agent's terminal UI under a pseudo-terminal (pexpect):
 a write approved with `y`, a read of it in the next turn, then ds4-agent's runtime
 commands (/status, /hints, /save, /list with ids, /strip, /del refused for the open
-session, /new, /del) and a clean exit on Ctrl+D."""
+session, /new, /del, /think through ds4's thinking flags) and a clean exit on Ctrl+D."""
 
 from __future__ import annotations
 
@@ -62,6 +62,10 @@ def test_tui_multi_turn_task_and_runtime_commands(tui, tmp_path):
     tui.sendline("/del first")
     tui.expect(f"deleted session {sid}")
     assert not (tmp_path / "sessions" / "first.json").exists()
+    tui.sendline("/think 40")
+    tui.expect("think: --think-level requires a DeepSeek V4.1 model")
+    tui.sendline("/think max")
+    tui.expect("warning: /think max needs --ctx >= ")  # ds4's downgrade at a small context
     tui.sendline("/bogus")
     tui.expect(re.escape("unknown command /bogus (/help)"))
     tui.sendcontrol("d")

@@ -200,8 +200,17 @@ class TuiState:
             n = int(arg) if arg.isdigit() else HISTORY_TURNS
             self.history(c, n)
         elif name == "/think":
-            if arg:
-                on_worker(lambda wk: wk.set_thinking(arg))
+            if arg:  # ds4's values, as the flags take them: none | high | max | a V4.1 level
+                from ..think_flags import ThinkError, resolve
+
+                try:
+                    choice = resolve(w.protocol, int(arg) if arg.isdigit() else arg, w.engine.ctx, flag="/think max")
+                except ThinkError as e:
+                    c.print(f"think: {e}", markup=False)
+                    return True
+                if choice.notice:
+                    c.print(f"warning: {choice.notice}", markup=False)
+                on_worker(lambda wk: wk.set_thinking(choice.mode))
             c.print(f"thinking: {arg or w.thinking}", markup=False)
         else:
             c.print(f"unknown command {name} (/help)", markup=False)
