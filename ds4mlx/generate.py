@@ -75,8 +75,9 @@ def add_chat_arguments(p) -> None:
     p.add_argument("--no-markdown", action="store_true", help="print answers as plain text (no rich Markdown)")
 
 
-def _load(args, console):
-    from .engine import Engine
+def load_model(args, console):
+    """The model and tokenizer of the flags (`-m`, `--dtype`, `--mtp FILE`, the expert
+    streaming flags), steered by `--dir-steering-*`.  Shared with `ds4mlx agent`."""
     from .loader import load
 
     t0 = time.perf_counter()
@@ -96,6 +97,15 @@ def _load(args, console):
     steered = install_steering(args, model)  # before the engine makes its session (fingerprint)
     if steered:
         console.print(f"[dim]directional steering: {steered}[/dim]")
+    return model, tok
+
+
+def make_engine(args, model, tok, console, **engine_options):
+    """The engine for a loaded model: speculation (`--mtp` / `--draft-model`) and
+    `--vision` from the flags; `engine_options` go to Engine (a disk KV cache, the
+    default reply length).  Shared with `ds4mlx agent`."""
+    from .engine import Engine
+
     # The worker thread (and the threads MLX starts from it) inherit a blocked SIGINT,
     # so Ctrl+C always reaches the main thread: the REPL's line reader wakes up on it.
     # Unblocked on every way out (a usage error too): a blocked SIGINT left on the main thread
@@ -110,7 +120,7 @@ def _load(args, console):
             raise UsageError(str(e)) from None
         if speculation is not None:
             console.print(f"[dim]speculative decoding: {speculation.describe()}[/dim]")
-        engine = Engine(model, tok, ctx=args.ctx, default_max_tokens=args.max_tokens, speculation=speculation)
+        engine = Engine(model, tok, ctx=args.ctx, speculation=speculation, **engine_options)
     finally:
         if masked:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -121,7 +131,12 @@ def _load(args, console):
         raise
     if described:
         console.print(f"[dim]{described}[/dim]")
-    return engine, tok
+    return engine
+
+
+def _load(args, console):
+    model, tok = load_model(args, console)
+    return make_engine(args, model, tok, console, default_max_tokens=args.max_tokens), tok
 
 
 def stream_job(engine, job, console: Console, out=sys.stdout) -> Finish | None:

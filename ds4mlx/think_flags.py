@@ -38,10 +38,17 @@ def parse_level(v: str) -> int:
     return n
 
 
-def add_think_arguments(p: argparse.ArgumentParser, *, level_dest: str = "think") -> None:
-    """The four flags; they all write `args.think` ("high" by default).  `level_dest`
-    puts `--think-level` elsewhere (serve keeps its own `think_level` default)."""
-    p.add_argument("--think", dest="think", action="store_const", const="high", help="normal thinking (the default)")
+def add_think_arguments(p: argparse.ArgumentParser, *, level_dest: str = "think", default: str = "high") -> None:
+    """The four flags; they all write `args.think` (`default`: "high", or "none" for the
+    agent).  `level_dest` puts `--think-level` elsewhere (serve keeps its own
+    `think_level` default)."""
+    p.add_argument(
+        "--think",
+        dest="think",
+        action="store_const",
+        const="high",
+        help="normal thinking" + (" (the default)" if default == "high" else ""),
+    )
     p.add_argument(
         "--think-max",
         dest="think",
@@ -54,7 +61,7 @@ def add_think_arguments(p: argparse.ArgumentParser, *, level_dest: str = "think"
         dest="think",
         action="store_const",
         const="none",
-        help="no thinking: assistant turns start with </think>",
+        help="no thinking: assistant turns start with </think>" + (" (the default)" if default == "none" else ""),
     )
     if level_dest == "think":
         # no `type=`: argparse would run it on the string default "high" of the shared dest
@@ -74,7 +81,7 @@ def add_think_arguments(p: argparse.ArgumentParser, *, level_dest: str = "think"
             metavar="N",
             help="DeepSeek V4.1 reasoning effort 0..100 (0 = no thinking)",
         )
-    p.set_defaults(think="high")
+    p.set_defaults(think=default)
 
 
 class _LevelAction(argparse.Action):

@@ -20,6 +20,10 @@ def script(prompt: str):
     user = last_real_user(prompt)
     if "slow" in user:
         return steps(dsml("bash", command="sleep 60"), "unreachable")(prompt)
+    if "write hello" in user:
+        return steps(dsml("write", path="hello.txt", content="hello from the agent\n"), "Wrote **hello.txt**.")(prompt)
+    if "read it back" in user:
+        return steps(dsml("read", path="hello.txt"), "It says: hello from the agent.")(prompt)
     return "Hello **there**, the project has `a.txt`."
 
 

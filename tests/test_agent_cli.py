@@ -59,7 +59,8 @@ def test_prompt_mode_runs_the_task_and_saves_the_session(tok, tmp_path, capsys):
     assert data["cwd"] == str(tmp_path.resolve())
 
 
-def test_demo_model_lists_the_files_end_to_end(tmp_path):
+def test_demo_model_lists_the_files_end_to_end_with_streamed_experts(tmp_path):
+    """The 64 GB Mac command line: routed experts streamed from the file behind a 2-expert cache."""
     (tmp_path / "a.txt").write_text("hi\n")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
     r = subprocess.run(
@@ -68,6 +69,9 @@ def test_demo_model_lists_the_files_end_to_end(tmp_path):
             "-m",
             "ds4mlx.cli",
             "agent",
+            "--stream-experts",
+            "--expert-cache-count",
+            "2",
             "-p",
             "list the files",
             "--yes",
@@ -83,4 +87,6 @@ def test_demo_model_lists_the_files_end_to_end(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "RANDOM weights" in r.stderr and "turn " in r.stderr  # the turn ended, whatever the gibberish did
+    assert "budget 2 experts" in r.stderr  # the engine streamed its experts ...
+    assert "ds4mlx: expert cache:" in r.stderr and "misses" in r.stderr  # ... and reported the cache at exit
     assert (tmp_path / "a.txt").read_text() == "hi\n"

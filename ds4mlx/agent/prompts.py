@@ -21,6 +21,14 @@ SYSTEM = (
     "Work in a way that preserves the current system configuration integrity, unless explicitly asked otherwise."
 )
 
+# /hints on: brief programming hints appended to the system prompt (ds4-agent's /hints)
+HINTS = (
+    "Programming hints: read the code around a change before editing it; keep edits small and "
+    "focused; after changing code, run the project's tests or a quick check with bash; when a "
+    "command fails, read its error output before retrying; prefer search over reading whole files."
+)
+VIEW_IMAGE = "view_image shows you a PNG or JPEG file of the project: call it to look at an image."
+
 COMPACT_REQUEST = (
     "Internal ds4-agent context compaction request. This is not a user request.\n"
     "Write a durable task-state summary of the conversation so far. Preserve only facts that matter for "

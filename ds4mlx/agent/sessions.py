@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from ..atomic_file import atomic_write
 from ..chat.messages import Conversation, Message, ToolCall
@@ -30,7 +30,14 @@ def default_dir() -> str:
 
 
 def conversation_to_json(conv: Conversation) -> list[dict]:
-    return [asdict(m) for m in conv.messages]
+    """The messages as JSON values; images stay out (their markers become plain text:
+    a reopened session no longer shows them to the model)."""
+    rows = []
+    for m in conv.messages:
+        row = asdict(replace(m, images=[]))
+        row.pop("images")
+        rows.append(row)
+    return rows
 
 
 def messages_from_json(rows: list) -> list[Message]:
@@ -81,8 +88,20 @@ def load(path: str) -> dict:
     return data
 
 
+def session_id(path: str) -> str:
+    """A saved session's id: the SHA-1 of its file (what /list shows, /del and /strip take)."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha1(f.read()).hexdigest()
+
+
+MIN_ID_PREFIX = 4  # hex digits of an id that /del and /strip accept
+
+
 class SessionDir:
-    """Named sessions in one directory (/save NAME, /list, /switch NAME)."""
+    """Named sessions in one directory (/save NAME, /list, /switch NAME, /del and
+    /strip NAME or id prefix)."""
 
     def __init__(self, directory: str | None = None):
         self.dir = directory or default_dir()
@@ -92,8 +111,24 @@ class SessionDir:
             return os.path.abspath(name)  # an explicit file
         return os.path.join(self.dir, name if name.endswith(SUFFIX) else name + SUFFIX)
 
-    def list(self) -> list[tuple[str, float, int]]:
-        """(name, saved_at, messages), newest first."""
+    def find(self, ref: str) -> str:
+        """The file of a session named `ref`, or whose id starts with `ref`; ValueError if
+        none or several match."""
+        path = self.path(ref)
+        if os.path.exists(path):
+            return path
+        ref = ref.lower()
+        if len(ref) < MIN_ID_PREFIX or any(c not in "0123456789abcdef" for c in ref):
+            raise ValueError(f"no saved session {ref!r} (a name, or at least {MIN_ID_PREFIX} hex digits of its id)")
+        hits = [os.path.join(self.dir, n + SUFFIX) for n, _, _, sha in self.list() if sha.startswith(ref)]
+        if not hits:
+            raise ValueError(f"no saved session with id {ref}...")
+        if len(hits) > 1:
+            raise ValueError(f"id prefix {ref} matches {len(hits)} sessions: give more digits")
+        return hits[0]
+
+    def list(self) -> list[tuple[str, float, int, str]]:
+        """(name, saved_at, messages, id), newest first."""
         rows = []
         if not os.path.isdir(self.dir):
             return rows
@@ -104,5 +139,6 @@ class SessionDir:
                 data = load(os.path.join(self.dir, fn))
             except ValueError:
                 continue
-            rows.append((fn[: -len(SUFFIX)], float(data.get("saved_at", 0)), len(data["messages"])))
+            path = os.path.join(self.dir, fn)
+            rows.append((fn[: -len(SUFFIX)], float(data.get("saved_at", 0)), len(data["messages"]), session_id(path)))
         return sorted(rows, key=lambda r: -r[1])

@@ -11,7 +11,9 @@ Keys: Enter sends a prompt (queued if the agent is busy) or answers an open
 approval (y / anything else = no); Ctrl+C stops the agent cooperatively (idle:
 clears the line); Ctrl+D or /quit leaves (the session is saved first when one
 is open).  Commands: /save [NAME], /list, /switch NAME, /new, /compact,
-/history [N], /think MODE, /help.
+/del NAME|ID, /strip NAME|ID, /history [N], /think MODE, /hints on|off, /status,
+/help (ds4-agent's runtime commands; those that change the session wait for an
+idle agent).
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ from .events import AWAITING_APPROVAL, Notice, ReasoningDelta, Status, TextDelta
 from .sessions import SessionDir
 
 HELP = (
-    "/save [NAME]  save the session (and its KV checkpoint)   /list  saved sessions\n"
+    "/save [NAME]  save the session (and its KV checkpoint)   /list  saved sessions (name, id)\n"
     "/switch NAME  open a saved session   /new  start over   /compact  compact the context now\n"
-    "/history [N]  the last N turns   /think MODE  none|high|max   /quit  leave (Ctrl+D)\n"
+    "/del NAME|ID  delete a saved session   /strip NAME|ID  drop its KV checkpoints, keep its text\n"
+    "/history [N]  the last N turns   /think MODE  none|high|max   /hints on|off  programming hints\n"
+    "/status  where the agent stands   /quit  leave (Ctrl+D)\n"
     "Ctrl+C stops the agent at the next safe point."
 )
+IDLE_ONLY = ("/switch", "/new", "/del", "/strip", "/hints")  # they change the session: not while a turn runs
 HISTORY_TURNS = 3  # ds4_agent.c AGENT_HISTORY_DEFAULT_TURNS
 
 
@@ -130,6 +135,9 @@ class TuiState:
 
         if name in ("/quit", "/exit"):
             return False
+        if name in IDLE_ONLY and w.busy:
+            c.print(f"command requires the model to be idle: {name}", markup=False)
+            return True
         if name == "/help":
             c.print(HELP, markup=False)
         elif name == "/save":
@@ -143,11 +151,42 @@ class TuiState:
             rows = self.sessions.list()
             c.print(
                 "\n".join(
-                    f"{n}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(t))}  {k} messages" for n, t, k in rows
+                    f"{sha[:8]}  {n}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(t))}  {k} messages"
+                    for n, t, k, sha in rows
                 )
                 or "no saved sessions",
                 markup=False,
             )
+        elif name in ("/del", "/strip"):
+            if not arg:
+                c.print(f"usage: {name} <name or id prefix>", markup=False)
+                return True
+            try:
+                path = self.sessions.find(arg)
+            except ValueError as e:
+                c.print(f"{name[1:]} failed: {e}", markup=False)
+                return True
+            sid = _id_of(path)
+            if name == "/del":
+                on_worker(
+                    lambda wk: wk.emit(
+                        Notice(f"deleted session {sid} ({wk.delete_session(path)} KV checkpoints)", "session")
+                    )
+                )
+            else:
+
+                def strip(wk):
+                    n, tokens = wk.strip_session(path)
+                    wk.emit(Notice(f"stripped session {sid} ({n} KV checkpoints, {tokens} tokens)", "session"))
+
+                on_worker(strip)
+        elif name == "/hints":
+            if arg not in ("on", "off"):
+                c.print(f"usage: /hints on|off (now {'on' if w.hints else 'off'})", markup=False)
+            else:
+                on_worker(lambda wk: (wk.set_hints(arg == "on"), wk.emit(Notice(f"hints {arg}", "info"))))
+        elif name == "/status":
+            c.print(w.status_report(), markup=False)
         elif name == "/switch":
             if not arg:
                 c.print("usage: /switch NAME", markup=False)
@@ -161,8 +200,17 @@ class TuiState:
             n = int(arg) if arg.isdigit() else HISTORY_TURNS
             self.history(c, n)
         elif name == "/think":
-            if arg:
-                on_worker(lambda wk: wk.set_thinking(arg))
+            if arg:  # ds4's values, as the flags take them: none | high | max | a V4.1 level
+                from ..think_flags import ThinkError, resolve
+
+                try:
+                    choice = resolve(w.protocol, int(arg) if arg.isdigit() else arg, w.engine.ctx, flag="/think max")
+                except ThinkError as e:
+                    c.print(f"think: {e}", markup=False)
+                    return True
+                if choice.notice:
+                    c.print(f"warning: {choice.notice}", markup=False)
+                on_worker(lambda wk: wk.set_thinking(choice.mode))
             c.print(f"thinking: {arg or w.thinking}", markup=False)
         else:
             c.print(f"unknown command {name} (/help)", markup=False)
@@ -181,6 +229,12 @@ class TuiState:
                     c.print(render.answer(m.content))
             else:
                 c.print(f"> {m.content}", style="bold green", markup=False)
+
+
+def _id_of(path: str) -> str:
+    from .sessions import session_id
+
+    return session_id(path)[:8]
 
 
 def run_tui(worker, args=None) -> int:

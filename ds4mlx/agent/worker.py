@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -32,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from ..chat.images import conversation_images
 from ..chat.messages import Conversation, Message, ToolCall
 from ..engine import Failed, Job
 from ..events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd, ToolCallStart
@@ -96,6 +98,8 @@ class AgentWorker:
         max_steps: int | None = None,
         system_extra: str = "",
         kv=None,
+        hooks=None,
+        hints: bool = False,
     ):
         self.engine = engine
         self.protocol = engine.protocol
@@ -108,6 +112,8 @@ class AgentWorker:
         self.kv = kv  # kv.cache.DiskKVCache or None: session checkpoints
         self.status = Status(ctx_total=engine.ctx)
         self.system_extra = system_extra
+        self.hooks = hooks  # hooks.ResponseHooks or None
+        self.hints = hints  # ds4's /hints: brief programming hints in the system prompt
         self.conv = self._fresh(thinking)
         self._stop = threading.Event()
         self._handle = None
@@ -122,12 +128,26 @@ class AgentWorker:
         self._report_restore = False  # tell the user how much a reopened session reused
 
     # ------------------------------------------------------------------ state
-    def _fresh(self, thinking: str) -> Conversation:
+    def _system_text(self) -> str:
         system = prompts.SYSTEM.format(cwd=self.toolbox.root)
+        if "view_image" in self.toolbox.names():
+            system += "\n" + prompts.VIEW_IMAGE
+        if self.hints:
+            system += "\n" + prompts.HINTS
         if self.system_extra:
             system += "\n\n" + self.system_extra
+        return system
+
+    def set_hints(self, on: bool) -> None:
+        """/hints on|off: the system prompt gains or loses the programming hints (the
+        next reply prefills from there: the cached prefix ends at the system prompt)."""
+        self.hints = on
+        if self.conv.messages and self.conv.messages[0].role == "system":
+            self.conv.messages[0] = Message("system", self._system_text())
+
+    def _fresh(self, thinking: str) -> Conversation:
         return Conversation(
-            messages=[Message("system", system)],
+            messages=[Message("system", self._system_text())],
             tool_schemas=tool_schemas(self.toolbox),
             tools_active=True,
             thinking=thinking,
@@ -142,8 +162,11 @@ class AgentWorker:
         self.conv.thinking = mode
 
     def new_conversation(self) -> None:
+        """/new: a fresh session from the system prompt; the one that was open stays as
+        saved (it is no longer the file the session is saved to)."""
         self.conv = self._fresh(self.conv.thinking)
         self.status = Status(ctx_total=self.engine.ctx)
+        self.session_path = None
 
     def load_conversation(self, conv: Conversation) -> None:
         conv.tool_schemas = tool_schemas(self.toolbox)
@@ -243,7 +266,18 @@ class AgentWorker:
         return self.protocol.render(conv or self.conv)
 
     def prompt_tokens(self, conv: Conversation | None = None) -> int:
-        return len(self.engine.tokenize(self.render(conv)))
+        conv = conv or self.conv
+        return len(self._ids(self.render(conv), conv.messages))
+
+    def _ids(self, prompt: str, messages) -> list[int]:
+        """The prompt's token ids; an image marker counts as the image's token block."""
+        images = conversation_images(messages)
+        vision = getattr(self.engine, "vision", None)
+        if images and vision is not None:
+            from ..vision.encoder import tokenize
+
+            return tokenize(self.engine.tokenizer, prompt, images, vision)[0]
+        return self.engine.tokenize(prompt)
 
     def _with(self, *extra: Message) -> Conversation:
         c = self.conv
@@ -274,7 +308,7 @@ class AgentWorker:
         label: str = "agent",
     ):
         """One engine job; engine events become agent events.  -> Finish | Failed."""
-        ids = self.engine.tokenize(prompt)
+        ids = self._ids(prompt, self.conv.messages)
         room = self.engine.ctx - len(ids) - 1
         limit = room if max_tokens is None else max(1, min(max_tokens, room))
         job = Job(
@@ -288,6 +322,11 @@ class AgentWorker:
             tool_schemas=tuple(self.conv.tool_schemas) if tools else (),
             label=label,
         )
+        images = conversation_images(self.conv.messages)
+        if images:  # view_image results: the job carries their pixels (the ids already have their blocks)
+            from ..vision.prompt import attach
+
+            attach(job, self.engine, images)
         events: queue.Queue = queue.Queue()
         self._parsing: dict[int, tuple[str, str]] = {}  # cards of this job's calls: index -> (name, summary)
         self._handle = self.engine.submit(job, events.put)
@@ -401,7 +440,7 @@ class AgentWorker:
             if room < MIN_REPLY_ROOM:
                 room = MIN_REPLY_ROOM  # the compaction could not free more: use what is left
             limit = room if self.max_tokens is None else min(self.max_tokens, room)
-            fin = self._run_job(prompt, tools=True, thinking=thinking, max_tokens=limit)
+            fin = self._reply(prompt, thinking, limit)
             if isinstance(fin, Failed):
                 self.emit(Notice(f"engine: {fin.message}", "error"))
                 return TurnEnd("error", fin.message)
@@ -469,6 +508,29 @@ class AgentWorker:
                 self.conv.messages.append(Message("user", text))
                 self.emit(Notice(f"queued prompt added after the tool results: {text[:60]}", "info"))
         return TurnEnd("max_steps")
+
+    def _last_user_text(self) -> str | None:
+        for m in reversed(self.conv.messages):
+            if m.role == "user":
+                return m.content
+        return None
+
+    def _reply(self, prompt: str, thinking: str, limit: int):
+        """One assistant response (a model call with the tools), between the response hooks."""
+        hooks = self.hooks
+        if hooks is not None and hooks.enabled:
+            hooks.before(self._last_user_text())
+        fin = self._run_job(prompt, tools=True, thinking=thinking, max_tokens=limit)
+        if hooks is not None and hooks.enabled:
+            done = isinstance(fin, Finish)
+            raw = fin.raw_text if done else ""
+            hooks.after(
+                raw or "",
+                fin.usage.completion_tokens if done else 0,
+                interrupted=not done or fin.reason == "cancelled",
+                tool_call=done and (fin.reason == "tool_calls" or bool(self._call_opener and self._call_opener in raw)),
+            )
+        return fin
 
     def _partial_tail(self, text: str) -> str:
         """What of an unfinished reply stays verbatim after a compaction: all of
@@ -538,13 +600,14 @@ class AgentWorker:
     def _append_tool_result(self, call_id: str, result: str) -> None:
         """The hard compaction trigger: a result that would not fit compacts once,
         then is replaced by a bounded tool error if it still does not fit."""
-        msg = Message("tool", result, tool_call_ids=[call_id])
+        msg = Message("tool", result, tool_call_ids=[call_id], images=self.toolbox.take_images())
         ctx = self.engine.ctx
         projected = self.prompt_tokens(self._with(msg))
         if not compaction.tool_result_fits(projected, ctx):
             self.compact("tool result would exceed context", keep_last_call=True)
             projected = self.prompt_tokens(self._with(msg))
             if not compaction.tool_result_fits(projected, ctx):
+                msg.images = []
                 msg.content = prompts.TOOL_RESULT_TOO_BIG.format(
                     projected=projected, ctx=ctx, reserve=compaction.TOOL_RESULT_RESERVE_TOKENS
                 )
@@ -570,6 +633,73 @@ class AgentWorker:
         self.session_path = path
         self._report_restore = True
         self.emit(Notice(f"session {path}: {len(conv.messages)} messages", "session"))
+
+    def _session_checkpoints(self, path: str) -> list:
+        """The disk KV checkpoints of a saved session: those whose key is a prefix of its
+        rendered conversation, past the system prompt (which every session shares)."""
+        import hashlib
+
+        kv = self.kv
+        if kv is None:
+            return []
+        data = sessions.load(path)
+        conv = Conversation(
+            messages=data["messages"],
+            tool_schemas=self.conv.tool_schemas,
+            tools_active=True,
+            thinking=data.get("thinking", self.conv.thinking),
+            model=self.protocol.model_id,
+        )
+        text = self.render(conv).encode("utf-8")
+        n_sys = 0
+        while n_sys < len(conv.messages) and conv.messages[n_sys].role == "system":
+            n_sys += 1
+        head = len(self.render(replace(conv, messages=conv.messages[:n_sys])).encode("utf-8"))
+        return [
+            e
+            for e in kv.store.entries()
+            if head < e.key_bytes <= len(text) and hashlib.sha1(text[: e.key_bytes]).hexdigest() == e.sha
+        ]
+
+    def strip_session(self, path: str) -> tuple[int, int]:
+        """/strip: drop a saved session's KV checkpoints, keep its text (reopening it
+        prefills again).  -> (checkpoints removed, tokens they held)."""
+        found = self._session_checkpoints(path)
+        for e in found:
+            self.kv.store.discard(e)
+        return len(found), sum(e.tokens for e in found)
+
+    def delete_session(self, path: str) -> int:
+        """/del: a saved session's file and its KV checkpoints.  -> checkpoints removed."""
+        if self.session_path and os.path.abspath(path) == os.path.abspath(self.session_path):
+            raise ValueError("that session is open: /new or /switch first")
+        n, _ = self.strip_session(path)
+        os.unlink(path)
+        return n
+
+    def status_report(self) -> str:
+        """/status: where the agent stands (one line per fact)."""
+        from ..experts import cli as experts_cli
+        from .render import status_line
+
+        st = self.status
+        rows = [
+            status_line(st),
+            f"model: {self.protocol.model_id} ({self.protocol.family}); thinking: {self.conv.thinking}",
+            f"conversation: {len(self.conv.messages)} messages; session: {self.session_path or '(not saved)'}",
+            f"project: {self.toolbox.root}; hints: {'on' if self.hints else 'off'}; "
+            f"approvals: {'trusted (--yes)' if self.approvals.trusted else f'asked, {self.approvals.timeout:g} s'}",
+        ]
+        if self.kv is not None:
+            rows.append(f"disk KV cache: {self.kv.store.dir} ({len(self.kv.store.entries())} checkpoints)")
+        store = experts_cli.store_of(self.engine.model)
+        if store is not None:
+            rows.append(store.summary_line())
+        hooks = self.hooks
+        if hooks is not None and hooks.enabled:
+            on = [k for k, v in hooks.commands.items() if v]
+            rows.append(f"hooks: {', '.join(on)} (timeout {hooks.timeout:g} s)")
+        return "\n".join(rows)
 
     def _checkpoint(self, reason: str) -> bool:
         kv = self.kv
