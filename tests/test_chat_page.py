@@ -295,3 +295,64 @@ def test_image_attach_on_the_vision_demo(browser, tmp_path):
         assert media == "data:image/png" and base64.b64decode(data) == png.read_bytes()
         assert s.engine.live_images is not None  # the prompt the server ran held the image
         assert not errors, errors
+
+
+BASH_TOOL = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+        },
+    }
+]
+
+
+def listing_script(prompt: str) -> str:
+    """Reasoning, then a tool call; after the tool's result, reasoning and a Markdown answer."""
+    from agent_helpers import dsml
+
+    if "<tool_result>" in prompt:
+        return "Two names.</think>The listing has **two** files:\n\n```\na.txt\nb.txt\n```"
+    return "Need ls.</think>" + dsml("bash", command="ls /tmp")
+
+
+def test_reasoning_and_tool_calls_on_a_scripted_model(browser):
+    from scripted_model import ScriptedModel
+
+    from ds4mlx.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    with serve(tok, ScriptedModel(tok, listing_script), ctx=4096) as s:
+        page, errors = open_page(browser, s.url)
+        posts: list = []
+        page.on("request", lambda r: posts.append(r.post_data_json) if r.method == "POST" else None)
+        set_setting(page, "Tools (JSON array, optional)", json.dumps(BASH_TOOL))
+        page.get_by_role("button", name="Settings").click()
+        send(page, "List /tmp")
+        page.get_by_text("finish: tool_calls").wait_for()
+        thoughts = page.locator(".msg.assistant details.reasoning")
+        assert thoughts.is_visible() and thoughts.get_attribute("open") is None  # shown, collapsed
+        assert page.locator(".reasoning-body").text_content() == "Need ls."  # collapsed: not rendered
+        card = page.get_by_role("group", name="Tool call bash", exact=True)
+        assert json.loads(card.locator("pre").inner_text()) == {"command": "ls /tmp"}
+        call_id = card.locator(".call-id").inner_text().removeprefix("id ")
+        hint = page.locator("#tool-reply")
+        assert hint.is_visible() and call_id in hint.inner_text()
+        shot(page, "9-tool-call")
+
+        send(page, "a.txt\nb.txt")  # the tool's result
+        page.get_by_text("finish: stop").wait_for()
+        assert posts[0]["tools"] == BASH_TOOL and posts[0]["think"] is True
+        history = posts[1]["messages"]
+        assert [m["role"] for m in history] == ["user", "assistant", "tool"]
+        assert history[1]["tool_calls"][0]["id"] == call_id and history[1]["reasoning_content"] == "Need ls."
+        assert history[2] == {"role": "tool", "tool_call_id": call_id, "content": "a.txt\nb.txt"}
+        answer = page.locator(".msg.assistant .content").last
+        assert answer.locator("strong").inner_text() == "two"
+        assert answer.locator("pre code").inner_text() == "a.txt\nb.txt"
+        assert not hint.is_visible()
+        page.set_viewport_size({"width": 1100, "height": 1000})  # the whole exchange (docs/chat-page.png)
+        shot(page, "10-tool-answer")
+        assert not errors, errors

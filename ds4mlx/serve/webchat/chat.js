@@ -150,6 +150,7 @@
     const controller = new AbortController();
     state.busy = { controller, msg };
     renderMessages();
+    $('messages').scrollTop = $('messages').scrollHeight; // the new question and its answer
     updateComposer();
     setStatus('Sending…');
     const f = msg.figures;
@@ -248,7 +249,7 @@
 
     function updateLive() {
       const el = document.querySelector('[data-live="1"]');
-      if (el) fillAssistant(el, msg, tStart);
+      if (el) followingTheEnd(() => fillAssistant(el, msg, tStart));
       if (Date.now() - lastSave > SAVE_EVERY_MS) save();
     }
   }
@@ -306,7 +307,7 @@
       ...(msg.tool_calls || []).filter(Boolean).map((t) =>
         el('div', { class: 'tool-call', role: 'group', 'aria-label': 'Tool call ' + t.name },
           el('div', { class: 'tool-name' }, 'Tool call: ' + t.name),
-          el('div', { class: 'figures' }, 'id ' + t.id),
+          el('div', { class: 'call-id' }, 'id ' + t.id),
           el('pre', {}, el('code', {}, prettyJSON(t.arguments)))),
       ),
     );
@@ -364,16 +365,24 @@
     return art;
   }
 
+  // Run `change`; if the conversation was scrolled to its end, keep it there.
+  function followingTheEnd(change) {
+    const box = $('messages');
+    const atEnd = box.scrollHeight - box.scrollTop - box.clientHeight < 80;
+    change();
+    if (atEnd) box.scrollTop = box.scrollHeight;
+  }
+
   function renderMessages() {
     const box = $('messages');
     const c = conv();
-    const stick = box.scrollHeight - box.scrollTop - box.clientHeight < 80;
-    if (!c || !c.messages.length) {
-      box.replaceChildren(el('p', { class: 'empty' }, 'Ask anything. Answers stream from this server.'));
-    } else {
-      box.replaceChildren(...c.messages.map((m, k) => renderMessage(c, m, k)));
-    }
-    if (stick) box.scrollTop = box.scrollHeight;
+    followingTheEnd(() => {
+      if (!c || !c.messages.length) {
+        box.replaceChildren(el('p', { class: 'empty' }, 'Ask anything. Answers stream from this server.'));
+      } else {
+        box.replaceChildren(...c.messages.map((m, k) => renderMessage(c, m, k)));
+      }
+    });
     renderList();
   }
 
@@ -458,6 +467,7 @@
     state.editing = null;
     save();
     renderMessages();
+    $('messages').scrollTop = $('messages').scrollHeight;
     updateComposer();
     if (window.matchMedia('(max-width: 760px)').matches) setPanel('sidebar', false);
     $('prompt').focus();
