@@ -256,7 +256,16 @@ def test_markdown_renderer_escapes_before_it_formats(browser, demo_server):
     )
     assert fmt["code"] == ["if a < b:\n    print('<tag>')"] and fmt["hrefs"] == ["https://example.org"]
     assert out["unclosed"]["code"] == ["let x = 1;"]
-    assert not errors, errors
+
+    # the server's refusal is shown where the answer would be, in its own words
+    send(page, "word " * 5000)
+    alert = page.get_by_role("alert")
+    alert.wait_for()
+    assert re.fullmatch(
+        r"400: Prompt has \d+ tokens, but the configured context size is 4096 tokens", alert.inner_text()
+    )
+    assert page.get_by_role("status").inner_text().startswith("Failed: 400")
+    assert [e for e in errors if "400 (Bad Request)" not in e] == []  # the console's note of the failed fetch
 
 
 def test_image_attach_on_the_vision_demo(browser, tmp_path):

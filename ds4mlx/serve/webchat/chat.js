@@ -193,7 +193,7 @@
     save();
     renderMessages();
     updateComposer();
-    setStatus(msg.error ? 'Failed.' : msg.finish === 'stopped' ? 'Stopped.' : 'Done.');
+    setStatus(msg.error ? 'Failed: ' + msg.error : msg.finish === 'stopped' ? 'Stopped.' : 'Done.');
     refreshStats();
 
     // One SSE block: comments (`: queued N`, `: prefill`), `event: error`, data chunks.
@@ -353,7 +353,8 @@
     const live = state.busy && state.busy.msg === m;
     const art = el('article', { class: 'msg assistant', 'aria-label': 'Answer', 'data-live': live ? '1' : null },
       el('div', { class: 'who' }, 'Assistant'),
-      el('details', { class: 'reasoning' }, el('summary', {}, 'Thoughts'), el('div', { class: 'reasoning-body' })),
+      el('details', { class: 'reasoning', open: !!m.reasoningOpen, ontoggle: (ev) => { m.reasoningOpen = ev.target.open; } },
+        el('summary', {}, 'Thoughts'), el('div', { class: 'reasoning-body' })),
       el('div', { class: 'content markdown' }),
       el('div', { class: 'tool-calls' }),
       el('div', { class: 'error', role: 'alert' }),
@@ -607,6 +608,9 @@
     });
     $('export').addEventListener('click', exportAll);
     $('settings-form').addEventListener('submit', (ev) => ev.preventDefault());
+    $('stats-panel').addEventListener('toggle', () => {
+      if ($('stats-panel').open) refreshStats();
+    });
     $('composer').addEventListener('submit', (ev) => {
       ev.preventDefault();
       send();
