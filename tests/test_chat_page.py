@@ -157,13 +157,14 @@ def test_chat_page_streams_stops_and_keeps_the_conversation(browser, demo_server
     answer = page.locator(".msg.assistant .content").last.inner_text()
     assert answer.strip()
     line = figures.inner_text()
-    m = re.search(
+    fig = re.search(
         r"prompt (\d+) tokens \((\d+) cached, (\d+) new\) · prefill [\d.]+ t/s · (\d+) tokens · decode [\d.]+ t/s · finish: (\w+)",
         line,
     )
-    assert m, line
-    assert int(m[1]) == int(m[2]) + int(m[3]) and int(m[4]) <= 24 and m[5] in ("length", "stop")
-    assert stats(demo_server)["engine"]["jobs"] == 1
+    assert fig, line
+    assert int(fig[1]) == int(fig[2]) + int(fig[3]) and int(fig[4]) <= 24 and fig[5] in ("length", "stop")
+    engine = stats(demo_server)["engine"]
+    assert engine["jobs"] == 1 and engine["prefill_tokens"] == int(fig[3])  # the figures are the server's counts
     shot(page, "2-streamed-answer")
 
     # stop a long answer mid-stream: the page says so and the server cancelled the job
@@ -190,6 +191,20 @@ def test_chat_page_streams_stops_and_keeps_the_conversation(browser, demo_server
     assert contents == [answer, stopped]
     assert "finish: stopped" in page.locator(".msg.assistant .figures").last.inner_text()
     shot(page, "5-reloaded")
+
+    # export: every conversation as JSON, the same the page keeps
+    with page.expect_download() as dl:
+        page.get_by_role("button", name="Export JSON").click()
+    exported = json.loads(Path(dl.value.path()).read_text())
+    kept = json.loads(page.evaluate("localStorage.getItem('ds4mlx.chat.conversations')"))
+    assert exported["conversations"] == kept["conversations"] and len(kept["conversations"]) == 1
+    messages = exported["conversations"][0]["messages"]
+    assert [(m["role"], m.get("finish")) for m in messages] == [
+        ("user", None),
+        ("assistant", fig[5]),
+        ("user", None),
+        ("assistant", "stopped"),
+    ]
 
     # edit the first message and send it again: the history after it is replaced
     set_setting(page, "Max tokens", "8")
