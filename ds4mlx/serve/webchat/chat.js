@@ -623,7 +623,12 @@
       }
     });
     document.addEventListener('keydown', (ev) => {
-      if (ev.key === 'Escape' && state.busy) stop();
+      if (ev.key !== 'Escape') return;
+      if (state.busy) stop();
+      else if (window.matchMedia('(max-width: 760px)').matches) {
+        setPanel('sidebar', false); // the panels cover the conversation at phone width
+        setPanel('settings', false);
+      }
     });
     $('attach').addEventListener('change', (ev) => {
       addImages(ev.target.files);
