@@ -6,8 +6,8 @@
   family protocol modules;
 * every `docs/<file>.md §N` reference in ds4mlx/ names a file and a numbered heading
   that exist, every other `*.md` it names exists;
-* a built wheel carries the kernel sources (and, slow: installed into a fresh venv it
-  serves the demo model and finds them).
+* a built wheel carries the kernel sources and the chat page (and, slow: installed into a
+  fresh venv it serves the demo model and the page, and finds them).
 
 These fail on new code that breaks a rule; each failure names file:line and what to do.
 """
@@ -323,6 +323,7 @@ def test_every_doc_reference_resolves_inside_the_repo():
 
 # ----------------------------------------------------------------------------- (e) the wheel
 KERNEL_SOURCES = sorted(p.name for p in (PKG / "kernels" / "metal").glob("*.metal"))
+CHAT_PAGE = sorted(p.name for p in (PKG / "serve" / "webchat").iterdir())  # serve/page.py serves them
 
 
 def build_wheel(out: Path) -> Path:
@@ -361,6 +362,9 @@ def test_wheel_carries_the_kernel_sources(wheel):
     missing = [k for k in KERNEL_SOURCES if f"ds4mlx/kernels/metal/{k}" not in names]
     assert not missing, f"the wheel lacks {missing}: list them under [tool.setuptools.package-data] in pyproject.toml"
     assert "ds4mlx/eval/cases/core.json" in names and "ds4mlx/data/bench_text.txt" in names
+    assert "index.html" in CHAT_PAGE and "chat.js" in CHAT_PAGE
+    missing = [f for f in CHAT_PAGE if f"ds4mlx/serve/webchat/{f}" not in names]
+    assert not missing, f"the wheel lacks the chat page's {missing}: see [tool.setuptools.package-data]"
 
 
 @pytest.mark.slow
@@ -444,6 +448,13 @@ def test_installed_wheel_serves_the_demo_model(wheel, tmp_path):
         body = json.loads(urllib.request.urlopen(req, timeout=300).read())
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
         assert 1 <= body["usage"]["completion_tokens"] <= 3
+        page = urllib.request.Request(url + "/", headers={"Accept": "text/html"})
+        assert b'<script src="ui/chat.js"' in urllib.request.urlopen(page, timeout=30).read()
+        for name in CHAT_PAGE:  # the page's files, read from the installed package
+            assert (
+                urllib.request.urlopen(f"{url}/ui/{name}", timeout=30).read()
+                == (PKG / "serve" / "webchat" / name).read_bytes()
+            )
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)

@@ -31,6 +31,8 @@ from .common import RequestInfo, body_bytes
 from .completions import CompletionsAdapter, prompt_list, total_usage
 from .jsonin import parse_body
 from .openai import ChatAdapter
+from .page import PAGE, page_file, wants_html
+from .page import asset as page_asset
 from .prepare import ServeConfig, model_known, prepare, protocol_of
 from .responses import ResponsesAdapter
 from .transport import make_runner
@@ -196,6 +198,7 @@ async def debug_stats(request: web.Request) -> web.Response:
         "live_tokens": len(eng.session) if eng.session is not None else 0,
         "kv_disk_cache": cache_stats() if callable(cache_stats) else None,
         "expert_cache": stats_of(eng.model),  # --stream-experts (None: all experts resident)
+        "vision": getattr(eng, "vision", None) is not None,  # image parts accepted (--vision)
     }
     return json_response(state, 200, body_bytes(doc))
 
@@ -206,6 +209,13 @@ async def health(request: web.Request) -> web.Response:
     if state.stopping:
         raise E.APIError(503, E.SHUTTING_DOWN)
     return json_response(state, 200, body_bytes({"status": "ok"}))
+
+
+async def root(request: web.Request) -> web.Response:
+    """GET/HEAD /: the chat page for a browser (docs/chat-page.md), the health body for the rest."""
+    resp = page_file(PAGE) if wants_html(request) else await health(request)
+    resp.headers["Vary"] = "Accept"  # one URL, two bodies: a cache must tell them apart
+    return resp
 
 
 COUNT_ROUTES = {"/v1/messages/count_tokens": "anthropic", "/v1/responses/input_tokens": "responses"}
@@ -435,7 +445,8 @@ def make_app(engine: Engine, cfg: ServeConfig | None = None, tool_memory=None) -
     app.router.add_get("/v1/models/{model}", model_one)
     app.router.add_get("/v1/ds4mlx/stats", debug_stats)
     app.router.add_get("/health", health)
-    app.router.add_get("/", health)  # HEAD / too
+    app.router.add_get("/", root)  # HEAD / too
+    app.router.add_get("/ui/{name}", page_asset)
     for path in ROUTES:
         app.router.add_post(path, generate)
     for path in COUNT_ROUTES:
