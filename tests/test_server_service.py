@@ -291,6 +291,35 @@ def test_ssl_flags_refused_early(tmp_path):
         server_ssl_context(str(tmp_path / "junk.pem"), None)
 
 
+def test_key_and_tls_flags(tmp_path):
+    import argparse
+    import os
+    import subprocess
+
+    from ds4mlx.serve.cli import add_arguments, api_keys
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# the ops team\nk1\n\n  k2  \n")
+    args = p.parse_args(["--api-key", "a", "--api-key", "b", "--api-key-file", str(keys), "--root-path", "/x/"])
+    assert api_keys(args) == ("a", "b", "k1", "k2") and args.root_path == "/x/"
+    (tmp_path / "empty.txt").write_text("# nothing yet\n")
+    with pytest.raises(SystemExit, match="no key"):
+        api_keys(p.parse_args(["--api-key-file", str(tmp_path / "empty.txt")]))
+    with pytest.raises(SystemExit, match="missing.txt"):
+        api_keys(p.parse_args(["--api-key-file", str(tmp_path / "missing.txt")]))
+    # the real command refuses a bad certificate before it loads a model
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds4mlx.cli", "serve", "--ssl-certfile", str(tmp_path / "none.pem")],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "none.pem" in proc.stderr and "listening" not in proc.stderr
+
+
 # --------------------------------------------------------------------------- Ollama
 @pytest.fixture(scope="module")
 def oc(srv):

@@ -2,12 +2,14 @@
 
 A request carries its key as `Authorization: Bearer KEY` (OpenAI, Ollama clients) or
 `x-api-key: KEY` (Anthropic).  Every configured key is compared, each in constant time
-(`hmac.compare_digest`), so neither the match nor its position leaks through timing.
+(`hmac.compare_digest` over SHA-256 digests: equal lengths, so not even a key's length
+leaks), so neither the match nor its position leaks through timing.
 Keys are never logged: the trace records bodies, not headers, and nothing here prints.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
 
@@ -15,6 +17,10 @@ from collections.abc import Iterable, Mapping
 # CORS preflights (a browser sends no credentials with OPTIONS).
 OPEN_PATHS = frozenset({"/health", "/"})
 BEARER = "bearer "
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
 class KeyFileError(ValueError):
@@ -36,7 +42,7 @@ def read_key_file(path: str) -> list[str]:
 
 class APIKeys:
     def __init__(self, keys: Iterable[str]):
-        self._keys = tuple(k.encode("utf-8") for k in keys if k)
+        self._keys = tuple(_digest(k) for k in keys if k)
 
     def __bool__(self) -> bool:
         return bool(self._keys)
@@ -58,7 +64,7 @@ class APIKeys:
             return True
         ok = False
         for given in self.presented(headers):
-            g = given.encode("utf-8")
+            g = _digest(given)
             for k in self._keys:  # no early exit: the time does not depend on which key matched
                 ok |= hmac.compare_digest(g, k)
         return ok

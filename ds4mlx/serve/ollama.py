@@ -143,8 +143,12 @@ def _images(v: Any, name: str) -> list[dict]:
         return []
     if not isinstance(v, list) or not all(isinstance(i, str) for i in v):
         raise _bad_type(name, "an array of base64 strings", v)
-    # Pillow reads the format from the bytes; the media type only has to be an image one
-    return [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + i}} for i in v]
+    # Ollama sends bare base64: name the media type from the file's first bytes
+    return [{"type": "image_url", "image_url": {"url": f"data:{_media_type(i)};base64,{i}"}} for i in v]
+
+
+def _media_type(b64: str) -> str:
+    return "image/jpeg" if b64.startswith("/9j/") else "image/png"  # JPEG's FF D8 FF; else PNG (or refused)
 
 
 def _content(text: Any, images: list[dict], name: str) -> Any:
