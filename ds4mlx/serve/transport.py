@@ -72,9 +72,12 @@ def _rooted(factory, root: str):
             url = url.with_path(path, encoded=True).with_query(url.raw_query_string)
             query = "?" + url.raw_query_string if url.raw_query_string else ""
             target = path + query
-            # aiohttp's RawRequestMessage (a NamedTuple): the same fields, path and url replaced
-            fields = [target if f is message.path else url if f is message.url else f for f in message]
-            message = type(message)(*fields)
+            # aiohttp's RawRequestMessage (a NamedTuple, or its C twin): path and url replaced
+            m = message
+            message = type(m)(
+                m.method, target, m.version, m.headers, m.raw_headers, m.should_close, m.compression, m.upgrade,
+                m.chunked, url,
+            )  # fmt: skip
         return factory(message, *args, **kwargs)
 
     return make_request
