@@ -207,6 +207,43 @@ def test_metrics_move_by_the_known_amounts(srv):
     assert val(after, "ds4mlx:spec_decode_num_drafts_total") == 0
 
 
+def test_metrics_and_slots_while_jobs_run_and_wait(tok):
+    """Gauges and /slots with a job held in its prefill (the model's gate) and one queued."""
+    model = ScriptedModel(tok, "fine")
+    with serve(tok, model, ctx=512, slots=2) as s:
+        model.prefill_gate.close()
+
+        async def go():
+            async with aiohttp.ClientSession() as cs:
+                jobs = [
+                    asyncio.ensure_future(cs.post(s.url + "/v1/completions", json={"prompt": f"p{i}", "max_tokens": 2}))
+                    for i in range(3)
+                ]
+                assert await asyncio.to_thread(model.prefill_gate.wait_for_waiters, 1)
+                assert await asyncio.to_thread(s.wait, lambda: len(s.engine.running) == 2 and s.engine.queue_depth == 1)
+                async with cs.get(s.url + "/metrics") as r:
+                    text = await r.text()
+                async with cs.get(s.url + "/slots") as r:
+                    slots = await r.json()
+                model.prefill_gate.open()
+                for j in jobs:
+                    r = await j
+                    assert r.status == 200
+                    await r.read()
+                return text, slots
+
+        text, slots = asyncio.run(go())
+    m = {}
+    for fam in prom_parser.text_string_to_metric_families(text):
+        for smp in fam.samples:
+            m[smp.name] = smp.value
+    assert m["ds4mlx:num_requests_running"] == 2 and m["ds4mlx:num_requests_waiting"] == 1
+    assert m["ds4mlx:num_slots"] == 2
+    assert [sl["id"] for sl in slots] == [0, 1]
+    assert all(sl["is_processing"] and sl["state"] == "processing" for sl in slots)
+    assert sorted(sl["task"]["api"] for sl in slots) == ["completions", "completions"]
+
+
 # --------------------------------------------------------------------------- ops endpoints
 def test_tokenize_detokenize_round_trip(srv, tok):
     text = "Hello, wörld! <｜User｜> 123"
