@@ -394,6 +394,11 @@ class Engine:
         return [sl.active for sl in self._slots if sl.active is not None]
 
     @property
+    def resident_slots(self) -> list[Slot]:
+        """The slots themselves, for read-only views (GET /slots); the worker owns them."""
+        return list(self._slots)
+
+    @property
     def _running(self) -> JobHandle | None:  # one slot's view, as before batching
         jobs = self.running
         return jobs[0] if jobs else None
@@ -951,7 +956,7 @@ class Engine:
         self._checkpoint(effective, cached)
         _call_hook(self.cache.after_prefill, self, job)
         h.started = True
-        h.emit(Started(prompt_tokens, cached))
+        h.emit(Started(prompt_tokens, cached, source))  # source: where `cached` came from (/metrics)
         yield from self._decode(h, logits, prompt_tokens, cached)
 
     def _decode(self, h: JobHandle, logits, prompt_tokens: int, cached: int) -> Iterator[StepRequest | None]:

@@ -25,6 +25,9 @@ class Started:
 
     prompt_tokens: int
     cached_tokens: int
+    # the reuse-ladder rung the cached tokens came from (docs/kv-cache.md §2: "memory-token",
+    # "memory-checkpoint", "disk-text", ...; "none")
+    cache_source: str = "none"
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,11 @@ them as SSE.  While a streamed job waits in the queue, the headers and
 seconds; while its prefill runs, `: prefill` comments.  A client that disconnects (the handler is cancelled,
 `handler_cancellation=True`) or whose stream write fails cancels its job at
 the next prefill-chunk / token boundary, queued jobs included.
+
+Around the routes (docs/http-api.md §9): API keys checked before any handler
+(serve/auth.py), every request counted for GET /metrics (serve/metrics.py), the
+operator endpoints (serve/ops.py) and the Ollama API (serve/ollama.py, NDJSON
+streams instead of SSE).
 """
 
 from __future__ import annotations
@@ -25,17 +30,20 @@ from aiohttp import web
 from ..engine import Engine, Failed
 from ..events import Finish, PrefillProgress, Started
 from . import errors as E
-from . import sse
+from . import ollama, ops, sse
 from .anthropic import AnthropicAdapter
+from .auth import APIKeys
 from .common import RequestInfo, body_bytes
 from .completions import CompletionsAdapter, prompt_list, total_usage
 from .jsonin import parse_body
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import RequestTimer, ServerMetrics, stats_doc
 from .openai import ChatAdapter
 from .page import PAGE, page_file, wants_html
 from .page import asset as page_asset
 from .prepare import ServeConfig, model_known, prepare, protocol_of
 from .responses import ResponsesAdapter
-from .transport import make_runner
+from .transport import ROOT_PATH, make_runner
 
 log = logging.getLogger("ds4mlx.serve")
 
@@ -45,11 +53,14 @@ ADAPTERS = {
     "anthropic": AnthropicAdapter,
     "responses": ResponsesAdapter,
 }
+OLLAMA_KINDS = {"ollama-chat": "chat", "ollama-generate": "generate"}
 ROUTES = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/messages": "anthropic",
     "/v1/responses": "responses",
+    "/api/chat": "ollama-chat",
+    "/api/generate": "ollama-generate",
 }
 CORS_HEADERS = {
     "Access-Control-Allow-Origin": "*",
@@ -81,6 +92,11 @@ class ServerState:
         self.seq = 0
         self.stopping = False
         self.requests = 0  # generation requests accepted into the queue
+        self.keys = APIKeys(cfg.api_keys)
+        self.metrics = ServerMetrics(engine)
+        self.started = time.time()
+        # slot index -> the text of its last job (prompt + output): GET /slots' cached prefix
+        self.slot_text: dict[int, str] = {}
         self._trace_lock = threading.Lock()
         self._trace = open(cfg.trace, "a", encoding="utf-8") if cfg.trace else None
 
@@ -89,6 +105,27 @@ class ServerState:
         self.seq += 1
         prefix = {"completions": "cmpl-", "anthropic": "msg_", "responses": "resp_"}.get(api, "chatcmpl-")
         return prefix + uuid.uuid4().hex
+
+    def submit(self, job, emit) -> tuple[Any, RequestTimer]:
+        """Queue a job; its events are timed and its end counted for /metrics (on the
+        engine thread, before the handler sees them: a scrape after the answer sees it)."""
+        timer = RequestTimer()
+        metrics = self.metrics
+        handles: list = []
+
+        def tracked(ev: Any) -> None:
+            timer.see(ev)
+            if isinstance(ev, (Finish, Failed)):
+                metrics.finished(timer, ev)
+                slot = handles[0].slot if handles else None
+                if isinstance(ev, Finish) and slot is not None:
+                    self.slot_text[slot] = job.prompt_text + ev.raw_text
+            emit(ev)
+
+        handle = self.engine.submit(job, tracked)
+        handles.append(handle)
+        self.requests += 1
+        return handle, timer
 
     def trace(self, record: dict) -> None:
         if self._trace is None:
@@ -123,7 +160,17 @@ def error_response(state: ServerState, api: str, e: E.APIError) -> web.Response:
     resp = json_response(state, e.status, body_bytes(E.error_body(api, e)))
     if e.status == 413:
         resp.force_close()  # the unread body is not drained: this connection ends here
+    if e.status == 401:
+        resp.headers["WWW-Authenticate"] = "Bearer"
     return resp
+
+
+def _handler_label(request: web.Request) -> str:
+    """The route a request matched (its pattern: bounded label values), for /metrics."""
+    route = getattr(request.match_info, "route", None)
+    resource = getattr(route, "resource", None)
+    canonical = getattr(resource, "canonical", None)
+    return "unknown" if canonical is None or canonical == "/{tail}" else canonical
 
 
 def _max_body(cfg: ServeConfig) -> int:
@@ -133,8 +180,20 @@ def _max_body(cfg: ServeConfig) -> int:
 @web.middleware
 async def _middleware(request: web.Request, handler):
     state = request.app[STATE]
+    resp = None
+    try:
+        resp = await _handle(request, handler, state)
+        return resp
+    finally:
+        if resp is not None:
+            state.metrics.count_http(_handler_label(request), request.method, resp.status)
+
+
+async def _handle(request: web.Request, handler, state: ServerState):
     api = _api_of(request.path)
     try:
+        if not state.keys.allows(request.method, request.path, request.headers):
+            raise E.APIError(401, E.UNAUTHORIZED, code="invalid_api_key")
         return await handler(request)
     except E.APIError as e:
         return error_response(state, api, e)
@@ -189,18 +248,75 @@ async def debug_stats(request: web.Request) -> web.Response:
     """GET /v1/ds4mlx/stats: engine counters (`prefill_tokens` = prompt tokens
     actually evaluated since start) and the disk KV cache's, for tests and debugging."""
     state = request.app[STATE]
-    eng = state.engine
-    cache_stats = getattr(eng.cache, "stats", None)
-    from ..experts.cli import stats_of
+    return json_response(state, 200, body_bytes(stats_doc(state.engine)))
 
-    doc = {
-        "engine": dict(vars(eng.stats)),
-        "live_tokens": len(eng.session) if eng.session is not None else 0,
-        "kv_disk_cache": cache_stats() if callable(cache_stats) else None,
-        "expert_cache": stats_of(eng.model),  # --stream-experts (None: all experts resident)
-        "vision": getattr(eng, "vision", None) is not None,  # image parts accepted (--vision)
-    }
-    return json_response(state, 200, body_bytes(doc))
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: the Prometheus text format (serve/metrics.py)."""
+    state = request.app[STATE]
+    resp = web.Response(status=200, body=state.metrics.render(), headers=_cors(state))
+    resp.headers["Content-Type"] = METRICS_CONTENT_TYPE
+    return resp
+
+
+# -- operator endpoints (serve/ops.py) ---------------------------------------------------
+async def slots(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return json_response(state, 200, body_bytes(ops.slots_view(state.engine, state.slot_text)))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = parse_body(await request.read())
+    text, body = ops.tokenize_text(body)
+    if isinstance(body.get("model"), str) and not model_known(state.cfg, body["model"]):
+        raise E.APIError(404, E.unknown_model(body["model"]), param="model", code="model_not_found")
+    loop = asyncio.get_running_loop()
+    if text is None:  # messages: the prompt the chat route renders for them
+        chat = {k: body[k] for k in ("messages", "tools", "model") if k in body}
+        prep = await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory, "chat", chat)
+        ids = list(prep.job.prompt_ids or [])
+    else:
+        ids = await loop.run_in_executor(None, state.engine.tokenize, text)
+    return json_response(state, 200, body_bytes(ops.tokenize_answer(state.engine.tokenizer, ids, body, state.cfg.ctx)))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = parse_body(await request.read())
+    return json_response(state, 200, body_bytes(ops.detokenize(state.engine.tokenizer, body)))
+
+
+# -- the Ollama API's model routes (serve/ollama.py) ------------------------------------
+def _ollama_model(state: ServerState) -> tuple[str, str]:
+    proto = protocol_of(state.cfg)
+    return state.cfg.model_id or proto.model_id, proto.family
+
+
+async def ollama_version(request: web.Request) -> web.Response:
+    return json_response(request.app[STATE], 200, body_bytes(ollama.version()))
+
+
+async def ollama_tags(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    model_id, family = _ollama_model(state)
+    return json_response(state, 200, body_bytes(ollama.tags(model_id, family, state.started)))
+
+
+async def ollama_ps(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    model_id, family = _ollama_model(state)
+    return json_response(state, 200, body_bytes(ollama.ps(model_id, family, state.cfg.ctx)))
+
+
+async def ollama_show(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = ollama.show_model(parse_body(await request.read()))
+    if not model_known(state.cfg, ollama.model_name(name)):
+        raise E.APIError(404, E.ollama_model_not_found(name))
+    model_id, family = _ollama_model(state)
+    vision = getattr(state.engine, "vision", None) is not None
+    return json_response(state, 200, body_bytes(ollama.show(model_id, family, state.cfg.ctx, state.started, vision)))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -262,25 +378,40 @@ async def generate(request: web.Request) -> web.StreamResponse:
     prompts = prompt_list(body) if api == "completions" else None
     if prompts is not None:
         return await _completions_batch(request, state, body, prompts)
-    prep = await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory, api, body)
+    oreq = None  # an Ollama request: translated into the pipeline's body (serve/ollama.py)
+    pipeline_api, pipeline_body = api, body
+    if api in OLLAMA_KINDS:
+        oreq = ollama.translate(OLLAMA_KINDS[api], body)
+        if oreq.load_only:
+            return json_response(state, 200, ollama.load_body(oreq))
+        pipeline_api, pipeline_body = oreq.api, oreq.body
+    prep = await loop.run_in_executor(
+        None, prepare, state.cfg, state.engine, state.tool_memory, pipeline_api, pipeline_body
+    )
+    if oreq is not None:
+        prep.job.max_tokens = ollama.num_ctx_limit(
+            oreq.num_ctx, state.cfg.ctx, prep.prompt_tokens, prep.job.max_tokens, state.cfg.tokens
+        )
     info = RequestInfo(
-        id=state.next_id(api),
-        model=prep.model,
+        id=state.next_id(pipeline_api),
+        model=oreq.model if oreq is not None else prep.model,
         created=int(time.time()),
         include_usage=prep.include_usage,
         thinking=prep.thinking,
         reasoning_summary=prep.reasoning_summary,
         tool_aliases=prep.tool_aliases,
     )
-    adapter = ADAPTERS[api](info)
     queue: asyncio.Queue = asyncio.Queue()
 
     def emit(ev: Any) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, ev)
 
     t0 = time.monotonic()
-    handle = state.engine.submit(prep.job, emit)
-    state.requests += 1
+    handle, timer = state.submit(prep.job, emit)
+    if oreq is not None:
+        adapter = ollama.OllamaAdapter(info, oreq.kind, timer)
+    else:
+        adapter = ADAPTERS[api](info)
     result: dict = {"finish": None}
     try:
         if prep.stream:
@@ -332,8 +463,7 @@ async def _completions_batch(request, state, body: dict, prompts: list) -> web.S
     for k, prep in enumerate(preps):
         adapter = CompletionsAdapter(info, index=k, last=k == len(preps) - 1)
         queue: asyncio.Queue = asyncio.Queue()
-        handle = state.engine.submit(prep.job, lambda ev, q=queue: loop.call_soon_threadsafe(q.put_nowait, ev))
-        state.requests += 1
+        handle, _ = state.submit(prep.job, lambda ev, q=queue: loop.call_soon_threadsafe(q.put_nowait, ev))
         try:
             while True:
                 ev = await queue.get()
@@ -373,7 +503,7 @@ async def _collect(state, api, adapter, queue, result) -> web.Response:
 
 
 async def _stream(request, state, api, adapter, queue, handle, result) -> web.StreamResponse:
-    out = sse.SSEStream(request, _cors(state))
+    out = getattr(adapter, "stream_class", sse.SSEStream)(request, _cors(state))
     in_prefill = False
     started = False  # the job left the queue (its first event came)
     keepalive = state.cfg.keepalive_s
@@ -414,7 +544,10 @@ async def _stream(request, state, api, adapter, queue, handle, result) -> web.St
             result["finish"] = Finish("error", error=ev.message)
             if not out.started:
                 raise E.APIError(ev.status, ev.message)
-            await out.write(sse.event("error", E.sse_error_payload(api, ev.message)))
+            error_chunk = getattr(adapter, "error_chunk", None)
+            await out.write(
+                error_chunk(ev.message) if error_chunk else sse.event("error", E.sse_error_payload(api, ev.message))
+            )
             break
         if isinstance(ev, Started):
             in_prefill = False
@@ -441,9 +574,19 @@ def make_app(engine: Engine, cfg: ServeConfig | None = None, tool_memory=None) -
     app = web.Application(middlewares=[_middleware], client_max_size=_max_body(cfg))
     state = ServerState(engine, cfg, tool_memory)
     app[STATE] = state
+    app[ROOT_PATH] = cfg.root_path
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model_one)
     app.router.add_get("/v1/ds4mlx/stats", debug_stats)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/slots", slots)
+    app.router.add_get("/v1/ds4mlx/slots", slots)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/api/version", ollama_version)
+    app.router.add_get("/api/tags", ollama_tags)
+    app.router.add_get("/api/ps", ollama_ps)
+    app.router.add_post("/api/show", ollama_show)
     app.router.add_get("/health", health)
     app.router.add_get("/", root)  # HEAD / too
     app.router.add_get("/ui/{name}", page_asset)
@@ -468,10 +611,12 @@ def make_app(engine: Engine, cfg: ServeConfig | None = None, tool_memory=None) -
 class BackgroundServer:
     """Serve `app` on its own event loop in a daemon thread (tests, embedding).
 
-    `port=0` picks a free port; `url` is the base address once started."""
+    `port=0` picks a free port; `url` is the base address once started (https with
+    an `ssl_context`, serve/cli.server_ssl_context)."""
 
-    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0, ssl_context=None):
         self.app, self.host, self.port = app, host, port
+        self.ssl_context = ssl_context
         self.loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._ready = threading.Event()
@@ -480,7 +625,7 @@ class BackgroundServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.ssl_context is not None else 'http'}://{self.host}:{self.port}"
 
     def start(self) -> BackgroundServer:
         self._thread.start()
@@ -495,7 +640,7 @@ class BackgroundServer:
         try:
             self._runner = make_runner(self.app)
             self.loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, self.host, self.port)
+            site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
             self.loop.run_until_complete(site.start())
             self.port = site._server.sockets[0].getsockname()[1]
         except BaseException as e:  # noqa: BLE001 - reported to start()

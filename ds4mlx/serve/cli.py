@@ -50,6 +50,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"default max output tokens (default {DEFAULT_TOKENS})",
     )
     p.add_argument("--cors", action="store_true", help="add CORS headers to every response")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require this key (Authorization: Bearer KEY or x-api-key: KEY) on every route but /health; "
+        "repeatable (any one key is accepted)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="read API keys from FILE, one a line (# comments): keeps them out of the process list",
+    )
+    p.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this certificate chain (PEM)")
+    p.add_argument(
+        "--ssl-keyfile", metavar="FILE", help="the certificate's private key (PEM; default: in the certfile)"
+    )
+    p.add_argument(
+        "--root-path",
+        default="",
+        metavar="PATH",
+        help="the path prefix a reverse proxy serves us under (e.g. /ds4): requests under it are "
+        "routed as the path after it; unprefixed paths keep working",
+    )
     p.add_argument("--chdir", metavar="DIR", help="change directory before loading anything")
     p.add_argument("--trace", metavar="FILE", help="append one JSON line per request/response")
     p.add_argument("--max-body-mb", type=_positive, default=64, help="largest request body in MiB (default 64)")
@@ -222,21 +246,56 @@ def build(args, loaded=None):
         system=getattr(args, "system", "") or "",
         prefix=tuple(prefix),
         strict_model=getattr(args, "strict_model", False),
+        api_keys=api_keys(args),
+        root_path=getattr(args, "root_path", "") or "",
     )
     return engine, make_app(engine, cfg, memory)
 
 
-async def _serve(app, host: str, port: int) -> None:
+def api_keys(args) -> tuple:
+    """--api-key values and --api-key-file's keys (SystemExit on an unreadable file)."""
+    from .auth import KeyFileError, read_key_file
+
+    keys = list(getattr(args, "api_key", None) or [])
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            keys += read_key_file(path)
+        except KeyFileError as e:
+            raise SystemExit(f"ds4mlx serve: {e}") from None
+    if any(not k.strip() for k in keys):
+        raise SystemExit("ds4mlx serve: --api-key must not be empty")
+    return tuple(k.strip() for k in keys)
+
+
+def server_ssl_context(certfile: str | None, keyfile: str | None):
+    """The server's TLS context for --ssl-certfile / --ssl-keyfile (None: plain HTTP).
+    Raises ValueError with a one-line reason."""
+    if not certfile:
+        if keyfile:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile")
+        return None
+    import ssl
+
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(certfile, keyfile or None)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--ssl-certfile {certfile}: {e}") from None
+    return ctx
+
+
+async def _serve(app, host: str, port: int, ssl_context=None) -> None:
     from aiohttp import web
 
     from .transport import make_runner
 
     runner = make_runner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1" if host == "localhost" else host, port)
+    site = web.TCPSite(runner, "127.0.0.1" if host == "localhost" else host, port, ssl_context=ssl_context)
     await site.start()
     log = logging.getLogger("ds4mlx.serve")
-    log.info("listening on http://%s:%d", host, port)
+    log.info("listening on %s://%s:%d", "https" if ssl_context is not None else "http", host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     hits = {"n": 0}
@@ -274,6 +333,12 @@ def run(args, loaded=None) -> int:
         except OSError as e:
             print(f"ds4mlx serve: --chdir {args.chdir}: {e}", file=sys.stderr)
             return 2
+    try:  # before the model loads: a bad certificate is found in a second, not minutes
+        ssl_context = server_ssl_context(getattr(args, "ssl_certfile", None), getattr(args, "ssl_keyfile", None))
+    except ValueError as e:
+        print(f"ds4mlx serve: {e}", file=sys.stderr)
+        return 2
+    api_keys(args)  # an unreadable --api-key-file: one line and exit before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     link = None
     if getattr(args, "distributed", None):  # every rank loads its shard; rank 0 goes on
@@ -289,7 +354,7 @@ def run(args, loaded=None) -> int:
 
         stop_followers_at_shutdown(engine, link)
     try:
-        asyncio.run(_serve(app, args.host, args.port))
+        asyncio.run(_serve(app, args.host, args.port, ssl_context))
     finally:
         # SIGINT / SIGTERM end _serve; closing the engine runs the shutdown KV save
         # (docs/kv-cache.md §5.4) on its worker after the running job was cancelled.

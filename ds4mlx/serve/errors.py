@@ -4,6 +4,8 @@ OpenAI (chat, completions, Responses, models, unknown routes):
     {"error":{"message":MSG,"type":TYPE[,"param":P][,"code":C][,extra...]}}
 Anthropic (/v1/messages):
     {"type":"error","error":{"type":TYPE,"message":MSG[,extra...]}}
+Ollama (/api/...):
+    {"error":MSG}
 (docs/http-api.md §1.6; ds4 answers Anthropic requests in the OpenAI shape for most
 errors — our issue asks for the API's own shape, so /v1/messages errors use
 Anthropic's.)
@@ -27,6 +29,21 @@ BODY_TOO_LARGE = "request body too large"
 IGNORE_EOS_NEEDS_GREEDY = "ignore_eos requires temperature 0"
 EMPTY_MESSAGES = "messages must not be empty"
 METHOD_NOT_ALLOWED = "method not allowed"
+# 401 (docs/http-api.md §9.2); the same words whether the key was missing or wrong
+UNAUTHORIZED = "invalid or missing API key (send Authorization: Bearer KEY or x-api-key: KEY)"
+
+TOKENIZE_NEEDS_ONE = "give exactly one of 'content', 'prompt' or 'messages'"
+TOKENIZE_TOOLS_NEED_MESSAGES = "'tools' only goes with 'messages'"
+# the Ollama API (docs/http-api.md §9.5)
+OLLAMA_FORMAT_UNSUPPORTED = "'format' (structured output) is not supported by this server yet"
+
+
+def unsupported_field(field: str) -> str:
+    return f"Unsupported parameter: '{field}' is not supported by this server."
+
+
+def ollama_model_not_found(name: str) -> str:
+    return f"model '{name}' not found"
 
 
 # A field of the wrong type or value (serve/validate.py); the same words on every API.
@@ -58,8 +75,11 @@ def internal_error(kind: str) -> str:
 
 
 def api_for_path(path: str) -> str:
-    """Whose error shape a path gets: /v1/messages Anthropic's, every other OpenAI's."""
-    return "anthropic" if path == "/v1/messages" else "openai"
+    """Whose error shape a path gets: /v1/messages Anthropic's, /api/... Ollama's, every
+    other OpenAI's."""
+    if path == "/v1/messages":
+        return "anthropic"
+    return "ollama" if path.startswith("/api/") else "openai"
 
 
 def unknown_model(name: str) -> str:
@@ -97,8 +117,10 @@ def anthropic_unknown_tool_use(tool_use_id: str) -> str:
     )
 
 
-_OPENAI_TYPES = {500: "server_error", 503: "server_error"}
+_OPENAI_TYPES = {401: "invalid_request_error", 500: "server_error", 503: "server_error"}
+_OPENAI_CODES = {401: "invalid_api_key"}
 _ANTHROPIC_TYPES = {
+    401: "authentication_error",
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",
@@ -131,6 +153,7 @@ def openai_body(status: int, message: str, param=None, code=None, extra=None) ->
     err: dict[str, Any] = {"message": message, "type": _OPENAI_TYPES.get(status, "invalid_request_error")}
     if param is not None:
         err["param"] = param
+    code = code if code is not None else _OPENAI_CODES.get(status)
     if code is not None:
         err["code"] = code
     err.update(extra or {})
@@ -144,6 +167,8 @@ def anthropic_body(status: int, message: str, extra=None) -> dict:
 
 
 def error_body(api: str, e: APIError) -> dict:
+    if api == "ollama":
+        return {"error": e.message}
     if api == "anthropic":
         return anthropic_body(e.status, e.message, e.extra)
     return openai_body(e.status, e.message, e.param, e.code, e.extra)
@@ -159,6 +184,8 @@ def context_error(n_prompt: int, n_ctx: int, param: str, *, at_least: bool = Fal
 
 # SSE error events after the stream started (docs/http-api.md §1.6).
 def sse_error_payload(api: str, message: str) -> dict:
+    if api == "ollama":  # an NDJSON line
+        return {"error": message}
     if api == "anthropic":
         return {"type": "error", "error": {"type": "api_error", "message": message}}
     return {"error": {"message": message, "type": "server_error"}}

@@ -93,6 +93,8 @@ class ServeConfig:
     # 404 for a model name that is not the loaded model's (--strict-model); by default any
     # name is served by the loaded model, as ds4 does (clients left on their default id)
     strict_model: bool = False
+    api_keys: tuple = ()  # --api-key / --api-key-file: required on every route but /health (serve/auth.py)
+    root_path: str = ""  # --root-path: the prefix a reverse proxy serves us under (serve/transport.py)
 
 
 @dataclass

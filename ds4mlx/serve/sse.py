@@ -1,4 +1,4 @@
-"""JSON output and Server-Sent Events framing (docs/http-api.md §1.1, §1.3).
+"""JSON output, Server-Sent Events and NDJSON framing (docs/http-api.md §1.1, §1.3, §9).
 
 `dumps` writes compact JSON with raw UTF-8 and ds4's escapes (`\\b`/`\\f` as
 `\\u0008`/`\\u000c`).  `SSEStream` owns one streaming response: it sends the
@@ -56,13 +56,23 @@ def event(name: str, obj: Any) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + encode(obj) + b"\n\n"
 
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# X-Accel-Buffering: nginx buffers proxied responses unless told not to; a stream must go
+# out as it is written (docs/http-api.md §9.2)
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+NDJSON_HEADERS = {"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def ndjson(obj: Any) -> bytes:
+    """One line of a newline-delimited JSON stream (the Ollama API's streams)."""
+    return encode(obj) + b"\n"
 
 
 class SSEStream:
+    base_headers = SSE_HEADERS
+
     def __init__(self, request: web.Request, headers: dict | None = None):
         self.request = request
-        self.response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
+        self.response = web.StreamResponse(status=200, headers={**self.base_headers, **(headers or {})})
         self.started = False
         self.closed = False
         self.keepalives = 0
@@ -112,3 +122,13 @@ class SSEStream:
             await self.response.write_eof()
         except (ConnectionError, RuntimeError, OSError):
             self.closed = True
+
+
+class NDJSONStream(SSEStream):
+    """A newline-delimited JSON stream: the same lazy start and write-failure tracking,
+    but no comment lines exist in the format, so keepalives only send the headers."""
+
+    base_headers = NDJSON_HEADERS
+
+    async def keepalive(self, comment: bytes = KEEPALIVE) -> bool:
+        return await self.start()

@@ -6,6 +6,10 @@
   the path of the request line when it was read, instead of aiohttp's
   `text/plain` page.
 * No `Server: Python/3.x aiohttp/3.x` banner on any response.
+* `--root-path P` (a reverse proxy that forwards /P/v1/... unchanged): a request
+  under P is routed as the path after it; paths without P keep working (a proxy that
+  strips the prefix).  Done before routing, so every route and its error shape see
+  the same path (docs/http-api.md §9.2).
 * A client that half-closes its socket after sending its request (shutdown of
   its write side) still gets the answer: the read side ending does not close
   the connection; it closes once the answer is written.  (A FIN cannot tell a
@@ -26,6 +30,7 @@ from aiohttp.web_protocol import RequestHandler
 from . import errors as E
 
 log = logging.getLogger("ds4mlx.serve")
+ROOT_PATH = web.AppKey("ds4mlx_root_path", str)  # set by make_app; "" = none
 _REQUEST_LINE = re.compile(rb"[A-Z]{3,10} (/[^ ?#\r\n]*)")
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 PROBE_INTERVAL_S = 0.05
@@ -44,13 +49,48 @@ class _ErrorResponse(web.Response):
         self.headers.pop(hdrs.SERVER, None)
 
 
+def normalize_root_path(root: str | None) -> str:
+    """ "/ds4/" -> "/ds4"; "" or "/" -> ""."""
+    root = (root or "").strip().rstrip("/")
+    if root and not root.startswith("/"):
+        root = "/" + root
+    return root
+
+
+def strip_root(path: str, root: str) -> str:
+    """The path a request under `root` is routed as (unchanged outside it)."""
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root) :] or "/"
+    return path
+
+
+def _rooted(factory, root: str):
+    def make_request(message, *args, **kwargs):
+        url = message.url
+        path = strip_root(url.raw_path, root)
+        if path != url.raw_path:
+            url = url.with_path(path, encoded=True).with_query(url.raw_query_string)
+            query = "?" + url.raw_query_string if url.raw_query_string else ""
+            target = path + query
+            # aiohttp's RawRequestMessage (a NamedTuple, or its C twin): path and url replaced
+            m = message
+            message = type(m)(
+                m.method, target, m.version, m.headers, m.raw_headers, m.should_close, m.compression, m.upgrade,
+                m.chunked, url,
+            )  # fmt: skip
+        return factory(message, *args, **kwargs)
+
+    return make_request
+
+
 class _Connection(RequestHandler):
     _path: str | None = None
+    _root: str = ""
 
     def data_received(self, data: bytes) -> None:
         m = _REQUEST_LINE.match(data)
         if m is not None:  # the start of a request: remember its path for a parse error's shape
-            self._path = m.group(1).decode("ascii", "replace")
+            self._path = strip_root(m.group(1).decode("ascii", "replace"), self._root)
         super().data_received(data)
 
     def eof_received(self) -> bool:
@@ -92,14 +132,22 @@ class _Connection(RequestHandler):
 
 
 class _Server(web.Server):
+    root = ""
+
     def __call__(self) -> RequestHandler:
-        return _Connection(self, loop=self._loop, **self._kwargs)
+        conn = _Connection(self, loop=self._loop, **self._kwargs)
+        conn._root = self.root
+        return conn
 
 
 class _Runner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _Server  # the app's own server; only its connections differ
+        root = normalize_root_path(self.app.get(ROOT_PATH, ""))
+        if root:
+            server.root = root
+            server.request_factory = _rooted(server.request_factory, root)
         return server
 
 
