@@ -136,6 +136,11 @@ def test_other_routes_need_a_key(srv, method, path):
 def test_health_and_preflight_need_no_key(srv):
     assert call(srv, "GET", "/health", headers={})[0] == 200
     assert call(srv, "OPTIONS", "/v1/chat/completions", headers={})[0] == 204
+    # the chat page and its files load without a key (the page asks for it), its API calls do not
+    st, h, _ = call(srv, "GET", "/", headers={"Accept": "text/html"})
+    assert st == 200 and h["Content-Type"].startswith("text/html")
+    assert call(srv, "GET", "/ui/chat.js", headers={})[0] == 200
+    assert call(srv, "GET", "/v1/ds4mlx/stats", headers={})[0] == 401
 
 
 def test_root_path_prefix_and_plain_paths(srv):

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 # Routes a load balancer or a browser reaches without a key: the health checks, and
 # CORS preflights (a browser sends no credentials with OPTIONS).
 OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PREFIXES = ("/ui/",)  # the chat page's own files: a browser loads them before it has a key
 BEARER = "bearer "
 
 
@@ -60,7 +61,11 @@ class APIKeys:
         return out
 
     def allows(self, method: str, path: str, headers: Mapping[str, str]) -> bool:
-        if not self._keys or method == "OPTIONS" or (method in ("GET", "HEAD") and path in OPEN_PATHS):
+        if (
+            not self._keys
+            or method == "OPTIONS"
+            or (method in ("GET", "HEAD") and (path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)))
+        ):
             return True
         ok = False
         for given in self.presented(headers):
