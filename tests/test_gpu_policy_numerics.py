@@ -143,3 +143,24 @@ def test_rows_and_verify_chain(pair):
     s.prefill(ids[:8])
     rows = np.array(s.verify(ids[8:12]))
     assert maxdiff(rows, want[8:12]) <= TOL
+
+
+def test_vision_tower_follows_the_policy():
+    """The Qwen3.8 vision tower with 16-bit weights computes in the language model's float32
+    activations (vision/load.py sets them from the dtype policy), as its float32 widening does."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from ds4mlx.models import vision_qwen3vl as Q
+
+    tower = Q.demo_tower(64)
+    params = tree_flatten(tower.parameters())
+    tower.update(tree_unflatten([(k, v.astype(mx.bfloat16)) for k, v in params]))
+    wide = Q.demo_tower(64)
+    wide.update(tree_unflatten([(k, v.astype(mx.bfloat16).astype(mx.float32)) for k, v in params]))
+    grid = (1, 4, 4)
+    pixels = mx.random.normal((16, tower.args.patch_dim), key=mx.random.key(3))
+    want = np.array(wide(pixels, [grid]).embeddings)
+    tower.activation_dtype = mx.float32
+    assert maxdiff(np.array(tower(pixels, [grid]).embeddings.astype(mx.float32)), want) <= 1e-4
+    tower.activation_dtype = None  # the weights' type: what the policy forbids, visibly off
+    assert maxdiff(np.array(tower(pixels, [grid]).embeddings.astype(mx.float32)), want) > 1e-3

@@ -179,6 +179,10 @@ class VisionOutput:
 
 
 class Qwen3VLVision(nn.Module):
+    # the tower's activations follow the language model's dtype policy (vision/load.py sets it):
+    # float32 under --dtype auto, whatever its weights' type; None = the weights' type
+    activation_dtype = None
+
     def __init__(self, args: VisionArgs):
         super().__init__()
         self.args = args
@@ -217,7 +221,8 @@ class Qwen3VLVision(nn.Module):
     def __call__(self, pixels: mx.array, grids: list[tuple[int, int, int]]) -> VisionOutput:
         """pixels [N, patch_dim] of the images in `grids` order; grids: (t, h, w) in patches each."""
         grids = [tuple(int(v) for v in g) for g in grids]
-        x = self.patch_embed(pixels.astype(self.patch_embed.proj.weight.dtype))
+        dt = self.activation_dtype or self.patch_embed.proj.weight.dtype
+        x = self.patch_embed(pixels.astype(dt))
         x = x + self._pos_embed(grids).astype(x.dtype)
         cos, sin = self._rope(grids)
         mask = self._mask(grids)

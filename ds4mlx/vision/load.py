@@ -75,8 +75,12 @@ def load_vision(spec: str, model, tokenizer=None) -> VisionEncoder:
         raise VisionLoadError("--vision needs a model family that takes image input (Qwen3.8: qwen4_exp)")
     args = getattr(model, "args", None) or backbone_of(model).args
     hidden, vocab = int(args.hidden_size), int(args.vocab_size)
+    # the tower computes in the language model's activation dtype (the banner's), whatever its weights'
+    act = getattr(getattr(model, "dtype_policy", None), "activations", None)
     if spec == DEMO:
-        return VisionEncoder(Q.demo_tower(hidden), _token_ids({}, tokenizer, vocab, demo=True), name="demo")
+        tower = Q.demo_tower(hidden)
+        tower.activation_dtype = act
+        return VisionEncoder(tower, _token_ids({}, tokenizer, vocab, demo=True), name="demo")
     path = Path(spec)
     cfg: dict = {}
     if path.is_dir() and (path / "config.json").exists():
@@ -92,4 +96,5 @@ def load_vision(spec: str, model, tokenizer=None) -> VisionEncoder:
         raise VisionLoadError(
             f"the vision tower projects to {tower.args.out_hidden_size}, the model's width is {hidden}"
         )
+    tower.activation_dtype = act
     return VisionEncoder(tower, _token_ids(cfg, tokenizer, vocab, demo=False), name=str(path.resolve()))
