@@ -82,7 +82,7 @@ def run(args) -> int:
     if not os.path.isdir(args.cwd):
         console.print(f"[red]error: --cwd {args.cwd} is not a directory[/red]")
         return 2
-    model, tok = load(args.model)
+    model, tok = load(args.model, ctx=args.ctx)  # the memory verdict at --ctx (memory_fit.py)
     if getattr(model, "is_demo", False):
         from ..demo import DEMO_NOTICE
 
