@@ -11,12 +11,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..split_names import SPLIT_GGUF, part_name
 from .catalogue import CATALOGUE
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 MODEL_SUFFIXES = (".gguf", ".safetensors")
-# llama.cpp's gguf-split names: NAME-00001-of-00003.gguf
-SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 class HubError(Exception):
@@ -69,11 +68,11 @@ def parse(name: str) -> Spec:
 def split_parts(filename: str, available) -> list[str]:
     """Every part of the split GGUF `filename` belongs to that is in `available`
     (just [filename] for a file that is not a split part)."""
-    m = SPLIT.match(filename)
+    m = SPLIT_GGUF.match(filename)
     if not m:
         return [filename]
     count = int(m["count"])
-    names = [f"{m['stem']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    names = [part_name(m["stem"], i, count) for i in range(1, count + 1)]
     return [n for n in names if n in set(available)]
 
 
@@ -123,4 +122,4 @@ def pick_model(folder: Path, spec: Spec) -> Path:
     )
 
 
-__all__ = ["HubError", "Spec", "is_hub_name", "parse", "select", "split_parts", "pick_model", "SPLIT"]
+__all__ = ["HubError", "Spec", "is_hub_name", "parse", "select", "split_parts", "pick_model"]
