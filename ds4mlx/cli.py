@@ -47,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"ds4mlx {name}", description=SUBCOMMANDS[name][1])
     module.add_arguments(parser) if name != "chat" else module.add_chat_arguments(parser)
-    takes_model = any(a.dest in ("model", "file") for a in parser._actions)  # noqa: SLF001 (no public API)
+    model_flags = [a for a in parser._actions if a.dest in ("model", "file")]  # noqa: SLF001 (no public API)
+    takes_model = bool(model_flags)
     if takes_model:  # -m org/repo: a download is asked for first (hub/resolve.py)
+        for a in model_flags:
+            a.help = f"{a.help}; or a hub model: org/repo[:file] or a `ds4mlx pull` name" if a.help else a.help
         try:
             parser.add_argument("--yes", action="store_true", help="download a hub model (-m org/repo) without asking")
         except argparse.ArgumentError:

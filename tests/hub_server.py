@@ -7,11 +7,12 @@ the real client unchanged:
 * `HEAD /{org}/{repo}/resolve/{rev}/{file}` (`get_hf_file_metadata`): X-Repo-Commit, ETag
   (the git blob id of a small file, the sha256 of an LFS one), and for LFS files
   X-Linked-Etag / X-Linked-Size as the hub sends them;
-* `GET` of the same URL: the bytes, honouring `Range: bytes=N-` with a 206.
+* `GET` of the same URL: the bytes, honouring `Range: bytes=N-` with a 206;
+* anything else (the client's `/api/agent-harnesses`, fetched for its user agent): 404.
 
 `files` maps a repository file to (the bytes to serve, the bytes the metadata describes):
 they differ for a corrupted transfer.  Every GET is logged (path, Range header, bytes
-sent); `pause_after` holds a GET of one file after that many bytes until `release` is set
+sent), and every request's Authorization header; `pause_after` holds a GET of one file after that many bytes until `release` is set
 (the test kills the client meanwhile)."""
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Served:
 class FakeHub:
     repos: dict = field(default_factory=dict)  # "org/repo" -> {filename: Served}
     log: list = field(default_factory=list)  # (method, file, range header, bytes sent)
+    auth: list = field(default_factory=list)  # (method, path, Authorization header) of every request
     pause_after: dict = field(default_factory=dict)  # filename -> bytes before holding
     paused: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
@@ -79,6 +81,7 @@ def _handler(hub: FakeHub):
                 self.wfile.write(body)
 
         def _route(self):
+            hub.auth.append((self.command, self.path, self.headers.get("Authorization")))
             parts = [unquote(p) for p in urlparse(self.path).path.strip("/").split("/")]
             if parts[:2] == ["api", "models"]:
                 repo = "/".join(parts[2:4])

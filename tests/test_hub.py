@@ -58,6 +58,7 @@ def _flip(data: bytes) -> bytes:
 @pytest.fixture
 def home(tmp_path, hub):
     hub.log.clear()
+    hub.auth.clear()
     hub.paused.clear()
     hub.release.clear()
     return tmp_path / "hf"
@@ -87,13 +88,18 @@ def pulled(hub, tmp_path_factory):
     """A hub home where `ds4mlx pull org/demo` ran: (home, the run, the hub's log of it)."""
     home = tmp_path_factory.mktemp("pulled") / "hf"
     hub.log.clear()
-    r = _ds4mlx(["pull", "org/demo"], _env(hub, home))
-    return home, r, list(hub.log)
+    hub.auth.clear()
+    r = _ds4mlx(["pull", "org/demo"], _env(hub, home, HF_TOKEN="hf_test_token"))
+    return home, r, list(hub.log), list(hub.auth)
 
 
 def test_pull_multi_file_repo_with_progress(pulled, hub):
-    home, r, log = pulled
+    home, r, log, auth = pulled
     assert r.returncode == 0, r.stderr
+    # HF_TOKEN on every request for the repository (the client's own registry fetch,
+    # /api/agent-harnesses for its user agent, goes without)
+    repo_requests = [a for a in auth if "/org/demo" in a[1]]
+    assert repo_requests and {a[2] for a in repo_requests} == {"Bearer hf_test_token"}, auth
     snap = _snapshot(home)
     assert r.stdout.strip().splitlines()[-1] == str(snap / "model.gguf")  # the path to pass to -m
     for name, served in hub.repos["org/demo"].items():
@@ -166,7 +172,7 @@ def test_too_little_disk_is_refused_up_front(hub, home, monkeypatch, capsys):
 
 
 def test_pulled_model_loads_offline_by_repo_id_and_is_listed(pulled, hub, monkeypatch, capsys):
-    home, r, _ = pulled
+    home, r, *_ = pulled
     assert r.returncode == 0, r.stderr
     from huggingface_hub import constants
 
@@ -187,6 +193,14 @@ def test_pulled_model_loads_offline_by_repo_id_and_is_listed(pulled, hub, monkey
     assert [(x["name"], x["disk_bytes"], x["fits"]) for x in rows] == [
         ("org/demo", os.path.getsize(demo_model_path(quiet=True)), True)
     ]
+    # pull under HF_HUB_OFFLINE: what is here is its answer; what is not, one line
+    assert main(["pull", "org/demo"]) == 0
+    assert capsys.readouterr().out.strip() == str(_snapshot(home) / "model.gguf")
+    assert main(["pull", "org/other"]) == 1
+    assert (
+        capsys.readouterr().err.strip()
+        == "ds4mlx pull: error: org/other: HF_HUB_OFFLINE is set, so nothing can be downloaded"
+    )
     assert hub.log == []
     # a repository that is not here: one line, nothing asked without a terminal
     assert main(["inspect", "org/other"]) == 2

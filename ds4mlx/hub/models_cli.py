@@ -18,11 +18,13 @@ def local_models(cache_dir=None) -> list[dict]:
     Hugging Face folder (config.json + safetensors), with the files' bytes on disk."""
     from huggingface_hub import scan_cache_dir
 
+    from .catalogue import CATALOGUE
     from .download import cache_dir as default_cache
 
     root = Path(cache_dir or default_cache())
     if not root.is_dir():
         return []
+    known = {(e.repo, e.files[0]): name for name, e in CATALOGUE.items() if len(e.files) == 1}
     out = []
     for repo in sorted(scan_cache_dir(root).repos, key=lambda r: r.repo_id):
         if repo.repo_type != "model":
@@ -37,7 +39,9 @@ def local_models(cache_dir=None) -> list[dict]:
             ggufs = sorted({split_parts(n, files)[0] for n in files if n.endswith(".gguf")})
             for g in ggufs:
                 parts = split_parts(g, files)
-                name = repo.repo_id if len(ggufs) == 1 and not models else f"{repo.repo_id}:{g}"
+                name = known.get((repo.repo_id, g)) or (
+                    repo.repo_id if len(ggufs) == 1 and not models else f"{repo.repo_id}:{g}"
+                )
                 models.append((name, rev.snapshot_path / g, sum(files[p] for p in parts)))
             for name, path, size in models:
                 out.append({"name": name, "path": str(path), "disk_bytes": size})

@@ -24,7 +24,9 @@ def run(args) -> int:
     from .spec import parse
 
     try:
-        path = download.pull(parse(args.name), say=lambda m: print(m, file=sys.stderr))
+        spec = parse(args.name)
+        local = download.cached(spec) if download.offline() else None  # offline: what is here already
+        path = local or download.pull(spec, say=lambda m: print(m, file=sys.stderr))
     except HubError as e:
         print(f"ds4mlx pull: error: {e}", file=sys.stderr)
         return 1
