@@ -157,6 +157,12 @@ def test_corrupted_download_is_detected_and_not_used(hub, home):
     assert {p.name for p in (storage / "blobs").iterdir()} == {hub_server.git_blob_id(readme)}  # the README only
     r = _ds4mlx(["inspect", "org/bad:bad.gguf"], _env(hub, home, HF_HUB_OFFLINE="1"))
     assert r.returncode == 2 and "not in the local hub cache" in r.stderr
+    # -m org/repo --yes downloads it (no question) and meets the same check
+    r = _ds4mlx(["inspect", "org/bad:bad.gguf", "--yes"], _env(hub, home))
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "ds4mlx inspect: error: org/bad:bad.gguf: bad.gguf: hash mismatch"
+    )
+    assert len(hub.gets("bad.gguf")) == 2
 
 
 def test_too_little_disk_is_refused_up_front(hub, home, monkeypatch, capsys):

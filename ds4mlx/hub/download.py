@@ -117,7 +117,7 @@ def plan(spec: Spec, cache: Path | None = None) -> Plan:
     for f in files:
         done = storage / "snapshots" / p.commit / f.name
         part = storage / "blobs" / f"{f.etag}.incomplete"
-        if done.exists():
+        if done.exists() or (f.etag and (storage / "blobs" / f.etag).exists()):  # a blob another revision shares
             p.have[f.name] = f.size
         elif f.etag and part.exists():
             p.have[f.name] = min(part.stat().st_size, f.size)
