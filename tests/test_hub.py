@@ -157,6 +157,13 @@ def test_corrupted_download_is_detected_and_not_used(hub, home):
     assert {p.name for p in (storage / "blobs").iterdir()} == {hub_server.git_blob_id(readme)}  # the README only
     r = _ds4mlx(["inspect", "org/bad:bad.gguf"], _env(hub, home, HF_HUB_OFFLINE="1"))
     assert r.returncode == 2 and "not in the local hub cache" in r.stderr
+    # a file that rots in the cache after its pull (here the small README, checked by its git
+    # blob id) is caught by the next pull and taken out too
+    (storage / "snapshots" / hub_server.COMMIT / "README.md").write_bytes(readme.replace(b"demo", b"dem0"))
+    r = _ds4mlx(["pull", "org/bad"], _env(hub, home))
+    assert r.returncode == 1 and "org/bad: README.md: hash mismatch" in r.stderr.strip().splitlines()[-1]
+    assert not (storage / "snapshots" / hub_server.COMMIT / "README.md").exists()
+    assert list((storage / "blobs").iterdir()) == []
     # -m org/repo --yes downloads it (no question) and meets the same check
     r = _ds4mlx(["inspect", "org/bad:bad.gguf", "--yes"], _env(hub, home))
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(

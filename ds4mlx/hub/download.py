@@ -240,6 +240,8 @@ def _fetch(spec: Spec, f: RemoteFile, commit: str, storage: Path, quiet: bool) -
                 part.unlink(missing_ok=True)
                 raise
             os.replace(part, blob)
+        else:  # a blob already here (another revision's): checked too
+            verify(blob, f, quiet)
         pointer.parent.mkdir(parents=True, exist_ok=True)
         if not pointer.exists():
             os.symlink(os.path.relpath(blob, pointer.parent), pointer)
@@ -269,9 +271,12 @@ def pull(spec: Spec, quiet: bool = False, say=print) -> Path:
     for f in p.files:
         try:
             _fetch(spec, f, p.commit, storage, quiet)
-        except HubError as e:
-            if (storage / "snapshots" / p.commit / f.name).exists():
-                _discard(storage / "snapshots" / p.commit / f.name)
+        except HubError as e:  # a file that is not the hub's: out of the cache
+            pointer = storage / "snapshots" / p.commit / f.name
+            if pointer.exists():
+                _discard(pointer)
+            elif f.etag and (storage / "blobs" / f.etag).exists():
+                os.unlink(storage / "blobs" / f.etag)
             raise HubError(f"{spec.name}: {e}; removed it from the cache (pull again to fetch it anew)") from None
         except (errors.HfHubHTTPError, errors.OfflineModeIsEnabled, httpx.HTTPError, OSError, ValueError) as e:
             raise _hub_error(spec, e) from None
