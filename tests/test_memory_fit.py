@@ -1,24 +1,76 @@
 """The memory verdict (memory_fit.py) at the Macs' and cards' sizes, with the real DeepSeek V4
-Flash files: their bytes are the sum of every tensor's bytes at its stored type (what
-`inspect` adds up from a header), over the real 43-layer shapes, in ds4's q2 / q4 recipes
-and the official FP4 / FP8 release; the KV cache is `inspect.kv_bytes` of the real config.
-Then the load applies it: a refusal in one line, or on Metal the wired limit raised."""
+Flash files.  ds4's q2 and q4 GGUFs are written header-only at the real 43-layer shapes (ds4's
+tensor names, types and metadata; the data region a sparse hole, ~100 KB on disk) and sized
+by `inspect` as any file is; the official FP4 / FP8 release (safetensors, which cannot be
+written without its data) is summed tensor by tensor at its stored types.  The KV cache is
+`inspect.kv_bytes` of the real config.  Then the load applies the verdict: a refusal in one
+line, or on Metal the wired limit raised."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from pathlib import Path
+
+import gguf
 import numpy as np
 import pytest
 
-from ds4mlx import memory_fit
+from ds4mlx import convert, gguf_families, memory_fit
 from ds4mlx.bench.load_memory import model_shapes
-from ds4mlx.bench.synthetic import v4_flash_config
-from ds4mlx.inspect_model import kv_bytes
+from ds4mlx.inspect_model import kv_bytes, summarize
+from ds4mlx.mapped import LazyTensor
 from ds4mlx.modelfile import ModelFileError
-from ds4mlx.quant import QT, byte_shape
-from ds4mlx.quantize import DS4_Q8_0_SUFFIXES
+from ds4mlx.quant import QT, QuantizedTensor, byte_shape
 
 GIB = 1 << 30
-CONFIG = v4_flash_config(layers=43)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _synthetic_tool():
+    spec = importlib.util.spec_from_file_location("ds4_synthetic_gguf", ROOT / "tools" / "ds4_synthetic_gguf.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SYNTH = _synthetic_tool()
+CONFIG = SYNTH.synthetic_config(43)  # the real V4 Flash shape
+
+
+def header_only_gguf(path: Path, config: dict, tensors: dict) -> Path:
+    """What `convert.write_gguf` writes, header only: metadata and tensor infos, then a hole
+    as long as the tensors' data (nothing is generated or written)."""
+    family = gguf_families.for_config(config)
+    w = gguf.GGUFWriter(str(path), family.arch)
+    for key, value, kind in family.config_to_kv(config):
+        if key != "general.architecture":
+            convert._add_kv(w, key, value, kind)
+    data = 0
+    for gname, val in family.to_gguf(config, tensors):
+        shape, dt, nbytes, raw, _ = convert._plan(gname, val, "f16", family.keep_f32)
+        w.add_tensor_info(gname, shape, np.dtype(dt), nbytes, raw_dtype=raw)
+        data += gguf.GGUFWriter.ggml_pad(nbytes, w.data_alignment)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    start = gguf.GGUFWriter.ggml_pad(w.fout[0].tell(), w.data_alignment)
+    w.close()
+    os.truncate(path, start + data)
+    if os.stat(path).st_blocks * 512 > 1 << 30:  # a filesystem without holes: do not fill the disk
+        path.unlink()
+        pytest.skip("this filesystem has no sparse files")
+    return path
+
+
+def _as_q4(tensors: dict) -> dict:
+    """ds4's q4 recipe: the q2 file with Q4_K routed experts."""
+    out = dict(tensors)
+    for k, v in tensors.items():
+        if isinstance(v, QuantizedTensor) and ".mlp.experts." in k:
+            bs = byte_shape(QT.Q4_K, v.shape)
+            out[k] = QuantizedTensor(raw=LazyTensor(lambda: None, bs, np.uint8), qtype=QT.Q4_K, shape=v.shape)
+    return out
 
 
 def _n(shape) -> int:
@@ -29,33 +81,38 @@ def _fp8(shape) -> int:  # E4M3 bytes + one UE8M0 scale per 128x128 block
     return _n(shape) + -(-shape[0] // 128) * -(-shape[1] // 128)
 
 
-@pytest.fixture(scope="module")
-def sizes() -> dict:
-    """Bytes of V4 Flash as ds4's q2 and q4 GGUFs and as the official safetensors."""
-    q2 = q4 = official = 0
-    for name, s in model_shapes(CONFIG).items():
-        if name.endswith("mlp.experts.gate_up_proj"):  # ds4 stores gate and up apart
-            half = (s[0], s[1] // 2, s[2])
-            q2 += 2 * _n(byte_shape(QT.IQ2_XXS, half))
-            q4 += 2 * _n(byte_shape(QT.Q4_K, half))
-            official += _n(s) // 2 + _n(s) // 32  # FP4 E2M1 + a UE8M0 scale per 32
-        elif name.endswith("mlp.experts.down_proj"):
-            q2 += _n(byte_shape(QT.Q2_K, s))
-            q4 += _n(byte_shape(QT.Q4_K, s))
-            official += _n(s) // 2 + _n(s) // 32
-        elif name.endswith(DS4_Q8_0_SUFFIXES):
-            q2 += _n(byte_shape(QT.Q8_0, s))
-            q4 += _n(byte_shape(QT.Q8_0, s))
-            official += _fp8(s)
+def official_bytes(config: dict) -> int:
+    """The official release's bytes (bench/load_memory.py's write_hf layout): FP4 experts with a
+    UE8M0 scale per 32, FP8 matrices with 128x128 block scales, BF16 embedding / head /
+    hyper-connection / router / vectors, int32 hash routes."""
+    total = 0
+    for name, s in model_shapes(config).items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            total += _n(s) // 2 + _n(s) // 32
         elif name.endswith("tid2eid"):
-            q2, q4, official = q2 + 4 * _n(s), q4 + 4 * _n(s), official + 4 * _n(s)
-        elif len(s) >= 2:  # F16 in ds4's files; FP8 or BF16 in the official release
-            q2, q4 = q2 + 2 * _n(s), q4 + 2 * _n(s)
-            bf16 = len(s) > 2 or any(k in name for k in ("embed", "lm_head", "hc", "gate.weight"))
-            official += 2 * _n(s) if bf16 else _fp8(s)
-        else:  # vectors: F32 in ds4's files, BF16 in the official release
-            q2, q4, official = q2 + 4 * _n(s), q4 + 4 * _n(s), official + 2 * _n(s)
-    return {"q2": q2, "q4": q4, "official": official}
+            total += 4 * _n(s)
+        elif len(s) == 2 and not any(k in name for k in ("embed", "lm_head", "hc", "gate.weight")):
+            total += _fp8(s)
+        else:
+            total += 2 * _n(s)
+    return total
+
+
+@pytest.fixture(scope="module")
+def sizes(tmp_path_factory) -> dict:
+    """Bytes of V4 Flash as ds4's q2 and q4 GGUFs (inspect on header-only files) and as the
+    official safetensors."""
+    d = tmp_path_factory.mktemp("headers")
+    q2 = SYNTH.synthetic_tensors(CONFIG)
+    out = {}
+    for name, tensors in (("q2", q2), ("q4", _as_q4(q2))):
+        path = header_only_gguf(d / f"{name}.gguf", CONFIG, tensors)
+        s = summarize(path, 32768)
+        assert s["family"] == "deepseek4" and s["kv_bytes"] == kv_bytes(CONFIG, 32768)
+        out[name] = s["weight_bytes"]
+        path.unlink()
+    out["official"] = official_bytes(CONFIG)
+    return out
 
 
 def test_sizes_are_ds4s(sizes):
