@@ -125,8 +125,10 @@ def _load(args, console):
     return engine, tok
 
 
-def stream_job(engine, job, console: Console, out=sys.stdout) -> Finish | None:
-    """Run one job, printing its events; returns the Finish (None if it failed to start)."""
+def stream_job(engine, job, console: Console, out=None) -> Finish | None:
+    """Run one job, printing its events (text to `out`, default the sys.stdout of the call);
+    returns the Finish (None if it failed to start)."""
+    out = out if out is not None else sys.stdout
     from .engine import Failed
 
     t_start = time.perf_counter()
