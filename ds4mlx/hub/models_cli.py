@@ -73,7 +73,7 @@ def run(args) -> int:
     if not rows:
         print("no models in the local hub cache (`ds4mlx pull` lists what it can fetch)", file=sys.stderr)
         return 0
-    width = max(len(r["name"]) for r in rows)
+    width = max(len("NAME (-m)"), *(len(r["name"]) for r in rows))
     print(f"{'NAME (-m)':<{width}}  {'DISK':>9}  {f'AT --ctx {args.ctx}':>16}  FITS HERE")
     for r in rows:
         mem = "-" if r["serve_bytes"] is None else f"{r['serve_bytes'] / GB:.1f} GB"
