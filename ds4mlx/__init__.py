@@ -22,15 +22,17 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 __version__ = "0.1.0"
 
 
-def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None):
-    """Load `(model, tokenizer)` from a GGUF file or a Hugging Face folder
-    (config.json + *.safetensors).  `path=None` loads the built-in demo model.
+def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, ctx=None):
+    """Load `(model, tokenizer)` from a GGUF file, a Hugging Face folder
+    (config.json + *.safetensors) or a hub name (`org/repo[:file]`, `ds4mlx pull`'s names)
+    already in the local hub cache.  `path=None` loads the built-in demo model.
     `dtype`: "auto" (float32 activations, as ds4), "float32", "bfloat16", "float16";
     `mtp`: ds4's separate MTP support GGUF (see `loader.load`); `stream`: an
-    `ds4mlx.experts.StreamConfig` for SSD expert streaming."""
+    `ds4mlx.experts.StreamConfig` for SSD expert streaming; `ctx`: check (and on a Mac
+    wire) the memory for this context (memory_fit.py)."""
     from .loader import load as _load
 
-    return _load(path, dtype=dtype, mtp=mtp, verbose=verbose, stream=stream)
+    return _load(path, dtype=dtype, mtp=mtp, verbose=verbose, stream=stream, ctx=ctx)
 
 
 __all__ = ["load", "__version__"]

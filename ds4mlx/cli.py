@@ -21,6 +21,8 @@ SUBCOMMANDS = {
     "convert": ("ds4mlx.convert", "convert a Hugging Face folder to a ds4-style GGUF"),
     "quantize": ("ds4mlx.quantize", "quantize a model's routed experts into a new GGUF"),
     "inspect": ("ds4mlx.inspect_model", "what a model file holds and the memory serving it needs"),
+    "pull": ("ds4mlx.hub.pull_cli", "download a model from the Hugging Face hub (`ds4mlx pull` lists names)"),
+    "models": ("ds4mlx.hub.models_cli", "the models downloaded here: sizes and the memory each needs"),
     "demo-model": ("ds4mlx.demo", "write the random-weight demo model and print its path"),
     "steer": ("ds4mlx.steer_cli", "directional steering: `steer build` computes a direction file"),
 }
@@ -45,13 +47,27 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"ds4mlx {name}", description=SUBCOMMANDS[name][1])
     module.add_arguments(parser) if name != "chat" else module.add_chat_arguments(parser)
+    model_flags = [a for a in parser._actions if a.dest in ("model", "file")]  # noqa: SLF001 (no public API)
+    takes_model = bool(model_flags)
+    if takes_model:  # -m org/repo: a download is asked for first (hub/resolve.py)
+        for a in model_flags:
+            a.help = f"{a.help}; or a hub model: org/repo[:file] or a `ds4mlx pull` name" if a.help else a.help
+        try:
+            parser.add_argument("--yes", action="store_true", help="download a hub model (-m org/repo) without asking")
+        except argparse.ArgumentError:
+            pass  # the command's own --yes (agent: approve every tool) answers this too
     args = parser.parse_args(rest)
     args.command = name
+    from .hub.spec import HubError
     from .modelfile import EXIT_CODE, ModelFileError
 
     try:
+        if takes_model:
+            from .hub.resolve import resolve_args
+
+            resolve_args(args)
         return int(module.run(args) or 0)
-    except ModelFileError as e:  # one line naming the file, not a traceback
+    except (ModelFileError, HubError) as e:  # one line naming the file, not a traceback
         print(f"ds4mlx {name}: error: {e}", file=sys.stderr)
         return EXIT_CODE
 

@@ -88,6 +88,7 @@ def load_model(args, console):
         dtype=getattr(args, "dtype", "auto"),
         mtp=spec_cli.mtp_file(args),
         stream=experts_cli.config_from_args(args),
+        ctx=args.ctx,  # the memory verdict at --ctx (memory_fit.py)
     )
     if getattr(model, "is_demo", False):
         from .demo import DEMO_NOTICE
@@ -139,8 +140,10 @@ def _load(args, console):
     return make_engine(args, model, tok, console, default_max_tokens=args.max_tokens), tok
 
 
-def stream_job(engine, job, console: Console, out=sys.stdout) -> Finish | None:
-    """Run one job, printing its events; returns the Finish (None if it failed to start)."""
+def stream_job(engine, job, console: Console, out=None) -> Finish | None:
+    """Run one job, printing its events (text to `out`, default the sys.stdout of the call);
+    returns the Finish (None if it failed to start)."""
+    out = out if out is not None else sys.stdout
     from .engine import Failed
 
     t_start = time.perf_counter()

@@ -9,18 +9,19 @@ every command (modelfile.py).  Prints the family, the tensor count, a histogram 
 plus k of the E routed experts of each MoE layer), and the memory serving it
 takes at `--ctx` tokens: the weights (as the loader keeps them: packed types as
 stored) plus the KV cache (DeepSeek V4's float32 sliding window, compressed rows
-and indexer rows).  Refuses (exit 2) when that exceeds this machine's memory.
+and indexer rows), and the verdict a load applies (memory_fit.py): refused (exit 2), in
+one line naming the --ctx that would fit and --stream-experts, when that exceeds what a
+model may use here.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
-GB = 1e9
-HEADROOM = 0.9  # of the machine's memory usable for one model (the OS and the server need the rest)
+from .memory_fit import GB, budget, machine_memory, verdict
+
 EXPERT_MARKERS = ("_exps.", ".experts.")  # routed expert banks (GGUF ds4 names, HF / hub names)
 EMBED_NAMES = ("token_embd.", "embed.", "model.embed_tokens.")  # one row read per token
 
@@ -93,19 +94,6 @@ def kv_bytes(config: dict | None, ctx: int) -> int | None:
     return total
 
 
-def machine_memory() -> int:
-    """Bytes of memory a model can use here: the GPU's (MLX device info) or the RAM."""
-    try:
-        import mlx.core as mx
-
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        if mx.default_device() != mx.cpu and info.get("memory_size"):
-            return int(info["memory_size"])
-    except Exception:  # noqa: BLE001 - no GPU info: fall back to the RAM
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def summarize(path, ctx: int = 32768) -> dict:
     path = Path(path)
     if not path.is_dir() and not path.is_file():
@@ -129,6 +117,8 @@ def summarize(path, ctx: int = 32768) -> dict:
     per_token = weights - experts - embed + (experts * k // E if E else experts) + (embed // vocab if vocab else embed)
     kv = kv_bytes(config, ctx)
     need = weights + (kv or 0)
+    cap = int((config or {}).get("max_position_embeddings") or 1 << 20)
+    v = verdict(weights, lambda c: kv_bytes(config, c), ctx, budget(), cap)
     return {
         "path": str(path),
         "family": arch,
@@ -140,6 +130,10 @@ def summarize(path, ctx: int = 32768) -> dict:
         "kv_bytes": kv,
         "serve_bytes": need,
         "machine_bytes": machine_memory(),
+        "budget_bytes": v.budget.bytes,
+        "fits": v.fits,
+        "max_ctx": v.max_ctx,
+        "verdict": v,
     }
 
 
@@ -154,6 +148,7 @@ def run(args) -> int:
 
     with reading(args.file):
         s = summarize(args.file, args.ctx)
+    v = s.pop("verdict")
     if args.json:
         print(json.dumps(s))
     else:
@@ -161,18 +156,9 @@ def run(args) -> int:
         for t, h in s["types"].items():
             print(f"  {t:<10} {h['tensors']:>6} tensors  {h['bytes'] / GB:9.3f} GB")
         print(f"bytes read per decoded token: {s['bytes_per_token'] / GB:.3f} GB")
-        kv = "unknown for this family" if s["kv_bytes"] is None else f"{s['kv_bytes'] / GB:.2f} GB"
-        print(
-            f"serving at --ctx {s['ctx']}: weights {s['weight_bytes'] / GB:.2f} GB + KV cache {kv} "
-            f"= {s['serve_bytes'] / GB:.2f} GB; this machine: {s['machine_bytes'] / GB:.1f} GB"
-        )
-    if s["serve_bytes"] > HEADROOM * s["machine_bytes"]:
-        print(
-            f"ds4mlx inspect: {s['path']} needs {s['serve_bytes'] / GB:.1f} GB to serve at --ctx {s['ctx']} but "
-            f"this machine has {s['machine_bytes'] / GB:.1f} GB ({HEADROOM:.0%} usable): it cannot hold it; "
-            "use a machine with more memory, a smaller quantization, or SSD streaming of the experts",
-            file=sys.stderr,
-        )
+        print(f"serving: {v.line()}")
+    if not v.fits:
+        print(f"ds4mlx inspect: {v.refusal(s['path'])}", file=sys.stderr)
         return 2
     return 0
 

@@ -62,7 +62,37 @@ def mtp_tensor_rule(config: dict):
     return lambda name: name.startswith(MTP_PREFIX) or own(name, config)
 
 
-def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, shard=None):
+def _local_path(path: str) -> str:
+    """A hub name -> its copy in the local hub cache (no download here: `ds4mlx pull`, or the
+    commands' `-m org/repo`, fetch it)."""
+    from .hub.spec import is_hub_name
+
+    if not is_hub_name(path):
+        return path
+    from .hub.download import cached
+    from .hub.spec import parse
+
+    local = cached(parse(path))
+    if local is None:
+        raise FileNotFoundError(f"{path}: not in the local hub cache (`ds4mlx pull {path}` downloads it)")
+    return str(local)
+
+
+def _fit(tensors: dict, config: dict, ctx: int, cast_dtype):
+    """The memory verdict for these weights at `ctx` (memory_fit.py); ValueError when it is no."""
+    from .experts.fit import resident_bytes
+    from .inspect_model import kv_bytes
+    from .memory_fit import budget, verdict
+
+    weights = sum(resident_bytes(v, cast_dtype) for v in tensors.values())
+    cap = int(config.get("max_position_embeddings") or 1 << 20)
+    v = verdict(weights, lambda c: kv_bytes(config, c), ctx, budget(), cap)
+    if not v.fits:
+        raise ValueError(v.refusal("the model"))
+    return v
+
+
+def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, shard=None, ctx=None):
     """Load a GGUF file or a Hugging Face folder; `None` (or "demo") is the built-in
     demo model, "demo:<family>" the demo model of another family.
 
@@ -73,14 +103,20 @@ def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, shard=Non
     (speculative/mtp.py).  The dtype choice is printed to stderr unless `verbose=False`.  `stream`: an
     `experts.StreamConfig` (--stream-experts): routed experts read from the file on
     demand into a bounded cache (ds4mlx/experts/).  `shard`: this rank's part of the
-    model (`distributed.sharding.Sharding`), the only part read."""
+    model (`distributed.sharding.Sharding`), the only part read.  `ctx`: the context the
+    caller will serve; the weights plus the KV cache at `ctx` are checked against this
+    machine (memory_fit.py: refused in one line when they do not fit; on Metal the wired
+    limit raised when they do).  A hub name (`org/repo[:file]`, a catalogue name) loads its
+    copy in the local hub cache (hub/)."""
     is_demo = path is None or str(path) == "demo" or str(path).startswith("demo:")
     if is_demo:
         from .demo import demo_model_path
 
         path = demo_model_path(str(path).split(":", 1)[1] if path and ":" in str(path) else DEFAULT_FAMILY)
     path = os.fspath(path)
+    fit = None
     with reading(path):  # a broken file is one ModelFileError line, not a traceback
+        path = _local_path(path)
         config, tensors, tokenizer = read_weights(path)
         policy = dtype_policy.resolve(dtype)
         is_mtp = mtp_tensor_rule(config)
@@ -89,6 +125,8 @@ def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, shard=Non
 
         # refused in one line before anything is read (--stream-experts: only what stays resident)
         check_fits(tensors, int(config.get("num_hidden_layers") or 0), policy.weights, stream)
+        if ctx and not (stream is not None and (stream.enabled or stream.memory_gb is not None)) and shard is None:
+            fit = _fit(tensors, config, ctx, policy.weights)
         if mtp is not None:
             mtp_tensors.update(read_mtp_gguf(mtp))
         model = LanguageModel.from_config(config, tensors, dtype=policy.weights, stream=stream, path=path, shard=shard)
@@ -98,6 +136,12 @@ def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, shard=Non
     model.mtp_weights = KeptTensors(mtp_tensors)  # read when `--mtp` builds its head
     if verbose:
         print(f"ds4mlx: dtype: {policy.describe()}", file=sys.stderr)
+    if fit is not None:
+        from .memory_fit import wire
+
+        wired = wire(fit)
+        if verbose:
+            print(f"ds4mlx: memory: {fit.line()}{f'; {wired}' if wired else ''}", file=sys.stderr)
     model.path = path
     model.config = config
     model.is_demo = is_demo

@@ -46,6 +46,7 @@ from .gguf_families.deepseek_v4 import MTP_PREFIX, mtp_hf_name
 from .gguf_families.metadata import fields_metadata
 from .mapped import LazyTensor, fill, release
 from .quant import FP4_TABLE, MX_GROUP, MXTensor, QuantizedTensor, e4m3fn_table, e8m0_to_f32
+from .split_names import SPLIT_GGUF, part_name
 
 GGUF_MAGIC = b"GGUF"
 
@@ -197,9 +198,10 @@ _PLAIN_GGML = ("F32", "F16", "F64", "I8", "I16", "I32", "I64")
 class GGUFFile:
     """A GGUF file read with `gguf.GGUFReader`: `.metadata` {key: python value},
     `.tensors` {name: GGUFTensorInfo}, `.tensor(name)`; tensor data stays in the
-    memory mapping.  `.reader` is the underlying `gguf.GGUFReader`."""
+    memory mapping.  `.reader` is the underlying `gguf.GGUFReader` (of the first part of
+    a split GGUF, which reads as one file: `.parts` its files)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, split_part: bool = False):
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
@@ -218,6 +220,41 @@ class GGUFFile:
             raise ValueError(f"{self.path}: corrupt or unsupported GGUF file ({type(e).__name__}: {e})") from None
         self.metadata: dict = fields_metadata(self.reader.fields)
         self.tensors: dict[str, GGUFTensorInfo] = {t.name: GGUFTensorInfo(t) for t in self.reader.tensors}
+        self.parts = [self.path]
+        if not split_part and int(self.metadata.get("split.count", 1) or 1) > 1:
+            self._join_split_parts()
+
+    def _join_split_parts(self) -> None:
+        """A split GGUF (llama.cpp's gguf-split: NAME-00001-of-0000N.gguf, the metadata in the
+        first part, `split.no` / `split.count` / `split.tensors.count` in each) read as one
+        file: every part's tensors, the first part's metadata."""
+        count, no = int(self.metadata["split.count"]), int(self.metadata.get("split.no", 0) or 0)
+        m = SPLIT_GGUF.match(self.path.name)
+        if not m or int(m["count"]) != count:
+            raise ValueError(
+                f"{self.path}: part of a split GGUF (split.count={count}) not named NAME-00001-of-{count:05d}.gguf"
+            )
+        name = lambda i: self.path.with_name(part_name(m["stem"], i, count))  # noqa: E731
+        if no != 0:
+            raise ValueError(
+                f"{self.path}: part {no + 1} of {count} of a split GGUF; load its first part, {name(1).name}"
+            )
+        for i in range(2, count + 1):
+            part = GGUFFile(name(i), split_part=True)
+            if int(part.metadata.get("split.no", -1)) != i - 1 or int(part.metadata.get("split.count", 0)) != count:
+                raise ValueError(
+                    f"{part.path}: not part {i} of {count} of {self.path.name} (its split.no / split.count)"
+                )
+            clash = next((t for t in part.tensors if t in self.tensors), None)
+            if clash is not None:
+                raise ValueError(f"{part.path}: tensor {clash} is in an earlier part too")
+            self.tensors.update(part.tensors)
+            self.parts.append(part.path)
+        want = self.metadata.get("split.tensors.count")
+        if want is not None and int(want) != len(self.tensors):
+            raise ValueError(
+                f"{self.path}: the split's {count} parts hold {len(self.tensors)} tensors, split.tensors.count says {want}"
+            )
 
     def tensor(self, name: str):
         """numpy view (float / int types), float32 array (BF16), or QuantizedTensor."""
@@ -251,8 +288,6 @@ def read_gguf(path: str | os.PathLike, with_tokenizer: bool = True):
 def read_gguf_file(g: GGUFFile, with_tokenizer: bool = True):
     """`read_gguf` of a GGUF already opened (`inspect` reads its headers too)."""
     meta = g.metadata
-    if int(meta.get("split.count", 1) or 1) > 1:
-        raise ValueError(f"{g.path}: split GGUF files (split.count={meta['split.count']}) are not supported")
     from . import gguf_families
 
     family = gguf_families.for_arch(meta.get("general.architecture", "")) or gguf_families.default()

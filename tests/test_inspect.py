@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ds4mlx import inspect_model
+from ds4mlx import inspect_model, memory_fit
 from ds4mlx.cli import main
 from ds4mlx.demo import demo_model_path
 from ds4mlx.weights import GGUFFile
@@ -31,10 +31,25 @@ def test_inspect_kv_grows_with_ctx():
 
 
 def test_inspect_refuses_when_machine_too_small(monkeypatch, capsys):
-    monkeypatch.setattr(inspect_model, "machine_memory", lambda: 1 << 20)
-    assert main(["inspect", demo_model_path(quiet=True)]) == 2
+    path = demo_model_path(quiet=True)
+    s = inspect_model.summarize(path, 65536)
+    # room for the weights and the KV of 16384 tokens, not 65536: the refusal names the --ctx that fits
+    room = s["weight_bytes"] + inspect_model.kv_bytes(_config(path), 16384)
+    monkeypatch.setattr(inspect_model, "budget", lambda: memory_fit.Budget(room, "a test machine"))
+    assert main(["inspect", path, "--ctx", "65536"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cannot hold it" in err[0] and "SSD streaming" in err[0]
+    assert len(err) == 1 and "cannot hold it" in err[0] and "--stream-experts" in err[0]
+    assert "--ctx 16384 fits" in err[0]
+    monkeypatch.setattr(inspect_model, "budget", lambda: memory_fit.Budget(1 << 20, "a test machine"))
+    assert main(["inspect", path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--stream-experts" in err[0] and "--ctx" not in err[0].split("cannot hold it")[1]
+
+
+def _config(path):
+    from ds4mlx.weights import read_gguf_file
+
+    return read_gguf_file(GGUFFile(path), with_tokenizer=False)[0]
 
 
 def test_inspect_bad_file_one_line(tmp_path, capsys):

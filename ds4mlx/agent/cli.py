@@ -21,7 +21,9 @@ def add_arguments(p) -> None:
 
     p.add_argument("-m", "--model", help="GGUF file or HF folder (default: the random-weight demo model)")
     p.add_argument("-p", "--prompt", help="run this one task non-interactively, then exit")
-    p.add_argument("--yes", action="store_true", help="trusted run: approve every write / edit / bash")
+    p.add_argument(
+        "--yes", action="store_true", help="trusted run: approve every write / edit / bash (and a -m org/repo download)"
+    )
     p.add_argument("--cwd", default=".", help="the project directory the tools work in (default: .)")
     p.add_argument("--session", help="session file: opened if it exists, saved on exit")
     p.add_argument("--sessions-dir", help="where /save, /list, /switch keep named sessions")

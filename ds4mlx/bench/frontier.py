@@ -332,7 +332,11 @@ def run(args) -> int:
 
         stream = experts_cli.config_from_args(args)
         model, tokenizer = load(
-            args.model, dtype=getattr(args, "dtype", "auto"), stream=stream, mtp=spec_cli.mtp_file(args)
+            args.model,
+            dtype=getattr(args, "dtype", "auto"),
+            stream=stream,
+            mtp=spec_cli.mtp_file(args),
+            ctx=args.ctx_max + args.gen_tokens,  # the memory verdict (memory_fit.py)
         )
         label = Path(getattr(model, "path", args.model or "demo")).name
     try:

@@ -164,6 +164,7 @@ def build(args, loaded=None):
             dtype=getattr(args, "dtype", "auto"),
             mtp=spec_cli.mtp_file(args),
             stream=experts_cli.config_from_args(args),
+            ctx=args.ctx,  # the memory verdict at --ctx (memory_fit.py)
         )
         if getattr(model, "is_demo", False):
             from ..demo import DEMO_NOTICE
