@@ -17,6 +17,7 @@ __all__ = [
     "read_image_file",
     "add_chat_template_argument",
     "chat_protocol",
+    "template_protocol",
 ]
 
 
@@ -110,9 +111,13 @@ def add_chat_template_argument(p) -> None:
 def chat_protocol(args, protocol):
     """The loaded family's `protocol` rendering with --chat-template (UsageError when the
     family has no such template)."""
+    return template_protocol(getattr(args, "chat_template", None), protocol)
+
+
+def template_protocol(name: str | None, protocol):
+    """`protocol`'s family rendering with chat template `name` (None: `protocol` itself)."""
     from .chat.protocol import TemplateError, get_protocol
 
-    name = getattr(args, "chat_template", None)
     if not name or name == protocol.chat_template:
         return protocol
     try:

@@ -234,6 +234,24 @@ CONVERSATIONS = {
         ],
         [BASH, WEATHER],
     ),
+    "trailing-system-message": (
+        [
+            SYS,
+            user("Summarise the result."),
+            assistant("", "Look it up.", [call("t1", "bash", {"command": "cat r"})]),
+            result("t1", "status=ok"),
+            {"role": "system", "content": "<reminder>123 tokens left</reminder>"},
+        ],
+        [BASH],
+    ),
+    "numbers-and-duplicate-keys": (
+        [
+            user("Go"),
+            assistant("", "", [call("n1", "bash", '{"a": 1e5, "b": 1.0, "c": -0.0, "a": 2, "d": "\\u00e9"}')]),
+            result("n1", "ok"),
+        ],
+        [BASH],
+    ),
     "leading-assistant": (
         [SYS, assistant("Welcome back."), user("Where were we?")],
         None,
@@ -403,3 +421,134 @@ def test_cli_option_and_serve_config():
     cfg = ServeConfig(family="deepseek_v4", chat_template=M.CHAT_TEMPLATE_OFFICIAL)
     assert protocol_of(cfg) is OFFICIAL
     assert protocol_of(ServeConfig(family="deepseek_v4")) is get_protocol("deepseek_v4")
+
+
+# --- every command takes --chat-template -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v4_demo():
+    import ds4mlx
+
+    return ds4mlx.load(None)
+
+
+def _serve(argv, loaded):
+    import argparse
+
+    from ds4mlx.serve import cli
+    from ds4mlx.serve.app import STATE
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    engine, app = cli.build(p.parse_args(argv), loaded=loaded)
+    return engine, app[STATE].cfg
+
+
+def test_serve_renders_requests_with_the_official_template(encoder, v4_demo):
+    from ds4mlx.serve.prepare import prepare
+
+    messages, tools = CONVERSATIONS["results-out-of-order"]
+    body = request_body(messages, tools, "high")
+    engine, cfg = _serve(["--chat-template", "official"], v4_demo)
+    try:
+        assert cfg.chat_template == M.CHAT_TEMPLATE_OFFICIAL and engine.protocol is OFFICIAL
+        assert prepare(cfg, engine, None, "chat", copy.deepcopy(body)).job.prompt_text == encoder_prompt(
+            encoder, body, "high"
+        )
+    finally:
+        engine.close()
+    engine, cfg = _serve([], v4_demo)  # the default: ds4's renderer
+    try:
+        conv = parse_request("openai", copy.deepcopy(body))
+        assert prepare(cfg, engine, None, "chat", copy.deepcopy(body)).job.prompt_text == ds4_template.render(conv)
+    finally:
+        engine.close()
+
+
+def test_serve_refuses_the_template_for_another_family():
+    from types import SimpleNamespace
+
+    glm = SimpleNamespace(args=SimpleNamespace(model_type="glm5_next"))
+    with pytest.raises(SystemExit, match="--chat-template official: chat template 'official' is not available"):
+        _serve(["--chat-template", "official"], (glm, None))
+
+
+def test_generate_and_chat_engine_use_the_template(monkeypatch, capsys, v4_demo):
+    import argparse
+
+    from ds4mlx import generate, loader
+
+    seen = {}
+    monkeypatch.setattr(loader, "load", lambda path=None, **kw: v4_demo)
+
+    def fake_stream(engine, job, console, out=None):
+        seen["protocol"], seen["job"] = engine.protocol, job
+        return None
+
+    monkeypatch.setattr(generate, "stream_job", fake_stream)
+    for argv, want in (([], get_protocol("deepseek_v4")), (["--chat-template", "official"], OFFICIAL)):
+        p = argparse.ArgumentParser()
+        generate.add_arguments(p)  # chat shares these flags (generate._common)
+        a = p.parse_args(["-p", "Hi", "-s", "Be brief.", *argv])
+        a.command = "generate"
+        generate.run(a)
+        assert seen["protocol"] is want
+        assert seen["job"].prompt_text == want.render(
+            parse_request("openai", {"messages": [SYS | {"content": "Be brief."}, user("Hi")]})
+        )
+
+
+def test_agent_engine_uses_the_template(tmp_path):
+    import argparse
+
+    from agent_helpers import ScriptedModel, steps
+
+    from ds4mlx.agent import cli
+    from ds4mlx.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(["--cwd", str(tmp_path), "--ctx", "4096", "--chat-template", "official"])
+    engine, worker = cli.build(args, ScriptedModel(tok, steps("done")), tok)
+    try:
+        assert engine.protocol is OFFICIAL and worker.protocol is OFFICIAL
+        assert worker.render().startswith(M.BOS) and M.OFFICIAL_TOOLS_BLOCK_TAIL in worker.render()
+    finally:
+        worker.close()
+        engine.close()
+
+
+def test_eval_in_process_prompts(encoder):
+    from scripted_model import ScriptedModel
+
+    from ds4mlx.eval.inprocess import InProcessBackend
+    from ds4mlx.eval.prompts import Prompt
+    from ds4mlx.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    model = ScriptedModel(tok, {})
+    for thinking, think_max, mode in ((False, False, "none"), (True, False, "high"), (True, True, "max")):
+        prompt = Prompt("You are solving a benchmark.", "What is 6*7?", thinking, think_max)
+        official = InProcessBackend(loaded=(model, tok), chat_template=M.CHAT_TEMPLATE_OFFICIAL).prompt_text(prompt)
+        want = encoder.encode_messages(
+            prompt.messages,
+            thinking_mode="chat" if mode == "none" else "thinking",
+            reasoning_effort="max" if mode == "max" else None,
+        )
+        assert official == want
+        assert InProcessBackend(loaded=(model, tok)).prompt_text(prompt) == prompt.text == want  # no tools: the same
+
+
+def test_eval_endpoint_refuses_the_flag(capsys):
+    import argparse
+
+    from ds4mlx.eval import cli as eval_cli
+
+    p = argparse.ArgumentParser()
+    eval_cli.add_arguments(p)
+    a = p.parse_args(["--endpoint", "http://127.0.0.1:1", "--chat-template", "official"])
+    with pytest.raises(SystemExit):
+        eval_cli._backend(a)
+    assert "--chat-template is for the in-process model" in capsys.readouterr().err

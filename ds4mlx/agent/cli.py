@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from ..cli_options import add_chat_template_argument
 from ..kv.policy import add_kv_arguments
 from .approval import DEFAULT_TIMEOUT_SEC
 
@@ -32,6 +33,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--edit-upto", action="store_true", help="let edit take anchored old='START[upto]END' spans")
     p.add_argument("-s", "--system", default="", help="extra system prompt text")
+    add_chat_template_argument(p)
     add_kv_arguments(p)
 
 
@@ -54,7 +56,11 @@ def build(args, model, tokenizer, sink=None):
     from .worker import AgentWorker
 
     kv = DiskKVCache.open(KVCacheOptions.from_args(args), model, args.ctx) if args.kv_disk_dir else None
-    engine = Engine(model, tokenizer, ctx=args.ctx, cache=kv)
+    from ..chat.protocol import protocol_for_model
+    from ..cli_options import chat_protocol
+
+    protocol = chat_protocol(args, protocol_for_model(model))  # --chat-template (UsageError: not this family's)
+    engine = Engine(model, tokenizer, ctx=args.ctx, cache=kv, protocol=protocol)
     toolbox = ToolBox(os.path.abspath(args.cwd), edit_upto=args.edit_upto)
     params = SamplingParams(temperature=1.0 if args.temp is None else args.temp, seed=args.seed)
     worker = AgentWorker(
@@ -90,9 +96,11 @@ def run(args) -> int:
         if args.max_tokens is None:  # its gibberish rarely ends: keep a demo run short
             args.max_tokens = DEMO_MAX_TOKENS
             console.print(f"[dim]demo model: replies capped at {DEMO_MAX_TOKENS} tokens (-n to change)[/dim]")
+    from ..cli_options import UsageError
+
     try:
         engine, worker = build(args, model, tok)
-    except ValueError as e:
+    except (ValueError, UsageError) as e:
         console.print(f"[red]error: {e}[/red]")
         return 2
     try:
