@@ -15,6 +15,9 @@ __all__ = [
     "add_vision_arguments",
     "install_vision",
     "read_image_file",
+    "add_chat_template_argument",
+    "chat_protocol",
+    "template_protocol",
 ]
 
 
@@ -90,6 +93,37 @@ def read_image_file(path: str):
         return images.from_bytes(data, "image/png")
     except images.ImageError as e:
         raise UsageError(f"{path}: {e.message}") from None
+
+
+def add_chat_template_argument(p) -> None:
+    """--chat-template (generate, chat, serve, agent and eval)."""
+    from .chat import markers as M
+
+    p.add_argument(
+        "--chat-template",
+        choices=M.CHAT_TEMPLATES,
+        default=M.CHAT_TEMPLATE_DS4,
+        help="prompt rendering: ds4 (default, ds4's renderer) or official (DeepSeek V4 only: byte for byte "
+        "what DeepSeek's encoding_dsv4.py writes; docs/chat-template.md)",
+    )
+
+
+def chat_protocol(args, protocol):
+    """The loaded family's `protocol` rendering with --chat-template (UsageError when the
+    family has no such template)."""
+    return template_protocol(getattr(args, "chat_template", None), protocol)
+
+
+def template_protocol(name: str | None, protocol):
+    """`protocol`'s family rendering with chat template `name` (None: `protocol` itself)."""
+    from .chat.protocol import TemplateError, get_protocol
+
+    if not name or name == protocol.chat_template:
+        return protocol
+    try:
+        return get_protocol(protocol.family, name)
+    except TemplateError as e:
+        raise UsageError(f"--chat-template {name}: {e}") from None
 
 
 class UsageError(Exception):

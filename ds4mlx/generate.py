@@ -21,9 +21,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from . import dtype_policy
 from .cli_options import (
     UsageError,
+    add_chat_template_argument,
     add_prefix_argument,
     add_steering_arguments,
     add_vision_arguments,
+    chat_protocol,
     conversation_head,
     install_steering,
     install_vision,
@@ -49,6 +51,7 @@ def _common(p) -> None:
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0, help="0 = time based")
     add_think_arguments(p)
+    add_chat_template_argument(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("-s", "-sys", "--system", default="", help="system prompt")
     add_prefix_argument(p)
@@ -121,7 +124,10 @@ def make_engine(args, model, tok, console, **engine_options):
             raise UsageError(str(e)) from None
         if speculation is not None:
             console.print(f"[dim]speculative decoding: {speculation.describe()}[/dim]")
-        engine = Engine(model, tok, ctx=args.ctx, speculation=speculation, **engine_options)
+        from .chat.protocol import protocol_for_model
+
+        protocol = chat_protocol(args, protocol_for_model(model))  # --chat-template (UsageError: not this family's)
+        engine = Engine(model, tok, ctx=args.ctx, speculation=speculation, protocol=protocol, **engine_options)
     finally:
         if masked:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

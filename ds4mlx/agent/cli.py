@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from ..cli_options import add_chat_template_argument
 from ..kv.policy import add_kv_arguments
 from .approval import DEFAULT_TIMEOUT_SEC
 
@@ -47,6 +48,7 @@ def add_arguments(p) -> None:
     add_steering_arguments(p)
     add_vision_arguments(p, images=False)  # --vision: the view_image tool
     experts_cli.add_arguments(p)  # --stream-experts and its cache flags
+    add_chat_template_argument(p)
     add_kv_arguments(p)
     hooks.add_arguments(p)
 

@@ -74,6 +74,43 @@ TOOLS_BLOCK_TAIL = (
     "invoke tool calls. Use the exact parameter names from the schemas."
 )
 
+# --- DeepSeek's own V4 encoder, `--chat-template official` (docs/chat-template.md §11) --
+# Chat template names every command accepts (the default is ds4's renderer).
+CHAT_TEMPLATE_DS4 = "ds4"
+CHAT_TEMPLATE_OFFICIAL = "official"
+CHAT_TEMPLATES = (CHAT_TEMPLATE_DS4, CHAT_TEMPLATE_OFFICIAL)
+# The encoder's tools text (`TOOLS_TEMPLATE` of encoding_dsv4.py): "the user's question", a
+# shorter string-parameter rule, no "Use the exact parameter names" sentence and a final LF.
+OFFICIAL_TOOLS_BLOCK_HEAD = (
+    "## Tools\n\n"
+    "You have access to a set of tools to help answer the user's question. "
+    'You can invoke tools by writing a "<｜DSML｜tool_calls>" block like the following:\n\n'
+    "<｜DSML｜tool_calls>\n"
+    '<｜DSML｜invoke name="$TOOL_NAME">\n'
+    '<｜DSML｜parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜parameter>\n'
+    "...\n"
+    "</｜DSML｜invoke>\n"
+    '<｜DSML｜invoke name="$TOOL_NAME2">\n'
+    "...\n"
+    "</｜DSML｜invoke>\n"
+    "</｜DSML｜tool_calls>\n\n"
+    'String parameters should be specified as is and set `string="true"`. '
+    "For all other types (numbers, booleans, arrays, objects), pass the value in JSON format "
+    'and set `string="false"`.\n\n'
+    "If thinking_mode is enabled (triggered by <think>), you MUST output your complete "
+    "reasoning inside <think>...</think> BEFORE any tool calls or final response.\n\n"
+    "Otherwise, output directly after </think> with tool calls or final response.\n\n"
+    "### Available Tool Schemas\n\n"
+)
+OFFICIAL_TOOLS_BLOCK_TAIL = (
+    "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+)
+# What the encoder puts between a system text and its tools block, and between the
+# blocks (text, tool results) of one merged user turn.
+OFFICIAL_SECTION_SEPARATOR = "\n\n"
+# The parameter a tool call whose arguments are not a JSON object is rendered under.
+OFFICIAL_RAW_ARGUMENTS_KEY = "arguments"
+
 
 # --- DSML spellings (docs/dsml.md §1) ----------------------------------------------
 @dataclass(frozen=True)

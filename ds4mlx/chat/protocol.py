@@ -43,6 +43,9 @@ __all__ = [
     "request_effort",
     "EffortError",
     "DEFAULT_FAMILY",
+    "TemplateError",
+    "register_template",
+    "chat_templates",
 ]
 
 DEFAULT_FAMILY = registry.DEFAULT_FAMILY
@@ -51,6 +54,10 @@ DEFAULT_FAMILY = registry.DEFAULT_FAMILY
 # that registers its protocol: both from the family registry (ds4mlx/registry.py)
 _MODEL_TYPES = {t: f.key for t, f in registry.BY_MODEL_TYPE.items()}
 _FAMILY_MODULES = {f.key: f.chat_module for f in registry.FAMILIES}
+
+
+class TemplateError(ValueError):
+    """A chat template the family does not have (`--chat-template`)."""
 
 
 class EffortError(ValueError):
@@ -80,6 +87,8 @@ class ChatProtocol:
     turn_end: str = ""
     default_mode: str = "high"
     numeric_effort: bool = False  # reasoning_effort may be a number (V4.1 levels)
+    # which of the family's prompt renderings this is (`--chat-template`, markers.CHAT_TEMPLATES)
+    chat_template: str = M.CHAT_TEMPLATE_DS4
 
     # --- identity ------------------------------------------------------------------
     @property
@@ -185,8 +194,20 @@ def register(protocol: ChatProtocol) -> ChatProtocol:
     return protocol
 
 
-def get_protocol(family: str | None = None) -> ChatProtocol:
-    """The protocol of a family key or config model_type (None: DeepSeek V4)."""
+# (family, template) -> a protocol that renders prompts another way (same family otherwise)
+_TEMPLATES: dict[tuple[str, str], ChatProtocol] = {}
+
+
+def register_template(protocol: ChatProtocol) -> ChatProtocol:
+    """Register a family's non-default chat template (`protocol.chat_template`)."""
+    _TEMPLATES[(protocol.family, protocol.chat_template)] = protocol
+    return protocol
+
+
+def get_protocol(family: str | None = None, template: str | None = None) -> ChatProtocol:
+    """The protocol of a family key or config model_type (None: DeepSeek V4), rendering
+    with chat `template` (None or "ds4": the family's default; TemplateError when the
+    family has no such template)."""
     family = _MODEL_TYPES.get(family or DEFAULT_FAMILY, family or DEFAULT_FAMILY)
     proto = _REGISTRY.get(family)
     if proto is None and family in _FAMILY_MODULES:
@@ -194,7 +215,21 @@ def get_protocol(family: str | None = None) -> ChatProtocol:
         proto = _REGISTRY.get(family)
     if proto is None:
         raise KeyError(f"no chat protocol for model family {family!r}")
-    return proto
+    if template is None or template == proto.chat_template:
+        return proto
+    variant = _TEMPLATES.get((family, template))
+    if variant is None:
+        raise TemplateError(
+            f"chat template {template!r} is not available for {proto.model_name or family} "
+            f"(it has: {', '.join(chat_templates(family))})"
+        )
+    return variant
+
+
+def chat_templates(family: str | None = None) -> tuple:
+    """The chat template names a family renders with, its default first."""
+    proto = get_protocol(family)
+    return (proto.chat_template,) + tuple(t for (f, t) in _TEMPLATES if f == proto.family)
 
 
 def families() -> tuple:

@@ -16,6 +16,8 @@ import os
 import sys
 from typing import Any
 
+from ..chat import markers as M
+from ..cli_options import UsageError, add_chat_template_argument
 from ..modelfile import EXIT_CODE, ModelFileError
 from ..speculative import cli as spec_cli
 from .cases import SUITES, load_cases, select, unknown_ids, validate_cases
@@ -55,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=("mlx", "endpoint", "fake"), default=None, help=argparse.SUPPRESS)
     g.add_argument("--fake-script", metavar="JSON", help=argparse.SUPPRESS)
     spec_cli.add_arguments(g)  # speculative decoding of the in-process backend
+    add_chat_template_argument(g)  # the in-process backend's prompts (a server picks its own)
 
     g = p.add_argument_group("cases")
     g.add_argument("--suite", choices=SUITES, default="core", help="case suite (default core: the 92 ds4-eval cases)")
@@ -250,6 +253,7 @@ def make_backend(kind: str, **kw: Any):
         min_p=kw.get("min_p", 0.05),
         stream=kw.get("stream"),
         spec_args=kw.get("spec_args"),
+        chat_template=kw.get("chat_template"),
     )
 
 
@@ -264,6 +268,12 @@ def _backend(a: argparse.Namespace):
     if kind == "endpoint":
         if not a.endpoint:
             raise SystemExit(_fail("--backend endpoint needs --endpoint URL"))
+        if a.chat_template != M.CHAT_TEMPLATE_DS4:
+            raise SystemExit(
+                _fail(
+                    "--chat-template is for the in-process model; a server renders with its own (serve --chat-template)"
+                )
+            )
         return make_backend(
             "endpoint",
             url=a.endpoint,
@@ -278,7 +288,14 @@ def _backend(a: argparse.Namespace):
 
     stream = config_from_args(a)
     return make_backend(
-        "mlx", model=a.model, temperature=a.temp, top_p=a.top_p, min_p=a.min_p, stream=stream, spec_args=a
+        "mlx",
+        model=a.model,
+        temperature=a.temp,
+        top_p=a.top_p,
+        min_p=a.min_p,
+        stream=stream,
+        spec_args=a,
+        chat_template=a.chat_template,
     )
 
 
@@ -420,7 +437,7 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
         return _fail("interrupted while loading the model", 130)
     except ModelFileError as e:  # a broken model file: one line naming it, exit 2
         return _fail(str(e), EXIT_CODE)
-    except spec_cli.SpecUsageError as e:  # a speculative-decoding flag it cannot honour
+    except (spec_cli.SpecUsageError, UsageError) as e:  # a flag it cannot honour (speculation, template)
         return _fail(str(e), 2)
     except Exception as e:  # noqa: BLE001
         return _fail(f"cannot open the model: {type(e).__name__}: {e}", harness_rc)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 from typing import Any
 
+from ..chat import markers as M
 from .backends import Callback, Control, noop
 from .prompts import Prompt
 from .thinkclose import GenResult, Interrupted, ThinkCloser, Xorshift64Star, run_token_loop
@@ -35,11 +36,14 @@ class InProcessBackend:
         loaded: tuple[Any, Any] | None = None,
         stream: Any = None,
         spec_args: Any = None,
+        chat_template: str | None = None,
     ):
         """`loaded=(model, tokenizer)` skips `ds4mlx.load` (tests, embedding); `stream`:
         an `experts.StreamConfig` (--stream-experts); `spec_args`: the speculative-decoding
         flags (speculative/cli.py), or a SpecConfig."""
         self.stream = stream
+        self.chat_template = chat_template  # --chat-template; None / "ds4": Prompt.text as is
+        self._protocol: Any = None  # the loaded family's protocol with that template
         self.model_path = model_path
         self.model = model_path or "demo"
         self.temperature, self.top_p, self.min_p = temperature, top_p, min_p
@@ -60,10 +64,27 @@ class InProcessBackend:
             self._model, self._tok = ds4mlx.load(
                 self.model_path, stream=self.stream, mtp=spec_cli.mtp_file(self._spec_args)
             )
+        if self._protocol is None:
+            from ..chat.protocol import protocol_for_model
+            from ..cli_options import template_protocol
+
+            self._protocol = template_protocol(self.chat_template, protocol_for_model(self._model))
+
+    def prompt_text(self, prompt: Prompt) -> str:
+        """The prompt's text: eval's own rendering (prompts.py), or the --chat-template
+        protocol's rendering of its system + user messages when that is not the default."""
+        self._load()
+        if self._protocol.chat_template == M.CHAT_TEMPLATE_DS4:
+            return prompt.text
+        from ..chat.messages import Conversation, Message
+
+        mode = "none" if not prompt.thinking else ("max" if prompt.think_max else "high")
+        msgs = [Message(m["role"], m["content"]) for m in prompt.messages]
+        return self._protocol.render(Conversation(msgs, thinking=mode))
 
     def count_tokens(self, prompt: Prompt) -> int:
         self._load()
-        return len(self._tok.encode(prompt.text))
+        return len(self._tok.encode(self.prompt_text(prompt)))
 
     def open(self, ctx: int) -> None:
         self._load()
@@ -134,7 +155,7 @@ class InProcessBackend:
         import mlx.core as mx
         import numpy as np
 
-        ids = list(self._tok.encode(prompt.text))
+        ids = list(self._tok.encode(self.prompt_text(prompt)))
         res = GenResult(prompt_tokens=len(ids))
         if len(ids) >= self.ctx:
             res.finish, res.error = "skipped", "prompt does not fit context"

@@ -568,9 +568,10 @@ async def _stream(request, state, api, adapter, queue, handle, result) -> web.St
 
 def make_app(engine: Engine, cfg: ServeConfig | None = None, tool_memory=None) -> web.Application:
     cfg = cfg or ServeConfig(ctx=engine.ctx, tokens=engine.default_max_tokens)
-    if cfg.family is None:  # serve the loaded model's chat protocol
+    if cfg.family is None:  # serve the loaded model's chat protocol (and its --chat-template)
         proto = getattr(engine, "protocol", None)
         cfg.family = proto.family if proto is not None else None
+        cfg.chat_template = proto.chat_template if proto is not None else None
     app = web.Application(middlewares=[_middleware], client_max_size=_max_body(cfg))
     state = ServerState(engine, cfg, tool_memory)
     app[STATE] = state

@@ -128,11 +128,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_think_arguments(p, level_dest="think_level")
     p.add_argument("-sys", "--system", default="", help="system prompt for requests that bring none")
-    from ..cli_options import add_prefix_argument, add_steering_arguments, add_vision_arguments
+    from ..cli_options import (
+        add_chat_template_argument,
+        add_prefix_argument,
+        add_steering_arguments,
+        add_vision_arguments,
+    )
 
     add_prefix_argument(p)
     add_steering_arguments(p)
     add_vision_arguments(p, images=False)
+    add_chat_template_argument(p)
     # --kv-disk-dir and friends (docs/kv-cache.md §8); the two tool-memory flags above are kept
     from ..kv.policy import add_kv_arguments
 
@@ -170,10 +176,12 @@ def build(args, loaded=None):
             from ..demo import DEMO_NOTICE
 
             log.warning("%s%s", DEMO_NOTICE, f" [{args.model}]" if args.model else "")
-    from ..cli_options import UsageError, install_steering, install_vision, load_prefix
+    from ..chat.protocol import protocol_for_model
+    from ..cli_options import UsageError, chat_protocol, install_steering, install_vision, load_prefix
 
     try:
         prefix = load_prefix(args)
+        protocol = chat_protocol(args, protocol_for_model(model))  # --chat-template
         steered = install_steering(args, model)  # before the disk cache takes the model's identity
     except UsageError as e:
         raise SystemExit(f"ds4mlx serve: {e}") from None
@@ -205,6 +213,7 @@ def build(args, loaded=None):
         speculation=speculation,
         slots=getattr(args, "batched_session", 1),
         prefill_quantum=getattr(args, "mixed_prefill_quantum", None),
+        protocol=protocol,
     )
     try:
         if getattr(args, "vision", None) and engine.slots > 1:

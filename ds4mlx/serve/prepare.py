@@ -80,6 +80,7 @@ class ServeConfig:
     model_name: str = ""  # "" = the loaded family's display name
     aliases: tuple = ()  # extra accepted model names (fnmatch patterns)
     family: str | None = None  # chat protocol family; None = the engine's (set by make_app)
+    chat_template: str | None = None  # --chat-template; None = the engine's (set by make_app)
     think_level: int | None = None  # default level 0..100 for numeric-effort families (--think-level)
     think: str = "high"  # --think / --think-max / --nothink: the mode of requests that set none
     system: str = ""  # -sys: the system prompt of chat requests that bring none
@@ -111,7 +112,7 @@ class Prepared:
 
 
 def protocol_of(cfg: ServeConfig) -> ChatProtocol:
-    return get_protocol(cfg.family)
+    return get_protocol(cfg.family, cfg.chat_template)
 
 
 def model_known(cfg: ServeConfig, name: str) -> bool:

@@ -9,8 +9,8 @@ from typing import Any
 
 from ... import markers as M
 from ...messages import Conversation
-from ...protocol import ChatProtocol, register
-from . import dsml, template
+from ...protocol import ChatProtocol, register, register_template
+from . import dsml, official, template
 from .output import OutputParser
 
 
@@ -82,3 +82,26 @@ class DeepSeekV4Protocol(ChatProtocol):
 
 
 register(DeepSeekV4Protocol())
+
+
+class DeepSeekV4OfficialProtocol(DeepSeekV4Protocol):
+    """`--chat-template official`: prompts byte for byte as DeepSeek's own encoder writes
+    them (official.py, docs/chat-template.md §11); output parsing is ds4's.  Tool calls in
+    the history are always rendered the encoder's way (no exact replay of sampled blocks)."""
+
+    chat_template = M.CHAT_TEMPLATE_OFFICIAL
+
+    def render(self, conv: Conversation, tool_memory=None) -> str:
+        return official.render(conv)
+
+    def render_history(self, conv: Conversation, tool_memory=None) -> str:
+        return official.render(conv)  # a conversation ending with an assistant turn gets no prompt
+
+    def render_continuation_tail(self, conv: Conversation, start: int, tool_memory=None) -> str | None:
+        return ChatProtocol.render_continuation_tail(self, conv, start, tool_memory)
+
+    def uses_tool_context(self, conv: Conversation) -> bool:
+        return official.keeps_reasoning(conv)
+
+
+register_template(DeepSeekV4OfficialProtocol())
