@@ -544,7 +544,7 @@ def _expert_module(val, compute_dtype, exact: bool, name: str, stats: Counter, p
             "%s: %s routed experts have no MLX or kernel path: dequantized at load to %s",
             name,
             qtype.name,
-            how.dtype,
+            _name(how.dtype),
         )
         stats[f"{qtype.name}->dequantized"] += 1
         arr = dequantize_chunked(val, how.dtype)
