@@ -181,6 +181,8 @@ def run(args) -> int:
         print(f"{s['path']}: family {s['family']}, {s['tensors']} tensors, {s['weight_bytes'] / GB:.2f} GB of weights")
         for t, h in s["types"].items():
             print(f"  {t:<10} {h['tensors']:>6} tensors  {h['bytes'] / GB:9.3f} GB")
+        if s["weight_paths"]:
+            print("quantized types as a --dtype auto load here keeps them:")
         for line in s["weight_paths"]:
             print(f"  {line}")
         print(f"bytes read per decoded token: {s['bytes_per_token'] / GB:.3f} GB")

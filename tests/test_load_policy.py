@@ -162,6 +162,17 @@ def test_ds4_layouts_match_transformers(ds4_file, dtype, capsys):
     assert (steps.reshape(len(ids) - 24, -1).argmax(-1) == want[24:].argmax(-1)).all()
 
 
+def test_inspect_names_each_types_path(ds4_file, capsys):
+    """`ds4mlx inspect` says how a `--dtype auto` load on this machine keeps each
+    quantized type (the CPU widens float weights: Q8_0 scales in float32)."""
+    assert main(["inspect", str(ds4_file["path"]), "--ctx", "1024"]) == 0
+    out = capsys.readouterr().out
+    for qtype in ds4_file["expert_types"]:
+        assert f"  experts {qtype.name}: {BANNER['experts ' + qtype.name]}" in out
+    assert "  dense Q8_0: MLX 8-bit affine, float32 scales (exact repack)" in out
+    assert "rounded" not in out
+
+
 def test_f16_weights_compute_in_float32(oracle, tmp_path):
     """ds4's policy: 16-bit weights, float32 activations.  Loading an F16 GGUF with
     the weights kept in float16 gives transformers' float32 logits on the

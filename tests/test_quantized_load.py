@@ -395,20 +395,31 @@ def test_repack_equals_reference_bit_for_bit(kind, chunk, monkeypatch):
 
 def test_experts_as_blocks_option(oracle, tmp_path_factory, tmp_path, monkeypatch):
     """Q4_K experts stay in the file's blocks (quant_moe) by default, Q8_0 experts are
-    repacked to MLX 8-bit; DS4MLX_GGUF_EXPERTS=blocks keeps the Q8_0 ones as blocks too.
-    Same logits either way."""
+    repacked to MLX 8-bit; DS4MLX_GGUF_EXPERTS=blocks keeps the Q8_0 ones as blocks too,
+    =repack repacks the Q4_K ones as well (float32 scales, F16 weights kept as stored).
+    Same logits every way."""
     src = _source("wide", oracle, tmp_path_factory.getbasetemp())
     out = tmp_path / "q4k.gguf"
     assert main(["quantize", src, str(out), "--experts", "q4_k", "--down", "q8_0", "-q"]) == 0
     ids = list(range(2, 42))
     want = dequantized_float_model(out).logits(ids)
-    for mode, down in (("auto", QuantizedSwitchLinear), ("blocks", GGUFSwitchLinear)):
+    for mode, dtype, gate_up, down in (
+        ("auto", "auto", SplitSwitchLinear, QuantizedSwitchLinear),
+        ("blocks", "auto", SplitSwitchLinear, GGUFSwitchLinear),
+        ("repack", None, QuantizedSwitchLinear, QuantizedSwitchLinear),
+    ):
         monkeypatch.setenv("DS4MLX_GGUF_EXPERTS", mode)
-        lm, _ = load(out)
+        lm, _ = load(out, dtype=dtype, verbose=False)
         ex = lm.model.layers[2].mlp.experts
-        assert isinstance(ex.gate_up_proj, SplitSwitchLinear) and ex.gate_up_proj.gate_proj.qtype == QT.Q4_K
-        assert type(ex.down_proj) is down
+        assert type(ex.gate_up_proj) is gate_up and type(ex.down_proj) is down
+        if gate_up is SplitSwitchLinear:
+            assert ex.gate_up_proj.gate_proj.qtype == QT.Q4_K
+        else:
+            assert ex.gate_up_proj.bits == 4 and ex.gate_up_proj.scales.dtype == mx.float32
         assert _maxdiff(lm.logits(ids), want) <= TOL
+    monkeypatch.setenv("DS4MLX_GGUF_EXPERTS", "fast")
+    with pytest.raises(ValueError, match="DS4MLX_GGUF_EXPERTS must be one of auto, blocks, repack"):
+        load(out, verbose=False)
 
 
 # --------------------------------------------------------------------------- exact scales

@@ -8,7 +8,8 @@ it for one that computes on the quantized form:
 * Q2_K, IQ2_XXS, Q4_K routed experts: `GGUFSwitchLinear`, the file's blocks as a
   uint8 `mx.array`, computed by `kernels.quant_moe` (mat-vec for decode, per-expert
   dequantize + matmul for prefill; decoding in float32, exact); with
-  DS4MLX_GGUF_EXPERTS=blocks Q8_0 experts are kept this way too;
+  DS4MLX_GGUF_EXPERTS=blocks Q8_0 experts are kept this way too, with =repack Q4_K
+  experts are repacked instead (float32 scales);
 * Q8_0, Q4_0, Q4_1 (experts and dense), Q4_K (dense): the exact MLX affine repack
   (`repack`): `nn.QuantizedLinear`, `QuantizedGroupedLinear` (o_a_proj),
   `nn.QuantizedEmbedding`, `QuantizedSwitchLinear` (routed experts); group 32, 8 /
@@ -33,7 +34,8 @@ repack); a dequantized fallback is float32.  Only an explicit 16-bit policy
 and dequantized weights in that type, rounded, and `describe` says so.  `repack` is
 `quant.repack_for_mlx` (the numpy reference, tested equal bit for bit) redone with
 MLX ops, so on a GPU it runs on the device.  Which path each weight type takes is
-printed in the load banner (`paths_of`) and by `ds4mlx inspect` (`file_paths`).
+printed in the load banner (`paths_of`) and by `ds4mlx inspect` (`file_paths`);
+docs/quantized-weights.md.
 
 Routed experts that ds4 stores split (`mlp.experts.gate_proj` / `up_proj`, each
 [E, I, H]) become the fused `gate_up_proj` the graph expects: concatenated when
@@ -59,6 +61,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from ..kernels import quant_moe
 from ..mapped import release
@@ -73,9 +76,11 @@ log = logging.getLogger("ds4mlx.quantized")
 # Q2_K / IQ2_XXS have no MLX affine form, Q4_K's exact one needs float32 scales (6 bits
 # per value against the file's 4.5).  Q8_0 is supported there too, but its exact MLX
 # repack (float16 scales: 9 bits per value) runs through the tuned affine kernels, so it
-# is repacked, unless the environment says DS4MLX_GGUF_EXPERTS=blocks: then every
-# expert type quant_moe supports stays in the file's blocks.
+# is repacked.  DS4MLX_GGUF_EXPERTS (a measurement switch, both ways exact): "blocks"
+# keeps every expert type quant_moe supports in the file's blocks; "repack" repacks Q4_K
+# experts too (float32 scales unless the weights are float32 anyway).
 KERNEL_TYPES = (QT.Q2_K, QT.IQ2_XXS, QT.Q4_K)
+_EXPERT_MODES = {"auto": KERNEL_TYPES, "blocks": tuple(quant_moe.SUPPORTED), "repack": (QT.Q2_K, QT.IQ2_XXS)}
 # 16-bit types that hold a type's affine scales and biases exactly (beyond float32):
 # Q8_0 / Q4_0 (d, -128 d or -8 d: d is a float16), Q4_1 (d, m: float16s); not Q4_K
 # (d * sc: 17 significant bits), and bfloat16 (8 significant bits) holds none
@@ -85,9 +90,9 @@ MLX_BITS = {QT.Q8_0: 8, QT.Q4_0: 4, QT.Q4_1: 4, QT.Q4_K: 4}
 
 def _kernel_types() -> tuple:
     mode = os.environ.get("DS4MLX_GGUF_EXPERTS", "auto").lower()
-    if mode not in ("auto", "blocks"):
-        raise ValueError(f"DS4MLX_GGUF_EXPERTS must be 'auto' or 'blocks', not {mode!r}")
-    return tuple(quant_moe.SUPPORTED) if mode == "blocks" else KERNEL_TYPES
+    if mode not in _EXPERT_MODES:
+        raise ValueError(f"DS4MLX_GGUF_EXPERTS must be one of {', '.join(_EXPERT_MODES)}, not {mode!r}")
+    return _EXPERT_MODES[mode]
 
 
 # --------------------------------------------------------------------------- the policy
@@ -202,7 +207,7 @@ def file_paths(tensors, compute, exact: bool = True) -> list[str]:
             qtype = as_qtype(tname)
         except (ValueError, TypeError):
             continue
-        if qtype in (QT.F32, QT.F16, QT.BF16):
+        if GGML_QUANT_SIZES[qtype][0] == 1:  # F32, F16, BF16, I32 ...: not block-quantized
             continue
         expert = ndim == 3 and ("_exps." in name or ".experts." in name)
         fn = expert_path if expert else dense_path
@@ -390,8 +395,6 @@ def repack(qt: QuantizedTensor, scale_dtype=mx.float32, exact: bool = True):
     `scale_dtype` says otherwise: with `exact`, a ValueError when a value does not
     convert to it exactly (a Q8_0 / Q4_0 block scale past float16's range);
     without, rounded (an explicit 16-bit policy)."""
-    from gguf import GGML_QUANT_SIZES
-
     qtype, shape = as_qtype(qt.qtype), tuple(int(s) for s in qt.shape)
     if qtype not in MLX_EXACT_TYPES or len(shape) < 1:
         return None
