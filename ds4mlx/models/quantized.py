@@ -419,7 +419,9 @@ def repack(qt: QuantizedTensor, scale_dtype=mx.float32, exact: bool = True):
     out = [a.reshape(*lead, -1) for a in out]
     if scale_dtype != mx.float32:
         narrow = [a.astype(scale_dtype) for a in out[1:]]
-        if exact and not all(mx.array_equal(n.astype(mx.float32), a).item() for n, a in zip(narrow, out[1:])):
+        if exact and not all(
+            mx.array_equal(n.astype(mx.float32), a, equal_nan=True).item() for n, a in zip(narrow, out[1:])
+        ):
             raise ValueError(
                 f"a {qtype.name} tensor {shape}: its scales do not fit {_name(scale_dtype)} exactly "
                 "(block scales past its range): load it with --dtype float32"
