@@ -5,7 +5,8 @@ nothing is loaded, but the file is checked as a load would check it (the family'
 metadata and tensor names mapped: `weights.read_gguf_file`; the folder's config.json
 and safetensors headers), so a broken path is one line naming it and exit 2, as for
 every command (modelfile.py).  Prints the family, the tensor count, a histogram of storage types
-(tensors, bytes), the weight bytes read per decoded token (every dense tensor,
+(tensors, bytes), how a `--dtype auto` load on this machine keeps each quantized type
+(GGUF blocks / MLX affine repack / dequantized, and whether exactly), the weight bytes read per decoded token (every dense tensor,
 plus k of the E routed experts of each MoE layer), and the memory serving it
 takes at `--ctx` tokens: the weights (as the loader keeps them: packed types as
 stored) plus the KV cache (DeepSeek V4's float32 sliding window, compressed rows
@@ -32,7 +33,8 @@ def _gguf_tensors(path: Path):
     g = GGUFFile(path)
     config, _, _ = read_gguf_file(g, with_tokenizer=False)  # the family mapping, checked as a load would
     rows = [(t.name, t.ggml_type.name, t.nbytes) for t in g.tensors.values()]
-    return g.metadata.get("general.architecture", "?"), rows, config
+    shapes = [(t.name, t.ggml_type.name, len(t.shape)) for t in g.tensors.values()]
+    return g.metadata.get("general.architecture", "?"), rows, config, shapes
 
 
 def _hf_tensors(folder: Path):
@@ -51,7 +53,7 @@ def _hf_tensors(folder: Path):
             rows.append((k, dt, n * _ST_BYTES.get(dt, 1)))
     if not rows:
         raise ValueError(f"{folder}: no tensors found in the safetensors files")
-    return cfg.get("model_type", "?"), rows, cfg
+    return cfg.get("model_type", "?"), rows, cfg, []
 
 
 _ST_BYTES = {
@@ -98,7 +100,7 @@ def summarize(path, ctx: int = 32768) -> dict:
     path = Path(path)
     if not path.is_dir() and not path.is_file():
         raise FileNotFoundError(f"no such model file or folder: {path}")
-    arch, rows, config = _hf_tensors(path) if path.is_dir() else _gguf_tensors(path)
+    arch, rows, config, shapes = _hf_tensors(path) if path.is_dir() else _gguf_tensors(path)
     hist: dict[str, list] = {}
     for _, t, nb in rows:
         h = hist.setdefault(t, [0, 0])
@@ -134,7 +136,26 @@ def summarize(path, ctx: int = 32768) -> dict:
         "fits": v.fits,
         "max_ctx": v.max_ctx,
         "verdict": v,
+        "weight_paths": weight_paths(shapes),
     }
+
+
+def weight_paths(shapes) -> list[str]:
+    """How `--dtype auto` on this machine keeps each quantized GGUF type (`models.quantized.file_paths`):
+    float weights widened to float32 on the CPU, kept as stored on a GPU (the file's most common
+    float matrix type)."""
+    import mlx.core as mx
+
+    from .models.quantized import file_paths
+
+    if not shapes:
+        return []
+    compute = mx.float32
+    if mx.default_device() != mx.cpu:
+        floats = [t for _, t, nd in shapes if nd >= 2 and t in ("F32", "F16", "BF16")]
+        top = max(set(floats), key=floats.count) if floats else "F32"
+        compute = {"F16": mx.float16, "BF16": mx.bfloat16}.get(top, mx.float32)
+    return file_paths(shapes, compute, exact=True)
 
 
 def add_arguments(parser) -> None:
@@ -155,6 +176,10 @@ def run(args) -> int:
         print(f"{s['path']}: family {s['family']}, {s['tensors']} tensors, {s['weight_bytes'] / GB:.2f} GB of weights")
         for t, h in s["types"].items():
             print(f"  {t:<10} {h['tensors']:>6} tensors  {h['bytes'] / GB:9.3f} GB")
+        if s["weight_paths"]:
+            print("quantized types as a --dtype auto load here keeps them:")
+        for line in s["weight_paths"]:
+            print(f"  {line}")
         print(f"bytes read per decoded token: {s['bytes_per_token'] / GB:.3f} GB")
         print(f"serving: {v.line()}")
     if not v.fits:

@@ -13,6 +13,7 @@ from .gguf_families.deepseek_v4 import MTP_PREFIX
 from .modelfile import reading
 from .models.base import LanguageModel
 from .models.layers import set_activation_dtype
+from .models.quantized import paths_of
 from .models.tensor_load import KeptTensors
 from .registry import DEFAULT_FAMILY, family_module
 from .tokenizer import Tokenizer
@@ -136,6 +137,8 @@ def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, shard=Non
     model.mtp_weights = KeptTensors(mtp_tensors)  # read when `--mtp` builds its head
     if verbose:
         print(f"ds4mlx: dtype: {policy.describe()}", file=sys.stderr)
+        for line in paths_of(model.model):  # how each quantized weight type is kept (exact or not)
+            print(f"ds4mlx: weights: {line}", file=sys.stderr)
     if fit is not None:
         from .memory_fit import wire
 

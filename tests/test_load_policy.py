@@ -73,21 +73,104 @@ def wide_folder(oracle, tmp_path_factory):
 # ds4's published layouts (README of antirez/ds4): q2 = IQ2_XXS gate/up + Q2_K down
 # experts, q4 = Q4_K experts; attention / shared expert Q8_0, the rest F16 / F32
 LAYOUTS = {"q2": ("iq2_xxs", {QT.IQ2_XXS, QT.Q2_K}), "q4": ("q4_k", {QT.Q4_K})}
+BANNER = {  # the load banner's line for each quantized type (models/quantized.py WeightPath)
+    "experts Q4_K": "GGUF blocks, quant_moe kernels (exact)",
+    "experts IQ2_XXS": "GGUF blocks, quant_moe kernels (exact)",
+    "experts Q2_K": "GGUF blocks, quant_moe kernels (exact)",
+}
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_ds4_layouts_match_transformers(layout, wide_folder, tmp_path):
+def _routes(tf_model, lm, ids) -> tuple[list, list]:
+    """The experts each top-k router picks, per call, sorted: transformers' and ds4mlx's
+    (hash-routed layers have no scores to flip and are left out on both sides)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
+
+    from ds4mlx.models.deepseek_v4 import Router
+
+    theirs, ours = [], []
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out: theirs.append(np.sort(out[2].numpy(), axis=-1)))
+        for m in tf_model.modules()
+        if isinstance(m, DeepseekV4TopKRouter)
+    ]
+    _tf_logits(tf_model, ids)
+    for h in hooks:
+        h.remove()
+    real = Router.__call__
+
+    def recording(self, x, tok):
+        idx, w = real(self, x, tok)
+        if not self._hashed:
+            ours.append(np.sort(np.array(idx).reshape(-1, idx.shape[-1]), axis=-1))
+        return idx, w
+
+    Router.__call__ = recording
+    try:
+        lm.logits(ids)
+    finally:
+        Router.__call__ = real
+    return theirs, ours
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def ds4_file(request, wide_folder, tmp_path_factory):
+    """A tiny replica of one of ds4's GGUF layouts and transformers' float32 model of the
+    weights it decodes to, with its logits on 40 tokens."""
     folder, cfg = wide_folder
-    recipe, expert_types = LAYOUTS[layout]
-    out = tmp_path / f"{layout}.gguf"
+    recipe, expert_types = LAYOUTS[request.param]
+    out = tmp_path_factory.mktemp("ds4") / f"{request.param}.gguf"
     assert main(["quantize", str(folder), str(out), "--experts", recipe, "--dense", "q8_0", "-q"]) == 0
     g = GGUFFile(out)
     assert {g.tensors[f"blk.3.ffn_{p}_exps.weight"].ggml_type for p in ("gate", "up", "down")} == expert_types
     assert g.tensors["blk.0.attn_q_a.weight"].ggml_type == QT.Q8_0
-    lm, _ = ds4mlx.load(out, dtype="float32", verbose=False)
-    ids = np.random.default_rng(1).integers(0, lm.vocab_size, 40).tolist()
-    want = _tf_logits(_transformers(cfg, _decoded(out)), ids)
-    assert float(np.abs(lm.logits(ids) - want).max()) < TOL
+    assert g.tensors["token_embd.weight"].ggml_type == QT.F16  # what dtype=None keeps as stored
+    tf = _transformers(cfg, _decoded(out))
+    ids = np.random.default_rng(1).integers(0, cfg["vocab_size"], 40).tolist()
+    return dict(path=out, tf=tf, ids=ids, want=_tf_logits(tf, ids), expert_types=expert_types)
+
+
+@pytest.mark.parametrize("dtype", ["auto", None], ids=["default", "gpu-policy"])
+def test_ds4_layouts_match_transformers(ds4_file, dtype, capsys):
+    """ds4's q2 / q4 layouts give transformers' float32 logits of the decoded weights
+    (1e-4) with the same greedy tokens and expert choices, under the CPU default (float
+    weights widened) and the GPU weight policy (F16 weights as stored, float32
+    activations, `dtype=None`): on the full forward, a chunked prefill and decode steps.
+    Before the exact-scales policy the q4 file under dtype=None was 1e-2 off (Q4_K scales
+    and biases rounded to float16 in an MLX 4-bit repack) with flipped expert choices."""
+    ids, want = ds4_file["ids"], ds4_file["want"]
+    lm, _ = ds4mlx.load(ds4_file["path"], dtype=dtype)
+    banner = capsys.readouterr().err
+    for qtype in ds4_file["expert_types"]:
+        assert f"ds4mlx: weights: experts {qtype.name}: {BANNER['experts ' + qtype.name]}" in banner
+    assert "rounded" not in banner
+    assert "ds4mlx: weights: dense Q8_0: MLX 8-bit affine, " in banner
+    if dtype is None:
+        assert lm.model.model.embed_tokens.weight.dtype == mx.float16
+        assert "dense Q8_0: MLX 8-bit affine, float16 scales (exact repack)" in banner
+    got = lm.logits(ids)
+    assert float(np.abs(got - want).max()) < TOL
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    theirs, ours = _routes(ds4_file["tf"], lm, ids)
+    assert len(theirs) == len(ours) > 0
+    for t, o in zip(theirs, ours):
+        assert np.array_equal(t, o)
+    s = lm.new_session(ctx=64, chunk=16)
+    last = np.asarray(s.prefill(ids[:24]))
+    steps = np.stack([np.asarray(s.decode(t)) for t in ids[24:]])
+    assert float(np.abs(last.reshape(-1) - want[23]).max()) < TOL
+    assert float(np.abs(steps.reshape(len(ids) - 24, -1) - want[24:]).max()) < TOL
+    assert (steps.reshape(len(ids) - 24, -1).argmax(-1) == want[24:].argmax(-1)).all()
+
+
+def test_inspect_names_each_types_path(ds4_file, capsys):
+    """`ds4mlx inspect` says how a `--dtype auto` load on this machine keeps each
+    quantized type (the CPU widens float weights: Q8_0 scales in float32)."""
+    assert main(["inspect", str(ds4_file["path"]), "--ctx", "1024"]) == 0
+    out = capsys.readouterr().out
+    for qtype in ds4_file["expert_types"]:
+        assert f"  experts {qtype.name}: {BANNER['experts ' + qtype.name]}" in out
+    assert "  dense Q8_0: MLX 8-bit affine, float32 scales (exact repack)" in out
+    assert "rounded" not in out
 
 
 def test_f16_weights_compute_in_float32(oracle, tmp_path):

@@ -36,6 +36,7 @@ import ds4mlx
 import ds4mlx.quant
 from ds4mlx.cli import main
 from ds4mlx.loader import load
+from ds4mlx.models import quantized
 from ds4mlx.models.base import LanguageModel
 from ds4mlx.models.layers import QuantizedSwitchLinear, SwitchLinear
 from ds4mlx.models.quantized import GGUFSwitchLinear, SplitSwitchLinear
@@ -49,7 +50,7 @@ WIDE = dict(hidden_size=256, moe_intermediate_size=256)
 RECIPES = {
     "iq2_xxs": (("gguf", QT.IQ2_XXS), ("gguf", QT.IQ2_XXS), ("gguf", QT.Q2_K)),
     "q2_k": (("gguf", QT.Q2_K),) * 3,
-    "q4_k": (("mlx", 4),) * 3,
+    "q4_k": (("gguf", QT.Q4_K),) * 3,
     "mlx4": (("mlx", 4),) * 3,
     "mlx2": (("mlx", 2),) * 3,
 }
@@ -304,7 +305,7 @@ def test_split_switch_linear_equals_fused():
 
 def test_mixed_types_and_fallbacks(oracle, tmp_path_factory, tmp_path, caplog):
     """Every kind of tensor in one file: Q8_0 embedding (QuantizedEmbedding), Q4_0
-    grouped o_a_proj, IQ2_XXS gate + Q4_K up (kernel + MLX: a split pair), and the
+    grouped o_a_proj, IQ2_XXS gate + Q8_0 up (kernel + MLX: a split pair), and the
     fallbacks, logged and dequantized at load: Q2_K dense projection, Q8_0 router
     (no quantized module), Q5_0 experts (neither exact nor a kernel type)."""
     from ds4mlx.convert import write_gguf
@@ -327,7 +328,7 @@ def test_mixed_types_and_fallbacks(oracle, tmp_path_factory, tmp_path, caplog):
     gu = np.asarray(tensors.pop("model.layers.3.mlp.experts.gate_up_proj"))
     half = gu.shape[1] // 2
     q("model.layers.3.mlp.experts.gate_proj", QT.IQ2_XXS, gu[:, :half])
-    q("model.layers.3.mlp.experts.up_proj", QT.Q4_K, gu[:, half:])
+    q("model.layers.3.mlp.experts.up_proj", QT.Q8_0, gu[:, half:])
     q("model.layers.3.mlp.experts.down_proj", QT.Q5_0)
     path = tmp_path / "mixed.gguf"
     write_gguf(path, config, tensors, tokenizer=False, dtype="f32")
@@ -344,7 +345,7 @@ def test_mixed_types_and_fallbacks(oracle, tmp_path_factory, tmp_path, caplog):
     assert type(m.layers[0].self_attn.q_a_proj) is nn.Linear
     gate_up = m.layers[3].mlp.experts.gate_up_proj
     assert isinstance(gate_up, SplitSwitchLinear) and isinstance(gate_up.gate_proj, GGUFSwitchLinear)
-    assert type(gate_up.up_proj) is QuantizedSwitchLinear and gate_up.up_proj.bits == 4
+    assert type(gate_up.up_proj) is QuantizedSwitchLinear and gate_up.up_proj.bits == 8
     assert type(m.layers[3].mlp.experts.down_proj) is SwitchLinear
     ids = list(range(2, 50))
     assert _maxdiff(lm.logits(ids), dequantized_float_model(path).logits(ids)) <= TOL
@@ -393,15 +394,119 @@ def test_repack_equals_reference_bit_for_bit(kind, chunk, monkeypatch):
 
 
 def test_experts_as_blocks_option(oracle, tmp_path_factory, tmp_path, monkeypatch):
-    """DS4MLX_GGUF_EXPERTS=blocks keeps Q4_K experts in the file's blocks (quant_moe)
-    instead of repacking them; same logits."""
+    """Q4_K experts stay in the file's blocks (quant_moe) by default, Q8_0 experts are
+    repacked to MLX 8-bit; DS4MLX_GGUF_EXPERTS=blocks keeps the Q8_0 ones as blocks too,
+    =repack repacks the Q4_K ones as well (float32 scales, F16 weights kept as stored).
+    Same logits every way."""
     src = _source("wide", oracle, tmp_path_factory.getbasetemp())
     out = tmp_path / "q4k.gguf"
-    assert main(["quantize", src, str(out), "--experts", "q4_k", "-q"]) == 0
-    monkeypatch.setenv("DS4MLX_GGUF_EXPERTS", "blocks")
-    lm, _ = load(out)
-    ex = lm.model.layers[2].mlp.experts
-    assert isinstance(ex.gate_up_proj, SplitSwitchLinear) and ex.gate_up_proj.gate_proj.qtype == QT.Q4_K
-    assert isinstance(ex.down_proj, GGUFSwitchLinear) and ex.down_proj.qtype == QT.Q4_K
+    assert main(["quantize", src, str(out), "--experts", "q4_k", "--down", "q8_0", "-q"]) == 0
     ids = list(range(2, 42))
-    assert _maxdiff(lm.logits(ids), dequantized_float_model(out).logits(ids)) <= TOL
+    want = dequantized_float_model(out).logits(ids)
+    for mode, dtype, gate_up, down in (
+        ("auto", "auto", SplitSwitchLinear, QuantizedSwitchLinear),
+        ("blocks", "auto", SplitSwitchLinear, GGUFSwitchLinear),
+        ("repack", None, QuantizedSwitchLinear, QuantizedSwitchLinear),
+    ):
+        monkeypatch.setenv("DS4MLX_GGUF_EXPERTS", mode)
+        lm, _ = load(out, dtype=dtype, verbose=False)
+        ex = lm.model.layers[2].mlp.experts
+        assert type(ex.gate_up_proj) is gate_up and type(ex.down_proj) is down
+        if gate_up is SplitSwitchLinear:
+            assert ex.gate_up_proj.gate_proj.qtype == QT.Q4_K
+        else:
+            assert ex.gate_up_proj.bits == 4 and ex.gate_up_proj.scales.dtype == mx.float32
+        assert _maxdiff(lm.logits(ids), want) <= TOL
+    monkeypatch.setenv("DS4MLX_GGUF_EXPERTS", "fast")
+    with pytest.raises(ValueError, match="DS4MLX_GGUF_EXPERTS must be one of auto, blocks, repack"):
+        load(out, verbose=False)
+
+
+# --------------------------------------------------------------------------- exact scales
+
+
+def _held_values(mod) -> np.ndarray:
+    """The float32 weights a module computes with: affine levels times its scales plus its
+    biases (in float32, as the kernels and MLX's promotion to float32 activations compute
+    them), GGUF blocks decoded by the reference face, or the float weight itself."""
+    from ds4mlx.kernels import quant_moe
+
+    if isinstance(mod, GGUFSwitchLinear):
+        return np.array(quant_moe.dequantize_mx(mod.weight, mod.qtype, mod.input_dims))
+    if hasattr(mod, "scales"):
+        s, b = mod.scales.astype(mx.float32), mod.biases.astype(mx.float32)
+        return np.array(mx.dequantize(mod.weight, s, b, group_size=mod.group_size, bits=mod.bits))
+    return np.array(mod.weight.astype(mx.float32))
+
+
+EXACT_CASES = {  # (GGUF type, the weights' stored type) -> (experts' form, dense form, scales' type)
+    (QT.Q8_0, "float16"): ("mlx", "mlx", mx.float16),
+    (QT.Q8_0, "bfloat16"): ("mlx", "mlx", mx.float32),
+    (QT.Q4_0, "float16"): ("mlx", "mlx", mx.float16),
+    (QT.Q4_1, "float16"): ("mlx", "mlx", mx.float16),
+    (QT.Q4_1, "bfloat16"): ("mlx", "mlx", mx.float32),
+    (QT.Q4_K, "float16"): ("blocks", "mlx", mx.float32),
+    (QT.Q4_K, "bfloat16"): ("blocks", "mlx", mx.float32),
+    (QT.Q2_K, "float16"): ("blocks", "dequantized", mx.float32),
+    (QT.IQ2_XXS, "float16"): ("blocks", "dequantized", mx.float32),
+}
+
+
+@pytest.mark.parametrize("qtype,stored", list(EXACT_CASES), ids=lambda v: getattr(v, "name", v))
+def test_every_gguf_type_kept_exactly(qtype, stored):
+    """Under the float32 activation policy with 16-bit float weights (`dtype=None`, a GPU),
+    every GGUF type is installed as a module whose weights decode to the reference
+    `dequantize` bit for bit, as routed experts and as a dense linear: kept as blocks,
+    repacked with scales in the stored 16-bit type only where that type holds them
+    exactly (else float32), or dequantized to float32.  Before: every repack stored its
+    scales in the stored type (Q4_K in float16: 17-bit products rounded)."""
+    from ds4mlx.models.quantized import dense_path, expert_path, install_quantized
+    from ds4mlx.quantize import quantize
+
+    E, out, K = 3, 32, 256
+    rng = np.random.default_rng(7)
+    w3 = (rng.standard_normal((E, out, K)) / 8).astype(np.float32)
+    quant = quantize if qtype in (QT.Q8_0, QT.Q4_K, QT.Q2_K, QT.IQ2_XXS) else _gguf_q
+    bank = QuantizedTensor(raw=quant(w3, qtype), qtype=qtype, shape=w3.shape)
+    dense = QuantizedTensor(raw=quant(w3[0], qtype), qtype=qtype, shape=w3[0].shape)
+    root = nn.Module()
+    root.experts, root.proj = SwitchLinear(K, out, E), nn.Linear(K, out, bias=False)
+    dt = getattr(mx, stored)
+    floats, owned = install_quantized(root, {"experts.weight": bank, "proj.weight": dense}, None, stored=dt)
+    root.load_weights(list(floats.items()) + list(owned.items()))
+    experts_form, dense_form, scales = EXACT_CASES[(qtype, stored)]
+    for mod, qt, form, how in (
+        (root.experts, bank, experts_form, expert_path(qtype, dt, True)),
+        (root.proj, dense, dense_form, dense_path(qtype, dt, True)),
+    ):
+        assert how.form == form and how.exact
+        if form == "mlx":
+            assert mod.scales.dtype == scales and mod.biases.dtype == scales
+        elif form == "dequantized":
+            assert mod.weight.dtype == mx.float32
+        got, want = _held_values(mod), qt.dequantize()
+        assert got.shape == want.shape and np.array_equal(got, want)  # bit for bit (+0.0 == -0.0)
+    assert all("rounded" not in line for line in quantized.paths_of(root))
+
+
+def test_16bit_scales_exact_only_where_they_fit():
+    """Which 16-bit repacks are exact (the reason for the table above): Q8_0 / Q4_0 / Q4_1
+    scales fit float16, Q4_K's do not (`repack` refuses to round them under the exact
+    policy and rounds them only when asked: an explicit --dtype float16); bfloat16 holds
+    no Q8_0 scale; a Q8_0 scale past float16's range is refused, not made infinite."""
+    from ds4mlx.quantize import quantize
+
+    w = (np.random.default_rng(8).standard_normal((2, 16, 256)) / 8).astype(np.float32)
+    qt = {t: QuantizedTensor(raw=quantize(w, t), qtype=t, shape=w.shape) for t in (QT.Q8_0, QT.Q4_K)}
+    assert quantized.repack(qt[QT.Q8_0], mx.float16)[1].dtype == mx.float16
+    with pytest.raises(ValueError, match="float16 exactly"):
+        quantized.repack(qt[QT.Q4_K], mx.float16)
+    with pytest.raises(ValueError, match="bfloat16 exactly"):
+        quantized.repack(qt[QT.Q8_0], mx.bfloat16)
+    rounded = quantized.repack(qt[QT.Q4_K], mx.float16, exact=False)
+    assert rounded[1].dtype == mx.float16
+    assert "rounded to float16" in quantized.dense_path(QT.Q4_K, mx.float16, False).describe()
+    big = qt[QT.Q8_0].raw.copy()
+    big[..., 0:2] = np.frombuffer(np.float16(1024).tobytes(), np.uint8)  # d = 1024: -128 d overflows float16
+    with pytest.raises(ValueError, match="--dtype float32"):
+        quantized.repack(QuantizedTensor(raw=big, qtype=QT.Q8_0, shape=w.shape), mx.float16)

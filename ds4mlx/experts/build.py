@@ -62,7 +62,7 @@ def build_experts(model, layer: int, banks: dict, ids, like: ExpertShape, cast_d
     w = model.sanitize(w)
     owned = {}
     if needs_install(w):
-        w, owned = install_quantized(root, w, cast_dtype if cast_dtype is not None else compute_dtype)
+        w, owned = install_quantized(root, w, cast_dtype, stored=compute_dtype)
     if cast_dtype is not None:
         w = {k: to_mlx(v, cast_dtype) for k, v in w.items()}
     root.load_weights(list(w.items()) + list(owned.items()), strict=True)

@@ -80,10 +80,13 @@ class LanguageModel:
             model.load_weights(list(weights.items()) + list(owned.items()), strict=strict)
             if detached:
                 from ..experts.install import attach_store
-                from .quantized import compute_dtype_of
+                from .quantized import compute_dtype_of, record_expert_paths
 
                 mx.eval(model.parameters())
-                attach_store(model, detached, stream, path, dtype, dtype or compute_dtype_of(weights), config=config)
+                compute = dtype or compute_dtype_of(weights)
+                banks = [v for _, _, layer_banks in detached.values() for v in layer_banks.values()]
+                record_expert_paths(model, banks, dtype, compute)  # the banner's lines for what the store builds
+                attach_store(model, detached, stream, path, dtype, compute, config=config)
         from .qmv_linear import use_fast_qmv
 
         use_fast_qmv(model)  # decode-sized quantized linears: our mat-vec on a GPU

@@ -5,26 +5,37 @@
 weights)` runs after `Model.sanitize` and, per tensor, swaps the module that owns
 it for one that computes on the quantized form:
 
-* Q8_0, Q4_0, Q4_1, Q4_K (exact MLX affine repack, `repack`): `nn.QuantizedLinear`,
-  `QuantizedGroupedLinear` (o_a_proj), `nn.QuantizedEmbedding`,
-  `QuantizedSwitchLinear` (routed experts); group 32, 8 / 4 bits (2 bits for the
-  `ds4mlx quantize --experts mlx2` container), float32 scales and biases;
-* Q2_K, IQ2_XXS routed experts: `GGUFSwitchLinear`, the file's blocks as a uint8
-  `mx.array`, computed by `kernels.quant_moe` (mat-vec for decode, per-expert
-  dequantize + matmul for prefill); with DS4MLX_GGUF_EXPERTS=blocks every expert
-  type quant_moe supports (also Q8_0, Q4_K) is kept this way;
+* Q2_K, IQ2_XXS, Q4_K routed experts: `GGUFSwitchLinear`, the file's blocks as a
+  uint8 `mx.array`, computed by `kernels.quant_moe` (mat-vec for decode, per-expert
+  dequantize + matmul for prefill; decoding in float32, exact); with
+  DS4MLX_GGUF_EXPERTS=blocks Q8_0 experts are kept this way too, with =repack Q4_K
+  experts are repacked instead (float32 scales);
+* Q8_0, Q4_0, Q4_1 (experts and dense), Q4_K (dense): the exact MLX affine repack
+  (`repack`): `nn.QuantizedLinear`, `QuantizedGroupedLinear` (o_a_proj),
+  `nn.QuantizedEmbedding`, `QuantizedSwitchLinear` (routed experts); group 32, 8 /
+  4 bits (2 bits for the `ds4mlx quantize --experts mlx2` container);
 * anything else (Q2_K dense projections, a quantized router or hyper-connection
   matrix, Q5_0 / Q6_K / ...): dequantized at load into the float module, one
   tensor at a time, with a warning in the `ds4mlx.quantized` log.
 
-The repack is exact (see `ds4mlx.quant`): with float32 scales and biases the MLX
-dequantization equals the reference `quant.dequantize` bit for bit, so a model
-loaded this way computes what the float model built from the dequantized weights
-computes, up to float32 summation order.  `repack` is `quant.repack_for_mlx` (the
-numpy reference, tested equal bit for bit) redone with MLX ops, so on a GPU it
-runs on the device.  In a 16-bit model (a GPU) scales and biases are stored in
-that 16-bit type (MLX's quantized kernels want one dtype), which rounds them
-(Q4_K: d * sc has 17 significant bits).
+Exactness (the policy, `expert_path` / `dense_path`; tests/test_quantized_load.py
+checks every type bit for bit): the repack is exact with float32 scales and biases
+(see `ds4mlx.quant`): the MLX dequantization equals the reference `quant.dequantize`
+bit for bit, so a model loaded this way computes what the float model built from
+the dequantized weights computes, up to float32 summation order.  Under the float32
+activation policy (`--dtype auto`, `dtype=None` or float32) nothing is rounded:
+scales and biases are stored in the weights' 16-bit type only where that type holds
+them exactly (Q8_0 / Q4_0 / Q4_1 in float16: d and m are float16 values, -128 d and
+-8 d too unless they overflow, which `repack` refuses), else in float32 (Q4_K's
+d * sc has 17 significant bits; bfloat16 holds none of them); a type kept as blocks
+costs no more than the file (Q4_K: 4.5 bits per value, against 6 for its float32
+repack); a dequantized fallback is float32.  Only an explicit 16-bit policy
+(`--dtype float16 / bfloat16`, which rounds the activations anyway) stores scales
+and dequantized weights in that type, rounded, and `describe` says so.  `repack` is
+`quant.repack_for_mlx` (the numpy reference, tested equal bit for bit) redone with
+MLX ops, so on a GPU it runs on the device.  Which path each weight type takes is
+printed in the load banner (`paths_of`) and by `ds4mlx inspect` (`file_paths`);
+docs/quantized-weights.md.
 
 Routed experts that ds4 stores split (`mlp.experts.gate_proj` / `up_proj`, each
 [E, I, H]) become the fused `gate_up_proj` the graph expects: concatenated when
@@ -45,10 +56,12 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from ..kernels import quant_moe
 from ..mapped import release
@@ -59,19 +72,147 @@ from .tensor_load import to_mlx
 
 log = logging.getLogger("ds4mlx.quantized")
 
-# Types kept as GGUF blocks and computed by `kernels.quant_moe` (routed experts).
-# Q8_0 / Q4_K are supported there too, but their exact MLX repack runs through
-# MLX's own gather_qmm, so they are repacked, unless the environment says
-# DS4MLX_GGUF_EXPERTS=blocks: then every expert type quant_moe supports stays in
-# the file's blocks (Q4_K: 4.5 bits per value instead of 5 (16-bit scales) or 6).
-KERNEL_TYPES = (QT.Q2_K, QT.IQ2_XXS)
+# Types kept as GGUF blocks and computed by `kernels.quant_moe` (routed experts):
+# Q2_K / IQ2_XXS have no MLX affine form, Q4_K's exact one needs float32 scales (6 bits
+# per value against the file's 4.5).  Q8_0 is supported there too, but its exact MLX
+# repack (float16 scales: 9 bits per value) runs through the tuned affine kernels, so it
+# is repacked.  DS4MLX_GGUF_EXPERTS (a measurement switch, both ways exact): "blocks"
+# keeps every expert type quant_moe supports in the file's blocks; "repack" repacks Q4_K
+# experts too (float32 scales unless the weights are float32 anyway).
+KERNEL_TYPES = (QT.Q2_K, QT.IQ2_XXS, QT.Q4_K)
+_EXPERT_MODES = {"auto": KERNEL_TYPES, "blocks": tuple(quant_moe.SUPPORTED), "repack": (QT.Q2_K, QT.IQ2_XXS)}
+# 16-bit types that hold a type's affine scales and biases exactly (beyond float32):
+# Q8_0 / Q4_0 (d, -128 d or -8 d: d is a float16), Q4_1 (d, m: float16s); not Q4_K
+# (d * sc: 17 significant bits), and bfloat16 (8 significant bits) holds none
+EXACT_16BIT_SCALES = {QT.Q8_0: (mx.float16,), QT.Q4_0: (mx.float16,), QT.Q4_1: (mx.float16,)}
+MLX_BITS = {QT.Q8_0: 8, QT.Q4_0: 4, QT.Q4_1: 4, QT.Q4_K: 4}
 
 
 def _kernel_types() -> tuple:
     mode = os.environ.get("DS4MLX_GGUF_EXPERTS", "auto").lower()
-    if mode not in ("auto", "blocks"):
-        raise ValueError(f"DS4MLX_GGUF_EXPERTS must be 'auto' or 'blocks', not {mode!r}")
-    return tuple(quant_moe.SUPPORTED) if mode == "blocks" else KERNEL_TYPES
+    if mode not in _EXPERT_MODES:
+        raise ValueError(f"DS4MLX_GGUF_EXPERTS must be one of {', '.join(_EXPERT_MODES)}, not {mode!r}")
+    return _EXPERT_MODES[mode]
+
+
+# --------------------------------------------------------------------------- the policy
+
+
+def exact_policy(dtype) -> bool:
+    """Scales must stay exact: the float32 activation policy (`dtype` None: weights as
+    stored, as on a GPU; or float32).  An explicit 16-bit dtype rounds activations anyway."""
+    return dtype is None or dtype == mx.float32
+
+
+def _name(dt) -> str:
+    return str(dt).rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class WeightPath:
+    """How the loader keeps a GGUF type in one role: `form` "blocks" (the file's bytes,
+    quant_moe), "mlx" (the affine repack; `dtype` its scales and biases) or "dequantized"
+    (`dtype` the float weights); `exact`: the dequantized values are the reference's."""
+
+    form: str
+    dtype: object = None
+    exact: bool = True
+    bits: int = 0
+
+    def describe(self) -> str:
+        tail = "exact" if self.exact else f"rounded to {_name(self.dtype)}"
+        if self.form == "blocks":
+            return f"GGUF blocks, quant_moe kernels ({tail})"
+        if self.form == "mlx":
+            return f"MLX {self.bits}-bit affine, {_name(self.dtype)} scales ({tail} repack)"
+        return f"dequantized at load to {_name(self.dtype)} ({tail})"
+
+
+def scale_dtype_for(qtype, compute, exact: bool):
+    """The type of `qtype`'s MLX affine scales and biases in a model computing in `compute`."""
+    if compute == mx.float32 or not exact:
+        return compute
+    return compute if compute in EXACT_16BIT_SCALES.get(as_qtype(qtype), ()) else mx.float32
+
+
+def _scales_exact(qtype, dtype) -> bool:
+    return dtype == mx.float32 or dtype in EXACT_16BIT_SCALES.get(as_qtype(qtype), ())
+
+
+def expert_path(qtype, compute, exact: bool) -> WeightPath:
+    """Routed experts [E, out, in] of `qtype` in a model computing in `compute`."""
+    qtype = as_qtype(qtype)
+    if qtype in _kernel_types():
+        return WeightPath("blocks")
+    return dense_path(qtype, compute, exact)
+
+
+def dense_path(qtype, compute, exact: bool) -> WeightPath:
+    """A weight of `qtype` owned by a quantizable module (linear, embedding, grouped linear)."""
+    qtype = as_qtype(qtype)
+    if qtype in MLX_EXACT_TYPES:
+        dt = scale_dtype_for(qtype, compute, exact)
+        return WeightPath("mlx", dt, _scales_exact(qtype, dt), MLX_BITS[qtype])
+    dt = mx.float32 if exact else compute
+    return WeightPath("dequantized", dt, dt == mx.float32)
+
+
+class QuantizedPaths:
+    """{"<role> <type>": description} of a loaded model (a plain attribute of its root
+    module, not a parameter): what the load banner prints."""
+
+    def __init__(self):
+        self.paths: dict[str, set] = {}
+
+    def add(self, role: str, kind: str, description: str) -> None:
+        self.paths.setdefault(f"{role} {kind}", set()).add(description)
+
+    def lines(self) -> list[str]:
+        return [f"{k}: {' / '.join(sorted(v))}" for k, v in sorted(self.paths.items())]
+
+
+def paths_of(model: nn.Module) -> list[str]:
+    """The load banner's lines: how each quantized weight type of `model` is kept."""
+    got = model.__dict__.get("quantized_paths")
+    return got.lines() if got is not None else []
+
+
+def _paths(model: nn.Module) -> QuantizedPaths:
+    got = model.__dict__.get("quantized_paths")
+    if got is None:
+        got = QuantizedPaths()
+        model.quantized_paths = got
+    return got
+
+
+def record_expert_paths(model: nn.Module, banks, dtype, compute) -> None:
+    """Streamed routed experts (built later, per read): their path, for the banner."""
+    for v in banks:
+        if isinstance(v, QuantizedTensor):
+            _paths(model).add(
+                "experts", as_qtype(v.qtype).name, expert_path(v.qtype, compute, exact_policy(dtype)).describe()
+            )
+        elif isinstance(v, MXTensor):
+            _paths(model).add("experts", v.mode, f"MLX {v.mode} (the file's bytes, exact)")
+
+
+def file_paths(tensors, compute, exact: bool = True) -> list[str]:
+    """`ds4mlx inspect`'s lines: [(name, GGUF type name, ndim)] -> how a load computing in
+    `compute` keeps each quantized type (routed expert banks: 3-D tensors under an
+    experts name; the rest as a quantizable module's weight: a router or other plain
+    matrix is dequantized instead, and logged)."""
+    out = QuantizedPaths()
+    for name, tname, ndim in tensors:
+        try:
+            qtype = as_qtype(tname)
+        except (ValueError, TypeError):
+            continue
+        if GGML_QUANT_SIZES[qtype][0] == 1:  # F32, F16, BF16, I32 ...: not block-quantized
+            continue
+        expert = ndim == 3 and ("_exps." in name or ".experts." in name)
+        fn = expert_path if expert else dense_path
+        out.add("experts" if expert else "dense", qtype.name, fn(qtype, compute, exact).describe())
+    return out.lines()
 
 
 REPACK_CHUNK_VALUES = 1 << 24  # values converted per step (bounds the load-time peak)
@@ -244,16 +385,16 @@ def _narrow(w_q: mx.array) -> mx.array:
     return _pack(lv, 2)
 
 
-def repack(qt: QuantizedTensor, scale_dtype=mx.float32):
+def repack(qt: QuantizedTensor, scale_dtype=mx.float32, exact: bool = True):
     """Exact MLX affine form of `qt`: (w_q, scales, biases, group_size=32, bits),
     evaluated, or None (a type with no exact form).  What
     `quant.repack_for_mlx(raw, qtype, shape)` returns (the reference, numpy),
     computed with MLX ops on the default device, `REPACK_CHUNK_VALUES` values at
     a time; a Q4_1 / Q4_K tensor whose levels all fit in 2 bits (the mlx2
     container) comes back as bits = 2.  Scales and biases are float32 unless
-    `scale_dtype` says otherwise (then rounded)."""
-    from gguf import GGML_QUANT_SIZES
-
+    `scale_dtype` says otherwise: with `exact`, a ValueError when a value does not
+    convert to it exactly (a Q8_0 / Q4_0 block scale past float16's range);
+    without, rounded (an explicit 16-bit policy)."""
     qtype, shape = as_qtype(qt.qtype), tuple(int(s) for s in qt.shape)
     if qtype not in MLX_EXACT_TYPES or len(shape) < 1:
         return None
@@ -277,7 +418,15 @@ def repack(qt: QuantizedTensor, scale_dtype=mx.float32):
     del parts
     out = [a.reshape(*lead, -1) for a in out]
     if scale_dtype != mx.float32:
-        out[1:] = [a.astype(scale_dtype) for a in out[1:]]
+        narrow = [a.astype(scale_dtype) for a in out[1:]]
+        if exact and not all(
+            mx.array_equal(n.astype(mx.float32), a, equal_nan=True).item() for n, a in zip(narrow, out[1:])
+        ):
+            raise ValueError(
+                f"a {qtype.name} tensor {shape}: its scales do not fit {_name(scale_dtype)} exactly "
+                "(block scales past its range): load it with --dtype float32"
+            )
+        out[1:] = narrow
     mx.eval(out)
     return (*out, 32, bits)
 
@@ -371,23 +520,27 @@ def _affine_module(mod: nn.Module, rep, mode: str = "affine"):
     return q
 
 
-def _expert_module(val, scale_dtype, compute_dtype, name: str, stats: Counter) -> nn.Module:
+def _expert_module(val, compute_dtype, exact: bool, name: str, stats: Counter, paths: QuantizedPaths) -> nn.Module:
     """One [E, out, in] routed-expert projection as a module."""
     if isinstance(val, MXTensor):
         E, out, K = (int(s) for s in val.shape)
         w, s, _, gs, bits = _mx_arrays(val)
         stats[f"{val.mode}->mlx-{val.mode}"] += 1
+        paths.add("experts", val.mode, f"MLX {val.mode} (the file's bytes, exact)")
         return _bare(QuantizedSwitchLinear, group_size=gs, bits=bits, mode=val.mode, weight=w, scales=s, biases=None)
     if isinstance(val, QuantizedTensor):
         E, out, K = (int(s) for s in val.shape)
         qtype = as_qtype(val.qtype)
-        if qtype in MLX_EXACT_TYPES and qtype not in _kernel_types():
-            rep = repack(val, scale_dtype)
+        how = expert_path(qtype, compute_dtype, exact)
+        if how.form == "mlx":
+            rep = repack(val, how.dtype, exact)
             release(val)
             q = _affine_module(SwitchLinear(K, out, E), rep)
             stats[f"{qtype.name}->mlx{rep[4]}"] += 1
+            paths.add("experts", qtype.name, WeightPath("mlx", how.dtype, how.exact, rep[4]).describe())
             return q
-        if qtype in _kernel_types():
+        paths.add("experts", qtype.name, how.describe())
+        if how.form == "blocks":
             stats[f"{qtype.name}->gguf"] += 1
             blocks = to_mlx(val.raw)  # copied a block of rows at a time, pages released
             release(val)
@@ -396,10 +549,10 @@ def _expert_module(val, scale_dtype, compute_dtype, name: str, stats: Counter) -
             "%s: %s routed experts have no MLX or kernel path: dequantized at load to %s",
             name,
             qtype.name,
-            compute_dtype,
+            _name(how.dtype),
         )
         stats[f"{qtype.name}->dequantized"] += 1
-        arr = dequantize_chunked(val, compute_dtype)
+        arr = dequantize_chunked(val, how.dtype)
         release(val)
     else:
         arr = val if isinstance(val, mx.array) else mx.array(val)
@@ -414,7 +567,8 @@ def _fuse_pair(gate: nn.Module, up: nn.Module) -> nn.Module:
     """gate/up expert modules -> one `gate_up_proj` module."""
     if type(gate) is SwitchLinear and type(up) is SwitchLinear:
         m = SwitchLinear(gate.weight.shape[2], gate.weight.shape[1] + up.weight.shape[1], gate.weight.shape[0])
-        m.weight = mx.concatenate([gate.weight, up.weight.astype(gate.weight.dtype)], axis=1)
+        dt = gate.weight.dtype if gate.weight.dtype == up.weight.dtype else mx.float32  # never a rounding cast
+        m.weight = mx.concatenate([gate.weight.astype(dt), up.weight.astype(dt)], axis=1)
         mx.eval(m.weight)
         return m
     if (
@@ -479,18 +633,21 @@ def needs_install(weights: dict) -> bool:
     return any(isinstance(v, (QuantizedTensor, MXTensor)) or k.endswith((_GATE, _UP)) for k, v in weights.items())
 
 
-def install_quantized(model: nn.Module, weights: dict, dtype=None) -> tuple[dict, dict]:
+def install_quantized(model: nn.Module, weights: dict, dtype=None, stored=None) -> tuple[dict, dict]:
     """Swap `model`'s modules for the quantized forms of `weights`' QuantizedTensors.
 
     `weights`: sanitized parameter names -> mx.array or QuantizedTensor (split
     routed experts under `...mlp.experts.gate_proj` / `up_proj`).  `dtype`: the
-    model's compute dtype if the caller casts float weights to one (else inferred
-    from the float matrices).  Returns (float_weights, module_weights): the first
+    model's compute dtype if the caller casts float weights to one; None: weights as
+    stored, float32 activations (their type `stored`, else inferred from the float
+    matrices); see `exact_policy`.  Returns (float_weights, module_weights): the first
     still to be cast to `dtype` by the caller, the second the installed modules'
     arrays (packed weights, float32 or 16-bit scales), to be loaded as they are.
+    Records each type's path in `model.quantized_paths` (`paths_of`).
     """
-    compute = dtype if dtype is not None else _infer_compute_dtype(weights)
-    scale_dtype = mx.float32 if compute == mx.float32 else compute
+    exact = exact_policy(dtype)
+    compute = dtype if dtype is not None else stored if stored is not None else _infer_compute_dtype(weights)
+    paths = _paths(model)
     modules = dict(model.named_modules())
     floats, owned, stats = {}, {}, Counter()
     todo = dict(weights)
@@ -501,8 +658,8 @@ def install_quantized(model: nn.Module, weights: dict, dtype=None) -> tuple[dict
         ukey = prefix + _UP
         if ukey not in todo:
             raise ValueError(f"{key} has no matching {ukey}")
-        gate = _expert_module(todo.pop(key), scale_dtype, compute, key, stats)
-        up = _expert_module(todo.pop(ukey), scale_dtype, compute, ukey, stats)
+        gate = _expert_module(todo.pop(key), compute, exact, key, stats, paths)
+        up = _expert_module(todo.pop(ukey), compute, exact, ukey, stats, paths)
         path = prefix + _FUSED
         if path not in modules:
             raise ValueError(f"the model has no module {path} for {key}")
@@ -519,18 +676,20 @@ def install_quantized(model: nn.Module, weights: dict, dtype=None) -> tuple[dict
             mod = modules.get(path)
             new = None
             if attr == "weight" and isinstance(mod, SwitchLinear) and len(val.shape) == 3:
-                new = _expert_module(val, scale_dtype, compute, key, stats)
+                new = _expert_module(val, compute, exact, key, stats, paths)
             elif attr == "weight" and _quantizable(mod):
                 new = _affine_module(mod, _mx_arrays(val), mode=val.mode)
             if new is not None:
                 if not isinstance(mod, SwitchLinear):
                     stats[f"{val.mode}->mlx-{val.mode}"] += 1
+                    paths.add("dense", val.mode, f"MLX {val.mode} (the file's bytes, exact)")
                 _set_module(model, path, new)
                 owned.update(_module_params(path, new))
                 continue
             log.warning("%s: %s %s has no quantized module here: dequantized at load", key, val.mode, tuple(val.shape))
             stats[f"{val.mode}->dequantized"] += 1
-            floats[key] = mx.array(val.dequantize()).astype(compute)
+            paths.add("dense", val.mode, WeightPath("dequantized", mx.float32 if exact else compute, exact).describe())
+            floats[key] = mx.array(val.dequantize()).astype(mx.float32 if exact else compute)
             mx.eval(floats[key])
             continue
         if not isinstance(val, QuantizedTensor):
@@ -541,11 +700,13 @@ def install_quantized(model: nn.Module, weights: dict, dtype=None) -> tuple[dict
         qtype = as_qtype(val.qtype)
         new = None
         if attr == "weight" and isinstance(mod, SwitchLinear) and len(val.shape) == 3:
-            new = _expert_module(val, scale_dtype, compute, key, stats)
+            new = _expert_module(val, compute, exact, key, stats, paths)
         elif attr == "weight" and _quantizable(mod) and qtype in MLX_EXACT_TYPES:
-            new = _affine_module(mod, repack(val, scale_dtype))
+            how = dense_path(qtype, compute, exact)
+            new = _affine_module(mod, repack(val, how.dtype, exact))
             if new is not None:
                 stats[f"{qtype.name}->mlx{new.bits}"] += 1
+                paths.add("dense", qtype.name, WeightPath("mlx", how.dtype, how.exact, new.bits).describe())
         if new is not None:
             release(val)
             _set_module(model, path, new)
@@ -553,7 +714,11 @@ def install_quantized(model: nn.Module, weights: dict, dtype=None) -> tuple[dict
             continue
         log.warning("%s: %s %s has no quantized module here: dequantized at load", key, qtype.name, tuple(val.shape))
         stats[f"{qtype.name}->dequantized"] += 1
-        floats[key] = dequantize_chunked(val, compute if len(val.shape) >= 2 else mx.float32)
+        # float32 under the float32 activation policy: a 16-bit copy would round the decoded values
+        dt = mx.float32 if exact or len(val.shape) < 2 else compute
+        how = WeightPath("dequantized", dt, dt == mx.float32)
+        paths.add("dense", qtype.name, how.describe())
+        floats[key] = dequantize_chunked(val, how.dtype)
         release(val)
     if stats:
         log.info("quantized tensors: %s", ", ".join(f"{k} x{n}" for k, n in sorted(stats.items())))
@@ -581,4 +746,11 @@ __all__ = [
     "quantized_summary",
     "compute_dtype_of",
     "KERNEL_TYPES",
+    "WeightPath",
+    "expert_path",
+    "dense_path",
+    "exact_policy",
+    "paths_of",
+    "file_paths",
+    "record_expert_paths",
 ]
