@@ -1,4 +1,4 @@
-"""The acceptance model: when does a round of k drafts beat k + 1 plain decode steps?
+"""The acceptance model (docs/speculative.md): when does a round of k drafts beat k + 1 plain steps?
 
 A round drafts k tokens (k draft costs) and verifies them with the token before them in
 one target forward of k + 1 tokens.  With a per-draft acceptance rate a (each draft kept
