@@ -80,7 +80,9 @@ def test_costs_round_trip_and_lines():
     d = c.as_dict()
     assert d["breakeven_k1"] == round(break_even(10.0, 15.0, 0.5, 1), 3) and d["breakeven_k2"] is None
     lines = c.lines()
-    assert lines[0].startswith("k=1: verify of 2 tokens 15.00 ms = 1.50 plain steps (10.00 ms), pays above acceptance")
+    assert lines[0].startswith(
+        "k=1: verify of 2 tokens 15.00 ms = 1.50 plain steps (10.00 ms), with 0.50 ms per draft pays above acceptance"
+    )
     assert lines[1].endswith("never pays")
 
 

@@ -78,9 +78,10 @@ class Costs:
         for k in sorted(self.verify_ms):
             be = self.break_even(k)
             need = "never pays" if be is None else f"pays above acceptance {be:.2f}"
+            draft = f" with {self.draft_ms:.2f} ms per draft" if self.draft_ms > 0 else ""
             out.append(
                 f"k={k}: verify of {k + 1} tokens {self.verify_ms[k]:.2f} ms = {self.ratio(k):.2f} plain steps "
-                f"({self.step_ms:.2f} ms), {need}"
+                f"({self.step_ms:.2f} ms),{draft} {need}"
             )
         return out
 
