@@ -209,6 +209,10 @@ def stream_job(engine, job, console: Console, out=None) -> Finish | None:
             f" | generated {u.completion_tokens} tokens, {u.completion_tokens / gen_s if gen_s > 0 else 0:.1f} t/s"
             f" | finish {finish.reason}[/dim]"
         )
+        from .speculative.cost import summary_lines
+
+        for line in summary_lines(finish.speculation):  # speculative decoding: what it did, what it cost
+            console.print(f"[dim]{line}[/dim]", highlight=False)
     return finish
 
 

@@ -475,6 +475,10 @@ class Repl:
             highlight=False,
             soft_wrap=True,
         )
+        from .speculative.cost import summary_lines
+
+        for line in summary_lines(res.finish.speculation):  # speculative decoding: what it did, what it cost
+            self.console.print(f"[dim]{line}[/dim]", highlight=False, soft_wrap=True)
 
 
 class _AnswerPrinter:

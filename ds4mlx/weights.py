@@ -298,6 +298,10 @@ def read_mtp_gguf(path: str | os.PathLike) -> dict:
     """ds4's separate MTP support GGUF (`--mtp FILE`) -> {name: tensor} under the
     names `read_gguf` gives a main file's MTP tensors (mapped views / QuantizedTensor)."""
     g = GGUFFile(path)
+    if any(k.startswith(("deepseek4.dspark.", "dspark.")) for k in g.metadata) or any(
+        t.startswith("dspark.") for t in g.tensors
+    ):  # speculative/dspark_support.py reads those
+        raise ValueError(f"{g.path}: ds4's DSpark support file, not an MTP one (pass it as --dspark --mtp-model FILE)")
     tensors = {mtp_hf_name(t): g.tensor(t) for t in g.tensors if t.startswith(MTP_PREFIX)}
     if not tensors:
         raise ValueError(f"{g.path}: no MTP tensors (mtp.*) in this GGUF file")

@@ -94,3 +94,13 @@ def test_help_states_scaled_budgets():
     assert "default 1024; below --tokens 2048 it is half the budget" in text
     assert "default 512; below --tokens 2048 it is a quarter of the budget" in text
     assert "--report FILE.json" in text and "--baseline FILE.json" in text and "--max-drop N" in text
+
+
+def test_mtp_timing_is_refused_by_eval_in_one_line(capsys):
+    from ds4mlx.eval.cli import run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert run(p.parse_args(["--mtp-timing"])) == 2
+    err = capsys.readouterr().err
+    assert "--mtp-timing is not measured by eval" in err and err.count("\n") == 1

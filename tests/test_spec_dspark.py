@@ -180,7 +180,7 @@ def test_mtp_on_a_v41_model_builds_the_dspark_drafter(v41, monkeypatch):
         mtp_drafter(lm, ctx=64)
 
 
-def test_generate_with_mtp_on_the_v41_demo_model_prints_the_same_text():
+def test_generate_with_dspark_on_the_v41_demo_model_prints_the_same_text():
     import os
     import subprocess
 
@@ -190,10 +190,15 @@ def test_generate_with_mtp_on_the_v41_demo_model_prints_the_same_text():
     base += ["-p", "The quick brown fox", "-n", "24", "--temp", "0"]
     plain = subprocess.run(base, capture_output=True, text=True, env=env, timeout=600)
     spec = subprocess.run(
-        base + ["--mtp", "--mtp-draft", "3", "--mtp-margin", "0"], capture_output=True, text=True, env=env, timeout=600
-    )
+        base + ["--dspark", "--mtp-draft", "3", "--mtp-margin", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )  # ds4's --dspark: V4.1's built-in drafter (as --mtp)
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr[-2000:]
     assert spec.stdout == plain.stdout and "speculative decoding: DSpark block drafter" in spec.stderr
+    assert "speculation: drafted" in spec.stderr
 
 
 def test_confident_prefix_keeps_the_leading_positions_whose_survival_holds():

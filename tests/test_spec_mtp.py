@@ -6,8 +6,8 @@ checked against transformers in test_deepseek_v4_parity.py):
 e = enorm(embed(t+1)); x = e_proj(e)[:, None] + h_proj(hnorm(streams)); x' = Block(x);
 pre = sigmoid(rms(x'_flat) @ hc_fn.T * scale + base) + hc_eps; y = sum(pre * x');
 logits = lm_head(norm(y)).  Then greedy speculation with the (random) head equals plain
-decoding over 210 tokens, and `ds4mlx generate --mtp` on the demo model prints the same
-text as without it.
+decoding over 210 tokens, and `ds4mlx generate --mtp --mtp-timing` on the demo model prints
+the same text as without it, then its counters and the break-even acceptance per k.
 """
 
 from __future__ import annotations
@@ -122,9 +122,15 @@ def test_generate_with_mtp_on_the_demo_model_prints_the_same_text():
         "0",
     ]
     plain = subprocess.run(base, capture_output=True, text=True, env=env, timeout=600)
-    spec = subprocess.run(base + ["--mtp", "--mtp-draft", "2"], capture_output=True, text=True, env=env, timeout=600)
+    spec = subprocess.run(
+        base + ["--mtp", "--mtp-draft", "2", "--mtp-timing"], capture_output=True, text=True, env=env, timeout=600
+    )
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr[-2000:]
     assert spec.stdout == plain.stdout and "speculative decoding: MTP head" in spec.stderr
+    # the end-of-run summary beside t/s, and --mtp-timing's acceptance model for k = 1..4
+    assert "speculation: drafted" in spec.stderr and "speculation:" not in plain.stderr
+    for k in (1, 2, 3, 4):
+        assert f"k={k}: verify of {k + 1} tokens" in spec.stderr
 
 
 def test_catch_up_from_one_window_back_gives_the_same_last_position(v4):

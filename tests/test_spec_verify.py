@@ -109,11 +109,21 @@ def test_checkpoint_survives_later_steps_and_restores_twice(case):
 
 
 def test_speculative_loop_with_wrong_drafts_equals_plain_greedy(case):
-    """The loop on every family: drafts wrong at rotating depths, the output and the session
-    end token for token where plain greedy decoding ends."""
+    """The loop on every family over 200 greedy tokens (each tiny model's window crossed many
+    times): drafts wrong at rotating depths, the output and the session end token for token
+    where plain greedy decoding ends; then a draft model (`--draft-model`: ModelDrafter, the
+    model itself in its own session) over the first 32 of them."""
+    from ds4mlx.speculative.acceptance import GreedyRule
+    from ds4mlx.speculative.drafter import ModelDrafter
+    from ds4mlx.speculative.loop import SpeculativeLoop
+
     lm, ids = case
-    s, want, t, loop = _wrong_drafts(lm, ids[:6], 48)
+    prompt = ids[:6]
+    s, want, t, loop = _wrong_drafts(lm, prompt, 200)
     assert list(loop) == want and t.tokens == s.tokens
+    u = lm.new_session(ctx=len(prompt) + 40)
+    draft = SpeculativeLoop(u, u.prefill(prompt), ModelDrafter(lm, ctx=len(prompt) + 40), GreedyRule(lm.vocab_size), depth=2, margin=0, limit=32)  # fmt: skip
+    assert list(draft) == want[:32] and draft.stats.accepted > 0
     # the caches after rollbacks: the next logits are the full forward's (a one-shot forward
     # is the reference; V4.1's compiled step itself drifts ~2e-3 from it on this sequence)
     assert maxdiff(t.last_logits[None], lm.logits(t.tokens)[-1:]) <= TOL

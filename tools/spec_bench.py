@@ -35,6 +35,7 @@ import mlx.core as mx
 from ds4mlx.bench.synthetic import build_synthetic_v4_flash
 from ds4mlx.decode import decode_tokens, greedy
 from ds4mlx.speculative.acceptance import GreedyRule
+from ds4mlx.speculative.cost import break_even
 from ds4mlx.speculative.drafter import ModelDrafter, ScriptedDrafter
 from ds4mlx.speculative.loop import SpeculativeLoop, keep_prefix
 
@@ -51,22 +52,6 @@ SMOKE = dict(
     index_head_dim=32,
     index_topk=8,
 )
-
-
-def tokens_per_round(a: float, k: int) -> float:
-    return float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
-
-
-def break_even(step_ms: float, verify_ms: float, draft_ms: float, k: int) -> float | None:
-    """Smallest acceptance rate at which a round of k drafts beats plain steps (None: never)."""
-    cost = verify_ms + k * draft_ms
-    if tokens_per_round(1.0, k) * step_ms <= cost:
-        return None
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if tokens_per_round(mid, k) * step_ms < cost else (lo, mid)
-    return hi
 
 
 def prompt_session(model, ids, ctx):

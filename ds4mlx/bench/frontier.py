@@ -19,7 +19,18 @@ from ..prefill_chunk import default_chunk
 from ..speculative import cli as spec_cli
 
 COLUMNS = ["ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes", "peak_memory_bytes"]
-SPEC_COLUMNS = ["spec_drafted", "spec_accepted", "spec_acceptance_rate"]  # with --mtp / --draft-model
+# with --mtp / --draft-model: the probe's counters, its verify cost per round, and the acceptance
+# model (speculative/cost.py) from a plain step and a verify of k + 1 tokens measured at the frontier
+SPEC_COLUMNS = [
+    "spec_drafted",
+    "spec_accepted",
+    "spec_acceptance_rate",
+    "spec_tokens_per_round",
+    "spec_verify_ms",
+    "spec_step_ms",
+    *(f"spec_verify_ms_k{k}" for k in (1, 2, 3, 4)),
+    *(f"spec_breakeven_k{k}" for k in (1, 2, 3, 4)),
+]
 GATED = ("prefill_tps", "gen_tps")  # higher is better
 
 
@@ -113,7 +124,9 @@ def run_bench(
 
     chunk = chunk or default_chunk()
     tokens = bench_tokens(tokenizer, ctx_points[-1], text_path)
-    session = model.new_session(ctx=ctx_points[-1] + gen_tokens + PROBE_WARMUP + 1, chunk=chunk)
+    # speculation: room for the last round's drafts and the widest measured verify (cost.measure)
+    room = 0 if speculation is None else speculation.depth + 2 * 4 + 2
+    session = model.new_session(ctx=ctx_points[-1] + gen_tokens + PROBE_WARMUP + 1 + room, chunk=chunk)
     eos = getattr(tokenizer, "eos_id", None)
     warm_up(model, tokens[: 2 * chunk], chunk)  # first-use kernel compilation stays out of every row
     rows, done = [], 0
@@ -149,11 +162,24 @@ def run_bench(
 
                 stats = SpecStats()
             gen_s = _greedy_probe(session, logits, gen_tokens, eos, speculation=speculation, stats=stats)
+            costs = None
+            if stats is not None:
+                from ..speculative.cost import measure
+
+                costs = measure(session, session.tokens[-1], draft_ms=stats.draft_ms_per_token)
             session.restore(snap)
             row["gen_tps"] = round(gen_tokens / gen_s, 2)
             if stats is not None:
                 row.update(spec_drafted=stats.drafted, spec_accepted=stats.accepted)
                 row["spec_acceptance_rate"] = round(stats.acceptance_rate, 4)
+                row["spec_tokens_per_round"] = round(stats.tokens_per_round, 3)
+                row["spec_verify_ms"] = round(stats.verify_ms_per_round, 3)
+            if costs is not None:
+                row["spec_step_ms"] = round(costs.step_ms, 3)
+                for k in sorted(costs.verify_ms):
+                    be = costs.break_even(k)
+                    row[f"spec_verify_ms_k{k}"] = round(costs.verify_ms[k], 3)
+                    row[f"spec_breakeven_k{k}"] = "never" if be is None else round(be, 3)
         row["peak_memory_bytes"] = int(mx.get_peak_memory())
         from ..experts.cli import csv_columns
 

@@ -404,6 +404,8 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
         pause_ms=a.pause_ms,
         suite=a.suite,
     )
+    if getattr(a, "mtp_timing", False):  # the verify-cost table is generate / chat / bench's
+        return _fail("--mtp-timing is not measured by eval (use ds4mlx generate, chat or bench); --mtp drafts here")
     if a.trace:
         err = _writable(a.trace, a.retry_incomplete, "trace")
         if err:

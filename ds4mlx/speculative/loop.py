@@ -43,8 +43,10 @@ class SpeculativeLoop:
         stop_ids: Iterable[int] = (),
         limit: int | None = None,
         stats: SpecStats | None = None,
+        timing: bool = False,
     ):
         self.session = session
+        self.timing = bool(timing)  # --mtp-timing: `settle` measures the verify cost per k (cost.py)
         self.logits = logits if isinstance(logits, mx.array) else mx.array(logits)
         self.drafter, self.rule = drafter, rule
         self.depth, self.margin = max(1, int(depth)), float(margin)
@@ -104,12 +106,18 @@ class SpeculativeLoop:
     def settle(self) -> None:
         """Roll the session back to the tokens the consumer received (after it left the loop)."""
         r, self._round = self._round, None
-        if r is None:
-            return
-        cp, kept, used = r
-        if used < len(kept):
-            keep_prefix(self.session, cp, kept, used)
-            mx.eval(self.session.cache_arrays())
+        if r is not None:
+            cp, kept, used = r
+            if used < len(kept):
+                keep_prefix(self.session, cp, kept, used)
+                mx.eval(self.session.cache_arrays())
+        if self.timing and self.stats.rounds and not self.stats.costs:
+            from .cost import measure
+
+            s = self.session
+            costs = measure(s, s.tokens[-1] if len(s) else 0, draft_ms=self.stats.draft_ms_per_token)
+            if costs is not None:
+                self.stats.costs = costs.as_dict()
 
 
 def keep_prefix(session, cp, ids, n: int) -> None:
@@ -152,4 +160,5 @@ def loop_for_job(spec, session, logits, params, *, banned=None, seed=0, stop_ids
         stop_ids=stop_ids,
         limit=limit,
         stats=stats,
+        timing=bool(getattr(spec, "timing", False)),
     )
