@@ -157,3 +157,5 @@ PARSE_INVALID_TOOL_CALL = "invalid tool call"
 PARSE_UNTERMINATED_TOOL_CALL = "unterminated tool call"
 # a call the stream had announced broke off: it is kept with the arguments sent so far
 PARSE_CUT_TOOL_CALL = "tool call cut short"
+# the token limit ended the output inside a block: no call of it is returned (docs/dsml.md §3.1)
+PARSE_LIMIT_TOOL_CALL = "tool call cut by the token limit"
