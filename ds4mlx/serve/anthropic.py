@@ -35,6 +35,7 @@ from ..chat.requests import (
     require_messages,
 )
 from ..events import Finish, ReasoningDelta, Started, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart, Usage
+from . import errors as E
 from . import sse
 from .common import RequestInfo, body_bytes, parsed_parts
 
@@ -307,10 +308,17 @@ class AnthropicAdapter:
 
     def finish(self, fin: Finish) -> list[bytes]:
         out = self._close_open()
-        for ci, b in self.tool_blocks.items():  # a projection that never saw its invoke close
+        cut = False
+        for ci, b in self.tool_blocks.items():  # a call the output broke off inside: left incomplete
             if ci not in self.closed_tools:
                 self.closed_tools.add(ci)
                 out.append(self._stop(b))
+                cut = True
+        if cut and fin.reason == "error":
+            # a failed turn (EOS inside a call): Anthropic's own mid-stream error, so that no
+            # client runs the incomplete tool_use block (docs/http-api.md §1.6)
+            out.append(self._ev("error", E.sse_error_payload("anthropic", fin.error or E.GENERATION_FAILED)))
+            return out
         if self.had_thinking and not self.had_text and not self.had_tool and fin.reason != "length":
             out.append(self._open("text", {"type": "text", "text": ""}))
             out.append(self._stop())
