@@ -15,6 +15,14 @@ import numpy as np
 from . import registry
 
 DEMO_NOTICE = "demo model: real DeepSeek V4 Flash architecture and tokenizer, RANDOM weights (output is gibberish)"
+# The demo's output limit where neither the request nor the command line sets one: random
+# weights never write an end of turn, so without it an answer would run to the context's end.
+DEMO_MAX_TOKENS = 256
+
+
+def limit_notice(tokens: int) -> str:
+    return f"demo model: answers stop after {tokens} tokens unless a request sets max_tokens (--tokens N)"
+
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 

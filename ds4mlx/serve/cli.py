@@ -46,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-n",
         "--tokens",
         type=_positive,
-        default=DEFAULT_TOKENS,
-        help=f"default max output tokens (default {DEFAULT_TOKENS})",
+        default=None,
+        help=f"default max output tokens (default {DEFAULT_TOKENS}; the demo model: 256)",
     )
     p.add_argument("--cors", action="store_true", help="add CORS headers to every response")
     p.add_argument("--chdir", metavar="DIR", help="change directory before loading anything")
@@ -145,6 +145,12 @@ def build(args, loaded=None):
             from ..demo import DEMO_NOTICE
 
             log.warning("%s%s", DEMO_NOTICE, f" [{args.model}]" if args.model else "")
+    if args.tokens is None:  # the demo's random weights never end a turn: a short default
+        from ..demo import DEMO_MAX_TOKENS, limit_notice
+
+        args.tokens = DEMO_MAX_TOKENS if getattr(model, "is_demo", False) else DEFAULT_TOKENS
+        if getattr(model, "is_demo", False):
+            log.warning("%s", limit_notice(args.tokens))
     from ..cli_options import UsageError, install_steering, install_vision, load_prefix
 
     try:
