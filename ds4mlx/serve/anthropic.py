@@ -128,6 +128,24 @@ def _anthropic_system(v: Any) -> str:
     return "".join(parts)
 
 
+def refuse_threads(body: Any, betas: str) -> None:
+    """The `thread` field and the message-threads beta are not served: a 400 naming them,
+    with the `thread_unsupported_request` details on which the anthropic SDK's thread and
+    tool_runner go on sending the full history (docs/http-api.md §1.6)."""
+    named = []
+    if isinstance(body, dict) and body.get("thread") is not None:
+        named.append("the 'thread' field")
+    if M.ANTHROPIC_THREADS_BETA in (b.strip() for b in betas.split(",")):
+        named.append(f"anthropic-beta '{M.ANTHROPIC_THREADS_BETA}'")
+    if named:
+        raise E.APIError(
+            400,
+            E.THREADS_UNSUPPORTED.format(named=" and ".join(named)),
+            param="thread",
+            extra={"details": dict(E.THREADS_UNSUPPORTED_DETAILS)},
+        )
+
+
 def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical", strict: bool = True) -> Conversation:
     """POST /v1/messages body -> Conversation (the system text becomes a trailing system message).
     Thinking is off unless `thinking` turns it on or an effort is named (Anthropic's

@@ -53,6 +53,14 @@ def invalid_field(field: str) -> str:
     return f"Invalid value for '{field}'."
 
 
+# Anthropic message threads: refused in the shape the anthropic SDK reads to go on without one
+THREADS_UNSUPPORTED = (
+    "Message threads are not supported by this server ({named}): send the full message history "
+    "without a 'thread' field."
+)
+THREADS_UNSUPPORTED_DETAILS = {"error_code": "thread_unsupported_request", "unsupported": ["thread"]}
+
+
 def internal_error(kind: str) -> str:
     return f"internal error: {kind}"
 
