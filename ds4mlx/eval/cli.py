@@ -304,8 +304,12 @@ def _carry_over(runner: Any, path: str) -> None:
 
 def _demo(a: argparse.Namespace) -> bool:
     """The in-process backend on the demo model."""
-    kind = a.backend or ("endpoint" if a.endpoint else "mlx")
-    return kind == "mlx" and (a.model in (None, "demo") or str(a.model or "").startswith("demo:"))
+    kind = getattr(a, "backend", None) or ("endpoint" if a.endpoint else "mlx")
+    return kind == "mlx" and _demo_model(a.model)
+
+
+def _demo_model(model) -> bool:
+    return model in (None, "demo") or str(model or "").startswith("demo:")
 
 
 def demo_limit(a: argparse.Namespace) -> None:
@@ -321,7 +325,7 @@ def demo_limit(a: argparse.Namespace) -> None:
 def _loading_notice(a: argparse.Namespace, backend: Any) -> None:
     """Say what is loading (the screen stayed blank for the whole load) and that the
     default demo model has random weights."""
-    if backend.name == "mlx" and _demo(a):
+    if backend.name == "mlx" and _demo_model(a.model):
         print(
             "ds4-eval: no -m MODEL: using the demo model, which has RANDOM weights "
             "(every answer is gibberish; this only exercises the harness)",
