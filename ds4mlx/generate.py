@@ -89,9 +89,9 @@ def _load(args, console):
         stream=experts_cli.config_from_args(args),
     )
     if getattr(model, "is_demo", False):
-        from .demo import DEMO_NOTICE
+        from .demo import notice
 
-        console.print(f"[yellow]{DEMO_NOTICE}[/yellow]")
+        console.print(f"[yellow]{notice(model)}[/yellow]")
     console.print(f"[dim]loaded {getattr(model, 'path', args.model)} in {time.perf_counter() - t0:.1f} s[/dim]")
     steered = install_steering(args, model)  # before the engine makes its session (fingerprint)
     if steered:

@@ -84,9 +84,9 @@ def run(args) -> int:
         return 2
     model, tok = load(args.model)
     if getattr(model, "is_demo", False):
-        from ..demo import DEMO_NOTICE
+        from ..demo import notice
 
-        console.print(f"[yellow]{DEMO_NOTICE}[/yellow]")
+        console.print(f"[yellow]{notice(model)}[/yellow]")
         if args.max_tokens is None:  # its gibberish rarely ends: keep a demo run short
             args.max_tokens = DEMO_MAX_TOKENS
             console.print(f"[dim]demo model: replies capped at {DEMO_MAX_TOKENS} tokens (-n to change)[/dim]")

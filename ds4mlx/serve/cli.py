@@ -142,9 +142,9 @@ def build(args, loaded=None):
             stream=experts_cli.config_from_args(args),
         )
         if getattr(model, "is_demo", False):
-            from ..demo import DEMO_NOTICE
+            from ..demo import notice
 
-            log.warning("%s%s", DEMO_NOTICE, f" [{args.model}]" if args.model else "")
+            log.warning("%s%s", notice(model), f" [{args.model}]" if args.model else "")
     if args.tokens is None:  # the demo's random weights never end a turn: a short default
         from ..demo import DEMO_MAX_TOKENS, limit_notice
 

@@ -66,8 +66,9 @@ def internal_error(kind: str) -> str:
 
 
 def api_for_path(path: str) -> str:
-    """Whose error shape a path gets: /v1/messages Anthropic's, every other OpenAI's."""
-    return "anthropic" if path == "/v1/messages" else "openai"
+    """Whose error shape a path gets: /v1/messages and the paths under it (count_tokens, a
+    mistyped one) Anthropic's, every other OpenAI's."""
+    return "anthropic" if path == "/v1/messages" or path.startswith("/v1/messages/") else "openai"
 
 
 def unknown_model(name: str) -> str:

@@ -291,7 +291,7 @@ class ResponsesAdapter:
 
     def __init__(self, info: RequestInfo):
         self.info = info
-        self.resp_id = _hex_id("resp_")
+        self.resp_id = info.id  # the id the server's trace records too
         self.seq = 0
         self.outputs: list[dict] = []  # streamed items in output order
         self.rs: dict | None = None  # reasoning item being streamed
