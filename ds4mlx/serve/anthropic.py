@@ -162,7 +162,7 @@ def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical
     stop: list[str] = []
     for k, v in body.items():
         if k == "messages":
-            msgs = message_list(v, _anthropic_message)
+            msgs = message_list(v, _anthropic_message, lambda i: f"messages.{i}")
         elif k == "system":
             system = _anthropic_system(v)
         elif k == "tools":
