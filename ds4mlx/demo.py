@@ -15,6 +15,35 @@ import numpy as np
 from . import registry
 
 DEMO_NOTICE = "demo model: real DeepSeek V4 Flash architecture and tokenizer, RANDOM weights (output is gibberish)"
+_ARCHITECTURES = {
+    "deepseek_v4": "DeepSeek V4 Flash",
+    "deepseek_v41": "DeepSeek V4.1 Flash",
+    "glm_moe_dsa": "GLM 5.2",
+    "glm5_next": "GLM 5.3 Flash",
+    "qwen4_exp": "Qwen3.8 Flash Next",
+}
+
+
+def notice(model) -> str:
+    """The banner of a loaded demo model, naming its own architecture (the other families'
+    demos use DeepSeek's tokenizer: theirs are not bundled)."""
+    config = getattr(model, "config", None) or {}
+    fam = registry.family_of(config.get("model_type"))
+    key = fam.key if fam is not None else registry.DEFAULT_FAMILY
+    if key == registry.DEFAULT_FAMILY:
+        return DEMO_NOTICE
+    name = _ARCHITECTURES.get(key, key)
+    return f"demo model: {name} architecture, DeepSeek's tokenizer, RANDOM weights (output is gibberish)"
+
+
+# The demo's output limit where neither the request nor the command line sets one: random
+# weights never write an end of turn, so without it an answer would run to the context's end.
+DEMO_MAX_TOKENS = 256
+
+
+def limit_notice(tokens: int) -> str:
+    return f"demo model: answers stop after {tokens} tokens unless a request sets max_tokens (--tokens N)"
+
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 

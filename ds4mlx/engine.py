@@ -993,15 +993,13 @@ class Engine:
             logits = mx.array(np.asarray(logits, dtype=np.float32))
         force = job.force_text if job.tools_active else None
         forced: list[int] = []
-        n_forced = 0
 
         def pick(logits) -> int:
             # synchronous: this token's choice depends on the host's reading of the last one
-            nonlocal force, forced, n_forced
+            nonlocal force, forced
             if force is not None and getattr(parser, "phase", "text") == "text":
                 forced, force = tk.encode(force), None  # the answer starts: open the tool call
             if forced:
-                n_forced += 1
                 return forced.pop(0)
             structural = bool(job.tools_active and getattr(parser, "structural", False))
             params = GREEDY if structural else job.params  # ignore_eos keeps the requested sampling (#17)
@@ -1064,8 +1062,8 @@ class Engine:
             if getattr(parser, "stop_now", False):
                 finish = "tool_calls"
                 break
-            if loop.limit is None and (len(generated) - n_forced >= max_tokens or len(generated) >= room):
-                finish = "length"  # the limit of a job with forced text (forced tokens not counted)
+            if loop.limit is None and len(generated) >= min(max_tokens, room):
+                finish = "length"  # the limit of a job with forced text (forced tokens count: generated output)
                 break
             if not (job.tools_active and getattr(parser, "phase", "text") in ("tool", "done")):
                 _call_hook(self.cache.on_progress, self, job)  # not inside a tool call
@@ -1093,12 +1091,14 @@ class Engine:
         elif perror == UNTERMINATED_TOOL_CALL:
             # ds4: a block that started but never closed fails the turn (docs/dsml.md §3.1).
             finish, error = "error", perror
-        elif calls:
+        elif calls and finish != "length":  # a call the token limit cut is never executable
             finish = "tool_calls"
+        elif job.force_text and job.tools_active and finish in ("stop", "tool_calls"):
+            finish, error = "error", perror or "no tool call"  # tool_choice forced a call: none parsed
         elif finish == "tool_calls":
-            finish = "stop"  # the block closed but did not parse: recovered as text
+            finish = "stop"  # the block closed but did not parse: its markup is dropped
         if perror and finish != "error":
-            log.warning("%s %s returned as assistant text finish=%s", job_kind(job), perror, finish)
+            log.warning("%s %s finish=%s", job_kind(job), perror, finish)
         raw_text = "".join(raw_parts)
         if stops.hit is not None or broken:
             # ds4 invalidates the live session on a stop-sequence hit.

@@ -94,9 +94,9 @@ def load_model(args, console):
         ctx=args.ctx,  # the memory verdict at --ctx (memory_fit.py)
     )
     if getattr(model, "is_demo", False):
-        from .demo import DEMO_NOTICE
+        from .demo import notice
 
-        console.print(f"[yellow]{DEMO_NOTICE}[/yellow]")
+        console.print(f"[yellow]{notice(model)}[/yellow]")
     console.print(f"[dim]loaded {getattr(model, 'path', args.model)} in {time.perf_counter() - t0:.1f} s[/dim]")
     steered = install_steering(args, model)  # before the engine makes its session (fingerprint)
     if steered:

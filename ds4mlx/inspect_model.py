@@ -98,9 +98,10 @@ def kv_bytes(config: dict | None, ctx: int) -> int | None:
 
 def summarize(path, ctx: int = 32768) -> dict:
     path = Path(path)
-    if not path.is_dir() and not path.is_file():
-        raise FileNotFoundError(f"no such model file or folder: {path}")
-    arch, rows, config, shapes = _hf_tensors(path) if path.is_dir() else _gguf_tensors(path)
+    from .weights import is_model_folder
+
+    # a missing path, a device, a FIFO, a symlink loop: refused by what it is
+    arch, rows, config, shapes = _hf_tensors(path) if is_model_folder(path) else _gguf_tensors(path)
     hist: dict[str, list] = {}
     for _, t, nb in rows:
         h = hist.setdefault(t, [0, 0])

@@ -86,7 +86,8 @@ def fill(shape, dtype, pieces):
     return out
 
 
-def _memmap_of(arr: np.ndarray):
+def memmap_of(arr: np.ndarray):
+    """The `np.memmap` a numpy view reads from (None for any other array)."""
     base = arr
     while isinstance(base, np.ndarray) and not isinstance(base, np.memmap):
         base = base.base
@@ -99,7 +100,7 @@ def release_array(arr) -> None:
     read faults them back in from the page cache or the file."""
     if not isinstance(arr, np.ndarray) or arr.nbytes == 0:
         return
-    mm = _memmap_of(arr)
+    mm = memmap_of(arr)
     if mm is None:
         return
     # np.memmap maps from an allocation-granularity boundary at or before its offset
@@ -145,4 +146,4 @@ def peak_rss_bytes() -> int:
     return r if sys.platform == "darwin" else r * 1024
 
 
-__all__ = ["LazyTensor", "fill", "release", "release_array", "peak_rss_bytes"]
+__all__ = ["LazyTensor", "fill", "memmap_of", "release", "release_array", "peak_rss_bytes"]

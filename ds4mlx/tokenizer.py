@@ -57,8 +57,11 @@ _PRETOK_REGEXES = (
     "|\\s+",
 )
 _KNOWN_PRE = {"joyai-llm", "deepseek-v3", "deepseek-v4"}
-# a pre-token boundary of the regexes above: after a newline, before a non-space character
-_SAFE_CUT = re.compile(r"\n(?=\S)")
+# a pre-token boundary of the regexes above: after a newline, before a non-space character;
+# or, in one long line, between an ASCII letter and a space that an ASCII letter follows (the
+# letters' run ends at the space, and the space opens the next word's pre-token); no special
+# string has a space in it
+_SAFE_CUT = re.compile(r"\n(?=\S)|(?<=[A-Za-z])(?= [A-Za-z])")
 
 # GGUF token types (llama.cpp / gguf.TokenType).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import sys
 import warnings
@@ -805,11 +806,29 @@ def _stack_lazy(parts: list) -> LazyTensor:
 def read_weights(path: str | os.PathLike, with_tokenizer: bool = True):
     """GGUF file or HF folder -> (config, tensors, tokenizer or None)."""
     path = Path(path)
-    if path.is_dir():
+    if is_model_folder(path):
         return read_hf(path, with_tokenizer=with_tokenizer)
-    if path.is_file():
-        return read_gguf(path, with_tokenizer=with_tokenizer)
-    raise FileNotFoundError(f"no such model file or folder: {path}")
+    return read_gguf(path, with_tokenizer=with_tokenizer)
+
+
+def is_model_folder(path: str | os.PathLike) -> bool:
+    """True for a folder, False for a regular file; any other path is refused by what it is
+    (missing, a device, a FIFO, a symlink loop: the OSError as raised), never opened."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no such model file or folder: {path}") from None
+    if stat.S_ISDIR(mode):
+        return True
+    if stat.S_ISREG(mode):
+        return False
+    kind = (
+        "a character device" if stat.S_ISCHR(mode)
+        else "a block device" if stat.S_ISBLK(mode)
+        else "a FIFO" if stat.S_ISFIFO(mode)
+        else "a socket"
+    )  # fmt: skip
+    raise ValueError(f"{path}: {kind}, not a model file (GGUF) or folder (config.json + safetensors)")
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -822,6 +841,7 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 __all__ = [
     "read_weights",
+    "is_model_folder",
     "read_gguf",
     "read_gguf_file",
     "read_hf",

@@ -82,6 +82,17 @@ def test_every_command_gives_one_line_and_exit_2(bad, tmp_path, name):
         assert_one_line(proc, bad[case])
 
 
+def test_a_device_fifo_or_symlink_loop_is_named_as_what_it_is(tmp_path):
+    fifo, loop = tmp_path / "fifo", tmp_path / "loop"
+    os.mkfifo(fifo)
+    loop.symlink_to(loop)
+    for path, what in ((Path("/dev/zero"), "a character device"), (fifo, "a FIFO"), (loop, "symbolic links")):
+        for name in ("inspect", "generate"):
+            proc = ds4mlx(command(name, path, tmp_path), tmp_path)
+            assert_one_line(proc, path)
+            assert what in proc.stderr and "no such" not in proc.stderr, proc.stderr
+
+
 def test_convert_gives_one_line_and_exit_2(bad, tmp_path):
     for case in ("nonexistent", "empty_dir", "broken_config_json", "config_wrong_types", "safetensors_huge_header"):
         proc = ds4mlx(command("convert", bad[case], tmp_path), tmp_path)

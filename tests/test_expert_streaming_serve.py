@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -141,3 +142,61 @@ def test_read_failure_is_one_requests_error_and_serving_goes_on():
         eng.close()
     assert store.stats.read_errors == 1
     assert np.all([c.slot_of[c.expert_in[c.expert_in >= 0]] >= 0 for c in store.layers.values()])
+
+
+def test_model_file_truncated_or_rewritten_under_a_running_server(tmp_path):
+    """The streamed file truncated, then rewritten at the same size, under a live server:
+    each change is the next request's clear error (no SIGBUS), /health stays 200, the cached
+    experts are dropped, and once the file is restored in place the next request is answered
+    (a same-size rewrite that keeps the header is only caught once: see experts/store.py)."""
+    import shutil
+
+    from scripted_model import serve
+
+    from ds4mlx.demo import demo_model_path
+    from ds4mlx.tokenizer import Tokenizer
+
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(demo_model_path(quiet=True), path)
+    original = path.read_bytes()
+    model, _ = ds4mlx.load(str(path), verbose=False, stream=StreamConfig(enabled=True, per_layer=1))
+    body = {"prompt": "Tell me about foxes", "max_tokens": 6, "temperature": 0}
+
+    def post(url):
+        req = urllib.request.Request(
+            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def restore():
+        with open(path, "r+b") as f:  # in place: the same inode, as `cp` does
+            f.write(original)
+            f.truncate(len(original))
+
+    with serve(Tokenizer.default(), model, ctx=512, tokens=6) as s:
+        status, ok = post(s.url)
+        assert status == 200
+        for change in ("truncate", "rewrite"):
+            with open(path, "r+b") as f:
+                if change == "truncate":
+                    f.truncate(len(original) // 2)
+                else:  # the same size, other bytes: only the identity check can see it
+                    f.seek(len(original) - 4096)
+                    f.write(b"\x7f" * 4096)
+            status, err = post(s.url)
+            assert status == 500 and "the model file changed since it was loaded" in err["error"]["message"], err
+            assert urllib.request.urlopen(s.url + "/health", timeout=30).status == 200
+            if change == "truncate":  # still short: still refused, clearly
+                status, again = post(s.url)
+                assert status == 500 and "restore it or restart the server" in again["error"]["message"], again
+            restore()
+            read = s.engine.model.model.expert_store.stats.bytes_read
+            status, ok = post(s.url)  # the experts are read again, from the file as loaded
+            assert status == 200 and ok["choices"][0]["finish_reason"] == "length"
+            assert s.engine.model.model.expert_store.stats.bytes_read > read
+    store = model.model.expert_store
+    assert store.stats.read_errors == 3

@@ -351,6 +351,7 @@ def test_lookup_falls_back_when_best_is_corrupt(tmp_path):
     cp = s.lookup("shared prefix and more and more")
     assert cp.payload == b"short"
     assert not os.path.exists(long_path)
+    assert s.load_failures == 1  # counted, as logged (the cache's stats add it)
 
 
 def test_utf8_key_split_inside_a_character(tmp_path):

@@ -277,7 +277,7 @@ def test_load_releases_mapped_pages(oracle, tmp_path, monkeypatch):
     real = mapped.release_array
 
     def spy(arr):
-        if mapped._memmap_of(arr) is not None:
+        if mapped.memmap_of(arr) is not None:
             released.append(arr.nbytes)
         real(arr)
 

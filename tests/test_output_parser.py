@@ -251,13 +251,16 @@ def test_loose_nested_parameters_stream_whole_and_agree_with_the_end():
     assert s["calls"][0]["args"] == args == s["calls"][0]["end"] == final.calls[0].arguments
 
 
-def test_malformed_block_becomes_text():
+def test_malformed_block_is_never_answer_text():
+    """A closed block that does not parse: its markup is dropped (the engine logs why),
+    streamed and final alike."""
     text = "Hmm.</think>Trying.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke>\n</｜DSML｜tool_calls>"
-    p, events, final = run([text])
-    s = summary(events)
-    assert final.error == "invalid tool call" and final.finish == "stop" and not final.calls
-    assert s["reasoning"] == "Hmm." == final.reasoning and not s["calls"]
-    assert s["text"] == text[len("Hmm.</think>") :] == final.content  # streamed and final agree
+    for chunks in ([text], list(text)):
+        p, events, final = run(chunks)
+        s = summary(events)
+        assert final.error == "invalid tool call" and final.finish == "stop" and not final.calls
+        assert s["reasoning"] == "Hmm." == final.reasoning and not s["calls"]
+        assert s["text"] == "Trying." == final.content  # streamed and final agree, no markup
 
 
 def test_prose_tag_is_streamed_as_text():
@@ -268,21 +271,23 @@ def test_prose_tag_is_streamed_as_text():
     assert s["calls"][0]["name"] == "f" == final.calls[0].name and p.stop_now
 
 
-def test_truncated_block_is_repaired_at_finish():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_block_cut_inside_a_call_returns_no_call(chunked):
+    """The token limit or EOS inside a call (announced or not): no call is returned, the
+    stream's partial call is never closed into valid JSON and no markup is text."""
     text = (
-        'Hmm.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n' + P + ' name="command" string="true">ls'
+        'Hmm.</think>Go.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
+        + P
+        + ' name="command" string="true">ls'
     )
-    p, events, final = run([text], truncated=True)
-    s = summary(events)
-    assert final.repaired and final.finish == "tool_calls" and final.calls[0].arguments == '{"command":"ls"}'
-    assert s["calls"][0]["args"] == '{"command":"ls"}' == s["calls"][0]["end"]
-    # EOS inside an announced call: it is finished with what was sent, never withdrawn, no markup as text
-    p, events, final = run([text], truncated=False)
-    s = summary(events)
-    assert final.error == "tool call cut short" and final.finish == "tool_calls"
-    assert [(c.name, c.arguments) for c in final.calls] == [("bash", '{"command":"ls"}')]
-    assert s["calls"][0]["args"] == '{"command":"ls"}' == s["calls"][0]["end"] and s["text"] == "" == final.content
-    assert s["calls"][0]["id"] == final.calls[0].id
+    for truncated in (True, False):
+        p, events, final = run(list(text) if chunked else [text], truncated=truncated)
+        s = summary(events)
+        assert not final.calls and not final.repaired and s["text"] == "Go." == final.content
+        assert final.error == ("tool call cut by the token limit" if truncated else "unterminated tool call")
+        assert final.finish == ("length" if truncated else "stop") and s["reasoning"] == "Hmm." == final.reasoning
+        if s["calls"]:  # announced while streaming: what was sent stays open (not executable JSON)
+            assert s["calls"][0]["args"] == '{"command":"ls' and s["calls"][0]["end"] is None
     # EOS before the call is certain (name only): nothing was announced, and ds4 never
     # streams DSML markup: the block is in neither the stream nor the answer (a failed turn)
     head = 'Hmm.</think>Listing.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
@@ -294,16 +299,20 @@ def test_truncated_block_is_repaired_at_finish():
 
 @pytest.mark.parametrize("truncated", [False, True])
 def test_block_cut_before_any_announcement_is_never_visible_text(truncated):
-    """EOS or max_tokens inside the invoke tag (no repair can close it): the text before the
+    """EOS or max_tokens inside the invoke tag or the OPEN marker: the text before the
     block is the whole answer, streamed token by token and in one piece alike."""
-    text = "Hmm.</think>Listing.\n\n" + OPEN + '\n<｜DSML｜invoke name="ba'
-    for chunks in ([text], list(text)):
-        p, events, final = run(chunks, truncated=truncated)
-        s = summary(events)
-        assert not s["calls"] and not final.calls
-        assert s["text"] == "Listing." == final.content and "DSML" not in s["text"]
-        # max_tokens: the repair drops the incomplete invoke (an empty block); EOS: ds4's failed turn
-        assert final.error == (None if truncated else "unterminated tool call")
+    for text in (
+        "Hmm.</think>Listing.\n\n" + OPEN + '\n<｜DSML｜invoke name="ba',
+        "Hmm.</think>Listing.\n\n" + OPEN[:5],
+    ):
+        for chunks in ([text], list(text)):
+            p, events, final = run(chunks, truncated=truncated)
+            s = summary(events)
+            assert not s["calls"] and not final.calls
+            if not truncated and not text.endswith(OPEN[:5]):
+                assert final.error == "unterminated tool call"
+            if truncated or not text.endswith(OPEN[:5]):  # EOS in the OPEN: flushed as text, as ds4
+                assert s["text"] == "Listing." == final.content and "DSML" not in s["text"]
 
 
 def test_think_recovery_streaming():

@@ -61,13 +61,15 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`ds4mlx serve` on the demo model (a subprocess), short default output."""
+    """`ds4mlx serve` on the demo model (a subprocess), short default output: room for a
+    forced parameterless call written whole (~27 tokens; forced tokens count against the
+    limit), which a client that sends no limit (Codex) gets."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ds4mlx.cli", "serve", "--port", str(port), "--ctx", "32768", "-n", "16"],
+            [sys.executable, "-m", "ds4mlx.cli", "serve", "--port", str(port), "--ctx", "32768", "-n", "48"],
             stdout=f,
             stderr=subprocess.STDOUT,
             env=env,

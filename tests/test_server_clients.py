@@ -158,18 +158,22 @@ def test_broken_call_is_never_announced_chat_stream(oc):
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content == text
 
 
-def test_call_cut_at_eos_is_finished_not_leaked(oc, ac):
+def test_call_cut_at_eos_fails_the_turn(oc, ac):
+    """EOS inside an announced call: the turn fails as ds4's does; the partial call the
+    stream sent stays partial (never closed into valid JSON) and no answer returns it."""
     chunks = list(oc.chat.completions.create(model=MODEL, messages=user("cut"), tools=OPENAI_TOOLS, stream=True))
     calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
     args = "".join(tc.function.arguments or "" for tc in calls)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert calls[0].function.name == "bash" and json.loads(args) == {"command": "ls -l"}
-    assert "DSML" not in text and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert calls[0].function.name == "bash" and args == '{"command":"ls -l'
+    assert "DSML" not in text and chunks[-1].choices[0].finish_reason == "error"
     plain = oc.chat.completions.create(model=MODEL, messages=user("cut"), tools=OPENAI_TOOLS)
-    assert plain.choices[0].message.tool_calls[0].function.arguments == args
-    with ac.messages.stream(model=MODEL, max_tokens=200, messages=user("cut"), tools=ANTHROPIC_TOOLS) as st:
-        m = st.get_final_message()
-    assert [b.type for b in m.content] == ["tool_use"] and m.content[0].input == {"command": "ls -l"}
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "error"
+    with pytest.raises(anthropic.APIStatusError, match="unterminated tool call"):  # Anthropic's mid-stream error
+        with ac.messages.stream(model=MODEL, max_tokens=200, messages=user("cut"), tools=ANTHROPIC_TOOLS) as st:
+            st.get_final_message()
+    m = ac.messages.create(model=MODEL, max_tokens=200, messages=user("cut"), tools=ANTHROPIC_TOOLS)
+    assert "tool_use" not in [b.type for b in m.content]
 
 
 def test_block_cut_before_any_announcement_never_shows_markup(oc, ac):
@@ -298,15 +302,19 @@ def test_small_protocol_faults(oc, ac, srv):
     assert len(ids) == 2 and all(i.startswith("chatcmpl-") and len(i) > 20 for i in ids)
 
 
-def test_forced_tool_header_does_not_eat_max_tokens(oc):
+def test_forced_tool_header_counts_against_max_tokens(oc):
+    """The forced tool-call header is generated output: it counts against max_tokens (the
+    usage never exceeds the limit); a call the limit cuts is never returned."""
+    forced = {"type": "function", "function": {"name": "bash"}}
     r = oc.chat.completions.create(
-        model=MODEL,
-        messages=user("ls"),
-        tools=OPENAI_TOOLS,
-        max_tokens=16,
-        tool_choice={"type": "function", "function": {"name": "bash"}},
+        model=MODEL, messages=user("ls"), tools=OPENAI_TOOLS, max_tokens=16, tool_choice=forced
     )
-    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls is None
+    assert r.usage.completion_tokens == 16
+    r = oc.chat.completions.create(
+        model=MODEL, messages=user("ls"), tools=OPENAI_TOOLS, max_tokens=64, tool_choice=forced
+    )
+    assert r.choices[0].finish_reason == "tool_calls" and r.usage.completion_tokens <= 64
     assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"command": "ls"}
 
 
@@ -388,7 +396,7 @@ def test_forced_parameterless_tool_is_written_whole(ac, oc):
     tools = [{"name": "TaskList", "description": "List tasks", "input_schema": {"type": "object", "properties": {}}}]
     m = ac.messages.create(
         model=MODEL,
-        max_tokens=5,
+        max_tokens=64,
         messages=user("anything"),
         tools=tools,
         tool_choice={"type": "tool", "name": "TaskList"},
@@ -399,9 +407,10 @@ def test_forced_parameterless_tool_is_written_whole(ac, oc):
     r = oc.chat.completions.create(
         model=MODEL,
         messages=user("anything"),
-        max_tokens=5,
+        max_tokens=64,
         tools=[{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}],
         tool_choice={"type": "function", "function": {"name": "now"}},
         reasoning_effort="none",
     )
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.arguments == "{}"
+    assert r.usage.completion_tokens <= 64 and m.usage.output_tokens <= 64  # the forced tokens count

@@ -544,3 +544,179 @@ def test_fuzz_images(vision_srv, path, api):
     print(f"{path} images: {sum(counts.values())} bodies, statuses {dict(sorted(counts.items()))}")
     assert counts.get(200, 0) > 0 and counts.get(400, 0) > 0, counts  # answers and refusals both
     assert vision_srv.engine._worker.is_alive()
+
+
+# --------------------------------------------------------------------------- typed pass
+# One body per route that sets every field its API defines; the typed pass puts a value
+# of every JSON type (objects and arrays where strings are expected, and the reverse) at
+# every path of it, one to three paths at a time: each answer is an answer or a 400.
+_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+_COMMON = {
+    "model": "deepseek-v4-flash",
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "top_k": 4,
+    "max_tokens": 2,
+    "stream": False,
+    "ignore_eos": False,
+    "reasoning_effort": "high",
+}
+_OPENAI = {"min_p": 0.1, "seed": 7, "stop": ["zz"], "think": True, "thinking": {"type": "enabled"}}
+RICH = {
+    "chat": {
+        **_COMMON,
+        **_OPENAI,
+        "stream_options": {"include_usage": True},
+        "messages": [
+            {"role": "system", "content": "Be brief.", "name": "sys"},
+            {"role": "user", "content": [{"type": "text", "text": "use f"}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": "think",
+                "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "1"}]},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f", "description": "d", "parameters": _SCHEMA}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "max_completion_tokens": 2,
+    },
+    "completions": {**_COMMON, **_OPENAI, "prompt": ["Hello"], "stream_options": {"include_usage": True}},
+    "anthropic": {
+        **_COMMON,
+        "system": [{"type": "text", "text": "Be brief."}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "use f"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "t", "signature": "s"},
+                    {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": 1}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": [{"type": "text", "text": "1"}],
+                        "is_error": False,
+                    }  # fmt: skip
+                ],
+            },
+        ],
+        "tools": [{"name": "f", "description": "d", "input_schema": _SCHEMA}],
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+        "stop_sequences": ["zz"],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "metadata": {"user_id": "u"},
+        "output_config": {"effort": "high"},
+    },
+    "responses": {
+        **_COMMON,
+        "stop": ["zz"],
+        "instructions": "Be brief.",
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "use f"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "t"}]},
+            {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": '{"a":1}', "status": "completed"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "1"},
+        ],
+        "tools": [{"type": "function", "name": "f", "description": "d", "parameters": _SCHEMA}],
+        "tool_choice": "auto",
+        "max_output_tokens": 2,
+        "reasoning": {"effort": "high", "summary": "auto"},
+        "parallel_tool_calls": True,
+        "store": False,
+    },
+}
+EVERY_TYPE = [None, True, 0, -1.5, "", "x", [], ["x"], [{}], {}, {"type": "text"}, {"a": [1]}]
+
+
+def paths(value, prefix=()):
+    """Every path of a JSON value (the root excluded)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield prefix + (k,)
+            yield from paths(v, prefix + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield prefix + (i,)
+            yield from paths(v, prefix + (i,))
+
+
+def replaced(value, path, new):
+    if not path:
+        return new
+    out = dict(value) if isinstance(value, dict) else list(value)
+    out[path[0]] = replaced(value[path[0]], path[1:], new)
+    return out
+
+
+def typed_bodies(api: str):
+    base = RICH[api]
+    every = sorted(set(paths(base)), key=repr)
+    edits = st.lists(st.tuples(st.sampled_from(every), st.sampled_from(EVERY_TYPE)), min_size=1, max_size=3)
+
+    def apply(changes):
+        body = base
+        for path, new in changes:
+            try:
+                body = replaced(body, path, new)
+            except (KeyError, IndexError, TypeError):  # an earlier edit removed the path
+                pass
+        return json.dumps(body).encode()
+
+    return edits.map(apply)
+
+
+@pytest.fixture(scope="module")
+def typed_srv():
+    from ds4mlx.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    with serve(tok, ScriptedModel(tok, script), ctx=1024, tokens=8) as s:
+        yield s
+
+
+def test_rich_bodies_are_answered(typed_srv):
+    """The typed pass starts from bodies the server answers."""
+    client = Client(typed_srv.url)
+    for api, path in (("chat", "/v1/chat/completions"), ("completions", "/v1/completions"),
+                      ("anthropic", "/v1/messages"), ("responses", "/v1/responses")):  # fmt: skip
+        status, _, data = client.post(path, json.dumps(RICH[api]).encode())
+        assert status == 200, (api, data[:300])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "path,api",
+    [
+        ("/v1/chat/completions", "chat"),
+        ("/v1/completions", "completions"),
+        ("/v1/messages", "anthropic"),
+        ("/v1/responses", "responses"),
+    ],
+)
+def test_fuzz_typed(typed_srv, path, api):
+    srv = typed_srv
+    client = Client(srv.url)
+    counts: dict = {}
+    # every path with every JSON type once, then random combinations
+    for p in sorted(set(paths(RICH[api])), key=repr):
+        for new in EVERY_TYPE:
+            status = check(srv, client, path, json.dumps(replaced(RICH[api], p, new)).encode(), api)
+            counts[status] = counts.get(status, 0) + 1
+
+    @SETTINGS
+    @given(typed_bodies(api))
+    def run(body):
+        status = check(srv, client, path, body, api)
+        counts[status] = counts.get(status, 0) + 1
+
+    run()
+    print(f"{path} typed: {sum(counts.values())} bodies, statuses {dict(sorted(counts.items()))}")
+    assert sum(counts.values()) >= EXAMPLES and counts.get(400, 0) > 0 and counts.get(200, 0) > 0, counts
+    assert srv.engine._worker.is_alive()

@@ -209,6 +209,12 @@ PIECES = [
     "\nA",
     "'s",
     "1\n2",
+    " word",
+    "Ab",
+    "  x",
+    " 9a",
+    "-z",
+    "é b",
 ]
 
 
@@ -226,6 +232,21 @@ def test_encode_prefix_is_exact_and_stops_early(tok):
         assert ids == full[: len(ids)] and (complete or len(ids) > 20)
 
     check()
+
+
+def test_a_long_one_line_prompt_is_refused_after_tokenizing_about_what_fits(tok, monkeypatch):
+    """ctx 200000: a 16 MiB prompt in one line (no newline to cut at) passes the byte
+    bound (128 bytes per token at best) and is cut off at word boundaries after about
+    one context's worth of tokens instead of tokenized whole."""
+    encoded = []
+    real_encode = type(tok).encode
+    monkeypatch.setattr(type(tok), "encode", lambda self, text: encoded.append(len(text)) or real_encode(self, text))
+    big = _big_chat("/v1/chat/completions", 16 << 20, unit="some words ")
+    with serve(tok, ScriptedModel(tok, lambda p: "ok"), ctx=200000, tokens=4) as s:
+        status, data = _post(s.url, "/v1/chat/completions", big)
+    err = json.loads(data)["error"]
+    assert status == 400 and err["message"].startswith("Prompt has at least ") and err["n_prompt_tokens"] > 200000
+    assert sum(encoded) < 4 << 20  # about one context's text, not all 16 MiB
 
 
 def test_a_long_prompt_is_refused_after_tokenizing_about_what_fits(tok, monkeypatch):

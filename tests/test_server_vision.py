@@ -130,10 +130,12 @@ REFUSALS = [
 def test_refusals_are_400s_in_the_api_shape(server, api, case, uri, message):
     r = post(server, api, body(api, [text_part(api, "look "), part(api, uri)]))
     got = error_message(api, r)
+    # the part is named: its message (the API's own spelling) and its place among the message's images
+    where = {"anthropic": "messages.0", "responses": "input[0]"}.get(api, "messages[0]") + ", image 1: "
     if api == "anthropic" and case in ("path", "http", "https", "file"):
-        assert got == chat_images.ERR_SOURCE_TYPE.format(kind="url")  # Anthropic's URL source
+        assert got == where + chat_images.ERR_SOURCE_TYPE.format(kind="url")  # Anthropic's URL source
     else:
-        assert got == message
+        assert got == where + message
 
 
 @pytest.mark.parametrize("api", APIS)

@@ -189,8 +189,13 @@ ERR_ANTHROPIC_UNKNOWN_CALL = (
     "Anthropic continuation state is not available for tool_use_id {id}; retry by replaying the full messages history"
 )
 
+# the anthropic-beta value of message threads (refused: serve/anthropic.py refuse_threads)
+ANTHROPIC_THREADS_BETA = "message-threads-2026-08-12"
+
 # --- parse diagnostics (ParsedOutput.error; ds4 logs these) ------------------------
 PARSE_INVALID_TOOL_CALL = "invalid tool call"
 PARSE_UNTERMINATED_TOOL_CALL = "unterminated tool call"
 # a call the stream had announced broke off: it is kept with the arguments sent so far
 PARSE_CUT_TOOL_CALL = "tool call cut short"
+# the token limit ended the output inside a block: no call of it is returned (docs/dsml.md §3.1)
+PARSE_LIMIT_TOOL_CALL = "tool call cut by the token limit"

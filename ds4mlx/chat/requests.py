@@ -123,6 +123,14 @@ def flatten_content(v: Any, images: list | None = None) -> str:
     return ""
 
 
+class ImagePartError(RequestError):
+    """A refused image part, named within its message ("image 2"); the message list names
+    the message (`named`)."""
+
+    def named(self, where: str) -> RequestError:
+        return RequestError(f"{where}, {self.message}", self.status, param=where)
+
+
 def image_marker(part: dict, images: list | None) -> str:
     """An image part (chat/images.py) -> its marker, the image appended to `images`."""
     if images is None:
@@ -130,7 +138,7 @@ def image_marker(part: dict, images: list | None) -> str:
     try:
         image = chat_images.parse_part(part)
     except chat_images.ImageError as e:
-        raise RequestError(e.message) from None
+        raise ImagePartError(f"image {len(images) + 1}: {e.message}") from None
     images.append(image)
     return image.marker
 
@@ -331,11 +339,18 @@ def add_id(ids: list[str], i: str | None) -> None:
         ids.append(i)
 
 
-def message_list(v: Any, parse_one) -> list[Message]:
-    """A JSON array of messages, each through the API's `parse_one`."""
+def message_list(v: Any, parse_one, where=lambda i: f"messages[{i}]") -> list[Message]:
+    """A JSON array of messages, each through the API's `parse_one`; a refused image part
+    is named by its message (`where(i)`) and its place among the message's images."""
     if not isinstance(v, list):
         raise invalid_json()
-    return [parse_one(e) for e in v]
+    out = []
+    for i, e in enumerate(v):
+        try:
+            out.append(parse_one(e))
+        except ImagePartError as err:
+            raise err.named(where(i)) from None
+    return out
 
 
 def finish_conversation(conv: Conversation, model: str, th: Thinking, ctx: int) -> Conversation:

@@ -319,10 +319,30 @@ def _carry_over(runner: Any, path: str) -> None:
             cr.carried = rec.raw
 
 
+def _demo(a: argparse.Namespace) -> bool:
+    """The in-process backend on the demo model."""
+    kind = getattr(a, "backend", None) or ("endpoint" if a.endpoint else "mlx")
+    return kind == "mlx" and _demo_model(a.model)
+
+
+def _demo_model(model) -> bool:
+    return model in (None, "demo") or str(model or "").startswith("demo:")
+
+
+def demo_limit(a: argparse.Namespace) -> None:
+    """No --tokens on the demo model: its random weights never end an answer, so the
+    demo's output limit (said on stderr) instead of the cases' 16000."""
+    if a.tokens is None and _demo(a):
+        from ..demo import DEMO_MAX_TOKENS, limit_notice
+
+        a.tokens = DEMO_MAX_TOKENS
+        print(f"ds4-eval: {limit_notice(a.tokens)}", file=sys.stderr)
+
+
 def _loading_notice(a: argparse.Namespace, backend: Any) -> None:
     """Say what is loading (the screen stayed blank for the whole load) and that the
     default demo model has random weights."""
-    if backend.name == "mlx" and (a.model in (None, "demo") or str(a.model or "").startswith("demo:")):
+    if backend.name == "mlx" and _demo_model(a.model):
         print(
             "ds4-eval: no -m MODEL: using the demo model, which has RANDOM weights "
             "(every answer is gibberish; this only exercises the harness)",
@@ -387,6 +407,7 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
     from .runner import Options, PlainUI, Runner, default_seed, report
     from .trace import TraceWriter
 
+    demo_limit(a)
     opts = Options(
         tokens=a.tokens,
         thinking=a.thinking,

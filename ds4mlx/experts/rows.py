@@ -18,6 +18,7 @@ import numpy as np
 
 from ..mapped import LazyTensor
 from ..quant import MXTensor, QuantizedTensor
+from .fileread import read_rows
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,14 @@ def take_rows(value, ids) -> object:
     """Rows `ids` (axis 0) of a loader value, same kind of value, read from its file."""
     ids = [int(i) for i in ids]
     if isinstance(value, np.ndarray):
-        return np.ascontiguousarray(value[ids])
+        got = read_rows(value, ids)  # a mapped view: bounds-checked reads from the file (fileread.py)
+        return np.ascontiguousarray(value[ids]) if got is None else got
     if isinstance(value, QuantizedTensor):
+        got = read_rows(value.raw, ids)
         return QuantizedTensor(
-            raw=np.ascontiguousarray(value.raw[ids]), qtype=value.qtype, shape=(len(ids), *value.shape[1:])
+            raw=np.ascontiguousarray(value.raw[ids]) if got is None else got,
+            qtype=value.qtype,
+            shape=(len(ids), *value.shape[1:]),
         )
     if isinstance(value, MXTensor):
         return MXTensor(

@@ -38,6 +38,7 @@ from mlx.utils import tree_flatten
 from ..atomic_file import atomic_write
 from ..mapped import release
 from .build import build_experts
+from .fileread import FileChanged, Identity, OpenFiles, head_digest, reading
 from .module import StreamedExperts
 from .rows import layer_rows
 
@@ -119,9 +120,10 @@ class LayerCache:
         st = self.store
         t0 = time.perf_counter()
         try:
-            mod = build_experts(
-                st.model, self.layer, self.banks, ids, self.like, st.cast_dtype, st.compute_dtype, st.read_filter
-            )
+            with reading(st.open_files()):  # bounds-checked reads of the file the model was loaded from
+                mod = build_experts(
+                    st.model, self.layer, self.banks, ids, self.like, st.cast_dtype, st.compute_dtype, st.read_filter
+                )
         except Exception as e:
             st.stats.read_errors += 1
             raise ExpertReadError(
@@ -167,6 +169,12 @@ class LayerCache:
             if old >= 0:
                 self.slot_of[old] = -1
             self.expert_in[s], self.slot_of[e] = e, s
+
+    def drop(self) -> None:
+        """Forget every cached expert (their bytes came from a file that changed)."""
+        if not self.pinned:
+            self.slot_of[:] = -1
+            self.expert_in[:] = -1
 
     def decayed(self, e: int) -> float:
         return float(self.score[e] * 0.5 ** ((self.tick - self.last[e]) / HALF_LIFE))
@@ -238,6 +246,49 @@ class ExpertStore:
         self._pool: ThreadPoolExecutor | None = None
         self._pending = None
         self.budget_line = ""
+        self._identity: dict[str, tuple[Identity, bytes]] = {}  # filename -> as loaded, its head digest
+        self._changed: set[str] = set()  # files seen changed (their batch failed; checked again next time)
+
+    # ------------------------------------------------------------------ the file
+    def open_files(self, hint: bool = False) -> OpenFiles:
+        """`hint`: a prefetch's files, which only compare (no cache change from that thread)."""
+        return OpenFiles(self._compare_file if hint else self._check_file)
+
+    def _compare_file(self, filename: str, fd: int, now: Identity) -> None:
+        with self._lock:
+            known = self._identity.get(filename)
+            if known is None or known[0] != now or filename in self._changed:
+                raise FileChanged(f"{filename} changed since it was loaded")
+
+    def _check_file(self, filename: str, fd: int, now: Identity) -> None:
+        """The file behind a read batch is the one loaded, or FileChanged.  The first batch
+        that sees a change fails and the cache drops its entries; a later batch reads the
+        file again only if it is back as loaded: the same inode and size and the same
+        header bytes (restored in place)."""
+        with self._lock:
+            known = self._identity.get(filename)
+            if known is None:  # first read (at load)
+                self._identity[filename] = (now, head_digest(fd, now.size))
+                return
+            loaded, digest = known
+            if now == loaded and filename not in self._changed:
+                return
+            what = loaded.differs(now) or "modified"
+            if filename not in self._changed:
+                self._changed.add(filename)
+                for c in self.layers.values():
+                    c.drop()
+                log.error(
+                    "expert streaming: %s changed since it was loaded (%s); cached experts dropped", filename, what
+                )
+                raise FileChanged(f"the model file changed since it was loaded ({what})")
+            same_file = (now.dev, now.ino, now.size) == (loaded.dev, loaded.ino, loaded.size)
+            if same_file and head_digest(fd, now.size) == digest:
+                self._identity[filename] = (now, digest)
+                self._changed.discard(filename)
+                log.warning("expert streaming: %s is back (same inode, size and header): reading it again", filename)
+                return
+            raise FileChanged(f"the model file changed since it was loaded ({what}); restore it or restart the server")
 
     @property
     def host_routing(self) -> bool:
@@ -311,7 +362,8 @@ class ExpertStore:
 
         def warm():
             try:
-                layer_rows(banks, ids)  # the file's pages into the page cache; no MLX, no state
+                with reading(self.open_files(hint=True)):  # read, not mapped: a changed file is an error here
+                    layer_rows(banks, ids)  # the file's pages into the page cache; no MLX, no state
                 with self._lock:
                     self.stats.prefetch_reads += len(ids)
             except Exception:  # a hint: the real read reports any failure

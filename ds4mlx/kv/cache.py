@@ -234,6 +234,7 @@ class DiskKVCache(CacheHooks):
     def stats(self) -> dict:
         with self._lock:
             d = dataclasses.asdict(self._stats)
+        d["load_failures"] += getattr(self.store, "load_failures", 0)  # files the lookup could not read
         d["dir"] = self.store.dir
         d["frontier"] = self.frontier.last
         return d

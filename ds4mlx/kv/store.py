@@ -198,6 +198,7 @@ class KVStore:
         self.cross_quant = cross_quant
         self.clock = clock
         self._lock = threading.RLock()
+        self.load_failures = 0  # checkpoint files a lookup could not read (cache.stats adds them)
         self._meta: dict[str, dict] = {}
         self._skipped: set[tuple[str, str]] = set()
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
@@ -346,9 +347,11 @@ class KVStore:
                 try:
                     cp = read_file(e, pb, self)
                 except InvalidCheckpoint as why:
+                    self.load_failures += 1
                     self._delete(e.path, e.sha, f"load failed: {why}")
                     continue
                 except OSError as exc:
+                    self.load_failures += 1
                     log.warning("kv cache load failed %s: %s", e.path, exc)
                     continue
                 now = self._now()

@@ -35,6 +35,7 @@ from ..chat.requests import (
     require_messages,
 )
 from ..events import Finish, ReasoningDelta, Started, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart, Usage
+from . import errors as E
 from . import sse
 from .common import RequestInfo, body_bytes, parsed_parts
 
@@ -127,6 +128,24 @@ def _anthropic_system(v: Any) -> str:
     return "".join(parts)
 
 
+def refuse_threads(body: Any, betas: str) -> None:
+    """The `thread` field and the message-threads beta are not served: a 400 naming them,
+    with the `thread_unsupported_request` details on which the anthropic SDK's thread and
+    tool_runner go on sending the full history (docs/http-api.md §1.6)."""
+    named = []
+    if isinstance(body, dict) and body.get("thread") is not None:
+        named.append("the 'thread' field")
+    if M.ANTHROPIC_THREADS_BETA in (b.strip() for b in betas.split(",")):
+        named.append(f"anthropic-beta '{M.ANTHROPIC_THREADS_BETA}'")
+    if named:
+        raise E.APIError(
+            400,
+            E.THREADS_UNSUPPORTED.format(named=" and ".join(named)),
+            param="thread",
+            extra={"details": dict(E.THREADS_UNSUPPORTED_DETAILS)},
+        )
+
+
 def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical", strict: bool = True) -> Conversation:
     """POST /v1/messages body -> Conversation (the system text becomes a trailing system message).
     Thinking is off unless `thinking` turns it on or an effort is named (Anthropic's
@@ -143,7 +162,7 @@ def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical
     stop: list[str] = []
     for k, v in body.items():
         if k == "messages":
-            msgs = message_list(v, _anthropic_message)
+            msgs = message_list(v, _anthropic_message, lambda i: f"messages.{i}")
         elif k == "system":
             system = _anthropic_system(v)
         elif k == "tools":
@@ -307,10 +326,17 @@ class AnthropicAdapter:
 
     def finish(self, fin: Finish) -> list[bytes]:
         out = self._close_open()
-        for ci, b in self.tool_blocks.items():  # a projection that never saw its invoke close
+        cut = False
+        for ci, b in self.tool_blocks.items():  # a call the output broke off inside: left incomplete
             if ci not in self.closed_tools:
                 self.closed_tools.add(ci)
                 out.append(self._stop(b))
+                cut = True
+        if cut and fin.reason == "error":
+            # a failed turn (EOS inside a call): Anthropic's own mid-stream error, so that no
+            # client runs the incomplete tool_use block (docs/http-api.md §1.6)
+            out.append(self._ev("error", E.sse_error_payload("anthropic", fin.error or E.GENERATION_FAILED)))
+            return out
         if self.had_thinking and not self.had_text and not self.had_tool and fin.reason != "length":
             out.append(self._open("text", {"type": "text", "text": ""}))
             out.append(self._stop())

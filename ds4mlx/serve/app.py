@@ -31,7 +31,7 @@ from ..engine import Engine, Failed
 from ..events import Finish, PrefillProgress, Started
 from . import errors as E
 from . import ollama, ops, sse
-from .anthropic import AnthropicAdapter
+from .anthropic import AnthropicAdapter, refuse_threads
 from .auth import APIKeys
 from .common import RequestInfo, body_bytes
 from .completions import CompletionsAdapter, prompt_list, total_usage
@@ -375,6 +375,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise E.APIError(413, E.BODY_TOO_LARGE) from None
     loop = asyncio.get_running_loop()
     body = await loop.run_in_executor(None, parse_body, raw)  # a big body must not block the loop
+    if api == "anthropic":  # message threads: refused by name (anthropic.py)
+        refuse_threads(body, request.headers.get("anthropic-beta", ""))
     prompts = prompt_list(body) if api == "completions" else None
     if prompts is not None:
         return await _completions_batch(request, state, body, prompts)

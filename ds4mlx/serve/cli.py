@@ -46,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-n",
         "--tokens",
         type=_positive,
-        default=DEFAULT_TOKENS,
-        help=f"default max output tokens (default {DEFAULT_TOKENS})",
+        default=None,
+        help=f"default max output tokens (default {DEFAULT_TOKENS}; the demo model: 256)",
     )
     p.add_argument("--cors", action="store_true", help="add CORS headers to every response")
     p.add_argument(
@@ -180,9 +180,15 @@ def build(args, loaded=None):
             ctx=args.ctx,  # the memory verdict at --ctx (memory_fit.py)
         )
         if getattr(model, "is_demo", False):
-            from ..demo import DEMO_NOTICE
+            from ..demo import notice
 
-            log.warning("%s%s", DEMO_NOTICE, f" [{args.model}]" if args.model else "")
+            log.warning("%s%s", notice(model), f" [{args.model}]" if args.model else "")
+    if args.tokens is None:  # the demo's random weights never end a turn: a short default
+        from ..demo import DEMO_MAX_TOKENS, limit_notice
+
+        args.tokens = DEMO_MAX_TOKENS if getattr(model, "is_demo", False) else DEFAULT_TOKENS
+        if getattr(model, "is_demo", False):
+            log.warning("%s", limit_notice(args.tokens))
     from ..chat.protocol import protocol_for_model
     from ..cli_options import UsageError, chat_protocol, install_steering, install_vision, load_prefix
 

@@ -70,14 +70,22 @@ def invalid_field(field: str) -> str:
     return f"Invalid value for '{field}'."
 
 
+# Anthropic message threads: refused in the shape the anthropic SDK reads to go on without one
+THREADS_UNSUPPORTED = (
+    "Message threads are not supported by this server ({named}): send the full message history "
+    "without a 'thread' field."
+)
+THREADS_UNSUPPORTED_DETAILS = {"error_code": "thread_unsupported_request", "unsupported": ["thread"]}
+
+
 def internal_error(kind: str) -> str:
     return f"internal error: {kind}"
 
 
 def api_for_path(path: str) -> str:
-    """Whose error shape a path gets: /v1/messages Anthropic's, /api/... Ollama's, every
-    other OpenAI's."""
-    if path == "/v1/messages":
+    """Whose error shape a path gets: /v1/messages and the paths under it (count_tokens, a
+    mistyped one) Anthropic's, /api/... Ollama's, every other OpenAI's."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return "anthropic"
     return "ollama" if path.startswith("/api/") else "openai"
 

@@ -18,6 +18,7 @@ from ..chat.families.deepseek_v4.dsml import dumps_compact, json_text
 from ..chat.messages import Conversation, Message, ToolCall
 from ..chat.requests import (
     DEFAULT_MODEL,
+    ImagePartError,
     RequestError,
     Thinking,
     add_id,
@@ -103,88 +104,91 @@ def _assistant_for_call(msgs: list[Message], pending: list[str]) -> Message:
 def _responses_input(items: list, style: str, loaded: list[str], aliases: dict, strict: bool) -> list[Message]:
     msgs: list[Message] = []
     pending: list[str] = []
-    for item in items:
-        if not isinstance(item, dict):
-            raise invalid_json()
-        f: dict[str, Any] = {}
-        images: list = []  # a message's or a tool output's images
-        for k, v in item.items():
-            if k in ("type", "role", "name", "namespace", "call_id", "id", "status"):
-                f[k] = as_str(v)
-            elif k == "content":
-                f[k] = _responses_content(v, images)
-            elif k == "summary":
-                f[k] = _responses_content(v)
-            elif k in ("arguments", "input", "action"):
-                f[k] = v if isinstance(v, str) and k != "action" else dumps_compact(v)
-            elif k == "output":
-                if isinstance(v, list):
+    for n, item in enumerate(items):
+        try:
+            if not isinstance(item, dict):
+                raise invalid_json()
+            f: dict[str, Any] = {}
+            images: list = []  # a message's or a tool output's images
+            for k, v in item.items():
+                if k in ("type", "role", "name", "namespace", "call_id", "id", "status"):
+                    f[k] = as_str(v)
+                elif k == "content":
                     f[k] = _responses_content(v, images)
-                else:
+                elif k == "summary":
+                    f[k] = _responses_content(v)
+                elif k in ("arguments", "input", "action"):
+                    f[k] = v if isinstance(v, str) and k != "action" else dumps_compact(v)
+                elif k == "output":
+                    if isinstance(v, list):
+                        f[k] = _responses_content(v, images)
+                    else:
+                        f[k] = v if isinstance(v, str) else json_text(v, style)
+                elif k == "result":
                     f[k] = v if isinstance(v, str) else json_text(v, style)
-            elif k == "result":
-                f[k] = v if isinstance(v, str) else json_text(v, style)
-            elif k == "tools":
-                f[k] = v
-        t = f.get("type", "message")
-        if images and t != "message" and t not in ("function_call_output", "custom_tool_call_output"):
-            raise RequestError(chat_images.ERR_ROLE)  # never dropped with the item's other text
-        status = f.get("status")
-        if status and status not in _ITEM_STATUSES:  # the server's own items replay as they were emitted
-            raise invalid_json()
-        consumes = (
-            (t == "message" and f.get("role") == "assistant")
-            or t in ("function_call", "custom_tool_call")
-            or t in _HOSTED_CALLS
-        )
-        bookkeeping = t in ("compaction", "context_compaction")
-        if not consumes and not bookkeeping and pending:
-            msgs.append(Message(role="assistant", content="", reasoning="\n".join(pending)))
-            pending.clear()
-        if t == "message":
-            role = f.get("role", "user")
-            m = Message(role=check_role(role) if strict else role, content=f.get("content", ""), images=images)
-            check_image_role(m)
-            if m.role == "assistant" and pending:
-                m.reasoning = "\n".join(pending)
+                elif k == "tools":
+                    f[k] = v
+            t = f.get("type", "message")
+            if images and t != "message" and t not in ("function_call_output", "custom_tool_call_output"):
+                raise RequestError(chat_images.ERR_ROLE)  # never dropped with the item's other text
+            status = f.get("status")
+            if status and status not in _ITEM_STATUSES:  # the server's own items replay as they were emitted
+                raise invalid_json()
+            consumes = (
+                (t == "message" and f.get("role") == "assistant")
+                or t in ("function_call", "custom_tool_call")
+                or t in _HOSTED_CALLS
+            )
+            bookkeeping = t in ("compaction", "context_compaction")
+            if not consumes and not bookkeeping and pending:
+                msgs.append(Message(role="assistant", content="", reasoning="\n".join(pending)))
                 pending.clear()
-            msgs.append(m)
-        elif t in ("function_call", "custom_tool_call") or t in _HOSTED_CALLS:
-            cid = f.get("call_id", f.get("id", ""))
-            if t in _HOSTED_CALLS:
-                name = _HOSTED_CALLS[t]
-                args = next((f[k] for k in ("action", "arguments", "input") if k in f), "{}")
-            else:
-                name = f.get("name", "")
-                ns = f.get("namespace")
-                if t == "function_call" and ns and name:
-                    name = ns + name
-                args = next((f[k] for k in ("arguments", "input") if k in f), "{}")
-            _assistant_for_call(msgs, pending).tool_calls.append(ToolCall(id=cid, name=name, arguments=args))
-        elif t == "reasoning":
-            for key in ("summary", "content"):
-                if f.get(key):
-                    pending.append(f[key])
-        elif t in ("function_call_output", "custom_tool_call_output") or t in _HOSTED_OUTPUTS:
-            m = Message(role="tool")
-            if t in _HOSTED_OUTPUTS:
-                if t == "tool_search_output" and "tools" in f:
-                    more, more_aliases = parse_tools(f["tools"], style)
-                    loaded.extend(more)
-                    aliases.update(more_aliases)
-                if "output" in f:
-                    m.content = f["output"]
-                elif "result" in f:
-                    m.content = f["result"]
-                elif "tools" in f:
-                    m.content = json_text(f["tools"], style)
-            else:
-                m.content = f.get("output", "")
-            m.images = images
-            add_id(m.tool_call_ids, f.get("call_id", f.get("id")))
-            msgs.append(m)
-        elif not bookkeeping:
-            raise invalid_json()
+            if t == "message":
+                role = f.get("role", "user")
+                m = Message(role=check_role(role) if strict else role, content=f.get("content", ""), images=images)
+                check_image_role(m)
+                if m.role == "assistant" and pending:
+                    m.reasoning = "\n".join(pending)
+                    pending.clear()
+                msgs.append(m)
+            elif t in ("function_call", "custom_tool_call") or t in _HOSTED_CALLS:
+                cid = f.get("call_id", f.get("id", ""))
+                if t in _HOSTED_CALLS:
+                    name = _HOSTED_CALLS[t]
+                    args = next((f[k] for k in ("action", "arguments", "input") if k in f), "{}")
+                else:
+                    name = f.get("name", "")
+                    ns = f.get("namespace")
+                    if t == "function_call" and ns and name:
+                        name = ns + name
+                    args = next((f[k] for k in ("arguments", "input") if k in f), "{}")
+                _assistant_for_call(msgs, pending).tool_calls.append(ToolCall(id=cid, name=name, arguments=args))
+            elif t == "reasoning":
+                for key in ("summary", "content"):
+                    if f.get(key):
+                        pending.append(f[key])
+            elif t in ("function_call_output", "custom_tool_call_output") or t in _HOSTED_OUTPUTS:
+                m = Message(role="tool")
+                if t in _HOSTED_OUTPUTS:
+                    if t == "tool_search_output" and "tools" in f:
+                        more, more_aliases = parse_tools(f["tools"], style)
+                        loaded.extend(more)
+                        aliases.update(more_aliases)
+                    if "output" in f:
+                        m.content = f["output"]
+                    elif "result" in f:
+                        m.content = f["result"]
+                    elif "tools" in f:
+                        m.content = json_text(f["tools"], style)
+                else:
+                    m.content = f.get("output", "")
+                m.images = images
+                add_id(m.tool_call_ids, f.get("call_id", f.get("id")))
+                msgs.append(m)
+            elif not bookkeeping:
+                raise invalid_json()
+        except ImagePartError as err:  # named by its item
+            raise err.named(f"input[{n}]") from None
     if pending:
         msgs.append(Message(role="assistant", content="", reasoning="\n".join(pending)))
     return msgs
@@ -291,7 +295,7 @@ class ResponsesAdapter:
 
     def __init__(self, info: RequestInfo):
         self.info = info
-        self.resp_id = _hex_id("resp_")
+        self.resp_id = info.id  # the id the server's trace records too
         self.seq = 0
         self.outputs: list[dict] = []  # streamed items in output order
         self.rs: dict | None = None  # reasoning item being streamed

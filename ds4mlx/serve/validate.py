@@ -229,7 +229,8 @@ SCHEMAS = {"chat": CHAT, "completions": COMPLETIONS, "anthropic": ANTHROPIC, "re
 
 def _media_check(accepted: frozenset):
     def check(validator, enabled, instance, schema):
-        kind = MEDIA_PARTS.get(instance.get("type")) if enabled and isinstance(instance, dict) else None
+        typ = instance.get("type") if enabled and isinstance(instance, dict) else None
+        kind = MEDIA_PARTS.get(typ) if isinstance(typ, str) else None  # any other `type` is the type check's
         if kind is not None and kind not in accepted:
             yield ValidationError(f"unsupported {kind}", validator="unsupported_media")
 

@@ -365,6 +365,19 @@ class XmlOutputParser:
                 if self.phase != "done":
                     self._step(events)
         self._finished = True
+        if self.phase == "tool" and self._cut_calls is None and (truncated or self._call_pos >= 0):
+            # the output ended inside a call (EOS, the token limit): that call is not complete,
+            # so it is not returned (the stream left it open), and no markup is text (docs/dsml.md §3.1)
+            final = ParsedOutput(
+                content=self._t_out,
+                reasoning=self._r_out if self.thinking or self._r_out else None,
+                calls=[ParsedCall(name=self._sent[i][0], arguments_json=self._sent[i][1]) for i in sorted(self._ended)],
+                error=M.PARSE_LIMIT_TOOL_CALL if truncated else M.PARSE_UNTERMINATED_TOOL_CALL,
+                finish="length" if truncated else "stop",
+            )
+            finish_call_events(events, final.calls, self._id_for, self._started, self._ended)
+            self.result = final
+            return events, final
         raw = self.text
         final, lay = parse_xml_output(
             raw,

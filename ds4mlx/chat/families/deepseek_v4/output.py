@@ -139,6 +139,7 @@ class OutputParser:
         self._r_begin = 0  # the reasoning body: raw[_r_begin:_r_end]
         self._r_end: int | None = None  # where </think> was found
         self._r_hold: int | None = None  # reasoning held from a block ds4 may recover (think never closed)
+        self._invalid_at: int | None = None  # where an invalid block began (the turn ended there)
 
     # --- public state ------------------------------------------------------------------
     @property
@@ -183,17 +184,37 @@ class OutputParser:
                 if self.phase != "done":
                     self._step(events)
         self._finished = True
+        proj = self._proj
+        if self.phase == "tool" and (proj is None or proj.cut_calls is None):
+            # the block never closed (EOS, the token limit): the call it was in is not complete,
+            # so it is not returned (the stream left it open), and no markup is text (docs/dsml.md §3.1)
+            done = [] if proj is None else [(proj.names[i], proj.sent[i]) for i in sorted(self._ended)]
+            final = ParsedOutput(
+                content=self._streamed_content(),
+                reasoning=self._streamed_reasoning(),
+                calls=[ParsedCall(name=n, arguments_json=a) for n, a in done],
+                raw_dsml=None,
+                error=M.PARSE_LIMIT_TOOL_CALL if truncated else M.PARSE_UNTERMINATED_TOOL_CALL,
+                finish="length" if truncated else "stop",
+            )
+            finish_call_events(events, final.calls, self._id_for, self._started, self._ended)
+            self.result = final
+            return events, final
+        if truncated and self.phase == "text" and self.tools_active:
+            p = partial_open_at_tail(self.raw, self._c_emit, self.syntaxes)
+            if p >= 0:  # the limit cut a block's OPEN: it is markup, not text
+                self._stop_at = _rstrip_pos(self.raw, p, self._c_emit)
         raw = self.text
         final = parse_output(
             raw,
             thinking=self.thinking,
             tools_active=self.tools_active,
             truncated=truncated,
-            think_recovery=self.think_recovery,
+            # a block in a reasoning the limit cut is never executed (its calls may be cut too)
+            think_recovery=self.think_recovery and not truncated,
             entities=self.entities,
             syntaxes=self.syntaxes,
         )
-        proj = self._proj
         if self.phase == "reasoning":
             if final.recovered and final.reasoning is not None:
                 self._emit_reasoning(events, self._r_begin + len(final.reasoning))
@@ -210,10 +231,18 @@ class OutputParser:
             if proj.cut_calls is None:  # the final parse disowns an announced call: keep what was sent
                 proj.cut(events, len(raw))
             final = self._cut_result(proj.cut_calls)
-        elif final.error == M.PARSE_UNTERMINATED_TOOL_CALL and self.phase == "tool":
-            # ds4 never streams DSML markup: a block cut before its CLOSE (EOS, max_tokens)
-            # and never announced stays out of the stream and, alike, of the answer
-            final = replace(final, content=self._streamed_content(), reasoning=self._streamed_reasoning())
+        elif self.phase == "done" and (final.error is not None or self._invalid_at is not None):
+            # a block that does not parse: its markup is never answer text; the engine
+            # logs the reason (docs/dsml.md §3.1)
+            final = replace(
+                final,
+                content=self._streamed_content(),
+                reasoning=self._streamed_reasoning(),
+                calls=[],
+                raw_dsml=None,
+                error=M.PARSE_INVALID_TOOL_CALL,
+                finish="stop",
+            )
         elif final.error is not None:  # the block was not DSML after all: the unstreamed tail is text
             self._emit_text(events, len(raw))
             if self._r_end is not None:  # the reasoning stays what was streamed as reasoning
@@ -366,10 +395,21 @@ class OutputParser:
                     if proj.cut_calls is None:
                         proj.cut(events, tr.stuck_at)
                     return
+                if tr.syn is M.DSML_PLAIN:  # prose may write `<tool_calls>`: not a block after all
+                    self._proj = None
+                    self.phase = "text"
+                    tr.restart(tr.stuck_at)
+                    continue
+                # a DSML OPEN followed by what is not DSML: an invalid block, never answer text;
+                # the turn ends at it and the final parse reports it (docs/dsml.md §3.1)
+                if self.phase == "text":
+                    self._emit_text(events, _rstrip_pos(raw, tr.block_start, self._c_emit))
                 self._proj = None
-                self.phase = "text"  # not a block after all: resume streaming it as text
-                tr.restart(tr.stuck_at)
-                continue
+                self._invalid_at = tr.block_start
+                self.phase = "done"
+                self.stop_now = True
+                self._stop_at = tr.stuck_at
+                return
             if tr.mode == "search":
                 if self.phase == "text":
                     p = partial_open_at_tail(raw, self._c_emit, self.syntaxes)
