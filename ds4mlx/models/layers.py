@@ -328,17 +328,6 @@ class QuantizedSwitchLinear(nn.Module):
         fast = self._decode(x, indices)
         if fast is not None:
             return fast
-        if x.shape[-2] == 1 and prefill_experts.wanted(indices.size, sorted_indices):  # opt-in (#14)
-            return prefill_experts.dequant_gather_mm(
-                x,
-                self.weight,
-                self.scales,
-                self.biases,
-                indices,
-                group_size=self.group_size,
-                bits=self.bits,
-                mode=self.mode,
-            )
         return mx.gather_qmm(
             x,
             self.weight,
@@ -444,7 +433,7 @@ class SwitchGLU(nn.Module):
         return self._limit
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        if prefill_experts.grouped_wanted(indices.size):  # prefill: per-expert batched GEMMs (#14)
+        if prefill_experts.grouped_wanted(indices.size):  # prefill: per-expert batched GEMMs
             y = grouped_experts.switch_glu(
                 self.gate_up_proj, self.down_proj, x, indices, self._intermediate, self._limit
             )
