@@ -12,7 +12,7 @@ install: $(BIN)/python
 	$(BIN)/pip install -q -e ".[cpu,test]"
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # Claude Code, Codex and pi (installed from npm when missing) each complete a tool loop
 # against the demo server through tools/client_proxy.py (tests/test_real_clients.py).

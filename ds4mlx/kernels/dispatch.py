@@ -37,7 +37,7 @@ METAL_DIR = Path(__file__).resolve().parent / "metal"  # package data: ships in 
 UNVERIFIED_FACES = ("metal",)
 # kernels (auto_face names) whose every GPU face is self-tested at first use: their CUDA
 # face has passed the g++ emulation and nvcc but not yet its `pytest -m gpu` run
-UNVERIFIED_KERNELS = {  # (the rest passed their `pytest -m gpu` tests on the H200, last on 2026-12-02 17:30 UTC)
+UNVERIFIED_KERNELS = {  # every other kernel's CUDA face passed its `pytest -m gpu` tests (docs/device.md)
     "affine_qmv.norm",  # the plain mode with an RMSNorm folded in (the decode step's q_a norm): no GPU test of its own
     "affine_qmv.rows",  # the plain mode's multi-row variant: XR x rows a threadgroup, x staged in K slices
     "sparse_attention.attend_rows",  # B sessions' decode queries in one attend launch (session batching)

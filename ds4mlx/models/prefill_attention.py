@@ -1,4 +1,4 @@
-"""Prefill attention of many queries (issue #14): `mx.fast.scaled_dot_product_attention`,
+"""Prefill attention of many queries: `mx.fast.scaled_dot_product_attention`,
 or the same attention written as two batched GEMMs around a float32 softmax.
 
 `DS4MLX_PREFILL_SDPA` picks it: `fast` calls MLX's fused op; `matmul` computes

@@ -60,7 +60,7 @@
 //     divergently, which serialises __constant__ accesses.
 // dequant grid: (K_DIM/32, N_ROWS, M) rounded up to whole threadgroups of (32, 4, 1); one
 // thread per chunk, a warp per row and 32 consecutive chunks, whose values go through
-// shared memory so that the warp's stores are contiguous (issue #14: the first version
+// shared memory so that the warp's stores are contiguous (the first version
 // wrote each thread's chunk directly, 32 values 64 bytes apart per store instruction,
 // ~180 GB/s on an H200).
 
@@ -397,7 +397,7 @@ DS4_SHARED float ds4_dq[4 * 32 * 33];
 inline float ds4_exp(float x) { return metal::precise::exp(x); }
 
 // @@ fused
-// ---- the fused MoE decode modes (issue #13: launches, not bytes, bound the decode step)
+// ---- the fused MoE decode modes (launches, not bytes, bound the decode step)
 //
 // qmv_swiglu: gate and up (two GGUF tensors of one type and shape) and the clamped
 // SwiGLU in one launch; qmv_down_sum: the down projection of a token's k experts and
