@@ -18,12 +18,13 @@ import math
 
 import numpy as np
 import pytest
+from lazy_modules import lazy
 
 from ds4mlx.gguf_families import deepseek_v4 as names
 from ds4mlx.quant import MXTensor
 from ds4mlx.weights import read_weights
 
-torch = pytest.importorskip("torch")
+torch = lazy("torch")
 if not hasattr(torch, "float8_e8m0fnu"):
     pytest.skip("torch without float8_e8m0fnu", allow_module_level=True)
 

@@ -297,7 +297,7 @@ const uint32_t warp = tid >> 5;
 # concurrent encoders alike), and no launch writes a ticket buffer as an output, so two
 # data-independent launches of one owner (two rows' layers, two hc_pre of one x) may run
 # at once: on one shared buffer their threadgroups counted into each other's tickets (the
-# H200, 2026-12-02: stale tickets and a wrong output in test_gpu_tails_equal_two_launches).
+# GPU: stale tickets and a wrong output in test_gpu_tails_equal_two_launches).
 # Launches TICKET_RING apart reuse a buffer: more than the ops of one graph
 # (MLX_MAX_OPS_PER_BUFFER, 400 here), and graphs run one after another on the stream.
 TICKET_RING = max(512, int(os.environ.get("MLX_MAX_OPS_PER_BUFFER", "400")) + 1)

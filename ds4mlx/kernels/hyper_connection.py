@@ -229,7 +229,7 @@ def _pre_launch(
             ("PARTS", parts),
         ]
         launch = dict(grid=(parts * DOTS_THREADS, nt, 1), threadgroup=(DOTS_THREADS, 1, 1))
-        # hc_mix (V4.1) keeps the two launches: on the H200 (2026-12-02) its tail's `pre` came
+        # hc_mix (V4.1) keeps the two launches: on a CUDA GPU its tail's `pre` came
         # out zero where the two launches' was right (test_gpu_tails_equal_two_launches)
         if mode != "mix" and _tail(face, chosen):
             inputs, template, shapes, dtypes = _core(x3, base, scale, iters, hc_eps, norm_eps, mode, norm_in)

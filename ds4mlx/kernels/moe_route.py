@@ -393,7 +393,7 @@ def fold_self_test(face: str) -> bool:
             # the reference's matmul sums in its own: a logit may land one bf16 step away
             rtol = 1e-2 if xs.dtype == mx.bfloat16 else 1e-4
             if not same_routing(router(xs, wt, **kw, backend=face, fold=True), want, rtol=rtol):
-                # which case (the H200 run of 2026-12-02 refused the fold without saying)
+                # which case (a silent refusal of the fold was once hard to tell apart)
                 _log.warning("moe_route.fold self-test: case %s, x %s, weight %s differs", name, xs.dtype, wt.dtype)
                 return False
     return True

@@ -453,7 +453,7 @@ def gather_qmm(
     # [P, 1, K] by a reshape, not `[:, None, :]`: MLX's sorted gather_mm takes the row stride from
     # axis -2, which an inserted axis may give as 1 (wrong rows: ml-explore/mlx#4253, fixed for
     # Metal in #3960); a reshape of [P, K] gives K.  The suspected cause of the GPU failure of
-    # test_gpu_dequant_bit_exact_and_qmm on MLX 0.32.4 CUDA (2026-12-02, message not captured).
+    # test_gpu_dequant_bit_exact_and_qmm on MLX 0.32.4 CUDA.
     xs = (x2 if x.ndim == 3 and order is None else x2[xids]).astype(wdt).reshape(-1, 1, k_dim)
     per_row = n_exp * k_dim * wdt.size
     step = max(1, min(rows, int(max_dequant_bytes // max(per_row, 1))))

@@ -250,7 +250,7 @@ def model_face() -> str | None:
     """The face the model's fused attention path should use, or None for its plain path.
 
     Opt-in (`DS4MLX_SPARSE_ATTENTION=1`): measured slower than the plain MLX graph
-    (indexer + top-k and the attention core; BENCHMARKS.md, "Kernels"), so the model
+    (indexer + top-k and the attention core; docs/bench-history.md, "Kernels"), so the model
     keeps its plain path unless asked."""
     if FORCE_FACE is not None:
         return FORCE_FACE

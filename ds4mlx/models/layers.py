@@ -297,7 +297,7 @@ class SwitchLinear(nn.Module):
             if x.dtype != mx.float32 or w.dtype != mx.float32:
                 return mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=experts).astype(x.dtype)
             return mx.gather_mm(x, w, rhs_indices=experts)
-        # the float bank's grouped GPU test failed on the H200 with gather_mm (2026-12-02; the
+        # the float bank's grouped GPU test failed on a CUDA GPU with gather_mm (the
         # cause was cut from the log): slices of experts as batched matmuls, the GGUF banks' path
         weight = self.weight
         return grouped_experts.sliced_per_expert(

@@ -5,7 +5,7 @@ or the same attention written as two batched GEMMs around a float32 softmax.
 ``softmax([q k^T * scale | sink]) v`` with tensor-core GEMMs, for head dims and masks where
 MLX's fused op has no fast kernel on a GPU (V4 Flash: head dim 512, a boolean band mask and
 per-head sinks; one query per row over its own keys); `auto` (default): `matmul` on a GPU
-(prefill at 8K / 32K 1.41x / 1.37x with the linears dequantized, H200, BENCHMARKS.md),
+(prefill at 8K / 32K 1.41x / 1.37x with the linears dequantized, docs/bench-history.md),
 `fast` on the CPU.  Decode keeps its kernels.
 """
 

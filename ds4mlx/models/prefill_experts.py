@@ -14,7 +14,7 @@ least MIN_PAIRS (token, expert) pairs; decode and small chunks keep today's kern
 `DS4MLX_PREFILL_LINEARS` for every dense `QMVLinear` (models/qmv_linear.py) fed at least
 MIN_ROWS rows: `dequant` x @ dequantize(W).T, one GEMM, in place of `mx.quantized_matmul`
 (`quantized_matmul`); `auto` (default): `dequant` on a GPU (1.8-2.3x MLX's quantized_matmul
-at 8 bits on the H200's 2,048-row projections, BENCHMARKS.md), `quantized_matmul` on the CPU.
+at 8 bits on a CUDA GPU's 2,048-row projections, docs/bench-history.md), `quantized_matmul` on the CPU.
 """
 
 from __future__ import annotations
