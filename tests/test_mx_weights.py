@@ -25,8 +25,13 @@ from ds4mlx.quant import MXTensor
 from ds4mlx.weights import read_weights
 
 torch = lazy("torch")
-if not hasattr(torch, "float8_e8m0fnu"):
-    pytest.skip("torch without float8_e8m0fnu", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def torch_with_fp8_scales():
+    if not hasattr(torch, "float8_e8m0fnu"):
+        pytest.skip("torch without float8_e8m0fnu")
+
 
 TOL = 1e-4
 FP4 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
