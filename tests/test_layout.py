@@ -242,6 +242,34 @@ def distinctive(marker: str) -> bool:
     return "｜" in marker or "<|" in marker
 
 
+# ----------------------------------------------------------------------------- (b1) references, not diaries
+# this project's issue numbers (1-2 digits: "(#13)", "issue #21"); upstream ones name their project
+ISSUE_REF = re.compile(r"(?i)\bissues? #\d{1,2}\b|\(#\d{1,2}\b|(?<![\w/])#\d{1,2}[):]")
+SESSION_NAMED = re.compile(r"(?i)(^|[_-])(s\d+|wave\d*|session\d*|final)([_.-]|$)")
+
+
+def test_no_issue_numbers_in_the_package():
+    found = [
+        f"{p.relative_to(REPO)}:{i}: {line.strip()[:80]}"
+        for p in sorted(PKG.rglob("*"))
+        if p.suffix in (".py", ".metal")
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if ISSUE_REF.search(line)
+    ]
+    assert not found, "say what the code does, not which issue asked for it:\n  " + "\n  ".join(found)
+
+
+def test_reference_documents_stay_short_and_tools_carry_no_session_names():
+    assert len((REPO / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines()) <= 200, (
+        "BENCHMARKS.md is the current figures (<= 200 lines): move older rows to docs/bench-history.md"
+    )
+    assert len((REPO / "DEVELOPERS.md").read_text(encoding="utf-8").splitlines()) <= 250, (
+        "DEVELOPERS.md is a guide (<= 250 lines): put details in docs/"
+    )
+    named = [p.name for p in (REPO / "tools").iterdir() if SESSION_NAMED.search(p.stem)]
+    assert not named, f"tools/ named after a session or wave: {named} (fold them into tools/device.sh phases)"
+
+
 # ----------------------------------------------------------------------------- (b2) family-neutral stages
 def family_modules() -> set[str]:
     """Modules that belong to one model family: the chat families, the model graphs and MTP
