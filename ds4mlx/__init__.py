@@ -6,8 +6,8 @@ import os
 
 # MLX's CUDA backend records kernels into CUDA graphs of at most N ops / M MB of inputs; its
 # H100/H200 defaults (100 ops, 1000 MB) end a graph at every routed-MoE call (the expert
-# tensors alone exceed 1000 MB), so a decode step became ~40 graphs.  Measured on the H200
-# (BENCHMARKS.md, issue #13): 400 ops and no byte bound decode 1.55x faster.  Read once when
+# tensors alone exceed 1000 MB), so a decode step became ~40 graphs; 400 ops and no byte bound
+# decode 1.55x faster (docs/bench-history.md: the compiled step's graph settings).  Read once when
 # MLX creates its first stream, so they must be set before mlx.core is used; the user's
 # own values win.  No effect on Metal or the CPU.
 os.environ.setdefault("MLX_MAX_OPS_PER_BUFFER", "400")

@@ -6,8 +6,9 @@ modules under their checkpoint names (GLM 5.3's `self_attn.A_log`, not
 `self_attn.forget_gate.A_log`), concatenated tensors split (`q_conv1d` / `k_conv1d`
 / `v_conv1d`, `ngram_embedding.shard_N`).  `to_memory_names` undoes that, per
 family, so a model folder a user saved with transformers loads like the oracle's
-state dict.  The rules mirror transformers' conversion_mapping.py for these
-model types; tensors already under in-memory names pass through unchanged.
+state dict.  The rules (the registry's `checkpoint_renames` / `checkpoint_concats` columns)
+mirror transformers' conversion_mapping.py for these model types; tensors already under
+in-memory names pass through unchanged.
 """
 
 from __future__ import annotations
@@ -17,28 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from . import registry
+
 _EXPERT = re.compile(r"^(?P<base>.+\.experts)\.(?P<i>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-_HC = [(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2")]
-_FORGET_GATE = [
-    (r"\.self_attn\.(f_a_proj|f_b_proj)\.", r".self_attn.forget_gate.\1."),
-    (r"\.self_attn\.(dt_bias|A_log)$", r".self_attn.forget_gate.\1"),
-]
-
-# model_type prefix -> (renames, concatenations: (regex with a `part` group, the parts in order, target, axis))
-RULES: dict[str, tuple[list, list]] = {
-    "glm5_next": (
-        _FORGET_GATE + _HC,
-        [(r"^(?P<base>.+\.self_attn)\.(?P<part>[qkv])_conv1d\.weight$", ("q", "k", "v"), "{base}.conv1d.weight", 0)],
-    ),
-    "qwen4_exp": ([], [(r"^(?P<base>.+\.ngram_embedding)\.shard_(?P<part>\d+)\.weight$", None, "{base}.weight", 0)]),
-}
-
-
-def _rules(model_type: str):
-    for prefix, rules in RULES.items():
-        if model_type.startswith(prefix):
-            return rules
-    return None
 
 
 def _merge_experts(tensors: dict) -> dict:
@@ -86,10 +68,10 @@ def _concatenate(tensors: dict, pattern: str, order, target: str, axis: int) -> 
 
 def to_memory_names(model_type: str, tensors: dict) -> dict:
     """A family's checkpoint tensors under transformers' in-memory names."""
-    rules = _rules(model_type or "")
-    if rules is None:
+    fam = registry.family_of(model_type)
+    if fam is None or not (fam.checkpoint_renames or fam.checkpoint_concats):
         return tensors
-    renames, concats = rules
+    renames, concats = fam.checkpoint_renames, fam.checkpoint_concats
     if any(_EXPERT.match(k) for k in tensors):
         tensors = _merge_experts(tensors)
     for pattern, order, target, axis in concats:

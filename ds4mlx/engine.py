@@ -118,7 +118,7 @@ class EngineStats:
     cancelled: int = 0
     cancel_requests: int = 0
     greedy_tokens: int = 0  # tokens sampled greedily because of DSML structure
-    spec_rounds: int = 0  # speculative decoding (#21): verify forwards
+    spec_rounds: int = 0  # speculative decoding: verify forwards
     spec_drafted: int = 0  # draft tokens proposed
     spec_accepted: int = 0  # draft tokens the target kept
     spec_acceptance_rate: float = 0.0
@@ -1002,7 +1002,7 @@ class Engine:
             if forced:
                 return forced.pop(0)
             structural = bool(job.tools_active and getattr(parser, "structural", False))
-            params = GREEDY if structural else job.params  # ignore_eos keeps the requested sampling (#17)
+            params = GREEDY if structural else job.params  # ignore_eos keeps the requested sampling
             if structural and not job.params.greedy:
                 self.stats.greedy_tokens += 1
             return int(sampler.sample(logits, params, generated, banned).item())
@@ -1015,12 +1015,12 @@ class Engine:
             sample = pick
         else:
             sample = DeviceSampler(job.params, int(logits.shape[-1]), banned, seed=sampler.seed)
-        # forced tool-call header tokens do not count against max_tokens (#17): with forced text
+        # forced tool-call header tokens do not count against max_tokens: with forced text
         # the limit is checked here, the context room always
         stop_ids = () if job.ignore_eos else [e for e in ends if e is not None]
         spec_stats = SpecStats()
         loop = None
-        if not host_chooses:  # speculation: the same tokens, several per target forward (#21)
+        if not host_chooses:  # speculation: the same tokens, several per target forward
             loop = loop_for_job(
                 self.speculation, s, logits, job.params, banned=banned, seed=sampler.seed,
                 stop_ids=stop_ids, limit=max_tokens, stats=spec_stats,

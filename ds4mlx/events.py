@@ -89,7 +89,7 @@ class Finish:
     result: Any | None = None
     error: str | None = None
     stop_sequence: str | None = None  # the stop sequence that ended the output (reason stop)
-    # speculative decoding (#21): this job's counters (SpecStats.as_dict(), the numbers the
+    # speculative decoding: this job's counters (SpecStats.as_dict(), the numbers the
     # engine adds to its totals), None when the job did not speculate
     speculation: dict | None = None
 

@@ -426,28 +426,6 @@ def test_cuda_face_compiles_with_nvcc(dt, shape, tmp_path):
     nvcc_compile(tmp_path, src)
 
 
-def test_legacy_bench_kernel_compiles_with_nvcc(tmp_path):
-    """The bench's copy of the pre-v3 kernel (bench/qmv_legacy.py: the old column of
-    `bench.kernels --qmv`) still builds for the MoE gate_up shape."""
-    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
-
-    from ds4mlx.bench import qmv_legacy
-
-    ksplit, _, _ = qmv_legacy.launch_shape(4096, 2)
-    header, body = qmv_legacy._kernel().source("cuda")
-    types = {"x": "bfloat16", "w": "uint32", "scales": "bfloat16", "biases": "bfloat16", "eids": "int32"}
-    src = mlx_cuda_source(
-        "legacy_qmv",
-        header,
-        body,
-        {**types, "wts": "float32", "lim": "float32"},
-        {"y": "bfloat16"},
-        [("T", "bfloat16"), ("TS", "bfloat16"), ("N_ROWS", 4096), ("K_DIM", 4096), ("BITS", 2), ("GS", 64)]
-        + [("WARPS", 8), ("KSPLIT", ksplit), ("RPW", 4), ("X_DIV", 6), ("MODE", 1), ("KE", 1)],
-    )
-    nvcc_compile(tmp_path, src)
-
-
 # ------------------------------------------------------------------ the GPU face against the reference (H200)
 
 

@@ -26,7 +26,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-import torch
 from mlx.utils import tree_flatten
 
 from ds4mlx.models.deepseek_v41 import ModelArgs
@@ -87,12 +86,16 @@ def shared_io(args, seed=7):
 
 
 def t_rms(x, w, eps):
+    import torch
+
     x = x.float()
     return w * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps))
 
 
 def t_rope(x, pos, rd, theta, inverse=False):
     """apply_rotary_emb: adjacent pairs of the last rd channels as complex numbers; x [T, ..., d]."""
+    import torch
+
     freqs = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
     cis = torch.polar(torch.ones(len(pos), rd // 2), torch.outer(pos.float(), freqs))
     if inverse:
@@ -106,6 +109,8 @@ def t_rope(x, pos, rd, theta, inverse=False):
 
 def t_act_quant(x, block=32):
     """act_quant: FP8 e4m3 with one ue8m0 (power-of-two) scale per `block` channels."""
+    import torch
+
     if x.shape[-1] % block:
         return x
     b = x.unflatten(-1, (-1, block))
@@ -117,6 +122,8 @@ def t_act_quant(x, block=32):
 
 def t_hc_mixes(x, fn, scale, base, n, iters, hc_eps, norm_eps):
     """Block.hc_mixes + hc_split_sinkhorn: x [T, n, d] -> pre [T, n], post [T, n], comb [T, n, n]."""
+    import torch
+
     flat = x.flatten(1)
     mixes = (flat @ fn.T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     pre = torch.sigmoid(mixes[:, :n] * scale[0] + base[:n]) + hc_eps
@@ -140,6 +147,8 @@ def t_hc_post(out, residual, post, comb):
 def t_moe(x, p, a, n_experts, k):
     """MoE: Gate (sqrtsoftplus, bias picks, unbiased weights renormalised, route_scale),
     clamped SwiGLU experts, one shared expert."""
+    import torch
+
     scores = torch.sqrt(torch.nn.functional.softplus(x @ p["mlp.gate.weight"].T))
     idx = (scores + p["mlp.gate.e_score_correction_bias"]).topk(k, dim=-1).indices
     w = scores.gather(1, idx)
@@ -167,6 +176,8 @@ def t_moe(x, p, a, n_experts, k):
 def t_attention(x, main_x, p, a, start_pos):
     """DSparkAttention.forward at start_pos > 0 (main_x [T, H]: positions 0..T-1; the block
     sits at T..T+C-1; the window holds the newest `sliding_window` main positions)."""
+    import torch
+
     C, T = x.shape[0], main_x.shape[0]
     nh, D, rd, eps, W = a.num_attention_heads, a.head_dim, a.qk_rope_head_dim, a.rms_norm_eps, a.sliding_window
     block_pos, main_pos = torch.arange(start_pos, start_pos + C), torch.arange(T)
@@ -191,6 +202,8 @@ def t_attention(x, main_x, p, a, start_pos):
 def reference_draft(params, a, d, embed_w, head_w, captured, token):
     """Transformer.forward_spec for one block after `captured` [T, n_ids*H] (start_pos T-1)
     -> (biased logits [bs, V], confidence [bs], drafts [bs])."""
+    import torch
+
     eps, n, bs = a.rms_norm_eps, a.hc_mult, d.dspark_block_size
     stage = [{k.split(".", 2)[2]: v for k, v in params.items() if k.startswith(f"mtp.{s}.")} for s in range(d.stages)]
     main_x = t_rms(captured @ stage[0]["main_proj.weight"].T, stage[0]["main_norm.weight"], eps)
@@ -222,6 +235,8 @@ def reference_draft(params, a, d, embed_w, head_w, captured, token):
 
 
 def to_torch(module) -> dict:
+    import torch
+
     return {k: torch.from_numpy(np.array(v.astype(mx.float32))) for k, v in tree_flatten(module.parameters())}
 
 
@@ -230,6 +245,8 @@ def to_torch(module) -> dict:
 
 @pytest.mark.parametrize("chunks", [(11,), (7, 4), (3, 1, 1, 6)])
 def test_draft_block_matches_torch_reference(chunks):
+    import torch
+
     args, d, head = make()
     embed, lm_head = shared_io(args)
     T = sum(chunks)

@@ -178,17 +178,14 @@ def test_router_step_hands_its_arguments_to_the_kernel(oracle, monkeypatch):
     assert len(calls) == len(lm.model.model.layers)  # more rows than a decode step: the plain graph
 
 
-def test_decode_face_rows_and_switch(monkeypatch):
-    """The decode step routes with the kernel on a GPU face for up to MAX_ROWS tokens;
-    DS4MLX_MOE_ROUTE=0 keeps the plain graph."""
+def test_decode_face_rows(monkeypatch):
+    """The decode step routes with the kernel on a GPU face for up to MAX_ROWS tokens, with
+    the reference face's plain graph otherwise."""
     monkeypatch.setattr(mr, "_face", lambda backend: "cuda")
-    monkeypatch.delenv("DS4MLX_MOE_ROUTE", raising=False)
     assert mr.decode_face(1) == "cuda" and mr.decode_face(mr.MAX_ROWS) == "cuda"
     assert mr.decode_face(mr.MAX_ROWS + 1) is None
-    monkeypatch.setenv("DS4MLX_MOE_ROUTE", "0")
+    monkeypatch.setattr(mr, "_face", lambda backend: "reference")
     assert mr.decode_face(1) is None
-    monkeypatch.setenv("DS4MLX_MOE_ROUTE", "route")
-    assert mr.decode_face(1) == "cuda"
 
 
 @pytest.mark.parametrize("script", ["make_tiny_glm_moe_dsa.py", "make_tiny_glm5_next.py"])

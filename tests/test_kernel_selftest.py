@@ -119,3 +119,18 @@ def test_gpu_faces_pass_their_self_tests(qtype):
         pytest.skip("no MLX GPU backend")
     assert quant_moe._self_test(face, quant_moe.QT[qtype])
     assert hck._self_test(face)
+
+
+def test_every_unverified_kernel_is_a_self_tested_launch():
+    """`dispatch.UNVERIFIED_KERNELS` is the verification state DEVELOPERS.md points to: each
+    name in it is a kernel some module hands to `auto_face` (so the self-test it promises
+    exists), not a stale entry of a renamed or deleted kernel."""
+    import re
+    from pathlib import Path
+
+    text = "\n".join(p.read_text(encoding="utf-8") for p in Path(dispatch.__file__).parent.glob("*.py"))
+    named = set(re.findall(r'auto_face\(\s*"([\w.]+)"', text))
+    named |= set(quant_moe.MOE_KERNELS.values()) | set(quant_moe.DEQUANT_KERNELS.values())
+    # sparse_attention's launches self-test through `_verified(kind)` -> auto_face("sparse_attention.<kind>")
+    named |= {"sparse_attention." + k for k in re.findall(r'_verified\(\s*"(\w+)"', text)}
+    assert dispatch.UNVERIFIED_KERNELS <= named, sorted(dispatch.UNVERIFIED_KERNELS - named)

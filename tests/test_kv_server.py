@@ -29,13 +29,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from lazy_modules import lazy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from signal_helpers import ctrl_c_default  # noqa: E402
 from test_server_cli import free_port, wait_up  # noqa: E402
 
-openai = pytest.importorskip("openai")
-anthropic = pytest.importorskip("anthropic")
+openai = lazy("openai")
+anthropic = lazy("anthropic")
 
 MODEL = "deepseek-v4-flash"
 TESTS = Path(__file__).parent

@@ -1,7 +1,9 @@
-"""The code's layout rules, checked on the source (issue #15).
+"""The code's layout rules, checked on the source.
 
 * no import cycle among `ds4mlx` modules, function-level imports included;
 * no private name (`_x`) imported from another module, no `module._x` reach-in;
+* serve/, the engine and chat/*.py import no family module (chat/families/, a family's
+  model graph, MTP head, distributed plan or GGUF table);
 * no string literal of a chat marker (a family protocol's exact strings) outside the
   family protocol modules;
 * every `docs/<file>.md §N` reference in ds4mlx/ names a file and a numbered heading
@@ -238,6 +240,77 @@ def docstring_nodes(tree) -> set[int]:
 def distinctive(marker: str) -> bool:
     """Special-token spellings no prose contains: checked as substrings too."""
     return "｜" in marker or "<|" in marker
+
+
+# ----------------------------------------------------------------------------- (b1) references, not diaries
+# this project's issue numbers (1-2 digits: "(#13)", "issue #21"); upstream ones name their project
+ISSUE_REF = re.compile(r"(?i)\bissues? #\d{1,2}\b|\(#\d{1,2}\b|(?<![\w/])#\d{1,2}[):]")
+SESSION_NAMED = re.compile(r"(?i)(^|[_-])(s\d+|wave\d*|session\d*|final)([_.-]|$)")
+
+
+def test_no_issue_numbers_in_the_package():
+    found = [
+        f"{p.relative_to(REPO)}:{i}: {line.strip()[:80]}"
+        for p in sorted(PKG.rglob("*"))
+        if p.suffix in (".py", ".metal")
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if ISSUE_REF.search(line)
+    ]
+    assert not found, "say what the code does, not which issue asked for it:\n  " + "\n  ".join(found)
+
+
+def test_reference_documents_stay_short_and_tools_carry_no_session_names():
+    assert len((REPO / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines()) <= 200, (
+        "BENCHMARKS.md is the current figures (<= 200 lines): move older rows to docs/bench-history.md"
+    )
+    assert len((REPO / "DEVELOPERS.md").read_text(encoding="utf-8").splitlines()) <= 250, (
+        "DEVELOPERS.md is a guide (<= 250 lines): put details in docs/"
+    )
+    named = [p.name for p in (REPO / "tools").iterdir() if SESSION_NAMED.search(p.stem)]
+    assert not named, f"tools/ named after a session or wave: {named} (fold them into tools/device.sh phases)"
+
+
+# ----------------------------------------------------------------------------- (b2) family-neutral stages
+def family_modules() -> set[str]:
+    """Modules that belong to one model family: the chat families, the model graphs and MTP
+    heads, the distributed plans and the GGUF name tables the registry names (by name)."""
+    from ds4mlx import registry
+
+    named = {f.chat_module for f in registry.FAMILIES}
+    named |= {f.model_module(t) for f in registry.FAMILIES for t in f.model_types}
+    named |= {f.mtp_head for f in registry.FAMILIES if f.mtp_head}
+    named |= {f.distributed_plan for f in registry.FAMILIES if f.distributed_plan}
+    under = ("ds4mlx.chat.families.", "ds4mlx.gguf_families.")
+    shared = {"ds4mlx.gguf_families", "ds4mlx.gguf_families.base", "ds4mlx.gguf_families.metadata"}
+    return {m for m in SOURCES if m in named or (m.startswith(under) and m not in shared)}
+
+
+def is_shared_stage(mod: str) -> bool:
+    """serve/, the engine, and chat/'s own modules (chat/*.py, not chat/families/) serve every family."""
+    parts = mod.split(".")
+    return (
+        mod.startswith("ds4mlx.serve")
+        or mod == "ds4mlx.engine"
+        or mod.startswith(("ds4mlx.engine.", "ds4mlx.engine_"))
+        or (len(parts) == 3 and parts[1] == "chat")
+    )
+
+
+def test_shared_stages_import_no_family_module():
+    fam = family_modules()
+    assert "ds4mlx.chat.families.deepseek_v4.dsml" in fam and "ds4mlx.models.deepseek_v4" in fam
+    found = [
+        f"{where(mod, node)}: {mod} imports {target}"
+        for mod in SOURCES
+        if is_shared_stage(mod)
+        for node, target, _ in imports(mod)
+        if target in fam
+    ]
+    assert not found, (
+        "serve/, the engine and chat/*.py serve every family: they reach a family's code through "
+        "the registry or ChatProtocol, and what several families share lives in a neutral module "
+        "(chat/jsontext.py, chat/dsml_lex.py, chat/dsml_tracker.py, chat/messages.py):\n  " + "\n  ".join(found)
+    )
 
 
 def test_no_chat_marker_literal_outside_family_protocols():

@@ -13,6 +13,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from lazy_modules import lazy
 
 import ds4mlx
 from ds4mlx.cli import main
@@ -20,7 +21,7 @@ from ds4mlx.convert import write_gguf
 from ds4mlx.quant import QT, QuantizedTensor
 from ds4mlx.weights import GGUFFile, read_weights
 
-torch = pytest.importorskip("torch")
+torch = lazy("torch")
 TOL = 1e-4
 WIDE = dict(hidden_size=256, moe_intermediate_size=256)  # K-quant / IQ2_XXS rows: multiples of 256
 

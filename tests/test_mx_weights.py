@@ -18,14 +18,20 @@ import math
 
 import numpy as np
 import pytest
+from lazy_modules import lazy
 
 from ds4mlx.gguf_families import deepseek_v4 as names
 from ds4mlx.quant import MXTensor
 from ds4mlx.weights import read_weights
 
-torch = pytest.importorskip("torch")
-if not hasattr(torch, "float8_e8m0fnu"):
-    pytest.skip("torch without float8_e8m0fnu", allow_module_level=True)
+torch = lazy("torch")
+
+
+@pytest.fixture(autouse=True)
+def torch_with_fp8_scales():
+    if not hasattr(torch, "float8_e8m0fnu"):
+        pytest.skip("torch without float8_e8m0fnu")
+
 
 TOL = 1e-4
 FP4 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)

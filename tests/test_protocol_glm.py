@@ -14,6 +14,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lazy_modules import requires
 from template_helpers import (
     GLM_MESSAGES,
     GLM_TOOLS,
@@ -30,7 +31,7 @@ from ds4mlx.chat.messages import ToolCall
 from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from ds4mlx.serve.prepare import parse_request
 
-pytest.importorskip("transformers.utils.chat_template_utils")
+needs = requires("transformers.utils.chat_template_utils")
 
 TEMPLATE = (TEMPLATES / "glm5_next.jinja").read_text()
 # The template variants that take `enable_thinking` (thinking off renders <think></think>):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+from lazy_modules import requires
 from template_helpers import (
     GLM_CHAIN,
     GLM_MESSAGES,
@@ -29,7 +30,7 @@ from ds4mlx.chat.families.glm import GLM52, GLM53
 from ds4mlx.chat.protocol import get_protocol
 from ds4mlx.serve.prepare import parse_request
 
-pytest.importorskip("transformers.utils.chat_template_utils")
+needs = requires("transformers.utils.chat_template_utils")
 
 TEMPLATE_PATH = TEMPLATES / "glm_moe_dsa.jinja"
 TEMPLATE = TEMPLATE_PATH.read_text()

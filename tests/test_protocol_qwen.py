@@ -13,6 +13,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lazy_modules import requires
 from template_helpers import TEMPLATES, render_jinja
 from template_helpers import openai_body as make_body
 
@@ -21,7 +22,7 @@ from ds4mlx.chat.messages import ToolCall
 from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from ds4mlx.serve.prepare import parse_request
 
-pytest.importorskip("transformers.utils.chat_template_utils")
+needs = requires("transformers.utils.chat_template_utils")
 
 TEMPLATE = (TEMPLATES / "qwen4_exp.jinja").read_text()
 

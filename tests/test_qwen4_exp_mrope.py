@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from lazy_modules import lazy
 
 from ds4mlx import stepper
 from ds4mlx.models.qwen4_exp import AttentionCache
@@ -24,8 +25,8 @@ from ds4mlx.vision.encoder import ImageSpan, PromptPositions, mrope_positions
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case, maxdiff  # noqa: E402
 
-torch = pytest.importorskip("torch")
-hf = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
+torch = lazy("torch")
+hf = lazy("transformers.models.qwen4_exp.modeling_qwen4_exp")
 
 TOL = 1e-4
 SCRIPT = "make_tiny_qwen4_exp.py"

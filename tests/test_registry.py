@@ -31,3 +31,37 @@ def test_the_stages_list_the_registry_and_reject_other_types():
         gguf_families.for_config({"model_type": "llama"})
     with pytest.raises(ValueError, match="unknown model family 'llama'"):
         demo_config("llama")
+
+
+@pytest.mark.parametrize("fam", registry.FAMILIES, ids=lambda f: f.key)
+def test_optional_columns_name_real_modules(fam):
+    """The MTP head, the distributed plans and the checkpoint renames of a family come from its
+    registry row: the named modules expose what speculative/mtp.py and distributed/sharding.py
+    call, and the rename rules compile."""
+    import importlib
+    import re
+
+    from ds4mlx.distributed.sharding import FAMILY_PLANS
+    from ds4mlx.speculative import mtp
+
+    if fam.mtp_head:
+        head = importlib.import_module(fam.mtp_head)
+        assert all(hasattr(head, f) for f in ("make_head", "head_weights", "init_kind", "MTPHead"))
+        assert fam.mtp_label and all(mtp.head_module(t) is head for t in fam.model_types)
+    if fam.distributed_plan:
+        plan = importlib.import_module(fam.distributed_plan)
+        assert all(hasattr(plan, f) for f in ("shard_args", "shard_weights", "install"))
+        assert all(FAMILY_PLANS[t] == fam.distributed_plan for t in fam.model_types)
+    for pattern, _ in fam.checkpoint_renames:
+        re.compile(pattern)
+    for pattern, order, target, axis in fam.checkpoint_concats:
+        assert {"base", "part"} <= set(re.compile(pattern).groupindex) and "{base}" in target
+        assert order is None or len(order) > 1
+
+
+def test_a_family_without_a_head_is_refused_by_name():
+    from ds4mlx.speculative import mtp
+    from ds4mlx.speculative.options import SpecUsageError
+
+    with pytest.raises(SpecUsageError, match="no MTP head for glm5_next models yet"):
+        mtp.head_module("glm5_next")

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from lazy_modules import requires
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+needs = requires("torch", "transformers")
 
 TESTS = Path(__file__).parent
 

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from lazy_modules import lazy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import ScriptedModel, last_user_text, serve  # noqa: E402
 
-anthropic = pytest.importorskip("anthropic")
-openai = pytest.importorskip("openai")
+anthropic = lazy("anthropic")
+openai = lazy("openai")
 
 MODEL = "deepseek-v4-flash"
 THINK = {"type": "enabled", "budget_tokens": 1024}

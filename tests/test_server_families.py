@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from lazy_modules import lazy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import serve  # noqa: E402
 
-anthropic = pytest.importorskip("anthropic")
-openai = pytest.importorskip("openai")
+anthropic = lazy("anthropic")
+openai = lazy("openai")
 
 FAMILIES = {
     "deepseek_v4": "deepseek-v4-flash",

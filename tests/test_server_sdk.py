@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from lazy_modules import lazy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import ScriptedModel, last_user_text, serve  # noqa: E402
 
-anthropic = pytest.importorskip("anthropic")
-openai = pytest.importorskip("openai")
+anthropic = lazy("anthropic")
+openai = lazy("openai")
 
 from ds4mlx.chat.families.deepseek_v4.template import render  # noqa: E402
 from ds4mlx.serve.anthropic import parse_anthropic  # noqa: E402

@@ -13,7 +13,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
 from ds4mlx.models import vision_preprocess as vp
 from ds4mlx.models.vision_qwen3vl import Qwen3VLVision, VisionArgs, load_hf_dir
@@ -64,6 +63,8 @@ def test_preprocessing_matches_transformers(case):
 
 @pytest.mark.parametrize("hw", [(70, 100), (150, 47), (3000, 20), (1, 1), (4000, 3000), (512, 512), (33, 4096)])
 def test_smart_resize_matches_transformers(hw):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+
     h, w = hw
     f = 32
     lo, hi = vp.MIN_TOKENS * f * f, vp.MAX_TOKENS * f * f

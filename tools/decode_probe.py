@@ -1,4 +1,4 @@
-"""Where the compiled decode step's time goes, on the device (issue #13).
+"""Where the compiled decode step's time goes, on the device.
 
     MLX_PTX_CACHE_DIR=$PWD/.ptxcache python3 tools/decode_probe.py --count-layers 6 --layers 43 --ctx 2048
 

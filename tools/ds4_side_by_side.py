@@ -1,4 +1,4 @@
-"""ds4-bench's CSV and `ds4mlx bench`'s CSV of one run joined by frontier (issue #27).
+"""ds4-bench's CSV and `ds4mlx bench`'s CSV of one run joined by frontier.
 
     python3 tools/ds4_side_by_side.py ds4.csv ds4mlx.csv --layers 20 [--csv side_by_side.csv]
 

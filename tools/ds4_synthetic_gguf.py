@@ -21,7 +21,7 @@ Every tensor is generated when the writer reaches it and released after (memory 
 at one expert bank, ~0.7 GB); random bytes are drawn on `--threads` threads.
 `--tiny` uses small shapes (hidden 256, 4 heads, 16 experts) that only ds4mlx loads:
 ds4 accepts nothing but the real V4 Flash shape (its constants, fixed at build time;
-the layer count is the one constant tools/h200_ds4.sh patches).
+the layer count is the one constant tools/ds4_vs_ds4mlx.sh patches).
 """
 
 from __future__ import annotations

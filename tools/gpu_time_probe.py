@@ -1,4 +1,4 @@
-"""Device time vs host time of the compiled decode step, kernel by kernel (issue #13).
+"""Device time vs host time of the compiled decode step, kernel by kernel.
 
     python3 tools/gpu_time_probe.py --layers 8 --ctx 2048 --steps 10
 

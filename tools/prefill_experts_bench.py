@@ -1,4 +1,4 @@
-"""One layer's routed experts at prefill, old path vs per-expert batched GEMMs (issue #14).
+"""One layer's routed experts at prefill, old path vs per-expert batched GEMMs.
 
     python3 tools/prefill_experts_bench.py                      # V4 Flash shapes, 2,048 tokens
     python3 tools/prefill_experts_bench.py --chunks 128,512,2048 --formats mlx2

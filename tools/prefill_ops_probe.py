@@ -1,4 +1,4 @@
-"""Where a V4 Flash prefill chunk's attention time goes, op by op, on the GPU (issue #14).
+"""Where a V4 Flash prefill chunk's attention time goes, op by op, on the GPU.
 
     python3 tools/prefill_ops_probe.py [--chunk 2048]
 

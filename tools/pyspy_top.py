@@ -1,6 +1,6 @@
 """Top frames of a `py-spy record --native --format raw` profile (where host time goes).
 
-    py-spy record --native --format raw -o raw.txt -- python3 tools/wave4_probe.py ...
+    py-spy record --native --format raw -o raw.txt -- python3 tools/frontier_probe.py ...
     python3 tools/pyspy_top.py raw.txt --within loop_tps --top 40
 
 Each raw line is `frame;frame;...;leaf count`.  `--within NAME` keeps the samples whose

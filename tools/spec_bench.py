@@ -1,4 +1,4 @@
-"""Speculative decoding on the H200 (issue #21): verify cost, self-draft speed-up, break-even.
+"""Speculative decoding on the GPU: verify cost, self-draft speed-up, break-even.
 
     python3 tools/spec_bench.py --ctx 2048 --gen 64 --csv $OUT/spec_bench.csv
     python3 tools/spec_bench.py --smoke            # CPU: a tiny synthetic model, seconds

@@ -1,4 +1,4 @@
-"""SSD expert streaming bench (issue #19): prefill and decode t/s against the expert
+"""SSD expert streaming bench: prefill and decode t/s against the expert
 cache budget, with hit rates and bytes read per token, on a file-backed synthetic
 DeepSeek V4 model (random weights, written once as a GGUF, then read by
 `--stream-experts` like a real file).

@@ -5,8 +5,8 @@
 The device image has torch and transformers, but building there costs device minutes; so they are
 built here (tests/conftest.build_oracle, the cache the tests use, under .gpu/tc) and the first ones
 that fit TAR_MIB are packed as .gpu/tcA/tc.tar, which call 1 carries beside the first wheel half
-(64 MiB a call, with the tree and its devcache/ptx.txz: the second half leaves no room for more);
-the tests build the rest on the device.  tools/h200_gpu_tests.sh unpacks it into /root/tc.  The
+(64 MiB a call, with the tree and a carried .ptxcache/ptx.txz: the second half leaves no room for more);
+the tests build the rest on the device.  `tools/device.sh gpu-tests` unpacks it into /root/tc (docs/device.md).  The
 list, most used first: every (script, config) that a `gpu`-marked test passes to `oracle` /
 `load_case` (grep them in tests/test_kernel_*.py, test_grouped_experts.py, test_quant*.py when a
 GPU test adds one).
@@ -20,7 +20,7 @@ import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TAR_MIB = 5.5  # .gpu/a (44 MiB) + the tree (~12.5 MiB with devcache/ptx.txz) + this <= 64 MiB
+TAR_MIB = 5.5  # .gpu/a (44 MiB) + the tree (~8 MiB) + a carried .ptxcache (~4.5 MiB) + this <= 64 MiB
 GPU_TEST_ORACLES = [
     ("make_tiny_deepseek_v4.py", None),
     ("make_tiny_deepseek_v4.py", "long"),

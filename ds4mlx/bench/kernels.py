@@ -29,11 +29,11 @@ Prints, at DeepSeek V4 Flash shapes (hidden 4096, hc_mult 4, 64 heads x 512, ind
   prefill and decode tokens/s with the kernels on and with ``DS4MLX_KERNELS=reference``;
   ``--expert-format gguf`` gives it ds4's IQ2_XXS / Q2_K expert blocks.
 
-* with ``--qmv``: first issue #13's decode-step calls (the MoE gate_up + SwiGLU and
-  down + sum, the 8-bit dense projections, wo_a's grouped call), the kernel before the
-  v3 rewrite (bench/qmv_legacy.py) beside today's: kernel GPU µs and GB/s (CUPTI
-  through torch.profiler when torch is installed), the dependent chain's wall µs per
-  call, one call's latency, the error against MLX; ``--qmv-decode-only`` stops there,
+* with ``--qmv``: first V4 Flash's decode-step calls (the MoE gate_up + SwiGLU and
+  down + sum, the 8-bit dense projections, wo_a's grouped call): kernel GPU µs and GB/s
+  (CUPTI through torch.profiler when torch is installed) beside the µs the pre-v3 kernel
+  took in the compiled step (a recorded column; docs/bench-history.md), the dependent
+  chain's wall µs per call, one call's latency, the error against MLX; ``--qmv-decode-only`` stops there,
   ``--qmv-sweep`` times `affine_qmv.plan`'s knob variants on those calls.  Then
   a dependent chain of mat-vecs (each call's output is the next
   call's input, weights rotated through a set larger than L2): GB/s for MLX affine
@@ -583,7 +583,7 @@ def bench_qmv_sweep(face: str | None = None, calls: int = 32, out: list | None =
                     setattr(aq, k, saved[k])
                 for k, v in setting.items():
                     setattr(aq, k, v)
-                us = _measure(case, "new", calls)
+                us = _measure(case, calls)
                 t = us["gpu"] if us["gpu"] is not None else us["chain"]
                 cells.append(f"{vname} {t:6.1f} µs {case['bytes'] / (t * 1e-6) / 1e9:5.0f}")
                 out.append({"what": name, "variant": vname, **us, "bytes": case["bytes"]})
@@ -596,11 +596,11 @@ def bench_qmv_sweep(face: str | None = None, calls: int = 32, out: list | None =
     return out
 
 
-# --------------------------------------------------------------------------- decode shapes: old vs new kernel
+# --------------------------------------------------------------------------- decode shapes
 
-# issue #13's decode-step calls (V4 Flash, bfloat16 activations): name, kind, rows, K, bits, and
-# the old kernel's GPU µs per call measured in the compiled 8-layer step on the H200 (the brief's
-# figures; the [1024, 4096] one averages 22 calls per 8 layers that include the grouped wo_a)
+# V4 Flash's decode-step calls (bfloat16 activations): name, kind, rows, K, bits, and the pre-v3
+# kernel's GPU µs per call measured in the compiled 8-layer step on the H200 (a recorded column,
+# docs/bench-history.md; the [1024, 4096] one averages 22 calls per 8 layers with the grouped wo_a)
 QMV_DECODE_SHAPES = (
     ("MoE gate_up+SwiGLU 6x[4096,4096] 2-bit", "swiglu", 4096, 4096, 2, 39.0),
     ("MoE down+sum 6x[4096,2048] 2-bit", "down", 4096, 2048, 2, 20.0),
@@ -611,22 +611,19 @@ QMV_DECODE_SHAPES = (
     ("dense [4096,8192] 8-bit", "dense", 4096, 8192, 8, 21.5),
     ("grouped 8x[1024,4096] 8-bit (wo_a)", "grouped", 1024, 4096, 8, None),
 )
-KERNEL_NAMES = {"old": "legacy_qmv", "new": "affine_qmv"}  # substrings of the CUDA kernels' names
+KERNEL_NAME = "affine_qmv"  # a substring of the CUDA kernels' names
 
 
-def _impl(which: str, face: str) -> dict:
-    """The four entry points of the old (bench/qmv_legacy.py) or new (kernels/affine_qmv.py)
-    kernel, face fixed."""
+def _impl(face: str) -> dict:
+    """The four entry points of kernels/affine_qmv.py, face fixed."""
     from functools import partial
 
-    from ds4mlx.bench import qmv_legacy
     from ds4mlx.kernels import affine_qmv
 
-    if which == "old":
-        m, kw = qmv_legacy, {"face": face}
-    else:
-        m, kw = affine_qmv, {"backend": face}
-    return {f: partial(getattr(m, f), **kw) for f in ("qmv", "gather_qmv", "gather_swiglu", "gather_down_sum")}
+    return {
+        f: partial(getattr(affine_qmv, f), backend=face)
+        for f in ("qmv", "gather_qmv", "gather_swiglu", "gather_down_sum")
+    }
 
 
 def _decode_case(kind: str, rows: int, k_dim: int, bits: int, face: str, gs: int = 64) -> dict:
@@ -683,7 +680,7 @@ def _decode_case(kind: str, rows: int, k_dim: int, bits: int, face: str, gs: int
                 return y[:, :k_dim] if rows >= k_dim else mx.tile(y, (1, k_dim // rows))
 
     mx.eval(x0, ids)
-    ref = _impl("new", "reference")
+    ref = _impl("reference")
     return {"bytes": nbytes, "x0": x0, "call": call, "link": link, "face": face, "want": call(ref, 0, x0)}
 
 
@@ -719,13 +716,13 @@ def _gpu_us(run, match: str) -> float | None:
     return sum(times) / len(times)
 
 
-def _measure(case: dict, which: str, calls: int = 64, singles: int = 20) -> dict:
+def _measure(case: dict, calls: int = 64, singles: int = 20) -> dict:
     """µs per call: kernel GPU time (CUPTI), dependent chain wall time (`calls` per eval, the
     link op included), single-call latency (build, launch, wait); the result's relative
     error against the reference face."""
     import numpy as np
 
-    f = _impl(which, case["face"])
+    f = _impl(case["face"])
     call, link, x0 = case["call"], case["link"], case["x0"]
 
     def step(i, x):
@@ -740,7 +737,7 @@ def _measure(case: dict, which: str, calls: int = 64, singles: int = 20) -> dict
         mx.eval(x)
         mx.synchronize()
 
-    gpu = _gpu_us(run_chain, KERNEL_NAMES[which])
+    gpu = _gpu_us(run_chain, KERNEL_NAME)
     times = []
     for i in range(singles + 2):
         t0 = time.perf_counter()
@@ -753,33 +750,27 @@ def _measure(case: dict, which: str, calls: int = 64, singles: int = 20) -> dict
 
 
 def bench_qmv_decode(calls: int = 64, face: str | None = None, out: list | None = None):
-    """Issue #13's decode-step mat-vecs, the old kernel (bench/qmv_legacy.py) beside the new
-    (kernels/affine_qmv.py): kernel GPU µs and GB/s (weights + scales + biases read per
-    call), the dependent chain's wall µs per call and one call's latency."""
+    """V4 Flash's decode-step mat-vecs through kernels/affine_qmv.py: kernel GPU µs and GB/s
+    (weights + scales + biases read per call), the dependent chain's wall µs per call and one
+    call's latency, beside the pre-v3 kernel's recorded µs in the compiled step."""
     face = face or dispatch.gpu_backend()
     out = [] if out is None else out
     gpu = "kernel GPU µs (CUPTI)" if _cupti() else "(no torch: no kernel GPU time)"
     print(
-        f"decode-step mat-vecs, old vs new affine_qmv: {gpu} = GB/s | chain of {calls} wall µs/call |"
-        " one call µs | rel. error vs MLX (brief: old kernel in the compiled step)"
+        f"decode-step mat-vecs, affine_qmv: {gpu} = GB/s | chain of {calls} wall µs/call |"
+        " one call µs | rel. error vs MLX (pre-v3: that kernel's recorded µs in the compiled step)"
     )
     for name, kind, rows, k_dim, bits, step_us in QMV_DECODE_SHAPES:
         case = _decode_case(kind, rows, k_dim, bits, face)
-        r = {w: _measure(case, w, calls) for w in ("old", "new")}
-
-        def cell(m):
-            g = "    n/a" if m["gpu"] is None else f"{m['gpu']:7.2f} = {case['bytes'] / (m['gpu'] * 1e-6) / 1e9:6.0f}"
-            return f"{g} | {m['chain']:6.1f} | {m['single']:6.1f} | {m['err']:.1e}"
-
-        speed = (
-            "" if r["old"]["gpu"] is None or r["new"]["gpu"] is None else f"  x{r['old']['gpu'] / r['new']['gpu']:.2f}"
-        )
-        brief = "" if step_us is None else f"  (brief {step_us:g} µs)"
+        m = _measure(case, calls)
+        g = "    n/a" if m["gpu"] is None else f"{m['gpu']:7.2f} = {case['bytes'] / (m['gpu'] * 1e-6) / 1e9:6.0f}"
+        pre = "" if step_us is None else f"  (pre-v3 {step_us:g} µs)"
         print(
-            f"  {name:36s} {case['bytes'] / 1e6:6.2f} MB  old {cell(r['old'])}  new {cell(r['new'])}{speed}{brief}",
+            f"  {name:36s} {case['bytes'] / 1e6:6.2f} MB  {g} | {m['chain']:6.1f} | {m['single']:6.1f} | "
+            f"{m['err']:.1e}{pre}",
             flush=True,
         )
-        out.append({"what": name, "bytes": case["bytes"], "old": r["old"], "new": r["new"], "brief_us": step_us})
+        out.append({"what": name, "bytes": case["bytes"], "new": m, "pre_v3_us": step_us})
         case = None
         mx.clear_cache()
     return out
@@ -789,7 +780,7 @@ ROWS_SHAPES = [(1024, 4096, 8), (4096, 8192, 8), (32768, 1024, 8), (4096, 4096, 
 
 
 def bench_qmv_rows(calls: int = 64, face: str | None = None, out: list | None = None):
-    """Issue #20's dense mat-vecs of B = 1..8 x rows: one launch with XR rows a threadgroup
+    """Batched decode's dense mat-vecs of B = 1..8 x rows: one launch with XR rows a threadgroup
     (each weight read once for them) against one row a threadgroup z slice (XR_MAX = 1, each
     row re-reading the weights): wall µs per call over `calls` independent calls (matrices
     in rotation past L2, `_affine_bank`), and weight GB/s counted once per call."""
@@ -1070,7 +1061,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--qmv",
         action="store_true",
-        help="the decode shapes old vs new affine_qmv (GPU time, chain, one call), then the dependent-chain"
+        help="the decode shapes through affine_qmv (GPU time, chain, one call), then the dependent-chain"
         " mat-vec GB/s table (affine 2/4/8, the MoE call, GGUF types)",
     )
     p.add_argument("--qmv-rows", action="store_true", help="dense mat-vecs of 1..8 x rows: one launch vs a row a slice")
@@ -1083,7 +1074,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--qmv-decode-only",
         action="store_true",
-        help="with --qmv: only the decode shapes' old-vs-new table (not the square chains, MoE call, GGUF types)",
+        help="with --qmv: only the decode shapes' table (not the square chains, MoE call, GGUF types)",
     )
     p.add_argument(
         "--expert-format",

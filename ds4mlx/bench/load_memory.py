@@ -1,6 +1,6 @@
 """Load-memory measurement: a synthetic V4 Flash file with the real shapes (fewer
 layers) written to disk, then loaded in a fresh process with peak RSS and MLX
-peak memory recorded against the final weight bytes (BENCHMARKS.md, #16).
+peak memory recorded against the final weight bytes (BENCHMARKS.md).
 
     python -m ds4mlx.bench.load_memory write-gguf /tmp/q2.gguf --layers 3
     python -m ds4mlx.bench.load_memory write-hf /tmp/fp8 --layers 3
@@ -191,7 +191,7 @@ def measure(path: str) -> dict:
 
 def _progress(t_start: float, what: str) -> None:
     """One line on stderr per phase: a device run that hits its time box still says how far it got
-    (the first H200 run of `decode`, 2026-12-02, printed nothing in 300 s)."""
+    (a silent run cut by its box says nothing)."""
     print(f"[{time.perf_counter() - t_start:7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
@@ -217,7 +217,7 @@ def _decode_tps(lm, tokens: int, prompt: int = 64, t_start: float | None = None)
 def decode_compare(path: str, layers: int, tokens: int = 24) -> dict:
     """The file loaded from disk vs the same model built in memory
     (bench.synthetic, GGUF IQ2_XXS / Q2_K experts, bf16 rest), both decoding with
-    float32 activations: decode t/s of each (the H200 acceptance of #16)."""
+    float32 activations: decode t/s of each (the load-memory acceptance figure)."""
     import gc
 
     import mlx.core as mx

@@ -29,7 +29,7 @@ from typing import Any
 
 from . import images as chat_images
 from . import markers as M
-from .families.deepseek_v4.dsml import json_text
+from .jsontext import json_text
 from .messages import Conversation, Message, ToolAlias
 from .protocol import DEFAULT_FAMILY, get_protocol
 
@@ -58,7 +58,7 @@ DEFAULT_MODEL = get_protocol(DEFAULT_FAMILY).model_id
 # the thinking controls of a Chat Completions / legacy completions body (`Thinking.chat_field`)
 CHAT_THINKING_FIELDS = ("thinking", "think", "reasoning_effort")
 VALID_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-# "minimal" is OpenAI's way of saying (almost) no reasoning: off (#17)
+# "minimal" is OpenAI's way of saying (almost) no reasoning: off
 _EFFORTS = {
     "max": "max",
     "xhigh": "high",

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import markers as M
-from .families.deepseek_v4.dsml import earliest_open, scan_block
+from .dsml_tracker import earliest_open, scan_block
 from .messages import Conversation
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Running one model over several processes on MLX's distributed backend (issue #25).
+"""Running one model over several processes on MLX's distributed backend.
 
 `mx.distributed` is the transport (ring over TCP / Thunderbolt, MPI, NCCL on CUDA
 builds); ds4mlx only decides what each rank holds and where the partial results meet:

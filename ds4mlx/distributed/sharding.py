@@ -4,7 +4,7 @@
     weights = sharding.weights(weights)       # the rank's tensors, sliced before reading
     sharding.install(model)                   # collective modules swapped in, then load
 
-Families with plans: `FAMILY_PLANS` (model_type -> module with shard_args,
+Families with plans: the registry's `distributed_plan` column (a module with shard_args,
 shard_weights, install).
 """
 
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import importlib
 
+from .. import registry
 from .plan import Plan
 
-FAMILY_PLANS = {"deepseek_v4": "ds4mlx.distributed.deepseek_v4"}
+# model_type -> the module of its family's plans
+FAMILY_PLANS = {t: f.distributed_plan for f in registry.FAMILIES if f.distributed_plan for t in f.model_types}
 
 
 class Sharding:

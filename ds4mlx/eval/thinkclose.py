@@ -104,7 +104,7 @@ class GenResult:
     close: CloseEvent = field(default_factory=CloseEvent)
     elapsed: float = 0.0  # generation phase only, pauses excluded
     error: str = ""
-    spec: dict | None = None  # speculative decoding (#21): this case's counters (SpecStats.as_dict())
+    spec: dict | None = None  # speculative decoding: this case's counters (SpecStats.as_dict())
 
 
 class Xorshift64Star:

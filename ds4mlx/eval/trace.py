@@ -55,7 +55,7 @@ class TraceRecord:
     question: str = ""
     output: str = ""
     timestamp: int | None = None
-    spec: dict[str, Any] | None = None  # speculative decoding (#21): the case's counters, SpecStats.as_dict()
+    spec: dict[str, Any] | None = None  # speculative decoding: the case's counters, SpecStats.as_dict()
 
 
 def spec_lines(spec: dict[str, Any]) -> list[str]:

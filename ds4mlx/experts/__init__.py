@@ -1,4 +1,4 @@
-"""SSD expert streaming (issue #19, ds4's --ssd-streaming): the non-routed weights
+"""SSD expert streaming (ds4's --ssd-streaming): the non-routed weights
 resident, the routed experts read from the model file on demand into a bounded cache.
 
 rows.py     which tensors are routed experts; reading a few experts of a bank

@@ -38,7 +38,7 @@ class ExpertShape(NamedTuple):
     """What a slot module needs from the family's `mlp.experts` placeholder.  Only this is
     kept: the placeholder's own parameters are lazy zeros of all E experts, which the
     loader's `materialize` would evaluate if anything still reached them (a 20-layer V4
-    Flash: 516 GB of float32 zeros, an out-of-memory on the H200, 2026-12-02)."""
+    Flash: 516 GB of float32 zeros, more than a GPU holds)."""
 
     hidden: int
     intermediate: int

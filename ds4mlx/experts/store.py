@@ -1,5 +1,5 @@
 """The expert store: routed experts stay in the model file, a bounded cache of
-(layer, expert) slices is resident (docs: issue #19, ds4's --ssd-streaming).
+(layer, expert) slices is resident (ds4's --ssd-streaming).
 
 * One `LayerCache` per MoE layer: a slab of `capacity` slots (a `StreamedExperts`
   module), the expert -> slot table, and the policy's per-expert scores.  A layer whose

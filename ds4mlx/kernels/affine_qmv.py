@@ -1,7 +1,7 @@
 """Affine quantized mat-vec (MLX's `mx.quantize` packing) for decode, at bandwidth.
 
-MLX's own quantized mat-vec takes the same time at 2, 4 and 8 bits on an H200
-(~34 µs at 4096², 157-499 GB/s: issue #13), so fewer bits bought nothing at decode.
+MLX's own quantized mat-vec takes about the same time at 2, 4 and 8 bits on a CUDA GPU
+(docs/bench-history.md), so fewer bits bought nothing at decode.
 This kernel reads each weight row in 16-byte loads, keeps x in threadgroup memory
 (staged once per threadgroup with its 16-value sums, prescaled so that a level
 becomes a float with one bitwise operation: see metal/affine_qmv.metal),
@@ -27,7 +27,7 @@ kernel does not take, and for more rows than decode has)
 `w`, `scales`, `biases` are what `mx.quantize(W, group_size, bits)` returns for W
 [N, K] (dense) or [E, N, K] (experts); ids are read on the device (no host sync).
 
-Several x rows (batched decode, issue #20): ``qmv`` of 2..MAX_ROWS rows is one launch whose
+Several x rows (batched decode): ``qmv`` of 2..MAX_ROWS rows is one launch whose
 threadgroups take XR x rows each (`rows_plan`: XR = min(rows, XR_MAX) where threadgroup
 memory allows, grid z = ceil(rows / XR)), so each weight is read from memory once for XR rows
 instead of once per row; x is staged in K slices (XR rows of the whole K do not fit: see the
@@ -41,43 +41,8 @@ trick's rounding is stated in the .metal file: with float32 x about 4x a plain
 float32 dot product's at 2 bits, with 16-bit x (8-bit slabs) ~2^-15 of the result,
 far below the output's own rounding.
 
-Why v3 (H200 figures of the brief: the old kernel in the compiled 8-layer step)
----------------------------------------------------------------------------------
-The old kernel's 2-bit inner loop was ~5.6 instructions per weight value and row
-(nvcc's SASS): the level's mask and its or with 1.0f were two LOP3s (two immediates),
-every lane re-summed x and x' over its values for each threadgroup of 4 rows, and a
-shift served only 2 levels.  v3: `one` comes from memory so mask-and-or is one LOP3,
-16-bit x takes 8-bit slabs (a shift per 4 levels), the sums of x are formed once at
-staging: ~2.5 instructions per value and row in the inner loop (~3.2 with the step's
-loads, swap and warp sums), 95 registers, no spills.  A warp's next step is loaded
-while it computes (the old kernel's threadgroups loaded, then computed, once), and
-the first loads no longer wait for a global expert-id load (ids staged once; dense
-calls read none).
-
-Predicted H200 kernel time per call (not measured: `python -m ds4mlx.bench.kernels
---qmv --qmv-decode-only` prints old vs new; assumptions: 4.3 TB/s of HBM, ~2.5 µs
-of fixed cost per launch for ramp, first DRAM latency, staging and epilogue, 132
-SMs x 4 schedulers at ~1.9 GHz issuing at 70-80 %):
-
-| call (bfloat16 x) | bytes | brief, old | predicted | bound by |
-|---|---:|---:|---:|---|
-| MoE gate_up + SwiGLU, 6 x [4096, 4096] 2-bit | 31.5 MB | 39 µs | 12-15 µs (2.1-2.6 TB/s) | instruction issue (~10 µs at 100 %) over HBM (7.3 µs) |
-| MoE down + sum, 6 x [4096, 2048] 2-bit | 15.7 MB | 20 µs | 7-9 µs (1.8-2.2 TB/s) | issue, plus 3 x-restagings (2 experts a step) |
-| dense [1024, 4096] 8-bit | 4.5 MB | 14 µs * | 3-4 µs (1.1-1.5 TB/s) | fixed cost: the whole matrix is in flight at once |
-| dense [512, 4096] 8-bit | 2.2 MB | 12 µs | 2.5-3.5 µs (0.6-0.9 TB/s) | fixed cost |
-| dense [2048, 4096] 8-bit | 8.9 MB | 11.6 µs | 4-5 µs (1.8-2.2 TB/s) | fixed cost + HBM |
-| dense [32768, 1024], [4096, 8192] 8-bit | 35.7 MB | 21.5 µs | 10-12 µs (3.0-3.6 TB/s) | HBM |
-| grouped 8 x [1024, 4096] 8-bit (wo_a) | 35.7 MB | in * | 10-12 µs | HBM |
-
-(*) the brief's [1024, 4096] figure averages 22 calls per 8 layers: q_a (8), the CSA
-compressors' kv and gate (6) and wo_a's grouped call (8 x 32 MB): the small calls alone
-probably took ~10 µs.  The 2.5 TB/s target is within reach for the 32 MB calls and the
-MoE gate_up; the 2-8 MB dense calls are latency-bound whatever the kernel (one 4 MB
-read is ~1 µs of HBM time): fusing the projections that share an x (q_a, kv, the
-compressors, the indexer's) into one launch is what moves them.  If the 2-bit MoE
-stays issue-bound, the next step is the tensor cores (levels unpacked two per LOP3
-into bf16 pairs, x split into bf16 hi + lo rows of an m16n8k16 MMA, float32
-accumulation): about 1.2 instructions per value instead of 2.5.
+Why this layout (v3) and the predicted vs measured kernel times: docs/bench-history.md,
+"affine_qmv v3 design notes".
 """
 
 from __future__ import annotations

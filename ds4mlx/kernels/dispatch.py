@@ -37,7 +37,7 @@ METAL_DIR = Path(__file__).resolve().parent / "metal"  # package data: ships in 
 UNVERIFIED_FACES = ("metal",)
 # kernels (auto_face names) whose every GPU face is self-tested at first use: their CUDA
 # face has passed the g++ emulation and nvcc but not yet its `pytest -m gpu` run
-UNVERIFIED_KERNELS = {  # (the rest passed their `pytest -m gpu` tests on the H200, last on 2026-12-02 17:30 UTC)
+UNVERIFIED_KERNELS = {  # every other kernel's CUDA face passed its `pytest -m gpu` tests (docs/device.md)
     "affine_qmv.norm",  # the plain mode with an RMSNorm folded in (the decode step's q_a norm): no GPU test of its own
     "affine_qmv.rows",  # the plain mode's multi-row variant: XR x rows a threadgroup, x staged in K slices
     "sparse_attention.attend_rows",  # B sessions' decode queries in one attend launch (session batching)
@@ -297,7 +297,7 @@ const uint32_t warp = tid >> 5;
 # concurrent encoders alike), and no launch writes a ticket buffer as an output, so two
 # data-independent launches of one owner (two rows' layers, two hc_pre of one x) may run
 # at once: on one shared buffer their threadgroups counted into each other's tickets (the
-# H200, 2026-12-02: stale tickets and a wrong output in test_gpu_tails_equal_two_launches).
+# GPU: stale tickets and a wrong output in test_gpu_tails_equal_two_launches).
 # Launches TICKET_RING apart reuse a buffer: more than the ops of one graph
 # (MLX_MAX_OPS_PER_BUFFER, 400 here), and graphs run one after another on the stream.
 TICKET_RING = max(512, int(os.environ.get("MLX_MAX_OPS_PER_BUFFER", "400")) + 1)

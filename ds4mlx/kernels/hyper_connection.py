@@ -31,11 +31,11 @@ sigmoids (slope <= 1/2 times |scale|) and the Sinkhorn loop (see the test for th
 stated tolerances); hc_post rounds like the reference graph (within 1 ulp of T).
 
 Verified: reference face against float64 math on CPU; the shared kernel text compiled
-with g++ (threadgroups emulated with std::threads).  The CUDA face is meant to be
-checked on the H200 with ``pytest -m gpu tests/test_kernel_hyper_connection.py``;
-the Metal face has not run (no Apple GPU here).  The tails passed their GPU tests on the
-H200 (2026-12-02, once each launch took its own ticket buffer: dispatch.TICKET_RING);
-Metal keeps the two launches (its device-scope fence, MSL 3.2, has run nowhere).
+with g++ (threadgroups emulated with std::threads); the GPU faces by ``pytest -m gpu
+tests/test_kernel_hyper_connection.py`` (which faces are still self-tested at first use:
+`dispatch.UNVERIFIED_FACES` / `UNVERIFIED_KERNELS`).  The tails need each launch's own ticket
+buffer (dispatch.TICKET_RING); Metal keeps the two launches (its device-scope fence, MSL 3.2,
+is unverified).
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def _pre_launch(
             ("PARTS", parts),
         ]
         launch = dict(grid=(parts * DOTS_THREADS, nt, 1), threadgroup=(DOTS_THREADS, 1, 1))
-        # hc_mix (V4.1) keeps the two launches: on the H200 (2026-12-02) its tail's `pre` came
+        # hc_mix (V4.1) keeps the two launches: on a CUDA GPU its tail's `pre` came
         # out zero where the two launches' was right (test_gpu_tails_equal_two_launches)
         if mode != "mix" and _tail(face, chosen):
             inputs, template, shapes, dtypes = _core(x3, base, scale, iters, hc_eps, norm_eps, mode, norm_in)

@@ -22,8 +22,9 @@ scaling; for a bfloat16 router weight also its float32 copy before the mat-vec),
     primitive; elsewhere MLX's mat-vec and then `route`.
 
 Used by the decode steps' `Router.step` (models/deepseek_v4.py) and `TopkRouter.step`
-(models/sigmoid_moe.py, GLM 5.x) for up to MAX_ROWS tokens on a GPU face;
-``DS4MLX_MOE_ROUTE=0`` keeps their plain graph, ``=route`` the kernel without the fold.
+(models/sigmoid_moe.py, GLM 5.x) for up to MAX_ROWS tokens on a GPU face (the reference
+face keeps their plain graph; `python -m ds4mlx.bench.kernels` times the fold against the
+route kernel after MLX's mat-vec).
 
 Faces (`ds4mlx.kernels.dispatch`): reference = the models' MLX ops (what the CPU and
 prefill run); Metal and CUDA from the one text in metal/moe_route.metal.  The fold is
@@ -49,7 +50,6 @@ then `dispatch.UNVERIFIED_KERNELS` self-tests both kernels at first use.
 from __future__ import annotations
 
 import logging
-import os
 from functools import cache, lru_cache
 
 import mlx.core as mx
@@ -301,7 +301,7 @@ def router(
     if face == "reference" or not kernel_takes(e, k, rows, groups):
         return reference(router_logits(x, weight), k=k, score=score, scaling=scaling, normalize=normalize, **sel)
     if fold is None:
-        fold = fold_takes(face, x, weight) and (backend is not None or (_mode() == "auto" and _fold_face() == face))
+        fold = fold_takes(face, x, weight) and (backend is not None or _fold_face() == face)
     elif fold and not fold_operands(x, weight):
         raise ValueError(f"no fold for x {x.dtype} {x.shape}, weight {weight.dtype} {weight.shape} (fold_operands)")
     if fold:
@@ -309,18 +309,11 @@ def router(
     return _launch_route(face, router_logits(x, weight), k, score, scaling, normalize, **sel)
 
 
-def _mode() -> str:
-    """``DS4MLX_MOE_ROUTE``: '0' (the decode step keeps the plain graph), 'route' (the kernel,
-    never the fold), else automatic: for before/after measurements of one decode build."""
-    v = os.environ.get("DS4MLX_MOE_ROUTE", "").strip().lower()
-    return "off" if v in ("0", "false", "no", "off") else "route" if v == "route" else "auto"
-
-
 def decode_face(rows: int) -> str | None:
     """The GPU face the decode step routes `rows` tokens with, or None (reference ops):
     a GPU face whose self-test passed, and at most MAX_ROWS tokens (prefill keeps the
-    plain graph); None with ``DS4MLX_MOE_ROUTE=0``."""
-    if rows > MAX_ROWS or _mode() == "off":
+    plain graph)."""
+    if rows > MAX_ROWS:
         return None
     face = _face(None)
     return None if face == "reference" else face
@@ -393,7 +386,7 @@ def fold_self_test(face: str) -> bool:
             # the reference's matmul sums in its own: a logit may land one bf16 step away
             rtol = 1e-2 if xs.dtype == mx.bfloat16 else 1e-4
             if not same_routing(router(xs, wt, **kw, backend=face, fold=True), want, rtol=rtol):
-                # which case (the H200 run of 2026-12-02 refused the fold without saying)
+                # which case (a silent refusal of the fold was once hard to tell apart)
                 _log.warning("moe_route.fold self-test: case %s, x %s, weight %s differs", name, xs.dtype, wt.dtype)
                 return False
     return True

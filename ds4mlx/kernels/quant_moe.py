@@ -33,25 +33,20 @@ lane, x transposed in shared memory, QMV_ROWS_PER_WARP rows per SIMD group)
 is explained at the top of the .metal file.
 
 Verified: the reference face on CPU (tests/test_quant_moe.py); the shared kernel
-text compiled with g++ (decoding bit-exact); the CUDA face on an H200 with MLX
-0.32.4 CUDA (``pytest -m gpu``: qmv within the float32 bound, dequant bit-exact,
-prefill, bfloat16).  The Metal face has not run yet (no Apple GPU here).
-Measured speeds of this qmv layout and of the first one, beside MLX's affine
-gather_qmm: BENCHMARKS.md, "Quantized-MoE decode kernel".
+text compiled with g++ (decoding bit-exact) and nvcc; the CUDA face by ``pytest -m gpu``
+(qmv within the float32 bound, dequant bit-exact, prefill, bfloat16); which faces are still
+self-tested at first use is `dispatch.UNVERIFIED_FACES` / `UNVERIFIED_KERNELS`.
+Measured speeds: docs/bench-history.md, "Quantized-MoE decode kernel".
 Its launch constants (QMV_WARPS, QMV_ROWS_PER_WARP) were reasoned, not swept,
 and so is `QMV_MAX_PAIRS_AUTO`.
 
-The two fused MoE modes (issue #13: the decode step is host-bound, ~20 µs of host time
-per CUDA launch; seven launches per layer for GGUF experts became two) reuse qmv's
-layout in the file's `qmv_swiglu` / `qmv_down_sum` sections.  Not yet run on a GPU: the
-g++ emulation and nvcc check the shared text; their auto_face names (`MOE_KERNELS`) are
-in `dispatch.UNVERIFIED_KERNELS`, so they self-test against the reference at first use.
+The two fused MoE modes (the decode step is bound by launches, not bytes: seven launches
+per layer for GGUF experts became two) reuse qmv's layout in the file's `qmv_swiglu` /
+`qmv_down_sum` sections (auto_face names `MOE_KERNELS`).
 
-The dequant kernel (prefill) was rewritten after that H200 run (issue #14: its stores were
-uncoalesced, ~180 GB/s): a warp's lanes decode 32 consecutive chunks of a row into shared
-memory, then write them out contiguously.  Checked by the g++ emulation (bit-exact, every
-type, partial warps and rows) and nvcc; not yet on a GPU, so its auto_face names
-(`DEQUANT_KERNELS`) are in `dispatch.UNVERIFIED_KERNELS` and it self-tests at first use.
+The dequant kernel (prefill) keeps its stores coalesced: a warp's lanes decode 32
+consecutive chunks of a row into shared memory, then write them out contiguously
+(auto_face names `DEQUANT_KERNELS`).
 """
 
 from __future__ import annotations
@@ -87,8 +82,8 @@ MOE_KERNELS = {t: f"quant_moe.moe.{t.name}" for t in SUPPORTED}  # their auto_fa
 # The dequant kernel's thread group: a SIMD group / warp per row, its lanes on 32 consecutive
 # chunks (the kernel text assumes this shape: it is not a tuning knob).
 DEQUANT_GROUP = (32, 4, 1)
-# auto_face names of the dequant kernel (issue #14's coalesced stores), self-tested at first
-# use while dispatch.UNVERIFIED_KERNELS lists them
+# auto_face names of the dequant kernel (coalesced stores), self-tested at first use while
+# dispatch.UNVERIFIED_KERNELS lists them
 DEQUANT_KERNELS = {t: f"quant_moe.dequant.{t.name}" for t in SUPPORTED}
 
 # The CUDA face: prelude and index computation.  Everything else is the shared text.
@@ -458,7 +453,7 @@ def gather_qmm(
     # [P, 1, K] by a reshape, not `[:, None, :]`: MLX's sorted gather_mm takes the row stride from
     # axis -2, which an inserted axis may give as 1 (wrong rows: ml-explore/mlx#4253, fixed for
     # Metal in #3960); a reshape of [P, K] gives K.  The suspected cause of the GPU failure of
-    # test_gpu_dequant_bit_exact_and_qmm on MLX 0.32.4 CUDA (2026-12-02, message not captured).
+    # test_gpu_dequant_bit_exact_and_qmm on MLX 0.32.4 CUDA.
     xs = (x2 if x.ndim == 3 and order is None else x2[xids]).astype(wdt).reshape(-1, 1, k_dim)
     per_row = n_exp * k_dim * wdt.size
     step = max(1, min(rows, int(max_dequant_bytes // max(per_row, 1))))

@@ -48,14 +48,10 @@ than `mx.argpartition` chooses them — test on inputs without near-ties.
 
 Verified: reference faces against float64 math and the model's plain path (CPU, the
 tiny transformers-oracle models); the shared kernel text compiled with g++ (emulated
-threadgroups).  The CUDA face is meant to be checked on the H200 with
-``pytest -m gpu tests/test_kernel_sparse_attention.py``; the Metal face has not run.
-The decode variants (index_score_heads, attend's key split and rope epilogue, 2026-12-01)
-are emulated and nvcc-checked, not yet run on a GPU: each self-tests at first use
-(`dispatch.UNVERIFIED_KERNELS`) and a failure keeps the launch above it replaced.
-index_topk (2026-12, emulated against the two launches bit for bit, nvcc-checked) has not
-run on a GPU: "sparse_attention.index_topk" self-tests at first use, a failure keeps the
-two launches.
+threadgroups) and nvcc; the GPU faces by ``pytest -m gpu tests/test_kernel_sparse_attention.py``.
+The decode variants (index_score_heads, attend's key split and rope epilogue, index_topk:
+emulated against the two launches bit for bit) self-test at first use while
+`dispatch.UNVERIFIED_KERNELS` names them; a failure keeps the launches they replace.
 """
 
 from __future__ import annotations
@@ -254,7 +250,7 @@ def model_face() -> str | None:
     """The face the model's fused attention path should use, or None for its plain path.
 
     Opt-in (`DS4MLX_SPARSE_ATTENTION=1`): measured slower than the plain MLX graph
-    (indexer + top-k and the attention core; BENCHMARKS.md, "Kernels"), so the model
+    (indexer + top-k and the attention core; docs/bench-history.md, "Kernels"), so the model
     keeps its plain path unless asked."""
     if FORCE_FACE is not None:
         return FORCE_FACE

@@ -1,4 +1,4 @@
-"""Routed experts at prefill as per-expert batched GEMMs (issue #14).
+"""Routed experts at prefill as per-expert batched GEMMs.
 
 Why: at prefill the experts' old path, `mx.gather_qmm(x [P, 1, K], ...,
 rhs_indices, sorted_indices=True)`, is one batch entry per (token, expert) pair with

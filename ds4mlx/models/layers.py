@@ -326,7 +326,7 @@ class SwitchLinear(nn.Module):
             if x.dtype != mx.float32 or w.dtype != mx.float32:
                 return mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=experts).astype(x.dtype)
             return mx.gather_mm(x, w, rhs_indices=experts)
-        # the float bank's grouped GPU test failed on the H200 with gather_mm (2026-12-02; the
+        # the float bank's grouped GPU test failed on a CUDA GPU with gather_mm (the
         # cause was cut from the log): slices of experts as batched matmuls, the GGUF banks' path
         weight = self.weight
         return grouped_experts.sliced_per_expert(
@@ -357,17 +357,6 @@ class QuantizedSwitchLinear(nn.Module):
         fast = self._decode(x, indices)
         if fast is not None:
             return fast
-        if x.shape[-2] == 1 and prefill_experts.wanted(indices.size, sorted_indices):  # opt-in (#14)
-            return prefill_experts.dequant_gather_mm(
-                x,
-                self.weight,
-                self.scales,
-                self.biases,
-                indices,
-                group_size=self.group_size,
-                bits=self.bits,
-                mode=self.mode,
-            )
         return mx.gather_qmm(
             x,
             self.weight,
@@ -488,7 +477,7 @@ class SwitchGLU(nn.Module):
         return self._limit
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        if prefill_experts.grouped_wanted(indices.size):  # prefill: per-expert batched GEMMs (#14)
+        if prefill_experts.grouped_wanted(indices.size):  # prefill: per-expert batched GEMMs
             y = grouped_experts.switch_glu(
                 self.gate_up_proj, self.down_proj, x, indices, self._intermediate, self._limit
             )

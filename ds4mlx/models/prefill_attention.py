@@ -1,11 +1,11 @@
-"""Prefill attention of many queries (issue #14): `mx.fast.scaled_dot_product_attention`,
+"""Prefill attention of many queries: `mx.fast.scaled_dot_product_attention`,
 or the same attention written as two batched GEMMs around a float32 softmax.
 
 `DS4MLX_PREFILL_SDPA` picks it: `fast` calls MLX's fused op; `matmul` computes
 ``softmax([q k^T * scale | sink]) v`` with tensor-core GEMMs, for head dims and masks where
 MLX's fused op has no fast kernel on a GPU (V4 Flash: head dim 512, a boolean band mask and
 per-head sinks; one query per row over its own keys); `auto` (default): `matmul` on a GPU
-(prefill at 8K / 32K 1.41x / 1.37x with the linears dequantized, H200, BENCHMARKS.md),
+(prefill at 8K / 32K 1.41x / 1.37x with the linears dequantized, docs/bench-history.md),
 `fast` on the CPU.  Decode keeps its kernels.
 """
 

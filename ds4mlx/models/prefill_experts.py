@@ -1,5 +1,5 @@
-"""Prefill switches of issue #14: how routed experts and dense quantized linears run
-when a forward is fed many tokens.
+"""Prefill paths: how routed experts and dense quantized linears run when a forward is
+fed many tokens.
 
 `DS4MLX_PREFILL_EXPERTS` picks the routed experts' prefill path (SwitchGLU, for at
 least MIN_PAIRS (token, expert) pairs; decode and small chunks keep today's kernels):
@@ -8,15 +8,13 @@ least MIN_PAIRS (token, expert) pairs; decode and small chunks keep today's kern
 * `grouped`: per-expert batched GEMMs (models/grouped_experts.py: pairs sorted on the
   device, one host sync per call for the per-expert counts, M = rows per expert);
 * `gather_qmm`: the former path, one M = 1 product per pair (`mx.gather_qmm` for MLX
-  experts, `kernels.quant_moe.gather_qmm` for GGUF blocks): the way back;
-* `dequant`: MLX-quantized experts' stack dequantized once per chunk + one sorted grouped
-  GEMM (`mx.gather_mm(..., sorted_indices=True)`), in blocks of output rows of at most
-  MAX_DEQUANT_BYTES; the first experiment (it failed on the H200), kept for comparison.
+  experts, `kernels.quant_moe.gather_qmm` for GGUF blocks): the CPU's path and the
+  oracle the grouped path is tested against.
 
 `DS4MLX_PREFILL_LINEARS` for every dense `QMVLinear` (models/qmv_linear.py) fed at least
 MIN_ROWS rows: `dequant` x @ dequantize(W).T, one GEMM, in place of `mx.quantized_matmul`
 (`quantized_matmul`); `auto` (default): `dequant` on a GPU (1.8-2.3x MLX's quantized_matmul
-at 8 bits on the H200's 2,048-row projections, BENCHMARKS.md), `quantized_matmul` on the CPU.
+at 8 bits on a CUDA GPU's 2,048-row projections, docs/bench-history.md), `quantized_matmul` on the CPU.
 """
 
 from __future__ import annotations
@@ -26,11 +24,10 @@ import os
 import mlx.core as mx
 
 ENV = "DS4MLX_PREFILL_EXPERTS"
-MODES = ("auto", "grouped", "gather_qmm", "dequant")
+MODES = ("auto", "grouped", "gather_qmm")
 # Fewer (token, expert) pairs (a 170-token chunk at top-6): today's kernels (decode-like
 # sizes). Reasoned, not swept: tools/prefill_experts_bench.py --chunks times both sides.
 MIN_PAIRS = 1024
-MAX_DEQUANT_BYTES = 6 << 30
 GPU_DTYPE = mx.float16  # dequantized weights on a GPU for float32 activations (TF32-like mantissa)
 
 
@@ -55,11 +52,6 @@ def grouped_wanted(pairs: int) -> bool:
         return False
     mode = experts_mode()
     return mode == "grouped" or (mode == "auto" and mx.default_device().type != mx.DeviceType.cpu)
-
-
-def wanted(pairs: int, sorted_indices: bool) -> bool:
-    """The `dequant` experiment for an MLX-quantized projection's sorted pairs?"""
-    return pairs >= MIN_PAIRS and sorted_indices and experts_mode() == "dequant"
 
 
 def linear_wanted(rows: int) -> bool:
@@ -88,28 +80,3 @@ def dequant_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mod
     scales, biases = _float32_params(wdt, mode, scales, biases)
     w = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode, dtype=wdt)
     return (x.astype(wdt) @ w.T).astype(x.dtype)
-
-
-def dequant_gather_mm(x, weight, scales, biases, indices, *, group_size: int, bits: int, mode: str) -> mx.array:
-    """x [P, 1, K] (pairs in expert order), indices [P] ascending -> [P, 1, out] in x.dtype."""
-    wdt = _dtype_for(x.dtype)
-    scales, biases = _float32_params(wdt, mode, scales, biases)
-    E, rows = weight.shape[0], weight.shape[1]
-    K = x.shape[-1]
-    step = max(1, min(rows, MAX_DEQUANT_BYTES // max(E * K * wdt.size, 1)))
-    xs = x.astype(wdt)
-    outs = []
-    for r0 in range(0, rows, step):
-        sl = slice(r0, r0 + step)
-        w = mx.dequantize(
-            weight[:, sl],
-            scales[:, sl],
-            None if biases is None else biases[:, sl],
-            group_size=group_size,
-            bits=bits,
-            mode=mode,
-            dtype=wdt,
-        )  # [E, rows', K]
-        outs.append(mx.gather_mm(xs, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=True))
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
-    return out.astype(x.dtype)

@@ -1,7 +1,7 @@
 """`nn.QuantizedLinear` whose decode-sized calls run our affine mat-vec on a GPU.
 
-MLX's quantized mat-vec takes the same time at 2, 4 and 8 bits on the H200 (issue
-#13); `kernels.affine_qmv.qmv` reads the packed weights at bandwidth.  `QMVLinear`
+MLX's quantized mat-vec takes about the same time at 2, 4 and 8 bits on a CUDA GPU
+(docs/bench-history.md); `kernels.affine_qmv.qmv` reads the packed weights at bandwidth.  `QMVLinear`
 is a drop-in subclass (same parameters, same results up to float32 summation
 order): up to `affine_qmv.MAX_ROWS` rows of x on a GPU face go to the kernel, the
 rest (prefill, the CPU, non-affine modes) to ``mx.quantized_matmul`` as before.
@@ -35,7 +35,9 @@ class QMVLinear(nn.QuantizedLinear):
         biases = self.get("biases")
         if self.mode != "affine" or biases is None:
             return super().__call__(x)
-        if prefill_experts.linear_wanted(x.size // max(x.shape[-1], 1)):  # prefill, opt-in (#14)
+        if prefill_experts.linear_wanted(
+            x.size // max(x.shape[-1], 1)
+        ):  # prefill: one dequantized GEMM (prefill_experts.linear_wanted)
             y = prefill_experts.dequant_matmul(
                 x, self["weight"], self["scales"], biases, group_size=self.group_size, bits=self.bits, mode=self.mode
             )

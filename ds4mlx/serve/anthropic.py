@@ -15,7 +15,8 @@ from typing import Any
 
 from ..chat import images as chat_images
 from ..chat import markers as M
-from ..chat.families.deepseek_v4.dsml import dumps_compact, escape_tool_result
+from ..chat.dsml_lex import escape_tool_result
+from ..chat.jsontext import dumps_compact
 from ..chat.messages import Conversation, Message, ToolCall
 from ..chat.requests import (
     DEFAULT_MODEL,
@@ -149,7 +150,7 @@ def refuse_threads(body: Any, betas: str) -> None:
 def parse_anthropic(body: Any, *, ctx: int = 32768, json_style: str = "canonical", strict: bool = True) -> Conversation:
     """POST /v1/messages body -> Conversation (the system text becomes a trailing system message).
     Thinking is off unless `thinking` turns it on or an effort is named (Anthropic's
-    default is off; Claude Code with MAX_THINKING_TOKENS=0 sends neither; #17)."""
+    default is off; Claude Code with MAX_THINKING_TOKENS=0 sends neither)."""
     body = body_object(body)
     th = Thinking(enabled=False)
     effort_named = False
@@ -218,7 +219,7 @@ def stop_reason(fin: Finish) -> str:
 
 
 def tool_input(arguments: str) -> dict:
-    from ..chat.families.deepseek_v4.dsml import call_input
+    from ..chat.jsontext import call_input
 
     return call_input(arguments)
 

@@ -436,7 +436,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 "error": getattr(fin, "error", None),
                 "usage": getattr(fin, "usage", None).__dict__ if fin is not None else None,
                 "raw_text": getattr(fin, "raw_text", None),
-                "speculation": getattr(fin, "speculation", None),  # this request's counters (#21)
+                "speculation": getattr(fin, "speculation", None),  # this request's speculative-decoding counters
                 "response": result.get("body"),
                 "seconds": round(time.monotonic() - t0, 3),
             }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..chat.families.deepseek_v4.dsml import dumps_compact
+from ..chat.jsontext import dumps_compact
 from ..chat.messages import Conversation, Message, ToolCall
 from ..chat.requests import (
     CHAT_THINKING_FIELDS,

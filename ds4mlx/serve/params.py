@@ -18,7 +18,7 @@ A known field with the wrong JSON type is a 400 naming it (serve/validate.py che
 `null` means absent; integer fields accept any number (truncated) and clamp
 negatives to 0.  In thinking mode the client's temperature/top_p/top_k/min_p
 are ignored (ds4's fixed defaults).  `ignore_eos` keeps the request's
-sampling and decodes exactly max_tokens (#17: guidellm sends it always).
+sampling and decodes exactly max_tokens (guidellm sends it always).
 """
 
 from __future__ import annotations

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..chat import markers as M
-from ..chat.families.deepseek_v4.template import live_tail
 from ..chat.images import ImageError, conversation_images
-from ..chat.messages import Conversation, ToolCall
+from ..chat.messages import Conversation, ToolCall, live_tail
 from ..chat.protocol import ChatProtocol, EffortError, get_protocol, request_effort
 from ..chat.requests import RequestError
 from ..engine import Job

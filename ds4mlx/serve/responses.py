@@ -14,7 +14,7 @@ from typing import Any
 
 from ..chat import images as chat_images
 from ..chat import markers as M
-from ..chat.families.deepseek_v4.dsml import dumps_compact, json_text
+from ..chat.jsontext import dumps_compact, json_text
 from ..chat.messages import Conversation, Message, ToolCall
 from ..chat.requests import (
     DEFAULT_MODEL,
@@ -333,7 +333,7 @@ class ResponsesAdapter:
             alias = self.info.tool_aliases.get(c.name)
             fc_id = _hex_id("fc_")
             if alias is not None and alias.hosted_tool_search:
-                from ..chat.families.deepseek_v4.dsml import call_input
+                from ..chat.jsontext import call_input
 
                 items.append(
                     {

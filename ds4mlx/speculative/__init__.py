@@ -1,4 +1,4 @@
-"""Speculative decoding (issue #21): a drafter proposes k tokens, the target verifies them
+"""Speculative decoding: a drafter proposes k tokens, the target verifies them
 in one forward (`Session.verify`), the accepted prefix is kept and every cache rolled back
 exactly past the first rejection (`Session.checkpoint` / `rollback`).
 

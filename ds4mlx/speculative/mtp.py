@@ -1,6 +1,6 @@
 """The MTP head as a drafter (`--mtp`): the model's next-n layer proposes the draft.
 
-Families with a head (`HEADS`: family -> its head module, models/<family>_mtp.py):
+Families with a head (the registry's `mtp_head` column, models/<family>_mtp.py):
 DeepSeek V4 (`mtp.*`), GLM 5.x `glm_moe_dsa` (`model.layers.{num_hidden_layers}.*`)
 and Qwen3.8 Flash Next `qwen4_exp` (`mtp.*`); other families are refused in one line.
 On a DeepSeek V4.1 model both builders make the DSpark block drafter instead (dspark.py).
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import registry
 from ..loader import materialize
 from ..quant import EXPERTS_PER_LAUNCH, expert_spans
 from .drafter import settle_drafts, top2_gap
@@ -44,13 +45,9 @@ RANDOM_SEED = 20261201
 V41 = "deepseek_v41"
 
 
-# family (the model's model_type) -> the module of its MTP head (ds4mlx/models/)
-HEADS = {
-    "deepseek_v4": "deepseek_v4_mtp",
-    "glm_moe_dsa": "glm_moe_dsa_mtp",
-    "qwen4_exp_text": "qwen4_exp_mtp",
-}
-LABELS = {"deepseek_v4": "V4", "glm_moe_dsa": "GLM 5.x", "qwen4_exp_text": "Qwen4Exp"}
+# model_type -> the module of its family's MTP head, and the head's name in messages
+HEADS = {t: f.mtp_head for f in registry.FAMILIES if f.mtp_head for t in f.model_types}
+LABELS = {t: f.mtp_label for f in registry.FAMILIES if f.mtp_head for t in f.model_types}
 
 
 def _model_type(model):
@@ -62,8 +59,9 @@ def head_module(kind: str | None):
     import importlib
 
     if kind not in HEADS:
-        raise SpecUsageError(f"--mtp: no MTP head for {kind} models yet (heads: {', '.join(LABELS.values())})")
-    return importlib.import_module(f"ds4mlx.models.{HEADS[kind]}")
+        heads = ", ".join(f.mtp_label for f in registry.FAMILIES if f.mtp_head)
+        raise SpecUsageError(f"--mtp: no MTP head for {kind} models yet (heads: {heads})")
+    return importlib.import_module(HEADS[kind])
 
 
 def _backbone(model):
@@ -84,8 +82,8 @@ def _float_dtype(inner):
 
 def _normal_rows(shape, dtype, key):
     """N(0, 1) of `shape`; an expert bank (3-D, more than EXPERTS_PER_LAUNCH experts) is
-    drawn a slice at a time (tools/spec_bench.py's full-size random head hit
-    "cudaGraphAddKernelNode ... invalid argument" drawing it whole, 2026-12-02)."""
+    drawn a slice at a time (MLX CUDA fails with "cudaGraphAddKernelNode ... invalid
+    argument" drawing a full-size bank whole)."""
     if len(shape) != 3 or shape[0] <= EXPERTS_PER_LAUNCH:
         return mx.random.normal(shape, dtype=dtype, key=key)
     spans = list(expert_spans(shape[0]))

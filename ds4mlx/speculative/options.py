@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 DEFAULT_DRAFT = 1  # ds4's --mtp-draft default
 DEFAULT_MARGIN = 3.0  # ds4's --mtp-margin default
-# Sampled speculation keeps the target distribution unless asked otherwise (issue #21:
-# opportunistic acceptance only when asked, `--no-mtp-exact-sampling`; ds4 itself defaults
+# Sampled speculation keeps the target distribution unless asked otherwise
+# (opportunistic acceptance only when asked, `--no-mtp-exact-sampling`; ds4 itself defaults
 # to opportunistic): acceptance.OpportunisticRule when off
 DEFAULT_EXACT_SAMPLING = True
 

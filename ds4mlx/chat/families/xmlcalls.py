@@ -29,8 +29,9 @@ from typing import Any
 
 from ...events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .. import markers as M
+from ..jsontext import json_escape, minify_json
 from .common import call_arguments, param_types, tojson
-from .deepseek_v4.dsml import ParsedCall, ParsedOutput, json_escape, minify_json
+from .deepseek_v4.dsml import ParsedCall, ParsedOutput
 from .deepseek_v4.output import finish_call_events, tool_id_for
 
 _WS = " \t\n\v\f\r"

@@ -60,7 +60,7 @@
 //     divergently, which serialises __constant__ accesses.
 // dequant grid: (K_DIM/32, N_ROWS, M) rounded up to whole threadgroups of (32, 4, 1); one
 // thread per chunk, a warp per row and 32 consecutive chunks, whose values go through
-// shared memory so that the warp's stores are contiguous (issue #14: the first version
+// shared memory so that the warp's stores are contiguous (the first version
 // wrote each thread's chunk directly, 32 values 64 bytes apart per store instruction,
 // ~180 GB/s on an H200).
 
@@ -176,8 +176,8 @@ DS4_FN void ds4_chunk_iq2_xxs(const DEV uint8_t* row, uint32_t c, THR float* out
 // Same weight arithmetic as the chunk decoders above, with the block scales taken out
 // of the inner loop: a slice's levels are dotted with x first and scaled once
 // (Q2_K / Q4_K: dl * sum(q x) - ml * sum(x)), so each value costs a level decode and
-// one FMA (the GGUF decode was ALU-bound on the H200: 18.1 ms a token against 13.1 ms
-// with MLX 2-bit experts of about the same bytes, 2026-12-02).  A one-hot x still
+// one FMA (the GGUF decode was ALU-bound on a CUDA GPU: 18.1 ms a token against 13.1 ms
+// with MLX 2-bit experts of about the same bytes).  A one-hot x still
 // reads each weight exactly as the chunk decoder rounds it.  A slice is
 // half a chunk: one Q2_K sub-block, half a Q8_0 block / Q4_K sub-block, two
 // IQ2_XXS lattice rows, so its scales are decoded once per 16 values.  Loads:
@@ -397,7 +397,7 @@ DS4_SHARED float ds4_dq[4 * 32 * 33];
 inline float ds4_exp(float x) { return metal::precise::exp(x); }
 
 // @@ fused
-// ---- the fused MoE decode modes (issue #13: launches, not bytes, bound the decode step)
+// ---- the fused MoE decode modes (launches, not bytes, bound the decode step)
 //
 // qmv_swiglu: gate and up (two GGUF tensors of one type and shape) and the clamped
 // SwiGLU in one launch; qmv_down_sum: the down projection of a token's k experts and

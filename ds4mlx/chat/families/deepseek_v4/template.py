@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ... import markers as M
-from ...messages import Conversation, Message
+from ...messages import Conversation, Message, live_tail  # noqa: F401  (re-exported)
 from .dsml import escape_tool_result, render_calls
 
 __all__ = [
@@ -148,52 +148,3 @@ def render_continuation_tail(conv: Conversation, start: int, tool_memory=None) -
     out = [M.EOS]
     _render_turns(out, conv.messages[start:], thinking_enabled(conv.thinking), lambda i: True, tool_memory)
     return "".join(out)
-
-
-def live_tail(conv: Conversation, api: str | None = None) -> tuple[int, list[str]] | None:
-    """Where a tool-result continuation tail starts and the call ids it answers.
-
-    Responses: the trailing run of tool messages; the ids are those of the
-    assistant message right before it (or the outputs' own ids when the request
-    holds nothing else).  Anthropic: the trailing run of user messages that
-    carry tool_result ids (trailing system messages skipped).  None when the
-    request does not end in tool results."""
-    api = api or conv.api
-    msgs = conv.messages
-    ids: list[str] = []
-
-    def push(i: str) -> None:
-        if i and i not in ids:
-            ids.append(i)
-
-    if api == "responses":
-        start = len(msgs)
-        while start > 0 and msgs[start - 1].role in _TOOL_ROLES:
-            start -= 1
-        if start == len(msgs):
-            return None
-        if start > 0:
-            anchor = msgs[start - 1]
-            if anchor.role != "assistant" or not anchor.tool_calls:
-                return None
-            for c in anchor.tool_calls:
-                push(c.id)
-        else:
-            for m in msgs:
-                for i in m.tool_call_ids:
-                    push(i)
-    elif api == "anthropic":
-        end = len(msgs)
-        while end > 0 and msgs[end - 1].role in _SYSTEM_ROLES:
-            end -= 1
-        start = end
-        while start > 0 and msgs[start - 1].role == "user" and msgs[start - 1].tool_call_ids:
-            start -= 1
-        if start == end:
-            return None
-        for m in msgs[start:]:
-            for i in m.tool_call_ids:
-                push(i)
-    else:
-        return None
-    return (start, ids) if ids else None

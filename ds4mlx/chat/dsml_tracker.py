@@ -3,7 +3,8 @@
 Forgiving structural recognizer for greedy sampling and stop-at-CLOSE
 (docs/dsml.md §5.1): `DecodeTracker` and its decode states, `scan_block`, and the
 block-OPEN searches (`earliest_open`, `partial_open_at_tail`) that the final
-parser (dsml.py) and the streaming output parser (output.py) share.
+parser (families/deepseek_v4/dsml.py), the streaming output parser (families/deepseek_v4/output.py)
+and tool memory (toolmemory.py) share.
 
 Strings are Python `str`; positions are character indices.
 """
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ... import markers as M
-from ...markers import DsmlSyntax
+from . import markers as M
 from .dsml_lex import attr, skip_ws
+from .markers import DsmlSyntax
 
 OUTSIDE, STRUCTURAL, STRING_BODY, JSON_STRUCTURAL, JSON_STRING = (
     "outside",

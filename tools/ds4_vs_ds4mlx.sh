@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue #27 on the lent H200: ds4 itself (antirez/ds4, its CUDA backend) against ds4mlx on the
+# ds4 itself (antirez/ds4, its CUDA backend) against ds4mlx on the
 # same synthetic q2 GGUF, one device call, results under $OUT.  From the project root:
-#   source .gpu/b/setup.sh && bash tools/h200_ds4.sh      carry [".gpu/b", ".devstage/ds4src", ".devstage/ds4bin"]
+#   bash tools/device.sh ds4      carry [".gpu/b", ".devstage/ds4src", ".devstage/ds4bin"]
 # (a fresh machine needs the usual call 1 of shared/gpu/README.md first: .gpu/a -> /root/gpu).
 # .devstage/ds4src: ds4's source as fetched (git-ignored, never committed), ~7 MB.
 # .devstage/ds4bin/ds4-bench-L<N>: ds4-bench built off the device by tools/ds4_build_cuda.sh

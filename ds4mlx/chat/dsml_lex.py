@@ -1,6 +1,8 @@
-"""DSML lexical primitives shared by the decode tracker and the final parser.
+"""DSML lexical primitives shared by the decode tracker, the final parser and tool memory.
 
-C-locale whitespace, DSML entity decoding and tag attribute lookup.
+C-locale whitespace, DSML entity decoding, tag attribute lookup and the tool-result escape.
+DSML is the tool-call format of the DeepSeek V4 and V4.1 families (docs/dsml.md); its markers
+live in chat/markers.py.
 Strings are Python `str`; positions are character indices.
 """
 
@@ -8,23 +10,11 @@ from __future__ import annotations
 
 import re
 
-from ... import markers as M
-from ...markers import DsmlSyntax
+from . import markers as M
+from .jsontext import C_SPACE, rstrip_ws, skip_ws  # noqa: F401  (re-exported to the DSML parsers)
+from .markers import DsmlSyntax
 
 _FULL = M.DSML_FULL
-
-C_SPACE = " \t\n\v\f\r"  # C isspace() in the "C" locale
-
-
-def skip_ws(s: str, i: int) -> int:
-    n = len(s)
-    while i < n and s[i] in C_SPACE:
-        i += 1
-    return i
-
-
-def rstrip_ws(s: str) -> str:
-    return s.rstrip(C_SPACE)
 
 
 # =============================================================================
@@ -67,3 +57,8 @@ def attr(tag: str, name: str) -> str | None:
     if j < 0:
         return None
     return decode_entities(tag[i:j], "all")
+
+
+def escape_tool_result(s: str) -> str:
+    """Tool result text: verbatim except the leading `<` of `</tool_result>`."""
+    return s.replace(M.TOOL_RESULT_CLOSE, M.PARAM_CLOSE_TEXT_ESCAPE + M.TOOL_RESULT_CLOSE[1:])

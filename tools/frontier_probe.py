@@ -1,6 +1,6 @@
-"""Decode and prefill of the synthetic V4 Flash on the device, frontier by frontier (issues #13, #14).
+"""Decode and prefill of the synthetic V4 Flash on the device, frontier by frontier.
 
-    python3 tools/wave4_probe.py --label new --expert-format mlx --ctx 2048 32768 --gpu-busy
+    python3 tools/frontier_probe.py --label new --expert-format mlx --ctx 2048 32768 --gpu-busy
 
 One model build; for each context (ascending) the prompt is prefilled up to it (the
 segment's prefill t/s), then from one snapshot: the synchronous step split (host build,
