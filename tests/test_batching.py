@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 
 from ds4mlx.engine import Engine, Job
+from ds4mlx.engine.slots import STALE_AFTER_S, Slot, eviction_victim, route
 from ds4mlx.events import Finish, TextDelta
 from ds4mlx.sampling import SamplingParams
-from ds4mlx.slots import STALE_AFTER_S, Slot, eviction_victim, route
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.95, top_k=40, min_p=0.0, seed=1234)
@@ -388,9 +388,9 @@ def test_queue_events_reach_every_client(demo):
 
 
 def test_an_evicted_slot_is_saved_to_disk_and_restored_when_its_conversation_returns(demo, tmp_path):
+    from ds4mlx.engine.checkpoints import MemoryCheckpoints
     from ds4mlx.kv.cache import DiskKVCache
     from ds4mlx.kv.policy import KVCacheOptions
-    from ds4mlx.memcheckpoints import MemoryCheckpoints
 
     model, tk = demo
     opt = KVCacheOptions(disk_dir=str(tmp_path / "kv"), min_tokens=8, cold_max_tokens=0, continued_interval_tokens=0)

@@ -1,6 +1,6 @@
 """The bound and eviction order of the in-memory checkpoints (#17 item 5)."""
 
-from ds4mlx.memcheckpoints import MemoryCheckpoints
+from ds4mlx.engine.checkpoints import MemoryCheckpoints
 
 
 class FakeSession:

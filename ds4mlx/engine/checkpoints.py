@@ -1,4 +1,4 @@
-"""In-memory checkpoints of the live session (#17 item 5).
+"""In-memory checkpoints of the live session.
 
 The live session can only grow: a request whose prompt shares a shorter prefix
 with it (a retry, a new turn after a long generation) would re-prefill

@@ -1,11 +1,11 @@
 """Resident session slots for `--batched-session N` (docs/kv-cache.md §11).
 
 A slot is one live session with its own protocol bindings and disk-cache hook
-state.  The engine routes a job to the free slot whose live state the reuse
+state (engine/bindings.py).  The scheduler routes a job to the free slot whose live state the reuse
 ladder can continue the furthest; when none can, it evicts a victim: an empty
 slot first, then a slot idle for over an hour (oldest first), else the shortest.
 A slot running a job is never a candidate.  This module only decides; the
-engine owns the sessions and runs the jobs.
+scheduler owns the slots and the runners run the jobs on them.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ class Slot:
     index: int
     session: Any = None
     cache: Any = None  # the disk cache hooks' view for this slot (its own save frontier)
-    responses: Any = None  # the engine's protocol bindings of this slot's live session
-    anthropic: Any = None
-    thinking: Any = None
+    binding: Any = None  # the live session's protocol bindings (engine/bindings.py): the front end's
+    thinking: Any = None  # ... and the thinking one
     active: Any = None  # the JobHandle running here, None = free
     last_used: float = 0.0  # time.monotonic() when its last job ended
     # detokenized live text, memoized for the router's memory-text probe
