@@ -14,13 +14,14 @@ from .runner import SlotRunner
 log = logging.getLogger("ds4mlx.engine")
 
 
-def chunk_ends(r: SlotRunner, h: JobHandle, cached: int, total: int, cold: int) -> list[int]:
+def chunk_ends(r: SlotRunner, h: JobHandle, cached: int, total: int, marks: tuple[int, ...]) -> list[int]:
     """Where the prefill chunks of (cached, total] end, absolute positions: multiples of
-    the prefill chunk (a resumed prefill realigns) and of the prefill quantum, the cold
-    save point and the cache's continued frontiers."""
+    the prefill chunk (a resumed prefill realigns) and of the prefill quantum, the
+    `marks` (the cold save point, the tail checkpoint; 0 = none) and the cache's
+    continued frontiers."""
     eng = r.engine
     step = eng.prefill_chunk
-    stops = {*range(cached - cached % step + step, total, step), total, *([cold] if cold else [])}
+    stops = {*range(cached - cached % step + step, total, step), total, *(m for m in marks if m)}
     q = eng.prefill_quantum
     if q is not None and q < step:
         stops.update(range(cached - cached % q + q, total, q))
@@ -52,17 +53,20 @@ def sync(r: SlotRunner, h: JobHandle, effective: list[int], cached: int):
     if cached == 0:
         cold = int(call_hook(r.cache.cold_save_point, r, h.job, effective) or 0)
         cold = cold if 0 < cold <= len(effective) else 0
-    return (yield from _chunks(r, h, suffix, cached, total, cold))
+    tail = r.tail_point(total, cached)  # a retry that rewrites the prompt's end restores it
+    return (yield from _chunks(r, h, effective, cached, cold, tail))
 
 
-def _chunks(r: SlotRunner, h: JobHandle, suffix: list[int], cached: int, total: int, cold: int):
-    """Prefill `suffix` (positions cached..total) chunk by chunk; yields after each."""
+def _chunks(r: SlotRunner, h: JobHandle, effective: list[int], cached: int, cold: int, tail: int):
+    """Prefill effective[cached:] chunk by chunk; yields after each."""
     s, stats = r.session, r.engine.stats
+    total = len(effective)
+    suffix = effective[cached:]
     done = cached
     t0 = time.monotonic()
     logits = None
     start = 0
-    for end in (p - cached for p in chunk_ends(r, h, cached, total, cold)):
+    for end in (p - cached for p in chunk_ends(r, h, cached, total, (cold, tail))):
         if h.cancelled:
             return None, cached
         chunk = suffix[start:end]
@@ -70,6 +74,8 @@ def _chunks(r: SlotRunner, h: JobHandle, suffix: list[int], cached: int, total: 
         logits = s.prefill(chunk)
         stats.prefill_tokens += len(chunk)
         done += len(chunk)
+        if tail and done == tail:
+            r.checkpoint_tail(effective[:tail])
         if cold and done == cold:
             call_hook(r.cache.on_cold_prefix, r, h.job, cold)
         call_hook(r.cache.on_progress, r, h.job)

@@ -57,6 +57,7 @@ def run_request(r: SlotRunner, h: JobHandle) -> Iterator[StepRequest | None]:
         usage = Usage(prompt_tokens, 0, cached, prompt_tokens - cached)
         h.finish(Finish("cancelled", usage, error="cancelled during prefill"))
         return
+    eng.stats.reused_tokens += cached
     r.clear_bindings(keep=kept)
     r.checkpoint(effective, cached)
     call_hook(r.cache.after_prefill, r, job)

@@ -99,7 +99,8 @@ def plan(r: SlotRunner, job: Job, ids: list[int]) -> Plan | Failed:
     if pos > 0:
         common = next((i for i, (a, b) in enumerate(zip(live, ids)) if a != b), min(pos, len(ids)))
         log.info("live kv cache miss live=%d prompt=%d common=%d", pos, len(ids), common)
-    # 7b. an in-memory checkpoint at the end of an earlier prompt (the live session cannot rewind)
+        r.checkpoint_evicted()  # its client's next turn restores it instead of prefilling again
+    # 7b. an in-memory checkpoint (engine/checkpoints.py; the live session cannot rewind)
     cp = r.checkpoints.best(ids)
     if cp is not None and r.restore_checkpoint(cp):
         if pos > 0:

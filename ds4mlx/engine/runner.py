@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .bindings import KEEP_BINDING, KEEP_THINKING, Binding
+from .checkpoints import EVICTED, TAIL
 from .slots import Slot
 
 if TYPE_CHECKING:
@@ -167,6 +168,27 @@ class SlotRunner:
                 cps.save(effective, self.session)
             except Exception:  # a session without snapshots: no checkpoints, nothing lost
                 log.exception("memory checkpoint failed")
+
+    def tail_point(self, total: int, cached: int) -> int:
+        """Where this prompt's prefill stops for its tail checkpoint (0 = none; not with images)."""
+        return self.engine.checkpoints.tail_point(total, cached) if self.live_images is None else 0
+
+    def checkpoint_tail(self, tokens: list[int]) -> None:
+        """The session holds exactly `tokens`, a prompt's tail point: keep it."""
+        self._save(tokens, TAIL)
+
+    def checkpoint_evicted(self) -> None:
+        """The live session is about to be replaced by another request's: keep it for its
+        own client's next turn (while the checkpoint budget lasts)."""
+        s = self.session
+        if self.live_images is None and self.engine.checkpoints.wants(len(s), 1):
+            self._save(s.tokens, EVICTED)
+
+    def _save(self, tokens, kind: str) -> None:
+        try:
+            self.engine.checkpoints.save(tokens, self.session, kind=kind)
+        except Exception:  # a session without snapshots: no checkpoints, nothing lost
+            log.exception("memory checkpoint failed")
 
     def checkpoint_frontier(self) -> None:
         """While generating: keep the session at an aligned frontier, for a new turn or

@@ -13,6 +13,7 @@ class EngineStats:
 
     jobs: int = 0
     prefill_tokens: int = 0  # prompt tokens evaluated by prefill (reused ones excluded)
+    reused_tokens: int = 0  # prompt tokens a job started from instead (its cached_tokens, any source)
     decode_tokens: int = 0  # sampled tokens evaluated into the session
     cancelled: int = 0
     cancel_requests: int = 0
