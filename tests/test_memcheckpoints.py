@@ -132,28 +132,38 @@ def _engine(demo, budget: int = 1 << 30, **kw):
     return eng
 
 
-def _run(eng, ids, n: int):
+def _run(eng, ids, n: int, slot: int | None = None):
+    """Greedy raw job of `n` tokens; `slot`: the slot it must have run on."""
+    import queue
+
     from ds4mlx.engine import Job
+    from ds4mlx.events import Finish
     from ds4mlx.sampling import GREEDY
 
     job = Job(prompt_text=eng.tokenizer.decode(ids), prompt_ids=list(ids), raw=True, params=GREEDY, max_tokens=n)
-    *_, fin = eng.generate(job)
+    q: queue.Queue = queue.Queue()
+    h = eng.submit(job, q.put)
+    while not isinstance(fin := q.get(timeout=300), Finish):
+        pass
     assert fin.reason == "length", fin
+    assert slot is None or h.slot == slot
     return fin
 
 
 def test_a_retry_that_rewrites_the_prompts_last_200_tokens_prefills_at_most_256(demo):
     """The prompt's tail checkpoint (256 tokens before its end): a retry whose last 200
-    tokens differ restores it and prefills the rest, and answers as a fresh engine does."""
+    tokens differ restores it and prefills the rest, and answers as a fresh engine does.
+    Two slots: the retry runs on the other one (the first's live state does not continue
+    it, the empty slot is the victim): the checkpoints are every slot's."""
     model, tok = demo
     first = words(tok, "the lighthouse keeper counted ships in the fog", 600)
     retry = first[:400] + words(tok, "a different ending about trains and rain", 200)
     assert len(first) == len(retry) == 600 and first[400] != retry[400]
-    eng = _engine(demo)
+    eng = _engine(demo, slots=2)
     try:
-        _run(eng, first, 4)
+        _run(eng, first, 4, slot=0)
         before = eng.stats.prefill_tokens
-        got = _run(eng, retry, 8)
+        got = _run(eng, retry, 8, slot=1)
         assert eng.stats.last_cache_source == "memory-checkpoint"
         assert eng.stats.prefill_tokens - before == 256 == len(retry) - got.usage.cached_tokens
         assert eng.stats.reused_tokens == got.usage.cached_tokens
