@@ -84,6 +84,15 @@ def reusable(r: SlotRunner, job: Job) -> int:
     return len(r.slot) if rung is not None and not (job.requires_live and not rung.live_state) else 0
 
 
+def shared_tokens(r: SlotRunner, job: Job) -> int:
+    """Tokens the slot's session has in common with the request (its leading ones):
+    the router's sign of the same conversation."""
+    if job.prompt_ids is None:
+        job.prompt_ids = r.tokenize(job.prompt_text)
+    live, ids = r.session.tokens, job.prompt_ids
+    return next((i for i, (a, b) in enumerate(zip(live, ids)) if a != b), min(len(live), len(ids)))
+
+
 def plan(r: SlotRunner, job: Job, ids: list[int]) -> Plan | Failed:
     """-> (effective tokens, cached, source, binding kept) or Failed."""
     live = list(r.session.tokens)

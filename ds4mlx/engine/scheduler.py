@@ -201,14 +201,17 @@ class Scheduler:
         def probe(job):
             return lambda sl: reuse.reusable(self.runners[sl.index], job)
 
+        def shared(sl: Slot) -> int:
+            return reuse.shared_tokens(self.runners[sl.index], h.job)
+
         try:
-            r = route(free, probe(h.job))
+            r = route(free, probe(h.job), shared=shared)
             if not r.reusable and len(r.slot):
                 wanted = {id(sl) for j in later for sl in free if len(sl) and probe(j.job)(sl)}
                 spare = [sl for sl in free if id(sl) not in wanted]
                 if not spare:
                     return None
-                r = route(spare, lambda sl: 0)
+                r = route(spare, lambda sl: 0, shared=shared)
         except Exception:
             log.exception("job %d: routing failed", h.id)
             return free[0]  # run_request fails the job the same way
@@ -216,12 +219,13 @@ class Scheduler:
             log.info("slot %d routed job %d reuse=%d", r.slot.index, h.id, r.reusable)
         elif len(r.slot):
             log.info(
-                "slot %d evicted for job %d tokens=%d idle=%.0fs%s",
+                "slot %d evicted for job %d tokens=%d idle=%.0fs%s%s",
                 r.slot.index,
                 h.id,
                 len(r.slot),
                 r.slot.idle_s(),
                 " stale" if r.stale else "",
+                f" same-conversation shared={r.shared}" if r.shared else "",
             )
         return r.slot
 
