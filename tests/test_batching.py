@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 
 from ds4mlx.engine import Engine, Job
+from ds4mlx.engine.slots import STALE_AFTER_S, Slot, eviction_victim, route
 from ds4mlx.events import Finish, TextDelta
 from ds4mlx.sampling import SamplingParams
-from ds4mlx.slots import STALE_AFTER_S, Slot, eviction_victim, route
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.95, top_k=40, min_p=0.0, seed=1234)
@@ -80,6 +80,16 @@ def test_route_prefers_the_longest_reuse_and_evicts_only_without_one():
     assert (r.slot, r.reusable) == (b, 80)
     r = route([a, b, c], lambda s: 0, now)
     assert (r.slot, r.reusable) == (c, 0)
+
+
+def test_route_without_reuse_takes_the_same_conversations_slot():
+    now = 10_000.0
+    a, b, c = _slot(0, 50, 5), _slot(1, 20, 5), _slot(2, 0, 0)
+    r = route([a, b], lambda s: 0, now, shared=lambda s: {0: 30, 1: 3}[s.index])
+    assert (r.slot, r.shared) == (a, 30)  # over half of a's tokens: a's conversation, though the longer
+    r = route([a, b], lambda s: 0, now, shared=lambda s: {0: 20, 1: 3}[s.index])
+    assert (r.slot, r.shared) == (b, 0)  # under half: the policy's victim, the shortest
+    assert route([a, b, c], lambda s: 0, now, shared=lambda s: 30).slot == c  # an empty slot first
 
 
 # --------------------------------------------------------------------------- one forward, B rows
@@ -180,6 +190,27 @@ def test_returning_conversation_keeps_its_slot(demo):
         # a stranger takes the shorter of the two (nothing to reuse, no slot empty)
         h3, _ = run_together(eng, [raw_job("Completely unrelated: the stock market")])[0]
         assert h3.slot == b[0].slot
+    finally:
+        eng.close()
+
+
+def test_a_retry_takes_its_own_conversations_slot_not_another_clients(demo):
+    """No slot continues a retry that rewrote its end: the victim is the slot holding the
+    same conversation's earlier state (at least half its tokens shared), though it is the
+    longer one, so the other client's live session stays where it is."""
+    model, tk = demo
+    base = " ".join(PROMPTS)
+    eng = Engine(model, tk, ctx=1024, slots=2)
+    try:
+        a, _ = run_together(eng, [raw_job(base + " The end.")])[0]
+        b, evs = run_together(eng, [raw_job(PROMPTS[1])])[0]
+        assert len(eng.runners[a.slot].slot) > len(eng.runners[b.slot].slot)  # "the shortest" would take B's
+        retry, _ = run_together(eng, [raw_job(base + " A new ending:")])[0]
+        assert retry.slot == a.slot
+        fb = evs[-1]
+        back, evs = run_together(eng, [raw_job(PROMPTS[1] + fb.raw_text + " and then")])[0]
+        assert back.slot == b.slot and eng.stats.last_cache_source in ("memory-token", "memory-text")
+        assert evs[-1].usage.cached_tokens == fb.usage.prompt_tokens + fb.usage.completion_tokens
     finally:
         eng.close()
 
@@ -388,9 +419,9 @@ def test_queue_events_reach_every_client(demo):
 
 
 def test_an_evicted_slot_is_saved_to_disk_and_restored_when_its_conversation_returns(demo, tmp_path):
+    from ds4mlx.engine.checkpoints import MemoryCheckpoints
     from ds4mlx.kv.cache import DiskKVCache
     from ds4mlx.kv.policy import KVCacheOptions
-    from ds4mlx.memcheckpoints import MemoryCheckpoints
 
     model, tk = demo
     opt = KVCacheOptions(disk_dir=str(tmp_path / "kv"), min_tokens=8, cold_max_tokens=0, continued_interval_tokens=0)

@@ -30,7 +30,11 @@ from ds4mlx.events import (
 from ds4mlx.sampling import SamplingParams  # noqa: E402
 from ds4mlx.serve.anthropic import parse_anthropic  # noqa: E402
 from ds4mlx.serve.openai import parse_chat  # noqa: E402
+from ds4mlx.serve.prepare import live_binding  # noqa: E402
 from ds4mlx.serve.responses import parse_responses  # noqa: E402
+
+# the live tool state the two HTTP adapters keep (serve/prepare.py)
+RESPONSES, ANTHROPIC = live_binding("responses"), live_binding("anthropic")
 
 DSML_CALL = (
     '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
@@ -396,7 +400,12 @@ def test_responses_tool_output_continuation_prefills_only_the_tail(make, tok):
         "tools": [{"type": "function", "name": "bash", "parameters": {"type": "object"}}],
     }
     c1 = parse_responses(body, ctx=2048)
-    fin1 = finish_of(run(eng, Job(prompt_text=render(c1), api="responses", thinking=c1.thinking, tools_active=True)))
+    fin1 = finish_of(
+        run(
+            eng,
+            Job(prompt_text=render(c1), api="responses", binding=RESPONSES, thinking=c1.thinking, tools_active=True),
+        )
+    )
     (call,) = fin1.result.calls
     assert eng.live_call_ids("responses") == {call.id}
     live = list(eng.session.tokens)
@@ -409,6 +418,7 @@ def test_responses_tool_output_continuation_prefills_only_the_tail(make, tok):
     job2 = Job(
         prompt_text=render(c2),
         api="responses",
+        binding=RESPONSES,
         thinking=c2.thinking,
         tools_active=True,
         continuation_tail=tail,
@@ -439,6 +449,7 @@ def test_anthropic_tool_result_continuation(make, tok):
             Job(
                 prompt_text=render(c1),
                 api="anthropic",
+                binding=ANTHROPIC,
                 thinking=c1.thinking,
                 tools_active=True,
                 tool_id_prefix="toolu_",
@@ -472,6 +483,7 @@ def test_anthropic_tool_result_continuation(make, tok):
             Job(
                 prompt_text=render(c2),
                 api="anthropic",
+                binding=ANTHROPIC,
                 thinking=c2.thinking,
                 tools_active=True,
                 continuation_tail=tail,

@@ -8,6 +8,8 @@
   family protocol modules;
 * every `docs/<file>.md §N` reference in ds4mlx/ names a file and a numbered heading
   that exist, every other `*.md` it names exists;
+* the engine (ds4mlx/engine/) imports nothing from serve/ or a model family and
+  writes no HTTP API's name as a string;
 * a built wheel carries the kernel sources and the chat page (and, slow: installed into a
   fresh venv it serves the demo model and the page, and finds them).
 
@@ -394,7 +396,61 @@ def test_every_doc_reference_resolves_inside_the_repo():
     assert not bad, "references to documents that do not exist:\n  " + "\n  ".join(bad)
 
 
-# ----------------------------------------------------------------------------- (e) the wheel
+# ----------------------------------------------------------------------------- (e) the engine's seams
+ENGINE = "ds4mlx.engine"
+# the engine names no HTTP API and knows no model family: what it needs of them comes as data
+# (a Job, the model's protocol object, the adapter's opaque binding key)
+ENGINE_MAY_NOT_IMPORT = ("ds4mlx.serve", "ds4mlx.chat.families", "ds4mlx.models", "ds4mlx.gguf_families")
+HTTP_API_NAMES = ("responses", "anthropic", "openai", "completions")
+
+
+def engine_modules() -> list[str]:
+    return [m for m in SOURCES if m == ENGINE or m.startswith(ENGINE + ".")]
+
+
+def test_engine_imports_nothing_from_serve_or_a_family():
+    found = []
+    for mod in engine_modules():
+        for node, target, _ in imports(mod):
+            if any(target == f or target.startswith(f + ".") for f in ENGINE_MAY_NOT_IMPORT):
+                found.append(f"{where(mod, node)}: imports {target}")
+    assert len(engine_modules()) > 5, "ds4mlx/engine/ moved: update ENGINE"
+    assert not found, (
+        "the engine (ds4mlx/engine/) imports no HTTP adapter (serve/) and no model family "
+        "(chat/families/, models/, gguf_families/): pass what it needs in (Job fields, the protocol "
+        "object, hooks):\n  " + "\n  ".join(found)
+    )
+
+
+def test_engine_names_no_http_api():
+    found = []
+    for mod in engine_modules():
+        docs = docstring_nodes(TREES[mod])
+        for node in ast.walk(TREES[mod]):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                if node.value.strip().lower() in HTTP_API_NAMES:
+                    found.append(f"{where(mod, node)}: {node.value!r}")
+    assert not found, (
+        "the engine branches on no HTTP API: the adapter supplies the behaviour as Job data "
+        "(LiveBinding: an opaque key and flags):\n  " + "\n  ".join(found)
+    )
+
+
+ENGINE_FUNCTION_LINES = 100  # a function longer than this is several steps of the state machine in one
+
+
+def test_engine_functions_stay_short():
+    long = [
+        f"{where(mod, n)}: {n.name} has {n.end_lineno - n.lineno + 1} lines"
+        for mod in engine_modules()
+        for n in ast.walk(TREES[mod])
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.end_lineno - n.lineno + 1 > ENGINE_FUNCTION_LINES
+    ]
+    assert not long, f"engine functions over {ENGINE_FUNCTION_LINES} lines: split them:\n  " + "\n  ".join(long)
+
+
+# ----------------------------------------------------------------------------- (f) the wheel
 KERNEL_SOURCES = sorted(p.name for p in (PKG / "kernels" / "metal").glob("*.metal"))
 CHAT_PAGE = sorted(p.name for p in (PKG / "serve" / "webchat").iterdir())  # serve/page.py serves them
 

@@ -344,7 +344,7 @@ def test_keepalive_goes_out_while_progress_events_arrive(tok, monkeypatch):
 
 # --------------------------------------------------------------------------- item 5
 def test_retry_after_a_long_generation_restores_the_prompt_checkpoint(tok):
-    from ds4mlx.memcheckpoints import MemoryCheckpoints
+    from ds4mlx.engine.checkpoints import MemoryCheckpoints
 
     with serve(tok, ScriptedModel(tok, script), ctx=4096, tokens=200) as s:
         s.engine.checkpoints = MemoryCheckpoints(budget_bytes=1 << 20, min_tokens=8)
@@ -364,7 +364,7 @@ def test_new_turn_whose_prefix_ends_inside_the_last_answer_restores_a_generation
     """The client sends back a shorter answer than the one generated (edited, cut):
     the common prefix ends inside the previous generation, past the prompt-end
     checkpoint; the aligned frontier checkpoint below it is restored."""
-    from ds4mlx.memcheckpoints import MemoryCheckpoints
+    from ds4mlx.engine.checkpoints import MemoryCheckpoints
 
     every = 8
     with serve(tok, ScriptedModel(tok, script), ctx=4096, tokens=200) as s:

@@ -111,6 +111,11 @@ RESPONSES_PREVIOUS_ID = "previous_response_id is not supported; replay full inpu
 RESPONSES_CONVERSATION = "conversation is not supported; replay full input instead"
 
 
+# 409: a tool-output-only request whose live state vanished before it ran (docs/http-api.md §1.6)
+RESPONSES_STATE_GONE = "Responses continuation state is not available; retry by replaying the full input history"
+ANTHROPIC_STATE_GONE = "Anthropic continuation state is not available; retry by replaying the full messages history"
+
+
 def responses_unknown_call(call_id: str) -> str:
     return (
         f"Responses continuation state is not available for call_id {call_id}; "

@@ -31,7 +31,7 @@ CACHE_SOURCES = ("live", "memory_checkpoint", "disk")
 
 
 def cache_kind(source: str, cached: int) -> str:
-    """The engine's cache source (engine.py's reuse ladder rungs) -> live | memory_checkpoint | disk | none."""
+    """The engine's cache source (engine/reuse.py's ladder rungs) -> live | memory_checkpoint | disk | none."""
     if cached <= 0:
         return "none"
     if source in ("memory-checkpoint", "vision-checkpoint"):

@@ -17,7 +17,7 @@ from ..chat.images import ImageError, conversation_images
 from ..chat.messages import Conversation, ToolCall, live_tail
 from ..chat.protocol import ChatProtocol, EffortError, get_protocol, request_effort
 from ..chat.requests import RequestError
-from ..engine import Job
+from ..engine import Job, LiveBinding
 from ..vision.prompt import ERR_IMAGE_HISTORY, ImagePromptError
 from ..vision.prompt import attach as attach_images
 from . import errors as E
@@ -30,6 +30,17 @@ from .validate import validate_body
 
 REQUEST_API = {"chat": "openai", "completions": "completions", "anthropic": "anthropic", "responses": "responses"}
 CONTEXT_PARAM = {"chat": "messages", "completions": "prompt", "anthropic": "messages", "responses": "input"}
+
+
+def live_binding(api: str, summary: bool = False) -> LiveBinding | None:
+    """The live tool state a request of `api` keeps on the engine (docs/kv-cache.md §2
+    steps 1-4): Responses remembers each turn's visible transcript, Anthropic a tool
+    turn's call ids; the engine asks neither by name."""
+    if api == "responses":
+        return LiveBinding(api, visible=True, summary=summary, missing=E.RESPONSES_STATE_GONE)
+    if api == "anthropic":
+        return LiveBinding(api, missing=E.ANTHROPIC_STATE_GONE)
+    return None
 
 
 def parse_request(api: str, body: Any, *, ctx: int = 32768, json_style: str = "canonical", strict: bool = True):
@@ -287,7 +298,7 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
         job.tool_schemas = tuple(conv.tool_schemas) if job.tools_active else ()
         job.force_text = forced if job.tools_active else None
         job.preserves_reasoning = proto.uses_tool_context(conv)
-        job.responses_summary = conv.reasoning_summary
+        job.binding = live_binding(api, conv.reasoning_summary)
         prep.reasoning_summary = conv.reasoning_summary
         prep.tool_aliases = dict(conv.tool_aliases)
         if api in ("anthropic", "responses"):

@@ -70,7 +70,7 @@ class VisionCheckpoint:
 
 
 def plan(engine, job, ids: list[int]):
-    """(effective tokens, cached, source, binding kept) for an image job (engine.py)."""
+    """(effective tokens, cached, source, binding kept) for an image job (engine/reuse.py)."""
     live_tokens = list(engine.session.tokens)
     n = reusable(engine.live_images, live_tokens, ids, job.images)
     if n:

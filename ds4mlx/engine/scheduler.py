@@ -1,0 +1,256 @@
+"""The scheduler: the job queue, admission, routing to slots and the turns
+(docs/kv-cache.md §11; vLLM's scheduler / model-runner seam, llama.cpp's
+`update_slots` over slot objects).
+
+Submitted work (a `JobHandle`, or a `WorkerCall` from `Engine.run_on_worker`) is
+queued; the worker thread's `loop` admits what can start — a job needs a free
+slot, chosen by the reuse ladder (`slots.route` over `reuse.reusable`), a worker
+call an idle engine — and then gives every running request one turn: a prefill
+chunk or a decode token on its slot's runner.  The decode steps the turns asked
+for run together (`decode.run_steps`: one forward where the family can).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..decode import StepRequest, run_steps
+from ..events import Finish
+from . import reuse
+from .hooks import call_hook
+from .job import Failed, JobHandle
+from .request import run_request
+from .runner import SlotRunner
+from .slots import Slot, route
+
+if TYPE_CHECKING:
+    from .core import Engine
+
+log = logging.getLogger("ds4mlx.engine")
+
+
+class WorkerCall:
+    """A callable queued with the jobs (`Engine.run_on_worker`)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.done = threading.Event()
+        self.result = None
+        self.error: BaseException | None = None
+
+    def run(self, engine: Engine) -> None:
+        try:
+            self.result = self.fn(engine)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self.error = e
+        finally:
+            self.done.set()
+
+
+@dataclass
+class Task:
+    """A job admitted to a slot: `steps` is its `run_request` generator once started."""
+
+    handle: JobHandle
+    runner: SlotRunner
+    steps: Iterator[StepRequest | None] | None = None
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, runners: list[SlotRunner], share_steps: bool = True):
+        self.engine = engine
+        self.runners = runners
+        self.share_steps = share_steps  # DS4MLX_BATCHED_DECODE=0: one forward per slot, in turn
+        self.queue: queue.Queue[JobHandle | WorkerCall | None] = queue.Queue()
+        # taken off `queue` by the worker, not yet running (FIFO; guarded by pending_lock)
+        self.pending: collections.deque = collections.deque()
+        self.pending_lock = threading.Lock()
+
+    # ------------------------------------------------ any thread
+    def put(self, item: JobHandle | WorkerCall | None) -> None:
+        """Queue a job, a worker call, or None: stop once the running jobs ended."""
+        self.queue.put(item)
+
+    def running(self) -> list[JobHandle]:
+        return [r.slot.active for r in self.runners if r.slot.active is not None]
+
+    def depth(self) -> int:
+        with self.pending_lock:
+            return len(self.pending) + self.queue.qsize()
+
+    def position(self, handle: JobHandle) -> int:
+        """1 = the next job to run, 2 = one ahead of it, ...; 0 = not waiting."""
+        with self.pending_lock, self.queue.mutex:
+            for i, h in enumerate(itertools.chain(self.pending, self.queue.queue)):
+                if h is handle:
+                    return i + 1
+        return 0
+
+    # ------------------------------------------------ the worker thread
+    def loop(self) -> None:
+        """Run until stopped (None queued) and every admitted job ended."""
+        tasks: list[Task] = []
+        stopping = False
+        changed = False  # something arrived or ended since the last admission
+        while not (stopping and not tasks):
+            # take what was submitted: block only when there is nothing to run
+            while not stopping:
+                try:
+                    item = self.queue.get(block=not tasks and not self.pending)
+                except queue.Empty:
+                    break
+                changed = True
+                if item is None:
+                    stopping = True
+                else:
+                    with self.pending_lock:
+                        self.pending.append(item)
+            if changed or any(getattr(h, "cancelled", False) for h in self.pending):
+                # once closed, the jobs still pending end "cancelled before start"
+                self._admit(tasks)
+                changed = False
+            steps: list[StepRequest] = []
+            for t in list(tasks):  # one turn each: a prefill chunk or a decode token
+                alive, step = self._advance(t)
+                if not alive:
+                    tasks.remove(t)
+                    changed = True
+                elif step is not None:
+                    steps.append(step)
+            if steps:  # the decode steps the jobs wait for, together
+                self.engine.stats.shared_steps += run_steps(steps, self.share_steps)
+
+    def shutdown(self) -> None:
+        """The slots' shutdown saves, then everything still queued ends cancelled."""
+        for r in self.runners:  # on the worker: the sessions' MLX stream lives here
+            call_hook(r.cache.on_shutdown, r)
+        while True:
+            with self.pending_lock:
+                h = self.pending.popleft() if self.pending else None
+            if h is None:
+                try:
+                    h = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+            if isinstance(h, WorkerCall):
+                h.error = RuntimeError("engine is shut down")
+                h.done.set()
+            elif h is not None:
+                h.emit(Finish("cancelled", error="shutdown"))
+                h.done.set()
+
+    # ------------------------------------------------ admission
+    def _admit(self, tasks: list[Task]) -> None:
+        """Start pending work while it can start: a job needs a free slot, a worker call
+        an idle engine (it runs between jobs, as with one slot, and no job queued after
+        it starts before it).  Jobs start in order, except that a job which would evict
+        a slot that a job queued behind it can reuse waits for that one to start first."""
+        while self._admit_one(tasks):
+            pass
+
+    def _admit_one(self, tasks: list[Task]) -> bool:
+        """Start (or cancel) the first pending item that can go; False when none can."""
+        with self.pending_lock:
+            items = list(self.pending)
+        barrier = next((i for i, it in enumerate(items) if isinstance(it, WorkerCall)), len(items))
+        if barrier == 0 and items:
+            if tasks:
+                return False
+            self._take(items[0]).run(self.engine)
+            return True
+        jobs = items[:barrier]
+        for i, h in enumerate(jobs):
+            if h.cancelled or self.engine.closed:
+                self._take(h)
+                self.engine.stats.cancelled += 1
+                h.finish(Finish("cancelled", error="cancelled before start"))
+                h.done.set()
+                return True
+            free = [r.slot for r in self.runners if r.slot.active is None]
+            if not free:
+                return False
+            slot = self._route(h, free, jobs[i + 1 :])
+            if slot is None:
+                continue  # its victim is wanted by a later job: that one first
+            self._take(h)
+            tasks.append(Task(h, self.runners[slot.index]))
+            slot.active = h
+            h.slot = slot.index
+            return True
+        return False
+
+    def _take(self, item):
+        with self.pending_lock:
+            self.pending.remove(item)
+        return item
+
+    def _route(self, h: JobHandle, free: list[Slot], later: Sequence[JobHandle] = ()) -> Slot | None:
+        """The free slot a job runs on, by the reuse ladder; None = wait (the only slots
+        it could evict hold state that a job in `later` reuses)."""
+        if len(self.runners) == 1:
+            return free[0]
+
+        def probe(job):
+            return lambda sl: reuse.reusable(self.runners[sl.index], job)
+
+        def shared(sl: Slot) -> int:
+            return reuse.shared_tokens(self.runners[sl.index], h.job)
+
+        try:
+            r = route(free, probe(h.job), shared=shared)
+            if not r.reusable and len(r.slot):
+                wanted = {id(sl) for j in later for sl in free if len(sl) and probe(j.job)(sl)}
+                spare = [sl for sl in free if id(sl) not in wanted]
+                if not spare:
+                    return None
+                r = route(spare, lambda sl: 0, shared=shared)
+        except Exception:
+            log.exception("job %d: routing failed", h.id)
+            return free[0]  # run_request fails the job the same way
+        if r.reusable:
+            log.info("slot %d routed job %d reuse=%d", r.slot.index, h.id, r.reusable)
+        elif len(r.slot):
+            log.info(
+                "slot %d evicted for job %d tokens=%d idle=%.0fs%s%s",
+                r.slot.index,
+                h.id,
+                len(r.slot),
+                r.slot.idle_s(),
+                " stale" if r.stale else "",
+                f" same-conversation shared={r.shared}" if r.shared else "",
+            )
+        return r.slot
+
+    # ------------------------------------------------ turns
+    def _advance(self, t: Task) -> tuple[bool, StepRequest | None]:
+        """Run one turn of a job on its slot: (still running, the decode step it waits for)."""
+        h = t.handle
+        ended = False
+        step = None
+        try:
+            if t.steps is None:
+                t.steps = run_request(t.runner, h)
+            step = next(t.steps)
+        except StopIteration:
+            ended = True
+        except Exception as e:  # keep serving whatever happened
+            ended = True
+            log.exception("job %d failed", h.id)
+            t.runner.invalidate()
+            if h.started:
+                h.finish(Finish("error", error=str(e) or type(e).__name__))
+            else:
+                h.emit(Failed(500, str(e) or type(e).__name__))
+        if ended:
+            t.runner.slot.active = None
+            t.runner.slot.last_used = time.monotonic()
+            h.done.set()
+        return not ended, step
