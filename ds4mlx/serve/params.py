@@ -5,8 +5,8 @@ Which fields each API reads (docs/http-api.md §3–6):
 | field                         | chat | completions | anthropic | responses |
 |-------------------------------|------|-------------|-----------|-----------|
 | temperature, top_p            |  x   |      x      |     x     |     x     |
-| top_k                         |  x   |      x      |     x     |           |
-| min_p, seed                   |  x   |      x      |           |           |
+| top_k                         |  x   |      x      |     x     |     x     |
+| min_p, seed                   |  x   |      x      |     x     |     x     |
 | max_tokens                    |  x   |      x      |     x     |     x     |
 | max_completion_tokens         |  x   |             |           |           |
 | max_output_tokens             |      |             |           |     x     |
@@ -54,8 +54,19 @@ _FIELDS = {
         "stream_options",
         "ignore_eos",
     },
-    "anthropic": {"temperature", "top_p", "top_k", "max_tokens", "stream", "ignore_eos"},
-    "responses": {"temperature", "top_p", "max_tokens", "max_output_tokens", "stream", "ignore_eos"},
+    # top_k / min_p / seed are extensions where the API lacks them: read alike everywhere
+    "anthropic": {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stream", "ignore_eos"},
+    "responses": {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "max_output_tokens",
+        "stream",
+        "ignore_eos",
+    },
 }
 _INT_CAP = 1 << 62
 

@@ -1,8 +1,10 @@
 """Every known field of a request body checked against its type, before parsing.
 
 One JSON Schema per API (validated with the `jsonschema` library) lists the
-fields the server reads and the JSON types each may have; unknown fields are
-ignored and `null` means absent wherever a field is optional.  The first
+fields the server reads, and those it refuses or ignores (serve/fields.py), with the
+JSON types each may have; fields no API defines are ignored and `null` means absent
+wherever a field is optional.  A well-typed field the server does not honour is then
+a 400 naming it (`unsupported_parameter`).  The first
 fault becomes one 400 that names the field by its path (`param` on the OpenAI
 routes, `messages[0].content[1].text`; Anthropic spells it
 `messages.0.content.1.text` in the message).  The same wording on every API.
@@ -14,6 +16,7 @@ which parses or refuses each one (docs/vision.md §1).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +24,7 @@ from jsonschema import Draft202012Validator, ValidationError
 from jsonschema.validators import extend
 
 from . import errors as E
+from .fields import first_refused, place_types
 
 # --- building blocks -------------------------------------------------------------------
 
@@ -73,6 +77,8 @@ def _api(properties: dict) -> dict:
             "temperature": NUM,
             "top_p": NUM,
             "top_k": NUM,
+            "min_p": NUM,
+            "seed": NUM,
             "max_tokens": NUM,
             "stream": BOOL,
             "ignore_eos": BOOL,
@@ -221,7 +227,16 @@ RESPONSES = _api(
     }
 )
 
-SCHEMAS = {"chat": CHAT, "completions": COMPLETIONS, "anthropic": ANTHROPIC, "responses": RESPONSES}
+# the fields the server refuses or ignores (serve/fields.py) are type-checked too
+SCHEMAS = {
+    api: place_types(copy.deepcopy(schema), api)
+    for api, schema in {
+        "chat": CHAT,
+        "completions": COMPLETIONS,
+        "anthropic": ANTHROPIC,
+        "responses": RESPONSES,
+    }.items()
+}
 
 
 # --- the validator ----------------------------------------------------------------------
@@ -337,8 +352,13 @@ def _relevance(err: ValidationError):
 
 
 def validate_body(api: str, body: Any, vision: bool = False) -> None:
-    """Raise the APIError (400) for the first wrongly typed field of `body`; image parts
-    are refused unless `vision` (a vision encoder is loaded)."""
+    """Raise the APIError (400) for the first wrongly typed field of `body`, then for the
+    first field the server does not honour (serve/fields.py); image parts are refused
+    unless `vision` (a vision encoder is loaded)."""
     errs = [_most_telling(e) for e in (_VISION_VALIDATORS if vision else _VALIDATORS)[api].iter_errors(body)]
     if errs:
         raise _error(max(errs, key=_relevance), api)
+    refused = first_refused(api, body)
+    if refused is not None:
+        name = field_path(refused, api)
+        raise E.APIError(400, E.unsupported_field(name), param=name, code="unsupported_parameter")
