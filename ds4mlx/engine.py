@@ -51,7 +51,7 @@ from .events import (
 )
 from .memcheckpoints import MemoryCheckpoints
 from .prefill_chunk import default_chunk
-from .sampling import GREEDY, DeviceSampler, Sampler, SamplingParams
+from .sampling import GREEDY, DeviceSampler, Penalties, Sampler, SamplingParams
 from .slots import Slot, route
 from .speculative.loop import loop_for_job
 from .speculative.options import SpecStats
@@ -986,6 +986,8 @@ class Engine:
 
         if not isinstance(logits, mx.array):
             logits = mx.array(np.asarray(logits, dtype=np.float32))
+        # logit_bias and penalties (sampling.Penalties; the prompt for the repetition penalty)
+        pen = Penalties(job.params, int(logits.shape[-1]), s.tokens) if job.params.penalised else None
         force = job.force_text if job.tools_active else None
         forced: list[int] = []
         n_forced = 0
@@ -1002,7 +1004,7 @@ class Engine:
             params = GREEDY if structural else job.params  # ignore_eos keeps the requested sampling (#17)
             if structural and not job.params.greedy:
                 self.stats.greedy_tokens += 1
-            return int(sampler.sample(logits, params, generated, banned).item())
+            return int(sampler.sample(logits, params, generated, banned, pen if params is job.params else None).item())
 
         # Forced tool text and greedy-inside-a-tool-call for sampled jobs are host decisions
         # per token: those jobs run the loop synchronously; every other job samples on the
@@ -1011,7 +1013,7 @@ class Engine:
         if host_chooses:
             sample = pick
         else:
-            sample = DeviceSampler(job.params, int(logits.shape[-1]), banned, seed=sampler.seed)
+            sample = DeviceSampler(job.params, int(logits.shape[-1]), banned, seed=sampler.seed, penalties=pen)
         # forced tool-call header tokens do not count against max_tokens (#17): with forced text
         # the limit is checked here, the context room always
         stop_ids = () if job.ignore_eos else [e for e in ends if e is not None]

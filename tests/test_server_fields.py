@@ -343,3 +343,30 @@ def test_every_table_field_is_documented():
 def test_values_walks_array_paths():
     body = {"tools": [{"function": {"strict": True}}, {"function": {}}, 5]}
     assert list(values(body, "tools[].function.strict")) == [(["tools", 0, "function", "strict"], True)]
+
+
+@pytest.mark.parametrize(
+    "extra,field,kind",
+    [
+        ({"frequency_penalty": 2.5}, "frequency_penalty", "value"),
+        ({"presence_penalty": -3}, "presence_penalty", "value"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "value"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias.abc", "value"),
+        ({"logit_bias": {"999999999": 1}}, "logit_bias.999999999", "value"),
+        ({"logit_bias": {"15": "x"}}, "logit_bias.15", "type"),
+        ({"frequency_penalty": "x"}, "frequency_penalty", "type"),
+    ],
+)
+def test_penalty_fields_out_of_range_are_named(srv, extra, field, kind):
+    for api in ("chat", "completions"):
+        st, _, text = call(srv.url, ROUTE[api], _body(api, extra))
+        err = json.loads(text)["error"]
+        assert st == 400 and err["param"] == field, text
+        assert err["message"].startswith({"type": "Invalid type for", "value": "Invalid value for"}[kind])
+
+
+def test_penalty_fields_are_accepted(srv):
+    extra = {"frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1, "logit_bias": {"15": 200}}
+    for api in ("chat", "completions"):
+        st, _, text = call(srv.url, ROUTE[api], _body(api, extra))
+        assert st == 200, text

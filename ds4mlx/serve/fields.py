@@ -72,15 +72,9 @@ _OPENAI_ADVISORY = [
     _ignored("prompt_cache_retention", STR),
     _ignored("service_tier", STR),
 ]
-_PENALTIES = [
-    _f("frequency_penalty", NUM, 0),
-    _f("presence_penalty", NUM, 0),
-    _f("logit_bias", OBJ, {}),
-    _f("n", INT, 1),
-]
+_CHOICES = [_f("n", INT, 1)]
 # vLLM's and llama.cpp's extensions of both OpenAI routes that would change the output.
 _EXTENSIONS = [
-    _f("repetition_penalty", NUM, 1),
     _f("min_tokens", INT, 0),
     _f("stop_token_ids", INTS, []),
     _f("use_beam_search", BOOL, False),
@@ -99,7 +93,7 @@ TABLE: dict[str, list[Field]] = {
     "chat": [
         *_OPENAI_ADVISORY,
         _ignored("stream_options.include_obfuscation", BOOL),
-        *_PENALTIES,
+        *_CHOICES,
         _f("logprobs", BOOL, False),
         _f("top_logprobs", INT, 0),
         _f("response_format", FORMAT, {"type": "text"}),
@@ -118,7 +112,7 @@ TABLE: dict[str, list[Field]] = {
     "completions": [
         *_OPENAI_ADVISORY,
         _ignored("stream_options.include_obfuscation", BOOL),
-        *_PENALTIES,
+        *_CHOICES,
         _f("logprobs", INT),
         _f("echo", BOOL, False),
         _f("best_of", INT, 1),

@@ -254,7 +254,8 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
     if not model_known(cfg, model):
         raise E.APIError(404, E.unknown_model(model), param="model", code="model_not_found")
     req.thinking = _thinking(cfg, proto, body, req.thinking, effort, model)
-    ctl = parse_controls(api, body, req.thinking)
+    vocab = getattr(engine.tokenizer, "vocab_size", None)  # logit_bias ids are checked against it
+    ctl = parse_controls(api, body, req.thinking, vocab)
     job = Job(
         prompt_text="",
         api=api,

@@ -95,6 +95,10 @@ OPENAI_SAMPLING = {
     "think": BOOL,
     "thinking": THINKING,
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": BOOL}},
+    "frequency_penalty": NUM,
+    "presence_penalty": NUM,
+    "repetition_penalty": NUM,
+    "logit_bias": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
 }
 
 # --- OpenAI chat completions ---------------------------------------------------------------
