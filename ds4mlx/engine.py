@@ -102,6 +102,7 @@ class Job:
     label: str = ""  # for logs / trace
     family: str | None = None  # chat protocol family (chat/protocol.py); None = the engine's
     tool_schemas: Sequence[str] = ()  # active tool schema lines (typed arguments for tag-based calls)
+    single_tool_call: bool = False  # parallel_tool_calls false: stop after the first call (chat/protocol.py)
     # image input (docs/vision.md): the image-token blocks in prompt_ids (vision.encoder.ImageSpan)
     # and their images (chat.images.ImageInput), in the same order
     images: Sequence = ()
@@ -247,11 +248,12 @@ class _RawOutput:
 def default_parser_factory(job: Job, tool_memory=None):
     if job.raw:
         return _RawOutput()
-    from .chat.protocol import get_protocol
+    from .chat.protocol import FirstCallOnly, get_protocol
 
-    return get_protocol(job.family).make_parser(
+    parser = get_protocol(job.family).make_parser(
         job.thinking != "none", job.tools_active, job.tool_id_prefix, tool_memory, tool_schemas=job.tool_schemas
     )
+    return FirstCallOnly(parser) if job.single_tool_call and job.tools_active else parser
 
 
 def _stop_ids(tokenizer, protocol) -> frozenset:

@@ -97,7 +97,6 @@ TABLE: dict[str, list[Field]] = {
         _f("logprobs", BOOL, False),
         _f("top_logprobs", INT, 0),
         _f("response_format", FORMAT, {"type": "text"}),
-        _f("parallel_tool_calls", BOOL, True),
         _f("tools[].function.strict", BOOL, False),
         _f("audio", OBJ),
         _f("modalities", STRS, ["text"]),
@@ -122,7 +121,6 @@ TABLE: dict[str, list[Field]] = {
     "anthropic": [
         _ignored("metadata", OBJ),
         _ignored("service_tier", STR),
-        _f("tool_choice.disable_parallel_tool_use", BOOL, False),
         _f("tools[].strict", BOOL, False),
         _f("container", {"type": ["string", "object", "null"]}),
         _f("context_management", OBJ),
@@ -140,7 +138,6 @@ TABLE: dict[str, list[Field]] = {
             REFUSED,
             allow=lambda v: isinstance(v, list) and all(i == "reasoning.encrypted_content" for i in v),
         ),
-        _f("parallel_tool_calls", BOOL, True),
         _f("tools[].strict", BOOL, False),
         _f("text.format", FORMAT, {"type": "text"}),
         _f("text.verbosity", STR, "medium"),

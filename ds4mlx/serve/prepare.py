@@ -194,6 +194,15 @@ def _has_parameters(api: str, body: dict, name: str) -> bool:
     return True
 
 
+def _single_tool_call(api: str, body: dict) -> bool:
+    """At most one tool call per turn: `parallel_tool_calls: false` (OpenAI), or
+    `tool_choice.disable_parallel_tool_use: true` (Anthropic)."""
+    if api == "anthropic":
+        tc = body.get("tool_choice")
+        return isinstance(tc, dict) and tc.get("disable_parallel_tool_use") is True
+    return body.get("parallel_tool_calls") is False
+
+
 def force_text(name: str | None, proto: ChatProtocol | None = None) -> str:
     """The tool-call opening forced by tool_choice required (name=None) or a
     named tool (DeepSeek V4 DSML unless another family's protocol is given)."""
@@ -285,6 +294,7 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
         job.tools_active = bool(conv.tools_active and conv.tool_schemas)
         job.tool_schemas = tuple(conv.tool_schemas) if job.tools_active else ()
         job.force_text = forced if job.tools_active else None
+        job.single_tool_call = job.tools_active and _single_tool_call(api, body)
         job.preserves_reasoning = proto.uses_tool_context(conv)
         job.responses_summary = conv.reasoning_summary
         prep.reasoning_summary = conv.reasoning_summary

@@ -142,6 +142,7 @@ CHAT = _api(
             ]
         },
         "max_completion_tokens": NUM,
+        "parallel_tool_calls": BOOL,
         **OPENAI_SAMPLING,
     }
 )
