@@ -318,11 +318,11 @@ def test_codex_include_is_accepted():
 
 
 def test_refusal_over_http_in_each_apis_shape(srv):
-    st, _, text = call(srv.url, ROUTE["chat"], {"messages": [U], "n": 2})
+    st, _, text = call(srv.url, ROUTE["chat"], {"messages": [U], "best_of": 2})
     assert st == 400 and json.loads(text)["error"] == {
-        "message": "Unsupported parameter: 'n' is not supported by this server.",
+        "message": "Unsupported parameter: 'best_of' is not supported by this server.",
         "type": "invalid_request_error",
-        "param": "n",
+        "param": "best_of",
         "code": "unsupported_parameter",
     }
     st, _, text = call(srv.url, ROUTE["anthropic"], _with("anthropic", "tools[].strict", True))

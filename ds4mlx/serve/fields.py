@@ -72,7 +72,6 @@ _OPENAI_ADVISORY = [
     _ignored("prompt_cache_retention", STR),
     _ignored("service_tier", STR),
 ]
-_CHOICES = [_f("n", INT, 1)]
 # vLLM's and llama.cpp's extensions of both OpenAI routes that would change the output.
 _EXTENSIONS = [
     _f("min_tokens", INT, 0),
@@ -93,7 +92,6 @@ TABLE: dict[str, list[Field]] = {
     "chat": [
         *_OPENAI_ADVISORY,
         _ignored("stream_options.include_obfuscation", BOOL),
-        *_CHOICES,
         _f("logprobs", BOOL, False),
         _f("top_logprobs", INT, 0),
         _f("response_format", FORMAT, {"type": "text"}),
@@ -111,7 +109,6 @@ TABLE: dict[str, list[Field]] = {
     "completions": [
         *_OPENAI_ADVISORY,
         _ignored("stream_options.include_obfuscation", BOOL),
-        *_CHOICES,
         _f("logprobs", INT),
         _f("echo", BOOL, False),
         _f("best_of", INT, 1),

@@ -153,6 +153,20 @@ def _logit_bias(v: Any, vocab: int | None) -> tuple:
     return tuple(sorted(out))
 
 
+MAX_CHOICES = 128  # OpenAI's bound on n
+
+
+def choice_count(api: str, body: Any) -> int:
+    """`n` of a chat or completions body: how many choices (1 when absent; a wrongly
+    typed n is left to serve/validate.py's 400)."""
+    v = body.get("n") if api in ("chat", "completions") and isinstance(body, dict) else None
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return 1
+    if not 1 <= v <= MAX_CHOICES:
+        raise APIError(400, invalid_field("n"), param="n", code="invalid_value")
+    return int(v)
+
+
 def parse_controls(api: str, body: dict, thinking: str, vocab: int | None = None) -> Controls:
     fields = _FIELDS[api]
     get = lambda k: body.get(k) if k in fields else None  # noqa: E731

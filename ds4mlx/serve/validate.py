@@ -95,6 +95,7 @@ OPENAI_SAMPLING = {
     "think": BOOL,
     "thinking": THINKING,
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": BOOL}},
+    "n": NUM,
     "frequency_penalty": NUM,
     "presence_penalty": NUM,
     "repetition_penalty": NUM,
