@@ -103,6 +103,7 @@ class Job:
     family: str | None = None  # chat protocol family (chat/protocol.py); None = the engine's
     tool_schemas: Sequence[str] = ()  # active tool schema lines (typed arguments for tag-based calls)
     single_tool_call: bool = False  # parallel_tool_calls false: stop after the first call (chat/protocol.py)
+    grammar: Any = None  # structured output (structured.Grammar): the answer's tokens constrained
     # image input (docs/vision.md): the image-token blocks in prompt_ids (vision.encoder.ImageSpan)
     # and their images (chat.images.ImageInput), in the same order
     images: Sequence = ()
@@ -990,6 +991,11 @@ class Engine:
             logits = mx.array(np.asarray(logits, dtype=np.float32))
         # logit_bias and penalties (sampling.Penalties; the prompt for the repetition penalty)
         pen = Penalties(job.params, int(logits.shape[-1]), s.tokens) if job.params.penalised else None
+        constraint = None  # structured output: the grammar's mask, applied to the answer (not the reasoning)
+        if job.grammar is not None:
+            from .structured import Constraint
+
+            constraint = Constraint(job.grammar, tk, int(logits.shape[-1]))
         force = job.force_text if job.tools_active else None
         forced: list[int] = []
         n_forced = 0
@@ -1006,12 +1012,17 @@ class Engine:
             params = GREEDY if structural else job.params  # ignore_eos keeps the requested sampling (#17)
             if structural and not job.params.greedy:
                 self.stats.greedy_tokens += 1
-            return int(sampler.sample(logits, params, generated, banned, pen if params is job.params else None).item())
+            constrained = constraint is not None and getattr(parser, "phase", "text") == "text"
+            x = constraint.apply(logits) if constrained else logits
+            tok = int(sampler.sample(x, params, generated, banned, pen if params is job.params else None).item())
+            if constrained:
+                constraint.consume(tok)
+            return tok
 
         # Forced tool text and greedy-inside-a-tool-call for sampled jobs are host decisions
         # per token: those jobs run the loop synchronously; every other job samples on the
         # device, one token ahead of the host (decode.py).
-        host_chooses = force is not None or (job.tools_active and not job.params.greedy)
+        host_chooses = force is not None or (job.tools_active and not job.params.greedy) or constraint is not None
         if host_chooses:
             sample = pick
         else:

@@ -31,7 +31,6 @@ NUM, INT, BOOL, STR, OBJ, ARR = _t("number"), _t("number"), _t("boolean"), _t("s
 STRS = {"type": ["array", "null"], "items": {"type": "string"}}
 INTS = {"type": ["array", "null"], "items": {"type": "number"}}
 STR_OR_STRS = {"type": ["string", "array", "null"], "items": {"type": "string"}}
-FORMAT = {"type": ["object", "null"], "properties": {"type": {"type": "string"}}, "required": ["type"]}
 
 
 @dataclass(frozen=True)
@@ -78,12 +77,6 @@ _EXTENSIONS = [
     _f("stop_token_ids", INTS, []),
     _f("use_beam_search", BOOL, False),
     _f("typical_p", NUM, 1),
-    _f("guided_json", {"type": ["object", "string", "null"]}),
-    _f("guided_regex", STR),
-    _f("guided_choice", STRS),
-    _f("guided_grammar", STR),
-    _f("grammar", STR, ""),
-    _f("json_schema", OBJ),
     _f("n_probs", INT, 0),
     _f("mirostat", INT, 0),
 ]
@@ -94,7 +87,6 @@ TABLE: dict[str, list[Field]] = {
         _ignored("stream_options.include_obfuscation", BOOL),
         _f("logprobs", BOOL, False),
         _f("top_logprobs", INT, 0),
-        _f("response_format", FORMAT, {"type": "text"}),
         _f("tools[].function.strict", BOOL, False),
         _f("audio", OBJ),
         _f("modalities", STRS, ["text"]),
@@ -122,7 +114,6 @@ TABLE: dict[str, list[Field]] = {
         _f("container", {"type": ["string", "object", "null"]}),
         _f("context_management", OBJ),
         _f("mcp_servers", ARR, []),
-        _f("output_format", OBJ),
     ],
     "responses": [
         *_OPENAI_ADVISORY,
@@ -136,7 +127,6 @@ TABLE: dict[str, list[Field]] = {
             allow=lambda v: isinstance(v, list) and all(i == "reasoning.encrypted_content" for i in v),
         ),
         _f("tools[].strict", BOOL, False),
-        _f("text.format", FORMAT, {"type": "text"}),
         _f("text.verbosity", STR, "medium"),
         _f("top_logprobs", INT, 0),
         _f("truncation", STR, "disabled"),

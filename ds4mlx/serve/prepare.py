@@ -24,6 +24,7 @@ from ..vision.prompt import attach as attach_images
 from . import errors as E
 from .anthropic import parse_anthropic
 from .completions import parse_completion
+from .grammar import grammar_of
 from .openai import parse_chat
 from .params import parse_controls
 from .responses import parse_responses
@@ -276,6 +277,7 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
         tool_id_prefix=M.ANTHROPIC_TOOL_ID_PREFIX if api == "anthropic" else M.OPENAI_TOOL_ID_PREFIX,
         family=proto.family,
     )
+    job.grammar = grammar_of(api, body)  # structured output: a 400 for a grammar that does not compile
     prep = Prepared(api, job, model, ctl.stream, ctl.include_usage, req.thinking)
     if api == "completions":
         job.raw = True

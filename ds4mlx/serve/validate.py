@@ -88,6 +88,18 @@ def _api(properties: dict) -> dict:
     }
 
 
+# a structured-output format with name / schema beside type (Responses text.format, Anthropic output_format)
+FLAT_FORMAT = {
+    "type": ["object", "null"],
+    "required": ["type"],
+    "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "name": STR,
+        "schema": OBJ,
+        "strict": BOOL,
+    },
+}
+
 OPENAI_SAMPLING = {
     "min_p": NUM,
     "seed": NUM,
@@ -96,6 +108,21 @@ OPENAI_SAMPLING = {
     "thinking": THINKING,
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": BOOL}},
     "n": NUM,
+    # structured output (serve/grammar.py)
+    "response_format": {
+        "type": ["object", "null"],
+        "required": ["type"],
+        "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "properties": {"name": STR, "schema": OBJ, "strict": BOOL}},
+        },
+    },
+    "guided_json": _t("object", "string", "null"),
+    "guided_regex": STR,
+    "guided_choice": STR_LIST,
+    "guided_grammar": STR,
+    "grammar": STR,
+    "json_schema": OBJ,
     "frequency_penalty": NUM,
     "presence_penalty": NUM,
     "repetition_penalty": NUM,
@@ -174,6 +201,7 @@ ANTHROPIC = _api(
         "thinking": THINKING,
         "metadata": OBJ,
         "output_config": {"type": ["object", "null"], "properties": {"effort": EFFORT}},
+        "output_format": FLAT_FORMAT,
     }
 )
 
@@ -230,6 +258,7 @@ RESPONSES = _api(
         "parallel_tool_calls": BOOL,
         "store": BOOL,
         "stop": STOP,
+        "text": {"type": ["object", "null"], "properties": {"format": FLAT_FORMAT}},
     }
 )
 
