@@ -157,6 +157,17 @@ def test_ignore_eos_generates_exactly_max_tokens(make):
     assert fin.raw_text.startswith("hi")
 
 
+def test_logit_bias_and_presence_penalty_reach_the_device_sampler(make, tok):
+    """The scripted target has logit 30, "x" 0: a bias of 29 on "x" loses to a target not
+    yet generated and wins once the presence penalty (2) lowers a repeated one to 28."""
+    x = tok.encode("x")[0]
+    _, eng = make("Hello Hello Hello")
+    bias = SamplingParams(temperature=0.0, logit_bias=((x, 29.0),))
+    assert texts(run(eng, raw_job(params=bias, max_tokens=3))) == "Hello Hello Hello"
+    pen = SamplingParams(temperature=0.0, logit_bias=((x, 29.0),), presence_penalty=2.0)
+    assert texts(run(eng, raw_job(params=pen, max_tokens=3))) == "Hello Hellox"
+
+
 def test_prompt_at_context_size_fails_before_prefill(make, tok):
     n = len(tok.encode(RAW))
     model, eng = make("x", ctx=n)

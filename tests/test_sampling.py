@@ -1,5 +1,5 @@
 """Sampler semantics (dsml.md §5.1): greedy, temperature, top-k, top-p, min-p,
-seeds, banned ids, repetition penalty."""
+seeds, banned ids, repetition penalty; penalties and logit_bias against a reference."""
 
 from __future__ import annotations
 
@@ -112,3 +112,97 @@ def test_dtypes_and_2d_rows(dtype):
     assert Sampler(1)(x, GREEDY) == 1
     assert Sampler(1)(x, SamplingParams(min_p=0.5)) == 1
     assert not math.isnan(float(Sampler(1).sample(x, SamplingParams()).item()))
+
+
+# --- penalties and logit_bias (sampling.Penalties), against a reference ---------------------
+from ds4mlx.sampling import DeviceSampler, Penalties, keep_mask  # noqa: E402
+
+
+def reference_penalised(x, prompt, generated, p: SamplingParams):
+    """vLLM's sampler order, written out: logit_bias (±100 clamp), the repetition penalty
+    over prompt + generated (HF: positive logits divided, negative multiplied), then
+    OpenAI's frequency (x count) and presence (x once) penalties over the generated."""
+    x = np.array(x, np.float64)
+    for tok, b in p.logit_bias:
+        x[tok] += max(-100.0, min(100.0, b))
+    for tok in set(prompt) | set(generated):
+        x[tok] = x[tok] / p.repetition_penalty if x[tok] > 0 else x[tok] * p.repetition_penalty
+    counts = np.bincount(generated, minlength=len(x))
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+
+
+PEN = SamplingParams(
+    temperature=0.0,
+    repetition_penalty=1.3,
+    frequency_penalty=0.4,
+    presence_penalty=-0.7,
+    logit_bias=((3, 250.0), (7, -2.5), (11, -300.0)),
+)
+
+
+def test_penalties_match_the_reference():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=40).astype(np.float32) * 3
+    prompt, generated = [1, 2, 2, 30], [5, 5, 5, 7, 30, 1]
+    pen = Penalties(PEN, 40, prompt)
+    got = np.array(pen.apply(mx.array(x), pen.counts_of(generated)))
+    np.testing.assert_allclose(got, reference_penalised(x, prompt, generated, PEN), rtol=1e-6, atol=1e-5)
+
+
+def _reference_tokens(x, prompt, p, n):
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(np.argmax(reference_penalised(x, prompt, out, p))))
+    return out
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, frequency_penalty=0.3),
+        SamplingParams(temperature=0.0, presence_penalty=0.25),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, frequency_penalty=0.2, logit_bias=((4, 0.5),)),
+    ],
+)
+def test_device_and_host_penalised_sequences_follow_the_reference(params):
+    x = np.array([3.0, 2.87, 2.73, 2.61, 2.49, -1.0], np.float32)  # no ties on the way
+    prompt = [2]
+    want = _reference_tokens(x, prompt, params, 8)
+    assert len(set(want)) > 1  # the penalty did change the choice
+    dev = DeviceSampler(params, 6, penalties=Penalties(params, 6, prompt))
+    assert [int(dev(mx.array(x)).item()) for _ in range(8)] == want
+    host, pen, got = Sampler(1), Penalties(params, 6, prompt), []
+    for _ in range(8):
+        got.append(host(mx.array(x), params, recent=got, penalties=pen))
+    assert got == want
+
+
+def test_logit_bias_shifts_the_sampled_distribution_exactly():
+    p = SamplingParams(temperature=1.0, min_p=0.0, logit_bias=((0, 2.0), (3, -100.0)))
+    pen = Penalties(p, LOGITS.size)
+    biased = np.array(LOGITS, np.float64) + [2.0, 0, 0, -100.0, 0, 0]
+    want = np.exp(biased) / np.exp(biased).sum()
+    c = draws(p, n=3000, penalties=pen)
+    assert c[3] == 0
+    for tok in range(LOGITS.size):
+        assert abs(c[tok] / 3000 - want[tok]) < 0.04, (tok, c[tok], want[tok])
+
+
+def test_keep_mask_over_the_top_k_equals_over_the_row():
+    """Sampler.draw filters the k best (argpartition), speculative decoding's distribution
+    the whole row: the one keep_mask gives both the same set."""
+    rng = np.random.default_rng(3)
+    for params in (
+        SamplingParams(top_k=7, top_p=0.6, min_p=0.05, temperature=0.8),
+        SamplingParams(top_k=12, top_p=1.0, min_p=0.2, temperature=1.5),
+        SamplingParams(top_k=0, top_p=0.5, min_p=0.0),
+    ):
+        x = mx.array(rng.normal(size=64).astype(np.float32))
+        full = set(np.flatnonzero(np.array(keep_mask(x, params))).tolist())
+        k = params.top_k or 64
+        idx = np.array(mx.argpartition(-x, kth=k - 1)[:k])
+        sub = np.array(keep_mask(x[mx.array(idx)], params))
+        assert full == set(idx[sub].tolist()) and full
+        rows = mx.stack([x, x * 0.5])
+        assert np.array(keep_mask(rows, params))[0].tolist() == np.array(keep_mask(x, params)).tolist()

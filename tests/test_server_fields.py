@@ -197,3 +197,176 @@ def test_nesting_limit_counts_the_field_not_the_body(srv):
     assert call(srv.url, "/v1/chat/completions", _nested(256))[0] == 200
     st, _, text = call(srv.url, "/v1/chat/completions", _nested(257))
     assert st == 400 and json.loads(text)["error"]["message"] == "invalid JSON request"
+
+
+# --- the fields the server refuses or ignores (serve/fields.py, docs/http-api.md §10) -----------
+from ds4mlx.serve.fields import IGNORED, TABLE, values  # noqa: E402
+
+# one value per refused field that asks for something the server does not do
+ASKS = {
+    "frequency_penalty": 0.5,
+    "presence_penalty": -1,
+    "logit_bias": {"15": 100},
+    "n": 2,
+    "logprobs": True,
+    "top_logprobs": 3,
+    "response_format": {"type": "json_object"},
+    "parallel_tool_calls": False,
+    "tools[].function.strict": True,
+    "tools[].strict": True,
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "web_search_options": {},
+    "verbosity": "low",
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "best_of": 3,
+    "repetition_penalty": 1.2,
+    "min_tokens": 2,
+    "stop_token_ids": [5],
+    "use_beam_search": True,
+    "typical_p": 0.5,
+    "guided_json": {"type": "object"},
+    "guided_regex": "[a-z]+",
+    "guided_choice": ["a", "b"],
+    "guided_grammar": "root ::= 'a'",
+    "grammar": "root ::= 'a'",
+    "json_schema": {"type": "object"},
+    "n_probs": 2,
+    "mirostat": 2,
+    "echo": True,
+    "suffix": "end",
+    "tool_choice.disable_parallel_tool_use": True,
+    "container": "c1",
+    "context_management": {"edits": []},
+    "mcp_servers": [{"type": "url", "url": "https://x", "name": "m"}],
+    "output_format": {"type": "json_schema", "schema": {}},
+    "include": ["message.output_text.logprobs"],
+    "text.format": {"type": "json_object"},
+    "text.verbosity": "high",
+    "truncation": "auto",
+    "max_tool_calls": 2,
+    "background": True,
+    "prompt": {"id": "pmpt_1"},
+}
+ASKS_ON = {("completions", "logprobs"): 2}
+ADVISORY = {"user": "u", "metadata": {"k": "v"}, "store": True, "safety_identifier": "s", "prompt_cache_key": "k"}
+ADVISORY |= {"prompt_cache_retention": "24h", "service_tier": "auto", "stream_options.include_obfuscation": False}
+_TOOLS = {
+    "chat": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "anthropic": [{"name": "f", "input_schema": {"type": "object"}}],
+    "responses": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+}
+
+
+def _with(api: str, path: str, value) -> dict:
+    """BASE[api] with `value` at `path` (tools[] -> the first of a one-tool list)."""
+    body = json.loads(json.dumps(BASE[api]))
+    if path.startswith("tools[]."):
+        body["tools"] = json.loads(json.dumps(_TOOLS[api]))
+        node, parts = body["tools"][0], path[len("tools[].") :].split(".")
+    else:
+        node, parts = body, path.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {"type": "auto"} if p == "tool_choice" else {})
+    node[parts[-1]] = value
+    return body
+
+
+def _concrete(api: str, path: str) -> str:
+    return path.replace("tools[]", "tools.0" if api == "anthropic" else "tools[0]")
+
+
+def _wrong_type(schema: dict):
+    types = schema["type"]
+    return (
+        next(
+            v
+            for t, v in [("string", 5), ("number", "x"), ("boolean", "x"), ("object", 7), ("array", 7)]
+            if t in types and (t != "number" or "string" not in types)
+        )
+        if "string" in types
+        else "x"
+    )
+
+
+TABLE_CASES = [(api, f) for api, fields in TABLE.items() for f in fields]
+
+
+@pytest.mark.parametrize("api,field", TABLE_CASES, ids=[f"{a}-{f.path}" for a, f in TABLE_CASES])
+def test_table_field_typed_refused_or_accepted(api, field):
+    name = _concrete(api, field.path)
+    with pytest.raises(APIError) as info:  # a wrong type is named first
+        validate_body(api, _with(api, field.path, _wrong_type(field.schema)))
+    assert info.value.param == name and info.value.message.startswith("Invalid type for"), info.value.message
+    validate_body(api, _with(api, field.path, None))  # null: absent
+    if field.status == IGNORED:
+        validate_body(api, _with(api, field.path, ADVISORY[field.path]))
+        return
+    with pytest.raises(APIError) as info:
+        validate_body(api, _with(api, field.path, ASKS_ON.get((api, field.path), ASKS[field.path])))
+    e = info.value
+    assert (e.status, e.param, e.code) == (400, name, "unsupported_parameter")
+    assert e.message == f"Unsupported parameter: '{name}' is not supported by this server."
+    for neutral in field.neutral:  # the API's default asks for nothing
+        validate_body(api, _with(api, field.path, neutral))
+
+
+def test_codex_include_is_accepted():
+    validate_body("responses", {"input": "x", "include": ["reasoning.encrypted_content"], "store": False})
+
+
+def test_refusal_over_http_in_each_apis_shape(srv):
+    st, _, text = call(srv.url, ROUTE["chat"], {"messages": [U], "best_of": 2})
+    assert st == 400 and json.loads(text)["error"] == {
+        "message": "Unsupported parameter: 'best_of' is not supported by this server.",
+        "type": "invalid_request_error",
+        "param": "best_of",
+        "code": "unsupported_parameter",
+    }
+    st, _, text = call(srv.url, ROUTE["anthropic"], _with("anthropic", "tools[].strict", True))
+    body = json.loads(text)
+    assert st == 400 and body["type"] == "error" and "'tools.0.strict'" in body["error"]["message"]
+    st, _, text = call(srv.url, ROUTE["chat"], {"messages": [U], "n": 1, "logprobs": False, "user": "u"})
+    assert st == 200, text
+
+
+def test_every_table_field_is_documented():
+    doc = (Path(__file__).parents[1] / "docs" / "http-api.md").read_text()
+    section = doc.split("\n## 9.")[1]
+    for api, fields in TABLE.items():
+        for f in fields:
+            assert f"`{f.path}`" in section, (api, f.path)
+
+
+def test_values_walks_array_paths():
+    body = {"tools": [{"function": {"strict": True}}, {"function": {}}, 5]}
+    assert list(values(body, "tools[].function.strict")) == [(["tools", 0, "function", "strict"], True)]
+
+
+@pytest.mark.parametrize(
+    "extra,field,kind",
+    [
+        ({"frequency_penalty": 2.5}, "frequency_penalty", "value"),
+        ({"presence_penalty": -3}, "presence_penalty", "value"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "value"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias.abc", "value"),
+        ({"logit_bias": {"999999999": 1}}, "logit_bias.999999999", "value"),
+        ({"logit_bias": {"15": "x"}}, "logit_bias.15", "type"),
+        ({"frequency_penalty": "x"}, "frequency_penalty", "type"),
+    ],
+)
+def test_penalty_fields_out_of_range_are_named(srv, extra, field, kind):
+    for api in ("chat", "completions"):
+        st, _, text = call(srv.url, ROUTE[api], _body(api, extra))
+        err = json.loads(text)["error"]
+        assert st == 400 and err["param"] == field, text
+        assert err["message"].startswith({"type": "Invalid type for", "value": "Invalid value for"}[kind])
+
+
+def test_penalty_fields_are_accepted(srv):
+    extra = {"frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1, "logit_bias": {"15": 200}}
+    for api in ("chat", "completions"):
+        st, _, text = call(srv.url, ROUTE[api], _body(api, extra))
+        assert st == 200, text

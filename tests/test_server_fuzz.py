@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import ScriptedModel, serve  # noqa: E402
 from vision_helpers import b64, huge_png, image_bytes  # noqa: E402
 
+from ds4mlx.serve.fields import REFUSED, TABLE, passes, values  # noqa: E402
+
 EXAMPLES = int(__import__("os").environ.get("DS4MLX_FUZZ_EXAMPLES", "250"))
 DSML = (
     'Hmm.</think>Ok.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
@@ -225,6 +227,19 @@ common = {
     "think": mostly(st.booleans()),
     "extra": anyjson,
 }
+
+
+def with_table_field(api: str, strategy):
+    """One body in three gets one of the API's top-level refused / ignored fields
+    (serve/fields.py): any JSON, or a value the table passes (null, the API's default)."""
+    fields = [f for f in TABLE[api] if "." not in f.path and "[" not in f.path]
+    one = st.sampled_from(fields).flatmap(
+        lambda f: st.fixed_dictionaries({f.path: st.one_of(anyjson, st.sampled_from([None, *f.neutral]))})
+    )
+    extra = st.integers(0, 2).flatmap(lambda i: one if i == 0 else st.just({}))
+    return st.tuples(strategy, extra).map(lambda t: {**t[0], **t[1]})
+
+
 chat_body = st.fixed_dictionaries(
     {"messages": messages},
     optional={
@@ -239,7 +254,7 @@ chat_body = st.fixed_dictionaries(
         "max_completion_tokens": mostly(small_int),
     },
 )
-completion_body = st.fixed_dictionaries({"prompt": mostly(text | st.lists(text, max_size=2))}, optional=common)
+completion_body = st.fixed_dictionaries({"prompt": mostly(text | st.lists(text, max_size=2))}, optional={**common})
 anthropic_body = st.fixed_dictionaries(
     {"messages": anthropic_messages, "max_tokens": mostly(small_int)},
     optional={
@@ -456,9 +471,24 @@ class Client:
                     raise
 
 
+def refused_in(api: str, raw: bytes) -> str | None:
+    """A field the table refuses, present with a value it does not pass (a wrong type
+    included): such a body must never be answered 200."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    for f in TABLE[api]:
+        if f.status == REFUSED and any(not passes(f, v) for _, v in values(body, f.path)):
+            return f.path
+    return None
+
+
 def check(srv, client, path, body, api) -> int:
     status, ctype, data = client.post(path, body)
     assert status < 500, (status, body[:300], data[:300])
+    refused = refused_in(api, body)
+    assert refused is None or status == 400, (refused, status, body[:300])
     if ctype.startswith("text/event-stream"):
         assert status == 200 and data.endswith(b"\n\n")
         return status
@@ -480,10 +510,10 @@ SETTINGS = settings(
 @pytest.mark.parametrize(
     "path,api,strategy",
     [
-        ("/v1/chat/completions", "chat", chat_body),
-        ("/v1/completions", "completions", completion_body),
-        ("/v1/messages", "anthropic", anthropic_body),
-        ("/v1/responses", "responses", responses_body),
+        ("/v1/chat/completions", "chat", with_table_field("chat", chat_body)),
+        ("/v1/completions", "completions", with_table_field("completions", completion_body)),
+        ("/v1/messages", "anthropic", with_table_field("anthropic", anthropic_body)),
+        ("/v1/responses", "responses", with_table_field("responses", responses_body)),
     ],
 )
 def test_fuzz_route(srv, path, api, strategy):

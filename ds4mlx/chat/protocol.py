@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import registry
+from ..events import ToolCallEnd
 from . import markers as M
 from .messages import Conversation
 
@@ -180,6 +181,27 @@ class ChatProtocol:
     ):
         """Final parse of a whole generation (a `dsml.ParsedOutput`)."""
         raise NotImplementedError
+
+
+class FirstCallOnly:
+    """A family's output parser that stops the generation right after the first complete
+    tool call (`parallel_tool_calls: false`, Anthropic `disable_parallel_tool_use`;
+    docs/http-api.md §10): the parser's own cut, as for a block broken off after a call."""
+
+    def __init__(self, parser):
+        self._parser = parser
+
+    def __getattr__(self, name: str):
+        return getattr(self._parser, name)
+
+    def feed(self, text):
+        events = self._parser.feed(text)
+        if not self._parser.stop_now and any(isinstance(e, ToolCallEnd) for e in events):
+            self._parser.stop_after_call(events)
+        return events
+
+    def finish(self, truncated: bool = False):
+        return self._parser.finish(truncated)
 
 
 # =============================================================================

@@ -122,12 +122,10 @@ class PipelineStage(DeepseekV4Model):
     def _stream_dtype(self):
         return self.activation_dtype or self.norm.weight.dtype
 
-    def _enter(self, ids: mx.array, cast: bool) -> mx.array:
+    def _enter(self, ids: mx.array) -> mx.array:
         B, T = ids.shape
         if self._plan.leader:
-            h = self.embed_tokens(ids)
-            if cast and self.activation_dtype is not None:
-                h = h.astype(self.activation_dtype)
+            h = self.embed(ids)  # ActivationDtype: the policy's dtype on every path
             return mx.broadcast_to(h[:, :, None, :], (B, T, self._hc, h.shape[-1]))
         shape = (B, T, self._hc, self.norm.weight.shape[0])
         x = mx.distributed.recv(shape, mx.float32, self._plan.rank - 1, group=self._group)
@@ -147,7 +145,7 @@ class PipelineStage(DeepseekV4Model):
         return self.norm(h) if final_norm else h  # (final_norm=False: the head folds it in)
 
     def __call__(self, ids: mx.array, cache: list) -> mx.array:
-        x = self._enter(ids, cast=True)
+        x = self._enter(ids)
         for layer, c in zip(self.layers, cache):
             x = layer(x, ids, c)
         for c in cache:
@@ -155,7 +153,7 @@ class PipelineStage(DeepseekV4Model):
         return self._leave(x)
 
     def step(self, ids: mx.array, pos: mx.array, state: list, final_norm: bool = True) -> tuple[mx.array, list]:
-        x = self._enter(ids, cast=False)  # as DeepseekV4Model.step: the embedding's dtype
+        x = self._enter(ids)  # as DeepseekV4Model.step: the residual stream's dtype (ActivationDtype)
         it, new = iter(state), []
         for layer in self.layers:
             x = layer.step(x, ids, pos, it, new)

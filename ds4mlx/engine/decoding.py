@@ -19,7 +19,7 @@ from ..chat.markers import PARSE_UNTERMINATED_TOOL_CALL
 from ..decode import StepRequest, decode_tokens
 from ..detok import Detokenizer, StopMatcher
 from ..events import Finish, Usage
-from ..sampling import GREEDY, DeviceSampler, Sampler
+from ..sampling import GREEDY, DeviceSampler, Penalties, Sampler
 from ..speculative.loop import loop_for_job
 from ..speculative.options import SpecStats
 from .bindings import after_turn
@@ -60,6 +60,14 @@ class Decoding:
         self.spec_stats = SpecStats()
         if not isinstance(logits, mx.array):
             logits = mx.array(np.asarray(logits, dtype=np.float32))
+        vocab = int(logits.shape[-1])
+        # logit_bias and penalties (sampling.Penalties; the prompt for the repetition penalty)
+        self.pen = Penalties(job.params, vocab, r.session.tokens) if job.params.penalised else None
+        self.constraint = None  # structured output: the grammar's mask on the answer (not the reasoning)
+        if job.grammar is not None:
+            from ..structured import Constraint
+
+            self.constraint = Constraint(job.grammar, eng.tokenizer, vocab)
         self.loop = self._make_loop(logits)
 
     # ------------------------------------------------ sampling
@@ -74,14 +82,22 @@ class Decoding:
         params = GREEDY if structural else job.params  # ignore_eos keeps the requested sampling
         if structural and not job.params.greedy:
             self.r.engine.stats.greedy_tokens += 1
-        return int(self.sampler.sample(logits, params, self.generated, self.banned).item())
+        constrained = self.constraint is not None and parser.phase == "text"
+        x = self.constraint.apply(logits) if constrained else logits
+        pen = self.pen if params is job.params else None
+        tok = int(self.sampler.sample(x, params, self.generated, self.banned, pen).item())
+        if constrained:
+            self.constraint.consume(tok)
+        return tok
 
     def _make_loop(self, logits):
         # Forced tool text and greedy-inside-a-tool-call for sampled jobs are host decisions
         # per token: those jobs run the loop synchronously; every other job samples on the
         # device, one token ahead of the host (decode.py).
         job, eng, s = self.job, self.r.engine, self.r.session
-        host_chooses = self.force is not None or (job.tools_active and not job.params.greedy)
+        host_chooses = (
+            self.force is not None or (job.tools_active and not job.params.greedy) or self.constraint is not None
+        )
         if not host_chooses:  # speculation: the same tokens, several per target forward
             loop = loop_for_job(
                 eng.speculation, s, logits, job.params, banned=self.banned, seed=self.sampler.seed,
@@ -92,7 +108,9 @@ class Decoding:
         sample = (
             self._pick
             if host_chooses
-            else DeviceSampler(job.params, int(logits.shape[-1]), self.banned, seed=self.sampler.seed)
+            else DeviceSampler(
+                job.params, int(logits.shape[-1]), self.banned, seed=self.sampler.seed, penalties=self.pen
+            )
         )
         # forced tool-call header tokens do not count against max_tokens: with forced text
         # the limit is checked in `_take`, the context room always

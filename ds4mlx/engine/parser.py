@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..chat.protocol import get_protocol
+from ..chat.protocol import FirstCallOnly, get_protocol
 from ..events import TextDelta
 
 if TYPE_CHECKING:
@@ -59,9 +59,10 @@ class RawOutput:
 def default_parser_factory(job: Job, tool_memory=None) -> OutputParser:
     if job.raw:
         return RawOutput()
-    return get_protocol(job.family).make_parser(
+    parser = get_protocol(job.family).make_parser(
         job.thinking != "none", job.tools_active, job.tool_id_prefix, tool_memory, tool_schemas=job.tool_schemas
     )
+    return FirstCallOnly(parser) if job.single_tool_call and job.tools_active else parser
 
 
 def calls_of(parsed: ParsedOutput | None) -> list:

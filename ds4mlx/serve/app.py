@@ -18,6 +18,7 @@ streams instead of SSE).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -33,14 +34,15 @@ from . import errors as E
 from . import ollama, ops, sse
 from .anthropic import AnthropicAdapter, refuse_threads
 from .auth import APIKeys
-from .common import RequestInfo, body_bytes
-from .completions import CompletionsAdapter, prompt_list, total_usage
+from .common import RequestInfo, body_bytes, total_usage
+from .completions import CompletionsAdapter, prompt_list
 from .jsonin import parse_body
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import RequestTimer, ServerMetrics, stats_doc
 from .openai import ChatAdapter
 from .page import PAGE, page_file, wants_html
 from .page import asset as page_asset
+from .params import choice_count
 from .prepare import ServeConfig, model_known, prepare, protocol_of
 from .responses import ResponsesAdapter
 from .transport import ROOT_PATH, make_runner
@@ -378,8 +380,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if api == "anthropic":  # message threads: refused by name (anthropic.py)
         refuse_threads(body, request.headers.get("anthropic-beta", ""))
     prompts = prompt_list(body) if api == "completions" else None
-    if prompts is not None:
-        return await _completions_batch(request, state, body, prompts)
+    n = choice_count(api, body)
+    if prompts is not None or n > 1:
+        return await _choices(request, state, api, body, prompts, n)
     oreq = None  # an Ollama request: translated into the pipeline's body (serve/ollama.py)
     pipeline_api, pipeline_body = api, body
     if api in OLLAMA_KINDS:
@@ -443,27 +446,30 @@ async def generate(request: web.Request) -> web.StreamResponse:
         )
 
 
-async def _completions_batch(request, state, body: dict, prompts: list) -> web.StreamResponse:
-    """/v1/completions with a list of prompts: one choice per prompt, generated in
-    turn (the engine serves one job at a time anyway)."""
+async def _choices(request, state, api: str, body: dict, prompts: list | None, n: int) -> web.StreamResponse:
+    """Several choices in one response: /v1/completions with a list of prompts (one choice
+    per prompt) and `n` choices per prompt on chat and completions (index = prompt x n +
+    choice), generated in turn; a choice after the first reuses the prompt's KV (the
+    engine's reuse ladder), so the prompt is prefilled once.  A seeded request's choice
+    j samples with seed + j (the same seed would repeat the first choice)."""
     loop = asyncio.get_running_loop()
     preps = []
-    for p in prompts:  # every prompt is validated before anything is queued
-        preps.append(
-            await loop.run_in_executor(
-                None, prepare, state.cfg, state.engine, state.tool_memory, "completions", {**body, "prompt": p}
-            )
-        )
+    for p in prompts or [None]:  # every prompt is validated before anything is queued
+        one = body if p is None else {**body, "prompt": p}
+        prep = await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory, api, one)
+        preps += [prep] + [_another_choice(prep, j) for j in range(1, n)]
     info = RequestInfo(
-        id=state.next_id("completions"),
+        id=state.next_id(api),
         model=preps[0].model,
         created=int(time.time()),
         include_usage=preps[0].include_usage,
+        thinking=preps[0].thinking,
+        tool_aliases=preps[0].tool_aliases,
     )
     out = sse.SSEStream(request, _cors(state)) if preps[0].stream else None
     fins: list = []
     for k, prep in enumerate(preps):
-        adapter = CompletionsAdapter(info, index=k, last=k == len(preps) - 1)
+        adapter = ADAPTERS[api](info, index=k, last=k == len(preps) - 1)
         queue: asyncio.Queue = asyncio.Queue()
         handle, _ = state.submit(prep.job, lambda ev, q=queue: loop.call_soon_threadsafe(q.put_nowait, ev))
         try:
@@ -475,6 +481,10 @@ async def _completions_batch(request, state, body: dict, prompts: list) -> web.S
                     await out.write(sse.event("error", E.sse_error_payload("openai", ev.message)))
                     await out.end()
                     return out.response
+                if isinstance(ev, Started) and out is not None:
+                    if not await out.write_all(adapter.start(ev)):
+                        return out.response
+                    continue
                 if isinstance(ev, Finish):
                     fins.append(ev)
                     if out is not None:
@@ -486,9 +496,21 @@ async def _completions_batch(request, state, body: dict, prompts: list) -> web.S
             if not handle.done.is_set():
                 handle.cancel()
     if out is None:
-        return json_response(state, 200, CompletionsAdapter(info).batch_body(fins))
+        return json_response(state, 200, ADAPTERS[api](info).batch_body(fins))
     await out.end()
     return out.response
+
+
+def _another_choice(prep, j: int):
+    """Choice j of a prepared job: the same prompt, its own job (and seed when seeded)."""
+    params = prep.job.params
+    seed = (params.seed + j) & 0xFFFFFFFFFFFFFFFF if params.seed else 0
+    job = dataclasses.replace(
+        prep.job,
+        params=dataclasses.replace(params, seed=seed),
+        prompt_ids=None if prep.job.prompt_ids is None else list(prep.job.prompt_ids),
+    )
+    return dataclasses.replace(prep, job=job)
 
 
 async def _collect(state, api, adapter, queue, result) -> web.Response:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import Finish
+from ..events import Finish, Usage
 from . import sse
 
 
@@ -34,6 +34,17 @@ def parsed_parts(fin: Finish) -> tuple[str, str | None, list]:
     if r is None:
         return fin.raw_text, None, []
     return (getattr(r, "content", "") or ""), getattr(r, "reasoning", None), list(getattr(r, "calls", []) or [])
+
+
+def total_usage(fins: list) -> Usage:
+    """The usage of several choices: summed."""
+    return Usage(
+        sum(f.usage.prompt_tokens for f in fins),
+        sum(f.usage.completion_tokens for f in fins),
+        sum(f.usage.cached_tokens for f in fins),
+        sum(f.usage.written_tokens for f in fins),
+        sum(f.usage.reasoning_tokens for f in fins),
+    )
 
 
 def body_bytes(obj: Any, newline: bool = True) -> bytes:

@@ -11,7 +11,7 @@ from ..chat.protocol import ChatProtocol, get_protocol
 from ..chat.requests import CHAT_THINKING_FIELDS, DEFAULT_MODEL, RequestError, Thinking, as_str, body_object, parse_stop
 from ..events import Finish, Started, TextDelta, Usage
 from . import sse
-from .common import RequestInfo, body_bytes
+from .common import RequestInfo, body_bytes, total_usage
 from .openai import finish_reason, usage_openai
 
 # --- request (docs/chat-template.md §4.3) -------------------------------------------------
@@ -126,16 +126,6 @@ class CompletionsAdapter:
                 "usage": usage_openai(total_usage(fins)),
             }
         )
-
-
-def total_usage(fins: list) -> Usage:
-    return Usage(
-        sum(f.usage.prompt_tokens for f in fins),
-        sum(f.usage.completion_tokens for f in fins),
-        sum(f.usage.cached_tokens for f in fins),
-        sum(f.usage.written_tokens for f in fins),
-        sum(f.usage.reasoning_tokens for f in fins),
-    )
 
 
 def prompt_list(body) -> list | None:

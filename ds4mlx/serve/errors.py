@@ -66,6 +66,10 @@ def unsupported_part(field: str, kind: str) -> str:
     return f"Invalid content part '{field}': {kind} input is not supported by this server."
 
 
+def unsupported_field(field: str) -> str:
+    return f"Unsupported parameter: '{field}' is not supported by this server."
+
+
 def invalid_field(field: str) -> str:
     return f"Invalid value for '{field}'."
 

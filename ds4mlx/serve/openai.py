@@ -30,7 +30,7 @@ from ..chat.requests import (
 )
 from ..events import Finish, ReasoningDelta, Started, TextDelta, ToolCallDelta, ToolCallStart, Usage
 from . import sse
-from .common import RequestInfo, body_bytes, parsed_parts
+from .common import RequestInfo, body_bytes, parsed_parts, total_usage
 
 # --- request (docs/chat-template.md §2.1) -------------------------------------------------
 
@@ -147,9 +147,11 @@ def finish_reason(fin: Finish) -> str:
 class ChatAdapter:
     api = "chat"
 
-    def __init__(self, info: RequestInfo):
+    def __init__(self, info: RequestInfo, index: int = 0, last: bool = True):
         self.info = info
         self.tool_header_streamed = False
+        self.index = index  # the choice this adapter prints (n > 1: one adapter per choice)
+        self.last = last  # the last choice of the response: the usage chunk and [DONE] follow it
 
     def _chunk(self, delta: dict, finish: str | None = None) -> bytes:
         i = self.info
@@ -159,7 +161,7 @@ class ChatAdapter:
                 "object": "chat.completion.chunk",
                 "created": i.created,
                 "model": i.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                "choices": [{"index": self.index, "delta": delta, "finish_reason": finish}],
             }
         )
 
@@ -194,8 +196,11 @@ class ChatAdapter:
             return [self._chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.arguments}}]})]
         return []
 
-    def finish(self, fin: Finish) -> list[bytes]:
+    def finish(self, fin: Finish, usage: Usage | None = None) -> list[bytes]:
+        """The choice's last chunk; after the last choice, the usage (of all of them) and [DONE]."""
         out = [self._chunk({}, finish_reason(fin))]
+        if not self.last:
+            return out
         if self.info.include_usage:
             i = self.info
             out.append(
@@ -206,7 +211,7 @@ class ChatAdapter:
                         "created": i.created,
                         "model": i.model,
                         "choices": [],
-                        "usage": usage_openai(fin.usage),
+                        "usage": usage_openai(usage or fin.usage),
                     }
                 )
             )
@@ -215,6 +220,23 @@ class ChatAdapter:
 
     # -- non-streaming ----------------------------------------------------------------
     def body(self, fin: Finish) -> bytes:
+        return self.batch_body([fin])
+
+    def batch_body(self, fins: list) -> bytes:
+        """One choice per Finish, in order; usage summed over them (n > 1)."""
+        i = self.info
+        return body_bytes(
+            {
+                "id": i.id,
+                "object": "chat.completion",
+                "created": i.created,
+                "model": i.model,
+                "choices": [self._choice(k, f) for k, f in enumerate(fins)],
+                "usage": usage_openai(total_usage(fins)),
+            }
+        )
+
+    def _choice(self, index: int, fin: Finish) -> dict:
         content, reasoning, calls = parsed_parts(fin)
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning:
@@ -223,14 +245,4 @@ class ChatAdapter:
             msg["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
             ]
-        i = self.info
-        return body_bytes(
-            {
-                "id": i.id,
-                "object": "chat.completion",
-                "created": i.created,
-                "model": i.model,
-                "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(fin)}],
-                "usage": usage_openai(fin.usage),
-            }
-        )
+        return {"index": index, "message": msg, "finish_reason": finish_reason(fin)}

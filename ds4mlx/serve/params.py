@@ -5,19 +5,25 @@ Which fields each API reads (docs/http-api.md §3–6):
 | field                         | chat | completions | anthropic | responses |
 |-------------------------------|------|-------------|-----------|-----------|
 | temperature, top_p            |  x   |      x      |     x     |     x     |
-| top_k                         |  x   |      x      |     x     |           |
-| min_p, seed                   |  x   |      x      |           |           |
+| top_k                         |  x   |      x      |     x     |     x     |
+| min_p, seed                   |  x   |      x      |     x     |     x     |
 | max_tokens                    |  x   |      x      |     x     |     x     |
 | max_completion_tokens         |  x   |             |           |           |
 | max_output_tokens             |      |             |           |     x     |
 | stream                        |  x   |      x      |     x     |     x     |
 | stream_options.include_usage  |  x   |      x      |           |           |
 | ignore_eos                    |  x   |      x      |     x     |     x     |
+| frequency_penalty,            |  x   |      x      |           |           |
+| presence_penalty,             |      |             |           |           |
+| repetition_penalty, logit_bias|      |             |           |           |
 
 A known field with the wrong JSON type is a 400 naming it (serve/validate.py checks first);
 `null` means absent; integer fields accept any number (truncated) and clamp
 negatives to 0.  In thinking mode the client's temperature/top_p/top_k/min_p
-are ignored (ds4's fixed defaults).  `ignore_eos` keeps the request's
+are ignored (ds4's fixed defaults); penalties and logit_bias apply in both modes
+(sampling.Penalties).  frequency / presence penalties in [-2, 2] and a repetition
+penalty > 0 (as OpenAI and vLLM), logit_bias keys token ids of the vocabulary (values
+clamped to ±100), else a 400 naming the field.  `ignore_eos` keeps the request's
 sampling and decodes exactly max_tokens (guidellm sends it always).
 """
 
@@ -28,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..sampling import SamplingParams
-from .errors import INVALID_JSON, APIError
+from .errors import INVALID_JSON, APIError, invalid_field
 
+PENALTY_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
 _FIELDS = {
     "chat": {
         "temperature",
@@ -42,6 +49,7 @@ _FIELDS = {
         "stream",
         "stream_options",
         "ignore_eos",
+        *PENALTY_FIELDS,
     },
     "completions": {
         "temperature",
@@ -53,11 +61,27 @@ _FIELDS = {
         "stream",
         "stream_options",
         "ignore_eos",
+        *PENALTY_FIELDS,
     },
-    "anthropic": {"temperature", "top_p", "top_k", "max_tokens", "stream", "ignore_eos"},
-    "responses": {"temperature", "top_p", "max_tokens", "max_output_tokens", "stream", "ignore_eos"},
+    # top_k / min_p / seed are extensions where the API lacks them: read alike everywhere
+    "anthropic": {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stream", "ignore_eos"},
+    "responses": {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "max_output_tokens",
+        "stream",
+        "ignore_eos",
+    },
 }
 _INT_CAP = 1 << 62
+
+
+def _two(x: float) -> bool:
+    return -2.0 <= x <= 2.0
 
 
 @dataclass
@@ -105,7 +129,45 @@ def _bool(v: Any, field: str = "") -> bool | None:
     return v
 
 
-def parse_controls(api: str, body: dict, thinking: str) -> Controls:
+def _range(v: float | None, field: str, ok) -> float | None:
+    if v is not None and not ok(v):
+        raise APIError(400, invalid_field(field), param=field, code="invalid_value")
+    return v
+
+
+def _logit_bias(v: Any, vocab: int | None) -> tuple:
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise _bad("logit_bias")
+    out = []
+    for k, b in v.items():
+        field = f"logit_bias.{k}"
+        try:
+            tok = int(k)
+        except ValueError:
+            raise APIError(400, invalid_field(field), param=field, code="invalid_value") from None
+        if tok < 0 or (vocab is not None and tok >= vocab):
+            raise APIError(400, invalid_field(field), param=field, code="invalid_value")
+        out.append((tok, _number(b, field)))
+    return tuple(sorted(out))
+
+
+MAX_CHOICES = 128  # OpenAI's bound on n
+
+
+def choice_count(api: str, body: Any) -> int:
+    """`n` of a chat or completions body: how many choices (1 when absent; a wrongly
+    typed n is left to serve/validate.py's 400)."""
+    v = body.get("n") if api in ("chat", "completions") and isinstance(body, dict) else None
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return 1
+    if not 1 <= v <= MAX_CHOICES:
+        raise APIError(400, invalid_field("n"), param="n", code="invalid_value")
+    return int(v)
+
+
+def parse_controls(api: str, body: dict, thinking: str, vocab: int | None = None) -> Controls:
     fields = _FIELDS[api]
     get = lambda k: body.get(k) if k in fields else None  # noqa: E731
     temperature = _number(get("temperature"), "temperature")
@@ -128,8 +190,17 @@ def parse_controls(api: str, body: dict, thinking: str) -> Controls:
     # ignore_eos decodes exactly max_tokens with the requested sampling (guidellm sends
     # it on every request; other servers accept it so)
     ignore_eos = bool(_bool(get("ignore_eos"), "ignore_eos"))
+    penalties = {
+        "frequency_penalty": _range(_number(get("frequency_penalty"), "frequency_penalty"), "frequency_penalty", _two),
+        "presence_penalty": _range(_number(get("presence_penalty"), "presence_penalty"), "presence_penalty", _two),
+        "repetition_penalty": _range(
+            _number(get("repetition_penalty"), "repetition_penalty"), "repetition_penalty", lambda x: x > 0
+        ),
+    }
+    extra = {k: v for k, v in penalties.items() if v is not None}
+    extra["logit_bias"] = _logit_bias(get("logit_bias"), vocab)
     if thinking != "none":
-        params = SamplingParams(seed=seed or 0)  # ds4's fixed thinking-mode sampling
+        params = SamplingParams(seed=seed or 0, **extra)  # ds4's fixed thinking-mode sampling
     else:
         d = SamplingParams()
         params = SamplingParams(
@@ -138,5 +209,6 @@ def parse_controls(api: str, body: dict, thinking: str) -> Controls:
             top_k=d.top_k if top_k is None else top_k,
             min_p=d.min_p if min_p is None else min_p,
             seed=seed or 0,
+            **extra,
         )
     return Controls(params, max_tokens, stream, include_usage, ignore_eos)

@@ -23,6 +23,7 @@ from ..vision.prompt import attach as attach_images
 from . import errors as E
 from .anthropic import parse_anthropic
 from .completions import parse_completion
+from .grammar import grammar_of
 from .openai import parse_chat
 from .params import parse_controls
 from .responses import parse_responses
@@ -207,6 +208,15 @@ def _has_parameters(api: str, body: dict, name: str) -> bool:
     return True
 
 
+def _single_tool_call(api: str, body: dict) -> bool:
+    """At most one tool call per turn: `parallel_tool_calls: false` (OpenAI), or
+    `tool_choice.disable_parallel_tool_use: true` (Anthropic)."""
+    if api == "anthropic":
+        tc = body.get("tool_choice")
+        return isinstance(tc, dict) and tc.get("disable_parallel_tool_use") is True
+    return body.get("parallel_tool_calls") is False
+
+
 def force_text(name: str | None, proto: ChatProtocol | None = None) -> str:
     """The tool-call opening forced by tool_choice required (name=None) or a
     named tool (DeepSeek V4 DSML unless another family's protocol is given)."""
@@ -267,7 +277,8 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
     if not model_known(cfg, model):
         raise E.APIError(404, E.unknown_model(model), param="model", code="model_not_found")
     req.thinking = _thinking(cfg, proto, body, req.thinking, effort, model)
-    ctl = parse_controls(api, body, req.thinking)
+    vocab = getattr(engine.tokenizer, "vocab_size", None)  # logit_bias ids are checked against it
+    ctl = parse_controls(api, body, req.thinking, vocab)
     job = Job(
         prompt_text="",
         api=api,
@@ -279,6 +290,7 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
         tool_id_prefix=M.ANTHROPIC_TOOL_ID_PREFIX if api == "anthropic" else M.OPENAI_TOOL_ID_PREFIX,
         family=proto.family,
     )
+    job.grammar = grammar_of(api, body)  # structured output: a 400 for a grammar that does not compile
     prep = Prepared(api, job, model, ctl.stream, ctl.include_usage, req.thinking)
     if api == "completions":
         job.raw = True
@@ -297,6 +309,7 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
         job.tools_active = bool(conv.tools_active and conv.tool_schemas)
         job.tool_schemas = tuple(conv.tool_schemas) if job.tools_active else ()
         job.force_text = forced if job.tools_active else None
+        job.single_tool_call = job.tools_active and _single_tool_call(api, body)
         job.preserves_reasoning = proto.uses_tool_context(conv)
         job.binding = live_binding(api, conv.reasoning_summary)
         prep.reasoning_summary = conv.reasoning_summary

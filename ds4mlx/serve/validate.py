@@ -1,8 +1,10 @@
 """Every known field of a request body checked against its type, before parsing.
 
 One JSON Schema per API (validated with the `jsonschema` library) lists the
-fields the server reads and the JSON types each may have; unknown fields are
-ignored and `null` means absent wherever a field is optional.  The first
+fields the server reads, and those it refuses or ignores (serve/fields.py), with the
+JSON types each may have; fields no API defines are ignored and `null` means absent
+wherever a field is optional.  A well-typed field the server does not honour is then
+a 400 naming it (`unsupported_parameter`).  The first
 fault becomes one 400 that names the field by its path (`param` on the OpenAI
 routes, `messages[0].content[1].text`; Anthropic spells it
 `messages.0.content.1.text` in the message).  The same wording on every API.
@@ -14,6 +16,7 @@ which parses or refuses each one (docs/vision.md §1).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +24,7 @@ from jsonschema import Draft202012Validator, ValidationError
 from jsonschema.validators import extend
 
 from . import errors as E
+from .fields import first_refused, place_types
 
 # --- building blocks -------------------------------------------------------------------
 
@@ -73,6 +77,8 @@ def _api(properties: dict) -> dict:
             "temperature": NUM,
             "top_p": NUM,
             "top_k": NUM,
+            "min_p": NUM,
+            "seed": NUM,
             "max_tokens": NUM,
             "stream": BOOL,
             "ignore_eos": BOOL,
@@ -82,6 +88,18 @@ def _api(properties: dict) -> dict:
     }
 
 
+# a structured-output format with name / schema beside type (Responses text.format, Anthropic output_format)
+FLAT_FORMAT = {
+    "type": ["object", "null"],
+    "required": ["type"],
+    "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "name": STR,
+        "schema": OBJ,
+        "strict": BOOL,
+    },
+}
+
 OPENAI_SAMPLING = {
     "min_p": NUM,
     "seed": NUM,
@@ -89,6 +107,26 @@ OPENAI_SAMPLING = {
     "think": BOOL,
     "thinking": THINKING,
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": BOOL}},
+    "n": NUM,
+    # structured output (serve/grammar.py)
+    "response_format": {
+        "type": ["object", "null"],
+        "required": ["type"],
+        "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "properties": {"name": STR, "schema": OBJ, "strict": BOOL}},
+        },
+    },
+    "guided_json": _t("object", "string", "null"),
+    "guided_regex": STR,
+    "guided_choice": STR_LIST,
+    "guided_grammar": STR,
+    "grammar": STR,
+    "json_schema": OBJ,
+    "frequency_penalty": NUM,
+    "presence_penalty": NUM,
+    "repetition_penalty": NUM,
+    "logit_bias": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
 }
 
 # --- OpenAI chat completions ---------------------------------------------------------------
@@ -132,6 +170,7 @@ CHAT = _api(
             ]
         },
         "max_completion_tokens": NUM,
+        "parallel_tool_calls": BOOL,
         **OPENAI_SAMPLING,
     }
 )
@@ -162,6 +201,7 @@ ANTHROPIC = _api(
         "thinking": THINKING,
         "metadata": OBJ,
         "output_config": {"type": ["object", "null"], "properties": {"effort": EFFORT}},
+        "output_format": FLAT_FORMAT,
     }
 )
 
@@ -218,10 +258,20 @@ RESPONSES = _api(
         "parallel_tool_calls": BOOL,
         "store": BOOL,
         "stop": STOP,
+        "text": {"type": ["object", "null"], "properties": {"format": FLAT_FORMAT}},
     }
 )
 
-SCHEMAS = {"chat": CHAT, "completions": COMPLETIONS, "anthropic": ANTHROPIC, "responses": RESPONSES}
+# the fields the server refuses or ignores (serve/fields.py) are type-checked too
+SCHEMAS = {
+    api: place_types(copy.deepcopy(schema), api)
+    for api, schema in {
+        "chat": CHAT,
+        "completions": COMPLETIONS,
+        "anthropic": ANTHROPIC,
+        "responses": RESPONSES,
+    }.items()
+}
 
 
 # --- the validator ----------------------------------------------------------------------
@@ -338,8 +388,13 @@ def _relevance(err: ValidationError):
 
 
 def validate_body(api: str, body: Any, vision: bool = False) -> None:
-    """Raise the APIError (400) for the first wrongly typed field of `body`; image parts
-    are refused unless `vision` (a vision encoder is loaded)."""
+    """Raise the APIError (400) for the first wrongly typed field of `body`, then for the
+    first field the server does not honour (serve/fields.py); image parts are refused
+    unless `vision` (a vision encoder is loaded)."""
     errs = [_most_telling(e) for e in (_VISION_VALIDATORS if vision else _VALIDATORS)[api].iter_errors(body)]
     if errs:
         raise _error(max(errs, key=_relevance), api)
+    refused = first_refused(api, body)
+    if refused is not None:
+        name = field_path(refused, api)
+        raise E.APIError(400, E.unsupported_field(name), param=name, code="unsupported_parameter")

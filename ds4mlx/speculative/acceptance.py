@@ -9,7 +9,7 @@ with probability min(1, p(d) / q(d)); at the first rejection the next token is d
 norm(max(0, p - q)); when all k are kept the next token is drawn from p at the last row.
 Every output token is then distributed exactly as p.  p and q are the distributions the
 job's sampler draws from (`distribution`: temperature, top-k, top-p, min-p and bans as
-sampling.Sampler.draw), so speculation changes the speed, not the distribution.  This is
+sampling.keep_mask, which Sampler.draw uses), so speculation changes the speed, not the distribution.  This is
 ds4's `--mtp-exact-sampling`.
 
 Sampled, opportunistic (ds4's default at temperature > 0, `--mtp-exact-sampling` off;
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..sampling import TOP_K_CAP, SamplingParams
+from ..sampling import SamplingParams, keep_mask
 
 
 def ban_mask(vocab: int, banned: Sequence[int] | None) -> mx.array | None:
@@ -57,29 +57,11 @@ def argmax_rows(rows: mx.array, mask: mx.array | None = None) -> mx.array:
 
 
 def distribution(rows: mx.array, params: SamplingParams, mask: mx.array | None = None) -> mx.array:
-    """The probabilities [T, V] `Sampler.draw` samples each row of logits [T, V] from."""
+    """The probabilities [T, V] `Sampler.draw` samples each row of logits [T, V] from: the
+    same filter (sampling.keep_mask), renormalised."""
     x = _masked(rows.reshape(-1, rows.shape[-1]), mask)
-    vocab = x.shape[-1]
     t = float(params.temperature)
-    top_p = float(params.top_p) if 0.0 < float(params.top_p) <= 1.0 else 1.0
-    top_k = min(int(params.top_k), TOP_K_CAP) if params.top_k and params.top_k > 0 else 0
-    min_p = min(float(params.min_p), 1.0) if float(params.min_p) > 0.0 else 0.0
-    scaled = x / t
-    if 0 < top_k < vocab:
-        kth = mx.sort(x, axis=-1)[:, vocab - top_k : vocab - top_k + 1]
-        scaled = mx.where(x >= kth, scaled, -math.inf)
-    probs = mx.softmax(scaled, axis=-1)
-    keep = probs > 0
-    if min_p > 0.0:
-        keep = keep & (probs >= min_p * mx.max(probs, axis=-1, keepdims=True))
-    if top_p < 1.0:
-        order = mx.argsort(-probs, axis=-1)
-        sorted_p = mx.take_along_axis(probs, order, axis=-1)
-        before = mx.cumsum(sorted_p, axis=-1) - sorted_p  # mass of strictly more likely tokens
-        inverse = mx.argsort(order, axis=-1)
-        keep = keep & (mx.take_along_axis(before, inverse, axis=-1) < top_p)
-    kept = mx.where(keep, probs, 0.0)
-    return kept / mx.sum(kept, axis=-1, keepdims=True)
+    return mx.softmax(mx.where(keep_mask(x, params), x / t, -math.inf), axis=-1)
 
 
 class GreedyRule:

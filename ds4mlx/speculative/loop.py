@@ -142,9 +142,9 @@ def refeed(session, ids) -> None:
 
 def loop_for_job(spec, session, logits, params, *, banned=None, seed=0, stop_ids=(), limit=None, stats=None):
     """The engine's speculative loop for one job, or None where speculation does not apply:
-    no `spec` (SpecConfig), or a repetition penalty (its window would differ per draft
-    position: that job decodes token by token)."""
-    if spec is None or (params.repetition_penalty != 1.0 and params.repetition_window > 0):
+    no `spec` (SpecConfig), or penalties or a logit bias (sampling.Penalties: the history
+    would differ per draft position; such a job decodes token by token)."""
+    if spec is None or params.penalised:
         return None
     from .acceptance import rule_for
 

@@ -357,6 +357,12 @@ class XmlOutputParser:
             self._step(events)
         return events
 
+    def stop_after_call(self, events: list) -> None:
+        """Stop generating here, after the calls announced so far (one tool call per turn:
+        chat/protocol.FirstCallOnly)."""
+        if self._cut_calls is None and not self.stop_now:
+            self._cut(events, len(self.raw))
+
     def finish(self, truncated: bool = False) -> tuple[list, ParsedOutput]:
         events: list = []
         if self._decoder is not None:

@@ -174,6 +174,12 @@ class OutputParser:
             self._step(events)
         return events
 
+    def stop_after_call(self, events: list) -> None:
+        """Stop generating here, the block cut after the calls announced so far (one tool
+        call per turn: chat/protocol.FirstCallOnly)."""
+        if self._proj is not None and self._proj.cut_calls is None and not self.stop_now:
+            self._proj.cut(events, len(self.raw))
+
     def finish(self, truncated: bool = False) -> tuple[list, ParsedOutput]:
         """End of generation: the final parse, plus the events the stream still owes."""
         events: list = []

@@ -1,0 +1,87 @@
+"""A request's structured-output field -> a `structured.Grammar` (docs/http-api.md §10.7).
+
+Chat and completions: `response_format` (`json_object`, `json_schema`), vLLM's
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (Lark) and
+llama.cpp's `json_schema` / `grammar` (GBNF); Responses: `text.format`; Anthropic:
+`output_format`.  At most one per request; a grammar that does not compile is a 400
+naming its field (serve/validate.py has checked the JSON types).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..structured import Grammar, GrammarError
+from . import errors as E
+
+
+def _refuse(field: str, why: str) -> E.APIError:
+    return E.APIError(400, f"Invalid value for '{field}': {why}", param=field, code="invalid_value")
+
+
+def _format(fmt: dict, field: str, flat: bool) -> tuple[str, Grammar | None]:
+    """OpenAI's format object; `flat`: Responses' (name / schema beside type)."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return field, Grammar("json_object", None)
+    if kind == "json_schema":
+        inner = fmt if flat else (fmt.get("json_schema") or {})
+        schema = inner.get("schema")
+        where = f"{field}.schema" if flat else f"{field}.json_schema.schema"
+        return where, Grammar("json_schema", schema if schema is not None else {"type": "object"})
+    return field, None  # text
+
+
+def _json(v: Any, field: str) -> Any:
+    if isinstance(v, str):
+        try:
+            return json.loads(v)
+        except ValueError:
+            raise _refuse(field, "not JSON") from None
+    return v
+
+
+def _candidates(api: str, body: dict) -> list[tuple[str, Grammar]]:
+    out: list[tuple[str, Grammar | None]] = []
+    if api in ("chat", "completions"):
+        if isinstance(body.get("response_format"), dict):
+            out.append(_format(body["response_format"], "response_format", flat=False))
+        extras = {
+            "guided_json": lambda v: Grammar("json_schema", _json(v, "guided_json")),
+            "json_schema": lambda v: Grammar("json_schema", v),
+            "guided_regex": lambda v: Grammar("regex", v),
+            "guided_choice": lambda v: Grammar("choice", list(v)),
+            "guided_grammar": lambda v: Grammar("lark", v),
+            "grammar": lambda v: Grammar("gbnf", v) if v else None,
+        }
+        for field, make in extras.items():
+            if body.get(field) is not None:
+                out.append((field, make(body[field])))
+    elif api == "responses":
+        text = body.get("text")
+        if isinstance(text, dict) and isinstance(text.get("format"), dict):
+            out.append(_format(text["format"], "text.format", flat=True))
+    elif api == "anthropic":
+        if isinstance(body.get("output_format"), dict):
+            out.append(_format(body["output_format"], "output_format", flat=True))
+    return [(f, g) for f, g in out if g is not None]
+
+
+def grammar_of(api: str, body: Any) -> Grammar | None:
+    """The request's grammar, compiled once here so a bad one is a 400 before queueing."""
+    if not isinstance(body, dict):
+        return None
+    found = _candidates(api, body)
+    if len(found) > 1:
+        raise _refuse(found[1][0], f"only one structured-output field per request ('{found[0][0]}' is set)")
+    if not found:
+        return None
+    field, grammar = found[0]
+    if grammar.kind == "choice" and not grammar.source:
+        raise _refuse(field, "no choices")
+    try:
+        grammar.llguidance()
+    except GrammarError as e:
+        raise _refuse(field, str(e).strip().splitlines()[0][:200] if str(e).strip() else "does not compile") from None
+    return grammar
