@@ -435,8 +435,7 @@ def test_ollama_generate(oc, srv):
 @pytest.mark.parametrize(
     "body,words",
     [
-        ({"format": "json"}, "structured output"),
-        ({"format": {"type": "object"}}, "structured output"),
+        ({"format": "yaml"}, "format"),
         ({"options": {"mirostat": 1}}, "options.mirostat"),
         ({"options": {"temperature": "hot"}}, "options.temperature"),
         ({"options": {"num_ctx": 10**6}}, "options.num_ctx"),
@@ -449,6 +448,18 @@ def test_ollama_refusals(srv, body, words):
     assert st == 400 and words in doc["error"]
     with pytest.raises(ollama.ResponseError, match="not supported|Unsupported|Invalid"):
         ollama.Client(host=srv.url, headers=BEARER).chat(model=MODEL, messages=MSG, **body)
+
+
+def test_ollama_format_is_structured_output():
+    """`format` becomes the pipeline's response_format (structured output: tests/test_structured_output.py)."""
+    from ds4mlx.serve import ollama as O
+
+    base = {"model": MODEL, "messages": MSG}
+    assert O.translate("chat", {**base, "format": "json"}).body["response_format"] == {"type": "json_object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rf = O.translate("generate", {"model": MODEL, "prompt": "Hi", "format": schema}).body["response_format"]
+    assert rf["type"] == "json_schema" and rf["json_schema"]["schema"] == schema
+    assert "response_format" not in O.translate("chat", base).body
 
 
 def test_ollama_num_ctx_caps_the_answer(srv):

@@ -34,12 +34,6 @@ UNAUTHORIZED = "invalid or missing API key (send Authorization: Bearer KEY or x-
 
 TOKENIZE_NEEDS_ONE = "give exactly one of 'content', 'prompt' or 'messages'"
 TOKENIZE_TOOLS_NEED_MESSAGES = "'tools' only goes with 'messages'"
-# the Ollama API (docs/http-api.md §9.5)
-OLLAMA_FORMAT_UNSUPPORTED = "'format' (structured output) is not supported by this server yet"
-
-
-def unsupported_field(field: str) -> str:
-    return f"Unsupported parameter: '{field}' is not supported by this server."
 
 
 def ollama_model_not_found(name: str) -> str:

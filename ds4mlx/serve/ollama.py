@@ -11,8 +11,8 @@ Ollama's field names: `options.temperature|top_p|top_k|min_p|seed|stop`,
 `options.num_predict` (max tokens; -1 / -2 = no limit but the context),
 `options.num_ctx` (a smaller context for this request; larger than --ctx is a 400),
 `think` (true / false / "low" | "medium" | "high"), `tools`, messages'
-`thinking` / `tool_calls` / `tool_name` / `images`.  `format` (structured output) is
-refused: the server has no constrained decoding yet.  Every other field or option
+`thinking` / `tool_calls` / `tool_name` / `images`, `format` ("json" or a JSON schema:
+the pipeline's `response_format`, structured output).  Every other field or option
 is a 400 naming it, except `keep_alive`, which is accepted: the model stays loaded
 for the server's life.
 """
@@ -212,8 +212,8 @@ def translate(kind: str, body: Any) -> OllamaRequest:
     if not isinstance(model, str) or not model:
         raise E.APIError(400, E.missing_field("model"), param="model", code="missing_required_parameter")
     fmt = body.get("format")
-    if fmt not in (None, ""):
-        raise E.APIError(400, E.OLLAMA_FORMAT_UNSUPPORTED, param="format", code="unsupported_parameter")
+    if fmt not in (None, "") and fmt != "json" and not isinstance(fmt, dict):
+        raise _bad_type("format", '"json" or a JSON schema object', fmt)
     stream = body.get("stream", True)  # Ollama streams unless told not to
     if stream is None:
         stream = True
@@ -223,6 +223,10 @@ def translate(kind: str, body: Any) -> OllamaRequest:
     if ka is not None and (isinstance(ka, bool) or not isinstance(ka, (str, int, float))):
         raise _bad_type("keep_alive", "a duration string or a number", ka)
     out: dict = {"model": model_name(model), "stream": stream}
+    if fmt == "json":  # structured output (serve/grammar.py): any JSON object
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):  # a JSON schema the answer must validate against
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
     num_ctx = _options(body.get("options"), out)
     _think(body.get("think"), out)
     req = OllamaRequest(kind, "chat", out, model, stream, num_ctx)
