@@ -49,7 +49,7 @@ def _common(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0, help="0 = time based")
+    p.add_argument("--seed", type=int, default=None, help="sampler seed (default: time based)")
     add_think_arguments(p)
     add_chat_template_argument(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

@@ -16,7 +16,7 @@ sampler (docs/dsml.md §5.1):
 `distribution` (speculative/acceptance.py) use, so speculation samples exactly the
 distribution the sampler draws from.
 
-Extras: a seed (0 = time based) making draws reproducible, banned ids (used by
+Extras: a seed (None = time based; 0 is a seed like any other) making draws reproducible, banned ids (used by
 `ignore_eos`, which bans the stop tokens under greedy decoding), and before the filter
 (`Penalties`, the order of vLLM's sampler): `logit_bias` added to the logits (±100
 clamp), then the repetition penalty (HF / vLLM: a seen token's positive logit divided
@@ -52,7 +52,7 @@ class SamplingParams:
     top_p: float = DEFAULT_TOP_P
     top_k: int = DEFAULT_TOP_K
     min_p: float = DEFAULT_MIN_P
-    seed: int = 0  # 0 = time based
+    seed: int | None = None  # None = time based (0 reproduces like any other seed)
     repetition_penalty: float = 1.0  # 1 = off; >1 penalises seen tokens
     repetition_window: int = 0  # 0: the prompt and every generated token; N > 0: the last N generated
     frequency_penalty: float = 0.0  # OpenAI: minus penalty x count in the generated tokens
@@ -160,8 +160,8 @@ def _time_seed() -> int:
 class Sampler:
     """One per generation job: holds the PRNG key so seeded jobs are reproducible."""
 
-    def __init__(self, seed: int = 0):
-        self.seed = int(seed) & 0xFFFFFFFFFFFFFFFF if seed else _time_seed()
+    def __init__(self, seed: int | None = None):
+        self.seed = int(seed) & 0xFFFFFFFFFFFFFFFF if seed is not None else _time_seed()
         self._key = mx.random.key(self.seed)
 
     def _next_key(self) -> mx.array:

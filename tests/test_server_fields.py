@@ -370,3 +370,36 @@ def test_penalty_fields_are_accepted(srv):
     for api in ("chat", "completions"):
         st, _, text = call(srv.url, ROUTE[api], _body(api, extra))
         assert st == 200, text
+
+
+# --- thinking mode's fixed sampling is said, not silent; seed 0; top_k / top_p bounds -------------
+def test_thinking_mode_names_the_sampling_fields_it_replaces(srv):
+    from ds4mlx.serve.params import SAMPLING_OVERRIDDEN_HEADER as H
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "top_p": 0.5, "seed": 3}
+    for stream in (False, True):
+        st, headers, _ = call(srv.url, "/v1/chat/completions", {**body, "stream": stream, "think": True})
+        assert st == 200 and headers[H] == "temperature, top_p"
+        st, headers, _ = call(srv.url, "/v1/chat/completions", {**body, "stream": stream, "think": False})
+        assert st == 200 and H not in headers  # honoured: nothing replaced
+    st, headers, _ = call(srv.url, "/v1/chat/completions", {"messages": body["messages"], "think": True})
+    assert st == 200 and H not in headers  # nothing sent, nothing replaced
+
+
+@pytest.mark.parametrize(
+    "extra,field", [({"top_k": 5000}, "top_k"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p")]
+)
+def test_top_k_past_the_cap_and_top_p_outside_0_1_are_refused(srv, extra, field):
+    st, _, text = call(srv.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra})
+    assert st == 400 and json.loads(text)["error"]["param"] == field
+
+
+def test_seed_0_reproduces_like_any_other_seed():
+    import mlx.core as mx
+
+    from ds4mlx.sampling import Sampler, SamplingParams
+
+    logits = mx.random.normal((64,), key=mx.random.key(1))
+    p = SamplingParams(temperature=1.0, seed=0)
+    draws = [[int(s.sample(logits, p).item()) for _ in range(16)] for s in (Sampler(0), Sampler(0))]
+    assert Sampler(0).seed == 0 and draws[0] == draws[1]

@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="model calls per user turn (default: no cap)")
     add_think_arguments(p, default="none")  # ds4's --think / --think-max / --nothink / --think-level N
     p.add_argument("--temp", type=float, default=None, help="temperature (default 1.0; 0 = greedy)")
-    p.add_argument("--seed", type=int, default=0, help="0 = time based")
+    p.add_argument("--seed", type=int, default=None, help="sampler seed (default: time based)")
     p.add_argument(
         "--approval-timeout",
         type=float,

@@ -42,7 +42,7 @@ from .metrics import RequestTimer, ServerMetrics, stats_doc
 from .openai import ChatAdapter
 from .page import PAGE, page_file, wants_html
 from .page import asset as page_asset
-from .params import choice_count
+from .params import SAMPLING_OVERRIDDEN_HEADER, choice_count
 from .prepare import ServeConfig, model_known, prepare, protocol_of
 from .responses import ResponsesAdapter
 from .transport import ROOT_PATH, make_runner
@@ -68,6 +68,7 @@ CORS_HEADERS = {
     "Access-Control-Allow-Origin": "*",
     "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
     "Access-Control-Allow-Headers": "*",
+    "Access-Control-Expose-Headers": SAMPLING_OVERRIDDEN_HEADER,  # a browser client may read it
 }
 MODEL_CREATED = 1767225600
 SUPPORTED_PARAMETERS = [
@@ -393,6 +394,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     prep = await loop.run_in_executor(
         None, prepare, state.cfg, state.engine, state.tool_memory, pipeline_api, pipeline_body
     )
+    request[OVERRIDDEN] = prep.sampling_overridden
     if oreq is not None:
         prep.job.max_tokens = ollama.num_ctx_limit(
             oreq.num_ctx, state.cfg.ctx, prep.prompt_tokens, prep.job.max_tokens, state.cfg.tokens
@@ -458,6 +460,7 @@ async def _choices(request, state, api: str, body: dict, prompts: list | None, n
         one = body if p is None else {**body, "prompt": p}
         prep = await loop.run_in_executor(None, prepare, state.cfg, state.engine, state.tool_memory, api, one)
         preps += [prep] + [_another_choice(prep, j) for j in range(1, n)]
+        request[OVERRIDDEN] = prep.sampling_overridden
     info = RequestInfo(
         id=state.next_id(api),
         model=preps[0].model,
@@ -504,7 +507,7 @@ async def _choices(request, state, api: str, body: dict, prompts: list | None, n
 def _another_choice(prep, j: int):
     """Choice j of a prepared job: the same prompt, its own job (and seed when seeded)."""
     params = prep.job.params
-    seed = (params.seed + j) & 0xFFFFFFFFFFFFFFFF if params.seed else 0
+    seed = (params.seed + j) & 0xFFFFFFFFFFFFFFFF if params.seed is not None else None
     job = dataclasses.replace(
         prep.job,
         params=dataclasses.replace(params, seed=seed),
@@ -590,6 +593,17 @@ async def _stream(request, state, api, adapter, queue, handle, result) -> web.St
     return out.response
 
 
+OVERRIDDEN = "ds4mlx.sampling_overridden"  # request key: the fields thinking mode replaced
+
+
+async def _say_overridden(request: web.Request, response: web.StreamResponse) -> None:
+    """Thinking mode's fixed sampling replaced fields the client sent: the response says which
+    (streamed or not), so a harness asking for temperature 0 is not sampled silently."""
+    fields = request.get(OVERRIDDEN)
+    if fields:
+        response.headers[SAMPLING_OVERRIDDEN_HEADER] = ", ".join(fields)
+
+
 def make_app(engine: Engine, cfg: ServeConfig | None = None, tool_memory=None) -> web.Application:
     cfg = cfg or ServeConfig(ctx=engine.ctx, tokens=engine.default_max_tokens)
     if cfg.family is None:  # serve the loaded model's chat protocol (and its --chat-template)
@@ -597,6 +611,7 @@ def make_app(engine: Engine, cfg: ServeConfig | None = None, tool_memory=None) -
         cfg.family = proto.family if proto is not None else None
         cfg.chat_template = proto.chat_template if proto is not None else None
     app = web.Application(middlewares=[_middleware], client_max_size=_max_body(cfg))
+    app.on_response_prepare.append(_say_overridden)
     state = ServerState(engine, cfg, tool_memory)
     app[STATE] = state
     app[ROOT_PATH] = cfg.root_path

@@ -33,8 +33,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampling import SamplingParams
-from .errors import INVALID_JSON, APIError, invalid_field
+from ..sampling import TOP_K_CAP, SamplingParams
+from .errors import INVALID_JSON, APIError, invalid_field, invalid_value
 
 PENALTY_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
 _FIELDS = {
@@ -78,6 +78,9 @@ _FIELDS = {
     },
 }
 _INT_CAP = 1 << 62
+# thinking mode replaces the client's temperature / top_p / top_k / min_p (ds4's and the DeepSeek
+# API's rule): a response names the fields it replaced in this header (docs/http-api.md §10.8)
+SAMPLING_OVERRIDDEN_HEADER = "X-Ds4mlx-Sampling-Overridden"
 
 
 def _two(x: float) -> bool:
@@ -91,6 +94,7 @@ class Controls:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    overridden: tuple = ()  # sampling fields the client sent that thinking mode replaces (the header)
 
 
 def _bad(field: str) -> APIError:
@@ -199,8 +203,16 @@ def parse_controls(api: str, body: dict, thinking: str, vocab: int | None = None
     }
     extra = {k: v for k, v in penalties.items() if v is not None}
     extra["logit_bias"] = _logit_bias(get("logit_bias"), vocab)
+    if top_k is not None and top_k > TOP_K_CAP:  # the sampler keeps at most TOP_K_CAP candidates
+        raise APIError(400, invalid_value("top_k", f"at most {TOP_K_CAP}", top_k), param="top_k", code="invalid_value")
+    if top_p is not None and not 0.0 < top_p <= 1.0:  # 0 keeps nothing: no distribution to sample
+        raise APIError(400, invalid_value("top_p", "a number in (0, 1]", top_p), param="top_p", code="invalid_value")
+    overridden = ()
     if thinking != "none":
-        params = SamplingParams(seed=seed or 0, **extra)  # ds4's fixed thinking-mode sampling
+        # ds4's fixed thinking-mode sampling (and the DeepSeek API's): said in SAMPLING_OVERRIDDEN_HEADER
+        sent = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+        overridden = tuple(k for k, v in sent.items() if v is not None)
+        params = SamplingParams(seed=seed, **extra)
     else:
         d = SamplingParams()
         params = SamplingParams(
@@ -208,7 +220,7 @@ def parse_controls(api: str, body: dict, thinking: str, vocab: int | None = None
             top_p=d.top_p if top_p is None else top_p,
             top_k=d.top_k if top_k is None else top_k,
             min_p=d.min_p if min_p is None else min_p,
-            seed=seed or 0,
+            seed=seed,
             **extra,
         )
-    return Controls(params, max_tokens, stream, include_usage, ignore_eos)
+    return Controls(params, max_tokens, stream, include_usage, ignore_eos, overridden)

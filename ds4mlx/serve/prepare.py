@@ -120,6 +120,7 @@ class Prepared:
     reasoning_summary: bool = False
     tool_aliases: dict = field(default_factory=dict)
     prompt_tokens: int = 0
+    sampling_overridden: tuple = ()  # serve/params.SAMPLING_OVERRIDDEN_HEADER
 
 
 def protocol_of(cfg: ServeConfig) -> ChatProtocol:
@@ -292,6 +293,7 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
     )
     job.grammar = grammar_of(api, body)  # structured output: a 400 for a grammar that does not compile
     prep = Prepared(api, job, model, ctl.stream, ctl.include_usage, req.thinking)
+    prep.sampling_overridden = ctl.overridden
     if api == "completions":
         job.raw = True
         job.prompt_text = proto.render_completion(req.prompt, req.thinking)
