@@ -60,7 +60,14 @@ def test_bench_demo_csv_plot_and_gate(tmp_path):
     assert main(argv + ["--csv", str(tmp_path / "c.csv"), "--compare", str(slower), "--max-regress", "10"]) == 0
 
 
-def test_profile_columns_on_demo(tmp_path):
+@pytest.fixture(scope="module")
+def demo():
+    from ds4mlx.loader import load
+
+    return load(None, verbose=False)
+
+
+def test_profile_columns_on_demo(tmp_path, demo):
     """`bench --profile`: the per-frontier columns, launches equal to the census, % of the roofline
     from the weights read per token and the given bandwidth; the CPU has no GPU timer (n/a)."""
     from mlx.utils import tree_flatten
@@ -68,14 +75,13 @@ def test_profile_columns_on_demo(tmp_path):
     from ds4mlx.bench import roofline
     from ds4mlx.bench.census import decode_census
     from ds4mlx.bench.frontier_profile import FrontierProfile
-    from ds4mlx.loader import load
 
     out = tmp_path / "p.csv"
     argv = ["bench", "--ctx-start", "32", "--ctx-max", "48", "--step-incr", "16", "--gen-tokens", "4", "--profile"]
     assert main(argv + ["--bandwidth-gbps", "50", "--csv", str(out)]) == 0
     rows = bench.read_csv(out)
     assert [int(r["ctx_tokens"]) for r in rows] == [32, 48]
-    model, _ = load(None, verbose=False)
+    model, _ = demo
     active = roofline.active_weight_bytes(model)
     assert 0 < active < sum(p.nbytes for _, p in tree_flatten(model.model.parameters()))
     for r in rows:
@@ -127,3 +133,24 @@ def test_roofline_table_and_arithmetic():
     assert roofline.active_weight_bytes(toy, args) == 16 + 128 + 64 + 32
     args.num_experts_per_tok = None  # experts, but no top-k known: n/a
     assert roofline.active_weight_bytes(toy, args) is None
+
+
+def test_engine_vs_bench_tool_runs_a_job(demo):
+    """tools/serve_vs_bench.py --engine: the same prompt ids through the engine as a Job (no HTTP),
+    timed from its first to its last text delta, every asked token generated."""
+    import sys
+    from pathlib import Path
+
+    from ds4mlx.engine import Engine
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from serve_vs_bench import engine_job
+
+    model, tok = demo
+    ids = bench.bench_tokens(tok, 24)
+    engine = Engine(model, tok, ctx=64)
+    try:
+        secs, tokens = engine_job(engine, tok.decode(ids), ids, 5, ignore_eos=True)
+    finally:
+        engine.close()
+    assert tokens == 5 and secs > 0
