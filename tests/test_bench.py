@@ -154,3 +154,19 @@ def test_engine_vs_bench_tool_runs_a_job(demo):
     finally:
         engine.close()
     assert tokens == 5 and secs > 0
+
+
+def test_profile_columns_arithmetic(monkeypatch):
+    """The columns from their parts: GPU-busy = the profiled kernels' device time over the profiled
+    steps (one unprofiled step first), host = (wall - token reads) / tokens, % of roofline."""
+    from ds4mlx.bench import gpu_timer
+    from ds4mlx.bench.frontier_profile import FrontierProfile
+
+    monkeypatch.setattr(gpu_timer, "unavailable", lambda: None)
+    monkeypatch.setattr(gpu_timer, "kernel_times", lambda fn: (fn(), {"a": [16, 800.0], "b": [16, 1600.0]}))  # µs
+    profile = FrontierProfile(None, bandwidth=4e12, active_bytes=10**9)  # roofline 4,000 t/s
+    monkeypatch.setattr(profile, "launches", lambda session, ctx: 57)
+    probed = []
+    cols = profile.columns(None, 2048, tokens=64, secs=0.5, wait_s=0.3, probe=probed.append)
+    assert probed == [1, 16]
+    assert cols == {"gpu_busy_ms": 0.15, "launches_per_token": 57, "host_ms_per_token": 3.125, "roofline_pct": 3.2}

@@ -61,6 +61,9 @@ class FrontierProfile:
         probe's wall time for `tokens` tokens and `wait_s` its time blocked reading them."""
         busy = None
         if gpu_timer.unavailable() is None:
+            # one step first, unprofiled: the first step after a snapshot's restore copies the restored
+            # cache arrays once (tools/frontier_probe.py saw it); the session ends one token deeper
+            probe(1)
             n = min(tokens, BUSY_STEPS)
             busy = gpu_timer.busy_ms(lambda: probe(n), n)
         pct = roofline.roofline_pct(tokens / secs, self.active_bytes, self.bandwidth)
