@@ -170,3 +170,12 @@ def test_profile_columns_arithmetic(monkeypatch):
     cols = profile.columns(None, 2048, tokens=64, secs=0.5, wait_s=0.3, probe=probed.append)
     assert probed == [1, 16]
     assert cols == {"gpu_busy_ms": 0.15, "launches_per_token": 57, "host_ms_per_token": 3.125, "roofline_pct": 3.2}
+
+
+def test_token_ids_past_the_vocab_are_refused():
+    """A synthetic model with a small vocab_size override and the shipped text: a clear error, not
+    the CPU's crash on an out-of-range embedding row."""
+    small = type("M", (), {"vocab_size": 4096})()
+    with pytest.raises(ValueError, match="vocab_size 4096"):
+        bench.check_ids(small, [5, 127028])
+    bench.check_ids(small, [0, 4095])

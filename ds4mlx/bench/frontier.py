@@ -108,6 +108,14 @@ def _greedy_probe(
     return secs
 
 
+def check_ids(model, tokens: list[int]) -> None:
+    """Refuse token ids past the model's vocabulary (e.g. a synthetic model with a small
+    vocab_size override): an out-of-range embedding row is no error on the CPU but a crash."""
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is not None and tokens and max(tokens) >= vocab:
+        raise ValueError(f"the benchmark text has token id {max(tokens)} >= the model's vocab_size {vocab}")
+
+
 def warm_up(model, tokens: list[int], chunk: int) -> None:
     """An untimed prefill (a full chunk and a partial one) and a few decode steps on a
     scratch session: MLX's GPU backends compile kernels on first use (seconds each on
@@ -143,6 +151,7 @@ def run_bench(
 
     chunk = chunk or default_chunk()
     tokens = bench_tokens(tokenizer, ctx_points[-1], text_path)
+    check_ids(model, tokens)
     # speculation: room for the last round's drafts and the widest measured verify (cost.measure)
     room = 0 if speculation is None else speculation.depth + 2 * 4 + 2
     session = model.new_session(ctx=ctx_points[-1] + gen_tokens + PROBE_WARMUP + 1 + room, chunk=chunk)
@@ -424,6 +433,11 @@ def run(args) -> int:
             print(f"ds4mlx bench: {e}", file=sys.stderr)
             return 2
         print(f"ds4mlx bench: profile: {profile.describe()}", file=sys.stderr)
+    try:
+        check_ids(model, bench_tokens(tokenizer, points[-1], args.text))
+    except ValueError as e:
+        print(f"ds4mlx bench: {e}", file=sys.stderr)
+        return 2
     if args.profile_prefill:  # first: a time-boxed run still gets the profile
         from .prefill_profile import format_prefill_profile, profile_prefill
 
