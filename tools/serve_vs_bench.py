@@ -83,6 +83,19 @@ def engine_job(engine, prompt: str, ids: list[int], gen: int, ignore_eos: bool) 
             raise RuntimeError(f"job failed: {ev}")
 
 
+def engine_busy(engine, prompt: str, ids: list[int], gen: int) -> str:
+    """One more ignore_eos job under the CUDA profiler: GPU-busy and wall ms per token (its wall
+    time slowed by the profiler's host work), or why it can not be told here."""
+    from ds4mlx.bench import gpu_timer
+
+    why = gpu_timer.unavailable()
+    if why is not None:
+        return f"n/a ({why})"
+    (secs, tokens), per = gpu_timer.kernel_times(lambda: engine_job(engine, prompt, ids, gen, True))
+    busy = sum(t for _, t in per.values()) / 1e3  # µs -> ms, the whole job (its prefill included)
+    return f"busy_ms_per_token={busy / tokens:.3f} (prefill included),profiled_wall_ms_per_token={1e3 * secs / max(tokens - 1, 1):.3f}"
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--expert-format", choices=["mlx", "gguf"], default="mlx")
@@ -91,6 +104,12 @@ def main() -> int:
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--engine", action="store_true", help="the engine in process (a Job, no HTTP) instead of serve")
     p.add_argument("--model", help="a model path or `demo` instead of the synthetic V4 Flash")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="with --engine: bench's row with its profile columns (bench --profile), and the engine's "
+        "GPU-busy ms per token from one more job under the CUDA profiler (n/a elsewhere)",
+    )
     a = p.parse_args()
     if a.model:
         from ds4mlx import load
@@ -101,8 +120,15 @@ def main() -> int:
         model, tok, info = build_synthetic_v4_flash(layers=a.layers, expert_format=a.expert_format)
         print(f"# {info}", flush=True)
         label = a.expert_format
-    row = bench.run_bench(model, tok, [a.ctx], a.gen)[0]
-    print(f"bench,{label},{a.ctx},{row['gen_tps']}", flush=True)
+    profile = None
+    if a.profile:
+        from ds4mlx.bench.frontier_profile import FrontierProfile
+
+        profile = FrontierProfile.for_model(model)
+        print(f"# profile: {profile.describe()}", flush=True)
+    row = bench.run_bench(model, tok, [a.ctx], a.gen, profile=profile)[0]
+    cols = "".join(f",{k}={row[k]}" for k in bench.PROFILE_COLUMNS if k in row)
+    print(f"bench,{label},{a.ctx},{row['gen_tps']}{cols}", flush=True)
     ids = bench.bench_tokens(tok, a.ctx)
     prompt = tok.decode(ids)
     engine = Engine(model, tok, ctx=a.ctx + a.gen + 64, default_max_tokens=a.gen)
@@ -114,6 +140,8 @@ def main() -> int:
                 tps = (tokens - 1) / secs if secs > 0 and tokens > 1 else 0.0
                 ratio = tps / row["gen_tps"] if row["gen_tps"] else 0.0
                 print(f"{name},{label},{a.ctx},{tps:.2f},tokens={tokens},vs_bench={ratio:.2f}", flush=True)
+            if a.profile:
+                print(f"engine_gpu_busy,{label},{a.ctx},{engine_busy(engine, prompt, ids, a.gen)}", flush=True)
         finally:
             engine.close()
         return 0
