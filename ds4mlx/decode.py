@@ -29,6 +29,7 @@ the ready steps of several sessions in one forward where the model allows).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import mlx.core as mx
@@ -101,6 +102,9 @@ class DecodeLoop:
         self.lookahead = bool(lookahead) and (not self.stop_ids or getattr(session, "can_undo", False))
         self.limit = limit
         self.stopped_by: int | None = None
+        # seconds the host spent blocked reading tokens (`.item()`): wall minus this is the host's
+        # own work per token (bench --profile's host ms per token)
+        self.wait_s = 0.0
 
     def __iter__(self) -> Iterator[int]:
         return self._lookahead() if self.lookahead else self._synchronous()
@@ -112,7 +116,11 @@ class DecodeLoop:
         s, n = self.session, 0
         while self._room(n):
             tok = self.sample(self.logits)
-            tok = int(tok.item()) if isinstance(tok, mx.array) else int(tok)
+            if isinstance(tok, mx.array):
+                t0 = time.perf_counter()
+                tok = int(tok.item())
+                self.wait_s += time.perf_counter() - t0
+            tok = int(tok)
             if tok in self.stop_ids:
                 self.stopped_by = tok
                 return
@@ -140,7 +148,9 @@ class DecodeLoop:
                 self.logits = s.step(tok, undoable=True) if self.stop_ids else s.step(tok)
             nxt = self.sample(self.logits)  # token t+1, still on the device
             mx.async_eval(nxt)
+            t0 = time.perf_counter()
             t = int(tok.item())  # waits for step t-1 only: step t is already queued behind it
+            self.wait_s += time.perf_counter() - t0
             if t in self.stop_ids:
                 s.undo_step()
                 self.stopped_by = t

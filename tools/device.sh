@@ -20,6 +20,10 @@
 #   batched            batched sessions N = SLOTS (1,2,4,8,16) concurrent streams (tools/bench_batched.py)
 #   spec               speculative decoding: verify cost, self-draft, break-even (tools/spec_bench.py)
 #   serve              `ds4mlx serve` streamed vs `bench` decode at 2K, per format in FORMATS
+#   engine             the engine in process (a Job, no HTTP) vs `bench` decode at CTX (2048), per format in
+#                      FORMATS, with bench's profile columns and the engine's GPU-busy (serve_vs_bench.py --engine)
+#   profile            `ds4mlx bench --profile` 2K..32K per format in FORMATS: GPU-busy ms, launches, host ms,
+#                      % of roofline per frontier (CSV), then the op-family profile at 2K
 #   mlxlm              mlx-lm's deepseek_v41 on the same shapes, bits and weights (tools/mlxlm_side_by_side.py)
 #   ds4                ds4 itself on a synthetic q2 GGUF against ds4mlx (tools/ds4_vs_ds4mlx.sh)
 #   kv                 the disk KV cache at 32K: restore vs re-prefill
@@ -160,6 +164,23 @@ serve)
     log "serve vs bench, 2K, $fmt experts"
     py "${SERVE_S:-120}" tools/serve_vs_bench.py --layers "$MODEL_LAYERS" --expert-format "$fmt" --ctx 2048 --gen 64 \
       | tee "$OUT/serve_vs_bench_$fmt.txt" | tail -12
+  done
+  keep
+  ;;
+engine)
+  for fmt in ${FORMATS}; do
+    log "engine vs bench, ${CTX:-2048}, $fmt experts"
+    py "${ENGINE_S:-240}" tools/serve_vs_bench.py --engine --profile --layers "$MODEL_LAYERS" --expert-format "$fmt" \
+      --ctx "${CTX:-2048}" --gen "${GEN:-128}" | tee "$OUT/engine_vs_bench_$fmt.txt" | tail -8
+  done
+  keep
+  ;;
+profile)
+  for fmt in ${FORMATS}; do
+    log "bench --profile 2K..${CTX_MAX:-32768}, $fmt experts"
+    py "${PROFILE_S:-400}" -m ds4mlx.cli bench --synthetic v4-flash --layers "$MODEL_LAYERS" --expert-format "$fmt" \
+      --ctx-start 2048 --ctx-max "${CTX_MAX:-32768}" --step-mul 4 --gen-tokens "${GEN:-64}" --profile \
+      --csv "$OUT/profile_$fmt.csv" | cut -c1-400 | tail -30 | tee "$OUT/profile_$fmt.txt"
   done
   keep
   ;;

@@ -60,7 +60,7 @@ def fast_forward(session, ctx: int) -> None:
 def gpu_busy(session, steps: int, top: int = 0) -> tuple[float, float, float]:
     """(GPU busy ms per step, kernels per step, wall ms per synchronous step); prints the
     `top` kernels by GPU time per step."""
-    from torch.profiler import ProfilerActivity, profile
+    from ds4mlx.bench.gpu_timer import kernel_times
 
     tok = mx.array(5, mx.int32)
     snap = session.snapshot()
@@ -69,19 +69,16 @@ def gpu_busy(session, steps: int, top: int = 0) -> tuple[float, float, float]:
     # restore copying the restored cache arrays once; the decode loop does not restore
     mx.eval(session.step(tok))
     walls = []
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def run():
         for _ in range(steps):
             t0 = time.perf_counter()
             mx.eval(session.step(tok))
             walls.append(1e3 * (time.perf_counter() - t0))
+
+    _, per = kernel_times(run)
     session.restore(snap)
-    busy, n, per = 0.0, 0, {}
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
-            busy += ev.device_time_total
-            n += 1
-            c, t = per.get(ev.name[:80], (0, 0.0))
-            per[ev.name[:80]] = (c + 1, t + ev.device_time_total)
+    busy, n = sum(t for _, t in per.values()), sum(c for c, _ in per.values())
     for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"  {t / steps:9.1f} us  x{c / steps:6.1f}  {name}", flush=True)
     return busy / 1e3 / steps, n / steps, statistics.median(walls)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections import defaultdict
 
 
 def say(*a):
@@ -68,8 +67,8 @@ def main() -> int:
 
     import mlx.core as mx
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
+    from ds4mlx.bench.gpu_timer import kernel_times
     from ds4mlx.bench.synthetic import build_synthetic_v4_flash
 
     say("mlx", mx.__version__, mx.default_device(), "torch", torch.__version__)
@@ -86,7 +85,8 @@ def main() -> int:
     for _ in range(3):  # compile + warm
         mx.eval(s.step(tok))
     walls, builds = [], []
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def steps():
         for _ in range(a.steps):
             t0 = time.perf_counter()
             lg = s.step(tok)
@@ -95,18 +95,10 @@ def main() -> int:
             t2 = time.perf_counter()
             builds.append(1e3 * (t1 - t0))
             walls.append(1e3 * (t2 - t0))
-    per = defaultdict(lambda: [0, 0.0])
-    busy = 0.0
-    n = 0
-    for ev in prof.events():
-        dt = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-        if ev.device_type.name != "CUDA" or dt <= 0:
-            continue
-        key = ev.name[:90]
-        per[key][0] += 1
-        per[key][1] += dt
-        busy += dt
-        n += 1
+
+    _, per = kernel_times(steps)
+    busy = sum(t for _, t in per.values())
+    n = sum(c for c, _ in per.values())
     st = a.steps
     say(
         f"{a.layers} layers, ctx {a.ctx}: synchronous step {statistics.median(walls):.2f} ms wall "

@@ -5,6 +5,7 @@ depth, and scaled by how often one decode step runs it (e.g. two hyper-connectio
 calls per layer).  `host` is the Python time to build one step's lazy graph
 (`session.step` without evaluating it): whatever the device does, the host pays
 that per token.  The sum of the families is compared with a measured step.
+(The per-frontier columns of `bench --profile` live in frontier_profile.py.)
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ SPEC_COLUMNS = [
     *(f"spec_verify_ms_k{k}" for k in (1, 2, 3, 4)),
     *(f"spec_breakeven_k{k}" for k in (1, 2, 3, 4)),
 ]
+# with --profile (frontier_profile.py): GPU-busy ms per step ("n/a" where the backend can not
+# tell), launches per token (the census), the host's ms per token outside the token reads, % of the roofline
+PROFILE_COLUMNS = ["gpu_busy_ms", "launches_per_token", "host_ms_per_token", "roofline_pct"]
 GATED = ("prefill_tps", "gen_tps")  # higher is better
 
 
@@ -62,11 +65,19 @@ PROBE_WARMUP = 2  # untimed decode steps before each probe
 
 
 def _greedy_probe(
-    session, first_logits, n: int, eos_id: int | None, warmup: int = PROBE_WARMUP, speculation=None, stats=None
+    session,
+    first_logits,
+    n: int,
+    eos_id: int | None,
+    warmup: int = PROBE_WARMUP,
+    speculation=None,
+    stats=None,
+    timing: dict | None = None,
 ) -> float:
     """Decode `warmup` untimed then n timed greedy tokens (EOS masked) through the decode
     loop (decode.py: sampled on the device, read one step behind; with `speculation`, the
-    speculative loop, its counters in `stats`); return seconds."""
+    speculative loop, its counters in `stats`); return seconds.  `timing` gets "wait_s":
+    the timed tokens' seconds blocked reading a token (the plain loop only)."""
     import mlx.core as mx
 
     from ..decode import decode_tokens, greedy
@@ -78,17 +89,31 @@ def _greedy_probe(
         from ..speculative.loop import SpeculativeLoop
 
         rule = GreedyRule(first.shape[-1], banned)
+        plain = None
         loop = iter(SpeculativeLoop(session, first, speculation.drafter, rule, depth=speculation.depth, margin=speculation.margin, stats=stats))  # fmt: skip
     else:
-        loop = iter(decode_tokens(session, first, greedy(first.shape[-1], banned)))
+        plain = decode_tokens(session, first, greedy(first.shape[-1], banned))  # keeps `wait_s`
+        loop = iter(plain)
     for _ in range(warmup):  # first-use kernel compilation and the bucket's trace stay out of the figure
         next(loop)
     mx.synchronize()
+    wait0 = plain.wait_s if plain is not None else 0.0
     t0 = time.perf_counter()
     for _ in range(n):
         next(loop)
     mx.synchronize()
-    return time.perf_counter() - t0
+    secs = time.perf_counter() - t0
+    if timing is not None and plain is not None:
+        timing["wait_s"] = plain.wait_s - wait0
+    return secs
+
+
+def check_ids(model, tokens: list[int]) -> None:
+    """Refuse token ids past the model's vocabulary (e.g. a synthetic model with a small
+    vocab_size override): an out-of-range embedding row is no error on the CPU but a crash."""
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is not None and tokens and max(tokens) >= vocab:
+        raise ValueError(f"the benchmark text has token id {max(tokens)} >= the model's vocab_size {vocab}")
 
 
 def warm_up(model, tokens: list[int], chunk: int) -> None:
@@ -117,13 +142,16 @@ def run_bench(
     log=None,
     time_budget: float | None = None,
     speculation=None,
+    profile=None,
 ) -> list[dict]:
     """One row per frontier.  With `time_budget` (seconds) the walk stops before a
-    frontier whose prefill, extrapolated from the last row's speed, would overrun it."""
+    frontier whose prefill, extrapolated from the last row's speed, would overrun it.
+    With `profile` (decode_profile.FrontierProfile) each row gets PROFILE_COLUMNS."""
     import mlx.core as mx
 
     chunk = chunk or default_chunk()
     tokens = bench_tokens(tokenizer, ctx_points[-1], text_path)
+    check_ids(model, tokens)
     # speculation: room for the last round's drafts and the widest measured verify (cost.measure)
     room = 0 if speculation is None else speculation.depth + 2 * 4 + 2
     session = model.new_session(ctx=ctx_points[-1] + gen_tokens + PROBE_WARMUP + 1 + room, chunk=chunk)
@@ -156,12 +184,12 @@ def run_bench(
         }
         if gen_tokens > 0:
             snap = session.snapshot()
-            stats = None
+            stats, timing = None, {}
             if speculation is not None:
                 from ..speculative.options import SpecStats
 
                 stats = SpecStats()
-            gen_s = _greedy_probe(session, logits, gen_tokens, eos, speculation=speculation, stats=stats)
+            gen_s = _greedy_probe(session, logits, gen_tokens, eos, speculation=speculation, stats=stats, timing=timing)
             costs = None
             if stats is not None:
                 from ..speculative.cost import measure
@@ -169,6 +197,13 @@ def run_bench(
                 costs = measure(session, session.tokens[-1], draft_ms=stats.draft_ms_per_token)
             session.restore(snap)
             row["gen_tps"] = round(gen_tokens / gen_s, 2)
+            if profile is not None:
+
+                def probe(n, logits=logits):
+                    return _greedy_probe(session, logits, n, eos, warmup=0)
+
+                row.update(profile.columns(session, frontier, gen_tokens, gen_s, timing.get("wait_s"), probe))
+                session.restore(snap)
             if stats is not None:
                 row.update(spec_drafted=stats.drafted, spec_accepted=stats.accepted)
                 row["spec_acceptance_rate"] = round(stats.acceptance_rate, 4)
@@ -195,7 +230,9 @@ def write_csv(rows: list[dict], path) -> None:
     try:
         extra = [k for k in (rows[0] if rows else {}) if k.startswith("expert_")]  # --stream-experts
         spec = any("spec_drafted" in r for r in rows)
-        w = csv.DictWriter(out, fieldnames=COLUMNS + (SPEC_COLUMNS if spec else []) + extra, extrasaction="ignore")
+        prof = any("roofline_pct" in r for r in rows)
+        names = COLUMNS + (SPEC_COLUMNS if spec else []) + (PROFILE_COLUMNS if prof else []) + extra
+        w = csv.DictWriter(out, fieldnames=names, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     finally:
@@ -286,7 +323,18 @@ def add_arguments(p) -> None:
     p.add_argument("--max-regress", type=float, default=10.0, metavar="PCT")
     p.add_argument("--plot", metavar="FILE.svg|png")
     p.add_argument("--time-budget", type=float, help="stop before a frontier that would overrun this many seconds")
-    p.add_argument("--profile", action="store_true", help="also time one decode step by op family (at --ctx-start)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="per frontier: GPU-busy ms per step, launches per token, host ms per token, %% of roofline "
+        "(CSV columns); and one decode step timed by op family (at --ctx-start)",
+    )
+    p.add_argument(
+        "--bandwidth-gbps",
+        type=float,
+        default=None,
+        help="--profile: the device's memory bandwidth in GB/s for %% of roofline (default: a table of known cards)",
+    )
     p.add_argument(
         "--profile-prefill",
         action="store_true",
@@ -335,6 +383,8 @@ def run(args) -> int:
         baseline = read_csv(args.compare) if args.compare else None
         overrides = _overrides(args.synthetic_override)
         profile_chunks = _sizes(args.profile_chunks)
+        if args.bandwidth_gbps is not None and not args.profile:
+            raise ValueError("--bandwidth-gbps is read by --profile only")
     except (ValueError, OSError) as e:
         print(f"ds4mlx bench: {e}", file=sys.stderr)
         return 2
@@ -373,6 +423,21 @@ def run(args) -> int:
     import mlx.core as mx
 
     print(f"ds4mlx bench: {label} on {mx.default_device()}, frontiers {points}", file=sys.stderr)
+    profile = None
+    if args.profile:
+        from .frontier_profile import FrontierProfile
+
+        try:
+            profile = FrontierProfile.for_model(model, args.bandwidth_gbps)
+        except ValueError as e:
+            print(f"ds4mlx bench: {e}", file=sys.stderr)
+            return 2
+        print(f"ds4mlx bench: profile: {profile.describe()}", file=sys.stderr)
+    try:
+        check_ids(model, bench_tokens(tokenizer, points[-1], args.text))
+    except ValueError as e:
+        print(f"ds4mlx bench: {e}", file=sys.stderr)
+        return 2
     if args.profile_prefill:  # first: a time-boxed run still gets the profile
         from .prefill_profile import format_prefill_profile, profile_prefill
 
@@ -390,6 +455,7 @@ def run(args) -> int:
         log=lambda r: print("  " + ", ".join(f"{k}={v}" for k, v in r.items()), file=sys.stderr),
         time_budget=args.time_budget,
         speculation=speculation,
+        profile=profile,
     )
     write_csv(rows, args.csv)
     if args.profile:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from ..quant import expert_spans, random_gguf_blocks
+from .roofline import active_weight_bytes
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -212,11 +213,7 @@ def build_synthetic_v4_flash(
     model.eval()
     params = tree_flatten(model.parameters())
     total = sum(p.nbytes for _, p in params)
-    expert = sum(p.nbytes for n, p in params if ".mlp.experts." in n)
-    embed = sum(p.nbytes for n, p in params if "embed_tokens" in n)
-    active = (
-        (total - expert - embed) + expert * args.num_experts_per_tok / args.n_routed_experts + embed / args.vocab_size
-    )
+    active = active_weight_bytes(model, args)
     info = {
         "layers": args.num_hidden_layers,
         "experts": args.n_routed_experts,
@@ -225,6 +222,7 @@ def build_synthetic_v4_flash(
         "build_s": round(time.time() - t0, 1),
         "weights_gb": round(total / 1e9, 2),
         "active_gb_per_token": round(active / 1e9, 3),
+        "active_bytes_per_token": active,
         "roofline_tps_at_4.8TBps": round(4.8e12 / active, 1),
     }
     return LanguageModel(model, args), Tokenizer.default(), info
