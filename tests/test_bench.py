@@ -50,13 +50,14 @@ def test_bench_demo_csv_plot_and_gate(tmp_path):
     assert all(int(r["kvcache_bytes"]) > 0 and int(r["peak_memory_bytes"]) > 0 for r in rows)
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
-    # A baseline 25% faster than this machine means we are 20% slower: the gate must fail.
+    # A baseline 3x faster than this machine's first run: the gate must fail (wide margins: a
+    # loaded 2-core machine's runs differ by tens of percent)
     faster = tmp_path / "faster.csv"
-    _scaled(rows, 1.25, faster)
+    _scaled(rows, 3.0, faster)
     assert main(argv + ["--csv", str(tmp_path / "b.csv"), "--compare", str(faster), "--max-regress", "10"]) == 1
-    # A baseline at half our speed passes.
+    # A baseline at a third of our speed passes.
     slower = tmp_path / "slower.csv"
-    _scaled(rows, 0.5, slower)
+    _scaled(rows, 1 / 3, slower)
     assert main(argv + ["--csv", str(tmp_path / "c.csv"), "--compare", str(slower), "--max-regress", "10"]) == 0
 
 
