@@ -18,6 +18,8 @@
 #                      --qmoe, the micro / layer / model tables off)
 #   kernels-model      the 43-layer model with the kernels on vs off, per format in FORMATS
 #   batched            batched sessions N = SLOTS (1,2,4,8,16) concurrent streams (tools/bench_batched.py)
+#   numerics           the compiled decode step vs the full forward under the float32 activation policy,
+#                      4 layers at V4 Flash shapes (tools/gpu_policy_check.py; docs/numerics.md: <= 1e-3)
 #   spec               speculative decoding: verify cost, self-draft, break-even (tools/spec_bench.py)
 #   serve              `ds4mlx serve` streamed vs `bench` decode at 2K, per format in FORMATS
 #   engine             the engine in process (a Job, no HTTP) vs `bench` decode at CTX (2048), per format in
@@ -151,6 +153,11 @@ batched)
   args=(--synthetic --layers "$MODEL_LAYERS" --slots "${SLOTS:-1,2,4,8,16}" --requests-per-slot "${RPS:-1}"
         --input-len "${INPUT:-256}" --output-len "${GEN:-32}" --ctx "${CTX:-4096}")
   py "${BATCH_S:-560}" tools/bench_batched.py "${args[@]}" --json "$OUT/batched.json" | tee "$OUT/batched.txt" | tail -12
+  keep
+  ;;
+numerics)
+  log "numerics: decode step vs full forward, float32 activations, ${NUM_LAYERS:-4} layers"
+  py "${NUM_S:-240}" tools/gpu_policy_check.py --layers "${NUM_LAYERS:-4}" --tokens 300 | tee "$OUT/numerics.txt"
   keep
   ;;
 spec)
