@@ -213,6 +213,7 @@ def step_rows(model, caches: list, ids: mx.array, positions: list[int], undoable
     key = (id(model), n)
     fn = _compiled_rows.get(key)
     if fn is None:
+        _watch(model)  # its traces hold this model's weights: dropped with it (a new model may reuse the id)
         fn = _pure_rows(model, n)
         if mode() == "compiled":
             fn = _compiled_rows[key] = mx.compile(fn)
