@@ -116,3 +116,14 @@ def test_bad_logprobs_fields_are_named(srv, route, extra, field, kind):
     err = json.loads(text)["error"]
     assert st == 400 and err["param"] == field, text
     assert err["message"].startswith({"type": "Invalid type for", "value": "Invalid value for"}[kind]), text
+
+
+def test_host_chosen_tokens_have_logprobs(srv):
+    """A grammar makes the host choose each token: every one still gets its entry."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1, **GREEDY}
+    st, _, text = call(srv.url, "/v1/chat/completions", {**body, "response_format": {"type": "json_object"}})
+    assert st == 200, text
+    out = json.loads(text)
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"] > 0
+    assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 1 for e in content)
