@@ -77,6 +77,18 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-prob: the model's log-softmax of the raw logits it was chosen
+    from (before temperature, penalties, bias and grammar masks), and the `top` most likely
+    (token id, text, log-prob), most likely first."""
+
+    token: int
+    text: str
+    logprob: float
+    top: tuple = ()
+
+
+@dataclass(frozen=True)
 class Finish:
     """Last event of every job.  reason: stop | length | tool_calls | error | cancelled.
 
@@ -92,6 +104,8 @@ class Finish:
     # speculative decoding: this job's counters (SpecStats.as_dict(), the numbers the
     # engine adds to its totals), None when the job did not speculate
     speculation: dict | None = None
+    # logprobs asked: one TokenLogprob per generated token, in order (None when not asked)
+    logprobs: tuple | None = None
 
 
 Event = PrefillProgress | Started | TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish

@@ -208,7 +208,6 @@ ASKS = {
     "presence_penalty": -1,
     "logit_bias": {"15": 100},
     "n": 2,
-    "logprobs": True,
     "top_logprobs": 3,
     "response_format": {"type": "json_object"},
     "parallel_tool_calls": False,
@@ -250,7 +249,7 @@ ASKS = {
     "background": True,
     "prompt": {"id": "pmpt_1"},
 }
-ASKS_ON = {("completions", "logprobs"): 2}
+ASKS_ON: dict = {}
 ADVISORY = {"user": "u", "metadata": {"k": "v"}, "store": True, "safety_identifier": "s", "prompt_cache_key": "k"}
 ADVISORY |= {"prompt_cache_retention": "24h", "service_tier": "auto", "stream_options.include_obfuscation": False}
 _TOOLS = {

@@ -252,9 +252,14 @@ chat_body = st.fixed_dictionaries(
             )
         ),
         "max_completion_tokens": mostly(small_int),
+        "logprobs": mostly(st.booleans()),
+        "top_logprobs": mostly(st.integers(-2, 25)),
     },
 )
-completion_body = st.fixed_dictionaries({"prompt": mostly(text | st.lists(text, max_size=2))}, optional={**common})
+completion_body = st.fixed_dictionaries(
+    {"prompt": mostly(text | st.lists(text, max_size=2))},
+    optional={**common, "logprobs": mostly(st.integers(-2, 25))},
+)
 anthropic_body = st.fixed_dictionaries(
     {"messages": anthropic_messages, "max_tokens": mostly(small_int)},
     optional={
@@ -611,8 +616,16 @@ RICH = {
         "tools": [{"type": "function", "function": {"name": "f", "description": "d", "parameters": _SCHEMA}}],
         "tool_choice": {"type": "function", "function": {"name": "f"}},
         "max_completion_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
     },
-    "completions": {**_COMMON, **_OPENAI, "prompt": ["Hello"], "stream_options": {"include_usage": True}},
+    "completions": {
+        **_COMMON,
+        **_OPENAI,
+        "prompt": ["Hello"],
+        "stream_options": {"include_usage": True},
+        "logprobs": 2,
+    },
     "anthropic": {
         **_COMMON,
         "system": [{"type": "text", "text": "Be brief."}],

@@ -18,7 +18,7 @@ import numpy as np
 from ..chat.markers import PARSE_UNTERMINATED_TOOL_CALL
 from ..decode import StepRequest, decode_tokens
 from ..detok import Detokenizer, StopMatcher
-from ..events import Finish, Usage
+from ..events import Finish, TokenLogprob, Usage
 from ..sampling import GREEDY, DeviceSampler, Penalties, Sampler
 from ..speculative.loop import loop_for_job
 from ..speculative.options import SpecStats
@@ -68,7 +68,40 @@ class Decoding:
             from ..structured import Constraint
 
             self.constraint = Constraint(job.grammar, eng.tokenizer, vocab)
+        # logprobs: the device values of each sample, oldest first (a loop samples in yield order;
+        # a token drawn ahead but never yielded stays at the tail)
+        self.pending_lp: list | None = [] if job.logprobs is not None else None
+        self.logprobs: list[TokenLogprob] = []
         self.loop = self._make_loop(logits)
+
+    def _with_logprobs(self, sample):
+        """`sample` that also queues, on the device, the log-softmax of the raw logits at the
+        chosen token and the top k (read back with the token, no extra step)."""
+        k = int(self.job.logprobs or 0)
+
+        def wrapped(logits):
+            tok = sample(logits)
+            lp = logits.reshape(-1).astype(mx.float32)
+            lp = lp - mx.logsumexp(lp)
+            idx = tok.reshape(-1)[0] if isinstance(tok, mx.array) else mx.array(int(tok))
+            out = [lp[idx]]
+            if k:
+                top = mx.argpartition(-lp, k - 1)[:k]  # the k most likely, then in order
+                top = top[mx.argsort(-lp[top])]
+                out += [top, lp[top]]
+            mx.async_eval(*out)
+            self.pending_lp.append(out)
+            return tok
+
+        return wrapped
+
+    def _record_logprob(self, tok: int) -> None:
+        out = self.pending_lp.pop(0)
+        decode = self.r.engine.tokenizer.decode
+        top = ()
+        if len(out) > 1:
+            top = tuple((int(i), decode([int(i)]), float(v)) for i, v in zip(out[1].tolist(), out[2].tolist()))
+        self.logprobs.append(TokenLogprob(tok, decode([tok]), float(out[0].item()), top))
 
     # ------------------------------------------------ sampling
     def _pick(self, logits) -> int:
@@ -98,7 +131,9 @@ class Decoding:
         host_chooses = (
             self.force is not None or (job.tools_active and not job.params.greedy) or self.constraint is not None
         )
-        if not host_chooses:  # speculation: the same tokens, several per target forward
+        if (
+            not host_chooses and self.pending_lp is None
+        ):  # speculation (not with logprobs): the same tokens, several per target forward
             loop = loop_for_job(
                 eng.speculation, s, logits, job.params, banned=self.banned, seed=self.sampler.seed,
                 stop_ids=self.stop_ids, limit=self.max_tokens, stats=self.spec_stats,
@@ -112,6 +147,8 @@ class Decoding:
                 job.params, int(logits.shape[-1]), self.banned, seed=self.sampler.seed, penalties=self.pen
             )
         )
+        if self.pending_lp is not None:
+            sample = self._with_logprobs(sample)
         # forced tool-call header tokens do not count against max_tokens: with forced text
         # the limit is checked in `_take`, the context room always
         return decode_tokens(
@@ -168,6 +205,8 @@ class Decoding:
         reason it ends the loop with, or None to go on."""
         job, parser = self.job, self.parser
         self.generated.append(tok)
+        if self.pending_lp is not None:
+            self._record_logprob(tok)
         self.r.engine.stats.decode_tokens += 1
         self._push(self.stops.push(self.detok.feed(tok)))
         if self.stops.hit is not None:
@@ -261,6 +300,7 @@ class Decoding:
                 error=self.error,
                 stop_sequence=self.stops.hit,
                 speculation=st.as_dict() if st.rounds else None,
+                logprobs=tuple(self.logprobs) if self.pending_lp is not None else None,
             )
         )
 

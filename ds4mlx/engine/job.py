@@ -76,6 +76,8 @@ class Job:
     family: str | None = None  # chat protocol family (chat/protocol.py); None = the engine's
     tool_schemas: Sequence[str] = ()  # active tool schema lines (typed arguments for tag-based calls)
     single_tool_call: bool = False  # parallel_tool_calls false: stop after the first call (chat/protocol.py)
+    # logprobs: None = not asked; k = the chosen token's log-prob plus the k most likely (0..20)
+    logprobs: int | None = None
     grammar: Any = None  # structured output (structured.Grammar): the answer's tokens constrained
     # image input (docs/vision.md): the image-token blocks in prompt_ids (vision.encoder.ImageSpan)
     # and their images (chat.images.ImageInput), in the same order

@@ -12,6 +12,7 @@ from ..chat.requests import CHAT_THINKING_FIELDS, DEFAULT_MODEL, RequestError, T
 from ..events import Finish, Started, TextDelta, Usage
 from . import sse
 from .common import RequestInfo, body_bytes, total_usage
+from .logprobs import completion_logprobs
 from .openai import finish_reason, usage_openai
 
 # --- request (docs/chat-template.md §4.3) -------------------------------------------------
@@ -66,15 +67,18 @@ class CompletionsAdapter:
         self.index = index  # the choice this adapter prints (one per prompt of a prompt list)
         self.last = last  # the last choice of the response: the usage chunk and [DONE] follow it
 
-    def _chunk(self, text: str, finish: str | None) -> bytes:
+    def _chunk(self, text: str, finish: str | None, logprobs: dict | None = None) -> bytes:
         i = self.info
+        choice = {"text": text, "index": self.index, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         return sse.data(
             {
                 "id": i.id,
                 "object": "text_completion",
                 "created": i.created,
                 "model": i.model,
-                "choices": [{"text": text, "index": self.index, "finish_reason": finish}],
+                "choices": [choice],
             }
         )
 
@@ -88,7 +92,7 @@ class CompletionsAdapter:
 
     def finish(self, fin: Finish, usage: Usage | None = None) -> list[bytes]:
         """The choice's last chunk; after the last choice, the usage (of all of them) and [DONE]."""
-        out = [self._chunk("", finish_reason(fin))]
+        out = [self._chunk("", finish_reason(fin), completion_logprobs(fin))]  # all its tokens' logprobs
         if not self.last:
             return out
         if self.info.include_usage:
@@ -120,12 +124,17 @@ class CompletionsAdapter:
                 "object": "text_completion",
                 "created": i.created,
                 "model": i.model,
-                "choices": [
-                    {"text": f.raw_text, "index": k, "finish_reason": finish_reason(f)} for k, f in enumerate(fins)
-                ],
+                "choices": [_choice(k, f) for k, f in enumerate(fins)],
                 "usage": usage_openai(total_usage(fins)),
             }
         )
+
+
+def _choice(index: int, fin: Finish) -> dict:
+    choice = {"text": fin.raw_text, "index": index, "finish_reason": finish_reason(fin)}
+    if fin.logprobs is not None:
+        choice["logprobs"] = completion_logprobs(fin)
+    return choice
 
 
 def prompt_list(body) -> list | None:

@@ -85,8 +85,6 @@ TABLE: dict[str, list[Field]] = {
     "chat": [
         *_OPENAI_ADVISORY,
         _ignored("stream_options.include_obfuscation", BOOL),
-        _f("logprobs", BOOL, False),
-        _f("top_logprobs", INT, 0),
         _f("tools[].function.strict", BOOL, False),
         _f("audio", OBJ),
         _f("modalities", STRS, ["text"]),
@@ -101,7 +99,6 @@ TABLE: dict[str, list[Field]] = {
     "completions": [
         *_OPENAI_ADVISORY,
         _ignored("stream_options.include_obfuscation", BOOL),
-        _f("logprobs", INT),
         _f("echo", BOOL, False),
         _f("best_of", INT, 1),
         _f("suffix", STR, ""),

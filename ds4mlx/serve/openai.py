@@ -31,6 +31,7 @@ from ..chat.requests import (
 from ..events import Finish, ReasoningDelta, Started, TextDelta, ToolCallDelta, ToolCallStart, Usage
 from . import sse
 from .common import RequestInfo, body_bytes, parsed_parts, total_usage
+from .logprobs import chat_logprobs
 
 # --- request (docs/chat-template.md §2.1) -------------------------------------------------
 
@@ -153,15 +154,18 @@ class ChatAdapter:
         self.index = index  # the choice this adapter prints (n > 1: one adapter per choice)
         self.last = last  # the last choice of the response: the usage chunk and [DONE] follow it
 
-    def _chunk(self, delta: dict, finish: str | None = None) -> bytes:
+    def _chunk(self, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
         i = self.info
+        choice = {"index": self.index, "delta": delta, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         return sse.data(
             {
                 "id": i.id,
                 "object": "chat.completion.chunk",
                 "created": i.created,
                 "model": i.model,
-                "choices": [{"index": self.index, "delta": delta, "finish_reason": finish}],
+                "choices": [choice],
             }
         )
 
@@ -197,8 +201,9 @@ class ChatAdapter:
         return []
 
     def finish(self, fin: Finish, usage: Usage | None = None) -> list[bytes]:
-        """The choice's last chunk; after the last choice, the usage (of all of them) and [DONE]."""
-        out = [self._chunk({}, finish_reason(fin))]
+        """The choice's last chunk (with the logprobs of all its tokens, when asked); after the
+        last choice, the usage (of all of them) and [DONE]."""
+        out = [self._chunk({}, finish_reason(fin), chat_logprobs(fin))]
         if not self.last:
             return out
         if self.info.include_usage:
@@ -245,4 +250,7 @@ class ChatAdapter:
             msg["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
             ]
-        return {"index": index, "message": msg, "finish_reason": finish_reason(fin)}
+        choice = {"index": index, "message": msg, "finish_reason": finish_reason(fin)}
+        if fin.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(fin)
+        return choice

@@ -95,6 +95,7 @@ class Controls:
     include_usage: bool
     ignore_eos: bool
     overridden: tuple = ()  # sampling fields the client sent that thinking mode replaces (the header)
+    logprobs: int | None = None  # None: not asked; k: the chosen token's log-prob and the k most likely
 
 
 def _bad(field: str) -> APIError:
@@ -171,6 +172,32 @@ def choice_count(api: str, body: Any) -> int:
     return int(v)
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat top_logprobs (completions' logprobs allows 5; we allow 20)
+
+
+def _logprobs(api: str, body: dict) -> int | None:
+    """The logprobs a chat or completions body asks for: None, or how many alternatives."""
+    if api == "chat":
+        on, top = _bool(body.get("logprobs"), "logprobs"), body.get("top_logprobs")
+        field = "top_logprobs"
+    elif api == "completions":
+        on, top, field = None, body.get("logprobs"), "logprobs"
+    else:
+        return None
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, (int, float)):
+            raise _bad(field)
+        if top != int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            msg = invalid_value(field, f"an integer in [0, {MAX_TOP_LOGPROBS}]", top)
+            raise APIError(400, msg, param=field, code="invalid_value")
+        top = int(top)
+    if api == "completions":
+        return top
+    if top and not on:  # OpenAI: top_logprobs needs logprobs true
+        raise APIError(400, invalid_value(field, "used with logprobs: true", top), param=field, code="invalid_value")
+    return (top or 0) if on else None
+
+
 def parse_controls(api: str, body: dict, thinking: str, vocab: int | None = None) -> Controls:
     fields = _FIELDS[api]
     get = lambda k: body.get(k) if k in fields else None  # noqa: E731
@@ -223,4 +250,5 @@ def parse_controls(api: str, body: dict, thinking: str, vocab: int | None = None
             seed=seed,
             **extra,
         )
-    return Controls(params, max_tokens, stream, include_usage, ignore_eos, overridden)
+    logprobs = _logprobs(api, body)
+    return Controls(params, max_tokens, stream, include_usage, ignore_eos, overridden, logprobs)

@@ -290,6 +290,7 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
         ignore_eos=ctl.ignore_eos,
         tool_id_prefix=M.ANTHROPIC_TOOL_ID_PREFIX if api == "anthropic" else M.OPENAI_TOOL_ID_PREFIX,
         family=proto.family,
+        logprobs=ctl.logprobs,
     )
     job.grammar = grammar_of(api, body)  # structured output: a 400 for a grammar that does not compile
     prep = Prepared(api, job, model, ctl.stream, ctl.include_usage, req.thinking)

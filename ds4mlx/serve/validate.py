@@ -171,12 +171,16 @@ CHAT = _api(
         },
         "max_completion_tokens": NUM,
         "parallel_tool_calls": BOOL,
+        "logprobs": BOOL,
+        "top_logprobs": NUM,
         **OPENAI_SAMPLING,
     }
 )
 
 # --- legacy completions -------------------------------------------------------------------
-COMPLETIONS = _api({"prompt": {"type": ["string", "array"], "items": {"type": "string"}}, **OPENAI_SAMPLING})
+COMPLETIONS = _api(
+    {"prompt": {"type": ["string", "array"], "items": {"type": "string"}}, "logprobs": NUM, **OPENAI_SAMPLING}
+)
 
 # --- Anthropic messages ------------------------------------------------------------------
 ANTHROPIC_BLOCK = _part(

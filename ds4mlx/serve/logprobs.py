@@ -1,0 +1,42 @@
+"""Generated tokens' log-probs (events.TokenLogprob) in OpenAI's shapes (docs/http-api.md §10):
+chat's `choices[].logprobs.content[]` and legacy completions' `choices[].logprobs`."""
+
+from __future__ import annotations
+
+from ..events import Finish
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(fin: Finish) -> dict | None:
+    """`{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}`, None when not asked."""
+    if fin.logprobs is None:
+        return None
+    content = [
+        {
+            "token": t.text,
+            "logprob": t.logprob,
+            "bytes": _bytes(t.text),
+            "top_logprobs": [{"token": s, "logprob": v, "bytes": _bytes(s)} for _, s, v in t.top],
+        }
+        for t in fin.logprobs
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(fin: Finish) -> dict | None:
+    """`{tokens, token_logprobs, top_logprobs (a dict per token), text_offset}`, None when not asked."""
+    if fin.logprobs is None:
+        return None
+    offsets, at = [], 0
+    for t in fin.logprobs:
+        offsets.append(at)
+        at += len(t.text)
+    return {
+        "tokens": [t.text for t in fin.logprobs],
+        "token_logprobs": [t.logprob for t in fin.logprobs],
+        "top_logprobs": [{s: v for _, s, v in t.top} for t in fin.logprobs],
+        "text_offset": offsets,
+    }

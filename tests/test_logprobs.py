@@ -1,0 +1,129 @@
+"""logprobs on chat and legacy completions (docs/http-api.md §10): OpenAI's shapes, streamed
+and not, with values equal to a log-softmax recomputed from the scripted model's logits."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from scripted_model import ScriptedModel, Segment, serve  # noqa: E402
+from test_server_http import call, parse_sse  # noqa: E402
+
+TEXT = "hello world, how are you today"
+GREEDY = {"temperature": 0, "think": False, "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def srv():
+    from ds4mlx.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    # soft: a distractor close behind each token, so the top alternatives are not all equal
+    model = ScriptedModel(tok, lambda p: [Segment(TEXT, soft=True)], distractor="x")
+    with serve(tok, model, ctx=512, tokens=8) as s:
+        s.tok, s.model = tok, model
+        yield s
+
+
+def _expected(srv, n: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """(token text, log-prob, the top 3) of the first n script tokens, recomputed in numpy."""
+    out = []
+    for t in srv.tok.encode(TEXT)[:n]:
+        x = srv.model.logits_for(t, True).astype(np.float64)
+        lp = x - np.log(np.exp(x - x.max()).sum()) - x.max()
+        order = np.argsort(-lp, kind="stable")[:3]
+        out.append((srv.tok.decode([t]), lp[t], [(srv.tok.decode([int(i)]), lp[i]) for i in order]))
+    return out
+
+
+def _check_chat(srv, logprobs: dict, k: int) -> None:
+    content = logprobs["content"]
+    exp = _expected(srv, len(content))
+    assert len(content) == 3
+    for entry, (text, lp, top) in zip(content, exp):
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["token"] == text and entry["bytes"] == list(text.encode())
+        assert entry["logprob"] == pytest.approx(lp, abs=1e-4)
+        tops = entry["top_logprobs"]
+        assert len(tops) == k
+        values = [e["logprob"] for e in tops]
+        assert values == sorted(values, reverse=True)
+        assert values == pytest.approx([v for _, v in top[:k]], abs=1e-4)
+        if k:  # the chosen token is the most likely: first, with its own value
+            assert tops[0]["token"] == text and tops[0]["logprob"] == entry["logprob"]
+        assert all(set(e) == {"token", "logprob", "bytes"} for e in tops)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_chat_logprobs(srv, k):
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": k, **GREEDY}
+    st, _, text = call(srv.url, "/v1/chat/completions", body)
+    assert st == 200, text
+    choice = json.loads(text)["choices"][0]
+    assert choice["message"]["content"] == "".join(srv.tok.decode([t]) for t in srv.tok.encode(TEXT)[:3])
+    _check_chat(srv, choice["logprobs"], k)
+    st, _, raw = call(srv.url, "/v1/chat/completions", {**body, "stream": True})
+    chunks = [json.loads(v) for kind, v in parse_sse(raw) if kind == "data" and v != "[DONE]"]
+    content = [e for c in chunks for ch in c["choices"] for e in (ch.get("logprobs") or {}).get("content", [])]
+    assert content == choice["logprobs"]["content"]  # the streamed entries, concatenated
+
+
+def test_chat_without_logprobs_has_none(srv):
+    st, _, text = call(srv.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **GREEDY})
+    assert st == 200 and "logprobs" not in json.loads(text)["choices"][0]
+
+
+def test_completions_logprobs(srv):
+    body = {"prompt": "say", "logprobs": 2, **GREEDY}
+    st, _, text = call(srv.url, "/v1/completions", body)
+    assert st == 200, text
+    choice = json.loads(text)["choices"][0]
+    lp = choice["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    exp = _expected(srv, 3)
+    assert lp["tokens"] == [t for t, _, _ in exp]
+    assert lp["token_logprobs"] == pytest.approx([v for _, v, _ in exp], abs=1e-4)
+    assert lp["text_offset"] == [0, *np.cumsum([len(t) for t, _, _ in exp])[:-1].tolist()]
+    for d, (_, _, top) in zip(lp["top_logprobs"], exp):
+        assert d == pytest.approx(dict(top[:2]), abs=1e-4)
+    st, _, raw = call(srv.url, "/v1/completions", {**body, "stream": True})
+    chunks = [json.loads(v) for kind, v in parse_sse(raw) if kind == "data" and v != "[DONE]"]
+    streamed = [ch["logprobs"] for c in chunks for ch in c["choices"] if ch.get("logprobs")]
+    assert streamed == [lp]
+
+
+@pytest.mark.parametrize(
+    "route,extra,field,kind",
+    [
+        ("/v1/chat/completions", {"logprobs": 1}, "logprobs", "type"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "value"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs", "value"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "value"),  # without logprobs: true
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": "3"}, "top_logprobs", "type"),
+        ("/v1/completions", {"logprobs": True}, "logprobs", "type"),
+        ("/v1/completions", {"logprobs": 1.5}, "logprobs", "value"),
+        ("/v1/completions", {"logprobs": 21}, "logprobs", "value"),
+    ],
+)
+def test_bad_logprobs_fields_are_named(srv, route, extra, field, kind):
+    base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in route else {"prompt": "x"}
+    st, _, text = call(srv.url, route, {**base, **extra})
+    err = json.loads(text)["error"]
+    assert st == 400 and err["param"] == field, text
+    assert err["message"].startswith({"type": "Invalid type for", "value": "Invalid value for"}[kind]), text
+
+
+def test_host_chosen_tokens_have_logprobs(srv):
+    """A grammar makes the host choose each token: every one still gets its entry."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1, **GREEDY}
+    st, _, text = call(srv.url, "/v1/chat/completions", {**body, "response_format": {"type": "json_object"}})
+    assert st == 200, text
+    out = json.loads(text)
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"] > 0
+    assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 1 for e in content)
