@@ -10,13 +10,18 @@ tool loop completes:
   are hidden from the model (NAME must have no required parameters: the client
   then gets `{}`, which it accepts; the server writes a call of a tool without
   parameters whole);
-* otherwise (the turn after the tool result, side requests): thinking off and
-  a short stop (stop sequences on every printable ASCII character, so the
-  random text ends at once with a normal finish, not a truncation).
+* otherwise (the turn after the tool result, side requests): thinking off,
+  greedy decoding and a short stop, so the random text ends at once with a
+  normal finish, not a truncation: the proxy first asks the server for the
+  answer's first token (the same request, not streamed, `max_tokens` 1) and
+  then stops on every printable ASCII character that token does not hold, so
+  the answer is never empty (Claude Code fails a turn whose answer is empty).
+  The answer is passed on whole once it holds text; an empty one (the probe
+  moved the server's cache state) is asked again, up to SHORT_TRIES times.
 
 Every request and response is logged as JSON lines in `--log`
-(`{"seq", "path", "request", "rewritten", "status", "response"}`), which the
-real-client tests read.  Usage:
+(`{"seq", "path", "request", "rewritten", "status", "response"}`, and `probe`
+for a short answer's first-token request), which the real-client tests read.  Usage:
 
     python tools/client_proxy.py --port 18202 --upstream http://127.0.0.1:18201 \\
         --force TaskList --log proxy.jsonl
@@ -34,6 +39,8 @@ from aiohttp import web
 
 GENERATION = {"/v1/messages": "anthropic", "/v1/chat/completions": "chat", "/v1/responses": "responses"}
 SHORT_STOP = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
+SHORT_TRIES = 3
+STOP_FIELD = {"anthropic": "stop_sequences", "chat": "stop", "responses": "stop"}
 HOP = {
     "connection",
     "keep-alive",
@@ -85,8 +92,9 @@ def _thinking_off(api: str, body: dict) -> None:
         body["reasoning"] = {"effort": "none"}
 
 
-def rewrite(api: str, body: Any, force: str | None) -> Any:
-    """The request as forwarded (a new dict; non-dict bodies pass unchanged)."""
+def rewrite(api: str, body: Any, force: str | None, first_text: str = "") -> Any:
+    """The request as forwarded (a new dict; non-dict bodies pass unchanged).  A short
+    answer stops on no character of `first_text` (its greedy first token)."""
     if not isinstance(body, dict):
         return body
     body = json.loads(json.dumps(body))
@@ -102,8 +110,46 @@ def rewrite(api: str, body: Any, force: str | None) -> Any:
         else:
             body["tool_choice"] = {"type": "function", "name": force}
         return body
-    body["stop_sequences" if api == "anthropic" else "stop"] = SHORT_STOP
+    body["temperature"] = 0
+    body[STOP_FIELD[api]] = [c for c in SHORT_STOP if c not in first_text]
     return body
+
+
+def probe(api: str, body: dict) -> dict:
+    """A short answer's request cut to its first token: not streamed, no stop."""
+    body = {k: v for k, v in body.items() if k not in (STOP_FIELD[api], "stream", "max_completion_tokens")}
+    body["max_output_tokens" if api == "responses" else "max_tokens"] = 1
+    return body
+
+
+def answer_text(api: str, response: str) -> str:
+    """The answer text of a response body, streamed (SSE) or not."""
+    try:
+        events = [json.loads(response)]
+    except ValueError:
+        events = []
+        for line in response.splitlines():
+            if line.startswith("data: ") and line[6:].strip() != "[DONE]":
+                try:
+                    events.append(json.loads(line[6:]))
+                except ValueError:
+                    pass
+    out = []
+    for ev in events:
+        if not isinstance(ev, dict):
+            continue
+        if api == "anthropic":
+            blocks = ev.get("content") or [ev.get("delta") or {}]
+        elif api == "chat":
+            blocks = [
+                {"text": (c.get("message") or c.get("delta") or {}).get("content")} for c in ev.get("choices") or []
+            ]
+        elif ev.get("type") == "response.output_text.delta":
+            blocks = [{"text": ev.get("delta")}]
+        else:
+            blocks = [p for item in ev.get("output") or [] if isinstance(item, dict) for p in item.get("content") or []]
+        out += [str(b.get("text") or "") for b in blocks if isinstance(b, dict)]
+    return "".join(out)
 
 
 class Proxy:
@@ -123,43 +169,65 @@ class Proxy:
         raw = await request.read()
         api = GENERATION.get(request.path)
         body: Any = None
-        sent = raw
         if api is not None and request.method == "POST":
             try:
                 body = json.loads(raw)
             except ValueError:
                 body = None
-            if isinstance(body, dict):
-                sent = json.dumps(rewrite(api, body, self.force)).encode()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
-        record = {
-            "seq": self.seq,
-            "method": request.method,
-            "path": request.path,
-            "request": body,
-            "rewritten": json.loads(sent) if body is not None else None,
-        }
-        out = bytearray()
+        url = self.upstream + request.path_qs
+        record: dict = {"seq": self.seq, "method": request.method, "path": request.path, "request": body}
         timeout = aiohttp.ClientTimeout(total=1800)
         async with aiohttp.ClientSession(timeout=timeout) as s:
-            async with s.request(
-                request.method,
-                self.upstream + request.path_qs,
-                headers=headers,
-                data=sent or None,
-                allow_redirects=False,
-            ) as up:
-                resp = web.StreamResponse(status=up.status, reason=up.reason)
-                for k, v in up.headers.items():
-                    if k.lower() not in HOP:
-                        resp.headers[k] = v
-                await resp.prepare(request)
+            rewritten = rewrite(api, body, self.force) if isinstance(body, dict) else None
+            if rewritten is not None and STOP_FIELD[api] in rewritten:
+                return await self._short_answer(s, request, url, headers, api, body, record)
+            sent = json.dumps(rewritten).encode() if rewritten is not None else raw
+            record["rewritten"] = rewritten
+            out = bytearray()
+            async with s.request(request.method, url, headers=headers, data=sent or None, allow_redirects=False) as up:
+                resp = await self._start(request, up)
                 async for chunk in up.content.iter_any():
                     out += chunk
                     await resp.write(chunk)
                 await resp.write_eof()
                 record["status"] = up.status
         record["response"] = out.decode("utf-8", "replace")
+        self._log(record)
+        return resp
+
+    @staticmethod
+    async def _start(request: web.Request, up: aiohttp.ClientResponse) -> web.StreamResponse:
+        resp = web.StreamResponse(status=up.status, reason=up.reason)
+        for k, v in up.headers.items():
+            if k.lower() not in HOP:
+                resp.headers[k] = v
+        await resp.prepare(request)
+        return resp
+
+    async def _short_answer(self, s, request, url, headers, api, body, record) -> web.StreamResponse:
+        """Probe the first token, ask for the short answer and pass it on once it holds
+        text.  The probe and the answer can be served from different cache states (the
+        probe moves the server's live session), so an empty answer is asked again, a
+        few times at most; every try is logged."""
+        record["tries"] = []
+        for _ in range(SHORT_TRIES):
+            first = probe(api, rewrite(api, body, self.force))
+            async with s.post(url, headers=headers, json=first) as up:
+                probed = await up.text()
+            rewritten = rewrite(api, body, self.force, answer_text(api, probed))
+            up = await s.post(url, headers=headers, json=rewritten)
+            data = await up.read()
+            text = data.decode("utf-8", "replace")
+            record["tries"].append({"probe": first, "probe_response": probed, "rewritten": rewritten})
+            if up.status != 200 or answer_text(api, text):
+                break
+            up.release()
+        record.update(rewritten=rewritten, status=up.status, response=text)
+        resp = await self._start(request, up)
+        await resp.write(data)
+        await resp.write_eof()
+        up.release()
         self._log(record)
         return resp
 
