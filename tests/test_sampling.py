@@ -83,8 +83,12 @@ def test_same_seed_same_draws_different_seed_differs():
     assert seq1 == seq2 and seq1 != seq3 and a[0] == seq1[0]
 
 
-def test_seed_zero_is_time_based():
-    assert Sampler(0).seed != 0
+def test_seed_zero_is_a_seed_and_none_is_time_based(monkeypatch):
+    import ds4mlx.sampling as sampling
+
+    assert Sampler(0).seed == 0 and Sampler(7).seed == 7
+    monkeypatch.setattr(sampling, "_time_seed", lambda: 12345)  # an absent seed is drawn from the clock
+    assert Sampler(None).seed == 12345 and Sampler().seed == 12345
 
 
 def test_banned_ids_are_never_drawn():

@@ -368,6 +368,8 @@ def run(a: argparse.Namespace) -> int:
         from .selftest import run_self_test
 
         return run_self_test(sys.stdout)
+    if getattr(a, "mtp_timing", False):  # the verify-cost table is generate / chat / bench's
+        return _fail("--mtp-timing is not measured by eval (use ds4mlx generate, chat or bench); --mtp drafts here")
     if a.regrade:
         from .trace import regrade_file
 
@@ -425,8 +427,6 @@ def _run_eval(a: argparse.Namespace, cases: list[dict[str, Any]]) -> int:
         pause_ms=a.pause_ms,
         suite=a.suite,
     )
-    if getattr(a, "mtp_timing", False):  # the verify-cost table is generate / chat / bench's
-        return _fail("--mtp-timing is not measured by eval (use ds4mlx generate, chat or bench); --mtp drafts here")
     if a.trace:
         err = _writable(a.trace, a.retry_incomplete, "trace")
         if err:

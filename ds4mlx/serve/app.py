@@ -593,7 +593,8 @@ async def _stream(request, state, api, adapter, queue, handle, result) -> web.St
     return out.response
 
 
-OVERRIDDEN = "ds4mlx.sampling_overridden"  # request key: the fields thinking mode replaced
+# request key: the fields thinking mode replaced (a typed key where aiohttp has them)
+OVERRIDDEN = web.RequestKey("ds4mlx_sampling_overridden", tuple) if hasattr(web, "RequestKey") else "ds4mlx.overridden"
 
 
 async def _say_overridden(request: web.Request, response: web.StreamResponse) -> None:
