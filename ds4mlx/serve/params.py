@@ -37,46 +37,16 @@ from ..sampling import TOP_K_CAP, SamplingParams
 from .errors import INVALID_JSON, APIError, invalid_field, invalid_value
 
 PENALTY_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
+# what every API reads (top_k / min_p / seed are extensions where the API lacks them: read alike
+# everywhere), then each API's own fields
+_SAMPLING = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stream", "ignore_eos"})
 _FIELDS = {
-    "chat": {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "max_tokens",
-        "max_completion_tokens",
-        "stream",
-        "stream_options",
-        "ignore_eos",
-        *PENALTY_FIELDS,
-    },
-    "completions": {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "max_tokens",
-        "stream",
-        "stream_options",
-        "ignore_eos",
-        *PENALTY_FIELDS,
-    },
-    # top_k / min_p / seed are extensions where the API lacks them: read alike everywhere
-    "anthropic": {"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stream", "ignore_eos"},
-    "responses": {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "max_tokens",
-        "max_output_tokens",
-        "stream",
-        "ignore_eos",
-    },
+    "chat": _SAMPLING | {"max_completion_tokens", "stream_options", *PENALTY_FIELDS},
+    "completions": _SAMPLING | {"stream_options", *PENALTY_FIELDS},
+    "anthropic": _SAMPLING,
+    "responses": _SAMPLING | {"max_output_tokens"},
 }
+
 _INT_CAP = 1 << 62
 # thinking mode replaces the client's temperature / top_p / top_k / min_p (ds4's and the DeepSeek
 # API's rule): a response names the fields it replaced in this header (docs/http-api.md §10.8)
