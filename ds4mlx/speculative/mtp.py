@@ -283,11 +283,10 @@ def _quantized_like(inner, head):
     if target is None:
         return head
     for _, m in head.named_modules():
-        for name in ("gate_up_proj", "down_proj"):
-            bank = getattr(m, name, None) if hasattr(m, "gate_up_proj") else None
+        for name in ("gate_up_proj", "down_proj"):  # a SwitchGLU's banks (a dense MLP's are Linear)
+            bank = getattr(m, name, None)
             if isinstance(bank, SwitchLinear):
                 setattr(m, name, quantize_switch(bank, target.bits, target.group_size))
-                del bank
     mx.clear_cache()
     return head
 
