@@ -179,3 +179,15 @@ def test_streamed_echo_is_refused(srv):
     st, _, text = call(srv.url, "/v1/completions", body)
     err = json.loads(text)["error"]
     assert st == 400 and err["param"] == "echo" and err["code"] == "unsupported_parameter", text
+
+
+def test_echo_on_a_prompt_list_prints_each_prompt(srv):
+    body = {"prompt": ["one two", "three"], "echo": True, "logprobs": 0, **GREEDY, "max_tokens": 0}
+    st, _, text = call(srv.url, "/v1/completions", body)
+    assert st == 200, text
+    choices = json.loads(text)["choices"]
+    assert [c["text"] for c in choices] == ["one two", "three"]
+    for c, p in zip(choices, ["one two", "three"]):
+        assert c["logprobs"]["tokens"] == [srv.tok.decode([t]) for t in srv.tok.encode(p)]
+        assert c["logprobs"]["token_logprobs"][0] is None
+        assert all(v < 0 for v in c["logprobs"]["token_logprobs"][1:])
