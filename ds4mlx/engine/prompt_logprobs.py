@@ -28,11 +28,7 @@ def prompt_logprobs(model, tokenizer, ids: list[int], prompt: str, k: int) -> tu
     start, end = prompt_span(tokenizer, ids, prompt)
     if end - start < 2:  # nothing to score: the first token has no log-prob
         return tuple(TokenLogprob(t, tokenizer.decode([t]), None, ()) for t in ids[start:end])
-    # float64 on the host: a float32 log-sum-exp over a 100k+ vocabulary drifts by ~1e-4,
-    # and loglikelihood callers sum these values
-    rows = np.asarray(model.logits(ids[: end - 1]), dtype=np.float64)[start:]
-    top_row = rows.max(axis=-1, keepdims=True)
-    lp = rows - top_row - np.log(np.exp(rows - top_row).sum(axis=-1, keepdims=True))
+    logits = model.logits(ids[: end - 1])  # [end - 1, V] float32
     out = []
     decode = tokenizer.decode
     for i in range(start, end):
@@ -40,7 +36,7 @@ def prompt_logprobs(model, tokenizer, ids: list[int], prompt: str, k: int) -> tu
         if i == start:
             out.append(TokenLogprob(tok, decode([tok]), None, ()))
             continue
-        row = lp[i - 1 - start]
+        row = _log_softmax(logits[i - 1])
         top = ()
         if k:
             idx = np.argpartition(-row, k - 1)[:k]
@@ -48,3 +44,12 @@ def prompt_logprobs(model, tokenizer, ids: list[int], prompt: str, k: int) -> tu
             top = tuple((int(j), decode([int(j)]), float(row[j])) for j in idx)
         out.append(TokenLogprob(tok, decode([tok]), float(row[tok]), top))
     return tuple(out)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    """In float64, one row at a time: a float32 log-sum-exp over a 100k+ vocabulary drifts by
+    ~1e-4 (loglikelihood callers sum these values), and a float64 copy of every row would
+    double the host memory of a long prompt's logits."""
+    x = np.asarray(x, dtype=np.float64)
+    top = x.max()
+    return x - top - np.log(np.exp(x - top).sum())
