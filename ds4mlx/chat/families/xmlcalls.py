@@ -30,6 +30,7 @@ from typing import Any
 from ...events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .. import markers as M
 from ..jsontext import json_escape, minify_json
+from ..protocol import CallFormat
 from .common import call_arguments, param_types, tojson
 from .deepseek_v4.dsml import ParsedCall, ParsedOutput
 from .deepseek_v4.output import finish_call_events, tool_id_for
@@ -632,3 +633,37 @@ class XmlOutputParser:
         self.stop_now = True
         self._stop_at = at
         self._structural = False
+
+
+class XmlCalls(CallFormat):
+    """The `CallFormat` of a tag-based spelling (GLM, Qwen): `syntax` and the family's think tags."""
+
+    def __init__(self, syntax: CallSyntax, think: ThinkStyle):
+        self.syntax = syntax
+        self.think = think
+
+    def render(self, calls: Sequence) -> str:
+        return self.syntax.render_calls(calls)
+
+    def parser(self, thinking: bool, tools_active: bool, id_prefix: str, tool_memory, tool_schemas: Sequence[str]):
+        return XmlOutputParser(
+            self.syntax,
+            self.think,
+            thinking,
+            tools_active,
+            id_prefix,
+            tool_memory=tool_memory,
+            tool_schemas=tool_schemas,
+        )
+
+    def parse(self, text: str, thinking: bool, tools_active: bool, truncated: bool, tool_schemas: Sequence[str]):
+        out, _ = parse_xml_output(
+            text,
+            thinking=thinking,
+            tools_active=tools_active,
+            truncated=truncated,
+            syntax=self.syntax,
+            think=self.think,
+            types=param_types(tool_schemas),
+        )
+        return out

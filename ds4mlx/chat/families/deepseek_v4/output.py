@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import codecs
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from ....events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from ... import markers as M
+from ...protocol import CallFormat
 from .dsml import (
     C_SPACE,
     JSON_STRUCTURAL,
@@ -41,7 +42,7 @@ from .dsml import (
     value_json,
 )
 
-__all__ = ["OutputParser", "new_tool_id"]
+__all__ = ["DsmlCalls", "OutputParser", "new_tool_id"]
 
 _THINK_HOLD = len(M.THINK_CLOSE) - 1  # ds4 holds the last 7 bytes of reasoning (a possible partial </think>)
 _TAIL = 64  # longer than any DSML tag
@@ -682,3 +683,23 @@ class _Projection:
         self.pos = end
         self.state = "params"
         return True
+
+
+class DsmlCalls(CallFormat):
+    """The `CallFormat` of DSML blocks: `syntaxes` the block spellings the parsers accept
+    (the first is the family's own), `render_calls` the family's renderer."""
+
+    def __init__(self, syntaxes: Sequence[M.DsmlSyntax], render_calls: Callable[[Sequence], str]):
+        self.syntaxes = syntaxes
+        self._render_calls = render_calls
+
+    def render(self, calls: Sequence) -> str:
+        return self._render_calls(calls)
+
+    def parser(self, thinking: bool, tools_active: bool, id_prefix: str, tool_memory, tool_schemas: Sequence[str]):
+        return OutputParser(thinking, tools_active, id_prefix, tool_memory=tool_memory, syntaxes=self.syntaxes)
+
+    def parse(self, text: str, thinking: bool, tools_active: bool, truncated: bool, tool_schemas: Sequence[str]):
+        return parse_output(
+            text, thinking=thinking, tools_active=tools_active, truncated=truncated, syntaxes=self.syntaxes
+        )
