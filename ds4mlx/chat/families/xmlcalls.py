@@ -20,7 +20,6 @@ authoritative, and emits what the stream still owes.
 
 from __future__ import annotations
 
-import codecs
 import json
 import re
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ from ..jsontext import json_escape, minify_json
 from ..protocol import CallFormat
 from .common import call_arguments, param_types, tojson
 from .deepseek_v4.dsml import ParsedCall, ParsedOutput
-from .deepseek_v4.output import finish_call_events, tool_id_for
+from .deepseek_v4.output import StreamParser, finish_call_events, tool_id_for
 
 _WS = " \t\n\v\f\r"
 
@@ -286,7 +285,7 @@ def parse_xml_output(
 # --- streaming -------------------------------------------------------------------------------
 
 
-class XmlOutputParser:
+class XmlOutputParser(StreamParser):
     """The `OutputParser` interface for tag-based tool calls (see the module docstring)."""
 
     def __init__(
@@ -307,13 +306,7 @@ class XmlOutputParser:
         self.id_prefix = id_prefix
         self.tool_memory = tool_memory
         self.types = param_types(tool_schemas) if tools_active else {}
-        self.raw = ""
-        self.phase = "reasoning" if thinking else "text"
-        self.stop_now = False
-        self.result: ParsedOutput | None = None
-        self._decoder = None
-        self._finished = False
-        self._stop_at: int | None = None
+        super().__init__(thinking)
         self._head_checked = False  # the start checked for a think open (thinking or inline)
         self._body = 0
         self._r_emit = 0
@@ -338,25 +331,8 @@ class XmlOutputParser:
 
     # --- public state ---------------------------------------------------------------------
     @property
-    def text(self) -> str:
-        return self.raw if self._stop_at is None else self.raw[: self._stop_at]
-
-    @property
     def structural(self) -> bool:
         return self._structural and not self.stop_now and not self._finished
-
-    def feed(self, text: str | bytes) -> list:
-        if isinstance(text, (bytes, bytearray)):
-            if self._decoder is None:
-                self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            text = self._decoder.decode(bytes(text))
-        if self._finished:
-            raise RuntimeError("feed after finish")
-        self.raw += text
-        events: list = []
-        if text and self.phase != "done":
-            self._step(events)
-        return events
 
     def stop_after_call(self, events: list) -> None:
         """Stop generating here, after the calls announced so far (one tool call per turn:
@@ -365,14 +341,7 @@ class XmlOutputParser:
             self._cut(events, len(self.raw))
 
     def finish(self, truncated: bool = False) -> tuple[list, ParsedOutput]:
-        events: list = []
-        if self._decoder is not None:
-            tail = self._decoder.decode(b"", final=True)
-            if tail:
-                self.raw += tail
-                if self.phase != "done":
-                    self._step(events)
-        self._finished = True
+        events = self._end_feed()
         if self.phase == "tool" and self._cut_calls is None and (truncated or self._call_pos >= 0):
             # the output ended inside a call (EOS, the token limit): that call is not complete,
             # so it is not returned (the stream left it open), and no markup is text (docs/dsml.md §3.1)

@@ -174,16 +174,21 @@ def value_json(members: list) -> str | None:
     return "{" + ",".join(parts) + "}"
 
 
-def parse_leaf(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[tuple[str, str, object], int]:
+def _param_tag(text: str, pos: int) -> tuple[str, str | None, int]:
+    """A parameter's open tag at `pos`: its name, its `string` attribute (None: absent) and
+    where its value starts."""
     gt = text.find(">", pos)
     if gt < 0:
         raise ParseFail(True)
     tag = text[pos : gt + 1]
     name = attr(tag, "name")
-    kind = attr(tag, "string")
     if name is None:
         raise ParseFail(False)
-    vstart = gt + 1
+    return name, attr(tag, "string"), gt + 1
+
+
+def parse_leaf(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[tuple[str, str, object], int]:
+    name, kind, vstart = _param_tag(text, pos)
     vend = text.find(syn.param_close, vstart)
     if vend < 0:
         raise ParseFail(True)
@@ -214,15 +219,7 @@ def parse_invoke(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[P
             break
         if not text.startswith(syn.param, pos):
             raise ParseFail(is_partial_marker(text[pos:], (syn.invoke_close, syn.param)) or pos >= n)
-        gt = text.find(">", pos)
-        if gt < 0:
-            raise ParseFail(True)
-        tag = text[pos : gt + 1]
-        pname = attr(tag, "name")
-        pkind = attr(tag, "string")
-        if pname is None:
-            raise ParseFail(False)
-        vstart = gt + 1
+        pname, pkind, vstart = _param_tag(text, pos)
         if pkind is None and text.startswith(syn.param, skip_ws(text, vstart)):
             nested = []
             p = vstart
