@@ -73,6 +73,12 @@ def to_f32(x: float) -> float:
 
 
 # --- rearrangements (all exact) ------------------------------------------------------
+def kda_conv_rule(hf: str, split, join) -> Rule:
+    """A linear-attention layer's one short convolution over its q, k, v channels -> ds4's
+    three `kda_*_conv` tensors (`split` / `join` cut the channels into the three)."""
+    return make_rule(hf, "kda_q_conv.weight", "kda_k_conv.weight", "kda_v_conv.weight", split=split, join=join)
+
+
 def row_parts(sizes: Callable):
     """Split along axis 0 into `sizes(args)` rows; join concatenates."""
 

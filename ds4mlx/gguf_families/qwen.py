@@ -8,6 +8,7 @@ from .base import (
     GGUFMeta,
     deinterleave_join,
     deinterleave_split,
+    kda_conv_rule,
     make_rule,
     matrix_rules,
     plus_one_join,
@@ -56,14 +57,7 @@ _QWEN_LAYER = [
     *_qwen_hc("mlp_hyper_connection", "hc_ffn", inject=True),
     # Gated DeltaNet (add_gdn)
     *matrix_rules("linear_attn.in_proj_qkv", ("kda_q", "kda_k", "kda_v"), split=_gdn_split, join=_gdn_join),
-    make_rule(
-        "linear_attn.conv1d.weight",
-        "kda_q_conv.weight",
-        "kda_k_conv.weight",
-        "kda_v_conv.weight",
-        split=_gdn_split,
-        join=_gdn_join,
-    ),
+    kda_conv_rule("linear_attn.conv1d.weight", _gdn_split, _gdn_join),
     *matrix_rules("linear_attn.in_proj_z", "kda_gate"),
     *matrix_rules("linear_attn.in_proj_a", "kda_alpha"),
     *matrix_rules("linear_attn.in_proj_b", "kda_beta"),
