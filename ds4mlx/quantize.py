@@ -157,6 +157,19 @@ def _requant_levels(x, d_eff, m_eff, L, nmax):
     return np.where(nz[..., None], Ln, L).astype(np.uint8)
 
 
+def _scale_min_codes(sc: np.ndarray, mn: np.ndarray, top: int):
+    """Each block's sub-block scales and mins as codes 0..`top` against the block's largest
+    of each (a block whose largest is 0 codes all 0); returns (scale codes, min codes, the largests)."""
+    f32 = np.float32
+    max_s, max_m = sc.max(axis=1), mn.max(axis=1)
+    with np.errstate(divide="ignore"):
+        inv_s = np.where(max_s > 0, f32(top) / max_s, f32(0))
+        inv_m = np.where(max_m > 0, f32(top) / max_m, f32(0))
+    ls = np.minimum(_nearest(inv_s[:, None] * sc), top).astype(np.uint8)
+    lm = np.minimum(_nearest(inv_m[:, None] * mn), top).astype(np.uint8)
+    return ls, lm, max_s, max_m
+
+
 def _q4_k(x: np.ndarray, importance=None) -> np.ndarray:
     f32 = np.float32
     b = x.reshape(-1, 8, 32).astype(f32)
@@ -168,12 +181,7 @@ def _q4_k(x: np.ndarray, importance=None) -> np.ndarray:
         w = w * _imp_rows(importance, x, 32)
     sc, mn, L = _qkx2(sub, w, 15, -1.0, 0.1, 20, False)
     sc, mn, L = sc.reshape(nb, 8), mn.reshape(nb, 8), L.reshape(nb, 8, 32)
-    max_s, max_m = sc.max(axis=1), mn.max(axis=1)
-    with np.errstate(divide="ignore"):
-        inv_s = np.where(max_s > 0, f32(63) / max_s, f32(0))
-        inv_m = np.where(max_m > 0, f32(63) / max_m, f32(0))
-    ls = np.minimum(_nearest(inv_s[:, None] * sc), 63).astype(np.uint8)
-    lm = np.minimum(_nearest(inv_m[:, None] * mn), 63).astype(np.uint8)
+    ls, lm, max_s, max_m = _scale_min_codes(sc, mn, 63)
     d = (max_s / f32(63)).astype(np.float16)
     dmin = (max_m / f32(63)).astype(np.float16)
     dl = d.astype(f32)[:, None] * ls.astype(f32)
@@ -194,12 +202,7 @@ def _q2_k(x: np.ndarray, importance=None) -> np.ndarray:
         w = w * _imp_rows(importance, x, 16)
     sc, mn, L = _qkx2(sub, w, 3, -0.5, 0.1, 15, True)
     sc, mn, L = sc.reshape(nb, 16), mn.reshape(nb, 16), L.reshape(nb, 16, 16)
-    max_s, max_m = sc.max(axis=1), mn.max(axis=1)
-    with np.errstate(divide="ignore"):
-        inv_s = np.where(max_s > 0, f32(15) / max_s, f32(0))
-        inv_m = np.where(max_m > 0, f32(15) / max_m, f32(0))
-    ls = np.minimum(_nearest(inv_s[:, None] * sc), 15).astype(np.uint8)
-    lm = np.minimum(_nearest(inv_m[:, None] * mn), 15).astype(np.uint8)
+    ls, lm, max_s, max_m = _scale_min_codes(sc, mn, 15)
     d = np.where(max_s > 0, max_s / f32(15), f32(0)).astype(np.float16)
     dmin = np.where(max_m > 0, max_m / f32(15), f32(0)).astype(np.float16)
     dl = d.astype(f32)[:, None] * ls.astype(f32)
