@@ -145,6 +145,19 @@ def _rope_from_kv(g: GGUFMeta) -> dict:
     return rope
 
 
+def _glm_routing(g: GGUFMeta) -> dict:
+    """The MoE router's config fields, spelled alike by glm-dsa and glm5-next."""
+    return {
+        "n_routed_experts": int(g("expert_count")),
+        "n_shared_experts": int(g("expert_shared_count", 1)),
+        "num_experts_per_tok": int(g("expert_used_count")),
+        "n_group": int(g("expert_group_count", 1)),
+        "topk_group": int(g("expert_group_used_count", 1)),
+        "routed_scaling_factor": float(g("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(g("expert_weights_norm", True)),
+    }
+
+
 def _glm_dsa_derive(meta: dict) -> dict:
     """glm-dsa keys -> GlmMoeDsaConfig fields (every layer runs its own indexer unless
     the indexer.types extension says otherwise, as in llama.cpp's GGUFs)."""
@@ -160,13 +173,7 @@ def _glm_dsa_derive(meta: dict) -> dict:
         "num_hidden_layers": n,
         "num_attention_heads": int(g("attention.head_count")),
         "num_key_value_heads": int(g("attention.head_count")),
-        "n_routed_experts": int(g("expert_count")),
-        "num_experts_per_tok": int(g("expert_used_count")),
-        "n_shared_experts": int(g("expert_shared_count", 1)),
-        "n_group": int(g("expert_group_count", 1)),
-        "topk_group": int(g("expert_group_used_count", 1)),
-        "routed_scaling_factor": float(g("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(g("expert_weights_norm", True)),
+        **_glm_routing(g),
         "first_k_dense_replace": int(g("leading_dense_block_count", 0)),
         "q_lora_rank": int(g("attention.q_lora_rank")),
         "kv_lora_rank": int(g("attention.kv_lora_rank")),
@@ -307,13 +314,7 @@ def _glm5_next_derive(meta: dict) -> dict:
         "qk_rope_head_dim": rope,
         "qk_nope_head_dim": int(g("attention.key_length")) - rope,
         "v_head_dim": int(g("attention.value_length")),
-        "n_routed_experts": int(g("expert_count")),
-        "n_shared_experts": int(g("expert_shared_count", 1)),
-        "num_experts_per_tok": int(g("expert_used_count")),
-        "n_group": int(g("expert_group_count", 1)),
-        "topk_group": int(g("expert_group_used_count", 1)),
-        "routed_scaling_factor": float(g("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(g("expert_weights_norm", True)),
+        **_glm_routing(g),
         "swiglu_limit": float(g("swiglu_limit", 10.0)),
         "index_topk": int(g("attention.indexer.top_k")),
         "index_kpool": int(g("attention.indexer.pool_size")),
