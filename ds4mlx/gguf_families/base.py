@@ -172,6 +172,20 @@ def text_part(config: dict) -> dict:
     return tc if isinstance(tc, dict) else config
 
 
+def trunk_kv(arch: str, args) -> list:
+    """The size keys that open a ds4 `*-next` GGUF's metadata: the trunk's block count (no
+    MTP blocks), context, width and vocabulary."""
+    a, n = arch, args.num_hidden_layers
+    return [
+        (f"{a}.block_count", n, "u32"),
+        (f"{a}.trunk_block_count", n, "u32"),
+        (f"{a}.nextn_predict_layers", 0, "u32"),
+        (f"{a}.context_length", int(args.max_position_embeddings), "u64"),
+        (f"{a}.embedding_length", args.hidden_size, "u32"),
+        (f"{a}.vocab_size", args.vocab_size, "u32"),
+    ]
+
+
 def tok_ids(meta: dict) -> dict:
     out = {}
     if meta.get("tokenizer.ggml.bos_token_id") is not None:

@@ -16,6 +16,7 @@ from .base import (
     row_parts,
     to_f32,
     tok_ids,
+    trunk_kv,
 )
 
 
@@ -246,12 +247,7 @@ def _glm5_next_kv(config: dict, args) -> list:
     a = "glm5-next"
     n = args.num_hidden_layers
     return [
-        (f"{a}.block_count", n, "u32"),
-        (f"{a}.trunk_block_count", n, "u32"),
-        (f"{a}.nextn_predict_layers", 0, "u32"),
-        (f"{a}.context_length", int(args.max_position_embeddings), "u64"),
-        (f"{a}.embedding_length", args.hidden_size, "u32"),
-        (f"{a}.vocab_size", args.vocab_size, "u32"),
+        *trunk_kv(a, args),
         (f"{a}.feed_forward_length", args.intermediate_size, "u32"),
         (f"{a}.expert_feed_forward_length", args.moe_intermediate_size, "u32"),
         (f"{a}.expert_count", args.n_routed_experts, "u32"),

@@ -16,6 +16,7 @@ from .base import (
     row_parts,
     squeeze_split,
     tok_ids,
+    trunk_kv,
     unsqueeze_join,
 )
 
@@ -108,12 +109,7 @@ def _qwen_kv(config: dict, args) -> list:
     a = "qwen38-next"
     n = args.num_hidden_layers
     kv = [
-        (f"{a}.block_count", n, "u32"),
-        (f"{a}.trunk_block_count", n, "u32"),
-        (f"{a}.nextn_predict_layers", 0, "u32"),
-        (f"{a}.context_length", int(args.max_position_embeddings), "u64"),
-        (f"{a}.embedding_length", args.hidden_size, "u32"),
-        (f"{a}.vocab_size", args.vocab_size, "u32"),
+        *trunk_kv(a, args),
         (f"{a}.expert_feed_forward_length", args.moe_intermediate_size, "u32"),
         (f"{a}.expert_shared_feed_forward_length", args.shared_expert_intermediate_size, "u32"),  # extension
         (f"{a}.expert_count", args.num_experts, "u32"),
