@@ -416,11 +416,9 @@ def _expert_slices(val):
             yield np.asarray(arr[e], dtype=np.float32)
 
 
-def quantize_expert_tensor(val, kind, importance: str = "none"):
-    """[E, rows, K] float (or QuantizedTensor) -> QuantizedTensor of `kind` (a GGUF
-    type, or ("mlx", bits) stored as Q4_1).  `importance` 'energy' uses ds4's
-    fallback column weights: sum over the expert's rows of w**2."""
-    shape = tuple(int(s) for s in (val.shape if hasattr(val, "shape") else np.shape(val)))
+def _expert_qtype(shape: tuple, kind):
+    """The GGUF type an [E, rows, K] expert tensor of `shape` is stored as for `kind`
+    (a GGUF type, or ("mlx", bits) stored as Q4_1); bad shapes raise."""
     if len(shape) != 3:
         raise ValueError(f"expected an [E, rows, K] expert tensor, got shape {shape}")
     qtype = QT.Q4_1 if isinstance(kind, tuple) else as_qtype(kind)
@@ -430,6 +428,15 @@ def quantize_expert_tensor(val, kind, importance: str = "none"):
             f"{qtype.name if not isinstance(kind, tuple) else 'mlx' + str(kind[1])} needs rows "
             f"that are a multiple of {elems} values; these rows have {shape[-1]}"
         )
+    return qtype
+
+
+def quantize_expert_tensor(val, kind, importance: str = "none"):
+    """[E, rows, K] float (or QuantizedTensor) -> QuantizedTensor of `kind` (a GGUF
+    type, or ("mlx", bits) stored as Q4_1).  `importance` 'energy' uses ds4's
+    fallback column weights: sum over the expert's rows of w**2."""
+    shape = tuple(int(s) for s in (val.shape if hasattr(val, "shape") else np.shape(val)))
+    qtype = _expert_qtype(shape, kind)
     out = np.empty(byte_shape(qtype, shape), dtype=np.uint8)
     for e, w in enumerate(_expert_slices(val)):
         if isinstance(kind, tuple):
@@ -445,18 +452,10 @@ def _deferred_expert_tensor(val, kind, importance: str = "none"):
     are read (`write_gguf` writes tensors one at a time: a model is quantized
     without holding it, dequantized or quantized, in memory)."""
     from ds4mlx.mapped import LazyTensor, release
-    from ds4mlx.quant import QuantizedTensor, block_size
+    from ds4mlx.quant import QuantizedTensor
 
     shape = tuple(int(s) for s in val.shape)
-    if len(shape) != 3:
-        raise ValueError(f"expected an [E, rows, K] expert tensor, got shape {shape}")
-    qtype = QT.Q4_1 if isinstance(kind, tuple) else as_qtype(kind)
-    elems = block_size(qtype)[0]
-    if shape[-1] % elems:
-        raise ValueError(
-            f"{qtype.name if not isinstance(kind, tuple) else 'mlx' + str(kind[1])} needs rows "
-            f"that are a multiple of {elems} values; these rows have {shape[-1]}"
-        )
+    qtype = _expert_qtype(shape, kind)
 
     def load():
         raw = quantize_expert_tensor(val, kind, importance).raw
