@@ -299,14 +299,10 @@ class XmlOutputParser(StreamParser):
         tool_memory=None,
         tool_schemas: Sequence[str] = (),
     ):
+        super().__init__(thinking, tools_active, id_prefix, tool_memory)
         self.syntax = syntax
         self.think = think
-        self.thinking = thinking
-        self.tools_active = tools_active
-        self.id_prefix = id_prefix
-        self.tool_memory = tool_memory
         self.types = param_types(tool_schemas) if tools_active else {}
-        super().__init__(thinking)
         self._head_checked = False  # the start checked for a think open (thinking or inline)
         self._body = 0
         self._r_emit = 0

@@ -92,7 +92,11 @@ class StreamParser:
     `bytes` (an incremental decoder holds incomplete sequences) and appends it to `raw`.
     Subclasses implement `_step(events)` (advance over the new text) and `finish`."""
 
-    def __init__(self, thinking: bool):
+    def __init__(self, thinking: bool, tools_active: bool, id_prefix: str, tool_memory):
+        self.thinking = thinking
+        self.tools_active = tools_active
+        self.id_prefix = id_prefix
+        self.tool_memory = tool_memory
         self.raw = ""
         self.phase = "reasoning" if thinking else "text"  # reasoning | text | tool | done
         self.stop_now = False
@@ -168,14 +172,10 @@ class OutputParser(StreamParser):
         entities: str = "all",
         syntaxes=M.DSML_SYNTAXES,
     ):
-        self.thinking = thinking
-        self.tools_active = tools_active
-        self.id_prefix = id_prefix
-        self.tool_memory = tool_memory
+        super().__init__(thinking, tools_active, id_prefix, tool_memory)
         self.think_recovery = think_recovery
         self.entities = entities
         self.syntaxes = syntaxes
-        super().__init__(thinking)
         self._think_checked = not thinking
         self._r_emit = 0  # reasoning emitted up to (index into raw)
         self._tscan = 0  # next position to search for </think>
