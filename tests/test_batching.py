@@ -344,10 +344,14 @@ def test_four_streamed_conversations_on_two_slots_equal_one_by_one(demo):
         results = []
         async with aiohttp.ClientSession() as cs:
             for _ in range(2):
-                # hold the worker until all four are queued: one admission sees them all
-                gate = threading.Event()
-                hold = threading.Thread(target=eng.run_on_worker, args=(lambda e: gate.wait(60),))
+                # hold the worker until all four are queued: one admission sees them all.  The
+                # hold must be running before the first request is sent: a request that reaches
+                # the worker first starts alone, and may evict a conversation's slot that a turn
+                # queued behind the hold would have reused (the flake of loaded full runs)
+                gate, holding = threading.Event(), threading.Event()
+                hold = threading.Thread(target=eng.run_on_worker, args=(lambda e: holding.set() or gate.wait(60),))
                 hold.start()
+                assert holding.wait(60)
                 pending = [asyncio.ensure_future(_stream(cs, url, _chat(c, s))) for c, s in zip(convs, seeds)]
                 while eng.queue_depth < 4:
                     await asyncio.sleep(0.01)

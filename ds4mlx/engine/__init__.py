@@ -2,7 +2,8 @@
 
     job.py          Job (API-neutral), LiveBinding, Failed, JobHandle
     core.py         Engine: the public face, the worker thread
-    scheduler.py    queue, admission, routing to slots, the turns, batched decode steps
+    scheduler.py    queue, admission, routing to slots, the turns
+    batch.py        one engine step: decode rows + prefill chunks under a token budget
     slots.py        Slot objects, the router's policy (reuse first, then an eviction victim)
     runner.py       SlotRunner: one slot's session, bindings and checkpoints; the hooks' context
     request.py      one request's state machine: reuse plan -> prefill -> decode -> finish

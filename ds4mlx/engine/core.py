@@ -66,6 +66,9 @@ class Engine:
         # --mixed-prefill-quantum: prefill chunks end at its multiples too, so a long
         # prefill yields to the other slots' decode steps that often
         self.prefill_quantum = max(1, int(prefill_quantum)) if prefill_quantum else None
+        # one step's token budget (engine/batch.py): decode rows + prefill chunks; at most
+        # one full chunk a step, several short ones where they fit
+        self.step_tokens = min(self.prefill_chunk, self.prefill_quantum or self.prefill_chunk)
         self.tool_memory = tool_memory
         self.parser_factory = parser_factory
         self.checkpoints = checkpoints if checkpoints is not None else MemoryCheckpoints()

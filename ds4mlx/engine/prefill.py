@@ -7,6 +7,7 @@ import logging
 import time
 
 from ..events import PrefillProgress
+from .batch import ChunkRequest
 from .hooks import call_hook
 from .job import JobHandle, job_kind
 from .runner import SlotRunner
@@ -33,7 +34,7 @@ def chunk_ends(r: SlotRunner, h: JobHandle, cached: int, total: int, marks: tupl
 def sync(r: SlotRunner, h: JobHandle, effective: list[int], cached: int):
     """Bring the session to `effective`, evaluating only `effective[cached:]`.
     Returns (logits for the next token, or None if cancelled; tokens reused).
-    A generator: it yields after each chunk (the other slots' turn)."""
+    A generator: it yields each chunk's `ChunkRequest` and goes on once a step ran it."""
     s = r.session
     if cached == 0 or cached != len(s) or list(s.tokens[:cached]) != effective[:cached]:
         if len(s):
@@ -58,7 +59,7 @@ def sync(r: SlotRunner, h: JobHandle, effective: list[int], cached: int):
 
 
 def _chunks(r: SlotRunner, h: JobHandle, effective: list[int], cached: int, cold: int, tail: int):
-    """Prefill effective[cached:] chunk by chunk; yields after each."""
+    """Prefill effective[cached:] chunk by chunk, each a `ChunkRequest` the scheduler runs."""
     s, stats = r.session, r.engine.stats
     total = len(effective)
     suffix = effective[cached:]
@@ -71,7 +72,11 @@ def _chunks(r: SlotRunner, h: JobHandle, effective: list[int], cached: int, cold
             return None, cached
         chunk = suffix[start:end]
         start = end
-        logits = s.prefill(chunk)
+        work = ChunkRequest(s, chunk)
+        yield work  # the scheduler runs it in a step (engine/batch.py)
+        if not work.ran:  # cancelled while it waited for its step
+            return None, cached
+        logits = work.result()
         stats.prefill_tokens += len(chunk)
         done += len(chunk)
         if tail and done == tail:
@@ -90,5 +95,4 @@ def _chunks(r: SlotRunner, h: JobHandle, effective: list[int], cached: int, cold
             (done - cached) / dt if dt > 0 else 0.0,
             dt,
         )
-        yield
     return logits, cached

@@ -1,8 +1,9 @@
 """One request's life on its slot, the per-request state machine: plan the reuse
 (engine/reuse.py), prefill what is not reused (engine/prefill.py), decode
 (engine/decoding.py), finish.  A generator the scheduler advances one turn at a
-time: it yields after each prefill chunk and decode token (and, with batched
-decode steps, the `StepRequest` each step waits for).
+time: it yields the work each step runs for it (engine/batch.py) — a `ChunkRequest`
+before each prefill chunk, with batched decode steps the `StepRequest` of each
+token — and None at the other token boundaries.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-from ..decode import StepRequest
 from ..events import Finish, Started, Usage
 from . import reuse
+from .batch import Work
 from .decoding import Decoding
 from .hooks import call_hook
 from .job import Failed, JobHandle, job_kind
@@ -23,7 +24,7 @@ from .runner import SlotRunner
 log = logging.getLogger("ds4mlx.engine")
 
 
-def run_request(r: SlotRunner, h: JobHandle) -> Iterator[StepRequest | None]:
+def run_request(r: SlotRunner, h: JobHandle) -> Iterator[Work | None]:
     """Run one job on the runner's slot."""
     job, eng = h.job, r.engine
     eng.stats.jobs += 1

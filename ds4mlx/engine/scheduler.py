@@ -5,9 +5,12 @@
 Submitted work (a `JobHandle`, or a `WorkerCall` from `Engine.run_on_worker`) is
 queued; the worker thread's `loop` admits what can start — a job needs a free
 slot, chosen by the reuse ladder (`slots.route` over `reuse.reusable`), a worker
-call an idle engine — and then gives every running request one turn: a prefill
-chunk or a decode token on its slot's runner.  The decode steps the turns asked
-for run together (`decode.run_steps`: one forward where the family can).
+call an idle engine — and then gives every running request one turn on its slot's
+runner, up to the work it waits for next: a decode token or a prefill chunk.  Then
+one engine step runs (engine/batch.py): the decode rows of every running request
+together (`decode.run_steps`: one forward where the family can) and the prefill
+chunks the step's token budget (`Engine.step_tokens`) takes, so a long prompt
+advances chunk by chunk between the other requests' decode tokens.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..decode import StepRequest, run_steps
 from ..events import Finish
 from . import reuse
+from .batch import ChunkRequest, Work, plan_step, run_plan
 from .hooks import call_hook
 from .job import Failed, JobHandle
 from .request import run_request
@@ -57,11 +60,13 @@ class WorkerCall:
 
 @dataclass
 class Task:
-    """A job admitted to a slot: `steps` is its `run_request` generator once started."""
+    """A job admitted to a slot: `steps` is its `run_request` generator once started,
+    `want` the work it waits for (a decode step or a prefill chunk), None at a turn."""
 
     handle: JobHandle
     runner: SlotRunner
-    steps: Iterator[StepRequest | None] | None = None
+    steps: Iterator[Work | None] | None = None
+    want: Work | None = None
 
 
 class Scheduler:
@@ -117,16 +122,28 @@ class Scheduler:
                 # once closed, the jobs still pending end "cancelled before start"
                 self._admit(tasks)
                 changed = False
-            steps: list[StepRequest] = []
-            for t in list(tasks):  # one turn each: a prefill chunk or a decode token
-                alive, step = self._advance(t)
-                if not alive:
+            for t in list(tasks):  # one turn each, up to the next piece of work it waits for
+                if t.want is None and not self._advance(t):
                     tasks.remove(t)
                     changed = True
-                elif step is not None:
-                    steps.append(step)
-            if steps:  # the decode steps the jobs wait for, together
-                self.engine.stats.shared_steps += run_steps(steps, self.share_steps)
+            self._step(tasks)
+
+    def _step(self, tasks: list[Task]) -> None:
+        """One engine step (engine/batch.py): the decode rows of every running request and
+        the prefill chunks the budget takes; their requests go on at their next turn."""
+        for t in tasks:  # a chunk still waiting for its step is not run for a cancelled job
+            if isinstance(t.want, ChunkRequest) and t.handle.cancelled:
+                t.want = None
+        plan = plan_step([t.want for t in tasks if t.want is not None], self.engine.step_tokens)
+        if not plan.rows and not plan.chunks:
+            return
+        stats = self.engine.stats
+        stats.shared_steps += run_plan(plan, self.share_steps)
+        stats.mixed_steps += bool(plan.rows and plan.chunks)
+        ran = {id(w) for w in (*plan.rows, *plan.chunks)}
+        for t in tasks:
+            if id(t.want) in ran:
+                t.want = None
 
     def shutdown(self) -> None:
         """The slots' shutdown saves, then everything still queued ends cancelled."""
@@ -230,15 +247,15 @@ class Scheduler:
         return r.slot
 
     # ------------------------------------------------ turns
-    def _advance(self, t: Task) -> tuple[bool, StepRequest | None]:
-        """Run one turn of a job on its slot: (still running, the decode step it waits for)."""
+    def _advance(self, t: Task) -> bool:
+        """Run one turn of a job on its slot, up to the work it waits for next (`t.want`:
+        a decode step or a prefill chunk; None = a turn boundary).  False once it ended."""
         h = t.handle
         ended = False
-        step = None
         try:
             if t.steps is None:
                 t.steps = run_request(t.runner, h)
-            step = next(t.steps)
+            t.want = next(t.steps)
         except StopIteration:
             ended = True
         except Exception as e:  # keep serving whatever happened
@@ -253,4 +270,4 @@ class Scheduler:
             t.runner.slot.active = None
             t.runner.slot.last_used = time.monotonic()
             h.done.set()
-        return not ended, step
+        return not ended

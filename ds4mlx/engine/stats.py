@@ -25,6 +25,7 @@ class EngineStats:
     spec_draft_seconds: float = 0.0  # wall time proposing drafts
     spec_verify_seconds: float = 0.0  # wall time verifying (target forward, acceptance, rollback)
     shared_steps: int = 0  # decode steps that ran in a forward shared with other slots
+    mixed_steps: int = 0  # engine steps that ran decode rows and a prefill chunk (engine/batch.py)
     last_cache_source: str = "none"
 
     def count_speculation(self, st: SpecStats) -> None:
