@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -28,20 +29,18 @@ FLOAT32_PREFILL = {prefill_experts.ENV: "gather_qmm", prefill_experts.LINEARS_EN
 
 def full_forward(model, ids, env: dict) -> np.ndarray:
     """The model's one-shot logits with `env` set for the call (the prefill paths read it per call)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         return np.asarray(model.logits(ids), np.float32)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def compare(name: str, got: np.ndarray, ref: np.ndarray) -> float:
     d = np.abs(got - ref)
     agree = float((got.argmax(-1) == ref.argmax(-1)).mean())
-    print(f"{name}: max |dlogit| {d.max():.3g}, mean {d.mean():.3g}, |logit| max {np.abs(ref).max():.3g}, "
-          f"greedy agreement {agree:.4f}", flush=True)
+    print(
+        f"{name}: max |dlogit| {d.max():.3g}, mean {d.mean():.3g}, |logit| max {np.abs(ref).max():.3g}, "
+        f"greedy agreement {agree:.4f}",
+        flush=True,
+    )
     return float(d.max())
 
 

@@ -62,9 +62,7 @@ def echo_of(body: dict, stream: bool) -> bool:
     if body.get("echo") is not True:
         return False
     if stream:
-        raise E.APIError(
-            400, "echo is not supported with stream: true", param="echo", code="unsupported_parameter"
-        )
+        raise E.APIError(400, E.unsupported_when_streamed("echo"), param="echo", code="unsupported_parameter")
     return True
 
 
