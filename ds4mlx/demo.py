@@ -47,46 +47,56 @@ def limit_notice(tokens: int) -> str:
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
+
+def v4_real_settings() -> dict:
+    """The V4 Flash settings the demo and the synthetic bench model keep real: vocabulary,
+    one KV head, one shared expert, compression rates and window, hyper-connections, rope,
+    norm and special ids (a fresh dict: callers may edit their config)."""
+    return {
+        "model_type": "deepseek_v4",
+        "vocab_size": 129280,
+        "num_key_value_heads": 1,
+        "n_shared_experts": 1,
+        "compress_rates": {CSA: 4, HCA: 128},
+        "sliding_window": 128,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "max_position_embeddings": 1048576,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+    }
+
+
 # Real V4 Flash ratios, window, rope and vocabulary; everything else scaled down.
 DEMO_CONFIG = {
-    "model_type": "deepseek_v4",
-    "vocab_size": 129280,
+    **v4_real_settings(),
     "hidden_size": 128,
     "moe_intermediate_size": 64,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
-    "num_key_value_heads": 1,
     "head_dim": 64,
     "partial_rotary_factor": 0.25,
     "q_lora_rank": 64,
     "o_groups": 2,
     "o_lora_rank": 32,
     "n_routed_experts": 8,
-    "n_shared_experts": 1,
     "num_experts_per_tok": 2,
     "layer_types": [SLIDING, CSA, HCA, CSA],
     "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
-    "compress_rates": {CSA: 4, HCA: 128},
-    "sliding_window": 128,
     "index_n_heads": 4,
     "index_head_dim": 32,
     "index_topk": 64,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0,
-    "rope_parameters": {
-        "rope_type": "yarn",
-        "factor": 16.0,
-        "original_max_position_embeddings": 65536,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
-    "max_position_embeddings": 1048576,
-    "rms_norm_eps": 1e-6,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "tie_word_embeddings": False,
     "demo_model": True,
 }
 DEMO_SEED = 20261130

@@ -80,11 +80,12 @@ class Usage:
 class TokenLogprob:
     """A generated token's log-prob: the model's log-softmax of the raw logits it was chosen
     from (before temperature, penalties, bias and grammar masks), and the `top` most likely
-    (token id, text, log-prob), most likely first."""
+    (token id, text, log-prob), most likely first.  An echoed prompt's first token has
+    no log-prob (None)."""
 
     token: int
     text: str
-    logprob: float
+    logprob: float | None
     top: tuple = ()
 
 
@@ -106,6 +107,9 @@ class Finish:
     speculation: dict | None = None
     # logprobs asked: one TokenLogprob per generated token, in order (None when not asked)
     logprobs: tuple | None = None
+    # legacy completions `echo`: the job's prompt text, and with logprobs its tokens' TokenLogprobs
+    echo: str | None = None
+    prompt_logprobs: tuple | None = None
 
 
 Event = PrefillProgress | Started | TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd | Finish

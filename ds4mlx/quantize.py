@@ -157,6 +157,19 @@ def _requant_levels(x, d_eff, m_eff, L, nmax):
     return np.where(nz[..., None], Ln, L).astype(np.uint8)
 
 
+def _scale_min_codes(sc: np.ndarray, mn: np.ndarray, top: int):
+    """Each block's sub-block scales and mins as codes 0..`top` against the block's largest
+    of each (a block whose largest is 0 codes all 0); returns (scale codes, min codes, the largests)."""
+    f32 = np.float32
+    max_s, max_m = sc.max(axis=1), mn.max(axis=1)
+    with np.errstate(divide="ignore"):
+        inv_s = np.where(max_s > 0, f32(top) / max_s, f32(0))
+        inv_m = np.where(max_m > 0, f32(top) / max_m, f32(0))
+    ls = np.minimum(_nearest(inv_s[:, None] * sc), top).astype(np.uint8)
+    lm = np.minimum(_nearest(inv_m[:, None] * mn), top).astype(np.uint8)
+    return ls, lm, max_s, max_m
+
+
 def _q4_k(x: np.ndarray, importance=None) -> np.ndarray:
     f32 = np.float32
     b = x.reshape(-1, 8, 32).astype(f32)
@@ -168,12 +181,7 @@ def _q4_k(x: np.ndarray, importance=None) -> np.ndarray:
         w = w * _imp_rows(importance, x, 32)
     sc, mn, L = _qkx2(sub, w, 15, -1.0, 0.1, 20, False)
     sc, mn, L = sc.reshape(nb, 8), mn.reshape(nb, 8), L.reshape(nb, 8, 32)
-    max_s, max_m = sc.max(axis=1), mn.max(axis=1)
-    with np.errstate(divide="ignore"):
-        inv_s = np.where(max_s > 0, f32(63) / max_s, f32(0))
-        inv_m = np.where(max_m > 0, f32(63) / max_m, f32(0))
-    ls = np.minimum(_nearest(inv_s[:, None] * sc), 63).astype(np.uint8)
-    lm = np.minimum(_nearest(inv_m[:, None] * mn), 63).astype(np.uint8)
+    ls, lm, max_s, max_m = _scale_min_codes(sc, mn, 63)
     d = (max_s / f32(63)).astype(np.float16)
     dmin = (max_m / f32(63)).astype(np.float16)
     dl = d.astype(f32)[:, None] * ls.astype(f32)
@@ -194,12 +202,7 @@ def _q2_k(x: np.ndarray, importance=None) -> np.ndarray:
         w = w * _imp_rows(importance, x, 16)
     sc, mn, L = _qkx2(sub, w, 3, -0.5, 0.1, 15, True)
     sc, mn, L = sc.reshape(nb, 16), mn.reshape(nb, 16), L.reshape(nb, 16, 16)
-    max_s, max_m = sc.max(axis=1), mn.max(axis=1)
-    with np.errstate(divide="ignore"):
-        inv_s = np.where(max_s > 0, f32(15) / max_s, f32(0))
-        inv_m = np.where(max_m > 0, f32(15) / max_m, f32(0))
-    ls = np.minimum(_nearest(inv_s[:, None] * sc), 15).astype(np.uint8)
-    lm = np.minimum(_nearest(inv_m[:, None] * mn), 15).astype(np.uint8)
+    ls, lm, max_s, max_m = _scale_min_codes(sc, mn, 15)
     d = np.where(max_s > 0, max_s / f32(15), f32(0)).astype(np.float16)
     dmin = np.where(max_m > 0, max_m / f32(15), f32(0)).astype(np.float16)
     dl = d.astype(f32)[:, None] * ls.astype(f32)
@@ -413,11 +416,9 @@ def _expert_slices(val):
             yield np.asarray(arr[e], dtype=np.float32)
 
 
-def quantize_expert_tensor(val, kind, importance: str = "none"):
-    """[E, rows, K] float (or QuantizedTensor) -> QuantizedTensor of `kind` (a GGUF
-    type, or ("mlx", bits) stored as Q4_1).  `importance` 'energy' uses ds4's
-    fallback column weights: sum over the expert's rows of w**2."""
-    shape = tuple(int(s) for s in (val.shape if hasattr(val, "shape") else np.shape(val)))
+def _expert_qtype(shape: tuple, kind):
+    """The GGUF type an [E, rows, K] expert tensor of `shape` is stored as for `kind`
+    (a GGUF type, or ("mlx", bits) stored as Q4_1); bad shapes raise."""
     if len(shape) != 3:
         raise ValueError(f"expected an [E, rows, K] expert tensor, got shape {shape}")
     qtype = QT.Q4_1 if isinstance(kind, tuple) else as_qtype(kind)
@@ -427,6 +428,15 @@ def quantize_expert_tensor(val, kind, importance: str = "none"):
             f"{qtype.name if not isinstance(kind, tuple) else 'mlx' + str(kind[1])} needs rows "
             f"that are a multiple of {elems} values; these rows have {shape[-1]}"
         )
+    return qtype
+
+
+def quantize_expert_tensor(val, kind, importance: str = "none"):
+    """[E, rows, K] float (or QuantizedTensor) -> QuantizedTensor of `kind` (a GGUF
+    type, or ("mlx", bits) stored as Q4_1).  `importance` 'energy' uses ds4's
+    fallback column weights: sum over the expert's rows of w**2."""
+    shape = tuple(int(s) for s in (val.shape if hasattr(val, "shape") else np.shape(val)))
+    qtype = _expert_qtype(shape, kind)
     out = np.empty(byte_shape(qtype, shape), dtype=np.uint8)
     for e, w in enumerate(_expert_slices(val)):
         if isinstance(kind, tuple):
@@ -442,18 +452,10 @@ def _deferred_expert_tensor(val, kind, importance: str = "none"):
     are read (`write_gguf` writes tensors one at a time: a model is quantized
     without holding it, dequantized or quantized, in memory)."""
     from ds4mlx.mapped import LazyTensor, release
-    from ds4mlx.quant import QuantizedTensor, block_size
+    from ds4mlx.quant import QuantizedTensor
 
     shape = tuple(int(s) for s in val.shape)
-    if len(shape) != 3:
-        raise ValueError(f"expected an [E, rows, K] expert tensor, got shape {shape}")
-    qtype = QT.Q4_1 if isinstance(kind, tuple) else as_qtype(kind)
-    elems = block_size(qtype)[0]
-    if shape[-1] % elems:
-        raise ValueError(
-            f"{qtype.name if not isinstance(kind, tuple) else 'mlx' + str(kind[1])} needs rows "
-            f"that are a multiple of {elems} values; these rows have {shape[-1]}"
-        )
+    qtype = _expert_qtype(shape, kind)
 
     def load():
         raw = quantize_expert_tensor(val, kind, importance).raw

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from ds4mlx.cli import main
 from ds4mlx.eval import load_cases
-from ds4mlx.eval.backends import Control, EndpointBackend
+from ds4mlx.eval.backends import Control, EndpointBackend, GenJob
 from ds4mlx.eval.prompts import SYSTEM_PROMPT, build_prompt, user_prompt
 from ds4mlx.eval.trace import parse_trace
 
@@ -310,7 +310,7 @@ def test_endpoint_stop_mid_stream(live_server):
         if len(seen) == 5:
             control.request_quit()
 
-    res = backend.generate(build_prompt(CORE[0]), 100, seed=0, control=control, on_text=on_text)
+    res = backend.generate(GenJob(build_prompt(CORE[0]), 100, seed=0, control=control, on_text=on_text))
     assert res.finish == "stopped"
     assert res.raw.startswith("word0 word1 word2 word3 word4") and "</think>" not in res.raw
 

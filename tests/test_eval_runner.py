@@ -283,12 +283,12 @@ class Steering(FakeBackend):
         super().__init__(script)
         self.at, self.action, self.order = at, action, []
 
-    def generate(self, prompt, max_tokens, *, control, case_id="", **kw):
-        self.order.append(case_id)
-        if case_id == self.at and self.action:
+    def generate(self, job):
+        self.order.append(job.case_id)
+        if job.case_id == self.at and self.action:
             act, self.action = self.action, None
-            act(control)
-        return super().generate(prompt, max_tokens, control=control, case_id=case_id, **kw)
+            act(job.control)
+        return super().generate(job)
 
 
 def test_enter_switches_and_switched_case_runs_again(tmp_path):

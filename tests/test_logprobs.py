@@ -127,3 +127,67 @@ def test_host_chosen_tokens_have_logprobs(srv):
     content = out["choices"][0]["logprobs"]["content"]
     assert len(content) == out["usage"]["completion_tokens"] > 0
     assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 1 for e in content)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_completions_echo_logprobs(srv, max_tokens):
+    """lm-evaluation-harness' loglikelihood request: the prompt's tokens' log-probs (from the
+    model's full forward over the rendered prompt) then the generated ones', OpenAI's shape."""
+    from ds4mlx.chat.protocol import get_protocol
+
+    prompt = "The quick brown fox"
+    body = {"prompt": prompt, "echo": True, "logprobs": 2, **GREEDY, "max_tokens": max_tokens}
+    st, _, text = call(srv.url, "/v1/completions", body)
+    assert st == 200, text
+    choice = json.loads(text)["choices"][0]
+    gen = "".join(srv.tok.decode([t]) for t in srv.tok.encode(TEXT)[:max_tokens])
+    assert choice["text"] == prompt + gen
+    lp = choice["logprobs"]
+    own = srv.tok.encode(prompt)
+    n = len(own)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + max_tokens
+    assert lp["tokens"][:n] == [srv.tok.decode([t]) for t in own]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    # the oracle: log-softmax of the model's logits over the rendered prompt, read at each token
+    ids = srv.tok.encode(get_protocol().render_completion(prompt, "none"))
+    start = next(i for i in range(len(ids) - n, -1, -1) if ids[i : i + n] == own)
+    lsm = _log_softmax(srv.model.logits(ids[: start + n]))
+    want = [lsm[i - 1, ids[i]] for i in range(start + 1, start + n)]
+    assert lp["token_logprobs"][1:n] == pytest.approx(want, abs=1e-4)
+    for d, i in zip(lp["top_logprobs"][1:n], range(start + 1, start + n)):
+        top = np.argsort(-lsm[i - 1], kind="stable")[:2]
+        assert d == pytest.approx({srv.tok.decode([int(j)]): lsm[i - 1, j] for j in top}, abs=1e-4)
+    exp = _expected(srv, max_tokens)
+    assert lp["token_logprobs"][n:] == pytest.approx([v for _, v, _ in exp], abs=1e-4)
+    texts = lp["tokens"]
+    assert lp["text_offset"] == [0, *np.cumsum([len(t) for t in texts])[:-1].tolist()]
+
+
+def test_completions_echo_without_logprobs_prints_the_prompt(srv):
+    st, _, text = call(srv.url, "/v1/completions", {"prompt": "say", "echo": True, **GREEDY})
+    choice = json.loads(text)["choices"][0]
+    assert st == 200 and choice["text"].startswith("say") and "logprobs" not in choice
+
+
+def test_streamed_echo_is_refused(srv):
+    body = {"prompt": "say", "echo": True, "logprobs": 1, "stream": True, **GREEDY}
+    st, _, text = call(srv.url, "/v1/completions", body)
+    err = json.loads(text)["error"]
+    assert st == 400 and err["param"] == "echo" and err["code"] == "unsupported_parameter", text
+
+
+def test_echo_on_a_prompt_list_prints_each_prompt(srv):
+    body = {"prompt": ["one two", "three"], "echo": True, "logprobs": 0, **GREEDY, "max_tokens": 0}
+    st, _, text = call(srv.url, "/v1/completions", body)
+    assert st == 200, text
+    choices = json.loads(text)["choices"]
+    assert [c["text"] for c in choices] == ["one two", "three"]
+    for c, p in zip(choices, ["one two", "three"]):
+        assert c["logprobs"]["tokens"] == [srv.tok.decode([t]) for t in srv.tok.encode(p)]
+        assert c["logprobs"]["token_logprobs"][0] is None
+        assert all(v < 0 for v in c["logprobs"]["token_logprobs"][1:])

@@ -234,7 +234,6 @@ ASKS = {
     "json_schema": {"type": "object"},
     "n_probs": 2,
     "mirostat": 2,
-    "echo": True,
     "suffix": "end",
     "tool_choice.disable_parallel_tool_use": True,
     "container": "c1",

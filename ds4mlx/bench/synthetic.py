@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import time
 
+from ..demo import CSA, HCA, SLIDING, v4_real_settings
 from ..quant import expert_spans, random_gguf_blocks
 from .roofline import active_weight_bytes
-
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 
 def v4_flash_config(layers: int = 43, experts: int = 256) -> dict:
     ratios = ([0, 0] + [4 if i % 2 == 0 else 128 for i in range(max(layers - 2, 0))])[:layers]
     kinds = {0: SLIDING, 4: CSA, 128: HCA}
     return {
-        "model_type": "deepseek_v4",
-        "vocab_size": 129280,
+        **v4_real_settings(),
         "hidden_size": 4096,
         "num_hidden_layers": layers,
         "num_attention_heads": 64,
-        "num_key_value_heads": 1,
         "head_dim": 512,
         "partial_rotary_factor": 64 / 512,
         "q_lora_rank": 1024,
@@ -35,33 +32,14 @@ def v4_flash_config(layers: int = 43, experts: int = 256) -> dict:
         "o_lora_rank": 1024,
         "moe_intermediate_size": 2048,
         "n_routed_experts": experts,
-        "n_shared_experts": 1,
         "num_experts_per_tok": 6,
         "layer_types": [kinds[r] for r in ratios],
         "mlp_layer_types": ["hash_moe" if i < 3 else "moe" for i in range(layers)],
-        "compress_rates": {CSA: 4, HCA: 128},
-        "sliding_window": 128,
         "index_n_heads": 64,
         "index_head_dim": 128,
         "index_topk": 512,
-        "hc_mult": 4,
-        "hc_sinkhorn_iters": 20,
-        "rope_theta": 10000.0,
-        "compress_rope_theta": 160000.0,
-        "rope_parameters": {
-            "rope_type": "yarn",
-            "factor": 16.0,
-            "original_max_position_embeddings": 65536,
-            "beta_fast": 32,
-            "beta_slow": 1,
-        },
-        "max_position_embeddings": 1048576,
-        "rms_norm_eps": 1e-6,
         "swiglu_limit": 10.0,
         "routed_scaling_factor": 1.5,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "tie_word_embeddings": False,
     }
 
 

@@ -44,9 +44,8 @@ THINK_MAX_PREFIX = (
 )
 
 # --- tools block (docs/chat-template.md §5) ----------------------------------------
-TOOLS_BLOCK_HEAD = (
-    "## Tools\n\n"
-    "You have access to a set of tools to help answer the user question. "
+# The example block and the closing rules ds4's tools text and the official encoder's share.
+_DSML_EXAMPLE = (
     'You can invoke tools by writing a "<｜DSML｜tool_calls>" block like the following:\n\n'
     "<｜DSML｜tool_calls>\n"
     '<｜DSML｜invoke name="$TOOL_NAME">\n'
@@ -57,17 +56,27 @@ TOOLS_BLOCK_HEAD = (
     "...\n"
     "</｜DSML｜invoke>\n"
     "</｜DSML｜tool_calls>\n\n"
-    'String parameters should be specified as raw text and set `string="true"`. '
-    "Preserve characters such as `>`, `&`, and `&&` exactly; never replace normal string "
-    "characters with XML or HTML entity escapes. "
-    "Only if a string value itself contains the exact closing parameter tag "
-    "`</｜DSML｜parameter>`, write that tag as `&lt;/｜DSML｜parameter>` inside the value. "
+)
+_TOOLS_RULES = (
     "For all other types (numbers, booleans, arrays, objects), pass the value in JSON format "
     'and set `string="false"`.\n\n'
     "If thinking_mode is enabled (triggered by <think>), you MUST output your complete "
     "reasoning inside <think>...</think> BEFORE any tool calls or final response.\n\n"
     "Otherwise, output directly after </think> with tool calls or final response.\n\n"
     "### Available Tool Schemas\n\n"
+)
+TOOLS_BLOCK_HEAD = (
+    "## Tools\n\n"
+    "You have access to a set of tools to help answer the user question. "
+    + _DSML_EXAMPLE
+    + (
+        'String parameters should be specified as raw text and set `string="true"`. '
+        "Preserve characters such as `>`, `&`, and `&&` exactly; never replace normal string "
+        "characters with XML or HTML entity escapes. "
+        "Only if a string value itself contains the exact closing parameter tag "
+        "`</｜DSML｜parameter>`, write that tag as `&lt;/｜DSML｜parameter>` inside the value. "
+    )
+    + _TOOLS_RULES
 )
 TOOLS_BLOCK_TAIL = (
     "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to "
@@ -84,23 +93,9 @@ CHAT_TEMPLATES = (CHAT_TEMPLATE_DS4, CHAT_TEMPLATE_OFFICIAL)
 OFFICIAL_TOOLS_BLOCK_HEAD = (
     "## Tools\n\n"
     "You have access to a set of tools to help answer the user's question. "
-    'You can invoke tools by writing a "<｜DSML｜tool_calls>" block like the following:\n\n'
-    "<｜DSML｜tool_calls>\n"
-    '<｜DSML｜invoke name="$TOOL_NAME">\n'
-    '<｜DSML｜parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜parameter>\n'
-    "...\n"
-    "</｜DSML｜invoke>\n"
-    '<｜DSML｜invoke name="$TOOL_NAME2">\n'
-    "...\n"
-    "</｜DSML｜invoke>\n"
-    "</｜DSML｜tool_calls>\n\n"
-    'String parameters should be specified as is and set `string="true"`. '
-    "For all other types (numbers, booleans, arrays, objects), pass the value in JSON format "
-    'and set `string="false"`.\n\n'
-    "If thinking_mode is enabled (triggered by <think>), you MUST output your complete "
-    "reasoning inside <think>...</think> BEFORE any tool calls or final response.\n\n"
-    "Otherwise, output directly after </think> with tool calls or final response.\n\n"
-    "### Available Tool Schemas\n\n"
+    + _DSML_EXAMPLE
+    + 'String parameters should be specified as is and set `string="true"`. '
+    + _TOOLS_RULES
 )
 OFFICIAL_TOOLS_BLOCK_TAIL = (
     "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"

@@ -34,6 +34,7 @@ from . import markers as M
 from .messages import Conversation
 
 __all__ = [
+    "CallFormat",
     "ChatProtocol",
     "register",
     "get_protocol",
@@ -65,6 +66,21 @@ class EffortError(ValueError):
     """A reasoning effort value the loaded family does not accept (HTTP 400)."""
 
 
+class CallFormat:
+    """A family's tool-call spelling: calls written into a prompt, the streaming parser of a
+    generation and its final parse.  A protocol holds one as `call_format`; the families
+    with one spelling share one implementation (DSML, tag-based XML)."""
+
+    def render(self, calls: Sequence) -> str:
+        raise NotImplementedError
+
+    def parser(self, thinking: bool, tools_active: bool, id_prefix: str, tool_memory, tool_schemas: Sequence[str]):
+        raise NotImplementedError
+
+    def parse(self, text: str, thinking: bool, tools_active: bool, truncated: bool, tool_schemas: Sequence[str]):
+        raise NotImplementedError
+
+
 class ChatProtocol:
     """One model family's chat protocol.  Subclasses set the attributes and
     implement the methods; see the module docstring."""
@@ -90,6 +106,7 @@ class ChatProtocol:
     numeric_effort: bool = False  # reasoning_effort may be a number (V4.1 levels)
     # which of the family's prompt renderings this is (`--chat-template`, markers.CHAT_TEMPLATES)
     chat_template: str = M.CHAT_TEMPLATE_DS4
+    call_format: CallFormat  # the tool-call spelling: render, streaming parser, final parse
 
     # --- identity ------------------------------------------------------------------
     @property
@@ -116,6 +133,11 @@ class ChatProtocol:
 
     # --- prompts --------------------------------------------------------------------
     def render(self, conv: Conversation, tool_memory=None) -> str:
+        return self.render_prompt(conv, tool_memory, generation=True)
+
+    def render_prompt(self, conv: Conversation, tool_memory, generation: bool) -> str:
+        """`conv` as prompt text; `generation`: ending with the opening of the assistant's
+        answer (`render`), else ending with the last turn (`render_history`)."""
         raise NotImplementedError
 
     def render_completion(self, prompt: str, thinking: str = "high") -> str:
@@ -142,7 +164,7 @@ class ChatProtocol:
 
     def render_history(self, conv: Conversation, tool_memory=None) -> str:
         """`conv` rendered without a generation prompt (it ends with an assistant turn)."""
-        raise NotImplementedError
+        return self.render_prompt(conv, tool_memory, generation=False)
 
     def uses_tool_context(self, conv: Conversation) -> bool:
         """The prompt renders old reasoning because of tools (engine bindings)."""
@@ -152,7 +174,7 @@ class ChatProtocol:
 
     # --- tool calls -------------------------------------------------------------------
     def render_calls(self, calls: Sequence) -> str:
-        raise NotImplementedError
+        return self.call_format.render(calls)
 
     def force_text(self, name: str | None) -> str:
         """Text forced at the start of the answer by tool_choice required
@@ -168,7 +190,8 @@ class ChatProtocol:
         *,
         tool_schemas: Sequence[str] = (),
     ):
-        raise NotImplementedError
+        """The streaming output parser of one generation (the `OutputParser` interface)."""
+        return self.call_format.parser(thinking, tools_active, id_prefix, tool_memory, tool_schemas)
 
     def parse(
         self,
@@ -180,7 +203,7 @@ class ChatProtocol:
         tool_schemas: Sequence[str] = (),
     ):
         """Final parse of a whole generation (a `dsml.ParsedOutput`)."""
-        raise NotImplementedError
+        return self.call_format.parse(text, thinking, tools_active, truncated, tool_schemas)
 
 
 class FirstCallOnly:

@@ -34,8 +34,9 @@ NOT_ENDED = ("error", "length", "cancelled")  # finish reasons of a turn that di
 
 
 class Decoding:
-    def __init__(self, r: SlotRunner, h: JobHandle, logits, prompt_tokens: int, cached: int):
+    def __init__(self, r: SlotRunner, h: JobHandle, logits, prompt_tokens: int, cached: int, prompt_lp=None):
         eng, job = r.engine, h.job
+        self.prompt_lp = prompt_lp  # echo with logprobs: the prompt's TokenLogprobs
         self.r, self.h, self.job = r, h, job
         self.prompt_tokens, self.cached = prompt_tokens, cached
         self.room = eng.ctx - len(r.session)
@@ -301,6 +302,8 @@ class Decoding:
                 stop_sequence=self.stops.hit,
                 speculation=st.as_dict() if st.rounds else None,
                 logprobs=tuple(self.logprobs) if self.pending_lp is not None else None,
+                echo=self.job.echo,
+                prompt_logprobs=self.prompt_lp,
             )
         )
 

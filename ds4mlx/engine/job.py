@@ -78,6 +78,9 @@ class Job:
     single_tool_call: bool = False  # parallel_tool_calls false: stop after the first call (chat/protocol.py)
     # logprobs: None = not asked; k = the chosen token's log-prob plus the k most likely (0..20)
     logprobs: int | None = None
+    # legacy completions `echo`: the caller's prompt text, printed before the output (and, with
+    # logprobs, its tokens' log-probs from a full forward of the prompt); None = no echo
+    echo: str | None = None
     grammar: Any = None  # structured output (structured.Grammar): the answer's tokens constrained
     # image input (docs/vision.md): the image-token blocks in prompt_ids (vision.encoder.ImageSpan)
     # and their images (chat.images.ImageInput), in the same order

@@ -18,6 +18,7 @@ from .decoding import Decoding
 from .hooks import call_hook
 from .job import Failed, JobHandle, job_kind
 from .prefill import sync
+from .prompt_logprobs import prompt_logprobs
 from .runner import SlotRunner
 
 log = logging.getLogger("ds4mlx.engine")
@@ -64,7 +65,10 @@ def run_request(r: SlotRunner, h: JobHandle) -> Iterator[Work | None]:
     call_hook(r.cache.after_prefill, r, job)
     h.started = True
     h.emit(Started(prompt_tokens, cached, source))  # source: where `cached` came from (/metrics)
-    yield from Decoding(r, h, logits, prompt_tokens, cached).steps()
+    echoed = None
+    if job.echo is not None and job.logprobs is not None:
+        echoed = prompt_logprobs(eng.model, eng.tokenizer, list(effective), job.echo, int(job.logprobs))
+    yield from Decoding(r, h, logits, prompt_tokens, cached, echoed).steps()
 
 
 def _prefill_images(r: SlotRunner, h: JobHandle, effective: list[int], cached: int):

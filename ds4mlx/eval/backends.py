@@ -5,9 +5,8 @@ A backend implements
 * `name` (for the trace header) and `model` (model path / name),
 * `count_tokens(prompt) -> int | None` (None: unknown, no context sizing),
 * `open(ctx)`: load / connect once the context size is known,
-* `generate(prompt, max_tokens, *, seed, control, on_prefill, on_started, on_text,
-  soft_budget, hard_budget, soft_rank, case_id) -> GenResult` (`case_id` is a
-  label only; it is never sent to the model),
+* `generate(job: GenJob) -> GenResult` (the prompt, limit, seed, control, progress
+  callbacks and think-close budgets of one case),
 * `close()`.
 
 `on_text` receives *raw* text (reasoning, then `</think>`, then the answer), the
@@ -28,6 +27,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..chat.markers import DEEPSEEK_V4_MODEL_ID
@@ -97,27 +97,42 @@ class Backend(Protocol):
 
     def open(self, ctx: int) -> None: ...
 
-    def generate(
-        self,
-        prompt: Prompt,
-        max_tokens: int,
-        *,
-        seed: int,
-        control: Control,
-        on_prefill: Callback,
-        on_started: Callback,
-        on_text: Callback,
-        soft_budget: int,
-        hard_budget: int,
-        soft_rank: int,
-        case_id: str = "",
-    ) -> GenResult: ...
+    def generate(self, job: GenJob) -> GenResult: ...
 
     def close(self) -> None: ...
 
 
 def noop(*_a: Any, **_k: Any) -> None:
     return None
+
+
+@dataclass
+class GenJob:
+    """One generation asked of a backend.  `on_prefill(done, total)`, `on_started(prompt_tokens)`
+    and `on_text(raw_text)` report progress; the budgets drive the forced `</think>`
+    (thinkclose.py); `case_id` is a label only, never sent to the model."""
+
+    prompt: Prompt
+    max_tokens: int
+    seed: int
+    control: Control
+    on_prefill: Callback = noop
+    on_started: Callback = noop
+    on_text: Callback = noop
+    soft_budget: int = 1024
+    hard_budget: int = 512
+    soft_rank: int = 3
+    case_id: str = ""
+
+    def closer(self, close_ids: list) -> ThinkCloser:
+        """The think-close controller of this job for the close sequence `close_ids`."""
+        return ThinkCloser(
+            close_ids,
+            soft_budget=self.soft_budget,
+            hard_budget=self.hard_budget,
+            soft_rank=self.soft_rank,
+            thinking=self.prompt.thinking,
+        )
 
 
 # ---------------------------------------------------------------- fake
@@ -155,22 +170,9 @@ class FakeBackend:
     def _output_for(self, case_id: str) -> str:
         return self.script.get("cases", {}).get(case_id, self.script.get("default", "I think.</think>\nAnswer: A"))
 
-    def generate(
-        self,
-        prompt: Prompt,
-        max_tokens: int,
-        *,
-        seed: int,
-        control: Control,
-        on_prefill: Callback = noop,
-        on_started: Callback = noop,
-        on_text: Callback = noop,
-        soft_budget: int = 1024,
-        hard_budget: int = 512,
-        soft_rank: int = 3,
-        case_id: str = "",
-    ) -> GenResult:
-        self.calls.append({"prompt": prompt, "max_tokens": max_tokens, "seed": seed, "case_id": case_id})
+    def generate(self, job: GenJob) -> GenResult:
+        prompt, control, case_id = job.prompt, job.control, job.case_id
+        self.calls.append({"prompt": prompt, "max_tokens": job.max_tokens, "seed": job.seed, "case_id": case_id})
         total = self.count_tokens(prompt)
         result = GenResult(prompt_tokens=total)
         if case_id in self.script.get("error", {}):
@@ -181,23 +183,17 @@ class FakeBackend:
         for k in range(1, steps + 1):
             control.wait_if_paused()
             time.sleep(float(self.script.get("prefill_delay", 0.0)) / steps)
-            on_prefill(total * k // steps, total)
+            job.on_prefill(total * k // steps, total)
         try:
             control.check()
         except Interrupted as e:
             result.finish = e.status.lower()
             return result
-        on_started(total)
+        job.on_started(total)
         text = self._output_for(case_id)
         tokens = _TOKEN_RE.findall(text if prompt.thinking else text.split(THINK_CLOSE, 1)[-1])
         it = iter(tokens)
-        closer = ThinkCloser(
-            ["</", "think", ">"],
-            soft_budget=soft_budget,
-            hard_budget=hard_budget,
-            soft_rank=soft_rank,
-            thinking=prompt.thinking,
-        )
+        closer = job.closer(["</", "think", ">"])
 
         def advance(tok: str) -> str:
             if delay:
@@ -205,14 +201,14 @@ class FakeBackend:
             return tok
 
         return run_token_loop(
-            limit=max_tokens,
+            limit=job.max_tokens,
             closer=closer,
             control=control,
             pick=lambda: next(it, None),
             rank_of=lambda _t: 0,
             is_eos=lambda t: t is None,
             advance=advance,
-            on_text=on_text,
+            on_text=job.on_text,
             result=result,
         )
 
@@ -314,23 +310,11 @@ class EndpointBackend:
             body["chat_template_kwargs"] = {"thinking": False, "enable_thinking": False}
         return body
 
-    def generate(
-        self,
-        prompt: Prompt,
-        max_tokens: int,
-        *,
-        seed: int,
-        control: Control,
-        on_prefill: Callback = noop,
-        on_started: Callback = noop,
-        on_text: Callback = noop,
-        soft_budget: int = 1024,
-        hard_budget: int = 512,
-        soft_rank: int = 3,
-        case_id: str = "",
-    ) -> GenResult:
-        think_cap = max_tokens - hard_budget if (prompt.thinking and self.forces_think_close) else 0
-        return asyncio.run(self._generate(prompt, max_tokens, seed, control, on_started, on_text, think_cap))
+    def generate(self, job: GenJob) -> GenResult:
+        think_cap = job.max_tokens - job.hard_budget if (job.prompt.thinking and self.forces_think_close) else 0
+        return asyncio.run(
+            self._generate(job.prompt, job.max_tokens, job.seed, job.control, job.on_started, job.on_text, think_cap)
+        )
 
     @property
     def chat_url(self) -> str:

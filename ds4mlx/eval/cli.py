@@ -265,6 +265,7 @@ def _backend(a: argparse.Namespace):
             with open(a.fake_script, encoding="utf-8") as f:
                 script = json.load(f)
         return make_backend("fake", script=script)
+    sampling = {"temperature": a.temp, "top_p": a.top_p, "min_p": a.min_p}
     if kind == "endpoint":
         if not a.endpoint:
             raise SystemExit(_fail("--backend endpoint needs --endpoint URL"))
@@ -279,24 +280,13 @@ def _backend(a: argparse.Namespace):
             url=a.endpoint,
             api_key=a.api_key,
             model_name=a.model,
-            temperature=a.temp,
-            top_p=a.top_p,
-            min_p=a.min_p,
             continuation=a.endpoint_continuation,
+            **sampling,
         )
     from ..experts.cli import config_from_args
 
     stream = config_from_args(a)
-    return make_backend(
-        "mlx",
-        model=a.model,
-        temperature=a.temp,
-        top_p=a.top_p,
-        min_p=a.min_p,
-        stream=stream,
-        spec_args=a,
-        chat_template=a.chat_template,
-    )
+    return make_backend("mlx", model=a.model, stream=stream, spec_args=a, chat_template=a.chat_template, **sampling)
 
 
 def _carry_over(runner: Any, path: str) -> None:

@@ -16,9 +16,9 @@ import codecs
 from typing import Any
 
 from ..chat import markers as M
-from .backends import Callback, Control, noop
+from .backends import GenJob
 from .prompts import Prompt
-from .thinkclose import GenResult, Interrupted, ThinkCloser, Xorshift64Star, run_token_loop
+from .thinkclose import GenResult, Interrupted, Xorshift64Star, run_token_loop
 
 PREFILL_CHUNK = 2048
 
@@ -137,21 +137,8 @@ class InProcessBackend:
         return sample
 
     # -- generation
-    def generate(
-        self,
-        prompt: Prompt,
-        max_tokens: int,
-        *,
-        seed: int,
-        control: Control,
-        on_prefill: Callback = noop,
-        on_started: Callback = noop,
-        on_text: Callback = noop,
-        soft_budget: int = 1024,
-        hard_budget: int = 512,
-        soft_rank: int = 3,
-        case_id: str = "",
-    ) -> GenResult:
+    def generate(self, job: GenJob) -> GenResult:
+        prompt, control, on_text = job.prompt, job.control, job.on_text
         import mlx.core as mx
         import numpy as np
 
@@ -160,7 +147,7 @@ class InProcessBackend:
         if len(ids) >= self.ctx:
             res.finish, res.error = "skipped", "prompt does not fit context"
             return res
-        limit = min(max_tokens, self.ctx - len(ids))
+        limit = min(job.max_tokens, self.ctx - len(ids))
         if limit < 1:
             res.finish, res.error = "skipped", "prompt leaves no generation room"
             return res
@@ -175,7 +162,7 @@ class InProcessBackend:
             for i in range(0, len(ids), PREFILL_CHUNK):
                 control.wait_if_paused()
                 logits = s.prefill(ids[i : i + PREFILL_CHUNK])
-                on_prefill(min(i + PREFILL_CHUNK, len(ids)), len(ids))
+                job.on_prefill(min(i + PREFILL_CHUNK, len(ids)), len(ids))
         except Exception as e:  # noqa: BLE001 - reported as ERROR, as ds4 does
             res.finish, res.error = "error", f"prefill failed: {e}"
             return res
@@ -184,18 +171,12 @@ class InProcessBackend:
         except Interrupted as e:
             res.finish = e.status.lower()
             return res
-        on_started(len(ids))
+        job.on_started(len(ids))
         state = {"logits": logits if isinstance(logits, mx.array) else mx.array(np.asarray(logits))}
-        sample = self._sampler(seed)
+        sample = self._sampler(job.seed)
         eos = self._tok.eos_id
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        closer = ThinkCloser(
-            self.close_ids(),
-            soft_budget=soft_budget,
-            hard_budget=hard_budget,
-            soft_rank=soft_rank,
-            thinking=prompt.thinking,
-        )
+        closer = job.closer(self.close_ids())
 
         def cur():
             return state["logits"].reshape(-1)

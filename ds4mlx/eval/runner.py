@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from .backends import Backend, Control
+from .backends import Backend, Control, GenJob
 from .extract import grade_detail
 from .prompts import Prompt, build_prompt
 from .thinkclose import THINK_CLOSE, CloseEvent, default_budgets
@@ -252,7 +252,7 @@ class Runner:
         t0 = self.case_t0 = time.monotonic()
         p0 = self.case_p0 = self.control.paused_seconds
         try:
-            res = self.backend.generate(
+            job = GenJob(
                 cr.prompt,
                 cr.limit or cr.budget,
                 seed=self.opts.seed,
@@ -265,6 +265,7 @@ class Runner:
                 soft_rank=self.opts.soft_rank,
                 case_id=cr.case["id"],
             )
+            res = self.backend.generate(job)
         except Exception as e:  # noqa: BLE001 - a backend bug is an ERROR record, not a crash
             from .thinkclose import GenResult
 

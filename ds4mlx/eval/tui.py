@@ -74,6 +74,21 @@ def _count(n: int) -> str:
     return str(n)
 
 
+# the bytes a key sends -> the key's name (cbreak mode: arrows as normal or application cursor keys)
+_KEYS = {
+    b"\x1b[A": "up",
+    b"\x1bOA": "up",
+    b"\x1b[B": "down",
+    b"\x1bOB": "down",
+    b"\r": "enter",
+    b"\n": "enter",
+    b"p": "p",
+    b"P": "p",
+    b"q": "q",
+    b"Q": "q",
+}
+
+
 class KeyReader:
     """Background thread: stdin in cbreak mode, keys queued as names."""
 
@@ -102,22 +117,12 @@ class KeyReader:
                 return
             buf += chunk
             while buf:
-                if buf[:1] == b"\x1b":
-                    if len(buf) < 3:
-                        break
-                    seq, buf = buf[:3], buf[3:]
-                    if seq in (b"\x1b[A", b"\x1bOA"):
-                        self.keys.put("up")
-                    elif seq in (b"\x1b[B", b"\x1bOB"):
-                        self.keys.put("down")
-                    continue
-                ch, buf = buf[:1], buf[1:]
-                if ch in (b"\r", b"\n"):
-                    self.keys.put("enter")
-                elif ch in (b"p", b"P"):
-                    self.keys.put("p")
-                elif ch in (b"q", b"Q"):
-                    self.keys.put("q")
+                n = 3 if buf[:1] == b"\x1b" else 1  # an arrow key's escape sequence, or one byte
+                if len(buf) < n:
+                    break
+                seq, buf = buf[:n], buf[n:]
+                if seq in _KEYS:
+                    self.keys.put(_KEYS[seq])
 
     def close(self) -> None:
         self._stop.set()

@@ -73,6 +73,12 @@ def to_f32(x: float) -> float:
 
 
 # --- rearrangements (all exact) ------------------------------------------------------
+def kda_conv_rule(hf: str, split, join) -> Rule:
+    """A linear-attention layer's one short convolution over its q, k, v channels -> ds4's
+    three `kda_*_conv` tensors (`split` / `join` cut the channels into the three)."""
+    return make_rule(hf, "kda_q_conv.weight", "kda_k_conv.weight", "kda_v_conv.weight", split=split, join=join)
+
+
 def row_parts(sizes: Callable):
     """Split along axis 0 into `sizes(args)` rows; join concatenates."""
 
@@ -164,6 +170,20 @@ def text_part(config: dict) -> dict:
     """The text-model part of a config (VLM configs nest it as `text_config`)."""
     tc = config.get("text_config")
     return tc if isinstance(tc, dict) else config
+
+
+def trunk_kv(arch: str, args) -> list:
+    """The size keys that open a ds4 `*-next` GGUF's metadata: the trunk's block count (no
+    MTP blocks), context, width and vocabulary."""
+    a, n = arch, args.num_hidden_layers
+    return [
+        (f"{a}.block_count", n, "u32"),
+        (f"{a}.trunk_block_count", n, "u32"),
+        (f"{a}.nextn_predict_layers", 0, "u32"),
+        (f"{a}.context_length", int(args.max_position_embeddings), "u64"),
+        (f"{a}.embedding_length", args.hidden_size, "u32"),
+        (f"{a}.vocab_size", args.vocab_size, "u32"),
+    ]
 
 
 def tok_ids(meta: dict) -> dict:

@@ -8,6 +8,7 @@ from .base import (
     HF_LAYER_RE,
     Family,
     GGUFMeta,
+    kda_conv_rule,
     kv_b_join,
     kv_b_split,
     make_rule,
@@ -15,6 +16,7 @@ from .base import (
     row_parts,
     to_f32,
     tok_ids,
+    trunk_kv,
 )
 
 
@@ -144,6 +146,19 @@ def _rope_from_kv(g: GGUFMeta) -> dict:
     return rope
 
 
+def _glm_routing(g: GGUFMeta) -> dict:
+    """The MoE router's config fields, spelled alike by glm-dsa and glm5-next."""
+    return {
+        "n_routed_experts": int(g("expert_count")),
+        "n_shared_experts": int(g("expert_shared_count", 1)),
+        "num_experts_per_tok": int(g("expert_used_count")),
+        "n_group": int(g("expert_group_count", 1)),
+        "topk_group": int(g("expert_group_used_count", 1)),
+        "routed_scaling_factor": float(g("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(g("expert_weights_norm", True)),
+    }
+
+
 def _glm_dsa_derive(meta: dict) -> dict:
     """glm-dsa keys -> GlmMoeDsaConfig fields (every layer runs its own indexer unless
     the indexer.types extension says otherwise, as in llama.cpp's GGUFs)."""
@@ -159,13 +174,7 @@ def _glm_dsa_derive(meta: dict) -> dict:
         "num_hidden_layers": n,
         "num_attention_heads": int(g("attention.head_count")),
         "num_key_value_heads": int(g("attention.head_count")),
-        "n_routed_experts": int(g("expert_count")),
-        "num_experts_per_tok": int(g("expert_used_count")),
-        "n_shared_experts": int(g("expert_shared_count", 1)),
-        "n_group": int(g("expert_group_count", 1)),
-        "topk_group": int(g("expert_group_used_count", 1)),
-        "routed_scaling_factor": float(g("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(g("expert_weights_norm", True)),
+        **_glm_routing(g),
         "first_k_dense_replace": int(g("leading_dense_block_count", 0)),
         "q_lora_rank": int(g("attention.q_lora_rank")),
         "kv_lora_rank": int(g("attention.kv_lora_rank")),
@@ -211,14 +220,7 @@ _GLM53_LAYER = [
     *matrix_rules("self_attn.q_proj", "kda_q"),
     *matrix_rules("self_attn.k_proj", "kda_k"),
     *matrix_rules("self_attn.v_proj", "kda_v"),
-    make_rule(
-        "self_attn.conv1d.weight",
-        "kda_q_conv.weight",
-        "kda_k_conv.weight",
-        "kda_v_conv.weight",
-        split=_kda_conv_split,
-        join=_kda_conv_join,
-    ),
+    kda_conv_rule("self_attn.conv1d.weight", _kda_conv_split, _kda_conv_join),
     make_rule("self_attn.forget_gate.f_a_proj.weight", "kda_f_a.weight"),
     make_rule("self_attn.forget_gate.f_b_proj.weight", "kda_f_b.weight"),
     make_rule("self_attn.forget_gate.dt_bias", "kda_dt_bias.weight"),
@@ -245,12 +247,7 @@ def _glm5_next_kv(config: dict, args) -> list:
     a = "glm5-next"
     n = args.num_hidden_layers
     return [
-        (f"{a}.block_count", n, "u32"),
-        (f"{a}.trunk_block_count", n, "u32"),
-        (f"{a}.nextn_predict_layers", 0, "u32"),
-        (f"{a}.context_length", int(args.max_position_embeddings), "u64"),
-        (f"{a}.embedding_length", args.hidden_size, "u32"),
-        (f"{a}.vocab_size", args.vocab_size, "u32"),
+        *trunk_kv(a, args),
         (f"{a}.feed_forward_length", args.intermediate_size, "u32"),
         (f"{a}.expert_feed_forward_length", args.moe_intermediate_size, "u32"),
         (f"{a}.expert_count", args.n_routed_experts, "u32"),
@@ -313,13 +310,7 @@ def _glm5_next_derive(meta: dict) -> dict:
         "qk_rope_head_dim": rope,
         "qk_nope_head_dim": int(g("attention.key_length")) - rope,
         "v_head_dim": int(g("attention.value_length")),
-        "n_routed_experts": int(g("expert_count")),
-        "n_shared_experts": int(g("expert_shared_count", 1)),
-        "num_experts_per_tok": int(g("expert_used_count")),
-        "n_group": int(g("expert_group_count", 1)),
-        "topk_group": int(g("expert_group_used_count", 1)),
-        "routed_scaling_factor": float(g("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(g("expert_weights_norm", True)),
+        **_glm_routing(g),
         "swiglu_limit": float(g("swiglu_limit", 10.0)),
         "index_topk": int(g("attention.indexer.top_k")),
         "index_kpool": int(g("attention.indexer.pool_size")),

@@ -8,6 +8,7 @@ from .base import (
     GGUFMeta,
     deinterleave_join,
     deinterleave_split,
+    kda_conv_rule,
     make_rule,
     matrix_rules,
     plus_one_join,
@@ -15,6 +16,7 @@ from .base import (
     row_parts,
     squeeze_split,
     tok_ids,
+    trunk_kv,
     unsqueeze_join,
 )
 
@@ -56,14 +58,7 @@ _QWEN_LAYER = [
     *_qwen_hc("mlp_hyper_connection", "hc_ffn", inject=True),
     # Gated DeltaNet (add_gdn)
     *matrix_rules("linear_attn.in_proj_qkv", ("kda_q", "kda_k", "kda_v"), split=_gdn_split, join=_gdn_join),
-    make_rule(
-        "linear_attn.conv1d.weight",
-        "kda_q_conv.weight",
-        "kda_k_conv.weight",
-        "kda_v_conv.weight",
-        split=_gdn_split,
-        join=_gdn_join,
-    ),
+    kda_conv_rule("linear_attn.conv1d.weight", _gdn_split, _gdn_join),
     *matrix_rules("linear_attn.in_proj_z", "kda_gate"),
     *matrix_rules("linear_attn.in_proj_a", "kda_alpha"),
     *matrix_rules("linear_attn.in_proj_b", "kda_beta"),
@@ -114,12 +109,7 @@ def _qwen_kv(config: dict, args) -> list:
     a = "qwen38-next"
     n = args.num_hidden_layers
     kv = [
-        (f"{a}.block_count", n, "u32"),
-        (f"{a}.trunk_block_count", n, "u32"),
-        (f"{a}.nextn_predict_layers", 0, "u32"),
-        (f"{a}.context_length", int(args.max_position_embeddings), "u64"),
-        (f"{a}.embedding_length", args.hidden_size, "u32"),
-        (f"{a}.vocab_size", args.vocab_size, "u32"),
+        *trunk_kv(a, args),
         (f"{a}.expert_feed_forward_length", args.moe_intermediate_size, "u32"),
         (f"{a}.expert_shared_feed_forward_length", args.shared_expert_intermediate_size, "u32"),  # extension
         (f"{a}.expert_count", args.num_experts, "u32"),

@@ -10,6 +10,7 @@ from ..chat import markers as M
 from ..chat.protocol import ChatProtocol, get_protocol
 from ..chat.requests import CHAT_THINKING_FIELDS, DEFAULT_MODEL, RequestError, Thinking, as_str, body_object, parse_stop
 from ..events import Finish, Started, TextDelta, Usage
+from . import errors as E
 from . import sse
 from .common import RequestInfo, body_bytes, total_usage
 from .logprobs import completion_logprobs
@@ -54,6 +55,17 @@ def parse_completion(body: Any, *, ctx: int = 32768) -> CompletionRequest:
     if prompt is None:
         raise RequestError(M.ERR_MISSING_PROMPT, param="prompt")
     return CompletionRequest(prompt=prompt, thinking=th.resolve(model, ctx), model=model, stop=stop)
+
+
+def echo_of(body: dict, stream: bool) -> bool:
+    """`echo: true`: the prompt is printed before the output (non-streamed only; a 400 when streamed)."""
+    if body.get("echo") is not True:
+        return False
+    if stream:
+        raise E.APIError(
+            400, "echo is not supported with stream: true", param="echo", code="unsupported_parameter"
+        )
+    return True
 
 
 # --- response (docs/http-api.md §4) -------------------------------------------------------
@@ -131,7 +143,8 @@ class CompletionsAdapter:
 
 
 def _choice(index: int, fin: Finish) -> dict:
-    choice = {"text": fin.raw_text, "index": index, "finish_reason": finish_reason(fin)}
+    text = fin.raw_text if fin.echo is None else fin.echo + fin.raw_text
+    choice = {"text": text, "index": index, "finish_reason": finish_reason(fin)}
     if fin.logprobs is not None:
         choice["logprobs"] = completion_logprobs(fin)
     return choice

@@ -99,7 +99,6 @@ TABLE: dict[str, list[Field]] = {
     "completions": [
         *_OPENAI_ADVISORY,
         _ignored("stream_options.include_obfuscation", BOOL),
-        _f("echo", BOOL, False),
         _f("best_of", INT, 1),
         _f("suffix", STR, ""),
         *_EXTENSIONS,

@@ -27,16 +27,18 @@ def chat_logprobs(fin: Finish) -> dict | None:
 
 
 def completion_logprobs(fin: Finish) -> dict | None:
-    """`{tokens, token_logprobs, top_logprobs (a dict per token), text_offset}`, None when not asked."""
+    """`{tokens, token_logprobs, top_logprobs (a dict per token), text_offset}`, None when not
+    asked; with echo the prompt's tokens come first (the first with null log-prob and top)."""
     if fin.logprobs is None:
         return None
+    tokens = (*(fin.prompt_logprobs or ()), *fin.logprobs)
     offsets, at = [], 0
-    for t in fin.logprobs:
+    for t in tokens:
         offsets.append(at)
         at += len(t.text)
     return {
-        "tokens": [t.text for t in fin.logprobs],
-        "token_logprobs": [t.logprob for t in fin.logprobs],
-        "top_logprobs": [{s: v for _, s, v in t.top} for t in fin.logprobs],
+        "tokens": [t.text for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [None if t.logprob is None else {s: v for _, s, v in t.top} for t in tokens],
         "text_offset": offsets,
     }

@@ -22,7 +22,7 @@ from ..vision.prompt import ERR_IMAGE_HISTORY, ImagePromptError
 from ..vision.prompt import attach as attach_images
 from . import errors as E
 from .anthropic import parse_anthropic
-from .completions import parse_completion
+from .completions import echo_of, parse_completion
 from .grammar import grammar_of
 from .openai import parse_chat
 from .params import parse_controls
@@ -298,6 +298,7 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
     if api == "completions":
         job.raw = True
         job.prompt_text = proto.render_completion(req.prompt, req.thinking)
+        job.echo = req.prompt if echo_of(body, ctl.stream) else None
     else:
         conv = req
         if cfg.system or cfg.prefix:

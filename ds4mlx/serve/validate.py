@@ -179,7 +179,12 @@ CHAT = _api(
 
 # --- legacy completions -------------------------------------------------------------------
 COMPLETIONS = _api(
-    {"prompt": {"type": ["string", "array"], "items": {"type": "string"}}, "logprobs": NUM, **OPENAI_SAMPLING}
+    {
+        "prompt": {"type": ["string", "array"], "items": {"type": "string"}},
+        "logprobs": NUM,
+        "echo": BOOL,
+        **OPENAI_SAMPLING,
+    }
 )
 
 # --- Anthropic messages ------------------------------------------------------------------

@@ -35,8 +35,7 @@ from .. import markers as M
 from ..messages import Conversation, Message
 from ..protocol import ChatProtocol, EffortError, register
 from . import common as C
-from .deepseek_v4.dsml import parse_output
-from .deepseek_v4.output import OutputParser
+from .deepseek_v4.output import DsmlCalls
 
 SYSTEM = "<｜System｜>"
 SYN = M.DSML_SPACED
@@ -231,6 +230,7 @@ class DeepSeekV41Protocol(ChatProtocol):
     turn_end = M.EOS
     default_mode = str(DEFAULT_LEVEL)
     numeric_effort = True
+    call_format = DsmlCalls(SYNTAXES, render_calls)
 
     def resolve_thinking(
         self, mode: str, effort: Any = None, *, explicit: bool = False, model: str | None = None, ctx: int = 32768
@@ -250,11 +250,8 @@ class DeepSeekV41Protocol(ChatProtocol):
         n = parse_level(level)
         return "none" if n == 0 else str(n)
 
-    def render(self, conv: Conversation, tool_memory=None) -> str:
-        return _render(conv, tool_memory, True, self.uses_tool_context(conv))
-
-    def render_history(self, conv: Conversation, tool_memory=None) -> str:
-        return _render(conv, tool_memory, False, self.uses_tool_context(conv))
+    def render_prompt(self, conv: Conversation, tool_memory, generation: bool) -> str:
+        return _render(conv, tool_memory, generation, self.uses_tool_context(conv))
 
     def render_completion(self, prompt: str, thinking: str = "75") -> str:
         conv = Conversation(
@@ -263,40 +260,9 @@ class DeepSeekV41Protocol(ChatProtocol):
         )
         return self.render(conv)
 
-    def render_calls(self, calls: Sequence) -> str:
-        return render_calls(calls)
-
     def force_text(self, name: str | None) -> str:
         head = M.DSML_BLOCK_SEPARATOR + SYN.open + "\n" + SYN.invoke + ' name="'
         return head if name is None else head + name + '">\n'
-
-    def make_parser(
-        self,
-        thinking: bool,
-        tools_active: bool,
-        id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
-        tool_memory=None,
-        *,
-        tool_schemas: Sequence[str] = (),
-    ):
-        return OutputParser(
-            thinking=thinking,
-            tools_active=tools_active,
-            id_prefix=id_prefix,
-            tool_memory=tool_memory,
-            syntaxes=SYNTAXES,
-        )
-
-    def parse(
-        self,
-        text: str,
-        *,
-        thinking: bool,
-        tools_active: bool = True,
-        truncated: bool = False,
-        tool_schemas: Sequence[str] = (),
-    ):
-        return parse_output(text, thinking=thinking, tools_active=tools_active, truncated=truncated, syntaxes=SYNTAXES)
 
 
 PROTOCOL = register(DeepSeekV41Protocol())

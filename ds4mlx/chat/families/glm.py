@@ -30,14 +30,13 @@ verbatim, any other value as JSON.  The two templates differ in four places:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from .. import markers as M
 from ..messages import Conversation
 from ..protocol import ChatProtocol, EffortError, register
 from . import common as C
-from .xmlcalls import CallSyntax, Scan, ThinkStyle, XmlOutputParser, is_partial, parse_xml_output, skip_ws
+from .xmlcalls import CallSyntax, Scan, ThinkStyle, XmlCalls, is_partial, skip_ws
 
 GMASK = "[gMASK]<sop>"
 SYSTEM = "<|system|>"
@@ -212,6 +211,7 @@ class GlmProtocol(ChatProtocol):
     )
     turn_end = ""
     default_mode = "max"
+    call_format = XmlCalls(SYNTAX, THINK)
     efforts = _EFFORTS
     effort_rungs = ("low", "high")  # rendered as given; any other mode renders Max
     thinking_switch = False  # thinking off drops the effort line (5.2's enable_thinking)
@@ -259,7 +259,7 @@ class GlmProtocol(ChatProtocol):
             return t.replay
         return SYNTAX.render_calls(t.tool_calls)
 
-    def _body(self, conv: Conversation, tool_memory, generation: bool) -> str:
+    def render_prompt(self, conv: Conversation, tool_memory, generation: bool) -> str:
         ts = C.turns(conv, tool_memory)
         out = [self._head(conv)]
         last_user = max((k for k, t in enumerate(ts) if t.role == "user"), default=-1)
@@ -290,56 +290,14 @@ class GlmProtocol(ChatProtocol):
             out.append(ASSISTANT + (M.THINK_OPEN + M.THINK_CLOSE if conv.thinking == "none" else M.THINK_OPEN))
         return "".join(out)
 
-    def render(self, conv: Conversation, tool_memory=None) -> str:
-        return self._body(conv, tool_memory, True)
-
-    def render_history(self, conv: Conversation, tool_memory=None) -> str:
-        return self._body(conv, tool_memory, False)
-
     def render_completion(self, prompt: str, thinking: str = "max") -> str:
         from ..messages import Message
 
         return self.render(Conversation(messages=[Message(role="user", content=prompt)], thinking=thinking))
 
     # --- tool calls ---------------------------------------------------------------------
-    def render_calls(self, calls: Sequence) -> str:
-        return SYNTAX.render_calls(calls)
-
     def force_text(self, name: str | None) -> str:
         return TOOL_CALL_OPEN if name is None else TOOL_CALL_OPEN + name
-
-    def make_parser(
-        self,
-        thinking: bool,
-        tools_active: bool,
-        id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
-        tool_memory=None,
-        *,
-        tool_schemas: Sequence[str] = (),
-    ):
-        return XmlOutputParser(
-            SYNTAX, THINK, thinking, tools_active, id_prefix, tool_memory=tool_memory, tool_schemas=tool_schemas
-        )
-
-    def parse(
-        self,
-        text: str,
-        *,
-        thinking: bool,
-        tools_active: bool = True,
-        truncated: bool = False,
-        tool_schemas: Sequence[str] = (),
-    ):
-        out, _ = parse_xml_output(
-            text,
-            thinking=thinking,
-            tools_active=tools_active,
-            truncated=truncated,
-            syntax=SYNTAX,
-            think=THINK,
-            types=C.param_types(tool_schemas),
-        )
-        return out
 
 
 class Glm52Protocol(GlmProtocol):

@@ -32,7 +32,7 @@ from .. import markers as M
 from ..messages import Conversation
 from ..protocol import ChatProtocol, EffortError, register
 from . import common as C
-from .xmlcalls import CallSyntax, Scan, ThinkStyle, XmlOutputParser, is_partial, parse_xml_output, skip_ws
+from .xmlcalls import CallSyntax, Scan, ThinkStyle, XmlCalls, is_partial, skip_ws
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -181,6 +181,7 @@ class QwenProtocol(ChatProtocol):
     special_strings = (IM_START, IM_END, ENDOFTEXT, M.THINK_OPEN, M.THINK_CLOSE, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
     turn_end = IM_END + "\n"
     default_mode = "xhigh"
+    call_format = XmlCalls(SYNTAX, THINK)
 
     # --- thinking ---------------------------------------------------------------------
     def resolve_thinking(
@@ -225,7 +226,7 @@ class QwenProtocol(ChatProtocol):
             return lead + t.replay
         return lead + SYNTAX.render_calls(t.tool_calls)
 
-    def _body(self, conv: Conversation, tool_memory, generation: bool) -> str:
+    def render_prompt(self, conv: Conversation, tool_memory, generation: bool) -> str:
         ts = C.turns(conv, tool_memory)
         system, rest = C.merge_leading_system(ts)
         # later system turns (the template raises on them) join the system turn too
@@ -263,12 +264,6 @@ class QwenProtocol(ChatProtocol):
             out.append(IM_START + "assistant\n" + (NO_THINK_PROMPT if mode == "none" else THINK_PROMPT))
         return "".join(out)
 
-    def render(self, conv: Conversation, tool_memory=None) -> str:
-        return self._body(conv, tool_memory, True)
-
-    def render_history(self, conv: Conversation, tool_memory=None) -> str:
-        return self._body(conv, tool_memory, False)
-
     def render_completion(self, prompt: str, thinking: str = "xhigh") -> str:
         from ..messages import Message
 
@@ -276,47 +271,9 @@ class QwenProtocol(ChatProtocol):
         return self.render(conv)
 
     # --- tool calls ------------------------------------------------------------------------
-    def render_calls(self, calls: Sequence) -> str:
-        return SYNTAX.render_calls(calls)
-
     def force_text(self, name: str | None) -> str:
         head = TOOL_CALL_OPEN + "\n" + FUNCTION_OPEN
         return head if name is None else head + name + ">\n"
-
-    def make_parser(
-        self,
-        thinking: bool,
-        tools_active: bool,
-        id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
-        tool_memory=None,
-        *,
-        tool_schemas: Sequence[str] = (),
-    ):
-        return XmlOutputParser(
-            SYNTAX, THINK, thinking, tools_active, id_prefix, tool_memory=tool_memory, tool_schemas=tool_schemas
-        )
-
-    def parse(
-        self,
-        text: str,
-        *,
-        thinking: bool,
-        tools_active: bool = True,
-        truncated: bool = False,
-        tool_schemas: Sequence[str] = (),
-    ):
-        from .common import param_types
-
-        out, _ = parse_xml_output(
-            text,
-            thinking=thinking,
-            tools_active=tools_active,
-            truncated=truncated,
-            syntax=SYNTAX,
-            think=THINK,
-            types=param_types(tool_schemas),
-        )
-        return out
 
 
 PROTOCOL = register(QwenProtocol())

@@ -20,7 +20,6 @@ authoritative, and emits what the stream still owes.
 
 from __future__ import annotations
 
-import codecs
 import json
 import re
 from collections.abc import Sequence
@@ -30,9 +29,10 @@ from typing import Any
 from ...events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from .. import markers as M
 from ..jsontext import json_escape, minify_json
+from ..protocol import CallFormat
 from .common import call_arguments, param_types, tojson
 from .deepseek_v4.dsml import ParsedCall, ParsedOutput
-from .deepseek_v4.output import finish_call_events, tool_id_for
+from .deepseek_v4.output import StreamParser, finish_call_events, tool_id_for
 
 _WS = " \t\n\v\f\r"
 
@@ -285,7 +285,7 @@ def parse_xml_output(
 # --- streaming -------------------------------------------------------------------------------
 
 
-class XmlOutputParser:
+class XmlOutputParser(StreamParser):
     """The `OutputParser` interface for tag-based tool calls (see the module docstring)."""
 
     def __init__(
@@ -299,20 +299,10 @@ class XmlOutputParser:
         tool_memory=None,
         tool_schemas: Sequence[str] = (),
     ):
+        super().__init__(thinking, tools_active, id_prefix, tool_memory)
         self.syntax = syntax
         self.think = think
-        self.thinking = thinking
-        self.tools_active = tools_active
-        self.id_prefix = id_prefix
-        self.tool_memory = tool_memory
         self.types = param_types(tool_schemas) if tools_active else {}
-        self.raw = ""
-        self.phase = "reasoning" if thinking else "text"
-        self.stop_now = False
-        self.result: ParsedOutput | None = None
-        self._decoder = None
-        self._finished = False
-        self._stop_at: int | None = None
         self._head_checked = False  # the start checked for a think open (thinking or inline)
         self._body = 0
         self._r_emit = 0
@@ -337,25 +327,8 @@ class XmlOutputParser:
 
     # --- public state ---------------------------------------------------------------------
     @property
-    def text(self) -> str:
-        return self.raw if self._stop_at is None else self.raw[: self._stop_at]
-
-    @property
     def structural(self) -> bool:
         return self._structural and not self.stop_now and not self._finished
-
-    def feed(self, text: str | bytes) -> list:
-        if isinstance(text, (bytes, bytearray)):
-            if self._decoder is None:
-                self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            text = self._decoder.decode(bytes(text))
-        if self._finished:
-            raise RuntimeError("feed after finish")
-        self.raw += text
-        events: list = []
-        if text and self.phase != "done":
-            self._step(events)
-        return events
 
     def stop_after_call(self, events: list) -> None:
         """Stop generating here, after the calls announced so far (one tool call per turn:
@@ -364,14 +337,7 @@ class XmlOutputParser:
             self._cut(events, len(self.raw))
 
     def finish(self, truncated: bool = False) -> tuple[list, ParsedOutput]:
-        events: list = []
-        if self._decoder is not None:
-            tail = self._decoder.decode(b"", final=True)
-            if tail:
-                self.raw += tail
-                if self.phase != "done":
-                    self._step(events)
-        self._finished = True
+        events = self._end_feed()
         if self.phase == "tool" and self._cut_calls is None and (truncated or self._call_pos >= 0):
             # the output ended inside a call (EOS, the token limit): that call is not complete,
             # so it is not returned (the stream left it open), and no markup is text (docs/dsml.md §3.1)
@@ -632,3 +598,37 @@ class XmlOutputParser:
         self.stop_now = True
         self._stop_at = at
         self._structural = False
+
+
+class XmlCalls(CallFormat):
+    """The `CallFormat` of a tag-based spelling (GLM, Qwen): `syntax` and the family's think tags."""
+
+    def __init__(self, syntax: CallSyntax, think: ThinkStyle):
+        self.syntax = syntax
+        self.think = think
+
+    def render(self, calls: Sequence) -> str:
+        return self.syntax.render_calls(calls)
+
+    def parser(self, thinking: bool, tools_active: bool, id_prefix: str, tool_memory, tool_schemas: Sequence[str]):
+        return XmlOutputParser(
+            self.syntax,
+            self.think,
+            thinking,
+            tools_active,
+            id_prefix,
+            tool_memory=tool_memory,
+            tool_schemas=tool_schemas,
+        )
+
+    def parse(self, text: str, thinking: bool, tools_active: bool, truncated: bool, tool_schemas: Sequence[str]):
+        out, _ = parse_xml_output(
+            text,
+            thinking=thinking,
+            tools_active=tools_active,
+            truncated=truncated,
+            syntax=self.syntax,
+            think=self.think,
+            types=param_types(tool_schemas),
+        )
+        return out

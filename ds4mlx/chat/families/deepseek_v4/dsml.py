@@ -11,7 +11,7 @@ Strings are Python `str`; positions are character indices.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -174,16 +174,21 @@ def value_json(members: list) -> str | None:
     return "{" + ",".join(parts) + "}"
 
 
-def parse_leaf(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[tuple[str, str, object], int]:
+def _param_tag(text: str, pos: int) -> tuple[str, str | None, int]:
+    """A parameter's open tag at `pos`: its name, its `string` attribute (None: absent) and
+    where its value starts."""
     gt = text.find(">", pos)
     if gt < 0:
         raise ParseFail(True)
     tag = text[pos : gt + 1]
     name = attr(tag, "name")
-    kind = attr(tag, "string")
     if name is None:
         raise ParseFail(False)
-    vstart = gt + 1
+    return name, attr(tag, "string"), gt + 1
+
+
+def parse_leaf(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[tuple[str, str, object], int]:
+    name, kind, vstart = _param_tag(text, pos)
     vend = text.find(syn.param_close, vstart)
     if vend < 0:
         raise ParseFail(True)
@@ -214,15 +219,7 @@ def parse_invoke(text: str, pos: int, syn: DsmlSyntax, entities: str) -> tuple[P
             break
         if not text.startswith(syn.param, pos):
             raise ParseFail(is_partial_marker(text[pos:], (syn.invoke_close, syn.param)) or pos >= n)
-        gt = text.find(">", pos)
-        if gt < 0:
-            raise ParseFail(True)
-        tag = text[pos : gt + 1]
-        pname = attr(tag, "name")
-        pkind = attr(tag, "string")
-        if pname is None:
-            raise ParseFail(False)
-        vstart = gt + 1
+        pname, pkind, vstart = _param_tag(text, pos)
         if pkind is None and text.startswith(syn.param, skip_ws(text, vstart)):
             nested = []
             p = vstart
@@ -360,22 +357,21 @@ def repair_block(block: str, syn: DsmlSyntax) -> str | None:
 
 def _blocks(
     text: str, start: int, syntaxes: Sequence[DsmlSyntax] = M.DSML_SYNTAXES
-) -> list[tuple[int, DsmlSyntax, str, int]]:
+) -> Iterator[tuple[int, DsmlSyntax, str, int]]:
     """The DSML blocks of text[start:] as the streaming tracker sees them, in
     order: earliest OPEN, scanned structurally to its CLOSE (complete), to text
     that is not DSML (stuck; scanning resumes there) or to the end (open).  An
     OPEN inside another block's parameter value is therefore not a block."""
-    out = []
     pos = start
     while True:
         found = earliest_open(text, pos, syntaxes=syntaxes)
         if found is None:
-            return out
+            return
         open_pos, syn = found
         status, end = scan_block(text, open_pos, syntaxes)
-        out.append((open_pos, syn, status, end))
+        yield open_pos, syn, status, end
         if status == "open":
-            return out
+            return
         pos = end
 
 
@@ -388,7 +384,7 @@ def _choose_block(text: str, start: int, truncated: bool, syntaxes: Sequence[Dsm
     before a bare OPEN; then position).  With none complete: the unterminated
     last block when truncated (repair), else ds4's first candidate (which fails).
     With other `syntaxes` their order is the spelling rank."""
-    blocks = _blocks(text, start, syntaxes)
+    blocks = list(_blocks(text, start, syntaxes))
     rank = _SPELLING_RANK if syntaxes is M.DSML_SYNTAXES else {syn.name: i for i, syn in enumerate(syntaxes)}
     if not blocks:
         return None
@@ -535,16 +531,9 @@ def _recover_in_think(
     """Forward recovery: the first complete block with calls inside an unclosed
     think block (or, when truncated, an unterminated last one) is parsed as if
     `</think>` had been written right before it."""
-    pos = body
     sep = M.DSML_BLOCK_SEPARATOR
-    while True:
-        found = earliest_open(text, pos, syntaxes=syntaxes)
-        if found is None:
-            return None
-        open_pos, syn = found
-        status, end = scan_block(text, open_pos, syntaxes)
+    for open_pos, syn, status, _end in _blocks(text, body, syntaxes):
         if status == "stuck":
-            pos = end
             continue
         if status == "open" and not truncated:
             return None
@@ -567,4 +556,4 @@ def _recover_in_think(
             )
         if status == "open":
             return None
-        pos = end
+    return None

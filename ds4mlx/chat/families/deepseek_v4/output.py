@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import codecs
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from ....events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from ... import markers as M
+from ...protocol import CallFormat
 from .dsml import (
     C_SPACE,
     JSON_STRUCTURAL,
@@ -41,7 +42,7 @@ from .dsml import (
     value_json,
 )
 
-__all__ = ["OutputParser", "new_tool_id"]
+__all__ = ["DsmlCalls", "OutputParser", "StreamParser", "new_tool_id"]
 
 _THINK_HOLD = len(M.THINK_CLOSE) - 1  # ds4 holds the last 7 bytes of reasoning (a possible partial </think>)
 _TAIL = 64  # longer than any DSML tag
@@ -86,7 +87,66 @@ def finish_call_events(events: list, calls, id_for, started, ended) -> None:
             events.append(ToolCallEnd(index=i, id=call.id, name=call.name, arguments=call.arguments))
 
 
-class OutputParser:
+class StreamParser:
+    """What every family's streaming output parser shares: `feed` takes `str` or raw UTF-8
+    `bytes` (an incremental decoder holds incomplete sequences) and appends it to `raw`.
+    Subclasses implement `_step(events)` (advance over the new text) and `finish`."""
+
+    def __init__(self, thinking: bool, tools_active: bool, id_prefix: str, tool_memory):
+        self.thinking = thinking
+        self.tools_active = tools_active
+        self.id_prefix = id_prefix
+        self.tool_memory = tool_memory
+        self.raw = ""
+        self.phase = "reasoning" if thinking else "text"  # reasoning | text | tool | done
+        self.stop_now = False
+        self.result: ParsedOutput | None = None
+        self._decoder = None
+        self._finished = False
+        self._stop_at: int | None = None
+
+    @property
+    def text(self) -> str:
+        """The generation as the final parse reads it: cut right after the block
+        CLOSE that stopped it (bytes sampled past it in the same token are dropped)."""
+        return self.raw if self._stop_at is None else self.raw[: self._stop_at]
+
+    def feed(self, text: str | bytes) -> list:
+        if isinstance(text, (bytes, bytearray)):
+            if self._decoder is None:
+                self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            text = self._decoder.decode(bytes(text))
+        if self._finished:
+            raise RuntimeError(f"{type(self).__name__}.feed after finish")
+        self._append(text)
+        events: list = []
+        if text and self.phase != "done":
+            self._step(events)
+        return events
+
+    def _end_feed(self) -> list:
+        """The events of what the UTF-8 decoder still held; nothing is fed after this."""
+        events: list = []
+        if self._decoder is not None:
+            tail = self._decoder.decode(b"", final=True)
+            if tail:
+                self._append(tail)
+                if self.phase != "done":
+                    self._step(events)
+        self._finished = True
+        return events
+
+    def _append(self, text: str) -> None:
+        raw = self.raw
+        self.raw = ""
+        raw += text  # sole reference: CPython appends in place instead of copying the whole text
+        self.raw = raw
+
+    def _step(self, events: list) -> None:
+        raise NotImplementedError
+
+
+class OutputParser(StreamParser):
     """Incremental parser of one generation.
 
     `thinking`: the prompt ended with `<think>` (output starts in reasoning).
@@ -112,18 +172,10 @@ class OutputParser:
         entities: str = "all",
         syntaxes=M.DSML_SYNTAXES,
     ):
-        self.thinking = thinking
-        self.tools_active = tools_active
-        self.id_prefix = id_prefix
-        self.tool_memory = tool_memory
+        super().__init__(thinking, tools_active, id_prefix, tool_memory)
         self.think_recovery = think_recovery
         self.entities = entities
         self.syntaxes = syntaxes
-        self.raw = ""
-        self.phase = "reasoning" if thinking else "text"  # reasoning | text | tool | done
-        self.stop_now = False
-        self.result: ParsedOutput | None = None
-        self._decoder = None
         self._think_checked = not thinking
         self._r_emit = 0  # reasoning emitted up to (index into raw)
         self._tscan = 0  # next position to search for </think>
@@ -134,20 +186,12 @@ class OutputParser:
         self._ids: dict[int, str] = {}
         self._started: set[int] = set()
         self._ended: set[int] = set()
-        self._finished = False
-        self._stop_at: int | None = None
         self._r_begin = 0  # the reasoning body: raw[_r_begin:_r_end]
         self._r_end: int | None = None  # where </think> was found
         self._r_hold: int | None = None  # reasoning held from a block ds4 may recover (think never closed)
         self._invalid_at: int | None = None  # where an invalid block began (the turn ended there)
 
     # --- public state ------------------------------------------------------------------
-    @property
-    def text(self) -> str:
-        """The generation as the final parse reads it: cut right after the block
-        CLOSE that stopped it (bytes sampled past it in the same token are dropped)."""
-        return self.raw if self._stop_at is None else self.raw[: self._stop_at]
-
     @property
     def structural(self) -> bool:
         """Sample the NEXT token greedily (inside DSML structure, docs/dsml.md §5.1)."""
@@ -161,19 +205,6 @@ class OutputParser:
         return tr.state if tr is not None and not self.stop_now else "outside"
 
     # --- feeding ----------------------------------------------------------------------------
-    def feed(self, text: str | bytes) -> list:
-        if isinstance(text, (bytes, bytearray)):
-            if self._decoder is None:
-                self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            text = self._decoder.decode(bytes(text))
-        if self._finished:
-            raise RuntimeError("OutputParser.feed after finish")
-        self._append(text)
-        events: list = []
-        if text and self.phase != "done":
-            self._step(events)
-        return events
-
     def stop_after_call(self, events: list) -> None:
         """Stop generating here, the block cut after the calls announced so far (one tool
         call per turn: chat/protocol.FirstCallOnly)."""
@@ -182,14 +213,7 @@ class OutputParser:
 
     def finish(self, truncated: bool = False) -> tuple[list, ParsedOutput]:
         """End of generation: the final parse, plus the events the stream still owes."""
-        events: list = []
-        if self._decoder is not None:
-            tail = self._decoder.decode(b"", final=True)
-            if tail:
-                self._append(tail)
-                if self.phase != "done":
-                    self._step(events)
-        self._finished = True
+        events = self._end_feed()
         proj = self._proj
         if self.phase == "tool" and (proj is None or proj.cut_calls is None):
             # the block never closed (EOS, the token limit): the call it was in is not complete,
@@ -280,12 +304,6 @@ class OutputParser:
         )
 
     # --- internals ----------------------------------------------------------------------------
-    def _append(self, text: str) -> None:
-        raw = self.raw
-        self.raw = ""
-        raw += text  # sole reference: CPython appends in place instead of copying the whole text
-        self.raw = raw
-
     def _id_for(self, index: int) -> str:
         return tool_id_for(self._ids, index, self.id_prefix, self.tool_memory)
 
@@ -682,3 +700,23 @@ class _Projection:
         self.pos = end
         self.state = "params"
         return True
+
+
+class DsmlCalls(CallFormat):
+    """The `CallFormat` of DSML blocks: `syntaxes` the block spellings the parsers accept
+    (the first is the family's own), `render_calls` the family's renderer."""
+
+    def __init__(self, syntaxes: Sequence[M.DsmlSyntax], render_calls: Callable[[Sequence], str]):
+        self.syntaxes = syntaxes
+        self._render_calls = render_calls
+
+    def render(self, calls: Sequence) -> str:
+        return self._render_calls(calls)
+
+    def parser(self, thinking: bool, tools_active: bool, id_prefix: str, tool_memory, tool_schemas: Sequence[str]):
+        return OutputParser(thinking, tools_active, id_prefix, tool_memory=tool_memory, syntaxes=self.syntaxes)
+
+    def parse(self, text: str, thinking: bool, tools_active: bool, truncated: bool, tool_schemas: Sequence[str]):
+        return parse_output(
+            text, thinking=thinking, tools_active=tools_active, truncated=truncated, syntaxes=self.syntaxes
+        )

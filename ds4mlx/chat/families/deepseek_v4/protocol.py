@@ -4,14 +4,13 @@ every family shares (chat/protocol.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from ... import markers as M
 from ...messages import Conversation
 from ...protocol import ChatProtocol, register, register_template
 from . import dsml, official, template
-from .output import OutputParser
+from .output import DsmlCalls
 
 
 class DeepSeekV4Protocol(ChatProtocol):
@@ -29,6 +28,7 @@ class DeepSeekV4Protocol(ChatProtocol):
     special_strings = M.SPECIAL_STRINGS
     turn_end = M.EOS
     default_mode = "high"
+    call_format = DsmlCalls(M.DSML_SYNTAXES, dsml.render_calls)
 
     def thinking_enabled(self, mode: str) -> bool:
         return template.thinking_enabled(mode)
@@ -50,35 +50,10 @@ class DeepSeekV4Protocol(ChatProtocol):
     def uses_tool_context(self, conv: Conversation) -> bool:
         return template.uses_tool_context(conv)
 
-    def render_calls(self, calls: Sequence) -> str:
-        return dsml.render_calls(calls)
-
     def force_text(self, name: str | None) -> str:
         syn = M.DSML_FULL
         head = M.DSML_BLOCK_SEPARATOR + syn.open + "\n" + syn.invoke + ' name="'
         return head if name is None else head + dsml.attr_escape(name) + '">\n'
-
-    def make_parser(
-        self,
-        thinking: bool,
-        tools_active: bool,
-        id_prefix: str = M.OPENAI_TOOL_ID_PREFIX,
-        tool_memory=None,
-        *,
-        tool_schemas: Sequence[str] = (),
-    ):
-        return OutputParser(thinking=thinking, tools_active=tools_active, id_prefix=id_prefix, tool_memory=tool_memory)
-
-    def parse(
-        self,
-        text: str,
-        *,
-        thinking: bool,
-        tools_active: bool = True,
-        truncated: bool = False,
-        tool_schemas: Sequence[str] = (),
-    ):
-        return dsml.parse_output(text, thinking=thinking, tools_active=tools_active, truncated=truncated)
 
 
 register(DeepSeekV4Protocol())
