@@ -14,7 +14,7 @@ import pytest
 
 import ds4mlx
 from ds4mlx.decode import StepRequest
-from ds4mlx.engine import Engine, Job
+from ds4mlx.engine import Engine, Failed, Job
 from ds4mlx.engine.batch import ChunkRequest, plan_step
 from ds4mlx.events import Finish, PrefillProgress, Started
 from ds4mlx.sampling import SamplingParams
@@ -206,3 +206,37 @@ def test_a_job_cancelled_while_its_chunk_waits_for_a_step_ends_cancelled():
     assert (a.reason, a.raw_text, a.usage) == (want.reason, want.raw_text, want.usage)
     assert b.reason == "cancelled" and b.error == "cancelled during prefill"
     assert b.usage.completion_tokens == 0 and b.usage.prompt_tokens > 2 * CHUNK
+
+
+def test_a_failed_chunk_fails_its_job_only(monkeypatch):
+    """A prefill forward that raises fails its own job (500, nothing started) and the
+    session it left half-written is dropped; the job decoding beside it is unaffected."""
+    from ds4mlx import session as session_mod
+
+    model, tk = ds4mlx.load(None)
+    poison = tk.encode(" zebra")[-1]
+    prefill = session_mod.Session.prefill
+
+    def failing(self, ids, *a, **kw):
+        if poison in list(ids):
+            raise RuntimeError("prefill exploded")
+        return prefill(self, ids, *a, **kw)
+
+    good = raw_job("Once upon a time", 12)
+    solo = Engine(model, tk, ctx=CTX, prefill_chunk=CHUNK)
+    try:
+        want = run_alone(solo, good)
+    finally:
+        solo.close()
+    monkeypatch.setattr(session_mod.Session, "prefill", failing)
+    eng = Engine(model, tk, ctx=CTX, slots=2, prefill_chunk=CHUNK)
+    log: list = []
+    try:
+        hg, hb = submit_held(eng, [good, raw_job("A story about a zebra in the savanna", 4)], log)
+        bad_events = [ev for i, ev in log if i == 1]
+        assert isinstance(bad_events[-1], Failed) and bad_events[-1].status == 500
+        assert "prefill exploded" in bad_events[-1].message
+        assert (hg.result.reason, hg.result.raw_text, hg.result.usage) == (want.reason, want.raw_text, want.usage)
+        assert len(eng.runners[hb.slot].slot) == 0  # the half-prefilled session was dropped
+    finally:
+        eng.close()
