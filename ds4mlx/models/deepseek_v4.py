@@ -743,9 +743,8 @@ class CompressorBranch(Compressor):
             nw += st
         # the rows with more live-able rows than index_topk pick theirs
         picks = [b for b, r in enumerate(rows) if r.shape[0] > self._topk]
-        sel = self._index_select_rows(
-            [index_qs[b] for b in picks], [projs[b] for b in picks], [keys[b][-1] for b in picks], [pos[b] for b in picks]
-        )
+        pick = lambda seq: [seq[b] for b in picks]  # noqa: E731
+        sel = self._index_select_rows(pick(index_qs), pick(projs), pick([st[-1] for st in keys]), pick(pos))
         out = [(r, None, None) for r in rows]
         for b, (idx, cnt) in zip(picks, sel):
             out[b] = (rows[b], idx, cnt)
@@ -778,12 +777,13 @@ class CompressorBranch(Compressor):
         ind = self.indexer
         qs = [q.squeeze(0) for q in index_qs]
         ws = [pj[4].squeeze(0) for pj in projs]
-        ks = [k.squeeze(0) for k in keys]
+        views: dict = {}  # one view per array (a chain's rows share one)
+        ks = [views.setdefault(id(k), k.squeeze(0)) for k in keys]
         kw = dict(ratio=self._ratio, scale=ind._nh**-0.5 * ind._dim**-0.5, backend=_sparse.step_face())
         ns = [k.shape[0] for k in ks]
         sel = _sparse.index_topk_rows(qs, ws, ks, self._topk, ns=ns, poss=pos, **kw)
         if sel is None:
-            sel = [_sparse.index_topk(q, w, k, self._topk, n=n, s=p, **kw) for q, w, k, n, p in zip(qs, ws, ks, ns, pos)]
+            sel = [_sparse.index_topk(q, w, k, self._topk, n=n, s=p, **kw) for q, w, k, n, p in zip(qs, ws, ks, ns, pos)]  # fmt: skip
         return sel
 
     def select(self, x, q_res, cache: LayerCache, s: int, face: str):
