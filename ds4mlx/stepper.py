@@ -271,7 +271,7 @@ def step_chain(model, cache: list, ids: mx.array, pos: int) -> tuple[mx.array, l
         fn = _pure_chain(model, hook is not None)
         if mode() == "compiled":
             fn = _compiled_chain[key] = mx.compile(fn)
-    out = fn(ids, mx.arange(pos, pos + T, dtype=mx.int32), *state)
+    out = fn(ids, mx.array(list(range(pos, pos + T)), mx.int32), *state)  # host data: no arange launch
     k = 1 if hook is None else 2
     if hook is not None:
         hook(out[1], pos)

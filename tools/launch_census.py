@@ -2,7 +2,10 @@
 the CPU (`ds4mlx.bench.census`: GPU faces chosen as on CUDA, kernels replaced by placeholders,
 MLX's own primitives read from the step's graph).
 
-    python tools/launch_census.py --layers 4 --ctx 2048 [--full-width]
+    python tools/launch_census.py --layers 4 --ctx 2048 [--full-width] [--chain T]
+
+`--chain T`: a speculative verify of T tokens (the compiled step's rows chained) instead of
+one step; the step's count is printed beside it (the verify's cost in steps, in launches).
 """
 
 from __future__ import annotations
@@ -26,15 +29,21 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--full-width", action="store_true", help="V4 Flash's own shapes (GBs of host memory)")
+    p.add_argument("--chain", type=int, default=0, help="count a verify of this many tokens (one session)")
     a = p.parse_args()
     model, _, _ = build_synthetic_v4_flash(
         layers=a.layers, experts=a.experts, overrides=None if a.full_width else NARROW
     )
-    c = decode_census(model, a.ctx)
+    c = decode_census(model, a.ctx, chain=a.chain)
     n = c["layers"]
     types = [x.layer_type for x in model.new_session(ctx=8).caches]
     print(f"layers {n} ({', '.join(f'{t} x{types.count(t)}' for t in sorted(set(types)))}), ctx {a.ctx}")
-    print(f"launches per step: {c['total']} ({c['total'] / n:.2f} per layer)")
+    if a.chain:
+        step = decode_census(model, a.ctx)["total"]
+        print(f"launches per verify of {a.chain} tokens: {c['total']} ({c['total'] / n:.2f} per layer)", end="")
+        print(f" = {c['total'] / step:.2f} steps of {step}")
+    else:
+        print(f"launches per step: {c['total']} ({c['total'] / n:.2f} per layer)")
     for title, part in (("our kernels", "kernels"), ("fills of init_value outputs", "fills"), ("MLX's own", "mlx")):
         print(f"\n{title}:")
         for k, v in part_items(c[part]):

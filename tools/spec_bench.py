@@ -7,6 +7,9 @@ One synthetic V4 Flash build (random full-size weights, ds4mlx.bench.synthetic),
 prompt of --ctx tokens, then:
 
 1. `step`: the plain decode loop (compiled static step, lookahead), ms per token;
+   `step_sync`: the same step waited for token by token (step, evaluate, read the token),
+   as a verify is timed: `verify_vs_sync_k` is the verify's cost in such steps, which
+   leaves out the host time the pipelined loop hides behind the device (a sync round pays it);
 2. `verify_k`: `Session.verify` of k+1 tokens (one forward, k = 1..4), ms per call, and
    what a rejection at the first draft adds (`reject_k`: the loop's `keep_prefix`, the
    chained verify's row state where the model has it, else rollback + re-feed);
@@ -67,6 +70,21 @@ def plain(model, ids, ctx, n):
     t0 = time.perf_counter()
     out += [next(loop) for _ in range(n)]
     return (time.perf_counter() - t0) * 1e3 / n, out
+
+
+def plain_sync(model, ids, ctx, n):
+    """ms per plain step when each step is waited for (host and device time in series)."""
+    s, logits = prompt_session(model, ids, ctx)
+    tok = int(logits.argmax())
+    times = []
+    for i in range(n + 2):
+        t0 = time.perf_counter()
+        out = s.step(tok)
+        mx.eval(out, s.cache_arrays())
+        tok = int(out.argmax().item())
+        if i >= 2:  # the first steps trace / warm up
+            times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times)[len(times) // 2]
 
 
 def verify_cost(model, ids, ctx, k, reps):
@@ -137,6 +155,8 @@ def main() -> int:
 
     step_ms, out = plain(model, ids, ctx, a.gen)
     row("step", 0, step_ms)
+    sync_ms = plain_sync(model, ids, ctx, a.gen)
+    row("step_sync", 0, sync_ms, speed=f"{sync_ms / step_ms:.3f}")
     expected = ids + out
 
     def fmt(x):
@@ -152,6 +172,7 @@ def main() -> int:
             be_free=fmt(break_even(step_ms, v_ms, 0.0, k)),
             be_mtp=fmt(break_even(step_ms, v_ms, step_ms / layers, k)),
         )
+        row(f"verify_vs_sync_{k}", k, v_ms, speed=f"{v_ms / sync_ms:.3f}")
         row(f"reject_{k}", k, rej_ms)
     # a free, always-right draft (the plain run's own greedy tokens); plain output reused:
     # the loop must reproduce it, which it checks as it goes

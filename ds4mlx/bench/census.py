@@ -59,11 +59,15 @@ def cuda_placeholders():
             os.environ[SELFTEST_ENV] = saved[2]
 
 
-def decode_census(model, ctx: int, rows: int = 1) -> dict:
+def decode_census(model, ctx: int, rows: int = 1, chain: int = 0) -> dict:
     """One compiled decode step of a static-layout `model` (LanguageModel) at position ctx - 1:
     {"kernels", "fills", "mlx" (primitive -> count, views left out), "total", "layers"}.
     `rows` > 1: one batched step of that many sessions (`stepper.step_rows`, session
-    batching), row b at position ctx - 1 - b."""
+    batching), row b at position ctx - 1 - b.  `chain` > 0: one session's verify of that many
+    tokens instead (`Session.verify`: the static step's rows chained, `stepper.step_chain`),
+    every row's state counted as the verify leaves it (`Session.keep_verified` reads them)."""
+    if chain and rows != 1:
+        raise ValueError("a census counts session batching (rows) or a verify chain, not both")
     with cuda_placeholders() as seen:
         sessions = []
         for b in range(rows):
@@ -71,14 +75,18 @@ def decode_census(model, ctx: int, rows: int = 1) -> dict:
             s._tokens = [11] * (ctx - 1 - b)  # a census shortcut: the session's length is its position
             for c in s.caches:
                 c.offset = ctx - 1 - b
-            mx.eval(s.model.static_state(s.caches))  # buffers at their bucket: not part of the step
+            # buffers at their bucket: not part of the step
+            mx.eval(s.model.static_state(s.caches, **({"ahead": chain} if chain else {})))
             sessions.append(s)
         stepper.forget(s.model)  # a step traced before (bench's probe) holds this machine's faces, not CUDA's
         seen["kernels"].clear()
         seen["fills"].clear()
         stepper.assume_checked(s.model)  # no eager first run: one trace, its outputs left lazy
         try:
-            if rows == 1:
+            if chain:
+                logits, states = stepper.step_chain(s.model, s.caches, mx.array([[5] * chain], mx.int32), len(s))
+                out = [logits, *[a for st in states for a in st]]
+            elif rows == 1:
                 out = [s.step(mx.array(5, mx.int32))]
             else:
                 ids = mx.array([[5] * rows], mx.int32)

@@ -741,23 +741,50 @@ class CompressorBranch(Compressor):
         keys = ind.pool_step_rows([p[2] for p in projs], [p[3] for p in projs], pos, poss, states)
         for nw, st in zip(news, keys):
             nw += st
-        scale = ind._nh**-0.5 * ind._dim**-0.5
-        face = _sparse.step_face()
-        # the rows with more live-able rows than index_topk: their scores + top-k in one launch
-        # where they can share it (index_topk_rows), else one per row
+        # the rows with more live-able rows than index_topk pick theirs
         picks = [b for b, r in enumerate(rows) if r.shape[0] > self._topk]
-        qs = [index_qs[b].squeeze(0) for b in picks]
-        ws = [projs[b][4].squeeze(0) for b in picks]
-        ks = [keys[b][-1].squeeze(0) for b in picks]
-        kw = dict(ratio=self._ratio, scale=scale, backend=face)
-        ns = [k.shape[0] for k in ks]
-        sel = _sparse.index_topk_rows(qs, ws, ks, self._topk, ns=ns, poss=[pos[b] for b in picks], **kw)
-        if sel is None:
-            sel = [_sparse.index_topk(q, w, k, self._topk, n=n, s=pos[b], **kw) for q, w, k, n, b in zip(qs, ws, ks, ns, picks)]  # fmt: skip
+        pick = lambda seq: [seq[b] for b in picks]  # noqa: E731
+        sel = self._index_select_rows(pick(index_qs), pick(projs), pick([st[-1] for st in keys]), pick(pos))
         out = [(r, None, None) for r in rows]
         for b, (idx, cnt) in zip(picks, sel):
             out[b] = (rows[b], idx, cnt)
         return out
+
+    def step_select_chain(self, projs: list, index_qs: list, pos: list, states: list, news: list):
+        """`step_select` of one session's next B tokens (a verify chain: row b over the state
+        row b - 1 leaves), per row (rows, idx, cnt).  Each row's compressors run in turn (a
+        row's window buffers are the ones the row before it leaves); the rows' indexer scores
+        and top-k run in one launch where they can share it, every row over the LAST row's
+        indexer rows: a compressed row once written stays as it is, so they hold each earlier
+        row's live rows, and each row's position masks the rest (the same top-k as its own)."""
+        rows, keys = [], None
+        for pj, p, st, nw in zip(projs, pos, states, news):
+            new, r, _ = self.pool_step(pj[0], pj[1], p, st)
+            nw += new
+            if self._overlap:
+                new, keys, _ = self.indexer.pool_step(pj[2], pj[3], p, st)
+                nw += new
+            rows.append(r.squeeze(0))
+        if not self._overlap or rows[0].shape[0] <= self._topk:
+            return [(r, None, None) for r in rows]
+        sel = self._index_select_rows(index_qs, projs, [keys] * len(rows), pos)
+        return [(r, idx, cnt) for r, (idx, cnt) in zip(rows, sel)]
+
+    def _index_select_rows(self, index_qs: list, projs: list, keys: list, pos: list) -> list:
+        """The indexer's scores + top-k of decode rows (queries roped at pos[b], weights
+        projs[b][4], keys[b] [1, cap, d]): one launch for all where they can share it
+        (`index_topk_rows`), else one per row -> per row (idx [1, k], cnt [1])."""
+        ind = self.indexer
+        qs = [q.squeeze(0) for q in index_qs]
+        ws = [pj[4].squeeze(0) for pj in projs]
+        views: dict = {}  # one view per array (a chain's rows share one)
+        ks = [views.setdefault(id(k), k.squeeze(0)) for k in keys]
+        kw = dict(ratio=self._ratio, scale=ind._nh**-0.5 * ind._dim**-0.5, backend=_sparse.step_face())
+        ns = [k.shape[0] for k in ks]
+        sel = _sparse.index_topk_rows(qs, ws, ks, self._topk, ns=ns, poss=pos, **kw)
+        if sel is None:
+            sel = [_sparse.index_topk(q, w, k, self._topk, n=n, s=p, **kw) for q, w, k, n, p in zip(qs, ws, ks, ns, pos)]  # fmt: skip
+        return sel
 
     def select(self, x, q_res, cache: LayerCache, s: int, face: str):
         """The fused path's half of `__call__`: pool both compressors; for CSA with more
@@ -1009,6 +1036,22 @@ class Attention(nn.Module):
         sel = self.compressor.step_select_rows(projs, [h[2] for h in heads], pos, poss, states, news)
         return [(q, ring, *rest) for (q, ring, _), rest in zip(heads, sel)]
 
+    def _step_prep_chain(self, face, q_b, kv, more, index_q_b, pos, states, news) -> list:
+        """`_step_prep` of one session's next B tokens (a verify chain: row b over the state
+        row b - 1 leaves): each row's prologue in turn (its ring write goes into the ring the
+        row before it left), then the compressors row by row and the indexer's top-k of all
+        rows at once (`CompressorBranch.step_select_chain`)."""
+        heads = []
+        for b, (p, st, nw) in enumerate(zip(pos, states, news)):
+            r = slice(b, b + 1)
+            ib = None if index_q_b is None else index_q_b[:, r]
+            heads.append(self._step_prologue(face, q_b[:, r], kv[:, r], ib, p, st, nw))
+        if self.layer_type == SLIDING:
+            return [(q, ring, None, None, None) for q, ring, _ in heads]
+        projs = [[m[:, b : b + 1] for m in more] for b in range(len(pos))]
+        sel = self.compressor.step_select_chain(projs, [h[2] for h in heads], pos, states, news)
+        return [(q, ring, *rest) for (q, ring, _), rest in zip(heads, sel)]
+
     def _step_attend_graph(self, q_b, kv, more, index_q_b, pos, state, new) -> mx.array:
         """`_step_attend` as MLX ops (the CPU, `DS4MLX_SPARSE_ATTENTION=0`)."""
         comp = self.compressor if self.layer_type != SLIDING else None
@@ -1029,17 +1072,21 @@ class Attention(nn.Module):
         )
         return self._rope(out, offset=pos, scale=-1.0)
 
-    def step_rows(self, x: mx.array, pos: list, states: list, news: list, poss: mx.array | None = None) -> mx.array:
+    def step_rows(
+        self, x: mx.array, pos: list, states: list, news: list, poss: mx.array | None = None, chain: bool = False
+    ) -> mx.array:
         """`step` for B sessions' tokens at once (x [1, B, H], row b at position pos[b]
         over its own state iterator states[b]): the projections run once for all rows, the
         rows' attention in one launch on a GPU (session batching, docs/kv-cache.md §11).
-        `poss` (the positions as one int32 array [B]): the rows are independent sessions, so
-        each compressor also takes them in one launch; None: a chain (a row reads the state
-        the row before it leaves), each row's prologue and compressors in turn."""
+        `poss`: the positions as one int32 array [B] (the rows' prologues, compressors and
+        indexers then share launches on a GPU).  `chain`: the rows are one session's next B
+        tokens, row b reading the state row b - 1 leaves (a verify: `_step_prep_chain`)."""
         q_b, index_q_b, kv, more = self._step_inputs(x)
         face = _sparse.step_face()
         outs, preps = [], []
-        if face is not None and poss is not None:
+        if face is not None and chain:
+            preps = self._step_prep_chain(face, q_b, kv, more, index_q_b, pos, states, news)
+        elif face is not None and poss is not None:
             preps = self._step_prep_rows(face, q_b, kv, more, index_q_b, pos, poss, states, news)
         else:
             for b, (p, st, nw) in enumerate(zip(pos, states, news)):
@@ -1189,12 +1236,14 @@ class DecoderLayer(nn.Module):
         launch that consumes them (`out2`)."""
         return self._open_with(x, pending, ids, lambda normed: self.self_attn.step(normed, pos, state, new))
 
-    def step_rows_open(self, x: mx.array, pending, ids: mx.array, pos: list, states: list, news: list, poss=None):
+    def step_rows_open(
+        self, x: mx.array, pending, ids: mx.array, pos: list, states: list, news: list, poss=None, chain=False
+    ):
         """`step_open` for B sessions' tokens laid out as B tokens of one row (x [1, B, hc, H]):
         the same folds and launches as one session's step (the mHC and MoE kernels take the B
-        tokens as rows), the rows' attention as `Attention.step_rows` runs it (`poss`: its)."""
+        tokens as rows), the rows' attention as `Attention.step_rows` runs it (`poss`, `chain`: its)."""
         return self._open_with(
-            x, pending, ids, lambda normed: self.self_attn.step_rows(normed, pos, states, news, poss)
+            x, pending, ids, lambda normed: self.self_attn.step_rows(normed, pos, states, news, poss, chain)
         )
 
     def _open_with(self, x: mx.array, pending, ids: mx.array, attend):
@@ -1276,8 +1325,7 @@ class DeepseekV4Model(ActivationDtype, nn.Module):
     ) -> tuple:
         """B sessions' tokens ids [1, B], row b at position pos[b] over states[b] ->
         (hidden [1, B, H], the rows' new states); `final_norm` as `step`'s.  `poss`: the
-        positions as one int32 array [B] (independent rows: the compressors take them in one
-        launch each on a GPU; not with `chain`).
+        positions as one int32 array [B] (rows' kernels share launches on a GPU where they can).
 
         `chain`: the B tokens are ONE session's next B positions and states[0] its state:
         row b runs over the state row b - 1 leaves (each layer takes the rows in order, so
@@ -1294,9 +1342,8 @@ class DeepseekV4Model(ActivationDtype, nn.Module):
         else:
             its, news = [iter(s) for s in states], [[] for _ in states]
         pending = None
-        poss = None if chain else poss
         for layer in self.layers:  # as `step`: each layer's last hc_post inside the next one's first launch
-            x, pending = layer.step_rows_open(x, pending, ids, pos, its, news, poss)
+            x, pending = layer.step_rows_open(x, pending, ids, pos, its, news, poss, chain)
         if pending is not None:
             x = finish_open_step(x, pending)
         h = self.hc_head(x)
