@@ -39,6 +39,7 @@ import mlx.nn as nn
 from ..kernels import affine_qmv, moe_route
 from ..kernels import sparse_attention as _sparse
 from ..kernels.attn_prep import attn_prep, attn_prep_rows
+from ..kernels.attn_prologue import CompressorJob, attn_prologue
 from ..kernels.compressor_step import (  # one launch on a GPU, the MLX graph on the CPU
     compressor_step,
     compressor_step_rows,
@@ -557,6 +558,12 @@ class Compressor(nn.Module):
         valid = iota(rows.shape[1]) < (pos + 1) // m  # only the plain attention reads it
         return new, rows, valid
 
+    def step_job(self, kv: mx.array, gate: mx.array, state) -> CompressorJob:
+        """`pool_step`'s work for one token as a job of the attention prologue
+        (kernels/attn_prologue.py), its state arrays taken from `state`."""
+        arrays = [next(state) for _ in range(5 if self._overlap else 3)]
+        return CompressorJob(kv, gate, arrays, self.position_bias, self.kv_norm, self._rope, self._ratio)
+
     def pool_step_rows(self, kvs: list, gates: list, pos: list, poss: mx.array, states: list) -> list:
         """`pool_step` of B sessions' tokens (independent rows: session batching): each row's
         new state arrays; one launch for all rows on a GPU where they can share it
@@ -695,22 +702,28 @@ class CompressorBranch(Compressor):
         idx = topk_indices(scores, self._topk)
         return mx.take(rows, idx, axis=1), mx.take(valid, idx)
 
-    def step_select(self, proj: list, index_q, pos: mx.array, state, new: list):
-        """`step` for the one-launch attention (`sparse_attention.attend_at`): (rows [cap, D],
-        idx [1, k] | None, cnt [1] | None).  Without idx the kernel masks the capacity rows to
-        the (pos + 1) // ratio live ones itself.  CSA above index_topk capacity: the top
-        index_topk live rows by index score; while fewer rows are live than index_topk, all
-        of them (rows 0 .. live-1, the same set `step` attends).  `index_q` is the indexer's
-        query already roped at `pos` [1, nh, 1, d] (kernels/attn_prep.py)."""
-        st, rows, valid = self.pool_step(proj[0], proj[1], pos, state)
-        new += st
+    def step_jobs(self, proj: list, state) -> list:
+        """This token's step of each of the branch's compressors (the attention's, then for CSA
+        the indexer's: `step`'s state order), their state arrays taken from `state`;
+        `proj` as `step`'s (kernels/attn_prologue.py runs them with the attention prologue)."""
+        jobs = [self.step_job(proj[0], proj[1], state)]
+        if self._overlap:
+            jobs.append(self.indexer.step_job(proj[2], proj[3], state))
+        return jobs
+
+    def step_pick(self, new: list, proj: list, index_q, pos: mx.array):
+        """The one-launch attention's (`sparse_attention.attend_at`) rows from the compressors'
+        new states (`step_jobs` order): (rows [cap, D], idx [1, k] | None, cnt [1] | None).
+        Without idx the kernel masks the capacity rows to the (pos + 1) // ratio live ones
+        itself.  CSA above index_topk capacity: the top index_topk live rows by index score;
+        while fewer rows are live than index_topk, all of them (rows 0 .. live-1, the same set
+        `step` attends).  `proj` as `step_jobs`'; `index_q` is the indexer's query already
+        roped at `pos` [1, nh, 1, d] (kernels/attn_prep.py)."""
+        rows = new[0][-1]
         # (squeeze, not [0]: MLX runs an integer index as a gather, a copy of the buffer per token)
-        if not self._overlap:
+        if not self._overlap or rows.shape[1] <= self._topk:
             return rows.squeeze(0), None, None
-        ist, keys, _ = self.indexer.pool_step(proj[2], proj[3], pos, state)
-        new += ist
-        if rows.shape[1] <= self._topk:
-            return rows.squeeze(0), None, None
+        keys = new[1][-1]
         ind = self.indexer
         scale = ind._nh**-0.5 * ind._dim**-0.5
         face = _sparse.step_face()
@@ -951,23 +964,26 @@ class Attention(nn.Module):
 
     def _step_prep(self, face, q_b, kv, more, index_q_b, pos, state, new) -> tuple:
         """The GPU step's half before the attention: (q [1, nh, 1, D], the ring with this
-        token's row, the compressed rows, idx, cnt) for `attend_at`; the new state appended."""
-        q, ring, index_q = self._step_prologue(face, q_b, kv, index_q_b, pos, state, new)
-        rows = idx = cnt = None
-        if self.layer_type != SLIDING:
-            rows, idx, cnt = self.compressor.step_select(more, index_q, pos, state, new)
-        return q, ring, rows, idx, cnt
-
-    def _step_prologue(self, face, q_b, kv, index_q_b, pos, state, new) -> tuple:
-        """Query / K=V norms and ropes, the ring write and the indexer query's rope in one
-        launch (the indexer shares the layer's compress rope: CompressorBranch passes it on):
-        (q, the new ring, the indexer's query or None); the ring appended to `new`."""
+        token's row, the compressed rows, idx, cnt) for `attend_at`; the new state appended.
+        The prologue (query / K=V norms and ropes, the ring write, the indexer query's rope:
+        attn_prep) and the layer's compressor steps run as one launch (kernels/attn_prologue.py;
+        the indexer shares the layer's compress rope: CompressorBranch passes it on)."""
         csa, kw = self._prologue_kw(face)
         ring = next(state)
+        if self.layer_type == SLIDING:
+            q, ring, _ = attn_prep(q_b, kv, self.kv_norm.weight, ring, pos, self._rope, self._eps, None, **kw)
+            new.append(ring)
+            return q, ring, None, None, None
+        comp = self.compressor
+        jobs = comp.step_jobs(more, state)
         iq = index_q_b if csa else None
-        q, ring, index_q = attn_prep(q_b, kv, self.kv_norm.weight, ring, pos, self._rope, self._eps, iq, **kw)
+        q, ring, index_q, states = attn_prologue(
+            q_b, kv, self.kv_norm.weight, ring, pos, self._rope, self._eps, iq, jobs, **kw
+        )
         new.append(ring)
-        return q, ring, index_q
+        for st in states:
+            new += st
+        return (q, ring, *comp.step_pick(states, more, index_q, pos))
 
     def _prologue_kw(self, face) -> tuple[bool, dict]:
         """(a CSA layer, attn_prep's keyword arguments) for this layer's step prologue."""
@@ -976,7 +992,7 @@ class Attention(nn.Module):
         return csa, dict(kw, backend="reference" if face == "reference" else None)
 
     def _step_prologue_rows(self, face, q_b, kv, index_q_b, pos, poss, states, news) -> list:
-        """`_step_prologue` of B independent sessions' rows (q_b / kv / index_q_b [1, B, ...],
+        """`attn_prep` (`_step_prep`'s prologue) of B independent sessions' rows (q_b / kv / index_q_b [1, B, ...],
         poss [B] int32) in one launch where they can share it (`attn_prep_rows`), else one
         per row: one (q, ring, index_q) per row, each row's ring appended to its `news`."""
         csa, kw = self._prologue_kw(face)
