@@ -46,9 +46,9 @@ def _emulated_kernel(tmp_path, launches):
     """A stand-in for apl._kernel(n): the fused text on the g++ emulation, with the inputs,
     template and grid the module passes."""
 
-    def kernel(n):
-        header, body = apl.shared_text(n)
-        return emulated_launch(tmp_path, launches, CPU_TRIG + header, body, apl.io(n), float_consts=_TYPES)
+    def kernel(n, rows=1):
+        header, body = apl.shared_text(n, rows)
+        return emulated_launch(tmp_path, launches, CPU_TRIG + header, body, apl.io(n, rows), float_consts=_TYPES)
 
     return kernel
 
@@ -95,8 +95,8 @@ def test_self_test_passes_on_the_cpu_emulation_and_fails_a_wrong_kernel(tmp_path
     small_threadgroups.setattr(apl, "_kernel", emulated)
     assert apl._self_test("cuda") and launches
 
-    def ring_unwritten(n):  # a kernel that returns the ring as it was
-        launch = emulated(n)
+    def ring_unwritten(n, rows=1):  # a kernel that returns the ring as it was
+        launch = emulated(n, rows)
 
         def run(face, **kw):
             out = launch(face, **kw)
@@ -106,6 +106,52 @@ def test_self_test_passes_on_the_cpu_emulation_and_fails_a_wrong_kernel(tmp_path
 
     small_threadgroups.setattr(apl, "_kernel", ring_unwritten)
     assert not apl._self_test("cuda")
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
+def test_rows_on_the_cpu_emulation(n, tmp_path, small_threadgroups):
+    """attn_prologue_rows (session batching: B sessions' prologues and compressor steps of one
+    layer in one launch) through the module's own inputs, template and grid, the kernel run by
+    the g++ emulation: row b equals the single-row reference on row b's own projections, ring,
+    compressor state and position (a window's end, its middle, its start)."""
+    launches = []
+    small_threadgroups.setattr(apl, "_kernel", _emulated_kernel(tmp_path, launches))
+    args, jobs, poss = apl.rows_self_test_problem(n, mx.float32)
+    got = apl.attn_prologue_rows(**args, jobs=jobs, poss=poss, backend="cuda")
+    assert len(launches) == 1 and launches[0][1][1] == 3
+    for b, g in enumerate(got):
+        row = slice(b, b + 1)
+        one = dict(args, ring=args["rings"][b], q_b=args["q_b"][:, row], kv=args["kv"][:, row])
+        del one["rings"]
+        if one["index_q_b"] is not None:
+            one["index_q_b"] = one["index_q_b"][:, row]
+        want = apl.attn_prologue(**one, pos=poss[b], comps=jobs[b], backend="reference")
+        assert len(_flat(g)) == len(_flat(want))
+        for i, (x, w) in enumerate(zip(_flat(g), _flat(want))):
+            assert x.shape == w.shape, (b, i)
+            np.testing.assert_allclose(np.array(x), np.array(w), rtol=1e-5, atol=1e-5, err_msg=f"row {b}, output {i}")
+
+
+def test_rows_self_test_on_the_cpu_emulation(tmp_path, small_threadgroups):
+    """The rows variant's first-use self-test (float32 on the emulation, as above): it passes,
+    and fails for a kernel that gives every row row 0's ring."""
+    small_threadgroups.setattr(apl, "SELF_TEST_DTYPES", apl.SELF_TEST_DTYPES[:1])
+    launches = []
+    emulated = _emulated_kernel(tmp_path, launches)
+    small_threadgroups.setattr(apl, "_kernel", emulated)
+    assert apl._rows_self_test("cuda") and launches
+
+    def same_ring(n, rows=1):
+        launch = emulated(n, rows)
+
+        def run(face, **kw):
+            out = launch(face, **kw)
+            return [out[0], *[out[1]] * rows, *out[1 + rows :]]
+
+        return run
+
+    small_threadgroups.setattr(apl, "_kernel", same_ring)
+    assert not apl._rows_self_test("cuda")
 
 
 @pytest.mark.parametrize("behaviour", ["raise", "garbage"])
@@ -138,17 +184,19 @@ def test_sources_share_the_two_kernels_text():
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,rows", [("float32", 1), ("bfloat16", 1), ("bfloat16", 4)])
 @pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
-def test_cuda_face_compiles_with_nvcc(n, dtype, tmp_path):
+def test_cuda_face_compiles_with_nvcc(n, dtype, rows, tmp_path):
     """The CUDA translation unit mx.fast.cuda_kernel builds at V4 Flash shapes (64 heads of 512,
     window 128, rope 64; CSA: ratio 4, the indexer's 64 x 128 query and its 128-wide compressor;
-    HCA: ratio 128), projections in float32, for sm_90 with warnings as errors."""
+    HCA: ratio 128), projections in float32, one row and 4 sessions' rows, for sm_90 with
+    warnings as errors."""
     f, i32 = "float32", "int32"
-    h, b = apl.kernel_sources("cuda", n)
-    in_names, out_names = apl.io(n)
-    ins = dict(q=dtype, kv=dtype, kv_w=f, iq=dtype, ring=dtype, freqs=f, prm=f, step_pos=i32)
-    outs = dict(q_out=dtype, ring_out=dtype, iq_out=dtype)
+    h, b = apl.kernel_sources("cuda", n, rows)
+    in_names, out_names = apl.io(n, rows)
+    kinds = dict(kv_w=f, freqs=f, prm=f, step_pos=i32, poss=i32)
+    ins = {name: kinds.get(name, dtype) for name in in_names if not name.startswith("c")}
+    outs = {name: dtype for name in out_names if not name.startswith("c")}
     nhi = 64 if n == 2 else 0
     tmpl = [("TQ", dtype), ("TKV", dtype), ("TWN", f), ("TI", dtype), ("TR", dtype)]
     tmpl += [("NH", 64), ("D", 512), ("NHI", nhi), ("DI", 128), ("W", 128), ("RD", 64)]
@@ -157,59 +205,97 @@ def test_cuda_face_compiles_with_nvcc(n, dtype, tmp_path):
     for c, (ratio, dim, overlap) in enumerate(comps):
         p = f"c{c}_"
         kinds = dict(kv=f, gate=f, periods=f, prm=f, meta=i32)
-        ins.update({p + name: kinds.get(name, dtype) for name in apl._CS_INPUTS})
-        outs.update({p + name: dtype for name in cs._OUTPUTS})
+        ins.update({name: kinds.get(_base(name[len(p) :]), dtype) for name in in_names if name.startswith(p)})
+        outs.update({name: dtype for name in out_names if name.startswith(p)})
         tmpl += [(p + "T", dtype), (p + "TK", f), (p + "TG", f), (p + "TB", dtype), (p + "TW", dtype)]
         tmpl += [(p + "M", ratio), (p + "D", dim), (p + "OVERLAP", overlap), (p + "ROPE", 64), (p + "PER", cs.PER)]
         tmpl += [(p.upper() + "TGS", 9)]
     assert list(ins) == in_names and list(outs) == out_names
-    nvcc_compile(tmp_path, mlx_cuda_source(f"attn_prologue{n}", h, b, ins, outs, tmpl))
+    nvcc_compile(tmp_path, mlx_cuda_source(f"attn_prologue{n}_rows{rows}", h, b, ins, outs, tmpl))
+
+
+def _base(name: str) -> str:
+    """A rows variant's per-row input name without its row: buf_kv_3 -> buf_kv."""
+    head, _, tail = name.rpartition("_")
+    return head if tail.isdigit() else name
 
 
 # ------------------------------------------------------------------ the compiled decode step through the launch
 
 
 class StandInKernel:
-    """Takes `_launch`'s call (inputs by `io` name, template, grid, output shapes) and computes
-    its outputs with the separate reference faces from those very inputs: the CPU runs the
-    model's compiled step through the fused path's plumbing."""
+    """Takes `_launch`'s / `_launch_rows`' call (inputs by `io` name, template, grid, output
+    shapes) and computes its outputs with the separate reference faces from those very inputs,
+    row by row: the CPU runs the model's compiled step through the fused path's plumbing."""
 
     def __init__(self, ropes):
-        self.ropes, self.calls = ropes, 0
+        self.ropes, self.calls, self.rows = ropes, 0, []
 
     def _rope(self, periods):
         return next(r for r in self.ropes if r.periods is periods)  # the layer's own RoPE object
 
-    def __call__(self, n):
+    @staticmethod
+    def _row(a: dict, n: int, rows: int, b: int, nhi: int) -> dict:
+        """Row b's inputs under the one-row launch's names."""
+        if rows == 1:
+            return a
+        r = slice(b, b + 1)
+        one = dict(q=a["q_rows"][:, r], kv=a["kv_rows"][:, r], kv_w=a["kv_w"], ring=a[f"ring_{b}"])
+        one.update(
+            iq=a["iq_rows"][:, r] if nhi else a["iq_rows"], freqs=a["freqs"], prm=a["prm"], step_pos=a["poss"][b]
+        )
+        for i in range(n):
+            p = f"c{i}_"
+            one.update({p + k: a[f"{p}{k}_{b}"] for k in cs._ROW_IN})
+            one.update({p + k: a[p + k] for k in ("bias", "weight", "periods", "prm")})
+        return one
+
+    def _one(self, a: dict, t: dict, n: int) -> list:
+        """One row's outputs, in the one-row launch's order."""
+        assert t["AP_TGS"] == ap._groups(t["NH"], t["NHI"], a["ring"])
+        rope = self._rope(a["freqs"])
+        assert a["prm"][1].item() == np.float32(rope.attention_factor)
+        iq = a["iq"] if t["NHI"] else None
+        comps = []
+        for i in range(n):
+            c = {k: a[f"c{i}_{k}"] for k in apl._CS_INPUTS}
+            ct = {k: t[f"c{i}_{k}"] for k in apl._CS_TEMPLATE}
+            overlap = ct["OVERLAP"]
+            state = [c["buf_kv"], c["buf_gate"], *([c["ov_kv"], c["ov_gate"]] if overlap else []), c["rows"]]
+            norm = RMSNorm(ct["D"], float(c["prm"][0].item()))
+            norm.weight = c["weight"]
+            cap = state[-1].shape[-2]
+            assert int(c["meta"][0].item()) == cap and ct["M"] == c["bias"].shape[0]
+            assert t[f"C{i}_TGS"] >= cs.groups(cap, ct["M"], ct["D"], overlap, state[-1].dtype.size)
+            comps.append(apl.CompressorJob(c["kv"], c["gate"], state, c["bias"], norm, self._rope(c["periods"]), ct["M"]))  # fmt: skip
+        q, ring, iq_out, states = apl._separate(
+            a["q"], a["kv"], a["kv_w"], a["ring"], a["step_pos"], rope, float(a["prm"][0].item()), iq, comps,
+            t["NH"], t["NHI"], "reference",
+        )  # fmt: skip
+        out = [q, ring, iq_out]
+        for st in states:
+            dummy = mx.zeros((1,), st[0].dtype)
+            out += st if len(st) == 5 else [st[0], st[1], dummy, dummy, st[2]]
+        return out
+
+    def __call__(self, n, rows=1):
         def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             self.calls += 1
-            a = dict(zip(apl.io(n)[0], inputs))
+            self.rows.append(rows)
+            a = dict(zip(apl.io(n, rows)[0], inputs))
             t = dict(template)
             assert threadgroup == (apl.THREADS, 1, 1) and t["THREADS"] == ap.THREADS and t["PER"] == ap.COPY_PER
             total = t["AP_TGS"] + sum(t[f"C{i}_TGS"] for i in range(n))
-            assert grid == (total * apl.THREADS, 1, 1) and t["AP_TGS"] == ap._groups(t["NH"], t["NHI"], a["ring"])
-            rope = self._rope(a["freqs"])
-            assert a["prm"][1].item() == np.float32(rope.attention_factor)
-            iq = a["iq"] if t["NHI"] else None
-            comps = []
-            for i in range(n):
-                c = {k: a[f"c{i}_{k}"] for k in apl._CS_INPUTS}
-                ct = {k: t[f"c{i}_{k}"] for k in apl._CS_TEMPLATE}
-                overlap = ct["OVERLAP"]
-                state = [c["buf_kv"], c["buf_gate"], *([c["ov_kv"], c["ov_gate"]] if overlap else []), c["rows"]]
-                norm = RMSNorm(ct["D"], float(c["prm"][0].item()))
-                norm.weight = c["weight"]
-                cap = state[-1].shape[-2]
-                assert int(c["meta"][0].item()) == cap and ct["M"] == c["bias"].shape[0]
-                assert t[f"C{i}_TGS"] == cs.groups(cap, ct["M"], ct["D"], overlap, state[-1].dtype.size)
-                comps.append(apl.CompressorJob(c["kv"], c["gate"], state, c["bias"], norm, self._rope(c["periods"]), ct["M"]))  # fmt: skip
-            q, ring, iq_out, states = apl._separate(
-                a["q"], a["kv"], a["kv_w"], a["ring"], a["step_pos"], rope, float(a["prm"][0].item()), iq, comps,
-                t["NH"], t["NHI"], "reference",
-            )  # fmt: skip
-            out = [q, ring, iq_out if iq_out is not None else mx.zeros(output_shapes[2], output_dtypes[2])]
-            for st in states:
-                out += st if len(st) == 5 else [st[0], st[1], mx.zeros((1,), st[0].dtype), mx.zeros((1,), st[0].dtype), st[2]]  # fmt: skip
+            assert grid == (total * apl.THREADS, rows, 1)
+            per_row = [self._one(self._row(a, n, rows, b, t["NHI"]), t, n) for b in range(rows)]
+            if rows == 1:
+                out = per_row[0]
+                out[2] = out[2] if out[2] is not None else mx.zeros(output_shapes[2], output_dtypes[2])
+            else:
+                iqs = [r[2] for r in per_row]
+                iq = mx.concatenate(iqs) if t["NHI"] else mx.zeros(output_shapes[1 + rows], output_dtypes[1 + rows])
+                out = [mx.concatenate([r[0] for r in per_row]), *[r[1] for r in per_row], iq]
+                out += [r[3 + k] for k in range(5 * n) for r in per_row]  # name by name, row by row
             assert [tuple(o.shape) for o in out] == [tuple(s) for s in output_shapes]
             assert [o.dtype for o in out] == list(output_dtypes)
             return out
@@ -263,6 +349,38 @@ def test_compiled_step_through_the_launch_matches_legacy(v4_model, monkeypatch):
     per_trace = sum(t != "sliding_attention" for t in types)
     assert per_trace and fake.calls >= per_trace and fake.calls % per_trace == 0
     assert maxdiff(compiled, legacy) <= 1e-4
+
+
+def test_batched_rows_through_the_launch_match_legacy(v4_model, monkeypatch):
+    """Two sessions stepped together (session batching, `step_together`) from different
+    positions: each compressed layer's rows go through one attn_prologue_rows launch (the
+    stand-in), every row's logits within 1e-4 of its own session's legacy decode."""
+    from ds4mlx.session import can_step_together, step_together
+
+    lm, ids = v4_model
+    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+    n = 40
+    legacy = _decode(lm, ids[:n], monkeypatch, "legacy")  # positions PREFILL .. n-1
+    fake = StandInKernel(list(lm.model.model.ropes().values()))
+    real = apl.attn_prologue_rows
+    monkeypatch.setattr(sparse, "FORCE_FACE", "reference")
+    monkeypatch.setattr(deepseek_v4, "attn_prologue_rows", lambda *a, backend=None, **k: real(*a, backend="cuda", **k))
+    monkeypatch.setattr(apl, "_kernel", fake)
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    stepper.forget(lm.model)
+    try:
+        a, b = lm.new_session(ctx=n + 8), lm.new_session(ctx=n + 8)
+        a.prefill(ids[:PREFILL])
+        b.prefill(ids[: PREFILL + 3])
+        stepper.assume_checked(lm.model)  # (rows run once a single step passed its check: no single step here)
+        assert can_step_together([a, b])
+        for pa in range(PREFILL, n - 3):
+            la, lb = step_together([a, b], [ids[pa], ids[pa + 3]])
+            assert maxdiff(np.array(la)[None], legacy[pa - PREFILL : pa - PREFILL + 1]) <= 1e-4, pa
+            assert maxdiff(np.array(lb)[None], legacy[pa + 3 - PREFILL : pa + 4 - PREFILL]) <= 1e-4, pa
+    finally:
+        stepper.forget(lm.model)
+    assert fake.calls and set(fake.rows) == {2}
 
 
 # ------------------------------------------------------------------ GPU faces

@@ -66,20 +66,24 @@ def test_launch_budget(census):
 
 def test_batched_rows_share_the_attention_launch(census):
     """Session batching: 3 sessions' step in one forward (stepper.step_rows) launches each
-    layer's attention prologue (attn_prep_rows), compressors (compressor_step_rows), indexer
-    scores + top-k (index_topk_rows) and attention (attend_rows) once for the 3 rows, as the
-    projections, the MoE and the mHC launches: a launch count of one row's step."""
+    layer's attention prologue with its compressors (attn_prologue_rows; sliding layers:
+    attn_prep_rows), indexer scores + top-k (index_topk_rows) and attention (attend_rows) once
+    for the 3 rows, as the projections, the MoE and the mHC launches: a launch count of one
+    row's step."""
     model, _, _ = build_synthetic_v4_flash(layers=4, experts=16, overrides=NARROW)
     rows = decode_census(model, 2048, rows=3)
     k, one = rows["kernels"], census["kernels"]
-    assert k["ds4mlx_attend_rows3"] == k["ds4mlx_attn_prep_rows3"] == 4
-    assert k["ds4mlx_compressor_step_rows3"] == 3 and k["ds4mlx_index_topk_rows3"] == 1
+    assert k["ds4mlx_attend_rows3"] == 4 and k["ds4mlx_attn_prep_rows3"] == 2  # the sliding layers'
+    # the compressed layers' prologues with their compressors' rows (attn_prologue_rows: HCA 1, CSA 2)
+    assert k["ds4mlx_attn_prologue1_rows3"] == k["ds4mlx_attn_prologue2_rows3"] == 1
+    assert k["ds4mlx_index_topk_rows3"] == 1
     assert not {"ds4mlx_attend", "ds4mlx_attn_prep", "ds4mlx_compressor_step", "ds4mlx_index_topk"} & set(k)
+    assert not [name for name in k if name.startswith("ds4mlx_compressor_step")]
     for name in ("ds4mlx_affine_qmv[MODE=0]", "ds4mlx_affine_qmv2_gu[MODE=3]", "ds4mlx_hc_post_dots_pre"):
         assert k[name] == one[name]
     # per extra row only its attention metas' multiply-add; at 8 rows 160 launches before
     # attend_rows, 128 with it, 107 with compressor_step_rows, 71 with attn_prep_rows (and the
-    # rows' logits as views), 64 with index_topk_rows (one row: 57)
+    # rows' logits as views), 64 with index_topk_rows (one row: 57), 61 with attn_prologue_rows (one row: 54)
     assert rows["total"] <= census["total"] + 2
 
 

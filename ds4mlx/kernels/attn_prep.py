@@ -188,6 +188,26 @@ def attn_prep(
     return q, ring, (iq if index_q_b is not None else None)
 
 
+def rings_alike(rings: list) -> bool:
+    """Whether B rows' rings can share a launch (one shape and dtype)."""
+    return all(r.shape == rings[0].shape and r.dtype == rings[0].dtype for r in rings)
+
+
+def prep_rows_or_each(q_b, kv, kv_weight, rings: list, poss, rope, eps: float, index_q_b=None, **kw) -> list:
+    """`attn_prep_rows` where the rows can share a launch, else `attn_prep` per row: one
+    (q [1, NH, 1, D], ring, index_q or None) per row (keywords: attn_prep's)."""
+    out = attn_prep_rows(q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, **kw)
+    if out is not None:
+        q, new_rings, iqs = out
+        return [(q[b : b + 1], r, None if iqs is None else iqs[b : b + 1]) for b, r in enumerate(new_rings)]
+    heads = []
+    for b, ring in enumerate(rings):
+        r = slice(b, b + 1)
+        ib = None if index_q_b is None else index_q_b[:, r]
+        heads.append(attn_prep(q_b[:, r], kv[:, r], kv_weight, ring, poss[r].squeeze(0), rope, eps, ib, **kw))
+    return heads
+
+
 def attn_prep_rows(
     q_b,
     kv,
@@ -214,9 +234,7 @@ def attn_prep_rows(
     face = backend
     if face is None:
         face = auto_face("attn_prep.rows", lambda f: _rows_self_test(f, rope))
-    if face == "reference" or n < 2 or not fusable(rope, d, di):
-        return None
-    if any(r.shape != rings[0].shape or r.dtype != rings[0].dtype for r in rings):
+    if face == "reference" or n < 2 or not fusable(rope, d, di) or not rings_alike(rings):
         return None
     nhi = 0 if index_q_b is None else index_heads
     iq = _dummy(q_b.dtype) if index_q_b is None else index_q_b

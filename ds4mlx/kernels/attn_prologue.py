@@ -36,7 +36,17 @@ import mlx.core as mx
 
 from ds4mlx.kernels import attn_prep as ap
 from ds4mlx.kernels import compressor_step as cs
-from ds4mlx.kernels.dispatch import INDEX, PRELUDE, Kernel, auto_face, close_enough, compact, sections
+from ds4mlx.kernels.dispatch import (
+    INDEX,
+    PRELUDE,
+    Kernel,
+    auto_face,
+    close_enough,
+    compact,
+    row_inputs,
+    row_select,
+    sections,
+)
 
 THREADS = ap.THREADS  # both jobs' threadgroups are this wide (the compressor's THREADS too)
 assert cs.THREADS == THREADS
@@ -67,16 +77,32 @@ def _prefix(i: int) -> str:
 _RENAMED = [*_CS_INPUTS, *cs._OUTPUTS, *_CS_TEMPLATE, "tgx"]  # a compressor section's own names
 
 
-def shared_text(n_comps: int) -> tuple[str, str]:
-    """(header, body) of the fused kernel with `n_comps` compressors (1: HCA, 2: CSA), without
-    the face's prelude, trig helpers and index block (the g++ emulation adds its own): the
-    position defines and the compressor's common section; attn_prep's section for the first
-    AP_TGS threadgroups, then each compressor's section for its C<i>_TGS groups."""
+def _row_defines(n_comps: int, rows: int) -> str:
+    """The position and row-selection defines: one row (the 0-d `step_pos`), or `rows`
+    sessions' rows (attn_prologue_rows: grid y picks the row, `poss[row]` its position,
+    per-row buffers chosen as attn_prep_rows and compressor_step_rows choose them)."""
+    if rows == 1:
+        out = "#define CS_ROWS 1\n#define CS_POS CS_SCALAR(step_pos)\n#define CS_ROW_SELECT\n" + ap.ONE.replace(
+            "(meta[0])", "CS_SCALAR(step_pos)"
+        )
+        return out + "".join(f"#define C{i}_ROW_SELECT\n" for i in range(n_comps))
+    out = f"#define CS_ROWS {rows}\n#define CS_POS (poss[row])\n#define CS_ROW_SELECT\n" + ap.rows_defines(rows)
+    for i in range(n_comps):
+        p = _prefix(i)
+        ins = {p + name: (p + t if t in _CS_TEMPLATE else t) for name, t in cs._ROW_IN.items()}
+        outs = {p + name: p + "T" for name in cs._OUTPUTS}
+        out += row_select(rows, ins, outs, macro=f"C{i}_ROW_SELECT")
+    return out
+
+
+def shared_text(n_comps: int, rows: int = 1) -> tuple[str, str]:
+    """(header, body) of the fused kernel with `n_comps` compressors (1: HCA, 2: CSA) for `rows`
+    sessions' rows, without the face's prelude, trig helpers and index block (the g++ emulation
+    adds its own): the position and row defines and the compressor's common section; attn_prep's
+    section for the first AP_TGS threadgroups, then each compressor's section for its C<i>_TGS
+    groups (its row selection C<i>_ROW_SELECT)."""
     cs_sec = sections(cs.SOURCE)
-    header = (
-        "#define CS_ROWS 1\n#define CS_POS CS_SCALAR(step_pos)\n#define CS_ROW_SELECT\n"
-        "#define AP_ROWS 1\n#define AP_POS CS_SCALAR(step_pos)\n#define AP_ROW_SELECT\n"
-    ) + compact(cs_sec["common"])
+    header = _row_defines(n_comps, rows) + compact(cs_sec["common"])
     body = ["if (tgx < uint32_t(AP_TGS)) {\n", compact(sections(ap.SOURCE)["attn_prep"]), "}\n"]
     first = "uint32_t(AP_TGS)"
     for i in range(n_comps):
@@ -84,6 +110,7 @@ def shared_text(n_comps: int) -> tuple[str, str]:
         body.append(f"const uint32_t {p}tgx = tgx - ({first});\n")
         body.append(f"if (tgx >= {first} && {p}tgx < uint32_t({p.upper()}TGS)) {{\n")
         body += [f"#define {name} {p}{name}\n" for name in _RENAMED]
+        body.append(f"#undef CS_ROW_SELECT\n#define CS_ROW_SELECT C{i}_ROW_SELECT\n")
         body.append(compact(cs_sec["compressor_step"]))
         body += [f"#undef {name}\n" for name in _RENAMED]
         body.append("}\n")
@@ -91,23 +118,33 @@ def shared_text(n_comps: int) -> tuple[str, str]:
     return header, "".join(body)
 
 
-def kernel_sources(face: str, n_comps: int) -> tuple[str, str]:
+def kernel_sources(face: str, n_comps: int, rows: int = 1) -> tuple[str, str]:
     """(header, body) of the fused kernel for `face` ('metal' or 'cuda')."""
-    header, body = shared_text(n_comps)
+    header, body = shared_text(n_comps, rows)
     return PRELUDE[face] + ap.TRIG[face] + header, INDEX[face] + body
 
 
-def io(n_comps: int) -> tuple[list[str], list[str]]:
-    """(input names, output names) of the fused kernel with `n_comps` compressors."""
-    ins = _AP_INPUTS + ["step_pos"] + [_prefix(i) + n for i in range(n_comps) for n in _CS_INPUTS]
-    outs = ["q_out", "ring_out", "iq_out"] + [_prefix(i) + n for i in range(n_comps) for n in cs._OUTPUTS]
+def io(n_comps: int, rows: int = 1) -> tuple[list[str], list[str]]:
+    """(input names, output names) of the fused kernel with `n_comps` compressors: attn_prep's
+    (attn_prep_rows' for rows > 1), then each compressor's with its prefix (compressor_step_rows'
+    per-row buffers for rows > 1; their positions are attn_prep_rows' `poss`)."""
+    if rows == 1:
+        ins, outs = _AP_INPUTS + ["step_pos"], ["q_out", "ring_out", "iq_out"]
+        cs_ins, cs_outs = _CS_INPUTS, cs._OUTPUTS
+    else:
+        ins, outs = ap.rows_io(rows)
+        cs_ins = row_inputs(cs._ROW_IN, rows) + [n for n in cs._SHARED_IN if n != "poss"]
+        cs_outs = row_inputs(cs._OUTPUTS, rows)
+    ins = ins + [_prefix(i) + n for i in range(n_comps) for n in cs_ins]
+    outs = outs + [_prefix(i) + n for i in range(n_comps) for n in cs_outs]
     return ins, outs
 
 
 @cache
-def _kernel(n_comps: int) -> Kernel:
-    faces = {face: kernel_sources(face, n_comps) for face in ("metal", "cuda")}
-    return Kernel(f"ds4mlx_attn_prologue{n_comps}", *io(n_comps), **faces)
+def _kernel(n_comps: int, rows: int = 1) -> Kernel:
+    faces = {face: kernel_sources(face, n_comps, rows) for face in ("metal", "cuda")}
+    name = f"ds4mlx_attn_prologue{n_comps}" + (f"_rows{rows}" if rows > 1 else "")
+    return Kernel(name, *io(n_comps, rows), **faces)
 
 
 def _separate(q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b, comps, heads, index_heads, backend):
@@ -211,6 +248,136 @@ def _launch(face, q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b, comps, he
     return out[0], out[1], (out[2] if index_q_b is not None else None), states
 
 
+def attn_prologue_rows(
+    q_b,
+    kv,
+    kv_weight,
+    rings: list,
+    poss,
+    rope,
+    eps: float,
+    index_q_b,
+    jobs: list,
+    *,
+    heads: int,
+    index_heads: int = 0,
+    backend: str | None = None,
+) -> list:
+    """`attn_prologue` of B independent sessions' tokens of one layer (session batching): q_b
+    [1, B, NH*D], kv [1, B, D], index_q_b [1, B, NHI*DI] or None (the rows' projections),
+    rings[b] row b's ring, poss [B] int32, jobs[b] row b's compressor jobs (`comps`) -> per row
+    (q [1, NH, 1, D], ring, index_q or None, the compressors' new states).  One launch where
+    the rows can share it; else attn_prep_rows and compressor_step_rows (each where the rows
+    can share it, else per row)."""
+    face = backend
+    if face is None:
+        face = auto_face("attn_prologue.rows", _rows_self_test)
+    n = len(rings)
+    args = (q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, jobs, heads, index_heads)
+    if face == "reference" or n < 2 or not _rows_fusable(*args[:9], index_heads):
+        return _separate_rows(*args, backend)
+    return _launch_rows(face, *args)
+
+
+def _rows_fusable(q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, jobs, index_heads) -> bool:
+    n_comps = len(jobs[0])
+    if not ap.rings_alike(rings) or any(len(j) != n_comps for j in jobs):
+        return False
+    if not fusable(q_b, kv, rings[0], rope, index_q_b, index_heads, jobs[0]):
+        return False
+    by_comp = [[j[i] for j in jobs] for i in range(n_comps)]
+    return all(
+        cs.rows_alike([c.kv for c in cj], [c.gate for c in cj], [c.state for c in cj], cj[0].position_bias, cj[0].rope)
+        for cj in by_comp
+    )
+
+
+def _separate_rows(q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, jobs, heads, index_heads, backend) -> list:
+    """The reference face: attn_prep's rows, then each compressor's rows, in launches of their own."""
+    ap_face = "reference" if backend == "reference" else None
+    kw = dict(heads=heads, index_heads=index_heads, backend=ap_face)
+    preps = ap.prep_rows_or_each(q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, **kw)
+    states = [[] for _ in rings]
+    for i in range(len(jobs[0])):
+        cj = [j[i] for j in jobs]
+        c = cj[0]
+        ckw = dict(position_bias=c.position_bias, norm=c.norm, rope=c.rope, ratio=c.ratio)
+        kvs, gates, sts = [x.kv for x in cj], [x.gate for x in cj], [x.state for x in cj]
+        new = cs.compressor_step_rows(kvs, gates, poss, sts, **ckw, backend=ap_face)
+        if new is None:
+            new = [cs.compressor_step(x.kv, x.gate, poss[b : b + 1].squeeze(0), x.state, **ckw, backend=ap_face) for b, x in enumerate(cj)]  # fmt: skip
+        for st, nw in zip(states, new):
+            st.append(nw)
+    return [(*prep, st) for prep, st in zip(preps, states)]
+
+
+def _launch_rows(face, q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, jobs, heads, index_heads) -> list:
+    n, n_comps = len(rings), len(jobs[0])
+    ring = rings[0]
+    d = ring.shape[-1]
+    di = 0 if index_q_b is None else index_q_b.shape[-1] // index_heads
+    nhi = 0 if index_q_b is None else index_heads
+    iq = ap._dummy(q_b.dtype) if index_q_b is None else index_q_b
+    freqs = rope.periods if rope.dims else ap._dummy(mx.float32)
+    if poss.dtype != mx.int32:
+        poss = poss.astype(mx.int32)
+    prm = ap._params(float(eps), float(rope.attention_factor))
+    inputs = [q_b, kv, kv_weight, iq, *rings, freqs, prm, poss.reshape(-1)]
+    template = ap._template(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope)  # THREADS and PER: attn_prep's
+    ap_tgs = ap._groups(heads, nhi, ring)
+    template.append(("AP_TGS", ap_tgs))
+    out_shapes = [(n, heads, 1, d), *[r.shape for r in rings], (n, max(nhi, 1), 1, max(di, 1))]
+    out_dtypes = [q_b.dtype, *[r.dtype for r in rings], iq.dtype]
+    groups = ap_tgs
+    for i in range(n_comps):
+        p = _prefix(i)
+        cj = [j[i] for j in jobs]
+        c = cj[0]
+        overlap = len(c.state) == 5
+        dt, dim = c.state[-1].dtype, c.state[-1].shape[-1]
+        per = {name: [] for name in cs._ROW_IN}
+        shapes = {name: [] for name in cs._OUTPUTS}
+        for x in cj:
+            buf_kv, buf_gate, rows = x.state[0], x.state[1], x.state[-1]
+            ov_kv, ov_gate = (x.state[2], x.state[3]) if overlap else (buf_kv, buf_gate)  # dummies: not read
+            vals = (buf_kv, buf_gate, ov_kv, ov_gate, rows, x.kv, x.gate, cs._meta(rows.shape[-2]))
+            for name, a in zip(cs._ROW_IN, vals):
+                per[name].append(a)
+            ov_shapes = [x.state[2].shape, x.state[3].shape] if overlap else [(1,), (1,)]  # dummies: not written
+            for name, shape in zip(cs._OUTPUTS, (buf_kv.shape, buf_gate.shape, *ov_shapes, rows.shape)):
+                shapes[name].append(shape)
+        inputs += [a for name in cs._ROW_IN for a in per[name]]
+        inputs += [c.position_bias, c.norm.weight, c.rope.periods]
+        inputs.append(cs._prm(float(c.norm.eps), float(c.rope.attention_factor), dt))
+        tmpl = cs._template(dt, c.kv, c.gate, c.position_bias, c.norm, c.rope, c.ratio, dim, overlap)
+        template += [(p + name, v) for name, v in tmpl if name != "THREADS"]
+        cap = max(x.state[-1].shape[-2] for x in cj)
+        tgs = cs.groups(cap, c.ratio, dim, overlap, dt.size)
+        template.append((p.upper() + "TGS", tgs))
+        groups += tgs
+        out_shapes += [sh for name in cs._OUTPUTS for sh in shapes[name]]
+        out_dtypes += [dt] * (5 * n)
+    out = _kernel(n_comps, n)(
+        face,
+        inputs=inputs,
+        template=template,
+        grid=(groups * THREADS, n, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=out_shapes,
+        output_dtypes=out_dtypes,
+    )
+    q, new_rings, iqs = out[0], out[1 : 1 + n], out[1 + n]
+    rest = out[2 + n :]
+    result = []
+    for b in range(n):
+        states = []
+        for i, x in enumerate(jobs[b]):
+            st = [rest[5 * n * i + k * n + b] for k in range(5)]  # outputs come name by name
+            states.append(st if len(x.state) == 5 else [st[0], st[1], st[4]])
+        result.append((q[b : b + 1], new_rings[b], iqs[b : b + 1] if index_q_b is not None else None, states))
+    return result
+
+
 # --------------------------------------------------------------------------- first-use self-test
 
 
@@ -268,6 +435,45 @@ def _self_test(face: str) -> bool:
                 got = attn_prologue(**args, pos=pos, comps=comps, backend=face)
                 want = attn_prologue(**args, pos=pos, comps=comps, backend="reference")
                 if not _all_close(got, want, tol):
+                    return False
+    return True
+
+
+def rows_self_test_problem(n_comps: int, dtype, rows: int = 3):
+    """`self_test_problem` for `rows` sessions: (args of attn_prologue_rows without jobs and
+    poss, jobs, poss): the rows' projections stacked, each row its own ring and compressor
+    state (capacities differ), positions that end a window, sit in one's middle, start one."""
+    probs = [self_test_problem(n_comps, dtype, seed=3 * b) for b in range(rows)]
+    args = dict(probs[0][0])
+    for name in ("q_b", "kv", "index_q_b"):
+        if args[name] is not None:
+            args[name] = mx.concatenate([p[0][name] for p in probs], axis=1)
+    args["rings"] = [p[0].pop("ring") for p in probs]
+    del args["ring"]
+    jobs = [p[1] for p in probs]
+    for b, js in enumerate(jobs):  # one bias / norm / rope per compressor: the layer's
+        for i, j in enumerate(js):
+            j.position_bias, j.norm, j.rope = jobs[0][i].position_bias, jobs[0][i].norm, jobs[0][i].rope
+    m = max(c.ratio for c in jobs[0])
+    poss = mx.array([2 * m - 1, m + m // 2, 2 * m][:rows] + [3 * m - 1] * max(0, rows - 3), mx.int32)
+    return args, jobs, poss
+
+
+def _rows_self_test(face: str) -> bool:
+    """attn_prologue_rows on `face` against the reference of each row: three rows, one and
+    two compressors, float32 and bfloat16."""
+    for n in (1, 2):
+        for dt, tol in SELF_TEST_DTYPES:
+            args, jobs, poss = rows_self_test_problem(n, dt)
+            got = attn_prologue_rows(**args, jobs=jobs, poss=poss, backend=face)
+            for b, g in enumerate(got):
+                row = slice(b, b + 1)
+                one = dict(args, ring=args["rings"][b], q_b=args["q_b"][:, row], kv=args["kv"][:, row])
+                del one["rings"]
+                if one["index_q_b"] is not None:
+                    one["index_q_b"] = one["index_q_b"][:, row]
+                want = attn_prologue(**one, pos=poss[b], comps=jobs[b], backend="reference")
+                if not _all_close(g, want, tol):
                     return False
     return True
 

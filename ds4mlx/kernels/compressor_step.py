@@ -181,6 +181,22 @@ def supported(state: list, kv: mx.array, gate: mx.array, position_bias: mx.array
     )
 
 
+def rows_alike(kvs: list, gates: list, states: list, position_bias: mx.array, rope) -> bool:
+    """Whether B rows' steps of one compressor can share a launch: each row `supported`, the
+    rows alike in dtypes and window layout (their capacities may differ)."""
+    first = states[0]
+    return all(
+        len(st) == len(first)
+        and all(a.dtype == f.dtype for a, f in zip(st, first))
+        and all(a.shape == f.shape for a, f in zip(st[:-1], first[:-1]))
+        and st[-1].shape[-1] == first[-1].shape[-1]
+        and kv.dtype == kvs[0].dtype
+        and g.dtype == gates[0].dtype
+        and supported(st, kv, g, position_bias, rope)
+        for st, kv, g in zip(states, kvs, gates)
+    )
+
+
 def _face(backend: str | None) -> str:
     return auto_face("compressor_step", _self_test) if backend is None else backend
 
@@ -230,18 +246,7 @@ def compressor_step_rows(
     face = _rows_face(backend)
     if face == "reference" or len(states) < 2:
         return None
-    first = states[0]
-    alike = all(
-        len(st) == len(first)
-        and all(a.dtype == f.dtype for a, f in zip(st, first))
-        and all(a.shape == f.shape for a, f in zip(st[:-1], first[:-1]))
-        and st[-1].shape[-1] == first[-1].shape[-1]
-        and kv.dtype == kvs[0].dtype
-        and g.dtype == gates[0].dtype
-        and supported(st, kv, g, position_bias, rope)
-        for st, kv, g in zip(states, kvs, gates)
-    )
-    if not alike:
+    if not rows_alike(kvs, gates, states, position_bias, rope):
         return None
     return _launch_rows(face, kvs, gates, poss, states, position_bias, norm, rope, ratio)
 

@@ -38,12 +38,8 @@ import mlx.nn as nn
 
 from ..kernels import affine_qmv, moe_route
 from ..kernels import sparse_attention as _sparse
-from ..kernels.attn_prep import attn_prep, attn_prep_rows
-from ..kernels.attn_prologue import CompressorJob, attn_prologue
-from ..kernels.compressor_step import (  # one launch on a GPU, the MLX graph on the CPU
-    compressor_step,
-    compressor_step_rows,
-)
+from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_rows
+from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from . import prefill_attention
@@ -564,18 +560,6 @@ class Compressor(nn.Module):
         arrays = [next(state) for _ in range(5 if self._overlap else 3)]
         return CompressorJob(kv, gate, arrays, self.position_bias, self.kv_norm, self._rope, self._ratio)
 
-    def pool_step_rows(self, kvs: list, gates: list, pos: list, poss: mx.array, states: list) -> list:
-        """`pool_step` of B sessions' tokens (independent rows: session batching): each row's
-        new state arrays; one launch for all rows on a GPU where they can share it
-        (`compressor_step_rows`), else a `pool_step` per row."""
-        n = 5 if self._overlap else 3
-        arrays = [[next(st) for _ in range(n)] for st in states]
-        kw = dict(position_bias=self.position_bias, norm=self.kv_norm, rope=self._rope, ratio=self._ratio)
-        new = compressor_step_rows(kvs, gates, poss, arrays, **kw)
-        if new is None:
-            new = [compressor_step(kv, g, p, a, **kw) for kv, g, p, a in zip(kvs, gates, pos, arrays)]
-        return new
-
 
 class IndexerScorer(nn.Module):
     def __init__(self, hidden: int, n_heads: int):
@@ -741,19 +725,14 @@ class CompressorBranch(Compressor):
         )
         return rows.squeeze(0), idx, cnt
 
-    def step_select_rows(self, projs: list, index_qs: list, pos: list, poss: mx.array, states: list, news: list):
-        """`step_select` of B sessions' tokens (independent rows: session batching), each
-        compressor's rows in one launch where they can share it: per row (rows, idx, cnt)."""
-        new = self.pool_step_rows([p[0] for p in projs], [p[1] for p in projs], pos, poss, states)
-        for nw, st in zip(news, new):
-            nw += st
-        rows = [st[-1].squeeze(0) for st in new]
+    def step_pick_rows(self, news: list, projs: list, index_qs: list, pos: list) -> list:
+        """`step_pick` of B sessions' tokens (independent rows: session batching): news[b] row
+        b's compressors' new states, projs[b] its `step_jobs` projections -> per row (rows, idx,
+        cnt); the rows' indexer scores + top-k in one launch where they can share it."""
+        rows = [st[0][-1].squeeze(0) for st in news]
         if not self._overlap:
             return [(r, None, None) for r in rows]
         ind = self.indexer
-        keys = ind.pool_step_rows([p[2] for p in projs], [p[3] for p in projs], pos, poss, states)
-        for nw, st in zip(news, keys):
-            nw += st
         scale = ind._nh**-0.5 * ind._dim**-0.5
         face = _sparse.step_face()
         # the rows with more live-able rows than index_topk: their scores + top-k in one launch
@@ -761,7 +740,7 @@ class CompressorBranch(Compressor):
         picks = [b for b, r in enumerate(rows) if r.shape[0] > self._topk]
         qs = [index_qs[b].squeeze(0) for b in picks]
         ws = [projs[b][4].squeeze(0) for b in picks]
-        ks = [keys[b][-1].squeeze(0) for b in picks]
+        ks = [news[b][1][-1].squeeze(0) for b in picks]
         kw = dict(ratio=self._ratio, scale=scale, backend=face)
         ns = [k.shape[0] for k in ks]
         sel = _sparse.index_topk_rows(qs, ws, ks, self._topk, ns=ns, poss=[pos[b] for b in picks], **kw)
@@ -970,12 +949,8 @@ class Attention(nn.Module):
         the indexer shares the layer's compress rope: CompressorBranch passes it on)."""
         csa, kw = self._prologue_kw(face)
         ring = next(state)
-        if self.layer_type == SLIDING:
-            q, ring, _ = attn_prep(q_b, kv, self.kv_norm.weight, ring, pos, self._rope, self._eps, None, **kw)
-            new.append(ring)
-            return q, ring, None, None, None
-        comp = self.compressor
-        jobs = comp.step_jobs(more, state)
+        comp = self.compressor if self.layer_type != SLIDING else None
+        jobs = [] if comp is None else comp.step_jobs(more, state)
         iq = index_q_b if csa else None
         q, ring, index_q, states = attn_prologue(
             q_b, kv, self.kv_norm.weight, ring, pos, self._rope, self._eps, iq, jobs, **kw
@@ -983,6 +958,8 @@ class Attention(nn.Module):
         new.append(ring)
         for st in states:
             new += st
+        if comp is None:
+            return q, ring, None, None, None
         return (q, ring, *comp.step_pick(states, more, index_q, pos))
 
     def _prologue_kw(self, face) -> tuple[bool, dict]:
@@ -991,39 +968,26 @@ class Attention(nn.Module):
         kw = dict(heads=self._nh, index_heads=self.compressor.indexer._nh if csa else 0)
         return csa, dict(kw, backend="reference" if face == "reference" else None)
 
-    def _step_prologue_rows(self, face, q_b, kv, index_q_b, pos, poss, states, news) -> list:
-        """`attn_prep` (`_step_prep`'s prologue) of B independent sessions' rows (q_b / kv / index_q_b [1, B, ...],
-        poss [B] int32) in one launch where they can share it (`attn_prep_rows`), else one
-        per row: one (q, ring, index_q) per row, each row's ring appended to its `news`."""
+    def _step_prep_rows(self, face, q_b, kv, more, index_q_b, pos, poss, states, news) -> list:
+        """`_step_prep` of B independent sessions' rows (q_b / kv / index_q_b [1, B, ...], poss
+        [B] int32): the rows' prologues and compressor steps in one launch where they can share
+        it (`attn_prologue_rows`), then the rows' indexer top-k; each row's new state appended
+        to its `news`."""
         csa, kw = self._prologue_kw(face)
         rings = [next(st) for st in states]
-        iq = index_q_b if csa else None
-        out = attn_prep_rows(q_b, kv, self.kv_norm.weight, rings, poss, self._rope, self._eps, iq, **kw)
-        if out is None:
-            heads = []
-            for b, (p, ring) in enumerate(zip(pos, rings)):
-                r = slice(b, b + 1)
-                ib = None if iq is None else iq[:, r]
-                heads.append(
-                    attn_prep(q_b[:, r], kv[:, r], self.kv_norm.weight, ring, p, self._rope, self._eps, ib, **kw)
-                )
-        else:
-            q, new_rings, iqs = out
-            heads = [(q[b : b + 1], r, None if iqs is None else iqs[b : b + 1]) for b, r in enumerate(new_rings)]
-        for nw, h in zip(news, heads):
-            nw.append(h[1])
-        return heads
-
-    def _step_prep_rows(self, face, q_b, kv, more, index_q_b, pos, poss, states, news) -> list:
-        """`_step_prep` of B independent sessions' rows: the rows' prologues in one launch, then
-        each compressor's rows in one launch (`Compressor.step_select_rows`), where they can
-        share them."""
-        heads = self._step_prologue_rows(face, q_b, kv, index_q_b, pos, poss, states, news)
         projs = [[m[:, b : b + 1] for m in more] for b in range(len(pos))]
-        if self.layer_type == SLIDING:
-            return [(q, ring, None, None, None) for q, ring, _ in heads]
-        sel = self.compressor.step_select_rows(projs, [h[2] for h in heads], pos, poss, states, news)
-        return [(q, ring, *rest) for (q, ring, _), rest in zip(heads, sel)]
+        comp = self.compressor if self.layer_type != SLIDING else None
+        jobs = [[] if comp is None else comp.step_jobs(p, st) for p, st in zip(projs, states)]
+        iq = index_q_b if csa else None
+        heads = attn_prologue_rows(q_b, kv, self.kv_norm.weight, rings, poss, self._rope, self._eps, iq, jobs, **kw)
+        for nw, (_, ring, _, sts) in zip(news, heads):
+            nw.append(ring)
+            for st in sts:
+                nw += st
+        if comp is None:
+            return [(q, ring, None, None, None) for q, ring, _, _ in heads]
+        sel = comp.step_pick_rows([h[3] for h in heads], projs, [h[2] for h in heads], pos)
+        return [(q, ring, *rest) for (q, ring, _, _), rest in zip(heads, sel)]
 
     def _step_attend_graph(self, q_b, kv, more, index_q_b, pos, state, new) -> mx.array:
         """`_step_attend` as MLX ops (the CPU, `DS4MLX_SPARSE_ATTENTION=0`)."""
