@@ -246,13 +246,13 @@ class StandInKernel:
         )
         for i in range(n):
             p = f"c{i}_"
-            one.update({p + k: a[f"{p}{k}_{b}"] for k in cs._ROW_IN})
+            one.update({p + k: a[f"{p}{k}_{b}"] for k in cs.ROW_IN})
             one.update({p + k: a[p + k] for k in ("bias", "weight", "periods", "prm")})
         return one
 
     def _one(self, a: dict, t: dict, n: int) -> list:
         """One row's outputs, in the one-row launch's order."""
-        assert t["AP_TGS"] == ap._groups(t["NH"], t["NHI"], a["ring"])
+        assert t["AP_TGS"] == ap.launch_groups(t["NH"], t["NHI"], a["ring"])
         rope = self._rope(a["freqs"])
         assert a["prm"][1].item() == np.float32(rope.attention_factor)
         iq = a["iq"] if t["NHI"] else None

@@ -53,7 +53,7 @@ assert cs.THREADS == THREADS
 
 # the compressor section's names (inputs, outputs, template constants) that get a prefix
 _CS_TEMPLATE = ["T", "TK", "TG", "TB", "TW", "M", "D", "OVERLAP", "ROPE", "PER"]
-_CS_INPUTS = [n for n in cs._INPUTS if n != "pos"]  # the position is the launch's one `step_pos`
+_CS_INPUTS = [n for n in cs.INPUTS if n != "pos"]  # the position is the launch's one `step_pos`
 _AP_INPUTS = ["q", "kv", "kv_w", "iq", "ring", "freqs", "prm"]
 
 
@@ -74,7 +74,7 @@ def _prefix(i: int) -> str:
     return f"c{i}_"
 
 
-_RENAMED = [*_CS_INPUTS, *cs._OUTPUTS, *_CS_TEMPLATE, "tgx"]  # a compressor section's own names
+_RENAMED = [*_CS_INPUTS, *cs.OUTPUTS, *_CS_TEMPLATE, "tgx"]  # a compressor section's own names
 
 
 def _row_defines(n_comps: int, rows: int) -> str:
@@ -89,8 +89,8 @@ def _row_defines(n_comps: int, rows: int) -> str:
     out = f"#define CS_ROWS {rows}\n#define CS_POS (poss[row])\n#define CS_ROW_SELECT\n" + ap.rows_defines(rows)
     for i in range(n_comps):
         p = _prefix(i)
-        ins = {p + name: (p + t if t in _CS_TEMPLATE else t) for name, t in cs._ROW_IN.items()}
-        outs = {p + name: p + "T" for name in cs._OUTPUTS}
+        ins = {p + name: (p + t if t in _CS_TEMPLATE else t) for name, t in cs.ROW_IN.items()}
+        outs = {p + name: p + "T" for name in cs.OUTPUTS}
         out += row_select(rows, ins, outs, macro=f"C{i}_ROW_SELECT")
     return out
 
@@ -130,11 +130,11 @@ def io(n_comps: int, rows: int = 1) -> tuple[list[str], list[str]]:
     per-row buffers for rows > 1; their positions are attn_prep_rows' `poss`)."""
     if rows == 1:
         ins, outs = _AP_INPUTS + ["step_pos"], ["q_out", "ring_out", "iq_out"]
-        cs_ins, cs_outs = _CS_INPUTS, cs._OUTPUTS
+        cs_ins, cs_outs = _CS_INPUTS, cs.OUTPUTS
     else:
         ins, outs = ap.rows_io(rows)
-        cs_ins = row_inputs(cs._ROW_IN, rows) + [n for n in cs._SHARED_IN if n != "poss"]
-        cs_outs = row_inputs(cs._OUTPUTS, rows)
+        cs_ins = row_inputs(cs.ROW_IN, rows) + [n for n in cs.SHARED_IN if n != "poss"]
+        cs_outs = row_inputs(cs.OUTPUTS, rows)
     ins = ins + [_prefix(i) + n for i in range(n_comps) for n in cs_ins]
     outs = outs + [_prefix(i) + n for i in range(n_comps) for n in cs_outs]
     return ins, outs
@@ -202,13 +202,13 @@ def _launch(face, q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b, comps, he
     d = ring.shape[-1]
     di = 0 if index_q_b is None else index_q_b.shape[-1] // index_heads
     nhi = 0 if index_q_b is None else index_heads
-    iq = ap._dummy(q_b.dtype) if index_q_b is None else index_q_b
-    freqs = rope.periods if rope.dims else ap._dummy(mx.float32)
+    iq = ap.dummy(q_b.dtype) if index_q_b is None else index_q_b
+    freqs = rope.periods if rope.dims else ap.dummy(mx.float32)
     if pos.dtype != mx.int32 or pos.ndim:
         pos = pos.astype(mx.int32).reshape(())
-    inputs = [q_b, kv, kv_weight, iq, ring, freqs, ap._params(float(eps), float(rope.attention_factor)), pos]
-    template = ap._template(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope)  # THREADS and PER: attn_prep's
-    ap_tgs = ap._groups(heads, nhi, ring)
+    inputs = [q_b, kv, kv_weight, iq, ring, freqs, ap.params(float(eps), float(rope.attention_factor)), pos]
+    template = ap.template_args(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope)  # THREADS and PER: attn_prep's
+    ap_tgs = ap.launch_groups(heads, nhi, ring)
     template.append(("AP_TGS", ap_tgs))
     out_shapes = [(1, heads, 1, d), ring.shape, (1, max(nhi, 1), 1, max(di, 1))]
     out_dtypes = [q_b.dtype, ring.dtype, iq.dtype]
@@ -222,9 +222,9 @@ def _launch(face, q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b, comps, he
         cap = rows.shape[-2]
         inputs += [
             buf_kv, buf_gate, ov_kv, ov_gate, rows, c.kv, c.gate, c.position_bias, c.norm.weight, c.rope.periods,
-            cs._prm(float(c.norm.eps), float(c.rope.attention_factor), dt), cs._meta(cap),
+            cs.params(float(c.norm.eps), float(c.rope.attention_factor), dt), cs.capacity_meta(cap),
         ]  # fmt: skip
-        tmpl = cs._template(dt, c.kv, c.gate, c.position_bias, c.norm, c.rope, c.ratio, rows.shape[-1], overlap)
+        tmpl = cs.template_args(dt, c.kv, c.gate, c.position_bias, c.norm, c.rope, c.ratio, rows.shape[-1], overlap)
         template += [(p + name, v) for name, v in tmpl if name != "THREADS"]
         tgs = cs.groups(cap, c.ratio, rows.shape[-1], overlap, dt.size)
         template.append((p.upper() + "TGS", tgs))
@@ -317,14 +317,14 @@ def _launch_rows(face, q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, jo
     d = ring.shape[-1]
     di = 0 if index_q_b is None else index_q_b.shape[-1] // index_heads
     nhi = 0 if index_q_b is None else index_heads
-    iq = ap._dummy(q_b.dtype) if index_q_b is None else index_q_b
-    freqs = rope.periods if rope.dims else ap._dummy(mx.float32)
+    iq = ap.dummy(q_b.dtype) if index_q_b is None else index_q_b
+    freqs = rope.periods if rope.dims else ap.dummy(mx.float32)
     if poss.dtype != mx.int32:
         poss = poss.astype(mx.int32)
-    prm = ap._params(float(eps), float(rope.attention_factor))
+    prm = ap.params(float(eps), float(rope.attention_factor))
     inputs = [q_b, kv, kv_weight, iq, *rings, freqs, prm, poss.reshape(-1)]
-    template = ap._template(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope)  # THREADS and PER: attn_prep's
-    ap_tgs = ap._groups(heads, nhi, ring)
+    template = ap.template_args(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope)  # THREADS and PER: attn_prep's
+    ap_tgs = ap.launch_groups(heads, nhi, ring)
     template.append(("AP_TGS", ap_tgs))
     out_shapes = [(n, heads, 1, d), *[r.shape for r in rings], (n, max(nhi, 1), 1, max(di, 1))]
     out_dtypes = [q_b.dtype, *[r.dtype for r in rings], iq.dtype]
@@ -335,27 +335,27 @@ def _launch_rows(face, q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, jo
         c = cj[0]
         overlap = len(c.state) == 5
         dt, dim = c.state[-1].dtype, c.state[-1].shape[-1]
-        per = {name: [] for name in cs._ROW_IN}
-        shapes = {name: [] for name in cs._OUTPUTS}
+        per = {name: [] for name in cs.ROW_IN}
+        shapes = {name: [] for name in cs.OUTPUTS}
         for x in cj:
             buf_kv, buf_gate, rows = x.state[0], x.state[1], x.state[-1]
             ov_kv, ov_gate = (x.state[2], x.state[3]) if overlap else (buf_kv, buf_gate)  # dummies: not read
-            vals = (buf_kv, buf_gate, ov_kv, ov_gate, rows, x.kv, x.gate, cs._meta(rows.shape[-2]))
-            for name, a in zip(cs._ROW_IN, vals):
+            vals = (buf_kv, buf_gate, ov_kv, ov_gate, rows, x.kv, x.gate, cs.capacity_meta(rows.shape[-2]))
+            for name, a in zip(cs.ROW_IN, vals):
                 per[name].append(a)
             ov_shapes = [x.state[2].shape, x.state[3].shape] if overlap else [(1,), (1,)]  # dummies: not written
-            for name, shape in zip(cs._OUTPUTS, (buf_kv.shape, buf_gate.shape, *ov_shapes, rows.shape)):
+            for name, shape in zip(cs.OUTPUTS, (buf_kv.shape, buf_gate.shape, *ov_shapes, rows.shape)):
                 shapes[name].append(shape)
-        inputs += [a for name in cs._ROW_IN for a in per[name]]
+        inputs += [a for name in cs.ROW_IN for a in per[name]]
         inputs += [c.position_bias, c.norm.weight, c.rope.periods]
-        inputs.append(cs._prm(float(c.norm.eps), float(c.rope.attention_factor), dt))
-        tmpl = cs._template(dt, c.kv, c.gate, c.position_bias, c.norm, c.rope, c.ratio, dim, overlap)
+        inputs.append(cs.params(float(c.norm.eps), float(c.rope.attention_factor), dt))
+        tmpl = cs.template_args(dt, c.kv, c.gate, c.position_bias, c.norm, c.rope, c.ratio, dim, overlap)
         template += [(p + name, v) for name, v in tmpl if name != "THREADS"]
         cap = max(x.state[-1].shape[-2] for x in cj)
         tgs = cs.groups(cap, c.ratio, dim, overlap, dt.size)
         template.append((p.upper() + "TGS", tgs))
         groups += tgs
-        out_shapes += [sh for name in cs._OUTPUTS for sh in shapes[name]]
+        out_shapes += [sh for name in cs.OUTPUTS for sh in shapes[name]]
         out_dtypes += [dt] * (5 * n)
     out = _kernel(n_comps, n)(
         face,
