@@ -374,7 +374,7 @@ def test_cuda_face_compiles_with_nvcc(ratio, dim, overlap, dtype, tmp_path):
     h, b = cs.kernel_sources("cuda")
     ins = {n: dtype for n in ("buf_kv", "buf_gate", "ov_kv", "ov_gate", "rows")}
     ins.update(kv=f, gate=f, bias=dtype, weight=dtype, periods=f, prm=f, meta=i, pos=i)
-    outs = {n: dtype for n in cs._OUTPUTS}
+    outs = {n: dtype for n in cs.OUTPUTS}
     tmpl = [
         ("T", dtype),
         ("TK", f),

@@ -98,12 +98,12 @@ def _kernel() -> Kernel:
 
 
 @lru_cache(maxsize=16)
-def _params(eps: float, mscale: float) -> mx.array:
+def params(eps: float, mscale: float) -> mx.array:
     return mx.array([eps, mscale], dtype=mx.float32)
 
 
 @cache
-def _dummy(dtype) -> mx.array:
+def dummy(dtype) -> mx.array:
     return mx.zeros((1,), dtype)
 
 
@@ -136,7 +136,7 @@ def reference(q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b=None, *, heads
     return q, ring, index_q
 
 
-def _template(q_b, kv, kv_weight, iq, ring, heads: int, nhi: int, di: int, rope) -> list:
+def template_args(q_b, kv, kv_weight, iq, ring, heads: int, nhi: int, di: int, rope) -> list:
     """The kernel's template arguments (attn_prep and attn_prep_rows)."""
     w, d = ring.shape[2], ring.shape[-1]
     dtypes = [("TQ", q_b.dtype), ("TKV", kv.dtype), ("TWN", kv_weight.dtype), ("TI", iq.dtype), ("TR", ring.dtype)]
@@ -144,7 +144,7 @@ def _template(q_b, kv, kv_weight, iq, ring, heads: int, nhi: int, di: int, rope)
     return dtypes + sizes + [("THREADS", THREADS), ("PER", COPY_PER)]
 
 
-def _groups(heads: int, nhi: int, ring) -> int:
+def launch_groups(heads: int, nhi: int, ring) -> int:
     """Threadgroups of one row's work: a SIMD group per head row, then the ring copy."""
     w, d = ring.shape[2], ring.shape[-1]
     return -(-(heads + 1 + nhi) // (THREADS // 32)) + -(-(w * d) // (THREADS * COPY_PER))
@@ -174,18 +174,38 @@ def attn_prep(
     if face == "reference" or not fusable(rope, d, di):
         return reference(q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b, heads=heads, index_heads=index_heads)
     nhi = 0 if index_q_b is None else index_heads
-    iq = _dummy(q_b.dtype) if index_q_b is None else index_q_b
-    freqs = rope.periods if rope.dims else _dummy(mx.float32)
+    iq = dummy(q_b.dtype) if index_q_b is None else index_q_b
+    freqs = rope.periods if rope.dims else dummy(mx.float32)
     q, ring, iq = _kernel()(
         face,
-        inputs=[q_b, kv, kv_weight, iq, ring, freqs, _params(float(eps), float(rope.attention_factor)), _meta(pos)],
-        template=_template(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope),
-        grid=(_groups(heads, nhi, ring) * THREADS, 1, 1),
+        inputs=[q_b, kv, kv_weight, iq, ring, freqs, params(float(eps), float(rope.attention_factor)), _meta(pos)],
+        template=template_args(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope),
+        grid=(launch_groups(heads, nhi, ring) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(1, heads, 1, d), ring.shape, (1, max(nhi, 1), 1, max(di, 1))],
         output_dtypes=[q_b.dtype, ring.dtype, iq.dtype],
     )
     return q, ring, (iq if index_q_b is not None else None)
+
+
+def rings_alike(rings: list) -> bool:
+    """Whether B rows' rings can share a launch (one shape and dtype)."""
+    return all(r.shape == rings[0].shape and r.dtype == rings[0].dtype for r in rings)
+
+
+def prep_rows_or_each(q_b, kv, kv_weight, rings: list, poss, rope, eps: float, index_q_b=None, **kw) -> list:
+    """`attn_prep_rows` where the rows can share a launch, else `attn_prep` per row: one
+    (q [1, NH, 1, D], ring, index_q or None) per row (keywords: attn_prep's)."""
+    out = attn_prep_rows(q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, **kw)
+    if out is not None:
+        q, new_rings, iqs = out
+        return [(q[b : b + 1], r, None if iqs is None else iqs[b : b + 1]) for b, r in enumerate(new_rings)]
+    heads = []
+    for b, ring in enumerate(rings):
+        r = slice(b, b + 1)
+        ib = None if index_q_b is None else index_q_b[:, r]
+        heads.append(attn_prep(q_b[:, r], kv[:, r], kv_weight, ring, poss[r].squeeze(0), rope, eps, ib, **kw))
+    return heads
 
 
 def attn_prep_rows(
@@ -214,18 +234,16 @@ def attn_prep_rows(
     face = backend
     if face is None:
         face = auto_face("attn_prep.rows", lambda f: _rows_self_test(f, rope))
-    if face == "reference" or n < 2 or not fusable(rope, d, di):
-        return None
-    if any(r.shape != rings[0].shape or r.dtype != rings[0].dtype for r in rings):
+    if face == "reference" or n < 2 or not fusable(rope, d, di) or not rings_alike(rings):
         return None
     nhi = 0 if index_q_b is None else index_heads
-    iq = _dummy(q_b.dtype) if index_q_b is None else index_q_b
-    freqs = rope.periods if rope.dims else _dummy(mx.float32)
+    iq = dummy(q_b.dtype) if index_q_b is None else index_q_b
+    freqs = rope.periods if rope.dims else dummy(mx.float32)
     out = _rows_kernel(n)(
         face,
-        inputs=[q_b, kv, kv_weight, iq, *rings, freqs, _params(float(eps), float(rope.attention_factor)), poss],
-        template=_template(q_b, kv, kv_weight, iq, rings[0], heads, nhi, di, rope),
-        grid=(_groups(heads, nhi, rings[0]) * THREADS, n, 1),
+        inputs=[q_b, kv, kv_weight, iq, *rings, freqs, params(float(eps), float(rope.attention_factor)), poss],
+        template=template_args(q_b, kv, kv_weight, iq, rings[0], heads, nhi, di, rope),
+        grid=(launch_groups(heads, nhi, rings[0]) * THREADS, n, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(n, heads, 1, d), *[r.shape for r in rings], (n, max(nhi, 1), 1, max(di, 1))],
         output_dtypes=[q_b.dtype, *[r.dtype for r in rings], iq.dtype],

@@ -57,7 +57,7 @@ THREADS = 256  # threads per threadgroup (the pooling one and the copying ones)
 PER = 4  # 16-byte units per thread of a copying threadgroup (16 KB per threadgroup)
 FLOAT_TYPES = (mx.float32, mx.bfloat16, mx.float16)
 
-_INPUTS = [
+INPUTS = [
     "buf_kv",
     "buf_gate",
     "ov_kv",
@@ -72,7 +72,7 @@ _INPUTS = [
     "meta",
     "pos",
 ]
-_OUTPUTS = ["buf_kv_out", "buf_gate_out", "ov_kv_out", "ov_gate_out", "rows_out"]
+OUTPUTS = ["buf_kv_out", "buf_gate_out", "ov_kv_out", "ov_gate_out", "rows_out"]
 
 
 def shared_text() -> tuple[str, str]:
@@ -93,14 +93,14 @@ def kernel_sources(face: str, defines: str = "") -> tuple[str, str]:
 def _kernel() -> Kernel:
     return Kernel(
         "ds4mlx_compressor_step",
-        _INPUTS,
-        _OUTPUTS,
+        INPUTS,
+        OUTPUTS,
         metal=kernel_sources("metal"),
         cuda=kernel_sources("cuda"),
     )
 
 
-_ROW_IN = {
+ROW_IN = {
     "buf_kv": "T",
     "buf_gate": "T",
     "ov_kv": "T",
@@ -110,21 +110,19 @@ _ROW_IN = {
     "gate": "TG",
     "meta": "int",
 }
-_ROW_OUT = {name: "T" for name in _OUTPUTS}
-_SHARED_IN = ["bias", "weight", "periods", "prm", "poss"]
+_ROW_OUT = {name: "T" for name in OUTPUTS}
+SHARED_IN = ["bias", "weight", "periods", "prm", "poss"]
 
 
 def rows_defines(n: int) -> str:
     """The defines that make the kernel's text compressor_step_rows for n rows (row r's
     buffers chosen by the threadgroup's y index, the position poss[r])."""
-    return f"#define CS_ROWS {n}\n#define CS_POS (poss[row])\n" + row_select(
-        n, _ROW_IN, _ROW_OUT, macro="CS_ROW_SELECT"
-    )
+    return f"#define CS_ROWS {n}\n#define CS_POS (poss[row])\n" + row_select(n, ROW_IN, _ROW_OUT, macro="CS_ROW_SELECT")
 
 
 def rows_io(n: int) -> tuple[list[str], list[str]]:
     """(input names, output names) of compressor_step_rows for n rows."""
-    return row_inputs(_ROW_IN, n) + _SHARED_IN, row_inputs(_OUTPUTS, n)
+    return row_inputs(ROW_IN, n) + SHARED_IN, row_inputs(OUTPUTS, n)
 
 
 @cache
@@ -135,7 +133,7 @@ def _rows_kernel(n: int) -> Kernel:
 
 
 @cache
-def _prm(eps: float, mscale: float, dtype) -> mx.array:
+def params(eps: float, mscale: float, dtype) -> mx.array:
     """(eps, attention factor rounded to the state dtype, as the graph's multiply rounds it)."""
     a = mx.concatenate([mx.array([eps], mx.float32), mx.array([mscale], dtype).astype(mx.float32)])
     mx.eval(a)  # a constant: allowed (and kept) while a step is traced
@@ -143,7 +141,7 @@ def _prm(eps: float, mscale: float, dtype) -> mx.array:
 
 
 @cache
-def _meta(cap: int) -> mx.array:
+def capacity_meta(cap: int) -> mx.array:
     a = mx.array([cap], mx.int32)
     mx.eval(a)
     return a
@@ -178,6 +176,22 @@ def supported(state: list, kv: mx.array, gate: mx.array, position_bias: mx.array
         and kv.dtype in FLOAT_TYPES
         and gate.dtype in FLOAT_TYPES
         and position_bias.dtype in FLOAT_TYPES
+    )
+
+
+def rows_alike(kvs: list, gates: list, states: list, position_bias: mx.array, rope) -> bool:
+    """Whether B rows' steps of one compressor can share a launch: each row `supported`, the
+    rows alike in dtypes and window layout (their capacities may differ)."""
+    first = states[0]
+    return all(
+        len(st) == len(first)
+        and all(a.dtype == f.dtype for a, f in zip(st, first))
+        and all(a.shape == f.shape for a, f in zip(st[:-1], first[:-1]))
+        and st[-1].shape[-1] == first[-1].shape[-1]
+        and kv.dtype == kvs[0].dtype
+        and g.dtype == gates[0].dtype
+        and supported(st, kv, g, position_bias, rope)
+        for st, kv, g in zip(states, kvs, gates)
     )
 
 
@@ -230,18 +244,7 @@ def compressor_step_rows(
     face = _rows_face(backend)
     if face == "reference" or len(states) < 2:
         return None
-    first = states[0]
-    alike = all(
-        len(st) == len(first)
-        and all(a.dtype == f.dtype for a, f in zip(st, first))
-        and all(a.shape == f.shape for a, f in zip(st[:-1], first[:-1]))
-        and st[-1].shape[-1] == first[-1].shape[-1]
-        and kv.dtype == kvs[0].dtype
-        and g.dtype == gates[0].dtype
-        and supported(st, kv, g, position_bias, rope)
-        for st, kv, g in zip(states, kvs, gates)
-    )
-    if not alike:
+    if not rows_alike(kvs, gates, states, position_bias, rope):
         return None
     return _launch_rows(face, kvs, gates, poss, states, position_bias, norm, rope, ratio)
 
@@ -251,15 +254,15 @@ def _launch_rows(face, kvs, gates, poss, states, position_bias, norm, rope, rati
     overlap = len(states[0]) == 5
     dt = states[0][-1].dtype
     d = states[0][-1].shape[-1]
-    per = {name: [] for name in _ROW_IN}
-    shapes = {name: [] for name in _OUTPUTS}
+    per = {name: [] for name in ROW_IN}
+    shapes = {name: [] for name in OUTPUTS}
     for st, kv, g in zip(states, kvs, gates):
         buf_kv, buf_gate, rows = st[0], st[1], st[-1]
         ov_kv, ov_gate = (st[2], st[3]) if overlap else (buf_kv, buf_gate)  # dummies: not read
-        for name, a in zip(_ROW_IN, (buf_kv, buf_gate, ov_kv, ov_gate, rows, kv, g, _meta(rows.shape[-2]))):
+        for name, a in zip(ROW_IN, (buf_kv, buf_gate, ov_kv, ov_gate, rows, kv, g, capacity_meta(rows.shape[-2]))):
             per[name].append(a)
         ov_shapes = [st[2].shape, st[3].shape] if overlap else [(1,), (1,)]  # dummies: not written
-        for name, shape in zip(_OUTPUTS, (buf_kv.shape, buf_gate.shape, *ov_shapes, rows.shape)):
+        for name, shape in zip(OUTPUTS, (buf_kv.shape, buf_gate.shape, *ov_shapes, rows.shape)):
             shapes[name].append(shape)
     cap = max(st[-1].shape[-2] for st in states)
     if poss.dtype != mx.int32:
@@ -267,17 +270,17 @@ def _launch_rows(face, kvs, gates, poss, states, position_bias, norm, rope, rati
     out = _rows_kernel(n)(
         face,
         inputs=[
-            *[a for name in _ROW_IN for a in per[name]],
+            *[a for name in ROW_IN for a in per[name]],
             position_bias,
             norm.weight,
             rope.periods,
-            _prm(float(norm.eps), float(rope.attention_factor), dt),
+            params(float(norm.eps), float(rope.attention_factor), dt),
             poss.reshape(-1),
         ],
-        template=_template(dt, kvs[0], gates[0], position_bias, norm, rope, ratio, d, overlap),
+        template=template_args(dt, kvs[0], gates[0], position_bias, norm, rope, ratio, d, overlap),
         grid=(groups(cap, ratio, d, overlap, dt.size) * THREADS, n, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[s for name in _OUTPUTS for s in shapes[name]],
+        output_shapes=[s for name in OUTPUTS for s in shapes[name]],
         output_dtypes=[dt] * (5 * n),
     )
     rows_out = [[out[i * n + b] for i in range(5)] for b in range(n)]  # outputs come name by name
@@ -317,7 +320,7 @@ def reference(kv, gate, pos, state, *, position_bias, norm, rope, ratio) -> list
     return new + [rows]
 
 
-def _template(dt, kv, gate, position_bias, norm, rope, ratio: int, d: int, overlap: bool) -> list:
+def template_args(dt, kv, gate, position_bias, norm, rope, ratio: int, d: int, overlap: bool) -> list:
     """The kernel's template arguments (compressor_step and compressor_step_rows)."""
     dtypes = [("T", dt), ("TK", kv.dtype), ("TG", gate.dtype), ("TB", position_bias.dtype), ("TW", norm.weight.dtype)]
     return dtypes + [
@@ -353,11 +356,11 @@ def _launch(face, kv, gate, pos, state, position_bias, norm, rope, ratio) -> lis
             position_bias,
             norm.weight,
             rope.periods,
-            _prm(float(norm.eps), float(rope.attention_factor), dt),
-            _meta(cap),
+            params(float(norm.eps), float(rope.attention_factor), dt),
+            capacity_meta(cap),
             pos,
         ],
-        template=_template(dt, kv, gate, position_bias, norm, rope, m, d, overlap),
+        template=template_args(dt, kv, gate, position_bias, norm, rope, m, d, overlap),
         grid=(groups(cap, m, d, overlap, dt.size) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[buf_kv.shape, buf_gate.shape, *ov_shapes, rows.shape],  # the state's own shapes: no reshapes

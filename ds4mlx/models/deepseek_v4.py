@@ -38,11 +38,8 @@ import mlx.nn as nn
 
 from ..kernels import affine_qmv, moe_route
 from ..kernels import sparse_attention as _sparse
-from ..kernels.attn_prep import attn_prep, attn_prep_rows
-from ..kernels.compressor_step import (  # one launch on a GPU, the MLX graph on the CPU
-    compressor_step,
-    compressor_step_rows,
-)
+from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_rows
+from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from . import prefill_attention
@@ -557,17 +554,11 @@ class Compressor(nn.Module):
         valid = iota(rows.shape[1]) < (pos + 1) // m  # only the plain attention reads it
         return new, rows, valid
 
-    def pool_step_rows(self, kvs: list, gates: list, pos: list, poss: mx.array, states: list) -> list:
-        """`pool_step` of B sessions' tokens (independent rows: session batching): each row's
-        new state arrays; one launch for all rows on a GPU where they can share it
-        (`compressor_step_rows`), else a `pool_step` per row."""
-        n = 5 if self._overlap else 3
-        arrays = [[next(st) for _ in range(n)] for st in states]
-        kw = dict(position_bias=self.position_bias, norm=self.kv_norm, rope=self._rope, ratio=self._ratio)
-        new = compressor_step_rows(kvs, gates, poss, arrays, **kw)
-        if new is None:
-            new = [compressor_step(kv, g, p, a, **kw) for kv, g, p, a in zip(kvs, gates, pos, arrays)]
-        return new
+    def step_job(self, kv: mx.array, gate: mx.array, state) -> CompressorJob:
+        """`pool_step`'s work for one token as a job of the attention prologue
+        (kernels/attn_prologue.py), its state arrays taken from `state`."""
+        arrays = [next(state) for _ in range(5 if self._overlap else 3)]
+        return CompressorJob(kv, gate, arrays, self.position_bias, self.kv_norm, self._rope, self._ratio)
 
 
 class IndexerScorer(nn.Module):
@@ -695,22 +686,28 @@ class CompressorBranch(Compressor):
         idx = topk_indices(scores, self._topk)
         return mx.take(rows, idx, axis=1), mx.take(valid, idx)
 
-    def step_select(self, proj: list, index_q, pos: mx.array, state, new: list):
-        """`step` for the one-launch attention (`sparse_attention.attend_at`): (rows [cap, D],
-        idx [1, k] | None, cnt [1] | None).  Without idx the kernel masks the capacity rows to
-        the (pos + 1) // ratio live ones itself.  CSA above index_topk capacity: the top
-        index_topk live rows by index score; while fewer rows are live than index_topk, all
-        of them (rows 0 .. live-1, the same set `step` attends).  `index_q` is the indexer's
-        query already roped at `pos` [1, nh, 1, d] (kernels/attn_prep.py)."""
-        st, rows, valid = self.pool_step(proj[0], proj[1], pos, state)
-        new += st
+    def step_jobs(self, proj: list, state) -> list:
+        """This token's step of each of the branch's compressors (the attention's, then for CSA
+        the indexer's: `step`'s state order), their state arrays taken from `state`;
+        `proj` as `step`'s (kernels/attn_prologue.py runs them with the attention prologue)."""
+        jobs = [self.step_job(proj[0], proj[1], state)]
+        if self._overlap:
+            jobs.append(self.indexer.step_job(proj[2], proj[3], state))
+        return jobs
+
+    def step_pick(self, new: list, proj: list, index_q, pos: mx.array):
+        """The one-launch attention's (`sparse_attention.attend_at`) rows from the compressors'
+        new states (`step_jobs` order): (rows [cap, D], idx [1, k] | None, cnt [1] | None).
+        Without idx the kernel masks the capacity rows to the (pos + 1) // ratio live ones
+        itself.  CSA above index_topk capacity: the top index_topk live rows by index score;
+        while fewer rows are live than index_topk, all of them (rows 0 .. live-1, the same set
+        `step` attends).  `proj` as `step_jobs`'; `index_q` is the indexer's query already
+        roped at `pos` [1, nh, 1, d] (kernels/attn_prep.py)."""
+        rows = new[0][-1]
         # (squeeze, not [0]: MLX runs an integer index as a gather, a copy of the buffer per token)
-        if not self._overlap:
+        if not self._overlap or rows.shape[1] <= self._topk:
             return rows.squeeze(0), None, None
-        ist, keys, _ = self.indexer.pool_step(proj[2], proj[3], pos, state)
-        new += ist
-        if rows.shape[1] <= self._topk:
-            return rows.squeeze(0), None, None
+        keys = new[1][-1]
         ind = self.indexer
         scale = ind._nh**-0.5 * ind._dim**-0.5
         face = _sparse.step_face()
@@ -728,45 +725,32 @@ class CompressorBranch(Compressor):
         )
         return rows.squeeze(0), idx, cnt
 
-    def step_select_rows(self, projs: list, index_qs: list, pos: list, poss: mx.array, states: list, news: list):
-        """`step_select` of B sessions' tokens (independent rows: session batching), each
-        compressor's rows in one launch where they can share it: per row (rows, idx, cnt)."""
-        new = self.pool_step_rows([p[0] for p in projs], [p[1] for p in projs], pos, poss, states)
-        for nw, st in zip(news, new):
-            nw += st
-        rows = [st[-1].squeeze(0) for st in new]
+    def step_pick_rows(self, news: list, projs: list, index_qs: list, pos: list) -> list:
+        """`step_pick` of B sessions' tokens (independent rows: session batching): news[b] row
+        b's compressors' new states, projs[b] its `step_jobs` projections -> per row (rows, idx,
+        cnt); the rows' indexer scores + top-k in one launch where they can share it."""
+        rows = [st[0][-1].squeeze(0) for st in news]
         if not self._overlap:
             return [(r, None, None) for r in rows]
-        ind = self.indexer
-        keys = ind.pool_step_rows([p[2] for p in projs], [p[3] for p in projs], pos, poss, states)
-        for nw, st in zip(news, keys):
-            nw += st
         # the rows with more live-able rows than index_topk pick theirs
         picks = [b for b, r in enumerate(rows) if r.shape[0] > self._topk]
         pick = lambda seq: [seq[b] for b in picks]  # noqa: E731
-        sel = self._index_select_rows(pick(index_qs), pick(projs), pick([st[-1] for st in keys]), pick(pos))
+        sel = self._index_select_rows(pick(index_qs), pick(projs), [news[b][1][-1] for b in picks], pick(pos))
         out = [(r, None, None) for r in rows]
         for b, (idx, cnt) in zip(picks, sel):
             out[b] = (rows[b], idx, cnt)
         return out
 
-    def step_select_chain(self, projs: list, index_qs: list, pos: list, states: list, news: list):
-        """`step_select` of one session's next B tokens (a verify chain: row b over the state
-        row b - 1 leaves), per row (rows, idx, cnt).  Each row's compressors run in turn (a
-        row's window buffers are the ones the row before it leaves); the rows' indexer scores
-        and top-k run in one launch where they can share it, every row over the LAST row's
-        indexer rows: a compressed row once written stays as it is, so they hold each earlier
-        row's live rows, and each row's position masks the rest (the same top-k as its own)."""
-        rows, keys = [], None
-        for pj, p, st, nw in zip(projs, pos, states, news):
-            new, r, _ = self.pool_step(pj[0], pj[1], p, st)
-            nw += new
-            if self._overlap:
-                new, keys, _ = self.indexer.pool_step(pj[2], pj[3], p, st)
-                nw += new
-            rows.append(r.squeeze(0))
+    def step_pick_chain(self, news: list, projs: list, index_qs: list, pos: list) -> list:
+        """`step_pick` of one session's next B tokens (a verify chain: row b's compressors ran
+        over the state row b - 1 left): per row (rows, idx, cnt).  The rows' indexer scores and
+        top-k run in one launch where they can share it, every row over the LAST row's indexer
+        rows: a compressed row once written stays as it is, so they hold each earlier row's
+        live rows, and each row's position masks the rest (the same top-k as its own)."""
+        rows = [st[0][-1].squeeze(0) for st in news]
         if not self._overlap or rows[0].shape[0] <= self._topk:
             return [(r, None, None) for r in rows]
+        keys = news[-1][1][-1]
         sel = self._index_select_rows(index_qs, projs, [keys] * len(rows), pos)
         return [(r, idx, cnt) for r, (idx, cnt) in zip(rows, sel)]
 
@@ -978,23 +962,24 @@ class Attention(nn.Module):
 
     def _step_prep(self, face, q_b, kv, more, index_q_b, pos, state, new) -> tuple:
         """The GPU step's half before the attention: (q [1, nh, 1, D], the ring with this
-        token's row, the compressed rows, idx, cnt) for `attend_at`; the new state appended."""
-        q, ring, index_q = self._step_prologue(face, q_b, kv, index_q_b, pos, state, new)
-        rows = idx = cnt = None
-        if self.layer_type != SLIDING:
-            rows, idx, cnt = self.compressor.step_select(more, index_q, pos, state, new)
-        return q, ring, rows, idx, cnt
-
-    def _step_prologue(self, face, q_b, kv, index_q_b, pos, state, new) -> tuple:
-        """Query / K=V norms and ropes, the ring write and the indexer query's rope in one
-        launch (the indexer shares the layer's compress rope: CompressorBranch passes it on):
-        (q, the new ring, the indexer's query or None); the ring appended to `new`."""
+        token's row, the compressed rows, idx, cnt) for `attend_at`; the new state appended.
+        The prologue (query / K=V norms and ropes, the ring write, the indexer query's rope:
+        attn_prep) and the layer's compressor steps run as one launch (kernels/attn_prologue.py;
+        the indexer shares the layer's compress rope: CompressorBranch passes it on)."""
         csa, kw = self._prologue_kw(face)
         ring = next(state)
+        comp = self.compressor if self.layer_type != SLIDING else None
+        jobs = [] if comp is None else comp.step_jobs(more, state)
         iq = index_q_b if csa else None
-        q, ring, index_q = attn_prep(q_b, kv, self.kv_norm.weight, ring, pos, self._rope, self._eps, iq, **kw)
+        q, ring, index_q, states = attn_prologue(
+            q_b, kv, self.kv_norm.weight, ring, pos, self._rope, self._eps, iq, jobs, **kw
+        )
         new.append(ring)
-        return q, ring, index_q
+        for st in states:
+            new += st
+        if comp is None:
+            return q, ring, None, None, None
+        return (q, ring, *comp.step_pick(states, more, index_q, pos))
 
     def _prologue_kw(self, face) -> tuple[bool, dict]:
         """(a CSA layer, attn_prep's keyword arguments) for this layer's step prologue."""
@@ -1002,55 +987,52 @@ class Attention(nn.Module):
         kw = dict(heads=self._nh, index_heads=self.compressor.indexer._nh if csa else 0)
         return csa, dict(kw, backend="reference" if face == "reference" else None)
 
-    def _step_prologue_rows(self, face, q_b, kv, index_q_b, pos, poss, states, news) -> list:
-        """`_step_prologue` of B independent sessions' rows (q_b / kv / index_q_b [1, B, ...],
-        poss [B] int32) in one launch where they can share it (`attn_prep_rows`), else one
-        per row: one (q, ring, index_q) per row, each row's ring appended to its `news`."""
+    def _step_prep_rows(self, face, q_b, kv, more, index_q_b, pos, poss, states, news) -> list:
+        """`_step_prep` of B independent sessions' rows (q_b / kv / index_q_b [1, B, ...], poss
+        [B] int32): the rows' prologues and compressor steps in one launch where they can share
+        it (`attn_prologue_rows`), then the rows' indexer top-k; each row's new state appended
+        to its `news`."""
         csa, kw = self._prologue_kw(face)
         rings = [next(st) for st in states]
-        iq = index_q_b if csa else None
-        out = attn_prep_rows(q_b, kv, self.kv_norm.weight, rings, poss, self._rope, self._eps, iq, **kw)
-        if out is None:
-            heads = []
-            for b, (p, ring) in enumerate(zip(pos, rings)):
-                r = slice(b, b + 1)
-                ib = None if iq is None else iq[:, r]
-                heads.append(
-                    attn_prep(q_b[:, r], kv[:, r], self.kv_norm.weight, ring, p, self._rope, self._eps, ib, **kw)
-                )
-        else:
-            q, new_rings, iqs = out
-            heads = [(q[b : b + 1], r, None if iqs is None else iqs[b : b + 1]) for b, r in enumerate(new_rings)]
-        for nw, h in zip(news, heads):
-            nw.append(h[1])
-        return heads
-
-    def _step_prep_rows(self, face, q_b, kv, more, index_q_b, pos, poss, states, news) -> list:
-        """`_step_prep` of B independent sessions' rows: the rows' prologues in one launch, then
-        each compressor's rows in one launch (`Compressor.step_select_rows`), where they can
-        share them."""
-        heads = self._step_prologue_rows(face, q_b, kv, index_q_b, pos, poss, states, news)
         projs = [[m[:, b : b + 1] for m in more] for b in range(len(pos))]
-        if self.layer_type == SLIDING:
-            return [(q, ring, None, None, None) for q, ring, _ in heads]
-        sel = self.compressor.step_select_rows(projs, [h[2] for h in heads], pos, poss, states, news)
-        return [(q, ring, *rest) for (q, ring, _), rest in zip(heads, sel)]
+        comp = self.compressor if self.layer_type != SLIDING else None
+        jobs = [[] if comp is None else comp.step_jobs(p, st) for p, st in zip(projs, states)]
+        iq = index_q_b if csa else None
+        heads = attn_prologue_rows(q_b, kv, self.kv_norm.weight, rings, poss, self._rope, self._eps, iq, jobs, **kw)
+        for nw, (_, ring, _, sts) in zip(news, heads):
+            nw.append(ring)
+            for st in sts:
+                nw += st
+        if comp is None:
+            return [(q, ring, None, None, None) for q, ring, _, _ in heads]
+        sel = comp.step_pick_rows([h[3] for h in heads], projs, [h[2] for h in heads], pos)
+        return [(q, ring, *rest) for (q, ring, _, _), rest in zip(heads, sel)]
 
     def _step_prep_chain(self, face, q_b, kv, more, index_q_b, pos, states, news) -> list:
         """`_step_prep` of one session's next B tokens (a verify chain: row b over the state
-        row b - 1 leaves): each row's prologue in turn (its ring write goes into the ring the
-        row before it left), then the compressors row by row and the indexer's top-k of all
-        rows at once (`CompressorBranch.step_select_chain`)."""
+        row b - 1 leaves): each row's prologue and compressor steps in one launch, in turn (its
+        ring and window writes go into the buffers the row before it left), then the indexer's
+        top-k of all rows at once (`CompressorBranch.step_pick_chain`)."""
+        csa, kw = self._prologue_kw(face)
+        comp = self.compressor if self.layer_type != SLIDING else None
+        projs = [[m[:, b : b + 1] for m in more] for b in range(len(pos))]
         heads = []
         for b, (p, st, nw) in enumerate(zip(pos, states, news)):
             r = slice(b, b + 1)
-            ib = None if index_q_b is None else index_q_b[:, r]
-            heads.append(self._step_prologue(face, q_b[:, r], kv[:, r], ib, p, st, nw))
-        if self.layer_type == SLIDING:
-            return [(q, ring, None, None, None) for q, ring, _ in heads]
-        projs = [[m[:, b : b + 1] for m in more] for b in range(len(pos))]
-        sel = self.compressor.step_select_chain(projs, [h[2] for h in heads], pos, states, news)
-        return [(q, ring, *rest) for (q, ring, _), rest in zip(heads, sel)]
+            ring = next(st)
+            jobs = [] if comp is None else comp.step_jobs(projs[b], st)
+            iq = index_q_b[:, r] if csa else None
+            q, ring, index_q, sts = attn_prologue(
+                q_b[:, r], kv[:, r], self.kv_norm.weight, ring, p, self._rope, self._eps, iq, jobs, **kw
+            )
+            nw.append(ring)
+            for new in sts:
+                nw += new
+            heads.append((q, ring, index_q, sts))
+        if comp is None:
+            return [(q, ring, None, None, None) for q, ring, _, _ in heads]
+        sel = comp.step_pick_chain([h[3] for h in heads], projs, [h[2] for h in heads], pos)
+        return [(q, ring, *rest) for (q, ring, _, _), rest in zip(heads, sel)]
 
     def _step_attend_graph(self, q_b, kv, more, index_q_b, pos, state, new) -> mx.array:
         """`_step_attend` as MLX ops (the CPU, `DS4MLX_SPARSE_ATTENTION=0`)."""
