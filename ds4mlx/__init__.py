@@ -29,8 +29,8 @@ def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, ctx=None)
     `dtype`: "auto" (float32 activations, as ds4), "float32", "bfloat16", "float16";
     `mtp`: ds4's separate MTP support GGUF (see `loader.load`); `stream`: an
     `ds4mlx.experts.StreamConfig` for SSD expert streaming; `ctx`: check (and on a Mac
-    wire) the memory for this context (memory_fit.py)."""
-    from .loader import load as _load
+    wire) the memory for this context (io/memory_fit.py)."""
+    from .io.loader import load as _load
 
     return _load(path, dtype=dtype, mtp=mtp, verbose=verbose, stream=stream, ctx=ctx)
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from agent_helpers import dsml, last_real_user, make_worker, steps  # noqa: E402
 
 from ds4mlx.agent.tui import run_tui  # noqa: E402
-from ds4mlx.tokenizer import Tokenizer  # noqa: E402
+from ds4mlx.runtime.tokenizer import Tokenizer  # noqa: E402
 
 
 def script(prompt: str):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from ds4mlx import stepper
-from ds4mlx.decode import decode_tokens, greedy
 from ds4mlx.models import cache as row_cache
+from ds4mlx.runtime import stepper
+from ds4mlx.runtime.decode import decode_tokens, greedy
 from ds4mlx.speculative.acceptance import GreedyRule
 from ds4mlx.speculative.loop import SpeculativeLoop
 

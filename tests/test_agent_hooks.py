@@ -34,7 +34,7 @@ DS4_KEYS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     return Tokenizer.default()
 

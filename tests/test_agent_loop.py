@@ -17,7 +17,7 @@ from ds4mlx.agent.events import Notice, TextDelta, ToolCard, TurnEnd
 
 @pytest.fixture(scope="module")
 def tok():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     return Tokenizer.default()
 

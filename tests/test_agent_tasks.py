@@ -24,7 +24,7 @@ from ds4mlx.agent.tools import ToolBox
 
 @pytest.fixture(scope="module")
 def tok():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     return Tokenizer.default()
 
@@ -362,7 +362,7 @@ def test_view_image_result_carries_the_image_into_the_job(tmp_path):
 
     from ds4mlx.chat.messages import Message, ToolCall
     from ds4mlx.engine import Failed
-    from ds4mlx.loader import load
+    from ds4mlx.io.loader import load
 
     Image.new("RGB", (32, 24), (0, 128, 255)).save(tmp_path / "blue.png")
     model, tok = load("demo:qwen4_exp")

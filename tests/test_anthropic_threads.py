@@ -34,7 +34,7 @@ def script(prompt: str) -> str:
 
 @pytest.fixture(scope="module")
 def srv():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     with serve(tok, ScriptedModel(tok, script), ctx=2048, tokens=64) as s:

@@ -1,4 +1,4 @@
-"""ds4mlx.atomic_file: the destination is the old file or the new one, never half,
+"""ds4mlx.io.atomic_file: the destination is the old file or the new one, never half,
 and a failed write leaves no temporary behind."""
 
 import os
@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from ds4mlx.atomic_file import atomic_write, write_bytes_atomic
+from ds4mlx.io.atomic_file import atomic_write, write_bytes_atomic
 
 
 def test_writes_bytes_and_text(tmp_path):

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def bad(tmp_path_factory) -> dict[str, Path]:
-    from ds4mlx.demo import demo_model_path
+    from ds4mlx.io.demo import demo_model_path
 
     return make_bad_models(Path(demo_model_path("deepseek_v4")), tmp_path_factory.mktemp("bad"))
 
@@ -103,7 +103,7 @@ def test_claimed_sizes_are_refused_before_allocating(bad):
     """The counts are checked against the file size before the reader loops."""
     import tracemalloc
 
-    from ds4mlx.weights import GGUFFile
+    from ds4mlx.io.weights import GGUFFile
 
     for case, why in (
         ("2e60_tensors", "claims 1152921504606846976 tensors"),

@@ -14,8 +14,8 @@ import pytest
 
 from ds4mlx.engine import Engine, Job
 from ds4mlx.engine.slots import STALE_AFTER_S, Slot, eviction_victim, route
-from ds4mlx.events import Finish, TextDelta
-from ds4mlx.sampling import SamplingParams
+from ds4mlx.runtime.events import Finish, TextDelta
+from ds4mlx.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.95, top_k=40, min_p=0.0, seed=1234)
@@ -102,9 +102,9 @@ def test_rows_stepped_together_equal_each_alone(demo, face, monkeypatch, request
     rows' attention offered to attend_rows) with the kernels' reference faces."""
     import numpy as np
 
-    from ds4mlx import stepper
     from ds4mlx.kernels import sparse_attention
-    from ds4mlx.session import can_step_together, step_together
+    from ds4mlx.runtime import stepper
+    from ds4mlx.runtime.session import can_step_together, step_together
 
     model, tk = demo
     inner = model.new_session(8).model
@@ -457,7 +457,7 @@ def test_tool_output_continuations_find_their_own_slot():
     sys.path.insert(0, str(Path(__file__).parent))
     from scripted_model import ScriptedModel, serve
 
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     dsml = 'ok.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'

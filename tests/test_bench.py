@@ -5,7 +5,7 @@ import csv
 import pytest
 
 from ds4mlx.bench import frontier as bench
-from ds4mlx.cli import main
+from ds4mlx.cli.commands import main
 
 
 def test_frontiers():
@@ -63,7 +63,7 @@ def test_bench_demo_csv_plot_and_gate(tmp_path):
 
 @pytest.fixture(scope="module")
 def demo():
-    from ds4mlx.loader import load
+    from ds4mlx.io.loader import load
 
     return load(None, verbose=False)
 

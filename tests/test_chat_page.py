@@ -345,7 +345,7 @@ def listing_script(prompt: str) -> str:
 def test_reasoning_and_tool_calls_on_a_scripted_model(browser):
     from scripted_model import ScriptedModel
 
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     with serve(tok, ScriptedModel(tok, listing_script), ctx=4096) as s:

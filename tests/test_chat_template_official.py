@@ -23,7 +23,7 @@ import pytest
 from ds4mlx.chat import markers as M
 from ds4mlx.chat.families.deepseek_v4 import template as ds4_template
 from ds4mlx.chat.protocol import TemplateError, chat_templates, get_protocol
-from ds4mlx.cli_options import UsageError, add_chat_template_argument, chat_protocol
+from ds4mlx.cli.options import UsageError, add_chat_template_argument, chat_protocol
 from ds4mlx.serve.prepare import ServeConfig, parse_request, protocol_of
 
 ENCODER_PATH = Path(__file__).parent / "data" / "chat_templates" / "encoding_dsv4.py"
@@ -477,7 +477,8 @@ def test_serve_refuses_the_template_for_another_family():
 def test_generate_and_chat_engine_use_the_template(monkeypatch, capsys, v4_demo):
     import argparse
 
-    from ds4mlx import generate, loader
+    from ds4mlx.cli import generate
+    from ds4mlx.io import loader
 
     seen = {}
     monkeypatch.setattr(loader, "load", lambda path=None, **kw: v4_demo)
@@ -505,7 +506,7 @@ def test_agent_engine_uses_the_template(tmp_path):
     from agent_helpers import ScriptedModel, steps
 
     from ds4mlx.agent import cli
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     p = argparse.ArgumentParser()
@@ -525,7 +526,7 @@ def test_eval_in_process_prompts(encoder):
 
     from ds4mlx.eval.inprocess import InProcessBackend
     from ds4mlx.eval.prompts import Prompt
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     model = ScriptedModel(tok, {})

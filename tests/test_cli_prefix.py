@@ -1,4 +1,4 @@
-"""--prefix-file (ds4mlx/prefix_file.py): ds4's parser (the cases of antirez/ds4
+"""--prefix-file (ds4mlx/cli/prefix_file.py): ds4's parser (the cases of antirez/ds4
 tests/ds4_prompt_prefix_test.c, every error naming its line), the rendering of a
 prefix + prompt for each family byte for byte (hand-written DeepSeek prompts,
 GLM / Qwen through their published jinja templates), and prefix + prompt equal
@@ -13,10 +13,10 @@ from template_helpers import TEMPLATES, render_jinja
 
 from ds4mlx.chat.messages import Conversation, Message
 from ds4mlx.chat.protocol import get_protocol
-from ds4mlx.cli_options import conversation_head
-from ds4mlx.prefix_file import PrefixError, load, parse, with_head
+from ds4mlx.cli.options import conversation_head
+from ds4mlx.cli.prefix_file import PrefixError, load, parse, with_head
+from ds4mlx.cli.think_flags import THINK_MAX_MIN_CONTEXT, resolve
 from ds4mlx.serve.prepare import parse_request
-from ds4mlx.think_flags import THINK_MAX_MIN_CONTEXT, resolve
 
 
 def turns(text):
@@ -254,7 +254,7 @@ def test_serve_keeps_a_request_system_prompt():
 def test_generate_flags(tmp_path):
     """-sys, --prompt-file and --prefix-file parse as ds4 spells them; --prefix-file
     with --raw is refused like ds4 does."""
-    from ds4mlx import generate
+    from ds4mlx.cli import generate
 
     p = argparse.ArgumentParser()
     generate.add_arguments(p)

@@ -69,7 +69,7 @@ def status(child) -> tuple[int, int, int, int]:
 def test_repl_commands_read_ctx_and_ctrl_c(tmp_path):
     from ds4mlx.chat.messages import Conversation, Message
     from ds4mlx.chat.protocol import get_protocol
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     child = spawn(tmp_path, "--nothink", "-n", "100000", "--ctx", "8192", "--temp", "1")
     try:
@@ -130,7 +130,7 @@ def test_repl_commands_read_ctx_and_ctrl_c(tmp_path):
 
 
 def test_repl_steer_and_think_level_refusal(tmp_path):
-    from ds4mlx.demo import DEMO_CONFIG  # the demo model's shape, without loading it here too
+    from ds4mlx.io.demo import DEMO_CONFIG  # the demo model's shape, without loading it here too
 
     layers, hidden = DEMO_CONFIG["num_hidden_layers"], DEMO_CONFIG["hidden_size"]
     dirs = np.random.default_rng(0).standard_normal((layers, hidden)).astype("<f4")
@@ -165,7 +165,7 @@ def test_repl_prefills_the_prefix_file(tmp_path):
     turn finds all of it in the live session."""
     from ds4mlx.chat.messages import Conversation, Message
     from ds4mlx.chat.protocol import get_protocol
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     (tmp_path / "prefix.txt").write_text("USER: Remember 7.\nASSISTANT: Noted: 7.\n")
     child = spawn(tmp_path, "--nothink", "-n", "100000", "-sys", "Be brief.", "--prefix-file", "prefix.txt")
@@ -194,8 +194,8 @@ def test_answers_render_as_markdown():
 
     from rich.console import Console
 
-    from ds4mlx.events import ReasoningDelta, TextDelta
-    from ds4mlx.repl import _AnswerPrinter
+    from ds4mlx.cli.repl import _AnswerPrinter
+    from ds4mlx.runtime.events import ReasoningDelta, TextDelta
 
     def show(markdown: bool) -> str:
         buf = io.StringIO()

@@ -1,4 +1,4 @@
-"""Directional steering (ds4mlx/steering.py) on every family's tiny demo model:
+"""Directional steering (ds4mlx/runtime/steering.py) on every family's tiny demo model:
 scale 0 is the unsteered graph bit for bit; a nonzero direction changes the
 logits exactly as the projection y - s * v * dot(v, y), applied here by
 independent numpy wrappers around each layer's attention and FFN modules; the
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import ds4mlx
-from ds4mlx import steering
 from ds4mlx.chat.protocol import families
+from ds4mlx.runtime import steering
 
 TEXT = "Steering a tiny model: one direction per layer."
 
@@ -104,7 +104,7 @@ def test_nonzero_direction_changes_logits_as_projection(demo, ffn, attn):
 def test_identity_enters_fingerprints(demo):
     family, model, tok = demo
     from ds4mlx.kv.cache import model_identity
-    from ds4mlx.session import model_fingerprint
+    from ds4mlx.runtime.session import model_fingerprint
 
     plain_fp, plain_id = model_fingerprint(model.model), model_identity(model)
     s1 = steering.Steering(_dirs(model, 2), ffn=1.0)
@@ -153,7 +153,7 @@ def test_steer_build_mean_difference(tmp_path):
     """`ds4mlx steer build` on the V4 demo: the direction of each layer is the
     normalized mean difference of the captured FFN rows, orthogonalized against
     the contrast mean -- recomputed here from captures taken by wrapping `mlp`."""
-    from ds4mlx.cli import main
+    from ds4mlx.cli.commands import main
 
     model, tok = ds4mlx.load(None)
     good, bad = ["Answer in one word.", "Be brief."], ["Explain at length, please.", "Write a long essay."]
@@ -223,8 +223,8 @@ def test_cli_flags_install_steering(tmp_path):
     the disk KV cache takes the model's identity."""
     import argparse
 
-    from ds4mlx import generate
-    from ds4mlx.cli_options import UsageError, install_steering
+    from ds4mlx.cli import generate
+    from ds4mlx.cli.options import UsageError, install_steering
     from ds4mlx.kv.cache import model_identity
 
     model, tok = ds4mlx.load(None)

@@ -1,4 +1,4 @@
-"""ds4's thinking flags (ds4mlx/think_flags.py) on generate, chat, serve and eval:
+"""ds4's thinking flags (ds4mlx/cli/think_flags.py) on generate, chat, serve and eval:
 on by default, the last flag wins, --think-level only for DeepSeek V4.1, and
 Think Max gated at ds4's context threshold (ds4.c DS4_THINK_MAX_MIN_CONTEXT,
 393216): one token below it the prompt is exactly the normal-thinking one and
@@ -14,7 +14,7 @@ import pytest
 from ds4mlx.chat.markers import THINK_MAX_PREFIX
 from ds4mlx.chat.messages import Conversation, Message
 from ds4mlx.chat.protocol import families, get_protocol
-from ds4mlx.think_flags import THINK_MAX_MIN_CONTEXT, ThinkError, add_think_arguments, resolve
+from ds4mlx.cli.think_flags import THINK_MAX_MIN_CONTEXT, ThinkError, add_think_arguments, resolve
 
 THRESHOLD = 393216
 NOTICE = f"--think-max needs --ctx >= {THRESHOLD}; ctx={THRESHOLD - 1} uses normal thinking instead"
@@ -88,7 +88,8 @@ def v4_demo():
 
 def _generate_prompt(monkeypatch, capsys, v4_demo, *argv):
     """The prompt `ds4mlx generate ARGV` sends to the engine, and its stderr."""
-    from ds4mlx import generate, loader
+    from ds4mlx.cli import generate
+    from ds4mlx.io import loader
 
     seen = {}
     monkeypatch.setattr(loader, "load", lambda path=None, **kw: v4_demo)
@@ -202,7 +203,8 @@ def test_a_refused_speculation_leaves_ctrl_c_unblocked(monkeypatch, capsys, v4_d
     eval's Ctrl+C tests hung after an in-process `generate` test)."""
     import signal
 
-    from ds4mlx import generate, loader
+    from ds4mlx.cli import generate
+    from ds4mlx.io import loader
 
     if not hasattr(signal, "pthread_sigmask"):
         pytest.skip("no signal masks here")

@@ -1,4 +1,4 @@
-"""The compiled static decode step (ds4mlx/stepper.py) against the dynamic reference path.
+"""The compiled static decode step (ds4mlx/runtime/stepper.py) against the dynamic reference path.
 
 On the tiny oracle models of all five families (CPU, float32; DeepSeek V4, V4.1, GLM 5.2,
 GLM 5.3, Qwen3.8): logits of the compiled step within 1e-4 of the legacy per-layer forward
@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4mlx import stepper
 from ds4mlx.models import cache as row_cache
+from ds4mlx.runtime import stepper
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case, maxdiff  # noqa: E402
@@ -177,7 +177,7 @@ def test_unknown_mode_is_refused(monkeypatch):
 
 
 def test_device_sampler_draws_what_the_host_sampler_draws():
-    from ds4mlx.sampling import DeviceSampler, Sampler, SamplingParams
+    from ds4mlx.runtime.sampling import DeviceSampler, Sampler, SamplingParams
 
     rng = np.random.default_rng(0)
     rows = [mx.array(rng.normal(size=50).astype(np.float32) * 3) for _ in range(40)]
@@ -197,7 +197,7 @@ def test_device_sampler_draws_what_the_host_sampler_draws():
 
 
 def _loop_tokens(lm, prompt, n, monkeypatch, how="compiled", **kw):
-    from ds4mlx.decode import decode_tokens, greedy
+    from ds4mlx.runtime.decode import decode_tokens, greedy
 
     monkeypatch.setenv(stepper.MODE_ENV, how)
     s = lm.new_session(ctx=len(prompt) + n + 2)
@@ -260,8 +260,8 @@ def test_engine_lookahead_equals_legacy_on_the_demo_model(monkeypatch):
     the legacy synchronous loop's tokens, finish and session length."""
     import ds4mlx
     from ds4mlx.engine import Engine, Job
-    from ds4mlx.events import Finish
-    from ds4mlx.sampling import SamplingParams
+    from ds4mlx.runtime.events import Finish
+    from ds4mlx.runtime.sampling import SamplingParams
 
     model, tok = ds4mlx.load(None)
 

@@ -1,6 +1,6 @@
 """`ds4mlx convert` and `ds4mlx.load` for the families other than DeepSeek V4.
 
-Each family's demo HF folder (`ds4mlx.demo.demo_model_path`) is converted to a GGUF by
+Each family's demo HF folder (`ds4mlx.io.demo.demo_model_path`) is converted to a GGUF by
 the CLI; the GGUF must load into a model whose float32 logits equal the HF folder's
 bit for bit, and its metadata must give back the config.  The tensor layouts that ds4's
 converters define (gguf-tools/deepseek41_quantize.py, glm53_quantize.py,
@@ -23,9 +23,7 @@ import pytest
 
 import ds4mlx
 from ds4mlx import gguf_families
-from ds4mlx.cli import main
-from ds4mlx.convert import write_gguf
-from ds4mlx.demo import demo_model_path
+from ds4mlx.cli.commands import main
 from ds4mlx.gguf_families.base import (
     deinterleave_join,
     deinterleave_split,
@@ -35,7 +33,9 @@ from ds4mlx.gguf_families.base import (
     plus_one_split,
     row_parts,
 )
-from ds4mlx.weights import GGUFFile, read_weights
+from ds4mlx.io.convert import write_gguf
+from ds4mlx.io.demo import demo_model_path
+from ds4mlx.io.weights import GGUFFile, read_weights
 
 ARCH = {"deepseek_v41": "deepseek41", "glm_moe_dsa": "glm-dsa", "glm5_next": "glm5-next", "qwen4_exp": "qwen38-next"}
 IDS = [0, 1, 5, 42, 100, 2000, 7, 129279, 3, 3, 17]  # a few tokens (the demos use the 129280-token vocabulary)
@@ -106,7 +106,7 @@ def test_demo_gguf_logits_equal_hf_folder(family, converted):
     want = _hf_logits(src)
     assert got.dtype == np.float32 and got.shape == want.shape
     assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     assert tok.encode("hello <think>") == Tokenizer.from_file(src / "tokenizer.json").encode("hello <think>")
 

@@ -15,8 +15,8 @@ import pytest
 from ds4mlx.chat.families.deepseek_v4.template import render
 from ds4mlx.chat.toolmemory import ToolMemory
 from ds4mlx.engine import Engine, Job
-from ds4mlx.events import Finish, ToolCallDelta, ToolCallEnd, ToolCallStart
-from ds4mlx.sampling import SamplingParams
+from ds4mlx.runtime.events import Finish, ToolCallDelta, ToolCallEnd, ToolCallStart
+from ds4mlx.runtime.sampling import SamplingParams
 from ds4mlx.serve.openai import parse_chat
 
 BASH = {

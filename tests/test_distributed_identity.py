@@ -14,7 +14,7 @@ from parity_helpers import load_case  # noqa: E402
 
 from ds4mlx.distributed.plan import Plan  # noqa: E402
 from ds4mlx.kv.cache import model_identity  # noqa: E402
-from ds4mlx.session import Session  # noqa: E402
+from ds4mlx.runtime.session import Session  # noqa: E402
 
 
 def test_plan_identity_is_rank_and_size():

@@ -10,8 +10,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from ds4mlx.distributed.slicing import take
-from ds4mlx.mapped import LazyTensor
-from ds4mlx.quant import MXTensor, QuantizedTensor
+from ds4mlx.io.mapped import LazyTensor
+from ds4mlx.io.quant import MXTensor, QuantizedTensor
 
 RNG = np.random.default_rng(0)
 FUSED = [(2, 5), (8 + 2, 8 + 5)]  # a gate/up split: rows 2:5 of each half of 16

@@ -213,7 +213,7 @@ def test_metadata_and_tokenizer_ds4_reads(reader):
 
 
 def test_blocks_are_random_with_finite_scales(reader):
-    from ds4mlx.quant import as_qtype, dequantize
+    from ds4mlx.io.quant import as_qtype, dequantize
 
     for t in reader.tensors:
         kind = t.tensor_type.name
@@ -230,7 +230,7 @@ def test_blocks_are_random_with_finite_scales(reader):
 
 
 def test_ds4mlx_loads_and_runs_it(tiny_gguf):
-    from ds4mlx.loader import load
+    from ds4mlx.io.loader import load
 
     lm, tok = load(str(tiny_gguf), verbose=False)
     session = lm.new_session(128)

@@ -17,7 +17,7 @@ from scripted_model import ScriptedModel, Segment  # noqa: E402
 from ds4mlx.chat.families.deepseek_v4.template import live_tail, render, render_continuation_tail, uses_tool_context  # noqa: E402
 from ds4mlx.chat.toolmemory import ToolMemory  # noqa: E402
 from ds4mlx.engine import Engine, Failed, Job  # noqa: E402
-from ds4mlx.events import (
+from ds4mlx.runtime.events import (
     Finish,
     PrefillProgress,
     ReasoningDelta,
@@ -27,7 +27,7 @@ from ds4mlx.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from ds4mlx.sampling import SamplingParams  # noqa: E402
+from ds4mlx.runtime.sampling import SamplingParams  # noqa: E402
 from ds4mlx.serve.anthropic import parse_anthropic  # noqa: E402
 from ds4mlx.serve.openai import parse_chat  # noqa: E402
 from ds4mlx.serve.prepare import live_binding  # noqa: E402
@@ -55,7 +55,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     return Tokenizer.default()
 
@@ -112,7 +112,7 @@ def test_raw_generation_events_and_usage(make, tok):
 
 
 def test_utf8_characters_never_split(make, tok):
-    from ds4mlx.tokenizer import _BYTE_TO_CHAR
+    from ds4mlx.runtime.tokenizer import _BYTE_TO_CHAR
 
     text = "😀 ok 🙂中文"
     # One byte-level token per byte: every multi-byte character arrives split.

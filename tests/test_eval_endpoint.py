@@ -16,7 +16,7 @@ import threading
 import pytest
 from aiohttp import web
 
-from ds4mlx.cli import main
+from ds4mlx.cli.commands import main
 from ds4mlx.eval import load_cases
 from ds4mlx.eval.backends import Control, EndpointBackend, GenJob
 from ds4mlx.eval.prompts import SYSTEM_PROMPT, build_prompt, user_prompt

@@ -28,7 +28,7 @@ CORE = load_cases("core")
 @pytest.fixture(scope="module")
 def tok():
     try:
-        from ds4mlx.tokenizer import Tokenizer
+        from ds4mlx.runtime.tokenizer import Tokenizer
 
         return Tokenizer.default()
     except (ImportError, FileNotFoundError) as e:  # pragma: no cover
@@ -81,11 +81,11 @@ def test_sampling_path_and_session_reuse(tok, tmp_path):
     assert model.prefill_calls == 2  # one session, each case prefilled from scratch
 
 
-DEMO = importlib.util.find_spec("ds4mlx.loader") is not None
+DEMO = importlib.util.find_spec("ds4mlx.io.loader") is not None
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not DEMO, reason="ds4mlx.loader (demo model) not available yet")
+@pytest.mark.skipif(not DEMO, reason="ds4mlx.io.loader (demo model) not available yet")
 def test_acceptance_demo_model_three_cases(tmp_path):
     trace = tmp_path / "t.txt"
     r = subprocess.run(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ds4mlx.cli import main
+from ds4mlx.cli.commands import main
 from ds4mlx.eval import load_cases
 
 CORE = load_cases("core")

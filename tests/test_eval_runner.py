@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from ds4mlx.cli import main
+from ds4mlx.cli.commands import main
 from ds4mlx.eval import load_cases
 from ds4mlx.eval.backends import FakeBackend
 from ds4mlx.eval.runner import Options, Runner, report

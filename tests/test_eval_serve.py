@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import serve  # noqa: E402
 
-from ds4mlx.cli import main  # noqa: E402
+from ds4mlx.cli.commands import main  # noqa: E402
 from ds4mlx.eval.trace import parse_trace  # noqa: E402
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from ds4mlx.cli import main
+from ds4mlx.cli.commands import main
 from ds4mlx.eval import load_cases
 from ds4mlx.eval.trace import TraceRecord, completed_records, format_record, parse_trace
 

@@ -71,10 +71,10 @@ def test_streamed_session_prefill_chunks_and_decode(family):
 def quantized_gguf(tmp_path):
     """A wide V4 demo GGUF whose experts take every quantized path: Q8_0 (MLX affine,
     fused), Q2_K (GGUF blocks), IQ2_XXS gate + Q4_K up (a split pair), float."""
-    from ds4mlx.convert import write_gguf
-    from ds4mlx.demo import DEMO_CONFIG, demo_weights
-    from ds4mlx.quant import QT, QuantizedTensor
-    from ds4mlx.quantize import quantize
+    from ds4mlx.io.convert import write_gguf
+    from ds4mlx.io.demo import DEMO_CONFIG, demo_weights
+    from ds4mlx.io.quant import QT, QuantizedTensor
+    from ds4mlx.io.quantize import quantize
 
     cfg = dict(DEMO_CONFIG, hidden_size=256, moe_intermediate_size=256, vocab_size=1024)
     w = demo_weights(cfg, seed=5)
@@ -289,7 +289,7 @@ def test_prefill_reads_each_needed_expert_once_per_chunk():
 
 
 def test_generate_and_bench_cli_report_the_cache(tmp_path, capsys):
-    from ds4mlx.cli import main
+    from ds4mlx.cli.commands import main
 
     rc = main(["generate", "-p", "hi", "-n", "3", "--temp", "0", "--stream-experts", "--expert-cache-count", "8"])
     err = capsys.readouterr().err
@@ -344,7 +344,7 @@ def test_streamed_load_never_evaluates_the_placeholder_banks(monkeypatch):
     streamed load must not evaluate them (a 20-layer V4 Flash: 516 GB of float32, an
     out-of-memory on the H200, 2026-12-02).  Every array the loader materializes is
     checked: no routed-expert bank of E rows among them."""
-    import ds4mlx.loader as loader
+    import ds4mlx.io.loader as loader
 
     seen = []
     real_eval = loader.mx.eval

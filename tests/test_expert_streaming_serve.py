@@ -18,9 +18,9 @@ import pytest
 
 import ds4mlx
 from ds4mlx.engine import Engine, Failed, Job
-from ds4mlx.events import Finish
 from ds4mlx.experts import StreamConfig
-from ds4mlx.sampling import SamplingParams
+from ds4mlx.runtime.events import Finish
+from ds4mlx.runtime.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_server_cli import free_port, wait_up  # noqa: E402
@@ -33,9 +33,9 @@ LIMIT_GB = "0.35"  # the weights below need ~0.53 GiB loaded (float32 on the CPU
 def big_model(tmp_path_factory) -> str:
     """The V4 demo architecture with wide expert banks: the routed experts are ~75 % of
     the weights (float16 in the file, float32 once loaded on the CPU)."""
-    from ds4mlx.convert import write_gguf
-    from ds4mlx.demo import DEMO_CONFIG, demo_weights
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.io.convert import write_gguf
+    from ds4mlx.io.demo import DEMO_CONFIG, demo_weights
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     cfg = dict(DEMO_CONFIG, moe_intermediate_size=256, n_routed_experts=256)
     path = tmp_path_factory.mktemp("big") / "big-experts.gguf"
@@ -153,8 +153,8 @@ def test_model_file_truncated_or_rewritten_under_a_running_server(tmp_path):
 
     from scripted_model import serve
 
-    from ds4mlx.demo import demo_model_path
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.io.demo import demo_model_path
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     path = tmp_path / "model.gguf"
     shutil.copyfile(demo_model_path(quiet=True), path)

@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 
 import ds4mlx
-from ds4mlx import stepper
 from ds4mlx.models import cache as row_cache
-from ds4mlx.session import can_step_together, step_together
+from ds4mlx.runtime import stepper
+from ds4mlx.runtime.session import can_step_together, step_together
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import chunked_logits, maxdiff  # noqa: E402

@@ -26,11 +26,11 @@ import pytest
 from parity_helpers import chunked_logits, load_case, maxdiff  # tests/ is on sys.path under pytest
 from test_quant import random_blocks
 
+from ds4mlx.io.quant import QT
 from ds4mlx.kernels import dispatch
 from ds4mlx.models import grouped_experts, prefill_experts
 from ds4mlx.models.layers import SwitchGLU
 from ds4mlx.models.quantized import GGUFSwitchLinear, SplitSwitchLinear
-from ds4mlx.quant import QT
 
 # exactness claims are about MLX's CPU kernels; `gpu` tests keep the default device
 pytestmark = pytest.mark.usefixtures("cpu_unless_gpu_test")

@@ -17,9 +17,9 @@ from pathlib import Path
 import hub_server
 import pytest
 
-from ds4mlx.cli import main
-from ds4mlx.demo import demo_model_path
+from ds4mlx.cli.commands import main
 from ds4mlx.hub import download, spec
+from ds4mlx.io.demo import demo_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 10 << 20  # huggingface_hub writes a download in chunks of this size

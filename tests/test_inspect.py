@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from ds4mlx import inspect_model, memory_fit
-from ds4mlx.cli import main
-from ds4mlx.demo import demo_model_path
-from ds4mlx.weights import GGUFFile
+from ds4mlx.cli.commands import main
+from ds4mlx.io import inspect_model, memory_fit
+from ds4mlx.io.demo import demo_model_path
+from ds4mlx.io.weights import GGUFFile
 
 
 def test_inspect_demo_gguf(capsys):
@@ -47,7 +47,7 @@ def test_inspect_refuses_when_machine_too_small(monkeypatch, capsys):
 
 
 def _config(path):
-    from ds4mlx.weights import read_gguf_file
+    from ds4mlx.io.weights import read_gguf_file
 
     return read_gguf_file(GGUFFile(path), with_tokenizer=False)[0]
 

@@ -415,8 +415,8 @@ def test_gpu_compiled_decode_kernels_on_vs_reference(config, oracle, monkeypatch
 
     from parity_helpers import load_case, maxdiff
 
-    from ds4mlx import stepper
     from ds4mlx.models import cache as row_cache
+    from ds4mlx.runtime import stepper
 
     _gpu_face()
     if os.environ.get("MLX_ENABLE_TF32") != "0":

@@ -24,7 +24,6 @@ from test_kernel_attn_prep import CPU_TRIG
 from test_kernel_emulation import emulated_launch, mlx_cuda_source, nvcc_compile
 
 import ds4mlx
-from ds4mlx import stepper
 from ds4mlx.kernels import attn_prep as ap
 from ds4mlx.kernels import attn_prologue as apl
 from ds4mlx.kernels import compressor_step as cs
@@ -33,6 +32,7 @@ from ds4mlx.kernels import sparse_attention as sparse
 from ds4mlx.models import cache as row_cache
 from ds4mlx.models import deepseek_v4
 from ds4mlx.models.layers import RMSNorm
+from ds4mlx.runtime import stepper
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import maxdiff  # noqa: E402
@@ -355,7 +355,7 @@ def test_batched_rows_through_the_launch_match_legacy(v4_model, monkeypatch):
     """Two sessions stepped together (session batching, `step_together`) from different
     positions: each compressed layer's rows go through one attn_prologue_rows launch (the
     stand-in), every row's logits within 1e-4 of its own session's legacy decode."""
-    from ds4mlx.session import can_step_together, step_together
+    from ds4mlx.runtime.session import can_step_together, step_together
 
     lm, ids = v4_model
     monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)

@@ -26,12 +26,12 @@ import numpy as np
 import pytest
 from test_kernel_emulation import run_on_cpu  # noqa: E402  (tests/ is on sys.path under pytest)
 
-from ds4mlx import stepper
 from ds4mlx.kernels import compressor_step as cs
 from ds4mlx.kernels import dispatch
 from ds4mlx.models import cache as row_cache
 from ds4mlx.models.deepseek_v4 import Compressor, CompressorState
 from ds4mlx.models.layers import RMSNorm, RoPE
+from ds4mlx.runtime import stepper
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case, maxdiff  # noqa: E402

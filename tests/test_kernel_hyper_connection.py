@@ -718,7 +718,7 @@ def v4_case(request):
 
 
 def _decode(lm, ids, monkeypatch, how="compiled", prefill=5):
-    from ds4mlx import stepper
+    from ds4mlx.runtime import stepper
 
     monkeypatch.setenv(stepper.MODE_ENV, how)
     s = lm.new_session(ctx=len(ids) + 80, chunk=7)
@@ -730,8 +730,8 @@ def test_compiled_step_through_the_tails_matches_legacy(v4_case, monkeypatch):
     """The tiny V4 models' mHC sites on a faked CUDA face (stand-in launches computing the
     reference face): every decode site is one launch (hc_dots_pre / hc_post_dots_pre, no
     hc_dots / hc_post_dots), and the compiled step's logits stay within 1e-4 of the legacy path."""
-    from ds4mlx import stepper
     from ds4mlx.models import cache as row_cache
+    from ds4mlx.runtime import stepper
 
     _, lm, ref, _ = v4_case
     monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
@@ -981,7 +981,7 @@ def test_gpu_tails_equal_two_launches(case, monkeypatch):
 def test_gpu_tiny_models_compiled_decode_tails_on_vs_off(v4_case, monkeypatch):
     """The tiny V4 models' compiled decode on the GPU with the automatic faces: the tails
     (after their first-use self-test) within 1e-4 of the two-launch path."""
-    from ds4mlx import stepper
+    from ds4mlx.runtime import stepper
 
     face = _cuda_face()
     _, lm, ref, _ = v4_case

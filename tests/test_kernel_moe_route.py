@@ -513,7 +513,7 @@ def test_gpu_tiny_model_compiled_decode_kernels_on_vs_off(oracle, variant, monke
         pytest.skip("needs MLX_ENABLE_TF32=0 (TF32 noise flips near-ties)")
     from parity_helpers import load_case, maxdiff
 
-    from ds4mlx import stepper
+    from ds4mlx.runtime import stepper
 
     _, lm, ref, _ = load_case(oracle, "make_tiny_deepseek_v4.py", variant)
     ids = ref["input_ids"][0].tolist()

@@ -14,10 +14,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from ds4mlx.io.quant import random_gguf_blocks
 from ds4mlx.kernels import dispatch, quant_moe
 from ds4mlx.kernels import hyper_connection as hck
 from ds4mlx.kernels import hyper_connection_reference as reference
-from ds4mlx.quant import random_gguf_blocks
 
 
 def fake_launches(monkeypatch, module, behaviour):

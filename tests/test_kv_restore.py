@@ -22,7 +22,7 @@ from ds4mlx.engine import Engine, Job
 from ds4mlx.kv.cache import DiskKVCache, model_identity, routed_expert_bits
 from ds4mlx.kv.policy import KVCacheOptions
 from ds4mlx.kv.store import KVStore
-from ds4mlx.sampling import GREEDY
+from ds4mlx.runtime.sampling import GREEDY
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -163,8 +163,8 @@ def test_save_points_and_session_switch(demo, tmp_path):
 # ------------------------------------------------------------------------- other models
 def _other_model():
     """The demo architecture with another rope theta: same shapes, other config."""
-    from ds4mlx.demo import DEMO_CONFIG, demo_weights
-    from ds4mlx.loader import materialize
+    from ds4mlx.io.demo import DEMO_CONFIG, demo_weights
+    from ds4mlx.io.loader import materialize
     from ds4mlx.models.base import LanguageModel
 
     cfg = dict(DEMO_CONFIG, rope_theta=20000.0)
@@ -207,7 +207,7 @@ def test_quant_bits_of_routed_experts(demo):
     import mlx.core as mx
     import mlx.nn as nn
 
-    from ds4mlx.demo import DEMO_CONFIG, demo_weights
+    from ds4mlx.io.demo import DEMO_CONFIG, demo_weights
     from ds4mlx.models.base import LanguageModel
 
     assert routed_expert_bits(demo[0]) == 32
@@ -220,8 +220,8 @@ def test_quant_bits_of_routed_experts(demo):
     )
     assert routed_expert_bits(m) == 4
 
+    from ds4mlx.io.quant import QT
     from ds4mlx.models.quantized import GGUFSwitchLinear
-    from ds4mlx.quant import QT
 
     class Fake(nn.Module):  # GGUF blocks kept as such (ds4's 2-bit files)
         def __init__(self):

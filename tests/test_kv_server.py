@@ -137,7 +137,7 @@ def expected_reuse(t1: dict, t2: dict, live: int, anchor: int) -> int:
 
 def anchor_of(prompt: str) -> int:
     """Token index of the ⟨User⟩ before the first ⟨Assistant⟩ (the cold save point)."""
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     return len(Tokenizer.default().encode(prompt[: prompt.index(USER)]))
 
@@ -275,7 +275,7 @@ import sys
 sys.path.insert(0, {tests!r})
 from scripted_model import ScriptedModel, last_user_text
 from ds4mlx.serve import cli
-from ds4mlx.tokenizer import Tokenizer
+from ds4mlx.runtime.tokenizer import Tokenizer
 
 DSML = {dsml!r}
 

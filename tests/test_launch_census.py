@@ -165,8 +165,8 @@ def test_final_norm_runs_inside_a_quantized_head(census):
 def test_folded_head_step_equals_the_unfolded_one(monkeypatch):
     """The compiled step's logits with the norm folded into the quantized head equal (bit for
     bit on the CPU: the same two ops) those of head(norm(h)), over a few steps."""
-    from ds4mlx import stepper
     from ds4mlx.models import deepseek_v4
+    from ds4mlx.runtime import stepper
 
     model, _, _ = build_synthetic_v4_flash(layers=2, experts=16, overrides=NARROW)
     model = _quantized_head(model)

@@ -16,10 +16,10 @@ import pytest
 from lazy_modules import lazy
 
 import ds4mlx
-from ds4mlx.cli import main
-from ds4mlx.convert import write_gguf
-from ds4mlx.quant import QT, QuantizedTensor
-from ds4mlx.weights import GGUFFile, read_weights
+from ds4mlx.cli.commands import main
+from ds4mlx.io.convert import write_gguf
+from ds4mlx.io.quant import QT, QuantizedTensor
+from ds4mlx.io.weights import GGUFFile, read_weights
 
 torch = lazy("torch")
 TOL = 1e-4
@@ -247,7 +247,7 @@ def test_mtp_in_main_gguf_and_support_gguf(oracle, tmp_path, monkeypatch):
     w = gguf.GGUFWriter(str(both), names.ARCH)
     for key, value, kind in names.config_to_gguf_kv(cfg):
         if key != "general.architecture":
-            from ds4mlx.convert import _add_kv
+            from ds4mlx.io.convert import _add_kv
 
             _add_kv(w, key, value, kind)
     for t in r.tensors.values():
@@ -266,7 +266,7 @@ def test_mtp_in_main_gguf_and_support_gguf(oracle, tmp_path, monkeypatch):
 
 def test_load_releases_mapped_pages(oracle, tmp_path, monkeypatch):
     """Every mapped tensor the loader reads is released once converted."""
-    from ds4mlx import mapped
+    from ds4mlx.io import mapped
 
     d = oracle("make_tiny_deepseek_v4.py", None)
     cfg = json.loads((d / "config.json").read_text())

@@ -20,7 +20,7 @@ GREEDY = {"temperature": 0, "think": False, "max_tokens": 3}
 
 @pytest.fixture(scope="module")
 def srv():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     # soft: a distractor close behind each token, so the top alternatives are not all equal

@@ -58,7 +58,7 @@ def test_a_generation_frontier_restores_the_exact_decoded_state():
 
     import ds4mlx
     from ds4mlx.engine import Engine, Job
-    from ds4mlx.sampling import GREEDY
+    from ds4mlx.runtime.sampling import GREEDY
 
     model, tok = ds4mlx.load(None)
     every = 16
@@ -137,8 +137,8 @@ def _run(eng, ids, n: int, slot: int | None = None):
     import queue
 
     from ds4mlx.engine import Job
-    from ds4mlx.events import Finish
-    from ds4mlx.sampling import GREEDY
+    from ds4mlx.runtime.events import Finish
+    from ds4mlx.runtime.sampling import GREEDY
 
     job = Job(prompt_text=eng.tokenizer.decode(ids), prompt_ids=list(ids), raw=True, params=GREEDY, max_tokens=n)
     q: queue.Queue = queue.Queue()

@@ -16,12 +16,13 @@ import gguf
 import numpy as np
 import pytest
 
-from ds4mlx import convert, gguf_families, memory_fit
+from ds4mlx import gguf_families
 from ds4mlx.bench.load_memory import model_shapes
-from ds4mlx.inspect_model import kv_bytes, summarize
-from ds4mlx.mapped import LazyTensor
-from ds4mlx.modelfile import ModelFileError
-from ds4mlx.quant import QT, QuantizedTensor, byte_shape
+from ds4mlx.io import convert, memory_fit
+from ds4mlx.io.inspect_model import kv_bytes, summarize
+from ds4mlx.io.mapped import LazyTensor
+from ds4mlx.io.modelfile import ModelFileError
+from ds4mlx.io.quant import QT, QuantizedTensor, byte_shape
 
 GIB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,7 +187,7 @@ def test_nvidia_cards(sizes):
 
 # ----------------------------------------------------------------------------- at load
 def test_load_refuses_in_one_line(monkeypatch):
-    from ds4mlx.loader import load
+    from ds4mlx.io.loader import load
 
     monkeypatch.setattr(memory_fit, "budget", lambda: memory_fit.Budget(1 << 20, "a tiny machine"))
     with pytest.raises(ModelFileError) as e:
@@ -197,7 +198,7 @@ def test_load_refuses_in_one_line(monkeypatch):
 def test_load_raises_the_wired_limit_on_metal(monkeypatch, capsys):
     import mlx.core as mx
 
-    from ds4mlx.loader import load
+    from ds4mlx.io.loader import load
 
     limits = []
     monkeypatch.setattr(memory_fit, "metal_available", lambda: True)

@@ -13,11 +13,11 @@ import threading
 import pytest
 
 import ds4mlx
-from ds4mlx.decode import StepRequest
 from ds4mlx.engine import Engine, Failed, Job
 from ds4mlx.engine.batch import ChunkRequest, plan_step
-from ds4mlx.events import Finish, PrefillProgress, Started
-from ds4mlx.sampling import SamplingParams
+from ds4mlx.runtime.decode import StepRequest
+from ds4mlx.runtime.events import Finish, PrefillProgress, Started
+from ds4mlx.runtime.sampling import SamplingParams
 from ds4mlx.serve.prepare import ServeConfig, prepare
 
 FAMILIES = ["deepseek_v4", "deepseek_v41", "glm_moe_dsa", "glm5_next", "qwen4_exp"]
@@ -211,7 +211,7 @@ def test_a_job_cancelled_while_its_chunk_waits_for_a_step_ends_cancelled():
 def test_a_failed_chunk_fails_its_job_only(monkeypatch):
     """A prefill forward that raises fails its own job (500, nothing started) and the
     session it left half-written is dropped; the job decoding beside it is unaffected."""
-    from ds4mlx import session as session_mod
+    from ds4mlx.runtime import session as session_mod
 
     model, tk = ds4mlx.load(None)
     poison = tk.encode(" zebra")[-1]

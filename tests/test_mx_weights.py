@@ -21,8 +21,8 @@ import pytest
 from lazy_modules import lazy
 
 from ds4mlx.gguf_families import deepseek_v4 as names
-from ds4mlx.quant import MXTensor
-from ds4mlx.weights import read_weights
+from ds4mlx.io.quant import MXTensor
+from ds4mlx.io.weights import read_weights
 
 torch = lazy("torch")
 
@@ -261,7 +261,7 @@ def test_mtp_tensors_kept(oracle_dir, tmp_path):
 def test_convert_official_folder_streams_to_gguf(official, tmp_path):
     """`ds4mlx convert` of the official layout: each FP8 / FP4 tensor decoded when it
     is written; the GGUF holds exactly the decoded float32 weights."""
-    from ds4mlx.cli import main
+    from ds4mlx.cli.commands import main
 
     out, ref = official
     p = tmp_path / "c.gguf"

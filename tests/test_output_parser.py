@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from ds4mlx.chat.families.deepseek_v4.dsml import render_calls
 from ds4mlx.chat.families.deepseek_v4.output import OutputParser, new_tool_id
 from ds4mlx.chat.messages import ToolCall
-from ds4mlx.detok import StopMatcher
-from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from ds4mlx.runtime.detok import StopMatcher
+from ds4mlx.runtime.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 P = "<｜DSML｜parameter"
 PC = "</｜DSML｜parameter>"

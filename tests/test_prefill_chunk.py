@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from ds4mlx import prefill_chunk
+from ds4mlx.runtime import prefill_chunk
 
 
 def test_cpu_default_and_env(monkeypatch):

@@ -18,7 +18,7 @@ from ds4mlx.bench.prefill_profile import (
     timed_families,
 )
 from ds4mlx.bench.synthetic import build_synthetic_v4_flash
-from ds4mlx.cli import main
+from ds4mlx.cli.commands import main
 from ds4mlx.models import deepseek_v4 as v4
 
 LAYERS = 4  # two sliding-window layers, one CSA, one HCA

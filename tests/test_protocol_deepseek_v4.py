@@ -125,7 +125,7 @@ def test_v4_parser_force_text_and_completion():
 
 @pytest.fixture(scope="module")
 def tok():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     return Tokenizer.default()
 
@@ -206,7 +206,7 @@ def test_v41_family_numeric_reasoning_effort(tok):
 
 def test_engine_takes_the_protocol_from_the_model(tok):
     from ds4mlx.engine import Engine, Job
-    from ds4mlx.events import Finish
+    from ds4mlx.runtime.events import Finish
 
     model = ScriptedModel(
         tok, "r</think>Ok.<tool_call>bash<arg_key>command</arg_key><arg_value>ls</arg_value></tool_call>"

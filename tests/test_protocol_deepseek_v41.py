@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from ds4mlx.chat.families.deepseek_v41 import PROTOCOL as V41
 from ds4mlx.chat.messages import ToolCall
 from ds4mlx.chat.protocol import EffortError, request_effort
-from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd
+from ds4mlx.runtime.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd
 from ds4mlx.serve.prepare import parse_request
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"

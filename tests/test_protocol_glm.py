@@ -28,7 +28,7 @@ from template_helpers import (
 
 from ds4mlx.chat.families.glm import GLM52, GLM53
 from ds4mlx.chat.messages import ToolCall
-from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from ds4mlx.runtime.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from ds4mlx.serve.prepare import parse_request
 
 needs = requires("transformers.utils.chat_template_utils")

@@ -19,7 +19,7 @@ from template_helpers import openai_body as make_body
 
 from ds4mlx.chat.families.qwen import PROTOCOL as QWEN
 from ds4mlx.chat.messages import ToolCall
-from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from ds4mlx.runtime.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from ds4mlx.serve.prepare import parse_request
 
 needs = requires("transformers.utils.chat_template_utils")

@@ -8,7 +8,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
-from ds4mlx.quant import (
+from ds4mlx.io.quant import (
     DS4_TYPES,
     MLX_EXACT_TYPES,
     NATIVE_TYPES,
@@ -21,7 +21,7 @@ from ds4mlx.quant import (
     row_bytes,
     unpack_mlx,
 )
-from ds4mlx.quantize import quantize
+from ds4mlx.io.quantize import quantize
 
 # Offsets of the fp16 fields inside one block, per type.
 F16_FIELDS = {
@@ -264,7 +264,7 @@ def test_importance_lowers_weighted_error(qtype):
 
 
 def _tiny_model(path, hidden=256, inter=256, experts=4, seed=0):
-    from ds4mlx.convert import write_gguf
+    from ds4mlx.io.convert import write_gguf
 
     rng = np.random.default_rng(seed)
     config = {
@@ -306,9 +306,9 @@ def _tiny_model(path, hidden=256, inter=256, experts=4, seed=0):
 def test_quantize_cli_roundtrip(tmp_path, experts, types, limit):
     import mlx.core as mx
 
-    from ds4mlx.cli import main
-    from ds4mlx.quant import QuantizedTensor
-    from ds4mlx.weights import read_weights
+    from ds4mlx.cli.commands import main
+    from ds4mlx.io.quant import QuantizedTensor
+    from ds4mlx.io.weights import read_weights
 
     src, dst = tmp_path / "in.gguf", tmp_path / "out.gguf"
     orig = _tiny_model(src)
@@ -335,8 +335,8 @@ def test_quantize_cli_roundtrip(tmp_path, experts, types, limit):
 
 
 def test_quantize_cli_requantizes_quantized_input(tmp_path):
-    from ds4mlx.cli import main
-    from ds4mlx.weights import read_weights
+    from ds4mlx.cli.commands import main
+    from ds4mlx.io.weights import read_weights
 
     src, mid, dst = tmp_path / "in.gguf", tmp_path / "q4.gguf", tmp_path / "q2.gguf"
     _tiny_model(src, seed=1)
@@ -348,7 +348,7 @@ def test_quantize_cli_requantizes_quantized_input(tmp_path):
 
 
 def test_quantize_cli_errors(tmp_path, capsys):
-    from ds4mlx.cli import main
+    from ds4mlx.cli.commands import main
 
     src = tmp_path / "in.gguf"
     _tiny_model(src, hidden=64, inter=64)
@@ -364,7 +364,7 @@ def test_quantize_cli_errors(tmp_path, capsys):
 def test_random_block_bytes_are_finite_blocks_of_the_given_scale(name):
     """The file writers' random expert blocks (tools/ssd_bench.py): every block decodes to
     finite values bounded by its f16 scale, and the same seed gives the same bytes."""
-    from ds4mlx.quant import QT, dequantize, random_block_bytes
+    from ds4mlx.io.quant import QT, dequantize, random_block_bytes
 
     shape = (3, 8, 512)
     raw = random_block_bytes(name, shape, np.random.default_rng(5), scale=1e-3)

@@ -18,10 +18,10 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from test_quant import random_blocks  # noqa: E402  (tests/ is on sys.path under pytest)
 
+from ds4mlx.io.quant import dequantize
 from ds4mlx.kernels import dispatch
 from ds4mlx.kernels import quant_moe as qm
 from ds4mlx.kernels.activations import clamped_swiglu
-from ds4mlx.quant import dequantize
 
 TYPES = list(qm.SUPPORTED)
 # MLX's CUDA backend multiplies float32 matrices in TF32 (inputs rounded to 10
@@ -251,7 +251,7 @@ def test_gpu_dequant_bit_exact_at_v4_flash_shapes(case):
     """The prefill's dequantization at V4 Flash's shapes, as `grouped_experts.sliced_per_expert`
     runs it: 64 experts (an 8-expert bank, every expert once, then repeats) of [2048, 4096]
     IQ2_XXS or [4096, 2048] Q2_K, bit for bit against the MLX reference decoding on the CPU
-    (== ds4mlx.quant.dequantize, test_dequantize_mx_bit_exact) rounded to bfloat16 / float16,
+    (== ds4mlx.io.quant.dequantize, test_dequantize_mx_bit_exact) rounded to bfloat16 / float16,
     and float32 for a few experts."""
     face = _gpu_face()
     qtype, rows, k = case
@@ -844,8 +844,8 @@ def test_compiled_gguf_step_through_the_fused_launches_matches_legacy(monkeypatc
 
     from test_launch_census import NARROW
 
-    from ds4mlx import stepper
     from ds4mlx.bench.synthetic import build_synthetic_v4_flash
+    from ds4mlx.runtime import stepper
 
     lm, _, _ = build_synthetic_v4_flash(layers=4, experts=16, overrides=NARROW, expert_format="gguf")
     ids = [7, 100, 31, 2048, 5, 77, 901, 12, 3000, 64]

@@ -33,15 +33,15 @@ import pytest
 from mlx.utils import tree_flatten
 
 import ds4mlx
-import ds4mlx.quant
-from ds4mlx.cli import main
-from ds4mlx.loader import load
+import ds4mlx.io.quant
+from ds4mlx.cli.commands import main
+from ds4mlx.io.loader import load
+from ds4mlx.io.quant import QT, QuantizedTensor
+from ds4mlx.io.weights import read_weights
 from ds4mlx.models import quantized
 from ds4mlx.models.base import LanguageModel
 from ds4mlx.models.layers import QuantizedSwitchLinear, SwitchLinear
 from ds4mlx.models.quantized import GGUFSwitchLinear, SplitSwitchLinear
-from ds4mlx.quant import QT, QuantizedTensor
-from ds4mlx.weights import read_weights
 
 TOL = 1e-4
 WIDE = dict(hidden_size=256, moe_intermediate_size=256)
@@ -89,8 +89,8 @@ _built: dict = {}
 def _source(name: str, oracle, tmp_root) -> str:
     if name in _built:
         return _built[name]
-    from ds4mlx.convert import write_gguf
-    from ds4mlx.demo import DEMO_CONFIG, demo_model_path, demo_weights
+    from ds4mlx.io.convert import write_gguf
+    from ds4mlx.io.demo import DEMO_CONFIG, demo_model_path, demo_weights
 
     if name == "oracle":
         path = str(oracle("make_tiny_deepseek_v4.py", None))  # an HF folder: quantize reads it directly
@@ -102,7 +102,7 @@ def _source(name: str, oracle, tmp_root) -> str:
     elif name == "demo":
         path = demo_model_path(quiet=True)
     elif name == "demo256":
-        from ds4mlx.tokenizer import Tokenizer
+        from ds4mlx.runtime.tokenizer import Tokenizer
 
         cfg = dict(DEMO_CONFIG, **WIDE)
         path = str(tmp_root / "demo256.gguf")
@@ -133,14 +133,14 @@ def case(request, oracle, tmp_path_factory):
     args = ["quantize", src, str(out), "--experts", recipe, "-q"] + (["--dense", "q8_0"] if dense else [])
     assert main(args) == 0
     calls = Counter()
-    real = ds4mlx.quant.dequantize
+    real = ds4mlx.io.quant.dequantize
 
     def counting(*a, **k):
         calls["dequantize"] += 1
         return real(*a, **k)
 
     with pytest.MonkeyPatch.context() as mp:  # count reference dequantizations during the load
-        mp.setattr(ds4mlx.quant, "dequantize", counting)
+        mp.setattr(ds4mlx.io.quant, "dequantize", counting)
         lm, _ = ds4mlx.load(out)
     ref = dequantized_float_model(out)
     rng = np.random.default_rng(0)
@@ -260,7 +260,7 @@ def test_generate_cli_runs(case):
 
 
 def _blocks(qtype, shape, seed=0):
-    from ds4mlx.quantize import quantize
+    from ds4mlx.io.quantize import quantize
 
     w = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) / 16
     qt = QuantizedTensor(raw=quantize(w, qtype), qtype=qtype, shape=shape)
@@ -308,8 +308,8 @@ def test_mixed_types_and_fallbacks(oracle, tmp_path_factory, tmp_path, caplog):
     grouped o_a_proj, IQ2_XXS gate + Q8_0 up (kernel + MLX: a split pair), and the
     fallbacks, logged and dequantized at load: Q2_K dense projection, Q8_0 router
     (no quantized module), Q5_0 experts (neither exact nor a kernel type)."""
-    from ds4mlx.convert import write_gguf
-    from ds4mlx.quantize import quantize
+    from ds4mlx.io.convert import write_gguf
+    from ds4mlx.io.quantize import quantize
 
     src = _source("wide", oracle, tmp_path_factory.getbasetemp())
     config, tensors, _ = read_weights(src)
@@ -376,9 +376,9 @@ def test_16bit_load_runs(oracle, tmp_path_factory, tmp_path):
 @pytest.mark.parametrize("chunk", [1 << 24, 300])
 def test_repack_equals_reference_bit_for_bit(kind, chunk, monkeypatch):
     """`models.quantized.repack` (MLX ops, chunked) == `quant.repack_for_mlx` (numpy)."""
+    from ds4mlx.io.quant import repack_for_mlx
+    from ds4mlx.io.quantize import quantize, quantize_expert_tensor
     from ds4mlx.models import quantized
-    from ds4mlx.quant import repack_for_mlx
-    from ds4mlx.quantize import quantize, quantize_expert_tensor
 
     monkeypatch.setattr(quantized, "REPACK_CHUNK_VALUES", chunk)  # 300: one row per step
     w = np.random.default_rng(5).standard_normal((3, 40, 256)).astype(np.float32)
@@ -460,8 +460,8 @@ def test_every_gguf_type_kept_exactly(qtype, stored):
     repacked with scales in the stored 16-bit type only where that type holds them
     exactly (else float32), or dequantized to float32.  Before: every repack stored its
     scales in the stored type (Q4_K in float16: 17-bit products rounded)."""
+    from ds4mlx.io.quantize import quantize
     from ds4mlx.models.quantized import dense_path, expert_path, install_quantized
-    from ds4mlx.quantize import quantize
 
     E, out, K = 3, 32, 256
     rng = np.random.default_rng(7)
@@ -494,7 +494,7 @@ def test_16bit_scales_exact_only_where_they_fit():
     scales fit float16, Q4_K's do not (`repack` refuses to round them under the exact
     policy and rounds them only when asked: an explicit --dtype float16); bfloat16 holds
     no Q8_0 scale; a Q8_0 scale past float16's range is refused, not made infinite."""
-    from ds4mlx.quantize import quantize
+    from ds4mlx.io.quantize import quantize
 
     w = (np.random.default_rng(8).standard_normal((2, 16, 256)) / 8).astype(np.float32)
     qt = {t: QuantizedTensor(raw=quantize(w, t), qtype=t, shape=w.shape) for t in (QT.Q8_0, QT.Q4_K)}

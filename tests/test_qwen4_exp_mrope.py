@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from lazy_modules import lazy
 
-from ds4mlx import stepper
 from ds4mlx.models.qwen4_exp import AttentionCache
+from ds4mlx.runtime import stepper
 from ds4mlx.vision.encoder import ImageSpan, PromptPositions, mrope_positions
 
 sys.path.insert(0, str(Path(__file__).parent))

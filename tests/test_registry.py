@@ -8,7 +8,7 @@ import pytest
 
 from ds4mlx import gguf_families, registry
 from ds4mlx.chat.protocol import families, get_protocol
-from ds4mlx.demo import demo_config
+from ds4mlx.io.demo import demo_config
 from ds4mlx.models.base import family_module
 
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4mlx.sampling import GREEDY, TOP_K_CAP, Sampler, SamplingParams
+from ds4mlx.runtime.sampling import GREEDY, TOP_K_CAP, Sampler, SamplingParams
 
 LOGITS = mx.array([0.0, 1.0, 2.0, 3.0, -5.0, 2.9])
 
@@ -84,7 +84,7 @@ def test_same_seed_same_draws_different_seed_differs():
 
 
 def test_seed_zero_is_a_seed_and_none_is_time_based(monkeypatch):
-    import ds4mlx.sampling as sampling
+    import ds4mlx.runtime.sampling as sampling
 
     assert Sampler(0).seed == 0 and Sampler(7).seed == 7
     monkeypatch.setattr(sampling, "_time_seed", lambda: 12345)  # an absent seed is drawn from the clock
@@ -119,7 +119,7 @@ def test_dtypes_and_2d_rows(dtype):
 
 
 # --- penalties and logit_bias (sampling.Penalties), against a reference ---------------------
-from ds4mlx.sampling import DeviceSampler, Penalties, keep_mask  # noqa: E402
+from ds4mlx.runtime.sampling import DeviceSampler, Penalties, keep_mask  # noqa: E402
 
 
 def reference_penalised(x, prompt, generated, p: SamplingParams):

@@ -20,7 +20,7 @@ U = [{"role": "user", "content": "a question long enough to be worth a snapshot 
 
 @pytest.fixture(scope="module")
 def srv():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     # every token a near tie between the script's and "x": sampled choices differ

@@ -17,7 +17,7 @@ from scripted_model import ScriptedModel, serve  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tok():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     return Tokenizer.default()
 
@@ -41,7 +41,7 @@ def test_errors_under_v1_messages_are_anthropic_shaped_and_ids_match_the_trace(t
 
 @pytest.mark.parametrize("family,name", [("qwen4_exp", "Qwen3.8 Flash Next"), ("deepseek_v4", "DeepSeek V4 Flash")])
 def test_demo_banner_names_its_architecture(family, name):
-    from ds4mlx.demo import notice
+    from ds4mlx.io.demo import notice
 
     class Loaded:
         config = {"model_type": family}

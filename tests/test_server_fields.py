@@ -139,7 +139,7 @@ def test_valid_bodies_pass(api):
 
 @pytest.fixture(scope="module")
 def srv():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     with serve(tok, ScriptedModel(tok, lambda p: "ok"), ctx=512, tokens=4) as s:
@@ -395,7 +395,7 @@ def test_top_k_past_the_cap_and_top_p_outside_0_1_are_refused(srv, extra, field)
 def test_seed_0_reproduces_like_any_other_seed():
     import mlx.core as mx
 
-    from ds4mlx.sampling import Sampler, SamplingParams
+    from ds4mlx.runtime.sampling import Sampler, SamplingParams
 
     logits = mx.random.normal((64,), key=mx.random.key(1))
     p = SamplingParams(temperature=1.0, seed=0)

@@ -448,7 +448,7 @@ def bodies(structured):
 # --------------------------------------------------------------------------- harness
 @pytest.fixture(scope="module")
 def srv():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     with serve(tok, ScriptedModel(tok, script), ctx=256, tokens=8) as s:
@@ -717,7 +717,7 @@ def typed_bodies(api: str):
 
 @pytest.fixture(scope="module")
 def typed_srv():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     with serve(tok, ScriptedModel(tok, script), ctx=1024, tokens=8) as s:

@@ -21,7 +21,7 @@ MSG = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def tok():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     return Tokenizer.default()
 

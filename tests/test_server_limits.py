@@ -24,7 +24,7 @@ SMALL = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens
 
 @pytest.fixture(scope="module")
 def tok():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     return Tokenizer.default()
 

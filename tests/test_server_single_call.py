@@ -28,7 +28,7 @@ U = [{"role": "user", "content": "go"}]
 
 @pytest.fixture(scope="module")
 def srv():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     model = ScriptedModel(tok, lambda p: TWO_CALLS if "## Tools" in p else "no tools")
@@ -104,7 +104,7 @@ def test_next_turn_replays_the_one_call_the_client_saw(srv):
 def test_every_family_parser_stops_after_the_first_call(family):
     from ds4mlx.chat.messages import ToolCall
     from ds4mlx.chat.protocol import FirstCallOnly, get_protocol
-    from ds4mlx.events import ToolCallEnd
+    from ds4mlx.runtime.events import ToolCallEnd
 
     proto = get_protocol(family)
     text = proto.render_calls([ToolCall("", "f", '{"a": "one"}'), ToolCall("", "g", '{"b": "two"}')])

@@ -113,7 +113,7 @@ LENGTH = {"chat": "length", "anthropic": "max_tokens", "responses": "max_tokens"
 
 @pytest.fixture(scope="module")
 def tok():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     return Tokenizer.default()
 

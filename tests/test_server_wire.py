@@ -20,7 +20,7 @@ CHAT = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens"
 
 @pytest.fixture(scope="module")
 def srv():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     with serve(tok, ScriptedModel(tok, lambda p: "ok"), ctx=512, tokens=4) as s:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ds4mlx.models.base import load_hf_dir
-from ds4mlx.session import Session
+from ds4mlx.runtime.session import Session
 
 TOL = 1e-4
 

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4mlx.sampling import SamplingParams
+from ds4mlx.runtime.sampling import SamplingParams
 from ds4mlx.speculative import cli as spec_cli
 from ds4mlx.speculative.acceptance import GreedyRule, OpportunisticRule, SampledRule, distribution, rule_for
 from ds4mlx.speculative.drafter import ModelDrafter, ScriptedDrafter

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from ds4mlx import stepper
 from ds4mlx.bench.census import decode_census
 from ds4mlx.bench.synthetic import build_synthetic_v4_flash
 from ds4mlx.kernels import sparse_attention
 from ds4mlx.models.layers import set_activation_dtype
+from ds4mlx.runtime import stepper
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
@@ -122,7 +122,7 @@ def test_chain_logits_equal_plain_steps(v4):
 
 
 def test_greedy_speculation_equals_plain_greedy(v4):
-    from ds4mlx.decode import decode_tokens, greedy
+    from ds4mlx.runtime.decode import decode_tokens, greedy
     from ds4mlx.speculative.acceptance import GreedyRule
     from ds4mlx.speculative.drafter import ScriptedDrafter
     from ds4mlx.speculative.loop import SpeculativeLoop

@@ -21,9 +21,9 @@ from parity_helpers import load_case  # noqa: E402
 from spec_helpers import compiled_small_buckets  # noqa: E402, F401  (autouse)
 from test_spec_engine import LONG, RAW, VerifyingModel, _drafter  # noqa: E402
 
-from ds4mlx.decode import decode_tokens, greedy  # noqa: E402
 from ds4mlx.engine import Engine, Job  # noqa: E402
-from ds4mlx.sampling import SamplingParams  # noqa: E402
+from ds4mlx.runtime.decode import decode_tokens, greedy  # noqa: E402
+from ds4mlx.runtime.sampling import SamplingParams  # noqa: E402
 from ds4mlx.speculative import cli as spec_cli  # noqa: E402
 from ds4mlx.speculative.cost import Costs, break_even, measure, summary_lines, tokens_per_round  # noqa: E402
 from ds4mlx.speculative.options import SpecConfig, SpecStats  # noqa: E402
@@ -33,7 +33,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def tok():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     return Tokenizer.default()
 

@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4mlx.decode import decode_tokens, greedy
-from ds4mlx.sampling import SamplingParams
+from ds4mlx.runtime.decode import decode_tokens, greedy
+from ds4mlx.runtime.sampling import SamplingParams
 from ds4mlx.speculative.acceptance import GreedyRule, SampledRule, distribution
 from ds4mlx.speculative.drafter import ModelDrafter, ScriptedDrafter
 from ds4mlx.speculative.loop import SpeculativeLoop
@@ -146,7 +146,7 @@ def test_speculative_sampling_math_and_statistics():
 
 
 def test_distribution_is_what_the_sampler_draws():
-    from ds4mlx.sampling import Sampler
+    from ds4mlx.runtime.sampling import Sampler
 
     x = mx.array(np.random.default_rng(5).standard_normal(12).astype(np.float32) * 2)
     for params in (

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from ds4mlx.decode import decode_tokens, greedy
 from ds4mlx.models.deepseek_v41_dspark import DSparkArgs, random_head
+from ds4mlx.runtime.decode import decode_tokens, greedy
 from ds4mlx.speculative.acceptance import GreedyRule
 from ds4mlx.speculative.dspark import DSparkBlockDrafter, default_dspark_config
 from ds4mlx.speculative.loop import SpeculativeLoop

@@ -126,7 +126,7 @@ def test_support_files_that_do_not_fit_are_refused_with_what_is_wrong(tiny_v4, t
 
 
 def test_mtp_file_that_is_a_dspark_file_says_which_flags_take_it(tiny_v4, tmp_path):
-    from ds4mlx.weights import read_mtp_gguf
+    from ds4mlx.io.weights import read_mtp_gguf
 
     path = write_support(tmp_path / "dspark.gguf", tiny_v4.model.args)
     with pytest.raises(

@@ -23,9 +23,9 @@ from scripted_model import ScriptedModel, ScriptedSession  # noqa: E402
 
 from ds4mlx.chat.families.deepseek_v4.template import render  # noqa: E402
 from ds4mlx.engine import Engine, Job  # noqa: E402
-from ds4mlx.events import Finish  # noqa: E402
-from ds4mlx.loader import load  # noqa: E402
-from ds4mlx.sampling import SamplingParams  # noqa: E402
+from ds4mlx.io.loader import load  # noqa: E402
+from ds4mlx.runtime.events import Finish  # noqa: E402
+from ds4mlx.runtime.sampling import SamplingParams  # noqa: E402
 from ds4mlx.serve.openai import parse_chat  # noqa: E402
 from ds4mlx.speculative.drafter import ModelDrafter, ScriptedDrafter  # noqa: E402
 from ds4mlx.speculative.options import SpecConfig  # noqa: E402
@@ -73,7 +73,7 @@ class VerifyingModel(ScriptedModel):
 
 @pytest.fixture(scope="module")
 def tok():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     return Tokenizer.default()
 

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from ds4mlx.decode import decode_tokens, greedy
+from ds4mlx.runtime.decode import decode_tokens, greedy
 from ds4mlx.speculative.acceptance import GreedyRule
 from ds4mlx.speculative.loop import SpeculativeLoop
 from ds4mlx.speculative.mtp import MTPDrafter, mtp_drafter, random_head
@@ -250,7 +250,7 @@ def _mtp_checkpoint_names(family, head, args) -> dict:
 
 @pytest.mark.parametrize("family", ["glm", "qwen"])
 def test_mtp_builds_the_checkpoint_head_or_refuses_without_one(tiny, tmp_path, family):
-    from ds4mlx.loader import load
+    from ds4mlx.io.loader import load
 
     folder, lm, _ = tiny(family)
     plain = tmp_path / "plain"
@@ -280,7 +280,7 @@ def test_mtp_builds_the_checkpoint_head_or_refuses_without_one(tiny, tmp_path, f
 
 @pytest.mark.parametrize("family", ["glm_moe_dsa", "qwen4_exp"])
 def test_mtp_on_the_demo_model_gets_a_random_head(family):
-    from ds4mlx.loader import load
+    from ds4mlx.io.loader import load
 
     model, _ = load(f"demo:{family}", verbose=False)
     drafter = mtp_drafter(model, ctx=64)

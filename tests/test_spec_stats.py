@@ -25,8 +25,8 @@ from ds4mlx.eval import load_cases  # noqa: E402
 from ds4mlx.eval.inprocess import InProcessBackend  # noqa: E402
 from ds4mlx.eval.runner import Options, Runner  # noqa: E402
 from ds4mlx.eval.trace import TraceWriter, parse_trace  # noqa: E402
-from ds4mlx.events import Finish  # noqa: E402
-from ds4mlx.sampling import SamplingParams  # noqa: E402
+from ds4mlx.runtime.events import Finish  # noqa: E402
+from ds4mlx.runtime.sampling import SamplingParams  # noqa: E402
 from ds4mlx.speculative.options import SpecConfig, SpecStats  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -35,7 +35,7 @@ COUNTERS = ("rounds", "drafted", "accepted", "emitted", "rollbacks")
 
 @pytest.fixture(scope="module")
 def tok():
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     return Tokenizer.default()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4mlx import stepper
+from ds4mlx.runtime import stepper
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case, maxdiff  # noqa: E402
@@ -49,7 +49,7 @@ def _wrong_drafts(lm, prompt, n):
     """(a session decoded greedily for n tokens after `prompt`, those tokens, a new session,
     a speculative loop over it whose drafts are the plain tokens made wrong at rotating
     depths): the loop must yield the same tokens."""
-    from ds4mlx.decode import decode_tokens, greedy
+    from ds4mlx.runtime.decode import decode_tokens, greedy
     from ds4mlx.speculative.acceptance import GreedyRule
     from ds4mlx.speculative.drafter import ScriptedDrafter
     from ds4mlx.speculative.loop import SpeculativeLoop
@@ -184,7 +184,7 @@ def test_v4_keeps_a_verified_prefix_from_the_chain_without_a_forward(oracle, mon
     those of n plain steps (the next logits agree with stepping the same tokens).  The record
     goes stale once the session moves, and a second keep can go further back in the same
     verify (the speculative loop's `settle` after a rejection)."""
-    from ds4mlx.session import Session
+    from ds4mlx.runtime.session import Session
 
     _, lm, ref, _ = load_case(oracle, *FAMILIES["deepseek_v4"])
     ids = ref["input_ids"][0].tolist()
@@ -217,7 +217,7 @@ def test_v4_keeps_a_verified_prefix_from_the_chain_without_a_forward(oracle, mon
 def test_v4_speculative_loop_keeps_rejections_without_rollback(oracle, monkeypatch):
     """The speculative loop's rejected rounds on V4 keep the accepted prefix from the chain:
     no rollback, no re-verify, the same tokens and session as plain greedy decoding."""
-    from ds4mlx.session import Session
+    from ds4mlx.runtime.session import Session
 
     _, lm, ref, _ = load_case(oracle, *FAMILIES["deepseek_v4"])
     monkeypatch.setattr(Session, "rollback", lambda *a: pytest.fail("rollback"))

@@ -8,9 +8,9 @@ import gguf
 import numpy as np
 import pytest
 
-from ds4mlx.cli import main
-from ds4mlx.demo import demo_model_path
-from ds4mlx.weights import GGUFFile, read_weights
+from ds4mlx.cli.commands import main
+from ds4mlx.io.demo import demo_model_path
+from ds4mlx.io.weights import GGUFFile, read_weights
 
 PARTS = 3
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ds4mlx.chat.messages import ToolCall
 from ds4mlx.chat.protocol import families, get_protocol
-from ds4mlx.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from ds4mlx.runtime.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 FAMILIES = families()
 

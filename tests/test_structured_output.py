@@ -1,4 +1,4 @@
-"""Structured output through llguidance (ds4mlx/structured.py, docs/http-api.md §10.7).
+"""Structured output through llguidance (ds4mlx/runtime/structured.py, docs/http-api.md §10.7).
 
 On the random-weight demo model (its free text is gibberish, so the grammar does all
 the work): a json_schema with nested objects, arrays, enums and required keys gives

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from ds4mlx.bench.synthetic import build_synthetic_v4_flash
+from ds4mlx.io.quant import as_qtype, dequantize, random_gguf_blocks
 from ds4mlx.models.layers import QuantizedSwitchLinear
 from ds4mlx.models.quantized import GGUFSwitchLinear, SplitSwitchLinear
-from ds4mlx.quant import as_qtype, dequantize, random_gguf_blocks
 
 TINY = dict(
     hidden_size=256,

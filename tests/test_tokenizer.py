@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from ds4mlx.tokenizer import (
+from ds4mlx.runtime.tokenizer import (
     ASSISTANT,
     BOS,
     DSML,
@@ -273,7 +273,7 @@ def _write_tokenizer_gguf(path, tokenizer):
 
 
 def test_gguf_roundtrip_default(tok, tmp_path):
-    from ds4mlx.weights import GGUFFile
+    from ds4mlx.io.weights import GGUFFile
 
     p = tmp_path / "tok.gguf"
     _write_tokenizer_gguf(p, tok)
@@ -294,7 +294,7 @@ def test_gguf_roundtrip_default(tok, tmp_path):
 
 
 def _tiny_tokenizer() -> Tokenizer:
-    from ds4mlx.tokenizer import _BYTE_TO_CHAR
+    from ds4mlx.runtime.tokenizer import _BYTE_TO_CHAR
 
     tokens = [BOS, EOS] + [_BYTE_TO_CHAR[b] for b in range(256)]
     merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w")]
@@ -366,7 +366,7 @@ def test_other_pretokenizer_json_is_honoured(tmp_path):
     import gguf
     from tokenizers import Tokenizer as HFTokenizer
 
-    from ds4mlx.tokenizer import _BYTE_TO_CHAR
+    from ds4mlx.runtime.tokenizer import _BYTE_TO_CHAR
 
     vocab = {_BYTE_TO_CHAR[b]: b for b in range(256)}
     for t in ["he", "ll", "hell", "Ġw", "Ġwor"]:

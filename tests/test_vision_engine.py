@@ -15,7 +15,7 @@ import ds4mlx
 from ds4mlx.chat import images as chat_images
 from ds4mlx.chat.messages import Conversation, Message
 from ds4mlx.engine import CacheHooks, Engine, Finish, Job
-from ds4mlx.sampling import SamplingParams
+from ds4mlx.runtime.sampling import SamplingParams
 from ds4mlx.vision import prompt as vprompt
 from ds4mlx.vision.load import load_vision
 

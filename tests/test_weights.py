@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4mlx.convert import write_gguf
 from ds4mlx.gguf_families import deepseek_v4 as names
-from ds4mlx.mapped import LazyTensor
-from ds4mlx.quant import MXTensor, QuantizedTensor
-from ds4mlx.weights import GGUFFile, SafetensorsFile, read_weights
+from ds4mlx.io.convert import write_gguf
+from ds4mlx.io.mapped import LazyTensor
+from ds4mlx.io.quant import MXTensor, QuantizedTensor
+from ds4mlx.io.weights import GGUFFile, SafetensorsFile, read_weights
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +42,7 @@ def oracle(oracle_dir):
 @pytest.fixture(scope="session")
 def converted(oracle_dir, tmp_path_factory) -> Path:
     """The oracle converted with the CLI entry point (default tokenizer, f32)."""
-    from ds4mlx import convert
+    from ds4mlx.io import convert
 
     out = tmp_path_factory.mktemp("conv") / "tiny.gguf"
     parser = argparse.ArgumentParser()
@@ -133,7 +133,7 @@ def test_convert_roundtrip_bit_identical(converted, oracle_dir, oracle):
     for k, v in sd.items():
         _assert_same(v, tensors[k], k)
     assert cfg == cfg_hf
-    from ds4mlx.tokenizer import Tokenizer
+    from ds4mlx.runtime.tokenizer import Tokenizer
 
     d = Tokenizer.default()
     assert tok is not None and tok.tokens == d.tokens and tok.special_ids == d.special_ids
@@ -437,7 +437,7 @@ def test_quantized_tensors_roundtrip(oracle, tmp_path):
         try:
             deq = got.dequantize()
         except ImportError:
-            pytest.skip("ds4mlx.quant not available")
+            pytest.skip("ds4mlx.io.quant not available")
         assert deq.dtype == np.float32 and deq.shape == tuple(q.shape)
         assert np.array_equal(deq, ref), k
     assert not any(k.endswith("gate_up_proj") for k in back)
@@ -535,7 +535,7 @@ def test_hf_folder_bf16_fp8(oracle, tmp_path, with_f64):
 
 def test_fp8_fp4_dequant():
     torch = pytest.importorskip("torch")
-    from ds4mlx.weights import dequant_fp4, dequant_fp8
+    from ds4mlx.io.weights import dequant_fp4, dequant_fp8
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((256, 384)).astype(np.float32) * 3
@@ -616,7 +616,7 @@ def test_truncated_safetensors(oracle_dir, tmp_path):
 
 
 def test_cli_convert_errors(tmp_path, capsys):
-    from ds4mlx.cli import main
+    from ds4mlx.cli.commands import main
 
     assert main(["convert", str(tmp_path), str(tmp_path / "o.gguf")]) == 2  # a broken input: exit 2 (#28)
     err = capsys.readouterr().err
@@ -625,7 +625,7 @@ def test_cli_convert_errors(tmp_path, capsys):
 
 
 def test_cli_convert_refuses_overwrite(converted, oracle_dir, capsys):
-    from ds4mlx.cli import main
+    from ds4mlx.cli.commands import main
 
     assert main(["convert", str(oracle_dir), str(converted)]) == 1
     assert "exists" in capsys.readouterr().err
@@ -654,7 +654,7 @@ def test_reader_array_fast_path_gives_the_librarys_fields(tmp_path):
     parts as views of the same bytes, data indices, types) as gguf's per-element recursion."""
     import gguf
 
-    from ds4mlx import weights
+    from ds4mlx.io import weights
 
     class LibraryParse(weights._GGUFReader):
         _get_field_parts = gguf.GGUFReader._get_field_parts

@@ -40,8 +40,8 @@ def load_model(args):
 
 def one_job(engine, prompt: str, args) -> Result:
     from ds4mlx.engine import Job
-    from ds4mlx.events import Finish, TextDelta
-    from ds4mlx.sampling import SamplingParams
+    from ds4mlx.runtime.events import Finish, TextDelta
+    from ds4mlx.runtime.sampling import SamplingParams
 
     job = Job(
         prompt_text=prompt,

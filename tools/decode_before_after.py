@@ -14,10 +14,10 @@ import argparse
 import os
 import sys
 
-from ds4mlx import stepper
 from ds4mlx.bench import frontier as bench
 from ds4mlx.bench.decode_profile import format_profile, profile_decode
 from ds4mlx.bench.synthetic import build_synthetic_v4_flash
+from ds4mlx.runtime import stepper
 
 
 def main() -> int:

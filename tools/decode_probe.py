@@ -21,10 +21,10 @@ import time
 
 import mlx.core as mx
 
-from ds4mlx import stepper
 from ds4mlx.bench.decode_profile import count_launches
 from ds4mlx.bench.synthetic import build_synthetic_v4_flash
-from ds4mlx.decode import decode_tokens, greedy
+from ds4mlx.runtime import stepper
+from ds4mlx.runtime.decode import decode_tokens, greedy
 
 
 def say(*a):

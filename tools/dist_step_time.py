@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def rank_main(kind: str, model: str | None, steps: int) -> None:
-    from ds4mlx.loader import load
+    from ds4mlx.io.loader import load
 
     shard = None
     if kind != "single":

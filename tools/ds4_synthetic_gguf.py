@@ -3,7 +3,7 @@
     python3 tools/ds4_synthetic_gguf.py --layers 20 /tmp/ds4_q2_20.gguf     # real shapes
     python3 tools/ds4_synthetic_gguf.py --tiny --layers 4 /tmp/tiny.gguf     # CPU tests
 
-ds4's tensor names and metadata keys (`ds4mlx.convert.write_gguf` with the deepseek4
+ds4's tensor names and metadata keys (`ds4mlx.io.convert.write_gguf` with the deepseek4
 tables) and the tensor types ds4.c `weights_validate_layout()` requires of a q2 file:
 routed gate / up experts IQ2_XXS, routed down experts Q2_K, the attention projections,
 shared expert and output head Q8_0 (`quantize.DS4_Q8_0_SUFFIXES`), every other matrix
@@ -37,10 +37,10 @@ import numpy as np
 
 from ds4mlx.bench.load_memory import model_shapes
 from ds4mlx.bench.synthetic import v4_flash_config
-from ds4mlx.convert import write_gguf
-from ds4mlx.mapped import LazyTensor
-from ds4mlx.quant import QT, QuantizedTensor, block_size, byte_shape
-from ds4mlx.quantize import DS4_Q8_0_SUFFIXES
+from ds4mlx.io.convert import write_gguf
+from ds4mlx.io.mapped import LazyTensor
+from ds4mlx.io.quant import QT, QuantizedTensor, block_size, byte_shape
+from ds4mlx.io.quantize import DS4_Q8_0_SUFFIXES
 
 # Small shapes for CPU tests (the same as tests/test_synthetic.py's): 256-wide rows, the
 # smallest the 256-value IQ2_XXS / Q2_K blocks allow.

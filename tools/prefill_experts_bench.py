@@ -59,9 +59,9 @@ def affine_bank(out_dims: int, in_dims: int, bits: int, seed: int):
 def build(fmt: str):
     import mlx.core as mx
 
+    from ds4mlx.io.quant import random_gguf_blocks
     from ds4mlx.models.layers import SwitchGLU
     from ds4mlx.models.quantized import GGUFSwitchLinear, SplitSwitchLinear
-    from ds4mlx.quant import random_gguf_blocks
 
     glu = SwitchGLU(H, INTER, EXPERTS, limit=10.0)  # lazy placeholders, replaced below (never evaluated)
     if fmt.startswith("mlx"):

@@ -57,8 +57,8 @@ def engine_job(engine, prompt: str, ids: list[int], gen: int, ignore_eos: bool) 
     import queue
 
     from ds4mlx.engine import Job
-    from ds4mlx.events import Finish, TextDelta
-    from ds4mlx.sampling import SamplingParams
+    from ds4mlx.runtime.events import Finish, TextDelta
+    from ds4mlx.runtime.sampling import SamplingParams
 
     job = Job(
         prompt_text=prompt,

@@ -36,7 +36,7 @@ import time
 import mlx.core as mx
 
 from ds4mlx.bench.synthetic import build_synthetic_v4_flash
-from ds4mlx.decode import decode_tokens, greedy
+from ds4mlx.runtime.decode import decode_tokens, greedy
 from ds4mlx.speculative.acceptance import GreedyRule
 from ds4mlx.speculative.cost import break_even
 from ds4mlx.speculative.drafter import ModelDrafter, ScriptedDrafter

@@ -31,7 +31,7 @@ SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily
 
 
 def synthetic_config(layers: int, experts: int, hidden: int, inter: int, topk: int, vocab: int) -> dict:
-    from ds4mlx.demo import DEMO_CONFIG
+    from ds4mlx.io.demo import DEMO_CONFIG
 
     pattern = [SLIDING, CSA, HCA, CSA]
     return dict(
@@ -54,7 +54,7 @@ Q2_EXPERTS = {"gate_proj": ("IQ2_XXS", 6e-4), "up_proj": ("IQ2_XXS", 6e-4), "dow
 
 
 def lazy_weights(cfg: dict, seed: int, expert_format: str = "f16") -> dict:
-    """The demo recipe's random weights (ds4mlx.demo.demo_weights), each tensor made
+    """The demo recipe's random weights (ds4mlx.io.demo.demo_weights), each tensor made
     only when the writer asks for it: a file far larger than this host's memory can be
     written (each tensor seeded by its name, so a rebuild is the same file).
     expert_format "q2": the routed experts as ds4's q2 files store them (IQ2_XXS gate /
@@ -63,9 +63,9 @@ def lazy_weights(cfg: dict, seed: int, expert_format: str = "f16") -> dict:
 
     from mlx.utils import tree_flatten
 
-    from ds4mlx.mapped import LazyTensor
+    from ds4mlx.io.mapped import LazyTensor
+    from ds4mlx.io.quant import QT, QuantizedTensor, byte_shape, random_block_bytes
     from ds4mlx.models.base import family_module
-    from ds4mlx.quant import QT, QuantizedTensor, byte_shape, random_block_bytes
 
     mod = family_module(cfg["model_type"])
     args = mod.ModelArgs.from_dict(cfg)
@@ -115,7 +115,7 @@ def lazy_weights(cfg: dict, seed: int, expert_format: str = "f16") -> dict:
 
 
 def build(path: Path, cfg: dict, seed: int = 11, expert_format: str = "f16") -> None:
-    from ds4mlx.convert import write_gguf
+    from ds4mlx.io.convert import write_gguf
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from ..cli_options import add_chat_template_argument
+from ..cli.options import add_chat_template_argument
 from ..kv.policy import add_kv_arguments
 from .approval import DEFAULT_TIMEOUT_SEC
 
@@ -13,11 +13,11 @@ DEMO_MAX_TOKENS = 256
 
 
 def add_arguments(p) -> None:
-    from .. import dtype_policy
-    from ..cli_options import add_steering_arguments, add_vision_arguments
+    from ..cli.options import add_steering_arguments, add_vision_arguments
+    from ..cli.think_flags import add_think_arguments
     from ..experts import cli as experts_cli
+    from ..io import dtype_policy
     from ..speculative import cli as spec_cli
-    from ..think_flags import add_think_arguments
     from . import hooks
 
     p.add_argument("-m", "--model", help="GGUF file or HF folder (default: the random-weight demo model)")
@@ -55,7 +55,7 @@ def add_arguments(p) -> None:
 
 def thinking_of(args, protocol) -> tuple[str, str | None]:
     """The family's thinking mode of the flags and ds4's downgrade notice (or None)."""
-    from ..think_flags import resolve
+    from ..cli.think_flags import resolve
 
     choice = resolve(protocol, getattr(args, "think", "none"), args.ctx)
     return choice.mode, choice.notice
@@ -66,10 +66,10 @@ def build(args, model, tokenizer, sink=None, console=None):
     with the flags' speculation, vision and disk KV cache, the tools, the hooks."""
     from rich.console import Console
 
-    from ..generate import make_engine
+    from ..cli.generate import make_engine
     from ..kv.cache import DiskKVCache
     from ..kv.policy import KVCacheOptions
-    from ..sampling import SamplingParams
+    from ..runtime.sampling import SamplingParams
     from .approval import Approvals
     from .events import Notice
     from .hooks import ResponseHooks
@@ -112,9 +112,9 @@ def build(args, model, tokenizer, sink=None, console=None):
 def run(args) -> int:
     from rich.console import Console
 
-    from ..cli_options import UsageError
+    from ..cli.generate import load_model
+    from ..cli.options import UsageError
     from ..experts import cli as experts_cli
-    from ..generate import load_model
 
     console = Console(stderr=True)
     if not os.path.isdir(args.cwd):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..events import ReasoningDelta, TextDelta
+from ..runtime.events import ReasoningDelta, TextDelta
 
 # tool card lifecycle
 PARSING, AWAITING_APPROVAL, RUNNING, DONE, FAILED, STOPPED, DENIED = (

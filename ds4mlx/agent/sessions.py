@@ -17,8 +17,8 @@ import os
 import time
 from dataclasses import asdict, replace
 
-from ..atomic_file import atomic_write
 from ..chat.messages import Conversation, Message, ToolCall
+from ..io.atomic_file import atomic_write
 
 VERSION = 1
 SUFFIX = ".json"

@@ -201,7 +201,7 @@ class TuiState:
             self.history(c, n)
         elif name == "/think":
             if arg:  # ds4's values, as the flags take them: none | high | max | a V4.1 level
-                from ..think_flags import ThinkError, resolve
+                from ..cli.think_flags import ThinkError, resolve
 
                 try:
                     choice = resolve(w.protocol, int(arg) if arg.isdigit() else arg, w.engine.ctx, flag="/think max")

@@ -36,8 +36,8 @@ from typing import Any
 from ..chat.images import conversation_images
 from ..chat.messages import Conversation, Message, ToolCall
 from ..engine import Failed, Job
-from ..events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd, ToolCallStart
-from ..sampling import SamplingParams
+from ..runtime.events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd, ToolCallStart
+from ..runtime.sampling import SamplingParams
 from . import compaction, prompts, sessions
 from .approval import Approvals, PendingApproval, denial_text
 from .events import (

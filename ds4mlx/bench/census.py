@@ -21,8 +21,8 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from .. import stepper
 from ..kernels import dispatch
+from ..runtime import stepper
 from .decode_profile import NO_LAUNCH, graph_primitives
 
 SELFTEST_ENV = "DS4MLX_KERNEL_SELFTEST"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from .. import stepper
+from ..runtime import stepper
 
 
 def _timeit(fn, n: int = 20, warmup: int = 3) -> float:
@@ -35,7 +35,7 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
     import mlx.core as mx
 
     from ..kernels.hyper_connection import hc_post
-    from ..sampling import GREEDY, Sampler, SamplingParams
+    from ..runtime.sampling import GREEDY, Sampler, SamplingParams
 
     inner = model.model  # the family Model (LanguageModel.model)
     args = inner.args

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from .. import dtype_policy
-from ..prefill_chunk import default_chunk
+from ..io import dtype_policy
+from ..runtime.prefill_chunk import default_chunk
 from ..speculative import cli as spec_cli
 
 COLUMNS = ["ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes", "peak_memory_bytes"]
@@ -80,7 +80,7 @@ def _greedy_probe(
     the timed tokens' seconds blocked reading a token (the plain loop only)."""
     import mlx.core as mx
 
-    from ..decode import decode_tokens, greedy
+    from ..runtime.decode import decode_tokens, greedy
 
     first = mx.array(first_logits)
     banned = [] if eos_id is None else [eos_id]
@@ -122,7 +122,7 @@ def warm_up(model, tokens: list[int], chunk: int) -> None:
     CUDA), which would otherwise land in the first row."""
     import mlx.core as mx
 
-    from ..decode import decode_tokens, greedy
+    from ..runtime.decode import decode_tokens, greedy
 
     scratch = model.new_session(ctx=len(tokens) + 8, chunk=chunk)
     logits = mx.array(scratch.prefill(tokens[: chunk + chunk // 2]))
@@ -404,7 +404,7 @@ def run(args) -> int:
         print(f"ds4mlx bench: {label}: {info}", file=sys.stderr)
     else:
         from ..experts import cli as experts_cli
-        from ..loader import load
+        from ..io.loader import load
 
         stream = experts_cli.config_from_args(args)
         model, tokenizer = load(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from .. import stepper
+from ..runtime import stepper
 from . import gpu_timer, roofline
 from .census import decode_census
 from .decode_profile import count_launches

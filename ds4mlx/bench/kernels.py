@@ -368,8 +368,8 @@ def bench_qmoe(
     Each call picks a fresh random expert set (the bank is far larger than L2), and
     16 calls go in one ``mx.eval`` (``batched``) — GPU time plus launch overhead;
     ``sync`` is one call per eval, what an unfused decode step pays."""
+    from ds4mlx.io.quant import as_qtype, random_gguf_blocks, row_bytes
     from ds4mlx.kernels import quant_moe
-    from ds4mlx.quant import as_qtype, random_gguf_blocks, row_bytes
 
     face = face or dispatch.gpu_backend()
     import numpy as np
@@ -844,10 +844,10 @@ def bench_moe_call(
     graph the model runs today; GGUF gate/up `gguf[0]`, down `gguf[1]` (quant_moe)."""
     import numpy as np
 
+    from ds4mlx.io.quant import as_qtype, random_gguf_blocks, row_bytes
     from ds4mlx.kernels import affine_qmv as aq
     from ds4mlx.kernels import quant_moe
     from ds4mlx.models.layers import clamped_swiglu
-    from ds4mlx.quant import as_qtype, random_gguf_blocks, row_bytes
 
     face = face or dispatch.gpu_backend()
     out = [] if out is None else out

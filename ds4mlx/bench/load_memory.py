@@ -62,9 +62,9 @@ def _pattern(shape, dtype) -> np.ndarray:
 
 
 def write_gguf(path: str, layers: int) -> int:
-    from ..convert import write_gguf as write
-    from ..mapped import LazyTensor
-    from ..quant import QT, QuantizedTensor, byte_shape
+    from ..io.convert import write_gguf as write
+    from ..io.mapped import LazyTensor
+    from ..io.quant import QT, QuantizedTensor, byte_shape
 
     cfg, shapes = _model_shapes(layers)
     tensors = {}
@@ -166,8 +166,8 @@ def measure(path: str) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from ..loader import load
-    from ..mapped import peak_rss_bytes
+    from ..io.loader import load
+    from ..io.mapped import peak_rss_bytes
 
     base_rss = peak_rss_bytes()
     t0 = time.perf_counter()
@@ -222,7 +222,7 @@ def decode_compare(path: str, layers: int, tokens: int = 24) -> dict:
 
     import mlx.core as mx
 
-    from ..loader import load
+    from ..io.loader import load
     from .synthetic import build_synthetic_v4_flash
 
     mx.reset_peak_memory()

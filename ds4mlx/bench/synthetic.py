@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from ..demo import CSA, HCA, SLIDING, v4_real_settings
-from ..quant import expert_spans, random_gguf_blocks
+from ..io.demo import CSA, HCA, SLIDING, v4_real_settings
+from ..io.quant import expert_spans, random_gguf_blocks
 from .roofline import active_weight_bytes
 
 
@@ -164,7 +164,7 @@ def build_synthetic_v4_flash(
     from mlx.utils import tree_flatten
 
     from ..models.base import LanguageModel, family_module
-    from ..tokenizer import Tokenizer
+    from ..runtime.tokenizer import Tokenizer
 
     cfg = v4_flash_config(layers or 43, experts or 256)
     cfg.update(overrides or {})

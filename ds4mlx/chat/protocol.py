@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import registry
-from ..events import ToolCallEnd
+from ..runtime.events import ToolCallEnd
 from . import markers as M
 from .messages import Conversation
 

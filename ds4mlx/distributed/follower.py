@@ -18,7 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..atomic_file import write_bytes_atomic
+from ..io.atomic_file import write_bytes_atomic
 from . import commands as cmd
 
 KEEP = 64  # snapshots kept in memory

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from ..session import Session
+from ..runtime.session import Session
 from . import commands as cmd
 
 TRAILER = b"DS4DIST\x00"  # + u64 snapshot id, after the Session snapshot's own CRC
@@ -78,7 +78,7 @@ class Link:
 
 class LeaderSession(Session):
     def __init__(self, link: Link, model, ctx: int, chunk: int | None = None):
-        from ..prefill_chunk import default_chunk
+        from ..runtime.prefill_chunk import default_chunk
 
         chunk = int(chunk or default_chunk())  # the followers get the resolved chunk
         self.link = link

@@ -42,7 +42,7 @@ def _stop_server(message: str) -> None:
 def start(args):
     """Load this rank's shard.  Rank 0: ((model, tokenizer), link) for `serve.cli.build`;
     any other rank: serves the leader here and returns its exit code."""
-    from ..loader import load
+    from ..io.loader import load
     from .follower import follow
     from .leader import LeaderSession, Link
     from .plan import init

@@ -19,8 +19,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..mapped import LazyTensor
-from ..quant import MX_GROUP, MXTensor, QuantizedTensor, block_size
+from ..io.mapped import LazyTensor
+from ..io.quant import MX_GROUP, MXTensor, QuantizedTensor, block_size
 
 Ranges = list[tuple[int, int]]
 

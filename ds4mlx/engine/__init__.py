@@ -20,7 +20,7 @@ The engine names no HTTP API and imports nothing from serve/ or a model family
 (tests/test_layout.py).
 """
 
-from ..events import Finish
+from ..runtime.events import Finish
 from .checkpoints import MemoryCheckpoints
 from .core import BATCHED_DECODE_ENV, Engine
 from .hooks import CacheHooks, SlotContext

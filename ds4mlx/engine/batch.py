@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..decode import StepRequest, run_steps
+from ..runtime.decode import StepRequest, run_steps
 
 
 class ChunkRequest:

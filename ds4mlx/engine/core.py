@@ -2,7 +2,7 @@
 one worker thread that runs them (docs/http-api.md §1.4, docs/kv-cache.md §2, §11).
 
 A front end builds a `Job` (engine/job.py), calls `Engine.submit(job, emit)` and
-receives `ds4mlx.events` through `emit` (called on the worker thread), ending with
+receives `ds4mlx.runtime.events` through `emit` (called on the worker thread), ending with
 one `Finish` — or with a `Failed` when the job could not start (HTTP status +
 message).  `Engine.generate(job)` is the blocking iterator form for the CLI and tests.
 
@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..chat.protocol import protocol_for_model
-from ..events import Finish
-from ..prefill_chunk import default_chunk
+from ..runtime.events import Finish
+from ..runtime.prefill_chunk import default_chunk
 from .checkpoints import MemoryCheckpoints
 from .hooks import CacheHooks
 from .job import Failed, Job, JobHandle

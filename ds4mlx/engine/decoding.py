@@ -16,10 +16,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..chat.markers import PARSE_UNTERMINATED_TOOL_CALL
-from ..decode import StepRequest, decode_tokens
-from ..detok import Detokenizer, StopMatcher
-from ..events import Finish, TokenLogprob, Usage
-from ..sampling import GREEDY, DeviceSampler, Penalties, Sampler
+from ..runtime.decode import StepRequest, decode_tokens
+from ..runtime.detok import Detokenizer, StopMatcher
+from ..runtime.events import Finish, TokenLogprob, Usage
+from ..runtime.sampling import GREEDY, DeviceSampler, Penalties, Sampler
 from ..speculative.loop import loop_for_job
 from ..speculative.options import SpecStats
 from .bindings import after_turn
@@ -66,7 +66,7 @@ class Decoding:
         self.pen = Penalties(job.params, vocab, r.session.tokens) if job.params.penalised else None
         self.constraint = None  # structured output: the grammar's mask on the answer (not the reasoning)
         if job.grammar is not None:
-            from ..structured import Constraint
+            from ..runtime.structured import Constraint
 
             self.constraint = Constraint(job.grammar, eng.tokenizer, vocab)
         # logprobs: the device values of each sample, oldest first (a loop samples in yield order;

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import Finish
-from ..sampling import SamplingParams
+from ..runtime.events import Finish
+from ..runtime.sampling import SamplingParams
 
 log = logging.getLogger("ds4mlx.engine")
 

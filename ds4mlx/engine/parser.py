@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..chat.protocol import FirstCallOnly, get_protocol
-from ..events import TextDelta
+from ..runtime.events import TextDelta
 
 if TYPE_CHECKING:
     from .job import Job

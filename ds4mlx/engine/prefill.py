@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..events import PrefillProgress
+from ..runtime.events import PrefillProgress
 from .batch import ChunkRequest
 from .hooks import call_hook
 from .job import JobHandle, job_kind

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..events import TokenLogprob
+from ..runtime.events import TokenLogprob
 
 
 def prompt_span(tokenizer, ids: list[int], prompt: str) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-from ..events import Finish, Started, Usage
+from ..runtime.events import Finish, Started, Usage
 from . import reuse
 from .batch import Work
 from .decoding import Decoding

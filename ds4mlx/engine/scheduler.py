@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..events import Finish
+from ..runtime.events import Finish
 from . import reuse
 from .batch import ChunkRequest, Work, plan_step, run_plan
 from .hooks import call_hook

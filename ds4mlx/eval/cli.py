@@ -17,8 +17,8 @@ import sys
 from typing import Any
 
 from ..chat import markers as M
-from ..cli_options import UsageError, add_chat_template_argument
-from ..modelfile import EXIT_CODE, ModelFileError
+from ..cli.options import UsageError, add_chat_template_argument
+from ..io.modelfile import EXIT_CODE, ModelFileError
 from ..speculative import cli as spec_cli
 from .cases import SUITES, load_cases, select, unknown_ids, validate_cases
 
@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="generation budget per case (default: the case's own, 16000; Juliet 8000)",
     )
-    from ..think_flags import add_think_arguments
+    from ..cli.think_flags import add_think_arguments
 
     add_think_arguments(g)  # ds4's --think / --think-max / --nothink / --think-level
     g.add_argument(
@@ -199,7 +199,7 @@ def _thinking(a: argparse.Namespace) -> str | None:
     backend renders DeepSeek V4 prompts, so numeric levels only go to an endpoint
     (as reasoning_effort); Think Max needs --ctx >= 393216 (an auto-sized context is
     the largest prompt + budget), else normal thinking with ds4's warning."""
-    from ..think_flags import THINK_MAX_MIN_CONTEXT, downgrade_notice
+    from ..cli.think_flags import THINK_MAX_MIN_CONTEXT, downgrade_notice
 
     think = getattr(a, "think", "high")
     a.think_level = None
@@ -323,7 +323,7 @@ def demo_limit(a: argparse.Namespace) -> None:
     """No --tokens on the demo model: its random weights never end an answer, so the
     demo's output limit (said on stderr) instead of the cases' 16000."""
     if a.tokens is None and _demo(a):
-        from ..demo import DEMO_MAX_TOKENS, limit_notice
+        from ..io.demo import DEMO_MAX_TOKENS, limit_notice
 
         a.tokens = DEMO_MAX_TOKENS
         print(f"ds4-eval: {limit_notice(a.tokens)}", file=sys.stderr)

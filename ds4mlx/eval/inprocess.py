@@ -66,7 +66,7 @@ class InProcessBackend:
             )
         if self._protocol is None:
             from ..chat.protocol import protocol_for_model
-            from ..cli_options import template_protocol
+            from ..cli.options import template_protocol
 
             self._protocol = template_protocol(self.chat_template, protocol_for_model(self._model))
 

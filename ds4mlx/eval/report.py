@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..atomic_file import atomic_write
+from ..io.atomic_file import atomic_write
 
 REPORT_FORMAT = "ds4mlx-eval-report/1"
 GATE_OK, GATE_DROPPED, GATE_HARNESS_ERROR = 0, 1, 2

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from ..atomic_file import write_bytes_atomic
+from ..io.atomic_file import write_bytes_atomic
 
 GRADED = ("PASSED", "FAILED")
 STATUSES = ("PASSED", "FAILED", "STOPPED", "SKIPPED", "SWITCHED", "ERROR")

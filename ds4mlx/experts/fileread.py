@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..mapped import memmap_of
+from ..io.mapped import memmap_of
 
 HEAD_BYTES = 32 << 20  # the header region compared when a changed file is checked again
 

@@ -40,7 +40,7 @@ def _given_memory(cfg) -> bool:
 
 
 def total_memory() -> int:
-    from ..memory_fit import machine_memory
+    from ..io.memory_fit import machine_memory
 
     return machine_memory()
 

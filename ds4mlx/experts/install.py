@@ -105,7 +105,7 @@ def attach_store(
             if cfg.gb is not None:
                 budget, why = int(cfg.gb * GIB), f"{cfg.gb:g} GiB"
             else:
-                from ..inspect_model import kv_bytes
+                from ..io.inspect_model import kv_bytes
 
                 resident = sum(int(a.nbytes) for _, a in tree_flatten(model.parameters()))
                 kv = kv_bytes(config, cfg.ctx) or 0

@@ -16,8 +16,8 @@ import re
 
 import numpy as np
 
-from ..mapped import LazyTensor
-from ..quant import MXTensor, QuantizedTensor
+from ..io.mapped import LazyTensor
+from ..io.quant import MXTensor, QuantizedTensor
 from .fileread import read_rows
 
 log = logging.getLogger(__name__)

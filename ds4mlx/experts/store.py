@@ -35,8 +35,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..atomic_file import atomic_write
-from ..mapped import release
+from ..io.atomic_file import atomic_write
+from ..io.mapped import release
 from .build import build_experts
 from .fileread import FileChanged, Identity, OpenFiles, head_digest, reading
 from .module import StreamedExperts

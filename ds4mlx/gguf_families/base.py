@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..quant import QuantizedTensor
+from ..io.quant import QuantizedTensor
 
 CONFIG_KEY = "ds4mlx.hf_config"
 GGML_MAX_NAME = 64  # bytes, NUL included

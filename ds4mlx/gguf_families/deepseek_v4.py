@@ -41,8 +41,8 @@ import re
 
 import numpy as np
 
-from ..mapped import LazyTensor
-from ..quant import MXTensor, QuantizedTensor
+from ..io.mapped import LazyTensor
+from ..io.quant import MXTensor, QuantizedTensor
 from .base import EXPERT_SPLIT, FUSED_GATE_UP, Family, make_rule, to_f32
 
 ARCH = "deepseek4"

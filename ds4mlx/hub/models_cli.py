@@ -49,7 +49,7 @@ def local_models(cache_dir=None) -> list[dict]:
 
 
 def _memory(path: str, ctx: int) -> dict:
-    from ..inspect_model import summarize
+    from ..io.inspect_model import summarize
 
     try:
         s = summarize(path, ctx)

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..split_names import SPLIT_GGUF, part_name
+from ..io.split_names import SPLIT_GGUF, part_name
 from .catalogue import CATALOGUE
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")

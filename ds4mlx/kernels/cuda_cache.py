@@ -43,7 +43,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..atomic_file import write_bytes_atomic
+from ..io.atomic_file import write_bytes_atomic
 
 log = logging.getLogger("ds4mlx.kernels")
 

@@ -24,7 +24,7 @@ or ``[n_tok, k, K]`` (one vector per selected expert: down); ``expert_ids`` is
 ``[n_tok, k]``; the result is ``[n_tok, k, rows]`` in ``x.dtype``.
 
 Three faces (see `ds4mlx.kernels.dispatch`): the reference face decodes blocks
-with MLX ops (bit-identical to `ds4mlx.quant.dequantize`) and multiplies in
+with MLX ops (bit-identical to `ds4mlx.io.quant.dequantize`) and multiplies in
 float32; the Metal face (``kernels/metal/quant_moe.metal``) and its CUDA twin (below,
 sharing the file's ``common`` / ``qmv`` / ``dequant`` sections verbatim) decode
 with the same float operations and accumulate in float32 per lane, then reduce
@@ -56,9 +56,9 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
+from ds4mlx.io.quant import QT, as_qtype, iq2xxs_grid, iq2xxs_grid_u64, iq2xxs_sign_table, random_gguf_blocks, row_bytes
 from ds4mlx.kernels.activations import clamped_swiglu
 from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, sections
-from ds4mlx.quant import QT, as_qtype, iq2xxs_grid, iq2xxs_grid_u64, iq2xxs_sign_table, random_gguf_blocks, row_bytes
 
 SUPPORTED = (QT.Q8_0, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS)
 SOURCE = METAL_DIR / "quant_moe.metal"
@@ -256,7 +256,7 @@ def _decode_blocks(b: mx.array, qtype: QT) -> mx.array:
 
 def dequantize_mx(blocks: mx.array, qtype, k: int) -> mx.array:
     """MLX-ops decoding: uint8 ``[..., row_bytes]`` rows of `k` values -> float32
-    ``[..., k]``, bit-identical to `ds4mlx.quant.dequantize`."""
+    ``[..., k]``, bit-identical to `ds4mlx.io.quant.dequantize`."""
     qtype = as_qtype(qtype)
     elems, nbytes = _block(qtype)
     if blocks.shape[-1] != row_bytes(qtype, k):

@@ -125,8 +125,8 @@ def model_identity(model) -> str:
     """A stable id of this model configuration: config (or args) + weights file
     identity + loaded float type + the session snapshot format (+ the directional
     steering, when one is installed)."""
-    from .. import session as _session
-    from ..steering import identity as steering_identity
+    from ..runtime import session as _session
+    from ..runtime.steering import identity as steering_identity
 
     fields = {
         "config": _config_blob(model),

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Union
 
-from ..atomic_file import write_bytes_atomic
+from ..io.atomic_file import write_bytes_atomic
 
 # The file format's names, re-exported so `kv.store.X` works (the tests use several).
 from .fileformat import (

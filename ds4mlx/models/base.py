@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import registry
 from ..registry import family_module  # noqa: F401  (callers import it from here too)
-from ..session import Session
+from ..runtime.session import Session
 
 
 class LanguageModel:

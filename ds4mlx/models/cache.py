@@ -1,6 +1,6 @@
 """Row buffers in the static decode layout: capacity grows in power-of-two buckets.
 
-The compiled decode step (ds4mlx/stepper.py) is traced once per combination of input
+The compiled decode step (ds4mlx/runtime/stepper.py) is traced once per combination of input
 shapes.  A growing buffer (compressed rows, KV rows) therefore keeps its capacity in a
 few buckets, MIN_BUCKET rows doubling, so a decode run retraces only when a buffer
 crosses into the next bucket; the rows past the live count are padding that the step
@@ -63,7 +63,7 @@ def grow_rows(rows: mx.array, n_live: int, want: int, axis: int = 1) -> mx.array
 
 class StaticDecode:
     """Mixin for a family `Model` whose per-layer caches have `static_state(dtype) ->
-    list` and `commit_static(iterator, advance)`: the stepper's (ds4mlx/stepper.py)
+    list` and `commit_static(iterator, advance)`: the stepper's (ds4mlx/runtime/stepper.py)
     `static_state` / `commit_static` / `rewind_static` over the whole cache list.  The
     family defines `static_step(ids, pos, state) -> (logits, new state)`."""
 

@@ -41,7 +41,7 @@ from ..kernels import sparse_attention as _sparse
 from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_rows
 from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
-from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from . import prefill_attention
 from .cache import StaticDecode, grow_rows, iota, iota_rows
 from .causal_lm import BaseModelArgs, CausalLM
@@ -315,7 +315,7 @@ class LayerCache:
         self.ring = mx.take(ring_keys, mx.where(last >= s, W + last - s, j), axis=2)
         return keys, mask
 
-    # -- static decode layout (the compiled step, ds4mlx/stepper.py) ---------------------
+    # -- static decode layout (the compiled step, ds4mlx/runtime/stepper.py) ---------------------
     def static_state(self, dtype, ahead: int = 1) -> list[mx.array]:
         """Every array of this layer for one decode step at position `offset`, in a fixed
         order (ring, then per compressor `CompressorState.static_arrays`).  Missing
@@ -1343,7 +1343,7 @@ class Model(StaticDecode, CausalLM):
         a = self.args
         return [LayerCache(t, a.sliding_window, a.head_dim, a.ratio(t), a.index_head_dim) for t in a.layer_types]
 
-    # -- the static decode step (ds4mlx/stepper.py drives it; models/cache.StaticDecode) --
+    # -- the static decode step (ds4mlx/runtime/stepper.py drives it; models/cache.StaticDecode) --
     def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
         """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
         if self.head_folds_norm():

@@ -57,7 +57,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels.hyper_connection import hc_collapse, hc_post  # hc_post fused on a GPU
-from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .cache import StaticDecode
 from .causal_lm import BaseModelArgs, CausalLM
 from .deepseek_v4 import CompressorState, GroupedLinear

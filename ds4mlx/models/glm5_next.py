@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels.hyper_connection import hc_post  # fused on a GPU
-from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .cache import StaticDecode
 from .causal_lm import BaseModelArgs, CausalLM
 from .kda import LinearCache, kda, l2norm, short_conv

@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .cache import StaticDecode
 from .causal_lm import BaseModelArgs, CausalLM
 from .layers import ActivationDtype, RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params

@@ -160,7 +160,7 @@ class LinearCache:
         self.conv = None
         self.recurrent = None
 
-    # -- static decode layout (the compiled step, ds4mlx/stepper.py) ---------------------
+    # -- static decode layout (the compiled step, ds4mlx/runtime/stepper.py) ---------------------
     def static_state(self, dtype) -> list[mx.array]:
         """[conv, recurrent]: fixed-size already; the family creates them (zeros, what
         None means) before the first step."""

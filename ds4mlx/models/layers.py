@@ -427,7 +427,7 @@ class QuantizedSwitchLinear(nn.Module):
 def quantize_switch(switch: SwitchLinear, bits: int, group_size: int = 64) -> QuantizedSwitchLinear:
     """A float expert bank as a `QuantizedSwitchLinear`, quantized a `quant.expert_spans` slice at
     a time (the whole [256, 4096, 4096] bank in one mx.quantize call overflows a CUDA launch)."""
-    from ..quant import expert_spans
+    from ..io.quant import expert_spans
 
     e, out_dims, in_dims = switch.weight.shape
     parts = []

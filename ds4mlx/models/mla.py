@@ -130,7 +130,7 @@ class MLACache:
             self.rows["pools"] = Rows(index_head_dim)
         self.pool_k = self.pool_gate = None
 
-    # -- static decode layout (the compiled step, ds4mlx/stepper.py) ---------------------
+    # -- static decode layout (the compiled step, ds4mlx/runtime/stepper.py) ---------------------
     def _rows_at(self, name: str, offset: int) -> int:
         """Live rows of buffer `name` after `offset` tokens (k-pool pools: complete pools)."""
         return offset // self.kpool if name == "pools" else offset

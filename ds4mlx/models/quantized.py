@@ -20,7 +20,7 @@ it for one that computes on the quantized form:
 
 Exactness (the policy, `expert_path` / `dense_path`; tests/test_quantized_load.py
 checks every type bit for bit): the repack is exact with float32 scales and biases
-(see `ds4mlx.quant`): the MLX dequantization equals the reference `quant.dequantize`
+(see `ds4mlx.io.quant`): the MLX dequantization equals the reference `quant.dequantize`
 bit for bit, so a model loaded this way computes what the float model built from
 the dequantized weights computes, up to float32 summation order.  Under the float32
 activation policy (`--dtype auto`, `dtype=None` or float32) nothing is rounded:
@@ -63,9 +63,9 @@ import mlx.nn as nn
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 
+from ..io.mapped import release
+from ..io.quant import MLX_EXACT_TYPES, MX_GROUP, QT, MXTensor, QuantizedTensor, as_qtype
 from ..kernels import quant_moe
-from ..mapped import release
-from ..quant import MLX_EXACT_TYPES, MX_GROUP, QT, MXTensor, QuantizedTensor, as_qtype
 from .grouped_experts import gguf_per_expert
 from .layers import QuantizedSwitchLinear, SwitchLinear
 from .tensor_load import to_mlx
@@ -438,7 +438,7 @@ def dequantize_chunked(qt: QuantizedTensor, dtype=mx.float32) -> mx.array:
     if len(shape) < 2:
         return mx.array(qt.dequantize()).astype(dtype)
     per_row = int(np.prod(shape[1:], dtype=np.int64))
-    from ..quant import dequantize
+    from ..io.quant import dequantize
 
     parts = []
     for a, b in _chunks(shape[0], per_row):

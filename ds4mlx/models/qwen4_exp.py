@@ -52,7 +52,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .cache import StaticDecode, grow_rows
 from .causal_lm import BaseModelArgs, CausalLM
 from .gated_delta import causal_conv1d, gated_delta, l2_normalize

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 import mlx.core as mx
 import numpy as np
 
-from ..mapped import LazyTensor, fill, release
-from ..quant import MXTensor, QuantizedTensor
+from ..io.mapped import LazyTensor, fill, release
+from ..io.quant import MXTensor, QuantizedTensor
 
 PACKED = (QuantizedTensor, MXTensor)
 

@@ -35,7 +35,16 @@ from ..chat.requests import (
     parse_tools,
     require_messages,
 )
-from ..events import Finish, ReasoningDelta, Started, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart, Usage
+from ..runtime.events import (
+    Finish,
+    ReasoningDelta,
+    Started,
+    TextDelta,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
 from . import errors as E
 from . import sse
 from .common import RequestInfo, body_bytes, parsed_parts

@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from ..engine import Engine, Failed
-from ..events import Finish, PrefillProgress, Started
+from ..runtime.events import Finish, PrefillProgress, Started
 from . import errors as E
 from . import ollama, ops, sse
 from .anthropic import AnthropicAdapter, refuse_threads

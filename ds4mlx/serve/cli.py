@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from .. import dtype_policy
+from ..io import dtype_policy
 from ..speculative import cli as spec_cli
 
 DEFAULT_TOKENS = 393216
@@ -124,11 +124,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "prefill lets the other sessions decode in between (default: --prefill-chunk)",
     )
     # ds4's thinking defaults for requests that do not set thinking themselves
-    from ..think_flags import add_think_arguments
+    from ..cli.think_flags import add_think_arguments
 
     add_think_arguments(p, level_dest="think_level")
     p.add_argument("-sys", "--system", default="", help="system prompt for requests that bring none")
-    from ..cli_options import (
+    from ..cli.options import (
         add_chat_template_argument,
         add_prefix_argument,
         add_steering_arguments,
@@ -180,17 +180,17 @@ def build(args, loaded=None):
             ctx=args.ctx,  # the memory verdict at --ctx (memory_fit.py)
         )
         if getattr(model, "is_demo", False):
-            from ..demo import notice
+            from ..io.demo import notice
 
             log.warning("%s%s", notice(model), f" [{args.model}]" if args.model else "")
     if args.tokens is None:  # the demo's random weights never end a turn: a short default
-        from ..demo import DEMO_MAX_TOKENS, limit_notice
+        from ..io.demo import DEMO_MAX_TOKENS, limit_notice
 
         args.tokens = DEMO_MAX_TOKENS if getattr(model, "is_demo", False) else DEFAULT_TOKENS
         if getattr(model, "is_demo", False):
             log.warning("%s", limit_notice(args.tokens))
     from ..chat.protocol import protocol_for_model
-    from ..cli_options import UsageError, chat_protocol, install_steering, install_vision, load_prefix
+    from ..cli.options import UsageError, chat_protocol, install_steering, install_vision, load_prefix
 
     try:
         prefix = load_prefix(args)
@@ -246,7 +246,7 @@ def build(args, loaded=None):
             f"ds4mlx serve: --think-level is only for numeric-effort families "
             f"(the loaded model is {engine.protocol.family})"
         )
-    from ..think_flags import ThinkError, resolve
+    from ..cli.think_flags import ThinkError, resolve
 
     think = getattr(args, "think", "high")
     try:

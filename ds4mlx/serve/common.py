@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import Finish, Usage
+from ..runtime.events import Finish, Usage
 from . import sse
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from ..chat import markers as M
 from ..chat.protocol import ChatProtocol, get_protocol
 from ..chat.requests import CHAT_THINKING_FIELDS, DEFAULT_MODEL, RequestError, Thinking, as_str, body_object, parse_stop
-from ..events import Finish, Started, TextDelta, Usage
+from ..runtime.events import Finish, Started, TextDelta, Usage
 from . import errors as E
 from . import sse
 from .common import RequestInfo, body_bytes, total_usage

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..structured import Grammar, GrammarError
+from ..runtime.structured import Grammar, GrammarError
 from . import errors as E
 
 

@@ -3,7 +3,7 @@ chat's `choices[].logprobs.content[]` and legacy completions' `choices[].logprob
 
 from __future__ import annotations
 
-from ..events import Finish
+from ..runtime.events import Finish
 
 
 def _bytes(text: str) -> list[int]:

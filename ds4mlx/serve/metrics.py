@@ -18,8 +18,8 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallStart
 from ..experts.cli import stats_of
+from ..runtime.events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallStart
 
 PREFIX = "ds4mlx:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..events import Finish, ReasoningDelta, TextDelta, ToolCallEnd
+from ..runtime.events import Finish, ReasoningDelta, TextDelta, ToolCallEnd
 from . import errors as E
 from . import sse
 from .common import RequestInfo, body_bytes, parsed_parts

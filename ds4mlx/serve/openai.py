@@ -28,7 +28,7 @@ from ..chat.requests import (
     parse_tools,
     require_messages,
 )
-from ..events import Finish, ReasoningDelta, Started, TextDelta, ToolCallDelta, ToolCallStart, Usage
+from ..runtime.events import Finish, ReasoningDelta, Started, TextDelta, ToolCallDelta, ToolCallStart, Usage
 from . import sse
 from .common import RequestInfo, body_bytes, parsed_parts, total_usage
 from .logprobs import chat_logprobs

@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampling import TOP_K_CAP, SamplingParams
+from ..runtime.sampling import TOP_K_CAP, SamplingParams
 from .errors import INVALID_JSON, APIError, invalid_field, invalid_value
 
 PENALTY_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")

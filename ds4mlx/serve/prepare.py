@@ -236,7 +236,7 @@ def _thinking(cfg: ServeConfig, proto: ChatProtocol, body: dict, mode: str, effo
         and mode == "high"
         and model not in proto.chat_aliases + proto.reasoner_aliases
     ):
-        from ..think_flags import resolve  # the server's --nothink / --think-max default
+        from ..cli.think_flags import resolve  # the server's --nothink / --think-max default
 
         return resolve(proto, cfg.think, cfg.ctx).mode
     try:
@@ -302,7 +302,7 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
     else:
         conv = req
         if cfg.system or cfg.prefix:
-            from ..prefix_file import with_head
+            from ..cli.prefix_file import with_head
 
             conv.messages = with_head(conv.messages, cfg.system, cfg.prefix)
         forced = _check_tool_choice(api, body, proto)

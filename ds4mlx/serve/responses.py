@@ -32,7 +32,7 @@ from ..chat.requests import (
     parse_stop,
     parse_tools,
 )
-from ..events import Finish, ReasoningDelta, Started, TextDelta, Usage
+from ..runtime.events import Finish, ReasoningDelta, Started, TextDelta, Usage
 from . import sse
 from .common import RequestInfo, body_bytes, parsed_parts
 from .errors import GENERATION_FAILED

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..sampling import SamplingParams, keep_mask
+from ..runtime.sampling import SamplingParams, keep_mask
 
 
 def ban_mask(vocab: int, banned: Sequence[int] | None) -> mx.array | None:

@@ -134,7 +134,7 @@ def spec_config(args, model, ctx: int, dtype="auto") -> SpecConfig | None:
             check_dspark_target(model, support)
         drafter = mtp_drafter(model, ctx)
     else:
-        from ..loader import load
+        from ..io.loader import load
         from .drafter import ModelDrafter
 
         draft, _ = load(draft_path, dtype=dtype, verbose=False)

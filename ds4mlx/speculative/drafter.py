@@ -55,7 +55,7 @@ class ModelDrafter:
     def _new_session(self):
         if hasattr(self.lm, "new_session"):
             return self.lm.new_session(ctx=self.ctx, chunk=self.chunk)
-        from ..session import Session
+        from ..runtime.session import Session
 
         return Session(self.lm, ctx=self.ctx, chunk=self.chunk)
 

@@ -29,7 +29,7 @@ import math
 
 import mlx.core as mx
 
-from ..loader import materialize
+from ..io.loader import materialize
 from .drafter import settle_drafts, top2_gap
 from .options import SpecUsageError
 

@@ -145,7 +145,7 @@ def _kv(meta: dict, key: str):
 
 def read_support(path) -> DSparkSupport:
     """The support file's layout, checked complete (SpecUsageError naming what is missing)."""
-    from ..weights import GGUFFile
+    from ..io.weights import GGUFFile
 
     try:
         g = GGUFFile(path)

@@ -31,8 +31,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import registry
-from ..loader import materialize
-from ..quant import EXPERTS_PER_LAUNCH, expert_spans
+from ..io.loader import materialize
+from ..io.quant import EXPERTS_PER_LAUNCH, expert_spans
 from .drafter import settle_drafts, top2_gap
 from .options import SpecUsageError
 

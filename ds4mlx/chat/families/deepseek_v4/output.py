@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from ....events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
+from ....runtime.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 from ... import markers as M
 from ...protocol import CallFormat
 from .dsml import (

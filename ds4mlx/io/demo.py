@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import registry
+from .. import registry
 
 DEMO_NOTICE = "demo model: real DeepSeek V4 Flash architecture and tokenizer, RANDOM weights (output is gibberish)"
 _ARCHITECTURES = {
@@ -115,7 +115,7 @@ def demo_config(family: str = registry.DEFAULT_FAMILY) -> dict:
     DEMO_CONFIG otherwise."""
     if registry.family(family).demo_format == "gguf":
         return DEMO_CONFIG
-    from .models.base import family_module
+    from ..models.base import family_module
 
     cfg = getattr(family_module(family), "DEMO_CONFIG", None)
     if cfg is None:
@@ -129,7 +129,7 @@ def demo_weights(config: dict = DEMO_CONFIG, seed: int = DEMO_SEED) -> dict[str,
     cannot fill (integer tables, ...)."""
     from mlx.utils import tree_flatten
 
-    from .models.base import family_module
+    from ..models.base import family_module
 
     mod = family_module(config["model_type"])
     if hasattr(mod, "demo_weights"):
@@ -165,7 +165,7 @@ def _build_hf_folder(path: Path, config: dict) -> Path:
 
     from safetensors.numpy import save_file
 
-    from .tokenizer import default_tokenizer_json
+    from ..runtime.tokenizer import default_tokenizer_json
 
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -182,8 +182,8 @@ def _build_hf_folder(path: Path, config: dict) -> Path:
 
 def build_demo_model(path: Path) -> Path:
     """Write the demo GGUF (F16 weights, real tokenizer) atomically to `path`."""
+    from ..runtime.tokenizer import Tokenizer
     from .convert import write_gguf
-    from .tokenizer import Tokenizer
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")

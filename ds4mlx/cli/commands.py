@@ -13,18 +13,18 @@ import sys
 
 SUBCOMMANDS = {
     "serve": ("ds4mlx.serve.cli", "OpenAI / Anthropic / Responses HTTP server"),
-    "generate": ("ds4mlx.generate", "generate text from a prompt"),
-    "chat": ("ds4mlx.generate", "interactive chat in the terminal"),
+    "generate": ("ds4mlx.cli.generate", "generate text from a prompt"),
+    "chat": ("ds4mlx.cli.generate", "interactive chat in the terminal"),
     "agent": ("ds4mlx.agent.cli", "local coding agent: tools, approvals, compaction, sessions"),
     "eval": ("ds4mlx.eval.cli", "ds4-eval harness: core and hard suites"),
     "bench": ("ds4mlx.bench.frontier", "frontier prefill/decode benchmark"),
-    "convert": ("ds4mlx.convert", "convert a Hugging Face folder to a ds4-style GGUF"),
-    "quantize": ("ds4mlx.quantize", "quantize a model's routed experts into a new GGUF"),
-    "inspect": ("ds4mlx.inspect_model", "what a model file holds and the memory serving it needs"),
+    "convert": ("ds4mlx.io.convert", "convert a Hugging Face folder to a ds4-style GGUF"),
+    "quantize": ("ds4mlx.io.quantize", "quantize a model's routed experts into a new GGUF"),
+    "inspect": ("ds4mlx.io.inspect_model", "what a model file holds and the memory serving it needs"),
     "pull": ("ds4mlx.hub.pull_cli", "download a model from the Hugging Face hub (`ds4mlx pull` lists names)"),
     "models": ("ds4mlx.hub.models_cli", "the models downloaded here: sizes and the memory each needs"),
-    "demo-model": ("ds4mlx.demo", "write the random-weight demo model and print its path"),
-    "steer": ("ds4mlx.steer_cli", "directional steering: `steer build` computes a direction file"),
+    "demo-model": ("ds4mlx.io.demo", "write the random-weight demo model and print its path"),
+    "steer": ("ds4mlx.cli.steer", "directional steering: `steer build` computes a direction file"),
 }
 
 
@@ -58,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
             pass  # the command's own --yes (agent: approve every tool) answers this too
     args = parser.parse_args(rest)
     args.command = name
-    from .hub.spec import HubError
-    from .modelfile import EXIT_CODE, ModelFileError
+    from ..hub.spec import HubError
+    from ..io.modelfile import EXIT_CODE, ModelFileError
 
     try:
         if takes_model:
-            from .hub.resolve import resolve_args
+            from ..hub.resolve import resolve_args
 
             resolve_args(args)
         return int(module.run(args) or 0)

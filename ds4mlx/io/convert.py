@@ -111,14 +111,14 @@ def write_gguf(path, config: dict, tensors: dict, tokenizer=None, dtype: str = "
     names, metadata keys) follows `config["model_type"]`."""
     import gguf
 
-    from . import gguf_families
+    from .. import gguf_families
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     path = Path(path)
     family = gguf_families.for_config(config)
     if tokenizer is None:
-        from .tokenizer import Tokenizer
+        from ..runtime.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.default()
     items = family.to_gguf(config, tensors)
@@ -173,8 +173,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from ..runtime.tokenizer import Tokenizer
     from .modelfile import ModelFileError, reading
-    from .tokenizer import Tokenizer
     from .weights import read_hf
 
     out = Path(args.out)

@@ -33,9 +33,9 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .chat.markers import ASSISTANT, BOS, DSML, EOS, SPECIAL_STRINGS, USER  # noqa: F401
-from .chat.markers import THINK_CLOSE as THINK_END  # noqa: F401
-from .chat.markers import THINK_OPEN as THINK_START
+from ..chat.markers import ASSISTANT, BOS, DSML, EOS, SPECIAL_STRINGS, USER  # noqa: F401
+from ..chat.markers import THINK_CLOSE as THINK_END  # noqa: F401
+from ..chat.markers import THINK_OPEN as THINK_START
 
 # The seven special strings (chat/markers.py), in the order of ds4.c `special_token_at`.
 
@@ -231,12 +231,12 @@ class Tokenizer:
         """Build from GGUF `tokenizer.ggml.*` metadata.
 
         `fields` is either a `gguf.GGUFReader` or a mapping key -> value (python
-        values, as `ds4mlx.weights.gguf_metadata` returns them; a `weights.GGUFFile` too).  Required:
+        values, as `ds4mlx.io.weights.gguf_metadata` returns them; a `weights.GGUFFile` too).  Required:
         tokenizer.ggml.model == "gpt2", tokenizer.ggml.tokens, tokenizer.ggml.merges;
         optional: token_type (CONTROL/USER_DEFINED/UNUSED tokens are added tokens,
         decoded literally), bos/eos/padding token ids, pre (must be a DeepSeek
         pre-tokenizer name: joyai-llm / deepseek-v3)."""
-        from .gguf_families.metadata import fields_metadata  # here: the gguf package is only needed for GGUFs
+        from ..gguf_families.metadata import fields_metadata  # here: the gguf package is only needed for GGUFs
 
         meta = fields if isinstance(fields, dict) else getattr(fields, "metadata", None)
         if not isinstance(meta, dict):  # a gguf.GGUFReader

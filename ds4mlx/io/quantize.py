@@ -36,7 +36,7 @@ single tensors until the IQ2_XXS search moves to the GPU.
 mlx2 / mlx4 store MLX's own affine quantization (group 32, float16 scale and
 bias) in GGUF Q4_1 blocks: Q4_1 is exactly ``d * q + m`` per 32 values with
 float16 d and m, so the container is lossless, standard and readable by any GGUF
-tool; `ds4mlx.quant.repack_for_mlx(raw, Q4_1, shape, dtype=mx.float16)` gives back
+tool; `ds4mlx.io.quant.repack_for_mlx(raw, Q4_1, shape, dtype=mx.float16)` gives back
 the very ``mx.quantize`` arrays (2-bit levels packed as bits = 2).  The price of
 the container is disk: 5 bits per weight for mlx2 (3 in memory after repacking).
 ds4 itself reads only Q2_K / Q4_K / IQ2_XXS experts, so mlx2 / mlx4 files are for
@@ -51,7 +51,7 @@ from functools import cache
 
 import numpy as np
 
-from ds4mlx.quant import (
+from ds4mlx.io.quant import (
     QK_K,
     QT,
     QuantizedTensor,
@@ -359,7 +359,7 @@ def quantize_mlx(array: np.ndarray, bits: int, group_size: int = 32):
 def affine_to_q4_1(w_q: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
     """MLX affine weights of group 32 (bits 2 or 4, float16 scales / biases) -> the
     same values as GGUF Q4_1 bytes (d = scale, m = bias, levels as nibbles): a
-    lossless container that `ds4mlx.quant.repack_for_mlx` turns back into exactly
+    lossless container that `ds4mlx.io.quant.repack_for_mlx` turns back into exactly
     these MLX arrays (2-bit levels are packed back as bits = 2)."""
     q = unpack_mlx(w_q, bits)  # [..., K]
     lead, k = q.shape[:-1], q.shape[-1]
@@ -398,7 +398,7 @@ DS4_Q8_0_SUFFIXES = (
 
 
 def _as_float(val) -> np.ndarray:
-    from ds4mlx.quant import MXTensor, QuantizedTensor
+    from ds4mlx.io.quant import MXTensor, QuantizedTensor
 
     if isinstance(val, (QuantizedTensor, MXTensor)):
         return val.dequantize()
@@ -451,8 +451,8 @@ def _deferred_expert_tensor(val, kind, importance: str = "none"):
     """`quantize_expert_tensor(val, kind, importance)` computed only when its bytes
     are read (`write_gguf` writes tensors one at a time: a model is quantized
     without holding it, dequantized or quantized, in memory)."""
-    from ds4mlx.mapped import LazyTensor, release
-    from ds4mlx.quant import QuantizedTensor
+    from ds4mlx.io.mapped import LazyTensor, release
+    from ds4mlx.io.quant import QuantizedTensor
 
     shape = tuple(int(s) for s in val.shape)
     qtype = _expert_qtype(shape, kind)
@@ -466,8 +466,8 @@ def _deferred_expert_tensor(val, kind, importance: str = "none"):
 
 
 def _deferred_q8_0(val):
-    from ds4mlx.mapped import LazyTensor
-    from ds4mlx.quant import QuantizedTensor
+    from ds4mlx.io.mapped import LazyTensor
+    from ds4mlx.io.quant import QuantizedTensor
 
     shape = _shape_of(val)
     return QuantizedTensor(
@@ -478,7 +478,7 @@ def _deferred_q8_0(val):
 
 
 def _half_of(val, sl: slice):
-    from ds4mlx.mapped import LazyTensor
+    from ds4mlx.io.mapped import LazyTensor
 
     E, I2, H = (int(s) for s in val.shape)
     return LazyTensor(lambda: _as_float(val)[:, sl], (E, I2 // 2, H), np.float32, sources=(val,))
@@ -585,9 +585,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from ds4mlx.convert import write_gguf
-    from ds4mlx.modelfile import ModelFileError, reading
-    from ds4mlx.weights import read_weights
+    from ds4mlx.io.convert import write_gguf
+    from ds4mlx.io.modelfile import ModelFileError, reading
+    from ds4mlx.io.weights import read_weights
 
     out = Path(args.out)
     if out.exists() and not args.force:

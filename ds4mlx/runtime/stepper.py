@@ -31,8 +31,8 @@ import weakref
 
 import mlx.core as mx
 
+from ..kernels import cuda_cache
 from . import steering
-from .kernels import cuda_cache
 
 MODE_ENV = "DS4MLX_DECODE"
 MODES = ("compiled", "eager", "legacy")

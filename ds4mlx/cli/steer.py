@@ -32,10 +32,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from . import steering
-    from .chat.messages import Conversation, Message
-    from .chat.protocol import protocol_for_model
-    from .loader import load
+    from ..chat.messages import Conversation, Message
+    from ..chat.protocol import protocol_for_model
+    from ..io.loader import load
+    from ..runtime import steering
 
     try:
         good = steering.read_prompt_lines(args.good_file)

@@ -18,8 +18,10 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from . import dtype_policy
-from .cli_options import (
+from ..io import dtype_policy
+from ..runtime.events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd
+from ..speculative import cli as spec_cli
+from .options import (
     UsageError,
     add_chat_template_argument,
     add_prefix_argument,
@@ -34,8 +36,6 @@ from .cli_options import (
     read_text_file,
     sampling_params,
 )
-from .events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd
-from .speculative import cli as spec_cli
 from .think_flags import add_think_arguments
 
 
@@ -56,7 +56,7 @@ def _common(p) -> None:
     p.add_argument("-s", "-sys", "--system", default="", help="system prompt")
     add_prefix_argument(p)
     add_steering_arguments(p)
-    from .experts import cli as experts_cli
+    from ..experts import cli as experts_cli
 
     experts_cli.add_arguments(p)
     add_vision_arguments(p)
@@ -81,10 +81,10 @@ def add_chat_arguments(p) -> None:
 def load_model(args, console):
     """The model and tokenizer of the flags (`-m`, `--dtype`, `--mtp FILE`, the expert
     streaming flags), steered by `--dir-steering-*`.  Shared with `ds4mlx agent`."""
-    from .loader import load
+    from ..io.loader import load
 
     t0 = time.perf_counter()
-    from .experts import cli as experts_cli
+    from ..experts import cli as experts_cli
 
     model, tok = load(
         args.model,
@@ -94,7 +94,7 @@ def load_model(args, console):
         ctx=args.ctx,  # the memory verdict at --ctx (memory_fit.py)
     )
     if getattr(model, "is_demo", False):
-        from .demo import notice
+        from ..io.demo import notice
 
         console.print(f"[yellow]{notice(model)}[/yellow]")
     console.print(f"[dim]loaded {getattr(model, 'path', args.model)} in {time.perf_counter() - t0:.1f} s[/dim]")
@@ -108,7 +108,7 @@ def make_engine(args, model, tok, console, **engine_options):
     """The engine for a loaded model: speculation (`--mtp` / `--draft-model`) and
     `--vision` from the flags; `engine_options` go to Engine (a disk KV cache, the
     default reply length).  Shared with `ds4mlx agent`."""
-    from .engine import Engine
+    from ..engine import Engine
 
     # The worker thread (and the threads MLX starts from it) inherit a blocked SIGINT,
     # so Ctrl+C always reaches the main thread: the REPL's line reader wakes up on it.
@@ -124,7 +124,7 @@ def make_engine(args, model, tok, console, **engine_options):
             raise UsageError(str(e)) from None
         if speculation is not None:
             console.print(f"[dim]speculative decoding: {speculation.describe()}[/dim]")
-        from .chat.protocol import protocol_for_model
+        from ..chat.protocol import protocol_for_model
 
         protocol = chat_protocol(args, protocol_for_model(model))  # --chat-template (UsageError: not this family's)
         engine = Engine(model, tok, ctx=args.ctx, speculation=speculation, protocol=protocol, **engine_options)
@@ -150,7 +150,7 @@ def stream_job(engine, job, console: Console, out=None) -> Finish | None:
     """Run one job, printing its events (text to `out`, default the sys.stdout of the call);
     returns the Finish (None if it failed to start)."""
     out = out if out is not None else sys.stdout
-    from .engine import Failed
+    from ..engine import Failed
 
     t_start = time.perf_counter()
     t_gen = None
@@ -209,7 +209,7 @@ def stream_job(engine, job, console: Console, out=None) -> Finish | None:
             f" | generated {u.completion_tokens} tokens, {u.completion_tokens / gen_s if gen_s > 0 else 0:.1f} t/s"
             f" | finish {finish.reason}[/dim]"
         )
-        from .speculative.cost import summary_lines
+        from ..speculative.cost import summary_lines
 
         for line in summary_lines(finish.speculation):  # speculative decoding: what it did, what it cost
             console.print(f"[dim]{line}[/dim]", highlight=False)
@@ -217,8 +217,8 @@ def stream_job(engine, job, console: Console, out=None) -> Finish | None:
 
 
 def run(args) -> int:
-    from .chat.messages import Conversation, Message
-    from .engine import Job
+    from ..chat.messages import Conversation, Message
+    from ..engine import Job
     from .think_flags import ThinkError, resolve
 
     console = Console(stderr=True)
@@ -268,7 +268,7 @@ def run(args) -> int:
             stop=tuple(args.stop),
             family=protocol.family,
         )
-        from .vision.prompt import ImagePromptError, attach
+        from ..vision.prompt import ImagePromptError, attach
 
         try:
             attach(job, engine, images)
@@ -283,6 +283,6 @@ def run(args) -> int:
         return 0 if fin is not None and fin.reason != "error" else 1
     finally:
         engine.close()
-        from .experts import cli as experts_cli
+        from ..experts import cli as experts_cli
 
         experts_cli.finish(engine.model)  # the expert cache's stats (with --stream-experts)

@@ -14,13 +14,13 @@
     dependency); `mlp.gate.tid2eid` is int64 (GGUF stores I32: a small copy);
   - `QuantizedTensor(raw, qtype, shape)` for GGUF quantized types: `raw` is the
     uint8 view of the file bytes shaped [..., bytes_per_row], `shape` the logical
-    numpy-order shape; `.dequantize()` calls `ds4mlx.quant.dequantize`.
+    numpy-order shape; `.dequantize()` calls `ds4mlx.io.quant.dequantize`.
   Routed experts: when ds4's split `ffn_gate_exps` / `ffn_up_exps` are float they
   are concatenated into the fused `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows
   first, a copy).  When they are quantized they are handed out split, as
   `mlp.experts.gate_proj` and `mlp.experts.up_proj` [E, I, H] (no copy), because
   quantized rows cannot be fused without rewriting the whole expert bank.
-* `tokenizer` is a `ds4mlx.tokenizer.Tokenizer` from the GGUF's tokenizer.ggml.*
+* `tokenizer` is a `ds4mlx.runtime.tokenizer.Tokenizer` from the GGUF's tokenizer.ggml.*
   metadata or the folder's tokenizer.json, else None.
 
 GGUF files are read with `gguf.GGUFReader` (a subclass that keeps its parse
@@ -42,9 +42,9 @@ from typing import Any
 import gguf
 import numpy as np
 
-from .gguf_families import deepseek_v4 as names
-from .gguf_families.deepseek_v4 import MTP_PREFIX, mtp_hf_name
-from .gguf_families.metadata import fields_metadata
+from ..gguf_families import deepseek_v4 as names
+from ..gguf_families.deepseek_v4 import MTP_PREFIX, mtp_hf_name
+from ..gguf_families.metadata import fields_metadata
 from .mapped import LazyTensor, fill, release
 from .quant import FP4_TABLE, MX_GROUP, MXTensor, QuantizedTensor, e4m3fn_table, e8m0_to_f32
 from .split_names import SPLIT_GGUF, part_name
@@ -289,7 +289,7 @@ def read_gguf(path: str | os.PathLike, with_tokenizer: bool = True):
 def read_gguf_file(g: GGUFFile, with_tokenizer: bool = True):
     """`read_gguf` of a GGUF already opened (`inspect` reads its headers too)."""
     meta = g.metadata
-    from . import gguf_families
+    from .. import gguf_families
 
     family = gguf_families.for_arch(meta.get("general.architecture", "")) or gguf_families.default()
     return _read_family_gguf(g, family, with_tokenizer)
@@ -328,7 +328,7 @@ def _read_family_gguf(g: GGUFFile, family, with_tokenizer: bool):
         _fuse_experts(tensors)
     tok = None
     if with_tokenizer and "tokenizer.ggml.tokens" in meta:
-        from .tokenizer import Tokenizer
+        from ..runtime.tokenizer import Tokenizer
 
         tok = Tokenizer.from_gguf_fields(meta)
     return config, tensors, tok
@@ -370,7 +370,7 @@ def _concat_lazy(a, b, axis: int) -> LazyTensor:
         return fill(shape, dt, [(pre + (slice(0, n),), held.pop), (pre + (slice(n, None),), second)])
 
     def rows(ids):  # the expert store's per-expert read (axis 0 is the expert axis)
-        from .experts.rows import take_rows
+        from ..experts.rows import take_rows
 
         return np.concatenate([take_rows(a, ids), take_rows(b, ids)], axis=axis)
 
@@ -679,7 +679,7 @@ def fp8_block_size(raw_cfg: dict, where="config.json") -> tuple[int, int]:
 
 def _folder_tokenizer(folder: Path, with_tokenizer: bool):
     if with_tokenizer and (folder / "tokenizer.json").is_file():
-        from .tokenizer import Tokenizer
+        from ..runtime.tokenizer import Tokenizer
 
         return Tokenizer.from_file(folder / "tokenizer.json")
     return None

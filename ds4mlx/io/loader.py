@@ -8,15 +8,15 @@ import sys
 
 import mlx.core as mx
 
+from ..gguf_families.deepseek_v4 import MTP_PREFIX
+from ..models.base import LanguageModel
+from ..models.layers import set_activation_dtype
+from ..models.quantized import paths_of
+from ..models.tensor_load import KeptTensors
+from ..registry import DEFAULT_FAMILY, family_module
+from ..runtime.tokenizer import Tokenizer
 from . import dtype_policy
-from .gguf_families.deepseek_v4 import MTP_PREFIX
 from .modelfile import reading
-from .models.base import LanguageModel
-from .models.layers import set_activation_dtype
-from .models.quantized import paths_of
-from .models.tensor_load import KeptTensors
-from .registry import DEFAULT_FAMILY, family_module
-from .tokenizer import Tokenizer
 from .weights import read_mtp_gguf, read_weights
 
 
@@ -66,12 +66,12 @@ def mtp_tensor_rule(config: dict):
 def _local_path(path: str) -> str:
     """A hub name -> its copy in the local hub cache (no download here: `ds4mlx pull`, or the
     commands' `-m org/repo`, fetch it)."""
-    from .hub.spec import is_hub_name
+    from ..hub.spec import is_hub_name
 
     if not is_hub_name(path):
         return path
-    from .hub.download import cached
-    from .hub.spec import parse
+    from ..hub.download import cached
+    from ..hub.spec import parse
 
     local = cached(parse(path))
     if local is None:
@@ -81,7 +81,7 @@ def _local_path(path: str) -> str:
 
 def _fit(tensors: dict, config: dict, ctx: int, cast_dtype):
     """The memory verdict for these weights at `ctx` (memory_fit.py); ValueError when it is no."""
-    from .experts.fit import resident_bytes
+    from ..experts.fit import resident_bytes
     from .inspect_model import kv_bytes
     from .memory_fit import budget, verdict
 
@@ -122,7 +122,7 @@ def load(path=None, dtype="auto", mtp=None, verbose=True, stream=None, shard=Non
         policy = dtype_policy.resolve(dtype)
         is_mtp = mtp_tensor_rule(config)
         mtp_tensors = {k: tensors.pop(k) for k in [k for k in tensors if is_mtp(k)]}
-        from .experts.fit import check_fits
+        from ..experts.fit import check_fits
 
         # refused in one line before anything is read (--stream-experts: only what stays resident)
         check_fits(tensors, int(config.get("num_hidden_layers") or 0), policy.weights, stream)

@@ -16,7 +16,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Union
 
-from .chat.markers import THINK_MAX_MIN_CONTEXT
+from ..chat.markers import THINK_MAX_MIN_CONTEXT
 
 __all__ = ["add_think_arguments", "resolve", "ThinkError", "ThinkChoice", "parse_level", "THINK_MAX_MIN_CONTEXT"]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import registry
+from .. import registry
 
 _EXPERT = re.compile(r"^(?P<base>.+\.experts)\.(?P<i>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 

@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterable
 import mlx.core as mx
 import numpy as np
 
+from ..kernels import cuda_cache
 from . import stepper
-from .kernels import cuda_cache
 from .prefill_chunk import default_chunk
 
 MAGIC = b"DS4MLXS\x00"

@@ -69,7 +69,7 @@ def install_vision(args, engine) -> str | None:
         if getattr(args, "image", None):
             raise UsageError("--image needs --vision")
         return None
-    from .vision.load import VisionLoadError, load_vision
+    from ..vision.load import VisionLoadError, load_vision
 
     try:
         encoder = load_vision(spec, engine.model, engine.tokenizer)
@@ -82,7 +82,7 @@ def install_vision(args, engine) -> str | None:
 
 def read_image_file(path: str):
     """--image / /read FILE.png: the file as an accepted image (chat.images.ImageInput)."""
-    from .chat import images
+    from ..chat import images
 
     try:
         with open(path, "rb") as f:
@@ -97,7 +97,7 @@ def read_image_file(path: str):
 
 def add_chat_template_argument(p) -> None:
     """--chat-template (generate, chat, serve, agent and eval)."""
-    from .chat import markers as M
+    from ..chat import markers as M
 
     p.add_argument(
         "--chat-template",
@@ -116,7 +116,7 @@ def chat_protocol(args, protocol):
 
 def template_protocol(name: str | None, protocol):
     """`protocol`'s family rendering with chat template `name` (None: `protocol` itself)."""
-    from .chat.protocol import TemplateError, get_protocol
+    from ..chat.protocol import TemplateError, get_protocol
 
     if not name or name == protocol.chat_template:
         return protocol
@@ -153,7 +153,7 @@ def load_prefix(args) -> list:
 
 def install_steering(args, model) -> str | None:
     """Apply the --dir-steering-* flags to `model`; a description, or None."""
-    from . import steering
+    from ..runtime import steering
 
     path = getattr(args, "dir_steering_file", None)
     if not path:
@@ -170,14 +170,14 @@ def install_steering(args, model) -> str | None:
 
 def conversation_head(system: str, prefix: list) -> list:
     """The messages every turn starts with: the system prompt, then the prefix turns."""
-    from .chat.messages import Message
+    from ..chat.messages import Message
 
     return ([Message("system", system)] if system else []) + list(prefix)
 
 
 def sampling_params(args):
     """The sampler settings of the flags."""
-    from .sampling import SamplingParams
+    from ..runtime.sampling import SamplingParams
 
     temp = 1.0 if args.temp is None else args.temp
     return SamplingParams(temperature=temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)

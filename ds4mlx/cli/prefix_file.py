@@ -15,7 +15,7 @@ what each family's template does for a history assistant turn).
 
 from __future__ import annotations
 
-from .chat.messages import Message
+from ..chat.messages import Message
 
 __all__ = ["PrefixError", "parse", "load", "with_head", "USER_MARK", "ASSISTANT_MARK"]
 

@@ -81,7 +81,7 @@ def kv_bytes(config: dict | None, ctx: int) -> int | None:
     (CSA / HCA) and, for CSA, ctx/rate indexer rows.  None for other families."""
     if not config or config.get("model_type", "deepseek_v4") != "deepseek_v4" or "layer_types" not in config:
         return None
-    from .models.deepseek_v4 import ModelArgs
+    from ..models.deepseek_v4 import ModelArgs
 
     a = ModelArgs.from_dict(config)
     total = 0
@@ -147,7 +147,7 @@ def weight_paths(shapes) -> list[str]:
     float matrix type)."""
     import mlx.core as mx
 
-    from .models.quantized import file_paths
+    from ..models.quantized import file_paths
 
     if not shapes:
         return []

@@ -41,8 +41,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.markdown import Markdown
 
-from .chat.markers import THINK_CLOSE, THINK_OPEN
-from .events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd
+from ..chat.markers import THINK_CLOSE, THINK_OPEN
+from ..runtime.events import Finish, PrefillProgress, ReasoningDelta, Started, TextDelta, ToolCallEnd
 from .think_flags import THINK_MAX_MIN_CONTEXT, ThinkError, describe, parse_level, resolve
 
 HELP = __doc__.split("\n\n")[1]
@@ -99,7 +99,7 @@ class TurnResult:
 
 class Repl:
     def __init__(self, engine, args, console: Console, prefix: list, out: Console | None = None):
-        from .cli_options import conversation_head
+        from .options import conversation_head
 
         self.engine = engine
         self.args = args
@@ -113,7 +113,7 @@ class Repl:
         self.markdown = (
             not getattr(args, "no_markdown", False) and self.out.is_terminal and not self.out.is_dumb_terminal
         )
-        from .steering import installed
+        from ..runtime.steering import installed
 
         self.steering = installed(engine.model)  # the last direction loaded: `/steer off`, then `/steer F`
         self.transcript: tuple | None = None  # (prompt + sampled text, head signature)
@@ -225,7 +225,7 @@ class Repl:
         if not path:
             self.warn("/read needs a file path")
             return
-        from .cli_options import UsageError, read_image_file, read_text_file
+        from .options import UsageError, read_image_file, read_text_file
 
         if os.path.splitext(path)[1].lower() in IMAGE_SUFFIXES:
             if self.engine.vision is None:
@@ -248,7 +248,7 @@ class Repl:
         self.turn(text)
 
     def _steer(self, arg: str) -> None:
-        from . import steering
+        from ..runtime import steering
 
         model = self.engine.model
         if not arg:
@@ -287,13 +287,13 @@ class Repl:
 
     # ------------------------------------------------------------------ turns
     def _conversation(self, messages, thinking: str | None = None):
-        from .chat.messages import Conversation
+        from ..chat.messages import Conversation
 
         return Conversation(list(messages), thinking=self.mode() if thinking is None else thinking)
 
     def _prefill_head(self) -> None:
         """ds4 prefills --prefix-file at startup: the history form of the head."""
-        from .engine import Job
+        from ..engine import Job
 
         conv = self._conversation(self.head)
         try:
@@ -304,9 +304,9 @@ class Repl:
         self._run_job(job, show=False)
 
     def turn(self, text: str) -> TurnResult:
-        from .chat.messages import Message
-        from .cli_options import sampling_params
-        from .engine import Job
+        from ..chat.messages import Message
+        from ..engine import Job
+        from .options import sampling_params
 
         args = self.args
         thinking = self.mode()
@@ -345,8 +345,8 @@ class Repl:
         return res
 
     def _attach_images(self, job, messages) -> bool:
-        from .chat.images import conversation_images
-        from .vision.prompt import ImagePromptError, attach
+        from ..chat.images import conversation_images
+        from ..vision.prompt import ImagePromptError, attach
 
         try:
             attach(job, self.engine, conversation_images(messages))
@@ -361,7 +361,7 @@ class Repl:
         """The prompt text before the first user message for this thinking mode
         (Think Max prefix, V4.1's effort line ...): a transcript made under
         another one cannot be extended."""
-        from .chat.messages import Message
+        from ..chat.messages import Message
 
         text = self.protocol.render(self._conversation(self.head + [Message("user", self._SENTINEL)], thinking))
         return text.split(self._SENTINEL, 1)[0]
@@ -369,7 +369,7 @@ class Repl:
     def _continuation(self, user, thinking: str):
         """The transcript + the family's text from the end of an assistant answer
         to the generation prompt of `user`; None when there is no transcript."""
-        from .chat.messages import Message
+        from ..chat.messages import Message
 
         if self.transcript is None:
             return None
@@ -383,7 +383,7 @@ class Repl:
         return text + full.split(self._SENTINEL, 1)[1]
 
     def _run_job(self, job, show: bool) -> TurnResult:
-        from .engine import Failed
+        from ..engine import Failed
 
         q: queue.Queue = queue.Queue()
         h = self.engine.submit(job, q.put)
@@ -475,7 +475,7 @@ class Repl:
             highlight=False,
             soft_wrap=True,
         )
-        from .speculative.cost import summary_lines
+        from ..speculative.cost import summary_lines
 
         for line in summary_lines(res.finish.speculation):  # speculative decoding: what it did, what it cost
             self.console.print(f"[dim]{line}[/dim]", highlight=False, soft_wrap=True)
