@@ -37,7 +37,7 @@ from .cache import StaticDecode
 from .causal_lm import BaseModelArgs, CausalLM
 from .kda import LinearCache, kda, l2norm, short_conv
 from .layers import ActivationDtype, HyperConnection, RMSNorm
-from .mla import KPoolIndexer, MLAAttention, MLACache
+from .mla import KPoolIndexer, MLAAttention, MLACache, indexer_types_from
 from .sigmoid_moe import layer_mlp, sanitize_experts
 
 LINEAR, INDEXED = "linear_attention", "indexed_attention"
@@ -116,15 +116,9 @@ class ModelArgs(BaseModelArgs):
             self.layer_types = [LINEAR if i % 4 != 3 else INDEXED for i in range(n)]
         self.layer_types = [INDEXED if t == "full_attention" else t for t in self.layer_types]
         if self.indexer_types is None:
-            pattern = self.index_topk_pattern
-            if pattern is not None:
-                self.indexer_types = (
-                    [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
-                )
-            else:
-                freq = max(self.index_topk_freq or 1, 1)
-                off = 2 if self.index_skip_topk_offset is None else self.index_skip_topk_offset
-                self.indexer_types = ["full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(n)]
+            self.indexer_types = indexer_types_from(
+                self.index_topk_pattern, self.index_topk_freq, self.index_skip_topk_offset, n
+            )
         la = self.linear_attn_config
         if la is not None:
             self.linear_head_dim = la.get("head_dim", self.linear_head_dim)

@@ -29,7 +29,7 @@ from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (st
 from .cache import StaticDecode
 from .causal_lm import BaseModelArgs, CausalLM
 from .layers import ActivationDtype, RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
-from .mla import DSAIndexer, MLAAttention, MLACache
+from .mla import DSAIndexer, MLAAttention, MLACache, indexer_types_from
 from .sigmoid_moe import layer_mlp, sanitize_experts
 
 
@@ -88,15 +88,9 @@ class ModelArgs(BaseModelArgs):
         if self.num_experts is not None:
             self.n_routed_experts = self.num_experts
         if self.indexer_types is None:
-            pattern = self.index_topk_pattern
-            if pattern is not None:
-                self.indexer_types = (
-                    [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
-                )
-            else:
-                freq = max(self.index_topk_freq or 1, 1)
-                off = 2 if self.index_skip_topk_offset is None else self.index_skip_topk_offset
-                self.indexer_types = ["full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(n)]
+            self.indexer_types = indexer_types_from(
+                self.index_topk_pattern, self.index_topk_freq, self.index_skip_topk_offset, n
+            )
         self.indexer_types = list(self.indexer_types)
         if len(self.indexer_types) < n or any(t not in ("full", "shared") for t in self.indexer_types[:n]):
             raise ValueError(f"bad indexer_types: {self.indexer_types}")

@@ -34,6 +34,7 @@ key rows to gather.  "shared" layers reuse the previous layer's `Selection`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -205,6 +206,17 @@ class MLACache:
 
 
 SCORE_BLOCK_ELEMS = 1 << 26  # queries are scored in blocks of at most this many (query, head, key) floats
+
+
+def indexer_types_from(pattern: Any, freq: int | None, skip_offset: int | None, n: int) -> list[str]:
+    """Which of `n` layers run their own indexer ("full") and which reuse the layer before's
+    selection ("shared"), from a hub config's spellings: a pattern ("FSS..." or a list), else
+    every `freq`-th layer from `skip_offset` (default 2) on."""
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq = max(freq or 1, 1)
+    off = 2 if skip_offset is None else skip_offset
+    return ["full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(n)]
 
 
 def index_scores(q: mx.array, keys: mx.array, w: mx.array, scale: float) -> mx.array:
