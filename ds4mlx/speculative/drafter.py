@@ -43,6 +43,31 @@ def settle_drafts(toks: list, qs: list, gaps: list, margin: float) -> tuple[list
     return drafts, q
 
 
+class DraftRound:
+    """One round's drafts as a drafter samples them: each token, its distribution (a
+    sampling rule's) and, with a margin under greedy drafting, its top-2 gap; `settle()`
+    keeps the confident prefix (settle_drafts)."""
+
+    def __init__(self, rule, margin: float):
+        self.rule, self.margin = rule, margin
+        self.gapped = margin > 0 and getattr(rule, "greedy_drafts", rule.greedy)
+        self.toks: list = []
+        self.qs: list = []
+        self.gaps: list = []
+
+    def draft(self, logits: mx.array) -> mx.array:
+        tok, q = self.rule.draft(logits)
+        self.toks.append(tok)
+        if q is not None:
+            self.qs.append(q)
+        if self.gapped:
+            self.gaps.append(top2_gap(logits))
+        return tok
+
+    def settle(self) -> tuple[list[int], np.ndarray | None]:
+        return settle_drafts(self.toks, self.qs, self.gaps, self.margin)
+
+
 class ModelDrafter:
     def __init__(self, model, ctx: int, chunk: int = 512):
         """`model`: a LanguageModel (models/base.py) or a family Model."""
@@ -84,17 +109,10 @@ class ModelDrafter:
         if k <= 0:
             return [], None
         self._before = s.checkpoint()
-        toks, qs, gaps = [], [], []
-        tok = x0
+        round_, tok = DraftRound(rule, margin), x0
         for _ in range(k):
-            logits = s.step(tok)
-            tok, q = rule.draft(logits)
-            toks.append(tok)
-            if q is not None:
-                qs.append(q)
-            if margin > 0 and getattr(rule, "greedy_drafts", rule.greedy):
-                gaps.append(top2_gap(logits))
-        return settle_drafts(toks, qs, gaps, margin)
+            tok = round_.draft(s.step(tok))
+        return round_.settle()
 
 
 class ScriptedDrafter:

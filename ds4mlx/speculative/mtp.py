@@ -33,7 +33,7 @@ import mlx.core as mx
 from .. import registry
 from ..io.loader import materialize
 from ..io.quant import EXPERTS_PER_LAUNCH, expert_spans
-from .drafter import settle_drafts, top2_gap
+from .drafter import DraftRound
 from .options import SpecUsageError
 
 RANDOM_SEED = 20261201
@@ -244,18 +244,12 @@ class MTPDrafter:
         x, hid = self.head(streams, mx.array([nxt], mx.int32), self.backbone.embed_tokens, self.cache)
         self.done = n
         self._before = (dict(self.cache.meta_state), {kk: mx.array(v) for kk, v in self.cache.state.items()}, n)
-        toks, qs, gaps = [], [], []
+        round_ = DraftRound(rule, margin)
         for i in range(k):
-            logits = self.lm_head(hid[:, -1:])[0, -1]
-            tok, q = rule.draft(logits)
-            toks.append(tok)
-            if q is not None:
-                qs.append(q)
-            if margin > 0 and getattr(rule, "greedy_drafts", rule.greedy):
-                gaps.append(top2_gap(logits))
+            tok = round_.draft(self.lm_head(hid[:, -1:])[0, -1])
             if i + 1 < k:  # recursive: the head's own streams are the next position's
                 x, hid = self.head(x[:, -1:], tok.reshape(1, 1), self.backbone.embed_tokens, self.cache)
-        return settle_drafts(toks, qs, gaps, margin)
+        return round_.settle()
 
 
 def random_mtp_drafter(model, ctx: int = 0, seed: int = RANDOM_SEED):
