@@ -220,6 +220,11 @@ class RoPE(nn.Module):
 # --------------------------------------------------------------------------- mHC
 
 
+def _norm_pair(norm: RMSNorm | None):
+    """An RMSNorm as the hyper-connection kernels take it: (weight, eps), or None."""
+    return None if norm is None else (norm.weight, norm.eps)
+
+
 class HyperConnection(nn.Module):
     """Parameters of one mHC site (names as transformers: fn, base, scale)."""
 
@@ -235,16 +240,7 @@ class HyperConnection(nn.Module):
         """(post, comb, collapsed); with `norm` the collapsed vector comes out through that
         RMSNorm (folded into the same launch on a GPU: the decode step)."""
         # one fused launch on a GPU, `hc_pre` (the reference) on the CPU
-        return hc_kernels.hc_pre(
-            x,
-            self.fn,
-            self.base,
-            self.scale,
-            sinkhorn_iters=self._iters,
-            hc_eps=self._hc_eps,
-            norm_eps=self._norm_eps,
-            norm=None if norm is None else (norm.weight, norm.eps),
-        )
+        return hc_kernels.hc_pre(x, self.fn, self.base, self.scale, norm=_norm_pair(norm), **self._settings())
 
     def after_post(
         self,
@@ -259,25 +255,15 @@ class HyperConnection(nn.Module):
         result: (new streams, post, comb, collapsed [through `norm`]); at decode on a GPU
         two launches instead of three (`kernels.hyper_connection.hc_post_pre`)."""
         return hc_kernels.hc_post_pre(
-            x,
-            out,
-            post,
-            comb,
-            self.fn,
-            self.base,
-            self.scale,
-            sinkhorn_iters=self._iters,
-            hc_eps=self._hc_eps,
-            norm_eps=self._norm_eps,
-            norm=None if norm is None else (norm.weight, norm.eps),
-            out2=out2,
+            x, out, post, comb, self.fn, self.base, self.scale, norm=_norm_pair(norm), out2=out2, **self._settings()
         )
 
     def mix(self, x: mx.array):
         """(pre, post, comb) without the collapse (see `hc_mix`); one fused launch on a GPU."""
-        return hc_kernels.hc_mix(
-            x, self.fn, self.base, self.scale, sinkhorn_iters=self._iters, hc_eps=self._hc_eps, norm_eps=self._norm_eps
-        )
+        return hc_kernels.hc_mix(x, self.fn, self.base, self.scale, **self._settings())
+
+    def _settings(self) -> dict:
+        return {"sinkhorn_iters": self._iters, "hc_eps": self._hc_eps, "norm_eps": self._norm_eps}
 
 
 class HyperHead(nn.Module):
