@@ -1330,10 +1330,22 @@ def test_rows_entry_tail_slices(monkeypatch):
         assert len(launches) == 1 and launches[0]["XR"] == xr and launches[0]["grid"][2] == -(-8 // xr)
 
 
+def test_rows_go_straight_to_the_kernel_once_verified(fake_cuda):
+    """'affine_qmv.rows' passed its GPU tests (H100): no first-use self-test, XR rows a slice."""
+    assert "affine_qmv.rows" not in dispatch.UNVERIFIED_KERNELS
+    launches = []
+    fake_cuda.setattr(aq, "_kernel", _spy_kernel(launches))
+    wq, sc, bi = mx.quantize(mx.random.normal((64, 1024), key=mx.random.key(1)), 64, 8)
+    aq.qmv(mx.random.normal((5, 1024), key=mx.random.key(2)), wq, sc, bi, group_size=64, bits=8)
+    assert ("affine_qmv.rows", "cuda") not in dispatch._self_tests
+    assert len(launches) == 1 and (launches[0]["XR"], launches[0]["grid"][2]) == (5, 1)
+
+
 def test_unverified_rows_self_test_on_cuda(fake_cuda):
-    """'affine_qmv.rows' is unverified: on CUDA its first use self-tests it; a failure sends the rows
-    one a z slice (XR = 1, the verified kernel: still one launch), a pass sends XR rows a slice."""
-    assert "affine_qmv.rows" in dispatch.UNVERIFIED_KERNELS
+    """A multi-row kernel listed unverified (as 'affine_qmv.rows' was until its GPU tests passed):
+    on CUDA its first use self-tests it; a failure sends the rows one a z slice (XR = 1, the
+    verified kernel: still one launch), a pass sends XR rows a slice."""
+    fake_cuda.setattr(dispatch, "UNVERIFIED_KERNELS", dispatch.UNVERIFIED_KERNELS | {"affine_qmv.rows"})
     launches = []
     fake_cuda.setattr(aq, "_kernel", _spy_kernel(launches))
     wq, sc, bi = mx.quantize(mx.random.normal((64, 1024), key=mx.random.key(1)), 64, 8)

@@ -39,12 +39,12 @@ UNVERIFIED_FACES = ("metal",)
 # face has passed the g++ emulation and nvcc but not yet its `pytest -m gpu` run
 UNVERIFIED_KERNELS = {  # every other kernel's CUDA face passed its `pytest -m gpu` tests (docs/device.md)
     "affine_qmv.norm",  # the plain mode with an RMSNorm folded in (the decode step's q_a norm): no GPU test of its own
-    "affine_qmv.rows",  # the plain mode's multi-row variant: XR x rows a threadgroup, x staged in K slices
     "sparse_attention.attend_rows",  # B sessions' decode queries in one attend launch (session batching)
     "compressor_step.rows",  # B sessions' tokens through one compressor in one launch (session batching)
     "attn_prep.rows",  # B sessions' attention prologues of one layer in one launch (session batching)
-    "sparse_attention.index_topk_rows",
-    "attn_prologue",  # attn_prep and a compressed layer's compressor steps in one launch  # B sessions' indexer scores + top-k in one launch (session batching)
+    "sparse_attention.index_topk_rows",  # B sessions' indexer scores + top-k in one launch (session batching)
+    "attn_prologue",  # attn_prep and a compressed layer's compressor steps in one launch
+    "attn_prologue.rows",  # the same for B sessions' rows of one layer (session batching)
 }
 
 log = logging.getLogger("ds4mlx.kernels")
