@@ -72,3 +72,31 @@ def test_cli_profile_prefill(capsys):
     err = capsys.readouterr().err
     assert "prefill chunk of 4 tokens at ctx 8" in err and "prefill chunk of 8 tokens at ctx 8" in err
     assert main(argv[:-1] + ["4,x"]) == 2
+
+
+def test_gpu_busy_is_measured_on_its_own_chunk_and_printed(tiny, monkeypatch):
+    """Where the CUDA profiler is there, one more barrier-free chunk runs under it and its
+    busy time is set against the chunk's wall time (the profiler faked here: the CPU has none)."""
+    from ds4mlx.bench import gpu_timer
+
+    seen = []
+
+    def fake_busy(fn, steps):
+        seen.append(steps)
+        fn()
+        return 0.25
+
+    monkeypatch.setattr(gpu_timer, "unavailable", lambda: None)
+    monkeypatch.setattr(gpu_timer, "busy_ms", fake_busy)
+    toks = [(7 * i + 3) % 1000 for i in range(16 + 3 * 8)]
+    with pytest.raises(ValueError, match="needs 48 tokens"):
+        profile_prefill(tiny, toks, ctx=16, chunk=8, repeats=1)
+    p = profile_prefill(tiny, toks + toks[:8], ctx=16, chunk=8, repeats=1)
+    assert seen == [1] and p["gpu_busy_ms"] == 0.25
+    assert "GPU-busy 0.2 ms of the" in format_prefill_profile(p)
+
+
+def test_no_gpu_busy_where_it_can_not_be_measured(tiny):
+    toks = [(7 * i + 3) % 1000 for i in range(16 + 3 * 8)]
+    p = profile_prefill(tiny, toks, ctx=16, chunk=8, repeats=1)
+    assert p["gpu_busy_ms"] is None and "GPU-busy" not in format_prefill_profile(p)

@@ -442,7 +442,7 @@ def run(args) -> int:
         from .prefill_profile import format_prefill_profile, profile_prefill
 
         for c in profile_chunks:
-            toks = bench_tokens(tokenizer, args.ctx_start + 3 * c, args.text)
+            toks = bench_tokens(tokenizer, args.ctx_start + 4 * c, args.text)  # + 1 chunk: GPU-busy
             p = profile_prefill(model, toks, args.ctx_start, c, repeats=1)
             print(format_prefill_profile(p), file=sys.stderr, flush=True)
     rows = run_bench(

@@ -13,6 +13,11 @@ too (`chunk_ms`) and the families' sum set against it.
 returning, before anything is evaluated); a host synchronisation inside the
 forward (a `.item()` or an `np.array` of a device value) lands there as well.
 
+`gpu_busy_ms` is the device's kernel time for one more barrier-free chunk under
+the CUDA profiler (bench/gpu_timer.py; None where it can not be measured): set
+against `chunk_ms` it says how much of the chunk's wall time the GPU is idle
+(host work, synchronisations, launch gaps).
+
 The families of the DeepSeek V4 graph (models/deepseek_v4.py): attention (the
 projections, sliding window and attention core), compressor (pooling of both
 compressors), indexer (index scores and top-k), moe routed experts, moe router,
@@ -175,14 +180,18 @@ def _chunk(inner, session, ids, clock=None) -> tuple[float, float]:
 def profile_prefill(model, tokens: list[int], ctx: int, chunk: int, repeats: int = 2) -> dict:
     """Prefill `ctx` tokens in chunks of `chunk`, then time chunks at that depth.
 
-    `tokens` needs ctx + (2 * repeats + 1) * chunk entries.  Chunk k after ctx runs
-    at depth ctx + k * chunk: one warm-up (first-use kernel compilation), `repeats`
-    plain chunks (the median is `chunk_ms`, its graph build `host`), `repeats`
-    instrumented ones (families summed over them, divided by `repeats`)."""
+    `tokens` needs ctx + (2 * repeats + 1) * chunk entries, one chunk more where the GPU's
+    busy time can be measured.  Chunk k after ctx runs at depth ctx + k * chunk: one
+    warm-up (first-use kernel compilation), `repeats` plain chunks (the median is
+    `chunk_ms`, its graph build `host`), then the busy-time chunk where measured, then
+    `repeats` instrumented ones (families summed over them, divided by `repeats`)."""
     import mlx.core as mx
 
+    from . import gpu_timer
+
     inner = model.model
-    need = ctx + (2 * repeats + 1) * chunk
+    busy_chunks = 1 if gpu_timer.unavailable() is None else 0
+    need = ctx + (2 * repeats + 1 + busy_chunks) * chunk
     if len(tokens) < need:
         raise ValueError(f"profile_prefill needs {need} tokens, got {len(tokens)}")
     session = model.new_session(ctx=need + 1, chunk=chunk)
@@ -198,6 +207,10 @@ def profile_prefill(model, tokens: list[int], ctx: int, chunk: int, repeats: int
         plain.append(_chunk(inner, session, tokens[pos : pos + chunk]))
         pos += chunk
     peak = mx.get_peak_memory()
+    busy = None
+    if busy_chunks:
+        busy = gpu_timer.busy_ms(lambda: _chunk(inner, session, tokens[pos : pos + chunk]), 1)
+        pos += chunk
     clock = FamilyClock(session.cache_arrays)
     hooks = family_hooks(inner)
     with timed_families(clock, hooks):
@@ -214,6 +227,7 @@ def profile_prefill(model, tokens: list[int], ctx: int, chunk: int, repeats: int
         "chunk_ms": total * 1e3,
         "tokens_per_s": chunk / total,
         "host_ms": host * 1e3,
+        "gpu_busy_ms": busy,
         "families_ms": fam,
         "instrumented_ms": sum(fam.values()),
         "calls_per_chunk": {k: v // repeats for k, v in clock.calls.items()},
@@ -234,6 +248,10 @@ def format_prefill_profile(p: dict) -> str:
     for k, v in sorted(p["families_ms"].items(), key=lambda kv: -kv[1]):
         lines.append(f"| {k} | {v:.1f} | {100 * v / total:.0f} % | {p['calls_per_chunk'].get(k, '')} |")
     lines.append(f"| host (graph build, inside the barrier-free chunk) | {p['host_ms']:.1f} | | |")
+    busy = p.get("gpu_busy_ms")
+    if busy is not None:
+        idle = max(0.0, 1 - busy / max(p["chunk_ms"], 1e-9))
+        lines.append(f"GPU-busy {busy:.1f} ms of the {p['chunk_ms']:.1f} ms chunk ({100 * idle:.0f} % idle)")
     lines.append(
         f"(instrumented chunk {p['instrumented_ms']:.1f} ms with a device barrier around every family, "
         f"barrier-free chunk {p['chunk_ms']:.1f} ms)"
