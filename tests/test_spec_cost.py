@@ -167,15 +167,35 @@ def test_mtp_timing_implies_mtp_on_the_tiny_v4(tiny_v4):
         spec.drafter.close()
 
 
-def test_serve_refuses_speculation_with_batched_sessions():
+def test_serve_runs_batched_sessions_with_speculation_off_and_says_why(caplog):
+    """`serve --batched-session 2` with any speculation flag: the server is built, its engine
+    has 2 slots and no speculation (no drafter or MTP file loaded), one warning line says why."""
+    import logging
+
+    import ds4mlx
     from ds4mlx.serve import cli as serve_cli
 
     p = argparse.ArgumentParser()
     serve_cli.add_arguments(p)
-    for flags in (["--mtp"], ["--dspark"], ["--draft-model", "x"], ["--mtp-timing"]):
+    demo = ds4mlx.load(None)
+    for flags in (["--mtp"], ["--dspark"], ["--draft-model", "no/such/model"], ["--mtp-timing"], ["--mtp", "no.gguf"]):
         args = p.parse_args(["--batched-session", "2", *flags])
-        with pytest.raises(SystemExit, match="does not combine with --batched-session > 1"):
-            serve_cli.build(args)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ds4mlx.serve"):
+            engine, _ = serve_cli.build(args, loaded=demo)
+        try:
+            assert engine.slots == 2 and engine.speculation is None
+        finally:
+            engine.close()
+        said = [r.getMessage() for r in caplog.records if "speculative decoding off" in r.getMessage()]
+        assert said == [
+            "speculative decoding off: --batched-session 2 decodes the slots in one shared forward per step, "
+            "which a drafter does not follow (--batched-session 1 speculates)"
+        ]
+    args = p.parse_args(["--batched-session", "1", "--mtp"])
+    assert spec_cli.off_for_slots(args, 1) is None and args.mtp == ""  # one slot: speculation stays asked
+    args = p.parse_args(["--batched-session", "4"])
+    assert spec_cli.off_for_slots(args, 4) is None  # nothing asked: nothing said
 
 
 def test_bench_rows_carry_the_counters_and_the_acceptance_model(tiny_v4, tmp_path):
