@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -226,3 +227,26 @@ def test_bench_rows_carry_the_counters_and_the_acceptance_model(tiny_v4, tmp_pat
             be = r[f"spec_breakeven_k{k}"]
             assert be == "never" or 0.0 <= float(be) <= 1.0
             assert float(r[f"spec_verify_ms_k{k}"]) > 0
+
+
+def test_chat_prints_the_counters_and_the_acceptance_model(tmp_path):
+    """`ds4mlx chat --mtp --mtp-timing` on the demo model: after an answer, beside its t/s line,
+    what speculation did (drafted, accepted, rate, verify cost) and the break-even per k."""
+    pytest.importorskip("pexpect")
+    import pexpect
+    from test_cli_repl import ANSI, PROMPT, spawn
+
+    child = spawn(tmp_path, "--nothink", "--mtp", "--mtp-draft", "2", "--mtp-timing", "-n", "24", "--temp", "0")
+    try:
+        child.sendline("hello")
+        child.expect(r"k=4: verify of 5 tokens[^\r\n]*")
+        text = ANSI.sub("", child.before + child.after)
+        child.expect_exact(PROMPT)
+        assert re.search(r"speculation: drafted \d+, accepted \d+ \(\d+\.\d%\)", text), text[-2000:]
+        assert "verify" in text and "generation" in text  # beside the t/s status line
+        for k in (1, 2, 3):
+            assert f"k={k}: verify of {k + 1} tokens" in text
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
