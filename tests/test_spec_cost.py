@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -167,15 +168,35 @@ def test_mtp_timing_implies_mtp_on_the_tiny_v4(tiny_v4):
         spec.drafter.close()
 
 
-def test_serve_refuses_speculation_with_batched_sessions():
+def test_serve_runs_batched_sessions_with_speculation_off_and_says_why(caplog):
+    """`serve --batched-session 2` with any speculation flag: the server is built, its engine
+    has 2 slots and no speculation (no drafter or MTP file loaded), one warning line says why."""
+    import logging
+
+    import ds4mlx
     from ds4mlx.serve import cli as serve_cli
 
     p = argparse.ArgumentParser()
     serve_cli.add_arguments(p)
-    for flags in (["--mtp"], ["--dspark"], ["--draft-model", "x"], ["--mtp-timing"]):
+    demo = ds4mlx.load(None)
+    for flags in (["--mtp"], ["--dspark"], ["--draft-model", "no/such/model"], ["--mtp-timing"], ["--mtp", "no.gguf"]):
         args = p.parse_args(["--batched-session", "2", *flags])
-        with pytest.raises(SystemExit, match="does not combine with --batched-session > 1"):
-            serve_cli.build(args)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ds4mlx.serve"):
+            engine, _ = serve_cli.build(args, loaded=demo)
+        try:
+            assert engine.slots == 2 and engine.speculation is None
+        finally:
+            engine.close()
+        said = [r.getMessage() for r in caplog.records if "speculative decoding off" in r.getMessage()]
+        assert said == [
+            "speculative decoding off: --batched-session 2 decodes the slots in one shared forward per step, "
+            "which a drafter does not follow (--batched-session 1 speculates)"
+        ]
+    args = p.parse_args(["--batched-session", "1", "--mtp"])
+    assert spec_cli.off_for_slots(args, 1) is None and args.mtp == ""  # one slot: speculation stays asked
+    args = p.parse_args(["--batched-session", "4"])
+    assert spec_cli.off_for_slots(args, 4) is None  # nothing asked: nothing said
 
 
 def test_bench_rows_carry_the_counters_and_the_acceptance_model(tiny_v4, tmp_path):
@@ -206,3 +227,26 @@ def test_bench_rows_carry_the_counters_and_the_acceptance_model(tiny_v4, tmp_pat
             be = r[f"spec_breakeven_k{k}"]
             assert be == "never" or 0.0 <= float(be) <= 1.0
             assert float(r[f"spec_verify_ms_k{k}"]) > 0
+
+
+def test_chat_prints_the_counters_and_the_acceptance_model(tmp_path):
+    """`ds4mlx chat --mtp --mtp-timing` on the demo model: after an answer, beside its t/s line,
+    what speculation did (drafted, accepted, rate, verify cost) and the break-even per k."""
+    pytest.importorskip("pexpect")
+    import pexpect
+    from test_cli_repl import ANSI, PROMPT, spawn
+
+    child = spawn(tmp_path, "--nothink", "--mtp", "--mtp-draft", "2", "--mtp-timing", "-n", "24", "--temp", "0")
+    try:
+        child.sendline("hello")
+        child.expect(r"k=4: verify of 5 tokens[^\r\n]*")
+        text = ANSI.sub("", child.before + child.after)
+        child.expect_exact(PROMPT)
+        assert re.search(r"speculation: drafted \d+, accepted \d+ \(\d+\.\d%\)", text), text[-2000:]
+        assert "verify" in text and "generation" in text  # beside the t/s status line
+        for k in (1, 2, 3):
+            assert f"k={k}: verify of {k + 1} tokens" in text
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)

@@ -134,6 +134,12 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10, help="verify calls per k")
     p.add_argument("--max-k", type=int, default=4)
     p.add_argument("--no-self", action="store_true", help="skip the self-draft runs (each costs 2x decode)")
+    p.add_argument(
+        "--float-head",
+        action="store_true",
+        help="the random MTP head's routed experts in the model's float dtype (13 GB at V4 Flash size) "
+        "instead of quantized as the target's",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny synthetic model (CPU check of the script)")
     p.add_argument("--csv", default="-")
     a = p.parse_args()
@@ -189,7 +195,7 @@ def main() -> int:
     except ImportError:
         random_mtp_drafter = None
     if random_mtp_drafter is not None:
-        drafter = random_mtp_drafter(model, ctx)
+        drafter = random_mtp_drafter(model, ctx, quantized=not a.float_head)
         for k in range(1, a.max_k + 1):
             ms, tpr, acc = spec_run(model, ids, ctx, a.gen, drafter, k)
             row(f"mtp_{k}", k, ms, f"{tpr:.2f}", f"{acc:.3f}", f"{step_ms / ms:.3f}")

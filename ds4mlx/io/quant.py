@@ -330,17 +330,40 @@ def dequantize(raw: np.ndarray, qtype, shape: Sequence[int]) -> np.ndarray:
     return gguf.quants.dequantize(rows, qtype).astype(np.float32, copy=False).reshape(shape)
 
 
-# --------------------------------------------------------------------------- random blocks
-# Byte offsets of the float16 scale fields inside one block of each type: random
-# bytes there could be inf / NaN; a fixed small scale keeps the outputs finite.
+# --------------------------------------------------------------------------- expert bank spans
 EXPERTS_PER_LAUNCH = 16  # random / quantize calls over an expert bank: a whole [256, 4096, 4096]
 # bank in one launch overflows a CUDA grid (or fails to add its graph node) on the H200
 
+# MLX's CUDA grouped GEMM (`mx.gather_mm(..., sorted_indices=True)` with one row per pair)
+# forms each expert's pointer as `expert * itemsize * rows * cols` in 32-bit int
+# (prepare_grouped_mm_data, mlx/backend/cuda/gemms/grouped_gemm_unaligned.cu): in a bank of
+# 2^31 bytes or more the later experts' offsets wrap, and the GEMM reads bytes before the bank
+# (an illegal address, or another buffer's bytes read as weights).
+GROUPED_GEMM_MAX_BYTES = 1 << 31
 
-def expert_spans(experts: int):
-    """(first, count) of each EXPERTS_PER_LAUNCH-expert slice of a bank of `experts`."""
-    for e0 in range(0, experts, EXPERTS_PER_LAUNCH):
-        yield e0, min(EXPERTS_PER_LAUNCH, experts - e0)
+
+def expert_spans(experts: int, per_span: int = EXPERTS_PER_LAUNCH):
+    """(first, count) of each `per_span`-expert slice of a bank of `experts`."""
+    for e0 in range(0, experts, per_span):
+        yield e0, min(per_span, experts - e0)
+
+
+def grouped_gemm_spans(experts: int, expert_bytes: int) -> list[tuple[int, int]]:
+    """`expert_spans` of a bank whose experts take `expert_bytes` each, every span at most
+    GROUPED_GEMM_MAX_BYTES (one span when the whole bank fits): the slices a grouped GEMM
+    may see one at a time."""
+    return list(expert_spans(experts, max(1, GROUPED_GEMM_MAX_BYTES // max(1, expert_bytes))))
+
+
+def grouped_gemm_rows(experts: int, rows: int, cols: int, itemsize: int) -> int:
+    """The most output rows of an [experts, rows, cols] bank one grouped GEMM may see
+    (GROUPED_GEMM_MAX_BYTES), for a bank split along its rows instead (all experts each time)."""
+    return max(1, min(rows, GROUPED_GEMM_MAX_BYTES // max(1, experts * cols * itemsize)))
+
+
+# --------------------------------------------------------------------------- random blocks
+# Byte offsets of the float16 scale fields inside one block of each type: random
+# bytes there could be inf / NaN; a fixed small scale keeps the outputs finite.
 
 
 _F16_FIELDS = {"IQ2_XXS": (0,), "Q2_K": (80, 82), "Q4_K": (0, 2), "Q8_0": (0,)}

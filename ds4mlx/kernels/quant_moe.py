@@ -56,7 +56,16 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from ds4mlx.io.quant import QT, as_qtype, iq2xxs_grid, iq2xxs_grid_u64, iq2xxs_sign_table, random_gguf_blocks, row_bytes
+from ds4mlx.io.quant import (
+    QT,
+    as_qtype,
+    grouped_gemm_rows,
+    iq2xxs_grid,
+    iq2xxs_grid_u64,
+    iq2xxs_sign_table,
+    random_gguf_blocks,
+    row_bytes,
+)
 from ds4mlx.kernels.activations import clamped_swiglu
 from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, sections
 
@@ -457,9 +466,9 @@ def gather_qmm(
     xs = (x2 if x.ndim == 3 and order is None else x2[xids]).astype(wdt).reshape(-1, 1, k_dim)
     per_row = n_exp * k_dim * wdt.size
     step = max(1, min(rows, int(max_dequant_bytes // max(per_row, 1))))
-    # and fewer than 2^31 values per block: a whole V4 Flash stack (256 x 2048 x 4096) is
-    # exactly 2^31, past the 32-bit indexing of GPU kernels (an illegal access, seen once)
-    step = max(1, min(step, ((1 << 31) - 1) // max(n_exp * k_dim, 1)))
+    # and each block's bank under the grouped GEMM's 32-bit byte offsets: a whole V4 Flash
+    # stack (256 x 2048 x 4096) in float16 is 4 GiB (an illegal access, seen once)
+    step = min(step, grouped_gemm_rows(n_exp, rows, k_dim, wdt.size))
     every = mx.arange(n_exp, dtype=mx.int32)
     outs = []
     for r0 in range(0, rows, step):

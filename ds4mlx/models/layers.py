@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..io.quant import expert_spans, grouped_gemm_spans
 from ..kernels import affine_qmv
 from ..kernels import hyper_connection as hc_kernels
 from ..kernels.activations import clamped_swiglu  # re-exported: the families import it from here
@@ -295,14 +296,26 @@ class SwitchLinear(nn.Module):
         return self.weight.shape[0]
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        w = self.weight.swapaxes(-1, -2)
-        if x.dtype != mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
-            # the CPU GatherMM kernel is float32-only
-            y = mx.gather_mm(
-                x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices, sorted_indices=sorted_indices
-            )
-            return y.astype(x.dtype)
-        return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
+        if sorted_indices:
+            e, out_dims, in_dims = self.weight.shape
+            itemsize = max(x.dtype.size, self.weight.dtype.size)  # gather_mm computes in the wider type
+            spans = grouped_gemm_spans(e, out_dims * in_dims * itemsize)
+            if len(spans) > 1:
+                return self._sorted_by_spans(x, indices, spans)
+        return _gather_mm(x, self.weight, indices, sorted_indices)
+
+    def _sorted_by_spans(self, x: mx.array, indices: mx.array, spans) -> mx.array:
+        """The grouped GEMM of a bank past its 32-bit offsets (`quant.GROUPED_GEMM_MAX_BYTES`),
+        one span of experts at a time: every span sees every pair with its expert clipped into
+        the span (still sorted) and keeps the rows of its own pairs; a pair's row is computed
+        as in one call over the whole bank."""
+        ids = indices.astype(mx.int32)
+        y = None
+        for e0, n in spans:
+            part = _gather_mm(x, self.weight[e0 : e0 + n], mx.clip(ids - e0, 0, n - 1), True)
+            # spans ascend: the last span starting at or below a pair's expert is its own
+            y = part if y is None else mx.where((ids >= e0)[..., None, None], part, y)
+        return y
 
     def per_expert(self, x: mx.array, experts: mx.array) -> mx.array:
         """x [B, M, in], experts [B] -> [B, M, out]: batch b through expert experts[b]
@@ -410,11 +423,19 @@ class QuantizedSwitchLinear(nn.Module):
         return y.reshape(*batch, 1, y.shape[-1])
 
 
+def _gather_mm(x: mx.array, weight: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+    """`x @ weight[indices].T` for a float bank [E, out, in] through `mx.gather_mm`."""
+    w = weight.swapaxes(-1, -2)
+    if x.dtype != mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
+        # the CPU GatherMM kernel is float32-only
+        y = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices, sorted_indices=sorted_indices)
+        return y.astype(x.dtype)
+    return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
+
+
 def quantize_switch(switch: SwitchLinear, bits: int, group_size: int = 64) -> QuantizedSwitchLinear:
     """A float expert bank as a `QuantizedSwitchLinear`, quantized a `quant.expert_spans` slice at
     a time (the whole [256, 4096, 4096] bank in one mx.quantize call overflows a CUDA launch)."""
-    from ..io.quant import expert_spans
-
     e, out_dims, in_dims = switch.weight.shape
     parts = []
     for i, n in expert_spans(e):

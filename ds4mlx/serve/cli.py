@@ -159,13 +159,9 @@ def build(args, loaded=None):
     from .prepare import ServeConfig
 
     log = logging.getLogger("ds4mlx.serve")
-    if getattr(args, "batched_session", 1) > 1 and spec_cli.speculation_requested(args):
-        # as ds4's session-batched server: the slots decode in one shared forward and a drafter
-        # follows one session, so speculation and batched sessions are one or the other
-        raise SystemExit(
-            "ds4mlx serve: speculative decoding (--mtp, --dspark, --draft-model) does not combine with "
-            "--batched-session > 1 (the slots share one forward per step); use one or the other"
-        )
+    spec_off = spec_cli.off_for_slots(args, getattr(args, "batched_session", 1))
+    if spec_off:
+        log.warning("%s", spec_off)
     kv = KVCacheOptions.from_args(args)
     if loaded is not None:
         model, tokenizer = loaded

@@ -18,7 +18,7 @@ import argparse
 
 from .options import DEFAULT_DRAFT, DEFAULT_EXACT_SAMPLING, DEFAULT_MARGIN, SpecConfig, SpecUsageError
 
-__all__ = ["SpecUsageError", "add_arguments", "mtp_file", "spec_config"]
+__all__ = ["SpecUsageError", "add_arguments", "mtp_file", "off_for_slots", "spec_config"]
 
 MAIN_FILE = ""  # `--mtp` without FILE: the MTP tensors of the model file itself
 
@@ -109,6 +109,27 @@ def _wants_mtp(args) -> bool:
 def speculation_requested(args) -> bool:
     """Whether the flags ask for speculative decoding (before anything is loaded)."""
     return bool(getattr(args, "draft_model", None)) or _wants_mtp(args)
+
+
+# the flags that ask for speculation, and each one's value when it asks for nothing
+_REQUEST_FLAGS = {"mtp": None, "mtp_model": None, "dspark": False, "mtp_timing": False, "draft_model": None}
+
+
+def off_for_slots(args, slots: int) -> str | None:
+    """With `slots` > 1 resident sessions (serve's --batched-session) speculation is off: the
+    flags asking for it are cleared (no drafter or MTP file is loaded) and the one-line reason
+    returned; None where nothing was asked or one slot runs."""
+    if slots <= 1 or not speculation_requested(args):
+        return None
+    for name, off in _REQUEST_FLAGS.items():
+        if hasattr(args, name):
+            setattr(args, name, off)
+    # as ds4's session-batched server: the slots decode in one shared forward per step and a
+    # drafter follows one session's tokens
+    return (
+        f"speculative decoding off: --batched-session {slots} decodes the slots in one shared forward "
+        "per step, which a drafter does not follow (--batched-session 1 speculates)"
+    )
 
 
 def spec_config(args, model, ctx: int, dtype="auto") -> SpecConfig | None:

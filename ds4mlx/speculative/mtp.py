@@ -252,7 +252,9 @@ class MTPDrafter:
         return round_.settle()
 
 
-def random_mtp_drafter(model, ctx: int = 0, seed: int = RANDOM_SEED):
+def random_mtp_drafter(model, ctx: int = 0, seed: int = RANDOM_SEED, quantized: bool = True):
+    """A drafter with a random MTP head (V4.1: DSpark block) for `model`; `quantized`: its routed
+    experts quantized as the target's (`_quantized_like`), else in the model's float dtype."""
     if _model_type(model) == V41:
         from ..models.deepseek_v41_dspark import DSparkArgs
         from ..models.deepseek_v41_dspark import random_head as random_dspark_head
@@ -262,15 +264,16 @@ def random_mtp_drafter(model, ctx: int = 0, seed: int = RANDOM_SEED):
         dspark = DSparkArgs.from_config(default_dspark_config(inner.args))
         return DSparkBlockDrafter(model, random_dspark_head(inner.args, dspark, seed, dtype=inner.static_dtype()))
     inner, _ = _backbone(model)
-    return MTPDrafter(model, _quantized_like(inner, random_head(inner.args, seed, dtype=_float_dtype(inner))))
+    head = random_head(inner.args, seed, dtype=_float_dtype(inner))
+    return MTPDrafter(model, _quantized_like(inner, head) if quantized else head)
 
 
 def _quantized_like(inner, head):
     """The random head's routed experts quantized as the target's are (a synthetic model's
     2-bit banks): a float head at V4 Flash size is 13 GB of bfloat16 experts, read at 6 experts
     a token that is more than a target layer's bytes, which no real MTP file (ds4's MTP GGUF
-    is quantized) costs; on an 80 GB card beside a 20-layer target it also left too little
-    room (the drafter's first expert product failed with an illegal memory access, H100)."""
+    is quantized) costs.  (Its bfloat16 banks past 2^31 bytes once made the catch-up's grouped
+    GEMM read before the bank: `layers.SwitchLinear` splits them, `quant.grouped_gemm_spans`.)"""
     from ..models.layers import QuantizedSwitchLinear, SwitchLinear, quantize_switch
 
     target = next((m for _, m in inner.named_modules() if isinstance(m, QuantizedSwitchLinear)), None)
