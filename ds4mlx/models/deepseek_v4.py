@@ -41,10 +41,10 @@ from ..kernels import sparse_attention as _sparse
 from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_rows
 from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
-from ..runtime.forward_context import CHAIN, DECODE, StepContext
+from ..runtime.forward_context import CHAIN, DECODE
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from . import prefill_attention
-from .cache import StaticDecode, grow_rows, iota, iota_rows
+from .cache import StaticForward, grow_rows, iota, iota_rows
 from .causal_lm import BaseModelArgs, CausalLM
 from .fused import FusedLinear, fused_or_each, swiglu_of
 from .layers import (
@@ -911,12 +911,14 @@ class Attention(nn.Module):
             # window + compressed rows + sinks, and the output's inverse rope, in one launch;
             # q [1, nh, 1, D], ring [1, 1, W, D]: read flat, no view nodes -> [rows, nh, 1, D]
             kw = dict(ratio=self._step_ratio(), scale=self._D**-0.5, out_rope=self._rope)
-            out = None
-            if B > 1:  # each row's inputs its own: a chained row reads the ring and rows the rows before it wrote
-                out = _sparse.attend_rows(*(list(a) for a in zip(*preps)), self.sinks, ctx.row_pos, **kw)
-            outs = [out] if out is not None else [
-                _sparse.attend_at(*pr, self.sinks, p, backend=face, **kw) for pr, p in zip(preps, ctx.row_pos)
-            ]  # fmt: skip
+            # several rows: one launch where they can share it (each row's inputs its own: a
+            # chained row reads the ring and rows the rows before it wrote), else one per row
+            columns = [list(a) for a in zip(*preps)]  # qs, rings, rows, idxs, cnts
+            shared = _sparse.attend_rows(*columns, self.sinks, ctx.row_pos, **kw) if B > 1 else None
+            if shared is not None:
+                outs = [shared]
+            else:
+                outs = [_sparse.attend_at(*pr, self.sinks, p, backend=face, **kw) for pr, p in zip(preps, ctx.row_pos)]
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [B, nh, 1, D]
         return self._output(out, None, 1, B)
 
@@ -952,25 +954,26 @@ class Attention(nn.Module):
         kw["backend"] = "reference" if face == "reference" else None
         comp = self.compressor if self.layer_type != SLIDING else None
         B, views = ctx.rows, ctx.views
-        rows = [_step_row(b, B, q_b, kv, more, index_q_b if csa else None) for b in range(B)]
+        w, rope, eps = self.kv_norm.weight, self._rope, self._eps
+        per_row = [_step_row(b, B, q_b, kv, more, index_q_b if csa else None) for b in range(B)]
         if ctx.kind == DECODE and B > 1:
             rings = [next(v) for v in views]
-            jobs = [[] if comp is None else comp.step_jobs(r[2], v) for r, v in zip(rows, views)]
+            jobs = [[] if comp is None else comp.step_jobs(r[2], v) for r, v in zip(per_row, views)]
             iq = index_q_b if csa else None
-            heads = attn_prologue_rows(q_b, kv, self.kv_norm.weight, rings, ctx.pos, self._rope, self._eps, iq, jobs, **kw)  # fmt: skip
+            heads = attn_prologue_rows(q_b, kv, w, rings, ctx.pos, rope, eps, iq, jobs, **kw)
             for v, (_, ring, _, sts) in zip(views, heads):
                 v.put(ring, *[a for st in sts for a in st])
         else:
             heads = []
-            for (q_r, kv_r, proj, iq), p, v in zip(rows, ctx.row_pos, views):
+            for (q_r, kv_r, proj, iq), p, v in zip(per_row, ctx.row_pos, views):
                 ring = next(v)
                 jobs = [] if comp is None else comp.step_jobs(proj, v)
-                head = attn_prologue(q_r, kv_r, self.kv_norm.weight, ring, p, self._rope, self._eps, iq, jobs, **kw)
+                head = attn_prologue(q_r, kv_r, w, ring, p, rope, eps, iq, jobs, **kw)
                 v.put(head[1], *[a for st in head[3] for a in st])  # before the next row reads it
                 heads.append(head)
         if comp is None:
             return [(q, ring, None, None, None) for q, ring, _, _ in heads]
-        sel = comp.step_pick(ctx, [h[3] for h in heads], [r[2] for r in rows], [h[2] for h in heads])
+        sel = comp.step_pick(ctx, [h[3] for h in heads], [r[2] for r in per_row], [h[2] for h in heads])
         return [(q, ring, *rest) for (q, ring, _, _), rest in zip(heads, sel)]
 
     def _step_attend_graph(self, q_b, kv, more, index_q_b, pos, view) -> mx.array:
@@ -1193,7 +1196,7 @@ class DeepseekV4Model(ActivationDtype, nn.Module):
         return (self.norm(h) if final_norm else h), x
 
 
-class Model(StaticDecode, CausalLM):
+class Model(StaticForward, CausalLM):
     """DeepseekV4ForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
@@ -1203,14 +1206,7 @@ class Model(StaticDecode, CausalLM):
         a = self.args
         return [LayerCache(t, a.sliding_window, a.head_dim, a.ratio(t), a.index_head_dim) for t in a.layer_types]
 
-    # -- the static forward (ds4mlx/runtime/stepper.py drives it; models/cache.StaticDecode) --
-    def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
-        """Pure: (logits [V] of token ids [1, 1] at position pos, the new state): `static_forward`
-        of one row."""
-        ctx = StepContext.one(pos, state)
-        logits, news = self.static_forward(ids, ctx)
-        return logits.squeeze(0), news[0]
-
+    # -- the static forward (ds4mlx/runtime/stepper.py drives it; models/cache.StaticForward) --
     static_rows_chain = True  # static_forward of a CHAIN context: stepper.step_chain
 
     def static_forward(self, ids: mx.array, ctx) -> tuple:
