@@ -28,7 +28,7 @@ import re
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..models.deepseek_v4 import Attention, DeepseekV4Model, MoE
+from ..models.deepseek_v4 import Attention, DeepseekV4Model, MoE, finish_open_step
 from ..models.layers import GLUMLP, SwitchGLU
 from .plan import Plan
 from .slicing import take
@@ -152,12 +152,11 @@ class PipelineStage(DeepseekV4Model):
             c.offset += ids.shape[1]
         return self._leave(x)
 
-    def step(self, ids: mx.array, pos: mx.array, state: list, final_norm: bool = True) -> tuple[mx.array, list]:
+    def step(self, ids: mx.array, ctx, final_norm: bool = True) -> tuple[mx.array, mx.array]:
         x = self._enter(ids)  # as DeepseekV4Model.step: the residual stream's dtype (ActivationDtype)
-        it, new = iter(state), []
-        for layer in self.layers:
-            x = layer.step(x, ids, pos, it, new)
-        return self._leave(x, final_norm), new
+        for layer in self.layers:  # each layer finished on its own: the stream crosses ranks after the last
+            x = finish_open_step(*layer.step(x, None, ids, ctx))
+        return self._leave(x, final_norm), x
 
 
 # ----------------------------------------------------------------------------- the plan

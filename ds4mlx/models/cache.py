@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..runtime.forward_context import StepContext
+
 MIN_BUCKET = 256  # rows; tests lower it to cross a bucket boundary with tiny models
 
 
@@ -88,3 +90,15 @@ class StaticDecode:
 
     def rewind_static(self, cache: list, old_state: list) -> None:
         self.commit_static(cache, old_state, -1)
+
+
+class StaticForward(StaticDecode):
+    """A `StaticDecode` family whose static step is one forward over a context (docs/forward.md
+    §2): it defines `static_forward(ids [1, T], ctx) -> (logits [T, V], the rows' new states)`
+    (runtime/forward_context.py `StepContext`); the one-token `static_step` is that forward
+    of one row."""
+
+    def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
+        """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
+        logits, news = self.static_forward(ids, StepContext.one(pos, state))[:2]
+        return logits.squeeze(0), news[0]

@@ -41,9 +41,10 @@ from ..kernels import sparse_attention as _sparse
 from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_rows
 from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
+from ..runtime.forward_context import CHAIN, DECODE
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from . import prefill_attention
-from .cache import StaticDecode, grow_rows, iota, iota_rows
+from .cache import StaticForward, grow_rows, iota, iota_rows
 from .causal_lm import BaseModelArgs, CausalLM
 from .fused import FusedLinear, fused_or_each, swiglu_of
 from .layers import (
@@ -321,7 +322,7 @@ class LayerCache:
         order (ring, then per compressor `CompressorState.static_arrays`).  Missing
         buffers are created and the row buffers grown so that the step's row
         (offset // ratio) fits: the step writes it unconditionally.  `ahead`: room for
-        that many steps (a chained step, `DeepseekV4Model.step_rows(chain=True)`)."""
+        that many steps (a chain: `Model.static_forward` of a CHAIN context)."""
         if self.ring is None:
             self.ring = mx.zeros((1, 1, self.window, self.head_dim), dtype)
         out = [self.ring]
@@ -663,8 +664,9 @@ class CompressorBranch(Compressor):
             out += [ind.kv_proj, ind.gate_proj, ind.scorer.weights_proj]
         return out
 
-    def step(self, proj: list, q_b, pos: mx.array, state, new: list) -> tuple[mx.array, mx.array]:
-        """The static-layout decode step of `__call__`: (rows [1, K, D], valid [K]).
+    def step(self, proj: list, q_b, pos: mx.array, view) -> tuple[mx.array, mx.array]:
+        """The static-layout decode step of `__call__` as MLX ops, for one query row: (rows
+        [1, K, D], valid [K]); the compressors' new state put into the row's `view`.
 
         `proj` holds this token's outputs of `input_layers()`, `q_b` the indexer's
         q_b_proj output of q_res.
@@ -674,89 +676,56 @@ class CompressorBranch(Compressor):
         scores of rows that are not live set to -inf, so while fewer than index_topk
         rows are live all of them are picked (and the padding picked with them is
         masked): the same rows the dynamic path attends."""
-        st, rows, valid = self.pool_step(proj[0], proj[1], pos, state)
-        new += st
+        st, rows, valid = self.pool_step(proj[0], proj[1], pos, view)
+        view.put(*st)
         if not self._overlap:
             return rows, valid
-        ist, keys, _ = self.indexer.pool_step(proj[2], proj[3], pos, state)
-        new += ist
+        ist, keys, _ = self.indexer.pool_step(proj[2], proj[3], pos, view)
+        view.put(*ist)
         if rows.shape[1] <= self._topk:
             return rows, valid
         scores = mx.where(valid, self.indexer.scores_step(q_b, proj[4], pos, keys), -mx.inf)
         idx = topk_indices(scores, self._topk)
         return mx.take(rows, idx, axis=1), mx.take(valid, idx)
 
-    def step_jobs(self, proj: list, state) -> list:
-        """This token's step of each of the branch's compressors (the attention's, then for CSA
-        the indexer's: `step`'s state order), their state arrays taken from `state`;
+    def step_jobs(self, proj: list, view) -> list:
+        """One query row's step of each of the branch's compressors (the attention's, then for
+        CSA the indexer's: `step`'s state order), their state arrays read from the row's `view`;
         `proj` as `step`'s (kernels/attn_prologue.py runs them with the attention prologue)."""
-        jobs = [self.step_job(proj[0], proj[1], state)]
+        jobs = [self.step_job(proj[0], proj[1], view)]
         if self._overlap:
-            jobs.append(self.indexer.step_job(proj[2], proj[3], state))
+            jobs.append(self.indexer.step_job(proj[2], proj[3], view))
         return jobs
 
-    def step_pick(self, new: list, proj: list, index_q, pos: mx.array):
-        """The one-launch attention's (`sparse_attention.attend_at`) rows from the compressors'
-        new states (`step_jobs` order): (rows [cap, D], idx [1, k] | None, cnt [1] | None).
+    def step_pick(self, ctx, news: list, projs: list, index_qs: list) -> list:
+        """The one-launch attention's (`sparse_attention.attend_at` / `attend_rows`) rows of
+        each query row of `ctx` (runtime/forward_context.py) from its compressors' new states
+        news[b] (`step_jobs` order): per row (rows [cap, D], idx [1, k] | None, cnt [1] | None).
         Without idx the kernel masks the capacity rows to the (pos + 1) // ratio live ones
         itself.  CSA above index_topk capacity: the top index_topk live rows by index score;
         while fewer rows are live than index_topk, all of them (rows 0 .. live-1, the same set
-        `step` attends).  `proj` as `step_jobs`'; `index_q` is the indexer's query already
-        roped at `pos` [1, nh, 1, d] (kernels/attn_prep.py)."""
-        rows = new[0][-1]
-        # (squeeze, not [0]: MLX runs an integer index as a gather, a copy of the buffer per token)
-        if not self._overlap or rows.shape[1] <= self._topk:
-            return rows.squeeze(0), None, None
-        keys = new[1][-1]
-        ind = self.indexer
-        scale = ind._nh**-0.5 * ind._dim**-0.5
-        face = _sparse.step_face()
-        # the scores [1, cap] (-inf past the live rows) and their top-k: one launch on CUDA
-        idx, cnt = _sparse.index_topk(
-            index_q.squeeze(0),
-            proj[4].squeeze(0),
-            keys.squeeze(0),
-            self._topk,
-            n=keys.shape[1],
-            s=pos,
-            ratio=self._ratio,
-            scale=scale,
-            backend=face,
-        )
-        return rows.squeeze(0), idx, cnt
+        `step` attends).  projs[b] as `step_jobs`'; index_qs[b] the indexer's query already
+        roped at the row's position [1, nh, 1, d] (kernels/attn_prep.py).
 
-    def step_pick_rows(self, news: list, projs: list, index_qs: list, pos: list) -> list:
-        """`step_pick` of B sessions' tokens (independent rows: session batching): news[b] row
-        b's compressors' new states, projs[b] its `step_jobs` projections -> per row (rows, idx,
-        cnt); the rows' indexer scores + top-k in one launch where they can share it."""
+        A chain's rows score the LAST row's indexer rows: a compressed row once written stays
+        as it is, so they hold each earlier row's live rows, and each row's position masks
+        the rest (the same top-k as its own)."""
+        # (squeeze, not [0]: MLX runs an integer index as a gather, a copy of the buffer per token)
         rows = [st[0][-1].squeeze(0) for st in news]
+        out = [(r, None, None) for r in rows]
         if not self._overlap:
-            return [(r, None, None) for r in rows]
-        # the rows with more live-able rows than index_topk pick theirs
+            return out
+        keys = [news[-1][1][-1]] * len(news) if ctx.kind == CHAIN else [st[1][-1] for st in news]
         picks = [b for b, r in enumerate(rows) if r.shape[0] > self._topk]
         pick = lambda seq: [seq[b] for b in picks]  # noqa: E731
-        sel = self._index_select_rows(pick(index_qs), pick(projs), [news[b][1][-1] for b in picks], pick(pos))
-        out = [(r, None, None) for r in rows]
+        sel = self._index_select(pick(index_qs), pick(projs), pick(keys), pick(ctx.row_pos))
         for b, (idx, cnt) in zip(picks, sel):
             out[b] = (rows[b], idx, cnt)
         return out
 
-    def step_pick_chain(self, news: list, projs: list, index_qs: list, pos: list) -> list:
-        """`step_pick` of one session's next B tokens (a verify chain: row b's compressors ran
-        over the state row b - 1 left): per row (rows, idx, cnt).  The rows' indexer scores and
-        top-k run in one launch where they can share it, every row over the LAST row's indexer
-        rows: a compressed row once written stays as it is, so they hold each earlier row's
-        live rows, and each row's position masks the rest (the same top-k as its own)."""
-        rows = [st[0][-1].squeeze(0) for st in news]
-        if not self._overlap or rows[0].shape[0] <= self._topk:
-            return [(r, None, None) for r in rows]
-        keys = news[-1][1][-1]
-        sel = self._index_select_rows(index_qs, projs, [keys] * len(rows), pos)
-        return [(r, idx, cnt) for r, (idx, cnt) in zip(rows, sel)]
-
-    def _index_select_rows(self, index_qs: list, projs: list, keys: list, pos: list) -> list:
+    def _index_select(self, index_qs: list, projs: list, keys: list, pos: list) -> list:
         """The indexer's scores + top-k of decode rows (queries roped at pos[b], weights
-        projs[b][4], keys[b] [1, cap, d]): one launch for all where they can share it
+        projs[b][4], keys[b] [1, cap, d]): one launch for several rows where they can share it
         (`index_topk_rows`), else one per row -> per row (idx [1, k], cnt [1])."""
         ind = self.indexer
         qs = [q.squeeze(0) for q in index_qs]
@@ -765,7 +734,7 @@ class CompressorBranch(Compressor):
         ks = [views.setdefault(id(k), k.squeeze(0)) for k in keys]
         kw = dict(ratio=self._ratio, scale=ind._nh**-0.5 * ind._dim**-0.5, backend=_sparse.step_face())
         ns = [k.shape[0] for k in ks]
-        sel = _sparse.index_topk_rows(qs, ws, ks, self._topk, ns=ns, poss=pos, **kw)
+        sel = _sparse.index_topk_rows(qs, ws, ks, self._topk, ns=ns, poss=pos, **kw) if len(qs) > 1 else None
         if sel is None:
             sel = [_sparse.index_topk(q, w, k, self._topk, n=n, s=p, **kw) for q, w, k, n, p in zip(qs, ws, ks, ns, pos)]  # fmt: skip
         return sel
@@ -922,14 +891,36 @@ class Attention(nn.Module):
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
         return out[None]
 
-    def step(self, x: mx.array, pos: mx.array, state, new: list) -> mx.array:
-        """`__call__` for one token (x [1, 1, H]) at position `pos` (int32 array) over
-        the static layout (`LayerCache.static_state`), branch-free; the layer's new
-        state arrays are appended to `new`.  The projections that read the same input
-        run as one mat-vec where their formats allow (models/fused.py)."""
+    def step(self, x: mx.array, ctx) -> mx.array:
+        """`__call__` for the query rows of a static forward `ctx` (runtime/forward_context.py:
+        x [1, B, H], row b at ctx.row_pos[b] over ctx.views[b]), branch-free in the positions;
+        each row's new state arrays are put into its view.  The projections run once for all
+        rows, fused into one mat-vec where their formats allow (models/fused.py); on a GPU each
+        row's attention is one launch after its prologue, the rows' in one launch where they
+        can share it (session batching, docs/kv-cache.md §11)."""
         q_b, index_q_b, kv, more = self._step_inputs(x)
-        out = self._step_attend(q_b, kv, more, index_q_b, pos, state, new)
-        return self._output(out, None, 1, 1)
+        B = ctx.rows
+        face = _sparse.step_face()
+        if face is None:  # MLX ops (the CPU, `DS4MLX_SPARSE_ATTENTION=0`), row by row
+            outs = [
+                self._step_attend_graph(*_step_row(b, B, q_b, kv, more, index_q_b), p, view)
+                for b, (p, view) in enumerate(zip(ctx.row_pos, ctx.views))
+            ]
+        else:  # a GPU: attn_prologue then attend_at per row, attend_rows for several
+            preps = self._step_prep(face, ctx, q_b, kv, more, index_q_b)
+            # window + compressed rows + sinks, and the output's inverse rope, in one launch;
+            # q [1, nh, 1, D], ring [1, 1, W, D]: read flat, no view nodes -> [rows, nh, 1, D]
+            kw = dict(ratio=self._step_ratio(), scale=self._D**-0.5, out_rope=self._rope)
+            # several rows: one launch where they can share it (each row's inputs its own: a
+            # chained row reads the ring and rows the rows before it wrote), else one per row
+            columns = [list(a) for a in zip(*preps)]  # qs, rings, rows, idxs, cnts
+            shared = _sparse.attend_rows(*columns, self.sinks, ctx.row_pos, **kw) if B > 1 else None
+            if shared is not None:
+                outs = [shared]
+            else:
+                outs = [_sparse.attend_at(*pr, self.sinks, p, backend=face, **kw) for pr, p in zip(preps, ctx.row_pos)]
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [B, nh, 1, D]
+        return self._output(out, None, 1, B)
 
     def _step_inputs(self, x: mx.array):
         """The step's projections of x [1, B, H], fused where their formats allow
@@ -945,108 +936,61 @@ class Attention(nn.Module):
         q_b, *index_q_b = self._step_q_b(q_a, norm=(self.q_a_norm.weight, self.q_a_norm.eps))
         return q_b, (index_q_b[0] if index_q_b else None), kv, more
 
-    def _step_attend(self, q_b, kv, more, index_q_b, pos, state, new) -> mx.array:
-        """One row's position-dependent half of `step`: its query and key at `pos`, its
-        ring and compressors' state -> attention output [1, nh, 1, D] after the inverse rope."""
-        face = _sparse.step_face()
-        if face is not None:  # a GPU: two launches, attn_prep and attend_at
-            q, ring, rows, idx, cnt = self._step_prep(face, q_b, kv, more, index_q_b, pos, state, new)
-            # window + compressed rows + sinks, and the output's inverse rope, in one launch;
-            # q [1, nh, 1, D], ring [1, 1, W, D]: read flat, no view nodes -> [1, nh, 1, D]
-            kw = dict(ratio=self._step_ratio(), scale=self._D**-0.5, backend=face, out_rope=self._rope)
-            return _sparse.attend_at(q, ring, rows, idx, cnt, self.sinks, pos, **kw)
-        return self._step_attend_graph(q_b, kv, more, index_q_b, pos, state, new)
-
     def _step_ratio(self) -> int:
         return self.compressor._ratio if self.layer_type != SLIDING else 1
 
-    def _step_prep(self, face, q_b, kv, more, index_q_b, pos, state, new) -> tuple:
-        """The GPU step's half before the attention: (q [1, nh, 1, D], the ring with this
-        token's row, the compressed rows, idx, cnt) for `attend_at`; the new state appended.
-        The prologue (query / K=V norms and ropes, the ring write, the indexer query's rope:
-        attn_prep) and the layer's compressor steps run as one launch (kernels/attn_prologue.py;
-        the indexer shares the layer's compress rope: CompressorBranch passes it on)."""
-        csa, kw = self._prologue_kw(face)
-        ring = next(state)
-        comp = self.compressor if self.layer_type != SLIDING else None
-        jobs = [] if comp is None else comp.step_jobs(more, state)
-        iq = index_q_b if csa else None
-        q, ring, index_q, states = attn_prologue(
-            q_b, kv, self.kv_norm.weight, ring, pos, self._rope, self._eps, iq, jobs, **kw
-        )
-        new.append(ring)
-        for st in states:
-            new += st
-        if comp is None:
-            return q, ring, None, None, None
-        return (q, ring, *comp.step_pick(states, more, index_q, pos))
-
-    def _prologue_kw(self, face) -> tuple[bool, dict]:
-        """(a CSA layer, attn_prep's keyword arguments) for this layer's step prologue."""
+    def _step_prep(self, face, ctx, q_b, kv, more, index_q_b) -> list:
+        """The GPU step's half before the attention, per query row of `ctx`: (q [1, nh, 1, D],
+        the ring with the row's token, the compressed rows, idx, cnt) for `attend_at`; each
+        row's new state put into its view.  A row's prologue (query / K=V norms and ropes, the
+        ring write, the indexer query's rope: attn_prep) and the layer's compressor steps run
+        as one launch (kernels/attn_prologue.py; the indexer shares the layer's compress rope:
+        CompressorBranch passes it on).  Independent rows (DECODE, B > 1) share that launch
+        where they can (`attn_prologue_rows`); one row, or a chain's rows in turn (each writes
+        into the buffers the row before it left), one launch each.  Then the indexer's top-k
+        (`CompressorBranch.step_pick`)."""
         csa = self.layer_type != SLIDING and self.compressor._overlap
         kw = dict(heads=self._nh, index_heads=self.compressor.indexer._nh if csa else 0)
-        return csa, dict(kw, backend="reference" if face == "reference" else None)
-
-    def _step_prep_rows(self, face, q_b, kv, more, index_q_b, pos, poss, states, news) -> list:
-        """`_step_prep` of B independent sessions' rows (q_b / kv / index_q_b [1, B, ...], poss
-        [B] int32): the rows' prologues and compressor steps in one launch where they can share
-        it (`attn_prologue_rows`), then the rows' indexer top-k; each row's new state appended
-        to its `news`."""
-        csa, kw = self._prologue_kw(face)
-        rings = [next(st) for st in states]
-        projs = [[m[:, b : b + 1] for m in more] for b in range(len(pos))]
+        kw["backend"] = "reference" if face == "reference" else None
         comp = self.compressor if self.layer_type != SLIDING else None
-        jobs = [[] if comp is None else comp.step_jobs(p, st) for p, st in zip(projs, states)]
-        iq = index_q_b if csa else None
-        heads = attn_prologue_rows(q_b, kv, self.kv_norm.weight, rings, poss, self._rope, self._eps, iq, jobs, **kw)
-        for nw, (_, ring, _, sts) in zip(news, heads):
-            nw.append(ring)
-            for st in sts:
-                nw += st
+        B, views = ctx.rows, ctx.views
+        w, rope, eps = self.kv_norm.weight, self._rope, self._eps
+        per_row = [_step_row(b, B, q_b, kv, more, index_q_b if csa else None) for b in range(B)]
+        if ctx.kind == DECODE and B > 1:
+            rings = [next(v) for v in views]
+            jobs = [[] if comp is None else comp.step_jobs(r[2], v) for r, v in zip(per_row, views)]
+            iq = index_q_b if csa else None
+            heads = attn_prologue_rows(q_b, kv, w, rings, ctx.pos, rope, eps, iq, jobs, **kw)
+            for v, (_, ring, _, sts) in zip(views, heads):
+                v.put(ring, *[a for st in sts for a in st])
+        else:
+            heads = []
+            for (q_r, kv_r, proj, iq), p, v in zip(per_row, ctx.row_pos, views):
+                ring = next(v)
+                jobs = [] if comp is None else comp.step_jobs(proj, v)
+                head = attn_prologue(q_r, kv_r, w, ring, p, rope, eps, iq, jobs, **kw)
+                v.put(head[1], *[a for st in head[3] for a in st])  # before the next row reads it
+                heads.append(head)
         if comp is None:
             return [(q, ring, None, None, None) for q, ring, _, _ in heads]
-        sel = comp.step_pick_rows([h[3] for h in heads], projs, [h[2] for h in heads], pos)
+        sel = comp.step_pick(ctx, [h[3] for h in heads], [r[2] for r in per_row], [h[2] for h in heads])
         return [(q, ring, *rest) for (q, ring, _, _), rest in zip(heads, sel)]
 
-    def _step_prep_chain(self, face, q_b, kv, more, index_q_b, pos, states, news) -> list:
-        """`_step_prep` of one session's next B tokens (a verify chain: row b over the state
-        row b - 1 leaves): each row's prologue and compressor steps in one launch, in turn (its
-        ring and window writes go into the buffers the row before it left), then the indexer's
-        top-k of all rows at once (`CompressorBranch.step_pick_chain`)."""
-        csa, kw = self._prologue_kw(face)
+    def _step_attend_graph(self, q_b, kv, more, index_q_b, pos, view) -> mx.array:
+        """One query row's attention as MLX ops (the CPU, `DS4MLX_SPARSE_ATTENTION=0`): its
+        query and key at `pos`, its ring and compressors' state read from and the new state
+        put into its `view` -> [1, nh, 1, D] after the inverse rope."""
         comp = self.compressor if self.layer_type != SLIDING else None
-        projs = [[m[:, b : b + 1] for m in more] for b in range(len(pos))]
-        heads = []
-        for b, (p, st, nw) in enumerate(zip(pos, states, news)):
-            r = slice(b, b + 1)
-            ring = next(st)
-            jobs = [] if comp is None else comp.step_jobs(projs[b], st)
-            iq = index_q_b[:, r] if csa else None
-            q, ring, index_q, sts = attn_prologue(
-                q_b[:, r], kv[:, r], self.kv_norm.weight, ring, p, self._rope, self._eps, iq, jobs, **kw
-            )
-            nw.append(ring)
-            for new in sts:
-                nw += new
-            heads.append((q, ring, index_q, sts))
-        if comp is None:
-            return [(q, ring, None, None, None) for q, ring, _, _ in heads]
-        sel = comp.step_pick_chain([h[3] for h in heads], projs, [h[2] for h in heads], pos)
-        return [(q, ring, *rest) for (q, ring, _, _), rest in zip(heads, sel)]
-
-    def _step_attend_graph(self, q_b, kv, more, index_q_b, pos, state, new) -> mx.array:
-        """`_step_attend` as MLX ops (the CPU, `DS4MLX_SPARSE_ATTENTION=0`)."""
-        comp = self.compressor if self.layer_type != SLIDING else None
-        ring = next(state)
+        ring = next(view)
         q = q_b.reshape(1, 1, self._nh, self._D).swapaxes(1, 2)
         q = self._rope(rms_norm(q, None, self._eps), offset=pos)
         kv = self._rope(self.kv_norm(kv)[:, None], offset=pos)  # [1, 1, 1, D]
         W = ring.shape[2]
         ring = mx.slice_update(ring, kv.astype(ring.dtype), (pos % W).reshape(1), axes=(2,))
-        new.append(ring)
+        view.put(ring)
         keys, mask = ring, iota(W) <= pos  # slots not written yet are masked
         if comp is not None:
-            rows, valid = comp.step(more, index_q_b, pos, state, new)
+            rows, valid = comp.step(more, index_q_b, pos, view)
             keys = mx.concatenate([keys, rows[:, None].astype(keys.dtype)], axis=2)
             mask = mx.concatenate([mask, valid])
         out = mx.fast.scaled_dot_product_attention(
@@ -1054,55 +998,26 @@ class Attention(nn.Module):
         )
         return self._rope(out, offset=pos, scale=-1.0)
 
-    def step_rows(
-        self, x: mx.array, pos: list, states: list, news: list, poss: mx.array | None = None, chain: bool = False
-    ) -> mx.array:
-        """`step` for B sessions' tokens at once (x [1, B, H], row b at position pos[b]
-        over its own state iterator states[b]): the projections run once for all rows, the
-        rows' attention in one launch on a GPU (session batching, docs/kv-cache.md §11).
-        `poss`: the positions as one int32 array [B] (the rows' prologues, compressors and
-        indexers then share launches on a GPU).  `chain`: the rows are one session's next B
-        tokens, row b reading the state row b - 1 leaves (a verify: `_step_prep_chain`)."""
-        q_b, index_q_b, kv, more = self._step_inputs(x)
-        face = _sparse.step_face()
-        outs, preps = [], []
-        if face is not None and chain:
-            preps = self._step_prep_chain(face, q_b, kv, more, index_q_b, pos, states, news)
-        elif face is not None and poss is not None:
-            preps = self._step_prep_rows(face, q_b, kv, more, index_q_b, pos, poss, states, news)
-        else:
-            for b, (p, st, nw) in enumerate(zip(pos, states, news)):
-                row = slice(b, b + 1)
-                ib = None if index_q_b is None else index_q_b[:, row]
-                args = (q_b[:, row], kv[:, row], [m[:, row] for m in more], ib, p, st, nw)
-                if face is None:
-                    outs.append(self._step_attend_graph(*args).swapaxes(1, 2))  # [1, 1, nh, D]
-                else:
-                    preps.append(self._step_prep(face, *args))
-        if preps:
-            # the rows' attention in one launch where they can share it (each row's inputs its
-            # own: a chained row reads the ring and rows the rows before it wrote), else per row
-            qs, rings, rows, idxs, cnts = (list(a) for a in zip(*preps))
-            kw = dict(ratio=self._step_ratio(), scale=self._D**-0.5, out_rope=self._rope)
-            out = _sparse.attend_rows(qs, rings, rows, idxs, cnts, self.sinks, pos, **kw)
-            if out is None:
-                out = [_sparse.attend_at(*pr, self.sinks, p, backend=face, **kw) for pr, p in zip(preps, pos)]
-                out = mx.concatenate(out)  # [B, nh, 1, D]
-            outs = [out.reshape(1, len(preps), self._nh, -1)]  # [B, nh, 1, D]: the same memory order
-        out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
-        out = self.o_a_proj(out.reshape(1, len(pos), self._groups, -1))
-        return self.o_b_proj(out)
-
     def _output(self, out: mx.array, s: int | None, B: int, C: int) -> mx.array:
         """The output projections of the attention output [B, nh, C, D], after its inverse rope
-        at positions s.. (s None: applied already, the decode step's `_step_attend`)."""
+        at positions s..; s None: the static forward's C query rows (B = 1), each [nh, 1, D]
+        with its inverse rope applied already, stacked as out [C, nh, 1, D]."""
         if s is not None:
             out = self._rope(out, offset=s, scale=-1.0)
-        # [B, C, nh, D]; one query: a reshape, since moving a length-1 axis keeps the memory order
-        # (MLX copies a transposed array it reshapes: one copy kernel per layer and token)
-        out = out if C == 1 else out.swapaxes(1, 2)
+        # [B, C, nh, D]; one query, or the step's rows: a reshape, since moving a length-1 axis keeps
+        # the memory order (MLX copies a transposed array it reshapes: one copy kernel per layer and token)
+        out = out if C == 1 or s is None else out.swapaxes(1, 2)
         out = self.o_a_proj(out.reshape(B, C, self._groups, -1))  # one reshape node, not two
         return self.o_b_proj(out)
+
+
+def _step_row(b: int, B: int, q_b, kv, more: list, index_q_b) -> tuple:
+    """Query row b's slices of a static forward's projections (each [1, B, ...]): (q_b, kv,
+    the compressors' inputs, the indexer's q_b or None); one row's are the arrays themselves."""
+    if B == 1:
+        return q_b, kv, more, index_q_b
+    r = slice(b, b + 1)
+    return q_b[:, r], kv[:, r], [m[:, r] for m in more], None if index_q_b is None else index_q_b[:, r]
 
 
 class Router(nn.Module):
@@ -1183,7 +1098,7 @@ class MoE(nn.Module):
 
 
 def finish_open_step(x: mx.array, pending) -> mx.array:
-    """The last hc_post of a `DecoderLayer.step_open` result (streams, pending)."""
+    """The last hc_post of a `DecoderLayer.step` result (streams, pending)."""
     out, post, comb, out2 = pending
     return hc_post(x, out, post, comb, out2=out2)
 
@@ -1206,43 +1121,25 @@ class DecoderLayer(nn.Module):
         )
         return hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(collapsed), ids)), post, comb)
 
-    def step(self, x: mx.array, ids: mx.array, pos: mx.array, state, new: list) -> mx.array:
-        return finish_open_step(*self.step_open(x, None, ids, pos, state, new))
-
-    def step_open(self, x: mx.array, pending, ids: mx.array, pos: mx.array, state, new: list):
-        """`step` without its last hc_post: -> (streams, pending = (out, post, comb, out2))
-        for the caller to finish (`hc_post(x, out, post, comb, out2=out2)`) or to hand to the
-        next layer as its `pending`, whose attention site then runs that hc_post fused with
-        its own projection (one launch less per layer on a GPU).  The layer norms are folded
-        into the hc launches, and the MoE's routed and shared halves are added inside the
-        launch that consumes them (`out2`)."""
-        return self._open_with(x, pending, ids, lambda normed: self.self_attn.step(normed, pos, state, new))
-
-    def step_rows_open(
-        self, x: mx.array, pending, ids: mx.array, pos: list, states: list, news: list, poss=None, chain=False
-    ):
-        """`step_open` for B sessions' tokens laid out as B tokens of one row (x [1, B, hc, H]):
-        the same folds and launches as one session's step (the mHC and MoE kernels take the B
-        tokens as rows), the rows' attention as `Attention.step_rows` runs it (`poss`, `chain`: its)."""
-        return self._open_with(
-            x, pending, ids, lambda normed: self.self_attn.step_rows(normed, pos, states, news, poss, chain)
-        )
-
-    def _open_with(self, x: mx.array, pending, ids: mx.array, attend):
+    def step(self, x: mx.array, pending, ids: mx.array, ctx):
+        """The static forward's layer over the query rows of `ctx` (runtime/forward_context.py),
+        laid out as tokens of one row (x [1, B, hc, H]: the mHC and MoE kernels take them as
+        rows), without its last hc_post: -> (streams, pending = (out, post, comb, out2)) for
+        the caller to finish (`finish_open_step`) or to hand to the next layer as its
+        `pending`, whose attention site then runs that hc_post fused with its own projection
+        (one launch less per layer on a GPU).  The layer norms are folded into the hc
+        launches, and the MoE's routed and shared halves are added inside the launch that
+        consumes them (`out2`)."""
         if pending is None:
             post, comb, normed = self.attn_hc(x, norm=self.input_layernorm)
         else:
             out, p, c, out2 = pending
             x, post, comb, normed = self.attn_hc.after_post(x, out, p, c, norm=self.input_layernorm, out2=out2)
         x, post, comb, normed = self.ffn_hc.after_post(
-            x, attend(normed), post, comb, norm=self.post_attention_layernorm
+            x, self.self_attn.step(normed, ctx), post, comb, norm=self.post_attention_layernorm
         )
         routed, shared = self.mlp.step_pair(normed, ids)
         return x, (routed, post, comb, shared)
-
-    def step_rows(self, x: mx.array, ids: mx.array, pos: list, states: list, news: list) -> mx.array:
-        """`step` for B sessions' tokens, laid out as B tokens of one row (x [1, B, hc, H])."""
-        return finish_open_step(*self.step_rows_open(x, None, ids, pos, states, news))
 
 
 class DeepseekV4Model(ActivationDtype, nn.Module):
@@ -1282,58 +1179,24 @@ class DeepseekV4Model(ActivationDtype, nn.Module):
             c.offset += ids.shape[1]
         return self.norm(self.hc_head(x))
 
-    def step(self, ids: mx.array, pos: mx.array, state: list, final_norm: bool = True) -> tuple[mx.array, list]:
-        """One token ids [1, 1] at position pos over the static layout -> (hidden [1, 1, H], new state);
-        `final_norm=False`: the hidden state before the final norm (the caller folds it into the head)."""
+    def step(self, ids: mx.array, ctx, final_norm: bool = True) -> tuple[mx.array, mx.array]:
+        """The static forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py: T
+        independent sessions' tokens, or one session's next T as a chain) -> (hidden [1, T, H],
+        the residual streams after the last layer [1, T, hc, H]); the rows' new states are in
+        their views.  `final_norm=False`: the hidden state before the final norm (the caller
+        folds it into the head)."""
         h = self.embed(ids)
-        x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
-        it, new, pending = iter(state), [], None
-        for layer in self.layers:  # each layer's last hc_post runs inside the next one's first launch
-            x, pending = layer.step_open(x, pending, ids, pos, it, new)
-        if pending is not None:
-            x = finish_open_step(x, pending)
-        h = self.hc_head(x)
-        return (self.norm(h) if final_norm else h), new
-
-    def step_rows(
-        self,
-        ids: mx.array,
-        pos: list,
-        states: list,
-        final_norm: bool = True,
-        chain: bool = False,
-        streams: bool = False,
-        poss: mx.array | None = None,
-    ) -> tuple:
-        """B sessions' tokens ids [1, B], row b at position pos[b] over states[b] ->
-        (hidden [1, B, H], the rows' new states); `final_norm` as `step`'s.  `poss`: the
-        positions as one int32 array [B] (rows' kernels share launches on a GPU where they can).
-
-        `chain`: the B tokens are ONE session's next B positions and states[0] its state:
-        row b runs over the state row b - 1 leaves (each layer takes the rows in order, so
-        a row's new arrays of a layer exist before the next row reads them), which makes
-        the rows B consecutive `step`s whose projections run once for all B (speculative
-        verification); the last row's new state is the session's.  `streams`: the residual
-        streams after the last layer [1, B, hc, H] come third (the MTP head's input)."""
-        h = self.embed(ids)
-        B = ids.shape[1]
-        x = mx.broadcast_to(h[:, :, None, :], (1, B, self._hc, h.shape[-1]))
-        if chain:
-            news = [[] for _ in range(B)]
-            its = [iter(states[0])] + [iter(news[b - 1]) for b in range(1, B)]  # list iterators see later appends
-        else:
-            its, news = [iter(s) for s in states], [[] for _ in states]
+        x = mx.broadcast_to(h[:, :, None, :], (1, ids.shape[1], self._hc, h.shape[-1]))
         pending = None
-        for layer in self.layers:  # as `step`: each layer's last hc_post inside the next one's first launch
-            x, pending = layer.step_rows_open(x, pending, ids, pos, its, news, poss, chain)
+        for layer in self.layers:  # each layer's last hc_post runs inside the next one's first launch
+            x, pending = layer.step(x, pending, ids, ctx)
         if pending is not None:
             x = finish_open_step(x, pending)
         h = self.hc_head(x)
-        out = ((self.norm(h) if final_norm else h), news)
-        return (*out, x) if streams else out
+        return (self.norm(h) if final_norm else h), x
 
 
-class Model(StaticDecode, CausalLM):
+class Model(StaticForward, CausalLM):
     """DeepseekV4ForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
@@ -1343,31 +1206,20 @@ class Model(StaticDecode, CausalLM):
         a = self.args
         return [LayerCache(t, a.sliding_window, a.head_dim, a.ratio(t), a.index_head_dim) for t in a.layer_types]
 
-    # -- the static decode step (ds4mlx/runtime/stepper.py drives it; models/cache.StaticDecode) --
-    def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
-        """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
-        if self.head_folds_norm():
-            h, new = self.model.step(ids, pos, state, final_norm=False)
-            return self.normed_head(h)[0, 0], new
-        h, new = self.model.step(ids, pos, state)
-        return self.head(h)[0, 0], new
+    # -- the static forward (ds4mlx/runtime/stepper.py drives it; models/cache.StaticForward) --
+    static_rows_chain = True  # static_forward of a CHAIN context: stepper.step_chain
 
-    static_rows_chain = True  # static_step_rows(chain=True): stepper.step_chain
-
-    def static_step_rows(
-        self, ids: mx.array, pos: mx.array, states: list, chain: bool = False, streams: bool = False
-    ) -> tuple:
-        """Pure, B sessions in one forward (stepper.step_rows): ids [1, B], pos [B] int32,
-        states[b] row b's `static_state` -> (logits [B, V], the rows' new states).  `chain`:
-        one session's B next tokens over states[0] (stepper.step_chain); `streams`: the
-        residual streams come third (`DeepseekV4Model.step_rows`)."""
+    def static_forward(self, ids: mx.array, ctx) -> tuple:
+        """Pure: the static forward of ids [1, T] over `ctx` (runtime/forward_context.py
+        `StepContext`: T sessions' next tokens, or one session's next T as a chain) ->
+        (logits [T, V], the rows' new states[, the residual streams [1, T, hc, H] where
+        ctx.streams: the MTP head's input])."""
         fold = self.head_folds_norm()
-        rows = [pos[b : b + 1].squeeze(0) for b in range(ids.shape[1])]
-        h, news, *rest = self.model.step_rows(
-            ids, rows, states, final_norm=not fold, chain=chain, streams=streams, poss=pos
-        )
+        h, streams = self.model.step(ids, ctx, final_norm=not fold)
         # (views: an integer index would launch a gather)
-        return ((self.normed_head(h) if fold else self.head(h)).squeeze(0), news, *rest)
+        logits = (self.normed_head(h) if fold else self.head(h)).squeeze(0)
+        news = [v.new for v in ctx.views]
+        return (logits, news, streams) if ctx.streams else (logits, news)
 
     def head_folds_norm(self) -> bool:
         """Whether the static step runs the final norm inside the head's launch (`normed_head`):

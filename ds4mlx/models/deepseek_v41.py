@@ -58,7 +58,7 @@ import mlx.nn as nn
 
 from ..kernels.hyper_connection import hc_collapse, hc_post  # hc_post fused on a GPU
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
-from .cache import StaticDecode
+from .cache import StaticForward
 from .causal_lm import BaseModelArgs, CausalLM
 from .deepseek_v4 import CompressorState, GroupedLinear
 from .deepseek_v4 import LayerCache as _V4LayerCache
@@ -423,21 +423,36 @@ class Attention(nn.Module):
         out = self._rope(out, offset=s, scale=-1.0).swapaxes(1, 2)  # inverse rope, [B, C, nh, D]
         return self.o_b_proj(self.o_a_proj(out.reshape(B, C, self._groups, -1)))
 
-    def step(self, x: mx.array, pos: mx.array, state, new: list, shared: dict) -> mx.array:
-        """`__call__` for one token at `pos` (array) over the static layout
-        (`LayerCache.static_state`), branch-free; new state arrays appended to `new`.
-        `shared` carries (rows, valid) pairs and the picks between layers."""
+    def step(self, x: mx.array, ctx, shareds: list) -> mx.array:
+        """`__call__` for the query rows of a static forward `ctx` (runtime/forward_context.py:
+        x [1, B, H], row b at ctx.row_pos[b] over the static layout of ctx.views[b]),
+        branch-free in the positions; each row's new state arrays put into its view.  The
+        projections run once for all rows; shareds[b] carries row b's (rows, valid) pairs and
+        picks between layers."""
         q_res = self.q_a_norm(self.q_a_proj(x))
-        q = self._rope(self.q_b_proj(q_res).reshape(1, 1, self._nh, self._D).swapaxes(1, 2), offset=pos)
-        kv = fake_fp8(self._rope(self.kv_norm(self.kv_proj(x))[:, None], offset=pos), 32)  # [1, 1, 1, D]
-        ring = next(state)
+        q_b, kv = self.q_b_proj(q_res), self.kv_norm(self.kv_proj(x))
+        B, inputs = ctx.rows, (x, q_res, q_b, kv)
+        per_row = [inputs] if B == 1 else [tuple(a[:, b : b + 1] for a in inputs) for b in range(B)]
+        outs = [
+            self._step_row(*row, pos, view, shared)
+            for row, pos, view, shared in zip(per_row, ctx.row_pos, ctx.views, shareds)
+        ]
+        out = outs[0] if B == 1 else mx.concatenate(outs, axis=1)  # [1, B, nh, D]
+        return self.o_b_proj(self.o_a_proj(out.reshape(1, B, self._groups, -1)))
+
+    def _step_row(self, x, q_res, q_b, kv, pos: mx.array, view, shared: dict) -> mx.array:
+        """One query row's attention at `pos` (x, q_res, and the q_b_proj / normed kv_proj
+        outputs [1, 1, ...]) over its `view` -> [1, 1, nh, D] after the inverse rope."""
+        q = self._rope(q_b.reshape(1, 1, self._nh, self._D).swapaxes(1, 2), offset=pos)
+        kv = fake_fp8(self._rope(kv[:, None], offset=pos), 32)  # [1, 1, 1, D]
+        ring = next(view)
         W = ring.shape[2]
         ring = mx.slice_update(ring, kv.astype(ring.dtype), (pos % W).reshape(1), axes=(2,))
-        new.append(ring)
+        view.put(ring)
         keys, mask = ring, mx.arange(W) <= pos
         if self._ratio:
             if self._kv_source:
-                self._compress_step(x, pos, state, new, shared)
+                self._compress_step(x, pos, view, shared)
             if self._index_source and "index_keys" in shared:
                 ik, ivalid = shared["index_keys"]
                 shared["topk"], cands = self.indexer.step(
@@ -461,25 +476,24 @@ class Attention(nn.Module):
             mask=mask[None],
             sinks=self.sinks.astype(mx.float32),
         ).astype(q.dtype)
-        out = self._rope(out, offset=pos, scale=-1.0).swapaxes(1, 2)
-        return self.o_b_proj(self.o_a_proj(out.reshape(1, 1, self._groups, -1)))
+        return self._rope(out, offset=pos, scale=-1.0).swapaxes(1, 2)
 
-    def _compress_step(self, x, pos: mx.array, state, new: list, shared: dict) -> None:
+    def _compress_step(self, x, pos: mx.array, view, shared: dict) -> None:
         """`_compress` for one token: the open group's row written at its index whether
         or not the group is complete (a row that is not live yet is masked)."""
-        buf_kv, buf_gate, rows = next(state), next(state), next(state)
+        buf_kv, buf_gate, rows = next(view), next(view), next(view)
         latent, first, buf_kv, buf_gate = self.compressor.step(x, pos, buf_kv, buf_gate)
         at = first.reshape(1)
         row = fake_fp4(self._rope(latent, offset=first, scale=float(self._ratio)), 16, e4m3_scale=True)
         rows = mx.slice_update(rows, row.astype(rows.dtype), at, axes=(1,))
-        new += [buf_kv, buf_gate, rows]
+        view.put(buf_kv, buf_gate, rows)
         valid = mx.arange(rows.shape[1]) < (pos + 1) // self._ratio
         shared["kv_rows"] = (rows.astype(x.dtype), valid)
         if self._index_source:
-            ibuf_kv, ibuf_gate, keys = next(state), next(state), next(state)
+            ibuf_kv, ibuf_gate, keys = next(view), next(view), next(view)
             k = self.indexer.make_keys(latent, first, self._rope)
             keys = mx.slice_update(keys, k.astype(keys.dtype), at, axes=(1,))
-            new += [ibuf_kv, ibuf_gate, keys]
+            view.put(ibuf_kv, ibuf_gate, keys)
             shared["index_keys"] = (keys, valid)
 
     def _compress(self, x: mx.array, cache: LayerCache, s: int, shared: dict) -> None:
@@ -564,9 +578,10 @@ class DecoderLayer(nn.Module):
         x = hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(hc_collapse(x, attn_pre)))), post, comb)
         return x, ffn_pre
 
-    def step(self, x: mx.array, pre: mx.array, ids, pos: mx.array, state, new: list, shared: dict):
+    def step(self, x: mx.array, pre: mx.array, ids, ctx, shareds: list):
+        """`__call__` for the query rows of a static forward `ctx` (x [1, B, n, H], pre [1, B, n])."""
         attn_pre, post, comb = self.attn_hc.mix(x)
-        out = self.self_attn.step(self.input_layernorm(hc_collapse(x, pre)), pos, state, new, shared)
+        out = self.self_attn.step(self.input_layernorm(hc_collapse(x, pre)), ctx, shareds)
         x = hc_post(x, out, post, comb)
         ffn_pre, post, comb = self.ffn_hc.mix(x)
         x = hc_post(x, self.mlp(self.post_attention_layernorm(hc_collapse(x, attn_pre))), post, comb)
@@ -625,27 +640,32 @@ class DeepseekV41Model(ActivationDtype, nn.Module):
             c.offset += C
         return self.norm(hc_collapse(x, pre))
 
-    def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
-        """One token ids [1, 1] at position pos over the static layout -> (hidden, new state)."""
+    def step(self, ids: mx.array, ctx) -> mx.array:
+        """The static forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py) ->
+        hidden [1, T, H]; the rows' new states are in their views, the layers' shared picks
+        kept per row."""
         h = self.embed(ids)
-        x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
-        pre = mx.broadcast_to((mx.arange(self._hc) == 0).astype(mx.float32), (1, 1, self._hc))
-        it, new, shared = iter(state), [], {}
+        T = ids.shape[1]
+        x = mx.broadcast_to(h[:, :, None, :], (1, T, self._hc, h.shape[-1]))
+        pre = mx.broadcast_to((mx.arange(self._hc) == 0).astype(mx.float32), (1, T, self._hc))
+        shareds = [{} for _ in range(ctx.rows)]
         for layer in self.layers:
-            x, pre = layer.step(x, pre, ids, pos, it, new, shared)
-        return self.norm(hc_collapse(x, pre)), new
+            x, pre = layer.step(x, pre, ids, ctx, shareds)
+        return self.norm(hc_collapse(x, pre))
 
 
-class Model(StaticDecode, CausalLM):
+class Model(StaticForward, CausalLM):
     """DeepSeek V4.1 Flash: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, DeepseekV41Model(args))
 
-    def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
-        """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
-        h, new = self.model.step(ids, pos, state)
-        return self.head(h)[0, 0], new
+    def static_forward(self, ids: mx.array, ctx) -> tuple[mx.array, list]:
+        """Pure: the static forward of ids [1, T] over `ctx` (runtime/forward_context.py
+        `StepContext`: T sessions' next tokens) -> (logits [T, V], the rows' new states).
+        Not chained (no `static_rows_chain`): a verify runs the multi-token forward, which
+        feeds the DSpark drafter's capture hook."""
+        return self.head(self.model.step(ids, ctx)).squeeze(0), [v.new for v in ctx.views]
 
     def make_cache(self) -> list[LayerCache]:
         a = self.args

@@ -9,7 +9,13 @@ A family that supports the static decode layout gives its `Model`
 * `commit_static(cache, new_state)`: the new arrays back into the caches, counters
   advanced one position; `rewind_static(cache, old_state)` its inverse (undo);
 * optionally `static_ready(cache) -> bool`: False while the caches lack state the step
-  needs (Qwen3.8: before the first token); that step takes the legacy path.
+  needs (Qwen3.8: before the first token); that step takes the legacy path;
+* optionally `static_forward(ids [1, T], ctx) -> (logits [T, V], the rows' new states)`:
+  the same step over a `forward_context.StepContext` of several rows: B sessions' tokens
+  (`step_rows`) or, with `static_rows_chain`, one session's next T (`step_chain`).
+
+Every step is planned as a `forward_context.ForwardContext` (its kind, rows, positions)
+on the host; the compiled functions are kept per model and context kind.
 
 `step(model, cache, ids, pos)` runs one token.  How is chosen by `DS4MLX_DECODE`:
 
@@ -33,11 +39,13 @@ import mlx.core as mx
 
 from ..kernels import cuda_cache
 from . import steering
+from .forward_context import DECODE, ForwardContext, StepContext
 
 MODE_ENV = "DS4MLX_DECODE"
 MODES = ("compiled", "eager", "legacy")
 
-_compiled: dict[int, object] = {}  # id(model) -> its compiled step (traces are per function)
+# (id(model), kind, one row, state arrays per row, streams) -> its compiled forward (traces are per function)
+_compiled: dict[tuple, object] = {}
 _checked: set[int] = set()  # models whose static step has run once
 _refused: set[int] = set()  # models whose static step failed: legacy from then on
 _watched: set[int] = set()  # models with a finalizer that drops their entries
@@ -55,23 +63,39 @@ def supports_static(model) -> bool:
     return callable(getattr(model, "static_step", None))
 
 
-def _pure(model):
+def _pure(model, ctx: ForwardContext, n_state: int = 0):
+    """The model's static forward of contexts like `ctx` as a pure function of arrays:
+    (ids, positions, every row's state arrays) -> (logits, [streams,] every row's new state
+    arrays).  One token (a single decode row): the family's `static_step`."""
     ref = weakref.ref(model)  # the compiled step is kept per model: it must not keep the model alive
+    if ctx.kind == DECODE and ctx.tokens == 1:
 
-    def run(ids, pos, *state):
-        logits, new = ref().static_step(ids, pos, list(state))
-        return (logits, *new)
+        def run(ids, pos, *state):
+            logits, new = ref().static_step(ids, pos, list(state))
+            return (logits, *new)
 
-    return run
+        return run
+
+    kind, streams = ctx.kind, ctx.streams  # the trace's static part: never a position nor a row count
+
+    def run_rows(ids, pos, *flat):
+        logits, news, *rest = ref().static_forward(ids, StepContext.of(kind, pos, list(flat), n_state, streams))
+        return (logits, *rest, *[a for new in news for a in new])
+
+    return run_rows
 
 
-def compiled_step(model):
-    """The model's `static_step` under `mx.compile` (one per model, shared by its sessions)."""
-    key = id(model)
+def _traced(model, ctx: ForwardContext, n_state: int, compiled: bool):
+    """The function that runs `ctx`'s forward: with `compiled`, under `mx.compile` (one per
+    model, context kind and layout, shared by its sessions; MLX retraces it per input-shape
+    signature: a bucket, a row count); else the pure function itself (eager)."""
+    _watch(model)  # its traces hold this model's weights: dropped with it (a new model may reuse the id)
+    if not compiled:
+        return _pure(model, ctx, n_state)
+    key = (id(model), ctx.kind, ctx.tokens == 1, n_state, ctx.streams)
     fn = _compiled.get(key)
     if fn is None:
-        _watch(model)
-        fn = _compiled[key] = mx.compile(_pure(model))
+        fn = _compiled[key] = mx.compile(_pure(model, ctx, n_state))
     return fn
 
 
@@ -90,10 +114,8 @@ def _drop(key: int) -> None:
 
 def _drop_traces(key: int) -> None:
     """The compiled functions of the model with id `key`: its step, rows and chains."""
-    _compiled.pop(key, None)
-    for memo in (_compiled_rows, _compiled_chain):
-        for k in [k for k in memo if k[0] == key]:
-            memo.pop(k, None)
+    for k in [k for k in _compiled if k[0] == key]:
+        _compiled.pop(k, None)
 
 
 def forget(model) -> None:
@@ -143,8 +165,9 @@ def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, un
     ready = getattr(model, "static_ready", None)
     if id(model) in _refused or (ready is not None and not ready(cache)):
         return step(model, cache, ids, pos, "legacy", undoable)  # undoable: ValueError
+    ctx = ForwardContext.decode([pos])
     state = model.static_state(cache)
-    fn = compiled_step(model) if how == "compiled" else _pure(model)
+    fn = _traced(model, ctx, len(state), how == "compiled")
     try:
         if how == "compiled" and id(model) not in _checked:
             # once per model, eagerly first: kernels self-test (and evaluate) at their first
@@ -152,9 +175,9 @@ def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, un
             # run's result is simply dropped; the CUDA kernels it is first to launch compile
             # side by side (cuda_cache), before anything is evaluated
             with cuda_cache.deferred():
-                first = _pure(model)(ids, mx.array(pos, mx.int32), *state)
+                first = _pure(model, ctx)(ids, ctx.pos_array(), *state)
             mx.eval(first)
-        out = fn(ids, mx.array(pos, mx.int32), *state)
+        out = fn(ids, ctx.pos_array(), *state)
         if id(model) not in _checked:  # once per model: a backend without one of the step's ops
             mx.eval(out)
             _watch(model)
@@ -177,14 +200,13 @@ def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, un
 
 
 # -- several sessions in one forward (session batching, docs/kv-cache.md §11) --------------
-_compiled_rows: dict[int, object] = {}
 
 
 def supports_rows(model) -> bool:
     """Whether `step_rows` runs B sessions of `model` in one forward: its family has
-    `static_step_rows`, the static step has run once and not failed, no steering."""
+    `static_forward`, the static step has run once and not failed, no steering."""
     return (
-        callable(getattr(model, "static_step_rows", None))
+        callable(getattr(model, "static_forward", None))
         and mode() != "legacy"
         and id(model) in _checked
         and id(model) not in _refused
@@ -192,32 +214,16 @@ def supports_rows(model) -> bool:
     )
 
 
-def _pure_rows(model, n_state: int):
-    ref = weakref.ref(model)
-
-    def run(ids, pos, *flat):
-        rows = [list(flat[i : i + n_state]) for i in range(0, len(flat), n_state)]
-        logits, news = ref().static_step_rows(ids, pos, rows)
-        return (logits, *[a for new in news for a in new])
-
-    return run
-
-
 def step_rows(model, caches: list, ids: mx.array, positions: list[int], undoable: bool = False) -> list:
     """One decode step of B sessions of one model in one forward (`supports_rows`):
     ids [1, B] int32, row b at position positions[b] over caches[b].  Returns per row
     the lazy logits [V] (with `undoable`: (logits, undo)), and advances every cache.
     The rows' logits are those of `step` on each alone."""
+    ctx = ForwardContext.decode(positions)
     states = [model.static_state(c) for c in caches]
     n = len(states[0])
-    key = (id(model), n)
-    fn = _compiled_rows.get(key)
-    if fn is None:
-        _watch(model)  # its traces hold this model's weights: dropped with it (a new model may reuse the id)
-        fn = _pure_rows(model, n)
-        if mode() == "compiled":
-            fn = _compiled_rows[key] = mx.compile(fn)
-    out = fn(ids, mx.array(positions, mx.int32), *[a for st in states for a in st])
+    fn = _traced(model, ctx, n, mode() == "compiled")
+    out = fn(ids, ctx.pos_array(), *[a for st in states for a in st])
     logits = out[0]
     res = []
     for b, (cache, st) in enumerate(zip(caches, states)):
@@ -228,28 +234,18 @@ def step_rows(model, caches: list, ids: mx.array, positions: list[int], undoable
 
 
 # -- several tokens of ONE session in one forward (speculative verification) --------------
-_compiled_chain: dict[tuple, object] = {}
 
 
 def supports_chain(model) -> bool:
     """Whether `step_chain` runs T tokens of one session of `model` in one static forward:
-    `supports_rows`, the family's rows can be chained (`static_step_rows(..., chain=True)`),
+    `supports_rows`, the family's rows can be chained (`static_rows_chain`: its
+    `static_forward` takes a CHAIN context),
     and the router's choice stays on the device (not with streamed experts)."""
     return (
         supports_rows(model)
         and getattr(model, "static_rows_chain", False)
         and not getattr(getattr(model, "expert_store", None), "host_routing", False)
     )
-
-
-def _pure_chain(model, streams: bool):
-    ref = weakref.ref(model)
-
-    def run(ids, pos, *flat):
-        logits, news, *rest = ref().static_step_rows(ids, pos, [list(flat)], chain=True, streams=streams)
-        return (logits, *rest, *[a for new in news for a in new])  # every row's state: see step_chain
-
-    return run
 
 
 def step_chain(model, cache: list, ids: mx.array, pos: int) -> tuple[mx.array, list]:
@@ -263,15 +259,10 @@ def step_chain(model, cache: list, ids: mx.array, pos: int) -> tuple[mx.array, l
     residual streams, as from the multi-token forward."""
     T = int(ids.shape[1])
     hook = getattr(getattr(model, "model", None), "stream_hook", None)
+    ctx = ForwardContext.chain(pos, T, streams=hook is not None)
     state = model.static_state(cache, ahead=T)
-    key = (id(model), len(state), hook is not None)
-    fn = _compiled_chain.get(key)
-    if fn is None:
-        _watch(model)
-        fn = _pure_chain(model, hook is not None)
-        if mode() == "compiled":
-            fn = _compiled_chain[key] = mx.compile(fn)
-    out = fn(ids, mx.array(list(range(pos, pos + T)), mx.int32), *state)  # host data: no arange launch
+    fn = _traced(model, ctx, len(state), mode() == "compiled")
+    out = fn(ids, ctx.pos_array(), *state)  # every row's state: see below
     k = 1 if hook is None else 2
     if hook is not None:
         hook(out[1], pos)
