@@ -27,9 +27,9 @@ def _t(*types: str) -> dict:
     return {"type": [*types, "null"]}
 
 
-NUM, INT, BOOL, STR, OBJ, ARR = _t("number"), _t("number"), _t("boolean"), _t("string"), _t("object"), _t("array")
+NUM, INT, BOOL, STR, OBJ, ARR = _t("number"), _t("integer"), _t("boolean"), _t("string"), _t("object"), _t("array")
 STRS = {"type": ["array", "null"], "items": {"type": "string"}}
-INTS = {"type": ["array", "null"], "items": {"type": "number"}}
+INTS = {"type": ["array", "null"], "items": {"type": "integer"}}
 STR_OR_STRS = {"type": ["string", "array", "null"], "items": {"type": "string"}}
 
 
