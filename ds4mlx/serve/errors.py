@@ -64,10 +64,6 @@ def unsupported_field(field: str) -> str:
     return f"Unsupported parameter: '{field}' is not supported by this server."
 
 
-def unsupported_when_streamed(field: str) -> str:
-    return f"{field} is not supported with stream: true"
-
-
 def invalid_field(field: str) -> str:
     return f"Invalid value for '{field}'."
 

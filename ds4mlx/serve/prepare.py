@@ -298,7 +298,7 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
     if api == "completions":
         job.raw = True
         job.prompt_text = proto.render_completion(req.prompt, req.thinking)
-        job.echo = req.prompt if echo_of(body, ctl.stream) else None
+        job.echo = req.prompt if echo_of(body) else None
     else:
         conv = req
         if cfg.system or cfg.prefix:
