@@ -4,7 +4,7 @@ On the random-weight demo model (its free text is gibberish, so the grammar does
 the work): a json_schema with nested objects, arrays, enums and required keys gives
 JSON that validates against the schema on 20 of 20 seeds, streamed and not; the
 reasoning stays free with thinking on; the OpenAI SDK's `chat.completions.parse`
-gets a parsed object; each API's field and each grammar kind reaches the sampler;
+and pydantic-ai get a parsed object; each API's field and each grammar kind reaches the sampler;
 a grammar that does not compile is a 400 naming its field."""
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ import re
 import sys
 from pathlib import Path
 
+from typing import Literal
+
 import jsonschema
 import pytest
+from pydantic import BaseModel
 
 sys.path.insert(0, str(Path(__file__).parent))
 from scripted_model import serve  # noqa: E402
@@ -160,21 +163,19 @@ def test_bad_grammar_is_a_400_naming_its_field(srv, extra, field):
     ), err
 
 
+class Owner(BaseModel):
+    city: Literal["Oslo", "Rome"]
+    vip: bool
+
+
+class Pet(BaseModel):
+    kind: Literal["cat", "dog"]
+    owner: Owner
+    ok: bool
+
+
 def test_openai_sdk_parse_gets_an_object(srv):
     openai = pytest.importorskip("openai")
-    from typing import Literal
-
-    from pydantic import BaseModel
-
-    class Owner(BaseModel):
-        city: Literal["Oslo", "Rome"]
-        vip: bool
-
-    class Pet(BaseModel):
-        kind: Literal["cat", "dog"]
-        owner: Owner
-        ok: bool
-
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     r = client.chat.completions.parse(
         model="deepseek-v4-flash",
@@ -186,3 +187,21 @@ def test_openai_sdk_parse_gets_an_object(srv):
         extra_body={"min_p": 0.0},
     )
     assert isinstance(r.choices[0].message.parsed, Pet), r.choices[0].message
+
+
+def test_pydantic_ai_agent_gets_an_object(srv):
+    """pydantic-ai's native structured output (its `response_format` json_schema) parses."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.profiles.openai import OpenAIModelProfile
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel(
+        "deepseek-v4-flash",
+        provider=OpenAIProvider(base_url=srv.url + "/v1", api_key="unused"),
+        profile=OpenAIModelProfile(supports_json_schema_output=True),  # an unknown model name: say so
+    )
+    settings = {"seed": 4, "max_tokens": 160, "extra_body": {"reasoning_effort": "none", "min_p": 0.0}}
+    agent = Agent(model, output_type=NativeOutput(Pet), model_settings=settings, retries=0)
+    assert isinstance(agent.run_sync("Describe a pet as JSON.").output, Pet)
