@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scripted_model import serve  # noqa: E402
+from scripted_model import serve_demo  # noqa: E402
 
 DOCS = [
     {"question": "The sky is", "choices": ["blue", "green"], "answer": 0},
@@ -41,12 +41,8 @@ metric_list:
 
 
 @pytest.fixture(scope="module")
-def demo():
-    import ds4mlx
-
-    model, tok = ds4mlx.load("demo", verbose=False)
-    with serve(tok, model, ctx=1024, tokens=8) as s:
-        s.model, s.tok = model, tok
+def srv():
+    with serve_demo(ctx=1024, tokens=8) as s:
         yield s
 
 
@@ -70,7 +66,7 @@ def _oracle(srv, context: str, continuation: str, ctxlen: int) -> float:
 
 
 @pytest.mark.slow
-def test_lm_eval_loglikelihood_task_runs_against_serve(demo, tmp_path, monkeypatch):
+def test_lm_eval_loglikelihood_task_runs_against_serve(srv, tmp_path, monkeypatch):
     lm_eval = pytest.importorskip("lm_eval")
     pytest.importorskip("tenacity")  # lm-eval[api]
     from lm_eval.tasks import TaskManager
@@ -91,7 +87,7 @@ def test_lm_eval_loglikelihood_task_runs_against_serve(demo, tmp_path, monkeypat
     out = lm_eval.simple_evaluate(
         model="local-completions",
         model_args={
-            "base_url": demo.url + "/v1/completions",
+            "base_url": srv.url + "/v1/completions",
             "model": "deepseek-v4-flash",
             "tokenizer": str(tokdir),
             "tokenizer_backend": "huggingface",
@@ -110,4 +106,4 @@ def test_lm_eval_loglikelihood_task_runs_against_serve(demo, tmp_path, monkeypat
     for s in samples:
         for (context, continuation), [(loglikelihood, _greedy)] in zip(s["arguments"], s["resps"]):
             ctxlen = len(hf(context, add_special_tokens=False)["input_ids"])
-            assert loglikelihood == pytest.approx(_oracle(demo, context, continuation, ctxlen), abs=1e-3)
+            assert loglikelihood == pytest.approx(_oracle(srv, context, continuation, ctxlen), abs=1e-3)

@@ -14,8 +14,8 @@ size); `make test-fuzz` runs 2,500 per route, 10,000 in all."""
 from __future__ import annotations
 
 import http.client
-import re
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -857,7 +857,7 @@ def put(node, at: tuple, value):
     head = at[0]
     if isinstance(head, int):
         out = list(node) if isinstance(node, list) else []
-        out[head:head + 1] = [put(out[head] if head < len(out) else None, at[1:], value)]
+        out[head : head + 1] = [put(out[head] if head < len(out) else None, at[1:], value)]
         return out
     out = dict(node) if isinstance(node, dict) else {}
     out[head] = put(out.get(head), at[1:], value)
@@ -934,6 +934,8 @@ def test_the_table_and_the_schema_list_the_same_fields(api):
     unchecked = {f for f in documented if f not in declared and not any(d.endswith("." + f) for d in declared)}
     assert not unchecked, unchecked
     undocumented = {
-        k for k in SCHEMAS[api]["properties"] if not any(f == k or f.startswith((k + ".", k + "[]")) for f in documented)
+        k
+        for k in SCHEMAS[api]["properties"]
+        if not any(f == k or f.startswith((k + ".", k + "[]")) for f in documented)
     }
     assert not undocumented, undocumented

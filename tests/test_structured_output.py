@@ -13,7 +13,6 @@ import json
 import re
 import sys
 from pathlib import Path
-
 from typing import Literal
 
 import jsonschema
@@ -21,7 +20,7 @@ import pytest
 from pydantic import BaseModel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scripted_model import serve  # noqa: E402
+from scripted_model import serve_demo  # noqa: E402
 from test_server_http import call, parse_sse  # noqa: E402
 
 SCHEMA = {
@@ -49,10 +48,7 @@ U = [{"role": "user", "content": "Describe a pet as JSON."}]
 
 @pytest.fixture(scope="module")
 def srv():
-    import ds4mlx
-
-    model, tok = ds4mlx.load("demo", verbose=False)
-    with serve(tok, model, ctx=1024, tokens=160) as s:
+    with serve_demo(ctx=1024, tokens=160) as s:
         yield s
 
 
@@ -205,3 +201,37 @@ def test_pydantic_ai_agent_gets_an_object(srv):
     settings = {"seed": 4, "max_tokens": 160, "extra_body": {"reasoning_effort": "none", "min_p": 0.0}}
     agent = Agent(model, output_type=NativeOutput(Pet), model_settings=settings, retries=0)
     assert isinstance(agent.run_sync("Describe a pet as JSON.").output, Pet)
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_pipelined_grammar_draws_the_host_loops_tokens(srv, seed):
+    """A job with a grammar and neither reasoning nor tools runs the lookahead loop (the mask
+    computed while the device runs the step: structured.GrammarSampler).  Its tokens are
+    those of the plain host loop: mask, draw with the job's seed, read, step."""
+    import mlx.core as mx
+
+    from ds4mlx.engine import Job
+    from ds4mlx.runtime.events import Finish
+    from ds4mlx.runtime.sampling import Sampler, SamplingParams
+    from ds4mlx.runtime.structured import Constraint, Grammar
+
+    tok, grammar = srv.tok, Grammar("json_schema", SCHEMA)
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=seed)
+    ids = tok.encode("Describe a pet as JSON: ")
+    job = Job(prompt_text=tok.decode(ids), prompt_ids=list(ids), api="completions", raw=True,
+              max_tokens=80, params=params, grammar=grammar, logprobs=0)  # fmt: skip
+    fin = [ev for ev in srv.engine.generate(job) if isinstance(ev, Finish)][0]
+    got = [t.token for t in fin.logprobs]
+
+    session = srv.model.new_session(1024)
+    logits = mx.array(session.prefill(ids))
+    constraint, sampler, want = Constraint(grammar, tok, int(logits.shape[-1])), Sampler(seed), []
+    while len(want) < 80:
+        t = int(sampler.sample(constraint.apply(logits), params, want).item())
+        if t == tok.eos_id:
+            break
+        constraint.consume(t)
+        want.append(t)
+        logits = session.step(t)
+    assert got == want and fin.reason == "stop", (fin.reason, tok.decode(got), tok.decode(want))
+    jsonschema.validate(json.loads(tok.decode(got)), SCHEMA)

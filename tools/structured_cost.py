@@ -4,10 +4,10 @@ JSON schema, one process, the engine in process (a `Job` as the HTTP adapters bu
     python tools/structured_cost.py                      # the CPU demo model
     python tools/structured_cost.py --model PATH --jobs 8
 
-Each row sums several sampled jobs (temperature 1, a seed per job) over the same prompt:
-`free` (no grammar: the device samples one token ahead of the host) and `json_schema`
-(a nested schema of about 45 answer tokens: the host computes llguidance's mask between
-steps and the device applies it, docs/http-api.md §10.7).  t/s counts the tokens after
+Each row sums several sampled jobs (temperature 1, a seed per job, the two kinds in turn)
+over the same prompt: `free` (no grammar) and `json_schema` (a nested schema of about 45
+answer tokens: the host computes llguidance's mask while the device runs the step and the
+device applies it, docs/http-api.md §10.7); both run the lookahead decode loop.  t/s counts the tokens after
 the first of each job over the time from its first text delta to its last.  The mask row
 is the host's time in `Constraint.mask` per token (median, p90, and its share of a
 constrained step).
@@ -16,35 +16,21 @@ constrained step).
 from __future__ import annotations
 
 import argparse
-import queue
 import statistics
 import sys
 import time
+from pathlib import Path
 from unittest import mock
+
+from serve_vs_bench import timed_job
 
 from ds4mlx import load
 from ds4mlx.engine import Engine, Job
-from ds4mlx.runtime.events import Finish, TextDelta
 from ds4mlx.runtime.sampling import SamplingParams
 from ds4mlx.runtime.structured import Constraint, Grammar
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "kind": {"enum": ["cat", "dog", "fish"]},
-        "owner": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 6}, "age": {"enum": [1, 2, 30]}},
-            "required": ["city", "age"],
-            "additionalProperties": False,
-        },
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["name", "kind", "owner", "tags", "ok"],
-    "additionalProperties": False,
-}
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from test_structured_output import SCHEMA  # noqa: E402  the acceptance test's nested schema
 
 
 def run_job(engine, prompt: str, seed: int, gen: int, grammar) -> tuple[float, int]:
@@ -57,18 +43,7 @@ def run_job(engine, prompt: str, seed: int, gen: int, grammar) -> tuple[float, i
         params=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=seed),
         grammar=grammar,
     )
-    q: queue.Queue = queue.Queue()
-    engine.submit(job, q.put)
-    first = last = None
-    while True:
-        ev = q.get(timeout=600)
-        if isinstance(ev, TextDelta):
-            last = time.perf_counter()
-            first = first or last
-        elif isinstance(ev, Finish):
-            return ((last - first) if first else 0.0), ev.usage.completion_tokens
-        elif type(ev).__name__ == "Failed":
-            raise RuntimeError(f"job failed: {ev}")
+    return timed_job(engine, job)
 
 
 def main() -> int:
@@ -92,15 +67,16 @@ def main() -> int:
     try:
         run_job(engine, prompt, 0, 4, None)  # untimed: the session's traces
         run_job(engine, prompt, 0, 4, Grammar("json_schema", SCHEMA))  # and llguidance's tokenizer
-        rows = {}
-        for name, grammar in (("free", None), ("json_schema", Grammar("json_schema", SCHEMA))):
-            secs = tokens = 0
-            with mock.patch.object(Constraint, "mask", timed_mask):
-                for seed in range(1, a.jobs + 1):
+        kinds = {"free": None, "json_schema": Grammar("json_schema", SCHEMA)}
+        secs, tokens = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0)
+        with mock.patch.object(Constraint, "mask", timed_mask):
+            for seed in range(1, a.jobs + 1):  # the two kinds in turn: a load that drifts hits both
+                for name, grammar in kinds.items():
                     s, n = run_job(engine, prompt, seed, a.gen, grammar)
-                    secs, tokens = secs + s, tokens + max(n - 1, 0)
-            rows[name] = tokens / secs if secs else 0.0
-            print(f"{name},{a.model},tps={rows[name]:.2f},tokens={tokens},jobs={a.jobs}", flush=True)
+                    secs[name], tokens[name] = secs[name] + s, tokens[name] + max(n - 1, 0)
+        rows = {name: tokens[name] / secs[name] if secs[name] else 0.0 for name in kinds}
+        for name in kinds:
+            print(f"{name},{a.model},tps={rows[name]:.2f},tokens={tokens[name]},jobs={a.jobs}", flush=True)
         step_ms = 1e3 / rows["json_schema"] if rows["json_schema"] else 0.0
         ms = sorted(1e3 * s for s in mask_s[1:])  # the first mask of the first job builds llguidance's caches
         med, p90 = statistics.median(ms), ms[int(0.9 * (len(ms) - 1))]

@@ -129,11 +129,16 @@ class Decoding:
         # per token: those jobs run the loop synchronously; every other job samples on the
         # device, one token ahead of the host (decode.py).
         job, eng, s = self.job, self.r.engine, self.r.session
+        # a grammar over the whole output (no reasoning, no tool call: the parser stays in the
+        # answer) runs the lookahead loop; otherwise the parser picks the constrained tokens
+        grammar_ahead = self.constraint is not None and not job.tools_active and self.parser.phase == "text"
         host_chooses = (
-            self.force is not None or (job.tools_active and not job.params.greedy) or self.constraint is not None
+            self.force is not None
+            or (job.tools_active and not job.params.greedy)
+            or (self.constraint is not None and not grammar_ahead)
         )
         if (
-            not host_chooses and self.pending_lp is None
+            not host_chooses and self.pending_lp is None and self.constraint is None
         ):  # speculation (not with logprobs): the same tokens, several per target forward
             loop = loop_for_job(
                 eng.speculation, s, logits, job.params, banned=self.banned, seed=self.sampler.seed,
@@ -148,6 +153,10 @@ class Decoding:
                 job.params, int(logits.shape[-1]), self.banned, seed=self.sampler.seed, penalties=self.pen
             )
         )
+        if grammar_ahead:
+            from ..runtime.structured import GrammarSampler
+
+            sample = GrammarSampler(self.constraint, sample)
         if self.pending_lp is not None:
             sample = self._with_logprobs(sample)
         # forced tool-call header tokens do not count against max_tokens: with forced text

@@ -140,3 +140,27 @@ class Constraint:
     @property
     def complete(self) -> bool:
         return self.matcher.is_accepting() or self.matcher.is_stopped()
+
+
+class GrammarSampler:
+    """A lookahead sampler (runtime/decode.py) under a grammar: `sample` (a lazy device
+    sampler) applied to the logits with the grammar's mask.
+
+    The loop hands it step t+1's lazy logits before the host has read token t: it starts
+    that step on the device, reads token t (its own previous draw, computed before the
+    step), advances the grammar and computes the next mask on the host while the step
+    runs, then returns the masked draw, still lazy.  Every token it draws is consumed
+    before the next draw, so the tokens are those of the synchronous host path."""
+
+    def __init__(self, constraint: Constraint, sample):
+        self.constraint, self.sample = constraint, sample
+        self._drawn = None  # the last token drawn, lazy until the next call
+
+    def __call__(self, logits):
+        import mlx.core as mx
+
+        mx.async_eval(logits)
+        if self._drawn is not None:
+            self.constraint.consume(int(self._drawn.item()))
+        self._drawn = self.sample(self.constraint.apply(logits))
+        return self._drawn
