@@ -203,11 +203,20 @@ def test_pydantic_ai_agent_gets_an_object(srv):
     assert isinstance(agent.run_sync("Describe a pet as JSON.").output, Pet)
 
 
-@pytest.mark.parametrize("seed", [3, 11])
-def test_pipelined_grammar_draws_the_host_loops_tokens(srv, seed):
+@pytest.mark.parametrize("dtype,seed", [("auto", 3), ("auto", 11), (None, 5)])
+def test_pipelined_grammar_draws_the_host_loops_tokens(srv, dtype, seed):
     """A job with a grammar and neither reasoning nor tools runs the lookahead loop (the mask
     computed while the device runs the step: structured.GrammarSampler).  Its tokens are
-    those of the plain host loop: mask, draw with the job's seed, read, step."""
+    those of the plain host loop: mask, draw with the job's seed, read, step; also under the
+    GPU weight policy (dtype None: 16-bit weights)."""
+    if dtype == "auto":
+        _pipelined_equals_host(srv, seed)
+        return
+    with serve_demo(dtype=dtype, ctx=1024, tokens=80) as s:
+        _pipelined_equals_host(s, seed)
+
+
+def _pipelined_equals_host(srv, seed: int) -> None:
     import mlx.core as mx
 
     from ds4mlx.engine import Job
