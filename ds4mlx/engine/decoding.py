@@ -69,6 +69,11 @@ class Decoding:
             from ..runtime.structured import Constraint
 
             self.constraint = Constraint(job.grammar, eng.tokenizer, vocab)
+        self.call_constraint = None  # strict tools: the forced call's rest (host path: the call is forced)
+        if job.tool_grammar is not None and self.force is not None:
+            from ..runtime.structured import Constraint
+
+            self.call_constraint = Constraint(job.tool_grammar, eng.tokenizer, vocab)
         # logprobs: the device values of each sample, oldest first (a loop samples in yield order;
         # a token drawn ahead but never yielded stays at the tail)
         self.pending_lp: list | None = [] if job.logprobs is not None else None
@@ -116,12 +121,17 @@ class Decoding:
         params = GREEDY if structural else job.params  # ignore_eos keeps the requested sampling
         if structural and not job.params.greedy:
             self.r.engine.stats.greedy_tokens += 1
-        constrained = self.constraint is not None and parser.phase == "text"
-        x = self.constraint.apply(logits) if constrained else logits
+        # after the forced head of a strict call its grammar holds every token; otherwise
+        # a structured-output grammar holds the answer
+        if self.call_constraint is not None and self.force is None:
+            constraint = self.call_constraint
+        else:
+            constraint = self.constraint if parser.phase == "text" else None
+        x = constraint.apply(logits) if constraint is not None else logits
         pen = self.pen if params is job.params else None
         tok = int(self.sampler.sample(x, params, self.generated, self.banned, pen).item())
-        if constrained:
-            self.constraint.consume(tok)
+        if constraint is not None:
+            constraint.consume(tok)
         return tok
 
     def _make_loop(self, logits):

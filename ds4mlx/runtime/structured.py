@@ -24,6 +24,29 @@ import numpy as np
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def lark_literal(text: str, tokenizer) -> str:
+    """`text` as a Lark term: quoted strings, with the tokenizer's special strings (a DSML
+    marker, ...) as references to their token ids (a special token never matches text)."""
+    specials = getattr(tokenizer, "special_ids", {}) or {}
+    terms, rest = [], text
+    while rest:
+        at = min(((rest.find(s), s) for s in specials if s in rest), default=None)
+        if at is None:
+            terms.append(json.dumps(rest))
+            break
+        i, special = at
+        if i:
+            terms.append(json.dumps(rest[:i]))
+        terms.append(f"<[{specials[special]}]>")
+        rest = rest[i + len(special) :]
+    return " ".join(terms) or '""'
+
+
+def lark_json(schema: dict) -> str:
+    """A JSON schema as a Lark term (llguidance's %json), written as the answers are."""
+    return "%json " + json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
+
+
 class GrammarError(ValueError):
     """The request's grammar does not compile (the HTTP layer's 400)."""
 

@@ -85,7 +85,6 @@ TABLE: dict[str, list[Field]] = {
     "chat": [
         *_OPENAI_ADVISORY,
         _ignored("stream_options.include_obfuscation", BOOL),
-        _f("tools[].function.strict", BOOL, False),
         _f("audio", OBJ),
         _f("modalities", STRS, ["text"]),
         _f("prediction", OBJ),
@@ -106,7 +105,6 @@ TABLE: dict[str, list[Field]] = {
     "anthropic": [
         _ignored("metadata", OBJ),
         _ignored("service_tier", STR),
-        _f("tools[].strict", BOOL, False),
         _f("container", {"type": ["string", "object", "null"]}),
         _f("context_management", OBJ),
         _f("mcp_servers", ARR, []),
@@ -122,7 +120,6 @@ TABLE: dict[str, list[Field]] = {
             REFUSED,
             allow=lambda v: isinstance(v, list) and all(i == "reasoning.encrypted_content" for i in v),
         ),
-        _f("tools[].strict", BOOL, False),
         _f("text.verbosity", STR, "medium"),
         _f("top_logprobs", INT, 0),
         _f("truncation", STR, "disabled"),

@@ -151,7 +151,11 @@ CHAT_MESSAGE = {
         "tool_calls": {"type": ["array", "null"], "items": CHAT_TOOL_CALL},
     },
 }
-FUNCTION = {"type": "object", "properties": {"name": _t("string"), "description": STR, "parameters": OBJ}}
+# strict: the arguments held to the schema on a forced call, else a 400 (serve/grammar.py)
+FUNCTION = {
+    "type": "object",
+    "properties": {"name": _t("string"), "description": STR, "parameters": OBJ, "strict": BOOL},
+}
 CHAT_TOOL = {"type": "object", "properties": {"type": STR, "function": FUNCTION, "name": STR}}
 CHAT = _api(
     {
@@ -204,7 +208,14 @@ ANTHROPIC_BLOCK = _part(
 ANTHROPIC_MESSAGE = {"type": "object", "properties": {"role": _t("string"), "content": _content(ANTHROPIC_BLOCK)}}
 ANTHROPIC_TOOL = {
     "type": "object",
-    "properties": {"name": STR, "description": STR, "input_schema": OBJ, "type": STR, "cache_control": OBJ},
+    "properties": {
+        "name": STR,
+        "description": STR,
+        "input_schema": OBJ,
+        "type": STR,
+        "cache_control": OBJ,
+        "strict": BOOL,
+    },
 }
 ANTHROPIC = _api(
     {
@@ -267,7 +278,7 @@ RESPONSES_ITEM = {
         "tools": ANY,
     },
 }
-_RESPONSES_FUNCTION = {"type": STR, "name": STR, "description": STR, "parameters": OBJ}
+_RESPONSES_FUNCTION = {"type": STR, "name": STR, "description": STR, "parameters": OBJ, "strict": BOOL}
 RESPONSES_TOOL = {
     "type": "object",
     "properties": {  # a namespace's functions are tools too
