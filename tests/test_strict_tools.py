@@ -179,3 +179,16 @@ def test_a_family_without_a_call_grammar_refuses_strict(family):
     with pytest.raises(APIError) as info:
         strict_call_grammar_of("chat", body, proto.force_text(None), proto, Tokenizer.default())
     assert info.value.param == "tools[0].function.strict" and "families" in info.value.message
+
+
+def test_responses_namespace_function_strict(srv):
+    """A namespace's function (written `namespace + name` in DSML) is held to its schema."""
+    inner = {"type": "function", "name": "weather", "parameters": PARAMS, "strict": True}
+    tools = [{"type": "namespace", "name": "mcp__", "tools": [inner]}]
+    body = {"input": "weather?", "tools": tools, "tool_choice": "required", "reasoning": {"effort": "none"}, "seed": 4}
+    st, _, text = call(srv.url, "/v1/responses", body)
+    assert st == 200, text
+    items = [i for i in json.loads(text)["output"] if i["type"] == "function_call"]
+    assert items and all(i["name"] == "weather" and i.get("namespace") == "mcp__" for i in items), items
+    for i in items:
+        _check_call("weather", i["arguments"])

@@ -94,18 +94,25 @@ def grammar_of(api: str, body: Any) -> Grammar | None:
 
 
 def _function_tools(api: str, body: dict) -> list[tuple[list, str, Any, bool]]:
-    """(path of its strict field, name, parameters schema, strict) of each function tool."""
+    """(path of its strict field, name the model writes, parameters schema, strict) of each
+    function tool (a Responses namespace's functions as `namespace + name`, as
+    chat/requests.py names them)."""
     out = []
     for i, t in enumerate(body.get("tools") or []):
         if not isinstance(t, dict):
             continue
         if api == "chat":
-            fn, at = t.get("function"), ["tools", i, "function", "strict"]
+            found = [(t.get("function"), ["tools", i, "function", "strict"], "")]
+        elif api == "anthropic":
+            found = [(t, ["tools", i, "strict"], "")]
+        elif t.get("type") == "namespace" and isinstance(t.get("name"), str) and isinstance(t.get("tools"), list):
+            found = [(f, ["tools", i, "tools", j, "strict"], t["name"]) for j, f in enumerate(t["tools"])]
         else:
-            fn, at = (t if api == "anthropic" or t.get("type") == "function" else None), ["tools", i, "strict"]
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            schema = fn.get("input_schema" if api == "anthropic" else "parameters")
-            out.append((at, fn["name"], schema, fn.get("strict") is True))
+            found = [(t if t.get("type") == "function" else None, ["tools", i, "strict"], "")]
+        for fn, at, prefix in found:
+            if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+                schema = fn.get("input_schema" if api == "anthropic" else "parameters")
+                out.append((at, prefix + fn["name"], schema, fn.get("strict") is True))
     return out
 
 
@@ -138,7 +145,7 @@ def strict_call_grammar_of(api: str, body: Any, forced: str | None, protocol, to
         raise refuse(strict[0][0], E.STRICT_NEEDS_FORCED_CALL)
     named = _forced_name(api, body)
     callable_ = [t for t in tools if named is None or t[1] == named]
-    if not all(t[3] for t in callable_):  # a call that may reach a free tool is not enforced
+    if not callable_ or not all(t[3] for t in callable_):  # a call that may reach a free tool is not held
         raise refuse(strict[0][0], E.STRICT_NEEDS_EVERY_TOOL)
     text = protocol.strict_call_grammar(
         {t[1]: t[2] for t in callable_}, named, lambda s: lark_literal(s, tokenizer), lark_json
