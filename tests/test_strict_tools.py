@@ -79,9 +79,15 @@ def test_forced_strict_call_validates(srv, seed, choice):
 
 
 def test_streamed_and_thinking(srv):
-    """Streamed, with thinking on: the reasoning is free, the forced call's arguments hold."""
+    """Streamed, with thinking on: the forced head waits for the reasoning's end (pushed by a
+    logit_bias on `</think>`: a random model's reasoning would not end), then the call's
+    arguments hold."""
+    from ds4mlx.chat.markers import THINK_CLOSE
+
+    close = srv.tok.encode(THINK_CLOSE)
     body = {"messages": U, "tools": chat_tools(), "tool_choice": "required", "seed": 1, "stream": True,
-            "reasoning_effort": "high", "max_tokens": 200}  # fmt: skip
+            "reasoning_effort": "high", "max_tokens": 200, "logit_bias": {str(close[0]): 100}}  # fmt: skip
+    assert len(close) == 1
     st, _, text = call(srv.url, "/v1/chat/completions", body)
     assert st == 200, text
     chunks = [json.loads(d) for _, d in parse_sse(text) if d != "[DONE]"]
@@ -93,8 +99,6 @@ def test_streamed_and_thinking(srv):
             entry["name"] += (tc.get("function") or {}).get("name") or ""
             entry["arguments"] += (tc.get("function") or {}).get("arguments") or ""
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    if finish == ["length"]:  # the reasoning used the whole budget: no call was forced
-        return
     assert finish == ["tool_calls"] and calls, deltas[-3:]
     for c in calls.values():
         _check_call(c["name"], c["arguments"])
