@@ -20,6 +20,7 @@ from ..runtime.decode import StepRequest, decode_tokens
 from ..runtime.detok import Detokenizer, StopMatcher
 from ..runtime.events import Finish, TokenLogprob, Usage
 from ..runtime.sampling import GREEDY, DeviceSampler, Penalties, Sampler
+from ..runtime.structured import Constraint, GrammarSampler
 from ..speculative.loop import loop_for_job
 from ..speculative.options import SpecStats
 from .bindings import after_turn
@@ -66,13 +67,9 @@ class Decoding:
         self.pen = Penalties(job.params, vocab, r.session.tokens) if job.params.penalised else None
         self.constraint = None  # structured output: the grammar's mask on the answer (not the reasoning)
         if job.grammar is not None:
-            from ..runtime.structured import Constraint
-
             self.constraint = Constraint(job.grammar, eng.tokenizer, vocab)
         self.call_constraint = None  # strict tools: the forced call's rest (host path: the call is forced)
         if job.tool_grammar is not None and self.force is not None:
-            from ..runtime.structured import Constraint
-
             self.call_constraint = Constraint(job.tool_grammar, eng.tokenizer, vocab)
         # logprobs: the device values of each sample, oldest first (a loop samples in yield order;
         # a token drawn ahead but never yielded stays at the tail)
@@ -164,8 +161,6 @@ class Decoding:
             )
         )
         if grammar_ahead:
-            from ..runtime.structured import GrammarSampler
-
             sample = GrammarSampler(self.constraint, sample)
         if self.pending_lp is not None:
             sample = self._with_logprobs(sample)

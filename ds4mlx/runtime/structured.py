@@ -6,8 +6,11 @@ tokens the grammar allows next (bool [V], computed on the host by llguidance's m
 `consume(token)` advances it.  The engine applies the mask to the logits on the device
 before sampling, only while the answer is written (after `</think>` when thinking:
 the reasoning stays free), and a grammar that is complete allows only the end of the
-turn.  Why llguidance and not xgrammar, measured at this vocabulary (129,280 tokens)
-on the CPU, in docs/http-api.md §10.7.
+turn.  A job whose whole output is the answer samples with `GrammarSampler` on the
+pipelined decode loop.  Strict tool calls are grammars too: a family protocol writes one
+with `lark_literal` (special strings as token references) and `lark_json`.  Why
+llguidance and not xgrammar, measured at this vocabulary (129,280 tokens) on the CPU, in
+docs/http-api.md §10.7.
 """
 
 from __future__ import annotations
