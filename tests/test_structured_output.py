@@ -203,44 +203,61 @@ def test_pydantic_ai_agent_gets_an_object(srv):
     assert isinstance(agent.run_sync("Describe a pet as JSON.").output, Pet)
 
 
-@pytest.mark.parametrize("dtype,seed", [("auto", 3), ("auto", 11), (None, 5)])
-def test_pipelined_grammar_draws_the_host_loops_tokens(srv, dtype, seed):
-    """A job with a grammar and neither reasoning nor tools runs the lookahead loop (the mask
-    computed while the device runs the step: structured.GrammarSampler).  Its tokens are
-    those of the plain host loop: mask, draw with the job's seed, read, step; also under the
-    GPU weight policy (dtype None: 16-bit weights)."""
+@pytest.mark.parametrize("dtype,seed,thinking", [("auto", 3, False), ("auto", 11, False), (None, 5, False),
+                                                 ("auto", 2, True), (None, 7, True)])  # fmt: skip
+def test_pipelined_grammar_draws_the_host_loops_tokens(srv, dtype, seed, thinking):
+    """A job with a grammar and no tools runs the lookahead loop (the mask computed while
+    the device runs the step: structured.GrammarSampler), with thinking too (the reasoning
+    free up to its closing token).  Its tokens are those of the plain host loop: mask (once
+    the reasoning closed), draw with the job's seed, read, step; also under the GPU weight
+    policy (dtype None: 16-bit weights)."""
     if dtype == "auto":
-        _pipelined_equals_host(srv, seed)
+        _pipelined_equals_host(srv, seed, thinking)
         return
     with serve_demo(dtype=dtype, ctx=1024, tokens=80) as s:
-        _pipelined_equals_host(s, seed)
+        _pipelined_equals_host(s, seed, thinking)
 
 
-def _pipelined_equals_host(srv, seed: int) -> None:
+def _pipelined_equals_host(srv, seed: int, thinking: bool) -> None:
     import mlx.core as mx
 
+    from ds4mlx.chat import markers as M
     from ds4mlx.engine import Job
     from ds4mlx.runtime.events import Finish
-    from ds4mlx.runtime.sampling import Sampler, SamplingParams
+    from ds4mlx.runtime.sampling import Penalties, Sampler, SamplingParams
     from ds4mlx.runtime.structured import Constraint, Grammar
 
     tok, grammar = srv.tok, Grammar("json_schema", SCHEMA)
-    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=seed)
-    ids = tok.encode("Describe a pet as JSON: ")
-    job = Job(prompt_text=tok.decode(ids), prompt_ids=list(ids), api="completions", raw=True,
-              max_tokens=80, params=params, grammar=grammar, logprobs=0)  # fmt: skip
+    close = tok.encode(M.THINK_CLOSE)[0]
+    # with thinking, a bias on the reasoning's close so that a random model ends it
+    bias = ((close, 9.0),) if thinking else ()
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=seed, logit_bias=bias)
+    if thinking:
+        ids = tok.encode(M.BOS + M.USER + "Describe a pet as JSON." + M.ASSISTANT + M.THINK_OPEN)
+    else:
+        ids = tok.encode("Describe a pet as JSON: ")
+    job = Job(prompt_text=tok.decode(ids), prompt_ids=list(ids), api="chat" if thinking else "completions",
+              raw=not thinking, thinking="high" if thinking else "none", max_tokens=80, params=params,
+              grammar=grammar, logprobs=0)  # fmt: skip
     fin = [ev for ev in srv.engine.generate(job) if isinstance(ev, Finish)][0]
     got = [t.token for t in fin.logprobs]
 
     session = srv.model.new_session(1024)
     logits = mx.array(session.prefill(ids))
-    constraint, sampler, want = Constraint(grammar, tok, int(logits.shape[-1])), Sampler(seed), []
+    vocab = int(logits.shape[-1])
+    pen = Penalties(params, vocab, session.tokens) if params.penalised else None
+    constraint, sampler, want = Constraint(grammar, tok, vocab), Sampler(seed), []
+    answering = not thinking
     while len(want) < 80:
-        t = int(sampler.sample(constraint.apply(logits), params, want).item())
+        x = constraint.apply(logits) if answering else logits
+        t = int(sampler.sample(x, params, want, None, pen).item())
         if t == tok.eos_id:
             break
-        constraint.consume(t)
+        if answering:
+            constraint.consume(t)
+        answering = answering or t == close
         want.append(t)
         logits = session.step(t)
     assert got == want and fin.reason == "stop", (fin.reason, tok.decode(got), tok.decode(want))
-    jsonschema.validate(json.loads(tok.decode(got)), SCHEMA)
+    answer = tok.decode(got[got.index(close) + 1 :] if thinking else got)
+    jsonschema.validate(json.loads(answer), SCHEMA)

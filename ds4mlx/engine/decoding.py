@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..chat.markers import PARSE_UNTERMINATED_TOOL_CALL
+from ..chat.protocol import get_protocol
 from ..runtime.decode import StepRequest, decode_tokens
 from ..runtime.detok import Detokenizer, StopMatcher
 from ..runtime.events import Finish, TokenLogprob, Usage
@@ -136,9 +137,14 @@ class Decoding:
         # per token: those jobs run the loop synchronously; every other job samples on the
         # device, one token ahead of the host (decode.py).
         job, eng, s = self.job, self.r.engine, self.r.session
-        # a grammar over the whole output (no reasoning, no tool call: the parser stays in the
-        # answer) runs the lookahead loop; otherwise the parser picks the constrained tokens
-        grammar_ahead = self.constraint is not None and not job.tools_active and self.parser.phase == "text"
+        # a grammar without tool calls runs the lookahead loop: over the whole output, or after
+        # the reasoning when one token closes it; otherwise the parser picks the constrained tokens
+        opens_at = self._reasoning_close() if self.parser.phase == "reasoning" else None
+        grammar_ahead = (
+            self.constraint is not None
+            and not job.tools_active
+            and (self.parser.phase == "text" or opens_at is not None)
+        )
         host_chooses = (
             self.force is not None
             or (job.tools_active and not job.params.greedy)
@@ -161,7 +167,7 @@ class Decoding:
             )
         )
         if grammar_ahead:
-            sample = GrammarSampler(self.constraint, sample)
+            sample = GrammarSampler(self.constraint, sample, opens_at)
         if self.pending_lp is not None:
             sample = self._with_logprobs(sample)
         # forced tool-call header tokens do not count against max_tokens: with forced text
@@ -175,6 +181,11 @@ class Decoding:
             limit=self.max_tokens if self.force is None else None,
             defer=eng.defer_steps,
         )
+
+    def _reasoning_close(self) -> int | None:
+        """The token that ends the reasoning, when the family's closing string is one token."""
+        ids = self.r.tokenize(get_protocol(self.job.family).think_close)
+        return ids[0] if len(ids) == 1 else None
 
     # ------------------------------------------------ the token loop
     def steps(self) -> Iterator[StepRequest | None]:

@@ -6,8 +6,8 @@ tokens the grammar allows next (bool [V], computed on the host by llguidance's m
 `consume(token)` advances it.  The engine applies the mask to the logits on the device
 before sampling, only while the answer is written (after `</think>` when thinking:
 the reasoning stays free), and a grammar that is complete allows only the end of the
-turn.  A job whose whole output is the answer samples with `GrammarSampler` on the
-pipelined decode loop.  Strict tool calls are grammars too: a family protocol writes one
+turn.  A job without tools samples with `GrammarSampler` on the pipelined decode
+loop (the mask from the reasoning's closing token on).  Strict tool calls are grammars too: a family protocol writes one
 with `lark_literal` (special strings as token references) and `lark_json`.  Why
 llguidance and not xgrammar, measured at this vocabulary (129,280 tokens) on the CPU, in
 docs/http-api.md §10.7.
@@ -176,10 +176,14 @@ class GrammarSampler:
     that step on the device, reads token t (its own previous draw, computed before the
     step), advances the grammar and computes the next mask on the host while the step
     runs, then returns the masked draw, still lazy.  Every token it draws is consumed
-    before the next draw, so the tokens are those of the synchronous host path."""
+    before the next draw, so the tokens are those of the synchronous host path.  With
+    `opens_at` (the reasoning's closing token) the draws are free up to and including
+    that token: the grammar holds the answer after it."""
 
-    def __init__(self, constraint: Constraint, sample):
+    def __init__(self, constraint: Constraint, sample, opens_at: int | None = None):
         self.constraint, self.sample = constraint, sample
+        self.opens_at = opens_at
+        self._active = opens_at is None
         self._drawn = None  # the last token drawn, lazy until the next call
 
     def __call__(self, logits):
@@ -187,6 +191,9 @@ class GrammarSampler:
 
         mx.async_eval(logits)
         if self._drawn is not None:
-            self.constraint.consume(int(self._drawn.item()))
-        self._drawn = self.sample(self.constraint.apply(logits))
+            last = int(self._drawn.item())
+            if self._active:
+                self.constraint.consume(last)
+            self._active = self._active or last == self.opens_at
+        self._drawn = self.sample(self.constraint.apply(logits) if self._active else logits)
         return self._drawn
