@@ -291,6 +291,24 @@ def serve(
     return _cm()
 
 
+def serve_demo(dtype="auto", **kw):
+    """`serve` for the random-weight demo model (`ds4mlx.load("demo", dtype=dtype)`: None is
+    the GPU weight policy, 16-bit weights as stored); the yielded server also carries its
+    tokenizer as `.tok`."""
+    from contextlib import contextmanager
+
+    import ds4mlx
+
+    @contextmanager
+    def _cm():
+        model, tok = ds4mlx.load("demo", dtype=dtype, verbose=False)
+        with serve(tok, model, **kw) as s:
+            s.tok = tok
+            yield s
+
+    return _cm()
+
+
 def last_user_text(prompt: str) -> str:
     """The text of the last user turn of a rendered DeepSeek prompt."""
     user, asst = "<｜User｜>", "<｜Assistant｜>"

@@ -106,7 +106,7 @@ def test_completions_logprobs(srv):
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "value"),  # without logprobs: true
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": "3"}, "top_logprobs", "type"),
         ("/v1/completions", {"logprobs": True}, "logprobs", "type"),
-        ("/v1/completions", {"logprobs": 1.5}, "logprobs", "value"),
+        ("/v1/completions", {"logprobs": 1.5}, "logprobs", "type"),  # an integer: never truncated
         ("/v1/completions", {"logprobs": 21}, "logprobs", "value"),
     ],
 )
@@ -174,11 +174,30 @@ def test_completions_echo_without_logprobs_prints_the_prompt(srv):
     assert st == 200 and choice["text"].startswith("say") and "logprobs" not in choice
 
 
-def test_streamed_echo_is_refused(srv):
-    body = {"prompt": "say", "echo": True, "logprobs": 1, "stream": True, **GREEDY}
+@pytest.mark.parametrize("logprobs", [None, 2])
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_streamed_echo_prints_the_prompt_first(srv, logprobs, max_tokens):
+    """As OpenAI's legacy API: the prompt (with its tokens' log-probs) is the first chunk; the
+    chunks' texts and log-prob entries, joined, are the non-streamed choice's."""
+    body = {"prompt": "The quick brown fox", "echo": True, **GREEDY, "max_tokens": max_tokens}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     st, _, text = call(srv.url, "/v1/completions", body)
-    err = json.loads(text)["error"]
-    assert st == 400 and err["param"] == "echo" and err["code"] == "unsupported_parameter", text
+    assert st == 200, text
+    whole = json.loads(text)["choices"][0]
+    st, _, raw = call(srv.url, "/v1/completions", {**body, "stream": True})
+    assert st == 200, raw
+    chunks = [json.loads(v)["choices"][0] for kind, v in parse_sse(raw) if kind == "data" and v != "[DONE]"]
+    assert chunks[0]["text"] == body["prompt"] and chunks[0]["finish_reason"] is None
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert chunks[-1]["finish_reason"] == whole["finish_reason"]
+    parts = [c["logprobs"] for c in chunks if "logprobs" in c]
+    if logprobs is None:
+        assert not parts and "logprobs" not in whole
+        return
+    assert "logprobs" in chunks[0] and "logprobs" in chunks[-1] and len(parts) == 2
+    joined = {k: [v for p in parts for v in p[k]] for k in whole["logprobs"]}
+    assert joined == whole["logprobs"]
 
 
 def test_echo_on_a_prompt_list_prints_each_prompt(srv):

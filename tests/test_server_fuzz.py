@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -763,3 +764,178 @@ def test_fuzz_typed(typed_srv, path, api):
     print(f"{path} typed: {sum(counts.values())} bodies, statuses {dict(sorted(counts.items()))}")
     assert sum(counts.values()) >= EXAMPLES and counts.get(400, 0) > 0 and counts.get(200, 0) > 0, counts
     assert srv.engine._worker.is_alive()
+
+
+# --------------------------------------------------------------------------- field pass
+# Every field of every API's JSON Schema (serve/validate.py, which holds serve/fields.py's
+# table too) gets a value of each JSON type it does not allow, placed into the API's rich
+# body: each must be a 400 naming that field, never an answer.  The paths come from the
+# schemas, so a new field is covered the moment it is declared; docs/http-api.md §10's
+# tables and the schemas must list the same fields.
+from ds4mlx.serve.validate import SCHEMAS, field_path  # noqa: E402
+
+_SAMPLE = {"null": None, "boolean": True, "integer": 7, "number": 1.5, "string": "x", "array": [], "object": {}}
+
+
+def schema_fields(node: dict, path: tuple = ()):
+    """(path, schema) of every field a schema declares; "[]" is any item of an array,
+    "*" any value of a map."""
+    if path:
+        yield path, node
+    for branch in [node, *node.get("anyOf", [])]:
+        for key, child in branch.get("properties", {}).items():
+            yield from schema_fields(child, path + (key,))
+        for key, part in (("items", "[]"), ("additionalProperties", "*")):
+            if isinstance(branch.get(key), dict):
+                yield from schema_fields(branch[key], path + (part,))
+
+
+def allowed_types(node: dict) -> set[str] | None:
+    """The JSON types a field may have; None when any value is (nothing to get wrong)."""
+    if "anyOf" in node:
+        out: set[str] = set()
+        for branch in node["anyOf"]:
+            types = allowed_types(branch)
+            if types is None:
+                return None
+            out |= types
+        return out
+    if "enum" in node:
+        return {next(t for t, v in _SAMPLE.items() if _json_kind(v) == _json_kind(e)) for e in node["enum"]}
+    if "type" not in node:
+        return None
+    types = set(node["type"] if isinstance(node["type"], list) else [node["type"]])
+    return types | {"integer"} if "number" in types else types
+
+
+def _json_kind(v) -> str:
+    return "boolean" if isinstance(v, bool) else "number" if isinstance(v, (int, float)) else type(v).__name__
+
+
+def wrong_values(node: dict) -> list:
+    """A value of each JSON type the field does not allow; a string the field's named
+    values do not include."""
+    types = allowed_types(node)
+    if types is None:
+        return []
+    out = [v for t, v in _SAMPLE.items() if t not in types]
+    if "enum" in node and "string" in types:
+        out.append("no-such-value")
+    return out
+
+
+def placed(body, pattern: tuple, value):
+    """(concrete path, body with value there): the place reached through the most nodes
+    the body already has (missing objects and arrays are made)."""
+    best = None
+
+    def walk(node, rest, at, made):
+        nonlocal best
+        if not rest:
+            if best is None or made < best[0]:
+                best = (made, at)
+            return
+        head = rest[0]
+        if head == "[]":
+            items = node if isinstance(node, list) else []
+            for i, item in enumerate(items):
+                walk(item, rest[1:], at + (i,), made)
+            if not items:
+                walk(None, rest[1:], at + (0,), made + 1)
+        else:
+            key = "15" if head == "*" else head  # a map's key: a token id
+            inside = node.get(key) if isinstance(node, dict) else None
+            walk(inside, rest[1:], at + (key,), made + (inside is None))
+
+    walk(body, pattern, (), 0)
+    return best[1], put(body, best[1], value)
+
+
+def put(node, at: tuple, value):
+    if not at:
+        return value
+    head = at[0]
+    if isinstance(head, int):
+        out = list(node) if isinstance(node, list) else []
+        out[head : head + 1] = [put(out[head] if head < len(out) else None, at[1:], value)]
+        return out
+    out = dict(node) if isinstance(node, dict) else {}
+    out[head] = put(out.get(head), at[1:], value)
+    return out
+
+
+FIELD_CASES = [
+    (api, pattern, value)
+    for api in SCHEMAS
+    for pattern, node in sorted(set((p, json.dumps(n, sort_keys=True)) for p, n in schema_fields(SCHEMAS[api])))
+    for value in wrong_values(json.loads(node))
+]
+
+
+def test_every_field_gets_wrong_values():
+    """The pass reaches every API and most fields (the count a floor against a schema
+    walk that silently stops finding fields)."""
+    per_api = {api: len({p for a, p, _ in FIELD_CASES if a == api}) for api in SCHEMAS}
+    assert all(n >= 40 for n in per_api.values()), per_api
+
+
+@pytest.mark.parametrize("api", sorted(SCHEMAS))
+def test_every_field_of_the_wrong_type_is_a_400_naming_it(typed_srv, api):
+    client = Client(typed_srv.url)
+    answered = []
+    for a, pattern, value in FIELD_CASES:
+        if a != api:
+            continue
+        at, body = placed(RICH[api], pattern, value)
+        status, _, data = client.post(ROUTES[api], json.dumps(body).encode())
+        name = field_path(at, api)
+        if status != 400 or f"'{name}'" not in json.loads(data)["error"]["message"]:
+            answered.append((name, value, status, data[:160]))
+    assert not answered, f"{len(answered)} wrong values not refused by name: {answered[:20]}"
+
+
+ROUTES = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "anthropic": "/v1/messages",
+    "responses": "/v1/responses",
+}
+
+TABLE_SECTIONS = {"chat": "10.1", "completions": "10.2", "anthropic": "10.3", "responses": "10.4"}
+
+
+def table_fields(api: str) -> set[str]:
+    """The fields named in the first column of the API's table in docs/http-api.md §10
+    (parenthesised remarks left out)."""
+    doc = (Path(__file__).parents[1] / "docs" / "http-api.md").read_text()
+    section = doc.split(f"\n### {TABLE_SECTIONS[api]} ")[1].split("\n### ")[0]
+    out: set[str] = set()
+    for line in section.splitlines():
+        if not line.startswith("| ") or line.startswith("| field"):
+            continue
+        cell, before = line.split("|")[1], None
+        while before != cell:
+            before, cell = cell, re.sub(r"\([^()]*\)", "", cell)
+        out |= set(re.findall(r"`([^`]+)`", cell))
+    return out
+
+
+def _dotted(pattern: tuple) -> str:
+    return ".".join(pattern).replace(".[]", "[]")
+
+
+@pytest.mark.parametrize("api", sorted(SCHEMAS))
+def test_the_table_and_the_schema_list_the_same_fields(api):
+    """Every field the table names is type-checked (a schema path, or the last name of
+    one: `cache_control` sits on blocks and tools), and every top-level field of the
+    schema is in the table (itself or one of its sub-fields)."""
+    declared = {_dotted(p) for p, _ in schema_fields(SCHEMAS[api])}
+    documented = table_fields(api)
+    unchecked = {f for f in documented if f not in declared and not any(d.endswith("." + f) for d in declared)}
+    assert not unchecked, unchecked
+    undocumented = {
+        k
+        for k in SCHEMAS[api]["properties"]
+        if not any(f == k or f.startswith((k + ".", k + "[]")) for f in documented)
+    }
+    assert not undocumented, undocumented

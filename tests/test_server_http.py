@@ -238,7 +238,7 @@ BAD_BODIES = [
     (
         b'{"messages":[{"role":"user","content":"x"}],"max_tokens":"5"}',
         400,
-        "Invalid type for 'max_tokens': expected a number or null, but got a string instead.",
+        "Invalid type for 'max_tokens': expected an integer or null, but got a string instead.",
     ),
     (
         b'{"messages":[{"role":"user","content":"x"}],"stream":1}',

@@ -4,7 +4,7 @@ On the random-weight demo model (its free text is gibberish, so the grammar does
 the work): a json_schema with nested objects, arrays, enums and required keys gives
 JSON that validates against the schema on 20 of 20 seeds, streamed and not; the
 reasoning stays free with thinking on; the OpenAI SDK's `chat.completions.parse`
-gets a parsed object; each API's field and each grammar kind reaches the sampler;
+and pydantic-ai get a parsed object; each API's field and each grammar kind reaches the sampler;
 a grammar that does not compile is a 400 naming its field."""
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Literal
 
 import jsonschema
 import pytest
+from pydantic import BaseModel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scripted_model import serve  # noqa: E402
+from scripted_model import serve_demo  # noqa: E402
 from test_server_http import call, parse_sse  # noqa: E402
 
 SCHEMA = {
@@ -46,10 +48,7 @@ U = [{"role": "user", "content": "Describe a pet as JSON."}]
 
 @pytest.fixture(scope="module")
 def srv():
-    import ds4mlx
-
-    model, tok = ds4mlx.load("demo", verbose=False)
-    with serve(tok, model, ctx=1024, tokens=160) as s:
+    with serve_demo(ctx=1024, tokens=160) as s:
         yield s
 
 
@@ -160,21 +159,19 @@ def test_bad_grammar_is_a_400_naming_its_field(srv, extra, field):
     ), err
 
 
+class Owner(BaseModel):
+    city: Literal["Oslo", "Rome"]
+    vip: bool
+
+
+class Pet(BaseModel):
+    kind: Literal["cat", "dog"]
+    owner: Owner
+    ok: bool
+
+
 def test_openai_sdk_parse_gets_an_object(srv):
     openai = pytest.importorskip("openai")
-    from typing import Literal
-
-    from pydantic import BaseModel
-
-    class Owner(BaseModel):
-        city: Literal["Oslo", "Rome"]
-        vip: bool
-
-    class Pet(BaseModel):
-        kind: Literal["cat", "dog"]
-        owner: Owner
-        ok: bool
-
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     r = client.chat.completions.parse(
         model="deepseek-v4-flash",
@@ -186,3 +183,81 @@ def test_openai_sdk_parse_gets_an_object(srv):
         extra_body={"min_p": 0.0},
     )
     assert isinstance(r.choices[0].message.parsed, Pet), r.choices[0].message
+
+
+def test_pydantic_ai_agent_gets_an_object(srv):
+    """pydantic-ai's native structured output (its `response_format` json_schema) parses."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.profiles.openai import OpenAIModelProfile
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel(
+        "deepseek-v4-flash",
+        provider=OpenAIProvider(base_url=srv.url + "/v1", api_key="unused"),
+        profile=OpenAIModelProfile(supports_json_schema_output=True),  # an unknown model name: say so
+    )
+    settings = {"seed": 4, "max_tokens": 160, "extra_body": {"reasoning_effort": "none", "min_p": 0.0}}
+    agent = Agent(model, output_type=NativeOutput(Pet), model_settings=settings, retries=0)
+    assert isinstance(agent.run_sync("Describe a pet as JSON.").output, Pet)
+
+
+@pytest.mark.parametrize("dtype,seed,thinking", [("auto", 3, False), ("auto", 11, False), (None, 5, False),
+                                                 ("auto", 2, True), (None, 7, True)])  # fmt: skip
+def test_pipelined_grammar_draws_the_host_loops_tokens(srv, dtype, seed, thinking):
+    """A job with a grammar and no tools runs the lookahead loop (the mask computed while
+    the device runs the step: structured.GrammarSampler), with thinking too (the reasoning
+    free up to its closing token).  Its tokens are those of the plain host loop: mask (once
+    the reasoning closed), draw with the job's seed, read, step; also under the GPU weight
+    policy (dtype None: 16-bit weights)."""
+    if dtype == "auto":
+        _pipelined_equals_host(srv, seed, thinking)
+        return
+    with serve_demo(dtype=dtype, ctx=1024, tokens=80) as s:
+        _pipelined_equals_host(s, seed, thinking)
+
+
+def _pipelined_equals_host(srv, seed: int, thinking: bool) -> None:
+    import mlx.core as mx
+
+    from ds4mlx.chat import markers as M
+    from ds4mlx.engine import Job
+    from ds4mlx.runtime.events import Finish
+    from ds4mlx.runtime.sampling import Penalties, Sampler, SamplingParams
+    from ds4mlx.runtime.structured import Constraint, Grammar
+
+    tok, grammar = srv.tok, Grammar("json_schema", SCHEMA)
+    close = tok.encode(M.THINK_CLOSE)[0]
+    # with thinking, a bias on the reasoning's close so that a random model ends it
+    bias = ((close, 9.0),) if thinking else ()
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=seed, logit_bias=bias)
+    if thinking:
+        ids = tok.encode(M.BOS + M.USER + "Describe a pet as JSON." + M.ASSISTANT + M.THINK_OPEN)
+    else:
+        ids = tok.encode("Describe a pet as JSON: ")
+    job = Job(prompt_text=tok.decode(ids), prompt_ids=list(ids), api="chat" if thinking else "completions",
+              raw=not thinking, thinking="high" if thinking else "none", max_tokens=80, params=params,
+              grammar=grammar, logprobs=0)  # fmt: skip
+    fin = [ev for ev in srv.engine.generate(job) if isinstance(ev, Finish)][0]
+    got = [t.token for t in fin.logprobs]
+
+    session = srv.model.new_session(1024)
+    logits = mx.array(session.prefill(ids))
+    vocab = int(logits.shape[-1])
+    pen = Penalties(params, vocab, session.tokens) if params.penalised else None
+    constraint, sampler, want = Constraint(grammar, tok, vocab), Sampler(seed), []
+    answering = not thinking
+    while len(want) < 80:
+        x = constraint.apply(logits) if answering else logits
+        t = int(sampler.sample(x, params, want, None, pen).item())
+        if t == tok.eos_id:
+            break
+        if answering:
+            constraint.consume(t)
+        answering = answering or t == close
+        want.append(t)
+        logits = session.step(t)
+    assert got == want and fin.reason == "stop", (fin.reason, tok.decode(got), tok.decode(want))
+    answer = tok.decode(got[got.index(close) + 1 :] if thinking else got)
+    jsonschema.validate(json.loads(answer), SCHEMA)

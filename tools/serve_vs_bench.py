@@ -54,10 +54,7 @@ def stream(url: str, body: dict) -> tuple[float, int]:
 def engine_job(engine, prompt: str, ids: list[int], gen: int, ignore_eos: bool) -> tuple[float, int]:
     """One greedy raw-completion job straight into the engine: (seconds from the first to
     the last text delta, tokens generated)."""
-    import queue
-
     from ds4mlx.engine import Job
-    from ds4mlx.runtime.events import Finish, TextDelta
     from ds4mlx.runtime.sampling import SamplingParams
 
     job = Job(
@@ -69,6 +66,15 @@ def engine_job(engine, prompt: str, ids: list[int], gen: int, ignore_eos: bool) 
         ignore_eos=ignore_eos,
         params=SamplingParams(temperature=0.0),
     )
+    return timed_job(engine, job)
+
+
+def timed_job(engine, job) -> tuple[float, int]:
+    """Run `job` on the engine: (seconds from its first to its last text delta, tokens generated)."""
+    import queue
+
+    from ds4mlx.runtime.events import Finish, TextDelta
+
     q: queue.Queue = queue.Queue()
     engine.submit(job, q.put)
     first = last = None

@@ -181,6 +181,12 @@ class ChatProtocol:
         (name None: the model picks the tool) or a named tool."""
         raise NotImplementedError
 
+    def strict_call_grammar(self, tools: dict, named: str | None, literal, json_term) -> str | None:
+        """A Lark grammar of the rest of a forced tool call after `force_text(named)`, each
+        tool's arguments held to its JSON schema (`tools`: name -> schema); `literal(text)`
+        and `json_term(schema)` write Lark terms.  None: the family cannot constrain calls."""
+        return None
+
     def make_parser(
         self,
         thinking: bool,

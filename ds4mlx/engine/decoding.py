@@ -16,10 +16,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..chat.markers import PARSE_UNTERMINATED_TOOL_CALL
+from ..chat.protocol import get_protocol
 from ..runtime.decode import StepRequest, decode_tokens
 from ..runtime.detok import Detokenizer, StopMatcher
 from ..runtime.events import Finish, TokenLogprob, Usage
 from ..runtime.sampling import GREEDY, DeviceSampler, Penalties, Sampler
+from ..runtime.structured import Constraint, GrammarSampler
 from ..speculative.loop import loop_for_job
 from ..speculative.options import SpecStats
 from .bindings import after_turn
@@ -66,9 +68,10 @@ class Decoding:
         self.pen = Penalties(job.params, vocab, r.session.tokens) if job.params.penalised else None
         self.constraint = None  # structured output: the grammar's mask on the answer (not the reasoning)
         if job.grammar is not None:
-            from ..runtime.structured import Constraint
-
             self.constraint = Constraint(job.grammar, eng.tokenizer, vocab)
+        self.call_constraint = None  # strict tools: the forced call's rest (host path: the call is forced)
+        if job.tool_grammar is not None and self.force is not None:
+            self.call_constraint = Constraint(job.tool_grammar, eng.tokenizer, vocab)
         # logprobs: the device values of each sample, oldest first (a loop samples in yield order;
         # a token drawn ahead but never yielded stays at the tail)
         self.pending_lp: list | None = [] if job.logprobs is not None else None
@@ -116,12 +119,17 @@ class Decoding:
         params = GREEDY if structural else job.params  # ignore_eos keeps the requested sampling
         if structural and not job.params.greedy:
             self.r.engine.stats.greedy_tokens += 1
-        constrained = self.constraint is not None and parser.phase == "text"
-        x = self.constraint.apply(logits) if constrained else logits
+        # after the forced head of a strict call its grammar holds every token; otherwise
+        # a structured-output grammar holds the answer
+        if self.call_constraint is not None and self.force is None:
+            constraint = self.call_constraint
+        else:
+            constraint = self.constraint if parser.phase == "text" else None
+        x = constraint.apply(logits) if constraint is not None else logits
         pen = self.pen if params is job.params else None
         tok = int(self.sampler.sample(x, params, self.generated, self.banned, pen).item())
-        if constrained:
-            self.constraint.consume(tok)
+        if constraint is not None:
+            constraint.consume(tok)
         return tok
 
     def _make_loop(self, logits):
@@ -129,11 +137,21 @@ class Decoding:
         # per token: those jobs run the loop synchronously; every other job samples on the
         # device, one token ahead of the host (decode.py).
         job, eng, s = self.job, self.r.engine, self.r.session
+        # a grammar without tool calls runs the lookahead loop: over the whole output, or after
+        # the reasoning when one token closes it; otherwise the parser picks the constrained tokens
+        opens_at = self._reasoning_close() if self.parser.phase == "reasoning" else None
+        grammar_ahead = (
+            self.constraint is not None
+            and not job.tools_active
+            and (self.parser.phase == "text" or opens_at is not None)
+        )
         host_chooses = (
-            self.force is not None or (job.tools_active and not job.params.greedy) or self.constraint is not None
+            self.force is not None
+            or (job.tools_active and not job.params.greedy)
+            or (self.constraint is not None and not grammar_ahead)
         )
         if (
-            not host_chooses and self.pending_lp is None
+            not host_chooses and self.pending_lp is None and self.constraint is None
         ):  # speculation (not with logprobs): the same tokens, several per target forward
             loop = loop_for_job(
                 eng.speculation, s, logits, job.params, banned=self.banned, seed=self.sampler.seed,
@@ -148,6 +166,8 @@ class Decoding:
                 job.params, int(logits.shape[-1]), self.banned, seed=self.sampler.seed, penalties=self.pen
             )
         )
+        if grammar_ahead:
+            sample = GrammarSampler(self.constraint, sample, opens_at)
         if self.pending_lp is not None:
             sample = self._with_logprobs(sample)
         # forced tool-call header tokens do not count against max_tokens: with forced text
@@ -161,6 +181,11 @@ class Decoding:
             limit=self.max_tokens if self.force is None else None,
             defer=eng.defer_steps,
         )
+
+    def _reasoning_close(self) -> int | None:
+        """The token that ends the reasoning, when the family's closing string is one token."""
+        ids = self.r.tokenize(get_protocol(self.job.family).think_close)
+        return ids[0] if len(ids) == 1 else None
 
     # ------------------------------------------------ the token loop
     def steps(self) -> Iterator[StepRequest | None]:

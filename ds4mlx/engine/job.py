@@ -82,6 +82,8 @@ class Job:
     # logprobs, its tokens' log-probs from a full forward of the prompt); None = no echo
     echo: str | None = None
     grammar: Any = None  # structured output (structured.Grammar): the answer's tokens constrained
+    # strict tools: the grammar of a forced call's rest (after force_text), its arguments held to their schemas
+    tool_grammar: Any = None
     # image input (docs/vision.md): the image-token blocks in prompt_ids (vision.encoder.ImageSpan)
     # and their images (chat.images.ImageInput), in the same order
     images: Sequence = ()

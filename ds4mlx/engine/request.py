@@ -63,11 +63,12 @@ def run_request(r: SlotRunner, h: JobHandle) -> Iterator[Work | None]:
     r.clear_bindings(keep=kept)
     r.checkpoint(effective, cached)
     call_hook(r.cache.after_prefill, r, job)
-    h.started = True
-    h.emit(Started(prompt_tokens, cached, source))  # source: where `cached` came from (/metrics)
     echoed = None
     if job.echo is not None and job.logprobs is not None:
         echoed = prompt_logprobs(eng.model, eng.tokenizer, list(effective), job.echo, int(job.logprobs))
+    h.started = True
+    # source: where `cached` came from (/metrics)
+    h.emit(Started(prompt_tokens, cached, source, echo=job.echo, prompt_logprobs=echoed))
     yield from Decoding(r, h, logits, prompt_tokens, cached, echoed).steps()
 
 

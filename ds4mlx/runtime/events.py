@@ -28,6 +28,10 @@ class Started:
     # the reuse-ladder rung the cached tokens came from (docs/kv-cache.md §2: "memory-token",
     # "memory-checkpoint", "disk-text", ...; "none")
     cache_source: str = "none"
+    # legacy completions `echo`: the job's prompt text, and with logprobs its tokens'
+    # TokenLogprobs (a stream prints them before the first generated token)
+    echo: str | None = None
+    prompt_logprobs: tuple | None = None
 
 
 @dataclass(frozen=True)

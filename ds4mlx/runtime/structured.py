@@ -6,8 +6,11 @@ tokens the grammar allows next (bool [V], computed on the host by llguidance's m
 `consume(token)` advances it.  The engine applies the mask to the logits on the device
 before sampling, only while the answer is written (after `</think>` when thinking:
 the reasoning stays free), and a grammar that is complete allows only the end of the
-turn.  Why llguidance and not xgrammar, measured at this vocabulary (129,280 tokens)
-on the CPU, in docs/http-api.md §10.7.
+turn.  A job without tools samples with `GrammarSampler` on the pipelined decode
+loop (the mask from the reasoning's closing token on).  Strict tool calls are grammars too: a family protocol writes one
+with `lark_literal` (special strings as token references) and `lark_json`.  Why
+llguidance and not xgrammar, measured at this vocabulary (129,280 tokens) on the CPU, in
+docs/http-api.md §10.7.
 """
 
 from __future__ import annotations
@@ -22,6 +25,29 @@ import numpy as np
 # JSON with no free whitespace: a model (a random-weight demo one above all) could
 # otherwise fill the answer with spaces; the separators are json.dumps' defaults.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def lark_literal(text: str, tokenizer) -> str:
+    """`text` as a Lark term: quoted strings, with the tokenizer's special strings (a DSML
+    marker, ...) as references to their token ids (a special token never matches text)."""
+    specials = getattr(tokenizer, "special_ids", {}) or {}
+    terms, rest = [], text
+    while rest:
+        at = min(((rest.find(s), s) for s in specials if s in rest), default=None)
+        if at is None:
+            terms.append(json.dumps(rest))
+            break
+        i, special = at
+        if i:
+            terms.append(json.dumps(rest[:i]))
+        terms.append(f"<[{specials[special]}]>")
+        rest = rest[i + len(special) :]
+    return " ".join(terms) or '""'
+
+
+def lark_json(schema: dict) -> str:
+    """A JSON schema as a Lark term (llguidance's %json), written as the answers are."""
+    return "%json " + json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
 
 
 class GrammarError(ValueError):
@@ -140,3 +166,34 @@ class Constraint:
     @property
     def complete(self) -> bool:
         return self.matcher.is_accepting() or self.matcher.is_stopped()
+
+
+class GrammarSampler:
+    """A lookahead sampler (runtime/decode.py) under a grammar: `sample` (a lazy device
+    sampler) applied to the logits with the grammar's mask.
+
+    The loop hands it step t+1's lazy logits before the host has read token t: it starts
+    that step on the device, reads token t (its own previous draw, computed before the
+    step), advances the grammar and computes the next mask on the host while the step
+    runs, then returns the masked draw, still lazy.  Every token it draws is consumed
+    before the next draw, so the tokens are those of the synchronous host path.  With
+    `opens_at` (the reasoning's closing token) the draws are free up to and including
+    that token: the grammar holds the answer after it."""
+
+    def __init__(self, constraint: Constraint, sample, opens_at: int | None = None):
+        self.constraint, self.sample = constraint, sample
+        self.opens_at = opens_at
+        self._active = opens_at is None
+        self._drawn = None  # the last token drawn, lazy until the next call
+
+    def __call__(self, logits):
+        import mlx.core as mx
+
+        mx.async_eval(logits)
+        if self._drawn is not None:
+            last = int(self._drawn.item())
+            if self._active:
+                self.constraint.consume(last)
+            self._active = self._active or last == self.opens_at
+        self._drawn = self.sample(self.constraint.apply(logits) if self._active else logits)
+        return self._drawn

@@ -10,10 +10,9 @@ from ..chat import markers as M
 from ..chat.protocol import ChatProtocol, get_protocol
 from ..chat.requests import CHAT_THINKING_FIELDS, DEFAULT_MODEL, RequestError, Thinking, as_str, body_object, parse_stop
 from ..runtime.events import Finish, Started, TextDelta, Usage
-from . import errors as E
 from . import sse
 from .common import RequestInfo, body_bytes, total_usage
-from .logprobs import completion_logprobs
+from .logprobs import completion_logprobs, generated_logprobs, token_logprobs
 from .openai import finish_reason, usage_openai
 
 # --- request (docs/chat-template.md §4.3) -------------------------------------------------
@@ -57,13 +56,9 @@ def parse_completion(body: Any, *, ctx: int = 32768) -> CompletionRequest:
     return CompletionRequest(prompt=prompt, thinking=th.resolve(model, ctx), model=model, stop=stop)
 
 
-def echo_of(body: dict, stream: bool) -> bool:
-    """`echo: true`: the prompt is printed before the output (non-streamed only; a 400 when streamed)."""
-    if body.get("echo") is not True:
-        return False
-    if stream:
-        raise E.APIError(400, E.unsupported_when_streamed("echo"), param="echo", code="unsupported_parameter")
-    return True
+def echo_of(body: dict) -> bool:
+    """`echo: true`: the prompt is printed before the output (streamed: as the first chunk)."""
+    return body.get("echo") is True
 
 
 # --- response (docs/http-api.md §4) -------------------------------------------------------
@@ -93,7 +88,11 @@ class CompletionsAdapter:
         )
 
     def start(self, started: Started) -> list[bytes]:
-        return []
+        """With `echo`, the prompt (and its tokens' log-probs when asked) as the first chunk."""
+        if started.echo is None:
+            return []
+        lp = None if started.prompt_logprobs is None else token_logprobs(started.prompt_logprobs)
+        return [self._chunk(started.echo, None, lp)]
 
     def event(self, ev) -> list[bytes]:
         if isinstance(ev, TextDelta) and ev.text:
@@ -102,7 +101,7 @@ class CompletionsAdapter:
 
     def finish(self, fin: Finish, usage: Usage | None = None) -> list[bytes]:
         """The choice's last chunk; after the last choice, the usage (of all of them) and [DONE]."""
-        out = [self._chunk("", finish_reason(fin), completion_logprobs(fin))]  # all its tokens' logprobs
+        out = [self._chunk("", finish_reason(fin), generated_logprobs(fin))]  # all its tokens' logprobs
         if not self.last:
             return out
         if self.info.include_usage:

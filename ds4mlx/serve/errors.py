@@ -64,8 +64,13 @@ def unsupported_field(field: str) -> str:
     return f"Unsupported parameter: '{field}' is not supported by this server."
 
 
-def unsupported_when_streamed(field: str) -> str:
-    return f"{field} is not supported with stream: true"
+def supported_only(field: str, condition: str) -> str:
+    return f"Unsupported parameter: '{field}' is supported by this server only {condition}."
+
+
+STRICT_NEEDS_FORCED_CALL = "on a call that tool_choice forces ('required' or a named tool)"
+STRICT_NEEDS_EVERY_TOOL = "when every tool the call may use is strict"
+STRICT_NEEDS_FAMILY = "for model families whose tool calls it can constrain (DeepSeek V4's DSML)"
 
 
 def invalid_field(field: str) -> str:

@@ -27,9 +27,9 @@ def _t(*types: str) -> dict:
     return {"type": [*types, "null"]}
 
 
-NUM, INT, BOOL, STR, OBJ, ARR = _t("number"), _t("number"), _t("boolean"), _t("string"), _t("object"), _t("array")
+NUM, INT, BOOL, STR, OBJ, ARR = _t("number"), _t("integer"), _t("boolean"), _t("string"), _t("object"), _t("array")
 STRS = {"type": ["array", "null"], "items": {"type": "string"}}
-INTS = {"type": ["array", "null"], "items": {"type": "number"}}
+INTS = {"type": ["array", "null"], "items": {"type": "integer"}}
 STR_OR_STRS = {"type": ["string", "array", "null"], "items": {"type": "string"}}
 
 
@@ -85,7 +85,6 @@ TABLE: dict[str, list[Field]] = {
     "chat": [
         *_OPENAI_ADVISORY,
         _ignored("stream_options.include_obfuscation", BOOL),
-        _f("tools[].function.strict", BOOL, False),
         _f("audio", OBJ),
         _f("modalities", STRS, ["text"]),
         _f("prediction", OBJ),
@@ -106,7 +105,6 @@ TABLE: dict[str, list[Field]] = {
     "anthropic": [
         _ignored("metadata", OBJ),
         _ignored("service_tier", STR),
-        _f("tools[].strict", BOOL, False),
         _f("container", {"type": ["string", "object", "null"]}),
         _f("context_management", OBJ),
         _f("mcp_servers", ARR, []),
@@ -122,7 +120,6 @@ TABLE: dict[str, list[Field]] = {
             REFUSED,
             allow=lambda v: isinstance(v, list) and all(i == "reasoning.encrypted_content" for i in v),
         ),
-        _f("tools[].strict", BOOL, False),
         _f("text.verbosity", STR, "medium"),
         _f("top_logprobs", INT, 0),
         _f("truncation", STR, "disabled"),

@@ -31,8 +31,21 @@ def completion_logprobs(fin: Finish) -> dict | None:
     asked; with echo the prompt's tokens come first (the first with null log-prob and top)."""
     if fin.logprobs is None:
         return None
-    tokens = (*(fin.prompt_logprobs or ()), *fin.logprobs)
-    offsets, at = [], 0
+    return token_logprobs((*(fin.prompt_logprobs or ()), *fin.logprobs))
+
+
+def generated_logprobs(fin: Finish) -> dict | None:
+    """The generated tokens' part of `completion_logprobs` (a stream's last chunk: an echo's
+    prompt part went first, and the offsets go on from its end)."""
+    if fin.logprobs is None:
+        return None
+    prompt = fin.prompt_logprobs or ()
+    return token_logprobs(fin.logprobs, sum(len(t.text) for t in prompt))
+
+
+def token_logprobs(tokens: tuple, start: int = 0) -> dict:
+    """TokenLogprobs in completions' shape, text offsets counted from `start`."""
+    offsets, at = [], start
     for t in tokens:
         offsets.append(at)
         at += len(t.text)

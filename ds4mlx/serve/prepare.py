@@ -23,7 +23,7 @@ from ..vision.prompt import attach as attach_images
 from . import errors as E
 from .anthropic import parse_anthropic
 from .completions import echo_of, parse_completion
-from .grammar import grammar_of
+from .grammar import grammar_of, strict_call_grammar_of
 from .openai import parse_chat
 from .params import parse_controls
 from .responses import parse_responses
@@ -298,7 +298,7 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
     if api == "completions":
         job.raw = True
         job.prompt_text = proto.render_completion(req.prompt, req.thinking)
-        job.echo = req.prompt if echo_of(body, ctl.stream) else None
+        job.echo = req.prompt if echo_of(body) else None
     else:
         conv = req
         if cfg.system or cfg.prefix:
@@ -313,6 +313,8 @@ def prepare(cfg: ServeConfig, engine, tool_memory, api: str, body: dict) -> Prep
         job.tools_active = bool(conv.tools_active and conv.tool_schemas)
         job.tool_schemas = tuple(conv.tool_schemas) if job.tools_active else ()
         job.force_text = forced if job.tools_active else None
+        if job.tools_active:  # strict tools: a forced call's arguments held to their schemas
+            job.tool_grammar = strict_call_grammar_of(api, body, forced, proto, engine.tokenizer)
         job.single_tool_call = job.tools_active and _single_tool_call(api, body)
         job.preserves_reasoning = proto.uses_tool_context(conv)
         job.binding = live_binding(api, conv.reasoning_summary)

@@ -34,6 +34,7 @@ def _t(*types: str) -> dict:
 
 
 STR, NUM, BOOL, OBJ = _t("string", "null"), _t("number", "null"), _t("boolean", "null"), _t("object", "null")
+INT = _t("integer", "null")  # a count or an id: 2.0 is 2, 2.5 is a 400 (never truncated)
 ANY: dict = {}
 STR_LIST = {"type": ["array", "null"], "items": {"type": "string"}}
 STOP = {"type": ["string", "array", "null"], "items": {"type": "string"}}
@@ -50,7 +51,7 @@ MEDIA_PARTS = {
 EFFORT = _t("string", "number", "null")  # numeric levels for numeric-effort families
 THINKING = {
     "type": ["boolean", "object", "null"],
-    "properties": {"type": {"enum": ["enabled", "disabled", "adaptive"]}, "budget_tokens": NUM},
+    "properties": {"type": {"enum": ["enabled", "disabled", "adaptive"]}, "budget_tokens": INT},
 }
 
 
@@ -76,10 +77,10 @@ def _api(properties: dict) -> dict:
             "model": STR,
             "temperature": NUM,
             "top_p": NUM,
-            "top_k": NUM,
+            "top_k": INT,
             "min_p": NUM,
-            "seed": NUM,
-            "max_tokens": NUM,
+            "seed": INT,
+            "max_tokens": INT,
             "stream": BOOL,
             "ignore_eos": BOOL,
             "reasoning_effort": EFFORT,
@@ -102,12 +103,12 @@ FLAT_FORMAT = {
 
 OPENAI_SAMPLING = {
     "min_p": NUM,
-    "seed": NUM,
+    "seed": INT,
     "stop": STOP,
     "think": BOOL,
     "thinking": THINKING,
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": BOOL}},
-    "n": NUM,
+    "n": INT,
     # structured output (serve/grammar.py)
     "response_format": {
         "type": ["object", "null"],
@@ -150,7 +151,11 @@ CHAT_MESSAGE = {
         "tool_calls": {"type": ["array", "null"], "items": CHAT_TOOL_CALL},
     },
 }
-FUNCTION = {"type": "object", "properties": {"name": _t("string"), "description": STR, "parameters": OBJ}}
+# strict: the arguments held to the schema on a forced call, else a 400 (serve/grammar.py)
+FUNCTION = {
+    "type": "object",
+    "properties": {"name": _t("string"), "description": STR, "parameters": OBJ, "strict": BOOL},
+}
 CHAT_TOOL = {"type": "object", "properties": {"type": STR, "function": FUNCTION, "name": STR}}
 CHAT = _api(
     {
@@ -169,10 +174,10 @@ CHAT = _api(
                 },
             ]
         },
-        "max_completion_tokens": NUM,
+        "max_completion_tokens": INT,
         "parallel_tool_calls": BOOL,
         "logprobs": BOOL,
-        "top_logprobs": NUM,
+        "top_logprobs": INT,
         **OPENAI_SAMPLING,
     }
 )
@@ -181,22 +186,41 @@ CHAT = _api(
 COMPLETIONS = _api(
     {
         "prompt": {"type": ["string", "array"], "items": {"type": "string"}},
-        "logprobs": NUM,
+        "logprobs": INT,
         "echo": BOOL,
         **OPENAI_SAMPLING,
     }
 )
 
 # --- Anthropic messages ------------------------------------------------------------------
+ANTHROPIC_TEXT = _part(cache_control=OBJ)  # cache_control: accepted, ignored (caching is automatic)
 ANTHROPIC_BLOCK = _part(
-    thinking=STR, id=STR, tool_use_id=STR, name=STR, input=OBJ, signature=STR, content=_content(_part()), is_error=BOOL
+    thinking=STR,
+    id=STR,
+    tool_use_id=STR,
+    name=STR,
+    input=OBJ,
+    signature=STR,
+    content=_content(ANTHROPIC_TEXT),
+    is_error=BOOL,
+    cache_control=OBJ,
 )
 ANTHROPIC_MESSAGE = {"type": "object", "properties": {"role": _t("string"), "content": _content(ANTHROPIC_BLOCK)}}
-ANTHROPIC_TOOL = {"type": "object", "properties": {"name": STR, "description": STR, "input_schema": OBJ, "type": STR}}
+ANTHROPIC_TOOL = {
+    "type": "object",
+    "properties": {
+        "name": STR,
+        "description": STR,
+        "input_schema": OBJ,
+        "type": STR,
+        "cache_control": OBJ,
+        "strict": BOOL,
+    },
+}
 ANTHROPIC = _api(
     {
         "messages": {"type": "array", "items": ANTHROPIC_MESSAGE},
-        "system": _content(_part()),
+        "system": _content(ANTHROPIC_TEXT),
         "tools": {"type": ["array", "null"], "items": ANTHROPIC_TOOL},
         "tool_choice": {
             "type": ["object", "null"],
@@ -254,12 +278,20 @@ RESPONSES_ITEM = {
         "tools": ANY,
     },
 }
+_RESPONSES_FUNCTION = {"type": STR, "name": STR, "description": STR, "parameters": OBJ, "strict": BOOL}
+RESPONSES_TOOL = {
+    "type": "object",
+    "properties": {  # a namespace's functions are tools too
+        **_RESPONSES_FUNCTION,
+        "tools": {"type": ["array", "null"], "items": {"type": "object", "properties": _RESPONSES_FUNCTION}},
+    },
+}
 RESPONSES = _api(
     {
         "input": {"type": ["string", "array"], "items": RESPONSES_ITEM},
         "instructions": STR,
-        "max_output_tokens": NUM,
-        "tools": {"type": ["array", "null"], "items": {"type": "object"}},
+        "max_output_tokens": INT,
+        "tools": {"type": ["array", "null"], "items": RESPONSES_TOOL},
         "tool_choice": {"type": ["string", "object", "null"]},
         "reasoning": {"type": ["object", "null"], "properties": {"effort": EFFORT, "summary": STR}},
         "previous_response_id": STR,

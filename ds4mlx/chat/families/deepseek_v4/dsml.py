@@ -51,6 +51,7 @@ __all__ = [
     "render_calls",
     "escape_tool_result",
     "attr_escape",
+    "strict_call_grammar",
     "param_text",
     "json_literal",
     "decode_entities",
@@ -91,11 +92,12 @@ def json_literal(s: str) -> str:
     return s.replace(_FULL.param_close, M.PARAM_CLOSE_JSON_ESCAPE + _FULL.param_close[1:])
 
 
+def _param_open(key: str, is_string: bool) -> str:
+    return f'{_FULL.param} name="{attr_escape(key)}" string="{"true" if is_string else "false"}">'
+
+
 def _param_line(key: str, is_string: bool, body: str) -> str:
-    return (
-        f'{_FULL.param} name="{attr_escape(key)}" string="{"true" if is_string else "false"}">'
-        f"{body}{_FULL.param_close}\n"
-    )
+    return f"{_param_open(key, is_string)}{body}{_FULL.param_close}\n"
 
 
 def render_calls(calls: Sequence) -> str:
@@ -116,6 +118,38 @@ def render_calls(calls: Sequence) -> str:
         out.append(_FULL.invoke_close + "\n")
     out.append(_FULL.close)
     return "".join(out)
+
+
+def strict_call_grammar(tools: dict, named: str | None, literal, json_term) -> str:
+    """The Lark grammar of a forced call after its forced head (`force_text`: up to the
+    invoke's name, or past its tag when `named`): one invoke whose parameters are the
+    schema's properties in order (the required ones present), each a `string="false"`
+    JSON value held to its property's schema, then the block's close."""
+    rules: list[str] = []
+
+    def arguments(i: int, schema) -> str:
+        schema = schema if isinstance(schema, dict) else {}
+        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # what $refs point at
+        required = set(schema.get("required") or ())
+        out = []
+        for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            rule = f"arg_{i}_{j}"
+            prop = {**prop, **defs} if isinstance(prop, dict) else {}
+            open_, close = literal(_param_open(key, False)), literal(_FULL.param_close + "\n")
+            rules.append(f"{rule}: {open_} {json_term(prop)} {close}")
+            out.append(rule if key in required else f"{rule}?")
+        return " ".join(out)
+
+    end = literal(_FULL.invoke_close + "\n" + _FULL.close)
+    if named is not None:
+        start = f"start: {arguments(0, tools[named])} {end}"
+    else:
+        alternatives = [
+            f"({literal(attr_escape(name) + chr(34) + '>' + chr(10))} {arguments(i, schema)} {end})"
+            for i, (name, schema) in enumerate(tools.items())
+        ]
+        start = "start: " + " | ".join(alternatives)
+    return "\n".join([start, *rules])
 
 
 # =============================================================================

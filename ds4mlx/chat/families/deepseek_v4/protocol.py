@@ -55,6 +55,9 @@ class DeepSeekV4Protocol(ChatProtocol):
         head = M.DSML_BLOCK_SEPARATOR + syn.open + "\n" + syn.invoke + ' name="'
         return head if name is None else head + dsml.attr_escape(name) + '">\n'
 
+    def strict_call_grammar(self, tools: dict, named: str | None, literal, json_term) -> str | None:
+        return dsml.strict_call_grammar(tools, named, literal, json_term)
+
 
 register(DeepSeekV4Protocol())
 
