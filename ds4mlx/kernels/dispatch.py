@@ -184,24 +184,17 @@ class Kernel:
     def _build(self, face: str):
         if face not in self._built:
             header, source = self.faces[face]
-            if face == "metal":
-                fn = mx.fast.metal_kernel(
-                    name=self.name,
-                    input_names=self.input_names,
-                    output_names=self.output_names,
-                    source=source,
-                    header=header,
-                )
-            elif face == "cuda":
-                fn = mx.fast.cuda_kernel(
-                    name=self.name,
-                    input_names=self.input_names,
-                    output_names=self.output_names,
-                    source=source,
-                    header=header,
-                )
-            else:
+            # mx.fast.metal_kernel / mx.fast.cuda_kernel: the same arguments, one per face
+            make = {"metal": "metal_kernel", "cuda": "cuda_kernel"}.get(face)
+            if make is None:
                 raise ValueError(f"no GPU face {face!r}")
+            fn = getattr(mx.fast, make)(
+                name=self.name,
+                input_names=self.input_names,
+                output_names=self.output_names,
+                source=source,
+                header=header,
+            )
             self._built[face] = fn
         return self._built[face]
 

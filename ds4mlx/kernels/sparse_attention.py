@@ -317,29 +317,13 @@ def index_scores(
         layout = score_layout(n, c)
         if layout == "heads" and not _verified("index_heads", face):
             layout = "rows"
-    if layout == "heads":
+    if layout == "heads":  # ROWS rows a threadgroup, the heads shared out over its SIMD groups
         rows = score_rows(n, c)
-        return _kernel("index_score_heads")(
-            face,
-            inputs=[q, w, keys, _f32(float(scale)), _meta_at(s, 1, n, c)],
-            template=[
-                ("TQ", q.dtype),
-                ("TW", w.dtype),
-                ("TK", keys.dtype),
-                ("NH", nh),
-                ("DI", di),
-                ("ROWS", rows),
-                ("RATIO", int(ratio)),
-                ("THREADS", SCORE_SPLIT_THREADS),
-            ],
-            grid=(-(-n // rows) * SCORE_SPLIT_THREADS, c, 1),
-            threadgroup=(SCORE_SPLIT_THREADS, 1, 1),
-            output_shapes=[(c, n)],
-            output_dtypes=[mx.float32],
-        )[0]
-    hg = min(SCORE_HEADS, nh)
-    bx = -(-n // SCORE_THREADS)
-    return _kernel("index_score")(
+        name, tile, threads, blocks = "index_score_heads", ("ROWS", rows), SCORE_SPLIT_THREADS, -(-n // rows)
+    else:  # one row a thread, HG heads staged at a time
+        name, tile, threads = "index_score", ("HG", min(SCORE_HEADS, nh)), SCORE_THREADS
+        blocks = -(-n // SCORE_THREADS)
+    return _kernel(name)(
         face,
         inputs=[q, w, keys, _f32(float(scale)), _meta_at(s, 1, n, c)],
         template=[
@@ -348,12 +332,12 @@ def index_scores(
             ("TK", keys.dtype),
             ("NH", nh),
             ("DI", di),
-            ("HG", hg),
+            tile,
             ("RATIO", int(ratio)),
-            ("THREADS", SCORE_THREADS),
+            ("THREADS", threads),
         ],
-        grid=(bx * SCORE_THREADS, c, 1),
-        threadgroup=(SCORE_THREADS, 1, 1),
+        grid=(blocks * threads, c, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(c, n)],
         output_dtypes=[mx.float32],
     )[0]
