@@ -31,7 +31,16 @@ from functools import cache, lru_cache
 
 import mlx.core as mx
 
-from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, row_inputs, row_select, shared_sources
+from ds4mlx.kernels.dispatch import (
+    METAL_DIR,
+    Kernel,
+    auto_face,
+    close_enough,
+    placeholder,
+    row_inputs,
+    row_select,
+    shared_sources,
+)
 
 SOURCE = METAL_DIR / "attn_prep.metal"
 THREADS = 256  # 8 SIMD groups: 8 rows per row threadgroup
@@ -102,11 +111,6 @@ def params(eps: float, mscale: float) -> mx.array:
     return mx.array([eps, mscale], dtype=mx.float32)
 
 
-@cache
-def dummy(dtype) -> mx.array:
-    return mx.zeros((1,), dtype)
-
-
 def _meta(pos) -> mx.array:
     if isinstance(pos, mx.array):
         return pos.astype(mx.int32).reshape(1)
@@ -174,8 +178,8 @@ def attn_prep(
     if face == "reference" or not fusable(rope, d, di):
         return reference(q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b, heads=heads, index_heads=index_heads)
     nhi = 0 if index_q_b is None else index_heads
-    iq = dummy(q_b.dtype) if index_q_b is None else index_q_b
-    freqs = rope.periods if rope.dims else dummy(mx.float32)
+    iq = placeholder(q_b.dtype) if index_q_b is None else index_q_b
+    freqs = rope.periods if rope.dims else placeholder(mx.float32)
     q, ring, iq = _kernel()(
         face,
         inputs=[q_b, kv, kv_weight, iq, ring, freqs, params(float(eps), float(rope.attention_factor)), _meta(pos)],
@@ -237,8 +241,8 @@ def attn_prep_rows(
     if face == "reference" or n < 2 or not fusable(rope, d, di) or not rings_alike(rings):
         return None
     nhi = 0 if index_q_b is None else index_heads
-    iq = dummy(q_b.dtype) if index_q_b is None else index_q_b
-    freqs = rope.periods if rope.dims else dummy(mx.float32)
+    iq = placeholder(q_b.dtype) if index_q_b is None else index_q_b
+    freqs = rope.periods if rope.dims else placeholder(mx.float32)
     out = _rows_kernel(n)(
         face,
         inputs=[q_b, kv, kv_weight, iq, *rings, freqs, params(float(eps), float(rope.attention_factor)), poss],

@@ -43,6 +43,7 @@ from ds4mlx.kernels.dispatch import (
     auto_face,
     close_enough,
     compact,
+    placeholder,
     row_inputs,
     row_select,
     sections,
@@ -202,8 +203,8 @@ def _launch(face, q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b, comps, he
     d = ring.shape[-1]
     di = 0 if index_q_b is None else index_q_b.shape[-1] // index_heads
     nhi = 0 if index_q_b is None else index_heads
-    iq = ap.dummy(q_b.dtype) if index_q_b is None else index_q_b
-    freqs = rope.periods if rope.dims else ap.dummy(mx.float32)
+    iq = placeholder(q_b.dtype) if index_q_b is None else index_q_b
+    freqs = rope.periods if rope.dims else placeholder(mx.float32)
     if pos.dtype != mx.int32 or pos.ndim:
         pos = pos.astype(mx.int32).reshape(())
     inputs = [q_b, kv, kv_weight, iq, ring, freqs, ap.params(float(eps), float(rope.attention_factor)), pos]
@@ -317,8 +318,8 @@ def _launch_rows(face, q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, jo
     d = ring.shape[-1]
     di = 0 if index_q_b is None else index_q_b.shape[-1] // index_heads
     nhi = 0 if index_q_b is None else index_heads
-    iq = ap.dummy(q_b.dtype) if index_q_b is None else index_q_b
-    freqs = rope.periods if rope.dims else ap.dummy(mx.float32)
+    iq = placeholder(q_b.dtype) if index_q_b is None else index_q_b
+    freqs = rope.periods if rope.dims else placeholder(mx.float32)
     if poss.dtype != mx.int32:
         poss = poss.astype(mx.int32)
     prm = ap.params(float(eps), float(rope.attention_factor))

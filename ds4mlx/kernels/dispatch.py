@@ -24,7 +24,7 @@ import logging
 import os
 import re
 from contextlib import contextmanager
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -316,6 +316,23 @@ def tickets(owner: str, n: int, at_least: int) -> mx.array:
         mx.eval(buf)  # a constant: allowed (and kept) while a decode step is traced
         ring[i] = buf
     return buf
+
+
+@cache
+def placeholder(dtype) -> mx.array:
+    """A one-element array for a kernel input the launch does not read (an absent bias,
+    indexer query or RoPE table: the kernel's inputs are fixed)."""
+    a = mx.zeros((1,), dtype)
+    mx.eval(a)  # a constant: allowed (and kept) while a decode step is traced
+    return a
+
+
+@lru_cache(maxsize=64)
+def f32_scalar(v: float) -> mx.array:
+    """[v] float32: a scalar kernel input (a scale), one array per value."""
+    a = mx.array([v], dtype=mx.float32)
+    mx.eval(a)  # a constant: allowed (and kept) while a decode step is traced
+    return a
 
 
 def ticket_buffers(owner: str) -> list[mx.array]:
