@@ -672,6 +672,7 @@ def _emulated_topk_rows_kernel(tmp_path, launches):
     return kernel
 
 
+@pytest.mark.slow  # ~80 s of CPU: three emulated launches and the self-test
 def test_index_topk_rows_wiring_and_self_test_on_the_cpu_emulation(tmp_path, monkeypatch):
     """index_topk_rows (session batching: B sessions' indexer scores + top-k in one launch)
     through the module's own inputs, template and grid on the g++ emulation: each row's idx /
