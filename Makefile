@@ -11,8 +11,11 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -q -e ".[cpu,test]"
 
+# README's tiers, as .ci/run runs them
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial and not gpu and not clients"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "slow and not serial and not gpu and not clients"
+	$(BIN)/python -m pytest -q -m "serial and not gpu and not clients"
 
 # Claude Code, Codex and pi (installed from npm when missing) each complete a tool loop
 # against the demo server through tools/client_proxy.py (tests/test_real_clients.py).

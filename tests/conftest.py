@@ -70,6 +70,28 @@ def build_oracle(script: str, config: str | None = None) -> Path:
     return out
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "slow_after(n): the first n cases of a parametrized test run in the fast tier, the rest are `slow`",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """`slow_after(n)`: a kernel's full case matrix (each case a g++ or nvcc build) runs in the
+    slow tier, its first n cases in the fast one, so the fast tier still builds every kernel."""
+    seen: dict[str, int] = {}
+    for item in items:
+        mark = item.get_closest_marker("slow_after")
+        if mark is None:
+            continue
+        key = item.nodeid.split("[")[0]
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > mark.args[0]:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def oracle():
     built: dict = {}

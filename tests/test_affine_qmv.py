@@ -163,6 +163,7 @@ CPU_CASES = [
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "b{}_g{}_E{}_r{}_K{}_W{}_S{}_R{}_M{}_B{}_SW{}".format(*c))
+@pytest.mark.slow_after(1)
 def test_shared_text_plain_on_cpu(case, tmp_path):
     bits, gs, e, rows, k_dim, warps, ksplit, rpw, maxit, nby, sw = case
     rng = np.random.default_rng(rows * k_dim + bits)
@@ -215,6 +216,7 @@ def test_shared_text_shared_x_on_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("bits,gs", [(2, 64), (4, 32), (8, 64)])
+@pytest.mark.slow_after(1)
 def test_shared_text_swiglu_and_down_sum_on_cpu(bits, gs, tmp_path):
     rng = np.random.default_rng(bits * gs)
     k_dim, inter, e = 512, 6, 4
@@ -325,6 +327,7 @@ def _emulated_kernel(tmp_path, launches):
     return lambda: launch
 
 
+@pytest.mark.slow
 def test_launch_wiring_on_the_cpu_emulation(tmp_path, monkeypatch):
     """Every entry point through the module's own plan, template and grid, with the kernel
     run by the g++ emulation (2 warps, a grid of a few threadgroups so warps take several
@@ -387,6 +390,7 @@ DECODE_SHAPES = {
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
 @pytest.mark.parametrize("shape", [*sorted(DECODE_SHAPES), "dense_1024x4096_8bit+norm"])
+@pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(dt, shape, tmp_path):
     """The CUDA translation unit MLX builds for each decode shape's plan compiles (sm_90,
     warnings are errors)."""
@@ -878,6 +882,7 @@ def emulated_twobank(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("case", TWOBANK_CASES, ids=lambda c: "b{}g{}+b{}g{}_K{}_I{}_I2{}_H{}".format(*c))
+@pytest.mark.slow_after(1)
 def test_twobank_swiglu_on_cpu(case, emulated_twobank):
     """MODE 3 through the module's plan, template and grid, float32 x: the routed experts'
     gate_up + SwiGLU (k = 3 of 4 experts, 2 tokens) and the shared expert's, each within the
@@ -911,6 +916,7 @@ def test_twobank_swiglu_on_cpu(case, emulated_twobank):
 
 
 @pytest.mark.parametrize("case", TWOBANK_CASES, ids=lambda c: "b{}g{}+b{}g{}_K{}_I{}_I2{}_H{}".format(*c))
+@pytest.mark.slow_after(1)
 def test_twobank_down_sum_on_cpu(case, emulated_twobank):
     """MODE 4 through the module's plan, template and grid, float32 x: the routed experts' down
     projections weighted and summed plus the shared expert's down (its own K and format), one
@@ -948,6 +954,7 @@ def test_twobank_down_sum_on_cpu(case, emulated_twobank):
         assert np.all(np.abs(y[t] - want) <= tol), t
 
 
+@pytest.mark.slow
 def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
     """bfloat16 x and scales (the decode step's types: 8-bit slabs), V4 Flash's formats (2-bit
     routed, 8-bit shared): MODE 3 and MODE 4 against their reference faces, which are the two
@@ -1032,6 +1039,7 @@ def _twobank_launch_source(mode, dt):
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mode", [3, 4])
+@pytest.mark.slow_after(1)
 def test_twobank_cuda_face_compiles_with_nvcc(mode, dt, tmp_path):
     """MODE 3 / 4's CUDA translation units at V4 Flash's shapes compile (sm_90, warnings are
     errors), threadgroup memory within Metal's 32 KB too."""
@@ -1173,6 +1181,7 @@ _DT = {"bf16": mx.bfloat16, "f32": mx.float32}
 
 
 @pytest.mark.parametrize("case", ROWS_CASES, ids=lambda c: "r{}_b{}_K{}_norm{:d}_{}_xrmax{}_blocks{}_xr{}".format(*c))
+@pytest.mark.slow_after(1)
 def test_rows_on_cpu(case, tmp_path, monkeypatch):
     """The multi-row plain mode through `qmv`'s own plan, template and grid (2 warps, so several
     steps per warp), the kernel text run by the g++ emulation in the launch's types: one launch
@@ -1238,6 +1247,7 @@ def _ptx_shared_bytes(ptx: str) -> int:
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
 @pytest.mark.parametrize("name,rows", ROWS_NVCC, ids=lambda v: str(v))
+@pytest.mark.slow_after(1)
 def test_rows_cuda_face_compiles_with_nvcc(name, rows, dt, tmp_path):
     """The multi-row launches' CUDA translation units at the decode shapes compile (sm_90, warnings
     are errors), XR > 1, and their threadgroup arrays (read from the PTX) are within the plan's
@@ -1252,6 +1262,7 @@ def test_rows_cuda_face_compiles_with_nvcc(name, rows, dt, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["dense_1024x4096_8bit+norm", "dense_4096x4096_2bit", "dense_32768x1024_8bit"])
+@pytest.mark.slow_after(1)
 def test_rows_metal_plans_within_32k(name, tmp_path):
     """Metal's 32 KB: the Metal face's multi-row plans, their arrays as the one text declares them
     (the CUDA translation unit of the same template, read from its PTX), within 32 KB."""

@@ -283,6 +283,8 @@ def test_view_image_only_with_vision_and_confined(tmp_path):
         (tmp_path / "fake.png").write_text("no png")
         assert box.call("view_image", {"path": "fake.png"}).startswith("Tool error: fake.png:")
         assert "outside the project" in box.call("view_image", {"path": "../x.png"})
+        (tmp_path / "pics.png").mkdir()
+        assert "pics.png is a directory" in box.call("view_image", {"path": "pics.png"})
     finally:
         box.close()
         plain.close()

@@ -14,6 +14,7 @@ import pytest
 
 pexpect = pytest.importorskip("pexpect")
 HERE = Path(__file__).parent
+pytestmark = pytest.mark.serial  # a pty's prompt timing wants the machine to itself (CI runs it alone)
 
 
 @pytest.fixture

@@ -13,10 +13,11 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from lazy_modules import lazy  # noqa: E402
 from scripted_model import ScriptedModel, serve  # noqa: E402
 
-anthropic = pytest.importorskip("anthropic")
-beta_tool = pytest.importorskip("anthropic.lib.tools").beta_tool
+anthropic = lazy("anthropic")
+anthropic_tools = lazy("anthropic.lib.tools")
 
 CALL = (
     '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="add">\n'
@@ -58,7 +59,7 @@ def test_thread_field_and_beta_are_refused_by_name(srv):
 def test_sdk_tool_runner_completes_two_tool_rounds(srv):
     calls = []
 
-    @beta_tool
+    @anthropic_tools.beta_tool
     def add(a: int) -> str:
         """Add one to a number.
 

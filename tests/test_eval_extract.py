@@ -19,7 +19,7 @@ from ds4mlx.eval.selftest import VECTORS, check_vector, make_case
 
 NO_MLX = (
     "import sys\n"
-    "from ds4mlx.cli import main\n"
+    "from ds4mlx.cli.commands import main\n"
     "rc = main({argv!r})\n"
     "bad = [m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')]\n"
     "assert not bad, bad\n"

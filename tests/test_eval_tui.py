@@ -16,7 +16,8 @@ import pytest
 from ds4mlx.eval import load_cases
 from ds4mlx.eval.trace import parse_trace
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed")
+# serial: tmux and the TUI's key timing want the machine to themselves (CI runs them alone)
+pytestmark = [pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed"), pytest.mark.serial]
 REPO = Path(__file__).resolve().parent.parent
 
 

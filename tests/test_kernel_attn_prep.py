@@ -185,6 +185,7 @@ EMU_CASES = [  # (nh, d, rope dims, nhi, di, window, pos, rope kind)
 
 
 @pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: "nh{}_d{}_rd{}_nhi{}_di{}_w{}_p{}_{}".format(*c))
+@pytest.mark.slow_after(1)
 def test_shared_text_matches_reference(case, tmp_path):
     nh, d, rd, nhi, di, w, pos, kind = case
     rope = make_rope(rd, kind) if rd else RoPE(0, mx.zeros((0,)))
@@ -208,6 +209,7 @@ def test_shared_text_matches_reference(case, tmp_path):
 @pytest.mark.parametrize(
     "act,ring,nhi", [("float32", "float32", 64), ("bfloat16", "bfloat16", 64), ("float32", "bfloat16", 0)]
 )
+@pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(act, ring, nhi, tmp_path):
     """The exact CUDA translation unit mx.fast.cuda_kernel builds at V4 Flash shapes (64 heads
     of 512, indexer 64 x 128, window 128, rope 64), compiled for sm_90 with warnings as errors."""
@@ -245,6 +247,7 @@ def _emulated_rows_kernel(tmp_path, launches):
 
 @pytest.mark.parametrize("nhi", [2, 0])
 @pytest.mark.parametrize("rd,kind", [(8, "yarn"), (0, "plain")])
+@pytest.mark.slow_after(1)
 def test_rows_wiring_on_the_cpu_emulation(nhi, rd, kind, tmp_path, monkeypatch):
     """attn_prep_rows (session batching: B sessions' tokens of a layer in one launch) through
     the module's own inputs, template and grid, the kernel run by the g++ emulation: row b
@@ -299,6 +302,7 @@ def test_rows_self_test_passes_on_the_cpu_emulation(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("nhi", [64, 0])
+@pytest.mark.slow_after(1)
 def test_rows_cuda_face_compiles_with_nvcc(nhi, tmp_path):
     """attn_prep_rows for 4 rows at V4 Flash shapes (bfloat16), compiled by nvcc for sm_90 with
     warnings as errors."""

@@ -67,6 +67,7 @@ def _flat(out) -> list:
 
 
 @pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
+@pytest.mark.slow_after(1)
 def test_shared_text_on_the_cpu_emulation(n, tmp_path, small_threadgroups):
     """Every output of the one launch (query, ring, indexer query, each compressor's buffers,
     overlap rows and rows) equals the separate reference launches', at a window's end (the
@@ -109,6 +110,7 @@ def test_self_test_passes_on_the_cpu_emulation_and_fails_a_wrong_kernel(tmp_path
 
 
 @pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
+@pytest.mark.slow_after(1)
 def test_rows_on_the_cpu_emulation(n, tmp_path, small_threadgroups):
     """attn_prologue_rows (session batching: B sessions' prologues and compressor steps of one
     layer in one launch) through the module's own inputs, template and grid, the kernel run by
@@ -186,6 +188,7 @@ def test_sources_share_the_two_kernels_text():
 
 @pytest.mark.parametrize("dtype,rows", [("float32", 1), ("bfloat16", 1), ("bfloat16", 4)])
 @pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
+@pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(n, dtype, rows, tmp_path):
     """The CUDA translation unit mx.fast.cuda_kernel builds at V4 Flash shapes (64 heads of 512,
     window 128, rope 64; CSA: ratio 4, the indexer's 64 x 128 query and its 128-wide compressor;

@@ -280,6 +280,7 @@ EMU_RUNS = [  # (case index, where): both layouts, a yarn attention factor, ever
 
 
 @pytest.mark.parametrize("ci,where", EMU_RUNS, ids=lambda v: str(v))
+@pytest.mark.slow_after(1)
 def test_shared_text_against_reference_and_float64(ci, where, tmp_path):
     case = CASES[ci]
     kv, gate, state, bias, norm, rope = problem(case, seed=ci, fresh_overlap=where == "first_window")
@@ -310,6 +311,7 @@ def _emulated_rows_kernel(tmp_path, launches):
 
 
 @pytest.mark.parametrize("ci", [0, 1, 2])
+@pytest.mark.slow_after(1)
 def test_rows_wiring_on_the_cpu_emulation(ci, tmp_path, monkeypatch):
     """compressor_step_rows (session batching: B sessions' compressors of one layer in one
     launch) through the module's own inputs, template and grid, the kernel run by the g++
@@ -365,6 +367,7 @@ def test_rows_self_test_passes_on_the_cpu_emulation(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ratio,dim,overlap", [(4, 512, True), (4, 128, True), (128, 512, False)])
+@pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(ratio, dim, overlap, dtype, tmp_path):
     """The CUDA translation unit mx.fast.cuda_kernel builds at V4 Flash shapes (attention and
     indexer compressors of CSA, HCA), projections in float32, for sm_90 with warnings as errors."""
@@ -392,6 +395,7 @@ def test_cuda_face_compiles_with_nvcc(ratio, dim, overlap, dtype, tmp_path):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.slow_after(1)
 def test_rows_cuda_face_compiles_with_nvcc(overlap, tmp_path):
     """compressor_step_rows for 4 rows at V4 Flash shapes (bfloat16 state, float32
     projections), compiled by nvcc for sm_90 with warnings as errors."""

@@ -319,6 +319,7 @@ def run_pre_on_cpu(tmp_path, x, fn, base, scale, part, parts, *, iters=20, mode=
 
 
 @pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: "n{}_d{}_t{}_it{}_{}_split{}".format(*c))
+@pytest.mark.slow_after(1)
 def test_shared_hc_pre_text_compiled_for_cpu(case, tmp_path):
     n, d, nt, iters, mode, split = case
     head = mode == "head"
@@ -342,6 +343,7 @@ def rms_normed(y, w, eps=RMS_EPS):
 
 
 @pytest.mark.parametrize("n,d,nt,split", [(4, 64, 1, False), (3, 100, 2, True), (4, 257, 1, True)])
+@pytest.mark.slow_after(1)
 def test_shared_hc_pre_text_with_the_folded_norm(n, d, nt, split, tmp_path):
     """NORM: the kernel's collapsed output is RMS-normed with the layer norm's weight,
     equal to normalising the unnormed kernel output (same text, NORM off) in float64."""
@@ -382,6 +384,7 @@ def test_reference_face_folded_norm_is_the_layer_norm():
 
 
 @pytest.mark.parametrize("n,d,nt,add2", [(4, 48, 2, False), (3, 50, 1, False), (4, 48, 2, True)])
+@pytest.mark.slow_after(1)
 def test_shared_hc_post_dots_then_pre_compiled_for_cpu(n, d, nt, add2, tmp_path):
     """hc_post_dots (the new streams and their partial projection in one pass) then hc_pre
     on its partial sums: hc_post's rounding and hc_pre's results of those streams."""
@@ -439,6 +442,7 @@ def test_reference_hc_post_pre_is_post_then_pre():
 
 
 @pytest.mark.parametrize("add2", [False, True])
+@pytest.mark.slow_after(1)
 def test_shared_hc_post_text_compiled_for_cpu(add2, tmp_path):
     n, d, nt = 3, 70, 2
     rng = np.random.default_rng(5)
@@ -636,6 +640,7 @@ def reference_site(a):
 
 
 @pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: "n{}_d{}_t{}_{}_{}_norm{}_add2{}_post{}".format(*c))
+@pytest.mark.slow_after(1)
 def test_shared_tail_text_equals_two_launches_and_reference(case, tmp_path):
     """hc_dots_pre / hc_post_dots_pre through the emulation: every output bit for bit the
     two-launch path's (hc_dots / hc_post_dots, then hc_pre with vt threads), within the
@@ -1018,6 +1023,7 @@ def test_gpu_tiny_models_compiled_decode_tails_on_vs_off(v4_case, monkeypatch):
         ("hc_post_dots_pre", ""),
     ],
 )
+@pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
     """The exact CUDA translation unit mx.fast.cuda_kernel builds, compiled for sm_90 (H200)
     by nvcc with warnings as errors (syntax and types; the g++ emulation checks the logic)."""

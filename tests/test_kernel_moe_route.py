@@ -304,6 +304,7 @@ ROUTE_CASES = [  # (n, e, k, threads, score, selection, normalize)
 
 
 @pytest.mark.parametrize("case", ROUTE_CASES, ids=lambda c: "n{}_e{}_k{}_t{}_{}_{}_{}".format(*c))
+@pytest.mark.slow_after(1)
 def test_shared_route_text(case, tmp_path):
     n, e, k, threads, score, selection, normalize = case
     _, _, bias, table, ids = problem(n, e, 8, k, seed=e + k)
@@ -380,6 +381,7 @@ def _round_bf16(a):
 
 
 @pytest.mark.parametrize("case", FOLD_CASES, ids=lambda c: "n{}_e{}_h{}_k{}_t{}_r{}_{}_{}_w{}_x{}".format(*c))
+@pytest.mark.slow_after(1)
 def test_shared_fold_text(case, tmp_path):
     n, e, h, k, threads, rpt, score, selection, bf16, bf16_x = case
     x, w, bias, table, ids = problem(n, e, h, k, seed=e + h)
@@ -418,6 +420,7 @@ def test_shared_fold_text(case, tmp_path):
         ("fold", "bias", "bfloat16 x"),
     ],
 )
+@pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(kind, selection, dtype, tmp_path):
     """The exact CUDA translation unit mx.fast.cuda_kernel builds at V4 Flash shapes, compiled
     for sm_90 (H200) by nvcc with warnings as errors (the g++ emulation checks the logic)."""

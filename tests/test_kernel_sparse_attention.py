@@ -338,6 +338,7 @@ def _emu(tmp_path, kind, **kw):
 
 
 @pytest.mark.parametrize("nh,di,n,c,s", [(5, 12, 70, 3, 280), (3, 9, 40, 4, 20), (16, 8, 33, 1, 140)])
+@pytest.mark.slow_after(1)
 def test_shared_index_score_text(nh, di, n, c, s, tmp_path):
     ratio, scale, threads, hg = 4, 0.25, 32, 4
     q, w, keys = index_problem(nh, di, n, c, s, seed=nh * di, cap=n + 5)
@@ -372,6 +373,7 @@ def test_shared_index_score_text(nh, di, n, c, s, tmp_path):
 @pytest.mark.parametrize(
     "nh,di,n,c,s,rows", [(5, 12, 70, 3, 280, 4), (3, 40, 40, 2, 20, 2), (16, 8, 33, 1, 140, 8), (64, 128, 9, 1, 36, 2)]
 )
+@pytest.mark.slow_after(1)
 def test_shared_index_score_heads_text(nh, di, n, c, s, rows, tmp_path):
     ratio, scale, threads = 4, 0.25, 64
     q, w, keys = index_problem(nh, di, n, c, s, seed=nh * di + 1, cap=n + 5)
@@ -404,6 +406,7 @@ def test_shared_index_score_heads_text(nh, di, n, c, s, rows, tmp_path):
 
 
 @pytest.mark.parametrize("n,k,c,s,ratio", [(300, 37, 4, 1190, 4), (90, 64, 5, 230, 3), (20, 8, 3, 40, 4)])
+@pytest.mark.slow_after(1)
 def test_shared_topk_text(n, k, c, s, ratio, tmp_path):
     rng = np.random.default_rng(n)
     scores = rng.standard_normal((c, n)).astype(np.float32)
@@ -487,6 +490,7 @@ def _emu_index_topk(tmp_path, q, w, keys, k, n, c, s, rows, threads, fused, tick
         (12, 40, 200, 1, 10**6, 16, 64),  # ties: rounded keys give many equal scores
     ],
 )
+@pytest.mark.slow_after(1)
 def test_shared_index_topk_text_equals_the_two_launches(nh, di, n, c, s, rows, k, tmp_path):
     """index_topk's text (index_score_heads + the hand-off + topk, the last threadgroup of a
     query running topk) gives the two launches' scores, idx and cnt bit for bit, with topk at
@@ -509,6 +513,7 @@ def test_shared_index_topk_text_equals_the_two_launches(nh, di, n, c, s, rows, k
 @pytest.mark.parametrize(
     "case", ATTN_CASES, ids=lambda c: "nh{}_d{}_w{}_c{}_n{}_s{}_r{}_k{}_{}".format(*c[:8], "dec" if c[8] else "pre")
 )
+@pytest.mark.slow_after(1)
 def test_shared_attend_text(case, variant, tmp_path):
     """The attend text, one threadgroup per (head, query) and (split3_rope) the keys split
     across 3 threadgroups merged by the last, with the output's inverse rope."""
@@ -585,6 +590,7 @@ def _emulated_rows_kernel(tmp_path, launches):
 
 @pytest.mark.parametrize("selected", [True, False])
 @pytest.mark.parametrize("splits,rope_dims", [(1, 0), (3, 8)])
+@pytest.mark.slow_after(1)
 def test_attend_rows_wiring_on_the_cpu_emulation(selected, splits, rope_dims, tmp_path, monkeypatch):
     """attend_rows (session batching: B sessions' decode queries in one launch) through the
     module's own inputs, template and grid, the kernel run by the g++ emulation: row b equals
@@ -622,6 +628,7 @@ def test_attend_rows_wiring_on_the_cpu_emulation(selected, splits, rope_dims, tm
 
 
 @pytest.mark.parametrize("rope_dims", [0, 8])
+@pytest.mark.slow_after(1)
 def test_attend_rows_self_test_passes_on_the_cpu_emulation(rope_dims, tmp_path, monkeypatch):
     """attend_rows' first-use self-test (what a GPU runs before the batched step uses it), with
     the kernel run by the g++ emulation: it passes, and fails for a kernel that swaps two rows."""
@@ -665,6 +672,7 @@ def _emulated_topk_rows_kernel(tmp_path, launches):
     return kernel
 
 
+@pytest.mark.slow  # ~80 s of CPU: three emulated launches and the self-test
 def test_index_topk_rows_wiring_and_self_test_on_the_cpu_emulation(tmp_path, monkeypatch):
     """index_topk_rows (session batching: B sessions' indexer scores + top-k in one launch)
     through the module's own inputs, template and grid on the g++ emulation: each row's idx /
@@ -981,6 +989,7 @@ def test_gpu_tiny_models_kernels_on_vs_off(oracle_model, monkeypatch):
         ("attend", True, 4),
     ],
 )
+@pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(kind, selected, split, dtype, tmp_path):
     """The exact CUDA translation unit mx.fast.cuda_kernel builds at V4 Flash shapes, compiled
     for sm_90 (H200) by nvcc with warnings as errors (the g++ emulation checks the logic)."""
@@ -1068,6 +1077,7 @@ def test_index_topk_rows_cuda_face_compiles_with_nvcc(tmp_path):
 
 
 @pytest.mark.parametrize("selected,split", [(True, 4), (False, 1)])
+@pytest.mark.slow_after(1)
 def test_attend_rows_cuda_face_compiles_with_nvcc(selected, split, tmp_path):
     """attend_rows for 4 rows at V4 Flash shapes (bfloat16), the translation unit
     mx.fast.cuda_kernel builds, compiled by nvcc for sm_90 with warnings as errors."""

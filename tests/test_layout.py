@@ -44,7 +44,21 @@ def package_name(path: Path) -> str:
 
 
 SOURCES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
-TREES = {mod: ast.parse(p.read_text(encoding="utf-8"), str(p)) for mod, p in SOURCES.items()}
+
+
+class _Trees(dict):
+    """module -> its parsed source, parsed at first use: collection (which every xdist worker
+    repeats) parses nothing."""
+
+    def __missing__(self, mod: str):
+        tree = self[mod] = ast.parse(SOURCES[mod].read_text(encoding="utf-8"), str(SOURCES[mod]))
+        return tree
+
+    def items(self):
+        return [(mod, self[mod]) for mod in SOURCES]
+
+
+TREES = _Trees()
 
 
 def where(mod: str, node) -> str:

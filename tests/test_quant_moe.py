@@ -376,6 +376,7 @@ DEQUANT_CPU_CASES = [
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("case", DEQUANT_CPU_CASES, ids=lambda c: "E{}_r{}_K{}_{}".format(*c[:3], c[4]))
+@pytest.mark.slow_after(1)
 def test_shared_dequant_compiled_for_cpu(qtype, case, tmp_path):
     e, rows, k, ids, dtype = case
     if qtype == QT.Q8_0 and k == 512:
@@ -488,6 +489,7 @@ QMV_CPU_CASES = [
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("case", QMV_CPU_CASES, ids=lambda c: "E{}_r{}_K{}_t{}_k{}_pp{}_W{}_R{}".format(*c))
+@pytest.mark.slow_after(1)
 def test_shared_qmv_compiled_for_cpu(qtype, case, tmp_path):
     e, rows, k, n_tok, top, per_pair, warps, rpw = case
     if qtype == QT.Q8_0:
@@ -502,6 +504,7 @@ def test_shared_qmv_compiled_for_cpu(qtype, case, tmp_path):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.slow_after(1)
 def test_shared_qmv_decodes_bit_exact(qtype, tmp_path):
     # one-hot x: pair p reads W[eids[p]][:, p], which must be the reference's weights exactly
     e, rows = 2, 3
@@ -518,6 +521,7 @@ def test_shared_qmv_decodes_bit_exact(qtype, tmp_path):
 
 @pytest.mark.parametrize("kind", ["qmv", "dequant"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(kind, qtype, tmp_path):
     """The CUDA translation unit mx.fast.cuda_kernel builds, compiled for sm_90 (H200) by
     nvcc with warnings as errors (syntax and types; the g++ emulation checks the logic)."""
@@ -706,6 +710,7 @@ FUSED_CPU_CASES = [
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("case", FUSED_CPU_CASES, ids=lambda c: "E{}_I{}_H{}_t{}_k{}_W{}_R{}".format(*c))
+@pytest.mark.slow_after(1)
 def test_shared_swiglu_compiled_for_cpu(qtype, case, tmp_path):
     e, inter, hidden, n_tok, top, warps, rpw = case
     if qtype == QT.Q8_0:
@@ -738,6 +743,7 @@ def test_shared_swiglu_compiled_for_cpu(qtype, case, tmp_path):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("case", FUSED_CPU_CASES, ids=lambda c: "E{}_I{}_H{}_t{}_k{}_W{}_R{}".format(*c))
+@pytest.mark.slow_after(1)
 def test_shared_down_sum_compiled_for_cpu(qtype, case, tmp_path):
     e, inter, hidden, n_tok, top, warps, rpw = case
     if qtype == QT.Q8_0:
@@ -769,6 +775,7 @@ def test_shared_down_sum_compiled_for_cpu(qtype, case, tmp_path):
 
 @pytest.mark.parametrize("kind", qm.FUSED_KINDS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.slow_after(1)
 def test_fused_cuda_face_compiles_with_nvcc(kind, qtype, tmp_path):
     """The fused modes' CUDA translation unit for V4 Flash's decode shapes (bfloat16 x,
     H = 4096, I = 2048, k = 6), compiled for sm_90 with warnings as errors."""

@@ -88,6 +88,7 @@ def _big_chat(path: str, n_bytes: int, unit: str = "x") -> bytes:
     return json.dumps(body).encode()
 
 
+@pytest.mark.serial  # times the other requests: a second busy test worker is a stall it would count
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
 def test_huge_body_is_refused_before_tokenizing_without_stalling_others(tok, path, monkeypatch):
     encoded = []

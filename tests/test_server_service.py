@@ -16,11 +16,12 @@ import aiohttp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from lazy_modules import lazy  # noqa: E402
 from scripted_model import ScriptedModel, last_user_text, serve  # noqa: E402
 
-ollama = pytest.importorskip("ollama")
-openai = pytest.importorskip("openai")
-prom_parser = pytest.importorskip("prometheus_client.parser")
+ollama = lazy("ollama")
+openai = lazy("openai")
+prom_parser = lazy("prometheus_client.parser")
 
 KEY, KEY2 = "sk-test-one", "sk-test-two"
 BEARER = {"Authorization": f"Bearer {KEY}"}

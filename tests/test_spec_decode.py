@@ -85,6 +85,7 @@ def test_wrong_drafts_at_every_depth_still_match_plain(v4, depth):
     assert 0 < loop.stats.accepted < loop.stats.drafted and loop.stats.rollbacks > 0
 
 
+@pytest.mark.slow  # ~20 s of CPU: a second model drafting a whole generation
 def test_another_model_as_draft_matches_plain(v4, other):
     lm, prompt = v4
     want, _ = _plain(lm, prompt, N)

@@ -66,6 +66,7 @@ def streamed_content(text: str) -> tuple[str, str]:
     return content, reasoning
 
 
+@pytest.mark.slow  # 20 generations a stream mode: ~40 s of CPU each
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_valid_on_20_seeds(srv, stream):
     for seed in range(1, 21):

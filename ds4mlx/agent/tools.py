@@ -211,8 +211,8 @@ class ToolBox:
         self.project.close()
 
     # -- opening ------------------------------------------------------------------
-    def _load(self, path: str) -> tuple[str, str, tuple]:
-        """-> (rel, text, fingerprint) of a text file in the project."""
+    def _read(self, path: str) -> tuple[str, bytes, tuple]:
+        """-> (rel, bytes, fingerprint) of a file in the project."""
         try:
             fd, rel = self.project.open(path)
         except FileNotFoundError:
@@ -223,6 +223,11 @@ class ToolBox:
             data, fp = _read_fd(fd, rel)
         finally:
             os.close(fd)
+        return rel, data, fp
+
+    def _load(self, path: str) -> tuple[str, str, tuple]:
+        """-> (rel, text, fingerprint) of a text file in the project."""
+        rel, data, fp = self._read(path)
         return rel, _decode(data, rel), fp
 
     def _current(self, parent: int, name: str) -> tuple | None:
@@ -380,15 +385,7 @@ class ToolBox:
         """The image goes to the model with the result (its marker leads the text)."""
         from ..chat import images
 
-        path = args.get("path", "")
-        try:
-            fd, rel = self.project.open(path)
-        except FileNotFoundError:
-            raise ToolError(f"no such file: {path}") from None
-        try:
-            data, _ = _read_fd(fd, rel)
-        finally:
-            os.close(fd)
+        rel, data, _ = self._read(args.get("path", ""))
         media = IMAGE_TYPES.get(os.path.splitext(rel)[1].lower())
         if media is None:
             raise ToolError(f"{rel}: view_image reads PNG or JPEG files ({', '.join(IMAGE_TYPES)})")

@@ -14,20 +14,7 @@ import time
 from collections import defaultdict
 
 from ..runtime import stepper
-
-
-def _timeit(fn, n: int = 20, warmup: int = 3) -> float:
-    """Mean wall seconds of `mx.eval(fn())`, device synchronised."""
-    import mlx.core as mx
-
-    for _ in range(warmup):
-        mx.eval(fn())
-    mx.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        mx.eval(fn())
-    mx.synchronize()
-    return (time.perf_counter() - t0) / n
+from .clock import synced_seconds
 
 
 def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
@@ -63,7 +50,7 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
             cache.offset = off  # stay at the same depth: each timed call redoes the same step
             return out
 
-        per_type[kind] = _timeit(attn, n)
+        per_type[kind] = synced_seconds(attn, n)
         detail[f"attention[{kind}]_us"] = per_type[kind] * 1e6
         comp = getattr(layer.self_attn, "compressor", None)
         if comp is not None and hasattr(comp, "indexer"):
@@ -73,27 +60,27 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
             def index(comp=comp, cache=cache, q_res=q_res):
                 return comp.indexer(h, q_res, cache.index, cache.offset)
 
-            detail["indexer_us"] = _timeit(index, n) * 1e6
+            detail["indexer_us"] = synced_seconds(index, n) * 1e6
     moe = {}
     for i, layer in enumerate(layers):
         kind = args.mlp_layer_types[i]
         if kind not in moe:
-            moe[kind] = _timeit(lambda layer=layer: layer.mlp(h, ids), n)
+            moe[kind] = synced_seconds(lambda layer=layer: layer.mlp(h, ids), n)
             detail[f"moe[{kind}]_us"] = moe[kind] * 1e6
     hc = layers[0].attn_hc
     post, comb, col = hc(x)
     mx.eval(post, comb, col)
-    detail["hc_pre_us"] = _timeit(lambda: hc(x), n) * 1e6
-    detail["hc_post_us"] = _timeit(lambda: hc_post(x, col, post, comb), n) * 1e6
+    detail["hc_pre_us"] = synced_seconds(lambda: hc(x), n) * 1e6
+    detail["hc_post_us"] = synced_seconds(lambda: hc_post(x, col, post, comb), n) * 1e6
     norm = layers[0].input_layernorm
-    detail["rms_norm_us"] = _timeit(lambda: norm(h), n) * 1e6
-    detail["head_us"] = _timeit(lambda: inner.lm_head(inner.model.norm(inner.model.hc_head(x))), n) * 1e6
+    detail["rms_norm_us"] = synced_seconds(lambda: norm(h), n) * 1e6
+    detail["head_us"] = synced_seconds(lambda: inner.lm_head(inner.model.norm(inner.model.hc_head(x))), n) * 1e6
     logits = mx.random.normal((args.vocab_size,))
     mx.eval(logits)
     sampler = Sampler()
-    detail["sample_greedy_us"] = _timeit(lambda: sampler.sample(logits, GREEDY), n) * 1e6
+    detail["sample_greedy_us"] = synced_seconds(lambda: sampler.sample(logits, GREEDY), n) * 1e6
     detail["sample_temp_us"] = (
-        _timeit(lambda: sampler.sample(logits, SamplingParams(temperature=0.8, top_p=0.95)), n) * 1e6
+        synced_seconds(lambda: sampler.sample(logits, SamplingParams(temperature=0.8, top_p=0.95)), n) * 1e6
     )
 
     # one whole step, and the host's share of it (graph construction only)

@@ -54,6 +54,7 @@ import time
 
 import mlx.core as mx
 
+from ds4mlx.bench.clock import synced_seconds
 from ds4mlx.kernels import dispatch
 from ds4mlx.kernels import hyper_connection as hck
 from ds4mlx.kernels import sparse_attention as sa
@@ -69,14 +70,7 @@ def kernels(on: bool):
 
 def timed(fn, iters: int) -> tuple[float, float]:
     """(sync µs/call, batched µs/call) of fn() -> array(s)."""
-    for _ in range(3):
-        mx.eval(fn())
-    mx.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        mx.eval(fn())
-    mx.synchronize()
-    sync = (time.perf_counter() - t0) / iters * 1e6
+    sync = synced_seconds(fn, iters) * 1e6
     reps = max(1, iters // BATCH)
     t0 = time.perf_counter()
     for _ in range(reps):

@@ -31,7 +31,16 @@ from functools import cache, lru_cache
 
 import mlx.core as mx
 
-from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, row_inputs, row_select, shared_sources
+from ds4mlx.kernels.dispatch import (
+    METAL_DIR,
+    Kernel,
+    auto_face,
+    close_enough,
+    placeholder,
+    row_inputs,
+    row_select,
+    shared_sources,
+)
 
 SOURCE = METAL_DIR / "attn_prep.metal"
 THREADS = 256  # 8 SIMD groups: 8 rows per row threadgroup
@@ -102,11 +111,6 @@ def params(eps: float, mscale: float) -> mx.array:
     return mx.array([eps, mscale], dtype=mx.float32)
 
 
-@cache
-def dummy(dtype) -> mx.array:
-    return mx.zeros((1,), dtype)
-
-
 def _meta(pos) -> mx.array:
     if isinstance(pos, mx.array):
         return pos.astype(mx.int32).reshape(1)
@@ -150,6 +154,16 @@ def launch_groups(heads: int, nhi: int, ring) -> int:
     return -(-(heads + 1 + nhi) // (THREADS // 32)) + -(-(w * d) // (THREADS * COPY_PER))
 
 
+def launch_inputs(q_b, index_q_b, index_heads: int, rope) -> tuple[int, int, mx.array, mx.array]:
+    """(indexer heads, indexer head width, indexer query input, RoPE periods input) of a prep
+    launch: 0, 0 and placeholders where there is no indexer query, a placeholder for the
+    periods where the rope has no rotary part."""
+    freqs = rope.periods if rope.dims else placeholder(mx.float32)
+    if index_q_b is None:
+        return 0, 0, placeholder(q_b.dtype), freqs
+    return index_heads, index_q_b.shape[-1] // index_heads, index_q_b, freqs
+
+
 def attn_prep(
     q_b,
     kv,
@@ -167,15 +181,12 @@ def attn_prep(
     """See the module docstring.  q_b [.., NH*D], kv [.., D], ring [1, 1, W, D],
     index_q_b [.., NHI*DI] or None."""
     d = ring.shape[-1]
-    di = 0 if index_q_b is None else index_q_b.shape[-1] // index_heads
+    nhi, di, iq, freqs = launch_inputs(q_b, index_q_b, index_heads, rope)
     face = backend
     if face is None:
         face = auto_face("attn_prep", lambda f: _self_test(f, rope))
     if face == "reference" or not fusable(rope, d, di):
         return reference(q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b, heads=heads, index_heads=index_heads)
-    nhi = 0 if index_q_b is None else index_heads
-    iq = dummy(q_b.dtype) if index_q_b is None else index_q_b
-    freqs = rope.periods if rope.dims else dummy(mx.float32)
     q, ring, iq = _kernel()(
         face,
         inputs=[q_b, kv, kv_weight, iq, ring, freqs, params(float(eps), float(rope.attention_factor)), _meta(pos)],
@@ -230,15 +241,12 @@ def attn_prep_rows(
     failed first-use self-test): the caller then runs attn_prep per row."""
     n = len(rings)
     d = rings[0].shape[-1]
-    di = 0 if index_q_b is None else index_q_b.shape[-1] // index_heads
+    nhi, di, iq, freqs = launch_inputs(q_b, index_q_b, index_heads, rope)
     face = backend
     if face is None:
         face = auto_face("attn_prep.rows", lambda f: _rows_self_test(f, rope))
     if face == "reference" or n < 2 or not fusable(rope, d, di) or not rings_alike(rings):
         return None
-    nhi = 0 if index_q_b is None else index_heads
-    iq = dummy(q_b.dtype) if index_q_b is None else index_q_b
-    freqs = rope.periods if rope.dims else dummy(mx.float32)
     out = _rows_kernel(n)(
         face,
         inputs=[q_b, kv, kv_weight, iq, *rings, freqs, params(float(eps), float(rope.attention_factor)), poss],

@@ -200,10 +200,7 @@ def attn_prologue(
 def _launch(face, q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b, comps, heads, index_heads):
     n = len(comps)
     d = ring.shape[-1]
-    di = 0 if index_q_b is None else index_q_b.shape[-1] // index_heads
-    nhi = 0 if index_q_b is None else index_heads
-    iq = ap.dummy(q_b.dtype) if index_q_b is None else index_q_b
-    freqs = rope.periods if rope.dims else ap.dummy(mx.float32)
+    nhi, di, iq, freqs = ap.launch_inputs(q_b, index_q_b, index_heads, rope)
     if pos.dtype != mx.int32 or pos.ndim:
         pos = pos.astype(mx.int32).reshape(())
     inputs = [q_b, kv, kv_weight, iq, ring, freqs, ap.params(float(eps), float(rope.attention_factor)), pos]
@@ -315,10 +312,7 @@ def _launch_rows(face, q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, jo
     n, n_comps = len(rings), len(jobs[0])
     ring = rings[0]
     d = ring.shape[-1]
-    di = 0 if index_q_b is None else index_q_b.shape[-1] // index_heads
-    nhi = 0 if index_q_b is None else index_heads
-    iq = ap.dummy(q_b.dtype) if index_q_b is None else index_q_b
-    freqs = rope.periods if rope.dims else ap.dummy(mx.float32)
+    nhi, di, iq, freqs = ap.launch_inputs(q_b, index_q_b, index_heads, rope)
     if poss.dtype != mx.int32:
         poss = poss.astype(mx.int32)
     prm = ap.params(float(eps), float(rope.attention_factor))

@@ -24,7 +24,7 @@ import logging
 import os
 import re
 from contextlib import contextmanager
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -184,24 +184,17 @@ class Kernel:
     def _build(self, face: str):
         if face not in self._built:
             header, source = self.faces[face]
-            if face == "metal":
-                fn = mx.fast.metal_kernel(
-                    name=self.name,
-                    input_names=self.input_names,
-                    output_names=self.output_names,
-                    source=source,
-                    header=header,
-                )
-            elif face == "cuda":
-                fn = mx.fast.cuda_kernel(
-                    name=self.name,
-                    input_names=self.input_names,
-                    output_names=self.output_names,
-                    source=source,
-                    header=header,
-                )
-            else:
+            # mx.fast.metal_kernel / mx.fast.cuda_kernel: the same arguments, one per face
+            make = {"metal": "metal_kernel", "cuda": "cuda_kernel"}.get(face)
+            if make is None:
                 raise ValueError(f"no GPU face {face!r}")
+            fn = getattr(mx.fast, make)(
+                name=self.name,
+                input_names=self.input_names,
+                output_names=self.output_names,
+                source=source,
+                header=header,
+            )
             self._built[face] = fn
         return self._built[face]
 
@@ -323,6 +316,23 @@ def tickets(owner: str, n: int, at_least: int) -> mx.array:
         mx.eval(buf)  # a constant: allowed (and kept) while a decode step is traced
         ring[i] = buf
     return buf
+
+
+@cache
+def placeholder(dtype) -> mx.array:
+    """A one-element array for a kernel input the launch does not read (an absent bias,
+    indexer query or RoPE table: the kernel's inputs are fixed)."""
+    a = mx.zeros((1,), dtype)
+    mx.eval(a)  # a constant: allowed (and kept) while a decode step is traced
+    return a
+
+
+@lru_cache(maxsize=64)
+def f32_scalar(v: float) -> mx.array:
+    """[v] float32: a scalar kernel input (a scale), one array per value."""
+    a = mx.array([v], dtype=mx.float32)
+    mx.eval(a)  # a constant: allowed (and kept) while a decode step is traced
+    return a
 
 
 def ticket_buffers(owner: str) -> list[mx.array]:

@@ -50,11 +50,21 @@ then `dispatch.UNVERIFIED_KERNELS` self-tests both kernels at first use.
 from __future__ import annotations
 
 import logging
-from functools import cache, lru_cache
+from functools import cache
 
 import mlx.core as mx
 
-from ds4mlx.kernels.dispatch import INDEX, METAL_DIR, PRELUDE, Kernel, auto_face, sections, tickets
+from ds4mlx.kernels.dispatch import (
+    INDEX,
+    METAL_DIR,
+    PRELUDE,
+    Kernel,
+    auto_face,
+    f32_scalar,
+    placeholder,
+    sections,
+    tickets,
+)
 from ds4mlx.models.layers import route_weights, score_fn, topk_indices
 
 _log = logging.getLogger(__name__)
@@ -83,20 +93,6 @@ def _kernel(kind: str) -> Kernel:
     return Kernel(
         f"ds4mlx_moe_{kind}", inputs, outputs, metal=kernel_sources(kind, "metal"), cuda=kernel_sources(kind, "cuda")
     )
-
-
-@lru_cache(maxsize=64)
-def _f32(v: float) -> mx.array:
-    a = mx.array([v], dtype=mx.float32)
-    mx.eval(a)  # a constant: allowed (and kept) while a decode step is traced
-    return a
-
-
-@cache
-def _dummy(dtype) -> mx.array:
-    a = mx.zeros((1,), dtype)
-    mx.eval(a)
-    return a
 
 
 # --------------------------------------------------------------------------- reference face
@@ -153,9 +149,9 @@ def kernel_takes(e: int, k: int, rows: int, groups: int = 1) -> bool:
 def _selection_inputs(bias, table, ids):
     """The kernel's bias / table / ids inputs (dummies where unused).  Every array is read
     flat, row-major: no reshape (each one is a primitive of the traced step)."""
-    bias_in = bias if bias is not None else _dummy(mx.float32)
-    table_in = table.astype(mx.int32) if table is not None else _dummy(mx.int32)
-    ids_in = ids.astype(mx.int32) if table is not None else _dummy(mx.int32)
+    bias_in = bias if bias is not None else placeholder(mx.float32)
+    table_in = table.astype(mx.int32) if table is not None else placeholder(mx.int32)
+    ids_in = ids.astype(mx.int32) if table is not None else placeholder(mx.int32)
     return bias_in, table_in, ids_in
 
 
@@ -184,7 +180,7 @@ def _launch_route(face, logits, k, score, scaling, normalize, bias, table, ids, 
     bias_in, table_in, ids_in = _selection_inputs(bias, table, ids)
     idx, w = _kernel("route")(
         face,
-        inputs=[logits, bias_in, table_in, ids_in, _f32(float(scaling))],
+        inputs=[logits, bias_in, table_in, ids_in, f32_scalar(float(scaling))],
         template=launch_template(e, k, score, normalize, bias, table, groups, topk_group, [("TL", logits.dtype)]),
         grid=(THREADS, n, 1),
         threadgroup=(THREADS, 1, 1),
@@ -202,7 +198,7 @@ def _launch_fold(face, x, weight, k, score, scaling, normalize, bias, table, ids
     nb = -(-e // FOLD_RPT)
     idx, w, _ = _kernel("fold")(
         face,
-        inputs=[x, weight, bias_in, table_in, ids_in, _f32(float(scaling)), tickets("moe_route.fold", n, 256)],
+        inputs=[x, weight, bias_in, table_in, ids_in, f32_scalar(float(scaling)), tickets("moe_route.fold", n, 256)],
         template=launch_template(
             e,
             k,

@@ -64,7 +64,7 @@ import mlx.core as mx
 
 from ds4mlx.kernels import dispatch
 from ds4mlx.kernels.attn_prep import TRIG
-from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, shared_sources
+from ds4mlx.kernels.dispatch import METAL_DIR, Kernel, auto_face, close_enough, f32_scalar, placeholder, shared_sources
 
 SOURCE = METAL_DIR / "sparse_attention.metal"
 SCORE_THREADS = 128  # rows per threadgroup in index_score (one thread per row)
@@ -170,18 +170,8 @@ def _kernel(kind: str) -> Kernel:
 
 
 @lru_cache(maxsize=64)
-def _f32(v: float) -> mx.array:
-    return mx.array([v], dtype=mx.float32)
-
-
-@lru_cache(maxsize=64)
 def _f32s(a: float, b: float) -> mx.array:
     return mx.array([a, b], dtype=mx.float32)
-
-
-@cache
-def _dummy(dtype) -> mx.array:
-    return mx.zeros((1,), dtype)
 
 
 def _meta(*vals) -> mx.array:
@@ -317,43 +307,27 @@ def index_scores(
         layout = score_layout(n, c)
         if layout == "heads" and not _verified("index_heads", face):
             layout = "rows"
-    if layout == "heads":
+    if layout == "heads":  # ROWS rows a threadgroup, the heads shared out over its SIMD groups
         rows = score_rows(n, c)
-        return _kernel("index_score_heads")(
-            face,
-            inputs=[q, w, keys, _f32(float(scale)), _meta_at(s, 1, n, c)],
-            template=[
-                ("TQ", q.dtype),
-                ("TW", w.dtype),
-                ("TK", keys.dtype),
-                ("NH", nh),
-                ("DI", di),
-                ("ROWS", rows),
-                ("RATIO", int(ratio)),
-                ("THREADS", SCORE_SPLIT_THREADS),
-            ],
-            grid=(-(-n // rows) * SCORE_SPLIT_THREADS, c, 1),
-            threadgroup=(SCORE_SPLIT_THREADS, 1, 1),
-            output_shapes=[(c, n)],
-            output_dtypes=[mx.float32],
-        )[0]
-    hg = min(SCORE_HEADS, nh)
-    bx = -(-n // SCORE_THREADS)
-    return _kernel("index_score")(
+        name, tile, threads, blocks = "index_score_heads", ("ROWS", rows), SCORE_SPLIT_THREADS, -(-n // rows)
+    else:  # one row a thread, HG heads staged at a time
+        name, tile, threads = "index_score", ("HG", min(SCORE_HEADS, nh)), SCORE_THREADS
+        blocks = -(-n // SCORE_THREADS)
+    return _kernel(name)(
         face,
-        inputs=[q, w, keys, _f32(float(scale)), _meta_at(s, 1, n, c)],
+        inputs=[q, w, keys, f32_scalar(float(scale)), _meta_at(s, 1, n, c)],
         template=[
             ("TQ", q.dtype),
             ("TW", w.dtype),
             ("TK", keys.dtype),
             ("NH", nh),
             ("DI", di),
-            ("HG", hg),
+            tile,
             ("RATIO", int(ratio)),
-            ("THREADS", SCORE_THREADS),
+            ("THREADS", threads),
         ],
-        grid=(bx * SCORE_THREADS, c, 1),
-        threadgroup=(SCORE_THREADS, 1, 1),
+        grid=(blocks * threads, c, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(c, n)],
         output_dtypes=[mx.float32],
     )[0]
@@ -426,7 +400,7 @@ def _launch_index_topk(face, q, w, keys, k, n, s, ratio, scale) -> list[mx.array
     rows = score_rows(n, c)
     return _kernel("index_topk")(
         face,
-        inputs=[q, w, keys, _f32(float(scale)), _meta_at(s, 1, n, c), dispatch.tickets("index_topk", c, 64)],
+        inputs=[q, w, keys, f32_scalar(float(scale)), _meta_at(s, 1, n, c), dispatch.tickets("index_topk", c, 64)],
         template=_topk_template(q, w, keys, rows, ratio, k),
         grid=(-(-n // rows) * SCORE_SPLIT_THREADS, c, 1),
         threadgroup=(SCORE_SPLIT_THREADS, 1, 1),
@@ -504,7 +478,7 @@ def _launch_index_topk_rows(face, qs, ws, keys, k, ns, poss, ratio, scale) -> tu
     metas = [_meta_at(p, 1, n, 1) for p, n in zip(poss, ns)]
     out = _topk_rows_kernel(n_rows)(
         face,
-        inputs=[*qs, *ws, *keys, *metas, _f32(float(scale)), dispatch.tickets("index_topk_rows", n_rows, 64)],
+        inputs=[*qs, *ws, *keys, *metas, f32_scalar(float(scale)), dispatch.tickets("index_topk_rows", n_rows, 64)],
         template=_topk_template(qs[0], ws[0], keys[0], rows, ratio, k),
         grid=(-(-max(ns) // rows) * SCORE_SPLIT_THREADS, n_rows, 1),
         threadgroup=(SCORE_SPLIT_THREADS, 1, 1),
@@ -722,7 +696,7 @@ def _launch_attend_rows(face, qs, keys, rows, idxs, cnts, sinks, scale, metas, w
     if not selected:
         idxs, cnts = [mx.zeros((1, 1), mx.int32)] * n_rows, [mx.zeros((1,), mx.int32)] * n_rows
     rd = 0 if rope is None else rope.dims
-    periods = rope.periods if rd else _dummy(mx.float32)
+    periods = rope.periods if rd else placeholder(mx.float32)
     mscale = 1.0 if rope is None else float(rope.attention_factor)
     split = splits > 1
     per_row = [*qs, *keys, *rows, *idxs, *cnts, *metas]
@@ -765,7 +739,7 @@ def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ra
     if not selected:
         idx, cnt = mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32)
     rd = 0 if rope is None else rope.dims
-    periods = rope.periods if rd else _dummy(mx.float32)
+    periods = rope.periods if rd else placeholder(mx.float32)
     mscale = 1.0 if rope is None else float(rope.attention_factor)
     split = splits > 1
     return _kernel("attend")(

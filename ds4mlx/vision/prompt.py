@@ -14,10 +14,8 @@ ERR_IMAGE_HISTORY = "a request with images must replay its full history (no live
 ERR_NOT_PLACED = "an image could not be placed in the prompt (images go in user messages and tool results)"
 
 
-class ImagePromptError(ValueError):
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
+class ImagePromptError(chat_images.ImageError):
+    """An image the prompt cannot take (the request's 400, as a bad image is)."""
 
 
 def attach(job, engine, images: list) -> None:
