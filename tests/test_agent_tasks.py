@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import threading
+import time
 
 import pytest
 from agent_helpers import COMPACT_MARK, ScriptedModel, dsml, last_real_user, make_worker, steps
@@ -76,6 +78,9 @@ def tool_results(worker):
 def test_task_fix_a_failing_test_then_document_it(tok, tmp_path, capsys):
     (tmp_path / "calc.py").write_text("def add(a, b):\n    return a - b\n")
     (tmp_path / "test_calc.py").write_text("from calc import add\nassert add(2, 3) == 5, add(2, 3)\nprint('ok')\n")
+    # written a minute ago: CPython's .pyc check is (whole-second mtime, size), and the fix keeps the
+    # size, so an edit within the second the file was written would run the stale bytecode
+    os.utime(tmp_path / "calc.py", (time.time() - 60,) * 2)
 
     def script(prompt):
         if "docstring" in last_real_user(prompt):
