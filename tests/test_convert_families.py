@@ -47,6 +47,10 @@ _LOGITS: dict = {}
 _GGUF: dict = {}
 
 
+# end to end (servers, several processes or models, whole files): the slow tier, which CI runs second
+pytestmark = pytest.mark.slow
+
+
 def _gguf(path: Path) -> GGUFFile:
     """One parse per file (the header holds the 129k-token vocabulary)."""
     if str(path) not in _GGUF:

@@ -28,6 +28,10 @@ UP_TIMEOUT = 300
 TURN1 = [{"role": "user", "content": "hello there"}]
 
 
+# end to end (servers, several processes or models, whole files): the slow tier, which CI runs second
+pytestmark = pytest.mark.slow
+
+
 def serve_cmd(port: int, plan: str | None) -> list[str]:
     cmd = [sys.executable, "-m", "ds4mlx.cli", "serve", "--port", str(port), "--ctx", "1024", "--nothink"]
     return cmd + (["--distributed", plan] if plan else [])

@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = 4  # two sliding-window layers, then one CSA (ratio 4) and one HCA (ratio 128)
 
 
+# end to end (servers, several processes or models, whole files): the slow tier, which CI runs second
+pytestmark = pytest.mark.slow
+
+
 def _tool(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)

@@ -22,6 +22,10 @@ PROMPT = "Hello there, how are you doing today? The quick brown fox jumps over t
 _resident: dict = {}
 
 
+# end to end (servers, several processes or models, whole files): the slow tier, which CI runs second
+pytestmark = pytest.mark.slow
+
+
 def resident(family):
     if family not in _resident:
         _resident[family] = ds4mlx.load(f"demo:{family}", verbose=False)

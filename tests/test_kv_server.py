@@ -46,6 +46,10 @@ USER = "<｜User｜>"
 GREEDY = {"temperature": 0}  # (this anthropic SDK's create() has no temperature argument)
 
 
+# end to end (servers, several processes or models, whole files): the slow tier, which CI runs second
+pytestmark = pytest.mark.slow
+
+
 class Server:
     """`ds4mlx serve` (or a launcher script with the same CLI) in `root`,
     restartable; its log goes to root/serve-N.log."""

@@ -34,6 +34,10 @@ FAMILIES = [  # (oracle script, config): one configuration per family, the longe
 LONG, MID, DECODED = 4096 + 37, 512 + 261, 6
 
 
+# end to end (servers, several processes or models, whole files): the slow tier, which CI runs second
+pytestmark = pytest.mark.slow
+
+
 def _family_id(fam) -> str:
     return fam[0].removeprefix("make_tiny_").removeprefix("probe_mlx_").removesuffix(".py")
 

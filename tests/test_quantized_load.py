@@ -76,6 +76,10 @@ CASES = [
 ]
 
 
+# end to end (servers, several processes or models, whole files): the slow tier, which CI runs second
+pytestmark = pytest.mark.slow
+
+
 def _maxdiff(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
 

@@ -32,6 +32,10 @@ CASES = [  # (oracle script, config, a tensor name only the checkpoint form has)
 ]
 
 
+# end to end (servers, several processes or models, whole files): the slow tier, which CI runs second
+pytestmark = pytest.mark.slow
+
+
 def save_pretrained_copy(script: str, oracle_dir: Path, out: Path) -> Path:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(

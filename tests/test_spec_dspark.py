@@ -32,6 +32,9 @@ from spec_helpers import (
     compiled_small_buckets,  # noqa: E402, F401  (autouse)
 )
 
+# end to end (servers, several processes or models, whole files): the slow tier, which CI runs second
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def v41(oracle):

@@ -50,6 +50,10 @@ from spec_helpers import (  # noqa: E402
 SCRIPTS = {"glm": "make_tiny_glm_moe_dsa.py", "qwen": "make_tiny_qwen4_exp.py"}
 
 
+# end to end (servers, several processes or models, whole files): the slow tier, which CI runs second
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def tiny(oracle):
     cases = {}
