@@ -122,12 +122,7 @@ def test_rows_on_the_cpu_emulation(n, tmp_path, small_threadgroups):
     got = apl.attn_prologue_rows(**args, jobs=jobs, poss=poss, backend="cuda")
     assert len(launches) == 1 and launches[0][1][1] == 3
     for b, g in enumerate(got):
-        row = slice(b, b + 1)
-        one = dict(args, ring=args["rings"][b], q_b=args["q_b"][:, row], kv=args["kv"][:, row])
-        del one["rings"]
-        if one["index_q_b"] is not None:
-            one["index_q_b"] = one["index_q_b"][:, row]
-        want = apl.attn_prologue(**one, pos=poss[b], comps=jobs[b], backend="reference")
+        want = apl.attn_prologue(**apl.row_args(args, b), pos=poss[b], comps=jobs[b], backend="reference")
         assert len(_flat(g)) == len(_flat(want))
         for i, (x, w) in enumerate(zip(_flat(g), _flat(want))):
             assert x.shape == w.shape, (b, i)

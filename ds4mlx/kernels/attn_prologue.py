@@ -453,6 +453,17 @@ def rows_self_test_problem(n_comps: int, dtype, rows: int = 3):
     return args, jobs, poss
 
 
+def row_args(args: dict, b: int) -> dict:
+    """`attn_prologue`'s arguments for row b of `attn_prologue_rows`' `args` (without jobs and
+    poss): row b's own ring and its slice of the stacked projections."""
+    row = slice(b, b + 1)
+    one = {k: v for k, v in args.items() if k != "rings"}
+    one.update(ring=args["rings"][b], q_b=args["q_b"][:, row], kv=args["kv"][:, row])
+    if one["index_q_b"] is not None:
+        one["index_q_b"] = one["index_q_b"][:, row]
+    return one
+
+
 def _rows_self_test(face: str) -> bool:
     """attn_prologue_rows on `face` against the reference of each row: three rows, one and
     two compressors, float32 and bfloat16."""
@@ -461,12 +472,7 @@ def _rows_self_test(face: str) -> bool:
             args, jobs, poss = rows_self_test_problem(n, dt)
             got = attn_prologue_rows(**args, jobs=jobs, poss=poss, backend=face)
             for b, g in enumerate(got):
-                row = slice(b, b + 1)
-                one = dict(args, ring=args["rings"][b], q_b=args["q_b"][:, row], kv=args["kv"][:, row])
-                del one["rings"]
-                if one["index_q_b"] is not None:
-                    one["index_q_b"] = one["index_q_b"][:, row]
-                want = attn_prologue(**one, pos=poss[b], comps=jobs[b], backend="reference")
+                want = attn_prologue(**row_args(args, b), pos=poss[b], comps=jobs[b], backend="reference")
                 if not _all_close(g, want, tol):
                     return False
     return True
