@@ -21,6 +21,8 @@
 #   numerics           the compiled decode step vs the full forward under the float32 activation policy,
 #                      4 layers at V4 Flash shapes (tools/gpu_policy_check.py; docs/numerics.md: <= 1e-3)
 #   spec               speculative decoding: verify cost, self-draft, break-even (tools/spec_bench.py)
+#   structured         structured output's per-token cost: free vs json_schema jobs, llguidance's mask
+#                      time per token and its share of a step (tools/structured_cost.py), synthetic V4 Flash
 #   serve              `ds4mlx serve` streamed vs `bench` decode at 2K, per format in FORMATS
 #   engine             the engine in process (a Job, no HTTP) vs `bench` decode at CTX (2048), per format in
 #                      FORMATS, with bench's profile columns and the engine's GPU-busy (serve_vs_bench.py --engine)
@@ -164,6 +166,11 @@ spec)
   log "speculative decoding: verify cost, self-draft, break-even"
   py "${SPEC_S:-200}" tools/spec_bench.py --layers "$MODEL_LAYERS" --ctx 2048 --gen 32 --reps 6 --csv "$OUT/spec_bench.csv" \
     | tee "$OUT/spec_bench.txt" | tail -25
+  keep
+  ;;
+structured)
+  log "structured output cost, synthetic V4 Flash $MODEL_LAYERS layers"
+  py "${STRUCT_S:-300}" tools/structured_cost.py --layers "$MODEL_LAYERS" --jobs "${JOBS:-4}" | tee "$OUT/structured.txt" | tail -6
   keep
   ;;
 serve)

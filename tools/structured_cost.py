@@ -3,6 +3,7 @@ JSON schema, one process, the engine in process (a `Job` as the HTTP adapters bu
 
     python tools/structured_cost.py                      # the CPU demo model
     python tools/structured_cost.py --model PATH --jobs 8
+    python tools/structured_cost.py --layers 20          # the synthetic V4 Flash (a GPU)
 
 Each row sums several sampled jobs (temperature 1, a seed per job, the two kinds in turn)
 over the same prompt: `free` (no grammar) and `json_schema` (a nested schema of about 45
@@ -51,8 +52,16 @@ def main() -> int:
     p.add_argument("--model", default="demo", help="a model path or `demo` (the random-weight CPU demo)")
     p.add_argument("--jobs", type=int, default=6, help="sampled jobs per row")
     p.add_argument("--gen", type=int, default=64, help="max tokens per job")
+    p.add_argument("--layers", type=int, default=0, help="the synthetic V4 Flash at this depth instead of --model")
     a = p.parse_args()
-    model, tok = load(a.model)
+    if a.layers:
+        from ds4mlx.bench.synthetic import build_synthetic_v4_flash
+
+        model, tok, info = build_synthetic_v4_flash(layers=a.layers, expert_format="mlx")
+        print(f"# {info}", flush=True)
+        a.model = f"v4-flash-{a.layers}L"
+    else:
+        model, tok = load(a.model)
     engine = Engine(model, tok, ctx=1024, default_max_tokens=a.gen)
     prompt = "Describe a pet as JSON: "
     mask_s: list[float] = []
