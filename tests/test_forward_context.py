@@ -1,6 +1,7 @@
 """The forward context (runtime/forward_context.py, docs/forward.md §2): what the host plans,
 what the trace sees, and the families that run their static step as one forward over it
-(DeepSeek V4 and V4.1): several sessions in one forward give each row its own step's logits."""
+(DeepSeek V4, V4.1, GLM 5.2 and 5.3): several sessions in one forward give each row its own
+step's logits."""
 
 from __future__ import annotations
 
@@ -73,7 +74,12 @@ def test_v41_rows_stepped_together_equal_each_alone(v41_case, monkeypatch, reque
     CPU), and leave each session where its own step would (the next rounds agree too)."""
     monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
     _, lm, ref, _ = v41_case
-    ids = ref["input_ids"][0].tolist()
+    _assert_rows_equal_alone(lm, ref["input_ids"][0].tolist(), request)
+
+
+def _assert_rows_equal_alone(lm, ids: list, request) -> None:
+    """Three sessions of `lm` (after 3, 9 and all but 6 of `ids`) stepped together for four
+    rounds: each row's logits within 1e-5 of the same session's own step, same tokens after."""
     stepper.forget(lm.model)
     request.addfinalizer(lambda: stepper.forget(lm.model))
     lengths = [3, 9, len(ids) - 6]
@@ -90,3 +96,20 @@ def test_v41_rows_stepped_together_equal_each_alone(v41_case, monkeypatch, reque
         for w, g in zip(want, got):
             assert np.abs(w - g).max() <= 1e-5
     assert all(list(r.tokens) == list(a.tokens) for r, a in zip(rows, alone))
+
+
+@pytest.fixture(scope="module", params=[("make_tiny_glm_moe_dsa.py", "alt"), ("make_tiny_glm5_next.py", "long")])
+def glm_case(request, oracle):
+    return load_case(oracle, *request.param)
+
+
+def test_glm_rows_stepped_together_equal_each_alone(glm_case, monkeypatch, request):
+    """GLM 5.2 (MLA + DSA, "shared" layers inheriting each row's selection) and GLM 5.3 (KDA
+    recurrent state + k-pool MLA, mHC) on the forward context gain session batching: rows at
+    different positions (some past index_topk: sparse; different buckets) in one forward give
+    each row its own step's logits within 1e-5 (float32 CPU)."""
+    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+    _, lm, ref, _ = glm_case
+    ids = ref["input_ids"][0].tolist()
+    assert len(ids) - 6 > lm.model.args.index_topk  # one row attends sparsely
+    _assert_rows_equal_alone(lm, ids, request)

@@ -161,9 +161,9 @@ class LinearCache:
         self.recurrent = None
 
     # -- static decode layout (the compiled step, ds4mlx/runtime/stepper.py) ---------------------
-    def static_state(self, dtype) -> list[mx.array]:
-        """[conv, recurrent]: fixed-size already; the family creates them (zeros, what
-        None means) before the first step."""
+    def static_state(self, dtype, ahead: int = 1) -> list[mx.array]:
+        """[conv, recurrent]: fixed-size already, whatever positions ahead; the family
+        creates them (zeros, what None means) before the first step."""
         if self.conv is None:
             raise ValueError("linear-attention state not created yet")
         return [self.conv, self.recurrent]
