@@ -168,6 +168,10 @@ class LinearCache:
             raise ValueError("linear-attention state not created yet")
         return [self.conv, self.recurrent]
 
+    def static_mark(self) -> tuple:
+        """(recurrent state, offset): as `MLACache.static_mark` (`Session.keep_verified`)."""
+        return self.recurrent, self.offset
+
     def commit_static(self, arrays, advance: int = 1) -> None:
         self.conv, self.recurrent = next(arrays), next(arrays)
         self.offset += advance

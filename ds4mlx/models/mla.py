@@ -151,6 +151,11 @@ class MLACache:
             out += [self.pool_k, self.pool_gate]
         return out
 
+    def static_mark(self) -> tuple:
+        """(latent buffer, offset): what tells a session that this cache is still the state a
+        chained verify committed (`Session.keep_verified`): every step and commit moves one."""
+        return self.rows["latent"].buf, self.offset
+
     def commit_static(self, arrays, advance: int = 1) -> None:
         self.offset += advance
         for name, r in self.rows.items():
