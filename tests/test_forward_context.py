@@ -9,16 +9,14 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from ds4mlx.models import cache as row_cache
 from ds4mlx.runtime import stepper
 from ds4mlx.runtime.forward_context import CHAIN, DECODE, ForwardContext, StepContext
-from ds4mlx.runtime.session import can_step_together, step_together
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity_helpers import load_case  # noqa: E402
+from parity_helpers import load_case, rows_and_alone  # noqa: E402
 
 
 def test_the_host_plan_gives_the_traces_positions():
@@ -82,20 +80,8 @@ def _assert_rows_equal_alone(lm, ids: list, request) -> None:
     rounds: each row's logits within 1e-5 of the same session's own step, same tokens after."""
     stepper.forget(lm.model)
     request.addfinalizer(lambda: stepper.forget(lm.model))
-    lengths = [3, 9, len(ids) - 6]
-    alone = [lm.new_session(ctx=len(ids) + 8) for _ in lengths]
-    rows = [lm.new_session(ctx=len(ids) + 8) for _ in lengths]
-    for a, r, n in zip(alone, rows, lengths):
-        a.prefill(ids[:n])
-        r.prefill(ids[:n])
-    for k in range(4):
-        toks = [ids[(n + k) % len(ids)] for n in lengths]
-        want = [np.asarray(a.step(t)) for a, t in zip(alone, toks)]  # the first: the model's check
-        assert can_step_together(rows)
-        got = [np.asarray(lg) for lg in step_together(rows, toks)]
-        for w, g in zip(want, got):
-            assert np.abs(w - g).max() <= 1e-5
-    assert all(list(r.tokens) == list(a.tokens) for r, a in zip(rows, alone))
+    worst, same = rows_and_alone(lm, ids, [3, 9, len(ids) - 6], rounds=4)
+    assert worst <= 1e-5 and same
 
 
 @pytest.fixture(scope="module", params=[("make_tiny_glm_moe_dsa.py", "alt"), ("make_tiny_glm5_next.py", "long")])
