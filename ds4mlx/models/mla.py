@@ -281,20 +281,25 @@ class DSAIndexer(nn.Module):
         chosen = mx.put_along_axis(mx.zeros((C, L), mx.bool_), idx, mx.array(True), axis=-1)
         return Selection(mask=chosen & causal)
 
-    def step(self, x: mx.array, q_res: mx.array, pos: mx.array, view, valid: mx.array):
-        """`__call__` for one query row at `pos` (array) over its view's capacity rows
-        (runtime/forward_context.py `StateView`): (index [k] or None for all rows, valid
-        [k or cap]).  Above index_topk capacity, the top-k of the scores with rows that are
-        not live at -inf (so below index_topk live rows every live row is picked, as DENSE)."""
-        k = self._rotate(self.k_norm(self.wk(x))[:, None], pos)[:, 0]  # [1, 1, D]
+    def project(self, x: mx.array, q_res: mx.array) -> tuple:
+        """The static forward's projections of every query row at once (x, q_res [1, T, ..]):
+        (normed keys before rope [1, T, D], queries [1, T, H * D], head weights [1, T, H])."""
+        return self.k_norm(self.wk(x)), self.wq_b(q_res), self.weights_proj(x).astype(mx.float32) * self._H**-0.5
+
+    def step(self, k: mx.array, q: mx.array, w: mx.array, pos: mx.array, view, valid: mx.array):
+        """`__call__` for one query row at `pos` (array; its `project` outputs [1, 1, ..]) over
+        its view's capacity rows (runtime/forward_context.py `StateView`): (index [k] or None
+        for all rows, valid [k or cap]).  Above index_topk capacity, the top-k of the scores
+        with rows that are not live at -inf (so below index_topk live rows every live row is
+        picked, as DENSE)."""
+        k = self._rotate(k[:, None], pos)[:, 0]  # [1, 1, D]
         keys = next(view)
         keys = mx.slice_update(keys, k.astype(keys.dtype), pos.reshape(1), axes=(1,))
         view.put(keys)
         if keys.shape[1] <= self._topk:
             return None, valid
-        q = self.wq_b(q_res).reshape(1, 1, self._H, self._D).swapaxes(1, 2)
+        q = q.reshape(1, 1, self._H, self._D).swapaxes(1, 2)
         q = self._rotate(q, pos).swapaxes(1, 2).astype(mx.float32)  # [1, 1, H, D]
-        w = self.weights_proj(x).astype(mx.float32) * self._H**-0.5
         scores = mx.where(valid, index_scores(q, keys, w, self._D**-0.5)[0, 0], -mx.inf)
         idx = topk_indices(scores, self._topk)
         return idx, mx.take(valid, idx)
@@ -340,13 +345,20 @@ class KPoolIndexer(nn.Module):
         p = mx.softmax(logits, axis=2, precise=True).astype(wk.dtype)
         return pools.append((p * wk).sum(axis=2))
 
-    def step(self, x: mx.array, q_res: mx.array, pos: mx.array, view, valid: mx.array):
-        """`__call__` for one query row at `pos` (array) over its view: (None, token mask
-        [cap]) over the latent capacity rows: the chosen pools' tokens plus the open pool's
-        (the tail).  The open pool's row is written at pos // kpool whether complete or not."""
-        kp = self._kp
+    def project(self, x: mx.array, q_res: mx.array) -> tuple:
+        """The static forward's projections of every query row at once (x, q_res [1, T, ..]):
+        (normed keys [1, T, D], gate logits [1, T, D], queries [1, T, H * D], head weights
+        [1, T, H])."""
         k = self.k_norm(self.wk(x))
         gate = x @ self.index_kpool_compress_gate.T.astype(x.dtype)
+        return k, gate, self.wq_b(q_res), self.weights_proj(x).astype(mx.float32) * self._H**-0.5
+
+    def step(self, k: mx.array, gate: mx.array, q: mx.array, w: mx.array, pos: mx.array, view, valid: mx.array):
+        """`__call__` for one query row at `pos` (array; its `project` outputs [1, 1, ..]) over
+        its view: (None, token mask [cap]) over the latent capacity rows: the chosen pools'
+        tokens plus the open pool's (the tail).  The open pool's row is written at
+        pos // kpool whether complete or not."""
+        kp = self._kp
         pools, pool_k, pool_gate = next(view), next(view), next(view)
         b = (pos % kp).reshape(1)
         pool_k = mx.slice_update(pool_k, k.astype(pool_k.dtype), b, axes=(1,))
@@ -359,8 +371,7 @@ class KPoolIndexer(nn.Module):
         P = pools.shape[1]
         if P <= self._select:
             return None, valid
-        q = self.wq_b(q_res).reshape(1, 1, self._H, self._D).astype(mx.float32)
-        w = self.weights_proj(x).astype(mx.float32) * self._H**-0.5
+        q = q.reshape(1, 1, self._H, self._D).astype(mx.float32)
         visible = iota(P) < (pos + 1) // kp  # complete pools (iota: a kept constant, not a launch per token)
         scores = mx.where(visible, index_scores(q, pools, w, self._D**-0.5)[0, 0], -mx.inf)
         idx = topk_indices(scores, self._select)
@@ -484,17 +495,19 @@ class MLAAttention(nn.Module):
         for all rows; prevs[t] is row t's selection handed on by the previous layer."""
         q_res = self.q_a_layernorm(self.q_a_proj(x))
         q, kv = self.q_b_proj(q_res), self.kv_a_proj_with_mqa(x)
+        index_inputs = self.indexer.project(x, q_res) if self._has_indexer else ()
         prevs = [None] * ctx.rows if prevs is None else prevs
         outs, sels = [], []
-        for row, pos, view, prev in zip(ctx.split(x, q_res, q, kv), ctx.row_pos, ctx.views, prevs):
-            out, sel = self._step_row(*row, pos, view, prev)
+        for row, pos, view, prev in zip(ctx.split(q, kv, *index_inputs), ctx.row_pos, ctx.views, prevs):
+            out, sel = self._step_row(row[0], row[1], row[2:], pos, view, prev)
             outs.append(out)
             sels.append(sel)
         return self.o_proj(ctx.join(outs)), sels
 
-    def _step_row(self, x, q_res, q, kv, pos: mx.array, view, prev: tuple | None):
-        """One query row's attention at `pos` (x, q_res and the q_b_proj / kv_a_proj outputs
-        [1, 1, ...]) over its `view` -> (out [1, 1, nh * v] before o_proj, its selection)."""
+    def _step_row(self, q, kv, index_inputs: tuple, pos: mx.array, view, prev: tuple | None):
+        """One query row's attention at `pos` (the q_b_proj / kv_a_proj outputs and the
+        indexer's projections [1, 1, ...]) over its `view` -> (out [1, 1, nh * v] before
+        o_proj, its selection)."""
         nh, nope, r = self._nh, self._nope, self._r
         at = pos.reshape(1)
         q = q.reshape(1, 1, nh, nope + r).swapaxes(1, 2)  # [1, nh, 1, nope+r]
@@ -513,7 +526,7 @@ class MLAAttention(nn.Module):
             view.put(k_ropes)
         valid = iota(latents.shape[1]) <= pos
         if self._has_indexer:
-            sel = self.indexer.step(x, q_res, pos, view, valid)
+            sel = self.indexer.step(*index_inputs, pos, view, valid)
         elif prev is None:
             raise ValueError("a shared DSA layer needs the previous layer's selection")
         else:
