@@ -868,6 +868,29 @@ def _swiglu_bound(gu_err, g, u, h):
 # (routed bits, gs, shared bits, gs, K, routed I, shared I2, H): 2-bit routed + 8-bit shared (V4
 # Flash's formats), 4-bit + 8-bit, 8-bit + 4-bit; odd row counts in both banks
 TWOBANK_CASES = [(2, 64, 8, 64, 1024, 5, 7, 13), (4, 32, 8, 128, 768, 9, 3, 11), (8, 128, 4, 64, 512, 3, 6, 6)]
+# (case, tokens): 2 tokens in every case (the shared expert multi-row: one slice of 2), one token
+# (the one-row form), 3 and 8 (one slice; V4 Flash's formats, K slices of the shared x at 8)
+TWOBANK_TOKENS = [(c, 2) for c in TWOBANK_CASES] + [(TWOBANK_CASES[0], n) for n in (1, 3, 8)]
+TWOBANK_TOKENS += [(TWOBANK_CASES[1], 3)]
+
+
+def _tokens_id(ct):
+    return "b{}g{}+b{}g{}_K{}_I{}_I2{}_H{}".format(*ct[0]) + f"_n{ct[1]}"
+
+
+def _twobank_ids(rng, n):
+    """n tokens' top-3 of 4 experts (a repeat in the second token, as a routed top-k never has
+    but the kernel must take)."""
+    ids = np.stack([rng.permutation(4)[:3] for _ in range(n)]).astype(np.int32)
+    if n > 1:
+        ids[1] = [1, 1, 0]
+    return ids
+
+
+def _assert_shared_form(c, n):
+    """One launch per call: bank B multi-row for n > 1 tokens (one slice of n here), the one-row
+    form (2 n / n z slices, bank B's ids read) for one."""
+    assert (c["XR_B"], c["XROWS_B"]) == ((n, n) if n > 1 else (1, 0))
 
 
 @pytest.fixture
@@ -881,30 +904,40 @@ def emulated_twobank(tmp_path, monkeypatch):
     return launches
 
 
-@pytest.mark.parametrize("case", TWOBANK_CASES, ids=lambda c: "b{}g{}+b{}g{}_K{}_I{}_I2{}_H{}".format(*c))
+@pytest.mark.parametrize("case,n", TWOBANK_TOKENS, ids=[_tokens_id(ct) for ct in TWOBANK_TOKENS])
 @pytest.mark.slow_after(1)
-def test_twobank_swiglu_on_cpu(case, emulated_twobank):
+def test_twobank_swiglu_on_cpu(case, n, emulated_twobank):
     """MODE 3 through the module's plan, template and grid, float32 x: the routed experts'
-    gate_up + SwiGLU (k = 3 of 4 experts, 2 tokens) and the shared expert's, each within the
-    float32 bound of its own format, against float64 numpy."""
+    gate_up + SwiGLU (k = 3 of 4 experts, n tokens) and the shared expert's (n > 1: multi-row,
+    each of its weight loads used for the n tokens), each within the float32 bound of its own
+    format, against float64 numpy; the routed outputs equal one launch per token bit for bit
+    (their sums are the one-row form's)."""
     bits, gs, bits2, gs2, k_dim, inter, inter2, _ = case
     rng = np.random.default_rng(k_dim + inter)
     wq, sc, bi, wd = quantized(rng, 4, 2 * inter, k_dim, gs, bits)
     sq, ssc, sbi, sd = quantized(rng, 1, 2 * inter2, k_dim, gs2, bits2)
-    ids = np.array([[3, 0, 2], [1, 1, 0]], np.int32)
-    x = rng.standard_normal((2, k_dim)).astype(np.float32) * 3.0
+    ids = _twobank_ids(rng, n)
+    x = rng.standard_normal((n, k_dim)).astype(np.float32) * 3.0
     A = mx.array
     kw = dict(group_size=gs, bits=bits, shared_group_size=gs2, shared_bits=bits2)
-    h, hs = aq.gather_swiglu_shared(
-        A(x), A(wq), A(sc), A(bi), A(ids), (A(sq[0]), A(ssc[0]), A(sbi[0])), limit=0.8, shared_limit=None,
-        **kw, backend="cuda",
-    )  # fmt: skip
-    assert h.shape == (2, 3, inter) and hs.shape == (2, inter2) and len(emulated_twobank) == 1
+    shared = (A(sq[0]), A(ssc[0]), A(sbi[0]))
+
+    def launch(t0, t1):
+        return aq.gather_swiglu_shared(
+            A(x[t0:t1]), A(wq), A(sc), A(bi), A(ids[t0:t1]), shared, limit=0.8, shared_limit=None, **kw, backend="cuda"
+        )
+
+    h, hs = launch(0, n)
+    assert h.shape == (n, 3, inter) and hs.shape == (n, inter2) and len(emulated_twobank) == 1
     c = emulated_twobank[0]
-    assert (c["MODE"], c["MODE_A"], c["MODE_B"], c["NZ_A"], c["BITS_A"], c["BITS_B"]) == (3, 1, 1, 2, bits, bits2)
+    assert (c["MODE"], c["MODE_A"], c["MODE_B"], c["NZ_A"], c["BITS_A"], c["BITS_B"]) == (3, 1, 1, n, bits, bits2)
     assert max(c["MAXIT_A"], c["MAXIT_B"]) > 1
+    _assert_shared_form(c, n)
     h, hs = np.array(h), np.array(hs)
-    for t in range(2):
+    if n > 1:
+        alone = np.concatenate([np.array(launch(t, t + 1)[0]) for t in (0, n - 1)])
+        assert np.array_equal(h[[0, n - 1]], alone)
+    for t in range(n):
         for j in range(3):
             w = wd[ids[t, j]]
             want, g, u = _swiglu64(w @ x[t].astype(np.float64), inter, 0.8)
@@ -915,32 +948,34 @@ def test_twobank_swiglu_on_cpu(case, emulated_twobank):
         assert np.all(np.abs(hs[t] - want) <= tol), t
 
 
-@pytest.mark.parametrize("case", TWOBANK_CASES, ids=lambda c: "b{}g{}+b{}g{}_K{}_I{}_I2{}_H{}".format(*c))
+@pytest.mark.parametrize("case,n", TWOBANK_TOKENS, ids=[_tokens_id(ct) for ct in TWOBANK_TOKENS])
 @pytest.mark.slow_after(1)
-def test_twobank_down_sum_on_cpu(case, emulated_twobank):
+def test_twobank_down_sum_on_cpu(case, n, emulated_twobank):
     """MODE 4 through the module's plan, template and grid, float32 x: the routed experts' down
-    projections weighted and summed plus the shared expert's down (its own K and format), one
-    output, within the sum of the banks' float32 bounds."""
+    projections weighted and summed plus the shared expert's down (its own K and format; n > 1
+    tokens: multi-row, bank A token by token, then bank B once for all), one output, within the
+    sum of the banks' float32 bounds."""
     bits, gs, bits2, gs2, _, inter, inter2, hid = case
     k_a, k_b = 128 * inter, 128 * inter2  # each a multiple of every group size and chunk
     rng = np.random.default_rng(hid + inter)
     wq, sc, bi, wd = quantized(rng, 4, hid, k_a, gs, bits)
     sq, ssc, sbi, sd = quantized(rng, 1, hid, k_b, gs2, bits2)
-    ids = np.array([[3, 0, 2], [1, 1, 0]], np.int32)
-    h = rng.standard_normal((2, 3, k_a)).astype(np.float32)
-    hs = rng.standard_normal((2, k_b)).astype(np.float32)
-    wts = rng.random((2, 3)).astype(np.float32)
+    ids = _twobank_ids(rng, n)
+    h = rng.standard_normal((n, 3, k_a)).astype(np.float32)
+    hs = rng.standard_normal((n, k_b)).astype(np.float32)
+    wts = rng.random((n, 3)).astype(np.float32)
     A = mx.array
     kw = dict(group_size=gs, bits=bits, shared_group_size=gs2, shared_bits=bits2)
     y = aq.gather_down_sum_shared(
         A(h), A(wq), A(sc), A(bi), A(ids), A(wts), A(hs), (A(sq[0]), A(ssc[0]), A(sbi[0])), **kw, backend="cuda"
     )
-    assert y.shape == (2, hid) and len(emulated_twobank) == 1
+    assert y.shape == (n, hid) and len(emulated_twobank) == 1
     c = emulated_twobank[0]
     assert (c["MODE"], c["MODE_A"], c["MODE_B"], c["DENSE_B"], c["KE_A"]) == (4, 2, 0, 1, 3)
     assert c["KSPLIT_A"] == c["KSPLIT_B"] and c["RPW_A"] == c["RPW_B"] and c["MAXIT_A"] == c["MAXIT_B"]
+    _assert_shared_form(c, n)
     y = np.array(y)
-    for t in range(2):
+    for t in range(n):
         routed = [wts[t, j] * (wd[ids[t, j]] @ h[t, j].astype(np.float64)) for j in range(3)]
         shared = sd[0] @ hs[t].astype(np.float64)
         want = sum(routed) + shared
@@ -1008,26 +1043,32 @@ def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
 V4_MOE = dict(hidden=4096, inter=2048, experts=256, k=6, bits=2, shared_bits=8, gs=64)
 
 
-def _twobank_launch_source(mode, dt):
-    """The CUDA translation unit MLX builds for MODE 3 / 4 at V4 Flash's decode shapes."""
+def _twobank_launch_source(mode, dt, n=1):
+    """The CUDA translation unit MLX builds for MODE 3 / 4 at V4 Flash's decode shapes, n tokens
+    (n > 1: the shared expert multi-row, as `_twobank_plan` picks it on CUDA)."""
     from test_kernel_emulation import mlx_cuda_source
 
     v = V4_MOE
     x_dtype = mx.bfloat16 if dt == "bfloat16" else mx.float32
     hid, inter, k, gs = v["hidden"], v["inter"], v["k"], v["gs"]
+    bits, bits2 = v["bits"], v["shared_bits"]
     if mode == 3:
-        tp = aq.plan_gu2(1, 2 * inter, hid, v["bits"], k, 2 * inter, hid, v["shared_bits"], x_dtype=x_dtype)
+        shape = (2 * inter, hid, bits, k, 2 * inter, hid, bits2)
         banks = (
-            dict(mode=1, s_dtype=x_dtype, n_rows=2 * inter, k_dim=hid, group_size=gs, bits=v["bits"], x_div=k),
-            dict(mode=1, s_dtype=x_dtype, n_rows=2 * inter, k_dim=hid, group_size=gs, bits=v["shared_bits"]),
+            dict(mode=1, s_dtype=x_dtype, n_rows=2 * inter, k_dim=hid, group_size=gs, bits=bits, x_div=k),
+            dict(mode=1, s_dtype=x_dtype, n_rows=2 * inter, k_dim=hid, group_size=gs, bits=bits2, dense=n > 1),
         )
     else:
-        tp = aq.plan_down2(1, hid, inter, v["bits"], k, inter, v["shared_bits"], x_dtype=x_dtype)
+        shape = (hid, inter, bits, k, inter, bits2)
         banks = (
-            dict(mode=2, s_dtype=x_dtype, n_rows=hid, k_dim=inter, group_size=gs, bits=v["bits"], ke=k),
-            dict(mode=0, s_dtype=x_dtype, n_rows=hid, k_dim=inter, group_size=gs, bits=v["shared_bits"], dense=True),
+            dict(mode=2, s_dtype=x_dtype, n_rows=hid, k_dim=inter, group_size=gs, bits=bits, ke=k),
+            dict(mode=0, s_dtype=x_dtype, n_rows=hid, k_dim=inter, group_size=gs, bits=bits2, dense=True),
         )
-    assert tp is not None and tp.shared_bytes(v["bits"], v["shared_bits"], mode) <= aq.SHARED_BYTES["metal"]
+    banks[1]["x_rows"] = n
+    tp = aq._twobank_plan(mode, n, shape, x_dtype, "cuda", "cuda")
+    assert tp is not None and tp.b.xr == min(n, aq.XR_MAX)
+    limit = aq.SHARED_BYTES["metal" if n == 1 else "cuda"]  # the one-row form fits Metal's 32 KB too
+    assert tp.shared_bytes(bits, bits2, mode) <= limit
     tmpl = [(n, dt if n in ("T", "TS_A", "TS_B") else val) for n, val in aq.twobank_template(mode, tp, x_dtype, banks)]
     header, body = aq.twobank_sources("cuda", mode)
     types = {"x": dt, "w": "uint32", "scales": dt, "biases": dt, "eids": "int32", "wts": "float32", "lim": "float32"}
@@ -1037,15 +1078,17 @@ def _twobank_launch_source(mode, dt):
     return mlx_cuda_source(f"affine_qmv2_{mode}", header, body, types, outs, tmpl)
 
 
+@pytest.mark.parametrize("n", [1, 3, 8])
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mode", [3, 4])
 @pytest.mark.slow_after(1)
-def test_twobank_cuda_face_compiles_with_nvcc(mode, dt, tmp_path):
+def test_twobank_cuda_face_compiles_with_nvcc(mode, dt, n, tmp_path):
     """MODE 3 / 4's CUDA translation units at V4 Flash's shapes compile (sm_90, warnings are
-    errors), threadgroup memory within Metal's 32 KB too."""
+    errors), one token (threadgroup memory within Metal's 32 KB too) and the multi-row shared
+    expert's 3 and 8."""
     from test_kernel_emulation import nvcc_compile
 
-    nvcc_compile(tmp_path, _twobank_launch_source(mode, dt))
+    nvcc_compile(tmp_path, _twobank_launch_source(mode, dt, n))
 
 
 def test_twobank_texts_are_instances_of_the_plain_text():
@@ -1079,8 +1122,66 @@ def test_gpu_twobank_v4_flash_shapes_equal_reference(dt):
     2048, 256 experts top-6 2-bit, one 8-bit shared expert) against their reference faces (the two
     launches' expressions), one token and two; and the self-test the models run."""
     face = _gpu_face()
+    gu, dn, sgu, sdn, kw = _v4_moe_banks(dt)
+    hid, k = V4_MOE["hidden"], V4_MOE["k"]
+    key = mx.random.key(13)
+    for n in (1, 2):
+        ids = mx.array([[5, 0, 255, 7, 2, 130], [1, 1, 3, 4, 8, 12]][:n], dtype=mx.int32)
+        x = mx.random.normal((n, hid), key=mx.random.key(n)).astype(dt)
+        wts = mx.softmax(mx.random.normal((n, k), key=key), axis=-1)
+        got = aq.gather_swiglu_shared(x, *gu, ids, sgu, limit=10.0, shared_limit=10.0, **kw, backend=face)
+        want = aq.gather_swiglu_shared(x, *gu, ids, sgu, limit=10.0, shared_limit=10.0, **kw, backend="reference")
+        _close(got[0], want[0], dt)
+        _close(got[1], want[1], dt)
+        h, hs = want
+        y = aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend=face)
+        y_ref = aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend="reference")
+        _close(y, y_ref, dt)
+    assert aq._twobank_self_test(face)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+def test_gpu_twobank_rows_v4_flash_shapes_equal_reference(dt):
+    """MODE 3 and MODE 4 with the shared expert multi-row (its weights read once for the step's
+    2, 3, 8 and 10 tokens: one slice, or two of 5) at V4 Flash's decode shapes, against the
+    reference faces and against one launch per token (the one-row form); and the first-use
+    self-test that keeps the form off until it passes (dispatch.UNVERIFIED_KERNELS)."""
+    face = _gpu_face()
+    gu, dn, sgu, sdn, kw = _v4_moe_banks(dt)
+    hid, k, e = V4_MOE["hidden"], V4_MOE["k"], V4_MOE["experts"]
+    for n in (2, 3, 8, 10):
+        keys = mx.random.split(mx.random.key(20 + n), 3)
+        ids = mx.random.randint(0, e, (n, k), key=keys[0]).astype(mx.int32)
+        x = mx.random.normal((n, hid), key=keys[1]).astype(dt)
+        wts = mx.softmax(mx.random.normal((n, k), key=keys[2]), axis=-1)
+        lim = dict(limit=10.0, shared_limit=10.0)
+        got = aq.gather_swiglu_shared(x, *gu, ids, sgu, **lim, **kw, backend=face)
+        want = aq.gather_swiglu_shared(x, *gu, ids, sgu, **lim, **kw, backend="reference")
+        each = [
+            aq.gather_swiglu_shared(x[t : t + 1], *gu, ids[t : t + 1], sgu, **lim, **kw, backend=face) for t in range(n)
+        ]
+        for i in range(2):
+            _close(got[i], want[i], dt)
+            _close(got[i], mx.concatenate([o[i] for o in each]), dt)
+        h, hs = want
+        y = aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend=face)
+        _close(y, aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend="reference"), dt)
+        each = [
+            aq.gather_down_sum_shared(
+                h[t : t + 1], *dn, ids[t : t + 1], wts[t : t + 1], hs[t : t + 1], sdn, **kw, backend=face
+            )
+            for t in range(n)
+        ]
+        _close(y, mx.concatenate(each), dt)
+    assert aq._twobank_rows_self_test(face)
+
+
+def _v4_moe_banks(dt):
+    """V4 Flash's MoE weights at decode (random): routed gate_up and down, the shared expert's,
+    scales and biases in `dt`, and the two-bank calls' format keywords."""
     v = V4_MOE
-    hid, inter, e, k, gs = v["hidden"], v["inter"], v["experts"], v["k"], v["gs"]
+    hid, inter, e, gs = v["hidden"], v["inter"], v["experts"], v["gs"]
     key = mx.random.key(13)
 
     def q(shape, bits, key=key):
@@ -1097,20 +1198,7 @@ def test_gpu_twobank_v4_flash_shapes_equal_reference(dt):
     sgu, sdn = q((2 * inter, hid), v["shared_bits"]), q((hid, inter), v["shared_bits"])
     cast = lambda t: (t[0], t[1].astype(dt), t[2].astype(dt))  # noqa: E731
     gu, dn, sgu, sdn = map(cast, (gu, dn, sgu, sdn))
-    kw = dict(group_size=gs, bits=v["bits"], shared_group_size=gs, shared_bits=v["shared_bits"])
-    for n in (1, 2):
-        ids = mx.array([[5, 0, 255, 7, 2, 130], [1, 1, 3, 4, 8, 12]][:n], dtype=mx.int32)
-        x = mx.random.normal((n, hid), key=mx.random.key(n)).astype(dt)
-        wts = mx.softmax(mx.random.normal((n, k), key=key), axis=-1)
-        got = aq.gather_swiglu_shared(x, *gu, ids, sgu, limit=10.0, shared_limit=10.0, **kw, backend=face)
-        want = aq.gather_swiglu_shared(x, *gu, ids, sgu, limit=10.0, shared_limit=10.0, **kw, backend="reference")
-        _close(got[0], want[0], dt)
-        _close(got[1], want[1], dt)
-        h, hs = want
-        y = aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend=face)
-        y_ref = aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend="reference")
-        _close(y, y_ref, dt)
-    assert aq._twobank_self_test(face)
+    return gu, dn, sgu, sdn, dict(group_size=gs, bits=v["bits"], shared_group_size=gs, shared_bits=v["shared_bits"])
 
 
 # ------------------------------------------------------------------ multi-row plain mode (XR x rows a threadgroup)
