@@ -763,6 +763,38 @@ def test_unverified_qmv_self_tests_on_cuda(fake_cuda):
     assert dispatch._self_tests[("affine_qmv.moe", "cuda")] is False
 
 
+def test_unverified_twobank_rows_self_test_on_cuda(fake_cuda):
+    """The multi-row shared expert (dispatch.UNVERIFIED_KERNELS) self-tests at the first automatic
+    call of more than one token; a failure keeps the one-row two-bank form (one shared-expert read
+    per token), which stays on; once passed, the calls take the multi-row form."""
+    assert "affine_qmv.twobank_rows" in dispatch.UNVERIFIED_KERNELS
+    verified = {(k, "cuda"): True for k in ("affine_qmv", "affine_qmv.moe", "affine_qmv.twobank")}
+    fake_cuda.setattr(dispatch, "_self_tests", dict(verified))
+    launches = []
+
+    def garbage(mode):
+        def launch(face, *, template, output_shapes, output_dtypes, **kw):
+            launches.append(dict(template))
+            return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
+
+        return launch
+
+    fake_cuda.setattr(aq, "_twobank_kernel", garbage)
+    rng = np.random.default_rng(3)
+    wq, sc, bi, _ = quantized(rng, 4, 2 * 64, 512, 64, 2)
+    sq, ssc, sbi, _ = quantized(rng, 1, 2 * 64, 512, 64, 8)
+    A = mx.array
+    x, ids = A(rng.standard_normal((2, 512)).astype(np.float32)), A(np.array([[0, 1], [2, 3]], np.int32))
+    kw = dict(limit=None, group_size=64, bits=2, shared_limit=None, shared_group_size=64, shared_bits=8)
+    for passed in (False, True):
+        if passed:
+            fake_cuda.setattr(dispatch, "_self_tests", verified | {("affine_qmv.twobank_rows", "cuda"): True})
+        launches.clear()
+        aq.gather_swiglu_shared(x, A(wq), A(sc), A(bi), ids, (A(sq[0]), A(ssc[0]), A(sbi[0])), **kw)
+        assert dispatch._self_tests[("affine_qmv.twobank_rows", "cuda")] is passed
+        assert launches[-1]["XR_B"] == (2 if passed else 1) and launches[-1]["NZ_A"] == 2
+
+
 def test_unverified_hc_split_self_test_on_cuda(fake_cuda):
     from ds4mlx.kernels import hyper_connection as hck
 
@@ -868,14 +900,15 @@ def _swiglu_bound(gu_err, g, u, h):
 # (routed bits, gs, shared bits, gs, K, routed I, shared I2, H): 2-bit routed + 8-bit shared (V4
 # Flash's formats), 4-bit + 8-bit, 8-bit + 4-bit; odd row counts in both banks
 TWOBANK_CASES = [(2, 64, 8, 64, 1024, 5, 7, 13), (4, 32, 8, 128, 768, 9, 3, 11), (8, 128, 4, 64, 512, 3, 6, 6)]
-# (case, tokens): 2 tokens in every case (the shared expert multi-row: one slice of 2), one token
-# (the one-row form), 3 and 8 (one slice; V4 Flash's formats, K slices of the shared x at 8)
-TWOBANK_TOKENS = [(c, 2) for c in TWOBANK_CASES] + [(TWOBANK_CASES[0], n) for n in (1, 3, 8)]
-TWOBANK_TOKENS += [(TWOBANK_CASES[1], 3)]
+# (case, tokens, XR_MAX): 2 tokens in every case (the shared expert multi-row: one slice of 2), one
+# token (the one-row form), 3 and 8 (one slice; V4 Flash's formats, K slices of the shared x at 8),
+# 5 in slices of 3 and 3 in slices of 2 (the last slice's rows past the tokens)
+TWOBANK_TOKENS = [(c, 2, 8) for c in TWOBANK_CASES] + [(TWOBANK_CASES[0], n, 8) for n in (1, 3, 8)]
+TWOBANK_TOKENS += [(TWOBANK_CASES[1], 3, 8), (TWOBANK_CASES[0], 5, 3), (TWOBANK_CASES[2], 3, 2)]
 
 
 def _tokens_id(ct):
-    return "b{}g{}+b{}g{}_K{}_I{}_I2{}_H{}".format(*ct[0]) + f"_n{ct[1]}"
+    return "b{}g{}+b{}g{}_K{}_I{}_I2{}_H{}".format(*ct[0]) + f"_n{ct[1]}_xr{ct[2]}"
 
 
 def _twobank_ids(rng, n):
@@ -887,10 +920,11 @@ def _twobank_ids(rng, n):
     return ids
 
 
-def _assert_shared_form(c, n):
-    """One launch per call: bank B multi-row for n > 1 tokens (one slice of n here), the one-row
-    form (2 n / n z slices, bank B's ids read) for one."""
-    assert (c["XR_B"], c["XROWS_B"]) == ((n, n) if n > 1 else (1, 0))
+def _assert_shared_form(c, n, xr_max):
+    """Bank B multi-row for n > 1 tokens (the fewest slices of at most xr_max tokens), the one-row
+    form (bank B's ids read) for one."""
+    xr = -(-n // -(-n // xr_max))
+    assert (c["XR_B"], c["XROWS_B"]) == ((xr, n) if n > 1 else (1, 0))
 
 
 @pytest.fixture
@@ -904,15 +938,16 @@ def emulated_twobank(tmp_path, monkeypatch):
     return launches
 
 
-@pytest.mark.parametrize("case,n", TWOBANK_TOKENS, ids=[_tokens_id(ct) for ct in TWOBANK_TOKENS])
+@pytest.mark.parametrize("case,n,xr_max", TWOBANK_TOKENS, ids=[_tokens_id(ct) for ct in TWOBANK_TOKENS])
 @pytest.mark.slow_after(1)
-def test_twobank_swiglu_on_cpu(case, n, emulated_twobank):
+def test_twobank_swiglu_on_cpu(case, n, xr_max, emulated_twobank, monkeypatch):
     """MODE 3 through the module's plan, template and grid, float32 x: the routed experts'
     gate_up + SwiGLU (k = 3 of 4 experts, n tokens) and the shared expert's (n > 1: multi-row,
     each of its weight loads used for the n tokens), each within the float32 bound of its own
     format, against float64 numpy; the routed outputs equal one launch per token bit for bit
     (their sums are the one-row form's)."""
     bits, gs, bits2, gs2, k_dim, inter, inter2, _ = case
+    monkeypatch.setattr(aq, "XR_MAX", xr_max)
     rng = np.random.default_rng(k_dim + inter)
     wq, sc, bi, wd = quantized(rng, 4, 2 * inter, k_dim, gs, bits)
     sq, ssc, sbi, sd = quantized(rng, 1, 2 * inter2, k_dim, gs2, bits2)
@@ -932,7 +967,7 @@ def test_twobank_swiglu_on_cpu(case, n, emulated_twobank):
     c = emulated_twobank[0]
     assert (c["MODE"], c["MODE_A"], c["MODE_B"], c["NZ_A"], c["BITS_A"], c["BITS_B"]) == (3, 1, 1, n, bits, bits2)
     assert max(c["MAXIT_A"], c["MAXIT_B"]) > 1
-    _assert_shared_form(c, n)
+    _assert_shared_form(c, n, xr_max)
     h, hs = np.array(h), np.array(hs)
     if n > 1:
         alone = np.concatenate([np.array(launch(t, t + 1)[0]) for t in (0, n - 1)])
@@ -948,14 +983,15 @@ def test_twobank_swiglu_on_cpu(case, n, emulated_twobank):
         assert np.all(np.abs(hs[t] - want) <= tol), t
 
 
-@pytest.mark.parametrize("case,n", TWOBANK_TOKENS, ids=[_tokens_id(ct) for ct in TWOBANK_TOKENS])
+@pytest.mark.parametrize("case,n,xr_max", TWOBANK_TOKENS, ids=[_tokens_id(ct) for ct in TWOBANK_TOKENS])
 @pytest.mark.slow_after(1)
-def test_twobank_down_sum_on_cpu(case, n, emulated_twobank):
+def test_twobank_down_sum_on_cpu(case, n, xr_max, emulated_twobank, monkeypatch):
     """MODE 4 through the module's plan, template and grid, float32 x: the routed experts' down
     projections weighted and summed plus the shared expert's down (its own K and format; n > 1
     tokens: multi-row, bank A token by token, then bank B once for all), one output, within the
     sum of the banks' float32 bounds."""
     bits, gs, bits2, gs2, _, inter, inter2, hid = case
+    monkeypatch.setattr(aq, "XR_MAX", xr_max)
     k_a, k_b = 128 * inter, 128 * inter2  # each a multiple of every group size and chunk
     rng = np.random.default_rng(hid + inter)
     wq, sc, bi, wd = quantized(rng, 4, hid, k_a, gs, bits)
@@ -973,7 +1009,7 @@ def test_twobank_down_sum_on_cpu(case, n, emulated_twobank):
     c = emulated_twobank[0]
     assert (c["MODE"], c["MODE_A"], c["MODE_B"], c["DENSE_B"], c["KE_A"]) == (4, 2, 0, 1, 3)
     assert c["KSPLIT_A"] == c["KSPLIT_B"] and c["RPW_A"] == c["RPW_B"] and c["MAXIT_A"] == c["MAXIT_B"]
-    _assert_shared_form(c, n)
+    _assert_shared_form(c, n, xr_max)
     y = np.array(y)
     for t in range(n):
         routed = [wts[t, j] * (wd[ids[t, j]] @ h[t, j].astype(np.float64)) for j in range(3)]
