@@ -1026,10 +1026,12 @@ def test_twobank_down_sum_on_cpu(case, n, xr_max, emulated_twobank, monkeypatch)
 
 
 @pytest.mark.slow
-def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
+@pytest.mark.parametrize("n", [1, 3])
+def test_twobank_bfloat16_equals_the_two_launches_on_cpu(n, emulated_twobank):
     """bfloat16 x and scales (the decode step's types: 8-bit slabs), V4 Flash's formats (2-bit
     routed, 8-bit shared): MODE 3 and MODE 4 against their reference faces, which are the two
-    launches' expressions (gather_swiglu + the one-expert gather_swiglu; gather_down_sum + qmv)."""
+    launches' expressions (gather_swiglu + the one-expert gather_swiglu; gather_down_sum + qmv);
+    one token, and 3 (the shared expert multi-row)."""
     rng = np.random.default_rng(21)
     k_dim, inter, e = 512, 9, 5
     wq, sc, bi, _ = quantized(rng, e, 2 * inter, k_dim, 64, 2)
@@ -1037,9 +1039,9 @@ def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
     dq, dsc, dbi, _ = quantized(rng, e, k_dim, 128 * 3, 64, 2)  # down: H = 512 rows, K = I = 384
     tq, tsc, tbi, _ = quantized(rng, 1, k_dim, 128 * 3, 64, 8)
     bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
-    ids = mx.array([[4, 0, 2, 1]], dtype=mx.int32)
-    wts = mx.softmax(mx.array(rng.standard_normal((1, 4)).astype(np.float32)), axis=-1)
-    x = bf(rng.standard_normal((1, k_dim)))
+    ids = mx.array([[4, 0, 2, 1], [1, 3, 0, 2], [2, 2, 4, 0]][:n], dtype=mx.int32)
+    wts = mx.softmax(mx.array(rng.standard_normal((n, 4)).astype(np.float32)), axis=-1)
+    x = bf(rng.standard_normal((n, k_dim)))
     kw = dict(group_size=64, bits=2, shared_group_size=64, shared_bits=8)
     routed, shared = (mx.array(wq), bf(sc), bf(bi)), (mx.array(sq[0]), bf(ssc[0]), bf(sbi[0]))
     for b in ("cuda", "reference"):
@@ -1047,9 +1049,9 @@ def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
         if b == "cuda":
             got = (h, hs)
     want_h = aq.gather_swiglu(x, *routed, ids, limit=10.0, group_size=64, bits=2, backend="reference")
-    s = aq.gather_swiglu(x, shared[0][None], shared[1][None], shared[2][None], mx.zeros((1, 1), mx.int32),
+    s = aq.gather_swiglu(x, shared[0][None], shared[1][None], shared[2][None], mx.zeros((n, 1), mx.int32),
                          limit=10.0, group_size=64, bits=8, backend="reference")  # fmt: skip
-    assert mx.array_equal(h, want_h).item() and mx.array_equal(hs, s.reshape(1, inter)).item()  # the reference face
+    assert mx.array_equal(h, want_h).item() and mx.array_equal(hs, s.reshape(n, inter)).item()  # the reference face
     # the GPU text against the reference on float32 copies (MLX's CPU bfloat16 matmul sums in bfloat16)
     f32 = lambda t: tuple(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a for a in t)  # noqa: E731
     rh, rhs = aq.gather_swiglu_shared(x.astype(mx.float32), *f32(routed), ids, f32(shared), limit=10.0,
@@ -1057,7 +1059,7 @@ def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
     _close(got[0], rh, mx.bfloat16)
     _close(got[1], rhs, mx.bfloat16)
     assert got[0].dtype == got[1].dtype == mx.bfloat16
-    hh = h.reshape(1, 4, inter)[..., :inter]
+    hh = h.reshape(n, 4, inter)[..., :inter]
     hh = mx.concatenate([hh] * 43, axis=-1)[..., :384]  # an I of 384 from the SwiGLU outputs
     hs3 = mx.concatenate([hs] * 43, axis=-1)[..., :384]
     down, sdown = (mx.array(dq), bf(dsc), bf(dbi)), (mx.array(tq[0]), bf(tsc[0]), bf(tbi[0]))
@@ -1069,9 +1071,10 @@ def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
     assert mx.array_equal(y_ref, two).item()  # the reference face is the two launches' sum
     want = aq.gather_down_sum_shared(hh.astype(mx.float32), *f32(down), ids, wts, hs3.astype(mx.float32),
                                      f32(sdown), **kw, backend="reference")  # fmt: skip
-    assert y.dtype == mx.bfloat16 and y.shape == (1, k_dim)
+    assert y.dtype == mx.bfloat16 and y.shape == (n, k_dim)
     _close(y, want, mx.bfloat16)
     assert [c["SW_A"] for c in emulated_twobank] == [8, 8]
+    assert [c["XR_B"] for c in emulated_twobank] == [n, n]
 
 
 # V4 Flash's MoE at decode: 256 experts of [2 x 2048, 4096] / [4096, 2048] 2-bit, top-6; the shared
