@@ -871,18 +871,10 @@ def gather_swiglu_shared(
             backend="reference",
         )
         return h, hs.reshape(n, two_i2 // 2)
+    shared_bank = dict(s_dtype=ss.dtype, n_rows=two_i2, k_dim=k_dim, group_size=shared_group_size, bits=shared_bits)
     banks = (
         dict(mode=1, s_dtype=scales.dtype, n_rows=two_i, k_dim=k_dim, group_size=group_size, bits=bits, x_div=k),
-        dict(
-            mode=1,
-            s_dtype=ss.dtype,
-            n_rows=two_i2,
-            k_dim=k_dim,
-            group_size=shared_group_size,
-            bits=shared_bits,
-            dense=tp.b.xr > 1,  # multi-row: the one matrix, no ids read
-            x_rows=n,
-        ),
+        shared_bank | dict(mode=1, dense=tp.b.xr > 1, x_rows=n),  # multi-row: the one matrix, no ids read
     )
     y, y2 = _twobank_kernel(3)(
         face,
@@ -951,18 +943,10 @@ def gather_down_sum_shared(
             h, w, scales, biases, expert_ids, weights, group_size=group_size, bits=bits, backend="reference"
         )
         return y + qmv(hs, ws, ss, bs, group_size=shared_group_size, bits=shared_bits, backend="reference")
+    shared_bank = dict(s_dtype=ss.dtype, n_rows=rows, k_dim=k2, group_size=shared_group_size, bits=shared_bits)
     banks = (
         dict(mode=2, s_dtype=scales.dtype, n_rows=rows, k_dim=k_dim, group_size=group_size, bits=bits, ke=k),
-        dict(
-            mode=0,
-            s_dtype=ss.dtype,
-            n_rows=rows,
-            k_dim=k2,
-            group_size=shared_group_size,
-            bits=shared_bits,
-            dense=True,
-            x_rows=n,
-        ),
+        shared_bank | dict(mode=0, dense=True, x_rows=n),
     )
     lim = _lim(0.0)
     return _twobank_kernel(4)(
