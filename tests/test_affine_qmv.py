@@ -270,6 +270,33 @@ def test_plans_cover_every_row(mode, n_rows, k_dim, bits, pairs, x_div, ke):
     assert pl.maxit <= aq.MAXIT and pl.nit * pl.rpw <= aq.LPT
 
 
+@pytest.mark.parametrize("face", ["cuda", "metal"])
+@pytest.mark.parametrize("mode", [3, 4])
+def test_twobank_rows_plans_read_the_shared_expert_once(mode, face):
+    """V4 Flash's MoE at 2..10 tokens (n * top-6 <= MAX_PAIRS): the multi-row plans cover every
+    token and row, keep both banks on one NBY (MODE 4: the same units too), fit the face's
+    threadgroup memory, and read the shared expert once per slice of up to XR_MAX tokens (one
+    slice up to 8 tokens on CUDA) instead of once per token."""
+    hid, inter, k = 4096, 2048, 6
+    shape = (2 * inter, hid, 2, k, 2 * inter, hid, 8) if mode == 3 else (hid, inter, 2, k, inter, 8)
+    for n in range(2, aq.MAX_PAIRS // k + 1):
+        tp = aq.twobank_rows_plan(mode, n, shape, mx.bfloat16, face)
+        one = (aq.plan_gu2 if mode == 3 else aq.plan_down2)(n, *shape, face=face)
+        b = tp.b
+        assert 1 < b.xr <= aq.XR_MAX and b.nz * b.xr >= n > (b.nz - 1) * b.xr
+        assert b.nz < (one.b.nz if mode == 3 else one.nz)  # fewer shared-expert reads than tokens
+        assert face == "metal" or b.nz == -(-n // aq.XR_MAX)
+        assert tp.nz == (n + b.nz if mode == 3 else b.nz) and tp.a.nby == b.nby
+        assert tp.shared_bytes(2, 8, mode) <= aq.SHARED_BYTES[face]
+        chunks_b = shape[5 if mode == 3 else 4] * 8 // 128
+        assert b.ksplit * b.nit * b.ksl * 32 >= chunks_b  # K slices cover the shared expert's row
+        out_b = inter if mode == 3 else hid  # MODE 3: gate / up pairs
+        units = -(-out_b // (b.rpw // 2 if mode == 3 else b.rpw))
+        assert b.nby * (aq.WARPS // b.ksplit) * b.maxit >= units
+        if mode == 4:
+            assert (tp.a.ksplit, tp.a.rpw, tp.a.maxit) == (b.ksplit, b.rpw, b.maxit)
+
+
 def test_plan_on_the_cpu_emulation(tmp_path, monkeypatch):
     """A plan chosen by aq.plan (grid shrunk to a few threadgroups of 2 warps, so it takes
     several steps per warp) runs the gate_up mode right on the CPU."""
