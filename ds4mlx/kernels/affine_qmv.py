@@ -33,6 +33,9 @@ memory allows, grid z = ceil(rows / XR)), so each weight is read from memory onc
 instead of once per row; x is staged in K slices (XR rows of the whole K do not fit: see the
 .metal "Geometry").  Its first use on a GPU self-tests it ("affine_qmv.rows"); a failure falls
 back to one row a threadgroup z slice, the one-row kernel (XR = 1, KSL = 1: the same code).
+MODE 3 / 4 of n tokens (batched rows, a verify chain) take the shared expert (the dense bank B)
+the same way: ceil(n / XR) slices of XR tokens each read its weights once (`twobank_rows_plan`),
+self-tested at first use ("affine_qmv.twobank_rows"; a failure keeps one read per token).
 
 Faces (`ds4mlx.kernels.dispatch`): reference = ``mx.quantized_matmul`` /
 ``mx.gather_qmm`` (+ the SwiGLU / weighted sum as MLX ops); Metal and CUDA from the
@@ -187,9 +190,9 @@ def plan_rows(
     n_rows: int, k_dim: int, bits: int, groups: int, xr: int, *, x_dtype=mx.bfloat16, face: str = "cuda", mode: int = 0
 ) -> Plan | None:
     """The multi-row geometry of one dense matrix of n_rows rows (MODE 0; MODE 1: a [gate; up]
-    matrix, its SwiGLU), `groups` threadgroup z slices of `xr` x rows each, or None when xr rows do
-    not fit threadgroup memory.  `plan`'s MODE 0 choices for the weights (loads per lane and step, rows per warp, warps along K, steps),
-    then x in K slices: chunks per lane and slice halved (more slices), then fewer warps along K,
+    matrix, its SwiGLU), `groups` threadgroup z slices of `xr` x rows each, or None when xr rows
+    do not fit threadgroup memory.  `plan`'s MODE 0 choices for the weights (loads per lane and
+    step, rows per warp, warps along K, steps), then x in K slices: chunks per lane and slice halved (more slices), then fewer warps along K,
     until XR rows of a slice fit (x' and its sums are 4.5 bytes a value and row: K = 4096 is 18 KB
     a row, so XR rows of the whole K never fit Metal's 32 KB).  Each weight unit is read once
     per threadgroup for its xr rows."""
