@@ -1052,6 +1052,40 @@ def test_twobank_down_sum_on_cpu(case, n, xr_max, emulated_twobank, monkeypatch)
         assert np.all(np.abs(y[t] - want) <= tol), t
 
 
+@pytest.mark.parametrize("blocks,n", [(2, 8), (16, 3)], ids=["steps_n8", "carry_n3"])
+@pytest.mark.slow_after(1)
+def test_twobank_rows_k_slices_on_cpu(blocks, n, emulated_twobank, monkeypatch):
+    """The multi-row shared expert with its x in K slices (K = 4096 at 8 bits: XR rows of the whole
+    K do not fit): several steps a warp (the slices' sums in threadgroup memory), and one unit a
+    warp (BLOCKS 16: the sums carried over the slices in registers), MODE 3 and MODE 4, float32,
+    against the reference face (MLX's float32 ops)."""
+    monkeypatch.setattr(aq, "BLOCKS", blocks)
+    rng = np.random.default_rng(blocks + n)
+    k_dim, inter, inter2, hid = 4096, 5, 3, 13
+    A = lambda a: mx.array(a)  # noqa: E731
+    gu = [A(a) for a in quantized(rng, 4, 2 * inter, k_dim, 64, 2)[:3]]
+    sgu = [A(a[0]) for a in quantized(rng, 1, 2 * inter2, k_dim, 64, 8)[:3]]
+    dn = [A(a) for a in quantized(rng, 4, hid, 128 * inter, 64, 2)[:3]]
+    sdn = [A(a[0]) for a in quantized(rng, 1, hid, k_dim, 64, 8)[:3]]
+    ids = A(_twobank_ids(rng, n))
+    x = A(rng.standard_normal((n, k_dim)).astype(np.float32))
+    h = A(rng.standard_normal((n, 3, 128 * inter)).astype(np.float32))
+    hs = A(rng.standard_normal((n, k_dim)).astype(np.float32))
+    wts = A(rng.random((n, 3)).astype(np.float32))
+    kw = dict(group_size=64, bits=2, shared_group_size=64, shared_bits=8)
+    for b in ("cuda", "reference"):
+        got = aq.gather_swiglu_shared(x, *gu, ids, tuple(sgu), limit=0.8, shared_limit=None, **kw, backend=b)
+        got += (aq.gather_down_sum_shared(h, *dn, ids, wts, hs, tuple(sdn), **kw, backend=b),)
+        if b == "cuda":
+            emulated = got
+    for g, w in zip(emulated, got):
+        _close(g, w, mx.float32)
+    c3, c4 = emulated_twobank
+    for c in (c3, c4):
+        _assert_shared_form(c, n, aq.XR_MAX)
+        assert c["KSL_B"] > 1 and (c["MAXIT_B"] == 1) == (blocks == 16)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 3])
 def test_twobank_bfloat16_equals_the_two_launches_on_cpu(n, emulated_twobank):
