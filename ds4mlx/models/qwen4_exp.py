@@ -662,10 +662,12 @@ class Attention(nn.Module):
         row reads the rows before it)."""
         T = x.shape[1]
         proj = (self.q_proj(x), self.k_proj(x), self.v_proj(x), self.indexer.index_qk_proj(x))
-        rows = [proj] if T == 1 else [tuple(a[:, t : t + 1] for a in proj) for t in range(T)]
         chain = ctx.kind == CHAIN
-        outs = [self._step_row(*row, pos, view, chain) for row, pos, view in zip(rows, ctx.row_pos, ctx.views)]
-        out = outs[0] if T == 1 else mx.concatenate(outs, axis=1)  # [1, T, nh * D]
+        outs = [
+            self._step_row(*(_token(a, t) for a in proj), pos, view, chain)
+            for t, (pos, view) in enumerate(zip(ctx.row_pos, ctx.views))
+        ]
+        out = _joined(outs)  # [1, T, nh * D]
         gate = proj[0].reshape(1, T, self.nh, 2 * self.D)[..., self.D :]
         out = out * mx.sigmoid(gate.reshape(1, T, -1).astype(mx.float32)).astype(out.dtype)
         return self.o_proj(out)
@@ -792,30 +794,28 @@ class DecoderLayer(nn.Module):
         T = x.shape[1]
         if ctx.kind == CHAIN:
             state = _FixedState(*(next(ctx.views[0]) for _ in range(n)))
-            cols = [lambda a, t=t: a[:, t : t + 1] for t in range(T)] if T > 1 else [lambda a: a]
-            join = lambda outs: outs[0] if T == 1 else mx.concatenate(outs, axis=1)  # noqa: E731
-            ple_kept, adds = [], []
-            for col in cols if self.has_ple else ():
-                adds.append(self.ple(col(x), col(ids), state))
-                ple_kept.append([state.ple_conv, state.ngram])
-            if adds:
-                x = x + join(adds)
+            ple_kept = []
+            if self.has_ple:
+                adds = []
+                for t in range(T):
+                    adds.append(self.ple(_token(x, t), _token(ids, t), state))
+                    ple_kept.append([state.ple_conv, state.ngram])
+                x = x + _joined(adds)
             mixed, inject = self.attn_hyper_connection(x)
             outs = []
-            for t, (col, view) in enumerate(zip(cols, ctx.views)):
-                outs.append(self.linear_attn(col(mixed), state))
+            for t, view in enumerate(ctx.views):
+                outs.append(self.linear_attn(_token(mixed, t), state))
                 for _ in range(n if t else 0):
                     next(view)  # row t - 1's arrays of this layer (row t's view is chained to them)
                 view.put(state.conv, state.recurrent, *(ple_kept[t] if ple_kept else ()))
-            out = join(outs)
+            out = _joined(outs)
         else:
             B = ctx.rows
             state = _FixedState.stack([_FixedState(*(next(v) for _ in range(n))) for v in ctx.views])
-            seq = (lambda a: a) if B == 1 else (lambda a: a.reshape(B, 1, *a.shape[2:]))  # noqa: E731
             if self.has_ple:
-                x = x + self.ple(seq(x), seq(ids), state).reshape(x.shape)
+                x = x + self.ple(_as_batch(x), _as_batch(ids), state).reshape(x.shape)
             mixed, inject = self.attn_hyper_connection(x)
-            out = self.linear_attn(seq(mixed), state).reshape(mixed.shape[0], T, -1)
+            out = self.linear_attn(_as_batch(mixed), state).reshape(1, T, -1)
             for b, view in enumerate(ctx.views):
                 view.put(*state.row(b, B).arrays(self.has_ple))
         return x + out[..., None, :] * inject[..., None].astype(out.dtype)
@@ -881,6 +881,21 @@ class Qwen4ExpTextModel(ActivationDtype, nn.Module):
         return self.hyper_connection_mixer(x)[0]
 
 
+def _token(a: mx.array, t: int) -> mx.array:
+    """Token t of a [1, T, ...] array, as [1, 1, ...] (a slice; the array itself when T = 1)."""
+    return a if a.shape[1] == 1 else a[:, t : t + 1]
+
+
+def _joined(tokens: list) -> mx.array:
+    """`_token`'s inverse: [1, 1, ...] arrays -> [1, T, ...]."""
+    return tokens[0] if len(tokens) == 1 else mx.concatenate(tokens, axis=1)
+
+
+def _as_batch(a: mx.array) -> mx.array:
+    """[1, B, ...] (B rows of one token) -> [B, 1, ...] (B one-token sequences)."""
+    return a if a.shape[1] == 1 else a.reshape(a.shape[1], 1, *a.shape[2:])
+
+
 class _FixedState:
     """The arrays the linear and PLE modules read and replace, outside a LinearCache: one
     row's, or B rows' stacked along the batch axis (`stack`, `row`)."""
@@ -944,8 +959,8 @@ class Model(StaticForward, CausalLM):
     def static_forward(self, ids: mx.array, ctx) -> tuple:
         """Pure: the static forward of ids [1, T] over `ctx` (runtime/forward_context.py
         `StepContext`: T sessions' next tokens, or one session's next T chained) ->
-        (logits [T, V], [the residual streams [1, T, hc, H] with ctx.streams,] the rows'
-        new states)."""
+        (logits [T, V], the rows' new states[, the residual streams [1, T, hc, H] after the
+        last layer, with ctx.streams: the MTP head's input])."""
         out = self.model.step(ids, ctx)
         h, streams = out if ctx.streams else (out, None)
         logits = self.head(h).squeeze(0)
