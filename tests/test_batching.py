@@ -171,6 +171,29 @@ def test_interleaved_jobs_equal_one_by_one(demo):
         assert fin.usage == w.usage
 
 
+def test_qwen_greedy_jobs_together_equal_one_by_one():
+    """Any family with a static forward over the context batches: four greedy jobs on the
+    Qwen3.8 demo (Gated DeltaNet, PLE, QSA attention) run at once on four slots, their
+    decode steps sharing forwards, and give the text and usage each gives alone."""
+    from ds4mlx import load
+
+    model, tk = load("demo:qwen4_exp")
+    solo = Engine(model, tk, ctx=1024)
+    try:
+        want = [run_alone(solo, raw_job(p, 10)) for p in PROMPTS]
+    finally:
+        solo.close()
+    eng = Engine(model, tk, ctx=1024, slots=4, prefill_chunk=4)
+    try:
+        got = run_together(eng, [raw_job(p, 10) for p in PROMPTS])
+    finally:
+        eng.close()
+    assert eng.stats.shared_steps > 0  # their decode steps shared forwards
+    for w, (_, evs) in zip(want, got):
+        assert isinstance(evs[-1], Finish)
+        assert evs[-1].raw_text == w.raw_text and evs[-1].usage == w.usage
+
+
 def test_returning_conversation_keeps_its_slot(demo):
     model, tk = demo
     eng = Engine(model, tk, ctx=1024, slots=2)

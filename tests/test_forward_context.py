@@ -77,16 +77,64 @@ def test_v41_rows_stepped_together_equal_each_alone(v41_case, monkeypatch, reque
     stepper.forget(lm.model)
     request.addfinalizer(lambda: stepper.forget(lm.model))
     lengths = [3, 9, len(ids) - 6]
+    alone, rows = _twin_sessions(lm, ids, lengths)
+    for k in range(4):
+        _rows_equal_alone(alone, rows, [ids[(n + k) % len(ids)] for n in lengths])
+    assert all(list(r.tokens) == list(a.tokens) for r, a in zip(rows, alone))
+
+
+def _twin_sessions(lm, ids, lengths):
+    """Two lists of sessions, session i of each prefilled with ids[:lengths[i]]."""
     alone = [lm.new_session(ctx=len(ids) + 8) for _ in lengths]
     rows = [lm.new_session(ctx=len(ids) + 8) for _ in lengths]
     for a, r, n in zip(alone, rows, lengths):
-        a.prefill(ids[:n])
-        r.prefill(ids[:n])
-    for k in range(4):
+        if n:
+            a.prefill(ids[:n])
+            r.prefill(ids[:n])
+    return alone, rows
+
+
+def _rows_equal_alone(alone, rows, toks, undoable=False) -> list:
+    """One round: each of `alone` steps its token, `rows` step theirs together; each row's
+    logits within 1e-5 of its own step's (returned)."""
+    want = [np.asarray(a.step(t)) for a, t in zip(alone, toks)]  # the first: the model's check
+    assert can_step_together(rows)
+    got = [np.asarray(lg) for lg in step_together(rows, toks, undoable=undoable)]
+    for w, g in zip(want, got):
+        assert np.abs(w - g).max() <= 1e-5
+    return want
+
+
+@pytest.fixture(scope="module")
+def qwen_case(oracle):
+    return load_case(oracle, "make_tiny_qwen4_exp.py", "long")
+
+
+def test_qwen_rows_stepped_together_equal_each_alone(qwen_case, monkeypatch, request):
+    """Qwen3.8 on the forward context gains session batching: B sessions at different
+    positions (one still empty: its first token's state made by the view; different K/V
+    buckets; QSA past its block budget for the longest) in one forward -- the Gated DeltaNet
+    and PLE states stacked into one batch, the attention per row -- give each row the logits
+    of its own step, within 1e-5 (float32 CPU), and leave each session where its own step
+    would (the next rounds agree too)."""
+    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    _, lm, ref, _ = qwen_case
+    ids = ref["input_ids"][0].tolist()
+    stepper.forget(lm.model)
+    request.addfinalizer(lambda: stepper.forget(lm.model))
+    lengths = [0, 3, 9, len(ids) - 6]
+    alone, rows = _twin_sessions(lm, ids, lengths)
+    for k in range(5):
         toks = [ids[(n + k) % len(ids)] for n in lengths]
-        want = [np.asarray(a.step(t)) for a, t in zip(alone, toks)]  # the first: the model's check
-        assert can_step_together(rows)
-        got = [np.asarray(lg) for lg in step_together(rows, toks)]
-        for w, g in zip(want, got):
-            assert np.abs(w - g).max() <= 1e-5
+        want = _rows_equal_alone(alone, rows, toks, undoable=k == 4)
+    for r in rows:
+        r.undo_step()  # the last round was undoable: every row's caches go back
+    again = [np.asarray(lg) for lg in step_together(rows, toks)]
+    for w, g in zip(want, again):
+        assert np.abs(w - g).max() <= 1e-5
     assert all(list(r.tokens) == list(a.tokens) for r, a in zip(rows, alone))
+    # and each session goes on alone from where the rows left it
+    for a, r, n in zip(alone, rows, lengths):
+        t = ids[(n + 5) % len(ids)]
+        assert np.abs(np.asarray(a.step(t)) - np.asarray(r.step(t))).max() <= 1e-5
