@@ -270,6 +270,33 @@ def test_plans_cover_every_row(mode, n_rows, k_dim, bits, pairs, x_div, ke):
     assert pl.maxit <= aq.MAXIT and pl.nit * pl.rpw <= aq.LPT
 
 
+@pytest.mark.parametrize("face", ["cuda", "metal"])
+@pytest.mark.parametrize("mode", [3, 4])
+def test_twobank_rows_plans_read_the_shared_expert_once(mode, face):
+    """V4 Flash's MoE at 2..10 tokens (n * top-6 <= MAX_PAIRS): the multi-row plans cover every
+    token and row, keep both banks on one NBY (MODE 4: the same units too), fit the face's
+    threadgroup memory, and read the shared expert once per slice of up to XR_MAX tokens (one
+    slice up to 8 tokens on CUDA) instead of once per token."""
+    hid, inter, k = 4096, 2048, 6
+    shape = (2 * inter, hid, 2, k, 2 * inter, hid, 8) if mode == 3 else (hid, inter, 2, k, inter, 8)
+    for n in range(2, aq.MAX_PAIRS // k + 1):
+        tp = aq.twobank_rows_plan(mode, n, shape, mx.bfloat16, face)
+        one = (aq.plan_gu2 if mode == 3 else aq.plan_down2)(n, *shape, face=face)
+        b = tp.b
+        assert 1 < b.xr <= aq.XR_MAX and b.nz * b.xr >= n > (b.nz - 1) * b.xr
+        assert b.nz < (one.b.nz if mode == 3 else one.nz)  # fewer shared-expert reads than tokens
+        assert face == "metal" or b.nz == -(-n // aq.XR_MAX)
+        assert tp.nz == (n + b.nz if mode == 3 else b.nz) and tp.a.nby == b.nby
+        assert tp.shared_bytes(2, 8, mode) <= aq.SHARED_BYTES[face]
+        chunks_b = shape[5 if mode == 3 else 4] * 8 // 128
+        assert b.ksplit * b.nit * b.ksl * 32 >= chunks_b  # K slices cover the shared expert's row
+        out_b = inter if mode == 3 else hid  # MODE 3: gate / up pairs
+        units = -(-out_b // (b.rpw // 2 if mode == 3 else b.rpw))
+        assert b.nby * (aq.WARPS // b.ksplit) * b.maxit >= units
+        if mode == 4:
+            assert (tp.a.ksplit, tp.a.rpw, tp.a.maxit) == (b.ksplit, b.rpw, b.maxit)
+
+
 def test_plan_on_the_cpu_emulation(tmp_path, monkeypatch):
     """A plan chosen by aq.plan (grid shrunk to a few threadgroups of 2 warps, so it takes
     several steps per warp) runs the gate_up mode right on the CPU."""
@@ -763,6 +790,38 @@ def test_unverified_qmv_self_tests_on_cuda(fake_cuda):
     assert dispatch._self_tests[("affine_qmv.moe", "cuda")] is False
 
 
+def test_unverified_twobank_rows_self_test_on_cuda(fake_cuda):
+    """The multi-row shared expert (dispatch.UNVERIFIED_KERNELS) self-tests at the first automatic
+    call of more than one token; a failure keeps the one-row two-bank form (one shared-expert read
+    per token), which stays on; once passed, the calls take the multi-row form."""
+    assert "affine_qmv.twobank_rows" in dispatch.UNVERIFIED_KERNELS
+    verified = {(k, "cuda"): True for k in ("affine_qmv", "affine_qmv.moe", "affine_qmv.twobank")}
+    fake_cuda.setattr(dispatch, "_self_tests", dict(verified))
+    launches = []
+
+    def garbage(mode):
+        def launch(face, *, template, output_shapes, output_dtypes, **kw):
+            launches.append(dict(template))
+            return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
+
+        return launch
+
+    fake_cuda.setattr(aq, "_twobank_kernel", garbage)
+    rng = np.random.default_rng(3)
+    wq, sc, bi, _ = quantized(rng, 4, 2 * 64, 512, 64, 2)
+    sq, ssc, sbi, _ = quantized(rng, 1, 2 * 64, 512, 64, 8)
+    A = mx.array
+    x, ids = A(rng.standard_normal((2, 512)).astype(np.float32)), A(np.array([[0, 1], [2, 3]], np.int32))
+    kw = dict(limit=None, group_size=64, bits=2, shared_limit=None, shared_group_size=64, shared_bits=8)
+    for passed in (False, True):
+        if passed:
+            fake_cuda.setattr(dispatch, "_self_tests", verified | {("affine_qmv.twobank_rows", "cuda"): True})
+        launches.clear()
+        aq.gather_swiglu_shared(x, A(wq), A(sc), A(bi), ids, (A(sq[0]), A(ssc[0]), A(sbi[0])), **kw)
+        assert dispatch._self_tests[("affine_qmv.twobank_rows", "cuda")] is passed
+        assert launches[-1]["XR_B"] == (2 if passed else 1) and launches[-1]["NZ_A"] == 2
+
+
 def test_unverified_hc_split_self_test_on_cuda(fake_cuda):
     from ds4mlx.kernels import hyper_connection as hck
 
@@ -868,6 +927,31 @@ def _swiglu_bound(gu_err, g, u, h):
 # (routed bits, gs, shared bits, gs, K, routed I, shared I2, H): 2-bit routed + 8-bit shared (V4
 # Flash's formats), 4-bit + 8-bit, 8-bit + 4-bit; odd row counts in both banks
 TWOBANK_CASES = [(2, 64, 8, 64, 1024, 5, 7, 13), (4, 32, 8, 128, 768, 9, 3, 11), (8, 128, 4, 64, 512, 3, 6, 6)]
+# (case, tokens, XR_MAX): 2 tokens in every case (the shared expert multi-row: one slice of 2), one
+# token (the one-row form), 3 and 8 (one slice; V4 Flash's formats, K slices of the shared x at 8),
+# 5 in slices of 3 and 3 in slices of 2 (the last slice's rows past the tokens)
+TWOBANK_TOKENS = [(c, 2, 8) for c in TWOBANK_CASES] + [(TWOBANK_CASES[0], n, 8) for n in (1, 3, 8)]
+TWOBANK_TOKENS += [(TWOBANK_CASES[1], 3, 8), (TWOBANK_CASES[0], 5, 3), (TWOBANK_CASES[2], 3, 2)]
+
+
+def _tokens_id(ct):
+    return "b{}g{}+b{}g{}_K{}_I{}_I2{}_H{}".format(*ct[0]) + f"_n{ct[1]}_xr{ct[2]}"
+
+
+def _twobank_ids(rng, n):
+    """n tokens' top-3 of 4 experts (a repeat in the second token, as a routed top-k never has
+    but the kernel must take)."""
+    ids = np.stack([rng.permutation(4)[:3] for _ in range(n)]).astype(np.int32)
+    if n > 1:
+        ids[1] = [1, 1, 0]
+    return ids
+
+
+def _assert_shared_form(c, n, xr_max):
+    """Bank B multi-row for n > 1 tokens (the fewest slices of at most xr_max tokens), the one-row
+    form (bank B's ids read) for one."""
+    xr = -(-n // -(-n // xr_max))
+    assert (c["XR_B"], c["XROWS_B"]) == ((xr, n) if n > 1 else (1, 0))
 
 
 @pytest.fixture
@@ -881,30 +965,41 @@ def emulated_twobank(tmp_path, monkeypatch):
     return launches
 
 
-@pytest.mark.parametrize("case", TWOBANK_CASES, ids=lambda c: "b{}g{}+b{}g{}_K{}_I{}_I2{}_H{}".format(*c))
+@pytest.mark.parametrize("case,n,xr_max", TWOBANK_TOKENS, ids=[_tokens_id(ct) for ct in TWOBANK_TOKENS])
 @pytest.mark.slow_after(1)
-def test_twobank_swiglu_on_cpu(case, emulated_twobank):
+def test_twobank_swiglu_on_cpu(case, n, xr_max, emulated_twobank, monkeypatch):
     """MODE 3 through the module's plan, template and grid, float32 x: the routed experts'
-    gate_up + SwiGLU (k = 3 of 4 experts, 2 tokens) and the shared expert's, each within the
-    float32 bound of its own format, against float64 numpy."""
+    gate_up + SwiGLU (k = 3 of 4 experts, n tokens) and the shared expert's (n > 1: multi-row,
+    each of its weight loads used for the n tokens), each within the float32 bound of its own
+    format, against float64 numpy; the routed outputs equal one launch per token bit for bit
+    (their sums are the one-row form's)."""
     bits, gs, bits2, gs2, k_dim, inter, inter2, _ = case
+    monkeypatch.setattr(aq, "XR_MAX", xr_max)
     rng = np.random.default_rng(k_dim + inter)
     wq, sc, bi, wd = quantized(rng, 4, 2 * inter, k_dim, gs, bits)
     sq, ssc, sbi, sd = quantized(rng, 1, 2 * inter2, k_dim, gs2, bits2)
-    ids = np.array([[3, 0, 2], [1, 1, 0]], np.int32)
-    x = rng.standard_normal((2, k_dim)).astype(np.float32) * 3.0
+    ids = _twobank_ids(rng, n)
+    x = rng.standard_normal((n, k_dim)).astype(np.float32) * 3.0
     A = mx.array
     kw = dict(group_size=gs, bits=bits, shared_group_size=gs2, shared_bits=bits2)
-    h, hs = aq.gather_swiglu_shared(
-        A(x), A(wq), A(sc), A(bi), A(ids), (A(sq[0]), A(ssc[0]), A(sbi[0])), limit=0.8, shared_limit=None,
-        **kw, backend="cuda",
-    )  # fmt: skip
-    assert h.shape == (2, 3, inter) and hs.shape == (2, inter2) and len(emulated_twobank) == 1
+    shared = (A(sq[0]), A(ssc[0]), A(sbi[0]))
+
+    def launch(t0, t1):
+        return aq.gather_swiglu_shared(
+            A(x[t0:t1]), A(wq), A(sc), A(bi), A(ids[t0:t1]), shared, limit=0.8, shared_limit=None, **kw, backend="cuda"
+        )
+
+    h, hs = launch(0, n)
+    assert h.shape == (n, 3, inter) and hs.shape == (n, inter2) and len(emulated_twobank) == 1
     c = emulated_twobank[0]
-    assert (c["MODE"], c["MODE_A"], c["MODE_B"], c["NZ_A"], c["BITS_A"], c["BITS_B"]) == (3, 1, 1, 2, bits, bits2)
+    assert (c["MODE"], c["MODE_A"], c["MODE_B"], c["NZ_A"], c["BITS_A"], c["BITS_B"]) == (3, 1, 1, n, bits, bits2)
     assert max(c["MAXIT_A"], c["MAXIT_B"]) > 1
+    _assert_shared_form(c, n, xr_max)
     h, hs = np.array(h), np.array(hs)
-    for t in range(2):
+    if n > 1:
+        alone = np.concatenate([np.array(launch(t, t + 1)[0]) for t in (0, n - 1)])
+        assert np.array_equal(h[[0, n - 1]], alone)
+    for t in range(n):
         for j in range(3):
             w = wd[ids[t, j]]
             want, g, u = _swiglu64(w @ x[t].astype(np.float64), inter, 0.8)
@@ -915,32 +1010,35 @@ def test_twobank_swiglu_on_cpu(case, emulated_twobank):
         assert np.all(np.abs(hs[t] - want) <= tol), t
 
 
-@pytest.mark.parametrize("case", TWOBANK_CASES, ids=lambda c: "b{}g{}+b{}g{}_K{}_I{}_I2{}_H{}".format(*c))
+@pytest.mark.parametrize("case,n,xr_max", TWOBANK_TOKENS, ids=[_tokens_id(ct) for ct in TWOBANK_TOKENS])
 @pytest.mark.slow_after(1)
-def test_twobank_down_sum_on_cpu(case, emulated_twobank):
+def test_twobank_down_sum_on_cpu(case, n, xr_max, emulated_twobank, monkeypatch):
     """MODE 4 through the module's plan, template and grid, float32 x: the routed experts' down
-    projections weighted and summed plus the shared expert's down (its own K and format), one
-    output, within the sum of the banks' float32 bounds."""
+    projections weighted and summed plus the shared expert's down (its own K and format; n > 1
+    tokens: multi-row, bank A token by token, then bank B once for all), one output, within the
+    sum of the banks' float32 bounds."""
     bits, gs, bits2, gs2, _, inter, inter2, hid = case
+    monkeypatch.setattr(aq, "XR_MAX", xr_max)
     k_a, k_b = 128 * inter, 128 * inter2  # each a multiple of every group size and chunk
     rng = np.random.default_rng(hid + inter)
     wq, sc, bi, wd = quantized(rng, 4, hid, k_a, gs, bits)
     sq, ssc, sbi, sd = quantized(rng, 1, hid, k_b, gs2, bits2)
-    ids = np.array([[3, 0, 2], [1, 1, 0]], np.int32)
-    h = rng.standard_normal((2, 3, k_a)).astype(np.float32)
-    hs = rng.standard_normal((2, k_b)).astype(np.float32)
-    wts = rng.random((2, 3)).astype(np.float32)
+    ids = _twobank_ids(rng, n)
+    h = rng.standard_normal((n, 3, k_a)).astype(np.float32)
+    hs = rng.standard_normal((n, k_b)).astype(np.float32)
+    wts = rng.random((n, 3)).astype(np.float32)
     A = mx.array
     kw = dict(group_size=gs, bits=bits, shared_group_size=gs2, shared_bits=bits2)
     y = aq.gather_down_sum_shared(
         A(h), A(wq), A(sc), A(bi), A(ids), A(wts), A(hs), (A(sq[0]), A(ssc[0]), A(sbi[0])), **kw, backend="cuda"
     )
-    assert y.shape == (2, hid) and len(emulated_twobank) == 1
+    assert y.shape == (n, hid) and len(emulated_twobank) == 1
     c = emulated_twobank[0]
     assert (c["MODE"], c["MODE_A"], c["MODE_B"], c["DENSE_B"], c["KE_A"]) == (4, 2, 0, 1, 3)
     assert c["KSPLIT_A"] == c["KSPLIT_B"] and c["RPW_A"] == c["RPW_B"] and c["MAXIT_A"] == c["MAXIT_B"]
+    _assert_shared_form(c, n, xr_max)
     y = np.array(y)
-    for t in range(2):
+    for t in range(n):
         routed = [wts[t, j] * (wd[ids[t, j]] @ h[t, j].astype(np.float64)) for j in range(3)]
         shared = sd[0] @ hs[t].astype(np.float64)
         want = sum(routed) + shared
@@ -954,11 +1052,47 @@ def test_twobank_down_sum_on_cpu(case, emulated_twobank):
         assert np.all(np.abs(y[t] - want) <= tol), t
 
 
+@pytest.mark.parametrize("blocks,n", [(2, 8), (16, 3)], ids=["steps_n8", "carry_n3"])
+@pytest.mark.slow_after(1)
+def test_twobank_rows_k_slices_on_cpu(blocks, n, emulated_twobank, monkeypatch):
+    """The multi-row shared expert with its x in K slices (K = 4096 at 8 bits: XR rows of the whole
+    K do not fit): several steps a warp (the slices' sums in threadgroup memory), and one unit a
+    warp (BLOCKS 16: the sums carried over the slices in registers), MODE 3 and MODE 4, float32,
+    against the reference face (MLX's float32 ops)."""
+    monkeypatch.setattr(aq, "BLOCKS", blocks)
+    rng = np.random.default_rng(blocks + n)
+    k_dim, inter, inter2, hid = 4096, 5, 3, 13
+    A = lambda a: mx.array(a)  # noqa: E731
+    gu = [A(a) for a in quantized(rng, 4, 2 * inter, k_dim, 64, 2)[:3]]
+    sgu = [A(a[0]) for a in quantized(rng, 1, 2 * inter2, k_dim, 64, 8)[:3]]
+    dn = [A(a) for a in quantized(rng, 4, hid, 128 * inter, 64, 2)[:3]]
+    sdn = [A(a[0]) for a in quantized(rng, 1, hid, k_dim, 64, 8)[:3]]
+    ids = A(_twobank_ids(rng, n))
+    x = A(rng.standard_normal((n, k_dim)).astype(np.float32))
+    h = A(rng.standard_normal((n, 3, 128 * inter)).astype(np.float32))
+    hs = A(rng.standard_normal((n, k_dim)).astype(np.float32))
+    wts = A(rng.random((n, 3)).astype(np.float32))
+    kw = dict(group_size=64, bits=2, shared_group_size=64, shared_bits=8)
+    for b in ("cuda", "reference"):
+        got = aq.gather_swiglu_shared(x, *gu, ids, tuple(sgu), limit=0.8, shared_limit=None, **kw, backend=b)
+        got += (aq.gather_down_sum_shared(h, *dn, ids, wts, hs, tuple(sdn), **kw, backend=b),)
+        if b == "cuda":
+            emulated = got
+    for g, w in zip(emulated, got):
+        _close(g, w, mx.float32)
+    c3, c4 = emulated_twobank
+    for c in (c3, c4):
+        _assert_shared_form(c, n, aq.XR_MAX)
+        assert c["KSL_B"] > 1 and (c["MAXIT_B"] == 1) == (blocks == 16)
+
+
 @pytest.mark.slow
-def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
+@pytest.mark.parametrize("n", [1, 3])
+def test_twobank_bfloat16_equals_the_two_launches_on_cpu(n, emulated_twobank):
     """bfloat16 x and scales (the decode step's types: 8-bit slabs), V4 Flash's formats (2-bit
     routed, 8-bit shared): MODE 3 and MODE 4 against their reference faces, which are the two
-    launches' expressions (gather_swiglu + the one-expert gather_swiglu; gather_down_sum + qmv)."""
+    launches' expressions (gather_swiglu + the one-expert gather_swiglu; gather_down_sum + qmv);
+    one token, and 3 (the shared expert multi-row)."""
     rng = np.random.default_rng(21)
     k_dim, inter, e = 512, 9, 5
     wq, sc, bi, _ = quantized(rng, e, 2 * inter, k_dim, 64, 2)
@@ -966,9 +1100,9 @@ def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
     dq, dsc, dbi, _ = quantized(rng, e, k_dim, 128 * 3, 64, 2)  # down: H = 512 rows, K = I = 384
     tq, tsc, tbi, _ = quantized(rng, 1, k_dim, 128 * 3, 64, 8)
     bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
-    ids = mx.array([[4, 0, 2, 1]], dtype=mx.int32)
-    wts = mx.softmax(mx.array(rng.standard_normal((1, 4)).astype(np.float32)), axis=-1)
-    x = bf(rng.standard_normal((1, k_dim)))
+    ids = mx.array([[4, 0, 2, 1], [1, 3, 0, 2], [2, 2, 4, 0]][:n], dtype=mx.int32)
+    wts = mx.softmax(mx.array(rng.standard_normal((n, 4)).astype(np.float32)), axis=-1)
+    x = bf(rng.standard_normal((n, k_dim)))
     kw = dict(group_size=64, bits=2, shared_group_size=64, shared_bits=8)
     routed, shared = (mx.array(wq), bf(sc), bf(bi)), (mx.array(sq[0]), bf(ssc[0]), bf(sbi[0]))
     for b in ("cuda", "reference"):
@@ -976,9 +1110,9 @@ def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
         if b == "cuda":
             got = (h, hs)
     want_h = aq.gather_swiglu(x, *routed, ids, limit=10.0, group_size=64, bits=2, backend="reference")
-    s = aq.gather_swiglu(x, shared[0][None], shared[1][None], shared[2][None], mx.zeros((1, 1), mx.int32),
+    s = aq.gather_swiglu(x, shared[0][None], shared[1][None], shared[2][None], mx.zeros((n, 1), mx.int32),
                          limit=10.0, group_size=64, bits=8, backend="reference")  # fmt: skip
-    assert mx.array_equal(h, want_h).item() and mx.array_equal(hs, s.reshape(1, inter)).item()  # the reference face
+    assert mx.array_equal(h, want_h).item() and mx.array_equal(hs, s.reshape(n, inter)).item()  # the reference face
     # the GPU text against the reference on float32 copies (MLX's CPU bfloat16 matmul sums in bfloat16)
     f32 = lambda t: tuple(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a for a in t)  # noqa: E731
     rh, rhs = aq.gather_swiglu_shared(x.astype(mx.float32), *f32(routed), ids, f32(shared), limit=10.0,
@@ -986,7 +1120,7 @@ def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
     _close(got[0], rh, mx.bfloat16)
     _close(got[1], rhs, mx.bfloat16)
     assert got[0].dtype == got[1].dtype == mx.bfloat16
-    hh = h.reshape(1, 4, inter)[..., :inter]
+    hh = h.reshape(n, 4, inter)[..., :inter]
     hh = mx.concatenate([hh] * 43, axis=-1)[..., :384]  # an I of 384 from the SwiGLU outputs
     hs3 = mx.concatenate([hs] * 43, axis=-1)[..., :384]
     down, sdown = (mx.array(dq), bf(dsc), bf(dbi)), (mx.array(tq[0]), bf(tsc[0]), bf(tbi[0]))
@@ -998,9 +1132,10 @@ def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
     assert mx.array_equal(y_ref, two).item()  # the reference face is the two launches' sum
     want = aq.gather_down_sum_shared(hh.astype(mx.float32), *f32(down), ids, wts, hs3.astype(mx.float32),
                                      f32(sdown), **kw, backend="reference")  # fmt: skip
-    assert y.dtype == mx.bfloat16 and y.shape == (1, k_dim)
+    assert y.dtype == mx.bfloat16 and y.shape == (n, k_dim)
     _close(y, want, mx.bfloat16)
     assert [c["SW_A"] for c in emulated_twobank] == [8, 8]
+    assert [c["XR_B"] for c in emulated_twobank] == [n, n]
 
 
 # V4 Flash's MoE at decode: 256 experts of [2 x 2048, 4096] / [4096, 2048] 2-bit, top-6; the shared
@@ -1008,26 +1143,32 @@ def test_twobank_bfloat16_equals_the_two_launches_on_cpu(emulated_twobank):
 V4_MOE = dict(hidden=4096, inter=2048, experts=256, k=6, bits=2, shared_bits=8, gs=64)
 
 
-def _twobank_launch_source(mode, dt):
-    """The CUDA translation unit MLX builds for MODE 3 / 4 at V4 Flash's decode shapes."""
+def _twobank_launch_source(mode, dt, n=1):
+    """The CUDA translation unit MLX builds for MODE 3 / 4 at V4 Flash's decode shapes, n tokens
+    (n > 1: the shared expert multi-row, as `_twobank_plan` picks it on CUDA)."""
     from test_kernel_emulation import mlx_cuda_source
 
     v = V4_MOE
     x_dtype = mx.bfloat16 if dt == "bfloat16" else mx.float32
     hid, inter, k, gs = v["hidden"], v["inter"], v["k"], v["gs"]
+    bits, bits2 = v["bits"], v["shared_bits"]
     if mode == 3:
-        tp = aq.plan_gu2(1, 2 * inter, hid, v["bits"], k, 2 * inter, hid, v["shared_bits"], x_dtype=x_dtype)
+        shape = (2 * inter, hid, bits, k, 2 * inter, hid, bits2)
         banks = (
-            dict(mode=1, s_dtype=x_dtype, n_rows=2 * inter, k_dim=hid, group_size=gs, bits=v["bits"], x_div=k),
-            dict(mode=1, s_dtype=x_dtype, n_rows=2 * inter, k_dim=hid, group_size=gs, bits=v["shared_bits"]),
+            dict(mode=1, s_dtype=x_dtype, n_rows=2 * inter, k_dim=hid, group_size=gs, bits=bits, x_div=k),
+            dict(mode=1, s_dtype=x_dtype, n_rows=2 * inter, k_dim=hid, group_size=gs, bits=bits2, dense=n > 1),
         )
     else:
-        tp = aq.plan_down2(1, hid, inter, v["bits"], k, inter, v["shared_bits"], x_dtype=x_dtype)
+        shape = (hid, inter, bits, k, inter, bits2)
         banks = (
-            dict(mode=2, s_dtype=x_dtype, n_rows=hid, k_dim=inter, group_size=gs, bits=v["bits"], ke=k),
-            dict(mode=0, s_dtype=x_dtype, n_rows=hid, k_dim=inter, group_size=gs, bits=v["shared_bits"], dense=True),
+            dict(mode=2, s_dtype=x_dtype, n_rows=hid, k_dim=inter, group_size=gs, bits=bits, ke=k),
+            dict(mode=0, s_dtype=x_dtype, n_rows=hid, k_dim=inter, group_size=gs, bits=bits2, dense=True),
         )
-    assert tp is not None and tp.shared_bytes(v["bits"], v["shared_bits"], mode) <= aq.SHARED_BYTES["metal"]
+    banks[1]["x_rows"] = n
+    tp = aq._twobank_plan(mode, n, shape, x_dtype, "cuda", "cuda")
+    assert tp is not None and tp.b.xr == min(n, aq.XR_MAX)
+    limit = aq.SHARED_BYTES["metal" if n == 1 else "cuda"]  # the one-row form fits Metal's 32 KB too
+    assert tp.shared_bytes(bits, bits2, mode) <= limit
     tmpl = [(n, dt if n in ("T", "TS_A", "TS_B") else val) for n, val in aq.twobank_template(mode, tp, x_dtype, banks)]
     header, body = aq.twobank_sources("cuda", mode)
     types = {"x": dt, "w": "uint32", "scales": dt, "biases": dt, "eids": "int32", "wts": "float32", "lim": "float32"}
@@ -1037,15 +1178,17 @@ def _twobank_launch_source(mode, dt):
     return mlx_cuda_source(f"affine_qmv2_{mode}", header, body, types, outs, tmpl)
 
 
+@pytest.mark.parametrize("n", [1, 3, 8])
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mode", [3, 4])
 @pytest.mark.slow_after(1)
-def test_twobank_cuda_face_compiles_with_nvcc(mode, dt, tmp_path):
+def test_twobank_cuda_face_compiles_with_nvcc(mode, dt, n, tmp_path):
     """MODE 3 / 4's CUDA translation units at V4 Flash's shapes compile (sm_90, warnings are
-    errors), threadgroup memory within Metal's 32 KB too."""
+    errors), one token (threadgroup memory within Metal's 32 KB too) and the multi-row shared
+    expert's 3 and 8."""
     from test_kernel_emulation import nvcc_compile
 
-    nvcc_compile(tmp_path, _twobank_launch_source(mode, dt))
+    nvcc_compile(tmp_path, _twobank_launch_source(mode, dt, n))
 
 
 def test_twobank_texts_are_instances_of_the_plain_text():
@@ -1079,8 +1222,66 @@ def test_gpu_twobank_v4_flash_shapes_equal_reference(dt):
     2048, 256 experts top-6 2-bit, one 8-bit shared expert) against their reference faces (the two
     launches' expressions), one token and two; and the self-test the models run."""
     face = _gpu_face()
+    gu, dn, sgu, sdn, kw = _v4_moe_banks(dt)
+    hid, k = V4_MOE["hidden"], V4_MOE["k"]
+    key = mx.random.key(13)
+    for n in (1, 2):
+        ids = mx.array([[5, 0, 255, 7, 2, 130], [1, 1, 3, 4, 8, 12]][:n], dtype=mx.int32)
+        x = mx.random.normal((n, hid), key=mx.random.key(n)).astype(dt)
+        wts = mx.softmax(mx.random.normal((n, k), key=key), axis=-1)
+        got = aq.gather_swiglu_shared(x, *gu, ids, sgu, limit=10.0, shared_limit=10.0, **kw, backend=face)
+        want = aq.gather_swiglu_shared(x, *gu, ids, sgu, limit=10.0, shared_limit=10.0, **kw, backend="reference")
+        _close(got[0], want[0], dt)
+        _close(got[1], want[1], dt)
+        h, hs = want
+        y = aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend=face)
+        y_ref = aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend="reference")
+        _close(y, y_ref, dt)
+    assert aq._twobank_self_test(face)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+def test_gpu_twobank_rows_v4_flash_shapes_equal_reference(dt):
+    """MODE 3 and MODE 4 with the shared expert multi-row (its weights read once for the step's
+    2, 3, 8 and 10 tokens: one slice, or two of 5) at V4 Flash's decode shapes, against the
+    reference faces and against one launch per token (the one-row form); and the first-use
+    self-test that keeps the form off until it passes (dispatch.UNVERIFIED_KERNELS)."""
+    face = _gpu_face()
+    gu, dn, sgu, sdn, kw = _v4_moe_banks(dt)
+    hid, k, e = V4_MOE["hidden"], V4_MOE["k"], V4_MOE["experts"]
+    for n in (2, 3, 8, 10):
+        keys = mx.random.split(mx.random.key(20 + n), 3)
+        ids = mx.random.randint(0, e, (n, k), key=keys[0]).astype(mx.int32)
+        x = mx.random.normal((n, hid), key=keys[1]).astype(dt)
+        wts = mx.softmax(mx.random.normal((n, k), key=keys[2]), axis=-1)
+        lim = dict(limit=10.0, shared_limit=10.0)
+        got = aq.gather_swiglu_shared(x, *gu, ids, sgu, **lim, **kw, backend=face)
+        want = aq.gather_swiglu_shared(x, *gu, ids, sgu, **lim, **kw, backend="reference")
+        each = [
+            aq.gather_swiglu_shared(x[t : t + 1], *gu, ids[t : t + 1], sgu, **lim, **kw, backend=face) for t in range(n)
+        ]
+        for i in range(2):
+            _close(got[i], want[i], dt)
+            _close(got[i], mx.concatenate([o[i] for o in each]), dt)
+        h, hs = want
+        y = aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend=face)
+        _close(y, aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend="reference"), dt)
+        each = [
+            aq.gather_down_sum_shared(
+                h[t : t + 1], *dn, ids[t : t + 1], wts[t : t + 1], hs[t : t + 1], sdn, **kw, backend=face
+            )
+            for t in range(n)
+        ]
+        _close(y, mx.concatenate(each), dt)
+    assert aq._twobank_rows_self_test(face)
+
+
+def _v4_moe_banks(dt):
+    """V4 Flash's MoE weights at decode (random): routed gate_up and down, the shared expert's,
+    scales and biases in `dt`, and the two-bank calls' format keywords."""
     v = V4_MOE
-    hid, inter, e, k, gs = v["hidden"], v["inter"], v["experts"], v["k"], v["gs"]
+    hid, inter, e, gs = v["hidden"], v["inter"], v["experts"], v["gs"]
     key = mx.random.key(13)
 
     def q(shape, bits, key=key):
@@ -1097,20 +1298,7 @@ def test_gpu_twobank_v4_flash_shapes_equal_reference(dt):
     sgu, sdn = q((2 * inter, hid), v["shared_bits"]), q((hid, inter), v["shared_bits"])
     cast = lambda t: (t[0], t[1].astype(dt), t[2].astype(dt))  # noqa: E731
     gu, dn, sgu, sdn = map(cast, (gu, dn, sgu, sdn))
-    kw = dict(group_size=gs, bits=v["bits"], shared_group_size=gs, shared_bits=v["shared_bits"])
-    for n in (1, 2):
-        ids = mx.array([[5, 0, 255, 7, 2, 130], [1, 1, 3, 4, 8, 12]][:n], dtype=mx.int32)
-        x = mx.random.normal((n, hid), key=mx.random.key(n)).astype(dt)
-        wts = mx.softmax(mx.random.normal((n, k), key=key), axis=-1)
-        got = aq.gather_swiglu_shared(x, *gu, ids, sgu, limit=10.0, shared_limit=10.0, **kw, backend=face)
-        want = aq.gather_swiglu_shared(x, *gu, ids, sgu, limit=10.0, shared_limit=10.0, **kw, backend="reference")
-        _close(got[0], want[0], dt)
-        _close(got[1], want[1], dt)
-        h, hs = want
-        y = aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend=face)
-        y_ref = aq.gather_down_sum_shared(h, *dn, ids, wts, hs, sdn, **kw, backend="reference")
-        _close(y, y_ref, dt)
-    assert aq._twobank_self_test(face)
+    return gu, dn, sgu, sdn, dict(group_size=gs, bits=v["bits"], shared_group_size=gs, shared_bits=v["shared_bits"])
 
 
 # ------------------------------------------------------------------ multi-row plain mode (XR x rows a threadgroup)

@@ -171,25 +171,26 @@ def test_interleaved_jobs_equal_one_by_one(demo):
         assert fin.usage == w.usage
 
 
-@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm5_next"])
-def test_glm_concurrent_greedy_jobs_equal_one_by_one(family):
-    """GLM 5.2 and 5.3 batch through the forward context's rows like DeepSeek V4: four
-    greedy jobs submitted at once on four slots share decode forwards and give each the
-    text and usage it gets alone on a one-slot engine."""
+@pytest.mark.parametrize("family", ["qwen4_exp", "glm_moe_dsa", "glm5_next"])
+def test_greedy_jobs_together_equal_one_by_one(family):
+    """Any family with a static forward over the context batches: four greedy jobs on the
+    Qwen3.8 demo (Gated DeltaNet, PLE, QSA attention), GLM 5.2's (MLA + DSA) or GLM 5.3's
+    (KDA, k-pool MLA, mHC) run at once on four slots, their decode steps sharing forwards,
+    and give the text and usage each gives alone."""
     from ds4mlx import load
 
     model, tk = load(f"demo:{family}")
     solo = Engine(model, tk, ctx=1024)
     try:
-        want = [run_alone(solo, raw_job(p, 12)) for p in PROMPTS]
+        want = [run_alone(solo, raw_job(p, 10)) for p in PROMPTS]
     finally:
         solo.close()
-    eng = Engine(model, tk, ctx=1024, slots=4)
+    eng = Engine(model, tk, ctx=1024, slots=4, prefill_chunk=4)
     try:
-        got = run_together(eng, [raw_job(p, 12) for p in PROMPTS])
+        got = run_together(eng, [raw_job(p, 10) for p in PROMPTS])
     finally:
         eng.close()
-    assert eng.stats.shared_steps > 0  # decode steps of several jobs ran as one forward
+    assert eng.stats.shared_steps > 0  # their decode steps shared forwards
     for w, (_, evs) in zip(want, got):
         assert isinstance(evs[-1], Finish)
         assert evs[-1].raw_text == w.raw_text and evs[-1].usage == w.usage

@@ -1,7 +1,6 @@
 """The forward context (runtime/forward_context.py, docs/forward.md §2): what the host plans,
 what the trace sees, and the families that run their static step as one forward over it
-(DeepSeek V4, V4.1, GLM 5.2 and 5.3): several sessions in one forward give each row its own
-step's logits."""
+(DeepSeek V4 and V4.1): several sessions in one forward give each row its own step's logits."""
 
 from __future__ import annotations
 
@@ -9,14 +8,16 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from ds4mlx.models import cache as row_cache
 from ds4mlx.runtime import stepper
 from ds4mlx.runtime.forward_context import CHAIN, DECODE, ForwardContext, StepContext
+from ds4mlx.runtime.session import can_step_together, step_together
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity_helpers import load_case, rows_and_alone  # noqa: E402
+from parity_helpers import load_case  # noqa: E402
 
 
 def test_the_host_plan_gives_the_traces_positions():
@@ -72,16 +73,71 @@ def test_v41_rows_stepped_together_equal_each_alone(v41_case, monkeypatch, reque
     CPU), and leave each session where its own step would (the next rounds agree too)."""
     monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
     _, lm, ref, _ = v41_case
-    _assert_rows_equal_alone(lm, ref["input_ids"][0].tolist(), request)
-
-
-def _assert_rows_equal_alone(lm, ids: list, request) -> None:
-    """Three sessions of `lm` (after 3, 9 and all but 6 of `ids`) stepped together for four
-    rounds: each row's logits within 1e-5 of the same session's own step, same tokens after."""
+    ids = ref["input_ids"][0].tolist()
     stepper.forget(lm.model)
     request.addfinalizer(lambda: stepper.forget(lm.model))
-    worst, same = rows_and_alone(lm, ids, [3, 9, len(ids) - 6], rounds=4)
-    assert worst <= 1e-5 and same
+    lengths = [3, 9, len(ids) - 6]
+    alone, rows = _twin_sessions(lm, ids, lengths)
+    for k in range(4):
+        _rows_equal_alone(alone, rows, [ids[(n + k) % len(ids)] for n in lengths])
+    assert all(list(r.tokens) == list(a.tokens) for r, a in zip(rows, alone))
+
+
+def _twin_sessions(lm, ids, lengths):
+    """Two lists of sessions, session i of each prefilled with ids[:lengths[i]]."""
+    alone = [lm.new_session(ctx=len(ids) + 8) for _ in lengths]
+    rows = [lm.new_session(ctx=len(ids) + 8) for _ in lengths]
+    for a, r, n in zip(alone, rows, lengths):
+        if n:
+            a.prefill(ids[:n])
+            r.prefill(ids[:n])
+    return alone, rows
+
+
+def _rows_equal_alone(alone, rows, toks, undoable=False) -> list:
+    """One round: each of `alone` steps its token, `rows` step theirs together; each row's
+    logits within 1e-5 of its own step's (returned)."""
+    want = [np.asarray(a.step(t)) for a, t in zip(alone, toks)]  # the first: the model's check
+    assert can_step_together(rows)
+    got = [np.asarray(lg) for lg in step_together(rows, toks, undoable=undoable)]
+    for w, g in zip(want, got):
+        assert np.abs(w - g).max() <= 1e-5
+    return want
+
+
+@pytest.fixture(scope="module")
+def qwen_case(oracle):
+    return load_case(oracle, "make_tiny_qwen4_exp.py", "long")
+
+
+def test_qwen_rows_stepped_together_equal_each_alone(qwen_case, monkeypatch, request):
+    """Qwen3.8 on the forward context gains session batching: B sessions at different
+    positions (one still empty: its first token's state made by the view; different K/V
+    buckets; QSA past its block budget for the longest) in one forward -- the Gated DeltaNet
+    and PLE states stacked into one batch, the attention per row -- give each row the logits
+    of its own step, within 1e-5 (float32 CPU), and leave each session where its own step
+    would (the next rounds agree too)."""
+    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    _, lm, ref, _ = qwen_case
+    ids = ref["input_ids"][0].tolist()
+    stepper.forget(lm.model)
+    request.addfinalizer(lambda: stepper.forget(lm.model))
+    lengths = [0, 3, 9, len(ids) - 6]
+    alone, rows = _twin_sessions(lm, ids, lengths)
+    for k in range(5):
+        toks = [ids[(n + k) % len(ids)] for n in lengths]
+        want = _rows_equal_alone(alone, rows, toks, undoable=k == 4)
+    for r in rows:
+        r.undo_step()  # the last round was undoable: every row's caches go back
+    again = [np.asarray(lg) for lg in step_together(rows, toks)]
+    for w, g in zip(want, again):
+        assert np.abs(w - g).max() <= 1e-5
+    assert all(list(r.tokens) == list(a.tokens) for r, a in zip(rows, alone))
+    # and each session goes on alone from where the rows left it
+    for a, r, n in zip(alone, rows, lengths):
+        t = ids[(n + 5) % len(ids)]
+        assert np.abs(np.asarray(a.step(t)) - np.asarray(r.step(t))).max() <= 1e-5
 
 
 @pytest.fixture(scope="module", params=[("make_tiny_glm_moe_dsa.py", "alt"), ("make_tiny_glm5_next.py", "long")])
@@ -92,10 +148,16 @@ def glm_case(request, oracle):
 def test_glm_rows_stepped_together_equal_each_alone(glm_case, monkeypatch, request):
     """GLM 5.2 (MLA + DSA, "shared" layers inheriting each row's selection) and GLM 5.3 (KDA
     recurrent state + k-pool MLA, mHC) on the forward context gain session batching: rows at
-    different positions (some past index_topk: sparse; different buckets) in one forward give
-    each row its own step's logits within 1e-5 (float32 CPU)."""
+    different positions (one past index_topk: sparse; different buckets) in one forward give
+    each row its own step's logits within 1e-5 (float32 CPU), and the same tokens after."""
     monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
     _, lm, ref, _ = glm_case
     ids = ref["input_ids"][0].tolist()
-    assert len(ids) - 6 > lm.model.args.index_topk  # one row attends sparsely
-    _assert_rows_equal_alone(lm, ids, request)
+    stepper.forget(lm.model)
+    request.addfinalizer(lambda: stepper.forget(lm.model))
+    lengths = [3, 9, len(ids) - 6]
+    assert lengths[-1] > lm.model.args.index_topk  # one row attends sparsely
+    alone, rows = _twin_sessions(lm, ids, lengths)
+    for k in range(4):
+        _rows_equal_alone(alone, rows, [ids[(n + k) % len(ids)] for n in lengths])
+    assert all(list(r.tokens) == list(a.tokens) for r, a in zip(rows, alone))

@@ -148,6 +148,36 @@ def test_undoable_decode_right_after_an_image(case, how, monkeypatch):
     assert maxdiff(np.stack(got), want_steps) <= TOL
 
 
+def test_verify_chain_right_after_an_image(case, monkeypatch):
+    """A speculative verify (the static forward's CHAIN context) right after a prompt that
+    ends on the last image's vision_end: the chain's first row takes the open QSA block's
+    (t, h, w) position, the rows after that block closes open text blocks at row + delta;
+    every row's logits equal transformers' cached decode, and the indexer's block keys
+    those of the same tokens decoded one by one."""
+    lm, ids, _, _, _, folder = case
+    prompt = SPANS[-1].start + SPANS[-1].length
+    ids = ids[: prompt + DECODE]
+    want_full, want_steps, _ = _transformers(folder, ids, prompt)
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    lm.new_session(ctx=4).decode(ids[0])  # the model's first static step (its check) before a chain
+    assert stepper.supports_chain(lm.model)
+    chained, stepped = (lm.new_session(ctx=len(ids) + 8, chunk=6) for _ in range(2))
+    bb = lm.model.model
+    bb.input_positions = PromptPositions(SPANS, MERGE)
+    try:
+        chained.prefill(ids[:prompt])
+        stepped.prefill(ids[:prompt])
+    finally:
+        bb.input_positions = None
+    attn = [c for c in chained.caches if isinstance(c, AttentionCache)]
+    assert any(not c.plain_from(c.offset // c.ratio * c.ratio) for c in attn)
+    assert maxdiff(np.array(chained.verify(ids[prompt:])), want_steps) <= TOL
+    for t in ids[prompt:]:
+        stepped.decode(t)
+    blocks = [c.index_blocks.live() for c in stepped.caches if isinstance(c, AttentionCache)]
+    assert all(maxdiff(np.array(c.index_blocks.live()), np.array(b)) <= 1e-5 for c, b in zip(attn, blocks))
+
+
 def test_snapshot_restore_keeps_positions(case):
     """A restored image session decodes at the image prompt's positions (rope_delta and
     the explicit image-row positions travel in the snapshot), bit-identically."""

@@ -262,3 +262,26 @@ def _pipelined_equals_host(srv, seed: int, thinking: bool) -> None:
     assert got == want and fin.reason == "stop", (fin.reason, tok.decode(got), tok.decode(want))
     answer = tok.decode(got[got.index(close) + 1 :] if thinking else got)
     jsonschema.validate(json.loads(answer), SCHEMA)
+
+
+def test_instructor_gets_an_object(srv):
+    """instructor's `Mode.JSON_SCHEMA` (`response_format` json_schema) parses.  Its tool modes
+    send no `strict` (1.17 sends none even in TOOLS_STRICT), and a call that is not strict is
+    the model's own: the random demo's is not JSON."""
+    instructor = pytest.importorskip("instructor")
+    import openai
+
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120),
+        mode=instructor.Mode.JSON_SCHEMA,
+    )
+    pet = client.chat.completions.create(
+        model="deepseek-v4-flash",
+        messages=U,
+        response_model=Pet,
+        max_retries=0,
+        seed=4,
+        max_tokens=160,
+        extra_body={"reasoning_effort": "none", "min_p": 0.0},
+    )
+    assert isinstance(pet, Pet), pet

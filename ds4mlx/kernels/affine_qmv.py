@@ -33,6 +33,9 @@ memory allows, grid z = ceil(rows / XR)), so each weight is read from memory onc
 instead of once per row; x is staged in K slices (XR rows of the whole K do not fit: see the
 .metal "Geometry").  Its first use on a GPU self-tests it ("affine_qmv.rows"); a failure falls
 back to one row a threadgroup z slice, the one-row kernel (XR = 1, KSL = 1: the same code).
+MODE 3 / 4 of n tokens (batched rows, a verify chain) take the shared expert (the dense bank B)
+the same way: ceil(n / XR) slices of XR tokens each read its weights once (`twobank_rows_plan`),
+self-tested at first use ("affine_qmv.twobank_rows"; a failure keeps one read per token).
 
 Faces (`ds4mlx.kernels.dispatch`): reference = ``mx.quantized_matmul`` /
 ``mx.gather_qmm`` (+ the SwiGLU / weighted sum as MLX ops); Metal and CUDA from the
@@ -48,7 +51,7 @@ Why this layout (v3) and the predicted vs measured kernel times: docs/bench-hist
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import mlx.core as mx
@@ -184,12 +187,12 @@ def plan(
 
 
 def plan_rows(
-    n_rows: int, k_dim: int, bits: int, groups: int, xr: int, *, x_dtype=mx.bfloat16, face: str = "cuda"
+    n_rows: int, k_dim: int, bits: int, groups: int, xr: int, *, x_dtype=mx.bfloat16, face: str = "cuda", mode: int = 0
 ) -> Plan | None:
-    """The multi-row plain mode's geometry (one dense matrix of n_rows rows, `groups` threadgroup z
-    slices of `xr` x rows each), or None when xr rows do not fit threadgroup memory.  `plan`'s
-    MODE 0 choices for the weights (loads per lane and step, rows per warp, warps along K, steps),
-    then x in K slices: chunks per lane and slice halved (more slices), then fewer warps along K,
+    """The multi-row geometry of one dense matrix of n_rows rows (MODE 0; MODE 1: a [gate; up]
+    matrix, its SwiGLU), `groups` threadgroup z slices of `xr` x rows each, or None when xr rows
+    do not fit threadgroup memory.  `plan`'s MODE 0 choices for the weights (loads per lane and
+    step, rows per warp, warps along K, steps), then x in K slices: chunks per lane and slice halved (more slices), then fewer warps along K,
     until XR rows of a slice fit (x' and its sums are 4.5 bytes a value and row: K = 4096 is 18 KB
     a row, so XR rows of the whole K never fit Metal's 32 KB).  Each weight unit is read once
     per threadgroup for its xr rows."""
@@ -197,11 +200,13 @@ def plan_rows(
     lpt = LPT if xr <= 4 else LPT // 2  # 8 rows' sums and x values: 4 loads a step took 136 registers (sm_90)
     want = max(1, min(lpt, _pow2_floor(n_rows * groups * chunks / (BLOCKS * 32 * WARPS) * 1.5)))
     rpw = min(RPW_ROWS[bits], want)
+    if mode == 1:
+        rpw = max(2, rpw)  # a gate row and its up row
     nit_want = max(1, want // rpw)
     ks = 1
     while ks < WARPS and -(-chunks // (32 * ks)) > nit_want:
         ks *= 2
-    units = -(-n_rows // rpw)
+    units = _units(mode, n_rows, rpw // 2 if mode == 1 else rpw, 1)
     limit = SHARED_BYTES.get(face, 32768)
     sw = _sw(bits, x_dtype)
     while True:
@@ -620,11 +625,14 @@ def _renamed(text: str, names: dict) -> str:
 
 def _bank(text: str, bank: str, mode: int) -> str:
     """`text` (compacted) as bank `bank`'s instance: template constants, the constexprs of
-    `qmv_consts` and tgz suffixed, bank B's buffers renamed."""
+    `qmv_consts` and tgz suffixed, bank B's buffers renamed (MODE 4: each bank's partial sums its
+    own, bank A's per token of the slice: red_A[h_A])."""
     local = re.findall(r"constexpr\s+\w+\s+(\w+)\s*=", sections(SOURCE)["qmv_consts"])
     names = {n: f"{n}_{bank}" for n in (*BANK_CONSTS, *local, "tgz")}
     if bank == "B":
         names |= BANK_B_BUFFERS | ({"red": "red2"} if mode == 4 else {})
+    elif mode == 4:
+        names["red"] = "red_A[h_A]"
     return _renamed(text, names)
 
 
@@ -665,7 +673,9 @@ def _twobank_kernel(mode: int) -> Kernel:
 
 @dataclass(frozen=True)
 class TwoBankPlan:
-    """MODE 3 / 4's geometry: each bank's Plan (one NBY); `nz` threadgroup z slices in all."""
+    """MODE 3 / 4's geometry: each bank's Plan (one NBY); `nz` threadgroup z slices in all.  Bank B
+    multi-row (b.xr > 1: the shared expert's weights read once for b.xr tokens): MODE 3 has a.nz
+    slices of bank A then b.nz of bank B, MODE 4 b.nz slices of b.xr tokens each."""
 
     a: Plan
     b: Plan
@@ -673,10 +683,11 @@ class TwoBankPlan:
 
     def shared_bytes(self, bits_a: int, bits_b: int, mode: int) -> int:
         def x_bytes(p, bits):
-            return p.ksplit * p.nit * (128 // bits) * (128 + 16)
+            return p.ksplit * p.nit * (128 // bits) * (128 + 16) * p.xr
 
-        red = lambda p: p.maxit * WARPS * p.rpw * 4  # noqa: E731
-        reds = max(red(self.a), red(self.b)) if mode == 3 else red(self.a) + red(self.b)
+        red = lambda p: p.maxit * WARPS * p.rpw * 4 * p.xr  # noqa: E731
+        # MODE 4: bank A's sums per token of bank B's XR (red_A), bank B's per x row
+        reds = max(red(self.a), red(self.b)) if mode == 3 else red(self.a) * self.b.xr + red(self.b)
         return max(x_bytes(self.a, bits_a), x_bytes(self.b, bits_b)) + reds + 2 * 4 * MAX_PAIRS
 
 
@@ -687,27 +698,37 @@ def _units(mode: int, n_rows: int, opw: int, x_div: int) -> int:
 def _with_nby(p: Plan, mode: int, n_rows: int, x_div: int, nby: int) -> Plan:
     """`p` on `nby` threadgroups per z slice (the other bank's): as many steps as that takes."""
     units = _units(mode, n_rows, p.rpw // 2 if mode == 1 else p.rpw, x_div)
-    return Plan(p.ksplit, p.nit, p.rpw, -(-units // ((WARPS // p.ksplit) * nby)), nby, p.nz, p.sw)
+    return replace(p, maxit=-(-units // ((WARPS // p.ksplit) * nby)), nby=nby)
 
 
 def _sw(bits: int, x_dtype) -> int:
     return 8 if bits == 8 or x_dtype.size == 2 else 4
 
 
-def plan_gu2(n, rows_a, k_a, bits_a, ke, rows_b, k_b, bits_b, *, x_dtype=mx.bfloat16, face="cuda"):
+def plan_gu2(n, rows_a, k_a, bits_a, ke, rows_b, k_b, bits_b, *, x_dtype=mx.bfloat16, face="cuda", xr=1):
     """MODE 3: each bank planned as its own MODE 1 launch (bank A: n tokens of ke experts; bank
-    B: n tokens, one matrix), then both on the larger NBY; None when threadgroup memory is short."""
+    B: n tokens, one matrix; xr > 1: `plan_rows`' ceil(n / xr) slices of xr tokens, each weight
+    read once for them), then both on the larger NBY; None when threadgroup memory is short."""
     pa = plan(1, rows_a, k_a, bits_a, n, x_div=ke, x_dtype=x_dtype, face=face)
-    pb = plan(1, rows_b, k_b, bits_b, n, x_div=1, x_dtype=x_dtype, face=face)
+    if xr == 1:
+        pb = plan(1, rows_b, k_b, bits_b, n, x_div=1, x_dtype=x_dtype, face=face)
+    else:
+        pb = plan_rows(rows_b, k_b, bits_b, -(-n // xr), xr, x_dtype=x_dtype, face=face, mode=1)
+        if pb is None:
+            return None
     nby = max(pa.nby, pb.nby)
-    tp = TwoBankPlan(_with_nby(pa, 1, rows_a, ke, nby), _with_nby(pb, 1, rows_b, 1, nby), 2 * n)
+    a, b = _with_nby(pa, 1, rows_a, ke, nby), _with_nby(pb, 1, rows_b, 1, nby)
+    tp = TwoBankPlan(a, b, a.nz + b.nz)
     return tp if tp.shared_bytes(bits_a, bits_b, 3) <= SHARED_BYTES.get(face, 32768) else None
 
 
-def plan_down2(n, rows, k_a, bits_a, ke, k_b, bits_b, *, x_dtype=mx.bfloat16, face="cuda"):
+def plan_down2(n, rows, k_a, bits_a, ke, k_b, bits_b, *, x_dtype=mx.bfloat16, face="cuda", xr=1):
     """MODE 4: bank A planned as its MODE 2 launch; bank B (dense, K split over the same KSPLIT
     warps) takes its rows, steps and threadgroups, so each warp row's units are the same rows
-    in both.  Fewer rows per warp where bank B's chunks per lane would exceed LPT loads a step."""
+    in both.  Fewer rows per warp where bank B's chunks per lane would exceed LPT loads a step.
+    xr > 1: `_plan_down2_rows`."""
+    if xr > 1:
+        return _plan_down2_rows(n, rows, k_a, bits_a, ke, k_b, bits_b, xr, x_dtype, face)
     pa = plan(2, rows, k_a, bits_a, n, ke=ke, x_dtype=x_dtype, face=face)
     nit_b = -(-(k_b * bits_b // 128) // (32 * pa.ksplit))
     if nit_b * pa.rpw > LPT and pa.rpw > 1:
@@ -720,10 +741,65 @@ def plan_down2(n, rows, k_a, bits_a, ke, k_b, bits_b, *, x_dtype=mx.bfloat16, fa
     return tp if tp.shared_bytes(bits_a, bits_b, 4) <= SHARED_BYTES.get(face, 32768) else None
 
 
+def _plan_down2_rows(n, rows, k_a, bits_a, ke, k_b, bits_b, xr, x_dtype, face) -> TwoBankPlan | None:
+    """MODE 4 multi-row: ceil(n / xr) slices of xr tokens; a slice runs bank A (MODE 2, as `plan`
+    splits K for n tokens) token by token, then bank B once for its xr tokens (x in K slices of
+    NIT chunks a lane, halved until they fit threadgroup memory, as `plan_rows` does), so the
+    shared expert's weights are read once per slice.  About BLOCKS threadgroups in all."""
+    nz = -(-n // xr)
+    pa = plan(2, rows, k_a, bits_a, n, ke=ke, x_dtype=x_dtype, face=face)
+    ks, limit = pa.ksplit, SHARED_BYTES.get(face, 32768)
+    nit_row = -(-(k_b * bits_b // 128) // (32 * ks))  # bank B's chunks per lane over its whole row
+    rpw = max(1, min(pa.rpw, RPW_ROWS[bits_b]))  # xr sums a row: registers
+    nit = min(nit_row, max(1, (LPT if xr <= 4 else LPT // 2) // rpw))
+    units, wrows = -(-rows // rpw), WARPS // ks
+    maxit = max(1, min(MAXIT, -(-nz * units // (wrows * BLOCKS))))
+    nby = -(-units // (wrows * maxit))
+    maxit = -(-units // (wrows * nby))
+    while True:
+        ksl = -(-nit_row // nit)
+        nit = -(-nit_row // ksl)  # the kernel's NIT for KSL slices
+        a = Plan(ks, pa.nit, rpw, maxit, nby, nz, pa.sw)
+        tp = TwoBankPlan(a, Plan(ks, nit, rpw, maxit, nby, nz, _sw(bits_b, x_dtype), xr, ksl), nz)
+        if tp.shared_bytes(bits_a, bits_b, 4) <= limit:
+            return tp
+        if nit == 1:
+            return None
+        nit = -(-nit // 2)
+
+
+def twobank_rows_plan(mode: int, n: int, shape: tuple, x_dtype, face: str) -> TwoBankPlan | None:
+    """MODE 3 / 4 with bank B multi-row for n > 1 tokens: the fewest bank B slices (xr = ceil(n /
+    slices) <= XR_MAX tokens each) whose plan fits; None where none with xr > 1 does.  `shape`:
+    `plan_gu2` / `plan_down2`'s positional arguments after n.  Cached per value of the knobs."""
+    knobs = (WARPS, BLOCKS, LPT, MAXIT, XR_MAX, tuple(RPW_ROWS.items()), SHARED_BYTES.get(face, 32768))
+    return _twobank_rows_plan(mode, n, shape, x_dtype, face, knobs)
+
+
+@cache
+def _twobank_rows_plan(mode, n, shape, x_dtype, face, knobs) -> TwoBankPlan | None:
+    planner = plan_gu2 if mode == 3 else plan_down2
+    for nz in range(-(-n // XR_MAX), n):
+        tp = planner(n, *shape, x_dtype=x_dtype, face=face, xr=-(-n // nz))
+        if tp is not None:
+            return tp
+    return None
+
+
+def _twobank_plan(mode: int, n: int, shape: tuple, x_dtype, face: str, backend: str | None) -> TwoBankPlan | None:
+    """Bank B multi-row where n > 1 tokens and that form runs on this face (a caller's face, or
+    the automatic one once it passed its first-use self-test); else the one-row form."""
+    if n > 1 and (backend is not None or auto_face("affine_qmv.twobank_rows", _twobank_rows_self_test) == face):
+        tp = twobank_rows_plan(mode, n, shape, x_dtype, face)
+        if tp is not None:
+            return tp
+    return (plan_gu2 if mode == 3 else plan_down2)(n, *shape, x_dtype=x_dtype, face=face)
+
+
 def twobank_template(mode, tp: TwoBankPlan, x_dtype, banks: tuple) -> list:
     """`banks`: per bank a dict of `template`'s keywords (s_dtype, n_rows, k_dim, group_size,
-    bits, x_div, ke, dense) and its mode."""
-    nz_a = tp.nz // 2 if mode == 3 else tp.nz  # MODE 3: bank A's z slices, then as many of bank B's
+    bits, x_div, ke, dense, x_rows) and its mode."""
+    nz_a = tp.a.nz if mode == 3 else tp.nz  # MODE 3: bank A's z slices, then bank B's
     out = [("T", x_dtype), ("WARPS", WARPS), ("NBY", tp.a.nby), ("MODE", mode), ("NZ_A", nz_a)]
     for tag, pl, kw in (("A", tp.a, banks[0]), ("B", tp.b, banks[1])):
         kw = dict(kw)
@@ -781,7 +857,7 @@ def gather_swiglu_shared(
         and _bank_ok(face, k_dim, group_size, bits, biases)
         and _bank_ok(face, k_dim, shared_group_size, shared_bits, bs)
     ):
-        tp = plan_gu2(n, two_i, k_dim, bits, k, two_i2, k_dim, shared_bits, x_dtype=x.dtype, face=face)
+        tp = _twobank_plan(3, n, (two_i, k_dim, bits, k, two_i2, k_dim, shared_bits), x.dtype, face, backend)
     if tp is None:
         h = gather_swiglu(
             x, w, scales, biases, expert_ids, limit=limit, group_size=group_size, bits=bits, backend="reference"
@@ -798,9 +874,10 @@ def gather_swiglu_shared(
             backend="reference",
         )
         return h, hs.reshape(n, two_i2 // 2)
+    shared_bank = dict(s_dtype=ss.dtype, n_rows=two_i2, k_dim=k_dim, group_size=shared_group_size, bits=shared_bits)
     banks = (
         dict(mode=1, s_dtype=scales.dtype, n_rows=two_i, k_dim=k_dim, group_size=group_size, bits=bits, x_div=k),
-        dict(mode=1, s_dtype=ss.dtype, n_rows=two_i2, k_dim=k_dim, group_size=shared_group_size, bits=shared_bits),
+        shared_bank | dict(mode=1, dense=tp.b.xr > 1, x_rows=n),  # multi-row: the one matrix, no ids read
     )
     y, y2 = _twobank_kernel(3)(
         face,
@@ -863,17 +940,16 @@ def gather_down_sum_shared(
         and _bank_ok(face, k_dim, group_size, bits, biases)
         and _bank_ok(face, k2, shared_group_size, shared_bits, bs)
     ):
-        tp = plan_down2(n, rows, k_dim, bits, k, k2, shared_bits, x_dtype=h.dtype, face=face)
+        tp = _twobank_plan(4, n, (rows, k_dim, bits, k, k2, shared_bits), h.dtype, face, backend)
     if tp is None:
         y = gather_down_sum(
             h, w, scales, biases, expert_ids, weights, group_size=group_size, bits=bits, backend="reference"
         )
         return y + qmv(hs, ws, ss, bs, group_size=shared_group_size, bits=shared_bits, backend="reference")
+    shared_bank = dict(s_dtype=ss.dtype, n_rows=rows, k_dim=k2, group_size=shared_group_size, bits=shared_bits)
     banks = (
         dict(mode=2, s_dtype=scales.dtype, n_rows=rows, k_dim=k_dim, group_size=group_size, bits=bits, ke=k),
-        dict(
-            mode=0, s_dtype=ss.dtype, n_rows=rows, k_dim=k2, group_size=shared_group_size, bits=shared_bits, dense=True
-        ),
+        shared_bank | dict(mode=0, dense=True, x_rows=n),
     )
     lim = _lim(0.0)
     return _twobank_kernel(4)(
@@ -1033,9 +1109,18 @@ def _moe_self_test(face: str) -> bool:
     return ok
 
 
+def _twobank_pair(face: str, x, h, ids, wts, routed: tuple, sgu: tuple, sdn: tuple, kw: dict) -> tuple:
+    """MODE 3 then MODE 4 on `face` -> (h [n, k, I], hs [n, I2], y [n, H]): the routed bank's one
+    matrix is both the gate_up (at x) and the down (at h), the shared expert's gate_up `sgu` at
+    x, its down `sdn` at h's first expert's rows."""
+    got = gather_swiglu_shared(x, *routed, ids, sgu, limit=1.0, shared_limit=0.5, **kw, backend=face)
+    return (*got, gather_down_sum_shared(h, *routed, ids, wts, h[:, 0], sdn, **kw, backend=face))
+
+
 def _twobank_self_test(face: str) -> bool:
     """MODE 3 and 4 (2-bit experts with an 8-bit shared expert, bfloat16: the decode path; 4-bit
-    with 8-bit, float32) against the reference (the two launches' expressions)."""
+    with 8-bit, float32) against the reference (the two launches' expressions), one token a
+    launch (the multi-row form has its own test)."""
     key = mx.random.key(10)
     ok = True
     wts = mx.array([[0.25, 0.75], [0.5, 0.5]])
@@ -1044,13 +1129,44 @@ def _twobank_self_test(face: str) -> bool:
         sq, ssc, sbi = mx.quantize(mx.random.normal((6, 512), key=key) * 0.05, gs2, bits2)
         sh = (sq, ssc.astype(dt), sbi.astype(dt))
         kw = dict(group_size=gs, bits=bits, shared_group_size=gs2, shared_bits=bits2)
-        got = gather_swiglu_shared(x, wq, sc, bi, ids, sh, limit=1.0, shared_limit=0.5, **kw, backend=face)
-        want = gather_swiglu_shared(x, wq, sc, bi, ids, sh, limit=1.0, shared_limit=0.5, **kw, backend="reference")
-        ok = ok and _close(got[0], want[0], dt) and _close(got[1], want[1], dt)
-        hs = h[:, 0]
-        ok = ok and _close(
-            gather_down_sum_shared(h, wq, sc, bi, ids, wts, hs, sh, **kw, backend=face),
-            gather_down_sum_shared(h, wq, sc, bi, ids, wts, hs, sh, **kw, backend="reference"),
-            dt,
-        )
+        for t in range(2):
+            one = (x[t : t + 1], h[t : t + 1], ids[t : t + 1], wts[t : t + 1], (wq, sc, bi), sh, sh, kw)
+            ok = ok and all(
+                _close(g, w, dt) for g, w in zip(_twobank_pair(face, *one), _twobank_pair("reference", *one))
+            )
+    return ok
+
+
+# (routed bits, gs, shared bits, gs, dtype, tokens): V4 Flash's formats in bfloat16 (3 tokens: one
+# slice of 3), 4-bit + 8-bit float32 at 8 tokens (K slices of the shared expert's x)
+_TWOBANK_ROWS_SELF_TEST_CASES = ((2, 64, 8, 64, mx.bfloat16, 3), (4, 32, 8, 128, mx.float32, 8))
+
+
+def _twobank_rows_self_test(face: str) -> bool:
+    """MODE 3 and 4 with the shared expert multi-row (n tokens sharing each of its weight loads)
+    against the reference and against one launch per token (the verified one-row form: the same
+    sums, only the shared expert's weight loads shared)."""
+    keys = mx.random.split(mx.random.key(12), 4)
+    ok = True
+    k_dim, e, k = 1024, 4, 2
+    for bits, gs, bits2, gs2, dt, n in _TWOBANK_ROWS_SELF_TEST_CASES:
+        wq, sc, bi = mx.quantize(mx.random.normal((e, k_dim, k_dim), key=keys[0]) * 0.03, gs, bits)
+        sq, ssc, sbi = mx.quantize(mx.random.normal((2 * k_dim, k_dim), key=keys[1]) * 0.03, gs2, bits2)
+        routed, sgu = (wq, sc.astype(dt), bi.astype(dt)), (sq, ssc.astype(dt), sbi.astype(dt))
+        sdn = tuple(a[:k_dim] for a in sgu)
+        ids = (mx.arange(n * k, dtype=mx.int32) * 3 % e).reshape(n, k)
+        wts = mx.softmax(mx.random.normal((n, k), key=keys[2]), axis=-1)
+        x = mx.random.normal((n, k_dim), key=keys[3]).astype(dt)
+        h = mx.random.normal((n, k, k_dim), key=keys[2]).astype(dt)
+        kw = dict(group_size=gs, bits=bits, shared_group_size=gs2, shared_bits=bits2)
+        got = _twobank_pair(face, x, h, ids, wts, routed, sgu, sdn, kw)
+        # the reference in float32 on the same values (MLX's 16-bit quantized matmul sums in 16 bits:
+        # `_float32_reference`), rounded once
+        f32 = lambda t: tuple(a if a.dtype == mx.uint32 else a.astype(mx.float32) for a in t)  # noqa: E731
+        want = _twobank_pair("reference", *f32((x, h)), ids, wts, f32(routed), f32(sgu), f32(sdn), kw)
+        want = [w.astype(dt) for w in want]
+        rows = [(x[t : t + 1], h[t : t + 1], ids[t : t + 1], wts[t : t + 1]) for t in range(n)]
+        each = [_twobank_pair(face, *r, routed, sgu, sdn, kw) for r in rows]
+        for i, g in enumerate(got):
+            ok = ok and _close(g, want[i], dt) and _close(g, mx.concatenate([o[i] for o in each]), dt)
     return ok

@@ -45,6 +45,7 @@ UNVERIFIED_KERNELS = {  # every other kernel's CUDA face passed its `pytest -m g
     "sparse_attention.index_topk_rows",  # B sessions' indexer scores + top-k in one launch (session batching)
     "attn_prologue",  # attn_prep and a compressed layer's compressor steps in one launch
     "attn_prologue.rows",  # the same for B sessions' rows of one layer (session batching)
+    "affine_qmv.twobank_rows",  # MODE 3 / 4 with the shared expert's weights read once for the step's rows
 }
 
 log = logging.getLogger("ds4mlx.kernels")

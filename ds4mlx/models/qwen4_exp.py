@@ -52,8 +52,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..runtime.forward_context import CHAIN
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
-from .cache import StaticDecode, grow_rows
+from .cache import StaticForward, grow_rows
 from .causal_lm import BaseModelArgs, CausalLM
 from .gated_delta import causal_conv1d, gated_delta, l2_normalize
 from .layers import GLUMLP, ActivationDtype, SwitchGLU, default_inv_freq, route_weights, score_fn, topk_indices
@@ -291,8 +292,8 @@ class LinearCache:
         self.ple = ple
         self.conv = self.recurrent = self.ple_conv = self.ngram = None
 
-    # -- static decode layout: fixed-size already (present from the first token on)
-    def static_state(self, dtype) -> list[mx.array]:
+    # -- static decode layout: fixed-size (made by `Model.static_state` before the first token)
+    def static_state(self, dtype, ahead: int = 1) -> list[mx.array]:
         return [getattr(self, k) for k in self.NAMES[: 4 if self.ple else 2]]
 
     def commit_static(self, arrays, advance: int = 1) -> None:
@@ -366,16 +367,18 @@ class AttentionCache:
             out[:, known] = self.mrope[:, rows[known]]
         return mx.array(out.astype(np.int32))
 
-    # -- static decode layout (present from the first token on)
-    def static_state(self, dtype) -> list[mx.array]:
-        """keys, values (grown to hold row offset), index blocks (row offset // r), and the
-        open block's raw keys padded to r rows (the first offset % r live)."""
+    # -- static decode layout (buffers made by `Model.static_state` before the first token)
+    def static_state(self, dtype, ahead: int = 1) -> list[mx.array]:
+        """keys, values (grown to hold rows offset .. offset + ahead - 1), index blocks (up to
+        that last row's block), and the open block's raw keys padded to r rows (the first
+        offset % r live)."""
         r, tail = self.ratio, self.index_tail
-        self.keys.reserve(self.offset + 1)
-        self.values.reserve(self.offset + 1)
+        last = self.offset + ahead - 1
+        self.keys.reserve(last + 1)
+        self.values.reserve(last + 1)
         if self.index_blocks.buf is None:
             self.index_blocks.buf = mx.zeros((1, 0, tail.shape[-1]), tail.dtype)
-        self.index_blocks.reserve(self.offset // r + 1)
+        self.index_blocks.reserve(last // r + 1)
         pad = mx.zeros((1, r - tail.shape[1], tail.shape[-1]), tail.dtype)
         # the rope position of this row is row + rope_delta (text); the open block's first
         # row may be an image row (a prompt ending just after an image): its (t, h, w)
@@ -609,13 +612,13 @@ class QSAIndexer(nn.Module):
         tail = (pos >= complete * r) & (pos <= t)
         return in_block | tail
 
-    def step(self, x: mx.array, pos: mx.array, blocks: mx.array, tail: mx.array, valid: mx.array, delta, block_pos):
-        """`__call__` for one query at row `pos` (array) over the capacity rows: (new blocks,
-        new tail, token mask [cap]).  The open block is pooled and written at pos // r
-        whether complete or not (a block that is not complete is masked).  The query sits
-        at pos + delta, the open block at block_pos [3, 1] (AttentionCache.static_state)."""
+    def step(self, qk: mx.array, pos: mx.array, blocks: mx.array, tail: mx.array, valid: mx.array, delta, block_pos):
+        """`__call__` for one query at row `pos` (array) over the capacity rows, from its
+        `index_qk_proj` output qk [1, 1, (nh + 1) d]: (new blocks, new tail, token mask
+        [cap]).  The open block is pooled and written at pos // r whether complete or not (a
+        block that is not complete is masked).  The query sits at pos + delta, the open
+        block at block_pos [3, 1] (AttentionCache.static_state)."""
         r = self.ratio
-        qk = self.index_qk_proj(x)
         q = self.q_layernorm(qk[..., : self.nh * self.d].reshape(1, 1, self.nh, self.d))
         q = self._rope(q.swapaxes(1, 2), offset=pos + delta)  # [1, nh, 1, d]
         raw = qk[..., self.nh * self.d :]  # [1, 1, d]
@@ -651,25 +654,44 @@ class Attention(nn.Module):
         self.indexer = QSAIndexer(args, rope)
         self._rope = rope
 
-    def step(self, x: mx.array, pos: mx.array, state, new: list) -> mx.array:
-        """`__call__` for one token at `pos` (array) over `AttentionCache.static_state`."""
-        keys, values, blocks, tail, delta, block_pos = (next(state) for _ in range(6))
+    def step(self, x: mx.array, ctx) -> mx.array:
+        """`__call__` for the query rows of a static forward `ctx` (runtime/forward_context.py:
+        x [1, T, H], row t at ctx.row_pos[t] over `AttentionCache.static_state` in
+        ctx.views[t]), branch-free in the positions.  The projections run once for all rows;
+        the indexer, the cache writes and the attention run per row, in row order (a chain's
+        row reads the rows before it)."""
+        T = x.shape[1]
+        proj = (self.q_proj(x), self.k_proj(x), self.v_proj(x), self.indexer.index_qk_proj(x))
+        chain = ctx.kind == CHAIN
+        outs = [
+            self._step_row(*(_token(a, t) for a in proj), pos, view, chain)
+            for t, (pos, view) in enumerate(zip(ctx.row_pos, ctx.views))
+        ]
+        out = _joined(outs)  # [1, T, nh * D]
+        gate = proj[0].reshape(1, T, self.nh, 2 * self.D)[..., self.D :]
+        out = out * mx.sigmoid(gate.reshape(1, T, -1).astype(mx.float32)).astype(out.dtype)
+        return self.o_proj(out)
+
+    def _step_row(self, qg, k, v, qk, pos: mx.array, view, chain: bool) -> mx.array:
+        """One query row at `pos` (its q_proj, k_proj, v_proj and indexer projections
+        [1, 1, ...]) over its `view` -> the attention output [1, 1, nh * D] before the gate."""
+        keys, values, blocks, tail, delta, block_pos = (next(view) for _ in range(6))
         valid = mx.arange(keys.shape[-2]) <= pos
-        blocks, tail, mask = self.indexer.step(x, pos, blocks, tail, valid, delta, block_pos)
-        qg = self.q_proj(x).reshape(1, 1, self.nh, 2 * self.D)
-        q, gate = qg[..., : self.D], qg[..., self.D :]
+        blocks, tail, mask = self.indexer.step(qk, pos, blocks, tail, valid, delta, block_pos)
+        q = qg.reshape(1, 1, self.nh, 2 * self.D)[..., : self.D]
         at_pos = pos + delta  # the rope position (rows after an image prompt: see AttentionCache)
         q = self._rope(self.q_norm(q).swapaxes(1, 2), offset=at_pos)
-        k = self._rope(self.k_norm(self.k_proj(x).reshape(1, 1, self.nkv, self.D)).swapaxes(1, 2), offset=at_pos)
-        v = self.v_proj(x).reshape(1, 1, self.nkv, self.D).swapaxes(1, 2)
+        k = self._rope(self.k_norm(k.reshape(1, 1, self.nkv, self.D)).swapaxes(1, 2), offset=at_pos)
+        v = v.reshape(1, 1, self.nkv, self.D).swapaxes(1, 2)
         at = pos.reshape(1)
         keys = mx.slice_update(keys, k.astype(keys.dtype), at, axes=(2,))
         values = mx.slice_update(values, v.astype(values.dtype), at, axes=(2,))
-        new += [keys, values, blocks, tail, delta, block_pos]
+        if chain:  # the next row's open block: a new one (a text row) once this row closes it
+            r = self.indexer.ratio
+            block_pos = mx.where((pos + 1) % r == 0, mx.broadcast_to(pos + 1 + delta, block_pos.shape), block_pos)
+        view.put(keys, values, blocks, tail, delta, block_pos)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.D**-0.5, mask=mask[None])
-        out = out.swapaxes(1, 2).reshape(1, 1, self.nh * self.D)
-        out = out * mx.sigmoid(gate.reshape(1, 1, -1).astype(mx.float32)).astype(out.dtype)
-        return self.o_proj(out)
+        return out.swapaxes(1, 2).reshape(1, 1, self.nh * self.D)
 
     def __call__(self, x: mx.array, cache: AttentionCache) -> mx.array:
         B, C, _ = x.shape
@@ -750,21 +772,52 @@ class DecoderLayer(nn.Module):
         self.mlp_hyper_connection = GatedResidual(args)
         self.has_ple = idx + 1 in args.ple_layer_ids
 
-    def step(self, x: mx.array, ids: mx.array, pos: mx.array, state, new: list) -> mx.array:
-        """`__call__` for one token at `pos` over the static layout: the linear layer's
-        (and PLE's) fixed-size state goes through the dynamic modules as is."""
-        view = None
+    def step(self, x: mx.array, ids: mx.array, ctx) -> mx.array:
+        """`__call__` for the query rows of a static forward `ctx` (x [1, T, hc, H], ids
+        [1, T]): the linear layer's (and PLE's) fixed-size state goes through the dynamic
+        modules as is, the attention through `Attention.step`."""
         if self.layer_type == LINEAR:
-            view = _FixedState(next(state), next(state), *((next(state), next(state)) if self.has_ple else ()))
-        if self.has_ple:
-            x = x + self.ple(x, ids, view)
-        mixed, inject = self.attn_hyper_connection(x)
-        out = self.linear_attn(mixed, view) if view is not None else self.self_attn.step(mixed, pos, state, new)
-        if view is not None:
-            new += [view.conv, view.recurrent] + ([view.ple_conv, view.ngram] if self.has_ple else [])
-        x = x + out[..., None, :] * inject[..., None].astype(out.dtype)
+            x = self._linear_step(x, ids, ctx)
+        else:
+            mixed, inject = self.attn_hyper_connection(x)
+            out = self.self_attn.step(mixed, ctx)
+            x = x + out[..., None, :] * inject[..., None].astype(out.dtype)
         mixed, inject = self.mlp_hyper_connection(x)
         out = self.mlp(mixed)
+        return x + out[..., None, :] * inject[..., None].astype(out.dtype)
+
+    def _linear_step(self, x: mx.array, ids: mx.array, ctx) -> mx.array:
+        """PLE and the Gated DeltaNet half of `step`.  DECODE: the rows' states stacked into
+        one batch of B one-token sequences; CHAIN: one sequence stepped token by token (the
+        recurrence emits only its last state), each token's states put into its row's view."""
+        n = 4 if self.has_ple else 2
+        T = x.shape[1]
+        if ctx.kind == CHAIN:
+            state = _FixedState(*(next(ctx.views[0]) for _ in range(n)))
+            ple_kept = []
+            if self.has_ple:
+                adds = []
+                for t in range(T):
+                    adds.append(self.ple(_token(x, t), _token(ids, t), state))
+                    ple_kept.append([state.ple_conv, state.ngram])
+                x = x + _joined(adds)
+            mixed, inject = self.attn_hyper_connection(x)
+            outs = []
+            for t, view in enumerate(ctx.views):
+                outs.append(self.linear_attn(_token(mixed, t), state))
+                for _ in range(n if t else 0):
+                    next(view)  # row t - 1's arrays of this layer (row t's view is chained to them)
+                view.put(state.conv, state.recurrent, *(ple_kept[t] if ple_kept else ()))
+            out = _joined(outs)
+        else:
+            B = ctx.rows
+            state = _FixedState.stack([_FixedState(*(next(v) for _ in range(n))) for v in ctx.views])
+            if self.has_ple:
+                x = x + self.ple(_as_batch(x), _as_batch(ids), state).reshape(x.shape)
+            mixed, inject = self.attn_hyper_connection(x)
+            out = self.linear_attn(_as_batch(mixed), state).reshape(1, T, -1)
+            for b, view in enumerate(ctx.views):
+                view.put(*state.row(b, B).arrays(self.has_ple))
         return x + out[..., None, :] * inject[..., None].astype(out.dtype)
 
     def __call__(self, x: mx.array, ids: mx.array, cache) -> mx.array:
@@ -816,40 +869,103 @@ class Qwen4ExpTextModel(ActivationDtype, nn.Module):
             c.offset += ids.shape[1]
         return self.hyper_connection_mixer(x)[0]
 
-    def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
-        """One token ids [1, 1] at position pos over the static layout -> (hidden, new state)."""
+    def step(self, ids: mx.array, ctx) -> mx.array:
+        """The static forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py) ->
+        hidden [1, T, H]; the rows' new states are in their views."""
         h = self.embed(ids)
-        x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
-        it, new = iter(state), []
+        x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
         for layer in self.layers:
-            x = layer.step(x, ids, pos, it, new)
-        return self.hyper_connection_mixer(x)[0], new
+            x = layer.step(x, ids, ctx)
+        if ctx.streams:
+            return self.hyper_connection_mixer(x)[0], x
+        return self.hyper_connection_mixer(x)[0]
+
+
+def _token(a: mx.array, t: int) -> mx.array:
+    """Token t of a [1, T, ...] array, as [1, 1, ...] (a slice; the array itself when T = 1)."""
+    return a if a.shape[1] == 1 else a[:, t : t + 1]
+
+
+def _joined(tokens: list) -> mx.array:
+    """`_token`'s inverse: [1, 1, ...] arrays -> [1, T, ...]."""
+    return tokens[0] if len(tokens) == 1 else mx.concatenate(tokens, axis=1)
+
+
+def _as_batch(a: mx.array) -> mx.array:
+    """[1, B, ...] (B rows of one token) -> [B, 1, ...] (B one-token sequences)."""
+    return a if a.shape[1] == 1 else a.reshape(a.shape[1], 1, *a.shape[2:])
 
 
 class _FixedState:
-    """The arrays the linear and PLE modules read and replace, outside a LinearCache."""
+    """The arrays the linear and PLE modules read and replace, outside a LinearCache: one
+    row's, or B rows' stacked along the batch axis (`stack`, `row`)."""
 
     def __init__(self, conv, recurrent, ple_conv=None, ngram=None):
         self.conv, self.recurrent, self.ple_conv, self.ngram = conv, recurrent, ple_conv, ngram
 
+    def arrays(self, ple: bool) -> list:
+        """In `LinearCache.static_state`'s order."""
+        return [self.conv, self.recurrent] + ([self.ple_conv, self.ngram] if ple else [])
 
-class Model(StaticDecode, CausalLM):
+    @classmethod
+    def stack(cls, rows: list) -> _FixedState:
+        if len(rows) == 1:
+            return rows[0]
+        fields = zip(*(r.arrays(r.ple_conv is not None) for r in rows))
+        return cls(*(mx.concatenate(list(f), axis=0) for f in fields))
+
+    def row(self, b: int, B: int) -> _FixedState:
+        """Row b of B stacked rows (a slice: a view, no gather)."""
+        if B == 1:
+            return self
+        return _FixedState(*(None if a is None else a[b : b + 1] for a in vars(self).values()))
+
+
+class Model(StaticForward, CausalLM):
     """Qwen4ExpForCausalLM (text): `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, Qwen4ExpTextModel(args))
 
+    # a chain (a speculative verify) steps each token's recurrences and keeps every row's state
+    static_rows_chain = True
+
     def static_dtype(self):
-        return None  # every buffer exists before the first static step (static_ready)
+        """The residual stream's dtype (what every cache buffer of the forward is made in)."""
+        return self.model.embed(mx.zeros((1, 1), mx.int32)).dtype  # a lazy array's dtype: nothing runs
 
-    def static_ready(self, cache: list) -> bool:
-        """The static step needs the state every layer makes at its first token."""
-        return all(c.offset > 0 for c in cache)
+    def static_state(self, cache: list, ahead: int = 1) -> list:
+        """`StaticDecode.static_state`, after making the state a layer's first token makes
+        (what None means to the dynamic forward: zeros, an EOS-filled n-gram history)."""
+        a, dtype = self.args, self.static_dtype()
+        for c in cache:
+            if isinstance(c, LinearCache) and c.conv is None:
+                conv_dim = 2 * a.linear_num_key_heads * a.linear_key_head_dim
+                conv_dim += a.linear_num_value_heads * a.linear_value_head_dim
+                c.conv = mx.zeros((1, a.linear_conv_kernel_dim - 1, conv_dim), dtype)
+                shape = (1, a.linear_num_value_heads, a.linear_value_head_dim, a.linear_key_head_dim)
+                c.recurrent = mx.zeros(shape, mx.float32)
+                if c.ple:
+                    c.ple_conv = mx.zeros(
+                        (1, (a.ple_conv_kernel_size - 1) * a.ngram_size, a.hc_count * a.hidden_size), dtype
+                    )
+                    c.ngram = mx.full((1, a.ngram_size - 1), a.eos_id, mx.int32)
+            elif isinstance(c, AttentionCache) and c.index_tail is None:
+                for rows in (c.keys, c.values):
+                    rows.buf = mx.zeros((1, a.num_key_value_heads, 0, a.head_dim), dtype)
+                c.index_tail = mx.zeros((1, 0, a.indexer_head_dim), dtype)
+        return super().static_state(cache, ahead)
 
-    def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
-        """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
-        h, new = self.model.step(ids, pos, state)
-        return self.head(h)[0, 0], new
+    def static_forward(self, ids: mx.array, ctx) -> tuple:
+        """Pure: the static forward of ids [1, T] over `ctx` (runtime/forward_context.py
+        `StepContext`: T sessions' next tokens, or one session's next T chained) ->
+        (logits [T, V], the rows' new states[, the residual streams [1, T, hc, H] after the
+        last layer, with ctx.streams: the MTP head's input])."""
+        out = self.model.step(ids, ctx)
+        h, streams = out if ctx.streams else (out, None)
+        logits = self.head(h).squeeze(0)
+        news = [v.new for v in ctx.views]
+        return (logits, news) if streams is None else (logits, news, streams)
 
     def make_cache(self) -> list:
         a = self.args

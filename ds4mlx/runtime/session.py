@@ -399,16 +399,11 @@ class Session:
 
 def can_step_together(sessions: list) -> bool:
     """Whether `step_together` runs these sessions in one forward (one model, its
-    family batches static steps, each session ready for the static step)."""
+    family batches static steps)."""
     if len(sessions) < 2:
         return False
     model = sessions[0].model
-    ready = getattr(model, "static_ready", None)
-    return (
-        all(s.model is model for s in sessions)
-        and stepper.supports_rows(model)
-        and (ready is None or all(ready(s.caches) for s in sessions))
-    )
+    return all(s.model is model for s in sessions) and stepper.supports_rows(model)
 
 
 def step_together(sessions: list, tokens: list, undoable: bool = False) -> list[mx.array]:

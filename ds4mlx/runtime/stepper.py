@@ -8,8 +8,6 @@ A family that supports the static decode layout gives its `Model`
   arrays, `pos` an int32 scalar array, no branch on a position;
 * `commit_static(cache, new_state)`: the new arrays back into the caches, counters
   advanced one position; `rewind_static(cache, old_state)` its inverse (undo);
-* optionally `static_ready(cache) -> bool`: False while the caches lack state the step
-  needs (Qwen3.8: before the first token); that step takes the legacy path;
 * optionally `static_forward(ids [1, T], ctx) -> (logits [T, V], the rows' new states)`:
   the same step over a `forward_context.StepContext` of several rows: B sessions' tokens
   (`step_rows`) or, with `static_rows_chain`, one session's next T (`step_chain`).
@@ -162,8 +160,7 @@ def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, un
         if undoable:
             raise ValueError("the legacy decode path cannot undo a step")
         return model(ids, cache, last_only=True)[0, -1]
-    ready = getattr(model, "static_ready", None)
-    if id(model) in _refused or (ready is not None and not ready(cache)):
+    if id(model) in _refused:
         return step(model, cache, ids, pos, "legacy", undoable)  # undoable: ValueError
     ctx = ForwardContext.decode([pos])
     state = model.static_state(cache)

@@ -36,7 +36,7 @@
 //     warp row g of NBY*WROWS takes units g, g + NBY*WROWS, ... (MAXIT steps), so
 //     few rows still fill the GPU (KSPLIT up to 8, NBY threadgroups) and many
 //     rows do not re-stage x (one staging per threadgroup);
-//   * multi-row (MODE 0, DENSE, XR > 1): threadgroup z = XR x rows (z = ceil(XROWS / XR); the
+//   * multi-row (MODE 0 or 1, DENSE, XR > 1): threadgroup z = XR x rows (z = ceil(XROWS / XR); the
 //     last slice's rows past XROWS read the last row and write nothing), so each weight unit
 //     is loaded once for XR rows: a level is made once and multiplies XR x values (decode
 //     is memory-bound: N rows cost about one row's weight reads, not N).  Threadgroup memory
@@ -112,12 +112,12 @@ constexpr int PSLOT = NIT * SUBS * 32;            // float2s per slot
 constexpr uint32_t LMASK = (1u << BITS) - 1u;
 constexpr uint32_t GW = uint32_t(NBY * WROWS);    // warp rows per grid z slice
 constexpr int NIDS = MODE == 2 ? KE : NPAIR;      // expert ids of one grid z slice
-static_assert(!DENSE || MODE == 0, "a dense matrix is the plain mode");
+static_assert(!DENSE || MODE != 2, "a dense matrix is the plain mode's or a one-matrix gate_up's");
 static_assert(!NORM || MODE == 0, "the folded RMSNorm is the plain mode's");
-static_assert(XR == 1 || (MODE == 0 && DENSE), "x rows share a threadgroup's weights: one dense matrix");
-static_assert(KSL == 1 || MODE == 0, "K slices: the plain mode's (MODE 2's steps are its experts)");
+static_assert(XR == 1 || (MODE != 2 && DENSE), "x rows share a threadgroup's weights: one dense matrix");
+static_assert(KSL == 1 || MODE != 2, "K slices: MODE 0 / 1's (MODE 2's steps are its experts)");
 // a warp's one unit (MAXIT 1) over KSL slices: consecutive steps, its sums stay in registers
-constexpr bool CARRY = MODE == 0 && KSL > 1 && MAXIT == 1;
+constexpr bool CARRY = MODE != 2 && KSL > 1 && MAXIT == 1;
 // @@ qmv_shared
 DS4_SHARED float4 xs[KSPLIT * XR * XSLOT];
 DS4_SHARED float nred[WARPS * XR];
@@ -465,13 +465,17 @@ for (uint32_t lo = tid; lo < uint32_t(MAXIT * XR * WROWS * OPW); lo += uint32_t(
 // The lines DS4_QMV_CONSTS(A|B) / DS4_QMV_MAIN(A|B) / DS4_QMV_EPILOGUE(A|B) below stand for
 // those instances; the threadgroup arrays are declared once, sized for the larger bank.
 //   MODE 3: grid z = NZ_A slices of bank A (the routed experts' gate_up + SwiGLU: MODE_A 1, a
-//           token's KE experts sharing its x, y [NZ_A * X_DIV_A, I_A]), then NZ_A slices of
+//           token's KE experts sharing its x, y [NZ_A * X_DIV_A, I_A]), then the slices of
 //           bank B (the shared expert's gate_up + SwiGLU: MODE_B 1 over a one-matrix bank,
-//           y2 [NZ_A, I_B]); a threadgroup runs its bank's instance (a uniform branch).
-//   MODE 4: grid z = the token; bank A's instance (MODE_A 2: the routed experts' down and their
-//           weighted sum into `red`), a barrier, bank B's (MODE_B 0, DENSE: the shared expert's
-//           down of x2 into `red2`: the same KSPLIT, RPW, MAXIT and NBY, so a warp row's units
-//           are the same rows in both), then one epilogue writes y = routed + shared.
+//           y2 [NZ_A, I_B]): NZ_A of them, or (multi-row: DENSE_B, XR_B > 1 tokens a slice, x in
+//           KSL_B slices of K) ceil(NZ_A / XR_B), each shared-expert weight read once for XR_B
+//           tokens; a threadgroup runs its bank's instance (a uniform branch).
+//   MODE 4: grid z = XR_B tokens (one, or multi-row XR_B > 1 of the XROWS_B tokens); bank A's
+//           instance per token (MODE_A 2: the routed experts' down and their weighted sum into
+//           red_A[token], a barrier between tokens: each reads its own experts), a barrier, bank
+//           B's (MODE_B 0, DENSE: the shared expert's down of x2 into `red2`, XR_B rows sharing
+//           each weight load: the same KSPLIT, RPW, MAXIT and NBY, so a warp row's units are the
+//           same rows in both), then one epilogue writes y = routed + shared per token.
 
 // @@ qmv2_shared
 constexpr int XS_A = KSPLIT_A * XSLOT_A;
@@ -479,18 +483,20 @@ constexpr int XS_B = KSPLIT_B * XSLOT_B;
 constexpr int PS_A = KSPLIT_A * PSLOT_A;
 constexpr int PS_B = KSPLIT_B * PSLOT_B;
 constexpr int RED_A = MAXIT_A * WARPS * RPW_A;
-constexpr int RED_B = MAXIT_B * WARPS * RPW_B;
-DS4_SHARED float4 xs[XS_A > XS_B ? XS_A : XS_B];
+constexpr int RED_B = MAXIT_B * WARPS * RPW_B * XR_B;
+DS4_SHARED float4 xs[XS_A > XS_B * XR_B ? XS_A : XS_B * XR_B];
 DS4_SHARED float nred[WARPS];
-DS4_SHARED float2 ps[PS_A > PS_B ? PS_A : PS_B];
-DS4_SHARED float red[MODE == 3 && RED_B > RED_A ? RED_B : RED_A];   // MODE 3: either bank's
-DS4_SHARED float red2[MODE == 4 ? RED_B : 1];                       // MODE 4: bank B's
+DS4_SHARED float2 ps[PS_A > PS_B * XR_B ? PS_A : PS_B * XR_B];
+DS4_SHARED float red[MODE != 3 ? 1 : RED_B > RED_A ? RED_B : RED_A];   // MODE 3: either bank's
+DS4_SHARED float red_A[MODE == 4 ? XR_B : 1][MODE == 4 ? RED_A : 1];   // MODE 4: bank A's per token
+DS4_SHARED float red2[MODE == 4 ? RED_B : 1];                          // MODE 4: bank B's
 DS4_SHARED int sid[NIDS_A > NIDS_B ? NIDS_A : NIDS_B];
 DS4_SHARED float swt[MODE_A == 2 ? KE_A : 1];
 
 // @@ qmv2_gu
 static_assert(MODE == 3 && MODE_A == 1 && MODE_B == 1, "gate_up + SwiGLU of both banks");
-static_assert(XR_A == 1 && XR_B == 1 && KSL_A == 1 && KSL_B == 1, "one x vector per bank, staged whole");
+static_assert(XR_A == 1 && KSL_A == 1, "bank A: one x vector a slice, staged whole");
+static_assert(XR_B == 1 || DENSE_B, "bank B's XR_B tokens a slice: its one matrix");
 if (tgz < uint32_t(NZ_A)) {
     const uint32_t tgz_A = tgz;
     DS4_QMV_MAIN(A)
@@ -505,11 +511,20 @@ if (tgz < uint32_t(NZ_A)) {
 static_assert(MODE == 4 && MODE_A == 2 && MODE_B == 0 && DENSE_B, "routed down + sum, then the dense down");
 static_assert(KSPLIT_A == KSPLIT_B && RPW_A == RPW_B && MAXIT_A == MAXIT_B, "the banks' units are the same rows");
 static_assert(OUT_ROWS_A == OUT_ROWS_B, "both banks write the same output rows");
-static_assert(XR_A == 1 && XR_B == 1 && KSL_A == 1 && KSL_B == 1, "one x vector per bank, staged whole");
-const uint32_t tgz_A = tgz;
+static_assert(XR_A == 1 && KSL_A == 1, "bank A: one token at a time, its experts' x staged whole");
+static_assert(XR_B == 1 || XROWS_B > 0, "multi-row: XROWS_B tokens in all");
+// tokens past XROWS_B (the last slice's): skipped (a uniform branch), their y not written
+constexpr uint32_t NTOK = XR_B > 1 ? uint32_t(XROWS_B) : 0xffffffffu;
 const uint32_t tgz_B = tgz;
-{
-    DS4_QMV_MAIN(A)
+#pragma unroll 1
+for (uint32_t h_A = 0u; h_A < uint32_t(XR_B); ++h_A) {
+    const uint32_t tgz_A = tgz * uint32_t(XR_B) + h_A;
+    if (tgz_A < NTOK) {
+        if (h_A > 0u) {
+            ds4_tg_barrier();   // every warp is done with the previous token's x and ids
+        }
+        DS4_QMV_MAIN(A)
+    }
 }
 ds4_tg_barrier();   // every warp is done with bank A's x before bank B stages its own
 {
@@ -518,13 +533,15 @@ ds4_tg_barrier();   // every warp is done with bank A's x before bank B stages i
 // epilogue: a warp row's KSPLIT warps of both banks (bank A: its experts, weighted; bank B: K
 // split), the sum rounded once
 ds4_tg_barrier();
-for (uint32_t lo = tid; lo < uint32_t(MAXIT_A * WROWS_A * RPW_A); lo += uint32_t(THREADS_A)) {
-    const uint32_t it = lo / uint32_t(WROWS_A * RPW_A);
+for (uint32_t lo = tid; lo < uint32_t(MAXIT_A * XR_B * WROWS_A * RPW_A); lo += uint32_t(THREADS_A)) {
+    const uint32_t it = lo / uint32_t(XR_B * WROWS_A * RPW_A);
+    const uint32_t h = (lo / uint32_t(WROWS_A * RPW_A)) % uint32_t(XR_B);   // the slice's token
     const uint32_t wr2 = (lo / uint32_t(RPW_A)) % uint32_t(WROWS_A);
     const uint32_t i = lo % uint32_t(RPW_A);
     const uint32_t u = it * GW_A + tgy * uint32_t(WROWS_A) + wr2;
     const uint32_t orow = u * uint32_t(RPW_A) + i;
-    if (u >= uint32_t(UNITS_A) || orow >= uint32_t(OUT_ROWS_A)) {
+    const uint32_t tok = tgz * uint32_t(XR_B) + h;
+    if (u >= uint32_t(UNITS_A) || orow >= uint32_t(OUT_ROWS_A) || tok >= NTOK) {
         continue;
     }
     float a = 0.0f;
@@ -533,9 +550,9 @@ for (uint32_t lo = tid; lo < uint32_t(MAXIT_A * WROWS_A * RPW_A); lo += uint32_t
     for (int k = 0; k < KSPLIT_A; ++k) {
         const uint32_t base = (it * uint32_t(WARPS) + wr2 * uint32_t(KSPLIT_A) + uint32_t(k)) * uint32_t(RPW_A);
         if (k < KE_A) {
-            a += red[base + i];
+            a += red_A[h][base + i];
         }
-        b += red2[base + i];
+        b += red2[(base + i) * uint32_t(XR_B) + h];
     }
-    y[uint64_t(tgz) * uint64_t(OUT_ROWS_A) + orow] = static_cast<T>(a + b);
+    y[uint64_t(tok) * uint64_t(OUT_ROWS_A) + orow] = static_cast<T>(a + b);
 }
