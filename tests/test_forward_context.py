@@ -1,6 +1,6 @@
 """The forward context (runtime/forward_context.py, docs/forward.md §2): what the host plans,
 what the trace sees, and the families that run their static step as one forward over it
-(DeepSeek V4 and V4.1): several sessions in one forward give each row its own step's logits."""
+(DeepSeek V4, V4.1, Qwen3.8, GLM 5.2 and 5.3): several sessions in one forward give each row its own step's logits."""
 
 from __future__ import annotations
 
