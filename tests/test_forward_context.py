@@ -1,6 +1,6 @@
 """The forward context (runtime/forward_context.py, docs/forward.md §2): what the host plans,
 what the trace sees, and the families that run their static step as one forward over it
-(DeepSeek V4 and V4.1): several sessions in one forward give each row its own step's logits."""
+(DeepSeek V4, V4.1, Qwen3.8, GLM 5.2 and 5.3): several sessions in one forward give each row its own step's logits."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ds4mlx.runtime.forward_context import CHAIN, DECODE, ForwardContext, StepCo
 from ds4mlx.runtime.session import can_step_together, step_together
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity_helpers import load_case  # noqa: E402
+from parity_helpers import load_case, rows_and_alone  # noqa: E402
 
 
 def test_the_host_plan_gives_the_traces_positions():
@@ -138,3 +138,23 @@ def test_qwen_rows_stepped_together_equal_each_alone(qwen_case, monkeypatch, req
     for a, r, n in zip(alone, rows, lengths):
         t = ids[(n + 5) % len(ids)]
         assert np.abs(np.asarray(a.step(t)) - np.asarray(r.step(t))).max() <= 1e-5
+
+
+@pytest.fixture(scope="module", params=[("make_tiny_glm_moe_dsa.py", "alt"), ("make_tiny_glm5_next.py", "long")])
+def glm_case(request, oracle):
+    return load_case(oracle, *request.param)
+
+
+def test_glm_rows_stepped_together_equal_each_alone(glm_case, monkeypatch, request):
+    """GLM 5.2 (MLA + DSA, "shared" layers inheriting each row's selection) and GLM 5.3 (KDA
+    recurrent state + k-pool MLA, mHC) on the forward context gain session batching: rows at
+    different positions (one past index_topk: sparse; different buckets) in one forward give
+    each row its own step's logits within 1e-5 (float32 CPU), and the same tokens after."""
+    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+    _, lm, ref, _ = glm_case
+    ids = ref["input_ids"][0].tolist()
+    stepper.forget(lm.model)
+    request.addfinalizer(lambda: stepper.forget(lm.model))
+    assert len(ids) - 6 > lm.model.args.index_topk  # one row attends sparsely
+    worst, same = rows_and_alone(lm, ids, [3, 9, len(ids) - 6], rounds=4)
+    assert worst <= 1e-5 and same

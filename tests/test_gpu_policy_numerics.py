@@ -33,7 +33,7 @@ from ds4mlx.runtime import stepper
 from ds4mlx.runtime.session import can_step_together, step_together
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity_helpers import chunked_logits, maxdiff  # noqa: E402
+from parity_helpers import chunked_logits, maxdiff, rows_and_alone  # noqa: E402
 
 TOL = 1e-3
 PREFILL = 5
@@ -143,6 +143,17 @@ def test_rows_and_verify_chain(pair):
     s.prefill(ids[:8])
     rows = np.array(s.verify(ids[8:12]))
     assert maxdiff(rows, want[8:12]) <= TOL
+
+
+def test_rows_equal_each_alone(pair):
+    """Under the GPU policy the rows of one forward still give each session its own step's
+    logits (summation order only: within TOL, the same greedy tokens), at positions in
+    different buckets, one of them past the sparse indexers' top-k."""
+    family, gpu, _, ids = pair
+    if not callable(getattr(gpu.model, "static_forward", None)):
+        pytest.skip(f"{family} has no batched rows step yet")
+    worst, same = rows_and_alone(gpu, ids, [5, 9, 40], rounds=4)
+    assert worst <= TOL and same
 
 
 def test_vision_tower_follows_the_policy():

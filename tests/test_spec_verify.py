@@ -145,7 +145,28 @@ def test_v4_verify_runs_the_static_step_chained_as_the_forward_does(oracle, monk
     stepper.forget(lm.model)  # a trace of the other face must not serve this one (nor later tests)
     request.addfinalizer(lambda: stepper.forget(lm.model))
     monkeypatch.setattr(sparse_attention, "FORCE_FACE", face)
+    _assert_chained_verify_equals_forward(lm, ref["input_ids"][0].tolist(), monkeypatch, streams=True)
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm5_next"])
+def test_glm_verify_runs_the_static_step_chained_as_the_forward_does(family, oracle, monkeypatch, request):
+    """GLM 5.2 (MLA rows, DSA indexer, the MTP head's streams) and GLM 5.3 (each chained
+    row steps the KDA recurrence and short conv over the state the row before left; k-pool
+    MLA) verify through the static forward's CHAIN context, giving the multi-token forward's
+    logits (and GLM 5.2's normed hidden states to the stream hook) past index_topk."""
+    _, lm, ref, _ = load_case(oracle, *FAMILIES[family])
+    stepper.forget(lm.model)
+    request.addfinalizer(lambda: stepper.forget(lm.model))
+    assert type(lm.model).static_rows_chain  # the family's own flag (the helper toggles it for the oracle)
     ids = ref["input_ids"][0].tolist()
+    assert len(ids) > 36 > lm.model.args.index_topk  # the later windows attend sparsely
+    _assert_chained_verify_equals_forward(lm, ids, monkeypatch, streams=hasattr(lm.model.model, "stream_hook"))
+
+
+def _assert_chained_verify_equals_forward(lm, ids: list, monkeypatch, streams: bool) -> None:
+    """Verify windows of 2 to 5 tokens over `ids` chained (`stepper.step_chain`) and as the
+    multi-token forward: the same logits within TOL, and with `streams` the same hook calls
+    (positions, shapes, values)."""
     backbone = lm.model.model
     chained = []
     real = stepper.step_chain
@@ -153,8 +174,9 @@ def test_v4_verify_runs_the_static_step_chained_as_the_forward_does(oracle, monk
 
     def run(chain: bool):
         monkeypatch.setattr(lm.model, "static_rows_chain", chain, raising=False)
-        streams = []
-        backbone.stream_hook = lambda x, at: streams.append((at, np.array(x)))
+        got = []
+        if streams:
+            backbone.stream_hook = lambda x, at: got.append((at, np.array(x)))
         try:
             s = lm.new_session(ctx=len(ids) + 8, chunk=5)
             s.prefill(ids[:4])
@@ -165,17 +187,20 @@ def test_v4_verify_runs_the_static_step_chained_as_the_forward_does(oracle, monk
                 pos += k + 1
             rows.append(np.stack([s.decode(t) for t in ids[pos : pos + 4]]))
         finally:
-            backbone.stream_hook = None
-        return np.concatenate(rows), streams
+            if streams:
+                backbone.stream_hook = None
+        return np.concatenate(rows), got
 
     want, want_streams = run(False)
     assert not chained
     got, got_streams = run(True)
     assert chained == [2, 5, 3, 4, 5, 2, 4, 5, 3]
     assert maxdiff(got, want) <= TOL
-    assert [at for at, _ in got_streams] == [at for at, _ in want_streams] == [0, 5, 7, 12, 15, 19, 24, 26, 30, 35]
-    for (_, g), (_, w) in zip(got_streams, want_streams):
-        assert g.shape == w.shape and maxdiff(g, w) <= TOL
+    if streams:
+        want_at = [0, 5, 7, 12, 15, 19, 24, 26, 30, 35]
+        assert [at for at, _ in got_streams] == [at for at, _ in want_streams] == want_at
+        for (_, g), (_, w) in zip(got_streams, want_streams):
+            assert g.shape == w.shape and maxdiff(g, w) <= TOL
 
 
 def test_v4_keeps_a_verified_prefix_from_the_chain_without_a_forward(oracle, monkeypatch):
@@ -184,10 +209,23 @@ def test_v4_keeps_a_verified_prefix_from_the_chain_without_a_forward(oracle, mon
     those of n plain steps (the next logits agree with stepping the same tokens).  The record
     goes stale once the session moves, and a second keep can go further back in the same
     verify (the speculative loop's `settle` after a rejection)."""
+    _, lm, ref, _ = load_case(oracle, *FAMILIES["deepseek_v4"])
+    _assert_keeps_verified_prefix(lm, ref["input_ids"][0].tolist(), monkeypatch)
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm5_next"])
+def test_glm_keeps_a_verified_prefix_from_the_chain_without_a_forward(family, oracle, monkeypatch):
+    """GLM 5.2 / 5.3 keep a chained verify's first n tokens from its row states (MLA rows
+    and the open k-pool; KDA conv and recurrent state per row), as V4 does."""
+    _, lm, ref, _ = load_case(oracle, *FAMILIES[family])
+    _assert_keeps_verified_prefix(lm, ref["input_ids"][0].tolist(), monkeypatch)
+
+
+def _assert_keeps_verified_prefix(lm, ids: list, monkeypatch) -> None:
+    """Verify k + 1 tokens, keep n of them (`Session.keep_verified`) over several windows:
+    no rollback, no second forward, the caches those of n plain steps."""
     from ds4mlx.runtime.session import Session
 
-    _, lm, ref, _ = load_case(oracle, *FAMILIES["deepseek_v4"])
-    ids = ref["input_ids"][0].tolist()
     forwards = []
     real_chain = stepper.step_chain
     monkeypatch.setattr(stepper, "step_chain", lambda *a: forwards.append("chain") or real_chain(*a))

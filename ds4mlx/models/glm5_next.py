@@ -33,9 +33,9 @@ import mlx.nn as nn
 
 from ..kernels.hyper_connection import hc_post  # fused on a GPU
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
-from .cache import StaticDecode
+from .cache import StaticForward
 from .causal_lm import BaseModelArgs, CausalLM
-from .kda import LinearCache, kda, l2norm, short_conv
+from .kda import LinearCache, kda, kda_recurrent, l2norm, short_conv
 from .layers import ActivationDtype, HyperConnection, RMSNorm
 from .mla import KPoolIndexer, MLAAttention, MLACache, indexer_types_from
 from .sigmoid_moe import layer_mlp, sanitize_experts
@@ -219,16 +219,47 @@ class LinearAttention(nn.Module):
         self._H, self._D = H, D
 
     def __call__(self, x: mx.array, cache: LinearCache) -> mx.array:
+        mixed, cache.conv = short_conv(self._mixed(x), self.conv1d.weight, cache.conv)
+        q, k, v, g, beta = self._recurrence_inputs(x, mixed)
+        o, cache.recurrent = kda(q, k, v, g, beta, cache.recurrent)
+        return self._output(x, o)
+
+    def step(self, x: mx.array, ctx) -> mx.array:
+        """`__call__` for the query rows of a static forward `ctx` (runtime/forward_context.py
+        `StepContext`: x [1, T, hidden], row t over ctx.views[t]'s conv and recurrent state).
+        The projections and gates run once for all rows; each row's short conv and recurrence
+        run over its own state, in row order (a chain's row t continues row t - 1's state)."""
+        convs = []
+        for (m,), view in zip(ctx.split(self._mixed(x)), ctx.views):
+            out, conv = short_conv(m, self.conv1d.weight, next(view))
+            view.put(conv)
+            convs.append(out)
+        outs = []
+        for row, view in zip(ctx.split(*self._recurrence_inputs(x, ctx.join(convs))), ctx.views):
+            o, state = kda_recurrent(*row, next(view))
+            view.put(state)
+            outs.append(o)
+        return self._output(x, ctx.join(outs))
+
+    def _mixed(self, x: mx.array) -> mx.array:
+        """The q, k, v projections side by side [B, C, 3 * H * D]: the short conv's input."""
+        return mx.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+
+    def _recurrence_inputs(self, x: mx.array, mixed: mx.array) -> tuple:
+        """(q, k, v, g, beta) of the recurrence from the input x and the short conv's output."""
         B, C, _ = x.shape
         H, D = self._H, self._D
-        mixed = mx.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
-        mixed, cache.conv = short_conv(mixed, self.conv1d.weight, cache.conv)
         q, k, v = (mixed[..., i * H * D : (i + 1) * H * D].reshape(B, C, H, D) for i in range(3))
         q = l2norm(q) * D**-0.5
         k = l2norm(k)
         g = self.forget_gate(x)
         beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
-        o, cache.recurrent = kda(q, k, v, g, beta, cache.recurrent)
+        return q, k, v, g, beta
+
+    def _output(self, x: mx.array, o: mx.array) -> mx.array:
+        """The recurrence's output o [B, C, H, Dv] gated, normed and projected back."""
+        B, C, _ = x.shape
+        H, D = self._H, self._D
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, C, H, D)
         o = self.o_norm(o, gate).astype(x.dtype).reshape(B, C, H * D)
         return self.o_proj(o)
@@ -277,21 +308,20 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(*hc)
         self._hands_on = args.hands_on_selection(i)
 
-    def step(self, x: mx.array, pos: mx.array, state, new: list, prev):
-        """`__call__` for one token at `pos` (array) over the static layout."""
+    def step(self, x: mx.array, ctx, prevs):
+        """`__call__` for the query rows of a static forward `ctx` (x [1, T, hc, H]; prevs:
+        the rows' selections from the layer before, or None)."""
         post, comb, collapsed = self.attn_hc(x)
         h = self.input_layernorm(collapsed)
-        sel = None
+        sels = None
         if self.block_type == LINEAR:
-            view = _LinearState(next(state), next(state))
-            h = self.self_attn(h, view)  # fixed-size state, no position: the dynamic call as is
-            new += [view.conv, view.recurrent]
+            h = self.self_attn.step(h, ctx)
         else:
-            h, sel = self.self_attn.step(h, pos, state, new, prev)
+            h, sels = self.self_attn.step(h, ctx, prevs)
         x = hc_post(x, h, post, comb)
         post, comb, collapsed = self.ffn_hc(x)
         x = hc_post(x, self.mlp(self.post_attention_layernorm(collapsed)), post, comb)
-        return x, sel if self._hands_on else None
+        return x, sels if self._hands_on else None
 
     def __call__(self, x: mx.array, cache, prev):
         post, comb, collapsed = self.attn_hc(x)
@@ -324,42 +354,41 @@ class Glm5NextTextModel(ActivationDtype, nn.Module):
             c.offset += ids.shape[1]
         return self.norm(x.mean(axis=2))
 
-    def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
-        """One token ids [1, 1] at position pos over the static layout -> (hidden, new state)."""
+    def step(self, ids: mx.array, ctx) -> mx.array:
+        """The static forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py) ->
+        hidden [1, T, H] after the final norm; the rows' new states are in their views."""
         h = self.embed(ids)
-        x = mx.broadcast_to(h[:, :, None, :], (1, 1, self._hc, h.shape[-1]))
-        it, new, sel = iter(state), [], None
+        x = mx.broadcast_to(h[:, :, None, :], (1, ids.shape[1], self._hc, h.shape[-1]))
+        sels = None
         for layer in self.layers:
-            x, sel = layer.step(x, pos, it, new, sel)
-        return self.norm(x.mean(axis=2)), new
+            x, sels = layer.step(x, ctx, sels)
+        return self.norm(x.mean(axis=2))
 
 
-class _LinearState:
-    """The two arrays `LinearAttention.__call__` reads and replaces, outside a LinearCache."""
-
-    def __init__(self, conv: mx.array, recurrent: mx.array):
-        self.conv, self.recurrent = conv, recurrent
-
-
-class Model(StaticDecode, CausalLM):
+class Model(StaticForward, CausalLM):
     """Glm5NextTextModel + lm_head: `model(ids [1, T], cache) -> logits [1, T, V]`."""
+
+    # a chain's rows step the KDA recurrence one token each (every row's state kept) and
+    # append to the MLA rows: row t reads row t - 1's state
+    static_rows_chain = True
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, Glm5NextTextModel(args))
 
-    def static_state(self, cache: list) -> list:
+    def static_state(self, cache: list, ahead: int = 1) -> list:
         a = self.args
         H, D = a.linear_num_heads, a.linear_head_dim
         for c in cache:  # the linear layers' zero state (what None means) before their first step
             if isinstance(c, LinearCache) and c.conv is None:
                 c.conv = mx.zeros((1, a.linear_conv_kernel_dim - 1, 3 * H * D), self.static_dtype())
                 c.recurrent = mx.zeros((1, H, D, D), mx.float32)
-        return super().static_state(cache)
+        return super().static_state(cache, ahead)
 
-    def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
-        """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
-        h, new = self.model.step(ids, pos, state)
-        return self.head(h)[0, 0], new
+    def static_forward(self, ids: mx.array, ctx) -> tuple[mx.array, list]:
+        """Pure: the static forward of ids [1, T] over `ctx` (runtime/forward_context.py
+        `StepContext`: T sessions' next tokens, or one session's next T as a chain) ->
+        (logits [T, V], the rows' new states)."""
+        return self.head(self.model.step(ids, ctx)).squeeze(0), [v.new for v in ctx.views]
 
     def make_cache(self) -> list:
         a = self.args

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
-from .cache import StaticDecode
+from .cache import StaticForward
 from .causal_lm import BaseModelArgs, CausalLM
 from .layers import ActivationDtype, RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
 from .mla import DSAIndexer, MLAAttention, MLACache, indexer_types_from
@@ -176,10 +176,12 @@ class DecoderLayer(nn.Module):
         x = x + steer(self, ATTN, h)
         return x + steer(self, FFN, self.mlp(self.post_attention_layernorm(x))), sel
 
-    def step(self, x, pos, state, new: list, prev):
-        h, sel = self.self_attn.step(self.input_layernorm(x), pos, state, new, prev)
+    def step(self, x, ctx, prevs):
+        """`__call__` for the query rows of a static forward `ctx` (x [1, T, H]; prevs: the
+        rows' selections from the layer before)."""
+        h, sels = self.self_attn.step(self.input_layernorm(x), ctx, prevs)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), sel
+        return x + self.mlp(self.post_attention_layernorm(x)), sels
 
 
 class GlmMoeDsaModel(ActivationDtype, nn.Module):
@@ -207,25 +209,34 @@ class GlmMoeDsaModel(ActivationDtype, nn.Module):
             c.offset += ids.shape[1]
         return h
 
-    def step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
-        """One token ids [1, 1] at position pos over the static layout -> (hidden, new state)."""
+    def step(self, ids: mx.array, ctx) -> mx.array:
+        """The static forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py) ->
+        hidden [1, T, H] after the final norm; the rows' new states are in their views, the
+        selections a "shared" layer inherits kept per row."""
         x = self.embed(ids)
-        it, new, sel = iter(state), [], None
+        sels = None
         for layer in self.layers:
-            x, sel = layer.step(x, pos, it, new, sel)
-        return self.norm(x), new
+            x, sels = layer.step(x, ctx, sels)
+        return self.norm(x)
 
 
-class Model(StaticDecode, CausalLM):
+class Model(StaticForward, CausalLM):
     """GlmMoeDsaForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
+
+    static_rows_chain = True  # the MLA rows append only: a chain's row t reads row t - 1's buffers
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, GlmMoeDsaModel(args))
 
-    def static_step(self, ids: mx.array, pos: mx.array, state: list) -> tuple[mx.array, list]:
-        """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
-        h, new = self.model.step(ids, pos, state)
-        return self.head(h)[0, 0], new
+    def static_forward(self, ids: mx.array, ctx) -> tuple:
+        """Pure: the static forward of ids [1, T] over `ctx` (runtime/forward_context.py
+        `StepContext`: T sessions' next tokens, or one session's next T as a chain) ->
+        (logits [T, V], the rows' new states[, the normed hidden states [1, T, H] where
+        ctx.streams: the MTP head's input, as `stream_hook` gets them])."""
+        h = self.model.step(ids, ctx)
+        logits = self.head(h).squeeze(0)
+        news = [v.new for v in ctx.views]
+        return (logits, news, h) if ctx.streams else (logits, news)
 
     def make_cache(self) -> list[MLACache]:
         a = self.args

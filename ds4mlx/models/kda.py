@@ -161,12 +161,16 @@ class LinearCache:
         self.recurrent = None
 
     # -- static decode layout (the compiled step, ds4mlx/runtime/stepper.py) ---------------------
-    def static_state(self, dtype) -> list[mx.array]:
-        """[conv, recurrent]: fixed-size already; the family creates them (zeros, what
-        None means) before the first step."""
+    def static_state(self, dtype, ahead: int = 1) -> list[mx.array]:
+        """[conv, recurrent]: fixed-size already, whatever positions ahead; the family
+        creates them (zeros, what None means) before the first step."""
         if self.conv is None:
             raise ValueError("linear-attention state not created yet")
         return [self.conv, self.recurrent]
+
+    def static_mark(self) -> tuple:
+        """(recurrent state, offset): as `MLACache.static_mark` (`Session.keep_verified`)."""
+        return self.recurrent, self.offset
 
     def commit_static(self, arrays, advance: int = 1) -> None:
         self.conv, self.recurrent = next(arrays), next(arrays)

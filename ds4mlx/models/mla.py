@@ -136,12 +136,13 @@ class MLACache:
         """Live rows of buffer `name` after `offset` tokens (k-pool pools: complete pools)."""
         return offset // self.kpool if name == "pools" else offset
 
-    def static_state(self, dtype) -> list[mx.array]:
+    def static_state(self, dtype, ahead: int = 1) -> list[mx.array]:
         """The row buffers (latent, k_rope, index_k or pools: `rows` order), grown so the
-        step's row fits, then for a k-pool indexer the open pool's pool_k, pool_gate."""
+        next `ahead` positions' rows fit (a chained forward writes them all), then for a
+        k-pool indexer the open pool's pool_k, pool_gate."""
         out = []
         for name, r in self.rows.items():
-            r.reserve(self._rows_at(name, self.offset) + 1, dtype)
+            r.reserve(self._rows_at(name, self.offset + ahead - 1) + 1, dtype)
             out.append(r.buf)
         if self.indexer == "kpool":
             if self.pool_k is None:
@@ -149,6 +150,11 @@ class MLACache:
                 self.pool_gate = mx.zeros((1, self.kpool, self.rows["pools"].dim), dtype)
             out += [self.pool_k, self.pool_gate]
         return out
+
+    def static_mark(self) -> tuple:
+        """(latent buffer, offset): what tells a session that this cache is still the state a
+        chained verify committed (`Session.keep_verified`): every step and commit moves one."""
+        return self.rows["latent"].buf, self.offset
 
     def commit_static(self, arrays, advance: int = 1) -> None:
         self.offset += advance
@@ -275,20 +281,25 @@ class DSAIndexer(nn.Module):
         chosen = mx.put_along_axis(mx.zeros((C, L), mx.bool_), idx, mx.array(True), axis=-1)
         return Selection(mask=chosen & causal)
 
-    def step(self, x: mx.array, q_res: mx.array, pos: mx.array, state, new: list, valid: mx.array):
-        """`__call__` for one query at `pos` (array) over the capacity rows: (index [k] or
-        None for all rows, valid [k or cap]).  Above index_topk capacity, the top-k of the
-        scores with rows that are not live at -inf (so below index_topk live rows every
-        live row is picked, as DENSE)."""
-        k = self._rotate(self.k_norm(self.wk(x))[:, None], pos)[:, 0]  # [1, 1, D]
-        keys = next(state)
+    def project(self, x: mx.array, q_res: mx.array) -> tuple:
+        """The static forward's projections of every query row at once (x, q_res [1, T, ..]):
+        (normed keys before rope [1, T, D], queries [1, T, H * D], head weights [1, T, H])."""
+        return self.k_norm(self.wk(x)), self.wq_b(q_res), self.weights_proj(x).astype(mx.float32) * self._H**-0.5
+
+    def step(self, k: mx.array, q: mx.array, w: mx.array, pos: mx.array, view, valid: mx.array):
+        """`__call__` for one query row at `pos` (array; its `project` outputs [1, 1, ..]) over
+        its view's capacity rows (runtime/forward_context.py `StateView`): (index [k] or None
+        for all rows, valid [k or cap]).  Above index_topk capacity, the top-k of the scores
+        with rows that are not live at -inf (so below index_topk live rows every live row is
+        picked, as DENSE)."""
+        k = self._rotate(k[:, None], pos)[:, 0]  # [1, 1, D]
+        keys = next(view)
         keys = mx.slice_update(keys, k.astype(keys.dtype), pos.reshape(1), axes=(1,))
-        new.append(keys)
+        view.put(keys)
         if keys.shape[1] <= self._topk:
             return None, valid
-        q = self.wq_b(q_res).reshape(1, 1, self._H, self._D).swapaxes(1, 2)
+        q = q.reshape(1, 1, self._H, self._D).swapaxes(1, 2)
         q = self._rotate(q, pos).swapaxes(1, 2).astype(mx.float32)  # [1, 1, H, D]
-        w = self.weights_proj(x).astype(mx.float32) * self._H**-0.5
         scores = mx.where(valid, index_scores(q, keys, w, self._D**-0.5)[0, 0], -mx.inf)
         idx = topk_indices(scores, self._topk)
         return idx, mx.take(valid, idx)
@@ -334,14 +345,21 @@ class KPoolIndexer(nn.Module):
         p = mx.softmax(logits, axis=2, precise=True).astype(wk.dtype)
         return pools.append((p * wk).sum(axis=2))
 
-    def step(self, x: mx.array, q_res: mx.array, pos: mx.array, state, new: list, valid: mx.array):
-        """`__call__` for one query at `pos` (array): (None, token mask [cap]) over the
-        latent capacity rows: the chosen pools' tokens plus the open pool's (the tail).
-        The open pool's row is written at pos // kpool whether complete or not."""
-        kp = self._kp
+    def project(self, x: mx.array, q_res: mx.array) -> tuple:
+        """The static forward's projections of every query row at once (x, q_res [1, T, ..]):
+        (normed keys [1, T, D], gate logits [1, T, D], queries [1, T, H * D], head weights
+        [1, T, H])."""
         k = self.k_norm(self.wk(x))
         gate = x @ self.index_kpool_compress_gate.T.astype(x.dtype)
-        pools, pool_k, pool_gate = next(state), next(state), next(state)
+        return k, gate, self.wq_b(q_res), self.weights_proj(x).astype(mx.float32) * self._H**-0.5
+
+    def step(self, k: mx.array, gate: mx.array, q: mx.array, w: mx.array, pos: mx.array, view, valid: mx.array):
+        """`__call__` for one query row at `pos` (array; its `project` outputs [1, 1, ..]) over
+        its view: (None, token mask [cap]) over the latent capacity rows: the chosen pools'
+        tokens plus the open pool's (the tail).  The open pool's row is written at
+        pos // kpool whether complete or not."""
+        kp = self._kp
+        pools, pool_k, pool_gate = next(view), next(view), next(view)
         b = (pos % kp).reshape(1)
         pool_k = mx.slice_update(pool_k, k.astype(pool_k.dtype), b, axes=(1,))
         pool_gate = mx.slice_update(pool_gate, gate.astype(pool_gate.dtype), b, axes=(1,))
@@ -349,12 +367,11 @@ class KPoolIndexer(nn.Module):
         p = mx.softmax(logits, axis=2, precise=True).astype(pool_k.dtype)
         row = (p * pool_k[:, None]).sum(axis=2)  # [1, 1, D]
         pools = mx.slice_update(pools, row.astype(pools.dtype), (pos // kp).reshape(1), axes=(1,))
-        new += [pools, pool_k, pool_gate]
+        view.put(pools, pool_k, pool_gate)
         P = pools.shape[1]
         if P <= self._select:
             return None, valid
-        q = self.wq_b(q_res).reshape(1, 1, self._H, self._D).astype(mx.float32)
-        w = self.weights_proj(x).astype(mx.float32) * self._H**-0.5
+        q = q.reshape(1, 1, self._H, self._D).astype(mx.float32)
         visible = iota(P) < (pos + 1) // kp  # complete pools (iota: a kept constant, not a launch per token)
         scores = mx.where(visible, index_scores(q, pools, w, self._D**-0.5)[0, 0], -mx.inf)
         idx = topk_indices(scores, self._select)
@@ -470,30 +487,46 @@ class MLAAttention(nn.Module):
         # per (query, key): absorbed ~ 2*lora + r, expanded ~ nope + r + v, plus nv*lora per key
         return C * max(1, 2 * lora - nv) > nv * lora
 
-    def step(self, x: mx.array, pos: mx.array, state, new: list, prev: tuple | None):
-        """`__call__` for one token at `pos` (array) over `MLACache.static_state`,
-        branch-free: (out, selection (index [k] | None, valid)) for the next layer."""
+    def step(self, x: mx.array, ctx, prevs: list | None):
+        """`__call__` for the query rows of a static forward `ctx` (runtime/forward_context.py
+        `StepContext`: x [1, T, hidden], row t at ctx.row_pos[t] over the `MLACache.static_state`
+        of ctx.views[t]), branch-free in the positions: (out [1, T, hidden], every row's
+        selection (index [k] | None, valid) for the next layer).  The projections run once
+        for all rows; prevs[t] is row t's selection handed on by the previous layer."""
+        q_res = self.q_a_layernorm(self.q_a_proj(x))
+        q, kv = self.q_b_proj(q_res), self.kv_a_proj_with_mqa(x)
+        index_inputs = self.indexer.project(x, q_res) if self._has_indexer else ()
+        prevs = [None] * ctx.rows if prevs is None else prevs
+        outs, sels = [], []
+        for row, pos, view, prev in zip(ctx.split(q, kv, *index_inputs), ctx.row_pos, ctx.views, prevs):
+            out, sel = self._step_row(row[0], row[1], row[2:], pos, view, prev)
+            outs.append(out)
+            sels.append(sel)
+        return self.o_proj(ctx.join(outs)), sels
+
+    def _step_row(self, q, kv, index_inputs: tuple, pos: mx.array, view, prev: tuple | None):
+        """One query row's attention at `pos` (the q_b_proj / kv_a_proj outputs and the
+        indexer's projections [1, 1, ...]) over its `view` -> (out [1, 1, nh * v] before
+        o_proj, its selection)."""
         nh, nope, r = self._nh, self._nope, self._r
         at = pos.reshape(1)
-        q_res = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_res).reshape(1, 1, nh, nope + r).swapaxes(1, 2)  # [1, nh, 1, nope+r]
-        kv = self.kv_a_proj_with_mqa(x)
-        latents = next(state)
+        q = q.reshape(1, 1, nh, nope + r).swapaxes(1, 2)  # [1, nh, 1, nope+r]
+        latents = next(view)
         latents = mx.slice_update(
             latents, self.kv_a_layernorm(kv[..., : self._lora]).astype(latents.dtype), at, axes=(1,)
         )
-        new.append(latents)
+        view.put(latents)
         q_nope = q[..., :nope]
         q_rope = k_ropes = None
         if r:
             q_rope = self._rope(q[..., nope:], offset=pos)
-            k_ropes = next(state)
+            k_ropes = next(view)
             k_new = self._rope(kv[..., self._lora :][:, None], offset=pos)[:, 0]
             k_ropes = mx.slice_update(k_ropes, k_new.astype(k_ropes.dtype), at, axes=(1,))
-            new.append(k_ropes)
+            view.put(k_ropes)
         valid = iota(latents.shape[1]) <= pos
         if self._has_indexer:
-            sel = self.indexer.step(x, q_res, pos, state, new, valid)
+            sel = self.indexer.step(*index_inputs, pos, view, valid)
         elif prev is None:
             raise ValueError("a shared DSA layer needs the previous layer's selection")
         else:
@@ -522,7 +555,7 @@ class MLAAttention(nn.Module):
             out = mx.fast.scaled_dot_product_attention(queries, keys, latents[:, None], scale=self._scale, mask=mask)
             out = unembed_out(out)
         # [1, nh, 1, v] -> [1, 1, nh * v]: one query, a reshape (MLX copies a transposed array it reshapes)
-        return self.o_proj(out.reshape(1, 1, nh * self._v)), sel
+        return out.reshape(1, 1, nh * self._v), sel
 
     def __call__(self, x: mx.array, cache: MLACache, prev: Selection | None):
         B, C, _ = x.shape

@@ -111,6 +111,17 @@ class StepContext:
     def rows(self) -> int:
         return len(self.views)
 
+    def split(self, *arrays) -> list[tuple]:
+        """Per query row, its slice [:, t : t + 1] of each of `arrays` ([1, T, ...]; a slice
+        is a view, an integer index a gather); one row gets the arrays themselves."""
+        if self.rows == 1:
+            return [arrays]
+        return [tuple(a[:, t : t + 1] for a in arrays) for t in range(self.rows)]
+
+    def join(self, outs: list) -> mx.array:
+        """The rows' outputs [1, 1, ...] as one [1, T, ...] (`split`'s inverse)."""
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+
     @classmethod
     def one(cls, pos: mx.array, state) -> StepContext:
         """One token at `pos` (an int32 scalar) over one state list."""
