@@ -46,6 +46,7 @@ MODES = ("compiled", "eager", "legacy")
 
 # (id(model), kind, one row, state arrays per row, streams) -> its compiled forward (traces are per function)
 _compiled: dict[tuple, object] = {}
+_traces: dict[tuple, int] = {}  # same keys: how many times mx.compile traced that function
 _checked: set[int] = set()  # models whose static step has run once
 _refused: set[int] = set()  # models whose static step failed: legacy from then on
 _watched: set[int] = set()  # models with a finalizer that drops their entries
@@ -95,8 +96,30 @@ def _traced(model, ctx: ForwardContext, n_state: int, compiled: bool):
     key = (id(model), ctx.kind, ctx.tokens == 1, n_state, ctx.streams)
     fn = _compiled.get(key)
     if fn is None:
-        fn = _compiled[key] = mx.compile(_pure(model, ctx, n_state))
+        fn = _compiled[key] = mx.compile(_counted(key, _pure(model, ctx, n_state)))
     return fn
+
+
+def _counted(key: tuple, fn):
+    """`fn` counting its calls in `_traces[key]`: under mx.compile the Python function runs
+    only when MLX traces it (a new input-shape signature), never on a replay."""
+    _traces[key] = 0
+
+    def run(*args):
+        _traces[key] += 1
+        return fn(*args)
+
+    return run
+
+
+def trace_counts(model) -> dict[tuple[str, bool], int]:
+    """How many times `model`'s compiled forwards were traced, per (kind, one row): a test
+    pins that a decode retraces only per bucket or row count, never per position."""
+    out: dict[tuple[str, bool], int] = {}
+    for (mid, kind, one, _, _), n in _traces.items():
+        if mid == id(model):
+            out[kind, one] = out.get((kind, one), 0) + n
+    return out
 
 
 def _watch(model) -> None:
@@ -116,6 +139,7 @@ def _drop_traces(key: int) -> None:
     """The compiled functions of the model with id `key`: its step, rows and chains."""
     for k in [k for k in _compiled if k[0] == key]:
         _compiled.pop(k, None)
+        _traces.pop(k, None)
 
 
 def forget(model) -> None:
