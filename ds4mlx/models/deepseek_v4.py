@@ -1191,7 +1191,23 @@ class DeepseekV4Model(ActivationDtype, nn.Module):
         return (self.norm(h) if final_norm else h), x
 
 
-class Model(StaticForward, CausalLM):
+class ContextForward:
+    """Mixin for a family `Model` with one `forward(ids, ctx, last_only=False)` over every
+    context kind (runtime/forward_context.py): `model(ids, cache)` is its PREFILL context,
+    the stepper's `static_forward` its DECODE / CHAIN contexts."""
+
+    def __call__(self, ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
+        """`CausalLM.__call__`: a PREFILL forward of ids [1, T] after the state in `cache`."""
+        ids = ids if ids.ndim == 2 else ids[None]
+        cache = self.make_cache() if cache is None else cache
+        return self.forward(ids, StepContext.prefill(cache[0].offset if cache else 0, cache), last_only)
+
+    def static_forward(self, ids: mx.array, ctx) -> tuple:
+        """Pure: `forward` of a DECODE or CHAIN context (the stepper's entry)."""
+        return self.forward(ids, ctx)
+
+
+class Model(ContextForward, StaticForward, CausalLM):
     """DeepseekV4ForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
@@ -1204,12 +1220,6 @@ class Model(StaticForward, CausalLM):
     # -- the static forward (ds4mlx/runtime/stepper.py drives it; models/cache.StaticForward) --
     static_rows_chain = True  # static_forward of a CHAIN context: stepper.step_chain
     static_steers = True  # steering edits the static forward too (the stepper runs it eagerly)
-
-    def __call__(self, ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
-        """`CausalLM.__call__`: a PREFILL forward of ids [1, T] after the state in `cache`."""
-        ids = ids if ids.ndim == 2 else ids[None]
-        cache = self.make_cache() if cache is None else cache
-        return self.forward(ids, StepContext.prefill(cache[0].offset if cache else 0, cache), last_only)
 
     def forward(self, ids: mx.array, ctx, last_only: bool = False):
         """The one forward of ids [1, T] over `ctx` (runtime/forward_context.py `StepContext`).
@@ -1226,10 +1236,6 @@ class Model(StaticForward, CausalLM):
         logits = (self.normed_head(h) if fold else self.head(h)).squeeze(0)
         news = [v.new for v in ctx.views]
         return (logits, news, streams) if ctx.streams else (logits, news)
-
-    def static_forward(self, ids: mx.array, ctx) -> tuple:
-        """Pure: `forward` of a DECODE or CHAIN context (the stepper's entry)."""
-        return self.forward(ids, ctx)
 
     def head_folds_norm(self) -> bool:
         """Whether the static step runs the final norm inside the head's launch (`normed_head`):
