@@ -5,7 +5,7 @@ logits, only slower: these counts are what catches it.
 
 DeepSeek V4 and V4.1 on their tiny oracle models (CPU, float32): one session decoding more
 than 20 tokens inside one bucket, then the same with buckets of 4 rows (one trace per
-bucket signature met), B sessions stepped together, and V4's verify chains.
+bucket signature met), B sessions stepped together, and verify chains (V4.1's opt-in).
 """
 
 from __future__ import annotations
@@ -95,9 +95,11 @@ def test_rows_trace_once_per_row_count(family):
     assert stepper.trace_counts(lm.model) == {ONE: 1, ROWS: 2}
 
 
-def test_chains_trace_once_per_length(oracle):
-    _, lm, ref, _ = load_case(oracle, "make_tiny_deepseek_v4.py", None)
-    ids = ref["input_ids"][0].tolist() * 3  # room for the chains
+def test_chains_trace_once_per_length(family, monkeypatch):
+    name, lm, ids = family
+    if name == "v41":
+        monkeypatch.setattr(lm.model, "chain_verify", True, raising=False)  # opt-in on V4.1
+    ids = ids * 3  # room for the chains
     lm = _fresh(lm)
     s = lm.new_session(ctx=len(ids) + 64)
     s.prefill(ids[:5])

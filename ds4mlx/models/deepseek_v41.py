@@ -224,11 +224,11 @@ class LayerCache(_V4LayerCache):
             if "index" in role.split("+"):
                 self.index = CompressorState(ratio, index_head_dim, False)
 
-    def static_state(self, dtype) -> list[mx.array]:
+    def static_state(self, dtype, ahead: int = 1) -> list[mx.array]:
         for st in (self.comp, self.index):
             if st is not None:
                 _start(st, dtype)  # float32 open-group buffers, as the dynamic path makes them
-        return super().static_state(dtype)
+        return super().static_state(dtype, ahead)
 
 
 def _start(st: CompressorState, dtype) -> None:
@@ -568,8 +568,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: mx.array, pre: mx.array, ctx, shareds: list, cache: LayerCache | None = None):
         """The layer over the query rows of `ctx` (runtime/forward_context.py): x [1, T, n, H]
         streams, pre [1, T, n] the previous block's collapse weights, shareds[b] row b's
-        picks between layers.  PREFILL: a chunk over the live `cache`; DECODE: the static
-        step over the rows' views.  Steering edits both sites' outputs on every kind."""
+        picks between layers.  PREFILL: a chunk over the live `cache`; DECODE / CHAIN: the
+        static step over the rows' views.  Steering edits both sites' outputs on every kind."""
         attn_pre, post, comb = self.attn_hc.mix(x)
         normed = self.input_layernorm(hc_collapse(x, pre))
         if ctx.kind == PREFILL:
@@ -619,9 +619,10 @@ class DeepseekV41Model(ActivationDtype, nn.Module):
 
     def forward(self, ids: mx.array, ctx) -> mx.array:
         """The forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py: a PREFILL
-        chunk of one session, or T sessions' next tokens) -> hidden [1, T, H].  PREFILL
-        advances the caches and feeds `capture_hook`; DECODE leaves the rows' new states in
-        their views, the layers' shared picks kept per row."""
+        chunk of one session, T sessions' next tokens, or one session's next T as a chain) ->
+        hidden [1, T, H].  PREFILL advances the caches and feeds `capture_hook`; DECODE and
+        CHAIN leave the rows' new states in their views, the layers' shared picks kept per
+        row."""
         h = self.embed(ids)
         T = ids.shape[1]
         x = mx.broadcast_to(h[:, :, None, :], (1, T, self._hc, h.shape[-1]))
@@ -650,12 +651,23 @@ class Model(ContextForward, StaticForward, CausalLM):
     def __init__(self, args: ModelArgs):
         super().__init__(args, DeepseekV41Model(args))
 
+    # a verify as a CHAIN context (stepper.step_chain): off by default, since the static step
+    # drifts from the PREFILL forward over long sequences (~1e-2 in the logits through the fake
+    # quantizers after 200 tokens) where a verify through the PREFILL forward does not
+    chain_verify = False
+
+    @property
+    def static_rows_chain(self) -> bool:
+        """Whether a verify runs as a CHAIN context: `chain_verify`, and no DSpark drafter
+        captures the backbone's states (those come from the PREFILL forward only)."""
+        return self.chain_verify and self.model.capture_hook is None
+
     def forward(self, ids: mx.array, ctx, last_only: bool = False):
         """The one forward of ids [1, T] over `ctx` (runtime/forward_context.py `StepContext`).
         PREFILL (a chunk over the live caches, advanced) -> logits [1, T, V] (`last_only`: the
-        last token's).  DECODE (pure: T sessions' next tokens) -> (logits [T, V], the rows'
-        new states).  Not chained (no `static_rows_chain`): a verify runs the PREFILL forward,
-        which feeds the DSpark drafter's capture hook."""
+        last token's).  DECODE / CHAIN (pure: T sessions' next tokens, or one session's next T
+        as a chain, row t over the state row t - 1 left) -> (logits [T, V], the rows' new
+        states)."""
         h = self.model.forward(ids, ctx)
         if ctx.kind == PREFILL:
             return self.head(h[:, -1:] if last_only else h)
