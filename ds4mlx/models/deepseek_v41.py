@@ -57,7 +57,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels.hyper_connection import hc_collapse, hc_post  # hc_post fused on a GPU
-from ..runtime.forward_context import PREFILL
+from ..runtime.forward_context import PREFILL, StepContext
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .cache import StaticForward
 from .causal_lm import BaseModelArgs, CausalLM
@@ -564,6 +564,11 @@ class DecoderLayer(nn.Module):
         hc = (args.hc_mult, args.hidden_size, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps)
         self.attn_hc = HyperConnection(*hc)
         self.ffn_hc = HyperConnection(*hc)
+
+    def __call__(self, x: mx.array, pre: mx.array, cache: LayerCache, shared: dict):
+        """`forward` of a chunk x [1, C, n, H] at the cache's position; `shared` the picks the
+        forward's earlier layers published."""
+        return self.forward(x, pre, StepContext.prefill(cache.offset, [cache]), [shared], cache)
 
     def forward(self, x: mx.array, pre: mx.array, ctx, shareds: list, cache: LayerCache | None = None):
         """The layer over the query rows of `ctx` (runtime/forward_context.py): x [1, T, n, H]
