@@ -512,6 +512,9 @@ class Compressor(nn.Module):
         if rest:
             st.buf_kv[:, :rest] = kv[:, usable:]
             st.buf_gate[:, :rest] = gate[:, usable:]
+        elif n_w:  # the buffer keeps the window the chunk completed, as the static step leaves it
+            st.buf_kv[:, :] = kv[:, usable - m : usable]
+            st.buf_gate[:, :] = gate[:, usable - m : usable]
         if n_w == 0:
             return st.live_rows()
         win_kv, win_gate = kv[:, :usable], gate[:, :usable]
