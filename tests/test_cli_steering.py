@@ -259,3 +259,30 @@ def test_cli_flags_install_steering(tmp_path):
             engine.close()
     finally:
         steering.install(model, None)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "deepseek_v41"])
+def test_a_steered_decode_runs_the_static_forward_and_equals_the_prefill(family, monkeypatch):
+    """A family whose static forward steers (`static_steers`) decodes a steered model on it,
+    eagerly (no trace), with the logits of the steered prefill forward of the same tokens;
+    the step can be undone (the static layout)."""
+    from ds4mlx.runtime import stepper
+
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    model, tok = ds4mlx.load(f"demo:{family}")
+    ids = tok.encode(TEXT)
+    steering.install(model, steering.Steering(_dirs(model, seed=2), ffn=1.2, attn=0.4))
+    try:
+        want = model.logits(ids)[-6:]
+        s = model.new_session(ctx=len(ids) + 4)
+        s.prefill(ids[:-6])
+        assert s.can_undo
+        got = []
+        for t in ids[-6:]:
+            got.append(np.array(s.step(t).astype(mx.float32)))
+        unsteered = ds4mlx.load(f"demo:{family}")[0].logits(ids)[-6:]
+    finally:
+        steering.install(model, None)
+    assert stepper.trace_counts(model.model) == {}  # eager: nothing traced
+    assert np.abs(want - unsteered).max() > 1e-2  # the steering moves these logits
+    np.testing.assert_allclose(np.stack(got), want, atol=1e-4 * max(1.0, np.abs(want).max()), rtol=0)

@@ -13,7 +13,7 @@ import pytest
 
 from ds4mlx.models import cache as row_cache
 from ds4mlx.runtime import stepper
-from ds4mlx.runtime.forward_context import CHAIN, DECODE, ForwardContext, StepContext
+from ds4mlx.runtime.forward_context import CHAIN, DECODE, PREFILL, ForwardContext, StepContext
 from ds4mlx.runtime.session import can_step_together, step_together
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -28,17 +28,20 @@ def test_the_host_plan_gives_the_traces_positions():
     assert one.pos_array().shape == () and one.pos_array().item() == 9  # static_step's scalar
     c = ForwardContext.chain(40, 4, streams=True)
     assert (c.kind, c.tokens, c.positions(), c.streams) == (CHAIN, 4, [40, 41, 42, 43], True)
+    p = ForwardContext.prefill(8, 3)
+    assert (p.kind, p.tokens, p.positions()) == (PREFILL, 3, [8, 9, 10])
 
 
 @pytest.mark.parametrize(
     "kind, starts, counts, words",
     [
-        ("prefill", (0,), (1,), "forward kind"),
+        ("verify", (0,), (1,), "forward kind"),
         (DECODE, (), (), "at least one token"),
         (DECODE, (1, 2), (1,), "at least one token"),
         (CHAIN, (5,), (0,), "at least one token"),
         (DECODE, (1,), (2,), "one token per row"),
         (CHAIN, (1, 2), (2, 2), "one session"),
+        (PREFILL, (1, 2), (2, 2), "one session"),
     ],
 )
 def test_a_malformed_plan_is_refused(kind, starts, counts, words):

@@ -263,3 +263,43 @@ def test_v4_speculative_loop_keeps_rejections_without_rollback(oracle, monkeypat
     assert list(loop) == want and t.tokens == s.tokens
     assert maxdiff(t.last_logits[None], lm.logits(t.tokens)[-1:]) <= TOL
     assert loop.stats.rollbacks > 0 and 0 < loop.stats.accepted < loop.stats.drafted
+
+
+def test_v41_verify_runs_the_static_step_chained_as_the_forward_does(oracle, monkeypatch):
+    """DeepSeek V4.1's verify with `chain_verify` goes through the static forward of a CHAIN
+    context: its logits those of the PREFILL forward's verify (within TOL), a kept prefix
+    those of plain steps, and the DSpark drafter's capture keeps the PREFILL verify (its
+    states come from there)."""
+    _, lm, ref, _ = load_case(oracle, *FAMILIES["deepseek_v41"])
+    ids = ref["input_ids"][0].tolist()
+    chained = []
+    real = stepper.step_chain
+    monkeypatch.setattr(stepper, "step_chain", lambda m, c, t, p: chained.append(t.shape[1]) or real(m, c, t, p))
+
+    def run(chain: bool):
+        monkeypatch.setattr(lm.model, "chain_verify", chain, raising=False)
+        s = lm.new_session(ctx=len(ids) + 8, chunk=5)
+        s.prefill(ids[:4])
+        rows, pos = [s.decode(ids[4])[None]], 5  # the static step's first run: it is then checked
+        for k in (1, 4, 2, 3, 4, 1, 3):
+            rows.append(np.array(s.verify(ids[pos : pos + k + 1])))
+            pos += k + 1
+        rows.append(np.stack([s.decode(t) for t in ids[pos : pos + 4]]))
+        return np.concatenate(rows), s, pos
+
+    want, _, _ = run(False)
+    assert not chained
+    got, s, pos = run(True)
+    assert chained == [2, 5, 3, 4, 5, 2, 4]
+    assert maxdiff(got, want) <= TOL
+    s.verify(ids[pos + 4 : pos + 8])
+    assert s.keep_verified(2)
+    assert maxdiff(s.last_logits[None], _stepped(lm, ids, pos + 5, 1)) <= TOL
+    lm.model.model.capture_hook = lambda *a: None
+    try:
+        assert not stepper.supports_chain(lm.model)
+    finally:
+        lm.model.model.capture_hook = None
+    assert stepper.supports_chain(lm.model)
+    monkeypatch.undo()
+    assert not stepper.supports_chain(lm.model)  # off by default

@@ -30,6 +30,7 @@ import mlx.nn as nn
 
 from ..models.deepseek_v4 import Attention, DeepseekV4Model, MoE, finish_open_step
 from ..models.layers import GLUMLP, SwitchGLU
+from ..runtime.forward_context import PREFILL
 from .plan import Plan
 from .slicing import take
 
@@ -144,18 +145,17 @@ class PipelineStage(DeepseekV4Model):
         h = self.hc_head(out)
         return self.norm(h) if final_norm else h  # (final_norm=False: the head folds it in)
 
-    def __call__(self, ids: mx.array, cache: list) -> mx.array:
+    def forward(self, ids: mx.array, ctx, final_norm: bool = True) -> tuple[mx.array, mx.array]:
+        """`DeepseekV4Model.forward` over this stage's layers (the residual stream's dtype as
+        there: ActivationDtype), each layer finished on its own: the stream crosses ranks after
+        the last."""
         x = self._enter(ids)
-        for layer, c in zip(self.layers, cache):
-            x = layer(x, ids, c)
-        for c in cache:
-            c.offset += ids.shape[1]
-        return self._leave(x)
-
-    def step(self, ids: mx.array, ctx, final_norm: bool = True) -> tuple[mx.array, mx.array]:
-        x = self._enter(ids)  # as DeepseekV4Model.step: the residual stream's dtype (ActivationDtype)
-        for layer in self.layers:  # each layer finished on its own: the stream crosses ranks after the last
-            x = finish_open_step(*layer.step(x, None, ids, ctx))
+        caches = ctx.views[0] if ctx.kind == PREFILL else [None] * len(self.layers)
+        for layer, c in zip(self.layers, caches):
+            x = finish_open_step(*layer.forward(x, None, ids, ctx, c))
+        if ctx.kind == PREFILL:
+            for c in caches:
+                c.offset += ids.shape[1]
         return self._leave(x, final_norm), x
 
 

@@ -41,8 +41,8 @@ from ..kernels import sparse_attention as _sparse
 from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_rows
 from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
-from ..runtime.forward_context import CHAIN, DECODE
-from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
+from ..runtime.forward_context import CHAIN, DECODE, PREFILL, StepContext
+from ..runtime.steering import ATTN, FFN, steer, steered  # directional steering hook (steering.py)
 from . import prefill_attention
 from .cache import StaticForward, grow_rows, iota, iota_rows
 from .causal_lm import BaseModelArgs, CausalLM
@@ -504,24 +504,20 @@ class Compressor(nn.Module):
             st.init(x.dtype)
         kv, gate = self.kv_proj(x), self.gate_proj(x)
         b = s % m
-        if C == 1:
-            st.buf_kv[:, b : b + 1] = kv
-            st.buf_gate[:, b : b + 1] = gate
-            if b + 1 < m:
-                return st.live_rows()
-            win_kv, win_gate, n_w = st.buf_kv, st.buf_gate, 1
-        else:
-            if b:
-                kv = mx.concatenate([st.buf_kv[:, :b], kv], axis=1)
-                gate = mx.concatenate([st.buf_gate[:, :b], gate], axis=1)
-            n_w = (b + C) // m
-            usable, rest = n_w * m, (b + C) % m
-            if rest:
-                st.buf_kv[:, :rest] = kv[:, usable:]
-                st.buf_gate[:, :rest] = gate[:, usable:]
-            if n_w == 0:
-                return st.live_rows()
-            win_kv, win_gate = kv[:, :usable], gate[:, :usable]
+        if b:
+            kv = mx.concatenate([st.buf_kv[:, :b], kv], axis=1)
+            gate = mx.concatenate([st.buf_gate[:, :b], gate], axis=1)
+        n_w = (b + C) // m
+        usable, rest = n_w * m, (b + C) % m
+        if rest:
+            st.buf_kv[:, :rest] = kv[:, usable:]
+            st.buf_gate[:, :rest] = gate[:, usable:]
+        elif n_w:  # the buffer keeps the window the chunk completed, as the static step leaves it
+            st.buf_kv[:, :] = kv[:, usable - m : usable]
+            st.buf_gate[:, :] = gate[:, usable - m : usable]
+        if n_w == 0:
+            return st.live_rows()
+        win_kv, win_gate = kv[:, :usable], gate[:, :usable]
         w0 = (s - b) // m
         win_kv = win_kv.reshape(1, n_w, m, -1)
         win_gate = win_gate.reshape(1, n_w, m, -1) + self.position_bias.astype(win_gate.dtype)
@@ -625,13 +621,8 @@ class CompressorBranch(Compressor):
         N, C, m = rows.shape[1], x.shape[1], self._ratio
         if N == 0:
             return None, None
-        causal = None
-        if C > 1:
-            causal = mx.arange(N)[None] < ((s + mx.arange(C)) + 1)[:, None] // m  # [C, N]
+        causal = mx.arange(N)[None] < ((s + mx.arange(C)) + 1)[:, None] // m  # [C, N]
         if self._overlap and N > self._topk:
-            if C == 1:  # every row is causal for a decode step: gather the chosen rows
-                idx = topk_indices(scores[0, 0], self._topk)
-                return mx.take(rows, idx, axis=1)[:, None], None
             masked = mx.where(causal[None], scores, -mx.inf)
             idx = topk_indices(masked, self._topk)
             chosen = mx.put_along_axis(mx.zeros(masked.shape, mx.bool_), idx, mx.array(True), axis=-1)
@@ -1098,7 +1089,7 @@ class MoE(nn.Module):
 
 
 def finish_open_step(x: mx.array, pending) -> mx.array:
-    """The last hc_post of a `DecoderLayer.step` result (streams, pending)."""
+    """The last hc_post of a `DecoderLayer.forward` result (streams, pending)."""
     out, post, comb, out2 = pending
     return hc_post(x, out, post, comb, out2=out2)
 
@@ -1115,31 +1106,38 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(*hc)
 
     def __call__(self, x: mx.array, ids: mx.array, cache: LayerCache) -> mx.array:
-        post, comb, collapsed = self.attn_hc(x)
-        x, post, comb, collapsed = self.ffn_hc.after_post(
-            x, steer(self, ATTN, self.self_attn(self.input_layernorm(collapsed), cache)), post, comb
-        )
-        return hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(collapsed), ids)), post, comb)
+        """The layer over a chunk x [1, C, hc, H] at the cache's position, finished (the MTP
+        head's block, a pipeline stage)."""
+        return finish_open_step(*self.forward(x, None, ids, StepContext.prefill(cache.offset, [cache]), cache))
 
-    def step(self, x: mx.array, pending, ids: mx.array, ctx):
-        """The static forward's layer over the query rows of `ctx` (runtime/forward_context.py),
-        laid out as tokens of one row (x [1, B, hc, H]: the mHC and MoE kernels take them as
-        rows), without its last hc_post: -> (streams, pending = (out, post, comb, out2)) for
-        the caller to finish (`finish_open_step`) or to hand to the next layer as its
-        `pending`, whose attention site then runs that hc_post fused with its own projection
-        (one launch less per layer on a GPU).  The layer norms are folded into the hc
-        launches, and the MoE's routed and shared halves are added inside the launch that
-        consumes them (`out2`)."""
+    def forward(self, x: mx.array, pending, ids: mx.array, ctx, cache: LayerCache | None = None):
+        """The layer over the query rows of `ctx` (runtime/forward_context.py), laid out as
+        tokens of one row (x [1, T, hc, H]: the mHC and MoE kernels take them as rows),
+        without its last hc_post: -> (streams, pending = (out, post, comb, out2)) for the
+        caller to finish (`finish_open_step`) or to hand to the next layer as its `pending`,
+        whose attention site then runs that hc_post fused with its own projection (one launch
+        less per layer on a GPU).  The layer norms are folded into the hc launches.
+
+        The kind picks the attention and the MoE: PREFILL a chunk over the live `cache`
+        (host positions; the MoE's prefill matmuls), DECODE / CHAIN the static step over the
+        rows' views (the MoE's routed and shared halves added inside the launch that consumes
+        them: `out2`).  Steering edits both sites' outputs on every kind."""
         if pending is None:
             post, comb, normed = self.attn_hc(x, norm=self.input_layernorm)
         else:
             out, p, c, out2 = pending
             x, post, comb, normed = self.attn_hc.after_post(x, out, p, c, norm=self.input_layernorm, out2=out2)
+        attn = self.self_attn(normed, cache) if ctx.kind == PREFILL else self.self_attn.step(normed, ctx)
         x, post, comb, normed = self.ffn_hc.after_post(
-            x, self.self_attn.step(normed, ctx), post, comb, norm=self.post_attention_layernorm
+            x, steer(self, ATTN, attn), post, comb, norm=self.post_attention_layernorm
         )
-        routed, shared = self.mlp.step_pair(normed, ids)
-        return x, (routed, post, comb, shared)
+        if ctx.kind == PREFILL:
+            routed, shared = self.mlp(normed, ids), None
+        else:
+            routed, shared = self.mlp.step_pair(normed, ids)
+        if shared is not None and steered(self):
+            routed, shared = routed + shared, None  # the edit sees the whole FFN output
+        return x, (steer(self, FFN, routed), post, comb, shared)
 
 
 class DeepseekV4Model(ActivationDtype, nn.Module):
@@ -1169,34 +1167,50 @@ class DeepseekV4Model(ActivationDtype, nn.Module):
         return self._ropes
 
     def __call__(self, ids: mx.array, cache: list[LayerCache]) -> mx.array:
-        h = self.embed(ids)
-        x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
-        for layer, c in zip(self.layers, cache):
-            x = layer(x, ids, c)
-        if self.stream_hook is not None:  # the MTP head drafts from these (speculative/mtp.py)
-            self.stream_hook(x, cache[0].offset if cache else 0)
-        for c in cache:
-            c.offset += ids.shape[1]
-        return self.norm(self.hc_head(x))
+        """A prefill chunk ids [1, T] after the state in `cache` -> the final hidden [1, T, H]."""
+        return self.forward(ids, StepContext.prefill(cache[0].offset if cache else 0, cache))[0]
 
-    def step(self, ids: mx.array, ctx, final_norm: bool = True) -> tuple[mx.array, mx.array]:
-        """The static forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py: T
-        independent sessions' tokens, or one session's next T as a chain) -> (hidden [1, T, H],
-        the residual streams after the last layer [1, T, hc, H]); the rows' new states are in
-        their views.  `final_norm=False`: the hidden state before the final norm (the caller
-        folds it into the head)."""
+    def forward(self, ids: mx.array, ctx, final_norm: bool = True) -> tuple[mx.array, mx.array]:
+        """The forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py: a PREFILL
+        chunk of one session, T independent sessions' tokens, or one session's next T as a
+        chain) -> (hidden [1, T, H], the residual streams after the last layer [1, T, hc, H]).
+        PREFILL advances the caches and calls `stream_hook`; the static kinds leave the rows'
+        new states in their views.  `final_norm=False`: the hidden state before the final
+        norm (the caller folds it into the head)."""
         h = self.embed(ids)
         x = mx.broadcast_to(h[:, :, None, :], (1, ids.shape[1], self._hc, h.shape[-1]))
+        caches = ctx.views[0] if ctx.kind == PREFILL else [None] * len(self.layers)
         pending = None
-        for layer in self.layers:  # each layer's last hc_post runs inside the next one's first launch
-            x, pending = layer.step(x, pending, ids, ctx)
+        for layer, c in zip(self.layers, caches):  # each layer's last hc_post runs inside the next one's first launch
+            x, pending = layer.forward(x, pending, ids, ctx, c)
         if pending is not None:
             x = finish_open_step(x, pending)
+        if ctx.kind == PREFILL:
+            if self.stream_hook is not None:  # the MTP head drafts from these (speculative/mtp.py)
+                self.stream_hook(x, ctx.row_pos[0])
+            for c in caches:
+                c.offset += ids.shape[1]
         h = self.hc_head(x)
         return (self.norm(h) if final_norm else h), x
 
 
-class Model(StaticForward, CausalLM):
+class ContextForward:
+    """Mixin for a family `Model` with one `forward(ids, ctx, last_only=False)` over every
+    context kind (runtime/forward_context.py): `model(ids, cache)` is its PREFILL context,
+    the stepper's `static_forward` its DECODE / CHAIN contexts."""
+
+    def __call__(self, ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
+        """`CausalLM.__call__`: a PREFILL forward of ids [1, T] after the state in `cache`."""
+        ids = ids if ids.ndim == 2 else ids[None]
+        cache = self.make_cache() if cache is None else cache
+        return self.forward(ids, StepContext.prefill(cache[0].offset if cache else 0, cache), last_only)
+
+    def static_forward(self, ids: mx.array, ctx) -> tuple:
+        """Pure: `forward` of a DECODE or CHAIN context (the stepper's entry)."""
+        return self.forward(ids, ctx)
+
+
+class Model(ContextForward, StaticForward, CausalLM):
     """DeepseekV4ForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
 
     def __init__(self, args: ModelArgs):
@@ -1208,14 +1222,19 @@ class Model(StaticForward, CausalLM):
 
     # -- the static forward (ds4mlx/runtime/stepper.py drives it; models/cache.StaticForward) --
     static_rows_chain = True  # static_forward of a CHAIN context: stepper.step_chain
+    static_steers = True  # steering edits the static forward too (the stepper runs it eagerly)
 
-    def static_forward(self, ids: mx.array, ctx) -> tuple:
-        """Pure: the static forward of ids [1, T] over `ctx` (runtime/forward_context.py
-        `StepContext`: T sessions' next tokens, or one session's next T as a chain) ->
-        (logits [T, V], the rows' new states[, the residual streams [1, T, hc, H] where
-        ctx.streams: the MTP head's input])."""
+    def forward(self, ids: mx.array, ctx, last_only: bool = False):
+        """The one forward of ids [1, T] over `ctx` (runtime/forward_context.py `StepContext`).
+        PREFILL (a chunk over the live caches, advanced) -> logits [1, T, V] (`last_only`: the
+        last token's, [1, 1, V]).  DECODE / CHAIN (pure: T sessions' next tokens, or one
+        session's next T as a chain) -> (logits [T, V], the rows' new states[, the residual
+        streams [1, T, hc, H] where ctx.streams: the MTP head's input])."""
+        if ctx.kind == PREFILL:
+            h = self.model.forward(ids, ctx)[0]
+            return self.head(h[:, -1:] if last_only else h)
         fold = self.head_folds_norm()
-        h, streams = self.model.step(ids, ctx, final_norm=not fold)
+        h, streams = self.model.forward(ids, ctx, final_norm=not fold)
         # (views: an integer index would launch a gather)
         logits = (self.normed_head(h) if fold else self.head(h)).squeeze(0)
         news = [v.new for v in ctx.views]

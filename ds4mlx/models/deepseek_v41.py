@@ -57,10 +57,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels.hyper_connection import hc_collapse, hc_post  # hc_post fused on a GPU
+from ..runtime.forward_context import PREFILL, StepContext
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .cache import StaticForward
 from .causal_lm import BaseModelArgs, CausalLM
-from .deepseek_v4 import CompressorState, GroupedLinear
+from .deepseek_v4 import CompressorState, ContextForward, GroupedLinear
 from .deepseek_v4 import LayerCache as _V4LayerCache
 from .layers import (
     GLUMLP,
@@ -223,11 +224,11 @@ class LayerCache(_V4LayerCache):
             if "index" in role.split("+"):
                 self.index = CompressorState(ratio, index_head_dim, False)
 
-    def static_state(self, dtype) -> list[mx.array]:
+    def static_state(self, dtype, ahead: int = 1) -> list[mx.array]:
         for st in (self.comp, self.index):
             if st is not None:
                 _start(st, dtype)  # float32 open-group buffers, as the dynamic path makes them
-        return super().static_state(dtype)
+        return super().static_state(dtype, ahead)
 
 
 def _start(st: CompressorState, dtype) -> None:
@@ -516,11 +517,7 @@ class Attention(nn.Module):
         """Append the picked compressed rows to the window keys and mask."""
         C, W, N = topk.shape[1], keys.shape[2], rows.shape[1]
         valid = (topk >= 0) & (topk < N)
-        if C == 1:  # decode: gather the k picked rows
-            picked = mx.take(rows, mx.where(valid, topk, 0)[0, 0], axis=1)[:, None]  # [1, 1, k, D]
-            win = mx.ones((1, W), mx.bool_) if mask is None else mask
-            return mx.concatenate([keys, picked.astype(keys.dtype)], axis=2), mx.concatenate([win, valid[0]], axis=1)
-        # prefill: attend every row, masked to each query's picks
+        # attend every row, masked to each query's picks
         slots = mx.where(valid, topk, N)[0]  # [C, k]; N is a scratch column
         sel = mx.put_along_axis(mx.zeros((C, N + 1), mx.bool_), slots, mx.array(True), axis=-1)[:, :N]
         win = mx.broadcast_to(mx.ones((1, W), mx.bool_) if mask is None else mask, (C, W))
@@ -569,22 +566,24 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(*hc)
 
     def __call__(self, x: mx.array, pre: mx.array, cache: LayerCache, shared: dict):
-        """x [B, C, n, H] streams, pre [B, C, n]: the previous block's collapse weights."""
+        """`forward` of a chunk x [1, C, n, H] at the cache's position; `shared` the picks the
+        forward's earlier layers published."""
+        return self.forward(x, pre, StepContext.prefill(cache.offset, [cache]), [shared], cache)
+
+    def forward(self, x: mx.array, pre: mx.array, ctx, shareds: list, cache: LayerCache | None = None):
+        """The layer over the query rows of `ctx` (runtime/forward_context.py): x [1, T, n, H]
+        streams, pre [1, T, n] the previous block's collapse weights, shareds[b] row b's
+        picks between layers.  PREFILL: a chunk over the live `cache`; DECODE / CHAIN: the
+        static step over the rows' views.  Steering edits both sites' outputs on every kind."""
         attn_pre, post, comb = self.attn_hc.mix(x)
-        x = hc_post(
-            x, steer(self, ATTN, self.self_attn(self.input_layernorm(hc_collapse(x, pre)), cache, shared)), post, comb
-        )
+        normed = self.input_layernorm(hc_collapse(x, pre))
+        if ctx.kind == PREFILL:
+            out = self.self_attn(normed, cache, shareds[0])
+        else:
+            out = self.self_attn.step(normed, ctx, shareds)
+        x = hc_post(x, steer(self, ATTN, out), post, comb)
         ffn_pre, post, comb = self.ffn_hc.mix(x)
         x = hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(hc_collapse(x, attn_pre)))), post, comb)
-        return x, ffn_pre
-
-    def step(self, x: mx.array, pre: mx.array, ids, ctx, shareds: list):
-        """`__call__` for the query rows of a static forward `ctx` (x [1, B, n, H], pre [1, B, n])."""
-        attn_pre, post, comb = self.attn_hc.mix(x)
-        out = self.self_attn.step(self.input_layernorm(hc_collapse(x, pre)), ctx, shareds)
-        x = hc_post(x, out, post, comb)
-        ffn_pre, post, comb = self.ffn_hc.mix(x)
-        x = hc_post(x, self.mlp(self.post_attention_layernorm(hc_collapse(x, attn_pre))), post, comb)
         return x, ffn_pre
 
 
@@ -623,49 +622,61 @@ class DeepseekV41Model(ActivationDtype, nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self._hc = args.hc_mult
 
-    def __call__(self, ids: mx.array, cache: list[LayerCache]) -> mx.array:
-        h = self.embed(ids)
-        B, C, H = h.shape
-        x = mx.broadcast_to(h[:, :, None, :], (B, C, self._hc, H))
-        pre = mx.broadcast_to((mx.arange(self._hc) == 0).astype(mx.float32), (B, C, self._hc))
-        shared: dict = {}
-        captured = []
-        for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            if self.capture_hook is not None and i in self.capture_layers:
-                captured.append(x.mean(axis=2))  # the layer's input, not its output
-            x, pre = layer(x, pre, c, shared)
-        if captured:
-            self.capture_hook(mx.concatenate(captured, axis=-1), cache[0].offset, ids)
-        for c in cache:
-            c.offset += C
-        return self.norm(hc_collapse(x, pre))
-
-    def step(self, ids: mx.array, ctx) -> mx.array:
-        """The static forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py) ->
-        hidden [1, T, H]; the rows' new states are in their views, the layers' shared picks
-        kept per row."""
+    def forward(self, ids: mx.array, ctx) -> mx.array:
+        """The forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py: a PREFILL
+        chunk of one session, T sessions' next tokens, or one session's next T as a chain) ->
+        hidden [1, T, H].  PREFILL advances the caches and feeds `capture_hook`; DECODE and
+        CHAIN leave the rows' new states in their views, the layers' shared picks kept per
+        row."""
         h = self.embed(ids)
         T = ids.shape[1]
         x = mx.broadcast_to(h[:, :, None, :], (1, T, self._hc, h.shape[-1]))
         pre = mx.broadcast_to((mx.arange(self._hc) == 0).astype(mx.float32), (1, T, self._hc))
+        prefill = ctx.kind == PREFILL
+        caches = ctx.views[0] if prefill else [None] * len(self.layers)
         shareds = [{} for _ in range(ctx.rows)]
-        for layer in self.layers:
-            x, pre = layer.step(x, pre, ids, ctx, shareds)
+        captured = []
+        for i, (layer, c) in enumerate(zip(self.layers, caches)):
+            if prefill and self.capture_hook is not None and i in self.capture_layers:
+                captured.append(x.mean(axis=2))  # the layer's input, not its output
+            x, pre = layer.forward(x, pre, ctx, shareds, c)
+        if captured:
+            self.capture_hook(mx.concatenate(captured, axis=-1), ctx.row_pos[0], ids)
+        if prefill:
+            for c in caches:
+                c.offset += T
         return self.norm(hc_collapse(x, pre))
 
 
-class Model(StaticForward, CausalLM):
+class Model(ContextForward, StaticForward, CausalLM):
     """DeepSeek V4.1 Flash: `model(ids [1, T], cache) -> logits [1, T, V]`."""
+
+    static_steers = True  # steering edits the static forward too (the stepper runs it eagerly)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, DeepseekV41Model(args))
 
-    def static_forward(self, ids: mx.array, ctx) -> tuple[mx.array, list]:
-        """Pure: the static forward of ids [1, T] over `ctx` (runtime/forward_context.py
-        `StepContext`: T sessions' next tokens) -> (logits [T, V], the rows' new states).
-        Not chained (no `static_rows_chain`): a verify runs the multi-token forward, which
-        feeds the DSpark drafter's capture hook."""
-        return self.head(self.model.step(ids, ctx)).squeeze(0), [v.new for v in ctx.views]
+    # a verify as a CHAIN context (stepper.step_chain): off by default, since the static step
+    # drifts from the PREFILL forward over long sequences (~1e-2 in the logits through the fake
+    # quantizers after 200 tokens) where a verify through the PREFILL forward does not
+    chain_verify = False
+
+    @property
+    def static_rows_chain(self) -> bool:
+        """Whether a verify runs as a CHAIN context: `chain_verify`, and no DSpark drafter
+        captures the backbone's states (those come from the PREFILL forward only)."""
+        return self.chain_verify and self.model.capture_hook is None
+
+    def forward(self, ids: mx.array, ctx, last_only: bool = False):
+        """The one forward of ids [1, T] over `ctx` (runtime/forward_context.py `StepContext`).
+        PREFILL (a chunk over the live caches, advanced) -> logits [1, T, V] (`last_only`: the
+        last token's).  DECODE / CHAIN (pure: T sessions' next tokens, or one session's next T
+        as a chain, row t over the state row t - 1 left) -> (logits [T, V], the rows' new
+        states)."""
+        h = self.model.forward(ids, ctx)
+        if ctx.kind == PREFILL:
+            return self.head(h[:, -1:] if last_only else h)
+        return self.head(h).squeeze(0), [v.new for v in ctx.views]
 
     def make_cache(self) -> list[LayerCache]:
         a = self.args

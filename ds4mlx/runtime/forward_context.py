@@ -10,6 +10,8 @@ position value.
 
 Kinds:
 
+* `PREFILL`: one session's chunk of tokens over its live caches, positions as host ints
+  (the forward may branch on them: it is never traced);
 * `DECODE`: B >= 1 independent rows (sessions) of one token each;
 * `CHAIN`: one session's next T tokens (a speculative verify), row t over the state row
   t - 1 left, every row's new state kept.
@@ -21,9 +23,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+PREFILL = "prefill"
 DECODE = "decode"
 CHAIN = "chain"
-KINDS = (DECODE, CHAIN)
+KINDS = (PREFILL, DECODE, CHAIN)
 
 
 @dataclass(frozen=True)
@@ -44,13 +47,18 @@ class ForwardContext:
             raise ValueError(f"a forward needs rows of at least one token: {self.starts}, {self.counts}")
         if self.kind == DECODE and max(self.counts) != 1:
             raise ValueError("a decode forward runs one token per row")
-        if self.kind == CHAIN and len(self.starts) != 1:
-            raise ValueError("a chain runs one session's tokens")
+        if self.kind in (CHAIN, PREFILL) and len(self.starts) != 1:
+            raise ValueError(f"a {self.kind} runs one session's tokens")
 
     @classmethod
     def decode(cls, positions) -> ForwardContext:
         """B sessions' next tokens, row b at positions[b]."""
         return cls(DECODE, tuple(int(p) for p in positions), (1,) * len(positions))
+
+    @classmethod
+    def prefill(cls, start: int, count: int) -> ForwardContext:
+        """One session's chunk of `count` tokens from position `start`."""
+        return cls(PREFILL, (int(start),), (int(count),))
 
     @classmethod
     def chain(cls, start: int, count: int, streams: bool = False) -> ForwardContext:
@@ -97,9 +105,10 @@ class StateView:
 
 @dataclass
 class StepContext:
-    """A DECODE or CHAIN forward as its trace sees it.  `row_pos[b]`: query row b's position
-    (an int32 scalar array), `pos`: all of them as one array ([T], or the scalar of a single
-    row), `views[b]`: row b's `StateView`."""
+    """A forward as the model sees it.  DECODE or CHAIN (traced): `row_pos[b]` query row b's
+    position (an int32 scalar array), `pos` all of them as one array ([T], or the scalar of a
+    single row), `views[b]` row b's `StateView`.  PREFILL (eager): one row, `row_pos[0]` its
+    first position (a host int), `pos` None, `views[0]` the session's live layer caches."""
 
     kind: str
     pos: mx.array
@@ -121,6 +130,12 @@ class StepContext:
     def join(self, outs: list) -> mx.array:
         """The rows' outputs [1, 1, ...] as one [1, T, ...] (`split`'s inverse)."""
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+
+    @classmethod
+    def prefill(cls, start: int, caches: list) -> StepContext:
+        """A chunk at host position `start` over the session's layer caches (advanced by the
+        forward)."""
+        return cls(PREFILL, None, [int(start)], [caches])
 
     @classmethod
     def one(cls, pos: mx.array, state) -> StepContext:

@@ -44,6 +44,7 @@ __all__ = [
     "SteeringError",
     "LayerSteer",
     "steer",
+    "steered",
     "install",
     "identity",
     "read_directions",
@@ -122,6 +123,12 @@ def steer(layer, site: str, y: mx.array) -> mx.array:
     """The models' hook: `y` edited by the layer's steering (unchanged without one)."""
     s = vars(layer).get("steering")
     return y if s is None else s.edit(site, y)
+
+
+def steered(layer) -> bool:
+    """Whether `steer` edits this layer's outputs (a model that splits a site's output in
+    parts sums them first)."""
+    return vars(layer).get("steering") is not None
 
 
 def layers_of(model) -> list:

@@ -20,11 +20,13 @@ on the host; the compiled functions are kept per model and context kind.
 * `compiled` (default): `static_step` traced once per input-shape signature (a bucket)
   by `mx.compile` and replayed: no per-layer Python per token;
 * `eager`: the same static step without `mx.compile` (debugging; same numbers);
-* `legacy`: the model's dynamic forward (per-layer Python, host-side positions), the
-  path before the static step: for before/after measurements.
+* `legacy`: the model's prefill forward of the one token (per-layer Python, host-side
+  positions), the path before the static step: for before/after measurements.
 
 A family without `static_step` always takes the legacy path, and so does a model whose
-first static step raised (an op its backend lacks: logged once, then legacy).
+first static step raised (an op its backend lacks: logged once, then legacy).  A steered
+model decodes eagerly where its family's static forward steers (`static_steers`), else on
+the legacy path.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ MODES = ("compiled", "eager", "legacy")
 
 # (id(model), kind, one row, state arrays per row, streams) -> its compiled forward (traces are per function)
 _compiled: dict[tuple, object] = {}
+_traces: dict[tuple, int] = {}  # same keys: how many times mx.compile traced that function
 _checked: set[int] = set()  # models whose static step has run once
 _refused: set[int] = set()  # models whose static step failed: legacy from then on
 _watched: set[int] = set()  # models with a finalizer that drops their entries
@@ -93,8 +96,30 @@ def _traced(model, ctx: ForwardContext, n_state: int, compiled: bool):
     key = (id(model), ctx.kind, ctx.tokens == 1, n_state, ctx.streams)
     fn = _compiled.get(key)
     if fn is None:
-        fn = _compiled[key] = mx.compile(_pure(model, ctx, n_state))
+        fn = _compiled[key] = mx.compile(_counted(key, _pure(model, ctx, n_state)))
     return fn
+
+
+def _counted(key: tuple, fn):
+    """`fn` counting its calls in `_traces[key]`: under mx.compile the Python function runs
+    only when MLX traces it (a new input-shape signature), never on a replay."""
+    _traces[key] = 0
+
+    def run(*args):
+        _traces[key] += 1
+        return fn(*args)
+
+    return run
+
+
+def trace_counts(model) -> dict[tuple[str, bool], int]:
+    """How many times `model`'s compiled forwards were traced, per (kind, one row): a test
+    pins that a decode retraces only per bucket or row count, never per position."""
+    out: dict[tuple[str, bool], int] = {}
+    for (mid, kind, one, _, _), n in _traces.items():
+        if mid == id(model):
+            out[kind, one] = out.get((kind, one), 0) + n
+    return out
 
 
 def _watch(model) -> None:
@@ -114,6 +139,7 @@ def _drop_traces(key: int) -> None:
     """The compiled functions of the model with id `key`: its step, rows and chains."""
     for k in [k for k in _compiled if k[0] == key]:
         _compiled.pop(k, None)
+        _traces.pop(k, None)
 
 
 def forget(model) -> None:
@@ -138,11 +164,20 @@ def assume_checked(model) -> None:
 FUSED_ATTRS = ("_step_proj", "_step_q_b", "_step_shared")  # per-module caches of the static step
 
 
+def _steered_static(model) -> bool:
+    """A steered model whose static forward runs the steering edits (`static_steers`)."""
+    return getattr(model, "static_steers", False) and steering.identity(model) is not None
+
+
+def _steered_legacy(model) -> bool:
+    """A steered model whose family edits each layer's outputs in its prefill forward only: it
+    decodes there (correct, not compiled)."""
+    return not getattr(model, "static_steers", False) and steering.identity(model) is not None
+
+
 def can_undo(model) -> bool:
     """Whether `step(..., undoable=True)` can give an undo (static layout only)."""
-    return (
-        supports_static(model) and mode() != "legacy" and id(model) not in _refused and steering.identity(model) is None
-    )
+    return supports_static(model) and mode() != "legacy" and id(model) not in _refused and not _steered_legacy(model)
 
 
 def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, undoable: bool = False):
@@ -154,9 +189,9 @@ def step(model, cache: list, ids: mx.array, pos: int, how: str | None = None, un
     how = how or mode()
     if how == "compiled" and getattr(getattr(model, "expert_store", None), "host_routing", False):
         how = "eager"  # streamed experts read the router's choice on the host: no trace
-    # directional steering edits each layer's outputs in the dynamic forward only: a steered
-    # model decodes on the legacy path (correct, not compiled)
-    if how == "legacy" or not supports_static(model) or steering.identity(model) is not None:
+    if how == "compiled" and _steered_static(model):
+        how = "eager"  # the directions would be constants of a trace
+    if how == "legacy" or not supports_static(model) or _steered_legacy(model):
         if undoable:
             raise ValueError("the legacy decode path cannot undo a step")
         return model(ids, cache, last_only=True)[0, -1]
