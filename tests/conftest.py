@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cache_dirs import cache_dir
 
 # MLX's CUDA backend runs float32 matmuls in TF32 (~1e-3 relative) unless told not to;
 # the GPU tests compare against float32/float64 oracles, so they run in full float32.
@@ -30,8 +31,7 @@ ORACLE_DIR = Path(__file__).parent / "oracle"
 
 
 def _cache_root() -> Path:
-    root = os.environ.get("DS4MLX_TEST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ds4mlx-tests")
-    return Path(root) / "oracle"
+    return cache_dir("oracle")
 
 
 def _key(script: str, config: str | None) -> str:
@@ -100,6 +100,25 @@ def oracle():
         if (script, config) not in built:
             built[(script, config)] = build_oracle(script, config)
         return built[(script, config)]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def shared_demo():
+    """`shared_demo(spec=None)` -> `ds4mlx.load(spec)`'s (model, tokenizer), loaded once per
+    worker (reading the demo GGUF and its tokenizer is about a CPU second a load) for the
+    modules that only run it: engines, servers, sessions, logits.  A test that changes the
+    model (steering, an MTP head, streamed experts, new weights) loads its own; one that
+    traces a compiled step under a patched kernel face calls `stepper.forget` after."""
+    import ds4mlx
+
+    loaded: dict = {}
+
+    def get(spec: str | None = None):
+        if spec not in loaded:
+            loaded[spec] = ds4mlx.load(spec, verbose=False)
+        return loaded[spec]
 
     return get
 

@@ -22,11 +22,26 @@ def compiled_small_buckets(monkeypatch):
     monkeypatch.setenv(stepper.MODE_ENV, "compiled")
 
 
+_PLAIN: dict = {}
+
+
+def plain_greedy(lm, prompt: list, n: int, stop_ids=()):
+    """(tokens, session) of plain greedy decoding, `n` tokens after `prompt`, run once per
+    model, prompt, length and stop ids: several tests (a test's depths) compare with the same
+    run; they read its session, never step it."""
+    key = (id(lm), tuple(prompt), n, tuple(stop_ids))
+    if key not in _PLAIN:
+        s = lm.new_session(ctx=len(prompt) + n + 8)
+        tokens = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), stop_ids=stop_ids, limit=n))
+        _PLAIN[key] = (lm, tokens, s)  # lm kept: its id stays unique
+    _, tokens, s = _PLAIN[key]
+    return list(tokens), s
+
+
 def plain_and_speculative(lm, prompt: list, n: int, drafter, depth: int, rule=None):
     """(plain greedy tokens, speculative tokens, the loop) for `n` tokens after `prompt`;
     the drafter is closed afterwards."""
-    s = lm.new_session(ctx=len(prompt) + n + 8)
-    want = list(decode_tokens(s, s.prefill(prompt), greedy(lm.vocab_size), limit=n))
+    want, _ = plain_greedy(lm, prompt, n)
     try:
         s = lm.new_session(ctx=len(prompt) + n + 8)
         rule = GreedyRule(lm.vocab_size) if rule is None else rule

@@ -22,10 +22,8 @@ SAMPLED = SamplingParams(temperature=1.0, top_p=0.95, top_k=40, min_p=0.0, seed=
 
 
 @pytest.fixture(scope="module")
-def demo():
-    from ds4mlx import load
-
-    return load(None)
+def demo(shared_demo):
+    return shared_demo()
 
 
 def raw_job(prompt: str, n: int = 10, params: SamplingParams = GREEDY) -> Job:

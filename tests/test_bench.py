@@ -62,10 +62,8 @@ def test_bench_demo_csv_plot_and_gate(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def demo():
-    from ds4mlx.io.loader import load
-
-    return load(None, verbose=False)
+def demo(shared_demo):
+    return shared_demo()
 
 
 def test_profile_columns_on_demo(tmp_path, demo):

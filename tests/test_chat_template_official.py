@@ -427,10 +427,8 @@ def test_cli_option_and_serve_config():
 
 
 @pytest.fixture(scope="module")
-def v4_demo():
-    import ds4mlx
-
-    return ds4mlx.load(None)
+def v4_demo(shared_demo):
+    return shared_demo()
 
 
 def _serve(argv, loaded):

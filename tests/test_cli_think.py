@@ -80,10 +80,8 @@ def test_think_level_only_for_v41():
 
 
 @pytest.fixture(scope="module")
-def v4_demo():
-    import ds4mlx
-
-    return ds4mlx.load(None)
+def v4_demo(shared_demo):
+    return shared_demo()
 
 
 def _generate_prompt(monkeypatch, capsys, v4_demo, *argv):

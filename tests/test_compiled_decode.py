@@ -255,15 +255,14 @@ def test_a_failing_static_step_falls_back_to_legacy(case, monkeypatch):
     assert maxdiff(steps, ref["logits_full"][0][5:20]) <= TOL
 
 
-def test_engine_lookahead_equals_legacy_on_the_demo_model(monkeypatch):
+def test_engine_lookahead_equals_legacy_on_the_demo_model(monkeypatch, shared_demo):
     """The engine's decode (device sampling one token ahead, stop-token step undone) gives
     the legacy synchronous loop's tokens, finish and session length."""
-    import ds4mlx
     from ds4mlx.engine import Engine, Job
     from ds4mlx.runtime.events import Finish
     from ds4mlx.runtime.sampling import SamplingParams
 
-    model, tok = ds4mlx.load(None)
+    model, tok = shared_demo()
 
     greedy = SamplingParams(temperature=0.0)
 

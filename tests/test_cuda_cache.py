@@ -143,6 +143,7 @@ def test_a_failure_leaves_the_launch_to_mlx(tmp_path, monkeypatch, caplog):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs a CUDA toolkit (nvcc)")
+@pytest.mark.slow  # eight or more nvcc cubin builds: ~28 s of CPU
 def test_every_decode_variant_compiles_with_the_stand_in_header(monkeypatch):
     """MLX's generated source of each kernel variant the decode step launches (narrow V4
     shapes), compiled with nvcc and the stand-in for MLX's device header: the cache can

@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 
-import ds4mlx
-
 README = Path(__file__).parent.parent / "README.md"
 
 
 @pytest.fixture(scope="module")
-def demo():
-    return ds4mlx.load("demo", verbose=False)
+def demo(shared_demo):
+    return shared_demo()
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:

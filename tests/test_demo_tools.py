@@ -36,10 +36,8 @@ CALL = (
 
 
 @pytest.fixture(scope="module")
-def engine():
-    import ds4mlx
-
-    model, tok = ds4mlx.load(None)
+def engine(shared_demo):
+    model, tok = shared_demo()
     memory = ToolMemory()
     eng = Engine(model, tok, ctx=2048, tool_memory=memory)
     yield eng, memory

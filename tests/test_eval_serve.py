@@ -16,10 +16,8 @@ from ds4mlx.eval.trace import parse_trace  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def demo_server():
-    import ds4mlx
-
-    model, tok = ds4mlx.load(None)
+def demo_server(shared_demo):
+    model, tok = shared_demo()
     with serve(tok, model, ctx=4096) as s:
         yield s
 

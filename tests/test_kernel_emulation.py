@@ -15,6 +15,7 @@ This module also tests the emulation itself on a small kernel.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -122,23 +123,43 @@ def _build_dir() -> Path:
     return _cache["dir"]
 
 
+def _build_key(text: str) -> str:
+    """The executable's name: a hash of everything that made it (compiler and its version,
+    flags, CPU_PRELUDE, the kernel's text)."""
+    if "gxx" not in _cache:
+        _cache["gxx"] = subprocess.run([_GXX[0], "--version"], capture_output=True, text=True).stdout
+    h = hashlib.sha256()
+    for part in (_cache["gxx"], " ".join(_GXX), CPU_PRELUDE, text):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
 def _compile(tmp_path: Path, text: str) -> Path:
     """CPU_PRELUDE + `text` compiled (`-include` of the precompiled prelude) into an
-    executable; a text already built by this process (a case that differs only in its
-    data) reuses that executable.  The source is kept as tmp_path/kernel.cpp."""
-    import hashlib
+    executable, kept in the suite's cache (cache_dirs.py): a text already built, by this
+    process (a case that differs only in its data), the other worker or an earlier run,
+    reuses that executable.  The source is kept as tmp_path/kernel.cpp."""
+    from cache_dirs import cache_dir
 
-    d = _build_dir()
     cpp = tmp_path / "kernel.cpp"
     cpp.write_text(text)
-    key = hashlib.sha256(text.encode()).hexdigest()[:24]
-    exe = d / f"kernel-{key}"
-    if key not in _cache:
+    key = _build_key(text)
+    if key in _cache:
+        return _cache[key]
+    exe = cache_dir("emulation") / f"kernel-{key}"
+    if not exe.exists():
+        d = _build_dir()
+        built = d / exe.name
         build = subprocess.run(
-            [*_GXX, "-include", str(d / "prelude.h"), "-o", str(exe), str(cpp)], capture_output=True, text=True
+            [*_GXX, "-include", str(d / "prelude.h"), "-o", str(built), str(cpp)], capture_output=True, text=True
         )
         assert build.returncode == 0, build.stderr[-4000:]
-        _cache[key] = exe
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        tmp = exe.with_name(f"{exe.name}.tmp{os.getpid()}")
+        shutil.copy2(built, tmp)
+        os.replace(tmp, exe)  # atomic: the other worker may be writing the same key
+    _cache[key] = exe
     return exe
 
 
@@ -400,23 +421,23 @@ def nvcc_compile(tmp_path: Path, source: str, arch: str = "sm_90") -> None:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc")
+    from cache_dirs import cache_dir
+
     cu = Path(tmp_path) / "kernel.cu"
     cu.write_text(source)
-    res = subprocess.run(
-        [
-            nvcc,
-            "-std=c++17",
-            f"-arch={arch}",
-            "--ptx",
-            "-Werror",
-            "all-warnings",
-            "-diag-suppress",
-            "177,550",
-            "-o",
-            str(cu.with_suffix(".ptx")),
-            str(cu),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    flags = ["-std=c++17", f"-arch={arch}", "--ptx", "-Werror", "all-warnings", "-diag-suppress", "177,550"]
+    # a source this nvcc already compiled cleanly with these flags (a PTX in the suite's
+    # cache) compiles cleanly again: its PTX is reused
+    if "nvcc" not in _cache:
+        _cache["nvcc"] = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([_cache["nvcc"], *flags, source]).encode()).hexdigest()[:32]
+    cached = cache_dir("nvcc") / f"kernel-{key}.ptx"
+    if cached.exists():
+        shutil.copyfile(cached, cu.with_suffix(".ptx"))
+        return
+    res = subprocess.run([nvcc, *flags, "-o", str(cu.with_suffix(".ptx")), str(cu)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-4000:]
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+    shutil.copyfile(cu.with_suffix(".ptx"), tmp)
+    os.replace(tmp, cached)

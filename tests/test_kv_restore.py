@@ -30,8 +30,8 @@ TEXT = open(os.path.join(os.path.dirname(ds4mlx.__file__), "data", "bench_text.t
 
 
 @pytest.fixture(scope="module")
-def demo():
-    return ds4mlx.load(None)
+def demo(shared_demo):
+    return shared_demo()
 
 
 def chat_prompt(system: str, *turns: str) -> str:

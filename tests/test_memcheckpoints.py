@@ -110,10 +110,8 @@ def test_tail_checkpoints_sit_tail_tokens_before_the_prompt_end_and_go_last():
 
 # --------------------------------------------------------------------------- prefix reuse on the demo model
 @pytest.fixture(scope="module")
-def demo():
-    import ds4mlx
-
-    return ds4mlx.load(None)
+def demo(shared_demo):
+    return shared_demo()
 
 
 def words(tok, text: str, n: int) -> list[int]:

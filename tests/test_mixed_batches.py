@@ -12,7 +12,6 @@ import threading
 
 import pytest
 
-import ds4mlx
 from ds4mlx.engine import Engine, Failed, Job
 from ds4mlx.engine.batch import ChunkRequest, plan_step
 from ds4mlx.runtime.decode import StepRequest
@@ -39,9 +38,9 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request):
+def family(request, shared_demo):
     fam = request.param
-    return fam, ds4mlx.load(None if fam == "deepseek_v4" else f"demo:{fam}")
+    return fam, shared_demo(None if fam == "deepseek_v4" else f"demo:{fam}")
 
 
 def chat_job(engine: Engine, messages: list[dict], max_tokens: int = 8) -> Job:
@@ -131,11 +130,11 @@ def test_concurrent_greedy_conversations_equal_one_by_one(family):
 
 
 # --------------------------------------------------------------------------- decode keeps going
-def test_a_running_stream_decodes_between_the_chunks_of_long_prompts():
+def test_a_running_stream_decodes_between_the_chunks_of_long_prompts(shared_demo):
     """A stream decoding while two long prompts arrive: every prefill chunk of theirs is
     one step, and each step carries the stream's decode row — between any two chunks
     (of either prompt) the stream decoded a token.  Order of events, not time."""
-    model, tk = ds4mlx.load(None)
+    model, tk = shared_demo()
     long_text = " ".join(["The quick brown fox jumps over the lazy dog."] * 6)
     short = raw_job("Once upon a time", 200, ignore_eos=True)
     longs = [raw_job(f"{k}: {long_text}", 2) for k in "AB"]
@@ -170,10 +169,10 @@ def test_a_running_stream_decodes_between_the_chunks_of_long_prompts():
     assert all(b > a for a, b in zip(at_chunk, at_chunk[1:])), at_chunk  # a token between any two
 
 
-def test_a_job_cancelled_while_its_chunk_waits_for_a_step_ends_cancelled():
+def test_a_job_cancelled_while_its_chunk_waits_for_a_step_ends_cancelled(shared_demo):
     """Two long prompts at once: the second's chunks wait for the first's; cancelled
     while waiting, it ends "cancelled during prefill" and the first is unaffected."""
-    model, tk = ds4mlx.load(None)
+    model, tk = shared_demo()
     text = " ".join(["A long prompt about lighthouses and the sea."] * 4)
     jobs = [raw_job(f"{k} {text}", 3) for k in "AB"]
     solo = Engine(model, tk, ctx=CTX, prefill_chunk=CHUNK)
@@ -208,12 +207,12 @@ def test_a_job_cancelled_while_its_chunk_waits_for_a_step_ends_cancelled():
     assert b.usage.completion_tokens == 0 and b.usage.prompt_tokens > 2 * CHUNK
 
 
-def test_a_failed_chunk_fails_its_job_only(monkeypatch):
+def test_a_failed_chunk_fails_its_job_only(monkeypatch, shared_demo):
     """A prefill forward that raises fails its own job (500, nothing started) and the
     session it left half-written is dropped; the job decoding beside it is unaffected."""
     from ds4mlx.runtime import session as session_mod
 
-    model, tk = ds4mlx.load(None)
+    model, tk = shared_demo()
     poison = tk.encode(" zebra")[-1]
     prefill = session_mod.Session.prefill
 

@@ -410,10 +410,8 @@ def test_responses_unknown_call_id_is_400(oc):
 
 # --------------------------------------------------------------------------- demo model
 @pytest.fixture(scope="module")
-def demo():
-    import ds4mlx
-
-    model, tok = ds4mlx.load(None)
+def demo(shared_demo):
+    model, tok = shared_demo()
     with serve(tok, model, ctx=1024) as s:
         s.tok = tok
         yield s

@@ -25,10 +25,8 @@ APIS = sorted(ROUTES)
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    import ds4mlx
-
-    return ds4mlx.load("demo:qwen4_exp")
+def loaded(shared_demo):
+    return shared_demo("demo:qwen4_exp")
 
 
 @pytest.fixture(scope="module")

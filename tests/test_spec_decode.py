@@ -27,6 +27,7 @@ from ds4mlx.speculative.loop import SpeculativeLoop
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import load_case  # noqa: E402
 from spec_helpers import compiled_small_buckets  # noqa: E402, F401  (autouse)
+from spec_helpers import plain_greedy as _plain  # noqa: E402
 
 N = 210
 
@@ -40,13 +41,6 @@ def v4(oracle):
 @pytest.fixture(scope="module")
 def other(oracle):
     return load_case(oracle, "make_tiny_deepseek_v4.py", None)[1]
-
-
-def _plain(lm, prompt, n, stop_ids=()):
-    s = lm.new_session(ctx=len(prompt) + n + 8)
-    logits = s.prefill(prompt)
-    loop = decode_tokens(s, logits, greedy(lm.vocab_size), stop_ids=stop_ids, limit=n)
-    return list(loop), s
 
 
 def _spec(lm, prompt, n, drafter, depth, stop_ids=(), margin=0.0):

@@ -52,6 +52,14 @@ def srv():
         yield s
 
 
+@pytest.fixture(scope="module")
+def srv16():
+    """The demo under the GPU weight policy (dtype None: 16-bit weights), shared by the cases
+    that take it."""
+    with serve_demo(dtype=None, ctx=1024, tokens=80) as s:
+        yield s
+
+
 def chat(srv, **extra):
     body = {"messages": U, "reasoning_effort": "none", "temperature": 1.0, "min_p": 0.0, **extra}
     st, _, text = call(srv.url, "/v1/chat/completions", body)
@@ -206,17 +214,13 @@ def test_pydantic_ai_agent_gets_an_object(srv):
 
 @pytest.mark.parametrize("dtype,seed,thinking", [("auto", 3, False), ("auto", 11, False), (None, 5, False),
                                                  ("auto", 2, True), (None, 7, True)])  # fmt: skip
-def test_pipelined_grammar_draws_the_host_loops_tokens(srv, dtype, seed, thinking):
+def test_pipelined_grammar_draws_the_host_loops_tokens(request, srv, dtype, seed, thinking):
     """A job with a grammar and no tools runs the lookahead loop (the mask computed while
     the device runs the step: structured.GrammarSampler), with thinking too (the reasoning
     free up to its closing token).  Its tokens are those of the plain host loop: mask (once
     the reasoning closed), draw with the job's seed, read, step; also under the GPU weight
     policy (dtype None: 16-bit weights)."""
-    if dtype == "auto":
-        _pipelined_equals_host(srv, seed, thinking)
-        return
-    with serve_demo(dtype=dtype, ctx=1024, tokens=80) as s:
-        _pipelined_equals_host(s, seed, thinking)
+    _pipelined_equals_host(srv if dtype == "auto" else request.getfixturevalue("srv16"), seed, thinking)
 
 
 def _pipelined_equals_host(srv, seed: int, thinking: bool) -> None:

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import ds4mlx
 from ds4mlx.chat import images as chat_images
 from ds4mlx.chat.messages import Conversation, Message
 from ds4mlx.engine import CacheHooks, Engine, Finish, Job
@@ -24,8 +23,8 @@ from vision_helpers import data_uri, image_bytes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return ds4mlx.load("demo:qwen4_exp")
+def loaded(shared_demo):
+    return shared_demo("demo:qwen4_exp")
 
 
 class RecordingHooks(CacheHooks):
