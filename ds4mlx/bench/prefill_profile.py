@@ -21,7 +21,7 @@ against `chunk_ms` it says how much of the chunk's wall time the GPU is idle
 The families of the DeepSeek V4 graph (models/deepseek_v4.py): attention (the
 projections, sliding window and attention core), compressor (pooling of both
 compressors), indexer (index scores and top-k), moe routed experts, moe router,
-moe shared expert, hyper-connections, norms (the two per layer and the final
+moe shared expert, hyper-connections (the layer norms folded into them), norms (the final
 one), head (hc_head and lm_head), embedding; what runs outside all of them is
 `other`.
 """
