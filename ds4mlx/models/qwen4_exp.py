@@ -664,10 +664,9 @@ class Attention(nn.Module):
         proj = (self.q_proj(x), self.k_proj(x), self.v_proj(x), self.indexer.index_qk_proj(x))
         chain = ctx.kind == CHAIN
         outs = [
-            self._step_row(*(_token(a, t) for a in proj), pos, view, chain)
-            for t, (pos, view) in enumerate(zip(ctx.row_pos, ctx.views))
+            self._step_row(*row, pos, view, chain) for row, pos, view in zip(ctx.split(*proj), ctx.row_pos, ctx.views)
         ]
-        out = _joined(outs)  # [1, T, nh * D]
+        out = ctx.join(outs)  # [1, T, nh * D]
         gate = proj[0].reshape(1, T, self.nh, 2 * self.D)[..., self.D :]
         out = out * mx.sigmoid(gate.reshape(1, T, -1).astype(mx.float32)).astype(out.dtype)
         return self.o_proj(out)
@@ -797,18 +796,18 @@ class DecoderLayer(nn.Module):
             ple_kept = []
             if self.has_ple:
                 adds = []
-                for t in range(T):
-                    adds.append(self.ple(_token(x, t), _token(ids, t), state))
+                for xt, idt in ctx.split(x, ids):
+                    adds.append(self.ple(xt, idt, state))
                     ple_kept.append([state.ple_conv, state.ngram])
-                x = x + _joined(adds)
+                x = x + ctx.join(adds)
             mixed, inject = self.attn_hyper_connection(x)
             outs = []
-            for t, view in enumerate(ctx.views):
-                outs.append(self.linear_attn(_token(mixed, t), state))
+            for t, ((m,), view) in enumerate(zip(ctx.split(mixed), ctx.views)):
+                outs.append(self.linear_attn(m, state))
                 for _ in range(n if t else 0):
                     next(view)  # row t - 1's arrays of this layer (row t's view is chained to them)
                 view.put(state.conv, state.recurrent, *(ple_kept[t] if ple_kept else ()))
-            out = _joined(outs)
+            out = ctx.join(outs)
         else:
             B = ctx.rows
             state = _FixedState.stack([_FixedState(*(next(v) for _ in range(n))) for v in ctx.views])
@@ -879,16 +878,6 @@ class Qwen4ExpTextModel(ActivationDtype, nn.Module):
         if ctx.streams:
             return self.hyper_connection_mixer(x)[0], x
         return self.hyper_connection_mixer(x)[0]
-
-
-def _token(a: mx.array, t: int) -> mx.array:
-    """Token t of a [1, T, ...] array, as [1, 1, ...] (a slice; the array itself when T = 1)."""
-    return a if a.shape[1] == 1 else a[:, t : t + 1]
-
-
-def _joined(tokens: list) -> mx.array:
-    """`_token`'s inverse: [1, 1, ...] arrays -> [1, T, ...]."""
-    return tokens[0] if len(tokens) == 1 else mx.concatenate(tokens, axis=1)
 
 
 def _as_batch(a: mx.array) -> mx.array:
