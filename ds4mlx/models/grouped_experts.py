@@ -15,7 +15,9 @@ Here the rows are grouped per expert into real matrices:
 3. device: the sorted rows are gathered into x_pad [B, cap, K] (zero rows pad a batch's
    end) and each projection is ONE batched call, batch b through expert experts[b]:
    the switch module's `per_expert(x_pad, experts)` (MLX affine: `gather_qmm` with
-   M = cap; GGUF blocks: dequantized slices of experts + batched matmuls, `gguf_per_expert`);
+   M = cap; GGUF blocks: dequantized slices of experts + batched matmuls, or with
+   DS4MLX_PREFILL_EXPERTS=grouped_blocks one `kernels.grouped_qmm` launch on the blocks,
+   `gguf_per_expert`);
    SwiGLU runs on the padded layout; the outputs are gathered back to (token, slot) order.
 
 Memory per call (one layer, one chunk of P pairs, E experts): the padded rows are
@@ -41,8 +43,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..kernels import quant_moe
+from ..kernels import grouped_qmm, quant_moe
 from ..kernels.activations import clamped_swiglu
+from . import prefill_experts
 
 CAPS = (16, 32, 64, 128, 256, 512)  # rows per batch: every call's shapes come from this set
 # One more batch (another read of an expert's weights, another tile row of the grid)
@@ -145,7 +148,13 @@ def sliced_per_expert(x: mx.array, experts: mx.array, per_expert_values: int, de
 
 
 def gguf_per_expert(x: mx.array, blocks: mx.array, qtype, experts: mx.array) -> mx.array:
-    """`sliced_per_expert` of GGUF blocks uint8 [E, out, row_bytes] (quant_moe's dequantization)."""
+    """x [B, M, K] times GGUF blocks uint8 [E, out, row_bytes]: on the blocks (`grouped_qmm`)
+    under DS4MLX_PREFILL_EXPERTS=grouped_blocks, except on a GPU whose grouped_qmm face failed
+    its self-test; else `sliced_per_expert` (quant_moe's dequantization)."""
+    if prefill_experts.blocks_wanted():
+        face = grouped_qmm.face(qtype)
+        if face != "reference" or not on_gpu():
+            return grouped_qmm.grouped_qmm(x, blocks, qtype, experts, backend=face)
     return sliced_per_expert(
         x,
         experts,
