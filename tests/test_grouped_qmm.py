@@ -108,9 +108,10 @@ def run_grouped_on_cpu(tmp_path, qtype, raw, x, eids, m_rows, out_dtype=np.float
     flat = np.ascontiguousarray(raw).reshape(-1)
     words = np.zeros(-(-flat.size // 4) * 4, np.uint8)  # run_on_cpu takes 32-bit buffers
     words[: flat.size] = flat
-    body = "const uint8_t* w = reinterpret_cast<const uint8_t*>(w_words);\n" + dispatch.sections(
-        grouped_qmm.SOURCE
-    )["grouped_qmm"]
+    body = (
+        "const uint8_t* w = reinterpret_cast<const uint8_t*>(w_words);\n"
+        + dispatch.sections(grouped_qmm.SOURCE)["grouped_qmm"]
+    )
     rm = grouped_qmm.tokens_per_warp(m_rows)
     n_batch = eids.size
     out = run_on_cpu(
@@ -135,7 +136,7 @@ CPU_CASES = [
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "E{}_r{}_K{}_B{}_M{}".format(c[0], c[1], c[2], len(c[3]), c[4]))
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"E{c[0]}_r{c[1]}_K{c[2]}_B{len(c[3])}_M{c[4]}")
 @pytest.mark.slow_after(1)
 def test_shared_text_compiled_for_cpu(qtype, case, tmp_path):
     e, rows, k, ids, m = case
@@ -162,7 +163,9 @@ def test_shared_text_decodes_bit_exact(qtype, tmp_path):
     got = run_grouped_on_cpu(tmp_path, qtype, raw, x, eids, k).reshape(eids.size, k, 5)
     want = dequantize(raw, qtype, (3, 5, k))[eids].swapaxes(1, 2)
     # bit for bit, but for the sign of a zero weight (0 + -0 is +0): compared as floats
-    assert np.array_equal(got, want) and np.array_equal(got.view(np.uint32) & 0x7FFFFFFF, want.view(np.uint32) & 0x7FFFFFFF)
+    assert np.array_equal(got, want) and np.array_equal(
+        got.view(np.uint32) & 0x7FFFFFFF, want.view(np.uint32) & 0x7FFFFFFF
+    )
 
 
 @pytest.mark.parametrize("qtype", [QT.IQ2_XXS, QT.Q2_K], ids=lambda t: t.name)
