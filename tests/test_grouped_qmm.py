@@ -96,9 +96,9 @@ def test_metal_and_cuda_share_one_text(qtype):
 # --------------------------------------------------------------------------- the shared text on the CPU
 
 
-def run_grouped_on_cpu(tmp_path, qtype, raw, x, eids, m_rows, out_dtype=np.float32):
+def run_grouped_on_cpu(tmp_path, qtype, raw, x, eids, m_rows, lens=None, out_dtype=np.float32):
     """The shared text through `run_on_cpu`, launched as `grouped_qmm` launches it;
-    x [B * M, K] float32 (or bfloat16 bits as uint16) -> y [B * M, N] of out_dtype."""
+    x [B * M, K] float32 (or bfloat16 bits as uint16), lens [B] (default M) -> y [B * M, N]."""
     from test_kernel_emulation import run_on_cpu
 
     _, rows, rb = raw.shape
@@ -118,7 +118,12 @@ def run_grouped_on_cpu(tmp_path, qtype, raw, x, eids, m_rows, out_dtype=np.float
         tmp_path,
         header,
         body,
-        inputs={"x": x, "w_words": words.view(np.uint32), "eids": eids.astype(np.int32).reshape(-1)},
+        inputs={
+            "x": x,
+            "w_words": words.view(np.uint32),
+            "eids": eids.astype(np.int32).reshape(-1),
+            "lens": np.full(eids.size, m_rows, np.int32) if lens is None else np.asarray(lens, np.int32),
+        },
         outputs={"y": ((n_batch * m_rows, rows), out_dtype)},
         consts={"T": x.dtype, "N_ROWS": rows, "K_DIM": k, "ROW_BYTES": rb, "M_ROWS": m_rows, "GQ_RM": rm},
         groups=(1, -(-rows // grouped_qmm.TILE_N), n_batch * -(-m_rows // (8 * rm))),
@@ -128,26 +133,32 @@ def run_grouped_on_cpu(tmp_path, qtype, raw, x, eids, m_rows, out_dtype=np.float
 
 
 CPU_CASES = [
-    # (E, rows, K, experts of the batches, M)
-    (3, 130, 512, [2, 0, 2], 20),  # a second row tile of 2 rows; a token tile of 24 holding 20
-    (2, 64, 256, [1, 0], 70),  # two token tiles per batch (64 + 6), half a row tile
-    (4, 128, 768, [3], 16),  # one whole row tile, 2 tokens per SIMD group, 24 steps of K
+    # (E, rows, K, experts of the batches, M, live rows of the batches)
+    (3, 130, 512, [2, 0, 2], 20, [20, 20, 20]),  # a second row tile of 2 rows; a token tile of 24 holding 20
+    (2, 64, 256, [1, 0, 1], 70, [70, 9, 64]),  # two token tiles per batch (64 + 6); padding: a SIMD
+    # group partly live, idle groups, a tile of padding only; half a row tile
+    (4, 128, 768, [3, 1], 16, [16, 0]),  # one whole row tile, 2 tokens per SIMD group, 24 steps of K; an empty batch
 ]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"E{c[0]}_r{c[1]}_K{c[2]}_B{len(c[3])}_M{c[4]}")
+@pytest.mark.parametrize(
+    "case", CPU_CASES, ids=lambda c: f"E{c[0]}_r{c[1]}_K{c[2]}_B{len(c[3])}_M{c[4]}_live{sum(c[5])}"
+)
 @pytest.mark.slow_after(1)
 def test_shared_text_compiled_for_cpu(qtype, case, tmp_path):
-    e, rows, k, ids, m = case
+    e, rows, k, ids, m, lens = case
     k = _k_for(qtype, k)
     raw = experts(qtype, e, rows, k, seed=rows + k)
     eids = np.array(ids, np.int32)
-    x = np.random.default_rng(m).standard_normal((eids.size, m, k)).astype(np.float32)
-    got = run_grouped_on_cpu(tmp_path, qtype, raw, x.reshape(-1, k), eids, m)
-    want, mag = dense(raw, qtype, x, eids)
-    check(got.reshape(want.shape), want, mag, k)
-    ref = grouped_qmm.grouped_qmm(mx.array(x), mx.array(raw), qtype, mx.array(eids), backend="reference")
+    x = np.random.default_rng(m).standard_normal((eids.size, m, k)).astype(np.float32)  # padding rows not zero
+    got = run_grouped_on_cpu(tmp_path, qtype, raw, x.reshape(-1, k), eids, m, lens)
+    live = np.arange(m)[None, :, None] < np.array(lens)[:, None, None]
+    want, mag = dense(raw, qtype, x * live, eids)
+    check(got.reshape(want.shape), want, mag, k)  # padding rows: exactly 0
+    ref = grouped_qmm.grouped_qmm(
+        mx.array(x), mx.array(raw), qtype, mx.array(eids), mx.array(lens, dtype=mx.int32), backend="reference"
+    )
     check(got.reshape(want.shape), np.array(ref).astype(np.float64), 2 * mag, k)
 
 
@@ -178,7 +189,7 @@ def test_shared_text_bfloat16(qtype, tmp_path):
     eids = np.array([1, 0], np.int32)
     x = mx.random.normal((2, m, k), key=mx.random.key(7)).astype(mx.bfloat16)
     bits = np.array(x.view(mx.uint16)).reshape(-1, k)
-    got = run_grouped_on_cpu(tmp_path, qtype, raw, bits, eids, m, np.uint16)
+    got = run_grouped_on_cpu(tmp_path, qtype, raw, bits, eids, m, out_dtype=np.uint16)
     got = np.array(mx.array(got).view(mx.bfloat16).astype(mx.float32)).reshape(2, m, 40)
     want, mag = dense(raw, qtype, np.array(x.astype(mx.float32)), eids)
     assert np.all(np.abs(got - want) <= 2.0**-8 * np.abs(want) + k * 2.0**-22 * mag)
@@ -196,7 +207,7 @@ def test_cuda_face_compiles_with_nvcc(qtype, dtype, tmp_path):
     k = 4096
     tmpl = [("T", dtype), ("N_ROWS", 2048), ("K_DIM", k), ("ROW_BYTES", quant_moe.row_bytes(qtype, k))]
     tmpl += [("M_ROWS", 64), ("GQ_RM", 8)]
-    ins = {"x": dtype, "w": "uint32", "eids": "int32"}
+    ins = {"x": dtype, "w": "uint32", "eids": "int32", "lens": "int32"}
     src = mlx_cuda_source(f"grouped_qmm_{qtype.name.lower()}", h, b, ins, {"y": dtype}, tmpl)
     nvcc_compile(tmp_path, src.replace("const uint32_t* w,", "const uint8_t* w,"))
 
@@ -209,8 +220,8 @@ def _reference_launch(qtype, launches):
 
     def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         launches.append((dict(template), grid, threadgroup))
-        x, w, eids = inputs
-        return [grouped_qmm.grouped_qmm(x, w, qtype, eids, backend="reference").astype(output_dtypes[0])]
+        x, w, eids, lens = inputs
+        return [grouped_qmm.grouped_qmm(x, w, qtype, eids, lens, backend="reference").astype(output_dtypes[0])]
 
     return launch
 
@@ -338,13 +349,13 @@ def test_v4_gguf_prefill_through_the_kernel_text(monkeypatch, v4_gguf, tmp_path)
 
     def kernel(qtype):
         def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            x, w, eids = (np.array(a) for a in inputs)
+            x, w, eids, lens = (np.array(a) for a in inputs)
             t = dict(template)
             assert x.dtype == np.float32 and threadgroup == (grouped_qmm.THREADS, 1, 1)
             d = tmp_path / f"launch{len(launches)}"
             d.mkdir()
             launches.append(grid)
-            y = run_grouped_on_cpu(d, qtype, w, x.reshape(-1, t["K_DIM"]), eids, t["M_ROWS"])
+            y = run_grouped_on_cpu(d, qtype, w, x.reshape(-1, t["K_DIM"]), eids, t["M_ROWS"], lens)
             return [mx.array(y).reshape(output_shapes[0]).astype(output_dtypes[0])]
 
         return launch

@@ -1,9 +1,10 @@
 """Grouped quantized matmul: prefill's per-expert GEMMs read straight from GGUF blocks.
 
-``grouped_qmm(x [B, M, K], w_blocks [E, N, row_bytes], qtype, experts [B]) -> [B, M, N]``:
+``grouped_qmm(x [B, M, K], w_blocks [E, N, row_bytes], qtype, experts [B], lengths [B]) -> [B, M, N]``:
 batch b's M rows times expert ``experts[b]``'s weights (``y[b] = x[b] @ W[experts[b]].T``),
 the shape of prefill's grouped layout (models/grouped_experts.py: pairs sorted by expert,
-each expert's rows cut into batches of `cap`; a switch module's `per_expert`).  Types:
+each expert's rows cut into batches of `cap`; a switch module's `per_expert`).  Rows of
+batch b from ``lengths[b]`` on are the layout's padding: zeros out, no product computed.  Types:
 `quant_moe.SUPPORTED` (Q8_0, Q2_K, Q4_K, IQ2_XXS).
 
 Why: the grouped path's GGUF banks were dequantized to 16-bit slices in memory (written,
@@ -61,7 +62,7 @@ def kernel_sources(qtype, face: str) -> tuple[str, str]:
 def _kernel(qtype: QT) -> Kernel:
     return Kernel(
         f"ds4mlx_grouped_qmm_{qtype.name.lower()}",
-        ["x", "w", "eids"],
+        ["x", "w", "eids", "lens"],
         ["y"],
         metal=kernel_sources(qtype, "metal"),
         cuda=kernel_sources(qtype, "cuda"),
@@ -75,9 +76,12 @@ def face(qtype) -> str:
     return auto_face(GROUPED_KERNELS[qtype], lambda f: _self_test(f, qtype))
 
 
-def grouped_qmm(x: mx.array, w_blocks: mx.array, qtype, experts: mx.array, *, backend=None) -> mx.array:
+def grouped_qmm(
+    x: mx.array, w_blocks: mx.array, qtype, experts: mx.array, lengths: mx.array | None = None, *, backend=None
+) -> mx.array:
     """x [B, M, K] (any float dtype), w_blocks uint8 [E, N, row_bytes], experts [B] ints ->
-    [B, M, N] in x.dtype: ``out[b] = x[b] @ dequantize(W[experts[b]]).T``, float32 sums."""
+    [B, M, N] in x.dtype: ``out[b] = x[b] @ dequantize(W[experts[b]]).T``, float32 sums;
+    `lengths` [B] ints (default M each): rows m >= lengths[b] of batch b are padding, out 0."""
     qtype, _, rows, k_dim = quant_moe.check_blocks(w_blocks, qtype)
     if x.ndim != 3 or x.shape[-1] != k_dim:
         raise ValueError(f"x must be [B, M, {k_dim}], got {x.shape}")
@@ -85,22 +89,28 @@ def grouped_qmm(x: mx.array, w_blocks: mx.array, qtype, experts: mx.array, *, ba
         raise ValueError(f"experts must be [{x.shape[0]}] (one per batch of x), got {experts.shape}")
     n_batch, m = x.shape[:2]
     experts = experts.astype(mx.int32)
+    if lengths is None:
+        lengths = mx.full((n_batch,), m, mx.int32)
+    elif lengths.shape != experts.shape:
+        raise ValueError(f"lengths must be [{n_batch}] (live rows of each batch), got {lengths.shape}")
+    lengths = lengths.astype(mx.int32)
     if n_batch == 0 or m == 0:
         return mx.zeros((n_batch, m, rows), x.dtype)
     chosen = face(qtype) if backend is None else backend
     if chosen == "reference":
-        return _reference(x, w_blocks, qtype, experts)
+        return _reference(x, w_blocks, qtype, experts, lengths)
     rm = tokens_per_warp(m)
     m_tiles = -(-m // (8 * rm))
     step = max(1, MAX_GRID_Z // m_tiles)  # batches per launch
     outs = []
     for b0 in range(0, n_batch, step):
-        xs, es = (x, experts) if step >= n_batch else (x[b0 : b0 + step], experts[b0 : b0 + step])
+        span = slice(b0, b0 + step)
+        xs, es, ls = (x, experts, lengths) if step >= n_batch else (x[span], experts[span], lengths[span])
         nb = xs.shape[0]
         outs.append(
             _kernel(qtype)(
                 chosen,
-                inputs=[xs, w_blocks, es],
+                inputs=[xs, w_blocks, es, ls],
                 template=[
                     ("T", x.dtype),
                     ("N_ROWS", rows),
@@ -118,10 +128,10 @@ def grouped_qmm(x: mx.array, w_blocks: mx.array, qtype, experts: mx.array, *, ba
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
-def _reference(x: mx.array, w_blocks: mx.array, qtype: QT, experts: mx.array) -> mx.array:
+def _reference(x: mx.array, w_blocks: mx.array, qtype: QT, experts: mx.array, lengths: mx.array) -> mx.array:
     """The dequantize + matmul path, float32: batches' experts dequantized by the reference
-    decoding (MAX_REFERENCE_BYTES at a time), one batched matmul per slice."""
-    n_batch, _, k_dim = x.shape
+    decoding (MAX_REFERENCE_BYTES at a time), one batched matmul per slice; padding rows 0."""
+    n_batch, m, k_dim = x.shape
     per = w_blocks.shape[1] * k_dim * 4
     step = max(1, min(n_batch, MAX_REFERENCE_BYTES // per))
     xs = x.astype(mx.float32)
@@ -130,22 +140,25 @@ def _reference(x: mx.array, w_blocks: mx.array, qtype: QT, experts: mx.array) ->
         w = quant_moe.gather_dequantize(w_blocks, qtype, experts[b0 : b0 + step], mx.float32, backend="reference")
         outs.append(xs[b0 : b0 + step] @ w.swapaxes(-1, -2))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-    return out.astype(x.dtype)
+    live = mx.arange(m)[None, :, None] < lengths[:, None, None]
+    return mx.where(live, out, 0.0).astype(x.dtype)
 
 
 def _self_test(face: str, qtype: QT) -> bool:
     """`face` against the reference on a tiny bank: 130 rows (a second, nearly empty row
     tile), K = 512, batches of 20 rows (a token tile of 24, 4 rows idle) and of 70 rows (two
-    tiles), experts repeated and out of order, float32 and bfloat16 x."""
+    tiles), experts repeated and out of order, padding (a short batch, an empty one, a tile
+    of padding only), float32 and bfloat16 x."""
     blocks = random_gguf_blocks(qtype, 3, 130, 512, seed=16)
     experts = mx.array([2, 0, 2], dtype=mx.int32)
-    for m in (20, 70):
+    for m, lengths in ((20, None), (20, [20, 3, 0]), (70, [70, 9, 64])):
+        lengths = None if lengths is None else mx.array(lengths, dtype=mx.int32)
         for dt, tol in ((mx.float32, 1e-3), (mx.bfloat16, 2e-2)):
             x = mx.random.normal((3, m, 512), key=mx.random.key(m)).astype(dt)
-            got = grouped_qmm(x, blocks, qtype, experts, backend=face)
+            got = grouped_qmm(x, blocks, qtype, experts, lengths, backend=face)
             if got.dtype != dt or got.shape != (3, m, 130):
                 return False
-            want = grouped_qmm(x, blocks, qtype, experts, backend="reference")
+            want = grouped_qmm(x, blocks, qtype, experts, lengths, backend="reference")
             if not close_enough(got, want, rtol=tol, atol=tol / 10):
                 return False
     return True

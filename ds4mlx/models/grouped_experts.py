@@ -68,6 +68,7 @@ class Layout:
     experts: np.ndarray  # [B] int32
     rows: np.ndarray  # [B * cap] int32: the sorted pair feeding each padded row (P: a zero row)
     dest: np.ndarray  # [P] int32: the padded row of each sorted pair
+    lengths: np.ndarray  # [B] int32: live rows of each batch (the rest: zero rows of padding)
 
     @property
     def batches(self) -> int:
@@ -112,7 +113,7 @@ def layout(counts: np.ndarray, cap: int | None = None) -> Layout:
     r = np.arange(n_pairs) - start[e_of]  # its rank within the expert
     dest = (first_batch[e_of] + r // cap) * cap + r % cap
     i32 = np.int32
-    return Layout(cap, experts.astype(i32), rows.reshape(-1).astype(i32), dest.astype(i32))
+    return Layout(cap, experts.astype(i32), rows.reshape(-1).astype(i32), dest.astype(i32), b_len.astype(i32))
 
 
 def on_gpu() -> bool:
@@ -147,14 +148,15 @@ def sliced_per_expert(x: mx.array, experts: mx.array, per_expert_values: int, de
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
-def gguf_per_expert(x: mx.array, blocks: mx.array, qtype, experts: mx.array) -> mx.array:
-    """x [B, M, K] times GGUF blocks uint8 [E, out, row_bytes]: on the blocks (`grouped_qmm`)
-    under DS4MLX_PREFILL_EXPERTS=grouped_blocks, except on a GPU whose grouped_qmm face failed
-    its self-test; else `sliced_per_expert` (quant_moe's dequantization)."""
+def gguf_per_expert(x: mx.array, blocks: mx.array, qtype, experts: mx.array, lengths=None) -> mx.array:
+    """x [B, M, K] times GGUF blocks uint8 [E, out, row_bytes]: on the blocks (`grouped_qmm`,
+    which skips the padding rows past `lengths`) under DS4MLX_PREFILL_EXPERTS=grouped_blocks,
+    except on a GPU whose grouped_qmm face failed its self-test; else `sliced_per_expert`
+    (quant_moe's dequantization)."""
     if prefill_experts.blocks_wanted():
         face = grouped_qmm.face(qtype)
         if face != "reference" or not on_gpu():
-            return grouped_qmm.grouped_qmm(x, blocks, qtype, experts, backend=face)
+            return grouped_qmm.grouped_qmm(x, blocks, qtype, experts, lengths, backend=face)
     return sliced_per_expert(
         x,
         experts,
@@ -202,9 +204,9 @@ def switch_glu(gate_up, down, x: mx.array, indices: mx.array, intermediate: int,
     token_of_sorted = mx.concatenate([(order // k).astype(mx.int32), mx.array([n_tok], mx.int32)])
     x_ext = mx.concatenate([x.reshape(n_tok, hidden), mx.zeros((1, hidden), x.dtype)])  # last row: padding
     x_pad = x_ext[token_of_sorted[mx.array(lay.rows)]].reshape(lay.batches, lay.cap, hidden)
-    experts = mx.array(lay.experts)
-    gu = gate_up.per_expert(x_pad, experts)
+    experts, lengths = mx.array(lay.experts), mx.array(lay.lengths)
+    gu = gate_up.per_expert(x_pad, experts, lengths)
     h = clamped_swiglu(gu[..., :intermediate], gu[..., intermediate:], limit)
-    y = down.per_expert(h, experts).reshape(lay.batches * lay.cap, hidden)
+    y = down.per_expert(h, experts, lengths).reshape(lay.batches * lay.cap, hidden)
     pad_row = mx.array(lay.dest)[mx.argsort(order)]  # pair -> its padded row
     return y[pad_row].astype(x.dtype).reshape(*lead, k, hidden)

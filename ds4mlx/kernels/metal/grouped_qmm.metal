@@ -10,6 +10,12 @@
 // Template constants: T (x and y dtype), N_ROWS, K_DIM, ROW_BYTES, M_ROWS (rows of x per
 // batch), GQ_RM (tokens per SIMD group, 1..8).
 //
+// Padding: batch b's rows from lens[b] on are padding (the grouped layout fills a batch's
+// end with zero rows): their outputs are written as zeros without any product, a SIMD group
+// whose tokens are all padding skips the FMAs, a thread group whose tile is all padding
+// only writes its zeros (on V4 Flash's usual 48 pairs per expert in batches of 64, about a
+// third of the rows).
+//
 // Tile: one thread group of 256 threads (8 SIMD groups) computes GQ_TM = 8 GQ_RM tokens of
 // one batch (all of one expert) x GQ_TN = 128 output rows, over K in steps of 32 values (one
 // chunk of every type: a Q8_0 block, a Q4_K / IQ2_XXS sub-block, two Q2_K sub-blocks).  Per
@@ -49,8 +55,9 @@ DS4_FN void ds4_fma4(THR float* a, float s, float4 v) {
 }
 
 // @@ grouped_qmm
-// inputs: x [B * M_ROWS, K_DIM] T, w [E, N_ROWS, ROW_BYTES] uint8, eids [B] int32;
-// output y [B * M_ROWS, N_ROWS] T: row b M_ROWS + m of y is W[eids[b]] times row b M_ROWS + m of x.
+// inputs: x [B * M_ROWS, K_DIM] T, w [E, N_ROWS, ROW_BYTES] uint8, eids [B] int32, lens [B]
+// int32; output y [B * M_ROWS, N_ROWS] T: row b M_ROWS + m of y is W[eids[b]] times row
+// b M_ROWS + m of x for m < lens[b], else 0.
 DS4_SHARED float4 gq_xs4[GQ_TM * 8];        // x tile [GQ_TM][32] float32
 DS4_SHARED float4 gq_ws4[32 * GQ_TN / 4];   // W tile [32][GQ_TN] float32, k-major
 {
@@ -60,6 +67,9 @@ DS4_SHARED float4 gq_ws4[32 * GQ_TN / 4];   // W tile [32][GQ_TN] float32, k-maj
     const uint32_t b = tgz / m_tiles;
     const uint32_t m0 = (tgz - b * m_tiles) * uint32_t(GQ_TM);
     const uint32_t n0 = tgy * uint32_t(GQ_TN);
+    const uint32_t live = uint32_t(lens[b]) < uint32_t(M_ROWS) ? uint32_t(lens[b]) : uint32_t(M_ROWS);
+    // this SIMD group's tokens: m0 + warp GQ_RM + i; any of them live?
+    const bool busy = m0 + warp * uint32_t(GQ_RM) < live;
     const DEV uint8_t* we = w + uint64_t(eids[b]) * uint64_t(N_ROWS) * uint64_t(ROW_BYTES);
     const DEV T* xb = x + uint64_t(b) * uint64_t(M_ROWS) * uint64_t(K_DIM);
     float acc[GQ_RM][4];
@@ -68,7 +78,8 @@ DS4_SHARED float4 gq_ws4[32 * GQ_TN / 4];   // W tile [32][GQ_TN] float32, k-maj
             acc[i][r] = 0.0f;
         }
     }
-    for (uint32_t c = 0; c < uint32_t(K_DIM / 32); ++c) {
+    // a tile of padding only (uniform over the thread group) skips the K loop and its barriers
+    for (uint32_t c = 0; c < (m0 < live ? uint32_t(K_DIM / 32) : 0u); ++c) {
         ds4_tg_barrier();  // every lane is done with the previous step's tiles
         if (tid < uint32_t(GQ_TN)) {
             // rows past N_ROWS decode the last row (not written)
@@ -79,14 +90,14 @@ DS4_SHARED float4 gq_ws4[32 * GQ_TN / 4];   // W tile [32][GQ_TN] float32, k-maj
                 ws[uint32_t(i) * uint32_t(GQ_TN) + tid] = buf[i];
             }
         } else {
-            // tokens past M_ROWS stage zeros (their outputs are not written)
+            // padding tokens stage zeros (their outputs are written as zeros)
             for (uint32_t q = tid - uint32_t(GQ_TN); q < uint32_t(GQ_TM) * 32u; q += uint32_t(GQ_THREADS - GQ_TN)) {
                 const uint32_t t = m0 + (q >> 5);
-                xs[q] = t < uint32_t(M_ROWS) ? static_cast<float>(xb[uint64_t(t) * uint64_t(K_DIM) + 32u * c + (q & 31u)]) : 0.0f;
+                xs[q] = t < live ? static_cast<float>(xb[uint64_t(t) * uint64_t(K_DIM) + 32u * c + (q & 31u)]) : 0.0f;
             }
         }
         ds4_tg_barrier();
-        for (uint32_t k4 = 0; k4 < 8u; ++k4) {
+        for (uint32_t k4 = 0; k4 < (busy ? 8u : 0u); ++k4) {
             float4 wv[4];
             for (uint32_t j = 0; j < 4u; ++j) {
                 wv[j] = gq_ws4[(4u * k4 + j) * uint32_t(GQ_TN / 4) + lane];
@@ -107,7 +118,7 @@ DS4_SHARED float4 gq_ws4[32 * GQ_TN / 4];   // W tile [32][GQ_TN] float32, k-maj
             for (uint32_t r = 0; r < 4u; ++r) {
                 const uint32_t n = n0 + 4u * lane + r;
                 if (n < uint32_t(N_ROWS)) {
-                    yrow[n] = static_cast<T>(acc[i][r]);
+                    yrow[n] = static_cast<T>(m < live ? acc[i][r] : 0.0f);
                 }
             }
         }
