@@ -381,8 +381,8 @@ def test_v4_gguf_prefill_through_the_kernel_text(monkeypatch, v4_gguf, tmp_path)
 def test_gpu_equals_reference_at_v4_flash_shapes(case, dtype):
     """V4 Flash experts (256 experts, hidden 4,096, moe_intermediate 2,048, top-6): a
     2,048-token chunk's grouped layout (12,288 pairs, one hot expert), 40 of its batches
-    (hot and cold experts) through the GPU face against the reference face (float32 on the
-    CPU), and the face's first-use self-test."""
+    (hot and cold experts, their padding rows) through the GPU face against the reference
+    face (float32 on the CPU), and the face's first-use self-test."""
     face = dispatch.gpu_backend()
     if face is None:
         pytest.skip("no MLX GPU backend")
@@ -396,12 +396,46 @@ def test_gpu_equals_reference_at_v4_flash_shapes(case, dtype):
     raw = quant_moe.random_gguf_blocks(qtype, 256, rows, k, seed=3)
     eids = mx.array(lay.experts[pick])
     x = (mx.random.normal((pick.size, lay.cap, k), key=mx.random.key(4)) * 0.5).astype(dtype)
-    got = grouped_qmm.grouped_qmm(x, raw, qtype, eids, backend=face)
+    lengths = mx.array(lay.lengths[pick])  # the layout's padding rows: zeros, no product
+    got = grouped_qmm.grouped_qmm(x, raw, qtype, eids, lengths, backend=face)
     assert got.dtype == dtype and got.shape == (pick.size, lay.cap, rows)
     with mx.stream(mx.cpu):
-        want = np.array(grouped_qmm.grouped_qmm(x.astype(mx.float32), raw, qtype, eids, backend="reference"))
+        want = np.array(grouped_qmm.grouped_qmm(x.astype(mx.float32), raw, qtype, eids, lengths, backend="reference"))
         w = np.abs(np.array(quant_moe.dequantize_mx(raw[eids], qtype, k)))
     mag = np.abs(np.array(x.astype(mx.float32))) @ w.swapaxes(1, 2)
     got = np.array(got.astype(mx.float32)).astype(np.float64)
     rel = 0.0 if dtype == mx.float32 else 2.0**-8  # the output rounded to bfloat16
     assert np.all(np.abs(got - want) <= k * 2.0**-23 * mag + rel * np.abs(want) + 1e-30)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bank", ["ds4", "Q4_K"])
+def test_gpu_switch_glu_in_blocks_mode(monkeypatch, bank, dtype):
+    """SwitchGLU under DS4MLX_PREFILL_EXPERTS=grouped_blocks on the GPU (every projection one
+    grouped_qmm launch) against the per-pair path on the CPU in float32: a 2,048-token chunk
+    at V4-like proportions (64 experts, top-6, 512 -> 256 -> 512), one hot expert."""
+    from test_grouped_experts import GGUF_BANKS, _gguf_glu, _routing
+
+    face = dispatch.gpu_backend()
+    if face is None:
+        pytest.skip("no MLX GPU backend")
+    gpu = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        glu = _gguf_glu(GGUF_BANKS[bank], 512, 256, 11, 64)
+        x = mx.random.normal((1, 2048, 512), key=mx.random.key(12))
+        idx = _routing("hot", 2048, 12, 64, 6)
+        monkeypatch.setenv(prefill_experts.ENV, "gather_qmm")
+        want = np.array(glu(x, idx)).astype(np.float64)
+    finally:
+        mx.set_default_device(gpu)
+    calls = []
+    real = grouped_qmm.grouped_qmm
+    monkeypatch.setattr(grouped_qmm, "grouped_qmm", lambda *a, **kw: calls.append(kw["backend"]) or real(*a, **kw))
+    monkeypatch.setenv(prefill_experts.ENV, "grouped_blocks")
+    got = glu(x.astype(dtype), idx)
+    assert got.dtype == dtype and calls == [face] * 3
+    got = np.array(got.astype(mx.float32)).astype(np.float64)
+    # float32: summation order only; bfloat16: x, the SwiGLU output and y rounded to 8 bits
+    assert np.abs(got - want).max() <= (1e-4 if dtype == mx.float32 else 3e-2) * np.abs(want).max()
