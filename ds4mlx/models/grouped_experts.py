@@ -23,7 +23,7 @@ Here the rows are grouped per expert into real matrices:
 Memory per call (one layer, one chunk of P pairs, E experts): the padded rows are
 R = B * cap <= 3 P + 47 E (see `choose_cap`); x_pad, gate/up, SwiGLU and down outputs are
 R x (K + 2I + I + H) values in the compute dtype, plus for GGUF one slice of
-dequantized experts (<= MAX_SLICE_BYTES). V4 Flash, 2,048-token chunk (P = 12,288), bf16:
+dequantized experts (<= MAX_SLICE_BYTES; none under grouped_blocks). V4 Flash, 2,048-token chunk (P = 12,288), bf16:
 typically R ~ 19K rows (cap 64), ~0.7 GB with the SwiGLU temporaries; at the bound
 (R ~ 49K) ~1.8 GB.
 
