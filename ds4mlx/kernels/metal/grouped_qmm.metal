@@ -22,9 +22,9 @@
 // step the group's first 128 threads each decode one chunk of one weight row (DS4_CHUNK,
 // bit-identical to the reference decoding) into shared memory, k-major (ws[k][n]); the
 // other 128 threads stage the tile's x values as float32 (xs[t][k]).  Then SIMD group g
-// takes tokens 8g/8.. (GQ_RM of them) and lane l output rows 4l..4l+3: per 4 values of k,
-// 4 float4 loads of W (a contiguous 512-byte row of ws per load: no bank conflict) and
-// one broadcast float4 load of x per token feed 16 GQ_RM float32 FMAs.
+// takes tokens g GQ_RM .. g GQ_RM + GQ_RM - 1 and lane l output rows 4l..4l+3: per 4 values
+// of k, 4 float4 loads of W (a contiguous 512-byte row of ws per load: no bank conflict)
+// and one broadcast float4 load of x per token feed 16 GQ_RM float32 FMAs.
 // Why this shape:
 //   * the weight bytes of a tile are read and decoded once for GQ_TM tokens (up to 64:
 //     the grouped layout's usual cap on V4 Flash), where a mat-vec reads them per token;
@@ -33,12 +33,17 @@
 //     a step of 64 values would need 48 KB;
 //   * 128 rows x one chunk is one chunk per decoding thread (no thread decodes twice per
 //     step), while the other half stages x, so both halves finish a step together;
-//   * 32 GQ_RM / 4 = 8 FMAs per shared-memory load at GQ_RM = 8 (float4 loads, the x loads
-//     broadcast): FMA-bound rather than shared-memory-bound on NVIDIA's 128 bytes per clock;
+//   * 16 GQ_RM FMAs per 4 + GQ_RM shared-memory loads (128 per 12 at GQ_RM = 8; float4
+//     loads, the x loads broadcast): FMA-bound rather than bound by shared memory's 128
+//     bytes per clock on NVIDIA GPUs;
 //   * accumulation in float32 per output, K ascending, as the reference's sum of float32
 //     products, in another order (a float32 summation bound, not bit-exact);
 //   * IQ2_XXS lattice rows are read from the constant table (DS4_CHUNK as written): the
 //     lookups diverge, but only the decoding threads make them, once per GQ_TM tokens.
+// Known limits, for the measurement to judge: the FMAs are float32 on the SIMT units, not
+// tensor cores / simdgroup matrices (the dequantized-slices path multiplies in 16 bits on
+// tensor cores but writes and reads the dequantized experts); a decoding SIMD group's 32
+// lanes read 32 different rows (DS4_CHUNK's byte loads), one cache line per lane.
 // Grid: (256, ceil(N_ROWS / 128), B * ceil(M_ROWS / GQ_TM)), thread group (256, 1, 1).
 
 // @@ helpers
