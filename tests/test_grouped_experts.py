@@ -51,6 +51,9 @@ def _check_layout(counts):
     assert real.sum() == P
     assert np.array_equal(lay.rows[lay.dest], np.arange(P))
     assert np.all(lay.rows[~real] == P)
+    # each batch's live rows come first, lengths counts them (grouped_qmm skips the rest)
+    live = np.arange(cap)[None, :] < lay.lengths[:, None]
+    assert np.array_equal(real.reshape(B, cap), live)
     # a batch holds rows of its own expert only (sorted pairs of expert e: start_e .. start_e + n_e)
     start = np.cumsum(counts) - counts
     e_of_sorted = np.repeat(np.arange(E), counts)

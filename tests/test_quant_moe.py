@@ -336,7 +336,7 @@ def run_dequant_on_cpu(tmp_path, qtype, raw, eids, out_dtype=np.float32):
     from test_kernel_emulation import run_on_cpu
 
     _, rows, rb = raw.shape
-    k = qm._check(mx.array(raw), qtype)[3]
+    k = qm.check_blocks(mx.array(raw), qtype)[3]
     gx, gy, gz = qm.DEQUANT_GROUP
     header, _ = qm.kernel_sources("dequant", qtype, "cuda")
     header = header.replace(qm.CUDA_PRELUDE, CPU_NAMES)

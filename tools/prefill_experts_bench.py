@@ -10,7 +10,8 @@ device (packed words / blocks directly: no float bank), bf16 activations (`--dty
 
 Per format and chunk: `grouped` (DS4MLX_PREFILL_EXPERTS=grouped: models/grouped_experts.py;
 MLX affine: gather_qmm with M = cap), for MLX formats `grouped-dequant` (the same batches,
-the experts dequantized in slices + cuBLAS: grouped_experts.AFFINE_VIA_DEQUANT), then
+the experts dequantized in slices + cuBLAS: grouped_experts.AFFINE_VIA_DEQUANT), for `gguf`
+`grouped_blocks` (the same batches multiplied on the GGUF blocks: kernels/grouped_qmm.py), then
 `gather_qmm` (today's path: one M = 1 product per (token, expert) pair), each one
 SwitchGLU call evaluated and synchronised, median of `--iters` after a warm-up; ms,
 TFLOP/s (2 x pairs x (4096 x 4096 + 2048 x 4096) multiply-adds), the peak memory above
@@ -109,10 +110,11 @@ def routing_only(x, idx):
 def split_gguf(glu, case: dict, dtype, iters: int) -> None:
     """Where the GGUF grouped path's time goes: one slice of experts dequantized (as
     grouped_experts.sliced_per_expert does, MAX_SLICE_BYTES at a time) against the bytes
-    it writes, and that slice's batched GEMM alone on already dequantized weights."""
+    it writes, that slice's batched GEMM alone on already dequantized weights, and the same
+    product on the blocks (grouped_qmm, the grouped_blocks mode)."""
     import mlx.core as mx
 
-    from ds4mlx.kernels import quant_moe
+    from ds4mlx.kernels import grouped_qmm, quant_moe
     from ds4mlx.models import grouped_experts
 
     cap = max(1, (case["chunk"] * TOP) // EXPERTS)  # the mean rows per expert
@@ -133,7 +135,13 @@ def split_gguf(glu, case: dict, dtype, iters: int) -> None:
         say(
             f"  {name}: batched GEMM [{s}x{cap}x{k}] @ [{k}x{out}] {gms:.2f} ms ({2 * s * cap * k * out / gms / 1e9:.1f} TFLOP/s)"
         )
-        w = x = None
+        w = None
+        qms = timed(lambda: grouped_qmm.grouped_qmm(x, lin.weight, lin.qtype, ids), iters)
+        say(
+            f"  {name}: grouped_qmm on the blocks, same product, {qms:.2f} ms ({2 * s * cap * k * out / qms / 1e9:.1f} TFLOP/s; "
+            f"the dequant + GEMM above: {ms + gms:.2f} ms)"
+        )
+        x = None
 
 
 def main(argv=None) -> int:
@@ -205,7 +213,7 @@ def main(argv=None) -> int:
             cases.append({"chunk": chunk, "x": x, "idx": idx, "flop": flop, "outs": {}})
         if a.split and fmt == "gguf":
             split_gguf(glu, cases[-1], dtype, a.iters)
-        modes = ["grouped"] + (["grouped-dequant"] if fmt.startswith("mlx") else [])
+        modes = ["grouped"] + (["grouped-dequant"] if fmt.startswith("mlx") else ["grouped_blocks"])
         for case in cases:  # the new paths first, every chunk: today's may fail (GGUF untried here)
             for mode in modes:
                 run(glu, case, mode)

@@ -46,6 +46,11 @@ UNVERIFIED_KERNELS = {  # every other kernel's CUDA face passed its `pytest -m g
     "attn_prologue",  # attn_prep and a compressed layer's compressor steps in one launch
     "attn_prologue.rows",  # the same for B sessions' rows of one layer (session batching)
     "affine_qmv.twobank_rows",  # MODE 3 / 4 with the shared expert's weights read once for the step's rows
+    # prefill's per-expert GEMMs on GGUF blocks (grouped_qmm.GROUPED_KERNELS), one per type
+    "grouped_qmm.Q8_0",
+    "grouped_qmm.Q2_K",
+    "grouped_qmm.Q4_K",
+    "grouped_qmm.IQ2_XXS",
 }
 
 log = logging.getLogger("ds4mlx.kernels")

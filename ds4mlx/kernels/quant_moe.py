@@ -142,23 +142,30 @@ def _grid_define() -> str:
 FUSED_KINDS = ("qmv_swiglu", "qmv_down_sum")
 
 
-def kernel_sources(kind: str, qtype, face: str) -> tuple[str, str]:
-    """(header, body) of kernel `kind` ('qmv', 'dequant' or one of FUSED_KINDS) for `qtype` on `face`."""
+def block_header(qtype, face: str) -> str:
+    """The header every kernel on `qtype`'s GGUF blocks starts with on `face`: the face's
+    prelude, the IQ2_XXS lattice and the `common` section (the block decoders), with
+    DS4_CHUNK / DS4_DOT16 / DS4_GRID_ROWS naming `qtype`'s (kernels/grouped_qmm.py uses it too)."""
     qtype = as_qtype(qtype)
     sec = sections(SOURCE)
-    prelude = sec["prelude_metal"] if face == "metal" else CUDA_PRELUDE
-    if face == "metal":
-        index = sec["index_dequant_metal" if kind == "dequant" else "index_qmv_metal"]
-    else:
-        index = CUDA_INDEX_DEQUANT if kind == "dequant" else CUDA_INDEX_QMV
     name = qtype.name.lower()
-    header = (
-        prelude
+    return (
+        (sec["prelude_metal"] if face == "metal" else CUDA_PRELUDE)
         + _grid_define()
         + sec["common"]
         + f"#define DS4_CHUNK ds4_chunk_{name}\n#define DS4_DOT16 ds4_dot16_{name}\n"
         + f"#define DS4_GRID_ROWS {256 if qtype == QT.IQ2_XXS else 1}\n"
     )
+
+
+def kernel_sources(kind: str, qtype, face: str) -> tuple[str, str]:
+    """(header, body) of kernel `kind` ('qmv', 'dequant' or one of FUSED_KINDS) for `qtype` on `face`."""
+    sec = sections(SOURCE)
+    if face == "metal":
+        index = sec["index_dequant_metal" if kind == "dequant" else "index_qmv_metal"]
+    else:
+        index = CUDA_INDEX_DEQUANT if kind == "dequant" else CUDA_INDEX_QMV
+    header = block_header(qtype, face)
     if kind in FUSED_KINDS:
         header += (sec["prelude_fused_metal"] if face == "metal" else CUDA_PRELUDE_FUSED) + sec["fused"]
     return header, index + sec[kind]
@@ -184,7 +191,8 @@ def _kernel(kind: str, qtype: QT) -> Kernel:
 # --------------------------------------------------------------------------- reference decoding
 
 
-def _check(w_blocks: mx.array, qtype) -> tuple[QT, int, int, int]:
+def check_blocks(w_blocks: mx.array, qtype) -> tuple[QT, int, int, int]:
+    """(qtype, experts, rows, K) of a uint8 [E, rows, row_bytes] bank of a SUPPORTED type; else ValueError."""
     qtype = as_qtype(qtype)
     if qtype not in SUPPORTED:
         raise ValueError(f"quantized MoE supports {[t.name for t in SUPPORTED]}, not {qtype.name}")
@@ -350,7 +358,7 @@ def _dequant_self_test(face: str, qtype: QT) -> bool:
 
 def gather_dequantize(w_blocks: mx.array, qtype, ids, dtype=mx.float32, *, backend=None) -> mx.array:
     """Weights of experts `ids` ([M] ints): ``[M, rows, K]`` in `dtype`."""
-    qtype, _, rows, k_dim = _check(w_blocks, qtype)
+    qtype, _, rows, k_dim = check_blocks(w_blocks, qtype)
     ids = mx.array(ids).astype(mx.int32).reshape(-1)
     face = _dequant_face(backend, qtype)
     if face == "reference":
@@ -374,7 +382,7 @@ def gather_dequantize(w_blocks: mx.array, qtype, ids, dtype=mx.float32, *, backe
 
 def gather_qmv(x: mx.array, w_blocks: mx.array, qtype, expert_ids: mx.array, *, backend=None) -> mx.array:
     """``out[t, j, r] = sum_h W[expert_ids[t, j]][r, h] * x[t(, j), h]`` -> ``[n_tok, k, rows]``."""
-    qtype, _, rows, k_dim = _check(w_blocks, qtype)
+    qtype, _, rows, k_dim = check_blocks(w_blocks, qtype)
     x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
     face = _face(backend, qtype)
     if face == "reference":
@@ -451,7 +459,7 @@ def gather_qmm(
     dequantized to float32 on the CPU, float16 on a GPU (`GPU_DEQUANT_DTYPE`) when x
     is float32, else to x.dtype (float32 on the CPU, whose gather_mm is float32-only).
     """
-    qtype, n_exp, rows, k_dim = _check(w_blocks, qtype)
+    qtype, n_exp, rows, k_dim = check_blocks(w_blocks, qtype)
     x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
     face = _dequant_face(backend, qtype)
     wdt = _dequant_dtype(x.dtype)
@@ -487,7 +495,7 @@ def gather_qmm_host_grouped(
     """The former prefill path, kept as the benchmark's baseline: the pairs are grouped
     by expert on the host (one synchronisation per call), each used expert is
     dequantized once and its rows are one plain matmul (one launch per used expert)."""
-    qtype, _, rows, k_dim = _check(w_blocks, qtype)
+    qtype, _, rows, k_dim = check_blocks(w_blocks, qtype)
     x2, eids, xids, n_tok, k = _pairs(x, expert_ids, k_dim)
     face = _dequant_face(backend, qtype)
     wdt = mx.float32 if x.dtype == mx.float32 else x.dtype
@@ -568,7 +576,7 @@ def gather_swiglu_blocks(
     experts (two banks of one type and shape) times x [n_tok, K] -> [n_tok, k, I] in x.dtype;
     no clamp for limit None / <= 0.  One launch at decode sizes on a GPU face; elsewhere
     today's unfused expression (two mat-vecs, `activations.clamped_swiglu`)."""
-    qtype, _, rows, k_dim = _check(gate_blocks, qtype)
+    qtype, _, rows, k_dim = check_blocks(gate_blocks, qtype)
     if up_blocks.shape != gate_blocks.shape:
         raise ValueError(f"gate {gate_blocks.shape} and up {up_blocks.shape} banks differ in shape")
     if x.ndim != 2:
@@ -608,7 +616,7 @@ def gather_down_sum_blocks(
     [n_tok, H] in h.dtype.  One launch at decode sizes on a GPU face (weights multiply the
     float32 dot products); elsewhere today's unfused expression (each expert's output in
     h.dtype, times its weight, summed over k)."""
-    qtype, _, rows, k_dim = _check(down_blocks, qtype)
+    qtype, _, rows, k_dim = check_blocks(down_blocks, qtype)
     if h.ndim != 3:
         raise ValueError("h must be [n_tok, k, I]: one vector per selected expert")
     x2, eids, _, n_tok, k = _pairs(h, expert_ids, k_dim)

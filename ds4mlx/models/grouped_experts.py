@@ -15,13 +15,15 @@ Here the rows are grouped per expert into real matrices:
 3. device: the sorted rows are gathered into x_pad [B, cap, K] (zero rows pad a batch's
    end) and each projection is ONE batched call, batch b through expert experts[b]:
    the switch module's `per_expert(x_pad, experts)` (MLX affine: `gather_qmm` with
-   M = cap; GGUF blocks: dequantized slices of experts + batched matmuls, `gguf_per_expert`);
+   M = cap; GGUF blocks: dequantized slices of experts + batched matmuls, or with
+   DS4MLX_PREFILL_EXPERTS=grouped_blocks one `kernels.grouped_qmm` launch on the blocks,
+   `gguf_per_expert`);
    SwiGLU runs on the padded layout; the outputs are gathered back to (token, slot) order.
 
 Memory per call (one layer, one chunk of P pairs, E experts): the padded rows are
 R = B * cap <= 3 P + 47 E (see `choose_cap`); x_pad, gate/up, SwiGLU and down outputs are
 R x (K + 2I + I + H) values in the compute dtype, plus for GGUF one slice of
-dequantized experts (<= MAX_SLICE_BYTES). V4 Flash, 2,048-token chunk (P = 12,288), bf16:
+dequantized experts (<= MAX_SLICE_BYTES; none under grouped_blocks). V4 Flash, 2,048-token chunk (P = 12,288), bf16:
 typically R ~ 19K rows (cap 64), ~0.7 GB with the SwiGLU temporaries; at the bound
 (R ~ 49K) ~1.8 GB.
 
@@ -41,8 +43,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..kernels import quant_moe
+from ..kernels import grouped_qmm, quant_moe
 from ..kernels.activations import clamped_swiglu
+from . import prefill_experts
 
 CAPS = (16, 32, 64, 128, 256, 512)  # rows per batch: every call's shapes come from this set
 # One more batch (another read of an expert's weights, another tile row of the grid)
@@ -65,6 +68,7 @@ class Layout:
     experts: np.ndarray  # [B] int32
     rows: np.ndarray  # [B * cap] int32: the sorted pair feeding each padded row (P: a zero row)
     dest: np.ndarray  # [P] int32: the padded row of each sorted pair
+    lengths: np.ndarray  # [B] int32: live rows of each batch (the rest: zero rows of padding)
 
     @property
     def batches(self) -> int:
@@ -109,7 +113,7 @@ def layout(counts: np.ndarray, cap: int | None = None) -> Layout:
     r = np.arange(n_pairs) - start[e_of]  # its rank within the expert
     dest = (first_batch[e_of] + r // cap) * cap + r % cap
     i32 = np.int32
-    return Layout(cap, experts.astype(i32), rows.reshape(-1).astype(i32), dest.astype(i32))
+    return Layout(cap, experts.astype(i32), rows.reshape(-1).astype(i32), dest.astype(i32), b_len.astype(i32))
 
 
 def on_gpu() -> bool:
@@ -144,8 +148,15 @@ def sliced_per_expert(x: mx.array, experts: mx.array, per_expert_values: int, de
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
-def gguf_per_expert(x: mx.array, blocks: mx.array, qtype, experts: mx.array) -> mx.array:
-    """`sliced_per_expert` of GGUF blocks uint8 [E, out, row_bytes] (quant_moe's dequantization)."""
+def gguf_per_expert(x: mx.array, blocks: mx.array, qtype, experts: mx.array, lengths=None) -> mx.array:
+    """x [B, M, K] times GGUF blocks uint8 [E, out, row_bytes]: on the blocks (`grouped_qmm`,
+    which skips the padding rows past `lengths`) under DS4MLX_PREFILL_EXPERTS=grouped_blocks,
+    except on a GPU whose grouped_qmm face failed its self-test; else `sliced_per_expert`
+    (quant_moe's dequantization)."""
+    if prefill_experts.blocks_wanted():
+        face = grouped_qmm.face(qtype)
+        if face != "reference" or not on_gpu():
+            return grouped_qmm.grouped_qmm(x, blocks, qtype, experts, lengths, backend=face)
     return sliced_per_expert(
         x,
         experts,
@@ -193,9 +204,9 @@ def switch_glu(gate_up, down, x: mx.array, indices: mx.array, intermediate: int,
     token_of_sorted = mx.concatenate([(order // k).astype(mx.int32), mx.array([n_tok], mx.int32)])
     x_ext = mx.concatenate([x.reshape(n_tok, hidden), mx.zeros((1, hidden), x.dtype)])  # last row: padding
     x_pad = x_ext[token_of_sorted[mx.array(lay.rows)]].reshape(lay.batches, lay.cap, hidden)
-    experts = mx.array(lay.experts)
-    gu = gate_up.per_expert(x_pad, experts)
+    experts, lengths = mx.array(lay.experts), mx.array(lay.lengths)
+    gu = gate_up.per_expert(x_pad, experts, lengths)
     h = clamped_swiglu(gu[..., :intermediate], gu[..., intermediate:], limit)
-    y = down.per_expert(h, experts).reshape(lay.batches * lay.cap, hidden)
+    y = down.per_expert(h, experts, lengths).reshape(lay.batches * lay.cap, hidden)
     pad_row = mx.array(lay.dest)[mx.argsort(order)]  # pair -> its padded row
     return y[pad_row].astype(x.dtype).reshape(*lead, k, hidden)

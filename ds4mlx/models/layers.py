@@ -317,9 +317,10 @@ class SwitchLinear(nn.Module):
             y = part if y is None else mx.where((ids >= e0)[..., None, None], part, y)
         return y
 
-    def per_expert(self, x: mx.array, experts: mx.array) -> mx.array:
+    def per_expert(self, x: mx.array, experts: mx.array, lengths: mx.array | None = None) -> mx.array:
         """x [B, M, in], experts [B] -> [B, M, out]: batch b through expert experts[b]
-        (prefill's grouped path, models/grouped_experts.py)."""
+        (prefill's grouped path, models/grouped_experts.py; its padding rows are zeros in
+        and out, so `lengths`, the live rows per batch, is not needed here)."""
         w = self.weight.swapaxes(-1, -2)
         if mx.default_device().type == mx.DeviceType.cpu:
             if x.dtype != mx.float32 or w.dtype != mx.float32:
@@ -369,9 +370,9 @@ class QuantizedSwitchLinear(nn.Module):
             sorted_indices=sorted_indices,
         )
 
-    def per_expert(self, x: mx.array, experts: mx.array) -> mx.array:
+    def per_expert(self, x: mx.array, experts: mx.array, lengths: mx.array | None = None) -> mx.array:
         """x [B, M, in], experts [B] -> [B, M, out]: batch b through expert experts[b],
-        one `gather_qmm` with M rows per batch (prefill's grouped path,
+        one `gather_qmm` with M rows per batch, `lengths` unused (prefill's grouped path,
         models/grouped_experts.py). MLX CUDA runs it as qmm_sm80 (4 / 8 bits) or
         qmm_naive (2 bits), tensor cores in both for 16-bit operands: on a GPU x, scales
         and biases are cast to one 16-bit type (`grouped_experts.compute_dtype`)."""

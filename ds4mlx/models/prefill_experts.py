@@ -7,6 +7,11 @@ least MIN_PAIRS (token, expert) pairs; decode and small chunks keep today's kern
 * `auto` (default): `grouped` on a GPU, `gather_qmm` on the CPU (reference-exact there);
 * `grouped`: per-expert batched GEMMs (models/grouped_experts.py: pairs sorted on the
   device, one host sync per call for the per-expert counts, M = rows per expert);
+* `grouped_blocks`: `grouped`, with GGUF banks multiplied on their blocks
+  (`kernels.grouped_qmm`: each weight tile decoded once per tile of up to 64 tokens, no
+  dequantized copy of the experts); where its GPU face failed its first-use self-test, the
+  dequantized slices of `grouped`; on the CPU its reference face (float32). `auto` does not
+  pick it until a GPU measurement (tools/prefill_experts_bench.py) says it wins;
 * `gather_qmm`: the former path, one M = 1 product per pair (`mx.gather_qmm` for MLX
   experts, `kernels.quant_moe.gather_qmm` for GGUF blocks): the CPU's path and the
   oracle the grouped path is tested against.
@@ -24,7 +29,7 @@ import os
 import mlx.core as mx
 
 ENV = "DS4MLX_PREFILL_EXPERTS"
-MODES = ("auto", "grouped", "gather_qmm")
+MODES = ("auto", "grouped", "grouped_blocks", "gather_qmm")
 # Fewer (token, expert) pairs (a 170-token chunk at top-6): today's kernels (decode-like
 # sizes). Reasoned, not swept: tools/prefill_experts_bench.py --chunks times both sides.
 MIN_PAIRS = 1024
@@ -51,7 +56,12 @@ def grouped_wanted(pairs: int) -> bool:
     if pairs < MIN_PAIRS:
         return False
     mode = experts_mode()
-    return mode == "grouped" or (mode == "auto" and mx.default_device().type != mx.DeviceType.cpu)
+    return mode in ("grouped", "grouped_blocks") or (mode == "auto" and mx.default_device().type != mx.DeviceType.cpu)
+
+
+def blocks_wanted() -> bool:
+    """GGUF banks of the grouped path multiplied on their blocks (`grouped_blocks`)?"""
+    return experts_mode() == "grouped_blocks"
 
 
 def linear_wanted(rows: int) -> bool:

@@ -271,10 +271,10 @@ class GGUFSwitchLinear(nn.Module):
         y = quant_moe.gather_qmatmul(x2, self.weight, self.qtype, ids, sorted_indices=sorted_indices)  # [n, k, out]
         return y.reshape(*batch, 1, self.output_dims)
 
-    def per_expert(self, x: mx.array, experts: mx.array) -> mx.array:
+    def per_expert(self, x: mx.array, experts: mx.array, lengths: mx.array | None = None) -> mx.array:
         """x [B, M, in], experts [B] -> [B, M, out]: prefill's grouped path
-        (models/grouped_experts.py), the experts dequantized in bounded slices."""
-        return gguf_per_expert(x, self.weight, self.qtype, experts)
+        (models/grouped_experts.py; `lengths` [B]: live rows per batch, the rest zero padding)."""
+        return gguf_per_expert(x, self.weight, self.qtype, experts, lengths)
 
 
 class SplitSwitchLinear(nn.Module):
@@ -323,9 +323,9 @@ class SplitSwitchLinear(nn.Module):
         so `hasattr` is False) when either half has none."""
         gate, up = self.gate_proj.per_expert, self.up_proj.per_expert
 
-        def both(x: mx.array, experts: mx.array) -> mx.array:
-            g = gate(x, experts)
-            return mx.concatenate([g, up(x, experts).astype(g.dtype)], axis=-1)
+        def both(x: mx.array, experts: mx.array, lengths: mx.array | None = None) -> mx.array:
+            g = gate(x, experts, lengths)
+            return mx.concatenate([g, up(x, experts, lengths).astype(g.dtype)], axis=-1)
 
         return both
 

@@ -1,0 +1,164 @@
+"""Grouped quantized matmul: prefill's per-expert GEMMs read straight from GGUF blocks.
+
+``grouped_qmm(x [B, M, K], w_blocks [E, N, row_bytes], qtype, experts [B], lengths [B]) -> [B, M, N]``:
+batch b's M rows times expert ``experts[b]``'s weights (``y[b] = x[b] @ W[experts[b]].T``),
+the shape of prefill's grouped layout (models/grouped_experts.py: pairs sorted by expert,
+each expert's rows cut into batches of `cap`; a switch module's `per_expert`).  Rows of
+batch b from ``lengths[b]`` on are the layout's padding: zeros out, no product computed.  Types:
+`quant_moe.SUPPORTED` (Q8_0, Q2_K, Q4_K, IQ2_XXS).
+
+Why: the grouped path's GGUF banks were dequantized to 16-bit slices in memory (written,
+then read back by cuBLAS); here a thread group decodes each 32-value chunk of its weight
+tile once into shared memory and uses it for a tile of up to 64 tokens (the weight bytes
+read once per tile, not once per token as in a mat-vec), accumulating in float32.
+
+Three faces (kernels/dispatch.py): the reference face dequantizes the batches' experts to
+float32 (`quant_moe.gather_dequantize`, bounded slices) and multiplies in float32; the Metal
+and CUDA faces are one text, kernels/metal/grouped_qmm.metal (its `grouped_qmm` section;
+the header is quant_moe's, whose `common` section holds the block decoders), which explains
+the tile shapes: 256 threads, 8 GQ_RM tokens (GQ_RM = `tokens_per_warp(M)`, up to 8) x 128
+output rows per thread group, K in steps of one 32-value chunk.  Outputs equal the reference's
+within a float32 summation bound (the same float32 products, summed in another order).
+
+Verification state: the shared text through g++ (threadgroups emulated) and nvcc
+(tests/test_grouped_qmm.py); the GPU faces self-test at first use while
+`dispatch.UNVERIFIED_KERNELS` names `GROUPED_KERNELS` (until their `pytest -m gpu` run).
+Tile sizes reasoned, not swept (tools/prefill_experts_bench.py times the mode).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import mlx.core as mx
+
+from ds4mlx.io.quant import QT, as_qtype, random_gguf_blocks
+from ds4mlx.kernels import quant_moe
+from ds4mlx.kernels.dispatch import INDEX, METAL_DIR, Kernel, auto_face, close_enough, sections
+
+SOURCE = METAL_DIR / "grouped_qmm.metal"
+THREADS = 256  # 8 SIMD groups per thread group (GQ_THREADS in the kernel text)
+TILE_N = 128  # output rows per thread group: 4 per lane (GQ_TN)
+MAX_TOKENS_PER_WARP = 8  # GQ_RM: 8 tokens per SIMD group, 64 per thread group
+MAX_GRID_Z = 65535  # CUDA's grid z limit: more (batch, token tile) pairs go in several launches
+MAX_REFERENCE_BYTES = 1 << 30  # float32 weights the reference face dequantizes at once
+# auto_face names, self-tested at first use while dispatch.UNVERIFIED_KERNELS lists them
+GROUPED_KERNELS = {t: f"grouped_qmm.{t.name}" for t in quant_moe.SUPPORTED}
+
+
+def tokens_per_warp(m: int) -> int:
+    """GQ_RM for batches of m rows: a thread group's 8 SIMD groups cover min(m, 64) rows
+    (rounded up to a multiple of 8), so a batch of 16 rows does not compute 48 idle ones."""
+    return max(1, min(MAX_TOKENS_PER_WARP, -(-m // 8)))
+
+
+def kernel_sources(qtype, face: str) -> tuple[str, str]:
+    """(header, body) of the kernel for `qtype` on `face` ('metal' or 'cuda')."""
+    sec = sections(SOURCE)
+    return quant_moe.block_header(qtype, face) + sec["helpers"], INDEX[face] + sec["grouped_qmm"]
+
+
+@cache
+def _kernel(qtype: QT) -> Kernel:
+    return Kernel(
+        f"ds4mlx_grouped_qmm_{qtype.name.lower()}",
+        ["x", "w", "eids", "lens"],
+        ["y"],
+        metal=kernel_sources(qtype, "metal"),
+        cuda=kernel_sources(qtype, "cuda"),
+    )
+
+
+def face(qtype) -> str:
+    """The automatic face for `qtype`: the device's (self-tested at first use while
+    unverified), 'reference' on the CPU or where the GPU face failed its self-test."""
+    qtype = as_qtype(qtype)
+    return auto_face(GROUPED_KERNELS[qtype], lambda f: _self_test(f, qtype))
+
+
+def grouped_qmm(
+    x: mx.array, w_blocks: mx.array, qtype, experts: mx.array, lengths: mx.array | None = None, *, backend=None
+) -> mx.array:
+    """x [B, M, K] (any float dtype), w_blocks uint8 [E, N, row_bytes], experts [B] ints ->
+    [B, M, N] in x.dtype: ``out[b] = x[b] @ dequantize(W[experts[b]]).T``, float32 sums;
+    `lengths` [B] ints (default M each): rows m >= lengths[b] of batch b are padding, out 0."""
+    qtype, _, rows, k_dim = quant_moe.check_blocks(w_blocks, qtype)
+    if x.ndim != 3 or x.shape[-1] != k_dim:
+        raise ValueError(f"x must be [B, M, {k_dim}], got {x.shape}")
+    if experts.ndim != 1 or experts.shape[0] != x.shape[0]:
+        raise ValueError(f"experts must be [{x.shape[0]}] (one per batch of x), got {experts.shape}")
+    n_batch, m = x.shape[:2]
+    experts = experts.astype(mx.int32)
+    if lengths is None:
+        lengths = mx.full((n_batch,), m, mx.int32)
+    elif lengths.shape != experts.shape:
+        raise ValueError(f"lengths must be [{n_batch}] (live rows of each batch), got {lengths.shape}")
+    lengths = lengths.astype(mx.int32)
+    if n_batch == 0 or m == 0:
+        return mx.zeros((n_batch, m, rows), x.dtype)
+    chosen = face(qtype) if backend is None else backend
+    if chosen == "reference":
+        return _reference(x, w_blocks, qtype, experts, lengths)
+    rm = tokens_per_warp(m)
+    m_tiles = -(-m // (8 * rm))
+    step = max(1, MAX_GRID_Z // m_tiles)  # batches per launch
+    outs = []
+    for b0 in range(0, n_batch, step):
+        span = slice(b0, b0 + step)
+        xs, es, ls = (x, experts, lengths) if step >= n_batch else (x[span], experts[span], lengths[span])
+        nb = xs.shape[0]
+        outs.append(
+            _kernel(qtype)(
+                chosen,
+                inputs=[xs, w_blocks, es, ls],
+                template=[
+                    ("T", x.dtype),
+                    ("N_ROWS", rows),
+                    ("K_DIM", k_dim),
+                    ("ROW_BYTES", w_blocks.shape[2]),
+                    ("M_ROWS", m),
+                    ("GQ_RM", rm),
+                ],
+                grid=(THREADS, -(-rows // TILE_N), nb * m_tiles),
+                threadgroup=(THREADS, 1, 1),
+                output_shapes=[(nb, m, rows)],
+                output_dtypes=[x.dtype],
+            )[0]
+        )
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+def _reference(x: mx.array, w_blocks: mx.array, qtype: QT, experts: mx.array, lengths: mx.array) -> mx.array:
+    """The dequantize + matmul path, float32: batches' experts dequantized by the reference
+    decoding (MAX_REFERENCE_BYTES at a time), one batched matmul per slice; padding rows 0."""
+    n_batch, m, k_dim = x.shape
+    per = w_blocks.shape[1] * k_dim * 4
+    step = max(1, min(n_batch, MAX_REFERENCE_BYTES // per))
+    xs = x.astype(mx.float32)
+    outs = []
+    for b0 in range(0, n_batch, step):
+        w = quant_moe.gather_dequantize(w_blocks, qtype, experts[b0 : b0 + step], mx.float32, backend="reference")
+        outs.append(xs[b0 : b0 + step] @ w.swapaxes(-1, -2))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    live = mx.arange(m)[None, :, None] < lengths[:, None, None]
+    return mx.where(live, out, 0.0).astype(x.dtype)
+
+
+def _self_test(face: str, qtype: QT) -> bool:
+    """`face` against the reference on a tiny bank: 130 rows (a second, nearly empty row
+    tile), K = 512, batches of 20 rows (a token tile of 24, 4 rows idle) and of 70 rows (two
+    tiles), experts repeated and out of order, padding (a short batch, an empty one, a tile
+    of padding only), float32 and bfloat16 x."""
+    blocks = random_gguf_blocks(qtype, 3, 130, 512, seed=16)
+    experts = mx.array([2, 0, 2], dtype=mx.int32)
+    for m, lengths in ((20, None), (20, [20, 3, 0]), (70, [70, 9, 64])):
+        lengths = None if lengths is None else mx.array(lengths, dtype=mx.int32)
+        for dt, tol in ((mx.float32, 1e-3), (mx.bfloat16, 2e-2)):
+            x = mx.random.normal((3, m, 512), key=mx.random.key(m)).astype(dt)
+            got = grouped_qmm(x, blocks, qtype, experts, lengths, backend=face)
+            if got.dtype != dt or got.shape != (3, m, 130):
+                return False
+            want = grouped_qmm(x, blocks, qtype, experts, lengths, backend="reference")
+            if not close_enough(got, want, rtol=tol, atol=tol / 10):
+                return False
+    return True
