@@ -259,14 +259,14 @@ def supported(k_dim: int, group_size: int, bits: int, face: str = "cuda") -> boo
 
 
 @cache
-def _const(kind: str, n: int = 1) -> mx.array:
+def const_input(kind: str, n: int = 1) -> mx.array:
     a = mx.zeros((n,), mx.int32) if kind == "ids" else mx.ones((n,), mx.float32)
     mx.eval(a)
     return a
 
 
 @cache
-def _lim(limit: float, eps: float = 0.0) -> mx.array:
+def lim_input(limit: float, eps: float = 0.0) -> mx.array:
     """lim[0] the SwiGLU clamp (0: none), lim[1] = 1.0 (the level trick's bits, read from
     memory so the compiler keeps them in a register), lim[2] the folded RMSNorm's eps."""
     a = mx.array([limit, 1.0, eps], dtype=mx.float32)
@@ -436,9 +436,9 @@ def qmv(
         w,
         scales,
         biases,
-        _const("ids", rows),
-        _const("wts"),
-        _lim(0.0, 0.0 if norm is None else float(norm[1])),
+        const_input("ids", rows),
+        const_input("wts"),
+        lim_input(0.0, 0.0 if norm is None else float(norm[1])),
         p=rows,
         n_rows=n_rows,
         k_dim=k_dim,
@@ -504,8 +504,8 @@ def gather_qmv(
         scales,
         biases,
         expert_ids.astype(mx.int32),  # read flat
-        _const("wts"),
-        _lim(0.0),
+        const_input("wts"),
+        lim_input(0.0),
         p=n * k,
         n_rows=w.shape[1],
         k_dim=k_dim,
@@ -547,8 +547,8 @@ def gather_swiglu(
         scales,
         biases,
         expert_ids.reshape(-1).astype(mx.int32),
-        _const("wts"),
-        _lim(float(limit) if limit else 0.0),
+        const_input("wts"),
+        lim_input(float(limit) if limit else 0.0),
         p=n * k,
         n_rows=two_i,
         k_dim=k_dim,
@@ -589,7 +589,7 @@ def gather_down_sum(
         biases,
         expert_ids.reshape(-1).astype(mx.int32),
         weights.reshape(-1).astype(mx.float32),
-        _lim(0.0),
+        lim_input(0.0),
         p=n,
         n_rows=w.shape[1],
         k_dim=k_dim,
@@ -867,7 +867,7 @@ def gather_swiglu_shared(
             ws[None],
             ss[None],
             bs[None],
-            _const("ids", n).reshape(n, 1),
+            const_input("ids", n).reshape(n, 1),
             limit=shared_limit,
             group_size=shared_group_size,
             bits=shared_bits,
@@ -887,15 +887,15 @@ def gather_swiglu_shared(
             scales,
             biases,
             expert_ids.reshape(-1).astype(mx.int32),
-            _const("wts"),
-            _lim(float(limit) if limit else 0.0),
-            _const("wts"),
+            const_input("wts"),
+            lim_input(float(limit) if limit else 0.0),
+            const_input("wts"),
             x,
             ws,
             ss,
             bs,
-            _const("ids", n),
-            _lim(float(shared_limit) if shared_limit else 0.0),
+            const_input("ids", n),
+            lim_input(float(shared_limit) if shared_limit else 0.0),
         ],
         template=twobank_template(3, tp, x.dtype, banks),
         grid=(32 * WARPS, tp.a.nby, tp.nz),
@@ -951,7 +951,7 @@ def gather_down_sum_shared(
         dict(mode=2, s_dtype=scales.dtype, n_rows=rows, k_dim=k_dim, group_size=group_size, bits=bits, ke=k),
         shared_bank | dict(mode=0, dense=True, x_rows=n),
     )
-    lim = _lim(0.0)
+    lim = lim_input(0.0)
     return _twobank_kernel(4)(
         face,
         inputs=[
@@ -967,7 +967,7 @@ def gather_down_sum_shared(
             ws,
             ss,
             bs,
-            _const("ids", n),
+            const_input("ids", n),
             lim,
         ],
         template=twobank_template(4, tp, h.dtype, banks),
