@@ -6,6 +6,9 @@ translation unit through nvcc at V4 Flash's o_b shape, the GPU face on a GPU."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,6 +18,9 @@ from ds4mlx.kernels import affine_qmv as aq
 from ds4mlx.kernels import dispatch
 from ds4mlx.kernels import hyper_connection as hck
 from ds4mlx.kernels import qmv_hc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from launch_census import NARROW  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("cpu_unless_gpu_test")
 
@@ -165,3 +171,114 @@ def test_gpu_equals_reference_at_v4_flash_shape(rows, dtype):
         assert dispatch.close_enough(g, w, rtol=tol, atol=tol)
     assert all(not b.any().item() for b in dispatch.ticket_buffers(qmv_hc.TICKETS))
     assert qmv_hc._self_test("cuda")
+
+
+# ------------------------------------------------------------------ the V4 decode step through the launch
+
+
+class StandInLaunch:
+    """`qmv_hc._kernel()` for a faked CUDA face: each launch's outputs computed by the reference
+    face (the two calls) from the very inputs and template the launch passes, so the CPU runs the
+    model's compiled step through the GPU path's plumbing."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self):
+        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            self.calls += 1
+            a, t = dict(zip(qmv_hc.INPUTS, inputs)), dict(template)
+            assert t["PARTS"] == t["NBY"] == grid[1] and t["MODE"] == 0 and t["DENSE"] and not t["NORM"]
+            assert any(a["tickets"] is b for b in dispatch.ticket_buffers(qmv_hc.TICKETS))
+            q = dict(group_size=t["GS"], bits=t["BITS"], backend="reference")
+            o = aq.qmv(a["x"], a["w"], a["scales"], a["biases"], **q)
+            eps = [float(v) for v in a["eps"].tolist()]
+            norm = (a["nw"], eps[2]) if t["HC_NORM"] else None
+            kw = dict(sinkhorn_iters=t["ITERS"], hc_eps=eps[0], norm_eps=eps[1], norm=norm, backend="reference")
+            ys, post, comb, hn = hck.hc_post_pre(a["hx"], o, a["post"], a["comb"], a["fn"], a["base"], a["scale"], **kw)
+            out = [o.reshape(output_shapes[0]), ys, mx.zeros(output_shapes[2]), mx.zeros(output_shapes[3])]
+            out += [post, comb, hn]
+            assert [tuple(v.shape) for v in out] == [tuple(s) for s in output_shapes]
+            assert [v.dtype for v in out] == list(output_dtypes)
+            return out
+
+        return launch
+
+
+@pytest.fixture(scope="module")
+def v4_model():
+    from ds4mlx.bench.synthetic import build_synthetic_v4_flash
+
+    return build_synthetic_v4_flash(layers=4, experts=16, overrides=NARROW)[0]  # CSA, HCA, 2 x SWA
+
+
+def _steps(lm, ids, monkeypatch, how="compiled", prefill=5):
+    from ds4mlx.runtime import stepper
+
+    monkeypatch.setenv(stepper.MODE_ENV, how)
+    stepper.forget(lm.model)
+    s = lm.new_session(ctx=len(ids) + 80, chunk=7)
+    s.prefill(ids[:prefill])
+    try:
+        return s, np.stack([np.array(s.decode(t)) for t in ids[prefill:]])
+    finally:
+        stepper.forget(lm.model)
+
+
+def _fused(monkeypatch):
+    fake = StandInLaunch()
+    monkeypatch.setattr(qmv_hc, "auto_face", lambda kernel, self_test: "cuda")
+    monkeypatch.setattr(qmv_hc, "_kernel", fake)
+    return fake
+
+
+@pytest.mark.slow
+def test_compiled_step_through_the_launch_matches_legacy(v4_model, monkeypatch):
+    """The synthetic V4 Flash (8-bit o_b) on a faked CUDA face for this launch: every layer's
+    o_b runs inside the next mHC site's launch, and over 64 decode steps the compiled step's
+    logits equal those of the step without it (the same reference ops) and stay within 1e-4 of
+    the legacy per-layer forward."""
+    from ds4mlx.models import cache as row_cache
+
+    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+    ids = np.random.default_rng(3).integers(0, v4_model.model.args.vocab_size, 69).tolist()
+    _, legacy = _steps(v4_model, ids, monkeypatch, "legacy")
+    _, plain = _steps(v4_model, ids, monkeypatch)
+    fake = _fused(monkeypatch)
+    _, fused = _steps(v4_model, ids, monkeypatch)
+    layers = len(v4_model.model.model.layers)
+    assert fake.calls >= layers and fake.calls % layers == 0  # a launch per layer in each trace (bucket)
+    assert np.array_equal(fused, plain)
+    assert float(np.abs(fused - legacy).max()) <= 1e-4 * max(1.0, float(np.abs(legacy).max()))
+
+
+@pytest.mark.slow
+def test_batched_rows_and_verify_chain_take_the_launch(v4_model, monkeypatch):
+    """Session batching (3 sessions' step, stepper.step_rows) and a speculative verify of 3
+    tokens (the chained rows) run o_b inside the mHC launch too, with the logits of the same
+    step without it."""
+    from ds4mlx.runtime import stepper
+
+    monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+
+    def run():
+        stepper.forget(v4_model.model)
+        sessions = []
+        for b in range(3):
+            s = v4_model.new_session(ctx=64)
+            s.prefill([3 + b, 1, 4, 1, 5][: 3 + b])
+            sessions.append(s)
+        ids = mx.array([[7, 8, 9]], mx.int32)
+        rows = stepper.step_rows(v4_model.model, [s.caches for s in sessions], ids, [len(s) for s in sessions])
+        verify = sessions[0].verify([7, 8, 9])
+        out = [np.stack([np.array(r.astype(mx.float32)) for r in rows]), np.array(verify.astype(mx.float32))]
+        stepper.forget(v4_model.model)
+        return out
+
+    plain = run()
+    fake = _fused(monkeypatch)
+    fused = run()
+    layers = len(v4_model.model.model.layers)
+    assert fake.calls >= 2 * layers and fake.calls % layers == 0  # the rows' step and the chain's
+    for f, p in zip(fused, plain):
+        assert np.array_equal(f, p)

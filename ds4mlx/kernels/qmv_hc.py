@@ -120,6 +120,18 @@ def qmv_hc_post_pre(
     face = backend if backend is not None else auto_face("qmv_hc", _self_test)
     if not (_takes(face, x, w, biases, streams, fn, group_size, bits) and sinkhorn_iters >= 1):
         return _two_calls(*args, group_size=group_size, bits=bits, backend=backend, **site)
+    return _launch(face, *args, group_size=group_size, bits=bits, **site)
+
+
+def fused_face(x, w, biases, streams, fn, *, group_size: int, bits: int) -> str | None:
+    """The face an automatic `qmv_hc_post_pre` of these arguments launches as one kernel, or
+    None (it would run the two calls): lets a caller keep its own mat-vec otherwise."""
+    face = auto_face("qmv_hc", _self_test)
+    return face if _takes(face, x, w, biases, streams, fn, group_size, bits) else None
+
+
+def _launch(face, x, w, scales, biases, streams, post, comb, fn, base, scale, *, group_size, bits, **site):
+    sinkhorn_iters, hc_eps, norm_eps, norm = (site[k] for k in ("sinkhorn_iters", "hc_eps", "norm_eps", "norm"))
     n, d = streams.shape[-2], streams.shape[-1]
     lead = streams.shape[:-2]
     k_dim, rows = x.shape[-1], x.size // x.shape[-1]

@@ -29,6 +29,7 @@ import numpy as np
 from ..io.quant import expert_spans, grouped_gemm_spans
 from ..kernels import affine_qmv
 from ..kernels import hyper_connection as hc_kernels
+from ..kernels import qmv_hc
 from ..kernels.activations import clamped_swiglu  # re-exported: the families import it from here
 from . import grouped_experts, prefill_experts
 
@@ -258,6 +259,35 @@ class HyperConnection(nn.Module):
         return hc_kernels.hc_post_pre(
             x, out, post, comb, self.fn, self.base, self.scale, norm=_norm_pair(norm), out2=out2, **self._settings()
         )
+
+    def after_linear_post(
+        self, x: mx.array, linear: nn.Module, inp: mx.array, post: mx.array, comb: mx.array, norm: RMSNorm | None = None
+    ):
+        """``after_post(x, linear(inp), post, comb, norm)``; with an affine-quantized `linear`
+        (no bias) at decode on CUDA, the mat-vec and both sites in one launch
+        (`kernels.qmv_hc`): a V4 attention's output projection."""
+        biases = linear.get("biases") if isinstance(linear, nn.QuantizedLinear) else None
+        if biases is not None and linear.mode == "affine" and "bias" not in linear:
+            q = dict(group_size=linear.group_size, bits=linear.bits)
+            face = qmv_hc.fused_face(inp, linear["weight"], biases, x, self.fn, **q)
+            if face is not None:
+                return qmv_hc.qmv_hc_post_pre(
+                    inp,
+                    linear["weight"],
+                    linear["scales"],
+                    biases,
+                    x,
+                    post,
+                    comb,
+                    self.fn,
+                    self.base,
+                    self.scale,
+                    **q,
+                    **self._settings(),
+                    norm=_norm_pair(norm),
+                    backend=face,
+                )
+        return self.after_post(x, linear(inp), post, comb, norm=norm)
 
     def mix(self, x: mx.array):
         """(pre, post, comb) without the collapse (see `hc_mix`); one fused launch on a GPU."""
