@@ -267,8 +267,10 @@ def test_batched_rows_and_verify_chain_take_the_launch(v4_model, monkeypatch):
         for b in range(3):
             s = v4_model.new_session(ctx=64)
             s.prefill([3 + b, 1, 4, 1, 5][: 3 + b])
+            s.decode(2)  # the static step has run (stepper.supports_rows / supports_chain)
             sessions.append(s)
         ids = mx.array([[7, 8, 9]], mx.int32)
+        assert stepper.supports_chain(v4_model.model)
         rows = stepper.step_rows(v4_model.model, [s.caches for s in sessions], ids, [len(s) for s in sessions])
         verify = sessions[0].verify([7, 8, 9])
         out = [np.stack([np.array(r.astype(mx.float32)) for r in rows]), np.array(verify.astype(mx.float32))]
@@ -279,6 +281,6 @@ def test_batched_rows_and_verify_chain_take_the_launch(v4_model, monkeypatch):
     fake = _fused(monkeypatch)
     fused = run()
     layers = len(v4_model.model.model.layers)
-    assert fake.calls >= 2 * layers and fake.calls % layers == 0  # the rows' step and the chain's
+    assert fake.calls >= 3 * layers and fake.calls % layers == 0  # the one-row step's, the rows' and the chain's
     for f, p in zip(fused, plain):
         assert np.array_equal(f, p)
