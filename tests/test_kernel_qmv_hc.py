@@ -284,3 +284,102 @@ def test_batched_rows_and_verify_chain_take_the_launch(v4_model, monkeypatch):
     assert fake.calls >= 3 * layers and fake.calls % layers == 0  # the one-row step's, the rows' and the chain's
     for f, p in zip(fused, plain):
         assert np.array_equal(f, p)
+
+
+# ------------------------------------------------------------------ MODE 4 (an MoE's down) and the next site
+
+
+@pytest.fixture
+def emulated_down(tmp_path, monkeypatch):
+    """The down variant's launches on the g++ emulation (as `emulated`)."""
+    monkeypatch.setattr(aq, "WARPS", 2)
+    monkeypatch.setattr(aq, "BLOCKS", 3)
+    monkeypatch.setattr(hck, "PRE_THREADS", 128)
+    launches = []
+    header, body = qmv_hc.shared_text("down")
+    launch = emulated_launch(
+        tmp_path,
+        launches,
+        _CPU_EXTRA + header,
+        body,
+        (qmv_hc.DOWN_INPUTS, qmv_hc.OUTPUTS),
+        float_consts=(*_FLOAT_CONSTS, "TS_A", "TS_B"),
+        inout=("tickets",),
+    )
+    monkeypatch.setattr(qmv_hc, "_kernel", lambda variant="plain": launch)
+    return launches
+
+
+@pytest.mark.parametrize("tokens,norm,dtype", [(1, True, "float32"), (3, False, "float32"), (2, True, "bfloat16")])
+@pytest.mark.slow_after(1)
+def test_down_variant_on_the_cpu_emulation(tokens, norm, dtype, emulated_down):
+    """MODE 4 (routed down + weighted sum + shared down) with the next site's hc_post and hc_pre
+    tail in one launch equals the two calls on the reference face (bfloat16: against float32
+    reference values, as above), one token and several (the shared expert multi-row)."""
+    down, args, nrm = qmv_hc.down_problem(getattr(mx, dtype), tokens, seed=tokens)
+    nrm = nrm if norm else None
+    got = down.hc_post_pre(*args, **SITE, norm=nrm, backend="cuda")
+    assert len(emulated_down) == 1 and emulated_down[0][1][1] == emulated_down[0][0]["PARTS"] > 1
+    ref_args = qmv_hc.DownSumShared(
+        tuple(_f32(down.args[:7])) + (tuple(_f32(down.args[7])),), down.kwargs, down.shape
+    )
+    f32norm = None if nrm is None else (nrm[0].astype(mx.float32), nrm[1])
+    want = ref_args.hc_post_pre(*_f32(args), **SITE, norm=f32norm, backend="reference")
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    for name, g, w in zip(("streams", "post", "comb", "collapsed"), got, want):
+        assert g.shape == w.shape, name
+        np.testing.assert_allclose(np.array(g.astype(mx.float32)), np.array(w), rtol=tol, atol=tol, err_msg=name)
+
+
+def test_down_self_test_passes_on_the_cpu_emulation_and_fails_a_wrong_kernel(emulated_down, monkeypatch):
+    """The first-use self-test on the emulation (float32: the emulation holds 16-bit buffers as
+    float32, and MLX's CPU reference sums 16-bit x in 16 bits) passes, and fails for a launch
+    whose new streams miss the MoE's output."""
+    monkeypatch.setattr(qmv_hc, "SELF_TEST_DTYPES", qmv_hc.SELF_TEST_DTYPES[:1])
+    assert qmv_hc._down_self_test("cuda") and len(emulated_down) == 2
+    launch = qmv_hc._kernel("down")
+
+    def streams_unchanged(face, **kw):
+        out = launch(face, **kw)
+        return [kw["inputs"][len(aq.TWOBANK_INPUTS)] if i == 1 else o for i, o in enumerate(out)]
+
+    monkeypatch.setattr(qmv_hc, "_kernel", lambda variant="plain": streams_unchanged)
+    assert not qmv_hc._down_self_test("cuda")
+
+
+@pytest.mark.parametrize("dt,rows", [("bfloat16", 1), ("float32", 1), ("bfloat16", 4)])
+@pytest.mark.slow_after(1)
+def test_down_variant_compiles_with_nvcc(dt, rows, tmp_path):
+    """The down variant's CUDA translation unit at V4 Flash's MoE shape (6 of 256 experts, 2-bit
+    [4096, 2048] routed downs, the 8-bit shared down, 4 streams of 4096), sm_90, warnings are errors."""
+    x_dtype = getattr(mx, dt)
+    tp = aq.twobank_rows_plan(4, rows, (4096, 2048, 2, 6, 2048, 8), x_dtype, "cuda") if rows > 1 else None
+    tp = tp or aq.plan_down2(rows, 4096, 2048, 2, 6, 2048, 8, x_dtype=x_dtype, face="cuda")
+    banks = (
+        dict(mode=2, s_dtype=x_dtype, n_rows=4096, k_dim=2048, group_size=64, bits=2, ke=6),
+        dict(mode=0, s_dtype=x_dtype, n_rows=4096, k_dim=2048, group_size=64, bits=8, dense=True, x_rows=rows),
+    )
+    tmpl = [(k, dt if k in ("T", "TS_A", "TS_B") else v) for k, v in aq.twobank_template(4, tp, x_dtype, banks)]
+    f = "float32"
+    tmpl += [("TP", f), ("TC", f), ("TW", dt), ("TB", f), ("TSC", f), ("HC", 4), ("ITERS", 20), ("HEAD", False)]
+    tmpl += [("COLLAPSE", True), ("HC_NORM", True), ("VT", hck.PRE_THREADS), ("PARTS", tp.a.nby)]
+    kinds = dict(w="uint32", w2="uint32", eids="int32", eids2="int32", wts=f, lim=f, lim2=f, post=f, comb=f)
+    kinds |= dict(base=f, scale=f, eps=f, tickets="uint32")
+    ins = {name: kinds.get(name, dt) for name in qmv_hc.DOWN_INPUTS}
+    outs = {name: (f if name in ("part", "pre", "post2", "comb2") else dt) for name in qmv_hc.OUTPUTS}
+    header, body = qmv_hc.kernel_sources("cuda", "down")
+    nvcc_compile(tmp_path, mlx_cuda_source(f"affine_qmv2_down_hc_{dt}_{rows}", header, body, ins, outs, tmpl))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_gpu_down_variant_equals_reference(tokens):
+    if dispatch.gpu_backend() != "cuda":
+        pytest.skip("the launch is CUDA's only")
+    assert qmv_hc._down_self_test("cuda")
+    for dt, tol in ((mx.float32, 1e-3), (mx.bfloat16, 3e-2)):
+        down, args, nrm = qmv_hc.down_problem(dt, tokens, seed=5, d=4096)
+        got = down.hc_post_pre(*args, **SITE, norm=nrm, backend="cuda")
+        want = down.hc_post_pre(*args, **SITE, norm=nrm, backend="reference")
+        assert all(dispatch.close_enough(g, w, rtol=tol, atol=tol) for g, w in zip(got, want))
+    assert all(not b.any().item() for b in dispatch.ticket_buffers(qmv_hc.TICKETS))

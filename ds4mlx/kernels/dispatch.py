@@ -47,6 +47,7 @@ UNVERIFIED_KERNELS = {  # every other kernel's CUDA face passed its `pytest -m g
     "attn_prologue.rows",  # the same for B sessions' rows of one layer (session batching)
     "affine_qmv.twobank_rows",  # MODE 3 / 4 with the shared expert's weights read once for the step's rows
     "qmv_hc",  # a dense mat-vec and the next mHC site (hc_post + the next hc_pre's tail) in one launch
+    "qmv_hc.down",  # affine_qmv MODE 4 (an MoE's down projections) and the next mHC site in one launch
 }
 
 log = logging.getLogger("ds4mlx.kernels")

@@ -574,8 +574,14 @@ for (uint32_t lo = tid; lo < uint32_t(MAXIT_A * XR_B * WROWS_A * RPW_A); lo += u
 // Template: the plain kernel's (NORM false: `nw` is the site's folded RMSNorm weight),
 // HC, ITERS, HEAD (false), COLLAPSE (true), HC_NORM, VT (pre_core's virtual threads), PARTS.
 
-// @@ qmv_hc
+// affine_qmv2_down_hc: the same after MODE 4 (the routed experts' down + weighted sum + the shared
+// expert's down, y = their sum): this section with bank A's names (its rows, steps and warp rows)
+// and bank B's tokens per slice (XR_B, XROWS_B).
+// @@ qmv_hc_plain
 static_assert(MODE == 0 && DENSE && !NORM && PARTS == NBY, "one dense matrix, no x norm; a part per threadgroup y");
+// @@ qmv_hc_down
+static_assert(MODE == 4 && PARTS == NBY, "MODE 4's y; a part per threadgroup y");
+// @@ qmv_hc
 constexpr int D = OUT_ROWS;
 constexpr int K = HC * D;
 constexpr int M = (2 + HC) * HC;
