@@ -177,24 +177,37 @@ def test_gpu_equals_reference_at_v4_flash_shape(rows, dtype):
 
 
 class StandInLaunch:
-    """`qmv_hc._kernel()` for a faked CUDA face: each launch's outputs computed by the reference
-    face (the two calls) from the very inputs and template the launch passes, so the CPU runs the
-    model's compiled step through the GPU path's plumbing."""
+    """`qmv_hc._kernel(variant)` for a faked CUDA face: each launch's outputs computed by the
+    reference face (the two calls) from the very inputs and template the launch passes, so the
+    CPU runs the model's compiled step through the GPU path's plumbing."""
 
     def __init__(self):
-        self.calls = 0
+        self.calls = {"plain": 0, "down": 0}
 
-    def __call__(self):
+    def __call__(self, variant="plain"):
         def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            self.calls += 1
-            a, t = dict(zip(qmv_hc.INPUTS, inputs)), dict(template)
-            assert t["PARTS"] == t["NBY"] == grid[1] and t["MODE"] == 0 and t["DENSE"] and not t["NORM"]
+            self.calls[variant] += 1
+            names = qmv_hc.INPUTS if variant == "plain" else qmv_hc.DOWN_INPUTS
+            a, t = dict(zip(names, inputs)), dict(template)
+            assert t["PARTS"] == t["NBY"] == grid[1]
             assert any(a["tickets"] is b for b in dispatch.ticket_buffers(qmv_hc.TICKETS))
-            q = dict(group_size=t["GS"], bits=t["BITS"], backend="reference")
-            o = aq.qmv(a["x"], a["w"], a["scales"], a["biases"], **q)
+            if variant == "plain":
+                assert t["MODE"] == 0 and t["DENSE"] and not t["NORM"]
+                q = dict(group_size=t["GS"], bits=t["BITS"], backend="reference")
+                o = aq.qmv(a["x"], a["w"], a["scales"], a["biases"], **q)
+            else:
+                assert t["MODE"] == 4
+                n, k = output_shapes[0][0], t["KE_A"]
+                h = a["x"].reshape(n, k, -1)
+                q = dict(group_size=t["GS_A"], bits=t["BITS_A"], shared_group_size=t["GS_B"])
+                q |= dict(shared_bits=t["BITS_B"], backend="reference")
+                ids, wts = a["eids"].reshape(n, k), a["wts"].reshape(n, k)
+                shared = (a["w2"], a["scales2"], a["biases2"])
+                o = aq.gather_down_sum_shared(h, a["w"], a["scales"], a["biases"], ids, wts, a["x2"], shared, **q)
             eps = [float(v) for v in a["eps"].tolist()]
             norm = (a["nw"], eps[2]) if t["HC_NORM"] else None
             kw = dict(sinkhorn_iters=t["ITERS"], hc_eps=eps[0], norm_eps=eps[1], norm=norm, backend="reference")
+            o = o.reshape(*a["hx"].shape[:-2], -1)
             ys, post, comb, hn = hck.hc_post_pre(a["hx"], o, a["post"], a["comb"], a["fn"], a["base"], a["scale"], **kw)
             out = [o.reshape(output_shapes[0]), ys, mx.zeros(output_shapes[2]), mx.zeros(output_shapes[3])]
             out += [post, comb, hn]
@@ -226,6 +239,8 @@ def _steps(lm, ids, monkeypatch, how="compiled", prefill=5):
 
 
 def _fused(monkeypatch):
+    """qmv_hc's launches on a faked CUDA face (its `auto_face`; the other kernels keep theirs),
+    MODE 4's launch arguments as on CUDA (`affine_qmv.down_sum_shared_launch` of a caller's face)."""
     fake = StandInLaunch()
     monkeypatch.setattr(qmv_hc, "auto_face", lambda kernel, self_test: "cuda")
     monkeypatch.setattr(qmv_hc, "_kernel", fake)
@@ -234,20 +249,24 @@ def _fused(monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_step_through_the_launch_matches_legacy(v4_model, monkeypatch):
-    """The synthetic V4 Flash (8-bit o_b) on a faked CUDA face for this launch: every layer's
-    o_b runs inside the next mHC site's launch, and over 64 decode steps the compiled step's
-    logits equal those of the step without it (the same reference ops) and stay within 1e-4 of
-    the legacy per-layer forward."""
+    """The synthetic V4 Flash (8-bit o_b, MLX-affine experts) on a faked CUDA face for these
+    launches: every layer's o_b, and every MoE's down but the last layer's, runs inside the next
+    mHC site's launch, and over 64 decode steps the compiled step's logits equal those of the
+    step without them (the same reference ops) and stay within 1e-4 of the legacy per-layer
+    forward."""
     from ds4mlx.models import cache as row_cache
 
     monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+    monkeypatch.setattr(aq, "kernel_face", lambda *a, **k: "forced")  # the MoE's two launches (reference faces)
     ids = np.random.default_rng(3).integers(0, v4_model.model.args.vocab_size, 69).tolist()
     _, legacy = _steps(v4_model, ids, monkeypatch, "legacy")
     _, plain = _steps(v4_model, ids, monkeypatch)
     fake = _fused(monkeypatch)
     _, fused = _steps(v4_model, ids, monkeypatch)
     layers = len(v4_model.model.model.layers)
-    assert fake.calls >= layers and fake.calls % layers == 0  # a launch per layer in each trace (bucket)
+    plain_calls, down_calls = fake.calls["plain"], fake.calls["down"]
+    assert plain_calls >= layers and plain_calls % layers == 0  # a launch per layer in each trace (bucket)
+    assert down_calls == plain_calls // layers * (layers - 1)  # every MoE but the last layer's
     assert np.array_equal(fused, plain)
     assert float(np.abs(fused - legacy).max()) <= 1e-4 * max(1.0, float(np.abs(legacy).max()))
 
@@ -255,11 +274,12 @@ def test_compiled_step_through_the_launch_matches_legacy(v4_model, monkeypatch):
 @pytest.mark.slow
 def test_batched_rows_and_verify_chain_take_the_launch(v4_model, monkeypatch):
     """Session batching (3 sessions' step, stepper.step_rows) and a speculative verify of 3
-    tokens (the chained rows) run o_b inside the mHC launch too, with the logits of the same
-    step without it."""
+    tokens (the chained rows) run o_b and the MoE's down inside the mHC launches too, with the
+    logits of the same step without them."""
     from ds4mlx.runtime import stepper
 
     monkeypatch.setenv(stepper.MODE_ENV, "compiled")
+    monkeypatch.setattr(aq, "kernel_face", lambda *a, **k: "forced")  # the MoE's two launches (reference faces)
 
     def run():
         stepper.forget(v4_model.model)
@@ -281,7 +301,9 @@ def test_batched_rows_and_verify_chain_take_the_launch(v4_model, monkeypatch):
     fake = _fused(monkeypatch)
     fused = run()
     layers = len(v4_model.model.model.layers)
-    assert fake.calls >= 3 * layers and fake.calls % layers == 0  # the one-row step's, the rows' and the chain's
+    plain_calls, down_calls = fake.calls["plain"], fake.calls["down"]
+    assert plain_calls >= 3 * layers and plain_calls % layers == 0  # the one-row step's, the rows' and the chain's
+    assert down_calls == plain_calls // layers * (layers - 1)
     for f, p in zip(fused, plain):
         assert np.array_equal(f, p)
 

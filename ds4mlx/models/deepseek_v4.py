@@ -41,6 +41,7 @@ from ..kernels import sparse_attention as _sparse
 from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_rows
 from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
+from ..kernels.qmv_hc import DownSumShared
 from ..runtime.forward_context import CHAIN, DECODE, PREFILL, StepContext
 from ..runtime.steering import ATTN, FFN, steer, steered  # directional steering hook (steering.py)
 from . import prefill_attention
@@ -1073,14 +1074,14 @@ class MoE(nn.Module):
         subclass that changes `step` returns (step(x, ids), None)."""
         return self._step_halves(x, ids)
 
-    def _step_halves(self, x: mx.array, ids: mx.array) -> tuple[mx.array, mx.array | None]:
+    def _step_halves(self, x: mx.array, ids: mx.array, defer: bool = False) -> tuple[Any, mx.array | None]:
         se = self.shared_experts
         if getattr(self, "_step_shared", None) is None:  # built once, outside the module tree
             self._step_gate_up = FusedLinear.of([se.gate_proj, se.up_proj])
             self._step_shared = swiglu_of(se.gate_proj, se.up_proj)
         idx, w = self.gate.step(x, ids)
         # GPU decode, affine weights: routed and shared expert in two launches (affine_qmv MODE 3 / 4)
-        y = self.experts.fused_weighted_shared(x, idx, w, self._step_gate_up, se.down_proj, se.limit)
+        y = self.experts.fused_weighted_shared(x, idx, w, self._step_gate_up, se.down_proj, se.limit, defer=defer)
         if y is not None:
             return y, None
         y = self.experts.fused_weighted(x, idx, w)  # GPU decode: two launches
@@ -1093,7 +1094,18 @@ class MoE(nn.Module):
 def finish_open_step(x: mx.array, pending) -> mx.array:
     """The last hc_post of a `DecoderLayer.forward` result (streams, pending)."""
     out, post, comb, out2 = pending
+    if isinstance(out, DownSumShared):  # an MoE output left for the next site: launched alone
+        out = out.value()
     return hc_post(x, out, post, comb, out2=out2)
+
+
+def _moe_halves(mlp, x: mx.array, ids: mx.array, defer: bool):
+    """``mlp.step_pair(x, ids)``; `defer`: `MoE`'s own leaves its last launch (MODE 4, the down
+    projections) to the next mHC site, which runs it inside its own (kernels/qmv_hc.py), as a
+    `DownSumShared` where the weights allow; a subclass's step_pair (distributed/) runs as written."""
+    if defer and type(mlp).step_pair is MoE.step_pair:
+        return mlp._step_halves(x, ids, defer=True)
+    return mlp.step_pair(x, ids)
 
 
 class DecoderLayer(nn.Module):
@@ -1142,7 +1154,7 @@ class DecoderLayer(nn.Module):
         if ctx.kind == PREFILL:
             routed, shared = self.mlp(normed, ids), None
         else:
-            routed, shared = self.mlp.step_pair(normed, ids)
+            routed, shared = _moe_halves(self.mlp, normed, ids, defer=not steered(self))
         if shared is not None and steered(self):
             routed, shared = routed + shared, None  # the edit sees the whole FFN output
         return x, (steer(self, FFN, routed), post, comb, shared)
