@@ -15,9 +15,8 @@ import pytest
 from test_kernel_emulation import emulated_launch, mlx_cuda_source, nvcc_compile
 
 from ds4mlx.kernels import affine_qmv as aq
-from ds4mlx.kernels import dispatch
+from ds4mlx.kernels import dispatch, qmv_hc
 from ds4mlx.kernels import hyper_connection as hck
-from ds4mlx.kernels import qmv_hc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from launch_census import NARROW  # noqa: E402
@@ -48,26 +47,25 @@ def _f32(args):
     return tuple(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a for a in args)
 
 
-@pytest.fixture
-def emulated(tmp_path, monkeypatch):
-    """qmv_hc's launches on the g++ emulation: 2-warp threadgroups, a grid of a few of them (so
-    a token's threadgroups hand the tail over), hc_pre's virtual threads 128."""
+def _emulate(tmp_path, monkeypatch, variant: str) -> list:
+    """qmv_hc's `variant` launches on the g++ emulation: 2-warp threadgroups, a grid of a few of
+    them (so a token's threadgroups hand the tail over), hc_pre's virtual threads 128; returns the
+    launches' (template, grid)."""
     monkeypatch.setattr(aq, "WARPS", 2)
     monkeypatch.setattr(aq, "BLOCKS", 3)
     monkeypatch.setattr(hck, "PRE_THREADS", 128)
     launches = []
-    header, body = qmv_hc.shared_text()
-    launch = emulated_launch(
-        tmp_path,
-        launches,
-        _CPU_EXTRA + header,
-        body,
-        (qmv_hc.INPUTS, qmv_hc.OUTPUTS),
-        float_consts=_FLOAT_CONSTS,
-        inout=("tickets",),
-    )
-    monkeypatch.setattr(qmv_hc, "_kernel", lambda: launch)
+    header, body = qmv_hc.shared_text(variant)
+    io = (qmv_hc.INPUTS if variant == "plain" else qmv_hc.DOWN_INPUTS, qmv_hc.OUTPUTS)
+    floats = (*_FLOAT_CONSTS, "TS_A", "TS_B")
+    launch = emulated_launch(tmp_path, launches, _CPU_EXTRA + header, body, io, float_consts=floats, inout=("tickets",))
+    monkeypatch.setattr(qmv_hc, "_kernel", lambda v="plain": launch)
     return launches
+
+
+@pytest.fixture
+def emulated(tmp_path, monkeypatch):
+    return _emulate(tmp_path, monkeypatch, "plain")
 
 
 @pytest.mark.parametrize(
@@ -313,23 +311,7 @@ def test_batched_rows_and_verify_chain_take_the_launch(v4_model, monkeypatch):
 
 @pytest.fixture
 def emulated_down(tmp_path, monkeypatch):
-    """The down variant's launches on the g++ emulation (as `emulated`)."""
-    monkeypatch.setattr(aq, "WARPS", 2)
-    monkeypatch.setattr(aq, "BLOCKS", 3)
-    monkeypatch.setattr(hck, "PRE_THREADS", 128)
-    launches = []
-    header, body = qmv_hc.shared_text("down")
-    launch = emulated_launch(
-        tmp_path,
-        launches,
-        _CPU_EXTRA + header,
-        body,
-        (qmv_hc.DOWN_INPUTS, qmv_hc.OUTPUTS),
-        float_consts=(*_FLOAT_CONSTS, "TS_A", "TS_B"),
-        inout=("tickets",),
-    )
-    monkeypatch.setattr(qmv_hc, "_kernel", lambda variant="plain": launch)
-    return launches
+    return _emulate(tmp_path, monkeypatch, "down")
 
 
 @pytest.mark.parametrize("tokens,norm,dtype", [(1, True, "float32"), (3, False, "float32"), (2, True, "bfloat16")])
@@ -342,9 +324,7 @@ def test_down_variant_on_the_cpu_emulation(tokens, norm, dtype, emulated_down):
     nrm = nrm if norm else None
     got = down.hc_post_pre(*args, **SITE, norm=nrm, backend="cuda")
     assert len(emulated_down) == 1 and emulated_down[0][1][1] == emulated_down[0][0]["PARTS"] > 1
-    ref_args = qmv_hc.DownSumShared(
-        tuple(_f32(down.args[:7])) + (tuple(_f32(down.args[7])),), down.kwargs, down.shape
-    )
+    ref_args = qmv_hc.DownSumShared(tuple(_f32(down.args[:7])) + (tuple(_f32(down.args[7])),), down.kwargs, down.shape)
     f32norm = None if nrm is None else (nrm[0].astype(mx.float32), nrm[1])
     want = ref_args.hc_post_pre(*_f32(args), **SITE, norm=f32norm, backend="reference")
     tol = 1e-4 if dtype == "float32" else 2e-2

@@ -70,7 +70,9 @@ def kernel_sources(face: str, variant: str = "plain") -> tuple[str, str]:
 
 @cache
 def _kernel(variant: str = "plain") -> Kernel:
-    name, inputs = ("ds4mlx_affine_qmv_hc", INPUTS) if variant == "plain" else ("ds4mlx_affine_qmv2_down_hc", DOWN_INPUTS)
+    name, inputs = (
+        ("ds4mlx_affine_qmv_hc", INPUTS) if variant == "plain" else ("ds4mlx_affine_qmv2_down_hc", DOWN_INPUTS)
+    )
     return Kernel(name, inputs, OUTPUTS, metal=kernel_sources("metal", variant), cuda=kernel_sources("cuda", variant))
 
 
@@ -195,7 +197,9 @@ class DownSumShared:
     def value(self, backend: str | None = None) -> mx.array:
         return aq.gather_down_sum_shared(*self.args, **self.kwargs, backend=backend).reshape(self.shape)
 
-    def hc_post_pre(self, streams, post, comb, fn, base, scale, *, sinkhorn_iters, hc_eps, norm_eps, norm=None, backend=None):
+    def hc_post_pre(
+        self, streams, post, comb, fn, base, scale, *, sinkhorn_iters, hc_eps, norm_eps, norm=None, backend=None
+    ):
         """``hc_post(streams, value(), post, comb)`` then the next site's hc_pre (as
         `hyper_connection.hc_post_pre`): one launch on CUDA, the down's (kernels/qmv_hc.py)."""
         site = dict(sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps, norm=norm)
@@ -204,7 +208,9 @@ class DownSumShared:
         if call is None:
             return hck.hc_post_pre(streams, self.value(backend), post, comb, fn, base, scale, backend=backend, **site)
         grid = (32 * aq.WARPS, call.plan.a.nby, call.plan.nz)
-        return _site_launch(face, "down", call.inputs, call.template, grid, streams, post, comb, fn, base, scale, **site)
+        return _site_launch(
+            face, "down", call.inputs, call.template, grid, streams, post, comb, fn, base, scale, **site
+        )
 
     def _call(self, face: str, streams, fn):
         """MODE 4's launch where the down and the site fit one launch on `face`, else None."""

@@ -27,9 +27,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..io.quant import expert_spans, grouped_gemm_spans
-from ..kernels import affine_qmv
+from ..kernels import affine_qmv, qmv_hc
 from ..kernels import hyper_connection as hc_kernels
-from ..kernels import qmv_hc
 from ..kernels.activations import clamped_swiglu  # re-exported: the families import it from here
 from . import grouped_experts, prefill_experts
 
@@ -261,7 +260,9 @@ class HyperConnection(nn.Module):
         if isinstance(out, qmv_hc.DownSumShared):
             if out2 is not None:
                 raise ValueError("a deferred MoE output is the whole output: no out2")
-            return out.hc_post_pre(x, post, comb, self.fn, self.base, self.scale, norm=_norm_pair(norm), **self._settings())
+            return out.hc_post_pre(
+                x, post, comb, self.fn, self.base, self.scale, norm=_norm_pair(norm), **self._settings()
+            )
         return hc_kernels.hc_post_pre(
             x, out, post, comb, self.fn, self.base, self.scale, norm=_norm_pair(norm), out2=out2, **self._settings()
         )
