@@ -104,7 +104,7 @@ def test_self_test_passes_on_the_cpu_emulation_and_fails_a_wrong_kernel(emulated
         out = launch(face, **kw)
         return [kw["inputs"][8] if i == 1 else o for i, o in enumerate(out)]
 
-    monkeypatch.setattr(qmv_hc, "_kernel", lambda: streams_unchanged)
+    monkeypatch.setattr(qmv_hc, "_kernel", lambda variant="plain": streams_unchanged)
     assert not qmv_hc._self_test("cuda")
 
 
