@@ -1141,7 +1141,9 @@ class DecoderLayer(nn.Module):
         else:
             out, p, c, out2 = pending
             x, post, comb, normed = self.attn_hc.after_post(x, out, p, c, norm=self.input_layernorm, out2=out2)
-        if ctx.kind != PREFILL and not steered(self):  # o_b inside the next site's launch (kernels/qmv_hc.py)
+        # o_b inside the next site's launch (kernels/qmv_hc.py), where the output is o_b's alone (no
+        # steering; not a tensor-parallel attention, whose partial sums meet after o_b)
+        if ctx.kind != PREFILL and not steered(self) and type(self.self_attn)._output is Attention._output:
             o_a = self.self_attn.step(normed, ctx, project=False)
             x, post, comb, normed = self.ffn_hc.after_linear_post(
                 x, self.self_attn.o_b_proj, o_a, post, comb, norm=self.post_attention_layernorm
