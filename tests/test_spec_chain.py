@@ -49,9 +49,11 @@ def test_verify_chain_shares_the_steps_weight_launches(census_model, tokens):
     chain = decode_census(census_model, 2048, chain=tokens)
     k, k1 = chain["kernels"], one["kernels"]
     # every weight of the step read in launches shared by the rows: projections, MoE, mHC, head
+    # (o_b and the MoE's down with the next mHC site: kernels/qmv_hc.py)
     for name in ("ds4mlx_affine_qmv[MODE=0]", "ds4mlx_affine_qmv2_gu[MODE=3]", "ds4mlx_affine_qmv2_down[MODE=4]"):
         assert k[name] == k1[name]
-    assert k["ds4mlx_hc_post_dots_pre"] == k1["ds4mlx_hc_post_dots_pre"]
+    for name in ("ds4mlx_affine_qmv_hc[MODE=0]", "ds4mlx_affine_qmv2_down_hc[MODE=4]", "ds4mlx_hc_dots_pre"):
+        assert k[name] == k1[name]
     assert k[f"ds4mlx_attend_rows{tokens}"] == 4 and "ds4mlx_attend" not in k  # the rows' attention: one launch
     # the CSA layer's indexer over every row in one launch
     assert k[f"ds4mlx_index_topk_rows{tokens}"] == 1 and "ds4mlx_index_topk" not in k

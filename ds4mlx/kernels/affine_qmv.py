@@ -259,14 +259,14 @@ def supported(k_dim: int, group_size: int, bits: int, face: str = "cuda") -> boo
 
 
 @cache
-def _const(kind: str, n: int = 1) -> mx.array:
+def const_input(kind: str, n: int = 1) -> mx.array:
     a = mx.zeros((n,), mx.int32) if kind == "ids" else mx.ones((n,), mx.float32)
     mx.eval(a)
     return a
 
 
 @cache
-def _lim(limit: float, eps: float = 0.0) -> mx.array:
+def lim_input(limit: float, eps: float = 0.0) -> mx.array:
     """lim[0] the SwiGLU clamp (0: none), lim[1] = 1.0 (the level trick's bits, read from
     memory so the compiler keeps them in a register), lim[2] the folded RMSNorm's eps."""
     a = mx.array([limit, 1.0, eps], dtype=mx.float32)
@@ -436,9 +436,9 @@ def qmv(
         w,
         scales,
         biases,
-        _const("ids", rows),
-        _const("wts"),
-        _lim(0.0, 0.0 if norm is None else float(norm[1])),
+        const_input("ids", rows),
+        const_input("wts"),
+        lim_input(0.0, 0.0 if norm is None else float(norm[1])),
         p=rows,
         n_rows=n_rows,
         k_dim=k_dim,
@@ -504,8 +504,8 @@ def gather_qmv(
         scales,
         biases,
         expert_ids.astype(mx.int32),  # read flat
-        _const("wts"),
-        _lim(0.0),
+        const_input("wts"),
+        lim_input(0.0),
         p=n * k,
         n_rows=w.shape[1],
         k_dim=k_dim,
@@ -547,8 +547,8 @@ def gather_swiglu(
         scales,
         biases,
         expert_ids.reshape(-1).astype(mx.int32),
-        _const("wts"),
-        _lim(float(limit) if limit else 0.0),
+        const_input("wts"),
+        lim_input(float(limit) if limit else 0.0),
         p=n * k,
         n_rows=two_i,
         k_dim=k_dim,
@@ -589,7 +589,7 @@ def gather_down_sum(
         biases,
         expert_ids.reshape(-1).astype(mx.int32),
         weights.reshape(-1).astype(mx.float32),
-        _lim(0.0),
+        lim_input(0.0),
         p=n,
         n_rows=w.shape[1],
         k_dim=k_dim,
@@ -619,7 +619,7 @@ TWOBANK_INPUTS = ["x", "w", "scales", "biases", "eids", "wts", "lim", "nw"] + [
 _IDENT = re.compile(r"(?<![\w.])([A-Za-z_]\w*)")  # an identifier, not a member (`.x`) or a literal's suffix
 
 
-def _renamed(text: str, names: dict) -> str:
+def renamed(text: str, names: dict) -> str:
     return _IDENT.sub(lambda m: names.get(m.group(1), m.group(1)), text)
 
 
@@ -633,7 +633,7 @@ def _bank(text: str, bank: str, mode: int) -> str:
         names |= BANK_B_BUFFERS | ({"red": "red2"} if mode == 4 else {})
     elif mode == 4:
         names["red"] = "red_A[h_A]"
-    return _renamed(text, names)
+    return renamed(text, names)
 
 
 @cache
@@ -867,7 +867,7 @@ def gather_swiglu_shared(
             ws[None],
             ss[None],
             bs[None],
-            _const("ids", n).reshape(n, 1),
+            const_input("ids", n).reshape(n, 1),
             limit=shared_limit,
             group_size=shared_group_size,
             bits=shared_bits,
@@ -887,15 +887,15 @@ def gather_swiglu_shared(
             scales,
             biases,
             expert_ids.reshape(-1).astype(mx.int32),
-            _const("wts"),
-            _lim(float(limit) if limit else 0.0),
-            _const("wts"),
+            const_input("wts"),
+            lim_input(float(limit) if limit else 0.0),
+            const_input("wts"),
             x,
             ws,
             ss,
             bs,
-            _const("ids", n),
-            _lim(float(shared_limit) if shared_limit else 0.0),
+            const_input("ids", n),
+            lim_input(float(shared_limit) if shared_limit else 0.0),
         ],
         template=twobank_template(3, tp, x.dtype, banks),
         grid=(32 * WARPS, tp.a.nby, tp.nz),
@@ -904,6 +904,52 @@ def gather_swiglu_shared(
         output_dtypes=[x.dtype, x.dtype],
     )
     return y.reshape(n, k, two_i // 2), y2
+
+
+@dataclass(frozen=True)
+class TwoBankLaunch:
+    """One MODE 3 / 4 launch's arguments (`down_sum_shared_launch`), for `_twobank_kernel` or a
+    kernel that extends its text (kernels/qmv_hc.py)."""
+
+    face: str
+    plan: TwoBankPlan
+    inputs: list
+    template: list
+
+
+def down_sum_shared_launch(
+    h, w, scales, biases, expert_ids, weights, hs, shared, *, group_size, bits, shared_group_size, shared_bits, backend
+) -> TwoBankLaunch | None:
+    """MODE 4's launch for `gather_down_sum_shared`'s arguments on the face it runs (`backend`,
+    or the automatic one), or None where the launch does not take them (the reference face,
+    too many pairs, a shape or format the kernel does not take)."""
+    ws, ss, bs = shared
+    n, k = expert_ids.shape
+    face = twobank_face(backend)
+    k_dim, k2, rows = h.shape[-1], hs.shape[-1], w.shape[1]
+    if not (
+        face != "reference"
+        and n * k <= MAX_PAIRS
+        and h.shape[:-1] == (n, k)
+        and hs.shape == (n, k2)
+        and hs.dtype == h.dtype
+        and ws.shape[0] == rows
+        and _bank_ok(face, k_dim, group_size, bits, biases)
+        and _bank_ok(face, k2, shared_group_size, shared_bits, bs)
+    ):
+        return None
+    tp = _twobank_plan(4, n, (rows, k_dim, bits, k, k2, shared_bits), h.dtype, face, backend)
+    if tp is None:
+        return None
+    shared_bank = dict(s_dtype=ss.dtype, n_rows=rows, k_dim=k2, group_size=shared_group_size, bits=shared_bits)
+    banks = (
+        dict(mode=2, s_dtype=scales.dtype, n_rows=rows, k_dim=k_dim, group_size=group_size, bits=bits, ke=k),
+        shared_bank | dict(mode=0, dense=True, x_rows=n),
+    )
+    lim = lim_input(0.0)
+    inputs = [h.reshape(n * k, k_dim), w, scales, biases, expert_ids.reshape(-1).astype(mx.int32)]
+    inputs += [weights.reshape(-1).astype(mx.float32), lim, lim, hs, ws, ss, bs, const_input("ids", n), lim]
+    return TwoBankLaunch(face, tp, inputs, twobank_template(4, tp, h.dtype, banks))
 
 
 def gather_down_sum_shared(
@@ -925,53 +971,20 @@ def gather_down_sum_shared(
     """``gather_down_sum(h, w, ...) + qmv(hs, *shared)`` -> [n, H] in h.dtype: MODE 4, the routed
     experts' down and weighted sum plus the shared expert's down (`shared` = (w [H, I2/..],
     scales, biases), weight 1) in one launch on a GPU face, the sum rounded once."""
-    ws, ss, bs = shared
-    n, k = expert_ids.shape
-    face = twobank_face(backend)
-    k_dim, k2, rows = h.shape[-1], hs.shape[-1], w.shape[1]
-    tp = None
-    if (
-        face != "reference"
-        and n * k <= MAX_PAIRS
-        and h.shape[:-1] == (n, k)
-        and hs.shape == (n, k2)
-        and hs.dtype == h.dtype
-        and ws.shape[0] == rows
-        and _bank_ok(face, k_dim, group_size, bits, biases)
-        and _bank_ok(face, k2, shared_group_size, shared_bits, bs)
-    ):
-        tp = _twobank_plan(4, n, (rows, k_dim, bits, k, k2, shared_bits), h.dtype, face, backend)
-    if tp is None:
+    q = dict(group_size=group_size, bits=bits, shared_group_size=shared_group_size, shared_bits=shared_bits)
+    call = down_sum_shared_launch(h, w, scales, biases, expert_ids, weights, hs, shared, **q, backend=backend)
+    if call is None:
         y = gather_down_sum(
             h, w, scales, biases, expert_ids, weights, group_size=group_size, bits=bits, backend="reference"
         )
+        ws, ss, bs = shared
         return y + qmv(hs, ws, ss, bs, group_size=shared_group_size, bits=shared_bits, backend="reference")
-    shared_bank = dict(s_dtype=ss.dtype, n_rows=rows, k_dim=k2, group_size=shared_group_size, bits=shared_bits)
-    banks = (
-        dict(mode=2, s_dtype=scales.dtype, n_rows=rows, k_dim=k_dim, group_size=group_size, bits=bits, ke=k),
-        shared_bank | dict(mode=0, dense=True, x_rows=n),
-    )
-    lim = _lim(0.0)
+    n, rows = expert_ids.shape[0], w.shape[1]
     return _twobank_kernel(4)(
-        face,
-        inputs=[
-            h.reshape(n * k, k_dim),
-            w,
-            scales,
-            biases,
-            expert_ids.reshape(-1).astype(mx.int32),
-            weights.reshape(-1).astype(mx.float32),
-            lim,
-            lim,
-            hs,
-            ws,
-            ss,
-            bs,
-            _const("ids", n),
-            lim,
-        ],
-        template=twobank_template(4, tp, h.dtype, banks),
-        grid=(32 * WARPS, tp.a.nby, tp.nz),
+        call.face,
+        inputs=call.inputs,
+        template=call.template,
+        grid=(32 * WARPS, call.plan.a.nby, call.plan.nz),
         threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(n, rows)],
         output_dtypes=[h.dtype],

@@ -51,6 +51,8 @@ UNVERIFIED_KERNELS = {  # every other kernel's CUDA face passed its `pytest -m g
     "grouped_qmm.Q2_K",
     "grouped_qmm.Q4_K",
     "grouped_qmm.IQ2_XXS",
+    "qmv_hc",  # a dense mat-vec and the next mHC site (hc_post + the next hc_pre's tail) in one launch
+    "qmv_hc.down",  # affine_qmv MODE 4 (an MoE's down projections) and the next mHC site in one launch
 }
 
 log = logging.getLogger("ds4mlx.kernels")

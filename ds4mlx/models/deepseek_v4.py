@@ -41,6 +41,7 @@ from ..kernels import sparse_attention as _sparse
 from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_rows
 from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
+from ..kernels.qmv_hc import DownSumShared
 from ..runtime.forward_context import CHAIN, DECODE, PREFILL, StepContext
 from ..runtime.steering import ATTN, FFN, steer, steered  # directional steering hook (steering.py)
 from . import prefill_attention
@@ -882,13 +883,14 @@ class Attention(nn.Module):
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
         return out[None]
 
-    def step(self, x: mx.array, ctx) -> mx.array:
+    def step(self, x: mx.array, ctx, project: bool = True) -> mx.array:
         """`__call__` for the query rows of a static forward `ctx` (runtime/forward_context.py:
         x [1, B, H], row b at ctx.row_pos[b] over ctx.views[b]), branch-free in the positions;
         each row's new state arrays are put into its view.  The projections run once for all
         rows, fused into one mat-vec where their formats allow (models/fused.py); on a GPU each
         row's attention is one launch after its prologue, the rows' in one launch where they
-        can share it (session batching, docs/kv-cache.md §11)."""
+        can share it (session batching, docs/kv-cache.md §11).  `project=False`: the output
+        before o_b_proj (the caller runs o_b inside the next mHC site's launch)."""
         q_b, index_q_b, kv, more = self._step_inputs(x)
         B = ctx.rows
         face = _sparse.step_face()
@@ -911,7 +913,7 @@ class Attention(nn.Module):
             else:
                 outs = [_sparse.attend_at(*pr, self.sinks, p, backend=face, **kw) for pr, p in zip(preps, ctx.row_pos)]
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [B, nh, 1, D]
-        return self._output(out, None, 1, B)
+        return self._output(out, None, 1, B, project)
 
     def _step_inputs(self, x: mx.array):
         """The step's projections of x [1, B, H], fused where their formats allow
@@ -989,17 +991,18 @@ class Attention(nn.Module):
         )
         return self._rope(out, offset=pos, scale=-1.0)
 
-    def _output(self, out: mx.array, s: int | None, B: int, C: int) -> mx.array:
+    def _output(self, out: mx.array, s: int | None, B: int, C: int, project: bool = True) -> mx.array:
         """The output projections of the attention output [B, nh, C, D], after its inverse rope
         at positions s..; s None: the static forward's C query rows (B = 1), each [nh, 1, D]
-        with its inverse rope applied already, stacked as out [C, nh, 1, D]."""
+        with its inverse rope applied already, stacked as out [C, nh, 1, D].  `project=False`:
+        o_a_proj's output alone."""
         if s is not None:
             out = self._rope(out, offset=s, scale=-1.0)
         # [B, C, nh, D]; one query, or the step's rows: a reshape, since moving a length-1 axis keeps
         # the memory order (MLX copies a transposed array it reshapes: one copy kernel per layer and token)
         out = out if C == 1 or s is None else out.swapaxes(1, 2)
         out = self.o_a_proj(out.reshape(B, C, self._groups, -1))  # one reshape node, not two
-        return self.o_b_proj(out)
+        return self.o_b_proj(out) if project else out
 
 
 def _step_row(b: int, B: int, q_b, kv, more: list, index_q_b) -> tuple:
@@ -1071,14 +1074,14 @@ class MoE(nn.Module):
         subclass that changes `step` returns (step(x, ids), None)."""
         return self._step_halves(x, ids)
 
-    def _step_halves(self, x: mx.array, ids: mx.array) -> tuple[mx.array, mx.array | None]:
+    def _step_halves(self, x: mx.array, ids: mx.array, defer: bool = False) -> tuple[Any, mx.array | None]:
         se = self.shared_experts
         if getattr(self, "_step_shared", None) is None:  # built once, outside the module tree
             self._step_gate_up = FusedLinear.of([se.gate_proj, se.up_proj])
             self._step_shared = swiglu_of(se.gate_proj, se.up_proj)
         idx, w = self.gate.step(x, ids)
         # GPU decode, affine weights: routed and shared expert in two launches (affine_qmv MODE 3 / 4)
-        y = self.experts.fused_weighted_shared(x, idx, w, self._step_gate_up, se.down_proj, se.limit)
+        y = self.experts.fused_weighted_shared(x, idx, w, self._step_gate_up, se.down_proj, se.limit, defer=defer)
         if y is not None:
             return y, None
         y = self.experts.fused_weighted(x, idx, w)  # GPU decode: two launches
@@ -1091,7 +1094,18 @@ class MoE(nn.Module):
 def finish_open_step(x: mx.array, pending) -> mx.array:
     """The last hc_post of a `DecoderLayer.forward` result (streams, pending)."""
     out, post, comb, out2 = pending
+    if isinstance(out, DownSumShared):  # an MoE output left for the next site: launched alone
+        out = out.value()
     return hc_post(x, out, post, comb, out2=out2)
+
+
+def _moe_halves(mlp, x: mx.array, ids: mx.array, defer: bool):
+    """``mlp.step_pair(x, ids)``; `defer`: `MoE`'s own leaves its last launch (MODE 4, the down
+    projections) to the next mHC site, which runs it inside its own (kernels/qmv_hc.py), as a
+    `DownSumShared` where the weights allow; a subclass's step_pair (distributed/) runs as written."""
+    if defer and type(mlp).step_pair is MoE.step_pair:
+        return mlp._step_halves(x, ids, defer=True)
+    return mlp.step_pair(x, ids)
 
 
 class DecoderLayer(nn.Module):
@@ -1127,14 +1141,22 @@ class DecoderLayer(nn.Module):
         else:
             out, p, c, out2 = pending
             x, post, comb, normed = self.attn_hc.after_post(x, out, p, c, norm=self.input_layernorm, out2=out2)
-        attn = self.self_attn(normed, cache) if ctx.kind == PREFILL else self.self_attn.step(normed, ctx)
-        x, post, comb, normed = self.ffn_hc.after_post(
-            x, steer(self, ATTN, attn), post, comb, norm=self.post_attention_layernorm
-        )
+        # o_b inside the next site's launch (kernels/qmv_hc.py), where the output is o_b's alone (no
+        # steering; not a tensor-parallel attention, whose partial sums meet after o_b)
+        if ctx.kind != PREFILL and not steered(self) and type(self.self_attn)._output is Attention._output:
+            o_a = self.self_attn.step(normed, ctx, project=False)
+            x, post, comb, normed = self.ffn_hc.after_linear_post(
+                x, self.self_attn.o_b_proj, o_a, post, comb, norm=self.post_attention_layernorm
+            )
+        else:
+            attn = self.self_attn(normed, cache) if ctx.kind == PREFILL else self.self_attn.step(normed, ctx)
+            x, post, comb, normed = self.ffn_hc.after_post(
+                x, steer(self, ATTN, attn), post, comb, norm=self.post_attention_layernorm
+            )
         if ctx.kind == PREFILL:
             routed, shared = self.mlp(normed, ids), None
         else:
-            routed, shared = self.mlp.step_pair(normed, ids)
+            routed, shared = _moe_halves(self.mlp, normed, ids, defer=not steered(self))
         if shared is not None and steered(self):
             routed, shared = routed + shared, None  # the edit sees the whole FFN output
         return x, (steer(self, FFN, routed), post, comb, shared)

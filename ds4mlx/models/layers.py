@@ -27,7 +27,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..io.quant import expert_spans, grouped_gemm_spans
-from ..kernels import affine_qmv
+from ..kernels import affine_qmv, qmv_hc
 from ..kernels import hyper_connection as hc_kernels
 from ..kernels.activations import clamped_swiglu  # re-exported: the families import it from here
 from . import grouped_experts, prefill_experts
@@ -254,10 +254,47 @@ class HyperConnection(nn.Module):
     ):
         """``hc_post(x, out [+ out2], post, comb)`` of the previous site, then this site on the
         result: (new streams, post, comb, collapsed [through `norm`]); at decode on a GPU
-        two launches instead of three (`kernels.hyper_connection.hc_post_pre`)."""
+        two launches instead of three (`kernels.hyper_connection.hc_post_pre`).  `out` may be an
+        MoE's output not launched yet (`kernels.qmv_hc.DownSumShared`): on CUDA its launch is
+        this one."""
+        if isinstance(out, qmv_hc.DownSumShared):
+            if out2 is not None:
+                raise ValueError("a deferred MoE output is the whole output: no out2")
+            return out.hc_post_pre(
+                x, post, comb, self.fn, self.base, self.scale, norm=_norm_pair(norm), **self._settings()
+            )
         return hc_kernels.hc_post_pre(
             x, out, post, comb, self.fn, self.base, self.scale, norm=_norm_pair(norm), out2=out2, **self._settings()
         )
+
+    def after_linear_post(
+        self, x: mx.array, linear: nn.Module, inp: mx.array, post: mx.array, comb: mx.array, norm: RMSNorm | None = None
+    ):
+        """``after_post(x, linear(inp), post, comb, norm)``; with an affine-quantized `linear`
+        (no bias) at decode on CUDA, the mat-vec and both sites in one launch
+        (`kernels.qmv_hc`): a V4 attention's output projection."""
+        biases = linear.get("biases") if isinstance(linear, nn.QuantizedLinear) else None
+        if biases is not None and linear.mode == "affine" and "bias" not in linear:
+            q = dict(group_size=linear.group_size, bits=linear.bits)
+            face = qmv_hc.fused_face(inp, linear["weight"], biases, x, self.fn, **q)
+            if face is not None:
+                return qmv_hc.qmv_hc_post_pre(
+                    inp,
+                    linear["weight"],
+                    linear["scales"],
+                    biases,
+                    x,
+                    post,
+                    comb,
+                    self.fn,
+                    self.base,
+                    self.scale,
+                    **q,
+                    **self._settings(),
+                    norm=_norm_pair(norm),
+                    backend=face,
+                )
+        return self.after_post(x, linear(inp), post, comb, norm=norm)
 
     def mix(self, x: mx.array):
         """(pre, post, comb) without the collapse (see `hc_mix`); one fused launch on a GPU."""
@@ -541,15 +578,16 @@ class SwitchGLU(nn.Module):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def fused_weighted_shared(
-        self, x: mx.array, indices: mx.array, weights: mx.array, shared_gate_up, shared_down, shared_limit
-    ) -> mx.array | None:
+        self, x: mx.array, indices: mx.array, weights: mx.array, shared_gate_up, shared_down, shared_limit, defer=False
+    ):
         """``sum_j weights[..., j] * expert_j(x) + shared(x)`` -> [..., H] in x.dtype, where the
         shared expert is `shared_gate_up` (a `FusedLinear` of its gate and up projections) and
         `shared_down` (a quantized linear): two launches for both (affine_qmv MODE 3: the routed
         and shared gate_up + SwiGLU; MODE 4: the routed down + weighted sum + the shared down)
         when every weight is MLX-affine quantized and a GPU face runs them at this size (decode);
         else None (float or GGUF weights, the CPU, more tokens), and the caller runs today's
-        launches."""
+        launches.  `defer`: the second launch not made, its arguments returned as a
+        `kernels.qmv_hc.DownSumShared` (the next mHC site runs it inside its own launch)."""
         gu, dn = self.gate_up_proj, self.down_proj
         if not (isinstance(gu, QuantizedSwitchLinear) and isinstance(dn, QuantizedSwitchLinear)):
             return None
@@ -596,21 +634,14 @@ class SwitchGLU(nn.Module):
             shared_group_size=sq[0],
             shared_bits=sq[1],
         )
-        y = affine_qmv.gather_down_sum_shared(
-            h,
-            dn.weight,
-            dn.scales,
-            dn.biases,
-            ids,
-            weights.reshape(n, k),
-            hs,
-            (shared_down.weight, shared_down.scales, shared_down["biases"]),
-            group_size=dn.group_size,
-            bits=dn.bits,
-            shared_group_size=shared_down.group_size,
-            shared_bits=shared_down.bits,
+        down = qmv_hc.DownSumShared(
+            (h, dn.weight, dn.scales, dn.biases, ids, weights.reshape(n, k), hs)
+            + ((shared_down.weight, shared_down.scales, shared_down["biases"]),),
+            dict(group_size=dn.group_size, bits=dn.bits, shared_group_size=shared_down.group_size)
+            | dict(shared_bits=shared_down.bits),
+            (*x.shape[:-1], dn.weight.shape[1]),
         )
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return down if defer else down.value()
 
 
 class GLUMLP(nn.Module):

@@ -556,3 +556,131 @@ for (uint32_t lo = tid; lo < uint32_t(MAXIT_A * XR_B * WROWS_A * RPW_A); lo += u
     }
     y[uint64_t(tok) * uint64_t(OUT_ROWS_A) + orow] = static_cast<T>(a + b);
 }
+
+// ------------------------------------------------------------------ the next mHC site in the same launch
+//
+// affine_qmv_hc (ds4mlx/kernels/qmv_hc.py): the plain kernel (MODE 0, one dense matrix, XR x rows a
+// threadgroup) whose output o = y [XROWS, OUT_ROWS] is the output of an mHC site, followed in
+// the same launch by hyper_connection's hc_post_dots_pre for that site (CUDA only, as the mHC
+// tails): each threadgroup, once its y rows are written, forms the new streams ys[t, k, c]
+// = T(T(post[t,k]) * o[t,c]) + T(sum_j T(comb[t,j,k]) * hx[t,j,c]) for its own rows c (the
+// rows its warps computed: a strided set, `qmv_epilogue`'s), writes them, and leaves its
+// M = (2+HC)*HC dot products of fn with those elements and their sum of squares in its row of
+// part [XROWS, PARTS = NBY, M+1]; the threadgroup of token t that counts itself last in
+// tickets[t] runs hyper_connection.metal's `pre_core` for t (names below: its K, D, M, the
+// streams st, the outputs pre / post2 / comb2 / hn).  The mat-vec and the hc_post roundings
+// are those of the two kernels it replaces; the dot products add in another order (per
+// threadgroup over a strided row set, then over the NBY threadgroups).
+// Template: the plain kernel's (NORM false: `nw` is the site's folded RMSNorm weight),
+// HC, ITERS, HEAD (false), COLLAPSE (true), HC_NORM, VT (pre_core's virtual threads), PARTS.
+
+// affine_qmv2_down_hc: the same after MODE 4 (the routed experts' down + weighted sum + the shared
+// expert's down, y = their sum): this section with bank A's names (its rows, steps and warp rows)
+// and bank B's tokens per slice (XR_B, XROWS_B).
+// @@ qmv_hc_plain
+static_assert(MODE == 0 && DENSE && !NORM && PARTS == NBY, "one dense matrix, no x norm; a part per threadgroup y");
+// @@ qmv_hc_down
+static_assert(MODE == 4 && PARTS == NBY, "MODE 4's y; a part per threadgroup y");
+// @@ qmv_hc
+constexpr int D = OUT_ROWS;
+constexpr int K = HC * D;
+constexpr int M = (2 + HC) * HC;
+DS4_SHARED float hred[WARPS * (M + 1)];
+DS4_SHARED uint32_t hlast[XR];
+ds4_tg_barrier();   // this threadgroup's y rows are written (read back below by other threads)
+#pragma unroll 1
+for (int hh = 0; hh < XR; ++hh) {
+    const uint32_t t = tgz * uint32_t(XR) + uint32_t(hh);
+    if (XR > 1 && t >= uint32_t(XROWS)) {
+        break;   // uniform: the last slice's rows past XROWS
+    }
+    const DS4_DEV T* xt = hx + uint64_t(t) * uint64_t(K);
+    float acc[M];
+    for (int r = 0; r < M; ++r) {
+        acc[r] = 0.0f;
+    }
+    float ss = 0.0f;
+    for (uint32_t lo = tid; lo < uint32_t(MAXIT * WROWS * OPW); lo += uint32_t(THREADS)) {
+        const uint32_t it = lo / uint32_t(WROWS * OPW);
+        const uint32_t wr2 = (lo / uint32_t(OPW)) % uint32_t(WROWS);
+        const uint32_t i = lo % uint32_t(OPW);
+        const uint32_t u = it * GW + tgy * uint32_t(WROWS) + wr2;
+        const uint32_t c = (u % uint32_t(TILES)) * uint32_t(OPW) + i;
+        if (u >= uint32_t(UNITS) || c >= uint32_t(OUT_ROWS)) {
+            continue;
+        }
+        const float ov = static_cast<float>(y[uint64_t(t) * uint64_t(OUT_ROWS) + c]);
+        for (int k = 0; k < HC; ++k) {
+            float m = 0.0f;
+            for (int j = 0; j < HC; ++j) {
+                const float cj = static_cast<float>(static_cast<T>(comb[(uint64_t(t) * uint64_t(HC) + uint32_t(j)) * uint64_t(HC) + uint32_t(k)]));
+                m += cj * static_cast<float>(xt[uint32_t(j) * uint32_t(D) + c]);
+            }
+            const float pk = static_cast<float>(static_cast<T>(post[uint64_t(t) * uint64_t(HC) + uint32_t(k)]));
+            const float p = static_cast<float>(static_cast<T>(pk * ov));
+            const T yv = static_cast<T>(p + static_cast<float>(static_cast<T>(m)));
+            const uint32_t kk = uint32_t(k) * uint32_t(D) + c;
+            ys[uint64_t(t) * uint64_t(K) + kk] = yv;
+            const float xv = static_cast<float>(yv);
+            ss += xv * xv;
+            for (int r = 0; r < M; ++r) {
+                acc[r] += static_cast<float>(fn[uint64_t(r) * uint64_t(K) + kk]) * xv;
+            }
+        }
+    }
+    for (int r = 0; r < M; ++r) {
+        const float v = ds4_warp_sum(acc[r]);
+        if (lane == 0u) {
+            hred[warp * uint32_t(M + 1) + uint32_t(r)] = v;
+        }
+    }
+    ss = ds4_warp_sum(ss);
+    if (lane == 0u) {
+        hred[warp * uint32_t(M + 1) + uint32_t(M)] = ss;
+    }
+    ds4_tg_barrier();
+    if (tid < uint32_t(M + 1)) {
+        float v = 0.0f;
+        for (int w = 0; w < WARPS; ++w) {
+            v += hred[uint32_t(w) * uint32_t(M + 1) + tid];
+        }
+        part[(uint64_t(t) * uint64_t(PARTS) + uint64_t(tgy)) * uint64_t(M + 1) + tid] = v;
+    }
+    ds4_tg_barrier();   // hred is the next token's
+}
+// this threadgroup's streams and parts are written: count each of its tokens' threadgroups
+ds4h_fence();
+ds4_tg_barrier();
+if (tid == 0u) {
+    for (int hh = 0; hh < XR; ++hh) {
+        const uint32_t t = tgz * uint32_t(XR) + uint32_t(hh);
+        bool last = false;
+        if (XR == 1 || t < uint32_t(XROWS)) {
+            last = ds4h_count(tickets + t) == uint32_t(PARTS - 1);
+            if (last) {
+                ds4h_reset(tickets + t);   // all PARTS have counted: zero for the next launch
+            }
+        }
+        hlast[hh] = last ? 1u : 0u;
+    }
+}
+ds4_tg_barrier();
+ds4h_fence();
+#define HC_LD(p) ds4h_load(p)
+#define red hred
+#define NORM HC_NORM
+#pragma unroll 1
+for (int hh = 0; hh < XR; ++hh) {
+    if (hlast[hh] == 0u) {
+        continue;   // uniform: another threadgroup finishes this token
+    }
+    const uint32_t t = tgz * uint32_t(XR) + uint32_t(hh);
+    const DS4_DEV T* st = ys + uint64_t(t) * uint64_t(K);
+    DS4_DEV T* yo = hn;
+    DS4_DEV float* pre_o = pre;
+    DS4_DEV float* post_o = post2;
+    DS4_DEV float* comb_o = comb2;
+    DS4_QMV_HC_PRE_CORE
+}
+#undef NORM
+#undef red
