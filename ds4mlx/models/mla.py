@@ -16,9 +16,10 @@ one shared latent head of `kv_lora_rank + rope` is attended; cheaper for decode)
 give the same numbers up to float rounding.
 
 Sparse attention: an indexer picks, per query, the keys the query may attend.  A
-`Selection` describes the result for one forward chunk of C queries over L = offset + C
-keys: dense causal (`DENSE`), an explicit key mask [C, L], or (1-token decode) a list of
-key rows to gather.  "shared" layers reuse the previous layer's `Selection`.
+`Selection` describes the result for one PREFILL chunk of C queries over L = offset + C
+keys: dense causal (`DENSE`), an explicit key mask [C, L], or (one query) a list of key
+rows to gather; a static row's selection is (key rows or None, its mask).  "shared" layers
+reuse the previous layer's.
 
 * `DSAIndexer` (GLM 5.2, DeepSeek V3.2 style): per-token keys `k = LayerNorm(wk(x))`
   (with bias, eps 1e-6), rope on the *leading* `qk_rope_head_dim` channels of q and k,
@@ -291,10 +292,10 @@ class DSAIndexer(nn.Module):
 
     def step(self, k: mx.array, q: mx.array, w: mx.array, pos: mx.array, view, valid: mx.array):
         """`chunk` for one query row of a static forward at `pos` (array; its `project` outputs
-        [1, 1, ..]) over its view's capacity rows (runtime/forward_context.py `StateView`): (index [k] or None
-        for all rows, valid [k or cap]).  Above index_topk capacity, the top-k of the scores
-        with rows that are not live at -inf (so below index_topk live rows every live row is
-        picked, as DENSE)."""
+        [1, 1, ..]) over its view's capacity rows (runtime/forward_context.py `StateView`):
+        (index [k] or None for all rows, valid [k or cap]).  Above index_topk capacity, the
+        top-k of the scores with rows that are not live at -inf (so below index_topk live rows
+        every live row is picked, as DENSE)."""
         k = self._rotate(k[:, None], pos)[:, 0]  # [1, 1, D]
         keys = next(view)
         keys = mx.slice_update(keys, k.astype(keys.dtype), pos.reshape(1), axes=(1,))
@@ -356,9 +357,9 @@ class KPoolIndexer(nn.Module):
 
     def step(self, k: mx.array, gate: mx.array, q: mx.array, w: mx.array, pos: mx.array, view, valid: mx.array):
         """`chunk` for one query row of a static forward at `pos` (array; its `project` outputs
-        [1, 1, ..]) over its view: (None, token mask [cap]) over the latent capacity rows: the chosen pools'
-        tokens plus the open pool's (the tail).  The open pool's row is written at
-        pos // kpool whether complete or not."""
+        [1, 1, ..]) over its view: (None, token mask [cap]) over the latent capacity rows: the
+        chosen pools' tokens plus the open pool's (the tail).  The open pool's row is written
+        at pos // kpool whether complete or not."""
         kp = self._kp
         pools, pool_k, pool_gate = next(view), next(view), next(view)
         b = (pos % kp).reshape(1)
