@@ -13,7 +13,7 @@ import pytest
 
 from ds4mlx.models import cache as row_cache
 from ds4mlx.runtime import stepper
-from ds4mlx.runtime.forward_context import CHAIN, DECODE, PREFILL, ForwardContext, StepContext
+from ds4mlx.runtime.forward_context import CHAIN, DECODE, PREFILL, ForwardContext, LiveView, StepContext
 from ds4mlx.runtime.session import can_step_together, step_together
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -62,6 +62,44 @@ def test_a_chains_rows_read_the_state_the_row_before_left():
     assert [int(p.item()) for p in chain.row_pos] == [5, 6, 7] and chain.row_pos[0].shape == ()
     rows = StepContext.of(DECODE, mx.array([5, 9], mx.int32), [a, b, c, d], 2)
     assert [[next(v), next(v)] for v in rows.views] == [[a, b], [c, d]]
+
+
+def test_a_live_view_reads_and_writes_the_cache_in_its_order():
+    """PREFILL: a `LiveView` reads a live cache's arrays in the static order and sets the new
+    ones back in the same order, as a row's `StateView` reads and puts."""
+    from ds4mlx.models.kda import LinearCache
+
+    a, b, c, d = (mx.array([i]) for i in range(4))
+    cache = LinearCache()
+    cache.conv, cache.recurrent = a, b
+    view = LiveView(cache, ("conv", "recurrent"))
+    assert next(view) is a
+    view.put(c)
+    assert cache.conv is c and next(view) is b  # the old state read after the new conv is set
+    view.put(d)
+    assert cache.conv is c and cache.recurrent is d
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm5_next"])
+def test_glm_runs_every_kind_through_one_forward(family):
+    """GLM 5.2 / 5.3: `model(ids, cache)` (PREFILL) and the stepper's `static_forward` (DECODE,
+    CHAIN) are the one `forward`; no module of the family keeps a static or prefill twin
+    (`step`, a backbone or attention `__call__`).  GLM 5.2's `DecoderLayer.__call__` is the
+    MTP head's PREFILL entry into the same `forward`."""
+    import importlib
+
+    from ds4mlx.models import mla
+    from ds4mlx.models.cache import ContextForward
+
+    mod = importlib.import_module(f"ds4mlx.models.{family}")
+    assert issubclass(mod.Model, ContextForward) and "static_forward" not in vars(mod.Model)
+    backbone = {"glm_moe_dsa": "GlmMoeDsaModel", "glm5_next": "Glm5NextTextModel"}[family]
+    classes = [mod.Model, mod.DecoderLayer, getattr(mod, backbone)]
+    classes += [mla.MLAAttention] + ([mod.LinearAttention] if family == "glm5_next" else [])
+    for cls in classes:
+        assert "step" not in vars(cls) and "static_forward" not in vars(cls), cls
+        assert "forward" in vars(cls) or cls is mod.Model, cls
+        assert "__call__" not in vars(cls) or cls is mod.DecoderLayer, cls
 
 
 @pytest.fixture(scope="module", params=[None, "mixed"], ids=lambda c: c or "default")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..runtime.forward_context import StepContext
+from ..runtime.forward_context import PREFILL, StepContext
 
 MIN_BUCKET = 256  # rows; tests lower it to cross a bucket boundary with tiny models
 
@@ -102,3 +102,32 @@ class StaticForward(StaticDecode):
         """Pure: (logits [V] of token ids [1, 1] at position pos, the new state)."""
         logits, news = self.static_forward(ids, StepContext.one(pos, state))[:2]
         return logits.squeeze(0), news[0]
+
+
+class ContextForward(StaticForward):
+    """A `StaticForward` family whose backbone has one `forward(ids, ctx) -> hidden [1, T, H]`
+    for every context kind (docs/forward.md §2): `model(ids, cache)` builds its PREFILL
+    context, the stepper's `static_forward` is the same `forward` of a DECODE or CHAIN one."""
+
+    def __call__(self, ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
+        """`CausalLM.__call__`: a PREFILL forward of ids [1, T] after the state in `cache`."""
+        ids = ids if ids.ndim == 2 else ids[None]
+        cache = self.make_cache() if cache is None else cache
+        return self.forward(ids, StepContext.prefill(cache[0].offset if cache else 0, cache), last_only)
+
+    def static_forward(self, ids: mx.array, ctx) -> tuple:
+        """Pure: `forward` of a DECODE or CHAIN context (the stepper's entry)."""
+        return self.forward(ids, ctx)
+
+    def forward(self, ids: mx.array, ctx, last_only: bool = False):
+        """The one forward of ids [1, T] over `ctx` (runtime/forward_context.py `StepContext`).
+        PREFILL (a chunk over the live caches, advanced) -> logits [1, T, V] (`last_only`: the
+        last token's, [1, 1, V]).  DECODE / CHAIN (pure: T sessions' next tokens, or one
+        session's next T as a chain) -> (logits [T, V], the rows' new states[, the normed
+        hidden states [1, T, H] where ctx.streams: the MTP head's input])."""
+        h = self.model.forward(ids, ctx)
+        if ctx.kind == PREFILL:
+            return self.head(h[:, -1:] if last_only else h)
+        logits = self.head(h).squeeze(0)
+        news = [v.new for v in ctx.views]
+        return (logits, news, h) if ctx.streams else (logits, news)

@@ -32,10 +32,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels.hyper_connection import hc_post  # fused on a GPU
+from ..runtime.forward_context import PREFILL, LiveView
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
-from .cache import StaticForward
+from .cache import ContextForward
 from .causal_lm import BaseModelArgs, CausalLM
-from .kda import LinearCache, kda, kda_recurrent, l2norm, short_conv
+from .kda import LinearCache, kda, l2norm, short_conv
 from .layers import ActivationDtype, HyperConnection, RMSNorm
 from .mla import KPoolIndexer, MLAAttention, MLACache, indexer_types_from
 from .sigmoid_moe import layer_mlp, sanitize_experts
@@ -218,25 +219,21 @@ class LinearAttention(nn.Module):
         self.o_proj = nn.Linear(H * D, hid, bias=False)
         self._H, self._D = H, D
 
-    def __call__(self, x: mx.array, cache: LinearCache) -> mx.array:
-        mixed, cache.conv = short_conv(self._mixed(x), self.conv1d.weight, cache.conv)
-        q, k, v, g, beta = self._recurrence_inputs(x, mixed)
-        o, cache.recurrent = kda(q, k, v, g, beta, cache.recurrent)
-        return self._output(x, o)
-
-    def step(self, x: mx.array, ctx) -> mx.array:
-        """`__call__` for the query rows of a static forward `ctx` (runtime/forward_context.py
-        `StepContext`: x [1, T, hidden], row t over ctx.views[t]'s conv and recurrent state).
-        The projections and gates run once for all rows; each row's short conv and recurrence
-        run over its own state, in row order (a chain's row t continues row t - 1's state)."""
+    def forward(self, x: mx.array, ctx, cache: LinearCache | None = None) -> mx.array:
+        """The mixer over the query rows of `ctx` (runtime/forward_context.py `StepContext`;
+        x [1, T, hidden]): PREFILL one row, the chunk, over the live `cache` (the chunked
+        recurrence); DECODE / CHAIN row t over ctx.views[t]'s conv and recurrent state.  The
+        projections and gates run once for all rows; each row's short conv and recurrence run
+        over its own state, in row order (a chain's row t continues row t - 1's state)."""
+        views = [LiveView(cache, ("conv", "recurrent"))] if ctx.kind == PREFILL else ctx.views
         convs = []
-        for (m,), view in zip(ctx.split(self._mixed(x)), ctx.views):
+        for (m,), view in zip(ctx.split(self._mixed(x)), views):
             out, conv = short_conv(m, self.conv1d.weight, next(view))
             view.put(conv)
             convs.append(out)
         outs = []
-        for row, view in zip(ctx.split(*self._recurrence_inputs(x, ctx.join(convs))), ctx.views):
-            o, state = kda_recurrent(*row, next(view))
+        for row, view in zip(ctx.split(*self._recurrence_inputs(x, ctx.join(convs))), views):
+            o, state = kda(*row, next(view))
             view.put(state)
             outs.append(o)
         return self._output(x, ctx.join(outs))
@@ -308,29 +305,17 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(*hc)
         self._hands_on = args.hands_on_selection(i)
 
-    def step(self, x: mx.array, ctx, prevs):
-        """`__call__` for the query rows of a static forward `ctx` (x [1, T, hc, H]; prevs:
-        the rows' selections from the layer before, or None)."""
-        post, comb, collapsed = self.attn_hc(x)
-        h = self.input_layernorm(collapsed)
-        sels = None
-        if self.block_type == LINEAR:
-            h = self.self_attn.step(h, ctx)
-        else:
-            h, sels = self.self_attn.step(h, ctx, prevs)
-        x = hc_post(x, h, post, comb)
-        post, comb, collapsed = self.ffn_hc(x)
-        x = hc_post(x, self.mlp(self.post_attention_layernorm(collapsed)), post, comb)
-        return x, sels if self._hands_on else None
-
-    def __call__(self, x: mx.array, cache, prev):
+    def forward(self, x: mx.array, ctx, prev, cache=None):
+        """The layer over the query rows of `ctx` (runtime/forward_context.py; x [1, T, hc, H]):
+        a PREFILL chunk over the live `cache`, or the static rows over their views -> (x, the
+        selection the next layer inherits, or None; `prev` the one this layer got)."""
         post, comb, collapsed = self.attn_hc(x)
         h = self.input_layernorm(collapsed)
         sel = None
         if self.block_type == LINEAR:
-            h = self.self_attn(h, cache)
+            h = self.self_attn.forward(h, ctx, cache)
         else:
-            h, sel = self.self_attn(h, cache, prev)
+            h, sel = self.self_attn.forward(h, ctx, prev, cache)
         x, post, comb, collapsed = self.ffn_hc.after_post(x, steer(self, ATTN, h), post, comb)
         x = hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(collapsed))), post, comb)
         return x, sel if self._hands_on else None
@@ -344,33 +329,31 @@ class Glm5NextTextModel(ActivationDtype, nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self._hc = args.hc_mult
 
-    def __call__(self, ids: mx.array, cache: list) -> mx.array:
+    def forward(self, ids: mx.array, ctx) -> mx.array:
+        """The forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py: a PREFILL
+        chunk of one session, T sessions' next tokens, or one session's next T as a chain) ->
+        hidden [1, T, H] after the final norm.  PREFILL advances the caches; the static kinds
+        leave the rows' new states in their views."""
         h = self.embed(ids)
         x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
+        caches = ctx.views[0] if ctx.kind == PREFILL else [None] * len(self.layers)
         sel = None
-        for layer, c in zip(self.layers, cache):
-            x, sel = layer(x, c, sel)
-        for c in cache:
-            c.offset += ids.shape[1]
-        return self.norm(x.mean(axis=2))
-
-    def step(self, ids: mx.array, ctx) -> mx.array:
-        """The static forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py) ->
-        hidden [1, T, H] after the final norm; the rows' new states are in their views."""
-        h = self.embed(ids)
-        x = mx.broadcast_to(h[:, :, None, :], (1, ids.shape[1], self._hc, h.shape[-1]))
-        sels = None
-        for layer in self.layers:
-            x, sels = layer.step(x, ctx, sels)
+        for layer, c in zip(self.layers, caches):
+            x, sel = layer.forward(x, ctx, sel, c)
+        if ctx.kind == PREFILL:
+            for c in caches:
+                c.offset += ids.shape[1]
         return self.norm(x.mean(axis=2))
 
 
-class Model(StaticForward, CausalLM):
-    """Glm5NextTextModel + lm_head: `model(ids [1, T], cache) -> logits [1, T, V]`."""
+class Model(ContextForward, CausalLM):
+    """Glm5NextTextModel + lm_head: `model(ids [1, T], cache) -> logits [1, T, V]`, the PREFILL
+    kind of its one `forward(ids, ctx)` (models/cache.py `ContextForward`)."""
 
     # a chain's rows step the KDA recurrence one token each (every row's state kept) and
     # append to the MLA rows: row t reads row t - 1's state
     static_rows_chain = True
+    static_steers = True  # steering edits the static forward too (the stepper runs it eagerly)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, Glm5NextTextModel(args))
@@ -383,12 +366,6 @@ class Model(StaticForward, CausalLM):
                 c.conv = mx.zeros((1, a.linear_conv_kernel_dim - 1, 3 * H * D), self.static_dtype())
                 c.recurrent = mx.zeros((1, H, D, D), mx.float32)
         return super().static_state(cache, ahead)
-
-    def static_forward(self, ids: mx.array, ctx) -> tuple[mx.array, list]:
-        """Pure: the static forward of ids [1, T] over `ctx` (runtime/forward_context.py
-        `StepContext`: T sessions' next tokens, or one session's next T as a chain) ->
-        (logits [T, V], the rows' new states)."""
-        return self.head(self.model.step(ids, ctx)).squeeze(0), [v.new for v in ctx.views]
 
     def make_cache(self) -> list:
         a = self.args

@@ -25,8 +25,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..runtime.forward_context import PREFILL, StepContext
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
-from .cache import StaticForward
+from .cache import ContextForward
 from .causal_lm import BaseModelArgs, CausalLM
 from .layers import ActivationDtype, RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
 from .mla import DSAIndexer, MLAAttention, MLACache, indexer_types_from
@@ -171,17 +172,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, x, cache, prev):
-        h, sel = self.self_attn(self.input_layernorm(x), cache, prev)
+    def __call__(self, x, cache: MLACache, prev):
+        """The layer over a chunk x [1, C, H] at the cache's position (the MTP head's block)."""
+        return self.forward(x, StepContext.prefill(cache.offset, [cache]), prev, cache)
+
+    def forward(self, x, ctx, prev, cache: MLACache | None = None):
+        """The layer over the query rows of `ctx` (runtime/forward_context.py; x [1, T, H]): a
+        PREFILL chunk over the live `cache`, or the static rows over their views -> (x, the
+        selection a "shared" layer after it inherits: `prev` and it as `MLAAttention.forward`'s)."""
+        h, sel = self.self_attn.forward(self.input_layernorm(x), ctx, prev, cache)
         x = x + steer(self, ATTN, h)
         return x + steer(self, FFN, self.mlp(self.post_attention_layernorm(x))), sel
-
-    def step(self, x, ctx, prevs):
-        """`__call__` for the query rows of a static forward `ctx` (x [1, T, H]; prevs: the
-        rows' selections from the layer before)."""
-        h, sels = self.self_attn.step(self.input_layernorm(x), ctx, prevs)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), sels
 
 
 class GlmMoeDsaModel(ActivationDtype, nn.Module):
@@ -197,46 +198,35 @@ class GlmMoeDsaModel(ActivationDtype, nn.Module):
         self.layers = [DecoderLayer(args, i, self._rope) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, ids: mx.array, cache: list) -> mx.array:
+    def forward(self, ids: mx.array, ctx) -> mx.array:
+        """The forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py: a PREFILL
+        chunk of one session, T sessions' next tokens, or one session's next T as a chain) ->
+        hidden [1, T, H] after the final norm.  PREFILL advances the caches and calls
+        `stream_hook`; the static kinds leave the rows' new states in their views (the
+        selections a "shared" layer inherits kept per row)."""
         x = self.embed(ids)
+        caches = ctx.views[0] if ctx.kind == PREFILL else [None] * len(self.layers)
         sel = None
-        for layer, c in zip(self.layers, cache):
-            x, sel = layer(x, c, sel)
+        for layer, c in zip(self.layers, caches):
+            x, sel = layer.forward(x, ctx, sel, c)
         h = self.norm(x)
-        if self.stream_hook is not None:
-            self.stream_hook(h, cache[0].offset if cache else 0)
-        for c in cache:
-            c.offset += ids.shape[1]
+        if ctx.kind == PREFILL:
+            if self.stream_hook is not None:
+                self.stream_hook(h, ctx.row_pos[0])
+            for c in caches:
+                c.offset += ids.shape[1]
         return h
 
-    def step(self, ids: mx.array, ctx) -> mx.array:
-        """The static forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py) ->
-        hidden [1, T, H] after the final norm; the rows' new states are in their views, the
-        selections a "shared" layer inherits kept per row."""
-        x = self.embed(ids)
-        sels = None
-        for layer in self.layers:
-            x, sels = layer.step(x, ctx, sels)
-        return self.norm(x)
 
-
-class Model(StaticForward, CausalLM):
-    """GlmMoeDsaForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`."""
+class Model(ContextForward, CausalLM):
+    """GlmMoeDsaForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`, the PREFILL kind of
+    its one `forward(ids, ctx)` (models/cache.py `ContextForward`)."""
 
     static_rows_chain = True  # the MLA rows append only: a chain's row t reads row t - 1's buffers
+    static_steers = True  # steering edits the static forward too (the stepper runs it eagerly)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, GlmMoeDsaModel(args))
-
-    def static_forward(self, ids: mx.array, ctx) -> tuple:
-        """Pure: the static forward of ids [1, T] over `ctx` (runtime/forward_context.py
-        `StepContext`: T sessions' next tokens, or one session's next T as a chain) ->
-        (logits [T, V], the rows' new states[, the normed hidden states [1, T, H] where
-        ctx.streams: the MTP head's input, as `stream_hook` gets them])."""
-        h = self.model.step(ids, ctx)
-        logits = self.head(h).squeeze(0)
-        news = [v.new for v in ctx.views]
-        return (logits, news, h) if ctx.streams else (logits, news)
 
     def make_cache(self) -> list[MLACache]:
         a = self.args

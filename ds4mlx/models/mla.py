@@ -16,9 +16,10 @@ one shared latent head of `kv_lora_rank + rope` is attended; cheaper for decode)
 give the same numbers up to float rounding.
 
 Sparse attention: an indexer picks, per query, the keys the query may attend.  A
-`Selection` describes the result for one forward chunk of C queries over L = offset + C
-keys: dense causal (`DENSE`), an explicit key mask [C, L], or (1-token decode) a list of
-key rows to gather.  "shared" layers reuse the previous layer's `Selection`.
+`Selection` describes the result for one PREFILL chunk of C queries over L = offset + C
+keys: dense causal (`DENSE`), an explicit key mask [C, L], or (one query) a list of key
+rows to gather; a static row's selection is (key rows or None, its mask).  "shared" layers
+reuse the previous layer's.
 
 * `DSAIndexer` (GLM 5.2, DeepSeek V3.2 style): per-token keys `k = LayerNorm(wk(x))`
   (with bias, eps 1e-6), rope on the *leading* `qk_rope_head_dim` channels of q and k,
@@ -39,6 +40,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..runtime.forward_context import PREFILL
 from .cache import grow_rows, iota
 from .layers import RMSNorm, RoPE, topk_indices
 
@@ -263,18 +265,20 @@ class DSAIndexer(nn.Module):
         rot = self._rope(x[..., : self._r], offset=s)
         return rot if self._r == x.shape[-1] else mx.concatenate([rot, x[..., self._r :]], axis=-1)
 
-    def __call__(self, x: mx.array, q_res: mx.array, cache: MLACache, s: int) -> Selection:
-        B, C, _ = x.shape
-        k = self._rotate(self.k_norm(self.wk(x))[:, None], s)[:, 0]  # [B, C, D]
+    def chunk(self, k: mx.array, q: mx.array, w: mx.array, cache: MLACache, s: int) -> Selection:
+        """A PREFILL chunk's selection (its `project` outputs [1, C, ..]) at host position s,
+        the chunk's keys appended to the cache: dense while every causal key fits in
+        index_topk, else each query's top-k causal keys (a mask; one query: the key rows)."""
+        B, C, _ = k.shape
+        k = self._rotate(k[:, None], s)[:, 0]  # [B, C, D]
         keys = cache.rows["index_k"].append(k)
         L = s + C
         if L <= self._topk:
             return DENSE
-        q = self.wq_b(q_res).reshape(B, C, self._H, self._D).swapaxes(1, 2)
+        q = q.reshape(B, C, self._H, self._D).swapaxes(1, 2)
         q = self._rotate(q, s).swapaxes(1, 2).astype(mx.float32)  # [B, C, H, D]
-        w = self.weights_proj(x).astype(mx.float32) * self._H**-0.5
         scores = index_scores(q, keys, w, self._D**-0.5)[0]  # [C, L]
-        if C == 1:  # a decode step: every cached key is causal
+        if C == 1:  # one query (a one-token chunk, an MTP draft): every cached key is causal; gather k rows
             return Selection(index=topk_indices(scores[0], self._topk))
         causal = causal_mask(s, C)
         idx = topk_indices(mx.where(causal, scores, -mx.inf), self._topk)
@@ -282,16 +286,16 @@ class DSAIndexer(nn.Module):
         return Selection(mask=chosen & causal)
 
     def project(self, x: mx.array, q_res: mx.array) -> tuple:
-        """The static forward's projections of every query row at once (x, q_res [1, T, ..]):
-        (normed keys before rope [1, T, D], queries [1, T, H * D], head weights [1, T, H])."""
+        """The projections of every query row at once (x, q_res [1, T, ..]), every kind: (normed
+        keys before rope [1, T, D], queries [1, T, H * D], head weights [1, T, H])."""
         return self.k_norm(self.wk(x)), self.wq_b(q_res), self.weights_proj(x).astype(mx.float32) * self._H**-0.5
 
     def step(self, k: mx.array, q: mx.array, w: mx.array, pos: mx.array, view, valid: mx.array):
-        """`__call__` for one query row at `pos` (array; its `project` outputs [1, 1, ..]) over
-        its view's capacity rows (runtime/forward_context.py `StateView`): (index [k] or None
-        for all rows, valid [k or cap]).  Above index_topk capacity, the top-k of the scores
-        with rows that are not live at -inf (so below index_topk live rows every live row is
-        picked, as DENSE)."""
+        """`chunk` for one query row of a static forward at `pos` (array; its `project` outputs
+        [1, 1, ..]) over its view's capacity rows (runtime/forward_context.py `StateView`):
+        (index [k] or None for all rows, valid [k or cap]).  Above index_topk capacity, the
+        top-k of the scores with rows that are not live at -inf (so below index_topk live rows
+        every live row is picked, as DENSE)."""
         k = self._rotate(k[:, None], pos)[:, 0]  # [1, 1, D]
         keys = next(view)
         keys = mx.slice_update(keys, k.astype(keys.dtype), pos.reshape(1), axes=(1,))
@@ -320,11 +324,10 @@ class KPoolIndexer(nn.Module):
         self.index_kpool_compress_gate = mx.ones((head_dim, hidden))
         self._H, self._D, self._kp, self._select = n_heads, head_dim, kpool, topk // kpool
 
-    def _pool(self, x: mx.array, cache: MLACache, s: int) -> mx.array:
-        """Feed chunk x [1, C, hidden] at positions s..; return every complete pool [1, P, D]."""
-        kp, C = self._kp, x.shape[1]
-        k = self.k_norm(self.wk(x))
-        gate = x @ self.index_kpool_compress_gate.T.astype(x.dtype)
+    def _pool(self, k: mx.array, gate: mx.array, cache: MLACache, s: int) -> mx.array:
+        """Feed a chunk's keys and gate logits [1, C, D] at positions s..; return every complete
+        pool [1, P, D]."""
+        kp, C = self._kp, k.shape[1]
         if cache.pool_k is None:
             cache.pool_k = mx.zeros((1, kp, self._D), k.dtype)
             cache.pool_gate = mx.zeros((1, kp, self._D), gate.dtype)
@@ -346,18 +349,17 @@ class KPoolIndexer(nn.Module):
         return pools.append((p * wk).sum(axis=2))
 
     def project(self, x: mx.array, q_res: mx.array) -> tuple:
-        """The static forward's projections of every query row at once (x, q_res [1, T, ..]):
-        (normed keys [1, T, D], gate logits [1, T, D], queries [1, T, H * D], head weights
-        [1, T, H])."""
+        """The projections of every query row at once (x, q_res [1, T, ..]), every kind: (normed
+        keys [1, T, D], gate logits [1, T, D], queries [1, T, H * D], head weights [1, T, H])."""
         k = self.k_norm(self.wk(x))
         gate = x @ self.index_kpool_compress_gate.T.astype(x.dtype)
         return k, gate, self.wq_b(q_res), self.weights_proj(x).astype(mx.float32) * self._H**-0.5
 
     def step(self, k: mx.array, gate: mx.array, q: mx.array, w: mx.array, pos: mx.array, view, valid: mx.array):
-        """`__call__` for one query row at `pos` (array; its `project` outputs [1, 1, ..]) over
-        its view: (None, token mask [cap]) over the latent capacity rows: the chosen pools'
-        tokens plus the open pool's (the tail).  The open pool's row is written at
-        pos // kpool whether complete or not."""
+        """`chunk` for one query row of a static forward at `pos` (array; its `project` outputs
+        [1, 1, ..]) over its view: (None, token mask [cap]) over the latent capacity rows: the
+        chosen pools' tokens plus the open pool's (the tail).  The open pool's row is written
+        at pos // kpool whether complete or not."""
         kp = self._kp
         pools, pool_k, pool_gate = next(view), next(view), next(view)
         b = (pos % kp).reshape(1)
@@ -382,17 +384,19 @@ class KPoolIndexer(nn.Module):
         tail = tok >= ((pos + 1) // kp) * kp
         return None, (in_chosen | tail) & valid
 
-    def __call__(self, x: mx.array, q_res: mx.array, cache: MLACache, s: int) -> Selection:
-        B, C, _ = x.shape
+    def chunk(self, k: mx.array, gate: mx.array, q: mx.array, w: mx.array, cache: MLACache, s: int) -> Selection:
+        """A PREFILL chunk's selection (its `project` outputs [1, C, ..]) at host position s, its
+        keys pooled into the cache: dense while every visible pool fits in the selection, else
+        each query's best pools plus its tail (a mask; one query: the key rows)."""
+        B, C, _ = k.shape
         kp = self._kp
-        pools = self._pool(x, cache, s)
+        pools = self._pool(k, gate, cache, s)
         P = pools.shape[1]
         if P <= self._select:  # every visible pool is picked, plus the tail: all causal keys
             return DENSE
-        q = self.wq_b(q_res).reshape(B, C, self._H, self._D).astype(mx.float32)
-        w = self.weights_proj(x).astype(mx.float32) * self._H**-0.5
+        q = q.reshape(B, C, self._H, self._D).astype(mx.float32)
         scores = index_scores(q, pools, w, self._D**-0.5)[0]  # [C, P]
-        if C == 1:  # the newest token sees every complete pool
+        if C == 1:  # one query (a one-token chunk): it sees every complete pool; gather their rows
             picked = topk_indices(scores[0], self._select)
             rows = (picked[:, None] * kp + mx.arange(kp)).reshape(-1)
             tail = mx.arange(P * kp, s + 1)
@@ -442,8 +446,8 @@ def absorbed_projections(layer: nn.Module, n_heads: int, nope: int):
 class MLAAttention(nn.Module):
     """MLA over an `MLACache`, sparse through `indexer` (None: a "shared" layer, or dense).
 
-    `__call__(x, cache, prev) -> (out, selection)`: `prev` is the selection handed on by the
-    previous layer (used when this layer has no indexer)."""
+    `forward(x, ctx, prev, cache) -> (out, selection)` for every context kind: `prev` is the
+    selection handed on by the previous layer (used when this layer has no indexer)."""
 
     # Chunks of more than this many queries use the expanded form (None: choose by cost).
     EXPAND_MIN_QUERIES: int | None = None
@@ -487,27 +491,51 @@ class MLAAttention(nn.Module):
         # per (query, key): absorbed ~ 2*lora + r, expanded ~ nope + r + v, plus nv*lora per key
         return C * max(1, 2 * lora - nv) > nv * lora
 
-    def step(self, x: mx.array, ctx, prevs: list | None):
-        """`__call__` for the query rows of a static forward `ctx` (runtime/forward_context.py
-        `StepContext`: x [1, T, hidden], row t at ctx.row_pos[t] over the `MLACache.static_state`
-        of ctx.views[t]), branch-free in the positions: (out [1, T, hidden], every row's
-        selection (index [k] | None, valid) for the next layer).  The projections run once
-        for all rows; prevs[t] is row t's selection handed on by the previous layer."""
+    def forward(self, x: mx.array, ctx, prev, cache: MLACache | None = None):
+        """The attention of the query rows of `ctx` (runtime/forward_context.py `StepContext`;
+        x [1, T, hidden]) -> (out [1, T, hidden], the selection handed on to the next layer).
+        The projections, the indexer's too, run once for all rows.  PREFILL: one chunk of T
+        queries at the host position cache.offset over the live `cache` (appended to), `prev`
+        and the result a `Selection`.  DECODE / CHAIN: row t at ctx.row_pos[t] over the
+        `MLACache.static_state` of ctx.views[t], branch-free in the positions; `prev` (None for
+        none) and the result one selection (index [k] | None, valid) per row."""
         q_res = self.q_a_layernorm(self.q_a_proj(x))
         q, kv = self.q_b_proj(q_res), self.kv_a_proj_with_mqa(x)
         index_inputs = self.indexer.project(x, q_res) if self._has_indexer else ()
-        prevs = [None] * ctx.rows if prevs is None else prevs
+        if ctx.kind == PREFILL:
+            out, sel = self._chunk(q, kv, index_inputs, cache, prev)
+            return self.o_proj(out), sel
+        prevs = [None] * ctx.rows if prev is None else prev
         outs, sels = [], []
-        for row, pos, view, prev in zip(ctx.split(q, kv, *index_inputs), ctx.row_pos, ctx.views, prevs):
-            out, sel = self._step_row(row[0], row[1], row[2:], pos, view, prev)
+        for row, pos, view, row_prev in zip(ctx.split(q, kv, *index_inputs), ctx.row_pos, ctx.views, prevs):
+            out, sel = self._row(row[0], row[1], row[2:], pos, view, row_prev)
             outs.append(out)
             sels.append(sel)
         return self.o_proj(ctx.join(outs)), sels
 
-    def _step_row(self, q, kv, index_inputs: tuple, pos: mx.array, view, prev: tuple | None):
+    def _chunk(self, q, kv, index_inputs: tuple, cache: MLACache, prev: Selection | None):
+        """A PREFILL chunk's attention (the q_b_proj / kv_a_proj outputs and the indexer's
+        projections [1, C, ...]) over the live `cache`, its rows appended -> (out [1, C, nh * v]
+        before o_proj, its selection)."""
+        B, C, _ = kv.shape
+        s = cache.offset
+        nh, nope, r = self._nh, self._nope, self._r
+        q = q.reshape(B, C, nh, nope + r).swapaxes(1, 2)  # [B, nh, C, nope+r]
+        latents = cache.rows["latent"].append(self.kv_a_layernorm(kv[..., : self._lora]))  # [B, L, lora]
+        q_rope = k_ropes = None
+        if r:
+            q_rope = self._rope(q[..., nope:], offset=s)
+            k_ropes = cache.rows["k_rope"].append(self._rope(kv[..., self._lora :][:, None], offset=s)[:, 0])
+        sel = self.indexer.chunk(*index_inputs, cache, s) if self._has_indexer else self._inherited(prev)
+        mask = sel.mask
+        if sel.index is None and mask is None and C > 1:
+            mask = "causal" if s == 0 else causal_mask(s, C)
+        return self._attend(q[..., :nope], q_rope, latents, k_ropes, sel.index, mask), sel
+
+    def _row(self, q, kv, index_inputs: tuple, pos: mx.array, view, prev: tuple | None):
         """One query row's attention at `pos` (the q_b_proj / kv_a_proj outputs and the
-        indexer's projections [1, 1, ...]) over its `view` -> (out [1, 1, nh * v] before
-        o_proj, its selection)."""
+        indexer's projections [1, 1, ...]) over its `view`, its rows written at `pos` -> (out
+        [1, 1, nh * v] before o_proj, its selection)."""
         nh, nope, r = self._nh, self._nope, self._r
         at = pos.reshape(1)
         q = q.reshape(1, 1, nh, nope + r).swapaxes(1, 2)  # [1, nh, 1, nope+r]
@@ -516,7 +544,6 @@ class MLAAttention(nn.Module):
             latents, self.kv_a_layernorm(kv[..., : self._lora]).astype(latents.dtype), at, axes=(1,)
         )
         view.put(latents)
-        q_nope = q[..., :nope]
         q_rope = k_ropes = None
         if r:
             q_rope = self._rope(q[..., nope:], offset=pos)
@@ -525,68 +552,26 @@ class MLAAttention(nn.Module):
             k_ropes = mx.slice_update(k_ropes, k_new.astype(k_ropes.dtype), at, axes=(1,))
             view.put(k_ropes)
         valid = iota(latents.shape[1]) <= pos
-        if self._has_indexer:
-            sel = self.indexer.step(*index_inputs, pos, view, valid)
-        elif prev is None:
-            raise ValueError("a shared DSA layer needs the previous layer's selection")
-        else:
-            sel = prev
+        sel = self.indexer.step(*index_inputs, pos, view, valid) if self._has_indexer else self._inherited(prev)
         index, mask = sel
+        return self._attend(q[..., :nope], q_rope, latents, k_ropes, index, mask[None]), sel
+
+    def _inherited(self, prev):
+        """A "shared" layer's selection: the previous layer's."""
+        if prev is None:
+            raise ValueError("a shared DSA layer needs the previous layer's selection")
+        return prev
+
+    def _attend(self, q_nope, q_rope, latents, k_ropes, index, mask):
+        """The attention of queries q_nope [B, nh, C, nope] (q_rope [.., r] or None) over the
+        latent rows [B, L, lora] and roped key rows, those at `index` only where given, under
+        `mask` -> [B, C, nh * v]: expanded or absorbed by the query count (`_expanded`)."""
+        B, nh, C, nope = q_nope.shape
+        r = self._r
         if index is not None:
             latents = mx.take(latents, index, axis=1)
             if r:
                 k_ropes = mx.take(k_ropes, index, axis=1)
-        mask = mask[None]
-        if self._expanded(1):
-            L = latents.shape[1]
-            kvb = self.kv_b_proj(latents).reshape(1, L, nh, nope + self._v).swapaxes(1, 2)
-            keys, values = kvb[..., :nope], kvb[..., nope:]
-            if r:
-                keys = mx.concatenate([keys, mx.broadcast_to(k_ropes[:, None], (1, nh, L, r))], axis=-1)
-                q_nope = mx.concatenate([q_nope, q_rope], axis=-1)
-            out = mx.fast.scaled_dot_product_attention(q_nope, keys, values, scale=self._scale, mask=mask)
-        else:
-            embed_q, unembed_out = absorbed_projections(self.kv_b_proj, nh, nope)
-            queries = embed_q(q_nope)
-            keys = latents[:, None]
-            if r:
-                queries = mx.concatenate([queries, q_rope], axis=-1)
-                keys = mx.concatenate([keys, k_ropes[:, None]], axis=-1)
-            out = mx.fast.scaled_dot_product_attention(queries, keys, latents[:, None], scale=self._scale, mask=mask)
-            out = unembed_out(out)
-        # [1, nh, 1, v] -> [1, 1, nh * v]: one query, a reshape (MLX copies a transposed array it reshapes)
-        return out.reshape(1, 1, nh * self._v), sel
-
-    def __call__(self, x: mx.array, cache: MLACache, prev: Selection | None):
-        B, C, _ = x.shape
-        s = cache.offset
-        nh, nope, r = self._nh, self._nope, self._r
-        q_res = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_res).reshape(B, C, nh, nope + r).swapaxes(1, 2)  # [B, nh, C, nope+r]
-        kv = self.kv_a_proj_with_mqa(x)
-        latents = cache.rows["latent"].append(self.kv_a_layernorm(kv[..., : self._lora]))  # [B, L, lora]
-        q_nope = q[..., :nope]
-        q_rope = k_ropes = None
-        if r:
-            q_rope = self._rope(q[..., nope:], offset=s)
-            k_ropes = cache.rows["k_rope"].append(self._rope(kv[..., self._lora :][:, None], offset=s)[:, 0])
-        if self._has_indexer:
-            sel = self.indexer(x, q_res, cache, s)
-        elif prev is None:
-            raise ValueError("a shared DSA layer needs the previous layer's selection")
-        else:
-            sel = prev
-
-        mask = None
-        if sel.index is not None:
-            latents = mx.take(latents, sel.index, axis=1)
-            if r:
-                k_ropes = mx.take(k_ropes, sel.index, axis=1)
-        elif sel.mask is not None:
-            mask = sel.mask
-        elif C > 1:
-            mask = "causal" if s == 0 else causal_mask(s, C)
-
         if self._expanded(C):
             L = latents.shape[1]
             kvb = self.kv_b_proj(latents).reshape(B, L, nh, nope + self._v).swapaxes(1, 2)
@@ -604,5 +589,6 @@ class MLAAttention(nn.Module):
                 keys = mx.concatenate([keys, k_ropes[:, None]], axis=-1)
             out = mx.fast.scaled_dot_product_attention(queries, keys, latents[:, None], scale=self._scale, mask=mask)
             out = unembed_out(out)  # [B, nh, C, v]
-        out = out.swapaxes(1, 2).reshape(B, C, nh * self._v)
-        return self.o_proj(out), sel
+        if C == 1:  # [B, nh, 1, v] -> [B, 1, nh * v]: a reshape (MLX copies a transposed array it reshapes)
+            return out.reshape(B, 1, nh * self._v)
+        return out.swapaxes(1, 2).reshape(B, C, nh * self._v)

@@ -103,6 +103,26 @@ class StateView:
         self.new.extend(arrays)
 
 
+class LiveView:
+    """A PREFILL's view of one live cache object, read and written as a `StateView` is: its
+    attributes `names` in that order (`next`), the new arrays set back in the same order
+    (`put`), so one per-row code path serves a chunk over the live cache and a static row."""
+
+    def __init__(self, cache, names: tuple[str, ...]):
+        self._cache = cache
+        self._read, self._write = iter(names), iter(names)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> mx.array:
+        return getattr(self._cache, next(self._read))
+
+    def put(self, *arrays) -> None:
+        for a in arrays:
+            setattr(self._cache, next(self._write), a)
+
+
 @dataclass
 class StepContext:
     """A forward as the model sees it.  DECODE or CHAIN (traced): `row_pos[b]` query row b's
