@@ -35,7 +35,7 @@ instead of once per row; x is staged in K slices (XR rows of the whole K do not 
 back to one row a threadgroup z slice, the one-row kernel (XR = 1, KSL = 1: the same code).
 MODE 3 / 4 of n tokens (batched rows, a verify chain) take the shared expert (the dense bank B)
 the same way: ceil(n / XR) slices of XR tokens each read its weights once (`twobank_rows_plan`),
-self-tested at first use ("affine_qmv.twobank_rows"; a failure keeps one read per token).
+self-tested at first use while unverified ("affine_qmv.twobank_rows": its CUDA face passed its GPU tests; a failure keeps one read per token).
 
 Faces (`ds4mlx.kernels.dispatch`): reference = ``mx.quantized_matmul`` /
 ``mx.gather_qmm`` (+ the SwiGLU / weighted sum as MLX ops); Metal and CUDA from the

@@ -45,12 +45,6 @@ UNVERIFIED_KERNELS = {  # every other kernel's CUDA face passed its `pytest -m g
     "sparse_attention.index_topk_rows",  # B sessions' indexer scores + top-k in one launch (session batching)
     "attn_prologue",  # attn_prep and a compressed layer's compressor steps in one launch
     "attn_prologue.rows",  # the same for B sessions' rows of one layer (session batching)
-    "affine_qmv.twobank_rows",  # MODE 3 / 4 with the shared expert's weights read once for the step's rows
-    # prefill's per-expert GEMMs on GGUF blocks (grouped_qmm.GROUPED_KERNELS), one per type
-    "grouped_qmm.Q8_0",
-    "grouped_qmm.Q2_K",
-    "grouped_qmm.Q4_K",
-    "grouped_qmm.IQ2_XXS",
     "qmv_hc",  # a dense mat-vec and the next mHC site (hc_post + the next hc_pre's tail) in one launch
     "qmv_hc.down",  # affine_qmv MODE 4 (an MoE's down projections) and the next mHC site in one launch
 }
