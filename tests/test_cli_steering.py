@@ -261,7 +261,7 @@ def test_cli_flags_install_steering(tmp_path):
         steering.install(model, None)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v4", "deepseek_v41"])
+@pytest.mark.parametrize("family", ["deepseek_v4", "deepseek_v41", "qwen4_exp"])
 def test_a_steered_decode_runs_the_static_forward_and_equals_the_prefill(family, monkeypatch):
     """A family whose static forward steers (`static_steers`) decodes a steered model on it,
     eagerly (no trace), with the logits of the steered prefill forward of the same tokens;

@@ -3,9 +3,10 @@
 (docs/forward.md §5, §8 "trace count").  A retrace per token would still give the right
 logits, only slower: these counts are what catches it.
 
-DeepSeek V4 and V4.1 on their tiny oracle models (CPU, float32): one session decoding more
-than 20 tokens inside one bucket, then the same with buckets of 4 rows (one trace per
-bucket signature met), B sessions stepped together, and verify chains (V4.1's opt-in).
+DeepSeek V4, V4.1 and Qwen3.8 on their tiny oracle models (CPU, float32): one session
+decoding more than 20 tokens inside one bucket, then the same with buckets of 4 rows (one
+trace per bucket signature met), B sessions stepped together, and verify chains (V4.1's
+opt-in).
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ ONE, ROWS = (DECODE, True), (DECODE, False)
 STEPS = 24
 
 
-@pytest.fixture(scope="module", params=["v4", "v41"])
+@pytest.fixture(scope="module", params=["v4", "v41", "qwen"])
 def family(request, oracle):
-    script = {"v4": "make_tiny_deepseek_v4.py", "v41": "probe_mlx_deepseek_v41.py"}[request.param]
+    script = {"v4": "make_tiny_deepseek_v4.py", "v41": "probe_mlx_deepseek_v41.py", "qwen": "make_tiny_qwen4_exp.py"}[
+        request.param
+    ]
     _, lm, ref, _ = load_case(oracle, script, None)
     return request.param, lm, ref["input_ids"][0].tolist()
 
