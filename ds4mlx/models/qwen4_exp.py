@@ -672,24 +672,25 @@ class Attention(nn.Module):
         ctx.row_pos[t] over its view (`AttentionCache.static_state`), branch-free in the
         positions and in row order (a chain's row reads the rows before it)."""
         B, T, _ = x.shape
-        proj = (self.q_proj(x), self.k_proj(x), self.v_proj(x), self.indexer.index_qk_proj(x))
+        qg = self.q_proj(x).reshape(B, T, self.nh, 2 * self.D)
+        q, gate = qg[..., : self.D], qg[..., self.D :]
+        proj = (q, self.k_proj(x), self.v_proj(x), self.indexer.index_qk_proj(x))
         if ctx.kind == PREFILL:
             out = self._chunk(*proj, cache)
         else:
             chain = ctx.kind == CHAIN
             rows = zip(ctx.split(*proj), ctx.row_pos, ctx.views)
             out = ctx.join([self._row(*row, pos, view, chain) for row, pos, view in rows])  # [1, T, nh * D]
-        gate = proj[0].reshape(B, T, self.nh, 2 * self.D)[..., self.D :]
         out = out * mx.sigmoid(gate.reshape(B, T, -1).astype(mx.float32)).astype(out.dtype)
         return self.o_proj(out)
 
-    def _chunk(self, qg, k, v, qk, cache: AttentionCache) -> mx.array:
-        """A prefill chunk's C queries (their projections [1, C, ...]) at rows cache.offset..,
-        their K/V appended -> the attention output [1, C, nh * D] before the gate."""
-        B, C, _ = qg.shape
+    def _chunk(self, q, k, v, qk, cache: AttentionCache) -> mx.array:
+        """A prefill chunk's C queries (q [1, C, nh, D], the k_proj, v_proj and indexer
+        projections [1, C, ...]) at rows cache.offset.., their K/V appended -> the attention
+        output [1, C, nh * D] before the gate."""
+        B, C = q.shape[:2]
         s = cache.offset
         mask = self.indexer.chunk(qk, cache, s)
-        q = qg.reshape(B, C, self.nh, 2 * self.D)[..., : self.D]
         q = rope_rows(self._rope, cache, self.q_norm(q).swapaxes(1, 2), s)
         k = rope_rows(self._rope, cache, self.k_norm(k.reshape(B, C, self.nkv, self.D)).swapaxes(1, 2), s)
         v = v.reshape(B, C, self.nkv, self.D).swapaxes(1, 2)
@@ -699,13 +700,13 @@ class Attention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.D**-0.5, mask=mask)
         return out.swapaxes(1, 2).reshape(B, C, self.nh * self.D)
 
-    def _row(self, qg, k, v, qk, pos: mx.array, view, chain: bool) -> mx.array:
-        """One query row at `pos` (its q_proj, k_proj, v_proj and indexer projections
-        [1, 1, ...]) over its `view` -> the attention output [1, 1, nh * D] before the gate."""
+    def _row(self, q, k, v, qk, pos: mx.array, view, chain: bool) -> mx.array:
+        """One query row at `pos` (its query [1, 1, nh, D], k_proj, v_proj and indexer
+        projections [1, 1, ...]) over its `view` -> the attention output [1, 1, nh * D] before
+        the gate."""
         keys, values, blocks, tail, delta, block_pos = (next(view) for _ in range(6))
         valid = mx.arange(keys.shape[-2]) <= pos
         blocks, tail, mask = self.indexer.row(qk, pos, blocks, tail, valid, delta, block_pos)
-        q = qg.reshape(1, 1, self.nh, 2 * self.D)[..., : self.D]
         at_pos = pos + delta  # the rope position (rows after an image prompt: see AttentionCache)
         q = self._rope(self.q_norm(q).swapaxes(1, 2), offset=at_pos)
         k = self._rope(self.k_norm(k.reshape(1, 1, self.nkv, self.D)).swapaxes(1, 2), offset=at_pos)
@@ -810,16 +811,15 @@ class DecoderLayer(nn.Module):
         last state), each token's states put into its row's view."""
         if ctx.kind == CHAIN:
             return self._linear_chain(x, ids, ctx)
-        T = x.shape[1]
         if ctx.kind == PREFILL:
             state = cache
         else:
             n = 4 if self.has_ple else 2
             state = _FixedState.stack([_FixedState(*(next(v) for _ in range(n))) for v in ctx.views])
         if self.has_ple:
-            x = x + self.ple(_sequences(x, ctx), _sequences(ids, ctx), state).reshape(x.shape)
+            x = x + _tokens(self.ple(_sequences(x, ctx), _sequences(ids, ctx), state), x)
         mixed, inject = self.attn_hyper_connection(x)
-        out = self.linear_attn(_sequences(mixed, ctx), state).reshape(1, T, -1)
+        out = _tokens(self.linear_attn(_sequences(mixed, ctx), state), mixed)
         if ctx.kind == DECODE:
             for b, view in enumerate(ctx.views):
                 view.put(*state.row(b, ctx.rows).arrays(self.has_ple))
@@ -903,6 +903,11 @@ def _sequences(a: mx.array, ctx) -> mx.array:
     """a [1, T, ...] as the recurrent modules' sequences: a prefill's one sequence of T tokens,
     a decode's B rows as B one-token sequences [B, 1, ...]."""
     return a if ctx.kind == PREFILL or a.shape[1] == 1 else a.reshape(a.shape[1], 1, *a.shape[2:])
+
+
+def _tokens(a: mx.array, like: mx.array) -> mx.array:
+    """`_sequences`' inverse: a [B, 1, ...] (or already [1, T, ...]) laid out as `like`'s tokens."""
+    return a if a.shape[:2] == like.shape[:2] else a.reshape(*like.shape[:2], *a.shape[2:])
 
 
 class _FixedState:
