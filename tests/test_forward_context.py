@@ -196,5 +196,7 @@ def test_qwen_every_kind_runs_the_one_forward(qwen_case, monkeypatch, request):
     assert seen["model"] == [(PREFILL, 1)] * 3 + [(DECODE, 1), (DECODE, 2), (CHAIN, 4)]
     assert seen["layer"] == [k for k in seen["model"] for _ in lm.model.layers]
     assert qwen4_exp.Model.static_forward is ContextForward.static_forward
-    twins = [c for c in (qwen4_exp.Qwen4ExpTextModel, qwen4_exp.DecoderLayer, qwen4_exp.Attention) if hasattr(c, "step")]
+    twins = [
+        c for c in (qwen4_exp.Qwen4ExpTextModel, qwen4_exp.DecoderLayer, qwen4_exp.Attention) if hasattr(c, "step")
+    ]
     assert not twins
