@@ -45,7 +45,12 @@ class _Projected:
         self.inner, self.v, self.scale = inner, v.astype(np.float64), scale
 
     def __call__(self, *args, **kwargs):
-        out = self.inner(*args, **kwargs)
+        return self._edited(self.inner(*args, **kwargs))
+
+    def forward(self, *args, **kwargs):  # a module of a family's one forward (GLM's attention)
+        return self._edited(self.inner.forward(*args, **kwargs))
+
+    def _edited(self, out):
         first = out[0] if isinstance(out, tuple) else out  # GLM MLA returns (h, selection)
         y = np.array(first.astype(mx.float32)).astype(np.float64)
         y = y - self.scale * (y @ self.v)[..., None] * self.v
@@ -261,7 +266,7 @@ def test_cli_flags_install_steering(tmp_path):
         steering.install(model, None)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v4", "deepseek_v41", "glm_moe_dsa", "glm5_next"])
+@pytest.mark.parametrize("family", ["deepseek_v4", "deepseek_v41", "glm_moe_dsa", "glm5_next", "qwen4_exp"])
 def test_a_steered_decode_runs_the_static_forward_and_equals_the_prefill(family, monkeypatch):
     """A family whose static forward steers (`static_steers`) decodes a steered model on it,
     eagerly (no trace), with the logits of the steered prefill forward of the same tokens;

@@ -3,7 +3,7 @@
 (docs/forward.md §5, §8 "trace count").  A retrace per token would still give the right
 logits, only slower: these counts are what catches it.
 
-DeepSeek V4, V4.1 and GLM 5.2 / 5.3 on their tiny oracle models (CPU, float32): one session
+DeepSeek V4, V4.1, GLM 5.2 / 5.3 and Qwen3.8 on their tiny oracle models (CPU, float32): one session
 decoding more than 20 tokens inside one bucket, then the same with buckets of 4 rows (one
 trace per bucket signature met), B sessions stepped together, and verify chains (V4.1's
 opt-in).
@@ -34,6 +34,7 @@ CASES = {
     "v41": ("probe_mlx_deepseek_v41.py", None),
     "glm52": ("make_tiny_glm_moe_dsa.py", "alt"),
     "glm53": ("make_tiny_glm5_next.py", None),
+    "qwen": ("make_tiny_qwen4_exp.py", None),
 }
 
 

@@ -89,10 +89,10 @@ def test_glm_runs_every_kind_through_one_forward(family):
     import importlib
 
     from ds4mlx.models import mla
-    from ds4mlx.models.cache import ContextForward
+    from ds4mlx.models.cache import BackboneForward
 
     mod = importlib.import_module(f"ds4mlx.models.{family}")
-    assert issubclass(mod.Model, ContextForward) and "static_forward" not in vars(mod.Model)
+    assert issubclass(mod.Model, BackboneForward) and "static_forward" not in vars(mod.Model)
     backbone = {"glm_moe_dsa": "GlmMoeDsaModel", "glm5_next": "Glm5NextTextModel"}[family]
     classes = [mod.Model, mod.DecoderLayer, getattr(mod, backbone)]
     classes += [mla.MLAAttention] + ([mod.LinearAttention] if family == "glm5_next" else [])
@@ -199,3 +199,42 @@ def test_glm_rows_stepped_together_equal_each_alone(glm_case, monkeypatch, reque
     assert len(ids) - 6 > lm.model.args.index_topk  # one row attends sparsely
     worst, same = rows_and_alone(lm, ids, [3, 9, len(ids) - 6], rounds=4)
     assert worst <= 1e-5 and same
+
+
+def test_qwen_every_kind_runs_the_one_forward(qwen_case, monkeypatch, request):
+    """Qwen3.8 has one forward: its prefill (`model(ids, cache)`), the legacy decode (a
+    one-token prefill), the decode step, batched rows and a verify chain all run
+    `Model.forward`, and through it every layer's one `DecoderLayer.forward`, each with its
+    context's kind and rows; no per-kind twin (`step`) is left in the module."""
+    from ds4mlx.models import qwen4_exp
+    from ds4mlx.models.causal_lm import ContextForward
+
+    _, lm, ref, _ = qwen_case
+    ids = ref["input_ids"][0].tolist()
+    stepper.forget(lm.model)
+    request.addfinalizer(lambda: stepper.forget(lm.model))
+    seen: dict[str, list] = {"model": [], "layer": []}
+    for cls, name in ((qwen4_exp.Model, "model"), (qwen4_exp.DecoderLayer, "layer")):
+
+        def forward(self, *args, _inner=cls.forward, _name=name, **kw):
+            ctx = next(a for a in args if isinstance(a, StepContext))
+            seen[_name].append((ctx.kind, ctx.rows))
+            return _inner(self, *args, **kw)
+
+        monkeypatch.setattr(cls, "forward", forward)
+    a, b = lm.new_session(ctx=64), lm.new_session(ctx=64)
+    a.prefill(ids[:6])
+    b.prefill(ids[:9])
+    monkeypatch.setenv(stepper.MODE_ENV, "legacy")
+    mx.eval(a.step(ids[6]))
+    monkeypatch.setenv(stepper.MODE_ENV, "eager")  # traced or not, the same function runs
+    mx.eval(a.step(ids[7]))
+    mx.eval(*step_together([a, b], [ids[8], ids[9]]))
+    mx.eval(a.verify(ids[9:13]))
+    assert seen["model"] == [(PREFILL, 1)] * 3 + [(DECODE, 1), (DECODE, 2), (CHAIN, 4)]
+    assert seen["layer"] == [k for k in seen["model"] for _ in lm.model.layers]
+    assert qwen4_exp.Model.static_forward is ContextForward.static_forward
+    twins = [
+        c for c in (qwen4_exp.Qwen4ExpTextModel, qwen4_exp.DecoderLayer, qwen4_exp.Attention) if hasattr(c, "step")
+    ]
+    assert not twins

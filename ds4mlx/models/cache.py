@@ -12,6 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..runtime.forward_context import PREFILL, StepContext
+from .causal_lm import ContextForward
 
 MIN_BUCKET = 256  # rows; tests lower it to cross a bucket boundary with tiny models
 
@@ -104,20 +105,9 @@ class StaticForward(StaticDecode):
         return logits.squeeze(0), news[0]
 
 
-class ContextForward(StaticForward):
-    """A `StaticForward` family whose backbone has one `forward(ids, ctx) -> hidden [1, T, H]`
-    for every context kind (docs/forward.md §2): `model(ids, cache)` builds its PREFILL
-    context, the stepper's `static_forward` is the same `forward` of a DECODE or CHAIN one."""
-
-    def __call__(self, ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
-        """`CausalLM.__call__`: a PREFILL forward of ids [1, T] after the state in `cache`."""
-        ids = ids if ids.ndim == 2 else ids[None]
-        cache = self.make_cache() if cache is None else cache
-        return self.forward(ids, StepContext.prefill(cache[0].offset if cache else 0, cache), last_only)
-
-    def static_forward(self, ids: mx.array, ctx) -> tuple:
-        """Pure: `forward` of a DECODE or CHAIN context (the stepper's entry)."""
-        return self.forward(ids, ctx)
+class BackboneForward(ContextForward, StaticForward):
+    """A `ContextForward` family whose backbone has one `forward(ids, ctx) -> hidden [1, T, H]`
+    for every context kind (docs/forward.md §2) and whose Model adds only the head."""
 
     def forward(self, ids: mx.array, ctx, last_only: bool = False):
         """The one forward of ids [1, T] over `ctx` (runtime/forward_context.py `StepContext`).

@@ -8,6 +8,9 @@
   plus the output head, `lm_head` or, with `tie_word_embeddings`, the embedding used as
   a linear layer.  `model(ids [1, T] or [T], cache) -> logits [1, T, V]`; the family
   defines `make_cache()` and `sanitize(weights)` (`drop_tied_head` is its last step).
+* `ContextForward`: for a family with one `forward(ids, ctx, last_only=False)` over every
+  context kind (docs/forward.md §2), `model(ids, cache)` as its PREFILL context and the
+  stepper's `static_forward` as its DECODE / CHAIN contexts.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import dataclasses
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..runtime.forward_context import StepContext
+
 
 class BaseModelArgs:
     """Mixin for a family's `@dataclass class ModelArgs`."""
@@ -25,6 +30,22 @@ class BaseModelArgs:
     def from_dict(cls, config: dict):
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in config.items() if k in names})
+
+
+class ContextForward:
+    """Mixin (before `CausalLM`) for a family `Model` with one `forward(ids, ctx, last_only=False)`
+    over every context kind (runtime/forward_context.py): `model(ids, cache)` is its PREFILL
+    context, the stepper's `static_forward` its DECODE / CHAIN contexts."""
+
+    def __call__(self, ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
+        """`CausalLM.__call__`: a PREFILL forward of ids [1, T] after the state in `cache`."""
+        ids = ids if ids.ndim == 2 else ids[None]
+        cache = self.make_cache() if cache is None else cache
+        return self.forward(ids, StepContext.prefill(cache[0].offset if cache else 0, cache), last_only)
+
+    def static_forward(self, ids: mx.array, ctx) -> tuple:
+        """Pure: `forward` of a DECODE or CHAIN context (the stepper's entry)."""
+        return self.forward(ids, ctx)
 
 
 class CausalLM(nn.Module):

@@ -46,7 +46,7 @@ from ..runtime.forward_context import CHAIN, DECODE, PREFILL, StepContext
 from ..runtime.steering import ATTN, FFN, steer, steered  # directional steering hook (steering.py)
 from . import prefill_attention
 from .cache import StaticForward, grow_rows, iota, iota_rows
-from .causal_lm import BaseModelArgs, CausalLM
+from .causal_lm import BaseModelArgs, CausalLM, ContextForward
 from .fused import FusedLinear, fused_or_each, swiglu_of
 from .layers import (
     GLUMLP,
@@ -1214,22 +1214,6 @@ class DeepseekV4Model(ActivationDtype, nn.Module):
                 c.offset += ids.shape[1]
         h = self.hc_head(x)
         return (self.norm(h) if final_norm else h), x
-
-
-class ContextForward:
-    """Mixin for a family `Model` with one `forward(ids, ctx, last_only=False)` over every
-    context kind (runtime/forward_context.py): `model(ids, cache)` is its PREFILL context,
-    the stepper's `static_forward` its DECODE / CHAIN contexts."""
-
-    def __call__(self, ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
-        """`CausalLM.__call__`: a PREFILL forward of ids [1, T] after the state in `cache`."""
-        ids = ids if ids.ndim == 2 else ids[None]
-        cache = self.make_cache() if cache is None else cache
-        return self.forward(ids, StepContext.prefill(cache[0].offset if cache else 0, cache), last_only)
-
-    def static_forward(self, ids: mx.array, ctx) -> tuple:
-        """Pure: `forward` of a DECODE or CHAIN context (the stepper's entry)."""
-        return self.forward(ids, ctx)
 
 
 class Model(ContextForward, StaticForward, CausalLM):

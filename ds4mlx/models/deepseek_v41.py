@@ -60,8 +60,8 @@ from ..kernels.hyper_connection import hc_collapse, hc_post  # hc_post fused on 
 from ..runtime.forward_context import PREFILL, StepContext
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .cache import StaticForward
-from .causal_lm import BaseModelArgs, CausalLM
-from .deepseek_v4 import CompressorState, ContextForward, GroupedLinear
+from .causal_lm import BaseModelArgs, CausalLM, ContextForward
+from .deepseek_v4 import CompressorState, GroupedLinear
 from .deepseek_v4 import LayerCache as _V4LayerCache
 from .layers import (
     GLUMLP,

@@ -34,7 +34,7 @@ import mlx.nn as nn
 from ..kernels.hyper_connection import hc_post  # fused on a GPU
 from ..runtime.forward_context import PREFILL, LiveView
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
-from .cache import ContextForward
+from .cache import BackboneForward
 from .causal_lm import BaseModelArgs, CausalLM
 from .kda import LinearCache, kda, l2norm, short_conv
 from .layers import ActivationDtype, HyperConnection, RMSNorm
@@ -346,9 +346,9 @@ class Glm5NextTextModel(ActivationDtype, nn.Module):
         return self.norm(x.mean(axis=2))
 
 
-class Model(ContextForward, CausalLM):
+class Model(BackboneForward, CausalLM):
     """Glm5NextTextModel + lm_head: `model(ids [1, T], cache) -> logits [1, T, V]`, the PREFILL
-    kind of its one `forward(ids, ctx)` (models/cache.py `ContextForward`)."""
+    kind of its one `forward(ids, ctx)` (models/cache.py `BackboneForward`)."""
 
     # a chain's rows step the KDA recurrence one token each (every row's state kept) and
     # append to the MLA rows: row t reads row t - 1's state

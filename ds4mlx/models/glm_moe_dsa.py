@@ -27,7 +27,7 @@ import mlx.nn as nn
 
 from ..runtime.forward_context import PREFILL, StepContext
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
-from .cache import ContextForward
+from .cache import BackboneForward
 from .causal_lm import BaseModelArgs, CausalLM
 from .layers import ActivationDtype, RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
 from .mla import DSAIndexer, MLAAttention, MLACache, indexer_types_from
@@ -218,9 +218,9 @@ class GlmMoeDsaModel(ActivationDtype, nn.Module):
         return h
 
 
-class Model(ContextForward, CausalLM):
+class Model(BackboneForward, CausalLM):
     """GlmMoeDsaForCausalLM: `model(ids [1, T], cache) -> logits [1, T, V]`, the PREFILL kind of
-    its one `forward(ids, ctx)` (models/cache.py `ContextForward`)."""
+    its one `forward(ids, ctx)` (models/cache.py `BackboneForward`)."""
 
     static_rows_chain = True  # the MLA rows append only: a chain's row t reads row t - 1's buffers
     static_steers = True  # steering edits the static forward too (the stepper runs it eagerly)

@@ -38,8 +38,16 @@ shared expert gated by sigmoid(shared_expert_gate(x)).
 
 Caches (`LinearCache` / `AttentionCache`, one per layer) hold all state: the GDN conv
 window and delta-rule state, the PLE conv window and n-gram id history, the K/V rows,
-the QSA block keys and the raw indexer keys of the incomplete block.  Every shape
-decision depends only on the host-side offset.
+the QSA block keys and the raw indexer keys of the incomplete block.
+
+One forward, `Model.forward(ids, ctx)`, for every context kind (runtime/forward_context.py,
+docs/forward.md): PREFILL (`model(ids, cache)`; also the legacy decode, a one-token
+prefill) runs a chunk over the live caches, its shapes decided by the host-side offset;
+DECODE (B sessions' tokens) and CHAIN (a verify) run over the caches' static views,
+branch-free in the positions.  The kinds share every module; they part only where the
+algorithm does: the attention's chunk (indexer blocks pooled per chunk, MRoPE rows, causal
+mask) against its per-row masked write, and the linear layer's batch of rows against its
+chain stepped per token.
 """
 
 from __future__ import annotations
@@ -52,10 +60,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..runtime.forward_context import CHAIN
+from ..runtime.forward_context import CHAIN, DECODE, PREFILL, StepContext
 from ..runtime.steering import ATTN, FFN, steer  # directional steering hook (steering.py)
 from .cache import StaticForward, grow_rows
-from .causal_lm import BaseModelArgs, CausalLM
+from .causal_lm import BaseModelArgs, CausalLM, ContextForward
 from .gated_delta import causal_conv1d, gated_delta, l2_normalize
 from .layers import GLUMLP, ActivationDtype, SwitchGLU, default_inv_freq, route_weights, score_fn, topk_indices
 from .qwen4_exp_ple import DepthwiseConvWeight, GroupedNorm, PLELayer
@@ -561,7 +569,10 @@ class GatedDeltaNet(nn.Module):
 
 
 class QSAIndexer(nn.Module):
-    """Picks, per query, the complete key blocks it attends to (plus its tail block)."""
+    """Picks, per query, the complete key blocks it attends to (plus its tail block), from its
+    projection `index_qk_proj(x)`: over a prefill chunk (`chunk`: host positions, the blocks the
+    chunk completes pooled at once) or for one static query row (`row`: branch-free in the
+    position, the open block pooled every row)."""
 
     def __init__(self, args: ModelArgs, rope: HalfRoPE):
         super().__init__()
@@ -573,12 +584,12 @@ class QSAIndexer(nn.Module):
         self.k_layernorm = OffsetRMSNorm(self.d, args.rms_norm_eps)
         self._rope = rope
 
-    def __call__(self, x: mx.array, cache: AttentionCache, s: int) -> mx.array | None:
-        """Boolean mask [C, L] of the selected keys (causality included), or None when
-        every query sees all of its causal keys."""
-        B, C, _ = x.shape
+    def chunk(self, qk: mx.array, cache: AttentionCache, s: int) -> mx.array | None:
+        """Boolean mask [C, L] of the selected keys of the chunk's C queries at rows s.. of
+        `cache` (causality included; the cache's blocks and tail advanced), or None when every
+        query sees all of its causal keys."""
+        B, C, _ = qk.shape
         r, L = self.ratio, s + C
-        qk = self.index_qk_proj(x)
         q = self.q_layernorm(qk[..., : self.nh * self.d].reshape(B, C, self.nh, self.d))
         q = rope_rows(self._rope, cache, q.swapaxes(1, 2), s)  # [B, nh, C, d]
         raw = qk[..., self.nh * self.d :]  # [B, C, d]: indexer keys from position (s // r) * r on
@@ -612,8 +623,8 @@ class QSAIndexer(nn.Module):
         tail = (pos >= complete * r) & (pos <= t)
         return in_block | tail
 
-    def step(self, qk: mx.array, pos: mx.array, blocks: mx.array, tail: mx.array, valid: mx.array, delta, block_pos):
-        """`__call__` for one query at row `pos` (array) over the capacity rows, from its
+    def row(self, qk: mx.array, pos: mx.array, blocks: mx.array, tail: mx.array, valid: mx.array, delta, block_pos):
+        """`chunk` for one query at row `pos` (array) over the capacity rows, from its
         `index_qk_proj` output qk [1, 1, (nh + 1) d]: (new blocks, new tail, token mask
         [cap]).  The open block is pooled and written at pos // r whether complete or not (a
         block that is not complete is masked).  The query sits at pos + delta, the open
@@ -654,30 +665,48 @@ class Attention(nn.Module):
         self.indexer = QSAIndexer(args, rope)
         self._rope = rope
 
-    def step(self, x: mx.array, ctx) -> mx.array:
-        """`__call__` for the query rows of a static forward `ctx` (runtime/forward_context.py:
-        x [1, T, H], row t at ctx.row_pos[t] over `AttentionCache.static_state` in
-        ctx.views[t]), branch-free in the positions.  The projections run once for all rows;
-        the indexer, the cache writes and the attention run per row, in row order (a chain's
-        row reads the rows before it)."""
-        T = x.shape[1]
-        proj = (self.q_proj(x), self.k_proj(x), self.v_proj(x), self.indexer.index_qk_proj(x))
-        chain = ctx.kind == CHAIN
-        outs = [
-            self._step_row(*row, pos, view, chain) for row, pos, view in zip(ctx.split(*proj), ctx.row_pos, ctx.views)
-        ]
-        out = ctx.join(outs)  # [1, T, nh * D]
-        gate = proj[0].reshape(1, T, self.nh, 2 * self.D)[..., self.D :]
-        out = out * mx.sigmoid(gate.reshape(1, T, -1).astype(mx.float32)).astype(out.dtype)
+    def __call__(self, x: mx.array, ctx, cache: AttentionCache | None = None) -> mx.array:
+        """The attention of x [1, T, H] over `ctx` (runtime/forward_context.py).  The projections
+        and the output gate run once for all T tokens; in between, PREFILL attends the chunk
+        over the live `cache` (host positions), DECODE / CHAIN each query row t at
+        ctx.row_pos[t] over its view (`AttentionCache.static_state`), branch-free in the
+        positions and in row order (a chain's row reads the rows before it)."""
+        B, T, _ = x.shape
+        qg = self.q_proj(x).reshape(B, T, self.nh, 2 * self.D)
+        q, gate = qg[..., : self.D], qg[..., self.D :]
+        proj = (q, self.k_proj(x), self.v_proj(x), self.indexer.index_qk_proj(x))
+        if ctx.kind == PREFILL:
+            out = self._chunk(*proj, cache)
+        else:
+            chain = ctx.kind == CHAIN
+            rows = zip(ctx.split(*proj), ctx.row_pos, ctx.views)
+            out = ctx.join([self._row(*row, pos, view, chain) for row, pos, view in rows])  # [1, T, nh * D]
+        out = out * mx.sigmoid(gate.reshape(B, T, -1).astype(mx.float32)).astype(out.dtype)
         return self.o_proj(out)
 
-    def _step_row(self, qg, k, v, qk, pos: mx.array, view, chain: bool) -> mx.array:
-        """One query row at `pos` (its q_proj, k_proj, v_proj and indexer projections
-        [1, 1, ...]) over its `view` -> the attention output [1, 1, nh * D] before the gate."""
+    def _chunk(self, q, k, v, qk, cache: AttentionCache) -> mx.array:
+        """A prefill chunk's C queries (q [1, C, nh, D], the k_proj, v_proj and indexer
+        projections [1, C, ...]) at rows cache.offset.., their K/V appended -> the attention
+        output [1, C, nh * D] before the gate."""
+        B, C = q.shape[:2]
+        s = cache.offset
+        mask = self.indexer.chunk(qk, cache, s)
+        q = rope_rows(self._rope, cache, self.q_norm(q).swapaxes(1, 2), s)
+        k = rope_rows(self._rope, cache, self.k_norm(k.reshape(B, C, self.nkv, self.D)).swapaxes(1, 2), s)
+        v = v.reshape(B, C, self.nkv, self.D).swapaxes(1, 2)
+        keys, values = cache.keys.append(k), cache.values.append(v)
+        if mask is None and C > 1:
+            mask = "causal" if s == 0 else (mx.arange(s + C)[None] <= (s + mx.arange(C))[:, None])
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.D**-0.5, mask=mask)
+        return out.swapaxes(1, 2).reshape(B, C, self.nh * self.D)
+
+    def _row(self, q, k, v, qk, pos: mx.array, view, chain: bool) -> mx.array:
+        """One query row at `pos` (its query [1, 1, nh, D], k_proj, v_proj and indexer
+        projections [1, 1, ...]) over its `view` -> the attention output [1, 1, nh * D] before
+        the gate."""
         keys, values, blocks, tail, delta, block_pos = (next(view) for _ in range(6))
         valid = mx.arange(keys.shape[-2]) <= pos
-        blocks, tail, mask = self.indexer.step(qk, pos, blocks, tail, valid, delta, block_pos)
-        q = qg.reshape(1, 1, self.nh, 2 * self.D)[..., : self.D]
+        blocks, tail, mask = self.indexer.row(qk, pos, blocks, tail, valid, delta, block_pos)
         at_pos = pos + delta  # the rope position (rows after an image prompt: see AttentionCache)
         q = self._rope(self.q_norm(q).swapaxes(1, 2), offset=at_pos)
         k = self._rope(self.k_norm(k.reshape(1, 1, self.nkv, self.D)).swapaxes(1, 2), offset=at_pos)
@@ -691,23 +720,6 @@ class Attention(nn.Module):
         view.put(keys, values, blocks, tail, delta, block_pos)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.D**-0.5, mask=mask[None])
         return out.swapaxes(1, 2).reshape(1, 1, self.nh * self.D)
-
-    def __call__(self, x: mx.array, cache: AttentionCache) -> mx.array:
-        B, C, _ = x.shape
-        s = cache.offset
-        mask = self.indexer(x, cache, s)
-        qg = self.q_proj(x).reshape(B, C, self.nh, 2 * self.D)
-        q, gate = qg[..., : self.D], qg[..., self.D :]
-        q = rope_rows(self._rope, cache, self.q_norm(q).swapaxes(1, 2), s)
-        k = rope_rows(self._rope, cache, self.k_norm(self.k_proj(x).reshape(B, C, self.nkv, self.D)).swapaxes(1, 2), s)
-        v = self.v_proj(x).reshape(B, C, self.nkv, self.D).swapaxes(1, 2)
-        keys, values = cache.keys.append(k), cache.values.append(v)
-        if mask is None and C > 1:
-            mask = "causal" if s == 0 else (mx.arange(s + C)[None] <= (s + mx.arange(C))[:, None])
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.D**-0.5, mask=mask)
-        out = out.swapaxes(1, 2).reshape(B, C, self.nh * self.D)
-        out = out * mx.sigmoid(gate.reshape(B, C, -1).astype(mx.float32)).astype(out.dtype)
-        return self.o_proj(out)
 
 
 class SparseMoE(nn.Module):
@@ -771,64 +783,67 @@ class DecoderLayer(nn.Module):
         self.mlp_hyper_connection = GatedResidual(args)
         self.has_ple = idx + 1 in args.ple_layer_ids
 
-    def step(self, x: mx.array, ids: mx.array, ctx) -> mx.array:
-        """`__call__` for the query rows of a static forward `ctx` (x [1, T, hc, H], ids
-        [1, T]): the linear layer's (and PLE's) fixed-size state goes through the dynamic
-        modules as is, the attention through `Attention.step`."""
-        if self.layer_type == LINEAR:
-            x = self._linear_step(x, ids, ctx)
-        else:
-            mixed, inject = self.attn_hyper_connection(x)
-            out = self.self_attn.step(mixed, ctx)
-            x = x + out[..., None, :] * inject[..., None].astype(out.dtype)
-        mixed, inject = self.mlp_hyper_connection(x)
-        out = self.mlp(mixed)
-        return x + out[..., None, :] * inject[..., None].astype(out.dtype)
-
-    def _linear_step(self, x: mx.array, ids: mx.array, ctx) -> mx.array:
-        """PLE and the Gated DeltaNet half of `step`.  DECODE: the rows' states stacked into
-        one batch of B one-token sequences; CHAIN: one sequence stepped token by token (the
-        recurrence emits only its last state), each token's states put into its row's view."""
-        n = 4 if self.has_ple else 2
-        T = x.shape[1]
-        if ctx.kind == CHAIN:
-            state = _FixedState(*(next(ctx.views[0]) for _ in range(n)))
-            ple_kept = []
-            if self.has_ple:
-                adds = []
-                for xt, idt in ctx.split(x, ids):
-                    adds.append(self.ple(xt, idt, state))
-                    ple_kept.append([state.ple_conv, state.ngram])
-                x = x + ctx.join(adds)
-            mixed, inject = self.attn_hyper_connection(x)
-            outs = []
-            for t, ((m,), view) in enumerate(zip(ctx.split(mixed), ctx.views)):
-                outs.append(self.linear_attn(m, state))
-                for _ in range(n if t else 0):
-                    next(view)  # row t - 1's arrays of this layer (row t's view is chained to them)
-                view.put(state.conv, state.recurrent, *(ple_kept[t] if ple_kept else ()))
-            out = ctx.join(outs)
-        else:
-            B = ctx.rows
-            state = _FixedState.stack([_FixedState(*(next(v) for _ in range(n))) for v in ctx.views])
-            if self.has_ple:
-                x = x + self.ple(_as_batch(x), _as_batch(ids), state).reshape(x.shape)
-            mixed, inject = self.attn_hyper_connection(x)
-            out = self.linear_attn(_as_batch(mixed), state).reshape(1, T, -1)
-            for b, view in enumerate(ctx.views):
-                view.put(*state.row(b, B).arrays(self.has_ple))
-        return x + out[..., None, :] * inject[..., None].astype(out.dtype)
-
     def __call__(self, x: mx.array, ids: mx.array, cache) -> mx.array:
-        if self.has_ple:
-            x = x + self.ple(x, ids, cache)
-        mixed, inject = self.attn_hyper_connection(x)
-        out = self.linear_attn(mixed, cache) if self.layer_type == LINEAR else self.self_attn(mixed, cache)
+        """The layer over a chunk x [1, C, hc, H] at the cache's position (the MTP head's block)."""
+        return self.forward(x, ids, StepContext.prefill(cache.offset, [cache]), cache)
+
+    def forward(self, x: mx.array, ids: mx.array, ctx, cache=None) -> mx.array:
+        """The layer over the query rows of `ctx` (runtime/forward_context.py; x [1, T, hc, H],
+        ids [1, T]): PREFILL a chunk over the live `cache`, DECODE / CHAIN the rows over their
+        views.  Steering edits both sites' outputs on every kind."""
+        if self.layer_type == LINEAR:
+            x, out, inject = self._linear(x, ids, ctx, cache)
+        else:
+            mixed, inject = self.attn_hyper_connection(x)
+            out = self.self_attn(mixed, ctx, cache)
         out = steer(self, ATTN, out)
         x = x + out[..., None, :] * inject[..., None].astype(out.dtype)
         mixed, inject = self.mlp_hyper_connection(x)
         out = steer(self, FFN, self.mlp(mixed))
         return x + out[..., None, :] * inject[..., None].astype(out.dtype)
+
+    def _linear(self, x: mx.array, ids: mx.array, ctx, cache) -> tuple:
+        """PLE and the Gated DeltaNet mixer -> (x after PLE, the mixer's output [1, T, H], its
+        inject).  The modules read and replace a state's arrays (`conv`, `recurrent`,
+        `ple_conv`, `ngram`): PREFILL the live `cache`'s, one sequence of T tokens (the delta
+        rule over the chunk); DECODE the rows' views stacked into one batch of B one-token
+        sequences; CHAIN one sequence stepped token by token (the recurrence emits only its
+        last state), each token's states put into its row's view."""
+        if ctx.kind == CHAIN:
+            return self._linear_chain(x, ids, ctx)
+        if ctx.kind == PREFILL:
+            state = cache
+        else:
+            n = 4 if self.has_ple else 2
+            state = _FixedState.stack([_FixedState(*(next(v) for _ in range(n))) for v in ctx.views])
+        if self.has_ple:
+            x = x + _tokens(self.ple(_sequences(x, ctx), _sequences(ids, ctx), state), x)
+        mixed, inject = self.attn_hyper_connection(x)
+        out = _tokens(self.linear_attn(_sequences(mixed, ctx), state), mixed)
+        if ctx.kind == DECODE:
+            for b, view in enumerate(ctx.views):
+                view.put(*state.row(b, ctx.rows).arrays(self.has_ple))
+        return x, out, inject
+
+    def _linear_chain(self, x: mx.array, ids: mx.array, ctx) -> tuple:
+        """`_linear` of a CHAIN context."""
+        n = 4 if self.has_ple else 2
+        state = _FixedState(*(next(ctx.views[0]) for _ in range(n)))
+        ple_kept = []
+        if self.has_ple:
+            adds = []
+            for xt, idt in ctx.split(x, ids):
+                adds.append(self.ple(xt, idt, state))
+                ple_kept.append([state.ple_conv, state.ngram])
+            x = x + ctx.join(adds)
+        mixed, inject = self.attn_hyper_connection(x)
+        outs = []
+        for t, ((m,), view) in enumerate(zip(ctx.split(mixed), ctx.views)):
+            outs.append(self.linear_attn(m, state))
+            for _ in range(n if t else 0):
+                next(view)  # row t - 1's arrays of this layer (row t's view is chained to them)
+            view.put(state.conv, state.recurrent, *(ple_kept[t] if ple_kept else ()))
+        return x, ctx.join(outs), inject
 
 
 class Qwen4ExpTextModel(ActivationDtype, nn.Module):
@@ -850,39 +865,49 @@ class Qwen4ExpTextModel(ActivationDtype, nn.Module):
         # (vision.encoder.PromptPositions), set around the same prefill
         self.input_positions = None
 
-    def __call__(self, ids: mx.array, cache: list) -> mx.array:
+    def forward(self, ids: mx.array, ctx) -> tuple[mx.array, mx.array]:
+        """The forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py: a PREFILL
+        chunk of one session, T independent sessions' tokens, or one session's next T as a
+        chain) -> (hidden [1, T, H], the residual streams after the last layer [1, T, hc, H]).
+        PREFILL takes the image hooks' rows and positions, calls `stream_hook` and advances the
+        caches; the static kinds leave the rows' new states in their views."""
         h = self.embed(ids)
-        if self.input_rows is not None:  # image tokens take the vision encoder's rows
-            h = self.input_rows(h, cache[0].offset)
+        caches = ctx.views[0] if ctx.kind == PREFILL else [None] * len(self.layers)
+        if ctx.kind == PREFILL:
+            h = self._image_inputs(h, ids.shape[1], caches, ctx.row_pos[0])
+        x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
+        for layer, c in zip(self.layers, caches):
+            x = layer.forward(x, ids, ctx, c)
+        if ctx.kind == PREFILL:
+            if self.stream_hook is not None:
+                self.stream_hook(x, ctx.row_pos[0])
+            for c in caches:
+                c.offset += ids.shape[1]
+        return self.hyper_connection_mixer(x)[0], x
+
+    def _image_inputs(self, h: mx.array, T: int, caches: list, start: int) -> mx.array:
+        """A prefill chunk's embeddings h [1, T, H] at rows start.. with the image tokens' rows
+        taken from the vision encoder, and the attention caches given the prompt's (t, h, w)
+        positions (the hooks set around an image prefill)."""
+        if self.input_rows is not None:
+            h = self.input_rows(h, start)
         if self.input_positions is not None:
-            table = self.input_positions(cache[0].offset + ids.shape[1])
-            for c in cache:
+            table = self.input_positions(start + T)
+            for c in caches:
                 if isinstance(c, AttentionCache):
                     c.set_positions(table)
-        x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
-        for layer, c in zip(self.layers, cache):
-            x = layer(x, ids, c)
-        if self.stream_hook is not None:
-            self.stream_hook(x, cache[0].offset if cache else 0)
-        for c in cache:
-            c.offset += ids.shape[1]
-        return self.hyper_connection_mixer(x)[0]
-
-    def step(self, ids: mx.array, ctx) -> mx.array:
-        """The static forward of tokens ids [1, T] over `ctx` (runtime/forward_context.py) ->
-        hidden [1, T, H]; the rows' new states are in their views."""
-        h = self.embed(ids)
-        x = mx.broadcast_to(h[:, :, None, :], (*h.shape[:2], self._hc, h.shape[-1]))
-        for layer in self.layers:
-            x = layer.step(x, ids, ctx)
-        if ctx.streams:
-            return self.hyper_connection_mixer(x)[0], x
-        return self.hyper_connection_mixer(x)[0]
+        return h
 
 
-def _as_batch(a: mx.array) -> mx.array:
-    """[1, B, ...] (B rows of one token) -> [B, 1, ...] (B one-token sequences)."""
-    return a if a.shape[1] == 1 else a.reshape(a.shape[1], 1, *a.shape[2:])
+def _sequences(a: mx.array, ctx) -> mx.array:
+    """a [1, T, ...] as the recurrent modules' sequences: a prefill's one sequence of T tokens,
+    a decode's B rows as B one-token sequences [B, 1, ...]."""
+    return a if ctx.kind == PREFILL or a.shape[1] == 1 else a.reshape(a.shape[1], 1, *a.shape[2:])
+
+
+def _tokens(a: mx.array, like: mx.array) -> mx.array:
+    """`_sequences`' inverse: a [B, 1, ...] (or already [1, T, ...]) laid out as `like`'s tokens."""
+    return a if a.shape[:2] == like.shape[:2] else a.reshape(*like.shape[:2], *a.shape[2:])
 
 
 class _FixedState:
@@ -910,14 +935,16 @@ class _FixedState:
         return _FixedState(*(None if a is None else a[b : b + 1] for a in vars(self).values()))
 
 
-class Model(StaticForward, CausalLM):
-    """Qwen4ExpForCausalLM (text): `model(ids [1, T], cache) -> logits [1, T, V]`."""
+class Model(ContextForward, StaticForward, CausalLM):
+    """Qwen4ExpForCausalLM (text): `model(ids [1, T], cache) -> logits [1, T, V]`, one
+    `forward(ids, ctx)` for every context kind (docs/forward.md)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, Qwen4ExpTextModel(args))
 
     # a chain (a speculative verify) steps each token's recurrences and keeps every row's state
     static_rows_chain = True
+    static_steers = True  # steering edits the static forward too (the stepper runs it eagerly)
 
     def static_dtype(self):
         """The residual stream's dtype (what every cache buffer of the forward is made in)."""
@@ -945,16 +972,18 @@ class Model(StaticForward, CausalLM):
                 c.index_tail = mx.zeros((1, 0, a.indexer_head_dim), dtype)
         return super().static_state(cache, ahead)
 
-    def static_forward(self, ids: mx.array, ctx) -> tuple:
-        """Pure: the static forward of ids [1, T] over `ctx` (runtime/forward_context.py
-        `StepContext`: T sessions' next tokens, or one session's next T chained) ->
-        (logits [T, V], the rows' new states[, the residual streams [1, T, hc, H] after the
-        last layer, with ctx.streams: the MTP head's input])."""
-        out = self.model.step(ids, ctx)
-        h, streams = out if ctx.streams else (out, None)
+    def forward(self, ids: mx.array, ctx, last_only: bool = False):
+        """The one forward of ids [1, T] over `ctx` (runtime/forward_context.py `StepContext`).
+        PREFILL (a chunk over the live caches, advanced) -> logits [1, T, V] (`last_only`: the
+        last token's, [1, 1, V]).  DECODE / CHAIN (pure: T sessions' next tokens, or one
+        session's next T chained) -> (logits [T, V], the rows' new states[, the residual
+        streams [1, T, hc, H] after the last layer, with ctx.streams: the MTP head's input])."""
+        h, streams = self.model.forward(ids, ctx)
+        if ctx.kind == PREFILL:
+            return self.head(h[:, -1:] if last_only else h)
         logits = self.head(h).squeeze(0)
         news = [v.new for v in ctx.views]
-        return (logits, news) if streams is None else (logits, news, streams)
+        return (logits, news, streams) if ctx.streams else (logits, news)
 
     def make_cache(self) -> list:
         a = self.args
