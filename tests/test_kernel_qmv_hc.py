@@ -278,6 +278,7 @@ def test_batched_rows_and_verify_chain_take_the_launch(v4_model, monkeypatch):
 
     monkeypatch.setenv(stepper.MODE_ENV, "compiled")
     monkeypatch.setattr(aq, "kernel_face", lambda *a, **k: "forced")  # the MoE's two launches (reference faces)
+    monkeypatch.setattr(qmv_hc, "AUTO_ROWS", 8)  # rows fused as once their GPU tests pass
 
     def run():
         stepper.forget(v4_model.model)
