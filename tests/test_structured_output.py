@@ -68,7 +68,7 @@ def chat(srv, **extra):
 
 
 def streamed_content(text: str) -> tuple[str, str]:
-    chunks = [json.loads(d) for _, d in parse_sse(text) if d != "[DONE]"]
+    chunks = [json.loads(d) for k, d in parse_sse(text) if k != "comment" and d != "[DONE]"]
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content", "") for c in chunks if c["choices"])
     return content, reasoning
