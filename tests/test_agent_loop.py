@@ -154,6 +154,7 @@ def test_large_tool_result_forces_compaction_then_the_task_continues(tok, tmp_pa
     assert worker.prompt_tokens() < 4096
 
 
+@pytest.mark.slow  # a 2,500-word reply tokenized and compacted over and over: ~8 CPU s
 def test_context_full_mid_reply_compacts_and_continues_the_same_message(tok, tmp_path, agents):
     long = "word " * 2500
 
@@ -180,6 +181,7 @@ def test_context_full_mid_reply_compacts_and_continues_the_same_message(tok, tmp
     assert "Durable task-state summary" in worker.conv.messages[1].content
 
 
+@pytest.mark.slow  # a reply cut by the compaction reserve, then compacted: ~8 CPU s
 def test_a_tool_call_cut_by_the_reserve_is_rolled_back_and_never_run(tok, tmp_path, agents):
     from ds4mlx.agent.prompts import INTERRUPTED_CALL
 

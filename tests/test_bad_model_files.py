@@ -75,6 +75,7 @@ def test_every_bad_file_is_one_line_through_inspect(bad, tmp_path):
 CASES = ["nonexistent", "cut_in_half", "2e60_metadata", "text_named_gguf", "empty_dir", "broken_config_json"]
 
 
+@pytest.mark.slow_after(2)  # serve and generate here; the other four (~11 CPU s of processes) in the slow tier
 @pytest.mark.parametrize("name", ["serve", "generate", "chat", "eval", "bench", "quantize"])
 def test_every_command_gives_one_line_and_exit_2(bad, tmp_path, name):
     for case in CASES:

@@ -64,6 +64,7 @@ def _stats(url: str) -> dict:
     return json.loads(urllib.request.urlopen(url + "/v1/ds4mlx/stats", timeout=30).read())
 
 
+@pytest.mark.slow  # the wide-expert model (~9 CPU s to write) and a CLI load: ~12 CPU s
 def test_too_big_without_streaming_is_refused_in_one_line(big_model):
     r = subprocess.run(
         [sys.executable, "-m", "ds4mlx.cli", "serve", "-m", big_model, "--memory-limit", LIMIT_GB],
@@ -78,6 +79,7 @@ def test_too_big_without_streaming_is_refused_in_one_line(big_model):
     assert "GiB of memory is free" in lines[0] and "--stream-experts" in lines[0] and big_model in lines[0]
 
 
+@pytest.mark.slow  # two `ds4mlx serve` processes loading the wide-expert model: ~8 CPU s
 def test_too_big_serves_with_streaming_same_text_as_resident(big_model):
     proc, url = _serve(big_model)  # resident, no limit: the reference
     try:

@@ -90,7 +90,7 @@ def test_streamed_and_thinking(srv):
     assert len(close) == 1
     st, _, text = call(srv.url, "/v1/chat/completions", body)
     assert st == 200, text
-    chunks = [json.loads(d) for _, d in parse_sse(text) if d != "[DONE]"]
+    chunks = [json.loads(d) for k, d in parse_sse(text) if k != "comment" and d != "[DONE]"]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     calls: dict = {}
     for d in deltas:

@@ -13,7 +13,8 @@
 * A client that half-closes its socket after sending its request (shutdown of
   its write side) still gets the answer: the read side ending does not close
   the connection; it closes once the answer is written.  (A FIN cannot tell a
-  half-close from a client that is gone; interim `100 Continue` probes do.)
+  half-close from a client that is gone; interim `100 Continue` probes do.)  A body
+  the app refused unread (413) is not waited for once the client has sent its FIN.
 
 `make_runner(app)` is what `ds4mlx serve` and `BackgroundServer` run.
 """
@@ -86,6 +87,8 @@ def _rooted(factory, root: str):
 class _Connection(RequestHandler):
     _path: str | None = None
     _root: str = ""
+    _peer_done = False  # the client's FIN came
+    _unread_body = None  # the answered request's body, when the app left it unread
 
     def data_received(self, data: bytes) -> None:
         m = _REQUEST_LINE.match(data)
@@ -99,9 +102,23 @@ class _Connection(RequestHandler):
         # the connection after the answer in progress.  A gone client is found by
         # the probes below (and a stream by its own writes), so its job is still
         # cancelled within a probe interval.
+        self._peer_done = True
+        if self._unread_body is not None and not self._unread_body.is_eof():
+            self.force_close()  # answered already; the refused body will never come
+            return False
         self.close()
         self._probe()
         return True
+
+    async def finish_response(self, request, resp, start_time):
+        # aiohttp reads and drops a body the app refused unread (a 413 before the body)
+        # until the peer's EOF or its 10 s `lingering_time`; with FIN kept open above the
+        # EOF never reaches it, so a peer that has sent all it will send is closed here.
+        done = await super().finish_response(request, resp, start_time)
+        self._unread_body = None if request.content.is_eof() else request.content
+        if self._unread_body is not None and self._peer_done:
+            self.force_close()  # the answer is written (close flushes it)
+        return done
 
     def _probe(self) -> None:
         """Until the answer starts, write an interim `100 Continue` (every HTTP/1.1
