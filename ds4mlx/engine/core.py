@@ -151,6 +151,11 @@ class Engine:
         return bound(text) if callable(bound) else 0
 
     @property
+    def worker_thread_id(self) -> int | None:
+        """The worker thread's id (its CPU clock: bench/engine_host.py)."""
+        return self._worker.ident
+
+    @property
     def slots(self) -> int:
         return len(self.runners)
 
