@@ -24,7 +24,6 @@ import cProfile
 import io
 import json
 import pstats
-import queue
 import sys
 import threading
 import time
@@ -75,17 +74,14 @@ class Clocks:
 
 
 def timed_job(engine, job, clocks: Clocks | None = None) -> tuple[float, int, str]:
-    """Run `job` on the engine: (seconds from its first to its last text delta, tokens
-    generated, the text streamed); `clocks` ticks at each delta."""
+    """Run `job` through `Engine.generate` (the CLI's consumer): (seconds from its first to
+    its last text delta, tokens generated, the text streamed); `clocks` ticks at each delta."""
     from ..engine import Failed
     from ..runtime.events import Finish, TextDelta
 
     clocks = clocks or Clocks()
-    q: queue.Queue = queue.Queue()
-    engine.submit(job, q.put)
     parts = []
-    while True:
-        ev = q.get(timeout=600)
+    for ev in engine.generate(job):
         if isinstance(ev, TextDelta):
             clocks.tick()
             parts.append(ev.text)
@@ -94,6 +90,7 @@ def timed_job(engine, job, clocks: Clocks | None = None) -> tuple[float, int, st
             return secs, ev.usage.completion_tokens, "".join(parts)
         elif isinstance(ev, Failed):
             raise RuntimeError(f"job failed: {ev}")
+    raise RuntimeError("the job ended without a Finish")
 
 
 def engine_job(engine, prompt: str, ids: list[int], gen: int, ignore_eos: bool) -> tuple[float, int]:
