@@ -196,8 +196,10 @@ class Paths:
             stream(self._server.url, {**self.body(), "max_tokens": 4})  # untimed
         return self._server
 
-    def profile(self, path: str, top: int = 30) -> str:
-        """cProfile of the engine worker thread over one job of `path` (engine or batched)."""
+    def profile(self, path: str, top: int = 30) -> tuple[str, float]:
+        """cProfile of the engine worker thread over one job of `path` (engine or batched):
+        (its top functions by own and cumulative time, Python calls per token: a count the
+        machine's load does not blur)."""
         eng = self.engine(2 if path == "batched" else 1)
         prof = cProfile.Profile()
         eng.run_on_worker(lambda e: prof.enable())  # cProfile follows the thread that enables it
@@ -209,7 +211,7 @@ class Paths:
         stats = pstats.Stats(prof, stream=out).strip_dirs()
         stats.sort_stats("tottime").print_stats(top)
         stats.sort_stats("cumulative").print_stats(top)
-        return out.getvalue()
+        return out.getvalue(), stats.total_calls / self.gen
 
     def close(self) -> None:
         if self._server is not None:
@@ -223,7 +225,7 @@ def load(args):
     if args.synthetic:
         from .synthetic import build_synthetic_v4_flash
 
-        model, tok, info = build_synthetic_v4_flash(layers=args.layers)
+        model, tok, info = build_synthetic_v4_flash(layers=args.layers, expert_format=args.expert_format)
         print(f"# {info}", flush=True)
         return model, tok
     if args.model:
@@ -248,6 +250,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="a model path or `demo` instead of the stand-in")
     p.add_argument("--synthetic", action="store_true", help="the synthetic V4 Flash (bench/synthetic.py)")
     p.add_argument("--layers", type=int, default=20)
+    p.add_argument("--expert-format", choices=["mlx", "gguf"], default="mlx", help="--synthetic: routed experts")
     p.add_argument("--profile", action="store_true", help="a cProfile of the engine worker per engine path")
     a = p.parse_args(argv)
     paths = [x for x in a.paths.split(",") if x]
@@ -257,30 +260,49 @@ def main(argv=None) -> int:
     model, tok = load(a)
     runs = Paths(model, tok, a.ctx, a.gen, ignore_eos=not a.eos)
     try:
-        best: dict[str, tuple] = {}
-        texts: dict[str, str] = {}
-        for _ in range(max(1, a.repeat)):
-            for path in paths:
-                us, n, text = runs.run(path)
-                if n != a.gen:
-                    raise RuntimeError(f"{path}: {n} tokens, expected {a.gen}")
-                best[path] = tuple(min(x, y) for x, y in zip(best.get(path, us), us))
-                if text is not None:
-                    texts.setdefault(path, text)
-                    if texts[path] != text:
-                        raise RuntimeError(f"{path}: a run streamed other text than the first")
-        # the HTTP prompt is text, tokenized again (it may split otherwise): its own text
-        if len({t for k, t in texts.items() if k != "http"}) > 1:
-            raise RuntimeError(f"the paths streamed different text: {sorted(texts)}")
+        best, failed = measure(runs, paths, a.repeat)
         print("path," + ",".join(f"{c}_us_per_token" for c in COLUMNS) + ",tokens")
         for path in paths:
-            print(f"{path}," + ",".join(f"{x:.1f}" for x in best[path]) + f",{a.gen}", flush=True)
+            if path in best:
+                print(f"{path}," + ",".join(f"{x:.1f}" for x in best[path]) + f",{a.gen}", flush=True)
+            else:
+                print(f"{path},failed: {failed[path]}", flush=True)
         if a.profile:
-            for path in (x for x in paths if x in ("engine", "batched")):
-                print(f"# profile: {path}\n{runs.profile(path)}", flush=True)
+            for path in (x for x in paths if x in ("engine", "batched") and x in best):
+                text, calls = runs.profile(path)
+                print(f"# profile: {path}, {calls:.1f} Python calls per token on the worker\n{text}", flush=True)
     finally:
         runs.close()
     return 0
+
+
+def measure(runs: Paths, paths: list[str], repeat: int) -> tuple[dict, dict]:
+    """Each path `repeat` times, interleaved: ({path: the best of each column}, {path: why it
+    failed}).  A path fails on an exception, a short decode or text other than its own
+    earlier run's or the other engine paths' (the HTTP prompt is text, tokenized again: it
+    may split otherwise, so HTTP is held to its own text only)."""
+    best: dict[str, tuple] = {}
+    failed: dict[str, str] = {}
+    texts: dict[str, str] = {}
+    for _ in range(max(1, repeat)):
+        for path in (x for x in paths if x not in failed):
+            try:
+                us, n, text = runs.run(path)
+            except Exception as e:  # noqa: BLE001 - reported in its row, the other paths go on
+                failed[path] = f"{type(e).__name__}: {e}"
+                continue
+            if n != runs.gen:
+                failed[path] = f"{n} tokens, expected {runs.gen}"
+                continue
+            if text is not None:
+                want = texts.setdefault(path if path == "http" else "engine paths", text)
+                if want != text:
+                    failed[path] = "other text than an earlier run"
+                    continue
+            best[path] = tuple(min(x, y) for x, y in zip(best.get(path, us), us))
+    for path in failed:
+        best.pop(path, None)
+    return best, failed
 
 
 if __name__ == "__main__":
