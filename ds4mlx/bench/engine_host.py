@@ -2,19 +2,18 @@
 plain loop, the engine with one slot, the engine's batched-session path (two slots, one
 stream: the deferred steps of `--batched-session N`) and the HTTP SSE stream.
 
-    python -m ds4mlx.bench.engine_host --gen 256 [--profile PATH] [--repeat 3]
+    python -m ds4mlx.bench.engine_host --gen 256 [--repeat 3] [--profile] [--eos]
+    python -m ds4mlx.bench.engine_host --synthetic --layers 20 --ctx 2048 --gen 128 --profile   # a GPU
 
 With the stand-in model (bench/stub_model.py: its forward costs almost nothing) each
-path's wall time per token is its host work; with `--model` (a path, `demo`) or
-`--synthetic` the same rows on a real graph (tools/device.sh `engine`).  `--profile`
-prints a cProfile of the engine worker over one job per engine path.  Rows are CSV:
-`path,us_per_token,tokens,vs_bench`.
-
-Measured on the 2-core CPU host (stand-in model, vocab 129280, 256 tokens, the best of 3
-runs, other jobs sharing the cores):
-
-    path          before   after (us/token)
-    bench           ...
+path's time per token is its host work; with `--model` (a path, `demo`) or `--synthetic`
+the same rows on a real graph (tools/device.sh `engine`).  Per path and token: wall time,
+the process's CPU time, the decoding thread's CPU time (bench's main thread, the engine's
+worker) and the decode loop's time blocked reading a token; with `--profile` the worker's
+cProfile and its Python calls per token.  Where the decoding thread's CPU time is close to
+the wall time the path is host-bound; the read wait is only the `.item()` of the loop
+(a backend that blocks in `async_eval` instead shows it as wall minus CPU).  Figures:
+docs/bench-history.md "Engine host cost per token".
 """
 
 from __future__ import annotations
@@ -132,16 +131,16 @@ class Paths:
         self.model, self.tok, self.ctx, self.gen, self.ignore_eos = model, tokenizer, ctx, gen, ignore_eos
         self.ids = frontier.bench_tokens(tokenizer, ctx)
         self.prompt = tokenizer.decode(self.ids)
-        self._engines: dict = {}
-        self._server = None
+        self.engines: dict = {}
+        self.http = None
 
     def engine(self, slots: int):
         from ..engine import Engine
 
-        eng = self._engines.get(slots)
+        eng = self.engines.get(slots)
         if eng is None:
             eng = Engine(self.model, self.tok, ctx=self.ctx + self.gen + 64, default_max_tokens=self.gen, slots=slots)
-            self._engines[slots] = eng
+            self.engines[slots] = eng
             engine_job(eng, self.prompt, self.ids, 4, True)  # untimed: the session's traces
         return eng
 
@@ -189,12 +188,12 @@ class Paths:
                 "ignore_eos": self.ignore_eos}  # fmt: skip
 
     def server(self):
-        if self._server is None:
+        if self.http is None:
             from ..serve.app import BackgroundServer, make_app
 
-            self._server = BackgroundServer(make_app(self.engine(1))).start()
-            stream(self._server.url, {**self.body(), "max_tokens": 4})  # untimed
-        return self._server
+            self.http = BackgroundServer(make_app(self.engine(1))).start()
+            stream(self.http.url, {**self.body(), "max_tokens": 4})  # untimed
+        return self.http
 
     def profile(self, path: str, top: int = 30) -> tuple[str, float]:
         """cProfile of the engine worker thread over one job of `path` (engine or batched):
@@ -214,9 +213,9 @@ class Paths:
         return out.getvalue(), stats.total_calls / self.gen
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-        for eng in self._engines.values():
+        if self.http is not None:
+            self.http.stop()
+        for eng in self.engines.values():
             eng.close()
 
 
