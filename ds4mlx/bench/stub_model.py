@@ -57,15 +57,11 @@ class StubCache:
 
 
 class StubModel(StaticForward):
-    def __init__(self, vocab: int, text_ids: list[int], device_work: int = 0):
+    def __init__(self, vocab: int, text_ids: list[int]):
         self.args = StubArgs(vocab)
         self.table = mx.array(text_ids, mx.int32)
         self.columns = mx.arange(vocab, dtype=mx.int32)
-        # device_work > 0: that many dependent [256, 256] matmuls per forward, a device time
-        # for the host's work to hide behind (or not: the lookahead's overlap made visible)
-        self.work = mx.random.normal((256, 256), key=mx.random.key(0)) / 16 if device_work else None
-        self.device_work = int(device_work)
-        mx.eval(self.table, self.columns, *([self.work] if device_work else []))  # constants of the traces
+        mx.eval(self.table, self.columns)  # constants of the traces, not replayed per step
 
     def make_cache(self) -> list:
         return [StubCache()]
@@ -76,13 +72,7 @@ class StubModel(StaticForward):
     def _logits(self, pos: mx.array) -> mx.array:
         """[T, V]: one-hot at the text's next token after each position of pos [T]."""
         nxt = self.table[(pos + 1) % self.table.shape[0]]
-        logits = (self.columns[None, :] == nxt[:, None]).astype(mx.float32)
-        if self.device_work:
-            x = self.work * pos.astype(mx.float32).reshape(-1)[:1]
-            for _ in range(self.device_work):
-                x = x @ self.work
-            logits = logits + 0 * x[0, :1]  # depends on the work; changes nothing
-        return logits
+        return (self.columns[None, :] == nxt[:, None]).astype(mx.float32)
 
     def __call__(self, ids: mx.array, cache: list, last_only: bool = True) -> mx.array:
         """The prefill forward: logits [1, 1, V] of the chunk's last position."""
@@ -100,7 +90,7 @@ class StubModel(StaticForward):
         return self._logits(ctx.pos.reshape(-1)), news
 
 
-def stub_model(tokenizer, text_ids: list[int], device_work: int = 0) -> LanguageModel:
+def stub_model(tokenizer, text_ids: list[int]) -> LanguageModel:
     """The stand-in over the tokenizer's vocabulary, writing `text_ids` on (see the module doc)."""
     vocab = max(int(getattr(tokenizer, "vocab_size", 0) or 0), max(text_ids) + 1)
-    return LanguageModel(StubModel(vocab, text_ids, device_work))
+    return LanguageModel(StubModel(vocab, text_ids))
