@@ -190,7 +190,10 @@ engine)
       --ctx "${CTX:-2048}" --gen "${GEN:-128}" | tee "$OUT/engine_vs_bench_$fmt.txt" | tail -8
     log "host cost per token: bench loop, engine, batched slots, HTTP SSE, ${CTX:-2048}, $fmt experts"
     py "${ENGINE_S:-240}" -m ds4mlx.bench.engine_host --synthetic --layers "$MODEL_LAYERS" --expert-format "$fmt" \
-      --ctx "${CTX:-2048}" --gen "${GEN:-128}" --repeat 2 --profile | tee "$OUT/engine_host_$fmt.txt" | grep -v '^ ' | tail -12
+      --ctx "${CTX:-2048}" --gen "${GEN:-128}" --repeat 2 --profile | tee "$OUT/engine_host_$fmt.txt" | grep -E '^(path|bench|engine|batched|http|# )'
+    log "the same with EOS and the stop ids live (every step kept undoable, as a chat request's), $fmt experts"
+    py "${ENGINE_S:-240}" -m ds4mlx.bench.engine_host --synthetic --layers "$MODEL_LAYERS" --expert-format "$fmt" \
+      --ctx "${CTX:-2048}" --gen "${GEN:-128}" --repeat 2 --eos --paths bench,engine | tee "$OUT/engine_host_eos_$fmt.txt" | tail -3
   done
   keep
   ;;
