@@ -26,6 +26,8 @@
 #   serve              `ds4mlx serve` streamed vs `bench` decode at 2K, per format in FORMATS
 #   engine             the engine in process (a Job, no HTTP) vs `bench` decode at CTX (2048), per format in
 #                      FORMATS, with bench's profile columns and the engine's GPU-busy (serve_vs_bench.py --engine)
+#                      then per path (bench loop, engine, batched-session slots, HTTP SSE) wall / CPU / decode
+#                      thread / token-read wait us per token and the worker's cProfile (ds4mlx.bench.engine_host)
 #   profile            `ds4mlx bench --profile` 2K..32K per format in FORMATS: GPU-busy ms, launches, host ms,
 #                      % of roofline per frontier (CSV), then the op-family profile at 2K
 #   mlxlm              mlx-lm's deepseek_v41 on the same shapes, bits and weights (tools/mlxlm_side_by_side.py)
@@ -186,6 +188,12 @@ engine)
     log "engine vs bench, ${CTX:-2048}, $fmt experts"
     py "${ENGINE_S:-240}" tools/serve_vs_bench.py --engine --profile --layers "$MODEL_LAYERS" --expert-format "$fmt" \
       --ctx "${CTX:-2048}" --gen "${GEN:-128}" | tee "$OUT/engine_vs_bench_$fmt.txt" | tail -8
+    log "host cost per token: bench loop, engine, batched slots, HTTP SSE, ${CTX:-2048}, $fmt experts"
+    py "${ENGINE_S:-240}" -m ds4mlx.bench.engine_host --synthetic --layers "$MODEL_LAYERS" --expert-format "$fmt" \
+      --ctx "${CTX:-2048}" --gen "${GEN:-128}" --repeat 2 --profile | tee "$OUT/engine_host_$fmt.txt" | grep -E '^(path|bench|engine|batched|http|# )'
+    log "the same with EOS and the stop ids live (every step kept undoable, as a chat request's), $fmt experts"
+    py "${ENGINE_S:-240}" -m ds4mlx.bench.engine_host --synthetic --layers "$MODEL_LAYERS" --expert-format "$fmt" \
+      --ctx "${CTX:-2048}" --gen "${GEN:-128}" --repeat 2 --eos --paths bench,engine | tee "$OUT/engine_host_eos_$fmt.txt" | tail -3
   done
   keep
   ;;

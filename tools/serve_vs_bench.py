@@ -21,72 +21,12 @@ local port and streams a greedy /v1/completions request whose prompt is the same
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-import urllib.request
 
 from ds4mlx.bench import frontier as bench
+from ds4mlx.bench.engine_host import engine_job, stream
 from ds4mlx.bench.synthetic import build_synthetic_v4_flash
 from ds4mlx.engine import Engine
-
-
-def stream(url: str, body: dict) -> tuple[float, int]:
-    """(seconds from the first to the last text delta, deltas seen)."""
-    req = urllib.request.Request(
-        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    first = last = None
-    n = 0
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[5:])
-            if any(c.get("text") for c in ev.get("choices", [])):
-                last = time.perf_counter()
-                first = first or last
-                n += 1
-    return (last - first) if first else 0.0, n
-
-
-def engine_job(engine, prompt: str, ids: list[int], gen: int, ignore_eos: bool) -> tuple[float, int]:
-    """One greedy raw-completion job straight into the engine: (seconds from the first to
-    the last text delta, tokens generated)."""
-    from ds4mlx.engine import Job
-    from ds4mlx.runtime.sampling import SamplingParams
-
-    job = Job(
-        prompt_text=prompt,
-        prompt_ids=list(ids),
-        api="completions",
-        raw=True,
-        max_tokens=gen,
-        ignore_eos=ignore_eos,
-        params=SamplingParams(temperature=0.0),
-    )
-    return timed_job(engine, job)
-
-
-def timed_job(engine, job) -> tuple[float, int]:
-    """Run `job` on the engine: (seconds from its first to its last text delta, tokens generated)."""
-    import queue
-
-    from ds4mlx.runtime.events import Finish, TextDelta
-
-    q: queue.Queue = queue.Queue()
-    engine.submit(job, q.put)
-    first = last = None
-    while True:
-        ev = q.get(timeout=600)
-        if isinstance(ev, TextDelta):
-            last = time.perf_counter()
-            first = first or last
-        elif isinstance(ev, Finish):
-            return ((last - first) if first else 0.0), ev.usage.completion_tokens
-        elif type(ev).__name__ == "Failed":
-            raise RuntimeError(f"job failed: {ev}")
 
 
 def engine_busy(engine, prompt: str, ids: list[int], gen: int) -> str:
@@ -157,8 +97,9 @@ def main() -> int:
     try:
         for name, extra in (("serve", {}), ("serve_ignore_eos", {"ignore_eos": True})):
             before = engine.stats.decode_tokens
-            secs, deltas = stream(
-                server.url, {"prompt": prompt, "max_tokens": a.gen, "temperature": 0, "stream": True, **extra}
+            secs, deltas, _ = stream(
+                server.url,
+                {"prompt": prompt, "max_tokens": a.gen, "temperature": 0, "think": False, "stream": True, **extra},
             )
             tokens = engine.stats.decode_tokens - before
             tps = (tokens - 1) / secs if secs > 0 and tokens > 1 else 0.0

@@ -151,6 +151,11 @@ class Engine:
         return bound(text) if callable(bound) else 0
 
     @property
+    def worker_thread_id(self) -> int | None:
+        """The worker thread's id (its CPU clock: bench/engine_host.py)."""
+        return self._worker.ident
+
+    @property
     def slots(self) -> int:
         return len(self.runners)
 
@@ -188,7 +193,7 @@ class Engine:
     def generate(self, job: Job) -> Iterator[Any]:
         """Blocking iterator over the job's events (ends after Finish/Failed).
         Closing the iterator early cancels the job."""
-        q: queue.Queue = queue.Queue()
+        q: queue.SimpleQueue = queue.SimpleQueue()  # the cheapest wake per token of the worker's puts
         h = self.submit(job, q.put)
         try:
             while True:

@@ -252,6 +252,7 @@ class Decoding:
         if not self.broken and hasattr(self.loop, "settle"):
             self.loop.settle()  # speculative tokens the output did not take are dropped from the session
             self.r.engine.stats.count_speculation(self.spec_stats)
+        self.r.engine.stats.decode_wait_seconds += getattr(self.loop, "wait_s", 0.0)
         stops = self.stops
         if self.reason != "stop" or stops.hit is None:
             self._push(stops.push(self.detok.flush()))

@@ -108,8 +108,11 @@ class Scheduler:
         while not (stopping and not tasks):
             # take what was submitted: block only when there is nothing to run
             while not stopping:
+                idle = not tasks and not self.pending
+                if not idle and self.queue.empty():
+                    break  # a turn per token: no Empty raised and caught each time
                 try:
-                    item = self.queue.get(block=not tasks and not self.pending)
+                    item = self.queue.get(block=idle)
                 except queue.Empty:
                     break
                 changed = True
@@ -131,6 +134,8 @@ class Scheduler:
     def _step(self, tasks: list[Task]) -> None:
         """One engine step (engine/batch.py): the decode rows of every running request and
         the prefill chunks the budget takes; their requests go on at their next turn."""
+        if all(t.want is None for t in tasks):
+            return  # one slot's lookahead decode: nothing waits for a step
         for t in tasks:  # a chunk still waiting for its step is not run for a cancelled job
             if isinstance(t.want, ChunkRequest) and t.handle.cancelled:
                 t.want = None

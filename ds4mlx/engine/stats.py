@@ -26,6 +26,9 @@ class EngineStats:
     spec_verify_seconds: float = 0.0  # wall time verifying (target forward, acceptance, rollback)
     shared_steps: int = 0  # decode steps that ran in a forward shared with other slots
     mixed_steps: int = 0  # engine steps that ran decode rows and a prefill chunk (engine/batch.py)
+    # seconds the decode loops sat blocked reading a sampled token (decode.py `wait_s`): a decode's
+    # wall time minus this is the host's own work (bench/engine_host.py)
+    decode_wait_seconds: float = 0.0
     last_cache_source: str = "none"
 
     def count_speculation(self, st: SpecStats) -> None:
