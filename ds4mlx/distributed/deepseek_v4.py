@@ -48,7 +48,9 @@ class TensorParallelAttention(Attention):
         super().__init__(args, layer_idx, ropes)
         self._group = group
 
-    def _output(self, out: mx.array, s, B: int, C: int) -> mx.array:
+    def _output(self, out: mx.array, s, B: int, C: int, project: bool = True) -> mx.array:
+        # the layer never asks for o_a alone here: the partial sums meet after o_b (DecoderLayer.forward)
+        assert project, "a tensor-parallel attention projects through o_b before its all_sum"
         return mx.distributed.all_sum(super()._output(out, s, B, C), group=self._group)
 
 
