@@ -634,11 +634,16 @@ class SwitchGLU(nn.Module):
             shared_group_size=sq[0],
             shared_bits=sq[1],
         )
+        shared = (shared_down.weight, shared_down.scales, shared_down["biases"])
+        quant = dict(
+            group_size=dn.group_size,
+            bits=dn.bits,
+            shared_group_size=shared_down.group_size,
+            shared_bits=shared_down.bits,
+        )
         down = qmv_hc.DownSumShared(
-            (h, dn.weight, dn.scales, dn.biases, ids, weights.reshape(n, k), hs)
-            + ((shared_down.weight, shared_down.scales, shared_down["biases"]),),
-            dict(group_size=dn.group_size, bits=dn.bits, shared_group_size=shared_down.group_size)
-            | dict(shared_bits=shared_down.bits),
+            (h, dn.weight, dn.scales, dn.biases, ids, weights.reshape(n, k), hs, shared),
+            quant,
             (*x.shape[:-1], dn.weight.shape[1]),
         )
         return down if defer else down.value()
