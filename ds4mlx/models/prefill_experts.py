@@ -59,7 +59,9 @@ def grouped_wanted(pairs: int) -> bool:
     if pairs < MIN_PAIRS:
         return False
     mode = experts_mode()
-    return mode in ("grouped", "grouped_blocks", "grouped_blocks_mma") or (mode == "auto" and mx.default_device().type != mx.DeviceType.cpu)
+    return mode in ("grouped", "grouped_blocks", "grouped_blocks_mma") or (
+        mode == "auto" and mx.default_device().type != mx.DeviceType.cpu
+    )
 
 
 def blocks_wanted() -> bool:
