@@ -235,13 +235,13 @@ def test_bad_face_falls_back_and_good_face_is_kept(fake_gpu, caplog):
     def garbage(face, *, output_shapes, output_dtypes, **kw):
         return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
 
-    fake_gpu.setattr(grouped_qmm, "_kernel", lambda qtype: garbage)
+    fake_gpu.setattr(grouped_qmm, "_kernel", lambda qtype, mma=False: garbage)
     with caplog.at_level(logging.WARNING, logger="ds4mlx.kernels"):
         got = grouped_qmm.grouped_qmm(x, blocks, QT.Q2_K, eids)
     assert np.array_equal(np.array(got), np.array(want))
     assert "grouped_qmm.Q2_K" in caplog.text and "failed its first-use self-test" in caplog.text
     launches = []
-    fake_gpu.setattr(grouped_qmm, "_kernel", lambda qtype: _reference_launch(qtype, launches))
+    fake_gpu.setattr(grouped_qmm, "_kernel", lambda qtype, mma=False: _reference_launch(qtype, launches))
     assert grouped_qmm.face(QT.IQ2_XXS) == "metal"
     assert dispatch._self_tests[("grouped_qmm.IQ2_XXS", "metal")] is True
     # the self-test's launches: 130 rows -> 2 row tiles; M 20 -> 3 tokens per SIMD group, 1 tile; M 70 -> 2 tiles
@@ -258,7 +258,7 @@ def test_every_type_s_cuda_face_is_verified_by_its_gpu_tests():
 
 def test_grid_z_limit_splits_launches(monkeypatch):
     launches = []
-    monkeypatch.setattr(grouped_qmm, "_kernel", lambda qtype: _reference_launch(qtype, launches))
+    monkeypatch.setattr(grouped_qmm, "_kernel", lambda qtype, mma=False: _reference_launch(qtype, launches))
     monkeypatch.setattr(grouped_qmm, "MAX_GRID_Z", 5)  # 2 token tiles per batch: 2 batches a launch
     blocks = quant_moe.random_gguf_blocks(QT.IQ2_XXS, 4, 8, 256, seed=3)
     x = mx.random.normal((5, 70, 256), key=mx.random.key(3))
@@ -350,7 +350,7 @@ def test_v4_gguf_prefill_through_the_kernel_text(monkeypatch, v4_gguf, tmp_path)
     want = _prefill_logits(monkeypatch, lm, ids, "gather_qmm", (20, 40))
     launches = []
 
-    def kernel(qtype):
+    def kernel(qtype, mma=False):
         def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             x, w, eids, lens = (np.array(a) for a in inputs)
             t = dict(template)
@@ -364,7 +364,7 @@ def test_v4_gguf_prefill_through_the_kernel_text(monkeypatch, v4_gguf, tmp_path)
         return launch
 
     monkeypatch.setattr(grouped_qmm, "_kernel", kernel)
-    monkeypatch.setattr(grouped_qmm, "face", lambda qtype: "cuda")
+    monkeypatch.setattr(grouped_qmm, "face", lambda qtype, mma=False: "cuda")
     got = _prefill_logits(monkeypatch, lm, ids, "grouped_blocks", (20, 40))
     assert {g[2] for g in launches} and all(g[:2] == (grouped_qmm.THREADS, 2) for g in launches)
     for chunk in want:

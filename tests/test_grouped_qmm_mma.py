@@ -66,6 +66,9 @@ static inline void ds4_mma_store(float* p, const DS4_MMA_C& c, uint32_t ld) {
     for (int m = 0; m < DS4_MMA_M; ++m) for (int n = 0; n < DS4_MMA_N; ++n) p[m * ld + n] = c.v[m * DS4_MMA_N + n];
 }
 #define ds4_mma_barrier() ds4_warp_barrier()
+static inline uint32_t ds4_mt_bits(ds4_bf16 v) { return v.bits; }
+static inline uint32_t ds4_mt_bits(_Float16 v) { uint16_t u; std::memcpy(&u, &v, 2); return u; }
+#define ds4_mma_bits(f) ds4_mt_bits(static_cast<MT>(f))
 """
     )
 

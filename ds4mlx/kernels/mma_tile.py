@@ -16,6 +16,8 @@ every call is made by all of its 32 lanes together (uniform control flow):
     ds4_mma(c, a, b)                  c += a b, float32 accumulation
     ds4_mma_store(p, c, ld)           p[m ld + n] = c[m][n]   (p: shared float)
     ds4_mma_barrier()                 the SIMD group's lanes see each other's shared stores
+    ds4_mma_bits(f)                   f rounded to MT (to nearest even), its 16 bits as uint32_t
+                                      (staging code packs operands into wide shared stores)
 
 CUDA's wmma loads and stores want 32-byte aligned pointers and `ld` a multiple of 8 (16-bit)
 or 4 (float) elements: the kernel lays its tiles out so.  A product of two 16-bit values is
@@ -43,6 +45,9 @@ PRELUDE = {
 #define ds4_mma(c, a, b) nvcuda::wmma::mma_sync(c, a, b, c)
 #define ds4_mma_store(p, c, ld) nvcuda::wmma::store_matrix_sync(p, c, ld, nvcuda::wmma::mem_row_major)
 #define ds4_mma_barrier() __syncwarp()
+__device__ __forceinline__ uint32_t ds4_mt_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+__device__ __forceinline__ uint32_t ds4_mt_bits(__half v) { return __half_as_ushort(v); }
+#define ds4_mma_bits(f) ds4_mt_bits(static_cast<MT>(f))
 """,
     "metal": r"""
 #include <metal_simdgroup_matrix>
@@ -58,5 +63,6 @@ PRELUDE = {
 #define ds4_mma(c, a, b) simdgroup_multiply_accumulate(c, a, b, c)
 #define ds4_mma_store(p, c, ld) simdgroup_store(c, p, ld)
 #define ds4_mma_barrier() simdgroup_barrier(mem_flags::mem_threadgroup)
+#define ds4_mma_bits(f) uint32_t(as_type<ushort>(static_cast<MT>(f)))
 """,
 }

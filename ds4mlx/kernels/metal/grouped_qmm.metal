@@ -180,7 +180,9 @@ DS4_SHARED uint4 gqm_smem[(GQM_TN + 64) * GQM_LD / 8];  // ws [128][LD] MT, xs [
     // this thread's weight row (rows past N_ROWS decode the last row: computed, not written)
     const uint32_t wr = tid & uint32_t(GQM_TN - 1);
     const uint32_t r = n0 + wr < uint32_t(N_ROWS) ? n0 + wr : uint32_t(N_ROWS) - 1u;
-    SHR MT* wdst = ws + wr * uint32_t(GQM_LD) + (tid / uint32_t(GQM_TN)) * 32u;
+    // this thread's 32 values of a step: 4 stores of 8 MT (16 bytes; 8 lanes' rows 144 bytes
+    // apart cover the 32 banks once)
+    SHR uint4* wdst = (SHR uint4*)(ws + wr * uint32_t(GQM_LD) + (tid / uint32_t(GQM_TN)) * 32u);
     DS4_MMA_C acc[GQM_MF][GQM_NF];
     for (int i = 0; i < GQM_MF; ++i) {
         for (int j = 0; j < GQM_NF; ++j) {
@@ -190,16 +192,21 @@ DS4_SHARED uint4 gqm_smem[(GQM_TN + 64) * GQM_LD / 8];  // ws [128][LD] MT, xs [
     for (uint32_t s = 0; s < (live_tiles > 0u ? (chunks + 1u) / 2u : 0u); ++s) {
         ds4_tg_barrier();  // every SIMD group is done with the previous step's tiles
         const uint32_t c = 2u * s + tid / uint32_t(GQM_TN);
+        float buf[32];
         if (c < chunks) {
-            float buf[32];
             DS4_CHUNK(we + uint64_t(r) * uint64_t(ROW_BYTES), c, buf);
-            for (int i = 0; i < 32; ++i) {
-                wdst[i] = static_cast<MT>(buf[i]);
-            }
         } else {  // an odd number of chunks: the last step's second half is zeros
             for (int i = 0; i < 32; ++i) {
-                wdst[i] = static_cast<MT>(0.0f);
+                buf[i] = 0.0f;
             }
+        }
+        for (int g = 0; g < 4; ++g) {
+            uint4 v;
+            v.x = ds4_mma_bits(buf[8 * g]) | (ds4_mma_bits(buf[8 * g + 1]) << 16);
+            v.y = ds4_mma_bits(buf[8 * g + 2]) | (ds4_mma_bits(buf[8 * g + 3]) << 16);
+            v.z = ds4_mma_bits(buf[8 * g + 4]) | (ds4_mma_bits(buf[8 * g + 5]) << 16);
+            v.w = ds4_mma_bits(buf[8 * g + 6]) | (ds4_mma_bits(buf[8 * g + 7]) << 16);
+            wdst[g] = v;
         }
         // padding tokens and K past K_DIM stage zeros (their outputs are written as zeros)
         for (uint32_t q = tid; q < uint32_t(GQ_TM * GQM_KS); q += uint32_t(GQM_THREADS)) {
