@@ -23,12 +23,21 @@ import subprocess
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_grouped_qmm import _k_for, dense
-from test_quant_moe import CPU_NAMES, experts
+from test_grouped_qmm import (
+    V4_FLASH_CASES,
+    _k_for,
+    bfloat16_case_on_cpu,
+    cpu_case,
+    dense,
+    glu_on_gpu_vs_cpu,
+    run_grouped_on_cpu,
+    v4_flash_batches,
+)
+from test_quant_moe import experts
 
 from ds4mlx.io.quant import QT, dequantize
-from ds4mlx.kernels import dispatch, grouped_qmm, mma_tile, quant_moe
-from ds4mlx.models import grouped_experts, prefill_experts
+from ds4mlx.kernels import dispatch, grouped_qmm, quant_moe
+from ds4mlx.models import prefill_experts
 
 TYPES = list(quant_moe.SUPPORTED)
 
@@ -75,39 +84,9 @@ static inline uint32_t ds4_mt_bits(_Float16 v) { uint16_t u; std::memcpy(&u, &v,
 
 def run_mma_on_cpu(tmp_path, qtype, raw, x, eids, m_rows, lens=None, *, tile=16, out_dtype=np.float32):
     """The shared tensor-core text through `run_on_cpu`, launched as `grouped_qmm(mma=True)`
-    launches it; x [B * M, K] float32 (MT float16) or bfloat16 bits as uint16 (MT bfloat16)."""
-    from test_kernel_emulation import run_on_cpu
-
-    _, rows, rb = raw.shape
-    k = x.shape[-1]
-    header, _ = grouped_qmm.kernel_sources(qtype, "cuda", mma=True)
-    header = header.replace(quant_moe.CUDA_PRELUDE, CPU_NAMES).replace(mma_tile.PRELUDE["cuda"], cpu_tile_api(tile))
-    mt = "ds4_bf16" if x.dtype == np.uint16 else "_Float16"
-    flat = np.ascontiguousarray(raw).reshape(-1)
-    words = np.zeros(-(-flat.size // 4) * 4, np.uint8)  # run_on_cpu takes 32-bit buffers
-    words[: flat.size] = flat
-    body = (
-        "const uint8_t* w = reinterpret_cast<const uint8_t*>(w_words);\n"
-        + dispatch.sections(grouped_qmm.SOURCE)["grouped_qmm_mma"]
-    )
-    tm = grouped_qmm.tokens_per_tile(m_rows)
-    n_batch = eids.size
-    out = run_on_cpu(
-        tmp_path,
-        f"using MT = {mt};\n" + header,
-        body,
-        inputs={
-            "x": x,
-            "w_words": words.view(np.uint32),
-            "eids": eids.astype(np.int32).reshape(-1),
-            "lens": np.full(eids.size, m_rows, np.int32) if lens is None else np.asarray(lens, np.int32),
-        },
-        outputs={"y": ((n_batch * m_rows, rows), out_dtype)},
-        consts={"T": x.dtype, "N_ROWS": rows, "K_DIM": k, "ROW_BYTES": rb, "M_ROWS": m_rows, "GQ_TM": tm},
-        groups=(1, -(-rows // grouped_qmm.TILE_N), n_batch * -(-m_rows // tm)),
-        threads=grouped_qmm.THREADS,
-    )
-    return out["y"]
+    launches it, on `cpu_tile_api(tile)`; x [B * M, K] float32 (MT float16) or bfloat16 bits
+    as uint16 (MT bfloat16)."""
+    return run_grouped_on_cpu(tmp_path, qtype, raw, x, eids, m_rows, lens, out_dtype, mma_api=cpu_tile_api(tile))
 
 
 def to_operand(a: np.ndarray, bf16: bool) -> np.ndarray:
@@ -162,11 +141,8 @@ CPU_CASES = [
 def test_shared_text_compiled_for_cpu(qtype, case, tmp_path):
     """float32 x (float16 operands) at CUDA's tile shape; Q8_0's K is no multiple of 64 (an
     odd number of chunks: the last step's second half is zeros)."""
-    e, rows, k, ids, m, lens = case
-    k = _k_for(qtype, k)
-    raw = experts(qtype, e, rows, k, seed=rows + k)
-    eids = np.array(ids, np.int32)
-    x = np.random.default_rng(m).standard_normal((eids.size, m, k)).astype(np.float32)  # padding rows not zero
+    raw, eids, x, m, lens = cpu_case(qtype, case)
+    k = x.shape[-1]
     got = run_mma_on_cpu(tmp_path, qtype, raw, x.reshape(-1, k), eids, m, lens)
     check_both(got, raw, qtype, x, eids, lens, bf16=False)
 
@@ -192,14 +168,8 @@ def test_shared_text_at_metal_tile_shape(qtype, tmp_path):
 def test_shared_text_bfloat16(qtype, tmp_path):
     """bfloat16 x and y at CUDA's tile shape: bfloat16 operands (x not rounded again), the
     float32 sums rounded once to bfloat16."""
-    k, m = 512, 24
-    raw = experts(qtype, 2, 40, k, seed=7)
-    eids = np.array([1, 0], np.int32)
-    x = mx.random.normal((2, m, k), key=mx.random.key(7)).astype(mx.bfloat16)
-    bits = np.array(x.view(mx.uint16)).reshape(-1, k)
-    got = run_mma_on_cpu(tmp_path, qtype, raw, bits, eids, m, out_dtype=np.uint16)
-    got = np.array(mx.array(got).view(mx.bfloat16).astype(mx.float32))
-    check_both(got, raw, qtype, np.array(x.astype(mx.float32)), eids, [m, m], bf16=True, out_rel=2.0**-8)
+    got, raw, eids, x = bfloat16_case_on_cpu(tmp_path, qtype, mma_api=cpu_tile_api(16))
+    check_both(got, raw, qtype, x, eids, [x.shape[1]] * 2, bf16=True, out_rel=2.0**-8)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -342,79 +312,32 @@ def test_switch_glu_in_mma_mode_on_the_cpu(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "case",
-    [(QT.IQ2_XXS, 2048, 4096), (QT.Q2_K, 4096, 2048), (QT.Q4_K, 2048, 4096), (QT.Q8_0, 4096, 2048)],
-    ids=lambda c: f"{c[0].name}_r{c[1]}_K{c[2]}",
-)
+@pytest.mark.parametrize("case", V4_FLASH_CASES, ids=lambda c: f"{c[0].name}_r{c[1]}_K{c[2]}")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
 def test_gpu_equals_reference_at_v4_flash_shapes(case, dtype):
-    """V4 Flash experts (256 experts, hidden 4,096, moe_intermediate 2,048, top-6): 40 batches
-    of a 2,048-token chunk's grouped layout (hot and cold experts, padding rows) through the GPU
-    face's tensor-core variant against the float32 reference face, within the stated bound
-    (float16 operands for float32 x, bfloat16 for bfloat16 x); and its first-use self-test."""
+    """test_grouped_qmm's V4 Flash batches through the GPU face's tensor-core variant against
+    the float32 reference face, within the stated bound (float16 operands for float32 x,
+    bfloat16 for bfloat16 x); and its first-use self-test."""
     face = dispatch.gpu_backend()
     if face is None:
         pytest.skip("no MLX GPU backend")
     qtype, rows, k = case
     assert grouped_qmm._self_test(face, qtype, mma=True)
-    rng = np.random.default_rng(rows)
-    routing = np.argsort(rng.random((2048, 256)), axis=-1)[:, :6]
-    routing[:, 0] = 7  # a hot expert: several batches of one expert
-    lay = grouped_experts.layout(np.bincount(routing.reshape(-1), minlength=256))
-    pick = np.concatenate([np.arange(8), rng.choice(lay.batches, 32, replace=False)])
-    raw = quant_moe.random_gguf_blocks(qtype, 256, rows, k, seed=3)
-    eids = mx.array(lay.experts[pick])
-    x = (mx.random.normal((pick.size, lay.cap, k), key=mx.random.key(4)) * 0.5).astype(dtype)
-    lengths = mx.array(lay.lengths[pick])
-    got = grouped_qmm.grouped_qmm(x, raw, qtype, eids, lengths, backend=face, mma=True)
-    assert got.dtype == dtype and got.shape == (pick.size, lay.cap, rows)
-    with mx.stream(mx.cpu):
-        want = np.array(grouped_qmm.grouped_qmm(x.astype(mx.float32), raw, qtype, eids, lengths, backend="reference"))
-        w = np.abs(np.array(quant_moe.dequantize_mx(raw[eids], qtype, k)))
-    xa = np.abs(np.array(x.astype(mx.float32)))
-    mag = xa @ w.swapaxes(1, 2)
+    v = v4_flash_batches(qtype, rows, k, dtype)
+    got = grouped_qmm.grouped_qmm(v["x"], v["raw"], qtype, v["eids"], v["lengths"], backend=face, mma=True)
+    assert got.dtype == dtype and got.shape == v["want"].shape
     bf16 = dtype == mx.bfloat16
-    bound = stated_bound(mag, k, bf16, w.sum(-1)[:, None, :], xa.sum(-1)[:, :, None])
-    bound += (2.0**-8 if bf16 else 0.0) * np.abs(want)  # the output rounded to bfloat16
+    bound = stated_bound(v["mag"], k, bf16, v["wsum"], v["xsum"])
+    bound += (2.0**-8 if bf16 else 0.0) * np.abs(v["want"])  # the output rounded to bfloat16
     got = np.array(got.astype(mx.float32)).astype(np.float64)
-    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
-    live = np.arange(lay.cap)[None, :] < lay.lengths[pick][:, None]
-    assert np.all(got[~live] == 0.0)
+    assert np.all(np.abs(got - v["want"]) <= bound), float(np.max(np.abs(got - v["want"]) / bound))
+    assert np.all(got[~v["live"]] == 0.0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("bank", ["ds4", "Q4_K"])
 def test_gpu_switch_glu_in_mma_mode(monkeypatch, bank, dtype):
-    """SwitchGLU under DS4MLX_PREFILL_EXPERTS=grouped_blocks_mma on the GPU (every projection
-    one tensor-core grouped_qmm launch) against the per-pair path on the CPU in float32: a
-    2,048-token chunk at V4-like proportions (64 experts, top-6, 512 -> 256 -> 512)."""
-    from test_grouped_experts import GGUF_BANKS, _gguf_glu, _routing
-
-    face = dispatch.gpu_backend()
-    if face is None:
-        pytest.skip("no MLX GPU backend")
-    gpu = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        glu = _gguf_glu(GGUF_BANKS[bank], 512, 256, 11, 64)
-        x = mx.random.normal((1, 2048, 512), key=mx.random.key(12))
-        idx = _routing("hot", 2048, 12, 64, 6)
-        monkeypatch.setenv(prefill_experts.ENV, "gather_qmm")
-        want = np.array(glu(x, idx)).astype(np.float64)
-    finally:
-        mx.set_default_device(gpu)
-    for qtype in set(GGUF_BANKS[bank]):  # first-use self-tests run before the recording
-        assert grouped_qmm.face(qtype, mma=True) == face
-    calls = []
-    real = grouped_qmm.grouped_qmm
-    monkeypatch.setattr(
-        grouped_qmm, "grouped_qmm", lambda *a, **kw: calls.append((kw["backend"], kw["mma"])) or real(*a, **kw)
-    )
-    monkeypatch.setenv(prefill_experts.ENV, "grouped_blocks_mma")
-    got = glu(x.astype(dtype), idx)
-    assert got.dtype == dtype and calls == [(face, True)] * 3
-    got = np.array(got.astype(mx.float32)).astype(np.float64)
+    got, want = glu_on_gpu_vs_cpu(monkeypatch, bank, dtype, "grouped_blocks_mma", mma=True)
     # float16 operands (float32 x): ~2**-11 a product; bfloat16: x, the SwiGLU output and y rounded to 8 bits
     assert np.abs(got - want).max() <= (2e-3 if dtype == mx.float32 else 3e-2) * np.abs(want).max()
