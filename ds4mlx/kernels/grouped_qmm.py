@@ -28,11 +28,15 @@ CUDA, simdgroup matrices 8 x 8 on Metal), float32 accumulation.  Bound against t
 reference, per output: ``|y - ref| <= (e + K 2**-22) sum_k |w_k x_k|`` (+ float16's
 underflow, ``2**-24 sum_k (|w_k| + |x_k|)``), e = 2**-8 for bfloat16 operands, 2**-11 for
 float16 (each of w and x rounded once to MT; bfloat16 x is not rounded again); the output in
-T adds T's own rounding.  Its GPU faces are self-tested at first use (`MMA_KERNELS`).
+T adds T's own rounding; float16 operands hold magnitudes up to 65,504 only (float32 x beyond
+that overflows: run such activations in bfloat16).  Its GPU faces are self-tested at first
+use (`MMA_KERNELS`).
 
 Verification state: the shared text through g++ (threadgroups emulated) and nvcc, and the
 CUDA face at V4 Flash expert shapes for every type in float32 and bfloat16
 (tests/test_grouped_qmm.py, its `pytest -m gpu` tests); the Metal face self-tests at first use.
+The tensor-core variant: its text through g++ on a CPU tile API (at 16 and at 8) and nvcc
+(sm_90, no spills); its GPU tests (tests/test_grouped_qmm_mma.py) not run yet.
 Tile sizes reasoned, not swept (tools/prefill_experts_bench.py times the mode).
 """
 
