@@ -47,6 +47,10 @@ UNVERIFIED_KERNELS = {  # every other kernel's CUDA face passed its `pytest -m g
     "attn_prologue.rows",  # the same for B sessions' rows of one layer (session batching)
     "qmv_hc",  # a dense mat-vec and the next mHC site (hc_post + the next hc_pre's tail) in one launch
     "qmv_hc.down",  # affine_qmv MODE 4 (an MoE's down projections) and the next mHC site in one launch
+    "grouped_qmm_mma.Q8_0",  # prefill's GGUF expert GEMMs on tensor cores / simdgroup matrices (grouped_qmm mma)
+    "grouped_qmm_mma.Q2_K",
+    "grouped_qmm_mma.Q4_K",
+    "grouped_qmm_mma.IQ2_XXS",
 }
 
 log = logging.getLogger("ds4mlx.kernels")
