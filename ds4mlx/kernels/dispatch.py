@@ -42,6 +42,7 @@ UNVERIFIED_KERNELS = {  # every other kernel's CUDA face passed its `pytest -m g
     "sparse_attention.attend_rows",  # B sessions' decode queries in one attend launch (session batching)
     "compressor_step.rows",  # B sessions' tokens through one compressor in one launch (session batching)
     "attn_prep.rows",  # B sessions' attention prologues of one layer in one launch (session batching)
+    "attn_prep.chain",  # one session's T tokens' attention prologues of one layer in one launch (a verify)
     "sparse_attention.index_topk_rows",  # B sessions' indexer scores + top-k in one launch (session batching)
     "attn_prologue",  # attn_prep and a compressed layer's compressor steps in one launch
     "attn_prologue.rows",  # the same for B sessions' rows of one layer (session batching)
