@@ -38,6 +38,7 @@ import mlx.nn as nn
 
 from ..kernels import affine_qmv, moe_route
 from ..kernels import sparse_attention as _sparse
+from ..kernels.attn_prep import attn_prep_chain
 from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_rows
 from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
@@ -710,7 +711,8 @@ class CompressorBranch(Compressor):
         keys = [news[-1][1][-1]] * len(news) if ctx.kind == CHAIN else [st[1][-1] for st in news]
         picks = [b for b, r in enumerate(rows) if r.shape[0] > self._topk]
         pick = lambda seq: [seq[b] for b in picks]  # noqa: E731
-        sel = self._index_select(pick(index_qs), pick(projs), pick(keys), pick(ctx.row_pos))
+        pos = ctx.row_pos if len(picks) == len(rows) else pick(ctx.row_pos)  # every row: one array's views
+        sel = self._index_select(pick(index_qs), pick(projs), pick(keys), pos)
         for b, (idx, cnt) in zip(picks, sel):
             out[b] = (rows[b], idx, cnt)
         return out
@@ -957,9 +959,19 @@ class Attention(nn.Module):
             for v, (_, ring, _, sts) in zip(views, heads):
                 v.put(ring, *[a for st in sts for a in st])
         else:
-            heads = []
-            for (q_r, kv_r, proj, iq), p, v in zip(per_row, ctx.row_pos, views):
-                ring = next(v)
+            heads, first = [], None
+            if ctx.kind == CHAIN and B > 1 and comp is None:  # a sliding layer's chain: one launch
+                first = next(views[0])
+                chained = attn_prep_chain(q_b, kv, w, first, ctx.pos, rope, eps, heads=self._nh, backend=kw["backend"])
+                if chained is not None:
+                    q, rings, _ = chained
+                    for t, (v, ring) in enumerate(zip(views, rings)):
+                        if t:
+                            next(v)  # row t reads the ring row t - 1 put: the launch's ring t - 1 already
+                        v.put(ring)
+                    return [(q[t : t + 1], ring, None, None, None) for t, ring in enumerate(rings)]
+            for b, ((q_r, kv_r, proj, iq), p, v) in enumerate(zip(per_row, ctx.row_pos, views)):
+                ring = first if b == 0 and first is not None else next(v)
                 jobs = [] if comp is None else comp.step_jobs(proj, v)
                 head = attn_prologue(q_r, kv_r, w, ring, p, rope, eps, iq, jobs, **kw)
                 v.put(head[1], *[a for st in head[3] for a in st])  # before the next row reads it
