@@ -151,6 +151,64 @@ def test_rows_self_test_on_the_cpu_emulation(tmp_path, small_threadgroups):
     assert not apl._rows_self_test("cuda")
 
 
+def _emulated_chain_kernel(tmp_path, launches):
+    """A stand-in for apl._chain_kernel(n, tokens): the chain's text on the g++ emulation."""
+
+    def kernel(n, tokens):
+        header, body = apl.shared_text(n, tokens, chain=True)
+        io = apl.io(n, tokens, chain=True)
+        return emulated_launch(tmp_path, launches, CPU_TRIG + header, body, io, float_consts=_TYPES)
+
+    return kernel
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
+@pytest.mark.parametrize("tokens,start", [(5, None), (4, 0), (3, 5)])
+@pytest.mark.slow_after(1)
+def test_chain_on_the_cpu_emulation(n, tokens, start, tmp_path, small_threadgroups):
+    """attn_prologue_chain (a verify's T tokens of one compressed layer in one launch) through
+    the module's own inputs, template and grid, the kernel run by the g++ emulation: token t's
+    query, ring, indexer query and every compressor state equal attn_prologue's reference run
+    token after token (the chain across one or two window ends, from the first position, from
+    a window's middle)."""
+    launches = []
+    small_threadgroups.setattr(apl, "_chain_kernel", _emulated_chain_kernel(tmp_path, launches))
+    args, comps, poss = apl.chain_self_test_problem(n, mx.float32, tokens)
+    if start is not None:
+        poss = mx.arange(start, start + tokens, dtype=mx.int32)
+    got = apl.attn_prologue_chain(**args, comps=comps, poss=poss, backend="cuda")
+    want = apl.attn_prologue_chain(**args, comps=comps, poss=poss, backend="reference")
+    assert len(launches) == 1 and launches[0][1][1] == tokens and len(got) == len(want) == tokens
+    for t, (g, w) in enumerate(zip(got, want)):
+        assert len(_flat(g)) == len(_flat(w)) == 3 - (n == 1) + sum(len(c.state) for c in comps)
+        for i, (x, y) in enumerate(zip(_flat(g), _flat(w))):
+            assert x.shape == y.shape, (t, i)
+            np.testing.assert_allclose(np.array(x), np.array(y), rtol=1e-5, atol=1e-5, err_msg=f"token {t}, output {i}")
+
+
+def test_chain_self_test_on_the_cpu_emulation(tmp_path, small_threadgroups):
+    """The chain's first-use self-test (float32 on the emulation, as above): it passes, and
+    fails for a kernel that gives every token the first token's compressor states."""
+    small_threadgroups.setattr(apl, "SELF_TEST_DTYPES", apl.SELF_TEST_DTYPES[:1])
+    launches = []
+    emulated = _emulated_chain_kernel(tmp_path, launches)
+    small_threadgroups.setattr(apl, "_chain_kernel", emulated)
+    assert apl._chain_self_test("cuda") and launches
+
+    def first_state(n, tokens):
+        launch = emulated(n, tokens)
+
+        def run(face, **kw):
+            out = launch(face, **kw)
+            head, rest = out[: 2 + tokens], out[2 + tokens :]
+            return head + [rest[k - k % tokens] for k in range(len(rest))]  # each name's token-0 output
+
+        return run
+
+    small_threadgroups.setattr(apl, "_chain_kernel", first_state)
+    assert not apl._chain_self_test("cuda")
+
+
 @pytest.mark.parametrize("behaviour", ["raise", "garbage"])
 def test_bad_face_falls_back_to_the_separate_launches(fake_gpu, behaviour):
     """A face that does not compile or computes garbage fails the first-use self-test: the
@@ -181,17 +239,19 @@ def test_sources_share_the_two_kernels_text():
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 
-@pytest.mark.parametrize("dtype,rows", [("float32", 1), ("bfloat16", 1), ("bfloat16", 4)])
+@pytest.mark.parametrize(
+    "dtype,rows,chain", [("float32", 1, False), ("bfloat16", 1, False), ("bfloat16", 4, False), ("bfloat16", 4, True)]
+)
 @pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
 @pytest.mark.slow_after(1)
-def test_cuda_face_compiles_with_nvcc(n, dtype, rows, tmp_path):
+def test_cuda_face_compiles_with_nvcc(n, dtype, rows, chain, tmp_path):
     """The CUDA translation unit mx.fast.cuda_kernel builds at V4 Flash shapes (64 heads of 512,
     window 128, rope 64; CSA: ratio 4, the indexer's 64 x 128 query and its 128-wide compressor;
-    HCA: ratio 128), projections in float32, one row and 4 sessions' rows, for sm_90 with
-    warnings as errors."""
+    HCA: ratio 128), projections in float32, one row, 4 sessions' rows and a 4-token chain, for
+    sm_90 with warnings as errors."""
     f, i32 = "float32", "int32"
-    h, b = apl.kernel_sources("cuda", n, rows)
-    in_names, out_names = apl.io(n, rows)
+    h, b = apl.kernel_sources("cuda", n, rows, chain)
+    in_names, out_names = apl.io(n, rows, chain)
     kinds = dict(kv_w=f, freqs=f, prm=f, step_pos=i32, poss=i32)
     ins = {name: kinds.get(name, dtype) for name in in_names if not name.startswith("c")}
     outs = {name: dtype for name in out_names if not name.startswith("c")}
@@ -209,7 +269,8 @@ def test_cuda_face_compiles_with_nvcc(n, dtype, rows, tmp_path):
         tmpl += [(p + "M", ratio), (p + "D", dim), (p + "OVERLAP", overlap), (p + "ROPE", 64), (p + "PER", cs.PER)]
         tmpl += [(p.upper() + "TGS", 9)]
     assert list(ins) == in_names and list(outs) == out_names
-    nvcc_compile(tmp_path, mlx_cuda_source(f"attn_prologue{n}_rows{rows}", h, b, ins, outs, tmpl))
+    name = f"attn_prologue{n}_{'chain' if chain else 'rows'}{rows}"
+    nvcc_compile(tmp_path, mlx_cuda_source(name, h, b, ins, outs, tmpl))
 
 
 def _base(name: str) -> str:
@@ -390,3 +451,13 @@ def test_gpu_self_test_passes():
     if face is None:
         pytest.skip("no MLX GPU backend")
     assert apl._self_test(face)
+
+
+@pytest.mark.gpu
+def test_gpu_chain_self_test_passes():
+    """attn_prologue_chain (dispatch.UNVERIFIED_KERNELS' attn_prologue.chain until this passes
+    on the device): five tokens across window ends, HCA and CSA, float32 and bfloat16."""
+    face = dispatch.gpu_backend()
+    if face is None:
+        pytest.skip("no MLX GPU backend")
+    assert apl._chain_self_test(face)

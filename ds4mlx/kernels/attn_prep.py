@@ -72,19 +72,27 @@ def kernel_sources(face: str, defines: str = ONE) -> tuple[str, str]:
 _ROWS_IN = ["q_rows", "kv_rows", "kv_w", "iq_rows"]  # then ring_0 .. ring_{R-1}, freqs, prm, poss
 
 
+_CHAIN_IN = {"q": "TQ", "kv": "TKV", "iq": "TI"}  # attn_prep_chain: one input each per token
+
+
 def rows_defines(n: int, chain: bool = False) -> str:
     """The defines that make the kernel's text attn_prep_rows for n rows: row r's slices of the
     stacked q / kv / iq and of the stacked q_out / iq_out, its own ring and ring_out.  `chain`:
     attn_prep_chain's (one session's n tokens over the one input ring: row r's K=V row written
     into the rings of rows r .. n-1, row r's ring copied but for the slots of tokens 0..r)."""
-    offsets = (
+    ins = (
         "const DS4_DEV TQ* q = q_rows + uint64_t(row) * uint64_t(NH * D); "
         "const DS4_DEV TKV* kv = kv_rows + uint64_t(row) * uint64_t(D); "
         "const DS4_DEV TI* iq = iq_rows + uint64_t(row) * uint64_t(NHI * DI); "
+    )
+    offsets = ("" if chain else ins) + (
         "DS4_DEV TQ* q_out = q_out_rows + uint64_t(row) * uint64_t(NH * D); "
         "DS4_DEV TI* iq_out = iq_out_rows + uint64_t(row) * uint64_t(NHI > 0 ? NHI * DI : 1);"
     )
-    select = row_select(n, {} if chain else {"ring": "TR"}, {"ring_out": "TR"}, macro="AP_PICK")
+    # a chain's projections come one input per token (a token's slice of a split projection is
+    # contiguous, the tokens' together are not: MLX would copy them before the launch)
+    picked = _CHAIN_IN if chain else {"ring": "TR"}
+    select = row_select(n, picked, {"ring_out": "TR"}, macro="AP_PICK")
     out = f"#define AP_ROWS {n}\n#define AP_POS (poss[row])\n{select}#define AP_ROW_SELECT AP_PICK {offsets}\n"
     if chain:
         dst = "".join(f"(t) == {r}u ? ring_out_{r} : " for r in range(n - 1)) + f"ring_out_{n - 1}"
@@ -104,8 +112,18 @@ def rows_io(n: int) -> tuple[list[str], list[str]]:
 
 
 def chain_io(n: int) -> tuple[list[str], list[str]]:
-    """(input names, output names) of attn_prep_chain for n tokens: one input ring, n outputs."""
-    return _ROWS_IN + ["ring", "freqs", "prm", "poss"], ["q_out_rows", *row_inputs(["ring_out"], n), "iq_out_rows"]
+    """(input names, output names) of attn_prep_chain for n tokens: each token's projections,
+    one input ring, n output rings."""
+    ins = row_inputs(_CHAIN_IN, n) + ["kv_w", "ring", "freqs", "prm", "poss"]
+    return ins, ["q_out_rows", *row_inputs(["ring_out"], n), "iq_out_rows"]
+
+
+def chain_inputs(q_b, kv, iq, index_q_b) -> list:
+    """attn_prep_chain's per-token inputs (`chain_io` order) from the tokens' projections [1, T, ...]
+    (`iq` the launch's indexer input: index_q_b, or a placeholder without one)."""
+    n = q_b.shape[1]
+    each = lambda a: [a[:, t : t + 1] for t in range(n)]  # noqa: E731
+    return [*each(q_b), *each(kv), *(each(iq) if index_q_b is not None else [iq] * n)]
 
 
 @cache
@@ -309,7 +327,14 @@ def attn_prep_chain(
         return None
     out = _chain_kernel(n)(
         face,
-        inputs=[q_b, kv, kv_weight, iq, ring, freqs, params(float(eps), float(rope.attention_factor)), poss],
+        inputs=[
+            *chain_inputs(q_b, kv, iq, index_q_b),
+            kv_weight,
+            ring,
+            freqs,
+            params(float(eps), float(rope.attention_factor)),
+            poss,
+        ],
         template=template_args(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope),
         grid=(launch_groups(heads, nhi, ring) * THREADS, n, 1),
         threadgroup=(THREADS, 1, 1),

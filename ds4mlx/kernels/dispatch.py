@@ -46,6 +46,7 @@ UNVERIFIED_KERNELS = {  # every other kernel's CUDA face passed its `pytest -m g
     "sparse_attention.index_topk_rows",  # B sessions' indexer scores + top-k in one launch (session batching)
     "attn_prologue",  # attn_prep and a compressed layer's compressor steps in one launch
     "attn_prologue.rows",  # the same for B sessions' rows of one layer (session batching)
+    "attn_prologue.chain",  # the same for one session's T chained tokens of one layer (a verify)
     "qmv_hc",  # a dense mat-vec and the next mHC site (hc_post + the next hc_pre's tail) in one launch
     "qmv_hc.down",  # affine_qmv MODE 4 (an MoE's down projections) and the next mHC site in one launch
 }
