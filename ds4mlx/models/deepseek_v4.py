@@ -38,8 +38,7 @@ import mlx.nn as nn
 
 from ..kernels import affine_qmv, moe_route
 from ..kernels import sparse_attention as _sparse
-from ..kernels.attn_prep import attn_prep_chain
-from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_rows
+from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_chain, attn_prologue_rows
 from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..kernels.qmv_hc import DownSumShared
@@ -941,8 +940,8 @@ class Attention(nn.Module):
         ring write, the indexer query's rope: attn_prep) and the layer's compressor steps run
         as one launch (kernels/attn_prologue.py; the indexer shares the layer's compress rope:
         CompressorBranch passes it on).  Independent rows (DECODE, B > 1) share that launch
-        where they can (`attn_prologue_rows`); one row, or a chain's rows in turn (each writes
-        into the buffers the row before it left), one launch each.  Then the indexer's top-k
+        where they can (`attn_prologue_rows`), a chain's rows too, each over the state the row
+        before it left (`attn_prologue_chain`); one row: one launch.  Then the indexer's top-k
         (`CompressorBranch.step_pick`)."""
         csa = self.layer_type != SLIDING and self.compressor._overlap
         kw = dict(heads=self._nh, index_heads=self.compressor.indexer._nh if csa else 0)
@@ -958,20 +957,20 @@ class Attention(nn.Module):
             heads = attn_prologue_rows(q_b, kv, w, rings, ctx.pos, rope, eps, iq, jobs, **kw)
             for v, (_, ring, _, sts) in zip(views, heads):
                 v.put(ring, *[a for st in sts for a in st])
+        elif ctx.kind == CHAIN and B > 1:  # one session's chained rows: one launch where it can
+            iq = index_q_b if csa else None
+            ring, jobs = next(views[0]), [] if comp is None else comp.step_jobs(more, views[0])
+            heads = attn_prologue_chain(q_b, kv, w, ring, ctx.pos, rope, eps, iq, jobs, **kw)
+            for t, (v, (_, ring, _, sts)) in enumerate(zip(views, heads)):
+                if t:  # row t reads what row t - 1 put: the launch's state after row t - 1 already
+                    next(v)
+                    if comp is not None:
+                        comp.step_jobs(more, v)
+                v.put(ring, *[a for st in sts for a in st])
         else:
-            heads, first = [], None
-            if ctx.kind == CHAIN and B > 1 and comp is None:  # a sliding layer's chain: one launch
-                first = next(views[0])
-                chained = attn_prep_chain(q_b, kv, w, first, ctx.pos, rope, eps, heads=self._nh, backend=kw["backend"])
-                if chained is not None:
-                    q, rings, _ = chained
-                    for t, (v, ring) in enumerate(zip(views, rings)):
-                        if t:
-                            next(v)  # row t reads the ring row t - 1 put: the launch's ring t - 1 already
-                        v.put(ring)
-                    return [(q[t : t + 1], ring, None, None, None) for t, ring in enumerate(rings)]
-            for b, ((q_r, kv_r, proj, iq), p, v) in enumerate(zip(per_row, ctx.row_pos, views)):
-                ring = first if b == 0 and first is not None else next(v)
+            heads = []
+            for (q_r, kv_r, proj, iq), p, v in zip(per_row, ctx.row_pos, views):
+                ring = next(v)
                 jobs = [] if comp is None else comp.step_jobs(proj, v)
                 head = attn_prologue(q_r, kv_r, w, ring, p, rope, eps, iq, jobs, **kw)
                 v.put(head[1], *[a for st in head[3] for a in st])  # before the next row reads it
