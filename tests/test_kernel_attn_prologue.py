@@ -282,6 +282,9 @@ def _base(name: str) -> str:
 # ------------------------------------------------------------------ the compiled decode step through the launch
 
 
+STATE_IN = [name.removesuffix("_out") for name in cs.OUTPUTS]  # a compressor's state inputs, in its outputs' order
+
+
 class StandInKernel:
     """Takes `_launch`'s / `_launch_rows`' call (inputs by `io` name, template, grid, output
     shapes) and computes its outputs with the separate reference faces from those very inputs,
@@ -355,6 +358,37 @@ class StandInKernel:
                 iq = mx.concatenate(iqs) if t["NHI"] else mx.zeros(output_shapes[1 + rows], output_dtypes[1 + rows])
                 out = [mx.concatenate([r[0] for r in per_row]), *[r[1] for r in per_row], iq]
                 out += [r[3 + k] for k in range(5 * n) for r in per_row]  # name by name, row by row
+            assert [tuple(o.shape) for o in out] == [tuple(s) for s in output_shapes]
+            assert [o.dtype for o in out] == list(output_dtypes)
+            return out
+
+        return launch
+
+    def chain(self, n, tokens):
+        """A stand-in for `_chain_kernel(n, tokens)`: token t's outputs from the one-row
+        reference over the ring and states token t - 1's left (the chain's meaning)."""
+
+        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            self.calls += 1
+            self.rows.append(tokens)
+            a, t = dict(zip(apl.io(n, tokens, chain=True)[0], inputs)), dict(template)
+            assert grid == ((t["AP_TGS"] + sum(t[f"C{i}_TGS"] for i in range(n))) * apl.THREADS, tokens, 1)
+            ring, states = a["ring"], [[a[f"c{i}_{k}"] for k in STATE_IN] for i in range(n)]
+            per_token = []
+            for r in range(tokens):
+                one = dict(q=a[f"q_{r}"], kv=a[f"kv_{r}"], kv_w=a["kv_w"], ring=ring, iq=a[f"iq_{r}"])
+                one.update(freqs=a["freqs"], prm=a["prm"], step_pos=a["poss"][r])
+                for i in range(n):
+                    p = f"c{i}_"
+                    one.update({p + k: a[p + k] for k in ("bias", "weight", "periods", "prm", "meta")})
+                    one.update({p + k: v for k, v in zip(STATE_IN, states[i])})
+                    one.update({p + "kv": a[f"{p}kv_{r}"], p + "gate": a[f"{p}gate_{r}"]})
+                out = self._one(one, t, n)
+                ring, states = out[1], [out[3 + 5 * i : 8 + 5 * i] for i in range(n)]
+                per_token.append(out)
+            iq = mx.concatenate([r[2] for r in per_token]) if t["NHI"] else mx.zeros(output_shapes[1 + tokens], output_dtypes[1 + tokens])  # fmt: skip
+            out = [mx.concatenate([r[0] for r in per_token]), *[r[1] for r in per_token], iq]
+            out += [r[3 + k] for k in range(5 * n) for r in per_token]  # name by name, token by token
             assert [tuple(o.shape) for o in out] == [tuple(s) for s in output_shapes]
             assert [o.dtype for o in out] == list(output_dtypes)
             return out
@@ -440,6 +474,43 @@ def test_batched_rows_through_the_launch_match_legacy(v4_model, monkeypatch):
     finally:
         stepper.forget(lm.model)
     assert fake.calls and set(fake.rows) == {2}
+
+
+def test_verify_chain_through_the_launch_matches_plain_steps(v4_model, monkeypatch):
+    """A speculative verify's rows (`Session.verify`, the compiled step's chain): each
+    compressed layer's prologue goes through one attn_prologue_chain launch (the stand-in) for
+    all the rows, row t over the state row t - 1 left; the rows' logits within 1e-4 of plain
+    steps, across window ends and buckets."""
+    lm, ids = v4_model
+    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+    monkeypatch.setattr(sparse, "FORCE_FACE", "reference")
+    n = 40
+    plain = lm.new_session(ctx=n + 8)
+    plain.prefill(ids[:PREFILL])
+    want = np.stack([plain.decode(t) for t in ids[PREFILL:n]])
+    fake = StandInKernel(list(lm.model.model.ropes().values()))
+    real = apl.attn_prologue_chain
+
+    def chain_on_cuda(*a, backend=None, **k):  # the sliding layers' attn_prep_chain stays on the reference
+        return real(*a, backend="cuda" if a[8] else "reference", **k)
+
+    monkeypatch.setattr(deepseek_v4, "attn_prologue_chain", chain_on_cuda)
+    monkeypatch.setattr(apl, "_chain_kernel", fake.chain)
+    stepper.forget(lm.model)
+    try:
+        s = lm.new_session(ctx=n + 8)
+        s.prefill(ids[:PREFILL])
+        got, pos = [s.decode(ids[PREFILL])[None]], PREFILL + 1
+        for k in (3, 1, 4, 2, 3, 4, 2, 1, 4):
+            if pos + k + 1 > n:
+                break
+            got.append(np.array(s.verify(ids[pos : pos + k + 1])))
+            pos += k + 1
+    finally:
+        stepper.forget(lm.model)
+    got = np.concatenate(got)
+    assert fake.calls and set(fake.rows) == {2, 3, 4, 5}
+    assert maxdiff(got, want[: len(got)]) <= 1e-4
 
 
 # ------------------------------------------------------------------ GPU faces
