@@ -24,6 +24,7 @@ import pytest
 from ds4mlx.speculative.mtp import MTPDrafter, random_head
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from parity_helpers import load_case  # noqa: E402
 from spec_helpers import (
     compiled_small_buckets,  # noqa: E402, F401  (autouse)
@@ -95,6 +96,48 @@ def test_mtp_chunked_catch_up_equals_one_forward(v4):
         head(streams[:, a:b], nxt[:, a:b], backbone.embed_tokens, c)[1] for a, b in ((0, 7), (7, 8), (8, 20), (20, 29))
     ]
     assert np.abs(np.array(mx.concatenate(parts, axis=1)) - np.array(one)).max() <= 1e-4
+
+
+def test_the_heads_compiled_step_equals_its_forward(v4):
+    """A recursive draft position through the head's compiled static `step` (the block as the
+    target's decode step runs a layer) gives `__call__`'s streams and hidden state, position
+    after position past the ring's wrap."""
+    lm, ids = v4
+    head = random_head(lm.model.args, seed=8)
+    backbone = lm.model.model
+    got = []
+    backbone.stream_hook = lambda x, start: got.append(x)
+    try:
+        lm.model(mx.array([ids[:12]], mx.int32))
+    finally:
+        backbone.stream_hook = None
+    caches = head.make_cache(), head.make_cache()
+    xs = [head(got[0][:, :11], mx.array([ids[1:12]], mx.int32), backbone.embed_tokens, c)[0] for c in caches]
+    for t in range(head.window + 4):
+        tok = mx.array([[ids[t % len(ids)]]], mx.int32)
+        want = head(xs[0][:, -1:], tok, backbone.embed_tokens, caches[0])
+        step = head.step(xs[1][:, -1:], tok, backbone.embed_tokens, caches[1])
+        for g, w in zip(step, want):
+            assert np.abs(np.array(g) - np.array(w)).max() <= 1e-4, t
+        xs = [want[0], step[0]]
+    assert caches[0].offset == caches[1].offset == 11 + head.window + 4
+
+
+def test_a_draft_position_costs_a_tenth_of_a_step():
+    """The head's step counted as on CUDA (ds4mlx.bench.census): its block's launches as one
+    target layer's (one attention prologue, one attention: no MLX attention ops), 38 in all
+    with the output head on the 4-layer census model (154 when the head ran its block as a
+    prefill chunk), under a tenth of the 43-layer step's 418."""
+    from launch_census import NARROW
+
+    from ds4mlx.bench.census import mtp_census
+    from ds4mlx.bench.synthetic import build_synthetic_v4_flash
+
+    model, _, _ = build_synthetic_v4_flash(layers=4, experts=16, overrides=NARROW)
+    c = mtp_census(model, 2048)
+    assert c["kernels"]["ds4mlx_attn_prep"] == c["kernels"]["ds4mlx_attend"] == 1
+    assert not {"Softmax", "Concatenate", "ArgPartition"} & set(c["mlx"])
+    assert c["total"] <= 38 < 418 / 10
 
 
 @pytest.mark.parametrize("depth", [1, 3])

@@ -94,6 +94,29 @@ def decode_census(model, ctx: int, rows: int = 1, chain: int = 0) -> dict:
             ops = graph_primitives([*out, *[a for t in sessions for a in t.cache_arrays()]])
         finally:
             stepper.forget(s.model)
+    return _counts(seen, ops, len(s.caches))
+
+
+def mtp_census(model, ctx: int) -> dict:
+    """One recursive draft position of a random MTP head of `model` (speculative/mtp.py: the
+    head's compiled `step` at position ctx - 1, then the output head), counted as
+    `decode_census` counts a step ("layers": 1, the head's block)."""
+    from ..speculative.mtp import random_mtp_drafter
+
+    drafter = random_mtp_drafter(model)
+    head, embed = drafter.head, drafter.backbone.embed_tokens
+    cache = head.make_cache()
+    cache.offset = ctx - 1  # a census shortcut, as decode_census's: the ring's contents do not count
+    streams = mx.zeros((1, 1, head.args.hc_mult, head.args.hidden_size), drafter.model.static_dtype())
+    with cuda_placeholders() as seen:
+        state = cache.static_state(streams.dtype)
+        step = mx.compile(lambda *a: head._static(embed, *a))  # `step`'s trace, its outputs left lazy
+        x, hid, *new = step(streams, mx.array([[5]], mx.int32), mx.array(ctx - 1, mx.int32), *state)
+        ops = graph_primitives([x, drafter.lm_head(hid), *new])
+    return _counts(seen, ops, 1)
+
+
+def _counts(seen: dict, ops, layers: int) -> dict:
     mlx_ops = {k: v for k, v in ops.items() if k not in NO_LAUNCH and k != "Full"}
     total = sum(seen["kernels"].values()) + sum(seen["fills"].values()) + sum(mlx_ops.values())
     return {
@@ -101,5 +124,5 @@ def decode_census(model, ctx: int, rows: int = 1, chain: int = 0) -> dict:
         "fills": dict(seen["fills"].most_common()),
         "mlx": dict(sorted(mlx_ops.items(), key=lambda kv: -kv[1])),
         "total": total,
-        "layers": len(s.caches),
+        "layers": layers,
     }

@@ -245,10 +245,11 @@ class MTPDrafter:
         self.done = n
         self._before = (dict(self.cache.meta_state), {kk: mx.array(v) for kk, v in self.cache.state.items()}, n)
         round_ = DraftRound(rule, margin)
+        step = getattr(self.head, "step", self.head)  # a head's one-position step where it has one
         for i in range(k):
             tok = round_.draft(self.lm_head(hid[:, -1:])[0, -1])
             if i + 1 < k:  # recursive: the head's own streams are the next position's
-                x, hid = self.head(x[:, -1:], tok.reshape(1, 1), self.backbone.embed_tokens, self.cache)
+                x, hid = step(x[:, -1:], tok.reshape(1, 1), self.backbone.embed_tokens, self.cache)
         return round_.settle()
 
 
