@@ -24,7 +24,7 @@ import logging
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..runtime.forward_context import StepContext
+from ..runtime.forward_context import CHAIN, ForwardContext, StepContext
 from .deepseek_v4 import SLIDING, DecoderLayer, LayerCache, ModelArgs, finish_open_step
 from .layers import HyperHead, RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
 
@@ -79,32 +79,41 @@ class MTPHead(nn.Module):
         cache.offset += next_ids.shape[1]
         return x, self.norm(self.hc_head(x))
 
-    def step(self, streams: mx.array, next_id: mx.array, embed, cache: LayerCache):
-        """`__call__` of one position (a recursive draft) as the target's compiled decode step
-        runs a layer: the block's static step over the cache's ring, its kernels' launches and
-        no more, compiled (a trace per ring layout; the first call eager, as the stepper's: a
-        kernel self-tests at its first use, which a trace refuses)."""
-        if self._step is False:
-            return self(streams, next_id, embed, cache)
-        state = cache.static_state(streams.dtype)
-        args = (streams, next_id, mx.array(cache.offset, mx.int32), *state)
+    CHAIN_MAX = 8  # `step` takes a round's catch-up of at most this many positions (a trace per count)
+
+    def step(self, streams: mx.array, next_ids: mx.array, embed, cache: LayerCache):
+        """`__call__` as the target's compiled decode step runs a layer: one position (a
+        recursive draft) or a round's few (the catch-up: the positions chained as a verify's
+        rows, each over the ring the one before it left), the block's static step over the
+        cache's ring, compiled (a trace per ring layout and count; the first call eager, as the
+        stepper's: a kernel self-tests at its first use).  More than CHAIN_MAX positions (the
+        first catch-up after a prefill): the forward."""
+        T = next_ids.shape[1]
+        if self._step is False or T > self.CHAIN_MAX:
+            return self(streams, next_ids, embed, cache)
+        at = ForwardContext.decode([cache.offset]) if T == 1 else ForwardContext.chain(cache.offset, T)
+        args = (streams, next_ids, at.pos_array(), *cache.static_state(streams.dtype, T))
         if self._step is None:
             try:
                 mx.eval(self._static(embed, *args))
             except Exception:  # a backend without one of the step's ops: the head's forward, as before
                 log.warning("the MTP head's static step failed; it drafts through its forward", exc_info=True)
                 self._step = False
-                return self(streams, next_id, embed, cache)
+                return self(streams, next_ids, embed, cache)
             self._step = mx.compile(lambda *a: self._static(embed, *a))
         x, hid, *new = self._step(*args)
-        cache.commit_static(iter(new), 1)
+        cache.commit_static(iter(new), T)
         return x, hid
 
-    def _static(self, embed, streams, next_id, pos, *state):
-        """Pure: (new streams, hidden, the cache's new state arrays) of one position at `pos`."""
-        ctx = StepContext.one(pos, list(state))
-        x = finish_open_step(*self.block.forward(self._input(streams, next_id, embed), None, next_id, ctx))
-        return (x, self.norm(self.hc_head(x)), *ctx.views[0].new)
+    def _static(self, embed, streams, next_ids, pos, *state):
+        """Pure: (new streams, hidden, the cache's state after the last position) of the
+        positions `pos` (an int32 scalar: one; [T]: a chain)."""
+        if pos.ndim == 0:
+            ctx = StepContext.one(pos, list(state))
+        else:
+            ctx = StepContext.of(CHAIN, pos, list(state), len(state))
+        x = finish_open_step(*self.block.forward(self._input(streams, next_ids, embed), None, next_ids, ctx))
+        return (x, self.norm(self.hc_head(x)), *ctx.views[-1].new)
 
     def _input(self, streams: mx.array, next_ids: mx.array, embed) -> mx.array:
         e = self.enorm(embed(next_ids).astype(streams.dtype))
