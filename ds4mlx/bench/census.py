@@ -113,7 +113,7 @@ def mtp_census(model, ctx: int, positions: int = 1) -> dict:
     at = ForwardContext.decode([cache.offset]) if positions == 1 else ForwardContext.chain(cache.offset, positions)
     with cuda_placeholders() as seen:
         state = cache.static_state(streams.dtype, positions)
-        step = mx.compile(lambda *a: head._static(embed, *a))  # `step`'s trace, its outputs left lazy
+        step = mx.compile(lambda *a: head.static_step(embed, *a))  # `step`'s trace, its outputs left lazy
         x, hid, *new = step(streams, mx.array([[5] * positions], mx.int32), at.pos_array(), *state)
         ops = graph_primitives([x, drafter.lm_head(hid[:, -1:]), *new])
     return _counts(seen, ops, 1)

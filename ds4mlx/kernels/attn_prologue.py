@@ -226,36 +226,17 @@ def attn_prologue(
 
 def _launch(face, q_b, kv, kv_weight, ring, pos, rope, eps, index_q_b, comps, heads, index_heads):
     n = len(comps)
-    d = ring.shape[-1]
-    nhi, di, iq, freqs = ap.launch_inputs(q_b, index_q_b, index_heads, rope)
     if pos.dtype != mx.int32 or pos.ndim:
         pos = pos.astype(mx.int32).reshape(())
+    iq, freqs, template, groups, out_shapes, out_dtypes = _prep_share(q_b, kv, kv_weight, [ring], rope, index_q_b, heads, index_heads)  # fmt: skip
     inputs = [q_b, kv, kv_weight, iq, ring, freqs, ap.params(float(eps), float(rope.attention_factor)), pos]
-    template = ap.template_args(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope)  # THREADS and PER: attn_prep's
-    ap_tgs = ap.launch_groups(heads, nhi, ring)
-    template.append(("AP_TGS", ap_tgs))
-    out_shapes = [(1, heads, 1, d), ring.shape, (1, max(nhi, 1), 1, max(di, 1))]
-    out_dtypes = [q_b.dtype, ring.dtype, iq.dtype]
-    groups = ap_tgs
     for i, c in enumerate(comps):
-        p = _prefix(i)
-        overlap = len(c.state) == 5
-        buf_kv, buf_gate, rows = c.state[0], c.state[1], c.state[-1]
-        ov_kv, ov_gate = (c.state[2], c.state[3]) if overlap else (buf_kv, buf_gate)  # dummies: not read
-        dt = rows.dtype
-        cap = rows.shape[-2]
-        inputs += [
-            buf_kv, buf_gate, ov_kv, ov_gate, rows, c.kv, c.gate, c.position_bias, c.norm.weight, c.rope.periods,
-            cs.params(float(c.norm.eps), float(c.rope.attention_factor), dt), cs.capacity_meta(cap),
-        ]  # fmt: skip
-        tmpl = cs.template_args(dt, c.kv, c.gate, c.position_bias, c.norm, c.rope, c.ratio, rows.shape[-1], overlap)
-        template += [(p + name, v) for name, v in tmpl if name != "THREADS"]
-        tgs = cs.groups(cap, c.ratio, rows.shape[-1], overlap, dt.size)
-        template.append((p.upper() + "TGS", tgs))
-        groups += tgs
-        ov_shapes = [c.state[2].shape, c.state[3].shape] if overlap else [(1,), (1,)]  # dummies: not written
-        out_shapes += [buf_kv.shape, buf_gate.shape, *ov_shapes, rows.shape]
-        out_dtypes += [dt] * 5
+        rows = c.state[-1]
+        inputs += [*_state_inputs(c), c.kv, c.gate, *_fixed_inputs(c), cs.capacity_meta(rows.shape[-2])]
+        tmpl, tgs = _comp_share(_prefix(i), c, rows.shape[-2])
+        template, groups = template + tmpl, groups + tgs
+        out_shapes += _state_shapes(c)
+        out_dtypes += [rows.dtype] * 5
     out = _kernel(n)(
         face,
         inputs=inputs,
@@ -335,49 +316,80 @@ def _separate_rows(q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, jobs, 
     return [(*prep, st) for prep, st in zip(preps, states)]
 
 
+def _prep_share(q_b, kv, kv_weight, rings: list, rope, index_q_b, heads: int, index_heads: int) -> tuple:
+    """attn_prep's share of a fused launch of len(rings) rows: (the indexer input, the rope
+    frequencies, the template, its threadgroups, the output shapes and dtypes: q, the rings,
+    the indexer queries)."""
+    n, ring = len(rings), rings[0]
+    nhi, di, iq, freqs = ap.launch_inputs(q_b, index_q_b, index_heads, rope)
+    template = ap.template_args(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope)  # THREADS and PER: attn_prep's
+    groups = ap.launch_groups(heads, nhi, ring)
+    template.append(("AP_TGS", groups))
+    out_shapes = [(n, heads, 1, ring.shape[-1]), *[r.shape for r in rings], (n, max(nhi, 1), 1, max(di, 1))]
+    return iq, freqs, template, groups, out_shapes, [q_b.dtype, *[r.dtype for r in rings], iq.dtype]
+
+
+def _comp_share(p: str, c: CompressorJob, cap: int) -> tuple[list, int]:
+    """Compressor job c's share of the template under prefix p, and its threadgroups for
+    rows up to `cap`."""
+    overlap, rows = len(c.state) == 5, c.state[-1]
+    dt, dim = rows.dtype, rows.shape[-1]
+    tmpl = cs.template_args(dt, c.kv, c.gate, c.position_bias, c.norm, c.rope, c.ratio, dim, overlap)
+    tgs = cs.groups(cap, c.ratio, dim, overlap, dt.size)
+    return [(p + name, v) for name, v in tmpl if name != "THREADS"] + [(p.upper() + "TGS", tgs)], tgs
+
+
+def _state_inputs(c: CompressorJob) -> list:
+    """Job c's five state inputs (without the overlap: its buffers again, not read)."""
+    st = c.state
+    return [st[0], st[1], *(st[2:4] if len(st) == 5 else st[:2]), st[-1]]
+
+
+def _fixed_inputs(c: CompressorJob) -> list:
+    """Job c's inputs that every row shares: position bias, norm weight, rope periods, params."""
+    prm = cs.params(float(c.norm.eps), float(c.rope.attention_factor), c.state[-1].dtype)
+    return [c.position_bias, c.norm.weight, c.rope.periods, prm]
+
+
+def _state_shapes(c: CompressorJob) -> list:
+    """The shapes of job c's five state outputs (without the overlap: placeholders, not written)."""
+    st = c.state
+    ov = [st[2].shape, st[3].shape] if len(st) == 5 else [(1,), (1,)]
+    return [st[0].shape, st[1].shape, *ov, st[-1].shape]
+
+
+def _rows_result(out: list, n: int, index_q_b, jobs: list) -> list:
+    """A launch of n rows' outputs (each compressor's name by name, row by row) -> per row (q,
+    ring, index query or None, its jobs[b]' new states)."""
+    q, rings, iqs, rest = out[0], out[1 : 1 + n], out[1 + n], out[2 + n :]
+    result = []
+    for b in range(n):
+        states = []
+        for i, x in enumerate(jobs[b]):
+            st = [rest[5 * n * i + k * n + b] for k in range(5)]
+            states.append(st if len(x.state) == 5 else [st[0], st[1], st[4]])
+        result.append((q[b : b + 1], rings[b], iqs[b : b + 1] if index_q_b is not None else None, states))
+    return result
+
+
 def _launch_rows(face, q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, jobs, heads, index_heads) -> list:
     n, n_comps = len(rings), len(jobs[0])
-    ring = rings[0]
-    d = ring.shape[-1]
-    nhi, di, iq, freqs = ap.launch_inputs(q_b, index_q_b, index_heads, rope)
     if poss.dtype != mx.int32:
         poss = poss.astype(mx.int32)
+    iq, freqs, template, groups, out_shapes, out_dtypes = _prep_share(q_b, kv, kv_weight, rings, rope, index_q_b, heads, index_heads)  # fmt: skip
     prm = ap.params(float(eps), float(rope.attention_factor))
     inputs = [q_b, kv, kv_weight, iq, *rings, freqs, prm, poss.reshape(-1)]
-    template = ap.template_args(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope)  # THREADS and PER: attn_prep's
-    ap_tgs = ap.launch_groups(heads, nhi, ring)
-    template.append(("AP_TGS", ap_tgs))
-    out_shapes = [(n, heads, 1, d), *[r.shape for r in rings], (n, max(nhi, 1), 1, max(di, 1))]
-    out_dtypes = [q_b.dtype, *[r.dtype for r in rings], iq.dtype]
-    groups = ap_tgs
     for i in range(n_comps):
-        p = _prefix(i)
         cj = [j[i] for j in jobs]
         c = cj[0]
-        overlap = len(c.state) == 5
-        dt, dim = c.state[-1].dtype, c.state[-1].shape[-1]
-        per = {name: [] for name in cs.ROW_IN}
-        shapes = {name: [] for name in cs.OUTPUTS}
-        for x in cj:
-            buf_kv, buf_gate, rows = x.state[0], x.state[1], x.state[-1]
-            ov_kv, ov_gate = (x.state[2], x.state[3]) if overlap else (buf_kv, buf_gate)  # dummies: not read
-            vals = (buf_kv, buf_gate, ov_kv, ov_gate, rows, x.kv, x.gate, cs.capacity_meta(rows.shape[-2]))
-            for name, a in zip(cs.ROW_IN, vals):
-                per[name].append(a)
-            ov_shapes = [x.state[2].shape, x.state[3].shape] if overlap else [(1,), (1,)]  # dummies: not written
-            for name, shape in zip(cs.OUTPUTS, (buf_kv.shape, buf_gate.shape, *ov_shapes, rows.shape)):
-                shapes[name].append(shape)
-        inputs += [a for name in cs.ROW_IN for a in per[name]]
-        inputs += [c.position_bias, c.norm.weight, c.rope.periods]
-        inputs.append(cs.params(float(c.norm.eps), float(c.rope.attention_factor), dt))
-        tmpl = cs.template_args(dt, c.kv, c.gate, c.position_bias, c.norm, c.rope, c.ratio, dim, overlap)
-        template += [(p + name, v) for name, v in tmpl if name != "THREADS"]
-        cap = max(x.state[-1].shape[-2] for x in cj)
-        tgs = cs.groups(cap, c.ratio, dim, overlap, dt.size)
-        template.append((p.upper() + "TGS", tgs))
-        groups += tgs
-        out_shapes += [sh for name in cs.OUTPUTS for sh in shapes[name]]
-        out_dtypes += [dt] * (5 * n)
+        per = [(*_state_inputs(x), x.kv, x.gate, cs.capacity_meta(x.state[-1].shape[-2])) for x in cj]
+        inputs += [row[k] for k in range(len(cs.ROW_IN)) for row in per]  # name by name, row by row
+        inputs += _fixed_inputs(c)
+        tmpl, tgs = _comp_share(_prefix(i), c, max(x.state[-1].shape[-2] for x in cj))
+        template, groups = template + tmpl, groups + tgs
+        shapes = [_state_shapes(x) for x in cj]
+        out_shapes += [sh[k] for k in range(5) for sh in shapes]  # name by name, row by row
+        out_dtypes += [c.state[-1].dtype] * (5 * n)
     out = _kernel(n_comps, n)(
         face,
         inputs=inputs,
@@ -387,16 +399,7 @@ def _launch_rows(face, q_b, kv, kv_weight, rings, poss, rope, eps, index_q_b, jo
         output_shapes=out_shapes,
         output_dtypes=out_dtypes,
     )
-    q, new_rings, iqs = out[0], out[1 : 1 + n], out[1 + n]
-    rest = out[2 + n :]
-    result = []
-    for b in range(n):
-        states = []
-        for i, x in enumerate(jobs[b]):
-            st = [rest[5 * n * i + k * n + b] for k in range(5)]  # outputs come name by name
-            states.append(st if len(x.state) == 5 else [st[0], st[1], st[4]])
-        result.append((q[b : b + 1], new_rings[b], iqs[b : b + 1] if index_q_b is not None else None, states))
-    return result
+    return _rows_result(out, n, index_q_b, jobs)
 
 
 def attn_prologue_chain(
@@ -467,37 +470,19 @@ def _chain_fusable(q_b, kv, kv_weight, ring, poss, rope, eps, index_q_b, comps, 
 
 def _launch_chain(face, q_b, kv, kv_weight, ring, poss, rope, eps, index_q_b, comps, heads, index_heads) -> list:
     n, n_comps = q_b.shape[1], len(comps)
-    d = ring.shape[-1]
-    nhi, di, iq, freqs = ap.launch_inputs(q_b, index_q_b, index_heads, rope)
     if poss.dtype != mx.int32:
         poss = poss.astype(mx.int32)
+    iq, freqs, template, groups, out_shapes, out_dtypes = _prep_share(q_b, kv, kv_weight, [ring] * n, rope, index_q_b, heads, index_heads)  # fmt: skip
     inputs = [*ap.chain_inputs(q_b, kv, iq, index_q_b), kv_weight, ring, freqs]
     inputs += [ap.params(float(eps), float(rope.attention_factor)), poss]
-    template = ap.template_args(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope)  # THREADS and PER: attn_prep's
-    ap_tgs = ap.launch_groups(heads, nhi, ring)
-    template.append(("AP_TGS", ap_tgs))
-    out_shapes = [(n, heads, 1, d), *[ring.shape] * n, (n, max(nhi, 1), 1, max(di, 1))]
-    out_dtypes = [q_b.dtype, *[ring.dtype] * n, iq.dtype]
-    groups = ap_tgs
     for i, c in enumerate(comps):
-        p = _prefix(i)
-        overlap = len(c.state) == 5
-        buf_kv, buf_gate, rows = c.state[0], c.state[1], c.state[-1]
-        ov_kv, ov_gate = (c.state[2], c.state[3]) if overlap else (buf_kv, buf_gate)  # dummies: not read
-        dt, cap = rows.dtype, rows.shape[-2]
-        inputs += [
-            buf_kv, buf_gate, ov_kv, ov_gate, rows, c.position_bias, c.norm.weight, c.rope.periods,
-            cs.params(float(c.norm.eps), float(c.rope.attention_factor), dt), cs.capacity_meta(cap),
-        ]  # fmt: skip
+        rows = c.state[-1]
+        inputs += [*_state_inputs(c), *_fixed_inputs(c), cs.capacity_meta(rows.shape[-2])]
         inputs += [c.kv[:, t : t + 1] for t in range(n)] + [c.gate[:, t : t + 1] for t in range(n)]
-        tmpl = cs.template_args(dt, c.kv, c.gate, c.position_bias, c.norm, c.rope, c.ratio, rows.shape[-1], overlap)
-        template += [(p + name, v) for name, v in tmpl if name != "THREADS"]
-        tgs = cs.groups(cap, c.ratio, rows.shape[-1], overlap, dt.size)
-        template.append((p.upper() + "TGS", tgs))
-        groups += tgs
-        ov_shapes = [c.state[2].shape, c.state[3].shape] if overlap else [(1,), (1,)]  # dummies: not written
-        out_shapes += [sh for sh in (buf_kv.shape, buf_gate.shape, *ov_shapes, rows.shape) for _ in range(n)]
-        out_dtypes += [dt] * (5 * n)
+        tmpl, tgs = _comp_share(_prefix(i), c, rows.shape[-2])
+        template, groups = template + tmpl, groups + tgs
+        out_shapes += [sh for sh in _state_shapes(c) for _ in range(n)]  # name by name, token by token
+        out_dtypes += [rows.dtype] * (5 * n)
     out = _chain_kernel(n_comps, n)(
         face,
         inputs=inputs,
@@ -507,15 +492,7 @@ def _launch_chain(face, q_b, kv, kv_weight, ring, poss, rope, eps, index_q_b, co
         output_shapes=out_shapes,
         output_dtypes=out_dtypes,
     )
-    q, rings, iqs, rest = out[0], out[1 : 1 + n], out[1 + n], out[2 + n :]
-    result = []
-    for t in range(n):
-        states = []
-        for i, c in enumerate(comps):
-            st = [rest[5 * n * i + k * n + t] for k in range(5)]  # outputs come name by name
-            states.append(st if len(c.state) == 5 else [st[0], st[1], st[4]])
-        result.append((q[t : t + 1], rings[t], iqs[t : t + 1] if index_q_b is not None else None, states))
-    return result
+    return _rows_result(out, n, index_q_b, [comps] * n)
 
 
 # --------------------------------------------------------------------------- first-use self-test

@@ -95,19 +95,20 @@ class MTPHead(nn.Module):
         args = (streams, next_ids, at.pos_array(), *cache.static_state(streams.dtype, T))
         if self._step is None:
             try:
-                mx.eval(self._static(embed, *args))
+                mx.eval(self.static_step(embed, *args))
             except Exception:  # a backend without one of the step's ops: the head's forward, as before
                 log.warning("the MTP head's static step failed; it drafts through its forward", exc_info=True)
                 self._step = False
                 return self(streams, next_ids, embed, cache)
-            self._step = mx.compile(lambda *a: self._static(embed, *a))
+            self._step = mx.compile(lambda *a: self.static_step(embed, *a))
         x, hid, *new = self._step(*args)
         cache.commit_static(iter(new), T)
         return x, hid
 
-    def _static(self, embed, streams, next_ids, pos, *state):
-        """Pure: (new streams, hidden, the cache's state after the last position) of the
-        positions `pos` (an int32 scalar: one; [T]: a chain)."""
+    def static_step(self, embed, streams, next_ids, pos, *state):
+        """`step`'s pure function (compiled there; bench/census.py traces it): streams and
+        next_ids of the positions `pos` (an int32 scalar: one; [T]: a chain), the cache's
+        `static_state` -> (new streams, hidden, the state after the last position)."""
         if pos.ndim == 0:
             ctx = StepContext.one(pos, list(state))
         else:
