@@ -532,3 +532,66 @@ def test_gpu_chain_self_test_passes():
     if face is None:
         pytest.skip("no MLX GPU backend")
     assert apl._chain_self_test(face)
+
+
+def v4_chain_problem(n_comps: int, tokens: int):
+    """attn_prologue_chain's arguments at V4 Flash's compressed-layer shapes (64 heads of 512,
+    window 128, rope 64; CSA: ratio 4, the indexer's 64 x 128 query and its 128-wide
+    compressor; HCA: ratio 128), float32: (args, comps, poss), the tokens across a window end
+    and the ring's wrap."""
+    from ds4mlx.models.layers import RoPE
+
+    specs = [(4, 512, True, 64), (4, 128, True, 64)] if n_comps == 2 else [(128, 512, False, 16)]
+    comps = []
+    for j, (ratio, dim, overlap, cap) in enumerate(specs):
+        _, _, state, bias, norm, crope = cs.random_problem(ratio, dim, 64, overlap, cap, 1.0, mx.float32, seed=j)
+        k = mx.random.split(mx.random.key(40 + j), 2)
+        width = (2 if overlap else 1) * dim
+        kv, gate = (mx.random.normal((1, tokens, width), key=x) for x in k)
+        comps.append(apl.CompressorJob(kv, gate, state, bias, norm, crope, ratio))
+    k = mx.random.split(mx.random.key(50), 5)
+    nhi = 64 if n_comps == 2 else 0
+    args = dict(
+        q_b=mx.random.normal((1, tokens, 64 * 512), key=k[0]),
+        kv=mx.random.normal((1, tokens, 512), key=k[1]),
+        kv_weight=1.0 + 0.1 * mx.random.normal((512,), key=k[2]),
+        ring=mx.random.normal((1, 1, 128, 512), key=k[3]),
+        rope=RoPE(64, 1.0 / (10000.0 ** (mx.arange(0, 64, 2, dtype=mx.float32) / 64)), 1.0),
+        eps=1e-6,
+        index_q_b=mx.random.normal((1, tokens, 64 * 128), key=k[4]) if nhi else None,
+        heads=64,
+        index_heads=nhi,
+    )
+    return args, comps, mx.arange(126, 126 + tokens, dtype=mx.int32)  # slots 126, 127, 0, 1; a window ends at 127
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
+def test_chain_at_v4_shapes_on_the_cpu_emulation(n, tmp_path, small_threadgroups):
+    """The GPU test's problem below (V4 Flash's shapes) through the chain's text on the g++
+    emulation (64-thread groups): every token's outputs as attn_prologue's token after token."""
+    launches = []
+    small_threadgroups.setattr(apl, "_chain_kernel", _emulated_chain_kernel(tmp_path, launches))
+    args, comps, poss = v4_chain_problem(n, 4)
+    got = apl.attn_prologue_chain(**args, comps=comps, poss=poss, backend="cuda")
+    want = apl.attn_prologue_chain(**args, comps=comps, poss=poss, backend="reference")
+    assert len(launches) == 1 and len(got) == len(want) == 4
+    for t, (g, w) in enumerate(zip(got, want)):
+        assert apl._all_close(g, w, 1e-3), t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
+def test_gpu_chain_matches_token_by_token_at_v4_shapes(n):
+    """attn_prologue_chain of 4 tokens at V4 Flash's shapes on the GPU face against
+    attn_prologue token after token on the reference face (float32)."""
+    face = dispatch.gpu_backend()
+    if face is None:
+        pytest.skip("no MLX GPU backend")
+    args, comps, poss = v4_chain_problem(n, 4)
+    got = apl.attn_prologue_chain(**args, comps=comps, poss=poss, backend=face)
+    with mx.stream(mx.cpu):
+        want = apl.attn_prologue_chain(**args, comps=comps, poss=poss, backend="reference")
+    assert len(got) == len(want) == 4
+    for t, (g, w) in enumerate(zip(got, want)):
+        assert apl._all_close(g, w, 1e-3), t
