@@ -38,7 +38,7 @@ import mlx.nn as nn
 
 from ..kernels import affine_qmv, moe_route
 from ..kernels import sparse_attention as _sparse
-from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_rows
+from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_chain, attn_prologue_rows
 from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..kernels.qmv_hc import DownSumShared
@@ -710,7 +710,8 @@ class CompressorBranch(Compressor):
         keys = [news[-1][1][-1]] * len(news) if ctx.kind == CHAIN else [st[1][-1] for st in news]
         picks = [b for b, r in enumerate(rows) if r.shape[0] > self._topk]
         pick = lambda seq: [seq[b] for b in picks]  # noqa: E731
-        sel = self._index_select(pick(index_qs), pick(projs), pick(keys), pick(ctx.row_pos))
+        pos = ctx.row_pos if len(picks) == len(rows) else pick(ctx.row_pos)  # every row: one array's views
+        sel = self._index_select(pick(index_qs), pick(projs), pick(keys), pos)
         for b, (idx, cnt) in zip(picks, sel):
             out[b] = (rows[b], idx, cnt)
         return out
@@ -939,8 +940,8 @@ class Attention(nn.Module):
         ring write, the indexer query's rope: attn_prep) and the layer's compressor steps run
         as one launch (kernels/attn_prologue.py; the indexer shares the layer's compress rope:
         CompressorBranch passes it on).  Independent rows (DECODE, B > 1) share that launch
-        where they can (`attn_prologue_rows`); one row, or a chain's rows in turn (each writes
-        into the buffers the row before it left), one launch each.  Then the indexer's top-k
+        where they can (`attn_prologue_rows`), a chain's rows too, each over the state the row
+        before it left (`attn_prologue_chain`); one row: one launch.  Then the indexer's top-k
         (`CompressorBranch.step_pick`)."""
         csa = self.layer_type != SLIDING and self.compressor._overlap
         kw = dict(heads=self._nh, index_heads=self.compressor.indexer._nh if csa else 0)
@@ -955,6 +956,16 @@ class Attention(nn.Module):
             iq = index_q_b if csa else None
             heads = attn_prologue_rows(q_b, kv, w, rings, ctx.pos, rope, eps, iq, jobs, **kw)
             for v, (_, ring, _, sts) in zip(views, heads):
+                v.put(ring, *[a for st in sts for a in st])
+        elif ctx.kind == CHAIN and B > 1:  # one session's chained rows: one launch where it can
+            iq = index_q_b if csa else None
+            ring, jobs = next(views[0]), [] if comp is None else comp.step_jobs(more, views[0])
+            heads = attn_prologue_chain(q_b, kv, w, ring, ctx.pos, rope, eps, iq, jobs, **kw)
+            for t, (v, (_, ring, _, sts)) in enumerate(zip(views, heads)):
+                if t:  # row t reads what row t - 1 put: the launch's state after row t - 1 already
+                    next(v)
+                    if comp is not None:
+                        comp.step_jobs(more, v)
                 v.put(ring, *[a for st in sts for a in st])
         else:
             heads = []
