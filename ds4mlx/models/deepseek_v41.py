@@ -658,8 +658,11 @@ class Model(ContextForward, StaticForward, CausalLM):
         super().__init__(args, DeepseekV41Model(args))
 
     # a verify as a CHAIN context (stepper.step_chain): off by default, since the static step
-    # drifts from the PREFILL forward over long sequences (~1e-2 in the logits through the fake
-    # quantizers after 200 tokens) where a verify through the PREFILL forward does not
+    # (and so a chain) is up to ~1e-2 off the PREFILL forward's logits where a verify through the
+    # PREFILL forward is not.  Not a growing drift: the two differ ~2e-6 by summation order (a
+    # step's mat-vecs and gathered top-k rows against a chunk's matmuls and masks), which now and
+    # then crosses an FP8 / FP4 fake-quant rounding boundary of a K=V or compressed row; the
+    # logits jump until that row leaves the attention (without the fake quantizers: ~2e-6)
     chain_verify = False
 
     @property
