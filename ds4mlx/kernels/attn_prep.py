@@ -1,6 +1,6 @@
 """The per-token prologue of DeepSeek V4's decode attention in one launch.
 
-Per layer and token the compiled decode step (models/deepseek_v4.py `Attention.step`)
+Per layer and token the compiled decode step (models/deepseek_v4.py `Attention.forward`)
 norms and ropes the query heads, norms and ropes the new K=V row and writes it into the
 sliding ring (a dynamic slice update: offset kernel + copy), and for CSA layers ropes the
 indexer query: six to eight launches of tiny work.  `attn_prep` does all of it in one:
