@@ -170,14 +170,12 @@ def test_interleaved_jobs_equal_one_by_one(demo):
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "glm_moe_dsa", "glm5_next"])
-def test_greedy_jobs_together_equal_one_by_one(family):
+def test_greedy_jobs_together_equal_one_by_one(family, shared_demo):
     """Any family with a static forward over the context batches: four greedy jobs on the
     Qwen3.8 demo (Gated DeltaNet, PLE, QSA attention), GLM 5.2's (MLA + DSA) or GLM 5.3's
     (KDA, k-pool MLA, mHC) run at once on four slots, their decode steps sharing forwards,
     and give the text and usage each gives alone."""
-    from ds4mlx import load
-
-    model, tk = load(f"demo:{family}")
+    model, tk = shared_demo(f"demo:{family}")
     solo = Engine(model, tk, ctx=1024)
     try:
         want = [run_alone(solo, raw_job(p, 10)) for p in PROMPTS]

@@ -276,6 +276,7 @@ def test_a_steered_decode_runs_the_static_forward_and_equals_the_prefill(family,
     monkeypatch.setenv(stepper.MODE_ENV, "compiled")
     model, tok = ds4mlx.load(f"demo:{family}")
     ids = tok.encode(TEXT)
+    unsteered = model.logits(ids)[-6:]  # the plain graph (scale 0 is bit exact: no second load)
     steering.install(model, steering.Steering(_dirs(model, seed=2), ffn=1.2, attn=0.4))
     try:
         want = model.logits(ids)[-6:]
@@ -285,7 +286,6 @@ def test_a_steered_decode_runs_the_static_forward_and_equals_the_prefill(family,
         got = []
         for t in ids[-6:]:
             got.append(np.array(s.step(t).astype(mx.float32)))
-        unsteered = ds4mlx.load(f"demo:{family}")[0].logits(ids)[-6:]
     finally:
         steering.install(model, None)
     assert stepper.trace_counts(model.model) == {}  # eager: nothing traced

@@ -26,11 +26,10 @@ FAMILIES = {
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family_server(request):
-    import ds4mlx
+def family_server(request, shared_demo):
     from ds4mlx.chat.protocol import protocol_for_model
 
-    model, tok = ds4mlx.load(f"demo:{request.param}")
+    model, tok = shared_demo(f"demo:{request.param}")
     protocol = protocol_for_model(model)
     assert (protocol.family, protocol.model_id) == (request.param, FAMILIES[request.param])
     with serve(tok, model, ctx=1024) as s:
@@ -77,17 +76,16 @@ def test_sdks_drive_every_route(family_server):
     assert resp.usage.output_tokens <= 4
 
 
-def test_serve_think_level_flag_sets_the_v41_default_effort():
+def test_serve_think_level_flag_sets_the_v41_default_effort(shared_demo):
     import argparse
 
-    import ds4mlx
     from ds4mlx.serve import cli
     from ds4mlx.serve.app import STATE
     from ds4mlx.serve.prepare import prepare
 
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
-    loaded = ds4mlx.load("demo:deepseek_v41")
+    loaded = shared_demo("demo:deepseek_v41")
     engine, app = cli.build(p.parse_args(["--think-level", "30"]), loaded=loaded)
     try:
         state = app[STATE]
@@ -99,6 +97,6 @@ def test_serve_think_level_flag_sets_the_v41_default_effort():
     finally:
         engine.close()
     with pytest.raises(SystemExit):  # not a numeric-effort family
-        cli.build(p.parse_args(["--think-level", "30"]), loaded=ds4mlx.load(None))
+        cli.build(p.parse_args(["--think-level", "30"]), loaded=shared_demo())
     with pytest.raises(SystemExit):
         p.parse_args(["--think-level", "101"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import signal
@@ -152,11 +151,7 @@ def build(args, loaded=None):
     """(engine, app) for parsed arguments.  The model is loaded here, unless
     `loaded` = (model, tokenizer) is given (embedding, tests)."""
     from .. import load
-    from ..chat.toolmemory import ToolMemory
-    from ..engine import Engine
     from ..kv.policy import KVCacheOptions
-    from .app import make_app
-    from .prepare import ServeConfig
 
     log = logging.getLogger("ds4mlx.serve")
     spec_off = spec_cli.off_for_slots(args, getattr(args, "batched_session", 1))
@@ -185,8 +180,13 @@ def build(args, loaded=None):
         args.tokens = DEMO_MAX_TOKENS if getattr(model, "is_demo", False) else DEFAULT_TOKENS
         if getattr(model, "is_demo", False):
             log.warning("%s", limit_notice(args.tokens))
+    # the engine and the HTTP app (aiohttp) once the model is in: a refused file exits without them
     from ..chat.protocol import protocol_for_model
+    from ..chat.toolmemory import ToolMemory
     from ..cli.options import UsageError, chat_protocol, install_steering, install_vision, load_prefix
+    from ..engine import Engine
+    from .app import make_app
+    from .prepare import ServeConfig
 
     try:
         prefix = load_prefix(args)
@@ -305,6 +305,8 @@ def server_ssl_context(certfile: str | None, keyfile: str | None):
 
 
 async def _serve(app, host: str, port: int, ssl_context=None) -> None:
+    import asyncio
+
     from aiohttp import web
 
     from .transport import make_runner
@@ -372,6 +374,8 @@ def run(args, loaded=None) -> int:
         from ..distributed.serving import stop_followers_at_shutdown
 
         stop_followers_at_shutdown(engine, link)
+    import asyncio
+
     try:
         asyncio.run(_serve(app, args.host, args.port, ssl_context))
     finally:
