@@ -47,6 +47,7 @@ UNVERIFIED_KERNELS = {  # every other kernel's CUDA face passed its `pytest -m g
     "attn_prologue.rows",  # the same for B sessions' rows of one layer (session batching)
     "qmv_hc",  # a dense mat-vec and the next mHC site (hc_post + the next hc_pre's tail) in one launch
     "qmv_hc.down",  # affine_qmv MODE 4 (an MoE's down projections) and the next mHC site in one launch
+    "qmv_hc.route",  # qmv_hc's o_b launch with the MoE router of the site's output (one token)
 }
 
 log = logging.getLogger("ds4mlx.kernels")
