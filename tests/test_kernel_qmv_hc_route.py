@@ -199,17 +199,23 @@ class StandInLaunch:
             self.calls += 1
             a, t = dict(zip(qmv_hc_route.INPUTS, inputs)), dict(template)
             assert t["PARTS"] == t["NBY"] == grid[1] and t["MODE"] == 0 and t["XR"] == 1 and t["HC_NORM"]
-            o = aq.qmv(a["x"], a["w"], a["scales"], a["biases"], group_size=t["GS"], bits=t["BITS"], backend="reference")
+            o = aq.qmv(
+                a["x"], a["w"], a["scales"], a["biases"], group_size=t["GS"], bits=t["BITS"], backend="reference"
+            )
             eps = [float(v) for v in a["eps"].tolist()]
             kw = dict(sinkhorn_iters=t["ITERS"], hc_eps=eps[0], norm_eps=eps[1], norm=(a["nw"], eps[2]))
             o = o.reshape(*a["hx"].shape[:-2], -1)
             ys, post, comb, hn = hck.hc_post_pre(
                 a["hx"], o, a["post"], a["comb"], a["fn"], a["base"], a["scale"], **kw, backend="reference"
             )
-            sel = dict(table=a["rtable"], ids=a["rids"]) if t["RHASH"] else dict(bias=a["rbias"] if t["RBIAS"] else None)
+            sel = (
+                dict(table=a["rtable"], ids=a["rids"]) if t["RHASH"] else dict(bias=a["rbias"] if t["RBIAS"] else None)
+            )
             score = moe_route.SCORES[t["RSCORE"]]
             scaling = float(a["rprm"].item())
-            idx, wts = moe_route.router(hn, a["rw"], k=t["RK"], score=score, scaling=scaling, backend="reference", **sel)
+            idx, wts = moe_route.router(
+                hn, a["rw"], k=t["RK"], score=score, scaling=scaling, backend="reference", **sel
+            )
             out = [o.reshape(output_shapes[0]), ys, mx.zeros(output_shapes[2]), mx.zeros(output_shapes[3])]
             out += [post, comb, hn, idx.astype(mx.int32), wts, mx.zeros(output_shapes[-1])]
             assert [tuple(v.shape) for v in out] == [tuple(s) for s in output_shapes]

@@ -61,7 +61,9 @@ class SiteRouter:
 
     def route(self, x: mx.array, backend: str | None = None):
         sel = dict(bias=self.bias, table=self.table, ids=self.ids)
-        return moe_route.router(x, self.weight, k=self.k, score=self.score, scaling=self.scaling, backend=backend, **sel)
+        return moe_route.router(
+            x, self.weight, k=self.k, score=self.score, scaling=self.scaling, backend=backend, **sel
+        )
 
     def fused_face(self, x, w, biases, streams, fn, norm, *, group_size: int, bits: int) -> str | None:
         """The face an automatic `post_pre_route` of these arguments launches as one kernel, or
@@ -112,7 +114,22 @@ def _takes(face: str, x, w, biases, streams, fn, router: SiteRouter, norm, group
 
 
 def qmv_hc_post_pre_route(
-    x, w, scales, biases, streams, post, comb, fn, base, scale, router: SiteRouter, *, group_size, bits, backend=None, **site
+    x,
+    w,
+    scales,
+    biases,
+    streams,
+    post,
+    comb,
+    fn,
+    base,
+    scale,
+    router: SiteRouter,
+    *,
+    group_size,
+    bits,
+    backend=None,
+    **site,
 ):
     """(new streams, post', comb', normed', idx, weights): see the module."""
     args = (x, w, scales, biases, streams, post, comb, fn, base, scale)
