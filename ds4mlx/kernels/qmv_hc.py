@@ -102,7 +102,8 @@ def _rows_cap(auto: bool) -> int:
     return AUTO_ROWS if auto else min(aq.MAX_ROWS, hck.SPLIT_TOKENS)
 
 
-def _takes(face: str, x, w, biases, streams, fn, group_size: int, bits: int, auto: bool = True) -> bool:
+def takes(face: str, x, w, biases, streams, fn, group_size: int, bits: int, auto: bool = True) -> bool:
+    """Whether the dense site's launch takes these arguments (`auto`: an automatic call's row cap)."""
     n, d = streams.shape[-2], streams.shape[-1]
     rows = x.size // max(x.shape[-1], 1)
     return (
@@ -145,16 +146,16 @@ def qmv_hc_post_pre(
     site = dict(sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps, norm=norm)
     args = (x, w, scales, biases, streams, post, comb, fn, base, scale)
     face = backend if backend is not None else auto_face("qmv_hc", _self_test)
-    if not (_takes(face, x, w, biases, streams, fn, group_size, bits, backend is None) and sinkhorn_iters >= 1):
+    if not (takes(face, x, w, biases, streams, fn, group_size, bits, backend is None) and sinkhorn_iters >= 1):
         return _two_calls(*args, group_size=group_size, bits=bits, backend=backend, **site)
-    return _launch(face, *args, group_size=group_size, bits=bits, **site)
+    return launch_dense(face, *args, group_size=group_size, bits=bits, **site)
 
 
 def fused_face(x, w, biases, streams, fn, *, group_size: int, bits: int) -> str | None:
     """The face an automatic `qmv_hc_post_pre` of these arguments launches as one kernel, or
     None (it would run the two calls): lets a caller keep its own mat-vec otherwise."""
     face = auto_face("qmv_hc", _self_test)
-    return face if _takes(face, x, w, biases, streams, fn, group_size, bits) else None
+    return face if takes(face, x, w, biases, streams, fn, group_size, bits) else None
 
 
 def _site_launch(
@@ -188,7 +189,11 @@ def _site_launch(
     return (ys, post2, comb2, hn, *more)
 
 
-def _launch(face, x, w, scales, biases, streams, post, comb, fn, base, scale, *, group_size, bits, extra=None, **site):
+def launch_dense(
+    face, x, w, scales, biases, streams, post, comb, fn, base, scale, *, group_size, bits, extra=None, **site
+):
+    """The dense mat-vec's site launch; `extra(parts)`: a variant's kernel, inputs, template,
+    shapes and dtypes added to it (kernels/qmv_hc_route.py), given the threadgroups a token has."""
     d = streams.shape[-1]
     k_dim, rows = x.shape[-1], x.size // x.shape[-1]
     pl = aq.rows_plan(rows, d, k_dim, bits, x.dtype, face) if rows > 1 else None

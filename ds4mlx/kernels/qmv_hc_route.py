@@ -101,7 +101,7 @@ def _takes(face: str, x, w, biases, streams, fn, router: SiteRouter, norm, group
     e = router.weight.shape[0]
     threads = 32 * aq.WARPS
     return (
-        qmv_hc._takes(face, x, w, biases, streams, fn, group_size, bits)
+        qmv_hc.takes(face, x, w, biases, streams, fn, group_size, bits)
         and x.size == x.shape[-1]  # one token
         and streams.dtype in (mx.float32, mx.bfloat16)
         and norm is not None
@@ -149,7 +149,7 @@ def qmv_hc_post_pre_route(
         shapes = [(*lead, k), (*lead, k), (parts, n, e)]
         return _kernel(), ins, tmpl, shapes, [mx.int32, mx.float32, mx.float32]
 
-    ys, post2, comb2, hn, idx, wts, _ = qmv_hc._launch(face, *args, **q, extra=extra, **site)
+    ys, post2, comb2, hn, idx, wts, _ = qmv_hc.launch_dense(face, *args, **q, extra=extra, **site)
     return ys, post2, comb2, hn, idx, wts
 
 
