@@ -226,19 +226,6 @@ class StandInLaunch:
         return launch
 
 
-def _steps(lm, ids, monkeypatch, how="compiled", prefill=5):
-    from ds4mlx.runtime import stepper
-
-    monkeypatch.setenv(stepper.MODE_ENV, how)
-    stepper.forget(lm.model)
-    s = lm.new_session(ctx=len(ids) + 80, chunk=7)
-    s.prefill(ids[:prefill])
-    try:
-        return np.stack([np.array(s.decode(t)) for t in ids[prefill:]])
-    finally:
-        stepper.forget(lm.model)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [mx.float32, None], ids=["float32", "weights_as_stored"])
 def test_compiled_step_through_the_launch_matches_legacy(dtype, monkeypatch):
@@ -248,6 +235,7 @@ def test_compiled_step_through_the_launch_matches_legacy(dtype, monkeypatch):
     same reference ops) and stay within 1e-4 of the legacy per-layer forward; float32 activations
     and the synthetic's own (`dtype=None`: its 16-bit weights as stored)."""
     from test_kernel_qmv_hc import StandInLaunch as SiteStandIn
+    from test_kernel_qmv_hc import _steps
 
     from ds4mlx.bench.synthetic import build_synthetic_v4_flash
     from ds4mlx.models import cache as row_cache
@@ -259,14 +247,14 @@ def test_compiled_step_through_the_launch_matches_legacy(dtype, monkeypatch):
     monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
     monkeypatch.setattr(aq, "kernel_face", lambda *a, **k: "forced")  # the MoE's two launches (reference faces)
     ids = np.random.default_rng(3).integers(0, lm.model.args.vocab_size, 69).tolist()
-    legacy = _steps(lm, ids, monkeypatch, "legacy")
+    _, legacy = _steps(lm, ids, monkeypatch, "legacy")
     monkeypatch.setattr(qmv_hc, "auto_face", lambda kernel, self_test: "cuda")
     monkeypatch.setattr(qmv_hc, "_kernel", SiteStandIn())
-    plain = _steps(lm, ids, monkeypatch)
+    _, plain = _steps(lm, ids, monkeypatch)
     fake = StandInLaunch()
     monkeypatch.setattr(qmv_hc_route, "auto_face", lambda kernel, self_test: "cuda")
     monkeypatch.setattr(qmv_hc_route, "_kernel", fake)
-    fused = _steps(lm, ids, monkeypatch)
+    _, fused = _steps(lm, ids, monkeypatch)
     layers = len(lm.model.model.layers)
     assert fake.calls >= layers and fake.calls % layers == 0  # a launch per layer in each trace (bucket)
     assert np.array_equal(fused, plain)
