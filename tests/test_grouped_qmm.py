@@ -26,7 +26,7 @@ import pytest
 from test_quant_moe import CPU_NAMES, check, experts
 
 from ds4mlx.io.quant import QT, dequantize
-from ds4mlx.kernels import dispatch, grouped_qmm, quant_moe
+from ds4mlx.kernels import dispatch, grouped_qmm, mma_tile, quant_moe
 from ds4mlx.models import grouped_experts, prefill_experts
 
 TYPES = list(quant_moe.SUPPORTED)
@@ -96,23 +96,33 @@ def test_metal_and_cuda_share_one_text(qtype):
 # --------------------------------------------------------------------------- the shared text on the CPU
 
 
-def run_grouped_on_cpu(tmp_path, qtype, raw, x, eids, m_rows, lens=None, out_dtype=np.float32):
+def run_grouped_on_cpu(tmp_path, qtype, raw, x, eids, m_rows, lens=None, out_dtype=np.float32, mma_api=None):
     """The shared text through `run_on_cpu`, launched as `grouped_qmm` launches it;
-    x [B * M, K] float32 (or bfloat16 bits as uint16), lens [B] (default M) -> y [B * M, N]."""
+    x [B * M, K] float32 (or bfloat16 bits as uint16), lens [B] (default M) -> y [B * M, N].
+    `mma_api`: the tensor-core variant (`mma=True`) on this CPU definition of the tile API
+    in place of CUDA's (MT: bfloat16 for bfloat16 x, else float16)."""
     from test_kernel_emulation import run_on_cpu
 
     _, rows, rb = raw.shape
     k = x.shape[-1]
-    header, _ = grouped_qmm.kernel_sources(qtype, "cuda")
+    mma = mma_api is not None
+    header, _ = grouped_qmm.kernel_sources(qtype, "cuda", mma)
     header = header.replace(quant_moe.CUDA_PRELUDE, CPU_NAMES)
+    if mma:
+        mt = "ds4_bf16" if x.dtype == np.uint16 else "_Float16"
+        header = f"using MT = {mt};\n" + header.replace(mma_tile.PRELUDE["cuda"], mma_api)
+        tm = grouped_qmm.tokens_per_tile(m_rows)
+        tile_const = {"GQ_TM": tm}
+    else:
+        tm = 8 * grouped_qmm.tokens_per_warp(m_rows)
+        tile_const = {"GQ_RM": tm // 8}
     flat = np.ascontiguousarray(raw).reshape(-1)
     words = np.zeros(-(-flat.size // 4) * 4, np.uint8)  # run_on_cpu takes 32-bit buffers
     words[: flat.size] = flat
     body = (
         "const uint8_t* w = reinterpret_cast<const uint8_t*>(w_words);\n"
-        + dispatch.sections(grouped_qmm.SOURCE)["grouped_qmm"]
+        + dispatch.sections(grouped_qmm.SOURCE)["grouped_qmm_mma" if mma else "grouped_qmm"]
     )
-    rm = grouped_qmm.tokens_per_warp(m_rows)
     n_batch = eids.size
     out = run_on_cpu(
         tmp_path,
@@ -125,8 +135,8 @@ def run_grouped_on_cpu(tmp_path, qtype, raw, x, eids, m_rows, lens=None, out_dty
             "lens": np.full(eids.size, m_rows, np.int32) if lens is None else np.asarray(lens, np.int32),
         },
         outputs={"y": ((n_batch * m_rows, rows), out_dtype)},
-        consts={"T": x.dtype, "N_ROWS": rows, "K_DIM": k, "ROW_BYTES": rb, "M_ROWS": m_rows, "GQ_RM": rm},
-        groups=(1, -(-rows // grouped_qmm.TILE_N), n_batch * -(-m_rows // (8 * rm))),
+        consts={"T": x.dtype, "N_ROWS": rows, "K_DIM": k, "ROW_BYTES": rb, "M_ROWS": m_rows, **tile_const},
+        groups=(1, -(-rows // grouped_qmm.TILE_N), n_batch * -(-m_rows // tm)),
         threads=grouped_qmm.THREADS,
     )
     return out["y"]
@@ -141,17 +151,24 @@ CPU_CASES = [
 ]
 
 
+def cpu_case(qtype, case):
+    """A case (E, rows, K, experts, M, live rows) of the emulated tests: (raw blocks, experts,
+    x [B, M, K] float32 with nonzero padding rows, M, live rows); K fitted to `qtype`."""
+    e, rows, k, ids, m, lens = case
+    k = _k_for(qtype, k)
+    raw = experts(qtype, e, rows, k, seed=rows + k)
+    eids = np.array(ids, np.int32)
+    return raw, eids, np.random.default_rng(m).standard_normal((eids.size, m, k)).astype(np.float32), m, lens
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(
     "case", CPU_CASES, ids=lambda c: f"E{c[0]}_r{c[1]}_K{c[2]}_B{len(c[3])}_M{c[4]}_live{sum(c[5])}"
 )
 @pytest.mark.slow_after(1)
 def test_shared_text_compiled_for_cpu(qtype, case, tmp_path):
-    e, rows, k, ids, m, lens = case
-    k = _k_for(qtype, k)
-    raw = experts(qtype, e, rows, k, seed=rows + k)
-    eids = np.array(ids, np.int32)
-    x = np.random.default_rng(m).standard_normal((eids.size, m, k)).astype(np.float32)  # padding rows not zero
+    raw, eids, x, m, lens = cpu_case(qtype, case)
+    k = x.shape[-1]
     got = run_grouped_on_cpu(tmp_path, qtype, raw, x.reshape(-1, k), eids, m, lens)
     live = np.arange(m)[None, :, None] < np.array(lens)[:, None, None]
     want, mag = dense(raw, qtype, x * live, eids)
@@ -179,19 +196,27 @@ def test_shared_text_decodes_bit_exact(qtype, tmp_path):
     )
 
 
-@pytest.mark.parametrize("qtype", [QT.IQ2_XXS, QT.Q2_K], ids=lambda t: t.name)
-@pytest.mark.slow
-def test_shared_text_bfloat16(qtype, tmp_path):
-    """bfloat16 x and y: float32 sums rounded once to bfloat16 (within one bfloat16 step of
-    the reference face's float32 result rounded the same way)."""
+def bfloat16_case_on_cpu(tmp_path, qtype, mma_api=None):
+    """bfloat16 x [2, 24, 512] (2 batches of 40 rows) through `run_grouped_on_cpu`:
+    (y [2, 24, 40] as float32, raw blocks, experts, x as float32)."""
     k, m = 512, 24
     raw = experts(qtype, 2, 40, k, seed=7)
     eids = np.array([1, 0], np.int32)
     x = mx.random.normal((2, m, k), key=mx.random.key(7)).astype(mx.bfloat16)
     bits = np.array(x.view(mx.uint16)).reshape(-1, k)
-    got = run_grouped_on_cpu(tmp_path, qtype, raw, bits, eids, m, out_dtype=np.uint16)
+    got = run_grouped_on_cpu(tmp_path, qtype, raw, bits, eids, m, out_dtype=np.uint16, mma_api=mma_api)
     got = np.array(mx.array(got).view(mx.bfloat16).astype(mx.float32)).reshape(2, m, 40)
-    want, mag = dense(raw, qtype, np.array(x.astype(mx.float32)), eids)
+    return got, raw, eids, np.array(x.astype(mx.float32))
+
+
+@pytest.mark.parametrize("qtype", [QT.IQ2_XXS, QT.Q2_K], ids=lambda t: t.name)
+@pytest.mark.slow
+def test_shared_text_bfloat16(qtype, tmp_path):
+    """bfloat16 x and y: float32 sums rounded once to bfloat16 (within one bfloat16 step of
+    the reference face's float32 result rounded the same way)."""
+    got, raw, eids, x = bfloat16_case_on_cpu(tmp_path, qtype)
+    k = x.shape[-1]
+    want, mag = dense(raw, qtype, x, eids)
     assert np.all(np.abs(got - want) <= 2.0**-8 * np.abs(want) + k * 2.0**-22 * mag)
 
 
@@ -235,13 +260,13 @@ def test_bad_face_falls_back_and_good_face_is_kept(fake_gpu, caplog):
     def garbage(face, *, output_shapes, output_dtypes, **kw):
         return [mx.full(s, 7.0, t) for s, t in zip(output_shapes, output_dtypes)]
 
-    fake_gpu.setattr(grouped_qmm, "_kernel", lambda qtype: garbage)
+    fake_gpu.setattr(grouped_qmm, "_kernel", lambda qtype, mma=False: garbage)
     with caplog.at_level(logging.WARNING, logger="ds4mlx.kernels"):
         got = grouped_qmm.grouped_qmm(x, blocks, QT.Q2_K, eids)
     assert np.array_equal(np.array(got), np.array(want))
     assert "grouped_qmm.Q2_K" in caplog.text and "failed its first-use self-test" in caplog.text
     launches = []
-    fake_gpu.setattr(grouped_qmm, "_kernel", lambda qtype: _reference_launch(qtype, launches))
+    fake_gpu.setattr(grouped_qmm, "_kernel", lambda qtype, mma=False: _reference_launch(qtype, launches))
     assert grouped_qmm.face(QT.IQ2_XXS) == "metal"
     assert dispatch._self_tests[("grouped_qmm.IQ2_XXS", "metal")] is True
     # the self-test's launches: 130 rows -> 2 row tiles; M 20 -> 3 tokens per SIMD group, 1 tile; M 70 -> 2 tiles
@@ -258,7 +283,7 @@ def test_every_type_s_cuda_face_is_verified_by_its_gpu_tests():
 
 def test_grid_z_limit_splits_launches(monkeypatch):
     launches = []
-    monkeypatch.setattr(grouped_qmm, "_kernel", lambda qtype: _reference_launch(qtype, launches))
+    monkeypatch.setattr(grouped_qmm, "_kernel", lambda qtype, mma=False: _reference_launch(qtype, launches))
     monkeypatch.setattr(grouped_qmm, "MAX_GRID_Z", 5)  # 2 token tiles per batch: 2 batches a launch
     blocks = quant_moe.random_gguf_blocks(QT.IQ2_XXS, 4, 8, 256, seed=3)
     x = mx.random.normal((5, 70, 256), key=mx.random.key(3))
@@ -350,7 +375,7 @@ def test_v4_gguf_prefill_through_the_kernel_text(monkeypatch, v4_gguf, tmp_path)
     want = _prefill_logits(monkeypatch, lm, ids, "gather_qmm", (20, 40))
     launches = []
 
-    def kernel(qtype):
+    def kernel(qtype, mma=False):
         def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             x, w, eids, lens = (np.array(a) for a in inputs)
             t = dict(template)
@@ -364,7 +389,7 @@ def test_v4_gguf_prefill_through_the_kernel_text(monkeypatch, v4_gguf, tmp_path)
         return launch
 
     monkeypatch.setattr(grouped_qmm, "_kernel", kernel)
-    monkeypatch.setattr(grouped_qmm, "face", lambda qtype: "cuda")
+    monkeypatch.setattr(grouped_qmm, "face", lambda qtype, mma=False: "cuda")
     got = _prefill_logits(monkeypatch, lm, ids, "grouped_blocks", (20, 40))
     assert {g[2] for g in launches} and all(g[:2] == (grouped_qmm.THREADS, 2) for g in launches)
     for chunk in want:
@@ -374,23 +399,15 @@ def test_v4_gguf_prefill_through_the_kernel_text(monkeypatch, v4_gguf, tmp_path)
 # --------------------------------------------------------------------------- GPU
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "case",
-    [(QT.IQ2_XXS, 2048, 4096), (QT.Q2_K, 4096, 2048), (QT.Q4_K, 2048, 4096), (QT.Q8_0, 4096, 2048)],
-    ids=lambda c: f"{c[0].name}_r{c[1]}_K{c[2]}",
-)
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
-def test_gpu_equals_reference_at_v4_flash_shapes(case, dtype):
-    """V4 Flash experts (256 experts, hidden 4,096, moe_intermediate 2,048, top-6): a
-    2,048-token chunk's grouped layout (12,288 pairs, one hot expert), 40 of its batches
-    (hot and cold experts, their padding rows) through the GPU face against the reference
-    face (float32 on the CPU), and the face's first-use self-test."""
-    face = dispatch.gpu_backend()
-    if face is None:
-        pytest.skip("no MLX GPU backend")
-    qtype, rows, k = case
-    assert grouped_qmm._self_test(face, qtype)
+V4_FLASH_CASES = [(QT.IQ2_XXS, 2048, 4096), (QT.Q2_K, 4096, 2048), (QT.Q4_K, 2048, 4096), (QT.Q8_0, 4096, 2048)]
+
+
+def v4_flash_batches(qtype, rows, k, dtype) -> dict:
+    """V4 Flash experts (256 experts, hidden 4,096, moe_intermediate 2,048, top-6): a 2,048-token
+    chunk's grouped layout (12,288 pairs, one hot expert), 40 of its batches (hot and cold
+    experts, their padding rows): the launch's arguments (x, raw, eids, lengths), the reference
+    face's float32 product (`want`, on the CPU), |x| |W|^T (`mag`), the rows' sums of |W|
+    (`wsum` [B, 1, N]) and |x| (`xsum` [B, M, 1]), and the live rows (`live` [B, M])."""
     rng = np.random.default_rng(rows)
     routing = np.argsort(rng.random((2048, 256)), axis=-1)[:, :6]
     routing[:, 0] = 7  # a hot expert: several batches of one expert
@@ -400,24 +417,48 @@ def test_gpu_equals_reference_at_v4_flash_shapes(case, dtype):
     eids = mx.array(lay.experts[pick])
     x = (mx.random.normal((pick.size, lay.cap, k), key=mx.random.key(4)) * 0.5).astype(dtype)
     lengths = mx.array(lay.lengths[pick])  # the layout's padding rows: zeros, no product
-    got = grouped_qmm.grouped_qmm(x, raw, qtype, eids, lengths, backend=face)
-    assert got.dtype == dtype and got.shape == (pick.size, lay.cap, rows)
     with mx.stream(mx.cpu):
         want = np.array(grouped_qmm.grouped_qmm(x.astype(mx.float32), raw, qtype, eids, lengths, backend="reference"))
         w = np.abs(np.array(quant_moe.dequantize_mx(raw[eids], qtype, k)))
-    mag = np.abs(np.array(x.astype(mx.float32))) @ w.swapaxes(1, 2)
-    got = np.array(got.astype(mx.float32)).astype(np.float64)
-    rel = 0.0 if dtype == mx.float32 else 2.0**-8  # the output rounded to bfloat16
-    assert np.all(np.abs(got - want) <= k * 2.0**-23 * mag + rel * np.abs(want) + 1e-30)
+    xa = np.abs(np.array(x.astype(mx.float32)))
+    live = np.arange(lay.cap)[None, :] < lay.lengths[pick][:, None]
+    return {
+        "x": x,
+        "raw": raw,
+        "eids": eids,
+        "lengths": lengths,
+        "want": want,
+        "mag": xa @ w.swapaxes(1, 2),
+        "wsum": w.sum(-1)[:, None, :],
+        "xsum": xa.sum(-1)[:, :, None],
+        "live": live,
+    }
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", V4_FLASH_CASES, ids=lambda c: f"{c[0].name}_r{c[1]}_K{c[2]}")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("bank", ["ds4", "Q4_K"])
-def test_gpu_switch_glu_in_blocks_mode(monkeypatch, bank, dtype):
-    """SwitchGLU under DS4MLX_PREFILL_EXPERTS=grouped_blocks on the GPU (every projection one
-    grouped_qmm launch) against the per-pair path on the CPU in float32: a 2,048-token chunk
-    at V4-like proportions (64 experts, top-6, 512 -> 256 -> 512), one hot expert."""
+def test_gpu_equals_reference_at_v4_flash_shapes(case, dtype):
+    """`v4_flash_batches` through the GPU face against the reference face (float32 on the
+    CPU), and the face's first-use self-test."""
+    face = dispatch.gpu_backend()
+    if face is None:
+        pytest.skip("no MLX GPU backend")
+    qtype, rows, k = case
+    assert grouped_qmm._self_test(face, qtype)
+    v = v4_flash_batches(qtype, rows, k, dtype)
+    got = grouped_qmm.grouped_qmm(v["x"], v["raw"], qtype, v["eids"], v["lengths"], backend=face)
+    assert got.dtype == dtype and got.shape == v["want"].shape
+    got = np.array(got.astype(mx.float32)).astype(np.float64)
+    rel = 0.0 if dtype == mx.float32 else 2.0**-8  # the output rounded to bfloat16
+    assert np.all(np.abs(got - v["want"]) <= k * 2.0**-23 * v["mag"] + rel * np.abs(v["want"]) + 1e-30)
+
+
+def glu_on_gpu_vs_cpu(monkeypatch, bank, dtype, mode, mma=False):
+    """SwitchGLU at V4-like proportions (64 experts, top-6, 512 -> 256 -> 512; a 2,048-token
+    chunk, one hot expert): (on the GPU under DS4MLX_PREFILL_EXPERTS=`mode`, as float64; the
+    per-pair path on the CPU in float32), asserting every projection was one grouped_qmm launch
+    of the GPU face (`mma`: its tensor-core variant)."""
     from test_grouped_experts import GGUF_BANKS, _gguf_glu, _routing
 
     face = dispatch.gpu_backend()
@@ -434,13 +475,24 @@ def test_gpu_switch_glu_in_blocks_mode(monkeypatch, bank, dtype):
     finally:
         mx.set_default_device(gpu)
     for qtype in set(GGUF_BANKS[bank]):  # first-use self-tests run before the recording
-        grouped_qmm.face(qtype)
+        assert grouped_qmm.face(qtype, mma) == face
     calls = []
     real = grouped_qmm.grouped_qmm
-    monkeypatch.setattr(grouped_qmm, "grouped_qmm", lambda *a, **kw: calls.append(kw["backend"]) or real(*a, **kw))
-    monkeypatch.setenv(prefill_experts.ENV, "grouped_blocks")
+    monkeypatch.setattr(
+        grouped_qmm,
+        "grouped_qmm",
+        lambda *a, **kw: calls.append((kw["backend"], kw.get("mma", False))) or real(*a, **kw),
+    )
+    monkeypatch.setenv(prefill_experts.ENV, mode)
     got = glu(x.astype(dtype), idx)
-    assert got.dtype == dtype and calls == [face] * 3
-    got = np.array(got.astype(mx.float32)).astype(np.float64)
+    assert got.dtype == dtype and calls == [(face, mma)] * 3
+    return np.array(got.astype(mx.float32)).astype(np.float64), want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bank", ["ds4", "Q4_K"])
+def test_gpu_switch_glu_in_blocks_mode(monkeypatch, bank, dtype):
+    got, want = glu_on_gpu_vs_cpu(monkeypatch, bank, dtype, "grouped_blocks")
     # float32: summation order only; bfloat16: x, the SwiGLU output and y rounded to 8 bits
     assert np.abs(got - want).max() <= (1e-4 if dtype == mx.float32 else 3e-2) * np.abs(want).max()

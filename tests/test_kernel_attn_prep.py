@@ -317,6 +317,101 @@ def test_rows_cuda_face_compiles_with_nvcc(nhi, tmp_path):
     nvcc_compile(tmp_path, mlx_cuda_source(f"attn_prep_rows{n}", h, b, ins, {o: dt for o in kern.output_names}, tmpl))
 
 
+def _emulated_chain_kernel(tmp_path, launches):
+    """A stand-in for ap._chain_kernel(n): the kernel's text with the chain's defines on the g++
+    emulation, with the inputs, template and grid the module passes."""
+    from test_kernel_emulation import emulated_launch
+
+    body = dispatch.sections(ap.SOURCE)["attn_prep"]
+    types = ("TQ", "TKV", "TWN", "TI", "TR")
+    return lambda n: emulated_launch(
+        tmp_path, launches, CPU_TRIG + ap.rows_defines(n, chain=True), body, ap.chain_io(n), float_consts=types
+    )
+
+
+def _chain_problem(n, nh, d, nhi, di, w, seed):
+    k = mx.random.split(mx.random.key(seed), 5)
+    q_b, kv = mx.random.normal((1, n, nh * d), key=k[0]), mx.random.normal((1, n, d), key=k[1])
+    iq = mx.random.normal((1, n, nhi * di), key=k[2]) if nhi else None
+    weight = 1.0 + 0.1 * mx.random.normal((d,), key=k[3])
+    return q_b, kv, weight, mx.random.normal((1, 1, w, d), key=k[4]), iq
+
+
+@pytest.mark.parametrize("nhi", [2, 0])
+@pytest.mark.parametrize("n,start", [(4, 37), (3, 2), (5, 3)])  # wraps the ring of 8; first lap; wraps at 5 / 8
+@pytest.mark.slow_after(1)
+def test_chain_wiring_on_the_cpu_emulation(nhi, n, start, tmp_path, monkeypatch):
+    """attn_prep_chain (a verify's T tokens of one session in one launch) through the module's
+    own inputs, template and grid, the kernel run by the g++ emulation: token t's query, indexer
+    query and ring equal the reference attn_prep of token t over the ring token t - 1 left."""
+    launches = []
+    monkeypatch.setattr(ap, "_chain_kernel", _emulated_chain_kernel(tmp_path, launches))
+    monkeypatch.setattr(ap, "THREADS", 64)
+    rope = make_rope(8, "yarn")
+    nh, d, di, w = 3, 40, 16, 8
+    q_b, kv, weight, ring, iq = _chain_problem(n, nh, d, nhi, di, w, seed=n + start)
+    poss = mx.arange(start, start + n, dtype=mx.int32)
+    kw = dict(heads=nh, index_heads=nhi)
+    got = ap.attn_prep_chain(q_b, kv, weight, ring, poss, rope, 1e-6, iq, **kw, backend="cuda")
+    assert got is not None and len(launches) == 1 and launches[0][1][1] == n
+    assert nhi or got[2] is None
+    for t, want in enumerate(ap.chain_reference(q_b, kv, weight, ring, poss, rope, 1e-6, iq, **kw)):
+        row = slice(t, t + 1)
+        mine = [got[0][row], got[1][t]] + ([got[2][row]] if nhi else [])
+        for g, w_ in zip(mine, want):
+            assert g.shape == w_.shape
+            np.testing.assert_allclose(np.array(g), np.array(w_), rtol=1e-5, atol=1e-5)
+
+
+def test_chain_declines_what_one_launch_cannot_take():
+    """One token, or more tokens than the ring has slots (two would share one): None, the
+    caller's per-token launches."""
+    rope = make_rope(8, "yarn")
+    for n, w in ((1, 8), (5, 4)):
+        q_b, kv, weight, ring, _ = _chain_problem(n, 3, 40, 0, 16, w, seed=1)
+        poss = mx.arange(9, 9 + n, dtype=mx.int32)
+        assert ap.attn_prep_chain(q_b, kv, weight, ring, poss, rope, 1e-6, heads=3, backend="cuda") is None
+
+
+def test_chain_self_test_passes_on_the_cpu_emulation(tmp_path, monkeypatch):
+    """The chain's first-use self-test on the emulation: it passes, and fails for a kernel that
+    gives every token the first token's ring (each token's ring must hold the tokens before it)."""
+    launches = []
+    emulated = _emulated_chain_kernel(tmp_path, launches)
+    monkeypatch.setattr(ap, "_chain_kernel", emulated)
+    monkeypatch.setattr(ap, "THREADS", 64)
+    rope = make_rope(8, "yarn")
+    assert ap._chain_self_test("cuda", rope) and launches
+
+    def first_ring(n):
+        launch = emulated(n)
+
+        def run(face, **kw):
+            out = launch(face, **kw)
+            return [out[0], *[out[1]] * n, out[-1]]
+
+        return run
+
+    monkeypatch.setattr(ap, "_chain_kernel", first_ring)
+    assert not ap._chain_self_test("cuda", rope)
+
+
+@pytest.mark.parametrize("nhi", [64, 0])
+@pytest.mark.slow_after(1)
+def test_chain_cuda_face_compiles_with_nvcc(nhi, tmp_path):
+    """attn_prep_chain for 4 tokens at V4 Flash shapes (bfloat16), compiled by nvcc for sm_90
+    with warnings as errors."""
+    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+
+    dt, n = "bfloat16", 4
+    kern = ap._chain_kernel(n)
+    h, b = kern.source("cuda")
+    ins = {name: dt for name in kern.input_names}
+    ins.update(freqs="float32", prm="float32", poss="int32")
+    tmpl = _nvcc_template(dt, dt, dt, nhi)
+    nvcc_compile(tmp_path, mlx_cuda_source(f"attn_prep_chain{n}", h, b, ins, {o: dt for o in kern.output_names}, tmpl))
+
+
 def _gpu_face():
     face = dispatch.gpu_backend()
     if face is None:
@@ -382,6 +477,33 @@ def test_gpu_rows_self_test_passes(kind):
     """attn_prep_rows (dispatch.UNVERIFIED_KERNELS until this passes on the device)."""
     face = _gpu_face()
     assert ap._rows_self_test(face, make_rope(64, kind))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["plain", "yarn"])
+def test_gpu_chain_self_test_passes(kind):
+    """attn_prep_chain (dispatch.UNVERIFIED_KERNELS until this passes on the device)."""
+    face = _gpu_face()
+    assert ap._chain_self_test(face, make_rope(64, kind))
+
+
+@pytest.mark.gpu
+def test_gpu_chain_matches_reference_at_v4_shapes():
+    """attn_prep_chain of 4 tokens at V4 Flash's sliding-layer shapes (64 heads of 512, window
+    128, rope 64) across the ring's wrap, against the float32 reference chain."""
+    face = _gpu_face()
+    rope, n = make_rope(64, "yarn"), 4
+    q_b, kv, weight, ring, _ = _chain_problem(n, 64, 512, 0, 128, 128, seed=5)
+    poss = mx.arange(2046, 2046 + n, dtype=mx.int32)  # slots 126, 127, 0, 1
+    got = ap.attn_prep_chain(q_b, kv, weight, ring, poss, rope, 1e-6, heads=64, backend=face)
+    with mx.stream(mx.cpu):
+        want = ap.chain_reference(q_b, kv, weight, ring, poss, rope, 1e-6, heads=64)
+    ulp_pos = 2.0 ** (np.floor(np.log2(2049)) - 23)  # the float32 angle's error (test_gpu_face_matches_reference)
+    for t, (wq, wring, _) in enumerate(want):
+        for g, x in ((got[0][t : t + 1], wq), (got[1][t], wring)):
+            x32 = np.array(x)
+            tol = bound(x32) + ulp_pos * np.max(np.abs(x32), axis=-1, keepdims=True)
+            assert np.all(np.abs(np.array(g) - x32) <= tol)
 
 
 # ------------------------------------------------------------------ first-use self-test (a simulated GPU face, CPU)

@@ -151,6 +151,64 @@ def test_rows_self_test_on_the_cpu_emulation(tmp_path, small_threadgroups):
     assert not apl._rows_self_test("cuda")
 
 
+def _emulated_chain_kernel(tmp_path, launches):
+    """A stand-in for apl._chain_kernel(n, tokens): the chain's text on the g++ emulation."""
+
+    def kernel(n, tokens):
+        header, body = apl.shared_text(n, tokens, chain=True)
+        io = apl.io(n, tokens, chain=True)
+        return emulated_launch(tmp_path, launches, CPU_TRIG + header, body, io, float_consts=_TYPES)
+
+    return kernel
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
+@pytest.mark.parametrize("tokens,start", [(5, None), (4, 0), (3, 5)])
+@pytest.mark.slow_after(1)
+def test_chain_on_the_cpu_emulation(n, tokens, start, tmp_path, small_threadgroups):
+    """attn_prologue_chain (a verify's T tokens of one compressed layer in one launch) through
+    the module's own inputs, template and grid, the kernel run by the g++ emulation: token t's
+    query, ring, indexer query and every compressor state equal attn_prologue's reference run
+    token after token (the chain across one or two window ends, from the first position, from
+    a window's middle)."""
+    launches = []
+    small_threadgroups.setattr(apl, "_chain_kernel", _emulated_chain_kernel(tmp_path, launches))
+    args, comps, poss = apl.chain_self_test_problem(n, mx.float32, tokens)
+    if start is not None:
+        poss = mx.arange(start, start + tokens, dtype=mx.int32)
+    got = apl.attn_prologue_chain(**args, comps=comps, poss=poss, backend="cuda")
+    want = apl.attn_prologue_chain(**args, comps=comps, poss=poss, backend="reference")
+    assert len(launches) == 1 and launches[0][1][1] == tokens and len(got) == len(want) == tokens
+    for t, (g, w) in enumerate(zip(got, want)):
+        assert len(_flat(g)) == len(_flat(w)) == 3 - (n == 1) + sum(len(c.state) for c in comps)
+        for i, (x, y) in enumerate(zip(_flat(g), _flat(w))):
+            assert x.shape == y.shape, (t, i)
+            np.testing.assert_allclose(np.array(x), np.array(y), rtol=1e-5, atol=1e-5, err_msg=f"token {t}, output {i}")
+
+
+def test_chain_self_test_on_the_cpu_emulation(tmp_path, small_threadgroups):
+    """The chain's first-use self-test (float32 on the emulation, as above): it passes, and
+    fails for a kernel that gives every token the first token's compressor states."""
+    small_threadgroups.setattr(apl, "SELF_TEST_DTYPES", apl.SELF_TEST_DTYPES[:1])
+    launches = []
+    emulated = _emulated_chain_kernel(tmp_path, launches)
+    small_threadgroups.setattr(apl, "_chain_kernel", emulated)
+    assert apl._chain_self_test("cuda") and launches
+
+    def first_state(n, tokens):
+        launch = emulated(n, tokens)
+
+        def run(face, **kw):
+            out = launch(face, **kw)
+            head, rest = out[: 2 + tokens], out[2 + tokens :]
+            return head + [rest[k - k % tokens] for k in range(len(rest))]  # each name's token-0 output
+
+        return run
+
+    small_threadgroups.setattr(apl, "_chain_kernel", first_state)
+    assert not apl._chain_self_test("cuda")
+
+
 @pytest.mark.parametrize("behaviour", ["raise", "garbage"])
 def test_bad_face_falls_back_to_the_separate_launches(fake_gpu, behaviour):
     """A face that does not compile or computes garbage fails the first-use self-test: the
@@ -181,17 +239,19 @@ def test_sources_share_the_two_kernels_text():
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 
-@pytest.mark.parametrize("dtype,rows", [("float32", 1), ("bfloat16", 1), ("bfloat16", 4)])
+@pytest.mark.parametrize(
+    "dtype,rows,chain", [("float32", 1, False), ("bfloat16", 1, False), ("bfloat16", 4, False), ("bfloat16", 4, True)]
+)
 @pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
 @pytest.mark.slow_after(1)
-def test_cuda_face_compiles_with_nvcc(n, dtype, rows, tmp_path):
+def test_cuda_face_compiles_with_nvcc(n, dtype, rows, chain, tmp_path):
     """The CUDA translation unit mx.fast.cuda_kernel builds at V4 Flash shapes (64 heads of 512,
     window 128, rope 64; CSA: ratio 4, the indexer's 64 x 128 query and its 128-wide compressor;
-    HCA: ratio 128), projections in float32, one row and 4 sessions' rows, for sm_90 with
-    warnings as errors."""
+    HCA: ratio 128), projections in float32, one row, 4 sessions' rows and a 4-token chain, for
+    sm_90 with warnings as errors."""
     f, i32 = "float32", "int32"
-    h, b = apl.kernel_sources("cuda", n, rows)
-    in_names, out_names = apl.io(n, rows)
+    h, b = apl.kernel_sources("cuda", n, rows, chain)
+    in_names, out_names = apl.io(n, rows, chain)
     kinds = dict(kv_w=f, freqs=f, prm=f, step_pos=i32, poss=i32)
     ins = {name: kinds.get(name, dtype) for name in in_names if not name.startswith("c")}
     outs = {name: dtype for name in out_names if not name.startswith("c")}
@@ -209,7 +269,8 @@ def test_cuda_face_compiles_with_nvcc(n, dtype, rows, tmp_path):
         tmpl += [(p + "M", ratio), (p + "D", dim), (p + "OVERLAP", overlap), (p + "ROPE", 64), (p + "PER", cs.PER)]
         tmpl += [(p.upper() + "TGS", 9)]
     assert list(ins) == in_names and list(outs) == out_names
-    nvcc_compile(tmp_path, mlx_cuda_source(f"attn_prologue{n}_rows{rows}", h, b, ins, outs, tmpl))
+    name = f"attn_prologue{n}_{'chain' if chain else 'rows'}{rows}"
+    nvcc_compile(tmp_path, mlx_cuda_source(name, h, b, ins, outs, tmpl))
 
 
 def _base(name: str) -> str:
@@ -219,6 +280,9 @@ def _base(name: str) -> str:
 
 
 # ------------------------------------------------------------------ the compiled decode step through the launch
+
+
+STATE_IN = [name.removesuffix("_out") for name in cs.OUTPUTS]  # a compressor's state inputs, in its outputs' order
 
 
 class StandInKernel:
@@ -294,6 +358,37 @@ class StandInKernel:
                 iq = mx.concatenate(iqs) if t["NHI"] else mx.zeros(output_shapes[1 + rows], output_dtypes[1 + rows])
                 out = [mx.concatenate([r[0] for r in per_row]), *[r[1] for r in per_row], iq]
                 out += [r[3 + k] for k in range(5 * n) for r in per_row]  # name by name, row by row
+            assert [tuple(o.shape) for o in out] == [tuple(s) for s in output_shapes]
+            assert [o.dtype for o in out] == list(output_dtypes)
+            return out
+
+        return launch
+
+    def chain(self, n, tokens):
+        """A stand-in for `_chain_kernel(n, tokens)`: token t's outputs from the one-row
+        reference over the ring and states token t - 1's left (the chain's meaning)."""
+
+        def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            self.calls += 1
+            self.rows.append(tokens)
+            a, t = dict(zip(apl.io(n, tokens, chain=True)[0], inputs)), dict(template)
+            assert grid == ((t["AP_TGS"] + sum(t[f"C{i}_TGS"] for i in range(n))) * apl.THREADS, tokens, 1)
+            ring, states = a["ring"], [[a[f"c{i}_{k}"] for k in STATE_IN] for i in range(n)]
+            per_token = []
+            for r in range(tokens):
+                one = dict(q=a[f"q_{r}"], kv=a[f"kv_{r}"], kv_w=a["kv_w"], ring=ring, iq=a[f"iq_{r}"])
+                one.update(freqs=a["freqs"], prm=a["prm"], step_pos=a["poss"][r])
+                for i in range(n):
+                    p = f"c{i}_"
+                    one.update({p + k: a[p + k] for k in ("bias", "weight", "periods", "prm", "meta")})
+                    one.update({p + k: v for k, v in zip(STATE_IN, states[i])})
+                    one.update({p + "kv": a[f"{p}kv_{r}"], p + "gate": a[f"{p}gate_{r}"]})
+                out = self._one(one, t, n)
+                ring, states = out[1], [out[3 + 5 * i : 8 + 5 * i] for i in range(n)]
+                per_token.append(out)
+            iq = mx.concatenate([r[2] for r in per_token]) if t["NHI"] else mx.zeros(output_shapes[1 + tokens], output_dtypes[1 + tokens])  # fmt: skip
+            out = [mx.concatenate([r[0] for r in per_token]), *[r[1] for r in per_token], iq]
+            out += [r[3 + k] for k in range(5 * n) for r in per_token]  # name by name, token by token
             assert [tuple(o.shape) for o in out] == [tuple(s) for s in output_shapes]
             assert [o.dtype for o in out] == list(output_dtypes)
             return out
@@ -381,6 +476,43 @@ def test_batched_rows_through_the_launch_match_legacy(v4_model, monkeypatch):
     assert fake.calls and set(fake.rows) == {2}
 
 
+def test_verify_chain_through_the_launch_matches_plain_steps(v4_model, monkeypatch):
+    """A speculative verify's rows (`Session.verify`, the compiled step's chain): each
+    compressed layer's prologue goes through one attn_prologue_chain launch (the stand-in) for
+    all the rows, row t over the state row t - 1 left; the rows' logits within 1e-4 of plain
+    steps, across window ends and buckets."""
+    lm, ids = v4_model
+    monkeypatch.setattr(row_cache, "MIN_BUCKET", 4)
+    monkeypatch.setattr(sparse, "FORCE_FACE", "reference")
+    n = 40
+    plain = lm.new_session(ctx=n + 8)
+    plain.prefill(ids[:PREFILL])
+    want = np.stack([plain.decode(t) for t in ids[PREFILL:n]])
+    fake = StandInKernel(list(lm.model.model.ropes().values()))
+    real = apl.attn_prologue_chain
+
+    def chain_on_cuda(*a, backend=None, **k):  # the sliding layers' attn_prep_chain stays on the reference
+        return real(*a, backend="cuda" if a[8] else "reference", **k)
+
+    monkeypatch.setattr(deepseek_v4, "attn_prologue_chain", chain_on_cuda)
+    monkeypatch.setattr(apl, "_chain_kernel", fake.chain)
+    stepper.forget(lm.model)
+    try:
+        s = lm.new_session(ctx=n + 8)
+        s.prefill(ids[:PREFILL])
+        got, pos = [s.decode(ids[PREFILL])[None]], PREFILL + 1
+        for k in (3, 1, 4, 2, 3, 4, 2, 1, 4):
+            if pos + k + 1 > n:
+                break
+            got.append(np.array(s.verify(ids[pos : pos + k + 1])))
+            pos += k + 1
+    finally:
+        stepper.forget(lm.model)
+    got = np.concatenate(got)
+    assert fake.calls and set(fake.rows) == {2, 3, 4, 5}
+    assert maxdiff(got, want[: len(got)]) <= 1e-4
+
+
 # ------------------------------------------------------------------ GPU faces
 
 
@@ -390,3 +522,76 @@ def test_gpu_self_test_passes():
     if face is None:
         pytest.skip("no MLX GPU backend")
     assert apl._self_test(face)
+
+
+@pytest.mark.gpu
+def test_gpu_chain_self_test_passes():
+    """attn_prologue_chain (dispatch.UNVERIFIED_KERNELS' attn_prologue.chain until this passes
+    on the device): five tokens across window ends, HCA and CSA, float32 and bfloat16."""
+    face = dispatch.gpu_backend()
+    if face is None:
+        pytest.skip("no MLX GPU backend")
+    assert apl._chain_self_test(face)
+
+
+def v4_chain_problem(n_comps: int, tokens: int):
+    """attn_prologue_chain's arguments at V4 Flash's compressed-layer shapes (64 heads of 512,
+    window 128, rope 64; CSA: ratio 4, the indexer's 64 x 128 query and its 128-wide
+    compressor; HCA: ratio 128), float32: (args, comps, poss), the tokens across a window end
+    and the ring's wrap."""
+    from ds4mlx.models.layers import RoPE
+
+    specs = [(4, 512, True, 64), (4, 128, True, 64)] if n_comps == 2 else [(128, 512, False, 16)]
+    comps = []
+    for j, (ratio, dim, overlap, cap) in enumerate(specs):
+        _, _, state, bias, norm, crope = cs.random_problem(ratio, dim, 64, overlap, cap, 1.0, mx.float32, seed=j)
+        k = mx.random.split(mx.random.key(40 + j), 2)
+        width = (2 if overlap else 1) * dim
+        kv, gate = (mx.random.normal((1, tokens, width), key=x) for x in k)
+        comps.append(apl.CompressorJob(kv, gate, state, bias, norm, crope, ratio))
+    k = mx.random.split(mx.random.key(50), 5)
+    nhi = 64 if n_comps == 2 else 0
+    args = dict(
+        q_b=mx.random.normal((1, tokens, 64 * 512), key=k[0]),
+        kv=mx.random.normal((1, tokens, 512), key=k[1]),
+        kv_weight=1.0 + 0.1 * mx.random.normal((512,), key=k[2]),
+        ring=mx.random.normal((1, 1, 128, 512), key=k[3]),
+        rope=RoPE(64, 1.0 / (10000.0 ** (mx.arange(0, 64, 2, dtype=mx.float32) / 64)), 1.0),
+        eps=1e-6,
+        index_q_b=mx.random.normal((1, tokens, 64 * 128), key=k[4]) if nhi else None,
+        heads=64,
+        index_heads=nhi,
+    )
+    return args, comps, mx.arange(126, 126 + tokens, dtype=mx.int32)  # slots 126, 127, 0, 1; a window ends at 127
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
+def test_chain_at_v4_shapes_on_the_cpu_emulation(n, tmp_path, small_threadgroups):
+    """The GPU test's problem below (V4 Flash's shapes) through the chain's text on the g++
+    emulation (64-thread groups): every token's outputs as attn_prologue's token after token."""
+    launches = []
+    small_threadgroups.setattr(apl, "_chain_kernel", _emulated_chain_kernel(tmp_path, launches))
+    args, comps, poss = v4_chain_problem(n, 4)
+    got = apl.attn_prologue_chain(**args, comps=comps, poss=poss, backend="cuda")
+    want = apl.attn_prologue_chain(**args, comps=comps, poss=poss, backend="reference")
+    assert len(launches) == 1 and len(got) == len(want) == 4
+    for t, (g, w) in enumerate(zip(got, want)):
+        assert apl._all_close(g, w, 1e-3), t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
+def test_gpu_chain_matches_token_by_token_at_v4_shapes(n):
+    """attn_prologue_chain of 4 tokens at V4 Flash's shapes on the GPU face against
+    attn_prologue token after token on the reference face (float32)."""
+    face = dispatch.gpu_backend()
+    if face is None:
+        pytest.skip("no MLX GPU backend")
+    args, comps, poss = v4_chain_problem(n, 4)
+    got = apl.attn_prologue_chain(**args, comps=comps, poss=poss, backend=face)
+    with mx.stream(mx.cpu):
+        want = apl.attn_prologue_chain(**args, comps=comps, poss=poss, backend="reference")
+    assert len(got) == len(want) == 4
+    for t, (g, w) in enumerate(zip(got, want)):
+        assert apl._all_close(g, w, 1e-3), t

@@ -149,7 +149,7 @@ def test_reference_face_equals_the_dynamic_pool(overlap, dtype):
     xs = mx.random.normal((1, 3 * ratio + 2, hidden), key=mx.random.key(4)).astype(dt)
     for t in range(xs.shape[1]):
         x = xs[:, t : t + 1]
-        live = comp.pool(x, dyn, t)
+        live = comp.pool(comp.kv_proj(x), comp.gate_proj(x), dyn, t)
         st.reserve(t // ratio + 1)
         new, rows, valid = comp.pool_step(
             comp.kv_proj(x), comp.gate_proj(x), mx.array(t, mx.int32), iter(st.static_arrays())

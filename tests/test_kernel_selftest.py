@@ -131,7 +131,7 @@ def test_every_unverified_kernel_is_a_self_tested_launch():
     text = "\n".join(p.read_text(encoding="utf-8") for p in Path(dispatch.__file__).parent.glob("*.py"))
     named = set(re.findall(r'auto_face\(\s*"([\w.]+)"', text))
     named |= set(quant_moe.MOE_KERNELS.values()) | set(quant_moe.DEQUANT_KERNELS.values())
-    named |= set(grouped_qmm.GROUPED_KERNELS.values())
+    named |= set(grouped_qmm.GROUPED_KERNELS.values()) | set(grouped_qmm.MMA_KERNELS.values())
     # sparse_attention's launches self-test through `_verified(kind)` -> auto_face("sparse_attention.<kind>")
     named |= {"sparse_attention." + k for k in re.findall(r'_verified\(\s*"(\w+)"', text)}
     assert dispatch.UNVERIFIED_KERNELS <= named, sorted(dispatch.UNVERIFIED_KERNELS - named)

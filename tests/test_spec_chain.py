@@ -22,7 +22,8 @@ from mlx.utils import tree_map
 
 from ds4mlx.bench.census import decode_census
 from ds4mlx.bench.synthetic import build_synthetic_v4_flash
-from ds4mlx.kernels import sparse_attention
+from ds4mlx.kernels import attn_prologue, sparse_attention
+from ds4mlx.models import deepseek_v4
 from ds4mlx.models.layers import set_activation_dtype
 from ds4mlx.runtime import stepper
 
@@ -33,7 +34,6 @@ from parity_helpers import load_case, maxdiff  # noqa: E402
 from spec_helpers import compiled_small_buckets  # noqa: E402, F401  (autouse)
 
 TOL = 1e-4
-PER_EXTRA_ROW = 5  # launches per extra verify token on the 4-layer census model (was 9, then 8)
 
 
 @pytest.fixture(scope="module")
@@ -56,18 +56,41 @@ def test_verify_chain_shares_the_steps_weight_launches(census_model, tokens, mon
     # (o_b and the MoE's down with the next mHC site: kernels/qmv_hc.py)
     for name in ("ds4mlx_affine_qmv[MODE=0]", "ds4mlx_affine_qmv2_gu[MODE=3]", "ds4mlx_affine_qmv2_down[MODE=4]"):
         assert k[name] == k1[name]
-    for name in ("ds4mlx_affine_qmv_hc[MODE=0]", "ds4mlx_affine_qmv2_down_hc[MODE=4]", "ds4mlx_hc_dots_pre"):
+    for name in ("ds4mlx_affine_qmv2_down_hc[MODE=4]", "ds4mlx_hc_dots_pre"):
         assert k[name] == k1[name]
+    # one token's router runs inside o_b's launch (kernels/qmv_hc_route.py); the rows' in one launch a layer
+    layers = k1["ds4mlx_affine_qmv_hc_route[MODE=0]"]
+    assert k["ds4mlx_affine_qmv_hc[MODE=0]"] == k["ds4mlx_moe_fold"] == layers and "ds4mlx_moe_fold" not in k1
     assert k[f"ds4mlx_attend_rows{tokens}"] == 4 and "ds4mlx_attend" not in k  # the rows' attention: one launch
     # the CSA layer's indexer over every row in one launch
     assert k[f"ds4mlx_index_topk_rows{tokens}"] == 1 and "ds4mlx_index_topk" not in k
-    # per row still: each layer's prologue, the compressed layers' compressor steps fused in it
-    # (attn_prologue; the ring and window buffers chain row to row)
-    for name in ("ds4mlx_attn_prep", "ds4mlx_attn_prologue1", "ds4mlx_attn_prologue2"):
-        assert k[name] == k1[name] * tokens
+    # every layer's prologue: one launch for the chain's rows, row t's ring and compressor states
+    # those after rows 0..t (the sliding layers' attn_prep_chain, the compressed layers'
+    # attn_prologue_chain with their compressor steps in it)
+    assert k[f"ds4mlx_attn_prep_chain{tokens}"] == k1["ds4mlx_attn_prep"] and "ds4mlx_attn_prep" not in k
+    for name in ("ds4mlx_attn_prologue1", "ds4mlx_attn_prologue2"):
+        assert k[f"{name}_chain{tokens}"] == k1[name] and name not in k
     assert "ds4mlx_compressor_step" not in k
+    # every row's attention and indexer metas: one multiply-add over the rows' positions, as one step's
+    metas = lambda c: sum(v for name, v in c["mlx"].items() if name.endswith("MultiplyAdd"))  # noqa: E731
+    assert metas(chain) == metas(one) == 1
     assert not chain["fills"]
-    assert chain["total"] <= one["total"] + PER_EXTRA_ROW * (tokens - 1)
+    assert chain["total"] == one["total"] + layers  # a verify of any length: one step's launches and the routers
+
+
+@pytest.mark.usefixtures("cpu_unless_gpu_test")
+def test_verify_chain_census_pinned(census_model):
+    """The chain's launch count on the 4-layer census model (CSA, HCA, 2 sliding), with
+    qmv_hc's default (its rows wait for their GPU test: o_b and the MoE's down apart from the
+    mHC site, as in the batched step) and as once they pass: a verify of 4 tokens costs 54 and
+    47 launches against one step's 43, whose router runs inside o_b's launch (69 and 62 before the
+    prologues and the metas ran once for the chain)."""
+    from ds4mlx.kernels import qmv_hc
+
+    assert decode_census(census_model, 2048, chain=4)["total"] <= 54
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qmv_hc, "AUTO_ROWS", 8)
+        assert decode_census(census_model, 2048, chain=4)["total"] <= 47
 
 
 def _bf16_weights(lm):
@@ -103,6 +126,13 @@ def v4(request, oracle, monkeypatch):
         return [real(q, w, kk, k, n=n, s=p, **kw) for q, w, kk, n, p in zip(qs, ws, keys, ns, poss)]
 
     monkeypatch.setattr(sparse_attention, "index_topk_rows", rows_reference)
+
+    def chain_reference(*args, **kw):
+        calls.append(("attn_prologue_chain", len(args[8])))  # (the chain's compressors)
+        return attn_prologue.attn_prologue_chain(*args, **{**kw, "backend": "reference"})
+
+    # the kernel's meaning (test_kernel_attn_prologue): each row over the state the row before it left
+    monkeypatch.setattr(deepseek_v4, "attn_prologue_chain", chain_reference)
     return lm, ref["input_ids"][0].tolist(), calls
 
 
@@ -122,6 +152,9 @@ def test_chain_logits_equal_plain_steps(v4):
         pos += k + 1
     got = np.concatenate(got)
     assert maxdiff(got, want[: len(got)]) <= TOL
+    # every layer's chain launch was taken: sliding (no compressor), HCA (one), CSA (two)
+    assert {c[1] for c in calls if c[0] == "attn_prologue_chain"} == {0, 1, 2}
+    calls = [c for c in calls if c[0] != "attn_prologue_chain"]
     # the rows' indexer launch was taken, every row over one (the last row's) indexer rows
     chained = [c for c in calls if c[0] > 1]
     assert chained and all(distinct == 1 for _, distinct in chained)

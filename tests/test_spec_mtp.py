@@ -24,6 +24,7 @@ import pytest
 from ds4mlx.speculative.mtp import MTPDrafter, random_head
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from parity_helpers import load_case  # noqa: E402
 from spec_helpers import (
     compiled_small_buckets,  # noqa: E402, F401  (autouse)
@@ -95,6 +96,63 @@ def test_mtp_chunked_catch_up_equals_one_forward(v4):
         head(streams[:, a:b], nxt[:, a:b], backbone.embed_tokens, c)[1] for a, b in ((0, 7), (7, 8), (8, 20), (20, 29))
     ]
     assert np.abs(np.array(mx.concatenate(parts, axis=1)) - np.array(one)).max() <= 1e-4
+
+
+def test_the_heads_compiled_step_equals_its_forward(v4):
+    """The head's compiled static `step` (the block as the target's decode step runs a layer)
+    gives `__call__`'s streams and hidden states: a round's catch-up of a few positions (a
+    chain), and recursive positions one at a time, past the ring's wrap; a long catch-up (the
+    first after a prefill) takes the forward."""
+    lm, ids = v4
+    head = random_head(lm.model.args, seed=8)
+    backbone = lm.model.model
+    got = []
+    backbone.stream_hook = lambda x, start: got.append(x)
+    n = head.window + 48
+    try:
+        lm.model(mx.array([ids[: n + 1]], mx.int32))
+    finally:
+        backbone.stream_hook = None
+    streams, nxt, embed = got[0], mx.array([ids[1 : n + 1]], mx.int32), backbone.embed_tokens
+    caches, at = (head.make_cache(), head.make_cache()), 0
+
+    def both(x, tok):
+        want = head(x, tok, embed, caches[0])
+        step = head.step(x, tok, embed, caches[1])
+        for g, w in zip(step, want):
+            assert g.shape == w.shape and np.abs(np.array(g) - np.array(w)).max() <= 1e-4, (x.shape, at)
+        return want[0][:, -1:]
+
+    # propose's rounds: a catch-up over the positions the target verified, then recursive drafts
+    for T, drafts in ((head.CHAIN_MAX + 3, 2), (3, 2), (1, 0), (4, 2), (2, 1), (head.CHAIN_MAX, 2), (5, 2)):
+        x = both(streams[:, at % n : at % n + T], nxt[:, at % n : at % n + T])
+        at += T
+        for _ in range(drafts):
+            x = both(x, nxt[:, at % n : at % n + 1])
+            at += 1
+    assert caches[0].offset == caches[1].offset == at > head.window
+    assert callable(head._step)  # the static step ran: no fall-back to the forward
+
+
+@pytest.mark.parametrize("positions", [1, 4])
+def test_a_draft_position_costs_a_tenth_of_a_step(positions):
+    """The head's step counted as on CUDA (ds4mlx.bench.census): its block's launches as one
+    target layer's (one attention prologue, one attention: no MLX attention ops), 38 in all
+    with the output head on the 4-layer census model (154 when the head ran its block as a
+    prefill chunk), under a tenth of the 43-layer step's 418; a round's catch-up over 4
+    positions as many (the block's rows chained as a verify's)."""
+    from launch_census import NARROW
+
+    from ds4mlx.bench.census import mtp_census
+    from ds4mlx.bench.synthetic import build_synthetic_v4_flash
+
+    model, _, _ = build_synthetic_v4_flash(layers=4, experts=16, overrides=NARROW)
+    c = mtp_census(model, 2048, positions)
+    rows = "" if positions == 1 else f"_chain{positions}"
+    assert c["kernels"][f"ds4mlx_attn_prep{rows}"] == 1
+    assert c["kernels"]["ds4mlx_attend" + ("" if positions == 1 else f"_rows{positions}")] == 1
+    assert not {"Softmax", "Concatenate", "ArgPartition"} & set(c["mlx"])
+    assert c["total"] <= 38 < 418 / 10
 
 
 @pytest.mark.parametrize("depth", [1, 3])

@@ -13,7 +13,9 @@
 #                      (tools/decode_before_after.py), with the compiled step's launches per token
 #   prefill            `ds4mlx bench` prefill 2K..32K per format in FORMATS at each chunk in CHUNKS
 #                      (2048), then the prefill profile at 512 / 2,048-token chunks
-#   prefill-experts    one layer's routed experts at prefill: grouped GEMMs vs per pair (PE_CHUNKS; PE_ARGS, e.g. --split: GGUF dequant, GEMM and grouped_qmm apart)
+#   prefill-experts    one layer's routed experts at prefill: grouped GEMMs (GGUF: dequantized slices, grouped_blocks,
+#                      grouped_blocks_mma side by side) vs per pair (PE_CHUNKS; PE_ARGS, e.g. --split: GGUF dequant, GEMM
+#                      and grouped_qmm (float32 FMA, mma) apart)
 #   kernels            `python -m ds4mlx.bench.kernels` $KERNELS_ARGS (default: --qmv --qmv-rows
 #                      --qmoe, the micro / layer / model tables off)
 #   kernels-model      the 43-layer model with the kernels on vs off, per format in FORMATS

@@ -11,7 +11,8 @@ device (packed words / blocks directly: no float bank), bf16 activations (`--dty
 Per format and chunk: `grouped` (DS4MLX_PREFILL_EXPERTS=grouped: models/grouped_experts.py;
 MLX affine: gather_qmm with M = cap), for MLX formats `grouped-dequant` (the same batches,
 the experts dequantized in slices + cuBLAS: grouped_experts.AFFINE_VIA_DEQUANT), for `gguf`
-`grouped_blocks` (the same batches multiplied on the GGUF blocks: kernels/grouped_qmm.py), then
+`grouped_blocks` (the same batches multiplied on the GGUF blocks: kernels/grouped_qmm.py) and
+`grouped_blocks_mma` (the same on tensor cores: grouped_qmm's mma variant), then
 `gather_qmm` (today's path: one M = 1 product per (token, expert) pair), each one
 SwitchGLU call evaluated and synchronised, median of `--iters` after a warm-up; ms,
 TFLOP/s (2 x pairs x (4096 x 4096 + 2048 x 4096) multiply-adds), the peak memory above
@@ -136,11 +137,12 @@ def split_gguf(glu, case: dict, dtype, iters: int) -> None:
             f"  {name}: batched GEMM [{s}x{cap}x{k}] @ [{k}x{out}] {gms:.2f} ms ({2 * s * cap * k * out / gms / 1e9:.1f} TFLOP/s)"
         )
         w = None
-        qms = timed(lambda: grouped_qmm.grouped_qmm(x, lin.weight, lin.qtype, ids), iters)
-        say(
-            f"  {name}: grouped_qmm on the blocks, same product, {qms:.2f} ms ({2 * s * cap * k * out / qms / 1e9:.1f} TFLOP/s; "
-            f"the dequant + GEMM above: {ms + gms:.2f} ms)"
-        )
+        for mma in (False, True):
+            qms = timed(lambda mma=mma: grouped_qmm.grouped_qmm(x, lin.weight, lin.qtype, ids, mma=mma), iters)
+            say(
+                f"  {name}: grouped_qmm{' mma' if mma else ''} on the blocks, same product, {qms:.2f} ms "
+                f"({2 * s * cap * k * out / qms / 1e9:.1f} TFLOP/s; the dequant + GEMM above: {ms + gms:.2f} ms)"
+            )
         x = None
 
 
@@ -187,7 +189,7 @@ def main(argv=None) -> int:
         peak = (mx.get_peak_memory() - base) / 2**30
         case["outs"][mode] = out
         say(
-            f"  chunk {case['chunk']:5d} {mode:15s} {ms:9.2f} ms  {case['flop'] / ms / 1e9:7.2f} TFLOP/s"
+            f"  chunk {case['chunk']:5d} {mode:18s} {ms:9.2f} ms  {case['flop'] / ms / 1e9:7.2f} TFLOP/s"
             f"  peak +{peak:.2f} GiB"
         )
 
@@ -213,7 +215,9 @@ def main(argv=None) -> int:
             cases.append({"chunk": chunk, "x": x, "idx": idx, "flop": flop, "outs": {}})
         if a.split and fmt == "gguf":
             split_gguf(glu, cases[-1], dtype, a.iters)
-        modes = ["grouped"] + (["grouped-dequant"] if fmt.startswith("mlx") else ["grouped_blocks"])
+        modes = ["grouped"] + (
+            ["grouped-dequant"] if fmt.startswith("mlx") else ["grouped_blocks", "grouped_blocks_mma"]
+        )
         for case in cases:  # the new paths first, every chunk: today's may fail (GGUF untried here)
             for mode in modes:
                 run(glu, case, mode)

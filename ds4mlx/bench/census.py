@@ -94,6 +94,32 @@ def decode_census(model, ctx: int, rows: int = 1, chain: int = 0) -> dict:
             ops = graph_primitives([*out, *[a for t in sessions for a in t.cache_arrays()]])
         finally:
             stepper.forget(s.model)
+    return _counts(seen, ops, len(s.caches))
+
+
+def mtp_census(model, ctx: int, positions: int = 1) -> dict:
+    """One recursive draft position of a random MTP head of `model` (speculative/mtp.py: the
+    head's compiled `step` at position ctx - 1, then the output head), or a round's catch-up
+    over `positions` (the step's chain, the output head on the last), counted as
+    `decode_census` counts a step ("layers": 1, the head's block)."""
+    from ..runtime.forward_context import ForwardContext
+    from ..speculative.mtp import random_mtp_drafter
+
+    drafter = random_mtp_drafter(model)
+    head, embed = drafter.head, drafter.backbone.embed_tokens
+    cache = head.make_cache()
+    cache.offset = ctx - positions  # a census shortcut, as decode_census's: the ring's contents do not count
+    streams = mx.zeros((1, positions, head.args.hc_mult, head.args.hidden_size), drafter.model.static_dtype())
+    at = ForwardContext.decode([cache.offset]) if positions == 1 else ForwardContext.chain(cache.offset, positions)
+    with cuda_placeholders() as seen:
+        state = cache.static_state(streams.dtype, positions)
+        step = mx.compile(lambda *a: head.static_step(embed, *a))  # `step`'s trace, its outputs left lazy
+        x, hid, *new = step(streams, mx.array([[5] * positions], mx.int32), at.pos_array(), *state)
+        ops = graph_primitives([x, drafter.lm_head(hid[:, -1:]), *new])
+    return _counts(seen, ops, 1)
+
+
+def _counts(seen: dict, ops, layers: int) -> dict:
     mlx_ops = {k: v for k, v in ops.items() if k not in NO_LAUNCH and k != "Full"}
     total = sum(seen["kernels"].values()) + sum(seen["fills"].values()) + sum(mlx_ops.values())
     return {
@@ -101,5 +127,5 @@ def decode_census(model, ctx: int, rows: int = 1, chain: int = 0) -> dict:
         "fills": dict(seen["fills"].most_common()),
         "mlx": dict(sorted(mlx_ops.items(), key=lambda kv: -kv[1])),
         "total": total,
-        "layers": len(s.caches),
+        "layers": layers,
     }

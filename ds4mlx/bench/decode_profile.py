@@ -22,6 +22,7 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
     import mlx.core as mx
 
     from ..kernels.hyper_connection import hc_post
+    from ..runtime.forward_context import StepContext
     from ..runtime.sampling import GREEDY, Sampler, SamplingParams
 
     inner = model.model  # the family Model (LanguageModel.model)
@@ -46,7 +47,7 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
 
         def attn(layer=layer, cache=cache):
             off = cache.offset
-            out = layer.self_attn(h, cache)
+            out = layer.self_attn.forward(h, StepContext.prefill(off, [cache]), cache)
             cache.offset = off  # stay at the same depth: each timed call redoes the same step
             return out
 
@@ -57,8 +58,9 @@ def profile_decode(model, ctx: int = 2048, n: int = 20) -> dict:
             q_res = layer.self_attn.q_a_norm(layer.self_attn.q_a_proj(h))
             mx.eval(q_res)
 
-            def index(comp=comp, cache=cache, q_res=q_res):
-                return comp.indexer(h, q_res, cache.index, cache.offset)
+            def index(ind=comp.indexer, cache=cache, q_res=q_res):
+                keys = ind.pool(ind.kv_proj(h), ind.gate_proj(h), cache.index, cache.offset)
+                return ind.scores(ind.q_b_proj(q_res), ind.scorer.weights_proj(h), keys, cache.offset)
 
             detail["indexer_us"] = synced_seconds(index, n) * 1e6
     moe = {}

@@ -102,11 +102,12 @@ def family_hooks(inner) -> list[tuple[object, str, object]]:
 
     backbone = inner.model
     hooks: list[tuple[object, str, object]] = [
-        (v4.Attention, "__call__", ATTENTION),
+        (v4.Attention, "forward", ATTENTION),
         (v4.Compressor, "pool", "compressor"),
-        (v4.Indexer, "__call__", "indexer"),
-        (v4.CompressorBranch, "__call__", "indexer"),  # scores, top-k and the selection masks
-        (v4.CompressorBranch, "select", "indexer"),  # the fused-kernel path's selection
+        (v4.Indexer, "scores", "indexer"),
+        (v4.ChunkRows, "mask", "indexer"),  # scores, top-k and the selection masks
+        (v4.ChunkRows, "per_query", "indexer"),  # the banded prefill's selection
+        (v4.ChunkRows, "kernel", "indexer"),  # the fused-kernel path's selection
         (sparse_attention, "index_scores", "indexer"),
         (sparse_attention, "topk_select", "indexer"),
         (v4.Router, "__call__", "moe router"),

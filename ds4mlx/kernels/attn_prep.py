@@ -1,6 +1,6 @@
 """The per-token prologue of DeepSeek V4's decode attention in one launch.
 
-Per layer and token the compiled decode step (models/deepseek_v4.py `Attention.step`)
+Per layer and token the compiled decode step (models/deepseek_v4.py `Attention.forward`)
 norms and ropes the query heads, norms and ropes the new K=V row and writes it into the
 sliding ring (a dynamic slice update: offset kernel + copy), and for CSA layers ropes the
 indexer query: six to eight launches of tiny work.  `attn_prep` does all of it in one:
@@ -72,18 +72,34 @@ def kernel_sources(face: str, defines: str = ONE) -> tuple[str, str]:
 _ROWS_IN = ["q_rows", "kv_rows", "kv_w", "iq_rows"]  # then ring_0 .. ring_{R-1}, freqs, prm, poss
 
 
-def rows_defines(n: int) -> str:
+_CHAIN_IN = {"q": "TQ", "kv": "TKV", "iq": "TI"}  # attn_prep_chain: one input each per token
+
+
+def rows_defines(n: int, chain: bool = False) -> str:
     """The defines that make the kernel's text attn_prep_rows for n rows: row r's slices of the
-    stacked q / kv / iq and of the stacked q_out / iq_out, its own ring and ring_out."""
-    offsets = (
+    stacked q / kv / iq and of the stacked q_out / iq_out, its own ring and ring_out.  `chain`:
+    attn_prep_chain's (one session's n tokens over the one input ring: row r's K=V row written
+    into the rings of rows r .. n-1, row r's ring copied but for the slots of tokens 0..r)."""
+    ins = (
         "const DS4_DEV TQ* q = q_rows + uint64_t(row) * uint64_t(NH * D); "
         "const DS4_DEV TKV* kv = kv_rows + uint64_t(row) * uint64_t(D); "
         "const DS4_DEV TI* iq = iq_rows + uint64_t(row) * uint64_t(NHI * DI); "
+    )
+    offsets = ("" if chain else ins) + (
         "DS4_DEV TQ* q_out = q_out_rows + uint64_t(row) * uint64_t(NH * D); "
         "DS4_DEV TI* iq_out = iq_out_rows + uint64_t(row) * uint64_t(NHI > 0 ? NHI * DI : 1);"
     )
-    select = row_select(n, {"ring": "TR"}, {"ring_out": "TR"}, macro="AP_PICK")
-    return f"#define AP_ROWS {n}\n#define AP_POS (poss[row])\n{select}#define AP_ROW_SELECT AP_PICK {offsets}\n"
+    # a chain's projections come one input per token (a token's slice of a split projection is
+    # contiguous, the tokens' together are not: MLX would copy them before the launch)
+    picked = _CHAIN_IN if chain else {"ring": "TR"}
+    select = row_select(n, picked, {"ring_out": "TR"}, macro="AP_PICK")
+    out = f"#define AP_ROWS {n}\n#define AP_POS (poss[row])\n{select}#define AP_ROW_SELECT AP_PICK {offsets}\n"
+    if chain:
+        dst = "".join(f"(t) == {r}u ? ring_out_{r} : " for r in range(n - 1)) + f"ring_out_{n - 1}"
+        first = "((poss[0] % W + W) % W)"  # the first token's slot; token r's is r slots on
+        out += f"#define AP_KV_FIRST row\n#define AP_KV_END {n}u\n#define AP_KV_DST(t) ({dst})\n"
+        out += f"#define AP_WRITTEN(sl) (uint32_t(((int64_t(sl) - int64_t{first}) % W + W) % W) <= row)\n"
+    return out
 
 
 def rows_io(n: int) -> tuple[list[str], list[str]]:
@@ -93,6 +109,27 @@ def rows_io(n: int) -> tuple[list[str], list[str]]:
         *row_inputs(["ring_out"], n),
         "iq_out_rows",
     ]
+
+
+def chain_io(n: int) -> tuple[list[str], list[str]]:
+    """(input names, output names) of attn_prep_chain for n tokens: each token's projections,
+    one input ring, n output rings."""
+    ins = row_inputs(_CHAIN_IN, n) + ["kv_w", "ring", "freqs", "prm", "poss"]
+    return ins, ["q_out_rows", *row_inputs(["ring_out"], n), "iq_out_rows"]
+
+
+def chain_inputs(q_b, kv, iq, index_q_b) -> list:
+    """attn_prep_chain's per-token inputs (`chain_io` order) from the tokens' projections [1, T, ...]
+    (`iq` the launch's indexer input: index_q_b, or a placeholder without one)."""
+    n = q_b.shape[1]
+    each = lambda a: [a[:, t : t + 1] for t in range(n)]  # noqa: E731
+    return [*each(q_b), *each(kv), *(each(iq) if index_q_b is not None else [iq] * n)]
+
+
+@cache
+def _chain_kernel(n: int) -> Kernel:
+    faces = {face: kernel_sources(face, rows_defines(n, chain=True)) for face in ("metal", "cuda")}
+    return Kernel(f"ds4mlx_attn_prep_chain{n}", *chain_io(n), **faces)
 
 
 @cache
@@ -257,6 +294,92 @@ def attn_prep_rows(
         output_dtypes=[q_b.dtype, *[r.dtype for r in rings], iq.dtype],
     )
     return out[0], out[1 : 1 + n], (out[-1] if index_q_b is not None else None)
+
+
+def attn_prep_chain(
+    q_b,
+    kv,
+    kv_weight,
+    ring,
+    poss,
+    rope,
+    eps: float,
+    index_q_b=None,
+    *,
+    heads: int,
+    index_heads: int = 0,
+    backend: str | None = None,
+):
+    """`attn_prep` of one session's next T tokens (a speculative verify's chain) in ONE launch:
+    q_b [1, T, NH*D], kv [1, T, D], index_q_b [1, T, NHI*DI] or None, ring the session's ring
+    before the chain, poss [T] int32 consecutive positions -> (q [T, NH, 1, D], the rings after
+    tokens 0..t for each t, the indexer queries [T, NHI, 1, DI] or None): token t's outputs are
+    attn_prep's over the ring token t - 1 left.  None where the tokens cannot share a launch
+    (the CPU, one token, more tokens than the ring has slots, widths the kernel does not take, a
+    failed first-use self-test): the caller then runs attn_prep per token."""
+    n = q_b.shape[1]
+    w, d = ring.shape[2], ring.shape[-1]
+    nhi, di, iq, freqs = launch_inputs(q_b, index_q_b, index_heads, rope)
+    face = backend
+    if face is None:
+        face = auto_face("attn_prep.chain", lambda f: _chain_self_test(f, rope))
+    if face == "reference" or not 1 < n <= w or not fusable(rope, d, di):
+        return None
+    out = _chain_kernel(n)(
+        face,
+        inputs=[
+            *chain_inputs(q_b, kv, iq, index_q_b),
+            kv_weight,
+            ring,
+            freqs,
+            params(float(eps), float(rope.attention_factor)),
+            poss,
+        ],
+        template=template_args(q_b, kv, kv_weight, iq, ring, heads, nhi, di, rope),
+        grid=(launch_groups(heads, nhi, ring) * THREADS, n, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(n, heads, 1, d), *[ring.shape] * n, (n, max(nhi, 1), 1, max(di, 1))],
+        output_dtypes=[q_b.dtype, *[ring.dtype] * n, iq.dtype],
+    )
+    return out[0], out[1 : 1 + n], (out[-1] if index_q_b is not None else None)
+
+
+def chain_reference(q_b, kv, kv_weight, ring, poss, rope, eps: float, index_q_b=None, *, heads, index_heads=0) -> list:
+    """attn_prep_chain's meaning: the reference attn_prep of each token over the ring the token
+    before it left -> per token (q [1, NH, 1, D], ring, index_q or None)."""
+    out = []
+    for t in range(q_b.shape[1]):
+        row = slice(t, t + 1)
+        iq = None if index_q_b is None else index_q_b[:, row]
+        kw = dict(heads=heads, index_heads=index_heads)
+        out.append(reference(q_b[:, row], kv[:, row], kv_weight, ring, poss[row].squeeze(0), rope, eps, iq, **kw))
+        ring = out[-1][1]
+    return out
+
+
+def _chain_self_test(face: str, rope) -> bool:
+    """attn_prep_chain on `face` against the reference chain: four tokens over a ring of 5 that
+    wraps inside the chain, with and without indexer heads, float32 and bfloat16."""
+    dims = rope.dims
+    d, di, n = dims + 8, dims + 4, 4
+    k = mx.random.split(mx.random.key(17), 5)
+    weight = 1.0 + 0.1 * mx.random.normal((d,), key=k[0])
+    poss = mx.arange(38, 38 + n, dtype=mx.int32)  # slots 3, 4, 0, 1
+    for dt, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
+        q_b = mx.random.normal((1, n, 3 * d), key=k[1]).astype(dt)
+        kv = mx.random.normal((1, n, d), key=k[2]).astype(dt)
+        ring = mx.random.normal((1, 1, 5, d), key=k[4]).astype(dt)
+        for iq, nhi in ((mx.random.normal((1, n, 2 * di), key=k[3]).astype(dt), 2), (None, 0)):
+            kw = dict(heads=3, index_heads=nhi)
+            got = attn_prep_chain(q_b, kv, weight, ring, poss, rope, 1e-6, iq, **kw, backend=face)
+            if got is None:
+                return False
+            for t, want in enumerate(chain_reference(q_b, kv, weight, ring, poss, rope, 1e-6, iq, **kw)):
+                row = slice(t, t + 1)
+                mine = [got[0][row], got[1][t]] + ([got[2][row]] if iq is not None else [])
+                if not all(close_enough(g, w, rtol=tol, atol=tol) for g, w in zip(mine, want)):
+                    return False
+    return True
 
 
 def _rows_self_test(face: str, rope) -> bool:

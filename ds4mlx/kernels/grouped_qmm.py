@@ -20,9 +20,23 @@ the tile shapes: 256 threads, 8 GQ_RM tokens (GQ_RM = `tokens_per_warp(M)`, up t
 output rows per thread group, K in steps of one 32-value chunk.  Outputs equal the reference's
 within a float32 summation bound (the same float32 products, summed in another order).
 
+Tensor cores (`mma=True`, the `grouped_qmm_mma` section, DS4MLX_PREFILL_EXPERTS=grouped_blocks_mma):
+the same tiles (up to 64 tokens x 128 rows of one batch, `tokens_per_tile(M)` tokens), the
+decoded chunk and x rounded to a 16-bit MT (bfloat16 for bfloat16 x, else float16) in shared
+memory, the product on the face's matrix tiles (kernels/mma_tile.py: wmma 16 x 16 x 16 on
+CUDA, simdgroup matrices 8 x 8 on Metal), float32 accumulation.  Bound against the float32
+reference, per output: ``|y - ref| <= (e + K 2**-22) sum_k |w_k x_k|`` (+ float16's
+underflow, ``2**-24 sum_k (|w_k| + |x_k|)``), e = 2**-8 for bfloat16 operands, 2**-11 for
+float16 (each of w and x rounded once to MT; bfloat16 x is not rounded again); the output in
+T adds T's own rounding; float16 operands hold magnitudes up to 65,504 only (float32 x beyond
+that overflows: run such activations in bfloat16).  Its GPU faces are self-tested at first
+use (`MMA_KERNELS`).
+
 Verification state: the shared text through g++ (threadgroups emulated) and nvcc, and the
 CUDA face at V4 Flash expert shapes for every type in float32 and bfloat16
 (tests/test_grouped_qmm.py, its `pytest -m gpu` tests); the Metal face self-tests at first use.
+The tensor-core variant: its text through g++ on a CPU tile API (at 16 and at 8) and nvcc
+(sm_90, no spills); its GPU tests (tests/test_grouped_qmm_mma.py) not run yet.
 Tile sizes reasoned, not swept (tools/prefill_experts_bench.py times the mode).
 """
 
@@ -33,7 +47,7 @@ from functools import cache
 import mlx.core as mx
 
 from ds4mlx.io.quant import QT, as_qtype, random_gguf_blocks
-from ds4mlx.kernels import quant_moe
+from ds4mlx.kernels import mma_tile, quant_moe
 from ds4mlx.kernels.dispatch import INDEX, METAL_DIR, Kernel, auto_face, close_enough, sections
 
 SOURCE = METAL_DIR / "grouped_qmm.metal"
@@ -44,6 +58,8 @@ MAX_GRID_Z = 65535  # CUDA's grid z limit: more (batch, token tile) pairs go in 
 MAX_REFERENCE_BYTES = 1 << 30  # float32 weights the reference face dequantizes at once
 # auto_face names, self-tested at first use while dispatch.UNVERIFIED_KERNELS lists them
 GROUPED_KERNELS = {t: f"grouped_qmm.{t.name}" for t in quant_moe.SUPPORTED}
+MMA_KERNELS = {t: f"grouped_qmm_mma.{t.name}" for t in quant_moe.SUPPORTED}  # the tensor-core variant
+MMA_TILE_M = 16  # token tiles of the tensor-core variant are whole 16-row tiles (CUDA's wmma M; Metal's 8 divides it)
 
 
 def tokens_per_warp(m: int) -> int:
@@ -52,36 +68,62 @@ def tokens_per_warp(m: int) -> int:
     return max(1, min(MAX_TOKENS_PER_WARP, -(-m // 8)))
 
 
-def kernel_sources(qtype, face: str) -> tuple[str, str]:
-    """(header, body) of the kernel for `qtype` on `face` ('metal' or 'cuda')."""
+def tokens_per_tile(m: int) -> int:
+    """GQ_TM of the tensor-core variant for batches of m rows: min(m, 64) rounded up to whole
+    16-row tiles."""
+    return min(8 * MAX_TOKENS_PER_WARP, -(-m // MMA_TILE_M) * MMA_TILE_M)
+
+
+def kernel_sources(qtype, face: str, mma: bool = False) -> tuple[str, str]:
+    """(header, body) of the kernel for `qtype` on `face` ('metal' or 'cuda'); `mma`: the
+    tensor-core variant (the tile API of kernels/mma_tile.py in its header)."""
     sec = sections(SOURCE)
+    if mma:
+        header = quant_moe.block_header(qtype, face) + mma_tile.PRELUDE[face] + sec["helpers_mma"]
+        return header, INDEX[face] + sec["grouped_qmm_mma"]
     return quant_moe.block_header(qtype, face) + sec["helpers"], INDEX[face] + sec["grouped_qmm"]
 
 
 @cache
-def _kernel(qtype: QT) -> Kernel:
+def _kernel(qtype: QT, mma: bool = False) -> Kernel:
     return Kernel(
-        f"ds4mlx_grouped_qmm_{qtype.name.lower()}",
+        f"ds4mlx_grouped_qmm{'_mma' if mma else ''}_{qtype.name.lower()}",
         ["x", "w", "eids", "lens"],
         ["y"],
-        metal=kernel_sources(qtype, "metal"),
-        cuda=kernel_sources(qtype, "cuda"),
+        metal=kernel_sources(qtype, "metal", mma),
+        cuda=kernel_sources(qtype, "cuda", mma),
     )
 
 
-def face(qtype) -> str:
-    """The automatic face for `qtype`: the device's (self-tested at first use while
-    unverified), 'reference' on the CPU or where the GPU face failed its self-test."""
+def face(qtype, mma: bool = False) -> str:
+    """The automatic face for `qtype` (`mma`: the tensor-core variant): the device's
+    (self-tested at first use while unverified), 'reference' on the CPU or where the GPU
+    face failed its self-test."""
     qtype = as_qtype(qtype)
-    return auto_face(GROUPED_KERNELS[qtype], lambda f: _self_test(f, qtype))
+    names = MMA_KERNELS if mma else GROUPED_KERNELS
+    return auto_face(names[qtype], lambda f: _self_test(f, qtype, mma))
+
+
+def operand_dtype(x_dtype) -> mx.Dtype:
+    """MT, the tensor-core variant's 16-bit operand type for activations of `x_dtype`."""
+    return mx.bfloat16 if x_dtype == mx.bfloat16 else mx.float16
 
 
 def grouped_qmm(
-    x: mx.array, w_blocks: mx.array, qtype, experts: mx.array, lengths: mx.array | None = None, *, backend=None
+    x: mx.array,
+    w_blocks: mx.array,
+    qtype,
+    experts: mx.array,
+    lengths: mx.array | None = None,
+    *,
+    backend=None,
+    mma: bool = False,
 ) -> mx.array:
     """x [B, M, K] (any float dtype), w_blocks uint8 [E, N, row_bytes], experts [B] ints ->
     [B, M, N] in x.dtype: ``out[b] = x[b] @ dequantize(W[experts[b]]).T``, float32 sums;
-    `lengths` [B] ints (default M each): rows m >= lengths[b] of batch b are padding, out 0."""
+    `lengths` [B] ints (default M each): rows m >= lengths[b] of batch b are padding, out 0.
+    `mma`: the GPU faces multiply on tensor cores / simdgroup matrices (16-bit operands; the
+    bound in the module's docstring); the reference face is the same float32 product."""
     qtype, _, rows, k_dim = quant_moe.check_blocks(w_blocks, qtype)
     if x.ndim != 3 or x.shape[-1] != k_dim:
         raise ValueError(f"x must be [B, M, {k_dim}], got {x.shape}")
@@ -96,11 +138,16 @@ def grouped_qmm(
     lengths = lengths.astype(mx.int32)
     if n_batch == 0 or m == 0:
         return mx.zeros((n_batch, m, rows), x.dtype)
-    chosen = face(qtype) if backend is None else backend
+    chosen = face(qtype, mma) if backend is None else backend
     if chosen == "reference":
         return _reference(x, w_blocks, qtype, experts, lengths)
-    rm = tokens_per_warp(m)
-    m_tiles = -(-m // (8 * rm))
+    if mma:
+        tm = tokens_per_tile(m)
+        tile_consts = [("GQ_TM", tm), ("MT", operand_dtype(x.dtype))]
+    else:
+        tm = 8 * tokens_per_warp(m)
+        tile_consts = [("GQ_RM", tm // 8)]
+    m_tiles = -(-m // tm)
     step = max(1, MAX_GRID_Z // m_tiles)  # batches per launch
     outs = []
     for b0 in range(0, n_batch, step):
@@ -108,7 +155,7 @@ def grouped_qmm(
         xs, es, ls = (x, experts, lengths) if step >= n_batch else (x[span], experts[span], lengths[span])
         nb = xs.shape[0]
         outs.append(
-            _kernel(qtype)(
+            _kernel(qtype, mma)(
                 chosen,
                 inputs=[xs, w_blocks, es, ls],
                 template=[
@@ -117,7 +164,7 @@ def grouped_qmm(
                     ("K_DIM", k_dim),
                     ("ROW_BYTES", w_blocks.shape[2]),
                     ("M_ROWS", m),
-                    ("GQ_RM", rm),
+                    *tile_consts,
                 ],
                 grid=(THREADS, -(-rows // TILE_N), nb * m_tiles),
                 threadgroup=(THREADS, 1, 1),
@@ -144,18 +191,19 @@ def _reference(x: mx.array, w_blocks: mx.array, qtype: QT, experts: mx.array, le
     return mx.where(live, out, 0.0).astype(x.dtype)
 
 
-def _self_test(face: str, qtype: QT) -> bool:
+def _self_test(face: str, qtype: QT, mma: bool = False) -> bool:
     """`face` against the reference on a tiny bank: 130 rows (a second, nearly empty row
-    tile), K = 512, batches of 20 rows (a token tile of 24, 4 rows idle) and of 70 rows (two
-    tiles), experts repeated and out of order, padding (a short batch, an empty one, a tile
-    of padding only), float32 and bfloat16 x."""
+    tile), K = 512, batches of 20 rows (a token tile of 24 (mma: 32), rows idle) and of 70 rows
+    (two tiles), experts repeated and out of order, padding (a short batch, an empty one, a
+    tile of padding only), float32 and bfloat16 x; `mma`: the tensor-core variant, at
+    tolerances of its 16-bit operands."""
     blocks = random_gguf_blocks(qtype, 3, 130, 512, seed=16)
     experts = mx.array([2, 0, 2], dtype=mx.int32)
     for m, lengths in ((20, None), (20, [20, 3, 0]), (70, [70, 9, 64])):
         lengths = None if lengths is None else mx.array(lengths, dtype=mx.int32)
-        for dt, tol in ((mx.float32, 1e-3), (mx.bfloat16, 2e-2)):
+        for dt, tol in ((mx.float32, 1e-2 if mma else 1e-3), (mx.bfloat16, 2e-2)):
             x = mx.random.normal((3, m, 512), key=mx.random.key(m)).astype(dt)
-            got = grouped_qmm(x, blocks, qtype, experts, lengths, backend=face)
+            got = grouped_qmm(x, blocks, qtype, experts, lengths, backend=face, mma=mma)
             if got.dtype != dt or got.shape != (3, m, 130):
                 return False
             with mx.stream(mx.cpu):  # a CUDA float32 matmul may round through TF32: not an oracle

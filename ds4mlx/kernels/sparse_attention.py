@@ -182,6 +182,7 @@ _META_LOCK = threading.Lock()
 _META_KEYS: dict[tuple, int] = {}  # (lead, *rest) -> offset in the step's one meta array
 _META_BASE: dict = {}  # "cur": (base, mask, views' offsets) of that array: constants
 _META_STEP: dict = {}  # "cur": (pos, {key: meta}), the metas of the latest `pos` (the step traced)
+_META_ROWS: dict = {}  # "cur": (positions, {key: [T, len] metas}), the latest rows' (`_row_metas`)
 
 
 def expect_step(window: int, rows: int, index_rows: int | None = None) -> None:
@@ -230,6 +231,25 @@ def _meta_at(pos, lead: int, *rest) -> mx.array:
         every = base + pos.astype(mx.int32) * mask
         cur = _META_STEP["cur"] = (pos, {k: every[o : o + k[0] + len(k) - 1] for k, o in offsets.items()})
     return cur[1][key]
+
+
+def _row_metas(poss: list, lead: int, rests: list) -> list:
+    """`_meta_at(poss[b], lead, *rests[b])` of each query row b; where the rows' positions are
+    views of one array (runtime/forward_context.py's `RowPositions`: a batched step's or a
+    verify chain's rows), every row's metas come out of one multiply-add over it, each a view
+    (else one launch per row)."""
+    src = getattr(poss, "all", None)
+    if not isinstance(src, mx.array) or src.shape != (len(poss),):
+        return [_meta_at(p, lead, *r) for p, r in zip(poss, rests)]
+    keys = [(lead, *r) for r in rests]
+    for key in keys:
+        _expect(key)
+    cur = _META_ROWS.get("cur")  # held, so `is` never matches a reused id
+    if cur is None or cur[0] is not src or any(key not in cur[1] for key in keys):
+        base, mask, offsets = _meta_base()
+        every = base[None] + src.astype(mx.int32)[:, None] * mask[None]  # [T, every meta's length]
+        cur = _META_ROWS["cur"] = (src, {k: every[:, o : o + k[0] + len(k) - 1] for k, o in offsets.items()})
+    return [cur[1][key][b : b + 1].squeeze(0) for b, key in enumerate(keys)]  # views: `a[b]` is a gather
 
 
 def _face(backend: str | None) -> str:
@@ -475,7 +495,7 @@ def _launch_index_topk_rows(face, qs, ws, keys, k, ns, poss, ratio, scale) -> tu
     nh, _, di = qs[0].shape[-3:]
     keys = [_rows2d(kk, di) for kk in keys]
     rows = score_rows(max(ns), 1)
-    metas = [_meta_at(p, 1, n, 1) for p, n in zip(poss, ns)]
+    metas = _row_metas(poss, 1, [(n, 1) for n in ns])
     out = _topk_rows_kernel(n_rows)(
         face,
         inputs=[*qs, *ws, *keys, *metas, f32_scalar(float(scale)), dispatch.tickets("index_topk_rows", n_rows, 64)],
@@ -679,7 +699,7 @@ def attend_rows(
     splits = attend_splits(face, 1, virt)
     if splits > 1 and not _verified("attend_split", face):
         splits = 1
-    metas = [_meta_at(p, 2, window, n, 1) for p, n in zip(poss, ns)]
+    metas = _row_metas(poss, 2, [(window, n, 1) for n in ns])
     return _launch_attend_rows(
         face, qs, rings, rows, idxs, cnts, sinks, scale, metas, window, max(ratio, 1), out_rope, splits
     )

@@ -38,7 +38,7 @@ import mlx.nn as nn
 
 from ..kernels import affine_qmv, moe_route
 from ..kernels import sparse_attention as _sparse
-from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_rows
+from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_chain, attn_prologue_rows
 from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..kernels.qmv_hc import DownSumShared
@@ -318,6 +318,12 @@ class LayerCache:
         self.ring = mx.take(ring_keys, mx.where(last >= s, W + last - s, j), axis=2)
         return keys, mask
 
+    def start(self, dtype) -> None:
+        """Create the compressors' buffers at their first use (a chunk or a static step)."""
+        for st in (self.comp, self.index):
+            if st is not None and st.rows is None:
+                st.init(dtype)
+
     # -- static decode layout (the compiled step, ds4mlx/runtime/stepper.py) ---------------------
     def static_state(self, dtype, ahead: int = 1) -> list[mx.array]:
         """Every array of this layer for one decode step at position `offset`, in a fixed
@@ -328,10 +334,9 @@ class LayerCache:
         if self.ring is None:
             self.ring = mx.zeros((1, 1, self.window, self.head_dim), dtype)
         out = [self.ring]
+        self.start(dtype)
         for st in (self.comp, self.index):
             if st is not None:
-                if st.rows is None:
-                    st.init(dtype)
                 st.reserve((self.offset + ahead - 1) // st.ratio + 1)
                 out += st.static_arrays()
         # the step's attention metas, all of them out of one launch (kernels/sparse_attention.py)
@@ -499,12 +504,10 @@ class Compressor(nn.Module):
         self.kv_norm = RMSNorm(dim, eps)
         self._ratio, self._dim, self._overlap, self._rope = ratio, dim, overlap, rope
 
-    def pool(self, x: mx.array, st: CompressorState, s: int) -> mx.array:
-        """Feed chunk x [1, C, H] at positions s..s+C-1; return all live rows [1, N, dim]."""
-        m, d, C = self._ratio, self._dim, x.shape[1]
-        if st.rows is None:
-            st.init(x.dtype)
-        kv, gate = self.kv_proj(x), self.gate_proj(x)
+    def pool(self, kv: mx.array, gate: mx.array, st: CompressorState, s: int) -> mx.array:
+        """Feed a chunk's `kv_proj` / `gate_proj` outputs [1, C, c*d] at positions s..s+C-1 into
+        the started state `st`; return all live rows [1, N, dim]."""
+        m, d, C = self._ratio, self._dim, kv.shape[1]
         b = s % m
         if b:
             kv = mx.concatenate([st.buf_kv[:, :b], kv], axis=1)
@@ -579,30 +582,21 @@ class Indexer(Compressor):
 
     BLOCK_ELEMS = 1 << 26  # queries are scored in blocks of at most this many (query, head, row) floats
 
-    def __call__(self, x: mx.array, q_res: mx.array, st: CompressorState, s: int) -> mx.array | None:
-        """Index scores [1, C, N] over all live indexer rows (None when there are none)."""
-        keys = self.pool(x, st, s)
-        N = keys.shape[1]
-        if N == 0:
-            return None
-        B, C, _ = x.shape
-        q = self.q_b_proj(q_res).reshape(B, C, self._nh, self._dim).swapaxes(1, 2)
-        q = self._rope(q, offset=s).swapaxes(1, 2).astype(mx.float32)  # [B, C, nh, d]
+    def scores(self, q: mx.array, w: mx.array, keys: mx.array, offset) -> mx.array:
+        """Index scores [B, C, N] of C queries at positions offset.. (a host int or an int32
+        array) over every row of `keys` [B, N, d]; q = q_b_proj(q_res) [B, C, nh*d], w =
+        scorer.weights_proj(x) [B, C, nh].  A prefill chunk's queries in blocks."""
+        B, C, _ = q.shape
+        q = q.reshape(B, C, self._nh, self._dim).swapaxes(1, 2)
+        q = self._rope(q, offset=offset).swapaxes(1, 2).astype(mx.float32)  # [B, C, nh, d]
         kT = keys.astype(mx.float32).swapaxes(-1, -2)[:, None]  # [B, 1, d, N]
-        w = self.scorer.weights_proj(x).astype(mx.float32) * (self._nh**-0.5 * self._dim**-0.5)
-        w = w[:, :, None, :]  # [B, C, 1, nh]
-        step = max(1, self.BLOCK_ELEMS // (self._nh * N))
-        out = [(w[:, i : i + step] @ mx.maximum(q[:, i : i + step] @ kT, 0.0)).squeeze(2) for i in range(0, C, step)]
-        return out[0] if len(out) == 1 else mx.concatenate(out, axis=1)  # [B, C, N]
-
-    def scores_step(self, q: mx.array, w: mx.array, pos: mx.array, keys: mx.array) -> mx.array:
-        """Index scores [cap] of one query at `pos` over every row of `keys` [1, cap, d];
-        q = q_b_proj(q_res) [1, 1, nh*d], w = scorer.weights_proj(x) [1, 1, nh]."""
-        q = q.reshape(1, 1, self._nh, self._dim).swapaxes(1, 2)
-        q = self._rope(q, offset=pos).swapaxes(1, 2).astype(mx.float32)  # [1, 1, nh, d]
-        kT = keys.astype(mx.float32).swapaxes(-1, -2)[:, None]  # [1, 1, d, cap]
         w = w.astype(mx.float32) * (self._nh**-0.5 * self._dim**-0.5)
-        return (w[:, :, None, :] @ mx.maximum(q @ kT, 0.0)).reshape(-1)
+        w = w[:, :, None, :]  # [B, C, 1, nh]
+        step = max(1, self.BLOCK_ELEMS // (self._nh * keys.shape[1]))
+        if C <= step:
+            return (w @ mx.maximum(q @ kT, 0.0)).squeeze(2)
+        out = [(w[:, i : i + step] @ mx.maximum(q[:, i : i + step] @ kT, 0.0)).squeeze(2) for i in range(0, C, step)]
+        return mx.concatenate(out, axis=1)  # [B, C, N]
 
 
 class CompressorBranch(Compressor):
@@ -615,40 +609,6 @@ class CompressorBranch(Compressor):
             self.indexer = Indexer(args, m, rope)
         self._topk = args.index_topk
 
-    def __call__(self, x, q_res, cache: LayerCache, s: int):
-        """Return (rows [1, 1, K, D], mask [C, K] bool or None) for this chunk."""
-        rows = self.pool(x, cache.comp, s)
-        if self._overlap:
-            scores = self.indexer(x, q_res, cache.index, s)
-        N, C, m = rows.shape[1], x.shape[1], self._ratio
-        if N == 0:
-            return None, None
-        causal = mx.arange(N)[None] < ((s + mx.arange(C)) + 1)[:, None] // m  # [C, N]
-        if self._overlap and N > self._topk:
-            masked = mx.where(causal[None], scores, -mx.inf)
-            idx = topk_indices(masked, self._topk)
-            chosen = mx.put_along_axis(mx.zeros(masked.shape, mx.bool_), idx, mx.array(True), axis=-1)
-            return rows[:, None], chosen[0] & causal
-        return rows[:, None], causal
-
-    def prefill_rows(self, x, q_res, cache: LayerCache, s: int):
-        """`__call__` for a prefill chunk, with CSA above index_topk rows returning each
-        query's chosen rows rather than a mask over all of them:
-        (rows [1, 1, N, D], causal mask [C, N], False), or (rows [C, k, D], valid [C, k],
-        True) for CSA with N > index_topk (valid: the chosen row is causal; the same
-        top-k as `__call__`), or (None, None, False) when no row exists yet."""
-        rows = self.pool(x, cache.comp, s)
-        scores = self.indexer(x, q_res, cache.index, s) if self._overlap else None
-        N, C, m = rows.shape[1], x.shape[1], self._ratio
-        if N == 0:
-            return None, None, False
-        causal = mx.arange(N)[None] < ((s + mx.arange(C)) + 1)[:, None] // m  # [C, N]
-        if self._overlap and N > self._topk:
-            idx = topk_indices(mx.where(causal[None], scores, -mx.inf), self._topk)[0]  # [C, k]
-            chosen = mx.take(rows[0], idx.reshape(-1), axis=0).reshape(C, self._topk, rows.shape[-1])
-            return chosen, mx.take_along_axis(causal, idx, axis=1), True
-        return rows[:, None], causal, False
-
     def input_layers(self) -> list[nn.Module]:
         """The projections of the layer input this branch runs per token (in `step`'s order)."""
         out = [self.kv_proj, self.gate_proj]
@@ -657,18 +617,27 @@ class CompressorBranch(Compressor):
             out += [ind.kv_proj, ind.gate_proj, ind.scorer.weights_proj]
         return out
 
-    def step(self, proj: list, q_b, pos: mx.array, view) -> tuple[mx.array, mx.array]:
-        """The static-layout decode step of `__call__` as MLX ops, for one query row: (rows
-        [1, K, D], valid [K]); the compressors' new state put into the row's `view`.
+    def forward(self, ctx, proj: list, q_b, state, pos: mx.array | None = None):
+        """The branch for the queries of `ctx` (runtime/forward_context.py); `proj` holds their
+        outputs of `input_layers()`, `q_b` the indexer's q_b_proj output of q_res (CSA).
 
-        `proj` holds this token's outputs of `input_layers()`, `q_b` the indexer's
-        q_b_proj output of q_res.
+        PREFILL: pool the chunk into the live, started `LayerCache` `state` at its offset ->
+        the chunk's `ChunkRows` (what each prefill attention form picks from).
 
-        HCA (and CSA while the capacity is at most index_topk): every capacity row,
-        masked to the live ones.  CSA above it: the top index_topk rows by index score,
-        scores of rows that are not live set to -inf, so while fewer than index_topk
-        rows are live all of them are picked (and the padding picked with them is
-        masked): the same rows the dynamic path attends."""
+        DECODE / CHAIN, as MLX ops (a GPU face runs `step_jobs` inside the attention prologue,
+        then `step_pick`): one query row at `pos` over its `view` `state`, the compressors' new
+        state put into it -> (rows [1, K, D], valid [K]).  HCA (and CSA while the capacity is
+        at most index_topk): every capacity row, masked to the live ones.  CSA above it: the
+        top index_topk rows by index score, scores of rows that are not live set to -inf, so
+        while fewer than index_topk rows are live all of them are picked (and the padding
+        picked with them is masked): the same rows a chunk attends."""
+        if ctx.kind == PREFILL:
+            s = state.offset
+            rows = self.pool(proj[0], proj[1], state.comp, s)
+            if self._overlap:
+                self.indexer.pool(proj[2], proj[3], state.index, s)
+            return ChunkRows(self, rows, proj, q_b, state)
+        view = state
         st, rows, valid = self.pool_step(proj[0], proj[1], pos, view)
         view.put(*st)
         if not self._overlap:
@@ -677,7 +646,7 @@ class CompressorBranch(Compressor):
         view.put(*ist)
         if rows.shape[1] <= self._topk:
             return rows, valid
-        scores = mx.where(valid, self.indexer.scores_step(q_b, proj[4], pos, keys), -mx.inf)
+        scores = mx.where(valid, self.indexer.scores(q_b, proj[4], keys, pos).reshape(-1), -mx.inf)
         idx = topk_indices(scores, self._topk)
         return mx.take(rows, idx, axis=1), mx.take(valid, idx)
 
@@ -711,7 +680,8 @@ class CompressorBranch(Compressor):
         keys = [news[-1][1][-1]] * len(news) if ctx.kind == CHAIN else [st[1][-1] for st in news]
         picks = [b for b, r in enumerate(rows) if r.shape[0] > self._topk]
         pick = lambda seq: [seq[b] for b in picks]  # noqa: E731
-        sel = self._index_select(pick(index_qs), pick(projs), pick(keys), pick(ctx.row_pos))
+        pos = ctx.row_pos if len(picks) == len(rows) else pick(ctx.row_pos)  # every row: one array's views
+        sel = self._index_select(pick(index_qs), pick(projs), pick(keys), pos)
         for b, (idx, cnt) in zip(picks, sel):
             out[b] = (rows[b], idx, cnt)
         return out
@@ -732,26 +702,73 @@ class CompressorBranch(Compressor):
             sel = [_sparse.index_topk(q, w, k, self._topk, n=n, s=p, **kw) for q, w, k, n, p in zip(qs, ws, ks, ns, pos)]  # fmt: skip
         return sel
 
-    def select(self, x, q_res, cache: LayerCache, s: int, face: str):
-        """The fused path's half of `__call__`: pool both compressors; for CSA with more
-        rows than index_topk, score the indexer rows and pick each query's top-k
-        (kernels/sparse_attention.py).  Returns (n live rows, idx [C, k] | None, cnt [C] | None)."""
-        n = self.pool(x, cache.comp, s).shape[1]
-        if not self._overlap:
+
+class ChunkRows:
+    """A PREFILL chunk's compressed rows after `CompressorBranch.forward` pooled them, and
+    each query's pick of them in the form each prefill attention takes (`mask`, `per_query`,
+    `kernel`).  `proj` / `q_b` as the branch's; query t of the chunk sees row w iff
+    w < (s + t + 1) // ratio."""
+
+    def __init__(self, branch: CompressorBranch, rows: mx.array, proj: list, q_b, cache: LayerCache):
+        self.branch, self.rows, self.proj, self.q_b, self.cache = branch, rows, proj, q_b, cache
+        self.s = cache.offset
+
+    def _causal(self) -> mx.array:
+        N, C = self.rows.shape[1], self.proj[0].shape[1]
+        return mx.arange(N)[None] < ((self.s + mx.arange(C)) + 1)[:, None] // self.branch._ratio  # [C, N]
+
+    def _scores(self) -> mx.array:
+        """The indexer's scores [1, C, N] over its live rows."""
+        ind = self.branch.indexer
+        return ind.scores(self.q_b, self.proj[4], self.cache.index.live_rows(), self.s)
+
+    def _picks(self) -> bool:
+        return self.branch._overlap and self.rows.shape[1] > self.branch._topk
+
+    def mask(self):
+        """(rows [1, 1, N, D], mask [C, N] bool), the indexer's top-k a mask over all rows; or
+        (None, None) when no row exists yet."""
+        if self.rows.shape[1] == 0:
+            return None, None
+        causal = self._causal()
+        if self._picks():
+            masked = mx.where(causal[None], self._scores(), -mx.inf)
+            idx = topk_indices(masked, self.branch._topk)
+            chosen = mx.put_along_axis(mx.zeros(masked.shape, mx.bool_), idx, mx.array(True), axis=-1)
+            return self.rows[:, None], chosen[0] & causal
+        return self.rows[:, None], causal
+
+    def per_query(self):
+        """`mask`, with CSA above index_topk rows returning each query's chosen rows rather
+        than a mask over all of them: (rows [1, 1, N, D], causal mask [C, N], False), or (rows
+        [C, k, D], valid [C, k], True) for CSA with N > index_topk (valid: the chosen row is
+        causal; the same top-k as `mask`), or (None, None, False) when no row exists yet."""
+        rows, N, C, k = self.rows, self.rows.shape[1], self.proj[0].shape[1], self.branch._topk
+        if N == 0:
+            return None, None, False
+        causal = self._causal()
+        if self._picks():
+            idx = topk_indices(mx.where(causal[None], self._scores(), -mx.inf), k)[0]  # [C, k]
+            chosen = mx.take(rows[0], idx.reshape(-1), axis=0).reshape(C, k, rows.shape[-1])
+            return chosen, mx.take_along_axis(causal, idx, axis=1), True
+        return rows[:, None], causal, False
+
+    def kernel(self, face: str):
+        """The fused path's pick: for CSA with more rows than index_topk, the indexer's scores
+        and each query's top-k (kernels/sparse_attention.py).  Returns (n live rows, idx [C, k]
+        | None, cnt [C] | None)."""
+        n, b = self.rows.shape[1], self.branch
+        if not self._picks():
             return n, None, None
-        ind = self.indexer
-        ind.pool(x, cache.index, s)
-        if n <= self._topk:
-            return n, None, None
-        B, C, _ = x.shape
-        q = ind.q_b_proj(q_res).reshape(B, C, ind._nh, ind._dim).swapaxes(1, 2)
+        ind, s = b.indexer, self.s
+        B, C, _ = self.q_b.shape
+        q = self.q_b.reshape(B, C, ind._nh, ind._dim).swapaxes(1, 2)
         q = ind._rope(q, offset=s)  # [1, nh, C, d]
-        w = ind.scorer.weights_proj(x)  # [1, C, nh]
         scale = ind._nh**-0.5 * ind._dim**-0.5
         scores = _sparse.index_scores(
-            q[0], w[0], cache.index.rows, n=n, s=s, ratio=self._ratio, scale=scale, backend=face
+            q[0], self.proj[4][0], self.cache.index.rows, n=n, s=s, ratio=b._ratio, scale=scale, backend=face
         )
-        idx, cnt = _sparse.topk_select(scores, self._topk, s=s, ratio=self._ratio, backend=face)
+        idx, cnt = _sparse.topk_select(scores, b._topk, s=s, ratio=b._ratio, backend=face)
         return n, idx, cnt
 
 
@@ -774,21 +791,24 @@ class Attention(nn.Module):
         self._nh, self._D, self._eps, self._rope = nh, D, args.rms_norm_eps, rope
         self._groups = args.o_groups
 
-    def __call__(self, x: mx.array, cache: LayerCache) -> mx.array:
-        B, C, _ = x.shape
+    def _chunk(self, ctx, q_b, kv, more, index_q_b, cache: LayerCache) -> mx.array:
+        """A PREFILL chunk's attention (its projections [B, C, ...]) at the host position
+        cache.offset over the live `cache` (the ring and compressors advanced; the offset left
+        to the model) -> [B, nh, C, D] before the inverse rope."""
+        B, C, _ = kv.shape
         s = cache.offset
-        q_res = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_res).reshape(B, C, self._nh, self._D).swapaxes(1, 2)
-        q = self._rope(rms_norm(q, None, self._eps), offset=s)
-        kv = self._rope(self.kv_norm(self.kv_proj(x))[:, None], offset=s)  # [B, 1, C, D]
+        q, kv = self._query_key(q_b, kv, s)
+        picks = None
+        if self.layer_type != SLIDING:
+            picks = self.compressor.forward(ctx, more, index_q_b, cache)
         face = _sparse.model_face() if self.layer_type != SLIDING and B == 1 else None
         block = max(cache.window, self.PREFILL_BLOCK)
         if face is None and B == 1 and C > block:  # prefill: the window as a band, query block by block
-            return self._output(self._banded(q, kv, x, q_res, cache, s, block), s, B, C)
+            return self._banded(q, kv, picks, cache, block)
         keys, mask = cache.sliding(kv)
         if face is not None:  # custom kernels: indexer, top-k and attention (kernels/sparse_attention.py)
-            n, idx, cnt = self.compressor.select(x, q_res, cache, s, face)
-            out = _sparse.sparse_attention(
+            n, idx, cnt = picks.kernel(face)
+            return _sparse.sparse_attention(
                 q[0],
                 keys[0, 0],
                 cache.comp.rows,
@@ -803,9 +823,8 @@ class Attention(nn.Module):
                 scale=self._D**-0.5,
                 backend=face,
             )[None]
-            return self._output(out, s, B, C)
-        if self.layer_type != SLIDING:
-            rows, cmask = self.compressor(x, q_res, cache, s)
+        if picks is not None:
+            rows, cmask = picks.mask()
             if rows is not None:
                 if mask is not None or cmask is not None:
                     Lk, Lc = keys.shape[2], rows.shape[2]
@@ -813,23 +832,29 @@ class Attention(nn.Module):
                     cmask = mx.ones((C, Lc), mx.bool_) if cmask is None else cmask
                     mask = mx.concatenate([mask, cmask], axis=1)
                 keys = mx.concatenate([keys, rows.astype(keys.dtype)], axis=2)
-        out = mx.fast.scaled_dot_product_attention(
+        return mx.fast.scaled_dot_product_attention(
             q, keys, keys, scale=self._D**-0.5, mask=mask, sinks=self.sinks.astype(q.dtype)
         )
-        return self._output(out, s, B, C)
+
+    def _query_key(self, q_b, kv, offset):
+        """The queries [B, nh, C, D] and K=V rows [B, 1, C, D] of the q_b_proj / kv_proj outputs
+        [B, C, ...] at positions offset.. (a host int or an int32 array): per-head RMS-normed
+        queries and the kv-normed rows, both roped."""
+        B, C, _ = kv.shape
+        q = q_b.reshape(B, C, self._nh, self._D).swapaxes(1, 2)
+        q = self._rope(rms_norm(q, None, self._eps), offset=offset)
+        return q, self._rope(self.kv_norm(kv)[:, None], offset=offset)
 
     # prefill queries per attention block (at least the window): each block attends
     # its band of W + block sliding keys plus the compressed rows
     PREFILL_BLOCK = 128
 
-    def _banded(self, q, kv, x, q_res, cache: LayerCache, s: int, block: int) -> mx.array:
+    def _banded(self, q, kv, picks: ChunkRows | None, cache: LayerCache, block: int) -> mx.array:
         """Prefill attention of a chunk (q [1, nh, C, D]) in blocks of `block` queries
         (`LayerCache.sliding_blocks`), the compressed rows and their [C, N] mask (the
         indexer's top-k for CSA) shared by every block; -> [1, nh, C, D]."""
         C = q.shape[2]
-        rows, cmask, per_query = (None, None, False)
-        if self.layer_type != SLIDING:
-            rows, cmask, per_query = self.compressor.prefill_rows(x, q_res, cache, s)
+        rows, cmask, per_query = (None, None, False) if picks is None else picks.per_query()
         if per_query:  # CSA above index_topk: each query's own W window keys + k chosen rows
             return self._per_query(q, kv, cache, rows, cmask)
         keys, mask = cache.sliding_blocks(kv, block)  # [nb, 1, W+block, D], [nb, block, W+block]
@@ -884,20 +909,27 @@ class Attention(nn.Module):
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
         return out[None]
 
-    def step(self, x: mx.array, ctx, project: bool = True) -> mx.array:
-        """`__call__` for the query rows of a static forward `ctx` (runtime/forward_context.py:
-        x [1, B, H], row b at ctx.row_pos[b] over ctx.views[b]), branch-free in the positions;
-        each row's new state arrays are put into its view.  The projections run once for all
-        rows, fused into one mat-vec where their formats allow (models/fused.py); on a GPU each
-        row's attention is one launch after its prologue, the rows' in one launch where they
-        can share it (session batching, docs/kv-cache.md §11).  `project=False`: the output
-        before o_b_proj (the caller runs o_b inside the next mHC site's launch)."""
-        q_b, index_q_b, kv, more = self._step_inputs(x)
+    def forward(self, x: mx.array, ctx, cache: LayerCache | None = None, project: bool = True) -> mx.array:
+        """The attention of the query rows of `ctx` (runtime/forward_context.py; x [1, T, H]) ->
+        [1, T, H].  The projections run once for all rows (`_inputs`), the indexer's too.
+
+        PREFILL: one chunk at the host position cache.offset over the live `cache` (`_chunk`).
+        DECODE / CHAIN: row b at ctx.row_pos[b] over ctx.views[b], branch-free in the
+        positions; each row's new state arrays are put into its view.  On a GPU each row's
+        attention is one launch after its prologue, the rows' in one launch where they can
+        share it (session batching, docs/kv-cache.md §11); MLX ops elsewhere (`_row`).
+        `project=False`: the output before o_b_proj (the caller runs o_b inside the next mHC
+        site's launch)."""
+        q_b, index_q_b, kv, more = self._inputs(x, ctx.kind)
+        if ctx.kind == PREFILL:
+            cache.start(x.dtype)  # the compressors' buffers, at the first chunk
+            out = self._chunk(ctx, q_b, kv, more, index_q_b, cache)
+            return self._output(out, cache.offset, *x.shape[:2], project)
         B = ctx.rows
         face = _sparse.step_face()
         if face is None:  # MLX ops (the CPU, `DS4MLX_SPARSE_ATTENTION=0`), row by row
             outs = [
-                self._step_attend_graph(*_step_row(b, B, q_b, kv, more, index_q_b), p, view)
+                self._row(ctx, *_step_row(b, B, q_b, kv, more, index_q_b), p, view)
                 for b, (p, view) in enumerate(zip(ctx.row_pos, ctx.views))
             ]
         else:  # a GPU: attn_prologue then attend_at per row, attend_rows for several
@@ -916,11 +948,17 @@ class Attention(nn.Module):
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [B, nh, 1, D]
         return self._output(out, None, 1, B, project)
 
-    def _step_inputs(self, x: mx.array):
-        """The step's projections of x [1, B, H], fused where their formats allow
-        (models/fused.py): (q_b, the indexer's q_b (CSA) or None, kv, the compressors' inputs).
-        The q_a norm runs inside q_b's mat-vec on a GPU face (affine_qmv's NORM)."""
+    def _inputs(self, x: mx.array, kind: str):
+        """The projections of x [1, T, H]: (q_b, the indexer's q_b (CSA) or None, kv, the
+        compressors' inputs `CompressorBranch.input_layers()`).  A PREFILL chunk's layer by
+        layer (matmuls); a static forward's fused where their formats allow (models/fused.py),
+        the q_a norm inside q_b's mat-vec on a GPU face (affine_qmv's NORM)."""
         comp = self.compressor if self.layer_type != SLIDING else None
+        if kind == PREFILL:
+            q_res = self.q_a_norm(self.q_a_proj(x))
+            index_q_b = comp.indexer.q_b_proj(q_res) if comp is not None and comp._overlap else None
+            more = [] if comp is None else [m(x) for m in comp.input_layers()]
+            return self.q_b_proj(q_res), index_q_b, self.kv_proj(x), more
         if getattr(self, "_step_proj", None) is None:  # built once, outside the module tree
             more = [] if comp is None else comp.input_layers()
             self._step_proj = fused_or_each([self.q_a_proj, self.kv_proj, *more])
@@ -940,8 +978,8 @@ class Attention(nn.Module):
         ring write, the indexer query's rope: attn_prep) and the layer's compressor steps run
         as one launch (kernels/attn_prologue.py; the indexer shares the layer's compress rope:
         CompressorBranch passes it on).  Independent rows (DECODE, B > 1) share that launch
-        where they can (`attn_prologue_rows`); one row, or a chain's rows in turn (each writes
-        into the buffers the row before it left), one launch each.  Then the indexer's top-k
+        where they can (`attn_prologue_rows`), a chain's rows too, each over the state the row
+        before it left (`attn_prologue_chain`); one row: one launch.  Then the indexer's top-k
         (`CompressorBranch.step_pick`)."""
         csa = self.layer_type != SLIDING and self.compressor._overlap
         kw = dict(heads=self._nh, index_heads=self.compressor.indexer._nh if csa else 0)
@@ -957,6 +995,16 @@ class Attention(nn.Module):
             heads = attn_prologue_rows(q_b, kv, w, rings, ctx.pos, rope, eps, iq, jobs, **kw)
             for v, (_, ring, _, sts) in zip(views, heads):
                 v.put(ring, *[a for st in sts for a in st])
+        elif ctx.kind == CHAIN and B > 1:  # one session's chained rows: one launch where it can
+            iq = index_q_b if csa else None
+            ring, jobs = next(views[0]), [] if comp is None else comp.step_jobs(more, views[0])
+            heads = attn_prologue_chain(q_b, kv, w, ring, ctx.pos, rope, eps, iq, jobs, **kw)
+            for t, (v, (_, ring, _, sts)) in enumerate(zip(views, heads)):
+                if t:  # row t reads what row t - 1 put: the launch's state after row t - 1 already
+                    next(v)
+                    if comp is not None:
+                        comp.step_jobs(more, v)
+                v.put(ring, *[a for st in sts for a in st])
         else:
             heads = []
             for (q_r, kv_r, proj, iq), p, v in zip(per_row, ctx.row_pos, views):
@@ -970,21 +1018,19 @@ class Attention(nn.Module):
         sel = comp.step_pick(ctx, [h[3] for h in heads], [r[2] for r in per_row], [h[2] for h in heads])
         return [(q, ring, *rest) for (q, ring, _, _), rest in zip(heads, sel)]
 
-    def _step_attend_graph(self, q_b, kv, more, index_q_b, pos, view) -> mx.array:
-        """One query row's attention as MLX ops (the CPU, `DS4MLX_SPARSE_ATTENTION=0`): its
-        query and key at `pos`, its ring and compressors' state read from and the new state
-        put into its `view` -> [1, nh, 1, D] after the inverse rope."""
+    def _row(self, ctx, q_b, kv, more, index_q_b, pos, view) -> mx.array:
+        """One static query row's attention as MLX ops (the CPU, `DS4MLX_SPARSE_ATTENTION=0`):
+        its query and key at `pos`, its ring and compressors' state read from and the new
+        state put into its `view` -> [1, nh, 1, D] after the inverse rope."""
         comp = self.compressor if self.layer_type != SLIDING else None
         ring = next(view)
-        q = q_b.reshape(1, 1, self._nh, self._D).swapaxes(1, 2)
-        q = self._rope(rms_norm(q, None, self._eps), offset=pos)
-        kv = self._rope(self.kv_norm(kv)[:, None], offset=pos)  # [1, 1, 1, D]
+        q, kv = self._query_key(q_b, kv, pos)  # [1, nh, 1, D], [1, 1, 1, D]
         W = ring.shape[2]
         ring = mx.slice_update(ring, kv.astype(ring.dtype), (pos % W).reshape(1), axes=(2,))
         view.put(ring)
         keys, mask = ring, iota(W) <= pos  # slots not written yet are masked
         if comp is not None:
-            rows, valid = comp.step(more, index_q_b, pos, view)
+            rows, valid = comp.forward(ctx, more, index_q_b, view, pos)
             keys = mx.concatenate([keys, rows[:, None].astype(keys.dtype)], axis=2)
             mask = mx.concatenate([mask, valid])
         out = mx.fast.scaled_dot_product_attention(
@@ -1159,7 +1205,7 @@ class DecoderLayer(nn.Module):
         # o_b inside the next site's launch (kernels/qmv_hc.py), where the output is o_b's alone (no
         # steering; not a tensor-parallel attention, whose partial sums meet after o_b)
         if ctx.kind != PREFILL and not steered(self) and type(self.self_attn)._output is Attention._output:
-            o_a = self.self_attn.step(normed, ctx, project=False)
+            o_a = self.self_attn.forward(normed, ctx, project=False)
             # the MoE's router inside that launch too, where it takes it (kernels/qmv_hc_route.py)
             router = _site_router(self.mlp, ids)
             x, post, comb, normed, *route = self.ffn_hc.after_linear_post(
@@ -1168,7 +1214,7 @@ class DecoderLayer(nn.Module):
             route = route[0] if route else None
         else:
             route = None
-            attn = self.self_attn(normed, cache) if ctx.kind == PREFILL else self.self_attn.step(normed, ctx)
+            attn = self.self_attn.forward(normed, ctx, cache)
             x, post, comb, normed = self.ffn_hc.after_post(
                 x, steer(self, ATTN, attn), post, comb, norm=self.post_attention_layernorm
             )

@@ -224,18 +224,13 @@ class LayerCache(_V4LayerCache):
             if "index" in role.split("+"):
                 self.index = CompressorState(ratio, index_head_dim, False)
 
-    def static_state(self, dtype, ahead: int = 1) -> list[mx.array]:
+    def start(self, dtype) -> None:
+        """Create the compressor states at their first use: float32 open-group buffers (the
+        reference pools in float32), rows in `dtype`."""
         for st in (self.comp, self.index):
-            if st is not None:
-                _start(st, dtype)  # float32 open-group buffers, as the dynamic path makes them
-        return super().static_state(dtype, ahead)
-
-
-def _start(st: CompressorState, dtype) -> None:
-    """Lazily allocate a compressor state: float32 open-group buffers, rows in `dtype`."""
-    if st.rows is None:
-        st.init(mx.float32)
-        st.rows = mx.zeros((1, 0, st.dim), dtype)
+            if st is not None and st.rows is None:
+                st.init(mx.float32)
+                st.rows = mx.zeros((1, 0, st.dim), dtype)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -252,14 +247,39 @@ class Compressor(nn.Module):
         self.kv_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         self._ratio = ratio
 
-    def __call__(self, x: mx.array, st: CompressorState, s: int) -> tuple[mx.array | None, int]:
-        """Feed x [1, C, H] at positions s..; return (latents of the groups closed by it
-        [1, n, D] or None, index of the first of them)."""
-        m, C = self._ratio, x.shape[1]
+    def forward(self, ctx, x: mx.array, state, pos) -> tuple:
+        """Feed x [1, C, H] at positions pos.. -> (the latents [1, n, D] of the groups it pools,
+        the index of the first of them).  PREFILL: `state` the live `CompressorState`, pos a
+        host int; the groups the chunk closes (None, 0 for none).  DECODE / CHAIN, one token,
+        branch-free: `state` the row's view (its open-group buffers read and the new ones put
+        back), pos an int32 array; the latent of the group holding pos, complete or not."""
+        m = self._ratio
+        prefill = ctx.kind == PREFILL
+        buf_kv, buf_gate = (state.buf_kv, state.buf_gate) if prefill else (next(state), next(state))
         if m == 1:
-            return self.kv_norm(self.kv_proj(x)), s
+            if not prefill:
+                state.put(buf_kv, buf_gate)
+            return self.kv_norm(self.kv_proj(x)), pos
         h = x.astype(mx.float32)  # the reference pools in float32
         kv, gate = self.kv_proj(h), self.gate_proj(h)
+        if prefill:
+            kv, gate = self._chunk_groups(kv, gate, state, pos)
+            if kv is None:
+                return None, 0
+        else:
+            b = (pos % m).reshape(1)
+            buf_kv = mx.slice_update(buf_kv, kv.astype(buf_kv.dtype), b, axes=(1,))
+            buf_gate = mx.slice_update(buf_gate, gate.astype(buf_gate.dtype), b, axes=(1,))
+            state.put(buf_kv, buf_gate)
+            kv, gate = buf_kv[:, None], buf_gate[:, None]
+        latent = (kv * mx.softmax(gate, axis=2, precise=True)).sum(axis=2)
+        return self.kv_norm(latent.astype(x.dtype)), pos // m
+
+    def _chunk_groups(self, kv, gate, st: CompressorState, s: int) -> tuple:
+        """A chunk's projections [1, C, D] at host positions s.. with the open group's buffered
+        rows before them -> the full groups' [1, n, m, D] each (None, None for none); the rest
+        buffered."""
+        m, C = self._ratio, kv.shape[1]
         b = s % m  # rows of the open group already buffered
         if b:
             kv = mx.concatenate([st.buf_kv[:, :b], kv], axis=1)
@@ -269,24 +289,8 @@ class Compressor(nn.Module):
             st.buf_kv[:, :rest] = kv[:, n * m :]
             st.buf_gate[:, :rest] = gate[:, n * m :]
         if n == 0:
-            return None, 0
-        kv = kv[:, : n * m].reshape(1, n, m, -1)
-        gate = gate[:, : n * m].reshape(1, n, m, -1)
-        latent = (kv * mx.softmax(gate, axis=2, precise=True)).sum(axis=2)
-        return self.kv_norm(latent.astype(x.dtype)), (s - b) // m
-
-    def step(self, x: mx.array, pos: mx.array, buf_kv: mx.array, buf_gate: mx.array):
-        """`__call__` for one token at `pos` (array), branch-free: (latent [1, 1, D] of
-        the group holding pos, complete or not, its group index, new buffers)."""
-        m = self._ratio
-        if m == 1:
-            return self.kv_norm(self.kv_proj(x)), pos, buf_kv, buf_gate
-        h = x.astype(mx.float32)
-        b = (pos % m).reshape(1)
-        buf_kv = mx.slice_update(buf_kv, self.kv_proj(h).astype(buf_kv.dtype), b, axes=(1,))
-        buf_gate = mx.slice_update(buf_gate, self.gate_proj(h).astype(buf_gate.dtype), b, axes=(1,))
-        latent = (buf_kv[:, None] * mx.softmax(buf_gate[:, None], axis=2, precise=True)).sum(axis=2)
-        return self.kv_norm(latent.astype(x.dtype)), pos // m, buf_kv, buf_gate
+            return None, None
+        return kv[:, : n * m].reshape(1, n, m, -1), gate[:, : n * m].reshape(1, n, m, -1)
 
 
 class Indexer(nn.Module):
@@ -324,38 +328,30 @@ class Indexer(nn.Module):
             out.append((sc * w[:, i : i + step, :, None]).sum(axis=2))
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=1)  # [B, C, N]
 
-    def __call__(self, x, q_res, keys, candidates, s: int, rope: RoPE):
-        """(top-k picks [B, C, k] int32, -1 for none; the candidate mask to share or None)."""
+    def forward(self, ctx, x, q_res, keys, kvalid, candidates, pos, rope: RoPE):
+        """The top-k picks of the queries x [1, C, H] at positions pos.. over the index `keys`
+        [1, N, d] (None: none yet) -> ((idx [1, C, k] int32, picked [1, C, k] bool: the pick
+        has a finite score), the candidate mask to share or None).  PREFILL: pos a host int,
+        the live keys.  DECODE / CHAIN: one query, pos an int32 array, every capacity row of
+        `keys`, kvalid [cap] the live ones."""
         B, C, _ = x.shape
         N = 0 if keys is None else keys.shape[1]
         if N == 0:
-            return mx.zeros((B, C, 0), mx.int32), candidates
-        scores = self.scores(x, q_res, keys, s, rope)
-        visible_n = ((s + 1 + mx.arange(C)) // self._ratio)[:, None]  # [C, 1]: keys whose group has ended
-        scores = mx.where(mx.arange(N)[None] < visible_n, scores, -mx.inf)
-        if self._cand:
-            candidates = self._candidate_blocks(scores, visible_n)
-        elif candidates is not None:
-            scores = mx.where(candidates, scores, -mx.inf)
-        k = min(self._topk, N)
-        idx = topk_indices(scores, k).astype(mx.int32)
-        picked = mx.take_along_axis(scores, idx, axis=-1) > -mx.inf
-        return mx.where(picked, idx, -1), candidates
-
-    def step(self, x, q_res, keys, kvalid, candidates, pos: mx.array, rope: RoPE):
-        """`__call__` for one query at `pos` over every capacity row of `keys` [1, cap, d]
-        (kvalid [cap]: the live ones): ((picks [k], picked [k] bool), candidate mask)."""
-        N = keys.shape[1]
-        scores = self.scores(x, q_res, keys, pos, rope)  # [1, 1, N]
-        visible_n = ((pos + 1) // self._ratio).reshape(1, 1)
-        scores = mx.where((mx.arange(N)[None] < visible_n) & kvalid, scores, -mx.inf)
+            return (mx.zeros((B, C, 0), mx.int32), mx.zeros((B, C, 0), mx.bool_)), candidates
+        scores = self.scores(x, q_res, keys, pos, rope)  # [B, C, N]
+        if ctx.kind == PREFILL:
+            visible_n = ((pos + 1 + mx.arange(C)) // self._ratio)[:, None]  # [C, 1]: keys whose group has ended
+            visible = mx.arange(N)[None] < visible_n
+        else:
+            visible_n = ((pos + 1) // self._ratio).reshape(1, 1)
+            visible = (mx.arange(N)[None] < visible_n) & kvalid
+        scores = mx.where(visible, scores, -mx.inf)
         if self._cand:
             candidates = self._candidate_blocks(scores, visible_n)
         elif candidates is not None:
             scores = mx.where(candidates, scores, -mx.inf)
         idx = topk_indices(scores, min(self._topk, N)).astype(mx.int32)
-        picked = mx.take_along_axis(scores, idx, axis=-1) > -mx.inf
-        return (idx.reshape(-1), picked.reshape(-1)), candidates
+        return (idx, mx.take_along_axis(scores, idx, axis=-1) > -mx.inf), candidates
 
     def _candidate_blocks(self, scores: mx.array, visible_n: mx.array) -> mx.array:
         """[B, C, N] bool: keys in the query's best blocks (block score = max key score);
@@ -395,24 +391,34 @@ class Attention(nn.Module):
         self._rope = ropes["compress" if self._ratio else "main"]
         self._nh, self._D, self._groups = nh, D, args.o_groups
 
-    def __call__(self, x: mx.array, cache: LayerCache, shared: dict) -> mx.array:
-        B, C, _ = x.shape
-        s = cache.offset
+    def forward(self, x: mx.array, ctx, shareds: list, cache: LayerCache | None = None) -> mx.array:
+        """The attention of the query rows of `ctx` (runtime/forward_context.py; x [1, T, H]) ->
+        [1, T, H]; shareds[b] carries row b's compressed KV, index keys and picks between
+        layers.  The projections run once for all rows.  PREFILL: one chunk at the host
+        position cache.offset over the live `cache` (`_chunk`).  DECODE / CHAIN: row b at
+        ctx.row_pos[b] over the static layout of ctx.views[b], branch-free in the positions,
+        each row's new state arrays put into its view (`_row`)."""
         q_res = self.q_a_norm(self.q_a_proj(x))
-        q = self._rope(self.q_b_proj(q_res).reshape(B, C, self._nh, self._D).swapaxes(1, 2), offset=s)
-        kv = fake_fp8(self._rope(self.kv_norm(self.kv_proj(x))[:, None], offset=s), 32)  # [B, 1, C, D]
-        keys, mask = cache.sliding(kv)
-        if self._ratio:
-            if self._kv_source:
-                self._compress(x, cache, s, shared)
-            if self._index_source:
-                topk, cands = self.indexer(x, q_res, shared.get("index_keys"), shared.get("candidates"), s, self._rope)
-                shared["topk"] = topk
-                if self.indexer._cand:
-                    shared["candidates"] = cands
-            rows, topk = shared.get("kv_rows"), shared.get("topk")
-            if rows is not None and rows.shape[1] and topk is not None and topk.shape[-1]:
-                keys, mask = self._with_compressed(keys, mask, rows, topk)
+        q_b, kv = self.q_b_proj(q_res), self.kv_norm(self.kv_proj(x))
+        if ctx.kind == PREFILL:
+            out = self._chunk(ctx, x, q_res, q_b, kv, cache, shareds[0])
+        else:
+            rows = zip(ctx.split(x, q_res, q_b, kv), ctx.row_pos, ctx.views, shareds)
+            out = ctx.join([self._row(ctx, *row, pos, view, shared) for row, pos, view, shared in rows])
+        B, T = x.shape[:2]
+        return self.o_b_proj(self.o_a_proj(out.reshape(B, T, self._groups, -1)))  # out [B, T, nh, D]
+
+    def _query_key(self, q_b, kv, offset):
+        """The roped queries [B, nh, C, D] and the roped, FP8-rounded K=V rows [B, 1, C, D] of
+        the q_b_proj / normed kv_proj outputs [B, C, ...] at positions offset.. (a host int or
+        an int32 array)."""
+        B, C, _ = kv.shape
+        q = self._rope(q_b.reshape(B, C, self._nh, self._D).swapaxes(1, 2), offset=offset)
+        return q, fake_fp8(self._rope(kv[:, None], offset=offset), 32)
+
+    def _attend(self, q, keys, mask, offset) -> mx.array:
+        """The attention core in float32 (learned sinks), the output's inverse rope at offset..
+        -> [B, C, nh, D]."""
         out = mx.fast.scaled_dot_product_attention(
             q.astype(mx.float32),
             keys.astype(mx.float32),
@@ -421,31 +427,33 @@ class Attention(nn.Module):
             mask=mask,
             sinks=self.sinks.astype(mx.float32),
         ).astype(q.dtype)
-        out = self._rope(out, offset=s, scale=-1.0).swapaxes(1, 2)  # inverse rope, [B, C, nh, D]
-        return self.o_b_proj(self.o_a_proj(out.reshape(B, C, self._groups, -1)))
+        return self._rope(out, offset=offset, scale=-1.0).swapaxes(1, 2)
 
-    def step(self, x: mx.array, ctx, shareds: list) -> mx.array:
-        """`__call__` for the query rows of a static forward `ctx` (runtime/forward_context.py:
-        x [1, B, H], row b at ctx.row_pos[b] over the static layout of ctx.views[b]),
-        branch-free in the positions; each row's new state arrays put into its view.  The
-        projections run once for all rows; shareds[b] carries row b's (rows, valid) pairs and
-        picks between layers."""
-        q_res = self.q_a_norm(self.q_a_proj(x))
-        q_b, kv = self.q_b_proj(q_res), self.kv_norm(self.kv_proj(x))
-        B, inputs = ctx.rows, (x, q_res, q_b, kv)
-        per_row = [inputs] if B == 1 else [tuple(a[:, b : b + 1] for a in inputs) for b in range(B)]
-        outs = [
-            self._step_row(*row, pos, view, shared)
-            for row, pos, view, shared in zip(per_row, ctx.row_pos, ctx.views, shareds)
-        ]
-        out = outs[0] if B == 1 else mx.concatenate(outs, axis=1)  # [1, B, nh, D]
-        return self.o_b_proj(self.o_a_proj(out.reshape(1, B, self._groups, -1)))
+    def _chunk(self, ctx, x, q_res, q_b, kv, cache: LayerCache, shared: dict) -> mx.array:
+        """A PREFILL chunk's attention at the host position cache.offset over the live `cache`
+        (its ring and compressed rows advanced; the offset left to the model) -> [B, C, nh, D]."""
+        s = cache.offset
+        q, kv = self._query_key(q_b, kv, s)
+        keys, mask = cache.sliding(kv)
+        if self._ratio:
+            if self._kv_source:
+                self._compress(ctx, x, cache, s, shared)
+            if self._index_source:
+                (idx, picked), cands = self.indexer.forward(
+                    ctx, x, q_res, shared.get("index_keys"), None, shared.get("candidates"), s, self._rope
+                )
+                shared["topk"] = mx.where(picked, idx, -1)
+                if self.indexer._cand:
+                    shared["candidates"] = cands
+            rows, topk = shared.get("kv_rows"), shared.get("topk")
+            if rows is not None and rows.shape[1] and topk is not None and topk.shape[-1]:
+                keys, mask = self._with_compressed(keys, mask, rows, topk)
+        return self._attend(q, keys, mask, s)
 
-    def _step_row(self, x, q_res, q_b, kv, pos: mx.array, view, shared: dict) -> mx.array:
-        """One query row's attention at `pos` (x, q_res, and the q_b_proj / normed kv_proj
-        outputs [1, 1, ...]) over its `view` -> [1, 1, nh, D] after the inverse rope."""
-        q = self._rope(q_b.reshape(1, 1, self._nh, self._D).swapaxes(1, 2), offset=pos)
-        kv = fake_fp8(self._rope(kv[:, None], offset=pos), 32)  # [1, 1, 1, D]
+    def _row(self, ctx, x, q_res, q_b, kv, pos: mx.array, view, shared: dict) -> mx.array:
+        """One static query row's attention at `pos` (x, q_res, and the q_b_proj / normed
+        kv_proj outputs [1, 1, ...]) over its `view` -> [1, 1, nh, D]."""
+        q, kv = self._query_key(q_b, kv, pos)  # [1, nh, 1, D], [1, 1, 1, D]
         ring = next(view)
         W = ring.shape[2]
         ring = mx.slice_update(ring, kv.astype(ring.dtype), (pos % W).reshape(1), axes=(2,))
@@ -453,12 +461,13 @@ class Attention(nn.Module):
         keys, mask = ring, mx.arange(W) <= pos
         if self._ratio:
             if self._kv_source:
-                self._compress_step(x, pos, view, shared)
+                self._compress(ctx, x, view, pos, shared)
             if self._index_source and "index_keys" in shared:
                 ik, ivalid = shared["index_keys"]
-                shared["topk"], cands = self.indexer.step(
-                    x, q_res, ik, ivalid, shared.get("candidates"), pos, self._rope
+                (idx, picked), cands = self.indexer.forward(
+                    ctx, x, q_res, ik, ivalid, shared.get("candidates"), pos, self._rope
                 )
+                shared["topk"] = (idx.reshape(-1), picked.reshape(-1))
                 if self.indexer._cand:
                     shared["candidates"] = cands
             if "kv_rows" in shared and "topk" in shared:
@@ -469,49 +478,44 @@ class Attention(nn.Module):
                 chosen = mx.take(rows, mx.where(valid, safe, 0), axis=1)[:, None]  # [1, 1, k, D]
                 keys = mx.concatenate([keys, chosen.astype(keys.dtype)], axis=2)
                 mask = mx.concatenate([mask, valid])
-        out = mx.fast.scaled_dot_product_attention(
-            q.astype(mx.float32),
-            keys.astype(mx.float32),
-            keys.astype(mx.float32),
-            scale=self._D**-0.5,
-            mask=mask[None],
-            sinks=self.sinks.astype(mx.float32),
-        ).astype(q.dtype)
-        return self._rope(out, offset=pos, scale=-1.0).swapaxes(1, 2)
+        return self._attend(q, keys, mask[None], pos)
 
-    def _compress_step(self, x, pos: mx.array, view, shared: dict) -> None:
-        """`_compress` for one token: the open group's row written at its index whether
-        or not the group is complete (a row that is not live yet is masked)."""
-        buf_kv, buf_gate, rows = next(view), next(view), next(view)
-        latent, first, buf_kv, buf_gate = self.compressor.step(x, pos, buf_kv, buf_gate)
+    def _compress(self, ctx, x, state, pos, shared: dict) -> None:
+        """A KV source's compressed rows (and, as an index source too, its index keys) of the
+        queries x at positions pos.., published in `shared`.  PREFILL: `state` the live cache,
+        the rows of the groups the chunk closes appended.  DECODE / CHAIN: `state` the row's
+        view, the open group's row written at its index whether or not the group is complete
+        (a row that is not live yet is masked)."""
+        prefill = ctx.kind == PREFILL
+        if prefill:
+            state.start(x.dtype)
+        latent, first = self.compressor.forward(ctx, x, state.comp if prefill else state, pos)
+        rows = state.comp.rows if prefill else next(state)
+        row = None if latent is None else self._rope(latent, offset=first, scale=float(self._ratio))
+        row = None if row is None else fake_fp4(row, 16, e4m3_scale=True).astype(rows.dtype)
+        key = None
+        if self._index_source and latent is not None:
+            key = self.indexer.make_keys(latent, first, self._rope)
+        if prefill:
+            if row is not None:
+                state.comp.append(row)
+                if key is not None:
+                    state.index.append(key.astype(state.index.rows.dtype))
+            shared["kv_rows"] = state.comp.live_rows().astype(x.dtype)
+            if self._index_source:
+                shared["index_keys"] = state.index.live_rows()
+            return
         at = first.reshape(1)
-        row = fake_fp4(self._rope(latent, offset=first, scale=float(self._ratio)), 16, e4m3_scale=True)
-        rows = mx.slice_update(rows, row.astype(rows.dtype), at, axes=(1,))
-        view.put(buf_kv, buf_gate, rows)
+        rows = mx.slice_update(rows, row, at, axes=(1,))
+        view = state
+        view.put(rows)
         valid = mx.arange(rows.shape[1]) < (pos + 1) // self._ratio
         shared["kv_rows"] = (rows.astype(x.dtype), valid)
         if self._index_source:
             ibuf_kv, ibuf_gate, keys = next(view), next(view), next(view)
-            k = self.indexer.make_keys(latent, first, self._rope)
-            keys = mx.slice_update(keys, k.astype(keys.dtype), at, axes=(1,))
+            keys = mx.slice_update(keys, key.astype(keys.dtype), at, axes=(1,))
             view.put(ibuf_kv, ibuf_gate, keys)
             shared["index_keys"] = (keys, valid)
-
-    def _compress(self, x: mx.array, cache: LayerCache, s: int, shared: dict) -> None:
-        """Append the rows of the groups this chunk closes; publish the KV (and index keys)."""
-        _start(cache.comp, x.dtype)
-        latent, first = self.compressor(x, cache.comp, s)
-        if self._index_source:
-            _start(cache.index, x.dtype)
-        if latent is not None:
-            rows = self._rope(latent, offset=first, scale=float(self._ratio))
-            cache.comp.append(fake_fp4(rows, 16, e4m3_scale=True).astype(cache.comp.rows.dtype))
-            if self._index_source:
-                k = self.indexer.make_keys(latent, first, self._rope)
-                cache.index.append(k.astype(cache.index.rows.dtype))
-        shared["kv_rows"] = cache.comp.live_rows().astype(x.dtype)
-        if self._index_source:
-            shared["index_keys"] = cache.index.live_rows()
 
     def _with_compressed(self, keys, mask, rows, topk):
         """Append the picked compressed rows to the window keys and mask."""
@@ -577,10 +581,7 @@ class DecoderLayer(nn.Module):
         static step over the rows' views.  Steering edits both sites' outputs on every kind."""
         attn_pre, post, comb = self.attn_hc.mix(x)
         normed = self.input_layernorm(hc_collapse(x, pre))
-        if ctx.kind == PREFILL:
-            out = self.self_attn(normed, cache, shareds[0])
-        else:
-            out = self.self_attn.step(normed, ctx, shareds)
+        out = self.self_attn.forward(normed, ctx, shareds, cache)
         x = hc_post(x, steer(self, ATTN, out), post, comb)
         ffn_pre, post, comb = self.ffn_hc.mix(x)
         x = hc_post(x, steer(self, FFN, self.mlp(self.post_attention_layernorm(hc_collapse(x, attn_pre)))), post, comb)
@@ -657,8 +658,11 @@ class Model(ContextForward, StaticForward, CausalLM):
         super().__init__(args, DeepseekV41Model(args))
 
     # a verify as a CHAIN context (stepper.step_chain): off by default, since the static step
-    # drifts from the PREFILL forward over long sequences (~1e-2 in the logits through the fake
-    # quantizers after 200 tokens) where a verify through the PREFILL forward does not
+    # (and so a chain) is up to ~1e-2 off the PREFILL forward's logits where a verify through the
+    # PREFILL forward is not.  Not a growing drift: the two differ ~2e-6 by summation order (a
+    # step's mat-vecs and gathered top-k rows against a chunk's matmuls and masks), which now and
+    # then crosses an FP8 / FP4 fake-quant rounding boundary of a K=V or compressed row; the
+    # logits jump until that row leaves the attention (without the fake quantizers: ~2e-6)
     chain_verify = False
 
     @property

@@ -152,18 +152,10 @@ class DSparkAttention(Attention):
     def __call__(self, x: mx.array, window: mx.array | None, offset: int) -> mx.array:
         B, C, _ = x.shape
         q_res = self.q_a_norm(self.q_a_proj(x))
-        q = self._rope(self.q_b_proj(q_res).reshape(B, C, self._nh, self._D).swapaxes(1, 2), offset=offset)
-        keys = self.window_keys(x, offset)
+        q, keys = self._query_key(self.q_b_proj(q_res), self.kv_norm(self.kv_proj(x)), offset)
         if window is not None:
             keys = mx.concatenate([window.astype(keys.dtype), keys], axis=2)
-        out = mx.fast.scaled_dot_product_attention(  # no mask: the block sees all of itself
-            q.astype(mx.float32),
-            keys.astype(mx.float32),
-            keys.astype(mx.float32),
-            scale=self._D**-0.5,
-            sinks=self.sinks.astype(mx.float32),
-        ).astype(q.dtype)
-        out = self._rope(out, offset=offset, scale=-1.0).swapaxes(1, 2)  # inverse rope
+        out = self._attend(q, keys, None, offset)  # no mask: the block sees all of itself
         return self.o_b_proj(self.o_a_proj(out.reshape(B, C, self._groups, -1)))
 
 

@@ -19,12 +19,16 @@ recursive draft (depth > 1) feeds x' back as the next position's streams.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .deepseek_v4 import SLIDING, DecoderLayer, LayerCache, ModelArgs
+from ..runtime.forward_context import CHAIN, ForwardContext, StepContext
+from .deepseek_v4 import SLIDING, DecoderLayer, LayerCache, ModelArgs, finish_open_step
 from .layers import HyperHead, RMSNorm, RoPE, attention_factor_from_params, inv_freq_from_params
+
+log = logging.getLogger(__name__)
 
 HEAD_OWN = ("e_proj", "h_proj", "enorm", "hnorm", "norm")
 
@@ -62,6 +66,7 @@ class MTPHead(nn.Module):
         self.hnorm = RMSNorm(H, args.rms_norm_eps)
         self.norm = RMSNorm(H, args.rms_norm_eps)
         self.hc_head = HyperHead(args.hc_mult, H, args.hc_eps, args.rms_norm_eps)
+        self._step = None  # `step`'s compiled function (built at its first call; False: it failed)
 
     def make_cache(self) -> LayerCache:
         a = self.args
@@ -70,11 +75,50 @@ class MTPHead(nn.Module):
     def __call__(self, streams: mx.array, next_ids: mx.array, embed, cache: LayerCache):
         """streams [1, T, hc, H] of positions cache.offset.., next_ids [1, T] the tokens after
         them, `embed` the model's embedding -> (new streams [1, T, hc, H], hidden [1, T, H])."""
-        e = self.enorm(embed(next_ids).astype(streams.dtype))
-        x = self.e_proj(e)[:, :, None, :] + self.h_proj(self.hnorm(streams))
-        x = self.block(x, next_ids, cache)
+        x = self.block(self._input(streams, next_ids, embed), next_ids, cache)
         cache.offset += next_ids.shape[1]
         return x, self.norm(self.hc_head(x))
+
+    CHAIN_MAX = 8  # `step` takes a round's catch-up of at most this many positions (a trace per count)
+
+    def step(self, streams: mx.array, next_ids: mx.array, embed, cache: LayerCache):
+        """`__call__` as the target's compiled decode step runs a layer: one position (a
+        recursive draft) or a round's few (the catch-up: the positions chained as a verify's
+        rows, each over the ring the one before it left), the block's static step over the
+        cache's ring, compiled (a trace per ring layout and count; the first call eager, as the
+        stepper's: a kernel self-tests at its first use).  More than CHAIN_MAX positions (the
+        first catch-up after a prefill): the forward."""
+        T = next_ids.shape[1]
+        if self._step is False or T > self.CHAIN_MAX:
+            return self(streams, next_ids, embed, cache)
+        at = ForwardContext.decode([cache.offset]) if T == 1 else ForwardContext.chain(cache.offset, T)
+        args = (streams, next_ids, at.pos_array(), *cache.static_state(streams.dtype, T))
+        if self._step is None:
+            try:
+                mx.eval(self.static_step(embed, *args))
+            except Exception:  # a backend without one of the step's ops: the head's forward, as before
+                log.warning("the MTP head's static step failed; it drafts through its forward", exc_info=True)
+                self._step = False
+                return self(streams, next_ids, embed, cache)
+            self._step = mx.compile(lambda *a: self.static_step(embed, *a))
+        x, hid, *new = self._step(*args)
+        cache.commit_static(iter(new), T)
+        return x, hid
+
+    def static_step(self, embed, streams, next_ids, pos, *state):
+        """`step`'s pure function (compiled there; bench/census.py traces it): streams and
+        next_ids of the positions `pos` (an int32 scalar: one; [T]: a chain), the cache's
+        `static_state` -> (new streams, hidden, the state after the last position)."""
+        if pos.ndim == 0:
+            ctx = StepContext.one(pos, list(state))
+        else:
+            ctx = StepContext.of(CHAIN, pos, list(state), len(state))
+        x = finish_open_step(*self.block.forward(self._input(streams, next_ids, embed), None, next_ids, ctx))
+        return (x, self.norm(self.hc_head(x)), *ctx.views[-1].new)
+
+    def _input(self, streams: mx.array, next_ids: mx.array, embed) -> mx.array:
+        e = self.enorm(embed(next_ids).astype(streams.dtype))
+        return self.e_proj(e)[:, :, None, :] + self.h_proj(self.hnorm(streams))
 
 
 def head_param_name(name: str) -> str | None:

@@ -150,13 +150,15 @@ def sliced_per_expert(x: mx.array, experts: mx.array, per_expert_values: int, de
 
 def gguf_per_expert(x: mx.array, blocks: mx.array, qtype, experts: mx.array, lengths=None) -> mx.array:
     """x [B, M, K] times GGUF blocks uint8 [E, out, row_bytes]: on the blocks (`grouped_qmm`,
-    which skips the padding rows past `lengths`) under DS4MLX_PREFILL_EXPERTS=grouped_blocks,
+    which skips the padding rows past `lengths`) under DS4MLX_PREFILL_EXPERTS=grouped_blocks
+    (`grouped_blocks_mma`: its tensor-core variant),
     except on a GPU whose grouped_qmm face failed its self-test; else `sliced_per_expert`
     (quant_moe's dequantization)."""
     if prefill_experts.blocks_wanted():
-        face = grouped_qmm.face(qtype)
+        mma = prefill_experts.mma_wanted()
+        face = grouped_qmm.face(qtype, mma)
         if face != "reference" or not on_gpu():
-            return grouped_qmm.grouped_qmm(x, blocks, qtype, experts, lengths, backend=face)
+            return grouped_qmm.grouped_qmm(x, blocks, qtype, experts, lengths, backend=face, mma=mma)
     return sliced_per_expert(
         x,
         experts,

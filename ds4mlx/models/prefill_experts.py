@@ -12,6 +12,9 @@ least MIN_PAIRS (token, expert) pairs; decode and small chunks keep today's kern
   dequantized copy of the experts); where its GPU face failed its first-use self-test, the
   dequantized slices of `grouped`; on the CPU its reference face (float32). `auto` does not
   pick it until a GPU measurement (tools/prefill_experts_bench.py) says it wins;
+* `grouped_blocks_mma`: `grouped_blocks` with the tile products on tensor cores / simdgroup
+  matrices (16-bit operands, float32 sums: `grouped_qmm(..., mma=True)`); not `auto`'s either
+  until measured;
 * `gather_qmm`: the former path, one M = 1 product per pair (`mx.gather_qmm` for MLX
   experts, `kernels.quant_moe.gather_qmm` for GGUF blocks): the CPU's path and the
   oracle the grouped path is tested against.
@@ -29,7 +32,7 @@ import os
 import mlx.core as mx
 
 ENV = "DS4MLX_PREFILL_EXPERTS"
-MODES = ("auto", "grouped", "grouped_blocks", "gather_qmm")
+MODES = ("auto", "grouped", "grouped_blocks", "grouped_blocks_mma", "gather_qmm")
 # Fewer (token, expert) pairs (a 170-token chunk at top-6): today's kernels (decode-like
 # sizes). Reasoned, not swept: tools/prefill_experts_bench.py --chunks times both sides.
 MIN_PAIRS = 1024
@@ -56,12 +59,19 @@ def grouped_wanted(pairs: int) -> bool:
     if pairs < MIN_PAIRS:
         return False
     mode = experts_mode()
-    return mode in ("grouped", "grouped_blocks") or (mode == "auto" and mx.default_device().type != mx.DeviceType.cpu)
+    return mode in ("grouped", "grouped_blocks", "grouped_blocks_mma") or (
+        mode == "auto" and mx.default_device().type != mx.DeviceType.cpu
+    )
 
 
 def blocks_wanted() -> bool:
-    """GGUF banks of the grouped path multiplied on their blocks (`grouped_blocks`)?"""
-    return experts_mode() == "grouped_blocks"
+    """GGUF banks of the grouped path multiplied on their blocks (`grouped_blocks`, `grouped_blocks_mma`)?"""
+    return experts_mode() in ("grouped_blocks", "grouped_blocks_mma")
+
+
+def mma_wanted() -> bool:
+    """...and on tensor cores / simdgroup matrices (`grouped_blocks_mma`)?"""
+    return experts_mode() == "grouped_blocks_mma"
 
 
 def linear_wanted(rows: int) -> bool:

@@ -123,6 +123,16 @@ class LiveView:
             setattr(self._cache, next(self._write), a)
 
 
+class RowPositions(list):
+    """The query rows' positions of a traced forward, each an int32 scalar view of `all` (the
+    [T] array they come from): a kernel that needs a per-row value of every position can
+    compute them in one launch over `all` (kernels/sparse_attention.py's metas)."""
+
+    def __init__(self, all_pos: mx.array):
+        super().__init__(all_pos[t : t + 1].squeeze(0) for t in range(all_pos.shape[0]))  # views, not gathers
+        self.all = all_pos
+
+
 @dataclass
 class StepContext:
     """A forward as the model sees it.  DECODE or CHAIN (traced): `row_pos[b]` query row b's
@@ -169,7 +179,7 @@ class StepContext:
         after another (DECODE, `n_state` arrays each) or the one session's (CHAIN: row t's
         view reads row t - 1's new arrays)."""
         T = pos.shape[0]
-        row_pos = [pos[t : t + 1].squeeze(0) for t in range(T)]  # views: an integer index is a gather
+        row_pos = RowPositions(pos)
         if kind == CHAIN:
             views = [StateView(flat)]
             for _ in range(T - 1):

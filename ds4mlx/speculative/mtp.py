@@ -241,14 +241,15 @@ class MTPDrafter:
         if streams.shape[1] == 0:
             return [], None
         nxt = list(context[self.done + 1 :]) + [int(x0)]
-        x, hid = self.head(streams, mx.array([nxt], mx.int32), self.backbone.embed_tokens, self.cache)
+        step = getattr(self.head, "step", self.head)  # a head's static step where it has one
+        x, hid = step(streams, mx.array([nxt], mx.int32), self.backbone.embed_tokens, self.cache)
         self.done = n
         self._before = (dict(self.cache.meta_state), {kk: mx.array(v) for kk, v in self.cache.state.items()}, n)
         round_ = DraftRound(rule, margin)
         for i in range(k):
             tok = round_.draft(self.lm_head(hid[:, -1:])[0, -1])
             if i + 1 < k:  # recursive: the head's own streams are the next position's
-                x, hid = self.head(x[:, -1:], tok.reshape(1, 1), self.backbone.embed_tokens, self.cache)
+                x, hid = step(x[:, -1:], tok.reshape(1, 1), self.backbone.embed_tokens, self.cache)
         return round_.settle()
 
 

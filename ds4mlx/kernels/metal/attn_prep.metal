@@ -20,6 +20,11 @@
 //   stacked inputs q_rows [R, NH*D], kv_rows [R, D], iq_rows [R, NHI*DI], its own ring_r, its
 //   position poss[r], and writes q_out / iq_out at row r of stacked outputs, its own ring_out_r.
 //   attn_prep is the R = 1 case (AP_POS meta[0], AP_ROW_SELECT empty).
+// attn_prep_chain (the header also defines AP_KV_FIRST, AP_KV_END, AP_KV_DST, AP_WRITTEN): one
+//   session's next R tokens (a speculative verify) at consecutive positions poss[r] in one
+//   launch, as attn_prep_rows but over the one input ring: ring_out_r is the ring after tokens
+//   0..r, so row r's K=V row goes into ring_out_r .. ring_out_{R-1} and row r's copy groups skip
+//   the slots of tokens 0..r (the host keeps R <= W: no two tokens share a slot).
 // RMSNorm as mx.fast.rms_norm: x * rsqrt(mean(x^2) + eps) (* w, w rounded to TKV first).
 // Rope as mx.fast.rope with `freqs`, traditional pairs, on the trailing RD channels of a row:
 //   pair i of them turns by theta = pos * (1 / freqs[i]) and is scaled by mscale (transformers'
@@ -27,6 +32,12 @@
 //   p = lane + 32 i, so a pair never leaves its lane (the host checks D - RD, DI - RD even).
 
 // @@ attn_prep
+#ifndef AP_KV_DST  // one token's K=V row goes into its own ring only
+#define AP_KV_FIRST 0u
+#define AP_KV_END 1u
+#define AP_KV_DST(t) ring_out
+#define AP_WRITTEN(sl) ((sl) == uint64_t(slot))
+#endif
 constexpr int WARPS = THREADS / 32;
 constexpr int N_ROWS = NH + 1 + NHI;
 constexpr int ROW_TGS = (N_ROWS + WARPS - 1) / WARPS;
@@ -44,7 +55,7 @@ if (tgx >= uint32_t(ROW_TGS)) {
     const uint64_t first = uint64_t(tgx - uint32_t(ROW_TGS)) * uint64_t(THREADS * PER);
     for (int k = 0; k < PER; ++k) {
         const uint64_t e = first + uint64_t(k * THREADS) + tid;
-        if (e < uint64_t(W) * uint64_t(D) && e / uint64_t(D) != uint64_t(slot)) {
+        if (e < uint64_t(W) * uint64_t(D) && !(AP_WRITTEN(e / uint64_t(D)))) {
             ring_out[e] = ring[e];
         }
     }
@@ -109,8 +120,11 @@ for (int i = 0; i < PPL; ++i) {
         q_out[row0 + uint32_t(c)] = static_cast<TQ>(y0);
         q_out[row0 + uint32_t(c + 1)] = static_cast<TQ>(y1);
     } else if (is_kv) {
-        ring_out[uint64_t(slot) * uint64_t(D) + uint32_t(c)] = static_cast<TR>(y0);
-        ring_out[uint64_t(slot) * uint64_t(D) + uint32_t(c + 1)] = static_cast<TR>(y1);
+        for (uint32_t t = AP_KV_FIRST; t < AP_KV_END; ++t) {
+            DS4_DEV TR* dst = AP_KV_DST(t);
+            dst[uint64_t(slot) * uint64_t(D) + uint32_t(c)] = static_cast<TR>(y0);
+            dst[uint64_t(slot) * uint64_t(D) + uint32_t(c + 1)] = static_cast<TR>(y1);
+        }
     } else {
         iq_out[row0 + uint32_t(c)] = static_cast<TI>(y0);
         iq_out[row0 + uint32_t(c + 1)] = static_cast<TI>(y1);

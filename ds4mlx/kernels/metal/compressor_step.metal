@@ -43,6 +43,21 @@
 //   meta_r in; buf_kv_out_r, ... rows_out_r out) at position poss[r] (poss [R] int32 in
 //   place of pos); bias, weight, periods, prm shared.  GROUPS covers the largest row.
 
+// compressor_chain  grid (GROUPS*THREADS, R, 1): one session's next R tokens (a speculative
+//   verify) at consecutive positions poss[0] .. poss[0] + R - 1 through one compressor, in one
+//   launch (kernels/attn_prologue.py's attn_prologue_chain).  Grid row r writes the state after
+//   tokens 0..r (buf_kv_out_r, ... rows_out_r: the header's CS_ROW_SELECT picks them) from the
+//   state before the chain (buf_kv, buf_gate, ov_kv, ov_gate, rows) and token t's projections
+//   CC_KV(t) [CC*D] TK, CC_GATE(t) [CC*D] TG (the header's picks of kv_t, gate_t), as
+//   compressor_step run token after token would: no row
+//   reads another's output.  Token s's buffer row is b_s = (poss[0] + s) % M; the buffers "at
+//   token s" hold at row i the projection of the latest token s' <= s with b_s' == i, else the
+//   old row (CC_KV_AT); the overlap state before token s is the Ca half of the buffers at the
+//   latest window end c < s, else the old one.  Group 0 writes row r's buffer rows of tokens
+//   0..r, its overlap state, and rows w0_0 .. w0_r of rows_out_r (each token that ends a
+//   window pools it as compressor_step does; the others keep the old row); the copy groups
+//   copy the rest.
+
 // @@ common
 // pos is a 0-d input: MLX's Metal face passes it by reference, the CUDA face by pointer
 #if defined(__METAL_VERSION__)
@@ -248,3 +263,190 @@ if (tgx > 0u) {
         }
     }
 }
+
+// @@ compressor_chain
+constexpr int CC = OVERLAP ? 2 : 1;
+constexpr uint32_t CD = uint32_t(CC * D);  // channels of one buffer row
+constexpr uint32_t WIN = uint32_t(CC * M);  // rows of the pooling window
+constexpr uint32_t NOPE = uint32_t(D - ROPE);
+constexpr uint32_t ROW_UNITS = uint32_t(D * sizeof(T) / 16);  // 16-byte units of a row
+constexpr uint32_t BUF_UNITS = uint32_t(CC) * ROW_UNITS;
+DS4_SHARED float nrm[D];
+DS4_SHARED float red[THREADS / 32];
+
+const uint32_t row = tgy;  // this grid row's output: the state after chain tokens 0..row
+CS_ROW_SELECT
+// the latest chain token s' <= s whose buffer row is i (negative: none, the old row holds)
+#define CC_LATEST(i, s) (int32_t(s) - int32_t((b0 + uint32_t(s) + uint32_t(M) - (i)) % uint32_t(M)))
+// the buffers at chain token s, row i, channel k (CC_KV(t) / CC_GATE(t): token t's projections)
+#define CC_KV_AT(i, k, s) (CC_LATEST(i, s) >= 0 ? cs_round<T>(CC_KV(CC_LATEST(i, s))[k]) \
+                                                : static_cast<float>(buf_kv[(i) * CD + (k)]))
+#define CC_GATE_AT(i, k, s)                                                                      \
+    cs_round<T>((CC_LATEST(i, s) >= 0 ? cs_round<T>(CC_GATE(CC_LATEST(i, s))[k])              \
+                                      : static_cast<float>(buf_gate[(i) * CD + (k)])) +      \
+                cs_round<T>(bias[(i) * CD + (k)]))
+// the chain token of the latest window end before token s (negative: none in the chain)
+#define CC_LAST_END(s) (int32_t(s) - 1 - int32_t((b0 + uint32_t(s)) % uint32_t(M)))
+const int32_t p0 = poss[0];
+const uint32_t b0 = uint32_t(p0 % M);
+const uint32_t w_first = uint32_t(p0 / M);
+const uint32_t w_last = uint32_t((p0 + int32_t(row)) / M);
+const uint32_t cap = uint32_t(meta[0]);
+
+if (tgx > 0u) {
+    // copy groups: rows, buf_kv and buf_gate, skipping the rows group 0 writes
+    const uint64_t rows_units = uint64_t(cap) * ROW_UNITS;
+    const uint64_t buf_units = uint64_t(M) * BUF_UNITS;
+    const uint64_t base = uint64_t(tgx - 1u) * uint64_t(THREADS * PER);
+    for (int e = 0; e < PER; ++e) {
+        uint64_t u = base + uint64_t(e) * uint64_t(THREADS) + tid;
+        if (u < rows_units) {
+            const uint64_t w = u / ROW_UNITS;
+            if (w < uint64_t(w_first) || w > uint64_t(w_last)) {
+                ((DS4_DEV uint4*)(rows_out))[u] = ((const DS4_DEV uint4*)(rows))[u];
+            }
+            continue;
+        }
+        u -= rows_units;
+        const bool kv_half = u < buf_units;
+        if (!kv_half) {
+            u -= buf_units;
+        }
+        if (u >= buf_units || (uint32_t(u / BUF_UNITS) + uint32_t(M) - b0) % uint32_t(M) <= row) {
+            continue;
+        }
+        if (kv_half) {
+            ((DS4_DEV uint4*)(buf_kv_out))[u] = ((const DS4_DEV uint4*)(buf_kv))[u];
+        } else {
+            ((DS4_DEV uint4*)(buf_gate_out))[u] = ((const DS4_DEV uint4*)(buf_gate))[u];
+        }
+    }
+} else {
+    // the buffer rows of tokens 0..row, in token order (a later token's replaces an earlier one's)
+    for (uint32_t s = 0; s <= row; ++s) {
+        const uint32_t bs = (b0 + s) % uint32_t(M);
+        for (uint32_t k = tid; k < CD; k += uint32_t(THREADS)) {
+            buf_kv_out[bs * CD + k] = static_cast<T>(static_cast<float>(CC_KV(s)[k]));
+            buf_gate_out[bs * CD + k] = static_cast<T>(static_cast<float>(CC_GATE(s)[k]));
+        }
+    }
+    if (OVERLAP) {
+        // the overlap state after token row: the Ca half of the buffers at the latest window end
+        const int32_t c = CC_LAST_END(row + 1u);
+        for (uint32_t k = tid; k < uint32_t(M * D); k += uint32_t(THREADS)) {
+            const uint32_t i = k / uint32_t(D);
+            const uint32_t j = k % uint32_t(D);
+            if (c >= 0) {
+                ov_kv_out[k] = static_cast<T>(CC_KV_AT(i, j, c));
+                ov_gate_out[k] = static_cast<T>(CC_GATE_AT(i, j, c));
+            } else {
+                ov_kv_out[k] = ov_kv[k];
+                ov_gate_out[k] = ov_gate[k];
+            }
+        }
+    }
+    // rows w0_0 .. w0_row: a window that token s ends is pooled (as compressor_step pools it, over
+    // the buffers at token s), an incomplete one keeps its old row
+    for (uint32_t s = 0; s <= row; ++s) {
+        const int32_t p = p0 + int32_t(s);
+        const uint32_t w0 = uint32_t(p / M);
+        if (uint32_t(p % M) != uint32_t(M - 1)) {
+            if (w0 < cap) {
+                for (uint32_t j = tid; j < uint32_t(D); j += uint32_t(THREADS)) {
+                    rows_out[uint64_t(w0) * uint64_t(D) + j] = rows[uint64_t(w0) * uint64_t(D) + j];
+                }
+            }
+            continue;
+        }
+        ds4_tg_barrier();  // an earlier pooling's readers of nrm and red are done
+        const int32_t c = CC_LAST_END(s);  // the overlap rows' window end
+        float ss = 0.0f;
+        for (uint32_t j = tid; j < uint32_t(D); j += uint32_t(THREADS)) {
+            float gmax = DS4_NEG_INF;
+            for (uint32_t e = 0; e < WIN; ++e) {
+                float g;
+                if (OVERLAP && e < uint32_t(M)) {
+                    g = c >= 0 ? CC_GATE_AT(e, j, c) : static_cast<float>(ov_gate[e * uint32_t(D) + j]);
+                } else {
+                    g = CC_GATE_AT(e % uint32_t(M), (OVERLAP ? uint32_t(D) : 0u) + j, s);
+                }
+                gmax = ds4_fmax(gmax, g);
+            }
+            float sum = 0.0f;
+            for (uint32_t e = 0; e < WIN; ++e) {
+                float g;
+                if (OVERLAP && e < uint32_t(M)) {
+                    g = c >= 0 ? CC_GATE_AT(e, j, c) : static_cast<float>(ov_gate[e * uint32_t(D) + j]);
+                } else {
+                    g = CC_GATE_AT(e % uint32_t(M), (OVERLAP ? uint32_t(D) : 0u) + j, s);
+                }
+                sum += ds4_exp(g - gmax);
+            }
+            float acc = 0.0f;
+            for (uint32_t e = 0; e < WIN; ++e) {
+                float g, v;
+                if (OVERLAP && e < uint32_t(M)) {
+                    if (c >= 0) {
+                        g = CC_GATE_AT(e, j, c);
+                        v = CC_KV_AT(e, j, c);
+                    } else {
+                        g = static_cast<float>(ov_gate[e * uint32_t(D) + j]);
+                        v = static_cast<float>(ov_kv[e * uint32_t(D) + j]);
+                    }
+                } else {
+                    const uint32_t i = e % uint32_t(M);
+                    const uint32_t k = (OVERLAP ? uint32_t(D) : 0u) + j;
+                    g = CC_GATE_AT(i, k, s);
+                    v = CC_KV_AT(i, k, s);
+                }
+                const float w = cs_round<T>(ds4_exp(g - gmax) / sum);
+                acc += cs_round<T>(v * w);
+            }
+            const float r = cs_round<T>(acc);
+            nrm[j] = r;
+            ss += r * r;
+        }
+
+        // RMSNorm over the D channels
+        ss = ds4_warp_sum(ss);
+        if (lane == 0u) {
+            red[warp] = ss;
+        }
+        ds4_tg_barrier();
+        float tot = 0.0f;
+        for (int q = 0; q < THREADS / 32; ++q) {
+            tot += red[q];
+        }
+        const float rs = ds4_rsqrt(tot / float(D) + prm[0]);
+        for (uint32_t j = tid; j < uint32_t(D); j += uint32_t(THREADS)) {
+            const float y = cs_round<T>(nrm[j] * rs);
+            nrm[j] = cs_round<T>(y * cs_round<T>(weight[j]));
+        }
+        ds4_tg_barrier();
+
+        // the compress rope at position w0 * M on the last ROPE channels, then row w0
+        const float at = float(M) * float(int32_t(w0));
+        const float mscale = prm[1];
+        for (uint32_t j = tid; j < uint32_t(D); j += uint32_t(THREADS)) {
+            float v = nrm[j];
+            if (j >= NOPE) {
+                const uint32_t q = j - NOPE;
+                const uint32_t first = NOPE + (q & ~1u);
+                const float theta = at * (1.0f / periods[q >> 1]);
+                const float cth = cs_cos(theta);
+                const float sth = cs_sin(theta);
+                const float x1 = nrm[first];
+                const float x2 = nrm[first + 1u];
+                v = (q & 1u) ? x1 * sth + x2 * cth : x1 * cth - x2 * sth;
+                v = cs_round<T>(v) * mscale;
+            }
+            if (w0 < cap) {
+                rows_out[uint64_t(w0) * uint64_t(D) + j] = static_cast<T>(v);
+            }
+        }
+    }
+}
+#undef CC_LATEST
+#undef CC_KV_AT
+#undef CC_GATE_AT
+#undef CC_LAST_END

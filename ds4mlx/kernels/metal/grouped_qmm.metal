@@ -129,3 +129,126 @@ DS4_SHARED float4 gq_ws4[32 * GQ_TN / 4];   // W tile [32][GQ_TN] float32, k-maj
         }
     }
 }
+
+// @@ helpers_mma
+// The tensor-core variant (grouped_qmm.py's `mma=True`): the same tiles of GQ_TM tokens x 128
+// output rows of one batch, the product on the face's matrix tiles (kernels/mma_tile.py:
+// DS4_MMA_*, 16 x 16 x 16 wmma on CUDA, 8 x 8 simdgroup matrices on Metal) in MT (bfloat16
+// for bfloat16 x, else float16), float32 accumulation.  Template constants: those above, but
+// GQ_TM (tokens per tile: 16, 32, 48 or 64) in place of GQ_RM, and MT.
+// Per step of 64 values of K (two chunks): each of the 256 threads decodes one chunk of one
+// weight row (rows tid % 128, chunk 2 s + tid / 128; DS4_CHUNK, bit-identical to the
+// reference) and rounds it to MT into shared memory, row-major by weight row (ws[n][k], the
+// B tile n-major), then all threads stage the tile's x as MT (xs[t][k]); rows are GQM_LD =
+// 72 values apart (64 + 8: a 16-byte row segment per bank group, no conflict in the tile
+// loads).  SIMD group g then owns output columns of GQM_NF tiles (g, g + 8, ...) for every
+// token tile that holds a live token: per DS4_MMA_K of K, GQM_NF B loads, GQ_TM / DS4_MMA_M
+// A loads and their products.  At the end each SIMD group stores its accumulators one tile
+// at a time into its slice of the x area (now free) and its lanes write y (T), padding rows
+// as zeros.  Why: the FMAs of the float32 variant are ~all of its time once the decode is
+// shared by a tile; on tensor cores they cost little, so the decode (every thread decodes
+// now, one chunk per step) and the loads bound the kernel.
+// Shared memory: (128 + 64) x 72 MT = 27 KB (Metal's limit is 32 KB).
+// Grid: (256, ceil(N_ROWS / 128), B * ceil(M_ROWS / GQ_TM)), thread group (256, 1, 1).
+#define GQM_THREADS 256
+#define GQM_TN 128
+#define GQM_KS 64
+#define GQM_LD 72
+#define GQM_MF (GQ_TM / DS4_MMA_M)
+#define GQM_NF (GQM_TN / (8 * DS4_MMA_N))
+
+// @@ grouped_qmm_mma
+// inputs and output as grouped_qmm's
+DS4_SHARED uint4 gqm_smem[(GQM_TN + 64) * GQM_LD / 8];  // ws [128][LD] MT, xs [64][LD] MT
+{
+    SHR MT* ws = (SHR MT*)gqm_smem;
+    SHR MT* xs = ws + GQM_TN * GQM_LD;
+    // after the K loop: this SIMD group's [DS4_MMA_M][DS4_MMA_N] float32 scratch, in the x area
+    SHR float* scratch = (SHR float*)xs + warp * uint32_t(DS4_MMA_M * DS4_MMA_N);
+    const uint32_t m_tiles = (uint32_t(M_ROWS) + uint32_t(GQ_TM) - 1u) / uint32_t(GQ_TM);
+    const uint32_t b = tgz / m_tiles;
+    const uint32_t m0 = (tgz - b * m_tiles) * uint32_t(GQ_TM);
+    const uint32_t n0 = tgy * uint32_t(GQM_TN);
+    const uint32_t live = uint32_t(lens[b]) < uint32_t(M_ROWS) ? uint32_t(lens[b]) : uint32_t(M_ROWS);
+    // token tiles holding a live token (uniform over the thread group; 0: a tile of padding only)
+    const uint32_t live_tiles = m0 >= live ? 0u
+        : ((live - m0 + uint32_t(DS4_MMA_M) - 1u) / uint32_t(DS4_MMA_M) < uint32_t(GQM_MF)
+            ? (live - m0 + uint32_t(DS4_MMA_M) - 1u) / uint32_t(DS4_MMA_M) : uint32_t(GQM_MF));
+    const DEV uint8_t* we = w + uint64_t(eids[b]) * uint64_t(N_ROWS) * uint64_t(ROW_BYTES);
+    const DEV T* xb = x + uint64_t(b) * uint64_t(M_ROWS) * uint64_t(K_DIM);
+    const uint32_t chunks = uint32_t(K_DIM / 32);
+    // this thread's weight row (rows past N_ROWS decode the last row: computed, not written)
+    const uint32_t wr = tid & uint32_t(GQM_TN - 1);
+    const uint32_t r = n0 + wr < uint32_t(N_ROWS) ? n0 + wr : uint32_t(N_ROWS) - 1u;
+    // this thread's 32 values of a step: 4 stores of 8 MT (16 bytes; 8 lanes' rows 144 bytes
+    // apart cover the 32 banks once)
+    SHR uint4* wdst = (SHR uint4*)(ws + wr * uint32_t(GQM_LD) + (tid / uint32_t(GQM_TN)) * 32u);
+    DS4_MMA_C acc[GQM_MF][GQM_NF];
+    for (int i = 0; i < GQM_MF; ++i) {
+        for (int j = 0; j < GQM_NF; ++j) {
+            ds4_mma_zero(acc[i][j]);
+        }
+    }
+    for (uint32_t s = 0; s < (live_tiles > 0u ? (chunks + 1u) / 2u : 0u); ++s) {
+        ds4_tg_barrier();  // every SIMD group is done with the previous step's tiles
+        const uint32_t c = 2u * s + tid / uint32_t(GQM_TN);
+        float buf[32];
+        if (c < chunks) {
+            DS4_CHUNK(we + uint64_t(r) * uint64_t(ROW_BYTES), c, buf);
+        } else {  // an odd number of chunks: the last step's second half is zeros
+            for (int i = 0; i < 32; ++i) {
+                buf[i] = 0.0f;
+            }
+        }
+        for (int g = 0; g < 4; ++g) {
+            uint4 v;
+            v.x = ds4_mma_bits(buf[8 * g]) | (ds4_mma_bits(buf[8 * g + 1]) << 16);
+            v.y = ds4_mma_bits(buf[8 * g + 2]) | (ds4_mma_bits(buf[8 * g + 3]) << 16);
+            v.z = ds4_mma_bits(buf[8 * g + 4]) | (ds4_mma_bits(buf[8 * g + 5]) << 16);
+            v.w = ds4_mma_bits(buf[8 * g + 6]) | (ds4_mma_bits(buf[8 * g + 7]) << 16);
+            wdst[g] = v;
+        }
+        // padding tokens and K past K_DIM stage zeros (their outputs are written as zeros)
+        for (uint32_t q = tid; q < uint32_t(GQ_TM * GQM_KS); q += uint32_t(GQM_THREADS)) {
+            const uint32_t t = q / uint32_t(GQM_KS);
+            const uint32_t k = uint32_t(GQM_KS) * s + (q & uint32_t(GQM_KS - 1));
+            const float v = m0 + t < live && k < uint32_t(K_DIM) ? static_cast<float>(xb[uint64_t(m0 + t) * uint64_t(K_DIM) + k]) : 0.0f;
+            xs[t * uint32_t(GQM_LD) + (q & uint32_t(GQM_KS - 1))] = static_cast<MT>(v);
+        }
+        ds4_tg_barrier();
+        for (uint32_t kk = 0; kk < uint32_t(GQM_KS); kk += uint32_t(DS4_MMA_K)) {
+            DS4_MMA_B bt[GQM_NF];
+            for (int j = 0; j < GQM_NF; ++j) {
+                ds4_mma_load_b(bt[j], ws + (warp + 8u * uint32_t(j)) * uint32_t(DS4_MMA_N * GQM_LD) + kk, GQM_LD);
+            }
+            for (int i = 0; i < GQM_MF; ++i) {
+                if (uint32_t(i) < live_tiles) {
+                    DS4_MMA_A at;
+                    ds4_mma_load_a(at, xs + uint32_t(i) * uint32_t(DS4_MMA_M * GQM_LD) + kk, GQM_LD);
+                    for (int j = 0; j < GQM_NF; ++j) {
+                        ds4_mma(acc[i][j], at, bt[j]);
+                    }
+                }
+            }
+        }
+    }
+    ds4_tg_barrier();  // the x area becomes the SIMD groups' scratch
+    for (int i = 0; i < GQM_MF; ++i) {
+        for (int j = 0; j < GQM_NF; ++j) {
+            const uint32_t mb = m0 + uint32_t(i * DS4_MMA_M);
+            const uint32_t nb = n0 + (warp + 8u * uint32_t(j)) * uint32_t(DS4_MMA_N);
+            if (uint32_t(i) < live_tiles) {
+                ds4_mma_store(scratch, acc[i][j], DS4_MMA_N);
+            }
+            ds4_mma_barrier();
+            for (uint32_t e = lane; e < uint32_t(DS4_MMA_M * DS4_MMA_N); e += 32u) {
+                const uint32_t m = mb + e / uint32_t(DS4_MMA_N);
+                const uint32_t n = nb + e % uint32_t(DS4_MMA_N);
+                if (m < uint32_t(M_ROWS) && n < uint32_t(N_ROWS)) {
+                    y[(uint64_t(b) * uint64_t(M_ROWS) + m) * uint64_t(N_ROWS) + n] = static_cast<T>(m < live ? scratch[e] : 0.0f);
+                }
+            }
+            ds4_mma_barrier();  // every lane has read the scratch before the next tile's store
+        }
+    }
+}
