@@ -56,8 +56,11 @@ def test_verify_chain_shares_the_steps_weight_launches(census_model, tokens, mon
     # (o_b and the MoE's down with the next mHC site: kernels/qmv_hc.py)
     for name in ("ds4mlx_affine_qmv[MODE=0]", "ds4mlx_affine_qmv2_gu[MODE=3]", "ds4mlx_affine_qmv2_down[MODE=4]"):
         assert k[name] == k1[name]
-    for name in ("ds4mlx_affine_qmv_hc[MODE=0]", "ds4mlx_affine_qmv2_down_hc[MODE=4]", "ds4mlx_hc_dots_pre"):
+    for name in ("ds4mlx_affine_qmv2_down_hc[MODE=4]", "ds4mlx_hc_dots_pre"):
         assert k[name] == k1[name]
+    # one token's router runs inside o_b's launch (kernels/qmv_hc_route.py); the rows' in one launch a layer
+    layers = k1["ds4mlx_affine_qmv_hc_route[MODE=0]"]
+    assert k["ds4mlx_affine_qmv_hc[MODE=0]"] == k["ds4mlx_moe_fold"] == layers and "ds4mlx_moe_fold" not in k1
     assert k[f"ds4mlx_attend_rows{tokens}"] == 4 and "ds4mlx_attend" not in k  # the rows' attention: one launch
     # the CSA layer's indexer over every row in one launch
     assert k[f"ds4mlx_index_topk_rows{tokens}"] == 1 and "ds4mlx_index_topk" not in k
@@ -72,7 +75,7 @@ def test_verify_chain_shares_the_steps_weight_launches(census_model, tokens, mon
     metas = lambda c: sum(v for name, v in c["mlx"].items() if name.endswith("MultiplyAdd"))  # noqa: E731
     assert metas(chain) == metas(one) == 1
     assert not chain["fills"]
-    assert chain["total"] == one["total"]  # a verify of any length: one step's launches
+    assert chain["total"] == one["total"] + layers  # a verify of any length: one step's launches and the routers
 
 
 @pytest.mark.usefixtures("cpu_unless_gpu_test")
@@ -80,8 +83,8 @@ def test_verify_chain_census_pinned(census_model):
     """The chain's launch count on the 4-layer census model (CSA, HCA, 2 sliding), with
     qmv_hc's default (its rows wait for their GPU test: o_b and the MoE's down apart from the
     mHC site, as in the batched step) and as once they pass: a verify of 4 tokens costs 54 and
-    47 launches against one step's 47 (69 and 62 before the prologues and the metas ran once
-    for the chain)."""
+    47 launches against one step's 43, whose router runs inside o_b's launch (69 and 62 before the
+    prologues and the metas ran once for the chain)."""
     from ds4mlx.kernels import qmv_hc
 
     assert decode_census(census_model, 2048, chain=4)["total"] <= 54

@@ -49,6 +49,7 @@ UNVERIFIED_KERNELS = {  # every other kernel's CUDA face passed its `pytest -m g
     "attn_prologue.chain",  # the same for one session's T chained tokens of one layer (a verify)
     "qmv_hc",  # a dense mat-vec and the next mHC site (hc_post + the next hc_pre's tail) in one launch
     "qmv_hc.down",  # affine_qmv MODE 4 (an MoE's down projections) and the next mHC site in one launch
+    "qmv_hc.route",  # qmv_hc's o_b launch with the MoE router of the site's output (one token)
     "grouped_qmm_mma.Q8_0",  # prefill's GGUF expert GEMMs on tensor cores / simdgroup matrices (grouped_qmm mma)
     "grouped_qmm_mma.Q2_K",
     "grouped_qmm_mma.Q4_K",

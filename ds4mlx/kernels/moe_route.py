@@ -146,7 +146,7 @@ def kernel_takes(e: int, k: int, rows: int, groups: int = 1) -> bool:
     return 1 <= k <= min(e, THREADS) and e <= MAX_EXPERTS and 1 <= rows and groups <= THREADS
 
 
-def _selection_inputs(bias, table, ids):
+def selection_inputs(bias, table, ids):
     """The kernel's bias / table / ids inputs (dummies where unused).  Every array is read
     flat, row-major: no reshape (each one is a primitive of the traced step)."""
     bias_in = bias if bias is not None else placeholder(mx.float32)
@@ -177,7 +177,7 @@ def _launch_route(face, logits, k, score, scaling, normalize, bias, table, ids, 
     e = logits.shape[-1]
     lead = logits.shape[:-1]
     n = logits.size // e
-    bias_in, table_in, ids_in = _selection_inputs(bias, table, ids)
+    bias_in, table_in, ids_in = selection_inputs(bias, table, ids)
     idx, w = _kernel("route")(
         face,
         inputs=[logits, bias_in, table_in, ids_in, f32_scalar(float(scaling))],
@@ -194,7 +194,7 @@ def _launch_fold(face, x, weight, k, score, scaling, normalize, bias, table, ids
     e, h = weight.shape
     lead = x.shape[:-1]
     n = x.size // h
-    bias_in, table_in, ids_in = _selection_inputs(bias, table, ids)
+    bias_in, table_in, ids_in = selection_inputs(bias, table, ids)
     nb = -(-e // FOLD_RPT)
     idx, w, _ = _kernel("fold")(
         face,

@@ -50,10 +50,10 @@ _DOWN_NAMES = {n: n + "_A" for n in ("OUT_ROWS", "MAXIT", "WROWS", "OPW", "THREA
 _DOWN_NAMES |= {"XR": "XR_B", "XROWS": "XROWS_B"}
 
 
-def shared_text(variant: str = "plain") -> tuple[str, str]:
+def shared_text(variant: str = "plain", route_part: str = "", route_tail: str = "") -> tuple[str, str]:
     """(header, body) without the face's prelude and index block: both files' `common`
     sections; the plain mat-vec ("plain") or MODE 4 ("down"), then `qmv_hc` with `pre_core`
-    in its place."""
+    in its place (and kernels/qmv_hc_route.py's router pieces in theirs, else nothing)."""
     q, h = sections(aq.SOURCE), sections(hck.SOURCE)
     if variant == "plain":
         body = aq.qmv_text() + q["qmv_hc_plain"] + q["qmv_hc"]
@@ -61,6 +61,7 @@ def shared_text(variant: str = "plain") -> tuple[str, str]:
         tail = aq.renamed(compact(q["qmv_hc"]), _DOWN_NAMES)
         body = aq.twobank_body(4) + q["qmv_hc_down"] + "constexpr int THREADS = 32 * WARPS;\n" + tail
     body = body.replace("DS4_QMV_HC_PRE_CORE", h["pre_core"])
+    body = body.replace("DS4_QMV_HC_ROUTE_PART", route_part).replace("DS4_QMV_HC_ROUTE_TAIL", route_tail)
     return compact(q["common"] + h["common"]), compact(body)
 
 
@@ -101,7 +102,8 @@ def _rows_cap(auto: bool) -> int:
     return AUTO_ROWS if auto else min(aq.MAX_ROWS, hck.SPLIT_TOKENS)
 
 
-def _takes(face: str, x, w, biases, streams, fn, group_size: int, bits: int, auto: bool = True) -> bool:
+def takes(face: str, x, w, biases, streams, fn, group_size: int, bits: int, auto: bool = True) -> bool:
+    """Whether the dense site's launch takes these arguments (`auto`: an automatic call's row cap)."""
     n, d = streams.shape[-2], streams.shape[-1]
     rows = x.size // max(x.shape[-1], 1)
     return (
@@ -144,21 +146,25 @@ def qmv_hc_post_pre(
     site = dict(sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps, norm=norm)
     args = (x, w, scales, biases, streams, post, comb, fn, base, scale)
     face = backend if backend is not None else auto_face("qmv_hc", _self_test)
-    if not (_takes(face, x, w, biases, streams, fn, group_size, bits, backend is None) and sinkhorn_iters >= 1):
+    if not (takes(face, x, w, biases, streams, fn, group_size, bits, backend is None) and sinkhorn_iters >= 1):
         return _two_calls(*args, group_size=group_size, bits=bits, backend=backend, **site)
-    return _launch(face, *args, group_size=group_size, bits=bits, **site)
+    return launch_dense(face, *args, group_size=group_size, bits=bits, **site)
 
 
 def fused_face(x, w, biases, streams, fn, *, group_size: int, bits: int) -> str | None:
     """The face an automatic `qmv_hc_post_pre` of these arguments launches as one kernel, or
     None (it would run the two calls): lets a caller keep its own mat-vec otherwise."""
     face = auto_face("qmv_hc", _self_test)
-    return face if _takes(face, x, w, biases, streams, fn, group_size, bits) else None
+    return face if takes(face, x, w, biases, streams, fn, group_size, bits) else None
 
 
-def _site_launch(face, variant, head_inputs, head_template, grid, streams, post, comb, fn, base, scale, **site):
+def _site_launch(
+    face, variant, head_inputs, head_template, grid, streams, post, comb, fn, base, scale, extra=None, **site
+):
     """Launch `variant` with the mat-vec's inputs and template (`head_*`, its `nw` left for the
-    site's norm weight) and the site's: -> (new streams, post', comb', collapsed')."""
+    site's norm weight) and the site's: -> (new streams, post', comb', collapsed').  `extra`:
+    (kernel, inputs, template, output shapes, output dtypes) a variant adds after the site's
+    (kernels/qmv_hc_route.py), whose outputs follow the four."""
     n, d = streams.shape[-2], streams.shape[-1]
     lead, rows, nby = streams.shape[:-2], streams.size // (n * d), grid[1]
     norm = site["norm"]
@@ -168,20 +174,26 @@ def _site_launch(face, variant, head_inputs, head_template, grid, streams, post,
     hc_t += [("HC", n), ("ITERS", int(site["sinkhorn_iters"])), ("HEAD", False), ("COLLAPSE", True)]
     hc_t += [("HC_NORM", norm is not None), ("VT", hck.PRE_THREADS), ("PARTS", nby)]
     inputs = [*head_inputs[:7], nw, *head_inputs[8:], streams, post, comb, fn, base, scale, eps]
-    _, ys, _, _, post2, comb2, hn = _kernel(variant)(
+    kernel, more_in, more_t, more_shapes, more_dtypes = extra or (_kernel(variant), [], [], [], [])
+    _, ys, _, _, post2, comb2, hn, *more = kernel(
         face,
-        inputs=inputs + [tickets(TICKETS, rows, 64)],
-        template=head_template + hc_t,
+        inputs=inputs + [tickets(TICKETS, rows, 64), *more_in],
+        template=head_template + hc_t + more_t,
         grid=grid,
         threadgroup=(32 * aq.WARPS, 1, 1),
         output_shapes=[(rows, d), streams.shape, (rows, nby, (2 + n) * n + 1), (*lead, n), (*lead, n), (*lead, n, n)]
-        + [(*lead, d)],
-        output_dtypes=[streams.dtype, streams.dtype, mx.float32, mx.float32, mx.float32, mx.float32, streams.dtype],
+        + [(*lead, d), *more_shapes],
+        output_dtypes=[streams.dtype, streams.dtype, mx.float32, mx.float32, mx.float32, mx.float32, streams.dtype]
+        + list(more_dtypes),
     )
-    return ys, post2, comb2, hn
+    return (ys, post2, comb2, hn, *more)
 
 
-def _launch(face, x, w, scales, biases, streams, post, comb, fn, base, scale, *, group_size, bits, **site):
+def launch_dense(
+    face, x, w, scales, biases, streams, post, comb, fn, base, scale, *, group_size, bits, extra=None, **site
+):
+    """The dense mat-vec's site launch; `extra(parts)`: a variant's kernel, inputs, template,
+    shapes and dtypes added to it (kernels/qmv_hc_route.py), given the threadgroups a token has."""
     d = streams.shape[-1]
     k_dim, rows = x.shape[-1], x.size // x.shape[-1]
     pl = aq.rows_plan(rows, d, k_dim, bits, x.dtype, face) if rows > 1 else None
@@ -192,7 +204,8 @@ def _launch(face, x, w, scales, biases, streams, post, comb, fn, base, scale, *,
     )
     head = [x, w, scales, biases, aq.const_input("ids", rows), aq.const_input("wts"), aq.lim_input(0.0), None]
     grid = (32 * aq.WARPS, pl.nby, pl.nz)
-    return _site_launch(face, "plain", head, qmv_t, grid, streams, post, comb, fn, base, scale, **site)
+    extra = extra(pl.nby) if extra is not None else None  # a variant's additions, given the parts
+    return _site_launch(face, "plain", head, qmv_t, grid, streams, post, comb, fn, base, scale, extra, **site)
 
 
 @dataclass(frozen=True)

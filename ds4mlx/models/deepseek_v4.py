@@ -42,6 +42,7 @@ from ..kernels.attn_prologue import CompressorJob, attn_prologue, attn_prologue_
 from ..kernels.compressor_step import compressor_step  # one launch on a GPU, the MLX graph on the CPU
 from ..kernels.hyper_connection import hc_post  # fused on a GPU, the reference graph on the CPU
 from ..kernels.qmv_hc import DownSumShared
+from ..kernels.qmv_hc_route import SiteRouter
 from ..runtime.forward_context import CHAIN, DECODE, PREFILL, StepContext
 from ..runtime.steering import ATTN, FFN, steer, steered  # directional steering hook (steering.py)
 from . import prefill_attention
@@ -1092,6 +1093,11 @@ class Router(nn.Module):
         sel = dict(table=self.tid2eid, ids=ids) if self._hashed else dict(bias=self.e_score_correction_bias)
         return moe_route.router(x, self.weight, k=self._k, score=self._kind, scaling=self._scale, normalize=True, **sel)
 
+    def site_router(self, ids: mx.array) -> SiteRouter:
+        """`step`'s routing as the mHC site before it may run it (kernels/qmv_hc_route.py)."""
+        sel = dict(table=self.tid2eid, ids=ids) if self._hashed else dict(bias=self.e_score_correction_bias)
+        return SiteRouter(self.weight, self._k, self._kind, self._scale, **sel)
+
 
 class MoE(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
@@ -1120,12 +1126,12 @@ class MoE(nn.Module):
         subclass that changes `step` returns (step(x, ids), None)."""
         return self._step_halves(x, ids)
 
-    def _step_halves(self, x: mx.array, ids: mx.array, defer: bool = False) -> tuple[Any, mx.array | None]:
+    def _step_halves(self, x: mx.array, ids: mx.array, defer: bool = False, route=None) -> tuple[Any, mx.array | None]:
         se = self.shared_experts
         if getattr(self, "_step_shared", None) is None:  # built once, outside the module tree
             self._step_gate_up = FusedLinear.of([se.gate_proj, se.up_proj])
             self._step_shared = swiglu_of(se.gate_proj, se.up_proj)
-        idx, w = self.gate.step(x, ids)
+        idx, w = route if route is not None else self.gate.step(x, ids)  # `route`: the site's launch ran it
         # GPU decode, affine weights: routed and shared expert in two launches (affine_qmv MODE 3 / 4)
         y = self.experts.fused_weighted_shared(x, idx, w, self._step_gate_up, se.down_proj, se.limit, defer=defer)
         if y is not None:
@@ -1145,13 +1151,22 @@ def finish_open_step(x: mx.array, pending) -> mx.array:
     return hc_post(x, out, post, comb, out2=out2)
 
 
-def _moe_halves(mlp, x: mx.array, ids: mx.array, defer: bool):
+def _moe_halves(mlp, x: mx.array, ids: mx.array, defer: bool, route=None):
     """``mlp.step_pair(x, ids)``; `defer`: `MoE`'s own leaves its last launch (MODE 4, the down
     projections) to the next mHC site, which runs it inside its own (kernels/qmv_hc.py), as a
-    `DownSumShared` where the weights allow; a subclass's step_pair (distributed/) runs as written."""
-    if defer and type(mlp).step_pair is MoE.step_pair:
-        return mlp._step_halves(x, ids, defer=True)
+    `DownSumShared` where the weights allow; a subclass's step_pair (distributed/) runs as written.
+    `route`: (idx, weights) the site's launch computed (`_site_router`), or None."""
+    if (defer or route is not None) and type(mlp).step_pair is MoE.step_pair:
+        return mlp._step_halves(x, ids, defer=defer, route=route)
     return mlp.step_pair(x, ids)
+
+
+def _site_router(mlp, ids: mx.array) -> SiteRouter | None:
+    """The router `MoE`'s own step would run, for the mHC site before it to run inside its launch
+    (kernels/qmv_hc_route.py); None for a subclass's step (distributed/)."""
+    if type(mlp).step_pair is MoE.step_pair and type(mlp.gate).step is Router.step:
+        return mlp.gate.site_router(ids)
+    return None
 
 
 class DecoderLayer(nn.Module):
@@ -1191,10 +1206,14 @@ class DecoderLayer(nn.Module):
         # steering; not a tensor-parallel attention, whose partial sums meet after o_b)
         if ctx.kind != PREFILL and not steered(self) and type(self.self_attn)._output is Attention._output:
             o_a = self.self_attn.forward(normed, ctx, project=False)
-            x, post, comb, normed = self.ffn_hc.after_linear_post(
-                x, self.self_attn.o_b_proj, o_a, post, comb, norm=self.post_attention_layernorm
+            # the MoE's router inside that launch too, where it takes it (kernels/qmv_hc_route.py)
+            router = _site_router(self.mlp, ids)
+            x, post, comb, normed, *route = self.ffn_hc.after_linear_post(
+                x, self.self_attn.o_b_proj, o_a, post, comb, norm=self.post_attention_layernorm, router=router
             )
+            route = route[0] if route else None
         else:
+            route = None
             attn = self.self_attn.forward(normed, ctx, cache)
             x, post, comb, normed = self.ffn_hc.after_post(
                 x, steer(self, ATTN, attn), post, comb, norm=self.post_attention_layernorm
@@ -1202,7 +1221,7 @@ class DecoderLayer(nn.Module):
         if ctx.kind == PREFILL:
             routed, shared = self.mlp(normed, ids), None
         else:
-            routed, shared = _moe_halves(self.mlp, normed, ids, defer=not steered(self))
+            routed, shared = _moe_halves(self.mlp, normed, ids, defer=not steered(self), route=route)
         if shared is not None and steered(self):
             routed, shared = routed + shared, None  # the edit sees the whole FFN output
         return x, (steer(self, FFN, routed), post, comb, shared)

@@ -268,33 +268,35 @@ class HyperConnection(nn.Module):
         )
 
     def after_linear_post(
-        self, x: mx.array, linear: nn.Module, inp: mx.array, post: mx.array, comb: mx.array, norm: RMSNorm | None = None
+        self,
+        x: mx.array,
+        linear: nn.Module,
+        inp: mx.array,
+        post: mx.array,
+        comb: mx.array,
+        norm: RMSNorm | None = None,
+        router=None,
     ):
         """``after_post(x, linear(inp), post, comb, norm)``; with an affine-quantized `linear`
         (no bias) at decode on CUDA, the mat-vec and both sites in one launch
-        (`kernels.qmv_hc`): a V4 attention's output projection."""
+        (`kernels.qmv_hc`): a V4 attention's output projection.  `router`
+        (`kernels.qmv_hc_route.SiteRouter`, the MoE router of the collapsed output): the result
+        gets a fifth item, (idx, weights) where the router ran inside the launch, else None."""
         biases = linear.get("biases") if isinstance(linear, nn.QuantizedLinear) else None
         if biases is not None and linear.mode == "affine" and "bias" not in linear:
             q = dict(group_size=linear.group_size, bits=linear.bits)
+            site = (linear["weight"], linear["scales"], biases, x, post, comb, self.fn, self.base, self.scale)
+            kw = dict(**q, **self._settings(), norm=_norm_pair(norm))
+            face = router.fused_face(inp, site[0], biases, x, self.fn, kw["norm"], **q) if router is not None else None
+            if face is not None:
+                *out, idx, w = router.post_pre_route(inp, *site, **kw, backend=face)
+                return (*out, (idx, w))
             face = qmv_hc.fused_face(inp, linear["weight"], biases, x, self.fn, **q)
             if face is not None:
-                return qmv_hc.qmv_hc_post_pre(
-                    inp,
-                    linear["weight"],
-                    linear["scales"],
-                    biases,
-                    x,
-                    post,
-                    comb,
-                    self.fn,
-                    self.base,
-                    self.scale,
-                    **q,
-                    **self._settings(),
-                    norm=_norm_pair(norm),
-                    backend=face,
-                )
-        return self.after_post(x, linear(inp), post, comb, norm=norm)
+                out = qmv_hc.qmv_hc_post_pre(inp, *site, **kw, backend=face)
+                return out if router is None else (*out, None)
+        out = self.after_post(x, linear(inp), post, comb, norm=norm)
+        return out if router is None else (*out, None)
 
     def mix(self, x: mx.array):
         """(pre, post, comb) without the collapse (see `hc_mix`); one fused launch on a GPU."""

@@ -648,6 +648,7 @@ for (int hh = 0; hh < XR; ++hh) {
     }
     ds4_tg_barrier();   // hred is the next token's
 }
+DS4_QMV_HC_ROUTE_PART
 // this threadgroup's streams and parts are written: count each of its tokens' threadgroups
 ds4h_fence();
 ds4_tg_barrier();
@@ -681,6 +682,65 @@ for (int hh = 0; hh < XR; ++hh) {
     DS4_DEV float* post_o = post2;
     DS4_DEV float* comb_o = comb2;
     DS4_QMV_HC_PRE_CORE
+    DS4_QMV_HC_ROUTE_TAIL
 }
 #undef NORM
 #undef red
+
+// affine_qmv_hc_route (kernels/qmv_hc_route.py): the plain qmv_hc for one token whose next site
+// feeds an MoE router, which runs in the same launch.  The site's normed output is
+// nw * rs * sum_k pre_k * streams_k (rs the norm's rsqrt, pre_k its mixing weights: scalars the
+// tail knows), so a router logit is rs * sum_k pre_k * (sum_c rw[e, c] * nw[c] * streams_k[c]):
+// each threadgroup adds the inner sums over the rows it wrote into rpart [PARTS, HC, RE] f32
+// (the route_part section), and the tail adds the PARTS shares, scales them and routes the token
+// with moe_route.metal's `core` (names prefixed R / r: the route_tail section) -> ridx [RK] int32,
+// rwts [RK] f32.  T float32 or bfloat16 (then each logit is rounded to bf16, as moe_route's fold
+// does; the collapsed and normed vectors are not rounded to T first, as the two launches do).
+// @@ qmv_hc_route_part
+static_assert(XR == 1 && HC_NORM, "the router's share: one token, after the site's folded norm");
+for (uint32_t e = tid; e < uint32_t(RE); e += uint32_t(THREADS)) {
+    float racc[HC];
+    for (int k = 0; k < HC; ++k) {
+        racc[k] = 0.0f;
+    }
+    for (uint32_t lo = 0; lo < uint32_t(MAXIT * WROWS * OPW); ++lo) {
+        const uint32_t it = lo / uint32_t(WROWS * OPW);
+        const uint32_t wr2 = (lo / uint32_t(OPW)) % uint32_t(WROWS);
+        const uint32_t i = lo % uint32_t(OPW);
+        const uint32_t u = it * GW + tgy * uint32_t(WROWS) + wr2;
+        const uint32_t c = (u % uint32_t(TILES)) * uint32_t(OPW) + i;
+        if (u >= uint32_t(UNITS) || c >= uint32_t(OUT_ROWS)) {
+            continue;
+        }
+        // rw in T first, as the model's x @ w.T in x's dtype
+        const float wv = static_cast<float>(static_cast<T>(rw[uint64_t(e) * uint64_t(D) + c])) * static_cast<float>(nw[c]);
+        for (int k = 0; k < HC; ++k) {
+            racc[k] += wv * static_cast<float>(ys[uint64_t(tgz) * uint64_t(K) + uint32_t(k) * uint32_t(D) + c]);
+        }
+    }
+    for (int k = 0; k < HC; ++k) {
+        rpart[(uint64_t(tgy) * uint64_t(HC) + uint32_t(k)) * uint64_t(RE) + e] = racc[k];
+    }
+}
+// @@ qmv_hc_route_tail
+ds4_tg_barrier();
+{
+DS4_SHARED float r_logit[RE];
+float rtot = 0.0f;
+for (int w = 0; w < VT / 32; ++w) {
+    rtot += red[w];  // the norm's per-warp sums, as pre_core added them
+}
+const float rrs = ds4_rsqrt(rtot / float(D) + eps[2]);
+for (uint32_t e = tid; e < uint32_t(RE); e += uint32_t(THREADS)) {
+    float l = 0.0f;
+    for (int k = 0; k < HC; ++k) {
+        float sk = 0.0f;
+        for (int p = 0; p < PARTS; ++p) {
+            sk += HC_LD(rpart + (uint64_t(p) * uint64_t(HC) + uint32_t(k)) * uint64_t(RE) + e);
+        }
+        l += pre_sh[k] * sk;
+    }
+    r_logit[e] = sizeof(T) == 2 ? ds4r_round_bf(l * rrs) : l * rrs;  // bf16: the logits of a bf16 matmul
+}
+ds4_tg_barrier();
+#define ROUTE_LOGIT(e) (r_logit[e])
