@@ -181,7 +181,10 @@ def test_sources_share_the_two_kernels_text():
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 
-@pytest.mark.parametrize("dtype,rows", [("float32", 1), ("bfloat16", 1), ("bfloat16", 4)])
+NVCC_DTYPE_ROWS = [("float32", 1), ("bfloat16", 1), ("bfloat16", 4)]
+
+
+@pytest.mark.parametrize("dtype,rows", NVCC_DTYPE_ROWS)
 @pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
 @pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(n, dtype, rows, tmp_path):
@@ -189,6 +192,11 @@ def test_cuda_face_compiles_with_nvcc(n, dtype, rows, tmp_path):
     window 128, rope 64; CSA: ratio 4, the indexer's 64 x 128 query and its 128-wide compressor;
     HCA: ratio 128), projections in float32, one row and 4 sessions' rows, for sm_90 with
     warnings as errors."""
+    family = [_cuda_source(k, *dr) for k in (1, 2) for dr in NVCC_DTYPE_ROWS]
+    nvcc_compile(tmp_path, _cuda_source(n, dtype, rows), family=family)
+
+
+def _cuda_source(n, dtype, rows):
     f, i32 = "float32", "int32"
     h, b = apl.kernel_sources("cuda", n, rows)
     in_names, out_names = apl.io(n, rows)
@@ -209,7 +217,7 @@ def test_cuda_face_compiles_with_nvcc(n, dtype, rows, tmp_path):
         tmpl += [(p + "M", ratio), (p + "D", dim), (p + "OVERLAP", overlap), (p + "ROPE", 64), (p + "PER", cs.PER)]
         tmpl += [(p.upper() + "TGS", 9)]
     assert list(ins) == in_names and list(outs) == out_names
-    nvcc_compile(tmp_path, mlx_cuda_source(f"attn_prologue{n}_rows{rows}", h, b, ins, outs, tmpl))
+    return mlx_cuda_source(f"attn_prologue{n}_rows{rows}", h, b, ins, outs, tmpl)
 
 
 def _base(name: str) -> str:
