@@ -55,7 +55,7 @@ def _emulated_kernel(tmp_path, launches):
 
 @pytest.fixture
 def small_threadgroups(monkeypatch):
-    """64-thread threadgroups (the emulation runs a thread per std::thread)."""
+    """64-thread threadgroups (the emulation runs a fiber per thread)."""
     for mod in (ap, cs, apl):
         monkeypatch.setattr(mod, "THREADS", 64)
     monkeypatch.setattr(cs, "PER", 2)

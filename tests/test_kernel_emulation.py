@@ -3,12 +3,14 @@
 The kernels in ds4mlx/kernels/{hyper_connection,sparse_attention}.py are one text
 for both GPU faces, written against the names of `ds4mlx.kernels.dispatch.PRELUDE`
 and `INDEX`.  `run_on_cpu` compiles that very text with a CPU prelude in which a
-threadgroup is THREADS std::threads (a barrier for the threadgroup barrier,
-one per 32-thread "warp" for the SIMD-group barrier and the warp sum, threadgroup
-arrays as function statics, GCC atomics for the counters) and runs the grid one
-threadgroup at a time.  That checks the indexing, the barriers' placement and the
-arithmetic of the kernels without a GPU; it cannot catch GPU-only issues
-(compilation by NVRTC / Metal, races the emulation happens to order, speed).
+threadgroup is THREADS fibers on one OS thread (ucontext; a barrier for the threadgroup
+barrier, one per 32-thread "warp" for the SIMD-group barrier and the warp sum,
+threadgroup arrays as function statics, GCC atomics for the counters) and runs the grid
+one threadgroup at a time, in an order no GPU promises either way: threadgroups shuffled,
+the threads between two barriers alternately last-first and first-last, threadgroup
+arrays 0xFF (NaN) when a threadgroup starts.  That checks the indexing, the barriers'
+placement and the arithmetic of the kernels without a GPU; it cannot catch GPU-only
+issues (compilation by NVRTC / Metal, races between threads that run at once, speed).
 
 This module also tests the emulation itself on a small kernel.
 """
