@@ -645,7 +645,7 @@ def nvcc_compile(tmp_path: Path, source: str, arch: str = "sm_90", family: tuple
 
     A source this nvcc already compiled cleanly with these flags (an entry in the suite's cache)
     compiles cleanly again: its PTX is reused (tmp_path/kernel.ptx).  `family`: the sources of
-    the test's other cases.  nvcc's start-up and the CUDA headers cost about a CPU second a
+    the test's cases, its own first (which compiles alone).  nvcc's start-up and the CUDA headers cost about a CPU second a
     call, most of a small kernel's build, so the family's uncached sources go through nvcc with
     this one, as one translation unit (_one_unit); when that compiles cleanly each of them is
     cached as clean (without a PTX of its own: pass no family to get kernel.ptx), else each
@@ -662,6 +662,8 @@ def nvcc_compile(tmp_path: Path, source: str, arch: str = "sm_90", family: tuple
         return
     if family and entry.with_suffix(".ok").exists():
         return
+    if family and source == family[0]:
+        family = ()  # the fast tier's case (slow_after(1)) builds alone: the rest are the slow tier's
     failed = _cache.setdefault("nvcc_unit_failed", set())  # sources of a unit that did not compile
     batch = [source] + [
         s

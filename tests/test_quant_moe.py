@@ -527,13 +527,8 @@ def test_cuda_face_compiles_with_nvcc(kind, qtype, tmp_path):
     nvcc with warnings as errors (syntax and types; the g++ emulation checks the logic)."""
     from test_kernel_emulation import nvcc_compile
 
-    nvcc_compile(tmp_path, _cuda_source(kind, qtype), family=_nvcc_family())
-
-
-def _nvcc_family() -> list:
-    """Every CUDA unit the two nvcc tests compile (one nvcc call builds those not yet cached)."""
-    plain = [_cuda_source(kind, t) for t in TYPES for kind in ("qmv", "dequant")]
-    return plain + [_fused_cuda_source(kind, t) for t in TYPES for kind in qm.FUSED_KINDS]
+    family = [_cuda_source(k, t) for t in TYPES for k in ("qmv", "dequant")]
+    nvcc_compile(tmp_path, _cuda_source(kind, qtype), family=family)
 
 
 def _cuda_source(kind, qtype):
@@ -792,7 +787,8 @@ def test_fused_cuda_face_compiles_with_nvcc(kind, qtype, tmp_path):
     H = 4096, I = 2048, k = 6), compiled for sm_90 with warnings as errors."""
     from test_kernel_emulation import nvcc_compile
 
-    nvcc_compile(tmp_path, _fused_cuda_source(kind, qtype), family=_nvcc_family())
+    family = [_fused_cuda_source(k, t) for t in TYPES for k in qm.FUSED_KINDS]
+    nvcc_compile(tmp_path, _fused_cuda_source(kind, qtype), family=family)
 
 
 def _fused_cuda_source(kind, qtype):
