@@ -5,6 +5,8 @@ through nvcc, and (``-m gpu``) the CUDA face against the reference on the H200."
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -415,13 +417,24 @@ DECODE_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
-@pytest.mark.parametrize("shape", [*sorted(DECODE_SHAPES), "dense_1024x4096_8bit+norm"])
+NVCC_DTYPES = ["bfloat16", "float32"]
+NVCC_SHAPES = [*sorted(DECODE_SHAPES), "dense_1024x4096_8bit+norm"]
+
+
+@pytest.mark.parametrize("dt", NVCC_DTYPES)
+@pytest.mark.parametrize("shape", NVCC_SHAPES)
 @pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(dt, shape, tmp_path):
     """The CUDA translation unit MLX builds for each decode shape's plan compiles (sm_90,
     warnings are errors)."""
-    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+    from test_kernel_emulation import nvcc_compile
+
+    family = [_cuda_source(d, sh) for sh in NVCC_SHAPES for d in NVCC_DTYPES]
+    nvcc_compile(tmp_path, _cuda_source(dt, shape), family=family)
+
+
+def _cuda_source(dt, shape):
+    from test_kernel_emulation import mlx_cuda_source
 
     shape, norm = shape.split("+")[0], shape.endswith("+norm")  # the q_a norm folded into q_b
     mode, rows, k_dim, bits, gs, groups, x_div, ke = DECODE_SHAPES[shape]
@@ -445,7 +458,7 @@ def test_cuda_face_compiles_with_nvcc(dt, shape, tmp_path):
         )
     ]
     header, body = aq.kernel_sources("cuda")
-    src = mlx_cuda_source(
+    return mlx_cuda_source(
         "affine_qmv",
         header,
         body,
@@ -454,7 +467,6 @@ def test_cuda_face_compiles_with_nvcc(dt, shape, tmp_path):
         {"y": dt},
         tmpl,
     )
-    nvcc_compile(tmp_path, src)
 
 
 # ------------------------------------------------------------------ the GPU face against the reference (H200)
@@ -1189,7 +1201,8 @@ def test_twobank_cuda_face_compiles_with_nvcc(mode, dt, n, tmp_path):
     expert's 3 and 8."""
     from test_kernel_emulation import nvcc_compile
 
-    nvcc_compile(tmp_path, _twobank_launch_source(mode, dt, n))
+    family = [_twobank_launch_source(*case) for case in itertools.product([3, 4], ["bfloat16", "float32"], [1, 3, 8])]
+    nvcc_compile(tmp_path, _twobank_launch_source(mode, dt, n), family=family)
 
 
 def test_twobank_texts_are_instances_of_the_plain_text():

@@ -226,7 +226,14 @@ def test_shared_text_bfloat16(qtype, tmp_path):
 def test_cuda_face_compiles_with_nvcc(qtype, dtype, tmp_path):
     """The CUDA unit mx.fast.cuda_kernel builds, at V4 Flash's gate / up shape (2,048 rows of
     4,096 values, batches of 64 rows), compiled for sm_90 by nvcc, warnings as errors."""
-    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+    from test_kernel_emulation import nvcc_compile
+
+    family = [_cuda_source(t, d) for t in TYPES for d in ("bfloat16", "float32")]
+    nvcc_compile(tmp_path, _cuda_source(qtype, dtype), family=family)
+
+
+def _cuda_source(qtype, dtype):
+    from test_kernel_emulation import mlx_cuda_source
 
     h, b = grouped_qmm.kernel_sources(qtype, "cuda")
     k = 4096
@@ -234,7 +241,7 @@ def test_cuda_face_compiles_with_nvcc(qtype, dtype, tmp_path):
     tmpl += [("M_ROWS", 64), ("GQ_RM", 8)]
     ins = {"x": dtype, "w": "uint32", "eids": "int32", "lens": "int32"}
     src = mlx_cuda_source(f"grouped_qmm_{qtype.name.lower()}", h, b, ins, {"y": dtype}, tmpl)
-    nvcc_compile(tmp_path, src.replace("const uint32_t* w,", "const uint8_t* w,"))
+    return src.replace("const uint32_t* w,", "const uint8_t* w,")
 
 
 # --------------------------------------------------------------------------- self-test, launches

@@ -55,7 +55,7 @@ def _emulated_kernel(tmp_path, launches):
 
 @pytest.fixture
 def small_threadgroups(monkeypatch):
-    """64-thread threadgroups (the emulation runs a thread per std::thread)."""
+    """64-thread threadgroups (the emulation runs a fiber per thread)."""
     for mod in (ap, cs, apl):
         monkeypatch.setattr(mod, "THREADS", 64)
     monkeypatch.setattr(cs, "PER", 2)
@@ -239,9 +239,10 @@ def test_sources_share_the_two_kernels_text():
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 
-@pytest.mark.parametrize(
-    "dtype,rows,chain", [("float32", 1, False), ("bfloat16", 1, False), ("bfloat16", 4, False), ("bfloat16", 4, True)]
-)
+NVCC_CASES = [("float32", 1, False), ("bfloat16", 1, False), ("bfloat16", 4, False), ("bfloat16", 4, True)]
+
+
+@pytest.mark.parametrize("dtype,rows,chain", NVCC_CASES)
 @pytest.mark.parametrize("n", [1, 2], ids=["hca", "csa"])
 @pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(n, dtype, rows, chain, tmp_path):
@@ -249,6 +250,11 @@ def test_cuda_face_compiles_with_nvcc(n, dtype, rows, chain, tmp_path):
     window 128, rope 64; CSA: ratio 4, the indexer's 64 x 128 query and its 128-wide compressor;
     HCA: ratio 128), projections in float32, one row, 4 sessions' rows and a 4-token chain, for
     sm_90 with warnings as errors."""
+    family = [_cuda_source(k, *case) for k in (1, 2) for case in NVCC_CASES]
+    nvcc_compile(tmp_path, _cuda_source(n, dtype, rows, chain), family=family)
+
+
+def _cuda_source(n, dtype, rows, chain):
     f, i32 = "float32", "int32"
     h, b = apl.kernel_sources("cuda", n, rows, chain)
     in_names, out_names = apl.io(n, rows, chain)
@@ -269,8 +275,7 @@ def test_cuda_face_compiles_with_nvcc(n, dtype, rows, chain, tmp_path):
         tmpl += [(p + "M", ratio), (p + "D", dim), (p + "OVERLAP", overlap), (p + "ROPE", 64), (p + "PER", cs.PER)]
         tmpl += [(p.upper() + "TGS", 9)]
     assert list(ins) == in_names and list(outs) == out_names
-    name = f"attn_prologue{n}_{'chain' if chain else 'rows'}{rows}"
-    nvcc_compile(tmp_path, mlx_cuda_source(name, h, b, ins, outs, tmpl))
+    return mlx_cuda_source(f"attn_prologue{n}_{'chain' if chain else 'rows'}{rows}", h, b, ins, outs, tmpl)
 
 
 def _base(name: str) -> str:

@@ -365,13 +365,23 @@ def test_rows_self_test_passes_on_the_cpu_emulation(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 
+NVCC_SHAPES = [(4, 512, True), (4, 128, True), (128, 512, False)]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("ratio,dim,overlap", [(4, 512, True), (4, 128, True), (128, 512, False)])
+@pytest.mark.parametrize("ratio,dim,overlap", NVCC_SHAPES)
 @pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(ratio, dim, overlap, dtype, tmp_path):
     """The CUDA translation unit mx.fast.cuda_kernel builds at V4 Flash shapes (attention and
     indexer compressors of CSA, HCA), projections in float32, for sm_90 with warnings as errors."""
-    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+    from test_kernel_emulation import nvcc_compile
+
+    family = [_cuda_source(*shape, d) for shape in NVCC_SHAPES for d in ("float32", "bfloat16")]
+    nvcc_compile(tmp_path, _cuda_source(ratio, dim, overlap, dtype), family=family)
+
+
+def _cuda_source(ratio, dim, overlap, dtype):
+    from test_kernel_emulation import mlx_cuda_source
 
     f, i = "float32", "int32"
     h, b = cs.kernel_sources("cuda")
@@ -391,7 +401,7 @@ def test_cuda_face_compiles_with_nvcc(ratio, dim, overlap, dtype, tmp_path):
         ("THREADS", cs.THREADS),
         ("PER", cs.PER),
     ]
-    nvcc_compile(tmp_path, mlx_cuda_source("compressor_step", h, b, ins, outs, tmpl))
+    return mlx_cuda_source("compressor_step", h, b, ins, outs, tmpl)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -26,6 +26,7 @@ RMS-normed streams):
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 
@@ -1006,28 +1007,36 @@ def test_gpu_tiny_models_compiled_decode_tails_on_vs_off(v4_case, monkeypatch):
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(
-    "kind,mode",
-    [
-        ("hc_pre", "pre"),
-        ("hc_pre", "head"),
-        ("hc_pre", "mix"),
-        ("hc_post", ""),
-        ("hc_dots", "pre"),
-        ("hc_dots", "head"),
-        ("hc_post_dots", ""),
-        ("hc_dots_pre", "pre"),
-        ("hc_dots_pre", "head"),
-        ("hc_dots_pre", "mix"),
-        ("hc_post_dots_pre", ""),
-    ],
-)
+NVCC_KINDS = [
+    ("hc_pre", "pre"),
+    ("hc_pre", "head"),
+    ("hc_pre", "mix"),
+    ("hc_post", ""),
+    ("hc_dots", "pre"),
+    ("hc_dots", "head"),
+    ("hc_post_dots", ""),
+    ("hc_dots_pre", "pre"),
+    ("hc_dots_pre", "head"),
+    ("hc_dots_pre", "mix"),
+    ("hc_post_dots_pre", ""),
+]
+NVCC_DTYPES = ["float32", "bfloat16"]
+
+
+@pytest.mark.parametrize("dtype", NVCC_DTYPES)
+@pytest.mark.parametrize("kind,mode", NVCC_KINDS)
 @pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
     """The exact CUDA translation unit mx.fast.cuda_kernel builds, compiled for sm_90 (H200)
     by nvcc with warnings as errors (syntax and types; the g++ emulation checks the logic)."""
-    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+    from test_kernel_emulation import nvcc_compile
+
+    family = [_cuda_source(k, m, d) for (k, m), d in itertools.product(NVCC_KINDS, NVCC_DTYPES)]
+    nvcc_compile(tmp_path, _cuda_source(kind, mode, dtype), family=family)
+
+
+def _cuda_source(kind, mode, dtype):
+    from test_kernel_emulation import mlx_cuda_source
 
     f = "float32"
     h, b = hck.kernel_sources(kind, "cuda")
@@ -1092,7 +1101,7 @@ def test_cuda_face_compiles_with_nvcc(kind, mode, dtype, tmp_path):
             outs = {"y": dtype, "part": f, "pre": f, "post2": f, "comb2": f, "h": dtype}
             tmpl = dots + [("TP", f), ("TC", f), ("ADD2", True)]
         assert list(ins) == hck._KINDS[kind][1] and list(outs) == hck._KINDS[kind][2]
-    nvcc_compile(tmp_path, mlx_cuda_source(kind, h, b, ins, outs, tmpl))
+    return mlx_cuda_source(kind, h, b, ins, outs, tmpl)
 
 
 @pytest.mark.gpu

@@ -407,24 +407,31 @@ def test_shared_fold_text(case, tmp_path):
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 
-@pytest.mark.parametrize(
-    "kind,selection,dtype",
-    [
-        ("route", "bias", "float32"),
-        ("route", "hash", "bfloat16"),
-        ("route", "plain", "float32"),
-        ("route", "grouped", "float32"),
-        ("fold", "bias", "bfloat16"),
-        ("fold", "grouped", "bfloat16"),
-        ("fold", "hash", "float32"),
-        ("fold", "bias", "bfloat16 x"),
-    ],
-)
+NVCC_CASES = [
+    ("route", "bias", "float32"),
+    ("route", "hash", "bfloat16"),
+    ("route", "plain", "float32"),
+    ("route", "grouped", "float32"),
+    ("fold", "bias", "bfloat16"),
+    ("fold", "grouped", "bfloat16"),
+    ("fold", "hash", "float32"),
+    ("fold", "bias", "bfloat16 x"),
+]
+
+
+@pytest.mark.parametrize("kind,selection,dtype", NVCC_CASES)
 @pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(kind, selection, dtype, tmp_path):
     """The exact CUDA translation unit mx.fast.cuda_kernel builds at V4 Flash shapes, compiled
     for sm_90 (H200) by nvcc with warnings as errors (the g++ emulation checks the logic)."""
-    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+    from test_kernel_emulation import nvcc_compile
+
+    family = [_cuda_source(*case) for case in NVCC_CASES]
+    nvcc_compile(tmp_path, _cuda_source(kind, selection, dtype), family=family)
+
+
+def _cuda_source(kind, selection, dtype):
+    from test_kernel_emulation import mlx_cuda_source
 
     f, i = "float32", "int32"
     h, b = mr.kernel_sources(kind, "cuda")
@@ -448,7 +455,7 @@ def test_cuda_face_compiles_with_nvcc(kind, selection, dtype, tmp_path):
         tmpl += [("TW", dtype), ("WB", 2 if dtype == "bfloat16" else 4), ("XB", 2 if x_dt == "bfloat16" else 4)]
         tmpl += [("H", 4096), ("RPT", mr.FOLD_RPT)]
         tmpl.append(("NB", 256 // mr.FOLD_RPT))
-    nvcc_compile(tmp_path, mlx_cuda_source(f"moe_{kind}", h, b, ins, outs, tmpl))
+    return mlx_cuda_source(f"moe_{kind}", h, b, ins, outs, tmpl)
 
 
 # ------------------------------------------------------------------ GPU (the lent H200)

@@ -976,24 +976,32 @@ def test_gpu_tiny_models_kernels_on_vs_off(oracle_model, monkeypatch):
 # ------------------------------------------------------------------ the CUDA face, compiled by nvcc (no GPU)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(
-    "kind,selected,split",
-    [
-        ("index_score", False, 1),
-        ("index_score_heads", False, 1),
-        ("topk", False, 1),
-        ("index_topk", False, 1),
-        ("attend", True, 1),
-        ("attend", False, 1),
-        ("attend", True, 4),
-    ],
-)
+NVCC_DTYPES = ["float32", "bfloat16"]
+NVCC_KINDS = [
+    ("index_score", False, 1),
+    ("index_score_heads", False, 1),
+    ("topk", False, 1),
+    ("index_topk", False, 1),
+    ("attend", True, 1),
+    ("attend", False, 1),
+    ("attend", True, 4),
+]
+
+
+@pytest.mark.parametrize("dtype", NVCC_DTYPES)
+@pytest.mark.parametrize("kind,selected,split", NVCC_KINDS)
 @pytest.mark.slow_after(1)
 def test_cuda_face_compiles_with_nvcc(kind, selected, split, dtype, tmp_path):
     """The exact CUDA translation unit mx.fast.cuda_kernel builds at V4 Flash shapes, compiled
     for sm_90 (H200) by nvcc with warnings as errors (the g++ emulation checks the logic)."""
-    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+    from test_kernel_emulation import nvcc_compile
+
+    family = [_cuda_source(*case, d) for case in NVCC_KINDS for d in NVCC_DTYPES]
+    nvcc_compile(tmp_path, _cuda_source(kind, selected, split, dtype), family=family)
+
+
+def _cuda_source(kind, selected, split, dtype):
+    from test_kernel_emulation import mlx_cuda_source
 
     f, i = "float32", "int32"
     h, b = sa.kernel_sources(kind, "cuda")
@@ -1033,7 +1041,7 @@ def test_cuda_face_compiles_with_nvcc(kind, selected, split, dtype, tmp_path):
         ins["meta"], ins["tickets"] = i, "uint32"
         outs = {"o": dtype, "part": f}
         tmpl = _attend_template(dtype, selected, split)
-    nvcc_compile(tmp_path, mlx_cuda_source(kind, h, b, ins, outs, tmpl))
+    return mlx_cuda_source(kind, h, b, ins, outs, tmpl)
 
 
 def _index_topk_template(dtype: str) -> list:

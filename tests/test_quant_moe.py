@@ -525,7 +525,14 @@ def test_shared_qmv_decodes_bit_exact(qtype, tmp_path):
 def test_cuda_face_compiles_with_nvcc(kind, qtype, tmp_path):
     """The CUDA translation unit mx.fast.cuda_kernel builds, compiled for sm_90 (H200) by
     nvcc with warnings as errors (syntax and types; the g++ emulation checks the logic)."""
-    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+    from test_kernel_emulation import nvcc_compile
+
+    family = [_cuda_source(k, t) for t in TYPES for k in ("qmv", "dequant")]
+    nvcc_compile(tmp_path, _cuda_source(kind, qtype), family=family)
+
+
+def _cuda_source(kind, qtype):
+    from test_kernel_emulation import mlx_cuda_source
 
     h, b = qm.kernel_sources(kind, qtype, "cuda")
     k, rb = 4096, qm.row_bytes(qtype, 4096)
@@ -537,8 +544,7 @@ def test_cuda_face_compiles_with_nvcc(kind, qtype, tmp_path):
         ins = {"w": "uint32", "eids": "int32"}
     src = mlx_cuda_source(f"{kind}_{qtype.name.lower()}", h, b, ins, {"y": "bfloat16"}, tmpl)
     # the helper knows no uint8 buffers: w is declared as MLX declares it
-    src = src.replace("const uint32_t* w,", "const uint8_t* w,")
-    nvcc_compile(tmp_path, src)
+    return src.replace("const uint32_t* w,", "const uint8_t* w,")
 
 
 @pytest.mark.parametrize("qtype", [QT.IQ2_XXS, QT.Q2_K], ids=lambda t: t.name)
@@ -779,7 +785,14 @@ def test_shared_down_sum_compiled_for_cpu(qtype, case, tmp_path):
 def test_fused_cuda_face_compiles_with_nvcc(kind, qtype, tmp_path):
     """The fused modes' CUDA translation unit for V4 Flash's decode shapes (bfloat16 x,
     H = 4096, I = 2048, k = 6), compiled for sm_90 with warnings as errors."""
-    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
+    from test_kernel_emulation import nvcc_compile
+
+    family = [_fused_cuda_source(k, t) for t in TYPES for k in qm.FUSED_KINDS]
+    nvcc_compile(tmp_path, _fused_cuda_source(kind, qtype), family=family)
+
+
+def _fused_cuda_source(kind, qtype):
+    from test_kernel_emulation import mlx_cuda_source
 
     h, b = qm.kernel_sources(kind, qtype, "cuda")
     if kind == "qmv_swiglu":
@@ -795,7 +808,7 @@ def test_fused_cuda_face_compiles_with_nvcc(kind, qtype, tmp_path):
     src = mlx_cuda_source(f"{kind}_{qtype.name.lower()}", h, b, ins, {"y": "bfloat16"}, tmpl)
     for name in ("w", "wg", "wu"):  # the helper knows no uint8 buffers: declared as MLX declares them
         src = src.replace(f"const uint32_t* {name},", f"const uint8_t* {name},")
-    nvcc_compile(tmp_path, src)
+    return src
 
 
 @pytest.mark.parametrize("kind", qm.FUSED_KINDS)

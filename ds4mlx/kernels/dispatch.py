@@ -218,7 +218,7 @@ class Kernel:
 #
 # Kernels written as one text for both GPU faces (hyper_connection, sparse_attention)
 # use these names, defined per face below (and by a CPU prelude in the tests, which
-# compile the same text with g++, emulating a threadgroup with std::threads):
+# compile the same text with g++, emulating a threadgroup with fibers):
 #   DS4_FN                       helper-function qualifier
 #   DS4_DEV                      address space of kernel buffers (device / nothing)
 #   DS4_SHARED                   declares a threadgroup array in a kernel body

@@ -31,7 +31,7 @@ sigmoids (slope <= 1/2 times |scale|) and the Sinkhorn loop (see the test for th
 stated tolerances); hc_post rounds like the reference graph (within 1 ulp of T).
 
 Verified: reference face against float64 math on CPU; the shared kernel text compiled
-with g++ (threadgroups emulated with std::threads); the GPU faces by ``pytest -m gpu
+with g++ (threadgroups emulated with fibers); the GPU faces by ``pytest -m gpu
 tests/test_kernel_hyper_connection.py`` (which faces are still self-tested at first use:
 `dispatch.UNVERIFIED_FACES` / `UNVERIFIED_KERNELS`).  The tails need each launch's own ticket
 buffer (dispatch.TICKET_RING); Metal keeps the two launches (its device-scope fence, MSL 3.2,
