@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: install test test-gpu test-fuzz test-clients bench lint serve
+.PHONY: install test test-slow test-gpu test-fuzz test-clients bench lint serve
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -11,11 +11,14 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -q -e ".[cpu,test]"
 
-# README's tiers, as .ci/run runs them
+# README's tiers: `test` is CI's first job (.ci/run: the fast tier, then the timing-sensitive
+# tests alone), `test-slow` its second (.ci/run-slow: kernel builds, the wheel, the largest cases)
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial and not gpu and not clients"
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "slow and not serial and not gpu and not clients"
 	$(BIN)/python -m pytest -q -m "serial and not gpu and not clients"
+
+test-slow: install
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "slow and not serial and not gpu and not clients"
 
 # Claude Code, Codex and pi (installed from npm when missing) each complete a tool loop
 # against the demo server through tools/client_proxy.py (tests/test_real_clients.py).
