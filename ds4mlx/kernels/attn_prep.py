@@ -20,9 +20,10 @@ rope, slice update); the Metal face and its CUDA twin compile the shared text of
 rounds after the norm and after the rope (low-precision dtypes: an ulp or so apart).
 
 Verified: the reference face against the model's graph; the shared kernel text compiled with
-g++ (emulated threadgroups) against the reference; the CUDA translation unit with nvcc.  Its
-GPU faces have not run yet (``pytest -m gpu tests/test_kernel_attn_prep.py``): the kernel is
-in `dispatch.UNVERIFIED_KERNELS` and self-tests at first use.
+g++ (emulated threadgroups) against the reference; the CUDA translation unit with nvcc; on a
+GPU (``pytest -m gpu tests/test_kernel_attn_prep.py``, an H100) the one-row face and the chain
+at V4 Flash's shapes.  The rows form ("attn_prep.rows") has passed only its first-use self-test
+there: it stays in `dispatch.UNVERIFIED_KERNELS` and self-tests at first use.
 """
 
 from __future__ import annotations

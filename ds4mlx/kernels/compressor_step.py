@@ -28,9 +28,9 @@ file's sections without their comments: `dispatch.compact`).
 
 Verified: the reference face against the model's dynamic `Compressor.pool` and a
 float64 oracle; the shared text compiled with g++ (emulated threadgroups) and nvcc
-(tests/test_kernel_compressor_step.py).  The CUDA face has not run on a GPU yet
-(``pytest -m gpu tests/test_kernel_compressor_step.py``): `dispatch.UNVERIFIED_KERNELS`
-self-tests it at first use.
+(tests/test_kernel_compressor_step.py); its CUDA face on a GPU (``pytest -m gpu
+tests/test_kernel_compressor_step.py``).  The rows form ("compressor_step.rows") has passed only
+its first-use self-test on a GPU: `dispatch.UNVERIFIED_KERNELS` self-tests it at first use.
 """
 
 from __future__ import annotations

@@ -786,9 +786,9 @@ def _launch_attend(face, q, keys, rows, idx, cnt, sinks, scale, meta, window, ra
 
 # --------------------------------------------------------------------------- first-use self-tests
 #
-# The decode-only variants (index_score_heads, attend's split and rope epilogue) have not run
-# on a GPU yet (dispatch.UNVERIFIED_KERNELS): each is compared with the reference face once
-# per face before the automatic choice uses it; a failure keeps the verified layout.
+# A variant dispatch.UNVERIFIED_KERNELS names (today attend's rows: only its self-test has run
+# on a GPU) is compared with the reference face once per face before the automatic choice uses
+# it; a failure keeps the verified layout.
 
 
 def _verified(kind: str, face: str, rope=None) -> bool:
