@@ -40,7 +40,10 @@ def isa_c(lane: int, i: int) -> tuple[int, int]:
 def offsets(op: str, ld: int) -> np.ndarray:
     """[lane, element] offsets from FRAGMENT's expressions (the C++ text's own)."""
     return np.array(
-        [[eval(e, {}, {"g": lane >> 2, "t": lane % 4, "ld": ld}) for e in mma_tile.FRAGMENT[op]] for lane in range(LANES)]
+        [
+            [eval(e, {}, {"g": lane >> 2, "t": lane % 4, "ld": ld}) for e in mma_tile.FRAGMENT[op]]
+            for lane in range(LANES)
+        ]
     )
 
 
