@@ -9,7 +9,9 @@
   - the float32 reference face: within the stated bound ``(e + K 2**-22) sum |w x|`` (+ float16
     underflow), e = 2**-8 (bfloat16 operands) or 2**-11 (float16);
   and a one-hot x that reads every decoded weight back as MT, bit for bit;
-* the CUDA face compiled by nvcc for sm_90 at V4 Flash shapes: no spills;
+* the CUDA face: no #include beyond MLX's preamble's (NVRTC's header set); compiled by
+  nvcc for sm_90 at V4 Flash shapes into PTX mma.sync, no spills (the per-lane fragment
+  offsets: tests/test_mma_fragments.py);
 * the mode switch and the launch geometry; `-m gpu`: the GPU face at V4 Flash expert shapes
   for every type in float32 and bfloat16, and SwitchGLU under grouped_blocks_mma.
 """
@@ -205,6 +207,8 @@ def test_cuda_face_compiles_without_spills(qtype, dtype, tmp_path):
     src = mlx_cuda_source(f"grouped_qmm_mma_{qtype.name.lower()}", h, b, ins, {"y": dtype}, tmpl)
     src = src.replace("const uint32_t* w,", "const uint8_t* w,")
     nvcc_compile(tmp_path, src)
+    ptx = (tmp_path / "kernel.ptx").read_text()
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{'bf16' if mt == 'bfloat16' else 'f16'}" in ptx
     cu = tmp_path / "kernel.cu"
     res = subprocess.run(
         [
@@ -225,6 +229,21 @@ def test_cuda_face_compiles_without_spills(qtype, dtype, tmp_path):
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
     spills = [int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", res.stderr)]
     assert spills and not any(spills) and regs <= 128, res.stderr
+
+
+def includes(src: str) -> set[str]:
+    return {line.strip() for line in src.splitlines() if line.strip().startswith("#include")}
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_cuda_face_includes_no_header(qtype):
+    """MLX builds custom kernels with NVRTC against the pip CUDA headers, where <mma.h> wants
+    a crt/mma.h they lack (the first H100 run's self-tests failed so): the CUDA face's own text
+    includes no header beyond MLX's preamble's (cuda_bf16.h, cuda_fp16.h, ...)."""
+    from test_kernel_emulation import MLX_CUDA_PREAMBLE
+
+    h, b = grouped_qmm.kernel_sources(qtype, "cuda", mma=True)
+    assert includes(h + b) <= includes(MLX_CUDA_PREAMBLE)
 
 
 # --------------------------------------------------------------------------- launches, mode

@@ -563,8 +563,9 @@ _CUDA_TYPE = {
 }
 
 
-# what MLX's device header brings in, ahead of the kernel's header
-_CUDA_INCLUDES = (
+# what MLX's device header brings in, ahead of the kernel's header: the only headers a kernel
+# can count on (NVRTC builds it against the pip CUDA headers, which lack some of a toolkit's)
+MLX_CUDA_PREAMBLE = (
     "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cooperative_groups.h>\n"
     "#include <cuda/std/cstdint>\n#include <cuda/std/limits>\n"
     "using cuda::std::uint32_t; using cuda::std::uint64_t; using cuda::std::int32_t; using cuda::std::uint16_t;\n"
@@ -593,7 +594,7 @@ def mlx_cuda_source(name: str, header: str, body: str, inputs: dict, outputs: di
         else:
             consts.append(f"  using {n} = {ty(v)};")
     return (
-        _CUDA_INCLUDES
+        MLX_CUDA_PREAMBLE
         + header
         + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
         + f"__global__ void custom_kernel_{name}(\n"
@@ -632,9 +633,9 @@ def _cache_entry(entry: Path, data: bytes) -> None:
 def _one_unit(sources: list) -> str:
     """mlx_cuda_source texts as one translation unit: the CUDA headers once, then each text's
     header and kernel in a namespace of its own, the macros it defines undefined after it."""
-    units = [_CUDA_INCLUDES]
+    units = [MLX_CUDA_PREAMBLE]
     for i, src in enumerate(sources):
-        own = src[len(_CUDA_INCLUDES) :]
+        own = src[len(MLX_CUDA_PREAMBLE) :]
         units.append(f"namespace ds4_unit{i} {{\n{own}\n}}  // namespace ds4_unit{i}\n")
         units += [f"#undef {m}\n" for m in dict.fromkeys(re.findall(r"^\s*#\s*define\s+(\w+)", own, re.M))]
     return "".join(units)
@@ -669,10 +670,10 @@ def nvcc_compile(tmp_path: Path, source: str, arch: str = "sm_90", family: tuple
         s
         for s in dict.fromkeys(family)
         if s != source
-        and s.startswith(_CUDA_INCLUDES)
+        and s.startswith(MLX_CUDA_PREAMBLE)
         and not (cache_dir("nvcc") / f"kernel-{_nvcc_key(s, arch)}.ok").exists()
     ]
-    if len(batch) > 1 and source.startswith(_CUDA_INCLUDES) and source not in failed:
+    if len(batch) > 1 and source.startswith(MLX_CUDA_PREAMBLE) and source not in failed:
         unit = Path(tmp_path) / "family.cu"
         unit.write_text(_one_unit(batch))
         if _nvcc(unit, arch).returncode == 0:

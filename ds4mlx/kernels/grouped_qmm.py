@@ -23,7 +23,7 @@ within a float32 summation bound (the same float32 products, summed in another o
 Tensor cores (`mma=True`, the `grouped_qmm_mma` section, DS4MLX_PREFILL_EXPERTS=grouped_blocks_mma):
 the same tiles (up to 64 tokens x 128 rows of one batch, `tokens_per_tile(M)` tokens), the
 decoded chunk and x rounded to a 16-bit MT (bfloat16 for bfloat16 x, else float16) in shared
-memory, the product on the face's matrix tiles (kernels/mma_tile.py: wmma 16 x 16 x 16 on
+memory, the product on the face's matrix tiles (kernels/mma_tile.py: PTX mma.sync 16 x 16 x 16 on
 CUDA, simdgroup matrices 8 x 8 on Metal), float32 accumulation.  Bound against the float32
 reference, per output: ``|y - ref| <= (e + K 2**-22) sum_k |w_k x_k|`` (+ float16's
 underflow, ``2**-24 sum_k (|w_k| + |x_k|)``), e = 2**-8 for bfloat16 operands, 2**-11 for
@@ -36,7 +36,10 @@ Verification state: the shared text through g++ (threadgroups emulated) and nvcc
 CUDA face at V4 Flash expert shapes for every type in float32 and bfloat16
 (tests/test_grouped_qmm.py, its `pytest -m gpu` tests); the Metal face self-tests at first use.
 The tensor-core variant: its text through g++ on a CPU tile API (at 16 and at 8) and nvcc
-(sm_90, no spills); its GPU tests (tests/test_grouped_qmm_mma.py) not run yet.
+(sm_90, no spills), the CUDA tile API's per-lane fragment offsets on a 32-lane model.  Its
+CUDA face failed to build under NVRTC on an H100 on 2026-12-07 (<mma.h> wants crt/mma.h,
+absent from the pip CUDA headers: every launch fell back to the reference); rewritten in
+inline PTX with no CUDA header, unverified on a GPU (tests/test_grouped_qmm_mma.py's GPU tests).
 Tile sizes reasoned, not swept (tools/prefill_experts_bench.py times the mode).
 """
 
@@ -59,7 +62,7 @@ MAX_REFERENCE_BYTES = 1 << 30  # float32 weights the reference face dequantizes 
 # auto_face names, self-tested at first use while dispatch.UNVERIFIED_KERNELS lists them
 GROUPED_KERNELS = {t: f"grouped_qmm.{t.name}" for t in quant_moe.SUPPORTED}
 MMA_KERNELS = {t: f"grouped_qmm_mma.{t.name}" for t in quant_moe.SUPPORTED}  # the tensor-core variant
-MMA_TILE_M = 16  # token tiles of the tensor-core variant are whole 16-row tiles (CUDA's wmma M; Metal's 8 divides it)
+MMA_TILE_M = 16  # token tiles of the tensor-core variant are whole 16-row tiles (CUDA's tile M; Metal's 8 divides it)
 
 
 def tokens_per_warp(m: int) -> int:

@@ -133,7 +133,7 @@ DS4_SHARED float4 gq_ws4[32 * GQ_TN / 4];   // W tile [32][GQ_TN] float32, k-maj
 // @@ helpers_mma
 // The tensor-core variant (grouped_qmm.py's `mma=True`): the same tiles of GQ_TM tokens x 128
 // output rows of one batch, the product on the face's matrix tiles (kernels/mma_tile.py:
-// DS4_MMA_*, 16 x 16 x 16 wmma on CUDA, 8 x 8 simdgroup matrices on Metal) in MT (bfloat16
+// DS4_MMA_*, 16 x 16 x 16 PTX mma.sync on CUDA, 8 x 8 simdgroup matrices on Metal) in MT (bfloat16
 // for bfloat16 x, else float16), float32 accumulation.  Template constants: those above, but
 // GQ_TM (tokens per tile: 16, 32, 48 or 64) in place of GQ_RM, and MT.
 // Per step of 64 values of K (two chunks): each of the 256 threads decodes one chunk of one
