@@ -233,15 +233,17 @@ def _nvcc_template(act: str, weight: str, ring: str, nhi: int) -> list:
 # ------------------------------------------------------------------ GPU faces
 
 
-def _emulated_rows_kernel(tmp_path, launches):
-    """A stand-in for ap._rows_kernel(n): the kernel's text with the rows' defines on the g++
-    emulation, with the inputs, template and grid the module passes."""
+def _emulated_rows_kernel(tmp_path, launches, chain: bool = False):
+    """A stand-in for ap._rows_kernel(n) (chain: ap._chain_kernel(n)): the kernel's text with the
+    rows' (the chain's) defines on the g++ emulation, with the inputs, template and grid the
+    module passes."""
     from test_kernel_emulation import emulated_launch
 
     body = dispatch.sections(ap.SOURCE)["attn_prep"]
     types = ("TQ", "TKV", "TWN", "TI", "TR")
+    io = ap.chain_io if chain else ap.rows_io
     return lambda n: emulated_launch(
-        tmp_path, launches, CPU_TRIG + ap.rows_defines(n), body, ap.rows_io(n), float_consts=types
+        tmp_path, launches, CPU_TRIG + ap.rows_defines(n, chain=chain), body, io(n), float_consts=types
     )
 
 
@@ -278,15 +280,18 @@ def test_rows_wiring_on_the_cpu_emulation(nhi, rd, kind, tmp_path, monkeypatch):
             np.testing.assert_allclose(np.array(g), np.array(w_), rtol=1e-5, atol=1e-5)
 
 
-def test_rows_self_test_passes_on_the_cpu_emulation(tmp_path, monkeypatch):
-    """The rows variant's first-use self-test on the emulation: it passes, and fails for a
-    kernel that gives every row row 0's ring."""
+@pytest.mark.parametrize("chain", [False, True], ids=["rows", "chain"])
+def test_rows_and_chain_self_tests_on_the_cpu_emulation(chain, tmp_path, monkeypatch):
+    """The rows and chain variants' first-use self-tests on the emulation: each passes, and
+    fails for a kernel that gives every row (every token) row 0's (the first token's) ring
+    (a chain's token t must see the ring the tokens before it left)."""
+    kernel, self_test = ("_chain_kernel", ap._chain_self_test) if chain else ("_rows_kernel", ap._rows_self_test)
     launches = []
-    emulated = _emulated_rows_kernel(tmp_path, launches)
-    monkeypatch.setattr(ap, "_rows_kernel", emulated)
+    emulated = _emulated_rows_kernel(tmp_path, launches, chain)
+    monkeypatch.setattr(ap, kernel, emulated)
     monkeypatch.setattr(ap, "THREADS", 64)
     rope = make_rope(8, "yarn")
-    assert ap._rows_self_test("cuda", rope) and launches
+    assert self_test("cuda", rope) and launches
 
     def same_ring(n):
         launch = emulated(n)
@@ -297,8 +302,8 @@ def test_rows_self_test_passes_on_the_cpu_emulation(tmp_path, monkeypatch):
 
         return run
 
-    monkeypatch.setattr(ap, "_rows_kernel", same_ring)
-    assert not ap._rows_self_test("cuda", rope)
+    monkeypatch.setattr(ap, kernel, same_ring)
+    assert not self_test("cuda", rope)
 
 
 @pytest.mark.parametrize("nhi", [64, 0])
@@ -306,27 +311,21 @@ def test_rows_self_test_passes_on_the_cpu_emulation(tmp_path, monkeypatch):
 def test_rows_cuda_face_compiles_with_nvcc(nhi, tmp_path):
     """attn_prep_rows for 4 rows at V4 Flash shapes (bfloat16), compiled by nvcc for sm_90 with
     warnings as errors."""
+    _nvcc_compile_multi(ap._rows_kernel, "rows", nhi, tmp_path)
+
+
+def _nvcc_compile_multi(make_kernel, kind: str, nhi: int, tmp_path):
+    """nvcc (sm_90, warnings are errors) on the rows or chain kernel for 4 rows / tokens at V4
+    Flash shapes, bfloat16."""
     from test_kernel_emulation import mlx_cuda_source, nvcc_compile
 
     dt, n = "bfloat16", 4
-    kern = ap._rows_kernel(n)
+    kern = make_kernel(n)
     h, b = kern.source("cuda")
     ins = {name: dt for name in kern.input_names}
     ins.update(freqs="float32", prm="float32", poss="int32")
     tmpl = _nvcc_template(dt, dt, dt, nhi)
-    nvcc_compile(tmp_path, mlx_cuda_source(f"attn_prep_rows{n}", h, b, ins, {o: dt for o in kern.output_names}, tmpl))
-
-
-def _emulated_chain_kernel(tmp_path, launches):
-    """A stand-in for ap._chain_kernel(n): the kernel's text with the chain's defines on the g++
-    emulation, with the inputs, template and grid the module passes."""
-    from test_kernel_emulation import emulated_launch
-
-    body = dispatch.sections(ap.SOURCE)["attn_prep"]
-    types = ("TQ", "TKV", "TWN", "TI", "TR")
-    return lambda n: emulated_launch(
-        tmp_path, launches, CPU_TRIG + ap.rows_defines(n, chain=True), body, ap.chain_io(n), float_consts=types
-    )
+    nvcc_compile(tmp_path, mlx_cuda_source(f"attn_prep_{kind}{n}", h, b, ins, {o: dt for o in kern.output_names}, tmpl))
 
 
 def _chain_problem(n, nh, d, nhi, di, w, seed):
@@ -345,7 +344,7 @@ def test_chain_wiring_on_the_cpu_emulation(nhi, n, start, tmp_path, monkeypatch)
     own inputs, template and grid, the kernel run by the g++ emulation: token t's query, indexer
     query and ring equal the reference attn_prep of token t over the ring token t - 1 left."""
     launches = []
-    monkeypatch.setattr(ap, "_chain_kernel", _emulated_chain_kernel(tmp_path, launches))
+    monkeypatch.setattr(ap, "_chain_kernel", _emulated_rows_kernel(tmp_path, launches, chain=True))
     monkeypatch.setattr(ap, "THREADS", 64)
     rope = make_rope(8, "yarn")
     nh, d, di, w = 3, 40, 16, 8
@@ -373,43 +372,12 @@ def test_chain_declines_what_one_launch_cannot_take():
         assert ap.attn_prep_chain(q_b, kv, weight, ring, poss, rope, 1e-6, heads=3, backend="cuda") is None
 
 
-def test_chain_self_test_passes_on_the_cpu_emulation(tmp_path, monkeypatch):
-    """The chain's first-use self-test on the emulation: it passes, and fails for a kernel that
-    gives every token the first token's ring (each token's ring must hold the tokens before it)."""
-    launches = []
-    emulated = _emulated_chain_kernel(tmp_path, launches)
-    monkeypatch.setattr(ap, "_chain_kernel", emulated)
-    monkeypatch.setattr(ap, "THREADS", 64)
-    rope = make_rope(8, "yarn")
-    assert ap._chain_self_test("cuda", rope) and launches
-
-    def first_ring(n):
-        launch = emulated(n)
-
-        def run(face, **kw):
-            out = launch(face, **kw)
-            return [out[0], *[out[1]] * n, out[-1]]
-
-        return run
-
-    monkeypatch.setattr(ap, "_chain_kernel", first_ring)
-    assert not ap._chain_self_test("cuda", rope)
-
-
 @pytest.mark.parametrize("nhi", [64, 0])
 @pytest.mark.slow_after(1)
 def test_chain_cuda_face_compiles_with_nvcc(nhi, tmp_path):
     """attn_prep_chain for 4 tokens at V4 Flash shapes (bfloat16), compiled by nvcc for sm_90
     with warnings as errors."""
-    from test_kernel_emulation import mlx_cuda_source, nvcc_compile
-
-    dt, n = "bfloat16", 4
-    kern = ap._chain_kernel(n)
-    h, b = kern.source("cuda")
-    ins = {name: dt for name in kern.input_names}
-    ins.update(freqs="float32", prm="float32", poss="int32")
-    tmpl = _nvcc_template(dt, dt, dt, nhi)
-    nvcc_compile(tmp_path, mlx_cuda_source(f"attn_prep_chain{n}", h, b, ins, {o: dt for o in kern.output_names}, tmpl))
+    _nvcc_compile_multi(ap._chain_kernel, "chain", nhi, tmp_path)
 
 
 def _gpu_face():

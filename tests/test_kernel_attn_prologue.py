@@ -345,6 +345,19 @@ class StandInKernel:
             out += st if len(st) == 5 else [st[0], st[1], dummy, dummy, st[2]]
         return out
 
+    @staticmethod
+    def _pack(per_row: list, t: dict, n: int, output_shapes, output_dtypes) -> list:
+        """Several rows' (or chained tokens') one-row outputs as the rows / chain launch returns
+        them: the queries stacked, each row's ring, the indexer queries, then each compressor
+        output name by name, row by row."""
+        rows = len(per_row)
+        iq = mx.concatenate([r[2] for r in per_row]) if t["NHI"] else mx.zeros(output_shapes[1 + rows], output_dtypes[1 + rows])  # fmt: skip
+        out = [mx.concatenate([r[0] for r in per_row]), *[r[1] for r in per_row], iq]
+        out += [r[3 + k] for k in range(5 * n) for r in per_row]
+        assert [tuple(o.shape) for o in out] == [tuple(s) for s in output_shapes]
+        assert [o.dtype for o in out] == list(output_dtypes)
+        return out
+
     def __call__(self, n, rows=1):
         def launch(face, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             self.calls += 1
@@ -355,14 +368,10 @@ class StandInKernel:
             total = t["AP_TGS"] + sum(t[f"C{i}_TGS"] for i in range(n))
             assert grid == (total * apl.THREADS, rows, 1)
             per_row = [self._one(self._row(a, n, rows, b, t["NHI"]), t, n) for b in range(rows)]
-            if rows == 1:
-                out = per_row[0]
-                out[2] = out[2] if out[2] is not None else mx.zeros(output_shapes[2], output_dtypes[2])
-            else:
-                iqs = [r[2] for r in per_row]
-                iq = mx.concatenate(iqs) if t["NHI"] else mx.zeros(output_shapes[1 + rows], output_dtypes[1 + rows])
-                out = [mx.concatenate([r[0] for r in per_row]), *[r[1] for r in per_row], iq]
-                out += [r[3 + k] for k in range(5 * n) for r in per_row]  # name by name, row by row
+            if rows > 1:
+                return self._pack(per_row, t, n, output_shapes, output_dtypes)
+            out = per_row[0]
+            out[2] = out[2] if out[2] is not None else mx.zeros(output_shapes[2], output_dtypes[2])
             assert [tuple(o.shape) for o in out] == [tuple(s) for s in output_shapes]
             assert [o.dtype for o in out] == list(output_dtypes)
             return out
@@ -391,12 +400,7 @@ class StandInKernel:
                 out = self._one(one, t, n)
                 ring, states = out[1], [out[3 + 5 * i : 8 + 5 * i] for i in range(n)]
                 per_token.append(out)
-            iq = mx.concatenate([r[2] for r in per_token]) if t["NHI"] else mx.zeros(output_shapes[1 + tokens], output_dtypes[1 + tokens])  # fmt: skip
-            out = [mx.concatenate([r[0] for r in per_token]), *[r[1] for r in per_token], iq]
-            out += [r[3 + k] for k in range(5 * n) for r in per_token]  # name by name, token by token
-            assert [tuple(o.shape) for o in out] == [tuple(s) for s in output_shapes]
-            assert [o.dtype for o in out] == list(output_dtypes)
-            return out
+            return self._pack(per_token, t, n, output_shapes, output_dtypes)
 
         return launch
 
