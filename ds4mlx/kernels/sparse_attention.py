@@ -224,13 +224,22 @@ def _meta_at(pos, lead: int, *rest) -> mx.array:
     if not isinstance(pos, mx.array):
         return _meta(*([pos] * lead), *rest)
     key = (lead, *rest)
-    _expect(key)
-    cur = _META_STEP.get("cur")  # held, so `is` never matches a reused id
-    if cur is None or cur[0] is not pos or key not in cur[1]:
+    return _metas_over(_META_STEP, pos, [key])[key]
+
+
+def _metas_over(store: dict, pos: mx.array, keys: list) -> dict:
+    """Every announced meta of the int32 position(s) `pos` (a scalar: one row's; [T]: each
+    row's, [T, len]) as views of one multiply-add over `_meta_base`'s constants, cached in
+    `store` while `pos` is the same array and holds `keys`."""
+    for key in keys:
+        _expect(key)
+    cur = store.get("cur")  # held, so `is` never matches a reused id
+    if cur is None or cur[0] is not pos or any(key not in cur[1] for key in keys):
         base, mask, offsets = _meta_base()
-        every = base + pos.astype(mx.int32) * mask
-        cur = _META_STEP["cur"] = (pos, {k: every[o : o + k[0] + len(k) - 1] for k, o in offsets.items()})
-    return cur[1][key]
+        p = pos.astype(mx.int32)
+        every = base + p * mask if pos.ndim == 0 else base[None] + p[:, None] * mask[None]
+        cur = store["cur"] = (pos, {k: every[..., o : o + k[0] + len(k) - 1] for k, o in offsets.items()})
+    return cur[1]
 
 
 def _row_metas(poss: list, lead: int, rests: list) -> list:
@@ -242,14 +251,8 @@ def _row_metas(poss: list, lead: int, rests: list) -> list:
     if not isinstance(src, mx.array) or src.shape != (len(poss),):
         return [_meta_at(p, lead, *r) for p, r in zip(poss, rests)]
     keys = [(lead, *r) for r in rests]
-    for key in keys:
-        _expect(key)
-    cur = _META_ROWS.get("cur")  # held, so `is` never matches a reused id
-    if cur is None or cur[0] is not src or any(key not in cur[1] for key in keys):
-        base, mask, offsets = _meta_base()
-        every = base[None] + src.astype(mx.int32)[:, None] * mask[None]  # [T, every meta's length]
-        cur = _META_ROWS["cur"] = (src, {k: every[:, o : o + k[0] + len(k) - 1] for k, o in offsets.items()})
-    return [cur[1][key][b : b + 1].squeeze(0) for b, key in enumerate(keys)]  # views: `a[b]` is a gather
+    metas = _metas_over(_META_ROWS, src, keys)
+    return [metas[key][b : b + 1].squeeze(0) for b, key in enumerate(keys)]  # views: `a[b]` is a gather
 
 
 def _face(backend: str | None) -> str:

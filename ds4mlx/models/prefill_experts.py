@@ -32,7 +32,8 @@ import os
 import mlx.core as mx
 
 ENV = "DS4MLX_PREFILL_EXPERTS"
-MODES = ("auto", "grouped", "grouped_blocks", "grouped_blocks_mma", "gather_qmm")
+BLOCK_MODES = ("grouped_blocks", "grouped_blocks_mma")  # the grouped path on the GGUF blocks
+MODES = ("auto", "grouped", *BLOCK_MODES, "gather_qmm")
 # Fewer (token, expert) pairs (a 170-token chunk at top-6): today's kernels (decode-like
 # sizes). Reasoned, not swept: tools/prefill_experts_bench.py --chunks times both sides.
 MIN_PAIRS = 1024
@@ -59,14 +60,12 @@ def grouped_wanted(pairs: int) -> bool:
     if pairs < MIN_PAIRS:
         return False
     mode = experts_mode()
-    return mode in ("grouped", "grouped_blocks", "grouped_blocks_mma") or (
-        mode == "auto" and mx.default_device().type != mx.DeviceType.cpu
-    )
+    return mode in ("grouped", *BLOCK_MODES) or (mode == "auto" and mx.default_device().type != mx.DeviceType.cpu)
 
 
 def blocks_wanted() -> bool:
     """GGUF banks of the grouped path multiplied on their blocks (`grouped_blocks`, `grouped_blocks_mma`)?"""
-    return experts_mode() in ("grouped_blocks", "grouped_blocks_mma")
+    return experts_mode() in BLOCK_MODES
 
 
 def mma_wanted() -> bool:
