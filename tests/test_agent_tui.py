@@ -18,16 +18,18 @@ pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux
 HERE = Path(__file__).parent
 
 
-def tmux(*args) -> str:
-    return subprocess.run(["tmux", *args], check=True, capture_output=True, text=True).stdout
+def tmux(socket: str, *args) -> str:
+    return subprocess.run(["tmux", "-L", socket, *args], check=True, capture_output=True, text=True).stdout
 
 
 class Pane:
+    # each pane on its own tmux server, named after it (-L): starting a session on a shared
+    # server while the previous test's kill-session shuts that server down races the shutdown
     def __init__(self, name: str):
         self.name = name
 
     def text(self) -> str:
-        return tmux("capture-pane", "-p", "-t", self.name)
+        return tmux(self.name, "capture-pane", "-p", "-t", self.name)
 
     def wait_for(self, needle: str, timeout: float = 90.0) -> str:
         """Poll the pane until `needle` shows (waiting for output, not timing it)."""
@@ -40,7 +42,7 @@ class Pane:
         raise AssertionError(f"{needle!r} never appeared; screen:\n{self.text()}")
 
     def send(self, *keys: str) -> None:
-        tmux("send-keys", "-t", self.name, *keys)
+        tmux(self.name, "send-keys", "-t", self.name, *keys)
 
 
 @pytest.fixture
@@ -53,11 +55,11 @@ def pane(tmp_path):
         "stty -a | tr ' ;' '\\n\\n' | grep -x -e echo -e icanon -e -echo -e -icanon | sort | tr '\\n' ' '; "
         "echo; sleep 120"
     )
-    tmux("new-session", "-d", "-s", name, "-x", "110", "-y", "40", "bash", "--norc", "-c", cmd)
+    tmux(name, "-f", "/dev/null", "new-session", "-d", "-s", name, "-x", "110", "-y", "40", "bash", "--norc", "-c", cmd)
     try:
         yield Pane(name)
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
+        subprocess.run(["tmux", "-L", name, "kill-server"], capture_output=True)
 
 
 def test_tui_status_bar_card_approval_stop_answer_and_clean_exit(pane, tmp_path):

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 class Tmux:
     def __init__(self, name: str, cols: int = 120, rows: int = 32):
-        self.sock = f"ds4mlx-eval-test-{os.getpid()}-{name}"
+        self.sock = f"ds4mlx-eval-test-{os.getpid()}-{name}-unstarted"
         self.name = name
         self.cols, self.rows = cols, rows
 
@@ -31,12 +32,12 @@ class Tmux:
         return subprocess.run(["tmux", "-L", self.sock, *args], capture_output=True, text=True, timeout=30).stdout
 
     def start(self, command: str) -> None:
-        # a fresh server per start: reusing a socket right after kill-server races its shutdown.
-        # A server that dies while starting ("server exited unexpectedly", seen once in CI on
-        # the first start) is tmux's, not the program's: tried again on another socket.
+        # a fresh server per start, named uniquely: reusing a socket right after kill-server
+        # races its shutdown ("server exited unexpectedly" — CI once hit it when every test's
+        # first start reused the previous test's socket name). Tried again on another socket
+        # if tmux's server still dies while starting: that is tmux's failure, not the program's.
         for _ in range(3):
-            self.starts = getattr(self, "starts", 0) + 1
-            self.sock = f"ds4mlx-eval-test-{os.getpid()}-{self.name}-{self.starts}"
+            self.sock = f"ds4mlx-eval-test-{os.getpid()}-{self.name}-{uuid.uuid4().hex[:8]}"
             argv = ["tmux", "-L", self.sock, "-f", "/dev/null", "new-session", "-d", "-s", self.name]
             argv += ["-x", str(self.cols), "-y", str(self.rows), command]
             r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
