@@ -153,20 +153,45 @@ def test_cuda_face_compiles_with_nvcc(dt, rows, tmp_path):
 # ------------------------------------------------------------------ the GPU face against the reference
 
 
+def close_to_mlx(got, want, dtype) -> bool:
+    """The launch against the reference face (MLX's quantized_matmul, then hc_post_pre's ops).
+    float32: elementwise.  bfloat16: relative to the whole output, as test_affine_qmv's GPU tests
+    compare affine_qmv with MLX: the launch's mat-vec dequantizes in float32, MLX's CUDA qmv into
+    bf16 (o ~5e-3 apart by norm on the CPU model of both), so over 49k-65k stream values a few
+    near-cancelling ones land past any elementwise bar that a one-row launch passes."""
+    g, w = got.astype(mx.float32), want.astype(mx.float32)
+    if dtype == "float32":
+        return dispatch.close_enough(g, w, rtol=1e-3, atol=1e-3)
+    rel = (mx.linalg.norm((g - w).reshape(-1)) / mx.maximum(mx.linalg.norm(w.reshape(-1)), 1e-30)).item()
+    return bool(mx.all(mx.isfinite(g)).item()) and rel < 8e-3
+
+
+def two_calls_on_the_face(args, face, **kw):
+    """The two launches the one replaces, on `face` (affine_qmv's mat-vec, verified, then the mHC
+    tails): the same float32 dequantization and roundings, so they agree elementwise."""
+    x, w, scales, biases, streams, post, comb, fn, base, scale = args
+    o = aq.qmv(x, w, scales, biases, group_size=kw.pop("group_size"), bits=kw.pop("bits"), backend=face)
+    return hck.hc_post_pre(streams, o, post, comb, fn, base, scale, backend=face, **kw)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_equals_reference_at_v4_flash_shape(rows, dtype):
     """V4 Flash's o_b site (8-bit [4096, 8192], 4 streams of 4096, the folded norm) on the CUDA
-    face against the two calls on the reference face; the tickets are zero afterwards."""
+    face: elementwise against the two launches it replaces on the same face, and against the
+    two calls on the reference face (`close_to_mlx`); the tickets are zero afterwards."""
     if dispatch.gpu_backend() != "cuda":
         pytest.skip("the launch is CUDA's only")
     args, nrm = site_inputs(rows, 4, 4096, 8192, getattr(mx, dtype), bits=8)
-    got = qmv_hc.qmv_hc_post_pre(*args, group_size=64, bits=8, **SITE, norm=nrm, backend="cuda")
-    want = qmv_hc.qmv_hc_post_pre(*args, group_size=64, bits=8, **SITE, norm=nrm, backend="reference")
+    kw = dict(group_size=64, bits=8, **SITE, norm=nrm)
+    got = qmv_hc.qmv_hc_post_pre(*args, **kw, backend="cuda")
+    two = two_calls_on_the_face(args, "cuda", **kw)
+    want = qmv_hc.qmv_hc_post_pre(*args, **kw, backend="reference")
     tol = 1e-3 if dtype == "float32" else 3e-2
-    for g, w in zip(got, want):
-        assert dispatch.close_enough(g, w, rtol=tol, atol=tol)
+    for name, g, t, w in zip(("streams", "post", "comb", "collapsed"), got, two, want):
+        assert dispatch.close_enough(g, t, rtol=tol, atol=tol), name
+        assert close_to_mlx(g, w, dtype), name
     assert all(not b.any().item() for b in dispatch.ticket_buffers(qmv_hc.TICKETS))
     assert qmv_hc._self_test("cuda")
 

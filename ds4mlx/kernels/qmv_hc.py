@@ -93,8 +93,9 @@ def _two_calls(x, w, scales, biases, streams, post, comb, fn, base, scale, *, gr
 
 
 # The most rows an automatic call launches fused.  The several-row cases have not passed on a
-# GPU (bfloat16 at 4 rows differed from the two calls; one run of the down variant at 3 tokens
-# hit an illegal address): batched rows and verify chains keep the two launches until they do.
+# GPU (bfloat16 at 4 rows differed from MLX's calls past an elementwise bar that MLX's own bf16
+# dequantization likely explains, docs/device.md; one run of the down variant at 3 tokens hit an
+# illegal address): batched rows and verify chains keep the two launches until they do.
 AUTO_ROWS = 1
 
 
