@@ -69,25 +69,32 @@ def emulated(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "rows,n,d,norm,dtype",
-    [(1, 4, 256, True, "float32"), (3, 4, 96, False, "float32"), (2, 3, 80, True, "bfloat16")],
-    ids=["one_row_norm", "three_rows", "bf16_n3_two_rows"],
+    "rows,n,d,k_dim,bits,norm,dtype",
+    [
+        (1, 4, 256, 512, 4, True, "float32"),
+        (3, 4, 96, 512, 4, False, "float32"),
+        (2, 3, 80, 512, 4, True, "bfloat16"),
+        (4, 4, 512, 4096, 8, True, "float32"),
+    ],
+    ids=["one_row_norm", "three_rows", "bf16_n3_two_rows", "four_rows_k_slices"],
 )
 @pytest.mark.slow_after(1)
-def test_shared_text_on_the_cpu_emulation(rows, n, d, norm, dtype, emulated):
+def test_shared_text_on_the_cpu_emulation(rows, n, d, k_dim, bits, norm, dtype, emulated):
     """Every output (the new streams, post', comb', the collapsed and normed vector) of the one
     launch equals the two calls on the reference face (float32 sums in another order; bfloat16:
     against the float32 reference on the same values, as MLX's CPU quantized matmul sums 16-bit
-    x in 16 bits), for one token and several (the multi-row plan: each weight read once); the
-    tickets are zero again after each launch."""
-    args, nrm = site_inputs(rows, n, d, 512, getattr(mx, dtype), seed=rows)
+    x in 16 bits), for one token and several (the multi-row plan: each weight read once; the
+    last case splits each row's K over the warps, KSL > 1, as the H100's 4-row plan at V4
+    Flash's o_b shape does); the tickets are zero again after each launch."""
+    args, nrm = site_inputs(rows, n, d, k_dim, getattr(mx, dtype), seed=rows, bits=bits)
     nrm = nrm if norm else None
-    got = qmv_hc.qmv_hc_post_pre(*args, group_size=64, bits=4, **SITE, norm=nrm, backend="cuda")
+    got = qmv_hc.qmv_hc_post_pre(*args, group_size=64, bits=bits, **SITE, norm=nrm, backend="cuda")
     f32norm = None if nrm is None else (nrm[0].astype(mx.float32), nrm[1])
-    want = qmv_hc.qmv_hc_post_pre(*_f32(args), group_size=64, bits=4, **SITE, norm=f32norm, backend="reference")
+    want = qmv_hc.qmv_hc_post_pre(*_f32(args), group_size=64, bits=bits, **SITE, norm=f32norm, backend="reference")
     assert len(emulated) == 1
     tmpl, grid = emulated[0]
     assert tmpl["XR"] == (rows if rows > 1 else 1) and grid[1] == tmpl["NBY"] == tmpl["PARTS"] > 1
+    assert tmpl["KSL"] == (2 if k_dim == 4096 else 1)
     tol = 1e-4 if dtype == "float32" else 2e-2
     for name, g, w in zip(("streams", "post", "comb", "collapsed"), got, want):
         assert g.shape == w.shape and g.dtype == (args[4].dtype if name in ("streams", "collapsed") else mx.float32)
