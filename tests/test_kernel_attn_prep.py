@@ -434,25 +434,14 @@ def test_gpu_face_matches_reference(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["plain", "yarn"])
-def test_gpu_self_test_passes(kind):
+@pytest.mark.parametrize(
+    "self_test", ["_self_test", "_rows_self_test", "_chain_self_test"], ids=["one", "rows", "chain"]
+)
+def test_gpu_self_tests_pass(self_test, kind):
+    """attn_prep's first-use self-tests, the rows' and the chain's (each of those stays in
+    dispatch.UNVERIFIED_KERNELS until this passes on the device), accept the GPU face."""
     face = _gpu_face()
-    assert ap._self_test(face, make_rope(64, kind))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["plain", "yarn"])
-def test_gpu_rows_self_test_passes(kind):
-    """attn_prep_rows (dispatch.UNVERIFIED_KERNELS until this passes on the device)."""
-    face = _gpu_face()
-    assert ap._rows_self_test(face, make_rope(64, kind))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["plain", "yarn"])
-def test_gpu_chain_self_test_passes(kind):
-    """attn_prep_chain (dispatch.UNVERIFIED_KERNELS until this passes on the device)."""
-    face = _gpu_face()
-    assert ap._chain_self_test(face, make_rope(64, kind))
+    assert getattr(ap, self_test)(face, make_rope(64, kind))
 
 
 @pytest.mark.gpu
