@@ -162,7 +162,7 @@ def test_gpu_equals_reference_at_v4_flash_shape(rows, dtype, hashed):
     face; several rows run those calls (the launch takes one token); the tickets are zero afterwards."""
     if dispatch.gpu_backend() != "cuda":
         pytest.skip("the launch is CUDA's only")
-    from test_kernel_qmv_hc import close_to_mlx, site_inputs
+    from test_kernel_qmv_hc import assert_close_to_mlx, site_inputs
 
     site, norm = site_inputs(rows, 4, 4096, 8192, getattr(mx, dtype), bits=8)
     keys = mx.random.split(mx.random.key(5), 3)
@@ -176,7 +176,7 @@ def test_gpu_equals_reference_at_v4_flash_shape(rows, dtype, hashed):
     got = qmv_hc_route.qmv_hc_post_pre_route(*site, router, **kw, backend="cuda")
     want = qmv_hc_route.qmv_hc_post_pre_route(*site, router, **kw, backend="reference")
     for g, w in zip(got[:4], want[:4]):
-        assert close_to_mlx(g, w, dtype)
+        assert_close_to_mlx(g, w, dtype)
     # bfloat16: a logit may land a bf16 step away (moe_route's fold self-test allows the same)
     assert moe_route.same_routing(got[4:], want[4:], atol=1e-4, rtol=1e-4 if dtype == "float32" else 1e-2)
     assert all(not b.any().item() for b in dispatch.ticket_buffers(qmv_hc.TICKETS))
